@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m benchmarks.<name> [--quick]`; figures go to benchmarks/results/."""

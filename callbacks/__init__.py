@@ -1,0 +1,1 @@
+"""Lightning callbacks: live speculative-decoding validation."""

@@ -1,0 +1,1 @@
+"""The embedded arithmetic world: task, oracle, tokenizer, small models and their training."""

@@ -1,0 +1,61 @@
+"""One-call, offline loader for the embedded world's target, draft and judge."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_ROOT = REPO_ROOT / "checkpoints" / "arithmetic"
+ROLES = ("target", "draft", "judge")
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+@dataclass
+class World:
+    """The world's models (eval mode) and their shared tokenizer."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    judge: torch.nn.Module
+    tokenizer: PreTrainedTokenizerFast
+    root: Path
+
+
+def world_root(root: Optional[str | os.PathLike] = None) -> Path:
+    """Where the world's models live: ``root``, else ``$SEMANTICSPEC_WORLD``, else ``checkpoints/arithmetic``."""
+    return Path(root or os.environ.get("SEMANTICSPEC_WORLD") or DEFAULT_ROOT)
+
+
+def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
+    """Folder of one of the world's models, checked to be complete."""
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}; expected one of {ROLES}")
+    path = world_root(root) / role
+    if not path.is_dir():
+        raise FileNotFoundError(f"world model folder {path} does not exist; train it with `python -m datamodules.arithmetic.train`")
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"world model folder {path} is incomplete: missing {', '.join(missing)}")
+    return path
+
+
+def load_model(role: str, root: Optional[str | os.PathLike] = None, device: str = "cpu", dtype=torch.float32):
+    """Load one world model offline, in eval mode."""
+    path = model_dir(role, root)
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+
+
+def load_tokenizer(root: Optional[str | os.PathLike] = None) -> PreTrainedTokenizerFast:
+    """The world's shared tokenizer, offline."""
+    return PreTrainedTokenizerFast.from_pretrained(model_dir("target", root), local_files_only=True)
+
+
+def load_world(root: Optional[str | os.PathLike] = None, device: str = "cpu") -> World:
+    """Load target, draft and judge with their tokenizer. Raises naming any missing folder or file."""
+    return World(*(load_model(r, root, device) for r in ROLES), load_tokenizer(root), world_root(root))

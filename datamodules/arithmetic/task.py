@@ -1,0 +1,284 @@
+"""The embedded arithmetic world: problem generator, paraphrase templates, semantic oracle, checker.
+
+A problem is a chain of operations on a running value ("Start with 7. Add 5, then multiply it by
+3. What is the result?"). Its reference trace writes one operation per step, steps separated by a
+blank line, and ends with a checkable answer line (``Answer: 36``). Every step is phrased with one
+of several paraphrase templates that mean exactly the same, so the world has an exact oracle for
+the *meaning* of a step: ``meaning(step) -> (op, a, b, result)``.
+
+The oracle audits labels and scores answers; the label pipeline never uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
+
+OPS = ("add", "sub", "mul")
+
+# Paraphrase templates per operation; index i is "template i" in every distribution we report.
+TEMPLATES: dict[str, tuple[str, ...]] = {
+    "add": (
+        "{a} + {b} = {r}.",
+        "Adding {b} to {a} gives {r}.",
+        "{r} is what we get from {a} plus {b}.",
+        "{a} plus {b} equals {r}.",
+    ),
+    "sub": (
+        "{a} - {b} = {r}.",
+        "Subtracting {b} from {a} gives {r}.",
+        "{r} is what we get from {a} minus {b}.",
+        "{a} minus {b} equals {r}.",
+    ),
+    "mul": (
+        "{a} * {b} = {r}.",
+        "Multiplying {a} by {b} gives {r}.",
+        "{r} is what we get from {a} times {b}.",
+        "{a} times {b} equals {r}.",
+    ),
+}
+N_TEMPLATES = 4
+
+# How the problem statement names each operation (first clause capitalised by the generator).
+PROBLEM_OPS = {"add": "add {b}", "sub": "subtract {b}", "mul": "multiply it by {b}"}
+PROBLEM_OPENERS = ("Start with {x}.", "Begin with {x}.", "Take {x}.")
+PROBLEM_QUESTIONS = ("What is the result?", "What number do you get?", "What is the final value?")
+
+ANSWER_MARKER = "Answer:"
+STEP_DELIMITER = "\n\n"
+
+
+class Meaning(NamedTuple):
+    """Canonical meaning of one step: ``result = a <op> b``."""
+
+    op: str
+    a: int
+    b: int
+    result: int
+
+
+def apply_op(op: str, a: int, b: int) -> int:
+    """Return ``a <op> b`` for one of :data:`OPS`."""
+    if op == "add":
+        return a + b
+    if op == "sub":
+        return a - b
+    if op == "mul":
+        return a * b
+    raise ValueError(f"unknown operation {op!r}; expected one of {OPS}")
+
+
+def render_step(m: Meaning, template: int) -> str:
+    """Write the step ``m`` with paraphrase template ``template`` (0..3)."""
+    return TEMPLATES[m.op][template].format(a=m.a, b=m.b, r=m.result)
+
+
+def _template_regex(t: str) -> re.Pattern:
+    pattern = re.escape(t)
+    for name in ("a", "b", "r"):
+        pattern = pattern.replace(re.escape("{" + name + "}"), rf"(?P<{name}>-?\d+)")
+    return re.compile(r"\s*" + pattern + r"\s*")
+
+
+_PARSERS = [(op, i, _template_regex(t)) for op, ts in TEMPLATES.items() for i, t in enumerate(ts)]
+
+
+def parse_step(text: object) -> Optional[tuple[Meaning, int]]:
+    """Return ``(meaning, template index)`` of a well-formed step, or None. Never raises."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(text, str) or len(text) > 200:
+        return None
+    for op, i, rx in _PARSERS:
+        m = rx.fullmatch(text)
+        if m is not None:
+            return Meaning(op, int(m["a"]), int(m["b"]), int(m["r"])), i
+    return None
+
+
+def meaning(text: object) -> Optional[Meaning]:
+    """The oracle: canonical meaning ``(op, a, b, result)`` of a step, or None if malformed.
+
+    Two steps mean the same exactly when their meanings are equal; a step whose stated result is
+    wrong still has a meaning (the one it states) and ``is_correct`` tells whether it holds.
+    """
+    parsed = parse_step(text)
+    return None if parsed is None else parsed[0]
+
+
+def is_correct(m: Optional[Meaning]) -> bool:
+    """Whether a parsed meaning states a true equation."""
+    return m is not None and m.op in OPS and apply_op(m.op, m.a, m.b) == m.result
+
+
+_ANSWER_RX = re.compile(re.escape(ANSWER_MARKER) + r"\s*(-?\d+)")
+
+
+def extract_answer(text: str) -> Optional[int]:
+    """The integer after the last answer marker in ``text``, or None."""
+    found = _ANSWER_RX.findall(text or "")
+    return int(found[-1]) if found else None
+
+
+def check_answer(text: str, answer: int) -> bool:
+    """The world's answer checker: does ``text`` end its reasoning with the right answer?"""
+    return extract_answer(text) == int(answer)
+
+
+@dataclass
+class TaskConfig:
+    """Knobs of the problem generator. Every field is checked in ``__post_init__``."""
+
+    min_ops: int = 2
+    """Fewest operations per problem."""
+    max_ops: int = 5
+    """Most operations per problem (at most 6)."""
+    start_range: tuple[int, int] = (1, 20)
+    """Inclusive range of the starting value."""
+    addsub_range: tuple[int, int] = (1, 9)
+    """Inclusive range of operands for add and subtract."""
+    mul_range: tuple[int, int] = (2, 3)
+    """Inclusive range of multipliers."""
+    result_range: tuple[int, int] = (0, 199)
+    """Every intermediate result stays in this inclusive range."""
+    ops: tuple[str, ...] = OPS
+    """Operations the generator may use."""
+    template_weights: dict[str, Sequence[float]] = field(
+        default_factory=lambda: {op: (1.0,) * N_TEMPLATES for op in OPS}
+    )
+    """Per operation, the weight of each paraphrase template in reference traces."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if not 1 <= self.min_ops <= self.max_ops <= 6:
+            errors.append(f"min_ops={self.min_ops}, max_ops={self.max_ops}: need 1 <= min_ops <= max_ops <= 6")
+        for name in ("start_range", "addsub_range", "mul_range", "result_range"):
+            lo, hi = getattr(self, name)
+            if lo > hi:
+                errors.append(f"{name}={getattr(self, name)}: low end above high end")
+        if self.addsub_range[0] < 1:
+            errors.append(f"addsub_range={self.addsub_range}: operands must be >= 1")
+        if self.mul_range[0] < 2:
+            errors.append(f"mul_range={self.mul_range}: multipliers must be >= 2")
+        unknown = [op for op in self.ops if op not in OPS]
+        if unknown or not self.ops:
+            errors.append(f"ops={self.ops}: expected a non-empty subset of {OPS}")
+        lo, hi = self.result_range
+        if not (set(range(self.start_range[0], self.start_range[1] + 1)) & set(range(lo, hi + 1))):
+            errors.append(f"result_range={self.result_range}: no start value in start_range={self.start_range} lies in it")
+        elif not unknown and self.ops and not self._some_op_fits():
+            errors.append(
+                f"result_range={self.result_range}: no operation in {self.ops} keeps a value from "
+                f"start_range={self.start_range} inside it"
+            )
+        for op, w in self.template_weights.items():
+            if op not in OPS or len(w) != N_TEMPLATES or min(w) < 0 or sum(w) <= 0:
+                errors.append(f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative weights, not all zero")
+        if errors:
+            raise ValueError("invalid TaskConfig: " + "; ".join(errors))
+
+    def _operands(self, op: str) -> range:
+        r = self.mul_range if op == "mul" else self.addsub_range
+        return range(r[0], r[1] + 1)
+
+    def _some_op_fits(self) -> bool:
+        lo, hi = self.result_range
+        starts = range(max(lo, self.start_range[0]), min(hi, self.start_range[1]) + 1)
+        return any(lo <= apply_op(op, x, b) <= hi for x in starts for op in self.ops for b in self._operands(op))
+
+
+@dataclass
+class Problem:
+    """One problem with its reference trace; ``to_json`` gives the JSONL shape real data has."""
+
+    problem: str
+    trace: str
+    answer: int
+    steps: list[Meaning]
+
+    def to_json(self) -> dict:
+        return {"problem": self.problem, "trace": self.trace, "answer": self.answer}
+
+
+def _sample_chain(rng: random.Random, cfg: TaskConfig) -> list[Meaning]:
+    lo, hi = cfg.result_range
+    for _ in range(1000):
+        n = rng.randint(cfg.min_ops, cfg.max_ops)
+        x = rng.randint(max(lo, cfg.start_range[0]), min(hi, cfg.start_range[1]))
+        chain: list[Meaning] = []
+        while len(chain) < n:
+            choices = [(op, b) for op in cfg.ops for b in cfg._operands(op) if lo <= apply_op(op, x, b) <= hi]
+            if not choices:
+                break
+            op = rng.choice([op for op in cfg.ops if any(o == op for o, _ in choices)])
+            b = rng.choice([bb for o, bb in choices if o == op])
+            r = apply_op(op, x, b)
+            chain.append(Meaning(op, x, b, r))
+            x = r
+        if len(chain) == n:
+            return chain
+    raise ValueError(f"result_range={cfg.result_range}: could not build a chain of {cfg.min_ops}+ operations in 1000 tries")
+
+
+def problem_text(start: int, chain: Sequence[Meaning], rng: random.Random) -> str:
+    """The problem statement for a chain, with a randomly chosen opener and question."""
+    clauses = [PROBLEM_OPS[m.op].format(b=m.b) for m in chain]
+    clauses[0] = clauses[0][0].upper() + clauses[0][1:]
+    body = ", then ".join(clauses) + "."
+    return f"{rng.choice(PROBLEM_OPENERS).format(x=start)} {body} {rng.choice(PROBLEM_QUESTIONS)}"
+
+
+def answer_line(answer: int) -> str:
+    return f"{ANSWER_MARKER} {answer}"
+
+
+def make_problem(rng: random.Random, cfg: TaskConfig) -> Problem:
+    """Draw one problem and its reference trace from ``rng``."""
+    chain = _sample_chain(rng, cfg)
+    text = problem_text(chain[0].a, chain, rng)
+    steps = [render_step(m, rng.choices(range(N_TEMPLATES), weights=cfg.template_weights[m.op])[0]) for m in chain]
+    answer = chain[-1].result
+    trace = STEP_DELIMITER.join(steps + [answer_line(answer)])
+    return Problem(text, trace, answer, chain)
+
+
+def generate_problems(n: int, seed: int, cfg: Optional[TaskConfig] = None) -> list[Problem]:
+    """``n`` problems, deterministic in ``seed`` and ``cfg``."""
+    cfg = cfg or TaskConfig()
+    rng = random.Random(seed)
+    return [make_problem(rng, cfg) for _ in range(n)]
+
+
+def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
+    """Write problems as JSONL lines ``{"problem", "trace", "answer"}``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for p in problems:
+            f.write(json.dumps(p.to_json()) + "\n")
+    return path
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    """Read ``{"problem", "trace"?, "answer"}`` records, naming the file and line of a bad one."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task file {path} does not exist")
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str) or "answer" not in rec:
+                raise ValueError(f"{path}:{lineno}: expected an object with a string 'problem' and an 'answer'")
+            yield rec

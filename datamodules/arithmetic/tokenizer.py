@@ -1,0 +1,53 @@
+"""The word-level tokenizer shared by the world's target, draft and judge.
+
+Every number 0-199 and every word of the world's templates is one token, with or without a
+leading space (as GPT-style byte-level tokenizers do), so ``decode(encode(text)) == text`` for
+all text the world writes. Blank lines are tokens too: ``"\\n\\n"`` is the step delimiter.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from datamodules.arithmetic import task
+
+SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
+MAX_NUMBER = 199
+JUDGE_TEMPLATE = "Step A: {a}\nStep B: {b}\nSame meaning?"
+"""Prompt of the world's equivalence judge; the model answers `` yes`` or `` no``."""
+PIECE = r" ?[A-Za-z]+| ?\d+|\n\n|\n| ?[^\sA-Za-z\d]"
+
+
+def _words() -> list[str]:
+    texts = [t for ts in task.TEMPLATES.values() for t in ts]
+    texts += list(task.PROBLEM_OPS.values()) + list(task.PROBLEM_OPENERS) + list(task.PROBLEM_QUESTIONS)
+    texts += [task.ANSWER_MARKER, JUDGE_TEMPLATE, " yes no Yes No", "Add Subtract Multiply then , . ? :"]
+    pieces: set[str] = set()
+    for t in texts:
+        for p in re.findall(PIECE, re.sub(r"\{\w\}", "", t)):
+            if p.strip():
+                pieces.add(p.strip())
+    pieces |= {str(i) for i in range(MAX_NUMBER + 1)}
+    return sorted(pieces)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the world's tokenizer in code (deterministic vocabulary order)."""
+    vocab_list = SPECIALS + ["\n\n", "\n", " "]
+    for w in _words():
+        vocab_list += [w, " " + w]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(vocab_list))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        clean_up_tokenization_spaces=False,
+    )

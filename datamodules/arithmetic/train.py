@@ -1,0 +1,240 @@
+"""Train the embedded world's target, draft and judge (small Llama models) on CPU.
+
+    python -m datamodules.arithmetic.train --which target --out checkpoints/arithmetic
+    python -m datamodules.arithmetic.train --which draft judge
+
+Each model is a standard ``LlamaForCausalLM`` saved with ``save_pretrained`` (safetensors) next
+to the shared word-level tokenizer and a model card. The target and draft learn from corpora with
+different paraphrase-template preferences (the draft favours phrasings the target rarely uses);
+the draft is small and stopped early so it makes real arithmetic mistakes; the judge learns to
+answer `` yes``/`` no`` to :data:`~datamodules.arithmetic.tokenizer.JUDGE_TEMPLATE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from datamodules.arithmetic import task
+from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, build_tokenizer
+from datamodules.sampling import generate
+
+TARGET_STYLE = (0.6, 0.3, 0.05, 0.05)
+"""Template weights of the target's corpus (per operation): it prefers templates 0 and 1."""
+DRAFT_STYLE = (0.05, 0.05, 0.3, 0.6)
+"""Template weights of the draft's corpus: it prefers templates 2 and 3, which the target rarely uses."""
+
+
+@dataclass
+class ModelSpec:
+    """Size and training budget of one of the world's models."""
+
+    layers: int
+    hidden: int
+    heads: int
+    steps: int
+    batch: int = 64
+    lr: float = 2e-3
+    max_minutes: float = 60.0
+    style: tuple[float, ...] = (0.25, 0.25, 0.25, 0.25)
+    eval_every: int = 150
+    stop_accuracy: Optional[float] = None
+    """Stop once held-out accuracy reaches this (target)."""
+    accuracy_band: Optional[tuple[float, float]] = None
+    """Keep the last checkpoint whose accuracy lies in this band and stop above it (draft)."""
+    extra: dict = field(default_factory=dict)
+
+
+SPECS = {
+    "target": ModelSpec(layers=6, hidden=128, heads=2, steps=3000, lr=3e-3, style=TARGET_STYLE, stop_accuracy=0.975, max_minutes=80),
+    "draft": ModelSpec(layers=1, hidden=96, heads=2, steps=2500, style=DRAFT_STYLE, accuracy_band=(0.45, 0.72), eval_every=100, max_minutes=25),
+    "judge": ModelSpec(layers=3, hidden=128, heads=2, steps=2500, batch=128, eval_every=250, stop_accuracy=0.985, max_minutes=30),
+}
+
+EVAL_SEED = 10_000
+"""Seed of the validation problems used while training (benchmarks use other seeds)."""
+
+
+def build_model(spec: ModelSpec, vocab_size: int, tok) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=4 * spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def lm_example(tok, p: task.Problem) -> tuple[list[int], int]:
+    """Token ids of ``<bos> problem \\n\\n trace <eos>`` and where the trace starts (loss mask)."""
+    prompt = [tok.bos_token_id] + tok(p.problem + task.STEP_DELIMITER)["input_ids"]
+    return prompt + tok(p.trace)["input_ids"] + [tok.eos_token_id], len(prompt)
+
+
+def judge_pair(rng: random.Random) -> tuple[str, str, bool]:
+    """A pair of steps and whether they mean the same; half are positives, negatives are mostly hard."""
+    op = rng.choice(task.OPS)
+    a, b = rng.randint(0, 60), rng.randint(1, 9) if op != "mul" else rng.randint(2, 3)
+    r = task.apply_op(op, a, b) if rng.random() < 0.8 else rng.randint(0, 199)
+    m1 = task.Meaning(op, a, b, max(0, min(199, r)))
+    kind = rng.random()
+    if kind < 0.5:
+        m2 = m1
+    elif kind < 0.65:
+        m2 = m1._replace(op=rng.choice([o for o in task.OPS if o != op]))
+    elif kind < 0.8:
+        m2 = m1._replace(result=min(199, m1.result + 1) if m1.result == 0 or rng.random() < 0.5 else m1.result - 1)
+    elif kind < 0.9:
+        m2 = m1._replace(a=m1.b, b=m1.a) if m1.a != m1.b else m1._replace(b=m1.b + 1)
+    else:
+        m2 = m1._replace(b=m1.b + rng.choice([-1, 1]) if m1.b > 1 else m1.b + 1)
+    t1, t2 = rng.randrange(task.N_TEMPLATES), rng.randrange(task.N_TEMPLATES)
+    return task.render_step(m1, t1), task.render_step(m2, t2), m1 == m2
+
+
+def judge_example(tok, s1: str, s2: str, same: Optional[bool] = None) -> tuple[list[int], int]:
+    """Token ids of the judge prompt (plus the answer when ``same`` is given) and the answer position."""
+    prompt = [tok.bos_token_id] + tok(JUDGE_TEMPLATE.format(a=s1.strip(), b=s2.strip()))["input_ids"]
+    if same is None:
+        return prompt, len(prompt)
+    return prompt + tok(" yes" if same else " no")["input_ids"], len(prompt)
+
+
+def collate(rows: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (r, start) in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+        labels[i, start : len(r)] = ids[i, start : len(r)]
+    return ids, mask, labels
+
+
+def eval_solver(model, tok, problems: list[task.Problem], temperature: float = 0.6, top_p: float = 0.95, seed: int = 0) -> float:
+    """Share of ``problems`` answered correctly when the model samples its trace."""
+    model.eval()
+    prompts = [lm_example(tok, p)[0][: lm_example(tok, p)[1]] for p in problems]
+    g = torch.Generator().manual_seed(seed)
+    outs = generate(model, prompts, max_new_tokens=120, temperature=temperature, top_p=top_p, generator=g,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.train()
+    return sum(task.check_answer(tok.decode(o, skip_special_tokens=True), p.answer) for o, p in zip(outs, problems)) / len(problems)
+
+
+@torch.no_grad()
+def judge_yes_prob(model, tok, pairs: list[tuple[str, str]]) -> torch.Tensor:
+    """P(`` yes``) / (P(`` yes``) + P(`` no``)) for each pair, read from the next-token logits."""
+    rows = [judge_example(tok, a, b)[0] for a, b in pairs]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):  # left-pad so the answer position is the last one
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+    yes, no = tok.convert_tokens_to_ids([" yes", " no"])
+    return torch.softmax(logits[:, [yes, no]].float(), -1)[:, 0]
+
+
+def eval_judge(model, tok, n: int = 1000, seed: int = EVAL_SEED) -> float:
+    rng = random.Random(seed)
+    pairs = [judge_pair(rng) for _ in range(n)]
+    model.eval()
+    p = judge_yes_prob(model, tok, [(a, b) for a, b, _ in pairs])
+    model.train()
+    return float(((p > 0.5) == torch.tensor([s for _, _, s in pairs])).float().mean())
+
+
+def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[[str], None] = print) -> dict:
+    """Train one of ``target``, ``draft``, ``judge`` and save it to ``out/which``. Returns its card facts."""
+    spec = SPECS[which]
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    tok = build_tokenizer()
+    model = build_model(spec, len(tok), tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = 50
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / spec.steps))))
+    )
+    rng = random.Random(seed + 1)
+    cfg = task.TaskConfig(min_ops=2, max_ops=6, template_weights={op: spec.style for op in task.OPS})
+    eval_problems = task.generate_problems(200, EVAL_SEED, task.TaskConfig(min_ops=4, max_ops=4, template_weights={op: spec.style for op in task.OPS}))
+    evaluate = (lambda: eval_judge(model, tok)) if which == "judge" else (lambda: eval_solver(model, tok, eval_problems))
+    history, saved, t0 = [], None, time.time()
+    bar = tqdm(range(spec.steps), desc=f"train {which}", mininterval=10)
+    for step in bar:
+        if which == "judge":
+            rows = [judge_example(tok, *judge_pair(rng)) for _ in range(spec.batch)]
+        else:
+            rows = [lm_example(tok, task.make_problem(rng, cfg)) for _ in range(spec.batch)]
+        ids, mask, labels = collate(rows, tok.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        last = step == spec.steps - 1 or (time.time() - t0) / 60 > spec.max_minutes
+        if (step + 1) % spec.eval_every == 0 or last:
+            acc = evaluate()
+            history.append({"step": step + 1, "minutes": round((time.time() - t0) / 60, 2), "loss": round(loss.item(), 4), "accuracy": acc})
+            log(f"[{which}] step {step + 1} loss {loss.item():.4f} held-out accuracy {acc:.3f} ({history[-1]['minutes']} min)")
+            band = spec.accuracy_band
+            if band is None or band[0] <= acc <= band[1]:
+                save(model, tok, out / which)
+                saved = history[-1]
+            if (spec.stop_accuracy is not None and acc >= spec.stop_accuracy) or (band is not None and acc > band[1]) or last:
+                break
+    if saved is None:  # never entered the band: keep the last model and say so in the card
+        save(model, tok, out / which)
+        saved = history[-1]
+    facts = {"which": which, "spec": asdict(spec), "seed": seed, "saved_at": saved, "history": history,
+             "parameters": sum(p.numel() for p in model.parameters())}
+    (out / which / "training.json").write_text(json.dumps(facts, indent=2))
+    return facts
+
+
+def save(model, tok, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--which", nargs="+", default=["draft", "judge", "target"], choices=sorted(SPECS))
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "checkpoints" / "arithmetic")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--max-minutes", type=float, default=None, help="override every model's time budget")
+    args = ap.parse_args(argv)
+    for w in args.which:
+        if args.max_minutes is not None:
+            SPECS[w].max_minutes = args.max_minutes
+        train(w, args.out, seed=args.seed, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""`ProbeConfig`: everything a probe is and reads, serialised as the export's ``config.json``.
+
+No torch import here: the config is read by tools that never build the probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+FORMAT_VERSION = 1
+"""Version of the exported ``config.json`` layout; older versions keep loading."""
+FINGERPRINT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size", "tokenizer_hash")
+"""Fields of a reading model's fingerprint that must match at load time (name_or_path is informative)."""
+
+
+@dataclass
+class ProbeConfig:
+    """Architecture, input spec, role and provenance of one semantic probe."""
+
+    hidden_size: int = 128
+    """Width of the hidden states the probe reads (the reading model's hidden size)."""
+    layer_ids: list[int] = field(default_factory=lambda: [-1])
+    """HF ``hidden_states`` indices the probe reads; 0 = embeddings, -1 = last layer."""
+    layer_combine: str = "concat"
+    """How several layers become one input: ``concat`` or ``weighted_sum`` (learned softmax weights)."""
+    pooling: str = "mean"
+    """How a step's token states become one vector: ``mean`` over the step's tokens, or ``last``."""
+    hidden_dims: list[int] = field(default_factory=lambda: [2048, 512, 256])
+    """Widths of the MLP's hidden layers (paper: 2048, 512, 256). Empty = linear probe."""
+    dropout: float = 0.3
+    """Dropout after every hidden layer (paper: 0.3)."""
+    role: str = "target"
+    """Which model's semantic probability the probe estimates: ``target`` (q) or ``draft`` (p)."""
+    features_dtype: str = "float16"
+    """dtype the pooled features are stored in; the probe computes in float32."""
+    reads: dict[str, Any] = field(default_factory=dict)
+    """Fingerprint of the model whose hidden states the probe reads (see ``model_fingerprint``)."""
+    delimiters: list[str] = field(default_factory=lambda: ["\n\n"])
+    """Step delimiters the labels were made with."""
+    labels: dict[str, Any] = field(default_factory=dict)
+    """Label provenance: N samples per model, clustering, judge, seed."""
+    test_metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics on the held-out test split at export time."""
+    format_version: int = FORMAT_VERSION
+    """Layout version of this config."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.hidden_size < 1:
+            errors.append(f"hidden_size={self.hidden_size}: expected >= 1")
+        if not self.layer_ids:
+            errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
+        if self.layer_combine not in ("concat", "weighted_sum"):
+            errors.append(f"layer_combine={self.layer_combine!r}: expected 'concat' or 'weighted_sum'")
+        if self.pooling not in ("mean", "last"):
+            errors.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
+        if any(d < 1 for d in self.hidden_dims):
+            errors.append(f"hidden_dims={self.hidden_dims}: widths must be >= 1")
+        if not 0 <= self.dropout < 1:
+            errors.append(f"dropout={self.dropout}: expected 0 <= dropout < 1")
+        if self.role not in ("target", "draft"):
+            errors.append(f"role={self.role!r}: expected 'target' or 'draft'")
+        if errors:
+            raise ValueError("invalid ProbeConfig: " + "; ".join(errors))
+
+    @property
+    def input_size(self) -> int:
+        """Width of one flattened input row: ``len(layer_ids) * hidden_size``."""
+        return len(self.layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":
+        """Build from a ``config.json`` dict, upgrading older layouts and naming unknown keys."""
+        d = dict(d)
+        d.setdefault("format_version", 0)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown probe config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**d)

@@ -1,0 +1,114 @@
+"""Export and load probes: ``model.safetensors`` + ``config.json``, atomic, fingerprint-checked.
+
+Nothing here unpickles: weights are safetensors, the config is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from probes.config import FINGERPRINT_FIELDS, ProbeConfig
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 (first 16 hex digits) of the tokenizer's vocabulary and special tokens."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    blob = json.dumps([vocab, sorted(map(str, tokenizer.all_special_tokens))], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model, tokenizer=None) -> dict[str, Any]:
+    """What a probe needs to know about the model it reads.
+
+    Returns ``{"name_or_path", "architecture", "hidden_size", "num_layers", "vocab_size",
+    "tokenizer_hash"}`` (the last only with a tokenizer).
+    """
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    fp = {
+        "name_or_path": str(getattr(cfg, "_name_or_path", "") or ""),
+        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
+        "hidden_size": int(text_cfg.hidden_size),
+        "num_layers": int(text_cfg.num_hidden_layers),
+        "vocab_size": int(text_cfg.vocab_size),
+    }
+    if tokenizer is not None:
+        fp["tokenizer_hash"] = tokenizer_hash(tokenizer)
+    return fp
+
+
+def fingerprint_mismatches(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """``"field: probe has X, model has Y"`` for every checked field both sides know and that differs."""
+    return [
+        f"{k}: probe has {expected[k]!r}, model has {actual[k]!r}"
+        for k in FINGERPRINT_FIELDS
+        if k in expected and k in actual and expected[k] != actual[k]
+    ]
+
+
+def export_probe(probe, path: str | os.PathLike) -> Path:
+    """Write ``probe`` to ``path`` (``model.safetensors``, ``config.json``, model card) atomically.
+
+    The files are written into a temporary sibling directory that then replaces ``path``, so an
+    interrupted export leaves either the old probe or the new one, never half of one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        probe.save_pretrained(tmp)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Optional[str] = None):
+    """Load an exported probe, refusing one that was exported for another model.
+
+    Args:
+        path: directory holding ``config.json`` and ``model.safetensors``.
+        model: the transformers model the probe will read; its fingerprint must match.
+        tokenizer: that model's tokenizer; its vocabulary hash must match when given.
+        device: where to put the probe (default CPU).
+
+    Returns:
+        The :class:`~probes.model.SemanticProbe`, in eval mode.
+
+    Raises:
+        FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``.
+        ValueError: the fingerprint differs; the message names every differing field.
+    """
+    from probes.model import SemanticProbe
+
+    path = Path(path)
+    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")
+    config = ProbeConfig.from_dict(json.loads((path / "config.json").read_text()))
+    if model is not None:
+        actual = model_fingerprint(model, tokenizer)
+        problems = fingerprint_mismatches(config.reads, actual)
+        if config.hidden_size != actual["hidden_size"] and not any(p.startswith("hidden_size") for p in problems):
+            problems.append(f"hidden_size: probe has {config.hidden_size!r}, model has {actual['hidden_size']!r}")
+        if problems:
+            raise ValueError(
+                f"probe at {path} was exported for another model ({config.reads.get('name_or_path') or 'unknown'}); "
+                + "; ".join(problems)
+                + ". Export a probe for this model or load the matching one."
+            )
+    probe = SemanticProbe.from_pretrained(str(path), strict=True, map_location=device or "cpu")
+    return probe.eval()
