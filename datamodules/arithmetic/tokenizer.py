@@ -2,14 +2,15 @@
 
 Every number 0-199 and every word of the world's templates is one token, with or without a
 leading space (as GPT-style byte-level tokenizers do), so ``decode(encode(text)) == text`` for
-all text the world writes. Blank lines are tokens too: ``"\\n\\n"`` is the step delimiter.
+all text the world writes. Blank lines are tokens too: ``"\\n\\n"`` is the step delimiter. Encoding adds ``<bos>`` in front (as Llama
+tokenizers do); pass ``add_special_tokens=False`` to encode a continuation.
 """
 
 from __future__ import annotations
 
 import re
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from datamodules.arithmetic import task
@@ -43,6 +44,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    # Like Llama tokenizers: `tokenizer(text)` starts with <bos>; pass add_special_tokens=False for continuations.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",

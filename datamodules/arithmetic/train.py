@@ -84,8 +84,8 @@ def build_model(spec: ModelSpec, vocab_size: int, tok) -> LlamaForCausalLM:
 
 def lm_example(tok, p: task.Problem) -> tuple[list[int], int]:
     """Token ids of ``<bos> problem \\n\\n trace <eos>`` and where the trace starts (loss mask)."""
-    prompt = [tok.bos_token_id] + tok(p.problem + task.STEP_DELIMITER)["input_ids"]
-    return prompt + tok(p.trace)["input_ids"] + [tok.eos_token_id], len(prompt)
+    prompt = tok(p.problem + task.STEP_DELIMITER)["input_ids"]  # starts with <bos>
+    return prompt + tok(p.trace, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], len(prompt)
 
 
 def judge_pair(rng: random.Random) -> tuple[str, str, bool]:
@@ -111,10 +111,10 @@ def judge_pair(rng: random.Random) -> tuple[str, str, bool]:
 
 def judge_example(tok, s1: str, s2: str, same: Optional[bool] = None) -> tuple[list[int], int]:
     """Token ids of the judge prompt (plus the answer when ``same`` is given) and the answer position."""
-    prompt = [tok.bos_token_id] + tok(JUDGE_TEMPLATE.format(a=s1.strip(), b=s2.strip()))["input_ids"]
+    prompt = tok(JUDGE_TEMPLATE.format(a=s1.strip(), b=s2.strip()))["input_ids"]  # starts with <bos>
     if same is None:
         return prompt, len(prompt)
-    return prompt + tok(" yes" if same else " no")["input_ids"], len(prompt)
+    return prompt + tok(" yes" if same else " no", add_special_tokens=False)["input_ids"], len(prompt)
 
 
 def collate(rows: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +152,7 @@ def judge_yes_prob(model, tok, pairs: list[tuple[str, str]]) -> torch.Tensor:
         mask[i, width - len(r) :] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
-    yes, no = tok.convert_tokens_to_ids([" yes", " no"])
+    yes, no = tok.convert_tokens_to_ids([" yes", " no"])  # one token each in the world's vocabulary
     return torch.softmax(logits[:, [yes, no]].float(), -1)[:, 0]
 
 
