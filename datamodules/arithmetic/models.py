@@ -51,9 +51,9 @@ def load_model(role: str, root: Optional[str | os.PathLike] = None, device: str 
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
 
 
-def load_tokenizer(root: Optional[str | os.PathLike] = None) -> PreTrainedTokenizerFast:
-    """The world's shared tokenizer, offline."""
-    return PreTrainedTokenizerFast.from_pretrained(model_dir("target", root), local_files_only=True)
+def load_tokenizer(root: Optional[str | os.PathLike] = None, role: str = "target") -> PreTrainedTokenizerFast:
+    """The world's shared tokenizer, offline, from the folder of ``role`` (every folder holds the same one)."""
+    return PreTrainedTokenizerFast.from_pretrained(model_dir(role, root), local_files_only=True)
 
 
 def load_world(root: Optional[str | os.PathLike] = None, device: str = "cpu") -> World:

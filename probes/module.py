@@ -1,0 +1,165 @@
+"""`SemanticProbeModule`: trains the target probe, the draft probe, or both from one dataset.
+
+Batches come from :class:`~datamodules.datamodule.SemanticProbeDataModule` as
+``{role: {"features": (B_r, L*D_r), "label": (B_r,)}}``; the target probe learns ``q`` from the
+target's reading of every sample, the draft probe learns ``p`` from the draft's reading of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, replace
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.cli import OptimizerCallable
+from torch import nn
+from torchmetrics import MetricCollection
+from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
+from torchmetrics.wrappers import BinaryTargetTransformer
+from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef, R2Score
+
+from probes.config import ProbeConfig
+from probes.model import SemanticProbe
+
+ROLES = ("target", "draft")
+LOSSES = ("mse", "bce")
+POSITIVE_AT = 0.5
+"""Label at or above which a sample counts as positive for AUROC and calibration error."""
+
+
+def regression_metrics() -> MetricCollection:
+    """MSE, MAE, R², Pearson on the probability; AUROC and calibration error at label >= 0.5."""
+    return MetricCollection(
+        {
+            "mse": MeanSquaredError(),
+            "mae": MeanAbsoluteError(),
+            "r2": R2Score(),
+            "pearson": PearsonCorrCoef(),
+            # label >= 0.5 is the positive class ("the model would likely write this meaning");
+            # the wrapper tests label > threshold, so the threshold sits just below 0.5.
+            "auroc": BinaryTargetTransformer(BinaryAUROC(), threshold=POSITIVE_AT - 1e-6),
+            "ece": BinaryTargetTransformer(BinaryCalibrationError(n_bins=10), threshold=POSITIVE_AT - 1e-6),
+        },
+        compute_groups=False,
+    )
+
+
+class SemanticProbeModule(L.LightningModule):
+    """Lightning system around one :class:`SemanticProbe` per role.
+
+    Args:
+        probe: architecture shared by the probes (widths, dropout, layer combination). Fields that
+            only the data knows (hidden_size, layer_ids, pooling, reads, delimiters, labels) are
+            filled per role from ``input_spec``.
+        roles: which probes to train: ``target``, ``draft`` or both.
+        input_spec: per role, what the data holds (linked from ``data.input_spec`` by the CLI).
+        loss: ``mse`` on the semantic probability (paper) or ``bce`` with soft labels.
+        optimizer: optimizer factory (paper: Adam, lr 1e-3).
+    """
+
+    def __init__(
+        self,
+        probe: ProbeConfig = ProbeConfig(),
+        roles: list[str] = ["target", "draft"],
+        input_spec: Optional[dict[str, dict[str, Any]]] = None,
+        loss: str = "mse",
+        optimizer: OptimizerCallable = torch.optim.Adam,
+    ) -> None:
+        super().__init__()
+        errors = []
+        if not roles or any(r not in ROLES for r in roles) or len(set(roles)) != len(roles):
+            errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)} without repeats")
+        if loss not in LOSSES:
+            errors.append(f"loss={loss!r}: expected one of {list(LOSSES)}")
+        missing = [r for r in roles if input_spec is not None and r not in input_spec]
+        if missing:
+            errors.append(f"input_spec lacks roles {missing}; it has {sorted(input_spec or {})}")
+        if errors:
+            raise ValueError("invalid SemanticProbeModule arguments: " + "; ".join(errors))
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.roles = list(roles)
+        self.loss_name = loss
+        self.optimizer_factory = optimizer
+        self.probe_configs = {r: self._role_config(probe, r, (input_spec or {}).get(r)) for r in self.roles}
+        self.probes = nn.ModuleDict({r: SemanticProbe(c) for r, c in self.probe_configs.items()})
+        self.metrics = nn.ModuleDict(
+            {f"{stage}_{r}": regression_metrics() for stage in ("val", "test") for r in self.roles}
+        )
+        self.val_mse = MeanSquaredError()
+        self.test_mse = MeanSquaredError()
+
+    @staticmethod
+    def _role_config(probe: ProbeConfig, role: str, spec: Optional[dict[str, Any]]) -> ProbeConfig:
+        if isinstance(probe, dict):
+            probe = ProbeConfig.from_dict(probe)
+        fields = {"role": role}
+        for key in ("hidden_size", "layer_ids", "pooling", "reads", "delimiters", "labels"):
+            if spec is not None and key in spec:
+                fields[key] = copy.deepcopy(spec[key])
+        return replace(probe, **fields)
+
+    def forward(self, role: str, features: torch.Tensor) -> torch.Tensor:
+        """Semantic probability of each row for ``role``'s probe. Returns (B,)."""
+        return self.probes[role](features)
+
+    def _loss(self, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        if self.loss_name == "bce":
+            return F.binary_cross_entropy_with_logits(logits, label)
+        return F.mse_loss(torch.sigmoid(logits), label)
+
+    def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
+        total, n = 0.0, 0
+        for role, part in batch.items():
+            if role not in self.probes:
+                continue
+            logits = self.probes[role].logits(part["features"])
+            loss = self._loss(logits, part["label"])
+            bs = part["label"].numel()
+            self.log(f"{stage}/{role}/loss", loss, batch_size=bs, on_step=stage == "train", on_epoch=True)
+            if stage != "train":
+                prob = torch.sigmoid(logits).detach()
+                self.metrics[f"{stage}_{role}"].update(prob, part["label"])
+                getattr(self, f"{stage}_mse").update(prob, part["label"])
+            total, n = total + loss * bs, n + bs
+        if n == 0:
+            raise ValueError(f"{stage} batch has no rows for roles {self.roles}; it has {sorted(batch)}")
+        loss = total / n
+        self.log(f"{stage}/loss", loss, batch_size=n, prog_bar=True, on_step=stage == "train", on_epoch=True)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._shared_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch_metrics("val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._shared_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch_metrics("test")
+
+    def _log_epoch_metrics(self, stage: str) -> None:
+        overall = getattr(self, f"{stage}_mse")
+        if overall.total > 0:
+            self.log(f"{stage}/mse", overall.compute(), prog_bar=True, sync_dist=True)
+        overall.reset()
+        for role in self.roles:
+            collection = self.metrics[f"{stage}_{role}"]
+            if collection["mse"].total > 0:
+                values = collection.compute()
+                self.log_dict({f"{stage}/{role}/{k}": v for k, v in values.items()}, sync_dist=True)
+            collection.reset()
+
+    def configure_optimizers(self):
+        return self.optimizer_factory(self.parameters())
+
+    def probe_config(self, role: str) -> dict[str, Any]:
+        """The config of ``role``'s probe as a plain dict (what ``config.json`` will hold)."""
+        return asdict(self.probes[role].config)

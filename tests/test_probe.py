@@ -1,0 +1,169 @@
+"""The probe, its config, export/load round trips and fingerprint checks, and the LightningModule."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from probes.config import ProbeConfig
+from probes.export import export_probe, load_probe, model_fingerprint
+from probes.model import SemanticProbe
+from probes.module import SemanticProbeModule
+from tests.conftest import tiny_llama
+
+
+def test_paper_architecture_and_options():
+    probe = SemanticProbe(ProbeConfig(hidden_size=64))
+    linears = [m for m in probe.mlp if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(64, 2048), (2048, 512), (512, 256), (256, 1)]
+    assert all(m.p == 0.3 for m in probe.mlp if isinstance(m, torch.nn.Dropout))
+    linear = SemanticProbe(ProbeConfig(hidden_size=64, hidden_dims=[]))
+    assert [type(m) for m in linear.mlp] == [torch.nn.Linear]
+    concat = SemanticProbe(ProbeConfig(hidden_size=8, layer_ids=[-1, -2, 3], hidden_dims=[4]))
+    assert concat.mlp[0].in_features == 24
+    mixed = SemanticProbe(ProbeConfig(hidden_size=8, layer_ids=[-1, -2], layer_combine="weighted_sum", hidden_dims=[4]))
+    assert mixed.mlp[0].in_features == 8 and mixed.layer_logits.shape == (2,)
+    out = mixed.eval()(torch.randn(5, 16))
+    assert out.shape == (5,) and bool(((out > 0) & (out < 1)).all())
+    torch.testing.assert_close(mixed(torch.randn(5, 2, 8)).shape, torch.Size([5]))
+
+
+def test_width_mismatch_names_both_numbers():
+    probe = SemanticProbe(ProbeConfig(hidden_size=16, hidden_dims=[4]))
+    with pytest.raises(ValueError, match=r"expects 16 features.*got 12"):
+        probe(torch.randn(2, 12))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"pooling": "max"}, "pooling"), ({"role": "judge"}, "role"), ({"layer_ids": []}, "layer_ids"), ({"dropout": 1.5}, "dropout")],
+)
+def test_config_rejects_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ProbeConfig(**kwargs)
+
+
+def test_config_from_dict_upgrades_and_names_unknown_keys():
+    old = {"hidden_size": 8, "layer_ids": [-1]}  # a version-0 export without format_version
+    assert ProbeConfig.from_dict(old).format_version == 0
+    with pytest.raises(ValueError, match="hidden_szie"):
+        ProbeConfig.from_dict({"hidden_szie": 8})
+
+
+def _export(tmp_path, model, tok, **kw):
+    cfg = ProbeConfig(hidden_size=model.config.hidden_size, hidden_dims=[16, 8], reads=model_fingerprint(model, tok), **kw)
+    probe = SemanticProbe(cfg).eval()
+    return probe, export_probe(probe, tmp_path / "probe")
+
+
+def test_export_round_trip_strict(tmp_path, world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32)
+    probe, path = _export(tmp_path, model, world_tokenizer, role="draft", test_metrics={"mse": 0.01})
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in path.iterdir()}
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["role"] == "draft" and cfg["reads"]["hidden_size"] == 32 and cfg["reads"]["tokenizer_hash"]
+    loaded = load_probe(path, model=model, tokenizer=world_tokenizer)
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(loaded(x), probe(x))
+    assert loaded.config.test_metrics == {"mse": 0.01}
+
+
+def test_load_refuses_other_model_naming_fields(tmp_path, world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32, layers=2)
+    _, path = _export(tmp_path, model, world_tokenizer)
+    other = tiny_llama(len(world_tokenizer), 24, layers=1)
+    with pytest.raises(ValueError) as err:
+        load_probe(path, model=other, tokenizer=world_tokenizer)
+    assert "hidden_size: probe has 32, model has 24" in str(err.value)
+    assert "num_layers: probe has 2, model has 1" in str(err.value)
+
+
+def test_load_refuses_other_tokenizer(tmp_path, world_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    model = tiny_llama(len(world_tokenizer), 32)
+    _, path = _export(tmp_path, model, world_tokenizer)
+    vocab = {f"w{i}": i for i in range(len(world_tokenizer))}
+    other_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w1")))
+    with pytest.raises(ValueError, match="tokenizer_hash"):
+        load_probe(path, model=model, tokenizer=other_tok)
+
+
+def test_load_missing_files_named(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_probe(tmp_path / "half")
+
+
+def test_interrupted_export_keeps_old_probe(tmp_path, world_tokenizer, monkeypatch):
+    model = tiny_llama(len(world_tokenizer), 32)
+    old, path = _export(tmp_path, model, world_tokenizer)
+    new = SemanticProbe(ProbeConfig(hidden_size=32, hidden_dims=[16, 8], reads=model_fingerprint(model, world_tokenizer)))
+
+    def crash(self, save_directory, **kw):  # dies after writing part of the files
+        (save_directory / "config.json").write_text("{")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SemanticProbe, "save_pretrained", crash)
+    with pytest.raises(KeyboardInterrupt):
+        export_probe(new, path)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(load_probe(path, model=model)(x), old(x))
+    assert [p.name for p in tmp_path.iterdir()] == ["probe"]  # no temporary leftovers
+
+
+def _batches(n, widths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        batch = {}
+        for role, d in widths.items():
+            x = torch.randn(64, d, generator=g)
+            batch[role] = {"features": x, "label": torch.sigmoid(3 * x[:, 0])}
+        out.append(batch)
+    return DataLoader(out, batch_size=None)
+
+
+def _spec(widths):
+    return {r: {"hidden_size": d, "layer_ids": [-1], "pooling": "mean", "reads": {"hidden_size": d}} for r, d in widths.items()}
+
+
+@pytest.mark.parametrize("loss", ["mse", "bce"])
+def test_module_learns_both_roles(tmp_path, loss):
+    widths = {"target": 16, "draft": 8}
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[32]), ["target", "draft"], _spec(widths), loss=loss)
+    trainer = L.Trainer(max_epochs=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with torch.no_grad():
+        val = list(_batches(4, widths, seed=1))
+        before = sum(float(((module(r, b[r]["features"]) - b[r]["label"]) ** 2).mean()) for b in val for r in widths) / 8
+    trainer.fit(module, _batches(30, widths), _batches(4, widths, seed=1))
+    metrics = trainer.callback_metrics
+    assert float(metrics["val/mse"]) < 0.6 * before
+    for role in widths:
+        for name in ("mse", "mae", "r2", "pearson", "auroc", "ece"):
+            assert f"val/{role}/{name}" in metrics
+        assert float(metrics[f"val/{role}/auroc"]) > 0.8
+    assert module.probes["draft"].config.role == "draft" and module.probes["draft"].config.hidden_size == 8
+
+
+def test_module_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="roles"):
+        SemanticProbeModule(roles=["judge"])
+    with pytest.raises(ValueError, match="loss"):
+        SemanticProbeModule(loss="hinge")
+    with pytest.raises(ValueError, match=r"input_spec lacks roles \['draft'\]"):
+        SemanticProbeModule(roles=["target", "draft"], input_spec=_spec({"target": 8}))
+
+
+def test_module_width_mismatch_in_data(tmp_path):
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[8]), ["target"], _spec({"target": 16}))
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"expects 16 features.*got 12"):
+        trainer.fit(module, _batches(2, {"target": 12}))
