@@ -52,6 +52,23 @@ def fingerprint_mismatches(expected: dict[str, Any], actual: dict[str, Any]) -> 
     ]
 
 
+def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str = "probe") -> None:
+    """Raise if a probe with ``config`` cannot read ``model``'s hidden states, naming each differing field.
+
+    Used by :func:`load_probe` and by every consumer handed a probe object (decoder, callback).
+    """
+    actual = model_fingerprint(model, tokenizer)
+    problems = fingerprint_mismatches(config.reads, actual)
+    if config.hidden_size != actual["hidden_size"] and not any(p.startswith("hidden_size") for p in problems):
+        problems.append(f"hidden_size: probe has {config.hidden_size!r}, model has {actual['hidden_size']!r}")
+    if problems:
+        raise ValueError(
+            f"{where} was exported for another model ({config.reads.get('name_or_path') or 'unknown'}); "
+            + "; ".join(problems)
+            + ". Export a probe for this model or load the matching one."
+        )
+
+
 def export_probe(probe, path: str | os.PathLike) -> Path:
     """Write ``probe`` to ``path`` (``model.safetensors``, ``config.json``, model card) atomically.
 
@@ -100,15 +117,6 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
         raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")
     config = ProbeConfig.from_dict(json.loads((path / "config.json").read_text()))
     if model is not None:
-        actual = model_fingerprint(model, tokenizer)
-        problems = fingerprint_mismatches(config.reads, actual)
-        if config.hidden_size != actual["hidden_size"] and not any(p.startswith("hidden_size") for p in problems):
-            problems.append(f"hidden_size: probe has {config.hidden_size!r}, model has {actual['hidden_size']!r}")
-        if problems:
-            raise ValueError(
-                f"probe at {path} was exported for another model ({config.reads.get('name_or_path') or 'unknown'}); "
-                + "; ".join(problems)
-                + ". Export a probe for this model or load the matching one."
-            )
+        check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
     probe = SemanticProbe.from_pretrained(str(path), strict=True, map_location=device or "cpu")
     return probe.eval()

@@ -178,9 +178,17 @@ class TaskConfig:
                 f"result_range={self.result_range}: no operation in {self.ops} keeps a value from "
                 f"start_range={self.start_range} inside it"
             )
+        elif not unknown and self.ops and not errors and not self._chain_fits():
+            errors.append(
+                f"result_range={self.result_range}: no chain of min_ops={self.min_ops} operations from "
+                f"{self.ops} keeps a value from start_range={self.start_range} inside it"
+            )
         for op, w in self.template_weights.items():
             if op not in OPS or len(w) != N_TEMPLATES or min(w) < 0 or sum(w) <= 0:
                 errors.append(f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative weights, not all zero")
+        missing = [op for op in self.ops if op in OPS and op not in self.template_weights]
+        if missing:
+            errors.append(f"template_weights lacks {missing}: give {N_TEMPLATES} weights for every operation in ops={self.ops}")
         if errors:
             raise ValueError("invalid TaskConfig: " + "; ".join(errors))
 
@@ -192,6 +200,17 @@ class TaskConfig:
         lo, hi = self.result_range
         starts = range(max(lo, self.start_range[0]), min(hi, self.start_range[1]) + 1)
         return any(lo <= apply_op(op, x, b) <= hi for x in starts for op in self.ops for b in self._operands(op))
+
+    def _chain_fits(self) -> bool:
+        # Values from which k more operations stay inside result_range, for k = 0 .. min_ops (dynamic
+        # programming over the range). Wide ranges always admit chains, so they skip the check.
+        lo, hi = self.result_range
+        if hi - lo > 10_000:
+            return True
+        ok = set(range(lo, hi + 1))
+        for _ in range(self.min_ops):
+            ok = {x for x in range(lo, hi + 1) if any(apply_op(op, x, b) in ok for op in self.ops for b in self._operands(op))}
+        return any(x in ok for x in range(self.start_range[0], self.start_range[1] + 1))
 
 
 @dataclass
