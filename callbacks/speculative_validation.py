@@ -1,0 +1,259 @@
+"""`SpeculativeValidation`: real speculative decoding with the probes being trained, during validation.
+
+Probe metrics (MSE, AUROC) are proxies; this callback decodes a held-out problem set through
+:class:`~probes.decoder.SemanticSpecDecoder` (the same code users run) and logs what users care
+about, so ModelCheckpoint and EarlyStopping can follow ``spec/speedup`` or ``spec/accuracy``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from datamodules.arithmetic import task
+from datamodules.arithmetic.models import load_model, load_tokenizer
+from probes.export import check_probe_matches
+
+SPEC_METRICS = (
+    "speedup",
+    "accuracy",
+    "accuracy_delta",
+    "step_acceptance",
+    "draft_token_share",
+    "target_passes_per_100_tokens",
+)
+"""Logged as ``spec/<name>`` every time the callback runs."""
+
+
+class SpeculativeValidation(Callback):
+    """Decode held-out problems with the probes in training and log speedup, accuracy, acceptance.
+
+    Target-only decodes (the reference for speedup and accuracy) are computed once per problem set
+    and seed and reused. The run is bounded by ``max_problems`` and ``max_seconds``, so it never
+    dominates training. Under DDP rank 0 decodes and broadcasts the figures to every rank.
+
+    Args:
+        problems: JSONL file of problems (``problem``, ``answer``; the world's shape). None draws
+            ``max_problems`` held-out problems from the embedded world with ``seed``.
+        world_root: folder of the world's target and draft models (default: the shipped ones).
+        max_problems: at most this many problems per run.
+        max_seconds: stop starting new problems after this many seconds of decoding per run.
+        every_n_epochs: run every n validation epochs (and always at the end of fit).
+        seed: sampling seed; also the seed of generated problems.
+        max_new_tokens: decode budget per problem.
+        temperature: sampling temperature for both models (0 = greedy).
+        top_p: nucleus mass for both models.
+        rule: acceptance rule of the decoder (``ratio`` or ``threshold``).
+        tau: threshold of the ``threshold`` rule.
+        plots_dir: where the PNG plots go (default ``<trainer.log_dir or default_root_dir>/spec``).
+    """
+
+    def __init__(
+        self,
+        problems: Optional[str] = None,
+        world_root: Optional[str] = None,
+        max_problems: int = 16,
+        max_seconds: float = 60.0,
+        every_n_epochs: int = 1,
+        seed: int = 1234,
+        max_new_tokens: int = 96,
+        temperature: float = 0.0,
+        top_p: float = 0.95,
+        rule: str = "ratio",
+        tau: float = 0.5,
+        plots_dir: Optional[str] = None,
+    ) -> None:
+        errors = []
+        if max_problems < 1:
+            errors.append(f"max_problems={max_problems}: expected >= 1")
+        if max_seconds <= 0:
+            errors.append(f"max_seconds={max_seconds}: expected > 0")
+        if every_n_epochs < 1:
+            errors.append(f"every_n_epochs={every_n_epochs}: expected >= 1")
+        if rule not in ("ratio", "threshold"):
+            errors.append(f"rule={rule!r}: expected 'ratio' or 'threshold'")
+        if errors:
+            raise ValueError("invalid SpeculativeValidation arguments: " + "; ".join(errors))
+        # Parse the problem set now, so a bad file fails before any training (names file and line).
+        if problems is not None:
+            records = list(task.read_jsonl(problems))
+            if not records:
+                raise ValueError(f"problem set {problems} holds no problems")
+            self.problems = [(r["problem"], int(r["answer"])) for r in records[:max_problems]]
+        else:
+            held_out = task.generate_problems(max_problems, seed, task.TaskConfig(min_ops=4, max_ops=4))
+            self.problems = [(p.problem, p.answer) for p in held_out]
+        self.world_root = world_root
+        self.max_seconds, self.every_n_epochs, self.seed = max_seconds, every_n_epochs, seed
+        self.gen_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        self.rule, self.tau = rule, tau
+        self.plots_dir = plots_dir
+        self.history: list[dict[str, float]] = []
+        self._reference: dict[int, Any] = {}  # problem index -> target-only result
+        self._target = self._draft = self._tokenizer = None
+        self._last: list[Any] = []
+        self._calibration: dict[str, list[torch.Tensor]] = {"target": [], "draft": []}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        probes = getattr(pl_module, "probes", None)
+        missing = [r for r in ("target", "draft") if probes is None or r not in probes]
+        if missing:
+            raise ValueError(
+                f"SpeculativeValidation needs a module with probes for 'target' and 'draft'; "
+                f"{type(pl_module).__name__} lacks {missing}. Train with --data.roles [target, draft]."
+            )
+        if trainer.is_global_zero and self._target is None:
+            self._target = load_model("target", self.world_root)
+            self._draft = load_model("draft", self.world_root)
+            self._tokenizer = load_tokenizer(self.world_root)
+            check_probe_matches(probes["target"].config, self._target, self._tokenizer, where="target probe in training")
+            check_probe_matches(probes["draft"].config, self._draft, self._tokenizer, where="draft probe in training")
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._calibration = {"target": [], "draft": []}
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        # (prediction, label) pairs for the reliability diagram; cheap: the probes are small MLPs.
+        if trainer.sanity_checking or not isinstance(batch, dict):
+            return
+        with torch.no_grad():
+            for role, part in batch.items():
+                if role in self._calibration and role in pl_module.probes and len(self._calibration[role]) < 200:
+                    pred = pl_module.probes[role](part["features"]).float().cpu()
+                    self._calibration[role].append(torch.stack([pred, part["label"].float().cpu()], 1))
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        figures = self._run(trainer, pl_module)
+        for name, value in figures.items():
+            pl_module.log(f"spec/{name}", value, sync_dist=False, rank_zero_only=False)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and self.history:
+            self.write_plots(trainer)
+
+    def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        figures = self.decode(pl_module) if trainer.is_global_zero else {}
+        figures = trainer.strategy.broadcast(figures, src=0)
+        if trainer.is_global_zero:
+            self.history.append({"epoch": trainer.current_epoch, **figures})
+            rank_zero_info("spec: " + ", ".join(f"{k}={v:.3f}" for k, v in figures.items()))
+        return figures
+
+    @torch.no_grad()
+    def decode(self, pl_module: L.LightningModule) -> dict[str, float]:
+        """Decode the problem set with the module's current probes; returns the ``spec/`` figures."""
+        from probes.decoder import SemanticSpecDecoder, summarize
+
+        probes = pl_module.probes
+        was_training = probes.training
+        devices = {r: next(probes[r].parameters()).device for r in ("target", "draft")}
+        probes.eval()
+        try:
+            decoder = SemanticSpecDecoder(
+                self._target, self._draft, self._tokenizer,
+                target_probe=probes["target"].cpu(), draft_probe=probes["draft"].cpu(),
+                rule=self.rule, tau=self.tau, answer_marker=task.ANSWER_MARKER,
+            )
+            spec, ref, answers, start = [], [], [], time.perf_counter()
+            for i, (prompt, answer) in enumerate(self.problems):
+                if spec and time.perf_counter() - start > self.max_seconds:
+                    break
+                text = prompt + task.STEP_DELIMITER
+                if i not in self._reference:  # target-only once per problem set and seed
+                    self._reference[i] = decoder.generate([text], method="target_only", **self.gen_kwargs)[0]
+                spec.append(decoder.generate([text], method="semanticspec", **self.gen_kwargs)[0])
+                ref.append(self._reference[i])
+                answers.append(answer)
+        finally:
+            for r in ("target", "draft"):
+                probes[r].to(devices[r])
+            probes.train(was_training)
+        self._last = spec
+        stats = summarize(spec)
+        accuracy = sum(task.check_answer(r.text, a) for r, a in zip(spec, answers)) / len(spec)
+        reference = sum(task.check_answer(r.text, a) for r, a in zip(ref, answers)) / len(ref)
+        ref_wall = sum(r.stats.wall_s for r in ref)
+        spec_wall = sum(r.stats.wall_s for r in spec)
+        return {
+            "speedup": ref_wall / spec_wall if spec_wall > 0 else math.nan,
+            "accuracy": accuracy,
+            "accuracy_delta": accuracy - reference,
+            "step_acceptance": float(stats["step_acceptance"]),
+            "draft_token_share": float(stats["draft_token_share"]),
+            "target_passes_per_100_tokens": float(stats["target_passes_per_100_tokens"]),
+            "problems": float(len(spec)),
+        }
+
+    def write_plots(self, trainer: L.Trainer) -> dict[str, Path]:
+        """Reliability diagram, acceptance vs q/p and the speedup/accuracy history as PNGs; logged as images when the logger can."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        out = Path(self.plots_dir or Path(trainer.log_dir or trainer.default_root_dir) / "spec")
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {}
+
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+        epochs = [h["epoch"] for h in self.history]
+        ax[0].plot(epochs, [h["speedup"] for h in self.history], "o-")
+        ax[0].set(xlabel="epoch", ylabel="speedup vs target-only", title="spec/speedup")
+        ax[1].plot(epochs, [h["accuracy"] for h in self.history], "o-", label="SemanticSpec")
+        ax[1].plot(epochs, [h["accuracy"] - h["accuracy_delta"] for h in self.history], "--", label="target only")
+        ax[1].set(xlabel="epoch", ylabel="accuracy", title="spec/accuracy", ylim=(0, 1.05))
+        ax[1].legend()
+        paths["history"] = self._save(fig, out / "history.png", trainer)
+
+        fig, ax = plt.subplots(figsize=(4.5, 3.5))
+        bins = torch.linspace(0, 1, 11)
+        for role, parts in self._calibration.items():
+            if not parts:
+                continue
+            pairs = torch.cat(parts)  # (N, 2): prediction, label
+            idx = torch.bucketize(pairs[:, 0].clamp(0, 1 - 1e-6), bins) - 1
+            xs, ys = [], []
+            for b in range(10):
+                sel = idx == b
+                if bool(sel.any()):
+                    xs.append(float(pairs[sel, 0].mean()))
+                    ys.append(float(pairs[sel, 1].mean()))
+            ax.plot(xs, ys, "o-", label=f"{role} probe")
+        ax.plot([0, 1], [0, 1], "k:", lw=1)
+        ax.set(xlabel="predicted semantic probability", ylabel="mean label", title="reliability (last validation)")
+        ax.legend()
+        paths["reliability"] = self._save(fig, out / "reliability.png", trainer)
+
+        steps = [s for r in self._last for s in r.steps if s.q is not None and s.p is not None]
+        fig, ax = plt.subplots(figsize=(4.5, 3.5))
+        if steps:
+            ratio = [min(s.q / max(s.p, 1e-6), 2.0) for s in steps]
+            accepted = [1.0 if s.decision.startswith("accept") else 0.0 for s in steps]
+            ax.scatter(ratio, accepted, alpha=0.4, s=12)
+        ax.set(xlabel="q / p (clipped at 2)", ylabel="accepted", title="acceptance vs q/p")
+        paths["acceptance"] = self._save(fig, out / "acceptance_vs_ratio.png", trainer)
+        return paths
+
+    @staticmethod
+    def _save(fig, path: Path, trainer: L.Trainer) -> Path:
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(logger, "log_image"):
+                logger.log_image(key=f"spec/{path.stem}", images=[str(path)])
+            elif hasattr(experiment, "add_figure"):
+                experiment.add_figure(f"spec/{path.stem}", fig, global_step=trainer.global_step)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        return path

