@@ -1,0 +1,407 @@
+"""Decoding benchmark on the embedded world: SemanticSpec against every baseline, in one run.
+
+    python -m benchmarks.decode            # 400 problems (benchmarks/results/decode.json, .md, .png)
+    python -m benchmarks.decode --quick    # 40 problems, same code path (decode-quick.*), < 3 min
+    python -m benchmarks.decode --target-probe DIR --draft-probe DIR
+
+What it measures (issue 4, "Definitions" in DESIGN.md):
+
+- every method of :class:`~probes.decoder.SemanticSpecDecoder` on the same fixed 4-operation
+  problems (``task.generate_problems(n, seed)``), the same seeds and the same generation code,
+  methods interleaved per problem (their order rotates from problem to problem) so machine load
+  hits all of them alike;
+- **speedup** = target-only wall time / the method's wall time; token-level speculative decoding
+  (transformers assisted generation with the same draft) is divided by transformers' own
+  target-only ``generate`` time instead, and both times are reported;
+- ``random_accept`` accepts at SemanticSpec's acceptance rate so far (the running rate, since
+  methods are interleaved); ``oracle_accept`` keeps exactly the steps whose meaning is the
+  problem's next correct operation (the world's oracle);
+- SemanticSpec over a sweep of the ratio scale (ratio rule) or of ``tau`` (threshold rule);
+- **batch_scaling**: output tokens per second of target-only and SemanticSpec at 1, 2, 4, 8 prompts.
+
+Probes default to ``checkpoints/arithmetic/probes/{target,draft}``; when those are missing the
+benchmark says so and uses untrained probes of the right widths (the figures are then not the
+method's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from datamodules.arithmetic import models, task
+from datamodules.steps import split_steps
+from probes.decoder import SemanticSpecDecoder, summarize
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "benchmarks" / "results"
+PROBE_ROOT = REPO / "checkpoints" / "arithmetic" / "probes"
+PROBLEM_SEED = 30_000
+"""Seed of the benchmark's problems (world.py uses 20,000; training validates on 10,000)."""
+METHODS = (
+    "target_only",
+    "semanticspec",
+    "draft_only",
+    "random_accept",
+    "oracle_accept",
+    "specreason",
+    "hf_target_only",
+    "token_sd",
+)
+GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accuracy_gap": 0.10, "probe_overhead": 0.02}
+
+
+def oracle_for(problem: task.Problem):
+    """``oracle(step, output_so_far)``: keep a step whose meaning is the problem's next correct operation,
+    or an answer line with the right answer."""
+
+    def oracle(step: str, prefix: str) -> bool:
+        done = sum(task.meaning(s.strip()) is not None for s in split_steps(prefix))
+        m = task.meaning(step.strip())
+        if m is None:
+            return (
+                step.strip().startswith(task.ANSWER_MARKER)
+                and task.check_answer(step, problem.answer)
+                and done == len(problem.steps)
+            )
+        return done < len(problem.steps) and m == problem.steps[done]
+
+    return oracle
+
+
+def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
+    """Export untrained probes of the right widths (for development before trained ones exist)."""
+    from probes.config import ProbeConfig
+    from probes.export import export_probe, model_fingerprint
+    from probes.model import SemanticProbe
+
+    torch.manual_seed(0)
+    paths = []
+    for role, model in (("target", target), ("draft", draft)):
+        cfg = ProbeConfig(hidden_size=model.config.hidden_size, role=role, reads=model_fingerprint(model, tok))
+        paths.append(export_probe(SemanticProbe(cfg).eval(), out / role))
+    return paths[0], paths[1]
+
+
+def figures(results, problems, wall_ref: float) -> dict:
+    """Accuracy and the summary figures of one method's results."""
+    s = summarize(results)
+    acc = sum(task.check_answer(r.text, p.answer) for r, p in zip(results, problems)) / max(len(problems), 1)
+    fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": wall_ref / s["wall_s"] if s["wall_s"] > 0 else math.nan}
+    keys = (
+        "step_acceptance",
+        "draft_token_share",
+        "target_passes_per_100_tokens",
+        "probe_overhead",
+        "output_tokens",
+        "tokens_per_s",
+        "target_passes",
+        "draft_passes",
+        "draft_steps_proposed",
+        "draft_steps_accepted",
+        "probe_s",
+    )
+    fig.update({k: s[k] for k in keys})
+    return fig
+
+
+def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> dict:
+    """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}``."""
+    names = list(METHODS) + list(variants)
+    out: dict[str, list] = {n: [] for n in names}
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    for k, p in enumerate(tqdm(problems, desc="decode", unit="problem")):
+        prompt, seed = p.problem + task.STEP_DELIMITER, args.seed + k
+        order = names[k % len(names) :] + names[: k % len(names)]
+        order = [n for n in order if n != "random_accept"]
+        order.insert(order.index("semanticspec") + 1, "random_accept")  # needs semanticspec's running rate
+        for name in order:
+            if name in variants:
+                out[name] += variants[name].generate([prompt], seed=seed, **gen)
+                continue
+            extra = {}
+            if name == "random_accept":
+                extra["accept_rate"] = summarize(out["semanticspec"])["step_acceptance"]
+            if name == "oracle_accept":
+                extra["oracle"] = oracle_for(p)
+            out[name] += dec.generate([prompt], method=name, seed=seed, **gen, **extra)
+    return out
+
+
+def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=(1, 2, 4, 8)) -> dict:
+    """Output tokens per second at several batch sizes (same prompts, each size decodes all of them)."""
+    prompts = [p.problem + task.STEP_DELIMITER for p in problems]
+    table: dict = {}
+    for method in ("target_only", "semanticspec"):
+        row = {}
+        for b in sizes:
+            t0 = time.perf_counter()
+            res = dec.generate(
+                prompts,
+                method=method,
+                batch_size=b,
+                seed=args.seed,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+            )
+            wall = time.perf_counter() - t0
+            tokens = sum(r.stats.output_tokens for r in res)
+            acc = sum(task.check_answer(r.text, p.answer) for r, p in zip(res, problems)) / len(problems)
+            row[str(b)] = {"tokens_per_s": tokens / wall, "wall_s": wall, "accuracy": acc}
+        base = row[str(sizes[0])]["tokens_per_s"]
+        for b in sizes:
+            row[str(b)]["scaling"] = row[str(b)]["tokens_per_s"] / base
+        table[method] = row
+    return table
+
+
+def goals(methods: dict) -> dict:
+    """Each goal of issue 4 with its measured value and whether it is met."""
+    s, t = methods["semanticspec"], methods["target_only"]
+    tsd = methods["token_sd"]["speedup"]
+    return {
+        "speedup_at_least_2x": {"value": s["speedup"], "met": s["speedup"] >= GOALS["speedup"]},
+        "accuracy_within_2_points": {
+            "value": s["accuracy"] - t["accuracy"],
+            "met": s["accuracy"] >= t["accuracy"] - GOALS["accuracy_drop"],
+        },
+        "speedup_vs_token_sd_at_least_1.3": {
+            "value": s["speedup"] / tsd if tsd > 0 else math.nan,
+            "met": s["speedup"] >= GOALS["vs_token_sd"] * tsd,
+        },
+        "random_accept_10_points_less_accurate": {
+            "value": s["accuracy"] - methods["random_accept"]["accuracy"],
+            "met": methods["random_accept"]["accuracy"] <= s["accuracy"] - GOALS["random_accuracy_gap"],
+        },
+        "probe_overhead_at_most_2pct": {
+            "value": s["probe_overhead"],
+            "met": s["probe_overhead"] <= GOALS["probe_overhead"],
+        },
+    }
+
+
+def markdown(report: dict) -> str:
+    cols = (
+        "accuracy",
+        "wall_s",
+        "speedup",
+        "step_acceptance",
+        "draft_token_share",
+        "target_passes_per_100_tokens",
+        "probe_overhead",
+    )
+    lines = ["| method | " + " | ".join(cols) + " | accepted tokens / verification |", "|---" * (len(cols) + 2) + "|"]
+    for name, m in report["methods"].items():
+        acc_tok = m.get("mean_accepted_tokens_per_verification")
+        cells = [f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if acc_tok is None else f'{acc_tok:.2f}'} |")
+    lines += ["", "| sweep | value | accuracy | speedup | step_acceptance |", "|---|---|---|---|---|"]
+    for row in report["sweep"]:
+        lines.append(
+            f"| {row['knob']} | {row['value']} | {row['accuracy']:.3f} | {row['speedup']:.3f} | {row['step_acceptance']:.3f} |"
+        )
+    if report.get("batch_scaling"):
+        sizes = list(next(iter(report["batch_scaling"].values())))
+        lines += ["", "| batch scaling (tokens/s) | " + " | ".join(sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+        for method, row in report["batch_scaling"].items():
+            lines.append(
+                f"| {method} | "
+                + " | ".join(f"{row[b]['tokens_per_s']:.0f} ({row[b]['scaling']:.2f}x)" for b in sizes)
+                + " |"
+            )
+    lines += ["", "| goal | value | met |", "|---|---|---|"]
+    for name, g in report["goals"].items():
+        lines.append(f"| {name} | {g['value']:.3f} | {'yes' if g['met'] else '**MISSED**'} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for name, m in report["methods"].items():
+        if name == "hf_target_only":
+            continue
+        ax.scatter(m["speedup"], m["accuracy"], s=40)
+        ax.annotate(name, (m["speedup"], m["accuracy"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    sweep = report["sweep"]
+    if sweep:
+        ax.plot(
+            [r["speedup"] for r in sweep],
+            [r["accuracy"] for r in sweep],
+            "o--",
+            color="gray",
+            label=f"semanticspec, {sweep[0]['knob']} sweep",
+        )
+        for r in sweep:
+            ax.annotate(
+                str(r["value"]),
+                (r["speedup"], r["accuracy"]),
+                textcoords="offset points",
+                xytext=(4, -10),
+                fontsize=7,
+                color="gray",
+            )
+        ax.legend(loc="best", fontsize=8)
+    ax.set_xlabel("speedup vs target-only (token_sd: vs transformers' target-only)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"Decoding on the embedded world ({report['n_problems']} problems)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*")
+    ap.add_argument("--n-problems", type=int, default=None, help="problems (default 400, quick 40)")
+    ap.add_argument("--seed", type=int, default=PROBLEM_SEED)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--rule", choices=("ratio", "threshold"), default="ratio")
+    ap.add_argument("--tau", type=float, default=0.5)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument(
+        "--sweep",
+        type=float,
+        nargs="*",
+        default=None,
+        help="ratio scales (ratio rule) or tau values (threshold rule) for the SemanticSpec sweep",
+    )
+    ap.add_argument("--target-probe", default=str(PROBE_ROOT / "target"))
+    ap.add_argument("--draft-probe", default=str(PROBE_ROOT / "draft"))
+    ap.add_argument(
+        "--world", default=None, help="world model folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)"
+    )
+    ap.add_argument("--no-batch-scaling", action="store_true")
+    ap.add_argument(
+        "--no-lazy-p",
+        action="store_true",
+        help="compute p for every judged step (default: only when q alone does not accept)",
+    )
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode[-quick].json)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    n = args.n_problems or (40 if args.quick else 400)
+    if args.sweep is None:
+        args.sweep = (
+            ([0.5, 2.0] if args.quick else [0.25, 0.5, 2.0, 4.0])
+            if args.rule == "ratio"
+            else ([0.3, 0.7] if args.quick else [0.2, 0.35, 0.65, 0.8])
+        )
+    world = models.load_world(args.world)
+    tok, target, draft = world.tokenizer, world.target, world.draft
+    untrained = not (
+        Path(args.target_probe, "config.json").is_file() and Path(args.draft_probe, "config.json").is_file()
+    )
+    tmp = None
+    if untrained:
+        tmp = tempfile.TemporaryDirectory()
+        args.target_probe, args.draft_probe = map(str, untrained_probes(target, draft, tok, Path(tmp.name)))
+        print(
+            f"WARNING: trained probes not found; using UNTRAINED probes of the right widths ({args.target_probe}). "
+            "The figures below are not SemanticSpec's."
+        )
+    common = {
+        "target_probe": args.target_probe,
+        "draft_probe": args.draft_probe,
+        "rule": args.rule,
+        "tau": args.tau,
+        "top_k": args.top_k,
+        "answer_marker": task.ANSWER_MARKER,
+        "lazy_p": not args.no_lazy_p,  # same decisions, p only where q alone does not accept
+    }
+    dec = SemanticSpecDecoder(target, draft, tok, **common)
+    knob = "ratio_scale" if args.rule == "ratio" else "tau"
+    sweep_decs = {
+        f"semanticspec[{knob}={v}]": SemanticSpecDecoder(target, draft, tok, **{**common, knob: v}) for v in args.sweep
+    }
+    # the option of issue 4: target-written steps use token-level speculation with the same draft
+    variants = {
+        "semanticspec+token_sd": SemanticSpecDecoder(target, draft, tok, **common, token_sd=True),
+        "semanticspec[draft_first_step]": SemanticSpecDecoder(target, draft, tok, **common, target_first_step=False),
+        **sweep_decs,
+    }
+    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+    warm = [p.problem + task.STEP_DELIMITER for p in task.generate_problems(2, args.seed - 1)]
+    for m in METHODS:  # warm-up: first calls pay one-off costs (kernels, generation config)
+        dec.generate(warm, method=m, max_new_tokens=16, accept_rate=0.5, oracle=lambda s, p: True, batch_size=1)
+    t0 = time.perf_counter()
+    runs = run_methods(dec, variants, problems, args)
+    methods = {}
+    for name in METHODS:
+        ref = runs["hf_target_only" if name == "token_sd" else "target_only"]
+        methods[name] = figures(runs[name], problems, sum(r.stats.wall_s for r in ref))
+    for name in ("semanticspec+token_sd", "semanticspec[draft_first_step]"):  # variants reported beside the methods
+        methods[name] = figures(runs[name], problems, methods["target_only"]["wall_s"])
+    methods["token_sd"]["reference_wall_s"] = methods["hf_target_only"]["wall_s"]
+    methods["token_sd"]["mean_accepted_tokens_per_verification"] = (
+        methods["token_sd"]["output_tokens"] / max(methods["token_sd"]["target_passes"], 1) - 1
+    )
+    methods["random_accept"]["target_acceptance"] = methods["semanticspec"]["step_acceptance"]
+    sweep = []
+    ref_wall = methods["target_only"]["wall_s"]
+    default = args.tau if knob == "tau" else 1.0  # the main semanticspec run is one point of the sweep
+    for v, name in zip(list(args.sweep) + [default], list(sweep_decs) + ["semanticspec"]):
+        f = figures(runs[name], problems, ref_wall)
+        sweep.append(
+            {"knob": knob, "value": v, **{k: f[k] for k in ("accuracy", "speedup", "step_acceptance", "wall_s")}}
+        )
+    sweep.sort(key=lambda r: r["value"])
+    scaling = {} if args.no_batch_scaling else batch_scaling(dec, problems[: 8 if args.quick else 16], args)
+    report = {
+        "methods": methods,
+        "batch_scaling": scaling,
+        "sweep": sweep,
+        "n_problems": n,
+        "seed": args.seed,
+        "goals": {},
+        "untrained_probes": untrained,
+        "probes": {
+            "target": None if untrained else args.target_probe,
+            "draft": None if untrained else args.draft_probe,
+        },
+        "config": {
+            k: getattr(args, k)
+            for k in ("max_new_tokens", "temperature", "top_p", "rule", "tau", "top_k", "threads", "quick", "no_lazy_p")
+        },
+        "seconds": time.perf_counter() - t0,
+    }
+    report["goals"] = goals(methods)
+    out = Path(args.out) if args.out else RESULTS_DIR / ("decode-quick.json" if args.quick else "decode.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    out.with_suffix(".md").write_text(table + "\n")
+    plot(report, out.with_suffix(".png"))
+    print(table)
+    missed = [k for k, g in report["goals"].items() if not g["met"]]
+    print(f"\nwrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    if untrained:
+        print("WARNING: untrained probes; rerun once checkpoints/arithmetic/probes/{target,draft} exist.")
+    if missed:
+        print("goals MISSED: " + ", ".join(missed))
+    if tmp is not None:
+        tmp.cleanup()
+    return report
+
+
+if __name__ == "__main__":
+    main()

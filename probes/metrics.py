@@ -1,0 +1,129 @@
+"""Speculative-decoding metrics in torchmetrics' update/compute form (DESIGN.md "Definitions").
+
+Each figure is a ratio of two running sums, so every metric has a pure ``_update`` that turns a
+batch into sums, a pure ``_compute`` that turns sums into the figure, a functional twin for
+benchmarks, and a :class:`~torchmetrics.Metric` whose states reduce with ``sum`` across processes
+(after ``torchmetrics/regression/mse.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+Number = int | float | Tensor
+
+
+def _ratio_update(numerator: Number, denominator: Number) -> tuple[Tensor, Tensor]:
+    """Sum a batch of numerators and denominators (scalars or 1-D). Returns two float64 scalars."""
+    num = torch.as_tensor(numerator, dtype=torch.float64).sum()
+    den = torch.as_tensor(denominator, dtype=torch.float64).sum()
+    if bool(num < 0) or bool(den < 0):
+        raise ValueError(f"counts must be non-negative, got numerator={float(num)}, denominator={float(den)}")
+    return num, den
+
+
+def _ratio_compute(num: Tensor, den: Tensor, scale: float = 1.0) -> Tensor:
+    """``scale * num / den``, and 0 when nothing was counted (``den == 0``)."""
+    return torch.where(den > 0, scale * num / den.clamp(min=1e-12), torch.zeros_like(num)).float()
+
+
+def _acceptance_update(accepted: Number, proposed: Number) -> tuple[Tensor, Tensor]:
+    """Sums of accepted and proposed draft steps; refuses more accepted than proposed."""
+    acc, prop = _ratio_update(accepted, proposed)
+    if bool(acc > prop):
+        raise ValueError(f"accepted={int(acc)} draft steps exceeds proposed={int(prop)}")
+    return acc, prop
+
+
+def _acceptance_compute(accepted: Tensor, proposed: Tensor) -> Tensor:
+    """Step acceptance: accepted draft steps / proposed draft steps (0 when none was proposed)."""
+    return _ratio_compute(accepted, proposed)
+
+
+def step_acceptance(accepted: Number, proposed: Number) -> Tensor:
+    """Functional step acceptance over counts (per prompt or totals).
+
+    >>> float(step_acceptance([3, 1], [4, 4]))
+    0.5
+    """
+    return _acceptance_compute(*_acceptance_update(accepted, proposed))
+
+
+def draft_token_share(draft_tokens: Number, output_tokens: Number) -> Tensor:
+    """Output tokens written by the draft / all output tokens."""
+    return _ratio_compute(*_ratio_update(draft_tokens, output_tokens))
+
+
+def target_passes_per_100_tokens(target_passes: Number, output_tokens: Number) -> Tensor:
+    """Sequential target forward calls per 100 output tokens (hardware-independent cost)."""
+    return _ratio_compute(*_ratio_update(target_passes, output_tokens), scale=100.0)
+
+
+def probe_overhead(probe_s: Number, wall_s: Number) -> Tensor:
+    """Time inside probe forwards / total decode time."""
+    return _ratio_compute(*_ratio_update(probe_s, wall_s))
+
+
+class _RatioMetric(Metric):
+    """A ratio of two summed states; subclasses name the states and the scale."""
+
+    is_differentiable = False
+    full_state_update = False
+    scale = 1.0
+    num: Tensor
+    den: Tensor
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("num", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("den", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, numerator: Number, denominator: Number) -> None:  # type: ignore[override]
+        num, den = self._update_fn(numerator, denominator)
+        self.num += num.to(self.num.device)
+        self.den += den.to(self.den.device)
+
+    def compute(self) -> Tensor:
+        return _ratio_compute(self.num, self.den, self.scale)
+
+    @staticmethod
+    def _update_fn(numerator: Number, denominator: Number) -> tuple[Tensor, Tensor]:
+        return _ratio_update(numerator, denominator)
+
+
+class StepAcceptance(_RatioMetric):
+    """Accepted draft steps / proposed draft steps; ``update(accepted, proposed)``.
+
+    Example:
+        >>> m = StepAcceptance()
+        >>> m.update(3, 4); m.update(1, 4)
+        >>> float(m.compute())
+        0.5
+    """
+
+    higher_is_better = True
+
+    @staticmethod
+    def _update_fn(numerator: Number, denominator: Number) -> tuple[Tensor, Tensor]:
+        return _acceptance_update(numerator, denominator)
+
+
+class DraftTokenShare(_RatioMetric):
+    """Output tokens written by the draft / all output tokens; ``update(draft_tokens, output_tokens)``."""
+
+    higher_is_better = True
+
+
+class TargetPassesPer100Tokens(_RatioMetric):
+    """Target forward calls per 100 output tokens; ``update(target_passes, output_tokens)``."""
+
+    higher_is_better = False
+    scale = 100.0
+
+
+class ProbeOverhead(_RatioMetric):
+    """Seconds in probe forwards / decode seconds; ``update(probe_s, wall_s)``."""
+
+    higher_is_better = False

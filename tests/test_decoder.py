@@ -1,0 +1,427 @@
+"""SemanticSpecDecoder: equivalences with stub probes, batching, scripted models, baselines and bad input."""
+
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from probes.config import ProbeConfig
+from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
+from probes.decoding.runner import CacheRunner
+from probes.export import export_probe, model_fingerprint
+from probes.model import SemanticProbe
+from tests.conftest import tiny_llama
+
+PROMPTS = [
+    "Start with 7. Add 5, then multiply it by 3. What is the result?\n\n",
+    "Take 3. Add 1.\n\n",
+    "Begin with 12.\n\n",
+]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
+
+
+class ConstProbe(torch.nn.Module):
+    """Stub probe: always ``value`` (1 = accept, 0 = reject), or a function of the features."""
+
+    def __init__(self, hidden_size: int, value=1.0, layer_ids=(-1,)):
+        super().__init__()
+        self.config = ProbeConfig(hidden_size=hidden_size, layer_ids=list(layer_ids), hidden_dims=[])
+        self.value = value
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if callable(self.value):
+            return self.value(x)
+        return torch.full((x.shape[0],), float(self.value))
+
+
+def stub_decoder(target, draft, tok, q=1.0, p=1.0, **kw):
+    kw.setdefault("top_k", 0)
+    kw.setdefault("max_step_tokens", 6)
+    return SemanticSpecDecoder(
+        target,
+        draft,
+        tok,
+        target_probe=ConstProbe(target.config.hidden_size, q),
+        draft_probe=ConstProbe(draft.config.hidden_size, p),
+        **kw,
+    )
+
+
+def texts(results):
+    return [r.text for r in results]
+
+
+# --------------------------------------------------------------------------- the cache runner
+
+
+def test_runner_rows_with_holes_match_unbatched_forward(world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    run = CacheRunner(model, 3)
+    run.seq = [[2, 5, 6, 7], [2, 9], [2, 4, 4, 4, 4, 4]]
+    run.feed([0, 1, 2])
+    run.seq[1] += [13, 14, 15]
+    run.feed([1])
+    run.rollback(1, 2)  # leaves a masked hole in row 1
+    run.seq[1] += [20]
+    run.seq[2] += [21, 22]
+    fed = run.feed([0, 1, 2], hidden=True, all_logits=True)
+    for i in (1, 2):
+        ref = model(torch.tensor([run.seq[i]]), output_hidden_states=True)
+        torch.testing.assert_close(run.last_logits[i], ref.logits[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fed[i].hidden[0], ref.hidden_states[-1][0, fed[i].start :], atol=1e-5, rtol=1e-5)
+    single = CacheRunner(model, 1)
+    single.seq[0] = [2, 3, 4, 5, 6, 7]
+    single.feed([0])
+    single.rollback(0, 2)
+    assert single.cache.get_seq_length() == 4 and single.mask.shape == (1, 4)  # one row: a plain crop
+
+
+# --------------------------------------------------------------------------- equivalences
+
+
+def test_always_reject_is_target_only(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=0.0, p=1.0)
+    spec = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
+    ref = dec.generate(PROMPTS, method="target_only", **GREEDY)
+    assert texts(spec) == texts(ref)
+    s = summarize(spec)
+    assert s["draft_steps_proposed"] > 0 and s["step_acceptance"] == 0 and s["draft_token_share"] == 0
+    assert all(t.decision in ("reject", "target") for r in spec for t in r.steps)
+
+
+def test_always_accept_without_bonus_is_draft_only(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=1.0, p=1.0, target_first_step=False, bonus_token=False)
+    spec = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
+    assert texts(spec) == texts(dec.generate(PROMPTS, method="draft_only", **GREEDY))
+    s = summarize(spec)
+    assert s["step_acceptance"] == 1 and s["draft_token_share"] == 1
+    # the target reads each step in one pass: passes == steps (the first one includes the prompt)
+    assert all(r.stats.target_passes == r.stats.steps for r in spec)
+
+
+def test_always_accept_with_bonus_and_target_equal_to_draft_is_both(tiny_pair):
+    # With bonus tokens the next step opens with the target's token, so equality with draft_only holds
+    # when the target predicts what the draft would: the same model on both sides.
+    _, draft, tok = tiny_pair
+    dec = stub_decoder(draft, draft, tok, q=1.0, p=1.0)
+    spec = texts(dec.generate(PROMPTS, method="semanticspec", **GREEDY))
+    assert spec == texts(dec.generate(PROMPTS, method="draft_only", **GREEDY))
+    assert spec == texts(dec.generate(PROMPTS, method="target_only", **GREEDY))
+
+
+def test_batched_rows_decide_independently_and_match_one_by_one(tiny_pair):
+    target, draft, tok = tiny_pair
+    sometimes = lambda x: (x.flatten(1)[:, 0] > 0).float()
+    dec = stub_decoder(target, draft, tok, q=sometimes, rule="threshold", tau=0.5)
+    batched = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
+    single = dec.generate(PROMPTS, method="semanticspec", batch_size=1, **GREEDY)
+    assert texts(batched) == texts(single)
+    decisions = {t.decision for r in batched for t in r.steps}
+    assert {"accept", "reject"} <= decisions  # the test exercises both branches
+
+
+def test_probes_read_the_pooled_states_of_a_fresh_forward(tiny_pair):
+    """q and p see exactly what the label pipeline pools: each model reading prefix + step in one pass."""
+    from datamodules.hidden import pool_hidden_states
+    from datamodules.sampling import generate
+    from datamodules.steps import StepStopper
+
+    target, draft, tok = tiny_pair
+    seen = {"q": [], "p": []}
+    dec = stub_decoder(target, draft, tok, q=lambda x: seen["q"].append(x) or torch.zeros(len(x)))
+    dec.draft_probe.value = lambda x: seen["p"].append(x) or torch.ones(len(x))
+    dec.generate(PROMPTS[:1], **GREEDY)
+    prompt = tok(PROMPTS[0]).input_ids
+    kw = {"max_new_tokens": 6, "temperature": 0.0, "eos_token_id": tok.eos_token_id}
+    first = generate(target, [prompt], stop=StepStopper(tok, max_step_tokens=6), **kw)[0]
+    step = generate(draft, [prompt + first], stop=StepStopper(tok, max_step_tokens=6), **kw)[0]
+    ids = torch.tensor([prompt + first + step])
+    span = (torch.tensor([len(prompt + first)]), torch.tensor([ids.shape[1]]))
+    for key, model in (("q", target), ("p", draft)):
+        expected = pool_hidden_states(model(ids, output_hidden_states=True).hidden_states, [-1], *span)
+        torch.testing.assert_close(seen[key][0].cpu(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_ratio_rule_accepts_with_probability_q_over_p_and_lazy_p_changes_nothing(tiny_pair):
+    target, draft, tok = tiny_pair
+    runs = {}
+    for lazy in (True, False):
+        dec = stub_decoder(target, draft, tok, q=0.3, p=0.6, lazy_p=lazy, max_step_tokens=2)
+        runs[lazy] = dec.generate(PROMPTS, max_new_tokens=48, seed=5)
+        judged = [t for r in runs[lazy] for t in r.steps if t.writer == "draft"]
+        assert all(t.q == pytest.approx(0.3) for t in judged)
+        if lazy:  # p is skipped only when q alone accepts (u <= q); every refusal needed p
+            assert all(t.decision == "accept" for t in judged if t.p is None)
+            assert all(t.p == pytest.approx(0.6) for t in judged if t.decision == "reject")
+        else:
+            assert all(t.p == pytest.approx(0.6) for t in judged)
+    assert texts(runs[True]) == texts(runs[False])
+    rate = summarize(runs[True])["step_acceptance"]
+    assert 0.25 < rate < 0.75, rate  # min(1, 0.3 / 0.6) = 0.5
+    sure = stub_decoder(target, draft, tok, q=1.0, p=0.5, lazy_p=True)  # q = 1 >= u: kept, p never needed
+    res = sure.generate(PROMPTS, max_new_tokens=24, seed=5)
+    assert summarize(res)["step_acceptance"] == 1 and sure.draft_probe.calls == 0
+
+
+def test_fast_path_skips_the_probes(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=0.0, top_k=len(tok))  # every token is in the top-|V|
+    res = dec.generate(PROMPTS[:1], method="semanticspec", **GREEDY)
+    assert {t.decision for t in res[0].steps} == {"target", "accept_fast"}
+    assert dec.target_probe.calls == 0 and dec.draft_probe.calls == 0
+    assert res[0].stats.probe_s == 0
+
+
+def test_sampling_is_seeded(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=0.5, p=0.5)
+    a = dec.generate(PROMPTS, seed=3, max_new_tokens=16)
+    assert texts(a) == texts(dec.generate(PROMPTS, seed=3, max_new_tokens=16))
+    assert all(r.stats.output_tokens <= 16 for r in a)
+
+
+# --------------------------------------------------------------------------- scripted models
+
+
+class ScriptedLM(torch.nn.Module):
+    """Stub causal LM that predicts ``script[k]`` as output token ``k`` (prompt of ``prompt_len`` tokens)."""
+
+    def __init__(self, script, prompt_len, vocab_size, hidden_size=8):
+        super().__init__()
+        self.config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            max_position_embeddings=256,
+        )
+        self.embed = torch.nn.Embedding(vocab_size, hidden_size)
+        self.script, self.prompt_len, self.calls = list(script), prompt_len, 0
+
+    def forward(self, input_ids, position_ids, logits_to_keep=0, output_hidden_states=False, **_):
+        self.calls += 1
+        nxt = position_ids + 1 - self.prompt_len  # index in the script of the token predicted here
+        ids = torch.tensor([[self.script[min(max(k, 0), len(self.script) - 1)] for k in row] for row in nxt.tolist()])
+        logits = torch.nn.functional.one_hot(ids, self.config.vocab_size).float() * 10
+        if isinstance(logits_to_keep, torch.Tensor):
+            logits = logits[:, logits_to_keep]
+        elif logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        h = self.embed(input_ids)
+        return CausalLMOutputWithPast(logits=logits, hidden_states=(h, h) if output_hidden_states else None)
+
+
+def scripted_pair(tok, target_text, draft_text, prompt):
+    enc = lambda s: tok(s, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    n = len(tok(prompt).input_ids)
+    return ScriptedLM(enc(target_text), n, len(tok)), ScriptedLM(enc(draft_text), n, len(tok), hidden_size=6)
+
+
+def test_scripted_fast_path_bonus_and_answer_marker(world_tokenizer):
+    tok, prompt = world_tokenizer, PROMPTS[1]
+    target, draft = scripted_pair(
+        tok, "3 + 1 = 4.\n\nAnswer: 4\n\nAdd 9", "3 plus 1 equals 4.\n\nAnswer: 4\n\nAdd 9", prompt
+    )
+    dec = stub_decoder(
+        target, draft, tok, q=1.0, top_k=1, answer_marker="Answer:", target_first_step=False, max_step_tokens=16
+    )
+    (res,) = dec.generate([prompt], method="semanticspec", **GREEDY)
+    assert res.text == "3 plus 1 equals 4.\n\nAnswer: 4\n\n"  # stops once the answer line is complete
+    decisions = [t.decision for t in res.steps]
+    assert decisions == ["accept", "accept_fast"]  # the 2nd step matches the target token for token
+    assert res.stats.draft_tokens == res.stats.output_tokens - 1  # "Answer" was the target's bonus token
+
+
+def test_eos_inside_a_draft_step_ends_the_output(world_tokenizer):
+    tok, prompt = world_tokenizer, PROMPTS[1]
+    target, draft = scripted_pair(tok, "3 + 1 = 4.\n\nAnswer: 4", "3 plus", prompt)  # draft: EOS after 2 tokens
+    dec = stub_decoder(target, draft, tok, q=1.0, target_first_step=False, bonus_token=False)
+    (res,) = dec.generate([prompt], method="semanticspec", **GREEDY)
+    assert res.text == "3 plus" and len(res.steps) == 1 and res.steps[0].n_tokens == 3
+
+
+def test_step_without_delimiter_is_cut_at_max_step_tokens(tiny_pair):
+    target, draft, tok = tiny_pair
+    for q in (0.0, 1.0):  # always refused; always kept (steps then open with the target's bonus token)
+        dec = stub_decoder(target, draft, tok, q=q, delimiters=("never",), max_step_tokens=5)
+        for method in ("semanticspec", "target_only", "draft_only"):
+            (res,) = dec.generate(PROMPTS[:1], method=method, temperature=0.0, max_new_tokens=23)
+            assert all(t.n_tokens <= 5 for t in res.steps)
+            kept = [t for t in res.steps if t.decision != "reject"]
+            lengths = [t.n_tokens for t in kept]  # EOS would end the output early
+            assert lengths[:-1] == [5] * (len(lengths) - 1) and 0 < lengths[-1] <= 5, (method, lengths)
+            assert res.stats.output_tokens == 23
+            assert res.text == "".join(t.text for t in kept)
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def test_random_and_oracle_acceptance(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = SemanticSpecDecoder(target, draft, tok, max_step_tokens=4)
+    for rate, expected in ((0.0, 0.0), (1.0, 1.0)):
+        s = summarize(dec.generate(PROMPTS, method="random_accept", accept_rate=rate, max_new_tokens=16))
+        assert s["step_acceptance"] == expected and s["draft_steps_proposed"] > 0
+    seen = []
+    keep_even = lambda step, prefix: seen.append((step, prefix)) or len(seen) % 2 == 0
+    (res,) = dec.generate(PROMPTS[:1], method="oracle_accept", oracle=keep_even, max_new_tokens=24)
+    proposals = [t for t in res.steps if t.writer == "draft"]
+    assert [t.decision for t in proposals] == ["accept" if k % 2 else "reject" for k in range(len(proposals))]
+    assert [s for s, _ in seen] == [t.text for t in proposals]
+    assert all(res.text.startswith(prefix) for _, prefix in seen)
+
+
+def test_specreason_keeps_steps_scored_seven_or_more(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = SemanticSpecDecoder(target, draft, tok, max_step_tokens=4)
+    (res,) = dec.generate(PROMPTS[:1], method="specreason", max_new_tokens=24)
+    judged = [t for t in res.steps if t.writer == "draft"]
+    assert judged and all(0 <= t.score <= 9 for t in judged)
+    assert all((t.decision == "accept") == (t.score >= 7) for t in judged)
+
+
+def test_transformers_baselines_report_their_own_times(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = SemanticSpecDecoder(target, draft, tok)
+    for method in ("token_sd", "hf_target_only"):
+        (res,) = dec.generate(PROMPTS[:1], method=method, max_new_tokens=12)
+        assert isinstance(res, DecodeResult) and 0 < res.stats.output_tokens <= 12
+        assert res.stats.wall_s > 0 and res.stats.target_passes > 0
+    assert res.stats.target_passes >= res.stats.output_tokens  # plain generate: one pass per token
+
+
+# --------------------------------------------------------------------------- cross-tokenizer
+
+
+def char_tokenizer():
+    chars = sorted(set(string.printable))
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<bos>", "<eos>"] + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
+    ctok = char_tokenizer()
+    target, draft = tiny_llama(len(world_tokenizer), 32, 2), tiny_llama(len(ctok), 24, 1, seed=1)
+    prompts = PROMPTS[:2]
+    accept = SemanticSpecDecoder(
+        target,
+        draft,
+        world_tokenizer,
+        draft_tokenizer=ctok,
+        top_k=2,
+        max_step_tokens=6,
+        target_probe=ConstProbe(32, 1.0),
+        draft_probe=ConstProbe(24, 1.0),
+        target_first_step=False,
+    )
+    assert accept.top_k == 0  # no fast path across tokenizers
+    assert texts(accept.generate(prompts, **GREEDY)) == texts(accept.generate(prompts, method="draft_only", **GREEDY))
+    reject = SemanticSpecDecoder(
+        target,
+        draft,
+        world_tokenizer,
+        draft_tokenizer=ctok,
+        max_step_tokens=6,
+        target_probe=ConstProbe(32, 0.0),
+        draft_probe=ConstProbe(24, 1.0),
+    )
+    res = reject.generate(prompts, **GREEDY)
+    assert texts(res) == texts(reject.generate(prompts, method="target_only", **GREEDY))
+    assert summarize(res)["draft_steps_proposed"] > 0
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_probe_for_another_model_is_refused_naming_fields(tiny_pair, tmp_path):
+    target, draft, tok = tiny_pair
+    cfg = ProbeConfig(hidden_size=24, hidden_dims=[4], reads=model_fingerprint(draft, tok))
+    export_probe(SemanticProbe(cfg), tmp_path / "draft_probe")
+    with pytest.raises(ValueError, match=r"hidden_size: probe has 24, model has 32.*num_layers"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=tmp_path / "draft_probe")
+    dec = SemanticSpecDecoder(target, draft, tok, draft_probe=str(tmp_path / "draft_probe"), rule="threshold")
+    assert dec.draft_probe.config.reads == cfg.reads  # the right model loads
+
+
+def test_prompt_longer_than_context_names_both_lengths(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    long_prompt = "Add 5, then " * 100  # 401 tokens with <bos>; the tiny models have 256 positions
+    n = len(tok(long_prompt).input_ids)
+    with pytest.raises(ValueError, match=rf"prompt 1 has {n} tokens.*target.*is 256"):
+        dec.generate(["Take 3.\n\n", long_prompt], max_new_tokens=4)
+
+
+def test_output_stops_at_the_context_end(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=0.5)
+    prompt = "Add 5, then " * 60  # 241 tokens: 15 positions left
+    (res,) = dec.generate([prompt], max_new_tokens=100)
+    assert 0 < res.stats.output_tokens <= 256 - len(tok(prompt).input_ids)
+
+
+def test_empty_prompt_list_and_bad_arguments(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    assert dec.generate([]) == []
+    with pytest.raises(ValueError, match="method='beam'"):
+        dec.generate(PROMPTS, method="beam")
+    with pytest.raises(ValueError, match="accept_rate"):
+        dec.generate(PROMPTS, method="random_accept")
+    with pytest.raises(ValueError, match="needs target_probe"):
+        SemanticSpecDecoder(target, draft, tok).generate(PROMPTS)
+    with pytest.raises(ValueError, match=r"rule='greedy'.*tau=2"):
+        SemanticSpecDecoder(target, draft, tok, rule="greedy", tau=2)
+
+
+def test_models_on_different_devices_and_dtypes(tiny_pair):
+    # On CPU-only machines the draft differs from the target in dtype (float64), which exercises the
+    # same hand-over code (features, logits, tokens moved to each model's device and dtype); with a
+    # GPU the draft runs on it.
+    target, draft, tok = tiny_pair
+    draft = draft.to(torch.device("cuda") if torch.cuda.is_available() else torch.float64)
+    dec = stub_decoder(target, draft, tok, q=lambda x: (x.flatten(1)[:, 0] > 0).float(), rule="threshold")
+    ref = stub_decoder(target, draft, tok, q=0.0)
+    res = dec.generate(PROMPTS, **GREEDY)
+    assert summarize(res)["draft_steps_proposed"] > 0
+    assert texts(ref.generate(PROMPTS, **GREEDY)) == texts(ref.generate(PROMPTS, method="target_only", **GREEDY))
+
+
+# --------------------------------------------------------------------------- token-level speculation option
+
+
+def test_token_sd_inside_target_steps_is_lossless_when_greedy(tiny_pair):
+    target, draft, tok = tiny_pair
+    plain = stub_decoder(target, draft, tok, q=0.0)
+    spec = stub_decoder(target, draft, tok, q=0.0, token_sd=True, token_sd_tokens=3)
+    ref = plain.generate(PROMPTS, method="target_only", **GREEDY)
+    out = spec.generate(PROMPTS, **GREEDY)  # every draft step rejected: the target writes all, speculatively
+    assert texts(out) == texts(ref)
+    # with a draft that always agrees (the same model) each target pass keeps token_sd_tokens + 1 tokens
+    same = stub_decoder(draft, draft, tok, q=0.0, token_sd=True, token_sd_tokens=3).generate(PROMPTS, **GREEDY)
+    assert texts(same) == texts(plain.generate(PROMPTS, method="draft_only", **GREEDY))
+    s = summarize(same)
+    assert s["target_passes"] < 0.6 * s["output_tokens"]
+    sampled = spec.generate(PROMPTS, max_new_tokens=24, seed=1)
+    assert all(0 < r.stats.output_tokens <= 24 for r in sampled)
+    with pytest.raises(ValueError, match="token_sd=True.*shared tokenizer"):
+        SemanticSpecDecoder(target, draft, tok, draft_tokenizer=char_tokenizer(), token_sd=True)

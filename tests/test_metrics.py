@@ -1,0 +1,85 @@
+"""Acceptance metrics: pure update/compute, functional twins, Metric states, and agreement with summarize."""
+
+import pytest
+import torch
+
+from probes import metrics
+from probes.decoder import DecodeResult, DecodeStats, summarize
+
+
+def test_functional_twins_compute_ratios_of_sums():
+    assert float(metrics.step_acceptance([3, 1], [4, 4])) == pytest.approx(0.5)
+    assert float(metrics.draft_token_share(torch.tensor([10, 30]), torch.tensor([40, 60]))) == pytest.approx(0.4)
+    assert float(metrics.target_passes_per_100_tokens(25, 200)) == pytest.approx(12.5)
+    assert float(metrics.probe_overhead(0.5, 10.0)) == pytest.approx(0.05)
+    assert float(metrics.step_acceptance(0, 0)) == 0.0  # nothing proposed (target only) is 0, not NaN
+
+
+def test_bad_counts_are_refused_with_values():
+    with pytest.raises(ValueError, match="accepted=5 draft steps exceeds proposed=4"):
+        metrics.step_acceptance(5, 4)
+    with pytest.raises(ValueError, match="non-negative.*-1"):
+        metrics.draft_token_share(-1, 3)
+
+
+@pytest.mark.parametrize(
+    "cls, fn, higher",
+    [
+        (metrics.StepAcceptance, metrics.step_acceptance, True),
+        (metrics.DraftTokenShare, metrics.draft_token_share, True),
+        (metrics.TargetPassesPer100Tokens, metrics.target_passes_per_100_tokens, False),
+        (metrics.ProbeOverhead, metrics.probe_overhead, False),
+    ],
+)
+def test_metric_accumulates_like_the_functional_form(cls, fn, higher):
+    num, den = torch.tensor([1.0, 2.0, 0.0, 5.0]), torch.tensor([4.0, 2.0, 3.0, 6.0])
+    m = cls()
+    for a, b in zip(num, den):
+        assert m.update(a, b) is None
+    torch.testing.assert_close(m.compute(), fn(num, den))
+    assert cls.higher_is_better is higher
+    assert all(m._reductions[s] is not None for s in ("num", "den"))  # summed across processes
+    merged, other = cls(), cls()
+    merged.update(num, den)
+    other.update(3.0, 3.0)
+    merged.merge_state(other)  # what a distributed sync does with dist_reduce_fx="sum"
+    torch.testing.assert_close(
+        merged.compute(), fn(torch.cat([num, torch.tensor([3.0])]), torch.cat([den, torch.tensor([3.0])]))
+    )
+    m.reset()
+    assert float(m.compute()) == 0.0
+
+
+def test_summarize_uses_the_definitions():
+    a = DecodeResult(
+        "x",
+        stats=DecodeStats(
+            wall_s=2.0,
+            output_tokens=100,
+            draft_tokens=60,
+            steps=10,
+            draft_steps_proposed=9,
+            draft_steps_accepted=6,
+            target_passes=30,
+            probe_s=0.1,
+        ),
+    )
+    b = DecodeResult(
+        "y",
+        stats=DecodeStats(
+            wall_s=1.0,
+            output_tokens=50,
+            draft_tokens=0,
+            steps=5,
+            draft_steps_proposed=4,
+            draft_steps_accepted=0,
+            target_passes=20,
+            probe_s=0.05,
+        ),
+    )
+    s = summarize([a, b])
+    assert s["step_acceptance"] == pytest.approx(6 / 13)
+    assert s["draft_token_share"] == pytest.approx(60 / 150)
+    assert s["target_passes_per_100_tokens"] == pytest.approx(100 * 50 / 150)
+    assert s["probe_overhead"] == pytest.approx(0.15 / 3.0)
+    assert s["wall_s"] == pytest.approx(3.0) and s["output_tokens"] == 150 and s["n_prompts"] == 2
