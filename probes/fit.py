@@ -12,11 +12,15 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 from datamodules.datamodule import SemanticProbeDataModule
 from probes.export import export_probe
 from probes.module import SemanticProbeModule
+
+# Field docstrings of ProbeConfig / BuildConfig become their --help text (as in litgpt).
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "arithmetic.yaml"

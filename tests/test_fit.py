@@ -1,0 +1,225 @@
+"""`python -m probes.fit`: configs, --help, bad keys, the end-to-end default (reduced), Ctrl-C and resume, DDP."""
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from probes.export import load_probe
+from probes.fit import DEFAULT_CONFIG, main
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses(path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(path), "--print_config"])
+    assert exit_.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["probe"]["hidden_dims"] and printed["data"]["roles"]
+
+
+def test_unknown_key_is_named(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--trainer.max_epochz", "3", "--print_config"])
+    assert exit_.value.code == 2
+    assert "max_epochz" in capsys.readouterr().err
+
+
+def test_help_documents_options(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("--data.build.help", "--data.batch_size", "--model.loss", "--export_dir", "--trainer.max_epochs",
+                 "Where the best probes are exported"):
+        assert text in out
+    with pytest.raises(SystemExit):
+        main(["--data.build.help", "BuildConfig"])
+    out = capsys.readouterr().out
+    assert "--data.build.n_samples" in out and "Steps sampled per prefix" in out
+
+
+def test_nested_override_reaches_the_build(capsys):
+    with pytest.raises(SystemExit):
+        main(["--data.build.n_samples", "4", "--model.optimizer.lr", "0.01", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["build"]["n_samples"] == 4
+    assert printed["model"]["optimizer"]["init_args"]["lr"] == 0.01
+
+
+def test_missing_data_dir_without_build_is_named(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        main(["--data.data_dir", str(missing), "--data.build", "null", "--trainer.logger", "false"])
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+    """A reduced version of the default config: a small label build, 2 epochs, live validation every epoch."""
+    root = tmp_path_factory.mktemp("fit")
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg["export_dir"] = str(root / "export")
+    cfg["trainer"].update(max_epochs=2, default_root_dir=str(root / "runs"), enable_progress_bar=False)
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(root / "runs")
+    for cb in cfg["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("SpeculativeValidation"):
+            cb["init_args"].update(max_problems=2, max_seconds=20, every_n_epochs=1, max_new_tokens=48)
+    cfg["data"]["data_dir"] = str(root / "data")
+    cfg["data"]["build"] = {"n_problems": 8, "n_samples": 3, "shard_size": 8}
+    cfg["model"]["probe"]["hidden_dims"] = [64, 32]
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return root, path
+
+
+@pytest.fixture(scope="module")
+def fitted(run_config):
+    root, path = run_config
+    return root, path, main(["--config", str(path)])
+
+
+@pytest.mark.slow
+def test_end_to_end_default_reduced(fitted, capsys):
+    from datamodules.arithmetic.models import load_model, load_tokenizer
+
+    root, path, result = fitted
+    tok = load_tokenizer()
+    for role in ("target", "draft"):
+        exported = result["export"][role]
+        probe = load_probe(exported, model=load_model(role), tokenizer=tok)
+        cfg = json.loads((Path(exported) / "config.json").read_text())
+        assert cfg["role"] == role and cfg["reads"]["hidden_size"] == probe.config.hidden_size
+        assert set(cfg["test_metrics"]) >= {"mse", "mae", "auroc"}
+        assert cfg["labels"]["n_samples"] == 3
+    assert result["best_ckpt"] and Path(result["best_ckpt"]).is_file()
+    metrics_csv = next((root / "runs").rglob("metrics.csv")).read_text()
+    for name in ("spec/speedup", "spec/accuracy", "spec/accuracy_delta", "spec/step_acceptance",
+                 "spec/draft_token_share", "spec/target_passes_per_100_tokens", "val/mse", "val/target/auroc"):
+        assert name in metrics_csv
+    plots = {p.name for p in (root / "runs").rglob("*.png")}
+    assert {"history.png", "reliability.png", "acceptance_vs_ratio.png"} <= plots
+
+
+@pytest.mark.slow
+def test_second_run_reuses_shards(fitted, capsys):
+    root, path, _ = fitted
+    shards = sorted((root / "data").glob("shard-*.safetensors"))
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    main(["--config", str(path), "--trainer.max_epochs", "1", "--export_dir", "null", "--test", "false"])
+    assert "reusing" in capsys.readouterr().out
+    assert [p.stat().st_mtime_ns for p in sorted((root / "data").glob("shard-*.safetensors"))] == stamps
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_last_checkpoint_and_resumes(fitted, tmp_path):
+    root, path, _ = fitted
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "SpeculativeValidation" not in c["class_path"]]
+    cfg["trainer"]["callbacks"].append({"class_path": "tests.test_fit.InterruptAt", "init_args": {"epoch": 1}})
+    cfg["trainer"].update(max_epochs=3, default_root_dir=str(tmp_path))
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path)
+    cfg["export_dir"] = str(tmp_path / "export")
+    p = tmp_path / "interrupt.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            main(["--config", str(p)])
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after a graceful shutdown
+    last = next(tmp_path.rglob("last.ckpt"))
+    assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 0  # epoch 0 finished, epoch 1 interrupted
+    cfg["trainer"]["callbacks"] = cfg["trainer"]["callbacks"][:-1]
+    p.write_text(yaml.safe_dump(cfg))
+    result = main(["--config", str(p), "--ckpt_path", str(last)])
+    assert set(result["export"]) == {"target", "draft"}
+    assert torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)["epoch"] == 2
+
+
+import lightning as L  # noqa: E402
+
+
+class InterruptAt(L.Callback):
+    """Raises KeyboardInterrupt (as Ctrl-C does) at the start of training epoch ``epoch``."""
+
+    def __init__(self, epoch: int = 1):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.slow
+def test_callback_with_wrong_width_probes_is_refused(fitted):
+    from callbacks.speculative_validation import SpeculativeValidation
+    from probes.config import ProbeConfig
+    from probes.module import SemanticProbeModule
+
+    spec = {r: {"hidden_size": 7, "layer_ids": [-1], "reads": {"hidden_size": 7}} for r in ("target", "draft")}
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
+    callback = SpeculativeValidation(max_problems=1)
+    with pytest.raises(ValueError, match="hidden_size: probe has 7, model has"):
+        callback.setup(L.Trainer(logger=False), module, "fit")
+
+
+def test_callback_bad_problem_file_fails_before_training(tmp_path):
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    bad = tmp_path / "problems.jsonl"
+    bad.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\nnot json\n')
+    with pytest.raises(ValueError, match=f"{bad}:2"):
+        SpeculativeValidation(problems=str(bad))
+    with pytest.raises(ValueError, match="max_seconds"):
+        SpeculativeValidation(max_seconds=0)
+
+
+def _world_module():
+    from datamodules.arithmetic.models import load_model, load_tokenizer
+    from probes.config import ProbeConfig
+    from probes.export import model_fingerprint
+    from probes.module import SemanticProbeModule
+
+    tok = load_tokenizer()
+    spec = {}
+    for role in ("target", "draft"):
+        fp = model_fingerprint(load_model(role), tok)
+        spec[role] = {"hidden_size": fp["hidden_size"], "layer_ids": [-1], "reads": fp}
+    return SemanticProbeModule(ProbeConfig(hidden_dims=[16]), ["target", "draft"], spec)
+
+
+@pytest.mark.slow
+def test_callback_respects_its_time_bound():
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    callback = SpeculativeValidation(max_problems=5, max_seconds=1e-3, max_new_tokens=32)
+    module = _world_module()
+    callback.setup(L.Trainer(logger=False), module, "fit")
+    figures = callback.decode(module)
+    assert figures["problems"] == 1  # the first problem always runs; the bound stops the rest
+    assert module.training  # train mode restored
+
+
+@pytest.mark.slow
+def test_callback_drives_checkpoint_selection(fitted, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from callbacks.speculative_validation import SpeculativeValidation
+    from datamodules.datamodule import SemanticProbeDataModule
+
+    root, _, _ = fitted
+    data = SemanticProbeDataModule(str(root / "data"), build=None, batch_size=64)
+    module = _world_module()
+    spec = SpeculativeValidation(max_problems=2, max_seconds=20, max_new_tokens=48, temperature=0.6, plots_dir=str(tmp_path))
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="spec/speedup", mode="max", save_top_k=1)
+    trainer = L.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, callbacks=[spec, ckpt], default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=data)
+    speedups = [h["speedup"] for h in spec.history]
+    assert len(speedups) == 3
+    assert float(ckpt.best_model_score) == pytest.approx(max(speedups))
+    assert f"epoch={speedups.index(max(speedups))}" in ckpt.best_model_path
