@@ -77,6 +77,7 @@ def main(args: ArgsType = None) -> dict[str, Any]:
     if trainer.interrupted:
         return {"export": {}, "test": {}, "best_ckpt": getattr(trainer.checkpoint_callback, "best_model_path", None)}
     best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
+    live = _spec_summary(trainer)  # before test() replaces the callback metrics
     test_metrics: dict[str, float] = {}
     if cli.config.get("test", True):
         results = trainer.test(module, datamodule=data, ckpt_path="best" if best else None, verbose=False)
@@ -87,7 +88,7 @@ def main(args: ArgsType = None) -> dict[str, Any]:
         paths = export_probes(module, export_dir, test_metrics)
     if trainer.is_global_zero:
         summary = {role: {k.split("/")[-1]: v for k, v in test_metrics.items() if k.startswith(f"test/{role}/")} for role in module.roles}
-        summary.update(_spec_summary(trainer))
+        summary.update(live)
         print("\nbest checkpoint:", best or "(none)")
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")

@@ -70,7 +70,8 @@ def run_config(tmp_path_factory):
         if cb["class_path"].endswith("SpeculativeValidation"):
             cb["init_args"].update(max_problems=2, max_seconds=20, every_n_epochs=1, max_new_tokens=48)
     cfg["data"]["data_dir"] = str(root / "data")
-    cfg["data"]["build"] = {"n_problems": 8, "n_samples": 3, "shard_size": 8}
+    cfg["data"]["build"] = {"n_problems": 12, "n_samples": 3, "shard_size": 8}
+    cfg["data"].update(val_fraction=0.25, test_fraction=0.25)
     cfg["model"]["probe"]["hidden_dims"] = [64, 32]
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -138,7 +139,8 @@ def test_ctrl_c_keeps_last_checkpoint_and_resumes(fitted, tmp_path):
     p.write_text(yaml.safe_dump(cfg))
     result = main(["--config", str(p), "--ckpt_path", str(last)])
     assert set(result["export"]) == {"target", "draft"}
-    assert torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)["epoch"] == 2
+    newest = max(tmp_path.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime_ns)
+    assert torch.load(newest, map_location="cpu", weights_only=False)["epoch"] == 2  # resumed and ran epochs 1 and 2
 
 
 import lightning as L  # noqa: E402
@@ -213,7 +215,7 @@ def test_callback_drives_checkpoint_selection(fitted, tmp_path):
     from datamodules.datamodule import SemanticProbeDataModule
 
     root, _, _ = fitted
-    data = SemanticProbeDataModule(str(root / "data"), build=None, batch_size=64)
+    data = SemanticProbeDataModule(str(root / "data"), build=None, batch_size=64, val_fraction=0.25, test_fraction=0.25)
     module = _world_module()
     spec = SpeculativeValidation(max_problems=2, max_seconds=20, max_new_tokens=48, temperature=0.6, plots_dir=str(tmp_path))
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="spec/speedup", mode="max", save_top_k=1)
