@@ -1,0 +1,46 @@
+"""DDP with 2 CPU processes on real shards: the Trainer strategy works unchanged and ranks see disjoint data."""
+
+import json
+
+import lightning as L
+import pytest
+
+from datamodules.datamodule import SemanticProbeDataModule
+from probes.config import ProbeConfig
+from probes.module import SemanticProbeModule
+from tests.test_datamodule import WIDTH, make_dataset  # real shard files, ids in feature 0
+
+
+class RecordingModule(SemanticProbeModule):
+    """Writes the sample ids (feature 0 of the test shards) each rank trained on to ``out/rank<r>.json``."""
+
+    def __init__(self, out: str, **kw):
+        super().__init__(**kw)
+        self.out, self.seen = out, []
+
+    def training_step(self, batch, batch_idx):
+        for role, part in batch.items():  # a sample is read by the target and by the draft: key by role
+            self.seen += [f"{role}:{i}" for i in part["features"][:, 0].long().tolist()]
+        return super().training_step(batch, batch_idx)
+
+    def on_train_epoch_end(self):
+        with open(f"{self.out}/rank{self.global_rank}.json", "w") as f:
+            json.dump(self.seen, f)
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_see_disjoint_data(tmp_path):
+    data_dir = make_dataset(tmp_path / "data", n_shards=4, prefixes_per_shard=6, n=3)
+    dm = SemanticProbeDataModule(str(data_dir), build=None, batch_size=8, shuffle_buffer=16, val_fraction=0.0, test_fraction=0.0)
+    module = RecordingModule(str(tmp_path), probe=ProbeConfig(hidden_dims=[8]), roles=["target", "draft"], input_spec=dm.input_spec)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=dm)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0] and seen[1]
+    assert not set(seen[0]) & set(seen[1]), "a row reached both ranks"
+    assert len(seen[0]) == len(set(seen[0])) and len(seen[1]) == len(set(seen[1]))
+    total = 4 * 6 * (2 * 3 + 3)  # shards x prefixes x (target reads 2n + draft reads n)
+    assert len(seen[0]) == len(seen[1]) and len(seen[0]) + len(seen[1]) >= total - 1  # at most one left over
+    assert {s.split(":")[0] for s in seen[0] + seen[1]} == set(WIDTH)
