@@ -1,0 +1,348 @@
+"""Tests of the embedded arithmetic world: generator, oracle, tokenizer, and the shipped models (issue 6)."""
+
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from datamodules.arithmetic import card, models, task
+from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, MAX_NUMBER
+from tests.conftest import tiny_llama
+
+# A few meanings per operation, with edge numbers (0, the largest token, negative results, multi-digit).
+MEANINGS = [
+    task.Meaning("add", 7, 5, 12),
+    task.Meaning("add", 0, 9, 9),
+    task.Meaning("add", 190, 9, 199),
+    task.Meaning("sub", 12, 5, 7),
+    task.Meaning("sub", 3, 9, -6),
+    task.Meaning("sub", 100, 1, 99),
+    task.Meaning("mul", 7, 3, 21),
+    task.Meaning("mul", 0, 2, 0),
+    task.Meaning("mul", 66, 3, 198),
+]
+ALL_STEPS = [(m, i, task.render_step(m, i)) for m in MEANINGS for i in range(task.N_TEMPLATES)]
+TEST_SEED = 4242  # not a training (0, 1) or evaluation (10_000) seed
+
+
+# --- generator -------------------------------------------------------------------------------------
+
+
+def test_generator_is_deterministic_by_seed():
+    a = [p.to_json() for p in task.generate_problems(30, seed=7)]
+    b = [p.to_json() for p in task.generate_problems(30, seed=7)]
+    c = [p.to_json() for p in task.generate_problems(30, seed=8)]
+    assert a == b
+    assert a != c
+
+
+def test_generated_traces_agree_with_the_oracle_and_the_knobs():
+    cfg = task.TaskConfig(
+        min_ops=3, max_ops=4, result_range=(0, 99), template_weights={op: (0, 0, 1, 0) for op in task.OPS}
+    )
+    for p in task.generate_problems(50, seed=TEST_SEED, cfg=cfg):
+        *steps, answer = p.trace.split(task.STEP_DELIMITER)
+        assert 3 <= len(steps) <= 4 and len(steps) == len(p.steps)
+        for text, m in zip(steps, p.steps):
+            parsed = task.parse_step(text)
+            assert parsed == (m, 2)  # only template 2 has weight
+            assert task.is_correct(m) and 0 <= m.result <= 99
+        assert [m.a for m in p.steps[1:]] == [m.result for m in p.steps[:-1]]  # a chain on a running value
+        assert task.extract_answer(answer) == p.answer == p.steps[-1].result
+        assert task.check_answer(p.trace, p.answer) and not task.check_answer(p.trace, p.answer + 1)
+        assert any(p.problem.startswith(o.format(x=p.steps[0].a)) for o in task.PROBLEM_OPENERS)
+
+
+def test_jsonl_round_trip_and_bad_lines_name_file_and_line(tmp_path):
+    problems = task.generate_problems(5, seed=TEST_SEED)
+    path = task.write_jsonl(problems, tmp_path / "p.jsonl")
+    assert list(task.read_jsonl(path)) == [p.to_json() for p in problems]
+    path.write_text(path.read_text() + "{not json\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:6"):
+        list(task.read_jsonl(path))
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        list(task.read_jsonl(tmp_path / "nope.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "knobs, named",
+    [
+        ({"result_range": (500, 600)}, "result_range"),  # no start value can lie in it
+        ({"ops": ("mul",), "result_range": (0, 20), "min_ops": 6, "max_ops": 6}, "result_range"),  # no 6-chain fits
+        ({"min_ops": 4, "max_ops": 3}, "min_ops"),
+        ({"max_ops": 7}, "max_ops"),
+        ({"addsub_range": (9, 1)}, "addsub_range"),
+        ({"addsub_range": (0, 9)}, "addsub_range"),
+        ({"mul_range": (1, 3)}, "mul_range"),
+        ({"start_range": (30, 10)}, "start_range"),
+        ({"ops": ("div",)}, "ops"),
+        ({"ops": ()}, "ops"),
+        ({"template_weights": {op: (0, 0, 0, 0) for op in task.OPS}}, "template_weights"),
+        ({"template_weights": {op: (1, 1) for op in task.OPS}}, "template_weights"),
+        ({"template_weights": {"add": (1, 1, 1, 1)}}, "template_weights"),  # sub and mul lack weights
+    ],
+)
+def test_impossible_generator_knobs_raise_naming_the_knob(knobs, named):
+    with pytest.raises(ValueError, match=named):
+        task.TaskConfig(**knobs)
+
+
+# --- oracle ----------------------------------------------------------------------------------------
+
+
+def test_oracle_parses_every_template_of_every_operation():
+    assert {op for op, *_ in MEANINGS} == set(task.OPS)
+    for m, i, text in ALL_STEPS:
+        assert task.parse_step(text) == (m, i), text
+        assert task.meaning(text) == m
+        assert task.meaning(text + task.STEP_DELIMITER) == m  # a step keeps its delimiter
+        assert task.meaning(text.encode()) == m
+        assert task.is_correct(m)
+    # Paraphrases of one meaning agree; a wrong result keeps its (stated) meaning but is not correct.
+    wrong = task.Meaning("add", 7, 5, 13)
+    assert len({task.meaning(task.render_step(wrong, i)) for i in range(task.N_TEMPLATES)}) == 1
+    assert not task.is_correct(task.meaning(task.render_step(wrong, 2)))
+
+
+def test_oracle_returns_none_on_truncated_and_malformed_text():
+    for _, _, text in ALL_STEPS:
+        for cut in range(len(text)):  # every proper prefix is truncated (all templates end with ".")
+            assert task.meaning(text[:cut]) is None, text[:cut]
+    malformed = [
+        "",
+        " ",
+        "\n\n",
+        "7 + = 12.",
+        "seven plus five equals twelve.",
+        "Adding 5 to 7 equals 12.",
+        "7 + 5 = 12. 3 + 4 = 7.",
+        "7 + 5 = 12.5.",
+        "7 +5 = 12!",
+        "Answer: 12",
+        "12 is what we get from 7 plus.",
+        "7 + 5 = " + "1" * 300 + ".",
+    ]
+    for text in malformed:
+        assert task.meaning(text) is None, text
+    for junk in (None, 12, 3.5, ["7 + 5 = 12."], b"\xff\xfe\x00", object()):
+        assert task.meaning(junk) is None
+
+
+def test_oracle_never_raises_on_random_bytes():
+    rng = random.Random(TEST_SEED)
+    for _ in range(500):
+        raw = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80)))
+        assert task.meaning(raw) is None
+        assert task.meaning(raw.decode("latin-1")) is None
+        assert task.extract_answer(raw.decode("latin-1")) is None  # no answer marker in random bytes
+
+
+# --- tokenizer -------------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trips_every_template(world_tokenizer):
+    tok = world_tokenizer
+    problem = task.generate_problems(1, seed=TEST_SEED)[0]
+    texts = [text for _, _, text in ALL_STEPS]
+    texts += [problem.problem + task.STEP_DELIMITER + problem.trace, task.answer_line(-6)]
+    texts += [JUDGE_TEMPLATE.format(a=ALL_STEPS[0][2], b=ALL_STEPS[5][2]) + " yes"]
+    texts += [task.STEP_DELIMITER.join(texts[:12])]
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids, text
+        assert tok.decode(ids) == text
+        with_bos = tok(text)["input_ids"]
+        assert with_bos == [tok.bos_token_id] + ids  # like Llama tokenizers, encoding adds <bos>
+        assert tok.decode(with_bos, skip_special_tokens=True) == text
+    assert tok(task.STEP_DELIMITER, add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids("\n\n")]
+    for n in range(MAX_NUMBER + 1):  # every number is one token, with or without a leading space
+        assert len(tok(str(n), add_special_tokens=False)["input_ids"]) == 1
+        assert len(tok(f" {n}", add_special_tokens=False)["input_ids"]) == 1
+    assert (tok.pad_token_id, tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2, 3)
+
+
+# --- loader: bad input -----------------------------------------------------------------------------
+
+
+def test_missing_model_folder_raises_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "target"))):
+        models.load_model("target", root=tmp_path)
+    with pytest.raises(ValueError, match="'oracle'.*target"):
+        models.load_model("oracle", root=tmp_path)
+
+
+def test_partial_model_folder_raises_naming_folder_and_missing_file(tmp_path):
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(FileNotFoundError) as err:
+        models.load_model("draft", root=tmp_path)
+    assert str(folder) in str(err.value) and "model.safetensors" in str(err.value)
+    assert "config.json" not in str(err.value)  # only what is missing is named
+
+
+# --- shipped models --------------------------------------------------------------------------------
+
+# Floors sit well below what benchmarks/world.py measures on 200 problems (see benchmarks/results/world.json):
+# a broken model or tokenizer falls far below them, sampling noise on 40 problems does not.
+ACCURACY_FLOORS = {"target": 0.8, "draft": 0.2}
+JUDGE_FLOOR = 0.65  # the shipped judge measures ~0.78 (chance is ~0.5)
+
+
+def _shipped(role: str):
+    folder = models.world_root() / role
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent: train it with `python -m datamodules.arithmetic.train --which {role}`")
+    return folder
+
+
+@pytest.mark.parametrize("role", models.ROLES)
+def test_shipped_model_loads_offline_with_the_world_tokenizer(role, world_tokenizer, monkeypatch):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    folder = _shipped(role)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.vocab_size == len(world_tokenizer)
+    tok = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    assert tok.get_vocab() == world_tokenizer.get_vocab()
+    text = task.generate_problems(1, seed=TEST_SEED)[0].problem
+    assert tok(text)["input_ids"] == world_tokenizer(text)["input_ids"]  # same ids, <bos> included
+    if folder.parent == models.DEFAULT_ROOT:  # shipped folders carry their card and training facts
+        assert (folder / "README.md").is_file() and (folder / "training.json").is_file()
+        assert json.loads((folder / "training.json").read_text())["which"] == role
+
+
+def test_shipped_weights_stay_under_60_mb():
+    root = models.world_root()
+    if not root.is_dir() or not any((root / r).is_dir() for r in models.ROLES):
+        pytest.skip(f"{root} holds no world models yet")
+    total = sum(f.stat().st_size for f in root.rglob("*.safetensors"))
+    assert total < 60e6, f"{root} weights take {total / 1e6:.1f} MB; the issue allows 60 MB"
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_shipped_solver_stays_above_accuracy_floor(role):
+    from datamodules.arithmetic.train import eval_solver
+
+    _shipped(role)
+    model, tok = models.load_model(role), models.load_tokenizer(role=role)
+    problems = task.generate_problems(40, seed=TEST_SEED, cfg=task.TaskConfig(min_ops=4, max_ops=4))
+    accuracy = eval_solver(model, tok, problems, temperature=0.6, top_p=0.95, seed=0)
+    assert accuracy >= ACCURACY_FLOORS[role], (
+        f"{role} answered {accuracy:.2f} of 40 problems, floor {ACCURACY_FLOORS[role]}"
+    )
+
+
+def test_shipped_judge_stays_above_accuracy_floor():
+    from datamodules.arithmetic.train import judge_pair, judge_yes_prob
+
+    _shipped("judge")
+    model, tok = models.load_model("judge"), models.load_tokenizer(role="judge")
+    rng = random.Random(TEST_SEED)
+    pairs = [judge_pair(rng)[:2] for _ in range(200)]
+    truth = torch.tensor([task.meaning(a) == task.meaning(b) for a, b in pairs])  # labels from the oracle
+    accuracy = float(((judge_yes_prob(model, tok, pairs) > 0.5) == truth).float().mean())
+    assert accuracy >= JUDGE_FLOOR, f"judge agreed with the oracle on {accuracy:.2f} of 200 pairs, floor {JUDGE_FLOOR}"
+
+
+# --- publishing and model cards -------------------------------------------------------------------
+
+
+def _trained_folder(root, role, world_tokenizer, with_facts=True):
+    folder = root / role
+    tiny_llama(len(world_tokenizer)).save_pretrained(folder)
+    world_tokenizer.save_pretrained(folder)
+    if with_facts:
+        history = [{"step": 100, "minutes": 1.5, "loss": 0.5, "accuracy": 0.42}]
+        facts = {
+            "which": role,
+            "seed": 3,
+            "parameters": 1234,
+            "saved_at": history[-1],
+            "history": history,
+            "spec": {
+                "layers": 2,
+                "hidden": 32,
+                "heads": 4,
+                "steps": 100,
+                "batch": 8,
+                "lr": 1e-3,
+                "max_minutes": 5,
+                "style": [0.1, 0.2, 0.3, 0.4],
+                "eval_every": 100,
+                "stop_accuracy": None,
+                "accuracy_band": [0.4, 0.7],
+                "extra": {},
+            },
+        }
+        (folder / "training.json").write_text(json.dumps(facts))
+    return folder
+
+
+def test_publish_copies_a_finished_model_with_the_current_tokenizer(tmp_path, world_tokenizer):
+    _trained_folder(tmp_path / "train", "draft", world_tokenizer)
+    dst = card.publish("draft", tmp_path / "train", tmp_path / "ship")
+    assert {p.name for p in dst.iterdir()} >= {"config.json", "model.safetensors", "training.json", "tokenizer.json"}
+    model, tok = models.load_model("draft", tmp_path / "ship"), models.load_tokenizer(tmp_path / "ship", role="draft")
+    assert model.config.vocab_size == len(tok) and tok("7 + 5 = 12.")["input_ids"][0] == tok.bos_token_id
+    _trained_folder(tmp_path / "train", "target", world_tokenizer, with_facts=False)
+    with pytest.raises(FileNotFoundError, match="training.json"):  # training not finished: nothing is published
+        card.publish("target", tmp_path / "train", tmp_path / "ship")
+    assert not (tmp_path / "ship" / "target").exists()
+
+
+def test_model_card_reports_training_facts_and_measured_numbers(tmp_path, world_tokenizer):
+    folder = _trained_folder(tmp_path, "draft", world_tokenizer)
+    solver = {
+        "accuracy": 0.4321,
+        "accuracy_ci95": [0.36, 0.5],
+        "ms_per_token": 0.777,
+        "prefill_ms": 1.0,
+        "reference_step_share": 0.7,
+        "timing_prompts": 4,
+        "timing_new_tokens": 32,
+        "example_trace": "7 + 5 = 12.",
+    }
+    shares = {
+        "shares": [0.1, 0.2, 0.3, 0.4],
+        "by_op": {op: [0.25] * 4 for op in task.OPS},
+        "steps": 10,
+        "malformed_share": 0.0,
+        "correct_step_share": 0.9,
+    }
+    results = {
+        "n_problems": 200,
+        "problem_seed": 20000,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "torch_threads": 1,
+        "target": {**solver, "accuracy": 0.9654, "ms_per_token": 3.1},
+        "draft": solver,
+        "cost_ratio": 0.2506,
+        "template_distribution": {"target": shares, "draft": shares, "style_distance": 0.5},
+        "judge_accuracy": 0.9876,
+        "judge_pairs": 1000,
+        "judge_seed": 20001,
+        "judge_confusion": {"true_yes": 1, "false_yes": 2, "true_no": 3, "false_no": 4},
+        "goals": {"cost_ratio <= 0.2": False, "target_accuracy >= 0.95": True},
+    }
+    text = card.write_card("draft", tmp_path, results).read_text()
+    for expected in (
+        "0.432",
+        "0.777",
+        "0.251",
+        "0.988",
+        "0.10 / 0.20 / 0.30 / 0.40",
+        "step 100",
+        "1.5 minutes",
+        "seed 3",
+        "--which draft",
+        "missed: cost_ratio <= 0.2",
+    ):
+        assert expected in text, expected
+    assert "Not measured yet" in card.card_text("draft", folder, None)
