@@ -90,23 +90,39 @@ def lm_example(tok, p: task.Problem) -> tuple[list[int], int]:
     return prompt + tok(p.trace, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], len(prompt)
 
 
-def judge_pair(rng: random.Random) -> tuple[str, str, bool]:
-    """A pair of steps and whether they mean the same; half are positives, negatives are mostly hard."""
-    op = rng.choice(task.OPS)
-    a, b = rng.randint(0, 60), rng.randint(1, 9) if op != "mul" else rng.randint(2, 3)
+def _random_meaning(rng: random.Random, op: Optional[str] = None) -> task.Meaning:
+    """A meaning whose numbers all stay in the vocabulary's 0-199 (the result may be wrong)."""
+    op = op or rng.choice(task.OPS)
+    b = rng.randint(2, 3) if op == "mul" else rng.randint(1, 9)
+    a = rng.randint(0, 199 // b if op == "mul" else (199 - b if op == "add" else 199))
+    a = max(a, b) if op == "sub" else a
     r = task.apply_op(op, a, b) if rng.random() < 0.8 else rng.randint(0, 199)
-    m1 = task.Meaning(op, a, b, max(0, min(199, r)))
+    return task.Meaning(op, a, b, max(0, min(199, r)))
+
+
+def judge_pair(rng: random.Random) -> tuple[str, str, bool]:
+    """A pair of steps and whether they mean the same.
+
+    Half are positives (any two templates); negatives change one field (hard: another operation,
+    result off by one, operands swapped, operand off by one) or are two unrelated steps, as the
+    target and draft write at the same point of a problem.
+    """
+    m1 = _random_meaning(rng)
     kind = rng.random()
-    if kind < 0.5:
+    if kind < 0.45:
         m2 = m1
-    elif kind < 0.65:
-        m2 = m1._replace(op=rng.choice([o for o in task.OPS if o != op]))
-    elif kind < 0.8:
-        m2 = m1._replace(result=min(199, m1.result + 1) if m1.result == 0 or rng.random() < 0.5 else m1.result - 1)
-    elif kind < 0.9:
+    elif kind < 0.57:
+        m2 = m1._replace(op=rng.choice([o for o in task.OPS if o != m1.op]))
+    elif kind < 0.69:
+        m2 = m1._replace(result=m1.result + 1 if m1.result == 0 or (m1.result < 199 and rng.random() < 0.5) else m1.result - 1)
+    elif kind < 0.77:
         m2 = m1._replace(a=m1.b, b=m1.a) if m1.a != m1.b else m1._replace(b=m1.b + 1)
-    else:
+    elif kind < 0.85:
         m2 = m1._replace(b=m1.b + rng.choice([-1, 1]) if m1.b > 1 else m1.b + 1)
+    else:
+        m2 = m1
+        while m2 == m1:
+            m2 = _random_meaning(rng, op=m1.op if rng.random() < 0.5 else None)
     t1, t2 = rng.randrange(task.N_TEMPLATES), rng.randrange(task.N_TEMPLATES)
     return task.render_step(m1, t1), task.render_step(m2, t2), m1 == m2
 
@@ -181,6 +197,9 @@ def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[
     if init_from is not None:
         model = LlamaForCausalLM.from_pretrained(init_from, local_files_only=True)
         spec.extra["init_from"] = str(init_from)
+        init_facts = Path(init_from) / "training.json"
+        if init_facts.is_file():  # which step of which model the judge started from
+            spec.extra["init_saved_at"] = json.loads(init_facts.read_text()).get("saved_at")
         spec.layers, spec.hidden = model.config.num_hidden_layers, model.config.hidden_size
         spec.heads = model.config.num_attention_heads
     else:

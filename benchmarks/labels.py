@@ -1,0 +1,253 @@
+"""Label pipeline benchmark on the embedded world: label quality against the oracle, cost, storage, streaming.
+
+    python -m benchmarks.labels [--quick]      # SEMANTICSPEC_WORLD=/tmp/world to use other world models
+
+Measures (issue 3, DESIGN.md "Benchmark outputs" -> labels.json):
+- ``ari``: adjusted Rand index of the pipeline's groups vs the oracle's meanings, mean over prefixes
+  (goal >= 0.9); ``ari_hdbscan_only`` and ``ari_judge_only`` regroup the same samples without the
+  judge or without HDBSCAN;
+- ``ari_oracle_judge``: the same pipeline with the oracle as its judge (audit only: what a perfect
+  judge would give, so judge quality and pipeline logic can be told apart);
+- ``judge_accuracy``: share of the pairs the judge was asked that it answered as the oracle does;
+- ``q_mae`` / ``p_mae``: mean absolute error of the labels vs labels from oracle groups (goal <= 0.05);
+- ``seconds_per_stage`` of the default build and the share of clustering + judge (goal <= 25%);
+- ``bytes_per_sample`` on disk;
+- ``read_samples_per_s`` streaming 384-wide synthetic shards through the DataModule (goal >= 200k/s)
+  and ``peak_rss_mb`` at 1x and 10x data (flat = memory independent of dataset size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.metrics import adjusted_rand_score
+
+from datamodules import shards as S
+from datamodules.arithmetic.task import meaning
+from datamodules.build import BuildConfig, build, make_judge
+from datamodules.clustering import group_prefixes, normalize_text
+from datamodules.judges import OracleJudge
+from datamodules.labels import joint_labels
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def oracle_key(text: str) -> str:
+    """The oracle's meaning of a step; malformed steps mean only themselves."""
+    m = meaning(text)
+    return str(tuple(m)) if m is not None else "malformed:" + normalize_text(text)
+
+
+def load_prefixes(data_dir: Path) -> list[dict]:
+    """Per prefix: texts, writers, groups, q, p and the target's features of its 2N samples."""
+    out = []
+    manifest = S.read_manifest(data_dir)
+    for entry in manifest["shards"]:
+        recs = [json.loads(line) for line in (data_dir / entry["steps_file"]).read_text().splitlines()]
+        t = S.read_shard(data_dir / entry["file"], ["target.features", "target.sample_id"])
+        row_of = {int(s): i for i, s in enumerate(t["target.sample_id"])}
+        for rec in recs:
+            samples = rec["samples"]
+            rows = [row_of[s["sample_id"]] for s in samples]
+            out.append({"texts": [s["text"] for s in samples], "writers": np.array([s["writer"] for s in samples]),
+                        "groups": np.array([s["group"] for s in samples]), "q": np.array([s["q"] for s in samples]),
+                        "p": np.array([s["p"] for s in samples]), "features": t["target.features"][rows].float().numpy()})
+    return out
+
+
+def audit(prefixes: list[dict], groups: list[np.ndarray]) -> dict:
+    """ARI and label errors of ``groups`` against the oracle's meanings."""
+    aris, q_err, p_err = [], [], []
+    for pre, g in zip(prefixes, groups):
+        truth = [oracle_key(t) for t in pre["texts"]]
+        aris.append(adjusted_rand_score(truth, g))
+        codes = np.unique(truth, return_inverse=True)[1]
+        ours, oracle = joint_labels(np.asarray(g), pre["writers"]), joint_labels(codes, pre["writers"])
+        q_err.append(np.abs(ours["q"] - oracle["q"]))
+        p_err.append(np.abs(ours["p"] - oracle["p"]))
+    return {"ari": float(np.mean(aris)), "q_mae": float(np.concatenate(q_err).mean()),
+            "p_mae": float(np.concatenate(p_err).mean()), "n_prefixes": len(prefixes)}
+
+
+def judge_accuracy(asked: list) -> float:
+    """Share of judged pairs answered as the oracle does."""
+    if not asked:
+        return float("nan")
+    return float(np.mean([same == (oracle_key(a) == oracle_key(b)) for a, b, same in asked]))
+
+
+def variants(config: BuildConfig, prefixes: list[dict]) -> dict:
+    """Regroup the built samples with each clustering method (same judge, no disk cache)."""
+    out = {}
+    base = config.cluster_config()
+    batch = [(p["texts"], p["features"]) for p in prefixes]
+    runs = {"hdbscan+judge": ("hdbscan+judge", make_judge(config)), "hdbscan": ("hdbscan", None),
+            "judge": ("judge", make_judge(config)),
+            # audit only: the same pipeline with the exact oracle as its judge, an upper bound for any judge
+            "hdbscan+oracle_judge": ("hdbscan+judge", OracleJudge())}
+    for name, (method, judge) in runs.items():
+        asked: list = []
+        t0 = time.perf_counter()
+        groups = group_prefixes(batch, judge, dataclasses.replace(base, method=method), asked)
+        res = audit(prefixes, groups)
+        res.update(seconds=round(time.perf_counter() - t0, 2), judge_pairs=len(asked), judge_accuracy=judge_accuracy(asked))
+        out[name] = res
+    return out
+
+
+# ---- streaming read ------------------------------------------------------------------------
+
+
+def write_synthetic(d: Path, rows: int, width: int = 384, rows_per_shard: int = 8192, seed: int = 0) -> None:
+    """Shards of one role shaped like a build's (fp16 features, labels, ids) and their manifest."""
+    d.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    entries = []
+    for k, start in enumerate(range(0, rows, rows_per_shard)):
+        n = min(rows_per_shard, rows - start)
+        ids = torch.arange(start, start + n)
+        t = {"target.features": torch.randn(n, width, generator=g).half(), "target.label": torch.rand(n, generator=g),
+             "target.q": torch.rand(n), "target.p": torch.rand(n), "target.writer": torch.zeros(n, dtype=torch.int8),
+             "target.problem_id": ids // 64, "target.prefix_id": ids // 16, "target.sample_id": ids,
+             "target.group_id": torch.zeros(n, dtype=torch.int32), "target.group_entropy": torch.zeros(n)}
+        path = S.write_shard(d / S.shard_name(k), t)
+        entries.append({"file": path.name, "sha256": S.sha256_file(path), "count": {"target": n}})
+    reads = {"target": {"name_or_path": "synthetic", "architecture": "none", "hidden_size": width, "num_layers": 1, "vocab_size": 1}}
+    S.atomic_write_json(d / S.MANIFEST, {"complete": True, "build": {"reads": reads, "layer_ids": [-1], "pooling": "mean",
+                                                                      "delimiters": ["\n\n"], "labels": {}}, "shards": entries})
+
+
+_READER = """
+import json, sys, time
+from datamodules.datamodule import SemanticProbeDataModule
+base = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
+dm = SemanticProbeDataModule(sys.argv[1], build=None, roles=["target"], batch_size=int(sys.argv[2]),
+                             shuffle_buffer=16384, val_fraction=0.0, test_fraction=0.0)
+t0 = time.perf_counter()
+dm.setup()  # checksums and a finiteness scan of every shard
+setup_s = time.perf_counter() - t0
+loader = dm.train_dataloader()
+t0, n = time.perf_counter(), 0
+for batch in loader:
+    n += len(batch["target"]["label"])
+dt = time.perf_counter() - t0
+# VmHWM: this process's own peak RSS (ru_maxrss would carry the parent's peak across fork + exec)
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
+print(json.dumps({"rows": n, "seconds": dt, "rows_per_s": n / dt, "peak_rss_mb": hwm, "setup_seconds": setup_s, "import_rss_mb": base}))
+"""
+
+
+def read_benchmark(rows: int, batch_size: int = 128) -> dict:
+    """Stream ``rows`` synthetic 384-wide rows in a fresh process; rows/s and its peak RSS."""
+    with tempfile.TemporaryDirectory(prefix="labels-read-") as tmp:
+        write_synthetic(Path(tmp), rows)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-c", _READER, tmp, str(batch_size)], capture_output=True, text=True, check=False,
+                             env=env, cwd=Path(__file__).resolve().parents[1])
+        if out.returncode:
+            raise RuntimeError(f"read benchmark failed: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def run(quick: bool) -> dict:
+    config = BuildConfig(n_problems=30) if quick else BuildConfig()
+    with tempfile.TemporaryDirectory(prefix="labels-build-") as tmp:
+        t0 = time.perf_counter()
+        manifest = build(config, tmp)
+        build_s = time.perf_counter() - t0
+        prefixes = load_prefixes(Path(tmp))
+        built = audit(prefixes, [p["groups"] for p in prefixes])
+        var = variants(config, prefixes)
+        shard_bytes = sum(s["bytes"] for s in manifest["shards"])
+        rows = sum(r["rows"] for r in manifest["roles"].values())
+        feature_bytes = sum(2 * r["width"] * r["rows"] for r in manifest["roles"].values())
+    stages = manifest["stats"]["seconds_per_stage"]
+    share = (stages.get("clustering", 0) + stages.get("judge", 0)) / build_s
+    small, big = (20_000, 200_000) if quick else (100_000, 1_000_000)
+    r1, r10 = read_benchmark(small), read_benchmark(big)
+    return {
+        "ari": built["ari"],
+        "judge_accuracy": var["hdbscan+judge"]["judge_accuracy"],
+        "q_mae": built["q_mae"],
+        "p_mae": built["p_mae"],
+        "ari_hdbscan_only": var["hdbscan"]["ari"],
+        "ari_judge_only": var["judge"]["ari"],
+        "ari_oracle_judge": var["hdbscan+oracle_judge"]["ari"],
+        "seconds_per_stage": stages,
+        "build_seconds": round(build_s, 2),
+        "clustering_judge_share": round(share, 3),
+        "bytes_per_sample": round(shard_bytes / rows, 1),
+        "feature_bytes_per_sample": round(feature_bytes / rows, 1),
+        "overhead_bytes_per_sample": round((shard_bytes - feature_bytes) / rows, 1),
+        "read_samples_per_s": round(r10["rows_per_s"]),
+        "read_samples_per_s_1x": round(r1["rows_per_s"]),
+        "peak_rss_mb": {"1x": round(r1["peak_rss_mb"], 1), "10x": round(r10["peak_rss_mb"], 1)},
+        "read_rows": {"1x": small, "10x": big},
+        "import_rss_mb": round(r1["import_rss_mb"], 1),
+        "read_setup_seconds": {"1x": round(r1["setup_seconds"], 2), "10x": round(r10["setup_seconds"], 2)},
+        "variants": var,
+        "build": {"n_problems": config.n_problems, "n_prefixes": manifest["n_prefixes"], "n_samples": config.n_samples,
+                  "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["judge"]["kind"],
+                  "this_run": manifest["stats"]["this_run"], "world": str(config.model_path("target"))},
+        "quick": quick,
+    }
+
+
+def table(res: dict) -> str:
+    def goal(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    st = res["seconds_per_stage"]
+    lines = ["| metric | value | goal |", "|---|---|---|",
+             f"| ARI vs oracle (HDBSCAN + judge) | {res['ari']:.3f} | >= 0.9 {goal(res['ari'] >= 0.9)} |",
+             f"| ARI HDBSCAN only | {res['ari_hdbscan_only']:.3f} | |",
+             f"| ARI judge only | {res['ari_judge_only']:.3f} | |",
+             f"| ARI with the oracle as judge (audit: bound for a perfect judge) | {res['ari_oracle_judge']:.3f} | |",
+             f"| judge accuracy on asked pairs | {res['judge_accuracy']:.3f} | |",
+             f"| q MAE vs oracle groups | {res['q_mae']:.4f} | <= 0.05 {goal(res['q_mae'] <= 0.05)} |",
+             f"| p MAE vs oracle groups | {res['p_mae']:.4f} | <= 0.05 {goal(res['p_mae'] <= 0.05)} |",
+             f"| build seconds | {res['build_seconds']:.1f} | <= 180 {goal(res['build_seconds'] <= 180)} |",
+             "| seconds per stage | " + ", ".join(f"{k} {v:.1f}" for k, v in st.items()) + " | |",
+             f"| clustering + judge share | {res['clustering_judge_share']:.1%} | <= 25% {goal(res['clustering_judge_share'] <= 0.25)} |",
+             (f"| bytes per sample (features + overhead) | {res['bytes_per_sample']:.0f} ({res['feature_bytes_per_sample']:.0f} + "
+              f"{res['overhead_bytes_per_sample']:.0f}) | 2 B/feature/layer + fixed |"),
+             (f"| streaming read, 384-wide, samples/s | {res['read_samples_per_s']:,} | >= 200,000 "
+              f"{goal(res['read_samples_per_s'] >= 200_000)} |"),
+             (f"| peak RSS MB at 1x / 10x rows | {res['peak_rss_mb']['1x']:.0f} / {res['peak_rss_mb']['10x']:.0f} "
+              f"({res['read_rows']['1x']:,} / {res['read_rows']['10x']:,} rows; {res['import_rss_mb']:.0f} after imports) | flat |")]
+    lines += ["", "| grouping | ARI | q MAE | p MAE | judge pairs | judge accuracy | seconds |", "|---|---|---|---|---|---|---|"]
+    for name, v in res["variants"].items():
+        lines.append(f"| {name} | {v['ari']:.3f} | {v['q_mae']:.4f} | {v['p_mae']:.4f} | {v['judge_pairs']} | "
+                     f"{v['judge_accuracy']:.3f} | {v['seconds']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a reduced run (at most 3 minutes on 2 CPU cores)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    res = run(args.quick)
+    print(table(res))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / ("labels-quick.json" if args.quick else "labels.json")
+    path.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

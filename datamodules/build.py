@@ -1,0 +1,662 @@
+"""Build labelled training data: prefixes → sampled steps → pooled states → meaning groups → shards.
+
+    python -m datamodules.build --data_dir data/arithmetic               # the embedded world
+    python -m datamodules.build --config build.yaml                      # keys: data_dir, build.*
+    torchrun --nproc_per_node 4 -m datamodules.build --config build.yaml # ranks share the shards
+
+The work is cut into shards of ``shard_size`` prefixes. A shard's random streams are seeded by
+``(seed, shard index)``, so a shard comes out the same whichever rank builds it and whether the
+build was interrupted before: a rerun skips the whole shards on disk and builds the rest. Rank 0
+merges everything into ``manifest.json`` (DESIGN.md "Formats").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from datamodules import shards as S
+from datamodules.clustering import ClusterConfig, group_prefixes
+from datamodules.labels import DRAFT, LABELLINGS, TARGET, joint_labels, per_model_labels
+from datamodules.prefixes import Prefix, load_problems, make_prefixes, target_traces
+from datamodules.reading import read_steps
+from datamodules.sampling import generate
+from datamodules.steps import DEFAULT_DELIMITERS, StepStopper
+
+JUDGES = ("llm", "http", "nli", "none")
+ROLES = ("target", "draft")
+DEFAULT_HTTP_TEMPLATE = (
+    "Do these two reasoning steps state the same thing?\nStep A: {a}\nStep B: {b}\nAnswer with yes or no."
+)
+
+
+@dataclass
+class BuildConfig:
+    """Everything that decides a label build. Defaults: the embedded arithmetic world."""
+
+    task_file: str | None = None
+    """JSONL of ``{"problem", "trace", "answer"}``; None generates problems from the embedded world."""
+    n_problems: int = 200
+    """World problems to generate (with ``task_file``: at most this many lines, 0 = all). 200 give about
+    900 prefixes, 14k target rows and 7k draft rows in about a minute on 2 CPU cores."""
+    task_seed: int = 1
+    """Seed of the world's problem generator."""
+    prefix_source: str = "reference"
+    """Traces to cut into prefixes: ``reference`` (the task's) or ``target`` (the target's own generations)."""
+    target: str | None = None
+    """Folder of the target model; None = the embedded world's (``world_root()/target``)."""
+    draft: str | None = None
+    """Folder of the draft model; None = the embedded world's (``world_root()/draft``)."""
+    judge: str = "llm"
+    """Equivalence judge: ``llm`` (causal LM folder), ``http`` (OpenAI-compatible), ``nli``, or ``none`` (HDBSCAN only)."""
+    judge_model: str | None = None
+    """Judge model: a folder for ``llm``/``nli`` (None = the world's judge), the model name for ``http``."""
+    judge_template: str | None = None
+    """Judge prompt with ``{a}`` and ``{b}``; None = the world's ``JUDGE_TEMPLATE`` (llm) or a plain question (http)."""
+    judge_url: str = ""
+    """Base URL of the ``http`` judge, e.g. ``http://127.0.0.1:8000/v1``."""
+    judge_api: str = "chat"
+    """``http`` judge route: ``chat`` (/chat/completions) or ``completions``."""
+    judge_api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the ``http`` judge's API key (never logged)."""
+    judge_timeout: float = 30.0
+    """Seconds per ``http`` judge request."""
+    judge_retries: int = 3
+    """Attempts per ``http`` judge request before the build fails."""
+    judge_threshold: float = 0.5
+    """Combined P(same) from which two steps are one meaning."""
+    clustering: str = "hdbscan+judge"
+    """``hdbscan+judge`` (default), ``hdbscan`` (no judge) or ``judge`` (no HDBSCAN)."""
+    min_cluster_size: int = 2
+    """HDBSCAN ``min_cluster_size``."""
+    membership_threshold: float = 0.5
+    """HDBSCAN members below this membership probability go to the judge."""
+    merge_distance: float = 2.0
+    """Clusters whose centroids (unit-norm embeddings) are closer than this are judged for merging; 2.0 = all pairs."""
+    votes: int = 1
+    """Members of a candidate group an uncertain step is judged against (mean score decides)."""
+    n_samples: int = 8
+    """Steps sampled per prefix from each model (paper: 20)."""
+    temperature: float = 0.6
+    """Sampling temperature (paper: 0.6)."""
+    top_p: float = 0.95
+    """Nucleus mass (paper: 0.95)."""
+    max_step_tokens: int = 32
+    """Longest step in tokens; a step ends at a delimiter, EOS or this cap."""
+    delimiters: list[str] = field(default_factory=lambda: list(DEFAULT_DELIMITERS))
+    """Step delimiters (default: the blank-line family)."""
+    layer_ids: list[int] = field(default_factory=lambda: [-1])
+    """HF ``hidden_states`` indices to pool (0 = embeddings, -1 = last layer)."""
+    pooling: str = "mean"
+    """``mean`` over the step's tokens or ``last``."""
+    device: str = "auto"
+    """``auto`` (cuda with bf16 when present, else CPU float32), ``cpu``, ``cuda``, ``cuda:1``..."""
+    labelling: str = "joint"
+    """``joint`` (both models' samples grouped together) or ``per_model`` (the paper's)."""
+    shard_size: int = 32
+    """Prefixes per shard (the unit of resume and of work per rank)."""
+    max_rows: int = 1024
+    """Most sequences per forward pass when reading steps."""
+    seed: int = 0
+    """Seed of sampling; with the same seed a build is reproducible."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        choices = {"prefix_source": ("reference", "target"), "judge": JUDGES, "judge_api": ("chat", "completions"),
+                   "clustering": ("hdbscan+judge", "hdbscan", "judge"), "pooling": ("mean", "last"), "labelling": LABELLINGS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                errors.append(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
+        if self.judge == "none" and self.clustering != "hdbscan":
+            if self.clustering == "judge":
+                errors.append("clustering='judge' needs a judge, but judge='none'")
+            else:
+                self.clustering = "hdbscan"  # no judge: HDBSCAN alone
+        if self.judge == "http" and not self.judge_url:
+            errors.append("judge='http' needs judge_url (e.g. http://127.0.0.1:8000/v1)")
+        if self.judge == "http" and not self.judge_model:
+            errors.append("judge='http' needs judge_model (the model name the server expects)")
+        if self.judge == "nli" and not self.judge_model:
+            errors.append("judge='nli' needs judge_model (a sequence-classification model folder)")
+        for name, low in (("n_problems", 0), ("n_samples", 1), ("max_step_tokens", 1), ("shard_size", 1), ("max_rows", 1),
+                          ("judge_retries", 1), ("min_cluster_size", 2), ("votes", 1)):
+            if getattr(self, name) < low:
+                errors.append(f"{name}={getattr(self, name)}: expected >= {low}")
+        if self.task_file is None and self.n_problems < 1:
+            errors.append(f"n_problems={self.n_problems}: the embedded world needs >= 1 problem")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            errors.append(f"temperature={self.temperature} (need >= 0), top_p={self.top_p} (need in (0, 1])")
+        if not 0 < self.judge_threshold < 1:
+            errors.append(f"judge_threshold={self.judge_threshold}: expected in (0, 1)")
+        if self.judge_timeout <= 0:
+            errors.append(f"judge_timeout={self.judge_timeout}: expected > 0")
+        if not self.delimiters or any(not d for d in self.delimiters):
+            errors.append(f"delimiters={self.delimiters!r}: give at least one non-empty delimiter")
+        if not self.layer_ids:
+            errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
+        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+            errors.append(f"device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
+        if errors:
+            raise ValueError("invalid BuildConfig: " + "; ".join(errors))
+
+    def model_path(self, role: str) -> str:
+        """Folder of ``target``, ``draft`` or the ``judge`` (world defaults resolved now)."""
+        from datamodules.arithmetic.models import world_root
+
+        given = {"target": self.target, "draft": self.draft, "judge": self.judge_model}[role]
+        return str(given) if given else str(world_root() / role)
+
+    def cluster_config(self) -> ClusterConfig:
+        return ClusterConfig(method=self.clustering, min_cluster_size=self.min_cluster_size,
+                             membership_threshold=self.membership_threshold, merge_distance=self.merge_distance,
+                             votes=self.votes)
+
+    def resolved_device(self) -> tuple[str, torch.dtype]:
+        """The device and dtype models run in."""
+        if self.device == "auto":
+            return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+        return self.device, (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a build is: the signature a manifest records and a config is compared with.
+
+
+def folder_fingerprint(path: str) -> dict[str, Any]:
+    """Fingerprint of a model folder from its ``config.json`` and tokenizer, without loading weights."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from probes.export import model_fingerprint
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model_fingerprint(SimpleNamespace(config=cfg), tok)
+
+
+def judge_provenance(config: BuildConfig) -> dict[str, Any]:
+    """What judged the labels: kind, model, template (and endpoint for ``http``)."""
+    if config.judge == "none":
+        return {"kind": "none"}
+    out: dict[str, Any] = {"kind": config.judge, "threshold": config.judge_threshold}
+    if config.judge in ("llm", "nli"):
+        path = config.model_path("judge")
+        out["model"] = folder_fingerprint(path) if Path(path).is_dir() else {"name_or_path": path}
+    else:
+        out.update(model=config.judge_model, url=config.judge_url, api=config.judge_api)
+    if config.judge in ("llm", "http"):
+        out["template"] = config.judge_template or _default_template(config)
+    return out
+
+
+def _default_template(config: BuildConfig) -> str:
+    from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
+
+    return JUDGE_TEMPLATE if config.judge == "llm" else DEFAULT_HTTP_TEMPLATE
+
+
+def label_provenance(config: BuildConfig) -> dict[str, Any]:
+    """The ``labels`` entry of a probe's input spec: N, labelling, clustering, judge, seed."""
+    cc = config.cluster_config()
+    params = {"min_cluster_size": cc.min_cluster_size, "membership_threshold": cc.membership_threshold,
+              "merge_distance": cc.merge_distance, "votes": cc.votes, "max_candidates": cc.max_candidates}
+    return {"n_samples": config.n_samples, "labelling": config.labelling, "clustering": config.clustering,
+            "clustering_params": params, "max_step_tokens": config.max_step_tokens,
+            "judge": judge_provenance(config), "seed": config.seed, "temperature": config.temperature,
+            "top_p": config.top_p}
+
+
+def problems_provenance(config: BuildConfig) -> dict[str, Any]:
+    if config.task_file is None:
+        return {"source": "arithmetic", "n_problems": config.n_problems, "task_seed": config.task_seed,
+                "prefix_source": config.prefix_source}
+    digest = S.sha256_file(config.task_file) if Path(config.task_file).is_file() else None
+    return {"source": "file", "task_file": str(config.task_file), "sha256": digest, "n_problems": config.n_problems,
+            "prefix_source": config.prefix_source}
+
+
+def signature(config: BuildConfig) -> dict[str, Any]:
+    """The facts two builds must share for their data to mix; read from folders, no weights loaded."""
+    return {
+        "format_version": S.FORMAT_VERSION,
+        "reads": {r: folder_fingerprint(config.model_path(r)) for r in ROLES},
+        "layer_ids": list(config.layer_ids),
+        "pooling": config.pooling,
+        "delimiters": list(config.delimiters),
+        "max_step_tokens": config.max_step_tokens,
+        "labels": label_provenance(config),
+        "problems": problems_provenance(config),
+        "shard_size": config.shard_size,
+    }
+
+
+def signature_mismatches(recorded: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:
+    """``"field: data has X, config asks Y"`` for every differing field (``name_or_path`` is informative only)."""
+    out = []
+    for key in sorted(set(recorded) | set(wanted)):
+        if key == "name_or_path":
+            continue
+        a, b = recorded.get(key), wanted.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += signature_mismatches(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: data has {a!r}, config asks {b!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and judge.
+
+
+@dataclass
+class Models:
+    target: Any
+    draft: Any
+    tokenizer: Any
+    judge: Any
+    device: str
+
+
+def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
+    """Load target, draft (same tokenizer required) and the judge on the configured device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from probes.export import tokenizer_hash
+
+    device, dtype = config.resolved_device()
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype).to(device).eval()
+    tp, dp = config.model_path("target"), config.model_path("draft")
+    tok = AutoTokenizer.from_pretrained(tp, local_files_only=True)
+    dtok = AutoTokenizer.from_pretrained(dp, local_files_only=True)
+    if tokenizer_hash(tok) != tokenizer_hash(dtok):
+        raise ValueError(f"target {tp} and draft {dp} have different tokenizers ({tokenizer_hash(tok)} vs "
+                         f"{tokenizer_hash(dtok)}); the target reads the draft's tokens, so they must share one")
+    return Models(load(tp), load(dp), tok, make_judge(config, cache_dir, rank, device, dtype), device)
+
+
+def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0, device: str = "cpu",
+               dtype: torch.dtype = torch.float32):
+    """The judge ``config`` asks for (None for ``judge="none"``), caching its answers in ``cache_dir``."""
+    from datamodules import judges as J
+
+    common = {"threshold": config.judge_threshold, "cache_dir": cache_dir, "cache_tag": str(rank)}
+    if config.judge == "none":
+        return None
+    if config.judge == "http":
+        return J.HTTPJudge(config.judge_url, config.judge_model, config.judge_template or DEFAULT_HTTP_TEMPLATE,
+                           api=config.judge_api, api_key_env=config.judge_api_key_env, timeout=config.judge_timeout,
+                           retries=config.judge_retries, **common)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    path = config.model_path("judge")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    name = f"{Path(path).name}@{weights_stamp(path)}"  # a retrained judge must not reuse old cached answers
+    if config.judge == "nli":
+        model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
+        return J.NLIJudge(model.to(device).eval(), tok, name=name, **common)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    return J.LLMJudge(model, tok, config.judge_template or _default_template(config), name=name, **common)
+
+
+def weights_stamp(folder: str | os.PathLike, probe: int = 1 << 20) -> str:
+    """Cheap content stamp of a model folder's weights: sha256 of each file's size, head and tail."""
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(probe))
+            fh.seek(max(0, size - probe))
+            h.update(fh.read(probe))
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# One shard.
+
+
+def shard_seed(seed: int, index: int, stream: str) -> int:
+    """Seed of one random stream of one shard, independent of rank and of what was built before."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}:{stream}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _sample(model, tok, prefixes: list[Prefix], config: BuildConfig, seed: int, device: str) -> list[list[list[int]]]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    stop = StepStopper(tok, config.delimiters, config.max_step_tokens)
+    rows = generate(model, [p.token_ids for p in prefixes], max_new_tokens=config.max_step_tokens,
+                    temperature=config.temperature, top_p=config.top_p, generator=g, stop=stop,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0, num_samples=config.n_samples)
+    n = config.n_samples
+    return [rows[i * n : (i + 1) * n] for i in range(len(prefixes))]
+
+
+def build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
+                asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
+    """Sample, read, group and label one shard's prefixes.
+
+    Returns:
+        The shard's tensors, its step texts (one record per prefix) and counts.
+    """
+    with warnings.catch_warnings():  # transformers 5 warns on `past_key_values=`, which the sampler uses on purpose
+        warnings.filterwarnings("ignore", message=".*past_key_values.*")
+        return _build_shard(index, prefixes, models, config, timer, asked)
+
+
+def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
+                 asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
+    tok, n, dev = models.tokenizer, config.n_samples, models.device
+    pad = tok.pad_token_id or 0
+    t0 = time.perf_counter()
+    written = {w: _sample(m, tok, prefixes, config, shard_seed(config.seed, index, w), dev)
+               for w, m in (("target", models.target), ("draft", models.draft))}
+    t1 = time.perf_counter()
+    joint = config.labelling == "joint"
+    # per prefix: the target's samples then the draft's (sample j of prefix i has id i * 2N + j)
+    both = [written["target"][i] + written["draft"][i] for i in range(len(prefixes))]
+    t_reads = [both[i] if joint else written["target"][i] for i in range(len(prefixes))]
+    ctx = [p.token_ids for p in prefixes]
+    feats = {
+        "target": read_steps(models.target, ctx, t_reads, config.layer_ids, config.pooling, pad, config.max_rows),
+        "draft": read_steps(models.draft, ctx, written["draft"], config.layer_ids, config.pooling, pad, config.max_rows),
+    }
+    t2 = time.perf_counter()
+    texts = [[tok.decode(s, skip_special_tokens=True) for s in both[i]] for i in range(len(prefixes))]
+    writers = np.array([TARGET] * n + [DRAFT] * n)
+    tf = feats["target"].flatten(1).numpy().reshape(len(prefixes), -1, feats["target"][0].numel())
+    df = feats["draft"].flatten(1).numpy().reshape(len(prefixes), n, -1)
+    judge = models.judge
+    judged_before = (judge.seconds, judge.calls) if judge is not None else (0.0, 0)
+    if joint:
+        groups = group_prefixes([(texts[i], tf[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
+        labels = [joint_labels(g, writers) | {"groups": g} for g in groups]
+    else:
+        tg = group_prefixes([(texts[i][:n], tf[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
+        dg = group_prefixes([(texts[i][n:], df[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
+        labels = [per_model_labels(a, b) for a, b in zip(tg, dg)]
+    t3 = time.perf_counter()
+    judge_s = (judge.seconds - judged_before[0]) if judge is not None else 0.0
+    tensors, records = _assemble(prefixes, texts, labels, feats, n, joint)
+    for stage, dt in (("sampling", t1 - t0), ("reading", t2 - t1), ("clustering", t3 - t2 - judge_s), ("judge", judge_s),
+                      ("labels", time.perf_counter() - t3)):
+        timer[stage] = timer.get(stage, 0.0) + dt
+    counts = {"prefixes": len(prefixes), "samples": 2 * n * len(prefixes),
+              "groups": int(sum(int(l["groups"].max()) + 1 for l in labels)),
+              "judge_calls": (judge.calls - judged_before[1]) if judge is not None else 0}
+    return tensors, records, counts
+
+
+def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    cols: dict[str, dict[str, list]] = {r: {k: [] for k in ("q", "p", "writer", "problem_id", "prefix_id", "sample_id",
+                                                           "group_id", "group_entropy")} for r in ROLES}
+    records = []
+    for i, p in enumerate(prefixes):
+        lab = labels[i]
+        ids = np.arange(2 * n) + p.prefix_id * 2 * n
+        writer = np.array([TARGET] * n + [DRAFT] * n)
+        rows = {"target": np.arange(2 * n) if joint else np.arange(n), "draft": np.arange(n, 2 * n)}
+        for r, idx in rows.items():
+            c = cols[r]
+            c["q"].append(lab["q"][idx]), c["p"].append(lab["p"][idx]), c["writer"].append(writer[idx])
+            c["problem_id"].append(np.full(len(idx), p.problem_id)), c["prefix_id"].append(np.full(len(idx), p.prefix_id))
+            c["sample_id"].append(ids[idx]), c["group_id"].append(lab["groups"][idx])
+            c["group_entropy"].append(lab["entropy"][idx])
+        records.append({"problem_id": p.problem_id, "prefix_id": p.prefix_id, "step_index": p.step_index, "prefix": p.text,
+                        "samples": [{"sample_id": int(ids[j]), "writer": int(writer[j]), "text": texts[i][j],
+                                     "group": int(lab["groups"][j]), "q": float(lab["q"][j]), "p": float(lab["p"][j])}
+                                    for j in range(2 * n)]})
+    dtypes = {"q": torch.float32, "p": torch.float32, "writer": torch.int8, "problem_id": torch.int64,
+              "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32, "group_entropy": torch.float32}
+    tensors: dict[str, torch.Tensor] = {}
+    for r in ROLES:
+        tensors[f"{r}.features"] = feats[r].flatten(1).to(torch.float16)
+        for k, dt in dtypes.items():
+            tensors[f"{r}.{k}"] = torch.from_numpy(np.concatenate(cols[r][k])).to(dt)
+        tensors[f"{r}.label"] = tensors[f"{r}.q" if r == "target" else f"{r}.p"].clone()
+    return tensors, records
+
+
+# ---------------------------------------------------------------------------------------------
+# The build.
+
+
+def dist_info() -> tuple[int, int]:
+    """``(rank, world_size)`` from torch.distributed when initialised, else from RANK / WORLD_SIZE."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def is_complete(data_dir: str | os.PathLike) -> bool:
+    """Whether ``data_dir`` holds a finished build (a manifest marked complete)."""
+    m = S.read_manifest(data_dir)
+    return bool(m and m.get("complete"))
+
+
+def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int | None = None, log=print) -> dict:
+    """Build (or finish building) the dataset of ``config`` in ``data_dir``.
+
+    Resumable: whole shards already on disk are kept; a shard is written under a temporary name
+    and renamed, so a killed build never leaves half a shard. Under torch.distributed (or with
+    RANK / WORLD_SIZE set) each rank builds shards ``rank, rank + world_size, ...`` and rank 0
+    writes the manifest after a barrier.
+
+    Args:
+        config: what to build.
+        data_dir: output folder.
+        max_shards: stop after building this many new shards without writing the manifest
+            (tests use it to simulate a kill).
+        log: where the summary goes.
+
+    Returns:
+        The manifest (``complete=False`` and no checksums when stopped by ``max_shards``).
+
+    Raises:
+        ValueError: ``data_dir`` holds a build for another config (naming the differing fields),
+            the task is empty or malformed (naming file and line), ...
+        RuntimeError: an ``http`` judge stayed unreachable after its retries (finished shards stay).
+    """
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rank, world = dist_info()
+    sig = signature(config)
+    existing = S.read_manifest(data_dir)
+    started = data_dir / "build.json"
+    for recorded in (existing and existing.get("build"), json.loads(started.read_text())["build"] if started.is_file() else None):
+        if recorded is not None:
+            diff = signature_mismatches(recorded, sig)
+            if diff:
+                raise ValueError(f"{data_dir} holds data built for another config: " + "; ".join(diff)
+                                 + ". Use another data_dir or delete this one to rebuild.")
+    if existing and existing.get("complete"):
+        log(f"reusing {len(existing['shards'])} shards in {data_dir}")
+        return existing
+    if rank == 0 and not started.is_file():
+        S.atomic_write_json(started, {"build": sig, "config": dataclasses.asdict(config)})
+
+    timer: dict[str, float] = {}
+    t0 = time.perf_counter()
+    records = load_problems(config.task_file, config.n_problems, config.task_seed)
+    plan = _plan(config, records, data_dir, rank, timer)
+    n_shards = len(plan["shards"])
+    mine = [k for k in range(n_shards) if k % world == rank and not (data_dir / S.shard_name(k)).is_file()]
+    if max_shards is not None:
+        mine = mine[:max_shards]
+    totals = {"prefixes": 0, "samples": 0, "groups": 0, "judge_calls": 0, "cache_hits": 0}
+    if mine:
+        t = time.perf_counter()
+        models = load_models(config, data_dir / "judge-cache", rank)
+        timer["loading"] = time.perf_counter() - t
+        hits0 = models.judge.cache_hits if models.judge is not None else 0
+        bar = tqdm(mine, desc=f"build shards (rank {rank})", unit="shard", disable=None)
+        for k in bar:
+            tensors, recs, counts = build_shard(k, plan["shards"][k], models, config, timer)
+            S.atomic_write_bytes(data_dir / S.steps_name(k), "".join(json.dumps(r) + "\n" for r in recs).encode())
+            # one metadata key: safetensors writes a map's keys in no fixed order, and shards must be byte-stable
+            meta = {"semanticspec": json.dumps({"format_version": S.FORMAT_VERSION, "shard": k}, sort_keys=True)}
+            S.write_shard(data_dir / S.shard_name(k), tensors, meta)
+            for key, v in counts.items():
+                totals[key] += v
+            bar.set_postfix(prefixes=totals["prefixes"], groups=totals["groups"], judge_calls=totals["judge_calls"],
+                            **{f"{s}_s": round(v, 1) for s, v in timer.items() if s in ("sampling", "reading", "judge")})
+        totals["cache_hits"] = (models.judge.cache_hits - hits0) if models.judge is not None else 0
+    stopped = max_shards is not None and any(not (data_dir / S.shard_name(k)).is_file() for k in range(n_shards))
+    stats = {"this_run": totals, "seconds_per_stage": {k: round(v, 3) for k, v in timer.items()},
+             "seconds": round(time.perf_counter() - t0, 3), "rank": rank, "world_size": world}
+    if stopped:
+        return {"complete": False, "shards_on_disk": sum((data_dir / S.shard_name(k)).is_file() for k in range(n_shards)),
+                "n_shards": n_shards, "stats": stats}
+    import torch.distributed as dist
+
+    synced = dist.is_available() and dist.is_initialized()
+    _barrier()
+    if rank != 0:
+        if not synced:  # ranks launched without a process group: rank 0 merges once it sees every shard
+            return {"complete": False, "rank": rank, "n_shards": n_shards, "stats": stats}
+        _barrier()
+        return json.loads((data_dir / S.MANIFEST).read_text())
+    if not synced:
+        _wait_for_shards(data_dir, n_shards)
+    manifest = _manifest(config, sig, data_dir, n_shards, len(records), plan["n_prefixes"], stats)
+    S.atomic_write_json(data_dir / S.MANIFEST, manifest)
+    _barrier()
+    _summary(manifest, log)
+    return manifest
+
+
+def _wait_for_shards(data_dir: Path, n_shards: int, poll_s: float = 2.0, timeout_s: float = 12 * 3600) -> None:
+    """Rank 0 without a process group: wait until the other ranks' shards are all on disk."""
+    t0 = time.time()
+    while True:
+        missing = [S.shard_name(k) for k in range(n_shards) if not (data_dir / S.shard_name(k)).is_file()]
+        if not missing:
+            return
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"rank 0 waited {timeout_s:.0f} s for {len(missing)} shards of the other ranks in {data_dir} "
+                               f"(first: {missing[0]}); rerun the build to finish them")
+        time.sleep(poll_s)
+
+
+def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict) -> dict:
+    """All prefixes, cut into shards. Target-written traces are generated once and kept on disk."""
+    from transformers import AutoTokenizer
+
+    t = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(config.model_path("target"), local_files_only=True)
+    if config.prefix_source == "target":
+        records = _target_traces(config, records, tok, data_dir, rank)
+    prefixes = make_prefixes(records, tok, config.delimiters, config.prefix_source)
+    timer["prefixes"] = timer.get("prefixes", 0.0) + time.perf_counter() - t
+    k = config.shard_size
+    return {"shards": [prefixes[i : i + k] for i in range(0, len(prefixes), k)], "n_prefixes": len(prefixes)}
+
+
+def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path, rank: int) -> list[dict]:
+    path = data_dir / "target-traces.jsonl"
+    if rank == 0 and not path.is_file():
+        from transformers import AutoModelForCausalLM
+
+        device, dtype = config.resolved_device()
+        model = AutoModelForCausalLM.from_pretrained(config.model_path("target"), local_files_only=True, dtype=dtype)
+        out = target_traces(model.to(device).eval(), tok, records, max_new_tokens=16 * config.max_step_tokens,
+                            temperature=config.temperature, top_p=config.top_p, seed=shard_seed(config.seed, -1, "traces"))
+        S.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in out).encode())
+    _barrier()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _manifest(config, sig, data_dir: Path, n_shards: int, n_problems: int, n_prefixes: int, stats: dict) -> dict:
+    shards, rows = [], {r: 0 for r in ROLES}
+    width = {}
+    for k in range(n_shards):
+        path = data_dir / S.shard_name(k)
+        shapes = S.shard_shapes(path)
+        count = {r: shapes[f"{r}.features"][0] for r in ROLES}
+        for r in ROLES:
+            rows[r] += count[r]
+            width[r] = shapes[f"{r}.features"][1]
+        shards.append({"file": path.name, "sha256": S.sha256_file(path), "bytes": path.stat().st_size, "count": count,
+                       "steps_file": S.steps_name(k), "steps_sha256": S.sha256_file(data_dir / S.steps_name(k))})
+    reads = sig["reads"]
+    return {
+        "format_version": S.FORMAT_VERSION,
+        "complete": True,
+        "build": sig,
+        "config": dataclasses.asdict(config),
+        "reads": reads,
+        "layer_ids": sig["layer_ids"],
+        "pooling": sig["pooling"],
+        "delimiters": sig["delimiters"],
+        "judge": sig["labels"]["judge"],
+        "labels": sig["labels"],
+        "n_samples": config.n_samples,
+        "seed": config.seed,
+        "roles": {r: {"hidden_size": reads[r]["hidden_size"], "width": width.get(r, len(config.layer_ids) * reads[r]["hidden_size"]),
+                      "rows": rows[r]} for r in ROLES},
+        "n_problems": n_problems,
+        "n_prefixes": n_prefixes,
+        "shards": shards,
+        "stats": stats,
+    }
+
+
+def _summary(manifest: dict, log) -> None:
+    st = manifest["stats"]
+    t = st["this_run"]
+    log(f"built {len(manifest['shards'])} shards in {st['seconds']:.1f} s: {t['prefixes']} prefixes, {t['samples']} samples, "
+        f"{t['groups']} groups, {t['judge_calls']} judge calls, {t['cache_hits']} cache hits; rows "
+        + ", ".join(f"{r}={v['rows']}" for r, v in manifest["roles"].items()))
+    log("seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in st["seconds_per_stage"].items()))
+
+
+def main(args: list[str] | None = None) -> dict:
+    """CLI: ``python -m datamodules.build [--config build.yaml] [--data_dir DIR] [--build.KEY VALUE ...]``."""
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help text
+    parser = ArgumentParser(prog="python -m datamodules.build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML with data_dir and build.* keys")
+    parser.add_argument("--data_dir", type=str, default="data/arithmetic", help="Output folder of shards and manifest.json.")
+    parser.add_argument("--max_shards", type=int | None, default=None, help="Stop after this many new shards (no manifest).")
+    parser.add_class_arguments(BuildConfig, "build")
+    cfg = parser.parse_args(args)
+    _, world = dist_info()
+    import torch.distributed as dist
+
+    if world > 1 and not dist.is_initialized() and "MASTER_ADDR" in os.environ:
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", timeout=timedelta(hours=12))
+    config = parser.instantiate_classes(cfg).build
+    try:
+        return build(config, cfg.data_dir, max_shards=cfg.max_shards)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,220 @@
+"""Meaning groups of one prefix's samples: HDBSCAN proposes, an equivalence judge settles.
+
+Per prefix (DESIGN.md "Meaning groups"):
+
+1. Identical texts (up to whitespace) are one item; the rest works on unique texts.
+2. HDBSCAN (the ``hdbscan`` package) clusters the items' embeddings (default: the pooled hidden
+   states, L2-normalised). Without a judge, noise and low-membership items stay alone.
+3. The judge checks every confident cluster member against the cluster's representative (its
+   most frequent text); members it rejects become uncertain.
+4. The judge compares the representatives of cluster pairs whose centroids are close and merges
+   the pairs it calls the same.
+5. Uncertain items (noise, low membership, rejected members) are compared with the groups, nearest
+   centroid first, each through up to ``votes`` of its most frequent texts; the first group whose
+   mean score passes the judge's threshold takes them, else they found a group.
+
+Steps 3-5 are written as generators that yield the pairs they need judged, so
+:func:`group_prefixes` asks the judge about many prefixes in one batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+METHODS = ("hdbscan+judge", "hdbscan", "judge")
+
+
+@dataclass
+class ClusterConfig:
+    """How one prefix's samples are grouped."""
+
+    method: str = "hdbscan+judge"
+    """``hdbscan+judge`` (default), ``hdbscan`` (no judge) or ``judge`` (no HDBSCAN)."""
+    min_cluster_size: int = 2
+    """HDBSCAN ``min_cluster_size``."""
+    membership_threshold: float = 0.5
+    """Cluster members with a lower HDBSCAN membership probability are settled by the judge."""
+    verify_members: bool = True
+    """Ask the judge whether each confident member means the same as its cluster's representative."""
+    merge_distance: float = 2.0
+    """Cluster pairs whose centroid distance is below this (unit-norm embeddings: 0..2) are judged for merging."""
+    max_candidates: int = 6
+    """Most groups an uncertain item is compared with before it founds its own group."""
+    votes: int = 1
+    """An uncertain item is compared with up to this many members of a candidate group (its most frequent
+    texts) and joins it when their mean judge score passes the threshold: one judge error is outvoted."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.method not in METHODS:
+            errors.append(f"method={self.method!r}: expected one of {METHODS}")
+        if self.min_cluster_size < 2:
+            errors.append(f"min_cluster_size={self.min_cluster_size}: expected >= 2")
+        if not 0 <= self.membership_threshold <= 1:
+            errors.append(f"membership_threshold={self.membership_threshold}: expected 0..1")
+        if self.merge_distance < 0:
+            errors.append(f"merge_distance={self.merge_distance}: expected >= 0")
+        if self.votes < 1:
+            errors.append(f"votes={self.votes}: expected >= 1")
+        if self.max_candidates < 1:
+            errors.append(f"max_candidates={self.max_candidates}: expected >= 1")
+        if errors:
+            raise ValueError("invalid ClusterConfig: " + "; ".join(errors))
+
+
+def normalize_text(text: str) -> str:
+    """Whitespace-normalised text: identical normalised texts are one meaning without asking."""
+    return " ".join(text.split())
+
+
+def prepare_embeddings(emb: np.ndarray) -> np.ndarray:
+    """Scale one prefix's embeddings to unit norm (euclidean distance then ranks like cosine)."""
+    x = np.asarray(emb, dtype=np.float64).reshape(len(emb), -1)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def run_hdbscan(x: np.ndarray, min_cluster_size: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """HDBSCAN labels (-1 = noise) and membership probabilities of the rows of ``x``."""
+    n = len(x)
+    if n < max(3, min_cluster_size):
+        return np.full(n, -1), np.zeros(n)
+    import hdbscan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hdbscan.HDBSCAN(min_cluster_size=min_cluster_size, min_samples=1, allow_single_cluster=True,
+                                metric="euclidean").fit(x)
+    return model.labels_.astype(int), model.probabilities_.astype(float)
+
+
+Request = list[tuple[str, str]]
+
+
+def _settle(texts: Sequence[str], emb: np.ndarray, cfg: ClusterConfig,
+            threshold: float = 0.5) -> Generator[Request, list[float], np.ndarray]:
+    """Group one prefix's samples; yields pairs to judge, receives their scores, returns group ids."""
+    norm = [normalize_text(t) for t in texts]
+    uniq = list(dict.fromkeys(norm))
+    index = {t: i for i, t in enumerate(uniq)}
+    item_of = np.array([index[t] for t in norm], dtype=int)
+    counts = np.bincount(item_of, minlength=len(uniq))
+    x = prepare_embeddings(emb)
+    items = np.stack([x[item_of == i].mean(0) for i in range(len(uniq))]) if len(uniq) else x[:0]
+    use_hdbscan, use_judge = cfg.method != "judge", cfg.method != "hdbscan"
+    labels, probs = run_hdbscan(items, cfg.min_cluster_size) if use_hdbscan else (np.full(len(uniq), -1), np.zeros(len(uniq)))
+    if not use_judge:  # noise and low-membership items stay alone
+        nxt = labels.max(initial=-1) + 1
+        for i in np.flatnonzero((labels < 0) | (probs < cfg.membership_threshold)):
+            labels[i], nxt = nxt, nxt + 1
+        return _renumber(labels[item_of])
+
+    group_of = np.full(len(uniq), -1)
+    members: list[list[int]] = []
+    uncertain: list[int] = [int(i) for i in np.flatnonzero(labels < 0)]
+    for c in sorted(set(labels[labels >= 0].tolist())):
+        ms = sorted(np.flatnonzero(labels == c).tolist(), key=lambda i: (-counts[i], -probs[i], i))
+        members.append([ms[0]])
+        uncertain += [i for i in ms[1:] if probs[i] < cfg.membership_threshold]
+        members[-1] += [i for i in ms[1:] if probs[i] >= cfg.membership_threshold]
+    if cfg.verify_members:  # step 3: every confident member against its representative
+        asks = [(g, i) for g, ms in enumerate(members) for i in ms[1:]]
+        if asks:
+            answers = yield [(uniq[members[g][0]], uniq[i]) for g, i in asks]
+            for (g, i), score in zip(asks, answers):
+                if score < threshold:
+                    members[g].remove(i)
+                    uncertain.append(i)
+    if len(members) > 1:  # step 4: merge close clusters
+        cents = [items[ms].mean(0) for ms in members]
+        asks = [(g, h) for g in range(len(members)) for h in range(g + 1, len(members))
+                if np.linalg.norm(cents[g] - cents[h]) <= cfg.merge_distance]
+        if asks:
+            answers = yield [(uniq[members[g][0]], uniq[members[h][0]]) for g, h in asks]
+            parent = list(range(len(members)))
+
+            def find(a: int) -> int:
+                while parent[a] != a:
+                    a = parent[a]
+                return a
+
+            for (g, h), score in zip(asks, answers):
+                if score >= threshold:
+                    parent[find(h)] = find(g)
+            merged: dict[int, list[int]] = {}
+            for g, ms in enumerate(members):
+                merged.setdefault(find(g), []).extend(ms)
+            members = [sorted(ms, key=lambda i: (-counts[i], i)) for ms in merged.values()]
+    for g, ms in enumerate(members):
+        group_of[ms] = g
+    for i in sorted(set(uncertain), key=lambda i: (-counts[i], i)):  # step 5: greedy, most frequent first
+        order = sorted(range(len(members)), key=lambda g: float(np.linalg.norm(items[members[g]].mean(0) - items[i])))
+        for g in order[: cfg.max_candidates]:
+            refs = sorted(members[g], key=lambda m: (-counts[m], m))[: cfg.votes]
+            scores = yield [(uniq[m], uniq[i]) for m in refs]
+            if float(np.mean(scores)) >= threshold:
+                members[g].append(i)
+                group_of[i] = g
+                break
+        else:
+            members.append([i])
+            group_of[i] = len(members) - 1
+    return _renumber(group_of[item_of])
+
+
+def _renumber(groups: np.ndarray) -> np.ndarray:
+    """Group ids 0, 1, ... in order of first appearance."""
+    seen: dict[int, int] = {}
+    return np.array([seen.setdefault(int(g), len(seen)) for g in groups], dtype=np.int32)
+
+
+def group_prefixes(
+    batch: Sequence[tuple[Sequence[str], np.ndarray]],
+    judge=None,
+    cfg: ClusterConfig | None = None,
+    asked: list | None = None,
+) -> list[np.ndarray]:
+    """Meaning groups for many prefixes, judging all their open questions in shared batches.
+
+    Args:
+        batch: per prefix, the sample texts and their embeddings (n, ...).
+        judge: a :class:`~datamodules.judges.Judge` (``score(pairs)`` in both directions and a
+            ``threshold``); None only with ``method="hdbscan"``.
+        cfg: clustering options.
+        asked: when given, every judged pair is appended as ``(a, b, same)`` (audits).
+
+    Returns:
+        Per prefix, int32 group ids (0..G-1, in order of first appearance) of its samples.
+    """
+    cfg = cfg or ClusterConfig()
+    if judge is None and cfg.method != "hdbscan":
+        raise ValueError(f"method={cfg.method!r} needs a judge; use method='hdbscan' to group without one")
+    results: list[np.ndarray | None] = [None] * len(batch)
+    threshold = getattr(judge, "threshold", 0.5)
+    gens = [_settle(texts, np.asarray(emb), cfg, threshold) for texts, emb in batch]
+    pending: dict[int, Request] = {}
+
+    def advance(i: int, answer) -> None:
+        try:
+            pending[i] = gens[i].send(answer)
+        except StopIteration as stop:
+            results[i] = stop.value
+            pending.pop(i, None)
+
+    for i in range(len(gens)):
+        advance(i, None)
+    while pending:
+        order = sorted(pending)
+        flat = [p for i in order for p in pending[i]]
+        answers = judge.score(flat)
+        if asked is not None:
+            asked.extend((a, b, s >= threshold) for (a, b), s in zip(flat, answers))
+        at = 0
+        for i in order:
+            n = len(pending[i])
+            advance(i, answers[at : at + n])
+            at += n
+    return results  # type: ignore[return-value]

@@ -1,0 +1,116 @@
+"""Safetensors shards and ``manifest.json``: atomic writes, checksums, verification.
+
+Every file is written under a temporary name in the same folder and renamed into place, so a
+killed build leaves only whole files (DESIGN.md "Formats"). Nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+"""Layout version of the shards and the manifest."""
+
+
+class CorruptShardError(ValueError):
+    """A shard whose bytes differ from what the manifest recorded."""
+
+
+def shard_name(index: int) -> str:
+    """``shard-00000.safetensors`` for index 0."""
+    return f"shard-{index:05d}.safetensors"
+
+
+def steps_name(index: int) -> str:
+    """Side file with the step texts of a shard (audits): ``steps-00000.jsonl``."""
+    return f"steps-{index:05d}.jsonl"
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary sibling and a rename."""
+    path = Path(path)
+    tmp = _tmp(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON, atomically."""
+    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """Save ``tensors`` as safetensors at ``path``, atomically."""
+    path = Path(path)
+    tmp = _tmp(path)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_file(path: str | os.PathLike, expected_sha256: str) -> None:
+    """Raise :class:`CorruptShardError` naming ``path`` and both checksums when they differ."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorruptShardError(f"shard {path} is missing (manifest expects sha256 {expected_sha256})")
+    actual = sha256_file(path)
+    if actual != expected_sha256:
+        raise CorruptShardError(
+            f"shard {path} is truncated or altered: expected sha256 {expected_sha256}, actual {actual} "
+            f"({path.stat().st_size} bytes); rebuild it (delete it and run the build again) or pass skip_corrupt=True"
+        )
+
+
+def read_shard(path: str | os.PathLike, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Load the tensors of a shard (all, or only ``keys``)."""
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in (keys if keys is not None else f.keys())}
+
+
+def shard_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
+    """Shapes of a shard's tensors, read from its header without loading data."""
+    with safe_open(str(path), framework="pt") as f:
+        return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118  (safe_open is not a dict)
+
+
+def read_manifest(data_dir: str | os.PathLike) -> dict | None:
+    """The manifest of ``data_dir``, or None when there is none yet."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg}); delete it and rebuild") from None

@@ -1,0 +1,241 @@
+"""The label build: shards and manifest, resume after a kill, ranks, refusals, the CLI, step reading."""
+
+import json
+
+import pytest
+import torch
+
+from datamodules import shards as S
+from datamodules.build import BuildConfig, build, main, signature
+from datamodules.datamodule import SemanticProbeDataModule
+from datamodules.hidden import pool_hidden_states
+from datamodules.reading import read_steps
+from tests.conftest import tiny_llama
+from tests.test_judges import _Server
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, world_tokenizer):
+    """Folders of a tiny target, draft and judge sharing the world tokenizer."""
+    root = tmp_path_factory.mktemp("tiny-world")
+    for name, (width, layers, seed) in {"target": (32, 2, 0), "draft": (24, 1, 1), "judge": (32, 1, 2)}.items():
+        tiny_llama(len(world_tokenizer), width, layers, seed=seed).save_pretrained(root / name)
+        world_tokenizer.save_pretrained(root / name)
+    return root
+
+
+def _config(world, **kw) -> BuildConfig:
+    base = {"target": str(world / "target"), "draft": str(world / "draft"), "judge_model": str(world / "judge"),
+            "n_problems": 3, "n_samples": 3, "shard_size": 4, "max_step_tokens": 6, "seed": 7}
+    return BuildConfig(**{**base, **kw})
+
+
+def _dataset_bytes(d):
+    return {p.name: p.read_bytes() for p in sorted(d.glob("shard-*.safetensors")) + sorted(d.glob("steps-*.jsonl"))}
+
+
+@pytest.fixture(scope="module")
+def reference(world, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    return d, build(_config(world), d)
+
+
+def test_build_writes_labelled_shards_and_manifest(reference):
+    d, m = reference
+    n = 3
+    assert m["complete"] and m["n_samples"] == n and m["layer_ids"] == [-1] and m["pooling"] == "mean"
+    assert m["reads"]["target"]["hidden_size"] == 32 and m["reads"]["draft"]["hidden_size"] == 24
+    assert m["judge"]["kind"] == "llm" and m["labels"]["labelling"] == "joint"
+    assert len(m["shards"]) == -(-m["n_prefixes"] // 4)
+    for entry in m["shards"]:
+        path = d / entry["file"]
+        assert S.sha256_file(path) == entry["sha256"]
+        t = S.read_shard(path)
+        for r, width, per_prefix in (("target", 32, 2 * n), ("draft", 24, n)):
+            rows = entry["count"][r]
+            assert t[f"{r}.features"].shape == (rows, width) and t[f"{r}.features"].dtype == torch.float16
+            assert torch.isfinite(t[f"{r}.features"]).all()
+            assert t[f"{r}.writer"].dtype == torch.int8 and t[f"{r}.group_id"].dtype == torch.int32
+            assert t[f"{r}.sample_id"].dtype == torch.int64 and rows % per_prefix == 0
+            assert torch.equal(t[f"{r}.label"], t[f"{r}.q" if r == "target" else f"{r}.p"])
+        assert t["draft.writer"].eq(1).all() and t["target.writer"].eq(0).sum() == t["target.writer"].eq(1).sum()
+        # q and p are the models' shares in each group, per prefix
+        for pid in t["target.prefix_id"].unique():
+            sel = t["target.prefix_id"] == pid
+            g, w = t["target.group_id"][sel].numpy(), t["target.writer"][sel].numpy()
+            for i in range(len(g)):
+                assert t["target.q"][sel][i].item() == pytest.approx(((g == g[i]) & (w == 0)).sum() / n)
+                assert t["target.p"][sel][i].item() == pytest.approx(((g == g[i]) & (w == 1)).sum() / n)
+        # the draft's rows are the draft-written target rows, with the same labels
+        dsel = torch.isin(t["target.sample_id"], t["draft.sample_id"])
+        assert torch.equal(t["target.p"][dsel], t["draft.p"]) and torch.equal(t["target.q"][dsel], t["draft.q"])
+    steps = [json.loads(line) for line in (d / m["shards"][0]["steps_file"]).read_text().splitlines()]
+    assert len(steps[0]["samples"]) == 2 * n and "text" in steps[0]["samples"][0]
+
+
+def test_killed_build_resumes_to_the_same_bytes(world, reference, tmp_path):
+    ref_dir, ref = reference
+    part = build(_config(world), tmp_path, max_shards=1)
+    assert part["complete"] is False and part["shards_on_disk"] == 1
+    assert not (tmp_path / S.MANIFEST).exists()
+    (tmp_path / ".shard-00001.safetensors.tmp-999").write_bytes(b"half a shard from a killed writer")
+    done = build(_config(world), tmp_path)
+    assert _dataset_bytes(tmp_path) == _dataset_bytes(ref_dir)
+    assert [s["sha256"] for s in done["shards"]] == [s["sha256"] for s in ref["shards"]]
+    assert done["stats"]["this_run"]["prefixes"] == ref["n_prefixes"] - 4  # shard 0 was not rebuilt
+    again = build(_config(world), tmp_path)  # complete: nothing rebuilt
+    assert again["shards"] == done["shards"]
+
+
+def test_ranks_share_shards_and_rank0_merges(world, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    out = build(_config(world), tmp_path)
+    assert out["complete"] is False and sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00001.safetensors", "shard-00003.safetensors"]
+    monkeypatch.setenv("RANK", "0")
+    merged = build(_config(world), tmp_path)
+    assert merged["complete"] and _dataset_bytes(tmp_path) == _dataset_bytes(reference[0])
+
+
+def test_data_for_other_layers_or_models_is_refused(world, reference):
+    d, _ = reference
+    with pytest.raises(ValueError, match=r"layer_ids: data has \[-1\], config asks \[0, -1\]"):
+        build(_config(world, layer_ids=[0, -1]), d)
+    with pytest.raises(ValueError, match=r"reads\.draft\.hidden_size: data has 24, config asks 32"):
+        build(_config(world, draft=str(world / "judge")), d)
+    dm = SemanticProbeDataModule(str(d), build=_config(world, pooling="last"))
+    with pytest.raises(ValueError, match=r"pooling: data has 'mean', config asks 'last'"):
+        dm.setup()
+
+
+def test_datamodule_reuses_a_finished_build(world, reference, capsys):
+    d, _ = reference
+    dm = SemanticProbeDataModule(str(d), build=_config(world))
+    spec_before = dm.input_spec  # from the manifest
+    fresh = SemanticProbeDataModule(str(d / "not-built"), build=_config(world)).input_spec  # from the folders
+    assert spec_before == fresh and spec_before["draft"]["hidden_size"] == 24
+    dm.prepare_data()
+    assert f"reusing {len(list(d.glob('shard-*')))} shards in {d}" in capsys.readouterr().out
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) <= {"target", "draft"} and batch[next(iter(batch))]["features"].dtype == torch.float32
+
+
+def test_unreachable_judge_fails_with_url_and_keeps_finished_shards(world, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY", "sk-do-not-print")
+    server = _Server()
+    url = server.url
+    cfg = _config(world, judge="http", judge_url=url, judge_model="m", judge_api_key_env="JUDGE_KEY",
+                  judge_retries=2, judge_timeout=1)
+    try:
+        build(cfg, tmp_path, max_shards=1)
+    finally:
+        server.close()
+    kept = (tmp_path / "shard-00000.safetensors").read_bytes()
+    (tmp_path / "judge-cache").rename(tmp_path / "old-cache")  # force fresh questions
+    with pytest.raises(RuntimeError) as err:
+        build(cfg, tmp_path)
+    assert url in str(err.value) and "sk-do-not-print" not in str(err.value)
+    assert (tmp_path / "shard-00000.safetensors").read_bytes() == kept
+    assert not (tmp_path / S.MANIFEST).exists()
+
+
+def test_per_model_labelling(world, tmp_path):
+    m = build(_config(world, labelling="per_model", n_problems=1), tmp_path)
+    t = S.read_shard(tmp_path / m["shards"][0]["file"])
+    assert t["target.writer"].eq(0).all() and torch.isnan(t["target.p"]).all() and torch.isfinite(t["target.q"]).all()
+    assert torch.isnan(t["draft.q"]).all() and torch.equal(t["draft.label"], t["draft.p"])
+
+
+def test_empty_task_file_is_an_error(world, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl holds no problems"):
+        build(_config(world, task_file=str(tmp_path / "empty.jsonl")), tmp_path / "out")
+
+
+def test_build_config_names_bad_values():
+    with pytest.raises(ValueError) as err:
+        BuildConfig(judge="oracle", n_samples=0, pooling="max", labelling="both")
+    for part in ("judge='oracle'", "n_samples=0", "pooling='max'", "labelling='both'"):
+        assert part in str(err.value)
+    with pytest.raises(ValueError, match="judge_url"):
+        BuildConfig(judge="http", judge_model="m")
+    assert BuildConfig(judge="none").clustering == "hdbscan"
+
+
+def test_cli_with_a_config_file(world, reference, tmp_path, capsys):
+    cfg = tmp_path / "build.yaml"
+    out = tmp_path / "cli"
+    cfg.write_text(f"data_dir: {out}\nbuild:\n  target: {world / 'target'}\n  draft: {world / 'draft'}\n"
+                   f"  judge_model: {world / 'judge'}\n  n_problems: 3\n  n_samples: 3\n  shard_size: 4\n"
+                   "  max_step_tokens: 6\n  seed: 7\n")
+    main(["--config", str(cfg)])
+    assert _dataset_bytes(out) == _dataset_bytes(reference[0])
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    assert "Steps sampled per prefix from each model" in capsys.readouterr().out
+
+
+def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32, 2, seed=4)
+    tok = world_tokenizer
+    prefixes = [tok("Take 3. Add 4.\n\n")["input_ids"], tok("Start with 12.\n\n")["input_ids"]]
+    steps = [[tok("3 + 4 = 7.\n\n", add_special_tokens=False)["input_ids"], tok("7", add_special_tokens=False)["input_ids"]],
+             [tok("Adding 1 to 12 gives 13.\n\n", add_special_tokens=False)["input_ids"]]]
+    for pooling in ("mean", "last"):
+        got = read_steps(model, prefixes, steps, [0, -1], pooling, max_rows=2)
+        want = []
+        for p, ss in zip(prefixes, steps):
+            for s in ss:
+                hs = model(input_ids=torch.tensor([p + s]), output_hidden_states=True).hidden_states
+                want.append(pool_hidden_states(hs, [0, -1], torch.tensor([len(p)]), torch.tensor([len(p) + len(s)]), pooling))
+        torch.testing.assert_close(got, torch.cat(want).detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_signature_reads_folders_without_weights(world, tmp_path):
+    import shutil
+
+    light = tmp_path / "target"
+    light.mkdir()
+    for f in (world / "target").iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, light / f.name)
+    sig = signature(_config(world, target=str(light)))
+    assert sig["reads"]["target"]["hidden_size"] == 32 and sig["reads"]["target"]["num_layers"] == 2
+
+
+def test_a_real_kill_mid_build_then_rerun_loses_and_duplicates_nothing(world, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    kw = {"n_problems": 24, "shard_size": 2}
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    args = [sys.executable, "-m", "datamodules.build", "--data_dir", str(killed)]
+    for key, value in {**kw, "target": world / "target", "draft": world / "draft", "judge_model": world / "judge",
+                       "n_samples": 3, "max_step_tokens": 6, "seed": 7}.items():
+        args += [f"--build.{key}", str(value)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=os.getcwd())
+    deadline = time.time() + 120
+    while not list(killed.glob("shard-*.safetensors")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if (killed / S.MANIFEST).exists():
+        pytest.skip("the build finished before it could be killed")
+    build(_config(world, **kw), killed)
+    build(_config(world, **kw), whole)
+    assert _dataset_bytes(killed) == _dataset_bytes(whole)
+    manifest = S.read_manifest(killed)
+    ids = torch.cat([S.read_shard(killed / s["file"], ["target.sample_id"])["target.sample_id"] for s in manifest["shards"]])
+    assert len(ids) == len(ids.unique()) == 2 * 3 * manifest["n_prefixes"]
+
+
+def test_prefixes_from_the_targets_own_traces(world, tmp_path):
+    m = build(_config(world, prefix_source="target", n_problems=2, max_step_tokens=4), tmp_path)
+    traces = [json.loads(line) for line in (tmp_path / "target-traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 2 and m["n_prefixes"] >= 2 and m["build"]["problems"]["prefix_source"] == "target"

@@ -1,0 +1,207 @@
+"""`SemanticProbeDataModule` on synthetic shards: batches, splits, shuffling, workers, ranks, faults."""
+
+import math
+
+import pytest
+import torch
+
+from datamodules import shards as S
+from datamodules.datamodule import SPLITS, SemanticProbeDataModule, ShardStream, split_of
+
+WIDTH = {"target": 16, "draft": 8}
+
+
+def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draft_in=None):
+    """Shards shaped like a build's; feature 0 holds the sample id so tests can follow rows."""
+    d.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for k in range(n_shards):
+        t = {}
+        prefix = torch.arange(k * prefixes_per_shard, (k + 1) * prefixes_per_shard)
+        for r, per in (("target", 2 * n), ("draft", n)):
+            if r == "draft" and k == drop_draft_in:
+                per = 0
+            prefix_id = prefix.repeat_interleave(per)
+            rows = len(prefix_id)
+            sample = prefix_id * 2 * n + torch.arange(per).repeat(len(prefix)) + (n if r == "draft" else 0)
+            f = torch.randn(rows, WIDTH[r]).half()
+            f[:, 0] = sample.half()
+            if r == "target" and k == 0 and nan_rows:
+                f[:nan_rows, 1] = float("nan")
+            t.update({f"{r}.features": f, f"{r}.label": torch.rand(rows), f"{r}.q": torch.rand(rows), f"{r}.p": torch.rand(rows),
+                      f"{r}.writer": torch.zeros(rows, dtype=torch.int8), f"{r}.problem_id": prefix_id // 2,
+                      f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample, f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
+                      f"{r}.group_entropy": torch.zeros(rows)})
+        path = S.write_shard(d / S.shard_name(k), t)
+        entries.append({"file": path.name, "sha256": S.sha256_file(path), "count": {r: len(t[f"{r}.label"]) for r in WIDTH}})
+    reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1, "vocab_size": 10}
+             for r, w in WIDTH.items()}
+    sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "labels": {"n_samples": n}}
+    S.atomic_write_json(d / S.MANIFEST, {"complete": True, "build": sig, "shards": entries})
+    return d
+
+
+def _rows(loader):
+    seen = {r: [] for r in WIDTH}
+    for batch in loader:
+        for r, t in batch.items():
+            assert t["features"].dtype == torch.float32 and t["label"].dtype == torch.float32
+            assert t["features"].shape == (len(t["label"]), WIDTH[r]) and len(t["label"]) > 0
+            seen[r] += t["features"][:, 0].long().tolist()
+    return seen
+
+
+@pytest.fixture()
+def data(tmp_path):
+    return make_dataset(tmp_path / "d")
+
+
+def _dm(d, **kw):
+    dm = SemanticProbeDataModule(str(d), build=None, **{"batch_size": 10, "shuffle_buffer": 20, **kw})
+    dm.setup()
+    return dm
+
+
+def test_input_spec_and_batches(data):
+    dm = _dm(data)
+    assert dm.input_spec["target"]["hidden_size"] == 16 and dm.input_spec["draft"]["layer_ids"] == [-1]
+    assert set(dm.input_spec["target"]) == {"hidden_size", "layer_ids", "pooling", "reads", "delimiters", "labels"}
+    batches = list(dm.train_dataloader())
+    assert all(sum(len(t["label"]) for t in b.values()) == 10 for b in batches[:-1])
+    assert any(len(b) == 2 for b in batches)  # mixed batches hold both roles
+
+
+def test_splits_by_problem_cover_every_row_once(data):
+    dm = _dm(data, val_fraction=0.25, test_fraction=0.25)
+    per_split = {s: _rows(getattr(dm, f"{s}_dataloader")()) for s in SPLITS}
+    for r in WIDTH:
+        ids = [i for s in SPLITS for i in per_split[s][r]]
+        assert len(ids) == len(set(ids)) == sum(e["count"][r] for e in S.read_manifest(data)["shards"])
+    problems = {s: {i // 6 // 2 for r in WIDTH for i in per_split[s][r]} for s in SPLITS}  # sample -> prefix -> problem
+    assert all(problems[a].isdisjoint(problems[b]) for a in SPLITS for b in SPLITS if a < b)
+    assert all(problems[s] for s in SPLITS)
+    # the split is a pure function of (seed, problem id)
+    pids = torch.tensor([3, 1, 3, 2])
+    assert torch.equal(split_of(pids, 0, 0.3, 0.3), split_of(pids, 0, 0.3, 0.3))
+    assert split_of(pids, 0, 0.3, 0.3)[0] == split_of(pids, 0, 0.3, 0.3)[2]
+
+
+def test_shuffling_is_seeded_and_changes_per_epoch(data):
+    dm = _dm(data)
+    loader = dm.train_dataloader()
+    first, second = _rows(loader), _rows(loader)
+    assert sorted(first["target"]) == sorted(second["target"]) and first["target"] != second["target"]
+    again = _rows(_dm(data).train_dataloader())
+    assert again == first
+    in_order = _rows(dm.val_dataloader())
+    assert in_order == _rows(dm.val_dataloader())
+
+
+def test_workers_and_ranks_split_the_stream(data):
+    dm = _dm(data, num_workers=2)
+    with_workers = _rows(dm.train_dataloader())
+    alone = _rows(_dm(data).train_dataloader())
+    assert sorted(with_workers["target"]) == sorted(alone["target"])
+    parts = []
+    for rank in range(3):
+        stream = ShardStream(dm.shards, ["target", "draft"], "train", 7, True, 30, 0, (0.1, 0.1))
+        stream.rank, stream.world, stream.epoch = rank, 3, 0
+        parts.append(_rows(stream))
+    sizes = [len(p["target"]) + len(p["draft"]) for p in parts]
+    assert len(set(sizes)) == 1  # every rank the same number of rows: no DDP hang
+    union = [(r, i) for p in parts for r in WIDTH for i in p[r]]
+    assert len(union) == len(set(union)) and len(alone["target"]) + len(alone["draft"]) - len(union) < 3
+
+
+def test_a_role_absent_from_a_batch_is_absent_from_its_dict(tmp_path):
+    d = make_dataset(tmp_path / "d", n_shards=1, drop_draft_in=0)
+    dm = _dm(d)
+    assert all(set(b) == {"target"} for b in dm.train_dataloader())
+    dm = _dm(d, roles=["draft"], val_fraction=0.0, test_fraction=0.0)
+    assert list(dm.train_dataloader()) == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "alter"])
+def test_corrupt_shard_is_named_with_checksums_or_skipped(data, damage):
+    path = data / "shard-00002.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw = raw[:-50] if damage == "truncate" else raw[:-1] + bytes([raw[-1] ^ 1])
+    path.write_bytes(bytes(raw))
+    expected = S.read_manifest(data)["shards"][2]["sha256"]
+    with pytest.raises(S.CorruptShardError) as err:
+        _dm(data)
+    assert str(path) in str(err.value) and expected in str(err.value) and S.sha256_file(path) in str(err.value)
+    with pytest.warns(UserWarning, match="skipping corrupt shard"):
+        dm = _dm(data, skip_corrupt=True)
+    assert dm.skipped_shards == [str(path)] and len(dm.shards) == 3
+
+
+def test_nonfinite_features_error_or_drop(tmp_path):
+    d = make_dataset(tmp_path / "d", nan_rows=5)
+    with pytest.raises(ValueError, match="shard-00000.safetensors has 5 target rows with NaN/inf"):
+        _dm(d)
+    dm = _dm(d, nonfinite="drop", val_fraction=0.0, test_fraction=0.0)
+    assert dm.dropped_rows == 5
+    rows = _rows(dm.train_dataloader())
+    total = sum(e["count"]["target"] for e in S.read_manifest(d)["shards"])
+    assert len(rows["target"]) == total - 5
+
+
+def test_width_mismatch_names_both_numbers(data):
+    m = S.read_manifest(data)
+    m["build"]["reads"]["target"]["hidden_size"] = 20
+    S.atomic_write_json(data / S.MANIFEST, m)
+    with pytest.raises(ValueError, match="target.features are 16 wide, expected 20"):
+        _dm(data)
+
+
+def test_missing_or_empty_data_dir_without_build(tmp_path):
+    for d in (tmp_path / "nowhere", tmp_path):
+        dm = SemanticProbeDataModule(str(d), build=None)
+        with pytest.raises(FileNotFoundError, match=str(d)):
+            dm.prepare_data()
+        with pytest.raises(FileNotFoundError, match=str(d)):
+            dm.setup()
+        with pytest.raises(FileNotFoundError, match=str(d)):
+            _ = dm.input_spec
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="roles=\\['verifier'\\]"):
+        SemanticProbeDataModule(build=None, roles=["verifier"])
+    with pytest.raises(ValueError, match="nonfinite='skip'"):
+        SemanticProbeDataModule(build=None, nonfinite="skip")
+
+
+def test_len_bounds_the_batches(data):
+    dm = _dm(data)
+    loader = dm.train_dataloader()
+    n = len(list(loader))
+    assert n <= len(loader) and len(loader) == math.ceil(sum(s["rows"]["train"] for s in dm.shards) / 10)
+
+
+def test_feeds_a_lightning_trainer(data, tmp_path):
+    import lightning.pytorch as pl
+
+    class Probe(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.heads = torch.nn.ModuleDict({r: torch.nn.Linear(w, 1) for r, w in WIDTH.items()})
+            self.seen = 0
+
+        def training_step(self, batch, _):
+            self.seen += sum(len(t["label"]) for t in batch.values())
+            return sum(((self.heads[r](t["features"]).squeeze(1) - t["label"]) ** 2).mean() for r, t in batch.items())
+
+        def validation_step(self, batch, _):
+            self.log("val", sum(t["label"].mean() for t in batch.values()), batch_size=1)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.01)
+
+    dm = SemanticProbeDataModule(str(data), build=None, batch_size=16, val_fraction=0.25, test_fraction=0.0)
+    probe = Probe()
+    trainer = pl.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")
+    trainer.fit(probe, datamodule=dm)
+    assert probe.seen == 2 * sum(s["rows"]["train"] for s in dm.shards)

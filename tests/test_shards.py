@@ -1,0 +1,63 @@
+"""Shards: atomic writes, checksums, corruption reported by name with both checksums."""
+
+import hashlib
+
+import pytest
+import torch
+
+from datamodules import shards as S
+
+
+def _tensors():
+    return {"target.features": torch.randn(5, 8).half(), "target.label": torch.rand(5), "draft.features": torch.zeros(0, 4).half()}
+
+
+def test_write_and_read_round_trip(tmp_path):
+    path = S.write_shard(tmp_path / S.shard_name(3), _tensors(), {"shard": "3"})
+    assert path.name == "shard-00003.safetensors"
+    back = S.read_shard(path)
+    for k, v in _tensors().items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape
+    assert S.shard_shapes(path)["draft.features"] == [0, 4]
+    assert S.sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    def boom(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a shard")
+        raise KeyboardInterrupt  # killed mid-write
+
+    monkeypatch.setattr(S, "save_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        S.write_shard(tmp_path / "shard-00000.safetensors", _tensors())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_json_replaces_whole_file(tmp_path):
+    S.atomic_write_json(tmp_path / "m.json", {"a": 1})
+    S.atomic_write_json(tmp_path / "m.json", {"b": [1, 2]})
+    assert S.read_manifest(tmp_path) is None
+    (tmp_path / S.MANIFEST).write_text("{broken")
+    with pytest.raises(ValueError, match="manifest.json is not valid JSON"):
+        S.read_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_verify_names_shard_and_both_checksums(tmp_path, damage):
+    path = S.write_shard(tmp_path / "shard-00000.safetensors", _tensors())
+    expected = S.sha256_file(path)
+    S.verify_file(path, expected)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    actual = hashlib.sha256(bytes(data)).hexdigest()
+    with pytest.raises(S.CorruptShardError) as err:
+        S.verify_file(path, expected)
+    assert str(path) in str(err.value) and expected in str(err.value) and actual in str(err.value)
+    with pytest.raises(S.CorruptShardError, match="missing"):
+        S.verify_file(tmp_path / "shard-00009.safetensors", expected)
