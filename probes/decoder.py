@@ -274,15 +274,10 @@ class SemanticSpecDecoder:
             return load_probe(probe, model, tokenizer, device=str(_device(model)))
         if not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
             raise TypeError(f"probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
-        width = (
-            model.config.get_text_config().hidden_size
-            if hasattr(model.config, "get_text_config")
-            else model.config.hidden_size
-        )
-        if probe.config.hidden_size != width:
-            raise ValueError(
-                f"probe expects hidden_size={probe.config.hidden_size}, model has {width}; load the probe exported for this model"
-            )
+        from probes.export import check_probe_matches
+
+        # The same fingerprint check as load_probe: width, and model/tokenizer when the probe records them.
+        check_probe_matches(probe.config, model, tokenizer, where=f"{probe.config.role} probe")
         return probe.to(_device(model)).eval()
 
     # ------------------------------------------------------------------ public entry point
