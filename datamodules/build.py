@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from tqdm.auto import tqdm
 
 from datamodules import shards as S
@@ -156,7 +157,11 @@ class BuildConfig:
         from datamodules.arithmetic.models import world_root
 
         given = {"target": self.target, "draft": self.draft, "judge": self.judge_model}[role]
-        return str(given) if given else str(world_root() / role)
+        if not given:
+            return str(world_root() / role)
+        from datamodules.models import local_model_dir
+
+        return local_model_dir(given)  # a GGUF or ``pypi:PACKAGE`` becomes its converted, cached folder
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(method=self.clustering, min_cluster_size=self.min_cluster_size,
@@ -164,10 +169,13 @@ class BuildConfig:
                              votes=self.votes)
 
     def resolved_device(self) -> tuple[str, torch.dtype]:
-        """The device and dtype models run in."""
-        if self.device == "auto":
-            return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
-        return self.device, (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
+        """The device and dtype models run in; with several ranks, ``cuda`` means this rank's GPU (LOCAL_RANK)."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
+        return device, (torch.bfloat16 if device.startswith("cuda") else torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,9 +647,18 @@ def main(args: list[str] | None = None) -> dict:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help text
     parser = ArgumentParser(prog="python -m datamodules.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="YAML with data_dir and build.* keys")
+    parser.add_argument("--fit_config", type=str | None, default=None,
+                        help="Take data_dir and build from the data: section of a `python -m probes.fit` YAML "
+                             "(later options override it).")
     parser.add_argument("--data_dir", type=str, default="data/arithmetic", help="Output folder of shards and manifest.json.")
     parser.add_argument("--max_shards", type=int | None, default=None, help="Stop after this many new shards (no manifest).")
     parser.add_class_arguments(BuildConfig, "build")
+    args = list(sys.argv[1:] if args is None else args)
+    if "--fit_config" in args:  # the fit YAML's data: section, then the other options on top
+        i = args.index("--fit_config")
+        data = (yaml.safe_load(Path(args[i + 1]).read_text()) or {}).get("data") or {}
+        section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
+        args = ["--config", yaml.safe_dump(section)] + args[:i] + args[i + 2 :]
     cfg = parser.parse_args(args)
     _, world = dist_info()
     import torch.distributed as dist

@@ -7,6 +7,7 @@ these tests skip, except under CI (``CI`` set), where a missing package fails th
 """
 
 import json
+from pathlib import Path
 import os
 
 import pytest
@@ -303,3 +304,14 @@ def test_probe_of_the_wrong_width_is_refused(real_pair, tmp_path):
     with pytest.raises(ValueError, match="hidden_size"):
         SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=wrong,
                             draft_probe=_probe_dir(tmp_path / "p", draft, draft_tok, "draft"))
+
+
+def test_build_config_resolves_gguf_specs_to_converted_folders(tmp_path, monkeypatch):
+    from datamodules.build import BuildConfig, folder_fingerprint
+
+    gguf_path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("SEMANTICSPEC_CACHE", str(tmp_path / "cache"))
+    config = BuildConfig(target=str(gguf_path), draft=str(gguf_path))
+    folder = config.model_path("target")
+    assert (tmp_path / "cache") in Path(folder).parents and (Path(folder) / "config.json").is_file()
+    assert folder_fingerprint(folder)["architecture"] == "LlamaForCausalLM"
