@@ -9,6 +9,7 @@ table.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,13 +64,17 @@ def format_table(rows: dict[str, dict[str, float]], columns: list[str]) -> str:
 
 def main(args: ArgsType = None) -> dict[str, Any]:
     """Run the fit job; returns ``{"export": {role: path}, "test": metrics, "best_ckpt": path}``."""
+    args = list(sys.argv[1:] if args is None else args)
+    if not any(a == "--config" or a.startswith("--config=") for a in args):
+        # The embedded default unless a config is given. (Not `default_config_files`: jsonargparse then
+        # rejects an optimizer class_path in the YAML.)
+        args = ["--config", str(DEFAULT_CONFIG)] + args
     cli = ProbeCLI(
         SemanticProbeModule,
         SemanticProbeDataModule,
         run=False,
         auto_configure_optimizers=False,
         args=args,
-        parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)]},
         save_config_kwargs={"overwrite": True},
     )
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
