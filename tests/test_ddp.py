@@ -44,3 +44,33 @@ def test_ddp_two_cpu_processes_see_disjoint_data(tmp_path):
     total = 4 * 6 * (2 * 3 + 3)  # shards x prefixes x (target reads 2n + draft reads n)
     assert len(seen[0]) == len(seen[1]) and len(seen[0]) + len(seen[1]) >= total - 1  # at most one left over
     assert {s.split(":")[0] for s in seen[0] + seen[1]} == set(WIDTH)
+
+
+class SpecRecorder(L.Callback):
+    """Writes the spec/ metrics every rank sees after validation to ``out/spec<r>.json``."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            seen = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("spec/")}
+            with open(f"{self.out}/spec{trainer.global_rank}.json", "w") as f:
+                json.dump(seen, f)
+
+
+@pytest.mark.slow
+def test_speculative_validation_runs_once_and_shares_its_figures_under_ddp(tmp_path):
+    from callbacks.speculative_validation import SpeculativeValidation
+    from datamodules.build import BuildConfig, build
+
+    build(BuildConfig(n_problems=8, n_samples=2, shard_size=4), tmp_path / "data")
+    dm = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=32, val_fraction=0.25, test_fraction=0.0)
+    module = SemanticProbeModule(probe=ProbeConfig(hidden_dims=[8]), roles=["target", "draft"], input_spec=dm.input_spec)
+    spec = SpeculativeValidation(max_problems=2, max_seconds=30, max_new_tokens=32, plots_dir=str(tmp_path / "plots"))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[spec, SpecRecorder(str(tmp_path))], default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=dm)
+    ranks = [json.loads((tmp_path / f"spec{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and "spec/speedup" in ranks[0] and ranks[0]["spec/problems"] == 2
