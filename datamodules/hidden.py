@@ -33,6 +33,13 @@ def pool_hidden_states(
     """
     if pooling not in ("mean", "last"):
         raise ValueError(f"pooling={pooling!r}; expected 'mean' or 'last'")
+    n = len(hidden_states)
+    bad = [i for i in layer_ids if not -n <= i < n]
+    if bad:
+        raise ValueError(
+            f"layer_ids {bad} out of range for a model with {n - 1} layers: hidden_states has {n} entries "
+            f"(0 = embeddings, 1..{n - 1} = layers, -1 = last); choose ids every reading model has"
+        )
     h = torch.stack([hidden_states[i] for i in layer_ids], dim=1).float()  # (B, L, T, D)
     T = h.shape[2]
     start, end = start.to(h.device).long(), end.to(h.device).long()

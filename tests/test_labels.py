@@ -96,3 +96,13 @@ def test_identical_texts_are_one_group_without_asking():
 def test_cluster_config_names_bad_values():
     with pytest.raises(ValueError, match="method='kmeans'"):
         ClusterConfig(method="kmeans")
+
+
+def test_pooling_names_out_of_range_layers():
+    import torch
+
+    from datamodules.hidden import pool_hidden_states
+
+    states = tuple(torch.zeros(1, 4, 3) for _ in range(2))  # a 1-layer model: embeddings + 1 layer
+    with pytest.raises(ValueError, match=r"layer_ids \[6\] out of range for a model with 1 layers"):
+        pool_hidden_states(states, [-1, 6], torch.tensor([0]), torch.tensor([2]))
