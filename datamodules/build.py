@@ -66,6 +66,10 @@ class BuildConfig:
     """Judge model: a folder for ``llm``/``nli`` (None = the world's judge), the model name for ``http``."""
     judge_template: str | None = None
     """Judge prompt with ``{a}`` and ``{b}``; None = the world's ``JUDGE_TEMPLATE`` (llm) or a plain question (http)."""
+    judge_yes: str = " yes"
+    """``llm`` judge: the answer meaning "same" (its first token's probability is read); chat models often say ``Yes``."""
+    judge_no: str = " no"
+    """``llm`` judge: the answer meaning "different"."""
     judge_url: str = ""
     """Base URL of the ``http`` judge, e.g. ``http://127.0.0.1:8000/v1``."""
     judge_api: str = "chat"
@@ -209,6 +213,8 @@ def judge_provenance(config: BuildConfig) -> dict[str, Any]:
         out.update(model=config.judge_model, url=config.judge_url, api=config.judge_api)
     if config.judge in ("llm", "http"):
         out["template"] = config.judge_template or _default_template(config)
+    if config.judge == "llm" and (config.judge_yes, config.judge_no) != (" yes", " no"):
+        out["answers"] = [config.judge_yes, config.judge_no]  # recorded only when not the default
     return out
 
 
@@ -318,7 +324,8 @@ def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0
         model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
         return J.NLIJudge(model.to(device).eval(), tok, name=name, **common)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
-    return J.LLMJudge(model, tok, config.judge_template or _default_template(config), name=name, **common)
+    return J.LLMJudge(model, tok, config.judge_template or _default_template(config), yes=config.judge_yes,
+                      no=config.judge_no, name=name, **common)
 
 
 def weights_stamp(folder: str | os.PathLike, probe: int = 1 << 20) -> str:

@@ -239,3 +239,15 @@ def test_prefixes_from_the_targets_own_traces(world, tmp_path):
     m = build(_config(world, prefix_source="target", n_problems=2, max_step_tokens=4), tmp_path)
     traces = [json.loads(line) for line in (tmp_path / "target-traces.jsonl").read_text().splitlines()]
     assert len(traces) == 2 and m["n_prefixes"] >= 2 and m["build"]["problems"]["prefix_source"] == "target"
+
+
+def test_llm_judge_answers_are_configurable(tmp_path):
+    from datamodules.build import BuildConfig, judge_provenance, make_judge
+
+    default = BuildConfig()
+    assert "answers" not in judge_provenance(default)  # old manifests keep matching
+    config = BuildConfig(judge_yes=" Yes", judge_no=" No")
+    assert judge_provenance(config)["answers"] == [" Yes", " No"]
+    judge = make_judge(config, tmp_path)
+    tok = judge.tokenizer
+    assert (judge.yes_id, judge.no_id) == (tok.convert_tokens_to_ids(" Yes"), tok.convert_tokens_to_ids(" No"))
