@@ -674,7 +674,7 @@ def main(args: list[str] | None = None) -> dict:
         from datetime import timedelta
 
         dist.init_process_group("gloo", timeout=timedelta(hours=12))
-    config = parser.instantiate_classes(cfg).build
+    config = parser.instantiate(cfg).build
     try:
         return build(config, cfg.data_dir, max_shards=cfg.max_shards)
     finally:

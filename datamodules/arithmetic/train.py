@@ -265,9 +265,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--init-from", type=Path, default=None, help="start from this saved model (e.g. the judge from the target)")
     ap.add_argument("--steps", type=int, default=None, help="override the number of optimizer steps")
     ap.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
+    ap.add_argument("--layers", type=int, default=None, help="override the number of transformer layers")
     args = ap.parse_args(argv)
     for w in args.which:
-        for key in ("max_minutes", "steps", "lr"):
+        for key in ("max_minutes", "steps", "lr", "layers"):
             if getattr(args, key) is not None:
                 setattr(SPECS[w], key, getattr(args, key))
         init = args.init_from
