@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from datamodules.arithmetic import task
 from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, build_tokenizer
-from datamodules.sampling import generate
+from datamodules.sampling import generate, left_pad
 
 TARGET_STYLE = (0.6, 0.3, 0.05, 0.05)
 """Template weights of the target's corpus (per operation): it prefers templates 0 and 1."""
@@ -161,13 +161,8 @@ def eval_solver(model, tok, problems: list[task.Problem], temperature: float = 0
 @torch.no_grad()
 def judge_yes_prob(model, tok, pairs: list[tuple[str, str]]) -> torch.Tensor:
     """P(`` yes``) / (P(`` yes``) + P(`` no``)) for each pair, read from the next-token logits."""
-    rows = [judge_example(tok, a, b)[0] for a, b in pairs]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):  # left-pad so the answer position is the last one
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
+    # left-padded, so the answer position is the last one in every row
+    ids, mask = left_pad([judge_example(tok, a, b)[0] for a, b in pairs], tok.pad_token_id)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
     yes, no = tok.convert_tokens_to_ids([" yes", " no"])  # one token each in the world's vocabulary
