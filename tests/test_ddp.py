@@ -11,6 +11,18 @@ from probes.module import SemanticProbeModule
 from tests.test_datamodule import WIDTH, make_dataset  # real shard files, ids in feature 0
 
 
+class DestroyProcessGroup(L.Callback):
+    """Joins gloo's threads before a spawned rank exits; left to interpreter exit, a rank sometimes aborts
+    with "terminate called without an active exception" after fit has finished."""
+
+    def teardown(self, trainer, pl_module, stage):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
 class RecordingModule(SemanticProbeModule):
     """Writes the sample ids (feature 0 of the test shards) each rank trained on to ``out/rank<r>.json``."""
 
@@ -35,7 +47,8 @@ def test_ddp_two_cpu_processes_see_disjoint_data(tmp_path):
     module = RecordingModule(str(tmp_path), probe=ProbeConfig(hidden_dims=[8]), roles=["target", "draft"], input_spec=dm.input_spec)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path)
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+                        callbacks=[DestroyProcessGroup()])
     trainer.fit(module, datamodule=dm)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert seen[0] and seen[1]
@@ -70,7 +83,7 @@ def test_speculative_validation_runs_once_and_shares_its_figures_under_ddp(tmp_p
     spec = SpeculativeValidation(max_problems=2, max_seconds=30, max_new_tokens=32, plots_dir=str(tmp_path / "plots"))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[spec, SpecRecorder(str(tmp_path))], default_root_dir=tmp_path)
+                        num_sanity_val_steps=0, callbacks=[spec, SpecRecorder(str(tmp_path)), DestroyProcessGroup()], default_root_dir=tmp_path)
     trainer.fit(module, datamodule=dm)
     ranks = [json.loads((tmp_path / f"spec{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and "spec/speedup" in ranks[0] and ranks[0]["spec/problems"] == 2
