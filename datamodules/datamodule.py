@@ -7,8 +7,10 @@ The dataloaders stream shards through an :class:`~torch.utils.data.IterableDatas
 them across dataloader workers and DDP ranks and shuffles rows through a bounded buffer, so
 memory holds one shard plus the buffer whatever the dataset's size.
 
-A batch is ``{role: {"features": float32 (B_r, L*D_r), "label": float32 (B_r,)}}``; a role is
-absent from a batch that has no row of it.
+A batch is ``{role: {"features": float32 (B_r, W_r), "label": float32 (B_r,), "writer": int8 (B_r,)}}``
+(``W_r``: the chosen feature groups flattened and concatenated, ``generation.features.probe_input``;
+``writer``: ``labels.TARGET`` or ``labels.DRAFT``, who wrote the step); a role is absent from a batch
+that has no row of it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from datamodules import shards as S
 from datamodules.build import ROLES, BuildConfig, build, signature, signature_mismatches
+from generation.groups import require_features
 
 SPLITS = ("train", "val", "test")
 Batch = dict[str, dict[str, torch.Tensor]]
@@ -49,6 +52,21 @@ def dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def read_rows(path: str | Path, roles: list[str], groups: tuple[str, ...], columns: tuple[str, ...]) -> dict:
+    """One shard's rows: per role ``<role>.input`` (the feature groups, flat, in ``groups`` order) and ``columns``.
+
+    The ``hidden`` group stays float16 when it is the only one (half the buffer memory); with
+    ``token_stats`` the input is float32.
+    """
+    keys = {"hidden": "features", "token_stats": "token_stats"}
+    t = S.read_shard(path, [f"{r}.{k}" for r in roles for k in [keys[g] for g in groups] + list(columns)])
+    out = {f"{r}.{c}": t[f"{r}.{c}"] for r in roles for c in columns}
+    for r in roles:
+        parts = [t[f"{r}.{keys[g]}"] for g in groups]
+        out[f"{r}.input"] = parts[0] if len(parts) == 1 else torch.cat([p.float() for p in parts], dim=1)
+    return out
+
+
 class ShardStream(IterableDataset):
     """Batches of one split streamed from shards.
 
@@ -68,11 +86,13 @@ class ShardStream(IterableDataset):
         seed: seed of the split hash and of shuffling.
         fractions: ``(val_fraction, test_fraction)``.
         nonfinite: ``error`` or ``drop`` rows whose features hold NaN or inf.
+        groups: feature groups to stream (``hidden`` and/or ``token_stats``), concatenated in this order.
     """
 
     def __init__(self, shards: list[dict], roles: list[str], split: str, batch_size: int, shuffle: bool,
-                 shuffle_buffer: int, seed: int, fractions: tuple[float, float], nonfinite: str = "error"):
-        self.shards, self.roles, self.split = shards, list(roles), split
+                 shuffle_buffer: int, seed: int, fractions: tuple[float, float], nonfinite: str = "error",
+                 groups: tuple[str, ...] = ("hidden",)):
+        self.shards, self.roles, self.split, self.groups = shards, list(roles), split, tuple(groups)
         self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, shuffle_buffer
         self.seed, self.fractions, self.nonfinite = seed, fractions, nonfinite
         self.epoch = -1
@@ -92,13 +112,12 @@ class ShardStream(IterableDataset):
             order = torch.randperm(len(order), generator=g).tolist()
         return order
 
-    def _rows(self, shard: dict, offset: int, limit: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's rows of ``shard`` in this split: role -> (features fp16, labels)."""
-        keys = [f"{r}.{k}" for r in self.roles for k in ("features", "label", "problem_id")]
-        t = S.read_shard(shard["path"], keys)
+    def _rows(self, shard: dict, offset: int, limit: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """This rank's rows of ``shard`` in this split: role -> (features, labels, writers)."""
+        t = read_rows(shard["path"], self.roles, self.groups, ("label", "problem_id", "writer"))
         out, at = {}, offset
         for r in self.roles:
-            f, y = t[f"{r}.features"], t[f"{r}.label"]
+            f, y = t[f"{r}.input"], t[f"{r}.label"]
             keep = split_of(t[f"{r}.problem_id"], self.seed, *self.fractions) == SPLITS.index(self.split)
             finite = torch.isfinite(f).all(1)
             if not bool(finite.all()):
@@ -109,7 +128,7 @@ class ShardStream(IterableDataset):
             pos = at + torch.arange(len(idx))  # position of each row in the split's global order
             at += len(idx)
             mine = (pos % self.world == self.rank) & (pos < limit)
-            out[r] = (f[idx[mine]], y[idx[mine]])
+            out[r] = (f[idx[mine]], y[idx[mine]], t[f"{r}.writer"][idx[mine]])
         return out
 
     def __iter__(self) -> Iterator[Batch]:
@@ -131,12 +150,12 @@ class ShardStream(IterableDataset):
     def _in_order(self, mine, offsets, limit) -> Iterator[Batch]:
         # Roles share batches in file order, so a rank yields exactly ceil(rows / batch_size) batches:
         # what __len__ promises (Lightning stops there) and the same count on every DDP rank.
-        queue: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        queue: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         queued = 0
         for k in mine:
-            for r, (f, y) in self._rows(self.shards[k], offsets[k], limit).items():
+            for r, (f, y, w) in self._rows(self.shards[k], offsets[k], limit).items():
                 if len(y):
-                    queue.append((r, f, y))
+                    queue.append((r, f, y, w))
                     queued += len(y)
             while queued >= self.batch_size:
                 yield self._pop(queue, self.batch_size)
@@ -145,26 +164,26 @@ class ShardStream(IterableDataset):
             yield self._pop(queue, queued)
 
     @staticmethod
-    def _pop(queue: list[tuple[str, torch.Tensor, torch.Tensor]], k: int) -> Batch:
+    def _pop(queue: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], k: int) -> Batch:
         """Take the first ``k`` queued rows (in place) as one batch."""
-        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         while k:
-            r, f, y = queue[0]
+            r, f, y, w = queue[0]
             take = min(k, len(y))
-            parts.setdefault(r, []).append((f[:take], y[:take]))
+            parts.setdefault(r, []).append((f[:take], y[:take], w[:take]))
             if take == len(y):
                 queue.pop(0)
             else:
-                queue[0] = (r, f[take:], y[take:])
+                queue[0] = (r, f[take:], y[take:], w[take:])
             k -= take
-        return {r: {"features": torch.cat([f for f, _ in ps]).float(), "label": torch.cat([y for _, y in ps])}
-                for r, ps in parts.items()}
+        return {r: {"features": torch.cat([p[0] for p in ps]).float(), "label": torch.cat([p[1] for p in ps]),
+                    "writer": torch.cat([p[2] for p in ps])} for r, ps in parts.items()}
 
     def _shuffled(self, mine, offsets, limit, g) -> Iterator[Batch]:
         buf = _Buffer(self.roles)
         for k in mine:
-            for r, (f, y) in self._rows(self.shards[k], offsets[k], limit).items():
-                buf.add(r, f, y)
+            for r, (f, y, w) in self._rows(self.shards[k], offsets[k], limit).items():
+                buf.add(r, f, y, w)
             if buf.size() >= self.shuffle_buffer + self.batch_size:
                 yield from buf.take(buf.size() - self.shuffle_buffer, self.batch_size, g, last=False)
         yield from buf.take(buf.size(), self.batch_size, g, last=True)
@@ -177,12 +196,13 @@ class _Buffer:
         self.roles = roles
         self.F: dict[str, torch.Tensor | None] = {r: None for r in roles}
         self.Y: dict[str, torch.Tensor] = {r: torch.zeros(0) for r in roles}
+        self.W: dict[str, torch.Tensor] = {r: torch.zeros(0, dtype=torch.int8) for r in roles}
         self.used: dict[str, torch.Tensor] = {r: torch.zeros(0, dtype=torch.bool) for r in roles}
 
     def size(self) -> int:
         return int(sum(int(u.sum()) for u in self.used.values()))
 
-    def add(self, r: str, f: torch.Tensor, y: torch.Tensor) -> None:
+    def add(self, r: str, f: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
         if not len(y):
             return
         free = (~self.used[r]).nonzero().squeeze(1)
@@ -193,11 +213,13 @@ class _Buffer:
             if old is not None:
                 self.F[r][: len(old)] = old
             self.Y[r] = torch.cat([self.Y[r], torch.empty(grow, dtype=y.dtype)])
+            self.W[r] = torch.cat([self.W[r], torch.empty(grow, dtype=w.dtype)])
             self.used[r] = torch.cat([self.used[r], torch.zeros(grow, dtype=torch.bool)])
             free = (~self.used[r]).nonzero().squeeze(1)
         slots = free[: len(y)]
         self.F[r][slots] = f
         self.Y[r][slots] = y
+        self.W[r][slots] = w
         self.used[r][slots] = True
 
     def take(self, k: int, batch_size: int, g: torch.Generator, last: bool) -> Iterator[Batch]:
@@ -214,15 +236,17 @@ class _Buffer:
         parts: dict[str, tuple] = {}
         for i, r in enumerate(self.roles):
             if self.F[r] is None:  # this role never had a row
-                parts[r] = ((), (), [0] * n_batches)
+                parts[r] = ((), (), (), [0] * n_batches)
                 continue
             m = (chosen >= int(starts[i])) & (chosen < int(starts[i + 1]))
             slots = occ[r][chosen[m] - int(starts[i])]
             counts = torch.bincount(batch_of[m], minlength=n_batches).tolist()
-            parts[r] = (self.F[r][slots].float().split(counts), self.Y[r][slots].split(counts), counts)
+            parts[r] = (self.F[r][slots].float().split(counts), self.Y[r][slots].split(counts),
+                        self.W[r][slots].split(counts), counts)
             self.used[r][slots] = False
         for b in range(n_batches):
-            yield {r: {"features": parts[r][0][b], "label": parts[r][1][b]} for r in self.roles if parts[r][2][b]}
+            yield {r: {"features": parts[r][0][b], "label": parts[r][1][b], "writer": parts[r][2][b]}
+                   for r in self.roles if parts[r][3][b]}
 
 
 class _EpochLoader(DataLoader):
@@ -250,6 +274,10 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         seed: seed of the split hash and of shuffling.
         skip_corrupt: skip (with a warning) shards whose checksum differs instead of failing.
         nonfinite: ``error`` on NaN/inf features, or ``drop`` those rows (counted in ``dropped_rows``).
+        feature_groups: feature groups the probes read, from those the data holds (``hidden``: pooled
+            hidden states; ``token_stats``: the reading model's statistics of the step's tokens).
+            None = every group the data holds (``[hidden, token_stats]`` for builds of this version).
+            The paper's probe is ``[hidden]``.
     """
 
     def __init__(
@@ -265,6 +293,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         seed: int = 0,
         skip_corrupt: bool = False,
         nonfinite: str = "error",
+        feature_groups: list[str] | None = None,
     ):
         super().__init__()
         errors = []
@@ -277,12 +306,18 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             errors.append(f"val_fraction={val_fraction}, test_fraction={test_fraction}: need >= 0 each and a sum below 1")
         if nonfinite not in ("error", "drop"):
             errors.append(f"nonfinite={nonfinite!r}: expected 'error' or 'drop'")
+        if feature_groups is not None:
+            from generation.groups import check_groups
+
+            errors += check_groups(feature_groups, ["mean_logprob"])
         if errors:
             raise ValueError("invalid SemanticProbeDataModule arguments: " + "; ".join(errors))
         self.data_dir, self.build, self.roles = Path(data_dir), build, list(roles)
         self.batch_size, self.num_workers, self.shuffle_buffer = batch_size, num_workers, shuffle_buffer
         self.val_fraction, self.test_fraction, self.seed = val_fraction, test_fraction, seed
         self.skip_corrupt, self.nonfinite = skip_corrupt, nonfinite
+        self.feature_groups = None if feature_groups is None else list(feature_groups)
+        self._moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.shards: list[dict] = []
         self.dropped_rows = 0
         """Rows with NaN/inf features dropped (``nonfinite="drop"``)."""
@@ -296,7 +331,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
 
     @property
     def input_spec(self) -> dict[str, dict]:
-        """Per role: ``hidden_size``, ``layer_ids``, ``pooling``, ``reads``, ``delimiters``, ``labels``.
+        """Per role: ``hidden_size``, ``layer_ids``, ``pooling``, ``feature_groups``, ``token_stats``,
+        ``reads``, ``delimiters``, ``labels``.
 
         From the manifest when the data is built, else from the build config (model folders'
         ``config.json`` and tokenizer; no weights are loaded).
@@ -309,10 +345,43 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                 sig = signature(self.build)
             else:
                 raise FileNotFoundError(self._missing_message())
+            held = list(sig.get("feature_groups", ["hidden"]))  # builds before format 2 stored pooled states only
+            stats = list(sig.get("token_stats", []))
+            groups = held if self.feature_groups is None else self.feature_groups
+            require_features(groups, stats, held, stats, where=f"data.feature_groups={groups}",
+                             provider=f"the data in {self.data_dir}")
             self._spec = {r: {"hidden_size": int(sig["reads"][r]["hidden_size"]), "layer_ids": list(sig["layer_ids"]),
-                              "pooling": sig["pooling"], "reads": dict(sig["reads"][r]), "delimiters": list(sig["delimiters"]),
+                              "pooling": sig["pooling"], "feature_groups": list(groups),
+                              "token_stats": stats if "token_stats" in groups else [],
+                              "reads": dict(sig["reads"][r]), "delimiters": list(sig["delimiters"]),
                               "labels": dict(sig["labels"])} for r in self.roles}
         return self._spec
+
+    def feature_moments(self, role: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-column mean and standard deviation of ``role``'s probe inputs over the training split (finite rows).
+
+        Probes standardise their inputs with them (``SemanticProbe.set_standardization``). One pass
+        over the shards in float64; cached.
+        """
+        if role not in self._moments:
+            if not self.shards:
+                self.setup()
+            groups = tuple(self.input_spec[role]["feature_groups"])
+            total, total_sq, n = None, None, 0
+            for shard in self.shards:
+                t = read_rows(shard["path"], [role], groups, ("problem_id",))
+                f = t[f"{role}.input"].double()
+                keep = split_of(t[f"{role}.problem_id"], self.seed, self.val_fraction, self.test_fraction) == 0
+                f = f[keep & torch.isfinite(f).all(1)]
+                total = f.sum(0) if total is None else total + f.sum(0)
+                total_sq = (f * f).sum(0) if total_sq is None else total_sq + (f * f).sum(0)
+                n += len(f)
+            if not n:
+                raise ValueError(f"no finite {role} training rows in {self.data_dir} to standardise probe inputs with")
+            mean = total / n
+            std = (total_sq / n - mean * mean).clamp(min=0).sqrt()
+            self._moments[role] = (mean.float(), std.float())
+        return self._moments[role]
 
     def _missing_message(self) -> str:
         state = "does not exist" if not self.data_dir.exists() else "holds no finished build (no complete manifest.json)"
@@ -354,7 +423,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                 warnings.warn(f"skipping corrupt shard: {e}")
                 self.skipped_shards.append(str(path))
                 continue
-            key = (str(path), self._verified[str(path)], tuple(self.roles))
+            key = (str(path), self._verified[str(path)], tuple(self.roles), tuple(spec[self.roles[0]]["feature_groups"]))
             if key not in self._counted:  # setup runs once per stage; scan each shard once
                 self._counted[key] = self._count(path, spec)
             rows, bad = self._counted[key]
@@ -375,13 +444,18 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         shapes = S.shard_shapes(path)
         rows, dropped = {s: 0 for s in SPLITS}, 0
         for r in self.roles:
-            want = len(spec[r]["layer_ids"]) * spec[r]["hidden_size"]
-            have = shapes[f"{r}.features"][1]
-            if have != want:
-                raise ValueError(f"shard {path}: {r}.features are {have} wide, expected {want} "
-                                 f"(= {len(spec[r]['layer_ids'])} layers x hidden_size {spec[r]['hidden_size']})")
-            t = S.read_shard(path, [f"{r}.features", f"{r}.problem_id"])
-            finite = torch.isfinite(t[f"{r}.features"]).all(1)
+            groups = tuple(spec[r]["feature_groups"])
+            if "hidden" in groups:
+                want = len(spec[r]["layer_ids"]) * spec[r]["hidden_size"]
+                have = shapes[f"{r}.features"][1]
+                if have != want:
+                    raise ValueError(f"shard {path}: {r}.features are {have} wide, expected {want} "
+                                     f"(= {len(spec[r]['layer_ids'])} layers x hidden_size {spec[r]['hidden_size']})")
+            if "token_stats" in groups and shapes.get(f"{r}.token_stats", [0, -1])[1] != len(spec[r]["token_stats"]):
+                raise ValueError(f"shard {path}: {r}.token_stats has shape {shapes.get(f'{r}.token_stats')}, "
+                                 f"expected {len(spec[r]['token_stats'])} columns ({spec[r]['token_stats']})")
+            t = read_rows(path, [r], groups, ("problem_id",))
+            finite = torch.isfinite(t[f"{r}.input"]).all(1)
             if not bool(finite.all()):
                 bad = int((~finite).sum())
                 if self.nonfinite == "error":
@@ -396,8 +470,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     def _loader(self, split: str) -> DataLoader:
         if not self.shards:
             self.setup()
+        groups = tuple(self.input_spec[self.roles[0]]["feature_groups"])
         stream = ShardStream(self.shards, self.roles, split, self.batch_size, split == "train", self.shuffle_buffer,
-                             self.seed, (self.val_fraction, self.test_fraction), self.nonfinite)
+                             self.seed, (self.val_fraction, self.test_fraction), self.nonfinite, groups)
         stream._num_workers = self.num_workers
         return _EpochLoader(stream, batch_size=None, num_workers=self.num_workers)
 

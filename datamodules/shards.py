@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
-"""Layout version of the shards and the manifest."""
+FORMAT_VERSION = 2
+"""Layout version of the shards and the manifest (2: a ``token_stats`` feature group beside the pooled ``features``)."""
 
 
 class CorruptShardError(ValueError):

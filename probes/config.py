@@ -8,8 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-FORMAT_VERSION = 1
-"""Version of the exported ``config.json`` layout; older versions keep loading."""
+from generation.groups import check_groups
+
+FORMAT_VERSION = 2
+"""Version of the exported ``config.json`` layout; older versions keep loading.
+
+1: pooled hidden states only. 2: named feature groups (``feature_groups``, ``token_stats``) and
+input standardisation buffers in ``model.safetensors`` (a version-1 export loads as ``["hidden"]``
+with identity standardisation)."""
 FINGERPRINT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size", "tokenizer_hash")
 """Fields of a reading model's fingerprint that must match at load time (name_or_path is informative)."""
 
@@ -26,6 +32,13 @@ class ProbeConfig:
     """How several layers become one input: ``concat`` or ``weighted_sum`` (learned softmax weights)."""
     pooling: str = "mean"
     """How a step's token states become one vector: ``mean`` over the step's tokens, or ``last``."""
+    feature_groups: list[str] = field(default_factory=lambda: ["hidden"])
+    """Feature groups the probe reads, concatenated in this order: ``hidden`` (pooled states of ``layer_ids``)
+    and/or ``token_stats`` (the reading model's statistics of the step's tokens; see ``generation.features``)."""
+    token_stats: list[str] = field(default_factory=list)
+    """Names of the token statistics the ``token_stats`` group holds, in order (e.g. ``mean_logprob``)."""
+    standardize: bool = True
+    """Standardise every input column with the training rows' mean and standard deviation (stored as buffers)."""
     hidden_dims: list[int] = field(default_factory=lambda: [2048, 512, 256])
     """Widths of the MLP's hidden layers (paper: 2048, 512, 256). Empty = linear probe."""
     dropout: float = 0.3
@@ -55,6 +68,7 @@ class ProbeConfig:
             errors.append(f"layer_combine={self.layer_combine!r}: expected 'concat' or 'weighted_sum'")
         if self.pooling not in ("mean", "last"):
             errors.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
+        errors += check_groups(self.feature_groups, self.token_stats)
         if any(d < 1 for d in self.hidden_dims):
             errors.append(f"hidden_dims={self.hidden_dims}: widths must be >= 1")
         if not 0 <= self.dropout < 1:
@@ -65,15 +79,23 @@ class ProbeConfig:
             raise ValueError("invalid ProbeConfig: " + "; ".join(errors))
 
     @property
+    def hidden_width(self) -> int:
+        """Columns of the ``hidden`` group: ``len(layer_ids) * hidden_size`` (0 when the probe does not read it)."""
+        return len(self.layer_ids) * self.hidden_size if "hidden" in self.feature_groups else 0
+
+    @property
     def input_size(self) -> int:
-        """Width of one flattened input row: ``len(layer_ids) * hidden_size``."""
-        return len(self.layer_ids) * self.hidden_size
+        """Width of one flattened input row: the ``hidden`` columns, then one per token statistic."""
+        return self.hidden_width + (len(self.token_stats) if "token_stats" in self.feature_groups else 0)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":
         """Build from a ``config.json`` dict, upgrading older layouts and naming unknown keys."""
         d = dict(d)
         d.setdefault("format_version", 0)
+        if d["format_version"] < 2:  # before feature groups every probe read pooled hidden states only
+            d.setdefault("feature_groups", ["hidden"])
+            d.setdefault("standardize", False)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:

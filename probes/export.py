@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from safetensors.torch import load_file
+
 from probes.config import FINGERPRINT_FIELDS, ProbeConfig
 
 
@@ -118,5 +120,13 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
     config = ProbeConfig.from_dict(json.loads((path / "config.json").read_text()))
     if model is not None:
         check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
-    probe = SemanticProbe.from_pretrained(str(path), strict=True, map_location=device or "cpu")
-    return probe.eval()
+    probe = SemanticProbe(config)
+    state = load_file(str(path / "model.safetensors"), device="cpu")
+    # Version-1 exports predate the standardisation buffers; they read raw inputs (identity buffers).
+    optional = {"input_mean", "input_std"} if config.format_version < 2 else set()
+    missing, unexpected = probe.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in optional]
+    if missing or unexpected:
+        raise ValueError(f"{path / 'model.safetensors'} does not match its config.json: missing tensors {missing}, "
+                         f"unexpected tensors {unexpected}; re-export the probe")
+    return probe.to(device or "cpu").eval()

@@ -1,4 +1,4 @@
-"""`SemanticProbe`: the paper's MLP over pooled hidden states, plain torch, built from its config."""
+"""`SemanticProbe`: the paper's MLP over a step's feature groups, plain torch, built from its config."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from probes.config import ProbeConfig
 
 
 class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-probes", tags=["semanticspec"]):
-    """Maps pooled hidden states of a step to the probability that the model writes its meaning.
+    """Maps a step's features to the probability that the reading model writes its meaning.
 
-    Paper (SemanticSpec, Sec. 3): MLP ``d -> 2048 -> 512 -> 256 -> 1``, ReLU, dropout 0.3, sigmoid.
-    ``hidden_dims=[]`` gives a linear probe. Several layers are concatenated or mixed by a learned
-    softmax-weighted sum.
+    Paper (SemanticSpec, Sec. 3): MLP ``d -> 2048 -> 512 -> 256 -> 1``, ReLU, dropout 0.3, sigmoid,
+    over pooled hidden states. Here the input is the flat concatenation of the config's feature
+    groups (``hidden``: ``L*D`` columns; ``token_stats``: one column per statistic), standardised
+    by the buffers ``input_mean``/``input_std`` (set from the training rows by
+    :meth:`set_standardization`; identity until then). ``hidden_dims=[]`` gives a linear probe.
+    Several layers are concatenated or mixed by a learned softmax-weighted sum.
 
     Args:
         config: the probe's :class:`ProbeConfig`.
@@ -25,12 +28,13 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         if isinstance(config, dict):  # from_pretrained hands over the parsed config.json
             config = ProbeConfig.from_dict(config)
         self.config = config
+        self.register_buffer("input_mean", torch.zeros(config.input_size))
+        self.register_buffer("input_std", torch.ones(config.input_size))
         n_layers = len(config.layer_ids)
-        if config.layer_combine == "weighted_sum":
+        width = config.input_size
+        if config.layer_combine == "weighted_sum" and config.hidden_width:
             self.layer_logits = nn.Parameter(torch.zeros(n_layers))
-            width = config.hidden_size
-        else:
-            width = n_layers * config.hidden_size
+            width = config.input_size - config.hidden_width + config.hidden_size
         blocks: list[nn.Module] = []
         for d in config.hidden_dims:
             blocks += [nn.Linear(width, d), nn.ReLU(), nn.Dropout(config.dropout)]
@@ -38,21 +42,38 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         blocks.append(nn.Linear(width, 1))
         self.mlp = nn.Sequential(*blocks)
 
+    @torch.no_grad()
+    def set_standardization(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Standardise inputs as ``(x - mean) / std`` per column (no-op unless ``config.standardize``).
+
+        Columns with (near) zero spread keep a unit scale, so a constant column stays finite.
+        """
+        if not self.config.standardize:
+            return
+        if mean.shape != self.input_mean.shape or std.shape != self.input_std.shape:
+            raise ValueError(f"standardisation statistics of shape {tuple(mean.shape)}/{tuple(std.shape)}; "
+                             f"the probe reads {self.config.input_size} columns")
+        self.input_mean.copy_(mean)
+        self.input_std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Pre-sigmoid scores. ``features``: (B, L*D) flattened or (B, L, D). Returns (B,)."""
+        """Pre-sigmoid scores. ``features``: (B, input_size) flat, or (B, L, D) for a hidden-only probe. Returns (B,)."""
         cfg = self.config
         x = features.float()
-        if x.dim() == 2:
-            if x.shape[-1] != cfg.input_size:
-                raise ValueError(
-                    f"probe expects {cfg.input_size} features per row ({len(cfg.layer_ids)} layers x "
-                    f"hidden_size={cfg.hidden_size}), got {x.shape[-1]}"
-                )
-            x = x.view(x.shape[0], len(cfg.layer_ids), cfg.hidden_size)
-        if cfg.layer_combine == "weighted_sum":
-            x = (torch.softmax(self.layer_logits, 0)[None, :, None] * x).sum(1)  # (B, D)
-        else:
-            x = x.flatten(1)  # (B, L*D)
+        if x.dim() == 3 and cfg.feature_groups == ["hidden"]:
+            x = x.flatten(1)
+        if x.dim() != 2 or x.shape[-1] != cfg.input_size:
+            raise ValueError(
+                f"probe expects {cfg.input_size} features per row (groups {cfg.feature_groups}: "
+                f"{len(cfg.layer_ids)} layers x hidden_size={cfg.hidden_size} for hidden, "
+                f"{len(cfg.token_stats)} token statistics), got {features.shape[-1]} (shape {tuple(features.shape)})"
+            )
+        x = (x - self.input_mean) / self.input_std
+        if hasattr(self, "layer_logits"):
+            h, rest = x[:, : cfg.hidden_width], x[:, cfg.hidden_width :]
+            h = h.view(x.shape[0], len(cfg.layer_ids), cfg.hidden_size)
+            h = (torch.softmax(self.layer_logits, 0)[None, :, None] * h).sum(1)  # (B, D)
+            x = torch.cat([h, rest], dim=1)
         return self.mlp(x).squeeze(-1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

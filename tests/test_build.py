@@ -8,7 +8,7 @@ import torch
 from datamodules import shards as S
 from datamodules.build import BuildConfig, build, main, signature
 from datamodules.datamodule import SemanticProbeDataModule
-from datamodules.hidden import pool_hidden_states
+from generation.features import pool_hidden_states
 from datamodules.reading import read_steps
 from tests.conftest import tiny_llama
 from tests.test_judges import _Server

@@ -9,10 +9,15 @@ from datamodules import shards as S
 from datamodules.datamodule import SPLITS, SemanticProbeDataModule, ShardStream, split_of
 
 WIDTH = {"target": 16, "draft": 8}
+STATS = ["mean_logprob", "min_logprob"]
 
 
-def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draft_in=None):
-    """Shards shaped like a build's; feature 0 holds the sample id so tests can follow rows."""
+def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draft_in=None, stats=True, nan_stats=0):
+    """Shards shaped like a build's; feature 0 holds the sample id so tests can follow rows.
+
+    ``stats``: also a ``token_stats`` group (format 2, as builds now write); without it the layout of
+    format-1 builds (pooled states only). Draft-written target rows have writer 1 and a low label.
+    """
     d.mkdir(parents=True, exist_ok=True)
     entries = []
     for k in range(n_shards):
@@ -28,8 +33,14 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
             f[:, 0] = sample.half()
             if r == "target" and k == 0 and nan_rows:
                 f[:nan_rows, 1] = float("nan")
+            writer = (sample % (2 * n) >= n).to(torch.int8)
+            if stats:
+                ts = torch.stack([-sample.float() / 100, writer.float()], dim=1)  # column 1 = the writer
+                if r == "target" and k == 0 and nan_stats:
+                    ts[:nan_stats, 0] = float("-inf")
+                t[f"{r}.token_stats"] = ts
             t.update({f"{r}.features": f, f"{r}.label": torch.rand(rows), f"{r}.q": torch.rand(rows), f"{r}.p": torch.rand(rows),
-                      f"{r}.writer": torch.zeros(rows, dtype=torch.int8), f"{r}.problem_id": prefix_id // 2,
+                      f"{r}.writer": writer, f"{r}.problem_id": prefix_id // 2,
                       f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample, f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
                       f"{r}.group_entropy": torch.zeros(rows)})
         path = S.write_shard(d / S.shard_name(k), t)
@@ -37,16 +48,19 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
     reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1, "vocab_size": 10}
              for r, w in WIDTH.items()}
     sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "labels": {"n_samples": n}}
+    if stats:
+        sig.update(feature_groups=["hidden", "token_stats"], token_stats=STATS)
     S.atomic_write_json(d / S.MANIFEST, {"complete": True, "build": sig, "shards": entries})
     return d
 
 
-def _rows(loader):
+def _rows(loader, extra=len(STATS)):
     seen = {r: [] for r in WIDTH}
     for batch in loader:
         for r, t in batch.items():
             assert t["features"].dtype == torch.float32 and t["label"].dtype == torch.float32
-            assert t["features"].shape == (len(t["label"]), WIDTH[r]) and len(t["label"]) > 0
+            assert t["features"].shape == (len(t["label"]), WIDTH[r] + extra) and len(t["label"]) > 0
+            assert t["writer"].shape == t["label"].shape
             seen[r] += t["features"][:, 0].long().tolist()
     return seen
 
@@ -65,7 +79,10 @@ def _dm(d, **kw):
 def test_input_spec_and_batches(data):
     dm = _dm(data)
     assert dm.input_spec["target"]["hidden_size"] == 16 and dm.input_spec["draft"]["layer_ids"] == [-1]
-    assert set(dm.input_spec["target"]) == {"hidden_size", "layer_ids", "pooling", "reads", "delimiters", "labels"}
+    assert set(dm.input_spec["target"]) == {"hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats",
+                                            "reads", "delimiters", "labels"}
+    assert dm.input_spec["target"]["feature_groups"] == ["hidden", "token_stats"]
+    assert dm.input_spec["target"]["token_stats"] == STATS
     batches = list(dm.train_dataloader())
     assert all(sum(len(t["label"]) for t in b.values()) == 10 for b in batches[:-1])
     assert any(len(b) == 2 for b in batches)  # mixed batches hold both roles
@@ -104,7 +121,7 @@ def test_workers_and_ranks_split_the_stream(data):
     assert sorted(with_workers["target"]) == sorted(alone["target"])
     parts = []
     for rank in range(3):
-        stream = ShardStream(dm.shards, ["target", "draft"], "train", 7, True, 30, 0, (0.1, 0.1))
+        stream = ShardStream(dm.shards, ["target", "draft"], "train", 7, True, 30, 0, (0.1, 0.1), groups=("hidden", "token_stats"))
         stream.rank, stream.world, stream.epoch = rank, 3, 0
         parts.append(_rows(stream))
     sizes = [len(p["target"]) + len(p["draft"]) for p in parts]
@@ -186,7 +203,7 @@ def test_feeds_a_lightning_trainer(data, tmp_path):
     class Probe(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.heads = torch.nn.ModuleDict({r: torch.nn.Linear(w, 1) for r, w in WIDTH.items()})
+            self.heads = torch.nn.ModuleDict({r: torch.nn.Linear(w + len(STATS), 1) for r, w in WIDTH.items()})
             self.seen = 0
 
         def training_step(self, batch, _):
@@ -205,3 +222,48 @@ def test_feeds_a_lightning_trainer(data, tmp_path):
                          enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")
     trainer.fit(probe, datamodule=dm)
     assert probe.seen == 2 * sum(s["rows"]["train"] for s in dm.shards)
+
+
+@pytest.mark.parametrize("groups, width", [(["hidden"], WIDTH["target"]), (["token_stats"], 2),
+                                           (["hidden", "token_stats"], WIDTH["target"] + 2)])
+def test_feature_groups_are_chosen_and_concatenated_in_order(data, groups, width):
+    dm = _dm(data, feature_groups=groups, roles=["target"], val_fraction=0.0, test_fraction=0.0)
+    assert dm.input_spec["target"]["feature_groups"] == groups
+    batch = next(iter(dm.train_dataloader()))["target"]
+    assert batch["features"].shape[1] == width
+    if "token_stats" in groups:  # the stats' column 1 is the writer code: the last column here
+        torch.testing.assert_close(batch["features"][:, -1], batch["writer"].float())
+    if groups[0] == "hidden":  # feature 0 holds the sample id
+        assert torch.equal(batch["features"][:, 0].long() % 6 >= 3, batch["writer"].bool())
+
+
+def test_groups_the_data_lacks_are_refused_naming_both_lists(tmp_path):
+    d = make_dataset(tmp_path / "d", stats=False)  # a format-1 build: pooled states only
+    dm = _dm(d)  # None = what the data holds
+    assert dm.input_spec["target"]["feature_groups"] == ["hidden"]
+    with pytest.raises(ValueError, match=r"reads feature groups \['hidden', 'token_stats'\].*provides \['hidden'\]"):
+        _dm(d, feature_groups=["hidden", "token_stats"])
+    with pytest.raises(ValueError, match="feature groups.*expected a non-empty subset"):
+        SemanticProbeDataModule(str(d), build=None, feature_groups=["pixels"])
+
+
+def test_nonfinite_token_stats_error_or_drop(tmp_path):
+    d = make_dataset(tmp_path / "d", nan_stats=4)
+    with pytest.raises(ValueError, match="shard-00000.safetensors has 4 target rows with NaN/inf"):
+        _dm(d)
+    _dm(d, feature_groups=["hidden"])  # the pooled states alone are finite
+    dm = _dm(d, nonfinite="drop", val_fraction=0.0, test_fraction=0.0)
+    assert dm.dropped_rows == 4
+
+
+def test_feature_moments_are_the_training_rows_mean_and_std(data):
+    dm = _dm(data, val_fraction=0.3, test_fraction=0.2)
+    mean, std = dm.feature_moments("target")
+    rows = []
+    for shard in dm.shards:
+        t = S.read_shard(shard["path"])
+        train = split_of(t["target.problem_id"], dm.seed, 0.3, 0.2) == 0
+        rows.append(torch.cat([t["target.features"].float(), t["target.token_stats"]], 1)[train])
+    x = torch.cat(rows).double()
+    torch.testing.assert_close(mean, x.mean(0).float(), atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(std, x.std(0, unbiased=False).float(), atol=1e-3, rtol=1e-4)

@@ -1,0 +1,210 @@
+"""The probes' feature groups: what a model computes while reading a step, turned into probe inputs.
+
+Two groups (DESIGN.md "Probes"), both taken from the one forward pass that reads the step:
+
+- ``hidden``: chosen layers' hidden states, mean-pooled (or last token) over the step's tokens
+  (the paper's probe input);
+- ``token_stats``: the reading model's statistics of the step's own tokens, from the logits that
+  predicted them (position ``t - 1`` predicts token ``t``; the prefix's last position predicts the
+  first): mean and min log-probability, mean and max entropy, the share of tokens that are not the
+  model's top-1 or not in its top-5, and the mean log rank. They are the model's own judgement of
+  the drafted tokens (issue 9: min log-prob separates right from wrong draft steps at AUROC ~0.98
+  where pooled states reach ~0.85).
+
+The label build (:mod:`datamodules.reading`) and the decoder's verification pass both call
+:func:`step_features`, so a probe sees the same numbers at training and at decode time. Statistics
+use the model's raw distribution (temperature 1), whatever temperature decoding samples at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from generation.groups import FEATURE_GROUPS, TOKEN_STATS, check_groups  # noqa: F401  (re-exported)
+
+LOGPROB_FLOOR = -30.0
+"""Log-probabilities are clamped here, so a token the model gives (numerically) zero stays finite."""
+
+
+@dataclass
+class FeatureSpec:
+    """What a probe reads: its feature groups and how each is computed.
+
+    Attributes:
+        groups: feature groups, a subset of :data:`FEATURE_GROUPS`, in :data:`FEATURE_GROUPS` order.
+        layer_ids: ``hidden``: HF ``hidden_states`` indices (0 = embeddings, -1 = last layer).
+        pooling: ``hidden``: ``mean`` over the step's tokens or ``last``.
+        token_stats: ``token_stats``: names from :data:`TOKEN_STATS`.
+    """
+
+    groups: list[str] = field(default_factory=lambda: ["hidden"])
+    layer_ids: list[int] = field(default_factory=lambda: [-1])
+    pooling: str = "mean"
+    token_stats: list[str] = field(default_factory=lambda: list(TOKEN_STATS))
+
+    def __post_init__(self) -> None:
+        problems = check_groups(self.groups, self.token_stats)
+        if self.pooling not in ("mean", "last"):
+            problems.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
+        if "hidden" in self.groups and not self.layer_ids:
+            problems.append("layer_ids is empty: the hidden group needs at least one layer, e.g. [-1]")
+        if problems:
+            raise ValueError("invalid feature spec: " + "; ".join(problems))
+
+    @property
+    def needs_hidden(self) -> bool:
+        return "hidden" in self.groups
+
+    @property
+    def needs_logits(self) -> bool:
+        return "token_stats" in self.groups
+
+    def width(self, hidden_size: int) -> int:
+        """Width of one flattened probe input for a model of ``hidden_size``."""
+        w = len(self.layer_ids) * hidden_size if self.needs_hidden else 0
+        return w + (len(self.token_stats) if self.needs_logits else 0)
+
+    @classmethod
+    def of(cls, config) -> "FeatureSpec":
+        """The spec of anything with ``feature_groups``, ``layer_ids``, ``pooling``, ``token_stats`` (a ProbeConfig)."""
+        return cls(list(config.feature_groups), list(config.layer_ids), config.pooling, list(config.token_stats))
+
+
+@torch.no_grad()
+def token_stats(
+    logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, names: Sequence[str] = TOKEN_STATS
+) -> torch.Tensor:
+    """Statistics of each row's step tokens under the logits that predicted them.
+
+    Args:
+        logits: (B, T, V) logits; ``logits[b, t]`` predicts ``tokens[b, t]``.
+        tokens: (B, T) step tokens, right-padded.
+        lengths: (B,) tokens in each row's step (>= 1).
+        names: statistics to return, from :data:`TOKEN_STATS`.
+
+    Returns:
+        (B, len(names)) float32, columns in ``names`` order.
+    """
+    B, T = tokens.shape
+    lengths = lengths.to(logits.device).long()
+    if bool((lengths < 1).any()) or bool((lengths > T).any()):
+        raise ValueError(f"step lengths {lengths.tolist()} must lie in 1..{T}")
+    x = logits.float()
+    logp = torch.log_softmax(x, dim=-1)  # (B, T, V)
+    tok = tokens.to(x.device).long()[..., None]
+    tok_lp = logp.gather(-1, tok).squeeze(-1).clamp(min=LOGPROB_FLOOR)  # (B, T)
+    ent = torch.special.entr(logp.exp()).sum(-1)  # (B, T) nats; entr(0) = 0
+    rank = (x > x.gather(-1, tok)).sum(-1).float()  # (B, T); 0 = the model's top-1
+    mask = torch.arange(T, device=x.device)[None] < lengths[:, None]  # (B, T)
+    n = lengths.float()
+
+    def mean(v: torch.Tensor) -> torch.Tensor:
+        return (v * mask).sum(1) / n
+
+    compute = {
+        "mean_logprob": lambda: mean(tok_lp),
+        "min_logprob": lambda: tok_lp.masked_fill(~mask, float("inf")).amin(1),
+        "mean_entropy": lambda: mean(ent),
+        "max_entropy": lambda: ent.masked_fill(~mask, float("-inf")).amax(1),
+        "not_top1_share": lambda: mean((rank >= 1).float()),
+        "not_top5_share": lambda: mean((rank >= 5).float()),
+        "mean_log_rank": lambda: mean(torch.log1p(rank)),
+    }
+    bad = [k for k in names if k not in compute]
+    if bad:
+        raise ValueError(f"unknown token statistics {bad}; this version computes {list(TOKEN_STATS)}")
+    return torch.stack([compute[k]() for k in names], dim=1)
+
+
+def step_features(
+    spec: FeatureSpec,
+    lengths: torch.Tensor,
+    hidden_states: Sequence[torch.Tensor] | None = None,
+    logits: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The feature groups of ``spec`` for a batch of steps, position 0 of each row being its first token.
+
+    Args:
+        spec: what to compute.
+        lengths: (B,) tokens in each row's step.
+        hidden_states: ``hidden``: HF ``output.hidden_states`` (one (B, T, D) per layer plus
+            embeddings) at the step's positions, right-padded.
+        logits: ``token_stats``: (B, T, V) logits predicting each step token.
+        tokens: ``token_stats``: (B, T) the step tokens.
+
+    Returns:
+        ``{"hidden": (B, L, D) float32, "token_stats": (B, K) float32}``, the groups of ``spec`` only.
+    """
+    out: dict[str, torch.Tensor] = {}
+    if spec.needs_hidden:
+        if hidden_states is None:
+            raise ValueError("the hidden feature group needs the reading forward's hidden_states")
+        ends = lengths.to(hidden_states[0].device)
+        out["hidden"] = pool_hidden_states(hidden_states, spec.layer_ids, torch.zeros_like(ends), ends, spec.pooling)
+    if spec.needs_logits:
+        if logits is None or tokens is None:
+            raise ValueError("the token_stats feature group needs the logits that predicted the step's tokens")
+        out["token_stats"] = token_stats(logits, tokens, lengths, spec.token_stats)
+    return out
+
+
+def probe_input(parts: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tensor:
+    """One flat (B, W) float32 probe input: the groups' features flattened and concatenated in ``groups`` order."""
+    missing = [g for g in groups if g not in parts]
+    if missing:
+        raise ValueError(f"probe reads feature groups {list(groups)} but only {sorted(parts)} were computed")
+    return torch.cat([parts[g].float().flatten(1) for g in groups], dim=1)
+
+
+def pad_steps(rows: Sequence[torch.Tensor], value: float = 0.0) -> torch.Tensor:
+    """Right-pad per-row tensors (k_i, ...) into one (B, max k_i, ...) tensor."""
+    width = max(r.shape[0] for r in rows)
+    out = rows[0].new_full((len(rows), width, *rows[0].shape[1:]), value)
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out
+
+def pool_hidden_states(
+    hidden_states: Sequence[torch.Tensor],
+    layer_ids: Sequence[int],
+    start: torch.Tensor,
+    end: torch.Tensor,
+    pooling: str = "mean",
+) -> torch.Tensor:
+    """Pool each row's positions ``[start, end)`` at the given layers.
+
+    Args:
+        hidden_states: HF ``output.hidden_states``: one (B, T, D) tensor per layer plus embeddings
+            (index 0 = embeddings, -1 = last layer).
+        layer_ids: which entries of ``hidden_states`` to read.
+        start: (B,) first position of each row's step (inclusive).
+        end: (B,) end of each row's step (exclusive); ``end > start``.
+        pooling: ``mean`` over the span or ``last`` (position ``end - 1``).
+
+    Returns:
+        (B, len(layer_ids), D) float32 pooled states.
+    """
+    if pooling not in ("mean", "last"):
+        raise ValueError(f"pooling={pooling!r}; expected 'mean' or 'last'")
+    n = len(hidden_states)
+    bad = [i for i in layer_ids if not -n <= i < n]
+    if bad:
+        raise ValueError(
+            f"layer_ids {bad} out of range for a model with {n - 1} layers: hidden_states has {n} entries "
+            f"(0 = embeddings, 1..{n - 1} = layers, -1 = last); choose ids every reading model has"
+        )
+    h = torch.stack([hidden_states[i] for i in layer_ids], dim=1).float()  # (B, L, T, D)
+    T = h.shape[2]
+    start, end = start.to(h.device).long(), end.to(h.device).long()
+    if bool((end <= start).any()) or bool((end > T).any()) or bool((start < 0).any()):
+        raise ValueError(f"empty or out-of-range spans: start={start.tolist()}, end={end.tolist()}, length {T}")
+    if pooling == "last":
+        idx = (end - 1)[:, None, None, None].expand(-1, h.shape[1], 1, h.shape[-1])
+        return h.gather(2, idx).squeeze(2)
+    pos = torch.arange(T, device=h.device)
+    w = ((pos[None] >= start[:, None]) & (pos[None] < end[:, None])).float()  # (B, T)
+    return torch.einsum("blTd,bT->bld", h, w) / (end - start)[:, None, None].float()

@@ -1,0 +1,127 @@
+"""Feature groups: token statistics by hand, the feature spec's checks, and probes that read both groups."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from generation.features import TOKEN_STATS, FeatureSpec, probe_input, step_features, token_stats
+from generation.groups import require_features
+from probes.config import ProbeConfig
+from probes.export import export_probe, load_probe
+from probes.model import SemanticProbe
+
+
+def test_token_stats_match_a_hand_computation():
+    # one row of 2 step tokens (a third, padded position must not count), vocabulary of 6
+    probs = torch.tensor([[[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.6, 0.1, 0.1, 0.05, 0.05], [1 / 6] * 6]])
+    tokens = torch.tensor([[1, 1, 0]])
+    got = dict(zip(TOKEN_STATS, token_stats(probs.log(), tokens, torch.tensor([2]))[0].tolist()))
+    entropy = [-(p * p.log()).sum().item() for p in probs[0, :2]]
+    assert got["mean_logprob"] == pytest.approx((math.log(0.2) + math.log(0.6)) / 2, abs=1e-5)
+    assert got["min_logprob"] == pytest.approx(math.log(0.2), abs=1e-5)
+    assert got["mean_entropy"] == pytest.approx(sum(entropy) / 2, abs=1e-5)
+    assert got["max_entropy"] == pytest.approx(max(entropy), abs=1e-5)
+    assert got["not_top1_share"] == pytest.approx(0.5)  # token 1 is second at position 0, first at position 1
+    assert got["not_top5_share"] == 0.0
+    assert got["mean_log_rank"] == pytest.approx(math.log(2) / 2, abs=1e-6)
+
+
+def test_token_stats_stay_finite_for_impossible_tokens_and_check_lengths():
+    logits = torch.tensor([[[0.0, float("-inf")], [0.0, 0.0]]])
+    out = token_stats(logits, torch.tensor([[1, 0]]), torch.tensor([2]), ["min_logprob", "mean_entropy"])
+    assert torch.isfinite(out).all() and out[0, 0] == pytest.approx(-30.0)
+    with pytest.raises(ValueError, match="step lengths"):
+        token_stats(logits, torch.tensor([[1, 0]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="unknown token statistics"):
+        token_stats(logits, torch.tensor([[1, 0]]), torch.tensor([1]), ["median_logprob"])
+
+
+def test_step_features_and_probe_input_follow_the_spec():
+    hs = [torch.randn(2, 3, 4) for _ in range(3)]
+    logits, tokens, lengths = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3)), torch.tensor([3, 2])
+    spec = FeatureSpec(["hidden", "token_stats"], [-1, 1], "mean", ["mean_logprob", "min_logprob"])
+    parts = step_features(spec, lengths, hs, logits, tokens)
+    assert parts["hidden"].shape == (2, 2, 4) and parts["token_stats"].shape == (2, 2)
+    torch.testing.assert_close(parts["hidden"][1, 0], hs[-1][1, :2].mean(0))
+    x = probe_input(parts, spec.groups)
+    assert x.shape == (2, spec.width(4)) == (2, 10)
+    torch.testing.assert_close(x[:, -2:], parts["token_stats"])
+    with pytest.raises(ValueError, match="needs the logits"):
+        step_features(spec, lengths, hs)
+    only = step_features(FeatureSpec(["token_stats"], token_stats=["mean_logprob"]), lengths, None, logits, tokens)
+    assert set(only) == {"token_stats"}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"groups": ["pixels"]}, "unknown: \\['pixels'\\]"),
+    ({"groups": ["token_stats", "hidden"]}, "in the order"),
+    ({"groups": ["token_stats"], "token_stats": ["median"]}, "cannot compute \\['median'\\]"),
+    ({"groups": ["token_stats"], "token_stats": []}, "non-empty subset"),
+])
+def test_feature_spec_names_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FeatureSpec(**kwargs)
+
+
+def test_require_features_names_both_lists():
+    require_features(["hidden"], [], ["hidden", "token_stats"], list(TOKEN_STATS), "probe", "decoder")
+    with pytest.raises(ValueError, match=r"probe reads feature groups \['hidden', 'token_stats'\].*"
+                                         r"data provides \['hidden'\].*missing \['token_stats'\]"):
+        require_features(["hidden", "token_stats"], ["mean_logprob"], ["hidden"], [], "probe", "data")
+    with pytest.raises(ValueError, match=r"missing \['token_stats.max_entropy'\]"):
+        require_features(["token_stats"], ["max_entropy"], ["token_stats"], ["mean_logprob"], "probe", "data")
+
+
+def hybrid_config(**kw):
+    return ProbeConfig(hidden_size=8, layer_ids=[-1, -2], feature_groups=["hidden", "token_stats"],
+                       token_stats=["mean_logprob", "min_logprob", "not_top1_share"], hidden_dims=[16], **kw)
+
+
+@pytest.mark.parametrize("combine", ["concat", "weighted_sum"])
+def test_hybrid_probe_standardises_and_round_trips(tmp_path, combine):
+    probe = SemanticProbe(hybrid_config(layer_combine=combine)).eval()
+    assert probe.config.input_size == 2 * 8 + 3
+    x = torch.randn(5, 19) * 10 + 3
+    before = probe(x)
+    probe.set_standardization(x.mean(0), x.std(0))
+    after = probe(x)
+    assert not torch.allclose(before, after)
+    same = SemanticProbe(hybrid_config(layer_combine=combine)).eval()
+    same.load_state_dict(probe.state_dict())
+    torch.testing.assert_close(same(x), after)  # the buffers carry the scaling
+    loaded = load_probe(export_probe(probe, tmp_path / "p"))
+    torch.testing.assert_close(loaded(x), after)
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["feature_groups"] == ["hidden", "token_stats"]
+    with pytest.raises(ValueError, match="expects 19 features per row.*got 16"):
+        probe(torch.randn(2, 16))
+
+
+def test_a_version_1_export_loads_as_a_hidden_only_probe_without_scaling(tmp_path):
+    """Exports from before feature groups have no standardisation tensors and no feature_groups key."""
+    from safetensors.torch import save_file
+
+    old = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])).eval()
+    d = tmp_path / "v1"
+    d.mkdir()
+    cfg = {k: v for k, v in json.loads(json.dumps(old.config.__dict__)).items()
+           if k not in ("feature_groups", "token_stats", "standardize")}
+    cfg["format_version"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in old.state_dict().items() if not k.startswith("input_")}, str(d / "model.safetensors"))
+    loaded = load_probe(d)
+    assert loaded.config.feature_groups == ["hidden"] and not loaded.config.standardize
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(loaded(x), old(x))
+
+
+def test_a_probe_reading_statistics_this_version_cannot_compute_is_refused(tmp_path):
+    probe = SemanticProbe(hybrid_config())
+    path = export_probe(probe, tmp_path / "p")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["token_stats"] = ["mean_logprob", "surprisal_of_the_future"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"token_stats \['mean_logprob', 'surprisal_of_the_future'\].*"
+                                         r"expected a non-empty subset of \[.*'mean_logprob'.*cannot compute"):
+        load_probe(path)
