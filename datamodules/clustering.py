@@ -13,13 +13,19 @@ Per prefix (DESIGN.md "Meaning groups"):
    centroid first, each through up to ``votes`` of its most frequent texts; the first group whose
    mean score passes the judge's threshold takes them, else they found a group.
 
+With ``match_numbers`` (default), two texts whose numbers differ are "different" without asking the
+judge: the world judge calls a step with a wrong result the same as the right one in a third of
+such pairs, which put wrong draft steps into the target's group (issue 9).
+
 Steps 3-5 are written as generators that yield the pairs they need judged, so
 :func:`group_prefixes` asks the judge about many prefixes in one batch.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections import Counter
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +53,8 @@ class ClusterConfig:
     votes: int = 1
     """An uncertain item is compared with up to this many members of a candidate group (its most frequent
     texts) and joins it when their mean judge score passes the threshold: one judge error is outvoted."""
+    match_numbers: bool = True
+    """Texts whose numbers differ (as multisets) are different meanings without asking the judge."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -69,6 +77,14 @@ class ClusterConfig:
 def normalize_text(text: str) -> str:
     """Whitespace-normalised text: identical normalised texts are one meaning without asking."""
     return " ".join(text.split())
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def numbers(text: str) -> Counter:
+    """The multiset of numbers written in ``text`` (signs ignored: "minus 4" and "- 4" both hold 4)."""
+    return Counter(_NUMBER.findall(text))
 
 
 def prepare_embeddings(emb: np.ndarray) -> np.ndarray:
@@ -165,6 +181,17 @@ def _settle(texts: Sequence[str], emb: np.ndarray, cfg: ClusterConfig,
     return _renumber(group_of[item_of])
 
 
+def _score(judge, pairs: list[tuple[str, str]], match_numbers: bool) -> list[float]:
+    """The judge's scores, with pairs whose numbers differ scored 0 without asking (``match_numbers``)."""
+    if not match_numbers:
+        return list(judge.score(pairs))
+    ask = [k for k, (a, b) in enumerate(pairs) if numbers(a) == numbers(b)]
+    out = [0.0] * len(pairs)
+    for k, s in zip(ask, judge.score([pairs[k] for k in ask]) if ask else []):
+        out[k] = float(s)
+    return out
+
+
 def _renumber(groups: np.ndarray) -> np.ndarray:
     """Group ids 0, 1, ... in order of first appearance."""
     seen: dict[int, int] = {}
@@ -209,7 +236,7 @@ def group_prefixes(
     while pending:
         order = sorted(pending)
         flat = [p for i in order for p in pending[i]]
-        answers = judge.score(flat)
+        answers = _score(judge, flat, cfg.match_numbers)
         if asked is not None:
             asked.extend((a, b, s >= threshold) for (a, b), s in zip(flat, answers))
         at = 0

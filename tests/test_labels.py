@@ -101,8 +101,30 @@ def test_cluster_config_names_bad_values():
 def test_pooling_names_out_of_range_layers():
     import torch
 
-    from datamodules.hidden import pool_hidden_states
+    from generation.features import pool_hidden_states
 
     states = tuple(torch.zeros(1, 4, 3) for _ in range(2))  # a 1-layer model: embeddings + 1 layer
     with pytest.raises(ValueError, match=r"layer_ids \[6\] out of range for a model with 1 layers"):
         pool_hidden_states(states, [-1, 6], torch.tensor([0]), torch.tensor([2]))
+
+
+def test_steps_whose_numbers_differ_never_share_a_group():
+    """A judge that calls everything "the same" (as the world judge does for 1 in 3 wrong results, issue 9)."""
+    from datamodules.clustering import numbers
+    from datamodules.judges import Judge
+
+    class YesJudge(Judge):
+        id = "yes"
+
+        def _prob_same(self, pairs):
+            return [1.0] * len(pairs)
+
+    texts = ["84 - 4 = 80.\n\n", "Subtracting 4 from 84 gives 80.\n\n", "84 minus 4 equals 82.\n\n",
+             "80 is what we get from 84 minus 4.\n\n"]
+    emb = np.random.default_rng(0).normal(size=(4, 8))
+    (g,) = group_prefixes([(texts, emb)], YesJudge(), ClusterConfig(method="judge"))
+    assert g[0] == g[1] == g[3] != g[2]
+    (g,) = group_prefixes([(texts, emb)], YesJudge(), ClusterConfig(method="judge", match_numbers=False))
+    assert len(set(g.tolist())) == 1
+    assert numbers("84 - 4 = 80.") == numbers("80 is what we get from 84 minus 4.") != numbers("84 - 4 = 82.")
+    assert numbers("1,000 and 2.5") == numbers("2.5 then 1,000")
