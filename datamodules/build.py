@@ -35,6 +35,7 @@ from datamodules.prefixes import Prefix, load_problems, make_prefixes, target_tr
 from datamodules.reading import read_steps
 from datamodules.sampling import generate
 from datamodules.steps import DEFAULT_DELIMITERS, StepStopper
+from generation.features import TOKEN_STATS, FeatureSpec, check_groups
 
 JUDGES = ("llm", "http", "nli", "none")
 ROLES = ("target", "draft")
@@ -92,6 +93,10 @@ class BuildConfig:
     """Clusters whose centroids (unit-norm embeddings) are closer than this are judged for merging; 2.0 = all pairs."""
     votes: int = 1
     """Members of a candidate group an uncertain step is judged against (mean score decides)."""
+    match_numbers: bool = True
+    """Two steps whose numbers differ (as multisets) never share a meaning group, whatever the judge says.
+    The world judge calls a step with a wrong result "the same" as the right one in 1 of 3 cases (issue 9);
+    turn off for tasks whose paraphrases change numbers (e.g. 0.5 vs 1/2)."""
     n_samples: int = 8
     """Steps sampled per prefix from each model (paper: 20)."""
     temperature: float = 0.6
@@ -106,6 +111,9 @@ class BuildConfig:
     """HF ``hidden_states`` indices to pool (0 = embeddings, -1 = last layer)."""
     pooling: str = "mean"
     """``mean`` over the step's tokens or ``last``."""
+    token_stats: list[str] = field(default_factory=lambda: list(TOKEN_STATS))
+    """Token statistics stored per step (feature group ``token_stats``), from the reading forward's logits.
+    Every build also stores the ``hidden`` group (pooled states of ``layer_ids``), which clustering uses."""
     device: str = "auto"
     """``auto`` (cuda with bf16 when present, else CPU float32), ``cpu``, ``cuda``, ``cuda:1``..."""
     labelling: str = "joint"
@@ -151,6 +159,7 @@ class BuildConfig:
             errors.append(f"delimiters={self.delimiters!r}: give at least one non-empty delimiter")
         if not self.layer_ids:
             errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
+        errors += check_groups(["hidden", "token_stats"], self.token_stats)
         if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
             errors.append(f"device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
         if errors:
@@ -170,7 +179,11 @@ class BuildConfig:
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(method=self.clustering, min_cluster_size=self.min_cluster_size,
                              membership_threshold=self.membership_threshold, merge_distance=self.merge_distance,
-                             votes=self.votes)
+                             votes=self.votes, match_numbers=self.match_numbers)
+
+    def feature_spec(self) -> FeatureSpec:
+        """The feature groups every build stores: ``hidden`` and ``token_stats``."""
+        return FeatureSpec(["hidden", "token_stats"], list(self.layer_ids), self.pooling, list(self.token_stats))
 
     def resolved_device(self) -> tuple[str, torch.dtype]:
         """The device and dtype models run in; with several ranks, ``cuda`` means this rank's GPU (LOCAL_RANK)."""
@@ -228,7 +241,8 @@ def label_provenance(config: BuildConfig) -> dict[str, Any]:
     """The ``labels`` entry of a probe's input spec: N, labelling, clustering, judge, seed."""
     cc = config.cluster_config()
     params = {"min_cluster_size": cc.min_cluster_size, "membership_threshold": cc.membership_threshold,
-              "merge_distance": cc.merge_distance, "votes": cc.votes, "max_candidates": cc.max_candidates}
+              "merge_distance": cc.merge_distance, "votes": cc.votes, "max_candidates": cc.max_candidates,
+              "match_numbers": cc.match_numbers}
     return {"n_samples": config.n_samples, "labelling": config.labelling, "clustering": config.clustering,
             "clustering_params": params, "max_step_tokens": config.max_step_tokens,
             "judge": judge_provenance(config), "seed": config.seed, "temperature": config.temperature,
@@ -251,6 +265,8 @@ def signature(config: BuildConfig) -> dict[str, Any]:
         "reads": {r: folder_fingerprint(config.model_path(r)) for r in ROLES},
         "layer_ids": list(config.layer_ids),
         "pooling": config.pooling,
+        "feature_groups": ["hidden", "token_stats"],
+        "token_stats": list(config.token_stats),
         "delimiters": list(config.delimiters),
         "max_step_tokens": config.max_step_tokens,
         "labels": label_provenance(config),
@@ -385,15 +401,16 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     both = [written["target"][i] + written["draft"][i] for i in range(len(prefixes))]
     t_reads = [both[i] if joint else written["target"][i] for i in range(len(prefixes))]
     ctx = [p.token_ids for p in prefixes]
-    feats = {
-        "target": read_steps(models.target, ctx, t_reads, config.layer_ids, config.pooling, pad, config.max_rows),
-        "draft": read_steps(models.draft, ctx, written["draft"], config.layer_ids, config.pooling, pad, config.max_rows),
+    spec = config.feature_spec()
+    feats = {  # {role: {group: (rows, ...)}}, from the function the decoder's verification pass calls
+        "target": read_steps(models.target, ctx, t_reads, spec, pad, config.max_rows),
+        "draft": read_steps(models.draft, ctx, written["draft"], spec, pad, config.max_rows),
     }
     t2 = time.perf_counter()
     texts = [[tok.decode(s, skip_special_tokens=True) for s in both[i]] for i in range(len(prefixes))]
     writers = np.array([TARGET] * n + [DRAFT] * n)
-    tf = feats["target"].flatten(1).numpy().reshape(len(prefixes), -1, feats["target"][0].numel())
-    df = feats["draft"].flatten(1).numpy().reshape(len(prefixes), n, -1)
+    tf = feats["target"]["hidden"].flatten(1).numpy().reshape(len(prefixes), -1, feats["target"]["hidden"][0].numel())
+    df = feats["draft"]["hidden"].flatten(1).numpy().reshape(len(prefixes), n, -1)
     judge = models.judge
     judged_before = (judge.seconds, judge.calls) if judge is not None else (0.0, 0)
     if joint:
@@ -438,7 +455,8 @@ def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch
               "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32, "group_entropy": torch.float32}
     tensors: dict[str, torch.Tensor] = {}
     for r in ROLES:
-        tensors[f"{r}.features"] = feats[r].flatten(1).to(torch.float16)
+        tensors[f"{r}.features"] = feats[r]["hidden"].flatten(1).to(torch.float16)  # group "hidden"
+        tensors[f"{r}.token_stats"] = feats[r]["token_stats"].float()
         for k, dt in dtypes.items():
             tensors[f"{r}.{k}"] = torch.from_numpy(np.concatenate(cols[r][k])).to(dt)
         tensors[f"{r}.label"] = tensors[f"{r}.q" if r == "target" else f"{r}.p"].clone()
@@ -624,6 +642,8 @@ def _manifest(config, sig, data_dir: Path, n_shards: int, n_problems: int, n_pre
         "reads": reads,
         "layer_ids": sig["layer_ids"],
         "pooling": sig["pooling"],
+        "feature_groups": {"hidden": {"layer_ids": sig["layer_ids"], "pooling": sig["pooling"], "key": "<role>.features"},
+                           "token_stats": {"names": sig["token_stats"], "key": "<role>.token_stats"}},
         "delimiters": sig["delimiters"],
         "judge": sig["labels"]["judge"],
         "labels": sig["labels"],

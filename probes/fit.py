@@ -92,13 +92,29 @@ def main(args: ArgsType = None) -> dict[str, Any]:
     if export_dir and trainer.is_global_zero:
         paths = export_probes(module, export_dir, test_metrics)
     if trainer.is_global_zero:
-        summary = {role: {k.split("/")[-1]: v for k, v in test_metrics.items() if k.startswith(f"test/{role}/")} for role in module.roles}
+        summary = metric_rows(test_metrics, module.roles)
         summary.update(live)
         print("\nbest checkpoint:", best or "(none)")
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")
         print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy", "step_acceptance"]))
     return {"export": paths, "test": test_metrics, "best_ckpt": best}
+
+
+def metric_rows(test_metrics: dict[str, float], roles: list[str]) -> dict[str, dict[str, float]]:
+    """Rows of the closing table: each probe on all its test rows, and the target probe on the rows each model wrote.
+
+    ``test/target/auroc`` goes to row ``target``; ``test/target/draft_written/auroc`` to row
+    ``target (draft-written)``, where the decoder's decisions happen.
+    """
+    rows: dict[str, dict[str, float]] = {}
+    for role in roles:
+        for sub in ("", "draft_written/", "target_written/"):
+            prefix = f"test/{role}/{sub}"
+            values = {k[len(prefix) :]: v for k, v in test_metrics.items() if k.startswith(prefix) and "/" not in k[len(prefix) :]}
+            if values:
+                rows[f"{role} ({sub[:-1].replace('_', '-')})" if sub else role] = values
+    return rows
 
 
 def _spec_summary(trainer) -> dict[str, dict[str, float]]:

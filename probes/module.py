@@ -1,8 +1,13 @@
 """`SemanticProbeModule`: trains the target probe, the draft probe, or both from one dataset.
 
 Batches come from :class:`~datamodules.datamodule.SemanticProbeDataModule` as
-``{role: {"features": (B_r, L*D_r), "label": (B_r,)}}``; the target probe learns ``q`` from the
-target's reading of every sample, the draft probe learns ``p`` from the draft's reading of its own.
+``{role: {"features": (B_r, W_r), "label": (B_r,), "writer": (B_r,)}}``; the target probe learns
+``q`` from the target's reading of every sample, the draft probe learns ``p`` from the draft's
+reading of its own.
+
+Decisions at decode time happen on draft-written steps, so the target probe's metrics are also
+reported on those rows alone (``val/target/draft_written/auroc``, ...; issue 9), and the rare
+draft-written rows with a low label (the draft's wrong steps) can be weighted up in the loss.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from probes.config import ProbeConfig
 from probes.model import SemanticProbe
 
 ROLES = ("target", "draft")
+WRITERS = {"target_written": 0, "draft_written": 1}
+"""Per-writer metric sets of the target probe, by the ``writer`` code of ``datamodules.labels``."""
 LOSSES = ("mse", "bce")
 POSITIVE_AT = 0.5
 """Label at or above which a sample counts as positive for AUROC and calibration error."""
@@ -58,6 +65,9 @@ class SemanticProbeModule(L.LightningModule):
         input_spec: per role, what the data holds (linked from ``data.input_spec`` by the CLI).
         loss: ``mse`` on the semantic probability (paper) or ``bce`` with soft labels.
         optimizer: optimizer factory (paper: Adam, lr 1e-3).
+        draft_low_label_weight: loss weight of the target probe's draft-written rows whose label is
+            below 0.5 (the draft's wrong steps: about 7% of the rows on the embedded world, and the
+            steps a decoder must refuse). 1.0 = the paper's unweighted loss.
     """
 
     def __init__(
@@ -67,6 +77,7 @@ class SemanticProbeModule(L.LightningModule):
         input_spec: Optional[dict[str, dict[str, Any]]] = None,
         loss: str = "mse",
         optimizer: OptimizerCallable = torch.optim.Adam,
+        draft_low_label_weight: float = 1.0,
     ) -> None:
         super().__init__()
         errors = []
@@ -77,17 +88,19 @@ class SemanticProbeModule(L.LightningModule):
         missing = [r for r in roles if input_spec is not None and r not in input_spec]
         if missing:
             errors.append(f"input_spec lacks roles {missing}; it has {sorted(input_spec or {})}")
+        if not draft_low_label_weight > 0:
+            errors.append(f"draft_low_label_weight={draft_low_label_weight}: expected > 0")
         if errors:
             raise ValueError("invalid SemanticProbeModule arguments: " + "; ".join(errors))
         self.save_hyperparameters(ignore=["optimizer"])
         self.roles = list(roles)
         self.loss_name = loss
         self.optimizer_factory = optimizer
+        self.draft_low_label_weight = float(draft_low_label_weight)
         self.probe_configs = {r: self._role_config(probe, r, (input_spec or {}).get(r)) for r in self.roles}
         self.probes = nn.ModuleDict({r: SemanticProbe(c) for r, c in self.probe_configs.items()})
-        self.metrics = nn.ModuleDict(
-            {f"{stage}_{r}": regression_metrics() for stage in ("val", "test") for r in self.roles}
-        )
+        groups = [f"{r}" for r in self.roles] + ([f"target_{w}" for w in WRITERS] if "target" in self.roles else [])
+        self.metrics = nn.ModuleDict({f"{stage}_{g}": regression_metrics() for stage in ("val", "test") for g in groups})
         self.val_mse = MeanSquaredError()
         self.test_mse = MeanSquaredError()
 
@@ -96,7 +109,7 @@ class SemanticProbeModule(L.LightningModule):
         if isinstance(probe, dict):
             probe = ProbeConfig.from_dict(probe)
         fields = {"role": role}
-        for key in ("hidden_size", "layer_ids", "pooling", "reads", "delimiters", "labels"):
+        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "reads", "delimiters", "labels"):
             if spec is not None and key in spec:
                 fields[key] = copy.deepcopy(spec[key])
         return replace(probe, **fields)
@@ -105,10 +118,28 @@ class SemanticProbeModule(L.LightningModule):
         """Semantic probability of each row for ``role``'s probe. Returns (B,)."""
         return self.probes[role](features)
 
-    def _loss(self, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    def setup(self, stage: str) -> None:
+        """Before fitting, standardise each probe's inputs with the training rows' moments (from the datamodule)."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if stage == "fit" and dm is not None and hasattr(dm, "feature_moments"):
+            for role, probe in self.probes.items():
+                probe.set_standardization(*dm.feature_moments(role))
+
+    def _loss(self, logits: torch.Tensor, label: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if self.loss_name == "bce":
-            return F.binary_cross_entropy_with_logits(logits, label)
-        return F.mse_loss(torch.sigmoid(logits), label)
+            per_row = F.binary_cross_entropy_with_logits(logits, label, reduction="none")
+        else:
+            per_row = (torch.sigmoid(logits) - label) ** 2
+        if weight is None:
+            return per_row.mean()
+        return (per_row * weight).sum() / weight.sum()
+
+    def _weights(self, role: str, part: dict) -> torch.Tensor | None:
+        """Per-row loss weights: ``draft_low_label_weight`` on the target probe's low-label draft-written rows."""
+        if role != "target" or self.draft_low_label_weight == 1.0 or "writer" not in part:
+            return None
+        low = (part["writer"] == WRITERS["draft_written"]) & (part["label"] < POSITIVE_AT)
+        return torch.where(low, self.draft_low_label_weight, 1.0).to(part["label"].dtype)
 
     def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
         total, n = 0.0, 0
@@ -116,12 +147,17 @@ class SemanticProbeModule(L.LightningModule):
             if role not in self.probes:
                 continue
             logits = self.probes[role].logits(part["features"])
-            loss = self._loss(logits, part["label"])
+            loss = self._loss(logits, part["label"], self._weights(role, part) if stage == "train" else None)
             bs = part["label"].numel()
             self.log(f"{stage}/{role}/loss", loss, batch_size=bs, on_step=stage == "train", on_epoch=True)
             if stage != "train":
                 prob = torch.sigmoid(logits).detach()
                 self.metrics[f"{stage}_{role}"].update(prob, part["label"])
+                if role == "target" and "writer" in part:
+                    for name, code in WRITERS.items():
+                        rows = part["writer"] == code
+                        if bool(rows.any()):
+                            self.metrics[f"{stage}_target_{name}"].update(prob[rows], part["label"][rows])
                 getattr(self, f"{stage}_mse").update(prob, part["label"])
             total, n = total + loss * bs, n + bs
         if n == 0:
@@ -150,11 +186,13 @@ class SemanticProbeModule(L.LightningModule):
         if overall.total > 0:
             self.log(f"{stage}/mse", overall.compute(), prog_bar=True, sync_dist=True)
         overall.reset()
-        for role in self.roles:
-            collection = self.metrics[f"{stage}_{role}"]
+        for key, collection in self.metrics.items():
+            if not key.startswith(f"{stage}_"):
+                continue
+            name = key[len(stage) + 1 :].replace("_draft_written", "/draft_written").replace("_target_written", "/target_written")
             if collection["mse"].total > 0:
                 values = collection.compute()
-                self.log_dict({f"{stage}/{role}/{k}": v for k, v in values.items()}, sync_dist=True)
+                self.log_dict({f"{stage}/{name}/{k}": v for k, v in values.items()}, sync_dist=True)
             collection.reset()
 
     def configure_optimizers(self):

@@ -152,6 +152,45 @@ def test_module_learns_both_roles(tmp_path, loss):
     assert module.probes["draft"].config.role == "draft" and module.probes["draft"].config.hidden_size == 8
 
 
+def _written_batches(n, width=8, seed=0):
+    """Target rows whose writer is in ``writer``; draft-written rows are rare and carry the low labels."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randn(64, width, generator=g)
+        writer = (torch.rand(64, generator=g) < 0.2).to(torch.int8)
+        label = torch.where(writer.bool(), torch.sigmoid(4 * x[:, 0]), torch.full((64,), 0.9))
+        out.append({"target": {"features": x, "label": label, "writer": writer}})
+    return DataLoader(out, batch_size=None)
+
+
+def test_module_reports_the_rows_each_model_wrote_and_weights_the_drafts_wrong_steps(tmp_path):
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[16]), ["target"], _spec({"target": 8}),
+                                 draft_low_label_weight=5.0)
+    trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, _written_batches(20), _written_batches(4, seed=1))
+    metrics = trainer.callback_metrics
+    for name in ("mse", "auroc", "ece"):
+        assert f"val/target/draft_written/{name}" in metrics and f"val/target/target_written/{name}" in metrics
+    # the per-writer sets split the same rows: their MSEs bracket the overall one
+    parts = sorted(float(metrics[f"val/target/{w}/mse"]) for w in ("draft_written", "target_written"))
+    assert parts[0] <= float(metrics["val/target/mse"]) <= parts[1]
+    batch = next(iter(_written_batches(1)))["target"]
+    w = module._weights("target", batch)
+    low_draft = (batch["writer"] == 1) & (batch["label"] < 0.5)
+    assert bool(low_draft.any()) and torch.all(w[low_draft] == 5.0) and torch.all(w[~low_draft] == 1.0)
+    logits = torch.zeros(64)
+    weighted = module._loss(logits, batch["label"], w)
+    plain = module._loss(logits, batch["label"])
+    expected = (((0.5 - batch["label"]) ** 2) * w).sum() / w.sum()
+    torch.testing.assert_close(weighted, expected)
+    assert not torch.isclose(weighted, plain)
+    assert module._weights("draft", batch) is None
+    with pytest.raises(ValueError, match="draft_low_label_weight=0"):
+        SemanticProbeModule(draft_low_label_weight=0)
+
+
 def test_module_rejects_bad_arguments():
     with pytest.raises(ValueError, match="roles"):
         SemanticProbeModule(roles=["judge"])
