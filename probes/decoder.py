@@ -7,7 +7,8 @@ decide whether the step means what the target would have said (DESIGN.md "Decodi
 1. the target writes the first step (``target_first_step``);
 2. the draft writes a step, keeping the hidden states of its tokens for ``p``;
 3. the target reads the step in one forward pass (new tokens only, KV cache kept);
-4. fast path: every draft token is in the target's top-k (shared tokenizer only) -> keep;
+4. fast path (off by default; shared tokenizer only): every draft token is in the target's top-k
+   *and* has target log-probability >= ``fast_path_min_logprob`` -> keep without the probe;
 5. else keep with probability ``min(1, ratio_scale * q / p)`` (ratio rule) or when ``q >= tau``;
 6. keep: the target's cache stays and the token it predicts after the step (the *bonus* token)
    opens the next step; refuse: the target's cache is rolled back and the target writes the step
@@ -28,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +40,9 @@ import torch
 from datamodules.sampling import sample_next, top_p_filter
 from datamodules.steps import DEFAULT_DELIMITERS, StepStopper
 from probes import metrics
-from probes.decoding.runner import CacheRunner, StepDraft, pool_rows, write_steps
+from generation.features import FeatureSpec
+from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
+from probes.decoding.runner import CacheRunner, StepDraft, rows_input, write_steps
 
 METHODS = (
     "semanticspec",
@@ -183,8 +187,12 @@ class SemanticSpecDecoder:
             (accept when ``q >= tau``).
         tau: threshold of the threshold rule.
         ratio_scale: multiplies ``q / p`` in the ratio rule (>1 accepts more; a speed knob).
-        top_k: fast path: accept when every draft token is in the target's top-k; 0 disables
-            (forced to 0 for cross-tokenizer pairs).
+        top_k: fast path: keep a step without the probe when every draft token is in the target's
+            top-k and passes ``fast_path_min_logprob``; 0 (default) disables it. The paper's plain
+            top-2 test kept 56% of the wrong steps SemanticSpec accepted (issue 9), so it is gated.
+            Needs a shared tokenizer (refused otherwise).
+        fast_path_min_logprob: fast path: every draft token's log-probability under the target must
+            be at least this (default log 0.5: the target itself would write it more often than not).
         target_first_step: the target writes the first step.
         delimiters: step delimiters.
         max_step_tokens: a step that reaches no delimiter is cut here.
@@ -214,7 +222,8 @@ class SemanticSpecDecoder:
         rule: str = "ratio",
         tau: float = 0.5,
         ratio_scale: float = 1.0,
-        top_k: int = 2,
+        top_k: int = 0,
+        fast_path_min_logprob: float = math.log(0.5),
         target_first_step: bool = True,
         delimiters: Sequence[str] = DEFAULT_DELIMITERS,
         max_step_tokens: int = 64,
@@ -235,6 +244,11 @@ class SemanticSpecDecoder:
             errors.append(f"ratio_scale={ratio_scale}: expected > 0")
         if top_k < 0:
             errors.append(f"top_k={top_k}: expected >= 0 (0 disables the fast path)")
+        if top_k and draft_tokenizer is not None and draft_tokenizer is not tokenizer:
+            errors.append(f"top_k={top_k}: the fast path compares the draft's tokens with the target's top-k, "
+                          "so it needs a shared tokenizer; this pair has two (use top_k=0)")
+        if not fast_path_min_logprob <= 0:
+            errors.append(f"fast_path_min_logprob={fast_path_min_logprob}: expected a log-probability <= 0")
         if max_step_tokens < 1:
             errors.append(f"max_step_tokens={max_step_tokens}: expected >= 1")
         if token_sd and draft_tokenizer is not None and draft_tokenizer is not tokenizer:
@@ -248,7 +262,8 @@ class SemanticSpecDecoder:
         self.shared = draft_tokenizer is None or draft_tokenizer is tokenizer
         self.draft_tokenizer = tokenizer if draft_tokenizer is None else draft_tokenizer
         self.rule, self.tau, self.ratio_scale = rule, float(tau), float(ratio_scale)
-        self.top_k = top_k if self.shared else 0
+        self.top_k = top_k
+        self.fast_path_min_logprob = float(fast_path_min_logprob)
         self.target_first_step = target_first_step
         self.delimiters = tuple(delimiters)
         self.max_step_tokens = max_step_tokens
@@ -260,6 +275,8 @@ class SemanticSpecDecoder:
         self.lazy_p = lazy_p
         self.target_probe = self._probe(target_probe, target, tokenizer)
         self.draft_probe = self._probe(draft_probe, draft, self.draft_tokenizer)
+        self._check_features(self.target_probe)
+        self._check_features(self.draft_probe)
         self._suffix_ids = self.tokenizer(specreason_suffix, add_special_tokens=False).input_ids
         self.target_stop = StepStopper(tokenizer, self.delimiters, max_step_tokens)
         self.draft_stop = StepStopper(self.draft_tokenizer, self.delimiters, max_step_tokens)
@@ -279,6 +296,14 @@ class SemanticSpecDecoder:
         # The same fingerprint check as load_probe: width, and model/tokenizer when the probe records them.
         check_probe_matches(probe.config, model, tokenizer, where=f"{probe.config.role} probe")
         return probe.to(_device(model)).eval()
+
+    @staticmethod
+    def _check_features(probe) -> None:
+        """Refuse a probe reading features this decoder cannot compute, naming both lists."""
+        if probe is not None:
+            c = probe.config
+            require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS,
+                             where=f"{c.role} probe", provider="SemanticSpecDecoder")
 
     # ------------------------------------------------------------------ public entry point
 
@@ -611,7 +636,10 @@ class SemanticSpecDecoder:
     def _speculate(self, rows_i, rows, tgt, drf, method, sampling, coins, accept_rate, oracle) -> list[int]:
         """Draft a step per row, let the target read it, decide, keep or roll back. Returns rejected rows."""
         t0 = time.perf_counter()
-        need_p = method == "semanticspec" and self.rule == "ratio"
+        need_q = method == "semanticspec"
+        need_p = need_q and self.rule == "ratio"
+        tspec = FeatureSpec.of(self.target_probe.config) if need_q else None
+        dspec = FeatureSpec.of(self.draft_probe.config) if need_p else None
         limits = {i: self._limit(rows[i], i, tgt, drf) + len(rows[i].forced) for i in rows_i}
         forced = {i: rows[i].forced for i in rows_i}
         drafts = write_steps(
@@ -620,8 +648,9 @@ class SemanticSpecDecoder:
             stop=self.draft_stop,
             limits=limits,
             forced=forced,
-            collect_hidden=need_p,
+            collect_hidden=need_p and dspec.needs_hidden,
             record_logits=True,
+            record_forced_logits=need_p and dspec.needs_logits,
             **sampling,
         )
         # The target reads every row's step (plus the judge turn for SpecReason) in one forward.
@@ -637,11 +666,10 @@ class SemanticSpecDecoder:
             n_new[i] = len(new)
             pre_logits[i] = tgt.last_logits[i]
             tgt.seq[i].extend(new + suffix)
-        need_q = method == "semanticspec"
-        fed = tgt.feed(rows_i, hidden=need_q, all_logits=True)
+        fed = tgt.feed(rows_i, hidden=need_q and tspec.needs_hidden, all_logits=True)
         probe_s = 0.0
         decisions, q, p, scores = {}, {}, {}, {}
-        after = {}
+        after, step_logits = {}, {}
         for i in rows_i:
             f = fed.get(i)
             if f is None:  # empty step (cannot happen with max_step_tokens >= 1) - treat as rejected
@@ -653,6 +681,8 @@ class SemanticSpecDecoder:
             def predictor(j: int, f=f, i=i):  # logits that predicted fed token j
                 return f.logits[j - 1] if j >= 1 else pre_logits[i]
 
+            if need_q:  # (k, V) the target's logits predicting every step token, forced ones included
+                step_logits[i] = torch.stack([predictor(j) for j in range(off, end)])
             pre_logits[i] = predictor(off + drafts[i].n_forced) if n_new[i] else None
             after[i] = f.logits[end - 1]
             if method == "specreason":
@@ -662,14 +692,13 @@ class SemanticSpecDecoder:
                 decisions[i] = "accept" if float(torch.rand((), generator=coins)) < accept_rate else "reject"
             elif method == "oracle_accept":
                 decisions[i] = "accept" if oracle(texts[i], rows[i].text) else "reject"
-            elif self.top_k and all(
-                int(drafts[i].tokens[j - off]) in predictor(j).topk(self.top_k).indices.tolist()
-                for j in range(off + drafts[i].n_forced, end)
+            elif self.top_k and self._fast_path(
+                step_logits[i][drafts[i].n_forced :], tgt.seq[i][t_start[i] + drafts[i].n_forced : f.start + end]
             ):
                 decisions[i] = "accept_fast"
         slow = [i for i in rows_i if i not in decisions] if need_q else []
         if slow:
-            probe_s = self._probe_decisions(slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p)
+            probe_s = self._probe_decisions(slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits)
         # Keep or roll back, then the target's bonus token opens the next step.
         rejected, bonus_rows = [], []
         dt = (time.perf_counter() - t0) / len(rows_i)
@@ -705,19 +734,43 @@ class SemanticSpecDecoder:
                     r.forced = [int(t)]
         return rejected
 
-    def _probe_decisions(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p) -> float:
+    def _fast_path(self, logits: torch.Tensor, tokens: list[int]) -> bool:
+        """Keep without the probe: every drafted token is in the target's top-k and passes the log-prob floor.
+
+        Args:
+            logits: (k, V) the target's logits predicting each drafted token.
+            tokens: the k drafted tokens (the bonus token, which the target wrote, excluded).
+        """
+        if not tokens:
+            return False
+        x = logits.float()
+        tok = torch.as_tensor(tokens, device=x.device)[:, None]
+        chosen = x.gather(1, tok)  # (k, 1)
+        rank = (x > chosen).sum(1)  # (k,) 0 = the target's top-1
+        logp = chosen.squeeze(1) - torch.logsumexp(x, dim=1)
+        return bool(((rank < self.top_k) & (logp >= self.fast_path_min_logprob)).all())
+
+    def _probe_decisions(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits) -> float:
         """q (and p when needed) for the rows off the fast path, and the rule's decision. Returns probe seconds.
+
+        Both probes' inputs come from :func:`~probes.decoding.runner.rows_input`, the feature function
+        the label build uses: the target's from this verification forward (hidden states at the
+        step's positions, logits predicting its tokens), the draft's from its drafting forwards.
 
         Ratio rule: accept when ``u < min(1, s * q / p)``, i.e. ``u * p < s * q``. With ``lazy_p``,
         ``s * q >= u`` accepts whatever ``p`` is, so the draft probe (and the draft's read of the
         step's last token) only runs for the other rows; their trace has ``p=None``.
         """
         tp = time.perf_counter()
-        feats = pool_rows(
-            [fed[i].hidden[:, t_start[i] - fed[i].start : len(tgt.seq[i]) - fed[i].start] for i in slow],
-            self.target_probe.config.pooling,
+        tspec = FeatureSpec.of(self.target_probe.config)
+        ends = {i: t_start[i] + len(step_logits[i]) for i in slow}
+        x = rows_input(
+            tspec,
+            [tgt.seq[i][t_start[i] : ends[i]] for i in slow],
+            [fed[i].hidden[:, t_start[i] - fed[i].start : ends[i] - fed[i].start] for i in slow] if tspec.needs_hidden else None,
+            [step_logits[i] for i in slow],
         )
-        for i, qi in zip(slow, self.target_probe(feats.to(_device(self.target))).float().cpu().tolist()):
+        for i, qi in zip(slow, self.target_probe(x.to(_device(self.target))).float().cpu().tolist()):
             q[i] = qi
         if self.rule == "threshold":
             for i in slow:
@@ -726,14 +779,21 @@ class SemanticSpecDecoder:
         u = {i: float(torch.rand((), generator=coins)) for i in slow}
         need = [i for i in slow if not (self.lazy_p and self.ratio_scale * q[i] >= u[i])]
         if need:
-            # The draft reads its step's last token only now, and only for steps that need p:
-            # a kept step hands that token to the draft's next forward instead.
-            t_feed = time.perf_counter()
-            for i, f in drf.feed(need, hidden=True).items():
-                drafts[i].hidden.extend(f.hidden[:, max(0, drafts[i].start - f.start) :].unbind(1))
-            tp += time.perf_counter() - t_feed  # a draft forward, not probe time
-            dfeats = pool_rows([drafts[i].pooled_input() for i in need], self.draft_probe.config.pooling)
-            for i, pi in zip(need, self.draft_probe(dfeats.to(_device(self.draft))).float().cpu().tolist()):
+            dspec = FeatureSpec.of(self.draft_probe.config)
+            if dspec.needs_hidden:
+                # The draft reads its step's last token only now, and only for steps that need p:
+                # a kept step hands that token to the draft's next forward instead.
+                t_feed = time.perf_counter()
+                for i, f in drf.feed(need, hidden=True).items():
+                    drafts[i].hidden.extend(f.hidden[:, max(0, drafts[i].start - f.start) :].unbind(1))
+                tp += time.perf_counter() - t_feed  # a draft forward, not probe time
+            x = rows_input(
+                dspec,
+                [drafts[i].tokens for i in need],
+                [drafts[i].pooled_input() for i in need] if dspec.needs_hidden else None,
+                [torch.stack(drafts[i].token_logits()) for i in need],
+            )
+            for i, pi in zip(need, self.draft_probe(x.to(_device(self.draft))).float().cpu().tolist()):
                 p[i] = pi
         for i in slow:
             ok = i not in p or u[i] * p[i] < self.ratio_scale * q[i]

@@ -26,9 +26,10 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 class ConstProbe(torch.nn.Module):
     """Stub probe: always ``value`` (1 = accept, 0 = reject), or a function of the features."""
 
-    def __init__(self, hidden_size: int, value=1.0, layer_ids=(-1,)):
+    def __init__(self, hidden_size: int, value=1.0, layer_ids=(-1,), groups=("hidden",), stats=()):
         super().__init__()
-        self.config = ProbeConfig(hidden_size=hidden_size, layer_ids=list(layer_ids), hidden_dims=[])
+        self.config = ProbeConfig(hidden_size=hidden_size, layer_ids=list(layer_ids), hidden_dims=[],
+                                  feature_groups=list(groups), token_stats=list(stats))
         self.value = value
         self.calls = 0
 
@@ -39,15 +40,15 @@ class ConstProbe(torch.nn.Module):
         return torch.full((x.shape[0],), float(self.value))
 
 
-def stub_decoder(target, draft, tok, q=1.0, p=1.0, **kw):
+def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(), **kw):
     kw.setdefault("top_k", 0)
     kw.setdefault("max_step_tokens", 6)
     return SemanticSpecDecoder(
         target,
         draft,
         tok,
-        target_probe=ConstProbe(target.config.hidden_size, q),
-        draft_probe=ConstProbe(draft.config.hidden_size, p),
+        target_probe=ConstProbe(target.config.hidden_size, q, groups=groups, stats=stats),
+        draft_probe=ConstProbe(draft.config.hidden_size, p, groups=groups, stats=stats),
         **kw,
     )
 
@@ -127,26 +128,40 @@ def test_batched_rows_decide_independently_and_match_one_by_one(tiny_pair):
     assert {"accept", "reject"} <= decisions  # the test exercises both branches
 
 
-def test_probes_read_the_pooled_states_of_a_fresh_forward(tiny_pair):
-    """q and p see exactly what the label pipeline pools: each model reading prefix + step in one pass."""
-    from datamodules.hidden import pool_hidden_states
-    from datamodules.sampling import generate
-    from datamodules.steps import StepStopper
+@pytest.mark.parametrize("groups", [["hidden"], ["token_stats"], ["hidden", "token_stats"]])
+def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, groups):
+    """q and p read exactly what the label build stores for the same prefix and step (issue 9).
+
+    Every draft step is kept, so from the second proposal on each step opens with the target's bonus
+    token: the features cover it on both sides. The build reads with ``datamodules.reading.read_steps``.
+    """
+    from datamodules.reading import read_steps
+    from generation.features import TOKEN_STATS, FeatureSpec, probe_input
 
     target, draft, tok = tiny_pair
     seen = {"q": [], "p": []}
-    dec = stub_decoder(target, draft, tok, q=lambda x: seen["q"].append(x) or torch.zeros(len(x)))
-    dec.draft_probe.value = lambda x: seen["p"].append(x) or torch.ones(len(x))
-    dec.generate(PROMPTS[:1], **GREEDY)
-    prompt = tok(PROMPTS[0]).input_ids
-    kw = {"max_new_tokens": 6, "temperature": 0.0, "eos_token_id": tok.eos_token_id}
-    first = generate(target, [prompt], stop=StepStopper(tok, max_step_tokens=6), **kw)[0]
-    step = generate(draft, [prompt + first], stop=StepStopper(tok, max_step_tokens=6), **kw)[0]
-    ids = torch.tensor([prompt + first + step])
-    span = (torch.tensor([len(prompt + first)]), torch.tensor([ids.shape[1]]))
+    stats = list(TOKEN_STATS)
+    dec = stub_decoder(target, draft, tok, q=lambda x: seen["q"].append(x) or torch.full((len(x),), 0.5),
+                       groups=groups, stats=stats, rule="ratio", lazy_p=False, max_step_tokens=3)
+    dec.draft_probe.value = lambda x: seen["p"].append(x) or torch.full((len(x),), 0.1)  # q/p > 1: keep
+    spans = {"q": [], "p": []}
+    original = SemanticSpecDecoder._probe_decisions
+
+    def spy(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits):
+        for i in slow:  # (prefix, step) as each model holds them
+            spans["q"].append((tgt.seq[i][: t_start[i]], tgt.seq[i][t_start[i] : t_start[i] + len(step_logits[i])]))
+            spans["p"].append((drf.seq[i][: drafts[i].start], list(drafts[i].tokens)))
+        return original(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits)
+
+    monkeypatch.setattr(SemanticSpecDecoder, "_probe_decisions", spy)
+    res = dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=40, seed=1)
+    assert sum(t.decision == "accept" for t in res[0].steps) >= 2  # the bonus-token path is exercised
+    spec = FeatureSpec(groups, [-1], "mean", stats)
     for key, model in (("q", target), ("p", draft)):
-        expected = pool_hidden_states(model(ids, output_hidden_states=True).hidden_states, [-1], *span)
-        torch.testing.assert_close(seen[key][0].cpu(), expected, atol=1e-5, rtol=1e-4)
+        assert len(seen[key]) == len(spans[key]) >= 2
+        for x, (prefix, step) in zip(seen[key], spans[key]):
+            built = probe_input(read_steps(model, [prefix], [[step]], spec), groups)
+            torch.testing.assert_close(x.cpu(), built, atol=1e-4, rtol=1e-4)
 
 
 def test_ratio_rule_accepts_with_probability_q_over_p_and_lazy_p_changes_nothing(tiny_pair):
@@ -172,11 +187,43 @@ def test_ratio_rule_accepts_with_probability_q_over_p_and_lazy_p_changes_nothing
 
 def test_fast_path_skips_the_probes(tiny_pair):
     target, draft, tok = tiny_pair
-    dec = stub_decoder(target, draft, tok, q=0.0, top_k=len(tok))  # every token is in the top-|V|
+    # every token is in the top-|V| and passes a floor of -1e9: everything takes the fast path
+    dec = stub_decoder(target, draft, tok, q=0.0, top_k=len(tok), fast_path_min_logprob=-1e9)
     res = dec.generate(PROMPTS[:1], method="semanticspec", **GREEDY)
     assert {t.decision for t in res[0].steps} == {"target", "accept_fast"}
     assert dec.target_probe.calls == 0 and dec.draft_probe.calls == 0
     assert res[0].stats.probe_s == 0
+    # the default floor (log 0.5) on untrained models: no step is that sure, so the probe (q = 0) refuses all
+    gated = stub_decoder(target, draft, tok, q=0.0, top_k=len(tok))
+    res = gated.generate(PROMPTS[:1], method="semanticspec", **GREEDY)
+    assert "accept_fast" not in {t.decision for t in res[0].steps} and gated.target_probe.calls > 0
+
+
+def test_fast_path_needs_top_k_and_the_log_prob_floor(tiny_pair):
+    """A token that is the target's top-1 but below the floor, or above the floor but outside the top-k, stops it."""
+    import math
+
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, top_k=1, fast_path_min_logprob=math.log(0.5))
+
+    def logits(probs):  # (k, 4) logits of the given probabilities
+        return torch.log(torch.tensor(probs))
+
+    assert dec._fast_path(logits([[0.7, 0.1, 0.1, 0.1], [0.1, 0.8, 0.05, 0.05]]), [0, 1])
+    assert not dec._fast_path(logits([[0.7, 0.1, 0.1, 0.1], [0.4, 0.3, 0.2, 0.1]]), [0, 0])  # top-1, p = 0.4 < 0.5
+    assert not dec._fast_path(logits([[0.7, 0.1, 0.1, 0.1], [0.6, 0.3, 0.05, 0.05]]), [0, 1])  # not top-1
+    dec.top_k = 2
+    assert not dec._fast_path(logits([[0.6, 0.35, 0.05, 0.0]]), [1])  # top-2 but p = 0.35 below the floor
+    assert not dec._fast_path(logits([[0.6, 0.4]])[:, :2], [])  # an empty step never takes the fast path
+
+
+def test_fast_path_is_refused_for_two_tokenizers(tiny_pair):
+    from transformers import AutoTokenizer  # noqa: F401  (only the identity of the tokenizer object matters)
+
+    target, draft, tok = tiny_pair
+    other = __import__("copy").deepcopy(tok)
+    with pytest.raises(ValueError, match="top_k=2.*shared tokenizer"):
+        SemanticSpecDecoder(target, draft, tok, draft_tokenizer=other, top_k=2)
 
 
 def test_sampling_is_seeded(tiny_pair):
@@ -327,13 +374,12 @@ def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
         draft,
         world_tokenizer,
         draft_tokenizer=ctok,
-        top_k=2,
         max_step_tokens=6,
         target_probe=ConstProbe(32, 1.0),
         draft_probe=ConstProbe(24, 1.0),
         target_first_step=False,
     )
-    assert accept.top_k == 0  # no fast path across tokenizers
+    assert accept.top_k == 0  # no fast path across tokenizers (asking for one is refused, see above)
     assert texts(accept.generate(prompts, **GREEDY)) == texts(accept.generate(prompts, method="draft_only", **GREEDY))
     reject = SemanticSpecDecoder(
         target,

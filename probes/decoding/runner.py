@@ -8,7 +8,7 @@ mask marks which cache slots belong to it: a slot a row did not use, or rolled b
 row a rollback is an ordinary crop and the cache never has holes.
 
 Tokens are sampled only with :func:`datamodules.sampling.sample_next` (the one sampler) and step
-vectors are pooled only with :func:`datamodules.hidden.pool_hidden_states`.
+features are computed only with :func:`generation.features.step_features`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from datamodules.hidden import pool_hidden_states
 from datamodules.sampling import sample_next
+from generation.features import FeatureSpec, pad_steps, probe_input, step_features
 
 
 @dataclass
@@ -155,16 +155,34 @@ class CacheRunner:
             self.mask = self.mask[:, :length]
 
 
-def pool_rows(hidden: Sequence[torch.Tensor], pooling: str) -> torch.Tensor:
-    """Pool several rows' step states, each (L, k_i, D), with the one pooling function. Returns (B, L, D)."""
-    L, D = hidden[0].shape[0], hidden[0].shape[-1]
-    width = max(h.shape[1] for h in hidden)
-    padded = torch.zeros(len(hidden), L, width, D, dtype=hidden[0].dtype, device=hidden[0].device)
-    for b, h in enumerate(hidden):
-        padded[b, :, : h.shape[1]] = h
-    layers = [padded[:, l] for l in range(L)]  # L x (B, width, D), as HF hands out hidden_states
-    ends = torch.tensor([h.shape[1] for h in hidden])
-    return pool_hidden_states(layers, list(range(L)), torch.zeros_like(ends), ends, pooling)
+def rows_input(
+    spec: FeatureSpec,
+    tokens: Sequence[Sequence[int]],
+    hidden: Sequence[torch.Tensor] | None = None,
+    logits: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Flat probe inputs (B, W) of several rows' steps, through the one feature function.
+
+    Args:
+        spec: the probe's feature spec (``layer_ids`` as the runner returned them, see below).
+        tokens: per row, the step's tokens.
+        hidden: ``hidden`` group: per row (L, k_i, D) states of the step's tokens at the
+            probe's layers, in ``spec.layer_ids`` order (a runner returns exactly those).
+        logits: ``token_stats`` group: per row (k_i, V) logits predicting each step token.
+    """
+    lengths = torch.tensor([len(t) for t in tokens])
+    hs = None
+    if spec.needs_hidden:
+        padded = pad_steps([h.transpose(0, 1) for h in hidden])  # (B, k, L, D)
+        hs = list(padded.unbind(2))  # L x (B, k, D), as HF hands out hidden_states
+        spec = FeatureSpec(spec.groups, list(range(len(hs))), spec.pooling, spec.token_stats)
+    lg = tk = None
+    if spec.needs_logits:
+        lg = pad_steps([l.float() for l in logits])  # (B, k, V)
+        tk = pad_steps([torch.as_tensor(list(t), dtype=torch.long) for t in tokens])
+        lg, tk = lg.to(lengths.device), tk.to(lengths.device)
+    parts = step_features(spec, lengths, hs, lg, tk)
+    return probe_input(parts, spec.groups)
 
 
 @dataclass
@@ -184,6 +202,12 @@ class StepDraft:
     hidden: list[torch.Tensor] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     """Per sampled token, the (V,) logits it was drawn from, when recorded."""
+    forced_logits: list[torch.Tensor] = field(default_factory=list)
+    """Per forced token, the writer's (V,) logits that predicted it, when recorded."""
+
+    def token_logits(self) -> list[torch.Tensor]:
+        """(V,) logits predicting every token of the step, forced ones first (``record_logits``)."""
+        return self.forced_logits + self.logits
 
     def pooled_input(self) -> torch.Tensor:
         """(L, k, D) states of the step's tokens, in order."""
@@ -203,6 +227,7 @@ def write_steps(
     collect_hidden: bool = False,
     feed_last: bool = False,
     record_logits: bool = False,
+    record_forced_logits: bool = False,
 ) -> dict[int, StepDraft]:
     """Sample one step for every row in ``rows`` together, continuing ``runner``'s cache.
 
@@ -223,6 +248,8 @@ def write_steps(
         collect_hidden: keep the hidden states of the step's tokens (for a probe).
         feed_last: feed the step's last token too.
         record_logits: keep the logits each token was sampled from (token-level speculation needs them).
+        record_forced_logits: also keep the logits that predicted the forced tokens (a probe's token
+            statistics cover the whole step); the forced tokens must still be pending.
 
     Returns:
         ``{row: StepDraft}``.
@@ -236,8 +263,17 @@ def write_steps(
         i for i in rows if not (steps[i].tokens and (stop(steps[i].tokens) or len(steps[i].tokens) >= limits[i]))
     ]
     last = [i for i in rows if i not in writing and feed_last]
+    before = {i: runner.last_logits[i] for i in rows}
+    first = True
     while writing or last:
-        fed = runner.feed(writing + last, hidden=collect_hidden)
+        # With forced tokens, the first forward keeps every position's logits: they predicted the forced tokens.
+        need_all = first and record_forced_logits and any(steps[i].n_forced for i in writing + last)
+        fed = runner.feed(writing + last, hidden=collect_hidden, all_logits=need_all)
+        if need_all:
+            for i in rows:
+                if steps[i].n_forced:
+                    steps[i].forced_logits = _forced_logits(steps[i], fed.get(i), before[i])
+        first = False
         if collect_hidden:
             for i, f in fed.items():
                 skip = max(0, steps[i].start - f.start)  # fed tokens before the step belong to the prefix
@@ -263,3 +299,17 @@ def write_steps(
                 still.append(i)
         writing = still
     return steps
+
+
+def _forced_logits(step: StepDraft, feed: Feed | None, before: torch.Tensor | None) -> list[torch.Tensor]:
+    """The logits that predicted a step's forced tokens: from the feed that read them, or held before it."""
+    out = []
+    for k in range(step.n_forced):
+        j = step.start + k - (feed.start if feed is not None else step.start + step.n_forced)  # index among fed tokens
+        if feed is not None and j >= 1:
+            out.append(feed.logits[j - 1])
+        elif j == 0 and before is not None:
+            out.append(before)
+        else:
+            raise RuntimeError("the logits predicting a forced token were not kept; feed it in the step's first forward")
+    return out
