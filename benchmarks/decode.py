@@ -16,12 +16,21 @@ What it measures (issue 4, "Definitions" in DESIGN.md):
 - ``random_accept`` accepts at SemanticSpec's acceptance rate so far (the running rate, since
   methods are interleaved); ``oracle_accept`` keeps exactly the steps whose meaning is the
   problem's next correct operation (the world's oracle);
-- SemanticSpec over a sweep of the ratio scale (ratio rule) or of ``tau`` (threshold rule);
+- **decisions** of every method that drafts, judged by the oracle on the rows where decisions
+  happen (each proposed draft step): ``right_kept``, ``wrong_kept``, ``right_refused``,
+  ``wrong_refused`` and ``wrong_kept_fast_path`` (issue 9);
+- **sweeps** of each method's acceptance knob, one accuracy-vs-speedup curve each: SemanticSpec's
+  ratio scale (ratio rule) or ``tau`` (threshold rule); random acceptance's rate; the oracle's
+  ``keep_right`` (right steps kept with that probability, wrong ones never: the ideal frontier);
+- **ablations** with the same decoder: the paper's probe (pooled hidden states only),
+  ``token_stats`` only, and both (the default), with each probe pair's **draft-step AUROC**: q
+  against the oracle's right/wrong on every draft step it judged on these held-out problems;
 - **batch_scaling**: output tokens per second of target-only and SemanticSpec at 1, 2, 4, 8 prompts.
 
-Probes default to ``checkpoints/arithmetic/probes/{target,draft}``; when those are missing the
-benchmark says so and uses untrained probes of the right widths (the figures are then not the
-method's).
+Probes default to ``checkpoints/arithmetic/probes/{target,draft}`` (hybrid) and
+``checkpoints/arithmetic/probes-ablation/{hidden,token_stats}/{target,draft}``; when the default
+pair is missing the benchmark says so and uses untrained probes of the right widths (the figures
+are then not the method's).
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ from probes.decoder import SemanticSpecDecoder, summarize
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 PROBE_ROOT = REPO / "checkpoints" / "arithmetic" / "probes"
+ABLATION_ROOT = REPO / "checkpoints" / "arithmetic" / "probes-ablation"
+ABLATIONS = ("hidden", "token_stats")
+"""Probe pairs decoded beside the default (hybrid) one: the paper's pooled states only, token statistics only."""
 PROBLEM_SEED = 30_000
 """Seed of the benchmark's problems (world.py uses 20,000; training validates on 10,000)."""
 METHODS = (
@@ -56,7 +68,10 @@ METHODS = (
     "hf_target_only",
     "token_sd",
 )
-GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accuracy_gap": 0.10, "probe_overhead": 0.02}
+GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accuracy_gap": 0.10, "probe_overhead": 0.02,
+         "draft_step_auroc": 0.97}
+DRAFTING = ("semanticspec", "random_accept", "oracle_accept", "specreason")
+"""Methods whose draft steps are judged (decision tables)."""
 
 
 def oracle_for(problem: task.Problem):
@@ -75,6 +90,55 @@ def oracle_for(problem: task.Problem):
         return done < len(problem.steps) and m == problem.steps[done]
 
     return oracle
+
+
+def noisy_oracle(problem: task.Problem, keep_right: float, seed: int):
+    """The oracle that keeps a right step only with probability ``keep_right`` (never a wrong one)."""
+    import random
+
+    exact, rng = oracle_for(problem), random.Random(seed)
+    return lambda step, prefix: exact(step, prefix) and rng.random() < keep_right
+
+
+def decisions(results, problems) -> tuple[dict[str, int], list[tuple[float, bool]]]:
+    """Oracle-judged decision counts over the proposed draft steps, and ``(q, right)`` of the judged ones.
+
+    A step is right when the oracle keeps it given the output committed before it (the same test as
+    ``oracle_accept``). Once a wrong step is committed (by either model) the oracle can call nothing
+    after it right, so later proposals are counted apart as ``after_error`` and left out of the four
+    cells and of the AUROC. ``wrong_kept_fast_path`` counts wrong steps kept by the fast path (they
+    are in ``wrong_kept`` too).
+    """
+    keys = ("right_kept", "wrong_kept", "right_refused", "wrong_refused", "wrong_kept_fast_path", "after_error")
+    counts = dict.fromkeys(keys, 0)
+    scored = []
+    for r, p in zip(results, problems):
+        oracle, prefix, on_track = oracle_for(p), "", True
+        for st in r.steps:
+            right = on_track and oracle(st.text, prefix)
+            if st.writer == "draft" or st.decision == "reject":
+                if not on_track:
+                    counts["after_error"] += 1
+                else:
+                    kept = st.decision in ("accept", "accept_fast")
+                    counts[f"{'right' if right else 'wrong'}_{'kept' if kept else 'refused'}"] += 1
+                    counts["wrong_kept_fast_path"] += int(not right and st.decision == "accept_fast")
+                    if st.q is not None:
+                        scored.append((st.q, right))
+            if st.decision != "reject":
+                on_track = right
+                prefix += st.text
+    return counts, scored
+
+
+def auroc(scored: list[tuple[float, bool]]) -> float:
+    """AUROC of q for right vs wrong draft steps (NaN when one class is missing)."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    if not scored or len({r for _, r in scored}) < 2:
+        return math.nan
+    q = torch.tensor([s for s, _ in scored])
+    return float(binary_auroc(q, torch.tensor([int(r) for _, r in scored])))
 
 
 def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
@@ -125,7 +189,10 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
         order.insert(order.index("semanticspec") + 1, "random_accept")  # needs semanticspec's running rate
         for name in order:
             if name in variants:
-                out[name] += variants[name].generate([prompt], seed=seed, **gen)
+                dec_v, kw = variants[name]
+                if "keep_right" in kw:
+                    kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
+                out[name] += dec_v.generate([prompt], seed=seed, **gen, **kw)
                 continue
             extra = {}
             if name == "random_accept":
@@ -164,10 +231,11 @@ def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=(1, 2, 4, 8)) 
     return table
 
 
-def goals(methods: dict) -> dict:
-    """Each goal of issue 4 with its measured value and whether it is met."""
+def goals(methods: dict, probes: dict) -> dict:
+    """Each goal of issues 4 and 9 with its measured value and whether it is met."""
     s, t = methods["semanticspec"], methods["target_only"]
     tsd = methods["token_sd"]["speedup"]
+    auc = probes.get("hybrid", {}).get("draft_step_auroc", math.nan)
     return {
         "speedup_at_least_2x": {"value": s["speedup"], "met": s["speedup"] >= GOALS["speedup"]},
         "accuracy_within_2_points": {
@@ -186,6 +254,7 @@ def goals(methods: dict) -> dict:
             "value": s["probe_overhead"],
             "met": s["probe_overhead"] <= GOALS["probe_overhead"],
         },
+        "draft_step_auroc_at_least_0.97": {"value": auc, "met": bool(auc >= GOALS["draft_step_auroc"])},
     }
 
 
@@ -204,11 +273,20 @@ def markdown(report: dict) -> str:
         acc_tok = m.get("mean_accepted_tokens_per_verification")
         cells = [f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if acc_tok is None else f'{acc_tok:.2f}'} |")
-    lines += ["", "| sweep | value | accuracy | speedup | step_acceptance |", "|---|---|---|---|---|"]
-    for row in report["sweep"]:
-        lines.append(
-            f"| {row['knob']} | {row['value']} | {row['accuracy']:.3f} | {row['speedup']:.3f} | {row['step_acceptance']:.3f} |"
-        )
+    keys = ("right_kept", "wrong_kept", "right_refused", "wrong_refused", "wrong_kept_fast_path")
+    lines += ["", "| decisions (oracle-judged draft steps) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name, m in report["methods"].items():
+        if "decisions" in m:
+            lines.append(f"| {name} | " + " | ".join(str(m["decisions"][k]) for k in keys) + " |")
+    if report.get("probes"):
+        lines += ["", "| probe pair | draft-step AUROC | judged steps | wrong |", "|---|---|---|---|"]
+        for name, pr in report["probes"].items():
+            lines.append(f"| {name} | {pr['draft_step_auroc']:.4f} | {pr['n_judged']} | {pr['n_wrong']} |")
+    lines += ["", "| sweep | knob | value | accuracy | speedup | step_acceptance |", "|---|---|---|---|---|---|"]
+    for method, rows in report["sweep"].items():
+        for row in rows:
+            lines.append(f"| {method} | {row['knob']} | {row['value']} | {row['accuracy']:.3f} | {row['speedup']:.3f} "
+                         f"| {row['step_acceptance']:.3f} |")
     if report.get("batch_scaling"):
         sizes = list(next(iter(report["batch_scaling"].values())))
         lines += ["", "| batch scaling (tokens/s) | " + " | ".join(sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
@@ -236,25 +314,16 @@ def plot(report: dict, path: Path) -> None:
             continue
         ax.scatter(m["speedup"], m["accuracy"], s=40)
         ax.annotate(name, (m["speedup"], m["accuracy"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    sweep = report["sweep"]
-    if sweep:
-        ax.plot(
-            [r["speedup"] for r in sweep],
-            [r["accuracy"] for r in sweep],
-            "o--",
-            color="gray",
-            label=f"semanticspec, {sweep[0]['knob']} sweep",
-        )
-        for r in sweep:
-            ax.annotate(
-                str(r["value"]),
-                (r["speedup"], r["accuracy"]),
-                textcoords="offset points",
-                xytext=(4, -10),
-                fontsize=7,
-                color="gray",
-            )
-        ax.legend(loc="best", fontsize=8)
+    styles = {"semanticspec": "o--", "random_accept": "s:", "oracle_accept": "^-."}
+    for method, rows in report["sweep"].items():
+        if not rows:
+            continue
+        ax.plot([r["speedup"] for r in rows], [r["accuracy"] for r in rows], styles.get(method, "o--"),
+                alpha=0.7, label=f"{method}: {rows[0]['knob']} sweep")
+        for r in rows:
+            ax.annotate(str(r["value"]), (r["speedup"], r["accuracy"]), textcoords="offset points", xytext=(4, -10),
+                        fontsize=7, color="gray")
+    ax.legend(loc="best", fontsize=8)
     ax.set_xlabel("speedup vs target-only (token_sd: vs transformers' target-only)")
     ax.set_ylabel("accuracy")
     ax.set_title(f"Decoding on the embedded world ({report['n_problems']} problems)")
@@ -274,9 +343,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--rule", choices=("ratio", "threshold"), default="ratio")
-    ap.add_argument("--tau", type=float, default=0.5)
-    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--rule", choices=("ratio", "threshold"), default="threshold", help="SemanticSpec's rule (the decoder's default)")
+    ap.add_argument("--tau", type=float, default=0.5, help="threshold of the threshold rule")
+    ap.add_argument("--ratio-scale", type=float, default=1.0, help="ratio rule: accept with probability min(1, s*q/p)")
+    ap.add_argument("--top-k", type=int, default=0, help="fast path top-k (0 = off, the decoder's default)")
+    ap.add_argument("--fast-path-min-logprob", type=float, default=math.log(0.5),
+                    help="fast path: least target log-probability of every drafted token")
     ap.add_argument(
         "--sweep",
         type=float,
@@ -284,6 +356,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         default=None,
         help="ratio scales (ratio rule) or tau values (threshold rule) for the SemanticSpec sweep",
     )
+    ap.add_argument("--random-sweep", type=float, nargs="*", default=None, help="accept rates of the random-acceptance sweep")
+    ap.add_argument("--oracle-sweep", type=float, nargs="*", default=None,
+                    help="keep_right values of the oracle sweep (right steps kept with this probability, wrong never)")
+    ap.add_argument("--ablation-root", default=str(ABLATION_ROOT),
+                    help="folder of the ablation probe pairs <variant>/{target,draft} (variants: hidden, token_stats)")
     ap.add_argument("--target-probe", default=str(PROBE_ROOT / "target"))
     ap.add_argument("--draft-probe", default=str(PROBE_ROOT / "draft"))
     ap.add_argument(
@@ -302,10 +379,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     n = args.n_problems or (40 if args.quick else 400)
     if args.sweep is None:
         args.sweep = (
-            ([0.5, 2.0] if args.quick else [0.25, 0.5, 2.0, 4.0])
+            ([0.5, 4.0] if args.quick else [0.25, 0.5, 2.0, 4.0, 16.0])
             if args.rule == "ratio"
-            else ([0.3, 0.7] if args.quick else [0.2, 0.35, 0.65, 0.8])
+            else ([0.3, 0.7] if args.quick else [0.1, 0.3, 0.7, 0.9])
         )
+    if args.random_sweep is None:
+        args.random_sweep = [0.5, 0.9] if args.quick else [0.25, 0.5, 0.75, 0.9]
+    if args.oracle_sweep is None:
+        args.oracle_sweep = [0.5] if args.quick else [0.25, 0.5, 0.75]
     world = models.load_world(args.world)
     tok, target, draft = world.tokenizer, world.target, world.draft
     untrained = not (
@@ -324,20 +405,41 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "draft_probe": args.draft_probe,
         "rule": args.rule,
         "tau": args.tau,
+        "ratio_scale": args.ratio_scale,
         "top_k": args.top_k,
+        "fast_path_min_logprob": args.fast_path_min_logprob,
         "answer_marker": task.ANSWER_MARKER,
         "lazy_p": not args.no_lazy_p,  # same decisions, p only where q alone does not accept
     }
     dec = SemanticSpecDecoder(target, draft, tok, **common)
     knob = "ratio_scale" if args.rule == "ratio" else "tau"
-    sweep_decs = {
-        f"semanticspec[{knob}={v}]": SemanticSpecDecoder(target, draft, tok, **{**common, knob: v}) for v in args.sweep
+    sweeps = {
+        "semanticspec": {f"semanticspec[{knob}={v}]": (SemanticSpecDecoder(target, draft, tok, **{**common, knob: v}), {})
+                         for v in args.sweep},
+        "random_accept": {f"random_accept[accept_rate={v}]": (dec, {"method": "random_accept", "accept_rate": v})
+                          for v in args.random_sweep},
+        "oracle_accept": {f"oracle_accept[keep_right={v}]": (dec, {"keep_right": v}) for v in args.oracle_sweep},
     }
-    # the option of issue 4: target-written steps use token-level speculation with the same draft
+    ablations, ablation_paths = {}, {}
+    for name in ABLATIONS:
+        t_dir, d_dir = Path(args.ablation_root, name, "target"), Path(args.ablation_root, name, "draft")
+        if (t_dir / "config.json").is_file() and (d_dir / "config.json").is_file():
+            kw = {**common, "target_probe": str(t_dir), "draft_probe": str(d_dir)}
+            ablations[f"semanticspec[{name}]"] = (SemanticSpecDecoder(target, draft, tok, **kw), {})
+            ablation_paths[name] = {"target": str(t_dir), "draft": str(d_dir)}
+        else:
+            print(f"WARNING: ablation probes {t_dir.parent} not found; row semanticspec[{name}] is skipped")
+    other_rule = f"semanticspec[rule={'ratio' if args.rule == 'threshold' else 'threshold'}]"
+    fast_path = f"semanticspec[fast_path top_k={args.top_k or 1}]"
     variants = {
-        "semanticspec+token_sd": SemanticSpecDecoder(target, draft, tok, **common, token_sd=True),
-        "semanticspec[draft_first_step]": SemanticSpecDecoder(target, draft, tok, **common, target_first_step=False),
-        **sweep_decs,
+        # the option of issue 4: target-written steps use token-level speculation with the same draft
+        "semanticspec+token_sd": (SemanticSpecDecoder(target, draft, tok, **common, token_sd=True), {}),
+        "semanticspec[draft_first_step]": (SemanticSpecDecoder(target, draft, tok, **common, target_first_step=False), {}),
+        other_rule: (SemanticSpecDecoder(target, draft, tok, **{**common, "rule": "ratio" if args.rule == "threshold" else "threshold"}), {}),
+        # the gated fast path (top-1 and the log-prob floor) on top of the default: how many wrong steps it keeps
+        fast_path: (SemanticSpecDecoder(target, draft, tok, **{**common, "top_k": args.top_k or 1}), {}),
+        **ablations,
+        **{k: v for sw in sweeps.values() for k, v in sw.items()},
     }
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
     warm = [p.problem + task.STEP_DELIMITER for p in task.generate_problems(2, args.seed - 1)]
@@ -346,45 +448,62 @@ def main(argv: Sequence[str] | None = None) -> dict:
     t0 = time.perf_counter()
     runs = run_methods(dec, variants, problems, args)
     methods = {}
+    ref_wall = sum(r.stats.wall_s for r in runs["target_only"])
     for name in METHODS:
         ref = runs["hf_target_only" if name == "token_sd" else "target_only"]
         methods[name] = figures(runs[name], problems, sum(r.stats.wall_s for r in ref))
-    for name in ("semanticspec+token_sd", "semanticspec[draft_first_step]"):  # variants reported beside the methods
-        methods[name] = figures(runs[name], problems, methods["target_only"]["wall_s"])
+    beside = ("semanticspec+token_sd", "semanticspec[draft_first_step]", other_rule, fast_path, *ablations)
+    for name in beside:  # variants reported beside the methods
+        methods[name] = figures(runs[name], problems, ref_wall)
+    probe_scores = {}
+    for name in [*DRAFTING, *beside]:
+        counts, scored = decisions(runs[name], problems)
+        methods[name]["decisions"] = counts
+        if name == "semanticspec" or name in ablations:
+            variant = "hybrid" if name == "semanticspec" else name[len("semanticspec[") : -1]
+            probe_scores[variant] = {"draft_step_auroc": auroc(scored), "n_judged": len(scored),
+                                     "n_wrong": sum(not r for _, r in scored), "method": name}
     methods["token_sd"]["reference_wall_s"] = methods["hf_target_only"]["wall_s"]
     methods["token_sd"]["mean_accepted_tokens_per_verification"] = (
         methods["token_sd"]["output_tokens"] / max(methods["token_sd"]["target_passes"], 1) - 1
     )
     methods["random_accept"]["target_acceptance"] = methods["semanticspec"]["step_acceptance"]
-    sweep = []
-    ref_wall = methods["target_only"]["wall_s"]
-    default = args.tau if knob == "tau" else 1.0  # the main semanticspec run is one point of the sweep
-    for v, name in zip(list(args.sweep) + [default], list(sweep_decs) + ["semanticspec"]):
-        f = figures(runs[name], problems, ref_wall)
-        sweep.append(
-            {"knob": knob, "value": v, **{k: f[k] for k in ("accuracy", "speedup", "step_acceptance", "wall_s")}}
-        )
-    sweep.sort(key=lambda r: r["value"])
+    defaults = {"semanticspec": (knob, args.tau if knob == "tau" else args.ratio_scale),
+                "random_accept": ("accept_rate", None), "oracle_accept": ("keep_right", 1.0)}
+    sweep = {}
+    for method, sw in sweeps.items():
+        rows = []
+        for name, (_, kw) in [*sw.items(), (method, (None, {}))]:
+            f = figures(runs[name], problems, ref_wall)
+            k, v = defaults[method]
+            if name != method:
+                v = float(name.split("=")[1][:-1])
+            elif method == "random_accept":
+                v = round(methods["semanticspec"]["step_acceptance"], 4)  # the main run follows SemanticSpec's rate
+            rows.append({"knob": k, "value": v, **{x: f[x] for x in ("accuracy", "speedup", "step_acceptance", "wall_s")}})
+        sweep[method] = sorted(rows, key=lambda r: r["value"])
     scaling = {} if args.no_batch_scaling else batch_scaling(dec, problems[: 8 if args.quick else 16], args)
     report = {
         "methods": methods,
         "batch_scaling": scaling,
         "sweep": sweep,
+        "probes": probe_scores,
         "n_problems": n,
         "seed": args.seed,
         "goals": {},
         "untrained_probes": untrained,
-        "probes": {
-            "target": None if untrained else args.target_probe,
-            "draft": None if untrained else args.draft_probe,
+        "probe_paths": {
+            "hybrid": None if untrained else {"target": args.target_probe, "draft": args.draft_probe},
+            **ablation_paths,
         },
         "config": {
             k: getattr(args, k)
-            for k in ("max_new_tokens", "temperature", "top_p", "rule", "tau", "top_k", "threads", "quick", "no_lazy_p")
+            for k in ("max_new_tokens", "temperature", "top_p", "rule", "tau", "ratio_scale", "top_k",
+                      "fast_path_min_logprob", "threads", "quick", "no_lazy_p")
         },
         "seconds": time.perf_counter() - t0,
     }
-    report["goals"] = goals(methods)
+    report["goals"] = goals(methods, probe_scores)
     out = Path(args.out) if args.out else RESULTS_DIR / ("decode-quick.json" if args.quick else "decode.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -10,6 +10,11 @@ Measures (issue 3, DESIGN.md "Benchmark outputs" -> labels.json):
   judge would give, so judge quality and pipeline logic can be told apart);
 - ``judge_accuracy``: share of the pairs the judge was asked that it answered as the oracle does;
 - ``q_mae`` / ``p_mae``: mean absolute error of the labels vs labels from oracle groups (goal <= 0.05);
+- ``audit.<target|draft>.<right|wrong>``: per writer and oracle correctness (a sample is right when
+  its meaning is the reference step's), the mean label q, the mean oracle q (share of the target's
+  samples with its meaning) and ``false_high_share`` (label q >= 0.5 where the oracle q < 0.5; goal
+  for wrong draft steps < 10%, issue 9); ``variants`` regroups with ``match_numbers`` off to show
+  what the numbers check changes;
 - ``seconds_per_stage`` of the default build and the share of clustering + judge (goal <= 25%);
 - ``bytes_per_sample`` on disk;
 - ``read_samples_per_s`` streaming 384-wide synthetic shards through the DataModule (goal >= 200k/s)
@@ -37,7 +42,9 @@ from datamodules.arithmetic.task import meaning
 from datamodules.build import BuildConfig, build, make_judge
 from datamodules.clustering import group_prefixes, normalize_text
 from datamodules.judges import OracleJudge
-from datamodules.labels import joint_labels
+from datamodules.labels import DRAFT, TARGET, joint_labels
+from datamodules.prefixes import load_problems
+from datamodules.steps import split_steps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,8 +55,12 @@ def oracle_key(text: str) -> str:
     return str(tuple(m)) if m is not None else "malformed:" + normalize_text(text)
 
 
-def load_prefixes(data_dir: Path) -> list[dict]:
-    """Per prefix: texts, writers, groups, q, p and the target's features of its 2N samples."""
+def load_prefixes(data_dir: Path, problems: list[dict] | None = None) -> list[dict]:
+    """Per prefix: texts, writers, groups, q, p and the target's features of its 2N samples.
+
+    With ``problems`` (the build's, as :func:`~datamodules.prefixes.load_problems` gives them) each
+    prefix also gets ``reference``: the reference trace's step that follows it.
+    """
     out = []
     manifest = S.read_manifest(data_dir)
     for entry in manifest["shards"]:
@@ -59,9 +70,11 @@ def load_prefixes(data_dir: Path) -> list[dict]:
         for rec in recs:
             samples = rec["samples"]
             rows = [row_of[s["sample_id"]] for s in samples]
+            ref = split_steps(problems[rec["problem_id"]]["trace"])[rec["step_index"]] if problems else None
             out.append({"texts": [s["text"] for s in samples], "writers": np.array([s["writer"] for s in samples]),
                         "groups": np.array([s["group"] for s in samples]), "q": np.array([s["q"] for s in samples]),
-                        "p": np.array([s["p"] for s in samples]), "features": t["target.features"][rows].float().numpy()})
+                        "p": np.array([s["p"] for s in samples]), "features": t["target.features"][rows].float().numpy(),
+                        "reference": ref})
     return out
 
 
@@ -79,6 +92,27 @@ def audit(prefixes: list[dict], groups: list[np.ndarray]) -> dict:
             "p_mae": float(np.concatenate(p_err).mean()), "n_prefixes": len(prefixes)}
 
 
+def label_audit(prefixes: list[dict], groups: list[np.ndarray]) -> dict:
+    """Label q against the oracle per writer x correctness: ``{writer: {right|wrong: {n, mean_label_q,
+    mean_oracle_q, false_high_share}}}`` (needs ``reference`` in ``prefixes``)."""
+    cells: dict[tuple[int, bool], list[tuple[float, float]]] = {}
+    for pre, g in zip(prefixes, groups):
+        truth = [oracle_key(t) for t in pre["texts"]]
+        ref = oracle_key(pre["reference"])
+        q = joint_labels(np.asarray(g), pre["writers"])["q"]
+        target_keys = [k for k, w in zip(truth, pre["writers"]) if w == TARGET]
+        for key, w, label in zip(truth, pre["writers"], q):
+            oracle_q = sum(k == key for k in target_keys) / max(len(target_keys), 1)
+            cells.setdefault((int(w), key == ref), []).append((float(label), oracle_q))
+    out: dict = {}
+    for (w, right), v in sorted(cells.items()):
+        a = np.array(v)
+        out.setdefault("target" if w == TARGET else "draft", {})["right" if right else "wrong"] = {
+            "n": len(a), "mean_label_q": float(a[:, 0].mean()), "mean_oracle_q": float(a[:, 1].mean()),
+            "false_high_share": float(((a[:, 0] >= 0.5) & (a[:, 1] < 0.5)).mean())}
+    return out
+
+
 def judge_accuracy(asked: list) -> float:
     """Share of judged pairs answered as the oracle does."""
     if not asked:
@@ -93,13 +127,18 @@ def variants(config: BuildConfig, prefixes: list[dict]) -> dict:
     batch = [(p["texts"], p["features"]) for p in prefixes]
     runs = {"hdbscan+judge": ("hdbscan+judge", make_judge(config)), "hdbscan": ("hdbscan", None),
             "judge": ("judge", make_judge(config)),
+            "hdbscan+judge, match_numbers off": ("hdbscan+judge", make_judge(config)),
             # audit only: the same pipeline with the exact oracle as its judge, an upper bound for any judge
             "hdbscan+oracle_judge": ("hdbscan+judge", OracleJudge())}
     for name, (method, judge) in runs.items():
         asked: list = []
         t0 = time.perf_counter()
-        groups = group_prefixes(batch, judge, dataclasses.replace(base, method=method), asked)
+        cc = dataclasses.replace(base, method=method, match_numbers=base.match_numbers and "match_numbers off" not in name)
+        groups = group_prefixes(batch, judge, cc, asked)
         res = audit(prefixes, groups)
+        if prefixes and prefixes[0].get("reference") is not None:
+            wrong = label_audit(prefixes, groups).get("draft", {}).get("wrong", {})
+            res["draft_wrong_false_high_share"] = wrong.get("false_high_share", float("nan"))
         res.update(seconds=round(time.perf_counter() - t0, 2), judge_pairs=len(asked), judge_accuracy=judge_accuracy(asked))
         out[name] = res
     return out
@@ -168,8 +207,9 @@ def run(quick: bool) -> dict:
         t0 = time.perf_counter()
         manifest = build(config, tmp)
         build_s = time.perf_counter() - t0
-        prefixes = load_prefixes(Path(tmp))
+        prefixes = load_prefixes(Path(tmp), load_problems(config.task_file, config.n_problems, config.task_seed))
         built = audit(prefixes, [p["groups"] for p in prefixes])
+        label_rows = label_audit(prefixes, [p["groups"] for p in prefixes])
         var = variants(config, prefixes)
         shard_bytes = sum(s["bytes"] for s in manifest["shards"])
         rows = sum(r["rows"] for r in manifest["roles"].values())
@@ -198,6 +238,7 @@ def run(quick: bool) -> dict:
         "read_rows": {"1x": small, "10x": big},
         "import_rss_mb": round(r1["import_rss_mb"], 1),
         "read_setup_seconds": {"1x": round(r1["setup_seconds"], 2), "10x": round(r10["setup_seconds"], 2)},
+        "audit": label_rows,
         "variants": var,
         "build": {"n_problems": config.n_problems, "n_prefixes": manifest["n_prefixes"], "n_samples": config.n_samples,
                   "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["judge"]["kind"],
@@ -228,9 +269,18 @@ def table(res: dict) -> str:
               f"{goal(res['read_samples_per_s'] >= 200_000)} |"),
              (f"| peak RSS MB at 1x / 10x rows | {res['peak_rss_mb']['1x']:.0f} / {res['peak_rss_mb']['10x']:.0f} "
               f"({res['read_rows']['1x']:,} / {res['read_rows']['10x']:,} rows; {res['import_rss_mb']:.0f} after imports) | flat |")]
-    lines += ["", "| grouping | ARI | q MAE | p MAE | judge pairs | judge accuracy | seconds |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| label audit: writer, oracle | rows | mean label q | mean oracle q | false-high share | goal |",
+              "|---|---|---|---|---|---|"]
+    for writer, cells in res["audit"].items():
+        for kind, c in cells.items():
+            g = f"< 10% {goal(c['false_high_share'] < 0.10)}" if (writer, kind) == ("draft", "wrong") else ""
+            lines.append(f"| {writer}, {kind} | {c['n']} | {c['mean_label_q']:.3f} | {c['mean_oracle_q']:.3f} | "
+                         f"{c['false_high_share']:.1%} | {g} |")
+    lines += ["", "| grouping | ARI | q MAE | p MAE | wrong draft false-high | judge pairs | judge accuracy | seconds |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, v in res["variants"].items():
-        lines.append(f"| {name} | {v['ari']:.3f} | {v['q_mae']:.4f} | {v['p_mae']:.4f} | {v['judge_pairs']} | "
+        lines.append(f"| {name} | {v['ari']:.3f} | {v['q_mae']:.4f} | {v['p_mae']:.4f} | "
+                     f"{v.get('draft_wrong_false_high_share', float('nan')):.1%} | {v['judge_pairs']} | "
                      f"{v['judge_accuracy']:.3f} | {v['seconds']:.1f} |")
     return "\n".join(lines)
 

@@ -55,7 +55,7 @@ class SpeculativeValidation(Callback):
         max_new_tokens: decode budget per problem.
         temperature: sampling temperature for both models (0 = greedy).
         top_p: nucleus mass for both models.
-        rule: acceptance rule of the decoder (``ratio`` or ``threshold``).
+        rule: acceptance rule of the decoder (``threshold``, its default, or ``ratio``).
         tau: threshold of the ``threshold`` rule.
         plots_dir: where the PNG plots go (default ``<trainer.log_dir or default_root_dir>/spec``).
     """
@@ -75,7 +75,7 @@ class SpeculativeValidation(Callback):
         max_new_tokens: int = 96,
         temperature: float = 0.0,
         top_p: float = 0.95,
-        rule: str = "ratio",
+        rule: str = "threshold",
         tau: float = 0.5,
         plots_dir: Optional[str] = None,
     ) -> None:

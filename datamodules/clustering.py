@@ -237,8 +237,9 @@ def group_prefixes(
         order = sorted(pending)
         flat = [p for i in order for p in pending[i]]
         answers = _score(judge, flat, cfg.match_numbers)
-        if asked is not None:
-            asked.extend((a, b, s >= threshold) for (a, b), s in zip(flat, answers))
+        if asked is not None:  # what the judge itself answered (pairs the numbers check settled are not asked)
+            asked.extend((a, b, s >= threshold) for (a, b), s in zip(flat, answers)
+                         if not cfg.match_numbers or numbers(a) == numbers(b))
         at = 0
         for i in order:
             n = len(pending[i])

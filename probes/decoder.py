@@ -9,7 +9,8 @@ decide whether the step means what the target would have said (DESIGN.md "Decodi
 3. the target reads the step in one forward pass (new tokens only, KV cache kept);
 4. fast path (off by default; shared tokenizer only): every draft token is in the target's top-k
    *and* has target log-probability >= ``fast_path_min_logprob`` -> keep without the probe;
-5. else keep with probability ``min(1, ratio_scale * q / p)`` (ratio rule) or when ``q >= tau``;
+5. else keep when ``q >= tau`` (threshold rule, default) or with probability
+   ``min(1, ratio_scale * q / p)`` (the paper's ratio rule);
 6. keep: the target's cache stays and the token it predicts after the step (the *bonus* token)
    opens the next step; refuse: the target's cache is rolled back and the target writes the step
    (optionally with token-level speculation, ``token_sd=True``);
@@ -183,8 +184,10 @@ class SemanticSpecDecoder:
         target_probe: exported probe directory (loaded with ``probes.export.load_probe`` so its
             fingerprint is checked against ``target``), a ``SemanticProbe``, or None.
         draft_probe: same for the draft (needed by the ratio rule).
-        rule: ``ratio`` (accept with probability ``min(1, ratio_scale * q / p)``) or ``threshold``
-            (accept when ``q >= tau``).
+        rule: ``threshold`` (default: accept when ``q >= tau``) or ``ratio`` (the paper's: accept
+            with probability ``min(1, ratio_scale * q / p)``). On the embedded world the ratio rule
+            keeps 2-5x more wrong draft steps than the threshold at the same acceptance (the draft
+            probe's p is small on the draft's own rare wrong steps, so q/p stays large; issue 9).
         tau: threshold of the threshold rule.
         ratio_scale: multiplies ``q / p`` in the ratio rule (>1 accepts more; a speed knob).
         top_k: fast path: keep a step without the probe when every draft token is in the target's
@@ -219,7 +222,7 @@ class SemanticSpecDecoder:
         draft_tokenizer=None,
         target_probe: ProbeLike = None,
         draft_probe: ProbeLike = None,
-        rule: str = "ratio",
+        rule: str = "threshold",
         tau: float = 0.5,
         ratio_scale: float = 1.0,
         top_k: int = 0,

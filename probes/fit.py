@@ -97,7 +97,8 @@ def main(args: ArgsType = None) -> dict[str, Any]:
         print("\nbest checkpoint:", best or "(none)")
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")
-        print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy", "step_acceptance"]))
+        print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy", "accuracy_delta",
+                                     "step_acceptance"]))
     return {"export": paths, "test": test_metrics, "best_ckpt": best}
 
 

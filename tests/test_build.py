@@ -8,7 +8,7 @@ import torch
 from datamodules import shards as S
 from datamodules.build import BuildConfig, build, main, signature
 from datamodules.datamodule import SemanticProbeDataModule
-from generation.features import pool_hidden_states
+from generation.features import TOKEN_STATS, FeatureSpec, pool_hidden_states, token_stats
 from datamodules.reading import read_steps
 from tests.conftest import tiny_llama
 from tests.test_judges import _Server
@@ -46,6 +46,7 @@ def test_build_writes_labelled_shards_and_manifest(reference):
     assert m["complete"] and m["n_samples"] == n and m["layer_ids"] == [-1] and m["pooling"] == "mean"
     assert m["reads"]["target"]["hidden_size"] == 32 and m["reads"]["draft"]["hidden_size"] == 24
     assert m["judge"]["kind"] == "llm" and m["labels"]["labelling"] == "joint"
+    assert m["build"]["feature_groups"] == ["hidden", "token_stats"] and m["build"]["token_stats"] == list(TOKEN_STATS)
     assert len(m["shards"]) == -(-m["n_prefixes"] // 4)
     for entry in m["shards"]:
         path = d / entry["file"]
@@ -55,6 +56,8 @@ def test_build_writes_labelled_shards_and_manifest(reference):
             rows = entry["count"][r]
             assert t[f"{r}.features"].shape == (rows, width) and t[f"{r}.features"].dtype == torch.float16
             assert torch.isfinite(t[f"{r}.features"]).all()
+            assert t[f"{r}.token_stats"].shape == (rows, len(TOKEN_STATS)) and torch.isfinite(t[f"{r}.token_stats"]).all()
+            assert (t[f"{r}.token_stats"][:, 1] <= t[f"{r}.token_stats"][:, 0]).all()  # min <= mean log-prob
             assert t[f"{r}.writer"].dtype == torch.int8 and t[f"{r}.group_id"].dtype == torch.int32
             assert t[f"{r}.sample_id"].dtype == torch.int64 and rows % per_prefix == 0
             assert torch.equal(t[f"{r}.label"], t[f"{r}.q" if r == "target" else f"{r}.p"])
@@ -126,7 +129,7 @@ def test_unreachable_judge_fails_with_url_and_keeps_finished_shards(world, tmp_p
     server = _Server()
     url = server.url
     cfg = _config(world, judge="http", judge_url=url, judge_model="m", judge_api_key_env="JUDGE_KEY",
-                  judge_retries=2, judge_timeout=1)
+                  judge_retries=2, judge_timeout=1, match_numbers=False)  # every pair goes to the judge
     try:
         build(cfg, tmp_path, max_shards=1)
     finally:
@@ -184,13 +187,18 @@ def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer)
     steps = [[tok("3 + 4 = 7.\n\n", add_special_tokens=False)["input_ids"], tok("7", add_special_tokens=False)["input_ids"]],
              [tok("Adding 1 to 12 gives 13.\n\n", add_special_tokens=False)["input_ids"]]]
     for pooling in ("mean", "last"):
-        got = read_steps(model, prefixes, steps, [0, -1], pooling, max_rows=2)
-        want = []
+        spec = FeatureSpec(["hidden", "token_stats"], [0, -1], pooling, list(TOKEN_STATS))
+        got = read_steps(model, prefixes, steps, spec, max_rows=2)
+        want, stats = [], []
         for p, ss in zip(prefixes, steps):
             for s in ss:
-                hs = model(input_ids=torch.tensor([p + s]), output_hidden_states=True).hidden_states
-                want.append(pool_hidden_states(hs, [0, -1], torch.tensor([len(p)]), torch.tensor([len(p) + len(s)]), pooling))
-        torch.testing.assert_close(got, torch.cat(want).detach(), atol=1e-5, rtol=1e-4)
+                out = model(input_ids=torch.tensor([p + s]), output_hidden_states=True)
+                want.append(pool_hidden_states(out.hidden_states, [0, -1], torch.tensor([len(p)]),
+                                               torch.tensor([len(p) + len(s)]), pooling))
+                # logits at positions len(p)-1 .. end-2 predict the step's tokens
+                stats.append(token_stats(out.logits[:, len(p) - 1 : -1], torch.tensor([s]), torch.tensor([len(s)])))
+        torch.testing.assert_close(got["hidden"], torch.cat(want).detach(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got["token_stats"], torch.cat(stats).detach(), atol=1e-5, rtol=1e-4)
 
 
 def test_signature_reads_folders_without_weights(world, tmp_path):
