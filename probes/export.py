@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -107,16 +108,43 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
 
     Raises:
         FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``.
-        ValueError: the fingerprint differs; the message names every differing field.
+        ValueError: the fingerprint differs (the message names every differing field), or a file
+            is unreadable: ``config.json`` not JSON or not a probe config, ``model.safetensors``
+            truncated, not safetensors (e.g. a pickle) or not the shapes the config describes. Each
+            message names the file.
     """
+    from safetensors import SafetensorError
+
     from probes.model import SemanticProbe
 
     path = Path(path)
     missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")
-    config = ProbeConfig.from_dict(json.loads((path / "config.json").read_text()))
+    redo = "re-export the probe (probes.export.export_probe) or restore the file"
+    try:
+        config = ProbeConfig.from_dict(json.loads((path / "config.json").read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e.msg}, line {e.lineno}); {redo}") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a JSON value that is no probe config
+        raise ValueError(f"{path / 'config.json'} is not a probe config: {e}; {redo}") from None
     if model is not None:
+        if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
+            warnings.warn(
+                f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against the model "
+                f"it is given (only hidden_size={config.hidden_size} is); re-export it to record the model it reads",
+                UserWarning,
+                stacklevel=2,
+            )
         check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
-    probe = SemanticProbe.from_pretrained(str(path), strict=True, map_location=device or "cpu")
+    try:
+        probe = SemanticProbe.from_pretrained(str(path), strict=True, map_location=device or "cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{path / 'model.safetensors'} is not a readable safetensors file ({e}): truncated, or not "
+                         f"safetensors (a pickled .bin/.pt renamed?); {redo}") from None
+    except RuntimeError as e:
+        if "state_dict" not in str(e):
+            raise
+        raise ValueError(f"{path / 'model.safetensors'} does not hold the weights {path / 'config.json'} describes "
+                         f"({str(e).splitlines()[-1].strip()}); {redo}") from None
     return probe.eval()
