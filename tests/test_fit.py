@@ -1,6 +1,8 @@
 """`python -m probes.fit`: configs, --help, bad keys, the end-to-end default (reduced), Ctrl-C and resume, DDP."""
 
+import csv
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -178,18 +180,28 @@ def test_end_to_end_default_reduced(fitted, capsys):
 
     root, path, result = fitted
     tok = load_tokenizer()
+    run_dir = root / "runs" / "fit" / "version_0"
     for role in ("target", "draft"):
         exported = result["export"][role]
+        assert Path(exported) == run_dir / "export" / role  # inside the run's folder, not checkpoints/
         probe = load_probe(exported, model=load_model(role), tokenizer=tok)
         cfg = json.loads((Path(exported) / "config.json").read_text())
         assert cfg["role"] == role and cfg["reads"]["hidden_size"] == probe.config.hidden_size
-        assert set(cfg["test_metrics"]) >= {"mse", "mae", "auroc"}
+        assert not _absolute_paths(cfg)
+        m = cfg["test_metrics"]
+        assert set(m) >= {"mse", "mae", "auroc"}
+        assert m == pytest.approx({k.split("/")[-1]: v for k, v in result["test"].items() if k.startswith(f"test/{role}/")})
+        # values, not only names: each within its valid range (labels are probabilities)
+        assert 0 <= m["mse"] <= m["mae"] <= 1 and 0 <= m["auroc"] <= 1 and 0 <= m["ece"] <= 1 and -1 <= m["pearson"] <= 1
+        assert m["r2"] <= 1 and m["mse"] < 0.25  # a constant 0.5 scores 0.25 at worst
         assert cfg["labels"]["n_samples"] == 3
     assert result["best_ckpt"] and Path(result["best_ckpt"]).is_file()
-    metrics_csv = next((root / "runs").rglob("metrics.csv")).read_text()
-    for name in ("spec/speedup", "spec/accuracy", "spec/accuracy_delta", "spec/step_acceptance",
-                 "spec/draft_token_share", "spec/target_passes_per_100_tokens", "val/mse", "val/target/auroc"):
-        assert name in metrics_csv
+    rows = list(csv.DictReader(next((root / "runs").rglob("metrics.csv")).open()))
+    last = {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}  # last logged value of each
+    for name in ("spec/accuracy", "spec/step_acceptance", "spec/draft_token_share", "val/target/auroc", "val/draft/auroc"):
+        assert 0 <= last[name] <= 1, (name, last[name])
+    assert last["spec/speedup"] > 0 and last["spec/target_passes_per_100_tokens"] > 0
+    assert -1 <= last["spec/accuracy_delta"] <= 1 and 0 <= last["val/mse"] < 0.25
     plots = {p.name for p in (root / "runs").rglob("*.png")}
     assert {"history.png", "reliability.png", "acceptance_vs_ratio.png"} <= plots
 
@@ -245,8 +257,7 @@ class InterruptAt(L.Callback):
             raise KeyboardInterrupt
 
 
-@pytest.mark.slow
-def test_callback_with_wrong_width_probes_is_refused(fitted):
+def test_callback_with_wrong_width_probes_is_refused():
     from callbacks.speculative_validation import SpeculativeValidation
     from probes.config import ProbeConfig
     from probes.module import SemanticProbeModule
@@ -313,3 +324,32 @@ def test_callback_drives_checkpoint_selection(fitted, tmp_path):
     assert len(speedups) == 3
     assert float(ckpt.best_model_score) == pytest.approx(max(speedups))
     assert f"epoch={speedups.index(max(speedups))}" in ckpt.best_model_path
+
+
+@pytest.mark.slow
+def test_default_job_on_a_fresh_clone_leaves_git_status_empty(tmp_path):
+    """The README's `python -m probes.fit` (made smaller by overrides only) writes nothing over tracked files."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    clone = tmp_path / "clone"
+    for name in filter(None, listed):
+        if (root / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, clone / name)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "fresh clone"]):
+        subprocess.run(git + cmd, cwd=clone, check=True, capture_output=True)
+    smaller = ["--trainer.max_epochs", "1", "--data.build.n_problems", "12", "--data.build.n_samples", "3",
+               "--data.build.shard_size", "8", "--data.val_fraction", "0.25", "--data.test_fraction", "0.25",
+               "--model.probe.hidden_dims", "[16]", "--trainer.enable_progress_bar", "false"]
+    run = subprocess.run([sys.executable, "-m", "probes.fit", *smaller], cwd=clone, capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(clone)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "exported target probe: runs/arithmetic/fit/version_0/export/target" in run.stdout
+    status = subprocess.run(["git", "status", "--short"], cwd=clone, capture_output=True, text=True, check=True).stdout
+    assert status == "", status
