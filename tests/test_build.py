@@ -380,3 +380,27 @@ def test_llm_judge_answers_are_configurable(tmp_path):
     judge = make_judge(config, tmp_path)
     tok = judge.tokenizer
     assert (judge.yes_id, judge.no_id) == (tok.convert_tokens_to_ids(" Yes"), tok.convert_tokens_to_ids(" No"))
+
+
+@pytest.mark.slow
+def test_two_build_processes_into_one_folder_share_the_shards(world, tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "datamodules.build", "--data_dir", str(tmp_path)]
+    for key, value in {"n_problems": 24, "shard_size": 2, "target": world / "target", "draft": world / "draft",
+                       "judge_model": world / "judge", "n_samples": 3, "max_step_tokens": 6, "seed": 7}.items():
+        args += [f"--build.{key}", str(value)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    manifest = S.read_manifest(tmp_path)
+    n = len(manifest["shards"])
+    found = [re.search(r"^built (\d+) shards, reused \d+", out, re.M) for out, _ in outs]
+    built = [int(m.group(1)) if m else 0 for m in found]  # no match: it started after the other finished ("reusing")
+    assert sum(built) == n, (built, n, [out for out, _ in outs])  # every shard computed once, by one of the two
+    for s in manifest["shards"]:
+        S.verify_file(tmp_path / s["file"], s["sha256"])
+    assert not list(tmp_path.glob(".*.lock"))
