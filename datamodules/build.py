@@ -608,7 +608,7 @@ def _check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
     """Refuse a folder holding shards of another config; returns ``(manifest or None, build.json matches)``.
 
     A folder without a single shard is not pinned by what it records (a build refused or killed
-    before its first shard): its stale manifest, build.json and target traces are set aside.
+    before its first shard): its stale manifest and target traces are removed, build.json rewritten.
     """
     existing = S.read_manifest(data_dir) if data_dir.is_dir() else None
     started = data_dir / "build.json"
@@ -732,7 +732,8 @@ def _build_locked(data_dir: Path, pending: list[int], needs, build_one, done_one
 
 
 PROGRESS_EVERY_S = 30.0
-"""When stderr is not a terminal (CI, nohup, a log file), a progress line at most this often..."""
+"""When stderr is not a terminal (CI, nohup, a log file), a progress line after a shard once this many seconds
+passed since the last line..."""
 PROGRESS_EVERY_SHARDS = 0.1
 """... or every time this share of the shards is done."""
 
