@@ -16,12 +16,13 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -493,72 +494,101 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     """Build (or finish building) the dataset of ``config`` in ``data_dir``.
 
     Resumable: whole shards already on disk are kept; a shard is written under a temporary name
-    and renamed, so a killed build never leaves half a shard. Under torch.distributed (or with
-    RANK / WORLD_SIZE set) each rank builds shards ``rank, rank + world_size, ...`` and rank 0
-    writes the manifest after a barrier.
+    and renamed, so a killed build never leaves half a shard. A finished build is checked against
+    its manifest: shards that are missing or whose checksum differs are rebuilt, exactly those.
+    Under torch.distributed (or with RANK / WORLD_SIZE set) each rank builds shards ``rank, rank +
+    world_size, ...`` and rank 0 writes the manifest after a barrier. Each shard is built under a
+    lock file (``.shard-00000.safetensors.lock``), so a second build into the same folder skips the
+    shards another one is building and waits for them before writing the manifest.
 
     Args:
         config: what to build.
         data_dir: output folder.
         max_shards: stop after building this many new shards without writing the manifest
             (tests use it to simulate a kill).
-        log: where the summary goes.
+        log: where the summary (and, when stderr is not a terminal, progress lines) go.
 
     Returns:
         The manifest (``complete=False`` and no checksums when stopped by ``max_shards``).
 
     Raises:
-        ValueError: ``data_dir`` holds a build for another config (naming the differing fields),
-            the task is empty or malformed (naming file and line), ...
+        ValueError: ``data_dir`` holds shards built for another config (naming the differing fields),
+            cannot be created, or the task is empty or malformed (naming file and line), ... Every
+            input is checked before anything is written.
         RuntimeError: an ``http`` judge stayed unreachable after its retries (finished shards stay).
     """
     data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     rank, world = dist_info()
     sig = signature(config)
-    existing = S.read_manifest(data_dir)
-    started = data_dir / "build.json"
-    for recorded in (existing and existing.get("build"), json.loads(started.read_text())["build"] if started.is_file() else None):
-        if recorded is not None:
-            diff = signature_mismatches(recorded, sig)
-            if diff:
-                raise ValueError(f"{data_dir} holds data built for another config: " + "; ".join(diff)
-                                 + ". Use another data_dir or delete this one to rebuild.")
+    # Check every input before writing anything (issue 12): a refused build leaves no build.json behind.
+    records = load_problems(config.task_file, config.n_problems, config.task_seed)
+    _check_traces(config, records)
+    existing, pinned = _check_recorded(data_dir, sig, log)
+    _make_data_dir(data_dir)
+    expected: dict[int, tuple[str, str]] = {}  # shard -> checksums a finished build recorded (rebuild what differs)
     if existing and existing.get("complete"):
-        log(f"reusing {len(existing['shards'])} shards in {data_dir}")
-        return existing
-    if rank == 0 and not started.is_file():
-        S.atomic_write_json(started, {"build": sig, "config": dataclasses.asdict(config)})
+        damaged = _damaged_shards(data_dir, existing)
+        if not damaged:
+            log(f"reusing {len(existing['shards'])} shards in {data_dir}")
+            return existing
+        log(f"{data_dir}: {len(damaged)} of {len(existing['shards'])} shards are missing or differ from manifest.json "
+            f"({', '.join(S.shard_name(k) for k in damaged)}); rebuilding exactly those")
+        expected = {k: (e["sha256"], e["steps_sha256"]) for k, e in enumerate(existing["shards"]) if k in damaged}
+    if rank == 0 and not pinned:
+        S.atomic_write_json(data_dir / "build.json", {"build": sig, "config": dataclasses.asdict(config)})
 
     timer: dict[str, float] = {}
     t0 = time.perf_counter()
-    records = load_problems(config.task_file, config.n_problems, config.task_seed)
     plan = _plan(config, records, data_dir, rank, timer)
     n_shards = len(plan["shards"])
-    mine = [k for k in range(n_shards) if k % world == rank and not (data_dir / S.shard_name(k)).is_file()]
-    if max_shards is not None:
-        mine = mine[:max_shards]
+
+    def needs(k: int) -> bool:
+        """Shard ``k`` is not on disk, or differs from what the finished build recorded."""
+        path = data_dir / S.shard_name(k)
+        if not path.is_file():
+            return True
+        if k in expected:
+            if (S.sha256_file(path), _sha_or_none(data_dir / S.steps_name(k))) != expected[k]:
+                return True
+            del expected[k]  # rebuilt (by us or another build): stop hashing it
+        return False
+
+    on_disk = {k for k in range(n_shards) if not needs(k)}
+    mine = [k for k in range(n_shards) if k % world == rank and k not in on_disk]
     totals = {"prefixes": 0, "samples": 0, "groups": 0, "judge_calls": 0, "cache_hits": 0}
-    if mine:
-        t = time.perf_counter()
-        models = load_models(config, data_dir / "judge-cache", rank)
-        timer["loading"] = time.perf_counter() - t
-        hits0 = models.judge.cache_hits if models.judge is not None else 0
-        bar = tqdm(mine, desc=f"build shards (rank {rank})", unit="shard", disable=None)
-        for k in bar:
-            tensors, recs, counts = build_shard(k, plan["shards"][k], models, config, timer)
-            S.atomic_write_bytes(data_dir / S.steps_name(k), "".join(json.dumps(r) + "\n" for r in recs).encode())
-            # one metadata key: safetensors writes a map's keys in no fixed order, and shards must be byte-stable
-            meta = {"semanticspec": json.dumps({"format_version": S.FORMAT_VERSION, "shard": k}, sort_keys=True)}
-            S.write_shard(data_dir / S.shard_name(k), tensors, meta)
-            for key, v in counts.items():
-                totals[key] += v
-            bar.set_postfix(prefixes=totals["prefixes"], groups=totals["groups"], judge_calls=totals["judge_calls"],
-                            **{f"{s}_s": round(v, 1) for s, v in timer.items() if s in ("sampling", "reading", "judge")})
-        totals["cache_hits"] = (models.judge.cache_hits - hits0) if models.judge is not None else 0
-    stopped = max_shards is not None and any(not (data_dir / S.shard_name(k)).is_file() for k in range(n_shards))
+    state: dict[str, Any] = {"models": None, "hits0": 0}
+    bar = tqdm(total=len(mine), desc=f"build shards (rank {rank})", unit="shard", disable=None)
+    progress = _Progress(len(mine), rank, log)
+
+    def build_one(k: int) -> None:
+        if state["models"] is None:  # loaded only when a shard is left to build
+            t = time.perf_counter()
+            state["models"] = load_models(config, data_dir / "judge-cache", rank)
+            timer["loading"] = time.perf_counter() - t
+            state["hits0"] = state["models"].judge.cache_hits if state["models"].judge is not None else 0
+        tensors, recs, counts = build_shard(k, plan["shards"][k], state["models"], config, timer)
+        S.atomic_write_bytes(data_dir / S.steps_name(k), "".join(json.dumps(r) + "\n" for r in recs).encode())
+        # one metadata key: safetensors writes a map's keys in no fixed order, and shards must be byte-stable
+        meta = {"semanticspec": json.dumps({"format_version": S.FORMAT_VERSION, "shard": k}, sort_keys=True)}
+        S.write_shard(data_dir / S.shard_name(k), tensors, meta)
+        for key, v in counts.items():
+            totals[key] += v
+        bar.set_postfix(prefixes=totals["prefixes"], groups=totals["groups"], judge_calls=totals["judge_calls"],
+                        **{f"{s}_s": round(v, 1) for s, v in timer.items() if s in ("sampling", "reading", "judge")})
+
+    def done_one(k: int) -> None:
+        bar.update(1)
+        progress.update()
+
+    built = _build_locked(data_dir, mine, needs, build_one, done_one, max_shards)
+    bar.close()
+    models = state["models"]
+    if models is not None and models.judge is not None:
+        totals["cache_hits"] = models.judge.cache_hits - state["hits0"]
+    stopped = max_shards is not None and any(needs(k) for k in range(n_shards))
     stats = {"this_run": totals, "seconds_per_stage": {k: round(v, 3) for k, v in timer.items()},
-             "seconds": round(time.perf_counter() - t0, 3), "rank": rank, "world_size": world}
+             "seconds": round(time.perf_counter() - t0, 3), "rank": rank, "world_size": world,
+             "built_shards": len(built), "reused_shards": len(on_disk)}
     if stopped:
         return {"complete": False, "shards_on_disk": sum((data_dir / S.shard_name(k)).is_file() for k in range(n_shards)),
                 "n_shards": n_shards, "stats": stats}
@@ -572,7 +602,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
         _barrier()
         return json.loads((data_dir / S.MANIFEST).read_text())
     if not synced:
-        _wait_for_shards(data_dir, n_shards)
+        _wait_for_shards(data_dir, n_shards, needs)
     manifest = _manifest(config, sig, data_dir, n_shards, len(records), plan["n_prefixes"], stats)
     S.atomic_write_json(data_dir / S.MANIFEST, manifest)
     _barrier()
@@ -580,11 +610,177 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     return manifest
 
 
-def _wait_for_shards(data_dir: Path, n_shards: int, poll_s: float = 2.0, timeout_s: float = 12 * 3600) -> None:
-    """Rank 0 without a process group: wait until the other ranks' shards are all on disk."""
+def _check_traces(config: BuildConfig, records: list[dict]) -> None:
+    """Reference prefixes need every problem's trace; name the file and lines that lack one."""
+    if config.prefix_source != "reference":
+        return
+    bad = [r.get("line", i + 1) for i, r in enumerate(records) if not isinstance(r.get("trace"), str) or not r["trace"].strip()]
+    if bad:
+        where = f"{config.task_file}:{bad[0]}" + (f" (and {len(bad) - 1} more lines: {bad[1:6]})" if len(bad) > 1 else "")
+        raise ValueError(f"{where} has no 'trace'; prefix_source='reference' cuts prefixes from each problem's trace "
+                         "(a non-empty string): add the traces, or let the target write them with "
+                         "--build.prefix_source target")
+
+
+def _check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
+    """Refuse a folder holding shards of another config; returns ``(manifest or None, build.json matches)``.
+
+    A folder without a single shard is not pinned by what it records (a build refused or killed
+    before its first shard): its stale manifest and target traces are removed, build.json rewritten.
+    """
+    existing = S.read_manifest(data_dir) if data_dir.is_dir() else None
+    started = data_dir / "build.json"
+    recorded = [existing.get("build")] if existing else []
+    recorded += [json.loads(started.read_text())["build"]] if started.is_file() else []
+    diff = next((d for d in (signature_mismatches(r, sig) for r in recorded if r is not None) if d), [])
+    if not diff:
+        return existing, started.is_file()
+    shards = sorted(data_dir.glob("shard-*.safetensors"))
+    if shards:
+        raise ValueError(f"{data_dir} holds {len(shards)} shards built for another config: " + "; ".join(diff)
+                         + ". Use another data_dir or delete this one to rebuild.")
+    rank, _ = dist_info()
+    if rank == 0:
+        log(f"{data_dir} holds no shard yet; its records of another config are replaced ({'; '.join(diff)})")
+        for name in (S.MANIFEST, "target-traces.jsonl"):
+            (data_dir / name).unlink(missing_ok=True)
+    return None, False
+
+
+def _make_data_dir(data_dir: Path) -> None:
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a folder under /proc, or a file in the way: "No such file" would not say which
+        raise ValueError(f"cannot create data_dir {data_dir} ({e.strerror or e}); give a folder on a writable disk "
+                         "(--data_dir, or --data.data_dir for python -m probes.fit)") from None
+    if not os.access(data_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"data_dir {data_dir} is not writable; give a folder on a writable disk "
+                         "(--data_dir, or --data.data_dir for python -m probes.fit)")
+
+
+def _sha_or_none(path: Path) -> str | None:
+    return S.sha256_file(path) if path.is_file() else None
+
+
+def _damaged_shards(data_dir: Path, manifest: dict) -> list[int]:
+    """Indices of the shards of a finished build that are missing or differ from their checksums."""
+    return [k for k, e in enumerate(manifest["shards"])
+            if (_sha_or_none(data_dir / e["file"]), _sha_or_none(data_dir / e["steps_file"])) != (e["sha256"], e["steps_sha256"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard locks: two builds into one folder share the work instead of both computing every shard.
+
+LOCK_POLL_S = 2.0
+"""Seconds between looks at shards another build holds."""
+EMPTY_LOCK_STALE_S = 60.0
+"""A lock file still empty after this long was left by a writer killed before it wrote its pid."""
+
+
+def _lock_path(data_dir: Path, k: int) -> Path:
+    return data_dir / f".{S.shard_name(k)}.lock"
+
+
+def _try_lock(data_dir: Path, k: int) -> bool:
+    """Take shard ``k``'s lock (O_CREAT|O_EXCL, holding ``host pid``); a lock whose process is gone is taken over."""
+    path = _lock_path(data_dir, k)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, S.file_mode())
+        except FileExistsError:
+            if not _lock_is_stale(path):
+                return False
+            path.unlink(missing_ok=True)  # its builder died (same host, pid gone): take the shard over
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        return True
+    return False
+
+
+def _lock_is_stale(path: Path) -> bool:
+    """Whether a lock's holder is known to be gone: same host and no such pid (another host's lock stays)."""
+    try:
+        text = path.read_text().split()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return True  # released meanwhile
+    if len(text) != 2 or not text[1].isdigit():
+        return age > EMPTY_LOCK_STALE_S  # being written now, or its writer was killed before writing
+    host, pid = text[0], int(text[1])
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def _build_locked(data_dir: Path, pending: list[int], needs, build_one, done_one, max_shards: int | None) -> list[int]:
+    """Build every shard of ``pending`` that ``needs`` building, each under its lock.
+
+    Shards another build holds are skipped and looked at again until they are on disk (or their
+    holder died and this build takes them over). Returns the shards this process built.
+    """
+    built: list[int] = []
+    pending = list(pending)
+    while pending:
+        progressed = False
+        for k in list(pending):
+            if max_shards is not None and len(built) >= max_shards:
+                return built
+            if needs(k):
+                if not _try_lock(data_dir, k):
+                    continue  # another build is writing it
+                try:
+                    if needs(k):  # checked again under the lock: another build may have just finished it
+                        build_one(k)
+                        built.append(k)
+                finally:
+                    _lock_path(data_dir, k).unlink(missing_ok=True)
+            pending.remove(k)
+            done_one(k)
+            progressed = True
+        if pending and not progressed:
+            time.sleep(LOCK_POLL_S)
+    return built
+
+
+PROGRESS_EVERY_S = 30.0
+"""When stderr is not a terminal (CI, nohup, a log file), a progress line after a shard once this many seconds
+passed since the last line..."""
+PROGRESS_EVERY_SHARDS = 0.1
+"""... or every time this share of the shards is done."""
+
+
+class _Progress:
+    """Progress lines for logs: tqdm draws a bar on a terminal and nothing elsewhere (issue 12)."""
+
+    def __init__(self, total: int, rank: int, log):
+        self.total, self.rank, self.log = total, rank, log
+        self.enabled = total > 0 and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        self.done = self.logged_done = 0
+        self.t0 = self.logged_at = time.perf_counter()
+
+    def update(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        step = max(1, int(self.total * PROGRESS_EVERY_SHARDS))
+        if self.enabled and (self.done == self.total or now - self.logged_at >= PROGRESS_EVERY_S
+                             or self.done - self.logged_done >= step):
+            self.log(f"build (rank {self.rank}): {self.done}/{self.total} shards, {now - self.t0:.0f} s elapsed")
+            self.logged_at, self.logged_done = now, self.done
+
+
+def _wait_for_shards(data_dir: Path, n_shards: int, needs=None, poll_s: float = 2.0, timeout_s: float = 12 * 3600) -> None:
+    """Rank 0 without a process group: wait until the other ranks' shards are all on disk (and as recorded)."""
+    needs = needs or (lambda k: not (data_dir / S.shard_name(k)).is_file())
     t0 = time.time()
     while True:
-        missing = [S.shard_name(k) for k in range(n_shards) if not (data_dir / S.shard_name(k)).is_file()]
+        missing = [S.shard_name(k) for k in range(n_shards) if needs(k)]
         if not missing:
             return
         if time.time() - t0 > timeout_s:
@@ -661,7 +857,10 @@ def _manifest(config, sig, data_dir: Path, n_shards: int, n_problems: int, n_pre
 def _summary(manifest: dict, log) -> None:
     st = manifest["stats"]
     t = st["this_run"]
-    log(f"built {len(manifest['shards'])} shards in {st['seconds']:.1f} s: {t['prefixes']} prefixes, {t['samples']} samples, "
+    built, reused = st["built_shards"], st["reused_shards"]
+    others = len(manifest["shards"]) - built - reused
+    log(f"built {built} shards, reused {reused}" + (f", {others} built by other processes" if others else "")
+        + f" in {st['seconds']:.1f} s: {t['prefixes']} prefixes, {t['samples']} samples, "
         f"{t['groups']} groups, {t['judge_calls']} judge calls, {t['cache_hits']} cache hits; rows "
         + ", ".join(f"{r}={v['rows']}" for r, v in manifest["roles"].items()))
     log("seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in st["seconds_per_stage"].items()))
@@ -671,8 +870,14 @@ def main(args: list[str] | None = None) -> dict:
     """CLI: ``python -m datamodules.build [--config build.yaml] [--data_dir DIR] [--build.KEY VALUE ...]``."""
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
+    class OneLineParser(ArgumentParser):
+        def error(self, message: str, ex: Exception | None = None):
+            if not self.exit_on_error:  # jsonargparse asks for an exception here
+                super().error(message, ex)
+            _fail(message)
+
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help text
-    parser = ArgumentParser(prog="python -m datamodules.build", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML with data_dir and build.* keys")
     parser.add_argument("--fit_config", type=str | None, default=None,
                         help="Take data_dir and build from the data: section of a `python -m probes.fit` YAML "
@@ -683,6 +888,8 @@ def main(args: list[str] | None = None) -> dict:
     args = list(sys.argv[1:] if args is None else args)
     if "--fit_config" in args:  # the fit YAML's data: section, then the other options on top
         i = args.index("--fit_config")
+        if i + 1 >= len(args) or not Path(args[i + 1]).is_file():
+            _fail(f"--fit_config {' '.join(args[i + 1 : i + 2])}: expected the path of a `python -m probes.fit` YAML")
         data = (yaml.safe_load(Path(args[i + 1]).read_text()) or {}).get("data") or {}
         section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
         args = ["--config", yaml.safe_dump(section)] + args[:i] + args[i + 2 :]
@@ -694,12 +901,25 @@ def main(args: list[str] | None = None) -> dict:
         from datetime import timedelta
 
         dist.init_process_group("gloo", timeout=timedelta(hours=12))
-    config = parser.instantiate(cfg).build
     try:
+        config = parser.instantiate(cfg).build
         return build(config, cfg.data_dir, max_shards=cfg.max_shards)
+    except (ValueError, FileNotFoundError) as e:  # refused input: config values, task file, data_dir, models
+        _fail(str(e))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+PROG = "python -m datamodules.build"
+
+
+def _fail(message: str) -> NoReturn:
+    """Report bad input as one line on stderr and exit 2 (issue 12: no traceback, no page of usage)."""
+    noise = ("Subtypes:", "Errors:", "Given value type:")  # jsonargparse explains a type error over several lines
+    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip() and not line.strip().startswith(noise))
+    print(f"{PROG}: error: {text} (see `{PROG} --help`)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":

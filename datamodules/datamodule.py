@@ -300,8 +300,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         bad = [r for r in roles if r not in ROLES]
         if bad or not roles:
             errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)}")
-        if batch_size < 1 or num_workers < 0 or shuffle_buffer < 0:
-            errors.append(f"batch_size={batch_size} (>= 1), num_workers={num_workers} (>= 0), shuffle_buffer={shuffle_buffer} (>= 0)")
+        for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0), ("shuffle_buffer", shuffle_buffer, 0)):
+            if value < low:  # name only what is wrong
+                errors.append(f"{name}={value}: expected >= {low}")
         if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
             errors.append(f"val_fraction={val_fraction}, test_fraction={test_fraction}: need >= 0 each and a sum below 1")
         if nonfinite not in ("error", "drop"):

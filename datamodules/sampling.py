@@ -1,7 +1,9 @@
 """The one sampler: temperature / top-p sampling with a KV cache, batched, seeded.
 
-The label pipeline samples steps with it, the decoder writes steps with it, and the world's
-benchmarks time models with it, so every figure comes from the same generation code.
+The label pipeline samples steps with :func:`generate`, and the world's benchmarks time models
+with it; the decoder does not call :func:`generate` (it runs its own step loop over a shared
+KV cache, :mod:`probes.decoding.runner`) but draws every token with :func:`sample_next` and
+:func:`top_p_filter` from here, so every figure comes from the same sampling code.
 """
 
 from __future__ import annotations

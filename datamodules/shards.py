@@ -39,6 +39,13 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+def file_mode() -> int:
+    """Mode of a new plain file under this process's umask (0o644 under umask 022), as ``open`` gives."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary sibling and a rename."""
     path = Path(path)
@@ -65,6 +72,7 @@ def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metad
     tmp = _tmp(path)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        os.chmod(tmp, file_mode())  # safetensors creates 0600; shards are shared like the manifest (issue 12)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -80,16 +88,28 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def rebuild_advice(data_dir: str | os.PathLike) -> str:
+    """What to do about a missing or altered shard: the build checks every shard against the manifest."""
+    return (
+        f"run the build again to rebuild it: `python -m datamodules.build --data_dir {data_dir}` with the options it was "
+        "built with (the manifest's `config`), or `python -m probes.fit` with the same data section, whose prepare_data "
+        "runs that build unless data.build is null; the build checks every shard against manifest.json and rebuilds "
+        "exactly the missing or altered ones. Or train without it: --data.skip_corrupt true"
+    )
+
+
 def verify_file(path: str | os.PathLike, expected_sha256: str) -> None:
-    """Raise :class:`CorruptShardError` naming ``path`` and both checksums when they differ."""
+    """Raise :class:`CorruptShardError` naming ``path``, both checksums and how to rebuild it when they differ."""
     path = Path(path)
     if not path.is_file():
-        raise CorruptShardError(f"shard {path} is missing (manifest expects sha256 {expected_sha256})")
+        raise CorruptShardError(
+            f"shard {path} is missing (manifest expects sha256 {expected_sha256}); {rebuild_advice(path.parent)}"
+        )
     actual = sha256_file(path)
     if actual != expected_sha256:
         raise CorruptShardError(
             f"shard {path} is truncated or altered: expected sha256 {expected_sha256}, actual {actual} "
-            f"({path.stat().st_size} bytes); rebuild it (delete it and run the build again) or pass skip_corrupt=True"
+            f"({path.stat().st_size} bytes); {rebuild_advice(path.parent)}"
         )
 
 

@@ -328,7 +328,8 @@ class SemanticSpecDecoder:
         """Decode every prompt with ``method``.
 
         Args:
-            prompts: prompt strings (tokenized with BOS, as ``tokenizer(prompt)`` does).
+            prompts: prompt strings (tokenized with BOS, as ``tokenizer(prompt)`` does); a bare
+                string is one prompt, as transformers tokenizers read it.
             max_new_tokens: output token budget per prompt.
             temperature: sampling temperature of both models; 0 is greedy.
             top_p: nucleus mass of both models.
@@ -346,8 +347,8 @@ class SemanticSpecDecoder:
             ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, or a
                 prompt longer than a model's context (naming both lengths).
         """
-        self._check(method, max_new_tokens, temperature, top_p, accept_rate, oracle)
-        prompts = list(prompts)
+        self._check(method, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # not one prompt per character
         if not prompts:
             return []
         ids_t = [self.tokenizer(p).input_ids for p in prompts]
@@ -391,14 +392,18 @@ class SemanticSpecDecoder:
                 )
         return results
 
-    def _check(self, method, max_new_tokens, temperature, top_p, accept_rate, oracle) -> None:
+    def _check(self, method, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size=None) -> None:
         errors = []
         if method not in METHODS:
             errors.append(f"method={method!r}: expected one of {METHODS}")
         if max_new_tokens < 1:
             errors.append(f"max_new_tokens={max_new_tokens}: expected >= 1")
-        if temperature < 0 or not 0 < top_p <= 1:
-            errors.append(f"temperature={temperature} (need >= 0), top_p={top_p} (need in (0, 1])")
+        if not (math.isfinite(temperature) and temperature >= 0):  # nan would reach torch's sampler
+            errors.append(f"temperature={temperature}: expected a finite number >= 0 (0 = greedy)")
+        if not 0 < top_p <= 1:
+            errors.append(f"top_p={top_p}: expected in (0, 1]")
+        if batch_size is not None and batch_size < 1:  # 0 would silently mean "all prompts"
+            errors.append(f"batch_size={batch_size}: expected >= 1, or None for all prompts at once")
         if method == "semanticspec":
             if self.target_probe is None:
                 errors.append("method='semanticspec' needs target_probe (an exported probe directory)")

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -109,24 +110,50 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
 
     Raises:
         FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``.
-        ValueError: the fingerprint differs; the message names every differing field.
+        ValueError: the fingerprint differs (the message names every differing field), or a file
+            is unreadable: ``config.json`` not JSON or not a probe config, ``model.safetensors``
+            truncated, not safetensors (e.g. a pickle) or not the shapes the config describes. Each
+            message names the file.
     """
+    from safetensors import SafetensorError
+
     from probes.model import SemanticProbe
 
     path = Path(path)
     missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")
-    config = ProbeConfig.from_dict(json.loads((path / "config.json").read_text()))
+    redo = "re-export the probe (probes.export.export_probe) or restore the file"
+    try:
+        config = ProbeConfig.from_dict(json.loads((path / "config.json").read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e.msg}, line {e.lineno}); {redo}") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a JSON value that is no probe config
+        raise ValueError(f"{path / 'config.json'} is not a probe config: {e}; {redo}") from None
     if model is not None:
+        if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
+            warnings.warn(
+                f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against the model "
+                f"it is given (only hidden_size={config.hidden_size} is); re-export it to record the model it reads",
+                UserWarning,
+                stacklevel=2,
+            )
         check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
     probe = SemanticProbe(config)
-    state = load_file(str(path / "model.safetensors"), device="cpu")
+    try:
+        state = load_file(str(path / "model.safetensors"), device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{path / 'model.safetensors'} is not a readable safetensors file ({e}): truncated, or not "
+                         f"safetensors (a pickled .bin/.pt renamed?); {redo}") from None
     # Version-1 exports predate the standardisation buffers; they read raw inputs (identity buffers).
     optional = {"input_mean", "input_std"} if config.format_version < 2 else set()
-    missing, unexpected = probe.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = probe.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape
+        raise ValueError(f"{path / 'model.safetensors'} does not hold the weights {path / 'config.json'} describes "
+                         f"({str(e).splitlines()[-1].strip()}); {redo}") from None
     missing = [k for k in missing if k not in optional]
     if missing or unexpected:
-        raise ValueError(f"{path / 'model.safetensors'} does not match its config.json: missing tensors {missing}, "
-                         f"unexpected tensors {unexpected}; re-export the probe")
+        raise ValueError(f"{path / 'model.safetensors'} does not hold the weights {path / 'config.json'} describes "
+                         f"(missing tensors {missing}, unexpected tensors {unexpected}); {redo}")
     return probe.to(device or "cpu").eval()

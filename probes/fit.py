@@ -3,7 +3,11 @@
 With no arguments it runs the embedded default (``configs/arithmetic.yaml``) offline on a CPU.
 Every option can be overridden (``--trainer.max_epochs 3``, ``--data.batch_size 256``) and
 ``--help`` lists them with their docs. On success it prints the exported probe paths and a metric
-table.
+table. Probes are exported inside the run's own folder (``<trainer.log_dir>/export/<role>``);
+replacing the shipped ones is explicit: ``--export_dir checkpoints/arithmetic/probes``.
+
+Bad input (an unknown key, a value a class refuses, data that cannot be built) ends the command with
+one line on stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch import Callback
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from datamodules.datamodule import SemanticProbeDataModule
 from probes.export import export_probe
@@ -25,6 +30,32 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "arithmetic.yaml"
+PROG = "python -m probes.fit"
+DESCRIPTION = (
+    "Build SemanticSpec label data if it is missing, train the target and draft probes, test the best "
+    "checkpoint on held-out problems and export it (model.safetensors + config.json per role)."
+)
+
+
+def fail(message: str) -> NoReturn:
+    """Report bad input as one line on stderr and exit 2 (issue 12: no traceback, no page of usage)."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    # jsonargparse explains a type error over several lines; keep what names the key, the types and the value
+    noise = ("Subtypes:", "Errors:", "Given value type:")
+    text = " ".join(line for line in lines if not line.startswith(noise))
+    print(f"{PROG}: error: {text} (see `{PROG} --help`)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class ProbeArgumentParser(LightningArgumentParser):
+    """Parse errors as one line (see :func:`fail`) instead of the whole usage and a tip."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        from jsonargparse._common import debug_mode_active
+
+        if not self.exit_on_error or debug_mode_active():  # jsonargparse asks for an exception here
+            super().error(message, ex)
+        fail(message)
 
 
 class ProbeCLI(LightningCLI):
@@ -34,24 +65,79 @@ class ProbeCLI(LightningCLI):
         parser.add_argument(
             "--export_dir",
             type=Optional[str],
-            default="checkpoints/arithmetic/probes",
+            default=None,
             help="Where the best probes are exported, one folder per role (model.safetensors + config.json). "
-            "None skips the export.",
+            "Default: <trainer.log_dir>/export, inside this run's folder. `--export_dir checkpoints/arithmetic/probes` "
+            "replaces the shipped probes.",
         )
+        parser.add_argument("--export", type=bool, default=True, help="Export the best probes (false skips the export).")
         parser.add_argument("--test", type=bool, default=True, help="Test the best checkpoint on the held-out split before exporting.")
         parser.add_argument("--ckpt_path", type=Optional[str], default=None, help="Resume training from this Lightning checkpoint (e.g. last.ckpt).")
         parser.link_arguments("data.roles", "model.roles")
         parser.link_arguments("data.input_spec", "model.input_spec", apply_on="instantiate")
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        # main() always hands over the arguments (sys.argv's, after the default --config), so Lightning's
+        # warning about `args` and sys.argv both being given would open every run; parse them directly.
+        self.config = parser.parse_args(args)
+
+    def before_instantiate_classes(self) -> None:
+        epochs = self.config.get("trainer.max_epochs")
+        if epochs is not None and epochs < 1:  # Lightning reads -1 as "no limit" and shows "Epoch 1/-2"
+            fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1 (early stopping may end the run "
+                 "sooner; --trainer.max_time bounds it by time)")
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, OSError) as e:  # the classes check their arguments when built (STYLE.md)
+            fail(str(e))
+
+
+class _SetupDone(Callback):
+    """Marks the start of training: errors raised before it are about the input (data, config, optimizer)."""
+
+    done = False
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.done = True
+
 
 def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike, test_metrics: dict[str, float]) -> dict[str, Path]:
-    """Export each role's probe of ``module`` with its test metrics into ``export_dir/<role>``."""
+    """Export each role's probe of ``module`` with its test metrics into ``export_dir/<role>``.
+
+    Paths in the exported ``config.json`` (the model's ``name_or_path``, the judge's) are made
+    portable first: relative to the repository when inside it, else the folder's name. They are
+    informative only (loading compares the other fingerprint fields), and a shipped export must not
+    carry the exporting machine's folders.
+    """
     paths = {}
     for role, probe in module.probes.items():
         prefix = f"test/{role}/"
         probe.config.test_metrics = {k[len(prefix) :]: float(v) for k, v in test_metrics.items() if k.startswith(prefix)}
+        probe.config.reads, probe.config.labels = portable_paths(probe.config.reads), portable_paths(probe.config.labels)
         paths[role] = export_probe(probe.cpu().eval(), Path(export_dir) / role)
     return paths
+
+
+def default_export_dir(trainer) -> Path:
+    """``<trainer.log_dir>/export``: the run's own folder, so a default run never writes over tracked files."""
+    return Path(trainer.log_dir or trainer.default_root_dir) / "export"
+
+
+def portable_paths(value: Any) -> Any:
+    """``value`` with every absolute path string made relative to the repository, or cut to its last part."""
+    if isinstance(value, dict):
+        return {k: portable_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable_paths(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        path = Path(value)
+        try:
+            return path.resolve().relative_to(REPO_ROOT).as_posix()
+        except ValueError:
+            return path.name
+    return value
 
 
 def format_table(rows: dict[str, dict[str, float]], columns: list[str]) -> str:
@@ -76,9 +162,18 @@ def main(args: ArgsType = None) -> dict[str, Any]:
         auto_configure_optimizers=False,
         args=args,
         save_config_kwargs={"overwrite": True},
+        parser_class=ProbeArgumentParser,
+        parser_kwargs={"prog": PROG, "description": DESCRIPTION, "allow_abbrev": False},  # no silent prefix matches
     )
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
-    trainer.fit(module, datamodule=data, ckpt_path=cli.config.get("ckpt_path"))
+    setup_done = _SetupDone()
+    trainer.callbacks.append(setup_done)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=cli.config.get("ckpt_path"))
+    except (ValueError, OSError) as e:
+        if setup_done.done:  # raised while training: not an input error, keep the traceback
+            raise
+        fail(str(e))  # the data build, the data checks or the optimizer refused the input
     if trainer.interrupted:
         return {"export": {}, "test": {}, "best_ckpt": getattr(trainer.checkpoint_callback, "best_model_path", None)}
     best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
@@ -88,8 +183,8 @@ def main(args: ArgsType = None) -> dict[str, Any]:
         results = trainer.test(module, datamodule=data, ckpt_path="best" if best else None, verbose=False)
         test_metrics = {k: float(v) for r in results for k, v in r.items()}
     paths: dict[str, Path] = {}
-    export_dir = cli.config.get("export_dir")
-    if export_dir and trainer.is_global_zero:
+    if cli.config.get("export", True) and trainer.is_global_zero:
+        export_dir = cli.config.get("export_dir") or default_export_dir(trainer)
         paths = export_probes(module, export_dir, test_metrics)
     if trainer.is_global_zero:
         summary = metric_rows(test_metrics, module.roles)

@@ -1,6 +1,12 @@
 """The label build: shards and manifest, resume after a kill, ranks, refusals, the CLI, step reading."""
 
+import io
 import json
+import os
+import shutil
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -76,16 +82,23 @@ def test_build_writes_labelled_shards_and_manifest(reference):
     assert len(steps[0]["samples"]) == 2 * n and "text" in steps[0]["samples"][0]
 
 
-def test_killed_build_resumes_to_the_same_bytes(world, reference, tmp_path):
+def test_killed_build_resumes_to_the_same_bytes(world, reference, tmp_path, monkeypatch):
     ref_dir, ref = reference
     part = build(_config(world), tmp_path, max_shards=1)
     assert part["complete"] is False and part["shards_on_disk"] == 1
     assert not (tmp_path / S.MANIFEST).exists()
     (tmp_path / ".shard-00001.safetensors.tmp-999").write_bytes(b"half a shard from a killed writer")
-    done = build(_config(world), tmp_path)
+    lines = []
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # a log file, not a terminal
+    done = build(_config(world), tmp_path, log=lines.append)
     assert _dataset_bytes(tmp_path) == _dataset_bytes(ref_dir)
     assert [s["sha256"] for s in done["shards"]] == [s["sha256"] for s in ref["shards"]]
     assert done["stats"]["this_run"]["prefixes"] == ref["n_prefixes"] - 4  # shard 0 was not rebuilt
+    n = len(ref["shards"])
+    assert any(line.startswith(f"built {n - 1} shards, reused 1 in ") for line in lines), lines  # not "built {n}"
+    # progress for logs (issue 12: a first build printed nothing for 27 minutes when not on a terminal)
+    progress = [line for line in lines if line.startswith("build (rank 0): ")]
+    assert progress and progress[-1].startswith(f"build (rank 0): {n - 1}/{n - 1} shards, ") and "s elapsed" in progress[-1]
     again = build(_config(world), tmp_path)  # complete: nothing rebuilt
     assert again["shards"] == done["shards"]
 
@@ -141,6 +154,122 @@ def test_unreachable_judge_fails_with_url_and_keeps_finished_shards(world, tmp_p
     assert url in str(err.value) and "sk-do-not-print" not in str(err.value)
     assert (tmp_path / "shard-00000.safetensors").read_bytes() == kept
     assert not (tmp_path / S.MANIFEST).exists()
+
+
+def test_missing_or_altered_shards_are_rebuilt_exactly(world, reference, tmp_path):
+    ref_dir, ref = reference
+    d = tmp_path / "data"
+    shutil.copytree(ref_dir, d)
+    n = len(ref["shards"])
+    assert n >= 3
+    flipped = bytearray((d / S.shard_name(1)).read_bytes())
+    flipped[-3] ^= 0xFF
+    (d / S.shard_name(1)).write_bytes(bytes(flipped))
+    (d / S.shard_name(n - 1)).unlink()
+    # what the datamodule says, and its advice, must be true (issue 12)
+    with pytest.raises(S.CorruptShardError) as err:
+        SemanticProbeDataModule(str(d), build=None).setup()
+    assert f"python -m datamodules.build --data_dir {d}" in str(err.value) and "--data.skip_corrupt true" in str(err.value)
+    kept = {k: (d / S.shard_name(k)).stat().st_mtime_ns for k in range(n) if k not in (1, n - 1)}
+    lines = []
+    done = build(_config(world), d, log=lines.append)  # following the advice
+    assert any("2 of" in line and "rebuilding exactly those" in line for line in lines), lines
+    assert any(line.startswith(f"built 2 shards, reused {n - 2} in ") for line in lines), lines
+    assert _dataset_bytes(d) == _dataset_bytes(ref_dir)
+    assert [s["sha256"] for s in done["shards"]] == [s["sha256"] for s in ref["shards"]]
+    assert {k: (d / S.shard_name(k)).stat().st_mtime_ns for k in kept} == kept  # nothing else rebuilt
+    SemanticProbeDataModule(str(d), build=None).setup()
+
+
+def test_refused_task_file_writes_nothing_and_the_fixed_file_builds(world, tmp_path):
+    from datamodules.arithmetic import task
+
+    good = [p.to_json() for p in task.generate_problems(2, seed=3)]
+    bad = dict(good[1])
+    del bad["trace"]
+    task_file, d = tmp_path / "tasks.jsonl", tmp_path / "data"
+    task_file.write_text(json.dumps(good[0]) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=rf"{task_file}:2 has no 'trace'"):
+        build(_config(world, task_file=str(task_file)), d)
+    assert not d.exists()  # validated before anything was written: nothing pins the folder
+    task_file.write_text("".join(json.dumps(r) + "\n" for r in good))  # the user fixes the line
+    assert build(_config(world, task_file=str(task_file)), d)["complete"]
+
+
+def test_folder_without_a_shard_is_not_pinned_by_another_config(world, tmp_path):
+    started = build(_config(world, seed=1), tmp_path, max_shards=0)  # a build that stopped before its first shard
+    assert not started["complete"] and (tmp_path / "build.json").is_file()
+    assert build(_config(world), tmp_path)["complete"]  # not "holds data built for another config"
+    with pytest.raises(ValueError, match="holds .* shards built for another config"):
+        build(_config(world, seed=1), tmp_path)  # once it holds shards, it is
+
+
+def test_data_dir_that_cannot_be_created_is_named(world, capsys):
+    bad = "/proc/semanticspec-test/data"  # a virtual file system: mkdir says only "No such file or directory"
+    with pytest.raises(ValueError, match=f"cannot create data_dir {bad} .*writable disk"):
+        build(_config(world), bad)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data_dir", bad, "--build.target", str(world / "target"), "--build.draft", str(world / "draft"),
+              "--build.judge_model", str(world / "judge"), "--build.n_problems", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("python -m datamodules.build: error: cannot create data_dir")
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--build.n_samples", "0"], "n_samples=0: expected >= 1"),
+    (["--build.n_sample", "3"], "unrecognized arguments: --build.n_sample 3"),  # no silent prefix expansion
+    (["--fit_config", "nowhere.yaml"], "--fit_config nowhere.yaml"),
+])
+def test_cli_refusals_are_one_line_and_exit_2(args, named, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data_dir", str(tmp_path / "d")] + args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err and "Traceback" not in err, err
+
+
+def _lock(d, k, pid):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f".{S.shard_name(k)}.lock").write_text(f"{socket.gethostname()} {pid}\n")
+
+
+def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, reference, tmp_path, monkeypatch):
+    import datamodules.build as B
+
+    ref_dir, ref = reference
+    n = len(ref["shards"])
+    monkeypatch.setattr(B, "LOCK_POLL_S", 0.05)
+    _lock(tmp_path, 1, os.getpid())  # "another build" (alive) is writing shard 1
+    lines, out = [], {}
+    thread = threading.Thread(target=lambda: out.update(m=build(_config(world), tmp_path, log=lines.append)))
+    thread.start()
+    deadline = time.time() + 120
+    while not all((tmp_path / S.shard_name(k)).is_file() for k in range(n) if k != 1) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert not (tmp_path / S.shard_name(1)).exists() and not (tmp_path / S.MANIFEST).exists()  # skipped, and waiting
+    for name in (S.steps_name(1), S.shard_name(1)):  # the other build finishes shard 1 and lets go
+        S.atomic_write_bytes(tmp_path / name, (ref_dir / name).read_bytes())
+    (tmp_path / f".{S.shard_name(1)}.lock").unlink()
+    thread.join(120)
+    m = out["m"]
+    assert m["complete"] and [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in ref["shards"]]
+    assert m["stats"]["built_shards"] == n - 1 and m["stats"]["this_run"]["prefixes"] == ref["n_prefixes"] - 4
+    assert any(line.startswith(f"built {n - 1} shards, reused 0, 1 built by other processes") for line in lines), lines
+    assert not list(tmp_path.glob(".*.lock"))
+
+
+def test_lock_of_a_dead_build_is_taken_over(world, reference, tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _lock(tmp_path, 0, dead.pid)
+    m = build(_config(world), tmp_path)
+    assert m["complete"] and m["stats"]["built_shards"] == len(reference[1]["shards"])
+    assert _dataset_bytes(tmp_path) == _dataset_bytes(reference[0]) and not list(tmp_path.glob(".*.lock"))
 
 
 def test_per_model_labelling(world, tmp_path):
@@ -259,3 +388,27 @@ def test_llm_judge_answers_are_configurable(tmp_path):
     judge = make_judge(config, tmp_path)
     tok = judge.tokenizer
     assert (judge.yes_id, judge.no_id) == (tok.convert_tokens_to_ids(" Yes"), tok.convert_tokens_to_ids(" No"))
+
+
+@pytest.mark.slow
+def test_two_build_processes_into_one_folder_share_the_shards(world, tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "datamodules.build", "--data_dir", str(tmp_path)]
+    for key, value in {"n_problems": 24, "shard_size": 2, "target": world / "target", "draft": world / "draft",
+                       "judge_model": world / "judge", "n_samples": 3, "max_step_tokens": 6, "seed": 7}.items():
+        args += [f"--build.{key}", str(value)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    manifest = S.read_manifest(tmp_path)
+    n = len(manifest["shards"])
+    found = [re.search(r"^built (\d+) shards, reused \d+", out, re.M) for out, _ in outs]
+    built = [int(m.group(1)) if m else 0 for m in found]  # no match: it started after the other finished ("reusing")
+    assert sum(built) == n, (built, n, [out for out, _ in outs])  # every shard computed once, by one of the two
+    for s in manifest["shards"]:
+        S.verify_file(tmp_path / s["file"], s["sha256"])
+    assert not list(tmp_path.glob(".*.lock"))

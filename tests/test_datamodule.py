@@ -188,6 +188,10 @@ def test_bad_arguments_are_named():
         SemanticProbeDataModule(build=None, roles=["verifier"])
     with pytest.raises(ValueError, match="nonfinite='skip'"):
         SemanticProbeDataModule(build=None, nonfinite="skip")
+    with pytest.raises(ValueError) as err:
+        SemanticProbeDataModule(build=None, batch_size=0)
+    assert "batch_size=0: expected >= 1" in str(err.value)
+    assert "num_workers" not in str(err.value) and "shuffle_buffer" not in str(err.value)  # only what is wrong
 
 
 def test_len_bounds_the_batches(data):

@@ -326,23 +326,39 @@ def test_random_and_oracle_acceptance(tiny_pair):
     assert all(res.text.startswith(prefix) for _, prefix in seen)
 
 
-def test_specreason_keeps_steps_scored_seven_or_more(tiny_pair):
+@pytest.mark.parametrize("digit, decision", [(9, "accept"), (7, "accept"), (6, "reject"), (0, "reject")])
+def test_specreason_keeps_steps_scored_seven_or_more(tiny_pair, digit, decision):
+    # A scripted judge: the target's logits favour one digit by far, so it scores every draft step `digit`.
+    # (An untrained judge scores below 7 and rejects everything, which a test of rejections alone cannot tell
+    # from a decoder that never accepts.)
     target, draft, tok = tiny_pair
     dec = SemanticSpecDecoder(target, draft, tok, max_step_tokens=4)
-    (res,) = dec.generate(PROMPTS[:1], method="specreason", max_new_tokens=24)
+    bias = torch.zeros(target.config.vocab_size)
+    bias[dec._digit_ids()[digit]] = 100.0
+    hook = target.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
+    try:
+        (res,) = dec.generate(PROMPTS[:1], method="specreason", max_new_tokens=24, temperature=0.0)
+    finally:
+        hook.remove()
     judged = [t for t in res.steps if t.writer == "draft"]
-    assert judged and all(0 <= t.score <= 9 for t in judged)
-    assert all((t.decision == "accept") == (t.score >= 7) for t in judged)
+    assert judged and all(t.score == pytest.approx(digit, abs=1e-3) for t in judged)
+    assert all(t.decision == decision for t in judged)
+    assert (summarize([res])["step_acceptance"] == 1.0) == (decision == "accept")
 
 
 def test_transformers_baselines_report_their_own_times(tiny_pair):
     target, draft, tok = tiny_pair
     dec = SemanticSpecDecoder(target, draft, tok)
+    ours = dec.generate(PROMPTS, method="target_only", temperature=0.0, max_new_tokens=12)
     for method in ("token_sd", "hf_target_only"):
-        (res,) = dec.generate(PROMPTS[:1], method=method, max_new_tokens=12)
-        assert isinstance(res, DecodeResult) and 0 < res.stats.output_tokens <= 12
-        assert res.stats.wall_s > 0 and res.stats.target_passes > 0
-    assert res.stats.target_passes >= res.stats.output_tokens  # plain generate: one pass per token
+        res = dec.generate(PROMPTS, method=method, temperature=0.0, max_new_tokens=12)
+        # greedy: transformers' loop (assisted or not) writes exactly what our target-only loop writes
+        assert texts(res) == texts(ours), method
+        for r in res:
+            assert isinstance(r, DecodeResult) and 0 < r.stats.output_tokens <= 12
+            assert r.stats.wall_s > 0 and r.stats.target_passes > 0
+        if method == "hf_target_only":  # plain generate: one pass per token
+            assert all(r.stats.target_passes >= r.stats.output_tokens for r in res)
 
 
 # --------------------------------------------------------------------------- cross-tokenizer
@@ -437,6 +453,19 @@ def test_empty_prompt_list_and_bad_arguments(tiny_pair):
         SemanticSpecDecoder(target, draft, tok).generate(PROMPTS)
     with pytest.raises(ValueError, match=r"rule='greedy'.*tau=2"):
         SemanticSpecDecoder(target, draft, tok, rule="greedy", tau=2)
+    for bad in (0, -1):  # 0 used to mean "all prompts" silently
+        with pytest.raises(ValueError, match=rf"batch_size={bad}: expected >= 1"):
+            dec.generate(PROMPTS, batch_size=bad)
+    for bad in (float("nan"), float("inf"), -0.5):  # nan used to reach torch.multinomial
+        with pytest.raises(ValueError, match=rf"temperature={bad}: expected a finite number >= 0"):
+            dec.generate(PROMPTS, temperature=bad)
+
+
+def test_a_bare_string_is_one_prompt(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    one = dec.generate(PROMPTS[0], **GREEDY)  # not one prompt per character
+    assert len(one) == 1 and texts(one) == texts(dec.generate(PROMPTS[:1], **GREEDY))
 
 
 def test_models_on_different_devices_and_dtypes(tiny_pair):

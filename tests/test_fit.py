@@ -1,6 +1,8 @@
 """`python -m probes.fit`: configs, --help, bad keys, the end-to-end default (reduced), Ctrl-C and resume, DDP."""
 
+import csv
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -23,11 +25,50 @@ def test_every_config_parses(path, capsys):
     assert printed["model"]["probe"]["hidden_dims"] and printed["data"]["roles"]
 
 
-def test_unknown_key_is_named(capsys):
+def _one_line_error(capsys, args) -> str:
+    """Run main(args), expect exit 2 and return the single error line it wrote to stderr."""
     with pytest.raises(SystemExit) as exit_:
-        main(["--trainer.max_epochz", "3", "--print_config"])
+        main(args)
     assert exit_.value.code == 2
-    assert "max_epochz" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("Seed set to")]
+    assert len(lines) == 1 and lines[0].startswith("python -m probes.fit: error: "), err
+    assert "Traceback" not in err and "usage:" not in err
+    return lines[0]
+
+
+def test_unknown_key_is_named(capsys):
+    assert "max_epochz" in _one_line_error(capsys, ["--trainer.max_epochz", "3", "--print_config"])
+
+
+def test_prefix_of_a_key_is_not_expanded(capsys):
+    # argparse would read --trainer.max_epoch as --trainer.max_epochs and run with it (issue 12)
+    assert "--trainer.max_epoch 1" in _one_line_error(capsys, ["--trainer.max_epoch", "1", "--print_config"])
+
+
+@pytest.mark.parametrize("args, named, not_named", [
+    (["--data.batch_size", "0"], "batch_size=0: expected >= 1", "num_workers"),
+    (["--trainer.max_epochs", "-1"], "--trainer.max_epochs -1: expected a number of epochs >= 1", "Epoch"),
+    (["--data.build.n_samples", "0"], "n_samples=0: expected >= 1", "Traceback"),
+    (["--trainer.max_epochs", "x"], 'Parser key "trainer.max_epochs"', "Subtypes"),
+])
+def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named, not_named):
+    line = _one_line_error(capsys, args + ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
+    assert named in line and not_named not in line
+
+
+def test_bad_task_file_is_reported_before_training_in_one_line(capsys, tmp_path):
+    task_file = tmp_path / "tasks.jsonl"
+    task_file.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\n')  # no trace
+    line = _one_line_error(capsys, ["--data.data_dir", str(tmp_path / "data"), "--data.build.task_file", str(task_file),
+                                    "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
+    assert f"{task_file}:1" in line and "trace" in line
+
+
+def test_no_lightning_warning_about_args(recwarn):
+    with pytest.raises(SystemExit):
+        main(["--print_config"])
+    assert not [w for w in recwarn if "args parameter" in str(w.message)]
 
 
 def test_help_documents_options(capsys):
@@ -35,6 +76,9 @@ def test_help_documents_options(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
+    words = " ".join(out.split())
+    assert out.startswith("usage: python -m probes.fit ") and "train the target and draft probes" in words
+    assert "Lightning Trainer command line tool" not in words
     for text in ("--data.build.help", "--data.batch_size", "--model.loss", "--export_dir", "--trainer.max_epochs",
                  "Where the best probes are exported"):
         assert text in out
@@ -54,16 +98,62 @@ def test_nested_override_reaches_the_build(capsys):
 
 def test_missing_data_dir_without_build_is_named(tmp_path, capsys):
     missing = tmp_path / "nowhere"
-    with pytest.raises(FileNotFoundError, match=str(missing)):
-        main(["--data.data_dir", str(missing), "--data.build", "null", "--trainer.logger", "false"])
+    line = _one_line_error(capsys, ["--data.data_dir", str(missing), "--data.build", "null", "--trainer.logger", "false"])
+    assert str(missing) in line and "python -m datamodules.build" in line
+
+
+def test_default_config_exports_inside_the_run_folder(capsys, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from probes.fit import default_export_dir
+
+    with pytest.raises(SystemExit):
+        main(["--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["export_dir"] is None and printed["export"] is True  # never the shipped checkpoints/ by default
+    trainer = L.Trainer(logger=CSVLogger(tmp_path, name="fit"), default_root_dir=tmp_path)
+    assert default_export_dir(trainer) == tmp_path / "fit" / "version_0" / "export"
+
+
+def _absolute_paths(value, where=""):
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _absolute_paths(v, f"{where}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _absolute_paths(v, f"{where}[{i}]")]
+    return [f"{where}={value}"] if isinstance(value, str) and value.startswith(("/", "~")) else []
+
+
+def test_exports_carry_no_absolute_path(tmp_path):
+    from probes.config import ProbeConfig
+    from probes.fit import REPO_ROOT, export_probes
+    from probes.module import SemanticProbeModule
+
+    inside, outside = str(REPO_ROOT / "checkpoints" / "arithmetic" / "target"), "/home/someone/models/draft-1.5b"
+    spec = {r: {"hidden_size": 8, "layer_ids": [-1], "reads": {"hidden_size": 8, "name_or_path": path},
+                "labels": {"judge": {"model": {"name_or_path": inside}}}} for r, path in (("target", inside), ("draft", outside))}
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
+    paths = export_probes(module, tmp_path, {"test/target/mse": 0.1})
+    configs = {r: json.loads((paths[r] / "config.json").read_text()) for r in paths}
+    assert configs["target"]["reads"]["name_or_path"] == "checkpoints/arithmetic/target"
+    assert configs["draft"]["reads"]["name_or_path"] == "draft-1.5b"
+    assert configs["draft"]["labels"]["judge"]["model"]["name_or_path"] == "checkpoints/arithmetic/target"
+    assert not _absolute_paths(configs)
+
+
+def test_shipped_probe_configs_carry_no_absolute_path():
+    from probes.fit import REPO_ROOT
+
+    shipped = sorted((REPO_ROOT / "checkpoints").glob("*/probes/*/config.json"))
+    assert shipped
+    for path in shipped:
+        assert not _absolute_paths(json.loads(path.read_text())), path
 
 
 @pytest.fixture(scope="module")
 def run_config(tmp_path_factory):
     """A reduced version of the default config: a small label build, 2 epochs, live validation every epoch."""
     root = tmp_path_factory.mktemp("fit")
-    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    cfg["export_dir"] = str(root / "export")
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())  # no export_dir: the probes go inside the run's folder
     cfg["trainer"].update(max_epochs=2, default_root_dir=str(root / "runs"), enable_progress_bar=False)
     cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(root / "runs")
     for cb in cfg["trainer"]["callbacks"]:
@@ -90,18 +180,28 @@ def test_end_to_end_default_reduced(fitted, capsys):
 
     root, path, result = fitted
     tok = load_tokenizer()
+    run_dir = root / "runs" / "fit" / "version_0"
     for role in ("target", "draft"):
         exported = result["export"][role]
+        assert Path(exported) == run_dir / "export" / role  # inside the run's folder, not checkpoints/
         probe = load_probe(exported, model=load_model(role), tokenizer=tok)
         cfg = json.loads((Path(exported) / "config.json").read_text())
         assert cfg["role"] == role and cfg["reads"]["hidden_size"] == probe.config.hidden_size
-        assert set(cfg["test_metrics"]) >= {"mse", "mae", "auroc"}
+        assert not _absolute_paths(cfg)
+        m = cfg["test_metrics"]
+        assert set(m) >= {"mse", "mae", "auroc"}
+        assert m == pytest.approx({k.split("/")[-1]: v for k, v in result["test"].items() if k.startswith(f"test/{role}/")})
+        # values, not only names: each within its valid range (labels are probabilities)
+        assert 0 <= m["mse"] <= m["mae"] <= 1 and 0 <= m["auroc"] <= 1 and 0 <= m["ece"] <= 1 and -1 <= m["pearson"] <= 1
+        assert m["r2"] <= 1 and m["mse"] < 0.25  # a constant 0.5 scores 0.25 at worst
         assert cfg["labels"]["n_samples"] == 3
     assert result["best_ckpt"] and Path(result["best_ckpt"]).is_file()
-    metrics_csv = next((root / "runs").rglob("metrics.csv")).read_text()
-    for name in ("spec/speedup", "spec/accuracy", "spec/accuracy_delta", "spec/step_acceptance",
-                 "spec/draft_token_share", "spec/target_passes_per_100_tokens", "val/mse", "val/target/auroc"):
-        assert name in metrics_csv
+    rows = list(csv.DictReader(next((root / "runs").rglob("metrics.csv")).open()))
+    last = {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}  # last logged value of each
+    for name in ("spec/accuracy", "spec/step_acceptance", "spec/draft_token_share", "val/target/auroc", "val/draft/auroc"):
+        assert 0 <= last[name] <= 1, (name, last[name])
+    assert last["spec/speedup"] > 0 and last["spec/target_passes_per_100_tokens"] > 0
+    assert -1 <= last["spec/accuracy_delta"] <= 1 and 0 <= last["val/mse"] < 0.25
     plots = {p.name for p in (root / "runs").rglob("*.png")}
     assert {"history.png", "reliability.png", "acceptance_vs_ratio.png"} <= plots
 
@@ -111,7 +211,7 @@ def test_second_run_reuses_shards(fitted, capsys):
     root, path, _ = fitted
     shards = sorted((root / "data").glob("shard-*.safetensors"))
     stamps = [p.stat().st_mtime_ns for p in shards]
-    main(["--config", str(path), "--trainer.max_epochs", "1", "--export_dir", "null", "--test", "false"])
+    main(["--config", str(path), "--trainer.max_epochs", "1", "--export", "false", "--test", "false"])
     assert "reusing" in capsys.readouterr().out
     assert [p.stat().st_mtime_ns for p in sorted((root / "data").glob("shard-*.safetensors"))] == stamps
 
@@ -157,8 +257,7 @@ class InterruptAt(L.Callback):
             raise KeyboardInterrupt
 
 
-@pytest.mark.slow
-def test_callback_with_wrong_width_probes_is_refused(fitted):
+def test_callback_with_wrong_width_probes_is_refused():
     from callbacks.speculative_validation import SpeculativeValidation
     from probes.config import ProbeConfig
     from probes.module import SemanticProbeModule
@@ -225,3 +324,32 @@ def test_callback_drives_checkpoint_selection(fitted, tmp_path):
     assert len(speedups) == 3
     assert float(ckpt.best_model_score) == pytest.approx(max(speedups))
     assert f"epoch={speedups.index(max(speedups))}" in ckpt.best_model_path
+
+
+@pytest.mark.slow
+def test_default_job_on_a_fresh_clone_leaves_git_status_empty(tmp_path):
+    """The README's `python -m probes.fit` (made smaller by overrides only) writes nothing over tracked files."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    clone = tmp_path / "clone"
+    for name in filter(None, listed):
+        if (root / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, clone / name)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "fresh clone"]):
+        subprocess.run(git + cmd, cwd=clone, check=True, capture_output=True)
+    smaller = ["--trainer.max_epochs", "1", "--data.build.n_problems", "12", "--data.build.n_samples", "3",
+               "--data.build.shard_size", "8", "--data.val_fraction", "0.25", "--data.test_fraction", "0.25",
+               "--model.probe.hidden_dims", "[16]", "--trainer.enable_progress_bar", "false"]
+    run = subprocess.run([sys.executable, "-m", "probes.fit", *smaller], cwd=clone, capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(clone)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "exported target probe: runs/arithmetic/fit/version_0/export/target" in run.stdout
+    status = subprocess.run(["git", "status", "--short"], cwd=clone, capture_output=True, text=True, check=True).stdout
+    assert status == "", status

@@ -1,6 +1,7 @@
 """The probe, its config, export/load round trips and fingerprint checks, and the LightningModule."""
 
 import json
+import warnings
 
 import lightning as L
 import pytest
@@ -91,6 +92,46 @@ def test_load_refuses_other_tokenizer(tmp_path, world_tokenizer):
     other_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w1")))
     with pytest.raises(ValueError, match="tokenizer_hash"):
         load_probe(path, model=model, tokenizer=other_tok)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("config_not_json", "config.json is not valid JSON"),
+    ("config_not_a_probe", "config.json is not a probe config"),
+    ("weights_pickled", "model.safetensors is not a readable safetensors file"),
+    ("weights_truncated", "model.safetensors is not a readable safetensors file"),
+    ("weights_other_shapes", "model.safetensors does not hold the weights"),
+])
+def test_unreadable_export_names_the_file_and_what_to_do(tmp_path, world_tokenizer, damage, says):
+    import pickle
+
+    model = tiny_llama(len(world_tokenizer), 32)
+    _, path = _export(tmp_path, model, world_tokenizer)
+    weights, config = path / "model.safetensors", path / "config.json"
+    if damage == "config_not_json":
+        config.write_text("{\"hidden_size\": 32,")
+    elif damage == "config_not_a_probe":
+        config.write_text("[1, 2]")
+    elif damage == "weights_pickled":
+        weights.write_bytes(pickle.dumps({"mlp.0.weight": torch.zeros(16, 32)}))
+    elif damage == "weights_truncated":
+        weights.write_bytes(weights.read_bytes()[:20])
+    else:
+        cfg = json.loads(config.read_text())
+        config.write_text(json.dumps({**cfg, "hidden_dims": [8]}))
+    with pytest.raises(ValueError) as err:
+        load_probe(path, model=model, tokenizer=world_tokenizer)
+    assert f"{path}/{says}" in str(err.value) and "re-export the probe" in str(err.value)
+
+
+def test_probe_without_reads_warns_naming_the_file(tmp_path, world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32)
+    path = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, hidden_dims=[4])).eval(), tmp_path / "old")
+    with pytest.warns(UserWarning, match=rf"{path}/config.json records no `reads` fingerprint"):
+        load_probe(path, model=model, tokenizer=world_tokenizer)  # old exports keep loading, loudly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, path = _export(tmp_path / "new", model, world_tokenizer)
+        load_probe(path, model=model, tokenizer=world_tokenizer)
 
 
 def test_load_missing_files_named(tmp_path):

@@ -19,6 +19,23 @@ def test_readme_opens_with_setup_and_test_commands_that_ci_runs():
     test_command = bash[1].strip()
     assert test_command.startswith("python -m pytest")
     assert test_command in CI.read_text()  # CI runs the README's test command
+    assert "python -m pytest -q -m slow" in CI.read_text()  # ... and the slow set the README's command leaves out
+
+
+def test_readme_test_command_leaves_out_slow_tests():
+    """The README's command stays fast: `slow` (and `gpu`) tests run only when asked for (issue 12)."""
+    import subprocess
+    import sys
+
+    root = README.parent
+
+    def collected(*extra):
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_readme.py", *extra],
+                             cwd=root, capture_output=True, text=True, check=True).stdout
+        return {line.split("::")[-1] for line in out.splitlines() if "::" in line}
+
+    assert "test_readme_decoder_example_runs" not in collected()
+    assert "test_readme_decoder_example_runs" in collected("-m", "slow")
 
 
 @pytest.mark.slow

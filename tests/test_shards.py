@@ -61,3 +61,18 @@ def test_verify_names_shard_and_both_checksums(tmp_path, damage):
     assert str(path) in str(err.value) and expected in str(err.value) and actual in str(err.value)
     with pytest.raises(S.CorruptShardError, match="missing"):
         S.verify_file(tmp_path / "shard-00009.safetensors", expected)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_shards_take_the_same_mode_as_the_manifest(tmp_path, umask):
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        shard = S.write_shard(tmp_path / S.shard_name(0), _tensors())
+        manifest = S.atomic_write_json(tmp_path / S.MANIFEST, {"complete": True})
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(shard) == mode(manifest) == 0o666 & ~umask  # 0644 under umask 022 (safetensors alone writes 0600)
