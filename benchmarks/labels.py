@@ -241,7 +241,7 @@ def run(quick: bool) -> dict:
         "audit": label_rows,
         "variants": var,
         "build": {"n_problems": config.n_problems, "n_prefixes": manifest["n_prefixes"], "n_samples": config.n_samples,
-                  "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["judge"]["kind"],
+                  "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["build"]["labels"]["judge"]["kind"],
                   "this_run": manifest["stats"]["this_run"], "world": str(config.model_path("target"))},
         "quick": quick,
     }

@@ -829,24 +829,15 @@ def _manifest(config, sig, data_dir: Path, n_shards: int, n_problems: int, n_pre
             width[r] = shapes[f"{r}.features"][1]
         shards.append({"file": path.name, "sha256": S.sha256_file(path), "bytes": path.stat().st_size, "count": count,
                        "steps_file": S.steps_name(k), "steps_sha256": S.sha256_file(data_dir / S.steps_name(k))})
-    reads = sig["reads"]
+    # One record of what the data is: ``build`` (models read, layers, pooling, feature groups, step
+    # delimiters, label provenance), which rebuilds and the datamodule compare; no top-level copies (issue 12).
     return {
         "format_version": S.FORMAT_VERSION,
         "complete": True,
         "build": sig,
         "config": dataclasses.asdict(config),
-        "reads": reads,
-        "layer_ids": sig["layer_ids"],
-        "pooling": sig["pooling"],
-        "feature_groups": {"hidden": {"layer_ids": sig["layer_ids"], "pooling": sig["pooling"], "key": "<role>.features"},
-                           "token_stats": {"names": sig["token_stats"], "key": "<role>.token_stats"}},
-        "delimiters": sig["delimiters"],
-        "judge": sig["labels"]["judge"],
-        "labels": sig["labels"],
-        "n_samples": config.n_samples,
-        "seed": config.seed,
-        "roles": {r: {"hidden_size": reads[r]["hidden_size"], "width": width.get(r, len(config.layer_ids) * reads[r]["hidden_size"]),
-                      "rows": rows[r]} for r in ROLES},
+        "roles": {r: {"width": width.get(r, len(config.layer_ids) * sig["reads"][r]["hidden_size"]), "rows": rows[r]}
+                  for r in ROLES},
         "n_problems": n_problems,
         "n_prefixes": n_prefixes,
         "shards": shards,

@@ -83,6 +83,7 @@ def export_probe(probe, path: str | os.PathLike) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         probe.save_pretrained(tmp)
+        _umask_modes(tmp)
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"
@@ -94,6 +95,15 @@ def export_probe(probe, path: str | os.PathLike) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _umask_modes(folder: Path) -> None:
+    """Give ``folder`` and its files the modes a plain mkdir/open would (mkdtemp makes 0700, some writers 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)
 
 
 def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Optional[str] = None):

@@ -49,9 +49,13 @@ def reference(world, tmp_path_factory):
 def test_build_writes_labelled_shards_and_manifest(reference):
     d, m = reference
     n = 3
-    assert m["complete"] and m["n_samples"] == n and m["layer_ids"] == [-1] and m["pooling"] == "mean"
-    assert m["reads"]["target"]["hidden_size"] == 32 and m["reads"]["draft"]["hidden_size"] == 24
-    assert m["judge"]["kind"] == "llm" and m["labels"]["labelling"] == "joint"
+    b = m["build"]  # the one record of what the data is; no top-level copies to drift apart (issue 12)
+    assert not {"reads", "layer_ids", "pooling", "judge", "labels", "delimiters"} & set(m)
+    assert m["complete"] and b["labels"]["n_samples"] == n and b["layer_ids"] == [-1] and b["pooling"] == "mean"
+    assert b["reads"]["target"]["hidden_size"] == 32 and b["reads"]["draft"]["hidden_size"] == 24
+    assert b["labels"]["judge"]["kind"] == "llm" and b["labels"]["labelling"] == "joint"
+    assert m["roles"] == {"target": {"width": 32, "rows": m["roles"]["target"]["rows"]},
+                          "draft": {"width": 24, "rows": m["roles"]["draft"]["rows"]}}
     assert m["build"]["feature_groups"] == ["hidden", "token_stats"] and m["build"]["token_stats"] == list(TOKEN_STATS)
     assert len(m["shards"]) == -(-m["n_prefixes"] // 4)
     for entry in m["shards"]:

@@ -168,7 +168,7 @@ def test_ratio_rule_accepts_with_probability_q_over_p_and_lazy_p_changes_nothing
     target, draft, tok = tiny_pair
     runs = {}
     for lazy in (True, False):
-        dec = stub_decoder(target, draft, tok, q=0.3, p=0.6, lazy_p=lazy, max_step_tokens=2)
+        dec = stub_decoder(target, draft, tok, q=0.3, p=0.6, lazy_p=lazy, max_step_tokens=2, rule="ratio")
         runs[lazy] = dec.generate(PROMPTS, max_new_tokens=48, seed=5)
         judged = [t for r in runs[lazy] for t in r.steps if t.writer == "draft"]
         assert all(t.q == pytest.approx(0.3) for t in judged)
@@ -180,7 +180,7 @@ def test_ratio_rule_accepts_with_probability_q_over_p_and_lazy_p_changes_nothing
     assert texts(runs[True]) == texts(runs[False])
     rate = summarize(runs[True])["step_acceptance"]
     assert 0.25 < rate < 0.75, rate  # min(1, 0.3 / 0.6) = 0.5
-    sure = stub_decoder(target, draft, tok, q=1.0, p=0.5, lazy_p=True)  # q = 1 >= u: kept, p never needed
+    sure = stub_decoder(target, draft, tok, q=1.0, p=0.5, lazy_p=True, rule="ratio")  # q = 1 >= u: kept, p never needed
     res = sure.generate(PROMPTS, max_new_tokens=24, seed=5)
     assert summarize(res)["step_acceptance"] == 1 and sure.draft_probe.calls == 0
 

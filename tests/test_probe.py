@@ -247,3 +247,17 @@ def test_module_width_mismatch_in_data(tmp_path):
                         enable_model_summary=False, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"expects 16 features.*got 12"):
         trainer.fit(module, _batches(2, {"target": 12}))
+
+
+def test_export_takes_the_umask_modes(tmp_path):
+    """An export folder and its files get what mkdir/open give (not mkdtemp's 0700 or a writer's 0600)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "p")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()} == {0o644}
