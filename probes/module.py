@@ -123,6 +123,14 @@ class SemanticProbeModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if stage == "fit" and dm is not None and hasattr(dm, "feature_moments"):
             for role, probe in self.probes.items():
+                given, cfg = dm.input_spec[role], probe.config
+                if (cfg.feature_groups, cfg.token_stats) != (given["feature_groups"], given.get("token_stats", [])):
+                    raise ValueError(
+                        f"the {role} probe reads feature groups {cfg.feature_groups} (token statistics {cfg.token_stats}) "
+                        f"but the datamodule streams {given['feature_groups']} (token statistics "
+                        f"{given.get('token_stats', [])}) from {dm.data_dir}; set data.feature_groups to the probe's "
+                        "groups, or build the module from the datamodule's input_spec"
+                    )
                 probe.set_standardization(*dm.feature_moments(role))
 
     def _loss(self, logits: torch.Tensor, label: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

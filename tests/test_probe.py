@@ -261,3 +261,20 @@ def test_export_takes_the_umask_modes(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o755
     assert {stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()} == {0o644}
+
+
+def test_module_refuses_data_with_other_feature_groups(tmp_path):
+    """A probe built for [hidden] handed data streaming [hidden, token_stats] is refused naming both lists."""
+    from tests.test_datamodule import make_dataset
+    from datamodules.datamodule import SemanticProbeDataModule
+
+    data = SemanticProbeDataModule(str(make_dataset(tmp_path / "d")), build=None, batch_size=8, roles=["target"])
+    spec = {"target": {"hidden_size": 16, "layer_ids": [-1], "reads": {"hidden_size": 16}}}  # no feature groups: [hidden]
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target"], spec)
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"reads feature groups \['hidden'\].*streams \['hidden', 'token_stats'\]"):
+        trainer.fit(module, datamodule=data)
+    ok = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target"], data.input_spec)
+    trainer.fit(ok, datamodule=data)  # built from the datamodule's input_spec, as the CLI links it
+    assert ok.probes["target"].input_std.ne(1).any()  # standardised with the training rows' moments

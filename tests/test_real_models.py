@@ -279,7 +279,7 @@ def test_cross_tokenizer_semanticspec_decode(real_pair, tmp_path):
     q_dir = _probe_dir(tmp_path / "target", target, target_tok, "target")
     p_dir = _probe_dir(tmp_path / "draft", draft, draft_tok, "draft")
     dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=q_dir,
-                              draft_probe=p_dir, max_step_tokens=12)
+                              draft_probe=p_dir, max_step_tokens=12, rule="ratio")  # q and p on every judged step
     assert dec.top_k == 0  # the top-k fast path needs a shared tokenizer
     (res,) = dec.generate([PROMPT], max_new_tokens=24, temperature=0.0, seed=0)
     assert res.text.strip(), res
