@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from datamodules.arithmetic import models, task
 from datamodules.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
+from probes.fit import portable_paths
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -504,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "seconds": time.perf_counter() - t0,
     }
     report["goals"] = goals(methods, probe_scores)
+    report["probe_paths"] = portable_paths(report["probe_paths"])  # results are shared: no machine's folders
     out = Path(args.out) if args.out else RESULTS_DIR / ("decode-quick.json" if args.quick else "decode.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -45,6 +45,7 @@ from datamodules.judges import OracleJudge
 from datamodules.labels import DRAFT, TARGET, joint_labels
 from datamodules.prefixes import load_problems
 from datamodules.steps import split_steps
+from probes.fit import portable_paths
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -242,7 +243,7 @@ def run(quick: bool) -> dict:
         "variants": var,
         "build": {"n_problems": config.n_problems, "n_prefixes": manifest["n_prefixes"], "n_samples": config.n_samples,
                   "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["build"]["labels"]["judge"]["kind"],
-                  "this_run": manifest["stats"]["this_run"], "world": str(config.model_path("target"))},
+                  "this_run": manifest["stats"]["this_run"], "world": portable_paths(str(config.model_path("target")))},
         "quick": quick,
     }
 

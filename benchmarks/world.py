@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
 from datamodules.sampling import generate
+from probes.fit import portable_paths
 
 PROBLEM_SEED = 20_000
 """Seed of the benchmark's problems; training validates on ``EVAL_SEED`` (10,000)."""
@@ -293,7 +294,7 @@ def run(quick: bool = False, root: Optional[Path] = None, seed: int = 0) -> dict
         "training_eval_seed": EVAL_SEED,
         "temperature": TEMPERATURE,
         "top_p": TOP_P,
-        "root": str(root),
+        "root": portable_paths(str(root)),
         "quick": quick,
         "torch_threads": torch.get_num_threads(),
         "template_distribution": {},
