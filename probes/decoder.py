@@ -197,8 +197,11 @@ class SemanticSpecDecoder:
         fast_path_min_logprob: fast path: every draft token's log-probability under the target must
             be at least this (default log 0.5: the target itself would write it more often than not).
         target_first_step: the target writes the first step.
-        delimiters: step delimiters.
-        max_step_tokens: a step that reaches no delimiter is cut here.
+        delimiters: step delimiters. None (default) = the ones the probes' labels were cut at
+            (``config.delimiters``), else the blank-line family. A probe is used on the steps it was
+            trained on: a value that differs from a probe's is refused, naming both.
+        max_step_tokens: a step that reaches no delimiter is cut here. None (default) = the probes'
+            label cap (``config.labels["max_step_tokens"]``), else 64; a differing value is refused.
         answer_marker: stop once a line starting at this marker is complete (e.g. ``"Answer:"``).
         token_sd: the target writes its steps (first and rejected) with token-level speculative
             sampling from the same draft (shared tokenizer only); lossless for those steps.
@@ -228,8 +231,8 @@ class SemanticSpecDecoder:
         top_k: int = 0,
         fast_path_min_logprob: float = math.log(0.5),
         target_first_step: bool = True,
-        delimiters: Sequence[str] = DEFAULT_DELIMITERS,
-        max_step_tokens: int = 64,
+        delimiters: Sequence[str] | None = None,
+        max_step_tokens: int | None = None,
         answer_marker: str | None = None,
         token_sd: bool = False,
         bonus_token: bool = True,
@@ -252,8 +255,10 @@ class SemanticSpecDecoder:
                           "so it needs a shared tokenizer; this pair has two (use top_k=0)")
         if not fast_path_min_logprob <= 0:
             errors.append(f"fast_path_min_logprob={fast_path_min_logprob}: expected a log-probability <= 0")
-        if max_step_tokens < 1:
+        if max_step_tokens is not None and max_step_tokens < 1:
             errors.append(f"max_step_tokens={max_step_tokens}: expected >= 1")
+        if delimiters is not None and (isinstance(delimiters, str) or not delimiters or not all(delimiters)):
+            errors.append(f"delimiters={delimiters!r}: expected a non-empty list of non-empty strings")
         if token_sd and draft_tokenizer is not None and draft_tokenizer is not tokenizer:
             errors.append("token_sd=True (token-level speculation inside target steps) needs a shared tokenizer")
         if token_sd_tokens < 1:
@@ -268,8 +273,6 @@ class SemanticSpecDecoder:
         self.top_k = top_k
         self.fast_path_min_logprob = float(fast_path_min_logprob)
         self.target_first_step = target_first_step
-        self.delimiters = tuple(delimiters)
-        self.max_step_tokens = max_step_tokens
         self.answer_marker = answer_marker
         self.bonus_token = bonus_token and self.shared
         self.specreason_suffix = specreason_suffix
@@ -280,9 +283,39 @@ class SemanticSpecDecoder:
         self.draft_probe = self._probe(draft_probe, draft, self.draft_tokenizer)
         self._check_features(self.target_probe)
         self._check_features(self.draft_probe)
+        self.delimiters, self.max_step_tokens = self._step_spec(delimiters, max_step_tokens)
         self._suffix_ids = self.tokenizer(specreason_suffix, add_special_tokens=False).input_ids
-        self.target_stop = StepStopper(tokenizer, self.delimiters, max_step_tokens)
-        self.draft_stop = StepStopper(self.draft_tokenizer, self.delimiters, max_step_tokens)
+        self.target_stop = StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
+        self.draft_stop = StepStopper(self.draft_tokenizer, self.delimiters, self.max_step_tokens)
+
+    def _step_spec(self, delimiters, max_step_tokens) -> tuple[tuple[str, ...], int]:
+        """The step definition: what the probes' labels were cut at, unless given; a conflict is refused.
+
+        Raises:
+            ValueError: the two probes were trained on different steps, or an argument differs from
+                a probe's (naming both values).
+        """
+        recorded: dict[str, tuple[object, str]] = {}
+        problems = []
+        for probe in (self.target_probe, self.draft_probe):
+            if probe is None:
+                continue
+            c = probe.config
+            for key, value in (("delimiters", tuple(c.delimiters)), ("max_step_tokens", c.labels.get("max_step_tokens"))):
+                if value is None:
+                    continue
+                if key in recorded and recorded[key][0] != value:
+                    problems.append(f"the {recorded[key][1]} has {key}={recorded[key][0]!r}, the {c.role} probe {value!r}")
+                recorded.setdefault(key, (value, f"{c.role} probe"))
+        given = {"delimiters": None if delimiters is None else tuple(delimiters), "max_step_tokens": max_step_tokens}
+        for key, value in given.items():
+            if value is not None and key in recorded and recorded[key][0] != value:
+                problems.append(f"{key}={value!r} but the {recorded[key][1]} was trained on steps with {key}="
+                                f"{recorded[key][0]!r} (leave {key} unset to use the probe's)")
+        if problems:
+            raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
+        resolved = {k: v if v is not None else recorded.get(k, (None,))[0] for k, v in given.items()}
+        return tuple(resolved["delimiters"] or DEFAULT_DELIMITERS), int(resolved["max_step_tokens"] or 64)
 
     @staticmethod
     def _probe(probe: ProbeLike, model, tokenizer):

@@ -8,6 +8,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from datamodules.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
 from probes.decoding.runner import CacheRunner
@@ -43,14 +44,10 @@ class ConstProbe(torch.nn.Module):
 def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(), **kw):
     kw.setdefault("top_k", 0)
     kw.setdefault("max_step_tokens", 6)
-    return SemanticSpecDecoder(
-        target,
-        draft,
-        tok,
-        target_probe=ConstProbe(target.config.hidden_size, q, groups=groups, stats=stats),
-        draft_probe=ConstProbe(draft.config.hidden_size, p, groups=groups, stats=stats),
-        **kw,
-    )
+    probes = [ConstProbe(m.config.hidden_size, v, groups=groups, stats=stats) for m, v in ((target, q), (draft, p))]
+    for probe in probes:  # the probes were "trained" on the steps the test asks for
+        probe.config.delimiters = list(kw.get("delimiters") or DEFAULT_DELIMITERS)
+    return SemanticSpecDecoder(target, draft, tok, target_probe=probes[0], draft_probe=probes[1], **kw)
 
 
 def texts(results):
@@ -500,3 +497,26 @@ def test_token_sd_inside_target_steps_is_lossless_when_greedy(tiny_pair):
     assert all(0 < r.stats.output_tokens <= 24 for r in sampled)
     with pytest.raises(ValueError, match="token_sd=True.*shared tokenizer"):
         SemanticSpecDecoder(target, draft, tok, draft_tokenizer=char_tokenizer(), token_sd=True)
+
+
+def test_the_step_definition_travels_with_the_probes(tiny_pair):
+    """Delimiters and the step cap come from the probes' labels; an explicit conflict is refused naming both."""
+    target, draft, tok = tiny_pair
+    tprobe, dprobe = ConstProbe(target.config.hidden_size), ConstProbe(draft.config.hidden_size)
+    dprobe.config.role = "draft"
+    for probe in (tprobe, dprobe):
+        probe.config.delimiters, probe.config.labels = [".\n\n"], {"max_step_tokens": 7}
+    dec = SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
+    assert dec.delimiters == (".\n\n",) and dec.max_step_tokens == 7
+    assert dec.target_stop.max_step_tokens == dec.draft_stop.max_step_tokens == 7
+    same = SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, max_step_tokens=7)
+    assert same.max_step_tokens == 7
+    with pytest.raises(ValueError, match=r"max_step_tokens=64 but the target probe was trained on steps with max_step_tokens=7"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, max_step_tokens=64)
+    with pytest.raises(ValueError, match=r"delimiters=\('\\n\\n',\) but the target probe"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, delimiters=["\n\n"])
+    dprobe.config.labels = {"max_step_tokens": 9}
+    with pytest.raises(ValueError, match="the target probe has max_step_tokens=7, the draft probe 9"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
+    bare = SemanticSpecDecoder(target, draft, tok)  # no probe: the blank-line family and 64 tokens
+    assert bare.delimiters == tuple(DEFAULT_DELIMITERS) and bare.max_step_tokens == 64
