@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from datamodules.arithmetic import models, task
-from datamodules.steps import split_steps
+from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.fit import portable_paths
 

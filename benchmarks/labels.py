@@ -44,7 +44,7 @@ from datamodules.clustering import group_prefixes, normalize_text
 from datamodules.judges import OracleJudge
 from datamodules.labels import DRAFT, TARGET, joint_labels
 from datamodules.prefixes import load_problems
-from datamodules.steps import split_steps
+from generation.steps import split_steps
 from probes.fit import portable_paths
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -35,7 +35,7 @@ from datamodules.labels import DRAFT, LABELLINGS, TARGET, joint_labels, per_mode
 from datamodules.prefixes import Prefix, load_problems, make_prefixes, target_traces
 from datamodules.reading import read_steps
 from datamodules.sampling import generate
-from datamodules.steps import DEFAULT_DELIMITERS, StepStopper
+from generation.steps import DEFAULT_DELIMITERS, StepStopper
 from generation.features import TOKEN_STATS, FeatureSpec, check_groups
 
 JUDGES = ("llm", "http", "nli", "none")
@@ -206,7 +206,7 @@ def folder_fingerprint(path: str) -> dict[str, Any]:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from probes.export import model_fingerprint
+    from generation.fingerprints import model_fingerprint
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
@@ -307,7 +307,7 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
     """Load target, draft (same tokenizer required) and the judge on the configured device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from probes.export import tokenizer_hash
+    from generation.fingerprints import tokenizer_hash
 
     device, dtype = config.resolved_device()
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype).to(device).eval()

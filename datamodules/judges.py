@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from datamodules.sampling import left_pad
+from generation.padding import left_pad
 
 Pair = tuple[str, str]
 

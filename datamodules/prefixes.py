@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from datamodules.arithmetic import task
-from datamodules.steps import DEFAULT_DELIMITERS, split_steps
+from generation.steps import DEFAULT_DELIMITERS, split_steps
 
 
 @dataclass

@@ -14,18 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from generation.features import FeatureSpec, step_features
-from datamodules.sampling import left_pad
-
-
-def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists into ``(input_ids, attention_mask)``, both (B, T)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-        mask[i, : len(r)] = 1
-    return ids.to(device), mask.to(device)
+from generation.padding import left_pad, pad_right
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The one sampler: temperature / top-p sampling with a KV cache, batched, seeded.
+"""Batched, seeded step sampling with a KV cache, for label builds and the world's benchmarks.
 
 The label pipeline samples steps with :func:`generate`, and the world's benchmarks time models
 with it; the decoder does not call :func:`generate` (it runs its own step loop over a shared
@@ -13,39 +13,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_p: float = 1.0, generator: Optional[torch.Generator] = None
-) -> torch.Tensor:
-    """Draw one token per row of ``logits`` (B, V); temperature 0 is greedy. Returns (B,)."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature} (need >= 0), top_p={top_p} (need in (0, 1])")
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(top_p_filter(probs, top_p), 1, generator=generator).squeeze(-1)
-
-
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero the tail of each row of ``probs`` (B, V) outside the nucleus of mass ``top_p``."""
-    if top_p >= 1.0:
-        return probs
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the token that crosses top_p
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into ``(input_ids, attention_mask)``, both (B, T)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if len(r):
-            ids[i, width - len(r) :] = torch.as_tensor(list(r), dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
+from generation.padding import left_pad
+from generation.sampling import sample_next
 
 
 @torch.no_grad()

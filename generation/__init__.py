@@ -1,5 +1,10 @@
 """The generation core shared by the label build and the decoder; it imports neither.
 
 - :mod:`generation.features`: the probes' feature groups (pooled hidden states, token statistics),
-  computed by one function at label-build time and at decode time.
+  computed by one function at label-build time and at decode time;
+- :mod:`generation.groups`: their names and checks (no torch import);
+- :mod:`generation.sampling`: the one sampler (temperature / top-p draws);
+- :mod:`generation.padding`: the padding helpers;
+- :mod:`generation.steps`: step delimiters, splitting traces and the token-by-token step stopper;
+- :mod:`generation.fingerprints`: model and tokenizer fingerprints, for exports and manifests.
 """

@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from datamodules.sampling import sample_next, top_p_filter
-from datamodules.steps import DEFAULT_DELIMITERS, StepStopper
+from generation.sampling import sample_next, top_p_filter
+from generation.steps import DEFAULT_DELIMITERS, StepStopper
 from probes import metrics
 from generation.features import FeatureSpec
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
@@ -648,7 +648,7 @@ class SemanticSpecDecoder:
 
     @staticmethod
     def _probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-        """The distribution :func:`~datamodules.sampling.sample_next` draws from, as (V,) probabilities."""
+        """The distribution :func:`~generation.sampling.sample_next` draws from, as (V,) probabilities."""
         logits = logits.float().cpu()
         if temperature == 0:
             return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()

@@ -16,34 +16,8 @@ from typing import Any, Optional
 
 from safetensors.torch import load_file
 
+from generation.fingerprints import model_fingerprint, tokenizer_hash  # noqa: F401  (part of this module's API)
 from probes.config import FINGERPRINT_FIELDS, ProbeConfig
-
-
-def tokenizer_hash(tokenizer) -> str:
-    """sha256 (first 16 hex digits) of the tokenizer's vocabulary and special tokens."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    blob = json.dumps([vocab, sorted(map(str, tokenizer.all_special_tokens))], ensure_ascii=False)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def model_fingerprint(model, tokenizer=None) -> dict[str, Any]:
-    """What a probe needs to know about the model it reads.
-
-    Returns ``{"name_or_path", "architecture", "hidden_size", "num_layers", "vocab_size",
-    "tokenizer_hash"}`` (the last only with a tokenizer).
-    """
-    cfg = model.config
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    fp = {
-        "name_or_path": str(getattr(cfg, "_name_or_path", "") or ""),
-        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
-        "hidden_size": int(text_cfg.hidden_size),
-        "num_layers": int(text_cfg.num_hidden_layers),
-        "vocab_size": int(text_cfg.vocab_size),
-    }
-    if tokenizer is not None:
-        fp["tokenizer_hash"] = tokenizer_hash(tokenizer)
-    return fp
 
 
 def fingerprint_mismatches(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:

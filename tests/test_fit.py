@@ -287,7 +287,7 @@ def _world_module():
     from generation.features import TOKEN_STATS
     from datamodules.arithmetic.models import load_model, load_tokenizer
     from probes.config import ProbeConfig
-    from probes.export import model_fingerprint
+    from generation.fingerprints import model_fingerprint
     from probes.module import SemanticProbeModule
 
     tok = load_tokenizer()

@@ -7,7 +7,7 @@ mask marks which cache slots belong to it: a slot a row did not use, or rolled b
 *hole*. Trailing columns that no row uses are cropped off with ``DynamicCache.crop``, so with one
 row a rollback is an ordinary crop and the cache never has holes.
 
-Tokens are sampled only with :func:`datamodules.sampling.sample_next` (the one sampler) and step
+Tokens are sampled only with :func:`generation.sampling.sample_next` (the one sampler) and step
 features are computed only with :func:`generation.features.step_features`.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from datamodules.sampling import sample_next
+from generation.sampling import sample_next
 from generation.features import FeatureSpec, pad_steps, probe_input, step_features
 
 
@@ -239,7 +239,7 @@ def write_steps(
     Args:
         runner: the writing model's cache.
         rows: rows that write a step now.
-        stop: step stopper (``datamodules.steps.StepStopper``).
+        stop: step stopper (``generation.steps.StepStopper``).
         limits: per row, the most tokens the step may hold (token budget left).
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus mass.

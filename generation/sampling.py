@@ -1,0 +1,34 @@
+"""The one sampler: temperature / top-p draws from logits, on the logits' device.
+
+Label sampling (:func:`datamodules.sampling.generate`), the decoder's step loop and token-level
+speculation all draw tokens with :func:`sample_next` and read its distribution with
+:func:`top_p_filter`, so every figure comes from the same sampling code.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """Draw one token per row of ``logits`` (B, V); temperature 0 is greedy. Returns (B,)."""
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature={temperature} (need >= 0), top_p={top_p} (need in (0, 1])")
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(top_p_filter(probs, top_p), 1, generator=generator).squeeze(-1)
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail of each row of ``probs`` (B, V) outside the nucleus of mass ``top_p``."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the token that crosses top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)

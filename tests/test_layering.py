@@ -1,0 +1,46 @@
+"""Layering: the generation core imports neither side; inference does not import the training-data package."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+INFERENCE = ["probes/decoder.py", "probes/decoding", "probes/export.py", "probes/model.py", "probes/config.py"]
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every module a file imports, at any depth (lazy imports inside functions included)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+    return out
+
+
+def files(*parts: str) -> list[Path]:
+    found = []
+    for part in parts:
+        p = ROOT / part
+        found += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    return found
+
+
+@pytest.mark.parametrize("path", files("generation"), ids=lambda p: p.name)
+def test_the_generation_core_imports_neither_side(path):
+    bad = [(n, m) for n, m in imported_modules(path) if m.split(".")[0] in ("datamodules", "probes", "callbacks")]
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", files(*INFERENCE), ids=lambda p: str(p.relative_to(ROOT)))
+def test_inference_does_not_import_the_training_data_package(path):
+    bad = [(n, m) for n, m in imported_modules(path) if m.split(".")[0] == "datamodules"]
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_label_build_does_not_reach_up_into_inference():
+    bad = [(p.relative_to(ROOT), n, m) for p in files("datamodules") for n, m in imported_modules(p)
+           if m.split(".")[0] == "probes"]
+    assert not bad, bad
