@@ -132,6 +132,36 @@ def decisions(results, problems) -> tuple[dict[str, int], list[tuple[float, bool
     return counts, scored
 
 
+def phases_and_cost(results, reference) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per phase of a drafting method, and the cost model built from them (issue 10).
+
+    Costs are in units of ``c_T``, target-only seconds per output token (``reference``). The model
+    predicts the method's wall time as ``c_T`` per token the target writes step by step (bonus tokens
+    excluded) plus the measured draft cost per drafted token and verification cost per proposal; ``predicted_speedup`` against the measured
+    one shows what probes and bookkeeping add.
+    """
+    s = summarize(results)
+    ref = summarize(reference)
+    c_t = ref["wall_s"] / max(ref["output_tokens"], 1)
+    named = ("first_step_s", "draft_s", "verify_s", "probe_s", "rewrite_s")
+    phases = {k[:-2]: s[k] for k in named}
+    phases["other"] = s["wall_s"] - sum(phases.values())
+    drafted, proposals = max(s["drafted_tokens"], 1), max(s["draft_steps_proposed"], 1)
+    draft_per_token = s["draft_s"] / drafted / c_t
+    verify_per_proposal = s["verify_s"] / proposals / c_t
+    # tokens the target wrote step by step; the bonus token after each kept step comes with its verification
+    target_tokens = s["output_tokens"] - s["draft_tokens"] - s["draft_steps_accepted"]
+    predicted = c_t * (target_tokens + draft_per_token * s["drafted_tokens"] + verify_per_proposal * s["draft_steps_proposed"])
+    cost = {
+        "draft_over_target_per_token": draft_per_token,
+        "verify_over_target_per_token": s["verify_s"] / drafted / c_t,
+        "verify_over_target_per_proposal": verify_per_proposal,
+        "predicted_speedup": ref["wall_s"] / predicted if predicted > 0 else math.nan,
+        "measured_speedup": ref["wall_s"] / s["wall_s"] if s["wall_s"] > 0 else math.nan,
+    }
+    return phases, cost
+
+
 def auroc(scored: list[tuple[float, bool]]) -> float:
     """AUROC of q for right vs wrong draft steps (NaN when one class is missing)."""
     from torchmetrics.functional.classification import binary_auroc
@@ -279,6 +309,16 @@ def markdown(report: dict) -> str:
     for name, m in report["methods"].items():
         if "decisions" in m:
             lines.append(f"| {name} | " + " | ".join(str(m["decisions"][k]) for k in keys) + " |")
+    if report.get("phases"):
+        names = ("first_step", "draft", "verify", "probe", "rewrite", "other")
+        lines += ["", "| phases (share of wall time) | " + " | ".join(names) + " | draft/target per token | "
+                  "verify/target per proposal | predicted speedup | measured |", "|---" * (len(names) + 5) + "|"]
+        for name, ph in report["phases"].items():
+            total = sum(ph.values()) or 1.0
+            c = report["cost"][name]
+            lines.append(f"| {name} | " + " | ".join(f"{ph[k] / total:.1%}" for k in names)
+                         + f" | {c['draft_over_target_per_token']:.3f} | {c['verify_over_target_per_proposal']:.2f} | "
+                         f"{c['predicted_speedup']:.2f} | {c['measured_speedup']:.2f} |")
     if report.get("probes"):
         lines += ["", "| probe pair | draft-step AUROC | judged steps | wrong |", "|---|---|---|---|"]
         for name, pr in report["probes"].items():
@@ -464,6 +504,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             variant = "hybrid" if name == "semanticspec" else name[len("semanticspec[") : -1]
             probe_scores[variant] = {"draft_step_auroc": auroc(scored), "n_judged": len(scored),
                                      "n_wrong": sum(not r for _, r in scored), "method": name}
+    phases, cost = {}, {}
+    for name in [n for n in DRAFTING if n != "specreason"] + ["semanticspec[draft_first_step]"]:
+        phases[name], cost[name] = phases_and_cost(runs[name], runs["target_only"])
     methods["token_sd"]["reference_wall_s"] = methods["hf_target_only"]["wall_s"]
     methods["token_sd"]["mean_accepted_tokens_per_verification"] = (
         methods["token_sd"]["output_tokens"] / max(methods["token_sd"]["target_passes"], 1) - 1
@@ -488,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "methods": methods,
         "batch_scaling": scaling,
         "sweep": sweep,
+        "phases": phases,
+        "cost": cost,
         "probes": probe_scores,
         "n_problems": n,
         "seed": args.seed,

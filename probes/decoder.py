@@ -94,8 +94,12 @@ class StepTrace:
 class DecodeStats:
     """Counters of one prompt's decode (DESIGN.md "Definitions").
 
-    ``wall_s`` and ``probe_s`` of a batch are shared evenly by its rows, so sums over results give
-    totals. ``steps`` counts committed steps (rejected proposals not included).
+    ``wall_s`` and the phase times (``*_s``) of a batch are shared evenly by its rows, so sums over
+    results give totals. ``steps`` counts committed steps (rejected proposals not included). Phases of
+    the speculative loop: the target's first step (``first_step_s``), drafting (``draft_s``), the
+    target's verification forward (``verify_s``), probes (``probe_s``) and the target rewriting
+    refused steps (``rewrite_s``); the rest of ``wall_s`` is bookkeeping. Methods without a draft
+    count only ``wall_s``.
     """
 
     wall_s: float = 0.0
@@ -107,6 +111,12 @@ class DecodeStats:
     target_passes: int = 0
     draft_passes: int = 0
     probe_s: float = 0.0
+    first_step_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rewrite_s: float = 0.0
+    drafted_tokens: int = 0
+    """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded)."""
 
 
 @dataclass
@@ -487,7 +497,13 @@ class SemanticSpecDecoder:
             if spec:
                 rejected = self._speculate(spec, rows, tgt, drf, method, sampling, coins, accept_rate, oracle)
             if first or rejected:
+                t0 = time.perf_counter()
                 self._target_steps(first + rejected, rows, tgt, drf, sampling, use_draft=True)
+                dt = (time.perf_counter() - t0) / len(first + rejected)  # one batch; its time is shared per row
+                for i in first:
+                    rows[i].stats.first_step_s += dt
+                for i in rejected:
+                    rows[i].stats.rewrite_s += dt
         wall = time.perf_counter() - t_start
         out = []
         for i, r in enumerate(rows):
@@ -683,6 +699,7 @@ class SemanticSpecDecoder:
         dspec = FeatureSpec.of(self.draft_probe.config) if need_p else None
         limits = {i: self._limit(rows[i], i, tgt, drf) + len(rows[i].forced) for i in rows_i}
         forced = {i: rows[i].forced for i in rows_i}
+        t_draft = time.perf_counter()
         drafts = write_steps(
             drf,
             rows_i,
@@ -694,6 +711,7 @@ class SemanticSpecDecoder:
             record_forced_logits=need_p and dspec.needs_logits,
             **sampling,
         )
+        t_verify = time.perf_counter()
         # The target reads every row's step (plus the judge turn for SpecReason) in one forward.
         suffix = list(self._suffix_ids) if method == "specreason" else []
         texts, t_start, n_new, pre_logits = {}, {}, {}, {}
@@ -708,7 +726,8 @@ class SemanticSpecDecoder:
             pre_logits[i] = tgt.last_logits[i]
             tgt.seq[i].extend(new + suffix)
         fed = tgt.feed(rows_i, hidden=need_q and tspec.needs_hidden, all_logits=True)
-        probe_s = 0.0
+        t_fed = time.perf_counter()
+        probe_s = draft_feed_s = 0.0
         decisions, q, p, scores = {}, {}, {}, {}
         after, step_logits = {}, {}
         for i in rows_i:
@@ -739,7 +758,8 @@ class SemanticSpecDecoder:
                 decisions[i] = "accept_fast"
         slow = [i for i in rows_i if i not in decisions] if need_q else []
         if slow:
-            probe_s = self._probe_decisions(slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits)
+            probe_s, draft_feed_s = self._probe_decisions(slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p,
+                                                          step_logits)
         # Keep or roll back, then the target's bonus token opens the next step.
         rejected, bonus_rows = [], []
         dt = (time.perf_counter() - t0) / len(rows_i)
@@ -749,6 +769,9 @@ class SemanticSpecDecoder:
                 tgt.rollback(i, len(suffix), last_logits=after.get(i))
             r.stats.draft_steps_proposed += 1
             r.stats.probe_s += probe_s / len(rows_i)
+            r.stats.draft_s += ((t_verify - t_draft) + draft_feed_s) / len(rows_i)
+            r.stats.verify_s += (t_fed - t_verify) / len(rows_i)
+            r.stats.drafted_tokens += len(d.tokens) - d.n_forced
             trace = StepTrace("draft", texts[i], len(d.tokens), q.get(i), p.get(i), decisions[i], dt, scores.get(i))
             if decisions[i] == "reject":
                 tgt.rollback(i, n_new[i], last_logits=pre_logits[i])
@@ -791,8 +814,12 @@ class SemanticSpecDecoder:
         logp = chosen.squeeze(1) - torch.logsumexp(x, dim=1)
         return bool(((rank < self.top_k) & (logp >= self.fast_path_min_logprob)).all())
 
-    def _probe_decisions(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits) -> float:
-        """q (and p when needed) for the rows off the fast path, and the rule's decision. Returns probe seconds.
+    def _probe_decisions(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits
+                         ) -> tuple[float, float]:
+        """q (and p when needed) for the rows off the fast path, and the rule's decision.
+
+        Returns:
+            Probe seconds, and the seconds of the draft forward that reads the steps' last tokens for p.
 
         Both probes' inputs come from :func:`~probes.decoding.runner.rows_input`, the feature function
         the label build uses: the target's from this verification forward (hidden states at the
@@ -816,9 +843,10 @@ class SemanticSpecDecoder:
         if self.rule == "threshold":
             for i in slow:
                 decisions[i] = "accept" if q[i] >= self.tau else "reject"
-            return time.perf_counter() - tp
+            return time.perf_counter() - tp, 0.0
         u = {i: float(torch.rand((), generator=coins)) for i in slow}
         need = [i for i in slow if not (self.lazy_p and self.ratio_scale * q[i] >= u[i])]
+        draft_feed_s = 0.0
         if need:
             dspec = FeatureSpec.of(self.draft_probe.config)
             if dspec.needs_hidden:
@@ -827,7 +855,8 @@ class SemanticSpecDecoder:
                 t_feed = time.perf_counter()
                 for i, f in drf.feed(need, hidden=True).items():
                     drafts[i].hidden.extend(f.hidden[:, max(0, drafts[i].start - f.start) :].unbind(1))
-                tp += time.perf_counter() - t_feed  # a draft forward, not probe time
+                draft_feed_s = time.perf_counter() - t_feed
+                tp += draft_feed_s  # a draft forward, not probe time
             x = rows_input(
                 dspec,
                 [drafts[i].tokens for i in need],
@@ -839,7 +868,7 @@ class SemanticSpecDecoder:
         for i in slow:
             ok = i not in p or u[i] * p[i] < self.ratio_scale * q[i]
             decisions[i] = "accept" if ok else "reject"
-        return time.perf_counter() - tp
+        return time.perf_counter() - tp, draft_feed_s
 
     def _judge_score(self, logits: torch.Tensor) -> float:
         """Expected 0-9 score from the logits of the digit tokens (SpecReason-style judge)."""
