@@ -73,6 +73,24 @@ class FeatureSpec:
         return cls(list(config.feature_groups), list(config.layer_ids), config.pooling, list(config.token_stats))
 
 
+def token_scores(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How a model scored given tokens: its log-probabilities, each token's log-probability and rank.
+
+    Args:
+        logits: (..., V) logits; ``logits[..., :]`` predicts ``tokens[...]``.
+        tokens: (...) token ids.
+
+    Returns:
+        ``logp`` (..., V) float32 log-softmax, ``token_logp`` (...) the tokens' log-probabilities
+        (unclamped) and ``rank`` (...) how many tokens scored higher (0 = the model's top-1).
+    """
+    x = logits.float()
+    tok = tokens.to(x.device).long()[..., None]
+    logp = torch.log_softmax(x, dim=-1)
+    rank = (x > x.gather(-1, tok)).sum(-1)
+    return logp, logp.gather(-1, tok).squeeze(-1), rank
+
+
 @torch.no_grad()
 def token_stats(
     logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, names: Sequence[str] = TOKEN_STATS
@@ -92,13 +110,10 @@ def token_stats(
     lengths = lengths.to(logits.device).long()
     if bool((lengths < 1).any()) or bool((lengths > T).any()):
         raise ValueError(f"step lengths {lengths.tolist()} must lie in 1..{T}")
-    x = logits.float()
-    logp = torch.log_softmax(x, dim=-1)  # (B, T, V)
-    tok = tokens.to(x.device).long()[..., None]
-    tok_lp = logp.gather(-1, tok).squeeze(-1).clamp(min=LOGPROB_FLOOR)  # (B, T)
+    logp, tok_lp, rank = token_scores(logits, tokens)  # (B, T, V), (B, T), (B, T)
+    tok_lp, rank = tok_lp.clamp(min=LOGPROB_FLOOR), rank.float()
     ent = torch.special.entr(logp.exp()).sum(-1)  # (B, T) nats; entr(0) = 0
-    rank = (x > x.gather(-1, tok)).sum(-1).float()  # (B, T); 0 = the model's top-1
-    mask = torch.arange(T, device=x.device)[None] < lengths[:, None]  # (B, T)
+    mask = torch.arange(T, device=logp.device)[None] < lengths[:, None]  # (B, T)
     n = lengths.float()
 
     def mean(v: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 from generation.sampling import sample_next, top_p_filter
 from generation.steps import DEFAULT_DELIMITERS, StepStopper
 from probes import metrics
-from generation.features import FeatureSpec
+from generation.features import FeatureSpec, token_scores
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
 from probes.decoding.runner import CacheRunner, StepDraft, rows_input, write_steps
 
@@ -741,8 +741,9 @@ class SemanticSpecDecoder:
             def predictor(j: int, f=f, i=i):  # logits that predicted fed token j
                 return f.logits[j - 1] if j >= 1 else pre_logits[i]
 
-            if need_q:  # (k, V) the target's logits predicting every step token, forced ones included
-                step_logits[i] = torch.stack([predictor(j) for j in range(off, end)])
+            if need_q:  # (k, V) the target's logits predicting every step token (fed tokens off..end-1)
+                step_logits[i] = (f.logits[off - 1 : end - 1] if off >= 1
+                                  else torch.cat([pre_logits[i][None], f.logits[: end - 1]]))
             pre_logits[i] = predictor(off + drafts[i].n_forced) if n_new[i] else None
             after[i] = f.logits[end - 1]
             if method == "specreason":
@@ -807,11 +808,7 @@ class SemanticSpecDecoder:
         """
         if not tokens:
             return False
-        x = logits.float()
-        tok = torch.as_tensor(tokens, device=x.device)[:, None]
-        chosen = x.gather(1, tok)  # (k, 1)
-        rank = (x > chosen).sum(1)  # (k,) 0 = the target's top-1
-        logp = chosen.squeeze(1) - torch.logsumexp(x, dim=1)
+        _, logp, rank = token_scores(logits, torch.as_tensor(tokens))  # (k,), (k,): as the token statistics score them
         return bool(((rank < self.top_k) & (logp >= self.fast_path_min_logprob)).all())
 
     def _probe_decisions(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits
