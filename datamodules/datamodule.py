@@ -310,7 +310,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         if feature_groups is not None:
             from generation.groups import check_groups
 
-            errors += check_groups(feature_groups, ["mean_logprob"])
+            errors += check_groups(feature_groups, None)
         if errors:
             raise ValueError("invalid SemanticProbeDataModule arguments: " + "; ".join(errors))
         self.data_dir, self.build, self.roles = Path(data_dir), build, list(roles)
@@ -361,26 +361,18 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     def feature_moments(self, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-column mean and standard deviation of ``role``'s probe inputs over the training split (finite rows).
 
-        Probes standardise their inputs with them (``SemanticProbe.set_standardization``). One pass
-        over the shards in float64; cached.
+        Probes standardise their inputs with them (``SemanticProbe.set_standardization``). Summed in
+        float64 by the scan ``setup`` makes of every shard anyway; cached.
         """
         if role not in self._moments:
             if not self.shards:
                 self.setup()
-            groups = tuple(self.input_spec[role]["feature_groups"])
-            total, total_sq, n = None, None, 0
-            for shard in self.shards:
-                t = read_rows(shard["path"], [role], groups, ("problem_id",))
-                f = t[f"{role}.input"].double()
-                keep = split_of(t[f"{role}.problem_id"], self.seed, self.val_fraction, self.test_fraction) == 0
-                f = f[keep & torch.isfinite(f).all(1)]
-                total = f.sum(0) if total is None else total + f.sum(0)
-                total_sq = (f * f).sum(0) if total_sq is None else total_sq + (f * f).sum(0)
-                n += len(f)
+            sums = [shard["train_sums"][role] for shard in self.shards]  # gathered by setup's one scan
+            n = sum(c for _, _, c in sums)
             if not n:
                 raise ValueError(f"no finite {role} training rows in {self.data_dir} to standardise probe inputs with")
-            mean = total / n
-            std = (total_sq / n - mean * mean).clamp(min=0).sqrt()
+            mean = sum(s for s, _, _ in sums) / n
+            std = (sum(sq for _, sq, _ in sums) / n - mean * mean).clamp(min=0).sqrt()
             self._moments[role] = (mean.float(), std.float())
         return self._moments[role]
 
@@ -427,9 +419,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             key = (str(path), self._verified[str(path)], tuple(self.roles), tuple(spec[self.roles[0]]["feature_groups"]))
             if key not in self._counted:  # setup runs once per stage; scan each shard once
                 self._counted[key] = self._count(path, spec)
-            rows, bad = self._counted[key]
+            rows, bad, sums = self._counted[key]
             self.dropped_rows += bad
-            self.shards.append({"path": str(path), "rows": rows})
+            self.shards.append({"path": str(path), "rows": rows, "train_sums": sums})
         if not self.shards:
             raise ValueError(f"no usable shard in {self.data_dir} (skipped as corrupt: {self.skipped_shards})")
 
@@ -440,10 +432,12 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             S.verify_file(path, sha)
             self._verified[str(path)] = key
 
-    def _count(self, path: Path, spec: dict) -> tuple[dict[str, int], int]:
-        """Rows of each split in a shard and its rows with NaN/inf features, after the width check."""
+    def _count(self, path: Path, spec: dict) -> tuple[dict[str, int], int, dict[str, tuple]]:
+        """One scan of a shard: rows of each split, rows with NaN/inf features (after the width check), and
+        per role the float64 sum, sum of squares and count of the finite training rows' inputs (for
+        :meth:`feature_moments`)."""
         shapes = S.shard_shapes(path)
-        rows, dropped = {s: 0 for s in SPLITS}, 0
+        rows, dropped, sums = {s: 0 for s in SPLITS}, 0, {}
         for r in self.roles:
             groups = tuple(spec[r]["feature_groups"])
             if "hidden" in groups:
@@ -466,7 +460,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             codes = split_of(t[f"{r}.problem_id"][finite], self.seed, self.val_fraction, self.test_fraction)
             for i, s in enumerate(SPLITS):
                 rows[s] += int((codes == i).sum())
-        return rows, dropped
+            train = t[f"{r}.input"][finite][codes == SPLITS.index("train")].double()
+            sums[r] = (train.sum(0), (train * train).sum(0), len(train))
+        return rows, dropped, sums
 
     def _loader(self, split: str) -> DataLoader:
         if not self.shards:
