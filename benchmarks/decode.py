@@ -454,13 +454,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     dec = SemanticSpecDecoder(target, draft, tok, **common)
     knob = "ratio_scale" if args.rule == "ratio" else "tau"
-    sweeps = {
-        "semanticspec": {f"semanticspec[{knob}={v}]": (SemanticSpecDecoder(target, draft, tok, **{**common, knob: v}), {})
-                         for v in args.sweep},
-        "random_accept": {f"random_accept[accept_rate={v}]": (dec, {"method": "random_accept", "accept_rate": v})
-                          for v in args.random_sweep},
-        "oracle_accept": {f"oracle_accept[keep_right={v}]": (dec, {"keep_right": v}) for v in args.oracle_sweep},
-    }
+    # per method: its knob, the swept values, and the value of its main run (random: SemanticSpec's rate)
+    knobs = {"semanticspec": (knob, list(args.sweep), args.tau if knob == "tau" else args.ratio_scale),
+             "random_accept": ("accept_rate", list(args.random_sweep), None),
+             "oracle_accept": ("keep_right", list(args.oracle_sweep), 1.0)}
+    swept = {"semanticspec": lambda v: (SemanticSpecDecoder(target, draft, tok, **{**common, knob: v}), {}),
+             "random_accept": lambda v: (dec, {"method": "random_accept", "accept_rate": v}),
+             "oracle_accept": lambda v: (dec, {"keep_right": v})}
+    sweeps = {m: {f"{m}[{k}={v}]": swept[m](v) for v in values} for m, (k, values, _) in knobs.items()}
     ablations, ablation_paths = {}, {}
     for name in ABLATIONS:
         t_dir, d_dir = Path(args.ablation_root, name, "target"), Path(args.ablation_root, name, "draft")
@@ -512,18 +513,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         methods["token_sd"]["output_tokens"] / max(methods["token_sd"]["target_passes"], 1) - 1
     )
     methods["random_accept"]["target_acceptance"] = methods["semanticspec"]["step_acceptance"]
-    defaults = {"semanticspec": (knob, args.tau if knob == "tau" else args.ratio_scale),
-                "random_accept": ("accept_rate", None), "oracle_accept": ("keep_right", 1.0)}
     sweep = {}
-    for method, sw in sweeps.items():
+    for method, (k, values, main) in knobs.items():
+        if method == "random_accept":
+            main = round(methods["semanticspec"]["step_acceptance"], 4)  # the main run follows SemanticSpec's rate
         rows = []
-        for name, (_, kw) in [*sw.items(), (method, (None, {}))]:
+        for name, v in [*((f"{method}[{k}={v}]", v) for v in values), (method, main)]:
             f = figures(runs[name], problems, ref_wall)
-            k, v = defaults[method]
-            if name != method:
-                v = float(name.split("=")[1][:-1])
-            elif method == "random_accept":
-                v = round(methods["semanticspec"]["step_acceptance"], 4)  # the main run follows SemanticSpec's rate
             rows.append({"knob": k, "value": v, **{x: f[x] for x in ("accuracy", "speedup", "step_acceptance", "wall_s")}})
         sweep[method] = sorted(rows, key=lambda r: r["value"])
     scaling = {} if args.no_batch_scaling else batch_scaling(dec, problems[: 8 if args.quick else 16], args)

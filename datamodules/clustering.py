@@ -181,15 +181,16 @@ def _settle(texts: Sequence[str], emb: np.ndarray, cfg: ClusterConfig,
     return _renumber(group_of[item_of])
 
 
-def _score(judge, pairs: list[tuple[str, str]], match_numbers: bool) -> list[float]:
-    """The judge's scores, with pairs whose numbers differ scored 0 without asking (``match_numbers``)."""
-    if not match_numbers:
-        return list(judge.score(pairs))
-    ask = [k for k, (a, b) in enumerate(pairs) if numbers(a) == numbers(b)]
+def _score(judge, pairs: list[tuple[str, str]], match_numbers: bool) -> tuple[list[float], list[int]]:
+    """The scores of ``pairs``, and which of them the judge answered.
+
+    With ``match_numbers`` a pair whose numbers differ scores 0 without asking the judge.
+    """
+    ask = [k for k, (a, b) in enumerate(pairs) if not match_numbers or numbers(a) == numbers(b)]
     out = [0.0] * len(pairs)
     for k, s in zip(ask, judge.score([pairs[k] for k in ask]) if ask else []):
         out[k] = float(s)
-    return out
+    return out, ask
 
 
 def _renumber(groups: np.ndarray) -> np.ndarray:
@@ -236,10 +237,9 @@ def group_prefixes(
     while pending:
         order = sorted(pending)
         flat = [p for i in order for p in pending[i]]
-        answers = _score(judge, flat, cfg.match_numbers)
+        answers, answered = _score(judge, flat, cfg.match_numbers)
         if asked is not None:  # what the judge itself answered (pairs the numbers check settled are not asked)
-            asked.extend((a, b, s >= threshold) for (a, b), s in zip(flat, answers)
-                         if not cfg.match_numbers or numbers(a) == numbers(b))
+            asked.extend((*flat[k], answers[k] >= threshold) for k in answered)
         at = 0
         for i in order:
             n = len(pending[i])

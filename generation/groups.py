@@ -22,8 +22,11 @@ TOKEN_STATS: tuple[str, ...] = (
 """Token statistics this version computes (``token_stats`` group), in storage order."""
 
 
-def check_groups(groups: Sequence[str], stats: Sequence[str]) -> list[str]:
-    """Problems with a list of feature groups and of token statistics (empty when both are valid)."""
+def check_groups(groups: Sequence[str], stats: Sequence[str] | None) -> list[str]:
+    """Problems with a list of feature groups and of token statistics (empty when both are valid).
+
+    ``stats=None`` checks the groups alone (the statistics are chosen elsewhere, e.g. by the data).
+    """
     problems = []
     unknown = [g for g in groups if g not in FEATURE_GROUPS]
     if not groups or unknown or len(set(groups)) != len(groups):
@@ -31,8 +34,8 @@ def check_groups(groups: Sequence[str], stats: Sequence[str]) -> list[str]:
                         + (f" (unknown: {unknown})" if unknown else ""))
     elif list(groups) != [g for g in FEATURE_GROUPS if g in groups]:
         problems.append(f"feature groups {list(groups)}: list them in the order {list(FEATURE_GROUPS)}")
-    bad = [s for s in stats if s not in TOKEN_STATS]
-    if "token_stats" in groups and (not stats or bad):
+    bad = [s for s in stats or () if s not in TOKEN_STATS]
+    if stats is not None and "token_stats" in groups and (not stats or bad):
         problems.append(f"token_stats {list(stats)}: expected a non-empty subset of {list(TOKEN_STATS)}"
                         + (f" (this version cannot compute {bad})" if bad else ""))
     return problems

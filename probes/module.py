@@ -99,8 +99,13 @@ class SemanticProbeModule(L.LightningModule):
         self.draft_low_label_weight = float(draft_low_label_weight)
         self.probe_configs = {r: self._role_config(probe, r, (input_spec or {}).get(r)) for r in self.roles}
         self.probes = nn.ModuleDict({r: SemanticProbe(c) for r, c in self.probe_configs.items()})
-        groups = [f"{r}" for r in self.roles] + ([f"target_{w}" for w in WRITERS] if "target" in self.roles else [])
-        self.metrics = nn.ModuleDict({f"{stage}_{g}": regression_metrics() for stage in ("val", "test") for g in groups})
+        # metric set -> the name it logs under: each probe on all its rows, the target probe per writer
+        self.metric_names = {r: r for r in self.roles}
+        if "target" in self.roles:
+            self.metric_names.update({f"target_{w}": f"target/{w}" for w in WRITERS})
+        self.metrics = nn.ModuleDict(
+            {f"{stage}_{key}": regression_metrics() for stage in ("val", "test") for key in self.metric_names}
+        )
         self.val_mse = MeanSquaredError()
         self.test_mse = MeanSquaredError()
 
@@ -194,10 +199,8 @@ class SemanticProbeModule(L.LightningModule):
         if overall.total > 0:
             self.log(f"{stage}/mse", overall.compute(), prog_bar=True, sync_dist=True)
         overall.reset()
-        for key, collection in self.metrics.items():
-            if not key.startswith(f"{stage}_"):
-                continue
-            name = key[len(stage) + 1 :].replace("_draft_written", "/draft_written").replace("_target_written", "/target_written")
+        for key, name in self.metric_names.items():
+            collection = self.metrics[f"{stage}_{key}"]
             if collection["mse"].total > 0:
                 values = collection.compute()
                 self.log_dict({f"{stage}/{name}/{k}": v for k, v in values.items()}, sync_dist=True)
