@@ -6,7 +6,7 @@
 What it measures (issue 6, "The embedded world" in DESIGN.md):
 
 - **accuracy** of the target and the draft on held-out 4-operation problems, each sampling its own
-  trace at temperature 0.6, top-p 0.95 with the one sampler (:func:`datamodules.sampling.generate`);
+  trace at temperature 0.6, top-p 0.95 with the one sampler (:func:`generation.writer.generate`);
 - **ms_per_token**: per-token decode cost at batch 1 with the same generation code, the models
   interleaved; steady-state decode, ``(t(T tokens) - t(1 token)) / (T - 1)``, so the prompt's prefill
   is not counted (it is reported apart), and ``cost_ratio = draft / target`` (goal: at most 1/5);
@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
-from datamodules.sampling import generate
+from generation.writer import generate
 from probes.fit import portable_paths
 
 PROBLEM_SEED = 20_000

@@ -34,7 +34,7 @@ from datamodules.clustering import ClusterConfig, group_prefixes
 from datamodules.labels import DRAFT, LABELLINGS, TARGET, joint_labels, per_model_labels
 from datamodules.prefixes import Prefix, load_problems, make_prefixes, target_traces
 from datamodules.reading import read_steps
-from datamodules.sampling import generate
+from generation.writer import generate
 from generation.steps import DEFAULT_DELIMITERS, StepStopper
 from generation.features import TOKEN_STATS, FeatureSpec, check_groups
 

@@ -121,7 +121,7 @@ def target_traces(
     batch_size: int = 64,
 ) -> list[dict]:
     """Replace each record's trace by one the target samples itself (``source="target"``)."""
-    from datamodules.sampling import generate
+    from generation.writer import generate
 
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     out = []

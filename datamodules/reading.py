@@ -1,9 +1,9 @@
 """A model reading sampled steps, prefix in context: the probes' feature groups of every step.
 
-The prefix is prefilled once into a KV cache that every step sampled after it shares; the steps'
-tokens are then fed in one batch against that cache (as the decoder reads a drafted step). The
-features come from :func:`generation.features.step_features`, the function the decoder's
-verification pass calls, and only they leave the device.
+The prefix is prefilled once into the core's KV cache (:class:`generation.cache.BatchedCache`),
+which gives every step sampled after it a copy; the steps' tokens are then fed in one batch (as
+the decoder reads a drafted step). The features come from :func:`generation.features.rows_features`,
+the function the decoder's verification pass calls, and only they leave the device.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
 
-from generation.features import FeatureSpec, step_features
-from generation.padding import left_pad, pad_right
+from generation.cache import BatchedCache
+from generation.features import FeatureSpec, rows_features
 
 
 @torch.no_grad()
@@ -67,21 +66,16 @@ def read_steps(
 
 
 def _read_chunk(model, prefixes, steps, spec: FeatureSpec, pad_id, device) -> dict[str, torch.Tensor]:
-    ids, mask = left_pad(prefixes, pad_id, device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    pre = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1).logits[:, -1]  # (P, V): left-padded, so the last column predicts each step's first token
-    owner = torch.tensor([i for i, ss in enumerate(steps) for _ in ss], device=device)  # (R,) prefix of each step
-    cache.batch_select_indices(owner)
-    step_ids, step_mask = pad_right([s for ss in steps for s in ss], pad_id, device)  # (R, S)
-    lengths = step_mask.sum(-1)
-    step_pos = mask.sum(-1)[owner, None] + torch.arange(step_ids.shape[1], device=device)[None]
-    full_mask = torch.cat([mask[owner], step_mask], dim=1)
-    out = model(input_ids=step_ids, attention_mask=full_mask, position_ids=step_pos, past_key_values=cache,
-                use_cache=True, output_hidden_states=spec.needs_hidden, logits_to_keep=0 if spec.needs_logits else 1)
-    logits = None
-    if spec.needs_logits:  # position t - 1 predicts step token t; the prefix's last position predicts token 0
-        logits = torch.cat([pre[owner, None], out.logits[:, :-1]], dim=1)  # (R, S, V)
-    parts = step_features(spec, lengths, out.hidden_states if spec.needs_hidden else None, logits, step_ids)
+    # One cache: prefill the prefixes, give every step its own copy of its prefix, read all steps in one forward.
+    cache = BatchedCache(model, len(prefixes), pad_id, spec.layer_ids, compact_at=1.0)  # one read: never compact
+    cache.prefill(prefixes)
+    cache.select([i for i, ss in enumerate(steps) for _ in ss])
+    flat = [list(s) for ss in steps for s in ss]
+    before = list(cache.last_logits)  # (V,) per row: the prefix's last position predicts the step's first token
+    for r, s in enumerate(flat):
+        cache.seq[r].extend(s)
+    fed = cache.feed(range(len(flat)), hidden=spec.needs_hidden, all_logits=spec.needs_logits)
+    hidden = [fed[r].hidden for r in range(len(flat))] if spec.needs_hidden else None
+    logits = [torch.cat([before[r][None], fed[r].logits[:-1]]) for r in range(len(flat))] if spec.needs_logits else None
+    parts = rows_features(spec, flat, hidden, logits)
     return {g: v.cpu() for g, v in parts.items()}

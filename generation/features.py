@@ -167,6 +167,37 @@ def step_features(
     return out
 
 
+def rows_features(
+    spec: FeatureSpec,
+    tokens: Sequence[Sequence[int]],
+    hidden: Sequence[torch.Tensor] | None = None,
+    logits: Sequence[torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`step_features` of several rows' steps given per row, as a cache's feeds return them.
+
+    The label build's reading and the decoder's verification both call this.
+
+    Args:
+        spec: the feature spec; ``spec.layer_ids`` name the layers ``hidden`` holds, in order.
+        tokens: per row, the step's tokens.
+        hidden: ``hidden`` group: per row (L, k_i, D) states of the step's tokens at the layers
+            of ``spec.layer_ids``, in that order.
+        logits: ``token_stats`` group: per row (k_i, V) logits predicting each step token.
+    """
+    lengths = torch.tensor([len(t) for t in tokens])
+    hs = None
+    if spec.needs_hidden:
+        padded = pad_steps([h.transpose(0, 1) for h in hidden])  # (B, k, L, D)
+        hs = list(padded.unbind(2))  # L x (B, k, D), as HF hands out hidden_states
+        spec = FeatureSpec(spec.groups, list(range(len(hs))), spec.pooling, spec.token_stats)
+    lg = tk = None
+    if spec.needs_logits:
+        lg = pad_steps([l.float() for l in logits])  # (B, k, V)
+        tk = pad_steps([torch.as_tensor(list(t), dtype=torch.long) for t in tokens]).to(lg.device)
+        lengths = lengths.to(lg.device)
+    return step_features(spec, lengths, hs, lg, tk)
+
+
 def probe_input(parts: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tensor:
     """One flat (B, W) float32 probe input: the groups' features flattened and concatenated in ``groups`` order."""
     missing = [g for g in groups if g not in parts]

@@ -1,6 +1,6 @@
 """The one sampler: temperature / top-p draws from logits, on the logits' device.
 
-Label sampling (:func:`datamodules.sampling.generate`), the decoder's step loop and token-level
+Label sampling (:func:`generation.writer.generate`), the decoder's step loop and token-level
 speculation all draw tokens with :func:`sample_next` and read its distribution with
 :func:`top_p_filter`, so every figure comes from the same sampling code.
 """

@@ -16,7 +16,7 @@ decide whether the step means what the target would have said (DESIGN.md "Decodi
    (optionally with token-level speculation, ``token_sd=True``);
 7. stop at EOS, a completed answer-marker line, the token budget or the context end.
 
-Several prompts advance together, each with its own decisions (``probes.decoding.runner``).
+Several prompts advance together, each with its own decisions (one :class:`~generation.cache.BatchedCache` per model).
 Every baseline (target only, draft only, SpecReason-style judging, random and oracle acceptance)
 runs through the same loop and the same sampler, so their timings compare; token-level
 speculative decoding runs in transformers' own assisted generation and is compared with
@@ -41,9 +41,10 @@ import torch
 from generation.sampling import sample_next, top_p_filter
 from generation.steps import DEFAULT_DELIMITERS, StepStopper
 from probes import metrics
-from generation.features import FeatureSpec, token_scores
+from generation.features import FeatureSpec, probe_input, rows_features, token_scores
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
-from probes.decoding.runner import CacheRunner, StepDraft, rows_input, write_steps
+from generation.cache import BatchedCache
+from generation.writer import StepDraft, write_steps
 
 METHODS = (
     "semanticspec",
@@ -466,10 +467,10 @@ class SemanticSpecDecoder:
     ) -> list[DecodeResult]:
         B = len(ids_t)
         tprobe, dprobe = self.target_probe, self.draft_probe
-        tgt = CacheRunner(
+        tgt = BatchedCache(
             self.target, B, self._pad(self.tokenizer), tprobe.config.layer_ids if tprobe is not None else [-1]
         )
-        drf = CacheRunner(
+        drf = BatchedCache(
             self.draft, B, self._pad(self.draft_tokenizer), dprobe.config.layer_ids if dprobe is not None else [-1]
         )
         for i in range(B):
@@ -527,7 +528,7 @@ class SemanticSpecDecoder:
     def _pad(tok) -> int:
         return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
-    def _limit(self, row: _Row, i: int, *runs: CacheRunner) -> int:
+    def _limit(self, row: _Row, i: int, *runs: BatchedCache) -> int:
         """Tokens the next step may hold: budget left and room in the models' contexts.
 
         One position stays spare for a bonus token, plus the judge turn's length for SpecReason.
@@ -818,7 +819,7 @@ class SemanticSpecDecoder:
         Returns:
             Probe seconds, and the seconds of the draft forward that reads the steps' last tokens for p.
 
-        Both probes' inputs come from :func:`~probes.decoding.runner.rows_input`, the feature function
+        Both probes' inputs come from :func:`~generation.features.rows_features`, the feature function
         the label build uses: the target's from this verification forward (hidden states at the
         step's positions, logits predicting its tokens), the draft's from its drafting forwards.
 
@@ -829,7 +830,7 @@ class SemanticSpecDecoder:
         tp = time.perf_counter()
         tspec = FeatureSpec.of(self.target_probe.config)
         ends = {i: t_start[i] + len(step_logits[i]) for i in slow}
-        x = rows_input(
+        x = self._rows_input(
             tspec,
             [tgt.seq[i][t_start[i] : ends[i]] for i in slow],
             [fed[i].hidden[:, t_start[i] - fed[i].start : ends[i] - fed[i].start] for i in slow] if tspec.needs_hidden else None,
@@ -854,7 +855,7 @@ class SemanticSpecDecoder:
                     drafts[i].hidden.extend(f.hidden[:, max(0, drafts[i].start - f.start) :].unbind(1))
                 draft_feed_s = time.perf_counter() - t_feed
                 tp += draft_feed_s  # a draft forward, not probe time
-            x = rows_input(
+            x = self._rows_input(
                 dspec,
                 [drafts[i].tokens for i in need],
                 [drafts[i].pooled_input() for i in need] if dspec.needs_hidden else None,
@@ -866,6 +867,10 @@ class SemanticSpecDecoder:
             ok = i not in p or u[i] * p[i] < self.ratio_scale * q[i]
             decisions[i] = "accept" if ok else "reject"
         return time.perf_counter() - tp, draft_feed_s
+
+    @staticmethod
+    def _rows_input(spec: FeatureSpec, tokens, hidden, logits) -> torch.Tensor:
+        return probe_input(rows_features(spec, tokens, hidden, logits), spec.groups)
 
     def _judge_score(self, logits: torch.Tensor) -> float:
         """Expected 0-9 score from the logits of the digit tokens (SpecReason-style judge)."""

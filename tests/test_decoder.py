@@ -11,7 +11,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
-from probes.decoding.runner import CacheRunner
 from probes.export import export_probe, model_fingerprint
 from probes.model import SemanticProbe
 from tests.conftest import tiny_llama
@@ -52,31 +51,6 @@ def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(),
 
 def texts(results):
     return [r.text for r in results]
-
-
-# --------------------------------------------------------------------------- the cache runner
-
-
-def test_runner_rows_with_holes_match_unbatched_forward(world_tokenizer):
-    model = tiny_llama(len(world_tokenizer), 32, 2)
-    run = CacheRunner(model, 3)
-    run.seq = [[2, 5, 6, 7], [2, 9], [2, 4, 4, 4, 4, 4]]
-    run.feed([0, 1, 2])
-    run.seq[1] += [13, 14, 15]
-    run.feed([1])
-    run.rollback(1, 2)  # leaves a masked hole in row 1
-    run.seq[1] += [20]
-    run.seq[2] += [21, 22]
-    fed = run.feed([0, 1, 2], hidden=True, all_logits=True)
-    for i in (1, 2):
-        ref = model(torch.tensor([run.seq[i]]), output_hidden_states=True)
-        torch.testing.assert_close(run.last_logits[i], ref.logits[0, -1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(fed[i].hidden[0], ref.hidden_states[-1][0, fed[i].start :], atol=1e-5, rtol=1e-5)
-    single = CacheRunner(model, 1)
-    single.seq[0] = [2, 3, 4, 5, 6, 7]
-    single.feed([0])
-    single.rollback(0, 2)
-    assert single.cache.get_seq_length() == 4 and single.mask.shape == (1, 4)  # one row: a plain crop
 
 
 # --------------------------------------------------------------------------- equivalences

@@ -7,7 +7,7 @@ import torch
 
 from datamodules.arithmetic import task
 from datamodules.prefixes import load_problems, make_prefixes, prompt_ids
-from datamodules.sampling import generate
+from generation.writer import generate
 from generation.steps import split_steps
 from tests.conftest import tiny_llama
 

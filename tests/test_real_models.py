@@ -315,3 +315,12 @@ def test_build_config_resolves_gguf_specs_to_converted_folders(tmp_path, monkeyp
     folder = config.model_path("target")
     assert (tmp_path / "cache") in Path(folder).parents and (Path(folder) / "config.json").is_file()
     assert folder_fingerprint(folder)["architecture"] == "LlamaForCausalLM"
+
+
+def test_stop_check_on_token_ids_agrees_with_decoding_on_real_tokenizers(real_pair):
+    """The stopper's token-id gate is exact for a byte-level BPE (SmolLM2) and a sentencepiece (Gemma) vocabulary."""
+    from tests.test_generation import _stopper_agrees
+
+    _, target_tok, _, draft_tok = real_pair
+    for tok in (target_tok, draft_tok):
+        _stopper_agrees(tok, ["\n\n", ".\n\n", ":\n\n"], n=300)

@@ -172,7 +172,7 @@ def _measured_section(role: str, r: Optional[dict]) -> list[str]:
     dist = r["template_distribution"]
     lines += [
         f"On {r['n_problems']} held-out four-operation problems (seed {r['problem_seed']}), each model sampling at "
-        f"T={r['temperature']}, top-p {r['top_p']} with `datamodules.sampling.generate`; decode cost at batch 1 with "
+        f"T={r['temperature']}, top-p {r['top_p']} with `generation.writer.generate`; decode cost at batch 1 with "
         f"the same code, {r['torch_threads']} CPU thread(s), median over {r['target']['timing_prompts']} prompts "
         f"of {r['target']['timing_new_tokens']} tokens, prefill excluded.",
         "",

@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from datamodules.arithmetic import task
 from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, build_tokenizer
-from datamodules.sampling import generate
+from generation.writer import generate
 from generation.padding import left_pad
 
 TARGET_STYLE = (0.6, 0.3, 0.05, 0.05)

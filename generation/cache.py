@@ -1,0 +1,255 @@
+"""The one batched KV cache: prefill, fork, feed and rollback by length, for every model the package runs.
+
+Label sampling (:func:`generation.writer.generate`), the label build's step reading
+(:mod:`datamodules.reading`), the world benchmark's timing and the decoder all run their models
+through :class:`BatchedCache`, so the cost a benchmark measures is the cost the decoder pays.
+
+Rows advance by different amounts (one row drafts 9 tokens, another 4; one row's step is rolled
+back, another's kept). Every row keeps explicit position ids (the index of the token in its own
+sequence) and a 2D attention mask marks which cache columns belong to it; a column a row did not
+use (it was not fed in that forward, or fed fewer tokens) is masked. Rollback is by length: a
+row's last ``n`` tokens leave its sequence and their columns are masked. Masked columns do not
+pile up: trailing columns no row uses are cropped (with one row every rollback is a plain crop
+and the cache never holds a masked column), and once the columns beyond the longest row are more
+than ``compact_at`` of the cache's width, :meth:`BatchedCache.compact` gathers every row's columns into one
+right-aligned block (keys carry their rotary positions, so moving them is exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Feed:
+    """What one batched forward gave one row.
+
+    Attributes:
+        start: index in the row's sequence of the first token fed.
+        logits: (n, V) logits at every fed position (``all_logits``) or (1, V) at the last one.
+        hidden: (L, n, D) hidden states of the requested layers at every fed position, or None.
+    """
+
+    start: int
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class BatchedCache:
+    """A model, its KV cache and, per row, the token sequence it has in context.
+
+    ``seq[i]`` is row ``i``'s prompt plus committed output plus tentative tokens, in this model's
+    tokenization; ``n_fed[i]`` of them are in the cache; the rest are *pending* and go into the
+    next :meth:`feed`. ``last_logits[i]`` (V,) predicts ``seq[i][n_fed[i]]`` when nothing is pending.
+
+    Args:
+        model: a transformers causal LM (eval mode), on any device.
+        n_rows: batch size.
+        pad_token_id: id fed in unused slots (masked, never attended).
+        layer_ids: ``hidden_states`` indices to return from feeds that ask for hidden states.
+        compact_at: compact before a feed once columns beyond the longest row exceed this share of
+            the cache's width (and 16 columns); 1.0 never compacts.
+    """
+
+    def __init__(self, model, n_rows: int, pad_token_id: int = 0, layer_ids: Sequence[int] = (-1,),
+                 compact_at: float = 0.25):
+        if n_rows < 1:
+            raise ValueError(f"n_rows={n_rows}; expected >= 1")
+        if not 0 < compact_at <= 1:
+            raise ValueError(f"compact_at={compact_at}; expected a share in (0, 1]")
+        self.model = model
+        self.device = next(model.parameters()).device
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.context: int | None = getattr(cfg, "max_position_embeddings", None)  # positions the model knows
+        self.pad_token_id = int(pad_token_id)
+        self.layer_ids = list(layer_ids)
+        self.compact_at = float(compact_at)
+        self.cache = DynamicCache(config=model.config)
+        self.mask = torch.zeros(n_rows, 0, dtype=torch.long, device=self.device)  # (B, cache length)
+        self.cols: list[list[int]] = [[] for _ in range(n_rows)]  # cache column of every fed token
+        self.seq: list[list[int]] = [[] for _ in range(n_rows)]
+        self.last_logits: list[torch.Tensor | None] = [None] * n_rows
+        self.passes = [0] * n_rows  # forwards that fed this row something
+        self.calls = 0  # forwards in total
+        self.compactions = 0
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.seq)
+
+    @property
+    def n_fed(self) -> list[int]:
+        return [len(c) for c in self.cols]
+
+    @property
+    def holes(self) -> int:
+        """Masked cache columns summed over rows (0 when every row uses every column)."""
+        return self.mask.numel() - sum(len(c) for c in self.cols)
+
+    @property
+    def slack(self) -> int:
+        """Cache columns beyond the longest row: what compaction would remove."""
+        return self.mask.shape[1] - max(len(c) for c in self.cols)
+
+    def pending(self, i: int) -> list[int]:
+        """Tokens of row ``i`` not yet in the cache."""
+        return self.seq[i][len(self.cols[i]) :]
+
+    def prefill(self, prompts: Sequence[Sequence[int]], hidden: bool = False) -> dict[int, Feed]:
+        """Set every row's sequence to its prompt and read them all in one forward."""
+        if len(prompts) != self.n_rows:
+            raise ValueError(f"{len(prompts)} prompts for a cache of {self.n_rows} rows")
+        for i, p in enumerate(prompts):
+            if not len(p):
+                raise ValueError(f"prompt {i} is empty; a prompt holds at least BOS")
+            self.seq[i] = list(p)
+        return self.feed(range(self.n_rows), hidden=hidden)
+
+    def select(self, index: Sequence[int]) -> None:
+        """Rows become copies of rows ``index`` (``[0, 0, 1, 1]``: two of each); pending tokens travel too."""
+        idx = torch.as_tensor(list(index), dtype=torch.long)
+        if len(idx) == 0 or int(idx.min()) < 0 or int(idx.max()) >= self.n_rows:
+            raise ValueError(f"index {list(index)[:8]} must be non-empty row numbers below {self.n_rows}")
+        if self.mask.shape[1]:
+            self.cache.batch_select_indices(idx.to(self.device))
+        self.mask = self.mask[idx.to(self.device)]
+        pick = idx.tolist()
+        self.cols = [list(self.cols[i]) for i in pick]
+        self.seq = [list(self.seq[i]) for i in pick]
+        self.last_logits = [self.last_logits[i] for i in pick]
+        self.passes = [self.passes[i] for i in pick]
+
+    def fork(self, n: int) -> None:
+        """Every row becomes ``n`` consecutive copies of itself (N samples of one prefix)."""
+        if n < 1:
+            raise ValueError(f"n={n}; expected >= 1")
+        if n > 1:
+            self.select([i for i in range(self.n_rows) for _ in range(n)])
+
+    @torch.no_grad()
+    def feed(self, rows: Sequence[int], hidden: bool = False, all_logits: bool = False) -> dict[int, Feed]:
+        """Run one forward over the pending tokens of ``rows`` (right-padded; unused columns masked).
+
+        Rows with nothing pending are skipped; when no row has anything pending no forward runs.
+        Sets ``last_logits`` of every fed row. Returns ``{row: Feed}`` for the fed rows.
+        """
+        todo = {i: self.pending(i) for i in rows}
+        todo = {i: t for i, t in todo.items() if t}
+        if not todo:
+            return {}
+        self._maybe_compact()
+        B, width, T0 = self.n_rows, max(len(t) for t in todo.values()), self.mask.shape[1]
+        full = len(todo) == B and all(len(t) == width for t in todo.values())  # no column masked by this feed
+        ids = [[self.pad_token_id] * width for _ in range(B)]
+        pos = [[0] * width for _ in range(B)]
+        for i, toks in todo.items():
+            ids[i][: len(toks)] = toks
+            n0 = len(self.cols[i])
+            pos[i] = list(range(n0, n0 + width))  # position = index in the row's own sequence
+        if full:
+            new_mask = torch.ones((B, width), dtype=torch.long, device=self.device)
+        else:
+            new_mask = torch.zeros((B, width), dtype=torch.long)
+            for i, toks in todo.items():
+                new_mask[i, : len(toks)] = 1
+            new_mask = new_mask.to(self.device)
+        no_holes = full and self.holes == 0
+        self.mask = torch.cat([self.mask, new_mask], dim=1)
+        if all_logits:
+            keep = 0
+        else:  # only each row's last position: saves the (B, width, V) logits on large vocabularies
+            last = sorted({len(t) - 1 for t in todo.values()})
+            keep = 1 if last == [width - 1] else torch.tensor(last, dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=torch.tensor(ids, device=self.device),
+            # no masked column anywhere: the model's own causal mask is the same and cheaper to build
+            attention_mask=None if no_holes else self.mask,
+            position_ids=torch.tensor(pos, device=self.device),
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=hidden,
+            logits_to_keep=keep,
+        )
+        self.calls += 1
+        result: dict[int, Feed] = {}
+        for i, toks in todo.items():
+            start, n = len(self.cols[i]), len(toks)
+            self.cols[i].extend(range(T0, T0 + n))
+            self.passes[i] += 1
+            if all_logits:
+                logits = out.logits[i, :n]
+            elif isinstance(keep, int):
+                logits = out.logits[i, -1:]
+            else:
+                col = last.index(n - 1)
+                logits = out.logits[i, col : col + 1]
+            h = torch.stack([out.hidden_states[l][i, :n] for l in self.layer_ids]) if hidden else None  # (L, n, D)
+            result[i] = Feed(start, logits, h)
+            self.last_logits[i] = logits[-1]
+        return result
+
+    def rollback(self, i: int, n: int, last_logits: torch.Tensor | None = None) -> None:
+        """Remove the last ``n`` tokens of row ``i``, fed or pending.
+
+        Args:
+            i: row.
+            n: tokens to remove from the end of ``seq[i]``.
+            last_logits: (V,) logits predicting the new end of the row, if known (else None).
+        """
+        if n <= 0:
+            return
+        if n > len(self.seq[i]):
+            raise ValueError(f"cannot roll back {n} tokens of row {i}: it holds {len(self.seq[i])}")
+        del self.seq[i][-n:]
+        drop = self.cols[i][len(self.seq[i]) :]
+        if drop:
+            self.mask[i, drop] = 0
+            del self.cols[i][len(self.seq[i]) :]
+        self.last_logits[i] = last_logits
+        self._trim()
+
+    def _trim(self) -> None:
+        """Crop trailing cache columns that no row uses (with one row: every rollback is a plain crop)."""
+        width = max((c[-1] + 1 for c in self.cols if c), default=0)
+        extra = self.mask.shape[1] - width
+        if extra > 0:
+            self.cache.crop(-extra)
+            self.mask = self.mask[:, :width]
+
+    def _maybe_compact(self) -> None:
+        slack = self.slack
+        if slack > 16 and slack > self.compact_at * self.mask.shape[1]:
+            self.compact()
+
+    def compact(self) -> bool:
+        """Gather every row's cache columns into one right-aligned block, dropping masked columns.
+
+        Returns False (and leaves the cache as it is) when a layer holds fewer columns than the
+        mask, as a sliding-window layer does once it is full.
+        """
+        width = max(len(c) for c in self.cols)
+        T = self.mask.shape[1]
+        layers = getattr(self.cache, "layers", [])
+        if width == T or any(getattr(l, "keys", None) is None or l.keys.shape[-2] != T for l in layers):
+            return False
+        idx = torch.zeros(self.n_rows, width, dtype=torch.long)
+        mask = torch.zeros(self.n_rows, width, dtype=torch.long)
+        for i, c in enumerate(self.cols):
+            if c:
+                idx[i, width - len(c) :] = torch.as_tensor(c)
+                mask[i, width - len(c) :] = 1
+            self.cols[i] = list(range(width - len(c), width))
+        idx = idx.to(self.device)
+        for layer in layers:
+            B, H, _, D = layer.keys.shape
+            g = idx[:, None, :, None].expand(B, H, width, D)
+            layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = width
+        self.mask = mask.to(self.device)
+        self.compactions += 1
+        return True

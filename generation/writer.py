@@ -1,0 +1,191 @@
+"""Writing steps on a :class:`~generation.cache.BatchedCache`: the decoder's step loop and label sampling.
+
+:func:`write_steps` samples one step for several rows together, each stopping at its own
+delimiter, cap or budget; :func:`generate` is label sampling on top of it (prefill once, fork
+``num_samples`` rows per prompt, write). Tokens are drawn only by
+:func:`generation.sampling.sample_next`, on the logits' device: per token the host receives the
+``B`` sampled ids (the stop check needs them) and never the ``(B, V)`` logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from generation.cache import BatchedCache, Feed
+from generation.sampling import sample_next
+
+
+@dataclass
+class StepDraft:
+    """A step being written by one model for one row.
+
+    Attributes:
+        start: index in the writer's ``seq`` where the step begins (forced tokens included).
+        tokens: the step's tokens (forced prefix, then sampled).
+        n_forced: how many leading tokens were given (e.g. the target's bonus token), not sampled.
+        hidden: per fed step token, (L, D) states, when collected.
+    """
+
+    start: int
+    tokens: list[int]
+    n_forced: int = 0
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    """Per sampled token, the (V,) logits it was drawn from, when recorded."""
+    forced_logits: list[torch.Tensor] = field(default_factory=list)
+    """Per forced token, the writer's (V,) logits that predicted it, when recorded."""
+
+    def token_logits(self) -> list[torch.Tensor]:
+        """(V,) logits predicting every token of the step, forced ones first (``record_logits``)."""
+        return self.forced_logits + self.logits
+
+    def pooled_input(self) -> torch.Tensor:
+        """(L, k, D) states of the step's tokens, in order."""
+        return torch.stack(self.hidden, dim=1)
+
+
+def write_steps(
+    runner: BatchedCache,
+    rows: Sequence[int],
+    *,
+    stop: Callable[[list[int]], bool],
+    limits: dict[int, int],
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    forced: dict[int, list[int]] | None = None,
+    collect_hidden: bool = False,
+    feed_last: bool = False,
+    record_logits: bool = False,
+    record_forced_logits: bool = False,
+) -> dict[int, StepDraft]:
+    """Sample one step for every row in ``rows`` together, continuing ``runner``'s cache.
+
+    A row's step ends when ``stop(step_tokens)`` is true (delimiter, EOS, ``max_step_tokens``)
+    or it holds ``limits[row]`` tokens. The sampled tokens are appended to ``runner.seq``; the
+    last one stays pending unless ``feed_last`` (needed to read its hidden state, and it leaves
+    the logits after the step in ``last_logits``).
+
+    Args:
+        runner: the writing model's cache.
+        rows: rows that write a step now.
+        stop: step stopper (``generation.steps.StepStopper``).
+        limits: per row, the most tokens the step may hold (token budget left).
+        temperature: sampling temperature; 0 is greedy.
+        top_p: nucleus mass.
+        generator: torch generator for sampling.
+        forced: per row, tokens that open the step and are already in ``runner.seq``.
+        collect_hidden: keep the hidden states of the step's tokens (for a probe).
+        feed_last: feed the step's last token too.
+        record_logits: keep the logits each token was sampled from (token-level speculation needs them).
+        record_forced_logits: also keep the logits that predicted the forced tokens (a probe's token
+            statistics cover the whole step); the forced tokens must still be pending.
+
+    Returns:
+        ``{row: StepDraft}``.
+    """
+    forced = forced or {}
+    steps = {}
+    for i in rows:
+        f = list(forced.get(i, []))
+        steps[i] = StepDraft(len(runner.seq[i]) - len(f), f, len(f))
+    writing = [
+        i for i in rows if not (steps[i].tokens and (stop(steps[i].tokens) or len(steps[i].tokens) >= limits[i]))
+    ]
+    last = [i for i in rows if i not in writing and feed_last]
+    before = {i: runner.last_logits[i] for i in rows}
+    first = True
+    while writing or last:
+        # With forced tokens, the first forward keeps every position's logits: they predicted the forced tokens.
+        need_all = first and record_forced_logits and any(steps[i].n_forced for i in writing + last)
+        fed = runner.feed(writing + last, hidden=collect_hidden, all_logits=need_all)
+        if need_all:
+            for i in rows:
+                if steps[i].n_forced:
+                    steps[i].forced_logits = _forced_logits(steps[i], fed.get(i), before[i])
+        first = False
+        if collect_hidden:
+            for i, f in fed.items():
+                skip = max(0, steps[i].start - f.start)  # fed tokens before the step belong to the prefix
+                steps[i].hidden.extend(f.hidden[:, skip:].unbind(1))
+        last = []
+        if not writing:
+            break
+        missing = [i for i in writing if runner.last_logits[i] is None]
+        if missing:
+            raise RuntimeError(f"rows {missing} have no logits to sample from; feed their prompt first")
+        logits = torch.stack([runner.last_logits[i] for i in writing]).float()  # (B, V), stays on the device
+        toks = sample_next(logits, temperature, top_p, generator).tolist()  # the one host sync per token: B ids
+        still = []
+        for k, (i, t) in enumerate(zip(writing, toks)):
+            if record_logits:
+                steps[i].logits.append(logits[k])
+            steps[i].tokens.append(int(t))
+            runner.seq[i].append(int(t))
+            if stop(steps[i].tokens) or len(steps[i].tokens) >= limits[i]:
+                if feed_last:
+                    last.append(i)
+            else:
+                still.append(i)
+        writing = still
+    return steps
+
+
+def _forced_logits(step: StepDraft, feed: Feed | None, before: torch.Tensor | None) -> list[torch.Tensor]:
+    """The logits that predicted a step's forced tokens: from the feed that read them, or held before it."""
+    out = []
+    for k in range(step.n_forced):
+        j = step.start + k - (feed.start if feed is not None else step.start + step.n_forced)  # index among fed tokens
+        if feed is not None and j >= 1:
+            out.append(feed.logits[j - 1])
+        elif j == 0 and before is not None:
+            out.append(before)
+        else:
+            raise RuntimeError("the logits predicting a forced token were not kept; feed it in the step's first forward")
+    return out
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.6,
+    top_p: float = 0.95,
+    generator: torch.Generator | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int = 0,
+    num_samples: int = 1,
+) -> list[list[int]]:
+    """Sample a continuation of every prompt (token lists) in one batch on a :class:`BatchedCache`.
+
+    A row stops at ``eos_token_id``, when ``stop(new_tokens)`` is true, or at ``max_new_tokens``;
+    the stopping token is kept. With ``num_samples > 1`` every prompt is prefilled once and its
+    cache forked into ``num_samples`` rows (the label pipeline's N samples per prefix).
+
+    Returns:
+        The new tokens of each row: ``len(prompts) * num_samples`` lists, prompt ``i``'s samples
+        at rows ``i * num_samples`` to ``(i + 1) * num_samples - 1``.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples={num_samples}; expected >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}; expected >= 1")
+    if not prompts:
+        return []
+    cache = BatchedCache(model, len(prompts), pad_token_id)
+    cache.prefill(prompts)
+    cache.fork(num_samples)
+
+    def done(tokens: list[int]) -> bool:
+        return (eos_token_id is not None and tokens[-1] == eos_token_id) or (stop is not None and stop(tokens))
+
+    rows = range(cache.n_rows)
+    steps = write_steps(cache, rows, stop=done, limits={i: max_new_tokens for i in rows}, temperature=temperature,
+                        top_p=top_p, generator=generator)
+    return [steps[i].tokens for i in rows]

@@ -1,0 +1,146 @@
+"""The generation core: the batched KV cache (feed, rollback, fork, compaction), the step writer and stopper."""
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from generation.cache import BatchedCache
+from generation.steps import StepStopper, ends_step
+from generation.writer import generate, write_steps
+from tests.conftest import tiny_llama
+
+
+def _fresh(model, seq):
+    return model(torch.tensor([seq]), output_hidden_states=True)
+
+
+def test_rows_with_masked_columns_match_unbatched_forward(world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    run = BatchedCache(model, 3)
+    run.seq = [[2, 5, 6, 7], [2, 9], [2, 4, 4, 4, 4, 4]]
+    run.feed([0, 1, 2])
+    run.seq[1] += [13, 14, 15]
+    run.feed([1])
+    run.rollback(1, 2)  # masks two columns of row 1
+    run.seq[1] += [20]
+    run.seq[2] += [21, 22]
+    fed = run.feed([0, 1, 2], hidden=True, all_logits=True)
+    for i in (1, 2):
+        ref = _fresh(model, run.seq[i])
+        torch.testing.assert_close(run.last_logits[i], ref.logits[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fed[i].hidden[0], ref.hidden_states[-1][0, fed[i].start :], atol=1e-5, rtol=1e-5)
+    single = BatchedCache(model, 1)
+    single.seq[0] = [2, 3, 4, 5, 6, 7]
+    single.feed([0])
+    single.rollback(0, 2)
+    assert single.cache.get_seq_length() == 4 and single.mask.shape == (1, 4)  # one row: a plain crop
+    assert single.holes == 0
+
+
+def test_masked_columns_do_not_pile_up_and_compaction_is_exact(world_tokenizer):
+    """Ragged feeds and rollbacks for 60 rounds: masked columns stay bounded, logits stay exact."""
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    rng = random.Random(0)
+    run = BatchedCache(model, 4, compact_at=0.25)
+    run.prefill([[2] + [rng.randrange(3, 40) for _ in range(rng.randrange(1, 6))] for _ in range(4)])
+    widest = 0
+    for _ in range(60):
+        rows = [i for i in range(4) if rng.random() < 0.7]
+        for i in rows:
+            run.seq[i] += [rng.randrange(3, 40) for _ in range(rng.randrange(1, 8))]
+        run.feed(rows)
+        # the feed compacted first if needed: slack is at most compact_at of the width, plus this feed's columns
+        assert run.slack <= max(16, 0.25 * run.mask.shape[1]) + 7
+        for i in rows:
+            if rng.random() < 0.5:  # a rejected step: roll back part of what was fed
+                run.rollback(i, rng.randrange(1, len(run.seq[i]) - 1 if len(run.seq[i]) > 2 else 1))
+        widest = max(widest, run.mask.shape[1])
+    assert run.compactions > 0
+    longest = max(len(s) for s in run.seq)
+    assert widest < 2 * longest + 64  # without compaction the width grows with every round (~250 here)
+    for i in range(4):
+        run.seq[i].append(7)
+    fed = run.feed(range(4), hidden=True, all_logits=True)
+    for i in range(4):
+        ref = _fresh(model, run.seq[i])
+        torch.testing.assert_close(fed[i].logits[-1], ref.logits[0, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fed[i].hidden[0, -1], ref.hidden_states[-1][0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_fork_gives_every_copy_the_prefix(world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    run = BatchedCache(model, 2)
+    run.prefill([[2, 5, 6], [2, 9, 9, 9, 9]])
+    run.fork(3)
+    assert run.n_rows == 6 and run.seq[3] == [2, 9, 9, 9, 9]
+    for i in range(6):
+        run.seq[i] += [10 + i] * (i % 3 + 1)
+    run.feed(range(6))
+    for i in range(6):
+        torch.testing.assert_close(run.last_logits[i], _fresh(model, run.seq[i]).logits[0, -1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="n=0"):
+        run.fork(0)
+    with pytest.raises(ValueError, match="below 6"):
+        run.select([0, 6])
+
+
+def test_greedy_generate_equals_transformers_generate(world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32, 2, seed=3)
+    prompts = [[2, 5, 6, 7], [2, 9], [2, 4, 4, 4, 4, 4, 8]]
+    ours = generate(model, prompts, max_new_tokens=10, temperature=0.0, num_samples=2)
+    for k, p in enumerate(prompts):
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
+                             max_new_tokens=10, min_new_tokens=10, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+        assert ours[2 * k] == ours[2 * k + 1] == ref
+
+
+def test_sampled_generate_is_seeded_and_forks_differ(world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32, 2, seed=3)
+    run = lambda seed: generate(model, [[2, 5, 6]], max_new_tokens=12, temperature=1.0, top_p=1.0,
+                                generator=torch.Generator().manual_seed(seed), num_samples=4)
+    a, b = run(0), run(0)
+    assert a == b and len(a) == 4 and len({tuple(x) for x in a}) > 1
+    stop_at_7 = generate(model, [[2, 5, 6]], max_new_tokens=40, temperature=1.0, num_samples=8,
+                         generator=torch.Generator().manual_seed(1), stop=lambda t: t[-1] == 7)
+    assert all((t[-1] == 7) != (len(t) == 40) or t[-1] == 7 for t in stop_at_7)
+    assert all(7 not in t[:-1] for t in stop_at_7)
+
+
+def test_write_steps_stops_each_row_at_its_own_limit(world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32, 2, seed=3)
+    run = BatchedCache(model, 3)
+    run.prefill([[2, 5], [2, 6], [2, 7]])
+    steps = write_steps(run, [0, 1, 2], stop=lambda t: False, limits={0: 1, 1: 4, 2: 9}, temperature=0.0, top_p=1.0,
+                        generator=None, feed_last=True)
+    assert [len(steps[i].tokens) for i in range(3)] == [1, 4, 9]
+    assert run.n_fed == [len(s) for s in run.seq]  # feed_last: every token is in the cache
+
+
+def _stopper_agrees(tok, delimiters, n=400, seed=0):
+    gated = StepStopper(tok, delimiters, max_step_tokens=10_000)
+    assert gated._enders is not None
+    ids = sorted(gated._enders)[:200]
+    rng = random.Random(seed)
+    stops = 0
+    for _ in range(n):  # token by token, as a step is written: the first stop ends it
+        toks = []
+        for _ in range(8):
+            toks.append(rng.randrange(len(tok)) if rng.random() < 0.6 else rng.choice(ids))
+            tail = tok.decode(toks[-gated._tail :], skip_special_tokens=False)
+            want = toks[-1] == tok.eos_token_id or ends_step(tail, delimiters)
+            assert gated(toks) == want, toks
+            if want:
+                stops += 1
+                break
+    assert stops > n // 4  # the check was exercised on both answers
+
+
+def test_stop_check_on_token_ids_agrees_with_decoding(world_tokenizer):
+    _stopper_agrees(world_tokenizer, ["\n\n", ".\n\n"])
+    stop = StepStopper(world_tokenizer, ["\n\n"], max_step_tokens=3)
+    word = world_tokenizer("seven", add_special_tokens=False).input_ids[-1]
+    assert stop([word] * 3) and not stop([word] * 2)
+    with pytest.raises(ValueError, match="delimiters"):
+        StepStopper(world_tokenizer, [""])
