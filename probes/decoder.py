@@ -5,20 +5,19 @@ against its KV cache; a probe on the target's hidden states (``q``) and one on t
 decide whether the step means what the target would have said (DESIGN.md "Decoding"):
 
 1. the target writes the first step (``target_first_step``);
-2. the draft writes a step, keeping the hidden states of its tokens for ``p``;
-3. the target reads the step in one forward pass (new tokens only, KV cache kept);
-4. fast path (off by default; shared tokenizer only): every draft token is in the target's top-k
-   *and* has target log-probability >= ``fast_path_min_logprob`` -> keep without the probe;
-5. else keep when ``q >= tau`` (threshold rule, default) or with probability
-   ``min(1, ratio_scale * q / p)`` (the paper's ratio rule);
-6. keep: the target's cache stays and the token it predicts after the step (the *bonus* token)
-   opens the next step; refuse: the target's cache is rolled back and the target writes the step
-   (optionally with token-level speculation, ``token_sd=True``);
-7. stop at EOS, a completed answer-marker line, the token budget or the context end.
+2. **propose**: the draft writes a step, keeping what the draft probe reads;
+3. **verify**: the target reads the step in one forward pass (new tokens only, KV cache kept);
+4. **decide**: the method's :class:`~probes.decoding.policies.AcceptancePolicy` keeps or refuses
+   it (SemanticSpec: the optional gated top-k fast path, then ``q >= tau`` or the paper's ratio
+   rule ``min(1, ratio_scale * q / p)``);
+5. **commit or roll back**: a kept step stays in both caches and the token the target predicts
+   after it (the *bonus* token) opens the next step; a refused one is rolled back by length and the
+   target writes the step (optionally with token-level speculation, ``token_sd=True``);
+6. stop at EOS, a completed answer-marker line, the token budget or the context end.
 
-Several prompts advance together, each with its own decisions (one :class:`~generation.cache.BatchedCache` per model).
-Every baseline (target only, draft only, SpecReason-style judging, random and oracle acceptance)
-runs through the same loop and the same sampler, so their timings compare; token-level
+Several prompts advance together, each with its own decisions (one :class:`~generation.cache.BatchedCache`
+per model). Every baseline (target only, draft only, SpecReason-style judging, random and oracle
+acceptance) runs through the same loop and the same sampler, so their timings compare; token-level
 speculative decoding runs in transformers' own assisted generation and is compared with
 transformers' own target-only generation (``method="hf_target_only"``).
 
@@ -34,17 +33,24 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 
-from generation.sampling import sample_next, top_p_filter
-from generation.steps import DEFAULT_DELIMITERS, StepStopper
-from probes import metrics
-from generation.features import FeatureSpec, probe_input, rows_features, token_scores
-from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
 from generation.cache import BatchedCache
+from generation.sampling import sample_next
+from generation.steps import StepStopper
 from generation.writer import StepDraft, write_steps
+from probes.decoding import setup
+from probes.decoding.handover import Handover
+from probes.decoding.hf import decode_text, hf_generate, pad_id
+from probes.decoding.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
+from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
+from probes.decoding.rows import Row
+from probes.decoding.setup import RULES
+from probes.decoding.speculative import token_sd_steps
+from probes.decoding.verify import verify
+
+__all__ = ["METHODS", "RULES", "SemanticSpecDecoder", "DecodeResult", "DecodeStats", "StepTrace", "summarize"]
 
 METHODS = (
     "semanticspec",
@@ -57,130 +63,10 @@ METHODS = (
     "oracle_accept",
 )
 """Methods :meth:`SemanticSpecDecoder.generate` runs; ``token_sd``/``hf_target_only`` run in transformers' loop."""
-RULES = ("ratio", "threshold")
 SPECREASON_SUFFIX = "\nScore 0-9:"
 """Judge turn appended after a draft step for SpecReason-style scoring (SpecReason asks for a 0-9 score)."""
 
 ProbeLike = str | os.PathLike | torch.nn.Module | None
-
-
-@dataclass
-class StepTrace:
-    """One step of a decode.
-
-    Attributes:
-        writer: ``"target"`` or ``"draft"``.
-        text: the step's text (special tokens dropped).
-        n_tokens: tokens in the step, in the writer's tokenizer (a target bonus token included).
-        q: target probe's semantic probability (None when not computed, e.g. fast path).
-        p: draft probe's semantic probability (None when not computed).
-        decision: ``accept_fast`` (top-k fast path), ``accept``, ``reject`` (a draft step thrown
-            away; the next trace entry is the target's step) or ``target`` (target-written).
-        seconds: wall time of the phases that produced and judged this step (shared evenly by the
-            rows of a batch).
-        score: SpecReason judge score 0-9 (only for ``method="specreason"``).
-    """
-
-    writer: str
-    text: str
-    n_tokens: int
-    q: float | None = None
-    p: float | None = None
-    decision: str = "target"
-    seconds: float = 0.0
-    score: float | None = None
-
-
-@dataclass
-class DecodeStats:
-    """Counters of one prompt's decode (DESIGN.md "Definitions").
-
-    ``wall_s`` and the phase times (``*_s``) of a batch are shared evenly by its rows, so sums over
-    results give totals. ``steps`` counts committed steps (rejected proposals not included). Phases of
-    the speculative loop: the target's first step (``first_step_s``), drafting (``draft_s``), the
-    target's verification forward (``verify_s``), probes (``probe_s``) and the target rewriting
-    refused steps (``rewrite_s``); the rest of ``wall_s`` is bookkeeping. Methods without a draft
-    count only ``wall_s``.
-    """
-
-    wall_s: float = 0.0
-    output_tokens: int = 0
-    draft_tokens: int = 0
-    steps: int = 0
-    draft_steps_proposed: int = 0
-    draft_steps_accepted: int = 0
-    target_passes: int = 0
-    draft_passes: int = 0
-    probe_s: float = 0.0
-    first_step_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    rewrite_s: float = 0.0
-    drafted_tokens: int = 0
-    """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded)."""
-
-
-@dataclass
-class DecodeResult:
-    """Output of one prompt: the generated text (prompt excluded), the step trace and counters."""
-
-    text: str
-    steps: list[StepTrace] = field(default_factory=list)
-    stats: DecodeStats = field(default_factory=DecodeStats)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
-    """Aggregate figures over prompts, named as in DESIGN.md "Definitions".
-
-    Returns:
-        ``step_acceptance``, ``draft_token_share``, ``target_passes_per_100_tokens``,
-        ``probe_overhead``, ``wall_s``, ``output_tokens``, ``tokens_per_s``, ``n_prompts``, ``steps``,
-        ``draft_steps_proposed``, ``draft_steps_accepted``, ``target_passes``, ``draft_passes``, ``probe_s``.
-    """
-    s = [r.stats for r in results]
-    tot = {k: sum(getattr(x, k) for x in s) for k in DecodeStats.__dataclass_fields__}
-    return {
-        "step_acceptance": float(metrics.step_acceptance(tot["draft_steps_accepted"], tot["draft_steps_proposed"])),
-        "draft_token_share": float(metrics.draft_token_share(tot["draft_tokens"], tot["output_tokens"])),
-        "target_passes_per_100_tokens": float(
-            metrics.target_passes_per_100_tokens(tot["target_passes"], tot["output_tokens"])
-        ),
-        "probe_overhead": float(metrics.probe_overhead(tot["probe_s"], tot["wall_s"])),
-        "tokens_per_s": tot["output_tokens"] / tot["wall_s"] if tot["wall_s"] > 0 else 0.0,
-        "n_prompts": len(results),
-        **tot,
-    }
-
-
-def _context_length(model) -> int | None:
-    cfg = model.config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return getattr(cfg, "max_position_embeddings", None)
-
-
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-class _Row:
-    """Decode state of one prompt."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.out: list[int] = []  # output tokens (shared tokenizer)
-        self.pieces: list[str] = []  # output text per committed step
-        self.trace: list[StepTrace] = []
-        self.stats = DecodeStats()
-        self.done = False
-        self.forced: list[int] = []  # target bonus token opening the next step
-        self.steps_written = 0
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
 
 
 class SemanticSpecDecoder:
@@ -252,34 +138,13 @@ class SemanticSpecDecoder:
         token_sd_tokens: int = 4,
         lazy_p: bool = False,
     ):
-        errors = []
-        if rule not in RULES:
-            errors.append(f"rule={rule!r}: expected one of {RULES}")
-        if not 0 <= tau <= 1:
-            errors.append(f"tau={tau}: expected 0 <= tau <= 1")
-        if ratio_scale <= 0:
-            errors.append(f"ratio_scale={ratio_scale}: expected > 0")
-        if top_k < 0:
-            errors.append(f"top_k={top_k}: expected >= 0 (0 disables the fast path)")
-        if top_k and draft_tokenizer is not None and draft_tokenizer is not tokenizer:
-            errors.append(f"top_k={top_k}: the fast path compares the draft's tokens with the target's top-k, "
-                          "so it needs a shared tokenizer; this pair has two (use top_k=0)")
-        if not fast_path_min_logprob <= 0:
-            errors.append(f"fast_path_min_logprob={fast_path_min_logprob}: expected a log-probability <= 0")
-        if max_step_tokens is not None and max_step_tokens < 1:
-            errors.append(f"max_step_tokens={max_step_tokens}: expected >= 1")
-        if delimiters is not None and (isinstance(delimiters, str) or not delimiters or not all(delimiters)):
-            errors.append(f"delimiters={delimiters!r}: expected a non-empty list of non-empty strings")
-        if token_sd and draft_tokenizer is not None and draft_tokenizer is not tokenizer:
-            errors.append("token_sd=True (token-level speculation inside target steps) needs a shared tokenizer")
-        if token_sd_tokens < 1:
-            errors.append(f"token_sd_tokens={token_sd_tokens}: expected >= 1")
-        if errors:
-            raise ValueError("invalid SemanticSpecDecoder arguments: " + "; ".join(errors))
+        self.handover = Handover(tokenizer, draft_tokenizer)
+        self.shared = self.handover.shared
+        setup.check_args(rule=rule, tau=tau, ratio_scale=ratio_scale, top_k=top_k, shared=self.shared,
+                         fast_path_min_logprob=fast_path_min_logprob, max_step_tokens=max_step_tokens,
+                         delimiters=delimiters, token_sd=token_sd, token_sd_tokens=token_sd_tokens)
         self.target, self.draft = target.eval(), draft.eval()
-        self.tokenizer = tokenizer
-        self.shared = draft_tokenizer is None or draft_tokenizer is tokenizer
-        self.draft_tokenizer = tokenizer if draft_tokenizer is None else draft_tokenizer
+        self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
         self.rule, self.tau, self.ratio_scale = rule, float(tau), float(ratio_scale)
         self.top_k = top_k
         self.fast_path_min_logprob = float(fast_path_min_logprob)
@@ -290,67 +155,15 @@ class SemanticSpecDecoder:
         self.specreason_threshold = specreason_threshold
         self.token_sd, self.token_sd_tokens = token_sd, token_sd_tokens
         self.lazy_p = lazy_p
-        self.target_probe = self._probe(target_probe, target, tokenizer)
-        self.draft_probe = self._probe(draft_probe, draft, self.draft_tokenizer)
-        self._check_features(self.target_probe)
-        self._check_features(self.draft_probe)
-        self.delimiters, self.max_step_tokens = self._step_spec(delimiters, max_step_tokens)
+        self.target_probe = setup.load(target_probe, target, tokenizer)
+        self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer)
+        self.delimiters, self.max_step_tokens = setup.step_spec((self.target_probe, self.draft_probe), delimiters,
+                                                                max_step_tokens)
         self._suffix_ids = self.tokenizer(specreason_suffix, add_special_tokens=False).input_ids
+        self._spare = 1 + len(self._suffix_ids)  # room kept for a bonus token and SpecReason's judge turn
+        self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
         self.target_stop = StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
         self.draft_stop = StepStopper(self.draft_tokenizer, self.delimiters, self.max_step_tokens)
-
-    def _step_spec(self, delimiters, max_step_tokens) -> tuple[tuple[str, ...], int]:
-        """The step definition: what the probes' labels were cut at, unless given; a conflict is refused.
-
-        Raises:
-            ValueError: the two probes were trained on different steps, or an argument differs from
-                a probe's (naming both values).
-        """
-        recorded: dict[str, tuple[object, str]] = {}
-        problems = []
-        for probe in (self.target_probe, self.draft_probe):
-            if probe is None:
-                continue
-            c = probe.config
-            for key, value in (("delimiters", tuple(c.delimiters)), ("max_step_tokens", c.labels.get("max_step_tokens"))):
-                if value is None:
-                    continue
-                if key in recorded and recorded[key][0] != value:
-                    problems.append(f"the {recorded[key][1]} has {key}={recorded[key][0]!r}, the {c.role} probe {value!r}")
-                recorded.setdefault(key, (value, f"{c.role} probe"))
-        given = {"delimiters": None if delimiters is None else tuple(delimiters), "max_step_tokens": max_step_tokens}
-        for key, value in given.items():
-            if value is not None and key in recorded and recorded[key][0] != value:
-                problems.append(f"{key}={value!r} but the {recorded[key][1]} was trained on steps with {key}="
-                                f"{recorded[key][0]!r} (leave {key} unset to use the probe's)")
-        if problems:
-            raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
-        resolved = {k: v if v is not None else recorded.get(k, (None,))[0] for k, v in given.items()}
-        return tuple(resolved["delimiters"] or DEFAULT_DELIMITERS), int(resolved["max_step_tokens"] or 64)
-
-    @staticmethod
-    def _probe(probe: ProbeLike, model, tokenizer):
-        if probe is None:
-            return None
-        if isinstance(probe, (str, os.PathLike)):
-            from probes.export import load_probe
-
-            return load_probe(probe, model, tokenizer, device=str(_device(model)))
-        if not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
-            raise TypeError(f"probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
-        from probes.export import check_probe_matches
-
-        # The same fingerprint check as load_probe: width, and model/tokenizer when the probe records them.
-        check_probe_matches(probe.config, model, tokenizer, where=f"{probe.config.role} probe")
-        return probe.to(_device(model)).eval()
-
-    @staticmethod
-    def _check_features(probe) -> None:
-        """Refuse a probe reading features this decoder cannot compute, naming both lists."""
-        if probe is not None:
-            c = probe.config
-            require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS,
-                             where=f"{c.role} probe", provider="SemanticSpecDecoder")
 
     # ------------------------------------------------------------------ public entry point
 
@@ -391,14 +204,16 @@ class SemanticSpecDecoder:
             ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, or a
                 prompt longer than a model's context (naming both lengths).
         """
-        self._check(method, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size)
+        setup.check_generate(method, METHODS, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size,
+                             has_target_probe=self.target_probe is not None,
+                             needs_draft_probe=self.rule == "ratio" and self.draft_probe is None)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # not one prompt per character
         if not prompts:
             return []
         ids_t = [self.tokenizer(p).input_ids for p in prompts]
         ids_d = ids_t if self.shared else [self.draft_tokenizer(p).input_ids for p in prompts]
         for name, model, ids in (("target", self.target, ids_t), ("draft", self.draft, ids_d)):
-            ctx = _context_length(model)
+            ctx = BatchedCache(model, 1).context
             for i, row in enumerate(ids):
                 if ctx is not None and len(row) >= ctx:
                     raise ValueError(
@@ -408,6 +223,8 @@ class SemanticSpecDecoder:
         bs = batch_size or len(prompts)
         gen = torch.Generator().manual_seed(seed)
         coins = torch.Generator().manual_seed(seed + 1)
+        policy = self._policy(method, accept_rate, oracle, coins)
+        sampling = {"temperature": temperature, "top_p": top_p, "generator": gen}
         results: list[DecodeResult] = []
         starts = range(0, len(prompts), bs)
         if progress:
@@ -417,73 +234,43 @@ class SemanticSpecDecoder:
         for s in starts:
             chunk = slice(s, s + bs)
             if method in ("token_sd", "hf_target_only"):
-                results += [
-                    self._hf_generate(t, method, max_new_tokens, temperature, top_p, seed + s + k)
-                    for k, t in enumerate(ids_t[chunk])
-                ]
+                dtok = None if self.shared else self.draft_tokenizer
+                results += [hf_generate(self.target, self.draft, self.tokenizer, dtok, t, method, max_new_tokens,
+                                        temperature, top_p, seed + s + k) for k, t in enumerate(ids_t[chunk])]
             else:
-                results += self._decode(
-                    ids_t[chunk],
-                    ids_d[chunk],
-                    method,
-                    max_new_tokens,
-                    temperature,
-                    top_p,
-                    gen,
-                    coins,
-                    accept_rate,
-                    oracle,
-                )
+                results += self._decode(ids_t[chunk], ids_d[chunk], method, max_new_tokens, sampling, policy)
         return results
 
-    def _check(self, method, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size=None) -> None:
-        errors = []
-        if method not in METHODS:
-            errors.append(f"method={method!r}: expected one of {METHODS}")
-        if max_new_tokens < 1:
-            errors.append(f"max_new_tokens={max_new_tokens}: expected >= 1")
-        if not (math.isfinite(temperature) and temperature >= 0):  # nan would reach torch's sampler
-            errors.append(f"temperature={temperature}: expected a finite number >= 0 (0 = greedy)")
-        if not 0 < top_p <= 1:
-            errors.append(f"top_p={top_p}: expected in (0, 1]")
-        if batch_size is not None and batch_size < 1:  # 0 would silently mean "all prompts"
-            errors.append(f"batch_size={batch_size}: expected >= 1, or None for all prompts at once")
+    def _policy(self, method, accept_rate, oracle, coins) -> AcceptancePolicy | None:
+        """The acceptance policy of a speculative method (None for the methods without a draft step)."""
         if method == "semanticspec":
-            if self.target_probe is None:
-                errors.append("method='semanticspec' needs target_probe (an exported probe directory)")
-            if self.rule == "ratio" and self.draft_probe is None:
-                errors.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
-        if method == "random_accept" and (accept_rate is None or not 0 <= accept_rate <= 1):
-            errors.append(f"method='random_accept' needs accept_rate in [0, 1], got {accept_rate}")
-        if method == "oracle_accept" and not callable(oracle):
-            errors.append("method='oracle_accept' needs oracle=callable(step_text, output_so_far) -> bool")
-        if errors:
-            raise ValueError("; ".join(errors))
+            return ProbePolicy(self.target_probe, self.draft_probe, self.rule, self.tau, self.ratio_scale, self.lazy_p,
+                               self.top_k, self.fast_path_min_logprob, coins)
+        if method == "random_accept":
+            return RandomPolicy(accept_rate, coins)
+        if method == "oracle_accept":
+            return OraclePolicy(oracle)
+        if method == "specreason":
+            return SpecReasonPolicy(self._suffix_ids, self._digits, self.specreason_threshold)
+        return None
 
     # ------------------------------------------------------------------ the step loop
 
-    def _decode(
-        self, ids_t, ids_d, method, max_new_tokens, temperature, top_p, gen, coins, accept_rate, oracle
-    ) -> list[DecodeResult]:
+    def _decode(self, ids_t, ids_d, method, max_new_tokens, sampling, policy) -> list[DecodeResult]:
         B = len(ids_t)
-        tprobe, dprobe = self.target_probe, self.draft_probe
-        tgt = BatchedCache(
-            self.target, B, self._pad(self.tokenizer), tprobe.config.layer_ids if tprobe is not None else [-1]
-        )
-        drf = BatchedCache(
-            self.draft, B, self._pad(self.draft_tokenizer), dprobe.config.layer_ids if dprobe is not None else [-1]
-        )
+        layers = lambda probe: probe.config.layer_ids if probe is not None else [-1]  # noqa: E731
+        tgt = BatchedCache(self.target, B, pad_id(self.tokenizer), layers(self.target_probe))
+        drf = BatchedCache(self.draft, B, pad_id(self.draft_tokenizer), layers(self.draft_probe))
         for i in range(B):
             tgt.seq[i], drf.seq[i] = list(ids_t[i]), list(ids_d[i])
-        rows = [_Row(max_new_tokens) for _ in range(B)]
-        sampling = {"temperature": temperature, "top_p": top_p, "generator": gen}
+        rows = [Row(max_new_tokens, self.shared, self.answer_marker) for _ in range(B)]
         t_start = time.perf_counter()
+        using = {"target_only": (tgt,), "draft_only": (drf,)}.get(method, (tgt, drf))
         while True:
-            using = {"target_only": (tgt,), "draft_only": (drf,)}.get(method, (tgt, drf))
-            active = [i for i in range(B) if not rows[i].done and self._limit(rows[i], i, *using) > 0]
+            active = [i for i in range(B) if not rows[i].done and rows[i].limit(i, self._spare, *using) > 0]
             for i in range(B):
                 if not rows[i].done and i not in active:
-                    self._close(rows[i])  # budget or context exhausted
+                    rows[i].close(self.tokenizer)  # budget or context exhausted
             if not active:
                 break
             if method == "target_only":
@@ -494,9 +281,7 @@ class SemanticSpecDecoder:
                 continue
             first = [i for i in active if self.target_first_step and rows[i].steps_written == 0]
             spec = [i for i in active if i not in first]
-            rejected: list[int] = []
-            if spec:
-                rejected = self._speculate(spec, rows, tgt, drf, method, sampling, coins, accept_rate, oracle)
+            rejected = self._speculate(spec, rows, tgt, drf, sampling, policy) if spec else []
             if first or rejected:
                 t0 = time.perf_counter()
                 self._target_steps(first + rejected, rows, tgt, drf, sampling, use_draft=True)
@@ -514,268 +299,29 @@ class SemanticSpecDecoder:
             out.append(DecodeResult(text, r.trace, r.stats))
         return out
 
-    def _close(self, r: _Row) -> None:
-        """Finish a row; a bonus token still waiting for its step becomes a last one-token step."""
-        r.done = True
-        if r.forced:
-            text = self._text(self.tokenizer, r.forced)
-            r.trace.append(StepTrace("target", text, len(r.forced), decision="target"))
-            r.pieces.append(text)
-            r.stats.steps += 1
-            r.forced = []
-
-    @staticmethod
-    def _pad(tok) -> int:
-        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-
-    def _limit(self, row: _Row, i: int, *runs: BatchedCache) -> int:
-        """Tokens the next step may hold: budget left and room in the models' contexts.
-
-        One position stays spare for a bonus token, plus the judge turn's length for SpecReason.
-        """
-        left = row.budget - row.stats.output_tokens
-        spare = 1 + len(self._suffix_ids)
-        for run in runs:
-            if run.context is not None:
-                left = min(left, run.context - len(run.seq[i]) - spare)
-        return left
-
-    def _commit(
-        self, r: _Row, trace: StepTrace, tokens: list[int], n_forced: int, eos_id: int | None, by_draft: bool
-    ) -> None:
-        """Add a kept step to the output and decide whether the row is finished."""
-        r.trace.append(trace)
-        r.steps_written += 1
-        r.stats.steps += 1
-        r.stats.output_tokens += len(tokens) - n_forced
-        if by_draft:
-            r.stats.draft_tokens += len(tokens) - n_forced
-        if self.shared:
-            r.out.extend(tokens[n_forced:])
-        r.pieces.append(trace.text)
-        r.forced = []
-        if eos_id is not None and eos_id in tokens:
-            r.done = True
-        elif self.answer_marker:
-            text = r.text
-            k = text.rfind(self.answer_marker)
-            if k >= 0 and "\n" in text[k:]:
-                r.done = True
-
-    def _text(self, tok, tokens: Sequence[int]) -> str:
-        eos = tok.eos_token_id
-        if eos is not None and eos in tokens:
-            tokens = tokens[: list(tokens).index(eos)]
-        return tok.decode(list(tokens), skip_special_tokens=True)
-
-    def _target_steps(self, rows_i, rows, tgt, drf, sampling, use_draft: bool) -> None:
-        """The target writes one step for each row; the draft is handed the step."""
+    def _speculate(self, rows_i, rows, tgt, drf, sampling, policy: AcceptancePolicy) -> list[int]:
+        """Propose, verify, decide, then commit or roll back every row's step. Returns the refused rows."""
         t0 = time.perf_counter()
-        using = (tgt, drf) if use_draft else (tgt,)
-        limits = {i: self._limit(rows[i], i, *using) + len(rows[i].forced) for i in rows_i}
-        forced = {i: rows[i].forced for i in rows_i}
-        token_sd = use_draft and self.token_sd
-        if token_sd:
-            steps = self._token_sd_steps(rows_i, tgt, drf, limits, forced, sampling)
-        else:
-            steps = write_steps(tgt, rows_i, stop=self.target_stop, limits=limits, forced=forced, **sampling)
-        dt = (time.perf_counter() - t0) / len(rows_i)
-        for i in rows_i:
-            st, r = steps[i], rows[i]
-            text = self._text(self.tokenizer, st.tokens)
-            new = st.tokens[st.n_forced :]
-            if use_draft and not token_sd:  # the draft reads the target's step on its next forward
-                drf.seq[i].extend(
-                    new if self.shared else self.draft_tokenizer(text, add_special_tokens=False).input_ids
-                )
-            self._commit(
-                r,
-                StepTrace("target", text, len(st.tokens), decision="target", seconds=dt),
-                st.tokens,
-                st.n_forced,
-                self.tokenizer.eos_token_id,
-                False,
-            )
-
-    def _token_sd_steps(self, rows_i, tgt, drf, limits, forced, sampling) -> dict[int, StepDraft]:
-        """The target writes one step per row with token-level speculative sampling (Leviathan et al., 2023).
-
-        The draft proposes up to ``token_sd_tokens`` tokens, the target scores them in one forward,
-        each is kept with probability ``min(1, p_target / p_draft)``; the first refused one is
-        replaced by a draw from the residual ``max(0, p_target - p_draft)``, and when all are kept
-        the target adds one more. The step is therefore distributed as the target's own. Both
-        caches end holding the step (its last token pending).
-        """
-        temperature, top_p, gen = sampling["temperature"], sampling["top_p"], sampling["generator"]
-        steps = {i: StepDraft(len(tgt.seq[i]) - len(forced[i]), list(forced[i]), len(forced[i])) for i in rows_i}
-
-        def finished(i: int) -> bool:
-            toks = steps[i].tokens
-            return bool(toks) and (self.target_stop(toks) or len(toks) >= limits[i])
-
-        writing = [i for i in rows_i if not finished(i)]
-        while writing:
-            lim = {i: min(len(steps[i].tokens) + self.token_sd_tokens, limits[i]) for i in writing}
-            props = write_steps(
-                drf,
-                writing,
-                stop=self.draft_stop,
-                limits=lim,
-                record_logits=True,
-                forced={i: steps[i].tokens for i in writing},
-                **sampling,
-            )
-            before = {i: tgt.last_logits[i] for i in writing}
-            n0 = {i: len(tgt.seq[i]) for i in writing}
-            for i in writing:
-                tgt.seq[i].extend(props[i].tokens[props[i].n_forced :])
-            fed = tgt.feed(writing, all_logits=True)
-            for i in writing:
-                d, f = props[i], fed.get(i)
-                proposal = d.tokens[d.n_forced :]
-
-                def t_logits(j: int, i=i, f=f, n0=n0, before=before):  # target logits predicting proposal token j
-                    k = n0[i] + j - 1 - f.start
-                    return f.logits[k] if k >= 0 else before[i]
-
-                kept, extra = 0, None
-                for j, x in enumerate(proposal):
-                    pt, pd = self._probs(t_logits(j), temperature, top_p), self._probs(d.logits[j], temperature, top_p)
-                    if float(torch.rand((), generator=gen)) * float(pd[x]) <= float(pt[x]) and float(pt[x]) > 0:
-                        kept += 1
-                        steps[i].tokens.append(x)
-                        if finished(i):
-                            break
-                        continue
-                    residual = (pt - pd).clamp(min=0)
-                    residual = residual if float(residual.sum()) > 0 else pt
-                    extra = int(torch.multinomial(residual, 1, generator=gen))
-                    break
-                if extra is None and not finished(i):  # all kept: the target adds one more token
-                    extra = int(sample_next(t_logits(len(proposal))[None].float().cpu(), temperature, top_p, gen)[0])
-                drop = len(proposal) - kept
-                tgt.rollback(i, drop, last_logits=t_logits(kept) if drop else tgt.last_logits[i])
-                drf.rollback(i, drop, last_logits=d.logits[kept] if drop else None)
-                if extra is not None:
-                    steps[i].tokens.append(extra)
-                    tgt.seq[i].append(extra)
-                    drf.seq[i].append(extra)
-            writing = [i for i in writing if not finished(i)]
-        return steps
-
-    @staticmethod
-    def _probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-        """The distribution :func:`~generation.sampling.sample_next` draws from, as (V,) probabilities."""
-        logits = logits.float().cpu()
-        if temperature == 0:
-            return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-        probs = top_p_filter(torch.softmax(logits / temperature, dim=-1)[None], top_p)[0]
-        return probs / probs.sum()
-
-    def _draft_only_steps(self, rows_i, rows, drf, sampling) -> None:
-        t0 = time.perf_counter()
-        limits = {i: self._limit(rows[i], i, drf) for i in rows_i}
-        steps = write_steps(drf, rows_i, stop=self.draft_stop, limits=limits, **sampling)
-        dt = (time.perf_counter() - t0) / len(rows_i)
-        for i in rows_i:
-            st = steps[i]
-            text = self._text(self.draft_tokenizer, st.tokens)
-            rows[i].stats.draft_steps_proposed += 1
-            rows[i].stats.draft_steps_accepted += 1
-            self._commit(
-                rows[i],
-                StepTrace("draft", text, len(st.tokens), decision="accept", seconds=dt),
-                st.tokens,
-                0,
-                self.draft_tokenizer.eos_token_id,
-                True,
-            )
-
-    def _speculate(self, rows_i, rows, tgt, drf, method, sampling, coins, accept_rate, oracle) -> list[int]:
-        """Draft a step per row, let the target read it, decide, keep or roll back. Returns rejected rows."""
-        t0 = time.perf_counter()
-        need_q = method == "semanticspec"
-        need_p = need_q and self.rule == "ratio"
-        tspec = FeatureSpec.of(self.target_probe.config) if need_q else None
-        dspec = FeatureSpec.of(self.draft_probe.config) if need_p else None
-        limits = {i: self._limit(rows[i], i, tgt, drf) + len(rows[i].forced) for i in rows_i}
-        forced = {i: rows[i].forced for i in rows_i}
-        t_draft = time.perf_counter()
-        drafts = write_steps(
-            drf,
-            rows_i,
-            stop=self.draft_stop,
-            limits=limits,
-            forced=forced,
-            collect_hidden=need_p and dspec.needs_hidden,
-            record_logits=True,
-            record_forced_logits=need_p and dspec.needs_logits,
-            **sampling,
-        )
+        drafts = self._propose(rows_i, rows, tgt, drf, sampling, policy)
         t_verify = time.perf_counter()
-        # The target reads every row's step (plus the judge turn for SpecReason) in one forward.
-        suffix = list(self._suffix_ids) if method == "specreason" else []
-        texts, t_start, n_new, pre_logits = {}, {}, {}, {}
-        for i in rows_i:
-            d = drafts[i]
-            texts[i] = self._text(self.draft_tokenizer, d.tokens)
-            new = (
-                d.tokens[d.n_forced :] if self.shared else self.tokenizer(texts[i], add_special_tokens=False).input_ids
-            )
-            t_start[i] = len(tgt.seq[i]) - (d.n_forced if self.shared else 0)
-            n_new[i] = len(new)
-            pre_logits[i] = tgt.last_logits[i]
-            tgt.seq[i].extend(new + suffix)
-        fed = tgt.feed(rows_i, hidden=need_q and tspec.needs_hidden, all_logits=True)
+        verified, n_new, pre_logits, after = verify(tgt, self.handover, {i: rows[i].text for i in rows_i}, drafts, policy)
         t_fed = time.perf_counter()
-        probe_s = draft_feed_s = 0.0
-        decisions, q, p, scores = {}, {}, {}, {}
-        after, step_logits = {}, {}
-        for i in rows_i:
-            f = fed.get(i)
-            if f is None:  # empty step (cannot happen with max_step_tokens >= 1) - treat as rejected
-                decisions[i] = "reject"
-                continue
-            off = t_start[i] - f.start  # index of the step's first token among the fed tokens
-            end = len(tgt.seq[i]) - len(suffix) - f.start  # one past the step's last token
-
-            def predictor(j: int, f=f, i=i):  # logits that predicted fed token j
-                return f.logits[j - 1] if j >= 1 else pre_logits[i]
-
-            if need_q:  # (k, V) the target's logits predicting every step token (fed tokens off..end-1)
-                step_logits[i] = (f.logits[off - 1 : end - 1] if off >= 1
-                                  else torch.cat([pre_logits[i][None], f.logits[: end - 1]]))
-            pre_logits[i] = predictor(off + drafts[i].n_forced) if n_new[i] else None
-            after[i] = f.logits[end - 1]
-            if method == "specreason":
-                scores[i] = self._judge_score(f.logits[-1])
-                decisions[i] = "accept" if scores[i] >= self.specreason_threshold else "reject"
-            elif method == "random_accept":
-                decisions[i] = "accept" if float(torch.rand((), generator=coins)) < accept_rate else "reject"
-            elif method == "oracle_accept":
-                decisions[i] = "accept" if oracle(texts[i], rows[i].text) else "reject"
-            elif self.top_k and self._fast_path(
-                step_logits[i][drafts[i].n_forced :], tgt.seq[i][t_start[i] + drafts[i].n_forced : f.start + end]
-            ):
-                decisions[i] = "accept_fast"
-        slow = [i for i in rows_i if i not in decisions] if need_q else []
-        if slow:
-            probe_s, draft_feed_s = self._probe_decisions(slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p,
-                                                          step_logits)
-        # Keep or roll back, then the target's bonus token opens the next step.
-        rejected, bonus_rows = [], []
+        decisions = policy.decide(verified, drf) if verified else {}
         dt = (time.perf_counter() - t0) / len(rows_i)
+        rejected, bonus_rows = [], []
         for i in rows_i:
-            d, r = drafts[i], rows[i]
-            if suffix:
-                tgt.rollback(i, len(suffix), last_logits=after.get(i))
+            d, r, v = drafts[i], rows[i], verified.get(i)
+            decision = decisions.get(i, "reject")  # a row the target read nothing of cannot be kept
+            if policy.suffix:
+                tgt.rollback(i, len(policy.suffix), last_logits=after.get(i))
             r.stats.draft_steps_proposed += 1
-            r.stats.probe_s += probe_s / len(rows_i)
-            r.stats.draft_s += ((t_verify - t_draft) + draft_feed_s) / len(rows_i)
+            r.stats.probe_s += policy.probe_s / len(rows_i)
+            r.stats.draft_s += ((t_verify - t0) + policy.draft_s) / len(rows_i)
             r.stats.verify_s += (t_fed - t_verify) / len(rows_i)
             r.stats.drafted_tokens += len(d.tokens) - d.n_forced
-            trace = StepTrace("draft", texts[i], len(d.tokens), q.get(i), p.get(i), decisions[i], dt, scores.get(i))
-            if decisions[i] == "reject":
+            text = v.text if v else decode_text(self.draft_tokenizer, d.tokens)
+            trace = StepTrace("draft", text, len(d.tokens), v and v.q, v and v.p, decision, dt, v and v.score)
+            if decision == "reject":  # roll back by length: both models forget the step
                 tgt.rollback(i, n_new[i], last_logits=pre_logits[i])
                 drf.rollback(i, len(d.tokens) - d.n_forced, last_logits=d.logits[0] if d.logits else None)
                 r.trace.append(trace)
@@ -783,143 +329,62 @@ class SemanticSpecDecoder:
                 rejected.append(i)
                 continue
             r.stats.draft_steps_accepted += 1
-            self._commit(r, trace, d.tokens, d.n_forced, self.draft_tokenizer.eos_token_id, True)
-            if self.shared and self.bonus_token and not r.done and self._limit(r, i, tgt, drf) > 0:
+            r.commit(trace, d.tokens, d.n_forced, self.draft_tokenizer.eos_token_id, True)
+            if self.bonus_token and not r.done and r.limit(i, self._spare, tgt, drf) > 0:
                 bonus_rows.append(i)
-        if bonus_rows:
-            toks = sample_next(torch.stack([tgt.last_logits[i].float().cpu() for i in bonus_rows]), **sampling).tolist()
-            for i, t in zip(bonus_rows, toks):
+        if bonus_rows:  # the target's next token opens the next step
+            logits = torch.stack([tgt.last_logits[i] for i in bonus_rows]).float()
+            for i, t in zip(bonus_rows, sample_next(logits, **sampling).tolist()):
                 r = rows[i]
-                tgt.seq[i].append(int(t))
-                drf.seq[i].append(int(t))
-                r.out.append(int(t))
+                tgt.seq[i].append(t)
+                drf.seq[i].append(t)
+                r.out.append(t)
                 r.stats.output_tokens += 1
-                if int(t) == self.tokenizer.eos_token_id:
+                if t == self.tokenizer.eos_token_id:
                     r.done = True
                 else:
-                    r.forced = [int(t)]
+                    r.forced = [t]
         return rejected
 
-    def _fast_path(self, logits: torch.Tensor, tokens: list[int]) -> bool:
-        """Keep without the probe: every drafted token is in the target's top-k and passes the log-prob floor.
-
-        Args:
-            logits: (k, V) the target's logits predicting each drafted token.
-            tokens: the k drafted tokens (the bonus token, which the target wrote, excluded).
-        """
-        if not tokens:
-            return False
-        _, logp, rank = token_scores(logits, torch.as_tensor(tokens))  # (k,), (k,): as the token statistics score them
-        return bool(((rank < self.top_k) & (logp >= self.fast_path_min_logprob)).all())
-
-    def _probe_decisions(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits
-                         ) -> tuple[float, float]:
-        """q (and p when needed) for the rows off the fast path, and the rule's decision.
-
-        Returns:
-            Probe seconds, and the seconds of the draft forward that reads the steps' last tokens for p.
-
-        Both probes' inputs come from :func:`~generation.features.rows_features`, the feature function
-        the label build uses: the target's from this verification forward (hidden states at the
-        step's positions, logits predicting its tokens), the draft's from its drafting forwards.
-
-        Ratio rule: accept when ``u < min(1, s * q / p)``, i.e. ``u * p < s * q``. With ``lazy_p``,
-        ``s * q >= u`` accepts whatever ``p`` is, so the draft probe (and the draft's read of the
-        step's last token) only runs for the other rows; their trace has ``p=None``.
-        """
-        tp = time.perf_counter()
-        tspec = FeatureSpec.of(self.target_probe.config)
-        ends = {i: t_start[i] + len(step_logits[i]) for i in slow}
-        x = self._rows_input(
-            tspec,
-            [tgt.seq[i][t_start[i] : ends[i]] for i in slow],
-            [fed[i].hidden[:, t_start[i] - fed[i].start : ends[i] - fed[i].start] for i in slow] if tspec.needs_hidden else None,
-            [step_logits[i] for i in slow],
+    def _propose(self, rows_i, rows, tgt, drf, sampling, policy) -> dict[int, StepDraft]:
+        """The draft writes one step per row (opened by the target's bonus token, if any)."""
+        limits = {i: rows[i].limit(i, self._spare, tgt, drf) + len(rows[i].forced) for i in rows_i}
+        return write_steps(
+            drf, rows_i, stop=self.draft_stop, limits=limits, forced={i: rows[i].forced for i in rows_i},
+            collect_hidden=getattr(policy, "draft_needs_hidden", False), record_logits=True,
+            record_forced_logits=getattr(policy, "draft_needs_logits", False), **sampling,
         )
-        for i, qi in zip(slow, self.target_probe(x.to(_device(self.target))).float().cpu().tolist()):
-            q[i] = qi
-        if self.rule == "threshold":
-            for i in slow:
-                decisions[i] = "accept" if q[i] >= self.tau else "reject"
-            return time.perf_counter() - tp, 0.0
-        u = {i: float(torch.rand((), generator=coins)) for i in slow}
-        need = [i for i in slow if not (self.lazy_p and self.ratio_scale * q[i] >= u[i])]
-        draft_feed_s = 0.0
-        if need:
-            dspec = FeatureSpec.of(self.draft_probe.config)
-            if dspec.needs_hidden:
-                # The draft reads its step's last token only now, and only for steps that need p:
-                # a kept step hands that token to the draft's next forward instead.
-                t_feed = time.perf_counter()
-                for i, f in drf.feed(need, hidden=True).items():
-                    drafts[i].hidden.extend(f.hidden[:, max(0, drafts[i].start - f.start) :].unbind(1))
-                draft_feed_s = time.perf_counter() - t_feed
-                tp += draft_feed_s  # a draft forward, not probe time
-            x = self._rows_input(
-                dspec,
-                [drafts[i].tokens for i in need],
-                [drafts[i].pooled_input() for i in need] if dspec.needs_hidden else None,
-                [torch.stack(drafts[i].token_logits()) for i in need],
-            )
-            for i, pi in zip(need, self.draft_probe(x.to(_device(self.draft))).float().cpu().tolist()):
-                p[i] = pi
-        for i in slow:
-            ok = i not in p or u[i] * p[i] < self.ratio_scale * q[i]
-            decisions[i] = "accept" if ok else "reject"
-        return time.perf_counter() - tp, draft_feed_s
 
-    @staticmethod
-    def _rows_input(spec: FeatureSpec, tokens, hidden, logits) -> torch.Tensor:
-        return probe_input(rows_features(spec, tokens, hidden, logits), spec.groups)
-
-    def _judge_score(self, logits: torch.Tensor) -> float:
-        """Expected 0-9 score from the logits of the digit tokens (SpecReason-style judge)."""
-        ids = self._digit_ids()
-        probs = torch.softmax(logits.float()[ids], dim=-1).cpu()
-        return float((probs * torch.arange(10, dtype=torch.float32)).sum())
-
-    def _digit_ids(self) -> list[int]:
-        if not hasattr(self, "_digits"):
-            self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
-        return self._digits
-
-    # ------------------------------------------------------------------ transformers' own loop
-
-    def _hf_generate(
-        self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float, seed: int
-    ) -> DecodeResult:
-        """One prompt through ``model.generate`` (assisted with the draft for ``token_sd``)."""
-        dev = _device(self.target)
-        calls = {"target": 0, "draft": 0}
-        hooks = [self.target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))]
-        kwargs = {
-            "max_new_tokens": max_new_tokens,
-            "pad_token_id": self._pad(self.tokenizer),
-            "eos_token_id": self.tokenizer.eos_token_id,
-        }
-        kwargs.update(
-            {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-        )
-        if method == "token_sd":
-            hooks.append(self.draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1)))
-            kwargs["assistant_model"] = self.draft
-            if not self.shared:
-                kwargs.update(tokenizer=self.tokenizer, assistant_tokenizer=self.draft_tokenizer)
-        torch.manual_seed(seed)
+    def _target_steps(self, rows_i, rows, tgt, drf, sampling, use_draft: bool) -> None:
+        """The target writes one step for each row; the draft is handed the step."""
         t0 = time.perf_counter()
-        try:
-            x = torch.tensor([ids], device=dev)
-            out = self.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
-        wall = time.perf_counter() - t0
-        new = out[0, len(ids) :].tolist()
-        eos = self.tokenizer.eos_token_id
-        if eos in new:
-            new = new[: new.index(eos) + 1]
-        text = self._text(self.tokenizer, new)
-        stats = DecodeStats(
-            wall_s=wall, output_tokens=len(new), steps=0, target_passes=calls["target"], draft_passes=calls["draft"]
-        )
-        return DecodeResult(text, [], stats)
+        using = (tgt, drf) if use_draft else (tgt,)
+        limits = {i: rows[i].limit(i, self._spare, *using) + len(rows[i].forced) for i in rows_i}
+        forced = {i: rows[i].forced for i in rows_i}
+        token_sd = use_draft and self.token_sd
+        if token_sd:
+            steps = token_sd_steps(tgt, drf, rows_i, stop=self.target_stop, draft_stop=self.draft_stop, limits=limits,
+                                   forced=forced, n_propose=self.token_sd_tokens, **sampling)
+        else:
+            steps = write_steps(tgt, rows_i, stop=self.target_stop, limits=limits, forced=forced, **sampling)
+        dt = (time.perf_counter() - t0) / len(rows_i)
+        for i in rows_i:
+            st = steps[i]
+            text = decode_text(self.tokenizer, st.tokens)
+            if use_draft and not token_sd:  # the draft reads the target's step on its next forward
+                drf.seq[i].extend(self.handover.to_draft(st.tokens[st.n_forced :], text))
+            trace = StepTrace("target", text, len(st.tokens), decision="target", seconds=dt)
+            rows[i].commit(trace, st.tokens, st.n_forced, self.tokenizer.eos_token_id, False)
+
+    def _draft_only_steps(self, rows_i, rows, drf, sampling) -> None:
+        t0 = time.perf_counter()
+        limits = {i: rows[i].limit(i, self._spare, drf) for i in rows_i}
+        steps = write_steps(drf, rows_i, stop=self.draft_stop, limits=limits, **sampling)
+        dt = (time.perf_counter() - t0) / len(rows_i)
+        for i in rows_i:
+            st = steps[i]
+            rows[i].stats.draft_steps_proposed += 1
+            rows[i].stats.draft_steps_accepted += 1
+            trace = StepTrace("draft", decode_text(self.draft_tokenizer, st.tokens), len(st.tokens),
+                              decision="accept", seconds=dt)
+            rows[i].commit(trace, st.tokens, 0, self.draft_tokenizer.eos_token_id, True)

@@ -11,6 +11,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
+from probes import decoder as decoder_module
+from probes.decoding.policies import ProbePolicy, fast_path_keeps
 from probes.export import export_probe, model_fingerprint
 from probes.model import SemanticProbe
 from tests.conftest import tiny_llama
@@ -116,15 +118,22 @@ def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, 
                        groups=groups, stats=stats, rule="ratio", lazy_p=False, max_step_tokens=3)
     dec.draft_probe.value = lambda x: seen["p"].append(x) or torch.full((len(x),), 0.1)  # q/p > 1: keep
     spans = {"q": [], "p": []}
-    original = SemanticSpecDecoder._probe_decisions
+    verify, decide = decoder_module.verify, ProbePolicy.decide
 
-    def spy(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits):
-        for i in slow:  # (prefix, step) as each model holds them
-            spans["q"].append((tgt.seq[i][: t_start[i]], tgt.seq[i][t_start[i] : t_start[i] + len(step_logits[i])]))
-            spans["p"].append((drf.seq[i][: drafts[i].start], list(drafts[i].tokens)))
-        return original(self, slow, fed, t_start, tgt, drf, drafts, coins, decisions, q, p, step_logits)
+    def spy_verify(tgt, handover, outputs, drafts, policy):
+        out = verify(tgt, handover, outputs, drafts, policy)
+        for i, v in out[0].items():  # (prefix, step) as the target holds them
+            end = len(tgt.seq[i]) - len(policy.suffix)
+            spans["q"].append((tgt.seq[i][: end - len(v.tokens)], list(v.tokens)))
+        return out
 
-    monkeypatch.setattr(SemanticSpecDecoder, "_probe_decisions", spy)
+    def spy_decide(self, steps, drf):
+        for i, v in steps.items():  # (prefix, step) as the draft holds them
+            spans["p"].append((drf.seq[i][: v.draft.start], list(v.draft.tokens)))
+        return decide(self, steps, drf)
+
+    monkeypatch.setattr(decoder_module, "verify", spy_verify)
+    monkeypatch.setattr(ProbePolicy, "decide", spy_decide)
     res = dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=40, seed=1)
     assert sum(t.decision == "accept" for t in res[0].steps) >= 2  # the bonus-token path is exercised
     spec = FeatureSpec(groups, [-1], "mean", stats)
@@ -174,18 +183,18 @@ def test_fast_path_needs_top_k_and_the_log_prob_floor(tiny_pair):
     """A token that is the target's top-1 but below the floor, or above the floor but outside the top-k, stops it."""
     import math
 
-    target, draft, tok = tiny_pair
-    dec = stub_decoder(target, draft, tok, top_k=1, fast_path_min_logprob=math.log(0.5))
+    floor = math.log(0.5)
 
-    def logits(probs):  # (k, 4) logits of the given probabilities
-        return torch.log(torch.tensor(probs))
+    def keeps(probs, tokens, top_k=1):  # (k, 4) logits of the given probabilities
+        return fast_path_keeps(torch.log(torch.tensor(probs)), torch.tensor(tokens, dtype=torch.long), top_k, floor)
 
-    assert dec._fast_path(logits([[0.7, 0.1, 0.1, 0.1], [0.1, 0.8, 0.05, 0.05]]), [0, 1])
-    assert not dec._fast_path(logits([[0.7, 0.1, 0.1, 0.1], [0.4, 0.3, 0.2, 0.1]]), [0, 0])  # top-1, p = 0.4 < 0.5
-    assert not dec._fast_path(logits([[0.7, 0.1, 0.1, 0.1], [0.6, 0.3, 0.05, 0.05]]), [0, 1])  # not top-1
-    dec.top_k = 2
-    assert not dec._fast_path(logits([[0.6, 0.35, 0.05, 0.0]]), [1])  # top-2 but p = 0.35 below the floor
-    assert not dec._fast_path(logits([[0.6, 0.4]])[:, :2], [])  # an empty step never takes the fast path
+    assert keeps([[0.7, 0.1, 0.1, 0.1], [0.1, 0.8, 0.05, 0.05]], [0, 1])
+    assert not keeps([[0.7, 0.1, 0.1, 0.1], [0.4, 0.3, 0.2, 0.1]], [0, 0])  # top-1, p = 0.4 < 0.5
+    assert not keeps([[0.7, 0.1, 0.1, 0.1], [0.6, 0.3, 0.05, 0.05]], [0, 1])  # not top-1
+    assert not keeps([[0.6, 0.35, 0.05, 0.0]], [1], top_k=2)  # top-2 but p = 0.35 below the floor
+    assert keeps([[0.6, 0.35, 0.05, 0.0]], [1], top_k=2) is False and keeps([[0.6, 0.35, 0.05, 0.0]], [0], top_k=2)
+    assert not keeps([[0.6, 0.4]], [])  # an empty step never takes the fast path
+    assert not keeps([[0.7, 0.1, 0.1, 0.1]], [0], top_k=0)  # top_k = 0: off
 
 
 def test_fast_path_is_refused_for_two_tokenizers(tiny_pair):
@@ -305,7 +314,7 @@ def test_specreason_keeps_steps_scored_seven_or_more(tiny_pair, digit, decision)
     target, draft, tok = tiny_pair
     dec = SemanticSpecDecoder(target, draft, tok, max_step_tokens=4)
     bias = torch.zeros(target.config.vocab_size)
-    bias[dec._digit_ids()[digit]] = 100.0
+    bias[dec._digits[digit]] = 100.0
     hook = target.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
     try:
         (res,) = dec.generate(PROMPTS[:1], method="specreason", max_new_tokens=24, temperature=0.0)

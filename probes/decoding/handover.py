@@ -1,0 +1,40 @@
+"""Step handover between the two models: one tokenizer (tokens as they are) or two (text re-tokenized).
+
+A shared tokenizer hands tokens over unchanged, so the target's *bonus* token can open the draft's
+next step and the top-k fast path can compare token ids. Two tokenizers hand a step over as its
+text, cut at the same delimiters, which each model tokenizes in its own vocabulary.
+"""
+
+from __future__ import annotations
+
+from generation.writer import StepDraft
+
+
+class Handover:
+    """How a step written by one model enters the other's context.
+
+    Args:
+        tokenizer: the target's tokenizer.
+        draft_tokenizer: the draft's, or None when it shares the target's.
+    """
+
+    def __init__(self, tokenizer, draft_tokenizer=None) -> None:
+        self.tokenizer = tokenizer
+        self.shared = draft_tokenizer is None or draft_tokenizer is tokenizer
+        self.draft_tokenizer = tokenizer if draft_tokenizer is None else draft_tokenizer
+
+    def to_target(self, step: StepDraft, text: str) -> list[int]:
+        """The draft's step as new target tokens (the forced bonus token, already the target's, excluded)."""
+        if self.shared:
+            return step.tokens[step.n_forced :]
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def to_draft(self, new_tokens: list[int], text: str) -> list[int]:
+        """The target's step (its new tokens and text) as draft tokens."""
+        if self.shared:
+            return list(new_tokens)
+        return self.draft_tokenizer(text, add_special_tokens=False).input_ids
+
+    def forced_in_target(self, step: StepDraft) -> int:
+        """Leading tokens of the draft's step that the target wrote (its bonus token; none across tokenizers)."""
+        return step.n_forced if self.shared else 0

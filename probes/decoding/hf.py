@@ -1,0 +1,69 @@
+"""Transformers' own generation loop: the ``hf_target_only`` and ``token_sd`` (assisted generation) methods.
+
+Token-level speculative decoding is compared with transformers' own target-only ``generate`` so
+both sides of that ratio run the same loop (DESIGN.md "Decoding").
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from probes.decoding.results import DecodeResult, DecodeStats
+
+
+def pad_id(tok) -> int:
+    """The id fed in unused slots: the pad token, else EOS, else 0."""
+    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+
+def decode_text(tok, tokens) -> str:
+    """Text of ``tokens`` up to EOS, special tokens dropped."""
+    eos = tok.eos_token_id
+    tokens = list(tokens)
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos)]
+    return tok.decode(tokens, skip_special_tokens=True)
+
+
+def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], method: str, max_new_tokens: int,
+                temperature: float, top_p: float, seed: int) -> DecodeResult:
+    """One prompt through ``target.generate`` (assisted by ``draft`` for ``token_sd``).
+
+    ``draft_tokenizer`` is None for a shared tokenizer, else transformers' universal assisted
+    generation hands text between the two.
+    """
+    dev = next(target.parameters()).device
+    calls = {"target": 0, "draft": 0}
+    hooks = [target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))]
+    # The sampling arguments go into a copy of the model's generation config, not beside it, so
+    # transformers does not warn that both were given.
+    config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
+    config.update(max_new_tokens=max_new_tokens, pad_token_id=pad_id(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    if temperature > 0:
+        config.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
+    else:
+        config.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    kwargs = {"generation_config": config}
+    if method == "token_sd":
+        hooks.append(draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1)))
+        kwargs["assistant_model"] = draft
+        if draft_tokenizer is not None:
+            kwargs.update(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    try:
+        x = torch.tensor([ids], device=dev)
+        out = target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    wall = time.perf_counter() - t0
+    new = out[0, len(ids) :].tolist()
+    eos = tokenizer.eos_token_id
+    if eos in new:
+        new = new[: new.index(eos) + 1]
+    stats = DecodeStats(wall_s=wall, output_tokens=len(new), steps=0, target_passes=calls["target"],
+                        draft_passes=calls["draft"])
+    return DecodeResult(decode_text(tokenizer, new), [], stats)

@@ -1,0 +1,99 @@
+"""What a decode returns: the step trace, the counters, and their aggregate (DESIGN.md "Definitions")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from probes import metrics
+
+
+@dataclass
+class StepTrace:
+    """One step of a decode.
+
+    Attributes:
+        writer: ``"target"`` or ``"draft"``.
+        text: the step's text (special tokens dropped).
+        n_tokens: tokens in the step, in the writer's tokenizer (a target bonus token included).
+        q: target probe's semantic probability (None when not computed, e.g. fast path).
+        p: draft probe's semantic probability (None when not computed).
+        decision: ``accept_fast`` (top-k fast path), ``accept``, ``reject`` (a draft step thrown
+            away; the next trace entry is the target's step) or ``target`` (target-written).
+        seconds: wall time of the phases that produced and judged this step (shared evenly by the
+            rows of a batch).
+        score: SpecReason judge score 0-9 (only for ``method="specreason"``).
+    """
+
+    writer: str
+    text: str
+    n_tokens: int
+    q: float | None = None
+    p: float | None = None
+    decision: str = "target"
+    seconds: float = 0.0
+    score: float | None = None
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one prompt's decode (DESIGN.md "Definitions").
+
+    ``wall_s`` and the phase times (``*_s``) of a batch are shared evenly by its rows, so sums over
+    results give totals. ``steps`` counts committed steps (rejected proposals not included). Phases of
+    the speculative loop: the target's first step (``first_step_s``), drafting (``draft_s``), the
+    target's verification forward (``verify_s``), probes (``probe_s``) and the target rewriting
+    refused steps (``rewrite_s``); the rest of ``wall_s`` is bookkeeping. Methods without a draft
+    count only ``wall_s``.
+    """
+
+    wall_s: float = 0.0
+    output_tokens: int = 0
+    draft_tokens: int = 0
+    steps: int = 0
+    draft_steps_proposed: int = 0
+    draft_steps_accepted: int = 0
+    target_passes: int = 0
+    draft_passes: int = 0
+    probe_s: float = 0.0
+    first_step_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rewrite_s: float = 0.0
+    drafted_tokens: int = 0
+    """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded)."""
+
+
+@dataclass
+class DecodeResult:
+    """Output of one prompt: the generated text (prompt excluded), the step trace and counters."""
+
+    text: str
+    steps: list[StepTrace] = field(default_factory=list)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
+    """Aggregate figures over prompts, named as in DESIGN.md "Definitions".
+
+    Returns:
+        ``step_acceptance``, ``draft_token_share``, ``target_passes_per_100_tokens``,
+        ``probe_overhead``, ``wall_s``, ``output_tokens``, ``tokens_per_s``, ``n_prompts``, ``steps``,
+        ``draft_steps_proposed``, ``draft_steps_accepted``, ``target_passes``, ``draft_passes``, ``probe_s``.
+    """
+    s = [r.stats for r in results]
+    tot = {k: sum(getattr(x, k) for x in s) for k in DecodeStats.__dataclass_fields__}
+    return {
+        "step_acceptance": float(metrics.step_acceptance(tot["draft_steps_accepted"], tot["draft_steps_proposed"])),
+        "draft_token_share": float(metrics.draft_token_share(tot["draft_tokens"], tot["output_tokens"])),
+        "target_passes_per_100_tokens": float(
+            metrics.target_passes_per_100_tokens(tot["target_passes"], tot["output_tokens"])
+        ),
+        "probe_overhead": float(metrics.probe_overhead(tot["probe_s"], tot["wall_s"])),
+        "tokens_per_s": tot["output_tokens"] / tot["wall_s"] if tot["wall_s"] > 0 else 0.0,
+        "n_prompts": len(results),
+        **tot,
+    }

@@ -1,0 +1,69 @@
+"""Per-prompt decode state: the output so far, the step trace, the counters, and when the prompt is done."""
+
+from __future__ import annotations
+
+from generation.cache import BatchedCache
+from probes.decoding.hf import decode_text
+from probes.decoding.results import DecodeStats, StepTrace
+
+
+class Row:
+    """Decode state of one prompt.
+
+    Args:
+        budget: output tokens it may write.
+        shared: the models share one tokenizer (the output is kept as tokens, else as text).
+        answer_marker: the prompt is done once a line starting with this is complete.
+    """
+
+    def __init__(self, budget: int, shared: bool, answer_marker: str | None) -> None:
+        self.budget, self.shared, self.answer_marker = budget, shared, answer_marker
+        self.out: list[int] = []  # output tokens (shared tokenizer)
+        self.pieces: list[str] = []  # output text per committed step
+        self.trace: list[StepTrace] = []
+        self.stats = DecodeStats()
+        self.done = False
+        self.forced: list[int] = []  # target bonus token opening the next step
+        self.steps_written = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def commit(self, trace: StepTrace, tokens: list[int], n_forced: int, eos_id: int | None, by_draft: bool) -> None:
+        """Add a kept step to the output and decide whether the prompt is finished."""
+        self.trace.append(trace)
+        self.steps_written += 1
+        self.stats.steps += 1
+        self.stats.output_tokens += len(tokens) - n_forced
+        if by_draft:
+            self.stats.draft_tokens += len(tokens) - n_forced
+        if self.shared:
+            self.out.extend(tokens[n_forced:])
+        self.pieces.append(trace.text)
+        self.forced = []
+        if eos_id is not None and eos_id in tokens:
+            self.done = True
+        elif self.answer_marker:
+            text = self.text
+            k = text.rfind(self.answer_marker)
+            if k >= 0 and "\n" in text[k:]:
+                self.done = True
+
+    def close(self, tokenizer) -> None:
+        """Finish; a bonus token still waiting for its step becomes a last one-token step."""
+        self.done = True
+        if self.forced:
+            text = decode_text(tokenizer, self.forced)
+            self.trace.append(StepTrace("target", text, len(self.forced), decision="target"))
+            self.pieces.append(text)
+            self.stats.steps += 1
+            self.forced = []
+
+    def limit(self, i: int, spare: int, *caches: BatchedCache) -> int:
+        """Tokens the next step of row ``i`` may hold: budget left and room in the caches' contexts, less ``spare``."""
+        left = self.budget - self.stats.output_tokens
+        for cache in caches:
+            if cache.context is not None:
+                left = min(left, cache.context - len(cache.seq[i]) - spare)
+        return left

@@ -1,0 +1,133 @@
+"""What the decoder checks and resolves before it runs: arguments, probes, and the step definition they carry."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
+from generation.steps import DEFAULT_DELIMITERS
+
+RULES = ("ratio", "threshold")
+
+
+def check_args(*, rule, tau, ratio_scale, top_k, shared, fast_path_min_logprob, max_step_tokens, delimiters, token_sd,
+               token_sd_tokens) -> None:
+    """Refuse bad decoder arguments, naming every bad value at once."""
+    errors = []
+    if rule not in RULES:
+        errors.append(f"rule={rule!r}: expected one of {RULES}")
+    if not 0 <= tau <= 1:
+        errors.append(f"tau={tau}: expected 0 <= tau <= 1")
+    if ratio_scale <= 0:
+        errors.append(f"ratio_scale={ratio_scale}: expected > 0")
+    if top_k < 0:
+        errors.append(f"top_k={top_k}: expected >= 0 (0 disables the fast path)")
+    if top_k and not shared:
+        errors.append(f"top_k={top_k}: the fast path compares the draft's tokens with the target's top-k, "
+                      "so it needs a shared tokenizer; this pair has two (use top_k=0)")
+    if not fast_path_min_logprob <= 0:
+        errors.append(f"fast_path_min_logprob={fast_path_min_logprob}: expected a log-probability <= 0")
+    if max_step_tokens is not None and max_step_tokens < 1:
+        errors.append(f"max_step_tokens={max_step_tokens}: expected >= 1")
+    if delimiters is not None and (isinstance(delimiters, str) or not delimiters or not all(delimiters)):
+        errors.append(f"delimiters={delimiters!r}: expected a non-empty list of non-empty strings")
+    if token_sd and not shared:
+        errors.append("token_sd=True (token-level speculation inside target steps) needs a shared tokenizer")
+    if token_sd_tokens < 1:
+        errors.append(f"token_sd_tokens={token_sd_tokens}: expected >= 1")
+    if errors:
+        raise ValueError("invalid SemanticSpecDecoder arguments: " + "; ".join(errors))
+
+
+def load(probe, model, tokenizer):
+    """A probe directory, a ``SemanticProbe`` or None, checked against the model it reads."""
+    if probe is None:
+        return None
+    device = str(next(model.parameters()).device)
+    if isinstance(probe, (str, os.PathLike)):
+        from probes.export import load_probe
+
+        probe = load_probe(probe, model, tokenizer, device=device)
+    elif not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
+        raise TypeError(f"probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
+    else:
+        from probes.export import check_probe_matches
+
+        # The same fingerprint check as load_probe: width, and model/tokenizer when the probe records them.
+        check_probe_matches(probe.config, model, tokenizer, where=f"{probe.config.role} probe")
+        probe = probe.to(device).eval()
+    c = probe.config  # refuse features this decoder cannot compute, naming both lists
+    require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
+                     provider="SemanticSpecDecoder")
+    return probe
+
+
+def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:
+    """What the probes' labels were built with, per field: ``{field: (value, "target probe")}``.
+
+    Raises:
+        ValueError: two probes disagree (naming both values).
+    """
+    seen: dict[str, tuple[object, str]] = {}
+    problems = []
+    for probe in probes:
+        if probe is None:
+            continue
+        for key, get in fields.items():
+            value = get(probe.config)
+            if value is None:
+                continue
+            if key in seen and seen[key][0] != value:
+                problems.append(f"the {seen[key][1]} has {key}={seen[key][0]!r}, the {probe.config.role} probe {value!r}")
+            seen.setdefault(key, (value, f"{probe.config.role} probe"))
+    if problems:
+        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
+    return seen
+
+
+def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str]], what: str) -> None:
+    """Refuse an explicit value that differs from the probes', naming both."""
+    problems = [f"{k}={v!r} but the {seen[k][1]} was trained on {what} with {k}={seen[k][0]!r} (leave {k} unset "
+                f"to use the probe's)" for k, v in given.items() if v is not None and k in seen and seen[k][0] != v]
+    if problems:
+        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
+
+
+def step_spec(probes, delimiters, max_step_tokens) -> tuple[tuple[str, ...], int]:
+    """The step definition: what the probes' labels were cut at, unless given; a conflict is refused."""
+    seen = recorded(probes, {"delimiters": lambda c: tuple(c.delimiters),
+                             "max_step_tokens": lambda c: c.labels.get("max_step_tokens")})
+    given = {"delimiters": None if delimiters is None else tuple(delimiters), "max_step_tokens": max_step_tokens}
+    refuse_conflicts(given, seen, "steps")
+    resolved = {k: v if v is not None else seen.get(k, (None,))[0] for k, v in given.items()}
+    return tuple(resolved["delimiters"] or DEFAULT_DELIMITERS), int(resolved["max_step_tokens"] or 64)
+
+
+def check_generate(method, methods, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size, *,
+                   has_target_probe: bool, needs_draft_probe: bool) -> None:
+    """Refuse bad ``generate`` arguments, naming every bad value at once."""
+    errors = []
+    if method not in methods:
+        errors.append(f"method={method!r}: expected one of {methods}")
+    if max_new_tokens < 1:
+        errors.append(f"max_new_tokens={max_new_tokens}: expected >= 1")
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan would reach torch's sampler
+        errors.append(f"temperature={temperature}: expected a finite number >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        errors.append(f"top_p={top_p}: expected in (0, 1]")
+    if batch_size is not None and batch_size < 1:  # 0 would silently mean "all prompts"
+        errors.append(f"batch_size={batch_size}: expected >= 1, or None for all prompts at once")
+    if method == "semanticspec":
+        if not has_target_probe:
+            errors.append("method='semanticspec' needs target_probe (an exported probe directory)")
+        if needs_draft_probe:
+            errors.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
+    if method == "random_accept" and (accept_rate is None or not 0 <= accept_rate <= 1):
+        errors.append(f"method='random_accept' needs accept_rate in [0, 1], got {accept_rate}")
+    if method == "oracle_accept" and not callable(oracle):
+        errors.append("method='oracle_accept' needs oracle=callable(step_text, output_so_far) -> bool")
+    if errors:
+        raise ValueError("; ".join(errors))

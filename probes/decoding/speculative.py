@@ -1,0 +1,125 @@
+"""Token-level speculative sampling (Leviathan et al., 2023): the pure rule and the target's step loop on it.
+
+:func:`speculative_step` decides, from the target's and the draft's sampling distributions over
+a proposal, how many draft tokens to keep and which token follows: each is kept with
+probability ``min(1, p_target / p_draft)``, the first refused one is replaced by a draw from
+the residual ``max(0, p_target - p_draft)``, and when all are kept the target adds one more.
+The output is distributed as the target's own sampling (tests/test_decoding_parts.py checks it
+with a chi-square test on a scripted vocabulary). :func:`token_sd_steps` writes target steps
+with it on the core caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from generation.cache import BatchedCache
+from generation.sampling import top_p_filter
+from generation.writer import StepDraft, write_steps
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution :func:`~generation.sampling.sample_next` draws from, as (..., V) probabilities."""
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = top_p_filter(torch.softmax(logits / temperature, dim=-1).reshape(-1, logits.shape[-1]), top_p)
+    return (probs / probs.sum(-1, keepdim=True)).reshape(logits.shape)
+
+
+def speculative_step(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    proposal: Sequence[int],
+    generator: torch.Generator | None = None,
+    ends_after: Callable[[int], bool] | None = None,
+) -> tuple[int, int | None]:
+    """Keep a prefix of ``proposal`` and choose the token after it.
+
+    Args:
+        target_probs: (k + 1, V) the target's distribution before each proposed token and after the last.
+        draft_probs: (k, V) the draft's distribution each proposed token was drawn from.
+        proposal: the k drafted tokens.
+        generator: random source (CPU).
+        ends_after: ``ends_after(j)`` is true when the step is finished once ``j`` tokens are kept
+            (delimiter, cap, budget); then nothing more is kept or added.
+
+    Returns:
+        ``(kept, extra)``: the number of proposed tokens kept and the token that follows them
+        (a residual draw, or the target's own when all are kept), None when the step ended.
+    """
+    k = len(proposal)
+    if target_probs.shape[0] != k + 1 or draft_probs.shape[0] != k:
+        raise ValueError(f"{k} proposed tokens need {k + 1} target and {k} draft distributions, "
+                         f"got {target_probs.shape[0]} and {draft_probs.shape[0]}")
+    for j, x in enumerate(proposal):
+        pt, pd = target_probs[j], draft_probs[j]
+        if float(torch.rand((), generator=generator)) * float(pd[x]) <= float(pt[x]) and float(pt[x]) > 0:
+            if ends_after is not None and ends_after(j + 1):
+                return j + 1, None
+            continue
+        residual = (pt - pd).clamp(min=0)
+        residual = residual if float(residual.sum()) > 0 else pt
+        return j, int(torch.multinomial(residual, 1, generator=generator))
+    return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
+
+
+def token_sd_steps(
+    tgt: BatchedCache,
+    drf: BatchedCache,
+    rows: Sequence[int],
+    *,
+    stop: Callable[[list[int]], bool],
+    draft_stop: Callable[[list[int]], bool],
+    limits: dict[int, int],
+    forced: dict[int, list[int]],
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    n_propose: int,
+) -> dict[int, StepDraft]:
+    """The target writes one step per row with :func:`speculative_step` (shared tokenizer).
+
+    The draft proposes up to ``n_propose`` tokens, the target scores them in one forward. Both
+    caches end holding the step (its last token pending).
+    """
+    steps = {i: StepDraft(len(tgt.seq[i]) - len(forced[i]), list(forced[i]), len(forced[i])) for i in rows}
+
+    def finished(i: int, toks: list[int]) -> bool:
+        return bool(toks) and (stop(toks) or len(toks) >= limits[i])
+
+    writing = [i for i in rows if not finished(i, steps[i].tokens)]
+    while writing:
+        lim = {i: min(len(steps[i].tokens) + n_propose, limits[i]) for i in writing}
+        props = write_steps(drf, writing, stop=draft_stop, limits=lim, record_logits=True,
+                            forced={i: steps[i].tokens for i in writing}, temperature=temperature, top_p=top_p,
+                            generator=generator)
+        before = {i: tgt.last_logits[i] for i in writing}
+        n0 = {i: len(tgt.seq[i]) for i in writing}
+        for i in writing:
+            tgt.seq[i].extend(props[i].tokens[props[i].n_forced :])
+        fed = tgt.feed(writing, all_logits=True)
+        for i in writing:
+            d, f = props[i], fed[i]
+            proposal = d.tokens[d.n_forced :]
+            k0 = n0[i] - 1 - f.start  # fed index whose logits predict the first proposed token (-1: held before)
+            t_logits = torch.cat([before[i][None], f.logits]) if k0 < 0 else f.logits[k0:]
+            t_logits = t_logits[: len(proposal) + 1]  # (k + 1, V)
+            base = list(steps[i].tokens)
+            kept, extra = speculative_step(
+                sampling_probs(t_logits.cpu(), temperature, top_p),
+                sampling_probs(torch.stack(d.logits).cpu(), temperature, top_p),
+                proposal, generator, lambda j: finished(i, base + proposal[:j]),
+            )
+            steps[i].tokens.extend(proposal[:kept])
+            drop = len(proposal) - kept
+            tgt.rollback(i, drop, last_logits=t_logits[kept] if drop else tgt.last_logits[i])
+            drf.rollback(i, drop, last_logits=d.logits[kept] if drop else None)
+            if extra is not None:
+                steps[i].tokens.append(extra)
+                tgt.seq[i].append(extra)
+                drf.seq[i].append(extra)
+        writing = [i for i in writing if not finished(i, steps[i].tokens)]
+    return steps
