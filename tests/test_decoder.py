@@ -42,10 +42,10 @@ class ConstProbe(torch.nn.Module):
         return torch.full((x.shape[0],), float(self.value))
 
 
-def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(), **kw):
+def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(), layer_ids=(-1,), **kw):
     kw.setdefault("top_k", 0)
     kw.setdefault("max_step_tokens", 6)
-    probes = [ConstProbe(m.config.hidden_size, v, groups=groups, stats=stats) for m, v in ((target, q), (draft, p))]
+    probes = [ConstProbe(m.config.hidden_size, v, layer_ids, groups, stats) for m, v in ((target, q), (draft, p))]
     for probe in probes:  # the probes were "trained" on the steps the test asks for
         probe.config.delimiters = list(kw.get("delimiters") or DEFAULT_DELIMITERS)
     return SemanticSpecDecoder(target, draft, tok, target_probe=probes[0], draft_probe=probes[1], **kw)
@@ -58,9 +58,25 @@ def texts(results):
 # --------------------------------------------------------------------------- equivalences
 
 
-def test_always_reject_is_target_only(tiny_pair):
-    target, draft, tok = tiny_pair
-    dec = stub_decoder(target, draft, tok, q=0.0, p=1.0)
+PAIRS = ["one tokenizer", "multi-layer probes", "two tokenizers"]
+
+
+@pytest.fixture(params=PAIRS)
+def pair(request, world_tokenizer):
+    """(target, draft, kwargs for stub_decoder): the equivalences hold for each kind of pair and probe."""
+    target = tiny_llama(len(world_tokenizer), 32, 2, seed=0)
+    if request.param == "two tokenizers":
+        ctok = char_tokenizer()
+        return target, tiny_llama(len(ctok), 24, 1, seed=1), {"tok": world_tokenizer, "draft_tokenizer": ctok}
+    kw = {"tok": world_tokenizer}
+    if request.param == "multi-layer probes":
+        kw["layer_ids"] = (-1, 1)  # the last layer and the first block's output
+    return target, tiny_llama(len(world_tokenizer), 24, 1, seed=1), kw
+
+
+def test_always_reject_is_target_only(pair):
+    target, draft, kw = pair
+    dec = stub_decoder(target, draft, q=0.0, p=1.0, **kw)
     spec = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
     ref = dec.generate(PROMPTS, method="target_only", **GREEDY)
     assert texts(spec) == texts(ref)
@@ -69,9 +85,9 @@ def test_always_reject_is_target_only(tiny_pair):
     assert all(t.decision in ("reject", "target") for r in spec for t in r.steps)
 
 
-def test_always_accept_without_bonus_is_draft_only(tiny_pair):
-    target, draft, tok = tiny_pair
-    dec = stub_decoder(target, draft, tok, q=1.0, p=1.0, target_first_step=False, bonus_token=False)
+def test_always_accept_without_bonus_is_draft_only(pair):
+    target, draft, kw = pair
+    dec = stub_decoder(target, draft, q=1.0, p=1.0, target_first_step=False, bonus_token=False, **kw)
     spec = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
     assert texts(spec) == texts(dec.generate(PROMPTS, method="draft_only", **GREEDY))
     s = summarize(spec)
@@ -90,10 +106,10 @@ def test_always_accept_with_bonus_and_target_equal_to_draft_is_both(tiny_pair):
     assert spec == texts(dec.generate(PROMPTS, method="target_only", **GREEDY))
 
 
-def test_batched_rows_decide_independently_and_match_one_by_one(tiny_pair):
-    target, draft, tok = tiny_pair
-    sometimes = lambda x: (x.flatten(1)[:, 0] > 0).float()
-    dec = stub_decoder(target, draft, tok, q=sometimes, rule="threshold", tau=0.5)
+def test_batched_rows_decide_independently_and_match_one_by_one(pair):
+    target, draft, kw = pair
+    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # splits every pair's steps both ways (asserted below)
+    dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
     batched = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
     single = dec.generate(PROMPTS, method="semanticspec", batch_size=1, **GREEDY)
     assert texts(batched) == texts(single)
