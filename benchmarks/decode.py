@@ -208,6 +208,16 @@ def figures(results, problems, wall_ref: float) -> dict:
     return fig
 
 
+def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:
+    """Accuracy minus the reference's on the same problems, and its 95% interval (normal, paired)."""
+    d = [float(a) - float(b) for a, b in zip(right, ref)]
+    n = len(d)
+    mean = sum(d) / n if n else math.nan
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
+    half = 1.96 * sd / math.sqrt(n) if n > 1 else math.nan
+    return {"accuracy_delta": mean, "accuracy_delta_ci95": [mean - half, mean + half]}
+
+
 def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> dict:
     """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}``."""
     names = list(METHODS) + list(variants)
@@ -292,6 +302,7 @@ def goals(methods: dict, probes: dict) -> dict:
 def markdown(report: dict) -> str:
     cols = (
         "accuracy",
+        "accuracy_delta",
         "wall_s",
         "speedup",
         "step_acceptance",
@@ -497,6 +508,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     beside = ("semanticspec+token_sd", "semanticspec[draft_first_step]", other_rule, fast_path, *ablations)
     for name in beside:  # variants reported beside the methods
         methods[name] = figures(runs[name], problems, ref_wall)
+    right = {n: [task.check_answer(r.text, p.answer) for r, p in zip(runs[n], problems)] for n in methods}
+    for name in methods:  # accuracy against target-only on the same problems, with its sampling noise
+        methods[name].update(paired_delta(right[name], right["hf_target_only" if name == "token_sd" else "target_only"]))
     probe_scores = {}
     for name in [*DRAFTING, *beside]:
         counts, scored = decisions(runs[name], problems)
