@@ -27,7 +27,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from datamodules import shards as S
-from datamodules.build import ROLES, BuildConfig, build, signature, signature_mismatches
+from datamodules.build import build
+from datamodules.build_config import ROLES, BuildConfig, signature, signature_mismatches
 from generation.groups import require_features
 
 SPLITS = ("train", "val", "test")

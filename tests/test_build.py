@@ -239,11 +239,11 @@ def _lock(d, k, pid):
 
 
 def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, reference, tmp_path, monkeypatch):
-    import datamodules.build as B
+    from datamodules import shard_work
 
     ref_dir, ref = reference
     n = len(ref["shards"])
-    monkeypatch.setattr(B, "LOCK_POLL_S", 0.05)
+    monkeypatch.setattr(shard_work, "LOCK_POLL_S", 0.05)
     _lock(tmp_path, 1, os.getpid())  # "another build" (alive) is writing shard 1
     lines, out = [], {}
     thread = threading.Thread(target=lambda: out.update(m=build(_config(world), tmp_path, log=lines.append)))
