@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from datamodules import shards as S
-from datamodules.datamodule import SPLITS, SemanticProbeDataModule, ShardStream, split_of
+from datamodules.datamodule import SemanticProbeDataModule
+from datamodules.stream import SPLITS, ShardStream, split_of
 
 WIDTH = {"target": 16, "draft": 8}
 STATS = ["mean_logprob", "min_logprob"]
