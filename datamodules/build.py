@@ -98,7 +98,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
             return existing
         log(f"{data_dir}: {len(damaged)} of {len(existing['shards'])} shards are missing or differ from manifest.json "
             f"({', '.join(S.shard_name(k) for k in damaged)}); rebuilding exactly those")
-        expected = {k: (e["sha256"], e["steps_sha256"]) for k, e in enumerate(existing["shards"]) if k in damaged}
+        expected = {k: (e["sha256"], e.get("steps_sha256")) for k, e in enumerate(existing["shards"]) if k in damaged}
     if rank == 0 and not pinned:
         S.atomic_write_json(data_dir / "build.json", {"build": sig, "config": dataclasses.asdict(config)})
 
@@ -132,10 +132,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
             timer["loading"] = time.perf_counter() - t
             state["hits0"] = state["models"].judge.cache_hits if state["models"].judge is not None else 0
         tensors, recs, counts = build_shard(k, plan["shards"][k], state["models"], config, timer)
-        S.atomic_write_bytes(data_dir / S.steps_name(k), "".join(json.dumps(r) + "\n" for r in recs).encode())
-        # one metadata key: safetensors writes a map's keys in no fixed order, and shards must be byte-stable
-        meta = {"semanticspec": json.dumps({"format_version": S.FORMAT_VERSION, "shard": k}, sort_keys=True)}
-        S.write_shard(data_dir / S.shard_name(k), tensors, meta)
+        S.write_shard_files(data_dir, k, tensors, recs)
         for key, v in counts.items():
             totals[key] += v
         bar.set_postfix(prefixes=totals["prefixes"], groups=totals["groups"], judge_calls=totals["judge_calls"],
@@ -168,8 +165,8 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
         return json.loads((data_dir / S.MANIFEST).read_text())
     if not synced:
         wait_for_shards(data_dir, n_shards, needs)
-    manifest = _manifest(config, sig, data_dir, n_shards, len(records), plan["n_prefixes"], stats)
-    S.atomic_write_json(data_dir / S.MANIFEST, manifest)
+    manifest = S.write_manifest(data_dir, sig, n_shards, config=dataclasses.asdict(config), n_problems=len(records),
+                                n_prefixes=plan["n_prefixes"], stats=stats)
     barrier()
     _summary(manifest, log)
     return manifest
@@ -213,34 +210,6 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
         S.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in out).encode())
     barrier()
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _manifest(config, sig, data_dir: Path, n_shards: int, n_problems: int, n_prefixes: int, stats: dict) -> dict:
-    shards, rows = [], {r: 0 for r in ROLES}
-    width = {}
-    for k in range(n_shards):
-        path = data_dir / S.shard_name(k)
-        shapes = S.shard_shapes(path)
-        count = {r: shapes[f"{r}.features"][0] for r in ROLES}
-        for r in ROLES:
-            rows[r] += count[r]
-            width[r] = shapes[f"{r}.features"][1]
-        shards.append({"file": path.name, "sha256": S.sha256_file(path), "bytes": path.stat().st_size, "count": count,
-                       "steps_file": S.steps_name(k), "steps_sha256": S.sha256_file(data_dir / S.steps_name(k))})
-    # One record of what the data is: ``build`` (models read, layers, pooling, feature groups, step
-    # delimiters, label provenance), which rebuilds and the datamodule compare; no top-level copies (issue 12).
-    return {
-        "format_version": S.FORMAT_VERSION,
-        "complete": True,
-        "build": sig,
-        "config": dataclasses.asdict(config),
-        "roles": {r: {"width": width.get(r, len(config.layer_ids) * sig["reads"][r]["hidden_size"]), "rows": rows[r]}
-                  for r in ROLES},
-        "n_problems": n_problems,
-        "n_prefixes": n_prefixes,
-        "shards": shards,
-        "stats": stats,
-    }
 
 
 def _summary(manifest: dict, log) -> None:

@@ -21,7 +21,7 @@ from generation.features import TOKEN_STATS, FeatureSpec, check_groups
 from generation.steps import DEFAULT_DELIMITERS
 
 JUDGES = ("llm", "http", "nli", "none")
-ROLES = ("target", "draft")
+ROLES = S.ROLES
 DEFAULT_HTTP_TEMPLATE = (
     "Do these two reasoning steps state the same thing?\nStep A: {a}\nStep B: {b}\nAnswer with yes or no."
 )

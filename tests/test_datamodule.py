@@ -19,8 +19,7 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
     ``stats``: also a ``token_stats`` group (format 2, as builds now write); without it the layout of
     format-1 builds (pooled states only). Draft-written target rows have writer 1 and a low label.
     """
-    d.mkdir(parents=True, exist_ok=True)
-    entries = []
+    shards = []
     for k in range(n_shards):
         t = {}
         prefix = torch.arange(k * prefixes_per_shard, (k + 1) * prefixes_per_shard)
@@ -44,14 +43,13 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
                       f"{r}.writer": writer, f"{r}.problem_id": prefix_id // 2,
                       f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample, f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
                       f"{r}.group_entropy": torch.zeros(rows)})
-        path = S.write_shard(d / S.shard_name(k), t)
-        entries.append({"file": path.name, "sha256": S.sha256_file(path), "count": {r: len(t[f"{r}.label"]) for r in WIDTH}})
+        shards.append(t)
     reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1, "vocab_size": 10}
              for r, w in WIDTH.items()}
     sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "labels": {"n_samples": n}}
     if stats:
         sig.update(feature_groups=["hidden", "token_stats"], token_stats=STATS)
-    S.atomic_write_json(d / S.MANIFEST, {"complete": True, "build": sig, "shards": entries})
+    S.write_dataset(d, shards, sig)  # the writer the build uses
     return d
 
 
