@@ -2,12 +2,17 @@
 
     python -m datamodules.build --data_dir data/arithmetic               # the embedded world
     python -m datamodules.build --config build.yaml                      # keys: data_dir, build.*
+    python -m datamodules.build --fit_config configs/arithmetic.yaml     # a fit YAML's data: section
+    python -m datamodules.build --build.sampling.n_samples 4             # parts: judge, clustering, sampling, steps
     torchrun --nproc_per_node 4 -m datamodules.build --config build.yaml # ranks share the shards
 
 The work is cut into shards of ``shard_size`` prefixes. A shard's random streams are seeded by
-``(seed, shard index)``, so a shard comes out the same whichever rank builds it and whether the
-build was interrupted before: a rerun skips the whole shards on disk and builds the rest. Rank 0
-merges everything into ``manifest.json`` (DESIGN.md "Formats").
+``(sampling.seed, shard index)``, so a shard comes out the same whichever rank builds it and whether
+the build was interrupted before: a rerun skips the whole shards on disk and builds the rest. Rank 0
+merges everything into ``manifest.json`` (DESIGN.md "Formats"). The config and the signature the
+manifest records live in :mod:`datamodules.build_config`, one shard's work in
+:mod:`datamodules.build_shard`, locks and progress in :mod:`datamodules.shard_work`, the writer of
+shards and manifest in :mod:`datamodules.shards`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ from datamodules.build_config import (  # noqa: F401  (re-exported: the build's 
     JUDGES,
     ROLES,
     BuildConfig,
+    ClusteringConfig,
+    JudgeConfig,
+    SamplingConfig,
+    StepConfig,
     folder_fingerprint,
     judge_provenance,
     label_provenance,
@@ -192,7 +201,7 @@ def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, t
     tok = AutoTokenizer.from_pretrained(config.model_path("target"), local_files_only=True)
     if config.prefix_source == "target":
         records = _target_traces(config, records, tok, data_dir, rank)
-    prefixes = make_prefixes(records, tok, config.delimiters, config.prefix_source)
+    prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source)
     timer["prefixes"] = timer.get("prefixes", 0.0) + time.perf_counter() - t
     k = config.shard_size
     return {"shards": [prefixes[i : i + k] for i in range(0, len(prefixes), k)], "n_prefixes": len(prefixes)}
@@ -205,8 +214,9 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
 
         device, dtype = config.resolved_device()
         model = AutoModelForCausalLM.from_pretrained(config.model_path("target"), local_files_only=True, dtype=dtype)
-        out = target_traces(model.to(device).eval(), tok, records, max_new_tokens=16 * config.max_step_tokens,
-                            temperature=config.temperature, top_p=config.top_p, seed=shard_seed(config.seed, -1, "traces"))
+        s = config.sampling
+        out = target_traces(model.to(device).eval(), tok, records, max_new_tokens=16 * config.steps.max_step_tokens,
+                            temperature=s.temperature, top_p=s.top_p, seed=shard_seed(s.seed, -1, "traces"))
         S.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in out).encode())
     barrier()
     return [json.loads(line) for line in path.read_text().splitlines()]

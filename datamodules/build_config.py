@@ -7,6 +7,7 @@ datamodule compare a folder's recorded signature with the config's (:func:`signa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,128 @@ ROLES = S.ROLES
 DEFAULT_HTTP_TEMPLATE = (
     "Do these two reasoning steps state the same thing?\nStep A: {a}\nStep B: {b}\nAnswer with yes or no."
 )
+# The parts below only hold values: BuildConfig checks them all at once, naming each bad value by its
+# full dotted name (``sampling.n_samples=0``), which a part checking itself could not know.
+
+
+@dataclass
+class JudgeConfig:
+    """The equivalence judge that settles what clustering leaves uncertain (YAML: ``build.judge.*``)."""
+
+    kind: str = "llm"
+    """``llm`` (causal LM folder), ``http`` (OpenAI-compatible), ``nli``, or ``none`` (HDBSCAN only)."""
+    model: str | None = None
+    """Judge model: a folder for ``llm``/``nli`` (None = the world's judge), the model name for ``http``."""
+    template: str | None = None
+    """Judge prompt with ``{a}`` and ``{b}``; None = the world's ``JUDGE_TEMPLATE`` (llm) or a plain question (http)."""
+    yes_answer: str = " yes"
+    """``llm`` judge: the answer meaning "same" (its first token's probability is read); chat models often say ``Yes``.
+    (Not a bare ``yes:`` key: YAML reads that as a boolean.)"""
+    no_answer: str = " no"
+    """``llm`` judge: the answer meaning "different"."""
+    url: str = ""
+    """Base URL of the ``http`` judge, e.g. ``http://127.0.0.1:8000/v1``."""
+    api: str = "chat"
+    """``http`` judge route: ``chat`` (/chat/completions) or ``completions``."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the ``http`` judge's API key (never logged)."""
+    timeout: float = 30.0
+    """Seconds per ``http`` judge request."""
+    retries: int = 3
+    """Attempts per ``http`` judge request before the build fails."""
+    threshold: float = 0.5
+    """Combined P(same) from which two steps are one meaning."""
+
+    def errors(self) -> list[str]:
+        """What is wrong, one ``name=value: expected ...`` per problem (names relative to this part)."""
+        out = _choices(self, {"kind": JUDGES, "api": ("chat", "completions")}) + _at_least(self, retries=1)
+        if self.kind == "http" and not self.url:
+            out.append("url='': kind='http' needs url (e.g. http://127.0.0.1:8000/v1)")
+        if self.kind in ("http", "nli") and not self.model:
+            what = "the model name the server expects" if self.kind == "http" else "a sequence-classification folder"
+            out.append(f"model=None: kind={self.kind!r} needs model ({what})")
+        if not 0 < self.threshold < 1:
+            out.append(f"threshold={self.threshold}: expected in (0, 1)")
+        if self.timeout <= 0:
+            out.append(f"timeout={self.timeout}: expected > 0")
+        return out
+
+
+@dataclass
+class ClusteringConfig:
+    """How one prefix's samples are grouped by meaning (YAML: ``build.clustering.*``)."""
+
+    method: str = "hdbscan+judge"
+    """``hdbscan+judge`` (default), ``hdbscan`` (no judge) or ``judge`` (no HDBSCAN)."""
+    min_cluster_size: int = 2
+    """HDBSCAN ``min_cluster_size``."""
+    membership_threshold: float = 0.5
+    """HDBSCAN members below this membership probability go to the judge."""
+    merge_distance: float = 2.0
+    """Clusters whose centroids (unit-norm embeddings) are closer than this are judged for merging; 2.0 = all pairs."""
+    votes: int = 1
+    """Members of a candidate group an uncertain step is judged against (mean score decides)."""
+    match_numbers: bool = True
+    """Two steps whose numbers differ (as multisets) never share a meaning group, whatever the judge says.
+    The world judge calls a step with a wrong result "the same" as the right one in 1 of 3 cases (issue 9);
+    turn off for tasks whose paraphrases change numbers (e.g. 0.5 vs 1/2)."""
+
+    def errors(self) -> list[str]:
+        """What is wrong (names relative to this part)."""
+        return (_choices(self, {"method": ("hdbscan+judge", "hdbscan", "judge")})
+                + _at_least(self, min_cluster_size=2, votes=1))
+
+
+@dataclass
+class SamplingConfig:
+    """How steps are sampled from each model after every prefix (YAML: ``build.sampling.*``)."""
+
+    n_samples: int = 8
+    """Steps sampled per prefix from each model (paper: 20)."""
+    temperature: float = 0.6
+    """Sampling temperature (paper: 0.6)."""
+    top_p: float = 0.95
+    """Nucleus mass (paper: 0.95)."""
+    seed: int = 0
+    """Seed of sampling; with the same seed a build is reproducible."""
+
+    def errors(self) -> list[str]:
+        """What is wrong (names relative to this part)."""
+        out = _at_least(self, n_samples=1)
+        if self.temperature < 0:
+            out.append(f"temperature={self.temperature}: expected >= 0")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p={self.top_p}: expected in (0, 1]")
+        return out
+
+
+@dataclass
+class StepConfig:
+    """What a step is (YAML: ``build.steps.*``); recorded in the manifest and carried by the probes."""
+
+    delimiters: list[str] = field(default_factory=lambda: list(DEFAULT_DELIMITERS))
+    """Step delimiters (default: the blank-line family)."""
+    max_step_tokens: int = 32
+    """Longest step in tokens; a step ends at a delimiter, EOS or this cap."""
+
+    def errors(self) -> list[str]:
+        """What is wrong (names relative to this part)."""
+        out = _at_least(self, max_step_tokens=1)
+        if not self.delimiters or any(not d for d in self.delimiters):
+            out.append(f"delimiters={self.delimiters!r}: give at least one non-empty delimiter")
+        return out
+
+
+def _choices(part, allowed: dict[str, tuple]) -> list[str]:
+    return [f"{k}={getattr(part, k)!r}: expected one of {v}" for k, v in allowed.items() if getattr(part, k) not in v]
+
+
+def _at_least(part, **low: int) -> list[str]:
+    return [f"{k}={getattr(part, k)}: expected >= {v}" for k, v in low.items() if getattr(part, k) < v]
+
+
+PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig, "steps": StepConfig}
+"""The nested parts of :class:`BuildConfig`, by field name."""
 
 
 @dataclass
@@ -44,52 +167,14 @@ class BuildConfig:
     """Folder of the target model; None = the embedded world's (``world_root()/target``)."""
     draft: str | None = None
     """Folder of the draft model; None = the embedded world's (``world_root()/draft``)."""
-    judge: str = "llm"
-    """Equivalence judge: ``llm`` (causal LM folder), ``http`` (OpenAI-compatible), ``nli``, or ``none`` (HDBSCAN only)."""
-    judge_model: str | None = None
-    """Judge model: a folder for ``llm``/``nli`` (None = the world's judge), the model name for ``http``."""
-    judge_template: str | None = None
-    """Judge prompt with ``{a}`` and ``{b}``; None = the world's ``JUDGE_TEMPLATE`` (llm) or a plain question (http)."""
-    judge_yes: str = " yes"
-    """``llm`` judge: the answer meaning "same" (its first token's probability is read); chat models often say ``Yes``."""
-    judge_no: str = " no"
-    """``llm`` judge: the answer meaning "different"."""
-    judge_url: str = ""
-    """Base URL of the ``http`` judge, e.g. ``http://127.0.0.1:8000/v1``."""
-    judge_api: str = "chat"
-    """``http`` judge route: ``chat`` (/chat/completions) or ``completions``."""
-    judge_api_key_env: str = "OPENAI_API_KEY"
-    """Environment variable holding the ``http`` judge's API key (never logged)."""
-    judge_timeout: float = 30.0
-    """Seconds per ``http`` judge request."""
-    judge_retries: int = 3
-    """Attempts per ``http`` judge request before the build fails."""
-    judge_threshold: float = 0.5
-    """Combined P(same) from which two steps are one meaning."""
-    clustering: str = "hdbscan+judge"
-    """``hdbscan+judge`` (default), ``hdbscan`` (no judge) or ``judge`` (no HDBSCAN)."""
-    min_cluster_size: int = 2
-    """HDBSCAN ``min_cluster_size``."""
-    membership_threshold: float = 0.5
-    """HDBSCAN members below this membership probability go to the judge."""
-    merge_distance: float = 2.0
-    """Clusters whose centroids (unit-norm embeddings) are closer than this are judged for merging; 2.0 = all pairs."""
-    votes: int = 1
-    """Members of a candidate group an uncertain step is judged against (mean score decides)."""
-    match_numbers: bool = True
-    """Two steps whose numbers differ (as multisets) never share a meaning group, whatever the judge says.
-    The world judge calls a step with a wrong result "the same" as the right one in 1 of 3 cases (issue 9);
-    turn off for tasks whose paraphrases change numbers (e.g. 0.5 vs 1/2)."""
-    n_samples: int = 8
-    """Steps sampled per prefix from each model (paper: 20)."""
-    temperature: float = 0.6
-    """Sampling temperature (paper: 0.6)."""
-    top_p: float = 0.95
-    """Nucleus mass (paper: 0.95)."""
-    max_step_tokens: int = 32
-    """Longest step in tokens; a step ends at a delimiter, EOS or this cap."""
-    delimiters: list[str] = field(default_factory=lambda: list(DEFAULT_DELIMITERS))
-    """Step delimiters (default: the blank-line family)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The equivalence judge."""
+    clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
+    """How samples are grouped by meaning."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How steps are sampled (recorded in the manifest; the probes carry it)."""
+    steps: StepConfig = field(default_factory=StepConfig)
+    """What a step is (recorded in the manifest; the probes carry it)."""
     layer_ids: list[int] = field(default_factory=lambda: [-1])
     """HF ``hidden_states`` indices to pool (0 = embeddings, -1 = last layer)."""
     pooling: str = "mean"
@@ -105,41 +190,26 @@ class BuildConfig:
     """Prefixes per shard (the unit of resume and of work per rank)."""
     max_rows: int = 1024
     """Most sequences per forward pass when reading steps."""
-    seed: int = 0
-    """Seed of sampling; with the same seed a build is reproducible."""
 
     def __post_init__(self) -> None:
         errors = []
-        choices = {"prefix_source": ("reference", "target"), "judge": JUDGES, "judge_api": ("chat", "completions"),
-                   "clustering": ("hdbscan+judge", "hdbscan", "judge"), "pooling": ("mean", "last"), "labelling": LABELLINGS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                errors.append(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
-        if self.judge == "none" and self.clustering != "hdbscan":
-            if self.clustering == "judge":
-                errors.append("clustering='judge' needs a judge, but judge='none'")
+        for name, cls in PARTS.items():
+            part = getattr(self, name)
+            if not isinstance(part, cls):
+                errors.append(f"{name}={part!r}: expected a {cls.__name__}")
             else:
-                self.clustering = "hdbscan"  # no judge: HDBSCAN alone
-        if self.judge == "http" and not self.judge_url:
-            errors.append("judge='http' needs judge_url (e.g. http://127.0.0.1:8000/v1)")
-        if self.judge == "http" and not self.judge_model:
-            errors.append("judge='http' needs judge_model (the model name the server expects)")
-        if self.judge == "nli" and not self.judge_model:
-            errors.append("judge='nli' needs judge_model (a sequence-classification model folder)")
-        for name, low in (("n_problems", 0), ("n_samples", 1), ("max_step_tokens", 1), ("shard_size", 1), ("max_rows", 1),
-                          ("judge_retries", 1), ("min_cluster_size", 2), ("votes", 1)):
-            if getattr(self, name) < low:
-                errors.append(f"{name}={getattr(self, name)}: expected >= {low}")
+                errors += [f"{name}.{e}" for e in part.errors()]
+        errors += _choices(self, {"prefix_source": ("reference", "target"), "pooling": ("mean", "last"),
+                                  "labelling": LABELLINGS})
+        errors += _at_least(self, n_problems=0, shard_size=1, max_rows=1)
+        if isinstance(self.judge, JudgeConfig) and isinstance(self.clustering, ClusteringConfig) \
+                and self.judge.kind == "none" and self.clustering.method != "hdbscan":
+            if self.clustering.method == "judge":
+                errors.append("clustering.method='judge' needs a judge, but judge.kind='none'")
+            else:
+                self.clustering.method = "hdbscan"  # no judge: HDBSCAN alone
         if self.task_file is None and self.n_problems < 1:
             errors.append(f"n_problems={self.n_problems}: the embedded world needs >= 1 problem")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            errors.append(f"temperature={self.temperature} (need >= 0), top_p={self.top_p} (need in (0, 1])")
-        if not 0 < self.judge_threshold < 1:
-            errors.append(f"judge_threshold={self.judge_threshold}: expected in (0, 1)")
-        if self.judge_timeout <= 0:
-            errors.append(f"judge_timeout={self.judge_timeout}: expected > 0")
-        if not self.delimiters or any(not d for d in self.delimiters):
-            errors.append(f"delimiters={self.delimiters!r}: give at least one non-empty delimiter")
         if not self.layer_ids:
             errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
         errors += check_groups(["hidden", "token_stats"], self.token_stats)
@@ -152,7 +222,7 @@ class BuildConfig:
         """Folder of ``target``, ``draft`` or the ``judge`` (world defaults resolved now)."""
         from datamodules.arithmetic.models import world_root
 
-        given = {"target": self.target, "draft": self.draft, "judge": self.judge_model}[role]
+        given = {"target": self.target, "draft": self.draft, "judge": self.judge.model}[role]
         if not given:
             return str(world_root() / role)
         from datamodules.models import local_model_dir
@@ -160,9 +230,8 @@ class BuildConfig:
         return local_model_dir(given)  # a GGUF or ``pypi:PACKAGE`` becomes its converted, cached folder
 
     def cluster_config(self) -> ClusterConfig:
-        return ClusterConfig(method=self.clustering, min_cluster_size=self.min_cluster_size,
-                             membership_threshold=self.membership_threshold, merge_distance=self.merge_distance,
-                             votes=self.votes, match_numbers=self.match_numbers)
+        """The clustering algorithm's settings (``datamodules.clustering``) for this build."""
+        return ClusterConfig(**dataclasses.asdict(self.clustering))
 
     def feature_spec(self) -> FeatureSpec:
         """The feature groups every build stores: ``hidden`` and ``token_stats``."""
@@ -199,37 +268,44 @@ def folder_fingerprint(path: str) -> dict[str, Any]:
 
 def judge_provenance(config: BuildConfig) -> dict[str, Any]:
     """What judged the labels: kind, model, template (and endpoint for ``http``)."""
-    if config.judge == "none":
+    j = config.judge
+    if j.kind == "none":
         return {"kind": "none"}
-    out: dict[str, Any] = {"kind": config.judge, "threshold": config.judge_threshold}
-    if config.judge in ("llm", "nli"):
+    out: dict[str, Any] = {"kind": j.kind, "threshold": j.threshold}
+    if j.kind in ("llm", "nli"):
         path = config.model_path("judge")
         out["model"] = folder_fingerprint(path) if Path(path).is_dir() else {"name_or_path": path}
     else:
-        out.update(model=config.judge_model, url=config.judge_url, api=config.judge_api)
-    if config.judge in ("llm", "http"):
-        out["template"] = config.judge_template or default_template(config)
-    if config.judge == "llm" and (config.judge_yes, config.judge_no) != (" yes", " no"):
-        out["answers"] = [config.judge_yes, config.judge_no]  # recorded only when not the default
+        out.update(model=j.model, url=j.url, api=j.api)
+    if j.kind in ("llm", "http"):
+        out["template"] = j.template or default_template(j)
+    if j.kind == "llm" and (j.yes_answer, j.no_answer) != (" yes", " no"):
+        out["answers"] = [j.yes_answer, j.no_answer]  # recorded only when not the default
     return out
 
 
-def default_template(config: BuildConfig) -> str:
+def default_template(judge: JudgeConfig) -> str:
+    """The prompt of a judge given no ``template``: the world's (``llm``) or a plain question (``http``)."""
     from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
 
-    return JUDGE_TEMPLATE if config.judge == "llm" else DEFAULT_HTTP_TEMPLATE
+    return JUDGE_TEMPLATE if judge.kind == "llm" else DEFAULT_HTTP_TEMPLATE
 
 
 def label_provenance(config: BuildConfig) -> dict[str, Any]:
-    """The ``labels`` entry of a probe's input spec: N, labelling, clustering, judge, seed."""
+    """The ``labels`` entry of a probe's input spec: labelling, clustering, judge, step cap, seed."""
     cc = config.cluster_config()
     params = {"min_cluster_size": cc.min_cluster_size, "membership_threshold": cc.membership_threshold,
               "merge_distance": cc.merge_distance, "votes": cc.votes, "max_candidates": cc.max_candidates,
               "match_numbers": cc.match_numbers}
-    return {"n_samples": config.n_samples, "labelling": config.labelling, "clustering": config.clustering,
-            "clustering_params": params, "max_step_tokens": config.max_step_tokens,
-            "judge": judge_provenance(config), "seed": config.seed, "temperature": config.temperature,
-            "top_p": config.top_p}
+    # max_step_tokens stays here too: probes exported before the step spec had its own entry read it from labels
+    return {"labelling": config.labelling, "clustering": cc.method, "clustering_params": params,
+            "max_step_tokens": config.steps.max_step_tokens, "judge": judge_provenance(config),
+            "seed": config.sampling.seed}
+
+
+def sampling_spec(config: BuildConfig) -> dict[str, Any]:
+    """The ``sampling`` entry: how the labelled steps were sampled (the probes carry it to the decoder)."""
+    return {k: getattr(config.sampling, k) for k in S.SAMPLING_KEYS}
 
 
 def problems_provenance(config: BuildConfig) -> dict[str, Any]:
@@ -250,8 +326,9 @@ def signature(config: BuildConfig) -> dict[str, Any]:
         "pooling": config.pooling,
         "feature_groups": ["hidden", "token_stats"],
         "token_stats": list(config.token_stats),
-        "delimiters": list(config.delimiters),
-        "max_step_tokens": config.max_step_tokens,
+        "delimiters": list(config.steps.delimiters),
+        "max_step_tokens": config.steps.max_step_tokens,
+        "sampling": sampling_spec(config),
         "labels": label_provenance(config),
         "problems": problems_provenance(config),
         "shard_size": config.shard_size,

@@ -1,7 +1,7 @@
 """One shard of a label build: load the models and the judge, sample, read, group, label.
 
-A shard's random streams are seeded by ``(seed, shard index)`` (:func:`shard_seed`), so it comes
-out the same whichever rank builds it and whether the build was interrupted before.
+A shard's random streams are seeded by ``(sampling.seed, shard index)`` (:func:`shard_seed`), so it
+comes out the same whichever rank builds it and whether the build was interrupted before.
 """
 
 from __future__ import annotations
@@ -57,27 +57,27 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
 
 def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0, device: str = "cpu",
                dtype: torch.dtype = torch.float32):
-    """The judge ``config`` asks for (None for ``judge="none"``), caching its answers in ``cache_dir``."""
+    """The judge ``config`` asks for (None for ``judge.kind="none"``), caching its answers in ``cache_dir``."""
     from datamodules import judges as J
 
-    common = {"threshold": config.judge_threshold, "cache_dir": cache_dir, "cache_tag": str(rank)}
-    if config.judge == "none":
+    j = config.judge
+    common = {"threshold": j.threshold, "cache_dir": cache_dir, "cache_tag": str(rank)}
+    if j.kind == "none":
         return None
-    if config.judge == "http":
-        return J.HTTPJudge(config.judge_url, config.judge_model, config.judge_template or DEFAULT_HTTP_TEMPLATE,
-                           api=config.judge_api, api_key_env=config.judge_api_key_env, timeout=config.judge_timeout,
-                           retries=config.judge_retries, **common)
+    if j.kind == "http":
+        return J.HTTPJudge(j.url, j.model, j.template or DEFAULT_HTTP_TEMPLATE, api=j.api, api_key_env=j.api_key_env,
+                           timeout=j.timeout, retries=j.retries, **common)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     path = config.model_path("judge")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     name = f"{Path(path).name}@{weights_stamp(path)}"  # a retrained judge must not reuse old cached answers
-    if config.judge == "nli":
+    if j.kind == "nli":
         model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
         return J.NLIJudge(model.to(device).eval(), tok, name=name, **common)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
-    return J.LLMJudge(model, tok, config.judge_template or default_template(config), yes=config.judge_yes,
-                      no=config.judge_no, name=name, **common)
+    template = j.template or default_template(j)
+    return J.LLMJudge(model, tok, template, yes=j.yes_answer, no=j.no_answer, name=name, **common)
 
 
 def weights_stamp(folder: str | os.PathLike, probe: int = 1 << 20) -> str:
@@ -104,11 +104,11 @@ def shard_seed(seed: int, index: int, stream: str) -> int:
 
 def _sample(model, tok, prefixes: list[Prefix], config: BuildConfig, seed: int, device: str) -> list[list[list[int]]]:
     g = torch.Generator(device=device).manual_seed(seed)
-    stop = StepStopper(tok, config.delimiters, config.max_step_tokens)
-    rows = generate(model, [p.token_ids for p in prefixes], max_new_tokens=config.max_step_tokens,
-                    temperature=config.temperature, top_p=config.top_p, generator=g, stop=stop,
-                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0, num_samples=config.n_samples)
-    n = config.n_samples
+    steps, n = config.steps, config.sampling.n_samples
+    stop = StepStopper(tok, steps.delimiters, steps.max_step_tokens)
+    rows = generate(model, [p.token_ids for p in prefixes], max_new_tokens=steps.max_step_tokens,
+                    temperature=config.sampling.temperature, top_p=config.sampling.top_p, generator=g, stop=stop,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0, num_samples=n)
     return [rows[i * n : (i + 1) * n] for i in range(len(prefixes))]
 
 
@@ -126,10 +126,10 @@ def build_shard(index: int, prefixes: list[Prefix], models: Models, config: Buil
 
 def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
                  asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
-    tok, n, dev = models.tokenizer, config.n_samples, models.device
+    tok, n, dev = models.tokenizer, config.sampling.n_samples, models.device
     pad = tok.pad_token_id or 0
     t0 = time.perf_counter()
-    written = {w: _sample(m, tok, prefixes, config, shard_seed(config.seed, index, w), dev)
+    written = {w: _sample(m, tok, prefixes, config, shard_seed(config.sampling.seed, index, w), dev)
                for w, m in (("target", models.target), ("draft", models.draft))}
     t1 = time.perf_counter()
     joint = config.labelling == "joint"

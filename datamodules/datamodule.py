@@ -100,7 +100,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     @property
     def input_spec(self) -> dict[str, dict]:
         """Per role: ``hidden_size``, ``layer_ids``, ``pooling``, ``feature_groups``, ``token_stats``,
-        ``reads``, ``delimiters``, ``labels``.
+        ``reads``, ``delimiters``, ``sampling``, ``labels``.
 
         From the manifest when the data is built, else from the build config (model folders'
         ``config.json`` and tokenizer; no weights are loaded).
@@ -122,7 +122,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                               "pooling": sig["pooling"], "feature_groups": list(groups),
                               "token_stats": stats if "token_stats" in groups else [],
                               "reads": dict(sig["reads"][r]), "delimiters": list(sig["delimiters"]),
-                              "labels": dict(sig["labels"])} for r in self.roles}
+                              "sampling": dict(sig.get("sampling", {})), "labels": dict(sig["labels"])}
+                          for r in self.roles}
         return self._spec
 
     def feature_moments(self, role: str) -> tuple[torch.Tensor, torch.Tensor]:

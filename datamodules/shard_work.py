@@ -43,7 +43,7 @@ def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
     existing = S.read_manifest(data_dir) if data_dir.is_dir() else None
     started = data_dir / "build.json"
     recorded = [existing.get("build")] if existing else []
-    recorded += [json.loads(started.read_text())["build"]] if started.is_file() else []
+    recorded += [S.upgrade_build_record(json.loads(started.read_text())["build"])] if started.is_file() else []
     diff = next((d for d in (signature_mismatches(r, sig) for r in recorded if r is not None) if d), [])
     if not diff:
         return existing, started.is_file()

@@ -137,9 +137,29 @@ def read_manifest(data_dir: str | os.PathLike) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e.msg}); delete it and rebuild") from None
+    if isinstance(manifest.get("build"), dict):
+        manifest["build"] = upgrade_build_record(manifest["build"])
+    return manifest
+
+
+SAMPLING_KEYS = ("n_samples", "temperature", "top_p")
+"""The sampling spec a build record holds under ``sampling``."""
+
+
+def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's ``build`` record in today's layout, so data built before keeps matching its config.
+
+    Records written before the sampling spec had its own entry kept ``n_samples``, ``temperature``
+    and ``top_p`` in ``labels``; they move to ``sampling`` (the shards are unchanged).
+    """
+    labels = build.get("labels")
+    if "sampling" in build or not isinstance(labels, dict) or not any(k in labels for k in SAMPLING_KEYS):
+        return build
+    return {**build, "sampling": {k: labels[k] for k in SAMPLING_KEYS if k in labels},
+            "labels": {k: v for k, v in labels.items() if k not in SAMPLING_KEYS}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
         shards.append(t)
     reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1, "vocab_size": 10}
              for r, w in WIDTH.items()}
-    sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "labels": {"n_samples": n}}
+    sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "max_step_tokens": 32,
+           "sampling": {"n_samples": n, "temperature": 0.6, "top_p": 0.95}, "labels": {"max_step_tokens": 32}}
     if stats:
         sig.update(feature_groups=["hidden", "token_stats"], token_stats=STATS)
     S.write_dataset(d, shards, sig)  # the writer the build uses
@@ -79,7 +80,8 @@ def test_input_spec_and_batches(data):
     dm = _dm(data)
     assert dm.input_spec["target"]["hidden_size"] == 16 and dm.input_spec["draft"]["layer_ids"] == [-1]
     assert set(dm.input_spec["target"]) == {"hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats",
-                                            "reads", "delimiters", "labels"}
+                                            "reads", "delimiters", "sampling", "labels"}
+    assert dm.input_spec["draft"]["sampling"] == {"n_samples": 3, "temperature": 0.6, "top_p": 0.95}
     assert dm.input_spec["target"]["feature_groups"] == ["hidden", "token_stats"]
     assert dm.input_spec["target"]["token_stats"] == STATS
     batches = list(dm.train_dataloader())
