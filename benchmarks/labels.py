@@ -150,21 +150,19 @@ def variants(config: BuildConfig, prefixes: list[dict]) -> dict:
 
 def write_synthetic(d: Path, rows: int, width: int = 384, rows_per_shard: int = 8192, seed: int = 0) -> None:
     """Shards of one role shaped like a build's (fp16 features, labels, ids) and their manifest."""
-    d.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    entries = []
-    for k, start in enumerate(range(0, rows, rows_per_shard)):
-        n = min(rows_per_shard, rows - start)
-        ids = torch.arange(start, start + n)
-        t = {"target.features": torch.randn(n, width, generator=g).half(), "target.label": torch.rand(n, generator=g),
-             "target.q": torch.rand(n), "target.p": torch.rand(n), "target.writer": torch.zeros(n, dtype=torch.int8),
-             "target.problem_id": ids // 64, "target.prefix_id": ids // 16, "target.sample_id": ids,
-             "target.group_id": torch.zeros(n, dtype=torch.int32), "target.group_entropy": torch.zeros(n)}
-        path = S.write_shard(d / S.shard_name(k), t)
-        entries.append({"file": path.name, "sha256": S.sha256_file(path), "count": {"target": n}})
+
+    def shards():  # one at a time: the 10x set does not fit in memory at once
+        for start in range(0, rows, rows_per_shard):
+            n = min(rows_per_shard, rows - start)
+            ids = torch.arange(start, start + n)
+            yield {"target.features": torch.randn(n, width, generator=g).half(), "target.label": torch.rand(n, generator=g),
+                   "target.q": torch.rand(n), "target.p": torch.rand(n), "target.writer": torch.zeros(n, dtype=torch.int8),
+                   "target.problem_id": ids // 64, "target.prefix_id": ids // 16, "target.sample_id": ids,
+                   "target.group_id": torch.zeros(n, dtype=torch.int32), "target.group_entropy": torch.zeros(n)}
+
     reads = {"target": {"name_or_path": "synthetic", "architecture": "none", "hidden_size": width, "num_layers": 1, "vocab_size": 1}}
-    S.atomic_write_json(d / S.MANIFEST, {"complete": True, "build": {"reads": reads, "layer_ids": [-1], "pooling": "mean",
-                                                                      "delimiters": ["\n\n"], "labels": {}}, "shards": entries})
+    S.write_dataset(d, shards(), {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "labels": {}})
 
 
 _READER = """
@@ -241,7 +239,8 @@ def run(quick: bool) -> dict:
         "read_setup_seconds": {"1x": round(r1["setup_seconds"], 2), "10x": round(r10["setup_seconds"], 2)},
         "audit": label_rows,
         "variants": var,
-        "build": {"n_problems": config.n_problems, "n_prefixes": manifest["n_prefixes"], "n_samples": config.n_samples,
+        "build": {"n_problems": config.n_problems, "n_prefixes": manifest["n_prefixes"],
+                  "n_samples": config.sampling.n_samples,
                   "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["build"]["labels"]["judge"]["kind"],
                   "this_run": manifest["stats"]["this_run"], "world": portable_paths(str(config.model_path("target")))},
         "quick": quick,

@@ -1,7 +1,10 @@
-"""Safetensors shards and ``manifest.json``: atomic writes, checksums, verification.
+"""Safetensors shards and ``manifest.json``: the one writer of datasets, atomic writes, checksums, verification.
 
-Every file is written under a temporary name in the same folder and renamed into place, so a
-killed build leaves only whole files (DESIGN.md "Formats"). Nothing here unpickles.
+Every dataset is written here: the label build writes shard by shard (:func:`write_shard_files`,
+under its locks, resumable) and then :func:`write_manifest`; synthetic datasets (tests,
+benchmarks) call :func:`write_dataset`, which does both. Every file is written under a temporary
+name in the same folder and renamed into place, so a killed build leaves only whole files
+(DESIGN.md "Formats"). Nothing here unpickles.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,8 @@ from safetensors.torch import save_file
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 """Layout version of the shards and the manifest (2: a ``token_stats`` feature group beside the pooled ``features``)."""
+ROLES = ("target", "draft")
+"""Whose probe a shard's rows train: ``<role>.features``, ``<role>.label``, ... per role."""
 
 
 class CorruptShardError(ValueError):
@@ -131,6 +137,91 @@ def read_manifest(data_dir: str | os.PathLike) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e.msg}); delete it and rebuild") from None
+    if isinstance(manifest.get("build"), dict):
+        manifest["build"] = upgrade_build_record(manifest["build"])
+    return manifest
+
+
+SAMPLING_KEYS = ("n_samples", "temperature", "top_p")
+"""The sampling spec a build record holds under ``sampling``."""
+
+
+def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's ``build`` record in today's layout, so data built before keeps matching its config.
+
+    Records written before the sampling spec had its own entry kept ``n_samples``, ``temperature``
+    and ``top_p`` in ``labels``; they move to ``sampling`` (the shards are unchanged).
+    """
+    labels = build.get("labels")
+    if "sampling" in build or not isinstance(labels, dict) or not any(k in labels for k in SAMPLING_KEYS):
+        return build
+    return {**build, "sampling": {k: labels[k] for k in SAMPLING_KEYS if k in labels},
+            "labels": {k: v for k, v in labels.items() if k not in SAMPLING_KEYS}}
+
+
+# ---------------------------------------------------------------------------------------------
+# The one writer of datasets.
+
+
+def write_shard_files(data_dir: str | os.PathLike, index: int, tensors: dict[str, torch.Tensor],
+                      steps: list[dict] | None = None) -> Path:
+    """Write shard ``index`` of a dataset (and its step texts, one JSON line per prefix), atomically.
+
+    The shard's one metadata key holds the format version and the index: safetensors writes a
+    map's keys in no fixed order, and shards must be byte-stable (a resumed build equals a whole one).
+    """
+    data_dir = Path(data_dir)
+    if steps is not None:
+        atomic_write_bytes(data_dir / steps_name(index), "".join(json.dumps(r) + "\n" for r in steps).encode())
+    meta = {"semanticspec": json.dumps({"format_version": FORMAT_VERSION, "shard": index}, sort_keys=True)}
+    return write_shard(data_dir / shard_name(index), tensors, meta)
+
+
+def write_manifest(data_dir: str | os.PathLike, build: dict[str, Any], n_shards: int, **fields: Any) -> dict:
+    """Checksum shards ``0 .. n_shards - 1`` of ``data_dir`` and write its ``manifest.json``, marked complete.
+
+    Args:
+        data_dir: the dataset's folder.
+        build: the one record of what the data is (models read, layers, pooling, feature groups,
+            steps, sampling, label provenance; ``build_config.signature``); rebuilds and the
+            datamodule compare it. Its ``reads`` name the roles the shards hold.
+        n_shards: shards on disk.
+        **fields: further top-level entries (the build's ``config``, ``n_problems``, ``stats``, ...).
+
+    Returns:
+        The manifest written.
+    """
+    data_dir = Path(data_dir)
+    roles = [r for r in ROLES if r in build.get("reads", {})]
+    rows, width, shards = {r: 0 for r in roles}, {}, []
+    for k in range(n_shards):
+        path = data_dir / shard_name(k)
+        shapes = shard_shapes(path)
+        count = {r: shapes[f"{r}.features"][0] for r in roles}
+        for r in roles:
+            rows[r] += count[r]
+            width[r] = shapes[f"{r}.features"][1]
+        entry = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size, "count": count}
+        if (data_dir / steps_name(k)).is_file():
+            entry.update(steps_file=steps_name(k), steps_sha256=sha256_file(data_dir / steps_name(k)))
+        shards.append(entry)
+    default_width = {r: len(build.get("layer_ids", [-1])) * build["reads"][r]["hidden_size"] for r in roles}
+    manifest = {"format_version": FORMAT_VERSION, "complete": True, "build": build, **fields,
+                "roles": {r: {"width": width.get(r, default_width[r]), "rows": rows[r]} for r in roles},
+                "shards": shards}
+    atomic_write_json(data_dir / MANIFEST, manifest)
+    return manifest
+
+
+def write_dataset(data_dir: str | os.PathLike, shards: Iterable[dict[str, torch.Tensor]], build: dict[str, Any],
+                  **fields: Any) -> dict:
+    """Write a whole dataset: every shard of ``shards`` in order, then the manifest (see :func:`write_manifest`)."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for n, tensors in enumerate(shards, 1):
+        write_shard_files(data_dir, n - 1, tensors)
+    return write_manifest(data_dir, build, n, **fields)

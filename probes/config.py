@@ -10,12 +10,13 @@ from typing import Any, Optional
 
 from generation.groups import check_groups
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the exported ``config.json`` layout; older versions keep loading.
 
 1: pooled hidden states only. 2: named feature groups (``feature_groups``, ``token_stats``) and
 input standardisation buffers in ``model.safetensors`` (a version-1 export loads as ``["hidden"]``
-with identity standardisation)."""
+with identity standardisation). 3: the sampling spec of the labels (``sampling``; older exports
+load with ``{}``, unknown)."""
 FINGERPRINT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size", "tokenizer_hash")
 """Fields of a reading model's fingerprint that must match at load time (name_or_path is informative)."""
 
@@ -51,8 +52,11 @@ class ProbeConfig:
     """Fingerprint of the model whose hidden states the probe reads (see ``model_fingerprint``)."""
     delimiters: list[str] = field(default_factory=lambda: ["\n\n"])
     """Step delimiters the labels were made with."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """How the labelled steps were sampled: ``n_samples`` per model, ``temperature``, ``top_p`` (the build's
+    ``sampling``); ``{}`` for exports made before it was recorded."""
     labels: dict[str, Any] = field(default_factory=dict)
-    """Label provenance: N samples per model, clustering, judge, seed."""
+    """Label provenance: labelling, clustering, judge, step cap (``max_step_tokens``), seed."""
     test_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics on the held-out test split at export time."""
     format_version: int = FORMAT_VERSION

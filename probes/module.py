@@ -59,7 +59,7 @@ class SemanticProbeModule(L.LightningModule):
 
     Args:
         probe: architecture shared by the probes (widths, dropout, layer combination). Fields that
-            only the data knows (hidden_size, layer_ids, pooling, reads, delimiters, labels) are
+            only the data knows (hidden_size, layer_ids, pooling, reads, delimiters, sampling, labels) are
             filled per role from ``input_spec``.
         roles: which probes to train: ``target``, ``draft`` or both.
         input_spec: per role, what the data holds (linked from ``data.input_spec`` by the CLI).
@@ -114,7 +114,8 @@ class SemanticProbeModule(L.LightningModule):
         if isinstance(probe, dict):
             probe = ProbeConfig.from_dict(probe)
         fields = {"role": role}
-        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "reads", "delimiters", "labels"):
+        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "reads", "delimiters",
+                    "sampling", "labels"):
             if spec is not None and key in spec:
                 fields[key] = copy.deepcopy(spec[key])
         return replace(probe, **fields)

@@ -10,9 +10,11 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from datamodules import shards as S
-from datamodules.build import BuildConfig, build, main, signature
+from datamodules.build import (BuildConfig, ClusteringConfig, JudgeConfig, SamplingConfig, StepConfig, build, main,
+                               signature)
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.features import TOKEN_STATS, FeatureSpec, pool_hidden_states, token_stats
 from datamodules.reading import read_steps
@@ -30,10 +32,13 @@ def world(tmp_path_factory, world_tokenizer):
     return root
 
 
-def _config(world, **kw) -> BuildConfig:
-    base = {"target": str(world / "target"), "draft": str(world / "draft"), "judge_model": str(world / "judge"),
-            "n_problems": 3, "n_samples": 3, "shard_size": 4, "max_step_tokens": 6, "seed": 7}
-    return BuildConfig(**{**base, **kw})
+def _config(world, judge=None, clustering=None, sampling=None, steps=None, **kw) -> BuildConfig:
+    """The tests' small build; ``judge``, ``clustering``, ``sampling``, ``steps``: fields of those parts to change."""
+    base = {"target": str(world / "target"), "draft": str(world / "draft"), "n_problems": 3, "shard_size": 4}
+    return BuildConfig(judge=JudgeConfig(**{"model": str(world / "judge"), **(judge or {})}),
+                       clustering=ClusteringConfig(**(clustering or {})),
+                       sampling=SamplingConfig(**{"n_samples": 3, "seed": 7, **(sampling or {})}),
+                       steps=StepConfig(**{"max_step_tokens": 6, **(steps or {})}), **{**base, **kw})
 
 
 def _dataset_bytes(d):
@@ -51,7 +56,10 @@ def test_build_writes_labelled_shards_and_manifest(reference):
     n = 3
     b = m["build"]  # the one record of what the data is; no top-level copies to drift apart (issue 12)
     assert not {"reads", "layer_ids", "pooling", "judge", "labels", "delimiters"} & set(m)
-    assert m["complete"] and b["labels"]["n_samples"] == n and b["layer_ids"] == [-1] and b["pooling"] == "mean"
+    assert m["complete"] and b["layer_ids"] == [-1] and b["pooling"] == "mean"
+    # the step and sampling spec the probes carry to the decoder
+    assert b["sampling"] == {"n_samples": n, "temperature": 0.6, "top_p": 0.95} and b["max_step_tokens"] == 6
+    assert b["labels"]["max_step_tokens"] == 6 and not {"n_samples", "temperature", "top_p"} & set(b["labels"])
     assert b["reads"]["target"]["hidden_size"] == 32 and b["reads"]["draft"]["hidden_size"] == 24
     assert b["labels"]["judge"]["kind"] == "llm" and b["labels"]["labelling"] == "joint"
     assert m["roles"] == {"target": {"width": 32, "rows": m["roles"]["target"]["rows"]},
@@ -128,6 +136,22 @@ def test_data_for_other_layers_or_models_is_refused(world, reference):
         dm.setup()
 
 
+def test_data_recorded_before_the_sampling_entry_still_matches(world, reference, tmp_path):
+    ref_dir, _ = reference
+    d = tmp_path / "old"
+    shutil.copytree(ref_dir, d)
+    m = json.loads((d / S.MANIFEST).read_text())
+    m["build"]["labels"].update(m["build"].pop("sampling"))  # the layout manifests had before
+    S.atomic_write_json(d / S.MANIFEST, m)
+    lines = []
+    assert build(_config(world), d, log=lines.append)["build"]["sampling"]["n_samples"] == 3
+    assert lines == [f"reusing {len(m['shards'])} shards in {d}"]  # not "built for another config"
+    dm = SemanticProbeDataModule(str(d), build=_config(world))
+    dm.setup()
+    assert dm.input_spec["target"]["sampling"] == {"n_samples": 3, "temperature": 0.6, "top_p": 0.95}
+    assert "temperature" not in dm.input_spec["target"]["labels"]
+
+
 def test_datamodule_reuses_a_finished_build(world, reference, capsys):
     d, _ = reference
     dm = SemanticProbeDataModule(str(d), build=_config(world))
@@ -145,8 +169,8 @@ def test_unreachable_judge_fails_with_url_and_keeps_finished_shards(world, tmp_p
     monkeypatch.setenv("JUDGE_KEY", "sk-do-not-print")
     server = _Server()
     url = server.url
-    cfg = _config(world, judge="http", judge_url=url, judge_model="m", judge_api_key_env="JUDGE_KEY",
-                  judge_retries=2, judge_timeout=1, match_numbers=False)  # every pair goes to the judge
+    cfg = _config(world, judge={"kind": "http", "url": url, "model": "m", "api_key_env": "JUDGE_KEY", "retries": 2,
+                                "timeout": 1}, clustering={"match_numbers": False})  # every pair goes to the judge
     try:
         build(cfg, tmp_path, max_shards=1)
     finally:
@@ -201,11 +225,11 @@ def test_refused_task_file_writes_nothing_and_the_fixed_file_builds(world, tmp_p
 
 
 def test_folder_without_a_shard_is_not_pinned_by_another_config(world, tmp_path):
-    started = build(_config(world, seed=1), tmp_path, max_shards=0)  # a build that stopped before its first shard
+    started = build(_config(world, sampling={"seed": 1}), tmp_path, max_shards=0)  # stopped before its first shard
     assert not started["complete"] and (tmp_path / "build.json").is_file()
     assert build(_config(world), tmp_path)["complete"]  # not "holds data built for another config"
     with pytest.raises(ValueError, match="holds .* shards built for another config"):
-        build(_config(world, seed=1), tmp_path)  # once it holds shards, it is
+        build(_config(world, sampling={"seed": 1}), tmp_path)  # once it holds shards, it is
 
 
 def test_data_dir_that_cannot_be_created_is_named(world, capsys):
@@ -214,15 +238,17 @@ def test_data_dir_that_cannot_be_created_is_named(world, capsys):
         build(_config(world), bad)
     with pytest.raises(SystemExit) as exit_:
         main(["--data_dir", bad, "--build.target", str(world / "target"), "--build.draft", str(world / "draft"),
-              "--build.judge_model", str(world / "judge"), "--build.n_problems", "1"])
+              "--build.judge.model", str(world / "judge"), "--build.n_problems", "1"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("python -m datamodules.build: error: cannot create data_dir")
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--build.n_samples", "0"], "n_samples=0: expected >= 1"),
-    (["--build.n_sample", "3"], "unrecognized arguments: --build.n_sample 3"),  # no silent prefix expansion
+    (["--build.sampling.n_samples", "0"], "sampling.n_samples=0: expected >= 1"),
+    # no silent prefix expansion
+    (["--build.sampling.n_sample", "3"], "unrecognized arguments: --build.sampling.n_sample 3"),
+    (["--build.n_samples", "3"], "unrecognized arguments: --build.n_samples 3"),  # the flat key of before is refused
     (["--fit_config", "nowhere.yaml"], "--fit_config nowhere.yaml"),
 ])
 def test_cli_refusals_are_one_line_and_exit_2(args, named, tmp_path, capsys):
@@ -239,11 +265,11 @@ def _lock(d, k, pid):
 
 
 def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, reference, tmp_path, monkeypatch):
-    import datamodules.build as B
+    from datamodules import shard_work
 
     ref_dir, ref = reference
     n = len(ref["shards"])
-    monkeypatch.setattr(B, "LOCK_POLL_S", 0.05)
+    monkeypatch.setattr(shard_work, "LOCK_POLL_S", 0.05)
     _lock(tmp_path, 1, os.getpid())  # "another build" (alive) is writing shard 1
     lines, out = [], {}
     thread = threading.Thread(target=lambda: out.update(m=build(_config(world), tmp_path, log=lines.append)))
@@ -289,28 +315,43 @@ def test_empty_task_file_is_an_error(world, tmp_path):
         build(_config(world, task_file=str(tmp_path / "empty.jsonl")), tmp_path / "out")
 
 
-def test_build_config_names_bad_values():
+def test_build_config_names_bad_values_by_their_dotted_names():
     with pytest.raises(ValueError) as err:
-        BuildConfig(judge="oracle", n_samples=0, pooling="max", labelling="both")
-    for part in ("judge='oracle'", "n_samples=0", "pooling='max'", "labelling='both'"):
+        BuildConfig(judge=JudgeConfig(kind="oracle", threshold=1.5), sampling=SamplingConfig(n_samples=0, top_p=0),
+                    clustering=ClusteringConfig(votes=0), steps=StepConfig(delimiters=[""]), pooling="max",
+                    labelling="both")
+    for part in ("judge.kind='oracle'", "judge.threshold=1.5", "sampling.n_samples=0", "sampling.top_p=0",
+                 "clustering.votes=0", "steps.delimiters=['']", "pooling='max'", "labelling='both'"):
         assert part in str(err.value)
-    with pytest.raises(ValueError, match="judge_url"):
-        BuildConfig(judge="http", judge_model="m")
-    assert BuildConfig(judge="none").clustering == "hdbscan"
+    with pytest.raises(ValueError, match="judge.url='': kind='http' needs url"):
+        BuildConfig(judge=JudgeConfig(kind="http", model="m"))
+    with pytest.raises(ValueError, match="clustering.method='judge' needs a judge"):
+        BuildConfig(judge=JudgeConfig(kind="none"), clustering=ClusteringConfig(method="judge"))
+    with pytest.raises(ValueError, match="sampling=.*expected a SamplingConfig"):
+        BuildConfig(sampling={"n_samples": 3})
+    assert BuildConfig(judge=JudgeConfig(kind="none")).clustering.method == "hdbscan"
 
 
 def test_cli_with_a_config_file(world, reference, tmp_path, capsys):
     cfg = tmp_path / "build.yaml"
     out = tmp_path / "cli"
     cfg.write_text(f"data_dir: {out}\nbuild:\n  target: {world / 'target'}\n  draft: {world / 'draft'}\n"
-                   f"  judge_model: {world / 'judge'}\n  n_problems: 3\n  n_samples: 3\n  shard_size: 4\n"
-                   "  max_step_tokens: 6\n  seed: 7\n")
+                   f"  judge:\n    model: {world / 'judge'}\n  n_problems: 3\n  shard_size: 4\n"
+                   "  sampling:\n    n_samples: 3\n    seed: 7\n  steps:\n    max_step_tokens: 6\n")
     main(["--config", str(cfg)])
     assert _dataset_bytes(out) == _dataset_bytes(reference[0])
+    # a fit YAML's data: section, nested parts included, with an option on top
+    fit, out2 = tmp_path / "fit.yaml", tmp_path / "fit-data"
+    section = yaml.safe_load(cfg.read_text())
+    section["build"]["sampling"]["seed"] = 1
+    fit.write_text(yaml.safe_dump({"model": {"loss": "mse"}, "data": {**section, "data_dir": str(out2)}}))
+    main(["--fit_config", str(fit), "--build.sampling.seed", "7"])
+    assert _dataset_bytes(out2) == _dataset_bytes(reference[0])
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
-    assert "Steps sampled per prefix from each model" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--build.sampling.n_samples" in out and "Steps sampled per prefix from each model" in out
 
 
 def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer):
@@ -356,8 +397,8 @@ def test_a_real_kill_mid_build_then_rerun_loses_and_duplicates_nothing(world, tm
     kw = {"n_problems": 24, "shard_size": 2}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     args = [sys.executable, "-m", "datamodules.build", "--data_dir", str(killed)]
-    for key, value in {**kw, "target": world / "target", "draft": world / "draft", "judge_model": world / "judge",
-                       "n_samples": 3, "max_step_tokens": 6, "seed": 7}.items():
+    for key, value in {**kw, "target": world / "target", "draft": world / "draft", "judge.model": world / "judge",
+                       "sampling.n_samples": 3, "steps.max_step_tokens": 6, "sampling.seed": 7}.items():
         args += [f"--build.{key}", str(value)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=os.getcwd())
@@ -377,7 +418,7 @@ def test_a_real_kill_mid_build_then_rerun_loses_and_duplicates_nothing(world, tm
 
 
 def test_prefixes_from_the_targets_own_traces(world, tmp_path):
-    m = build(_config(world, prefix_source="target", n_problems=2, max_step_tokens=4), tmp_path)
+    m = build(_config(world, prefix_source="target", n_problems=2, steps={"max_step_tokens": 4}), tmp_path)
     traces = [json.loads(line) for line in (tmp_path / "target-traces.jsonl").read_text().splitlines()]
     assert len(traces) == 2 and m["n_prefixes"] >= 2 and m["build"]["problems"]["prefix_source"] == "target"
 
@@ -387,7 +428,7 @@ def test_llm_judge_answers_are_configurable(tmp_path):
 
     default = BuildConfig()
     assert "answers" not in judge_provenance(default)  # old manifests keep matching
-    config = BuildConfig(judge_yes=" Yes", judge_no=" No")
+    config = BuildConfig(judge=JudgeConfig(yes_answer=" Yes", no_answer=" No"))
     assert judge_provenance(config)["answers"] == [" Yes", " No"]
     judge = make_judge(config, tmp_path)
     tok = judge.tokenizer
@@ -402,7 +443,8 @@ def test_two_build_processes_into_one_folder_share_the_shards(world, tmp_path):
 
     args = [sys.executable, "-m", "datamodules.build", "--data_dir", str(tmp_path)]
     for key, value in {"n_problems": 24, "shard_size": 2, "target": world / "target", "draft": world / "draft",
-                       "judge_model": world / "judge", "n_samples": 3, "max_step_tokens": 6, "seed": 7}.items():
+                       "judge.model": world / "judge", "sampling.n_samples": 3, "steps.max_step_tokens": 6,
+                       "sampling.seed": 7}.items():
         args += [f"--build.{key}", str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from datamodules import shards as S
-from datamodules.datamodule import SPLITS, SemanticProbeDataModule, ShardStream, split_of
+from datamodules.datamodule import SemanticProbeDataModule
+from datamodules.stream import SPLITS, ShardStream, split_of
 
 WIDTH = {"target": 16, "draft": 8}
 STATS = ["mean_logprob", "min_logprob"]
@@ -18,8 +19,7 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
     ``stats``: also a ``token_stats`` group (format 2, as builds now write); without it the layout of
     format-1 builds (pooled states only). Draft-written target rows have writer 1 and a low label.
     """
-    d.mkdir(parents=True, exist_ok=True)
-    entries = []
+    shards = []
     for k in range(n_shards):
         t = {}
         prefix = torch.arange(k * prefixes_per_shard, (k + 1) * prefixes_per_shard)
@@ -43,14 +43,14 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
                       f"{r}.writer": writer, f"{r}.problem_id": prefix_id // 2,
                       f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample, f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
                       f"{r}.group_entropy": torch.zeros(rows)})
-        path = S.write_shard(d / S.shard_name(k), t)
-        entries.append({"file": path.name, "sha256": S.sha256_file(path), "count": {r: len(t[f"{r}.label"]) for r in WIDTH}})
+        shards.append(t)
     reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1, "vocab_size": 10}
              for r, w in WIDTH.items()}
-    sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "labels": {"n_samples": n}}
+    sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "max_step_tokens": 32,
+           "sampling": {"n_samples": n, "temperature": 0.6, "top_p": 0.95}, "labels": {"max_step_tokens": 32}}
     if stats:
         sig.update(feature_groups=["hidden", "token_stats"], token_stats=STATS)
-    S.atomic_write_json(d / S.MANIFEST, {"complete": True, "build": sig, "shards": entries})
+    S.write_dataset(d, shards, sig)  # the writer the build uses
     return d
 
 
@@ -80,7 +80,8 @@ def test_input_spec_and_batches(data):
     dm = _dm(data)
     assert dm.input_spec["target"]["hidden_size"] == 16 and dm.input_spec["draft"]["layer_ids"] == [-1]
     assert set(dm.input_spec["target"]) == {"hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats",
-                                            "reads", "delimiters", "labels"}
+                                            "reads", "delimiters", "sampling", "labels"}
+    assert dm.input_spec["draft"]["sampling"] == {"n_samples": 3, "temperature": 0.6, "top_p": 0.95}
     assert dm.input_spec["target"]["feature_groups"] == ["hidden", "token_stats"]
     assert dm.input_spec["target"]["token_stats"] == STATS
     batches = list(dm.train_dataloader())

@@ -75,9 +75,9 @@ class SpecRecorder(L.Callback):
 @pytest.mark.slow
 def test_speculative_validation_runs_once_and_shares_its_figures_under_ddp(tmp_path):
     from callbacks.speculative_validation import SpeculativeValidation
-    from datamodules.build import BuildConfig, build
+    from datamodules.build import BuildConfig, SamplingConfig, build
 
-    build(BuildConfig(n_problems=8, n_samples=2, shard_size=4), tmp_path / "data")
+    build(BuildConfig(n_problems=8, sampling=SamplingConfig(n_samples=2), shard_size=4), tmp_path / "data")
     dm = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=32, val_fraction=0.25, test_fraction=0.0)
     module = SemanticProbeModule(probe=ProbeConfig(hidden_dims=[8]), roles=["target", "draft"], input_spec=dm.input_spec)
     spec = SpeculativeValidation(max_problems=2, max_seconds=30, max_new_tokens=32, plots_dir=str(tmp_path / "plots"))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from generation.steps import DEFAULT_DELIMITERS
 from probes.export import load_probe
 from probes.fit import DEFAULT_CONFIG, main
 
@@ -49,7 +50,7 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
 @pytest.mark.parametrize("args, named, not_named", [
     (["--data.batch_size", "0"], "batch_size=0: expected >= 1", "num_workers"),
     (["--trainer.max_epochs", "-1"], "--trainer.max_epochs -1: expected a number of epochs >= 1", "Epoch"),
-    (["--data.build.n_samples", "0"], "n_samples=0: expected >= 1", "Traceback"),
+    (["--data.build.sampling.n_samples", "0"], "sampling.n_samples=0: expected >= 1", "Traceback"),
     (["--trainer.max_epochs", "x"], 'Parser key "trainer.max_epochs"', "Subtypes"),
 ])
 def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named, not_named):
@@ -85,14 +86,18 @@ def test_help_documents_options(capsys):
     with pytest.raises(SystemExit):
         main(["--data.build.help", "BuildConfig"])
     out = capsys.readouterr().out
-    assert "--data.build.n_samples" in out and "Steps sampled per prefix" in out
+    assert "--data.build.sampling.n_samples" in out and "Steps sampled per prefix" in out
+    assert "--data.build.judge.kind" in out and "--data.build.steps.max_step_tokens" in out
 
 
 def test_nested_override_reaches_the_build(capsys):
     with pytest.raises(SystemExit):
-        main(["--data.build.n_samples", "4", "--model.optimizer.lr", "0.01", "--print_config"])
+        main(["--data.build.sampling.n_samples", "4", "--data.build.sampling.temperature", "0.8",
+              "--data.build.judge.threshold", "0.7", "--model.optimizer.lr", "0.01", "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["data"]["build"]["n_samples"] == 4
+    build = printed["data"]["build"]
+    assert build["sampling"] == {"n_samples": 4, "temperature": 0.8, "top_p": 0.95, "seed": 0}
+    assert build["judge"]["threshold"] == 0.7 and build["steps"]["max_step_tokens"] == 32
     assert printed["model"]["optimizer"]["init_args"]["lr"] == 0.01
 
 
@@ -160,7 +165,7 @@ def run_config(tmp_path_factory):
         if cb["class_path"].endswith("SpeculativeValidation"):
             cb["init_args"].update(max_problems=2, max_seconds=20, every_n_epochs=1, max_new_tokens=48)
     cfg["data"]["data_dir"] = str(root / "data")
-    cfg["data"]["build"] = {"n_problems": 12, "n_samples": 3, "shard_size": 8}
+    cfg["data"]["build"] = {"n_problems": 12, "sampling": {"n_samples": 3}, "shard_size": 8}
     cfg["data"].update(val_fraction=0.25, test_fraction=0.25)
     cfg["model"]["probe"]["hidden_dims"] = [64, 32]
     path = root / "config.yaml"
@@ -197,7 +202,8 @@ def test_end_to_end_default_reduced(fitted, capsys):
         # values, not only names: each within its valid range (labels are probabilities)
         assert 0 <= m["mse"] <= m["mae"] <= 1 and 0 <= m["auroc"] <= 1 and 0 <= m["ece"] <= 1 and -1 <= m["pearson"] <= 1
         assert m["r2"] <= 1 and m["mse"] < 0.25  # a constant 0.5 scores 0.25 at worst
-        assert cfg["labels"]["n_samples"] == 3
+        assert cfg["sampling"] == {"n_samples": 3, "temperature": 0.6, "top_p": 0.95}  # the decoder reads it
+        assert cfg["labels"]["max_step_tokens"] == 32 and cfg["delimiters"] == list(DEFAULT_DELIMITERS)
     assert result["best_ckpt"] and Path(result["best_ckpt"]).is_file()
     rows = list(csv.DictReader(next((root / "runs").rglob("metrics.csv")).open()))
     last = {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}  # last logged value of each
@@ -349,7 +355,7 @@ def test_default_job_on_a_fresh_clone_leaves_git_status_empty(tmp_path):
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "fresh clone"]):
         subprocess.run(git + cmd, cwd=clone, check=True, capture_output=True)
-    smaller = ["--trainer.max_epochs", "1", "--data.build.n_problems", "12", "--data.build.n_samples", "3",
+    smaller = ["--trainer.max_epochs", "1", "--data.build.n_problems", "12", "--data.build.sampling.n_samples", "3",
                "--data.build.shard_size", "8", "--data.val_fraction", "0.25", "--data.test_fraction", "0.25",
                "--model.probe.hidden_dims", "[16]", "--trainer.enable_progress_bar", "false"]
     run = subprocess.run([sys.executable, "-m", "probes.fit", *smaller], cwd=clone, capture_output=True, text=True,

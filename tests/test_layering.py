@@ -44,3 +44,11 @@ def test_the_label_build_does_not_reach_up_into_inference():
     bad = [(p.relative_to(ROOT), n, m) for p in files("datamodules") for n, m in imported_modules(p)
            if m.split(".")[0] == "probes"]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("path", files("datamodules", "generation", "probes", "callbacks"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_package_modules_stay_under_400_lines(path):
+    """Issue 10: no module of the package over 400 lines."""
+    n = len(path.read_text().splitlines())
+    assert n <= 400, f"{path.relative_to(ROOT)} has {n} lines; split it by concern"

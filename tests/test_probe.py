@@ -278,3 +278,20 @@ def test_module_refuses_data_with_other_feature_groups(tmp_path):
     ok = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target"], data.input_spec)
     trainer.fit(ok, datamodule=data)  # built from the datamodule's input_spec, as the CLI links it
     assert ok.probes["target"].input_std.ne(1).any()  # standardised with the training rows' moments
+    # the step and sampling spec of the data travel with the probe (the decoder reads them)
+    c = ok.probes["target"].config
+    assert c.sampling == {"n_samples": 3, "temperature": 0.6, "top_p": 0.95}
+    assert c.delimiters == ["\n\n"] and c.labels["max_step_tokens"] == 32
+
+
+def test_probes_exported_before_the_sampling_spec_load_without_one(world_tokenizer):
+    from pathlib import Path
+
+    from datamodules.arithmetic.models import load_model
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic"
+    for role in ("target", "draft"):
+        config = json.loads((root / "probes" / role / "config.json").read_text())
+        assert "sampling" not in config and config["format_version"] == 2  # shipped before format 3
+        probe = load_probe(root / "probes" / role, model=load_model(role), tokenizer=world_tokenizer)
+        assert probe.config.sampling == {} and probe.config.labels["max_step_tokens"] == 32  # unknown, not made up

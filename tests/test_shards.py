@@ -76,3 +76,28 @@ def test_shards_take_the_same_mode_as_the_manifest(tmp_path, umask):
         os.umask(old)
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)
     assert mode(shard) == mode(manifest) == 0o666 & ~umask  # 0644 under umask 022 (safetensors alone writes 0600)
+
+
+def test_write_dataset_records_every_shard_and_role(tmp_path):
+    reads = {r: {"name_or_path": r, "hidden_size": w} for r, w in (("target", 8), ("draft", 4))}
+    build = {"reads": reads, "layer_ids": [-1], "pooling": "mean"}
+    shards = ({"target.features": torch.randn(k + 2, 8).half(), "draft.features": torch.randn(k, 4).half()} for k in range(3))
+    m = S.write_dataset(tmp_path / "d", shards, build, n_prefixes=7)  # a generator: shards are written one by one
+    assert m == S.read_manifest(tmp_path / "d") and m["complete"] and m["build"] == build and m["n_prefixes"] == 7
+    assert m["roles"] == {"target": {"width": 8, "rows": 2 + 3 + 4}, "draft": {"width": 4, "rows": 0 + 1 + 2}}
+    assert [e["count"] for e in m["shards"]] == [{"target": k + 2, "draft": k} for k in range(3)]
+    for e in m["shards"]:
+        S.verify_file(tmp_path / "d" / e["file"], e["sha256"])
+        assert "steps_file" not in e  # no step texts were given
+    again = S.write_dataset(tmp_path / "e", [S.read_shard(tmp_path / "d" / e["file"]) for e in m["shards"]], build)
+    assert [e["sha256"] for e in again["shards"]] == [e["sha256"] for e in m["shards"]]  # byte-stable shards
+
+
+def test_shard_files_carry_their_step_texts(tmp_path):
+    steps = [{"prefix_id": 0, "samples": [{"text": "3 + 4 = 7.\n\n"}]}]
+    S.write_shard_files(tmp_path, 0, {"target.features": torch.zeros(1, 2).half()}, steps)
+    m = S.write_manifest(tmp_path, {"reads": {"target": {"hidden_size": 2}}}, 1)
+    (entry,) = m["shards"]
+    assert entry["steps_file"] == S.steps_name(0) and entry["steps_sha256"] == S.sha256_file(tmp_path / S.steps_name(0))
+    assert (tmp_path / S.steps_name(0)).read_text() == '{"prefix_id": 0, "samples": [{"text": "3 + 4 = 7.\\n\\n"}]}\n'
+    assert list(m["roles"]) == ["target"]  # the roles the build record reads, not a fixed pair

@@ -1,0 +1,349 @@
+"""What a label build is: :class:`BuildConfig` and the signature a manifest records.
+
+The signature (:func:`signature`) holds the facts two builds must share for their data to mix
+(models read, layers, pooling, feature groups, steps, label provenance); a rebuild and the
+datamodule compare a folder's recorded signature with the config's (:func:`signature_mismatches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from datamodules import shards as S
+from datamodules.clustering import ClusterConfig
+from datamodules.labels import LABELLINGS
+from generation.features import TOKEN_STATS, FeatureSpec, check_groups
+from generation.steps import DEFAULT_DELIMITERS
+
+JUDGES = ("llm", "http", "nli", "none")
+ROLES = S.ROLES
+DEFAULT_HTTP_TEMPLATE = (
+    "Do these two reasoning steps state the same thing?\nStep A: {a}\nStep B: {b}\nAnswer with yes or no."
+)
+# The parts below only hold values: BuildConfig checks them all at once, naming each bad value by its
+# full dotted name (``sampling.n_samples=0``), which a part checking itself could not know.
+
+
+@dataclass
+class JudgeConfig:
+    """The equivalence judge that settles what clustering leaves uncertain (YAML: ``build.judge.*``)."""
+
+    kind: str = "llm"
+    """``llm`` (causal LM folder), ``http`` (OpenAI-compatible), ``nli``, or ``none`` (HDBSCAN only)."""
+    model: str | None = None
+    """Judge model: a folder for ``llm``/``nli`` (None = the world's judge), the model name for ``http``."""
+    template: str | None = None
+    """Judge prompt with ``{a}`` and ``{b}``; None = the world's ``JUDGE_TEMPLATE`` (llm) or a plain question (http)."""
+    yes_answer: str = " yes"
+    """``llm`` judge: the answer meaning "same" (its first token's probability is read); chat models often say ``Yes``.
+    (Not a bare ``yes:`` key: YAML reads that as a boolean.)"""
+    no_answer: str = " no"
+    """``llm`` judge: the answer meaning "different"."""
+    url: str = ""
+    """Base URL of the ``http`` judge, e.g. ``http://127.0.0.1:8000/v1``."""
+    api: str = "chat"
+    """``http`` judge route: ``chat`` (/chat/completions) or ``completions``."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the ``http`` judge's API key (never logged)."""
+    timeout: float = 30.0
+    """Seconds per ``http`` judge request."""
+    retries: int = 3
+    """Attempts per ``http`` judge request before the build fails."""
+    threshold: float = 0.5
+    """Combined P(same) from which two steps are one meaning."""
+
+    def errors(self) -> list[str]:
+        """What is wrong, one ``name=value: expected ...`` per problem (names relative to this part)."""
+        out = _choices(self, {"kind": JUDGES, "api": ("chat", "completions")}) + _at_least(self, retries=1)
+        if self.kind == "http" and not self.url:
+            out.append("url='': kind='http' needs url (e.g. http://127.0.0.1:8000/v1)")
+        if self.kind in ("http", "nli") and not self.model:
+            what = "the model name the server expects" if self.kind == "http" else "a sequence-classification folder"
+            out.append(f"model=None: kind={self.kind!r} needs model ({what})")
+        if not 0 < self.threshold < 1:
+            out.append(f"threshold={self.threshold}: expected in (0, 1)")
+        if self.timeout <= 0:
+            out.append(f"timeout={self.timeout}: expected > 0")
+        return out
+
+
+@dataclass
+class ClusteringConfig:
+    """How one prefix's samples are grouped by meaning (YAML: ``build.clustering.*``)."""
+
+    method: str = "hdbscan+judge"
+    """``hdbscan+judge`` (default), ``hdbscan`` (no judge) or ``judge`` (no HDBSCAN)."""
+    min_cluster_size: int = 2
+    """HDBSCAN ``min_cluster_size``."""
+    membership_threshold: float = 0.5
+    """HDBSCAN members below this membership probability go to the judge."""
+    merge_distance: float = 2.0
+    """Clusters whose centroids (unit-norm embeddings) are closer than this are judged for merging; 2.0 = all pairs."""
+    votes: int = 1
+    """Members of a candidate group an uncertain step is judged against (mean score decides)."""
+    match_numbers: bool = True
+    """Two steps whose numbers differ (as multisets) never share a meaning group, whatever the judge says.
+    The world judge calls a step with a wrong result "the same" as the right one in 1 of 3 cases (issue 9);
+    turn off for tasks whose paraphrases change numbers (e.g. 0.5 vs 1/2)."""
+
+    def errors(self) -> list[str]:
+        """What is wrong (names relative to this part)."""
+        return (_choices(self, {"method": ("hdbscan+judge", "hdbscan", "judge")})
+                + _at_least(self, min_cluster_size=2, votes=1))
+
+
+@dataclass
+class SamplingConfig:
+    """How steps are sampled from each model after every prefix (YAML: ``build.sampling.*``)."""
+
+    n_samples: int = 8
+    """Steps sampled per prefix from each model (paper: 20)."""
+    temperature: float = 0.6
+    """Sampling temperature (paper: 0.6)."""
+    top_p: float = 0.95
+    """Nucleus mass (paper: 0.95)."""
+    seed: int = 0
+    """Seed of sampling; with the same seed a build is reproducible."""
+
+    def errors(self) -> list[str]:
+        """What is wrong (names relative to this part)."""
+        out = _at_least(self, n_samples=1)
+        if self.temperature < 0:
+            out.append(f"temperature={self.temperature}: expected >= 0")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p={self.top_p}: expected in (0, 1]")
+        return out
+
+
+@dataclass
+class StepConfig:
+    """What a step is (YAML: ``build.steps.*``); recorded in the manifest and carried by the probes."""
+
+    delimiters: list[str] = field(default_factory=lambda: list(DEFAULT_DELIMITERS))
+    """Step delimiters (default: the blank-line family)."""
+    max_step_tokens: int = 32
+    """Longest step in tokens; a step ends at a delimiter, EOS or this cap."""
+
+    def errors(self) -> list[str]:
+        """What is wrong (names relative to this part)."""
+        out = _at_least(self, max_step_tokens=1)
+        if not self.delimiters or any(not d for d in self.delimiters):
+            out.append(f"delimiters={self.delimiters!r}: give at least one non-empty delimiter")
+        return out
+
+
+def _choices(part, allowed: dict[str, tuple]) -> list[str]:
+    return [f"{k}={getattr(part, k)!r}: expected one of {v}" for k, v in allowed.items() if getattr(part, k) not in v]
+
+
+def _at_least(part, **low: int) -> list[str]:
+    return [f"{k}={getattr(part, k)}: expected >= {v}" for k, v in low.items() if getattr(part, k) < v]
+
+
+PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig, "steps": StepConfig}
+"""The nested parts of :class:`BuildConfig`, by field name."""
+
+
+@dataclass
+class BuildConfig:
+    """Everything that decides a label build. Defaults: the embedded arithmetic world."""
+
+    task_file: str | None = None
+    """JSONL of ``{"problem", "trace", "answer"}``; None generates problems from the embedded world."""
+    n_problems: int = 200
+    """World problems to generate (with ``task_file``: at most this many lines, 0 = all). 200 give about
+    900 prefixes, 14k target rows and 7k draft rows in about a minute on 2 CPU cores."""
+    task_seed: int = 1
+    """Seed of the world's problem generator."""
+    prefix_source: str = "reference"
+    """Traces to cut into prefixes: ``reference`` (the task's) or ``target`` (the target's own generations)."""
+    target: str | None = None
+    """Folder of the target model; None = the embedded world's (``world_root()/target``)."""
+    draft: str | None = None
+    """Folder of the draft model; None = the embedded world's (``world_root()/draft``)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The equivalence judge."""
+    clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
+    """How samples are grouped by meaning."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How steps are sampled (recorded in the manifest; the probes carry it)."""
+    steps: StepConfig = field(default_factory=StepConfig)
+    """What a step is (recorded in the manifest; the probes carry it)."""
+    layer_ids: list[int] = field(default_factory=lambda: [-1])
+    """HF ``hidden_states`` indices to pool (0 = embeddings, -1 = last layer)."""
+    pooling: str = "mean"
+    """``mean`` over the step's tokens or ``last``."""
+    token_stats: list[str] = field(default_factory=lambda: list(TOKEN_STATS))
+    """Token statistics stored per step (feature group ``token_stats``), from the reading forward's logits.
+    Every build also stores the ``hidden`` group (pooled states of ``layer_ids``), which clustering uses."""
+    device: str = "auto"
+    """``auto`` (cuda with bf16 when present, else CPU float32), ``cpu``, ``cuda``, ``cuda:1``..."""
+    labelling: str = "joint"
+    """``joint`` (both models' samples grouped together) or ``per_model`` (the paper's)."""
+    shard_size: int = 32
+    """Prefixes per shard (the unit of resume and of work per rank)."""
+    max_rows: int = 1024
+    """Most sequences per forward pass when reading steps."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name, cls in PARTS.items():
+            part = getattr(self, name)
+            if not isinstance(part, cls):
+                errors.append(f"{name}={part!r}: expected a {cls.__name__}")
+            else:
+                errors += [f"{name}.{e}" for e in part.errors()]
+        errors += _choices(self, {"prefix_source": ("reference", "target"), "pooling": ("mean", "last"),
+                                  "labelling": LABELLINGS})
+        errors += _at_least(self, n_problems=0, shard_size=1, max_rows=1)
+        if isinstance(self.judge, JudgeConfig) and isinstance(self.clustering, ClusteringConfig) \
+                and self.judge.kind == "none" and self.clustering.method != "hdbscan":
+            if self.clustering.method == "judge":
+                errors.append("clustering.method='judge' needs a judge, but judge.kind='none'")
+            else:
+                self.clustering.method = "hdbscan"  # no judge: HDBSCAN alone
+        if self.task_file is None and self.n_problems < 1:
+            errors.append(f"n_problems={self.n_problems}: the embedded world needs >= 1 problem")
+        if not self.layer_ids:
+            errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
+        errors += check_groups(["hidden", "token_stats"], self.token_stats)
+        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+            errors.append(f"device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
+        if errors:
+            raise ValueError("invalid BuildConfig: " + "; ".join(errors))
+
+    def model_path(self, role: str) -> str:
+        """Folder of ``target``, ``draft`` or the ``judge`` (world defaults resolved now)."""
+        from datamodules.arithmetic.models import world_root
+
+        given = {"target": self.target, "draft": self.draft, "judge": self.judge.model}[role]
+        if not given:
+            return str(world_root() / role)
+        from datamodules.models import local_model_dir
+
+        return local_model_dir(given)  # a GGUF or ``pypi:PACKAGE`` becomes its converted, cached folder
+
+    def cluster_config(self) -> ClusterConfig:
+        """The clustering algorithm's settings (``datamodules.clustering``) for this build."""
+        return ClusterConfig(**dataclasses.asdict(self.clustering))
+
+    def feature_spec(self) -> FeatureSpec:
+        """The feature groups every build stores: ``hidden`` and ``token_stats``."""
+        return FeatureSpec(["hidden", "token_stats"], list(self.layer_ids), self.pooling, list(self.token_stats))
+
+    def resolved_device(self) -> tuple[str, torch.dtype]:
+        """The device and dtype models run in; with several ranks, ``cuda`` means this rank's GPU (LOCAL_RANK)."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
+        return device, (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a build is: the signature a manifest records and a config is compared with.
+
+
+def folder_fingerprint(path: str) -> dict[str, Any]:
+    """Fingerprint of a model folder from its ``config.json`` and tokenizer, without loading weights."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from generation.fingerprints import model_fingerprint
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model_fingerprint(SimpleNamespace(config=cfg), tok)
+
+
+def judge_provenance(config: BuildConfig) -> dict[str, Any]:
+    """What judged the labels: kind, model, template (and endpoint for ``http``)."""
+    j = config.judge
+    if j.kind == "none":
+        return {"kind": "none"}
+    out: dict[str, Any] = {"kind": j.kind, "threshold": j.threshold}
+    if j.kind in ("llm", "nli"):
+        path = config.model_path("judge")
+        out["model"] = folder_fingerprint(path) if Path(path).is_dir() else {"name_or_path": path}
+    else:
+        out.update(model=j.model, url=j.url, api=j.api)
+    if j.kind in ("llm", "http"):
+        out["template"] = j.template or default_template(j)
+    if j.kind == "llm" and (j.yes_answer, j.no_answer) != (" yes", " no"):
+        out["answers"] = [j.yes_answer, j.no_answer]  # recorded only when not the default
+    return out
+
+
+def default_template(judge: JudgeConfig) -> str:
+    """The prompt of a judge given no ``template``: the world's (``llm``) or a plain question (``http``)."""
+    from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
+
+    return JUDGE_TEMPLATE if judge.kind == "llm" else DEFAULT_HTTP_TEMPLATE
+
+
+def label_provenance(config: BuildConfig) -> dict[str, Any]:
+    """The ``labels`` entry of a probe's input spec: labelling, clustering, judge, step cap, seed."""
+    cc = config.cluster_config()
+    params = {"min_cluster_size": cc.min_cluster_size, "membership_threshold": cc.membership_threshold,
+              "merge_distance": cc.merge_distance, "votes": cc.votes, "max_candidates": cc.max_candidates,
+              "match_numbers": cc.match_numbers}
+    # max_step_tokens stays here too: probes exported before the step spec had its own entry read it from labels
+    return {"labelling": config.labelling, "clustering": cc.method, "clustering_params": params,
+            "max_step_tokens": config.steps.max_step_tokens, "judge": judge_provenance(config),
+            "seed": config.sampling.seed}
+
+
+def sampling_spec(config: BuildConfig) -> dict[str, Any]:
+    """The ``sampling`` entry: how the labelled steps were sampled (the probes carry it to the decoder)."""
+    return {k: getattr(config.sampling, k) for k in S.SAMPLING_KEYS}
+
+
+def problems_provenance(config: BuildConfig) -> dict[str, Any]:
+    if config.task_file is None:
+        return {"source": "arithmetic", "n_problems": config.n_problems, "task_seed": config.task_seed,
+                "prefix_source": config.prefix_source}
+    digest = S.sha256_file(config.task_file) if Path(config.task_file).is_file() else None
+    return {"source": "file", "task_file": str(config.task_file), "sha256": digest, "n_problems": config.n_problems,
+            "prefix_source": config.prefix_source}
+
+
+def signature(config: BuildConfig) -> dict[str, Any]:
+    """The facts two builds must share for their data to mix; read from folders, no weights loaded."""
+    return {
+        "format_version": S.FORMAT_VERSION,
+        "reads": {r: folder_fingerprint(config.model_path(r)) for r in ROLES},
+        "layer_ids": list(config.layer_ids),
+        "pooling": config.pooling,
+        "feature_groups": ["hidden", "token_stats"],
+        "token_stats": list(config.token_stats),
+        "delimiters": list(config.steps.delimiters),
+        "max_step_tokens": config.steps.max_step_tokens,
+        "sampling": sampling_spec(config),
+        "labels": label_provenance(config),
+        "problems": problems_provenance(config),
+        "shard_size": config.shard_size,
+    }
+
+
+def signature_mismatches(recorded: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:
+    """``"field: data has X, config asks Y"`` for every differing field (``name_or_path`` is informative only)."""
+    out = []
+    for key in sorted(set(recorded) | set(wanted)):
+        if key == "name_or_path":
+            continue
+        a, b = recorded.get(key), wanted.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += signature_mismatches(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: data has {a!r}, config asks {b!r}")
+    return out

@@ -1,0 +1,199 @@
+"""One shard of a label build: load the models and the judge, sample, read, group, label.
+
+A shard's random streams are seeded by ``(sampling.seed, shard index)`` (:func:`shard_seed`), so it
+comes out the same whichever rank builds it and whether the build was interrupted before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from datamodules.build_config import DEFAULT_HTTP_TEMPLATE, ROLES, BuildConfig, default_template
+from datamodules.clustering import group_prefixes
+from datamodules.labels import DRAFT, TARGET, joint_labels, per_model_labels
+from datamodules.prefixes import Prefix
+from datamodules.reading import read_steps
+from generation.writer import generate
+from generation.steps import StepStopper
+
+# ---------------------------------------------------------------------------------------------
+# Models and judge.
+
+
+@dataclass
+class Models:
+    target: Any
+    draft: Any
+    tokenizer: Any
+    judge: Any
+    device: str
+
+
+def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
+    """Load target, draft (same tokenizer required) and the judge on the configured device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from generation.fingerprints import tokenizer_hash
+
+    device, dtype = config.resolved_device()
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype).to(device).eval()
+    tp, dp = config.model_path("target"), config.model_path("draft")
+    tok = AutoTokenizer.from_pretrained(tp, local_files_only=True)
+    dtok = AutoTokenizer.from_pretrained(dp, local_files_only=True)
+    if tokenizer_hash(tok) != tokenizer_hash(dtok):
+        raise ValueError(f"target {tp} and draft {dp} have different tokenizers ({tokenizer_hash(tok)} vs "
+                         f"{tokenizer_hash(dtok)}); the target reads the draft's tokens, so they must share one")
+    return Models(load(tp), load(dp), tok, make_judge(config, cache_dir, rank, device, dtype), device)
+
+
+def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0, device: str = "cpu",
+               dtype: torch.dtype = torch.float32):
+    """The judge ``config`` asks for (None for ``judge.kind="none"``), caching its answers in ``cache_dir``."""
+    from datamodules import judges as J
+
+    j = config.judge
+    common = {"threshold": j.threshold, "cache_dir": cache_dir, "cache_tag": str(rank)}
+    if j.kind == "none":
+        return None
+    if j.kind == "http":
+        return J.HTTPJudge(j.url, j.model, j.template or DEFAULT_HTTP_TEMPLATE, api=j.api, api_key_env=j.api_key_env,
+                           timeout=j.timeout, retries=j.retries, **common)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    path = config.model_path("judge")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    name = f"{Path(path).name}@{weights_stamp(path)}"  # a retrained judge must not reuse old cached answers
+    if j.kind == "nli":
+        model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
+        return J.NLIJudge(model.to(device).eval(), tok, name=name, **common)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    template = j.template or default_template(j)
+    return J.LLMJudge(model, tok, template, yes=j.yes_answer, no=j.no_answer, name=name, **common)
+
+
+def weights_stamp(folder: str | os.PathLike, probe: int = 1 << 20) -> str:
+    """Cheap content stamp of a model folder's weights: sha256 of each file's size, head and tail."""
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(probe))
+            fh.seek(max(0, size - probe))
+            h.update(fh.read(probe))
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# One shard.
+
+
+def shard_seed(seed: int, index: int, stream: str) -> int:
+    """Seed of one random stream of one shard, independent of rank and of what was built before."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}:{stream}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _sample(model, tok, prefixes: list[Prefix], config: BuildConfig, seed: int, device: str) -> list[list[list[int]]]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    steps, n = config.steps, config.sampling.n_samples
+    stop = StepStopper(tok, steps.delimiters, steps.max_step_tokens)
+    rows = generate(model, [p.token_ids for p in prefixes], max_new_tokens=steps.max_step_tokens,
+                    temperature=config.sampling.temperature, top_p=config.sampling.top_p, generator=g, stop=stop,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0, num_samples=n)
+    return [rows[i * n : (i + 1) * n] for i in range(len(prefixes))]
+
+
+def build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
+                asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
+    """Sample, read, group and label one shard's prefixes.
+
+    Returns:
+        The shard's tensors, its step texts (one record per prefix) and counts.
+    """
+    with warnings.catch_warnings():  # transformers 5 warns on `past_key_values=`, which the sampler uses on purpose
+        warnings.filterwarnings("ignore", message=".*past_key_values.*")
+        return _build_shard(index, prefixes, models, config, timer, asked)
+
+
+def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
+                 asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
+    tok, n, dev = models.tokenizer, config.sampling.n_samples, models.device
+    pad = tok.pad_token_id or 0
+    t0 = time.perf_counter()
+    written = {w: _sample(m, tok, prefixes, config, shard_seed(config.sampling.seed, index, w), dev)
+               for w, m in (("target", models.target), ("draft", models.draft))}
+    t1 = time.perf_counter()
+    joint = config.labelling == "joint"
+    # per prefix: the target's samples then the draft's (sample j of prefix i has id i * 2N + j)
+    both = [written["target"][i] + written["draft"][i] for i in range(len(prefixes))]
+    t_reads = [both[i] if joint else written["target"][i] for i in range(len(prefixes))]
+    ctx = [p.token_ids for p in prefixes]
+    spec = config.feature_spec()
+    feats = {  # {role: {group: (rows, ...)}}, from the function the decoder's verification pass calls
+        "target": read_steps(models.target, ctx, t_reads, spec, pad, config.max_rows),
+        "draft": read_steps(models.draft, ctx, written["draft"], spec, pad, config.max_rows),
+    }
+    t2 = time.perf_counter()
+    texts = [[tok.decode(s, skip_special_tokens=True) for s in both[i]] for i in range(len(prefixes))]
+    writers = np.array([TARGET] * n + [DRAFT] * n)
+    tf = feats["target"]["hidden"].flatten(1).numpy().reshape(len(prefixes), -1, feats["target"]["hidden"][0].numel())
+    df = feats["draft"]["hidden"].flatten(1).numpy().reshape(len(prefixes), n, -1)
+    judge = models.judge
+    judged_before = (judge.seconds, judge.calls) if judge is not None else (0.0, 0)
+    if joint:
+        groups = group_prefixes([(texts[i], tf[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
+        labels = [joint_labels(g, writers) | {"groups": g} for g in groups]
+    else:
+        tg = group_prefixes([(texts[i][:n], tf[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
+        dg = group_prefixes([(texts[i][n:], df[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
+        labels = [per_model_labels(a, b) for a, b in zip(tg, dg)]
+    t3 = time.perf_counter()
+    judge_s = (judge.seconds - judged_before[0]) if judge is not None else 0.0
+    tensors, records = _assemble(prefixes, texts, labels, feats, n, joint)
+    for stage, dt in (("sampling", t1 - t0), ("reading", t2 - t1), ("clustering", t3 - t2 - judge_s), ("judge", judge_s),
+                      ("labels", time.perf_counter() - t3)):
+        timer[stage] = timer.get(stage, 0.0) + dt
+    counts = {"prefixes": len(prefixes), "samples": 2 * n * len(prefixes),
+              "groups": int(sum(int(l["groups"].max()) + 1 for l in labels)),
+              "judge_calls": (judge.calls - judged_before[1]) if judge is not None else 0}
+    return tensors, records, counts
+
+
+def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    cols: dict[str, dict[str, list]] = {r: {k: [] for k in ("q", "p", "writer", "problem_id", "prefix_id", "sample_id",
+                                                           "group_id", "group_entropy")} for r in ROLES}
+    records = []
+    for i, p in enumerate(prefixes):
+        lab = labels[i]
+        ids = np.arange(2 * n) + p.prefix_id * 2 * n
+        writer = np.array([TARGET] * n + [DRAFT] * n)
+        rows = {"target": np.arange(2 * n) if joint else np.arange(n), "draft": np.arange(n, 2 * n)}
+        for r, idx in rows.items():
+            c = cols[r]
+            c["q"].append(lab["q"][idx]), c["p"].append(lab["p"][idx]), c["writer"].append(writer[idx])
+            c["problem_id"].append(np.full(len(idx), p.problem_id)), c["prefix_id"].append(np.full(len(idx), p.prefix_id))
+            c["sample_id"].append(ids[idx]), c["group_id"].append(lab["groups"][idx])
+            c["group_entropy"].append(lab["entropy"][idx])
+        records.append({"problem_id": p.problem_id, "prefix_id": p.prefix_id, "step_index": p.step_index, "prefix": p.text,
+                        "samples": [{"sample_id": int(ids[j]), "writer": int(writer[j]), "text": texts[i][j],
+                                     "group": int(lab["groups"][j]), "q": float(lab["q"][j]), "p": float(lab["p"][j])}
+                                    for j in range(2 * n)]})
+    dtypes = {"q": torch.float32, "p": torch.float32, "writer": torch.int8, "problem_id": torch.int64,
+              "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32, "group_entropy": torch.float32}
+    tensors: dict[str, torch.Tensor] = {}
+    for r in ROLES:
+        tensors[f"{r}.features"] = feats[r]["hidden"].flatten(1).to(torch.float16)  # group "hidden"
+        tensors[f"{r}.token_stats"] = feats[r]["token_stats"].float()
+        for k, dt in dtypes.items():
+            tensors[f"{r}.{k}"] = torch.from_numpy(np.concatenate(cols[r][k])).to(dt)
+        tensors[f"{r}.label"] = tensors[f"{r}.q" if r == "target" else f"{r}.p"].clone()
+    return tensors, records

@@ -1,0 +1,201 @@
+"""Bookkeeping of a data folder that several builds may share: ranks, locks, progress, damage.
+
+Two builds into one folder share the work: each shard is built under a lock file, shards another
+build holds are skipped and waited for, and a lock whose process is gone is taken over. A
+finished build's shards are checked against the manifest's checksums, so exactly the missing or
+altered ones are rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from datamodules import shards as S
+from datamodules.build_config import signature_mismatches
+
+def dist_info() -> tuple[int, int]:
+    """``(rank, world_size)`` from torch.distributed when initialised, else from RANK / WORLD_SIZE."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
+    """Refuse a folder holding shards of another config; returns ``(manifest or None, build.json matches)``.
+
+    A folder without a single shard is not pinned by what it records (a build refused or killed
+    before its first shard): its stale manifest and target traces are removed, build.json rewritten.
+    """
+    existing = S.read_manifest(data_dir) if data_dir.is_dir() else None
+    started = data_dir / "build.json"
+    recorded = [existing.get("build")] if existing else []
+    recorded += [S.upgrade_build_record(json.loads(started.read_text())["build"])] if started.is_file() else []
+    diff = next((d for d in (signature_mismatches(r, sig) for r in recorded if r is not None) if d), [])
+    if not diff:
+        return existing, started.is_file()
+    shards = sorted(data_dir.glob("shard-*.safetensors"))
+    if shards:
+        raise ValueError(f"{data_dir} holds {len(shards)} shards built for another config: " + "; ".join(diff)
+                         + ". Use another data_dir or delete this one to rebuild.")
+    rank, _ = dist_info()
+    if rank == 0:
+        log(f"{data_dir} holds no shard yet; its records of another config are replaced ({'; '.join(diff)})")
+        for name in (S.MANIFEST, "target-traces.jsonl"):
+            (data_dir / name).unlink(missing_ok=True)
+    return None, False
+
+
+def make_data_dir(data_dir: Path) -> None:
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a folder under /proc, or a file in the way: "No such file" would not say which
+        raise ValueError(f"cannot create data_dir {data_dir} ({e.strerror or e}); give a folder on a writable disk "
+                         "(--data_dir, or --data.data_dir for python -m probes.fit)") from None
+    if not os.access(data_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"data_dir {data_dir} is not writable; give a folder on a writable disk "
+                         "(--data_dir, or --data.data_dir for python -m probes.fit)")
+
+
+def sha_or_none(path: Path) -> str | None:
+    return S.sha256_file(path) if path.is_file() else None
+
+
+def damaged_shards(data_dir: Path, manifest: dict) -> list[int]:
+    """Indices of the shards of a finished build that are missing or differ from their checksums."""
+    on_disk = lambda k, e: (sha_or_none(data_dir / e["file"]), sha_or_none(data_dir / S.steps_name(k)))
+    return [k for k, e in enumerate(manifest["shards"]) if on_disk(k, e) != (e["sha256"], e.get("steps_sha256"))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard locks: two builds into one folder share the work instead of both computing every shard.
+
+LOCK_POLL_S = 2.0
+"""Seconds between looks at shards another build holds."""
+EMPTY_LOCK_STALE_S = 60.0
+"""A lock file still empty after this long was left by a writer killed before it wrote its pid."""
+
+
+def _lock_path(data_dir: Path, k: int) -> Path:
+    return data_dir / f".{S.shard_name(k)}.lock"
+
+
+def _try_lock(data_dir: Path, k: int) -> bool:
+    """Take shard ``k``'s lock (O_CREAT|O_EXCL, holding ``host pid``); a lock whose process is gone is taken over."""
+    path = _lock_path(data_dir, k)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, S.file_mode())
+        except FileExistsError:
+            if not _lock_is_stale(path):
+                return False
+            path.unlink(missing_ok=True)  # its builder died (same host, pid gone): take the shard over
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        return True
+    return False
+
+
+def _lock_is_stale(path: Path) -> bool:
+    """Whether a lock's holder is known to be gone: same host and no such pid (another host's lock stays)."""
+    try:
+        text = path.read_text().split()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return True  # released meanwhile
+    if len(text) != 2 or not text[1].isdigit():
+        return age > EMPTY_LOCK_STALE_S  # being written now, or its writer was killed before writing
+    host, pid = text[0], int(text[1])
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def build_locked(data_dir: Path, pending: list[int], needs, build_one, done_one, max_shards: int | None) -> list[int]:
+    """Build every shard of ``pending`` that ``needs`` building, each under its lock.
+
+    Shards another build holds are skipped and looked at again until they are on disk (or their
+    holder died and this build takes them over). Returns the shards this process built.
+    """
+    built: list[int] = []
+    pending = list(pending)
+    while pending:
+        progressed = False
+        for k in list(pending):
+            if max_shards is not None and len(built) >= max_shards:
+                return built
+            if needs(k):
+                if not _try_lock(data_dir, k):
+                    continue  # another build is writing it
+                try:
+                    if needs(k):  # checked again under the lock: another build may have just finished it
+                        build_one(k)
+                        built.append(k)
+                finally:
+                    _lock_path(data_dir, k).unlink(missing_ok=True)
+            pending.remove(k)
+            done_one(k)
+            progressed = True
+        if pending and not progressed:
+            time.sleep(LOCK_POLL_S)
+    return built
+
+
+PROGRESS_EVERY_S = 30.0
+"""When stderr is not a terminal (CI, nohup, a log file), a progress line after a shard once this many seconds
+passed since the last line..."""
+PROGRESS_EVERY_SHARDS = 0.1
+"""... or every time this share of the shards is done."""
+
+
+class Progress:
+    """Progress lines for logs: tqdm draws a bar on a terminal and nothing elsewhere (issue 12)."""
+
+    def __init__(self, total: int, rank: int, log):
+        self.total, self.rank, self.log = total, rank, log
+        self.enabled = total > 0 and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        self.done = self.logged_done = 0
+        self.t0 = self.logged_at = time.perf_counter()
+
+    def update(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        step = max(1, int(self.total * PROGRESS_EVERY_SHARDS))
+        if self.enabled and (self.done == self.total or now - self.logged_at >= PROGRESS_EVERY_S
+                             or self.done - self.logged_done >= step):
+            self.log(f"build (rank {self.rank}): {self.done}/{self.total} shards, {now - self.t0:.0f} s elapsed")
+            self.logged_at, self.logged_done = now, self.done
+
+
+def wait_for_shards(data_dir: Path, n_shards: int, needs=None, poll_s: float = 2.0, timeout_s: float = 12 * 3600) -> None:
+    """Rank 0 without a process group: wait until the other ranks' shards are all on disk (and as recorded)."""
+    needs = needs or (lambda k: not (data_dir / S.shard_name(k)).is_file())
+    t0 = time.time()
+    while True:
+        missing = [S.shard_name(k) for k in range(n_shards) if needs(k)]
+        if not missing:
+            return
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"rank 0 waited {timeout_s:.0f} s for {len(missing)} shards of the other ranks in {data_dir} "
+                               f"(first: {missing[0]}); rerun the build to finish them")
+        time.sleep(poll_s)
