@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from datamodules.arithmetic import models, task
 from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
+from probes.decoding import setup
 from probes.fit import portable_paths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -393,8 +394,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--n-problems", type=int, default=None, help="problems (default 400, quick 40)")
     ap.add_argument("--seed", type=int, default=PROBLEM_SEED)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature (default: the probes' label sampling, else 0.6)")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus mass (default: the probes', else 0.95)")
     ap.add_argument("--rule", choices=("ratio", "threshold"), default="threshold", help="SemanticSpec's rule (the decoder's default)")
     ap.add_argument("--tau", type=float, default=0.5, help="threshold of the threshold rule")
     ap.add_argument("--ratio-scale", type=float, default=1.0, help="ratio rule: accept with probability min(1, s*q/p)")
@@ -464,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "lazy_p": not args.no_lazy_p,  # same decisions, p only where q alone does not accept
     }
     dec = SemanticSpecDecoder(target, draft, tok, **common)
+    # every method samples as the probes' labels were sampled (a different value is refused for semanticspec)
+    args.temperature, args.top_p = setup.resolve_sampling(dec.sampling_spec, args.temperature, args.top_p, enforce=True)
     knob = "ratio_scale" if args.rule == "ratio" else "tau"
     # per method: its knob, the swept values, and the value of its main run (random: SemanticSpec's rate)
     knobs = {"semanticspec": (knob, list(args.sweep), args.tau if knob == "tau" else args.ratio_scale),

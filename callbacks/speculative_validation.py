@@ -53,8 +53,9 @@ class SpeculativeValidation(Callback):
         every_n_epochs: run every n validation epochs (and always at the end of fit).
         seed: sampling seed; also the seed of generated problems.
         max_new_tokens: decode budget per problem.
-        temperature: sampling temperature for both models (0 = greedy).
-        top_p: nucleus mass for both models.
+        temperature: sampling temperature for both models (0 = greedy); None (default) = the
+            temperature the probes' labels were sampled at (the decoder refuses another one).
+        top_p: nucleus mass for both models; None = the probes'.
         rule: acceptance rule of the decoder (``threshold``, its default, or ``ratio``).
         tau: threshold of the ``threshold`` rule.
         plots_dir: where the PNG plots go (default ``<trainer.log_dir or default_root_dir>/spec``).
@@ -73,8 +74,8 @@ class SpeculativeValidation(Callback):
         every_n_epochs: int = 1,
         seed: int = 1234,
         max_new_tokens: int = 96,
-        temperature: float = 0.0,
-        top_p: float = 0.95,
+        temperature: float | None = None,
+        top_p: float | None = None,
         rule: str = "threshold",
         tau: float = 0.5,
         plots_dir: Optional[str] = None,

@@ -54,7 +54,7 @@ class ProbeConfig:
     """Step delimiters the labels were made with."""
     sampling: dict[str, Any] = field(default_factory=dict)
     """How the labelled steps were sampled: ``n_samples`` per model, ``temperature``, ``top_p`` (the build's
-    ``sampling``); ``{}`` for exports made before it was recorded."""
+    ``sampling``); format-2 exports take it from their ``labels``, older ones have ``{}``."""
     labels: dict[str, Any] = field(default_factory=dict)
     """Label provenance: labelling, clustering, judge, step cap (``max_step_tokens``), seed."""
     test_metrics: dict[str, float] = field(default_factory=dict)
@@ -100,6 +100,9 @@ class ProbeConfig:
         if d["format_version"] < 2:  # before feature groups every probe read pooled hidden states only
             d.setdefault("feature_groups", ["hidden"])
             d.setdefault("standardize", False)
+        if d["format_version"] < 3 and "sampling" not in d:  # format 2 kept the sampling spec among the labels
+            labels = d.get("labels") or {}
+            d["sampling"] = {k: labels[k] for k in ("n_samples", "temperature", "top_p") if k in labels}
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:

@@ -162,6 +162,8 @@ class SemanticSpecDecoder:
         self._suffix_ids = self.tokenizer(specreason_suffix, add_special_tokens=False).input_ids
         self._spare = 1 + len(self._suffix_ids)  # room kept for a bonus token and SpecReason's judge turn
         self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
+        self.sampling_spec = setup.sampling_spec((self.target_probe, self.draft_probe))
+        """How the probes' labels were sampled: ``{"temperature": (0.6, "target probe"), ...}``."""
         self.target_stop = StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
         self.draft_stop = StepStopper(self.draft_tokenizer, self.delimiters, self.max_step_tokens)
 
@@ -172,8 +174,8 @@ class SemanticSpecDecoder:
         self,
         prompts: Sequence[str],
         max_new_tokens: int = 256,
-        temperature: float = 0.6,
-        top_p: float = 0.95,
+        temperature: float | None = None,
+        top_p: float | None = None,
         seed: int = 0,
         method: str = "semanticspec",
         *,
@@ -188,8 +190,11 @@ class SemanticSpecDecoder:
             prompts: prompt strings (tokenized with BOS, as ``tokenizer(prompt)`` does); a bare
                 string is one prompt, as transformers tokenizers read it.
             max_new_tokens: output token budget per prompt.
-            temperature: sampling temperature of both models; 0 is greedy.
-            top_p: nucleus mass of both models.
+            temperature: sampling temperature of both models; 0 is greedy. None (default) = the
+                temperature the probes' labels were sampled at (``config.sampling``), else 0.6. A
+                probe judges steps like the ones it was trained on, so for ``semanticspec`` a value
+                that differs from the probes' is refused, naming both.
+            top_p: nucleus mass of both models; None = the probes' (else 0.95), enforced likewise.
             seed: seeds sampling and acceptance coin flips.
             method: one of :data:`METHODS`.
             batch_size: prompts decoded together (default: all of them).
@@ -204,6 +209,8 @@ class SemanticSpecDecoder:
             ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, or a
                 prompt longer than a model's context (naming both lengths).
         """
+        temperature, top_p = setup.resolve_sampling(self.sampling_spec, temperature, top_p,
+                                                    enforce=method == "semanticspec")
         setup.check_generate(method, METHODS, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size,
                              has_target_probe=self.target_probe is not None,
                              needs_draft_probe=self.rule == "ratio" and self.draft_probe is None)

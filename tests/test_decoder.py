@@ -519,3 +519,24 @@ def test_the_step_definition_travels_with_the_probes(tiny_pair):
         SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
     bare = SemanticSpecDecoder(target, draft, tok)  # no probe: the blank-line family and 64 tokens
     assert bare.delimiters == tuple(DEFAULT_DELIMITERS) and bare.max_step_tokens == 64
+
+
+def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=0.0)
+    for probe in (dec.target_probe, dec.draft_probe):
+        probe.config.sampling = {"n_samples": 8, "temperature": 0.6, "top_p": 0.9}
+    dec = SemanticSpecDecoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
+                              max_step_tokens=6)
+    assert dec.sampling_spec["temperature"][0] == 0.6 and dec.sampling_spec["top_p"] == (0.9, "target probe")
+    with pytest.raises(ValueError, match=r"temperature=0\.0 but the target probe was trained on steps sampled with "
+                                         r"temperature=0\.6"):
+        dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=8)
+    # unset: the probes' spec, and the same draws as passing it explicitly
+    same = dec.generate(PROMPTS[:1], max_new_tokens=16, seed=3)
+    assert texts(same) == texts(dec.generate(PROMPTS[:1], temperature=0.6, top_p=0.9, max_new_tokens=16, seed=3))
+    assert dec.generate(PROMPTS[:1], method="target_only", temperature=0.0, max_new_tokens=8)  # no probe decides
+    dec.draft_probe.config.sampling, dec.draft_probe.config.role = {"temperature": 1.0}, "draft"
+    with pytest.raises(ValueError, match="temperature=0.6, the draft probe 1.0"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
+                            max_step_tokens=6)

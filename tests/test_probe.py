@@ -284,7 +284,7 @@ def test_module_refuses_data_with_other_feature_groups(tmp_path):
     assert c.delimiters == ["\n\n"] and c.labels["max_step_tokens"] == 32
 
 
-def test_probes_exported_before_the_sampling_spec_load_without_one(world_tokenizer):
+def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(world_tokenizer):
     from pathlib import Path
 
     from datamodules.arithmetic.models import load_model
@@ -294,4 +294,8 @@ def test_probes_exported_before_the_sampling_spec_load_without_one(world_tokeniz
         config = json.loads((root / "probes" / role / "config.json").read_text())
         assert "sampling" not in config and config["format_version"] == 2  # shipped before format 3
         probe = load_probe(root / "probes" / role, model=load_model(role), tokenizer=world_tokenizer)
-        assert probe.config.sampling == {} and probe.config.labels["max_step_tokens"] == 32  # unknown, not made up
+        # format 2 kept the sampling spec among the labels' provenance; it is read from there, not made up
+        assert probe.config.sampling == {k: config["labels"][k] for k in ("n_samples", "temperature", "top_p")}
+        assert probe.config.labels["max_step_tokens"] == 32
+    v1 = {k: v for k, v in config.items() if k not in ("labels",)} | {"format_version": 1}
+    assert ProbeConfig.from_dict(v1).sampling == {}  # nothing recorded: nothing to enforce

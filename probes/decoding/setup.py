@@ -65,6 +65,10 @@ def load(probe, model, tokenizer):
     return probe
 
 
+DEFAULT_SAMPLING = {"temperature": 0.6, "top_p": 0.95}
+"""Sampling of a decode when neither the call nor the probes say (the paper's T = 0.6, top-p 0.95)."""
+
+
 def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:
     """What the probes' labels were built with, per field: ``{field: (value, "target probe")}``.
 
@@ -131,3 +135,23 @@ def check_generate(method, methods, max_new_tokens, temperature, top_p, accept_r
         errors.append("method='oracle_accept' needs oracle=callable(step_text, output_so_far) -> bool")
     if errors:
         raise ValueError("; ".join(errors))
+
+
+def sampling_spec(probes) -> dict[str, tuple[object, str]]:
+    """How the probes' labelled steps were sampled (``config.sampling``), per field, with whose it is."""
+    return recorded(probes, {k: (lambda c, k=k: c.sampling.get(k)) for k in DEFAULT_SAMPLING})
+
+
+def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool) -> tuple[float, float]:
+    """Temperature and top-p of a decode: the call's, else the probes' label sampling, else the defaults.
+
+    Args:
+        seen: :func:`sampling_spec` of the decoder's probes.
+        enforce: the method decides with the probes, so an explicit value that differs from how
+            their labels were sampled is refused (naming both).
+    """
+    given = {"temperature": temperature, "top_p": top_p}
+    if enforce:
+        refuse_conflicts(given, seen, "steps sampled")
+    out = {k: v if v is not None else seen.get(k, (DEFAULT_SAMPLING[k],))[0] for k, v in given.items()}
+    return float(out["temperature"]), float(out["top_p"])
