@@ -43,7 +43,8 @@ from datamodules.build_config import (  # noqa: F401  (re-exported: the build's 
     signature,
     signature_mismatches,
 )
-from datamodules.build_shard import Models, build_shard, load_models, make_judge, shard_seed  # noqa: F401
+from datamodules.build_shard import (  # noqa: F401
+    Models, build_shard, load_models, load_tokenizers, make_judge, shard_seed)
 from datamodules.prefixes import load_problems, make_prefixes, target_traces
 from datamodules.shard_work import (
     Progress,
@@ -195,13 +196,11 @@ def _check_traces(config: BuildConfig, records: list[dict]) -> None:
 
 def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict) -> dict:
     """All prefixes, cut into shards. Target-written traces are generated once and kept on disk."""
-    from transformers import AutoTokenizer
-
     t = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(config.model_path("target"), local_files_only=True)
+    tok, dtok = load_tokenizers(config)
     if config.prefix_source == "target":
         records = _target_traces(config, records, tok, data_dir, rank)
-    prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source)
+    prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source, draft_tokenizer=dtok)
     timer["prefixes"] = timer.get("prefixes", 0.0) + time.perf_counter() - t
     k = config.shard_size
     return {"shards": [prefixes[i : i + k] for i in range(0, len(prefixes), k)], "n_prefixes": len(prefixes)}

@@ -34,25 +34,33 @@ class Models:
     target: Any
     draft: Any
     tokenizer: Any
+    """The target's tokenizer."""
     judge: Any
     device: str
+    draft_tokenizer: Any = None
+    """The draft's own tokenizer, or None when it shares the target's (steps then cross as tokens, not text)."""
 
 
-def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
-    """Load target, draft (same tokenizer required) and the judge on the configured device."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizers(config: BuildConfig) -> tuple[Any, Any]:
+    """The target's tokenizer and the draft's, or None for the draft's when the two are the same vocabulary."""
+    from transformers import AutoTokenizer
 
     from generation.fingerprints import tokenizer_hash
 
+    tok = AutoTokenizer.from_pretrained(config.model_path("target"), local_files_only=True)
+    dtok = AutoTokenizer.from_pretrained(config.model_path("draft"), local_files_only=True)
+    return tok, (None if tokenizer_hash(tok) == tokenizer_hash(dtok) else dtok)
+
+
+def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
+    """Load target, draft (each with its own tokenizer) and the judge on the configured device."""
+    from transformers import AutoModelForCausalLM
+
     device, dtype = config.resolved_device()
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype).to(device).eval()
-    tp, dp = config.model_path("target"), config.model_path("draft")
-    tok = AutoTokenizer.from_pretrained(tp, local_files_only=True)
-    dtok = AutoTokenizer.from_pretrained(dp, local_files_only=True)
-    if tokenizer_hash(tok) != tokenizer_hash(dtok):
-        raise ValueError(f"target {tp} and draft {dp} have different tokenizers ({tokenizer_hash(tok)} vs "
-                         f"{tokenizer_hash(dtok)}); the target reads the draft's tokens, so they must share one")
-    return Models(load(tp), load(dp), tok, make_judge(config, cache_dir, rank, device, dtype), device)
+    tok, dtok = load_tokenizers(config)
+    return Models(load(config.model_path("target")), load(config.model_path("draft")), tok,
+                  make_judge(config, cache_dir, rank, device, dtype), device, dtok)
 
 
 def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0, device: str = "cpu",
@@ -102,14 +110,15 @@ def shard_seed(seed: int, index: int, stream: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{index}:{stream}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def _sample(model, tok, prefixes: list[Prefix], config: BuildConfig, seed: int, device: str) -> list[list[list[int]]]:
+def _sample(model, tok, contexts: list[list[int]], config: BuildConfig, seed: int, device: str) -> list[list[list[int]]]:
+    """``n_samples`` steps after every context, in the sampling model's own tokenization."""
     g = torch.Generator(device=device).manual_seed(seed)
     steps, n = config.steps, config.sampling.n_samples
     stop = StepStopper(tok, steps.delimiters, steps.max_step_tokens)
-    rows = generate(model, [p.token_ids for p in prefixes], max_new_tokens=steps.max_step_tokens,
+    rows = generate(model, contexts, max_new_tokens=steps.max_step_tokens,
                     temperature=config.sampling.temperature, top_p=config.sampling.top_p, generator=g, stop=stop,
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0, num_samples=n)
-    return [rows[i * n : (i + 1) * n] for i in range(len(prefixes))]
+    return [rows[i * n : (i + 1) * n] for i in range(len(contexts))]
 
 
 def build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
@@ -126,24 +135,30 @@ def build_shard(index: int, prefixes: list[Prefix], models: Models, config: Buil
 
 def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
                  asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
-    tok, n, dev = models.tokenizer, config.sampling.n_samples, models.device
-    pad = tok.pad_token_id or 0
+    n, dev = config.sampling.n_samples, models.device
+    # Each model samples in its own tokenization; with two tokenizers a draft step reaches the target as
+    # its text, as the decoder's handover gives it (probes.decoding.handover), cut at the same delimiters.
+    tok = models.tokenizer
+    dtok = models.draft_tokenizer or tok
+    ctx = {"target": [p.token_ids for p in prefixes],
+           "draft": [p.token_ids if models.draft_tokenizer is None else p.draft_token_ids for p in prefixes]}
     t0 = time.perf_counter()
-    written = {w: _sample(m, tok, prefixes, config, shard_seed(config.sampling.seed, index, w), dev)
-               for w, m in (("target", models.target), ("draft", models.draft))}
+    written = {w: _sample(m, t, ctx[w], config, shard_seed(config.sampling.seed, index, w), dev)
+               for w, m, t in (("target", models.target, tok), ("draft", models.draft, dtok))}
     t1 = time.perf_counter()
     joint = config.labelling == "joint"
     # per prefix: the target's samples then the draft's (sample j of prefix i has id i * 2N + j)
-    both = [written["target"][i] + written["draft"][i] for i in range(len(prefixes))]
-    t_reads = [both[i] if joint else written["target"][i] for i in range(len(prefixes))]
-    ctx = [p.token_ids for p in prefixes]
+    texts = [[tok.decode(s, skip_special_tokens=True) for s in written["target"][i]]
+             + [dtok.decode(s, skip_special_tokens=True) for s in written["draft"][i]] for i in range(len(prefixes))]
+    drafted = written["draft"] if models.draft_tokenizer is None else [  # the draft's steps as the target reads them
+        [tok(t, add_special_tokens=False).input_ids or [tok.eos_token_id] for t in texts[i][n:]] for i in range(len(prefixes))]
+    t_reads = [written["target"][i] + drafted[i] if joint else written["target"][i] for i in range(len(prefixes))]
     spec = config.feature_spec()
     feats = {  # {role: {group: (rows, ...)}}, from the function the decoder's verification pass calls
-        "target": read_steps(models.target, ctx, t_reads, spec, pad, config.max_rows),
-        "draft": read_steps(models.draft, ctx, written["draft"], spec, pad, config.max_rows),
+        "target": read_steps(models.target, ctx["target"], t_reads, spec, tok.pad_token_id or 0, config.max_rows),
+        "draft": read_steps(models.draft, ctx["draft"], written["draft"], spec, dtok.pad_token_id or 0, config.max_rows),
     }
     t2 = time.perf_counter()
-    texts = [[tok.decode(s, skip_special_tokens=True) for s in both[i]] for i in range(len(prefixes))]
     writers = np.array([TARGET] * n + [DRAFT] * n)
     tf = feats["target"]["hidden"].flatten(1).numpy().reshape(len(prefixes), -1, feats["target"]["hidden"][0].numel())
     df = feats["draft"]["hidden"].flatten(1).numpy().reshape(len(prefixes), n, -1)

@@ -32,7 +32,9 @@ class Prefix:
     text: str
     """The reasoning written so far (steps[:k] joined), without the prompt."""
     token_ids: list[int]
-    """Prompt plus written steps, as the sampling models see it."""
+    """Prompt plus written steps in the target's tokenization."""
+    draft_token_ids: list[int] | None = None
+    """The same in the draft's tokenization when it has its own tokenizer (None: it shares the target's)."""
 
 
 def load_problems(task_file: str | None = None, n_problems: int = 0, seed: int = 0) -> list[dict]:
@@ -85,15 +87,18 @@ def make_prefixes(
     tokenizer,
     delimiters: Sequence[str] = DEFAULT_DELIMITERS,
     source: str = "reference",
+    draft_tokenizer=None,
 ) -> list[Prefix]:
     """Cut every trace at each step delimiter.
 
     Args:
         records: problems from :func:`load_problems`; with ``source="target"`` their ``trace``
             must already hold the target's generation (see :func:`target_traces`).
-        tokenizer: the sampling models' tokenizer.
+        tokenizer: the target's tokenizer.
         delimiters: step delimiters.
         source: where traces come from, only used in messages.
+        draft_tokenizer: the draft's tokenizer when it differs from the target's: each prefix then
+            also holds its text in the draft's tokenization (``draft_token_ids``).
 
     Raises:
         ValueError: a record has no trace (named by file and line when read from a file) or the
@@ -105,15 +110,20 @@ def make_prefixes(
         if not isinstance(trace, str) or not trace.strip():
             where = f"line {rec['line']}" if "line" in rec else f"problem {pid}"
             raise ValueError(f"{where} has no {source} trace (a non-empty string 'trace' is needed to cut prefixes)")
-        prompt = prompt_ids(tokenizer, rec["problem"])
         steps = split_steps(trace, delimiters)
         for k in range(len(steps)):
             text = "".join(steps[:k])
-            ids = prompt + (tokenizer(text, add_special_tokens=False)["input_ids"] if text else [])
-            prefixes.append(Prefix(pid, len(prefixes), k, text, list(ids)))
+            ids = _ids(tokenizer, rec["problem"], text)
+            dids = None if draft_tokenizer is None else _ids(draft_tokenizer, rec["problem"], text)
+            prefixes.append(Prefix(pid, len(prefixes), k, text, ids, dids))
     if not prefixes:
         raise ValueError("the problems give no prefix; check the task file or n_problems")
     return prefixes
+
+
+def _ids(tokenizer, problem: str, text: str) -> list[int]:
+    """Prompt plus the written steps, in one model's tokenization."""
+    return prompt_ids(tokenizer, problem) + (list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else [])
 
 
 def target_traces(

@@ -458,3 +458,46 @@ def test_two_build_processes_into_one_folder_share_the_shards(world, tmp_path):
     for s in manifest["shards"]:
         S.verify_file(tmp_path / s["file"], s["sha256"])
     assert not list(tmp_path.glob(".*.lock"))
+
+
+def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, world_tokenizer, tmp_path):
+    """A draft with its own tokenizer: each model samples in its vocabulary, the target reads the draft's steps as
+    text, the manifest records both tokenizers, and probes trained on the data decode with that pair (issue 11)."""
+    import lightning as L
+
+    from probes.config import ProbeConfig
+    from probes.decoder import SemanticSpecDecoder
+    from probes.export import export_probe
+    from probes.module import SemanticProbeModule
+    from tests.test_decoder import PROMPTS, char_tokenizer
+
+    ctok = char_tokenizer()
+    draft_dir = tmp_path / "char-draft"
+    tiny_llama(len(ctok), 24, 1, seed=1).save_pretrained(draft_dir)
+    ctok.save_pretrained(draft_dir)
+    d = tmp_path / "data"
+    m = build(_config(world, draft=str(draft_dir), judge={"kind": "none"}, clustering={"method": "hdbscan"}), d)
+    reads = m["build"]["reads"]
+    assert reads["target"]["tokenizer_hash"] != reads["draft"]["tokenizer_hash"]
+    assert reads["draft"]["vocab_size"] == len(ctok) and reads["target"]["vocab_size"] == len(world_tokenizer)
+    shard = S.read_shard(d / m["shards"][0]["file"])
+    assert shard["target.features"].shape[1] == 32 and shard["draft.features"].shape[1] == 24
+    assert len(shard["target.label"]) == 2 * len(shard["draft.label"])  # joint: the target reads both writers' steps
+    rec = json.loads((d / m["shards"][0]["steps_file"]).read_text().splitlines()[0])
+    drafted = [s["text"] for s in rec["samples"] if s["writer"] == 1]
+    assert len(drafted) == 3 and any(drafted)  # decoded with the draft's own (character) tokenizer
+    data = SemanticProbeDataModule(str(d), build=None, batch_size=16, val_fraction=0.0, test_fraction=0.0)
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], data.input_spec)
+    L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=tmp_path).fit(module, datamodule=data)
+    paths = {r: export_probe(module.probes[r], tmp_path / "export" / r) for r in ("target", "draft")}
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(world / "target")
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir)
+    dec = SemanticSpecDecoder(target, draft, world_tokenizer, draft_tokenizer=ctok, target_probe=paths["target"],
+                              draft_probe=paths["draft"], rule="ratio")
+    res = dec.generate(PROMPTS[:1], max_new_tokens=12, seed=0)
+    assert res[0].stats.draft_steps_proposed > 0
+    with pytest.raises(ValueError, match="tokenizer"):  # the draft probe does not read the target's tokenizer
+        SemanticSpecDecoder(target, draft, world_tokenizer, target_probe=paths["target"], draft_probe=paths["draft"])
