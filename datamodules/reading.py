@@ -24,6 +24,7 @@ def read_steps(
     spec: FeatureSpec,
     pad_token_id: int = 0,
     max_rows: int = 1024,
+    max_logit_bytes: int = 1 << 30,
 ) -> dict[str, torch.Tensor]:
     """The feature groups of ``model`` reading every step after its prefix.
 
@@ -35,6 +36,9 @@ def read_steps(
         spec: which feature groups to compute, and how (layers, pooling, statistics).
         pad_token_id: id used for padding (masked out).
         max_rows: most steps fed in one forward pass.
+        max_logit_bytes: ``token_stats`` keeps the (rows, step length, vocabulary) logits of a forward;
+            fewer rows go into one forward when they would exceed this (a 262k vocabulary at 32
+            tokens a step takes 34 MB a row). A prefix's steps always go together.
 
     Returns:
         ``{group: tensor}`` on CPU, rows in input order: ``hidden`` (R, len(layer_ids), D) and
@@ -48,6 +52,10 @@ def read_steps(
     if any(len(p) == 0 for p in prefixes):
         raise ValueError("empty prefixes cannot be read: a prefix holds at least the prompt (with BOS)")
     device = next(model.parameters()).device
+    if spec.needs_logits:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        longest = max((len(s) for ss in steps for s in ss), default=1)
+        max_rows = max(1, min(max_rows, max_logit_bytes // (4 * longest * cfg.vocab_size)))
     out: list[dict[str, torch.Tensor]] = []
     i = 0
     while i < len(prefixes):  # chunks of prefixes whose steps fit in max_rows

@@ -373,6 +373,10 @@ def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer)
                 stats.append(token_stats(out.logits[:, len(p) - 1 : -1], torch.tensor([s]), torch.tensor([len(s)])))
         torch.testing.assert_close(got["hidden"], torch.cat(want).detach(), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got["token_stats"], torch.cat(stats).detach(), atol=1e-5, rtol=1e-4)
+        # a logits budget of one byte: one prefix per forward, the same features
+        small = read_steps(model, prefixes, steps, spec, max_logit_bytes=1)
+        for g in spec.groups:
+            torch.testing.assert_close(small[g], got[g], atol=1e-5, rtol=1e-4)
 
 
 def test_signature_reads_folders_without_weights(world, tmp_path):
