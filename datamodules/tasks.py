@@ -73,7 +73,8 @@ class Task:
             if n and len(records) >= n:
                 break
         if not records:
-            raise ValueError(f"task file {self.path} holds no problems; expected JSONL lines {{\"problem\", \"trace\", \"answer\"}}")
+            raise ValueError(f"task file {self.path} holds no problems; "
+                             "expected JSONL lines {\"problem\", \"trace\", \"answer\"}")
         return records
 
     def generate(self, n: int, seed: int) -> list[dict]:
