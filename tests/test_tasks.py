@@ -134,6 +134,17 @@ def test_default_build_records_its_problems_as_before():
         BuildConfig(task=BoxedMathTask())
 
 
+def test_build_steps_default_to_the_tasks_delimiters():
+    from datamodules.build_config import BuildConfig, StepConfig
+
+    class LineTask(YesNoTask):
+        delimiters = ("\n",)
+
+    assert BuildConfig(task=LineTask()).steps.delimiters == ["\n"]
+    assert BuildConfig(task=LineTask(), steps=StepConfig(delimiters=[";"])).steps.delimiters == [";"]  # explicit wins
+    assert BuildConfig().steps.delimiters == list(ArithmeticTask.delimiters)
+
+
 def test_file_task_provenance_names_task_file_and_checksum(tmp_path):
     from datamodules.build_config import BuildConfig, problems_provenance
 
