@@ -113,6 +113,7 @@ def test_arithmetic_task_is_the_world():
         for text in (p.trace, wrong, p.trace.split("\n\n")[0], q.trace, p.trace + "\n\nAnswer: -3", ""):
             assert t.check(text, p.answer) == world.check_answer(text, p.answer)
     assert t.check(problems[0].trace, problems[0].answer) and t.answer_marker == world.ANSWER_MARKER
+    assert t.check("Answer: 3", "3") and not t.check("Answer: 3", "three") and not t.check(None, 3)
 
 
 def test_arithmetic_prompt_is_the_worlds(world_tokenizer):
