@@ -47,10 +47,14 @@ import torch
 from tqdm.auto import tqdm
 
 from datamodules.arithmetic import models, task
+from datamodules.tasks import ArithmeticTask
 from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding import setup
 from probes.fit import portable_paths
+
+TASK = ArithmeticTask(min_ops=4, max_ops=4)
+"""Held-out four-operation problems: their prompt format, answer marker and checker (the oracle below is the world's)."""
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -190,7 +194,7 @@ def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
 def figures(results, problems, wall_ref: float) -> dict:
     """Accuracy and the summary figures of one method's results."""
     s = summarize(results)
-    acc = sum(task.check_answer(r.text, p.answer) for r, p in zip(results, problems)) / max(len(problems), 1)
+    acc = sum(TASK.check(r.text, p.answer) for r, p in zip(results, problems)) / max(len(problems), 1)
     fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": wall_ref / s["wall_s"] if s["wall_s"] > 0 else math.nan}
     keys = (
         "step_acceptance",
@@ -225,7 +229,7 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
     out: dict[str, list] = {n: [] for n in names}
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
     for k, p in enumerate(tqdm(problems, desc="decode", unit="problem")):
-        prompt, seed = p.problem + task.STEP_DELIMITER, args.seed + k
+        prompt, seed = TASK.prompt_text(dec.tokenizer, p.problem), args.seed + k
         order = names[k % len(names) :] + names[: k % len(names)]
         order = [n for n in order if n != "random_accept"]
         order.insert(order.index("semanticspec") + 1, "random_accept")  # needs semanticspec's running rate
@@ -247,7 +251,7 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
 
 def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=(1, 2, 4, 8)) -> dict:
     """Output tokens per second at several batch sizes (same prompts, each size decodes all of them)."""
-    prompts = [p.problem + task.STEP_DELIMITER for p in problems]
+    prompts = [TASK.prompt_text(dec.tokenizer, p.problem) for p in problems]
     table: dict = {}
     for method in ("target_only", "semanticspec"):
         row = {}
@@ -264,7 +268,7 @@ def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=(1, 2, 4, 8)) 
             )
             wall = time.perf_counter() - t0
             tokens = sum(r.stats.output_tokens for r in res)
-            acc = sum(task.check_answer(r.text, p.answer) for r, p in zip(res, problems)) / len(problems)
+            acc = sum(TASK.check(r.text, p.answer) for r, p in zip(res, problems)) / len(problems)
             row[str(b)] = {"tokens_per_s": tokens / wall, "wall_s": wall, "accuracy": acc}
         base = row[str(sizes[0])]["tokens_per_s"]
         for b in sizes:
@@ -462,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "ratio_scale": args.ratio_scale,
         "top_k": args.top_k,
         "fast_path_min_logprob": args.fast_path_min_logprob,
-        "answer_marker": task.ANSWER_MARKER,
+        "answer_marker": TASK.answer_marker,
         "lazy_p": not args.no_lazy_p,  # same decisions, p only where q alone does not accept
     }
     dec = SemanticSpecDecoder(target, draft, tok, **common)
@@ -499,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         **{k: v for sw in sweeps.values() for k, v in sw.items()},
     }
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
-    warm = [p.problem + task.STEP_DELIMITER for p in task.generate_problems(2, args.seed - 1)]
+    warm = [TASK.prompt_text(tok, p.problem) for p in task.generate_problems(2, args.seed - 1)]
     for m in METHODS:  # warm-up: first calls pay one-off costs (kernels, generation config)
         dec.generate(warm, method=m, max_new_tokens=16, accept_rate=0.5, oracle=lambda s, p: True, batch_size=1)
     t0 = time.perf_counter()
@@ -512,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     beside = ("semanticspec+token_sd", "semanticspec[draft_first_step]", other_rule, fast_path, *ablations)
     for name in beside:  # variants reported beside the methods
         methods[name] = figures(runs[name], problems, ref_wall)
-    right = {n: [task.check_answer(r.text, p.answer) for r, p in zip(runs[n], problems)] for n in methods}
+    right = {n: [TASK.check(r.text, p.answer) for r, p in zip(runs[n], problems)] for n in methods}
     for name in methods:  # accuracy against target-only on the same problems, with its sampling noise
         methods[name].update(paired_delta(right[name], right["hf_target_only" if name == "token_sd" else "target_only"]))
     probe_scores = {}

@@ -43,7 +43,6 @@ from datamodules.build import BuildConfig, build, make_judge
 from datamodules.clustering import group_prefixes, normalize_text
 from datamodules.judges import OracleJudge
 from datamodules.labels import DRAFT, TARGET, joint_labels
-from datamodules.prefixes import load_problems
 from generation.steps import split_steps
 from probes.fit import portable_paths
 
@@ -59,7 +58,7 @@ def oracle_key(text: str) -> str:
 def load_prefixes(data_dir: Path, problems: list[dict] | None = None) -> list[dict]:
     """Per prefix: texts, writers, groups, q, p and the target's features of its 2N samples.
 
-    With ``problems`` (the build's, as :func:`~datamodules.prefixes.load_problems` gives them) each
+    With ``problems`` (the build's, as :meth:`~datamodules.tasks.Task.problems` gives them) each
     prefix also gets ``reference``: the reference trace's step that follows it.
     """
     out = []
@@ -206,7 +205,7 @@ def run(quick: bool) -> dict:
         t0 = time.perf_counter()
         manifest = build(config, tmp)
         build_s = time.perf_counter() - t0
-        prefixes = load_prefixes(Path(tmp), load_problems(config.task_file, config.n_problems, config.task_seed))
+        prefixes = load_prefixes(Path(tmp), config.resolved_task().problems(config.n_problems, config.task_seed))
         built = audit(prefixes, [p["groups"] for p in prefixes])
         label_rows = label_audit(prefixes, [p["groups"] for p in prefixes])
         var = variants(config, prefixes)

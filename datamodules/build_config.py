@@ -18,8 +18,8 @@ import torch
 from datamodules import shards as S
 from datamodules.clustering import ClusterConfig
 from datamodules.labels import LABELLINGS
+from datamodules.tasks import ArithmeticTask, Task
 from generation.features import TOKEN_STATS, FeatureSpec, check_groups
-from generation.steps import DEFAULT_DELIMITERS
 
 JUDGES = ("llm", "http", "nli", "none")
 ROLES = S.ROLES
@@ -125,15 +125,15 @@ class SamplingConfig:
 class StepConfig:
     """What a step is (YAML: ``build.steps.*``); recorded in the manifest and carried by the probes."""
 
-    delimiters: list[str] = field(default_factory=lambda: list(DEFAULT_DELIMITERS))
-    """Step delimiters (default: the blank-line family)."""
+    delimiters: list[str] | None = None
+    """Step delimiters; None = the task's (every built-in task: the blank-line family)."""
     max_step_tokens: int = 32
     """Longest step in tokens; a step ends at a delimiter, EOS or this cap."""
 
     def errors(self) -> list[str]:
         """What is wrong (names relative to this part)."""
         out = _at_least(self, max_step_tokens=1)
-        if not self.delimiters or any(not d for d in self.delimiters):
+        if self.delimiters is not None and (not self.delimiters or any(not d for d in self.delimiters)):
             out.append(f"delimiters={self.delimiters!r}: give at least one non-empty delimiter")
         return out
 
@@ -154,13 +154,16 @@ PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": Sampl
 class BuildConfig:
     """Everything that decides a label build. Defaults: the embedded arithmetic world."""
 
-    task_file: str | None = None
-    """JSONL of ``{"problem", "trace", "answer"}``; None generates problems from the embedded world."""
+    task: Task | None = None
+    """Problems, prompt format, step delimiters, answer checker (:mod:`datamodules.tasks`), by
+    ``class_path``/``init_args``; None = the embedded arithmetic world (``ArithmeticTask``). A file task
+    (``BoxedMathTask``, ``MultipleChoiceTask``, your own) reads JSONL ``{"problem", "trace"?, "answer"}``
+    from ``init_args.path``."""
     n_problems: int = 200
-    """World problems to generate (with ``task_file``: at most this many lines, 0 = all). 200 give about
-    900 prefixes, 14k target rows and 7k draft rows in about a minute on 2 CPU cores."""
+    """Problems to generate (for a file task: at most this many lines, 0 = all). 200 world problems give
+    about 900 prefixes, 14k target rows and 7k draft rows in about a minute on 2 CPU cores."""
     task_seed: int = 1
-    """Seed of the world's problem generator."""
+    """Seed of the task's problem generator (a file task ignores it)."""
     prefix_source: str = "reference"
     """Traces to cut into prefixes: ``reference`` (the task's) or ``target`` (the target's own generations)."""
     target: str | None = None
@@ -193,6 +196,13 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         errors = []
+        task = self.resolved_task()
+        if not isinstance(task, Task):
+            errors.append(f"task={task!r}: expected a datamodules.tasks.Task (class_path and init_args in YAML)")
+        else:
+            errors += task.errors(self.n_problems)
+            if isinstance(self.steps, StepConfig) and self.steps.delimiters is None:
+                self.steps.delimiters = list(task.delimiters)
         for name, cls in PARTS.items():
             part = getattr(self, name)
             if not isinstance(part, cls):
@@ -208,8 +218,6 @@ class BuildConfig:
                 errors.append("clustering.method='judge' needs a judge, but judge.kind='none'")
             else:
                 self.clustering.method = "hdbscan"  # no judge: HDBSCAN alone
-        if self.task_file is None and self.n_problems < 1:
-            errors.append(f"n_problems={self.n_problems}: the embedded world needs >= 1 problem")
         if not self.layer_ids:
             errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
         errors += check_groups(["hidden", "token_stats"], self.token_stats)
@@ -217,6 +225,10 @@ class BuildConfig:
             errors.append(f"device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
         if errors:
             raise ValueError("invalid BuildConfig: " + "; ".join(errors))
+
+    def resolved_task(self) -> Task:
+        """The task: ``task``, or the embedded world's when it is None (kept None so the config prints as YAML)."""
+        return ArithmeticTask() if self.task is None else self.task
 
     def model_path(self, role: str) -> str:
         """Folder of ``target``, ``draft`` or the ``judge`` (world defaults resolved now)."""
@@ -309,12 +321,19 @@ def sampling_spec(config: BuildConfig) -> dict[str, Any]:
 
 
 def problems_provenance(config: BuildConfig) -> dict[str, Any]:
-    if config.task_file is None:
-        return {"source": "arithmetic", "n_problems": config.n_problems, "task_seed": config.task_seed,
-                "prefix_source": config.prefix_source}
-    digest = S.sha256_file(config.task_file) if Path(config.task_file).is_file() else None
-    return {"source": "file", "task_file": str(config.task_file), "sha256": digest, "n_problems": config.n_problems,
-            "prefix_source": config.prefix_source}
+    """The ``problems`` entry: the task (its class and arguments, or file and checksum), count, seed, prefix source."""
+    task = config.resolved_task()
+    return {**task.provenance(config.n_problems, config.task_seed), "prefix_source": config.prefix_source}
+
+
+def config_record(config: BuildConfig) -> dict[str, Any]:
+    """The config as JSON (build.json, the manifest's ``config``); the task as its ``class_path``/``init_args``."""
+    return {f.name: config.resolved_task().spec() if f.name == "task" else _plain(getattr(config, f.name))
+            for f in dataclasses.fields(config)}
+
+
+def _plain(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def signature(config: BuildConfig) -> dict[str, Any]:

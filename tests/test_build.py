@@ -18,6 +18,7 @@ from datamodules.build import (BuildConfig, ClusteringConfig, JudgeConfig, Sampl
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.features import TOKEN_STATS, FeatureSpec, pool_hidden_states, token_stats
 from datamodules.reading import read_steps
+from datamodules.tasks import ArithmeticTask, BoxedMathTask
 from tests.conftest import tiny_llama
 from tests.test_judges import _Server
 
@@ -218,10 +219,10 @@ def test_refused_task_file_writes_nothing_and_the_fixed_file_builds(world, tmp_p
     task_file, d = tmp_path / "tasks.jsonl", tmp_path / "data"
     task_file.write_text(json.dumps(good[0]) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match=rf"{task_file}:2 has no 'trace'"):
-        build(_config(world, task_file=str(task_file)), d)
+        build(_config(world, task=ArithmeticTask(str(task_file))), d)
     assert not d.exists()  # validated before anything was written: nothing pins the folder
     task_file.write_text("".join(json.dumps(r) + "\n" for r in good))  # the user fixes the line
-    assert build(_config(world, task_file=str(task_file)), d)["complete"]
+    assert build(_config(world, task=ArithmeticTask(str(task_file))), d)["complete"]
 
 
 def test_folder_without_a_shard_is_not_pinned_by_another_config(world, tmp_path):
@@ -312,7 +313,7 @@ def test_per_model_labelling(world, tmp_path):
 def test_empty_task_file_is_an_error(world, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="empty.jsonl holds no problems"):
-        build(_config(world, task_file=str(tmp_path / "empty.jsonl")), tmp_path / "out")
+        build(_config(world, task=BoxedMathTask(str(tmp_path / "empty.jsonl"))), tmp_path / "out")
 
 
 def test_build_config_names_bad_values_by_their_dotted_names():

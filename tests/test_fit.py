@@ -61,7 +61,8 @@ def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named
 def test_bad_task_file_is_reported_before_training_in_one_line(capsys, tmp_path):
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\n')  # no trace
-    line = _one_line_error(capsys, ["--data.data_dir", str(tmp_path / "data"), "--data.build.task_file", str(task_file),
+    line = _one_line_error(capsys, ["--data.data_dir", str(tmp_path / "data"), "--data.build.task.class_path", "datamodules.tasks.Task",
+                                    "--data.build.task.init_args.path", str(task_file),
                                     "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
     assert f"{task_file}:1" in line and "trace" in line
 
@@ -280,11 +281,12 @@ def test_callback_with_wrong_width_probes_is_refused():
 
 def test_callback_bad_problem_file_fails_before_training(tmp_path):
     from callbacks.speculative_validation import SpeculativeValidation
+    from datamodules.tasks import ArithmeticTask
 
     bad = tmp_path / "problems.jsonl"
     bad.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\nnot json\n')
     with pytest.raises(ValueError, match=f"{bad}:2"):
-        SpeculativeValidation(problems=str(bad))
+        SpeculativeValidation(task=ArithmeticTask(str(bad)))
     with pytest.raises(ValueError, match="max_seconds"):
         SpeculativeValidation(max_seconds=0)
 
@@ -309,11 +311,11 @@ def _world_module():
 def test_callback_respects_its_time_bound():
     from callbacks.speculative_validation import SpeculativeValidation
 
-    callback = SpeculativeValidation(max_problems=5, max_seconds=1e-3, max_new_tokens=32)
+    callback = SpeculativeValidation(max_problems=5, batch_size=2, max_seconds=1e-3, max_new_tokens=32)
     module = _world_module()
     callback.setup(L.Trainer(logger=False), module, "fit")
     figures = callback.decode(module)
-    assert figures["problems"] == 1  # the first problem always runs; the bound stops the rest
+    assert figures["problems"] == 2  # the first batch always runs; the bound stops the rest
     assert module.training  # train mode restored
 
 

@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from datamodules.arithmetic import task
-from datamodules.prefixes import load_problems, make_prefixes, prompt_ids
+from datamodules.prefixes import make_prefixes
+from datamodules.tasks import ArithmeticTask, Task
 from generation.writer import generate
 from generation.steps import split_steps
 from tests.conftest import tiny_llama
 
 
 def test_prefixes_cut_at_every_step(world_tokenizer):
-    records = load_problems(None, n_problems=3, seed=5)
+    records = ArithmeticTask().problems(3, seed=5)
     prefixes = make_prefixes(records, world_tokenizer)
     n_steps = [len(split_steps(r["trace"])) for r in records]
     assert len(prefixes) == sum(n_steps)
@@ -22,14 +23,14 @@ def test_prefixes_cut_at_every_step(world_tokenizer):
         rec = records[p.problem_id]
         steps = split_steps(rec["trace"])
         assert p.text == "".join(steps[: p.step_index])
-        prompt = prompt_ids(world_tokenizer, rec["problem"])
+        prompt = ArithmeticTask().prompt(world_tokenizer, rec["problem"])
         assert p.token_ids[: len(prompt)] == prompt and p.token_ids[0] == world_tokenizer.bos_token_id
         assert world_tokenizer.decode(p.token_ids[len(prompt) :]) == p.text
 
 
 def test_prefixes_from_task_file(world_tokenizer, tmp_path):
     path = task.write_jsonl(task.generate_problems(4, seed=2), tmp_path / "t.jsonl")
-    records = load_problems(str(path), n_problems=2)
+    records = Task(str(path)).problems(2)
     assert len(records) == 2 and records[0]["line"] == 1
     assert make_prefixes(records, world_tokenizer)
 
@@ -39,23 +40,23 @@ def test_malformed_task_line_names_file_and_line(tmp_path):
     good = json.dumps(task.generate_problems(1, seed=0)[0].to_json())
     path.write_text(good + "\n\n{not json\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:3"):
-        load_problems(str(path))
+        Task(str(path)).problems()
 
 
 def test_empty_task_file_is_an_error_naming_it(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n")
     with pytest.raises(ValueError, match="empty.jsonl holds no problems"):
-        load_problems(str(path))
+        Task(str(path)).problems()
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        load_problems(str(tmp_path / "missing.jsonl"))
+        Task(str(tmp_path / "missing.jsonl")).problems()
 
 
 def test_record_without_trace_names_its_line(world_tokenizer, tmp_path):
     path = tmp_path / "notrace.jsonl"
     path.write_text(json.dumps({"problem": "Take 3. Add 1. What is the result?", "answer": 4}) + "\n")
     with pytest.raises(ValueError, match="line 1 has no reference trace"):
-        make_prefixes(load_problems(str(path)), world_tokenizer)
+        make_prefixes(Task(str(path)).problems(), world_tokenizer)
 
 
 def test_chat_template_is_applied_when_present(world_tokenizer):
@@ -63,9 +64,11 @@ def test_chat_template_is_applied_when_present(world_tokenizer):
 
     tok = copy.deepcopy(world_tokenizer)
     tok.chat_template = "{% for m in messages %}{{ bos_token }}Step {{ m['content'] }}{% endfor %}"
-    ids = prompt_ids(tok, "Take 3.")
-    assert ids != prompt_ids(world_tokenizer, "Take 3.")
+    ids = Task().prompt(tok, "Take 3.")
+    assert ids != Task().prompt(world_tokenizer, "Take 3.")
     assert tok.decode(ids).startswith("<bos>Step Take 3.")
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Take 3."}], add_generation_prompt=True, tokenize=True)
+    assert ids == list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)  # exactly what the template gives
 
 
 def test_num_samples_shares_one_prefill(world_tokenizer):

@@ -1,0 +1,264 @@
+"""Tasks: the built-ins' extractors and checkers, a user's task by class_path, the callback on any task."""
+
+import json
+import time
+
+import pytest
+
+from datamodules.arithmetic import task as world
+from datamodules.math_equal import math_equal
+from datamodules.tasks import ArithmeticTask, BoxedMathTask, MultipleChoiceTask, Task, last_boxed
+
+
+class YesNoTask(Task):
+    """A user's task: problems made in code, answers ``yes``/``no`` after ``Verdict:``."""
+
+    answer_marker = "Verdict:"
+
+    def __init__(self, path: str | None = None, n_words: int = 2) -> None:
+        super().__init__(path)
+        self.n_words = n_words
+
+    def generate(self, n: int, seed: int) -> list[dict]:
+        return [{"problem": f"Is {i + seed} even?", "answer": "yes" if (i + seed) % 2 == 0 else "no"} for i in range(n)]
+
+    def equal(self, got: str, answer) -> bool:
+        return got.lower().startswith(str(answer))
+
+
+# ------------------------------------------------------------------ boxed math
+
+
+@pytest.mark.parametrize("text, content", [
+    ("so the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+    ("\\boxed{1} first, then \\boxed{2}", "2"),
+    ("nested \\boxed{\\sqrt{\\frac{a}{b}}} end", "\\sqrt{\\frac{a}{b}}"),
+    ("\\fbox{7}", "7"),
+    ("unbalanced \\boxed{\\frac{1}{2}", None),
+    ("empty \\boxed{}", None),
+    ("no box at all", None),
+    ("", None),
+])
+def test_last_boxed(text, content):
+    assert last_boxed(text) == content
+
+
+@pytest.mark.parametrize("got, answer", [
+    ("1/2", "0.5"), ("\\frac{1}{2}", "0.5"), ("\\dfrac{2}{4}", "1/2"), ("\\frac12", "\\frac{1}{2}"),
+    ("2x+1", "1+2x"), ("x^2 + 2x + 1", "(x+1)^2"), ("\\frac{\\sqrt{3}}{2}", "\\sqrt{3}/2"), ("3", "3.0"),
+    ("1,000", "1000"), ("x = 5", "5"), ("$\\left( 3 \\right)$", "3"), ("50\\%", "50"), ("2^{10}", "1024"),
+    ("2 \\cdot 3", "6"), ("\\text{12}", "12"), ("(1,2)", "(1, 2)"),
+])
+def test_math_equal_accepts_the_same_value_written_differently(got, answer):
+    assert math_equal(got, answer) and math_equal(answer, got)
+
+
+@pytest.mark.parametrize("got, answer", [
+    ("1/3", "0.33"), ("2x+1", "2x+2"), ("\\pi", "3.14"), ("(1,2)", "(2,1)"), ("", ""), ("x", "y"),
+    ("\\frac{1}{2", "0.5"), ("five", "5"),
+])
+def test_math_equal_refuses_different_or_unreadable_answers(got, answer):
+    assert not math_equal(got, answer)
+
+
+def test_model_output_is_never_evaluated_and_huge_powers_are_not_computed(tmp_path):
+    marker = tmp_path / "ran"
+    evil = f"__import__('pathlib').Path('{marker}').touch()"
+    t0 = time.perf_counter()
+    assert not math_equal(evil, "1")
+    assert not math_equal("9^9^9^9", "1") and not math_equal("9^{9^{9}}", "1") and not math_equal("2^{99999}", "1")
+    assert not marker.exists() and time.perf_counter() - t0 < 5
+
+
+def test_boxed_task_checks_and_never_raises():
+    t = BoxedMathTask()
+    assert t.check("We get \\boxed{\\frac{1}{2}}.", "0.5")
+    assert t.check("We get \\boxed{0.5}.", "\\boxed{1/2}")  # the answer may be boxed too
+    assert not t.check("We get \\boxed{0.6}.", "0.5")
+    for text in ("We get \\boxed{0.5", "no box: 0.5", "", None, "\\boxed{}", "\\boxed{{{}", "\\boxed{)(}"):
+        assert t.check(text, "0.5") is False
+
+
+# ------------------------------------------------------------------ multiple choice
+
+
+@pytest.mark.parametrize("text, letter", [
+    ("... so the Answer: (B)", "B"), ("Therefore the answer is C.", "C"), ("The correct answer is **D**.", "D"),
+    ("answer: A", "A"), ("Answer: (A) ... on reflection the answer is (C)", "C"), ("\\boxed{B}", "B"),
+    ("The answer is a fraction", None), ("I pick B", None), ("Answer: E", None), ("", None),
+])
+def test_multiple_choice_reads_the_last_stated_letter(text, letter):
+    assert MultipleChoiceTask().extract(text) == letter
+
+
+def test_multiple_choice_check_and_letters():
+    t = MultipleChoiceTask()
+    assert t.check("the answer is (B)", "B") and t.check("the answer is (B)", "(b)") and not t.check("Answer: A", "B")
+    assert MultipleChoiceTask(letters="ABCDE").check("Answer: E", "E")
+    with pytest.raises(ValueError, match="letters='abc'"):
+        MultipleChoiceTask(letters="abc")
+
+
+# ------------------------------------------------------------------ the arithmetic world, unchanged
+
+
+def test_arithmetic_task_is_the_world():
+    problems = world.generate_problems(300, seed=11)
+    assert ArithmeticTask().problems(300, seed=11) == [p.to_json() for p in problems]
+    four = world.generate_problems(20, 3, world.TaskConfig(min_ops=4, max_ops=4))
+    assert ArithmeticTask(min_ops=4, max_ops=4).problems(20, 3) == [p.to_json() for p in four]
+    t, other = ArithmeticTask(), problems[1:] + problems[:1]
+    for p, q in zip(problems, other):
+        wrong = p.trace.replace(f"Answer: {p.answer}", f"Answer: {p.answer + 1}")
+        for text in (p.trace, wrong, p.trace.split("\n\n")[0], q.trace, p.trace + "\n\nAnswer: -3", ""):
+            assert t.check(text, p.answer) == world.check_answer(text, p.answer)
+    assert t.check(problems[0].trace, problems[0].answer) and t.answer_marker == world.ANSWER_MARKER
+    assert t.check("Answer: 3", "3") and not t.check("Answer: 3", "three") and not t.check(None, 3)
+
+
+def test_arithmetic_prompt_is_the_worlds(world_tokenizer):
+    p = world.generate_problems(1, seed=0)[0]
+    assert ArithmeticTask().prompt(world_tokenizer, p.problem) == world_tokenizer(p.problem + "\n\n")["input_ids"]
+
+
+def test_default_build_records_its_problems_as_before():
+    from datamodules.build_config import BuildConfig, config_record, problems_provenance
+
+    config = BuildConfig()
+    assert problems_provenance(config) == {"source": "arithmetic", "n_problems": 200, "task_seed": 1,
+                                           "prefix_source": "reference"}
+    assert config_record(config)["task"] == {"class_path": "datamodules.tasks.ArithmeticTask", "init_args": {}}
+    json.dumps(config_record(config))
+    with pytest.raises(ValueError, match="n_problems=0: the embedded world needs >= 1 problem"):
+        BuildConfig(n_problems=0)
+    with pytest.raises(ValueError, match="makes no problems in code; give init_args.path"):
+        BuildConfig(task=BoxedMathTask())
+
+
+def test_build_steps_default_to_the_tasks_delimiters():
+    from datamodules.build_config import BuildConfig, StepConfig
+
+    class LineTask(YesNoTask):
+        delimiters = ("\n",)
+
+    assert BuildConfig(task=LineTask()).steps.delimiters == ["\n"]
+    assert BuildConfig(task=LineTask(), steps=StepConfig(delimiters=[";"])).steps.delimiters == [";"]  # explicit wins
+    assert BuildConfig().steps.delimiters == list(ArithmeticTask.delimiters)
+
+
+def test_file_task_provenance_names_task_file_and_checksum(tmp_path):
+    from datamodules.build_config import BuildConfig, problems_provenance
+
+    path = tmp_path / "math.jsonl"
+    path.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    rec = problems_provenance(BuildConfig(task=BoxedMathTask(str(path)), n_problems=0))
+    assert rec["task"] == {"class_path": "datamodules.tasks.BoxedMathTask", "init_args": {"path": str(path)}}
+    assert rec["task_file"] == str(path) and len(rec["sha256"]) == 64 and rec["source"] == "file"
+    assert BoxedMathTask(str(path)).problems() == [{"problem": "1+1?", "answer": "2", "line": 1}]
+
+
+def test_problem_without_answer_is_refused_naming_file_and_line(tmp_path):
+    path = tmp_path / "mc.jsonl"
+    path.write_text(json.dumps({"problem": "Pick one", "answer": "A"}) + "\n" + json.dumps({"problem": "No answer"}) + "\n")
+    with pytest.raises(ValueError, match=r"mc\.jsonl:2: expected an object with a string 'problem' and an 'answer'"):
+        MultipleChoiceTask(str(path)).problems()
+
+
+# ------------------------------------------------------------------ a user's task by class_path
+
+
+def test_custom_task_by_class_path_in_the_fit_yaml(capsys, tmp_path):
+    import yaml
+
+    from probes.fit import main
+
+    cfg = tmp_path / "fit.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"build": {"task": {"class_path": "tests.test_tasks.YesNoTask",
+                                                                "init_args": {"n_words": 3}}}}}))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(cfg), "--print_config"])
+    assert exit_.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["build"]["task"] == {"class_path": "tests.test_tasks.YesNoTask",
+                                                "init_args": {"path": None, "n_words": 3}}
+
+
+def test_task_that_cannot_be_imported_is_refused_naming_it(capsys, tmp_path):
+    from probes.fit import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data.build.task", "my_tasks.NoSuchTask", "--trainer.logger", "false",
+              "--trainer.default_root_dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "my_tasks.NoSuchTask" in capsys.readouterr().err
+
+
+def test_custom_task_reaches_the_build_from_yaml(capsys, tmp_path):
+    """The build instantiates the YAML's task and reads its problems before loading any model."""
+    from datamodules.build import main
+
+    cfg = tmp_path / "build.yaml"
+    cfg.write_text("data_dir: " + str(tmp_path / "data") + "\nbuild:\n  n_problems: 3\n  task:\n"
+                   "    class_path: tests.test_tasks.YesNoTask\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "problem 1 of tests.test_tasks.YesNoTask (and 2 more problems: [2, 3]) has no 'trace'" in err
+    assert not (tmp_path / "data").exists()
+
+
+# ------------------------------------------------------------------ the live callback on any task
+
+
+class _StubDecoder:
+    """Stands in for SemanticSpecDecoder: records calls; target-only gets slower on every run."""
+
+    calls: list[tuple[str, list[str]]] = []
+    answer_marker = None
+
+    def __init__(self, *args, answer_marker=None, **kwargs) -> None:
+        type(self).answer_marker = answer_marker
+
+    def generate(self, prompts, method="semanticspec", **kwargs):
+        from probes.decoding.results import DecodeResult, DecodeStats
+
+        self.calls.append((method, list(prompts)))
+        n_ref = sum(m == "target_only" for m, _ in self.calls)
+        wall = float(n_ref) if method == "target_only" else 0.5
+        return [DecodeResult(f"... Verdict: {'yes' if int(p.split()[1]) % 2 == 0 else 'no'}",
+                             stats=DecodeStats(wall_s=wall, output_tokens=4)) for p in prompts]
+
+
+def test_callback_decodes_a_custom_task_in_batches_and_retimes_target_only(monkeypatch):
+    import torch
+
+    import probes.decoder
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    monkeypatch.setattr(probes.decoder, "SemanticSpecDecoder", _StubDecoder)
+    _StubDecoder.calls = []
+    cb = SpeculativeValidation(task=YesNoTask(), max_problems=5, batch_size=2, seed=4)
+    assert [a for _, a in cb.problems] == ["yes", "no", "yes", "no", "yes"]
+    cb._tokenizer = cb._draft_tokenizer = object()  # no chat template: prompt = problem + blank line
+
+    class Module:
+        probes = torch.nn.ModuleDict({r: torch.nn.Linear(2, 1) for r in ("target", "draft")})
+
+    first = cb.decode(Module())
+    assert [(m, len(p)) for m, p in _StubDecoder.calls] == [("target_only", 2), ("semanticspec", 2)] * 2 + [
+        ("target_only", 1), ("semanticspec", 1)]
+    assert _StubDecoder.calls[0][1] == ["Is 4 even?\n\n", "Is 5 even?\n\n"] and _StubDecoder.answer_marker == "Verdict:"
+    assert first["accuracy"] == 1.0 and first["accuracy_delta"] == 0.0 and first["problems"] == 5
+    # target-only walls (1, 2, 3 s per prompt in its batch) over SemanticSpec's 5 x 0.5 s
+    assert first["speedup"] == pytest.approx((2 * 1 + 2 * 2 + 1 * 3) / 2.5)
+    second = cb.decode(Module())
+    assert sum(m == "target_only" for m, _ in _StubDecoder.calls) == 6  # decoded again, not cached
+    assert second["speedup"] == pytest.approx((2 * 4 + 2 * 5 + 1 * 6) / 2.5)
+
+
+def test_callback_refuses_bad_task_arguments(tmp_path):
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    with pytest.raises(ValueError, match="batch_size=0"):
+        SpeculativeValidation(batch_size=0)
+    with pytest.raises(ValueError, match="makes no problems in code"):
+        SpeculativeValidation(task=BoxedMathTask())
