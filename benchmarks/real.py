@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.decode import RESULTS_DIR
 from datamodules import shards as S
-from datamodules.arithmetic import task
+from datamodules.tasks import ArithmeticTask
 from datamodules.models import load_causal_lm
 from probes.decoder import SemanticSpecDecoder, summarize
 
@@ -53,21 +53,23 @@ def main(argv=None) -> dict:
         ap.error(f"--data-dir {args.data_dir} holds no finished label build (no complete manifest.json)")
     target, ttok = load_causal_lm(TARGET)
     draft, dtok = load_causal_lm(DRAFT)
+    task = ArithmeticTask(min_ops=2, max_ops=2)  # the build's default task, shorter problems
     dec = SemanticSpecDecoder(target, draft, ttok, draft_tokenizer=dtok, target_probe=Path(args.probes, "target"),
-                              draft_probe=Path(args.probes, "draft"), answer_marker=task.ANSWER_MARKER)
+                              draft_probe=Path(args.probes, "draft"), answer_marker=task.answer_marker)
     n = args.n_problems or (4 if args.quick else 16)
-    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=2, max_ops=2))
+    problems = task.problems(n, args.seed)
     gen = {"max_new_tokens": args.max_new_tokens}
     runs = {m: [] for m in ("target_only", "semanticspec", "hf_target_only", "token_sd")}
     greedy_match, lossless = [], []
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="real", unit="problem")):
-        prompt = p.problem + task.STEP_DELIMITER
+        ids = {"target": task.prompt(ttok, p["problem"]), "draft": task.prompt(dtok, p["problem"])}  # as the build
+        prompt = (ids["target"], ids["draft"])
         names = list(runs)
         for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
             runs[name] += dec.generate([prompt], method=name, seed=args.seed + k, **gen)
         ours = dec.generate([prompt], method="target_only", temperature=0.0, **gen)[0].text
-        ids = torch.tensor([ttok(prompt).input_ids])
+        ids = torch.tensor([ids["target"]])
         ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens,
                               pad_token_id=ttok.pad_token_id, eos_token_id=ttok.eos_token_id)[0, ids.shape[1]:].tolist()
         eos = ttok.eos_token_id
@@ -80,7 +82,7 @@ def main(argv=None) -> dict:
     methods = {}
     for name, ref in (("target_only", "target_only"), ("semanticspec", "target_only"), ("token_sd", "hf_target_only")):
         s = summarize(runs[name])
-        methods[name] = {"accuracy": sum(task.check_answer(r.text, p.answer) for r, p in zip(runs[name], problems)) / n,
+        methods[name] = {"accuracy": sum(task.check(r.text, p["answer"]) for r, p in zip(runs[name], problems)) / n,
                          "speedup": wall[ref] / wall[name], "wall_s": wall[name],
                          "step_acceptance": s["step_acceptance"], "output_tokens": s["output_tokens"]}
     report = {

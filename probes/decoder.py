@@ -187,8 +187,10 @@ class SemanticSpecDecoder:
         """Decode every prompt with ``method``.
 
         Args:
-            prompts: prompt strings (tokenized with BOS, as ``tokenizer(prompt)`` does); a bare
-                string is one prompt, as transformers tokenizers read it.
+            prompts: prompt strings (tokenized with BOS, as ``tokenizer(prompt)`` does; a bare
+                string is one prompt, as transformers tokenizers read it), or token ids already
+                formatted (a chat template's, e.g. ``Task.prompt``): a list of ids with one tokenizer,
+                a ``(target_ids, draft_ids)`` pair with two.
             max_new_tokens: output token budget per prompt.
             temperature: sampling temperature of both models; 0 is greedy. None (default) = the
                 temperature the probes' labels were sampled at (``config.sampling``), else 0.6. A
@@ -217,8 +219,7 @@ class SemanticSpecDecoder:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # not one prompt per character
         if not prompts:
             return []
-        ids_t = [self.tokenizer(p).input_ids for p in prompts]
-        ids_d = ids_t if self.shared else [self.draft_tokenizer(p).input_ids for p in prompts]
+        ids_t, ids_d = zip(*(self.handover.prompt_ids(p) for p in prompts))
         for name, model, ids in (("target", self.target, ids_t), ("draft", self.draft, ids_d)):
             ctx = BatchedCache(model, 1).context
             for i, row in enumerate(ids):

@@ -540,3 +540,17 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
     with pytest.raises(ValueError, match="temperature=0.6, the draft probe 1.0"):
         SemanticSpecDecoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
                             max_step_tokens=6)
+
+
+def test_prompts_given_as_token_ids_decode_like_their_text(world_tokenizer):
+    ctok = char_tokenizer()
+    target, draft = tiny_llama(len(world_tokenizer), 32, 2), tiny_llama(len(ctok), 24, 1, seed=1)
+    dec = SemanticSpecDecoder(target, draft, world_tokenizer, draft_tokenizer=ctok, max_step_tokens=6,
+                              target_probe=ConstProbe(32, 0.5), draft_probe=ConstProbe(24, 1.0))
+    text = dec.generate(PROMPTS[:1], **GREEDY)
+    pair = (world_tokenizer(PROMPTS[0]).input_ids, ctok(PROMPTS[0]).input_ids)
+    assert texts(dec.generate([pair], **GREEDY)) == texts(text)
+    with pytest.raises(TypeError, match=r"\(target_ids, draft_ids\) pair"):
+        dec.generate([pair[0]], **GREEDY)  # ids alone are ambiguous with two tokenizers
+    shared = stub_decoder(target, tiny_llama(len(world_tokenizer), 24, 1, seed=1), world_tokenizer)
+    assert texts(shared.generate([pair[0]], **GREEDY)) == texts(shared.generate(PROMPTS[:1], **GREEDY))

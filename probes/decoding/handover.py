@@ -38,3 +38,17 @@ class Handover:
     def forced_in_target(self, step: StepDraft) -> int:
         """Leading tokens of the draft's step that the target wrote (its bonus token; none across tokenizers)."""
         return step.n_forced if self.shared else 0
+
+    def prompt_ids(self, prompt) -> tuple[list[int], list[int]]:
+        """A prompt in the target's and the draft's tokenization: a string (tokenized with special tokens),
+        token ids already formatted (one tokenizer), or a ``(target_ids, draft_ids)`` pair (two)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+            return ids, (ids if self.shared else self.draft_tokenizer(prompt).input_ids)
+        if isinstance(prompt, tuple) and len(prompt) == 2:
+            return list(prompt[0]), list(prompt[1])
+        if self.shared and all(isinstance(t, int) for t in prompt):
+            return list(prompt), list(prompt)
+        raise TypeError(f"a prompt is a string, token ids (one tokenizer) or a (target_ids, draft_ids) pair (two); "
+                        f"got {type(prompt).__name__} {str(prompt)[:60]!r}")
+
