@@ -193,6 +193,11 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             self.shards.append({"path": str(path), "rows": rows, "train_sums": sums})
         if not self.shards:
             raise ValueError(f"no usable shard in {self.data_dir} (skipped as corrupt: {self.skipped_shards})")
+        for split, share in (("val", self.val_fraction), ("test", self.test_fraction)):
+            if share > 0 and not sum(s["rows"][split] for s in self.shards):  # Lightning's own error comes later
+                warnings.warn(f"data.{split}_fraction={share} put none of the problems in {self.data_dir} into the "
+                              f"{split} split (problems are assigned by a hash of their id), so there are no {split} "
+                              f"metrics to monitor; with few problems raise it (e.g. 0.25), or set it to 0")
 
     def _verify(self, path: Path, sha: str) -> None:
         stat = path.stat() if path.is_file() else None

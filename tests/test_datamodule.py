@@ -272,3 +272,12 @@ def test_feature_moments_are_the_training_rows_mean_and_std(data):
     x = torch.cat(rows).double()
     torch.testing.assert_close(mean, x.mean(0).float(), atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(std, x.std(0, unbiased=False).float(), atol=1e-3, rtol=1e-4)
+
+
+def test_an_empty_validation_split_is_named(tmp_path):
+    from datamodules.datamodule import SemanticProbeDataModule
+
+    data = make_dataset(tmp_path / "d")  # 12 problems: a 0.1 share hashes none of them into val
+    with pytest.warns(UserWarning, match=r"data.val_fraction=0.1 put none of the problems .* into the val split"):
+        SemanticProbeDataModule(str(data), build=None, val_fraction=0.1, test_fraction=0.0).setup()
+    SemanticProbeDataModule(str(data), build=None, val_fraction=0.4, test_fraction=0.0).setup()  # some: no warning
