@@ -37,15 +37,10 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], metho
     dev = next(target.parameters()).device
     calls = {"target": 0, "draft": 0}
     hooks = [target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))]
-    # The sampling arguments go into a copy of the model's generation config, not beside it, so
-    # transformers does not warn that both were given.
-    config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
-    config.update(max_new_tokens=max_new_tokens, pad_token_id=pad_id(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    if temperature > 0:
-        config.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
-    else:
-        config.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    kwargs = {"generation_config": config}
+    kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id(tokenizer), "eos_token_id": tokenizer.eos_token_id}
+    # Sampling as the package's sampler does it: temperature and top-p, no top-k (transformers' default is 50).
+    kwargs.update({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None} if temperature > 0
+                  else {"do_sample": False})
     if method == "token_sd":
         hooks.append(draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1)))
         kwargs["assistant_model"] = draft
