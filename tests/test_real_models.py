@@ -357,3 +357,43 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     assert dec.max_step_tokens == 12 and dec.sampling_spec["temperature"][0] == 0.6  # the build's spec travelled
     res = dec.generate(["Start with 7. Add 5. What is the result?\n\n"], max_new_tokens=24, seed=0)
     assert res[0].stats.draft_steps_proposed > 0 and res[0].stats.output_tokens > 0
+
+
+@pytest.mark.slow
+def test_callback_decodes_the_real_pair_on_boxed_math(real_pair, tmp_path):
+    """The live callback with the real pair (two tokenizers, chat templates) and the boxed-math task (issue 11)."""
+    from callbacks.speculative_validation import SpeculativeValidation
+    from datamodules.tasks import BoxedMathTask
+
+    target, target_tok, draft, draft_tok = real_pair
+    path = tmp_path / "math.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"What is {a} + {b}? Put the answer in \\boxed{{}}.",
+                                        "answer": str(a + b)}) + "\n" for a, b in ((2, 3), (10, 7))))
+    cb = SpeculativeValidation(task=BoxedMathTask(str(path)), max_problems=2, batch_size=2, max_new_tokens=16)
+    cb._target, cb._tokenizer, cb._draft, cb._draft_tokenizer = target, target_tok, draft, draft_tok
+
+    class Module:
+        probes = torch.nn.ModuleDict({r: load_probe(_probe_dir(tmp_path / r, m, t, r), m, t)
+                                      for r, m, t in (("target", target, target_tok), ("draft", draft, draft_tok))})
+
+    figures = [cb.decode(Module()) for _ in range(2)]
+    for f in figures:
+        assert f["problems"] == 2 and f["speedup"] > 0 and 0 <= f["accuracy"] <= 1
+    # each prompt reached each model in its own chat template, once (no doubled BOS)
+    (t_ids, d_ids) = cb._prompts(["What is 2 + 3?"])[0]
+    assert t_ids[:2] != [target_tok.bos_token_id] * 2 and d_ids != t_ids
+
+
+def test_sampled_cross_tokenizer_token_sd_leaves_the_draft_usable(real_pair):
+    """transformers' universal assisted generation wraps the assistant's embeddings and LM head; they are restored."""
+    from probes.decoder import SemanticSpecDecoder
+
+    target, target_tok, draft, draft_tok = real_pair
+    heads = (draft.get_input_embeddings(), draft.get_output_embeddings())
+    dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok)
+    prompt = "Start with 7. Add 5. What is the result?\n\n"
+    dec.generate([prompt], method="token_sd", max_new_tokens=12, seed=0)  # sampled: the path that prunes
+    assert (draft.get_input_embeddings(), draft.get_output_embeddings()) == heads
+    greedy = dec.generate([prompt], method="token_sd", temperature=0.0, max_new_tokens=12)[0].text
+    assert greedy == dec.generate([prompt], method="hf_target_only", temperature=0.0, max_new_tokens=12)[0].text
+    assert dec.generate([prompt], method="draft_only", max_new_tokens=8)[0].stats.output_tokens > 0

@@ -46,6 +46,10 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], metho
         kwargs["assistant_model"] = draft
         if draft_tokenizer is not None:
             kwargs.update(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
+    # transformers' universal assisted generation (two tokenizers, sampling) replaces the assistant's embeddings and
+    # LM head with pruned, re-indexing wrappers and leaves them there, which breaks every later forward of the draft
+    # (the decoder's own loop and the next assisted call fail with shape errors); they are put back afterwards.
+    heads = (draft.get_input_embeddings(), draft.get_output_embeddings())
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     try:
@@ -54,6 +58,10 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], metho
     finally:
         for h in hooks:
             h.remove()
+        if draft.get_input_embeddings() is not heads[0]:
+            draft.set_input_embeddings(heads[0])
+        if draft.get_output_embeddings() is not heads[1]:
+            draft.set_output_embeddings(heads[1])
     wall = time.perf_counter() - t0
     new = out[0, len(ids) :].tolist()
     eos = tokenizer.eos_token_id
