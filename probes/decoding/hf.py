@@ -58,10 +58,14 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], metho
     finally:
         for h in hooks:
             h.remove()
-        if draft.get_input_embeddings() is not heads[0]:
+        if (draft.get_input_embeddings(), draft.get_output_embeddings()) != heads:
             draft.set_input_embeddings(heads[0])
-        if draft.get_output_embeddings() is not heads[1]:
             draft.set_output_embeddings(heads[1])
+            # transformers caches the vocabulary translator that pruned them and expects the pruned head next
+            # time; forget it so the next assisted call prunes (and we restore) afresh
+            from transformers.generation.candidate_generator import AssistantVocabTranslatorCache
+
+            AssistantVocabTranslatorCache._cache.get(tokenizer, {}).pop(draft_tokenizer, None)
     wall = time.perf_counter() - t0
     new = out[0, len(ids) :].tolist()
     eos = tokenizer.eos_token_id
