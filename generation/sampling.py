@@ -20,8 +20,20 @@ def sample_next(
         raise ValueError(f"temperature={temperature} (need >= 0), top_p={top_p} (need in (0, 1])")
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(top_p_filter(probs, top_p), 1, generator=generator).squeeze(-1)
+    return torch.multinomial(_nucleus(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution :func:`sample_next` draws from, as (..., V) probabilities (one-hot when greedy)."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = _nucleus(logits.reshape(-1, logits.shape[-1]), temperature, top_p)
+    return (probs / probs.sum(-1, keepdim=True)).reshape(logits.shape)
+
+
+def _nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(B, V) tempered probabilities with the tail outside the nucleus zeroed (not renormalised)."""
+    return top_p_filter(torch.softmax(logits.float() / temperature, dim=-1), top_p)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float, head: int = 256) -> torch.Tensor:

@@ -10,7 +10,8 @@ from generation.writer import StepDraft
 from probes.decoding.handover import Handover
 from probes.decoding.policies import (OraclePolicy, RandomPolicy, Verified, judge_score, ratio_keeps,
                                       threshold_keeps)
-from probes.decoding.speculative import sampling_probs, speculative_step
+from generation.sampling import sampling_probs
+from probes.decoding.speculative import speculative_step
 
 PT = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])  # target, 2 positions + after
 PD = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.4, 0.4, 0.1, 0.1]])  # draft, far from the target on purpose

@@ -4,6 +4,7 @@
 a proposal, how many draft tokens to keep and which token follows: each is kept with
 probability ``min(1, p_target / p_draft)``, the first refused one is replaced by a draw from
 the residual ``max(0, p_target - p_draft)``, and when all are kept the target adds one more.
+The distributions are :func:`generation.sampling.sampling_probs`, what the one sampler draws from.
 The output is distributed as the target's own sampling (tests/test_decoding_parts.py checks it
 with a chi-square test on a scripted vocabulary). :func:`token_sd_steps` writes target steps
 with it on the core caches.
@@ -16,17 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from generation.cache import BatchedCache
-from generation.sampling import top_p_filter
+from generation.sampling import sampling_probs
 from generation.writer import StepDraft, write_steps
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution :func:`~generation.sampling.sample_next` draws from, as (..., V) probabilities."""
-    logits = logits.float()
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    probs = top_p_filter(torch.softmax(logits / temperature, dim=-1).reshape(-1, logits.shape[-1]), top_p)
-    return (probs / probs.sum(-1, keepdim=True)).reshape(logits.shape)
 
 
 def speculative_step(
