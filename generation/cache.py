@@ -39,6 +39,12 @@ class Feed:
     hidden: torch.Tensor | None = None
 
 
+def context_length(model) -> int | None:
+    """Positions the model knows (``max_position_embeddings`` of its text config), or None."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(cfg, "max_position_embeddings", None)
+
+
 class BatchedCache:
     """A model, its KV cache and, per row, the token sequence it has in context.
 
@@ -63,8 +69,7 @@ class BatchedCache:
             raise ValueError(f"compact_at={compact_at}; expected a share in (0, 1]")
         self.model = model
         self.device = next(model.parameters()).device
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.context: int | None = getattr(cfg, "max_position_embeddings", None)  # positions the model knows
+        self.context = context_length(model)
         self.pad_token_id = int(pad_token_id)
         self.layer_ids = list(layer_ids)
         self.compact_at = float(compact_at)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from generation.cache import BatchedCache
+from generation.cache import BatchedCache, context_length
 from generation.sampling import sample_next
 from generation.steps import StepStopper
 from generation.writer import StepDraft, write_steps
@@ -221,7 +221,7 @@ class SemanticSpecDecoder:
             return []
         ids_t, ids_d = zip(*(self.handover.prompt_ids(p) for p in prompts))
         for name, model, ids in (("target", self.target, ids_t), ("draft", self.draft, ids_d)):
-            ctx = BatchedCache(model, 1).context
+            ctx = context_length(model)
             for i, row in enumerate(ids):
                 if ctx is not None and len(row) >= ctx:
                     raise ValueError(
@@ -359,8 +359,8 @@ class SemanticSpecDecoder:
         limits = {i: rows[i].limit(i, self._spare, tgt, drf) + len(rows[i].forced) for i in rows_i}
         return write_steps(
             drf, rows_i, stop=self.draft_stop, limits=limits, forced={i: rows[i].forced for i in rows_i},
-            collect_hidden=getattr(policy, "draft_needs_hidden", False), record_logits=True,
-            record_forced_logits=getattr(policy, "draft_needs_logits", False), **sampling,
+            collect_hidden=policy.draft_needs_hidden, record_logits=True,
+            record_forced_logits=policy.draft_needs_logits, **sampling,
         )
 
     def _target_steps(self, rows_i, rows, tgt, drf, sampling, use_draft: bool) -> None:

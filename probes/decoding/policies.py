@@ -91,6 +91,8 @@ class AcceptancePolicy:
     Attributes:
         needs_logits: the target's logits predicting the step's tokens are needed.
         needs_hidden: the target's hidden states at the step's tokens are needed.
+        draft_needs_hidden: the draft's hidden states at its step's tokens are needed (while drafting).
+        draft_needs_logits: the draft's logits predicting its step's forced tokens are needed too.
         suffix: tokens the target reads right after the step (and forgets again).
         probe_s: seconds spent in probes by the last :meth:`decide`.
         draft_s: seconds of draft forwards the last :meth:`decide` ran.
@@ -98,6 +100,8 @@ class AcceptancePolicy:
 
     needs_logits = False
     needs_hidden = False
+    draft_needs_hidden = False
+    draft_needs_logits = False
     suffix: list[int] = []
 
     def __init__(self) -> None:
