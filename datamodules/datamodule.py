@@ -10,6 +10,7 @@ shuffle buffer; one shard in memory at a time). A batch is ``{role: {"features",
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
@@ -260,11 +261,18 @@ class SemanticProbeDataModule(pl.LightningDataModule):
 def _release_freed_memory() -> None:
     """Hand a shard scan's freed buffers back to the OS. glibc keeps them, fragmented: scanning 400k rows
     left 2.6 GB of RSS, 0.44 GB with this (``benchmarks/labels.py`` measures the peak). A no-op without glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``), or None."""
     import ctypes
     import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        pass
-
+        return None
