@@ -67,14 +67,14 @@ def main(argv=None) -> dict:
     greedy_match, lossless, errors = [], [], []
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="real", unit="problem")):
-        ids = {"target": task.prompt(ttok, p["problem"]), "draft": task.prompt(dtok, p["problem"])}  # as the build
-        prompt = (ids["target"], ids["draft"])
+        prompt = task.decoder_prompt(ttok, p["problem"], dtok)  # each model's chat template, as the build's
+
         names = list(runs)
         for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
             d = hf if name in ("hf_target_only", "token_sd") else dec
             runs[name] += d.generate([prompt], method=name, seed=args.seed + k, **gen)
         ours = dec.generate([prompt], method="target_only", temperature=0.0, **gen)[0].text
-        ids = torch.tensor([ids["target"]])
+        ids = torch.tensor([prompt[0]])
         ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens,
                               pad_token_id=ttok.pad_token_id, eos_token_id=ttok.eos_token_id)[0, ids.shape[1]:].tolist()
         eos = ttok.eos_token_id

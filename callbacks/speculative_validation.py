@@ -171,15 +171,6 @@ class SpeculativeValidation(Callback):
             rank_zero_info("spec: " + ", ".join(f"{k}={v:.3f}" for k, v in figures.items()))
         return figures
 
-    def _prompts(self, problems: list[str]) -> list:
-        """Each problem as its task formats it: text without a chat template, else each model's own token ids."""
-        tok, dtok = self._tokenizer, self._draft_tokenizer
-        if dtok is tok and not getattr(tok, "chat_template", None):
-            return [self.task.prompt_text(tok, p) for p in problems]
-        if dtok is tok:
-            return [self.task.prompt(tok, p) for p in problems]
-        return [(self.task.prompt(tok, p), self.task.prompt(dtok, p)) for p in problems]
-
     @torch.no_grad()
     def decode(self, pl_module: L.LightningModule) -> dict[str, float]:
         """Decode the problem set with the module's current probes; returns the ``spec/`` figures."""
@@ -201,7 +192,7 @@ class SpeculativeValidation(Callback):
                 if spec and time.perf_counter() - start > self.max_seconds:
                     break
                 batch = self.problems[i : i + self.batch_size]
-                prompts = self._prompts([problem for problem, _ in batch])
+                prompts = [self.task.decoder_prompt(self._tokenizer, problem, self._draft_tokenizer) for problem, _ in batch]
                 # target-only first, timed in this run: the speedup's reference (never cached across runs)
                 ref += decoder.generate(prompts, method="target_only", **self.gen_kwargs)
                 spec += decoder.generate(prompts, method="semanticspec", **self.gen_kwargs)

@@ -122,6 +122,16 @@ class Task:
         chat = bool(getattr(tokenizer, "chat_template", None))
         return list(tokenizer(self.prompt_text(tokenizer, problem), add_special_tokens=not chat)["input_ids"])
 
+    def decoder_prompt(self, tokenizer, problem: str, draft_tokenizer=None):
+        """The prompt as ``SemanticSpecDecoder.generate`` takes it: text when there is no chat template and
+        one tokenizer (the decoder adds BOS), else each model's own token ids (a ``(target, draft)`` pair
+        when the draft has its own tokenizer)."""
+        if draft_tokenizer is None or draft_tokenizer is tokenizer:
+            if not getattr(tokenizer, "chat_template", None):
+                return self.prompt_text(tokenizer, problem)
+            return self.prompt(tokenizer, problem)
+        return self.prompt(tokenizer, problem), self.prompt(draft_tokenizer, problem)
+
     # ------------------------------------------------------------------ answers
 
     def extract(self, text: str) -> str | None:
