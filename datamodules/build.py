@@ -158,6 +158,9 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     if models is not None and models.judge is not None:
         totals["cache_hits"] = models.judge.cache_hits - state["hits0"]
     stopped = max_shards is not None and any(needs(k) for k in range(n_shards))
+    samplers = models.samplers if models is not None else {}
+    if samplers:
+        totals["sampler"] = {r: smp.stats() for r, smp in samplers.items()}
     stats = {"this_run": totals, "seconds_per_stage": {k: round(v, 3) for k, v in timer.items()},
              "seconds": round(time.perf_counter() - t0, 3), "rank": rank, "world_size": world,
              "built_shards": len(built), "reused_shards": len(on_disk)}
@@ -175,8 +178,10 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
         return json.loads((data_dir / S.MANIFEST).read_text())
     if not synced:
         wait_for_shards(data_dir, n_shards, needs)
+    sampler = ({r: smp.provenance() for r, smp in samplers.items()} if samplers
+               else (existing or {}).get("sampler") or {r: {"backend": config.sampling.backend} for r in ROLES})
     manifest = S.write_manifest(data_dir, sig, n_shards, config=config_record(config), n_problems=len(records),
-                                n_prefixes=plan["n_prefixes"], stats=stats)
+                                n_prefixes=plan["n_prefixes"], sampler=sampler, stats=stats)
     barrier()
     _summary(manifest, log)
     return manifest

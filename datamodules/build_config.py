@@ -22,6 +22,8 @@ from datamodules.tasks import ArithmeticTask, Task
 from generation.features import TOKEN_STATS, FeatureSpec, check_groups
 
 JUDGES = ("llm", "http", "nli", "none")
+BACKENDS = ("hf", "openai", "vllm")
+"""Sampling backends (:mod:`datamodules.samplers`)."""
 ROLES = S.ROLES
 DEFAULT_HTTP_TEMPLATE = (
     "Do these two reasoning steps state the same thing?\nStep A: {a}\nStep B: {b}\nAnswer with yes or no."
@@ -99,9 +101,82 @@ class ClusteringConfig:
 
 
 @dataclass
+class EndpointConfig:
+    """OpenAI-compatible servers that serve one model (YAML: ``build.sampling.openai.target`` / ``.draft``)."""
+
+    urls: list[str] = field(default_factory=list)
+    """Base URLs, e.g. ``[http://127.0.0.1:8000/v1]``; several spread the load (round-robin, per rank)."""
+    model: str | None = None
+    """The model name the servers expect; None = the one model the first server lists."""
+
+
+@dataclass
+class OpenAIConfig:
+    """The ``openai`` sampling backend (YAML: ``build.sampling.openai.*``); see :mod:`datamodules.openai_sampler`."""
+
+    target: EndpointConfig = field(default_factory=EndpointConfig)
+    """Servers of the target model."""
+    draft: EndpointConfig = field(default_factory=EndpointConfig)
+    """Servers of the draft model."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the API key (never logged); unset or empty = no key."""
+    concurrency: int = 8
+    """Requests in flight per model."""
+    timeout: float = 120.0
+    """Seconds per request attempt."""
+    retries: int = 3
+    """Attempts per request (connection errors, timeouts, 429 and 5xx are retried with backoff)."""
+    prompt: str = "text"
+    """Send prefixes as ``text`` (any server) or ``tokens`` (vLLM, SGLang: the exact ids, no re-tokenization)."""
+    extra_body: dict[str, Any] | None = None
+    """Extra request fields; None = ask vLLM and SGLang to keep the stop string in the text; ``{}`` = none."""
+
+    def errors(self) -> list[str]:
+        out = _choices(self, {"prompt": ("text", "tokens")}) + _at_least(self, concurrency=1, retries=1)
+        if self.timeout <= 0:
+            out.append(f"timeout={self.timeout}: expected > 0")
+        for role in ROLES:
+            e = getattr(self, role)
+            if not isinstance(e, EndpointConfig):
+                out.append(f"{role}={e!r}: expected urls and model")
+                continue
+            if not e.urls:
+                out.append(f"{role}.urls=[]: give the base URL of at least one server, e.g. http://127.0.0.1:8000/v1")
+            out += [f"{role}.urls: {u!r} is not an http(s) URL" for u in e.urls
+                    if not str(u).startswith(("http://", "https://"))]
+        return out
+
+
+@dataclass
+class VLLMConfig:
+    """The ``vllm`` sampling backend (YAML: ``build.sampling.vllm.*``): vLLM's offline engine in this process."""
+
+    tensor_parallel_size: int = 1
+    """GPUs each model's engine is sharded over."""
+    gpu_memory_utilization: float = 0.4
+    """Share of GPU memory each engine takes; leave room for the other engine and for reading with transformers."""
+    dtype: str = "auto"
+    """vLLM's ``dtype``."""
+
+    def errors(self) -> list[str]:
+        out = _at_least(self, tensor_parallel_size=1)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            out.append(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected in (0, 1]")
+        return out
+
+
+@dataclass
 class SamplingConfig:
     """How steps are sampled from each model after every prefix (YAML: ``build.sampling.*``)."""
 
+    backend: str = "hf"
+    """Who samples: ``hf`` (the package's sampler, no server), ``openai`` (OpenAI-compatible servers, see
+    ``openai``) or ``vllm`` (vLLM's offline engine, GPUs; ``pip install "semanticspec-probes[vllm]"``).
+    Reading the steps and labelling always stay in the package."""
+    openai: OpenAIConfig = field(default_factory=OpenAIConfig)
+    """The ``openai`` backend's servers and client settings (read only with ``backend: openai``)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The ``vllm`` backend's engine settings (read only with ``backend: vllm``)."""
     n_samples: int = 8
     """Steps sampled per prefix from each model (paper: 20)."""
     temperature: float = 0.6
@@ -113,7 +188,13 @@ class SamplingConfig:
 
     def errors(self) -> list[str]:
         """What is wrong (names relative to this part)."""
-        out = _at_least(self, n_samples=1)
+        out = _at_least(self, n_samples=1) + _choices(self, {"backend": BACKENDS})
+        for name, cls in (("openai", OpenAIConfig), ("vllm", VLLMConfig)):
+            part = getattr(self, name)
+            if not isinstance(part, cls):
+                out.append(f"{name}={part!r}: expected a {cls.__name__}")
+            elif self.backend == name:
+                out += [f"{name}.{e}" for e in part.errors()]
         if self.temperature < 0:
             out.append(f"temperature={self.temperature}: expected >= 0")
         if not 0 < self.top_p <= 1:
@@ -348,6 +429,7 @@ def signature(config: BuildConfig) -> dict[str, Any]:
         "delimiters": list(config.steps.delimiters),
         "max_step_tokens": config.steps.max_step_tokens,
         "sampling": sampling_spec(config),
+        "sampler": config.sampling.backend,
         "labels": label_provenance(config),
         "problems": problems_provenance(config),
         "shard_size": config.shard_size,

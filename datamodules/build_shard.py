@@ -10,7 +10,7 @@ import hashlib
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,7 @@ from datamodules.clustering import group_prefixes
 from datamodules.labels import DRAFT, TARGET, joint_labels, per_model_labels
 from datamodules.prefixes import Prefix
 from datamodules.reading import read_steps
-from generation.writer import generate
-from generation.steps import StepStopper
+from datamodules.samplers import make_sampler
 
 # ---------------------------------------------------------------------------------------------
 # Models and judge.
@@ -39,6 +38,15 @@ class Models:
     device: str
     draft_tokenizer: Any = None
     """The draft's own tokenizer, or None when it shares the target's (steps then cross as tokens, not text)."""
+    samplers: dict[str, Any] = field(default_factory=dict)
+    """Who writes each role's steps (:mod:`datamodules.samplers`); missing roles sample with transformers."""
+
+    def sampler(self, role: str, config: BuildConfig):
+        """``role``'s sampler, made on first use (over the loaded model for ``hf``)."""
+        if role not in self.samplers:
+            model, tok = (self.target, self.tokenizer) if role == "target" else (self.draft, self.draft_tokenizer or self.tokenizer)
+            self.samplers[role] = make_sampler(config, role, model, tok)
+        return self.samplers[role]
 
 
 def load_tokenizers(config: BuildConfig) -> tuple[Any, Any]:
@@ -59,8 +67,14 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
     device, dtype = config.resolved_device()
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype).to(device).eval()
     tok, dtok = load_tokenizers(config)
-    return Models(load(config.model_path("target")), load(config.model_path("draft")), tok,
-                  make_judge(config, cache_dir, rank, device, dtype), device, dtok)
+    # A server sampler asks its server for the model first: an unreachable one fails before models load.
+    samplers = {} if config.sampling.backend == "hf" else {
+        r: make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
+    models = Models(load(config.model_path("target")), load(config.model_path("draft")), tok,
+                    make_judge(config, cache_dir, rank, device, dtype), device, dtok, samplers)
+    for r in ("target", "draft"):
+        models.sampler(r, config)
+    return models
 
 
 def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0, device: str = "cpu",
@@ -110,17 +124,6 @@ def shard_seed(seed: int, index: int, stream: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{index}:{stream}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def _sample(model, tok, contexts: list[list[int]], config: BuildConfig, seed: int, device: str) -> list[list[list[int]]]:
-    """``n_samples`` steps after every context, in the sampling model's own tokenization."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    steps, n = config.steps, config.sampling.n_samples
-    stop = StepStopper(tok, steps.delimiters, steps.max_step_tokens)
-    rows = generate(model, contexts, max_new_tokens=steps.max_step_tokens,
-                    temperature=config.sampling.temperature, top_p=config.sampling.top_p, generator=g, stop=stop,
-                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0, num_samples=n)
-    return [rows[i * n : (i + 1) * n] for i in range(len(contexts))]
-
-
 def build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
                 asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
     """Sample, read, group and label one shard's prefixes.
@@ -135,7 +138,7 @@ def build_shard(index: int, prefixes: list[Prefix], models: Models, config: Buil
 
 def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: BuildConfig, timer: dict[str, float],
                  asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
-    n, dev = config.sampling.n_samples, models.device
+    n = config.sampling.n_samples
     # Each model samples in its own tokenization; with two tokenizers a draft step reaches the target as
     # its text, as the decoder's handover gives it (probes.decoding.handover), cut at the same delimiters.
     tok = models.tokenizer
@@ -143,8 +146,8 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     ctx = {"target": [p.token_ids for p in prefixes],
            "draft": [p.token_ids if models.draft_tokenizer is None else p.draft_token_ids for p in prefixes]}
     t0 = time.perf_counter()
-    written = {w: _sample(m, t, ctx[w], config, shard_seed(config.sampling.seed, index, w), dev)
-               for w, m, t in (("target", models.target, tok), ("draft", models.draft, dtok))}
+    written = {w: models.sampler(w, config).sample(ctx[w], n, shard_seed(config.sampling.seed, index, w))
+               for w in ("target", "draft")}
     t1 = time.perf_counter()
     joint = config.labelling == "joint"
     # per prefix: the target's samples then the draft's (sample j of prefix i has id i * 2N + j)

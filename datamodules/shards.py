@@ -153,8 +153,11 @@ def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
     """A manifest's ``build`` record in today's layout, so data built before keeps matching its config.
 
     Records written before the sampling spec had its own entry kept ``n_samples``, ``temperature``
-    and ``top_p`` in ``labels``; they move to ``sampling`` (the shards are unchanged).
+    and ``top_p`` in ``labels``; they move to ``sampling`` (the shards are unchanged). Records written
+    before the sampling backends sampled with transformers: their ``sampler`` is ``hf``.
     """
+    if "sampler" not in build and "reads" in build:
+        build = {**build, "sampler": "hf"}  # every build before the sampling backends sampled with transformers
     labels = build.get("labels")
     if "sampling" in build or not isinstance(labels, dict) or not any(k in labels for k in SAMPLING_KEYS):
         return build

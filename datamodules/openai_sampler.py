@@ -1,0 +1,194 @@
+"""The ``openai`` step sampler: any OpenAI-compatible ``/v1/completions`` server writes the steps.
+
+vLLM (``vllm serve``), SGLang (``python -m sglang.launch_server``) and the llama.cpp server
+(``python -m llama_cpp.server``) all speak this protocol. Each request asks for ``n`` samples of one
+prefix with the build's temperature, top-p, ``max_tokens`` = the step cap, the step delimiters as
+``stop`` and a seed of its own. Requests run concurrently (at most ``concurrency`` in flight),
+spread round-robin over the role's endpoints; the client's timeout and retries are bounded.
+
+A server that returns fewer samples than ``n`` (the llama.cpp server ignores ``n``) is noticed on
+its first answer: the missing samples are asked for one per request with distinct seeds, and from
+then on that endpoint gets one request per sample.
+
+The API key is read from an environment variable and never logged or put in an error message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any
+
+from datamodules.samplers import StepSampler, request_seed, step_from_text
+
+DEFAULT_EXTRA_BODY = {"include_stop_str_in_output": True, "no_stop_trim": True}
+"""Asks vLLM (``include_stop_str_in_output``) and SGLang (``no_stop_trim``) to keep the stop string in the text;
+servers that do not know a field ignore it, and the delimiter is then put back (:func:`step_from_text`)."""
+
+
+class OpenAISampler(StepSampler):
+    """Steps sampled by OpenAI-compatible servers, returned in the role's token ids.
+
+    Args:
+        urls: base URLs serving the model, e.g. ``["http://127.0.0.1:8000/v1"]``; several spread the load.
+        model: the model name the servers expect; None = the one model the first server lists.
+        tokenizer, delimiters, max_step_tokens, temperature, top_p: as :class:`StepSampler`.
+        api_key_env: environment variable holding the API key ("" or unset: no key).
+        concurrency: requests in flight at most.
+        timeout: seconds per request attempt.
+        retries: attempts per request (connection errors, timeouts, 429 and 5xx are retried with backoff).
+        prompt: send the prefix as ``text`` (every server) or as ``tokens`` (vLLM, SGLang: no re-tokenization).
+        extra_body: extra request fields (default :data:`DEFAULT_EXTRA_BODY`; ``{}`` sends none).
+        rank: this process's rank; ranks start the round-robin at different endpoints.
+
+    Raises:
+        ImportError: the ``openai`` client is not installed.
+        ValueError: a bad argument, or the server does not serve ``model`` (naming what it serves).
+        RuntimeError: the first server cannot be reached (naming the URL, never the key).
+    """
+
+    backend = "openai"
+
+    def __init__(self, urls: list[str], model: str | None, tokenizer, delimiters, max_step_tokens, temperature, top_p,
+                 *, api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout: float = 120.0,
+                 retries: int = 3, prompt: str = "text", extra_body: dict | None = None, rank: int = 0):
+        super().__init__(tokenizer, delimiters, max_step_tokens, temperature, top_p)
+        try:
+            import openai
+        except ImportError as e:
+            raise ImportError("sampling.backend='openai' needs the openai client: "
+                              f"pip install 'semanticspec-probes[openai]' ({e})") from None
+        if not urls:
+            raise ValueError("urls is empty: give the base URL of at least one server, e.g. http://127.0.0.1:8000/v1")
+        if prompt not in ("text", "tokens"):
+            raise ValueError(f"prompt={prompt!r}: expected 'text' or 'tokens'")
+        if concurrency < 1 or retries < 1 or timeout <= 0:
+            raise ValueError(f"concurrency={concurrency}, retries={retries} (both >= 1), timeout={timeout} (> 0)")
+        self._openai = openai
+        self.urls = [u.rstrip("/") for u in urls]
+        self._key = os.environ.get(api_key_env, "") if api_key_env else ""
+        self.clients = [openai.OpenAI(base_url=u, api_key=self._key or "none", timeout=timeout,
+                                      max_retries=retries - 1) for u in self.urls]
+        self.concurrency, self.retries, self.prompt = concurrency, retries, prompt
+        self.extra_body = dict(DEFAULT_EXTRA_BODY if extra_body is None else extra_body)
+        self.ignores_n = [False] * len(self.urls)
+        self._next = rank % len(self.urls)
+        self.requests = self.generated_tokens = 0
+        self.seconds = 0.0
+        self.model = self._check_model(model)
+        self.server_version = self._server_version(0)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> str:
+        """The model name to request, checked against what the first server lists (one cheap call, fails fast)."""
+        try:
+            served = [m.id for m in self.clients[0].models.list()]
+        except self._openai.OpenAIError as e:
+            raise RuntimeError(f"sampling server {self.urls[0]} did not answer /models: {self._say(e)}") from None
+        if model is None:
+            if len(served) != 1:
+                raise ValueError(f"sampling server {self.urls[0]} serves {served}; name one with model: ...")
+            return served[0]
+        if served and model not in served:
+            raise ValueError(f"sampling server {self.urls[0]} does not serve model {model!r}; it serves {served}")
+        return model
+
+    def _server_version(self, k: int) -> str | None:
+        """The server's reported version (vLLM and SGLang answer ``GET /version``), else None."""
+        root = self.clients[k].with_options(base_url=self.urls[k].removesuffix("/v1"), max_retries=0, timeout=5.0)
+        try:
+            got = root.get("/version", cast_to=object)
+        except self._openai.OpenAIError:
+            return None  # the llama.cpp server has no such route
+        return str(got["version"]) if isinstance(got, dict) and "version" in got else None
+
+    def _say(self, e: Exception) -> str:
+        """An exception as text with the API key blanked out (a server may echo a header back)."""
+        msg = f"{type(e).__name__}: {e}"
+        return msg.replace(self._key, "***") if self._key else msg
+
+    # -- sampling -------------------------------------------------------------------------------
+
+    def _prompt(self, ids: list[int]) -> str | list[int]:
+        if self.prompt == "tokens":
+            return list(ids)
+        tok = self.tokenizer
+        if ids and tok.bos_token_id is not None and ids[0] == tok.bos_token_id:
+            ids = ids[1:]  # the server adds its own BOS where its model wants one
+        return tok.decode(ids, skip_special_tokens=False)
+
+    def _request(self, k: int, prompt, count: int, seed: int) -> tuple[list[Any], Any]:
+        """One completions request to endpoint ``k``: its choices (by index) and usage."""
+        try:
+            resp = self.clients[k].completions.create(
+                model=self.model, prompt=prompt, n=count, temperature=self.temperature, top_p=self.top_p,
+                max_tokens=self.max_step_tokens, stop=self.stops, seed=seed, extra_body=self.extra_body or None)
+        except self._openai.OpenAIError as e:
+            raise RuntimeError(f"sampling server {self.urls[k]} (model {self.model!r}) failed after "
+                               f"{self.retries} attempt(s): {self._say(e)}") from None
+        return sorted(resp.choices or [], key=lambda c: c.index), resp.usage
+
+    def _pick(self) -> int:
+        k = self._next
+        self._next = (k + 1) % len(self.urls)
+        return k
+
+    def _step(self, choice, generated: int | None) -> list[int]:
+        extra = choice.model_extra or {}
+        reason = extra.get("stop_reason", extra.get("matched_stop", "unknown"))
+        ids, how = step_from_text(self.tokenizer, choice.text or "", choice.finish_reason, self.stops,
+                                  stop_reason=reason, generated_tokens=generated)
+        self.step_ends[how] += 1
+        return ids
+
+    def sample(self, contexts, n, seed):
+        t0 = time.perf_counter()
+        prompts = [self._prompt(c) for c in contexts]
+        out: list[list[list[int] | None]] = [[None] * n for _ in contexts]
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            futures: dict = {}
+
+            def submit(i: int, first: int, count: int) -> None:
+                k = self._pick()
+                if self.ignores_n[k] and count > 1:  # known to ignore n: one request per sample
+                    for j in range(first, first + count):
+                        submit(i, j, 1)
+                    return
+                futures[pool.submit(self._request, k, prompts[i], count, request_seed(seed, i, first))] = (i, first,
+                                                                                                          count, k)
+
+            for i in range(len(contexts)):
+                submit(i, 0, n)
+            try:
+                while futures:
+                    done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        i, first, count, k = futures.pop(f)
+                        choices, usage = f.result()
+                        self.requests += 1
+                        self.generated_tokens += getattr(usage, "completion_tokens", 0) or 0
+                        if not choices:
+                            raise RuntimeError(f"sampling server {self.urls[k]} returned no choice for a prompt")
+                        if len(choices) < count:  # the server ignores n: ask for the rest one at a time
+                            self.ignores_n[k] = True
+                            for j in range(first + len(choices), first + count):
+                                submit(i, j, 1)
+                        single = len(choices) == 1 and usage is not None
+                        for j, c in enumerate(choices[:count]):
+                            out[i][first + j] = self._step(c, usage.completion_tokens if single else None)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+        self.samples += n * len(contexts)
+        self.seconds += time.perf_counter() - t0
+        return out  # type: ignore[return-value]
+
+    def provenance(self):
+        return {"backend": "openai", "model": self.model, "urls": self.urls, "server_version": self.server_version,
+                "prompt": self.prompt, "stops": self.stops}
+
+    def stats(self):
+        return {**super().stats(), "requests": self.requests, "generated_tokens": self.generated_tokens,
+                "ignores_n": [u for u, x in zip(self.urls, self.ignores_n) if x]}

@@ -1,0 +1,213 @@
+"""Step samplers: who writes the N steps after every prefix of a label build.
+
+Sampling is the cost of a label build; reading the steps (hidden states and token statistics) and
+labelling them stay in the package. A sampler only returns each model's steps as token ids in that
+model's own tokenization, so every backend feeds the same reading pass (:mod:`datamodules.reading`).
+
+Backends (``build.sampling.backend``):
+
+- ``hf`` (default): the package's own KV-cache sampler (:func:`generation.writer.generate`), no server.
+- ``openai``: any OpenAI-compatible ``/v1/completions`` endpoint (vLLM ``serve``, SGLang, the llama.cpp
+  server); see :mod:`datamodules.openai_sampler`.
+- ``vllm``: vLLM's offline ``LLM`` engine in this process (``pip install "semanticspec-probes[vllm]"``, GPUs).
+
+A server returns text. :func:`step_from_text` turns one returned completion into the step the
+``hf`` sampler would have kept: the delimiter that stopped it put back when the server cut it off
+(vLLM ``include_stop_str_in_output``, or the ``stop_reason`` / ``matched_stop`` it reports, or,
+for a server that says neither, its token count), and EOS appended when the model ended there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from generation.steps import StepStopper
+from generation.writer import generate
+
+def minimal_stops(delimiters: Sequence[str]) -> list[str]:
+    """The delimiters a server must stop at: those holding no other delimiter.
+
+    A server cuts at the first stop string it sees, so ``".\\n\\n"`` never fires before ``"\\n\\n"``;
+    for the blank-line family this leaves ``["\\n\\n"]``, and restoring a cut-off delimiter is exact.
+    """
+    out = [d for d in dict.fromkeys(delimiters) if not any(o != d and o in d for o in delimiters)]
+    return out or list(delimiters)
+
+
+def request_seed(seed: int, context: int, sample: int) -> int:
+    """Seed of one sample's request: distinct per (context, sample), fits in 31 bits (llama.cpp takes uint32)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{context}:{sample}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def step_from_text(tokenizer, text: str, finish_reason: str | None, stops: Sequence[str], *,
+                   stop_reason: Any = "unknown", generated_tokens: int | None = None) -> tuple[list[int], str]:
+    """One returned completion as a step in ``tokenizer``'s ids, and how its end was resolved.
+
+    Args:
+        tokenizer: the sampling model's tokenizer.
+        text: the completion's text.
+        finish_reason: ``stop`` (a stop string or EOS) or ``length`` (the step cap).
+        stops: the stop strings sent (:func:`minimal_stops`).
+        stop_reason: what the server says stopped it: the matched string, a token id or None for EOS
+            (vLLM's ``stop_reason``, SGLang's ``matched_stop``); ``"unknown"`` when it says nothing.
+        generated_tokens: tokens the server generated for this one completion (its ``usage`` when
+            the request asked for one); EOS and a cut-off stop string count there, not in ``text``.
+
+    Returns:
+        ``(ids, how)``; ``how`` is ``included`` (the text kept its delimiter), ``reported`` (put back
+        from ``stop_reason``), ``counted`` (put back because the server generated more tokens than
+        the text holds), ``assumed`` (put back with nothing to tell a stop string from EOS), ``eos``
+        or ``length``.
+    """
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids = lambda s: list(tokenizer(s, add_special_tokens=False).input_ids) if s else []
+    if any(text.endswith(s) for s in stops):
+        return ids(text), "included"
+    if finish_reason == "length":
+        return ids(text) or eos, "length"
+    if finish_reason != "stop":
+        raise ValueError(f"finish_reason={finish_reason!r}: expected 'stop' or 'length'")
+    if isinstance(stop_reason, str) and stop_reason != "unknown":
+        return ids(text + stop_reason), "reported"
+    if stop_reason != "unknown":  # None or a token id: the model ended the text (EOS)
+        return ids(text) + eos, "eos"
+    if generated_tokens is not None:
+        if generated_tokens > len(ids(text)):
+            return ids(text + stops[0]), "counted"
+        return ids(text) + eos, "eos"
+    return ids(text + stops[0]), "assumed"
+
+
+class StepSampler:
+    """Samples ``n`` steps after every context, in one model's tokenization.
+
+    Subclasses set :attr:`backend` and implement :meth:`sample`; :attr:`step_ends` counts how the
+    returned steps' ends were resolved (:func:`step_from_text`), for the manifest.
+    """
+
+    backend = "?"
+
+    def __init__(self, tokenizer, delimiters: Sequence[str], max_step_tokens: int, temperature: float, top_p: float):
+        self.tokenizer, self.delimiters, self.max_step_tokens = tokenizer, list(delimiters), max_step_tokens
+        self.temperature, self.top_p = temperature, top_p
+        self.stops = minimal_stops(self.delimiters)
+        self.step_ends: Counter = Counter()
+        self.samples = 0
+
+    def sample(self, contexts: list[list[int]], n: int, seed: int) -> list[list[list[int]]]:
+        """``n`` steps after every context: ``out[i][j]`` is sample ``j`` of context ``i`` (token ids)."""
+        raise NotImplementedError
+
+    def provenance(self) -> dict[str, Any]:
+        """What sampled (recorded in the manifest's ``sampler``): backend, model, server version, ..."""
+        return {"backend": self.backend}
+
+    def stats(self) -> dict[str, Any]:
+        """Counts of this run: samples and how their ends were resolved."""
+        return {"samples": self.samples, "step_ends": dict(sorted(self.step_ends.items()))}
+
+
+class HFSampler(StepSampler):
+    """The package's own sampler: one batched KV cache per shard (:func:`generation.writer.generate`)."""
+
+    backend = "hf"
+
+    def __init__(self, model, tokenizer, delimiters, max_step_tokens, temperature, top_p):
+        super().__init__(tokenizer, delimiters, max_step_tokens, temperature, top_p)
+        self.model = model
+
+    def sample(self, contexts, n, seed):
+        device = next(self.model.parameters()).device
+        g = torch.Generator(device=device).manual_seed(seed)
+        tok = self.tokenizer
+        stop = StepStopper(tok, self.delimiters, self.max_step_tokens)
+        rows = generate(self.model, contexts, max_new_tokens=self.max_step_tokens, temperature=self.temperature,
+                        top_p=self.top_p, generator=g, stop=stop, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id or 0, num_samples=n)
+        self.samples += len(rows)
+        return [rows[i * n : (i + 1) * n] for i in range(len(contexts))]
+
+    def provenance(self):
+        return {"backend": "hf", "model": getattr(self.model.config, "_name_or_path", None)}
+
+
+class VLLMSampler(StepSampler):
+    """vLLM's offline engine: ``SamplingParams(n, stop, include_stop_str_in_output=True, seed)`` per context.
+
+    Args:
+        path: the model folder (the one the package reads with transformers).
+        tensor_parallel_size: GPUs the engine shards the model over.
+        gpu_memory_utilization: share of each GPU's memory the engine may take; leave room for the
+            target and draft that read the steps afterwards (and for the other role's engine).
+        seed: the engine's seed (each request also carries its own).
+        **kwargs: :class:`StepSampler` arguments.
+    """
+
+    backend = "vllm"
+
+    def __init__(self, path: str, tokenizer, delimiters, max_step_tokens, temperature, top_p, *,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.4, seed: int = 0,
+                 dtype: str = "auto"):
+        super().__init__(tokenizer, delimiters, max_step_tokens, temperature, top_p)
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError("sampling.backend='vllm' needs vLLM: pip install 'semanticspec-probes[vllm]' "
+                              f"(on a machine with CUDA GPUs); import failed with: {e}") from None
+        self._vllm, self.path = vllm, path
+        self.engine = vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
+                               gpu_memory_utilization=gpu_memory_utilization, seed=seed, dtype=dtype)
+
+    def sample(self, contexts, n, seed):
+        params = [self._vllm.SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p,
+                                            max_tokens=self.max_step_tokens, stop=self.stops,
+                                            include_stop_str_in_output=True, seed=request_seed(seed, i, 0))
+                  for i in range(len(contexts))]
+        outs = self.engine.generate([{"prompt_token_ids": list(c)} for c in contexts], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            steps = []
+            for c in out.outputs:
+                ids, how = step_from_text(self.tokenizer, c.text, c.finish_reason, self.stops,
+                                          stop_reason=c.stop_reason)
+                self.step_ends[how] += 1
+                steps.append(ids)
+            if len(steps) != n:
+                raise RuntimeError(f"vLLM returned {len(steps)} samples for one prompt; asked for n={n}")
+            result.append(steps)
+        self.samples += n * len(contexts)
+        return result
+
+    def provenance(self):
+        return {"backend": "vllm", "model": self.path, "server_version": getattr(self._vllm, "__version__", None)}
+
+
+def make_sampler(config, role: str, model, tokenizer, rank: int = 0) -> StepSampler:
+    """The sampler ``config.sampling.backend`` asks for, for ``role`` (``target`` or ``draft``).
+
+    Args:
+        config: the :class:`~datamodules.build_config.BuildConfig`.
+        role: whose steps it samples.
+        model: that role's loaded model (the ``hf`` backend samples with it).
+        tokenizer: that role's tokenizer (steps come back in its ids).
+        rank: this process's rank; the ``openai`` backend starts its round-robin over the endpoints there.
+    """
+    s, st = config.sampling, config.steps
+    common = (tokenizer, st.delimiters, st.max_step_tokens, s.temperature, s.top_p)
+    if s.backend == "hf":
+        return HFSampler(model, *common)
+    if s.backend == "vllm":
+        v = s.vllm
+        return VLLMSampler(config.model_path(role), *common, tensor_parallel_size=v.tensor_parallel_size,
+                           gpu_memory_utilization=v.gpu_memory_utilization, seed=s.seed, dtype=v.dtype)
+    from datamodules.openai_sampler import OpenAISampler
+
+    o = s.openai
+    e = getattr(o, role)
+    return OpenAISampler(e.urls, e.model, *common, api_key_env=o.api_key_env, concurrency=o.concurrency,
+                         timeout=o.timeout, retries=o.retries, prompt=o.prompt, rank=rank)

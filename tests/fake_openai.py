@@ -1,0 +1,118 @@
+"""A local OpenAI-compatible completions server for the sampler tests, backed by a real (tiny) model.
+
+It behaves like the servers the ``openai`` sampler meets: by default like the llama.cpp server (it
+ignores ``n``, cuts the stop string off the text, says ``finish_reason: stop`` for a stop string and
+for EOS alike, and counts the stop string's tokens in ``usage``); ``honour_n``, ``include_stop`` and
+``report_stop_reason`` make it behave like vLLM instead.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from generation.writer import generate
+
+
+class FakeServer:
+    """Serves ``model`` (with ``tokenizer``) as ``name`` on a loopback port; ``.url`` is its ``/v1`` base URL.
+
+    Args:
+        honour_n: return ``n`` choices (vLLM) instead of one (llama.cpp).
+        include_stop: keep the stop string in the text (vLLM's ``include_stop_str_in_output``).
+        report_stop_reason: add vLLM's ``stop_reason`` to each choice.
+        fail_first: answer the first this many completion requests with HTTP 503.
+        delay: seconds to wait before answering a completion request.
+        version: what ``GET /version`` answers (None: 404, as llama.cpp).
+    """
+
+    def __init__(self, model, tokenizer, name: str = "tiny", *, honour_n: bool = False, include_stop: bool = False,
+                 report_stop_reason: bool = False, fail_first: int = 0, delay: float = 0.0,
+                 version: str | None = None, status: int | None = None):
+        self.model, self.tok, self.name = model, tokenizer, name
+        self.honour_n, self.include_stop, self.report_stop_reason = honour_n, include_stop, report_stop_reason
+        self.fail_first, self.delay, self.version, self.status = fail_first, delay, version, status
+        self.requests: list[tuple[dict, dict]] = []
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, obj) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": outer.name, "object": "model"}]})
+                elif self.path == "/version" and outer.version is not None:
+                    self._send(200, {"version": outer.version})
+                else:
+                    self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                    k = len(outer.requests)
+                    outer.in_flight += 1
+                    outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
+                try:
+                    time.sleep(outer.delay)
+                    if outer.status is not None:
+                        return self._send(outer.status, {"error": {"message": "refused: bad key " +
+                                                                   self.headers.get("Authorization", "")}})
+                    if k <= outer.fail_first:
+                        return self._send(503, {"error": {"message": "busy"}})
+                    self._send(200, outer.complete(body))
+                finally:
+                    with outer.lock:
+                        outer.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def complete(self, body: dict) -> dict:
+        tok, prompt = self.tok, body["prompt"]
+        ids = list(prompt) if isinstance(prompt, list) else [tok.bos_token_id] + tok(prompt, add_special_tokens=False).input_ids
+        n = int(body.get("n", 1)) if self.honour_n else 1
+        stops = body.get("stop") or []
+        g = torch.Generator().manual_seed(int(body.get("seed", 0)))
+        rows = generate(self.model, [ids], max_new_tokens=int(body["max_tokens"]), temperature=float(body["temperature"]),
+                        top_p=float(body.get("top_p", 1.0)), generator=g, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id or 0, num_samples=n,
+                        stop=lambda t: any(s in tok.decode(t, skip_special_tokens=True) for s in stops))
+        choices, used = [], 0
+        for i, row in enumerate(rows):
+            eos = row[-1] == tok.eos_token_id
+            gen = row[:-1] if eos else row
+            used += len(gen)
+            text = tok.decode(gen, skip_special_tokens=True)
+            hit = min(((text.index(s), s) for s in stops if s in text), default=None)
+            reason = None
+            if hit is not None:
+                text = text[: hit[0] + (len(hit[1]) if self.include_stop else 0)]
+                reason = hit[1]
+            finish = "stop" if eos or hit is not None else "length"
+            c = {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+            if self.report_stop_reason:
+                c["stop_reason"] = reason
+            choices.append(c)
+        return {"id": "x", "object": "text_completion", "model": self.name, "choices": choices,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used}}
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

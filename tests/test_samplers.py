@@ -1,0 +1,244 @@
+"""Step samplers (datamodules.samplers): the text-to-step rule, the openai sampler against local servers, builds."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from datamodules.build import build
+from datamodules.build_config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig, StepConfig
+from datamodules.openai_sampler import OpenAISampler
+from datamodules.samplers import minimal_stops, step_from_text
+from generation.steps import DEFAULT_DELIMITERS
+from tests.fake_openai import FakeServer
+
+STOPS = ["\n\n"]
+
+
+@pytest.fixture(scope="module")
+def world_models():
+    from transformers import AutoModelForCausalLM
+
+    from datamodules.arithmetic.models import world_root
+
+    return {r: AutoModelForCausalLM.from_pretrained(world_root() / r, local_files_only=True).eval()
+            for r in ("target", "draft")}
+
+
+@pytest.fixture()
+def serve(world_models, world_tokenizer):
+    servers = []
+
+    def start(role="draft", **kw):
+        servers.append(FakeServer(world_models[role], world_tokenizer, name=f"world-{role}", **kw))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def _sampler(server_or_url, tok, **kw):
+    url = server_or_url if isinstance(server_or_url, str) else server_or_url.url
+    kw = {"api_key_env": "", "retries": 1, "timeout": 10.0, **kw}
+    return OpenAISampler([url], kw.pop("model", None), tok, DEFAULT_DELIMITERS, 8, kw.pop("temperature", 0.8), 0.95, **kw)
+
+
+def _contexts(tok, n=3):
+    from datamodules.tasks import ArithmeticTask
+
+    task = ArithmeticTask()
+    return [task.prompt(tok, r["problem"]) for r in task.problems(n, 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule that turns a returned completion into a step.
+
+
+def test_minimal_stops_keeps_only_delimiters_holding_no_other():
+    assert minimal_stops(DEFAULT_DELIMITERS) == ["\n\n"]
+    assert minimal_stops(["A", "B", "xA"]) == ["A", "B"]
+
+
+@pytest.mark.parametrize("text, finish, kw, want_text, eos, how", [
+    ("24 + 8 = 32.\n\n", "stop", {}, "24 + 8 = 32.\n\n", False, "included"),
+    ("24 + 8 = 32.", "stop", {"stop_reason": "\n\n"}, "24 + 8 = 32.\n\n", False, "reported"),
+    ("Answer: 24", "stop", {"stop_reason": None}, "Answer: 24", True, "eos"),
+    ("Answer: 24", "stop", {"stop_reason": 3}, "Answer: 24", True, "eos"),
+    ("24 + 8 = 32.", "stop", {"generated_tokens": 99}, "24 + 8 = 32.\n\n", False, "counted"),
+    ("24 + 8 = 32.", "stop", {"generated_tokens": 0}, "24 + 8 = 32.", True, "eos"),
+    ("24 + 8 = 32.", "stop", {}, "24 + 8 = 32.\n\n", False, "assumed"),
+    ("24 + 8 =", "length", {}, "24 + 8 =", False, "length"),
+])
+def test_step_from_text_restores_the_end(world_tokenizer, text, finish, kw, want_text, eos, how):
+    tok = world_tokenizer
+    if kw.get("generated_tokens") == 0:  # exactly the text's tokens: nothing was cut off, the model ended
+        kw = {"generated_tokens": len(tok(text, add_special_tokens=False).input_ids)}
+    ids, got = step_from_text(tok, text, finish, STOPS, **kw)
+    assert got == how
+    assert ids == tok(want_text, add_special_tokens=False).input_ids + ([tok.eos_token_id] if eos else [])
+
+
+def test_step_from_text_refuses_an_unknown_finish_reason(world_tokenizer):
+    with pytest.raises(ValueError, match="finish_reason='abort'"):
+        step_from_text(world_tokenizer, "x", "abort", STOPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The openai sampler against a local server backed by the world's draft.
+
+
+def test_server_that_ignores_n_is_fanned_out_with_distinct_seeds(serve, world_tokenizer):
+    server = serve()  # llama.cpp-like: one choice whatever n asks
+    s = _sampler(server, world_tokenizer)
+    ctx = _contexts(world_tokenizer)
+    out = s.sample(ctx, 4, seed=11)
+    assert [len(o) for o in out] == [4, 4, 4] and all(isinstance(x, list) and x for o in out for x in o)
+    assert s.ignores_n == [True]
+    seeds = [(b["prompt"], b["seed"]) for _, b in server.requests]
+    assert len(set(seeds)) == len(seeds) == 3 * 4  # every sample its own request and seed
+    # the first answer taught it: at most the prompts already in flight went out with n=4
+    assert sum(b["n"] == 4 for _, b in server.requests) <= len(ctx)
+    assert len({tuple(x) for o in out for x in o}) > 3  # the samples differ
+    s.sample(ctx, 4, seed=11)
+    assert all(b["n"] == 1 for _, b in server.requests[12:])
+    assert s.stats()["samples"] == 24 and sum(s.stats()["step_ends"].values()) == 24
+
+
+def test_server_that_honours_n_gets_one_request_per_prefix(serve, world_tokenizer):
+    server = serve(honour_n=True, include_stop=True)
+    s = _sampler(server, world_tokenizer)
+    out = s.sample(_contexts(world_tokenizer), 4, seed=0)
+    assert len(server.requests) == 3 and [len(o) for o in out] == [4, 4, 4]
+    body = server.requests[0][1]
+    assert body["stop"] == ["\n\n"] and body["max_tokens"] == 8 and body["temperature"] == 0.8
+    assert body["top_p"] == 0.95 and body["include_stop_str_in_output"] is True
+    assert set(s.step_ends) <= {"included", "eos", "length"}
+
+
+@pytest.mark.parametrize("kw", [{}, {"honour_n": True, "report_stop_reason": True},  # llama.cpp, SGLang-like
+                                {"honour_n": True, "include_stop": True, "report_stop_reason": True}])  # vLLM
+def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tokenizer, kw):
+    """Whichever way the server marks a step's end, the step is the one the package's own sampler writes."""
+    from datamodules.samplers import HFSampler
+
+    tok, ctx = world_tokenizer, _contexts(world_tokenizer, 6)
+    ctx += [c + tok("19 plus 5 equals 24.\n\n24 + 8 = 32.\n\n32 - 8 = 24.\n\n", add_special_tokens=False).input_ids
+            for c in ctx[:2]]  # prefixes whose next step is the last (it ends at EOS)
+    hf = HFSampler(world_models["draft"], tok, DEFAULT_DELIMITERS, 16, 0.0, 1.0).sample(ctx, 2, seed=0)
+    s = _sampler(serve(**kw), tok, temperature=0.0)
+    s.max_step_tokens = 16
+    assert s.sample(ctx, 2, seed=0) == hf
+    assert "eos" in s.step_ends and s.step_ends.get("assumed", 0) == 0
+
+
+def test_requests_stay_bounded_and_spread_over_endpoints(serve, world_tokenizer):
+    a, b = serve(honour_n=True, delay=0.05), serve(honour_n=True, delay=0.05)
+    s = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, DEFAULT_DELIMITERS, 4, 0.8, 0.95,
+                      api_key_env="", concurrency=2, rank=1)
+    s.sample(_contexts(world_tokenizer, 8), 2, seed=0)
+    assert len(a.requests) == len(b.requests) == 4
+    assert a.max_in_flight + b.max_in_flight <= 3 and max(a.max_in_flight, b.max_in_flight) <= 2
+
+
+def test_api_key_is_sent_but_never_shown(serve, world_tokenizer, monkeypatch):
+    monkeypatch.setenv("SAMPLER_KEY", "sk-secret-123")
+    server = serve(honour_n=True)
+    s = _sampler(server, world_tokenizer, api_key_env="SAMPLER_KEY")
+    s.sample(_contexts(world_tokenizer, 1), 1, seed=0)
+    assert server.requests[0][0]["authorization"] == "Bearer sk-secret-123"
+    server.status = 401  # the server refuses and echoes the header back
+    with pytest.raises(RuntimeError) as e:
+        s.sample(_contexts(world_tokenizer, 1), 1, seed=0)
+    assert server.url in str(e.value) and "401" in str(e.value)
+    assert "sk-secret-123" not in str(e.value) and "sk-secret-123" not in json.dumps(s.provenance())
+
+
+def test_failures_are_retried_a_bounded_number_of_times(serve, world_tokenizer):
+    server = serve(honour_n=True, fail_first=2)
+    out = _sampler(server, world_tokenizer, retries=3).sample(_contexts(world_tokenizer, 1), 2, seed=0)
+    assert len(server.requests) == 3 and len(out[0]) == 2
+    server = serve(honour_n=True, fail_first=5)
+    with pytest.raises(RuntimeError, match=r"failed after 2 attempt\(s\).*503"):
+        _sampler(server, world_tokenizer, retries=2).sample(_contexts(world_tokenizer, 1), 2, seed=0)
+    assert len(server.requests) == 2
+
+
+def test_a_slow_server_times_out(serve, world_tokenizer):
+    server = serve(delay=2.0)
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError, match="Timeout"):
+        _sampler(server, world_tokenizer, timeout=0.3).sample(_contexts(world_tokenizer, 1), 1, seed=0)
+    assert time.perf_counter() - t < 2.0
+
+
+def test_model_and_server_are_checked_before_any_sampling(serve, world_tokenizer):
+    server = serve(version="0.11.0")
+    s = _sampler(server, world_tokenizer)
+    assert s.model == "world-draft" and s.server_version == "0.11.0"
+    assert s.provenance() == {"backend": "openai", "model": "world-draft", "urls": [server.url],
+                              "server_version": "0.11.0", "prompt": "text", "stops": ["\n\n"]}
+    with pytest.raises(ValueError, match=r"does not serve model 'other'; it serves \['world-draft'\]"):
+        _sampler(server, world_tokenizer, model="other")
+    with pytest.raises(RuntimeError, match="127.0.0.1:9/v1 did not answer"):
+        _sampler("http://127.0.0.1:9/v1", world_tokenizer)
+
+
+def test_token_prompts_send_the_exact_ids(serve, world_tokenizer):
+    server = serve(honour_n=True)
+    ctx = _contexts(world_tokenizer, 1)
+    _sampler(server, world_tokenizer, prompt="tokens").sample(ctx, 1, seed=0)
+    assert server.requests[0][1]["prompt"] == ctx[0]
+    _sampler(server, world_tokenizer).sample(ctx, 1, seed=0)
+    assert server.requests[1][1]["prompt"] == world_tokenizer.decode(ctx[0][1:])  # the server adds its own BOS
+
+
+# ---------------------------------------------------------------------------------------------
+# The build config and a whole build.
+
+
+def test_build_config_checks_the_backend():
+    with pytest.raises(ValueError) as e:
+        BuildConfig(sampling=SamplingConfig(backend="sglang"))
+    assert "sampling.backend='sglang': expected one of ('hf', 'openai', 'vllm')" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        BuildConfig(sampling=SamplingConfig(backend="openai", openai=OpenAIConfig(
+            target=EndpointConfig(urls=["127.0.0.1:8000"]), concurrency=0)))
+    msg = str(e.value)
+    assert "sampling.openai.concurrency=0: expected >= 1" in msg
+    assert "sampling.openai.target.urls: '127.0.0.1:8000' is not an http(s) URL" in msg
+    assert "sampling.openai.draft.urls=[]: give the base URL" in msg
+    BuildConfig(sampling=SamplingConfig(openai=OpenAIConfig(concurrency=0)))  # read only with backend: openai
+
+
+def _world_config(urls=None, **sampling) -> BuildConfig:
+    s = {"n_samples": 3, "temperature": 0.0, "seed": 3, **sampling}
+    if urls:
+        s["backend"] = "openai"
+        s["openai"] = OpenAIConfig(target=EndpointConfig(urls=[urls["target"]]),
+                                   draft=EndpointConfig(urls=[urls["draft"]]), api_key_env="")
+    return BuildConfig(n_problems=3, shard_size=8, judge=JudgeConfig(kind="none"), sampling=SamplingConfig(**s),
+                       steps=StepConfig(max_step_tokens=16))
+
+
+def test_greedy_openai_build_equals_the_hf_build(serve, tmp_path):
+    """Served by llama.cpp-like servers of the world's models, a greedy build writes the hf build's shards."""
+    from safetensors.torch import load_file
+
+    hf = build(_world_config(), tmp_path / "hf", log=lambda *a: None)
+    urls = {r: serve(r).url for r in ("target", "draft")}
+    served = build(_world_config(urls), tmp_path / "openai", log=lambda *a: None)
+    assert served["build"]["sampler"] == "openai" and hf["build"]["sampler"] == "hf"
+    assert served["sampler"]["draft"]["model"] == "world-draft" and served["sampler"]["target"]["urls"] == [urls["target"]]
+    assert hf["sampler"]["target"]["backend"] == "hf"
+    ends = served["stats"]["this_run"]["sampler"]["draft"]["step_ends"]
+    assert ends.get("counted", 0) > 0 and "assumed" not in ends
+    for a, b in zip(sorted((tmp_path / "hf").glob("shard-*.safetensors")), sorted((tmp_path / "openai").glob("shard-*"))):
+        x, y = load_file(a), load_file(b)
+        assert x.keys() == y.keys()
+        for k in x:
+            torch.testing.assert_close(x[k], y[k], msg=k)
+    # a folder built by one backend is not resumed by another
+    with pytest.raises(ValueError, match="sampler: data has 'hf', config asks 'openai'"):
+        build(_world_config(urls), tmp_path / "hf", log=lambda *a: None)
