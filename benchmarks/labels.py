@@ -1,6 +1,7 @@
 """Label pipeline benchmark on the embedded world: label quality against the oracle, cost, storage, streaming.
 
     python -m benchmarks.labels [--quick]      # SEMANTICSPEC_WORLD=/tmp/world to use other world models
+    python -m benchmarks.labels --only backends  # just the sampling backends on the real pair
 
 Measures (issue 3, DESIGN.md "Benchmark outputs" -> labels.json):
 - ``ari``: adjusted Rand index of the pipeline's groups vs the oracle's meanings, mean over prefixes
@@ -17,6 +18,9 @@ Measures (issue 3, DESIGN.md "Benchmark outputs" -> labels.json):
   what the numbers check changes;
 - ``seconds_per_stage`` of the default build and the share of clustering + judge (goal <= 25%);
 - ``bytes_per_sample`` on disk;
+- ``backends``: sampling with ``hf`` against the ``openai`` backend on a local llama.cpp server, on the
+  real pair (:mod:`benchmarks.backends`: sampler over bare-loop throughput, builds' seconds per stage,
+  samples per second, reading share, greedy agreement); ``--only backends`` refreshes just this part;
 - ``read_samples_per_s`` streaming 384-wide synthetic shards through the DataModule (goal >= 200k/s)
   and ``peak_rss_mb`` at 1x and 10x data (flat = memory independent of dataset size).
 """
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 from sklearn.metrics import adjusted_rand_score
 
+from benchmarks import backends
 from datamodules import shards as S
 from datamodules.arithmetic.task import meaning
 from datamodules.build import BuildConfig, build, make_judge
@@ -242,6 +247,7 @@ def run(quick: bool) -> dict:
                   "n_samples": config.sampling.n_samples,
                   "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["build"]["labels"]["judge"]["kind"],
                   "this_run": manifest["stats"]["this_run"], "world": portable_paths(str(config.model_path("target")))},
+        "backends": backends.run(quick),
         "quick": quick,
     }
 
@@ -281,18 +287,50 @@ def table(res: dict) -> str:
         lines.append(f"| {name} | {v['ari']:.3f} | {v['q_mae']:.4f} | {v['p_mae']:.4f} | "
                      f"{v.get('draft_wrong_false_high_share', float('nan')):.1%} | {v['judge_pairs']} | "
                      f"{v['judge_accuracy']:.3f} | {v['seconds']:.1f} |")
+    if "backends" in res:
+        lines += ["", backends_table(res["backends"])]
+    return "\n".join(lines)
+
+
+def backends_table(b: dict) -> str:
+    """The sampling backends' figures (:mod:`benchmarks.backends`) as markdown."""
+    if "skipped" in b:
+        return f"sampling backends: skipped ({b['skipped']})"
+    o = b["overhead"]
+    ok = lambda good: "(met)" if good else "(missed)"
+    lines = ["| sampling backends, real pair | value | goal |", "|---|---|---|",
+             (f"| openai sampler over a bare loop, same {o['requests_per_round']} requests x {o['rounds']} | "
+              f"{o['sampler_over_bare']:.2f} ({o['sampler_tokens_per_s']:.1f} vs {o['bare_tokens_per_s']:.1f} tok/s) | "
+              f">= 0.9 {ok(o['sampler_over_bare'] >= 0.9)} |")]
+    for name, v in b["builds"].items():
+        goal = f"<= 30% {ok(v['reading_share'] <= 0.3)}" if name == "openai" else ""
+        lines.append(f"| build with {name}: {v['samples']} samples in {v['seconds']:.1f} s, {v['samples_per_s']:.2f} "
+                     f"samples/s sampling; reading share | {v['reading_share']:.1%} | {goal} |")
+        lines.append(f"| build with {name}: seconds per stage | "
+                     + ", ".join(f"{k} {x:.1f}" for k, x in v["seconds_per_stage"].items()) + " | |")
+    for role, g in b["greedy_agreement"].items():
+        lines.append(f"| greedy step agreement, server vs hf, {role} | {g['equal']}/{g['prefixes']} ({g['share']:.0%}) | reported |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a reduced run (at most 3 minutes on 2 CPU cores)")
+    ap.add_argument("--only", choices=["backends"], default=None,
+                    help="measure only this part and update it in the existing JSON (backends: hf vs a llama.cpp server)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    res = run(args.quick)
-    print(table(res))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("labels-quick.json" if args.quick else "labels.json")
+    if args.only:
+        res = json.loads(path.read_text()) if path.is_file() else {"quick": args.quick}
+        res["backends"] = backends.run(args.quick)
+        print(backends_table(res["backends"]))
+        path.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"\nwrote {path}")
+        return res
+    res = run(args.quick)
+    print(table(res))
     path.write_text(json.dumps(res, indent=2) + "\n")
     print(f"\nwrote {path}")
     return res

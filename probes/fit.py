@@ -13,6 +13,7 @@ one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -43,6 +44,10 @@ def fail(message: str) -> NoReturn:
     # jsonargparse explains a type error over several lines; keep what names the key, the types and the value
     noise = ("Subtypes:", "Errors:", "Given value type:")
     text = " ".join(line for line in lines if not line.startswith(noise))
+    # a class that refused its arguments in an Optional field: keep its own message, not the Union's wrapping
+    refused = re.search(r"(invalid \w+: .*?)(?: - Expected a <class 'NoneType'>.*)?$", text)
+    if refused and "Union subtypes" in text:
+        text = refused.group(1)
     print(f"{PROG}: error: {text} (see `{PROG} --help`)", file=sys.stderr)
     raise SystemExit(2)
 

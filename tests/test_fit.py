@@ -51,6 +51,7 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--data.batch_size", "0"], "batch_size=0: expected >= 1", "num_workers"),
     (["--trainer.max_epochs", "-1"], "--trainer.max_epochs -1: expected a number of epochs >= 1", "Epoch"),
     (["--data.build.sampling.n_samples", "0"], "sampling.n_samples=0: expected >= 1", "Traceback"),
+    (["--data.build.sampling.backend", "openai"], "error: invalid BuildConfig: sampling.openai.target.urls=[]", "Union"),
     (["--trainer.max_epochs", "x"], 'Parser key "trainer.max_epochs"', "Subtypes"),
 ])
 def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named, not_named):

@@ -31,7 +31,8 @@ def serve(world_models, world_tokenizer):
     servers = []
 
     def start(role="draft", **kw):
-        servers.append(FakeServer(world_models[role], world_tokenizer, name=f"world-{role}", **kw))
+        kw.setdefault("name", f"world-{role}")
+        servers.append(FakeServer(world_models[role], world_tokenizer, **kw))
         return servers[-1]
 
     yield start
@@ -242,3 +243,43 @@ def test_greedy_openai_build_equals_the_hf_build(serve, tmp_path):
     # a folder built by one backend is not resumed by another
     with pytest.raises(ValueError, match="sampler: data has 'hf', config asks 'openai'"):
         build(_world_config(urls), tmp_path / "hf", log=lambda *a: None)
+
+
+@pytest.mark.parametrize("name", ["qwq-32b.yaml", "r1-distill-qwen-32b.yaml"])
+def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypatch, tmp_path):
+    """The paper-scale configs instantiate (model loading replaced) and their samplers reach servers named as configured."""
+    from pathlib import Path
+
+    from datamodules.datamodule import SemanticProbeDataModule
+    from datamodules.samplers import make_sampler
+    from probes.fit import PROG, ProbeArgumentParser, ProbeCLI
+    from probes.module import SemanticProbeModule
+
+    widths = {"target": 5120, "draft": 1536}
+
+    def fingerprint(path):  # no 32B folder here: what config.json would say
+        role = "target" if "32B" in path else "draft"
+        return {"name_or_path": path, "architecture": "Qwen2ForCausalLM", "hidden_size": widths[role],
+                "num_layers": 64 if role == "target" else 28, "vocab_size": 152064, "tokenizer_hash": "q"}
+
+    monkeypatch.setattr("datamodules.build_config.folder_fingerprint", fingerprint)
+    config = Path(__file__).resolve().parents[1] / "configs" / name
+    cli = ProbeCLI(SemanticProbeModule, SemanticProbeDataModule, run=False, auto_configure_optimizers=False,
+                   args=["--config", str(config), "--trainer.logger", "false", "--data.data_dir", str(tmp_path),
+                         "--trainer.default_root_dir", str(tmp_path)],
+                   parser_class=ProbeArgumentParser, parser_kwargs={"prog": PROG})
+    b = cli.datamodule.build
+    assert b.sampling.backend == "openai" and b.sampling.n_samples == 20 and b.sampling.openai.prompt == "tokens"
+    assert b.judge.kind == "http" and b.judge.url == b.sampling.openai.target.urls[0]
+    assert cli.model.probes["target"].config.hidden_size == 5120 and cli.model.probes["draft"].config.hidden_size == 1536
+    for role in ("target", "draft"):
+        e = getattr(b.sampling.openai, role)
+        assert e.urls[0].startswith("http://127.0.0.1:800") and e.model
+        server = serve(role, name=e.model, honour_n=True, report_stop_reason=True)
+        e.urls = [server.url]
+        s = make_sampler(b, role, None, world_tokenizer)
+        out = s.sample(_contexts(world_tokenizer, 1), 2, seed=0)
+        assert len(out[0]) == 2 and s.model == e.model
+        body = server.requests[0][1]
+        assert isinstance(body["prompt"], list) and body["max_tokens"] == b.steps.max_step_tokens
+        assert body["temperature"] == 0.6 and body["top_p"] == 0.95 and body["stop"] == ["\n\n"]

