@@ -84,6 +84,7 @@ def _read_chunk(model, prefixes, steps, spec: FeatureSpec, pad_id, device) -> di
         cache.seq[r].extend(s)
     fed = cache.feed(range(len(flat)), hidden=spec.needs_hidden, all_logits=spec.needs_logits)
     hidden = [fed[r].hidden for r in range(len(flat))] if spec.needs_hidden else None
-    logits = [torch.cat([before[r][None], fed[r].logits[:-1]]) for r in range(len(flat))] if spec.needs_logits else None
+    # the logits predicting row r's step: the prefix's last, then the step's own but its last (views, no copy)
+    logits = [(before[r][None], fed[r].logits[:-1]) for r in range(len(flat))] if spec.needs_logits else None
     parts = rows_features(spec, flat, hidden, logits)
     return {g: v.cpu() for g, v in parts.items()}

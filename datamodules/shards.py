@@ -156,13 +156,13 @@ def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
     and ``top_p`` in ``labels``; they move to ``sampling`` (the shards are unchanged). Records written
     before the sampling backends sampled with transformers: their ``sampler`` is ``hf``.
     """
-    if "sampler" not in build and "reads" in build:
-        build = {**build, "sampler": "hf"}  # every build before the sampling backends sampled with transformers
     labels = build.get("labels")
-    if "sampling" in build or not isinstance(labels, dict) or not any(k in labels for k in SAMPLING_KEYS):
-        return build
-    return {**build, "sampling": {k: labels[k] for k in SAMPLING_KEYS if k in labels},
-            "labels": {k: v for k, v in labels.items() if k not in SAMPLING_KEYS}}
+    if "sampling" not in build and isinstance(labels, dict) and any(k in labels for k in SAMPLING_KEYS):
+        build = {**build, "sampling": {k: labels[k] for k in SAMPLING_KEYS if k in labels},
+                 "labels": {k: v for k, v in labels.items() if k not in SAMPLING_KEYS}}
+    if "sampling" in build and "sampler" not in build:
+        build = {**build, "sampler": "hf"}  # every build before the sampling backends sampled with transformers
+    return build
 
 
 # ---------------------------------------------------------------------------------------------

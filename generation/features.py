@@ -91,6 +91,49 @@ def token_scores(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tens
     return logp, logp.gather(-1, tok).squeeze(-1), rank
 
 
+def per_token_scores(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's (clamped log-probability, entropy of its distribution, rank), as (..., 3) float32.
+
+    Works on the logits as given (no padded copy of the (..., V) tensor): the full-vocabulary work
+    is one log-softmax, one exp and one comparison per position.
+    """
+    x = logits.float()
+    tok = tokens.to(x.device).long()[..., None]
+    logp = torch.log_softmax(x, dim=-1)
+    rank = (x > x.gather(-1, tok)).sum(-1).float()
+    tok_lp = logp.gather(-1, tok).squeeze(-1).clamp(min=LOGPROB_FLOOR)
+    plogp = logp.exp().mul_(logp).nan_to_num_(0.0)  # p log p; 0 where p is 0 (a -inf logit)
+    return torch.stack([tok_lp, -plogp.sum(-1), rank], dim=-1)
+
+
+def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+    """(B, len(names)) statistics from right-padded per-token scores (B, T, 3) of :func:`per_token_scores`."""
+    B, T, _ = scores.shape
+    lengths = lengths.to(scores.device).long()
+    if bool((lengths < 1).any()) or bool((lengths > T).any()):
+        raise ValueError(f"step lengths {lengths.tolist()} must lie in 1..{T}")
+    bad = [k for k in names if k not in TOKEN_STATS]
+    if bad:
+        raise ValueError(f"unknown token statistics {bad}; this version computes {list(TOKEN_STATS)}")
+    tok_lp, ent, rank = scores.unbind(-1)
+    mask = torch.arange(T, device=scores.device)[None] < lengths[:, None]  # (B, T)
+    n = lengths.float()
+
+    def mean(v: torch.Tensor) -> torch.Tensor:
+        return (v * mask).sum(1) / n
+
+    compute = {
+        "mean_logprob": lambda: mean(tok_lp),
+        "min_logprob": lambda: tok_lp.masked_fill(~mask, float("inf")).amin(1),
+        "mean_entropy": lambda: mean(ent),
+        "max_entropy": lambda: ent.masked_fill(~mask, float("-inf")).amax(1),
+        "not_top1_share": lambda: mean((rank >= 1).float()),
+        "not_top5_share": lambda: mean((rank >= 5).float()),
+        "mean_log_rank": lambda: mean(torch.log1p(rank)),
+    }
+    return torch.stack([compute[k]() for k in names], dim=1)
+
+
 @torch.no_grad()
 def token_stats(
     logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, names: Sequence[str] = TOKEN_STATS
@@ -106,32 +149,28 @@ def token_stats(
     Returns:
         (B, len(names)) float32, columns in ``names`` order.
     """
-    B, T = tokens.shape
-    lengths = lengths.to(logits.device).long()
-    if bool((lengths < 1).any()) or bool((lengths > T).any()):
-        raise ValueError(f"step lengths {lengths.tolist()} must lie in 1..{T}")
-    logp, tok_lp, rank = token_scores(logits, tokens)  # (B, T, V), (B, T), (B, T)
-    tok_lp, rank = tok_lp.clamp(min=LOGPROB_FLOOR), rank.float()
-    ent = torch.special.entr(logp.exp()).sum(-1)  # (B, T) nats; entr(0) = 0
-    mask = torch.arange(T, device=logp.device)[None] < lengths[:, None]  # (B, T)
-    n = lengths.float()
+    return _aggregate(per_token_scores(logits, tokens), lengths, names)
 
-    def mean(v: torch.Tensor) -> torch.Tensor:
-        return (v * mask).sum(1) / n
 
-    compute = {
-        "mean_logprob": lambda: mean(tok_lp),
-        "min_logprob": lambda: tok_lp.masked_fill(~mask, float("inf")).amin(1),
-        "mean_entropy": lambda: mean(ent),
-        "max_entropy": lambda: ent.masked_fill(~mask, float("-inf")).amax(1),
-        "not_top1_share": lambda: mean((rank >= 1).float()),
-        "not_top5_share": lambda: mean((rank >= 5).float()),
-        "mean_log_rank": lambda: mean(torch.log1p(rank)),
-    }
-    bad = [k for k in names if k not in compute]
-    if bad:
-        raise ValueError(f"unknown token statistics {bad}; this version computes {list(TOKEN_STATS)}")
-    return torch.stack([compute[k]() for k in names], dim=1)
+@torch.no_grad()
+def rows_token_stats(logits: Sequence[torch.Tensor | Sequence[torch.Tensor]], tokens: Sequence[Sequence[int]],
+                     names: Sequence[str] = TOKEN_STATS) -> torch.Tensor:
+    """:func:`token_stats` of rows given one by one: row ``i``'s (k_i, V) logits, or consecutive parts of them.
+
+    Scores each row where its logits lie (a view of a forward's output needs no copy) and pads only
+    the (k_i, 3) scores, so a 262k vocabulary costs no padded (B, T, V) tensor.
+    """
+    scores = []
+    for parts, toks in zip(logits, tokens):
+        parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
+        ids, at, row = torch.as_tensor(list(toks), dtype=torch.long), 0, []
+        for part in parts:
+            row.append(per_token_scores(part, ids[at : at + len(part)]))
+            at += len(part)
+        if at != len(ids):
+            raise ValueError(f"{at} logits for a step of {len(ids)} tokens")
+        scores.append(torch.cat(row))
+    return _aggregate(pad_steps(scores), torch.tensor([len(t) for t in tokens]), names)
 
 
 def step_features(
@@ -182,20 +221,22 @@ def rows_features(
         tokens: per row, the step's tokens.
         hidden: ``hidden`` group: per row (L, k_i, D) states of the step's tokens at the layers
             of ``spec.layer_ids``, in that order.
-        logits: ``token_stats`` group: per row (k_i, V) logits predicting each step token.
+        logits: ``token_stats`` group: per row (k_i, V) logits predicting each step token, or
+            consecutive parts of them (:func:`rows_token_stats`).
     """
-    lengths = torch.tensor([len(t) for t in tokens])
-    hs = None
+    out: dict[str, torch.Tensor] = {}
     if spec.needs_hidden:
+        if hidden is None:
+            raise ValueError("the hidden feature group needs the reading forward's hidden_states")
         padded = pad_steps([h.transpose(0, 1) for h in hidden])  # (B, k, L, D)
         hs = list(padded.unbind(2))  # L x (B, k, D), as HF hands out hidden_states
-        spec = FeatureSpec(spec.groups, list(range(len(hs))), spec.pooling, spec.token_stats)
-    lg = tk = None
+        ends = torch.tensor([len(t) for t in tokens], device=padded.device)
+        out["hidden"] = pool_hidden_states(hs, list(range(len(hs))), torch.zeros_like(ends), ends, spec.pooling)
     if spec.needs_logits:
-        lg = pad_steps([l.float() for l in logits])  # (B, k, V)
-        tk = pad_steps([torch.as_tensor(list(t), dtype=torch.long) for t in tokens]).to(lg.device)
-        lengths = lengths.to(lg.device)
-    return step_features(spec, lengths, hs, lg, tk)
+        if logits is None:
+            raise ValueError("the token_stats feature group needs the logits that predicted the step's tokens")
+        out["token_stats"] = rows_token_stats(logits, tokens, spec.token_stats)
+    return out
 
 
 def probe_input(parts: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tensor:

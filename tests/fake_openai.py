@@ -86,7 +86,7 @@ class FakeServer:
 
     def complete(self, body: dict) -> dict:
         tok, prompt = self.tok, body["prompt"]
-        ids = list(prompt) if isinstance(prompt, list) else [tok.bos_token_id] + tok(prompt, add_special_tokens=False).input_ids
+        ids = list(prompt) if isinstance(prompt, list) else tok(prompt).input_ids  # BOS as the model's tokenizer adds it
         n = int(body.get("n", 1)) if self.honour_n else 1
         stops = body.get("stop") or []
         g = torch.Generator().manual_seed(int(body.get("seed", 0)))

@@ -98,7 +98,8 @@ def test_nested_override_reaches_the_build(capsys):
               "--data.build.judge.threshold", "0.7", "--model.optimizer.lr", "0.01", "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
     build = printed["data"]["build"]
-    assert build["sampling"] == {"n_samples": 4, "temperature": 0.8, "top_p": 0.95, "seed": 0}
+    sampling = {k: build["sampling"][k] for k in ("backend", "n_samples", "temperature", "top_p", "seed")}
+    assert sampling == {"backend": "hf", "n_samples": 4, "temperature": 0.8, "top_p": 0.95, "seed": 0}
     assert build["judge"]["threshold"] == 0.7 and build["steps"]["max_step_tokens"] == 32
     assert printed["model"]["optimizer"]["init_args"]["lr"] == 0.01
 

@@ -195,6 +195,25 @@ def test_token_prompts_send_the_exact_ids(serve, world_tokenizer):
     assert server.requests[1][1]["prompt"] == world_tokenizer.decode(ctx[0][1:])  # the server adds its own BOS
 
 
+def test_a_bos_the_tokenizer_does_not_add_stays_in_a_text_prompt(serve, world_tokenizer):
+    """SmolLM2's BOS id is <|im_start|>, which its chat template writes and its tokenizer never adds: it must stay."""
+
+    class NoBos:  # the world tokenizer, but adding no BOS (as SmolLM2's and its GGUF's)
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+        def __call__(self, text, **kw):
+            return self._tok(text, **{**kw, "add_special_tokens": False})
+
+    server = serve(honour_n=True)
+    ctx = _contexts(world_tokenizer, 1)
+    _sampler(server, NoBos(world_tokenizer)).sample(ctx, 1, seed=0)
+    assert server.requests[0][1]["prompt"] == world_tokenizer.decode(ctx[0]) and ctx[0][0] == world_tokenizer.bos_token_id
+
+
 # ---------------------------------------------------------------------------------------------
 # The build config and a whole build.
 
@@ -243,6 +262,12 @@ def test_greedy_openai_build_equals_the_hf_build(serve, tmp_path):
     # a folder built by one backend is not resumed by another
     with pytest.raises(ValueError, match="sampler: data has 'hf', config asks 'openai'"):
         build(_world_config(urls), tmp_path / "hf", log=lambda *a: None)
+    # data built before the backends existed (no "sampler" recorded) still matches an hf config
+    for name in ("manifest.json", "build.json"):
+        record = json.loads((tmp_path / "hf" / name).read_text())
+        del record["build"]["sampler"]
+        (tmp_path / "hf" / name).write_text(json.dumps(record))
+    assert build(_world_config(), tmp_path / "hf", log=lambda *a: None)["complete"]  # reused, not refused
 
 
 @pytest.mark.parametrize("name", ["qwq-32b.yaml", "r1-distill-qwen-32b.yaml"])
@@ -283,3 +308,63 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
         body = server.requests[0][1]
         assert isinstance(body["prompt"], list) and body["max_tokens"] == b.steps.max_step_tokens
         assert body["temperature"] == 0.6 and body["top_p"] == 0.95 and body["stop"] == ["\n\n"]
+
+
+def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monkeypatch):
+    """The vllm backend's plumbing, with a stand-in for vLLM's engine (the real one is tested under `gpu`)."""
+    import sys
+    import types
+
+    from datamodules.samplers import VLLMSampler
+
+    calls = {}
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class LLM:
+        def __init__(self, **kw):
+            calls["engine"] = kw
+
+        def generate(self, prompts, params, use_tqdm=False):
+            calls["generate"] = (prompts, params)
+            out = lambda text, finish, reason: types.SimpleNamespace(text=text, finish_reason=finish, stop_reason=reason)
+            return [types.SimpleNamespace(outputs=[out("1 + 2 = 3.\n\n", "stop", "\n\n"), out("Answer: 3", "stop", None)])
+                    for _ in prompts]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, __version__="9.9"))
+    s = VLLMSampler("/models/x", world_tokenizer, DEFAULT_DELIMITERS, 16, 0.6, 0.95, tensor_parallel_size=2,
+                    gpu_memory_utilization=0.3, seed=4)
+    assert calls["engine"] == {"model": "/models/x", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.3,
+                               "seed": 4, "dtype": "auto"}
+    ctx = _contexts(world_tokenizer, 2)
+    out = s.sample(ctx, 2, seed=1)
+    prompts, params = calls["generate"]
+    assert prompts == [{"prompt_token_ids": c} for c in ctx]
+    assert params[0].kw == {"n": 2, "temperature": 0.6, "top_p": 0.95, "max_tokens": 16, "stop": ["\n\n"],
+                            "include_stop_str_in_output": True, "seed": params[0].kw["seed"]}
+    assert params[0].kw["seed"] != params[1].kw["seed"]
+    tok = world_tokenizer
+    assert out[0] == [tok("1 + 2 = 3.\n\n", add_special_tokens=False).input_ids,
+                      tok("Answer: 3", add_special_tokens=False).input_ids + [tok.eos_token_id]]
+    assert s.provenance() == {"backend": "vllm", "model": "/models/x", "server_version": "9.9"}
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"pip install 'semanticspec-probes\[vllm\]'"):
+        VLLMSampler("/models/x", world_tokenizer, DEFAULT_DELIMITERS, 16, 0.6, 0.95)
+
+
+@pytest.mark.gpu
+def test_vllm_sampler_on_a_gpu(world_tokenizer, tmp_path):
+    """vLLM's real engine samples the world's draft; its greedy steps equal the hf sampler's."""
+    pytest.importorskip("vllm")
+    from datamodules.arithmetic.models import world_root
+    from datamodules.samplers import HFSampler, VLLMSampler
+
+    path = str(world_root() / "draft")
+    s = VLLMSampler(path, world_tokenizer, DEFAULT_DELIMITERS, 16, 0.0, 1.0, gpu_memory_utilization=0.2)
+    ctx = _contexts(world_tokenizer, 4)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    assert s.sample(ctx, 1, seed=0) == HFSampler(model, world_tokenizer, DEFAULT_DELIMITERS, 16, 0.0, 1.0).sample(ctx, 1, 0)
