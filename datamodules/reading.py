@@ -1,8 +1,8 @@
 """A model reading sampled steps, prefix in context: the probes' feature groups of every step.
 
 The prefix is prefilled once into the core's KV cache (:class:`generation.cache.BatchedCache`),
-which gives every step sampled after it a copy; the steps' tokens are then fed in one batch (as
-the decoder reads a drafted step). The features come from :func:`generation.features.rows_features`,
+which gives every step sampled after it a copy; the steps' tokens are then fed in batched waves
+(as the decoder reads a drafted step), finished rows leaving the batch. The features come from :func:`generation.features.rows_features`,
 the function the decoder's verification pass calls, and only they leave the device.
 """
 
@@ -40,6 +40,8 @@ def read_steps(
             fewer rows go into one forward when they would exceed this (a 262k vocabulary at 32
             tokens a step takes 34 MB a row). A prefix's steps always go together.
 
+    Identical steps of one prefix are read once (their features are the same).
+
     Returns:
         ``{group: tensor}`` on CPU, rows in input order: ``hidden`` (R, len(layer_ids), D) and
         ``token_stats`` (R, K) float32, R = sum of len(steps[i]).
@@ -51,6 +53,22 @@ def read_steps(
         raise ValueError(f"empty steps cannot be read (prefix, step) = {empty[:5]}")
     if any(len(p) == 0 for p in prefixes):
         raise ValueError("empty prefixes cannot be read: a prefix holds at least the prompt (with BOS)")
+    # Samples often repeat (a confident model writes the same step several times): read each distinct
+    # step of a prefix once and give its features to every copy.
+    unique: list[list[list[int]]] = []
+    where: list[int] = []  # flat row -> row among the distinct steps
+    for ss in steps:
+        seen: dict[tuple[int, ...], int] = {}
+        for s in ss:
+            key = tuple(s)
+            if key not in seen:
+                seen[key] = sum(map(len, unique)) + len(seen)
+            where.append(seen[key])
+        unique.append([list(k) for k in seen])
+    if len(where) > sum(map(len, unique)):
+        got = read_steps(model, prefixes, unique, spec, pad_token_id, max_rows, max_logit_bytes)
+        index = torch.tensor(where, dtype=torch.long)
+        return {g: v[index] for g, v in got.items()}
     device = next(model.parameters()).device
     if spec.needs_logits:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -74,17 +92,47 @@ def read_steps(
 
 
 def _read_chunk(model, prefixes, steps, spec: FeatureSpec, pad_id, device) -> dict[str, torch.Tensor]:
-    # One cache: prefill the prefixes, give every step its own copy of its prefix, read all steps in one forward.
-    cache = BatchedCache(model, len(prefixes), pad_id, spec.layer_ids, compact_at=1.0)  # one read: never compact
+    # One cache: prefill the prefixes, give every step its own copy of its prefix, then read the steps in
+    # waves: each wave feeds every unfinished row up to the median of their remaining lengths, and rows that
+    # are done leave the cache. One forward would pad every row to the longest step; the full-vocabulary
+    # logits of those padded positions cost as much as real ones (a 262k vocabulary: most of the read).
+    cache = BatchedCache(model, len(prefixes), pad_id, spec.layer_ids, compact_at=1.0)  # few reads: never compact
     cache.prefill(prefixes)
     cache.select([i for i, ss in enumerate(steps) for _ in ss])
     flat = [list(s) for ss in steps for s in ss]
-    before = list(cache.last_logits)  # (V,) per row: the prefix's last position predicts the step's first token
-    for r, s in enumerate(flat):
-        cache.seq[r].extend(s)
-    fed = cache.feed(range(len(flat)), hidden=spec.needs_hidden, all_logits=spec.needs_logits)
-    hidden = [fed[r].hidden for r in range(len(flat))] if spec.needs_hidden else None
-    # the logits predicting row r's step: the prefix's last, then the step's own but its last (views, no copy)
-    logits = [(before[r][None], fed[r].logits[:-1]) for r in range(len(flat))] if spec.needs_logits else None
-    parts = rows_features(spec, flat, hidden, logits)
+    # the logits predicting row r's step: the prefix's last position, then the step's own (views, no copy)
+    logits: list[list[torch.Tensor]] = [[cache.last_logits[r][None]] for r in range(len(flat))]
+    hidden: list[list[torch.Tensor]] = [[] for _ in flat]
+    done = [0] * len(flat)
+    rows = list(range(len(flat)))  # cache row k holds flat row rows[k]
+    while rows:
+        left = sorted(len(flat[r]) - done[r] for r in rows)
+        width = left[(len(left) - 1) // 2]  # the median row finishes in this wave
+        for k, r in enumerate(rows):
+            n = min(width, len(flat[r]) - done[r])
+            cache.seq[k].extend(flat[r][done[r] : done[r] + n])
+            done[r] += n
+        fed = cache.feed(range(len(rows)), hidden=spec.needs_hidden, all_logits=spec.needs_logits)
+        for k, r in enumerate(rows):
+            if spec.needs_logits:
+                logits[r].append(fed[k].logits)
+            if spec.needs_hidden:
+                hidden[r].append(fed[k].hidden)
+        keep = [k for k, r in enumerate(rows) if done[r] < len(flat[r])]
+        if keep and len(keep) < len(rows):
+            cache.select(keep)
+        rows = [rows[k] for k in keep]
+    parts = rows_features(spec, flat, [torch.cat(h, dim=1) for h in hidden] if spec.needs_hidden else None,
+                          [_first(ls, len(t)) for ls, t in zip(logits, flat)] if spec.needs_logits else None)
     return {g: v.cpu() for g, v in parts.items()}
+
+
+def _first(parts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The leading ``n`` rows of consecutive (k_i, V) parts (the logits after a step's last token are not its)."""
+    out, have = [], 0
+    for part in parts:
+        take = min(len(part), n - have)
+        if take > 0:
+            out.append(part[:take])
+            have += take
+    return out

@@ -359,11 +359,12 @@ def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer)
     model = tiny_llama(len(world_tokenizer), 32, 2, seed=4)
     tok = world_tokenizer
     prefixes = [tok("Take 3. Add 4.\n\n")["input_ids"], tok("Start with 12.\n\n")["input_ids"]]
-    steps = [[tok("3 + 4 = 7.\n\n", add_special_tokens=False)["input_ids"], tok("7", add_special_tokens=False)["input_ids"]],
+    # ragged steps: the read goes in waves (median length first), finished rows leaving the batch
+    steps = [[tok(t, add_special_tokens=False)["input_ids"] for t in ("3 + 4 = 7.\n\n", "7", "3 plus 4 equals 7.\n\n", "3 +")],
              [tok("Adding 1 to 12 gives 13.\n\n", add_special_tokens=False)["input_ids"]]]
     for pooling in ("mean", "last"):
         spec = FeatureSpec(["hidden", "token_stats"], [0, -1], pooling, list(TOKEN_STATS))
-        got = read_steps(model, prefixes, steps, spec, max_rows=2)
+        got = read_steps(model, prefixes, steps, spec, max_rows=4)
         want, stats = [], []
         for p, ss in zip(prefixes, steps):
             for s in ss:
@@ -506,3 +507,20 @@ def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, worl
     assert res[0].stats.draft_steps_proposed > 0
     with pytest.raises(ValueError, match="tokenizer"):  # the draft probe does not read the target's tokenizer
         SemanticSpecDecoder(target, draft, world_tokenizer, target_probe=paths["target"], draft_probe=paths["draft"])
+
+
+def test_read_steps_reads_each_distinct_step_of_a_prefix_once(world):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(world / "target", local_files_only=True).eval()
+    spec = _config(world).feature_spec()  # hidden and token_stats
+    prefixes, distinct = [[2, 10, 11], [2, 12]], [[[5, 6], [7]], [[8, 9, 4]]]
+    steps = [[[5, 6], [7], [5, 6]], [[8, 9, 4], [8, 9, 4]]]
+    rows: list[int] = []
+    hook = model.register_forward_hook(lambda m, args, kw, out: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    got = read_steps(model, prefixes, steps, spec)
+    hook.remove()
+    ref = read_steps(model, prefixes, distinct, spec)
+    for g in ("hidden", "token_stats"):
+        torch.testing.assert_close(got[g], ref[g][[0, 1, 0, 2, 2]])
+    assert max(rows) == 3  # three distinct steps were read, never five rows

@@ -140,6 +140,12 @@ def test_requests_stay_bounded_and_spread_over_endpoints(serve, world_tokenizer)
                       api_key_env="", concurrency=2, rank=1)
     s.sample(_contexts(world_tokenizer, 8), 2, seed=0)
     assert len(a.requests) == len(b.requests) == 4
+    for rank, first in ((0, a), (1, b), (2, a)):  # ranks of a distributed build start at different endpoints
+        r = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, DEFAULT_DELIMITERS, 4, 0.8, 0.95,
+                          api_key_env="", rank=rank)
+        before = len(first.requests)
+        r.sample(_contexts(world_tokenizer, 1), 1, seed=0)
+        assert len(first.requests) == before + 1
     assert a.max_in_flight + b.max_in_flight <= 3 and max(a.max_in_flight, b.max_in_flight) <= 2
 
 
