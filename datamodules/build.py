@@ -141,7 +141,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     def build_one(k: int) -> None:
         if state["models"] is None:  # loaded only when a shard is left to build
             t = time.perf_counter()
-            state["models"] = load_models(config, data_dir / "judge-cache", rank)
+            state["models"] = load_models(config, data_dir / "judge-cache", rank, plan["samplers"])
             timer["loading"] = time.perf_counter() - t
             state["hits0"] = state["models"].judge.cache_hits if state["models"].judge is not None else 0
         tensors, recs, counts = build_shard(k, plan["shards"][k], state["models"], config, timer)
@@ -208,25 +208,38 @@ def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, t
     """All prefixes, cut into shards. Target-written traces are generated once and kept on disk."""
     t = time.perf_counter()
     tok, dtok = load_tokenizers(config)
+    samplers: dict = {}
     if config.prefix_source == "target":
-        records = _target_traces(config, records, tok, data_dir, rank)
+        records = _target_traces(config, records, tok, data_dir, rank, samplers)
     prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source, draft_tokenizer=dtok,
                              task=config.resolved_task())
     timer["prefixes"] = timer.get("prefixes", 0.0) + time.perf_counter() - t
     k = config.shard_size
-    return {"shards": [prefixes[i : i + k] for i in range(0, len(prefixes), k)], "n_prefixes": len(prefixes)}
+    return {"shards": [prefixes[i : i + k] for i in range(0, len(prefixes), k)], "n_prefixes": len(prefixes),
+            "samplers": samplers}
 
 
-def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path, rank: int) -> list[dict]:
+def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path, rank: int,
+                   samplers: dict) -> list[dict]:
+    """The target's own traces, written once (by the build's backend) and kept on disk; a server or vLLM
+    sampler made for them goes into ``samplers`` for the build to reuse."""
     path = data_dir / "target-traces.jsonl"
     if rank == 0 and not path.is_file():
-        from transformers import AutoModelForCausalLM
+        from datamodules.samplers import make_sampler
 
-        device, dtype = config.resolved_device()
-        model = AutoModelForCausalLM.from_pretrained(config.model_path("target"), local_files_only=True, dtype=dtype)
         s = config.sampling
-        out = target_traces(model.to(device).eval(), tok, records, max_new_tokens=16 * config.steps.max_step_tokens,
-                            temperature=s.temperature, top_p=s.top_p, seed=shard_seed(s.seed, -1, "traces"),
+        model = None
+        if s.backend == "hf":  # the package samples: load the target (a server or vLLM needs no copy here)
+            from transformers import AutoModelForCausalLM
+
+            device, dtype = config.resolved_device()
+            model = AutoModelForCausalLM.from_pretrained(config.model_path("target"), local_files_only=True,
+                                                         dtype=dtype).to(device).eval()
+        sampler = make_sampler(config, "target", model, tok, rank)
+        if s.backend != "hf":
+            samplers["target"] = sampler
+        out = target_traces(sampler, records,
+                            max_new_tokens=16 * config.steps.max_step_tokens, seed=shard_seed(s.seed, -1, "traces"),
                             task=config.resolved_task())
         S.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in out).encode())
     barrier()

@@ -60,8 +60,11 @@ def load_tokenizers(config: BuildConfig) -> tuple[Any, Any]:
     return tok, (None if tokenizer_hash(tok) == tokenizer_hash(dtok) else dtok)
 
 
-def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
-    """Load target, draft (each with its own tokenizer) and the judge on the configured device."""
+def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: dict | None = None) -> Models:
+    """Load target, draft (each with its own tokenizer) and the judge on the configured device.
+
+    ``samplers``: server or vLLM samplers made before (the target's, when it wrote its own traces), reused.
+    """
     from transformers import AutoModelForCausalLM
 
     device, dtype = config.resolved_device()
@@ -69,7 +72,7 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0) -> Models:
     tok, dtok = load_tokenizers(config)
     # A server sampler asks its server for the model first: an unreachable one fails before models load.
     samplers = {} if config.sampling.backend == "hf" else {
-        r: make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
+        r: (samplers or {}).get(r) or make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
     models = Models(load(config.model_path("target")), load(config.model_path("draft")), tok,
                     make_judge(config, cache_dir, rank, device, dtype), device, dtok, samplers)
     for r in ("target", "draft"):

@@ -123,12 +123,17 @@ class OpenAISampler(StepSampler):
             ids = ids[1:]  # a model whose tokenizer adds BOS gets it from the server's tokenizer too
         return tok.decode(ids, skip_special_tokens=False)
 
-    def _request(self, k: int, prompt, count: int, seed: int) -> tuple[list[Any], Any]:
-        """One completions request to endpoint ``k``: its choices (by index) and usage."""
+    def _request(self, k: int, prompt, count: int, seed: int, step: bool = True,
+                 max_tokens: int | None = None) -> tuple[list[Any], Any]:
+        """One completions request to endpoint ``k``: its choices (by index) and usage.
+
+        ``step=False`` asks for a continuation without stop strings (a whole trace, up to ``max_tokens``).
+        """
         try:
             resp = self.clients[k].completions.create(
                 model=self.model, prompt=prompt, n=count, temperature=self.temperature, top_p=self.top_p,
-                max_tokens=self.max_step_tokens, stop=self.stops, seed=seed, extra_body=self.extra_body or None)
+                max_tokens=max_tokens or self.max_step_tokens, stop=self.stops if step else None, seed=seed,
+                extra_body=(self.extra_body or None) if step else None)
         except self._openai.OpenAIError as e:
             raise RuntimeError(f"sampling server {self.urls[k]} (model {self.model!r}) failed after "
                                f"{self.retries} attempt(s): {self._say(e)}") from None
@@ -188,6 +193,20 @@ class OpenAISampler(StepSampler):
         self.samples += n * len(contexts)
         self.seconds += time.perf_counter() - t0
         return out  # type: ignore[return-value]
+
+    def complete(self, contexts, max_new_tokens, seed):
+        prompts = [self._prompt(c) for c in contexts]
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            futures = [pool.submit(self._request, self._pick(), p, 1, request_seed(seed, i, 0), False, max_new_tokens)
+                       for i, p in enumerate(prompts)]
+            try:
+                answers = [f.result() for f in futures]
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+        self.requests += len(answers)
+        self.generated_tokens += sum(getattr(u, "completion_tokens", 0) or 0 for _, u in answers)
+        return [(choices[0].text or "") if choices else "" for choices, _ in answers]
 
     def provenance(self):
         return {"backend": "openai", "model": self.model, "urls": self.urls, "server_version": self.server_version,

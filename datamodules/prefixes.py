@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from datamodules.tasks import ArithmeticTask, Task
 from generation.steps import DEFAULT_DELIMITERS, split_steps
 
@@ -82,20 +80,19 @@ def _ids(task: Task, tokenizer, problem: str, text: str) -> list[int]:
     return task.prompt(tokenizer, problem) + (list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else [])
 
 
-def target_traces(
-    model, tokenizer, records: Sequence[dict], *, max_new_tokens: int, temperature: float, top_p: float, seed: int,
-    batch_size: int = 64, task: Task | None = None,
-) -> list[dict]:
-    """Replace each record's trace by one the target samples itself (``source="target"``), prompted as ``task`` asks."""
-    from generation.writer import generate
+def target_traces(sampler, records: Sequence[dict], *, max_new_tokens: int, seed: int,
+                  task: Task | None = None) -> list[dict]:
+    """Replace each record's trace by one the target writes itself (``source="target"``), prompted as ``task`` asks.
 
+    Args:
+        sampler: the target's :class:`~datamodules.samplers.StepSampler` (the build's backend: the package's
+            own sampler, a server or vLLM), which writes one continuation per prompt.
+        records: the task's problems.
+        max_new_tokens: longest trace in tokens.
+        seed: seed of the traces.
+        task: whose prompt format to use (None = the embedded world's).
+    """
     task = task or ArithmeticTask()
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    out = []
-    for i in range(0, len(records), batch_size):
-        chunk = records[i : i + batch_size]
-        new = generate(model, [task.prompt(tokenizer, r["problem"]) for r in chunk], max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, generator=g, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id or 0)
-        out += [{**r, "trace": tokenizer.decode(n, skip_special_tokens=True)} for r, n in zip(chunk, new)]
-    return out
+    prompts = [task.prompt(sampler.tokenizer, r["problem"]) for r in records]
+    texts = sampler.complete(prompts, max_new_tokens, seed)
+    return [{**r, "trace": t} for r, t in zip(records, texts)]

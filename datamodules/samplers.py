@@ -103,6 +103,11 @@ class StepSampler:
         """``n`` steps after every context: ``out[i][j]`` is sample ``j`` of context ``i`` (token ids)."""
         raise NotImplementedError
 
+    def complete(self, contexts: list[list[int]], max_new_tokens: int, seed: int) -> list[str]:
+        """One continuation of every context up to EOS or ``max_new_tokens``, as text (the target's own traces
+        for ``prefix_source: target``)."""
+        raise NotImplementedError
+
     def provenance(self) -> dict[str, Any]:
         """What sampled (recorded in the manifest's ``sampler``): backend, model, server version, ..."""
         return {"backend": self.backend}
@@ -131,6 +136,17 @@ class HFSampler(StepSampler):
                         pad_token_id=tok.pad_token_id or 0, num_samples=n)
         self.samples += len(rows)
         return [rows[i * n : (i + 1) * n] for i in range(len(contexts))]
+
+    def complete(self, contexts, max_new_tokens, seed, batch_size: int = 64):
+        device = next(self.model.parameters()).device
+        g = torch.Generator(device=device).manual_seed(seed)
+        tok, out = self.tokenizer, []
+        for i in range(0, len(contexts), batch_size):
+            rows = generate(self.model, contexts[i : i + batch_size], max_new_tokens=max_new_tokens,
+                            temperature=self.temperature, top_p=self.top_p, generator=g, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id or 0)
+            out += [tok.decode(r, skip_special_tokens=True) for r in rows]
+        return out
 
     def provenance(self):
         return {"backend": "hf", "model": getattr(self.model.config, "_name_or_path", None)}
@@ -182,6 +198,13 @@ class VLLMSampler(StepSampler):
             result.append(steps)
         self.samples += n * len(contexts)
         return result
+
+    def complete(self, contexts, max_new_tokens, seed):
+        params = [self._vllm.SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p,
+                                            max_tokens=max_new_tokens, seed=request_seed(seed, i, 0))
+                  for i in range(len(contexts))]
+        outs = self.engine.generate([{"prompt_token_ids": list(c)} for c in contexts], params, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
 
     def provenance(self):
         return {"backend": "vllm", "model": self.path, "server_version": getattr(self._vllm, "__version__", None)}

@@ -374,3 +374,16 @@ def test_vllm_sampler_on_a_gpu(world_tokenizer, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
     assert s.sample(ctx, 1, seed=0) == HFSampler(model, world_tokenizer, DEFAULT_DELIMITERS, 16, 0.0, 1.0).sample(ctx, 1, 0)
+
+
+def test_target_traces_come_from_the_server_with_an_openai_backend(serve, tmp_path):
+    """prefix_source: target with a server: the target's traces are written by its server, not by a local copy."""
+    servers = {r: serve(r, honour_n=True, report_stop_reason=True) for r in ("target", "draft")}
+    config = _world_config({r: s.url for r, s in servers.items()}, temperature=0.6)
+    config.prefix_source, config.n_problems = "target", 2
+    m = build(config, tmp_path, log=lambda *a: None)
+    traces = [json.loads(line) for line in (tmp_path / "target-traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 2 and all(t["trace"] for t in traces) and m["n_prefixes"] >= 2
+    first = [b for _, b in servers["target"].requests[:2]]  # the traces: no stop strings, 16 step caps long
+    assert all(b.get("stop") is None and b["max_tokens"] == 16 * 16 and b["n"] == 1 for b in first)
+    assert all(b.get("stop") == ["\n\n"] for _, b in servers["target"].requests[2:])  # then the steps
