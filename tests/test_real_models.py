@@ -398,3 +398,26 @@ def test_sampled_cross_tokenizer_token_sd_leaves_the_draft_usable(real_pair):
     greedy = dec.generate([prompt], method="token_sd", temperature=0.0, max_new_tokens=12)[0].text
     assert greedy == dec.generate([prompt], method="hf_target_only", temperature=0.0, max_new_tokens=12)[0].text
     assert dec.generate([prompt], method="draft_only", max_new_tokens=8)[0].stats.output_tokens > 0
+
+
+def test_converted_tokenizers_decode_without_a_cleanup_warning(real_pair):
+    """Issue 11: decoding the converted tokenizers warns nothing about `clean_up_tokenization_spaces` (BPE)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.WARNING)
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        _, target_tok, _, draft_tok = real_pair
+        for tok in (target_tok, draft_tok):
+            assert tok.clean_up_tokenization_spaces is False
+            assert tok.decode(tok("Hello , world . 3 + 4 = 7").input_ids, skip_special_tokens=True).endswith("= 7")
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "clean_up_tokenization" in r.getMessage()]
