@@ -38,7 +38,8 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], metho
     calls = {"target": 0, "draft": 0}
     hooks = [target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))]
     # Plain arguments, no generation_config. (transformers' assisted loop itself calls the assistant's generate with
-    # both, and warns so once per process; that call is inside transformers, not here.)
+    # both, and its cross-tokenizer handover decodes with clean_up_tokenization_spaces=True; each warns once per
+    # process from inside transformers, not from here.)
     kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id(tokenizer), "eos_token_id": tokenizer.eos_token_id}
     # Sampling as the package's sampler does it: temperature and top-p, no top-k (transformers' default is 50).
     kwargs.update({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None} if temperature > 0
