@@ -60,9 +60,9 @@ def step_from_text(tokenizer, text: str, finish_reason: str | None, stops: Seque
 
     Returns:
         ``(ids, how)``; ``how`` is ``included`` (the text kept its delimiter), ``reported`` (put back
-        from ``stop_reason``), ``counted`` (put back because the server generated more tokens than
-        the text holds), ``assumed`` (put back with nothing to tell a stop string from EOS), ``eos``
-        or ``length``.
+        from ``stop_reason``), ``counted`` (put back because the server's token count matches the text
+        with its delimiter rather than without), ``assumed`` (put back with nothing to tell a stop
+        string from EOS), ``eos`` or ``length``.
     """
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ids = lambda s: list(tokenizer(s, add_special_tokens=False).input_ids) if s else []
@@ -77,10 +77,14 @@ def step_from_text(tokenizer, text: str, finish_reason: str | None, stops: Seque
     if stop_reason != "unknown":  # None or a token id: the model ended the text (EOS)
         return ids(text) + eos, "eos"
     if generated_tokens is not None:
-        if generated_tokens > len(ids(text)):
-            return ids(text + stops[0]), "counted"
-        return ids(text) + eos, "eos"
-    return ids(text + stops[0]), "assumed"
+        # A cut-off stop string was generated (and counted); EOS is not counted. The count tells the two apart
+        # unless the stop string merges into the text's last token (then both readings have as many tokens).
+        n_text, n_stop = len(ids(text)), len(ids(text + stops[0]))
+        if n_text != n_stop:
+            if abs(generated_tokens - n_stop) <= abs(generated_tokens - n_text):
+                return ids(text + stops[0]), "counted"
+            return ids(text) + eos, "eos"
+    return ids(text + stops[0]), "assumed"  # a step ends at a delimiter far more often than at EOS
 
 
 class StepSampler:

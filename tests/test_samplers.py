@@ -81,6 +81,20 @@ def test_step_from_text_restores_the_end(world_tokenizer, text, finish, kw, want
     assert ids == tok(want_text, add_special_tokens=False).input_ids + ([tok.eos_token_id] if eos else [])
 
 
+def test_a_stop_string_merged_into_the_last_token_is_assumed_not_guessed(world_tokenizer):
+    """When the text with and without its delimiter has as many tokens, the count cannot tell; say so."""
+
+    class Merging:  # a tokenizer whose last token swallows a trailing blank line
+        eos_token_id = 3
+
+        def __call__(self, text, add_special_tokens=False):
+            ids = world_tokenizer(text.removesuffix("\n\n"), add_special_tokens=False).input_ids
+            return type("Enc", (), {"input_ids": ids[:-1] + [ids[-1] + 1000] if text.endswith("\n\n") else ids})()
+
+    ids, how = step_from_text(Merging(), "24 + 8 = 32.", "stop", STOPS, generated_tokens=6)
+    assert how == "assumed" and ids[-1] >= 1000
+
+
 def test_step_from_text_refuses_an_unknown_finish_reason(world_tokenizer):
     with pytest.raises(ValueError, match="finish_reason='abort'"):
         step_from_text(world_tokenizer, "x", "abort", STOPS)
