@@ -45,7 +45,7 @@ class OpenAISampler(StepSampler):
     Raises:
         ImportError: the ``openai`` client is not installed.
         ValueError: a bad argument, or the server does not serve ``model`` (naming what it serves).
-        RuntimeError: the first server cannot be reached (naming the URL, never the key).
+        ConnectionError: the first server cannot be reached (naming the URL, never the key).
     """
 
     backend = "openai"
@@ -90,7 +90,8 @@ class OpenAISampler(StepSampler):
         try:
             served = [m.id for m in self.clients[0].models.list()]
         except self._openai.OpenAIError as e:
-            raise RuntimeError(f"sampling server {self.urls[0]} did not answer /models: {self._say(e)}") from None
+            raise ConnectionError(f"sampling server {self.urls[0]} did not answer /models ({self._say(e)}); start it "
+                                  "or fix sampling.openai.<role>.urls") from None
         if model is None:
             if len(served) != 1:
                 raise ValueError(f"sampling server {self.urls[0]} serves {served}; name one with model: ...")

@@ -202,7 +202,7 @@ def test_model_and_server_are_checked_before_any_sampling(serve, world_tokenizer
                               "server_version": "0.11.0", "prompt": "text", "stops": ["\n\n"]}
     with pytest.raises(ValueError, match=r"does not serve model 'other'; it serves \['world-draft'\]"):
         _sampler(server, world_tokenizer, model="other")
-    with pytest.raises(RuntimeError, match="127.0.0.1:9/v1 did not answer"):
+    with pytest.raises(ConnectionError, match="127.0.0.1:9/v1 did not answer"):
         _sampler("http://127.0.0.1:9/v1", world_tokenizer)
 
 
