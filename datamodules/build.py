@@ -47,7 +47,7 @@ from datamodules.build_config import (  # noqa: F401  (re-exported: the build's 
     signature_mismatches,
 )
 from datamodules.build_shard import (  # noqa: F401
-    Models, build_shard, load_models, load_tokenizers, make_judge, shard_seed)
+    Models, build_shard, load_model, load_models, load_tokenizers, make_judge, shard_seed)
 from datamodules.prefixes import make_prefixes, target_traces
 from datamodules.shard_work import (
     Progress,
@@ -228,13 +228,8 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
         from datamodules.samplers import make_sampler
 
         s = config.sampling
-        model = None
-        if s.backend == "hf":  # the package samples: load the target (a server or vLLM needs no copy here)
-            from transformers import AutoModelForCausalLM
-
-            device, dtype = config.resolved_device()
-            model = AutoModelForCausalLM.from_pretrained(config.model_path("target"), local_files_only=True,
-                                                         dtype=dtype).to(device).eval()
+        # the package samples with its own copy of the target; a server or vLLM needs none here
+        model = load_model(config, "target") if s.backend == "hf" else None
         sampler = make_sampler(config, "target", model, tok, rank)
         if s.backend != "hf":
             samplers["target"] = sampler

@@ -39,14 +39,7 @@ class Models:
     draft_tokenizer: Any = None
     """The draft's own tokenizer, or None when it shares the target's (steps then cross as tokens, not text)."""
     samplers: dict[str, Any] = field(default_factory=dict)
-    """Who writes each role's steps (:mod:`datamodules.samplers`); missing roles sample with transformers."""
-
-    def sampler(self, role: str, config: BuildConfig):
-        """``role``'s sampler, made on first use (over the loaded model for ``hf``)."""
-        if role not in self.samplers:
-            model, tok = (self.target, self.tokenizer) if role == "target" else (self.draft, self.draft_tokenizer or self.tokenizer)
-            self.samplers[role] = make_sampler(config, role, model, tok)
-        return self.samplers[role]
+    """Who writes each role's steps (:mod:`datamodules.samplers`), by role."""
 
 
 def load_tokenizers(config: BuildConfig) -> tuple[Any, Any]:
@@ -60,24 +53,34 @@ def load_tokenizers(config: BuildConfig) -> tuple[Any, Any]:
     return tok, (None if tokenizer_hash(tok) == tokenizer_hash(dtok) else dtok)
 
 
-def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: dict | None = None) -> Models:
-    """Load target, draft (each with its own tokenizer) and the judge on the configured device.
-
-    ``samplers``: server or vLLM samplers made before (the target's, when it wrote its own traces), reused.
-    """
+def load_model(config: BuildConfig, role: str):
+    """``role``'s causal LM (``target`` or ``draft``) on the configured device and dtype, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     device, dtype = config.resolved_device()
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(config.model_path(role), local_files_only=True,
+                                                dtype=dtype).to(device).eval()
+
+
+def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: dict | None = None) -> Models:
+    """Load target, draft (each with its own tokenizer), their samplers and the judge on the configured device.
+
+    ``samplers``: server or vLLM samplers made before (the target's, when it wrote its own traces), reused.
+    """
+    device, dtype = config.resolved_device()
     tok, dtok = load_tokenizers(config)
-    # A server sampler asks its server for the model first: an unreachable one fails before models load.
-    samplers = {} if config.sampling.backend == "hf" else {
-        r: (samplers or {}).get(r) or make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
-    models = Models(load(config.model_path("target")), load(config.model_path("draft")), tok,
-                    make_judge(config, cache_dir, rank, device, dtype), device, dtok, samplers)
-    for r in ("target", "draft"):
-        models.sampler(r, config)
-    return models
+    toks = {"target": tok, "draft": dtok or tok}
+    samplers = dict(samplers or {})
+    if config.sampling.backend != "hf":  # a server sampler asks its server first: an unreachable one fails before models load
+        for r in toks:
+            if r not in samplers:
+                samplers[r] = make_sampler(config, r, None, toks[r], rank)
+    models = {r: load_model(config, r) for r in toks}
+    for r in toks:
+        if r not in samplers:
+            samplers[r] = make_sampler(config, r, models[r], toks[r], rank)
+    return Models(models["target"], models["draft"], tok, make_judge(config, cache_dir, rank, device, dtype), device,
+                  dtok, samplers)
 
 
 def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0, device: str = "cpu",
@@ -149,7 +152,7 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     ctx = {"target": [p.token_ids for p in prefixes],
            "draft": [p.token_ids if models.draft_tokenizer is None else p.draft_token_ids for p in prefixes]}
     t0 = time.perf_counter()
-    written = {w: models.sampler(w, config).sample(ctx[w], n, shard_seed(config.sampling.seed, index, w))
+    written = {w: models.samplers[w].sample(ctx[w], n, shard_seed(config.sampling.seed, index, w))
                for w in ("target", "draft")}
     t1 = time.perf_counter()
     joint = config.labelling == "joint"

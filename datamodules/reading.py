@@ -57,15 +57,16 @@ def read_steps(
     # step of a prefix once and give its features to every copy.
     unique: list[list[list[int]]] = []
     where: list[int] = []  # flat row -> row among the distinct steps
+    distinct = 0
     for ss in steps:
         seen: dict[tuple[int, ...], int] = {}
         for s in ss:
-            key = tuple(s)
-            if key not in seen:
-                seen[key] = sum(map(len, unique)) + len(seen)
-            where.append(seen[key])
+            if tuple(s) not in seen:
+                seen[tuple(s)] = distinct
+                distinct += 1
+            where.append(seen[tuple(s)])
         unique.append([list(k) for k in seen])
-    if len(where) > sum(map(len, unique)):
+    if len(where) > distinct:
         got = read_steps(model, prefixes, unique, spec, pad_token_id, max_rows, max_logit_bytes)
         index = torch.tensor(where, dtype=torch.long)
         return {g: v[index] for g, v in got.items()}

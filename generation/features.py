@@ -12,7 +12,7 @@ Two groups (DESIGN.md "Probes"), both taken from the one forward pass that reads
   where pooled states reach ~0.85).
 
 The label build (:mod:`datamodules.reading`) and the decoder's verification pass both call
-:func:`step_features`, so a probe sees the same numbers at training and at decode time. Statistics
+:func:`rows_features` (pooling through :func:`step_features`, statistics through :func:`per_token_scores`), so a probe sees the same numbers at training and at decode time. Statistics
 use the model's raw distribution (temperature 1), whatever temperature decoding samples at.
 """
 
@@ -97,13 +97,9 @@ def per_token_scores(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     Works on the logits as given (no padded copy of the (..., V) tensor): the full-vocabulary work
     is one log-softmax, one exp and one comparison per position.
     """
-    x = logits.float()
-    tok = tokens.to(x.device).long()[..., None]
-    logp = torch.log_softmax(x, dim=-1)
-    rank = (x > x.gather(-1, tok)).sum(-1).float()
-    tok_lp = logp.gather(-1, tok).squeeze(-1).clamp(min=LOGPROB_FLOOR)
+    logp, tok_lp, rank = token_scores(logits, tokens)
     plogp = logp.exp().mul_(logp).nan_to_num_(0.0)  # p log p; 0 where p is 0 (a -inf logit)
-    return torch.stack([tok_lp, -plogp.sum(-1), rank], dim=-1)
+    return torch.stack([tok_lp.clamp(min=LOGPROB_FLOOR), -plogp.sum(-1), rank.float()], dim=-1)
 
 
 def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
@@ -230,8 +226,8 @@ def rows_features(
             raise ValueError("the hidden feature group needs the reading forward's hidden_states")
         padded = pad_steps([h.transpose(0, 1) for h in hidden])  # (B, k, L, D)
         hs = list(padded.unbind(2))  # L x (B, k, D), as HF hands out hidden_states
-        ends = torch.tensor([len(t) for t in tokens], device=padded.device)
-        out["hidden"] = pool_hidden_states(hs, list(range(len(hs))), torch.zeros_like(ends), ends, spec.pooling)
+        pooled = FeatureSpec(["hidden"], list(range(len(hs))), spec.pooling, [])
+        out = step_features(pooled, torch.tensor([len(t) for t in tokens]), hs)
     if spec.needs_logits:
         if logits is None:
             raise ValueError("the token_stats feature group needs the logits that predicted the step's tokens")
