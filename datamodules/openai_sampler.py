@@ -16,7 +16,6 @@ The API key is read from an environment variable and never logged or put in an e
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -79,7 +78,6 @@ class OpenAISampler(StepSampler):
         self.ignores_n = [False] * len(self.urls)
         self._next = rank % len(self.urls)
         self.requests = self.generated_tokens = 0
-        self.seconds = 0.0
         self.model = self._check_model(model)
         self.server_version = self._server_version(0)
 
@@ -154,7 +152,6 @@ class OpenAISampler(StepSampler):
         return ids
 
     def sample(self, contexts, n, seed):
-        t0 = time.perf_counter()
         prompts = [self._prompt(c) for c in contexts]
         out: list[list[list[int] | None]] = [[None] * n for _ in contexts]
         with ThreadPoolExecutor(self.concurrency) as pool:
@@ -192,7 +189,6 @@ class OpenAISampler(StepSampler):
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
         self.samples += n * len(contexts)
-        self.seconds += time.perf_counter() - t0
         return out  # type: ignore[return-value]
 
     def complete(self, contexts, max_new_tokens, seed):
