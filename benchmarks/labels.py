@@ -2,6 +2,7 @@
 
     python -m benchmarks.labels [--quick]      # SEMANTICSPEC_WORLD=/tmp/world to use other world models
     python -m benchmarks.labels --only backends  # just the sampling backends on the real pair
+    python -m benchmarks.labels --only world     # everything but the backends (no llama.cpp server needed)
 
 Measures (issue 3, DESIGN.md "Benchmark outputs" -> labels.json):
 - ``ari``: adjusted Rand index of the pipeline's groups vs the oracle's meanings, mean over prefixes
@@ -204,7 +205,7 @@ def read_benchmark(rows: int, batch_size: int = 128) -> dict:
 # ---- main ----------------------------------------------------------------------------------
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, with_backends: bool = True) -> dict:
     config = BuildConfig(n_problems=30) if quick else BuildConfig()
     with tempfile.TemporaryDirectory(prefix="labels-build-") as tmp:
         t0 = time.perf_counter()
@@ -247,7 +248,7 @@ def run(quick: bool) -> dict:
                   "n_samples": config.sampling.n_samples,
                   "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["build"]["labels"]["judge"]["kind"],
                   "this_run": manifest["stats"]["this_run"], "world": portable_paths(str(config.model_path("target")))},
-        "backends": backends.run(quick),
+        **({"backends": backends.run(quick)} if with_backends else {}),
         "quick": quick,
     }
 
@@ -316,12 +317,22 @@ def backends_table(b: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a reduced run (at most 3 minutes on 2 CPU cores)")
-    ap.add_argument("--only", choices=["backends"], default=None,
-                    help="measure only this part and update it in the existing JSON (backends: hf vs a llama.cpp server)")
+    ap.add_argument("--only", choices=["backends", "world"], default=None,
+                    help="measure only this part and update it in the existing JSON (backends: hf vs a llama.cpp "
+                    "server; world: everything else, on the embedded world, keeping the stored backends figures)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("labels-quick.json" if args.quick else "labels.json")
+    if args.only == "world":
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        res = run(args.quick, with_backends=False)
+        if "backends" in old:
+            res["backends"] = old["backends"]
+        print(table(res))
+        path.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"\nwrote {path}")
+        return res
     if args.only:
         res = json.loads(path.read_text()) if path.is_file() else {"quick": args.quick}
         res["backends"] = backends.run(args.quick)
