@@ -81,6 +81,8 @@ def train_command(role: str, facts: dict) -> str:
     """The training command that reproduces ``facts`` (``training.json``), with the overrides it used."""
     spec, default = facts["spec"], SPECS[role]
     cmd = f"python -m datamodules.arithmetic.train --which {role} --seed {facts['seed']} --out /tmp/world"
+    if facts.get("threads", 1) != 1:
+        cmd += f" --threads {facts['threads']}"
     if spec.get("extra", {}).get("init_from"):
         cmd += f" --init-from {spec['extra']['init_from']}"
     keys = ("steps", "lr", "max_minutes") if spec.get("extra", {}).get("init_from") else ("layers", "steps", "lr", "max_minutes")
@@ -147,7 +149,7 @@ def _training_section(role: str, folder: Path, facts: dict, cfg: dict) -> list[s
         f"({'1,000 judge pairs' if role == 'judge' else '200 four-operation problems, T=0.6, top-p 0.95'}, "
         "seed 10,000)",
         f"- **shipped checkpoint: step {saved['step']}, after {saved['minutes']} minutes** "
-        "on 1 CPU thread of a shared 2-core machine "
+        f"on {facts.get('threads', 1)} CPU thread(s) of a shared 2-core machine "
         f"(held-out {'pair' if role == 'judge' else 'answer'} accuracy {saved['accuracy']:.3f} at that point)",
         f"- seed {facts['seed']}; command: `{train_command(role, facts)}` "
         "then `python -m datamodules.arithmetic.card --publish /tmp/world`",

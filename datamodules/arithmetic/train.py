@@ -241,7 +241,7 @@ def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[
     if saved is None:  # never entered the band: keep the last model and say so in the card
         save(model, tok, out / which)
         saved = history[-1]
-    facts = {"which": which, "spec": asdict(spec), "seed": seed, "saved_at": saved, "history": history,
+    facts = {"which": which, "spec": asdict(spec), "seed": seed, "threads": threads, "saved_at": saved, "history": history,
              "parameters": sum(p.numel() for p in model.parameters())}
     (out / which / "training.json").write_text(json.dumps(facts, indent=2))
     return facts
