@@ -1,4 +1,4 @@
-"""Who writes the first step: the target (the paper) or the draft, on enough problems to tell them apart.
+"""Who writes the first step, and how the target writes its steps, on enough problems to tell them apart.
 
     python -m benchmarks.first_step            # 1000 problems (benchmarks/results/first-step.json)
     python -m benchmarks.first_step --quick    # 100 problems (first-step-quick.json), < 1 min
@@ -7,8 +7,11 @@ The decode benchmark (400 problems) shows the draft writing the first step 0.2x 
 points less accurate, a difference within its sampling noise. This benchmark decodes target-only,
 SemanticSpec with the target's first step and SemanticSpec with the draft's, interleaved, on
 other problems than decode.py's (seed 40,000), and reports each accuracy with its paired 95%
-interval against target-only and the speedup. The decoder's ``target_first_step`` default
-follows it (see the README's decoding section).
+interval against target-only and the speedup. Both settings also run with the target's own steps
+(its first step and its rewrites of refused steps) written by token-level speculative sampling
+(``token_sd=True``, lossless), the other knob that moves the decoder's speed. The decoder's
+``target_first_step`` and ``token_sd`` defaults follow this benchmark (see the README's decoding
+section).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from benchmarks.decode import PROBE_ROOT, RESULTS_DIR, paired_delta
 from datamodules.arithmetic import models, task
 from probes.decoder import SemanticSpecDecoder, summarize
 
-VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True},
-            "draft_first_step": {"target_first_step": False}}
+VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
+            "draft_first_step": {"target_first_step": False, "token_sd": False},
+            "target_first_step+token_sd": {"target_first_step": True, "token_sd": True},
+            "draft_first_step+token_sd": {"target_first_step": False, "token_sd": True}}
 
 
 def main(argv=None) -> dict:
@@ -48,7 +53,7 @@ def main(argv=None) -> dict:
     names = list(VARIANTS)
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="first_step", unit="problem")):
-        for name in names[k % 3 :] + names[: k % 3]:  # interleaved, order rotating
+        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
             method = "target_only" if name == "target_only" else "semanticspec"
             runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k, method=method,
                                               max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95)
@@ -61,13 +66,20 @@ def main(argv=None) -> dict:
                                    "step_acceptance": s["step_acceptance"], **paired_delta(right[name], right["target_only"])}
     d, t = report["methods"]["draft_first_step"], report["methods"]["target_first_step"]
     report["draft_minus_target_first_step"] = paired_delta(right["draft_first_step"], right["target_first_step"])
+    for who in ("target_first_step", "draft_first_step"):
+        report[f"{who}+token_sd_minus_{who}"] = paired_delta(right[f"{who}+token_sd"], right[who])
     for name, m in report["methods"].items():
         lo, hi = m["accuracy_delta_ci95"]
-        print(f"{name:18s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, 95% [{lo:+.3f}, {hi:+.3f}])"
+        print(f"{name:27s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, 95% [{lo:+.3f}, {hi:+.3f}])"
               f"  speedup {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
     lo, hi = report["draft_minus_target_first_step"]["accuracy_delta_ci95"]
     print(f"draft - target first step: {d['accuracy'] - t['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
           f"speedup {d['speedup']:.2f}x vs {t['speedup']:.2f}x")
+    for who in ("target_first_step", "draft_first_step"):
+        lo, hi = report[f"{who}+token_sd_minus_{who}"]["accuracy_delta_ci95"]
+        a, b = report["methods"][f"{who}+token_sd"], report["methods"][who]
+        print(f"{who} with token-level SD - without: {a['accuracy'] - b['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
+              f"speedup {a['speedup']:.2f}x vs {b['speedup']:.2f}x")
     out = RESULTS_DIR / ("first-step-quick.json" if args.quick else "first-step.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")

@@ -4,7 +4,7 @@ The draft writes a reasoning step; the target reads it in one forward pass over 
 against its KV cache; a probe on the target's hidden states (``q``) and one on the draft's (``p``)
 decide whether the step means what the target would have said (DESIGN.md "Decoding"):
 
-1. the target writes the first step (``target_first_step``);
+1. the target writes the first step if ``target_first_step`` (the paper; by default the draft does);
 2. **propose**: the draft writes a step, keeping what the draft probe reads;
 3. **verify**: the target reads the step in one forward pass (new tokens only, KV cache kept);
 4. **decide**: the method's :class:`~probes.decoding.policies.AcceptancePolicy` keeps or refuses
@@ -12,7 +12,7 @@ decide whether the step means what the target would have said (DESIGN.md "Decodi
    rule ``min(1, ratio_scale * q / p)``);
 5. **commit or roll back**: a kept step stays in both caches and the token the target predicts
    after it (the *bonus* token) opens the next step; a refused one is rolled back by length and the
-   target writes the step (optionally with token-level speculation, ``token_sd=True``);
+   target writes the step (with token-level speculation from the draft, ``token_sd``, by default);
 6. stop at EOS, a completed answer-marker line, the token budget or the context end.
 
 Several prompts advance together, each with its own decisions (one :class:`~generation.cache.BatchedCache`
@@ -76,8 +76,7 @@ class SemanticSpecDecoder:
         target: the large transformers causal LM (eval mode, any device).
         draft: the small causal LM (any device, may differ from the target's).
         tokenizer: the target's tokenizer (``tokenizer(prompt)`` adds BOS as the model expects).
-        draft_tokenizer: the draft's tokenizer; None means the draft shares ``tokenizer``. A
-            different tokenizer hands steps over as text and turns the fast path off.
+        draft_tokenizer: the draft's tokenizer; None = shares ``tokenizer``. Another hands steps over as text.
         target_probe: exported probe directory (loaded with ``probes.export.load_probe`` so its
             fingerprint is checked against ``target``), a ``SemanticProbe``, or None.
         draft_probe: same for the draft (needed by the ratio rule).
@@ -93,7 +92,8 @@ class SemanticSpecDecoder:
             Needs a shared tokenizer (refused otherwise).
         fast_path_min_logprob: fast path: every draft token's log-probability under the target must
             be at least this (default log 0.5: the target itself would write it more often than not).
-        target_first_step: the target writes the first step.
+        target_first_step: the target writes the first step (the paper); off by default, as
+            ``benchmarks/first_step.py`` backs (README "Who writes the first step").
         delimiters: step delimiters. None (default) = the ones the probes' labels were cut at
             (``config.delimiters``), else the blank-line family. A probe is used on the steps it was
             trained on: a value that differs from a probe's is refused, naming both.
@@ -101,7 +101,8 @@ class SemanticSpecDecoder:
             label cap (``config.labels["max_step_tokens"]``), else 64; a differing value is refused.
         answer_marker: stop once a line starting at this marker is complete (e.g. ``"Answer:"``).
         token_sd: the target writes its steps (first and rejected) with token-level speculative
-            sampling from the same draft (shared tokenizer only); lossless for those steps.
+            sampling from the same draft; lossless for those steps. None (default) = on when the
+            models share a tokenizer (``benchmarks/first_step.py``); True with two is refused.
         bonus_token: on accept, the token the target predicts after the step opens the next step.
         specreason_suffix: judge turn of the SpecReason baseline.
         specreason_threshold: SpecReason keeps a step whose score is at least this.
@@ -127,11 +128,11 @@ class SemanticSpecDecoder:
         ratio_scale: float = 1.0,
         top_k: int = 0,
         fast_path_min_logprob: float = math.log(0.5),
-        target_first_step: bool = True,
+        target_first_step: bool = False,
         delimiters: Sequence[str] | None = None,
         max_step_tokens: int | None = None,
         answer_marker: str | None = None,
-        token_sd: bool = False,
+        token_sd: bool | None = None,
         bonus_token: bool = True,
         specreason_suffix: str = SPECREASON_SUFFIX,
         specreason_threshold: float = 7.0,
@@ -140,6 +141,7 @@ class SemanticSpecDecoder:
     ):
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared
+        token_sd = self.shared if token_sd is None else token_sd
         setup.check_args(rule=rule, tau=tau, ratio_scale=ratio_scale, top_k=top_k, shared=self.shared,
                          fast_path_min_logprob=fast_path_min_logprob, max_step_tokens=max_step_tokens,
                          delimiters=delimiters, token_sd=token_sd, token_sd_tokens=token_sd_tokens)

@@ -186,7 +186,7 @@ def test_fast_path_skips_the_probes(tiny_pair):
     # every token is in the top-|V| and passes a floor of -1e9: everything takes the fast path
     dec = stub_decoder(target, draft, tok, q=0.0, top_k=len(tok), fast_path_min_logprob=-1e9)
     res = dec.generate(PROMPTS[:1], method="semanticspec", **GREEDY)
-    assert {t.decision for t in res[0].steps} == {"target", "accept_fast"}
+    assert {t.decision for t in res[0].steps} == {"accept_fast"}  # the draft writes the first step too (default)
     assert dec.target_probe.calls == 0 and dec.draft_probe.calls == 0
     assert res[0].stats.probe_s == 0
     # the default floor (log 0.5) on untrained models: no step is that sure, so the probe (q = 0) refuses all
@@ -496,6 +496,20 @@ def test_token_sd_inside_target_steps_is_lossless_when_greedy(tiny_pair):
     assert all(0 < r.stats.output_tokens <= 24 for r in sampled)
     with pytest.raises(ValueError, match="token_sd=True.*shared tokenizer"):
         SemanticSpecDecoder(target, draft, tok, draft_tokenizer=char_tokenizer(), token_sd=True)
+
+
+def test_defaults_follow_the_first_step_benchmark(tiny_pair):
+    """The draft writes the first step; token-level speculation writes the target's steps when the tokenizer is shared."""
+    target, draft, tok = tiny_pair
+    shared = stub_decoder(target, draft, tok)
+    assert shared.token_sd is True and shared.target_first_step is False
+    assert stub_decoder(target, draft, tok, token_sd=False).token_sd is False
+    ctok = char_tokenizer()
+    cross = SemanticSpecDecoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok,
+                                target_probe=ConstProbe(target.config.hidden_size), draft_probe=ConstProbe(24))
+    assert cross.token_sd is False  # needs a shared tokenizer: off, not refused, when left to the default
+    res = shared.generate(PROMPTS[:1], max_new_tokens=12, seed=0)
+    assert res[0].steps[0].writer == "draft"  # the first step was proposed by the draft
 
 
 def test_the_step_definition_travels_with_the_probes(tiny_pair):

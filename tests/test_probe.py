@@ -284,16 +284,21 @@ def test_module_refuses_data_with_other_feature_groups(tmp_path):
     assert c.delimiters == ["\n\n"] and c.labels["max_step_tokens"] == 32
 
 
-def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(world_tokenizer):
+def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(world_tokenizer, tmp_path):
+    import shutil
     from pathlib import Path
 
     from datamodules.arithmetic.models import load_model
 
     root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic"
     for role in ("target", "draft"):
-        config = json.loads((root / "probes" / role / "config.json").read_text())
-        assert "sampling" not in config and config["format_version"] == 2  # shipped before format 3
-        probe = load_probe(root / "probes" / role, model=load_model(role), tokenizer=world_tokenizer)
+        # a format-2 export of the shipped probe: what format 3 added (the sampling spec) taken out
+        folder = shutil.copytree(root / "probes" / role, tmp_path / role)
+        config = json.loads((folder / "config.json").read_text())
+        config["labels"].update(config.pop("sampling"))  # format 2 kept it among the labels' provenance
+        config["format_version"] = 2
+        (folder / "config.json").write_text(json.dumps(config))
+        probe = load_probe(folder, model=load_model(role), tokenizer=world_tokenizer)
         # format 2 kept the sampling spec among the labels' provenance; it is read from there, not made up
         assert probe.config.sampling == {k: config["labels"][k] for k in ("n_samples", "temperature", "top_p")}
         assert probe.config.labels["max_step_tokens"] == 32
