@@ -74,9 +74,10 @@ def pair(request, world_tokenizer):
     return target, tiny_llama(len(world_tokenizer), 24, 1, seed=1), kw
 
 
-def test_always_reject_is_target_only(pair):
+@pytest.mark.parametrize("loop", [{}, {"target_first_step": True, "token_sd": False}], ids=["defaults", "paper_loop"])
+def test_always_reject_is_target_only(pair, loop):
     target, draft, kw = pair
-    dec = stub_decoder(target, draft, q=0.0, p=1.0, **kw)
+    dec = stub_decoder(target, draft, q=0.0, p=1.0, **kw, **loop)
     spec = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
     ref = dec.generate(PROMPTS, method="target_only", **GREEDY)
     assert texts(spec) == texts(ref)
