@@ -283,7 +283,7 @@ def test_cross_tokenizer_semanticspec_decode(real_pair, tmp_path):
     assert dec.top_k == 0  # the top-k fast path needs a shared tokenizer
     (res,) = dec.generate([PROMPT], max_new_tokens=24, temperature=0.0, seed=0)
     assert res.text.strip(), res
-    assert res.steps and res.steps[0].writer == "target"  # the target writes the first step
+    assert res.steps and res.steps[0].writer == "draft"  # the draft proposes the first step too (the default)
     assert {s.writer for s in res.steps} <= {"target", "draft"}
     assert all(s.decision != "accept_fast" for s in res.steps)
     judged = [s for s in res.steps if s.writer == "draft" or s.decision == "reject"]
