@@ -340,8 +340,9 @@ def markdown(report: dict) -> str:
             total = sum(ph.values()) or 1.0
             c = report["cost"][name]
             lines.append(f"| {name} | " + " | ".join(f"{ph[k] / total:.1%}" for k in names)
-                         + f" | {c['target_step_over_target_per_token']:.2f} | {c['draft_over_target_per_token']:.3f} | {c['verify_over_target_per_proposal']:.2f} | "
-                         f"{c['predicted_speedup']:.2f} | {c['measured_speedup']:.2f} |")
+                         + f" | {c['target_step_over_target_per_token']:.2f} | {c['draft_over_target_per_token']:.3f}"
+                         f" | {c['verify_over_target_per_proposal']:.2f} | {c['predicted_speedup']:.2f}"
+                         f" | {c['measured_speedup']:.2f} |")
     if report.get("probes"):
         lines += ["", "| probe pair | draft-step AUROC | judged steps | wrong |", "|---|---|---|---|"]
         for name, pr in report["probes"].items():

@@ -324,24 +324,15 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("labels-quick.json" if args.quick else "labels.json")
-    if args.only == "world":
-        old = json.loads(path.read_text()) if path.is_file() else {}
-        res = run(args.quick, with_backends=False)
-        if "backends" in old:
-            res["backends"] = old["backends"]
-        print(table(res))
-        path.write_text(json.dumps(res, indent=2) + "\n")
-        print(f"\nwrote {path}")
-        return res
-    if args.only:
-        res = json.loads(path.read_text()) if path.is_file() else {"quick": args.quick}
-        res["backends"] = backends.run(args.quick)
+    stored = json.loads(path.read_text()) if args.only and path.is_file() else {"quick": args.quick}
+    if args.only == "backends":
+        res = {**stored, "backends": backends.run(args.quick)}
         print(backends_table(res["backends"]))
-        path.write_text(json.dumps(res, indent=2) + "\n")
-        print(f"\nwrote {path}")
-        return res
-    res = run(args.quick)
-    print(table(res))
+    else:
+        res = run(args.quick, with_backends=args.only is None)
+        if args.only == "world" and "backends" in stored:  # keep the stored backends figures
+            res["backends"] = stored["backends"]
+        print(table(res))
     path.write_text(json.dumps(res, indent=2) + "\n")
     print(f"\nwrote {path}")
     return res
