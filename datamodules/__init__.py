@@ -1,1 +1,3 @@
-"""Label pipeline and streaming data for SemanticSpec probes (see ../shared/DESIGN.md)."""
+"""Training data for SemanticSpec probes: the LightningDataModule and its shard stream at the top; the label
+pipeline (`datamodules.labels`), the tasks (`datamodules.tasks`) and the embedded world (`datamodules.arithmetic`)
+in subpackages."""

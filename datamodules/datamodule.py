@@ -1,6 +1,6 @@
 """`SemanticProbeDataModule`: streams label shards to the probes' training, flat in memory.
 
-``prepare_data`` builds what is missing (:func:`datamodules.build.build`); ``setup`` checks the
+``prepare_data`` builds what is missing (:func:`datamodules.labels.build.build`); ``setup`` checks the
 manifest against the build config and every shard against its checksum, and splits by problem
 (a hash of the problem id, so no problem lands in two splits and nothing needs a global index).
 The dataloaders stream shards through :class:`~datamodules.stream.ShardStream` (a bounded
@@ -18,10 +18,10 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from datamodules import shards as S
-from datamodules.build import build
-from datamodules.build_config import ROLES, BuildConfig, signature, signature_mismatches
-from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of  # noqa: F401  (re-exported)
+from datamodules.labels import shards as S
+from datamodules.labels.build import build
+from datamodules.labels.config import ROLES, BuildConfig, signature, signature_mismatches
+from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of
 from generation.groups import require_features
 
 
@@ -30,7 +30,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
 
     Args:
         data_dir: folder of ``manifest.json`` and ``shard-*.safetensors``.
-        build: how to build missing data (see :class:`~datamodules.build.BuildConfig`); None
+        build: how to build missing data (see :class:`~datamodules.labels.build.BuildConfig`); None
             never builds and only reads what ``data_dir`` holds.
         roles: which probes' data to stream: ``target`` (label q) and/or ``draft`` (label p).
         batch_size: rows per batch, all roles together.
@@ -147,7 +147,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
 
     def _missing_message(self) -> str:
         state = "does not exist" if not self.data_dir.exists() else "holds no finished build (no complete manifest.json)"
-        return (f"data_dir {self.data_dir} {state} and build=None; build it with `python -m datamodules.build "
+        return (f"data_dir {self.data_dir} {state} and build=None; build it with `python -m datamodules.labels.build "
                 f"--data_dir {self.data_dir}` or give a build config")
 
     # -- Lightning hooks -------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from datamodules import shards as S
+from datamodules.labels import shards as S
 
 SPLITS = ("train", "val", "test")
 Batch = dict[str, dict[str, torch.Tensor]]

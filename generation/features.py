@@ -11,7 +11,7 @@ Two groups (DESIGN.md "Probes"), both taken from the one forward pass that reads
   the drafted tokens (issue 9: min log-prob separates right from wrong draft steps at AUROC ~0.98
   where pooled states reach ~0.85).
 
-The label build (:mod:`datamodules.reading`) and the decoder's verification pass both call
+The label build (:mod:`datamodules.labels.reading`) and the decoder's verification pass both call
 :func:`rows_features` (pooling through :func:`step_features`, statistics through :func:`per_token_scores`), so a probe sees the same numbers at training and at decode time. Statistics
 use the model's raw distribution (temperature 1), whatever temperature decoding samples at.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generation.groups import FEATURE_GROUPS, TOKEN_STATS, check_groups  # noqa: F401  (re-exported)
+from generation.groups import TOKEN_STATS, check_groups
 
 LOGPROB_FLOOR = -30.0
 """Log-probabilities are clamped here, so a token the model gives (numerically) zero stays finite."""

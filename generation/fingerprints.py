@@ -1,7 +1,7 @@
 """Fingerprints of a model and its tokenizer: what a probe or a data directory records about the model it reads.
 
 Imported downward by the exports (``probes.export``) and the label build's manifest
-(``datamodules.build_config``), so both describe a model the same way.
+(``datamodules.labels.config``), so both describe a model the same way.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ No torch import here: the config is read by tools that never build the probe.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from generation.groups import check_groups
 

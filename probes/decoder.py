@@ -41,7 +41,7 @@ from generation.sampling import sample_next
 from generation.steps import StepStopper
 from generation.writer import StepDraft, write_steps
 from probes.decoding import setup
-from probes.decoding.handover import Handover
+from generation.handover import Handover
 from probes.decoding.hf import decode_text, hf_generate, pad_id
 from probes.decoding.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize

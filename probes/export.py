@@ -5,7 +5,6 @@ Nothing here unpickles: weights are safetensors, the config is JSON.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ from typing import Any, Optional
 
 from safetensors.torch import load_file
 
-from generation.fingerprints import model_fingerprint, tokenizer_hash  # noqa: F401  (part of this module's API)
+from generation.fingerprints import model_fingerprint
 from probes.config import FINGERPRINT_FIELDS, ProbeConfig
 
 

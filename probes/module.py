@@ -31,7 +31,7 @@ from probes.model import SemanticProbe
 
 ROLES = ("target", "draft")
 WRITERS = {"target_written": 0, "draft_written": 1}
-"""Per-writer metric sets of the target probe, by the ``writer`` code of ``datamodules.labels``."""
+"""Per-writer metric sets of the target probe, by the ``writer`` code of ``datamodules.labels.shares``."""
 LOSSES = ("mse", "bce")
 POSITIVE_AT = 0.5
 """Label at or above which a sample counts as positive for AUROC and calibration error."""

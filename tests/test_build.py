@@ -12,13 +12,16 @@ import pytest
 import torch
 import yaml
 
-from datamodules import shards as S
-from datamodules.build import (BuildConfig, ClusteringConfig, JudgeConfig, SamplingConfig, StepConfig, build, main,
-                               signature)
+from datamodules.labels import shards as S
+from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig, StepConfig, signature
+from datamodules.labels.clustering import ClusteringConfig
+from datamodules.labels.build import build, main
 from datamodules.datamodule import SemanticProbeDataModule
-from generation.features import TOKEN_STATS, FeatureSpec, pool_hidden_states, token_stats
-from datamodules.reading import read_steps
-from datamodules.tasks import ArithmeticTask, BoxedMathTask
+from generation.groups import TOKEN_STATS
+from generation.features import FeatureSpec, pool_hidden_states, token_stats
+from datamodules.labels.reading import read_steps
+from datamodules.arithmetic.task import ArithmeticTask
+from datamodules.tasks.math import BoxedMathTask
 from tests.conftest import tiny_llama
 from tests.test_judges import _Server
 
@@ -198,7 +201,7 @@ def test_missing_or_altered_shards_are_rebuilt_exactly(world, reference, tmp_pat
     # what the datamodule says, and its advice, must be true (issue 12)
     with pytest.raises(S.CorruptShardError) as err:
         SemanticProbeDataModule(str(d), build=None).setup()
-    assert f"python -m datamodules.build --data_dir {d}" in str(err.value) and "--data.skip_corrupt true" in str(err.value)
+    assert f"python -m datamodules.labels.build --data_dir {d}" in str(err.value) and "--data.skip_corrupt true" in str(err.value)
     kept = {k: (d / S.shard_name(k)).stat().st_mtime_ns for k in range(n) if k not in (1, n - 1)}
     lines = []
     done = build(_config(world), d, log=lines.append)  # following the advice
@@ -242,7 +245,7 @@ def test_data_dir_that_cannot_be_created_is_named(world, capsys):
               "--build.judge.model", str(world / "judge"), "--build.n_problems", "1"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("python -m datamodules.build: error: cannot create data_dir")
+    assert len(err.splitlines()) == 1 and err.startswith("python -m datamodules.labels.build: error: cannot create data_dir")
 
 
 @pytest.mark.parametrize("args, named", [
@@ -266,7 +269,7 @@ def _lock(d, k, pid):
 
 
 def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, reference, tmp_path, monkeypatch):
-    from datamodules import shard_work
+    from datamodules.labels import coordination as shard_work
 
     ref_dir, ref = reference
     n = len(ref["shards"])
@@ -402,7 +405,7 @@ def test_a_real_kill_mid_build_then_rerun_loses_and_duplicates_nothing(world, tm
 
     kw = {"n_problems": 24, "shard_size": 2}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
-    args = [sys.executable, "-m", "datamodules.build", "--data_dir", str(killed)]
+    args = [sys.executable, "-m", "datamodules.labels.build", "--data_dir", str(killed)]
     for key, value in {**kw, "target": world / "target", "draft": world / "draft", "judge.model": world / "judge",
                        "sampling.n_samples": 3, "steps.max_step_tokens": 6, "sampling.seed": 7}.items():
         args += [f"--build.{key}", str(value)]
@@ -430,7 +433,8 @@ def test_prefixes_from_the_targets_own_traces(world, tmp_path):
 
 
 def test_llm_judge_answers_are_configurable(tmp_path):
-    from datamodules.build import BuildConfig, judge_provenance, make_judge
+    from datamodules.labels.config import BuildConfig, judge_provenance
+    from datamodules.labels.shard import make_judge
 
     default = BuildConfig()
     assert "answers" not in judge_provenance(default)  # old manifests keep matching
@@ -447,7 +451,7 @@ def test_two_build_processes_into_one_folder_share_the_shards(world, tmp_path):
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "datamodules.build", "--data_dir", str(tmp_path)]
+    args = [sys.executable, "-m", "datamodules.labels.build", "--data_dir", str(tmp_path)]
     for key, value in {"n_problems": 24, "shard_size": 2, "target": world / "target", "draft": world / "draft",
                        "judge.model": world / "judge", "sampling.n_samples": 3, "steps.max_step_tokens": 6,
                        "sampling.seed": 7}.items():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from datamodules import shards as S
+from datamodules.labels import shards as S
 from datamodules.datamodule import SemanticProbeDataModule
 from datamodules.stream import SPLITS, ShardStream, split_of
 

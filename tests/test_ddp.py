@@ -75,7 +75,8 @@ class SpecRecorder(L.Callback):
 @pytest.mark.slow
 def test_speculative_validation_runs_once_and_shares_its_figures_under_ddp(tmp_path):
     from callbacks.speculative_validation import SpeculativeValidation
-    from datamodules.build import BuildConfig, SamplingConfig, build
+    from datamodules.labels.config import BuildConfig, SamplingConfig
+    from datamodules.labels.build import build
 
     build(BuildConfig(n_problems=8, sampling=SamplingConfig(n_samples=2), shard_size=4), tmp_path / "data")
     dm = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=32, val_fraction=0.25, test_fraction=0.0)

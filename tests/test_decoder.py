@@ -13,7 +13,8 @@ from probes.config import ProbeConfig
 from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
 from probes import decoder as decoder_module
 from probes.decoding.policies import ProbePolicy, fast_path_keeps
-from probes.export import export_probe, model_fingerprint
+from probes.export import export_probe
+from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
 from tests.conftest import tiny_llama
 
@@ -123,10 +124,11 @@ def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, 
     """q and p read exactly what the label build stores for the same prefix and step (issue 9).
 
     Every draft step is kept, so from the second proposal on each step opens with the target's bonus
-    token: the features cover it on both sides. The build reads with ``datamodules.reading.read_steps``.
+    token: the features cover it on both sides. The build reads with ``datamodules.labels.reading.read_steps``.
     """
-    from datamodules.reading import read_steps
-    from generation.features import TOKEN_STATS, FeatureSpec, probe_input
+    from datamodules.labels.reading import read_steps
+    from generation.groups import TOKEN_STATS
+    from generation.features import FeatureSpec, probe_input
 
     target, draft, tok = tiny_pair
     seen = {"q": [], "p": []}

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from generation.writer import StepDraft
-from probes.decoding.handover import Handover
+from generation.handover import Handover
 from probes.decoding.policies import (OraclePolicy, RandomPolicy, Verified, judge_score, ratio_keeps,
                                       threshold_keeps)
 from generation.sampling import sampling_probs

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from generation.features import TOKEN_STATS, FeatureSpec, probe_input, step_features, token_stats
+from generation.groups import TOKEN_STATS
+from generation.features import FeatureSpec, probe_input, step_features, token_stats
 from generation.groups import require_features
 from probes.config import ProbeConfig
 from probes.export import export_probe, load_probe

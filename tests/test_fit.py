@@ -62,7 +62,7 @@ def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named
 def test_bad_task_file_is_reported_before_training_in_one_line(capsys, tmp_path):
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\n')  # no trace
-    line = _one_line_error(capsys, ["--data.data_dir", str(tmp_path / "data"), "--data.build.task.class_path", "datamodules.tasks.Task",
+    line = _one_line_error(capsys, ["--data.data_dir", str(tmp_path / "data"), "--data.build.task.class_path", "datamodules.tasks.base.Task",
                                     "--data.build.task.init_args.path", str(task_file),
                                     "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
     assert f"{task_file}:1" in line and "trace" in line
@@ -107,7 +107,7 @@ def test_nested_override_reaches_the_build(capsys):
 def test_missing_data_dir_without_build_is_named(tmp_path, capsys):
     missing = tmp_path / "nowhere"
     line = _one_line_error(capsys, ["--data.data_dir", str(missing), "--data.build", "null", "--trainer.logger", "false"])
-    assert str(missing) in line and "python -m datamodules.build" in line
+    assert str(missing) in line and "python -m datamodules.labels.build" in line
 
 
 def test_default_config_exports_inside_the_run_folder(capsys, tmp_path):
@@ -285,7 +285,7 @@ def test_callback_with_wrong_width_probes_is_refused():
 
 def test_callback_bad_problem_file_fails_before_training(tmp_path):
     from callbacks.speculative_validation import SpeculativeValidation
-    from datamodules.tasks import ArithmeticTask
+    from datamodules.arithmetic.task import ArithmeticTask
 
     bad = tmp_path / "problems.jsonl"
     bad.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\nnot json\n')
@@ -296,7 +296,7 @@ def test_callback_bad_problem_file_fails_before_training(tmp_path):
 
 
 def _world_module():
-    from generation.features import TOKEN_STATS
+    from generation.groups import TOKEN_STATS
     from datamodules.arithmetic.models import load_model, load_tokenizer
     from probes.config import ProbeConfig
     from generation.fingerprints import model_fingerprint

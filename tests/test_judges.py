@@ -10,7 +10,7 @@ import torch
 
 from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
 from datamodules.arithmetic.train import judge_yes_prob
-from datamodules.judges import HTTPJudge, JudgeCache, LLMJudge, NLIJudge, OracleJudge
+from datamodules.labels.judges import HTTPJudge, JudgeCache, LLMJudge, NLIJudge, OracleJudge
 from tests.conftest import tiny_llama
 
 PAIRS = [("3 + 4 = 7.", "Adding 4 to 3 gives 7."), ("3 + 4 = 7.", "3 + 4 = 8."), ("5 * 2 = 10.", "5 times 2 equals 10.")]

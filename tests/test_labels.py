@@ -8,9 +8,9 @@ import pytest
 from sklearn.metrics import adjusted_rand_score
 
 from datamodules.arithmetic import task
-from datamodules.clustering import ClusterConfig, group_prefixes
-from datamodules.judges import OracleJudge
-from datamodules.labels import DRAFT, TARGET, entropy, joint_labels, per_model_labels
+from datamodules.labels.clustering import ClusteringConfig, group_prefixes
+from datamodules.labels.judges import OracleJudge
+from datamodules.labels.shares import DRAFT, TARGET, entropy, joint_labels, per_model_labels
 
 
 def test_joint_labels_are_shares_of_each_model():
@@ -63,7 +63,7 @@ def test_judge_settles_what_hdbscan_gets_wrong(method, embed):
     rng = random.Random(1)
     batch = [_prefix_samples(rng, embed=embed) for _ in range(8)]
     asked = []
-    groups = group_prefixes([(t, e) for t, e, _ in batch], OracleJudge(), ClusterConfig(method=method), asked)
+    groups = group_prefixes([(t, e) for t, e, _ in batch], OracleJudge(), ClusteringConfig(method=method), asked)
     for g, (_, _, truth) in zip(groups, batch):
         assert adjusted_rand_score([str(m) for m in truth], g) == 1.0
         assert g.dtype == np.int32 and g[0] == 0
@@ -73,14 +73,14 @@ def test_judge_settles_what_hdbscan_gets_wrong(method, embed):
 def test_hdbscan_alone_follows_the_embeddings():
     rng = random.Random(2)
     batch = [_prefix_samples(rng, embed="meaning") for _ in range(6)]
-    groups = group_prefixes([(t, e) for t, e, _ in batch], None, ClusterConfig(method="hdbscan"))
+    groups = group_prefixes([(t, e) for t, e, _ in batch], None, ClusteringConfig(method="hdbscan"))
     good = np.mean([adjusted_rand_score([str(m) for m in truth], g) for g, (_, _, truth) in zip(groups, batch)])
     bad = [_prefix_samples(rng, embed="template") for _ in range(6)]
-    groups = group_prefixes([(t, e) for t, e, _ in bad], None, ClusterConfig(method="hdbscan"))
+    groups = group_prefixes([(t, e) for t, e, _ in bad], None, ClusteringConfig(method="hdbscan"))
     worse = np.mean([adjusted_rand_score([str(m) for m in truth], g) for g, (_, _, truth) in zip(groups, bad)])
     assert good > 0.75 and worse < good - 0.2, (good, worse)  # tiny sets: HDBSCAN alone is rough even on good embeddings
     with pytest.raises(ValueError, match="needs a judge"):
-        group_prefixes([(t, e) for t, e, _ in bad], None, ClusterConfig())
+        group_prefixes([(t, e) for t, e, _ in bad], None, ClusteringConfig())
 
 
 def test_identical_texts_are_one_group_without_asking():
@@ -94,8 +94,10 @@ def test_identical_texts_are_one_group_without_asking():
 
 
 def test_cluster_config_names_bad_values():
+    assert ClusteringConfig(method="kmeans", votes=0).errors() == [
+        "method='kmeans': expected one of ('hdbscan+judge', 'hdbscan', 'judge')", "votes=0: expected >= 1"]
     with pytest.raises(ValueError, match="method='kmeans'"):
-        ClusterConfig(method="kmeans")
+        group_prefixes([(["a"], np.zeros((1, 2)))], None, ClusteringConfig(method="kmeans"))
 
 
 def test_pooling_names_out_of_range_layers():
@@ -110,8 +112,8 @@ def test_pooling_names_out_of_range_layers():
 
 def test_steps_whose_numbers_differ_never_share_a_group():
     """A judge that calls everything "the same" (as the world judge does for 1 in 3 wrong results, issue 9)."""
-    from datamodules.clustering import numbers
-    from datamodules.judges import Judge
+    from datamodules.labels.clustering import numbers
+    from datamodules.labels.judges import Judge
 
     class YesJudge(Judge):
         id = "yes"
@@ -122,9 +124,9 @@ def test_steps_whose_numbers_differ_never_share_a_group():
     texts = ["84 - 4 = 80.\n\n", "Subtracting 4 from 84 gives 80.\n\n", "84 minus 4 equals 82.\n\n",
              "80 is what we get from 84 minus 4.\n\n"]
     emb = np.random.default_rng(0).normal(size=(4, 8))
-    (g,) = group_prefixes([(texts, emb)], YesJudge(), ClusterConfig(method="judge"))
+    (g,) = group_prefixes([(texts, emb)], YesJudge(), ClusteringConfig(method="judge"))
     assert g[0] == g[1] == g[3] != g[2]
-    (g,) = group_prefixes([(texts, emb)], YesJudge(), ClusterConfig(method="judge", match_numbers=False))
+    (g,) = group_prefixes([(texts, emb)], YesJudge(), ClusteringConfig(method="judge", match_numbers=False))
     assert len(set(g.tolist())) == 1
     assert numbers("84 - 4 = 80.") == numbers("80 is what we get from 84 minus 4.") != numbers("84 - 4 = 82.")
     assert numbers("1,000 and 2.5") == numbers("2.5 then 1,000")

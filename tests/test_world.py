@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from datamodules.tasks.base import read_records
 from datamodules.arithmetic import card, models, task
 from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, MAX_NUMBER
 from tests.conftest import tiny_llama
@@ -59,12 +60,12 @@ def test_generated_traces_agree_with_the_oracle_and_the_knobs():
 def test_jsonl_round_trip_and_bad_lines_name_file_and_line(tmp_path):
     problems = task.generate_problems(5, seed=TEST_SEED)
     path = task.write_jsonl(problems, tmp_path / "p.jsonl")
-    assert list(task.read_jsonl(path)) == [p.to_json() for p in problems]
+    assert list(read_records(path)) == [p.to_json() for p in problems]
     path.write_text(path.read_text() + "{not json\n")
     with pytest.raises(ValueError, match=r"p\.jsonl:6"):
-        list(task.read_jsonl(path))
+        list(read_records(path))
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        list(task.read_jsonl(tmp_path / "nope.jsonl"))
+        list(read_records(tmp_path / "nope.jsonl"))
 
 
 @pytest.mark.parametrize(

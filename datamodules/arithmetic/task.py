@@ -16,7 +16,9 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
+
+from datamodules.tasks.base import Task
 
 OPS = ("add", "sub", "mul")
 
@@ -285,19 +287,40 @@ def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
     return path
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Read ``{"problem", "trace"?, "answer"}`` records, naming the file and line of a bad one."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"task file {path} does not exist")
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str) or "answer" not in rec:
-                raise ValueError(f"{path}:{lineno}: expected an object with a string 'problem' and an 'answer'")
-            yield rec
+class ArithmeticTask(Task):
+    """The embedded arithmetic world: generated problems with reference traces, ``Answer: <int>``.
+
+    Args:
+        path: JSONL of world problems; None (default) generates them.
+        min_ops: fewest operations per generated problem.
+        max_ops: most operations per generated problem.
+    """
+
+    answer_marker = ANSWER_MARKER
+    prompt_suffix = STEP_DELIMITER
+
+    def __init__(self, path: str | None = None, min_ops: int = 2, max_ops: int = 5) -> None:
+        super().__init__(path)
+        self.min_ops, self.max_ops = min_ops, max_ops
+        self.config = TaskConfig(min_ops=min_ops, max_ops=max_ops)  # checked now, not at the first problem
+
+    def generate(self, n: int, seed: int) -> list[dict]:
+        return [p.to_json() for p in generate_problems(n, seed, self.config)]
+
+    def errors(self, n: int) -> list[str]:
+        return [f"n_problems={n}: the embedded world needs >= 1 problem"] if self.path is None and n < 1 else []
+
+    def provenance(self, n: int, seed: int) -> dict[str, Any]:
+        if self.path or (self.min_ops, self.max_ops) != (2, 5):
+            return super().provenance(n, seed)
+        return {"source": "arithmetic", "n_problems": n, "task_seed": seed}  # as builds before tasks recorded it
+
+    def extract(self, text: str) -> str | None:
+        got = extract_answer(text)
+        return None if got is None else str(got)
+
+    def check(self, text: str, answer: Any) -> bool:
+        try:
+            return check_answer(text, answer)  # the world's own checker, so labels and benchmarks stay as they were
+        except (TypeError, ValueError):  # an answer that is no integer: nothing matches it
+            return False

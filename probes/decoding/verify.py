@@ -11,7 +11,7 @@ import torch
 
 from generation.cache import BatchedCache
 from generation.writer import StepDraft
-from probes.decoding.handover import Handover
+from generation.handover import Handover
 from probes.decoding.hf import decode_text
 from probes.decoding.policies import AcceptancePolicy, Verified
 

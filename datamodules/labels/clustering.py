@@ -35,28 +35,31 @@ METHODS = ("hdbscan+judge", "hdbscan", "judge")
 
 
 @dataclass
-class ClusterConfig:
-    """How one prefix's samples are grouped."""
+class ClusteringConfig:
+    """How one prefix's samples are grouped by meaning (YAML: ``build.clustering.*``)."""
 
     method: str = "hdbscan+judge"
     """``hdbscan+judge`` (default), ``hdbscan`` (no judge) or ``judge`` (no HDBSCAN)."""
     min_cluster_size: int = 2
     """HDBSCAN ``min_cluster_size``."""
     membership_threshold: float = 0.5
-    """Cluster members with a lower HDBSCAN membership probability are settled by the judge."""
+    """HDBSCAN members below this membership probability go to the judge."""
     verify_members: bool = True
     """Ask the judge whether each confident member means the same as its cluster's representative."""
     merge_distance: float = 2.0
-    """Cluster pairs whose centroid distance is below this (unit-norm embeddings: 0..2) are judged for merging."""
+    """Clusters whose centroids (unit-norm embeddings) are closer than this are judged for merging; 2.0 = all pairs."""
     max_candidates: int = 6
     """Most groups an uncertain item is compared with before it founds its own group."""
     votes: int = 1
     """An uncertain item is compared with up to this many members of a candidate group (its most frequent
     texts) and joins it when their mean judge score passes the threshold: one judge error is outvoted."""
     match_numbers: bool = True
-    """Texts whose numbers differ (as multisets) are different meanings without asking the judge."""
+    """Two steps whose numbers differ (as multisets) never share a meaning group, whatever the judge says.
+    The world judge calls a step with a wrong result "the same" as the right one in 1 of 3 cases (issue 9);
+    turn off for tasks whose paraphrases change numbers (e.g. 0.5 vs 1/2)."""
 
-    def __post_init__(self) -> None:
+    def errors(self) -> list[str]:
+        """What is wrong, one ``name=value: expected ...`` per bad field."""
         errors = []
         if self.method not in METHODS:
             errors.append(f"method={self.method!r}: expected one of {METHODS}")
@@ -70,8 +73,7 @@ class ClusterConfig:
             errors.append(f"votes={self.votes}: expected >= 1")
         if self.max_candidates < 1:
             errors.append(f"max_candidates={self.max_candidates}: expected >= 1")
-        if errors:
-            raise ValueError("invalid ClusterConfig: " + "; ".join(errors))
+        return errors
 
 
 def normalize_text(text: str) -> str:
@@ -110,7 +112,7 @@ def run_hdbscan(x: np.ndarray, min_cluster_size: int = 2) -> tuple[np.ndarray, n
 Request = list[tuple[str, str]]
 
 
-def _settle(texts: Sequence[str], emb: np.ndarray, cfg: ClusterConfig,
+def _settle(texts: Sequence[str], emb: np.ndarray, cfg: ClusteringConfig,
             threshold: float = 0.5) -> Generator[Request, list[float], np.ndarray]:
     """Group one prefix's samples; yields pairs to judge, receives their scores, returns group ids."""
     norm = [normalize_text(t) for t in texts]
@@ -202,14 +204,14 @@ def _renumber(groups: np.ndarray) -> np.ndarray:
 def group_prefixes(
     batch: Sequence[tuple[Sequence[str], np.ndarray]],
     judge=None,
-    cfg: ClusterConfig | None = None,
+    cfg: ClusteringConfig | None = None,
     asked: list | None = None,
 ) -> list[np.ndarray]:
     """Meaning groups for many prefixes, judging all their open questions in shared batches.
 
     Args:
         batch: per prefix, the sample texts and their embeddings (n, ...).
-        judge: a :class:`~datamodules.judges.Judge` (``score(pairs)`` in both directions and a
+        judge: a :class:`~datamodules.labels.judges.Judge` (``score(pairs)`` in both directions and a
             ``threshold``); None only with ``method="hdbscan"``.
         cfg: clustering options.
         asked: when given, every judged pair is appended as ``(a, b, same)`` (audits).
@@ -217,7 +219,9 @@ def group_prefixes(
     Returns:
         Per prefix, int32 group ids (0..G-1, in order of first appearance) of its samples.
     """
-    cfg = cfg or ClusterConfig()
+    cfg = cfg or ClusteringConfig()
+    if cfg.errors():
+        raise ValueError("invalid ClusteringConfig: " + "; ".join(cfg.errors()))
     if judge is None and cfg.method != "hdbscan":
         raise ValueError(f"method={cfg.method!r} needs a judge; use method='hdbscan' to group without one")
     results: list[np.ndarray | None] = [None] * len(batch)

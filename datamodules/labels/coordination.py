@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from datamodules import shards as S
-from datamodules.build_config import signature_mismatches
+from datamodules.labels import shards as S
+from datamodules.labels.config import signature_mismatches
 
 def dist_info() -> tuple[int, int]:
     """``(rank, world_size)`` from torch.distributed when initialised, else from RANK / WORLD_SIZE."""

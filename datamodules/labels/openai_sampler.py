@@ -19,7 +19,7 @@ import os
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
-from datamodules.samplers import StepSampler, request_seed, step_from_text
+from datamodules.labels.samplers import StepSampler, request_seed, step_from_text
 
 DEFAULT_EXTRA_BODY = {"include_stop_str_in_output": True, "no_stop_trim": True}
 """Asks vLLM (``include_stop_str_in_output``) and SGLang (``no_stop_trim``) to keep the stop string in the text;

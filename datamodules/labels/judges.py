@@ -139,8 +139,9 @@ class OracleJudge(Judge):
     id = "oracle"
 
     def _prob_same(self, pairs: Sequence[Pair]) -> list[float]:
-        from datamodules.arithmetic.task import meaning
+        from datamodules.tasks.worlds import default_world
 
+        meaning = default_world().meaning
         out = []
         for a, b in pairs:  # malformed steps mean the same only when they are the same text
             ma, mb = meaning(a), meaning(b)

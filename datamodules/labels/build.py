@@ -1,18 +1,18 @@
 """Build labelled training data: prefixes → sampled steps → pooled states → meaning groups → shards.
 
-    python -m datamodules.build --data_dir data/arithmetic               # the embedded world
-    python -m datamodules.build --config build.yaml                      # keys: data_dir, build.*
-    python -m datamodules.build --fit_config configs/arithmetic.yaml     # a fit YAML's data: section
-    python -m datamodules.build --build.sampling.n_samples 4             # parts: judge, clustering, sampling, steps
-    torchrun --nproc_per_node 4 -m datamodules.build --config build.yaml # ranks share the shards
+    python -m datamodules.labels.build --data_dir data/arithmetic               # the embedded world
+    python -m datamodules.labels.build --config build.yaml                      # keys: data_dir, build.*
+    python -m datamodules.labels.build --fit_config configs/arithmetic.yaml     # a fit YAML's data: section
+    python -m datamodules.labels.build --build.sampling.n_samples 4             # parts: judge, clustering, sampling, steps
+    torchrun --nproc_per_node 4 -m datamodules.labels.build --config build.yaml # ranks share the shards
 
 The work is cut into shards of ``shard_size`` prefixes. A shard's random streams are seeded by
 ``(sampling.seed, shard index)``, so a shard comes out the same whichever rank builds it and whether
 the build was interrupted before: a rerun skips the whole shards on disk and builds the rest. Rank 0
 merges everything into ``manifest.json`` (DESIGN.md "Formats"). The config and the signature the
-manifest records live in :mod:`datamodules.build_config`, one shard's work in
-:mod:`datamodules.build_shard`, locks and progress in :mod:`datamodules.shard_work`, the writer of
-shards and manifest in :mod:`datamodules.shards`.
+manifest records live in :mod:`datamodules.labels.config`, one shard's work in
+:mod:`datamodules.labels.shard`, locks and progress in :mod:`datamodules.labels.coordination`, the writer of
+shards and manifest in :mod:`datamodules.labels.shards`.
 """
 
 from __future__ import annotations
@@ -27,29 +27,17 @@ from typing import Any, NoReturn
 import yaml
 from tqdm.auto import tqdm
 
-from datamodules import shards as S
-from datamodules.build_config import (  # noqa: F401  (re-exported: the build's public names live here too)
-    JUDGES,
+from datamodules.labels import shards as S
+from datamodules.labels.config import (
     ROLES,
     BuildConfig,
-    ClusteringConfig,
-    EndpointConfig,
-    JudgeConfig,
-    OpenAIConfig,
-    SamplingConfig,
-    StepConfig,
-    VLLMConfig,
     config_record,
-    folder_fingerprint,
-    judge_provenance,
-    label_provenance,
     signature,
-    signature_mismatches,
 )
-from datamodules.build_shard import (  # noqa: F401
-    Models, build_shard, load_model, load_models, load_tokenizers, make_judge, shard_seed)
-from datamodules.prefixes import make_prefixes, target_traces
-from datamodules.shard_work import (
+from datamodules.labels.shard import (
+    build_shard, load_model, load_models, load_tokenizers, shard_seed)
+from datamodules.labels.prefixes import make_prefixes, target_traces
+from datamodules.labels.coordination import (
     Progress,
     barrier,
     build_locked,
@@ -225,7 +213,7 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
     sampler made for them goes into ``samplers`` for the build to reuse."""
     path = data_dir / "target-traces.jsonl"
     if rank == 0 and not path.is_file():
-        from datamodules.samplers import make_sampler
+        from datamodules.labels.shard import make_sampler
 
         s = config.sampling
         # the package samples with its own copy of the target; a server or vLLM needs none here
@@ -254,7 +242,7 @@ def _summary(manifest: dict, log) -> None:
 
 
 def main(args: list[str] | None = None) -> dict:
-    """CLI: ``python -m datamodules.build [--config build.yaml] [--data_dir DIR] [--build.KEY VALUE ...]``."""
+    """CLI: ``python -m datamodules.labels.build [--config build.yaml] [--data_dir DIR] [--build.KEY VALUE ...]``."""
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
     class OneLineParser(ArgumentParser):
@@ -298,7 +286,7 @@ def main(args: list[str] | None = None) -> dict:
             dist.destroy_process_group()
 
 
-PROG = "python -m datamodules.build"
+PROG = "python -m datamodules.labels.build"
 
 
 def _fail(message: str) -> NoReturn:

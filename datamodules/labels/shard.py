@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from datamodules.build_config import DEFAULT_HTTP_TEMPLATE, ROLES, BuildConfig, default_template
-from datamodules.clustering import group_prefixes
-from datamodules.labels import DRAFT, TARGET, joint_labels, per_model_labels
-from datamodules.prefixes import Prefix
-from datamodules.reading import read_steps
-from datamodules.samplers import make_sampler
+from datamodules.labels.config import DEFAULT_HTTP_TEMPLATE, ROLES, BuildConfig, default_template
+from datamodules.labels.clustering import group_prefixes
+from datamodules.labels.shares import DRAFT, TARGET, joint_labels, per_model_labels
+from datamodules.labels.prefixes import Prefix
+from datamodules.labels.reading import read_steps
+from datamodules.labels.openai_sampler import OpenAISampler
+from datamodules.labels.samplers import HFSampler, StepSampler, VLLMSampler
 
 # ---------------------------------------------------------------------------------------------
 # Models and judge.
@@ -39,7 +40,7 @@ class Models:
     draft_tokenizer: Any = None
     """The draft's own tokenizer, or None when it shares the target's (steps then cross as tokens, not text)."""
     samplers: dict[str, Any] = field(default_factory=dict)
-    """Who writes each role's steps (:mod:`datamodules.samplers`), by role."""
+    """Who writes each role's steps (:mod:`datamodules.labels.samplers`), by role."""
 
 
 def load_tokenizers(config: BuildConfig) -> tuple[Any, Any]:
@@ -60,6 +61,30 @@ def load_model(config: BuildConfig, role: str):
     device, dtype = config.resolved_device()
     return AutoModelForCausalLM.from_pretrained(config.model_path(role), local_files_only=True,
                                                 dtype=dtype).to(device).eval()
+
+
+def make_sampler(config, role: str, model, tokenizer, rank: int = 0) -> StepSampler:
+    """The sampler ``config.sampling.backend`` asks for, for ``role`` (``target`` or ``draft``).
+
+    Args:
+        config: the :class:`~datamodules.labels.config.BuildConfig`.
+        role: whose steps it samples.
+        model: that role's loaded model (the ``hf`` backend samples with it).
+        tokenizer: that role's tokenizer (steps come back in its ids).
+        rank: this process's rank; the ``openai`` backend starts its round-robin over the endpoints there.
+    """
+    s, st = config.sampling, config.steps
+    common = (tokenizer, st.delimiters, st.max_step_tokens, s.temperature, s.top_p)
+    if s.backend == "hf":
+        return HFSampler(model, *common)
+    if s.backend == "vllm":
+        v = s.vllm
+        return VLLMSampler(config.model_path(role), *common, tensor_parallel_size=v.tensor_parallel_size,
+                           gpu_memory_utilization=v.gpu_memory_utilization, seed=s.seed, dtype=v.dtype)
+    o = s.openai
+    e = getattr(o, role)
+    return OpenAISampler(e.urls, e.model, *common, api_key_env=o.api_key_env, concurrency=o.concurrency,
+                         timeout=o.timeout, retries=o.retries, prompt=o.prompt, rank=rank)
 
 
 def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: dict | None = None) -> Models:
@@ -86,7 +111,7 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: d
 def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0, device: str = "cpu",
                dtype: torch.dtype = torch.float32):
     """The judge ``config`` asks for (None for ``judge.kind="none"``), caching its answers in ``cache_dir``."""
-    from datamodules import judges as J
+    from datamodules.labels import judges as J
 
     j = config.judge
     common = {"threshold": j.threshold, "cache_dir": cache_dir, "cache_tag": str(rank)}
@@ -146,7 +171,7 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
                  asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
     n = config.sampling.n_samples
     # Each model samples in its own tokenization; with two tokenizers a draft step reaches the target as
-    # its text, as the decoder's handover gives it (probes.decoding.handover), cut at the same delimiters.
+    # its text, as the decoder's handover gives it (generation.handover), cut at the same delimiters.
     tok = models.tokenizer
     dtok = models.draft_tokenizer or tok
     ctx = {"target": [p.token_ids for p in prefixes],
@@ -174,11 +199,11 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     judge = models.judge
     judged_before = (judge.seconds, judge.calls) if judge is not None else (0.0, 0)
     if joint:
-        groups = group_prefixes([(texts[i], tf[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
+        groups = group_prefixes([(texts[i], tf[i]) for i in range(len(prefixes))], judge, config.clustering, asked)
         labels = [joint_labels(g, writers) | {"groups": g} for g in groups]
     else:
-        tg = group_prefixes([(texts[i][:n], tf[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
-        dg = group_prefixes([(texts[i][n:], df[i]) for i in range(len(prefixes))], judge, config.cluster_config(), asked)
+        tg = group_prefixes([(texts[i][:n], tf[i]) for i in range(len(prefixes))], judge, config.clustering, asked)
+        dg = group_prefixes([(texts[i][n:], df[i]) for i in range(len(prefixes))], judge, config.clustering, asked)
         labels = [per_model_labels(a, b) for a, b in zip(tg, dg)]
     t3 = time.perf_counter()
     judge_s = (judge.seconds - judged_before[0]) if judge is not None else 0.0

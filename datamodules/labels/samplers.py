@@ -2,13 +2,13 @@
 
 Sampling is the cost of a label build; reading the steps (hidden states and token statistics) and
 labelling them stay in the package. A sampler only returns each model's steps as token ids in that
-model's own tokenization, so every backend feeds the same reading pass (:mod:`datamodules.reading`).
+model's own tokenization, so every backend feeds the same reading pass (:mod:`datamodules.labels.reading`).
 
 Backends (``build.sampling.backend``):
 
 - ``hf`` (default): the package's own KV-cache sampler (:func:`generation.writer.generate`), no server.
 - ``openai``: any OpenAI-compatible ``/v1/completions`` endpoint (vLLM ``serve``, SGLang, the llama.cpp
-  server); see :mod:`datamodules.openai_sampler`.
+  server); see :mod:`datamodules.labels.openai_sampler`.
 - ``vllm``: vLLM's offline ``LLM`` engine in this process (``pip install "semanticspec-probes[vllm]"``, GPUs).
 
 A server returns text. :func:`step_from_text` turns one returned completion into the step the
@@ -212,29 +212,3 @@ class VLLMSampler(StepSampler):
 
     def provenance(self):
         return {"backend": "vllm", "model": self.path, "server_version": getattr(self._vllm, "__version__", None)}
-
-
-def make_sampler(config, role: str, model, tokenizer, rank: int = 0) -> StepSampler:
-    """The sampler ``config.sampling.backend`` asks for, for ``role`` (``target`` or ``draft``).
-
-    Args:
-        config: the :class:`~datamodules.build_config.BuildConfig`.
-        role: whose steps it samples.
-        model: that role's loaded model (the ``hf`` backend samples with it).
-        tokenizer: that role's tokenizer (steps come back in its ids).
-        rank: this process's rank; the ``openai`` backend starts its round-robin over the endpoints there.
-    """
-    s, st = config.sampling, config.steps
-    common = (tokenizer, st.delimiters, st.max_step_tokens, s.temperature, s.top_p)
-    if s.backend == "hf":
-        return HFSampler(model, *common)
-    if s.backend == "vllm":
-        v = s.vllm
-        return VLLMSampler(config.model_path(role), *common, tensor_parallel_size=v.tensor_parallel_size,
-                           gpu_memory_utilization=v.gpu_memory_utilization, seed=s.seed, dtype=v.dtype)
-    from datamodules.openai_sampler import OpenAISampler
-
-    o = s.openai
-    e = getattr(o, role)
-    return OpenAISampler(e.urls, e.model, *common, api_key_env=o.api_key_env, concurrency=o.concurrency,
-                         timeout=o.timeout, retries=o.retries, prompt=o.prompt, rank=rank)

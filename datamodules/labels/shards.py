@@ -97,7 +97,7 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 def rebuild_advice(data_dir: str | os.PathLike) -> str:
     """What to do about a missing or altered shard: the build checks every shard against the manifest."""
     return (
-        f"run the build again to rebuild it: `python -m datamodules.build --data_dir {data_dir}` with the options it was "
+        f"run the build again to rebuild it: `python -m datamodules.labels.build --data_dir {data_dir}` with the options it was "
         "built with (the manifest's `config`), or `python -m probes.fit` with the same data section, whose prepare_data "
         "runs that build unless data.build is null; the build checks every shard against manifest.json and rebuilds "
         "exactly the missing or altered ones. Or train without it: --data.skip_corrupt true"
@@ -154,7 +154,8 @@ def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
 
     Records written before the sampling spec had its own entry kept ``n_samples``, ``temperature``
     and ``top_p`` in ``labels``; they move to ``sampling`` (the shards are unchanged). Records written
-    before the sampling backends sampled with transformers: their ``sampler`` is ``hf``.
+    before the sampling backends sampled with transformers: their ``sampler`` is ``hf``. Task classes
+    recorded under the import path they had before the tasks moved (:data:`MOVED_CLASSES`) get today's.
     """
     labels = build.get("labels")
     if "sampling" not in build and isinstance(labels, dict) and any(k in labels for k in SAMPLING_KEYS):
@@ -162,7 +163,19 @@ def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
                  "labels": {k: v for k, v in labels.items() if k not in SAMPLING_KEYS}}
     if "sampling" in build and "sampler" not in build:
         build = {**build, "sampler": "hf"}  # every build before the sampling backends sampled with transformers
+    task = (build.get("problems") or {}).get("task")
+    if isinstance(task, dict) and task.get("class_path") in MOVED_CLASSES:
+        task = {**task, "class_path": MOVED_CLASSES[task["class_path"]]}
+        build = {**build, "problems": {**build["problems"], "task": task}}
     return build
+
+
+MOVED_CLASSES = {
+    "datamodules.tasks.ArithmeticTask": "datamodules.arithmetic.task.ArithmeticTask",
+    "datamodules.tasks.BoxedMathTask": "datamodules.tasks.math.BoxedMathTask",
+    "datamodules.tasks.MultipleChoiceTask": "datamodules.tasks.choice.MultipleChoiceTask",
+}
+"""Task classes recorded by builds before the tasks moved into subpackages, and where they live now."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +202,7 @@ def write_manifest(data_dir: str | os.PathLike, build: dict[str, Any], n_shards:
     Args:
         data_dir: the dataset's folder.
         build: the one record of what the data is (models read, layers, pooling, feature groups,
-            steps, sampling, label provenance; ``build_config.signature``); rebuilds and the
+            steps, sampling, label provenance; ``datamodules.labels.config.signature``); rebuilds and the
             datamodule compare it. Its ``reads`` name the roles the shards hold.
         n_shards: shards on disk.
         **fields: further top-level entries (the build's ``config``, ``n_problems``, ``stats``, ...).

@@ -2,7 +2,7 @@
 
 A task (:mod:`datamodules.tasks`) gives problems with reference traces, or the target writes its
 own traces. Every trace is cut after each step delimiter, so a problem with S steps gives S
-prefixes (0 .. S-1 steps written). The prompt is the task's (:meth:`~datamodules.tasks.Task.prompt`:
+prefixes (0 .. S-1 steps written). The prompt is the task's (:meth:`~datamodules.tasks.base.Task.prompt`:
 the tokenizer's chat template when it has one, else ``problem + "\\n\\n"`` after ``<bos>``).
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from datamodules.tasks import ArithmeticTask, Task
+from datamodules.tasks.base import Task
+from datamodules.tasks.worlds import default_world
 from generation.steps import DEFAULT_DELIMITERS, split_steps
 
 
@@ -44,20 +45,20 @@ def make_prefixes(
     """Cut every trace at each step delimiter.
 
     Args:
-        records: problems from :meth:`Task.problems <datamodules.tasks.Task.problems>`; with ``source="target"`` their ``trace``
+        records: problems from :meth:`Task.problems <datamodules.tasks.base.Task.problems>`; with ``source="target"`` their ``trace``
             must already hold the target's generation (see :func:`target_traces`).
         tokenizer: the target's tokenizer.
         delimiters: step delimiters.
         source: where traces come from, only used in messages.
         draft_tokenizer: the draft's tokenizer when it differs from the target's: each prefix then
             also holds its text in the draft's tokenization (``draft_token_ids``).
-        task: whose prompt format to use (None = the embedded world's, :class:`~datamodules.tasks.ArithmeticTask`).
+        task: whose prompt format to use (None = the embedded world's, :class:`~datamodules.arithmetic.task.ArithmeticTask`).
 
     Raises:
         ValueError: a record has no trace (named by file and line when read from a file) or the
             records give no prefix at all.
     """
-    task = task or ArithmeticTask()
+    task = task or default_world().task()
     prefixes: list[Prefix] = []
     for pid, rec in enumerate(records):
         trace = rec.get("trace")
@@ -85,14 +86,14 @@ def target_traces(sampler, records: Sequence[dict], *, max_new_tokens: int, seed
     """Replace each record's trace by one the target writes itself (``source="target"``), prompted as ``task`` asks.
 
     Args:
-        sampler: the target's :class:`~datamodules.samplers.StepSampler` (the build's backend: the package's
+        sampler: the target's :class:`~datamodules.labels.samplers.StepSampler` (the build's backend: the package's
             own sampler, a server or vLLM), which writes one continuation per prompt.
         records: the task's problems.
         max_new_tokens: longest trace in tokens.
         seed: seed of the traces.
         task: whose prompt format to use (None = the embedded world's).
     """
-    task = task or ArithmeticTask()
+    task = task or default_world().task()
     prompts = [task.prompt(sampler.tokenizer, r["problem"]) for r in records]
     texts = sampler.complete(prompts, max_new_tokens, seed)
     return [{**r, "trace": t} for r, t in zip(records, texts)]

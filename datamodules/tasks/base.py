@@ -3,10 +3,11 @@
 A :class:`Task` is what the label build, the live callback, the benchmarks and the decoder examples
 take. Built-ins:
 
-- :class:`ArithmeticTask`: the embedded world (:mod:`datamodules.arithmetic.task`), unchanged;
-- :class:`BoxedMathTask`: a JSONL file whose answers are written ``\\boxed{...}`` and compared as
+- :class:`~datamodules.arithmetic.task.ArithmeticTask`: the embedded world, which registers itself
+  (:mod:`datamodules.tasks.worlds`);
+- :class:`~datamodules.tasks.math.BoxedMathTask`: a JSONL file whose answers are written ``\\boxed{...}`` and compared as
   math (numbers, fractions, simple expressions, with sympy);
-- :class:`MultipleChoiceTask`: a JSONL file whose answers are letters (GPQA style).
+- :class:`~datamodules.tasks.choice.MultipleChoiceTask`: a JSONL file whose answers are letters (GPQA style).
 
 A user's own task subclasses :class:`Task` (overriding :meth:`~Task.extract` and
 :meth:`~Task.equal`, or :meth:`~Task.generate`) and plugs in by import path in YAML::
@@ -24,11 +25,9 @@ from __future__ import annotations
 
 import inspect
 import json
-import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from datamodules.arithmetic import task as world
 from generation.steps import DEFAULT_DELIMITERS
 
 
@@ -92,7 +91,7 @@ class Task:
         """Where a build's problems came from (the manifest's ``problems`` entry)."""
         out: dict[str, Any] = {"source": "file" if self.path else "generated", "task": self.spec()}
         if self.path:
-            from datamodules.shards import sha256_file
+            from datamodules.labels.shards import sha256_file
 
             out.update(task_file=str(self.path), sha256=sha256_file(self.path) if Path(self.path).is_file() else None)
         return {**out, "n_problems": n} if self.path else {**out, "n_problems": n, "task_seed": seed}
@@ -159,117 +158,30 @@ def read_jsonl(path: str | Path) -> list[dict]:
     """Records of a task file with the line each came from, naming ``file:line`` of a bad one."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"task file {path} does not exist")
-    return [{**rec, "line": line} for rec, line in zip(world.read_jsonl(path), _record_lines(Path(path)))]
+    return [{**rec, "line": line} for rec, line in zip(read_records(path), _record_lines(Path(path)))]
 
 
 def _record_lines(path: Path) -> list[int]:
-    """Line numbers of the non-blank lines (the records ``world.read_jsonl`` yields, in order)."""
+    """Line numbers of the non-blank lines (the records :func:`read_records` yields, in order)."""
     with open(path) as f:
         return [i for i, line in enumerate(f, 1) if line.strip()]
 
 
-class ArithmeticTask(Task):
-    """The embedded arithmetic world: generated problems with reference traces, ``Answer: <int>``.
-
-    Args:
-        path: JSONL of world problems; None (default) generates them.
-        min_ops: fewest operations per generated problem.
-        max_ops: most operations per generated problem.
-    """
-
-    answer_marker = world.ANSWER_MARKER
-    prompt_suffix = world.STEP_DELIMITER
-
-    def __init__(self, path: str | None = None, min_ops: int = 2, max_ops: int = 5) -> None:
-        super().__init__(path)
-        self.min_ops, self.max_ops = min_ops, max_ops
-        self.config = world.TaskConfig(min_ops=min_ops, max_ops=max_ops)  # checked now, not at the first problem
-
-    def generate(self, n: int, seed: int) -> list[dict]:
-        return [p.to_json() for p in world.generate_problems(n, seed, self.config)]
-
-    def errors(self, n: int) -> list[str]:
-        return [f"n_problems={n}: the embedded world needs >= 1 problem"] if self.path is None and n < 1 else []
-
-    def provenance(self, n: int, seed: int) -> dict[str, Any]:
-        if self.path or (self.min_ops, self.max_ops) != (2, 5):
-            return super().provenance(n, seed)
-        return {"source": "arithmetic", "n_problems": n, "task_seed": seed}  # as builds before tasks recorded it
-
-    def extract(self, text: str) -> str | None:
-        got = world.extract_answer(text)
-        return None if got is None else str(got)
-
-    def check(self, text: str, answer: Any) -> bool:
-        try:
-            return world.check_answer(text, answer)  # the world's own checker, so labels and benchmarks stay as they were
-        except (TypeError, ValueError):  # an answer that is no integer: nothing matches it
-            return False
 
 
-class BoxedMathTask(Task):
-    """Math problems from a JSONL file; the answer is the last ``\\boxed{...}``, compared as math.
-
-    ``1/2``, ``0.5``, ``\\frac{1}{2}`` and ``\\dfrac{2}{4}`` are equal; so are ``2x+1`` and ``1+2x``
-    (:func:`~datamodules.math_equal.math_equal`). A missing or unbalanced box is wrong, never an error.
-
-    Args:
-        path: JSONL of ``{"problem", "answer", "trace"?}`` lines (``answer`` with or without ``\\boxed``).
-    """
-
-    answer_marker = "\\boxed"
-
-    def __init__(self, path: str | None = None) -> None:
-        super().__init__(path)
-
-    def extract(self, text: str) -> str | None:
-        return last_boxed(text)
-
-    def equal(self, got: str, answer: Any) -> bool:
-        from datamodules.math_equal import math_equal
-
-        return math_equal(got, last_boxed(str(answer)) or str(answer))
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
-    text = text or ""
-    k = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if k < 0:
-        return None
-    start = text.index("{", k) + 1
-    depth = 1
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start:i].strip() or None
-    return None  # the box never closes
-
-
-class MultipleChoiceTask(Task):
-    """Multiple-choice problems (GPQA style) from a JSONL file; answers are letters.
-
-    The answer is read from the last "Answer: (B)", "the answer is B", "answer: **C**" or ``\\boxed{D}``.
-
-    Args:
-        path: JSONL of ``{"problem", "answer", "trace"?}`` lines (``problem`` lists the choices).
-        letters: the choice letters.
-    """
-
-    def __init__(self, path: str | None = None, letters: str = "ABCD") -> None:
-        super().__init__(path)
-        if not letters or not letters.isalpha() or not letters.isupper():
-            raise ValueError(f"letters={letters!r}: expected upper-case letters, e.g. 'ABCD'")
-        self.letters = letters
-        self._rx = re.compile(r"(?i:answer)(?:\s+(?i:is))?\s*[:=]?\s*[(*\[\s]*([" + letters + r"])(?![A-Za-z])")
-
-    def extract(self, text: str) -> str | None:
-        found = self._rx.findall(text or "")
-        if found:
-            return found[-1]
-        boxed = last_boxed(text)
-        return boxed.strip("() ") if boxed and boxed.strip("() ") in self.letters else None
-
-    def equal(self, got: str, answer: Any) -> bool:
-        return got.upper() == str(answer).strip().strip("()").upper()
-
+def read_records(path: str | Path) -> Iterator[dict]:
+    """``{"problem", "trace"?, "answer"}`` records of a JSONL file, naming the file and line of a bad one."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task file {path} does not exist")
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str) or "answer" not in rec:
+                raise ValueError(f"{path}:{lineno}: expected an object with a string 'problem' and an 'answer'")
+            yield rec

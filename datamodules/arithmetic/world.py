@@ -1,0 +1,22 @@
+"""The embedded arithmetic world as a registered :class:`~datamodules.tasks.worlds.World`.
+
+``pyproject.toml`` registers :data:`WORLD` under the ``semanticspec.worlds`` entry points, so generic code
+finds the world's task, models and judge template without importing this package.
+"""
+
+from __future__ import annotations
+
+from datamodules.arithmetic import models, task
+from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
+from datamodules.tasks.worlds import World
+
+WORLD = World(
+    name="arithmetic",
+    task=task.ArithmeticTask,
+    validation_task=lambda: task.ArithmeticTask(min_ops=4, max_ops=4),
+    model_root=models.world_root,
+    load_model=models.load_model,
+    load_tokenizer=models.load_tokenizer,
+    judge_template=JUDGE_TEMPLATE,
+    meaning=task.meaning,
+)

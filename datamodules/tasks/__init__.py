@@ -1,0 +1,1 @@
+"""Tasks: the Task interface, boxed-answer math, multiple choice, and the registry of self-contained worlds."""

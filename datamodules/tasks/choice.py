@@ -1,0 +1,37 @@
+"""Multiple choice (GPQA style): problems from a JSONL file whose answers are letters."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from datamodules.tasks.base import Task
+from datamodules.tasks.math import last_boxed
+
+
+class MultipleChoiceTask(Task):
+    """Multiple-choice problems (GPQA style) from a JSONL file; answers are letters.
+
+    The answer is read from the last "Answer: (B)", "the answer is B", "answer: **C**" or ``\\boxed{D}``.
+
+    Args:
+        path: JSONL of ``{"problem", "answer", "trace"?}`` lines (``problem`` lists the choices).
+        letters: the choice letters.
+    """
+
+    def __init__(self, path: str | None = None, letters: str = "ABCD") -> None:
+        super().__init__(path)
+        if not letters or not letters.isalpha() or not letters.isupper():
+            raise ValueError(f"letters={letters!r}: expected upper-case letters, e.g. 'ABCD'")
+        self.letters = letters
+        self._rx = re.compile(r"(?i:answer)(?:\s+(?i:is))?\s*[:=]?\s*[(*\[\s]*([" + letters + r"])(?![A-Za-z])")
+
+    def extract(self, text: str) -> str | None:
+        found = self._rx.findall(text or "")
+        if found:
+            return found[-1]
+        boxed = last_boxed(text)
+        return boxed.strip("() ") if boxed and boxed.strip("() ") in self.letters else None
+
+    def equal(self, got: str, answer: Any) -> bool:
+        return got.upper() == str(answer).strip().strip("()").upper()

@@ -1,0 +1,166 @@
+"""Typed specs that travel with the data and the probes: what a step is, how steps were sampled, what a probe reads.
+
+Each spec is a small frozen dataclass, validated once where it is built, with one default per field.
+The label build records them in the manifest, the DataModule reads them back, the fit CLI links them
+into the probes' configs, the exported probe carries them, and the decoder and the live callback take
+them from the probes (an explicit value that differs is refused, naming both). No torch import here:
+configs and tools read specs without building a model.
+
+- :class:`StepSpec`: step delimiters and the step cap; :meth:`StepSpec.stopper` makes the token-level stop check;
+- :class:`SamplingSpec`: temperature and top-p of the one sampler;
+- :class:`FeatureSpec`: the feature groups a probe reads and how each is computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Sequence
+
+from generation.groups import TOKEN_STATS, check_groups
+from generation.steps import DEFAULT_DELIMITERS
+
+
+def _refuse(spec: str, errors: list[str]) -> None:
+    if errors:
+        raise ValueError(f"invalid {spec}: " + "; ".join(errors))
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What a reasoning step is: text up to and including a delimiter, at most ``max_step_tokens`` tokens.
+
+    Attributes:
+        delimiters: step delimiters (the paper's blank-line family by default); a list is stored as a tuple.
+        max_step_tokens: a step that reaches no delimiter is cut here.
+
+    Raises:
+        ValueError: an empty delimiter list, an empty delimiter, or a cap below 1 (naming field and value).
+    """
+
+    delimiters: tuple[str, ...] = DEFAULT_DELIMITERS
+    max_step_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        _refuse("StepSpec", self.errors(self.delimiters, self.max_step_tokens))
+        object.__setattr__(self, "delimiters", tuple(self.delimiters))
+        object.__setattr__(self, "max_step_tokens", int(self.max_step_tokens))
+
+    @staticmethod
+    def errors(delimiters: Any, max_step_tokens: Any) -> list[str]:
+        """What is wrong with these values, one ``field=value: expected ...`` each (the one check)."""
+        out = []
+        if isinstance(delimiters, str) or not isinstance(delimiters, Sequence) or not delimiters \
+                or not all(isinstance(d, str) and d for d in delimiters):
+            out.append(f"delimiters={delimiters!r}: expected a non-empty list of non-empty strings")
+        if isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int) or max_step_tokens < 1:
+            out.append(f"max_step_tokens={max_step_tokens!r}: expected an integer >= 1")
+        return out
+
+    def stopper(self, tokenizer):
+        """The token-level stop check of this step definition for ``tokenizer`` (:class:`~generation.steps.StepStopper`)."""
+        from generation.steps import StepStopper
+
+        return StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"delimiters": list(self.delimiters), "max_step_tokens": self.max_step_tokens}
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How the one sampler draws: temperature (0 = greedy) and nucleus mass (the paper's T = 0.6, top-p 0.95).
+
+    Raises:
+        ValueError: a temperature that is not a finite number >= 0, or a top-p outside (0, 1].
+    """
+
+    temperature: float = 0.6
+    top_p: float = 0.95
+
+    def __post_init__(self) -> None:
+        _refuse("SamplingSpec", self.errors(self.temperature, self.top_p))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @staticmethod
+    def errors(temperature: Any, top_p: Any) -> list[str]:
+        """What is wrong with these values (the one check; configs that hold the fields call it too)."""
+        out = []
+        if not _real(temperature) or not (math.isfinite(temperature) and temperature >= 0):
+            out.append(f"temperature={temperature!r}: expected a finite number >= 0 (0 = greedy)")
+        if not _real(top_p) or not 0 < top_p <= 1:
+            out.append(f"top_p={top_p!r}: expected a number in (0, 1]")
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What a probe reads: its feature groups and how each is computed.
+
+    Attributes:
+        groups: feature groups, a subset of :data:`~generation.groups.FEATURE_GROUPS`, in that order.
+        layer_ids: ``hidden``: HF ``hidden_states`` indices (0 = embeddings, -1 = last layer).
+        pooling: ``hidden``: ``mean`` over the step's tokens or ``last``.
+        token_stats: ``token_stats``: names from :data:`~generation.groups.TOKEN_STATS`.
+
+    Raises:
+        ValueError: an unknown group or statistic, an unknown pooling, or ``hidden`` without layers.
+    """
+
+    groups: tuple[str, ...] = ("hidden",)
+    layer_ids: tuple[int, ...] = (-1,)
+    pooling: str = "mean"
+    token_stats: tuple[str, ...] = TOKEN_STATS
+
+    def __post_init__(self) -> None:
+        for f in ("groups", "layer_ids", "token_stats"):
+            object.__setattr__(self, f, tuple(getattr(self, f)))
+        problems = check_groups(list(self.groups), list(self.token_stats))
+        if self.pooling not in ("mean", "last"):
+            problems.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
+        if "hidden" in self.groups and not self.layer_ids:
+            problems.append("layer_ids is empty: the hidden group needs at least one layer, e.g. [-1]")
+        _refuse("feature spec", problems)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return "hidden" in self.groups
+
+    @property
+    def needs_logits(self) -> bool:
+        return "token_stats" in self.groups
+
+    def width(self, hidden_size: int) -> int:
+        """Width of one flattened probe input for a model of ``hidden_size``."""
+        w = len(self.layer_ids) * hidden_size if self.needs_hidden else 0
+        return w + (len(self.token_stats) if self.needs_logits else 0)
+
+    @classmethod
+    def of(cls, config) -> "FeatureSpec":
+        """The spec of anything with ``feature_groups``, ``layer_ids``, ``pooling``, ``token_stats`` (a ProbeConfig)."""
+        return cls(tuple(config.feature_groups), tuple(config.layer_ids), config.pooling, tuple(config.token_stats))
+
+
+def spec_from_dict(cls, d: Mapping[str, Any] | None, where: str):
+    """A spec from its recorded dict (manifest, ``config.json``); unknown keys are refused, naming ``where``."""
+    if d is None:
+        return None
+    if isinstance(d, cls):
+        return d
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown {cls.__name__} keys {unknown}; known: {sorted(known)}")
+    return cls(**d)
