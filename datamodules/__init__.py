@@ -1,1 +1,1 @@
-"""Label pipeline and streaming data for SemanticSpec probes (see ../shared/DESIGN.md)."""
+"""Label pipeline and streaming data for SemanticSpec probes (see docs/design.md)."""

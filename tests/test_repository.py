@@ -28,3 +28,56 @@ def test_quick_benchmark_results_are_ignored_and_untracked():
                                                              "real", "compile") for ext in ("json", "md", "png")]
     assert set(_git("check-ignore", "--no-index", *quick).split()) == set(quick)
     assert _git("check-ignore", "--no-index", "benchmarks/results/decode.json").strip() == ""
+
+
+def _text_files() -> list[Path]:
+    skip = {".git", "data", "runs", "lightning_logs", "__pycache__"}
+    return [p for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.relative_to(ROOT).parts)
+            and (p.suffix in {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt"} or p.parent.name == ".ci")]
+
+
+_OUTSIDE = re.compile("|".join([r"\.\./" + "shared", "DESIGN" + r"\.md", "STYLE" + r"\.md", "ENGINES" + r"\.md"]))
+_BEING_REFACTORED = "probes/decoder.py"  # on another branch (issue 21); its own test below
+
+
+def _outside_refs(files: list[Path]) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{i}" for p in files if p.name != "test_repository.py"
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if _OUTSIDE.search(line)]
+
+
+def test_nothing_points_outside_the_repository():
+    """The design and style notes live in docs/; no file refers a user to notes they do not have."""
+    assert _outside_refs([p for p in _text_files() if p != ROOT / _BEING_REFACTORED]) == []
+
+
+@pytest.mark.xfail(strict=True, reason="probes/decoder.py's module docstring still names the old design notes; it is "
+                                       "being refactored on another branch: point it at docs/design.md \"Decoding\" "
+                                       "when merging, then drop this test (the one above covers it)")
+def test_the_decoder_points_inside_the_repository():
+    assert _outside_refs([ROOT / _BEING_REFACTORED]) == []
+
+
+def test_docs_exist_and_every_relative_link_resolves():
+    assert (ROOT / "docs" / "design.md").is_file() and (ROOT / "docs" / "contributing.md").is_file()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+        broken = [link for link in links if "://" not in link and not (page.parent / link).exists()]
+        assert broken == [], f"{page.name}: {broken}"
+        named = set(re.findall(r"\bdocs/[\w-]+\.md\b", text))
+        assert all((ROOT / n).is_file() for n in named), named
+    assert "docs/design.md" in (ROOT / "README.md").read_text()
+
+
+def test_docstring_references_to_the_design_name_its_sections():
+    """`docs/design.md "Section"` in code names a heading that exists (the page is the reference)."""
+    headings = {h.strip() for h in re.findall(r"^#+ (.+)$", (ROOT / "docs" / "design.md").read_text(), flags=re.M)}
+    refs = []
+    for p in _text_files():
+        if p.suffix == ".py" and p.name != "test_repository.py":
+            text = re.sub(r"\s*\n\s*", " ", p.read_text())
+            refs += [(p.name, s) for s in re.findall(r'docs/design\.md "([^"]+)"', text)]
+            refs += [(p.name, s) for s in re.findall(r'"([^"]+)" in docs/design\.md', text)]
+    assert refs, "expected docstrings to point at docs/design.md sections"
+    missing = [(f, s) for f, s in refs if not any(h.startswith(s) for h in headings)]
+    assert missing == []
