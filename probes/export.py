@@ -142,8 +142,8 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
     if model is not None:
         if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
             warnings.warn(
-                f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against the model "
-                f"it is given (only hidden_size={config.hidden_size} is); re-export it to record the model it reads",
+                f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against "
+                f"the model it is given (only hidden_size={config.hidden_size} is); re-export it to record the model it reads",
                 UserWarning,
                 stacklevel=2,
             )

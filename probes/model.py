@@ -10,7 +10,7 @@ from probes.config import ProbeConfig
 
 
 def expected_shapes(config: ProbeConfig) -> dict[str, tuple[int, ...]]:
-    """Name and shape of every tensor a :class:`SemanticProbe` built from ``config`` holds, computed without building it.
+    """Name and shape of every tensor a :class:`SemanticProbe` built from ``config`` holds, without building it.
 
     Lets a loader compare a weights file's header with the config before anything is allocated.
     """
@@ -71,6 +71,14 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
                              f"the probe reads {self.config.input_size} columns")
         self.input_mean.copy_(mean)
         self.input_std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
+
+    def generate_model_card(self, *args, **kwargs):
+        """The exported ``README.md``: a card written from the config (``probes.card``), not the Hub's template."""
+        from huggingface_hub import ModelCard
+
+        from probes.card import model_card
+
+        return ModelCard(model_card(self.config))
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Pre-sigmoid scores. ``features``: (B, input_size) flat, or (B, L, D) for a hidden-only probe. Returns (B,)."""

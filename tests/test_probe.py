@@ -433,3 +433,30 @@ def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
             warnings.simplefilter("error")
             probe = load_probe(root / role, model=load_model(role), tokenizer=world_tokenizer, role=role)
         assert probe.config.role == role
+
+
+def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
+    """README.md says what the probe reads, which model, its labels and metrics, and how to load it (issue 21.16)."""
+    model = tiny_llama(len(world_tokenizer), 32)
+    labels = {"labelling": "joint", "clustering": "hdbscan+judge", "seed": 7, "max_step_tokens": 24,
+              "judge": {"kind": "llm", "model": {"name_or_path": "judges/tiny"}}}
+    _, path = _export(tmp_path, model, world_tokenizer, role="draft", layer_ids=[-1, 1], pooling="last",
+                      feature_groups=["hidden", "token_stats"], token_stats=["mean_logprob", "max_entropy"],
+                      labels=labels, sampling={"n_samples": 5, "temperature": 0.7, "top_p": 0.9},
+                      test_metrics={"mse": 0.0123, "draft_written/auroc": 0.987})
+    card = (path / "README.md").read_text()
+    tok_hash = model_fingerprint(model, world_tokenizer)["tokenizer_hash"]
+    assert "More Information Needed" not in card and "pushed to the Hub" not in card
+    assert card.startswith("---\nlibrary_name: semanticspec-probes\n")
+    assert "# SemanticSpec draft probe for" in card and "**draft** model would write" in card
+    for fact in ("`hidden`, `token_stats`", "`[-1, 1]`", "`last` over the step's tokens",
+                 "`mean_logprob`, `max_entropy`", "MLP 66 → 16 → 8 → 1", "at most 24 tokens",  # 2 layers x 32 + 2 statistics
+                 "| num_layers | `2` |", "| hidden_size | `32` |", f"| tokenizer_hash | `{tok_hash}` |",
+                 "| samples per prefix and model (N) | 5 |", "temperature 0.7, top_p 0.9", "`hdbscan+judge`",
+                 "`llm` (`judges/tiny`)", "| seed | 7 |", "| mse | 0.0123 |", "| draft_written/auroc | 0.9870 |",
+                 'role="draft"', "draft_probe=", "format version 3"):
+        assert fact in card, fact
+    bare = export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "bare")
+    card = (bare / "README.md").read_text()  # an old-style config: what is missing is said, not invented
+    assert "Not recorded (an old export)" in card and "None recorded at export" in card
+    assert "No label provenance recorded" in card
