@@ -81,3 +81,10 @@ def test_docstring_references_to_the_design_name_its_sections():
     assert refs, "expected docstrings to point at docs/design.md sections"
     missing = [(f, s) for f, s in refs if not any(h.startswith(s) for h in headings)]
     assert missing == []
+
+
+def test_readme_says_which_main_job_figures_depend_on_the_thread_count():
+    """Issue 21.17: the closing table of the main job repeats only at a fixed torch thread count; the README says so."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The main job"): text.index("## Using a probe in the decoder")]
+    assert "**Thread count.**" in section and "OMP_NUM_THREADS=1" in section and "torch.set_num_threads" in section
