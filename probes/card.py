@@ -59,7 +59,7 @@ def _reads_section(config: ProbeConfig) -> str:
                                                          "standard deviation" if config.standardize else "")),
              ("network", f"MLP {dims}, ReLU, dropout {config.dropout}, sigmoid"),
              ("step", f"text up to a delimiter in `{config.delimiters!r}`"
-                      + (_maybe(config.labels.get("max_step_tokens"), ", at most {} tokens") or ""))]
+                      + _maybe(config.labels.get("max_step_tokens"), ", at most {} tokens"))]
     return "## What it reads\n\n" + _table(("what", "value"), rows)
 
 
@@ -75,7 +75,7 @@ def _model_section(config: ProbeConfig) -> str:
 def _labels_section(config: ProbeConfig) -> str:
     labels, sampling = config.labels, config.sampling
     judge = labels.get("judge")
-    judge_text = None
+    judge_text = ""
     if isinstance(judge, dict):
         model = judge.get("model")
         model_name = model.get("name_or_path") if isinstance(model, dict) else model
@@ -83,7 +83,7 @@ def _labels_section(config: ProbeConfig) -> str:
     elif judge is not None:
         judge_text = f"`{judge}`"
     rows = [("samples per prefix and model (N)", _maybe(sampling.get("n_samples"), "{}")),
-            ("sampling", ", ".join(f"{k} {sampling[k]}" for k in ("temperature", "top_p") if k in sampling) or None),
+            ("sampling", ", ".join(f"{k} {sampling[k]}" for k in ("temperature", "top_p") if k in sampling)),
             ("labelling", _maybe(labels.get("labelling"), "`{}`")),
             ("meaning groups", _maybe(labels.get("clustering"), "`{}`")),
             ("judge", judge_text),
@@ -120,8 +120,9 @@ or pass the folder to `SemanticSpecDecoder(..., {config.role}_probe="path/to/thi
 """
 
 
-def _maybe(value: Any, fmt: str) -> str | None:
-    return None if value is None else fmt.format(value)
+def _maybe(value: Any, fmt: str) -> str:
+    """``fmt`` filled with ``value``, or "" when nothing is recorded (so rows and suffixes drop out)."""
+    return "" if value is None else fmt.format(value)
 
 
 def _table(header: tuple[str, str], rows: list[tuple[str, Any]]) -> str:

@@ -456,6 +456,8 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
                  "`llm` (`judges/tiny`)", "| seed | 7 |", "| mse | 0.0123 |", "| draft_written/auroc | 0.9870 |",
                  'role="draft"', "draft_probe=", "format version 3"):
         assert fact in card, fact
+    no_judge = ProbeConfig(hidden_size=8, hidden_dims=[4], labels={"clustering": "hdbscan", "judge": {"kind": "none"}})
+    assert "| judge | `none` |" in (export_probe(SemanticProbe(no_judge), tmp_path / "nj") / "README.md").read_text()
     bare = export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "bare")
     card = (bare / "README.md").read_text()  # an old-style config: what is missing is said, not invented
     assert "Not recorded (an old export)" in card and "None recorded at export" in card
