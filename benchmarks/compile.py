@@ -8,7 +8,7 @@ helps on CPU". This times one-token decode steps of the world's target and draft
 greedy, three ways: eager with a ``DynamicCache`` (what the package runs), eager with a
 ``StaticCache``, and ``torch.compile`` of the forward with a ``StaticCache`` (fixed shapes, so
 one compilation). It reports ms per token, the compile time, and the draft/target ratio of each,
-which is what bounds speculative decoding's speedup (DESIGN.md "Definitions").
+which is what bounds speculative decoding's speedup (docs/design.md "Benchmark figures").
 """
 
 from __future__ import annotations

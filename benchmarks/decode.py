@@ -4,7 +4,7 @@
     python -m benchmarks.decode --quick    # 40 problems, same code path (decode-quick.*), < 3 min
     python -m benchmarks.decode --target-probe DIR --draft-probe DIR
 
-What it measures (issue 4, "Definitions" in DESIGN.md):
+What it measures (issue 4, "Benchmark figures" in docs/design.md):
 
 - every method of :class:`~probes.decoder.SemanticSpecDecoder` on the same fixed 4-operation
   problems (``task.generate_problems(n, seed)``), the same seeds and the same generation code,

@@ -4,7 +4,7 @@
     python -m benchmarks.labels --only backends  # just the sampling backends on the real pair
     python -m benchmarks.labels --only world     # everything but the backends (no llama.cpp server needed)
 
-Measures (issue 3, DESIGN.md "Benchmark outputs" -> labels.json):
+Measures (issue 3, docs/design.md "Benchmark figures" -> labels.json):
 - ``ari``: adjusted Rand index of the pipeline's groups vs the oracle's meanings, mean over prefixes
   (goal >= 0.9); ``ari_hdbscan_only`` and ``ari_judge_only`` regroup the same samples without the
   judge or without HDBSCAN;

@@ -3,7 +3,7 @@
     python -m benchmarks.world            # 200 problems, 1,000 judge pairs (benchmarks/results/world.json)
     python -m benchmarks.world --quick    # reduced run, same code path (world-quick.json)
 
-What it measures (issue 6, "The embedded world" in DESIGN.md):
+What it measures (issue 6, "The embedded world" in docs/design.md):
 
 - **accuracy** of the target and the draft on held-out 4-operation problems, each sampling its own
   trace at temperature 0.6, top-p 0.95 with the one sampler (:func:`generation.writer.generate`);

@@ -37,7 +37,7 @@ class SpeculativeValidation(Callback):
     """Decode held-out problems with the probes in training and log speedup, accuracy, acceptance.
 
     Every run decodes each batch of problems target-only and then with SemanticSpec, so speedup is
-    target-only wall time measured in the same run over SemanticSpec's (DESIGN.md "Definitions"),
+    target-only wall time measured in the same run over SemanticSpec's (docs/design.md "Benchmark figures"),
     never a time from an earlier epoch. The run is bounded by ``max_problems`` and ``max_seconds``,
     so it never dominates training. Under DDP rank 0 decodes and broadcasts the figures to every rank.
 

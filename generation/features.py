@@ -1,6 +1,6 @@
 """The probes' feature groups: what a model computes while reading a step, turned into probe inputs.
 
-Two groups (DESIGN.md "Probes"), both taken from the one forward pass that reads the step:
+Two groups (docs/design.md "Probes and their features"), both taken from the one forward pass that reads the step:
 
 - ``hidden``: chosen layers' hidden states, mean-pooled (or last token) over the step's tokens
   (the paper's probe input);

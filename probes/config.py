@@ -5,6 +5,7 @@ No torch import here: the config is read by tools that never build the probe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,53 @@ with identity standardisation). 3: the sampling spec of the labels (``sampling``
 load with ``{}``, unknown)."""
 FINGERPRINT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size", "tokenizer_hash")
 """Fields of a reading model's fingerprint that must match at load time (name_or_path is informative)."""
+ROLES = ("target", "draft")
+"""Which model's semantic probability a probe estimates: the target's (q) or the draft's (p)."""
+
+
+class NewerFormatError(ValueError):
+    """A ``config.json`` written by a newer semanticspec-probes than this one (``format_version`` too high)."""
+
+
+def layer_problems(layer_ids: list[int], num_layers: Optional[int] = None) -> list[str]:
+    """Problems with ``layer_ids`` (empty when valid); with ``num_layers``, each id must index ``hidden_states``.
+
+    A model with ``num_layers`` decoder layers returns ``num_layers + 1`` hidden states (the embeddings
+    first), so valid ids are ``-(num_layers + 1) .. num_layers``.
+    """
+    if not isinstance(layer_ids, (list, tuple)) or not layer_ids:
+        return [f"layer_ids={layer_ids!r}: expected a non-empty list of layer indices, e.g. [-1]"]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
+        return [f"layer_ids={layer_ids!r}: expected integers (hidden_states indices)"]
+    problems = []
+    if len(set(layer_ids)) != len(layer_ids):
+        problems.append(f"layer_ids={layer_ids}: a layer is listed twice")
+    if num_layers is not None:
+        n = num_layers + 1
+        bad = [i for i in layer_ids if not -n <= i < n]
+        if bad:
+            problems.append(f"layer_ids={layer_ids}: {bad} out of range for a model with {num_layers} layers "
+                            f"({n} hidden_states: valid ids are {-n}..{n - 1})")
+    return problems
+
+
+def sampling_problems(sampling: dict[str, Any]) -> list[str]:
+    """Problems with a recorded sampling spec (``n_samples``, ``temperature``, ``top_p``); empty when valid."""
+    if not isinstance(sampling, dict):
+        return [f"sampling={sampling!r}: expected a mapping such as {{'temperature': 0.6, 'top_p': 0.95}}"]
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    problems = []
+    t, p, n = sampling.get("temperature"), sampling.get("top_p"), sampling.get("n_samples")
+    if t is not None and not (number(t) and t >= 0):
+        problems.append(f"sampling.temperature={t!r}: expected a finite number >= 0 (0 = greedy)")
+    if p is not None and not (number(p) and 0 < p <= 1):
+        problems.append(f"sampling.top_p={p!r}: expected a number in (0, 1]")
+    if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        problems.append(f"sampling.n_samples={n!r}: expected an integer >= 1")
+    return problems
 
 
 @dataclass
@@ -66,8 +114,7 @@ class ProbeConfig:
         errors = []
         if self.hidden_size < 1:
             errors.append(f"hidden_size={self.hidden_size}: expected >= 1")
-        if not self.layer_ids:
-            errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
+        errors += layer_problems(self.layer_ids, self.reads.get("num_layers") if isinstance(self.reads, dict) else None)
         if self.layer_combine not in ("concat", "weighted_sum"):
             errors.append(f"layer_combine={self.layer_combine!r}: expected 'concat' or 'weighted_sum'")
         if self.pooling not in ("mean", "last"):
@@ -77,8 +124,9 @@ class ProbeConfig:
             errors.append(f"hidden_dims={self.hidden_dims}: widths must be >= 1")
         if not 0 <= self.dropout < 1:
             errors.append(f"dropout={self.dropout}: expected 0 <= dropout < 1")
-        if self.role not in ("target", "draft"):
+        if self.role not in ROLES:
             errors.append(f"role={self.role!r}: expected 'target' or 'draft'")
+        errors += sampling_problems(self.sampling)
         if errors:
             raise ValueError("invalid ProbeConfig: " + "; ".join(errors))
 
@@ -94,9 +142,21 @@ class ProbeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":
-        """Build from a ``config.json`` dict, upgrading older layouts and naming unknown keys."""
+        """Build from a ``config.json`` dict, upgrading older layouts and naming unknown keys.
+
+        Raises:
+            NewerFormatError: ``format_version`` is newer than this code writes.
+            ValueError: unknown keys, or a field out of range (each named).
+        """
         d = dict(d)
         d.setdefault("format_version", 0)
+        version = d["format_version"]
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"format_version={version!r}: expected an integer from 0 to {FORMAT_VERSION}")
+        if version > FORMAT_VERSION:
+            raise NewerFormatError(
+                f"format_version={version}: written by a newer semanticspec-probes (this one reads formats up to "
+                f"{FORMAT_VERSION}); upgrade semanticspec-probes to load it")
         if d["format_version"] < 2:  # before feature groups every probe read pooled hidden states only
             d.setdefault("feature_groups", ["hidden"])
             d.setdefault("standardize", False)

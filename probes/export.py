@@ -16,7 +16,7 @@ from typing import Any, Optional
 from safetensors.torch import load_file
 
 from generation.fingerprints import model_fingerprint
-from probes.config import FINGERPRINT_FIELDS, ProbeConfig
+from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, ProbeConfig, layer_problems
 
 
 def fingerprint_mismatches(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
@@ -79,64 +79,135 @@ def _umask_modes(folder: Path) -> None:
         os.chmod(f, 0o666 & ~umask)
 
 
-def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Optional[str] = None):
-    """Load an exported probe, refusing one that was exported for another model.
+def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -> None:
+    """Raise if a probe exported for one role is used as the other (``role=None`` checks nothing).
+
+    Raises:
+        ValueError: ``role`` is not ``target``/``draft``, or ``config.role`` differs (naming both).
+    """
+    if role is None:
+        return
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}: expected one of {ROLES} (or None to accept either)")
+    if config.role != role:
+        raise ValueError(
+            f"{where} was exported with role {config.role!r} (it estimates the {config.role} model's semantic "
+            f"probability) but is used as the {role} probe; pass a probe exported with role {role!r} here, "
+            f"or this one as the {config.role} probe")
+
+
+def check_layers(config: ProbeConfig, model, where: str = "probe") -> None:
+    """Raise if ``config.layer_ids`` does not index ``model``'s hidden states, naming the ids and the range."""
+    problems = layer_problems(config.layer_ids, model_fingerprint(model)["num_layers"])
+    if problems:
+        raise ValueError(f"{where} reads layers the model does not have: " + "; ".join(problems))
+
+
+def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Optional[str] = None,
+               role: Optional[str] = None):
+    """Load an exported probe, refusing one that was exported for another model or role.
+
+    Nothing is allocated before the config is valid and the weights file's header holds exactly the
+    tensor shapes the config implies.
 
     Args:
         path: directory holding ``config.json`` and ``model.safetensors``.
-        model: the transformers model the probe will read; its fingerprint must match.
+        model: the transformers model the probe will read; its fingerprint must match and
+            ``layer_ids`` must index its hidden states.
         tokenizer: that model's tokenizer; its vocabulary hash must match when given.
         device: where to put the probe (default CPU).
+        role: the role the caller uses the probe in (``"target"`` or ``"draft"``); a probe
+            exported with the other role is refused. None accepts either.
 
     Returns:
         The :class:`~probes.model.SemanticProbe`, in eval mode.
 
     Raises:
         FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``.
-        ValueError: the fingerprint differs (the message names every differing field), or a file
-            is unreadable: ``config.json`` not JSON or not a probe config, ``model.safetensors``
-            truncated, not safetensors (e.g. a pickle) or not the shapes the config describes. Each
-            message names the file.
+        ValueError: the role or fingerprint differs (the message names every differing field), or a
+            file is unreadable or invalid: ``config.json`` not JSON, not a probe config, a field out of
+            range (e.g. ``layer_ids``, ``sampling.temperature``) or a newer ``format_version`` than
+            this code reads; ``model.safetensors`` truncated, not safetensors (e.g. a pickle), not the
+            shapes the config describes, or holding NaN/inf. Each message names the file and field.
     """
-    from safetensors import SafetensorError
-
     from probes.model import SemanticProbe
 
     path = Path(path)
     missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")
-    redo = "re-export the probe (probes.export.export_probe) or restore the file"
-    try:
-        config = ProbeConfig.from_dict(json.loads((path / "config.json").read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e.msg}, line {e.lineno}); {redo}") from None
-    except (ValueError, TypeError, AttributeError) as e:  # a JSON value that is no probe config
-        raise ValueError(f"{path / 'config.json'} is not a probe config: {e}; {redo}") from None
+    config = _read_config(path / "config.json")
+    check_role(config, role, where=f"probe at {path}")
     if model is not None:
         if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
             warnings.warn(
-                f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against the model "
-                f"it is given (only hidden_size={config.hidden_size} is); re-export it to record the model it reads",
+                f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against "
+                f"the model it is given (only hidden_size={config.hidden_size} is); re-export it to record the model it reads",
                 UserWarning,
                 stacklevel=2,
             )
         check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
+        check_layers(config, model, where=f"{path / 'config.json'} (field layer_ids)")
+    weights = path / "model.safetensors"
+    _check_header(weights, config)
     probe = SemanticProbe(config)
+    probe.load_state_dict(_read_weights(weights), strict=False)  # shapes and names checked in the header
+    return probe.to(device or "cpu").eval()
+
+
+_REDO = "re-export the probe (probes.export.export_probe) or restore the file"
+
+
+def _read_config(file: Path) -> ProbeConfig:
+    """``config.json`` as a :class:`ProbeConfig`; every refusal names the file."""
     try:
-        state = load_file(str(path / "model.safetensors"), device="cpu")
-    except SafetensorError as e:
-        raise ValueError(f"{path / 'model.safetensors'} is not a readable safetensors file ({e}): truncated, or not "
-                         f"safetensors (a pickled .bin/.pt renamed?); {redo}") from None
+        return ProbeConfig.from_dict(json.loads(file.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e.msg}, line {e.lineno}); {_REDO}") from None
+    except NewerFormatError as e:
+        raise ValueError(f"{file}: {e}") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a JSON value that is no probe config
+        raise ValueError(f"{file} is not a probe config: {e}; {_REDO}") from None
+
+
+def _check_header(file: Path, config: ProbeConfig) -> None:
+    """Compare the tensor names and shapes in ``file``'s header with those ``config`` implies, reading no tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    from probes.model import expected_shapes
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}): truncated, or not "
+                         f"safetensors (a pickled .bin/.pt renamed?); {_REDO}") from None
+    expected = expected_shapes(config)
     # Version-1 exports predate the standardisation buffers; they read raw inputs (identity buffers).
     optional = {"input_mean", "input_std"} if config.format_version < 2 else set()
+    missing = sorted(k for k in expected if k not in found and k not in optional)
+    unexpected = sorted(k for k in found if k not in expected)
+    wrong = [f"{k} has shape {list(found[k])}, expected {list(v)}" for k, v in expected.items()
+             if k in found and found[k] != v]
+    if missing or unexpected or wrong:
+        what = "; ".join(wrong + [f"missing tensors {missing}"] * bool(missing)
+                         + [f"unexpected tensors {unexpected}"] * bool(unexpected))
+        raise ValueError(
+            f"{file} does not hold the weights {file.parent / 'config.json'} describes ({what}; the config's "
+            f"hidden_size={config.hidden_size}, layer_ids={config.layer_ids}, feature_groups={config.feature_groups}, "
+            f"hidden_dims={config.hidden_dims}); {_REDO}")
+
+
+def _read_weights(file: Path) -> dict:
+    """The tensors of ``file`` (CPU), refusing NaN or infinite values by tensor name."""
+    from safetensors import SafetensorError
+
     try:
-        missing, unexpected = probe.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor of another shape
-        raise ValueError(f"{path / 'model.safetensors'} does not hold the weights {path / 'config.json'} describes "
-                         f"({str(e).splitlines()[-1].strip()}); {redo}") from None
-    missing = [k for k in missing if k not in optional]
-    if missing or unexpected:
-        raise ValueError(f"{path / 'model.safetensors'} does not hold the weights {path / 'config.json'} describes "
-                         f"(missing tensors {missing}, unexpected tensors {unexpected}); {redo}")
-    return probe.to(device or "cpu").eval()
+        state = load_file(str(file), device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); {_REDO}") from None
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise ValueError(f"{file} holds NaN or infinite values in {bad}; the probe would refuse or accept every "
+                         f"step blindly. {_REDO.capitalize()} (a diverged training exports such weights)")
+    return state

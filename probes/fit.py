@@ -95,7 +95,7 @@ class ProbeCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except (ValueError, OSError) as e:  # the classes check their arguments when built (STYLE.md)
+        except (ValueError, OSError) as e:  # the classes check their arguments when built (docs/contributing.md)
             fail(str(e))
 
 

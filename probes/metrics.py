@@ -1,4 +1,4 @@
-"""Speculative-decoding metrics in torchmetrics' update/compute form (DESIGN.md "Definitions").
+"""Speculative-decoding metrics in torchmetrics' update/compute form (docs/design.md "Benchmark figures").
 
 Each figure is a ratio of two running sums, so every metric has a pure ``_update`` that turns a
 batch into sums, a pure ``_compute`` that turns sums into the figure, a functional twin for

@@ -9,6 +9,22 @@ from torch import nn
 from probes.config import ProbeConfig
 
 
+def expected_shapes(config: ProbeConfig) -> dict[str, tuple[int, ...]]:
+    """Name and shape of every tensor a :class:`SemanticProbe` built from ``config`` holds, without building it.
+
+    Lets a loader compare a weights file's header with the config before anything is allocated.
+    """
+    shapes: dict[str, tuple[int, ...]] = {"input_mean": (config.input_size,), "input_std": (config.input_size,)}
+    width = config.input_size
+    if config.layer_combine == "weighted_sum" and config.hidden_width:
+        shapes["layer_logits"] = (len(config.layer_ids),)
+        width = config.input_size - config.hidden_width + config.hidden_size
+    for i, d in enumerate([*config.hidden_dims, 1]):
+        shapes[f"mlp.{3 * i}.weight"], shapes[f"mlp.{3 * i}.bias"] = (d, width), (d,)
+        width = d
+    return shapes
+
+
 class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-probes", tags=["semanticspec"]):
     """Maps a step's features to the probability that the reading model writes its meaning.
 
@@ -40,7 +56,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
             blocks += [nn.Linear(width, d), nn.ReLU(), nn.Dropout(config.dropout)]
             width = d
         blocks.append(nn.Linear(width, 1))
-        self.mlp = nn.Sequential(*blocks)
+        self.mlp = nn.Sequential(*blocks)  # keep expected_shapes() in step with this layout
 
     @torch.no_grad()
     def set_standardization(self, mean: torch.Tensor, std: torch.Tensor) -> None:
@@ -55,6 +71,14 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
                              f"the probe reads {self.config.input_size} columns")
         self.input_mean.copy_(mean)
         self.input_std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
+
+    def generate_model_card(self, *args, **kwargs):
+        """The exported ``README.md``: a card written from the config (``probes.card``), not the Hub's template."""
+        from huggingface_hub import ModelCard
+
+        from probes.card import model_card
+
+        return ModelCard(model_card(self.config))
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Pre-sigmoid scores. ``features``: (B, input_size) flat, or (B, L, D) for a hidden-only probe. Returns (B,)."""

@@ -29,10 +29,10 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 class ConstProbe(torch.nn.Module):
     """Stub probe: always ``value`` (1 = accept, 0 = reject), or a function of the features."""
 
-    def __init__(self, hidden_size: int, value=1.0, layer_ids=(-1,), groups=("hidden",), stats=()):
+    def __init__(self, hidden_size: int, value=1.0, layer_ids=(-1,), groups=("hidden",), stats=(), role="target"):
         super().__init__()
         self.config = ProbeConfig(hidden_size=hidden_size, layer_ids=list(layer_ids), hidden_dims=[],
-                                  feature_groups=list(groups), token_stats=list(stats))
+                                  feature_groups=list(groups), token_stats=list(stats), role=role)
         self.value = value
         self.calls = 0
 
@@ -46,7 +46,8 @@ class ConstProbe(torch.nn.Module):
 def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(), layer_ids=(-1,), **kw):
     kw.setdefault("top_k", 0)
     kw.setdefault("max_step_tokens", 6)
-    probes = [ConstProbe(m.config.hidden_size, v, layer_ids, groups, stats) for m, v in ((target, q), (draft, p))]
+    probes = [ConstProbe(m.config.hidden_size, v, layer_ids, groups, stats, role)
+              for m, v, role in ((target, q, "target"), (draft, p, "draft"))]
     for probe in probes:  # the probes were "trained" on the steps the test asks for
         probe.config.delimiters = list(kw.get("delimiters") or DEFAULT_DELIMITERS)
     return SemanticSpecDecoder(target, draft, tok, target_probe=probes[0], draft_probe=probes[1], **kw)
@@ -391,7 +392,7 @@ def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
         draft_tokenizer=ctok,
         max_step_tokens=6,
         target_probe=ConstProbe(32, 1.0),
-        draft_probe=ConstProbe(24, 1.0),
+        draft_probe=ConstProbe(24, 1.0, role="draft"),
         target_first_step=False,
     )
     assert accept.top_k == 0  # no fast path across tokenizers (asking for one is refused, see above)
@@ -403,7 +404,7 @@ def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
         draft_tokenizer=ctok,
         max_step_tokens=6,
         target_probe=ConstProbe(32, 0.0),
-        draft_probe=ConstProbe(24, 1.0),
+        draft_probe=ConstProbe(24, 1.0, role="draft"),
     )
     res = reject.generate(prompts, **GREEDY)
     assert texts(res) == texts(reject.generate(prompts, method="target_only", **GREEDY))
@@ -415,10 +416,12 @@ def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
 
 def test_probe_for_another_model_is_refused_naming_fields(tiny_pair, tmp_path):
     target, draft, tok = tiny_pair
-    cfg = ProbeConfig(hidden_size=24, hidden_dims=[4], reads=model_fingerprint(draft, tok))
+    cfg = ProbeConfig(hidden_size=24, hidden_dims=[4], reads=model_fingerprint(draft, tok), role="draft")
     export_probe(SemanticProbe(cfg), tmp_path / "draft_probe")
+    cfg.role = "target"  # a target-role probe, but of the draft model (a draft-role one is refused by its role)
+    export_probe(SemanticProbe(cfg), tmp_path / "other_target_probe")
     with pytest.raises(ValueError, match=r"hidden_size: probe has 24, model has 32.*num_layers"):
-        SemanticSpecDecoder(target, draft, tok, target_probe=tmp_path / "draft_probe")
+        SemanticSpecDecoder(target, draft, tok, target_probe=tmp_path / "other_target_probe")
     dec = SemanticSpecDecoder(target, draft, tok, draft_probe=str(tmp_path / "draft_probe"), rule="threshold")
     assert dec.draft_probe.config.reads == cfg.reads  # the right model loads
 
@@ -509,7 +512,7 @@ def test_defaults_follow_the_first_step_benchmark(tiny_pair):
     assert stub_decoder(target, draft, tok, token_sd=False).token_sd is False
     ctok = char_tokenizer()
     cross = SemanticSpecDecoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok,
-                                target_probe=ConstProbe(target.config.hidden_size), draft_probe=ConstProbe(24))
+                                target_probe=ConstProbe(target.config.hidden_size), draft_probe=ConstProbe(24, role="draft"))
     assert cross.token_sd is False  # needs a shared tokenizer: off, not refused, when left to the default
     res = shared.generate(PROMPTS[:1], max_new_tokens=12, seed=0)
     assert res[0].steps[0].writer == "draft"  # the first step was proposed by the draft
@@ -563,7 +566,7 @@ def test_prompts_given_as_token_ids_decode_like_their_text(world_tokenizer):
     ctok = char_tokenizer()
     target, draft = tiny_llama(len(world_tokenizer), 32, 2), tiny_llama(len(ctok), 24, 1, seed=1)
     dec = SemanticSpecDecoder(target, draft, world_tokenizer, draft_tokenizer=ctok, max_step_tokens=6,
-                              target_probe=ConstProbe(32, 0.5), draft_probe=ConstProbe(24, 1.0))
+                              target_probe=ConstProbe(32, 0.5), draft_probe=ConstProbe(24, 1.0, role="draft"))
     text = dec.generate(PROMPTS[:1], **GREEDY)
     pair = (world_tokenizer(PROMPTS[0]).input_ids, ctok(PROMPTS[0]).input_ids)
     assert texts(dec.generate([pair], **GREEDY)) == texts(text)

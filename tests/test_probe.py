@@ -305,3 +305,161 @@ def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(worl
         assert probe.config.labels["max_step_tokens"] == 32
     v1 = {k: v for k, v in config.items() if k not in ("labels",)} | {"format_version": 1}
     assert ProbeConfig.from_dict(v1).sampling == {}  # nothing recorded: nothing to enforce
+
+
+# --------------------------------------------------------------------------- role and config validation at load
+
+
+def test_a_probe_used_in_the_other_role_is_refused_naming_both(tmp_path, world_tokenizer):
+    """A draft probe handed over as the target probe is refused by its role, before any fingerprint check."""
+    from probes.decoding import setup
+
+    model = tiny_llama(len(world_tokenizer), 32)
+    probe, path = _export(tmp_path, model, world_tokenizer, role="draft")
+    with pytest.raises(ValueError, match=r"exported with role 'draft'.*used as the target probe"):
+        load_probe(path, model=model, tokenizer=world_tokenizer, role="target")
+    assert load_probe(path, model=model, tokenizer=world_tokenizer, role="draft").config.role == "draft"
+    assert load_probe(path, model=model, tokenizer=world_tokenizer).config.role == "draft"  # role=None: either
+    with pytest.raises(ValueError, match="role='judge'"):
+        load_probe(path, role="judge")
+    # the decoder's loader, for a directory and for a probe object
+    for given in (path, probe):
+        with pytest.raises(ValueError, match=r"exported with role 'draft'.*used as the target probe"):
+            setup.load(given, model, world_tokenizer, role="target")
+        assert setup.load(given, model, world_tokenizer, role="draft").config.role == "draft"
+    # a probe of another model in the wrong slot: the role is named first (the fingerprint would give no hint)
+    other = tiny_llama(len(world_tokenizer), 24, layers=1)
+    with pytest.raises(ValueError, match="exported with role 'draft'"):
+        setup.load(path, other, world_tokenizer, role="target")
+
+
+@pytest.mark.xfail(strict=True, reason="probes/decoder.py does not pass role= to setup.load yet (issue 21.8): "
+                                       "add role='target'/'draft' to its two setup.load calls, then drop this mark")
+def test_decoder_refuses_a_draft_probe_as_target_probe(tmp_path, world_tokenizer):
+    from probes.decoder import SemanticSpecDecoder
+
+    model = tiny_llama(len(world_tokenizer), 32)
+    _, path = _export(tmp_path, model, world_tokenizer, role="draft")
+    with pytest.raises(ValueError, match=r"exported with role 'draft'.*used as the target probe"):
+        SemanticSpecDecoder(model, model, world_tokenizer, target_probe=path)
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"layer_ids": [-100]}, r"layer_ids=\[-100\]: \[-100\] out of range for a model with 2 layers \(3 hidden_states"),
+    ({"layer_ids": []}, r"layer_ids=\[\]: expected a non-empty list"),
+    ({"layer_ids": [-1, -1]}, r"layer_ids=\[-1, -1\]: a layer is listed twice"),
+    ({"layer_ids": ["-1"]}, r"layer_ids=\['-1'\]: expected integers"),
+    ({"sampling": {"temperature": float("nan"), "top_p": 0.95}}, r"sampling\.temperature=nan: expected a finite"),
+    ({"sampling": {"temperature": float("inf")}}, r"sampling\.temperature=inf"),
+    ({"sampling": {"top_p": 0}}, r"sampling\.top_p=0: expected a number in \(0, 1\]"),
+    ({"format_version": 99}, r"format_version=99: written by a newer semanticspec-probes.*upgrade semanticspec-probes"),
+])
+def test_invalid_config_is_refused_at_load_naming_the_file_and_field(tmp_path, world_tokenizer, changes, says):
+    model = tiny_llama(len(world_tokenizer), 32)
+    _, path = _export(tmp_path, model, world_tokenizer)
+    _edit_config(path, **changes)  # json writes nan/inf as NaN/Infinity, which json (and config.json readers) read back
+    with pytest.raises(ValueError, match=says) as err:
+        load_probe(path, model=model, tokenizer=world_tokenizer)
+    assert f"{path}/config.json" in str(err.value)
+
+
+def test_layer_ids_are_checked_against_the_model_given_even_without_a_fingerprint(tmp_path, world_tokenizer):
+    """An old export records no `reads`; a layer the model lacks is still refused at load, not in decoding."""
+    model = tiny_llama(len(world_tokenizer), 32, layers=2)
+    path = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, layer_ids=[3], hidden_dims=[4])), tmp_path / "p")
+    assert load_probe(path).config.layer_ids == [3]  # no model: nothing to check the index against
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the "records no reads" warning
+        with pytest.raises(ValueError, match=rf"{path}/config.json \(field layer_ids\).*\[3\] out of range.*-3\.\.2"):
+            load_probe(path, model=model)
+        ok = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, layer_ids=[0, 2, -3], hidden_dims=[4])),
+                          tmp_path / "ok")
+        assert load_probe(ok, model=model).config.layer_ids == [0, 2, -3]
+
+
+def test_shapes_are_checked_in_the_header_before_anything_is_allocated(tmp_path, world_tokenizer, monkeypatch):
+    from probes import model as model_module
+    from probes.model import expected_shapes
+
+    for cfg in (ProbeConfig(hidden_size=8, hidden_dims=[4, 3]), ProbeConfig(hidden_size=8, hidden_dims=[]),
+                ProbeConfig(hidden_size=8, layer_ids=[-1, 0], layer_combine="weighted_sum", hidden_dims=[5],
+                            feature_groups=["hidden", "token_stats"], token_stats=["mean_logprob"])):
+        assert expected_shapes(cfg) == {k: tuple(v.shape) for k, v in SemanticProbe(cfg).state_dict().items()}
+    model = tiny_llama(len(world_tokenizer), 32)
+    _, path = _export(tmp_path, model, world_tokenizer)
+    _edit_config(path, hidden_dims=[1_000_000_000])
+
+    def no_build(*a, **kw):
+        raise AssertionError("the probe was built before its shapes were checked")
+
+    monkeypatch.setattr(model_module.SemanticProbe, "__init__", no_build)
+    with pytest.raises(ValueError) as err:
+        load_probe(path, model=model, tokenizer=world_tokenizer)
+    msg = str(err.value)
+    assert f"{path}/model.safetensors does not hold the weights {path}/config.json describes" in msg
+    assert "mlp.0.weight has shape [16, 32], expected [1000000000, 32]" in msg and "hidden_dims=[1000000000]" in msg
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, world_tokenizer, bad):
+    from safetensors.torch import save_file
+
+    model = tiny_llama(len(world_tokenizer), 32)
+    probe, path = _export(tmp_path, model, world_tokenizer)
+    state = {k: v.clone().contiguous() for k, v in probe.state_dict().items()}
+    state["mlp.3.bias"][0] = bad
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{path}/model.safetensors holds NaN or infinite values in \['mlp.3.bias'\]"):
+        load_probe(path, model=model, tokenizer=world_tokenizer)
+
+
+def test_non_finite_sampling_is_refused_on_the_config_not_on_a_decoder_argument():
+    with pytest.raises(ValueError, match=r"invalid ProbeConfig: sampling\.temperature=nan"):
+        ProbeConfig(sampling={"temperature": float("nan")})
+
+
+def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
+    from pathlib import Path
+
+    from datamodules.arithmetic.models import load_model
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic" / "probes"
+    for role in ("target", "draft"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            probe = load_probe(root / role, model=load_model(role), tokenizer=world_tokenizer, role=role)
+        assert probe.config.role == role
+
+
+def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
+    """README.md says what the probe reads, which model, its labels and metrics, and how to load it (issue 21.16)."""
+    model = tiny_llama(len(world_tokenizer), 32)
+    labels = {"labelling": "joint", "clustering": "hdbscan+judge", "seed": 7, "max_step_tokens": 24,
+              "judge": {"kind": "llm", "model": {"name_or_path": "judges/tiny"}}}
+    _, path = _export(tmp_path, model, world_tokenizer, role="draft", layer_ids=[-1, 1], pooling="last",
+                      feature_groups=["hidden", "token_stats"], token_stats=["mean_logprob", "max_entropy"],
+                      labels=labels, sampling={"n_samples": 5, "temperature": 0.7, "top_p": 0.9},
+                      test_metrics={"mse": 0.0123, "draft_written/auroc": 0.987})
+    card = (path / "README.md").read_text()
+    tok_hash = model_fingerprint(model, world_tokenizer)["tokenizer_hash"]
+    assert "More Information Needed" not in card and "pushed to the Hub" not in card
+    assert card.startswith("---\nlibrary_name: semanticspec-probes\n")
+    assert "# SemanticSpec draft probe for" in card and "**draft** model would write" in card
+    for fact in ("`hidden`, `token_stats`", "`[-1, 1]`", "`last` over the step's tokens",
+                 "`mean_logprob`, `max_entropy`", "MLP 66 → 16 → 8 → 1", "at most 24 tokens",  # 2 layers x 32 + 2 statistics
+                 "| num_layers | `2` |", "| hidden_size | `32` |", f"| tokenizer_hash | `{tok_hash}` |",
+                 "| samples per prefix and model (N) | 5 |", "temperature 0.7, top_p 0.9", "`hdbscan+judge`",
+                 "`llm` (`judges/tiny`)", "| seed | 7 |", "| mse | 0.0123 |", "| draft_written/auroc | 0.9870 |",
+                 'role="draft"', "draft_probe=", "format version 3"):
+        assert fact in card, fact
+    no_judge = ProbeConfig(hidden_size=8, hidden_dims=[4], labels={"clustering": "hdbscan", "judge": {"kind": "none"}})
+    assert "| judge | `none` |" in (export_probe(SemanticProbe(no_judge), tmp_path / "nj") / "README.md").read_text()
+    bare = export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "bare")
+    card = (bare / "README.md").read_text()  # an old-style config: what is missing is said, not invented
+    assert "Not recorded (an old export)" in card and "None recorded at export" in card
+    assert "No label provenance recorded" in card

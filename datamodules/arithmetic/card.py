@@ -263,7 +263,7 @@ def card_text(role: str, folder: Path, results: Optional[dict]) -> str:
         f"# SemanticSpec arithmetic world: {role}",
         "",
         f"A small `LlamaForCausalLM` trained from scratch on CPU for the embedded world of semanticspec-probes "
-        f'(issue 6; "The embedded world" in DESIGN.md). It is {ROLE_TEXT[role]}',
+        f'(issue 6; "The embedded world" in docs/design.md). It is {ROLE_TEXT[role]}',
         "",
         "A prompt is `<bos>` + problem + blank line; the trace writes one operation per step, steps separated "
         f"by a blank line, and ends with `{task.ANSWER_MARKER} N` and `<eos>`:",

@@ -9,7 +9,7 @@
 The work is cut into shards of ``shard_size`` prefixes. A shard's random streams are seeded by
 ``(sampling.seed, shard index)``, so a shard comes out the same whichever rank builds it and whether
 the build was interrupted before: a rerun skips the whole shards on disk and builds the rest. Rank 0
-merges everything into ``manifest.json`` (DESIGN.md "Formats"). The config and the signature the
+merges everything into ``manifest.json`` (docs/design.md "Formats"). The config and the signature the
 manifest records live in :mod:`datamodules.labels.config`, one shard's work in
 :mod:`datamodules.labels.shard`, locks and progress in :mod:`datamodules.labels.coordination`, the writer of
 shards and manifest in :mod:`datamodules.labels.shards`.

@@ -1,6 +1,6 @@
 """Meaning groups of one prefix's samples: HDBSCAN proposes, an equivalence judge settles.
 
-Per prefix (DESIGN.md "Meaning groups"):
+Per prefix (docs/design.md "Meaning groups"):
 
 1. Identical texts (up to whitespace) are one item; the rest works on unique texts.
 2. HDBSCAN (the ``hdbscan`` package) clusters the items' embeddings (default: the pooled hidden

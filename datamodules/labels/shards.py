@@ -4,7 +4,7 @@ Every dataset is written here: the label build writes shard by shard (:func:`wri
 under its locks, resumable) and then :func:`write_manifest`; synthetic datasets (tests,
 benchmarks) call :func:`write_dataset`, which does both. Every file is written under a temporary
 name in the same folder and renamed into place, so a killed build leaves only whole files
-(DESIGN.md "Formats"). Nothing here unpickles.
+(docs/design.md "Formats"). Nothing here unpickles.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Labels from meaning groups: each sample's share of each model's samples in its group.
 
-For one prefix with target samples and draft samples grouped by meaning (DESIGN.md "Labels from
-a joint clustering"): ``q`` = share of the target's samples in the sample's group, ``p`` = share of
+For one prefix with target samples and draft samples grouped by meaning (docs/design.md "Semantic
+probability and labels"): ``q`` = share of the target's samples in the sample's group, ``p`` = share of
 the draft's samples in it. ``per_model`` labelling (the paper's) groups each model's samples
 alone, so only the writer's own share is defined; the other one is NaN.
 """

@@ -1,7 +1,7 @@
 """Transformers' own generation loop: the ``hf_target_only`` and ``token_sd`` (assisted generation) methods.
 
 Token-level speculative decoding is compared with transformers' own target-only ``generate`` so
-both sides of that ratio run the same loop (DESIGN.md "Decoding").
+both sides of that ratio run the same loop (docs/design.md "Decoding").
 """
 
 from __future__ import annotations

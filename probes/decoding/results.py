@@ -1,4 +1,4 @@
-"""What a decode returns: the step trace, the counters, and their aggregate (DESIGN.md "Definitions")."""
+"""What a decode returns: the step trace, the counters, and their aggregate (docs/design.md "Benchmark figures")."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class StepTrace:
 
 @dataclass
 class DecodeStats:
-    """Counters of one prompt's decode (DESIGN.md "Definitions").
+    """Counters of one prompt's decode (docs/design.md "Benchmark figures").
 
     ``wall_s`` and the phase times (``*_s``) of a batch are shared evenly by its rows, so sums over
     results give totals. ``steps`` counts committed steps (rejected proposals not included). Phases of
@@ -77,7 +77,7 @@ class DecodeResult:
 
 
 def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
-    """Aggregate figures over prompts, named as in DESIGN.md "Definitions".
+    """Aggregate figures over prompts, named as in docs/design.md "Benchmark figures".
 
     Returns:
         ``step_acceptance``, ``draft_token_share``, ``target_passes_per_100_tokens``,

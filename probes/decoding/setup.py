@@ -42,22 +42,38 @@ def check_args(*, rule, tau, ratio_scale, top_k, shared, fast_path_min_logprob, 
         raise ValueError("invalid SemanticSpecDecoder arguments: " + "; ".join(errors))
 
 
-def load(probe, model, tokenizer):
-    """A probe directory, a ``SemanticProbe`` or None, checked against the model it reads."""
+def load(probe, model, tokenizer, role: str | None = None):
+    """A probe directory, a ``SemanticProbe`` or None, checked against the model it reads and the role it is used in.
+
+    Args:
+        probe: exported probe directory, ``SemanticProbe``, or None (returned as is).
+        model: the model whose hidden states the probe reads (fingerprint and ``layer_ids`` checked).
+        tokenizer: that model's tokenizer.
+        role: ``"target"`` or ``"draft"``: the slot the probe fills; a probe exported with the other
+            role is refused, naming both. None checks no role.
+
+    Raises:
+        ValueError: wrong role, another model's probe, layers the model lacks, or features the
+            decoder cannot compute.
+        TypeError: ``probe`` is none of the above.
+    """
     if probe is None:
         return None
     device = str(next(model.parameters()).device)
     if isinstance(probe, (str, os.PathLike)):
         from probes.export import load_probe
 
-        probe = load_probe(probe, model, tokenizer, device=device)
+        probe = load_probe(probe, model, tokenizer, device=device, role=role)
     elif not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
         raise TypeError(f"probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
     else:
-        from probes.export import check_probe_matches
+        from probes.export import check_layers, check_probe_matches, check_role
 
-        # The same fingerprint check as load_probe: width, and model/tokenizer when the probe records them.
-        check_probe_matches(probe.config, model, tokenizer, where=f"{probe.config.role} probe")
+        where = f"the {role} probe" if role else f"{probe.config.role} probe"
+        check_role(probe.config, role, where=where)
+        # The same checks as load_probe: width, and model/tokenizer when the probe records them; layers.
+        check_probe_matches(probe.config, model, tokenizer, where=where)
+        check_layers(probe.config, model, where=f"{where} (config.layer_ids)")
         probe = probe.to(device).eval()
     c = probe.config  # refuse features this decoder cannot compute, naming both lists
     require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
