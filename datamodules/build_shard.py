@@ -21,6 +21,7 @@ from datamodules.build_config import DEFAULT_HTTP_TEMPLATE, ROLES, BuildConfig, 
 from datamodules.clustering import group_prefixes
 from datamodules.labels import DRAFT, TARGET, joint_labels, per_model_labels
 from datamodules.prefixes import Prefix
+from datamodules.quiet import quiet_loading
 from datamodules.reading import read_steps
 from datamodules.samplers import make_sampler
 
@@ -58,8 +59,9 @@ def load_model(config: BuildConfig, role: str):
     from transformers import AutoModelForCausalLM
 
     device, dtype = config.resolved_device()
-    return AutoModelForCausalLM.from_pretrained(config.model_path(role), local_files_only=True,
-                                                dtype=dtype).to(device).eval()
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(config.model_path(role), local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
 
 
 def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: dict | None = None) -> Models:
@@ -101,9 +103,11 @@ def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     name = f"{Path(path).name}@{weights_stamp(path)}"  # a retrained judge must not reuse old cached answers
     if j.kind == "nli":
-        model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
+        with quiet_loading():
+            model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
         return J.NLIJudge(model.to(device).eval(), tok, name=name, **common)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
     template = j.template or default_template(j)
     return J.LLMJudge(model, tok, template, yes=j.yes_answer, no=j.no_answer, name=name, **common)
 
