@@ -79,9 +79,9 @@ def did_you_mean(message: str, options: list[str]) -> str:
     unknown = [w.split("=")[0] for w in m.group(1).split() if w.startswith("--")]
     hints = []
     for word in unknown:
-        close = difflib.get_close_matches(word, options, n=3, cutoff=0.75)
+        close = difflib.get_close_matches(word, options, n=1, cutoff=0.75)
         if close:
-            hints.append(f"{word}: did you mean {' or '.join(close)}?")
+            hints.append(f"did you mean {close[0]}?")
     return message.rstrip() + ("; " + "; ".join(hints) if hints else "")
 
 

@@ -27,7 +27,7 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from datamodules.cli import check_yaml_files, did_you_mean, normalise_args, option_value, parser_options
+from datamodules.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.build import SERVER_ERRORS
 from datamodules.datamodule import SemanticProbeDataModule
 from probes.export import export_probe
@@ -45,6 +45,24 @@ DESCRIPTION = (
     "Build SemanticSpec label data if it is missing, train the target and draft probes, test the best "
     "checkpoint on held-out problems and export it (model.safetensors + config.json per role)."
 )
+SHORT_HELP = f"""usage: {PROG} [options]
+
+{DESCRIPTION}
+
+Common options (every option, with its docs: {PROG} --help_all, or --help full):
+  -c, --config FILE           YAML config (default: configs/arithmetic.yaml, the embedded default)
+  --data.data_dir DIR         label data: shards + manifest.json, built there when missing
+  --data.build null           train on the finished data in data_dir as it is, never build
+  --data.feature_groups LIST  what the probes read: [hidden], [token_stats] or [hidden, token_stats]
+  --data.val_fraction X       share of problems held out for validation (0: monitors watch the train loss)
+  --trainer.max_epochs N      epochs to train (-1: no limit; early stopping ends the run)
+  --trainer.devices N         devices (processes) to train on
+  --export_dir DIR            where the best probes are exported (default: <run folder>/export)
+  --ckpt_path FILE            resume an interrupted run from its last.ckpt (with the run's own config)
+  --print_config              print the full config and exit
+  -h, --help                  this screen
+  --help_all                  every option (trainer, model, data, build), with its docs
+"""
 
 
 def fail(message: str) -> NoReturn:
