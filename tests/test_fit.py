@@ -483,3 +483,14 @@ def test_short_help_names_real_options_and_help_all_lists_every_one(capsys):
     assert len(full.splitlines()) > 300
     named = {w.strip(",:") for w in short.split() if w.startswith("--")} - {"--help", "--help_all"}
     assert len(named) >= 9 and not {w for w in named if w not in full}
+
+
+def test_a_normal_run_shows_no_noise(tmp_path, capsys, caplog, recwarn):
+    cfg = _tiny_config(tmp_path)
+    main(["--config", str(cfg), "--trainer.max_epochs", "1", "--export", "false"])
+    out, err = capsys.readouterr()
+    text = out + err + caplog.text + " ".join(str(w.message) for w in recwarn)
+    for noise in ("litlogger", "Total Flops", "Total FLOPs", "IterableDataset` has `__len__`", "Seed set to",
+                  "Skipping setting a default"):
+        assert noise not in text, noise
+    assert out.count("reusing 4 shards") == 1 and "| target (draft-written) |" in out  # the closing table stays
