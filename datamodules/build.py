@@ -29,7 +29,6 @@ import yaml
 from tqdm.auto import tqdm
 
 from datamodules import shards as S
-from datamodules.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.build_config import (  # noqa: F401  (re-exported: the build's public names live here too)
     JUDGES,
     ROLES,
@@ -50,6 +49,7 @@ from datamodules.build_config import (  # noqa: F401  (re-exported: the build's 
 )
 from datamodules.build_shard import (  # noqa: F401
     Models, build_shard, load_model, load_models, load_tokenizers, make_judge, shard_seed)
+from datamodules.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.prefixes import make_prefixes, target_traces
 from datamodules.shard_work import (
     Progress,

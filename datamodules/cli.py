@@ -16,7 +16,7 @@ import yaml
 
 CONFIG_FLAGS = ("--config", "-c")
 """The options that name a YAML config; ``-c FILE`` means ``--config FILE``."""
-_OPTION = re.compile(r"^(--[A-Za-z_][\w.\-]*\+?)=(.*)$", re.S)
+_OPTION = re.compile(r"^(--[A-Za-z_][\w.\-]*\+?)=(.*)$", re.DOTALL)
 
 
 def normalise_args(args: list[str]) -> list[str]:

@@ -27,8 +27,8 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from datamodules.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.build import SERVER_ERRORS
+from datamodules.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.datamodule import SemanticProbeDataModule
 from probes.export import export_probe
 from probes.fit_callbacks import NoValidationFallback, ProbeSummary

@@ -403,8 +403,8 @@ def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_r
     last = run / "checkpoints" / "last.ckpt"
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("python -m probes.fit: interrupted")]
-    assert said == [f"python -m probes.fit: interrupted; kept {last} (after epoch 1). Resume with: "
-                    f"python -m probes.fit --ckpt_path {last}"], err
+    expected = f"python -m probes.fit: interrupted; kept {last} (after epoch 1). Resume with: python -m probes.fit --ckpt_path {last}"
+    assert said == [expected], err
     # the command it printed: the run's own config (max_epochs 5, not the default 12), in the same folder
     config = yaml.safe_load((run / "config.yaml").read_text())
     config["trainer"]["callbacks"] = config["trainer"]["callbacks"][:-1]  # (this test's interrupter, not the user's)
