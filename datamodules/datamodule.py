@@ -95,6 +95,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         self._verified: dict[str, tuple] = {}
         self._counted: dict[tuple, tuple[dict[str, int], int]] = {}
         self._spec: dict | None = None
+        self._said: set[str] = set()
 
     # -- what the probes read --------------------------------------------------------------
 
@@ -157,10 +158,16 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         if self.build is None:
             if not (self.data_dir / S.MANIFEST).is_file():
                 raise FileNotFoundError(self._missing_message())
-            print(f"reusing {len(S.read_manifest(self.data_dir)['shards'])} shards in {self.data_dir}")
+            self._say(f"reusing {len(S.read_manifest(self.data_dir)['shards'])} shards in {self.data_dir}")
             return
-        build(self.build, self.data_dir)
+        build(self.build, self.data_dir, log=self._say)
         self._spec = None
+
+    def _say(self, line: str) -> None:
+        """Print ``line`` unless this datamodule said it before (Lightning prepares the data for fit and test)."""
+        if line not in self._said:
+            self._said.add(line)
+            print(line)
 
     def setup(self, stage: str | None = None) -> None:
         """Check the manifest and every shard (checksum, width, finite features) and count rows per split."""

@@ -2,19 +2,24 @@
 
 With no arguments it runs the embedded default (``configs/arithmetic.yaml``) offline on a CPU.
 Every option can be overridden (``--trainer.max_epochs 3``, ``--data.batch_size 256``) and
-``--help`` lists them with their docs. On success it prints the exported probe paths and a metric
+``--help`` shows the common ones, ``--help_all`` (or ``--help full``) every one with its docs. On success it prints the exported probe paths and a metric
 table. Probes are exported inside the run's own folder (``<trainer.log_dir>/export/<role>``);
 replacing the shipped ones is explicit: ``--export_dir checkpoints/arithmetic/probes``.
 
 Bad input (an unknown key, a value a class refuses, data that cannot be built) ends the command with
-one line on stderr and exit status 2, never a traceback.
+one line on stderr and exit status 2, never a traceback. ``--ckpt_path <run>/checkpoints/last.ckpt``
+resumes an interrupted run with its own config, in its own folder (:mod:`probes.resume`); Ctrl-C
+prints that command.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
@@ -22,9 +27,13 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
+from datamodules.labels.build import SERVER_ERRORS
+from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.datamodule import SemanticProbeDataModule
 from probes.export import export_probe
+from probes.fit_callbacks import NoValidationFallback, ProbeSummary
 from probes.module import SemanticProbeModule
+from probes.resume import KeepHistory, interrupted_line, refuse_differences, resume_args, run_dir_of
 
 # Field docstrings of ProbeConfig / BuildConfig become their --help text (as in litgpt).
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -36,6 +45,24 @@ DESCRIPTION = (
     "Build SemanticSpec label data if it is missing, train the target and draft probes, test the best "
     "checkpoint on held-out problems and export it (model.safetensors + config.json per role)."
 )
+SHORT_HELP = f"""usage: {PROG} [options]
+
+{DESCRIPTION}
+
+Common options (every option, with its docs: {PROG} --help_all, or --help full):
+  -c, --config FILE           YAML config (default: configs/arithmetic.yaml, the embedded default)
+  --data.data_dir DIR         label data: shards + manifest.json, built there when missing
+  --data.build null           train on the finished data in data_dir as it is, never build
+  --data.feature_groups LIST  what the probes read: [hidden], [token_stats] or [hidden, token_stats]
+  --data.val_fraction X       share of problems held out for validation (0: monitors watch the train loss)
+  --trainer.max_epochs N      epochs to train (-1: no limit; early stopping ends the run)
+  --trainer.devices N         devices (processes) to train on
+  --export_dir DIR            where the best probes are exported (default: <run folder>/export)
+  --ckpt_path FILE            resume an interrupted run from its last.ckpt (with the run's own config)
+  --print_config              print the full config and exit
+  -h, --help                  this screen
+  --help_all                  every option (trainer, model, data, build), with its docs
+"""
 
 
 def fail(message: str) -> NoReturn:
@@ -60,7 +87,7 @@ class ProbeArgumentParser(LightningArgumentParser):
 
         if not self.exit_on_error or debug_mode_active():  # jsonargparse asks for an exception here
             super().error(message, ex)
-        fail(message)
+        fail(did_you_mean(message, parser_options(self)))
 
 
 class ProbeCLI(LightningCLI):
@@ -81,16 +108,37 @@ class ProbeCLI(LightningCLI):
         parser.link_arguments("data.roles", "model.roles")
         parser.link_arguments("data.input_spec", "model.input_spec", apply_on="instantiate")
 
+    resume_base: Optional[list[str]] = None
+    """Set by main() when resuming: the arguments that give the run's own config (see :mod:`probes.resume`)."""
+
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         # main() always hands over the arguments (sys.argv's, after the default --config), so Lightning's
         # warning about `args` and sys.argv both being given would open every run; parse them directly.
         self.config = parser.parse_args(args)
+        if self.resume_base is not None:  # a resumed run is the interrupted run: refuse other values
+            run = parser.parse_args(self.resume_base)
+            refuse_differences(fail, PROG, self.config.as_dict(), run.as_dict(), self.config.get("ckpt_path"))
+
+    def _set_seed(self) -> None:
+        # Lightning prints "Seed set to N" here, before the classes check their arguments: a refused value
+        # would then print two lines. The seed stays in the run's config.yaml.
+        from lightning.fabric.utilities.seed import seed_everything
+
+        seed = self.config.get("seed_everything")
+        if seed is not False:
+            self.config["seed_everything"] = seed_everything(None if seed is True else seed, workers=True, verbose=False)
 
     def before_instantiate_classes(self) -> None:
         epochs = self.config.get("trainer.max_epochs")
-        if epochs is not None and epochs < 1:  # Lightning reads -1 as "no limit" and shows "Epoch 1/-2"
-            fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1 (early stopping may end the run "
-                 "sooner; --trainer.max_time bounds it by time)")
+        if epochs is not None and epochs < 1 and epochs != -1:
+            fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1, or -1 for no limit (early "
+                 "stopping or --trainer.max_time ends the run)")
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
+        callbacks = list(callbacks) + [NoValidationFallback()]
+        if config.get("enable_model_summary") is not False:
+            callbacks.append(ProbeSummary())  # Lightning's own, less its "FLOPs 0" column and total
+        return super()._instantiate_trainer(config, callbacks)
 
     def instantiate_classes(self) -> None:
         try:
@@ -155,32 +203,36 @@ def format_table(rows: dict[str, dict[str, float]], columns: list[str]) -> str:
 
 def main(args: ArgsType = None) -> dict[str, Any]:
     """Run the fit job; returns ``{"export": {role: path}, "test": metrics, "best_ckpt": path}``."""
-    args = list(sys.argv[1:] if args is None else args)
-    if not any(a == "--config" or a.startswith("--config=") for a in args):
+    args = normalise_args(list(sys.argv[1:] if args is None else args))
+    args = _help_args(args)
+    try:
+        check_yaml_files(args)
+    except ValueError as e:
+        fail(str(e))
+    given = list(args)  # for the resume command an interrupted run prints
+    args, resume_base = resume_args(args)
+    if "--config" not in args:
         # The embedded default unless a config is given. (Not `default_config_files`: jsonargparse then
         # rejects an optimizer class_path in the YAML.)
         args = ["--config", str(DEFAULT_CONFIG)] + args
-    cli = ProbeCLI(
-        SemanticProbeModule,
-        SemanticProbeDataModule,
-        run=False,
-        auto_configure_optimizers=False,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-        parser_class=ProbeArgumentParser,
-        parser_kwargs={"prog": PROG, "description": DESCRIPTION, "allow_abbrev": False},  # no silent prefix matches
-    )
-    trainer, module, data = cli.trainer, cli.model, cli.datamodule
-    setup_done = _SetupDone()
-    trainer.callbacks.append(setup_done)
+    _quiet_lightning()
+    ProbeCLI.resume_base = resume_base
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=cli.config.get("ckpt_path"))
-    except (ValueError, OSError) as e:
-        if setup_done.done:  # raised while training: not an input error, keep the traceback
-            raise
-        fail(str(e))  # the data build, the data checks or the optimizer refused the input
-    if trainer.interrupted:
-        return {"export": {}, "test": {}, "best_ckpt": getattr(trainer.checkpoint_callback, "best_model_path", None)}
+        cli = ProbeCLI(
+            SemanticProbeModule,
+            SemanticProbeDataModule,
+            run=False,
+            auto_configure_optimizers=False,
+            args=args,
+            save_config_kwargs={"overwrite": True},
+            parser_class=ProbeArgumentParser,
+            parser_kwargs={"prog": PROG, "description": DESCRIPTION, "allow_abbrev": False},  # no silent prefix matches
+        )
+    finally:
+        ProbeCLI.resume_base = None
+    trainer, module, data = cli.trainer, cli.model, cli.datamodule
+    ckpt_path = cli.config.get("ckpt_path")
+    _fit(trainer, module, data, ckpt_path, given)
     best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
     live = _spec_summary(trainer)  # before test() replaces the callback metrics
     test_metrics: dict[str, float] = {}
@@ -200,6 +252,60 @@ def main(args: ArgsType = None) -> dict[str, Any]:
         print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy", "accuracy_delta",
                                      "step_acceptance"]))
     return {"export": paths, "test": test_metrics, "best_ckpt": best}
+
+
+def _fit(trainer, module, data, ckpt_path: Optional[str], args: list[str]) -> None:
+    """``trainer.fit``; bad input before training ends in one line, Ctrl-C in what was kept and how to resume."""
+    setup_done = _SetupDone()
+    trainer.callbacks.append(setup_done)
+    run = run_dir_of(ckpt_path) if ckpt_path else None
+    if run is not None:
+        trainer.callbacks.append(KeepHistory(run, ckpt_path))
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    except (ValueError, OSError, RuntimeError) as e:
+        if setup_done.done or (isinstance(e, RuntimeError) and not str(e).startswith(SERVER_ERRORS)):
+            raise  # raised while training, or a fault of ours: not an input error, keep the traceback
+        fail(str(e))  # the data build (its servers), the data checks or the optimizer refused the input
+    except SystemExit:
+        if not trainer.interrupted:
+            raise
+        # Lightning caught KeyboardInterrupt, shut down and called sys.exit(1): say what was kept
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)  # Lightning left SIGINT ignored
+        if trainer.is_global_zero:
+            print(interrupted_line(PROG, trainer, args), file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _help_args(args: list[str]) -> list[str]:
+    """``--help`` / ``-h``: the short screen of common options (and exit); ``--help_all`` / ``--help full``: every one."""
+    if "--help_all" in args or any(a in ("--help", "-h") and args[i + 1 : i + 2] == ["full"] for i, a in enumerate(args)):
+        return ["--help"]
+    if "--help" in args or "-h" in args:
+        print(SHORT_HELP, end="")
+        raise SystemExit(0)
+    return args
+
+
+_LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary`")
+
+
+def _quiet_lightning() -> None:
+    """Silence what a normal run need not show: Lightning's litlogger tip and its warning about a ``__len__``
+    of iterable datasets (the stream deals shards to workers itself, so its length holds)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages())
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+
+
+class _DropMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(word in str(record.getMessage()) for word in _LIGHTNING_NOISE)
 
 
 def metric_rows(test_metrics: dict[str, float], roles: list[str]) -> dict[str, dict[str, float]]:

@@ -28,6 +28,7 @@ class FakeServer:
         fail_first: answer the first this many completion requests with HTTP 503.
         delay: seconds to wait before answering a completion request.
         version: what ``GET /version`` answers (None: 404, as llama.cpp).
+        status: answer every request with this HTTP status (e.g. 401, a refused key) instead.
     """
 
     def __init__(self, model, tokenizer, name: str = "tiny", *, honour_n: bool = False, include_stop: bool = False,
@@ -54,7 +55,10 @@ class FakeServer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                if self.path == "/v1/models":
+                if outer.status is not None:  # a refusing server (401: a bad key) refuses every route
+                    self._send(outer.status, {"error": {"message": "refused: bad key " +
+                                                        self.headers.get("Authorization", "")}})
+                elif self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": outer.name, "object": "model"}]})
                 elif self.path == "/version" and outer.version is not None:
                     self._send(200, {"version": outer.version})

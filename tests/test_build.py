@@ -1,6 +1,7 @@
 """The label build: shards and manifest, resume after a kill, ranks, refusals, the CLI, step reading."""
 
 import io
+from pathlib import Path
 import json
 import os
 import shutil
@@ -528,3 +529,162 @@ def test_read_steps_reads_each_distinct_step_of_a_prefix_once(world):
     for g in ("hidden", "token_stats"):
         torch.testing.assert_close(got[g], ref[g][[0, 1, 0, 2, 2]])
     assert max(rows) == 3  # three distinct steps were read, never five rows
+
+
+# -- issue 21: the CLI's spellings, server refusals, Ctrl-C, read-only data, quiet loading -------------------------
+
+
+def _world_args(world, d):
+    return ["--data_dir", str(d), "--build.target", str(world / "target"), "--build.draft", str(world / "draft"),
+            "--build.judge.model", str(world / "judge"), "--build.n_problems", "3", "--build.shard_size", "4",
+            "--build.sampling.n_samples", "3", "--build.steps.max_step_tokens", "6"]
+
+
+def _one_line(capsys, args, code=2) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("python -m datamodules.labels.build: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("form", ["space", "equals"])
+@pytest.mark.parametrize("option", ["--fit_config", "--config", "-c", "--data_dir", "--build.sampling.seed"])
+def test_every_spelling_of_an_option_means_the_same(option, form, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr("datamodules.labels.build.build", lambda config, data_dir, **kw: calls.append((config, data_dir)))
+    fit = tmp_path / "fit.yaml"
+    fit.write_text(yaml.safe_dump({"data": {"data_dir": "from-fit", "build": {"n_problems": 5}}}))
+    plain = tmp_path / "build.yaml"
+    plain.write_text(yaml.safe_dump({"data_dir": "from-config", "build": {"n_problems": 6}}))
+    value = {"--fit_config": str(fit), "--config": str(plain), "-c": str(plain), "--data_dir": "given",
+             "--build.sampling.seed": "5"}[option]
+    main([option, value] if form == "space" else [f"{option}={value}"])
+    config, data_dir = calls[0]
+    expected = {"--fit_config": ("from-fit", "n_problems", 5), "--config": ("from-config", "n_problems", 6),
+                "-c": ("from-config", "n_problems", 6), "--data_dir": ("given", "n_problems", BuildConfig().n_problems),
+                "--build.sampling.seed": ("data/arithmetic", "seed", 5)}[option]
+    got = config.sampling.seed if expected[1] == "seed" else config.n_problems
+    assert (data_dir, got) == (expected[0], expected[2])
+
+
+def _fit_parser_options():
+    from probes.fit import ProbeCLI
+    from probes.fit import main as fit_main
+
+    grabbed = []
+
+    class Grabbed(Exception):
+        pass
+
+    def grab(self, parser, args):
+        grabbed.append(parser)
+        raise Grabbed
+
+    original = ProbeCLI.parse_arguments
+    ProbeCLI.parse_arguments = grab
+    try:
+        with pytest.raises(Grabbed):
+            fit_main([])
+    finally:
+        ProbeCLI.parse_arguments = original
+    from datamodules.labels.cli import parser_options
+
+    return parser_options(grabbed[0])
+
+
+def test_key_equals_value_is_key_space_value_for_every_option_of_both_clis():
+    from datamodules.labels.build import _parser
+    from datamodules.labels.cli import normalise_args, parser_options
+
+    options = parser_options(_parser()) + _fit_parser_options()
+    assert {"--fit_config", "--build.sampling.openai.target.urls", "--ckpt_path", "--trainer.max_epochs"} <= set(options)
+    for opt in options:
+        assert normalise_args([f"{opt}=a=b", "--x", "1"]) == [opt, "a=b", "--x", "1"], opt
+    assert normalise_args(["-c", "f.yaml", "-c=g.yaml", "--", "--a=b"]) == ["--config", "f.yaml", "--config", "g.yaml",
+                                                                            "--", "--a=b"]
+
+
+def test_yaml_errors_name_the_file_and_typos_get_a_suggestion(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("build:\n  n_problems: 3\n   seed: [\n")
+    for flag in ("--config", "--fit_config"):
+        line = _one_line(capsys, [flag, str(bad)])
+        assert f"{bad}: invalid YAML at line 3" in line and "unicode string" not in line
+    assert "did you mean --build.sampling.n_samples?" in _one_line(capsys, ["--build.sampling.n_sampels", "3"])
+
+
+@pytest.mark.parametrize("status", [401, None])
+def test_a_refusing_or_unreachable_sampling_server_is_one_line_and_writes_nothing(world, world_tokenizer, tmp_path,
+                                                                                  capsys, monkeypatch, status):
+    from tests.fake_openai import FakeServer
+
+    monkeypatch.setenv("SAMPLER_KEY", "sk-never-print-me")
+    server = FakeServer(None, world_tokenizer, status=status) if status else None
+    url = server.url if server else "http://127.0.0.1:9/v1"  # nothing listens on port 9
+    d = tmp_path / "d"
+    try:
+        line = _one_line(capsys, _world_args(world, d) + [
+            "--build.sampling.backend", "openai", "--build.sampling.openai.api_key_env", "SAMPLER_KEY",
+            "--build.sampling.openai.retries", "1", "--build.sampling.openai.target.urls", f"[{url}]",
+            "--build.sampling.openai.draft.urls", f"[{url}]"])
+    finally:
+        if server:
+            server.close()
+    assert url in line and "sk-never-print-me" not in line
+    assert ("refused the API key from $SAMPLER_KEY" if status else "did not answer") in line
+    assert not (d / "build.json").exists()
+
+
+def test_ctrl_c_keeps_whole_shards_and_prints_the_resume_command(world, reference, tmp_path, capsys, monkeypatch):
+    from datamodules.labels import build as B
+
+    real = B.build_shard
+
+    def build_shard(k, *a, **kw):
+        if k == 1:
+            raise KeyboardInterrupt
+        return real(k, *a, **kw)
+
+    monkeypatch.setattr(B, "build_shard", build_shard)
+    d = tmp_path / "d"
+    args = _world_args(world, d) + ["--build.sampling.seed", "7"]
+    line = _one_line(capsys, args, code=130)
+    assert line == (f"python -m datamodules.labels.build: interrupted; 1 whole shard kept in {d}. Resume with: "
+                    f"python -m datamodules.labels.build {' '.join(args)}")
+    monkeypatch.setattr(B, "build_shard", real)
+    main(args)  # the command it printed finishes the build
+    assert _dataset_bytes(d) == _dataset_bytes(reference[0])
+
+
+def test_a_finished_build_on_read_only_storage_is_read_without_write_access(world, reference, tmp_path, monkeypatch):
+    from datamodules.labels import coordination as shard_work
+
+    d = tmp_path / "ro"
+    shutil.copytree(reference[0], d)
+    real = os.access
+    monkeypatch.setattr(shard_work.os, "access", lambda p, mode: False if Path(p) == d else real(p, mode))
+    for p in [d, *d.iterdir()]:
+        p.chmod(0o555 if p.is_dir() else 0o444)  # (tests run as root too: the access check above is what counts)
+    try:
+        assert build(_config(world), d)["complete"]
+        dm = SemanticProbeDataModule(str(d), build=_config(world))
+        dm.prepare_data()
+        dm.setup()
+        os.chmod(d, 0o755)
+        (d / S.shard_name(0)).unlink()  # now something must be built
+        with pytest.raises(ValueError, match=r"not writable, and 1 missing or altered shards must be written .*"
+                                             r"--data.build null"):
+            build(_config(world), d)
+    finally:
+        for p in [d, *d.iterdir()]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def test_model_loads_draw_no_progress_bars(world, capfd):
+    from datamodules.labels.shard import load_model
+
+    load_model(_config(world), "target")
+    assert "Loading weights" not in capfd.readouterr().err

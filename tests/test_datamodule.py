@@ -281,3 +281,22 @@ def test_an_empty_validation_split_is_named(tmp_path):
     with pytest.warns(UserWarning, match=r"data.val_fraction=0.1 put none of the problems .* into the val split"):
         SemanticProbeDataModule(str(data), build=None, val_fraction=0.1, test_fraction=0.0).setup()
     SemanticProbeDataModule(str(data), build=None, val_fraction=0.4, test_fraction=0.0).setup()  # some: no warning
+
+
+@pytest.mark.parametrize("entry", ["../../elsewhere", "/etc/passwd", "sub/shard.safetensors"])
+def test_manifest_paths_stay_inside_data_dir(tmp_path, entry):
+    import json
+
+    d = make_dataset(tmp_path / "d", n_shards=2)
+    manifest = json.loads((d / S.MANIFEST).read_text())
+    manifest["shards"][1]["file"] = entry
+    (d / S.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=rf"shards\[1\].file='{entry}' is not a file name inside {d}"):
+        SemanticProbeDataModule(str(d), build=None).setup()
+
+
+def test_reusing_is_said_once_per_datamodule(data, capsys):
+    dm = SemanticProbeDataModule(str(data), build=None)
+    dm.prepare_data()  # Lightning prepares the data for fit, then again for test
+    dm.prepare_data()
+    assert capsys.readouterr().out.count("reusing 4 shards") == 1

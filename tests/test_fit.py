@@ -32,7 +32,7 @@ def _one_line_error(capsys, args) -> str:
         main(args)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("Seed set to")]
+    lines = [line for line in err.splitlines() if line.strip()]  # no "Seed set to 0" before it (issue 21)
     assert len(lines) == 1 and lines[0].startswith("python -m probes.fit: error: "), err
     assert "Traceback" not in err and "usage:" not in err
     return lines[0]
@@ -49,7 +49,7 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
 
 @pytest.mark.parametrize("args, named, not_named", [
     (["--data.batch_size", "0"], "batch_size=0: expected >= 1", "num_workers"),
-    (["--trainer.max_epochs", "-1"], "--trainer.max_epochs -1: expected a number of epochs >= 1", "Epoch"),
+    (["--trainer.max_epochs", "0"], "--trainer.max_epochs 0: expected a number of epochs >= 1, or -1", "Epoch"),
     (["--data.build.sampling.n_samples", "0"], "sampling.n_samples=0: expected >= 1", "Traceback"),
     (["--data.build.sampling.backend", "openai"], "error: invalid BuildConfig: sampling.openai.target.urls=[]", "Union"),
     (["--trainer.max_epochs", "x"], 'Parser key "trainer.max_epochs"', "Subtypes"),
@@ -76,7 +76,7 @@ def test_no_lightning_warning_about_args(recwarn):
 
 def test_help_documents_options(capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["--help"])
+        main(["--help_all"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     words = " ".join(out.split())
@@ -249,9 +249,11 @@ def test_ctrl_c_keeps_last_checkpoint_and_resumes(fitted, tmp_path):
         signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after a graceful shutdown
     last = next(tmp_path.rglob("last.ckpt"))
     assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 0  # epoch 0 finished, epoch 1 interrupted
-    cfg["trainer"]["callbacks"] = cfg["trainer"]["callbacks"][:-1]
-    p.write_text(yaml.safe_dump(cfg))
-    result = main(["--config", str(p), "--ckpt_path", str(last)])
+    saved = last.parent.parent / "config.yaml"  # resuming reads the run's own config: drop the test's interrupter there
+    run_cfg = yaml.safe_load(saved.read_text())
+    run_cfg["trainer"]["callbacks"] = [c for c in run_cfg["trainer"]["callbacks"] if "InterruptAt" not in c["class_path"]]
+    saved.write_text(yaml.safe_dump(run_cfg))
+    result = main(["--ckpt_path", str(last)])
     assert set(result["export"]) == {"target", "draft"}
     newest = max(tmp_path.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime_ns)
     assert torch.load(newest, map_location="cpu", weights_only=False)["epoch"] == 2  # resumed and ran epochs 1 and 2
@@ -370,3 +372,127 @@ def test_default_job_on_a_fresh_clone_leaves_git_status_empty(tmp_path):
     assert "exported target probe: runs/arithmetic/fit/version_0/export/target" in run.stdout
     status = subprocess.run(["git", "status", "--short"], cwd=clone, capture_output=True, text=True, check=True).stdout
     assert status == "", status
+
+
+# -- issue 21: resume, Ctrl-C, no validation split, one-line errors, -c, --key=value, short --help ---------------
+
+
+def _tiny_config(root: Path, **data) -> Path:
+    """The default config on synthetic shards (tests/test_datamodule.py): no build, no live decoding, seconds."""
+    from tests.test_datamodule import make_dataset
+
+    if not (root / "d").is_dir():
+        make_dataset(root / "d")
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg["trainer"].update(max_epochs=3, default_root_dir=str(root / "runs"), enable_progress_bar=False)
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(root / "runs")
+    cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "Speculative" not in c["class_path"]]
+    cfg["data"].update({"data_dir": str(root / "d"), "build": None, "val_fraction": 0.4, "test_fraction": 0.2, **data})
+    cfg["model"]["probe"]["hidden_dims"] = [8]
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_run(tmp_path, capsys):
+    cfg = _tiny_config(tmp_path)
+    handler = signal.getsignal(signal.SIGINT)
+    interrupt = '[{"class_path": "tests.test_fit.InterruptAt", "init_args": {"epoch": 1}}]'
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(cfg), "--trainer.max_epochs", "5", "--trainer.callbacks+", interrupt])
+    assert exit_.value.code == 130 and signal.getsignal(signal.SIGINT) == handler  # SIGINT is not left ignored
+    run = tmp_path / "runs" / "fit" / "version_0"
+    last = run / "checkpoints" / "last.ckpt"
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("python -m probes.fit: interrupted")]
+    expected = f"python -m probes.fit: interrupted; kept {last} (after epoch 1). Resume with: python -m probes.fit --ckpt_path {last}"
+    assert said == [expected], err
+    # the command it printed: the run's own config (max_epochs 5, not the default 12), in the same folder
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["trainer"]["callbacks"] = config["trainer"]["callbacks"][:-1]  # (this test's interrupter, not the user's)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    result = main(["--ckpt_path", str(last), "--test", "false", "--export", "false"])
+    assert not (tmp_path / "runs" / "fit" / "version_1").exists()
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 5 * 2  # 5 epochs of 2 batches
+    assert result["best_ckpt"].startswith(str(run / "checkpoints"))
+    epochs = {int(float(r["epoch"])) for r in csv.DictReader((run / "metrics.csv").open()) if r.get("epoch")}
+    assert epochs == {0, 1, 2, 3, 4}  # the interrupted run's history stays in its metrics.csv
+
+
+def test_resume_refuses_options_that_differ_from_the_run_naming_them(tmp_path, capsys):
+    cfg = _tiny_config(tmp_path)
+    main(["--config", str(cfg), "--trainer.max_epochs", "1", "--test", "false", "--export", "false"])
+    last = tmp_path / "runs" / "fit" / "version_0" / "checkpoints" / "last.ckpt"
+    capsys.readouterr()
+    line = _one_line_error(capsys, ["--ckpt_path", str(last), "--trainer.max_epochs", "7", "--data.batch_size=64"])
+    assert "trainer.max_epochs: run 1, given 7" in line and "data.batch_size: run 128, given 64" in line
+    assert f"--ckpt_path {last}` alone" in line
+    line = _one_line_error(capsys, ["--config", str(DEFAULT_CONFIG), "--ckpt_path", str(last)])  # another config
+    assert "model.probe.hidden_dims: run [8], given [2048, 512, 256]" in line
+
+
+def test_a_run_without_validation_split_monitors_the_train_loss(tmp_path, capsys):
+    cfg = _tiny_config(tmp_path, val_fraction=0.0)
+    result = main(["--config", str(cfg), "--trainer.max_epochs", "2", "--export", "false"])
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("no validation rows")]
+    assert len(said) == 1 and "monitor train/loss_epoch instead" in said[0] and "EarlyStopping" in said[0]
+    assert "train_loss" in Path(result["best_ckpt"]).name and result["test"]["test/target/mse"] >= 0
+
+
+def test_max_epochs_minus_one_means_no_limit(tmp_path):
+    cfg = _tiny_config(tmp_path)
+    main(["--config", str(cfg), "--trainer.max_epochs", "-1", "--trainer.max_steps", "4", "--test", "false",
+          "--export", "false"])
+    rows = list(csv.DictReader((tmp_path / "runs" / "fit" / "version_0" / "metrics.csv").open()))
+    assert max(int(r["step"]) for r in rows) == 3 and {int(float(r["epoch"])) for r in rows} == {0, 1}  # 2 epochs
+
+
+def test_short_c_is_the_same_as_config(tmp_path, capsys):
+    own = tmp_path / "own.yaml"  # no callbacks: with -c, arithmetic.yaml's stayed underneath
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg["trainer"]["callbacks"] = []
+    cfg["trainer"]["max_epochs"] = 3
+    own.write_text(yaml.safe_dump(cfg))
+    printed = []
+    for args in (["--config", str(own)], ["-c", str(own)], [f"--config={own}"], [f"-c={own}"]):
+        with pytest.raises(SystemExit):
+            main(args + ["--print_config"])
+        printed.append(yaml.safe_load(capsys.readouterr().out))
+    assert all(p == printed[0] for p in printed) and printed[0]["trainer"]["callbacks"] in ([], None)
+
+
+def test_errors_are_one_line_yaml_names_the_file_and_typos_get_a_suggestion(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_epochs: 3\n   devices: [1\n")
+    line = _one_line_error(capsys, ["--config", str(bad)])
+    assert f"{bad}: invalid YAML at line 3" in line and "unicode string" not in line
+    line = _one_line_error(capsys, ["--trainer.max_epochz", "3"])
+    assert "did you mean --trainer.max_epochs?" in line
+    line = _one_line_error(capsys, ["--trainer.max_epochs", "-2", "--trainer.logger", "false"])
+    assert "or -1 for no limit" in line
+
+
+def test_short_help_names_real_options_and_help_all_lists_every_one(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    short = capsys.readouterr().out
+    assert len(short.splitlines()) < 30 and "--help_all" in short
+    with pytest.raises(SystemExit):
+        main(["--help", "full"])
+    full = capsys.readouterr().out
+    assert len(full.splitlines()) > 300
+    named = {w.strip(",:") for w in short.split() if w.startswith("--")} - {"--help", "--help_all"}
+    assert len(named) >= 9 and not {w for w in named if w not in full}
+
+
+def test_a_normal_run_shows_no_noise(tmp_path, capsys, caplog, recwarn):
+    cfg = _tiny_config(tmp_path)
+    main(["--config", str(cfg), "--trainer.max_epochs", "1", "--export", "false"])
+    out, err = capsys.readouterr()
+    text = out + err + caplog.text + " ".join(str(w.message) for w in recwarn)
+    for noise in ("litlogger", "Total Flops", "Total FLOPs", "IterableDataset` has `__len__`", "Seed set to",
+                  "Skipping setting a default"):
+        assert noise not in text, noise
+    assert out.count("reusing 4 shards") == 1 and "| target (draft-written) |" in out  # the closing table stays

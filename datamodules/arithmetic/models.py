@@ -47,8 +47,11 @@ def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
 
 def load_model(role: str, root: Optional[str | os.PathLike] = None, device: str = "cpu", dtype=torch.float32):
     """Load one world model offline, in eval mode."""
+    from datamodules.labels.models import quiet_loading
+
     path = model_dir(role, root)
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    with quiet_loading():
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
 
 
 def load_tokenizer(root: Optional[str | os.PathLike] = None, role: str = "target") -> PreTrainedTokenizerFast:

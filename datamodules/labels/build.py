@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from datamodules.labels.config import (
 )
 from datamodules.labels.shard import (
     build_shard, load_model, load_models, load_tokenizers, shard_seed)
+from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.labels.prefixes import make_prefixes, target_traces
 from datamodules.labels.coordination import (
     Progress,
@@ -90,22 +92,25 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_traces(config, records)
     existing, pinned = check_recorded(data_dir, sig, log)
-    make_data_dir(data_dir)
     expected: dict[int, tuple[str, str]] = {}  # shard -> checksums a finished build recorded (rebuild what differs)
+    todo = "the whole build"
     if existing and existing.get("complete"):
         damaged = damaged_shards(data_dir, existing)
-        if not damaged:
+        if not damaged:  # read as it is: a finished build needs no write access
             log(f"reusing {len(existing['shards'])} shards in {data_dir}")
             return existing
+        todo = f"{len(damaged)} missing or altered shards"
         log(f"{data_dir}: {len(damaged)} of {len(existing['shards'])} shards are missing or differ from manifest.json "
             f"({', '.join(S.shard_name(k) for k in damaged)}); rebuilding exactly those")
         expected = {k: (e["sha256"], e.get("steps_sha256")) for k, e in enumerate(existing["shards"]) if k in damaged}
+    servers = _server_samplers(config, rank)  # an unreachable or refusing server fails before anything is written
+    make_data_dir(data_dir, todo)
     if rank == 0 and not pinned:
         S.atomic_write_json(data_dir / "build.json", {"build": sig, "config": config_record(config)})
 
     timer: dict[str, float] = {}
     t0 = time.perf_counter()
-    plan = _plan(config, records, data_dir, rank, timer)
+    plan = _plan(config, records, data_dir, rank, timer, servers)
     n_shards = len(plan["shards"])
 
     def needs(k: int) -> bool:
@@ -192,11 +197,23 @@ def _check_traces(config: BuildConfig, records: list[dict]) -> None:
                          "--build.prefix_source target")
 
 
-def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict) -> dict:
+def _server_samplers(config: BuildConfig, rank: int) -> dict:
+    """The ``openai`` backend's samplers, made now: each asks its server for its models, so a server that is
+    unreachable or refuses the key stops the build before it writes anything. Other backends: ``{}``."""
+    if config.sampling.backend != "openai":
+        return {}
+    from datamodules.labels.shard import make_sampler
+
+    tok, dtok = load_tokenizers(config)
+    return {r: make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
+
+
+def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict,
+          samplers: dict | None = None) -> dict:
     """All prefixes, cut into shards. Target-written traces are generated once and kept on disk."""
     t = time.perf_counter()
     tok, dtok = load_tokenizers(config)
-    samplers: dict = {}
+    samplers = dict(samplers or {})
     if config.prefix_source == "target":
         records = _target_traces(config, records, tok, data_dir, rank, samplers)
     prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source, draft_tokenizer=dtok,
@@ -217,8 +234,8 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
 
         s = config.sampling
         # the package samples with its own copy of the target; a server or vLLM needs none here
-        model = load_model(config, "target") if s.backend == "hf" else None
-        sampler = make_sampler(config, "target", model, tok, rank)
+        model = load_model(config, "target") if s.backend == "hf" and "target" not in samplers else None
+        sampler = samplers.get("target") or make_sampler(config, "target", model, tok, rank)
         if s.backend != "hf":
             samplers["target"] = sampler
         out = target_traces(sampler, records,
@@ -243,31 +260,13 @@ def _summary(manifest: dict, log) -> None:
 
 def main(args: list[str] | None = None) -> dict:
     """CLI: ``python -m datamodules.labels.build [--config build.yaml] [--data_dir DIR] [--build.KEY VALUE ...]``."""
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
-
-    class OneLineParser(ArgumentParser):
-        def error(self, message: str, ex: Exception | None = None):
-            if not self.exit_on_error:  # jsonargparse asks for an exception here
-                super().error(message, ex)
-            _fail(message)
-
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help text
-    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML with data_dir and build.* keys")
-    parser.add_argument("--fit_config", type=str | None, default=None,
-                        help="Take data_dir and build from the data: section of a `python -m probes.fit` YAML "
-                             "(later options override it).")
-    parser.add_argument("--data_dir", type=str, default="data/arithmetic", help="Output folder of shards and manifest.json.")
-    parser.add_argument("--max_shards", type=int | None, default=None, help="Stop after this many new shards (no manifest).")
-    parser.add_class_arguments(BuildConfig, "build")
-    args = list(sys.argv[1:] if args is None else args)
-    if "--fit_config" in args:  # the fit YAML's data: section, then the other options on top
-        i = args.index("--fit_config")
-        if i + 1 >= len(args) or not Path(args[i + 1]).is_file():
-            _fail(f"--fit_config {' '.join(args[i + 1 : i + 2])}: expected the path of a `python -m probes.fit` YAML")
-        data = (yaml.safe_load(Path(args[i + 1]).read_text()) or {}).get("data") or {}
-        section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
-        args = ["--config", yaml.safe_dump(section)] + args[:i] + args[i + 2 :]
+    parser = _parser()
+    given = normalise_args(list(sys.argv[1:] if args is None else args))
+    try:
+        check_yaml_files(given, ("--config", "--fit_config"))
+        args = _with_fit_config(given)
+    except ValueError as e:
+        _fail(str(e))
     cfg = parser.parse_args(args)
     _, world = dist_info()
     import torch.distributed as dist
@@ -279,11 +278,61 @@ def main(args: list[str] | None = None) -> dict:
     try:
         config = parser.instantiate(cfg).build
         return build(config, cfg.data_dir, max_shards=cfg.max_shards)
-    except (ValueError, FileNotFoundError) as e:  # refused input: config values, task file, data_dir, models
+    except (ValueError, OSError) as e:  # refused input: config values, task file, data_dir, models, servers
         _fail(str(e))
+    except RuntimeError as e:
+        if not str(e).startswith(SERVER_ERRORS):
+            raise
+        _fail(f"{e} ({_kept(cfg.data_dir)}; rerun the same command to resume)")
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; {_kept(cfg.data_dir)}. Resume with: {PROG} {shlex.join(given)}".rstrip(),
+              file=sys.stderr)
+        raise SystemExit(130) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+SERVER_ERRORS = ("sampling server ", "judge endpoint ")
+"""How a sampling server's or an http judge's failure (after its retries) begins: reported in one line."""
+
+
+def _kept(data_dir: str) -> str:
+    n = len(list(Path(data_dir).glob("shard-*.safetensors"))) if Path(data_dir).is_dir() else 0
+    return f"{n} whole shard{'s' if n != 1 else ''} kept in {data_dir}"
+
+
+def _parser():
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    class OneLineParser(ArgumentParser):
+        def error(self, message: str, ex: Exception | None = None):
+            if not self.exit_on_error:  # jsonargparse asks for an exception here
+                super().error(message, ex)
+            _fail(did_you_mean(message, parser_options(self)))
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help text
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML with data_dir and build.* keys")
+    parser.add_argument("--fit_config", type=str | None, default=None,
+                        help="Take data_dir and build from the data: section of a `python -m probes.fit` YAML "
+                             "(later options override it).")
+    parser.add_argument("--data_dir", type=str, default="data/arithmetic", help="Output folder of shards and manifest.json.")
+    parser.add_argument("--max_shards", type=int | None, default=None, help="Stop after this many new shards (no manifest).")
+    parser.add_class_arguments(BuildConfig, "build")
+    return parser
+
+
+def _with_fit_config(args: list[str]) -> list[str]:
+    """``args`` with ``--fit_config PATH`` replaced by the data: section of that fit YAML (options after it win)."""
+    if "--fit_config" not in args:
+        return args
+    i = args.index("--fit_config")
+    if i + 1 >= len(args) or not Path(args[i + 1]).is_file():
+        raise ValueError(f"--fit_config {' '.join(args[i + 1 : i + 2])}: expected the path of a `python -m probes.fit` YAML")
+    data = (yaml.safe_load(Path(args[i + 1]).read_text()) or {}).get("data") or {}
+    section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
+    return ["--config", yaml.safe_dump(section)] + args[:i] + args[i + 2 :]
 
 
 PROG = "python -m datamodules.labels.build"

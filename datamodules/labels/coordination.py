@@ -59,15 +59,17 @@ def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
     return None, False
 
 
-def make_data_dir(data_dir: Path) -> None:
+def make_data_dir(data_dir: Path, todo: str = "the build") -> None:
+    """Create ``data_dir`` for writing ``todo``; refuse, naming the way out, when it cannot be written."""
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. a folder under /proc, or a file in the way: "No such file" would not say which
         raise ValueError(f"cannot create data_dir {data_dir} ({e.strerror or e}); give a folder on a writable disk "
                          "(--data_dir, or --data.data_dir for python -m probes.fit)") from None
     if not os.access(data_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"data_dir {data_dir} is not writable; give a folder on a writable disk "
-                         "(--data_dir, or --data.data_dir for python -m probes.fit)")
+        raise ValueError(f"data_dir {data_dir} is not writable, and {todo} must be written there; give a folder on a "
+                         "writable disk (--data_dir, or --data.data_dir for python -m probes.fit), or train on the "
+                         "finished data it holds without building with --data.build null")
 
 
 def sha_or_none(path: Path) -> str | None:

@@ -291,3 +291,17 @@ def load_causal_lm(name_or_path: str | os.PathLike, gguf_file: Optional[str | os
     spec = str(name_or_path) if str(name_or_path).startswith(PYPI_PREFIX) else str(gguf)
     model.config.name_or_path = spec
     return model.to(device).eval(), tokenizer
+
+
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Within this block transformers draws no progress bars; the previous setting is restored after it."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()

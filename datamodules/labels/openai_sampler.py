@@ -67,6 +67,7 @@ class OpenAISampler(StepSampler):
         self._openai = openai
         self.urls = [u.rstrip("/") for u in urls]
         self._key = os.environ.get(api_key_env, "") if api_key_env else ""
+        self._key_env = api_key_env
         self.clients = [openai.OpenAI(base_url=u, api_key=self._key or "none", timeout=timeout,
                                       max_retries=retries - 1) for u in self.urls]
         self.concurrency, self.retries, self.prompt = concurrency, retries, prompt
@@ -87,6 +88,10 @@ class OpenAISampler(StepSampler):
         """The model name to request, checked against what the first server lists (one cheap call, fails fast)."""
         try:
             served = [m.id for m in self.clients[0].models.list()]
+        except (self._openai.AuthenticationError, self._openai.PermissionDeniedError) as e:
+            raise PermissionError(f"sampling server {self.urls[0]} refused the API key from ${self._key_env or '(none)'} "
+                                  f"at /models ({self._say(e)}); set {self._key_env or 'sampling.openai.api_key_env'} "
+                                  "to a key it accepts") from None
         except self._openai.OpenAIError as e:
             raise ConnectionError(f"sampling server {self.urls[0]} did not answer /models ({self._say(e)}); start it "
                                   "or fix sampling.openai.<role>.urls") from None

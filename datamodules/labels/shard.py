@@ -24,6 +24,7 @@ from datamodules.labels.prefixes import Prefix
 from datamodules.labels.reading import read_steps
 from datamodules.labels.openai_sampler import OpenAISampler
 from datamodules.labels.samplers import HFSampler, StepSampler, VLLMSampler
+from datamodules.labels.models import quiet_loading
 
 # ---------------------------------------------------------------------------------------------
 # Models and judge.
@@ -59,8 +60,9 @@ def load_model(config: BuildConfig, role: str):
     from transformers import AutoModelForCausalLM
 
     device, dtype = config.resolved_device()
-    return AutoModelForCausalLM.from_pretrained(config.model_path(role), local_files_only=True,
-                                                dtype=dtype).to(device).eval()
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(config.model_path(role), local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
 
 
 def make_sampler(config, role: str, model, tokenizer, rank: int = 0) -> StepSampler:
@@ -126,9 +128,11 @@ def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     name = f"{Path(path).name}@{weights_stamp(path)}"  # a retrained judge must not reuse old cached answers
     if j.kind == "nli":
-        model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
+        with quiet_loading():
+            model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
         return J.NLIJudge(model.to(device).eval(), tok, name=name, **common)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
     template = j.template or default_template(j)
     return J.LLMJudge(model, tok, template, yes=j.yes_answer, no=j.no_answer, name=name, **common)
 

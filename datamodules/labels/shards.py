@@ -142,7 +142,21 @@ def read_manifest(data_dir: str | os.PathLike) -> dict | None:
         raise ValueError(f"{path} is not valid JSON ({e.msg}); delete it and rebuild") from None
     if isinstance(manifest.get("build"), dict):
         manifest["build"] = upgrade_build_record(manifest["build"])
+    _check_entry_paths(path, manifest)
     return manifest
+
+
+def _check_entry_paths(path: Path, manifest: dict) -> None:
+    """Refuse shard entries whose files are not plain names inside the manifest's folder (``../x``, ``/x``)."""
+    for k, entry in enumerate(manifest.get("shards") or []):
+        for key in ("file", "steps_file"):
+            name = entry.get(key) if isinstance(entry, dict) else None
+            if name is None and key == "steps_file":
+                continue
+            if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+                raise ValueError(f"{path}: shards[{k}].{key}={name!r} is not a file name inside {path.parent}; "
+                                 "a manifest names its shards by their names in its own folder. Rebuild it with "
+                                 f"`python -m datamodules.labels.build --data_dir {path.parent}`")
 
 
 SAMPLING_KEYS = ("n_samples", "temperature", "top_p")

@@ -1,0 +1,272 @@
+"""How far a parameter travels: follow a value from a public entry point through every call that passes it on.
+
+    python -m benchmarks.walks                      # temperature and max_step_tokens from the decoder's generate
+    python -m benchmarks.walks --root /path/to/checkout
+
+A static walk over the AST of the package (``generation``, ``probes``, ``datamodules``, ``callbacks``).
+Inside a function, the value is the parameter and every name assigned something that carries it
+(``sampling = {"temperature": temperature}``, ``spec = SamplingSpec(temperature, top_p)``, ``self.x = spec``,
+``spec.temperature``; not the result of an ordinary call); a call that is given such a holder passes the value on to the callee's matching parameter
+(``**kwargs`` of a tainted dict: the parameter with the walked name). Callees are resolved through the
+module's imports, the enclosing class (``self.m``) and, for ``obj.m(...)``, the one method of that name
+in the package. The calls are visited depth first, in source order, every call site
+anew (a function reached from four places is visited four times); each function that receives the value is one *visit*, consecutive visits in one file are one *stay*, and a stay in a file the walk had
+already left is a *return* (issue 19's measure of how often a reader must come back to a file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.harness import write_results
+
+PACKAGES = ("generation", "probes", "datamodules", "callbacks")
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+    imports: dict[str, str] = field(default_factory=dict)  # local name -> dotted target
+    functions: dict[str, ast.FunctionDef] = field(default_factory=dict)  # "f" or "Class.m"
+
+
+def load_modules(root: Path) -> dict[str, Module]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            mod = Module(name, path, ast.parse(path.read_text()))
+            for node in ast.walk(mod.tree):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    for a in node.names:
+                        mod.imports[a.asname or a.name] = f"{node.module}.{a.name}"
+                elif isinstance(node, ast.Import):
+                    for a in node.names:
+                        mod.imports[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            for node in mod.tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    mod.functions[node.name] = node
+                elif isinstance(node, ast.ClassDef):
+                    for item in node.body:
+                        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                            mod.functions[f"{node.name}.{item.name}"] = item
+                        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                            mod.functions[node.name] = item  # calling the class runs __init__
+            mods[name] = mod
+    return mods
+
+
+def _holds(expr: ast.AST, tainted: set[str]) -> bool:
+    """Whether ``expr`` *is* the value or carries it: a tainted name or ``self.attr``, an attribute of one
+    (``spec.temperature``), a dict literal or a constructor call (``SamplingSpec(...)``, ``dict(...)``)
+    given it. A call to an ordinary function is not: it returns something else."""
+    if isinstance(expr, ast.Name):
+        return expr.id in tainted
+    if isinstance(expr, ast.Attribute):
+        if isinstance(expr.value, ast.Name) and f"{expr.value.id}.{expr.attr}" in tainted:
+            return True
+        return _holds(expr.value, tainted)
+    if isinstance(expr, ast.Dict):
+        return any(v is not None and _holds(v, tainted) for v in expr.values)
+    if isinstance(expr, (ast.Tuple, ast.List)):
+        return any(_holds(e, tainted) for e in expr.elts)
+    if isinstance(expr, ast.Call):
+        name = expr.func.id if isinstance(expr.func, ast.Name) else getattr(expr.func, "attr", "")
+        if name == "dict" or name[:1].isupper():
+            return any(_holds(a, tainted) for a in expr.args) or any(_holds(k.value, tainted) for k in expr.keywords)
+        return False
+    if isinstance(expr, (ast.IfExp, ast.BoolOp)):
+        return any(_holds(e, tainted) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr))
+    return False
+
+
+CONTAINER_METHODS = {"get", "items", "keys", "values", "append", "extend", "pop", "update", "setdefault", "copy",
+                     "index", "count", "insert", "remove", "clear", "add", "format", "join", "split", "replace"}
+
+
+def _names(target: ast.AST) -> list[str]:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+        return [f"{target.value.id}.{target.attr}"]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for e in target.elts for n in _names(e)]
+    if isinstance(target, ast.Subscript):
+        return _names(target.value)
+    return []
+
+
+def taint(fn: ast.FunctionDef, params: set[str]) -> set[str]:
+    """The names that hold the value inside ``fn`` (to a fixpoint over its assignments and loops)."""
+    tainted = set(params)
+    while True:
+        before = len(tainted)
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None \
+                    and _holds(node.value, tainted):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                tainted.update(n for t in targets for n in _names(t))
+        if len(tainted) == before:
+            return tainted
+
+
+class Walker:
+    def __init__(self, mods: dict[str, Module], value: str) -> None:
+        self.mods, self.value = mods, value
+        self.by_method: dict[str, list[tuple[Module, str]]] = {}
+        for mod in mods.values():
+            for key in mod.functions:
+                self.by_method.setdefault(key.rsplit(".", 1)[-1], []).append((mod, key))
+        self.visits: list[tuple[str, str]] = []  # (file, function)
+        self.stack: list[tuple[str, str]] = []  # the calls being walked (a recursive call is not followed again)
+
+    def resolve(self, mod: Module, cls: str | None, func: ast.expr) -> tuple[Module, str] | None:
+        if isinstance(func, ast.Name):
+            if func.id in mod.functions:
+                return mod, func.id
+            return self._dotted(mod.imports.get(func.id))
+        if isinstance(func, ast.Attribute):
+            base = func.value
+            if isinstance(base, ast.Name) and base.id == "self" and cls and f"{cls}.{func.attr}" in mod.functions:
+                return mod, f"{cls}.{func.attr}"
+            if isinstance(base, ast.Name) and base.id in mod.imports:
+                hit = self._dotted(f"{mod.imports[base.id]}.{func.attr}")
+                if hit:
+                    return hit
+            cands = [c for c in self.by_method.get(func.attr, []) if "." in c[1]]
+            if len(cands) == 1 and func.attr not in CONTAINER_METHODS:  # obj.m(...): the one method of that name in the package
+                return cands[0]
+        return None
+
+    def _dotted(self, dotted: str | None) -> tuple[Module, str] | None:
+        if not dotted:
+            return None
+        for cut in range(dotted.count("."), 0, -1):
+            modname, _, rest = dotted.rpartition(".") if cut == 1 else (".".join(dotted.split(".")[:-cut]), "",
+                                                                         ".".join(dotted.split(".")[-cut:]))
+            mod = self.mods.get(modname)
+            if mod is not None and rest in mod.functions:
+                return mod, rest
+        return None
+
+    def walk(self, mod: Module, key: str, params: set[str]) -> None:
+        fn = mod.functions[key]
+        if (mod.name, key) in self.stack:
+            return
+        self.stack.append((mod.name, key))
+        self.visits.append((str(mod.path), key))
+        tainted = taint(fn, params)
+        cls = key.split(".")[0] if "." in key else None
+        calls = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+        for call in calls:
+            target = self.resolve(mod, cls, call.func)
+            if target is None:
+                continue
+            passed = self._passed(target, call, tainted)
+            if passed:
+                self.walk(*target, passed)
+        self.stack.pop()
+
+    def _passed(self, target: tuple[Module, str], call: ast.Call, tainted: set[str]) -> set[str]:
+        fn = target[0].functions[target[1]]
+        names = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+        if names and names[0] in ("self", "cls"):
+            names = names[1:]
+        kwonly = {a.arg for a in fn.args.kwonlyargs}
+        out = set()
+        for i, arg in enumerate(call.args):
+            if _holds(arg, tainted) and i < len(names):
+                out.add(names[i])
+        for kw in call.keywords:
+            if kw.value is None or not _holds(kw.value, tainted):
+                continue
+            if kw.arg is None:  # **spread of a dict that holds the value
+                if self.value in names or self.value in kwonly:
+                    out.add(self.value)
+            elif kw.arg in names or kw.arg in kwonly or fn.args.kwarg:
+                out.add(kw.arg)
+        return out
+
+
+def defaults(mods: dict[str, Module], name: str) -> list[str]:
+    """Every place that gives ``name`` a literal default: a function parameter, a dataclass field, a
+    ``.get(name, ...)`` fallback or an ``x or N`` fallback next to the name."""
+    out = []
+    for mod in mods.values():
+        for node in ast.walk(mod.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args
+                pos = list(zip(args[len(args) - len(node.args.defaults):], node.args.defaults))
+                pairs = pos + [(a, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
+                out += [f"{mod.name}:{node.lineno} parameter" for a, d in pairs
+                        if a.arg == name and isinstance(d, ast.Constant) and d.value is not None]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name \
+                    and isinstance(node.value, ast.Constant) and node.value.value is not None:
+                out.append(f"{mod.name}:{node.lineno} field")
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "get" and len(node.args) == 2 \
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == name \
+                    and isinstance(node.args[1], ast.Constant):
+                out.append(f"{mod.name}:{node.lineno} .get fallback")
+            elif isinstance(node, ast.Dict):
+                out += [f"{mod.name}:{node.lineno} dict default" for k, v in zip(node.keys, node.values)
+                        if isinstance(k, ast.Constant) and k.value == name and isinstance(v, ast.Constant)
+                        and isinstance(v.value, (int, float)) and not isinstance(v.value, bool)]
+    return sorted(out)
+
+
+def measure(root: Path, entry: str, param: str) -> dict:
+    mods = load_modules(root)
+    modname, key = entry.split(":")
+    walker = Walker(mods, param)
+    walker.walk(mods[modname], key, {param})
+    stays, files_left = [], set()
+    for path, fn in walker.visits:
+        rel = str(Path(path).relative_to(root))
+        if stays and stays[-1]["file"] == rel:
+            stays[-1]["functions"].append(fn)
+            continue
+        if stays:
+            files_left.add(stays[-1]["file"])
+        stays.append({"file": rel, "functions": [fn], "return": rel in files_left})
+    return {"entry": entry, "param": param, "visits": len(walker.visits), "stays": len(stays),
+            "files": len({s["file"] for s in stays}), "returns": sum(s["return"] for s in stays),
+            "literal_defaults": defaults(mods, param), "path": stays}
+
+
+WALKS = (("probes.decoder:SemanticSpecDecoder.generate", "temperature"),
+         ("probes.decoder:SemanticSpecDecoder.generate", "max_step_tokens"))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.walks", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1], help="checkout to measure")
+    ap.add_argument("--entry", action="append", help="module:Class.method=param (repeatable); default: the decoder's")
+    ap.add_argument("--quick", action="store_true", help="same run (the walk takes a second)")
+    args = ap.parse_args(argv)
+    walks = [tuple(e.split("=")) for e in args.entry] if args.entry else WALKS
+    out = {}
+    rows = ["| value | entry | visits | stays | files | returns | literal defaults |", "|---|---|---|---|---|---|---|"]
+    for entry, param in walks:
+        try:
+            r = measure(args.root, entry, param)
+        except KeyError as e:
+            r = {"entry": entry, "param": param, "error": f"entry point not found: {e}"}
+        out[param] = r
+        rows.append(f"| {param} | {entry} | {r.get('visits', '-')} | {r.get('stays', '-')} | {r.get('files', '-')} | "
+                    f"{r.get('returns', '-')} | {len(r.get('literal_defaults', []))} |")
+        for s in r.get("path", []):
+            print(f"  {param}: {'return to ' if s['return'] else ''}{s['file']}: {', '.join(s['functions'])}")
+        for d in r.get("literal_defaults", []):
+            print(f"  {param}: default at {d}")
+    write_results("walks", out, "\n".join(rows), quick=args.quick)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""What `python -m probes.fit` and `python -m datamodules.labels.build` share on the command line.
+
+Both read their arguments once through :func:`normalise_args` (``--key=value`` is ``--key value``;
+``-c`` is ``--config``), check every YAML they are given before jsonargparse reads it (a syntax
+error then names the file, not ``"<unicode string>"``), and answer a mistyped option with the
+closest ones the parser knows (:func:`did_you_mean`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+import yaml
+
+CONFIG_FLAGS = ("--config", "-c")
+"""The options that name a YAML config; ``-c FILE`` means ``--config FILE``."""
+_OPTION = re.compile(r"^(--[A-Za-z_][\w.\-]*\+?)=(.*)$", re.DOTALL)
+
+
+def normalise_args(args: list[str]) -> list[str]:
+    """``args`` with each ``--key=value`` split into ``--key value`` and ``-c`` spelled ``--config``.
+
+    Both CLIs look at some options themselves before jsonargparse does (``--config``, ``--ckpt_path``,
+    ``--fit_config``, ``--help``); spelling every option one way makes ``--key=value`` and ``--key value``
+    mean the same for all of them. Nothing after a lone ``--`` is touched.
+    """
+    out: list[str] = []
+    for i, a in enumerate(args):
+        if a == "--":
+            return out + list(args[i:])
+        m = _OPTION.match(a)
+        if m:
+            out += [m.group(1), m.group(2)]
+        elif a == "-c" or a.startswith("-c="):
+            out += ["--config"] + ([a[3:]] if a.startswith("-c=") else [])
+        else:
+            out.append(a)
+    return out
+
+
+def option_value(args: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` last in (normalised) ``args``, or None."""
+    found = None
+    for i, a in enumerate(args[:-1]):
+        if a == flag:
+            found = args[i + 1]
+    return found
+
+
+def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config",)) -> None:
+    """Parse each YAML file given to ``flags`` in ``args``; a syntax error is raised naming the file and line.
+
+    Raises:
+        ValueError: ``FILE: invalid YAML: ... line L, column C``.
+    """
+    for i, a in enumerate(args[:-1]):
+        if a not in flags:
+            continue
+        path = Path(args[i + 1])
+        if not path.is_file():
+            continue  # jsonargparse says what is wrong with a path, or reads the value as inline YAML
+        try:
+            with path.open() as f:  # from a stream, YAML's marks carry the file's name
+                yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"{a} {path}: invalid YAML{at}: {what}") from None
+
+
+def did_you_mean(message: str, options: list[str]) -> str:
+    """``message`` (an "unrecognized arguments" error) with the closest known options of each unknown one."""
+    m = re.search(r"nrecognized arguments: (.*)", message)
+    if not m:
+        return message
+    unknown = [w.split("=")[0] for w in m.group(1).split() if w.startswith("--")]
+    hints = []
+    for word in unknown:
+        close = difflib.get_close_matches(word, options, n=1, cutoff=0.75)
+        if close:
+            hints.append(f"did you mean {close[0]}?")
+    return message.rstrip() + ("; " + "; ".join(hints) if hints else "")
+
+
+def parser_options(parser) -> list[str]:
+    """Every ``--option`` a jsonargparse/argparse parser knows."""
+    return sorted(s for s in parser._option_string_actions if s.startswith("--"))
