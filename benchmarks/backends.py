@@ -61,12 +61,13 @@ def _bare_loop(url: str, bodies: list[dict]) -> tuple[int, float]:
 def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
     """The ``openai`` sampler's throughput over a bare loop's on the very same requests."""
     from datamodules.labels.openai_sampler import OpenAISampler
-    from generation.steps import DEFAULT_DELIMITERS
+    from generation.specs import SamplingSpec, StepSpec
+from generation.steps import DEFAULT_DELIMITERS
 
     tok = _tokenizer("draft")
     contexts = _contexts(tok, 2 if quick else 4, 4 if quick else 8)
     n, rounds = (2, 1) if quick else (4, 2)
-    s = OpenAISampler([server.url], None, tok, DEFAULT_DELIMITERS, 64, 0.8, 0.95, api_key_env="", concurrency=8)
+    s = OpenAISampler([server.url], None, tok, StepSpec(DEFAULT_DELIMITERS, 64), SamplingSpec(0.8, 0.95), api_key_env="", concurrency=8)
     s.sample(contexts[:1], 2, seed=99)  # learns that the server ignores n: from here on, one request per sample
     sent: list[dict] = []
     request = s._request
@@ -97,7 +98,7 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
 
 def builds(servers: dict, quick: bool, log=print) -> dict:
     """The same label build of the real pair with ``hf`` and with ``openai`` sampling."""
-    from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig, StepConfig
+    from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig
     from datamodules.labels.clustering import ClusteringConfig
     from datamodules.labels.build import build
 
@@ -109,7 +110,7 @@ def builds(servers: dict, quick: bool, log=print) -> dict:
         config = BuildConfig(target=PAIR["target"][0], draft=PAIR["draft"][0], n_problems=1 if quick else 3,
                              shard_size=8, judge=JudgeConfig(kind="none"), clustering=ClusteringConfig(method="hdbscan"),
                              sampling=SamplingConfig(backend=backend, n_samples=4, **extra),
-                             steps=StepConfig(max_step_tokens=32))
+                             steps=StepSpec(max_step_tokens=32))
         with tempfile.TemporaryDirectory() as d:
             m = build(config, Path(d) / "data", log=lambda *a: None)
         st = m["stats"]
@@ -138,8 +139,8 @@ def greedy_agreement(servers: dict, quick: bool, log=print) -> dict:
         tok = _tokenizer(role)
         model = AutoModelForCausalLM.from_pretrained(local_model_dir(PAIR[role][0]), local_files_only=True).eval()
         contexts = _contexts(tok, 2 if quick else 6, 6 if quick else 24)
-        hf = HFSampler(model, tok, DEFAULT_DELIMITERS, 32, 0.0, 1.0).sample(contexts, 1, seed=0)
-        srv = OpenAISampler([servers[role].url], None, tok, DEFAULT_DELIMITERS, 32, 0.0, 1.0,
+        hf = HFSampler(model, tok, StepSpec(DEFAULT_DELIMITERS, 32), SamplingSpec(0.0, 1.0)).sample(contexts, 1, seed=0)
+        srv = OpenAISampler([servers[role].url], None, tok, StepSpec(DEFAULT_DELIMITERS, 32), SamplingSpec(0.0, 1.0),
                             api_key_env="").sample(contexts, 1, seed=0)
         same = sum(a == b for a, b in zip(hf, srv))
         out[role] = {"prefixes": len(contexts), "equal": same, "share": round(same / len(contexts), 3)}

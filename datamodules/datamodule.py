@@ -23,6 +23,7 @@ from datamodules.labels.build import build
 from datamodules.labels.config import ROLES, BuildConfig, signature, signature_mismatches
 from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of
 from generation.groups import require_features
+from generation.specs import SamplingSpec, StepSpec
 
 
 class SemanticProbeDataModule(pl.LightningDataModule):
@@ -102,7 +103,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     @property
     def input_spec(self) -> dict[str, dict]:
         """Per role: ``hidden_size``, ``layer_ids``, ``pooling``, ``feature_groups``, ``token_stats``,
-        ``reads``, ``delimiters``, ``sampling``, ``labels``.
+        ``reads``, ``step`` (a :class:`~generation.specs.StepSpec`), ``sampling`` (a
+        :class:`~generation.specs.SamplingSpec`, None when the data did not record it), ``labels``.
 
         From the manifest when the data is built, else from the build config (model folders'
         ``config.json`` and tokenizer; no weights are loaded).
@@ -120,11 +122,11 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             groups = held if self.feature_groups is None else self.feature_groups
             require_features(groups, stats, held, stats, where=f"data.feature_groups={groups}",
                              provider=f"the data in {self.data_dir}")
+            step, sampling, labels = _recorded_specs(sig)
             self._spec = {r: {"hidden_size": int(sig["reads"][r]["hidden_size"]), "layer_ids": list(sig["layer_ids"]),
                               "pooling": sig["pooling"], "feature_groups": list(groups),
                               "token_stats": stats if "token_stats" in groups else [],
-                              "reads": dict(sig["reads"][r]), "delimiters": list(sig["delimiters"]),
-                              "sampling": dict(sig.get("sampling", {})), "labels": dict(sig["labels"])}
+                              "reads": dict(sig["reads"][r]), "step": step, "sampling": sampling, "labels": labels}
                           for r in self.roles}
         return self._spec
 
@@ -263,6 +265,18 @@ class SemanticProbeDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test")
+
+
+def _recorded_specs(sig: dict) -> tuple[StepSpec, SamplingSpec | None, dict]:
+    """The step and sampling specs a manifest's build record holds, and the label provenance without them."""
+    step = StepSpec(tuple(sig["delimiters"]), sig.get("max_step_tokens") or sig["labels"].get("max_step_tokens")
+                    or StepSpec.max_step_tokens)
+    recorded = sig.get("sampling") or {}
+    sampling = SamplingSpec(recorded["temperature"], recorded["top_p"]) if "temperature" in recorded else None
+    labels = {k: v for k, v in sig["labels"].items() if k != "max_step_tokens"}
+    if "n_samples" in recorded:
+        labels["n_samples"] = recorded["n_samples"]
+    return step, sampling, labels
 
 
 def _release_freed_memory() -> None:

@@ -19,58 +19,15 @@ use the model's raw distribution (temperature 1), whatever temperature decoding 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+
 
 import torch
 
-from generation.groups import TOKEN_STATS, check_groups
+from generation.groups import TOKEN_STATS
+from generation.specs import FeatureSpec
 
 LOGPROB_FLOOR = -30.0
 """Log-probabilities are clamped here, so a token the model gives (numerically) zero stays finite."""
-
-
-@dataclass
-class FeatureSpec:
-    """What a probe reads: its feature groups and how each is computed.
-
-    Attributes:
-        groups: feature groups, a subset of :data:`FEATURE_GROUPS`, in :data:`FEATURE_GROUPS` order.
-        layer_ids: ``hidden``: HF ``hidden_states`` indices (0 = embeddings, -1 = last layer).
-        pooling: ``hidden``: ``mean`` over the step's tokens or ``last``.
-        token_stats: ``token_stats``: names from :data:`TOKEN_STATS`.
-    """
-
-    groups: list[str] = field(default_factory=lambda: ["hidden"])
-    layer_ids: list[int] = field(default_factory=lambda: [-1])
-    pooling: str = "mean"
-    token_stats: list[str] = field(default_factory=lambda: list(TOKEN_STATS))
-
-    def __post_init__(self) -> None:
-        problems = check_groups(self.groups, self.token_stats)
-        if self.pooling not in ("mean", "last"):
-            problems.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
-        if "hidden" in self.groups and not self.layer_ids:
-            problems.append("layer_ids is empty: the hidden group needs at least one layer, e.g. [-1]")
-        if problems:
-            raise ValueError("invalid feature spec: " + "; ".join(problems))
-
-    @property
-    def needs_hidden(self) -> bool:
-        return "hidden" in self.groups
-
-    @property
-    def needs_logits(self) -> bool:
-        return "token_stats" in self.groups
-
-    def width(self, hidden_size: int) -> int:
-        """Width of one flattened probe input for a model of ``hidden_size``."""
-        w = len(self.layer_ids) * hidden_size if self.needs_hidden else 0
-        return w + (len(self.token_stats) if self.needs_logits else 0)
-
-    @classmethod
-    def of(cls, config) -> "FeatureSpec":
-        """The spec of anything with ``feature_groups``, ``layer_ids``, ``pooling``, ``token_stats`` (a ProbeConfig)."""
-        return cls(list(config.feature_groups), list(config.layer_ids), config.pooling, list(config.token_stats))
 
 
 def token_scores(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

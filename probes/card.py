@@ -58,8 +58,8 @@ def _reads_section(config: ProbeConfig) -> str:
     rows += [("input", f"{config.input_size} columns" + (", standardised with the training rows' mean and "
                                                          "standard deviation" if config.standardize else "")),
              ("network", f"MLP {dims}, ReLU, dropout {config.dropout}, sigmoid"),
-             ("step", f"text up to a delimiter in `{config.delimiters!r}`"
-                      + _maybe(config.labels.get("max_step_tokens"), ", at most {} tokens"))]
+             ("step", f"text up to a delimiter in `{list(config.step.delimiters)!r}`, at most "
+                      f"{config.step.max_step_tokens} tokens")]
     return "## What it reads\n\n" + _table(("what", "value"), rows)
 
 
@@ -82,8 +82,8 @@ def _labels_section(config: ProbeConfig) -> str:
         judge_text = f"`{judge.get('kind', '?')}`" + _maybe(model_name, " (`{}`)")
     elif judge is not None:
         judge_text = f"`{judge}`"
-    rows = [("samples per prefix and model (N)", _maybe(sampling.get("n_samples"), "{}")),
-            ("sampling", ", ".join(f"{k} {sampling[k]}" for k in ("temperature", "top_p") if k in sampling)),
+    rows = [("samples per prefix and model (N)", _maybe(labels.get("n_samples"), "{}")),
+            ("sampling", f"temperature {sampling.temperature}, top_p {sampling.top_p}" if sampling else ""),
             ("labelling", _maybe(labels.get("labelling"), "`{}`")),
             ("meaning groups", _maybe(labels.get("clustering"), "`{}`")),
             ("judge", judge_text),

@@ -5,19 +5,21 @@ No torch import here: the config is read by tools that never build the probe.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from generation.groups import check_groups
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec, spec_from_dict
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Version of the exported ``config.json`` layout; older versions keep loading.
 
 1: pooled hidden states only. 2: named feature groups (``feature_groups``, ``token_stats``) and
 input standardisation buffers in ``model.safetensors`` (a version-1 export loads as ``["hidden"]``
 with identity standardisation). 3: the sampling spec of the labels (``sampling``; older exports
-load with ``{}``, unknown)."""
+load with it unknown). 4: typed specs: ``step`` (delimiters and step cap, which format 3 kept in
+``delimiters`` and ``labels.max_step_tokens``) and ``sampling`` (temperature and top-p; ``n_samples``
+moves to ``labels``)."""
 FINGERPRINT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size", "tokenizer_hash")
 """Fields of a reading model's fingerprint that must match at load time (name_or_path is informative)."""
 ROLES = ("target", "draft")
@@ -50,25 +52,6 @@ def layer_problems(layer_ids: list[int], num_layers: Optional[int] = None) -> li
     return problems
 
 
-def sampling_problems(sampling: dict[str, Any]) -> list[str]:
-    """Problems with a recorded sampling spec (``n_samples``, ``temperature``, ``top_p``); empty when valid."""
-    if not isinstance(sampling, dict):
-        return [f"sampling={sampling!r}: expected a mapping such as {{'temperature': 0.6, 'top_p': 0.95}}"]
-
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    problems = []
-    t, p, n = sampling.get("temperature"), sampling.get("top_p"), sampling.get("n_samples")
-    if t is not None and not (number(t) and t >= 0):
-        problems.append(f"sampling.temperature={t!r}: expected a finite number >= 0 (0 = greedy)")
-    if p is not None and not (number(p) and 0 < p <= 1):
-        problems.append(f"sampling.top_p={p!r}: expected a number in (0, 1]")
-    if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
-        problems.append(f"sampling.n_samples={n!r}: expected an integer >= 1")
-    return problems
-
-
 @dataclass
 class ProbeConfig:
     """Architecture, input spec, role and provenance of one semantic probe."""
@@ -98,20 +81,20 @@ class ProbeConfig:
     """dtype the pooled features are stored in; the probe computes in float32."""
     reads: dict[str, Any] = field(default_factory=dict)
     """Fingerprint of the model whose hidden states the probe reads (see ``model_fingerprint``)."""
-    delimiters: list[str] = field(default_factory=lambda: ["\n\n"])
-    """Step delimiters the labels were made with."""
-    sampling: dict[str, Any] = field(default_factory=dict)
-    """How the labelled steps were sampled: ``n_samples`` per model, ``temperature``, ``top_p`` (the build's
-    ``sampling``); format-2 exports take it from their ``labels``, older ones have ``{}``."""
+    step: StepSpec = field(default_factory=StepSpec)
+    """What a step is: the delimiters and step cap the labels were cut at (the decoder cuts its steps so)."""
+    sampling: Optional[SamplingSpec] = None
+    """Temperature and top-p the labelled steps were sampled at (the decoder samples so); None = unknown
+    (exports before format 3 did not record it)."""
     labels: dict[str, Any] = field(default_factory=dict)
-    """Label provenance: labelling, clustering, judge, step cap (``max_step_tokens``), seed."""
+    """Label provenance: labelling, clustering, judge, samples per model (``n_samples``), seed."""
     test_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics on the held-out test split at export time."""
     format_version: int = FORMAT_VERSION
     """Layout version of this config."""
 
     def __post_init__(self) -> None:
-        errors = []
+        errors = self._typed_specs()
         if self.hidden_size < 1:
             errors.append(f"hidden_size={self.hidden_size}: expected >= 1")
         errors += layer_problems(self.layer_ids, self.reads.get("num_layers") if isinstance(self.reads, dict) else None)
@@ -126,14 +109,37 @@ class ProbeConfig:
             errors.append(f"dropout={self.dropout}: expected 0 <= dropout < 1")
         if self.role not in ROLES:
             errors.append(f"role={self.role!r}: expected 'target' or 'draft'")
-        errors += sampling_problems(self.sampling)
+        if not isinstance(self.step, StepSpec):
+            errors.append(f"step={self.step!r}: expected a generation.specs.StepSpec")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingSpec):
+            errors.append(f"sampling={self.sampling!r}: expected a generation.specs.SamplingSpec or None")
         if errors:
             raise ValueError("invalid ProbeConfig: " + "; ".join(errors))
+
+    def _typed_specs(self) -> list[str]:
+        """``step`` and ``sampling`` given as dicts (``config.json``, YAML) become their specs; problems, by field."""
+        errors = []
+        for name, spec in (("step", StepSpec), ("sampling", SamplingSpec)):
+            value = getattr(self, name)
+            if not isinstance(value, dict):
+                continue
+            try:
+                setattr(self, name, spec_from_dict(spec, value, where=name))
+            except (TypeError, ValueError) as e:  # "invalid SamplingSpec: temperature=nan: ..." -> "sampling.temperature=nan: ..."
+                msg = str(e)
+                errors += ([f"{name}.{p}" for p in msg.split(": ", 1)[1].split("; ")] if msg.startswith("invalid ")
+                           else [msg])
+        return errors
 
     @property
     def hidden_width(self) -> int:
         """Columns of the ``hidden`` group: ``len(layer_ids) * hidden_size`` (0 when the probe does not read it)."""
         return len(self.layer_ids) * self.hidden_size if "hidden" in self.feature_groups else 0
+
+    @property
+    def features(self) -> FeatureSpec:
+        """What the probe reads, as the typed feature spec the feature function takes."""
+        return FeatureSpec.of(self)
 
     @property
     def input_size(self) -> int:
@@ -160,11 +166,32 @@ class ProbeConfig:
         if d["format_version"] < 2:  # before feature groups every probe read pooled hidden states only
             d.setdefault("feature_groups", ["hidden"])
             d.setdefault("standardize", False)
-        if d["format_version"] < 3 and "sampling" not in d:  # format 2 kept the sampling spec among the labels
-            labels = d.get("labels") or {}
-            d["sampling"] = {k: labels[k] for k in ("n_samples", "temperature", "top_p") if k in labels}
+        if d["format_version"] < 4:
+            d = _upgrade_specs(d)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown probe config keys {unknown}; known keys: {sorted(known)}")
         return cls(**d)
+
+
+def _upgrade_specs(d: dict[str, Any]) -> dict[str, Any]:
+    """A format 0-3 ``config.json`` dict with its step and sampling specs in the format-4 layout.
+
+    The step was ``delimiters`` plus ``labels.max_step_tokens`` (absent: the default cap); the sampling spec was
+    ``sampling`` (format 3) or part of ``labels`` (format 2) with ``n_samples``, which moves to ``labels``.
+    """
+    d, labels = dict(d), dict(d.get("labels") or {})
+    old = d.pop("sampling", None)
+    old = old if isinstance(old, dict) else {k: labels[k] for k in ("n_samples", "temperature", "top_p") if k in labels}
+    for k in ("temperature", "top_p"):
+        labels.pop(k, None)
+    if "n_samples" in old:
+        labels["n_samples"] = old["n_samples"]
+    if "temperature" in old or "top_p" in old:
+        d["sampling"] = {k: old[k] for k in ("temperature", "top_p") if k in old}
+    step = {"delimiters": d.pop("delimiters", ["\n\n"])}
+    if labels.get("max_step_tokens") is not None:
+        step["max_step_tokens"] = labels.pop("max_step_tokens")
+    d["step"], d["labels"] = step, labels
+    return d

@@ -38,7 +38,6 @@ import torch
 
 from generation.cache import BatchedCache, context_length
 from generation.sampling import sample_next
-from generation.steps import StepStopper
 from generation.writer import StepDraft, write_steps
 from probes.decoding import setup
 from generation.handover import Handover
@@ -143,8 +142,7 @@ class SemanticSpecDecoder:
         self.shared = self.handover.shared
         token_sd = self.shared if token_sd is None else token_sd
         setup.check_args(rule=rule, tau=tau, ratio_scale=ratio_scale, top_k=top_k, shared=self.shared,
-                         fast_path_min_logprob=fast_path_min_logprob, max_step_tokens=max_step_tokens,
-                         delimiters=delimiters, token_sd=token_sd, token_sd_tokens=token_sd_tokens)
+                         fast_path_min_logprob=fast_path_min_logprob, token_sd=token_sd, token_sd_tokens=token_sd_tokens)
         self.target, self.draft = target.eval(), draft.eval()
         self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
         self.rule, self.tau, self.ratio_scale = rule, float(tau), float(ratio_scale)
@@ -159,15 +157,15 @@ class SemanticSpecDecoder:
         self.lazy_p = lazy_p
         self.target_probe = setup.load(target_probe, target, tokenizer)
         self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer)
-        self.delimiters, self.max_step_tokens = setup.step_spec((self.target_probe, self.draft_probe), delimiters,
-                                                                max_step_tokens)
+        self.step = setup.step_spec((self.target_probe, self.draft_probe), delimiters, max_step_tokens)
+        self.delimiters, self.max_step_tokens = self.step.delimiters, self.step.max_step_tokens
         self._suffix_ids = self.tokenizer(specreason_suffix, add_special_tokens=False).input_ids
         self._spare = 1 + len(self._suffix_ids)  # room kept for a bonus token and SpecReason's judge turn
         self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
         self.sampling_spec = setup.sampling_spec((self.target_probe, self.draft_probe))
         """How the probes' labels were sampled: ``{"temperature": (0.6, "target probe"), ...}``."""
-        self.target_stop = StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
-        self.draft_stop = StepStopper(self.draft_tokenizer, self.delimiters, self.max_step_tokens)
+        self.target_stop = self.step.stopper(tokenizer)
+        self.draft_stop = self.step.stopper(self.draft_tokenizer)
 
     # ------------------------------------------------------------------ public entry point
 

@@ -114,7 +114,7 @@ class SemanticProbeModule(L.LightningModule):
         if isinstance(probe, dict):
             probe = ProbeConfig.from_dict(probe)
         fields = {"role": role}
-        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "reads", "delimiters",
+        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "reads", "step",
                     "sampling", "labels"):
             if spec is not None and key in spec:
                 fields[key] = copy.deepcopy(spec[key])

@@ -14,12 +14,14 @@ import torch
 import yaml
 
 from datamodules.labels import shards as S
-from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig, StepConfig, signature
+from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig, signature
+from generation.specs import SamplingSpec, StepSpec
 from datamodules.labels.clustering import ClusteringConfig
 from datamodules.labels.build import build, main
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.groups import TOKEN_STATS
-from generation.features import FeatureSpec, pool_hidden_states, token_stats
+from generation.features import pool_hidden_states, token_stats
+from generation.specs import FeatureSpec
 from datamodules.labels.reading import read_steps
 from datamodules.arithmetic.task import ArithmeticTask
 from datamodules.tasks.math import BoxedMathTask
@@ -43,7 +45,7 @@ def _config(world, judge=None, clustering=None, sampling=None, steps=None, **kw)
     return BuildConfig(judge=JudgeConfig(**{"model": str(world / "judge"), **(judge or {})}),
                        clustering=ClusteringConfig(**(clustering or {})),
                        sampling=SamplingConfig(**{"n_samples": 3, "seed": 7, **(sampling or {})}),
-                       steps=StepConfig(**{"max_step_tokens": 6, **(steps or {})}), **{**base, **kw})
+                       steps=StepSpec(**{"max_step_tokens": 6, **(steps or {})}), **{**base, **kw})
 
 
 def _dataset_bytes(d):
@@ -153,7 +155,8 @@ def test_data_recorded_before_the_sampling_entry_still_matches(world, reference,
     assert lines == [f"reusing {len(m['shards'])} shards in {d}"]  # not "built for another config"
     dm = SemanticProbeDataModule(str(d), build=_config(world))
     dm.setup()
-    assert dm.input_spec["target"]["sampling"] == {"n_samples": 3, "temperature": 0.6, "top_p": 0.95}
+    assert dm.input_spec["target"]["sampling"] == SamplingSpec(0.6, 0.95)
+    assert dm.input_spec["target"]["labels"]["n_samples"] == 3
     assert "temperature" not in dm.input_spec["target"]["labels"]
 
 
@@ -323,10 +326,10 @@ def test_empty_task_file_is_an_error(world, tmp_path):
 def test_build_config_names_bad_values_by_their_dotted_names():
     with pytest.raises(ValueError) as err:
         BuildConfig(judge=JudgeConfig(kind="oracle", threshold=1.5), sampling=SamplingConfig(n_samples=0, top_p=0),
-                    clustering=ClusteringConfig(votes=0), steps=StepConfig(delimiters=[""]), pooling="max",
+                    clustering=ClusteringConfig(votes=0), steps=StepSpec(), pooling="max",
                     labelling="both")
     for part in ("judge.kind='oracle'", "judge.threshold=1.5", "sampling.n_samples=0", "sampling.top_p=0",
-                 "clustering.votes=0", "steps.delimiters=['']", "pooling='max'", "labelling='both'"):
+                 "clustering.votes=0", "pooling='max'", "labelling='both'"):
         assert part in str(err.value)
     with pytest.raises(ValueError, match="judge.url='': kind='http' needs url"):
         BuildConfig(judge=JudgeConfig(kind="http", model="m"))
@@ -688,3 +691,31 @@ def test_model_loads_draw_no_progress_bars(world, capfd):
 
     load_model(_config(world), "target")
     assert "Loading weights" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("spec, kwargs, named", [
+    (StepSpec, {"delimiters": []}, "delimiters=[]"),
+    (StepSpec, {"delimiters": ["\n\n", ""]}, "delimiters=['\\n\\n', '']"),
+    (StepSpec, {"delimiters": "\n\n"}, "delimiters='\\n\\n'"),
+    (StepSpec, {"max_step_tokens": 0}, "max_step_tokens=0"),
+    (SamplingSpec, {"temperature": -0.1}, "temperature=-0.1"),
+    (SamplingSpec, {"temperature": float("nan")}, "temperature=nan"),
+    (SamplingSpec, {"top_p": 0}, "top_p=0"),
+])
+def test_a_bad_spec_field_is_refused_where_the_spec_is_built_naming_field_and_value(spec, kwargs, named):
+    """Issue 19: each spec is validated once, where it is built, with one message naming the field and the value."""
+    with pytest.raises(ValueError, match=f"invalid {spec.__name__}: ") as err:
+        spec(**kwargs)
+    assert named in str(err.value)
+
+
+def test_a_bad_spec_field_on_the_build_cli_is_one_line_with_exit_status_2(capsys):
+    from datamodules.labels.build import main
+
+    for args, named in ((["--build.steps.max_step_tokens", "0"], "max_step_tokens=0"),
+                        (["--build.sampling.temperature", "-1"], "temperature=-1"),
+                        (["--build.token_stats", "[nope]"], "nope")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--data_dir", "/nonexistent/never-built"] + args)
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and len(err.splitlines()) == 1 and named in err, (args, err)

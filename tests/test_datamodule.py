@@ -7,6 +7,7 @@ import torch
 
 from datamodules.labels import shards as S
 from datamodules.datamodule import SemanticProbeDataModule
+from generation.specs import SamplingSpec, StepSpec
 from datamodules.stream import SPLITS, ShardStream, split_of
 
 WIDTH = {"target": 16, "draft": 8}
@@ -80,8 +81,10 @@ def test_input_spec_and_batches(data):
     dm = _dm(data)
     assert dm.input_spec["target"]["hidden_size"] == 16 and dm.input_spec["draft"]["layer_ids"] == [-1]
     assert set(dm.input_spec["target"]) == {"hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats",
-                                            "reads", "delimiters", "sampling", "labels"}
-    assert dm.input_spec["draft"]["sampling"] == {"n_samples": 3, "temperature": 0.6, "top_p": 0.95}
+                                            "reads", "step", "sampling", "labels"}
+    assert dm.input_spec["draft"]["sampling"] == SamplingSpec(0.6, 0.95)
+    assert dm.input_spec["draft"]["step"] == StepSpec(("\n\n",), 32)
+    assert dm.input_spec["draft"]["labels"] == {"n_samples": 3}  # the step cap has one home: the step spec
     assert dm.input_spec["target"]["feature_groups"] == ["hidden", "token_stats"]
     assert dm.input_spec["target"]["token_stats"] == STATS
     batches = list(dm.train_dataloader())

@@ -129,7 +129,8 @@ def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, 
     """
     from datamodules.labels.reading import read_steps
     from generation.groups import TOKEN_STATS
-    from generation.features import FeatureSpec, probe_input
+    from generation.features import probe_input
+    from generation.specs import FeatureSpec
 
     target, draft, tok = tiny_pair
     seen = {"q": [], "p": []}

@@ -1,5 +1,6 @@
 """Feature groups: token statistics by hand, the feature spec's checks, and probes that read both groups."""
 
+import dataclasses
 import json
 import math
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from generation.groups import TOKEN_STATS
-from generation.features import FeatureSpec, probe_input, step_features, token_stats
+from generation.features import probe_input, step_features, token_stats
+from generation.specs import FeatureSpec
 from generation.groups import require_features
 from probes.config import ProbeConfig
 from probes.export import export_probe, load_probe
@@ -106,7 +108,7 @@ def test_a_version_1_export_loads_as_a_hidden_only_probe_without_scaling(tmp_pat
     old = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])).eval()
     d = tmp_path / "v1"
     d.mkdir()
-    cfg = {k: v for k, v in json.loads(json.dumps(old.config.__dict__)).items()
+    cfg = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(old.config))).items()
            if k not in ("feature_groups", "token_stats", "standardize")}
     cfg["format_version"] = 1
     (d / "config.json").write_text(json.dumps(cfg))

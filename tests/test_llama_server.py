@@ -39,26 +39,27 @@ def _tokenizer(package):
 def test_server_that_ignores_n_is_fanned_out(servers):
     from datamodules.labels.openai_sampler import OpenAISampler
     from datamodules.arithmetic.task import ArithmeticTask
-    from generation.steps import DEFAULT_DELIMITERS
+    from generation.specs import SamplingSpec, StepSpec
+from generation.steps import DEFAULT_DELIMITERS
 
     tok = _tokenizer(DRAFT)
     task = ArithmeticTask()
     contexts = [task.prompt(tok, r["problem"]) for r in task.problems(2, 1)]
-    s = OpenAISampler([servers["draft"].url], None, tok, DEFAULT_DELIMITERS, 24, 0.8, 0.95, api_key_env="")
+    s = OpenAISampler([servers["draft"].url], None, tok, StepSpec(DEFAULT_DELIMITERS, 24), SamplingSpec(0.8, 0.95), api_key_env="")
     assert s.model == "smollm2"
     out = s.sample(contexts, 3, seed=5)
     assert s.ignores_n == [True] and s.requests == 6  # one choice per request: the rest asked for with new seeds
     assert [len(o) for o in out] == [3, 3] and all(o for row in out for o in row)
     assert len({tuple(o) for row in out for o in row}) > 2  # distinct seeds, distinct samples
     assert "assumed" not in s.step_ends and sum(s.step_ends.values()) == 6
-    again = OpenAISampler([servers["draft"].url], "smollm2", tok, DEFAULT_DELIMITERS, 24, 0.8, 0.95, api_key_env="")
+    again = OpenAISampler([servers["draft"].url], "smollm2", tok, StepSpec(DEFAULT_DELIMITERS, 24), SamplingSpec(0.8, 0.95), api_key_env="")
     assert again.sample(contexts, 3, seed=5) == out  # the seeds make it reproducible
 
 
 def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, tmp_path):
     import lightning as L
 
-    from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig, StepConfig
+    from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig
     from datamodules.labels.clustering import ClusteringConfig
     from datamodules.labels.build import build
     from datamodules.datamodule import SemanticProbeDataModule
@@ -73,7 +74,7 @@ def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, 
     config = BuildConfig(target=f"pypi:{TARGET}", draft=f"pypi:{DRAFT}", n_problems=2, shard_size=4,
                          judge=JudgeConfig(kind="none"), clustering=ClusteringConfig(method="hdbscan"),
                          sampling=SamplingConfig(backend="openai", openai=endpoints, n_samples=2),
-                         steps=StepConfig(max_step_tokens=12))
+                         steps=StepSpec(max_step_tokens=12))
     manifest = build(config, tmp_path / "data")
     assert manifest["complete"] and manifest["build"]["sampler"] == "openai"
     assert manifest["sampler"]["target"]["model"] == "gemma3" and manifest["sampler"]["draft"]["model"] == "smollm2"

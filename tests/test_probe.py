@@ -6,6 +6,8 @@ import warnings
 import lightning as L
 import pytest
 import torch
+
+from generation.specs import SamplingSpec, StepSpec
 from torch.utils.data import DataLoader
 
 from probes.config import ProbeConfig
@@ -281,8 +283,8 @@ def test_module_refuses_data_with_other_feature_groups(tmp_path):
     assert ok.probes["target"].input_std.ne(1).any()  # standardised with the training rows' moments
     # the step and sampling spec of the data travel with the probe (the decoder reads them)
     c = ok.probes["target"].config
-    assert c.sampling == {"n_samples": 3, "temperature": 0.6, "top_p": 0.95}
-    assert c.delimiters == ["\n\n"] and c.labels["max_step_tokens"] == 32
+    assert c.sampling == SamplingSpec(0.6, 0.95) and c.labels["n_samples"] == 3
+    assert c.step == StepSpec(("\n\n",), 32) and "max_step_tokens" not in c.labels  # one typed home
 
 
 def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(world_tokenizer, tmp_path):
@@ -301,10 +303,12 @@ def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(worl
         (folder / "config.json").write_text(json.dumps(config))
         probe = load_probe(folder, model=load_model(role), tokenizer=world_tokenizer)
         # format 2 kept the sampling spec among the labels' provenance; it is read from there, not made up
-        assert probe.config.sampling == {k: config["labels"][k] for k in ("n_samples", "temperature", "top_p")}
-        assert probe.config.labels["max_step_tokens"] == 32
+        labels = config["labels"]
+        assert probe.config.sampling == SamplingSpec(labels["temperature"], labels["top_p"])
+        assert probe.config.labels["n_samples"] == labels["n_samples"]
+        assert probe.config.step == StepSpec(tuple(config["delimiters"]), labels["max_step_tokens"])
     v1 = {k: v for k, v in config.items() if k not in ("labels",)} | {"format_version": 1}
-    assert ProbeConfig.from_dict(v1).sampling == {}  # nothing recorded: nothing to enforce
+    assert ProbeConfig.from_dict(v1).sampling is None  # nothing recorded: nothing to enforce
 
 
 # --------------------------------------------------------------------------- role and config validation at load
@@ -439,11 +443,11 @@ def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
 def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
     """README.md says what the probe reads, which model, its labels and metrics, and how to load it (issue 21.16)."""
     model = tiny_llama(len(world_tokenizer), 32)
-    labels = {"labelling": "joint", "clustering": "hdbscan+judge", "seed": 7, "max_step_tokens": 24,
+    labels = {"labelling": "joint", "clustering": "hdbscan+judge", "seed": 7, "n_samples": 5,
               "judge": {"kind": "llm", "model": {"name_or_path": "judges/tiny"}}}
     _, path = _export(tmp_path, model, world_tokenizer, role="draft", layer_ids=[-1, 1], pooling="last",
                       feature_groups=["hidden", "token_stats"], token_stats=["mean_logprob", "max_entropy"],
-                      labels=labels, sampling={"n_samples": 5, "temperature": 0.7, "top_p": 0.9},
+                      labels=labels, sampling={"temperature": 0.7, "top_p": 0.9}, step={"max_step_tokens": 24},
                       test_metrics={"mse": 0.0123, "draft_written/auroc": 0.987})
     card = (path / "README.md").read_text()
     tok_hash = model_fingerprint(model, world_tokenizer)["tokenizer_hash"]
@@ -455,7 +459,7 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
                  "| num_layers | `2` |", "| hidden_size | `32` |", f"| tokenizer_hash | `{tok_hash}` |",
                  "| samples per prefix and model (N) | 5 |", "temperature 0.7, top_p 0.9", "`hdbscan+judge`",
                  "`llm` (`judges/tiny`)", "| seed | 7 |", "| mse | 0.0123 |", "| draft_written/auroc | 0.9870 |",
-                 'role="draft"', "draft_probe=", "format version 3"):
+                 'role="draft"', "draft_probe=", "format version 4"):
         assert fact in card, fact
     no_judge = ProbeConfig(hidden_size=8, hidden_dims=[4], labels={"clustering": "hdbscan", "judge": {"kind": "none"}})
     assert "| judge | `none` |" in (export_probe(SemanticProbe(no_judge), tmp_path / "nj") / "README.md").read_text()

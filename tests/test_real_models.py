@@ -332,7 +332,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     """Gemma-3-270m and SmolLM2 (two tokenizers) through the label build, a training epoch and SemanticSpec (issue 11)."""
     import lightning as L
 
-    from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig, StepConfig
+    from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig
     from datamodules.labels.clustering import ClusteringConfig
     from datamodules.labels.build import build
     from datamodules.datamodule import SemanticProbeDataModule
@@ -343,7 +343,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     _gguf_or_skip(DRAFT), _gguf_or_skip(TARGET)
     config = BuildConfig(target=f"pypi:{TARGET}", draft=f"pypi:{DRAFT}", n_problems=2, shard_size=4,
                          judge=JudgeConfig(kind="none"), clustering=ClusteringConfig(method="hdbscan"),
-                         sampling=SamplingConfig(n_samples=2), steps=StepConfig(max_step_tokens=12))
+                         sampling=SamplingConfig(n_samples=2), steps=StepSpec(max_step_tokens=12))
     manifest = build(config, tmp_path / "data")
     reads = manifest["build"]["reads"]
     assert reads["target"]["hidden_size"] == 640 and reads["draft"]["hidden_size"] == 576

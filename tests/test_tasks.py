@@ -139,13 +139,13 @@ def test_default_build_records_its_problems_as_before():
 
 
 def test_build_steps_default_to_the_tasks_delimiters():
-    from datamodules.labels.config import BuildConfig, StepConfig
+    from datamodules.labels.config import BuildConfig
 
     class LineTask(YesNoTask):
         delimiters = ("\n",)
 
     assert BuildConfig(task=LineTask()).steps.delimiters == ["\n"]
-    assert BuildConfig(task=LineTask(), steps=StepConfig(delimiters=[";"])).steps.delimiters == [";"]  # explicit wins
+    assert BuildConfig(task=LineTask(), steps=StepSpec(delimiters=[";"])).steps.delimiters == [";"]  # explicit wins
     assert BuildConfig().steps.delimiters == list(ArithmeticTask.delimiters)
 
 

@@ -26,7 +26,7 @@ from datamodules.labels.shares import LABELLINGS
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from generation.groups import TOKEN_STATS, check_groups
-from generation.features import FeatureSpec
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 
 
 JUDGES = ("llm", "http", "nli", "none")
@@ -158,9 +158,9 @@ class SamplingConfig:
     """The ``vllm`` backend's engine settings (read only with ``backend: vllm``)."""
     n_samples: int = 8
     """Steps sampled per prefix from each model (paper: 20)."""
-    temperature: float = 0.6
-    """Sampling temperature (paper: 0.6)."""
-    top_p: float = 0.95
+    temperature: float = SamplingSpec.temperature
+    """Sampling temperature (paper: 0.6; the default is :class:`~generation.specs.SamplingSpec`'s)."""
+    top_p: float = SamplingSpec.top_p
     """Nucleus mass (paper: 0.95)."""
     seed: int = 0
     """Seed of sampling; with the same seed a build is reproducible."""
@@ -174,28 +174,12 @@ class SamplingConfig:
                 out.append(f"{name}={part!r}: expected a {cls.__name__}")
             elif self.backend == name:
                 out += [f"{name}.{e}" for e in part.errors()]
-        if self.temperature < 0:
-            out.append(f"temperature={self.temperature}: expected >= 0")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p={self.top_p}: expected in (0, 1]")
-        return out
+        return out + SamplingSpec.errors(self.temperature, self.top_p)
 
-
-@dataclass
-class StepConfig:
-    """What a step is (YAML: ``build.steps.*``); recorded in the manifest and carried by the probes."""
-
-    delimiters: list[str] | None = None
-    """Step delimiters; None = the task's (every built-in task: the blank-line family)."""
-    max_step_tokens: int = 32
-    """Longest step in tokens; a step ends at a delimiter, EOS or this cap."""
-
-    def errors(self) -> list[str]:
-        """What is wrong (names relative to this part)."""
-        out = at_least(self, max_step_tokens=1)
-        if self.delimiters is not None and (not self.delimiters or any(not d for d in self.delimiters)):
-            out.append(f"delimiters={self.delimiters!r}: give at least one non-empty delimiter")
-        return out
+    @property
+    def spec(self) -> SamplingSpec:
+        """Temperature and top-p as the typed spec the manifest records and the probes carry."""
+        return SamplingSpec(self.temperature, self.top_p)
 
 
 def choices(part, allowed: dict[str, tuple]) -> list[str]:
@@ -208,7 +192,7 @@ def at_least(part, **low: int) -> list[str]:
     return [f"{k}={getattr(part, k)}: expected >= {v}" for k, v in low.items() if getattr(part, k) < v]
 
 
-PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig, "steps": StepConfig}
+PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig}
 """The nested parts of :class:`BuildConfig`, by field name."""
 
 
@@ -238,8 +222,9 @@ class BuildConfig:
     """How samples are grouped by meaning."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How steps are sampled (recorded in the manifest; the probes carry it)."""
-    steps: StepConfig = field(default_factory=StepConfig)
-    """What a step is (recorded in the manifest; the probes carry it)."""
+    steps: StepSpec = field(default_factory=StepSpec)
+    """What a step is (recorded in the manifest; the probes carry it). Delimiters left at the default become the
+    task's when the task has its own."""
     layer_ids: list[int] = field(default_factory=lambda: [-1])
     """HF ``hidden_states`` indices to pool (0 = embeddings, -1 = last layer)."""
     pooling: str = "mean"
@@ -263,8 +248,10 @@ class BuildConfig:
             errors.append(f"task={task!r}: expected a datamodules.tasks.base.Task (class_path and init_args in YAML)")
         else:
             errors += task.errors(self.n_problems)
-            if isinstance(self.steps, StepConfig) and self.steps.delimiters is None:
-                self.steps.delimiters = list(task.delimiters)
+            if isinstance(self.steps, StepSpec) and self.steps.delimiters == StepSpec.delimiters:
+                self.steps = dataclasses.replace(self.steps, delimiters=tuple(task.delimiters))
+        if not isinstance(self.steps, StepSpec):
+            errors.append(f"steps={self.steps!r}: expected a generation.specs.StepSpec")
         for name, cls in PARTS.items():
             part = getattr(self, name)
             if not isinstance(part, cls):
@@ -369,9 +356,9 @@ def label_provenance(config: BuildConfig) -> dict[str, Any]:
             "seed": config.sampling.seed}
 
 
-def sampling_spec(config: BuildConfig) -> dict[str, Any]:
-    """The ``sampling`` entry: how the labelled steps were sampled (the probes carry it to the decoder)."""
-    return {k: getattr(config.sampling, k) for k in S.SAMPLING_KEYS}
+def sampling_record(config: BuildConfig) -> dict[str, Any]:
+    """The manifest's ``sampling`` entry: samples per prefix and the :class:`~generation.specs.SamplingSpec`."""
+    return {"n_samples": config.sampling.n_samples, **config.sampling.spec.to_dict()}
 
 
 def problems_provenance(config: BuildConfig) -> dict[str, Any]:
@@ -401,7 +388,7 @@ def signature(config: BuildConfig) -> dict[str, Any]:
         "token_stats": list(config.token_stats),
         "delimiters": list(config.steps.delimiters),
         "max_step_tokens": config.steps.max_step_tokens,
-        "sampling": sampling_spec(config),
+        "sampling": sampling_record(config),
         "sampler": config.sampling.backend,
         "labels": label_provenance(config),
         "problems": problems_provenance(config),

@@ -19,6 +19,7 @@ import os
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
+from generation.specs import SamplingSpec, StepSpec
 from datamodules.labels.samplers import StepSampler, request_seed, step_from_text
 
 DEFAULT_EXTRA_BODY = {"include_stop_str_in_output": True, "no_stop_trim": True}
@@ -49,10 +50,10 @@ class OpenAISampler(StepSampler):
 
     backend = "openai"
 
-    def __init__(self, urls: list[str], model: str | None, tokenizer, delimiters, max_step_tokens, temperature, top_p,
+    def __init__(self, urls: list[str], model: str | None, tokenizer, step: StepSpec, sampling: SamplingSpec,
                  *, api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout: float = 120.0,
                  retries: int = 3, prompt: str = "text", extra_body: dict | None = None, rank: int = 0):
-        super().__init__(tokenizer, delimiters, max_step_tokens, temperature, top_p)
+        super().__init__(tokenizer, step, sampling)
         try:
             import openai
         except ImportError as e:

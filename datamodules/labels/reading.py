@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from generation.cache import BatchedCache
-from generation.features import FeatureSpec, rows_features
+from generation.features import rows_features
+from generation.specs import FeatureSpec
 
 
 @torch.no_grad()

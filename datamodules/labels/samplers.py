@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from generation.steps import StepStopper
+from generation.specs import SamplingSpec, StepSpec
 from generation.writer import generate
 
 def minimal_stops(delimiters: Sequence[str]) -> list[str]:
@@ -90,15 +90,21 @@ def step_from_text(tokenizer, text: str, finish_reason: str | None, stops: Seque
 class StepSampler:
     """Samples ``n`` steps after every context, in one model's tokenization.
 
+    Args:
+        tokenizer: the sampled model's tokenizer (steps come back in its ids).
+        step: what a step is (the build's; recorded in the manifest).
+        sampling: temperature and top-p.
+
     Subclasses set :attr:`backend` and implement :meth:`sample`; :attr:`step_ends` counts how the
     returned steps' ends were resolved (:func:`step_from_text`), for the manifest.
     """
 
     backend = "?"
 
-    def __init__(self, tokenizer, delimiters: Sequence[str], max_step_tokens: int, temperature: float, top_p: float):
-        self.tokenizer, self.delimiters, self.max_step_tokens = tokenizer, list(delimiters), max_step_tokens
-        self.temperature, self.top_p = temperature, top_p
+    def __init__(self, tokenizer, step: StepSpec, sampling: SamplingSpec):
+        self.tokenizer, self.step, self.sampling = tokenizer, step, sampling
+        self.delimiters, self.max_step_tokens = list(step.delimiters), step.max_step_tokens
+        self.temperature, self.top_p = sampling.temperature, sampling.top_p
         self.stops = minimal_stops(self.delimiters)
         self.step_ends: Counter = Counter()
         self.samples = 0
@@ -126,15 +132,15 @@ class HFSampler(StepSampler):
 
     backend = "hf"
 
-    def __init__(self, model, tokenizer, delimiters, max_step_tokens, temperature, top_p):
-        super().__init__(tokenizer, delimiters, max_step_tokens, temperature, top_p)
+    def __init__(self, model, tokenizer, step: StepSpec, sampling: SamplingSpec):
+        super().__init__(tokenizer, step, sampling)
         self.model = model
 
     def sample(self, contexts, n, seed):
         device = next(self.model.parameters()).device
         g = torch.Generator(device=device).manual_seed(seed)
         tok = self.tokenizer
-        stop = StepStopper(tok, self.delimiters, self.max_step_tokens)
+        stop = self.step.stopper(tok)
         rows = generate(self.model, contexts, max_new_tokens=self.max_step_tokens, temperature=self.temperature,
                         top_p=self.top_p, generator=g, stop=stop, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id or 0, num_samples=n)
@@ -170,10 +176,10 @@ class VLLMSampler(StepSampler):
 
     backend = "vllm"
 
-    def __init__(self, path: str, tokenizer, delimiters, max_step_tokens, temperature, top_p, *,
+    def __init__(self, path: str, tokenizer, step: StepSpec, sampling: SamplingSpec, *,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.4, seed: int = 0,
                  dtype: str = "auto"):
-        super().__init__(tokenizer, delimiters, max_step_tokens, temperature, top_p)
+        super().__init__(tokenizer, step, sampling)
         try:
             import vllm
         except ImportError as e:

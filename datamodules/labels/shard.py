@@ -75,8 +75,8 @@ def make_sampler(config, role: str, model, tokenizer, rank: int = 0) -> StepSamp
         tokenizer: that role's tokenizer (steps come back in its ids).
         rank: this process's rank; the ``openai`` backend starts its round-robin over the endpoints there.
     """
-    s, st = config.sampling, config.steps
-    common = (tokenizer, st.delimiters, st.max_step_tokens, s.temperature, s.top_p)
+    s = config.sampling
+    common = (tokenizer, config.steps, s.spec)
     if s.backend == "hf":
         return HFSampler(model, *common)
     if s.backend == "vllm":

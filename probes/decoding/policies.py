@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from generation.cache import BatchedCache
-from generation.features import FeatureSpec, probe_input, rows_features, token_scores
+from generation.features import probe_input, rows_features, token_scores
+from generation.specs import FeatureSpec
 from generation.writer import StepDraft
 
 

@@ -8,13 +8,12 @@ import os
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
-from generation.steps import DEFAULT_DELIMITERS
+from generation.specs import SamplingSpec, StepSpec
 
 RULES = ("ratio", "threshold")
 
 
-def check_args(*, rule, tau, ratio_scale, top_k, shared, fast_path_min_logprob, max_step_tokens, delimiters, token_sd,
-               token_sd_tokens) -> None:
+def check_args(*, rule, tau, ratio_scale, top_k, shared, fast_path_min_logprob, token_sd, token_sd_tokens) -> None:
     """Refuse bad decoder arguments, naming every bad value at once."""
     errors = []
     if rule not in RULES:
@@ -30,10 +29,6 @@ def check_args(*, rule, tau, ratio_scale, top_k, shared, fast_path_min_logprob, 
                       "so it needs a shared tokenizer; this pair has two (use top_k=0)")
     if not fast_path_min_logprob <= 0:
         errors.append(f"fast_path_min_logprob={fast_path_min_logprob}: expected a log-probability <= 0")
-    if max_step_tokens is not None and max_step_tokens < 1:
-        errors.append(f"max_step_tokens={max_step_tokens}: expected >= 1")
-    if delimiters is not None and (isinstance(delimiters, str) or not delimiters or not all(delimiters)):
-        errors.append(f"delimiters={delimiters!r}: expected a non-empty list of non-empty strings")
     if token_sd and not shared:
         errors.append("token_sd=True (token-level speculation inside target steps) needs a shared tokenizer")
     if token_sd_tokens < 1:
@@ -81,8 +76,6 @@ def load(probe, model, tokenizer, role: str | None = None):
     return probe
 
 
-DEFAULT_SAMPLING = {"temperature": 0.6, "top_p": 0.95}
-"""Sampling of a decode when neither the call nor the probes say (the paper's T = 0.6, top-p 0.95)."""
 
 
 def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:
@@ -116,14 +109,20 @@ def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str
         raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
 
 
-def step_spec(probes, delimiters, max_step_tokens) -> tuple[tuple[str, ...], int]:
-    """The step definition: what the probes' labels were cut at, unless given; a conflict is refused."""
-    seen = recorded(probes, {"delimiters": lambda c: tuple(c.delimiters),
-                             "max_step_tokens": lambda c: c.labels.get("max_step_tokens")})
-    given = {"delimiters": None if delimiters is None else tuple(delimiters), "max_step_tokens": max_step_tokens}
+def step_spec(probes, delimiters=None, max_step_tokens=None) -> StepSpec:
+    """The step definition: the probes' (what their labels were cut at), field by field unless given.
+
+    Raises:
+        ValueError: a given value that differs from a probe's, or two probes that differ (naming both); a
+            bad value (from :class:`~generation.specs.StepSpec`, naming the field).
+    """
+    seen = recorded(probes, {"delimiters": lambda c: c.step.delimiters, "max_step_tokens": lambda c: c.step.max_step_tokens})
+    given = {"delimiters": None if delimiters is None or isinstance(delimiters, str) else tuple(delimiters),
+             "max_step_tokens": max_step_tokens}
+    if isinstance(delimiters, str):
+        given["delimiters"] = delimiters  # refused by StepSpec, naming the value
     refuse_conflicts(given, seen, "steps")
-    resolved = {k: v if v is not None else seen.get(k, (None,))[0] for k, v in given.items()}
-    return tuple(resolved["delimiters"] or DEFAULT_DELIMITERS), int(resolved["max_step_tokens"] or 64)
+    return StepSpec(**{k: v if v is not None else seen[k][0] for k, v in given.items() if v is not None or k in seen})
 
 
 def check_generate(method, methods, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size, *,
@@ -155,7 +154,8 @@ def check_generate(method, methods, max_new_tokens, temperature, top_p, accept_r
 
 def sampling_spec(probes) -> dict[str, tuple[object, str]]:
     """How the probes' labelled steps were sampled (``config.sampling``), per field, with whose it is."""
-    return recorded(probes, {k: (lambda c, k=k: c.sampling.get(k)) for k in DEFAULT_SAMPLING})
+    return recorded(probes, {k: (lambda c, k=k: getattr(c.sampling, k) if c.sampling else None)
+                             for k in ("temperature", "top_p")})
 
 
 def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool) -> tuple[float, float]:
@@ -169,5 +169,5 @@ def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, en
     given = {"temperature": temperature, "top_p": top_p}
     if enforce:
         refuse_conflicts(given, seen, "steps sampled")
-    out = {k: v if v is not None else seen.get(k, (DEFAULT_SAMPLING[k],))[0] for k, v in given.items()}
+    out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}
     return float(out["temperature"]), float(out["top_p"])
