@@ -1,35 +1,40 @@
-"""Transformers' own generation loop: the ``hf_target_only`` and ``token_sd`` (assisted generation) methods.
+"""The transformers baseline: its own generation loop, plain (``hf_target_only``) or assisted (``token_sd``).
 
-Token-level speculative decoding is compared with transformers' own target-only ``generate`` so
-both sides of that ratio run the same loop (DESIGN.md "Decoding").
+Token-level speculative decoding (transformers' assisted generation with the same draft) is
+compared with transformers' own target-only ``generate``, so both sides of that ratio run the
+same loop (DESIGN.md "Decoding"). :class:`TransformersLoop` is the runner the method table
+(:mod:`probes.decoding.methods`) maps both names to; it decodes prompt by prompt.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
+from generation.handover import decode_text, pad_id
 from probes.decoding.results import DecodeResult, DecodeStats
 
 
-def pad_id(tok) -> int:
-    """The id fed in unused slots: the pad token, else EOS, else 0."""
-    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+@dataclass(frozen=True)
+class TransformersLoop:
+    """Runner: every prompt through ``target.generate``, assisted by the draft when ``assisted``."""
+
+    assisted: bool
+    policy = None
+    probes_decide = False
+
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, coins, seed: int) -> list[DecodeResult]:
+        """Decode prompt ``k`` of the chunk with seed ``seed + k`` (``ids_d`` and ``coins`` unused)."""
+        dtok = None if dec.shared else dec.draft_tokenizer
+        return [hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, ids, self.assisted, max_new_tokens,
+                            sampling["temperature"], sampling["top_p"], seed + k) for k, ids in enumerate(ids_t)]
 
 
-def decode_text(tok, tokens) -> str:
-    """Text of ``tokens`` up to EOS, special tokens dropped."""
-    eos = tok.eos_token_id
-    tokens = list(tokens)
-    if eos is not None and eos in tokens:
-        tokens = tokens[: tokens.index(eos)]
-    return tok.decode(tokens, skip_special_tokens=True)
-
-
-def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], method: str, max_new_tokens: int,
+def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,
                 temperature: float, top_p: float, seed: int) -> DecodeResult:
-    """One prompt through ``target.generate`` (assisted by ``draft`` for ``token_sd``).
+    """One prompt through ``target.generate`` (assisted by ``draft`` when ``assisted``: ``token_sd``).
 
     ``draft_tokenizer`` is None for a shared tokenizer, else transformers' universal assisted
     generation hands text between the two.
@@ -44,7 +49,7 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], metho
     # Sampling as the package's sampler does it: temperature and top-p, no top-k (transformers' default is 50).
     kwargs.update({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None} if temperature > 0
                   else {"do_sample": False})
-    if method == "token_sd":
+    if assisted:
         hooks.append(draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1)))
         kwargs["assistant_model"] = draft
         if draft_tokenizer is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from generation.cache import BatchedCache
-from probes.decoding.hf import decode_text
+from generation.handover import decode_text
 from probes.decoding.results import DecodeStats, StepTrace
 
 
