@@ -42,13 +42,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from generation.cache import context_length
 from generation.handover import Handover
 from generation.steps import StepStopper
 from probes.decoding import setup
 from probes.decoding.methods import MethodArgs, runner_for
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import AcceptancePolicy, ProbePolicy
+from probes.decoding.prompts import read_prompts
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
 from probes.decoding.verify import JudgeTurn
 
@@ -139,7 +139,9 @@ class SemanticSpecDecoder:
                 probe judges steps like the ones it was trained on, so for ``semanticspec`` a value
                 that differs from the probes' is refused, naming both.
             top_p: nucleus mass of both models; None = the probes' (else 0.95), enforced likewise.
-            seed: seeds sampling and acceptance coin flips.
+            seed: seeds sampling and acceptance coin flips: prompt ``k`` draws from its own streams,
+                seeded from ``(seed, k)``, so it decodes the same alone (as prompt ``k``) and in any
+                batch, whatever ``batch_size``.
             method: a name of :data:`probes.decoding.methods.METHODS`, or an acceptance policy
                 (e.g. ``SpecReasonPolicy(threshold=8)``) run in the speculative loop.
             batch_size: prompts decoded together (default: all of them).
@@ -148,33 +150,34 @@ class SemanticSpecDecoder:
             progress: show a progress bar over batches.
 
         Returns:
-            One :class:`DecodeResult` per prompt, in order; ``[]`` for no prompts.
+            One :class:`DecodeResult` per prompt, in order, each with its ``stop_reason`` (``eos``,
+            ``answer``, ``budget`` or ``context``: no method writes past either model's context);
+            ``[]`` for no prompts.
 
         Raises:
-            ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, or a
-                prompt longer than a model's context (naming both lengths).
+            ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, or a bad
+                prompt (:func:`~probes.decoding.prompts.read_prompts`: a mixed batch, an empty prompt,
+                an id outside the vocabulary, a prompt longer than a model's context), naming the
+                prompt's index; all before any model call.
         """
         runner, problems = self._runner(method, accept_rate, oracle)
         temperature, top_p = setup.resolve_sampling(self.sampling_spec, temperature, top_p,
                                                     enforce=runner is not None and runner.probes_decide)
         setup.check_generate(max_new_tokens, temperature, top_p, batch_size, problems)
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # not one prompt per character
-        if not prompts:
+        ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
+        if not ids_t:
             return []
-        ids_t, ids_d = zip(*(self.handover.prompt_ids(p) for p in prompts))
-        self._check_context(ids_t, ids_d)
-        bs = batch_size or len(prompts)
-        sampling = {"temperature": temperature, "top_p": top_p, "generator": torch.Generator().manual_seed(seed)}
-        coins = torch.Generator().manual_seed(seed + 1)
+        bs = batch_size or len(ids_t)
+        sampling = {"temperature": temperature, "top_p": top_p}
         results: list[DecodeResult] = []
-        starts = range(0, len(prompts), bs)
+        starts = range(0, len(ids_t), bs)
         if progress:
             from tqdm.auto import tqdm
 
             starts = tqdm(starts, desc=str(method), unit="batch")
         for s in starts:
-            chunk = slice(s, s + bs)
-            results += runner.decode(self, ids_t[chunk], ids_d[chunk], max_new_tokens, sampling, coins, seed + s)
+            chunk = range(s, min(s + bs, len(ids_t)))
+            results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], max_new_tokens, sampling, seed, chunk)
         return results
 
     def _runner(self, method, accept_rate, oracle):
@@ -189,13 +192,3 @@ class SemanticSpecDecoder:
         if needs is not None and needs.p and self.draft_probe is None:
             problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
         return runner, problems
-
-    def _check_context(self, ids_t, ids_d) -> None:
-        for name, model, ids in (("target", self.target, ids_t), ("draft", self.draft, ids_d)):
-            ctx = context_length(model)
-            for i, row in enumerate(ids):
-                if ctx is not None and len(row) >= ctx:
-                    raise ValueError(
-                        f"prompt {i} has {len(row)} tokens but the {name} model's context "
-                        f"(max_position_embeddings) is {ctx}; shorten the prompt"
-                    )

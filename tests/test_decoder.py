@@ -295,6 +295,7 @@ def test_scripted_fast_path_bonus_and_answer_marker(world_tokenizer):
     )
     (res,) = dec.generate([prompt], method="semanticspec", **GREEDY)
     assert res.text == "3 plus 1 equals 4.\n\nAnswer: 4\n\n"  # stops once the answer line is complete
+    assert res.stop_reason == "answer"
     decisions = [t.decision for t in res.steps]
     assert decisions == ["accept", "accept_fast"]  # the 2nd step matches the target token for token
     assert res.stats.draft_tokens == res.stats.output_tokens - 1  # "Answer" was the target's bonus token
@@ -306,6 +307,7 @@ def test_eos_inside_a_draft_step_ends_the_output(world_tokenizer):
     dec = stub_decoder(target, draft, tok, q=1.0, target_first_step=False, bonus_token=False)
     (res,) = dec.generate([prompt], method="semanticspec", **GREEDY)
     assert res.text == "3 plus" and len(res.steps) == 1 and res.steps[0].n_tokens == 3
+    assert res.stop_reason == "eos"
 
 
 def test_step_without_delimiter_is_cut_at_max_step_tokens(tiny_pair):
@@ -468,7 +470,7 @@ def test_empty_prompt_list_and_bad_arguments(tiny_pair):
     with pytest.raises(ValueError, match=r"rule='greedy'.*tau=2"):
         make_decoder(target, draft, tok, rule="greedy", tau=2)
     for bad in (0, -1):  # 0 used to mean "all prompts" silently
-        with pytest.raises(ValueError, match=rf"batch_size={bad}: expected >= 1"):
+        with pytest.raises(ValueError, match=rf"batch_size={bad}: expected an integer >= 1"):
             dec.generate(PROMPTS, batch_size=bad)
     for bad in (float("nan"), float("inf"), -0.5):  # nan used to reach torch.multinomial
         with pytest.raises(ValueError, match=rf"temperature={bad}: expected a finite number >= 0"):
@@ -582,7 +584,93 @@ def test_prompts_given_as_token_ids_decode_like_their_text(world_tokenizer):
     text = dec.generate(PROMPTS[:1], **GREEDY)
     pair = (world_tokenizer(PROMPTS[0]).input_ids, ctok(PROMPTS[0]).input_ids)
     assert texts(dec.generate([pair], **GREEDY)) == texts(text)
-    with pytest.raises(TypeError, match=r"\(target_ids, draft_ids\) pair"):
+    with pytest.raises(ValueError, match=r"\(target_ids, draft_ids\) pair"):
         dec.generate([pair[0]], **GREEDY)  # ids alone are ambiguous with two tokenizers
     shared = stub_decoder(target, tiny_llama(len(world_tokenizer), 24, 1, seed=1), world_tokenizer)
     assert texts(shared.generate([pair[0]], **GREEDY)) == texts(shared.generate(PROMPTS[:1], **GREEDY))
+
+
+# --------------------------------------------------------------------------- prompts: bad input, context, streams
+
+
+def test_bad_prompts_are_refused_before_any_model_call_naming_the_index(tiny_pair):
+    """Issue 21 item 10 and issue 22's bad input: one ValueError naming the prompt's index and what is wrong."""
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    calls = []
+    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in (target, draft)]
+    V, ids = target.config.vocab_size, tok(PROMPTS[1]).input_ids
+    cases = [
+        ([[]], r"prompt 0 is empty"),
+        ([PROMPTS[0], ""], r"prompt 1 is empty"),
+        ([PROMPTS[0], None], r"prompt 1 is None"),
+        (None, r"prompts=None"),
+        ([ids, [1, V]], rf"prompt 1 holds token id {V} at position 1, outside the target's vocabulary \[0, {V}\)"),
+        ([[5, -1]], r"prompt 0 holds token id -1 at position 1"),
+        ([[5, 2.5]], r"prompt 0 holds 2.5 at position 1: expected an integer token id"),
+        ([PROMPTS[0], ids], r"prompt 1 is token ids but prompt 0 is text: a batch holds prompts of one form"),
+        ([PROMPTS[0], "Add 5, then " * 100], r"prompt 1 has \d+ tokens but the target model's context .* is 256"),
+    ]
+    try:
+        for prompts, match in cases:
+            with pytest.raises(ValueError, match=match):
+                dec.generate(prompts, max_new_tokens=4)
+        for bad in (5.5, True, 0):
+            with pytest.raises(ValueError, match=rf"max_new_tokens={bad}: expected an integer >= 1"):
+                dec.generate(PROMPTS, max_new_tokens=bad)
+        with pytest.raises(ValueError, match="batch_size=1.5: expected an integer >= 1"):
+            dec.generate(PROMPTS, batch_size=1.5)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not calls  # every refusal came before any model call
+    with pytest.raises(ValueError, match=r"ratio_scale=nan: expected a finite number > 0"):
+        ProbePolicy(rule="ratio", ratio_scale=float("nan"))
+    with pytest.raises(ValueError, match=r"top_k=1.5: expected an integer >= 0"):
+        ProbePolicy(top_k=1.5)
+
+
+def test_token_ids_as_a_tuple_are_ids_with_one_tokenizer_and_ambiguous_with_two(world_tokenizer):
+    ctok = char_tokenizer()
+    target = tiny_llama(len(world_tokenizer), 32, 2)
+    shared = stub_decoder(target, tiny_llama(len(world_tokenizer), 24, 1, seed=1), world_tokenizer)
+    ids = world_tokenizer(PROMPTS[1]).input_ids[:2]  # (id0, id1): used to fail with "'int' object is not iterable"
+    assert texts(shared.generate([tuple(ids)], **GREEDY)) == texts(shared.generate([ids], **GREEDY))
+    two = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), world_tokenizer, draft_tokenizer=ctok,
+                       max_step_tokens=6)
+    with pytest.raises(ValueError, match=r"prompt 0 is token ids, which need one tokenizer.*\(target_ids, draft_ids\)"):
+        two.generate([tuple(ids)], method="target_only", **GREEDY)
+
+
+def test_every_result_carries_a_stop_reason_and_no_method_passes_the_context(tiny_pair):
+    """Issue 21 item 11: prompts near the context end (256 positions) stop at it, with the reason, in every method."""
+    from probes.decoding.methods import METHODS
+
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=0.5)
+    extra = {"accept_rate": 0.5, "oracle": lambda step, out: True}
+    long_ids = tok("Add 5, then " * 70).input_ids
+    for n in (240, 250, 255):
+        for method in METHODS:
+            (res,) = dec.generate([long_ids[:n]], method=method, max_new_tokens=64, seed=0, **extra)
+            assert res.stop_reason in ("eos", "context"), (n, method, res.stop_reason)
+            assert n + res.stats.output_tokens <= 256, (n, method, res.stats.output_tokens)
+    for method in METHODS:
+        (res,) = dec.generate([PROMPTS[2]], method=method, max_new_tokens=3, seed=0, **extra)
+        assert res.stop_reason in ("eos", "budget") and res.stats.output_tokens <= 3, (method, res.stop_reason)
+
+
+def test_a_prompt_decodes_the_same_alone_and_in_any_batch(pair):
+    """Issue 21 item 12: each prompt samples from its own stream (seed, index), so batching changes nothing."""
+    target, draft, kw = pair
+    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
+    dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
+    for method in ("semanticspec", "target_only", "random_accept"):
+        gen = {"method": method, "max_new_tokens": 24, "seed": 7, "accept_rate": 0.5}
+        together = texts(dec.generate(PROMPTS, **gen))
+        for bs in (1, 2):
+            assert texts(dec.generate(PROMPTS, batch_size=bs, **gen)) == together, (method, bs)
+        assert texts(dec.generate(PROMPTS[:1], **gen)) == together[:1]  # alone, as the batch's prompt 0
+        assert texts(dec.generate(PROMPTS[:2], **gen)) == together[:2]
+    other = texts(dec.generate(PROMPTS, seed=8, max_new_tokens=24))
+    assert other != texts(dec.generate(PROMPTS, seed=7, max_new_tokens=24))  # the seed still matters

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from generation.cache import context_length
 from generation.handover import decode_text, pad_id
+from generation.sampling import stream_seed
 from probes.decoding.results import DecodeResult, DecodeStats
 
 
@@ -25,27 +27,41 @@ class TransformersLoop:
     policy = None
     probes_decide = False
 
-    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, coins, seed: int) -> list[DecodeResult]:
-        """Decode prompt ``k`` of the chunk with seed ``seed + k`` (``ids_d`` and ``coins`` unused)."""
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, seed: int, indices) -> list[DecodeResult]:
+        """Decode prompt by prompt: prompt ``k`` of the decode seeds transformers from its own stream ``(seed, k)``.
+
+        Each stops at the models' context end: with one tokenizer the draft reads the same ids; with
+        two, transformers hands text over and only the target's context is known here.
+        """
         dtok = None if dec.shared else dec.draft_tokenizer
-        return [hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, ids, self.assisted, max_new_tokens,
-                            sampling["temperature"], sampling["top_p"], seed + k) for k, ids in enumerate(ids_t)]
+        out = []
+        for k, it, idd in zip(indices, ids_t, ids_d):
+            rooms = [(context_length(dec.target), len(it))]
+            rooms += [(context_length(dec.draft), len(idd))] if dec.shared else []
+            room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
+            out.append(hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, it, self.assisted, max_new_tokens,
+                                   sampling["temperature"], sampling["top_p"], stream_seed(seed, k, "sampling"), room))
+        return out
 
 
 def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,
-                temperature: float, top_p: float, seed: int) -> DecodeResult:
+                temperature: float, top_p: float, seed: int, room: int | None = None) -> DecodeResult:
     """One prompt through ``target.generate`` (assisted by ``draft`` when ``assisted``: ``token_sd``).
 
     ``draft_tokenizer`` is None for a shared tokenizer, else transformers' universal assisted
-    generation hands text between the two.
+    generation hands text between the two. ``room``: new tokens the context holds (None: no limit);
+    the result stops there with ``stop_reason="context"``.
     """
     dev = next(target.parameters()).device
+    cap = max_new_tokens if room is None else min(max_new_tokens, room)
+    if cap < 1:  # nothing fits: no call
+        return DecodeResult("", [], DecodeStats(), "context")
     calls = {"target": 0, "draft": 0}
     hooks = [target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))]
     # Plain arguments, no generation_config. (transformers' assisted loop itself calls the assistant's generate with
     # both, and its cross-tokenizer handover decodes with clean_up_tokenization_spaces=True; each warns once per
     # process from inside transformers, not from here.)
-    kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id(tokenizer), "eos_token_id": tokenizer.eos_token_id}
+    kwargs = {"max_new_tokens": cap, "pad_token_id": pad_id(tokenizer), "eos_token_id": tokenizer.eos_token_id}
     # Sampling as the package's sampler does it: temperature and top-p, no top-k (transformers' default is 50).
     kwargs.update({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None} if temperature > 0
                   else {"do_sample": False})
@@ -81,4 +97,5 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assis
         new = new[: new.index(eos) + 1]
     stats = DecodeStats(wall_s=wall, output_tokens=len(new), steps=0, target_passes=calls["target"],
                         draft_passes=calls["draft"])
-    return DecodeResult(decode_text(tokenizer, new), [], stats)
+    reason = "eos" if eos in new else ("budget" if len(new) >= max_new_tokens else "context")
+    return DecodeResult(decode_text(tokenizer, new), [], stats, reason)

@@ -18,7 +18,7 @@ import torch
 
 from generation.cache import BatchedCache
 from generation.handover import decode_text, pad_id
-from generation.sampling import sample_next
+from generation.sampling import row_streams, sample_next, stream_seed
 from generation.writer import write_steps
 from probes.decoding.policies import AcceptancePolicy
 from probes.decoding.proposer import DraftProposer, RowState
@@ -36,22 +36,26 @@ class StepLoop:
         ids_t: the prompts in the target's tokenization.
         ids_d: the prompts in the draft's.
         max_new_tokens: output token budget per prompt.
-        sampling: ``temperature``, ``top_p`` and ``generator`` of both models.
-        coins: the generator of the acceptance coins.
+        sampling: ``temperature`` and ``top_p`` of both models.
+        seed: the decode's seed.
+        indices: the prompts' indices in the decode: prompt ``k`` samples and flips its acceptance
+            coins from its own streams, seeded from ``(seed, k)``, so it decodes the same in any batch.
     """
 
     def __init__(self, dec, ids_t: Sequence[list[int]], ids_d: Sequence[list[int]], max_new_tokens: int,
-                 sampling: dict, coins: torch.Generator) -> None:
+                 sampling: dict, seed: int, indices: Sequence[int]) -> None:
         B = len(ids_t)
         layers = lambda probe: probe.config.layer_ids if probe is not None else [-1]
-        self.dec, self.opt, self.sampling = dec, dec.options, sampling
+        streams = {s: [torch.Generator().manual_seed(stream_seed(seed, k, s)) for k in indices]
+                   for s in ("sampling", "coins")}
+        self.dec, self.opt, self.sampling = dec, dec.options, {**sampling, "generator": streams["sampling"]}
         self.tgt = BatchedCache(dec.target, B, pad_id(dec.tokenizer), layers(dec.target_probe))
         self.drf = BatchedCache(dec.draft, B, pad_id(dec.draft_tokenizer), layers(dec.draft_probe))
         for i in range(B):
             self.tgt.seq[i], self.drf.seq[i] = list(ids_t[i]), list(ids_d[i])
         self.rows = [Row(max_new_tokens, dec.shared, self.opt.answer_marker) for _ in range(B)]
-        self.proposer = DraftProposer(self.drf, dec.draft_tokenizer, dec.draft_stop, dec.draft_probe, sampling)
-        self.verifier = TargetVerifier(self.tgt, dec.handover, dec.target_probe, dec.judge, coins)
+        self.proposer = DraftProposer(self.drf, dec.draft_tokenizer, dec.draft_stop, dec.draft_probe, self.sampling)
+        self.verifier = TargetVerifier(self.tgt, dec.handover, dec.target_probe, dec.judge, streams["coins"])
 
     def caches(self, names: Sequence[str]) -> tuple[BatchedCache, ...]:
         return tuple({"target": self.tgt, "draft": self.drf}[n] for n in names)
@@ -77,7 +81,7 @@ class StepLoop:
             r.stats.wall_s = wall / B
             r.stats.target_passes, r.stats.draft_passes = self.tgt.passes[i], self.drf.passes[i]
             text = self.dec.tokenizer.decode(r.out, skip_special_tokens=True) if self.dec.shared else r.text
-            out.append(DecodeResult(text, r.trace, r.stats))
+            out.append(DecodeResult(text, r.trace, r.stats, r.stop_reason))
         return out
 
     def speculate(self, rows_i: list[int], policy: AcceptancePolicy) -> list[int]:
@@ -127,14 +131,16 @@ class StepLoop:
     def _bonus(self, rows_i: list[int]) -> None:
         """The target's next token (after each kept step) opens the row's next step."""
         logits = torch.stack([self.tgt.last_logits[i] for i in rows_i]).float()
-        for i, t in zip(rows_i, sample_next(logits, **self.sampling).tolist()):
+        s = self.sampling
+        drawn = sample_next(logits, s["temperature"], s["top_p"], row_streams(s["generator"], rows_i)).tolist()
+        for i, t in zip(rows_i, drawn):
             r = self.rows[i]
             self.tgt.seq[i].append(t)
             self.proposer.extend(i, [t])
             r.out.append(t)
             r.stats.output_tokens += 1
             if t == self.dec.tokenizer.eos_token_id:
-                r.done = True
+                r.finish("eos")
             else:
                 r.forced = [t]
 

@@ -27,9 +27,9 @@ class LoopRunner:
         """The probes decide, so the decode samples as their labels were sampled."""
         return self.policy is not None and self.policy.decides_with_probes
 
-    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, coins, seed: int) -> list:
-        """Decode one batch (``seed`` unused: ``sampling`` and ``coins`` carry the random streams)."""
-        return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, coins).run(self)
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, seed: int, indices) -> list:
+        """Decode one batch: prompts ``indices`` of the decode (their random streams derive from ``seed``)."""
+        return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, seed, indices).run(self)
 
     def step(self, loop: StepLoop, active: list[int]) -> None:
         raise NotImplementedError

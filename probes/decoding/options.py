@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,12 +47,17 @@ class LoopOptions:
 
     def __post_init__(self) -> None:
         errors = []
-        if self.max_step_tokens is not None and self.max_step_tokens < 1:
-            errors.append(f"max_step_tokens={self.max_step_tokens}: expected >= 1")
+        if self.max_step_tokens is not None and not _count(self.max_step_tokens):
+            errors.append(f"max_step_tokens={self.max_step_tokens}: expected an integer >= 1")
         d = self.delimiters
         if d is not None and (isinstance(d, str) or not d or not all(d)):
             errors.append(f"delimiters={d!r}: expected a non-empty list of non-empty strings")
-        if self.token_sd_tokens < 1:
-            errors.append(f"token_sd_tokens={self.token_sd_tokens}: expected >= 1")
+        if not _count(self.token_sd_tokens):
+            errors.append(f"token_sd_tokens={self.token_sd_tokens}: expected an integer >= 1")
         if errors:
             raise ValueError("invalid LoopOptions: " + "; ".join(errors))
+
+
+def _count(x) -> bool:
+    """An integer (not a bool) of at least 1."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1

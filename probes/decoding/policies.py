@@ -18,6 +18,7 @@ numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`, :func:`fast_pa
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -151,10 +152,11 @@ class ProbePolicy(AcceptancePolicy):
             errors.append(f"rule={self.rule!r}: expected one of {RULES}")
         if not 0 <= self.tau <= 1:
             errors.append(f"tau={self.tau}: expected 0 <= tau <= 1")
-        if self.ratio_scale <= 0:
-            errors.append(f"ratio_scale={self.ratio_scale}: expected > 0")
-        if self.top_k < 0:
-            errors.append(f"top_k={self.top_k}: expected >= 0 (0 disables the fast path)")
+        scale = self.ratio_scale
+        if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+            errors.append(f"ratio_scale={self.ratio_scale}: expected a finite number > 0")
+        if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            errors.append(f"top_k={self.top_k}: expected an integer >= 0 (0 disables the fast path)")
         if not self.fast_path_min_logprob <= 0:
             errors.append(f"fast_path_min_logprob={self.fast_path_min_logprob}: expected a log-probability <= 0")
         if errors:

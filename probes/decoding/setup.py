@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
 from generation.steps import DEFAULT_DELIMITERS
+
 
 def load(probe, model, tokenizer):
     """A probe directory, a ``SemanticProbe`` or None, checked against the model it reads."""
@@ -81,16 +83,21 @@ def step_spec(probes, delimiters, max_step_tokens) -> tuple[tuple[str, ...], int
 def check_generate(max_new_tokens, temperature, top_p, batch_size, problems: list[str]) -> None:
     """Refuse bad ``generate`` arguments, naming every bad value at once (``problems``: the method's own)."""
     errors = list(problems)
-    if max_new_tokens < 1:
-        errors.append(f"max_new_tokens={max_new_tokens}: expected >= 1")
+    if not _count(max_new_tokens):
+        errors.append(f"max_new_tokens={max_new_tokens}: expected an integer >= 1")
     if not (math.isfinite(temperature) and temperature >= 0):  # nan would reach torch's sampler
         errors.append(f"temperature={temperature}: expected a finite number >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         errors.append(f"top_p={top_p}: expected in (0, 1]")
-    if batch_size is not None and batch_size < 1:  # 0 would silently mean "all prompts"
-        errors.append(f"batch_size={batch_size}: expected >= 1, or None for all prompts at once")
+    if batch_size is not None and not _count(batch_size):  # 0 would silently mean "all prompts"
+        errors.append(f"batch_size={batch_size}: expected an integer >= 1, or None for all prompts at once")
     if errors:
         raise ValueError("; ".join(errors))
+
+
+def _count(x) -> bool:
+    """An integer (not a bool) of at least 1."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
 
 
 def sampling_spec(probes) -> dict[str, tuple[object, str]]:

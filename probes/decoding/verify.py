@@ -34,7 +34,7 @@ class Scores:
         fast: the fast path keeps the step (the probes then do not run).
         q: the target probe's semantic probability, when computed.
         p: the draft probe's, when computed.
-        coin: the row's uniform acceptance coin, when the policy draws one.
+        coin: the row's uniform acceptance coin (from the row's own stream), when the policy draws one.
         judge: the judge's expected 0-9 score (SpecReason), when computed.
         after: (V,) the target's logits after the step; a kept step's bonus token is drawn from them.
     """
@@ -66,7 +66,7 @@ class TargetVerifier:
         handover: turns the draft's steps into target tokens.
         probe: the target probe, or None.
         judge: the judge turn.
-        coins: the generator of the acceptance coins.
+        coins: per cache row, the generator of its acceptance coins.
     """
 
     def __init__(self, cache: BatchedCache, handover: Handover, probe, judge: JudgeTurn, coins) -> None:
@@ -128,7 +128,7 @@ class TargetVerifier:
                                               [read[i][2] for i in slow]), self.spec.groups)
             x, q = dict(zip(slow, feats)), dict(zip(slow, run_probe(self.probe, feats)))
             self.probe_s = time.perf_counter() - t0
-        coin = {i: float(torch.rand((), generator=self.coins)) for i in slow} if needs.coin else {}
+        coin = {i: float(torch.rand((), generator=self.coins[i])) for i in slow} if needs.coin else {}
         return {i: Scores(proposals[i].text, outputs[i], x.get(i), fast.get(i, False), q.get(i), None, coin.get(i),
                           judge_score(read[i][4], self.judge.digits) if needs.judge else None, after[i])
                 for i in read}
