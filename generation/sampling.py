@@ -7,20 +7,42 @@ speculation all draw tokens with :func:`sample_next` and read its distribution w
 
 from __future__ import annotations
 
-from typing import Optional
+import hashlib
+from collections.abc import Sequence
 
 import torch
 
+Streams = torch.Generator | Sequence[torch.Generator] | None
+"""One random stream for every row, or one per row (a row then draws the same whatever its batch)."""
 
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_p: float = 1.0, generator: Optional[torch.Generator] = None
-) -> torch.Tensor:
-    """Draw one token per row of ``logits`` (B, V); temperature 0 is greedy. Returns (B,)."""
+
+def stream_seed(seed: int, index: int, stream: str) -> int:
+    """Seed of one random stream of item ``index`` (a prompt), independent of the other items and their order."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}:{stream}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def row_streams(generator: Streams, rows: Sequence[int]) -> Streams:
+    """The streams of ``rows``: a shared generator as it is, per-row generators picked by row."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    return [generator[i] for i in rows]
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                generator: Streams = None) -> torch.Tensor:
+    """Draw one token per row of ``logits`` (B, V); temperature 0 is greedy. Returns (B,).
+
+    ``generator``: one generator for the batch, or a sequence of B generators (row ``k`` draws from
+    its own, so its token does not depend on the other rows).
+    """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature={temperature} (need >= 0), top_p={top_p} (need in (0, 1])")
     if temperature == 0:
         return logits.argmax(-1)
-    return torch.multinomial(_nucleus(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
+    probs = _nucleus(logits, temperature, top_p)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.cat([torch.multinomial(probs[k : k + 1], 1, generator=g) for k, g in enumerate(generator)]).squeeze(-1)
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

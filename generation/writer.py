@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from generation.cache import BatchedCache, Feed
-from generation.sampling import sample_next
+from generation.sampling import Streams, row_streams, sample_next
 
 
 @dataclass
@@ -55,7 +55,7 @@ def write_steps(
     limits: dict[int, int],
     temperature: float,
     top_p: float,
-    generator: torch.Generator | None,
+    generator: Streams,
     forced: dict[int, list[int]] | None = None,
     collect_hidden: bool = False,
     feed_last: bool = False,
@@ -76,7 +76,7 @@ def write_steps(
         limits: per row, the most tokens the step may hold (token budget left).
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus mass.
-        generator: torch generator for sampling.
+        generator: torch generator for sampling, or one per cache row (``rows`` index it).
         forced: per row, tokens that open the step and are already in ``runner.seq``.
         collect_hidden: keep the hidden states of the step's tokens (for a probe).
         feed_last: feed the step's last token too.
@@ -118,7 +118,7 @@ def write_steps(
         if missing:
             raise RuntimeError(f"rows {missing} have no logits to sample from; feed their prompt first")
         logits = torch.stack([runner.last_logits[i] for i in writing]).float()  # (B, V), stays on the device
-        toks = sample_next(logits, temperature, top_p, generator).tolist()  # the one host sync per token: B ids
+        toks = sample_next(logits, temperature, top_p, row_streams(generator, writing)).tolist()  # one host sync: B ids
         still = []
         for k, (i, t) in enumerate(zip(writing, toks)):
             if record_logits:

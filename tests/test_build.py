@@ -481,6 +481,7 @@ def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, worl
 
     from probes.config import ProbeConfig
     from probes.decoder import SemanticSpecDecoder
+    from probes.decoding.policies import ProbePolicy
     from probes.export import export_probe
     from probes.module import SemanticProbeModule
     from tests.test_decoder import PROMPTS, char_tokenizer
@@ -510,7 +511,7 @@ def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, worl
     target = AutoModelForCausalLM.from_pretrained(world / "target")
     draft = AutoModelForCausalLM.from_pretrained(draft_dir)
     dec = SemanticSpecDecoder(target, draft, world_tokenizer, draft_tokenizer=ctok, target_probe=paths["target"],
-                              draft_probe=paths["draft"], rule="ratio")
+                              draft_probe=paths["draft"], policy=ProbePolicy(rule="ratio"))
     res = dec.generate(PROMPTS[:1], max_new_tokens=12, seed=0)
     assert res[0].stats.draft_steps_proposed > 0
     with pytest.raises(ValueError, match="tokenizer"):  # the draft probe does not read the target's tokenizer

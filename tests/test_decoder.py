@@ -11,8 +11,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
-from probes import decoder as decoder_module
+from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, fast_path_keeps
+from probes.decoding.proposer import DraftProposer
+from probes.decoding.verify import TargetVerifier
 from probes.export import export_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
@@ -43,6 +45,19 @@ class ConstProbe(torch.nn.Module):
         return torch.full((x.shape[0],), float(self.value))
 
 
+POLICY = set(ProbePolicy.__dataclass_fields__)
+OPTIONS = set(LoopOptions.__dataclass_fields__)
+
+
+def make_decoder(target, draft, tok, draft_tokenizer=None, target_probe=None, draft_probe=None, **kw):
+    """The decoder with ``kw`` sorted into its policy and loop options (the flat knobs tests read best)."""
+    policy = ProbePolicy(**{k: v for k, v in kw.items() if k in POLICY})
+    options = LoopOptions(**{k: v for k, v in kw.items() if k in OPTIONS})
+    unknown = set(kw) - POLICY - OPTIONS
+    assert not unknown, unknown
+    return SemanticSpecDecoder(target, draft, tok, draft_tokenizer, target_probe, draft_probe, policy, options)
+
+
 def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(), layer_ids=(-1,), **kw):
     kw.setdefault("top_k", 0)
     kw.setdefault("max_step_tokens", 6)
@@ -50,7 +65,7 @@ def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(),
               for m, v, role in ((target, q, "target"), (draft, p, "draft"))]
     for probe in probes:  # the probes were "trained" on the steps the test asks for
         probe.config.delimiters = list(kw.get("delimiters") or DEFAULT_DELIMITERS)
-    return SemanticSpecDecoder(target, draft, tok, target_probe=probes[0], draft_probe=probes[1], **kw)
+    return make_decoder(target, draft, tok, target_probe=probes[0], draft_probe=probes[1], **kw)
 
 
 def texts(results):
@@ -139,22 +154,24 @@ def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, 
                        groups=groups, stats=stats, rule="ratio", lazy_p=False, max_step_tokens=3)
     dec.draft_probe.value = lambda x: seen["p"].append(x) or torch.full((len(x),), 0.1)  # q/p > 1: keep
     spans = {"q": [], "p": []}
-    verify, decide = decoder_module.verify, ProbePolicy.decide
+    verify, score = TargetVerifier.verify, DraftProposer.score
 
-    def spy_verify(tgt, handover, outputs, drafts, policy):
-        out = verify(tgt, handover, outputs, drafts, policy)
-        for i, v in out[0].items():  # (prefix, step) as the target holds them
-            end = len(tgt.seq[i]) - len(policy.suffix)
-            spans["q"].append((tgt.seq[i][: end - len(v.tokens)], list(v.tokens)))
+    def spy_verify(self, proposals, outputs, needs):
+        n0 = {i: len(self.cache.seq[i]) - self.handover.forced_in_target(d) for i, d in proposals.items()}
+        out = verify(self, proposals, outputs, needs)
+        for i in out:  # (prefix, step) as the target holds them
+            d = proposals[i]
+            spans["q"].append((self.cache.seq[i][: n0[i]], self.cache.seq[i][n0[i] : n0[i] + len(d.tokens)]))
         return out
 
-    def spy_decide(self, steps, drf):
-        for i, v in steps.items():  # (prefix, step) as the draft holds them
-            spans["p"].append((drf.seq[i][: v.draft.start], list(v.draft.tokens)))
-        return decide(self, steps, drf)
+    def spy_score(self, rows):
+        for i in rows:  # (prefix, step) as the draft holds them
+            d = self.steps[i]
+            spans["p"].append((self.cache.seq[i][: d.start], list(d.tokens)))
+        return score(self, rows)
 
-    monkeypatch.setattr(decoder_module, "verify", spy_verify)
-    monkeypatch.setattr(ProbePolicy, "decide", spy_decide)
+    monkeypatch.setattr(TargetVerifier, "verify", spy_verify)
+    monkeypatch.setattr(DraftProposer, "score", spy_score)
     res = dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=40, seed=1)
     assert sum(t.decision == "accept" for t in res[0].steps) >= 2  # the bonus-token path is exercised
     spec = FeatureSpec(groups, [-1], "mean", stats)
@@ -224,7 +241,7 @@ def test_fast_path_is_refused_for_two_tokenizers(tiny_pair):
     target, draft, tok = tiny_pair
     other = __import__("copy").deepcopy(tok)
     with pytest.raises(ValueError, match="top_k=2.*shared tokenizer"):
-        SemanticSpecDecoder(target, draft, tok, draft_tokenizer=other, top_k=2)
+        make_decoder(target, draft, tok, draft_tokenizer=other, top_k=2)
 
 
 def test_sampling_is_seeded(tiny_pair):
@@ -282,6 +299,7 @@ def test_scripted_fast_path_bonus_and_answer_marker(world_tokenizer):
     )
     (res,) = dec.generate([prompt], method="semanticspec", **GREEDY)
     assert res.text == "3 plus 1 equals 4.\n\nAnswer: 4\n\n"  # stops once the answer line is complete
+    assert res.stop_reason == "answer"
     decisions = [t.decision for t in res.steps]
     assert decisions == ["accept", "accept_fast"]  # the 2nd step matches the target token for token
     assert res.stats.draft_tokens == res.stats.output_tokens - 1  # "Answer" was the target's bonus token
@@ -293,6 +311,7 @@ def test_eos_inside_a_draft_step_ends_the_output(world_tokenizer):
     dec = stub_decoder(target, draft, tok, q=1.0, target_first_step=False, bonus_token=False)
     (res,) = dec.generate([prompt], method="semanticspec", **GREEDY)
     assert res.text == "3 plus" and len(res.steps) == 1 and res.steps[0].n_tokens == 3
+    assert res.stop_reason == "eos"
 
 
 def test_step_without_delimiter_is_cut_at_max_step_tokens(tiny_pair):
@@ -314,7 +333,7 @@ def test_step_without_delimiter_is_cut_at_max_step_tokens(tiny_pair):
 
 def test_random_and_oracle_acceptance(tiny_pair):
     target, draft, tok = tiny_pair
-    dec = SemanticSpecDecoder(target, draft, tok, max_step_tokens=4)
+    dec = make_decoder(target, draft, tok, max_step_tokens=4)
     for rate, expected in ((0.0, 0.0), (1.0, 1.0)):
         s = summarize(dec.generate(PROMPTS, method="random_accept", accept_rate=rate, max_new_tokens=16))
         assert s["step_acceptance"] == expected and s["draft_steps_proposed"] > 0
@@ -333,9 +352,9 @@ def test_specreason_keeps_steps_scored_seven_or_more(tiny_pair, digit, decision)
     # (An untrained judge scores below 7 and rejects everything, which a test of rejections alone cannot tell
     # from a decoder that never accepts.)
     target, draft, tok = tiny_pair
-    dec = SemanticSpecDecoder(target, draft, tok, max_step_tokens=4)
+    dec = make_decoder(target, draft, tok, max_step_tokens=4)
     bias = torch.zeros(target.config.vocab_size)
-    bias[dec._digits[digit]] = 100.0
+    bias[dec.judge.digits[digit]] = 100.0
     hook = target.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
     try:
         (res,) = dec.generate(PROMPTS[:1], method="specreason", max_new_tokens=24, temperature=0.0)
@@ -349,7 +368,7 @@ def test_specreason_keeps_steps_scored_seven_or_more(tiny_pair, digit, decision)
 
 def test_transformers_baselines_report_their_own_times(tiny_pair):
     target, draft, tok = tiny_pair
-    dec = SemanticSpecDecoder(target, draft, tok)
+    dec = make_decoder(target, draft, tok)
     ours = dec.generate(PROMPTS, method="target_only", temperature=0.0, max_new_tokens=12)
     for method in ("token_sd", "hf_target_only"):
         res = dec.generate(PROMPTS, method=method, temperature=0.0, max_new_tokens=12)
@@ -386,7 +405,7 @@ def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
     ctok = char_tokenizer()
     target, draft = tiny_llama(len(world_tokenizer), 32, 2), tiny_llama(len(ctok), 24, 1, seed=1)
     prompts = PROMPTS[:2]
-    accept = SemanticSpecDecoder(
+    accept = make_decoder(
         target,
         draft,
         world_tokenizer,
@@ -396,9 +415,9 @@ def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
         draft_probe=ConstProbe(24, 1.0, role="draft"),
         target_first_step=False,
     )
-    assert accept.top_k == 0  # no fast path across tokenizers (asking for one is refused, see above)
+    assert accept.policy.top_k == 0  # no fast path across tokenizers (asking for one is refused, see above)
     assert texts(accept.generate(prompts, **GREEDY)) == texts(accept.generate(prompts, method="draft_only", **GREEDY))
-    reject = SemanticSpecDecoder(
+    reject = make_decoder(
         target,
         draft,
         world_tokenizer,
@@ -422,8 +441,8 @@ def test_probe_for_another_model_is_refused_naming_fields(tiny_pair, tmp_path):
     cfg.role = "target"  # a target-role probe, but of the draft model (a draft-role one is refused by its role)
     export_probe(SemanticProbe(cfg), tmp_path / "other_target_probe")
     with pytest.raises(ValueError, match=r"hidden_size: probe has 24, model has 32.*num_layers"):
-        SemanticSpecDecoder(target, draft, tok, target_probe=tmp_path / "other_target_probe")
-    dec = SemanticSpecDecoder(target, draft, tok, draft_probe=str(tmp_path / "draft_probe"), rule="threshold")
+        make_decoder(target, draft, tok, target_probe=tmp_path / "other_target_probe")
+    dec = make_decoder(target, draft, tok, draft_probe=str(tmp_path / "draft_probe"), rule="threshold")
     assert dec.draft_probe.config.reads == cfg.reads  # the right model loads
 
 
@@ -453,11 +472,11 @@ def test_empty_prompt_list_and_bad_arguments(tiny_pair):
     with pytest.raises(ValueError, match="accept_rate"):
         dec.generate(PROMPTS, method="random_accept")
     with pytest.raises(ValueError, match="needs target_probe"):
-        SemanticSpecDecoder(target, draft, tok).generate(PROMPTS)
+        make_decoder(target, draft, tok).generate(PROMPTS)
     with pytest.raises(ValueError, match=r"rule='greedy'.*tau=2"):
-        SemanticSpecDecoder(target, draft, tok, rule="greedy", tau=2)
+        make_decoder(target, draft, tok, rule="greedy", tau=2)
     for bad in (0, -1):  # 0 used to mean "all prompts" silently
-        with pytest.raises(ValueError, match=rf"batch_size={bad}: expected >= 1"):
+        with pytest.raises(ValueError, match=rf"batch_size={bad}: expected an integer >= 1"):
             dec.generate(PROMPTS, batch_size=bad)
     for bad in (float("nan"), float("inf"), -0.5):  # nan used to reach torch.multinomial
         with pytest.raises(ValueError, match=rf"temperature={bad}: expected a finite number >= 0"):
@@ -502,17 +521,17 @@ def test_token_sd_inside_target_steps_is_lossless_when_greedy(tiny_pair):
     sampled = spec.generate(PROMPTS, max_new_tokens=24, seed=1)
     assert all(0 < r.stats.output_tokens <= 24 for r in sampled)
     with pytest.raises(ValueError, match="token_sd=True.*shared tokenizer"):
-        SemanticSpecDecoder(target, draft, tok, draft_tokenizer=char_tokenizer(), token_sd=True)
+        make_decoder(target, draft, tok, draft_tokenizer=char_tokenizer(), token_sd=True)
 
 
 def test_defaults_follow_the_first_step_benchmark(tiny_pair):
     """The draft writes the first step; token-level speculation writes the target's steps when the tokenizer is shared."""
     target, draft, tok = tiny_pair
     shared = stub_decoder(target, draft, tok)
-    assert shared.token_sd is True and shared.target_first_step is False
+    assert shared.token_sd is True and shared.options.target_first_step is False
     assert stub_decoder(target, draft, tok, token_sd=False).token_sd is False
     ctok = char_tokenizer()
-    cross = SemanticSpecDecoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok,
+    cross = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok,
                                 target_probe=ConstProbe(target.config.hidden_size), draft_probe=ConstProbe(24, role="draft"))
     assert cross.token_sd is False  # needs a shared tokenizer: off, not refused, when left to the default
     res = shared.generate(PROMPTS[:1], max_new_tokens=12, seed=0)
@@ -526,19 +545,19 @@ def test_the_step_definition_travels_with_the_probes(tiny_pair):
     dprobe.config.role = "draft"
     for probe in (tprobe, dprobe):
         probe.config.delimiters, probe.config.labels = [".\n\n"], {"max_step_tokens": 7}
-    dec = SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
+    dec = make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
     assert dec.delimiters == (".\n\n",) and dec.max_step_tokens == 7
     assert dec.target_stop.max_step_tokens == dec.draft_stop.max_step_tokens == 7
-    same = SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, max_step_tokens=7)
+    same = make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, max_step_tokens=7)
     assert same.max_step_tokens == 7
     with pytest.raises(ValueError, match=r"max_step_tokens=64 but the target probe was trained on steps with max_step_tokens=7"):
-        SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, max_step_tokens=64)
+        make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, max_step_tokens=64)
     with pytest.raises(ValueError, match=r"delimiters=\('\\n\\n',\) but the target probe"):
-        SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, delimiters=["\n\n"])
+        make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, delimiters=["\n\n"])
     dprobe.config.labels = {"max_step_tokens": 9}
     with pytest.raises(ValueError, match="the target probe has max_step_tokens=7, the draft probe 9"):
-        SemanticSpecDecoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
-    bare = SemanticSpecDecoder(target, draft, tok)  # no probe: the blank-line family and 64 tokens
+        make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
+    bare = make_decoder(target, draft, tok)  # no probe: the blank-line family and 64 tokens
     assert bare.delimiters == tuple(DEFAULT_DELIMITERS) and bare.max_step_tokens == 64
 
 
@@ -547,7 +566,7 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
     dec = stub_decoder(target, draft, tok, q=0.0)
     for probe in (dec.target_probe, dec.draft_probe):
         probe.config.sampling = {"n_samples": 8, "temperature": 0.6, "top_p": 0.9}
-    dec = SemanticSpecDecoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
+    dec = make_decoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
                               max_step_tokens=6)
     assert dec.sampling_spec["temperature"][0] == 0.6 and dec.sampling_spec["top_p"] == (0.9, "target probe")
     with pytest.raises(ValueError, match=r"temperature=0\.0 but the target probe was trained on steps sampled with "
@@ -559,19 +578,105 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
     assert dec.generate(PROMPTS[:1], method="target_only", temperature=0.0, max_new_tokens=8)  # no probe decides
     dec.draft_probe.config.sampling, dec.draft_probe.config.role = {"temperature": 1.0}, "draft"
     with pytest.raises(ValueError, match="temperature=0.6, the draft probe 1.0"):
-        SemanticSpecDecoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
+        make_decoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
                             max_step_tokens=6)
 
 
 def test_prompts_given_as_token_ids_decode_like_their_text(world_tokenizer):
     ctok = char_tokenizer()
     target, draft = tiny_llama(len(world_tokenizer), 32, 2), tiny_llama(len(ctok), 24, 1, seed=1)
-    dec = SemanticSpecDecoder(target, draft, world_tokenizer, draft_tokenizer=ctok, max_step_tokens=6,
+    dec = make_decoder(target, draft, world_tokenizer, draft_tokenizer=ctok, max_step_tokens=6,
                               target_probe=ConstProbe(32, 0.5), draft_probe=ConstProbe(24, 1.0, role="draft"))
     text = dec.generate(PROMPTS[:1], **GREEDY)
     pair = (world_tokenizer(PROMPTS[0]).input_ids, ctok(PROMPTS[0]).input_ids)
     assert texts(dec.generate([pair], **GREEDY)) == texts(text)
-    with pytest.raises(TypeError, match=r"\(target_ids, draft_ids\) pair"):
+    with pytest.raises(ValueError, match=r"\(target_ids, draft_ids\) pair"):
         dec.generate([pair[0]], **GREEDY)  # ids alone are ambiguous with two tokenizers
     shared = stub_decoder(target, tiny_llama(len(world_tokenizer), 24, 1, seed=1), world_tokenizer)
     assert texts(shared.generate([pair[0]], **GREEDY)) == texts(shared.generate(PROMPTS[:1], **GREEDY))
+
+
+# --------------------------------------------------------------------------- prompts: bad input, context, streams
+
+
+def test_bad_prompts_are_refused_before_any_model_call_naming_the_index(tiny_pair):
+    """Issue 21 item 10 and issue 22's bad input: one ValueError naming the prompt's index and what is wrong."""
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    calls = []
+    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in (target, draft)]
+    V, ids = target.config.vocab_size, tok(PROMPTS[1]).input_ids
+    cases = [
+        ([[]], r"prompt 0 is empty"),
+        ([PROMPTS[0], ""], r"prompt 1 is empty"),
+        ([PROMPTS[0], None], r"prompt 1 is None"),
+        (None, r"prompts=None"),
+        ([ids, [1, V]], rf"prompt 1 holds token id {V} at position 1, outside the target's vocabulary \[0, {V}\)"),
+        ([[5, -1]], r"prompt 0 holds token id -1 at position 1"),
+        ([[5, 2.5]], r"prompt 0 holds 2.5 at position 1: expected an integer token id"),
+        ([PROMPTS[0], ids], r"prompt 1 is token ids but prompt 0 is text: a batch holds prompts of one form"),
+        ([PROMPTS[0], "Add 5, then " * 100], r"prompt 1 has \d+ tokens but the target model's context .* is 256"),
+    ]
+    try:
+        for prompts, match in cases:
+            with pytest.raises(ValueError, match=match):
+                dec.generate(prompts, max_new_tokens=4)
+        for bad in (5.5, True, 0):
+            with pytest.raises(ValueError, match=rf"max_new_tokens={bad}: expected an integer >= 1"):
+                dec.generate(PROMPTS, max_new_tokens=bad)
+        with pytest.raises(ValueError, match="batch_size=1.5: expected an integer >= 1"):
+            dec.generate(PROMPTS, batch_size=1.5)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not calls  # every refusal came before any model call
+    with pytest.raises(ValueError, match=r"ratio_scale=nan: expected a finite number > 0"):
+        ProbePolicy(rule="ratio", ratio_scale=float("nan"))
+    with pytest.raises(ValueError, match=r"top_k=1.5: expected an integer >= 0"):
+        ProbePolicy(top_k=1.5)
+
+
+def test_token_ids_as_a_tuple_are_ids_with_one_tokenizer_and_ambiguous_with_two(world_tokenizer):
+    ctok = char_tokenizer()
+    target = tiny_llama(len(world_tokenizer), 32, 2)
+    shared = stub_decoder(target, tiny_llama(len(world_tokenizer), 24, 1, seed=1), world_tokenizer)
+    ids = world_tokenizer(PROMPTS[1]).input_ids[:2]  # (id0, id1): used to fail with "'int' object is not iterable"
+    assert texts(shared.generate([tuple(ids)], **GREEDY)) == texts(shared.generate([ids], **GREEDY))
+    two = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), world_tokenizer, draft_tokenizer=ctok,
+                       max_step_tokens=6)
+    with pytest.raises(ValueError, match=r"prompt 0 is token ids, which need one tokenizer.*\(target_ids, draft_ids\)"):
+        two.generate([tuple(ids)], method="target_only", **GREEDY)
+
+
+def test_every_result_carries_a_stop_reason_and_no_method_passes_the_context(tiny_pair):
+    """Issue 21 item 11: prompts near the context end (256 positions) stop at it, with the reason, in every method."""
+    from probes.decoding.methods import METHODS
+
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=0.5)
+    extra = {"accept_rate": 0.5, "oracle": lambda step, out: True}
+    long_ids = tok("Add 5, then " * 70).input_ids
+    for n in (240, 250, 255):
+        for method in METHODS:
+            (res,) = dec.generate([long_ids[:n]], method=method, max_new_tokens=64, seed=0, **extra)
+            assert res.stop_reason in ("eos", "context"), (n, method, res.stop_reason)
+            assert n + res.stats.output_tokens <= 256, (n, method, res.stats.output_tokens)
+    for method in METHODS:
+        (res,) = dec.generate([PROMPTS[2]], method=method, max_new_tokens=3, seed=0, **extra)
+        assert res.stop_reason in ("eos", "budget") and res.stats.output_tokens <= 3, (method, res.stop_reason)
+
+
+def test_a_prompt_decodes_the_same_alone_and_in_any_batch(pair):
+    """Issue 21 item 12: each prompt samples from its own stream (seed, index), so batching changes nothing."""
+    target, draft, kw = pair
+    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
+    dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
+    for method in ("semanticspec", "target_only", "random_accept"):
+        gen = {"method": method, "max_new_tokens": 24, "seed": 7, "accept_rate": 0.5}
+        together = texts(dec.generate(PROMPTS, **gen))
+        for bs in (1, 2):
+            assert texts(dec.generate(PROMPTS, batch_size=bs, **gen)) == together, (method, bs)
+        assert texts(dec.generate(PROMPTS[:1], **gen)) == together[:1]  # alone, as the batch's prompt 0
+        assert texts(dec.generate(PROMPTS[:2], **gen)) == together[:2]
+    other = texts(dec.generate(PROMPTS, seed=8, max_new_tokens=24))
+    assert other != texts(dec.generate(PROMPTS, seed=7, max_new_tokens=24))  # the seed still matters

@@ -1,17 +1,27 @@
 """The decoder's parts as pure functions on scripted numbers: acceptance rules, speculative sampling, handover."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from generation.writer import StepDraft
 from generation.handover import Handover
-from probes.decoding.policies import (OraclePolicy, RandomPolicy, Verified, judge_score, ratio_keeps,
-                                      threshold_keeps)
 from generation.sampling import sampling_probs
+from generation.writer import StepDraft
+from probes.decoding.methods import METHODS, MethodArgs, Speculative, runner_for
+from probes.decoding.policies import (
+    OraclePolicy,
+    ProbePolicy,
+    RandomPolicy,
+    SpecReasonPolicy,
+    judge_score,
+    ratio_keeps,
+    threshold_keeps,
+)
 from probes.decoding.speculative import speculative_step
+from probes.decoding.scores import Scores
 
 PT = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])  # target, 2 positions + after
 PD = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.4, 0.4, 0.1, 0.1]])  # draft, far from the target on purpose
@@ -75,19 +85,56 @@ def test_acceptance_rules_on_scripted_numbers():
     assert judge_score(logits, digits) == pytest.approx(8.0, abs=1e-3)
 
 
-def _verified(text="Add 2.\n\n"):
-    return Verified(text, "", [1, 2], 0, torch.zeros(2, 4), None, None, StepDraft(0, [1, 2]))
+def _scores(**kw):
+    return Scores(kw.pop("text", "Add 2.\n\n"), kw.pop("output", ""), **kw)
 
 
-def test_random_and_oracle_policies():
-    coins = torch.Generator().manual_seed(0)
-    rp = RandomPolicy(0.25, coins)
-    kept = [d == "accept" for _ in range(400) for d in rp.decide({0: _verified()}, None).values()]
-    assert 0.18 < sum(kept) / len(kept) < 0.32
-    with pytest.raises(ValueError, match="accept_rate=1.5"):
-        RandomPolicy(1.5, coins)
-    op = OraclePolicy(lambda step, out: step.startswith("Add"))
-    assert op.decide({0: _verified(), 1: _verified("Sub 2.\n\n")}, None) == {0: "accept", 1: "reject"}
+def test_each_policy_decides_from_hand_made_scores_alone():
+    """Policies are pure: hand-made scores in, decisions out, the scores untouched (they are frozen)."""
+    rows = {0: _scores(q=0.7), 1: _scores(q=0.2), 2: _scores(q=0.1, fast=True)}
+    threshold = ProbePolicy(tau=0.5, top_k=1)
+    assert threshold.decide(rows) == {0: "accept", 1: "reject", 2: "accept_fast"}
+    assert threshold.decide(rows) == threshold.decide(rows)  # no state, no coin drawn
+    ratio = ProbePolicy(rule="ratio", ratio_scale=1.0, lazy_p=True)
+    coins = {0: _scores(q=0.3, p=0.6, coin=0.49), 1: _scores(q=0.3, p=0.6, coin=0.51), 2: _scores(q=0.9, coin=0.5)}
+    assert ratio.decide(coins) == {0: "accept", 1: "reject", 2: "accept"}  # min(1, q/p) = 0.5; p skipped: q keeps
+    # lazy_p: p is wanted only where q alone does not keep (scale * q < coin); without lazy_p always
+    assert [ratio.wants_p(s) for s in coins.values()] == [True, True, False]
+    assert all(ProbePolicy(rule="ratio").wants_p(s) for s in coins.values())
+    assert not threshold.wants_p(rows[0]) and not ratio.wants_p(_scores(fast=True, q=0.1, coin=0.5))
+    assert RandomPolicy(0.25).decide({0: _scores(coin=0.2), 1: _scores(coin=0.3)}) == {0: "accept", 1: "reject"}
+    judged = {0: _scores(judge=7.0), 1: _scores(judge=6.9)}
+    assert SpecReasonPolicy().decide(judged) == {0: "accept", 1: "reject"}
+    assert SpecReasonPolicy(threshold=8).decide(judged) == {0: "reject", 1: "reject"}
+    oracle = OraclePolicy(lambda step, out: step.startswith("Add") and out == "Take 3.\n\n")
+    assert oracle.decide({0: _scores(output="Take 3.\n\n"), 1: _scores(text="Sub 2.\n\n", output="Take 3.\n\n"),
+                          2: _scores()}) == {0: "accept", 1: "reject", 2: "reject"}
+    with pytest.raises(dataclasses.FrozenInstanceError):  # frozen: a policy cannot write into its input
+        rows[0].q = 1.0
+
+
+def test_policies_declare_what_they_read_and_refuse_bad_values():
+    assert ProbePolicy().needs.q and not ProbePolicy().needs.p and ProbePolicy().needs.fast_path is None
+    ratio = ProbePolicy(rule="ratio", top_k=2).needs
+    assert ratio.p and ratio.coin and ratio.fast_path.top_k == 2
+    assert RandomPolicy(0.5).needs.coin and SpecReasonPolicy().needs.judge
+    with pytest.raises(ValueError, match="accept_rate in \\[0, 1\\], got 1.5"):
+        RandomPolicy(1.5)
+    with pytest.raises(ValueError, match=r"rule='greedy'.*tau=2.*top_k=-1"):
+        ProbePolicy(rule="greedy", tau=2, top_k=-1)
+    with pytest.raises(ValueError, match="needs oracle=callable"):
+        OraclePolicy(None)
+
+
+def test_the_method_table_maps_every_name_to_a_runner():
+    args = MethodArgs(ProbePolicy(tau=0.3), accept_rate=0.5, oracle=lambda s, o: True)
+    runners = {name: runner_for(name, args) for name in METHODS}
+    assert runners["semanticspec"].policy == ProbePolicy(tau=0.3) and runners["semanticspec"].probes_decide
+    assert {n for n, m in METHODS.items() if m.drafts} == {n for n, r in runners.items() if isinstance(r, Speculative)}
+    assert METHODS["token_sd"].reference == "hf_target_only" and METHODS["semanticspec"].reference == "target_only"
+    assert runner_for(SpecReasonPolicy(threshold=8), args).policy.threshold == 8
+    with pytest.raises(ValueError, match="method='beam'"):
+        runner_for("beam", args)
 
 
 def test_handover_shared_passes_tokens_and_two_tokenizers_pass_text(world_tokenizer):

@@ -337,8 +337,6 @@ def test_a_probe_used_in_the_other_role_is_refused_naming_both(tmp_path, world_t
         setup.load(path, other, world_tokenizer, role="target")
 
 
-@pytest.mark.xfail(strict=True, reason="probes/decoder.py does not pass role= to setup.load yet (issue 21.8): "
-                                       "add role='target'/'draft' to its two setup.load calls, then drop this mark")
 def test_decoder_refuses_a_draft_probe_as_target_probe(tmp_path, world_tokenizer):
     from probes.decoder import SemanticSpecDecoder
 

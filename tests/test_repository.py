@@ -37,7 +37,6 @@ def _text_files() -> list[Path]:
 
 
 _OUTSIDE = re.compile("|".join([r"\.\./" + "shared", "DESIGN" + r"\.md", "STYLE" + r"\.md", "ENGINES" + r"\.md"]))
-_BEING_REFACTORED = "probes/decoder.py"  # on another branch (issue 21); its own test below
 
 
 def _outside_refs(files: list[Path]) -> list[str]:
@@ -47,14 +46,7 @@ def _outside_refs(files: list[Path]) -> list[str]:
 
 def test_nothing_points_outside_the_repository():
     """The design and style notes live in docs/; no file refers a user to notes they do not have."""
-    assert _outside_refs([p for p in _text_files() if p != ROOT / _BEING_REFACTORED]) == []
-
-
-@pytest.mark.xfail(strict=True, reason="probes/decoder.py's module docstring still names the old design notes; it is "
-                                       "being refactored on another branch: point it at docs/design.md \"Decoding\" "
-                                       "when merging, then drop this test (the one above covers it)")
-def test_the_decoder_points_inside_the_repository():
-    assert _outside_refs([ROOT / _BEING_REFACTORED]) == []
+    assert _outside_refs(_text_files()) == []
 
 
 def test_docs_exist_and_every_relative_link_resolves():

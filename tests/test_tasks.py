@@ -218,8 +218,8 @@ class _StubDecoder:
     calls: list[tuple[str, list[str]]] = []
     answer_marker = None
 
-    def __init__(self, *args, answer_marker=None, **kwargs) -> None:
-        type(self).answer_marker = answer_marker
+    def __init__(self, *args, options=None, **kwargs) -> None:
+        type(self).answer_marker = options.answer_marker
 
     def generate(self, prompts, method="semanticspec", **kwargs):
         from probes.decoding.results import DecodeResult, DecodeStats

@@ -25,6 +25,7 @@ from datamodules.labels.reading import read_steps
 from datamodules.labels.openai_sampler import OpenAISampler
 from datamodules.labels.samplers import HFSampler, StepSampler, VLLMSampler
 from datamodules.labels.models import quiet_loading
+from generation.handover import Handover
 
 # ---------------------------------------------------------------------------------------------
 # Models and judge.
@@ -175,9 +176,10 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
                  asked: list | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict[str, int]]:
     n = config.sampling.n_samples
     # Each model samples in its own tokenization; with two tokenizers a draft step reaches the target as
-    # its text, as the decoder's handover gives it (generation.handover), cut at the same delimiters.
+    # its text, through the decoder's handover (generation.handover), cut at the same delimiters.
     tok = models.tokenizer
-    dtok = models.draft_tokenizer or tok
+    handover = Handover(tok, models.draft_tokenizer)
+    dtok = handover.draft_tokenizer
     ctx = {"target": [p.token_ids for p in prefixes],
            "draft": [p.token_ids if models.draft_tokenizer is None else p.draft_token_ids for p in prefixes]}
     t0 = time.perf_counter()
@@ -188,8 +190,8 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     # per prefix: the target's samples then the draft's (sample j of prefix i has id i * 2N + j)
     texts = [[tok.decode(s, skip_special_tokens=True) for s in written["target"][i]]
              + [dtok.decode(s, skip_special_tokens=True) for s in written["draft"][i]] for i in range(len(prefixes))]
-    drafted = written["draft"] if models.draft_tokenizer is None else [  # the draft's steps as the target reads them
-        [tok(t, add_special_tokens=False).input_ids or [tok.eos_token_id] for t in texts[i][n:]] for i in range(len(prefixes))]
+    drafted = written["draft"] if handover.shared else [  # the draft's steps as the target reads them
+        [handover.text_to_target(t) or [tok.eos_token_id] for t in texts[i][n:]] for i in range(len(prefixes))]
     t_reads = [written["target"][i] + drafted[i] if joint else written["target"][i] for i in range(len(prefixes))]
     spec = config.feature_spec()
     feats = {  # {role: {group: (rows, ...)}}, from the function the decoder's verification pass calls

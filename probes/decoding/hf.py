@@ -1,50 +1,71 @@
-"""Transformers' own generation loop: the ``hf_target_only`` and ``token_sd`` (assisted generation) methods.
+"""The transformers baseline: its own generation loop, plain (``hf_target_only``) or assisted (``token_sd``).
 
-Token-level speculative decoding is compared with transformers' own target-only ``generate`` so
-both sides of that ratio run the same loop (docs/design.md "Decoding").
+Token-level speculative decoding (transformers' assisted generation with the same draft) is
+compared with transformers' own target-only ``generate``, so both sides of that ratio run the
+same loop (docs/design.md "Decoding"). :class:`TransformersLoop` is the runner the method table
+(:mod:`probes.decoding.methods`) maps both names to; it decodes prompt by prompt.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
+from generation.cache import context_length
+from generation.handover import decode_text, pad_id
+from generation.sampling import stream_seed
 from probes.decoding.results import DecodeResult, DecodeStats
 
 
-def pad_id(tok) -> int:
-    """The id fed in unused slots: the pad token, else EOS, else 0."""
-    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+@dataclass(frozen=True)
+class TransformersLoop:
+    """Runner: every prompt through ``target.generate``, assisted by the draft when ``assisted``."""
+
+    assisted: bool
+    policy = None
+    probes_decide = False
+
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, seed: int, indices) -> list[DecodeResult]:
+        """Decode prompt by prompt: prompt ``k`` of the decode seeds transformers from its own stream ``(seed, k)``.
+
+        Each stops at the models' context end: with one tokenizer the draft reads the same ids; with
+        two, transformers hands text over and only the target's context is known here.
+        """
+        dtok = None if dec.shared else dec.draft_tokenizer
+        out = []
+        for k, it, idd in zip(indices, ids_t, ids_d):
+            rooms = [(context_length(dec.target), len(it))]
+            rooms += [(context_length(dec.draft), len(idd))] if dec.shared else []
+            room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
+            out.append(hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, it, self.assisted, max_new_tokens,
+                                   sampling["temperature"], sampling["top_p"], stream_seed(seed, k, "sampling"), room))
+        return out
 
 
-def decode_text(tok, tokens) -> str:
-    """Text of ``tokens`` up to EOS, special tokens dropped."""
-    eos = tok.eos_token_id
-    tokens = list(tokens)
-    if eos is not None and eos in tokens:
-        tokens = tokens[: tokens.index(eos)]
-    return tok.decode(tokens, skip_special_tokens=True)
-
-
-def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], method: str, max_new_tokens: int,
-                temperature: float, top_p: float, seed: int) -> DecodeResult:
-    """One prompt through ``target.generate`` (assisted by ``draft`` for ``token_sd``).
+def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,
+                temperature: float, top_p: float, seed: int, room: int | None = None) -> DecodeResult:
+    """One prompt through ``target.generate`` (assisted by ``draft`` when ``assisted``: ``token_sd``).
 
     ``draft_tokenizer`` is None for a shared tokenizer, else transformers' universal assisted
-    generation hands text between the two.
+    generation hands text between the two. ``room``: new tokens the context holds (None: no limit);
+    the result stops there with ``stop_reason="context"``.
     """
     dev = next(target.parameters()).device
+    cap = max_new_tokens if room is None else min(max_new_tokens, room)
+    if cap < 1:  # nothing fits: no call
+        return DecodeResult("", [], DecodeStats(), "context")
     calls = {"target": 0, "draft": 0}
     hooks = [target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))]
     # Plain arguments, no generation_config. (transformers' assisted loop itself calls the assistant's generate with
     # both, and its cross-tokenizer handover decodes with clean_up_tokenization_spaces=True; each warns once per
     # process from inside transformers, not from here.)
-    kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_id(tokenizer), "eos_token_id": tokenizer.eos_token_id}
+    kwargs = {"max_new_tokens": cap, "pad_token_id": pad_id(tokenizer), "eos_token_id": tokenizer.eos_token_id}
     # Sampling as the package's sampler does it: temperature and top-p, no top-k (transformers' default is 50).
     kwargs.update({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None} if temperature > 0
                   else {"do_sample": False})
-    if method == "token_sd":
+    if assisted:
         hooks.append(draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1)))
         kwargs["assistant_model"] = draft
         if draft_tokenizer is not None:
@@ -76,4 +97,5 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], metho
         new = new[: new.index(eos) + 1]
     stats = DecodeStats(wall_s=wall, output_tokens=len(new), steps=0, target_passes=calls["target"],
                         draft_passes=calls["draft"])
-    return DecodeResult(decode_text(tokenizer, new), [], stats)
+    reason = "eos" if eos in new else ("budget" if len(new) >= max_new_tokens else "context")
+    return DecodeResult(decode_text(tokenizer, new), [], stats, reason)

@@ -1,9 +1,12 @@
-"""Acceptance policies: who decides whether a drafted step is kept, one object per rule.
+"""Acceptance policies: pure maps from a drafted step's :class:`~probes.decoding.scores.Scores` to a decision.
 
-The decoder drafts a step, lets the target read it, and hands every row's :class:`Verified`
-step to its policy, which answers ``accept``, ``accept_fast`` or ``reject`` per row. The rules
-themselves are pure functions of numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`,
-:func:`fast_path_keeps`, :func:`judge_score`), tested on scripted values.
+The loop proposes a step per row, the verifier scores it (the target probe's ``q``, the fast-path
+verdict, the judge's score, the acceptance coin) and the proposer adds the draft probe's ``p``
+where the policy wants it; the policy then answers ``accept``, ``accept_fast`` or ``reject`` per
+row. A policy calls no model and writes nothing into its input, so a test calls it on hand-made
+scores. What it reads is declared in :class:`Needs`; the rules themselves are pure functions of
+numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`, :func:`fast_path_keeps`,
+:func:`judge_score`).
 
 - :class:`ProbePolicy`: SemanticSpec, the target probe's ``q`` against a threshold, or the paper's
   ratio rule ``min(1, s * q / p)`` with the draft probe's ``p``; optional top-k fast path;
@@ -14,44 +17,20 @@ themselves are pure functions of numbers and logits (:func:`threshold_keeps`, :f
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import math
+import numbers
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from generation.cache import BatchedCache
-from generation.features import probe_input, rows_features, token_scores
-from generation.specs import FeatureSpec
-from generation.writer import StepDraft
+from generation.features import token_scores
 
+if TYPE_CHECKING:
+    from probes.decoding.scores import Scores
 
-@dataclass
-class Verified:
-    """One row's drafted step as the target read it.
-
-    Attributes:
-        text: the step's text.
-        output: the row's output text before the step.
-        tokens: the step's tokens in the target's tokenization (forced tokens first).
-        n_forced: leading tokens the target wrote (its bonus token), not drafted.
-        step_logits: (k, V) the target's logits predicting each step token.
-        hidden: (L, k, D) the target's states at the step's tokens, at the target probe's layers.
-        judge_logits: (V,) the target's logits after the judge turn (SpecReason), else None.
-        draft: the draft's step (its tokens, logits and, when collected, hidden states).
-    """
-
-    text: str
-    output: str
-    tokens: list[int]
-    n_forced: int
-    step_logits: torch.Tensor
-    hidden: torch.Tensor | None
-    judge_logits: torch.Tensor | None
-    draft: StepDraft
-    q: float | None = None
-    p: float | None = None
-    score: float | None = None
+RULES = ("ratio", "threshold")
 
 
 def threshold_keeps(q: float, tau: float) -> bool:
@@ -86,139 +65,158 @@ def judge_score(logits: torch.Tensor, digit_ids: list[int]) -> float:
     return float((probs * torch.arange(10, dtype=torch.float32)).sum())
 
 
-class AcceptancePolicy:
-    """Decides per row whether a drafted step is kept.
+@dataclass(frozen=True)
+class FastPath:
+    """The gated top-k fast path: keep a step whose every drafted token is in the target's top-k and
+    has at least ``min_logprob`` under it (:func:`fast_path_keeps`)."""
+
+    top_k: int
+    min_logprob: float
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a policy reads from the scores, so the verifier and the proposer compute only that.
 
     Attributes:
-        needs_logits: the target's logits predicting the step's tokens are needed.
-        needs_hidden: the target's hidden states at the step's tokens are needed.
-        draft_needs_hidden: the draft's hidden states at its step's tokens are needed (while drafting).
-        draft_needs_logits: the draft's logits predicting its step's forced tokens are needed too.
-        suffix: tokens the target reads right after the step (and forgets again).
-        probe_s: seconds spent in probes by the last :meth:`decide`.
-        draft_s: seconds of draft forwards the last :meth:`decide` ran.
+        q: the target probe's ``q`` (the target's logits, and hidden states if the probe reads them).
+        p: the draft probe's ``p`` of the rows :meth:`AcceptancePolicy.wants_p` names.
+        coin: one uniform coin per row the fast path did not keep, drawn in row order.
+        judge: the judge's 0-9 score after the judge turn (SpecReason).
+        fast_path: the fast path's verdict, when not None.
     """
 
-    needs_logits = False
-    needs_hidden = False
-    draft_needs_hidden = False
-    draft_needs_logits = False
-    suffix: list[int] = []
+    q: bool = False
+    p: bool = False
+    coin: bool = False
+    judge: bool = False
+    fast_path: FastPath | None = None
 
-    def __init__(self) -> None:
-        self.probe_s = self.draft_s = 0.0
 
-    def decide(self, steps: dict[int, Verified], drf: BatchedCache) -> dict[int, str]:
+class AcceptancePolicy:
+    """Maps each row's scores to ``accept``, ``accept_fast`` or ``reject``; pure (no model call, no writes)."""
+
+    needs = Needs()
+    decides_with_probes = False
+    """The probes decide: the decode must sample as the probes' labels were sampled."""
+
+    def wants_p(self, scores: Scores) -> bool:
+        """Whether this row's decision needs the draft probe's ``p`` (given its ``q`` and coin)."""
+        return False
+
+    def keep(self, scores: Scores) -> str:
+        """The decision for one row."""
         raise NotImplementedError
 
-
-class RandomPolicy(AcceptancePolicy):
-    """Keep each step with probability ``rate`` (one coin per step, in row order)."""
-
-    def __init__(self, rate: float, coins: torch.Generator) -> None:
-        super().__init__()
-        if not 0 <= rate <= 1:
-            raise ValueError(f"accept_rate={rate}: expected in [0, 1]")
-        self.rate, self.coins = rate, coins
-
-    def decide(self, steps, drf):
-        return {i: "accept" if float(torch.rand((), generator=self.coins)) < self.rate else "reject" for i in steps}
+    def decide(self, scores: Mapping[int, Scores]) -> dict[int, str]:
+        """The decision for every scored row."""
+        return {i: self.keep(s) for i, s in scores.items()}
 
 
-class OraclePolicy(AcceptancePolicy):
-    """Keep exactly the steps ``oracle(step_text, output_so_far)`` calls right."""
-
-    def __init__(self, oracle: Callable[[str, str], bool]) -> None:
-        super().__init__()
-        self.oracle = oracle
-
-    def decide(self, steps, drf):
-        return {i: "accept" if self.oracle(v.text, v.output) else "reject" for i, v in steps.items()}
-
-
-class SpecReasonPolicy(AcceptancePolicy):
-    """The target reads a judge turn after the step and scores it 0-9; keep at ``threshold`` or above."""
-
-    def __init__(self, suffix: list[int], digit_ids: list[int], threshold: float) -> None:
-        super().__init__()
-        self.suffix, self.digit_ids, self.threshold = list(suffix), digit_ids, threshold
-
-    def decide(self, steps, drf):
-        out = {}
-        for i, v in steps.items():
-            v.score = judge_score(v.judge_logits, self.digit_ids)
-            out[i] = "accept" if v.score >= self.threshold else "reject"
-        return out
-
-
+@dataclass(frozen=True)
 class ProbePolicy(AcceptancePolicy):
     """SemanticSpec: the probes decide (threshold or ratio rule), after the optional top-k fast path.
 
-    Both probes' inputs come from :func:`~generation.features.rows_features`, the feature function
-    the label build uses: the target's from the verification forward (hidden states at the step's
-    positions, logits predicting its tokens), the draft's from its drafting forwards. With
-    ``lazy_p`` the ratio rule computes ``p`` (and the draft's read of the step's last token) only
-    where ``scale * q`` alone does not keep the step; those steps then have ``p=None``.
+    Args:
+        rule: ``threshold`` (default: accept when ``q >= tau``) or ``ratio`` (the paper's: accept
+            with probability ``min(1, ratio_scale * q / p)``). On the embedded world the ratio rule
+            keeps 2-5x more wrong draft steps than the threshold at the same acceptance (the draft
+            probe's p is small on the draft's own rare wrong steps, so q/p stays large; issue 9).
+        tau: threshold of the threshold rule.
+        ratio_scale: multiplies ``q / p`` in the ratio rule (>1 accepts more; a speed knob).
+        top_k: fast path: keep a step without the probe when every draft token is in the target's
+            top-k and passes ``fast_path_min_logprob``; 0 (default) disables it. The paper's plain
+            top-2 test kept 56% of the wrong steps SemanticSpec accepted (issue 9), so it is gated.
+            Needs a shared tokenizer (the decoder refuses it otherwise).
+        fast_path_min_logprob: fast path: every draft token's log-probability under the target must
+            be at least this (default log 0.5: the target itself would write it more often than not).
+        lazy_p: ratio rule: skip ``p`` when ``q`` alone accepts (same decisions from the same coin,
+            less probe time); such steps then have ``p=None`` in the trace. The default computes
+            ``p`` for every judged step, which diagnostics (acceptance against ``q/p``) need.
+
+    Raises:
+        ValueError: a bad rule or number, naming every bad value at once.
     """
 
-    needs_logits = True
+    rule: str = "threshold"
+    tau: float = 0.5
+    ratio_scale: float = 1.0
+    top_k: int = 0
+    fast_path_min_logprob: float = math.log(0.5)
+    lazy_p: bool = False
+    decides_with_probes = True
 
-    def __init__(self, target_probe, draft_probe, rule: str, tau: float, ratio_scale: float, lazy_p: bool,
-                 top_k: int, fast_path_min_logprob: float, coins: torch.Generator) -> None:
-        super().__init__()
-        self.target_probe, self.draft_probe = target_probe, draft_probe
-        self.rule, self.tau, self.ratio_scale, self.lazy_p = rule, tau, ratio_scale, lazy_p
-        self.top_k, self.min_logprob, self.coins = top_k, fast_path_min_logprob, coins
-        self.tspec = FeatureSpec.of(target_probe.config)
-        self.dspec = FeatureSpec.of(draft_probe.config) if rule == "ratio" else None
-        self.needs_hidden = self.tspec.needs_hidden
-        self.draft_needs_hidden = self.dspec is not None and self.dspec.needs_hidden
-        self.draft_needs_logits = self.dspec is not None and self.dspec.needs_logits
+    def __post_init__(self) -> None:
+        errors = []
+        if self.rule not in RULES:
+            errors.append(f"rule={self.rule!r}: expected one of {RULES}")
+        if not 0 <= self.tau <= 1:
+            errors.append(f"tau={self.tau}: expected 0 <= tau <= 1")
+        scale = self.ratio_scale
+        if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+            errors.append(f"ratio_scale={self.ratio_scale}: expected a finite number > 0")
+        if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            errors.append(f"top_k={self.top_k}: expected an integer >= 0 (0 disables the fast path)")
+        if not self.fast_path_min_logprob <= 0:
+            errors.append(f"fast_path_min_logprob={self.fast_path_min_logprob}: expected a log-probability <= 0")
+        if errors:
+            raise ValueError("invalid ProbePolicy: " + "; ".join(errors))
 
-    def decide(self, steps, drf):
-        self.probe_s = self.draft_s = 0.0
-        out = {}
-        if self.top_k:
-            for i, v in steps.items():
-                drafted = torch.as_tensor(v.tokens[v.n_forced :])
-                if fast_path_keeps(v.step_logits[v.n_forced :], drafted, self.top_k, self.min_logprob):
-                    out[i] = "accept_fast"
-        slow = [i for i in steps if i not in out]
-        if not slow:
-            return out
-        t0 = time.perf_counter()
-        q = self._run(self.target_probe, self.tspec, [steps[i].tokens for i in slow],
-                      [steps[i].hidden for i in slow] if self.tspec.needs_hidden else None,
-                      [steps[i].step_logits for i in slow])
-        for i, qi in zip(slow, q):
-            steps[i].q = qi
+    @property
+    def needs(self) -> Needs:
+        ratio = self.rule == "ratio"
+        fast = FastPath(self.top_k, float(self.fast_path_min_logprob)) if self.top_k else None
+        return Needs(q=True, p=ratio, coin=ratio, fast_path=fast)
+
+    def wants_p(self, scores: Scores) -> bool:
+        if self.rule != "ratio" or scores.fast or scores.q is None:
+            return False
+        return not (self.lazy_p and self.ratio_scale * scores.q >= scores.coin)
+
+    def keep(self, scores: Scores) -> str:
+        if scores.fast:
+            return "accept_fast"
         if self.rule == "threshold":
-            out.update({i: "accept" if threshold_keeps(steps[i].q, self.tau) else "reject" for i in slow})
-            self.probe_s = time.perf_counter() - t0
-            return out
-        u = {i: float(torch.rand((), generator=self.coins)) for i in slow}
-        need = [i for i in slow if not (self.lazy_p and self.ratio_scale * steps[i].q >= u[i])]
-        if need:
-            drafts = [steps[i].draft for i in need]
-            if self.dspec.needs_hidden:
-                # The draft reads its step's last token only now, and only for steps that need p:
-                # a kept step hands that token to the draft's next forward instead.
-                t_feed = time.perf_counter()
-                for i, f in drf.feed(need, hidden=True).items():
-                    steps[i].draft.hidden.extend(f.hidden[:, max(0, steps[i].draft.start - f.start) :].unbind(1))
-                self.draft_s = time.perf_counter() - t_feed
-            p = self._run(self.draft_probe, self.dspec, [d.tokens for d in drafts],
-                          [d.pooled_input() for d in drafts] if self.dspec.needs_hidden else None,
-                          [torch.stack(d.token_logits()) for d in drafts] if self.dspec.needs_logits else None)
-            for i, pi in zip(need, p):
-                steps[i].p = pi
-        out.update({i: "accept" if ratio_keeps(steps[i].q, steps[i].p, u[i], self.ratio_scale) else "reject"
-                    for i in slow})
-        self.probe_s = time.perf_counter() - t0 - self.draft_s  # a draft forward is not probe time
-        return out
+            return "accept" if threshold_keeps(scores.q, self.tau) else "reject"
+        return "accept" if ratio_keeps(scores.q, scores.p, scores.coin, self.ratio_scale) else "reject"
 
-    @staticmethod
-    def _run(probe, spec: FeatureSpec, tokens, hidden, logits) -> list[float]:
-        x = probe_input(rows_features(spec, tokens, hidden, logits), spec.groups)
-        device = next(probe.parameters(), torch.empty(0)).device
-        return probe(x.to(device)).float().cpu().tolist()
+
+@dataclass(frozen=True)
+class RandomPolicy(AcceptancePolicy):
+    """Keep each step with probability ``rate`` (its coin below the rate; one coin per step, in row order)."""
+
+    rate: float
+    needs = Needs(coin=True)
+
+    def __post_init__(self) -> None:
+        if self.rate is None or not 0 <= self.rate <= 1:
+            raise ValueError(f"method='random_accept' needs accept_rate in [0, 1], got {self.rate}")
+
+    def keep(self, scores: Scores) -> str:
+        return "accept" if scores.coin < self.rate else "reject"
+
+
+@dataclass(frozen=True)
+class OraclePolicy(AcceptancePolicy):
+    """Keep exactly the steps ``oracle(step_text, output_so_far)`` calls right."""
+
+    oracle: Callable[[str, str], bool]
+
+    def __post_init__(self) -> None:
+        if not callable(self.oracle):  # a ValueError, as every other bad generate() argument
+            raise ValueError(  # noqa: TRY004
+                "method='oracle_accept' needs oracle=callable(step_text, output_so_far) -> bool")
+
+    def keep(self, scores: Scores) -> str:
+        return "accept" if self.oracle(scores.text, scores.output) else "reject"
+
+
+@dataclass(frozen=True)
+class SpecReasonPolicy(AcceptancePolicy):
+    """The target reads a judge turn after the step and scores it 0-9; keep at ``threshold`` or above."""
+
+    threshold: float = 7.0
+    needs = Needs(judge=True)
+
+    def keep(self, scores: Scores) -> str:
+        return "accept" if scores.judge >= self.threshold else "reject"

@@ -64,13 +64,21 @@ class DecodeStats:
     """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded)."""
 
 
+STOP_REASONS = ("eos", "answer", "budget", "context")
+"""Why a decode ended: EOS, a completed answer-marker line, ``max_new_tokens``, or the models' context end."""
+
+
 @dataclass
 class DecodeResult:
-    """Output of one prompt: the generated text (prompt excluded), the step trace and counters."""
+    """Output of one prompt: the generated text (prompt excluded), the step trace, counters and why it stopped.
+
+    ``stop_reason`` is one of :data:`STOP_REASONS`.
+    """
 
     text: str
     steps: list[StepTrace] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
+    stop_reason: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from generation.cache import BatchedCache
-from probes.decoding.hf import decode_text
+from generation.handover import decode_text
 from probes.decoding.results import DecodeStats, StepTrace
 
 
@@ -23,6 +23,7 @@ class Row:
         self.trace: list[StepTrace] = []
         self.stats = DecodeStats()
         self.done = False
+        self.stop_reason: str | None = None  # eos, answer, budget or context (results.STOP_REASONS)
         self.forced: list[int] = []  # target bonus token opening the next step
         self.steps_written = 0
 
@@ -43,16 +44,21 @@ class Row:
         self.pieces.append(trace.text)
         self.forced = []
         if eos_id is not None and eos_id in tokens:
-            self.done = True
+            self.finish("eos")
         elif self.answer_marker:
             text = self.text
             k = text.rfind(self.answer_marker)
             if k >= 0 and "\n" in text[k:]:
-                self.done = True
+                self.finish("answer")
+
+    def finish(self, reason: str) -> None:
+        """The prompt is done, for ``reason`` (eos, answer, budget or context)."""
+        self.done, self.stop_reason = True, reason
 
     def close(self, tokenizer) -> None:
-        """Finish; a bonus token still waiting for its step becomes a last one-token step."""
-        self.done = True
+        """Finish at the budget or the context end; a bonus token still waiting for its step becomes a last
+        one-token step."""
+        self.finish("budget" if self.stats.output_tokens >= self.budget else "context")
         if self.forced:
             text = decode_text(tokenizer, self.forced)
             self.trace.append(StepTrace("target", text, len(self.forced), decision="target"))

@@ -3,38 +3,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
 from generation.specs import SamplingSpec, StepSpec
-
-RULES = ("ratio", "threshold")
-
-
-def check_args(*, rule, tau, ratio_scale, top_k, shared, fast_path_min_logprob, token_sd, token_sd_tokens) -> None:
-    """Refuse bad decoder arguments, naming every bad value at once."""
-    errors = []
-    if rule not in RULES:
-        errors.append(f"rule={rule!r}: expected one of {RULES}")
-    if not 0 <= tau <= 1:
-        errors.append(f"tau={tau}: expected 0 <= tau <= 1")
-    if ratio_scale <= 0:
-        errors.append(f"ratio_scale={ratio_scale}: expected > 0")
-    if top_k < 0:
-        errors.append(f"top_k={top_k}: expected >= 0 (0 disables the fast path)")
-    if top_k and not shared:
-        errors.append(f"top_k={top_k}: the fast path compares the draft's tokens with the target's top-k, "
-                      "so it needs a shared tokenizer; this pair has two (use top_k=0)")
-    if not fast_path_min_logprob <= 0:
-        errors.append(f"fast_path_min_logprob={fast_path_min_logprob}: expected a log-probability <= 0")
-    if token_sd and not shared:
-        errors.append("token_sd=True (token-level speculation inside target steps) needs a shared tokenizer")
-    if token_sd_tokens < 1:
-        errors.append(f"token_sd_tokens={token_sd_tokens}: expected >= 1")
-    if errors:
-        raise ValueError("invalid SemanticSpecDecoder arguments: " + "; ".join(errors))
 
 
 def load(probe, model, tokenizer, role: str | None = None):
@@ -125,31 +100,24 @@ def step_spec(probes, delimiters=None, max_step_tokens=None) -> StepSpec:
     return StepSpec(**{k: v if v is not None else seen[k][0] for k, v in given.items() if v is not None or k in seen})
 
 
-def check_generate(method, methods, max_new_tokens, temperature, top_p, accept_rate, oracle, batch_size, *,
-                   has_target_probe: bool, needs_draft_probe: bool) -> None:
-    """Refuse bad ``generate`` arguments, naming every bad value at once."""
-    errors = []
-    if method not in methods:
-        errors.append(f"method={method!r}: expected one of {methods}")
-    if max_new_tokens < 1:
-        errors.append(f"max_new_tokens={max_new_tokens}: expected >= 1")
+def check_generate(max_new_tokens, temperature, top_p, batch_size, problems: list[str]) -> None:
+    """Refuse bad ``generate`` arguments, naming every bad value at once (``problems``: the method's own)."""
+    errors = list(problems)
+    if not _count(max_new_tokens):
+        errors.append(f"max_new_tokens={max_new_tokens}: expected an integer >= 1")
     if not (math.isfinite(temperature) and temperature >= 0):  # nan would reach torch's sampler
         errors.append(f"temperature={temperature}: expected a finite number >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         errors.append(f"top_p={top_p}: expected in (0, 1]")
-    if batch_size is not None and batch_size < 1:  # 0 would silently mean "all prompts"
-        errors.append(f"batch_size={batch_size}: expected >= 1, or None for all prompts at once")
-    if method == "semanticspec":
-        if not has_target_probe:
-            errors.append("method='semanticspec' needs target_probe (an exported probe directory)")
-        if needs_draft_probe:
-            errors.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
-    if method == "random_accept" and (accept_rate is None or not 0 <= accept_rate <= 1):
-        errors.append(f"method='random_accept' needs accept_rate in [0, 1], got {accept_rate}")
-    if method == "oracle_accept" and not callable(oracle):
-        errors.append("method='oracle_accept' needs oracle=callable(step_text, output_so_far) -> bool")
+    if batch_size is not None and not _count(batch_size):  # 0 would silently mean "all prompts"
+        errors.append(f"batch_size={batch_size}: expected an integer >= 1, or None for all prompts at once")
     if errors:
         raise ValueError("; ".join(errors))
+
+
+def _count(x) -> bool:
+    """An integer (not a bool) of at least 1."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
 
 
 def sampling_spec(probes) -> dict[str, tuple[object, str]]:

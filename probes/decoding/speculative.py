@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from generation.cache import BatchedCache
-from generation.sampling import sampling_probs
+from generation.sampling import Streams, sampling_probs
 from generation.writer import StepDraft, write_steps
 
 
@@ -69,13 +69,13 @@ def token_sd_steps(
     forced: dict[int, list[int]],
     temperature: float,
     top_p: float,
-    generator: torch.Generator | None,
+    generator: Streams,
     n_propose: int,
 ) -> dict[int, StepDraft]:
     """The target writes one step per row with :func:`speculative_step` (shared tokenizer).
 
     The draft proposes up to ``n_propose`` tokens, the target scores them in one forward. Both
-    caches end holding the step (its last token pending).
+    caches end holding the step (its last token pending). ``generator``: shared, or one per cache row.
     """
     steps = {i: StepDraft(len(tgt.seq[i]) - len(forced[i]), list(forced[i]), len(forced[i])) for i in rows}
 
@@ -83,6 +83,7 @@ def token_sd_steps(
         return bool(toks) and (stop(toks) or len(toks) >= limits[i])
 
     writing = [i for i in rows if not finished(i, steps[i].tokens)]
+    gen = {i: generator if generator is None or isinstance(generator, torch.Generator) else generator[i] for i in rows}
     while writing:
         lim = {i: min(len(steps[i].tokens) + n_propose, limits[i]) for i in writing}
         props = write_steps(drf, writing, stop=draft_stop, limits=lim, record_logits=True,
@@ -103,7 +104,7 @@ def token_sd_steps(
             kept, extra = speculative_step(
                 sampling_probs(t_logits.cpu(), temperature, top_p),
                 sampling_probs(torch.stack(d.logits).cpu(), temperature, top_p),
-                proposal, generator, lambda j: finished(i, base + proposal[:j]),
+                proposal, gen[i], lambda j: finished(i, base + proposal[:j]),  # noqa: B023 (called right here)
             )
             steps[i].tokens.extend(proposal[:kept])
             drop = len(proposal) - kept

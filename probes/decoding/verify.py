@@ -1,63 +1,118 @@
-"""The verification pass: the target reads every row's drafted step in one forward against its KV cache.
+"""The verifier: the target reads every row's proposal in one forward and returns typed :class:`Scores`.
 
-What it returns is all a policy decides from (:class:`~probes.decoding.policies.Verified`): the
-step's tokens in the target's tokenization, the target's logits predicting each of them and its
-hidden states at them, cut from this one forward.
+What a policy decides from is all here, per row: the target probe's ``q`` (from the target's
+hidden states at the step and its logits predicting the step's tokens, cut from this one
+forward), the fast-path verdict, the judge's score after a judge turn, the acceptance coin, and
+the target's logits after the step (the bonus token is drawn from them). The draft probe's ``p``
+is the proposer's to add (:meth:`~probes.decoding.proposer.Proposer.score`). A verifier that
+calls a server returns the same :class:`Scores`; :class:`TargetVerifier` is the in-process one.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
 from generation.cache import BatchedCache
-from generation.writer import StepDraft
+from generation.features import FeatureSpec, probe_input, rows_features
 from generation.handover import Handover
-from probes.decoding.hf import decode_text
-from probes.decoding.policies import AcceptancePolicy, Verified
+from probes.decoding.policies import Needs, fast_path_keeps, judge_score
+from probes.decoding.proposer import Proposal, run_probe
+from probes.decoding.scores import Scores
 
 
-def verify(tgt: BatchedCache, handover: Handover, outputs: dict[int, str], drafts: dict[int, StepDraft],
-           policy: AcceptancePolicy):
-    """The target reads every row's drafted step (plus the policy's judge turn) in one forward.
+@dataclass(frozen=True)
+class JudgeTurn:
+    """The judge turn the target reads after a step (SpecReason): its tokens and the ten digit tokens."""
+
+    suffix: list[int]
+    digits: list[int]
+
+
+class TargetVerifier:
+    """The in-process target on its :class:`BatchedCache`, with the target probe and the judge turn.
 
     Args:
-        tgt: the target's cache; the steps are appended to its rows and fed.
+        cache: the target's cache (rows hold their prompts).
         handover: turns the draft's steps into target tokens.
-        outputs: per row, its output text before the step (what an oracle judges against).
-        drafts: per row, the draft's step.
-        policy: says what the decision needs (logits, hidden states, a judge turn).
-
-    Returns:
-        ``{row: Verified}`` for the rows it read, and per row: how many new tokens the target
-        got, its logits predicting the first of them, and its logits after the step.
+        probe: the target probe, or None.
+        judge: the judge turn.
+        coins: per cache row, the generator of its acceptance coins.
     """
-    suffix = list(policy.suffix)
-    texts, t_start, n_new, pre_logits = {}, {}, {}, {}
-    for i in drafts:
-        d = drafts[i]
-        texts[i] = decode_text(handover.draft_tokenizer, d.tokens)
-        new = handover.to_target(d, texts[i])
-        t_start[i] = len(tgt.seq[i]) - handover.forced_in_target(d)
-        n_new[i], pre_logits[i] = len(new), tgt.last_logits[i]
-        tgt.seq[i].extend(new + suffix)
-    fed = tgt.feed(list(drafts), hidden=policy.needs_hidden, all_logits=True)
-    verified, after = {}, {}
-    for i in drafts:
-        f = fed.get(i)
-        if f is None:  # empty step (cannot happen with max_step_tokens >= 1): refused
-            continue
-        off = t_start[i] - f.start  # index of the step's first token among the fed tokens
-        end = len(tgt.seq[i]) - len(suffix) - f.start  # one past the step's last token
-        step_logits = None
-        if policy.needs_logits:  # (k, V) the target's logits predicting every step token
-            step_logits = (f.logits[off - 1 : end - 1] if off >= 1
-                           else torch.cat([pre_logits[i][None], f.logits[: end - 1]]))
-        first_new = off + handover.forced_in_target(drafts[i])  # fed index of the first new token
-        pre_logits[i] = (f.logits[first_new - 1] if first_new >= 1 else pre_logits[i]) if n_new[i] else None
-        after[i] = f.logits[end - 1]
-        verified[i] = Verified(
-            texts[i], outputs[i], tgt.seq[i][t_start[i] : f.start + end], handover.forced_in_target(drafts[i]),
-            step_logits, f.hidden[:, off:end] if policy.needs_hidden else None,
-            f.logits[-1] if suffix else None, drafts[i],
-        )
-    return verified, n_new, pre_logits, after
+
+    def __init__(self, cache: BatchedCache, handover: Handover, probe, judge: JudgeTurn, coins) -> None:
+        self.cache, self.handover, self.probe, self.judge, self.coins = cache, handover, probe, judge, coins
+        self.spec = FeatureSpec.of(probe.config) if probe is not None else None
+        self.probe_s = 0.0  # seconds in the probe during the last verify()
+        self._undo: dict[int, tuple[int, torch.Tensor | None]] = {}  # per row: new tokens, logits before them
+        self._suffix = 0
+
+    def verify(self, proposals: Mapping[int, Proposal], outputs: Mapping[int, str], needs: Needs) -> dict[int, Scores]:
+        """Read every proposal (plus the judge turn when needed) in one forward and score it.
+
+        Returns:
+            ``{row: Scores}`` for the rows it read (an empty step reads nothing, cannot be kept).
+        """
+        tgt, hand, q_needed = self.cache, self.handover, needs.q or needs.fast_path is not None
+        suffix = list(self.judge.suffix) if needs.judge else []
+        self._suffix, self._undo, starts = len(suffix), {}, {}
+        for i, d in proposals.items():
+            new = hand.to_target(d, d.text)
+            starts[i] = len(tgt.seq[i]) - hand.forced_in_target(d)
+            self._undo[i] = (len(new), tgt.last_logits[i])
+            tgt.seq[i].extend(new + suffix)
+        fed = tgt.feed(list(proposals), hidden=needs.q and self.spec.needs_hidden, all_logits=True)
+        read, after = {}, {}
+        for i, d in proposals.items():
+            f = fed.get(i)
+            if f is None:  # empty step (cannot happen with max_step_tokens >= 1): refused
+                continue
+            off = starts[i] - f.start  # index of the step's first token among the fed tokens
+            end = len(tgt.seq[i]) - len(suffix) - f.start  # one past the step's last token
+            n_new, pre = self._undo[i]
+            step_logits = None
+            if q_needed:  # (k, V) the target's logits predicting every step token
+                step_logits = f.logits[off - 1 : end - 1] if off >= 1 else torch.cat([pre[None], f.logits[: end - 1]])
+            first_new = off + hand.forced_in_target(d)  # fed index of the first new token
+            self._undo[i] = (n_new, (f.logits[first_new - 1] if first_new >= 1 else pre) if n_new else None)
+            after[i] = f.logits[end - 1]
+            read[i] = (tgt.seq[i][starts[i] : f.start + end], hand.forced_in_target(d), step_logits,
+                       f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None,
+                       f.logits[-1] if suffix else None)
+        return self._score(proposals, outputs, read, after, needs)
+
+    def _score(self, proposals, outputs, read, after, needs: Needs) -> dict[int, Scores]:
+        """Fast path, then ``q`` and one coin per row it did not keep (in row order), and the judge's score."""
+        self.probe_s = 0.0
+        fast = {}
+        if needs.fast_path is not None:
+            for i, (tokens, n_forced, logits, _, _) in read.items():
+                drafted = torch.as_tensor(tokens[n_forced:])
+                fp = needs.fast_path
+                fast[i] = fast_path_keeps(logits[n_forced:], drafted, fp.top_k, fp.min_logprob)
+        slow = [i for i in read if not fast.get(i)]
+        q, x = {}, {}
+        if needs.q and slow:
+            t0 = time.perf_counter()
+            feats = probe_input(rows_features(self.spec, [read[i][0] for i in slow],
+                                              [read[i][3] for i in slow] if self.spec.needs_hidden else None,
+                                              [read[i][2] for i in slow]), self.spec.groups)
+            x, q = dict(zip(slow, feats)), dict(zip(slow, run_probe(self.probe, feats)))
+            self.probe_s = time.perf_counter() - t0
+        coin = {i: float(torch.rand((), generator=self.coins[i])) for i in slow} if needs.coin else {}
+        return {i: Scores(proposals[i].text, outputs[i], x.get(i), fast.get(i, False), q.get(i), None, coin.get(i),
+                          judge_score(read[i][4], self.judge.digits) if needs.judge else None, after[i])
+                for i in read}
+
+    def close_judge_turn(self, row: int, scores: Scores | None) -> None:
+        """The target forgets the judge turn it read after the row's step."""
+        if self._suffix:
+            self.cache.rollback(row, self._suffix, last_logits=scores.after if scores is not None else None)
+
+    def roll_back(self, row: int) -> None:
+        """The target forgets the row's step (by length)."""
+        n_new, pre = self._undo[row]
+        self.cache.rollback(row, n_new, last_logits=pre)

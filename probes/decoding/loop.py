@@ -1,0 +1,190 @@
+"""The step loop over one batch of prompts: propose → verify → decide → commit or roll back (EAGLE's loop).
+
+:class:`StepLoop` holds the batch's two caches, its rows, the proposer and the verifier. A runner
+(:mod:`probes.decoding.methods`) says what one round does for the active rows: the target writes
+a step, the draft writes one, or the draft proposes and an acceptance policy decides
+(:meth:`StepLoop.speculate`). A refused step is rolled back by length in both caches and the
+target writes the step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the
+draft when ``token_sd``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from generation.cache import BatchedCache
+from generation.handover import decode_text, pad_id
+from generation.sampling import row_streams, sample_next, stream_seed
+from generation.writer import write_steps
+from probes.decoding.policies import AcceptancePolicy
+from probes.decoding.proposer import DraftProposer, RowState
+from probes.decoding.results import DecodeResult, StepTrace
+from probes.decoding.rows import Row
+from probes.decoding.speculative import token_sd_steps
+from probes.decoding.verify import TargetVerifier
+
+
+class StepLoop:
+    """One batch of prompts decoded together, each row with its own decisions.
+
+    Args:
+        dec: the decoder (models, tokenizers, probes, step stoppers, options).
+        ids_t: the prompts in the target's tokenization.
+        ids_d: the prompts in the draft's.
+        max_new_tokens: output token budget per prompt.
+        sampling: ``temperature`` and ``top_p`` of both models.
+        seed: the decode's seed.
+        indices: the prompts' indices in the decode: prompt ``k`` samples and flips its acceptance
+            coins from its own streams, seeded from ``(seed, k)``, so it decodes the same in any batch.
+    """
+
+    def __init__(self, dec, ids_t: Sequence[list[int]], ids_d: Sequence[list[int]], max_new_tokens: int,
+                 sampling: dict, seed: int, indices: Sequence[int]) -> None:
+        B = len(ids_t)
+        layers = lambda probe: probe.config.layer_ids if probe is not None else [-1]
+        streams = {s: [torch.Generator().manual_seed(stream_seed(seed, k, s)) for k in indices]
+                   for s in ("sampling", "coins")}
+        self.dec, self.opt, self.sampling = dec, dec.options, {**sampling, "generator": streams["sampling"]}
+        self.tgt = BatchedCache(dec.target, B, pad_id(dec.tokenizer), layers(dec.target_probe))
+        self.drf = BatchedCache(dec.draft, B, pad_id(dec.draft_tokenizer), layers(dec.draft_probe))
+        for i in range(B):
+            self.tgt.seq[i], self.drf.seq[i] = list(ids_t[i]), list(ids_d[i])
+        self.rows = [Row(max_new_tokens, dec.shared, self.opt.answer_marker) for _ in range(B)]
+        self.proposer = DraftProposer(self.drf, dec.draft_tokenizer, dec.draft_stop, dec.draft_probe, self.sampling)
+        self.verifier = TargetVerifier(self.tgt, dec.handover, dec.target_probe, dec.judge, streams["coins"])
+
+    def caches(self, names: Sequence[str]) -> tuple[BatchedCache, ...]:
+        return tuple({"target": self.tgt, "draft": self.drf}[n] for n in names)
+
+    def limit(self, i: int, *caches: BatchedCache) -> int:
+        return self.rows[i].limit(i, self.dec.spare, *caches)
+
+    def run(self, runner) -> list[DecodeResult]:
+        """Rounds of ``runner.step`` until every row is done (EOS, answer, budget or context)."""
+        B, rows, t_start = len(self.rows), self.rows, time.perf_counter()
+        using = self.caches(runner.caches)
+        while True:
+            active = [i for i in range(B) if not rows[i].done and self.limit(i, *using) > 0]
+            for i in range(B):
+                if not rows[i].done and i not in active:
+                    rows[i].close(self.dec.tokenizer)  # budget or context exhausted
+            if not active:
+                break
+            runner.step(self, active)
+        wall = time.perf_counter() - t_start
+        out = []
+        for i, r in enumerate(rows):
+            r.stats.wall_s = wall / B
+            r.stats.target_passes, r.stats.draft_passes = self.tgt.passes[i], self.drf.passes[i]
+            text = self.dec.tokenizer.decode(r.out, skip_special_tokens=True) if self.dec.shared else r.text
+            out.append(DecodeResult(text, r.trace, r.stats, r.stop_reason))
+        return out
+
+    def speculate(self, rows_i: list[int], policy: AcceptancePolicy) -> list[int]:
+        """Propose, verify, decide, then commit or roll back every row's step. Returns the refused rows."""
+        needs, rows = policy.needs, self.rows
+        t0 = time.perf_counter()
+        states = {i: RowState(tuple(rows[i].forced), self.limit(i, self.tgt, self.drf) + len(rows[i].forced))
+                  for i in rows_i}
+        proposals = self.proposer.propose(states, for_p=needs.p)
+        t_verify = time.perf_counter()
+        scores = self.verifier.verify(proposals, {i: rows[i].text for i in rows_i}, needs)
+        t_scored = time.perf_counter()
+        want_p = [i for i, s in scores.items() if policy.wants_p(s)] if needs.p else []
+        p = self.proposer.score(want_p) if want_p else {}
+        scores = {i: replace(s, p=p[i]) if i in p else s for i, s in scores.items()}
+        decisions = policy.decide(scores)
+        dt = (time.perf_counter() - t0) / len(rows_i)
+        probe_s = self.verifier.probe_s + (self.proposer.probe_s if want_p else 0.0)
+        draft_s = (t_verify - t0) + (self.proposer.feed_s if want_p else 0.0)
+        verify_s = (t_scored - t_verify) - self.verifier.probe_s
+        rejected, bonus = [], []
+        for i in rows_i:
+            d, r, s = proposals[i], rows[i], scores.get(i)
+            decision = decisions.get(i, "reject")  # a row the target read nothing of cannot be kept
+            self.verifier.close_judge_turn(i, s)
+            r.stats.draft_steps_proposed += 1
+            r.stats.probe_s += probe_s / len(rows_i)
+            r.stats.draft_s += draft_s / len(rows_i)
+            r.stats.verify_s += verify_s / len(rows_i)
+            r.stats.drafted_tokens += len(d.tokens) - d.n_forced
+            trace = StepTrace("draft", d.text, len(d.tokens), s and s.q, s and s.p, decision, dt, s and s.judge)
+            if decision == "reject":  # roll back by length: both models forget the step
+                self.verifier.roll_back(i)
+                self.proposer.roll_back(i)
+                r.trace.append(trace)
+                r.forced = list(d.tokens[: d.n_forced])
+                rejected.append(i)
+                continue
+            r.stats.draft_steps_accepted += 1
+            r.commit(trace, d.tokens, d.n_forced, self.dec.draft_tokenizer.eos_token_id, True)
+            if self.dec.bonus_token and not r.done and self.limit(i, self.tgt, self.drf) > 0:
+                bonus.append(i)
+        if bonus:
+            self._bonus(bonus)
+        return rejected
+
+    def _bonus(self, rows_i: list[int]) -> None:
+        """The target's next token (after each kept step) opens the row's next step."""
+        logits = torch.stack([self.tgt.last_logits[i] for i in rows_i]).float()
+        s = self.sampling
+        drawn = sample_next(logits, s["temperature"], s["top_p"], row_streams(s["generator"], rows_i)).tolist()
+        for i, t in zip(rows_i, drawn):
+            r = self.rows[i]
+            self.tgt.seq[i].append(t)
+            self.proposer.extend(i, [t])
+            r.out.append(t)
+            r.stats.output_tokens += 1
+            if t == self.dec.tokenizer.eos_token_id:
+                r.finish("eos")
+            else:
+                r.forced = [t]
+
+    def rewrite(self, first: list[int], rejected: list[int]) -> None:
+        """The target writes the first step of ``first`` and the refused step of ``rejected`` (one batch)."""
+        t0 = time.perf_counter()
+        self.target_steps(first + rejected, use_draft=True)
+        dt = (time.perf_counter() - t0) / len(first + rejected)  # one batch; its time is shared per row
+        for i in first:
+            self.rows[i].stats.first_step_s += dt
+        for i in rejected:
+            self.rows[i].stats.rewrite_s += dt
+
+    def target_steps(self, rows_i: list[int], use_draft: bool) -> None:
+        """The target writes one step for each row; the draft is handed the step."""
+        t0, rows, dec = time.perf_counter(), self.rows, self.dec
+        using = (self.tgt, self.drf) if use_draft else (self.tgt,)
+        limits = {i: self.limit(i, *using) + len(rows[i].forced) for i in rows_i}
+        forced = {i: rows[i].forced for i in rows_i}
+        token_sd = use_draft and dec.token_sd
+        if token_sd:
+            steps = token_sd_steps(self.tgt, self.drf, rows_i, stop=dec.target_stop, draft_stop=dec.draft_stop,
+                                   limits=limits, forced=forced, n_propose=self.opt.token_sd_tokens, **self.sampling)
+        else:
+            steps = write_steps(self.tgt, rows_i, stop=dec.target_stop, limits=limits, forced=forced, **self.sampling)
+        dt = (time.perf_counter() - t0) / len(rows_i)
+        for i in rows_i:
+            st = steps[i]
+            text = decode_text(dec.tokenizer, st.tokens)
+            if use_draft and not token_sd:  # the draft reads the target's step on its next forward
+                self.proposer.extend(i, dec.handover.to_draft(st.tokens[st.n_forced :], text))
+            trace = StepTrace("target", text, len(st.tokens), decision="target", seconds=dt)
+            rows[i].commit(trace, st.tokens, st.n_forced, dec.tokenizer.eos_token_id, False)
+
+    def draft_steps(self, rows_i: list[int]) -> None:
+        """The draft writes one step for each row, kept as it is (the draft-only baseline)."""
+        t0 = time.perf_counter()
+        limits = {i: self.limit(i, self.drf) for i in rows_i}
+        steps = write_steps(self.drf, rows_i, stop=self.dec.draft_stop, limits=limits, **self.sampling)
+        dt = (time.perf_counter() - t0) / len(rows_i)
+        for i in rows_i:
+            st, r = steps[i], self.rows[i]
+            r.stats.draft_steps_proposed += 1
+            r.stats.draft_steps_accepted += 1
+            trace = StepTrace("draft", decode_text(self.dec.draft_tokenizer, st.tokens), len(st.tokens),
+                              decision="accept", seconds=dt)
+            r.commit(trace, st.tokens, 0, self.dec.draft_tokenizer.eos_token_id, True)

@@ -1,0 +1,120 @@
+"""The decoding methods: runner objects, and the one table that maps ``method=`` names to them.
+
+A runner says what a round of the step loop does for the active rows (:class:`TargetOnly`,
+:class:`DraftOnly`, :class:`Speculative` with an acceptance policy), or decodes on its own
+(:class:`~probes.decoding.hf.TransformersLoop`, transformers' loop). :data:`METHODS` is the only
+place a method's name is read; the benchmarks import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from probes.decoding.hf import TransformersLoop
+from probes.decoding.loop import StepLoop
+from probes.decoding.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
+
+
+class LoopRunner:
+    """A runner on the package's step loop; ``caches`` bound each step (budget and context)."""
+
+    caches: tuple[str, ...] = ("target", "draft")
+    policy: AcceptancePolicy | None = None
+
+    @property
+    def probes_decide(self) -> bool:
+        """The probes decide, so the decode samples as their labels were sampled."""
+        return self.policy is not None and self.policy.decides_with_probes
+
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, seed: int, indices) -> list:
+        """Decode one batch: prompts ``indices`` of the decode (their random streams derive from ``seed``)."""
+        return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, seed, indices).run(self)
+
+    def step(self, loop: StepLoop, active: list[int]) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TargetOnly(LoopRunner):
+    """The target writes every step (the reference)."""
+
+    caches = ("target",)
+
+    def step(self, loop: StepLoop, active: list[int]) -> None:
+        loop.target_steps(active, use_draft=False)
+
+
+@dataclass(frozen=True)
+class DraftOnly(LoopRunner):
+    """The draft writes every step, all kept."""
+
+    caches = ("draft",)
+
+    def step(self, loop: StepLoop, active: list[int]) -> None:
+        loop.draft_steps(active)
+
+
+@dataclass(frozen=True)
+class Speculative(LoopRunner):
+    """The draft proposes each step and ``policy`` decides; the target writes the first step when
+    ``target_first_step`` and every refused one."""
+
+    policy: AcceptancePolicy
+
+    def step(self, loop: StepLoop, active: list[int]) -> None:
+        first = [i for i in active if loop.opt.target_first_step and loop.rows[i].steps_written == 0]
+        spec = [i for i in active if i not in first]
+        rejected = loop.speculate(spec, self.policy) if spec else []
+        if first or rejected:
+            loop.rewrite(first, rejected)
+
+
+@dataclass(frozen=True)
+class MethodArgs:
+    """What a method's runner is built from: the decoder's SemanticSpec policy and ``generate``'s arguments."""
+
+    policy: ProbePolicy
+    accept_rate: float | None = None
+    oracle: Callable[[str, str], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    """One entry of :data:`METHODS`.
+
+    Attributes:
+        build: the runner, from :class:`MethodArgs` (raises ValueError naming a missing argument).
+        drafts: a policy decides the draft's steps (the benchmarks tabulate its decisions).
+        reference: the method whose wall time its speedup is measured against.
+    """
+
+    build: Callable[[MethodArgs], object]
+    drafts: bool = False
+    reference: str = "target_only"
+
+
+METHODS: dict[str, Method] = {
+    "target_only": Method(lambda a: TargetOnly()),
+    "semanticspec": Method(lambda a: Speculative(a.policy), drafts=True),
+    "draft_only": Method(lambda a: DraftOnly()),
+    "random_accept": Method(lambda a: Speculative(RandomPolicy(a.accept_rate)), drafts=True),
+    "oracle_accept": Method(lambda a: Speculative(OraclePolicy(a.oracle)), drafts=True),
+    "specreason": Method(lambda a: Speculative(SpecReasonPolicy()), drafts=True),
+    "hf_target_only": Method(lambda a: TransformersLoop(assisted=False)),
+    "token_sd": Method(lambda a: TransformersLoop(assisted=True), reference="hf_target_only"),
+}
+"""``method=`` names of :meth:`~probes.decoder.SemanticSpecDecoder.generate`, in the benchmarks' order."""
+
+
+def runner_for(method: str | AcceptancePolicy, args: MethodArgs):
+    """The runner of ``method``: a name of :data:`METHODS`, or an acceptance policy (run speculatively).
+
+    Raises:
+        ValueError: an unknown name, or an argument the method needs is missing or bad.
+    """
+    if isinstance(method, AcceptancePolicy):
+        return Speculative(method)
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: expected one of {tuple(METHODS)}")
+    return METHODS[method].build(args)

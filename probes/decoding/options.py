@@ -1,0 +1,63 @@
+"""How the decoder's step loop runs, apart from who decides: :class:`LoopOptions`."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SPECREASON_SUFFIX = "\nScore 0-9:"
+"""Judge turn appended after a draft step for SpecReason-style scoring (SpecReason asks for a 0-9 score)."""
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """The step loop's options (every method runs through the same loop).
+
+    Args:
+        target_first_step: the target writes the first step (the paper); off by default, as
+            ``benchmarks/first_step.py`` backs (README "Who writes the first step").
+        delimiters: step delimiters. None (default) = the ones the probes' labels were cut at
+            (``config.delimiters``), else the blank-line family. A probe is used on the steps it was
+            trained on: a value that differs from a probe's is refused, naming both.
+        max_step_tokens: a step that reaches no delimiter is cut here. None (default) = the probes'
+            label cap (``config.labels["max_step_tokens"]``), else 64; a differing value is refused.
+        answer_marker: stop once a line starting at this marker is complete (e.g. ``"Answer:"``).
+        token_sd: the target writes its steps (first and rejected) with token-level speculative
+            sampling from the same draft; lossless for those steps. None (default) = on when the
+            models share a tokenizer (``benchmarks/first_step.py``); True with two is refused.
+        token_sd_tokens: draft tokens proposed per target pass when ``token_sd``.
+        bonus_token: on accept, the token the target predicts after the step opens the next step
+            (one tokenizer only).
+        judge_suffix: the judge turn of the SpecReason baseline; every method keeps room for it
+            (and a bonus token) at the context's end.
+
+    Raises:
+        ValueError: a bad value, naming every bad value at once.
+    """
+
+    target_first_step: bool = False
+    delimiters: Sequence[str] | None = None
+    max_step_tokens: int | None = None
+    answer_marker: str | None = None
+    token_sd: bool | None = None
+    token_sd_tokens: int = 4
+    bonus_token: bool = True
+    judge_suffix: str = SPECREASON_SUFFIX
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.max_step_tokens is not None and not _count(self.max_step_tokens):
+            errors.append(f"max_step_tokens={self.max_step_tokens}: expected an integer >= 1")
+        d = self.delimiters
+        if d is not None and (isinstance(d, str) or not d or not all(d)):
+            errors.append(f"delimiters={d!r}: expected a non-empty list of non-empty strings")
+        if not _count(self.token_sd_tokens):
+            errors.append(f"token_sd_tokens={self.token_sd_tokens}: expected an integer >= 1")
+        if errors:
+            raise ValueError("invalid LoopOptions: " + "; ".join(errors))
+
+
+def _count(x) -> bool:
+    """An integer (not a bool) of at least 1."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1

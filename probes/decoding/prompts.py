@@ -1,0 +1,93 @@
+"""What a batch of prompts may be, checked before any model call (issue 21 item 10, issue 22 "Bad input").
+
+A prompt is text, token ids already formatted (one tokenizer), or a ``(target_ids, draft_ids)``
+pair (two tokenizers); a batch holds one form. Every prompt must hold at least one token, ids the
+model's vocabulary knows, and fewer tokens than either model's context. A refusal is one
+``ValueError`` naming the prompt's index, what is wrong, and the limit.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from generation.cache import context_length
+from generation.handover import Handover
+
+TEXT, IDS, PAIR = "text", "token ids", "a (target_ids, draft_ids) pair"
+
+
+def read_prompts(prompts, handover: Handover, target, draft) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts in the target's and the draft's tokenization, or a ValueError naming the first bad one.
+
+    Args:
+        prompts: a list of prompts (a bare string is one prompt).
+        handover: the pair's tokenizers.
+        target: the target model (its vocabulary size and context).
+        draft: the draft model.
+    """
+    if prompts is None:
+        raise ValueError("prompts=None: expected a list of prompts (strings, or token ids already formatted)")
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # not one prompt per character
+    read = [_read(i, p, handover.shared) for i, p in enumerate(prompts)]
+    for i, (form, _) in enumerate(read):
+        if form != read[0][0]:
+            raise ValueError(f"prompt {i} is {form} but prompt 0 is {read[0][0]}: a batch holds prompts of one form; "
+                             "format the text ones as ids too (e.g. Task.prompt), or decode them in separate calls")
+    ids = [handover.prompt_ids(p) for _, p in read]
+    for k, (name, model) in enumerate((("target", target), ("draft", draft))):
+        _check_rows(name, model, [pair[k] for pair in ids])
+    return [t for t, _ in ids], [d for _, d in ids]
+
+
+def _read(i: int, prompt, shared: bool) -> tuple[str, object]:
+    """A prompt's form and the prompt with its ids as ints; refuses what is none of the forms."""
+    if prompt is None:
+        raise ValueError(f"prompt {i} is None: expected a string, token ids or a (target_ids, draft_ids) pair")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty: give the text the model continues")
+        return TEXT, prompt
+    if isinstance(prompt, tuple) and len(prompt) == 2 and all(_sequence(side) for side in prompt):
+        return PAIR, (_ids(i, prompt[0]), _ids(i, prompt[1]))
+    if not _sequence(prompt):
+        raise ValueError(f"prompt {i} is a {type(prompt).__name__}: expected a string, token ids or a "
+                         "(target_ids, draft_ids) pair")
+    ids = _ids(i, prompt)
+    if not shared:
+        raise ValueError(f"prompt {i} is token ids, which need one tokenizer; this pair has two, so give a "
+                         "(target_ids, draft_ids) pair (Task.decoder_prompt builds one)")
+    return IDS, ids
+
+
+def _sequence(x) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) or hasattr(x, "tolist")
+
+
+def _ids(i: int, seq) -> list[int]:
+    out = []
+    for j, t in enumerate(seq.tolist() if hasattr(seq, "tolist") else seq):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt {i} holds {t!r} at position {j}: expected an integer token id") from None
+    if not out:
+        raise ValueError(f"prompt {i} is empty: give at least one token id")
+    return out
+
+
+def _check_rows(name: str, model, rows: list[list[int]]) -> None:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab, ctx = getattr(cfg, "vocab_size", None), context_length(model)
+    for i, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {i} is empty in the {name}'s tokenization: give text that has tokens")
+        bad = next(((j, t) for j, t in enumerate(row) if not 0 <= t < vocab), None) if vocab else None
+        if bad is not None:
+            raise ValueError(f"prompt {i} holds token id {bad[1]} at position {bad[0]}, outside the {name}'s "
+                             f"vocabulary [0, {vocab}); ids come from the {name}'s tokenizer")
+        if ctx is not None and len(row) >= ctx:
+            raise ValueError(f"prompt {i} has {len(row)} tokens but the {name} model's context "
+                             f"(max_position_embeddings) is {ctx}; shorten the prompt")

@@ -1,0 +1,126 @@
+"""The proposer: writes one step per row for the target to verify (transformers' ``CandidateGenerator``).
+
+The loop tells a proposer each row's state (:class:`RowState`: the tokens that open the step, how
+long it may be) and gets typed :class:`Proposal` objects back; it also asks it for the draft
+probe's ``p`` of the rows a policy wants it for, hands it the target's tokens, and rolls a
+refused step back. Nothing of a cache crosses this interface, so a proposer that calls a server
+(which keeps the draft's KV cache and probe on its side) plugs in where :class:`DraftProposer`,
+the in-process draft on its :class:`~generation.cache.BatchedCache`, is used today.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from generation.cache import BatchedCache
+from generation.features import FeatureSpec, probe_input, rows_features
+from generation.handover import decode_text
+from generation.writer import StepDraft, write_steps
+
+
+@dataclass(frozen=True)
+class RowState:
+    """What a proposer is told about one row.
+
+    Attributes:
+        forced: tokens that open the step, already in the row's context (the target's bonus token).
+        limit: the most tokens the step may hold, forced ones included.
+    """
+
+    forced: tuple[int, ...]
+    limit: int
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One row's drafted step.
+
+    Attributes:
+        tokens: the step in the proposer's tokenization, forced tokens first.
+        n_forced: leading tokens that were given (the target's bonus token), not drafted.
+        text: the step's text (up to EOS, special tokens dropped).
+    """
+
+    tokens: list[int]
+    n_forced: int
+    text: str
+
+
+class Proposer(Protocol):
+    """Writes steps for rows, scores them with the draft probe, and follows what the target kept."""
+
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
+        """One step per row; ``for_p``: keep what the draft probe reads (a policy may want ``p``)."""
+
+    def score(self, rows: Sequence[int]) -> dict[int, float]:
+        """The draft probe's ``p`` of each row's last proposal."""
+
+    def extend(self, row: int, tokens: Sequence[int]) -> None:
+        """Tokens the target wrote (in the proposer's tokenization) enter the row's context."""
+
+    def roll_back(self, row: int) -> None:
+        """Forget the row's last proposal (its forced tokens stay)."""
+
+
+class DraftProposer:
+    """The in-process draft model writing on its :class:`BatchedCache`.
+
+    Args:
+        cache: the draft's cache (rows hold their prompts).
+        tokenizer: the draft's tokenizer.
+        stop: the draft's step stopper.
+        probe: the draft probe (reads the draft's states), or None.
+        sampling: ``temperature``, ``top_p`` and ``generator`` of the decode.
+    """
+
+    def __init__(self, cache: BatchedCache, tokenizer, stop, probe, sampling: dict) -> None:
+        self.cache, self.tokenizer, self.stop, self.probe, self.sampling = cache, tokenizer, stop, probe, sampling
+        self.spec = FeatureSpec.of(probe.config) if probe is not None else None
+        self.steps: dict[int, StepDraft] = {}
+        self.probe_s = self.feed_s = 0.0  # seconds of the last score(): probe, and the draft's extra read
+
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
+        for_p = for_p and self.spec is not None
+        self.steps = write_steps(
+            self.cache, list(rows), stop=self.stop, limits={i: s.limit for i, s in rows.items()},
+            forced={i: list(s.forced) for i, s in rows.items()}, collect_hidden=for_p and self.spec.needs_hidden,
+            record_logits=True, record_forced_logits=for_p and self.spec.needs_logits, **self.sampling,
+        )
+        return {i: Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens)) for i, d in self.steps.items()}
+
+    def score(self, rows: Sequence[int]) -> dict[int, float]:
+        self.probe_s = self.feed_s = 0.0
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        drafts = [self.steps[i] for i in rows]
+        if self.spec.needs_hidden:
+            # The draft reads its step's last token only now, and only for steps that need p:
+            # a kept step hands that token to the draft's next forward instead.
+            for i, f in self.cache.feed(list(rows), hidden=True).items():
+                self.steps[i].hidden.extend(f.hidden[:, max(0, self.steps[i].start - f.start) :].unbind(1))
+            self.feed_s = time.perf_counter() - t0
+        hidden = [d.pooled_input() for d in drafts] if self.spec.needs_hidden else None
+        logits = [torch.stack(d.token_logits()) for d in drafts] if self.spec.needs_logits else None
+        x = probe_input(rows_features(self.spec, [d.tokens for d in drafts], hidden, logits), self.spec.groups)
+        p = run_probe(self.probe, x)
+        self.probe_s = time.perf_counter() - t0 - self.feed_s  # a draft forward is not probe time
+        return dict(zip(rows, p))
+
+    def extend(self, row: int, tokens: Sequence[int]) -> None:
+        self.cache.seq[row].extend(tokens)
+
+    def roll_back(self, row: int) -> None:
+        d = self.steps[row]
+        self.cache.rollback(row, len(d.tokens) - d.n_forced, last_logits=d.logits[0] if d.logits else None)
+
+
+def run_probe(probe, x: torch.Tensor) -> list[float]:
+    """A probe's outputs for the rows of ``x`` (moved to the probe's device), as floats."""
+    device = next(probe.parameters(), torch.empty(0)).device
+    return probe(x.to(device)).float().cpu().tolist()
