@@ -62,7 +62,7 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
     """The ``openai`` sampler's throughput over a bare loop's on the very same requests."""
     from datamodules.labels.openai_sampler import OpenAISampler
     from generation.specs import SamplingSpec, StepSpec
-from generation.steps import DEFAULT_DELIMITERS
+    from generation.steps import DEFAULT_DELIMITERS
 
     tok = _tokenizer("draft")
     contexts = _contexts(tok, 2 if quick else 4, 4 if quick else 8)

@@ -51,7 +51,6 @@ from datamodules.arithmetic import models, task
 from datamodules.arithmetic.task import ArithmeticTask
 from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
-from probes.decoding import setup
 from probes.decoding.methods import METHODS as TABLE
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
@@ -473,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     dec = decoder()
     # every method samples as the probes' labels were sampled (a different value is refused for semanticspec)
-    args.temperature, args.top_p = setup.resolve_sampling(dec.sampling_spec, args.temperature, args.top_p, enforce=True)
+    spec = dec.sampling(args.temperature, args.top_p)  # the probes' label sampling unless given; another is refused
+    args.temperature, args.top_p = spec.temperature, spec.top_p
     knob = "ratio_scale" if args.rule == "ratio" else "tau"
     # per method: its knob, the swept values, and the value of its main run (random: SemanticSpec's rate)
     knobs = {"semanticspec": (knob, list(args.sweep), args.tau if knob == "tau" else args.ratio_scale),

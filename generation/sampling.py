@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from generation.specs import SamplingSpec
 
 Streams = torch.Generator | Sequence[torch.Generator] | None
 """One random stream for every row, or one per row (a row then draws the same whatever its batch)."""
@@ -26,6 +29,35 @@ def row_streams(generator: Streams, rows: Sequence[int]) -> Streams:
     if generator is None or isinstance(generator, torch.Generator):
         return generator
     return [generator[i] for i in rows]
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """The one sampler bound to its :class:`~generation.specs.SamplingSpec` and random streams.
+
+    Built once per decode (or label sampling run) and handed to the writers, so temperature and top-p
+    travel as one validated object instead of through every call.
+
+    Attributes:
+        spec: temperature and top-p.
+        generator: one stream for every row, or one per cache row (``rows`` index it).
+    """
+
+    spec: SamplingSpec = SamplingSpec()
+    generator: Streams = None
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """One token per row of ``logits`` (B, V), row ``k`` of the batch being cache row ``rows[k]``. Returns (B,)."""
+        return sample_next(logits, self.spec.temperature, self.spec.top_p, row_streams(self.generator, rows))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution :meth:`draw` draws from, (..., V)."""
+        return sampling_probs(logits, self.spec.temperature, self.spec.top_p)
+
+    def stream(self, row: int) -> torch.Generator | None:
+        """The random stream of cache row ``row``."""
+        return self.generator if self.generator is None or isinstance(self.generator, torch.Generator) \
+            else self.generator[row]
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0,

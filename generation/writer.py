@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from generation.cache import BatchedCache, Feed
-from generation.sampling import Streams, row_streams, sample_next
+from generation.sampling import Sampler
+from generation.specs import SamplingSpec
 
 
 @dataclass
@@ -53,9 +54,7 @@ def write_steps(
     *,
     stop: Callable[[list[int]], bool],
     limits: dict[int, int],
-    temperature: float,
-    top_p: float,
-    generator: Streams,
+    sampler: Sampler,
     forced: dict[int, list[int]] | None = None,
     collect_hidden: bool = False,
     feed_last: bool = False,
@@ -74,9 +73,7 @@ def write_steps(
         rows: rows that write a step now.
         stop: step stopper (``generation.steps.StepStopper``).
         limits: per row, the most tokens the step may hold (token budget left).
-        temperature: sampling temperature; 0 is greedy.
-        top_p: nucleus mass.
-        generator: torch generator for sampling, or one per cache row (``rows`` index it).
+        sampler: the one sampler with its spec and streams (shared, or one per cache row).
         forced: per row, tokens that open the step and are already in ``runner.seq``.
         collect_hidden: keep the hidden states of the step's tokens (for a probe).
         feed_last: feed the step's last token too.
@@ -118,7 +115,7 @@ def write_steps(
         if missing:
             raise RuntimeError(f"rows {missing} have no logits to sample from; feed their prompt first")
         logits = torch.stack([runner.last_logits[i] for i in writing]).float()  # (B, V), stays on the device
-        toks = sample_next(logits, temperature, top_p, row_streams(generator, writing)).tolist()  # one host sync: B ids
+        toks = sampler.draw(logits, writing).tolist()  # one host sync: B ids
         still = []
         for k, (i, t) in enumerate(zip(writing, toks)):
             if record_logits:
@@ -154,8 +151,8 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    temperature: float = 0.6,
-    top_p: float = 0.95,
+    temperature: float = SamplingSpec.temperature,
+    top_p: float = SamplingSpec.top_p,
     generator: torch.Generator | None = None,
     stop: Callable[[list[int]], bool] | None = None,
     eos_token_id: int | None = None,
@@ -186,6 +183,6 @@ def generate(
         return (eos_token_id is not None and tokens[-1] == eos_token_id) or (stop is not None and stop(tokens))
 
     rows = range(cache.n_rows)
-    steps = write_steps(cache, rows, stop=done, limits={i: max_new_tokens for i in rows}, temperature=temperature,
-                        top_p=top_p, generator=generator)
+    steps = write_steps(cache, rows, stop=done, limits={i: max_new_tokens for i in rows},
+                        sampler=Sampler(SamplingSpec(temperature, top_p), generator))
     return [steps[i].tokens for i in rows]

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from generation.handover import Handover
-from generation.steps import StepStopper
+from generation.specs import SamplingSpec
 from probes.decoding import setup
 from probes.decoding.methods import MethodArgs, runner_for
 from probes.decoding.options import LoopOptions
@@ -100,16 +100,14 @@ class SemanticSpecDecoder:
         self.bonus_token = opt.bonus_token and self.shared
         self.target_probe = setup.load(target_probe, target, tokenizer, role="target")
         self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, role="draft")
-        self.delimiters, self.max_step_tokens = setup.step_spec((self.target_probe, self.draft_probe), opt.delimiters,
-                                                                opt.max_step_tokens)
+        self.step = setup.step_spec((self.target_probe, self.draft_probe), opt.step)
+        """What a step is (:class:`~generation.specs.StepSpec`): the probes', unless ``options.step`` says."""
         suffix = self.tokenizer(opt.judge_suffix, add_special_tokens=False).input_ids
         digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
         self.judge = JudgeTurn(suffix, digits)
         self.spare = 1 + len(suffix)  # room kept for a bonus token and SpecReason's judge turn
-        self.sampling_spec = setup.sampling_spec((self.target_probe, self.draft_probe))
-        """How the probes' labels were sampled: ``{"temperature": (0.6, "target probe"), ...}``."""
-        self.target_stop = StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
-        self.draft_stop = StepStopper(self.draft_tokenizer, self.delimiters, self.max_step_tokens)
+        self._recorded_sampling = setup.sampling_spec((self.target_probe, self.draft_probe))
+        self.target_stop, self.draft_stop = self.step.stopper(tokenizer), self.step.stopper(self.draft_tokenizer)
 
     @torch.no_grad()
     def generate(
@@ -161,14 +159,12 @@ class SemanticSpecDecoder:
                 prompt's index; all before any model call.
         """
         runner, problems = self._runner(method, accept_rate, oracle)
-        temperature, top_p = setup.resolve_sampling(self.sampling_spec, temperature, top_p,
-                                                    enforce=runner is not None and runner.probes_decide)
-        setup.check_generate(max_new_tokens, temperature, top_p, batch_size, problems)
+        sampling = self.sampling(temperature, top_p, enforce=runner is not None and runner.probes_decide)
+        setup.check_generate(max_new_tokens, batch_size, problems)
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
         if not ids_t:
             return []
         bs = batch_size or len(ids_t)
-        sampling = {"temperature": temperature, "top_p": top_p}
         results: list[DecodeResult] = []
         starts = range(0, len(ids_t), bs)
         if progress:
@@ -179,6 +175,22 @@ class SemanticSpecDecoder:
             chunk = range(s, min(s + bs, len(ids_t)))
             results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], max_new_tokens, sampling, seed, chunk)
         return results
+
+    def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
+                 enforce: bool = True) -> SamplingSpec:
+        """The :class:`~generation.specs.SamplingSpec` a decode samples with: the values given, else how the probes'
+        labels were sampled, else the defaults (T = 0.6, top-p 0.95).
+
+        Args:
+            temperature: 0 is greedy; None = the probes'.
+            top_p: nucleus mass; None = the probes'.
+            enforce: refuse a given value that differs from the probes' (naming both), as every method whose
+                decisions come from the probes does: a probe judges steps like the ones it was trained on.
+
+        Raises:
+            ValueError: a value that differs from the probes' (with ``enforce``), or a bad value (naming it).
+        """
+        return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce)
 
     def _runner(self, method, accept_rate, oracle):
         """The method's runner and what is wrong with the call for it (the probes it needs)."""

@@ -26,8 +26,13 @@ from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
 from torchmetrics.wrappers import BinaryTargetTransformer
 from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef, R2Score
 
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from probes.config import ProbeConfig
 from probes.model import SemanticProbe
+
+# The specs travel in the module's hyperparameters (data.input_spec, linked by the fit CLI); a checkpoint holding them
+# loads with torch's weights_only unpickler, which needs each class allowed: frozen dataclasses of str, int and float.
+torch.serialization.add_safe_globals([StepSpec, SamplingSpec, FeatureSpec])
 
 ROLES = ("target", "draft")
 WRITERS = {"target_written": 0, "draft_written": 1}

@@ -18,6 +18,7 @@ from probes.decoding.verify import TargetVerifier
 from probes.export import export_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
+from generation.specs import SamplingSpec, StepSpec
 from tests.conftest import tiny_llama
 
 PROMPTS = [
@@ -26,15 +27,19 @@ PROMPTS = [
     "Begin with 12.\n\n",
 ]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
+SIX = StepSpec(DEFAULT_DELIMITERS, 6)
+"""Steps of at most 6 tokens: what most stub probes here were "trained" on."""
 
 
 class ConstProbe(torch.nn.Module):
     """Stub probe: always ``value`` (1 = accept, 0 = reject), or a function of the features."""
 
-    def __init__(self, hidden_size: int, value=1.0, layer_ids=(-1,), groups=("hidden",), stats=(), role="target"):
+    def __init__(self, hidden_size: int, value=1.0, layer_ids=(-1,), groups=("hidden",), stats=(), role="target",
+                 step=None):
         super().__init__()
         self.config = ProbeConfig(hidden_size=hidden_size, layer_ids=list(layer_ids), hidden_dims=[],
-                                  feature_groups=list(groups), token_stats=list(stats), role=role)
+                                  feature_groups=list(groups), token_stats=list(stats), role=role,
+                                  step=step or StepSpec())
         self.value = value
         self.calls = 0
 
@@ -50,7 +55,11 @@ OPTIONS = set(LoopOptions.__dataclass_fields__)
 
 
 def make_decoder(target, draft, tok, draft_tokenizer=None, target_probe=None, draft_probe=None, **kw):
-    """The decoder with ``kw`` sorted into its policy and loop options (the flat knobs tests read best)."""
+    """The decoder with ``kw`` sorted into its policy and loop options (the flat knobs tests read best);
+    ``delimiters``/``max_step_tokens`` make the options' ``step``."""
+    if "delimiters" in kw or "max_step_tokens" in kw:
+        kw["step"] = StepSpec(tuple(kw.pop("delimiters", None) or DEFAULT_DELIMITERS),
+                              kw.pop("max_step_tokens", None) or StepSpec.max_step_tokens)
     policy = ProbePolicy(**{k: v for k, v in kw.items() if k in POLICY})
     options = LoopOptions(**{k: v for k, v in kw.items() if k in OPTIONS})
     unknown = set(kw) - POLICY - OPTIONS
@@ -64,7 +73,7 @@ def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(),
     probes = [ConstProbe(m.config.hidden_size, v, layer_ids, groups, stats, role)
               for m, v, role in ((target, q, "target"), (draft, p, "draft"))]
     for probe in probes:  # the probes were "trained" on the steps the test asks for
-        probe.config.delimiters = list(kw.get("delimiters") or DEFAULT_DELIMITERS)
+        probe.config.step = StepSpec(tuple(kw.get("delimiters") or DEFAULT_DELIMITERS), kw["max_step_tokens"])
     return make_decoder(target, draft, tok, target_probe=probes[0], draft_probe=probes[1], **kw)
 
 
@@ -410,9 +419,8 @@ def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
         draft,
         world_tokenizer,
         draft_tokenizer=ctok,
-        max_step_tokens=6,
-        target_probe=ConstProbe(32, 1.0),
-        draft_probe=ConstProbe(24, 1.0, role="draft"),
+        target_probe=ConstProbe(32, 1.0, step=SIX),
+        draft_probe=ConstProbe(24, 1.0, role="draft", step=SIX),
         target_first_step=False,
     )
     assert accept.policy.top_k == 0  # no fast path across tokenizers (asking for one is refused, see above)
@@ -422,9 +430,8 @@ def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):
         draft,
         world_tokenizer,
         draft_tokenizer=ctok,
-        max_step_tokens=6,
-        target_probe=ConstProbe(32, 0.0),
-        draft_probe=ConstProbe(24, 1.0, role="draft"),
+        target_probe=ConstProbe(32, 0.0, step=SIX),
+        draft_probe=ConstProbe(24, 1.0, role="draft", step=SIX),
     )
     res = reject.generate(prompts, **GREEDY)
     assert texts(res) == texts(reject.generate(prompts, method="target_only", **GREEDY))
@@ -539,36 +546,32 @@ def test_defaults_follow_the_first_step_benchmark(tiny_pair):
 
 
 def test_the_step_definition_travels_with_the_probes(tiny_pair):
-    """Delimiters and the step cap come from the probes' labels; an explicit conflict is refused naming both."""
+    """The step spec comes from the probes' labels; an explicit one that differs is refused naming both."""
     target, draft, tok = tiny_pair
-    tprobe, dprobe = ConstProbe(target.config.hidden_size), ConstProbe(draft.config.hidden_size)
-    dprobe.config.role = "draft"
-    for probe in (tprobe, dprobe):
-        probe.config.delimiters, probe.config.labels = [".\n\n"], {"max_step_tokens": 7}
+    seven = StepSpec((".\n\n",), 7)
+    tprobe = ConstProbe(target.config.hidden_size, step=seven)
+    dprobe = ConstProbe(draft.config.hidden_size, role="draft", step=seven)
     dec = make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
-    assert dec.delimiters == (".\n\n",) and dec.max_step_tokens == 7
+    assert dec.step == seven
     assert dec.target_stop.max_step_tokens == dec.draft_stop.max_step_tokens == 7
-    same = make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, max_step_tokens=7)
-    assert same.max_step_tokens == 7
-    with pytest.raises(ValueError, match=r"max_step_tokens=64 but the target probe was trained on steps with max_step_tokens=7"):
-        make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, max_step_tokens=64)
-    with pytest.raises(ValueError, match=r"delimiters=\('\\n\\n',\) but the target probe"):
-        make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, delimiters=["\n\n"])
-    dprobe.config.labels = {"max_step_tokens": 9}
-    with pytest.raises(ValueError, match="the target probe has max_step_tokens=7, the draft probe 9"):
+    assert make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, step=seven).step == seven
+    with pytest.raises(ValueError, match=r"step=StepSpec\(delimiters=\('\\n\\n',\), max_step_tokens=64\) but the "
+                                         r"target probe was trained on steps with step=StepSpec\(delimiters=\('\.\\n"):
+        make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, delimiters=["\n\n"], max_step_tokens=64)
+    dprobe.config.step = StepSpec((".\n\n",), 9)
+    with pytest.raises(ValueError, match=r"the target probe has step=.*max_step_tokens=7\), the draft probe .*=9\)"):
         make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
-    bare = make_decoder(target, draft, tok)  # no probe: the blank-line family and 64 tokens
-    assert bare.delimiters == tuple(DEFAULT_DELIMITERS) and bare.max_step_tokens == 64
+    assert make_decoder(target, draft, tok).step == StepSpec()  # no probe: the one default
 
 
 def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair):
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=0.0)
     for probe in (dec.target_probe, dec.draft_probe):
-        probe.config.sampling = {"n_samples": 8, "temperature": 0.6, "top_p": 0.9}
+        probe.config.sampling = SamplingSpec(0.6, 0.9)
     dec = make_decoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
-                              max_step_tokens=6)
-    assert dec.sampling_spec["temperature"][0] == 0.6 and dec.sampling_spec["top_p"] == (0.9, "target probe")
+                       max_step_tokens=6)
+    assert dec.sampling() == SamplingSpec(0.6, 0.9) and dec.sampling(top_p=0.5, enforce=False).top_p == 0.5
     with pytest.raises(ValueError, match=r"temperature=0\.0 but the target probe was trained on steps sampled with "
                                          r"temperature=0\.6"):
         dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=8)
@@ -576,17 +579,19 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
     same = dec.generate(PROMPTS[:1], max_new_tokens=16, seed=3)
     assert texts(same) == texts(dec.generate(PROMPTS[:1], temperature=0.6, top_p=0.9, max_new_tokens=16, seed=3))
     assert dec.generate(PROMPTS[:1], method="target_only", temperature=0.0, max_new_tokens=8)  # no probe decides
-    dec.draft_probe.config.sampling, dec.draft_probe.config.role = {"temperature": 1.0}, "draft"
+    with pytest.raises(ValueError, match=r"invalid SamplingSpec: temperature=-1.0"):  # refused once, in the spec
+        dec.generate(PROMPTS[:1], method="target_only", temperature=-1.0, max_new_tokens=8)
+    dec.draft_probe.config.sampling, dec.draft_probe.config.role = SamplingSpec(1.0, 0.9), "draft"
     with pytest.raises(ValueError, match="temperature=0.6, the draft probe 1.0"):
         make_decoder(target, draft, tok, target_probe=dec.target_probe, draft_probe=dec.draft_probe,
-                            max_step_tokens=6)
+                     max_step_tokens=6)
 
 
 def test_prompts_given_as_token_ids_decode_like_their_text(world_tokenizer):
     ctok = char_tokenizer()
     target, draft = tiny_llama(len(world_tokenizer), 32, 2), tiny_llama(len(ctok), 24, 1, seed=1)
-    dec = make_decoder(target, draft, world_tokenizer, draft_tokenizer=ctok, max_step_tokens=6,
-                              target_probe=ConstProbe(32, 0.5), draft_probe=ConstProbe(24, 1.0, role="draft"))
+    dec = make_decoder(target, draft, world_tokenizer, draft_tokenizer=ctok,
+                       target_probe=ConstProbe(32, 0.5, step=SIX), draft_probe=ConstProbe(24, 1.0, role="draft", step=SIX))
     text = dec.generate(PROMPTS[:1], **GREEDY)
     pair = (world_tokenizer(PROMPTS[0]).input_ids, ctok(PROMPTS[0]).input_ids)
     assert texts(dec.generate([pair], **GREEDY)) == texts(text)

@@ -8,6 +8,8 @@ from transformers import DynamicCache
 
 from generation.cache import BatchedCache
 from generation.steps import StepStopper, ends_step
+from generation.sampling import Sampler
+from generation.specs import SamplingSpec
 from generation.writer import generate, write_steps
 from tests.conftest import tiny_llama
 
@@ -113,8 +115,8 @@ def test_write_steps_stops_each_row_at_its_own_limit(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2, seed=3)
     run = BatchedCache(model, 3)
     run.prefill([[2, 5], [2, 6], [2, 7]])
-    steps = write_steps(run, [0, 1, 2], stop=lambda t: False, limits={0: 1, 1: 4, 2: 9}, temperature=0.0, top_p=1.0,
-                        generator=None, feed_last=True)
+    steps = write_steps(run, [0, 1, 2], stop=lambda t: False, limits={0: 1, 1: 4, 2: 9},
+                        sampler=Sampler(SamplingSpec(0.0, 1.0)), feed_last=True)
     assert [len(steps[i].tokens) for i in range(3)] == [1, 4, 9]
     assert run.n_fed == [len(s) for s in run.seq]  # feed_last: every token is in the cache
 

@@ -40,7 +40,7 @@ def test_server_that_ignores_n_is_fanned_out(servers):
     from datamodules.labels.openai_sampler import OpenAISampler
     from datamodules.arithmetic.task import ArithmeticTask
     from generation.specs import SamplingSpec, StepSpec
-from generation.steps import DEFAULT_DELIMITERS
+    from generation.steps import DEFAULT_DELIMITERS
 
     tok = _tokenizer(DRAFT)
     task = ArithmeticTask()

@@ -140,13 +140,14 @@ def test_default_build_records_its_problems_as_before():
 
 def test_build_steps_default_to_the_tasks_delimiters():
     from datamodules.labels.config import BuildConfig
+    from generation.specs import StepSpec
 
     class LineTask(YesNoTask):
         delimiters = ("\n",)
 
-    assert BuildConfig(task=LineTask()).steps.delimiters == ["\n"]
-    assert BuildConfig(task=LineTask(), steps=StepSpec(delimiters=[";"])).steps.delimiters == [";"]  # explicit wins
-    assert BuildConfig().steps.delimiters == list(ArithmeticTask.delimiters)
+    assert BuildConfig(task=LineTask()).steps.delimiters == ("\n",)
+    assert BuildConfig(task=LineTask(), steps=StepSpec(delimiters=[";"])).steps.delimiters == (";",)  # explicit wins
+    assert BuildConfig().steps.delimiters == tuple(ArithmeticTask.delimiters)
 
 
 def test_file_task_provenance_names_task_file_and_checksum(tmp_path):

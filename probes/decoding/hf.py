@@ -16,6 +16,7 @@ import torch
 from generation.cache import context_length
 from generation.handover import decode_text, pad_id
 from generation.sampling import stream_seed
+from generation.specs import SamplingSpec
 from probes.decoding.results import DecodeResult, DecodeStats
 
 
@@ -27,7 +28,7 @@ class TransformersLoop:
     policy = None
     probes_decide = False
 
-    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, seed: int, indices) -> list[DecodeResult]:
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, seed: int, indices) -> list[DecodeResult]:
         """Decode prompt by prompt: prompt ``k`` of the decode seeds transformers from its own stream ``(seed, k)``.
 
         Each stops at the models' context end: with one tokenizer the draft reads the same ids; with
@@ -40,12 +41,12 @@ class TransformersLoop:
             rooms += [(context_length(dec.draft), len(idd))] if dec.shared else []
             room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
             out.append(hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, it, self.assisted, max_new_tokens,
-                                   sampling["temperature"], sampling["top_p"], stream_seed(seed, k, "sampling"), room))
+                                   sampling, stream_seed(seed, k, "sampling"), room))
         return out
 
 
 def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,
-                temperature: float, top_p: float, seed: int, room: int | None = None) -> DecodeResult:
+                sampling: SamplingSpec, seed: int, room: int | None = None) -> DecodeResult:
     """One prompt through ``target.generate`` (assisted by ``draft`` when ``assisted``: ``token_sd``).
 
     ``draft_tokenizer`` is None for a shared tokenizer, else transformers' universal assisted
@@ -63,8 +64,8 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assis
     # process from inside transformers, not from here.)
     kwargs = {"max_new_tokens": cap, "pad_token_id": pad_id(tokenizer), "eos_token_id": tokenizer.eos_token_id}
     # Sampling as the package's sampler does it: temperature and top-p, no top-k (transformers' default is 50).
-    kwargs.update({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None} if temperature > 0
-                  else {"do_sample": False})
+    kwargs.update({"do_sample": False} if sampling.greedy else
+                  {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": None})
     if assisted:
         hooks.append(draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1)))
         kwargs["assistant_model"] = draft

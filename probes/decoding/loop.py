@@ -18,7 +18,8 @@ import torch
 
 from generation.cache import BatchedCache
 from generation.handover import decode_text, pad_id
-from generation.sampling import row_streams, sample_next, stream_seed
+from generation.sampling import Sampler, stream_seed
+from generation.specs import SamplingSpec
 from generation.writer import write_steps
 from probes.decoding.policies import AcceptancePolicy
 from probes.decoding.proposer import DraftProposer, RowState
@@ -36,25 +37,25 @@ class StepLoop:
         ids_t: the prompts in the target's tokenization.
         ids_d: the prompts in the draft's.
         max_new_tokens: output token budget per prompt.
-        sampling: ``temperature`` and ``top_p`` of both models.
+        sampling: temperature and top-p of both models (validated once, where the spec was built).
         seed: the decode's seed.
         indices: the prompts' indices in the decode: prompt ``k`` samples and flips its acceptance
             coins from its own streams, seeded from ``(seed, k)``, so it decodes the same in any batch.
     """
 
     def __init__(self, dec, ids_t: Sequence[list[int]], ids_d: Sequence[list[int]], max_new_tokens: int,
-                 sampling: dict, seed: int, indices: Sequence[int]) -> None:
+                 sampling: SamplingSpec, seed: int, indices: Sequence[int]) -> None:
         B = len(ids_t)
         layers = lambda probe: probe.config.layer_ids if probe is not None else [-1]
         streams = {s: [torch.Generator().manual_seed(stream_seed(seed, k, s)) for k in indices]
                    for s in ("sampling", "coins")}
-        self.dec, self.opt, self.sampling = dec, dec.options, {**sampling, "generator": streams["sampling"]}
+        self.dec, self.opt, self.sampler = dec, dec.options, Sampler(sampling, streams["sampling"])
         self.tgt = BatchedCache(dec.target, B, pad_id(dec.tokenizer), layers(dec.target_probe))
         self.drf = BatchedCache(dec.draft, B, pad_id(dec.draft_tokenizer), layers(dec.draft_probe))
         for i in range(B):
             self.tgt.seq[i], self.drf.seq[i] = list(ids_t[i]), list(ids_d[i])
         self.rows = [Row(max_new_tokens, dec.shared, self.opt.answer_marker) for _ in range(B)]
-        self.proposer = DraftProposer(self.drf, dec.draft_tokenizer, dec.draft_stop, dec.draft_probe, self.sampling)
+        self.proposer = DraftProposer(self.drf, dec.draft_tokenizer, dec.draft_stop, dec.draft_probe, self.sampler)
         self.verifier = TargetVerifier(self.tgt, dec.handover, dec.target_probe, dec.judge, streams["coins"])
 
     def caches(self, names: Sequence[str]) -> tuple[BatchedCache, ...]:
@@ -131,8 +132,7 @@ class StepLoop:
     def _bonus(self, rows_i: list[int]) -> None:
         """The target's next token (after each kept step) opens the row's next step."""
         logits = torch.stack([self.tgt.last_logits[i] for i in rows_i]).float()
-        s = self.sampling
-        drawn = sample_next(logits, s["temperature"], s["top_p"], row_streams(s["generator"], rows_i)).tolist()
+        drawn = self.sampler.draw(logits, rows_i).tolist()
         for i, t in zip(rows_i, drawn):
             r = self.rows[i]
             self.tgt.seq[i].append(t)
@@ -163,9 +163,9 @@ class StepLoop:
         token_sd = use_draft and dec.token_sd
         if token_sd:
             steps = token_sd_steps(self.tgt, self.drf, rows_i, stop=dec.target_stop, draft_stop=dec.draft_stop,
-                                   limits=limits, forced=forced, n_propose=self.opt.token_sd_tokens, **self.sampling)
+                                   limits=limits, forced=forced, n_propose=self.opt.token_sd_tokens, sampler=self.sampler)
         else:
-            steps = write_steps(self.tgt, rows_i, stop=dec.target_stop, limits=limits, forced=forced, **self.sampling)
+            steps = write_steps(self.tgt, rows_i, stop=dec.target_stop, limits=limits, forced=forced, sampler=self.sampler)
         dt = (time.perf_counter() - t0) / len(rows_i)
         for i in rows_i:
             st = steps[i]
@@ -179,7 +179,7 @@ class StepLoop:
         """The draft writes one step for each row, kept as it is (the draft-only baseline)."""
         t0 = time.perf_counter()
         limits = {i: self.limit(i, self.drf) for i in rows_i}
-        steps = write_steps(self.drf, rows_i, stop=self.dec.draft_stop, limits=limits, **self.sampling)
+        steps = write_steps(self.drf, rows_i, stop=self.dec.draft_stop, limits=limits, sampler=self.sampler)
         dt = (time.perf_counter() - t0) / len(rows_i)
         for i in rows_i:
             st, r = steps[i], self.rows[i]

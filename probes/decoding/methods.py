@@ -8,6 +8,8 @@ place a method's name is read; the benchmarks import it.
 
 from __future__ import annotations
 
+from generation.specs import SamplingSpec
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ class LoopRunner:
         """The probes decide, so the decode samples as their labels were sampled."""
         return self.policy is not None and self.policy.decides_with_probes
 
-    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: dict, seed: int, indices) -> list:
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, seed: int, indices) -> list:
         """Decode one batch: prompts ``indices`` of the decode (their random streams derive from ``seed``)."""
         return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, seed, indices).run(self)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
 from dataclasses import dataclass
+
+from generation.specs import StepSpec
 
 SPECREASON_SUFFIX = "\nScore 0-9:"
 """Judge turn appended after a draft step for SpecReason-style scoring (SpecReason asks for a 0-9 score)."""
@@ -17,11 +18,9 @@ class LoopOptions:
     Args:
         target_first_step: the target writes the first step (the paper); off by default, as
             ``benchmarks/first_step.py`` backs (README "Who writes the first step").
-        delimiters: step delimiters. None (default) = the ones the probes' labels were cut at
-            (``config.delimiters``), else the blank-line family. A probe is used on the steps it was
-            trained on: a value that differs from a probe's is refused, naming both.
-        max_step_tokens: a step that reaches no delimiter is cut here. None (default) = the probes'
-            label cap (``config.labels["max_step_tokens"]``), else 64; a differing value is refused.
+        step: what a step is (:class:`~generation.specs.StepSpec`: delimiters and cap). None (default) =
+            the step the probes' labels were cut at (``config.step``), else ``StepSpec()``. A probe is
+            used on the steps it was trained on: a step that differs from a probe's is refused, naming both.
         answer_marker: stop once a line starting at this marker is complete (e.g. ``"Answer:"``).
         token_sd: the target writes its steps (first and rejected) with token-level speculative
             sampling from the same draft; lossless for those steps. None (default) = on when the
@@ -37,8 +36,7 @@ class LoopOptions:
     """
 
     target_first_step: bool = False
-    delimiters: Sequence[str] | None = None
-    max_step_tokens: int | None = None
+    step: StepSpec | None = None
     answer_marker: str | None = None
     token_sd: bool | None = None
     token_sd_tokens: int = 4
@@ -47,11 +45,8 @@ class LoopOptions:
 
     def __post_init__(self) -> None:
         errors = []
-        if self.max_step_tokens is not None and not _count(self.max_step_tokens):
-            errors.append(f"max_step_tokens={self.max_step_tokens}: expected an integer >= 1")
-        d = self.delimiters
-        if d is not None and (isinstance(d, str) or not d or not all(d)):
-            errors.append(f"delimiters={d!r}: expected a non-empty list of non-empty strings")
+        if self.step is not None and not isinstance(self.step, StepSpec):
+            errors.append(f"step={self.step!r}: expected a generation.specs.StepSpec or None")
         if not _count(self.token_sd_tokens):
             errors.append(f"token_sd_tokens={self.token_sd_tokens}: expected an integer >= 1")
         if errors:

@@ -20,6 +20,7 @@ import torch
 from generation.cache import BatchedCache
 from generation.features import FeatureSpec, probe_input, rows_features
 from generation.handover import decode_text
+from generation.sampling import Sampler
 from generation.writer import StepDraft, write_steps
 
 
@@ -75,11 +76,11 @@ class DraftProposer:
         tokenizer: the draft's tokenizer.
         stop: the draft's step stopper.
         probe: the draft probe (reads the draft's states), or None.
-        sampling: ``temperature``, ``top_p`` and ``generator`` of the decode.
+        sampler: the decode's one sampler (its spec and per-row streams).
     """
 
-    def __init__(self, cache: BatchedCache, tokenizer, stop, probe, sampling: dict) -> None:
-        self.cache, self.tokenizer, self.stop, self.probe, self.sampling = cache, tokenizer, stop, probe, sampling
+    def __init__(self, cache: BatchedCache, tokenizer, stop, probe, sampler: Sampler) -> None:
+        self.cache, self.tokenizer, self.stop, self.probe, self.sampler = cache, tokenizer, stop, probe, sampler
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
         self.steps: dict[int, StepDraft] = {}
         self.probe_s = self.feed_s = 0.0  # seconds of the last score(): probe, and the draft's extra read
@@ -89,7 +90,7 @@ class DraftProposer:
         self.steps = write_steps(
             self.cache, list(rows), stop=self.stop, limits={i: s.limit for i, s in rows.items()},
             forced={i: list(s.forced) for i, s in rows.items()}, collect_hidden=for_p and self.spec.needs_hidden,
-            record_logits=True, record_forced_logits=for_p and self.spec.needs_logits, **self.sampling,
+            record_logits=True, record_forced_logits=for_p and self.spec.needs_logits, sampler=self.sampler,
         )
         return {i: Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens)) for i, d in self.steps.items()}
 

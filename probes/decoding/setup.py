@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 
@@ -84,31 +83,18 @@ def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str
         raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
 
 
-def step_spec(probes, delimiters=None, max_step_tokens=None) -> StepSpec:
-    """The step definition: the probes' (what their labels were cut at), field by field unless given.
-
-    Raises:
-        ValueError: a given value that differs from a probe's, or two probes that differ (naming both); a
-            bad value (from :class:`~generation.specs.StepSpec`, naming the field).
-    """
-    seen = recorded(probes, {"delimiters": lambda c: c.step.delimiters, "max_step_tokens": lambda c: c.step.max_step_tokens})
-    given = {"delimiters": None if delimiters is None or isinstance(delimiters, str) else tuple(delimiters),
-             "max_step_tokens": max_step_tokens}
-    if isinstance(delimiters, str):
-        given["delimiters"] = delimiters  # refused by StepSpec, naming the value
-    refuse_conflicts(given, seen, "steps")
-    return StepSpec(**{k: v if v is not None else seen[k][0] for k, v in given.items() if v is not None or k in seen})
+def step_spec(probes, given: StepSpec | None) -> StepSpec:
+    """The step definition: the one the probes' labels were cut at, unless given; a differing one is refused."""
+    seen = recorded(probes, {"step": lambda c: c.step})
+    refuse_conflicts({"step": given}, seen, "steps")
+    return given or (seen["step"][0] if "step" in seen else StepSpec())
 
 
-def check_generate(max_new_tokens, temperature, top_p, batch_size, problems: list[str]) -> None:
+def check_generate(max_new_tokens, batch_size, problems: list[str]) -> None:
     """Refuse bad ``generate`` arguments, naming every bad value at once (``problems``: the method's own)."""
     errors = list(problems)
     if not _count(max_new_tokens):
         errors.append(f"max_new_tokens={max_new_tokens}: expected an integer >= 1")
-    if not (math.isfinite(temperature) and temperature >= 0):  # nan would reach torch's sampler
-        errors.append(f"temperature={temperature}: expected a finite number >= 0 (0 = greedy)")
-    if not 0 < top_p <= 1:
-        errors.append(f"top_p={top_p}: expected in (0, 1]")
     if batch_size is not None and not _count(batch_size):  # 0 would silently mean "all prompts"
         errors.append(f"batch_size={batch_size}: expected an integer >= 1, or None for all prompts at once")
     if errors:
@@ -126,8 +112,8 @@ def sampling_spec(probes) -> dict[str, tuple[object, str]]:
                              for k in ("temperature", "top_p")})
 
 
-def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool) -> tuple[float, float]:
-    """Temperature and top-p of a decode: the call's, else the probes' label sampling, else the defaults.
+def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool) -> SamplingSpec:
+    """The sampling of a decode: the call's values, else the probes' label sampling, else the defaults.
 
     Args:
         seen: :func:`sampling_spec` of the decoder's probes.
@@ -138,4 +124,4 @@ def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, en
     if enforce:
         refuse_conflicts(given, seen, "steps sampled")
     out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}
-    return float(out["temperature"]), float(out["top_p"])
+    return SamplingSpec(**out)  # validated here, once

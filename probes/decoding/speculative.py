@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from generation.cache import BatchedCache
-from generation.sampling import Streams, sampling_probs
+from generation.sampling import Sampler
 from generation.writer import StepDraft, write_steps
 
 
@@ -67,15 +67,14 @@ def token_sd_steps(
     draft_stop: Callable[[list[int]], bool],
     limits: dict[int, int],
     forced: dict[int, list[int]],
-    temperature: float,
-    top_p: float,
-    generator: Streams,
+    sampler: Sampler,
     n_propose: int,
 ) -> dict[int, StepDraft]:
     """The target writes one step per row with :func:`speculative_step` (shared tokenizer).
 
     The draft proposes up to ``n_propose`` tokens, the target scores them in one forward. Both
-    caches end holding the step (its last token pending). ``generator``: shared, or one per cache row.
+    caches end holding the step (its last token pending). ``sampler``: the one sampler, its streams shared
+    or one per cache row.
     """
     steps = {i: StepDraft(len(tgt.seq[i]) - len(forced[i]), list(forced[i]), len(forced[i])) for i in rows}
 
@@ -83,12 +82,10 @@ def token_sd_steps(
         return bool(toks) and (stop(toks) or len(toks) >= limits[i])
 
     writing = [i for i in rows if not finished(i, steps[i].tokens)]
-    gen = {i: generator if generator is None or isinstance(generator, torch.Generator) else generator[i] for i in rows}
     while writing:
         lim = {i: min(len(steps[i].tokens) + n_propose, limits[i]) for i in writing}
         props = write_steps(drf, writing, stop=draft_stop, limits=lim, record_logits=True,
-                            forced={i: steps[i].tokens for i in writing}, temperature=temperature, top_p=top_p,
-                            generator=generator)
+                            forced={i: steps[i].tokens for i in writing}, sampler=sampler)
         before = {i: tgt.last_logits[i] for i in writing}
         n0 = {i: len(tgt.seq[i]) for i in writing}
         for i in writing:
@@ -102,9 +99,9 @@ def token_sd_steps(
             t_logits = t_logits[: len(proposal) + 1]  # (k + 1, V)
             base = list(steps[i].tokens)
             kept, extra = speculative_step(
-                sampling_probs(t_logits.cpu(), temperature, top_p),
-                sampling_probs(torch.stack(d.logits).cpu(), temperature, top_p),
-                proposal, gen[i], lambda j: finished(i, base + proposal[:j]),  # noqa: B023 (called right here)
+                sampler.probs(t_logits.cpu()),
+                sampler.probs(torch.stack(d.logits).cpu()),
+                proposal, sampler.stream(i), lambda j: finished(i, base + proposal[:j]),  # noqa: B023 (called right here)
             )
             steps[i].tokens.extend(proposal[:kept])
             drop = len(proposal) - kept
