@@ -48,10 +48,10 @@ from tqdm.auto import tqdm
 
 from datamodules.arithmetic import models, task
 from datamodules.tasks import ArithmeticTask
+from generation.paths import portable_paths
 from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding import setup
-from probes.fit import portable_paths
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
 """Held-out four-operation problems: their prompt format, answer marker and checker (the oracle below is the world's)."""

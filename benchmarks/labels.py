@@ -49,8 +49,8 @@ from datamodules.build import BuildConfig, build, make_judge
 from datamodules.clustering import group_prefixes, normalize_text
 from datamodules.judges import OracleJudge
 from datamodules.labels import DRAFT, TARGET, joint_labels
+from generation.paths import portable_paths
 from generation.steps import split_steps
-from probes.fit import portable_paths
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

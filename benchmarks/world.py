@@ -36,8 +36,8 @@ from tqdm.auto import tqdm
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
 from datamodules.tasks import ArithmeticTask
+from generation.paths import portable_paths
 from generation.writer import generate
-from probes.fit import portable_paths
 
 PROBLEM_SEED = 20_000
 """Seed of the benchmark's problems; training validates on ``EVAL_SEED`` (10,000)."""
