@@ -36,7 +36,6 @@ are then not the method's).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import tempfile
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks import harness
 from datamodules.arithmetic import models, task
 from datamodules.tasks import ArithmeticTask
 from generation.paths import portable_paths
@@ -58,7 +58,6 @@ TASK = ArithmeticTask(min_ops=4, max_ops=4)
 """Held-out four-operation problems: their prompt format, answer marker and checker (the oracle below is the world's)."""
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO / "benchmarks" / "results"
 PROBE_ROOT = REPO / "checkpoints" / "arithmetic" / "probes"
 ABLATION_ROOT = REPO / "checkpoints" / "arithmetic" / "probes-ablation"
 ABLATIONS = ("hidden", "token_stats")
@@ -400,10 +399,8 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--quick", action="store_true", help="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*")
+    ap = harness.parser(__doc__, quick="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*", threads=1,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-problems", type=int, default=None, help="problems (default 400, quick 40)")
     ap.add_argument("--seed", type=int, default=PROBLEM_SEED)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -439,7 +436,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         action="store_true",
         help="compute p for every judged step (default: only when q alone does not accept)",
     )
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode[-quick].json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -582,15 +578,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     report["goals"] = goals(methods, probe_scores)
     report["probe_paths"] = portable_paths(report["probe_paths"])  # results are shared: no machine's folders
-    out = Path(args.out) if args.out else RESULTS_DIR / ("decode-quick.json" if args.quick else "decode.json")
+    out = harness.results_path("decode", args.quick, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    out.with_suffix(".md").write_text(table + "\n")
     plot(report, out.with_suffix(".png"))
-    print(table)
+    harness.write(report, out, markdown(report), save_table=True, also=[out.with_suffix(".png")])
     missed = [k for k, g in report["goals"].items() if not g["met"]]
-    print(f"\nwrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     if untrained:
         print("WARNING: untrained probes; rerun once checkpoints/arithmetic/probes/{target,draft} exist.")
     if missed:

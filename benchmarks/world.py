@@ -20,7 +20,6 @@ What it measures (issue 6, "The embedded world" in DESIGN.md):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -33,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks import harness
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
 from datamodules.tasks import ArithmeticTask
@@ -46,7 +46,6 @@ JUDGE_SEED = 20_001
 """Seed of the benchmark's judge pairs; training draws pairs from seed + 1 and validates on ``EVAL_SEED``."""
 TEMPERATURE, TOP_P = 0.6, 0.95
 GOALS = {"target_accuracy": 0.95, "draft_accuracy": (0.40, 0.80), "cost_ratio": 0.2, "judge_accuracy": 0.95}
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SOLVERS = ("target", "draft")
 
 
@@ -396,22 +395,16 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run (50 problems, 300 pairs), at most ~3 minutes")
+    ap = harness.parser(__doc__, quick="reduced run (50 problems, 300 pairs), at most ~3 minutes", threads=1)
     ap.add_argument(
         "--root", type=Path, default=None, help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)"
     )
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/world[-quick].json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = run(args.quick, args.root, args.seed)
-    out = args.out or RESULTS_DIR / f"world{'-quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(markdown(results))
-    print(f"\nwrote {out} ({results['wall_s']} s)")
+    harness.write(results, harness.results_path("world", args.quick, args.out), markdown(results))
     return results
 
 
