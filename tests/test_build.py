@@ -20,7 +20,7 @@ from generation.features import TOKEN_STATS, FeatureSpec, pool_hidden_states, to
 from datamodules.reading import read_steps
 from datamodules.tasks import ArithmeticTask, BoxedMathTask
 from tests.conftest import tiny_llama
-from tests.test_judges import _Server
+from tests.fake_openai import FakeJudgeServer
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_datamodule_reuses_a_finished_build(world, reference, capsys):
 
 def test_unreachable_judge_fails_with_url_and_keeps_finished_shards(world, tmp_path, monkeypatch):
     monkeypatch.setenv("JUDGE_KEY", "sk-do-not-print")
-    server = _Server()
+    server = FakeJudgeServer()
     url = server.url
     cfg = _config(world, judge={"kind": "http", "url": url, "model": "m", "api_key_env": "JUDGE_KEY", "retries": 2,
                                 "timeout": 1}, clustering={"match_numbers": False})  # every pair goes to the judge
@@ -475,7 +475,7 @@ def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, worl
     from probes.decoder import SemanticSpecDecoder
     from probes.export import export_probe
     from probes.module import SemanticProbeModule
-    from tests.test_decoder import PROMPTS, char_tokenizer
+    from tests.conftest import PROMPTS, char_tokenizer
 
     ctok = char_tokenizer()
     draft_dir = tmp_path / "char-draft"
