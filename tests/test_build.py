@@ -95,6 +95,7 @@ def test_build_writes_labelled_shards_and_manifest(reference):
     assert len(steps[0]["samples"]) == 2 * n and "text" in steps[0]["samples"][0]
 
 
+@pytest.mark.integration
 def test_killed_build_resumes_to_the_same_bytes(world, reference, tmp_path, monkeypatch):
     ref_dir, ref = reference
     part = build(_config(world), tmp_path, max_shards=1)
@@ -166,6 +167,7 @@ def test_datamodule_reuses_a_finished_build(world, reference, capsys):
     assert set(batch) <= {"target", "draft"} and batch[next(iter(batch))]["features"].dtype == torch.float32
 
 
+@pytest.mark.integration
 def test_unreachable_judge_fails_with_url_and_keeps_finished_shards(world, tmp_path, monkeypatch):
     monkeypatch.setenv("JUDGE_KEY", "sk-do-not-print")
     server = FakeJudgeServer()
@@ -265,6 +267,7 @@ def _lock(d, k, pid):
     (d / f".{S.shard_name(k)}.lock").write_text(f"{socket.gethostname()} {pid}\n")
 
 
+@pytest.mark.integration
 def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, reference, tmp_path, monkeypatch):
     from datamodules import shard_work
 
@@ -291,6 +294,7 @@ def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, ref
     assert not list(tmp_path.glob(".*.lock"))
 
 
+@pytest.mark.integration
 def test_lock_of_a_dead_build_is_taken_over(world, reference, tmp_path):
     import subprocess
     import sys
@@ -393,6 +397,7 @@ def test_signature_reads_folders_without_weights(world, tmp_path):
     assert sig["reads"]["target"]["hidden_size"] == 32 and sig["reads"]["target"]["num_layers"] == 2
 
 
+@pytest.mark.integration
 def test_a_real_kill_mid_build_then_rerun_loses_and_duplicates_nothing(world, tmp_path):
     import os
     import signal

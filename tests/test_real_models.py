@@ -296,6 +296,7 @@ def test_build_config_resolves_gguf_specs_to_converted_folders(tmp_path, monkeyp
     assert folder_fingerprint(folder)["architecture"] == "LlamaForCausalLM"
 
 
+@pytest.mark.integration
 def test_stop_check_on_token_ids_agrees_with_decoding_on_real_tokenizers(real_pair):
     """The stopper's token-id gate is exact for a byte-level BPE (SmolLM2) and a sentencepiece (Gemma) vocabulary."""
     from tests.conftest import stopper_agrees
@@ -363,6 +364,7 @@ def test_callback_decodes_the_real_pair_on_boxed_math(real_pair, tmp_path):
     assert t_ids[:2] != [target_tok.bos_token_id] * 2 and d_ids != t_ids
 
 
+@pytest.mark.integration
 def test_sampled_cross_tokenizer_token_sd_leaves_the_draft_usable(real_pair):
     """transformers' universal assisted generation wraps the assistant's embeddings and LM head; they are restored."""
     from probes.decoder import SemanticSpecDecoder
@@ -379,6 +381,7 @@ def test_sampled_cross_tokenizer_token_sd_leaves_the_draft_usable(real_pair):
     assert dec.generate([prompt], method="draft_only", max_new_tokens=8)[0].stats.output_tokens > 0
 
 
+@pytest.mark.integration
 def test_converted_tokenizers_decode_without_a_cleanup_warning(real_pair):
     """Issue 11: decoding the converted tokenizers warns nothing about `clean_up_tokenization_spaces` (BPE)."""
     import logging
