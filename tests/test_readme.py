@@ -27,7 +27,8 @@ def test_readme_opens_with_setup_and_test_commands_that_ci_runs():
 
 @pytest.mark.integration
 def test_readme_test_command_leaves_out_slow_tests():
-    """The README's command stays fast: `slow` (and `gpu`) tests run only when asked for (issue 12)."""
+    """The README's command stays fast: `slow` (and `gpu`) tests run only when asked for (issue 12); it runs the
+    `integration` tier, which the unit-tier command leaves out."""
     import subprocess
     import sys
 
@@ -40,6 +41,10 @@ def test_readme_test_command_leaves_out_slow_tests():
 
     assert "test_readme_decoder_example_runs" not in collected()
     assert "test_readme_decoder_example_runs" in collected("-m", "slow")
+    unit_tier = collected("-m", "not slow and not integration")
+    assert "test_readme_test_command_leaves_out_slow_tests" in collected()  # the README's command runs integration
+    assert "test_readme_test_command_leaves_out_slow_tests" not in unit_tier  # ... the unit tier does not
+    assert "test_readme_opens_with_setup_and_test_commands_that_ci_runs" in unit_tier
 
 
 @pytest.mark.slow
