@@ -101,6 +101,7 @@ def builds(servers: dict, quick: bool, log=print) -> dict:
     from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig
     from datamodules.labels.clustering import ClusteringConfig
     from datamodules.labels.build import build
+    from generation.specs import StepSpec
 
     out = {}
     for backend in ("hf", "openai"):
@@ -132,6 +133,7 @@ def greedy_agreement(servers: dict, quick: bool, log=print) -> dict:
     from datamodules.labels.models import local_model_dir
     from datamodules.labels.openai_sampler import OpenAISampler
     from datamodules.labels.samplers import HFSampler
+    from generation.specs import SamplingSpec, StepSpec
     from generation.steps import DEFAULT_DELIMITERS
 
     out = {}

@@ -13,14 +13,12 @@ which is what bounds speculative decoding's speedup (docs/design.md "Benchmark f
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import torch
 from transformers import DynamicCache, StaticCache
 
-from benchmarks.decode import RESULTS_DIR
+from benchmarks import harness
 from datamodules.arithmetic import models
 
 PROMPT = "Start with 7. Add 5, then multiply it by 3, then add 2, then subtract 4. What is the result?\n\n"
@@ -47,9 +45,7 @@ def per_token_ms(model, prompt: torch.Tensor, steps: int, mode: str, forward=Non
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="20 steps, writes compile-quick.json")
-    ap.add_argument("--threads", type=int, default=1)
+    ap = harness.parser(__doc__, quick="20 steps, writes compile-quick.json", threads=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps = 20 if args.quick else 60
@@ -70,17 +66,20 @@ def main(argv=None) -> dict:
         res["models"][name] = row
     t, d = res["models"]["target"], res["models"]["draft"]
     res["ratio"] = {k: d[k] / t[k] for k in ("eager_dynamic_ms", "eager_static_ms", "compiled_static_ms")}
-    print("| model | eager DynamicCache ms/token | eager StaticCache | compiled StaticCache | compile s |")
-    print("|---|---|---|---|---|")
-    for name, r in res["models"].items():
-        print(f"| {name} | {r['eager_dynamic_ms']:.3f} | {r['eager_static_ms']:.3f} | {r['compiled_static_ms']:.3f} "
-              f"| {r['compile_s']:.1f} |")
-    print(f"| draft/target | {res['ratio']['eager_dynamic_ms']:.3f} | {res['ratio']['eager_static_ms']:.3f} "
-          f"| {res['ratio']['compiled_static_ms']:.3f} | |")
-    out = RESULTS_DIR / ("compile-quick.json" if args.quick else "compile.json")
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out}")
+    harness.write(res, harness.results_path("compile", args.quick), table(res))
     return res
+
+
+def table(res: dict) -> str:
+    """ms per token of each model and mode, and the draft/target ratios, as markdown."""
+    lines = ["| model | eager DynamicCache ms/token | eager StaticCache | compiled StaticCache | compile s |",
+             "|---|---|---|---|---|"]
+    for name, r in res["models"].items():
+        lines.append(f"| {name} | {r['eager_dynamic_ms']:.3f} | {r['eager_static_ms']:.3f} | "
+                     f"{r['compiled_static_ms']:.3f} | {r['compile_s']:.1f} |")
+    lines.append(f"| draft/target | {res['ratio']['eager_dynamic_ms']:.3f} | {res['ratio']['eager_static_ms']:.3f} "
+                 f"| {res['ratio']['compiled_static_ms']:.3f} | |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ are then not the method's).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import tempfile
 import time
@@ -47,20 +46,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks import harness
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.task import ArithmeticTask
+from generation.paths import portable_paths
 from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.methods import METHODS as TABLE
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
-from probes.fit import portable_paths
+from probes.metrics import accuracy, speedup
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
 """Held-out four-operation problems: their prompt format, answer marker and checker (the oracle below is the world's)."""
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO / "benchmarks" / "results"
 PROBE_ROOT = REPO / "checkpoints" / "arithmetic" / "probes"
 ABLATION_ROOT = REPO / "checkpoints" / "arithmetic" / "probes-ablation"
 ABLATIONS = ("hidden", "token_stats")
@@ -162,8 +162,8 @@ def phases_and_cost(results, reference) -> tuple[dict[str, float], dict[str, flo
         "draft_over_target_per_token": draft_per_token,
         "verify_over_target_per_token": s["verify_s"] / drafted / c_t,
         "verify_over_target_per_proposal": verify_per_proposal,
-        "predicted_speedup": ref["wall_s"] / predicted if predicted > 0 else math.nan,
-        "measured_speedup": ref["wall_s"] / s["wall_s"] if s["wall_s"] > 0 else math.nan,
+        "predicted_speedup": speedup(ref["wall_s"], predicted),
+        "measured_speedup": speedup(ref["wall_s"], s["wall_s"]),
     }
     return phases, cost
 
@@ -196,8 +196,8 @@ def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
 def figures(results, problems, wall_ref: float) -> dict:
     """Accuracy and the summary figures of one method's results."""
     s = summarize(results)
-    acc = sum(TASK.check(r.text, p.answer) for r, p in zip(results, problems)) / max(len(problems), 1)
-    fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": wall_ref / s["wall_s"] if s["wall_s"] > 0 else math.nan}
+    acc = accuracy(TASK.check(r.text, p.answer) for r, p in zip(results, problems))
+    fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": speedup(wall_ref, s["wall_s"])}
     keys = (
         "step_acceptance",
         "draft_token_share",
@@ -270,7 +270,7 @@ def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=(1, 2, 4, 8)) 
             )
             wall = time.perf_counter() - t0
             tokens = sum(r.stats.output_tokens for r in res)
-            acc = sum(TASK.check(r.text, p.answer) for r, p in zip(res, problems)) / len(problems)
+            acc = accuracy(TASK.check(r.text, p.answer) for r, p in zip(res, problems))
             row[str(b)] = {"tokens_per_s": tokens / wall, "wall_s": wall, "accuracy": acc}
         base = row[str(sizes[0])]["tokens_per_s"]
         for b in sizes:
@@ -395,10 +395,8 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--quick", action="store_true", help="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*")
+    ap = harness.parser(__doc__, quick="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*", threads=1,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-problems", type=int, default=None, help="problems (default 400, quick 40)")
     ap.add_argument("--seed", type=int, default=PROBLEM_SEED)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -434,7 +432,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         action="store_true",
         help="compute p for every judged step (default: only when q alone does not accept)",
     )
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode[-quick].json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -573,15 +570,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     report["goals"] = goals(methods, probe_scores)
     report["probe_paths"] = portable_paths(report["probe_paths"])  # results are shared: no machine's folders
-    out = Path(args.out) if args.out else RESULTS_DIR / ("decode-quick.json" if args.quick else "decode.json")
+    out = harness.results_path("decode", args.quick, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    out.with_suffix(".md").write_text(table + "\n")
     plot(report, out.with_suffix(".png"))
-    print(table)
+    harness.write(report, out, markdown(report), save_table=True, also=[out.with_suffix(".png")])
     missed = [k for k, g in report["goals"].items() if not g["met"]]
-    print(f"\nwrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     if untrained:
         print("WARNING: untrained probes; rerun once checkpoints/arithmetic/probes/{target,draft} exist.")
     if missed:

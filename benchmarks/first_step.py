@@ -16,18 +16,17 @@ section).
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.decode import PROBE_ROOT, RESULTS_DIR, paired_delta
+from benchmarks import harness
+from benchmarks.decode import PROBE_ROOT, paired_delta
 from datamodules.arithmetic import models, task
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.options import LoopOptions
+from probes.metrics import accuracy, speedup
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
             "draft_first_step": {"target_first_step": False, "token_sd": False},
@@ -36,12 +35,10 @@ VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, 
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="100 problems, writes first-step-quick.json")
+    ap = harness.parser(__doc__, quick="100 problems, writes first-step-quick.json", threads=1)
     ap.add_argument("--n-problems", type=int, default=None, help="problems (default 1000, quick 100)")
     ap.add_argument("--seed", type=int, default=40_000, help="problem seed (decode.py uses 30,000)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     n = args.n_problems or (100 if args.quick else 1000)
@@ -64,7 +61,7 @@ def main(argv=None) -> dict:
     report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": {}}
     for name, res in runs.items():
         s = summarize(res)
-        report["methods"][name] = {"accuracy": sum(right[name]) / n, "speedup": ref_wall / s["wall_s"],
+        report["methods"][name] = {"accuracy": accuracy(right[name]), "speedup": speedup(ref_wall, s["wall_s"]),
                                    "step_acceptance": s["step_acceptance"], **paired_delta(right[name], right["target_only"])}
     d, t = report["methods"]["draft_first_step"], report["methods"]["target_first_step"]
     report["draft_minus_target_first_step"] = paired_delta(right["draft_first_step"], right["target_first_step"])
@@ -82,9 +79,7 @@ def main(argv=None) -> dict:
         a, b = report["methods"][f"{who}+token_sd"], report["methods"][who]
         print(f"{who} with token-level SD - without: {a['accuracy'] - b['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
               f"speedup {a['speedup']:.2f}x vs {b['speedup']:.2f}x")
-    out = RESULTS_DIR / ("first-step-quick.json" if args.quick else "first-step.json")
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
+    harness.write(report, harness.results_path("first-step", args.quick))
     return report
 
 

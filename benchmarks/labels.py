@@ -28,7 +28,6 @@ Measures (issue 3, docs/design.md "Benchmark figures" -> labels.json):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 from sklearn.metrics import adjusted_rand_score
 
-from benchmarks import backends
+from benchmarks import backends, harness
 from datamodules.labels import shards as S
 from datamodules.arithmetic.task import meaning
 from datamodules.labels.config import BuildConfig
@@ -50,11 +49,9 @@ from datamodules.labels.build import build
 from datamodules.labels.shard import make_judge
 from datamodules.labels.clustering import group_prefixes, normalize_text
 from datamodules.labels.judges import OracleJudge
-from datamodules.labels.shares import DRAFT, TARGET, joint_labels
+from datamodules.labels.shares import TARGET, joint_labels
+from generation.paths import portable_paths
 from generation.steps import split_steps
-from probes.fit import portable_paths
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def oracle_key(text: str) -> str:
@@ -317,26 +314,23 @@ def backends_table(b: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a reduced run (at most 3 minutes on 2 CPU cores)")
+    ap = harness.parser(__doc__, quick="a reduced run (at most 3 minutes on 2 CPU cores)")
     ap.add_argument("--only", choices=["backends", "world"], default=None,
                     help="measure only this part and update it in the existing JSON (backends: hf vs a llama.cpp "
                     "server; world: everything else, on the embedded world, keeping the stored backends figures)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("labels-quick.json" if args.quick else "labels.json")
+    path = harness.results_path("labels", args.quick)
     stored = json.loads(path.read_text()) if args.only and path.is_file() else {"quick": args.quick}
     if args.only == "backends":
         res = {**stored, "backends": backends.run(args.quick)}
-        print(backends_table(res["backends"]))
+        shown = backends_table(res["backends"])
     else:
         res = run(args.quick, with_backends=args.only is None)
         if args.only == "world" and "backends" in stored:  # keep the stored backends figures
             res["backends"] = stored["backends"]
-        print(table(res))
-    path.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"\nwrote {path}")
+        shown = table(res)
+    harness.write(res, path, shown)
     return res
 
 

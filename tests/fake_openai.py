@@ -1,6 +1,7 @@
-"""A local OpenAI-compatible completions server for the sampler tests, backed by a real (tiny) model.
+"""Local OpenAI-compatible servers for the tests: a completions server backed by a real (tiny) model
+(:class:`FakeJudgeServer` below answers judge prompts by rule instead).
 
-It behaves like the servers the ``openai`` sampler meets: by default like the llama.cpp server (it
+:class:`FakeServer` behaves like the servers the ``openai`` sampler meets: by default like the llama.cpp server (it
 ignores ``n``, cuts the stop string off the text, says ``finish_reason: stop`` for a stop string and
 for EOS alike, and counts the stop string's tokens in ``usage``); ``honour_n``, ``include_stop`` and
 ``report_stop_reason`` make it behave like vLLM instead.
@@ -11,11 +12,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
 import torch
 
 from generation.writer import generate
+
+POLL_S = 0.02
+"""How often a server's loop checks for ``close()`` (the standard library's 0.5 s made every test's teardown wait half a second)."""
 
 
 class FakeServer:
@@ -86,7 +90,7 @@ class FakeServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(POLL_S,), daemon=True).start()
 
     def complete(self, body: dict) -> dict:
         tok, prompt = self.tok, body["prompt"]
@@ -118,5 +122,53 @@ class FakeServer:
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used}}
 
     def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeJudgeServer:
+    """A local OpenAI-compatible judge endpoint: answers 'yes' when both steps share their last number.
+
+    Args:
+        fail_first: answer the first this many requests with HTTP 503.
+        api: the API the test calls (``chat`` or ``completions``), recorded as ``.api``; the server answers both.
+    """
+
+    def __init__(self, fail_first: int = 0, api: str = "chat"):
+        self.requests, self.fail_first, self.api = [], fail_first, api
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append((self.path, dict(self.headers), body))
+                if len(outer.requests) <= outer.fail_first:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                prompt = body["messages"][0]["content"] if "messages" in body else body["prompt"]
+                a, b = [line.split(":", 1)[1] for line in prompt.splitlines() if line.startswith("Step")]
+                yes = a.strip(" .").split()[-1] == b.strip(" .").split()[-1]
+                lp = {"yes": -0.1 if yes else -2.5, "no": -2.5 if yes else -0.1}
+                if "messages" in body:
+                    out = {"choices": [{"message": {"content": "yes" if yes else "no"}, "logprobs": {"content": [
+                        {"token": "yes" if yes else "no", "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.items()]}]}}]}
+                else:
+                    out = {"choices": [{"text": " yes" if yes else " no", "logprobs": {"top_logprobs": [{" " + t: v for t, v in lp.items()}]}}]}
+                data = json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, args=(POLL_S,), daemon=True).start()
+
+    def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()

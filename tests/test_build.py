@@ -26,7 +26,7 @@ from datamodules.labels.reading import read_steps
 from datamodules.arithmetic.task import ArithmeticTask
 from datamodules.tasks.math import BoxedMathTask
 from tests.conftest import tiny_llama
-from tests.test_judges import _Server
+from tests.fake_openai import FakeJudgeServer
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,7 @@ def test_build_writes_labelled_shards_and_manifest(reference):
     assert len(steps[0]["samples"]) == 2 * n and "text" in steps[0]["samples"][0]
 
 
+@pytest.mark.integration
 def test_killed_build_resumes_to_the_same_bytes(world, reference, tmp_path, monkeypatch):
     ref_dir, ref = reference
     part = build(_config(world), tmp_path, max_shards=1)
@@ -173,9 +174,10 @@ def test_datamodule_reuses_a_finished_build(world, reference, capsys):
     assert set(batch) <= {"target", "draft"} and batch[next(iter(batch))]["features"].dtype == torch.float32
 
 
+@pytest.mark.integration
 def test_unreachable_judge_fails_with_url_and_keeps_finished_shards(world, tmp_path, monkeypatch):
     monkeypatch.setenv("JUDGE_KEY", "sk-do-not-print")
-    server = _Server()
+    server = FakeJudgeServer()
     url = server.url
     cfg = _config(world, judge={"kind": "http", "url": url, "model": "m", "api_key_env": "JUDGE_KEY", "retries": 2,
                                 "timeout": 1}, clustering={"match_numbers": False})  # every pair goes to the judge
@@ -272,6 +274,7 @@ def _lock(d, k, pid):
     (d / f".{S.shard_name(k)}.lock").write_text(f"{socket.gethostname()} {pid}\n")
 
 
+@pytest.mark.integration
 def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, reference, tmp_path, monkeypatch):
     from datamodules.labels import coordination as shard_work
 
@@ -298,6 +301,7 @@ def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, ref
     assert not list(tmp_path.glob(".*.lock"))
 
 
+@pytest.mark.integration
 def test_lock_of_a_dead_build_is_taken_over(world, reference, tmp_path):
     import subprocess
     import sys
@@ -400,6 +404,7 @@ def test_signature_reads_folders_without_weights(world, tmp_path):
     assert sig["reads"]["target"]["hidden_size"] == 32 and sig["reads"]["target"]["num_layers"] == 2
 
 
+@pytest.mark.integration
 def test_a_real_kill_mid_build_then_rerun_loses_and_duplicates_nothing(world, tmp_path):
     import os
     import signal
@@ -484,7 +489,7 @@ def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, worl
     from probes.decoding.policies import ProbePolicy
     from probes.export import export_probe
     from probes.module import SemanticProbeModule
-    from tests.test_decoder import PROMPTS, char_tokenizer
+    from tests.conftest import PROMPTS, char_tokenizer
 
     ctok = char_tokenizer()
     draft_dir = tmp_path / "char-draft"

@@ -9,51 +9,7 @@ from datamodules.labels import shards as S
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.specs import SamplingSpec, StepSpec
 from datamodules.stream import SPLITS, ShardStream, split_of
-
-WIDTH = {"target": 16, "draft": 8}
-STATS = ["mean_logprob", "min_logprob"]
-
-
-def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draft_in=None, stats=True, nan_stats=0):
-    """Shards shaped like a build's; feature 0 holds the sample id so tests can follow rows.
-
-    ``stats``: also a ``token_stats`` group (format 2, as builds now write); without it the layout of
-    format-1 builds (pooled states only). Draft-written target rows have writer 1 and a low label.
-    """
-    shards = []
-    for k in range(n_shards):
-        t = {}
-        prefix = torch.arange(k * prefixes_per_shard, (k + 1) * prefixes_per_shard)
-        for r, per in (("target", 2 * n), ("draft", n)):
-            if r == "draft" and k == drop_draft_in:
-                per = 0
-            prefix_id = prefix.repeat_interleave(per)
-            rows = len(prefix_id)
-            sample = prefix_id * 2 * n + torch.arange(per).repeat(len(prefix)) + (n if r == "draft" else 0)
-            f = torch.randn(rows, WIDTH[r]).half()
-            f[:, 0] = sample.half()
-            if r == "target" and k == 0 and nan_rows:
-                f[:nan_rows, 1] = float("nan")
-            writer = (sample % (2 * n) >= n).to(torch.int8)
-            if stats:
-                ts = torch.stack([-sample.float() / 100, writer.float()], dim=1)  # column 1 = the writer
-                if r == "target" and k == 0 and nan_stats:
-                    ts[:nan_stats, 0] = float("-inf")
-                t[f"{r}.token_stats"] = ts
-            t.update({f"{r}.features": f, f"{r}.label": torch.rand(rows), f"{r}.q": torch.rand(rows), f"{r}.p": torch.rand(rows),
-                      f"{r}.writer": writer, f"{r}.problem_id": prefix_id // 2,
-                      f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample, f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
-                      f"{r}.group_entropy": torch.zeros(rows)})
-        shards.append(t)
-    reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1, "vocab_size": 10}
-             for r, w in WIDTH.items()}
-    sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "max_step_tokens": 32,
-           "sampling": {"n_samples": n, "temperature": 0.6, "top_p": 0.95}, "labels": {"max_step_tokens": 32}}
-    if stats:
-        sig.update(feature_groups=["hidden", "token_stats"], token_stats=STATS)
-    S.write_dataset(d, shards, sig)  # the writer the build uses
-    return d
-
+from tests.conftest import STATS, WIDTH, make_dataset
 
 def _rows(loader, extra=len(STATS)):
     seen = {r: [] for r in WIDTH}

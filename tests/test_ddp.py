@@ -8,7 +8,7 @@ import pytest
 from datamodules.datamodule import SemanticProbeDataModule
 from probes.config import ProbeConfig
 from probes.module import SemanticProbeModule
-from tests.test_datamodule import WIDTH, make_dataset  # real shard files, ids in feature 0
+from tests.conftest import WIDTH, make_dataset  # real shard files, ids in feature 0
 
 
 class DestroyProcessGroup(L.Callback):

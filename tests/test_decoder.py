@@ -1,11 +1,9 @@
 """SemanticSpecDecoder: equivalences with stub probes, batching, scripted models, baselines and bad input."""
 
-import string
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from generation.steps import DEFAULT_DELIMITERS
@@ -19,13 +17,8 @@ from probes.export import export_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
 from generation.specs import SamplingSpec, StepSpec
-from tests.conftest import tiny_llama
+from tests.conftest import PROMPTS, char_tokenizer, tiny_llama
 
-PROMPTS = [
-    "Start with 7. Add 5, then multiply it by 3. What is the result?\n\n",
-    "Take 3. Add 1.\n\n",
-    "Begin with 12.\n\n",
-]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 SIX = StepSpec(DEFAULT_DELIMITERS, 6)
 """Steps of at most 6 tokens: what most stub probes here were "trained" on."""
@@ -391,23 +384,6 @@ def test_transformers_baselines_report_their_own_times(tiny_pair):
 
 
 # --------------------------------------------------------------------------- cross-tokenizer
-
-
-def char_tokenizer():
-    chars = sorted(set(string.printable))
-    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<bos>", "<eos>"] + chars)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        clean_up_tokenization_spaces=False,
-    )
 
 
 def test_cross_tokenizer_pair_hands_over_text(world_tokenizer):

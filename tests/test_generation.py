@@ -4,14 +4,13 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from generation.cache import BatchedCache
-from generation.steps import StepStopper, ends_step
 from generation.sampling import Sampler
 from generation.specs import SamplingSpec
+from generation.steps import StepStopper
 from generation.writer import generate, write_steps
-from tests.conftest import tiny_llama
+from tests.conftest import stopper_agrees, tiny_llama
 
 
 def _fresh(model, seq):
@@ -121,27 +120,8 @@ def test_write_steps_stops_each_row_at_its_own_limit(world_tokenizer):
     assert run.n_fed == [len(s) for s in run.seq]  # feed_last: every token is in the cache
 
 
-def _stopper_agrees(tok, delimiters, n=400, seed=0):
-    gated = StepStopper(tok, delimiters, max_step_tokens=10_000)
-    assert gated._enders is not None
-    ids = sorted(gated._enders)[:200]
-    rng = random.Random(seed)
-    stops = 0
-    for _ in range(n):  # token by token, as a step is written: the first stop ends it
-        toks = []
-        for _ in range(8):
-            toks.append(rng.randrange(len(tok)) if rng.random() < 0.6 else rng.choice(ids))
-            tail = tok.decode(toks[-gated._tail :], skip_special_tokens=False)
-            want = toks[-1] == tok.eos_token_id or ends_step(tail, delimiters)
-            assert gated(toks) == want, toks
-            if want:
-                stops += 1
-                break
-    assert stops > n // 4  # the check was exercised on both answers
-
-
 def test_stop_check_on_token_ids_agrees_with_decoding(world_tokenizer):
-    _stopper_agrees(world_tokenizer, ["\n\n", ".\n\n"])
+    stopper_agrees(world_tokenizer, ["\n\n", ".\n\n"])
     stop = StepStopper(world_tokenizer, ["\n\n"], max_step_tokens=3)
     word = world_tokenizer("seven", add_special_tokens=False).input_ids[-1]
     assert stop([word] * 3) and not stop([word] * 2)

@@ -1,9 +1,6 @@
 """Judges: LLM (yes/no log-probs), HTTP (OpenAI-compatible, local server), NLI; disk cache; both directions."""
 
-import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import torch
@@ -12,6 +9,7 @@ from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
 from datamodules.arithmetic.train import judge_yes_prob
 from datamodules.labels.judges import HTTPJudge, JudgeCache, LLMJudge, NLIJudge, OracleJudge
 from tests.conftest import tiny_llama
+from tests.fake_openai import FakeJudgeServer
 
 PAIRS = [("3 + 4 = 7.", "Adding 4 to 3 gives 7."), ("3 + 4 = 7.", "3 + 4 = 8."), ("5 * 2 = 10.", "5 times 2 equals 10.")]
 
@@ -72,52 +70,9 @@ def test_nli_judge_needs_entailment_both_ways(world_tokenizer):
         NLIJudge(_tiny_nli(world_tokenizer, {0: "a", 1: "b"}), world_tokenizer)
 
 
-class _Server:
-    """A local OpenAI-compatible endpoint: answers 'yes' when both steps share their last number."""
-
-    def __init__(self, fail_first: int = 0, api: str = "chat"):
-        self.requests, self.fail_first, self.api = [], fail_first, api
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append((self.path, dict(self.headers), body))
-                if len(outer.requests) <= outer.fail_first:
-                    self.send_response(503)
-                    self.end_headers()
-                    return
-                prompt = body["messages"][0]["content"] if "messages" in body else body["prompt"]
-                a, b = [line.split(":", 1)[1] for line in prompt.splitlines() if line.startswith("Step")]
-                yes = a.strip(" .").split()[-1] == b.strip(" .").split()[-1]
-                lp = {"yes": -0.1 if yes else -2.5, "no": -2.5 if yes else -0.1}
-                if "messages" in body:
-                    out = {"choices": [{"message": {"content": "yes" if yes else "no"}, "logprobs": {"content": [
-                        {"token": "yes" if yes else "no", "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.items()]}]}}]}
-                else:
-                    out = {"choices": [{"text": " yes" if yes else " no", "logprobs": {"top_logprobs": [{" " + t: v for t, v in lp.items()}]}}]}
-                data = json.dumps(out).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture()
 def server():
-    s = _Server()
+    s = FakeJudgeServer()
     yield s
     s.close()
 
@@ -137,7 +92,7 @@ def test_http_judge_against_a_local_server(server, monkeypatch, api):
 
 
 def test_http_judge_retries_then_succeeds():
-    server = _Server(fail_first=2)
+    server = FakeJudgeServer(fail_first=2)
     try:
         judge = HTTPJudge(server.url, "tiny", "Step A: {a}\nStep B: {b}", retries=3, backoff=0.01, concurrency=1)
         assert judge.prob_same(PAIRS[:1])[0] > 0.5

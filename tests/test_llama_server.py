@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.llama_server import LlamaServer, server_available
-from tests.test_real_models import DRAFT, TARGET, _gguf_or_skip, _need
+from tests.conftest import DRAFT, TARGET, gguf_or_skip, need_modules
 
 pytestmark = pytest.mark.slow
 PORTS = {"draft": 8811, "target": 8812}
@@ -67,8 +67,8 @@ def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, 
     from probes.module import SemanticProbeModule
     from probes.config import ProbeConfig
 
-    _need("gguf", "accelerate")
-    _gguf_or_skip(DRAFT), _gguf_or_skip(TARGET)
+    need_modules("gguf", "accelerate")
+    gguf_or_skip(DRAFT), gguf_or_skip(TARGET)
     endpoints = OpenAIConfig(target=EndpointConfig(urls=[servers["target"].url], model="gemma3"),
                              draft=EndpointConfig(urls=[servers["draft"].url]), api_key_env="")
     config = BuildConfig(target=f"pypi:{TARGET}", draft=f"pypi:{DRAFT}", n_problems=2, shard_size=4,

@@ -83,3 +83,18 @@ def test_summarize_uses_the_definitions():
     assert s["target_passes_per_100_tokens"] == pytest.approx(100 * 50 / 150)
     assert s["probe_overhead"] == pytest.approx(0.15 / 3.0)
     assert s["wall_s"] == pytest.approx(3.0) and s["output_tokens"] == 150 and s["n_prompts"] == 2
+
+
+def test_speedup_is_reference_time_over_method_time():
+    assert metrics.speedup(3.0, 1.5) == 2.0
+    assert metrics.speedup(1.0, 4.0) == 0.25
+    assert isinstance(metrics.speedup(torch.tensor(2.0), 1), float)
+    assert metrics.speedup(1.0, 0.0) != metrics.speedup(1.0, 0.0)  # NaN: nothing was timed
+    with pytest.raises(ValueError, match=r"non-negative.*reference_wall_s=1.0, wall_s=-2.0"):
+        metrics.speedup(1.0, -2.0)
+
+
+def test_accuracy_is_the_share_of_correct_problems():
+    assert metrics.accuracy([True, False, True, True]) == 0.75
+    assert metrics.accuracy(x > 1 for x in (0, 2, 3)) == 2 / 3  # any iterable of flags, e.g. a generator
+    assert metrics.accuracy([]) == 0.0

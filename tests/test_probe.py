@@ -268,7 +268,7 @@ def test_export_takes_the_umask_modes(tmp_path):
 
 def test_module_refuses_data_with_other_feature_groups(tmp_path):
     """A probe built for [hidden] handed data streaming [hidden, token_stats] is refused naming both lists."""
-    from tests.test_datamodule import make_dataset
+    from tests.conftest import make_dataset
     from datamodules.datamodule import SemanticProbeDataModule
 
     data = SemanticProbeDataModule(str(make_dataset(tmp_path / "d")), build=None, batch_size=8, roles=["target"])

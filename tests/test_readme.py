@@ -20,10 +20,15 @@ def test_readme_opens_with_setup_and_test_commands_that_ci_runs():
     assert test_command.startswith("python -m pytest")
     assert test_command in CI.read_text()  # CI runs the README's test command
     assert "python -m pytest -q -m slow" in CI.read_text()  # ... and the slow set the README's command leaves out
+    unit_tier = 'python -m pytest -q -m "not slow and not integration"'
+    assert unit_tier in bash[2]  # the unit tier, documented next to the test command
+    assert "integration:" in (README.parent / "pyproject.toml").read_text()  # a registered marker
 
 
+@pytest.mark.integration
 def test_readme_test_command_leaves_out_slow_tests():
-    """The README's command stays fast: `slow` (and `gpu`) tests run only when asked for (issue 12)."""
+    """The README's command stays fast: `slow` (and `gpu`) tests run only when asked for (issue 12); it runs the
+    `integration` tier, which the unit-tier command leaves out."""
     import subprocess
     import sys
 
@@ -36,6 +41,10 @@ def test_readme_test_command_leaves_out_slow_tests():
 
     assert "test_readme_decoder_example_runs" not in collected()
     assert "test_readme_decoder_example_runs" in collected("-m", "slow")
+    unit_tier = collected("-m", "not slow and not integration")
+    assert "test_readme_test_command_leaves_out_slow_tests" in collected()  # the README's command runs integration
+    assert "test_readme_test_command_leaves_out_slow_tests" not in unit_tier  # ... the unit tier does not
+    assert "test_readme_opens_with_setup_and_test_commands_that_ci_runs" in unit_tier
 
 
 @pytest.mark.slow

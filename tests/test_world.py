@@ -234,6 +234,7 @@ def test_shipped_weights_stay_under_60_mb():
     assert total < 60e6, f"{root} weights take {total / 1e6:.1f} MB; the issue allows 60 MB"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_shipped_solver_stays_above_accuracy_floor(role):
     from datamodules.arithmetic.train import eval_solver
@@ -247,6 +248,7 @@ def test_shipped_solver_stays_above_accuracy_floor(role):
     )
 
 
+@pytest.mark.integration
 def test_shipped_judge_stays_above_accuracy_floor():
     from datamodules.arithmetic.train import judge_pair, judge_yes_prob
 

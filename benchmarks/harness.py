@@ -1,0 +1,87 @@
+"""What every benchmark script shares: its command line, where its figures go and how they are written.
+
+A script builds its parser here, measures, and hands its report to :func:`write`::
+
+    ap = harness.parser(__doc__, quick="100 problems, writes first-step-quick.json", threads=1)
+    args = ap.parse_args(argv)
+    ...
+    harness.write(report, harness.results_path("first-step", args.quick), table)
+
+Figures go to ``benchmarks/results/<name>.json`` (``<name>-quick.json`` for ``--quick``, a reduced run
+of the same code path), as DESIGN.md "Benchmark outputs" asks of every script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+"""The one folder of the benchmarks' figures (``benchmarks/results``)."""
+
+
+def parser(doc: str, quick: str, threads: int | None = None, threads_help: str = "torch CPU threads",
+           **kwargs: Any) -> argparse.ArgumentParser:
+    """The script's argument parser, with ``--quick`` (and ``--threads``) already declared.
+
+    Args:
+        doc: the script's module docstring; its first paragraph becomes the description.
+        quick: help of ``--quick``: what the reduced run does and where it writes.
+        threads: default of ``--threads``; None declares no ``--threads``.
+        threads_help: help of ``--threads``.
+        **kwargs: passed to :class:`argparse.ArgumentParser` (e.g. ``formatter_class``).
+
+    Returns:
+        The parser; the script adds its own options.
+    """
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], **kwargs)
+    ap.add_argument("--quick", action="store_true", help=quick)
+    if threads is not None:
+        ap.add_argument("--threads", type=int, default=threads, help=threads_help)
+    return ap
+
+
+def results_path(name: str, quick: bool, out: str | Path | None = None) -> Path:
+    """``out`` when given, else ``benchmarks/results/<name>.json`` (``<name>-quick.json`` for a quick run)."""
+    if out is not None:
+        return Path(out)
+    return RESULTS_DIR / f"{name}{'-quick' if quick else ''}.json"
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory when it lies inside it, else as given."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def write(report: dict, path: Path, table: str | None = None, *, save_table: bool = False,
+          also: Sequence[Path] = ()) -> Path:
+    """Print the markdown ``table``, write ``report`` as JSON at ``path`` and say what was written.
+
+    Args:
+        report: the figures (JSON-serializable).
+        path: the JSON file (:func:`results_path`); its folder is created.
+        table: the figures as markdown, printed first; None prints nothing.
+        save_table: also write ``table`` next to the JSON (same name, ``.md``).
+        also: other files the script wrote (a plot), named on the "wrote" line.
+
+    Returns:
+        ``path``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    written = [path]
+    if table is not None and save_table:
+        written.append(path.with_suffix(".md"))
+        written[-1].write_text(table + "\n")
+    if table is not None:
+        print(table)
+    print(f"\nwrote {', '.join(shown(p) for p in [*written, *also])}")
+    return path
