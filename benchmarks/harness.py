@@ -8,7 +8,7 @@ A script builds its parser here, measures, and hands its report to :func:`write`
     harness.write(report, harness.results_path("first-step", args.quick), table)
 
 Figures go to ``benchmarks/results/<name>.json`` (``<name>-quick.json`` for ``--quick``, a reduced run
-of the same code path), as DESIGN.md "Benchmark outputs" asks of every script.
+of the same code path), as docs/design.md "Benchmark figures" describes.
 """
 
 from __future__ import annotations

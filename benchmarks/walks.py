@@ -62,6 +62,10 @@ def load_modules(root: Path) -> dict[str, Module]:
     return mods
 
 
+RETURNING: set[int] = set()
+"""``id`` of every call node whose callee, given the value, returns it (filled by the walk as it goes)."""
+
+
 def _holds(expr: ast.AST, tainted: set[str]) -> bool:
     """Whether ``expr`` *is* the value or carries it: a tainted name or ``self.attr``, an attribute of one
     (``spec.temperature``), a dict literal or a constructor call (``SamplingSpec(...)``, ``dict(...)``)
@@ -77,10 +81,18 @@ def _holds(expr: ast.AST, tainted: set[str]) -> bool:
     if isinstance(expr, (ast.Tuple, ast.List)):
         return any(_holds(e, tainted) for e in expr.elts)
     if isinstance(expr, ast.Call):
+        if id(expr) in RETURNING:  # spec = resolve(temperature, ...): the callee hands the value back
+            return True
+        if isinstance(expr.func, ast.Attribute) and expr.func.attr in CONTAINER_METHODS:  # given.items(), d.copy()
+            return _holds(expr.func.value, tainted)
         name = expr.func.id if isinstance(expr.func, ast.Name) else getattr(expr.func, "attr", "")
         if name == "dict" or name[:1].isupper():
             return any(_holds(a, tainted) for a in expr.args) or any(_holds(k.value, tainted) for k in expr.keywords)
         return False
+    if isinstance(expr, (ast.DictComp, ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+        return any(_holds(g.iter, tainted) for g in expr.generators)
+    if isinstance(expr, ast.Starred):
+        return _holds(expr.value, tainted)
     if isinstance(expr, (ast.IfExp, ast.BoolOp)):
         return any(_holds(e, tainted) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr))
     return False
@@ -161,26 +173,31 @@ class Walker:
                 return mod, rest
         return None
 
-    def walk(self, mod: Module, key: str, params: set[str]) -> None:
+    def walk(self, mod: Module, key: str, params: set[str]) -> bool:
+        """Walk ``key`` given the value in ``params``; whether it returns the value (or a holder of it)."""
         fn = mod.functions[key]
         if (mod.name, key) in self.stack:
-            return
+            return False
         self.stack.append((mod.name, key))
         self.visits.append((str(mod.path), key))
-        tainted = taint(fn, params)
         cls = key.split(".")[0] if "." in key else (key if f"{key}.__init__" in mod.functions else None)
         calls = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
-        for call in calls:
+        tainted, done = taint(fn, params), set()
+        for call in calls:  # in source order; a call that hands the value back taints what it is assigned to
             for target in self.resolve(mod, cls, call.func):
                 passed = self._passed(target, call, tainted)
-                if passed:
-                    self.walk(*target, passed)
+                if passed and (id(call), target[1]) not in done:
+                    done.add((id(call), target[1]))
+                    if self.walk(*target, passed) and id(call) not in RETURNING:
+                        RETURNING.add(id(call))
+                        tainted = taint(fn, params)
         stored = {t for t in tainted if t.startswith("self.")} - params
         if cls and stored:  # the value was stored on the object: the methods that read it pass it on
             for other in (k for k in mod.functions if k.startswith(cls + ".") and k not in (key, f"{cls}.__init__")):
                 if any(_holds(n, stored) for n in ast.walk(mod.functions[other]) if isinstance(n, ast.Attribute)):
                     self.walk(mod, other, stored)
         self.stack.pop()
+        return any(isinstance(n, ast.Return) and n.value is not None and _holds(n.value, tainted) for n in ast.walk(fn))
 
     def _passed(self, target: tuple[Module, str], call: ast.Call, tainted: set[str]) -> set[str]:
         fn = target[0].functions[target[1]]

@@ -48,6 +48,28 @@ class StepDraft:
         return torch.stack(self.hidden, dim=1)
 
 
+@dataclass(frozen=True)
+class StepWriter:
+    """A model that writes steps: its cache, its step stopper and the sampler it draws with.
+
+    Built once per decode, so the step and sampling specs reach the writing code in one object instead of
+    through every call (:meth:`write` is :func:`write_steps` on them).
+
+    Attributes:
+        cache: the model's batched KV cache.
+        stop: its step stopper (``StepSpec.stopper(tokenizer)``).
+        sampler: the decode's one sampler (spec and random streams).
+    """
+
+    cache: BatchedCache
+    stop: Callable[[list[int]], bool]
+    sampler: Sampler
+
+    def write(self, rows: Sequence[int], limits: dict[int, int], **options) -> dict[int, StepDraft]:
+        """One step for every row in ``rows`` (``options``: :func:`write_steps`' keyword options)."""
+        return write_steps(self.cache, rows, stop=self.stop, limits=limits, sampler=self.sampler, **options)
+
+
 def write_steps(
     runner: BatchedCache,
     rows: Sequence[int],

@@ -71,7 +71,7 @@ def probe_overhead(probe_s: Number, wall_s: Number) -> Tensor:
 
 
 def speedup(reference_wall_s: float, wall_s: float) -> float:
-    """Speedup: the reference's total wall time / the method's (DESIGN.md "Definitions").
+    """Speedup: the reference's total wall time / the method's (docs/design.md "Benchmark figures").
 
     The reference is target-only decoding of the same problems with the same seeds in the same run
     (a baseline that runs in another library's loop is divided by that library's own target-only time).

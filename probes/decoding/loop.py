@@ -20,7 +20,7 @@ from generation.cache import BatchedCache
 from generation.handover import decode_text, pad_id
 from generation.sampling import Sampler, stream_seed
 from generation.specs import SamplingSpec
-from generation.writer import write_steps
+from generation.writer import StepWriter
 from probes.decoding.policies import AcceptancePolicy
 from probes.decoding.proposer import DraftProposer, RowState
 from probes.decoding.results import DecodeResult, StepTrace
@@ -55,7 +55,9 @@ class StepLoop:
         for i in range(B):
             self.tgt.seq[i], self.drf.seq[i] = list(ids_t[i]), list(ids_d[i])
         self.rows = [Row(max_new_tokens, dec.shared, self.opt.answer_marker) for _ in range(B)]
-        self.proposer = DraftProposer(self.drf, dec.draft_tokenizer, dec.draft_stop, dec.draft_probe, self.sampler)
+        self.target_writer = StepWriter(self.tgt, dec.target_stop, self.sampler)
+        self.draft_writer = StepWriter(self.drf, dec.draft_stop, self.sampler)
+        self.proposer = DraftProposer(self.draft_writer, dec.draft_tokenizer, dec.draft_probe)
         self.verifier = TargetVerifier(self.tgt, dec.handover, dec.target_probe, dec.judge, streams["coins"])
 
     def caches(self, names: Sequence[str]) -> tuple[BatchedCache, ...]:
@@ -162,10 +164,10 @@ class StepLoop:
         forced = {i: rows[i].forced for i in rows_i}
         token_sd = use_draft and dec.token_sd
         if token_sd:
-            steps = token_sd_steps(self.tgt, self.drf, rows_i, stop=dec.target_stop, draft_stop=dec.draft_stop,
-                                   limits=limits, forced=forced, n_propose=self.opt.token_sd_tokens, sampler=self.sampler)
+            steps = token_sd_steps(self.target_writer, self.draft_writer, rows_i, limits=limits, forced=forced,
+                                   n_propose=self.opt.token_sd_tokens)
         else:
-            steps = write_steps(self.tgt, rows_i, stop=dec.target_stop, limits=limits, forced=forced, sampler=self.sampler)
+            steps = self.target_writer.write(rows_i, limits, forced=forced)
         dt = (time.perf_counter() - t0) / len(rows_i)
         for i in rows_i:
             st = steps[i]
@@ -179,7 +181,7 @@ class StepLoop:
         """The draft writes one step for each row, kept as it is (the draft-only baseline)."""
         t0 = time.perf_counter()
         limits = {i: self.limit(i, self.drf) for i in rows_i}
-        steps = write_steps(self.drf, rows_i, stop=self.dec.draft_stop, limits=limits, sampler=self.sampler)
+        steps = self.draft_writer.write(rows_i, limits)
         dt = (time.perf_counter() - t0) / len(rows_i)
         for i in rows_i:
             st, r = steps[i], self.rows[i]

@@ -17,11 +17,9 @@ from typing import Protocol
 
 import torch
 
-from generation.cache import BatchedCache
 from generation.features import FeatureSpec, probe_input, rows_features
 from generation.handover import decode_text
-from generation.sampling import Sampler
-from generation.writer import StepDraft, write_steps
+from generation.writer import StepDraft, StepWriter
 
 
 @dataclass(frozen=True)
@@ -72,25 +70,23 @@ class DraftProposer:
     """The in-process draft model writing on its :class:`BatchedCache`.
 
     Args:
-        cache: the draft's cache (rows hold their prompts).
+        writer: the draft writing steps (its cache, rows holding their prompts; its stopper and sampler).
         tokenizer: the draft's tokenizer.
-        stop: the draft's step stopper.
         probe: the draft probe (reads the draft's states), or None.
-        sampler: the decode's one sampler (its spec and per-row streams).
     """
 
-    def __init__(self, cache: BatchedCache, tokenizer, stop, probe, sampler: Sampler) -> None:
-        self.cache, self.tokenizer, self.stop, self.probe, self.sampler = cache, tokenizer, stop, probe, sampler
+    def __init__(self, writer: StepWriter, tokenizer, probe) -> None:
+        self.writer, self.cache, self.tokenizer, self.probe = writer, writer.cache, tokenizer, probe
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
         self.steps: dict[int, StepDraft] = {}
         self.probe_s = self.feed_s = 0.0  # seconds of the last score(): probe, and the draft's extra read
 
     def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
         for_p = for_p and self.spec is not None
-        self.steps = write_steps(
-            self.cache, list(rows), stop=self.stop, limits={i: s.limit for i, s in rows.items()},
-            forced={i: list(s.forced) for i, s in rows.items()}, collect_hidden=for_p and self.spec.needs_hidden,
-            record_logits=True, record_forced_logits=for_p and self.spec.needs_logits, sampler=self.sampler,
+        self.steps = self.writer.write(
+            list(rows), {i: s.limit for i, s in rows.items()}, forced={i: list(s.forced) for i, s in rows.items()},
+            collect_hidden=for_p and self.spec.needs_hidden, record_logits=True,
+            record_forced_logits=for_p and self.spec.needs_logits,
         )
         return {i: Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens)) for i, d in self.steps.items()}
 

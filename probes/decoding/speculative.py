@@ -16,9 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from generation.cache import BatchedCache
-from generation.sampling import Sampler
-from generation.writer import StepDraft, write_steps
+from generation.writer import StepDraft, StepWriter
 
 
 def speculative_step(
@@ -59,23 +57,20 @@ def speculative_step(
 
 
 def token_sd_steps(
-    tgt: BatchedCache,
-    drf: BatchedCache,
+    target: StepWriter,
+    draft: StepWriter,
     rows: Sequence[int],
     *,
-    stop: Callable[[list[int]], bool],
-    draft_stop: Callable[[list[int]], bool],
     limits: dict[int, int],
     forced: dict[int, list[int]],
-    sampler: Sampler,
     n_propose: int,
 ) -> dict[int, StepDraft]:
     """The target writes one step per row with :func:`speculative_step` (shared tokenizer).
 
     The draft proposes up to ``n_propose`` tokens, the target scores them in one forward. Both
-    caches end holding the step (its last token pending). ``sampler``: the one sampler, its streams shared
-    or one per cache row.
+    caches end holding the step (its last token pending). Both writers share the decode's one sampler.
     """
+    tgt, drf, sampler, stop = target.cache, draft.cache, target.sampler, target.stop
     steps = {i: StepDraft(len(tgt.seq[i]) - len(forced[i]), list(forced[i]), len(forced[i])) for i in rows}
 
     def finished(i: int, toks: list[int]) -> bool:
@@ -84,8 +79,7 @@ def token_sd_steps(
     writing = [i for i in rows if not finished(i, steps[i].tokens)]
     while writing:
         lim = {i: min(len(steps[i].tokens) + n_propose, limits[i]) for i in writing}
-        props = write_steps(drf, writing, stop=draft_stop, limits=lim, record_logits=True,
-                            forced={i: steps[i].tokens for i in writing}, sampler=sampler)
+        props = draft.write(writing, lim, record_logits=True, forced={i: steps[i].tokens for i in writing})
         before = {i: tgt.last_logits[i] for i in writing}
         n0 = {i: len(tgt.seq[i]) for i in writing}
         for i in writing:
