@@ -297,7 +297,8 @@ def backends_table(b: dict) -> str:
     if "skipped" in b:
         return f"sampling backends: skipped ({b['skipped']})"
     o = b["overhead"]
-    ok = lambda good: "(met)" if good else "(missed)"
+    def ok(good):
+        return "(met)" if good else "(missed)"
     lines = ["| sampling backends, real pair | value | goal |", "|---|---|---|",
              (f"| openai sampler over a bare loop, same {o['requests_per_round']} requests x {o['rounds']} | "
               f"{o['sampler_over_bare']:.2f} ({o['sampler_tokens_per_s']:.1f} vs {o['bare_tokens_per_s']:.1f} tok/s) | "

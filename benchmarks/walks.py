@@ -36,30 +36,44 @@ class Module:
 
 
 def load_modules(root: Path) -> dict[str, Module]:
+    """Every module of the package, with its imports and its functions (``f`` and ``Class.m``)."""
     mods = {}
     for pkg in PACKAGES:
         for path in sorted((root / pkg).rglob("*.py")):
             parts = path.relative_to(root).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             mod = Module(name, path, ast.parse(path.read_text()))
-            for node in ast.walk(mod.tree):
-                if isinstance(node, ast.ImportFrom) and node.module:
-                    for a in node.names:
-                        mod.imports[a.asname or a.name] = f"{node.module}.{a.name}"
-                elif isinstance(node, ast.Import):
-                    for a in node.names:
-                        mod.imports[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
-            for node in mod.tree.body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    mod.functions[node.name] = node
-                elif isinstance(node, ast.ClassDef):
-                    for item in node.body:
-                        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                            mod.functions[f"{node.name}.{item.name}"] = item
-                        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-                            mod.functions[node.name] = item  # calling the class runs __init__
+            mod.imports = _imports(mod.tree)
+            mod.functions = _functions(mod.tree)
             mods[name] = mod
     return mods
+
+
+def _imports(tree: ast.Module) -> dict[str, str]:
+    """Local name -> the dotted name it stands for."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.Import):
+            out.update({a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                        for a in node.names})
+    return out
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """Top-level functions by name and methods as ``Class.m``; a class name stands for its ``__init__``."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"{node.name}.{item.name}"] = item
+                    if item.name == "__init__":
+                        out[node.name] = item  # calling the class runs __init__
+    return out
 
 
 RETURNING: set[int] = set()
@@ -68,33 +82,33 @@ RETURNING: set[int] = set()
 
 def _holds(expr: ast.AST, tainted: set[str]) -> bool:
     """Whether ``expr`` *is* the value or carries it: a tainted name or ``self.attr``, an attribute of one
-    (``spec.temperature``), a dict literal or a constructor call (``SamplingSpec(...)``, ``dict(...)``)
-    given it. A call to an ordinary function is not: it returns something else."""
+    (``spec.temperature``), a literal, comprehension or constructor call (``SamplingSpec(...)``, ``dict(...)``)
+    given it, or a call whose callee hands it back. A call to an ordinary function is not: it returns
+    something else."""
     if isinstance(expr, ast.Name):
         return expr.id in tainted
     if isinstance(expr, ast.Attribute):
-        if isinstance(expr.value, ast.Name) and f"{expr.value.id}.{expr.attr}" in tainted:
-            return True
-        return _holds(expr.value, tainted)
-    if isinstance(expr, ast.Dict):
-        return any(v is not None and _holds(v, tainted) for v in expr.values)
-    if isinstance(expr, (ast.Tuple, ast.List)):
-        return any(_holds(e, tainted) for e in expr.elts)
+        return (isinstance(expr.value, ast.Name) and f"{expr.value.id}.{expr.attr}" in tainted) \
+            or _holds(expr.value, tainted)
     if isinstance(expr, ast.Call):
-        if id(expr) in RETURNING:  # spec = resolve(temperature, ...): the callee hands the value back
-            return True
-        if isinstance(expr.func, ast.Attribute) and expr.func.attr in CONTAINER_METHODS:  # given.items(), d.copy()
-            return _holds(expr.func.value, tainted)
-        name = expr.func.id if isinstance(expr.func, ast.Name) else getattr(expr.func, "attr", "")
-        if name == "dict" or name[:1].isupper():
-            return any(_holds(a, tainted) for a in expr.args) or any(_holds(k.value, tainted) for k in expr.keywords)
-        return False
+        return _call_holds(expr, tainted)
     if isinstance(expr, (ast.DictComp, ast.ListComp, ast.SetComp, ast.GeneratorExp)):
         return any(_holds(g.iter, tainted) for g in expr.generators)
-    if isinstance(expr, ast.Starred):
-        return _holds(expr.value, tainted)
-    if isinstance(expr, (ast.IfExp, ast.BoolOp)):
-        return any(_holds(e, tainted) for e in ast.iter_child_nodes(expr) if isinstance(e, ast.expr))
+    parts = {ast.Dict: lambda e: [v for v in e.values if v is not None], ast.Tuple: lambda e: e.elts,
+             ast.List: lambda e: e.elts, ast.Starred: lambda e: [e.value], ast.IfExp: lambda e: [e.body, e.orelse],
+             ast.BoolOp: lambda e: e.values}
+    get = parts.get(type(expr))
+    return get is not None and any(_holds(e, tainted) for e in get(expr))
+
+
+def _call_holds(call: ast.Call, tainted: set[str]) -> bool:
+    if id(call) in RETURNING:  # spec = resolve(temperature, ...): the callee hands the value back
+        return True
+    if isinstance(call.func, ast.Attribute) and call.func.attr in CONTAINER_METHODS:  # given.items(), d.copy()
+        return _holds(call.func.value, tainted)
+    name = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
+    if name == "dict" or name[:1].isupper():
+        return any(_holds(a, tainted) for a in call.args) or any(_holds(k.value, tainted) for k in call.keywords)
     return False
 
 
@@ -248,6 +262,7 @@ def defaults(mods: dict[str, Module], name: str) -> list[str]:
 
 def measure(root: Path, entry: str, param: str) -> dict:
     mods = load_modules(root)
+    RETURNING.clear()  # ids of another tree's nodes mean nothing here
     modname, key = entry.split(":")
     walker = Walker(mods, param)
     walker.walk(mods[modname], key, {param})
@@ -261,34 +276,39 @@ def measure(root: Path, entry: str, param: str) -> dict:
             files_left.add(stays[-1]["file"])
         stays.append({"file": rel, "functions": [fn], "return": rel in files_left})
     return {"entry": entry, "param": param, "visits": len(walker.visits), "stays": len(stays),
-            "files": len({s["file"] for s in stays}), "returns": sum(s["return"] for s in stays),
-            "literal_defaults": defaults(mods, param), "path": stays}
+            "files": len({s["file"] for s in stays}), "returns": sum(s["return"] for s in stays), "path": stays}
 
 
-WALKS = (("probes.decoder:SemanticSpecDecoder.generate", "temperature"),
-         ("probes.decoder:SemanticSpecDecoder.generate", "max_step_tokens"))
+WALKS = (("probes.decoder:SemanticSpecDecoder.generate", "temperature"),)
+"""Issue 19's walk: ``temperature`` from the decoder's public entry point."""
+DEFAULTS = ("temperature", "top_p", "max_step_tokens", "delimiters")
+"""Fields whose literal defaults are counted across the package (the goal: one each)."""
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, quick="the same walk (it takes a second), writes walks-quick.json")
-    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1], help="checkout to measure")
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                    help="checkout to measure (e.g. an older commit checked out with `git worktree add`)")
     ap.add_argument("--entry", action="append", help="module:Class.method=param (repeatable); default: the decoder's")
     args = ap.parse_args(argv)
     walks = [tuple(e.split("=")) for e in args.entry] if args.entry else WALKS
-    out = {}
-    rows = ["| value | entry | visits | stays | files | returns | literal defaults |", "|---|---|---|---|---|---|---|"]
+    out: dict = {"walks": {}, "literal_defaults": {}}
+    rows = ["| value | entry | visits | stays | files | returns |", "|---|---|---|---|---|---|"]
     for entry, param in walks:
         try:
             r = measure(args.root, entry, param)
         except KeyError as e:
             r = {"entry": entry, "param": param, "error": f"entry point not found: {e}"}
-        out[param] = r
+        out["walks"][param] = r
         rows.append(f"| {param} | {entry} | {r.get('visits', '-')} | {r.get('stays', '-')} | {r.get('files', '-')} | "
-                    f"{r.get('returns', '-')} | {len(r.get('literal_defaults', []))} |")
-        for s in r.get("path", []):
-            print(f"  {param}: {'return to ' if s['return'] else ''}{s['file']}: {', '.join(s['functions'])}")
-        for d in r.get("literal_defaults", []):
-            print(f"  {param}: default at {d}")
+                    f"{r.get('returns', '-')} |")
+        for st in r.get("path", []):
+            print(f"  {param}: {'return to ' if st['return'] else ''}{st['file']}: {', '.join(st['functions'])}")
+    mods = load_modules(args.root)
+    rows += ["", "| field | literal defaults | where |", "|---|---|---|"]
+    for name in DEFAULTS:
+        found = out["literal_defaults"][name] = defaults(mods, name)
+        rows.append(f"| {name} | {len(found)} | {', '.join(found)} |")
     harness.write(out, harness.results_path("walks", args.quick), "\n".join(rows))
     return out
 

@@ -191,7 +191,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             except S.CorruptShardError as e:
                 if not self.skip_corrupt:
                     raise
-                warnings.warn(f"skipping corrupt shard: {e}")
+                warnings.warn(f"skipping corrupt shard: {e}", stacklevel=2)
                 self.skipped_shards.append(str(path))
                 continue
             key = (str(path), self._verified[str(path)], tuple(self.roles), tuple(spec[self.roles[0]]["feature_groups"]))
@@ -207,7 +207,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             if share > 0 and not sum(s["rows"][split] for s in self.shards):  # Lightning's own error comes later
                 warnings.warn(f"data.{split}_fraction={share} put none of the problems in {self.data_dir} into the "
                               f"{split} split (problems are assigned by a hash of their id), so there are no {split} "
-                              f"metrics to monitor; with few problems raise it (e.g. 0.25), or set it to 0")
+                              f"metrics to monitor; with few problems raise it (e.g. 0.25), or set it to 0", stacklevel=2)
 
     def _verify(self, path: Path, sha: str) -> None:
         stat = path.stat() if path.is_file() else None

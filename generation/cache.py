@@ -192,7 +192,7 @@ class BatchedCache:
             else:
                 col = last.index(n - 1)
                 logits = out.logits[i, col : col + 1]
-            h = torch.stack([out.hidden_states[l][i, :n] for l in self.layer_ids]) if hidden else None  # (L, n, D)
+            h = torch.stack([out.hidden_states[k][i, :n] for k in self.layer_ids]) if hidden else None  # (L, n, D)
             result[i] = Feed(start, logits, h)
             self.last_logits[i] = logits[-1]
         return result
@@ -239,7 +239,7 @@ class BatchedCache:
         width = max(len(c) for c in self.cols)
         T = self.mask.shape[1]
         layers = getattr(self.cache, "layers", [])
-        if width == T or any(getattr(l, "keys", None) is None or l.keys.shape[-2] != T for l in layers):
+        if width == T or any(getattr(layer, "keys", None) is None or layer.keys.shape[-2] != T for layer in layers):
             return False
         idx = torch.zeros(self.n_rows, width, dtype=torch.long)
         mask = torch.zeros(self.n_rows, width, dtype=torch.long)

@@ -54,7 +54,7 @@ class StepStopper:
         max_step_tokens: hard cap on a step's length in tokens.
     """
 
-    def __init__(self, tokenizer, delimiters: Sequence[str] = DEFAULT_DELIMITERS, max_step_tokens: int = 64):
+    def __init__(self, tokenizer, delimiters: Sequence[str], max_step_tokens: int):
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens={max_step_tokens}; expected >= 1")
         if not delimiters or not all(delimiters):

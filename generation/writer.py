@@ -107,13 +107,13 @@ def write_steps(
         ``{row: StepDraft}``.
     """
     forced = forced or {}
-    steps = {}
-    for i in rows:
-        f = list(forced.get(i, []))
-        steps[i] = StepDraft(len(runner.seq[i]) - len(f), f, len(f))
-    writing = [
-        i for i in rows if not (steps[i].tokens and (stop(steps[i].tokens) or len(steps[i].tokens) >= limits[i]))
-    ]
+    steps = {i: StepDraft(len(runner.seq[i]) - len(forced.get(i, [])), list(forced.get(i, [])), len(forced.get(i, [])))
+             for i in rows}
+
+    def done(i: int) -> bool:
+        return bool(steps[i].tokens) and (stop(steps[i].tokens) or len(steps[i].tokens) >= limits[i])
+
+    writing = [i for i in rows if not done(i)]
     last = [i for i in rows if i not in writing and feed_last]
     before = {i: runner.last_logits[i] for i in rows}
     first = True
@@ -121,36 +121,43 @@ def write_steps(
         # With forced tokens, the first forward keeps every position's logits: they predicted the forced tokens.
         need_all = first and record_forced_logits and any(steps[i].n_forced for i in writing + last)
         fed = runner.feed(writing + last, hidden=collect_hidden, all_logits=need_all)
-        if need_all:
-            for i in rows:
-                if steps[i].n_forced:
-                    steps[i].forced_logits = _forced_logits(steps[i], fed.get(i), before[i])
-        first = False
-        if collect_hidden:
-            for i, f in fed.items():
-                skip = max(0, steps[i].start - f.start)  # fed tokens before the step belong to the prefix
-                steps[i].hidden.extend(f.hidden[:, skip:].unbind(1))
-        last = []
+        _keep_read(steps, fed, before if need_all else None, collect_hidden)
+        first, last = False, []
         if not writing:
             break
-        missing = [i for i in writing if runner.last_logits[i] is None]
-        if missing:
-            raise RuntimeError(f"rows {missing} have no logits to sample from; feed their prompt first")
-        logits = torch.stack([runner.last_logits[i] for i in writing]).float()  # (B, V), stays on the device
-        toks = sampler.draw(logits, writing).tolist()  # one host sync: B ids
-        still = []
-        for k, (i, t) in enumerate(zip(writing, toks)):
-            if record_logits:
-                steps[i].logits.append(logits[k])
-            steps[i].tokens.append(int(t))
-            runner.seq[i].append(int(t))
-            if stop(steps[i].tokens) or len(steps[i].tokens) >= limits[i]:
-                if feed_last:
-                    last.append(i)
-            else:
-                still.append(i)
-        writing = still
+        for i in _draw(runner, steps, writing, sampler, record_logits):
+            if done(i):
+                last += [i] if feed_last else []
+        writing = [i for i in writing if not done(i)]
     return steps
+
+
+def _keep_read(steps: dict[int, StepDraft], fed: dict[int, Feed], before: dict | None, hidden: bool) -> None:
+    """Keep what a feed read for the steps: the logits of their forced tokens (``before`` given), their states."""
+    if before is not None:
+        for i, step in steps.items():
+            if step.n_forced:
+                step.forced_logits = _forced_logits(step, fed.get(i), before[i])
+    if hidden:
+        for i, f in fed.items():
+            skip = max(0, steps[i].start - f.start)  # fed tokens before the step belong to the prefix
+            steps[i].hidden.extend(f.hidden[:, skip:].unbind(1))
+
+
+def _draw(runner: BatchedCache, steps: dict[int, StepDraft], writing: list[int], sampler: Sampler,
+          record_logits: bool) -> list[int]:
+    """Sample the next token of every writing row and append it to its step and its sequence; the rows, in order."""
+    missing = [i for i in writing if runner.last_logits[i] is None]
+    if missing:
+        raise RuntimeError(f"rows {missing} have no logits to sample from; feed their prompt first")
+    logits = torch.stack([runner.last_logits[i] for i in writing]).float()  # (B, V), stays on the device
+    toks = sampler.draw(logits, writing).tolist()  # one host sync: B ids
+    for k, (i, t) in enumerate(zip(writing, toks)):
+        if record_logits:
+            steps[i].logits.append(logits[k])
+        steps[i].tokens.append(int(t))
+        runner.seq[i].append(int(t))
+    return writing
 
 
 def _forced_logits(step: StepDraft, feed: Feed | None, before: torch.Tensor | None) -> list[torch.Tensor]:

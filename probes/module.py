@@ -77,8 +77,8 @@ class SemanticProbeModule(L.LightningModule):
 
     def __init__(
         self,
-        probe: ProbeConfig = ProbeConfig(),
-        roles: list[str] = ["target", "draft"],
+        probe: ProbeConfig = ProbeConfig(),  # noqa: B008  (LightningCLI shows the default)
+        roles: list[str] = ["target", "draft"],  # noqa: B006  (LightningCLI shows it; never mutated)
         input_spec: Optional[dict[str, dict[str, Any]]] = None,
         loss: str = "mse",
         optimizer: OptimizerCallable = torch.optim.Adam,

@@ -11,7 +11,10 @@ from generation.specs import SamplingSpec, StepSpec
 from datamodules.stream import SPLITS, ShardStream, split_of
 from tests.conftest import STATS, WIDTH, make_dataset
 
-def _rows(loader, extra=len(STATS)):
+N_STATS = len(STATS)
+
+
+def _rows(loader, extra=N_STATS):
     seen = {r: [] for r in WIDTH}
     for batch in loader:
         for r, t in batch.items():

@@ -128,7 +128,8 @@ def test_always_accept_with_bonus_and_target_equal_to_draft_is_both(tiny_pair):
 
 def test_batched_rows_decide_independently_and_match_one_by_one(pair):
     target, draft, kw = pair
-    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # splits every pair's steps both ways (asserted below)
+    def sometimes(x):  # splits every pair's steps both ways (asserted below)
+        return (x.flatten(1)[:, 9] > 0).float()
     dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
     batched = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
     single = dec.generate(PROMPTS, method="semanticspec", batch_size=1, **GREEDY)
@@ -286,7 +287,8 @@ class ScriptedLM(torch.nn.Module):
 
 
 def scripted_pair(tok, target_text, draft_text, prompt):
-    enc = lambda s: tok(s, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    def enc(s):
+        return tok(s, add_special_tokens=False).input_ids + [tok.eos_token_id]
     n = len(tok(prompt).input_ids)
     return ScriptedLM(enc(target_text), n, len(tok)), ScriptedLM(enc(draft_text), n, len(tok), hidden_size=6)
 
@@ -340,7 +342,8 @@ def test_random_and_oracle_acceptance(tiny_pair):
         s = summarize(dec.generate(PROMPTS, method="random_accept", accept_rate=rate, max_new_tokens=16))
         assert s["step_acceptance"] == expected and s["draft_steps_proposed"] > 0
     seen = []
-    keep_even = lambda step, prefix: seen.append((step, prefix)) or len(seen) % 2 == 0
+    def keep_even(step, prefix):
+        return seen.append((step, prefix)) or len(seen) % 2 == 0
     (res,) = dec.generate(PROMPTS[:1], method="oracle_accept", oracle=keep_even, max_new_tokens=24)
     proposals = [t for t in res.steps if t.writer == "draft"]
     assert [t.decision for t in proposals] == ["accept" if k % 2 else "reject" for k in range(len(proposals))]

@@ -100,8 +100,9 @@ def test_greedy_generate_equals_transformers_generate(world_tokenizer):
 
 def test_sampled_generate_is_seeded_and_forks_differ(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2, seed=3)
-    run = lambda seed: generate(model, [[2, 5, 6]], max_new_tokens=12, temperature=1.0, top_p=1.0,
-                                generator=torch.Generator().manual_seed(seed), num_samples=4)
+    def run(seed):
+        return generate(model, [[2, 5, 6]], max_new_tokens=12, temperature=1.0, top_p=1.0,
+                        generator=torch.Generator().manual_seed(seed), num_samples=4)
     a, b = run(0), run(0)
     assert a == b and len(a) == 4 and len({tuple(x) for x in a}) > 1
     stop_at_7 = generate(model, [[2, 5, 6]], max_new_tokens=40, temperature=1.0, num_samples=8,
@@ -126,7 +127,7 @@ def test_stop_check_on_token_ids_agrees_with_decoding(world_tokenizer):
     word = world_tokenizer("seven", add_special_tokens=False).input_ids[-1]
     assert stop([word] * 3) and not stop([word] * 2)
     with pytest.raises(ValueError, match="delimiters"):
-        StepStopper(world_tokenizer, [""])
+        StepStopper(world_tokenizer, [""], 8)
 
 
 def test_top_p_filter_from_the_head_equals_the_full_sort():

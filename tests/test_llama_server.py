@@ -67,6 +67,8 @@ def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, 
     from probes.module import SemanticProbeModule
     from probes.config import ProbeConfig
 
+    from generation.specs import StepSpec
+
     need_modules("gguf", "accelerate")
     gguf_or_skip(DRAFT), gguf_or_skip(TARGET)
     endpoints = OpenAIConfig(target=EndpointConfig(urls=[servers["target"].url], model="gemma3"),

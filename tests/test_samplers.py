@@ -351,7 +351,8 @@ def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monke
 
         def generate(self, prompts, params, use_tqdm=False):
             calls["generate"] = (prompts, params)
-            out = lambda text, finish, reason: types.SimpleNamespace(text=text, finish_reason=finish, stop_reason=reason)
+            def out(text, finish, reason):
+                return types.SimpleNamespace(text=text, finish_reason=finish, stop_reason=reason)
             return [types.SimpleNamespace(outputs=[out("1 + 2 = 3.\n\n", "stop", "\n\n"), out("Answer: 3", "stop", None)])
                     for _ in prompts]
 

@@ -74,7 +74,8 @@ def test_shards_take_the_same_mode_as_the_manifest(tmp_path, umask):
         manifest = S.atomic_write_json(tmp_path / S.MANIFEST, {"complete": True})
     finally:
         os.umask(old)
-    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    def mode(p):
+        return stat.S_IMODE(p.stat().st_mode)
     assert mode(shard) == mode(manifest) == 0o666 & ~umask  # 0644 under umask 022 (safetensors alone writes 0600)
 
 

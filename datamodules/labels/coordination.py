@@ -78,7 +78,8 @@ def sha_or_none(path: Path) -> str | None:
 
 def damaged_shards(data_dir: Path, manifest: dict) -> list[int]:
     """Indices of the shards of a finished build that are missing or differ from their checksums."""
-    on_disk = lambda k, e: (sha_or_none(data_dir / e["file"]), sha_or_none(data_dir / S.steps_name(k)))
+    def on_disk(k, e):
+        return (sha_or_none(data_dir / e["file"]), sha_or_none(data_dir / S.steps_name(k)))
     return [k for k, e in enumerate(manifest["shards"]) if on_disk(k, e) != (e["sha256"], e.get("steps_sha256"))]
 
 

@@ -65,7 +65,8 @@ def step_from_text(tokenizer, text: str, finish_reason: str | None, stops: Seque
         string from EOS), ``eos`` or ``length``.
     """
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids = lambda s: list(tokenizer(s, add_special_tokens=False).input_ids) if s else []
+    def ids(s):
+        return list(tokenizer(s, add_special_tokens=False).input_ids) if s else []
     if any(text.endswith(s) for s in stops):
         return ids(text), "included"
     if finish_reason == "length":

@@ -218,7 +218,7 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
                       ("labels", time.perf_counter() - t3)):
         timer[stage] = timer.get(stage, 0.0) + dt
     counts = {"prefixes": len(prefixes), "samples": 2 * n * len(prefixes),
-              "groups": int(sum(int(l["groups"].max()) + 1 for l in labels)),
+              "groups": int(sum(int(lab["groups"].max()) + 1 for lab in labels)),
               "judge_calls": (judge.calls - judged_before[1]) if judge is not None else 0}
     return tensors, records, counts
 

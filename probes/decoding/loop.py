@@ -46,7 +46,8 @@ class StepLoop:
     def __init__(self, dec, ids_t: Sequence[list[int]], ids_d: Sequence[list[int]], max_new_tokens: int,
                  sampling: SamplingSpec, seed: int, indices: Sequence[int]) -> None:
         B = len(ids_t)
-        layers = lambda probe: probe.config.layer_ids if probe is not None else [-1]
+        def layers(probe):
+            return probe.config.layer_ids if probe is not None else [-1]
         streams = {s: [torch.Generator().manual_seed(stream_seed(seed, k, s)) for k in indices]
                    for s in ("sampling", "coins")}
         self.dec, self.opt, self.sampler = dec, dec.options, Sampler(sampling, streams["sampling"])
