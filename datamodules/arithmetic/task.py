@@ -158,6 +158,19 @@ class TaskConfig:
     """Per operation, the weight of each paraphrase template in reference traces."""
 
     def __post_init__(self) -> None:
+        errors = self._bound_errors()
+        errors += self._reach_errors(others=bool(errors))
+        errors += self._weight_errors()
+        if errors:
+            raise ValueError("invalid TaskConfig: " + "; ".join(errors))
+
+    def _ops_known(self) -> bool:
+        """Whether ``ops`` is a non-empty subset of :data:`OPS`."""
+        unknown = [op for op in self.ops if op not in OPS]
+        return not unknown and bool(self.ops)
+
+    def _bound_errors(self) -> list[str]:
+        """What is wrong with the operation counts, the ranges and ``ops`` taken one by one."""
         errors = []
         if not 1 <= self.min_ops <= self.max_ops <= 6:
             errors.append(f"min_ops={self.min_ops}, max_ops={self.max_ops}: need 1 <= min_ops <= max_ops <= 6")
@@ -169,30 +182,34 @@ class TaskConfig:
             errors.append(f"addsub_range={self.addsub_range}: operands must be >= 1")
         if self.mul_range[0] < 2:
             errors.append(f"mul_range={self.mul_range}: multipliers must be >= 2")
-        unknown = [op for op in self.ops if op not in OPS]
-        if unknown or not self.ops:
+        if not self._ops_known():
             errors.append(f"ops={self.ops}: expected a non-empty subset of {OPS}")
+        return errors
+
+    def _reach_errors(self, others: bool) -> list[str]:
+        """Whether result_range can be reached from start_range (by one operation; by min_ops of them, checked
+        only when nothing else is wrong, given as ``others``)."""
         lo, hi = self.result_range
         if not (set(range(self.start_range[0], self.start_range[1] + 1)) & set(range(lo, hi + 1))):
-            errors.append(f"result_range={self.result_range}: no start value in start_range={self.start_range} lies in it")
-        elif not unknown and self.ops and not self._some_op_fits():
-            errors.append(
-                f"result_range={self.result_range}: no operation in {self.ops} keeps a value from "
-                f"start_range={self.start_range} inside it"
-            )
-        elif not unknown and self.ops and not errors and not self._chain_fits():
-            errors.append(
-                f"result_range={self.result_range}: no chain of min_ops={self.min_ops} operations from "
-                f"{self.ops} keeps a value from start_range={self.start_range} inside it"
-            )
+            return [f"result_range={self.result_range}: no start value in start_range={self.start_range} lies in it"]
+        if self._ops_known() and not self._some_op_fits():
+            return [f"result_range={self.result_range}: no operation in {self.ops} keeps a value from "
+                    f"start_range={self.start_range} inside it"]
+        if self._ops_known() and not others and not self._chain_fits():
+            return [f"result_range={self.result_range}: no chain of min_ops={self.min_ops} operations from "
+                    f"{self.ops} keeps a value from start_range={self.start_range} inside it"]
+        return []
+
+    def _weight_errors(self) -> list[str]:
+        """What is wrong with ``template_weights``: bad weights, or an operation of ``ops`` without any."""
+        errors = []
         for op, w in self.template_weights.items():
             if op not in OPS or len(w) != N_TEMPLATES or min(w) < 0 or sum(w) <= 0:
                 errors.append(f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative weights, not all zero")
         missing = [op for op in self.ops if op in OPS and op not in self.template_weights]
         if missing:
             errors.append(f"template_weights lacks {missing}: give {N_TEMPLATES} weights for every operation in ops={self.ops}")
-        if errors:
-            raise ValueError("invalid TaskConfig: " + "; ".join(errors))
+        return errors
 
     def _operands(self, op: str) -> range:
         r = self.mul_range if op == "mul" else self.addsub_range

@@ -193,21 +193,8 @@ def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     tok = build_tokenizer()
-    if init_from is not None:
-        model = LlamaForCausalLM.from_pretrained(init_from, local_files_only=True)
-        spec.extra["init_from"] = str(init_from)
-        init_facts = Path(init_from) / "training.json"
-        if init_facts.is_file():  # which step of which model the judge started from
-            spec.extra["init_saved_at"] = json.loads(init_facts.read_text()).get("saved_at")
-        spec.layers, spec.hidden = model.config.num_hidden_layers, model.config.hidden_size
-        spec.heads = model.config.num_attention_heads
-    else:
-        model = build_model(spec, len(tok), tok)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = 50
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / spec.steps))))
-    )
+    model = _start_model(spec, tok, init_from)
+    opt, sched = _optimizer(model, spec)
     rng = random.Random(seed + 1)
     cfg = task.TaskConfig(min_ops=2, max_ops=6, template_weights={op: spec.style for op in task.OPS})
     eval_problems = task.generate_problems(200, EVAL_SEED, task.TaskConfig(min_ops=4, max_ops=4, template_weights={op: spec.style for op in task.OPS}))
@@ -219,13 +206,7 @@ def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[
             rows = [judge_example(tok, *judge_pair(rng)) for _ in range(spec.batch)]
         else:
             rows = [lm_example(tok, task.make_problem(rng, cfg)) for _ in range(spec.batch)]
-        ids, mask, labels = collate(rows, tok.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = _step(model, opt, sched, rows, tok.pad_token_id)
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         last = step == spec.steps - 1 or (time.time() - t0) / 60 > spec.max_minutes
         if (step + 1) % spec.eval_every == 0 or last:
@@ -245,6 +226,43 @@ def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[
              "parameters": sum(p.numel() for p in model.parameters())}
     (out / which / "training.json").write_text(json.dumps(facts, indent=2))
     return facts
+
+
+def _start_model(spec: ModelSpec, tok, init_from: Optional[Path]) -> LlamaForCausalLM:
+    """A new model of ``spec``'s size, or the model saved at ``init_from`` (``spec`` then records where it came
+    from and takes its size)."""
+    if init_from is None:
+        return build_model(spec, len(tok), tok)
+    model = LlamaForCausalLM.from_pretrained(init_from, local_files_only=True)
+    spec.extra["init_from"] = str(init_from)
+    init_facts = Path(init_from) / "training.json"
+    if init_facts.is_file():  # which step of which model the judge started from
+        spec.extra["init_saved_at"] = json.loads(init_facts.read_text()).get("saved_at")
+    spec.layers, spec.hidden = model.config.num_hidden_layers, model.config.hidden_size
+    spec.heads = model.config.num_attention_heads
+    return model
+
+
+def _optimizer(model, spec: ModelSpec) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with 50 warm-up steps, then a cosine decay to a tenth of ``spec.lr`` over ``spec.steps``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = 50
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / spec.steps))))
+    )
+    return opt, sched
+
+
+def _step(model, opt, sched, rows: list, pad_token_id: int) -> torch.Tensor:
+    """One optimizer step on ``rows`` (gradients clipped to norm 1); returns the loss."""
+    ids, mask, labels = collate(rows, pad_token_id)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss
 
 
 def save(model, tok, path: Path) -> None:

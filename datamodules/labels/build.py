@@ -92,96 +92,138 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_traces(config, records)
     existing, pinned = check_recorded(data_dir, sig, log)
-    expected: dict[int, tuple[str, str]] = {}  # shard -> checksums a finished build recorded (rebuild what differs)
-    todo = "the whole build"
-    if existing and existing.get("complete"):
-        damaged = damaged_shards(data_dir, existing)
-        if not damaged:  # read as it is: a finished build needs no write access
-            log(f"reusing {len(existing['shards'])} shards in {data_dir}")
-            return existing
-        todo = f"{len(damaged)} missing or altered shards"
-        log(f"{data_dir}: {len(damaged)} of {len(existing['shards'])} shards are missing or differ from manifest.json "
-            f"({', '.join(S.shard_name(k) for k in damaged)}); rebuilding exactly those")
-        expected = {k: (e["sha256"], e.get("steps_sha256")) for k, e in enumerate(existing["shards"]) if k in damaged}
+    finished = bool(existing and existing.get("complete"))
+    damaged = damaged_shards(data_dir, existing) if finished else []
+    if finished and not damaged:  # read as it is: a finished build needs no write access
+        log(f"reusing {len(existing['shards'])} shards in {data_dir}")
+        return existing
+    expected = _recorded_checksums(data_dir, existing, damaged, log) if finished else {}
     servers = _server_samplers(config, rank)  # an unreachable or refusing server fails before anything is written
-    make_data_dir(data_dir, todo)
+    make_data_dir(data_dir, f"{len(damaged)} missing or altered shards" if finished else "the whole build")
     if rank == 0 and not pinned:
         S.atomic_write_json(data_dir / "build.json", {"build": sig, "config": config_record(config)})
 
     timer: dict[str, float] = {}
     t0 = time.perf_counter()
     plan = _plan(config, records, data_dir, rank, timer, servers)
-    n_shards = len(plan["shards"])
+    run = _ShardRun(config, data_dir, plan, timer, expected, (rank, world))
+    run.build_mine(max_shards, log)
+    stopped = max_shards is not None and any(run.needs(k) for k in range(run.n_shards))
+    stats = run.stats(t0)
+    if stopped:
+        return {"complete": False, "shards_on_disk": sum((data_dir / S.shard_name(k)).is_file() for k in range(run.n_shards)),
+                "n_shards": run.n_shards, "stats": stats}
+    return _merge(run, sig, existing, len(records), stats, log)
 
-    def needs(k: int) -> bool:
+
+def _recorded_checksums(data_dir: Path, existing: dict, damaged: list[int], log) -> dict[int, tuple[str, str]]:
+    """Say which shards of a finished build are rebuilt; return, per such shard, the checksums it recorded."""
+    log(f"{data_dir}: {len(damaged)} of {len(existing['shards'])} shards are missing or differ from manifest.json "
+        f"({', '.join(S.shard_name(k) for k in damaged)}); rebuilding exactly those")
+    return {k: (e["sha256"], e.get("steps_sha256")) for k, e in enumerate(existing["shards"]) if k in damaged}
+
+
+class _ShardRun:
+    """This process's share of a build's shards: which still need building, building them, and the totals."""
+
+    def __init__(self, config: BuildConfig, data_dir: Path, plan: dict, timer: dict[str, float],
+                 expected: dict[int, tuple[str, str]], rank_world: tuple[int, int]) -> None:
+        self.config, self.data_dir, self.plan, self.timer = config, data_dir, plan, timer
+        self.expected = expected  # shard -> checksums a finished build recorded (rebuild what differs)
+        self.rank, self.world = rank_world
+        self.n_shards = len(plan["shards"])
+        self.totals: dict[str, Any] = {"prefixes": 0, "samples": 0, "groups": 0, "judge_calls": 0, "cache_hits": 0}
+        self.models = None  # loaded only when a shard is left to build
+        self.hits0 = 0  # the judge cache's hits when the models were loaded
+        self.on_disk: set[int] = set()
+        self.built: list[int] = []
+
+    def needs(self, k: int) -> bool:
         """Shard ``k`` is not on disk, or differs from what the finished build recorded."""
-        path = data_dir / S.shard_name(k)
+        path = self.data_dir / S.shard_name(k)
         if not path.is_file():
             return True
-        if k in expected:
-            if (S.sha256_file(path), sha_or_none(data_dir / S.steps_name(k))) != expected[k]:
+        if k in self.expected:
+            if (S.sha256_file(path), sha_or_none(self.data_dir / S.steps_name(k))) != self.expected[k]:
                 return True
-            del expected[k]  # rebuilt (by us or another build): stop hashing it
+            del self.expected[k]  # rebuilt (by us or another build): stop hashing it
         return False
 
-    on_disk = {k for k in range(n_shards) if not needs(k)}
-    mine = [k for k in range(n_shards) if k % world == rank and k not in on_disk]
-    totals = {"prefixes": 0, "samples": 0, "groups": 0, "judge_calls": 0, "cache_hits": 0}
-    state: dict[str, Any] = {"models": None, "hits0": 0}
-    bar = tqdm(total=len(mine), desc=f"build shards (rank {rank})", unit="shard", disable=None)
-    progress = Progress(len(mine), rank, log)
+    def build_mine(self, max_shards: int | None, log) -> None:
+        """Build this rank's shards that need it, each under its lock, with a bar and progress lines."""
+        self.on_disk = {k for k in range(self.n_shards) if not self.needs(k)}
+        mine = [k for k in range(self.n_shards) if k % self.world == self.rank and k not in self.on_disk]
+        self.bar = tqdm(total=len(mine), desc=f"build shards (rank {self.rank})", unit="shard", disable=None)
+        self.progress = Progress(len(mine), self.rank, log)
+        self.built = build_locked(self.data_dir, mine, self.needs, self._build_one, self._done_one, max_shards)
+        self.bar.close()
+        if self.models is not None and self.models.judge is not None:
+            self.totals["cache_hits"] = self.models.judge.cache_hits - self.hits0
 
-    def build_one(k: int) -> None:
-        if state["models"] is None:  # loaded only when a shard is left to build
-            t = time.perf_counter()
-            state["models"] = load_models(config, data_dir / "judge-cache", rank, plan["samplers"])
-            timer["loading"] = time.perf_counter() - t
-            state["hits0"] = state["models"].judge.cache_hits if state["models"].judge is not None else 0
-        tensors, recs, counts = build_shard(k, plan["shards"][k], state["models"], config, timer)
-        S.write_shard_files(data_dir, k, tensors, recs)
+    def _build_one(self, k: int) -> None:
+        if self.models is None:
+            self._load_models()
+        tensors, recs, counts = build_shard(k, self.plan["shards"][k], self.models, self.config, self.timer)
+        S.write_shard_files(self.data_dir, k, tensors, recs)
         for key, v in counts.items():
-            totals[key] += v
-        bar.set_postfix(prefixes=totals["prefixes"], groups=totals["groups"], judge_calls=totals["judge_calls"],
-                        **{f"{s}_s": round(v, 1) for s, v in timer.items() if s in ("sampling", "reading", "judge")})
+            self.totals[key] += v
+        self.bar.set_postfix(prefixes=self.totals["prefixes"], groups=self.totals["groups"],
+                             judge_calls=self.totals["judge_calls"],
+                             **{f"{s}_s": round(v, 1) for s, v in self.timer.items() if s in ("sampling", "reading", "judge")})
 
-    def done_one(k: int) -> None:
-        bar.update(1)
-        progress.update()
+    def _load_models(self) -> None:
+        t = time.perf_counter()
+        self.models = load_models(self.config, self.data_dir / "judge-cache", self.rank, self.plan["samplers"])
+        self.timer["loading"] = time.perf_counter() - t
+        self.hits0 = self.models.judge.cache_hits if self.models.judge is not None else 0
 
-    built = build_locked(data_dir, mine, needs, build_one, done_one, max_shards)
-    bar.close()
-    models = state["models"]
-    if models is not None and models.judge is not None:
-        totals["cache_hits"] = models.judge.cache_hits - state["hits0"]
-    stopped = max_shards is not None and any(needs(k) for k in range(n_shards))
-    samplers = models.samplers if models is not None else {}
-    if samplers:
-        totals["sampler"] = {r: smp.stats() for r, smp in samplers.items()}
-    stats = {"this_run": totals, "seconds_per_stage": {k: round(v, 3) for k, v in timer.items()},
-             "seconds": round(time.perf_counter() - t0, 3), "rank": rank, "world_size": world,
-             "built_shards": len(built), "reused_shards": len(on_disk)}
-    if stopped:
-        return {"complete": False, "shards_on_disk": sum((data_dir / S.shard_name(k)).is_file() for k in range(n_shards)),
-                "n_shards": n_shards, "stats": stats}
+    def _done_one(self, k: int) -> None:
+        self.bar.update(1)
+        self.progress.update()
+
+    @property
+    def samplers(self) -> dict:
+        """The samplers the loaded models used (``{}`` when this process built nothing)."""
+        return self.models.samplers if self.models is not None else {}
+
+    def stats(self, t0: float) -> dict:
+        """What this run did, for the manifest: totals (with the samplers' own stats), seconds, shard counts."""
+        samplers = self.samplers
+        if samplers:
+            self.totals["sampler"] = {r: smp.stats() for r, smp in samplers.items()}
+        return {"this_run": self.totals, "seconds_per_stage": {k: round(v, 3) for k, v in self.timer.items()},
+                "seconds": round(time.perf_counter() - t0, 3), "rank": self.rank, "world_size": self.world,
+                "built_shards": len(self.built), "reused_shards": len(self.on_disk)}
+
+
+def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, stats: dict, log) -> dict:
+    """Rank 0 writes the manifest once every shard is on disk and returns it; other ranks return what it
+    wrote, or (launched without a process group) a note that rank 0 merges."""
     import torch.distributed as dist
 
     synced = dist.is_available() and dist.is_initialized()
     barrier()
-    if rank != 0:
+    if run.rank != 0:
         if not synced:  # ranks launched without a process group: rank 0 merges once it sees every shard
-            return {"complete": False, "rank": rank, "n_shards": n_shards, "stats": stats}
+            return {"complete": False, "rank": run.rank, "n_shards": run.n_shards, "stats": stats}
         barrier()
-        return json.loads((data_dir / S.MANIFEST).read_text())
+        return json.loads((run.data_dir / S.MANIFEST).read_text())
     if not synced:
-        wait_for_shards(data_dir, n_shards, needs)
-    sampler = ({r: smp.provenance() for r, smp in samplers.items()} if samplers
-               else (existing or {}).get("sampler") or {r: {"backend": config.sampling.backend} for r in ROLES})
-    manifest = S.write_manifest(data_dir, sig, n_shards, config=config_record(config), n_problems=len(records),
-                                n_prefixes=plan["n_prefixes"], sampler=sampler, stats=stats)
+        wait_for_shards(run.data_dir, run.n_shards, run.needs)
+    sampler = _sampler_record(run, existing)
+    manifest = S.write_manifest(run.data_dir, sig, run.n_shards, config=config_record(run.config), n_problems=n_problems,
+                                n_prefixes=run.plan["n_prefixes"], sampler=sampler, stats=stats)
     barrier()
     _summary(manifest, log)
     return manifest
 
+
+def _sampler_record(run: _ShardRun, existing: dict | None) -> dict:
+    """The manifest's ``sampler``: this run's samplers' provenance, else what the last build recorded, else the backend."""
+    samplers = run.samplers
+    if samplers:
+        return {r: smp.provenance() for r, smp in samplers.items()}
+    return (existing or {}).get("sampler") or {r: {"backend": run.config.sampling.backend} for r in ROLES}
 
 def _check_traces(config: BuildConfig, records: list[dict]) -> None:
     """Reference prefixes need every problem's trace; name the file and lines that lack one."""

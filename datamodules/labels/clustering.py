@@ -115,6 +115,24 @@ Request = list[tuple[str, str]]
 def _settle(texts: Sequence[str], emb: np.ndarray, cfg: ClusteringConfig,
             threshold: float = 0.5) -> Generator[Request, list[float], np.ndarray]:
     """Group one prefix's samples; yields pairs to judge, receives their scores, returns group ids."""
+    uniq, item_of, counts, items = _unique_items(texts, emb)
+    if cfg.method == "judge":
+        labels, probs = np.full(len(uniq), -1), np.zeros(len(uniq))
+    else:
+        labels, probs = run_hdbscan(items, cfg.min_cluster_size)
+    if cfg.method == "hdbscan":  # no judge: noise and low-membership items stay alone
+        return _renumber(_alone(labels, probs, cfg.membership_threshold)[item_of])
+    members, uncertain = _confident_members(labels, probs, counts, cfg.membership_threshold)
+    if cfg.verify_members:  # step 3
+        yield from _verify_members(members, uncertain, uniq, threshold)
+    if len(members) > 1:  # step 4
+        members = yield from _merge_close(members, items, uniq, counts, cfg.merge_distance, threshold)
+    group_of = yield from _place_uncertain(members, uncertain, items, uniq, counts, cfg, threshold)
+    return _renumber(group_of[item_of])
+
+
+def _unique_items(texts: Sequence[str], emb: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Step 1: the distinct normalised texts, each sample's item, each item's count and mean unit embedding."""
     norm = [normalize_text(t) for t in texts]
     uniq = list(dict.fromkeys(norm))
     index = {t: i for i, t in enumerate(uniq)}
@@ -122,66 +140,102 @@ def _settle(texts: Sequence[str], emb: np.ndarray, cfg: ClusteringConfig,
     counts = np.bincount(item_of, minlength=len(uniq))
     x = prepare_embeddings(emb)
     items = np.stack([x[item_of == i].mean(0) for i in range(len(uniq))]) if len(uniq) else x[:0]
-    use_hdbscan, use_judge = cfg.method != "judge", cfg.method != "hdbscan"
-    labels, probs = run_hdbscan(items, cfg.min_cluster_size) if use_hdbscan else (np.full(len(uniq), -1), np.zeros(len(uniq)))
-    if not use_judge:  # noise and low-membership items stay alone
-        nxt = labels.max(initial=-1) + 1
-        for i in np.flatnonzero((labels < 0) | (probs < cfg.membership_threshold)):
-            labels[i], nxt = nxt, nxt + 1
-        return _renumber(labels[item_of])
+    return uniq, item_of, counts, items
 
-    group_of = np.full(len(uniq), -1)
+
+def _alone(labels: np.ndarray, probs: np.ndarray, membership_threshold: float) -> np.ndarray:
+    """``labels`` with every noise or low-membership item in a group of its own (changed in place)."""
+    nxt = labels.max(initial=-1) + 1
+    for i in np.flatnonzero((labels < 0) | (probs < membership_threshold)):
+        labels[i], nxt = nxt, nxt + 1
+    return labels
+
+
+def _confident_members(labels: np.ndarray, probs: np.ndarray, counts: np.ndarray,
+                       membership_threshold: float) -> tuple[list[list[int]], list[int]]:
+    """Per HDBSCAN cluster, its representative (most frequent) then its confident members; and the uncertain
+    items (noise, then each cluster's low-membership members)."""
     members: list[list[int]] = []
     uncertain: list[int] = [int(i) for i in np.flatnonzero(labels < 0)]
     for c in sorted(set(labels[labels >= 0].tolist())):
         ms = sorted(np.flatnonzero(labels == c).tolist(), key=lambda i: (-counts[i], -probs[i], i))
         members.append([ms[0]])
-        uncertain += [i for i in ms[1:] if probs[i] < cfg.membership_threshold]
-        members[-1] += [i for i in ms[1:] if probs[i] >= cfg.membership_threshold]
-    if cfg.verify_members:  # step 3: every confident member against its representative
-        asks = [(g, i) for g, ms in enumerate(members) for i in ms[1:]]
-        if asks:
-            answers = yield [(uniq[members[g][0]], uniq[i]) for g, i in asks]
-            for (g, i), score in zip(asks, answers):
-                if score < threshold:
-                    members[g].remove(i)
-                    uncertain.append(i)
-    if len(members) > 1:  # step 4: merge close clusters
-        cents = [items[ms].mean(0) for ms in members]
-        asks = [(g, h) for g in range(len(members)) for h in range(g + 1, len(members))
-                if np.linalg.norm(cents[g] - cents[h]) <= cfg.merge_distance]
-        if asks:
-            answers = yield [(uniq[members[g][0]], uniq[members[h][0]]) for g, h in asks]
-            parent = list(range(len(members)))
+        uncertain += [i for i in ms[1:] if probs[i] < membership_threshold]
+        members[-1] += [i for i in ms[1:] if probs[i] >= membership_threshold]
+    return members, uncertain
 
-            def find(a: int) -> int:
-                while parent[a] != a:
-                    a = parent[a]
-                return a
 
-            for (g, h), score in zip(asks, answers):
-                if score >= threshold:
-                    parent[find(h)] = find(g)
-            merged: dict[int, list[int]] = {}
-            for g, ms in enumerate(members):
-                merged.setdefault(find(g), []).extend(ms)
-            members = [sorted(ms, key=lambda i: (-counts[i], i)) for ms in merged.values()]
+def _verify_members(members: list[list[int]], uncertain: list[int], uniq: list[str],
+                    threshold: float) -> Generator[Request, list[float], None]:
+    """Step 3: judge every confident member against its representative; the rejected become uncertain
+    (``members`` and ``uncertain`` change in place)."""
+    asks = [(g, i) for g, ms in enumerate(members) for i in ms[1:]]
+    if not asks:
+        return
+    answers = yield [(uniq[members[g][0]], uniq[i]) for g, i in asks]
+    for (g, i), score in zip(asks, answers):
+        if score < threshold:
+            members[g].remove(i)
+            uncertain.append(i)
+
+
+def _merge_close(members: list[list[int]], items: np.ndarray, uniq: list[str], counts: np.ndarray,
+                 merge_distance: float, threshold: float) -> Generator[Request, list[float], list[list[int]]]:
+    """Step 4: judge the representatives of clusters whose centroids are close; return the groups after
+    merging the pairs called the same (each sorted most frequent first), or ``members`` when none is close."""
+    cents = [items[ms].mean(0) for ms in members]
+    asks = [(g, h) for g in range(len(members)) for h in range(g + 1, len(members))
+            if np.linalg.norm(cents[g] - cents[h]) <= merge_distance]
+    if not asks:
+        return members
+    answers = yield [(uniq[members[g][0]], uniq[members[h][0]]) for g, h in asks]
+    parent = list(range(len(members)))
+    for (g, h), score in zip(asks, answers):
+        if score >= threshold:
+            parent[_root(parent, h)] = _root(parent, g)
+    merged: dict[int, list[int]] = {}
+    for g, ms in enumerate(members):
+        merged.setdefault(_root(parent, g), []).extend(ms)
+    return [sorted(ms, key=lambda i: (-counts[i], i)) for ms in merged.values()]
+
+
+def _root(parent: list[int], a: int) -> int:
+    """The root of ``a`` in the union-find forest ``parent``."""
+    while parent[a] != a:
+        a = parent[a]
+    return a
+
+
+def _place_uncertain(members: list[list[int]], uncertain: list[int], items: np.ndarray, uniq: list[str],
+                     counts: np.ndarray, cfg: ClusteringConfig,
+                     threshold: float) -> Generator[Request, list[float], np.ndarray]:
+    """Step 5, greedy, most frequent first: each uncertain item joins the first of its nearest groups whose
+    votes pass the threshold, else founds a group. Returns every item's group."""
+    group_of = np.full(len(uniq), -1)
     for g, ms in enumerate(members):
         group_of[ms] = g
-    for i in sorted(set(uncertain), key=lambda i: (-counts[i], i)):  # step 5: greedy, most frequent first
-        order = sorted(range(len(members)), key=lambda g: float(np.linalg.norm(items[members[g]].mean(0) - items[i])))
-        for g in order[: cfg.max_candidates]:
-            refs = sorted(members[g], key=lambda m: (-counts[m], m))[: cfg.votes]
-            scores = yield [(uniq[m], uniq[i]) for m in refs]
-            if float(np.mean(scores)) >= threshold:
-                members[g].append(i)
-                group_of[i] = g
-                break
-        else:
+    for i in sorted(set(uncertain), key=lambda i: (-counts[i], i)):
+        g = yield from _first_accepting(members, i, items, uniq, counts, cfg, threshold)
+        if g is None:
             members.append([i])
-            group_of[i] = len(members) - 1
-    return _renumber(group_of[item_of])
+            g = len(members) - 1
+        else:
+            members[g].append(i)
+        group_of[i] = g
+    return group_of
 
+
+def _first_accepting(members: list[list[int]], i: int, items: np.ndarray, uniq: list[str], counts: np.ndarray,
+                     cfg: ClusteringConfig, threshold: float) -> Generator[Request, list[float], int | None]:
+    """The first of the ``max_candidates`` groups nearest item ``i`` whose ``votes`` most frequent members the
+    judge calls the same as ``i`` on average, or None."""
+    order = sorted(range(len(members)), key=lambda g: float(np.linalg.norm(items[members[g]].mean(0) - items[i])))
+    for g in order[: cfg.max_candidates]:
+        refs = sorted(members[g], key=lambda m: (-counts[m], m))[: cfg.votes]
+        scores = yield [(uniq[m], uniq[i]) for m in refs]
+        if float(np.mean(scores)) >= threshold:
+            return g
+    return None
 
 def _score(judge, pairs: list[tuple[str, str]], match_numbers: bool) -> tuple[list[float], list[int]]:
     """The scores of ``pairs``, and which of them the judge answered.

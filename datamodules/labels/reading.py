@@ -8,7 +8,7 @@ the function the decoder's verification pass calls, and only they leave the devi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -47,6 +47,28 @@ def read_steps(
         ``{group: tensor}`` on CPU, rows in input order: ``hidden`` (R, len(layer_ids), D) and
         ``token_stats`` (R, K) float32, R = sum of len(steps[i]).
     """
+    _check_read_inputs(prefixes, steps)
+    # Samples often repeat (a confident model writes the same step several times): read each distinct
+    # step of a prefix once and give its features to every copy.
+    unique, where = _distinct_steps(steps)
+    if len(where) > sum(len(ss) for ss in unique):
+        got = read_steps(model, prefixes, unique, spec, pad_token_id, max_rows, max_logit_bytes)
+        index = torch.tensor(where, dtype=torch.long)
+        return {g: v[index] for g, v in got.items()}
+    device = next(model.parameters()).device
+    if spec.needs_logits:
+        max_rows = _rows_within(model, steps, max_rows, max_logit_bytes)
+    out = [_read_chunk(model, prefixes[i:j], steps[i:j], spec, pad_token_id, device)
+           for i, j in _chunks(steps, max_rows)]
+    if not out:
+        width = model.config.get_text_config().hidden_size
+        empty_parts = {"hidden": torch.zeros(0, len(spec.layer_ids), width), "token_stats": torch.zeros(0, len(spec.token_stats))}
+        return {g: empty_parts[g] for g in spec.groups}
+    return {g: torch.cat([o[g] for o in out]) for g in spec.groups}
+
+
+def _check_read_inputs(prefixes: Sequence[Sequence[int]], steps: Sequence[Sequence[Sequence[int]]]) -> None:
+    """Refuse steps for another number of prefixes, empty steps and empty prefixes."""
     if len(prefixes) != len(steps):
         raise ValueError(f"{len(prefixes)} prefixes but steps for {len(steps)}")
     empty = [(i, j) for i, ss in enumerate(steps) for j, s in enumerate(ss) if len(s) == 0]
@@ -54,8 +76,10 @@ def read_steps(
         raise ValueError(f"empty steps cannot be read (prefix, step) = {empty[:5]}")
     if any(len(p) == 0 for p in prefixes):
         raise ValueError("empty prefixes cannot be read: a prefix holds at least the prompt (with BOS)")
-    # Samples often repeat (a confident model writes the same step several times): read each distinct
-    # step of a prefix once and give its features to every copy.
+
+
+def _distinct_steps(steps: Sequence[Sequence[Sequence[int]]]) -> tuple[list[list[list[int]]], list[int]]:
+    """Per prefix its distinct steps (in order of first appearance), and per flat row its row among them."""
     unique: list[list[list[int]]] = []
     where: list[int] = []  # flat row -> row among the distinct steps
     distinct = 0
@@ -67,31 +91,28 @@ def read_steps(
                 distinct += 1
             where.append(seen[tuple(s)])
         unique.append([list(k) for k in seen])
-    if len(where) > distinct:
-        got = read_steps(model, prefixes, unique, spec, pad_token_id, max_rows, max_logit_bytes)
-        index = torch.tensor(where, dtype=torch.long)
-        return {g: v[index] for g, v in got.items()}
-    device = next(model.parameters()).device
-    if spec.needs_logits:
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        longest = max((len(s) for ss in steps for s in ss), default=1)
-        max_rows = max(1, min(max_rows, max_logit_bytes // (4 * longest * cfg.vocab_size)))
-    out: list[dict[str, torch.Tensor]] = []
+    return unique, where
+
+
+def _rows_within(model, steps: Sequence[Sequence[Sequence[int]]], max_rows: int, max_logit_bytes: int) -> int:
+    """``max_rows``, lowered so that one forward's float32 logits of the longest step fit in ``max_logit_bytes``."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    longest = max((len(s) for ss in steps for s in ss), default=1)
+    return max(1, min(max_rows, max_logit_bytes // (4 * longest * cfg.vocab_size)))
+
+
+def _chunks(steps: Sequence[Sequence[Sequence[int]]], max_rows: int) -> Iterator[tuple[int, int]]:
+    """Ranges ``[i, j)`` of consecutive prefixes whose steps fit in ``max_rows`` (a prefix's steps always go
+    together, so one prefix may exceed it); ranges without steps are left out."""
     i = 0
-    while i < len(prefixes):  # chunks of prefixes whose steps fit in max_rows
+    while i < len(steps):
         j, rows = i, 0
-        while j < len(prefixes) and (j == i or rows + len(steps[j]) <= max_rows):
+        while j < len(steps) and (j == i or rows + len(steps[j]) <= max_rows):
             rows += len(steps[j])
             j += 1
         if rows:
-            out.append(_read_chunk(model, prefixes[i:j], steps[i:j], spec, pad_token_id, device))
+            yield i, j
         i = j
-    if not out:
-        width = model.config.get_text_config().hidden_size
-        empty_parts = {"hidden": torch.zeros(0, len(spec.layer_ids), width), "token_stats": torch.zeros(0, len(spec.token_stats))}
-        return {g: empty_parts[g] for g in spec.groups}
-    return {g: torch.cat([o[g] for o in out]) for g in spec.groups}
-
 
 def _read_chunk(model, prefixes, steps, spec: FeatureSpec, pad_id, device) -> dict[str, torch.Tensor]:
     # One cache: prefill the prefixes, give every step its own copy of its prefix, then read the steps in
