@@ -39,8 +39,8 @@ import argparse
 import math
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -73,6 +73,8 @@ GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accu
          "draft_step_auroc": 0.97}
 DRAFTING = tuple(m for m in METHODS if TABLE[m].drafts)
 """Methods whose draft steps are judged (decision tables)."""
+LOOPS = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semanticspec[paper_loop]")
+"""SemanticSpec with the loop's defaults undone: the target writes the first step, no token-level speculation, both."""
 
 
 def oracle_for(problem: task.Problem):
@@ -307,6 +309,14 @@ def goals(methods: dict, probes: dict) -> dict:
 
 
 def markdown(report: dict) -> str:
+    """The report as markdown tables: methods, decisions, phases, probes, sweeps, batch scaling and goals."""
+    sections = (_methods_table, _decisions_table, _phases_table, _probes_table, _sweep_table, _scaling_table,
+                _goals_table)
+    return "\n".join(line for section in sections for line in section(report))
+
+
+def _methods_table(report: dict) -> list[str]:
+    """One row per method and variant: the headline figures and token-level acceptance where there is one."""
     cols = (
         "accuracy",
         "accuracy_delta",
@@ -322,45 +332,78 @@ def markdown(report: dict) -> str:
         acc_tok = m.get("mean_accepted_tokens_per_verification")
         cells = [f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if acc_tok is None else f'{acc_tok:.2f}'} |")
+    return lines
+
+
+def _decisions_table(report: dict) -> list[str]:
+    """The oracle-judged decisions of every method that has them."""
     keys = ("right_kept", "wrong_kept", "right_refused", "wrong_refused", "wrong_kept_fast_path")
-    lines += ["", "| decisions (oracle-judged draft steps) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    lines = ["", "| decisions (oracle-judged draft steps) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, m in report["methods"].items():
         if "decisions" in m:
             lines.append(f"| {name} | " + " | ".join(str(m["decisions"][k]) for k in keys) + " |")
-    if report.get("phases"):
-        names = ("first_step", "draft", "verify", "probe", "rewrite", "other")
-        lines += ["", "| phases (share of wall time) | " + " | ".join(names) + " | target step/target per token | "
-                  "draft/target per token | verify/target per proposal | predicted speedup | measured |",
-                  "|---" * (len(names) + 6) + "|"]
-        for name, ph in report["phases"].items():
-            total = sum(ph.values()) or 1.0
-            c = report["cost"][name]
-            lines.append(f"| {name} | " + " | ".join(f"{ph[k] / total:.1%}" for k in names)
-                         + f" | {c['target_step_over_target_per_token']:.2f} | {c['draft_over_target_per_token']:.3f}"
-                         f" | {c['verify_over_target_per_proposal']:.2f} | {c['predicted_speedup']:.2f}"
-                         f" | {c['measured_speedup']:.2f} |")
-    if report.get("probes"):
-        lines += ["", "| probe pair | draft-step AUROC | judged steps | wrong |", "|---|---|---|---|"]
-        for name, pr in report["probes"].items():
-            lines.append(f"| {name} | {pr['draft_step_auroc']:.4f} | {pr['n_judged']} | {pr['n_wrong']} |")
-    lines += ["", "| sweep | knob | value | accuracy | speedup | step_acceptance |", "|---|---|---|---|---|---|"]
+    return lines
+
+
+def _phases_table(report: dict) -> list[str]:
+    """Each drafting method's share of wall time per phase and its cost model (none when there are no phases)."""
+    if not report.get("phases"):
+        return []
+    names = ("first_step", "draft", "verify", "probe", "rewrite", "other")
+    lines = ["", "| phases (share of wall time) | " + " | ".join(names) + " | target step/target per token | "
+             "draft/target per token | verify/target per proposal | predicted speedup | measured |",
+             "|---" * (len(names) + 6) + "|"]
+    for name, ph in report["phases"].items():
+        total = sum(ph.values()) or 1.0
+        c = report["cost"][name]
+        lines.append(f"| {name} | " + " | ".join(f"{ph[k] / total:.1%}" for k in names)
+                     + f" | {c['target_step_over_target_per_token']:.2f} | {c['draft_over_target_per_token']:.3f}"
+                     f" | {c['verify_over_target_per_proposal']:.2f} | {c['predicted_speedup']:.2f}"
+                     f" | {c['measured_speedup']:.2f} |")
+    return lines
+
+
+def _probes_table(report: dict) -> list[str]:
+    """Each probe pair's draft-step AUROC (none when no pair was scored)."""
+    if not report.get("probes"):
+        return []
+    lines = ["", "| probe pair | draft-step AUROC | judged steps | wrong |", "|---|---|---|---|"]
+    for name, pr in report["probes"].items():
+        lines.append(f"| {name} | {pr['draft_step_auroc']:.4f} | {pr['n_judged']} | {pr['n_wrong']} |")
+    return lines
+
+
+def _sweep_table(report: dict) -> list[str]:
+    """One row per swept knob value of every method."""
+    lines = ["", "| sweep | knob | value | accuracy | speedup | step_acceptance |", "|---|---|---|---|---|---|"]
     for method, rows in report["sweep"].items():
         for row in rows:
             lines.append(f"| {method} | {row['knob']} | {row['value']} | {row['accuracy']:.3f} | {row['speedup']:.3f} "
                          f"| {row['step_acceptance']:.3f} |")
-    if report.get("batch_scaling"):
-        sizes = list(next(iter(report["batch_scaling"].values())))
-        lines += ["", "| batch scaling (tokens/s) | " + " | ".join(sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
-        for method, row in report["batch_scaling"].items():
-            lines.append(
-                f"| {method} | "
-                + " | ".join(f"{row[b]['tokens_per_s']:.0f} ({row[b]['scaling']:.2f}x)" for b in sizes)
-                + " |"
-            )
-    lines += ["", "| goal | value | met |", "|---|---|---|"]
+    return lines
+
+
+def _scaling_table(report: dict) -> list[str]:
+    """Tokens per second and scaling at each batch size (none when batch scaling was skipped)."""
+    if not report.get("batch_scaling"):
+        return []
+    sizes = list(next(iter(report["batch_scaling"].values())))
+    lines = ["", "| batch scaling (tokens/s) | " + " | ".join(sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for method, row in report["batch_scaling"].items():
+        lines.append(
+            f"| {method} | "
+            + " | ".join(f"{row[b]['tokens_per_s']:.0f} ({row[b]['scaling']:.2f}x)" for b in sizes)
+            + " |"
+        )
+    return lines
+
+
+def _goals_table(report: dict) -> list[str]:
+    """Each goal with its measured value and whether it is met."""
+    lines = ["", "| goal | value | met |", "|---|---|---|"]
     for name, g in report["goals"].items():
         lines.append(f"| {name} | {g['value']:.3f} | {'yes' if g['met'] else '**MISSED**'} |")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:
@@ -394,7 +437,8 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def arguments() -> argparse.ArgumentParser:
+    """The benchmark's command line (the harness's ``--quick`` and ``--threads``, then its own options)."""
     ap = harness.parser(__doc__, quick="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*", threads=1,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-problems", type=int, default=None, help="problems (default 400, quick 40)")
@@ -403,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=None,
                     help="sampling temperature (default: the probes' label sampling, else 0.6)")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus mass (default: the probes', else 0.95)")
-    ap.add_argument("--rule", choices=("ratio", "threshold"), default="threshold", help="SemanticSpec's rule (the decoder's default)")
+    ap.add_argument("--rule", choices=("ratio", "threshold"), default="threshold",
+                    help="SemanticSpec's rule (the decoder's default)")
     ap.add_argument("--tau", type=float, default=0.5, help="threshold of the threshold rule")
     ap.add_argument("--ratio-scale", type=float, default=1.0, help="ratio rule: accept with probability min(1, s*q/p)")
     ap.add_argument("--top-k", type=int, default=0, help="fast path top-k (0 = off, the decoder's default)")
@@ -433,9 +478,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="compute p for every judged step (default: only when q alone does not accept)",
     )
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode[-quick].json)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    n = args.n_problems or (40 if args.quick else 400)
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The parsed command line, with each sweep not given set to its default (fewer values for ``--quick``)."""
+    args = arguments().parse_args(argv)
     if args.sweep is None:
         args.sweep = (
             ([0.5, 4.0] if args.quick else [0.25, 0.5, 2.0, 4.0, 16.0])
@@ -446,40 +494,89 @@ def main(argv: Sequence[str] | None = None) -> dict:
         args.random_sweep = [0.5, 0.9] if args.quick else [0.25, 0.5, 0.75, 0.9]
     if args.oracle_sweep is None:
         args.oracle_sweep = [0.5] if args.quick else [0.25, 0.5, 0.75]
-    world = models.load_world(args.world)
-    tok, target, draft = world.tokenizer, world.target, world.draft
-    untrained = not (
-        Path(args.target_probe, "config.json").is_file() and Path(args.draft_probe, "config.json").is_file()
+    return args
+
+
+def probes_or_untrained(args: argparse.Namespace, world: models.World) -> tempfile.TemporaryDirectory | None:
+    """Point ``args`` at untrained probes of the right widths when the trained pair is missing.
+
+    Returns:
+        The temporary folder holding the untrained probes (clean it up after the run), or None when the trained
+        pair exists.
+    """
+    if Path(args.target_probe, "config.json").is_file() and Path(args.draft_probe, "config.json").is_file():
+        return None
+    tmp = tempfile.TemporaryDirectory()
+    args.target_probe, args.draft_probe = map(str, untrained_probes(world.target, world.draft, world.tokenizer,
+                                                                    Path(tmp.name)))
+    print(
+        f"WARNING: trained probes not found; using UNTRAINED probes of the right widths ({args.target_probe}). "
+        "The figures below are not SemanticSpec's."
     )
-    tmp = None
-    if untrained:
-        tmp = tempfile.TemporaryDirectory()
-        args.target_probe, args.draft_probe = map(str, untrained_probes(target, draft, tok, Path(tmp.name)))
-        print(
-            f"WARNING: trained probes not found; using UNTRAINED probes of the right widths ({args.target_probe}). "
-            "The figures below are not SemanticSpec's."
-        )
+    return tmp
+
+
+Decoder = Callable[..., SemanticSpecDecoder]
+"""``decoder(policy=..., loop=..., probes=...)``: a decoder like the main one with the given parts replaced."""
+
+
+@dataclass
+class Plan:
+    """What one benchmark run decodes: the main decoder and every variant beside the methods."""
+
+    dec: SemanticSpecDecoder
+    """The decoder of every method of the table (and of the random and oracle sweeps)."""
+    variants: dict[str, tuple[SemanticSpecDecoder, dict]]
+    """``{name: (decoder, generate keywords)}`` decoded beside the methods, in this order."""
+    beside: tuple[str, ...]
+    """Variants reported beside the methods: the loop variants, the other rule, the fast path and the ablations."""
+    ablations: tuple[str, ...]
+    """Names of the ablation variants that were found (``semanticspec[<ablation>]``)."""
+    ablation_paths: dict[str, dict[str, str]]
+    """``{ablation: {"target": folder, "draft": folder}}`` of the ablations found."""
+    knobs: dict[str, tuple[str, list, float | None]]
+    """Per swept method: its knob, the swept values, and the value of its main run (random: SemanticSpec's rate)."""
+
+
+def build_plan(args: argparse.Namespace, world: models.World) -> Plan:
+    """Build the decoders of the run; fixes ``args.temperature`` and ``args.top_p`` to the probes' sampling."""
     policy = ProbePolicy(rule=args.rule, tau=args.tau, ratio_scale=args.ratio_scale, top_k=args.top_k,
                          fast_path_min_logprob=args.fast_path_min_logprob,
                          lazy_p=not args.no_lazy_p)  # same decisions, p only where q alone does not accept
     loop = LoopOptions(answer_marker=TASK.answer_marker)
 
     def decoder(policy=policy, loop=loop, probes=(args.target_probe, args.draft_probe)) -> SemanticSpecDecoder:
-        return SemanticSpecDecoder(target, draft, tok, None, *probes, policy=policy, options=loop)
+        return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, None, *probes, policy=policy,
+                                   options=loop)
 
     dec = decoder()
     # every method samples as the probes' labels were sampled (a different value is refused for semanticspec)
     spec = dec.sampling(args.temperature, args.top_p)  # the probes' label sampling unless given; another is refused
     args.temperature, args.top_p = spec.temperature, spec.top_p
+    knobs, sweeps = sweep_variants(args, dec, decoder, policy)
+    ablations, ablation_paths = ablation_variants(args, decoder)
+    loops = loop_variants(args, decoder, policy, loop)
+    # the variants' order is their order in each problem's interleaved runs
+    return Plan(dec=dec, variants={**loops, **ablations, **sweeps}, beside=(*loops, *ablations),
+                ablations=tuple(ablations), ablation_paths=ablation_paths, knobs=knobs)
+
+
+def sweep_variants(args: argparse.Namespace, dec: SemanticSpecDecoder, decoder: Decoder,
+                   policy: ProbePolicy) -> tuple[dict, dict]:
+    """The swept methods' knobs (see :attr:`Plan.knobs`) and one variant per swept value, method by method."""
     knob = "ratio_scale" if args.rule == "ratio" else "tau"
-    # per method: its knob, the swept values, and the value of its main run (random: SemanticSpec's rate)
     knobs = {"semanticspec": (knob, list(args.sweep), args.tau if knob == "tau" else args.ratio_scale),
              "random_accept": ("accept_rate", list(args.random_sweep), None),
              "oracle_accept": ("keep_right", list(args.oracle_sweep), 1.0)}
     swept = {"semanticspec": lambda v: (decoder(policy=replace(policy, **{knob: v})), {}),
              "random_accept": lambda v: (dec, {"method": "random_accept", "accept_rate": v}),
              "oracle_accept": lambda v: (dec, {"keep_right": v})}
-    sweeps = {m: {f"{m}[{k}={v}]": swept[m](v) for v in values} for m, (k, values, _) in knobs.items()}
+    sweeps = {f"{m}[{k}={v}]": swept[m](v) for m, (k, values, _) in knobs.items() for v in values}
+    return knobs, sweeps
+
+
+def ablation_variants(args: argparse.Namespace, decoder: Decoder) -> tuple[dict, dict]:
+    """``semanticspec[<ablation>]`` for each ablation probe pair found, and the pairs' folders; warns of the others."""
     ablations, ablation_paths = {}, {}
     for name in ABLATIONS:
         t_dir, d_dir = Path(args.ablation_root, name, "target"), Path(args.ablation_root, name, "draft")
@@ -488,54 +585,79 @@ def main(argv: Sequence[str] | None = None) -> dict:
             ablation_paths[name] = {"target": str(t_dir), "draft": str(d_dir)}
         else:
             print(f"WARNING: ablation probes {t_dir.parent} not found; row semanticspec[{name}] is skipped")
-    other_rule = f"semanticspec[rule={'ratio' if args.rule == 'threshold' else 'threshold'}]"
-    fast_path = f"semanticspec[fast_path top_k={args.top_k or 1}]"
-    variants = {
+    return ablations, ablation_paths
+
+
+def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolicy, loop: LoopOptions) -> dict:
+    """SemanticSpec with the loop's defaults undone (:data:`LOOPS`), with the other rule, and with the fast path."""
+    other = "ratio" if args.rule == "threshold" else "threshold"
+    return {
         # the defaults (draft writes the first step, token-level speculation in the target's steps) one at a time
         # undone, and both: the paper's loop
-        "semanticspec[target_first_step]": (decoder(loop=replace(loop, target_first_step=True)), {}),
-        "semanticspec[no_token_sd]": (decoder(loop=replace(loop, token_sd=False)), {}),
-        "semanticspec[paper_loop]": (decoder(loop=replace(loop, target_first_step=True, token_sd=False)), {}),
-        other_rule: (decoder(policy=replace(policy, rule="ratio" if args.rule == "threshold" else "threshold")), {}),
+        LOOPS[0]: (decoder(loop=replace(loop, target_first_step=True)), {}),
+        LOOPS[1]: (decoder(loop=replace(loop, token_sd=False)), {}),
+        LOOPS[2]: (decoder(loop=replace(loop, target_first_step=True, token_sd=False)), {}),
+        f"semanticspec[rule={other}]": (decoder(policy=replace(policy, rule=other)), {}),
         # the gated fast path (top-1 and the log-prob floor) on top of the default: how many wrong steps it keeps
-        fast_path: (decoder(policy=replace(policy, top_k=args.top_k or 1)), {}),
-        **ablations,
-        **{k: v for sw in sweeps.values() for k, v in sw.items()},
+        f"semanticspec[fast_path top_k={args.top_k or 1}]": (decoder(policy=replace(policy, top_k=args.top_k or 1)), {}),
     }
-    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
-    warm = [TASK.prompt_text(tok, p.problem) for p in task.generate_problems(2, args.seed - 1)]
-    for m in METHODS:  # warm-up: first calls pay one-off costs (kernels, generation config)
+
+
+def warm_up(dec: SemanticSpecDecoder, args: argparse.Namespace) -> None:
+    """Decode two other problems with every method: first calls pay one-off costs (kernels, generation config)."""
+    warm = [TASK.prompt_text(dec.tokenizer, p.problem) for p in task.generate_problems(2, args.seed - 1)]
+    for m in METHODS:
         dec.generate(warm, method=m, max_new_tokens=16, accept_rate=0.5, oracle=lambda s, p: True, batch_size=1)
-    t0 = time.perf_counter()
-    runs = run_methods(dec, variants, problems, args)
+
+
+def method_figures(runs: dict, problems, beside: Sequence[str]) -> dict:
+    """Figures of every method and of the variants beside them, with accuracy against each one's reference."""
     methods = {}
     ref_wall = sum(r.stats.wall_s for r in runs["target_only"])
     for name in METHODS:
         ref = runs[TABLE[name].reference]
         methods[name] = figures(runs[name], problems, sum(r.stats.wall_s for r in ref))
-    loops = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semanticspec[paper_loop]")
-    beside = (*loops, other_rule, fast_path, *ablations)
     for name in beside:  # variants reported beside the methods
         methods[name] = figures(runs[name], problems, ref_wall)
     right = {n: [TASK.check(r.text, p.answer) for r, p in zip(runs[n], problems)] for n in methods}
     for name in methods:  # accuracy against target-only on the same problems, with its sampling noise
         methods[name].update(paired_delta(right[name], right[TABLE[name].reference if name in TABLE else "target_only"]))
+    return methods
+
+
+def judge_decisions(methods: dict, runs: dict, problems, plan: Plan) -> dict:
+    """Add each drafting method's and variant's decisions to ``methods``; returns each probe pair's AUROC figures."""
     probe_scores = {}
-    for name in [*DRAFTING, *beside]:
+    for name in [*DRAFTING, *plan.beside]:
         counts, scored = decisions(runs[name], problems)
         methods[name]["decisions"] = counts
-        if name == "semanticspec" or name in ablations:
+        if name == "semanticspec" or name in plan.ablations:
             variant = "hybrid" if name == "semanticspec" else name[len("semanticspec[") : -1]
             probe_scores[variant] = {"draft_step_auroc": auroc(scored), "n_judged": len(scored),
                                      "n_wrong": sum(not r for _, r in scored), "method": name}
+    return probe_scores
+
+
+def phases_and_costs(runs: dict) -> tuple[dict, dict]:
+    """:func:`phases_and_cost` of each drafting method (but specreason) and of each loop variant."""
     phases, cost = {}, {}
-    for name in [n for n in DRAFTING if n != "specreason"] + list(loops):
+    for name in [n for n in DRAFTING if n != "specreason"] + list(LOOPS):
         phases[name], cost[name] = phases_and_cost(runs[name], runs["target_only"])
+    return phases, cost
+
+
+def add_references(methods: dict) -> None:
+    """Add token_sd's reference time and accepted tokens per verification, and random_accept's target rate."""
     methods["token_sd"]["reference_wall_s"] = methods["hf_target_only"]["wall_s"]
     methods["token_sd"]["mean_accepted_tokens_per_verification"] = (
         methods["token_sd"]["output_tokens"] / max(methods["token_sd"]["target_passes"], 1) - 1
     )
     methods["random_accept"]["target_acceptance"] = methods["semanticspec"]["step_acceptance"]
+
+
+def sweep_curves(methods: dict, runs: dict, problems, knobs: dict) -> dict:
+    """Per swept method, its accuracy-vs-speedup curve: the swept values and its main run, sorted by knob value."""
+    ref_wall = sum(r.stats.wall_s for r in runs["target_only"])
     sweep = {}
     for method, (k, values, main) in knobs.items():
         if method == "random_accept":
@@ -545,22 +667,33 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f = figures(runs[name], problems, ref_wall)
             rows.append({"knob": k, "value": v, **{x: f[x] for x in ("accuracy", "speedup", "step_acceptance", "wall_s")}})
         sweep[method] = sorted(rows, key=lambda r: r["value"])
-    scaling = {} if args.no_batch_scaling else batch_scaling(dec, problems[: 8 if args.quick else 16], args)
-    report = {
+    return sweep
+
+
+def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, untrained: bool, t0: float) -> dict:
+    """The benchmark's figures (``seconds`` counts from ``t0`` and includes batch scaling)."""
+    methods = method_figures(runs, problems, plan.beside)
+    probe_scores = judge_decisions(methods, runs, problems, plan)
+    phases, cost = phases_and_costs(runs)
+    add_references(methods)
+    sweep = sweep_curves(methods, runs, problems, plan.knobs)
+    scaling = {} if args.no_batch_scaling else batch_scaling(plan.dec, problems[: 8 if args.quick else 16], args)
+    probe_paths = {
+        "hybrid": None if untrained else {"target": args.target_probe, "draft": args.draft_probe},
+        **plan.ablation_paths,
+    }
+    return {
         "methods": methods,
         "batch_scaling": scaling,
         "sweep": sweep,
         "phases": phases,
         "cost": cost,
         "probes": probe_scores,
-        "n_problems": n,
+        "n_problems": len(problems),
         "seed": args.seed,
-        "goals": {},
+        "goals": goals(methods, probe_scores),
         "untrained_probes": untrained,
-        "probe_paths": {
-            "hybrid": None if untrained else {"target": args.target_probe, "draft": args.draft_probe},
-            **ablation_paths,
-        },
+        "probe_paths": portable_paths(probe_paths),  # results are shared: no machine's folders
         "config": {
             k: getattr(args, k)
             for k in ("max_new_tokens", "temperature", "top_p", "rule", "tau", "ratio_scale", "top_k",
@@ -568,17 +701,35 @@ def main(argv: Sequence[str] | None = None) -> dict:
         },
         "seconds": time.perf_counter() - t0,
     }
-    report["goals"] = goals(methods, probe_scores)
-    report["probe_paths"] = portable_paths(report["probe_paths"])  # results are shared: no machine's folders
+
+
+def save(report: dict, args: argparse.Namespace) -> None:
+    """Write the JSON, its markdown table and the plot; say whether probes were untrained and which goals were missed."""
     out = harness.results_path("decode", args.quick, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(report, out.with_suffix(".png"))
     harness.write(report, out, markdown(report), save_table=True, also=[out.with_suffix(".png")])
     missed = [k for k, g in report["goals"].items() if not g["met"]]
-    if untrained:
+    if report["untrained_probes"]:
         print("WARNING: untrained probes; rerun once checkpoints/arithmetic/probes/{target,draft} exist.")
     if missed:
         print("goals MISSED: " + ", ".join(missed))
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the benchmark (see the module docstring) and write its figures; returns the report."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    n = args.n_problems or (40 if args.quick else 400)
+    world = models.load_world(args.world)
+    tmp = probes_or_untrained(args, world)
+    plan = build_plan(args, world)
+    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+    warm_up(plan.dec, args)
+    t0 = time.perf_counter()
+    runs = run_methods(plan.dec, plan.variants, problems, args)
+    report = build_report(args, plan, runs, problems, untrained=tmp is not None, t0=t0)
+    save(report, args)
     if tmp is not None:
         tmp.cleanup()
     return report
