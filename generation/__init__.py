@@ -1,11 +1,15 @@
 """The generation core shared by the label build and the decoder; it imports neither.
 
 - :mod:`generation.cache`: the one batched KV cache (prefill, fork, feed, rollback by length);
-- :mod:`generation.writer`: writing steps on it, and label sampling (:func:`generation.writer.generate`);
+- :mod:`generation.writer`: writing steps on it (:class:`~generation.writer.StepWriter`: a cache, its stopper and
+  its sampler), and label sampling (:func:`generation.writer.generate`);
+- :mod:`generation.specs`: the typed specs that travel with data and probes (``StepSpec``, ``SamplingSpec``,
+  ``FeatureSpec``), validated once, one default per field;
 - :mod:`generation.features`: the probes' feature groups (pooled hidden states, token statistics),
   computed by one function at label-build time and at decode time;
 - :mod:`generation.groups`: their names and checks (no torch import);
-- :mod:`generation.sampling`: the one sampler (temperature / top-p draws);
+- :mod:`generation.sampling`: the one sampler (temperature / top-p draws; ``Sampler`` binds a spec to its streams);
+- :mod:`generation.handover`: how a step written by one model enters the other's context (one or two tokenizers);
 - :mod:`generation.padding`: the padding helper of one-shot scoring forwards;
 - :mod:`generation.steps`: step delimiters, splitting traces and the token-by-token step stopper;
 - :mod:`generation.fingerprints`: model and tokenizer fingerprints, for exports and manifests;
