@@ -14,6 +14,7 @@ configs and tools read specs without building a model.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
@@ -53,7 +54,7 @@ class StepSpec:
         if isinstance(delimiters, str) or not isinstance(delimiters, Sequence) or not delimiters \
                 or not all(isinstance(d, str) and d for d in delimiters):
             out.append(f"delimiters={delimiters!r}: expected a non-empty list of non-empty strings")
-        if isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int) or max_step_tokens < 1:
+        if not is_count(max_step_tokens):
             out.append(f"max_step_tokens={max_step_tokens!r}: expected an integer >= 1")
         return out
 
@@ -99,6 +100,11 @@ class SamplingSpec:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def is_count(x: Any) -> bool:
+    """An integer (not a bool) of at least 1: a step cap, a token budget, a batch size."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
 
 
 def _real(x: Any) -> bool:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
-from generation.specs import StepSpec
+from generation.specs import StepSpec, is_count
 
 SPECREASON_SUFFIX = "\nScore 0-9:"
 """Judge turn appended after a draft step for SpecReason-style scoring (SpecReason asks for a 0-9 score)."""
@@ -47,12 +46,7 @@ class LoopOptions:
         errors = []
         if self.step is not None and not isinstance(self.step, StepSpec):
             errors.append(f"step={self.step!r}: expected a generation.specs.StepSpec or None")
-        if not _count(self.token_sd_tokens):
+        if not is_count(self.token_sd_tokens):
             errors.append(f"token_sd_tokens={self.token_sd_tokens}: expected an integer >= 1")
         if errors:
             raise ValueError("invalid LoopOptions: " + "; ".join(errors))
-
-
-def _count(x) -> bool:
-    """An integer (not a bool) of at least 1."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
 import os
 
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
-from generation.specs import SamplingSpec, StepSpec
+from generation.specs import SamplingSpec, StepSpec, is_count
 
 
 def load(probe, model, tokenizer, role: str | None = None):
@@ -48,8 +47,6 @@ def load(probe, model, tokenizer, role: str | None = None):
     require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
                      provider="SemanticSpecDecoder")
     return probe
-
-
 
 
 def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:
@@ -93,17 +90,13 @@ def step_spec(probes, given: StepSpec | None) -> StepSpec:
 def check_generate(max_new_tokens, batch_size, problems: list[str]) -> None:
     """Refuse bad ``generate`` arguments, naming every bad value at once (``problems``: the method's own)."""
     errors = list(problems)
-    if not _count(max_new_tokens):
+    if not is_count(max_new_tokens):
         errors.append(f"max_new_tokens={max_new_tokens}: expected an integer >= 1")
-    if batch_size is not None and not _count(batch_size):  # 0 would silently mean "all prompts"
+    if batch_size is not None and not is_count(batch_size):  # 0 would silently mean "all prompts"
         errors.append(f"batch_size={batch_size}: expected an integer >= 1, or None for all prompts at once")
     if errors:
         raise ValueError("; ".join(errors))
 
-
-def _count(x) -> bool:
-    """An integer (not a bool) of at least 1."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
 
 
 def sampling_spec(probes) -> dict[str, tuple[object, str]]:
