@@ -1,0 +1,137 @@
+"""What a served model returns, engine-neutral, and the protocol every engine client implements.
+
+A verifier sends context + step and gets the step's per-token log-probabilities with their top-k
+(:class:`TokenLogprobs`), optionally the last layer's hidden rows, and the token after the step
+(:class:`Reading`). A proposer asks the server to write a step (:class:`Written`). Every answer
+carries the server's own usage figures (:class:`Usage`). What an engine can serve is declared by
+:class:`Capabilities` and checked before any decoding or sampling starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from generation.specs import SamplingSpec, StepSpec
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One request's cost, from the server's usage fields (and the client's clock).
+
+    Attributes:
+        prompt_tokens: prompt tokens the server counted.
+        completion_tokens: tokens it generated.
+        cached_tokens: prompt tokens served from its prefix cache, when the engine reports it (else None).
+        prefill_tokens: prompt tokens it computed (``prompt_tokens - cached_tokens``), when known.
+        seconds: the request's wall time on the client, HTTP included.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+    prefill_tokens: int | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities an engine returned for a run of tokens (raw distribution, temperature 1).
+
+    Attributes:
+        tokens: the tokens' texts as the engine reports them.
+        ids: their ids when the engine reports them (vLLM, SGLang), else None.
+        logprobs: (n,) each token's own log-probability.
+        top: (n, k) the k largest log-probabilities at each position, descending.
+    """
+
+    tokens: list[str]
+    ids: list[int] | None
+    logprobs: torch.Tensor
+    top: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if self.logprobs.shape != (n,) or self.top.ndim != 2 or self.top.shape[0] != n:
+            raise ValueError(f"{n} tokens with logprobs of shape {tuple(self.logprobs.shape)} and top-k of shape "
+                             f"{tuple(self.top.shape)}; expected ({n},) and ({n}, k)")
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a server returned for context + step, read in one request.
+
+    Attributes:
+        step: the step's tokens (the first one predicted by the context's last position).
+        hidden: (n, D) float32 last-layer rows of the step's tokens (SGLang only), else None.
+        next_text: the token after the step, drawn by the server (the bonus token), "" at EOS.
+        next_eos: the token after the step is the end of sequence.
+        usage: the request's usage.
+    """
+
+    step: TokenLogprobs
+    hidden: torch.Tensor | None
+    next_text: str
+    next_eos: bool
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Written:
+    """A step (or a longer continuation) a server wrote.
+
+    Attributes:
+        text: what it wrote, the matched delimiter included (put back when the server trims it).
+        stop: ``"delimiter"``, ``"eos"`` or ``"length"`` (the ``max_tokens`` cap).
+        tokens: the written tokens' log-probabilities, when asked for (the draft probe reads them).
+        usage: the request's usage.
+    """
+
+    text: str
+    stop: str
+    tokens: TokenLogprobs | None
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can give the package.
+
+    Attributes:
+        prompt_logprobs: log-probabilities of prompt tokens (what a verifier and a reader need).
+        max_top_k: the largest top-k it returns per position (vLLM: ``--max-logprobs``), None = no cap.
+        hidden: it returns the last layer's hidden rows.
+        hidden_norm: their norm convention (``"final_norm"``: after the model's final norm, as
+            transformers' last ``hidden_states`` entry; ``"pre_norm"``: before it), when ``hidden``.
+        prefix_cache_on_read: a read reuses the cached context (only the step is prefilled).
+    """
+
+    prompt_logprobs: bool
+    max_top_k: int | None
+    hidden: bool
+    hidden_norm: str | None
+    prefix_cache_on_read: bool
+
+
+class Engine(Protocol):
+    """A client of one server serving one model."""
+
+    name: str
+    """``"sglang"``, ``"vllm"`` or ``"llama.cpp"``."""
+    url: str
+    version: str | None
+
+    def capabilities(self) -> Capabilities:
+        """What this server can give (asked once, before any decoding or sampling)."""
+
+    def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
+             seed: int) -> Reading:
+        """Read ``context + step`` in one request: the step's log-probs (top-``top_k``), hidden rows when
+        ``hidden``, and the next token drawn with ``sampling`` and ``seed``."""
+
+    def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
+              top_k: int | None = None) -> Written:
+        """Continue ``context``: one step (stop at ``step``'s delimiters, at most ``max_tokens``), or, with
+        ``step=None``, up to ``max_tokens`` tokens; ``top_k``: also return the written tokens' log-probs."""
