@@ -4,3 +4,44 @@
 :class:`~generation.engines.base.Engine` protocol; one module per engine maps it onto that engine's
 HTTP API.
 """
+
+from __future__ import annotations
+
+KINDS = ("sglang", "vllm", "llama.cpp")
+"""The engines :func:`make_engine` connects to."""
+
+
+def make_engine(kind: str, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
+                timeout: float = 120.0, retries: int = 3, **options):
+    """A client of the server at ``url`` (checked: it answers ``/v1/models`` and serves ``model``).
+
+    Args:
+        kind: ``"sglang"``, ``"vllm"`` or ``"llama.cpp"``.
+        url: the server's base URL.
+        model: the model name it serves; None = the one it lists.
+        api_key_env: environment variable holding the API key ("" or unset: no key).
+        timeout: seconds per request attempt.
+        retries: attempts per request (connection errors, timeouts, 429 and 5xx are retried).
+        options: engine-specific arguments (vLLM: ``max_logprobs``).
+
+    Returns:
+        An :class:`~generation.engines.base.Engine`.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+        EngineError: the server does not answer or does not serve ``model``.
+    """
+    conn = {"api_key_env": api_key_env, "timeout": timeout, "retries": retries}
+    if kind == "sglang":
+        from generation.engines.sglang import SGLangEngine
+
+        return SGLangEngine(url, model, **conn, **options)
+    if kind == "vllm":
+        from generation.engines.openai_compat import VLLMEngine
+
+        return VLLMEngine(url, model, **conn, **options)
+    if kind == "llama.cpp":
+        from generation.engines.openai_compat import LlamaCppEngine
+
+        return LlamaCppEngine(url, model, **conn, **options)
+    raise ValueError(f"engine kind={kind!r}: expected one of {list(KINDS)}")

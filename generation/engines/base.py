@@ -106,6 +106,7 @@ class Capabilities:
         hidden_norm: their norm convention (``"final_norm"``: after the model's final norm, as
             transformers' last ``hidden_states`` entry; ``"pre_norm"``: before it), when ``hidden``.
         prefix_cache_on_read: a read reuses the cached context (only the step is prefilled).
+        remarks: why something is missing and how to get it, one sentence each (shown when refused).
     """
 
     prompt_logprobs: bool
@@ -113,6 +114,28 @@ class Capabilities:
     hidden: bool
     hidden_norm: str | None
     prefix_cache_on_read: bool
+    remarks: tuple[str, ...] = ()
+
+
+class EngineError(RuntimeError):
+    """A server died, refused or timed out (after the client's retries), or cannot serve what is asked.
+
+    The message names the server's URL, never its API key.
+
+    Attributes:
+        url: the server's base URL.
+    """
+
+    def __init__(self, message: str, url: str):
+        super().__init__(message)
+        self.url = url
+
+
+class MalformedAnswer(EngineError):
+    """A server answered, but short or malformed (fewer top-k entries than asked, missing rows or fields).
+
+    Refused with the counts; an answer is never padded.
+    """
 
 
 class Engine(Protocol):

@@ -1,0 +1,130 @@
+"""One HTTP connection to a serving engine, as the ``openai`` sampler makes it.
+
+An ``openai.OpenAI`` client per URL with a timeout per attempt and bounded retries (the client
+retries connection errors, timeouts, 429 and 5xx with backoff); the API key is read from an
+environment variable and never logged or put in an error message (a server that echoes a header
+back has it blanked). :class:`Connection` also checks ``/models``, reads ``GET /version`` and posts
+to an engine's native routes (SGLang's ``/generate``) through the same client, so retries, timeouts
+and key handling are the same on every route.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from generation.engines.base import EngineError
+
+
+class Connection:
+    """A client of one server.
+
+    Args:
+        url: the server's base URL, with or without the ``/v1`` suffix (``http://127.0.0.1:8000/v1``).
+        api_key_env: environment variable holding the API key ("" or unset: no key).
+        timeout: seconds per request attempt.
+        retries: attempts per request (>= 1).
+
+    Raises:
+        ImportError: the ``openai`` client is not installed.
+        ValueError: ``retries < 1`` or ``timeout <= 0``.
+    """
+
+    def __init__(self, url: str, *, api_key_env: str = "OPENAI_API_KEY", timeout: float = 120.0, retries: int = 3):
+        try:
+            import openai
+        except ImportError as e:
+            raise ImportError(f"engine clients need the openai client: pip install 'semanticspec-probes[openai]' ({e})") \
+                from None
+        if retries < 1 or timeout <= 0:
+            raise ValueError(f"retries={retries} (expected >= 1), timeout={timeout} (expected > 0)")
+        self.openai = openai
+        self.root = url.rstrip("/").removesuffix("/v1")
+        self.url = self.root + "/v1"
+        self.retries = retries
+        self.key_env = api_key_env
+        self._key = os.environ.get(api_key_env, "") if api_key_env else ""
+        self.client = openai.OpenAI(base_url=self.url, api_key=self._key or "none", timeout=timeout,
+                                    max_retries=retries - 1)
+        self.root_client = self.client.with_options(base_url=self.root)
+
+    def say(self, e: BaseException | str) -> str:
+        """An exception (or text) with the API key blanked out."""
+        msg = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+        return msg.replace(self._key, "***") if self._key else msg
+
+    def error(self, what: str, e: BaseException, fix: str = "") -> EngineError:
+        """An :class:`EngineError` for a failed request: the URL, what failed, the cause (key blanked), the fix."""
+        fix = fix or "check that the server is running and reachable"
+        return EngineError(self.say(f"server {self.root} failed {what} after {self.retries} attempt(s): "
+                                    f"{self.say(e)}; {fix}"), self.root)
+
+    # -- routes ---------------------------------------------------------------------------------
+
+    def models(self) -> list[str]:
+        """The model names ``/v1/models`` lists.
+
+        Raises:
+            EngineError: the server refused the key or did not answer.
+        """
+        try:
+            return [m.id for m in self.client.models.list()]
+        except (self.openai.AuthenticationError, self.openai.PermissionDeniedError) as e:
+            raise self.error("/v1/models", e, f"set ${self.key_env or '(none)'} to a key it accepts") from None
+        except self.openai.OpenAIError as e:
+            raise self.error("/v1/models", e, "start it or fix the URL") from None
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to request, checked against what the server lists (one cheap call, fails fast).
+
+        Raises:
+            EngineError: no answer, or it does not serve ``model`` (naming what it serves).
+        """
+        served = self.models()
+        if model is None:
+            if len(served) != 1:
+                raise EngineError(f"server {self.root} serves {served}; name one with model=...", self.root)
+            return served[0]
+        if served and model not in served:
+            raise EngineError(f"server {self.root} does not serve model {model!r}; it serves {served}", self.root)
+        return model
+
+    def get(self, path: str) -> Any | None:
+        """``GET path`` on the server's root, one quick attempt; None when it has no such route or fails."""
+        quick = self.root_client.with_options(max_retries=0, timeout=5.0)
+        try:
+            return quick.get(path, cast_to=object)
+        except self.openai.OpenAIError:
+            return None
+
+    def version(self) -> str | None:
+        """The server's reported version (vLLM and SGLang answer ``GET /version``), else None."""
+        got = self.get("/version")
+        return str(got["version"]) if isinstance(got, dict) and "version" in got else None
+
+    def post(self, path: str, body: dict, what: str | None = None) -> tuple[Any, float]:
+        """``POST path`` (on the root) with retries: the decoded JSON answer and the seconds it took.
+
+        Raises:
+            EngineError: the server refused the request or did not answer after the retries.
+        """
+        t = time.perf_counter()
+        try:
+            got = self.root_client.post(path, body=body, cast_to=object)
+        except self.openai.OpenAIError as e:
+            raise self.error(what or path, e) from None
+        return got, time.perf_counter() - t
+
+    def completions(self, what: str = "/v1/completions", fix: str = "", **kw) -> tuple[Any, float]:
+        """``completions.create(**kw)`` with retries: the response and the seconds it took.
+
+        Raises:
+            EngineError: the server refused the request or did not answer after the retries.
+        """
+        t = time.perf_counter()
+        try:
+            resp = self.client.completions.create(**kw)
+        except self.openai.OpenAIError as e:
+            raise self.error(what, e, fix) from None
+        return resp, time.perf_counter() - t

@@ -1,0 +1,293 @@
+"""Engine clients over ``/v1/completions``: llama-cpp-python's server and vLLM.
+
+Both read context + step in one request that echoes the prompt with its log-probs and draws one more
+token (``max_tokens: 1``); the step's tokens are found in the echo by text offsets (the context's
+length), never by re-tokenizing on the client. Both write a step with the delimiters as ``stop``.
+
+- llama-cpp-python (``python -m llama_cpp.server``): ``echo: true, logprobs: k``; its top-k come
+  keyed by token text. It returns no cached-token count and no hidden states. Its echo pairs prompt
+  token ``i`` with logit row ``i`` (``llama_cpp/llama.py`` ``_create_completion``, 0.3.x), which is
+  right only when the model adds BOS (the row after BOS predicts the first echoed token); a model
+  without BOS gets every prompt log-prob one position off, so such a server is refused for reading.
+  The C++ ``llama-server`` has no echo at all (it answers ``/props``) and is refused for reading too.
+- vLLM: ``echo: true, logprobs: k`` plus ``prompt_logprobs: k`` in the body: ``choices[].prompt_logprobs``
+  gives per position ``{token_id: {logprob, rank, decoded_token}}`` (None at position 0), the top-k by
+  id. k is capped by ``--max-logprobs`` (default 20). Prompt log-probs skip its prefix cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
+from generation.engines.connection import Connection
+from generation.specs import SamplingSpec, StepSpec
+
+VLLM_MAX_LOGPROBS = 20
+"""vLLM's default ``--max-logprobs``."""
+
+
+def top_k_of(entries: list[float], k: int, url: str, where: str) -> list[float]:
+    """The ``k`` largest of one position's returned log-probs, descending; fewer than ``k`` is refused."""
+    if len(entries) < k:
+        raise MalformedAnswer(f"server {url} returned {len(entries)} top-k entries at {where}; asked for {k}", url)
+    return sorted(entries, reverse=True)[:k]
+
+
+def step_positions(offsets: list[int], texts: list[str], n_prompt: int, context: str, step: str,
+                   url: str) -> list[int]:
+    """Indices of the step's tokens in an echoed prompt, found by text offsets (the context's length).
+
+    Offsets are anchored at the prompt's end (a server may count a BOS text at the start), so the
+    last prompt token ends at ``len(context + step)``.
+
+    Raises:
+        MalformedAnswer: no token starts where the step starts (the tokenizer merges the context's end with
+            the step's start), or the found tokens do not spell the step.
+    """
+    if n_prompt < 1 or len(offsets) < n_prompt or len(texts) < n_prompt:
+        raise MalformedAnswer(f"server {url} echoed {min(len(offsets), len(texts))} prompt token(s) with offsets; "
+                              f"expected {n_prompt} (missing fields)", url)
+    shift = offsets[n_prompt - 1] + len(texts[n_prompt - 1]) - len(context + step)
+    starts = [offsets[i] - shift for i in range(n_prompt)]
+    idx = [i for i in range(n_prompt) if starts[i] >= len(context)]
+    if not idx or starts[idx[0]] != len(context):
+        raise MalformedAnswer(f"server {url}: no echoed token starts at the step's first character (offset "
+                              f"{len(context)}; token starts {starts[-len(idx) - 1:]}): its tokenizer merges the "
+                              "context's end with the step's start; end steps at a delimiter the tokenizer splits at", url)
+    spelled = "".join(texts[i] for i in idx)
+    if spelled != step:
+        raise MalformedAnswer(f"server {url}: the {len(idx)} echoed step token(s) spell {spelled!r}, not the step "
+                              f"{step!r}", url)
+    return idx
+
+
+def _usage(usage, seconds: float) -> Usage:
+    """:class:`Usage` from an OpenAI usage object (``prompt_tokens_details.cached_tokens`` when present)."""
+    if usage is None:
+        return Usage(0, 0, seconds=seconds)
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    prompt = int(usage.prompt_tokens or 0)
+    return Usage(prompt, int(usage.completion_tokens or 0), cached,
+                 None if cached is None else prompt - int(cached), seconds)
+
+
+def _after(choice, prompt: str, eos: bool) -> str:
+    """The drawn token's text from an echo answer ("" at EOS); vLLM leaves the prompt out with ``return_token_ids``."""
+    text = choice.text or ""
+    return "" if eos else text[len(prompt):] if text.startswith(prompt) else text
+
+
+class _Completions:
+    """What llama.cpp and vLLM clients share: setup, the request, the echo's step, the written step."""
+
+    name = "?"
+
+    def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
+                 timeout: float = 120.0, retries: int = 3):
+        self.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
+        self.url = self.conn.root
+        self.model = self.conn.check_model(model)
+        self.version = self.conn.version()
+        self._caps: Capabilities | None = None
+
+    def capabilities(self) -> Capabilities:
+        if self._caps is None:
+            self._caps = self._probe()
+        return self._caps
+
+    def _probe(self) -> Capabilities:
+        raise NotImplementedError
+
+    def _check_read(self, top_k: int, hidden: bool) -> None:
+        caps = self.capabilities()
+        if hidden and not caps.hidden:
+            raise EngineError(f"{self.name} server {self.url} returns no hidden states; read 'hidden' from SGLang "
+                              "(--enable-return-hidden-states) or train the probe on 'topk_stats'", self.url)
+        if not caps.prompt_logprobs:
+            raise EngineError(f"{self.name} server {self.url} cannot return prompt log-probs: "
+                              + " ".join(caps.remarks), self.url)
+        if top_k < 1 or (caps.max_top_k is not None and top_k > caps.max_top_k):
+            raise EngineError(f"top_k={top_k}: {self.name} server {self.url} returns 1..{caps.max_top_k} "
+                              "log-probs per position", self.url)
+
+    def _create(self, prompt: str, *, max_tokens: int, sampling: SamplingSpec, seed: int, logprobs: int | None,
+                echo: bool = False, stop: list[str] | None = None, extra: dict | None = None):
+        fix = (f"start vllm serve with --max-logprobs >= {logprobs}" if self.name == "vllm" and logprobs else "")
+        return self.conn.completions(
+            fix=fix, model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=sampling.temperature,
+            top_p=sampling.top_p, seed=seed & 0x7FFFFFFF, logprobs=logprobs, echo=echo, stop=stop,
+            extra_body=extra or None)
+
+    def _choice(self, resp):
+        if not resp.choices:
+            raise MalformedAnswer(f"server {self.url} returned no choice", self.url)
+        return resp.choices[0]
+
+    def _logprobs(self, choice) -> dict:
+        lp = choice.logprobs
+        lp = lp.model_dump() if hasattr(lp, "model_dump") else lp
+        if not lp or any(lp.get(f) is None for f in ("tokens", "text_offset", "token_logprobs", "top_logprobs")):
+            raise MalformedAnswer(f"server {self.url} returned no logprobs (tokens, text_offset, token_logprobs, "
+                                  "top_logprobs) for a request that asked for them", self.url)
+        return lp
+
+    def _echo_step(self, lp: dict, idx: list[int], k: int, tops: list[list[float]] | None,
+                   ids: list[int] | None) -> TokenLogprobs:
+        own = [lp["token_logprobs"][i] for i in idx]
+        if any(v is None for v in own):
+            raise MalformedAnswer(f"server {self.url} returned no log-prob for {sum(v is None for v in own)} of the "
+                                  f"step's {len(idx)} token(s) (the first prompt position has none: give a non-empty "
+                                  "context)", self.url)
+        if tops is None:
+            tops = [list((lp["top_logprobs"][i] or {}).values()) for i in idx]
+        top = [top_k_of(t, k, self.url, f"step token {j}") for j, t in enumerate(tops)]
+        return TokenLogprobs([lp["tokens"][i] for i in idx], ids, torch.tensor(own, dtype=torch.float32),
+                             torch.tensor(top, dtype=torch.float32).reshape(len(idx), k))
+
+    def _read_echo(self, context: str, step: str, top_k: int, sampling: SamplingSpec, seed: int,
+                   extra: dict | None = None):
+        """The echo request and what every engine reads from it: the choice, its logprobs, the step's indices."""
+        resp, secs = self._create(context + step, max_tokens=1, sampling=sampling, seed=seed, logprobs=top_k,
+                                  echo=True, extra=extra)
+        choice = self._choice(resp)
+        lp = self._logprobs(choice)
+        generated = int(getattr(resp.usage, "completion_tokens", 0) or 0)
+        n_prompt = len(lp["tokens"]) - generated
+        idx = step_positions(lp["text_offset"], lp["tokens"], n_prompt, context, step, self.url)
+        return resp, secs, choice, lp, idx
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
+              top_k: int | None = None) -> Written:
+        stops = list(step.delimiters) if step is not None else None
+        resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed,
+                                  logprobs=self._write_logprobs(top_k, stops), stop=stops,
+                                  extra={"include_stop_str_in_output": True} if stops else None)
+        choice = self._choice(resp)
+        text, how = self._ending(choice, stops or [])
+        tokens = None
+        if top_k:
+            lp = self._logprobs(choice)
+            first = lp["text_offset"][0] if lp["text_offset"] else 0  # llama.cpp counts from the prompt's start
+            idx = [i for i, o in enumerate(lp["text_offset"]) if o - first < len(text)]
+            tokens = self._echo_step(lp, idx, top_k, None, None)
+        return Written(text, how, tokens, _usage(resp.usage, secs))
+
+    def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
+        return top_k or None
+
+    def _ending(self, choice, stops: list[str]) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+class LlamaCppEngine(_Completions):
+    """A client of llama-cpp-python's server (``python -m llama_cpp.server``).
+
+    Args:
+        url: its base URL (``http://127.0.0.1:8811/v1``).
+        model: the model alias it serves; None = the one it lists.
+        api_key_env, timeout, retries: as :class:`~generation.engines.connection.Connection`.
+
+    Raises:
+        EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
+    """
+
+    name = "llama.cpp"
+
+    def _probe(self) -> Capabilities:
+        if self.conn.get("/props") is not None:
+            why = (f"{self.url} is llama.cpp's C++ llama-server, which returns log-probs of generated tokens only "
+                   "(no echo); serve the GGUF with llama-cpp-python (python -m llama_cpp.server) to read steps")
+            return Capabilities(False, None, False, None, True, (why,))
+        got, _ = self.conn.post("/extras/tokenize", {"input": "", "model": self.model}, "/extras/tokenize")
+        if not isinstance(got, dict) or not isinstance(got.get("tokens"), list):
+            raise MalformedAnswer(f"server {self.url} answered /extras/tokenize without a token list", self.url)
+        if not got["tokens"]:
+            why = (f"the model at {self.url} adds no BOS token, and llama-cpp-python's echo then pairs every prompt "
+                   "token with the previous position's log-probs (llama_cpp/llama.py _create_completion); serve a "
+                   "GGUF whose tokenizer adds BOS (tokenizer.ggml.add_bos_token = true) to read steps")
+            return Capabilities(False, None, False, None, True, (why,))
+        return Capabilities(True, None, False, None, True)
+
+    def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
+             seed: int) -> Reading:
+        self._check_read(top_k, hidden)
+        resp, secs, choice, lp, idx = self._read_echo(context, step, top_k, sampling, seed)
+        eos = choice.finish_reason == "stop"
+        return Reading(self._echo_step(lp, idx, top_k, None, None), None, _after(choice, context + step, eos), eos,
+                       _usage(resp.usage, secs))
+
+    def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
+        # The server cuts the stop string off the text but keeps its tokens in the logprobs: asking for them
+        # (k = 0 when none are wanted) tells a delimiter from EOS.
+        return top_k if top_k else (0 if stops else None)
+
+    def _ending(self, choice, stops: list[str]) -> tuple[str, str]:
+        text = choice.text or ""
+        if choice.finish_reason == "length":
+            return text, "length"
+        if any(text.endswith(d) for d in stops):
+            return text, "delimiter"
+        if stops:
+            lp = self._logprobs(choice)
+            rest = "".join(lp["tokens"])[len(text):]
+            hit = max((d for d in stops if rest.startswith(d)), key=len, default=None)
+            if hit is not None:
+                return text + hit, "delimiter"
+        return text, "eos"
+
+
+class VLLMEngine(_Completions):
+    """A client of vLLM's OpenAI server (``vllm serve``).
+
+    Args:
+        url: its base URL (``http://127.0.0.1:8000/v1``).
+        model: the model name it serves; None = the one it lists.
+        max_logprobs: the server's ``--max-logprobs`` (vLLM does not report it; default 20).
+        api_key_env, timeout, retries: as :class:`~generation.engines.connection.Connection`.
+
+    Raises:
+        EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
+    """
+
+    name = "vllm"
+
+    def __init__(self, url: str, model: str | None = None, *, max_logprobs: int | None = VLLM_MAX_LOGPROBS, **conn):
+        super().__init__(url, model, **conn)
+        self.max_logprobs = max_logprobs
+
+    def _probe(self) -> Capabilities:
+        why = (f"vLLM returns no hidden states over HTTP (RFCs #24288, #48743); its log-probs are capped by "
+               f"--max-logprobs (here {self.max_logprobs}), and prompt log-probs skip its prefix cache")
+        return Capabilities(True, self.max_logprobs, False, None, False, (why,))
+
+    def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
+             seed: int) -> Reading:
+        self._check_read(top_k, hidden)
+        extra = {"prompt_logprobs": top_k, "return_token_ids": True}
+        resp, secs, choice, lp, idx = self._read_echo(context, step, top_k, sampling, seed, extra)
+        extra_fields = choice.model_extra or {}
+        prompt = extra_fields.get("prompt_logprobs")
+        if not isinstance(prompt, list) or len(prompt) <= idx[-1]:
+            raise MalformedAnswer(f"server {self.url} returned {len(prompt) if isinstance(prompt, list) else 0} "
+                                  f"prompt_logprobs rows; the step needs rows up to {idx[-1] + 1}", self.url)
+        tops = [[float(e["logprob"]) for e in (prompt[i] or {}).values()] for i in idx]
+        ids = extra_fields.get("prompt_token_ids")
+        ids = [int(ids[i]) for i in idx] if isinstance(ids, list) and len(ids) > idx[-1] else None
+        eos = choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
+        return Reading(self._echo_step(lp, idx, top_k, tops, ids), None, _after(choice, context + step, eos), eos,
+                       _usage(resp.usage, secs))
+
+    def _ending(self, choice, stops: list[str]) -> tuple[str, str]:
+        text = choice.text or ""
+        if choice.finish_reason == "length":
+            return text, "length"
+        if any(text.endswith(d) for d in stops):
+            return text, "delimiter"
+        reason = (choice.model_extra or {}).get("stop_reason")
+        if isinstance(reason, str):  # include_stop_str_in_output ignored: put the delimiter back
+            return text + reason, "delimiter"
+        return text, "eos"
