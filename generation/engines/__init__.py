@@ -9,6 +9,9 @@ from __future__ import annotations
 
 KINDS = ("sglang", "vllm", "llama.cpp")
 """The engines :func:`make_engine` connects to."""
+HIDDEN_NORM = {"sglang": "final_norm"}
+"""The norm convention of the hidden rows each engine returns (only SGLang returns any over HTTP): after the
+model's final norm, as transformers' last ``hidden_states`` entry (:mod:`generation.engines.sglang`)."""
 
 
 def make_engine(kind: str, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from generation.engines import HIDDEN_NORM
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
 from generation.engines.connection import Connection
 from generation.engines.openai_compat import top_k_of
@@ -65,7 +66,7 @@ class SGLangEngine:
             hidden = bool(info.get("enable_return_hidden_states", False))
             why = () if hidden else (f"SGLang server {self.url} was started without --enable-return-hidden-states; "
                                      "restart it with that flag to read 'hidden'",)
-            self._caps = Capabilities(True, None, hidden, "final_norm" if hidden else None,
+            self._caps = Capabilities(True, None, hidden, HIDDEN_NORM["sglang"] if hidden else None,
                                       not info.get("disable_radix_cache", False), why)
         return self._caps
 
