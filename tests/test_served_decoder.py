@@ -12,6 +12,7 @@ from generation.specs import SamplingSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.decoder import SemanticSpecDecoder
 from probes.decoding.options import LoopOptions
+from probes.decoding.policies import ProbePolicy
 from probes.decoding.results import summarize
 from probes.decoding.served import ServedDecoder, answer_cut
 
@@ -155,13 +156,16 @@ def test_always_accept_without_bonus_equals_the_draft_alone(world, engines):
     assert all(r.stats.requests == r.stats.steps for r in spec)  # no read: nothing to score, no bonus token
 
 
-def test_decisions_equal_in_process_with_a_hidden_state_probe(world, engines):
+@pytest.mark.parametrize("policy, want", [(ProbePolicy(), {"accept", "reject"}),
+                                          (ProbePolicy(top_k=2), {"accept_fast", "reject"})], ids=["probe", "fast_path"])
+def test_decisions_equal_in_process_with_a_hidden_state_probe(world, engines, policy, want):
     probe = hidden_probe(world)
-    served = ServedDecoder(*engines, probe, options=MARKER).generate(world["prompts"], **GREEDY)
-    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=probe, options=MARKER)
+    served = ServedDecoder(*engines, probe, policy=policy, options=MARKER).generate(world["prompts"], **GREEDY)
+    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=probe, policy=policy,
+                                options=MARKER)
     ref = local.generate(world["prompts"], batch_size=1, **GREEDY)
     assert texts(served) == texts(ref) and decisions(served) == decisions(ref)
-    assert {"accept", "reject"} <= {d for r in served for d in decisions([r])[0]}
+    assert want <= {d for r in served for d in decisions([r])[0]}
     for a, b in zip(served, ref):
         for x, y in zip(a.steps, b.steps):  # a step the draft ended with EOS is read without it (module docstring)
             if x.q is not None and x is not a.steps[-1]:
@@ -208,6 +212,21 @@ def test_concurrency_changes_nothing_and_requests_per_step(world, engines):
         world["prompts"], method="random_accept", accept_rate=0.5, temperature=0.8, max_new_tokens=64, seed=3)
         for c in (1, 4)}
     assert texts(sampled[1]) == texts(sampled[4]) and decisions(sampled[1]) == decisions(sampled[4])
+
+
+def test_oracle_and_target_first_step(world, engines):
+    def oracle(step, output):
+        return "Answer" in step
+
+    dec = ServedDecoder(*engines, options=LoopOptions(answer_marker="Answer:", target_first_step=True))
+    results = dec.generate(world["prompts"], method="oracle_accept", oracle=oracle, **GREEDY)
+    assert all(r.steps[0].writer == "target" for r in results)
+    drafted = [s for r in results for s in r.steps if s.writer == "draft"]
+    assert [s.decision for s in drafted] == ["accept" if "Answer" in s.text else "reject" for s in drafted]
+    assert {"accept", "reject"} <= {s.decision for s in drafted}
+    ref = ServedDecoder(*engines, options=LoopOptions(answer_marker="Answer:", target_first_step=True))
+    assert texts(ref.generate(world["prompts"], method="always_reject", **GREEDY)) == texts(
+        ref.generate(world["prompts"], method="target_only", **GREEDY))
 
 
 # --------------------------------------------------------------------------- faults
