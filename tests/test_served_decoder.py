@@ -16,11 +16,13 @@ from probes.decoding.policies import ProbePolicy
 from probes.decoding.results import summarize
 from probes.decoding.served import ServedDecoder, answer_cut
 
-try:  # the engine clients' error (branch `engines`); a stand-in until it is merged
+try:  # the engine clients' error (branch `engines`); a stand-in with its signature until it is merged
     from generation.engines.base import EngineError
 except ImportError:
     class EngineError(RuntimeError):
-        pass
+        def __init__(self, message: str, url: str):
+            super().__init__(message)
+            self.url = url
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 96}
 MARKER = LoopOptions(answer_marker="Answer:")
@@ -77,7 +79,8 @@ class Wrapped:
     def read(self, context, step, **kw):
         self.calls.append("read")
         if self.fail and self.fail("read", context):
-            raise EngineError(f"POST {self.url}/v1/completions: connection refused (Authorization: Bearer {KEY})")
+            raise EngineError(f"POST {self.url}/v1/completions: connection refused (Authorization: Bearer {KEY})",
+                              self.url)
         return self.inner.read(context, step, **kw)
 
     def write(self, context, **kw):
