@@ -62,23 +62,38 @@ class DecodeStats:
     rewrite_s: float = 0.0
     drafted_tokens: int = 0
     """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded)."""
+    requests: int = 0
+    """Served decoding: requests sent to the servers (reads and writes of both)."""
+    prefill_tokens: int = 0
+    """Served decoding: prompt tokens the servers computed (their usage fields; cached ones excluded when reported)."""
+    http_s: float = 0.0
+    """Served decoding: the requests' wall time on the client, HTTP and server included."""
 
 
-STOP_REASONS = ("eos", "answer", "budget", "context")
-"""Why a decode ended: EOS, a completed answer-marker line, ``max_new_tokens``, or the models' context end."""
+STOP_REASONS = ("eos", "answer", "budget", "context", "error")
+"""Why a decode ended: EOS, a completed answer-marker line, ``max_new_tokens``, the models' context end, or an
+error (a served decode whose server failed: the result's ``error`` says why)."""
 
 
 @dataclass
 class DecodeResult:
     """Output of one prompt: the generated text (prompt excluded), the step trace, counters and why it stopped.
 
-    ``stop_reason`` is one of :data:`STOP_REASONS`.
+    ``stop_reason`` is one of :data:`STOP_REASONS`. A prompt whose decode failed (``stop_reason="error"``)
+    has ``text=""``, so no answer checker counts it as solved; ``error`` holds the message and ``steps``
+    what was committed before it.
     """
 
     text: str
     steps: list[StepTrace] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
     stop_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The decode finished (EOS, answer, budget or context), it did not fail."""
+        return self.error is None and self.stop_reason != "error"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,7 +105,10 @@ def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
     Returns:
         ``step_acceptance``, ``draft_token_share``, ``target_passes_per_100_tokens``,
         ``probe_overhead``, ``wall_s``, ``output_tokens``, ``tokens_per_s``, ``n_prompts``, ``steps``,
-        ``draft_steps_proposed``, ``draft_steps_accepted``, ``target_passes``, ``draft_passes``, ``probe_s``.
+        ``draft_steps_proposed``, ``draft_steps_accepted``, ``target_passes``, ``draft_passes``, ``probe_s``,
+        the served counters (``requests``, ``prefill_tokens``, ``http_s``) and ``n_errors``: prompts whose decode
+        failed (their counters are included up to the failure; an accuracy over these results must count them
+        as wrong, as their empty text does).
     """
     s = [r.stats for r in results]
     tot = {k: sum(getattr(x, k) for x in s) for k in DecodeStats.__dataclass_fields__}
@@ -103,5 +121,6 @@ def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
         "probe_overhead": float(metrics.probe_overhead(tot["probe_s"], tot["wall_s"])),
         "tokens_per_s": tot["output_tokens"] / tot["wall_s"] if tot["wall_s"] > 0 else 0.0,
         "n_prompts": len(results),
+        "n_errors": sum(not r.ok for r in results),
         **tot,
     }

@@ -7,6 +7,14 @@ from generation.handover import decode_text
 from probes.decoding.results import DecodeStats, StepTrace
 
 
+def answer_complete(text: str, marker: str | None) -> bool:
+    """The output ``text`` ends a decode: its last line starting at ``marker`` is complete (a newline follows)."""
+    if not marker:
+        return False
+    k = text.rfind(marker)
+    return k >= 0 and "\n" in text[k:]
+
+
 class Row:
     """Decode state of one prompt.
 
@@ -45,11 +53,8 @@ class Row:
         self.forced = []
         if eos_id is not None and eos_id in tokens:
             self.finish("eos")
-        elif self.answer_marker:
-            text = self.text
-            k = text.rfind(self.answer_marker)
-            if k >= 0 and "\n" in text[k:]:
-                self.finish("answer")
+        elif answer_complete(self.text, self.answer_marker):
+            self.finish("answer")
 
     def finish(self, reason: str) -> None:
         """The prompt is done, for ``reason`` (eos, answer, budget or context)."""

@@ -1,0 +1,537 @@
+"""`ServedDecoder`: SemanticSpec's step loop over two served models (any :class:`~generation.engines.base.Engine`).
+
+Each prompt runs its own loop, and the servers batch the requests of concurrent prompts
+(``concurrency`` bounds the prompts, hence the requests, in flight). One round of a prompt:
+
+1. **propose**: the draft's server writes a step (``write(context, step=StepSpec, max_tokens=cap)``:
+   it stops at the step's delimiters; ``top_k`` when the policy wants the draft probe's ``p``);
+2. **verify**: the target's server reads context + step in one request (``read``): the step's top-k
+   log-probabilities, its hidden rows when the target probe reads them, and the token after it;
+3. **decide**: in-process, the probes turn what the server returned into
+   :class:`~probes.decoding.scores.Scores` (:func:`~generation.features.rows_features`, then the probe)
+   and the method's :class:`~probes.decoding.policies.AcceptancePolicy` decides, unchanged;
+4. a kept step and the target's *bonus* token (when ``options.bonus_token``) join the context; a
+   refused one is written by the target's server (``write`` with the step spec), with its own
+   token-level speculation if it runs one.
+
+A prompt stops at EOS, a completed answer-marker line (:func:`~probes.decoding.rows.answer_complete`),
+the token budget (counted from the servers' usage) or the context end (engines that report a
+``context_length``). Requests per step: 2 for a kept step (write, read), 3 for a refused one.
+
+``target_only`` and ``draft_only`` are one ``write(prompt, step=None, max_tokens=budget)`` per prompt: what
+a user of the server would run, so a speedup against it is against the server's own decode. With an
+answer marker the text is then cut where the step loop would stop (:func:`answer_cut`), so greedy
+``always_reject`` equals ``target_only`` text for text whenever the server tokenizes a written text as
+it wrote it (tests/test_served_decoder.py checks it on the world).
+
+Known difference from in-process decoding: a step the draft ends with EOS is read without its EOS
+(text carries no end-of-sequence), so the target probe pools one row fewer on such a last step.
+
+A prompt whose request fails (a dead server, a malformed answer) ends with ``stop_reason="error"``,
+``text=""`` and the message (the server's URL, never a key) in ``error``; the other prompts finish.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import torch
+
+from generation.engines.base import Capabilities, TokenLogprobs
+from generation.features import FeatureSpec, probe_input, rows_features
+from generation.sampling import stream_seed
+from generation.specs import SamplingSpec, StepSpec, is_count
+from generation.steps import ends_step
+from probes.decoding import setup
+from probes.decoding.methods import METHODS, MethodArgs
+from probes.decoding.options import LoopOptions
+from probes.decoding.policies import AcceptancePolicy, FastPath, ProbePolicy, RandomPolicy
+from probes.decoding.proposer import run_probe
+from probes.decoding.results import DecodeResult, DecodeStats, StepTrace
+from probes.decoding.rows import answer_complete
+from probes.decoding.scores import Scores
+
+ALONE = {"target_only": "target", "draft_only": "draft"}
+"""Methods where one server writes the whole output in one request."""
+FIXED = {"always_reject": 0.0, "always_accept": 1.0}
+"""Methods that keep no / every draft step (a :class:`RandomPolicy` at rate 0 / 1)."""
+SERVED_METHODS = ("target_only", "semanticspec", "draft_only", "always_reject", "always_accept", "random_accept",
+                  "oracle_accept")
+"""``method=`` names :meth:`ServedDecoder.generate` runs (SpecReason's judge turn is not served)."""
+SPARE = 1
+"""Context room kept for the bonus token."""
+
+
+class ServedDecoder:
+    """Step-level speculative decoding with semantic probes, over a served target and a served draft.
+
+    Args:
+        target: the target's engine client (reads steps, writes refused ones).
+        draft: the draft's engine client (writes steps).
+        target_probe: exported probe directory or ``SemanticProbe`` reading the target server's features, or None.
+        draft_probe: same for the draft (the ratio rule's ``p``, from the draft server's top-k), or None.
+        policy: SemanticSpec's acceptance (:class:`ProbePolicy`); None = ``ProbePolicy()``.
+        options: loop options (:class:`LoopOptions`: first step, step spec, answer marker, bonus token;
+            token-level speculation inside refused steps is the target server's own); None = ``LoopOptions()``.
+        concurrency: prompts decoded at once (each has at most one request in flight).
+
+    Raises:
+        ValueError: ``concurrency`` below 1, a probe for the other role, probes that disagree on their
+            step or sampling, or a step spec that differs from the probes'.
+    """
+
+    def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
+                 options: LoopOptions | None = None, *, concurrency: int = 4) -> None:
+        if not is_count(concurrency):
+            raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (prompts decoded at once)")
+        self.target, self.draft, self.concurrency = target, draft, concurrency
+        self.policy, self.options = policy or ProbePolicy(), options or LoopOptions()
+        self.target_probe, self.draft_probe = _load_probe(target_probe, "target"), _load_probe(draft_probe, "draft")
+        probes = (self.target_probe, self.draft_probe)
+        self.step: StepSpec = setup.step_spec(probes, self.options.step)
+        """What a step is: the probes' :class:`StepSpec`, unless ``options.step`` says (a differing one is refused)."""
+        self._recorded_sampling = setup.sampling_spec(probes)
+        self.target_spec = FeatureSpec.of(self.target_probe.config) if self.target_probe is not None else None
+        self.draft_spec = FeatureSpec.of(self.draft_probe.config) if self.draft_probe is not None else None
+        self.last_wall_s = 0.0
+        """Wall time of the last :meth:`generate` call (all prompts; per-prompt times overlap when concurrent)."""
+
+    def generate(self, prompts: Sequence[str], max_new_tokens: int = 256, temperature: float | None = None,
+                 top_p: float | None = None, seed: int = 0, method: str | AcceptancePolicy = "semanticspec", *,
+                 accept_rate: float | None = None, oracle: Callable[[str, str], bool] | None = None) -> list[DecodeResult]:
+        """Decode every prompt (text; the servers tokenize it) with ``method``, prompts concurrently.
+
+        Args:
+            prompts: non-empty prompt strings.
+            max_new_tokens: output token budget per prompt (counted from the servers' usage).
+            temperature: 0 is greedy; None = the probes' label sampling, else 0.6; a value that differs
+                from the probes' is refused for methods the probes decide.
+            top_p: nucleus mass; None = the probes', else 0.95.
+            seed: prompt ``k``'s request seeds and acceptance coins derive from ``(seed, k, step)``, so it
+                decodes the same whatever ``concurrency``.
+            method: a name of :data:`SERVED_METHODS` or an acceptance policy.
+            accept_rate: ``random_accept``'s rate.
+            oracle: ``oracle(step_text, output_so_far) -> bool`` of ``oracle_accept``.
+
+        Returns:
+            One :class:`DecodeResult` per prompt, in order; a failed one has ``stop_reason="error"``.
+
+        Raises:
+            ValueError: before any request: no prompts, an empty or non-text prompt, a bad method or
+                argument, or a server that cannot serve what the probes read (naming it, what is missing
+                and the fix).
+        """
+        policy, problems = self._method(method, accept_rate, oracle)
+        sampling = setup.resolve_sampling(self._recorded_sampling, temperature, top_p,
+                                          enforce=policy is not None and policy.decides_with_probes)
+        setup.check_generate(max_new_tokens, None, problems)
+        prompts = _read_prompts(prompts)
+        self._check_servers(policy, method)
+        runs = [PromptDecode(self, k, p, max_new_tokens, sampling, seed) for k, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(runs))) as pool:
+            results = list(pool.map(lambda r: r.run(method if policy is None else policy), runs))
+        self.last_wall_s = time.perf_counter() - t0
+        return results
+
+    def read_top_k(self, policy: AcceptancePolicy) -> int:
+        """The top-k a verifying read asks for: what the target probe and the fast path read (at least 1)."""
+        ks = [1]
+        if policy.needs.q and getattr(self.target_spec, "needs_topk", False):
+            ks.append(self.target_spec.top_k)
+        if policy.needs.fast_path is not None:
+            ks.append(policy.needs.fast_path.top_k)
+        return max(ks)
+
+    def _method(self, method, accept_rate, oracle) -> tuple[AcceptancePolicy | None, list[str]]:
+        """The method's policy (None: one server alone) and what is missing for it."""
+        if isinstance(method, str) and method in ALONE:
+            return None, []
+        try:
+            policy = served_policy(method, MethodArgs(self.policy, accept_rate, oracle))
+        except ValueError as e:
+            return None, [str(e)]
+        problems = []
+        if policy.needs.q and self.target_probe is None:
+            problems.append(f"method={method!r} needs target_probe (an exported probe directory)")
+        if policy.needs.p and self.draft_probe is None:
+            problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
+        return policy, problems
+
+    def _check_servers(self, policy: AcceptancePolicy | None, method) -> None:
+        """Refuse servers that cannot serve the method's reads, before any request that decodes."""
+        if policy is None:
+            return
+        needs, problems = policy.needs, []
+        caps = self.target.capabilities()
+        if not caps.prompt_logprobs:
+            problems.append(f"the target server {self.target.url} ({self.target.name}) returns no prompt log-probs, "
+                            f"which method={method!r} reads every drafted step with; serve the target with an engine "
+                            "that does (llama-cpp-python, vLLM, SGLang; not the C++ llama-server)")
+        if needs.q:
+            problems += serving_problems(self.target, caps, self.target_spec, "target")
+        if needs.fast_path is not None and caps.max_top_k is not None and caps.max_top_k < needs.fast_path.top_k:
+            problems.append(f"the fast path reads the target's top-{needs.fast_path.top_k} but {self.target.url} "
+                            f"returns at most {caps.max_top_k}; lower ProbePolicy.top_k or raise the server's limit")
+        if needs.p:
+            problems += serving_problems(self.draft, self.draft.capabilities(), self.draft_spec, "draft")
+        if problems:
+            raise ValueError("these servers cannot run this decode: " + "; ".join(problems))
+
+
+def served_policy(method: str | AcceptancePolicy, args: MethodArgs) -> AcceptancePolicy:
+    """The acceptance policy of a speculative served method: the in-process table's, unchanged.
+
+    Raises:
+        ValueError: an unknown name, a method the served decoder does not run, or a missing argument.
+    """
+    if isinstance(method, AcceptancePolicy):
+        policy = method
+    elif method in FIXED:
+        policy = RandomPolicy(FIXED[method])
+    elif method in SERVED_METHODS:
+        policy = METHODS[method].build(args).policy
+    else:
+        raise ValueError(f"method={method!r}: the served decoder runs {SERVED_METHODS} or an acceptance policy")
+    if policy.needs.judge:
+        raise ValueError(f"method={method!r} scores steps after a judge turn from the target's digit logits, "
+                         "which the served decoder does not read; use it in-process (SemanticSpecDecoder)")
+    return policy
+
+
+def serving_problems(engine, caps: Capabilities, spec: FeatureSpec, role: str) -> list[str]:
+    """What ``engine`` cannot serve of what the ``role`` probe reads (one sentence each: what, where, the fix)."""
+    at, out = f"the {role} server {engine.url} ({engine.name})", []
+    servable = [g for g, ok in (("hidden", caps.hidden and role == "target"), ("topk_stats", caps.prompt_logprobs))
+                if ok]
+    fix = f"use a {role} probe trained on features this server gives (groups it can serve: {servable})"
+    if "token_stats" in spec.groups:
+        out.append(f"the {role} probe reads token_stats (full-vocabulary statistics), which {at} cannot return; {fix}")
+    if spec.needs_hidden:
+        if role == "draft":
+            out.append(f"the draft probe reads hidden, but a server writing a step returns no hidden rows; {fix} "
+                       "or use rule='threshold'")
+        elif not caps.hidden:
+            out.append(f"the target probe reads hidden, which {at} does not return (SGLang needs "
+                       f"--enable-return-hidden-states; vLLM and llama.cpp return none); {fix}")
+        elif tuple(spec.layer_ids) != (-1,):
+            out.append(f"the target probe reads layers {list(spec.layer_ids)}, but servers return the last layer "
+                       f"only; use a probe on layer_ids [-1]")
+        else:
+            out += _source_problems(engine, caps, spec, role)
+    if getattr(spec, "needs_topk", False) and caps.max_top_k is not None and caps.max_top_k < spec.top_k:
+        out.append(f"the {role} probe reads top-{spec.top_k} statistics but {at} returns at most top-{caps.max_top_k}; "
+                   "raise the server's limit (vLLM: --max-logprobs) or use a probe trained with a smaller top_k")
+    return out
+
+
+def _source_problems(engine, caps: Capabilities, spec: FeatureSpec, role: str) -> list[str]:
+    """The probe's hidden rows come from the engine and norm convention it was trained on."""
+    check = getattr(spec, "check_source", None)
+    if check is not None:
+        try:
+            check(engine.name, caps.hidden_norm, f"the {role} probe on {engine.url}")
+        except ValueError as e:
+            return [str(e)]
+        return []
+    if engine.name != "transformers" or caps.hidden_norm != "final_norm":  # specs that predate sources: transformers'
+        return [f"the {role} probe was trained on transformers' hidden states (final_norm), but {engine.url} is "
+                f"{engine.name} with {caps.hidden_norm} rows; use a probe trained on this engine's features"]
+    return []
+
+
+def _load_probe(probe, role: str):
+    """A probe directory (loaded without a model: a server's weights cannot be fingerprinted here) or a probe."""
+    if probe is None:
+        return None
+    if isinstance(probe, (str, os.PathLike)):
+        from probes.export import load_probe
+
+        return load_probe(probe, role=role)
+    if not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
+        raise TypeError(f"{role}_probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
+    from probes.export import check_role
+
+    check_role(probe.config, role, where=f"the {role} probe")
+    return probe.eval()
+
+
+def _read_prompts(prompts) -> list[str]:
+    """The prompts as a non-empty list of non-empty strings, or a ValueError naming the first bad one."""
+    if prompts is None or isinstance(prompts, str):
+        raise ValueError(f"prompts={prompts!r}: expected a list of prompt strings")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt string")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"prompt {i} is {p!r}: the served decoder sends text (the servers tokenize it); "
+                             "give a non-empty string (Task.prompt_text formats one)")
+    return prompts
+
+
+def answer_cut(tokens: TokenLogprobs | None, step: StepSpec, marker: str | None) -> tuple[str, int] | None:
+    """Where the step loop would stop a text written in one request: the end of the first step (cut at
+    ``step``'s delimiters and cap, token by token) after which the answer line is complete.
+
+    Returns:
+        ``(text, n_tokens)`` up to that step's end, or None when the answer never completes.
+    """
+    if tokens is None or not marker:
+        return None
+    text, cur, n = "", "", 0
+    for i, piece in enumerate(tokens.tokens):
+        cur, n = cur + piece, n + 1
+        if ends_step(cur, step.delimiters) or n >= step.max_step_tokens:
+            text, cur, n = text + cur, "", 0
+            if answer_complete(text, marker):
+                return text, i + 1
+    return None
+
+
+def fast_keeps(step: TokenLogprobs, n_forced: int, fp: FastPath) -> bool:
+    """:func:`~probes.decoding.policies.fast_path_keeps` from a server's top-k: every drafted token is in the
+    target's top-``fp.top_k`` and has at least ``fp.min_logprob``."""
+    lp, top = step.logprobs[n_forced:], step.top[n_forced:, : fp.top_k]
+    if len(lp) == 0:
+        return False
+    rank = (top > lp[:, None]).sum(-1)
+    return bool(((rank < fp.top_k) & (lp >= fp.min_logprob)).all())
+
+
+def features(spec: FeatureSpec, step: TokenLogprobs, hidden: torch.Tensor | None) -> torch.Tensor:
+    """A probe's (1, W) input from what a server returned for a step (its top-k, its hidden rows)."""
+    tokens = [step.ids if step.ids is not None else step.tokens]  # only their number matters without token_stats
+    kw = {}
+    if spec.needs_hidden:
+        kw["hidden"] = [hidden[None]]  # (1, k, D): the last layer
+    if getattr(spec, "needs_topk", False):
+        kw["topk"] = [(step.logprobs, step.top)]
+    return probe_input(rows_features(spec, tokens, **kw), spec.groups)
+
+
+_KEY = re.compile(r"(?i)(api[_-]?key|token|secret)")
+
+
+def redact(message: str) -> str:
+    """``message`` with the value of every key-like environment variable (``*API_KEY*``, ``*TOKEN*``) masked."""
+    for name, value in os.environ.items():
+        if _KEY.search(name) and len(value) >= 8 and value in message:
+            message = message.replace(value, "***")
+    return message
+
+
+class PromptDecode:
+    """One prompt's loop and its counters (the unit :meth:`ServedDecoder.generate` runs concurrently).
+
+    Args:
+        dec: the decoder (engines, probes, step spec, options).
+        k: the prompt's index (its seeds derive from ``(seed, k)``).
+        prompt: the prompt text.
+        budget: output token budget.
+        sampling: temperature and top-p of both servers.
+        seed: the decode's seed.
+    """
+
+    def __init__(self, dec: ServedDecoder, k: int, prompt: str, budget: int, sampling: SamplingSpec,
+                 seed: int) -> None:
+        self.dec, self.k, self.prompt, self.budget, self.sampling, self.seed = dec, k, prompt, budget, sampling, seed
+        self.context, self.forced = prompt, ""  # committed text (prompt included); the bonus token opening the next step
+        self.pieces: list[str] = []
+        self.trace: list[StepTrace] = []
+        self.stats = DecodeStats()
+        self.done, self.reason = False, None
+        self.used = 0  # tokens in the servers' context, from their last usage
+        self.coins = torch.Generator().manual_seed(stream_seed(seed, k, "coins"))
+
+    @property
+    def output(self) -> str:
+        return "".join(self.pieces)
+
+    def run(self, how: str | AcceptancePolicy) -> DecodeResult:
+        """Decode to the end (``how``: a policy, or a method of :data:`ALONE`); a failure ends this prompt only."""
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                if isinstance(how, str):
+                    self.alone(ALONE[how])
+                else:
+                    self.loop(how)
+        except Exception as e:  # noqa: BLE001 (a dead server or a bad answer fails this prompt, not the decode)
+            self.stats.wall_s = time.perf_counter() - t0
+            return DecodeResult("", self.trace, self.stats, "error", redact(str(e)))
+        self.stats.wall_s = time.perf_counter() - t0
+        return DecodeResult(self.output, self.trace, self.stats, self.reason)
+
+    def loop(self, policy: AcceptancePolicy) -> None:
+        while not self.done:
+            lim = self.limit()
+            if lim <= 0:
+                self.close()
+            elif self.dec.options.target_first_step and not self.trace:
+                self.target_step(lim, first=True)
+            else:
+                self.speculate(lim, policy)
+
+    def limit(self) -> int:
+        """Tokens the next step may add: the budget left, and the room left in the servers' contexts."""
+        left = self.budget - self.stats.output_tokens
+        for engine in (self.dec.target, self.dec.draft):
+            ctx = getattr(engine, "context_length", None)
+            if ctx is not None:
+                left = min(left, ctx - self.used - SPARE)
+        return left
+
+    def request(self, role: str, kind: str, *args, **kw):
+        """One request to the ``role`` server (``kind``: read or write), counted; a failure names the server."""
+        engine = getattr(self.dec, role)
+        kw.update(sampling=self.sampling, seed=stream_seed(self.seed, self.k, f"{role}:{kind}:{len(self.trace)}"))
+        t0 = time.perf_counter()
+        try:
+            answer = getattr(engine, kind)(*args, **kw)
+        except Exception as e:
+            raise RuntimeError(f"the {role} server {engine.url} failed a {kind} request: {type(e).__name__}: {e}") from e
+        u, s = answer.usage, self.stats
+        s.requests += 1
+        s.http_s += time.perf_counter() - t0
+        s.prefill_tokens += u.prefill_tokens if u.prefill_tokens is not None else u.prompt_tokens - (u.cached_tokens or 0)
+        self.used = max(self.used, u.prompt_tokens + u.completion_tokens)
+        return answer
+
+    def speculate(self, lim: int, policy: AcceptancePolicy) -> None:
+        """The draft's server writes a step, the target's reads it, the policy keeps it or the target rewrites it."""
+        dec, n_forced = self.dec, int(bool(self.forced))
+        cap = min(dec.step.max_step_tokens - n_forced, lim)
+        if cap < 1:  # the step is the bonus token alone
+            return self.commit_forced()
+        t0 = time.perf_counter()
+        top_k = dec.draft_spec.top_k if policy.needs.p and getattr(dec.draft_spec, "needs_topk", False) else None
+        w = self.request("draft", "write", self.context + self.forced, step=dec.step, max_tokens=cap, top_k=top_k)
+        self.stats.draft_s += time.perf_counter() - t0
+        self.stats.draft_steps_proposed += 1
+        self.stats.drafted_tokens += w.usage.completion_tokens
+        step = self.forced + w.text
+        reading, scores = self.score(step, w, policy, n_forced)
+        decision = policy.decide({0: scores})[0] if scores is not None else "reject"  # nothing read: not kept
+        s = scores or Scores(step, self.output)
+        self.trace.append(StepTrace("draft", step, n_forced + w.usage.completion_tokens, s.q, s.p, decision,
+                                    time.perf_counter() - t0))
+        if decision == "reject":
+            return self.target_step(lim, first=False)
+        self.stats.draft_steps_accepted += 1
+        before = self.context
+        self.commit(step, w.usage.completion_tokens, True, w.stop == "eos")
+        if not self.done and dec.options.bonus_token and self.limit() > 0:
+            if reading is None:  # the policy read nothing: the read brings the bonus token only
+                reading = self.request("target", "read", before, step, top_k=1, hidden=False)
+            self.stats.output_tokens += 1
+            if reading.next_eos:
+                self.finish("eos")
+            else:
+                self.forced = reading.next_text
+
+    def score(self, step: str, w, policy: AcceptancePolicy, n_forced: int):
+        """``(reading, Scores)``: the target's read when the policy needs it, the probes, the coin and ``p``."""
+        dec, needs = self.dec, policy.needs
+        if not step:
+            return None, None
+        reading, fast, q, x = None, False, None, None
+        if needs.q or needs.fast_path is not None:
+            t0 = time.perf_counter()
+            hidden = needs.q and dec.target_spec.needs_hidden
+            reading = self.request("target", "read", self.context, step, top_k=dec.read_top_k(policy), hidden=hidden)
+            self.stats.verify_s += time.perf_counter() - t0
+        if needs.fast_path is not None:
+            fast = fast_keeps(reading.step, n_forced, needs.fast_path)
+        if needs.q and not fast:
+            t0 = time.perf_counter()
+            x = features(dec.target_spec, reading.step, reading.hidden)
+            q = run_probe(dec.target_probe, x)[0]
+            self.stats.probe_s += time.perf_counter() - t0
+        coin = float(torch.rand((), generator=self.coins)) if needs.coin and not fast else None
+        scores = Scores(step, self.output, x, fast, q, None, coin)
+        if needs.p and policy.wants_p(scores):
+            t0 = time.perf_counter()
+            if w.tokens is None:
+                raise RuntimeError(f"the draft server {dec.draft.url} returned no log-probs for a written step "
+                                   "though top_k was asked (the draft probe's p reads them)")
+            scores = replace(scores, p=run_probe(dec.draft_probe, features(dec.draft_spec, w.tokens, None))[0])
+            self.stats.probe_s += time.perf_counter() - t0
+        return reading, scores
+
+    def target_step(self, lim: int, first: bool) -> None:
+        """The target's server writes the step (the first one, or the one it refused)."""
+        n_forced = int(bool(self.forced))
+        cap = min(self.dec.step.max_step_tokens - n_forced, lim)
+        if cap < 1:
+            return self.commit_forced()
+        t0 = time.perf_counter()
+        w = self.request("target", "write", self.context + self.forced, step=self.dec.step, max_tokens=cap)
+        dt = time.perf_counter() - t0
+        if first:
+            self.stats.first_step_s += dt
+        else:
+            self.stats.rewrite_s += dt
+        text = self.forced + w.text
+        self.trace.append(StepTrace("target", text, n_forced + w.usage.completion_tokens, decision="target", seconds=dt))
+        self.commit(text, w.usage.completion_tokens, False, w.stop == "eos")
+
+    def commit(self, text: str, n_new: int, by_draft: bool, eos: bool) -> None:
+        """A kept step joins the output (its bonus token was counted when drawn); is the prompt done?"""
+        s = self.stats
+        s.steps += 1
+        s.output_tokens += n_new
+        s.draft_tokens += n_new if by_draft else 0
+        self.pieces.append(text)
+        self.context += text
+        self.forced = ""
+        if eos:
+            self.finish("eos")
+        elif answer_complete(self.output, self.dec.options.answer_marker):
+            self.finish("answer")
+
+    def commit_forced(self) -> None:
+        """A step that holds only the pending bonus token (the step cap or the budget leaves no more)."""
+        text = self.forced
+        self.trace.append(StepTrace("target", text, 1, decision="target"))
+        self.commit(text, 0, False, False)
+
+    def finish(self, reason: str) -> None:
+        self.done, self.reason = True, reason
+
+    def close(self) -> None:
+        """Finish at the budget or the context end; a pending bonus token becomes a last one-token step."""
+        self.finish("budget" if self.stats.output_tokens >= self.budget else "context")
+        if self.forced:
+            self.trace.append(StepTrace("target", self.forced, 1, decision="target"))
+            self.pieces.append(self.forced)
+            self.stats.steps += 1
+            self.forced = ""
+
+    def alone(self, role: str) -> None:
+        """One server writes the whole output in one request, cut where the step loop would stop at the answer."""
+        marker, t0 = self.dec.options.answer_marker, time.perf_counter()
+        lim = self.limit()
+        if lim < 1:
+            return self.close()
+        w = self.request(role, "write", self.prompt, step=None, max_tokens=lim, top_k=1 if marker else None)
+        text, n = w.text, w.usage.completion_tokens
+        self.finish("eos" if w.stop == "eos" else "budget" if n >= self.budget else "context")
+        cut = answer_cut(w.tokens, self.dec.step, marker)
+        if cut is not None:
+            text = w.text[: len(cut[0])] if w.text.startswith(cut[0]) else cut[0]
+            n = cut[1]
+            self.finish("answer")
+        s = self.stats
+        s.steps, s.output_tokens = 1, n
+        if role == "draft":
+            s.draft_steps_proposed = s.draft_steps_accepted = 1
+            s.draft_tokens = s.drafted_tokens = n
+        decision = "target" if role == "target" else "accept"
+        self.trace.append(StepTrace(role, text, n, decision=decision, seconds=time.perf_counter() - t0))
+        self.pieces.append(text)
