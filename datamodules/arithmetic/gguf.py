@@ -21,9 +21,17 @@ do not fit:
 Unigram (llama.cpp's UGM) segments text by Viterbi over the scores of the vocabulary's pieces. With
 every score equal (-1), the best segmentation is the one with the fewest tokens, and for every text
 written in the world's vocabulary that is the world's own pre-split (a longer piece always beats two
-shorter ones). ``tests/test_world_gguf.py`` checks this on everything the world writes, and also
-that log-probs through llama.cpp equal transformers' (serve with an f32 KV cache:
-:func:`benchmarks.llama_server.world_server`).
+shorter ones). One tie remains: a run of three or more newlines splits into as few tokens as
+``"\n\n" "\n"`` or ``"\n" "\n\n"``, and Viterbi keeps the first path it finds, ``"\n" "\n\n"``,
+where the world's regex takes ``"\n\n"`` first. Scores cannot break a tie between two orders of the
+same tokens, so ``"\n\n"`` is typed user-defined (:data:`GREEDY`): llama.cpp splits user-defined
+pieces out of the text first, leftmost, as the regex does, and Viterbi segments the rest.
+
+Text outside the vocabulary is not covered: the world's tokenizer writes ``<unk>`` for a number above
+199 (``"1234"``), llama.cpp splits it into known numbers. ``tests/test_world_gguf.py`` checks the
+tokenizers agree on everything the world writes (problems, traces, the judge's prompts, its models'
+samples), and that log-probs through llama.cpp equal transformers' when the KV cache is f32
+(:func:`benchmarks.llama_server.world_server`).
 """
 
 from __future__ import annotations
@@ -37,21 +45,22 @@ from typing import Optional
 
 from datamodules.arithmetic import models
 
-FORMAT = 1
-"""Version of this exporter's output: part of the cache key, so a changed exporter rewrites the cache."""
 CACHE_FOLDER = "gguf"
 """Default cache: ``<world root>/gguf/`` (``checkpoints/arithmetic/gguf/`` for the shipped world, gitignored)."""
 SCORE = -1.0
 """Every piece's Unigram score: equal scores make Viterbi pick the fewest tokens."""
 SPACE = "\u2581"
 """SentencePiece's word-boundary mark; llama.cpp's UGM tokenizer stores spaces as this character."""
+GREEDY = ("\n\n",)
+"""Pieces typed user-defined: llama.cpp splits them out of the text first, leftmost, before Viterbi (see the module docstring)."""
 SOURCE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def weights_key(role: str, root: Optional[str | os.PathLike] = None) -> str:
-    """Cache key of one role's GGUF: sha256 (16 hex digits) of its config, weights, tokenizer and :data:`FORMAT`."""
+    """Cache key of one role's GGUF: sha256 (16 hex digits) of its config, weights and tokenizer, and of this
+    module's source, so that a changed exporter writes the files again."""
     folder = models.model_dir(role, root)
-    h = hashlib.sha256(f"format={FORMAT}".encode())
+    h = hashlib.sha256(Path(__file__).read_bytes())
     for name in SOURCE_FILES:
         h.update(name.encode())
         with open(folder / name, "rb") as f:
@@ -104,7 +113,7 @@ def _add_tokenizer(w, tok, vocab_size: int) -> None:
     w.add_tokenizer_model("t5")  # llama.cpp's Unigram (UGM) tokenizer
     w.add_token_list([p.replace(" ", SPACE) for p in pieces])
     w.add_token_scores([SCORE] * len(pieces))
-    w.add_token_types([3 if p in specials else 1 for p in pieces])  # 3: control, 1: normal
+    w.add_token_types([3 if p in specials else 4 if p in GREEDY else 1 for p in pieces])  # control, user-defined, normal
     w.add_add_space_prefix(False)
     w.add_remove_extra_whitespaces(False)
     w.add_bos_token_id(tok.bos_token_id)
@@ -178,7 +187,7 @@ def export_gguf(role: str, out_path: str | os.PathLike, root: Optional[str | os.
 
 
 def world_gguf(role: str, cache_dir: Optional[str | os.PathLike] = None, root: Optional[str | os.PathLike] = None) -> Path:
-    """One role's GGUF, written on first use and again whenever the weights change.
+    """One role's GGUF, written on first use and again whenever its weights, its tokenizer or this exporter change.
 
     The file is ``<cache_dir>/<role>-<key>.gguf`` with the key from :func:`weights_key`; older files of
     the same role in the folder are removed when a new one is written.
