@@ -66,17 +66,21 @@ class LlamaServer:
         except (OSError, ValueError, KeyError):
             return None
 
-    def start(self) -> "LlamaServer":
-        if self._models() is not None:
-            raise RuntimeError(f"port {self.port} already answers /v1/models; stop that server or pick another port")
+    def command(self) -> list[str]:
+        """The server's command line."""
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(self.path), "--host", "127.0.0.1",
                "--port", str(self.port), "--model_alias", self.alias, "--n_ctx", str(self.n_ctx), "--verbose", "false"]
         if self.n_threads:
             cmd += ["--n_threads", str(self.n_threads)]
         if self.f32_kv:
             cmd += ["--type_k", str(GGML_TYPE_F32), "--type_v", str(GGML_TYPE_F32)]
+        return cmd
+
+    def start(self) -> "LlamaServer":
+        if self._models() is not None:
+            raise RuntimeError(f"port {self.port} already answers /v1/models; stop that server or pick another port")
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
