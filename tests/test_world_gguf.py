@@ -328,7 +328,13 @@ def test_served_stop_and_eos_answers(served):
 
 @pytest.mark.slow
 def test_served_seed_is_honoured_and_n_is_not(served):
-    """``seed`` makes a sample reproducible; ``n`` > 1 still gives one choice (fan out with seeds instead)."""
+    """``seed`` makes a sample reproducible; ``n`` > 1 still gives one choice (fan out with seeds instead).
+
+    The server's sampling defaults are not the in-process sampler's: ``top_k`` 40, ``min_p`` 0.05,
+    ``repeat_penalty`` 1.1 over the last 64 tokens (it changes greedy text too), and llama-cpp-python
+    chains top-k, typical, top-p, min-p, then temperature, so top-p cuts the untempered distribution.
+    Send ``top_k: 0, min_p: 0, repeat_penalty: 1`` (and temperature 1 or top_p 1) to sample as in-process.
+    """
     server, _, _ = served
     prompt = task.generate_problems(1, 34)[0].problem + task.STEP_DELIMITER
     body = dict(prompt=prompt, max_tokens=60, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repeat_penalty=1.0)
