@@ -21,6 +21,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+GGML_TYPE_F32 = 0
+"""ggml's type id of float32 (``--type_k``/``--type_v`` take ggml type ids; the server's default is float16)."""
+
 
 def server_available() -> bool:
     """Whether ``llama_cpp.server`` can be imported (``pip install "llama-cpp-python[server]"``)."""
@@ -40,17 +43,19 @@ class LlamaServer:
         n_threads: CPU threads it decodes with (None = the server's default).
         ready_timeout: seconds to wait for ``/v1/models``.
         log: file the server's output goes to (None = discarded).
+        f32_kv: keep the KV cache in float32 (``--type_k 0 --type_v 0``) instead of llama.cpp's default
+            float16, so that log-probs equal an in-process float32 model's (see :func:`world_server`).
     """
 
     def __init__(self, model: str, port: int, alias: str, n_ctx: int = 2048, n_threads: int | None = None,
-                 ready_timeout: float = 120.0, log: str | os.PathLike | None = None):
+                 ready_timeout: float = 120.0, log: str | os.PathLike | None = None, f32_kv: bool = False):
         from datamodules.labels.models import find_pypi_gguf
 
         path = find_pypi_gguf(model.removeprefix("pypi:")) if model.startswith("pypi:") else Path(model)
         if not Path(path).is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
         self.path, self.port, self.alias, self.n_ctx, self.n_threads = Path(path), port, alias, n_ctx, n_threads
-        self.ready_timeout, self.log = ready_timeout, log
+        self.ready_timeout, self.log, self.f32_kv = ready_timeout, log, f32_kv
         self.url = f"http://127.0.0.1:{port}/v1"
         self.proc: subprocess.Popen | None = None
 
@@ -61,15 +66,21 @@ class LlamaServer:
         except (OSError, ValueError, KeyError):
             return None
 
-    def start(self) -> "LlamaServer":
-        if self._models() is not None:
-            raise RuntimeError(f"port {self.port} already answers /v1/models; stop that server or pick another port")
+    def command(self) -> list[str]:
+        """The server's command line."""
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(self.path), "--host", "127.0.0.1",
                "--port", str(self.port), "--model_alias", self.alias, "--n_ctx", str(self.n_ctx), "--verbose", "false"]
         if self.n_threads:
             cmd += ["--n_threads", str(self.n_threads)]
+        if self.f32_kv:
+            cmd += ["--type_k", str(GGML_TYPE_F32), "--type_v", str(GGML_TYPE_F32)]
+        return cmd
+
+    def start(self) -> "LlamaServer":
+        if self._models() is not None:
+            raise RuntimeError(f"port {self.port} already answers /v1/models; stop that server or pick another port")
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -97,3 +108,27 @@ class LlamaServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def world_server(role: str, port: int, log: str | os.PathLike | None = None, n_threads: int = 1,
+                 root: str | os.PathLike | None = None) -> LlamaServer:
+    """A server for one of the embedded world's models, ready to ``start()`` or use as a context manager.
+
+    It serves :func:`datamodules.arithmetic.gguf.world_gguf` (f32 weights, written on first use) with
+    an f32 KV cache, under the alias ``role``, with the world's context length. With llama.cpp's default
+    f16 KV cache its log-probs differ from transformers' by up to 1e-2 (target) to 5e-2 (draft); with f32
+    they agree within 5e-4 (``tests/test_world_gguf.py`` measures both).
+
+    Args:
+        role: ``"target"``, ``"draft"`` or ``"judge"``.
+        port: loopback port.
+        log: file the server's output goes to (None = discarded).
+        n_threads: CPU threads it decodes with.
+        root: the world folder (default ``$SEMANTICSPEC_WORLD`` or ``checkpoints/arithmetic``).
+    """
+    from datamodules.arithmetic.gguf import world_gguf
+    from datamodules.arithmetic.models import model_dir
+
+    n_ctx = json.loads((model_dir(role, root) / "config.json").read_text())["max_position_embeddings"]
+    return LlamaServer(str(world_gguf(role, root=root)), port, role, n_ctx=n_ctx, n_threads=n_threads, log=log,
+                       f32_kv=True)
