@@ -197,7 +197,7 @@ def test_export_refuses_a_model_llama_gguf_cannot_hold(tmp_path):
 
 # --------------------------------------------------------------------------- slow: a real llama.cpp server
 
-PORT = 8821
+PORT = 8823
 GREEDY = {"temperature": 0, "repeat_penalty": 1.0}
 """Greedy as in-process: the server's default ``repeat_penalty`` is 1.1 and it changes greedy text."""
 

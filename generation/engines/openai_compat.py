@@ -83,6 +83,8 @@ class _Completions:
     """What llama.cpp and vLLM clients share: setup, the request, the echo's step, the written step."""
 
     name = "?"
+    sampling_extra: dict = {}
+    """Request fields this engine needs to sample as the package does (none by default)."""
 
     def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
                  timeout: float = 120.0, retries: int = 3):
@@ -118,7 +120,7 @@ class _Completions:
         return self.conn.completions(
             fix=fix, model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, seed=seed & 0x7FFFFFFF, logprobs=logprobs, echo=echo, stop=stop,
-            extra_body=extra or None)
+            extra_body={**self.sampling_extra, **(extra or {})} or None)
 
     def _choice(self, resp):
         if not resp.choices:
@@ -196,6 +198,10 @@ class LlamaCppEngine(_Completions):
     """
 
     name = "llama.cpp"
+    sampling_extra = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
+    """llama-cpp-python samples with top-k 40, min-p 0.05 and a repeat penalty of 1.1 unless told otherwise; these
+    turn all three off, so greedy text equals the in-process greedy text (its top-p still cuts the untempered
+    distribution, before the temperature, where the package's sampler cuts the tempered one)."""
 
     def _probe(self) -> Capabilities:
         if self.conn.get("/props") is not None:
