@@ -462,12 +462,13 @@ def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
 
     from datamodules.arithmetic.models import load_model
 
-    root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic" / "probes"
-    for role in ("target", "draft"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            probe = load_probe(root / role, model=load_model(role), tokenizer=world_tokenizer, role=role)
-        assert probe.config.role == role
+    root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic"
+    for folder, groups in (("probes", ["hidden", "token_stats"]), ("probes-topk", ["topk_stats"])):
+        for role in ("target", "draft"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                probe = load_probe(root / folder / role, model=load_model(role), tokenizer=world_tokenizer, role=role)
+            assert probe.config.role == role and probe.config.feature_groups == groups
 
 
 def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
