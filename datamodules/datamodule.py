@@ -44,8 +44,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         skip_corrupt: skip (with a warning) shards whose checksum differs instead of failing.
         nonfinite: ``error`` on NaN/inf features, or ``drop`` those rows (counted in ``dropped_rows``).
         feature_groups: feature groups the probes read, from those the data holds (``hidden``: pooled
-            hidden states; ``token_stats``: the reading model's statistics of the step's tokens).
-            None = every group the data holds (``[hidden, token_stats]`` for builds of this version).
+            hidden states; ``token_stats``: the reading model's statistics of the step's tokens; ``topk_stats``:
+            statistics exact from its top-k log-probs). None = every group the data holds
+            (``[hidden, token_stats, topk_stats]`` for builds of this version).
             The paper's probe is ``[hidden]``.
     """
 
@@ -102,8 +103,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
 
     @property
     def input_spec(self) -> dict[str, dict]:
-        """Per role: ``hidden_size``, ``layer_ids``, ``pooling``, ``feature_groups``, ``token_stats``,
-        ``reads``, ``step`` (a :class:`~generation.specs.StepSpec`), ``sampling`` (a
+        """Per role: ``hidden_size``, ``layer_ids``, ``pooling``, ``feature_groups``, ``token_stats``, ``topk_stats``,
+        ``top_k``, ``source``, ``hidden_norm``, ``reads``, ``step`` (a :class:`~generation.specs.StepSpec`), ``sampling`` (a
         :class:`~generation.specs.SamplingSpec`, None when the data did not record it), ``labels``.
 
         From the manifest when the data is built, else from the build config (model folders'
@@ -118,14 +119,16 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             else:
                 raise FileNotFoundError(self._missing_message())
             held = list(sig.get("feature_groups", ["hidden"]))  # builds before format 2 stored pooled states only
-            stats = list(sig.get("token_stats", []))
+            stats, topk = list(sig.get("token_stats", [])), list(sig.get("topk_stats", []))  # topk: format 3
             groups = held if self.feature_groups is None else self.feature_groups
             require_features(groups, stats, held, stats, where=f"data.feature_groups={groups}",
-                             provider=f"the data in {self.data_dir}")
+                             provider=f"the data in {self.data_dir}", wanted_topk=topk, provided_topk=topk)
             step, sampling, labels = _recorded_specs(sig)
             self._spec = {r: {"hidden_size": int(sig["reads"][r]["hidden_size"]), "layer_ids": list(sig["layer_ids"]),
                               "pooling": sig["pooling"], "feature_groups": list(groups),
                               "token_stats": stats if "token_stats" in groups else [],
+                              "topk_stats": topk if "topk_stats" in groups else [], "top_k": sig.get("top_k", 20),
+                              **_recorded_source(sig),
                               "reads": dict(sig["reads"][r]), "step": step, "sampling": sampling, "labels": labels}
                           for r in self.roles}
         return self._spec
@@ -230,9 +233,10 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                 if have != want:
                     raise ValueError(f"shard {path}: {r}.features are {have} wide, expected {want} "
                                      f"(= {len(spec[r]['layer_ids'])} layers x hidden_size {spec[r]['hidden_size']})")
-            if "token_stats" in groups and shapes.get(f"{r}.token_stats", [0, -1])[1] != len(spec[r]["token_stats"]):
-                raise ValueError(f"shard {path}: {r}.token_stats has shape {shapes.get(f'{r}.token_stats')}, "
-                                 f"expected {len(spec[r]['token_stats'])} columns ({spec[r]['token_stats']})")
+            for g in ("token_stats", "topk_stats"):
+                if g in groups and shapes.get(f"{r}.{g}", [0, -1])[1] != len(spec[r][g]):
+                    raise ValueError(f"shard {path}: {r}.{g} has shape {shapes.get(f'{r}.{g}')}, "
+                                     f"expected {len(spec[r][g])} columns ({spec[r][g]})")
             t = read_rows(path, [r], groups, ("problem_id",))
             finite = torch.isfinite(t[f"{r}.input"]).all(1)
             if not bool(finite.all()):
@@ -277,6 +281,11 @@ def _recorded_specs(sig: dict) -> tuple[StepSpec, SamplingSpec | None, dict]:
     if "n_samples" in recorded:
         labels["n_samples"] = recorded["n_samples"]
     return step, sampling, labels
+
+
+def _recorded_source(sig: dict) -> dict[str, str]:
+    """Where the data's features were read (``source``, ``hidden_norm``); builds before format 3 read in-process."""
+    return {"source": sig.get("source", "transformers"), "hidden_norm": sig.get("hidden_norm", "final_norm")}
 
 
 def _release_freed_memory() -> None:

@@ -47,9 +47,9 @@ def read_rows(path: str | Path, roles: list[str], groups: tuple[str, ...], colum
     """One shard's rows: per role ``<role>.input`` (the feature groups, flat, in ``groups`` order) and ``columns``.
 
     The ``hidden`` group stays float16 when it is the only one (half the buffer memory); with
-    ``token_stats`` the input is float32.
+    ``token_stats`` or ``topk_stats`` the input is float32.
     """
-    keys = {"hidden": "features", "token_stats": "token_stats"}
+    keys = {"hidden": "features", "token_stats": "token_stats", "topk_stats": "topk_stats"}
     t = S.read_shard(path, [f"{r}.{k}" for r in roles for k in [keys[g] for g in groups] + list(columns)])
     out = {f"{r}.{c}": t[f"{r}.{c}"] for r in roles for c in columns}
     for r in roles:
@@ -77,7 +77,7 @@ class ShardStream(IterableDataset):
         seed: seed of the split hash and of shuffling.
         fractions: ``(val_fraction, test_fraction)``.
         nonfinite: ``error`` or ``drop`` rows whose features hold NaN or inf.
-        groups: feature groups to stream (``hidden`` and/or ``token_stats``), concatenated in this order.
+        groups: feature groups to stream (``hidden``, ``token_stats``, ``topk_stats``), concatenated in this order.
     """
 
     def __init__(self, shards: list[dict], roles: list[str], split: str, batch_size: int, shuffle: bool,

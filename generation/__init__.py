@@ -5,7 +5,7 @@
   its sampler), and label sampling (:func:`generation.writer.generate`);
 - :mod:`generation.specs`: the typed specs that travel with data and probes (``StepSpec``, ``SamplingSpec``,
   ``FeatureSpec``), validated once, one default per field;
-- :mod:`generation.features`: the probes' feature groups (pooled hidden states, token statistics),
+- :mod:`generation.features`: the probes' feature groups (pooled hidden states, token and top-k statistics),
   computed by one function at label-build time and at decode time;
 - :mod:`generation.groups`: their names and checks (no torch import);
 - :mod:`generation.sampling`: the one sampler (temperature / top-p draws; ``Sampler`` binds a spec to its streams);

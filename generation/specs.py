@@ -18,7 +18,7 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
-from generation.groups import TOKEN_STATS, check_groups
+from generation.groups import TOKEN_STATS, TOPK_STATS, check_groups
 from generation.steps import DEFAULT_DELIMITERS
 
 
@@ -111,52 +111,107 @@ def _real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+SOURCES: tuple[str, ...] = ("transformers", "sglang", "vllm", "llama.cpp")
+"""Where a probe's features are read: in-process transformers, or an engine's server."""
+HIDDEN_NORMS: tuple[str, ...] = ("final_norm", "pre_norm")
+"""Norm conventions of the last layer's hidden states: after the model's final norm (transformers' last
+``hidden_states`` entry, ``lm_head`` of it gives the logits) or before it."""
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
-    """What a probe reads: its feature groups and how each is computed.
+    """What a probe reads: its feature groups, how each is computed, and where the features come from.
 
     Attributes:
         groups: feature groups, a subset of :data:`~generation.groups.FEATURE_GROUPS`, in that order.
         layer_ids: ``hidden``: HF ``hidden_states`` indices (0 = embeddings, -1 = last layer).
         pooling: ``hidden``: ``mean`` over the step's tokens or ``last``.
         token_stats: ``token_stats``: names from :data:`~generation.groups.TOKEN_STATS`.
+        top_k: ``topk_stats``: how many of the reading model's largest log-probs the statistics see
+            (at least 5: top-5 membership is one of them).
+        topk_stats: ``topk_stats``: names from :data:`~generation.groups.TOPK_STATS`.
+        source: where the features are read (:data:`SOURCES`): ``transformers`` in-process, or a server.
+        hidden_norm: ``hidden``: the norm convention of the last layer's states (:data:`HIDDEN_NORMS`).
 
     Raises:
-        ValueError: an unknown group or statistic, an unknown pooling, or ``hidden`` without layers.
+        ValueError: an unknown group, statistic, pooling, source or norm convention, ``hidden`` without
+            layers, or a ``top_k`` that is not an integer >= 5 (naming field and value).
     """
 
     groups: tuple[str, ...] = ("hidden",)
     layer_ids: tuple[int, ...] = (-1,)
     pooling: str = "mean"
     token_stats: tuple[str, ...] = TOKEN_STATS
+    top_k: int = 20
+    topk_stats: tuple[str, ...] = TOPK_STATS
+    source: str = "transformers"
+    hidden_norm: str = "final_norm"
 
     def __post_init__(self) -> None:
-        for f in ("groups", "layer_ids", "token_stats"):
+        for f in ("groups", "layer_ids", "token_stats", "topk_stats"):
             object.__setattr__(self, f, tuple(getattr(self, f)))
-        problems = check_groups(list(self.groups), list(self.token_stats))
+        problems = check_groups(list(self.groups), list(self.token_stats), list(self.topk_stats))
         if self.pooling not in ("mean", "last"):
             problems.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
         if "hidden" in self.groups and not self.layer_ids:
             problems.append("layer_ids is empty: the hidden group needs at least one layer, e.g. [-1]")
+        problems += self.origin_errors(self.top_k, self.source, self.hidden_norm)
         _refuse("feature spec", problems)
+
+    @staticmethod
+    def origin_errors(top_k: Any, source: Any, hidden_norm: Any) -> list[str]:
+        """What is wrong with ``top_k``, ``source`` and ``hidden_norm`` (configs that hold the fields call it too)."""
+        out = []
+        if not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k >= 5):
+            out.append(f"top_k={top_k!r}: expected an integer >= 5 (top-5 membership is one of the top-k statistics)")
+        if source not in SOURCES:
+            out.append(f"source={source!r}: expected one of {list(SOURCES)}")
+        if hidden_norm not in HIDDEN_NORMS:
+            out.append(f"hidden_norm={hidden_norm!r}: expected one of {list(HIDDEN_NORMS)}")
+        return out
 
     @property
     def needs_hidden(self) -> bool:
         return "hidden" in self.groups
 
     @property
+    def needs_topk(self) -> bool:
+        """The probe reads ``topk_stats`` (a server's top-k answer, or top-k of in-process logits)."""
+        return "topk_stats" in self.groups
+
+    @property
     def needs_logits(self) -> bool:
-        return "token_stats" in self.groups
+        """An in-process reader must keep the logits predicting the step's tokens (``token_stats`` or ``topk_stats``)."""
+        return "token_stats" in self.groups or self.needs_topk
 
     def width(self, hidden_size: int) -> int:
         """Width of one flattened probe input for a model of ``hidden_size``."""
         w = len(self.layer_ids) * hidden_size if self.needs_hidden else 0
-        return w + (len(self.token_stats) if self.needs_logits else 0)
+        w += len(self.token_stats) if "token_stats" in self.groups else 0
+        return w + (len(self.topk_stats) if self.needs_topk else 0)
+
+    def check_source(self, source: str, hidden_norm: str, where: str) -> None:
+        """Refuse reading this spec's ``hidden`` group from another source or norm convention than it was trained on.
+
+        Statistics do not depend on the source (the top-k ones are exact from a top-k answer), so a probe that
+        does not read ``hidden`` is accepted from any source.
+
+        Raises:
+            ValueError: the probe reads ``hidden`` and ``source`` or ``hidden_norm`` differs, naming both.
+        """
+        if self.needs_hidden and (source, hidden_norm) != (self.source, self.hidden_norm):
+            raise ValueError(
+                f"{where}: the probe reads hidden states from source={self.source!r} (hidden_norm={self.hidden_norm!r}), "
+                f"but they would come from source={source!r} (hidden_norm={hidden_norm!r}); hidden states differ "
+                "between sources and norm conventions. Use a probe trained on this source's features, or one that "
+                "reads only token statistics (token_stats, topk_stats)."
+            )
 
     @classmethod
     def of(cls, config) -> "FeatureSpec":
-        """The spec of anything with ``feature_groups``, ``layer_ids``, ``pooling``, ``token_stats`` (a ProbeConfig)."""
-        return cls(tuple(config.feature_groups), tuple(config.layer_ids), config.pooling, tuple(config.token_stats))
+        """The spec of a :class:`~probes.config.ProbeConfig` (or anything with its feature fields)."""
+        return cls(tuple(config.feature_groups), tuple(config.layer_ids), config.pooling, tuple(config.token_stats),
+                   config.top_k, tuple(config.topk_stats), config.source, config.hidden_norm)
 
 
 def spec_from_dict(cls, d: Mapping[str, Any] | None, where: str):

@@ -54,6 +54,10 @@ def _reads_section(config: ProbeConfig) -> str:
                  ("layer combination", f"`{config.layer_combine}`")]
     if "token_stats" in config.feature_groups:
         rows.append(("token statistics", ", ".join(f"`{s}`" for s in config.token_stats)))
+    if "topk_stats" in config.feature_groups:
+        rows.append((f"top-{config.top_k} statistics", ", ".join(f"`{s}`" for s in config.topk_stats)))
+    rows.append(("read by", f"`{config.source}`" + (f", hidden states `{config.hidden_norm}`"
+                                                     if "hidden" in config.feature_groups else "")))
     dims = " → ".join(str(d) for d in [config.input_size, *config.hidden_dims, 1])
     rows += [("input", f"{config.input_size} columns" + (", standardised with the training rows' mean and "
                                                          "standard deviation" if config.standardize else "")),

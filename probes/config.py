@@ -11,7 +11,7 @@ from typing import Any, Optional
 from generation.groups import check_groups
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec, spec_from_dict
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Version of the exported ``config.json`` layout; older versions keep loading.
 
 1: pooled hidden states only. 2: named feature groups (``feature_groups``, ``token_stats``) and
@@ -19,7 +19,9 @@ input standardisation buffers in ``model.safetensors`` (a version-1 export loads
 with identity standardisation). 3: the sampling spec of the labels (``sampling``; older exports
 load with it unknown). 4: typed specs: ``step`` (delimiters and step cap, which format 3 kept in
 ``delimiters`` and ``labels.max_step_tokens``) and ``sampling`` (temperature and top-p; ``n_samples``
-moves to ``labels``)."""
+moves to ``labels``). 5: the ``topk_stats`` group (``top_k``, ``topk_stats``) and where the features come from
+(``source``, ``hidden_norm``); formats 0-4 load with ``topk_stats`` unread, ``top_k=20``,
+``source="transformers"`` and ``hidden_norm="final_norm"`` (what every earlier probe read)."""
 FINGERPRINT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size", "tokenizer_hash")
 """Fields of a reading model's fingerprint that must match at load time (name_or_path is informative)."""
 ROLES = ("target", "draft")
@@ -65,10 +67,21 @@ class ProbeConfig:
     pooling: str = "mean"
     """How a step's token states become one vector: ``mean`` over the step's tokens, or ``last``."""
     feature_groups: list[str] = field(default_factory=lambda: ["hidden"])
-    """Feature groups the probe reads, concatenated in this order: ``hidden`` (pooled states of ``layer_ids``)
-    and/or ``token_stats`` (the reading model's statistics of the step's tokens; see ``generation.features``)."""
+    """Feature groups the probe reads, concatenated in this order: ``hidden`` (pooled states of ``layer_ids``),
+    ``token_stats`` (the reading model's statistics of the step's tokens) and/or ``topk_stats`` (statistics exact
+    from the reading model's top-k log-probs, which a server can give); see ``generation.features``."""
     token_stats: list[str] = field(default_factory=list)
     """Names of the token statistics the ``token_stats`` group holds, in order (e.g. ``mean_logprob``)."""
+    top_k: int = 20
+    """``topk_stats``: how many of the reading model's largest log-probs the statistics see (an integer >= 5)."""
+    topk_stats: list[str] = field(default_factory=list)
+    """Names of the statistics the ``topk_stats`` group holds, in order (e.g. ``not_topk_share``)."""
+    source: str = "transformers"
+    """Where the features were read: ``transformers`` (in-process), ``sglang``, ``vllm`` or ``llama.cpp``. A decoder
+    reading ``hidden`` from another source refuses the probe."""
+    hidden_norm: str = "final_norm"
+    """Norm convention of the last layer's hidden states: ``final_norm`` (after the model's final norm, as
+    transformers' last ``hidden_states`` entry) or ``pre_norm``."""
     standardize: bool = True
     """Standardise every input column with the training rows' mean and standard deviation (stored as buffers)."""
     hidden_dims: list[int] = field(default_factory=lambda: [2048, 512, 256])
@@ -102,7 +115,8 @@ class ProbeConfig:
             errors.append(f"layer_combine={self.layer_combine!r}: expected 'concat' or 'weighted_sum'")
         if self.pooling not in ("mean", "last"):
             errors.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
-        errors += check_groups(self.feature_groups, self.token_stats)
+        errors += check_groups(self.feature_groups, self.token_stats, self.topk_stats)
+        errors += FeatureSpec.origin_errors(self.top_k, self.source, self.hidden_norm)
         if any(d < 1 for d in self.hidden_dims):
             errors.append(f"hidden_dims={self.hidden_dims}: widths must be >= 1")
         if not 0 <= self.dropout < 1:
@@ -143,8 +157,9 @@ class ProbeConfig:
 
     @property
     def input_size(self) -> int:
-        """Width of one flattened input row: the ``hidden`` columns, then one per token statistic."""
-        return self.hidden_width + (len(self.token_stats) if "token_stats" in self.feature_groups else 0)
+        """Width of one flattened input row: the ``hidden`` columns, then one per token and per top-k statistic."""
+        stats = len(self.token_stats) if "token_stats" in self.feature_groups else 0
+        return self.hidden_width + stats + (len(self.topk_stats) if "topk_stats" in self.feature_groups else 0)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":

@@ -54,7 +54,7 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
   -c, --config FILE           YAML config (default: configs/arithmetic.yaml, the embedded default)
   --data.data_dir DIR         label data: shards + manifest.json, built there when missing
   --data.build null           train on the finished data in data_dir as it is, never build
-  --data.feature_groups LIST  what the probes read: [hidden], [token_stats] or [hidden, token_stats]
+  --data.feature_groups LIST  what the probes read, from [hidden, token_stats, topk_stats] (e.g. [topk_stats])
   --data.val_fraction X       share of problems held out for validation (0: monitors watch the train loss)
   --trainer.max_epochs N      epochs to train (-1: no limit; early stopping ends the run)
   --trainer.devices N         devices (processes) to train on

@@ -30,7 +30,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
 
     Paper (SemanticSpec, Sec. 3): MLP ``d -> 2048 -> 512 -> 256 -> 1``, ReLU, dropout 0.3, sigmoid,
     over pooled hidden states. Here the input is the flat concatenation of the config's feature
-    groups (``hidden``: ``L*D`` columns; ``token_stats``: one column per statistic), standardised
+    groups (``hidden``: ``L*D`` columns; ``token_stats``, ``topk_stats``: one column per statistic), standardised
     by the buffers ``input_mean``/``input_std`` (set from the training rows by
     :meth:`set_standardization`; identity until then). ``hidden_dims=[]`` gives a linear probe.
     Several layers are concatenated or mixed by a learned softmax-weighted sum.
@@ -90,7 +90,8 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
             raise ValueError(
                 f"probe expects {cfg.input_size} features per row (groups {cfg.feature_groups}: "
                 f"{len(cfg.layer_ids)} layers x hidden_size={cfg.hidden_size} for hidden, "
-                f"{len(cfg.token_stats)} token statistics), got {features.shape[-1]} (shape {tuple(features.shape)})"
+                f"{len(cfg.token_stats)} token statistics, {len(cfg.topk_stats)} top-k statistics), "
+                f"got {features.shape[-1]} (shape {tuple(features.shape)})"
             )
         x = (x - self.input_mean) / self.input_std
         if hasattr(self, "layer_logits"):

@@ -119,8 +119,8 @@ class SemanticProbeModule(L.LightningModule):
         if isinstance(probe, dict):
             probe = ProbeConfig.from_dict(probe)
         fields = {"role": role}
-        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "reads", "step",
-                    "sampling", "labels"):
+        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "top_k", "topk_stats",
+                    "source", "hidden_norm", "reads", "step", "sampling", "labels"):
             if spec is not None and key in spec:
                 fields[key] = copy.deepcopy(spec[key])
         return replace(probe, **fields)
@@ -135,13 +135,7 @@ class SemanticProbeModule(L.LightningModule):
         if stage == "fit" and dm is not None and hasattr(dm, "feature_moments"):
             for role, probe in self.probes.items():
                 given, cfg = dm.input_spec[role], probe.config
-                if (cfg.feature_groups, cfg.token_stats) != (given["feature_groups"], given.get("token_stats", [])):
-                    raise ValueError(
-                        f"the {role} probe reads feature groups {cfg.feature_groups} (token statistics {cfg.token_stats}) "
-                        f"but the datamodule streams {given['feature_groups']} (token statistics "
-                        f"{given.get('token_stats', [])}) from {dm.data_dir}; set data.feature_groups to the probe's "
-                        "groups, or build the module from the datamodule's input_spec"
-                    )
+                _check_streamed(role, cfg, given, dm.data_dir)
                 probe.set_standardization(*dm.feature_moments(role))
 
     def _loss(self, logits: torch.Tensor, label: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -218,3 +212,19 @@ class SemanticProbeModule(L.LightningModule):
     def probe_config(self, role: str) -> dict[str, Any]:
         """The config of ``role``'s probe as a plain dict (what ``config.json`` will hold)."""
         return asdict(self.probes[role].config)
+
+
+def _check_streamed(role: str, cfg: ProbeConfig, given: dict[str, Any], data_dir) -> None:
+    """Refuse a probe whose features differ from those the datamodule streams (groups, statistics, k, source)."""
+    keys = ("feature_groups", "token_stats", "topk_stats", "top_k", "source", "hidden_norm")
+    defaults = {"token_stats": [], "topk_stats": [], "top_k": 20, "source": "transformers", "hidden_norm": "final_norm"}
+    probe = {k: getattr(cfg, k) for k in keys}
+    data = {k: given.get(k, defaults.get(k)) for k in keys}
+    if probe != data:
+        raise ValueError(
+            f"the {role} probe reads feature groups {cfg.feature_groups} (token statistics {cfg.token_stats}) "
+            f"but the datamodule streams {given['feature_groups']} (token statistics "
+            f"{given.get('token_stats', [])}) from {data_dir}; differing: "
+            + ", ".join(f"{k}: probe {probe[k]!r}, data {data[k]!r}" for k in keys if probe[k] != data[k])
+            + "; set data.feature_groups to the probe's groups, or build the module from the datamodule's input_spec"
+        )

@@ -78,13 +78,17 @@ WIDTH = {"target": 16, "draft": 8}
 """Feature widths of :func:`make_dataset`'s roles."""
 STATS = ["mean_logprob", "min_logprob"]
 """Token statistics of :func:`make_dataset`'s ``token_stats`` group."""
+TOPK = ["min_logprob", "not_topk_share", "mean_topk_mass"]
+"""Top-k statistics of :func:`make_dataset`'s ``topk_stats`` group (``topk=True``)."""
 
 
-def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draft_in=None, stats=True, nan_stats=0):
+def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draft_in=None, stats=True, nan_stats=0,
+                 topk=False):
     """Shards shaped like a build's; feature 0 holds the sample id so tests can follow rows.
 
     ``stats``: also a ``token_stats`` group (format 2, as builds now write); without it the layout of
-    format-1 builds (pooled states only). Draft-written target rows have writer 1 and a low label.
+    format-1 builds (pooled states only). ``topk``: also a ``topk_stats`` group (format 3) whose column 0 is
+    the writer. Draft-written target rows have writer 1 and a low label.
     """
     from datamodules.labels import shards as S
 
@@ -108,6 +112,8 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
                 if r == "target" and k == 0 and nan_stats:
                     ts[:nan_stats, 0] = float("-inf")
                 t[f"{r}.token_stats"] = ts
+            if topk:
+                t[f"{r}.topk_stats"] = torch.stack([writer.float(), -sample.float() / 50, torch.rand(rows)], dim=1)
             t.update({f"{r}.features": f, f"{r}.label": torch.rand(rows), f"{r}.q": torch.rand(rows), f"{r}.p": torch.rand(rows),
                       f"{r}.writer": writer, f"{r}.problem_id": prefix_id // 2,
                       f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample, f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
@@ -119,6 +125,9 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
            "sampling": {"n_samples": n, "temperature": 0.6, "top_p": 0.95}, "labels": {"max_step_tokens": 32}}
     if stats:
         sig.update(feature_groups=["hidden", "token_stats"], token_stats=STATS)
+    if topk:
+        sig.update(feature_groups=sig.get("feature_groups", ["hidden"]) + ["topk_stats"], top_k=20, topk_stats=TOPK,
+                   source="transformers", hidden_norm="final_norm")
     S.write_dataset(d, shards, sig)  # the writer the build uses
     return d
 

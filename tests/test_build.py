@@ -19,8 +19,8 @@ from generation.specs import SamplingSpec, StepSpec
 from datamodules.labels.clustering import ClusteringConfig
 from datamodules.labels.build import build, main
 from datamodules.datamodule import SemanticProbeDataModule
-from generation.groups import TOKEN_STATS
-from generation.features import pool_hidden_states, token_stats
+from generation.groups import TOKEN_STATS, TOPK_STATS
+from generation.features import pool_hidden_states, rows_features, token_stats, topk_of_logits
 from generation.specs import FeatureSpec
 from datamodules.labels.reading import read_steps
 from datamodules.arithmetic.task import ArithmeticTask
@@ -71,7 +71,9 @@ def test_build_writes_labelled_shards_and_manifest(reference):
     assert b["labels"]["judge"]["kind"] == "llm" and b["labels"]["labelling"] == "joint"
     assert m["roles"] == {"target": {"width": 32, "rows": m["roles"]["target"]["rows"]},
                           "draft": {"width": 24, "rows": m["roles"]["draft"]["rows"]}}
-    assert m["build"]["feature_groups"] == ["hidden", "token_stats"] and m["build"]["token_stats"] == list(TOKEN_STATS)
+    assert b["feature_groups"] == ["hidden", "token_stats", "topk_stats"] and b["token_stats"] == list(TOKEN_STATS)
+    assert (b["top_k"], b["topk_stats"], b["source"], b["hidden_norm"]) == (20, list(TOPK_STATS), "transformers",
+                                                                           "final_norm")
     assert len(m["shards"]) == -(-m["n_prefixes"] // 4)
     for entry in m["shards"]:
         path = d / entry["file"]
@@ -83,6 +85,11 @@ def test_build_writes_labelled_shards_and_manifest(reference):
             assert torch.isfinite(t[f"{r}.features"]).all()
             assert t[f"{r}.token_stats"].shape == (rows, len(TOKEN_STATS)) and torch.isfinite(t[f"{r}.token_stats"]).all()
             assert (t[f"{r}.token_stats"][:, 1] <= t[f"{r}.token_stats"][:, 0]).all()  # min <= mean log-prob
+            topk = t[f"{r}.topk_stats"]
+            assert topk.shape == (rows, len(TOPK_STATS)) and topk.dtype == torch.float32 and torch.isfinite(topk).all()
+            # the log-probs of both groups are the same numbers; the top-k mass is a probability
+            torch.testing.assert_close(topk[:, :2], t[f"{r}.token_stats"][:, :2])
+            assert ((topk[:, -2:] > 0) & (topk[:, -2:] <= 1 + 1e-5)).all()
             assert t[f"{r}.writer"].dtype == torch.int8 and t[f"{r}.group_id"].dtype == torch.int32
             assert t[f"{r}.sample_id"].dtype == torch.int64 and rows % per_prefix == 0
             assert torch.equal(t[f"{r}.label"], t[f"{r}.q" if r == "target" else f"{r}.p"])
@@ -374,9 +381,9 @@ def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer)
     steps = [[tok(t, add_special_tokens=False)["input_ids"] for t in ("3 + 4 = 7.\n\n", "7", "3 plus 4 equals 7.\n\n", "3 +")],
              [tok("Adding 1 to 12 gives 13.\n\n", add_special_tokens=False)["input_ids"]]]
     for pooling in ("mean", "last"):
-        spec = FeatureSpec(["hidden", "token_stats"], [0, -1], pooling, list(TOKEN_STATS))
+        spec = FeatureSpec(["hidden", "token_stats", "topk_stats"], [0, -1], pooling, list(TOKEN_STATS), top_k=5)
         got = read_steps(model, prefixes, steps, spec, max_rows=4)
-        want, stats = [], []
+        want, stats, topk = [], [], []
         for p, ss in zip(prefixes, steps):
             for s in ss:
                 out = model(input_ids=torch.tensor([p + s]), output_hidden_states=True)
@@ -384,8 +391,12 @@ def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer)
                                                torch.tensor([len(p) + len(s)]), pooling))
                 # logits at positions len(p)-1 .. end-2 predict the step's tokens
                 stats.append(token_stats(out.logits[:, len(p) - 1 : -1], torch.tensor([s]), torch.tensor([len(s)])))
+                topk.append(topk_of_logits(out.logits[0, len(p) - 1 : -1].detach(), torch.tensor(s), 5))
         torch.testing.assert_close(got["hidden"], torch.cat(want).detach(), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got["token_stats"], torch.cat(stats).detach(), atol=1e-5, rtol=1e-4)
+        # topk_stats equal those of the top-5 answers a server would give for the full forward's logits
+        served = rows_features(FeatureSpec(["topk_stats"], top_k=5), [s for ss in steps for s in ss], topk=topk)
+        torch.testing.assert_close(got["topk_stats"], served["topk_stats"], atol=1e-5, rtol=1e-4)
         # a logits budget of one byte: one prefix per forward, the same features
         small = read_steps(model, prefixes, steps, spec, max_logit_bytes=1)
         for g in spec.groups:

@@ -9,7 +9,7 @@ from datamodules.labels import shards as S
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.specs import SamplingSpec, StepSpec
 from datamodules.stream import SPLITS, ShardStream, split_of
-from tests.conftest import STATS, WIDTH, make_dataset
+from tests.conftest import STATS, TOPK, WIDTH, make_dataset
 
 N_STATS = len(STATS)
 
@@ -40,7 +40,10 @@ def test_input_spec_and_batches(data):
     dm = _dm(data)
     assert dm.input_spec["target"]["hidden_size"] == 16 and dm.input_spec["draft"]["layer_ids"] == [-1]
     assert set(dm.input_spec["target"]) == {"hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats",
-                                            "reads", "step", "sampling", "labels"}
+                                            "topk_stats", "top_k", "source", "hidden_norm", "reads", "step", "sampling",
+                                            "labels"}
+    # a build before the topk_stats group (format 2): none streamed, read in-process
+    assert (dm.input_spec["target"]["topk_stats"], dm.input_spec["target"]["source"]) == ([], "transformers")
     assert dm.input_spec["draft"]["sampling"] == SamplingSpec(0.6, 0.95)
     assert dm.input_spec["draft"]["step"] == StepSpec(("\n\n",), 32)
     assert dm.input_spec["draft"]["labels"] == {"n_samples": 3}  # the step cap has one home: the step spec
@@ -202,6 +205,20 @@ def test_feature_groups_are_chosen_and_concatenated_in_order(data, groups, width
         torch.testing.assert_close(batch["features"][:, -1], batch["writer"].float())
     if groups[0] == "hidden":  # feature 0 holds the sample id
         assert torch.equal(batch["features"][:, 0].long() % 6 >= 3, batch["writer"].bool())
+
+
+@pytest.mark.parametrize("groups, width", [(["topk_stats"], 3), (["token_stats", "topk_stats"], 5),
+                                           (["hidden", "topk_stats"], WIDTH["target"] + 3)])
+def test_the_topk_stats_group_is_streamed_last_with_its_spec(tmp_path, groups, width):
+    d = make_dataset(tmp_path / "d", topk=True)
+    dm = _dm(d, feature_groups=groups, roles=["target"], val_fraction=0.0, test_fraction=0.0)
+    spec = dm.input_spec["target"]
+    assert (spec["topk_stats"], spec["top_k"], spec["hidden_norm"]) == (TOPK, 20, "final_norm")
+    batch = next(iter(dm.train_dataloader()))["target"]
+    assert batch["features"].shape[1] == width and batch["features"].dtype == torch.float32
+    torch.testing.assert_close(batch["features"][:, -3], batch["writer"].float())  # topk column 0: the writer
+    with pytest.raises(ValueError, match=r"reads feature groups \['topk_stats'\].*missing \['topk_stats'\]"):
+        _dm(make_dataset(tmp_path / "old"), feature_groups=["topk_stats"])
 
 
 def test_groups_the_data_lacks_are_refused_naming_both_lists(tmp_path):

@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from generation.groups import TOKEN_STATS, TOPK_STATS
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
@@ -32,6 +33,7 @@ class ConstProbe(torch.nn.Module):
         super().__init__()
         self.config = ProbeConfig(hidden_size=hidden_size, layer_ids=list(layer_ids), hidden_dims=[],
                                   feature_groups=list(groups), token_stats=list(stats), role=role,
+                                  topk_stats=list(TOPK_STATS) if "topk_stats" in groups else [],
                                   step=step or StepSpec())
         self.value = value
         self.calls = 0
@@ -138,7 +140,8 @@ def test_batched_rows_decide_independently_and_match_one_by_one(pair):
     assert {"accept", "reject"} <= decisions  # the test exercises both branches
 
 
-@pytest.mark.parametrize("groups", [["hidden"], ["token_stats"], ["hidden", "token_stats"]])
+@pytest.mark.parametrize("groups", [["hidden"], ["token_stats"], ["hidden", "token_stats"], ["topk_stats"],
+                                    ["hidden", "token_stats", "topk_stats"]])
 def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, groups):
     """q and p read exactly what the label build stores for the same prefix and step (issue 9).
 
@@ -430,6 +433,21 @@ def test_probe_for_another_model_is_refused_naming_fields(tiny_pair, tmp_path):
         make_decoder(target, draft, tok, target_probe=tmp_path / "other_target_probe")
     dec = make_decoder(target, draft, tok, draft_probe=str(tmp_path / "draft_probe"), rule="threshold")
     assert dec.draft_probe.config.reads == cfg.reads  # the right model loads
+
+
+@pytest.mark.parametrize("groups, refused", [(["hidden"], True), (["hidden", "topk_stats"], True),
+                                             (["token_stats", "topk_stats"], False)])
+def test_a_probe_of_a_servers_hidden_states_is_refused_in_process(tiny_pair, groups, refused):
+    """The in-process decoder reads transformers' states after the final norm; statistics come from any source."""
+    target, draft, tok = tiny_pair
+    probe = ConstProbe(target.config.hidden_size, 1.0, groups=groups, stats=TOKEN_STATS if "token_stats" in groups else ())
+    probe.config.source, probe.config.hidden_norm = "sglang", "pre_norm"
+    if refused:
+        with pytest.raises(ValueError, match=r"SemanticSpecDecoder \(target probe\).*source='sglang' "
+                                             r"\(hidden_norm='pre_norm'\).*source='transformers'"):
+            make_decoder(target, draft, tok, target_probe=probe, rule="threshold")
+    else:
+        make_decoder(target, draft, tok, target_probe=probe, rule="threshold")
 
 
 def test_prompt_longer_than_context_names_both_lengths(tiny_pair):

@@ -1,5 +1,6 @@
 """The probe, its config, export/load round trips and fingerprint checks, and the LightningModule."""
 
+import dataclasses
 import json
 import warnings
 
@@ -54,6 +55,37 @@ def test_config_from_dict_upgrades_and_names_unknown_keys():
     assert ProbeConfig.from_dict(old).format_version == 0
     with pytest.raises(ValueError, match="hidden_szie"):
         ProbeConfig.from_dict({"hidden_szie": 8})
+
+
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4])
+def test_configs_before_format_5_load_as_in_process_probes_without_topk_stats(version):
+    old = {"hidden_size": 8, "layer_ids": [-1], "format_version": version}
+    c = ProbeConfig.from_dict(old)
+    assert (c.source, c.hidden_norm, c.top_k, c.topk_stats) == ("transformers", "final_norm", 20, [])
+    assert c.features.source == "transformers" and not c.features.needs_topk
+
+
+def test_a_topk_probe_config_counts_its_statistics_and_carries_its_source():
+    c = ProbeConfig(hidden_size=8, feature_groups=["hidden", "topk_stats"], top_k=10,
+                    topk_stats=["min_logprob", "not_topk_share"], source="llama.cpp", hidden_norm="pre_norm")
+    assert c.input_size == 8 + 2 and c.format_version == 5
+    spec = c.features
+    assert (spec.top_k, spec.topk_stats, spec.source, spec.hidden_norm) == (10, ("min_logprob", "not_topk_share"),
+                                                                            "llama.cpp", "pre_norm")
+    assert ProbeConfig.from_dict(dataclasses.asdict(c)) == c
+    with pytest.raises(ValueError, match=r"expects 10 features.*2 top-k statistics"):
+        SemanticProbe(c)(torch.randn(1, 8))
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"top_k": 3}, "top_k=3: expected an integer >= 5"),
+    ({"source": "ollama"}, "source='ollama': expected one of"),
+    ({"hidden_norm": "rms"}, "hidden_norm='rms': expected one of"),
+    ({"feature_groups": ["topk_stats"], "topk_stats": []}, r"topk_stats \[\]: expected a non-empty subset"),
+])
+def test_config_names_a_bad_topk_or_source_field(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        ProbeConfig(**kwargs)
 
 
 def _export(tmp_path, model, tok, **kw):
@@ -430,12 +462,13 @@ def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
 
     from datamodules.arithmetic.models import load_model
 
-    root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic" / "probes"
-    for role in ("target", "draft"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            probe = load_probe(root / role, model=load_model(role), tokenizer=world_tokenizer, role=role)
-        assert probe.config.role == role
+    root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic"
+    for folder, groups in (("probes", ["hidden", "token_stats"]), ("probes-topk", ["topk_stats"])):
+        for role in ("target", "draft"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                probe = load_probe(root / folder / role, model=load_model(role), tokenizer=world_tokenizer, role=role)
+            assert probe.config.role == role and probe.config.feature_groups == groups
 
 
 def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
@@ -457,7 +490,8 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
                  "| num_layers | `2` |", "| hidden_size | `32` |", f"| tokenizer_hash | `{tok_hash}` |",
                  "| samples per prefix and model (N) | 5 |", "temperature 0.7, top_p 0.9", "`hdbscan+judge`",
                  "`llm` (`judges/tiny`)", "| seed | 7 |", "| mse | 0.0123 |", "| draft_written/auroc | 0.9870 |",
-                 'role="draft"', "draft_probe=", "format version 4"):
+                 'role="draft"', "draft_probe=", "format version 5",
+                 "| read by | `transformers`, hidden states `final_norm` |"):
         assert fact in card, fact
     no_judge = ProbeConfig(hidden_size=8, hidden_dims=[4], labels={"clustering": "hdbscan", "judge": {"kind": "none"}})
     assert "| judge | `none` |" in (export_probe(SemanticProbe(no_judge), tmp_path / "nj") / "README.md").read_text()

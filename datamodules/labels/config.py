@@ -25,7 +25,7 @@ from datamodules.labels.clustering import ClusteringConfig
 from datamodules.labels.shares import LABELLINGS
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
-from generation.groups import TOKEN_STATS, check_groups
+from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, check_groups
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 
 
@@ -232,6 +232,11 @@ class BuildConfig:
     token_stats: list[str] = field(default_factory=lambda: list(TOKEN_STATS))
     """Token statistics stored per step (feature group ``token_stats``), from the reading forward's logits.
     Every build also stores the ``hidden`` group (pooled states of ``layer_ids``), which clustering uses."""
+    top_k: int = 20
+    """``topk_stats``: how many of the reading model's largest log-probs the top-k statistics see (>= 5)."""
+    topk_stats: list[str] = field(default_factory=lambda: list(TOPK_STATS))
+    """Top-k statistics stored per step (feature group ``topk_stats``): exact from the token's log-prob and the
+    ``top_k`` largest, so probes reading only them can be fed by a server's top-k answer."""
     device: str = "auto"
     """``auto`` (cuda with bf16 when present, else CPU float32), ``cpu``, ``cuda``, ``cuda:1``..."""
     labelling: str = "joint"
@@ -269,7 +274,8 @@ class BuildConfig:
                 self.clustering.method = "hdbscan"  # no judge: HDBSCAN alone
         if not self.layer_ids:
             errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
-        errors += check_groups(["hidden", "token_stats"], self.token_stats)
+        errors += check_groups(list(FEATURE_GROUPS), self.token_stats, self.topk_stats)
+        errors += FeatureSpec.origin_errors(self.top_k, "transformers", "final_norm")
         if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
             errors.append(f"device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
         if errors:
@@ -289,8 +295,9 @@ class BuildConfig:
         return local_model_dir(given)  # a GGUF or ``pypi:PACKAGE`` becomes its converted, cached folder
 
     def feature_spec(self) -> FeatureSpec:
-        """The feature groups every build stores: ``hidden`` and ``token_stats``."""
-        return FeatureSpec(["hidden", "token_stats"], list(self.layer_ids), self.pooling, list(self.token_stats))
+        """The feature groups every build stores: ``hidden``, ``token_stats`` and ``topk_stats``, read in-process."""
+        return FeatureSpec(FEATURE_GROUPS, list(self.layer_ids), self.pooling, list(self.token_stats), self.top_k,
+                           list(self.topk_stats))
 
     def resolved_device(self) -> tuple[str, torch.dtype]:
         """The device and dtype models run in; with several ranks, ``cuda`` means this rank's GPU (LOCAL_RANK)."""
@@ -384,8 +391,12 @@ def signature(config: BuildConfig) -> dict[str, Any]:
         "reads": {r: folder_fingerprint(config.model_path(r)) for r in ROLES},
         "layer_ids": list(config.layer_ids),
         "pooling": config.pooling,
-        "feature_groups": ["hidden", "token_stats"],
+        "feature_groups": list(FEATURE_GROUPS),
         "token_stats": list(config.token_stats),
+        "top_k": config.top_k,
+        "topk_stats": list(config.topk_stats),
+        "source": "transformers",  # read in-process; hidden states after the final norm
+        "hidden_norm": "final_norm",
         "delimiters": list(config.steps.delimiters),
         "max_step_tokens": config.steps.max_step_tokens,
         "sampling": sampling_record(config),

@@ -37,7 +37,7 @@ def read_steps(
         spec: which feature groups to compute, and how (layers, pooling, statistics).
         pad_token_id: id used for padding (masked out).
         max_rows: most steps fed in one forward pass.
-        max_logit_bytes: ``token_stats`` keeps the (rows, step length, vocabulary) logits of a forward;
+        max_logit_bytes: ``token_stats`` and ``topk_stats`` keep the (rows, step length, vocabulary) logits of a forward;
             fewer rows go into one forward when they would exceed this (a 262k vocabulary at 32
             tokens a step takes 34 MB a row). A prefix's steps always go together.
 
@@ -45,7 +45,7 @@ def read_steps(
 
     Returns:
         ``{group: tensor}`` on CPU, rows in input order: ``hidden`` (R, len(layer_ids), D) and
-        ``token_stats`` (R, K) float32, R = sum of len(steps[i]).
+        ``token_stats`` (R, K) and ``topk_stats`` (R, K') float32, R = sum of len(steps[i]).
     """
     _check_read_inputs(prefixes, steps)
     # Samples often repeat (a confident model writes the same step several times): read each distinct
@@ -62,7 +62,8 @@ def read_steps(
            for i, j in _chunks(steps, max_rows)]
     if not out:
         width = model.config.get_text_config().hidden_size
-        empty_parts = {"hidden": torch.zeros(0, len(spec.layer_ids), width), "token_stats": torch.zeros(0, len(spec.token_stats))}
+        empty_parts = {"hidden": torch.zeros(0, len(spec.layer_ids), width),
+                       "token_stats": torch.zeros(0, len(spec.token_stats)), "topk_stats": torch.zeros(0, len(spec.topk_stats))}
         return {g: empty_parts[g] for g in spec.groups}
     return {g: torch.cat([o[g] for o in out]) for g in spec.groups}
 

@@ -248,6 +248,7 @@ def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch
     for r in ROLES:
         tensors[f"{r}.features"] = feats[r]["hidden"].flatten(1).to(torch.float16)  # group "hidden"
         tensors[f"{r}.token_stats"] = feats[r]["token_stats"].float()
+        tensors[f"{r}.topk_stats"] = feats[r]["topk_stats"].float()
         for k, dt in dtypes.items():
             tensors[f"{r}.{k}"] = torch.from_numpy(np.concatenate(cols[r][k])).to(dt)
         tensors[f"{r}.label"] = tensors[f"{r}.q" if r == "target" else f"{r}.p"].clone()

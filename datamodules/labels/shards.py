@@ -21,8 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
-"""Layout version of the shards and the manifest (2: a ``token_stats`` feature group beside the pooled ``features``)."""
+FORMAT_VERSION = 3
+"""Layout version of the shards and the manifest (2: a ``token_stats`` feature group beside the pooled ``features``;
+3: a ``topk_stats`` group, with ``top_k``, ``source`` and ``hidden_norm`` in the manifest's build record)."""
 ROLES = ("target", "draft")
 """Whose probe a shard's rows train: ``<role>.features``, ``<role>.label``, ... per role."""
 

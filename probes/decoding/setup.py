@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from generation.groups import FEATURE_GROUPS, TOKEN_STATS, require_features
-from generation.specs import SamplingSpec, StepSpec, is_count
+from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count
 
 
 def load(probe, model, tokenizer, role: str | None = None):
@@ -21,8 +21,8 @@ def load(probe, model, tokenizer, role: str | None = None):
             role is refused, naming both. None checks no role.
 
     Raises:
-        ValueError: wrong role, another model's probe, layers the model lacks, or features the
-            decoder cannot compute.
+        ValueError: wrong role, another model's probe, layers the model lacks, features the
+            decoder cannot compute, or hidden states read from another source or norm convention.
         TypeError: ``probe`` is none of the above.
     """
     if probe is None:
@@ -45,7 +45,9 @@ def load(probe, model, tokenizer, role: str | None = None):
         probe = probe.to(device).eval()
     c = probe.config  # refuse features this decoder cannot compute, naming both lists
     require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
-                     provider="SemanticSpecDecoder")
+                     provider="SemanticSpecDecoder", wanted_topk=c.topk_stats, provided_topk=TOPK_STATS)
+    # in-process: hidden states from transformers, after the final norm; a probe of a server's states is refused
+    FeatureSpec.of(c).check_source("transformers", "final_norm", where=f"SemanticSpecDecoder ({c.role} probe)")
     return probe
 
 
