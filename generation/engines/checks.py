@@ -13,25 +13,14 @@ def servable_groups(caps: Capabilities) -> tuple[str, ...]:
     return (("hidden",) if caps.hidden else ()) + (("topk_stats",) if caps.prompt_logprobs else ())
 
 
-def _needs_topk(spec) -> bool:
-    # FeatureSpec.needs_topk and .top_k come with the topk branch; until it is merged, read them with defaults.
-    return bool(getattr(spec, "needs_topk", "topk_stats" in spec.groups))
-
-
 def missing(engine, spec) -> list[str]:
     """What ``engine`` cannot give that ``spec`` reads, one ``what: why; fix`` each (empty: it can serve it)."""
     caps = engine.capabilities()
-    out = []
-    if "hidden" in spec.groups and not caps.hidden:
-        if engine.name == "sglang":
-            out.append("hidden: last-layer hidden states; restart the SGLang server with --enable-return-hidden-states")
-        else:
-            out.append(f"hidden: last-layer hidden states; {engine.name} returns none over HTTP; serve the model "
-                       "with SGLang (--enable-return-hidden-states) or train the probe without 'hidden'")
+    out = _hidden_missing(engine, caps, spec) if spec.needs_hidden else []
     if "token_stats" in spec.groups:
         out.append(FULL_VOCAB)
-    if _needs_topk(spec):
-        k = int(getattr(spec, "top_k", 20))
+    if spec.needs_topk:
+        k = spec.top_k
         if not caps.prompt_logprobs:
             out.append("topk_stats: prompt-token log-probs; " + " ".join(caps.remarks))
         elif caps.max_top_k is not None and k > caps.max_top_k:
@@ -40,6 +29,23 @@ def missing(engine, spec) -> list[str]:
             out.append(f"topk_stats: top_k={k} log-probs per position, above the server's cap of {caps.max_top_k}; "
                        f"{fix}, or train the probe with top_k <= {caps.max_top_k}")
     return out
+
+
+def _hidden_missing(engine, caps: Capabilities, spec) -> list[str]:
+    """What is missing for the ``hidden`` group: the rows, the probe's layers, or the probe's source."""
+    if not caps.hidden:
+        if engine.name == "sglang":
+            return ["hidden: last-layer hidden states; restart the SGLang server with --enable-return-hidden-states"]
+        return [f"hidden: last-layer hidden states; {engine.name} returns none over HTTP; serve the model "
+                "with SGLang (--enable-return-hidden-states) or train the probe without 'hidden'"]
+    if tuple(spec.layer_ids) != (-1,):
+        return [f"hidden: layers {list(spec.layer_ids)}; servers return the last layer only; use a probe on "
+                "layer_ids [-1]"]
+    try:
+        spec.check_source(engine.name, caps.hidden_norm, f"{engine.url}")
+    except ValueError as e:
+        return [f"hidden: {e}"]
+    return []
 
 
 def require(engine, spec, role: str) -> Capabilities:
@@ -54,9 +60,8 @@ def require(engine, spec, role: str) -> Capabilities:
         The engine's capabilities.
 
     Raises:
-        EngineError: naming the server's URL, what is missing, the fix, and the groups this engine can serve.
-        ValueError: the probe's features come from another source or norm convention
-            (``FeatureSpec.check_source``, when the spec has it).
+        EngineError: naming the server's URL, what is missing (a probe trained on another source's or norm
+            convention's hidden states included), the fix, and the groups this engine can serve.
     """
     caps = engine.capabilities()
     problems = missing(engine, spec)
@@ -65,7 +70,4 @@ def require(engine, spec, role: str) -> Capabilities:
         raise EngineError(f"the {role} server {engine.url} ({engine.name}) cannot serve the probe's groups "
                           f"{list(spec.groups)}: missing " + "; ".join(problems)
                           + f". This server can serve {list(can) or 'no probe group'}.", engine.url)
-    check = getattr(spec, "check_source", None)
-    if check is not None and "hidden" in spec.groups:
-        check(engine.name, caps.hidden_norm, f"the {role} server {engine.url}")
     return caps

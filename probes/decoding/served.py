@@ -42,7 +42,8 @@ from dataclasses import replace
 
 import torch
 
-from generation.engines.base import Capabilities, TokenLogprobs
+from generation.engines.base import TokenLogprobs
+from generation.engines.checks import missing, servable_groups
 from generation.features import FeatureSpec, probe_input, rows_features
 from generation.sampling import stream_seed
 from generation.specs import SamplingSpec, StepSpec, is_count
@@ -142,7 +143,7 @@ class ServedDecoder:
     def read_top_k(self, policy: AcceptancePolicy) -> int:
         """The top-k a verifying read asks for: what the target probe and the fast path read (at least 1)."""
         ks = [1]
-        if policy.needs.q and getattr(self.target_spec, "needs_topk", False):
+        if policy.needs.q and self.target_spec.needs_topk:
             ks.append(self.target_spec.top_k)
         if policy.needs.fast_path is not None:
             ks.append(policy.needs.fast_path.top_k)
@@ -174,12 +175,12 @@ class ServedDecoder:
                             f"which method={method!r} reads every drafted step with; serve the target with an engine "
                             "that does (llama-cpp-python, vLLM, SGLang; not the C++ llama-server)")
         if needs.q:
-            problems += serving_problems(self.target, caps, self.target_spec, "target")
+            problems += serving_problems(self.target, self.target_spec, "target")
         if needs.fast_path is not None and caps.max_top_k is not None and caps.max_top_k < needs.fast_path.top_k:
             problems.append(f"the fast path reads the target's top-{needs.fast_path.top_k} but {self.target.url} "
                             f"returns at most {caps.max_top_k}; lower ProbePolicy.top_k or raise the server's limit")
         if needs.p:
-            problems += serving_problems(self.draft, self.draft.capabilities(), self.draft_spec, "draft")
+            problems += serving_problems(self.draft, self.draft_spec, "draft")
         if problems:
             raise ValueError("these servers cannot run this decode: " + "; ".join(problems))
 
@@ -204,45 +205,17 @@ def served_policy(method: str | AcceptancePolicy, args: MethodArgs) -> Acceptanc
     return policy
 
 
-def serving_problems(engine, caps: Capabilities, spec: FeatureSpec, role: str) -> list[str]:
-    """What ``engine`` cannot serve of what the ``role`` probe reads (one sentence each: what, where, the fix)."""
-    at, out = f"the {role} server {engine.url} ({engine.name})", []
-    servable = [g for g, ok in (("hidden", caps.hidden and role == "target"), ("topk_stats", caps.prompt_logprobs))
-                if ok]
-    fix = f"use a {role} probe trained on features this server gives (groups it can serve: {servable})"
-    if "token_stats" in spec.groups:
-        out.append(f"the {role} probe reads token_stats (full-vocabulary statistics), which {at} cannot return; {fix}")
-    if spec.needs_hidden:
-        if role == "draft":
-            out.append(f"the draft probe reads hidden, but a server writing a step returns no hidden rows; {fix} "
-                       "or use rule='threshold'")
-        elif not caps.hidden:
-            out.append(f"the target probe reads hidden, which {at} does not return (SGLang needs "
-                       f"--enable-return-hidden-states; vLLM and llama.cpp return none); {fix}")
-        elif tuple(spec.layer_ids) != (-1,):
-            out.append(f"the target probe reads layers {list(spec.layer_ids)}, but servers return the last layer "
-                       f"only; use a probe on layer_ids [-1]")
-        else:
-            out += _source_problems(engine, caps, spec, role)
-    if getattr(spec, "needs_topk", False) and caps.max_top_k is not None and caps.max_top_k < spec.top_k:
-        out.append(f"the {role} probe reads top-{spec.top_k} statistics but {at} returns at most top-{caps.max_top_k}; "
-                   "raise the server's limit (vLLM: --max-logprobs) or use a probe trained with a smaller top_k")
+def serving_problems(engine, spec: FeatureSpec, role: str) -> list[str]:
+    """What ``engine`` cannot serve of what the ``role`` probe reads (:func:`generation.engines.checks.missing`; a
+    server writing a step returns no hidden rows, so a draft probe cannot read them either)."""
+    out = [f"the {role} server {engine.url} ({engine.name}) cannot give {m}" for m in missing(engine, spec)]
+    if role == "draft" and spec.needs_hidden:
+        out.append("the draft probe reads hidden, but a server writing a step returns no hidden rows; use "
+                   "rule='threshold' or a draft probe without hidden")
+    if out:
+        can = [g for g in servable_groups(engine.capabilities()) if role == "target" or g != "hidden"]
+        out[-1] += f" (groups it can serve: {can})"
     return out
-
-
-def _source_problems(engine, caps: Capabilities, spec: FeatureSpec, role: str) -> list[str]:
-    """The probe's hidden rows come from the engine and norm convention it was trained on."""
-    check = getattr(spec, "check_source", None)
-    if check is not None:
-        try:
-            check(engine.name, caps.hidden_norm, f"the {role} probe on {engine.url}")
-        except ValueError as e:
-            return [str(e)]
-        return []
-    if engine.name != "transformers" or caps.hidden_norm != "final_norm":  # specs that predate sources: transformers'
-        return [f"the {role} probe was trained on transformers' hidden states (final_norm), but {engine.url} is "
-                f"{engine.name} with {caps.hidden_norm} rows; use a probe trained on this engine's features"]
-    return []
 
 
 def _load_probe(probe, role: str):
@@ -310,7 +283,7 @@ def features(spec: FeatureSpec, step: TokenLogprobs, hidden: torch.Tensor | None
     kw = {}
     if spec.needs_hidden:
         kw["hidden"] = [hidden[None]]  # (1, k, D): the last layer
-    if getattr(spec, "needs_topk", False):
+    if spec.needs_topk:
         kw["topk"] = [(step.logprobs, step.top)]
     return probe_input(rows_features(spec, tokens, **kw), spec.groups)
 
@@ -410,7 +383,7 @@ class PromptDecode:
         if cap < 1:  # the step is the bonus token alone
             return self.commit_forced()
         t0 = time.perf_counter()
-        top_k = dec.draft_spec.top_k if policy.needs.p and getattr(dec.draft_spec, "needs_topk", False) else None
+        top_k = dec.draft_spec.top_k if policy.needs.p and dec.draft_spec.needs_topk else None
         w = self.request("draft", "write", self.context + self.forced, step=dec.step, max_tokens=cap, top_k=top_k)
         self.stats.draft_s += time.perf_counter() - t0
         self.stats.draft_steps_proposed += 1
