@@ -126,6 +126,53 @@ class OpenAIConfig:
         return out
 
 
+READERS = ("hf", "engine")
+"""Reading backends: in-process transformers copies, or each model's server (:mod:`datamodules.labels.engine_reading`)."""
+ENGINES = ("llama.cpp", "vllm", "sglang")
+
+
+@dataclass
+class ReadingConfig:
+    """Who reads the sampled steps for their features (YAML: ``build.reading.*``)."""
+
+    backend: str = "hf"
+    """``hf``: in-process transformers copies of both models (every feature group); ``engine``: each model's
+    server reads its steps (``topk_stats``, and on SGLang ``hidden``) and no model is loaded in the build."""
+    engine: str = "llama.cpp"
+    """The servers' engine: ``llama.cpp`` (llama-cpp-python's server), ``vllm`` or ``sglang``."""
+    target: EndpointConfig = field(default_factory=EndpointConfig)
+    """The target's server (its first URL); empty = ``sampling.openai.target``'s."""
+    draft: EndpointConfig = field(default_factory=EndpointConfig)
+    """The draft's server; empty = ``sampling.openai.draft``'s."""
+    top_k: int = 20
+    """Log-probabilities per position the servers return (vLLM caps it at ``--max-logprobs``, default 20)."""
+    hidden: bool = False
+    """Also read the last layer's hidden states (SGLang started with ``--enable-return-hidden-states`` only)."""
+    concurrency: int = 1
+    """Prefixes read at once (1 keeps llama.cpp's single cached sequence; more for engines that batch)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the servers' API key (never logged)."""
+    timeout: float = 120.0
+    """Seconds per request attempt."""
+    retries: int = 3
+    """Attempts per request."""
+
+    def errors(self) -> list[str]:
+        out = choices(self, {"backend": READERS, "engine": ENGINES}) + at_least(self, top_k=5, concurrency=1,
+                                                                                retries=1)
+        if self.timeout <= 0:
+            out.append(f"timeout={self.timeout}: expected > 0")
+        if self.hidden and self.engine != "sglang":
+            out.append(f"hidden=True with engine={self.engine!r}: only SGLang returns hidden states over HTTP; "
+                       "read topk_stats only (hidden=False) or serve the models with SGLang")
+        return out
+
+    def endpoint(self, role: str, sampling: "SamplingConfig") -> EndpointConfig:
+        """The server reading ``role``'s steps: this part's, else the ``openai`` sampling backend's."""
+        own = getattr(self, role)
+        return own if own.urls or sampling.backend != "openai" else getattr(sampling.openai, role)
+
+
 @dataclass
 class VLLMConfig:
     """The ``vllm`` sampling backend (YAML: ``build.sampling.vllm.*``): vLLM's offline engine in this process."""
@@ -192,7 +239,7 @@ def at_least(part, **low: int) -> list[str]:
     return [f"{k}={getattr(part, k)}: expected >= {v}" for k, v in low.items() if getattr(part, k) < v]
 
 
-PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig}
+PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig, "reading": ReadingConfig}
 """The nested parts of :class:`BuildConfig`, by field name."""
 
 
@@ -222,6 +269,8 @@ class BuildConfig:
     """How samples are grouped by meaning."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How steps are sampled (recorded in the manifest; the probes carry it)."""
+    reading: ReadingConfig = field(default_factory=ReadingConfig)
+    """Who reads the steps for their features: in-process models (``hf``) or the models' servers (``engine``)."""
     steps: StepSpec = field(default_factory=StepSpec)
     """What a step is (recorded in the manifest; the probes carry it). Delimiters left at the default become the
     task's when the task has its own."""
@@ -270,10 +319,24 @@ class BuildConfig:
         if not self.layer_ids:
             errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
         errors += check_groups(["hidden", "token_stats"], self.token_stats)
+        errors += self._reading_errors()
         if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
             errors.append(f"device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
         if errors:
             raise ValueError("invalid BuildConfig: " + "; ".join(errors))
+
+    def _reading_errors(self) -> list[str]:
+        """An engine reader needs each role's server, and clusters without hidden states only through the judge."""
+        r = self.reading
+        if not isinstance(r, ReadingConfig) or r.backend != "engine" or not isinstance(self.sampling, SamplingConfig):
+            return []
+        out = [f"reading.{role}.urls=[]: reading.backend='engine' needs the {role}'s server (or sampling.backend "
+               "'openai' with its urls)" for role in ROLES if not r.endpoint(role, self.sampling).urls]
+        if not r.hidden and isinstance(self.clustering, ClusteringConfig) and self.clustering.method != "judge":
+            out.append(f"clustering.method={self.clustering.method!r} with reading.backend='engine': HDBSCAN clusters "
+                       "hidden states, which this engine does not return; use clustering.method 'judge' (or "
+                       "reading.hidden: true on SGLang)")
+        return out
 
     def resolved_task(self) -> Task:
         """The task: ``task``, or the embedded world's when it is None (kept None so the config prints as YAML)."""
@@ -289,7 +352,15 @@ class BuildConfig:
         return local_model_dir(given)  # a GGUF or ``pypi:PACKAGE`` becomes its converted, cached folder
 
     def feature_spec(self) -> FeatureSpec:
-        """The feature groups every build stores: ``hidden`` and ``token_stats``."""
+        """The feature groups this build stores: in-process, ``hidden`` and ``token_stats``; read by servers,
+        ``topk_stats`` (and ``hidden``, last layer, on SGLang), recorded with the engine as their source."""
+        r = self.reading
+        if r.backend == "engine":
+            from generation.engines import HIDDEN_NORM
+
+            groups = (["hidden"] if r.hidden else []) + ["topk_stats"]
+            return FeatureSpec(groups, [-1], self.pooling, [], top_k=r.top_k, source=r.engine,
+                               hidden_norm=HIDDEN_NORM.get(r.engine, "final_norm"))
         return FeatureSpec(["hidden", "token_stats"], list(self.layer_ids), self.pooling, list(self.token_stats))
 
     def resolved_device(self) -> tuple[str, torch.dtype]:
