@@ -23,6 +23,22 @@ def decode_text(tok, tokens) -> str:
     return tok.decode(tokens, skip_special_tokens=True)
 
 
+def adds_bos(tok) -> bool:
+    """Whether ``tok(text)`` starts with its BOS token (Gemma, Llama: yes; SmolLM2, whose BOS is its chat
+    template's ``<|im_start|>``: no)."""
+    bos = tok.bos_token_id
+    return bos is not None and tok("a").input_ids[:1] == [bos]
+
+
+def prompt_text(tok, ids) -> str:
+    """Token ids as the text a server is sent: a server tokenizes text as the model's tokenizer does, adding BOS
+    exactly when it adds one, so a leading BOS is dropped for such a tokenizer; special tokens stay as text."""
+    ids = list(ids)
+    if ids and ids[0] == tok.bos_token_id and adds_bos(tok):
+        ids = ids[1:]
+    return tok.decode(ids, skip_special_tokens=False)
+
+
 class Handover:
     """How a step written by one model enters the other's context.
 

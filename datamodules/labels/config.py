@@ -126,6 +126,50 @@ class OpenAIConfig:
         return out
 
 
+READERS = ("hf", "engine")
+"""Reading backends: in-process transformers copies, or each model's server (:mod:`datamodules.labels.engine_reading`)."""
+ENGINES = ("llama.cpp", "vllm", "sglang")
+
+
+@dataclass
+class ReadingConfig:
+    """Who reads the sampled steps for their features (YAML: ``build.reading.*``)."""
+
+    backend: str = "hf"
+    """``hf``: in-process transformers copies of both models (every feature group); ``engine``: each model's
+    server reads its steps (``topk_stats``, and on SGLang ``hidden``) and no model is loaded in the build."""
+    engine: str = "llama.cpp"
+    """The servers' engine: ``llama.cpp`` (llama-cpp-python's server), ``vllm`` or ``sglang``."""
+    target: EndpointConfig = field(default_factory=EndpointConfig)
+    """The target's server (its first URL); empty = ``sampling.openai.target``'s."""
+    draft: EndpointConfig = field(default_factory=EndpointConfig)
+    """The draft's server; empty = ``sampling.openai.draft``'s."""
+    hidden: bool = False
+    """Also read the last layer's hidden states (SGLang started with ``--enable-return-hidden-states`` only)."""
+    concurrency: int = 1
+    """Prefixes read at once (1 keeps llama.cpp's single cached sequence; more for engines that batch)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the servers' API key (never logged)."""
+    timeout: float = 120.0
+    """Seconds per request attempt."""
+    retries: int = 3
+    """Attempts per request."""
+
+    def errors(self) -> list[str]:
+        out = choices(self, {"backend": READERS, "engine": ENGINES}) + at_least(self, concurrency=1, retries=1)
+        if self.timeout <= 0:
+            out.append(f"timeout={self.timeout}: expected > 0")
+        if self.hidden and self.engine != "sglang":
+            out.append(f"hidden=True with engine={self.engine!r}: only SGLang returns hidden states over HTTP; "
+                       "read topk_stats only (hidden=False) or serve the models with SGLang")
+        return out
+
+    def endpoint(self, role: str, sampling: "SamplingConfig") -> EndpointConfig:
+        """The server reading ``role``'s steps: this part's, else the ``openai`` sampling backend's."""
+        own = getattr(self, role)
+        return own if own.urls or sampling.backend != "openai" else getattr(sampling.openai, role)
+
+
 @dataclass
 class VLLMConfig:
     """The ``vllm`` sampling backend (YAML: ``build.sampling.vllm.*``): vLLM's offline engine in this process."""
@@ -192,7 +236,7 @@ def at_least(part, **low: int) -> list[str]:
     return [f"{k}={getattr(part, k)}: expected >= {v}" for k, v in low.items() if getattr(part, k) < v]
 
 
-PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig}
+PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig, "reading": ReadingConfig}
 """The nested parts of :class:`BuildConfig`, by field name."""
 
 
@@ -222,6 +266,8 @@ class BuildConfig:
     """How samples are grouped by meaning."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How steps are sampled (recorded in the manifest; the probes carry it)."""
+    reading: ReadingConfig = field(default_factory=ReadingConfig)
+    """Who reads the steps for their features: in-process models (``hf``) or the models' servers (``engine``)."""
     steps: StepSpec = field(default_factory=StepSpec)
     """What a step is (recorded in the manifest; the probes carry it). Delimiters left at the default become the
     task's when the task has its own."""
@@ -276,10 +322,24 @@ class BuildConfig:
             errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
         errors += check_groups(list(FEATURE_GROUPS), self.token_stats, self.topk_stats)
         errors += FeatureSpec.origin_errors(self.top_k, "transformers", "final_norm")
+        errors += self._reading_errors()
         if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
             errors.append(f"device={self.device!r}: expected auto, cpu, cuda, cuda:N or mps")
         if errors:
             raise ValueError("invalid BuildConfig: " + "; ".join(errors))
+
+    def _reading_errors(self) -> list[str]:
+        """An engine reader needs each role's server, and clusters without hidden states only through the judge."""
+        r = self.reading
+        if not isinstance(r, ReadingConfig) or r.backend != "engine" or not isinstance(self.sampling, SamplingConfig):
+            return []
+        out = [f"reading.{role}.urls=[]: reading.backend='engine' needs the {role}'s server (or sampling.backend "
+               "'openai' with its urls)" for role in ROLES if not r.endpoint(role, self.sampling).urls]
+        if not r.hidden and isinstance(self.clustering, ClusteringConfig) and self.clustering.method != "judge":
+            out.append(f"clustering.method={self.clustering.method!r} with reading.backend='engine': HDBSCAN clusters "
+                       "hidden states, which this engine does not return; use clustering.method 'judge' (or "
+                       "reading.hidden: true on SGLang)")
+        return out
 
     def resolved_task(self) -> Task:
         """The task: ``task``, or the embedded world's when it is None (kept None so the config prints as YAML)."""
@@ -295,7 +355,16 @@ class BuildConfig:
         return local_model_dir(given)  # a GGUF or ``pypi:PACKAGE`` becomes its converted, cached folder
 
     def feature_spec(self) -> FeatureSpec:
-        """The feature groups every build stores: ``hidden``, ``token_stats`` and ``topk_stats``, read in-process."""
+        """The feature groups this build stores. Read in-process: ``hidden``, ``token_stats`` and ``topk_stats``.
+        Read by the models' servers: ``topk_stats`` (and ``hidden``, the last layer, on SGLang), recorded with
+        the engine as their source and its norm convention."""
+        r = self.reading
+        if r.backend == "engine":
+            from generation.engines import HIDDEN_NORM
+
+            groups = (["hidden"] if r.hidden else []) + ["topk_stats"]
+            return FeatureSpec(groups, [-1], self.pooling, [], self.top_k, list(self.topk_stats), source=r.engine,
+                               hidden_norm=HIDDEN_NORM.get(r.engine, "final_norm"))
         return FeatureSpec(FEATURE_GROUPS, list(self.layer_ids), self.pooling, list(self.token_stats), self.top_k,
                            list(self.topk_stats))
 
@@ -386,17 +455,19 @@ def _plain(value: Any) -> Any:
 
 def signature(config: BuildConfig) -> dict[str, Any]:
     """The facts two builds must share for their data to mix; read from folders, no weights loaded."""
+    spec = config.feature_spec()
     return {
         "format_version": S.FORMAT_VERSION,
         "reads": {r: folder_fingerprint(config.model_path(r)) for r in ROLES},
-        "layer_ids": list(config.layer_ids),
+        "layer_ids": list(spec.layer_ids),
         "pooling": config.pooling,
-        "feature_groups": list(FEATURE_GROUPS),
-        "token_stats": list(config.token_stats),
+        "feature_groups": list(spec.groups),
+        "token_stats": list(spec.token_stats),
         "top_k": config.top_k,
         "topk_stats": list(config.topk_stats),
-        "source": "transformers",  # read in-process; hidden states after the final norm
-        "hidden_norm": "final_norm",
+        "source": spec.source,  # in-process: transformers, hidden states after the final norm; else the engine
+        "hidden_norm": spec.hidden_norm,
+        "reader": config.reading.backend,
         "delimiters": list(config.steps.delimiters),
         "max_step_tokens": config.steps.max_step_tokens,
         "sampling": sampling_record(config),

@@ -19,6 +19,7 @@ import os
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
+from generation.handover import prompt_text
 from generation.specs import SamplingSpec, StepSpec
 from datamodules.labels.samplers import StepSampler, request_seed, step_from_text
 
@@ -73,10 +74,6 @@ class OpenAISampler(StepSampler):
                                       max_retries=retries - 1) for u in self.urls]
         self.concurrency, self.retries, self.prompt = concurrency, retries, prompt
         self.extra_body = dict(DEFAULT_EXTRA_BODY if extra_body is None else extra_body)
-        # Servers tokenize a text prompt as the model's tokenizer does: with BOS exactly when it adds one
-        # (Gemma: yes; SmolLM2, whose BOS id is its chat template's <|im_start|>: no, so that token stays).
-        bos = tokenizer.bos_token_id
-        self._adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
         self.ignores_n = [False] * len(self.urls)
         self._next = rank % len(self.urls)
         self.requests = self.generated_tokens = 0
@@ -121,12 +118,7 @@ class OpenAISampler(StepSampler):
     # -- sampling -------------------------------------------------------------------------------
 
     def _prompt(self, ids: list[int]) -> str | list[int]:
-        if self.prompt == "tokens":
-            return list(ids)
-        tok = self.tokenizer
-        if ids and self._adds_bos and ids[0] == tok.bos_token_id:
-            ids = ids[1:]  # a model whose tokenizer adds BOS gets it from the server's tokenizer too
-        return tok.decode(ids, skip_special_tokens=False)
+        return list(ids) if self.prompt == "tokens" else prompt_text(self.tokenizer, ids)
 
     def _request(self, k: int, prompt, count: int, seed: int, step: bool = True,
                  max_tokens: int | None = None) -> tuple[list[Any], Any]:

@@ -43,6 +43,8 @@ class Models:
     """The draft's own tokenizer, or None when it shares the target's (steps then cross as tokens, not text)."""
     samplers: dict[str, Any] = field(default_factory=dict)
     """Who writes each role's steps (:mod:`datamodules.labels.samplers`), by role."""
+    readers: dict[str, Any] = field(default_factory=dict)
+    """``reading.backend: engine``: each role's server (:class:`generation.engines.base.Engine`), by role."""
 
 
 def load_tokenizers(config: BuildConfig) -> tuple[Any, Any]:
@@ -103,12 +105,31 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: d
         for r in toks:
             if r not in samplers:
                 samplers[r] = make_sampler(config, r, None, toks[r], rank)
-    models = {r: load_model(config, r) for r in toks}
+    readers = make_readers(config, toks) if config.reading.backend == "engine" else {}
+    # a model is loaded only when the package itself samples or reads with it
+    needed = config.sampling.backend == "hf" or not readers
+    models = {r: load_model(config, r) if needed else None for r in toks}
     for r in toks:
         if r not in samplers:
             samplers[r] = make_sampler(config, r, models[r], toks[r], rank)
     return Models(models["target"], models["draft"], tok, make_judge(config, cache_dir, rank, device, dtype), device,
-                  dtok, samplers)
+                  dtok, samplers, readers)
+
+
+def make_readers(config: BuildConfig, toks: dict[str, Any]) -> dict[str, Any]:
+    """Each role's server for ``reading.backend: engine``, checked to serve the build's feature groups (fails fast,
+    before anything is sampled or read)."""
+    from generation.engines import make_engine
+    from generation.engines.checks import require
+
+    r, spec = config.reading, config.feature_spec()
+    out = {}
+    for role in toks:
+        e = r.endpoint(role, config.sampling)
+        out[role] = make_engine(r.engine, e.urls[0], e.model, api_key_env=r.api_key_env, timeout=r.timeout,
+                                retries=r.retries)
+        require(out[role], spec, role)
+    return out
 
 
 def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0, device: str = "cpu",
@@ -193,15 +214,10 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     drafted = written["draft"] if handover.shared else [  # the draft's steps as the target reads them
         [handover.text_to_target(t) or [tok.eos_token_id] for t in texts[i][n:]] for i in range(len(prefixes))]
     t_reads = [written["target"][i] + drafted[i] if joint else written["target"][i] for i in range(len(prefixes))]
-    spec = config.feature_spec()
-    feats = {  # {role: {group: (rows, ...)}}, from the function the decoder's verification pass calls
-        "target": read_steps(models.target, ctx["target"], t_reads, spec, tok.pad_token_id or 0, config.max_rows),
-        "draft": read_steps(models.draft, ctx["draft"], written["draft"], spec, dtok.pad_token_id or 0, config.max_rows),
-    }
+    feats = _read(models, config, ctx, {"target": t_reads, "draft": written["draft"]}, {"target": tok, "draft": dtok})
     t2 = time.perf_counter()
     writers = np.array([TARGET] * n + [DRAFT] * n)
-    tf = feats["target"]["hidden"].flatten(1).numpy().reshape(len(prefixes), -1, feats["target"]["hidden"][0].numel())
-    df = feats["draft"]["hidden"].flatten(1).numpy().reshape(len(prefixes), n, -1)
+    tf, df = (_embeddings(feats[r], len(prefixes)) for r in ("target", "draft"))
     judge = models.judge
     judged_before = (judge.seconds, judge.calls) if judge is not None else (0.0, 0)
     if joint:
@@ -221,6 +237,26 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
               "groups": int(sum(int(lab["groups"].max()) + 1 for lab in labels)),
               "judge_calls": (judge.calls - judged_before[1]) if judge is not None else 0}
     return tensors, records, counts
+
+
+def _read(models: Models, config: BuildConfig, ctx: dict, reads: dict, toks: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """``{role: {group: (rows, ...)}}``: each role reads its steps, in-process or through its server, with the
+    function the decoder's verification pass calls."""
+    spec = config.feature_spec()
+    if models.readers:
+        from datamodules.labels.engine_reading import read_steps_served
+
+        return {r: read_steps_served(models.readers[r], toks[r], ctx[r], reads[r], spec,
+                                     concurrency=config.reading.concurrency) for r in reads}
+    return {r: read_steps(getattr(models, r), ctx[r], reads[r], spec, toks[r].pad_token_id or 0, config.max_rows)
+            for r in reads}
+
+
+def _embeddings(feats: dict[str, torch.Tensor], n_prefixes: int) -> np.ndarray:
+    """(prefixes, samples, width) what clustering compares: the pooled hidden states, or, when the servers return
+    none, the step's other features (clustering is then ``judge``-only and uses them only to order its questions)."""
+    x = feats["hidden"] if "hidden" in feats else torch.cat([v.flatten(1) for v in feats.values()], dim=1)
+    return x.flatten(1).float().numpy().reshape(n_prefixes, -1, x[0].numel())
 
 
 def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -246,9 +282,9 @@ def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch
               "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32, "group_entropy": torch.float32}
     tensors: dict[str, torch.Tensor] = {}
     for r in ROLES:
-        tensors[f"{r}.features"] = feats[r]["hidden"].flatten(1).to(torch.float16)  # group "hidden"
-        tensors[f"{r}.token_stats"] = feats[r]["token_stats"].float()
-        tensors[f"{r}.topk_stats"] = feats[r]["topk_stats"].float()
+        for g, v in feats[r].items():  # group "hidden" is stored as "features" (fp16), the statistics as float32
+            tensors[f"{r}.features" if g == "hidden" else f"{r}.{g}"] = v.flatten(1).to(
+                torch.float16 if g == "hidden" else torch.float32)
         for k, dt in dtypes.items():
             tensors[f"{r}.{k}"] = torch.from_numpy(np.concatenate(cols[r][k])).to(dt)
         tensors[f"{r}.label"] = tensors[f"{r}.q" if r == "target" else f"{r}.p"].clone()
