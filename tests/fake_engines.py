@@ -34,8 +34,14 @@ def words(text: str) -> list[str]:
     return re.findall(r"\S+\s*|\s+", text)  # a token keeps the spaces after it
 
 
+SEEN: dict[int, str] = {}
+"""Every word the toy tokenizer has seen, by id (so answers can give a token's text, as a server's tokenizer does)."""
+
+
 def tid(word: str) -> int:
-    return zlib.crc32(word.encode()) % 50000 + 10
+    i = zlib.crc32(word.encode()) % 50000 + 10
+    SEEN[i] = word
+    return i
 
 
 def ids_of(text: str) -> list[int]:
@@ -128,7 +134,7 @@ class FakeSGLang(_Server):
         return 200, {"tokens": toks, "count": [len(t) for t in toks] if isinstance(p, list) else len(toks)}
 
     def _rows(self, ids, start, k):
-        texts = {tid(w): w for w in words(CONTINUATION + NEXT)}
+        texts = {tid(w): w for w in words(CONTINUATION + NEXT)} | SEEN
         lps = [[own_logprob(ids[:i], ids[i]), ids[i], texts.get(ids[i], f"#{ids[i]}")] for i in range(start, len(ids))]
         tops = [[list(e) for e in top_entries(ids[:i], self.short_top or k)] for i in range(start, len(ids))]
         return lps[self.drop_rows:], tops[self.drop_rows:]

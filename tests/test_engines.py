@@ -77,6 +77,37 @@ def test_sglang_read_sends_the_step_start_and_maps_the_answer(fakes):
         (len(ids), 1, start, n)
 
 
+def test_sglang_reads_after_a_seen_context_without_a_tokenize_request(fakes):
+    """A step read after the previous step + its bonus token, or after a step the server wrote, costs one request:
+    the context's ids are known from the earlier answer (2 requests per kept step, 3 per refused one)."""
+    fake = fakes(FakeSGLang)
+    engine = _engine("sglang", fake)
+    first = engine.read(CONTEXT, STEP, top_k=3, hidden=False, sampling=GREEDY, seed=0)
+    assert engine._known[CONTEXT + STEP + first.next_text] == ids_of(CONTEXT + STEP) + [tid(NEXT)]  # + bonus token
+    context = CONTEXT + STEP  # (the toy's bonus word would merge with any next step, so continue without it)
+    second = engine.read(context, "4 * 2 = 8 .\n\n", top_k=3, hidden=False, sampling=GREEDY, seed=0)
+    assert len(fake.posts("/v1/tokenize")) == 1 and len(fake.posts("/generate")) == 2
+    body = fake.posts("/generate")[1]
+    assert body["text"] == context + "4 * 2 = 8 .\n\n" and body["logprob_start_len"] == len(ids_of(context))
+    assert second.step.ids == ids_of(context + "4 * 2 = 8 .\n\n")[len(ids_of(context)):]
+    written = engine.write(context, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=1)
+    assert fake.posts("/generate")[2]["input_ids"] == ids_of(context)  # the known ids, not the text
+    engine.read(context + written.text, "7 .\n\n", top_k=3, hidden=False, sampling=GREEDY, seed=0)
+    assert len(fake.posts("/v1/tokenize")) == 1
+    engine.read("Another prompt ?\n\n", STEP, top_k=3, hidden=False, sampling=GREEDY, seed=0)
+    assert len(fake.posts("/v1/tokenize")) == 2  # an unseen context is tokenized first
+
+
+def test_sglang_falls_back_to_tokenizing_when_the_rows_do_not_spell_the_step(fakes, monkeypatch):
+    fake = fakes(FakeSGLang)
+    engine = _engine("sglang", fake)
+    engine.read(CONTEXT, STEP, top_k=3, hidden=False, sampling=GREEDY, seed=0)
+    context = CONTEXT + STEP
+    engine._known[context] = engine._known[context][:-1]  # as if the server had split the boundary elsewhere
+    r = engine.read(context, "9 .\n\n", top_k=3, hidden=False, sampling=GREEDY, seed=0)
+    assert len(fake.posts("/v1/tokenize")) == 2 and r.step.ids == ids_of(context + "9 .\n\n")[len(ids_of(context)):]
+
+
 def test_sglang_takes_the_step_rows_from_a_prefill_that_was_not_cached(fakes):
     fake = fakes(FakeSGLang, cached=0)
     r = _engine("sglang", fake).read(CONTEXT, STEP, top_k=3, hidden=True, sampling=GREEDY, seed=0)

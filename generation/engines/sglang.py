@@ -26,6 +26,8 @@ and are not what ``/generate`` returns for a plain server).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from generation.engines import HIDDEN_NORM
@@ -33,6 +35,12 @@ from generation.engines.base import Capabilities, EngineError, MalformedAnswer, 
 from generation.engines.connection import Connection
 from generation.engines.openai_compat import top_k_of
 from generation.specs import SamplingSpec, StepSpec
+
+
+KNOWN_TEXTS = 4096
+"""Texts whose server token ids an :class:`SGLangEngine` keeps: a step read after a context it has seen (the previous
+step + the bonus token, or a step the server wrote) needs no ``/v1/tokenize`` call, so a kept step costs two requests
+(the draft's write, this read) and a refused one three."""
 
 
 class SGLangEngine:
@@ -56,6 +64,7 @@ class SGLangEngine:
         self.model = self.conn.check_model(model)
         self.version = self.conn.version()
         self._caps: Capabilities | None = None
+        self._known: OrderedDict[str, list[int]] = OrderedDict()
 
     def capabilities(self) -> Capabilities:
         if self._caps is None:
@@ -80,8 +89,15 @@ class SGLangEngine:
             raise MalformedAnswer(f"server {self.url} answered /generate without meta_info", self.url)
         return got, got["meta_info"], secs
 
+    def _remember(self, text: str, ids: list[int]) -> None:
+        """The server's ids of a text this client has seen it tokenize (the newest :data:`KNOWN_TEXTS` kept)."""
+        self._known[text] = ids
+        self._known.move_to_end(text)
+        while len(self._known) > KNOWN_TEXTS:
+            self._known.popitem(last=False)
+
     def _ids(self, context: str, step: str) -> tuple[list[int], int]:
-        """The server's ids of context + step and the index of the step's first token."""
+        """The server's ids of context + step and the index of the step's first token (one ``/v1/tokenize``)."""
         got, _ = self.conn.post("/v1/tokenize", {"model": self.model, "prompt": [context, context + step]},
                                 "/v1/tokenize")
         tokens = got.get("tokens") if isinstance(got, dict) else None
@@ -92,6 +108,7 @@ class SGLangEngine:
             raise MalformedAnswer(f"server {self.url}: the context's {len(ctx)} token(s) are not a prefix of context + "
                                   f"step's {len(full)}: its tokenizer merges the context's end with the step's start "
                                   "(or the context or the step is empty)", self.url)
+        self._remember(context, [int(i) for i in ctx])
         return [int(i) for i in full], len(ctx)
 
     def _sampling(self, sampling: SamplingSpec, seed: int, max_new_tokens: int) -> dict:
@@ -133,26 +150,57 @@ class SGLangEngine:
             raise EngineError(" ".join(self.capabilities().remarks), self.url)
         if top_k < 1:
             raise ValueError(f"top_k={top_k}: expected >= 1")
-        ids, start = self._ids(context, step)
-        got, meta, secs = self._generate({
-            "input_ids": ids, "sampling_params": self._sampling(sampling, seed, 1), "return_logprob": True,
-            "logprob_start_len": start, "top_logprobs_num": top_k, "return_hidden_states": bool(hidden),
-            "return_text_in_logprobs": True})
-        n = len(ids) - start
-        tokens = self._logprobs(meta.get("input_token_logprobs"), meta.get("input_top_logprobs"), n, top_k, "step")
+        known = self._known.get(context)
+        got = self._read_known(context, step, known, top_k, hidden, sampling, seed) if known else None
+        if got is None:  # the context's ids are not known, or the server split context + step elsewhere
+            ids, start = self._ids(context, step)
+            got = self._read_ids(ids, start, top_k, hidden, sampling, seed)
+        tokens, meta, got_text, secs = got
         finish = meta.get("finish_reason") or {}
         eos = finish.get("type") == "stop"
-        return Reading(tokens, self._hidden(meta, n) if hidden else None, "" if eos else str(got.get("text", "")),
-                       eos, self._usage(meta, secs))
+        n = len(tokens.tokens)
+        ctx_ids = self._known.get(context) or []
+        self._remember(context + step, ctx_ids + list(tokens.ids or []))
+        nxt = meta.get("output_token_logprobs") or []
+        if not eos and len(nxt) == 1 and nxt[0] and len(nxt[0]) > 1:
+            self._remember(context + step + got_text, self._known[context + step] + [int(nxt[0][1])])
+        return Reading(tokens, self._hidden(meta, n) if hidden else None, "" if eos else got_text, eos,
+                       self._usage(meta, secs))
+
+    def _read_body(self, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int) -> dict:
+        return {"sampling_params": self._sampling(sampling, seed, 1), "return_logprob": True, "top_logprobs_num": top_k,
+                "return_hidden_states": bool(hidden), "return_text_in_logprobs": True}
+
+    def _read_ids(self, ids: list[int], start: int, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int):
+        """Read with the step's token ids known: exact."""
+        got, meta, secs = self._generate({"input_ids": ids, "logprob_start_len": start,
+                                          **self._read_body(top_k, hidden, sampling, seed)})
+        tokens = self._logprobs(meta.get("input_token_logprobs"), meta.get("input_top_logprobs"), len(ids) - start,
+                                top_k, "step")
+        return tokens, meta, str(got.get("text", "")), secs
+
+    def _read_known(self, context: str, step: str, known: list[int], top_k: int, hidden: bool,
+                    sampling: SamplingSpec, seed: int):
+        """Read without a ``/v1/tokenize`` call when the context's ids are known from an earlier answer: the server
+        tokenizes context + step and returns the rows from the context's end; None when those rows do not spell
+        the step (the server's tokenizer merged across the boundary), and the caller asks for the ids."""
+        got, meta, secs = self._generate({"text": context + step, "logprob_start_len": len(known),
+                                          **self._read_body(top_k, hidden, sampling, seed)})
+        rows = meta.get("input_token_logprobs") or []
+        if not rows or "".join(str(r[2]) for r in rows if r and len(r) > 2 and r[2] is not None) != step:
+            return None
+        tokens = self._logprobs(rows, meta.get("input_top_logprobs"), len(rows), top_k, "step")
+        return tokens, meta, str(got.get("text", "")), secs
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
               top_k: int | None = None) -> Written:
         params = self._sampling(sampling, seed, max_tokens)
         if step is not None:
             params.update(stop=list(step.delimiters), no_stop_trim=True)
-        body = {"text": context, "sampling_params": params}
-        if top_k:
-            body.update(return_logprob=True, top_logprobs_num=top_k, return_text_in_logprobs=True)
+        known = self._known.get(context)
+        body = {"input_ids": known} if known else {"text": context}
+        body.update(sampling_params=params, return_logprob=True, top_logprobs_num=top_k or 0,
+                    return_text_in_logprobs=True)  # the written ids: the next read after this text needs no tokenize
         got, meta, secs = self._generate(body)
         text, finish = str(got.get("text", "")), meta.get("finish_reason") or {}
         matched = finish.get("matched")
@@ -167,4 +215,7 @@ class SGLangEngine:
             n = int(meta.get("completion_tokens", 0)) - (how == "eos")  # the EOS token is not in the text
             rows, tops = meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
             tokens = self._logprobs(rows[:n], tops[:n], n, top_k, "written")
+        out = meta.get("output_token_logprobs") or []
+        if known and how != "eos" and "".join(str(r[2]) for r in out if r and len(r) > 2) == text:
+            self._remember(context + text, known + [int(r[1]) for r in out])
         return Written(text, how, tokens, self._usage(meta, secs))
