@@ -231,10 +231,11 @@ def write_manifest(data_dir: str | os.PathLike, build: dict[str, Any], n_shards:
     for k in range(n_shards):
         path = data_dir / shard_name(k)
         shapes = shard_shapes(path)
-        count = {r: shapes[f"{r}.features"][0] for r in roles}
+        count = {r: shapes[f"{r}.label"][0] for r in roles}  # a build without hidden has no features
         for r in roles:
             rows[r] += count[r]
-            width[r] = shapes[f"{r}.features"][1]
+            if f"{r}.features" in shapes:
+                width[r] = shapes[f"{r}.features"][1]
         entry = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size, "count": count}
         if (data_dir / steps_name(k)).is_file():
             entry.update(steps_file=steps_name(k), steps_sha256=sha256_file(data_dir / steps_name(k)))
