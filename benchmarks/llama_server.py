@@ -45,17 +45,22 @@ class LlamaServer:
         log: file the server's output goes to (None = discarded).
         f32_kv: keep the KV cache in float32 (``--type_k 0 --type_v 0``) instead of llama.cpp's default
             float16, so that log-probs equal an in-process float32 model's (see :func:`world_server`).
+        verbose: llama.cpp's own output on (``--verbose true``): per request it prints how many prompt tokens
+            matched the cached prefix and how many it evaluated (``Llama.generate: K prefix-match hit,
+            remaining N prompt tokens to eval``, ``llama_perf_context_print: prompt eval time = ... / N tokens``),
+            which :func:`prefill_counts` reads back from ``log``.
     """
 
     def __init__(self, model: str, port: int, alias: str, n_ctx: int = 2048, n_threads: int | None = None,
-                 ready_timeout: float = 120.0, log: str | os.PathLike | None = None, f32_kv: bool = False):
+                 ready_timeout: float = 120.0, log: str | os.PathLike | None = None, f32_kv: bool = False,
+                 verbose: bool = False):
         from datamodules.labels.models import find_pypi_gguf
 
         path = find_pypi_gguf(model.removeprefix("pypi:")) if model.startswith("pypi:") else Path(model)
         if not Path(path).is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
         self.path, self.port, self.alias, self.n_ctx, self.n_threads = Path(path), port, alias, n_ctx, n_threads
-        self.ready_timeout, self.log, self.f32_kv = ready_timeout, log, f32_kv
+        self.ready_timeout, self.log, self.f32_kv, self.verbose = ready_timeout, log, f32_kv, verbose
         self.url = f"http://127.0.0.1:{port}/v1"
         self.proc: subprocess.Popen | None = None
 
@@ -69,7 +74,7 @@ class LlamaServer:
     def command(self) -> list[str]:
         """The server's command line."""
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(self.path), "--host", "127.0.0.1",
-               "--port", str(self.port), "--model_alias", self.alias, "--n_ctx", str(self.n_ctx), "--verbose", "false"]
+               "--port", str(self.port), "--model_alias", self.alias, "--n_ctx", str(self.n_ctx), "--verbose", "true" if self.verbose else "false"]
         if self.n_threads:
             cmd += ["--n_threads", str(self.n_threads)]
         if self.f32_kv:
@@ -111,7 +116,7 @@ class LlamaServer:
 
 
 def world_server(role: str, port: int, log: str | os.PathLike | None = None, n_threads: int = 1,
-                 root: str | os.PathLike | None = None) -> LlamaServer:
+                 root: str | os.PathLike | None = None, verbose: bool = False) -> LlamaServer:
     """A server for one of the embedded world's models, ready to ``start()`` or use as a context manager.
 
     It serves :func:`datamodules.arithmetic.gguf.world_gguf` (f32 weights, written on first use) with
@@ -125,10 +130,11 @@ def world_server(role: str, port: int, log: str | os.PathLike | None = None, n_t
         log: file the server's output goes to (None = discarded).
         n_threads: CPU threads it decodes with.
         root: the world folder (default ``$SEMANTICSPEC_WORLD`` or ``checkpoints/arithmetic``).
+        verbose: llama.cpp's per-request output into ``log`` (:class:`LlamaServer`).
     """
     from datamodules.arithmetic.gguf import world_gguf
     from datamodules.arithmetic.models import model_dir
 
     n_ctx = json.loads((model_dir(role, root) / "config.json").read_text())["max_position_embeddings"]
     return LlamaServer(str(world_gguf(role, root=root)), port, role, n_ctx=n_ctx, n_threads=n_threads, log=log,
-                       f32_kv=True)
+                       f32_kv=True, verbose=verbose)

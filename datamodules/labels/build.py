@@ -134,6 +134,7 @@ class _ShardRun:
         self.n_shards = len(plan["shards"])
         self.totals: dict[str, Any] = {"prefixes": 0, "samples": 0, "groups": 0, "judge_calls": 0, "cache_hits": 0}
         self.models = None  # loaded only when a shard is left to build
+        self.models_loaded: dict[str, bool] = {}  # role -> weights loaded in this process ({}: nothing loaded)
         self.hits0 = 0  # the judge cache's hits when the models were loaded
         self.on_disk: set[int] = set()
         self.built: list[int] = []
@@ -175,6 +176,9 @@ class _ShardRun:
         t = time.perf_counter()
         self.models = load_models(self.config, self.data_dir / "judge-cache", self.rank, self.plan["samplers"])
         self.timer["loading"] = time.perf_counter() - t
+        m = self.models  # which weights this process holds (an engine-read build holds no target or draft)
+        self.models_loaded = {"target": m.target is not None, "draft": m.draft is not None,
+                              "judge": getattr(m.judge, "model", None) is not None}
         self.hits0 = self.models.judge.cache_hits if self.models.judge is not None else 0
 
     def _done_one(self, k: int) -> None:
@@ -191,7 +195,7 @@ class _ShardRun:
         samplers = self.samplers
         if samplers:
             self.totals["sampler"] = {r: smp.stats() for r, smp in samplers.items()}
-        return {"this_run": self.totals, "seconds_per_stage": {k: round(v, 3) for k, v in self.timer.items()},
+        return {"this_run": self.totals, "models_loaded": self.models_loaded, "seconds_per_stage": {k: round(v, 3) for k, v in self.timer.items()},
                 "seconds": round(time.perf_counter() - t0, 3), "rank": self.rank, "world_size": self.world,
                 "built_shards": len(self.built), "reused_shards": len(self.on_disk)}
 

@@ -50,7 +50,7 @@ def read_steps_served(engine: Engine, tokenizer, prefixes: Sequence[Sequence[int
         raise ValueError(f"concurrency={concurrency}: expected >= 1")
     unique, where = _distinct_steps(steps)
     contexts = [prompt_text(tokenizer, p) for p in prefixes]
-    texts = [[tokenizer.decode(s, skip_special_tokens=False) for s in ss] for ss in unique]
+    texts = [[step_text(tokenizer, s) for s in ss] for ss in unique]
 
     def one_prefix(i: int) -> list[Reading]:
         return [engine.read(contexts[i], t, top_k=spec.top_k, hidden=spec.needs_hidden, sampling=GREEDY, seed=seed)
@@ -68,6 +68,20 @@ def read_steps_served(engine: Engine, tokenizer, prefixes: Sequence[Sequence[int
                           topk=[(r.step.logprobs, r.step.top) for r in readings])
     index = torch.tensor(where, dtype=torch.long)
     return {g: v.cpu()[index] for g, v in parts.items()}
+
+
+def step_text(tokenizer, step: Sequence[int]) -> str:
+    """A step's text as a server reads it: without a closing EOS, which text cannot carry (the server would read
+    ``"<eos>"`` as characters), as the served decoder reads a step its draft ended with EOS.
+
+    Raises:
+        ValueError: a step that is EOS alone (it has no text a server could read).
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = list(step[:-1]) if len(step) and eos is not None and step[-1] == eos else list(step)
+    if not ids:
+        raise ValueError(f"a step of token ids {list(step)} is EOS alone: a server reads text, and EOS has none")
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def usage_totals(readings: Sequence[Reading]) -> dict[str, int]:

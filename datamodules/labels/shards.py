@@ -132,6 +132,11 @@ def shard_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
         return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118  (safe_open is not a dict)
 
 
+def _rows(shapes: dict[str, list[int]], role: str) -> int:
+    """A role's rows in a shard: its features' (hidden), else its labels' (a build without hidden has no features)."""
+    return shapes[f"{role}.features" if f"{role}.features" in shapes else f"{role}.label"][0]
+
+
 def read_manifest(data_dir: str | os.PathLike) -> dict | None:
     """The manifest of ``data_dir``, or None when there is none yet."""
     path = Path(data_dir) / MANIFEST
@@ -231,10 +236,11 @@ def write_manifest(data_dir: str | os.PathLike, build: dict[str, Any], n_shards:
     for k in range(n_shards):
         path = data_dir / shard_name(k)
         shapes = shard_shapes(path)
-        count = {r: shapes[f"{r}.features"][0] for r in roles}
+        count = {r: _rows(shapes, r) for r in roles}
         for r in roles:
             rows[r] += count[r]
-            width[r] = shapes[f"{r}.features"][1]
+            if f"{r}.features" in shapes:
+                width[r] = shapes[f"{r}.features"][1]
         entry = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size, "count": count}
         if (data_dir / steps_name(k)).is_file():
             entry.update(steps_file=steps_name(k), steps_sha256=sha256_file(data_dir / steps_name(k)))

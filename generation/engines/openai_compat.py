@@ -83,6 +83,8 @@ class _Completions:
     """What llama.cpp and vLLM clients share: setup, the request, the echo's step, the written step."""
 
     name = "?"
+    top_k_slack = 0
+    """Entries asked for beyond ``top_k`` (llama.cpp: see :attr:`LlamaCppEngine.top_k_slack`)."""
     sampling_extra: dict = {}
     """Request fields this engine needs to sample as the package does (none by default)."""
 
@@ -93,6 +95,8 @@ class _Completions:
         self.model = self.conn.check_model(model)
         self.version = self.conn.version()
         self._caps: Capabilities | None = None
+        self.collapsed_positions = 0
+        """Step positions whose top-k answer lost entries to tokens sharing a text (see ``top_k_slack``)."""
 
     def capabilities(self) -> Capabilities:
         if self._caps is None:
@@ -144,6 +148,8 @@ class _Completions:
                                   "context)", self.url)
         if tops is None:
             tops = [list((lp["top_logprobs"][i] or {}).values()) for i in idx]
+            self.collapsed_positions += sum(len(t) < k + self.top_k_slack and "" in (lp["top_logprobs"][i] or {})
+                                            for t, i in zip(tops, idx))
         top = [top_k_of(t, k, self.url, f"step token {j}") for j, t in enumerate(tops)]
         return TokenLogprobs([lp["tokens"][i] for i in idx], ids, torch.tensor(own, dtype=torch.float32),
                              torch.tensor(top, dtype=torch.float32).reshape(len(idx), k))
@@ -151,7 +157,8 @@ class _Completions:
     def _read_echo(self, context: str, step: str, top_k: int, sampling: SamplingSpec, seed: int,
                    extra: dict | None = None):
         """The echo request and what every engine reads from it: the choice, its logprobs, the step's indices."""
-        resp, secs = self._create(context + step, max_tokens=1, sampling=sampling, seed=seed, logprobs=top_k,
+        resp, secs = self._create(context + step, max_tokens=1, sampling=sampling, seed=seed,
+                                  logprobs=top_k + self.top_k_slack,
                                   echo=True, extra=extra)
         choice = self._choice(resp)
         lp = self._logprobs(choice)
@@ -198,6 +205,13 @@ class LlamaCppEngine(_Completions):
     """
 
     name = "llama.cpp"
+    top_k_slack = 4
+    """llama-cpp-python returns each position's top log-probs as a dict keyed by token TEXT, so tokens that share
+    a text collapse into one entry holding the lowest of their values; llama.cpp detokenizes every control token
+    (BOS, EOS, pad, unk) to "", and on the embedded world BOS and EOS are both in the target's top-20 at about 1
+    position in 400. Asking for k + 4 entries keeps k of them; where a collapse happened (counted in
+    ``collapsed_positions``) the k-th entries are the next lower values instead of the lost higher one (an error
+    in the tail of the top-k only)."""
     sampling_extra = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
     """llama-cpp-python samples with top-k 40, min-p 0.05 and a repeat penalty of 1.1 unless told otherwise; these
     turn all three off, so greedy text equals the in-process greedy text (its top-p still cuts the untempered
@@ -229,7 +243,7 @@ class LlamaCppEngine(_Completions):
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
         # The server cuts the stop string off the text but keeps its tokens in the logprobs: asking for them
         # (k = 0 when none are wanted) tells a delimiter from EOS.
-        return top_k if top_k else (0 if stops else None)
+        return top_k + self.top_k_slack if top_k else (0 if stops else None)
 
     def _ending(self, choice, stops: list[str]) -> tuple[str, str]:
         text = choice.text or ""
