@@ -96,11 +96,13 @@ def test_gguf_tokenizer_agrees_on_what_the_models_sample(world, role):
     assert [t for t in texts if vocab.detokenize(vocab.tokenize(t.encode(), add_bos=False)).decode() != t] == []
 
 
-def test_detokenize_drops_a_leading_space_after_bos(world):
-    """llama-cpp-python's ``detokenize`` strips one leading space when the list starts with <bos> (a Llama-1
-    habit); the server detokenizes completions without the prompt's <bos>, so served text keeps it."""
+def test_only_eos_detokenizes_to_nothing(world):
+    """<pad>, <unk> and <bos> are user-defined, so each keeps its text: llama-cpp-python keys a position's top
+    log-probs by token text, and control tokens (all '') would collapse into one entry. EOS stays the one control
+    token; served text is unaffected (the server detokenizes completions without the prompt's <bos>)."""
     vocab = _vocab()
-    assert vocab.detokenize(vocab.tokenize(b" 98", add_bos=True)) == b"98"
+    specials = {t: vocab.detokenize([world.convert_tokens_to_ids(t)]) for t in ("<pad>", "<unk>", "<bos>", "<eos>")}
+    assert specials == {"<pad>": b"<pad>", "<unk>": b"<unk>", "<bos>": b"<bos>", "<eos>": b""}
     assert vocab.detokenize(vocab.tokenize(b" 98", add_bos=False)) == b" 98"
 
 

@@ -113,7 +113,9 @@ def _add_tokenizer(w, tok, vocab_size: int) -> None:
     w.add_tokenizer_model("t5")  # llama.cpp's Unigram (UGM) tokenizer
     w.add_token_list([p.replace(" ", SPACE) for p in pieces])
     w.add_token_scores([SCORE] * len(pieces))
-    w.add_token_types([3 if p in specials else 4 if p in GREEDY else 1 for p in pieces])  # control, user-defined, normal
+    # EOS is the one control token (its text is empty); the other specials are user-defined, so each keeps its text:
+    # llama-cpp-python keys a position's top log-probs by token text, and four empty texts would collapse into one.
+    w.add_token_types([3 if p == tok.eos_token else 4 if p in specials or p in GREEDY else 1 for p in pieces])
     w.add_add_space_prefix(False)
     w.add_remove_extra_whitespaces(False)
     w.add_bos_token_id(tok.bos_token_id)
