@@ -715,3 +715,6 @@ def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, token
         assert [row_view(r) for r in batched] == [row_view(r) for r in single], gen
         decisions = [t.decision for r in batched for t in r.steps]
         assert {"accept", "reject"} <= set(decisions), gen  # both branches, in the same batch
+        # idle rows (timing only): alone a row is fed by every forward; in the batch rows wait for each other
+        assert all(r.stats.idle_s == 0 for r in single) and sum(r.stats.idle_s for r in batched) > 0, gen
+        assert max(r.stats.done_idle_s for r in batched) > 0 and min(r.stats.done_idle_s for r in batched) >= 0
