@@ -24,8 +24,9 @@ says whether forwards and positions explain the cost. Predicted tokens/s adds th
 outside the forwards (sampling, probes, bookkeeping: ``other_s``), and ``predicted_speedup`` is the ratio of
 predicted walls.
 
-**Phases** (SemanticSpec; seconds and shares of its wall): ``first_step``, ``draft``, ``verify``,
-``rewrite``, ``probe`` and ``other`` (the loop's own :class:`~probes.decoding.results.DecodeStats`). Idle
+**Phases** (seconds and shares of the loop's wall): ``first_step``, ``draft``, ``verify``, ``rewrite``,
+``probe`` and ``other`` (the loop's own :class:`~probes.decoding.results.DecodeStats`; target-only has no
+phases, its steps are ``other``). Idle
 rows are row-seconds: ``idle_rows`` counts, for every unfinished row, the forwards that ran without feeding
 it (accepted rows while the target rewrites refused ones, rows whose step is written while others still
 draft), ``done_rows`` the time from a row's end to its batch's end; their shares are of the batch's
@@ -105,7 +106,7 @@ def batch_scaling(dec, problems: Sequence, args, prompt: Callable, check: Callab
             row["speedup"] = ref["wall_s"] / row["wall_s"]
             row["predicted_speedup"] = ref["predicted_wall_s"] / row["predicted_wall_s"]
             row["scaling"] = row["tokens_per_s"] / table[m][str(sizes[0])]["tokens_per_s"]
-    phases = {m: {str(b): phase_breakdown(runs[m, b]) for b in sizes} for m in methods if m != "target_only"}
+    phases = {m: {str(b): phase_breakdown(runs[m, b]) for b in sizes} for m in methods}
     return {"table": table, "cost_model": costs, "phases": phases, "chunk": chunk}
 
 
