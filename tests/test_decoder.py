@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from generation.cache import record_forwards
 from generation.groups import TOKEN_STATS, TOPK_STATS
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
@@ -710,9 +711,15 @@ def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, token
     lengths = [len(tok(p).input_ids) for p in RAGGED]
     assert min(lengths) < 10 and max(lengths) > 100
     for gen in ({"temperature": 0.0}, {"seed": 11}):
-        batched = dec.generate(RAGGED, batch_size=8, max_new_tokens=40, **gen)
-        single = dec.generate(RAGGED, batch_size=1, max_new_tokens=40, **gen)
+        with record_forwards() as batch_log:
+            batched = dec.generate(RAGGED, batch_size=8, max_new_tokens=40, **gen)
+        with record_forwards() as single_log:
+            single = dec.generate(RAGGED, batch_size=1, max_new_tokens=40, **gen)
         assert [row_view(r) for r in batched] == [row_view(r) for r in single], gen
+        # the batch shares its forwards; each computes all 8 rows at the widest feed (padding included)
+        assert len(batch_log) < 0.75 * len(single_log), gen
+        assert all(r.positions % 8 == 0 and r.positions >= r.tokens >= r.rows for r in batch_log), gen
+        assert sum(r.positions for r in batch_log) > sum(r.tokens for r in batch_log), gen
         decisions = [t.decision for r in batched for t in r.steps]
         assert {"accept", "reject"} <= set(decisions), gen  # both branches, in the same batch
         # idle rows (timing only): alone a row is fed by every forward; in the batch rows wait for each other
