@@ -25,7 +25,11 @@ What it measures (issue 4, "Benchmark figures" in docs/design.md):
 - **ablations** with the same decoder: the paper's probe (pooled hidden states only),
   ``token_stats`` only, and both (the default), with each probe pair's **draft-step AUROC**: q
   against the oracle's right/wrong on every draft step it judged on these held-out problems;
-- **batch_scaling**: output tokens per second of target-only and SemanticSpec at 1, 2, 4, 8 prompts.
+- **batch_scaling**: target-only and SemanticSpec at 1, 2, 4, 8 and 16 prompts per batch on the same
+  ``--scaling-problems`` problems (64; quick 16), methods interleaved per chunk of 16 problems: tokens per
+  second, speedup over target-only at the same size, accuracy, forwards per model and what they carry, the
+  batch cost model's prediction, and SemanticSpec's phases with its idle rows (:mod:`benchmarks.batching`).
+  ``--only-batch-scaling`` runs this section alone (``decode-scaling[-quick].json``).
 
 Probes default to ``checkpoints/arithmetic/probes/{target,draft}`` (hybrid) and
 ``checkpoints/arithmetic/probes-ablation/{hidden,token_stats}/{target,draft}``; when the default
@@ -46,7 +50,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks import harness
+from benchmarks import batching, harness
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.task import ArithmeticTask
 from generation.paths import portable_paths
@@ -70,7 +74,7 @@ PROBLEM_SEED = 30_000
 METHODS = tuple(TABLE)
 """Every method of the decoder's table, in its order."""
 GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accuracy_gap": 0.10, "probe_overhead": 0.02,
-         "draft_step_auroc": 0.97}
+         "draft_step_auroc": 0.97, "batch8_speedup": 1.8}
 DRAFTING = tuple(m for m in METHODS if TABLE[m].drafts)
 """Methods whose draft steps are judged (decision tables)."""
 LOOPS = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semanticspec[paper_loop]")
@@ -253,36 +257,23 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
     return out
 
 
-def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=(1, 2, 4, 8)) -> dict:
-    """Output tokens per second at several batch sizes (same prompts, each size decodes all of them)."""
-    prompts = [TASK.prompt_text(dec.tokenizer, p.problem) for p in problems]
-    table: dict = {}
-    for method in ("target_only", "semanticspec"):
-        row = {}
-        for b in sizes:
-            t0 = time.perf_counter()
-            res = dec.generate(
-                prompts,
-                method=method,
-                batch_size=b,
-                seed=args.seed,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-            )
-            wall = time.perf_counter() - t0
-            tokens = sum(r.stats.output_tokens for r in res)
-            acc = accuracy(TASK.check(r.text, p.answer) for r, p in zip(res, problems))
-            row[str(b)] = {"tokens_per_s": tokens / wall, "wall_s": wall, "accuracy": acc}
-        base = row[str(sizes[0])]["tokens_per_s"]
-        for b in sizes:
-            row[str(b)]["scaling"] = row[str(b)]["tokens_per_s"] / base
-        table[method] = row
-    return table
+def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=batching.SIZES) -> dict:
+    """:func:`benchmarks.batching.batch_scaling` on ``problems`` with this task's prompts and answer checker."""
+    return batching.batch_scaling(dec, problems, args, lambda p: TASK.prompt_text(dec.tokenizer, p.problem),
+                                  lambda text, p: TASK.check(text, p.answer), sizes)
 
 
-def goals(methods: dict, probes: dict) -> dict:
-    """Each goal of issues 4 and 9 with its measured value and whether it is met."""
+def scaling_section(dec: SemanticSpecDecoder, args: argparse.Namespace) -> dict:
+    """:func:`batch_scaling` on the first ``--scaling-problems`` problems (empty when skipped)."""
+    if args.no_batch_scaling:
+        return {}
+    n = args.scaling_problems or (16 if args.quick else 64)
+    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+    return batch_scaling(dec, problems, args, tuple(args.batch_sizes or batching.SIZES))
+
+
+def goals(methods: dict, probes: dict, scaling: dict | None = None) -> dict:
+    """Each goal of issues 4, 9 and 22 with its measured value and whether it is met (batch 8: when scaled)."""
     s, t = methods["semanticspec"], methods["target_only"]
     tsd = methods["token_sd"]["speedup"]
     auc = probes.get("hybrid", {}).get("draft_step_auroc", math.nan)
@@ -305,6 +296,20 @@ def goals(methods: dict, probes: dict) -> dict:
             "met": s["probe_overhead"] <= GOALS["probe_overhead"],
         },
         "draft_step_auroc_at_least_0.97": {"value": auc, "met": bool(auc >= GOALS["draft_step_auroc"])},
+        **batch_goals(scaling or {}),
+    }
+
+
+def batch_goals(scaling: dict) -> dict:
+    """Issue 22's batch-8 goal: SemanticSpec's speedup over target-only at 8 prompts, within 2 points of accuracy."""
+    table = scaling.get("table", {})
+    if "8" not in table.get("semanticspec", {}):
+        return {}
+    s, t = table["semanticspec"]["8"], table["target_only"]["8"]
+    return {
+        "batch8_speedup_at_least_1.8": {"value": s["speedup"], "met": s["speedup"] >= GOALS["batch8_speedup"]},
+        "batch8_accuracy_within_2_points": {"value": s["accuracy"] - t["accuracy"],
+                                            "met": s["accuracy"] >= t["accuracy"] - GOALS["accuracy_drop"]},
     }
 
 
@@ -384,18 +389,8 @@ def _sweep_table(report: dict) -> list[str]:
 
 
 def _scaling_table(report: dict) -> list[str]:
-    """Tokens per second and scaling at each batch size (none when batch scaling was skipped)."""
-    if not report.get("batch_scaling"):
-        return []
-    sizes = list(next(iter(report["batch_scaling"].values())))
-    lines = ["", "| batch scaling (tokens/s) | " + " | ".join(sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
-    for method, row in report["batch_scaling"].items():
-        lines.append(
-            f"| {method} | "
-            + " | ".join(f"{row[b]['tokens_per_s']:.0f} ({row[b]['scaling']:.2f}x)" for b in sizes)
-            + " |"
-        )
-    return lines
+    """Batch scaling, its cost model and SemanticSpec's phases per size (none when batch scaling was skipped)."""
+    return batching.markdown(report.get("batch_scaling") or {})
 
 
 def _goals_table(report: dict) -> list[str]:
@@ -472,6 +467,12 @@ def arguments() -> argparse.ArgumentParser:
         "--world", default=None, help="world model folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)"
     )
     ap.add_argument("--no-batch-scaling", action="store_true")
+    ap.add_argument("--only-batch-scaling", action="store_true",
+                    help="run the batch-scaling section alone (writes decode-scaling[-quick].json and .md)")
+    ap.add_argument("--scaling-problems", type=int, default=None,
+                    help="problems decoded at every batch size (default 64, quick 16)")
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=None,
+                    help="batch sizes of the scaling section (default 1 2 4 8 16)")
     ap.add_argument(
         "--no-lazy-p",
         action="store_true",
@@ -677,7 +678,7 @@ def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, unt
     phases, cost = phases_and_costs(runs)
     add_references(methods)
     sweep = sweep_curves(methods, runs, problems, plan.knobs)
-    scaling = {} if args.no_batch_scaling else batch_scaling(plan.dec, problems[: 8 if args.quick else 16], args)
+    scaling = scaling_section(plan.dec, args)
     probe_paths = {
         "hybrid": None if untrained else {"target": args.target_probe, "draft": args.draft_probe},
         **plan.ablation_paths,
@@ -691,7 +692,7 @@ def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, unt
         "probes": probe_scores,
         "n_problems": len(problems),
         "seed": args.seed,
-        "goals": goals(methods, probe_scores),
+        "goals": goals(methods, probe_scores, scaling),
         "untrained_probes": untrained,
         "probe_paths": portable_paths(probe_paths),  # results are shared: no machine's folders
         "config": {
@@ -716,6 +717,20 @@ def save(report: dict, args: argparse.Namespace) -> None:
         print("goals MISSED: " + ", ".join(missed))
 
 
+def scaling_only(plan: Plan, args: argparse.Namespace, untrained: bool) -> dict:
+    """The batch-scaling section alone, written to ``decode-scaling[-quick].json`` (and its tables)."""
+    t0 = time.perf_counter()
+    scaling = scaling_section(plan.dec, args)
+    report = {"batch_scaling": scaling, "goals": batch_goals(scaling), "untrained_probes": untrained,
+              "seconds": time.perf_counter() - t0,
+              "config": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "threads", "quick",
+                                                       "scaling_problems", "batch_sizes", "seed")}}
+    out = harness.results_path("decode-scaling", args.quick, args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    harness.write(report, out, "\n".join(_scaling_table(report) + _goals_table(report)), save_table=True)
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark (see the module docstring) and write its figures; returns the report."""
     args = parse_args(argv)
@@ -726,6 +741,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     plan = build_plan(args, world)
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
     warm_up(plan.dec, args)
+    if args.only_batch_scaling:
+        report = scaling_only(plan, args, untrained=tmp is not None)
+        if tmp is not None:
+            tmp.cleanup()
+        return report
     t0 = time.perf_counter()
     runs = run_methods(plan.dec, plan.variants, problems, args)
     report = build_report(args, plan, runs, problems, untrained=tmp is not None, t0=t0)

@@ -17,7 +17,9 @@ right-aligned block (keys carry their rotary positions, so moving them is exact)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,43 @@ class Feed:
     hidden: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One forward of a :class:`BatchedCache`, as :func:`record_forwards` keeps it.
+
+    Attributes:
+        model: the model that ran it.
+        rows: rows fed something (the forward computes every row of the cache, fed or not).
+        positions: positions computed, padding included: the cache's rows times the widest feed.
+        tokens: tokens fed (positions that carried a row's token).
+        seconds: wall time of the model call.
+    """
+
+    model: object
+    rows: int
+    positions: int
+    tokens: int
+    seconds: float
+
+
+_RECORDERS: list[list[ForwardRecord]] = []
+
+
+@contextmanager
+def record_forwards() -> Iterator[list[ForwardRecord]]:
+    """Keep a :class:`ForwardRecord` of every :meth:`BatchedCache.feed` that runs a forward inside the block.
+
+    The benchmarks' batch cost model is fitted on these (``benchmarks/batching.py``); recording changes
+    nothing a decode computes. Blocks nest; each keeps the forwards run while it is open.
+    """
+    log: list[ForwardRecord] = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(log)
+
+
 def context_length(model) -> int | None:
     """Positions the model knows (``max_position_embeddings`` of its text config), or None."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -51,6 +90,10 @@ class BatchedCache:
     ``seq[i]`` is row ``i``'s prompt plus committed output plus tentative tokens, in this model's
     tokenization; ``n_fed[i]`` of them are in the cache; the rest are *pending* and go into the
     next :meth:`feed`. ``last_logits[i]`` (V,) predicts ``seq[i][n_fed[i]]`` when nothing is pending.
+
+    Counters of the forwards run so far: ``calls``, ``rows_fed``, ``tokens_fed``, ``positions`` (every
+    forward computes all ``n_rows`` rows at the widest feed's width, so padding counts), ``forward_s``,
+    and per row ``passes`` (forwards that fed it) and ``served_s`` (their seconds).
 
     Args:
         model: a transformers causal LM (eval mode), on any device.
@@ -80,6 +123,11 @@ class BatchedCache:
         self.last_logits: list[torch.Tensor | None] = [None] * n_rows
         self.passes = [0] * n_rows  # forwards that fed this row something
         self.calls = 0  # forwards in total
+        self.rows_fed = 0  # rows fed, summed over forwards
+        self.tokens_fed = 0  # tokens fed, summed over forwards
+        self.positions = 0  # positions computed, summed over forwards: n_rows x the widest feed (padding included)
+        self.forward_s = 0.0  # wall time of the forwards
+        self.served_s = [0.0] * n_rows  # wall time of the forwards that fed this row something
         self.compactions = 0
 
     @property
@@ -127,6 +175,7 @@ class BatchedCache:
         self.seq = [list(self.seq[i]) for i in pick]
         self.last_logits = [self.last_logits[i] for i in pick]
         self.passes = [self.passes[i] for i in pick]
+        self.served_s = [self.served_s[i] for i in pick]
 
     def fork(self, n: int) -> None:
         """Every row becomes ``n`` consecutive copies of itself (N samples of one prefix)."""
@@ -169,6 +218,7 @@ class BatchedCache:
         else:  # only each row's last position: saves the (B, width, V) logits on large vocabularies
             last = sorted({len(t) - 1 for t in todo.values()})
             keep = 1 if last == [width - 1] else torch.tensor(last, dtype=torch.long, device=self.device)
+        t0 = self._clock()
         out = self.model(
             input_ids=torch.tensor(ids, device=self.device),
             # no masked column anywhere: the model's own causal mask is the same and cheaper to build
@@ -179,7 +229,7 @@ class BatchedCache:
             output_hidden_states=hidden,
             logits_to_keep=keep,
         )
-        self.calls += 1
+        self._count(todo, width, self._clock() - t0)
         result: dict[int, Feed] = {}
         for i, toks in todo.items():
             start, n = len(self.cols[i]), len(toks)
@@ -196,6 +246,25 @@ class BatchedCache:
             result[i] = Feed(start, logits, h)
             self.last_logits[i] = logits[-1]
         return result
+
+    def _clock(self) -> float:
+        """Now; while a :func:`record_forwards` block is open on an accelerator, after its queued work is done."""
+        if _RECORDERS and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _count(self, todo: dict[int, list[int]], width: int, seconds: float) -> None:
+        """Count one forward: its rows, tokens and positions (padding included), and its time (served rows')."""
+        tokens, positions = sum(len(t) for t in todo.values()), self.n_rows * width
+        self.calls += 1
+        self.rows_fed += len(todo)
+        self.tokens_fed += tokens
+        self.positions += positions
+        self.forward_s += seconds
+        for i in todo:
+            self.served_s[i] += seconds
+        for log in _RECORDERS:
+            log.append(ForwardRecord(self.model, len(todo), positions, tokens, seconds))
 
     def rollback(self, i: int, n: int, last_logits: torch.Tensor | None = None) -> None:
         """Remove the last ``n`` tokens of row ``i``, fed or pending.

@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from generation.cache import record_forwards
 from generation.groups import TOKEN_STATS, TOPK_STATS
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
@@ -682,3 +683,45 @@ def test_a_prompt_decodes_the_same_alone_and_in_any_batch(pair):
         assert texts(dec.generate(PROMPTS[:2], **gen)) == together[:2]
     other = texts(dec.generate(PROMPTS, seed=8, max_new_tokens=24))
     assert other != texts(dec.generate(PROMPTS, seed=7, max_new_tokens=24))  # the seed still matters
+
+
+LONG = "Start with 7. Add 5, then multiply it by 3. Subtract 4, then add 9. What is the result?\n\n"
+RAGGED = ["Begin with 12.\n\n", LONG * 4, "Take 3. Add 1.\n\n", LONG, "Start with 2.\n\n", LONG * 2 + "Add 1.\n\n",
+          "Take 9. Multiply it by 2.\n\n", LONG * 3]
+"""Eight prompts of very different lengths (6 to 105 tokens)."""
+
+
+def row_view(r):
+    """Everything a prompt's decode decided and wrote, step by step (times left out)."""
+    s = r.stats
+    steps = [(t.writer, t.text, t.n_tokens, t.decision, t.q, t.p) for t in r.steps]
+    return r.text, r.stop_reason, steps, (s.output_tokens, s.draft_tokens, s.steps, s.draft_steps_proposed,
+                                          s.draft_steps_accepted, s.drafted_tokens, s.target_passes, s.draft_passes)
+
+
+@pytest.mark.parametrize("token_sd", [True, False], ids=["token_sd", "no_token_sd"])
+@pytest.mark.parametrize("first", [False, True], ids=["draft_first", "target_first"])
+def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, token_sd, first):
+    """Issue 22: the lockstep batch of eight prompts of 6-105 tokens decides and samples each row as it would
+    alone (text, stop reason, every step's writer/text/decision/q/p, counters), greedy and sampled."""
+    target, draft, tok = tiny_pair
+    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
+    dec = stub_decoder(target, draft, tok, q=sometimes, rule="threshold", tau=0.5, token_sd=token_sd,
+                       target_first_step=first)
+    lengths = [len(tok(p).input_ids) for p in RAGGED]
+    assert min(lengths) < 10 and max(lengths) > 100
+    for gen in ({"temperature": 0.0}, {"seed": 11}):
+        with record_forwards() as batch_log:
+            batched = dec.generate(RAGGED, batch_size=8, max_new_tokens=40, **gen)
+        with record_forwards() as single_log:
+            single = dec.generate(RAGGED, batch_size=1, max_new_tokens=40, **gen)
+        assert [row_view(r) for r in batched] == [row_view(r) for r in single], gen
+        # the batch shares its forwards; each computes all 8 rows at the widest feed (padding included)
+        assert len(batch_log) < 0.75 * len(single_log), gen
+        assert all(r.positions % 8 == 0 and r.positions >= r.tokens >= r.rows for r in batch_log), gen
+        assert sum(r.positions for r in batch_log) > sum(r.tokens for r in batch_log), gen
+        decisions = [t.decision for r in batched for t in r.steps]
+        assert {"accept", "reject"} <= set(decisions), gen  # both branches, in the same batch
+        # idle rows (timing only): alone a row is fed by every forward; in the batch rows wait for each other
+        assert all(r.stats.idle_s == 0 for r in single) and sum(r.stats.idle_s for r in batched) > 0, gen
+        assert max(r.stats.done_idle_s for r in batched) > 0 and min(r.stats.done_idle_s for r in batched) >= 0

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from generation.cache import BatchedCache
+from generation.cache import BatchedCache, record_forwards
 from generation.sampling import Sampler
 from generation.specs import SamplingSpec
 from generation.steps import StepStopper
@@ -38,6 +38,30 @@ def test_rows_with_masked_columns_match_unbatched_forward(world_tokenizer):
     single.rollback(0, 2)
     assert single.cache.get_seq_length() == 4 and single.mask.shape == (1, 4)  # one row: a plain crop
     assert single.holes == 0
+
+
+def test_forwards_are_counted_with_their_rows_tokens_and_padded_positions(world_tokenizer):
+    """Issue 22 cost model: every forward computes all rows at the widest feed, fed or not."""
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    run, other = BatchedCache(model, 3), BatchedCache(model, 2)
+    run.seq = [[2, 5, 6, 7], [2, 9], [2, 4, 4, 4, 4, 4]]
+    with record_forwards() as log:
+        run.feed([0, 1, 2])  # widths 4, 2, 6: 3 rows x 6 positions
+        run.seq[1] += [13, 14]
+        run.feed([0, 1, 2])  # only row 1 has pending tokens: 3 rows x 2 positions
+        assert run.feed([0, 2]) == {}  # nothing pending: no forward, nothing counted
+        other.seq = [[2, 3], [2]]
+        other.feed([0, 1])
+    run.seq[0] += [8]
+    run.feed([0])  # after the block: counted by the cache, not recorded
+    assert (run.calls, run.rows_fed, run.tokens_fed, run.positions) == (3, 5, 15, 18 + 6 + 3)
+    assert [(r.model, r.rows, r.tokens, r.positions) for r in log] == [(model, 3, 12, 18), (model, 1, 2, 6),
+                                                                        (model, 2, 3, 4)]
+    assert all(r.seconds > 0 for r in log) and run.forward_s >= log[0].seconds + log[1].seconds
+    assert run.served_s[1] == pytest.approx(log[0].seconds + log[1].seconds)
+    assert run.served_s[2] == pytest.approx(log[0].seconds) and run.served_s[0] > run.served_s[2]
+    run.select([2, 1])
+    assert run.served_s == [pytest.approx(log[0].seconds), pytest.approx(log[0].seconds + log[1].seconds)]
 
 
 def test_masked_columns_do_not_pile_up_and_compaction_is_exact(world_tokenizer):

@@ -60,6 +60,7 @@ class StepLoop:
         self.draft_writer = StepWriter(self.drf, dec.draft_stop, self.sampler)
         self.proposer = DraftProposer(self.draft_writer, dec.draft_tokenizer, dec.draft_probe)
         self.verifier = TargetVerifier(self.tgt, dec.handover, dec.target_probe, dec.judge, streams["coins"])
+        self.t_done: dict[int, float] = {}  # when each finished row was seen finished (end of its round)
 
     def caches(self, names: Sequence[str]) -> tuple[BatchedCache, ...]:
         return tuple({"target": self.tgt, "draft": self.drf}[n] for n in names)
@@ -76,17 +77,33 @@ class StepLoop:
             for i in range(B):
                 if not rows[i].done and i not in active:
                     rows[i].close(self.dec.tokenizer)  # budget or context exhausted
+                    self.t_done.setdefault(i, time.perf_counter())
             if not active:
                 break
-            runner.step(self, active)
-        wall = time.perf_counter() - t_start
+            self._timed_round(runner, active)
+        t_end = time.perf_counter()
+        wall = t_end - t_start
         out = []
         for i, r in enumerate(rows):
             r.stats.wall_s = wall / B
+            r.stats.done_idle_s = t_end - self.t_done.get(i, t_end)
             r.stats.target_passes, r.stats.draft_passes = self.tgt.passes[i], self.drf.passes[i]
             text = self.dec.tokenizer.decode(r.out, skip_special_tokens=True) if self.dec.shared else r.text
             out.append(DecodeResult(text, r.trace, r.stats, r.stop_reason))
         return out
+
+    def _timed_round(self, runner, active: list[int]) -> None:
+        """``runner.step`` on the active rows; counts each row's idle seconds (forwards that ran without feeding
+        it) and notes when rows finish. Timing only: nothing a row decides depends on it."""
+        caches = (self.tgt, self.drf)
+        total0 = sum(c.forward_s for c in caches)
+        served0 = {i: sum(c.served_s[i] for c in caches) for i in active}
+        runner.step(self, active)
+        total, now = sum(c.forward_s for c in caches) - total0, time.perf_counter()
+        for i in active:
+            self.rows[i].stats.idle_s += total - (sum(c.served_s[i] for c in caches) - served0[i])
+            if self.rows[i].done:
+                self.t_done[i] = now
 
     def speculate(self, rows_i: list[int], policy: AcceptancePolicy) -> list[int]:
         """Propose, verify, decide, then commit or roll back every row's step. Returns the refused rows."""

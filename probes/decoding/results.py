@@ -44,7 +44,8 @@ class DecodeStats:
     the speculative loop: the target's first step (``first_step_s``), drafting (``draft_s``), the
     target's verification forward (``verify_s``), probes (``probe_s``) and the target rewriting
     refused steps (``rewrite_s``); the rest of ``wall_s`` is bookkeeping. Methods without a draft
-    count only ``wall_s``.
+    count only ``wall_s``. ``idle_s`` and ``done_idle_s`` are this row's own seconds (row-seconds: summed
+    over a batch's rows they can exceed its wall time).
     """
 
     wall_s: float = 0.0
@@ -62,6 +63,11 @@ class DecodeStats:
     rewrite_s: float = 0.0
     drafted_tokens: int = 0
     """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded)."""
+    idle_s: float = 0.0
+    """Step loop: seconds of forwards that ran while this row was unfinished but fed nothing by them (an
+    accepted row while the target rewrites another, a row whose step is written while others still draft)."""
+    done_idle_s: float = 0.0
+    """Step loop: seconds from the round this row finished in to the end of its batch (its slot still computed)."""
     requests: int = 0
     """Served decoding: requests sent to the servers (reads and writes of both)."""
     prefill_tokens: int = 0
