@@ -232,8 +232,8 @@ def _logprobs(model, ids):
 
 
 def _text(tok, token: int) -> str:
-    """A token as the server's ``top_logprobs`` keys it: its text, "" for a control token."""
-    return "" if token in tok.all_special_ids else tok.convert_ids_to_tokens(token)
+    """A token as the server's ``top_logprobs`` keys it: its text, "" for EOS (the one control token)."""
+    return "" if token == tok.eos_token_id else tok.convert_ids_to_tokens(token)
 
 
 def _greedy(model, tok, prompt: str) -> str:
@@ -252,8 +252,8 @@ def test_served_echo_logprobs_equal_in_process(served):
     - entry 0 has ``token_logprobs`` and ``top_logprobs`` None (an OpenAI habit; llama.cpp did compute it);
     - ``text_offset[i]`` is the character offset of ``tokens[i]`` in the prompt text;
     - ``top_logprobs[i]`` is a dict keyed by token TEXT: the k best, plus the token itself when it is not
-      among them (k or k + 1 entries). Control tokens (<eos>, <pad>, ...) all detokenize to "", so two of
-      them in the top k collapse into one key;
+      among them (k or k + 1 entries). Control tokens detokenize to "", so two of them in the top k would
+      collapse into one key; the world's GGUF has one (EOS), the other specials being user-defined;
     - ``usage.prompt_tokens`` counts <bos> (len(ids)); every request re-reports the whole prompt, also
       when the server's slot reused the prefix.
     """
