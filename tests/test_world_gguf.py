@@ -96,12 +96,17 @@ def test_gguf_tokenizer_agrees_on_what_the_models_sample(world, role):
     assert [t for t in texts if vocab.detokenize(vocab.tokenize(t.encode(), add_bos=False)).decode() != t] == []
 
 
-def test_detokenize_drops_a_leading_space_after_bos(world):
-    """llama-cpp-python's ``detokenize`` strips one leading space when the list starts with <bos> (a Llama-1
-    habit); the server detokenizes completions without the prompt's <bos>, so served text keeps it."""
+def test_only_eos_reads_as_nothing(world):
+    """Only <eos> is a control token (llama.cpp detokenizes those to ""): <bos>, <pad> and <unk> read as their
+    text, so the server's text-keyed ``top_logprobs`` never merges two of them (the target has <bos> and <eos>
+    in one position's top-20 on ~1% of positions; merged, a log-prob was lost). The server never detokenizes the
+    prompt's <bos>: completions detokenize the new tokens only, and echo drops <bos> by id."""
     vocab = _vocab()
-    assert vocab.detokenize(vocab.tokenize(b" 98", add_bos=True)) == b"98"
+    assert vocab.detokenize(vocab.tokenize(b" 98", add_bos=True)) == b"<bos> 98"
     assert vocab.detokenize(vocab.tokenize(b" 98", add_bos=False)) == b" 98"
+    assert vocab.detokenize([world.eos_token_id]) == b""
+    assert [vocab.detokenize([t]) for t in (world.bos_token_id, world.pad_token_id, world.unk_token_id)] == \
+        [b"<bos>", b"<pad>", b"<unk>"]
 
 
 def test_newline_runs_split_as_the_world_does(world):
@@ -230,8 +235,8 @@ def _logprobs(model, ids):
 
 
 def _text(tok, token: int) -> str:
-    """A token as the server's ``top_logprobs`` keys it: its text, "" for a control token."""
-    return "" if token in tok.all_special_ids else tok.convert_ids_to_tokens(token)
+    """A token as the server's ``top_logprobs`` keys it: its text, "" for <eos> (the one control token)."""
+    return "" if token == tok.eos_token_id else tok.convert_ids_to_tokens(token)
 
 
 def _greedy(model, tok, prompt: str) -> str:
