@@ -324,3 +324,16 @@ def test_real_gpu_engine_reads_and_writes(kind, tmp_path):
 
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_text_keyed_top_k_is_exact_or_refused():
+    """llama-cpp-python keys top_logprobs by text: control tokens all read "", so two of them lose one entry."""
+    from generation.engines.openai_compat import text_keyed_top
+
+    top = {"a": -0.1, "b": -2.0, "c": -3.0}
+    assert text_keyed_top(top, "a", -0.1, 3, "u", "w") == [-0.1, -2.0, -3.0]  # own token inside: k entries, exact
+    assert sorted(text_keyed_top({**top, "z": -9.0}, "z", -9.0, 3, "u", "w"))[1:] == [-3.0, -2.0, -0.1]  # own added
+    with pytest.raises(MalformedAnswer, match=r"returned 2 top-k entries at w; asked for 3: .*token text"):
+        text_keyed_top({"": -2.5, "a": -0.1}, "a", -0.1, 3, "u", "w")  # two control tokens collided
+    with pytest.raises(MalformedAnswer, match=r"own log-prob \(-9\) the smallest"):
+        text_keyed_top({"": -2.5, "a": -0.1, "z": -9.0}, "z", -9.0, 3, "u", "w")  # one lost + own added: k, ambiguous

@@ -34,6 +34,32 @@ def top_k_of(entries: list[float], k: int, url: str, where: str) -> list[float]:
     return sorted(entries, reverse=True)[:k]
 
 
+def text_keyed_top(top: dict[str, float], own_text: str, own: float, k: int, url: str, where: str) -> list[float]:
+    """One position's top-k values from an OpenAI ``top_logprobs`` dict keyed by token TEXT, refused when not exact.
+
+    The server writes its top-k into a dict by each token's text, then adds the position's own token (so k + 1
+    entries when that token is not among the top k). Two tokens that read the same (llama.cpp reads every control
+    token as "") share one key and the higher log-prob is lost. So: k + 1 entries are exact (the own token, the
+    smallest, is dropped); k entries are exact unless the own token is the smallest of them, which is also what a
+    lost entry plus an added own token looks like; fewer than k lost some. The last two are refused with counts.
+
+    Raises:
+        MalformedAnswer: fewer than k entries, or k entries whose smallest is the own token's.
+    """
+    why = ("the server keys top_logprobs by token text, so tokens that read the same (llama.cpp reads control "
+           "tokens as \"\") share one key and the higher log-prob is lost; serve a model whose likely tokens read "
+           "differently (e.g. only EOS a control token), or read with an engine that keys top-k by token id (vLLM "
+           "prompt_logprobs, SGLang)")
+    if len(top) < k:
+        raise MalformedAnswer(f"server {url} returned {len(top)} top-k entries at {where}; asked for {k}: {why}", url)
+    values, others = list(top.values()), [v for t, v in top.items() if t != own_text]
+    if len(top) == k and own_text in top and others and own <= min(others):
+        raise MalformedAnswer(f"server {url} returned {k} top-k entries at {where} with the token's own log-prob "
+                              f"({own:.4g}) the smallest: k entries plus the added own token means one was lost, "
+                              f"or the token ranks exactly {k}th; cannot tell which: {why}", url)
+    return values
+
+
 def step_positions(offsets: list[int], texts: list[str], n_prompt: int, context: str, step: str,
                    url: str) -> list[int]:
     """Indices of the step's tokens in an echoed prompt, found by text offsets (the context's length).
@@ -143,7 +169,8 @@ class _Completions:
                                   f"step's {len(idx)} token(s) (the first prompt position has none: give a non-empty "
                                   "context)", self.url)
         if tops is None:
-            tops = [list((lp["top_logprobs"][i] or {}).values()) for i in idx]
+            tops = [text_keyed_top(lp["top_logprobs"][i] or {}, lp["tokens"][i], v, k, self.url, f"step token {j}")
+                    for j, (i, v) in enumerate(zip(idx, own))]
         top = [top_k_of(t, k, self.url, f"step token {j}") for j, t in enumerate(tops)]
         return TokenLogprobs([lp["tokens"][i] for i in idx], ids, torch.tensor(own, dtype=torch.float32),
                              torch.tensor(top, dtype=torch.float32).reshape(len(idx), k))
@@ -202,6 +229,12 @@ class LlamaCppEngine(_Completions):
     """llama-cpp-python samples with top-k 40, min-p 0.05 and a repeat penalty of 1.1 unless told otherwise; these
     turn all three off, so greedy text equals the in-process greedy text (its top-p still cuts the untempered
     distribution, before the temperature, where the package's sampler cuts the tempered one)."""
+
+    def __init__(self, url: str, model: str | None = None, **conn):
+        super().__init__(url, model, **conn)
+        if self.version is None:  # llama-cpp-python has no /version; its FastAPI app states it in /openapi.json
+            info = (self.conn.get("/openapi.json") or {}).get("info") or {}
+            self.version = f"llama-cpp-python {info['version']}" if isinstance(info.get("version"), str) else None
 
     def _probe(self) -> Capabilities:
         if self.conn.get("/props") is not None:
