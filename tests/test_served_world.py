@@ -254,7 +254,10 @@ def test_the_real_pair_decodes_through_two_servers(real_pair):
     assert all(r.ok for r in spec + ref), [r.error for r in spec + ref if not r.ok]
     assert all(r.text.strip() for r in spec + ref)
     assert all(r.stats.requests == 2 * r.stats.draft_steps_proposed > 0 for r in spec)
-    if [r.text for r in spec] != [r.text for r in ref]:  # see the module's xfail test below
+    # Not asserted: with Q4 GGUFs a step-by-step decode (prefix kept in the slot, a request a step) and one long write
+    # compute the target's logits in different batches, and on a near-tie the greedy token differs (seen 2026-12:
+    # 'Tom has 4 more apples' vs '3 more'); the world's f32 pair asserts the equality (first test above).
+    if [r.text for r in spec] != [r.text for r in ref]:
         print(f"[real pair] greedy always_reject != target_only: {[r.text for r in spec]} vs {[r.text for r in ref]}")
 
     mixed = dec.generate(REAL_PROMPTS, method="random_accept", accept_rate=0.5, seed=1, **greedy)
@@ -270,13 +273,3 @@ def test_the_real_pair_decodes_through_two_servers(real_pair):
     assert all(r.stats.requests >= 2 * r.stats.draft_steps_proposed for r in out)
     print(f"[timing] real pair: {time.perf_counter() - t0:.1f} s; texts {[r.text[:60] for r in ref]}")
 
-
-@pytest.mark.xfail(strict=False, reason=(
-    "Q4 GGUFs on llama.cpp: a step-by-step decode (prefix kept in the slot, one request a step) and one long write "
-    "compute the target's logits in different batches; on a near-tie the greedy token differs (seen 2026-12 on "
-    "'Tom has 3/4 more apples'), so the real pair's text equality holds on some runs only"))
-def test_the_real_pair_greedy_always_reject_equals_target_only(real_pair):
-    dec = ServedDecoder(*real_pair, concurrency=1)
-    greedy = {"temperature": 0.0, "max_new_tokens": 48}
-    spec, ref = dec.generate(REAL_PROMPTS, method="always_reject", **greedy), dec.generate(REAL_PROMPTS, method="target_only", **greedy)
-    assert [r.text for r in spec] == [r.text for r in ref]
