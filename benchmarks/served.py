@@ -554,8 +554,6 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         "decision_agreement": agreement,
         "projected_speedup_32b": projection(spec_fig, rps_proposed, o_ms, prefill),
         "concurrency": conc,
-        "collapsed_top_k_positions": {"target": target.engine.collapsed_positions,
-                                      "draft": draft.engine.collapsed_positions},
         "n_problems": n,
         "seed": args.seed,
         "config": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,

@@ -96,14 +96,17 @@ def test_gguf_tokenizer_agrees_on_what_the_models_sample(world, role):
     assert [t for t in texts if vocab.detokenize(vocab.tokenize(t.encode(), add_bos=False)).decode() != t] == []
 
 
-def test_only_eos_detokenizes_to_nothing(world):
-    """<pad>, <unk> and <bos> are user-defined, so each keeps its text: llama-cpp-python keys a position's top
-    log-probs by token text, and control tokens (all '') would collapse into one entry. EOS stays the one control
-    token; served text is unaffected (the server detokenizes completions without the prompt's <bos>)."""
+def test_only_eos_reads_as_nothing(world):
+    """Only <eos> is a control token (llama.cpp detokenizes those to ""): <bos>, <pad> and <unk> read as their
+    text, so the server's text-keyed ``top_logprobs`` never merges two of them (the target has <bos> and <eos>
+    in one position's top-20 on ~1% of positions; merged, a log-prob was lost). The server never detokenizes the
+    prompt's <bos>: completions detokenize the new tokens only, and echo drops <bos> by id."""
     vocab = _vocab()
-    specials = {t: vocab.detokenize([world.convert_tokens_to_ids(t)]) for t in ("<pad>", "<unk>", "<bos>", "<eos>")}
-    assert specials == {"<pad>": b"<pad>", "<unk>": b"<unk>", "<bos>": b"<bos>", "<eos>": b""}
+    assert vocab.detokenize(vocab.tokenize(b" 98", add_bos=True)) == b"<bos> 98"
     assert vocab.detokenize(vocab.tokenize(b" 98", add_bos=False)) == b" 98"
+    assert vocab.detokenize([world.eos_token_id]) == b""
+    assert [vocab.detokenize([t]) for t in (world.bos_token_id, world.pad_token_id, world.unk_token_id)] == \
+        [b"<bos>", b"<pad>", b"<unk>"]
 
 
 def test_newline_runs_split_as_the_world_does(world):
@@ -232,7 +235,7 @@ def _logprobs(model, ids):
 
 
 def _text(tok, token: int) -> str:
-    """A token as the server's ``top_logprobs`` keys it: its text, "" for EOS (the one control token)."""
+    """A token as the server's ``top_logprobs`` keys it: its text, "" for <eos> (the one control token)."""
     return "" if token == tok.eos_token_id else tok.convert_ids_to_tokens(token)
 
 
@@ -252,8 +255,8 @@ def test_served_echo_logprobs_equal_in_process(served):
     - entry 0 has ``token_logprobs`` and ``top_logprobs`` None (an OpenAI habit; llama.cpp did compute it);
     - ``text_offset[i]`` is the character offset of ``tokens[i]`` in the prompt text;
     - ``top_logprobs[i]`` is a dict keyed by token TEXT: the k best, plus the token itself when it is not
-      among them (k or k + 1 entries). Control tokens detokenize to "", so two of them in the top k would
-      collapse into one key; the world's GGUF has one (EOS), the other specials being user-defined;
+      among them (k or k + 1 entries). Control tokens (<eos>, <pad>, ...) all detokenize to "", so two of
+      them in the top k collapse into one key;
     - ``usage.prompt_tokens`` counts <bos> (len(ids)); every request re-reports the whole prompt, also
       when the server's slot reused the prefix.
     """

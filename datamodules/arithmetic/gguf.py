@@ -109,13 +109,15 @@ def _add_tokenizer(w, tok, vocab_size: int) -> None:
     pieces = [t for t, _ in vocab]
     if any(SPACE in p for p in pieces):
         raise ValueError(f"a vocabulary piece already holds {SPACE!r}; the UGM space mark would be ambiguous")
-    specials = set(tok.all_special_tokens)
+    # Only EOS is a control token: llama.cpp detokenizes control tokens to "", and llama-cpp-python keys its
+    # top_logprobs by token text, so two control tokens in one position's top-k would collide into one key and
+    # lose a log-prob. <pad>, <unk> and <bos> are user-defined instead: they read as their text, as in-process.
+    control = {tok.eos_token}
     w.add_tokenizer_model("t5")  # llama.cpp's Unigram (UGM) tokenizer
     w.add_token_list([p.replace(" ", SPACE) for p in pieces])
     w.add_token_scores([SCORE] * len(pieces))
-    # EOS is the one control token (its text is empty); the other specials are user-defined, so each keeps its text:
-    # llama-cpp-python keys a position's top log-probs by token text, and four empty texts would collapse into one.
-    w.add_token_types([3 if p == tok.eos_token else 4 if p in specials or p in GREEDY else 1 for p in pieces])
+    w.add_token_types([3 if p in control else 4 if p in GREEDY or p in set(tok.all_special_tokens) else 1
+                     for p in pieces])  # control, user-defined, normal
     w.add_add_space_prefix(False)
     w.add_remove_extra_whitespaces(False)
     w.add_bos_token_id(tok.bos_token_id)

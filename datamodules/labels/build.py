@@ -216,7 +216,8 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
         wait_for_shards(run.data_dir, run.n_shards, run.needs)
     sampler = _sampler_record(run, existing)
     manifest = S.write_manifest(run.data_dir, sig, run.n_shards, config=config_record(run.config), n_problems=n_problems,
-                                n_prefixes=run.plan["n_prefixes"], sampler=sampler, stats=stats)
+                                n_prefixes=run.plan["n_prefixes"], sampler=sampler, reader=_reader_record(run, existing),
+                                stats=stats)
     barrier()
     _summary(manifest, log)
     return manifest
@@ -228,6 +229,23 @@ def _sampler_record(run: _ShardRun, existing: dict | None) -> dict:
     if samplers:
         return {r: smp.provenance() for r, smp in samplers.items()}
     return (existing or {}).get("sampler") or {r: {"backend": run.config.sampling.backend} for r in ROLES}
+
+def _reader_record(run: _ShardRun, existing: dict | None) -> dict:
+    """The manifest's ``reader``: who read the steps (``backend``; for ``engine`` the engine, each role's server
+    version, URL and model) and which of the target and draft this run loaded in-process (``loaded``)."""
+    r = run.config.reading
+    if run.models is None:  # nothing built here: what the last build recorded
+        return (existing or {}).get("reader") or {"backend": r.backend}
+    loaded = [role for role in ROLES if getattr(run.models, role) is not None]
+    if r.backend != "engine":
+        import transformers
+
+        return {"backend": r.backend, "engine": "transformers", "version": transformers.__version__, "loaded": loaded}
+    readers = run.models.readers
+    return {"backend": r.backend, "engine": r.engine, "version": {k: e.version for k, e in readers.items()},
+            "urls": {k: e.url for k, e in readers.items()}, "models": {k: getattr(e, "model", None) for k, e in readers.items()},
+            "loaded": loaded}
+
 
 def _check_traces(config: BuildConfig, records: list[dict]) -> None:
     """Reference prefixes need every problem's trace; name the file and lines that lack one."""

@@ -34,6 +34,44 @@ def top_k_of(entries: list[float], k: int, url: str, where: str) -> list[float]:
     return sorted(entries, reverse=True)[:k]
 
 
+TOP_K_SLACK = 1
+"""A text-keyed top-k answer is asked for this many entries more than the probe reads (:func:`text_keyed_top`)."""
+SHARED_TEXTS = ("", "\ufffd")
+"""Texts several tokens can read as (llama.cpp reads control tokens as "", byte tokens of a split character as U+FFFD):
+only entries keyed by one of them can have lost a log-prob."""
+
+
+def text_keyed_top(top: dict[str, float], own_text: str, own: float, k: int, url: str, where: str,
+                   slack: int = TOP_K_SLACK) -> list[float]:
+    """One position's top-k values from an OpenAI ``top_logprobs`` dict keyed by token TEXT (asked for k + ``slack``
+    entries; the figures below are for the default slack of 1), refused when they may not be exact.
+
+    The server writes its top k + 1 into a dict by each token's text, then adds the position's own token (k + 2
+    entries when that token is not among them). Two tokens that read the same share one key and the higher
+    log-prob is lost; only texts in :data:`SHARED_TEXTS` are shared. So: k + 2 entries, or k + 1 without a shared
+    text, give the exact top k (the largest k); fewer than k + 1 lost one; k + 1 entries holding a shared text whose
+    smallest is the own token's cannot tell a lost entry plus the added own token from a token ranked k + 1. Those
+    two are refused with counts (the world's GGUF has one control token, EOS, so they do not occur there).
+
+    Raises:
+        MalformedAnswer: as above.
+    """
+    why = ("the server keys top_logprobs by token text, so tokens that read the same (llama.cpp reads control "
+           "tokens as \"\") share one key and the higher log-prob is lost; serve a model whose likely tokens read "
+           "differently (e.g. only EOS a control token), or read with an engine that keys top-k by token id (vLLM "
+           "prompt_logprobs, SGLang)")
+    want = k + slack
+    if len(top) < want:
+        raise MalformedAnswer(f"server {url} returned {len(top)} top-k entries at {where}; asked for {want}: {why}",
+                              url)
+    others = [v for t, v in top.items() if t != own_text]
+    if len(top) == want and own_text in top and others and own <= min(others) and any(t in SHARED_TEXTS for t in top):
+        raise MalformedAnswer(f"server {url} returned {want} top-k entries at {where} with the token's own log-prob "
+                              f"({own:.4g}) the smallest and a shared text among them: one may have been lost: {why}",
+                              url)
+    return sorted(top.values(), reverse=True)[:k]
+
+
 def step_positions(offsets: list[int], texts: list[str], n_prompt: int, context: str, step: str,
                    url: str) -> list[int]:
     """Indices of the step's tokens in an echoed prompt, found by text offsets (the context's length).
@@ -83,9 +121,9 @@ class _Completions:
     """What llama.cpp and vLLM clients share: setup, the request, the echo's step, the written step."""
 
     name = "?"
-    top_k_slack = 0
-    """Entries asked for beyond ``top_k`` (llama.cpp: see :attr:`LlamaCppEngine.top_k_slack`)."""
     sampling_extra: dict = {}
+    top_k_slack = 0
+    """Log-probs asked for beyond the probe's k (text-keyed answers need one more, :func:`text_keyed_top`)."""
     """Request fields this engine needs to sample as the package does (none by default)."""
 
     def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
@@ -95,8 +133,6 @@ class _Completions:
         self.model = self.conn.check_model(model)
         self.version = self.conn.version()
         self._caps: Capabilities | None = None
-        self.collapsed_positions = 0
-        """Step positions whose top-k answer lost entries to tokens sharing a text (see ``top_k_slack``)."""
 
     def capabilities(self) -> Capabilities:
         if self._caps is None:
@@ -147,9 +183,8 @@ class _Completions:
                                   f"step's {len(idx)} token(s) (the first prompt position has none: give a non-empty "
                                   "context)", self.url)
         if tops is None:
-            tops = [list((lp["top_logprobs"][i] or {}).values()) for i in idx]
-            self.collapsed_positions += sum(len(t) < k + self.top_k_slack and "" in (lp["top_logprobs"][i] or {})
-                                            for t, i in zip(tops, idx))
+            tops = [text_keyed_top(lp["top_logprobs"][i] or {}, lp["tokens"][i], v, k, self.url, f"step token {j}",
+                                   self.top_k_slack) for j, (i, v) in enumerate(zip(idx, own))]
         top = [top_k_of(t, k, self.url, f"step token {j}") for j, t in enumerate(tops)]
         return TokenLogprobs([lp["tokens"][i] for i in idx], ids, torch.tensor(own, dtype=torch.float32),
                              torch.tensor(top, dtype=torch.float32).reshape(len(idx), k))
@@ -158,8 +193,7 @@ class _Completions:
                    extra: dict | None = None):
         """The echo request and what every engine reads from it: the choice, its logprobs, the step's indices."""
         resp, secs = self._create(context + step, max_tokens=1, sampling=sampling, seed=seed,
-                                  logprobs=top_k + self.top_k_slack,
-                                  echo=True, extra=extra)
+                                  logprobs=top_k + self.top_k_slack, echo=True, extra=extra)
         choice = self._choice(resp)
         lp = self._logprobs(choice)
         generated = int(getattr(resp.usage, "completion_tokens", 0) or 0)
@@ -186,7 +220,7 @@ class _Completions:
         return Written(text, how, tokens, _usage(resp.usage, secs))
 
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
-        return top_k or None
+        return top_k + self.top_k_slack if top_k else None
 
     def _ending(self, choice, stops: list[str]) -> tuple[str, str]:
         raise NotImplementedError
@@ -205,17 +239,17 @@ class LlamaCppEngine(_Completions):
     """
 
     name = "llama.cpp"
-    top_k_slack = 4
-    """llama-cpp-python returns each position's top log-probs as a dict keyed by token TEXT, so tokens that share
-    a text collapse into one entry holding the lowest of their values; llama.cpp detokenizes every control token
-    (BOS, EOS, pad, unk) to "", and on the embedded world BOS and EOS are both in the target's top-20 at about 1
-    position in 400. Asking for k + 4 entries keeps k of them; where a collapse happened (counted in
-    ``collapsed_positions``) the k-th entries are the next lower values instead of the lost higher one (an error
-    in the tail of the top-k only)."""
+    top_k_slack = TOP_K_SLACK
     sampling_extra = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
     """llama-cpp-python samples with top-k 40, min-p 0.05 and a repeat penalty of 1.1 unless told otherwise; these
     turn all three off, so greedy text equals the in-process greedy text (its top-p still cuts the untempered
     distribution, before the temperature, where the package's sampler cuts the tempered one)."""
+
+    def __init__(self, url: str, model: str | None = None, **conn):
+        super().__init__(url, model, **conn)
+        if self.version is None:  # llama-cpp-python has no /version; its FastAPI app states it in /openapi.json
+            info = (self.conn.get("/openapi.json") or {}).get("info") or {}
+            self.version = f"llama-cpp-python {info['version']}" if isinstance(info.get("version"), str) else None
 
     def _probe(self) -> Capabilities:
         if self.conn.get("/props") is not None:
