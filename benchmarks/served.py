@@ -31,10 +31,11 @@ them at the end. What it measures (names of issue 20, item 6):
   ``ThreadingHTTPServer`` that answers a canned completion at once (as tests/fake_openai.py's servers do);
   ``overhead_share``: ``(requests * server_request_overhead + probe seconds) / wall``;
 - ``decision_agreement``: over the draft steps the served SemanticSpec runs read, the share on which the
-  engine-trained target probe (on the server-read features) decides as the in-process-trained one (on
-  in-process features of the same step, read by :class:`~generation.engines.local.LocalEngine` over the
-  world's target); ``same_probe`` is the share where the in-process probe decides alike on served and on
-  in-process features (feature agreement, apart from training);
+  engine-trained target probe (on the server-read features) decides as the probe trained on in-process reads
+  of the same build (the same sampled steps and labels; on in-process features of the same step, read by
+  :class:`~generation.engines.local.LocalEngine` over the world's target); ``vs_shipped`` compares with the
+  shipped in-process pair instead; ``same_probe`` is the share where the shipped probe decides alike on served
+  and on in-process features (feature agreement, apart from training);
 - ``projected_speedup_32b``: the README's cost model with the measured step length, acceptance, requests per
   step and request overhead, and assumed (cited) per-token costs of a 1.5B draft and a 32B target;
 - ``concurrency.<1|4|16>.tokens_per_s`` of target-only and SemanticSpec.
@@ -73,6 +74,7 @@ from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
 from probes.decoding.proposer import run_probe
 from probes.decoding.served import ServedDecoder, features
+from probes.export import load_probe
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
@@ -168,10 +170,11 @@ def run_fit(cmd: list[str], log: Path) -> dict:
     return {"peak_rss_mb": got["maxrss_kb"] / 1024, "seconds": time.perf_counter() - t0}
 
 
-def build_stage(urls: Sequence[str], tmp: Path, args) -> tuple[dict, Path]:
-    """The engine-read build + fit (and the in-process-read one beside it); returns ``build`` and the exported pair."""
+def build_stage(urls: Sequence[str], tmp: Path, args) -> tuple[dict, dict[str, Path]]:
+    """The engine-read build + fit and the in-process-read one beside it (the same servers sample the same steps
+    from the same seeds); returns ``build`` and both exported pairs, by reading backend."""
     n, epochs = (8, 4) if args.quick else (args.build_problems, 12)
-    out = {"n_problems": n, "max_epochs": epochs}
+    out, pairs = {"n_problems": n, "max_epochs": epochs}, {}
     for backend in ("engine", "hf"):
         print(f"build + fit, reading.backend {backend}, {n} problems ...", flush=True)
         folder = tmp / f"fit-{backend}"
@@ -183,9 +186,9 @@ def build_stage(urls: Sequence[str], tmp: Path, args) -> tuple[dict, Path]:
                "seconds_per_stage": stats["seconds_per_stage"], "models_loaded": loaded,
                "model_weights_loaded": bool(loaded.get("target") or loaded.get("draft")),
                "rows": {r: v["rows"] for r, v in manifest["roles"].items()}}
+        pairs[backend] = sorted((folder / "runs").glob("fit-served/version_*/export"))[-1]
         if backend == "engine":
             out.update(fig)
-            pair = sorted((folder / "runs").glob("fit-served/version_*/export"))[-1]
         else:
             out["in_process_read"] = fig
     out["weights_mb"] = {r: sum(f.stat().st_size for f in (models.world_root(None) / r).glob("*.safetensors")) / 2**20
@@ -193,7 +196,7 @@ def build_stage(urls: Sequence[str], tmp: Path, args) -> tuple[dict, Path]:
     out["note"] = ("peak RSS of the whole `python -m probes.fit` child (build, then training); both load the "
                    "world's judge in-process for clustering. The world's models are a few MB, so RSS barely "
                    "differs; model_weights_loaded is the build's own record of what it loaded.")
-    return out, pair
+    return out, pairs
 
 
 # -- decoding -------------------------------------------------------------------------------------------
@@ -405,9 +408,15 @@ def overheads(results, rps: float, o_ms: float, client_ms: float) -> dict:
 # -- decision agreement ---------------------------------------------------------------------------------
 
 
-def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_probe, tau: float) -> dict:
-    """Decisions (q >= tau) of the engine-trained probe on served features against the in-process-trained probe
-    on in-process features, over the draft steps the served SemanticSpec runs read."""
+def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_probe, tau: float,
+                       same_build=None) -> dict:
+    """Decisions (q >= tau) over the draft steps the served SemanticSpec runs read.
+
+    ``share``: the engine-trained probe on served features against the probe trained on in-process reads of the
+    same build (the same sampled steps and labels; only the reading backend differs) on in-process features;
+    ``vs_shipped``: against the shipped in-process pair (trained on a bigger build); ``same_probe``: the shipped
+    probe on served against in-process features (the features alone).
+    """
     s_spec, e_spec = FeatureSpec.of(shipped.config), FeatureSpec.of(engine_probe.config)
     rows = []
     for r in target.log:
@@ -418,14 +427,17 @@ def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_pro
         q_engine = run_probe(engine_probe, features(e_spec, _cut(served, e_spec.top_k), None))[0]
         q_served = run_probe(shipped, features(s_spec, _cut(served, s_spec.top_k), None))[0]
         q_local = run_probe(shipped, features(s_spec, mine, None))[0]
-        rows.append((float(q_engine), float(q_served), float(q_local)))
+        q_same = run_probe(same_build, features(FeatureSpec.of(same_build.config), mine, None))[0] \
+            if same_build is not None else math.nan
+        rows.append((float(q_engine), float(q_served), float(q_local), float(q_same)))
     if not rows:
         return {"share": math.nan, "n_steps": 0}
-    agree = _mean((a >= tau) == (c >= tau) for a, _, c in rows)
-    same = _mean((b >= tau) == (c >= tau) for _, b, c in rows)
-    return {"share": agree, "same_probe": same, "n_steps": len(rows), "tau": tau,
-            "max_abs_q_diff_same_probe": max(abs(b - c) for _, b, c in rows),
-            "mean_abs_q_diff_engine_vs_in_process": _mean(abs(a - c) for a, _, c in rows)}
+    vs_shipped = _mean((a >= tau) == (c >= tau) for a, _, c, _ in rows)
+    return {"share": _mean((a >= tau) == (d >= tau) for a, _, _, d in rows) if same_build is not None else vs_shipped,
+            "vs_shipped": vs_shipped, "same_probe": _mean((b >= tau) == (c >= tau) for _, b, c, _ in rows),
+            "n_steps": len(rows), "tau": tau, "max_abs_q_diff_same_probe": max(abs(b - c) for _, b, c, _ in rows),
+            "mean_abs_q_diff_engine_vs_same_build": _mean(abs(a - d) for a, _, _, d in rows)
+            if same_build is not None else math.nan}
 
 
 def _cut(step, k: int):
@@ -497,9 +509,10 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
     """Every figure of the module docstring, on servers already started."""
     urls = [s.url for s in servers]
     if args.engine_probes:
-        build, pair = {"skipped": f"--engine-probes {args.engine_probes}"}, Path(args.engine_probes)
+        build, pairs = {"skipped": f"--engine-probes {args.engine_probes}"}, {"engine": Path(args.engine_probes)}
     else:
-        build, pair = build_stage(urls, tmp, args)
+        build, pairs = build_stage(urls, tmp, args)
+    pair = pairs["engine"]
     world = models.load_world(None)
     tok = world.tokenizer
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
@@ -530,8 +543,9 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
     spec_fig = methods["semanticspec"]
     rps_proposed = spec_fig["requests"] / max(spec_fig["draft_steps_proposed"], 1)
     print("decision agreement (in-process reads of every served draft step) ...", flush=True)
+    same_build = load_probe(pairs["hf"] / "target", role="target") if "hf" in pairs else None
     agreement = decision_agreement(target, LocalEngine(world.target, tok), decs["shipped"].target_probe,
-                                   decs["engine"].target_probe, decs["shipped"].policy.tau)
+                                   decs["engine"].target_probe, decs["shipped"].policy.tau, same_build)
     greedy = greedy_equivalence(decs["shipped"], prompts, args)
     o_ms = server_request_overhead_ms(target.engine, 15 if args.quick else 50)
     client = http_client_ms(100 if args.quick else 300)

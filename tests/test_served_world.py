@@ -149,9 +149,6 @@ def test_served_topk_features_equal_in_process_within_the_measured_tolerance(wor
 # --------------------------------------------------------------------------- 3. engine-read labels -> probes -> served decode
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "open bug: a sampled step whose text the server tokenizes merged with the context's end (MalformedAnswer from "
-    "step_positions: no echoed token starts at the step's first character) stops the engine-read build"))
 def test_engine_read_label_build_trains_probes_that_decode_the_served_world(world, tmp_path, monkeypatch):
     """``configs/served.yaml`` reduced (10 problems, 3 samples, 3 epochs): the servers sample and read the labels,
     no target or draft weights load in this process, and the exported pair decodes the served world."""
@@ -248,7 +245,9 @@ def test_the_real_pair_decodes_through_two_servers(real_pair):
     target, draft = real_pair
     assert target.capabilities().prompt_logprobs and not draft.capabilities().prompt_logprobs  # SmolLM2: no BOS
     assert target.version == draft.version == f"llama-cpp-python {llama_cpp.__version__}"
-    greedy = {"temperature": 0.0, "max_new_tokens": 48}
+    # llama-cpp-python builds each echoed position's top log-probs by sorting the whole vocabulary in Python (Gemma:
+    # 262k entries), so a read costs seconds here: two prompts for the greedy pair, one for the rest, short budgets
+    greedy = {"temperature": 0.0, "max_new_tokens": 32}
     dec = ServedDecoder(target, draft, concurrency=1)  # one slot per server: prompts in turn keep its prefix
     spec, ref = dec.generate(REAL_PROMPTS, method="always_reject", **greedy), dec.generate(REAL_PROMPTS, method="target_only", **greedy)
     assert all(r.ok for r in spec + ref), [r.error for r in spec + ref if not r.ok]
@@ -260,13 +259,13 @@ def test_the_real_pair_decodes_through_two_servers(real_pair):
     if [r.text for r in spec] != [r.text for r in ref]:
         print(f"[real pair] greedy always_reject != target_only: {[r.text for r in spec]} vs {[r.text for r in ref]}")
 
-    mixed = dec.generate(REAL_PROMPTS, method="random_accept", accept_rate=0.5, seed=1, **greedy)
+    mixed = dec.generate(REAL_PROMPTS[:1], method="random_accept", accept_rate=0.5, seed=1, **greedy)
     assert all(r.ok for r in mixed), [r.error for r in mixed if not r.ok]
     s = summarize(mixed)
-    assert s["draft_steps_proposed"] >= 2 and all(r.stats.requests >= r.stats.draft_steps_proposed for r in mixed)
+    assert s["draft_steps_proposed"] >= 1 and all(r.stats.requests >= r.stats.draft_steps_proposed for r in mixed)
 
     probe = ServedDecoder(target, draft, _untrained_topk_probe(), policy=ProbePolicy(rule="threshold"), concurrency=1)
-    out = probe.generate(REAL_PROMPTS, seed=2, **greedy)
+    out = probe.generate(REAL_PROMPTS[:1], seed=2, **greedy)
     assert all(r.ok for r in out), [r.error for r in out if not r.ok]
     scored = [st.q for r in out for st in r.steps if st.decision in ("accept", "reject")]
     assert scored and all(0 <= q <= 1 for q in scored)  # the target server's top-k fed the probe on every step
