@@ -568,6 +568,7 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         "decision_agreement": agreement,
         "projected_speedup_32b": projection(spec_fig, rps_proposed, o_ms, prefill),
         "concurrency": conc,
+        "unsure_top_k_positions": {"target": target.engine.unsure_positions, "draft": draft.engine.unsure_positions},
         "n_problems": n,
         "seed": args.seed,
         "config": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,

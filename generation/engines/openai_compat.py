@@ -42,34 +42,33 @@ only entries keyed by one of them can have lost a log-prob."""
 
 
 def text_keyed_top(top: dict[str, float], own_text: str, own: float, k: int, url: str, where: str,
-                   slack: int = TOP_K_SLACK) -> list[float]:
+                   slack: int = TOP_K_SLACK) -> tuple[list[float], bool]:
     """One position's top-k values from an OpenAI ``top_logprobs`` dict keyed by token TEXT (asked for k + ``slack``
-    entries; the figures below are for the default slack of 1), refused when they may not be exact.
+    entries), and whether they may be inexact.
 
-    The server writes its top k + 1 into a dict by each token's text, then adds the position's own token (k + 2
-    entries when that token is not among them). Two tokens that read the same share one key and the higher
-    log-prob is lost; only texts in :data:`SHARED_TEXTS` are shared. So: k + 2 entries, or k + 1 without a shared
-    text, give the exact top k (the largest k); fewer than k + 1 lost one; k + 1 entries holding a shared text whose
-    smallest is the own token's cannot tell a lost entry plus the added own token from a token ranked k + 1. Those
-    two are refused with counts (the world's GGUF has one control token, EOS, so they do not occur there).
+    The server writes its top k + slack into a dict by each token's text, then adds the position's own token (one
+    entry more when that token is not among them). Two tokens that read the same share one key and the higher
+    log-prob is lost; only texts in :data:`SHARED_TEXTS` can be shared. So fewer than k + slack entries lost one
+    (refused, with counts). Exactly k + slack entries, a shared text among them and the own token's log-prob the
+    smallest look alike whether the own token ranks k + slack or a lost entry was replaced by the added own token:
+    the values are returned and flagged (the caller counts such positions; on the world's GGUF, with one control
+    token, nothing can be lost). Otherwise the k largest are exact.
 
     Raises:
-        MalformedAnswer: as above.
+        MalformedAnswer: fewer than k + ``slack`` entries.
     """
-    why = ("the server keys top_logprobs by token text, so tokens that read the same (llama.cpp reads control "
-           "tokens as \"\") share one key and the higher log-prob is lost; serve a model whose likely tokens read "
-           "differently (e.g. only EOS a control token), or read with an engine that keys top-k by token id (vLLM "
-           "prompt_logprobs, SGLang)")
     want = k + slack
     if len(top) < want:
-        raise MalformedAnswer(f"server {url} returned {len(top)} top-k entries at {where}; asked for {want}: {why}",
-                              url)
+        raise MalformedAnswer(
+            f"server {url} returned {len(top)} top-k entries at {where}; asked for {want}: the server keys "
+            "top_logprobs by token text, so tokens that read the same (llama.cpp reads control tokens as \"\") "
+            "share one key and the higher log-prob is lost; serve a model whose likely tokens read differently "
+            "(e.g. only EOS a control token), or read with an engine that keys top-k by token id (vLLM "
+            "prompt_logprobs, SGLang)", url)
     others = [v for t, v in top.items() if t != own_text]
-    if len(top) == want and own_text in top and others and own <= min(others) and any(t in SHARED_TEXTS for t in top):
-        raise MalformedAnswer(f"server {url} returned {want} top-k entries at {where} with the token's own log-prob "
-                              f"({own:.4g}) the smallest and a shared text among them: one may have been lost: {why}",
-                              url)
-    return sorted(top.values(), reverse=True)[:k]
+    unsure = (len(top) == want and own_text in top and bool(others) and own <= min(others)
+              and any(t in SHARED_TEXTS for t in top))
+    return sorted(top.values(), reverse=True)[:k], unsure
 
 
 def step_positions(offsets: list[int], texts: list[str], n_prompt: int, context: str, step: str,
@@ -124,6 +123,8 @@ class _Completions:
     sampling_extra: dict = {}
     top_k_slack = 0
     """Log-probs asked for beyond the probe's k (text-keyed answers need one more, :func:`text_keyed_top`)."""
+    unsure_positions = 0
+    """Positions whose text-keyed top-k may have lost an entry (:func:`text_keyed_top`), counted over the client's life."""
     """Request fields this engine needs to sample as the package does (none by default)."""
 
     def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
@@ -183,8 +184,10 @@ class _Completions:
                                   f"step's {len(idx)} token(s) (the first prompt position has none: give a non-empty "
                                   "context)", self.url)
         if tops is None:
-            tops = [text_keyed_top(lp["top_logprobs"][i] or {}, lp["tokens"][i], v, k, self.url, f"step token {j}",
-                                   self.top_k_slack) for j, (i, v) in enumerate(zip(idx, own))]
+            got = [text_keyed_top(lp["top_logprobs"][i] or {}, lp["tokens"][i], v, k, self.url, f"step token {j}",
+                                  self.top_k_slack) for j, (i, v) in enumerate(zip(idx, own))]
+            tops = [t for t, _ in got]
+            self.unsure_positions += sum(u for _, u in got)
         top = [top_k_of(t, k, self.url, f"step token {j}") for j, t in enumerate(tops)]
         return TokenLogprobs([lp["tokens"][i] for i in idx], ids, torch.tensor(own, dtype=torch.float32),
                              torch.tensor(top, dtype=torch.float32).reshape(len(idx), k))
