@@ -22,6 +22,7 @@ use the model's raw distribution (temperature 1), whatever temperature decoding 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -62,38 +63,92 @@ def per_token_scores(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     return torch.stack([tok_lp.clamp(min=LOGPROB_FLOOR), -plogp.sum(-1), rank.float()], dim=-1)
 
 
-def _step_mask(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str], known: Sequence[str],
-               what: str) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """The (B, T) mask of real step positions of right-padded (B, T, C) scores, and the masked mean over them.
+# ---------------------------------------------------------------------------------------------
+# Statistics of a step: per-token columns, reduced over each row's tokens in one pass for the batch.
+
+_STATISTICS: dict[str, dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]] = {
+    # group -> statistic -> (reduction over the step's tokens, its per-token column from the group's scores)
+    "token_stats": {
+        "mean_logprob": ("mean", lambda s: s[..., 0]),
+        "min_logprob": ("min", lambda s: s[..., 0]),
+        "mean_entropy": ("mean", lambda s: s[..., 1]),
+        "max_entropy": ("max", lambda s: s[..., 1]),
+        "not_top1_share": ("mean", lambda s: (s[..., 2] >= 1).float()),
+        "not_top5_share": ("mean", lambda s: (s[..., 2] >= 5).float()),
+        "mean_log_rank": ("mean", lambda s: torch.log1p(s[..., 2])),
+    },
+    "topk_stats": {
+        "mean_logprob": ("mean", lambda s: s[..., 0]),
+        "min_logprob": ("min", lambda s: s[..., 0]),
+        "not_top1_share": ("mean", lambda s: (s[..., 1] >= 1).float()),
+        "not_top5_share": ("mean", lambda s: (s[..., 1] >= 5).float()),
+        "not_topk_share": ("mean", lambda s: s[..., 2]),
+        "mean_log_rank": ("mean", lambda s: torch.log1p(s[..., 1])),  # rank is at most k
+        "mean_topk_entropy": ("mean", lambda s: s[..., 3]),
+        "max_topk_entropy": ("max", lambda s: s[..., 3]),
+        "mean_topk_mass": ("mean", lambda s: s[..., 4]),
+        "min_topk_mass": ("min", lambda s: s[..., 4]),
+    },
+}
+
+
+def _columns(group: str, scores: torch.Tensor, names: Sequence[str]) -> tuple[list[torch.Tensor], list[str]]:
+    """Each statistic's per-token column of ``scores`` (..., C) (a ``max`` column negated) and its reduction.
 
     Raises:
-        ValueError: a length outside ``1..T``, or a name not in ``known``.
+        ValueError: a name the group does not compute.
+    """
+    table = _STATISTICS[group]
+    bad = [k for k in names if k not in table]
+    if bad:
+        what = "token" if group == "token_stats" else "top-k"
+        raise ValueError(f"unknown {what} statistics {bad}; this version computes {list(table)}")
+    cols = []
+    for k in names:
+        how, column = table[k]
+        cols.append(column(scores).neg() if how == "max" else column(scores))
+    return cols, [table[k][0] for k in names]
+
+
+@functools.lru_cache(maxsize=64)
+def _reductions(kinds: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(is_mean (m, 1), sign (m, 1))`` of the statistics' reductions: a max is the negated min of the negation."""
+    is_mean = torch.tensor([k == "mean" for k in kinds], device=device)[:, None]
+    sign = torch.tensor([-1.0 if k == "max" else 1.0 for k in kinds], device=device)[:, None]
+    return is_mean, sign
+
+
+def _reduce(cols: torch.Tensor, kinds: Sequence[str], lengths: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, m) statistics from (m, B, T) per-token columns: the mean or min (max) of each row's real positions.
+
+    Args:
+        cols: the columns of :func:`_columns`, right-padded along T.
+        kinds: each column's reduction.
+        lengths: (B,) float32 tokens per row.
+        mask: (B, T) real positions, or None when every position is real.
+    """
+    is_mean, sign = _reductions(tuple(kinds), cols.device)
+    if mask is None:
+        means, mins = cols.sum(-1), cols.amin(-1)
+    else:
+        means, mins = (cols * mask).sum(-1), cols.masked_fill(~mask, float("inf")).amin(-1)
+    return torch.where(is_mean, means / lengths, mins * sign).T.contiguous()
+
+
+def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str],
+               group: str = "token_stats") -> torch.Tensor:
+    """(B, len(names)) statistics from right-padded per-token scores (B, T, C) of the group's scoring function.
+
+    Raises:
+        ValueError: a length outside ``1..T``, or a name the group does not compute.
     """
     T = scores.shape[1]
     lengths = lengths.to(scores.device).long()
     if bool((lengths < 1).any()) or bool((lengths > T).any()):
         raise ValueError(f"step lengths {lengths.tolist()} must lie in 1..{T}")
-    bad = [k for k in names if k not in known]
-    if bad:
-        raise ValueError(f"unknown {what} statistics {bad}; this version computes {list(known)}")
+    cols, kinds = _columns(group, scores, names)
     mask = torch.arange(T, device=scores.device)[None] < lengths[:, None]  # (B, T)
-    return mask, lambda v: (v * mask).sum(1) / lengths.float()
-
-
-def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-    """(B, len(names)) statistics from right-padded per-token scores (B, T, 3) of :func:`per_token_scores`."""
-    mask, mean = _step_mask(scores, lengths, names, TOKEN_STATS, "token")
-    tok_lp, ent, rank = scores.unbind(-1)
-    compute = {
-        "mean_logprob": lambda: mean(tok_lp),
-        "min_logprob": lambda: tok_lp.masked_fill(~mask, float("inf")).amin(1),
-        "mean_entropy": lambda: mean(ent),
-        "max_entropy": lambda: ent.masked_fill(~mask, float("-inf")).amax(1),
-        "not_top1_share": lambda: mean((rank >= 1).float()),
-        "not_top5_share": lambda: mean((rank >= 5).float()),
-        "mean_log_rank": lambda: mean(torch.log1p(rank)),
-    }
-    return torch.stack([compute[k]() for k in names], dim=1)
+    return _reduce(torch.stack(cols), kinds, lengths.float(), mask)
 
 
 @torch.no_grad()
@@ -117,26 +172,10 @@ def token_stats(
 @torch.no_grad()
 def rows_token_stats(logits: Sequence[torch.Tensor | Sequence[torch.Tensor]], tokens: Sequence[Sequence[int]],
                      names: Sequence[str] = TOKEN_STATS) -> torch.Tensor:
-    """:func:`token_stats` of rows given one by one: row ``i``'s (k_i, V) logits, or consecutive parts of them.
-
-    Scores each row where its logits lie (a view of a forward's output needs no copy) and pads only
-    the (k_i, 3) scores, so a 262k vocabulary costs no padded (B, T, V) tensor.
-    """
-    scores = [_row_scores(parts, toks, per_token_scores) for parts, toks in zip(logits, tokens)]
-    return _aggregate(pad_steps(scores), torch.tensor([len(t) for t in tokens]), names)
-
-
-def _row_scores(parts: torch.Tensor | Sequence[torch.Tensor], tokens: Sequence[int],
-                score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``score(logits, ids)`` of one row's step, its (k, V) logits given whole or as consecutive parts."""
-    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
-    ids, at, row = torch.as_tensor(list(tokens), dtype=torch.long), 0, []
-    for part in parts:
-        row.append(score(part, ids[at : at + len(part)]))
-        at += len(part)
-    if at != len(ids):
-        raise ValueError(f"{at} logits for a step of {len(ids)} tokens")
-    return torch.cat(row)
+    """:func:`token_stats` of rows given one by one: row ``i``'s (k_i, V) logits, or consecutive parts of them."""
+    lengths = [len(t) for t in tokens]
+    scores = _logit_scores(["token_stats"], 0, tokens, lengths, logits)
+    return _rows_stats(scores, {"token_stats": names}, lengths)["token_stats"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,51 +214,6 @@ def topk_scores(logprobs: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return torch.stack([lp.clamp(min=LOGPROB_FLOOR), rank, (rank >= top.shape[-1]).float(), entropy, p.sum(-1)], -1)
 
 
-def _topk_of_parts(parts: torch.Tensor | Sequence[torch.Tensor], tokens: Sequence[int],
-                   k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_of_logits` of one row's step, its (k_i, V) logits given whole or as consecutive parts."""
-
-    def pair(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        logprobs, top = topk_of_logits(x, ids, k)
-        return torch.cat([logprobs[:, None], top], dim=1)
-
-    row = _row_scores(parts, tokens, pair)  # (k_i, 1 + min(k, V))
-    return row[:, 0], row[:, 1:]
-
-
-def _rows_topk(spec: FeatureSpec, tokens: Sequence[Sequence[int]], logits: Sequence | None,
-               topk: Sequence[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-    """``topk_stats`` of rows from an engine's ``topk`` pairs, or (None) from the pairs of their ``logits``."""
-    k = spec.top_k
-    if topk is None:  # in-process: the pair a server would answer, from the full logits
-        topk = [_topk_of_parts(parts, toks, k) for parts, toks in zip(logits, tokens)]
-        k = min(k, topk[0][1].shape[1]) if topk else k  # a vocabulary below top_k gives all of it
-    lengths = [len(lp) for lp, _ in topk]
-    if lengths != [len(t) for t in tokens]:
-        raise ValueError(f"top-k answers for {len(topk)} rows of {lengths} tokens, but the steps have "
-                         f"{[len(t) for t in tokens]} tokens; an answer must cover every step token")
-    return rows_topk_stats(topk, k, spec.topk_stats)
-
-
-def _aggregate_topk(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-    """(B, len(names)) :data:`TOPK_STATS` from right-padded (B, T, 5) scores of :func:`topk_scores`."""
-    mask, mean = _step_mask(scores, lengths, names, TOPK_STATS, "top-k")
-    lp, rank, outside, ent, mass = scores.unbind(-1)
-    compute = {
-        "mean_logprob": lambda: mean(lp),
-        "min_logprob": lambda: lp.masked_fill(~mask, float("inf")).amin(1),
-        "not_top1_share": lambda: mean((rank >= 1).float()),
-        "not_top5_share": lambda: mean((rank >= 5).float()),
-        "not_topk_share": lambda: mean(outside),
-        "mean_log_rank": lambda: mean(torch.log1p(rank)),  # rank is at most k
-        "mean_topk_entropy": lambda: mean(ent),
-        "max_topk_entropy": lambda: ent.masked_fill(~mask, float("-inf")).amax(1),
-        "mean_topk_mass": lambda: mean(mass),
-        "min_topk_mass": lambda: mass.masked_fill(~mask, float("inf")).amin(1),
-    }
-    return torch.stack([compute[k]() for k in names], dim=1)
-
-
 @torch.no_grad()
 def rows_topk_stats(topk: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int,
                     names: Sequence[str] = TOPK_STATS) -> torch.Tensor:
@@ -231,13 +225,121 @@ def rows_topk_stats(topk: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int,
         ValueError: a row whose ``top`` has fewer than ``k`` columns or another number of rows than
             ``logprobs`` (an answer is never padded).
     """
-    scores = []
+    lengths = [len(lp) for lp, _ in topk]
+    return _rows_stats({"topk_stats": _answer_scores(topk, k)}, {"topk_stats": names}, lengths)["topk_stats"]
+
+
+def _answer_scores(topk: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int) -> torch.Tensor:
+    """(N, 5) :func:`topk_scores` of every row's tokens in row order, from engine answers (checked per row)."""
     for i, (lp, top) in enumerate(topk):
         if top.ndim != 2 or top.shape[0] != len(lp) or top.shape[1] < k:
             raise ValueError(f"row {i}: top-k answer of shape {tuple(top.shape)} for {len(lp)} tokens; expected "
                              f"({len(lp)}, >= {k}) log-probs (top_k={k}); ask the reader for at least {k} per token")
-        scores.append(topk_scores(lp, top.float().topk(k, dim=1).values))
-    return _aggregate_topk(pad_steps(scores), torch.tensor([len(lp) for lp, _ in topk]), names)
+    lps, tops = [lp for lp, _ in topk], [top for _, top in topk]
+    if len({t.shape[1] for t in tops}) > 1:  # answers of several widths: cut each to its k largest first
+        tops = [t.float().topk(k, dim=1).values for t in tops]
+    lp = lps[0] if len(lps) == 1 else torch.cat(lps)
+    top = tops[0] if len(tops) == 1 else torch.cat(tops)
+    if top.shape[1] > k:
+        top = top.float().topk(k, dim=1).values
+    return topk_scores(lp, top)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows given one by one (a cache's feeds, an engine's answers): every row's tokens scored together.
+
+_CHUNK_ELEMENTS = 1 << 24
+"""At most this many logits are scored in one tensor (64 MiB float32): rows' logits are concatenated up to it."""
+
+
+def _logit_chunks(logits: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+                  lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Every row's (k_i, V) logits (whole, or as consecutive parts) as few (n, V) tensors of consecutive tokens.
+
+    Raises:
+        ValueError: a row whose parts hold another number of positions than its step has tokens.
+    """
+    parts: list[torch.Tensor] = []
+    for i, (row, n) in enumerate(zip(logits, lengths)):
+        row = [row] if isinstance(row, torch.Tensor) else list(row)
+        at = sum(len(p) for p in row)
+        if at != n:
+            raise ValueError(f"row {i}: {at} logits for a step of {n} tokens; give one (V,) row of logits per token")
+        parts += row
+    chunks: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in parts:
+        if chunks[-1] and (size + len(p)) * p.shape[-1] > _CHUNK_ELEMENTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += len(p)
+    return [c[0] if len(c) == 1 else torch.cat(c) for c in chunks]
+
+
+def _logit_scores(groups: Sequence[str], top_k: int, tokens: Sequence[Sequence[int]], lengths: Sequence[int],
+                  logits: Sequence) -> dict[str, torch.Tensor]:
+    """Per-token scores of every row's tokens in row order, from logits: ``{group: (N, C)}`` for ``groups``."""
+    ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long)
+    out: dict[str, list[torch.Tensor]] = {g: [] for g in groups}
+    at = 0
+    for x in _logit_chunks(logits, lengths):
+        tok = ids[at : at + len(x)].to(x.device)
+        at += len(x)
+        if "token_stats" in out:
+            out["token_stats"].append(per_token_scores(x, tok))
+        if "topk_stats" in out:
+            out["topk_stats"].append(topk_scores(*topk_of_logits(x, tok, top_k)))
+    return {g: s[0] if len(s) == 1 else torch.cat(s) for g, s in out.items()}
+
+
+def _rows_stats(scores: Mapping[str, torch.Tensor], names: Mapping[str, Sequence[str]],
+                lengths: Sequence[int]) -> dict[str, torch.Tensor]:
+    """``{group: (B, len(names[group]))}`` from each group's (N, C) per-token scores, reduced in one pass."""
+    cols, kinds = [], []
+    device = next(iter(scores.values())).device
+    for g, s in scores.items():
+        c, k = _columns(g, s.to(device), names[g])
+        cols, kinds = cols + c, kinds + k
+    agg = _reduce_rows(torch.stack(cols), kinds, lengths)
+    out, at = {}, 0
+    for g in scores:
+        out[g] = agg[:, at : at + len(names[g])].contiguous()
+        at += len(names[g])
+    return out
+
+
+def _reduce_rows(cols: torch.Tensor, kinds: Sequence[str], lengths: Sequence[int]) -> torch.Tensor:
+    """:func:`_reduce` of (m, N) columns of rows' tokens concatenated in row order (``lengths`` tokens each)."""
+    if min(lengths, default=0) < 1:
+        raise ValueError(f"step lengths {list(lengths)} must be >= 1: a step holds at least one token")
+    n = torch.tensor(lengths, dtype=torch.float32, device=cols.device)
+    if len(lengths) == 1:
+        return _reduce(cols[:, None], kinds, n, None)
+    mask = torch.arange(max(lengths), device=cols.device) < n[:, None]  # (B, T) real positions
+    padded = cols.new_zeros(cols.shape[0], *mask.shape)
+    padded[:, mask] = cols
+    return _reduce(padded, kinds, n, mask)
+
+
+def _rows_pooled(hidden: Sequence[torch.Tensor], lengths: Sequence[int], pooling: str) -> torch.Tensor:
+    """(B, L, D) float32 per-row pooled states from per-row (L, k_i, D) states, in one pass for the batch."""
+    if pooling not in ("mean", "last"):
+        raise ValueError(f"pooling={pooling!r}; expected 'mean' or 'last'")
+    if [h.shape[1] for h in hidden] != list(lengths):
+        raise ValueError(f"hidden states of {[h.shape[1] for h in hidden]} positions for steps of "
+                         f"{list(lengths)} tokens; give each row's (L, k_i, D) states of its step tokens")
+    h = (hidden[0] if len(hidden) == 1 else torch.cat(list(hidden), dim=1)).float()  # (L, N, D)
+    if pooling == "last":
+        ends = torch.tensor(lengths, device=h.device).cumsum(0) - 1
+        return h[:, ends].transpose(0, 1).contiguous()
+    n = torch.tensor(lengths, dtype=torch.float32, device=h.device)[:, None, None]
+    if len(lengths) == 1:
+        return h.sum(1)[None] / n
+    mask = torch.arange(max(lengths), device=h.device) < n[:, 0]  # (B, T)
+    padded = h.new_zeros(h.shape[0], *mask.shape, h.shape[-1])  # (L, B, T, D)
+    padded[:, mask] = h
+    return (padded.sum(2).transpose(0, 1) / n).contiguous()
 
 
 def step_features(
@@ -272,8 +374,8 @@ def step_features(
         out["token_stats"] = token_stats(logits, tokens, lengths, spec.token_stats)
     if spec.needs_topk:
         n = lengths.tolist()
-        out["topk_stats"] = _rows_topk(spec, [t[:k].tolist() for t, k in zip(tokens, n)],
-                                       [x[:k] for x, k in zip(logits, n)], None)
+        rows = FeatureSpec(["topk_stats"], top_k=spec.top_k, topk_stats=spec.topk_stats)
+        out.update(rows_features(rows, [t[:k].tolist() for t, k in zip(tokens, n)], logits=[x[:k] for x, k in zip(logits, n)]))
     return out
 
 
@@ -286,7 +388,10 @@ def rows_features(
 ) -> dict[str, torch.Tensor]:
     """:func:`step_features` of several rows' steps given per row, as a cache's feeds or an engine return them.
 
-    The label build's reading and the decoder's verification both call this.
+    The label build's reading and the decoder's verification both call this. Every row's tokens are
+    scored together (their logits concatenated, at most :data:`_CHUNK_ELEMENTS` at once, never padded
+    to (B, T, V)) and reduced in one pass over a padded (m, B, T) tensor of per-token columns, so the
+    number of tensor ops does not grow with the batch.
 
     Args:
         spec: the feature spec; ``spec.layer_ids`` name the layers ``hidden`` holds, in order.
@@ -299,22 +404,26 @@ def rows_features(
             (``TokenLogprobs.logprobs``, ``.top``), K >= ``spec.top_k``; None = from ``logits``
             with :func:`topk_of_logits`.
     """
+    lengths = [len(t) for t in tokens]
     out: dict[str, torch.Tensor] = {}
     if spec.needs_hidden:
         if hidden is None:
             raise ValueError("the hidden feature group needs the reading forward's hidden_states")
-        padded = pad_steps([h.transpose(0, 1) for h in hidden])  # (B, k, L, D)
-        hs = list(padded.unbind(2))  # L x (B, k, D), as HF hands out hidden_states
-        pooled = FeatureSpec(["hidden"], list(range(len(hs))), spec.pooling, [])
-        out = step_features(pooled, torch.tensor([len(t) for t in tokens]), hs)
-    if "token_stats" in spec.groups or (spec.needs_topk and topk is None):
-        if logits is None:
-            raise ValueError(f"{_stat_groups(spec)} needs the logits that predicted the step's tokens"
-                             + (" (or an engine's top-k answer: topk)" if spec.needs_topk else ""))
-    if "token_stats" in spec.groups:
-        out["token_stats"] = rows_token_stats(logits, tokens, spec.token_stats)
-    if spec.needs_topk:
-        out["topk_stats"] = _rows_topk(spec, tokens, logits, topk)
+        out["hidden"] = _rows_pooled(hidden, lengths, spec.pooling)
+    from_logits = [g for g in spec.groups if g == "token_stats" or (g == "topk_stats" and topk is None)]
+    if from_logits and logits is None:
+        raise ValueError(f"{_stat_groups(spec)} needs the logits that predicted the step's tokens"
+                         + (" (or an engine's top-k answer: topk)" if spec.needs_topk else ""))
+    scores = _logit_scores(from_logits, spec.top_k, tokens, lengths, logits) if from_logits else {}
+    if spec.needs_topk and topk is not None:
+        got = [len(lp) for lp, _ in topk]
+        if got != lengths:
+            raise ValueError(f"top-k answers for {len(topk)} rows of {got} tokens, but the steps have "
+                             f"{lengths} tokens; an answer must cover every step token")
+        scores["topk_stats"] = _answer_scores(topk, spec.top_k)
+    if scores:
+        names = {"token_stats": spec.token_stats, "topk_stats": spec.topk_stats}
+        out.update(_rows_stats({g: scores[g] for g in spec.groups if g in scores}, names, lengths))
     return out
 
 
