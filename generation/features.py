@@ -23,7 +23,8 @@ use the model's raw distribution (temperature 1), whatever temperature decoding 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -66,73 +67,97 @@ def per_token_scores(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------
 # Statistics of a step: per-token columns, reduced over each row's tokens in one pass for the batch.
 
-_STATISTICS: dict[str, dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]] = {
-    # group -> statistic -> (reduction over the step's tokens, its per-token column from the group's scores)
+_STATISTICS: dict[str, dict[str, tuple[str, int, float | str | None]]] = {
+    # group -> statistic -> (reduction over the step's tokens, the column of the group's per-token scores it
+    # reads, and what it takes of the column: None = the value, a number t = 1.0 where the value >= t else 0.0,
+    # "log1p" = log(1 + value)). Scores: token_stats (log-prob, entropy, rank) of :func:`per_token_scores`;
+    # topk_stats (log-prob, rank within k, outside the top-k, top-k entropy, top-k mass) of :func:`topk_scores`.
     "token_stats": {
-        "mean_logprob": ("mean", lambda s: s[..., 0]),
-        "min_logprob": ("min", lambda s: s[..., 0]),
-        "mean_entropy": ("mean", lambda s: s[..., 1]),
-        "max_entropy": ("max", lambda s: s[..., 1]),
-        "not_top1_share": ("mean", lambda s: (s[..., 2] >= 1).float()),
-        "not_top5_share": ("mean", lambda s: (s[..., 2] >= 5).float()),
-        "mean_log_rank": ("mean", lambda s: torch.log1p(s[..., 2])),
+        "mean_logprob": ("mean", 0, None),
+        "min_logprob": ("min", 0, None),
+        "mean_entropy": ("mean", 1, None),
+        "max_entropy": ("max", 1, None),
+        "not_top1_share": ("mean", 2, 1.0),
+        "not_top5_share": ("mean", 2, 5.0),
+        "mean_log_rank": ("mean", 2, "log1p"),
     },
     "topk_stats": {
-        "mean_logprob": ("mean", lambda s: s[..., 0]),
-        "min_logprob": ("min", lambda s: s[..., 0]),
-        "not_top1_share": ("mean", lambda s: (s[..., 1] >= 1).float()),
-        "not_top5_share": ("mean", lambda s: (s[..., 1] >= 5).float()),
-        "not_topk_share": ("mean", lambda s: s[..., 2]),
-        "mean_log_rank": ("mean", lambda s: torch.log1p(s[..., 1])),  # rank is at most k
-        "mean_topk_entropy": ("mean", lambda s: s[..., 3]),
-        "max_topk_entropy": ("max", lambda s: s[..., 3]),
-        "mean_topk_mass": ("mean", lambda s: s[..., 4]),
-        "min_topk_mass": ("min", lambda s: s[..., 4]),
+        "mean_logprob": ("mean", 0, None),
+        "min_logprob": ("min", 0, None),
+        "not_top1_share": ("mean", 1, 1.0),
+        "not_top5_share": ("mean", 1, 5.0),
+        "not_topk_share": ("mean", 2, None),
+        "mean_log_rank": ("mean", 1, "log1p"),  # rank is at most k
+        "mean_topk_entropy": ("mean", 3, None),
+        "max_topk_entropy": ("max", 3, None),
+        "mean_topk_mass": ("mean", 4, None),
+        "min_topk_mass": ("min", 4, None),
     },
 }
+_WIDTH = {"token_stats": 3, "topk_stats": 5}
+"""Columns of each group's per-token scores."""
 
 
-def _columns(group: str, scores: torch.Tensor, names: Sequence[str]) -> tuple[list[torch.Tensor], list[str]]:
-    """Each statistic's per-token column of ``scores`` (..., C) (a ``max`` column negated) and its reduction.
+@dataclass(frozen=True)
+class _Plan:
+    """How to turn the groups' per-token scores (C, B, T), stacked in group order, into (B, m) statistics.
+
+    Every tensor has one entry per statistic, in output order (m, 1, 1) or (m, 1): a constant number of ops
+    computes all of them.
+    """
+
+    source: torch.Tensor  # (m,) the score column each statistic reads
+    scale: torch.Tensor  # -1 for a max (the negated min of the negated column), else 1
+    threshold: torch.Tensor  # t of a share (value >= t), NaN for the others
+    is_share: torch.Tensor
+    is_log: torch.Tensor
+    is_mean: torch.Tensor  # (m, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(groups: tuple[tuple[str, tuple[str, ...]], ...], device: torch.device) -> _Plan:
+    """The :class:`_Plan` of ``((group, names), ...)``.
 
     Raises:
         ValueError: a name the group does not compute.
     """
-    table = _STATISTICS[group]
-    bad = [k for k in names if k not in table]
-    if bad:
-        what = "token" if group == "token_stats" else "top-k"
-        raise ValueError(f"unknown {what} statistics {bad}; this version computes {list(table)}")
-    cols = []
-    for k in names:
-        how, column = table[k]
-        cols.append(column(scores).neg() if how == "max" else column(scores))
-    return cols, [table[k][0] for k in names]
+    rows, offset = [], 0
+    for group, names in groups:
+        table = _STATISTICS[group]
+        bad = [k for k in names if k not in table]
+        if bad:
+            what = "token" if group == "token_stats" else "top-k"
+            raise ValueError(f"unknown {what} statistics {bad}; this version computes {list(table)}")
+        rows += [(how, offset + col, take) for how, col, take in (table[k] for k in names)]
+        offset += _WIDTH[group]
+
+    def column(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)[:, None, None]
+
+    share = [isinstance(t, float) for _, _, t in rows]
+    return _Plan(source=torch.tensor([c for _, c, _ in rows], device=device),
+                 scale=column([-1.0 if how == "max" else 1.0 for how, _, _ in rows]),
+                 threshold=column([t if s else float("nan") for (_, _, t), s in zip(rows, share)]),
+                 is_share=column(share, torch.bool), is_log=column([t == "log1p" for _, _, t in rows], torch.bool),
+                 is_mean=column([how == "mean" for how, _, _ in rows], torch.bool)[:, :, 0])
 
 
-@functools.lru_cache(maxsize=64)
-def _reductions(kinds: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(is_mean (m, 1), sign (m, 1))`` of the statistics' reductions: a max is the negated min of the negation."""
-    is_mean = torch.tensor([k == "mean" for k in kinds], device=device)[:, None]
-    sign = torch.tensor([-1.0 if k == "max" else 1.0 for k in kinds], device=device)[:, None]
-    return is_mean, sign
-
-
-def _reduce(cols: torch.Tensor, kinds: Sequence[str], lengths: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """(B, m) statistics from (m, B, T) per-token columns: the mean or min (max) of each row's real positions.
+def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, m) statistics from the groups' per-token scores (C, B, T), right-padded along T.
 
     Args:
-        cols: the columns of :func:`_columns`, right-padded along T.
-        kinds: each column's reduction.
+        scores: the scores, stacked along C in the plan's group order.
+        plan: which statistics.
         lengths: (B,) float32 tokens per row.
         mask: (B, T) real positions, or None when every position is real.
     """
-    is_mean, sign = _reductions(tuple(kinds), cols.device)
+    cols = scores.index_select(0, plan.source)  # (m, B, T)
+    cols = torch.where(plan.is_share, cols >= plan.threshold, torch.where(plan.is_log, cols.log1p(), cols * plan.scale))
     if mask is None:
         means, mins = cols.sum(-1), cols.amin(-1)
     else:
         means, mins = (cols * mask).sum(-1), cols.masked_fill(~mask, float("inf")).amin(-1)
-    return torch.where(is_mean, means / lengths, mins * sign).T.contiguous()
+    return torch.where(plan.is_mean, means / lengths, mins * plan.scale[:, :, 0]).T.contiguous()
 
 
 def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str],
@@ -146,9 +171,9 @@ def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str]
     lengths = lengths.to(scores.device).long()
     if bool((lengths < 1).any()) or bool((lengths > T).any()):
         raise ValueError(f"step lengths {lengths.tolist()} must lie in 1..{T}")
-    cols, kinds = _columns(group, scores, names)
+    plan = _plan(((group, tuple(names)),), scores.device)
     mask = torch.arange(T, device=scores.device)[None] < lengths[:, None]  # (B, T)
-    return _reduce(torch.stack(cols), kinds, lengths.float(), mask)
+    return _statistics(scores.permute(2, 0, 1), plan, lengths.float(), mask)
 
 
 @torch.no_grad()
@@ -295,31 +320,31 @@ def _logit_scores(groups: Sequence[str], top_k: int, tokens: Sequence[Sequence[i
 
 def _rows_stats(scores: Mapping[str, torch.Tensor], names: Mapping[str, Sequence[str]],
                 lengths: Sequence[int]) -> dict[str, torch.Tensor]:
-    """``{group: (B, len(names[group]))}`` from each group's (N, C) per-token scores, reduced in one pass."""
-    cols, kinds = [], []
-    device = next(iter(scores.values())).device
-    for g, s in scores.items():
-        c, k = _columns(g, s.to(device), names[g])
-        cols, kinds = cols + c, kinds + k
-    agg = _reduce_rows(torch.stack(cols), kinds, lengths)
+    """``{group: (B, len(names[group]))}`` from each group's (N, C) per-token scores, reduced in one pass.
+
+    Raises:
+        ValueError: a step of no tokens, or a name its group does not compute.
+    """
+    if min(lengths, default=0) < 1:
+        raise ValueError(f"step lengths {list(lengths)} must be >= 1: a step holds at least one token")
+    parts = list(scores.values())
+    flat = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], dim=1)
+    plan = _plan(tuple((g, tuple(names[g])) for g in scores), flat.device)
+    n = torch.tensor(lengths, dtype=torch.float32, device=flat.device)
+    if len(lengths) == 1:
+        agg = _statistics(flat.T[:, None], plan, n, None)
+    else:
+        mask = torch.arange(max(lengths), device=flat.device) < n[:, None]  # (B, T) real positions
+        padded = flat.new_zeros(flat.shape[1], *mask.shape)
+        padded[:, mask] = flat.T
+        agg = _statistics(padded, plan, n, mask)
+    if len(scores) == 1:
+        return {g: agg for g in scores}
     out, at = {}, 0
     for g in scores:
         out[g] = agg[:, at : at + len(names[g])].contiguous()
         at += len(names[g])
     return out
-
-
-def _reduce_rows(cols: torch.Tensor, kinds: Sequence[str], lengths: Sequence[int]) -> torch.Tensor:
-    """:func:`_reduce` of (m, N) columns of rows' tokens concatenated in row order (``lengths`` tokens each)."""
-    if min(lengths, default=0) < 1:
-        raise ValueError(f"step lengths {list(lengths)} must be >= 1: a step holds at least one token")
-    n = torch.tensor(lengths, dtype=torch.float32, device=cols.device)
-    if len(lengths) == 1:
-        return _reduce(cols[:, None], kinds, n, None)
-    mask = torch.arange(max(lengths), device=cols.device) < n[:, None]  # (B, T) real positions
-    padded = cols.new_zeros(cols.shape[0], *mask.shape)
-    padded[:, mask] = cols
-    return _reduce(padded, kinds, n, mask)
 
 
 def _rows_pooled(hidden: Sequence[torch.Tensor], lengths: Sequence[int], pooling: str) -> torch.Tensor:
