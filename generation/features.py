@@ -16,7 +16,8 @@ Three groups (docs/design.md "Probes and their features"), all taken from the on
   that pair from logits).
 
 The label build (:mod:`datamodules.labels.reading`) and the decoder's verification pass both call
-:func:`rows_features` (pooling through :func:`step_features`, statistics through :func:`per_token_scores`), so a probe sees the same numbers at training and at decode time. Statistics
+:func:`rows_features` (statistics through :func:`per_token_scores` and :func:`topk_scores`, every row's tokens
+scored and reduced together), so a probe sees the same numbers at training and at decode time. Statistics
 use the model's raw distribution (temperature 1), whatever temperature decoding samples at.
 """
 
