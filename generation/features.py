@@ -16,13 +16,16 @@ Three groups (docs/design.md "Probes and their features"), all taken from the on
   that pair from logits).
 
 The label build (:mod:`datamodules.labels.reading`) and the decoder's verification pass both call
-:func:`rows_features` (pooling through :func:`step_features`, statistics through :func:`per_token_scores`), so a probe sees the same numbers at training and at decode time. Statistics
+:func:`rows_features` (statistics through :func:`per_token_scores` and :func:`topk_scores`, every row's tokens
+scored and reduced together), so a probe sees the same numbers at training and at decode time. Statistics
 use the model's raw distribution (temperature 1), whatever temperature decoding samples at.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -62,38 +65,116 @@ def per_token_scores(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     return torch.stack([tok_lp.clamp(min=LOGPROB_FLOOR), -plogp.sum(-1), rank.float()], dim=-1)
 
 
-def _step_mask(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str], known: Sequence[str],
-               what: str) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """The (B, T) mask of real step positions of right-padded (B, T, C) scores, and the masked mean over them.
+# ---------------------------------------------------------------------------------------------
+# Statistics of a step: per-token columns, reduced over each row's tokens in one pass for the batch.
+
+_STATISTICS: dict[str, dict[str, tuple[str, int, float | str | None]]] = {
+    # group -> statistic -> (reduction over the step's tokens, the column of the group's per-token scores it
+    # reads, and what it takes of the column: None = the value, a number t = 1.0 where the value >= t else 0.0,
+    # "log1p" = log(1 + value)). Scores: token_stats (log-prob, entropy, rank) of :func:`per_token_scores`;
+    # topk_stats (log-prob, rank within k, outside the top-k, top-k entropy, top-k mass) of :func:`topk_scores`.
+    "token_stats": {
+        "mean_logprob": ("mean", 0, None),
+        "min_logprob": ("min", 0, None),
+        "mean_entropy": ("mean", 1, None),
+        "max_entropy": ("max", 1, None),
+        "not_top1_share": ("mean", 2, 1.0),
+        "not_top5_share": ("mean", 2, 5.0),
+        "mean_log_rank": ("mean", 2, "log1p"),
+    },
+    "topk_stats": {
+        "mean_logprob": ("mean", 0, None),
+        "min_logprob": ("min", 0, None),
+        "not_top1_share": ("mean", 1, 1.0),
+        "not_top5_share": ("mean", 1, 5.0),
+        "not_topk_share": ("mean", 2, None),
+        "mean_log_rank": ("mean", 1, "log1p"),  # rank is at most k
+        "mean_topk_entropy": ("mean", 3, None),
+        "max_topk_entropy": ("max", 3, None),
+        "mean_topk_mass": ("mean", 4, None),
+        "min_topk_mass": ("min", 4, None),
+    },
+}
+_WIDTH = {"token_stats": 3, "topk_stats": 5}
+"""Columns of each group's per-token scores."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How to turn the groups' per-token scores (C, B, T), stacked in group order, into (B, m) statistics.
+
+    Every tensor has one entry per statistic, in output order (m, 1, 1) or (m, 1): a constant number of ops
+    computes all of them.
+    """
+
+    source: torch.Tensor  # (m,) the score column each statistic reads
+    scale: torch.Tensor  # -1 for a max (the negated min of the negated column), else 1
+    threshold: torch.Tensor  # t of a share (value >= t), NaN for the others
+    is_share: torch.Tensor
+    is_log: torch.Tensor
+    is_mean: torch.Tensor  # (m, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(groups: tuple[tuple[str, tuple[str, ...]], ...], device: torch.device) -> _Plan:
+    """The :class:`_Plan` of ``((group, names), ...)``.
 
     Raises:
-        ValueError: a length outside ``1..T``, or a name not in ``known``.
+        ValueError: a name the group does not compute.
+    """
+    rows, offset = [], 0
+    for group, names in groups:
+        table = _STATISTICS[group]
+        bad = [k for k in names if k not in table]
+        if bad:
+            what = "token" if group == "token_stats" else "top-k"
+            raise ValueError(f"unknown {what} statistics {bad}; this version computes {list(table)}")
+        rows += [(how, offset + col, take) for how, col, take in (table[k] for k in names)]
+        offset += _WIDTH[group]
+
+    def column(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)[:, None, None]
+
+    share = [isinstance(t, float) for _, _, t in rows]
+    return _Plan(source=torch.tensor([c for _, c, _ in rows], device=device),
+                 scale=column([-1.0 if how == "max" else 1.0 for how, _, _ in rows]),
+                 threshold=column([t if s else float("nan") for (_, _, t), s in zip(rows, share)]),
+                 is_share=column(share, torch.bool), is_log=column([t == "log1p" for _, _, t in rows], torch.bool),
+                 is_mean=column([how == "mean" for how, _, _ in rows], torch.bool)[:, :, 0])
+
+
+def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, m) statistics from the groups' per-token scores (C, B, T), right-padded along T.
+
+    Args:
+        scores: the scores, stacked along C in the plan's group order.
+        plan: which statistics.
+        lengths: (B,) float32 tokens per row.
+        mask: (B, T) real positions, or None when every position is real.
+    """
+    cols = scores.index_select(0, plan.source)  # (m, B, T)
+    cols = torch.where(plan.is_share, cols >= plan.threshold, torch.where(plan.is_log, cols.log1p(), cols * plan.scale))
+    if mask is None:
+        means, mins = cols.sum(-1), cols.amin(-1)
+    else:
+        means, mins = (cols * mask).sum(-1), cols.masked_fill(~mask, float("inf")).amin(-1)
+    return torch.where(plan.is_mean, means / lengths, mins * plan.scale[:, :, 0]).T.contiguous()
+
+
+def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str],
+               group: str = "token_stats") -> torch.Tensor:
+    """(B, len(names)) statistics from right-padded per-token scores (B, T, C) of the group's scoring function.
+
+    Raises:
+        ValueError: a length outside ``1..T``, or a name the group does not compute.
     """
     T = scores.shape[1]
     lengths = lengths.to(scores.device).long()
     if bool((lengths < 1).any()) or bool((lengths > T).any()):
         raise ValueError(f"step lengths {lengths.tolist()} must lie in 1..{T}")
-    bad = [k for k in names if k not in known]
-    if bad:
-        raise ValueError(f"unknown {what} statistics {bad}; this version computes {list(known)}")
+    plan = _plan(((group, tuple(names)),), scores.device)
     mask = torch.arange(T, device=scores.device)[None] < lengths[:, None]  # (B, T)
-    return mask, lambda v: (v * mask).sum(1) / lengths.float()
-
-
-def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-    """(B, len(names)) statistics from right-padded per-token scores (B, T, 3) of :func:`per_token_scores`."""
-    mask, mean = _step_mask(scores, lengths, names, TOKEN_STATS, "token")
-    tok_lp, ent, rank = scores.unbind(-1)
-    compute = {
-        "mean_logprob": lambda: mean(tok_lp),
-        "min_logprob": lambda: tok_lp.masked_fill(~mask, float("inf")).amin(1),
-        "mean_entropy": lambda: mean(ent),
-        "max_entropy": lambda: ent.masked_fill(~mask, float("-inf")).amax(1),
-        "not_top1_share": lambda: mean((rank >= 1).float()),
-        "not_top5_share": lambda: mean((rank >= 5).float()),
-        "mean_log_rank": lambda: mean(torch.log1p(rank)),
-    }
-    return torch.stack([compute[k]() for k in names], dim=1)
+    return _statistics(scores.permute(2, 0, 1), plan, lengths.float(), mask)
 
 
 @torch.no_grad()
@@ -117,26 +198,10 @@ def token_stats(
 @torch.no_grad()
 def rows_token_stats(logits: Sequence[torch.Tensor | Sequence[torch.Tensor]], tokens: Sequence[Sequence[int]],
                      names: Sequence[str] = TOKEN_STATS) -> torch.Tensor:
-    """:func:`token_stats` of rows given one by one: row ``i``'s (k_i, V) logits, or consecutive parts of them.
-
-    Scores each row where its logits lie (a view of a forward's output needs no copy) and pads only
-    the (k_i, 3) scores, so a 262k vocabulary costs no padded (B, T, V) tensor.
-    """
-    scores = [_row_scores(parts, toks, per_token_scores) for parts, toks in zip(logits, tokens)]
-    return _aggregate(pad_steps(scores), torch.tensor([len(t) for t in tokens]), names)
-
-
-def _row_scores(parts: torch.Tensor | Sequence[torch.Tensor], tokens: Sequence[int],
-                score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``score(logits, ids)`` of one row's step, its (k, V) logits given whole or as consecutive parts."""
-    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
-    ids, at, row = torch.as_tensor(list(tokens), dtype=torch.long), 0, []
-    for part in parts:
-        row.append(score(part, ids[at : at + len(part)]))
-        at += len(part)
-    if at != len(ids):
-        raise ValueError(f"{at} logits for a step of {len(ids)} tokens")
-    return torch.cat(row)
+    """:func:`token_stats` of rows given one by one: row ``i``'s (k_i, V) logits, or consecutive parts of them."""
+    lengths = [len(t) for t in tokens]
+    scores = _logit_scores(["token_stats"], 0, tokens, lengths, logits)
+    return _rows_stats(scores, {"token_stats": names}, lengths)["token_stats"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,51 +240,6 @@ def topk_scores(logprobs: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return torch.stack([lp.clamp(min=LOGPROB_FLOOR), rank, (rank >= top.shape[-1]).float(), entropy, p.sum(-1)], -1)
 
 
-def _topk_of_parts(parts: torch.Tensor | Sequence[torch.Tensor], tokens: Sequence[int],
-                   k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_of_logits` of one row's step, its (k_i, V) logits given whole or as consecutive parts."""
-
-    def pair(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        logprobs, top = topk_of_logits(x, ids, k)
-        return torch.cat([logprobs[:, None], top], dim=1)
-
-    row = _row_scores(parts, tokens, pair)  # (k_i, 1 + min(k, V))
-    return row[:, 0], row[:, 1:]
-
-
-def _rows_topk(spec: FeatureSpec, tokens: Sequence[Sequence[int]], logits: Sequence | None,
-               topk: Sequence[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-    """``topk_stats`` of rows from an engine's ``topk`` pairs, or (None) from the pairs of their ``logits``."""
-    k = spec.top_k
-    if topk is None:  # in-process: the pair a server would answer, from the full logits
-        topk = [_topk_of_parts(parts, toks, k) for parts, toks in zip(logits, tokens)]
-        k = min(k, topk[0][1].shape[1]) if topk else k  # a vocabulary below top_k gives all of it
-    lengths = [len(lp) for lp, _ in topk]
-    if lengths != [len(t) for t in tokens]:
-        raise ValueError(f"top-k answers for {len(topk)} rows of {lengths} tokens, but the steps have "
-                         f"{[len(t) for t in tokens]} tokens; an answer must cover every step token")
-    return rows_topk_stats(topk, k, spec.topk_stats)
-
-
-def _aggregate_topk(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-    """(B, len(names)) :data:`TOPK_STATS` from right-padded (B, T, 5) scores of :func:`topk_scores`."""
-    mask, mean = _step_mask(scores, lengths, names, TOPK_STATS, "top-k")
-    lp, rank, outside, ent, mass = scores.unbind(-1)
-    compute = {
-        "mean_logprob": lambda: mean(lp),
-        "min_logprob": lambda: lp.masked_fill(~mask, float("inf")).amin(1),
-        "not_top1_share": lambda: mean((rank >= 1).float()),
-        "not_top5_share": lambda: mean((rank >= 5).float()),
-        "not_topk_share": lambda: mean(outside),
-        "mean_log_rank": lambda: mean(torch.log1p(rank)),  # rank is at most k
-        "mean_topk_entropy": lambda: mean(ent),
-        "max_topk_entropy": lambda: ent.masked_fill(~mask, float("-inf")).amax(1),
-        "mean_topk_mass": lambda: mean(mass),
-        "min_topk_mass": lambda: mass.masked_fill(~mask, float("inf")).amin(1),
-    }
-    return torch.stack([compute[k]() for k in names], dim=1)
-
-
 @torch.no_grad()
 def rows_topk_stats(topk: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int,
                     names: Sequence[str] = TOPK_STATS) -> torch.Tensor:
@@ -231,13 +251,121 @@ def rows_topk_stats(topk: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int,
         ValueError: a row whose ``top`` has fewer than ``k`` columns or another number of rows than
             ``logprobs`` (an answer is never padded).
     """
-    scores = []
+    lengths = [len(lp) for lp, _ in topk]
+    return _rows_stats({"topk_stats": _answer_scores(topk, k)}, {"topk_stats": names}, lengths)["topk_stats"]
+
+
+def _answer_scores(topk: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int) -> torch.Tensor:
+    """(N, 5) :func:`topk_scores` of every row's tokens in row order, from engine answers (checked per row)."""
     for i, (lp, top) in enumerate(topk):
         if top.ndim != 2 or top.shape[0] != len(lp) or top.shape[1] < k:
             raise ValueError(f"row {i}: top-k answer of shape {tuple(top.shape)} for {len(lp)} tokens; expected "
                              f"({len(lp)}, >= {k}) log-probs (top_k={k}); ask the reader for at least {k} per token")
-        scores.append(topk_scores(lp, top.float().topk(k, dim=1).values))
-    return _aggregate_topk(pad_steps(scores), torch.tensor([len(lp) for lp, _ in topk]), names)
+    lps, tops = [lp for lp, _ in topk], [top for _, top in topk]
+    if len({t.shape[1] for t in tops}) > 1:  # answers of several widths: cut each to its k largest first
+        tops = [t.float().topk(k, dim=1).values for t in tops]
+    lp = lps[0] if len(lps) == 1 else torch.cat(lps)
+    top = tops[0] if len(tops) == 1 else torch.cat(tops)
+    if top.shape[1] > k:
+        top = top.float().topk(k, dim=1).values
+    return topk_scores(lp, top)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows given one by one (a cache's feeds, an engine's answers): every row's tokens scored together.
+
+_CHUNK_ELEMENTS = 1 << 24
+"""At most this many logits are scored in one tensor (64 MiB float32): rows' logits are concatenated up to it."""
+
+
+def _logit_chunks(logits: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+                  lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Every row's (k_i, V) logits (whole, or as consecutive parts) as few (n, V) tensors of consecutive tokens.
+
+    Raises:
+        ValueError: a row whose parts hold another number of positions than its step has tokens.
+    """
+    parts: list[torch.Tensor] = []
+    for i, (row, n) in enumerate(zip(logits, lengths)):
+        row = [row] if isinstance(row, torch.Tensor) else list(row)
+        at = sum(len(p) for p in row)
+        if at != n:
+            raise ValueError(f"row {i}: {at} logits for a step of {n} tokens; give one (V,) row of logits per token")
+        parts += row
+    chunks: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in parts:
+        if chunks[-1] and (size + len(p)) * p.shape[-1] > _CHUNK_ELEMENTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += len(p)
+    return [c[0] if len(c) == 1 else torch.cat(c) for c in chunks]
+
+
+def _logit_scores(groups: Sequence[str], top_k: int, tokens: Sequence[Sequence[int]], lengths: Sequence[int],
+                  logits: Sequence) -> dict[str, torch.Tensor]:
+    """Per-token scores of every row's tokens in row order, from logits: ``{group: (N, C)}`` for ``groups``."""
+    ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long)
+    out: dict[str, list[torch.Tensor]] = {g: [] for g in groups}
+    at = 0
+    for x in _logit_chunks(logits, lengths):
+        tok = ids[at : at + len(x)].to(x.device)
+        at += len(x)
+        if "token_stats" in out:
+            out["token_stats"].append(per_token_scores(x, tok))
+        if "topk_stats" in out:
+            out["topk_stats"].append(topk_scores(*topk_of_logits(x, tok, top_k)))
+    return {g: s[0] if len(s) == 1 else torch.cat(s) for g, s in out.items()}
+
+
+def _rows_stats(scores: Mapping[str, torch.Tensor], names: Mapping[str, Sequence[str]],
+                lengths: Sequence[int]) -> dict[str, torch.Tensor]:
+    """``{group: (B, len(names[group]))}`` from each group's (N, C) per-token scores, reduced in one pass.
+
+    Raises:
+        ValueError: a step of no tokens, or a name its group does not compute.
+    """
+    if min(lengths, default=0) < 1:
+        raise ValueError(f"step lengths {list(lengths)} must be >= 1: a step holds at least one token")
+    parts = list(scores.values())
+    flat = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], dim=1)
+    plan = _plan(tuple((g, tuple(names[g])) for g in scores), flat.device)
+    n = torch.tensor(lengths, dtype=torch.float32, device=flat.device)
+    if len(lengths) == 1:
+        agg = _statistics(flat.T[:, None], plan, n, None)
+    else:
+        mask = torch.arange(max(lengths), device=flat.device) < n[:, None]  # (B, T) real positions
+        padded = flat.new_zeros(flat.shape[1], *mask.shape)
+        padded[:, mask] = flat.T
+        agg = _statistics(padded, plan, n, mask)
+    if len(scores) == 1:
+        return {g: agg for g in scores}
+    out, at = {}, 0
+    for g in scores:
+        out[g] = agg[:, at : at + len(names[g])].contiguous()
+        at += len(names[g])
+    return out
+
+
+def _rows_pooled(hidden: Sequence[torch.Tensor], lengths: Sequence[int], pooling: str) -> torch.Tensor:
+    """(B, L, D) float32 per-row pooled states from per-row (L, k_i, D) states, in one pass for the batch."""
+    if pooling not in ("mean", "last"):
+        raise ValueError(f"pooling={pooling!r}; expected 'mean' or 'last'")
+    if [h.shape[1] for h in hidden] != list(lengths):
+        raise ValueError(f"hidden states of {[h.shape[1] for h in hidden]} positions for steps of "
+                         f"{list(lengths)} tokens; give each row's (L, k_i, D) states of its step tokens")
+    h = (hidden[0] if len(hidden) == 1 else torch.cat(list(hidden), dim=1)).float()  # (L, N, D)
+    if pooling == "last":
+        ends = torch.tensor(lengths, device=h.device).cumsum(0) - 1
+        return h[:, ends].transpose(0, 1).contiguous()
+    n = torch.tensor(lengths, dtype=torch.float32, device=h.device)[:, None, None]
+    if len(lengths) == 1:
+        return h.sum(1)[None] / n
+    mask = torch.arange(max(lengths), device=h.device) < n[:, 0]  # (B, T)
+    padded = h.new_zeros(h.shape[0], *mask.shape, h.shape[-1])  # (L, B, T, D)
+    padded[:, mask] = h
+    return (padded.sum(2).transpose(0, 1) / n).contiguous()
 
 
 def step_features(
@@ -272,8 +400,8 @@ def step_features(
         out["token_stats"] = token_stats(logits, tokens, lengths, spec.token_stats)
     if spec.needs_topk:
         n = lengths.tolist()
-        out["topk_stats"] = _rows_topk(spec, [t[:k].tolist() for t, k in zip(tokens, n)],
-                                       [x[:k] for x, k in zip(logits, n)], None)
+        rows = FeatureSpec(["topk_stats"], top_k=spec.top_k, topk_stats=spec.topk_stats)
+        out.update(rows_features(rows, [t[:k].tolist() for t, k in zip(tokens, n)], logits=[x[:k] for x, k in zip(logits, n)]))
     return out
 
 
@@ -286,7 +414,10 @@ def rows_features(
 ) -> dict[str, torch.Tensor]:
     """:func:`step_features` of several rows' steps given per row, as a cache's feeds or an engine return them.
 
-    The label build's reading and the decoder's verification both call this.
+    The label build's reading and the decoder's verification both call this. Every row's tokens are
+    scored together (their logits concatenated, at most :data:`_CHUNK_ELEMENTS` at once, never padded
+    to (B, T, V)) and reduced in one pass over a padded (m, B, T) tensor of per-token columns, so the
+    number of tensor ops does not grow with the batch.
 
     Args:
         spec: the feature spec; ``spec.layer_ids`` name the layers ``hidden`` holds, in order.
@@ -299,22 +430,26 @@ def rows_features(
             (``TokenLogprobs.logprobs``, ``.top``), K >= ``spec.top_k``; None = from ``logits``
             with :func:`topk_of_logits`.
     """
+    lengths = [len(t) for t in tokens]
     out: dict[str, torch.Tensor] = {}
     if spec.needs_hidden:
         if hidden is None:
             raise ValueError("the hidden feature group needs the reading forward's hidden_states")
-        padded = pad_steps([h.transpose(0, 1) for h in hidden])  # (B, k, L, D)
-        hs = list(padded.unbind(2))  # L x (B, k, D), as HF hands out hidden_states
-        pooled = FeatureSpec(["hidden"], list(range(len(hs))), spec.pooling, [])
-        out = step_features(pooled, torch.tensor([len(t) for t in tokens]), hs)
-    if "token_stats" in spec.groups or (spec.needs_topk and topk is None):
-        if logits is None:
-            raise ValueError(f"{_stat_groups(spec)} needs the logits that predicted the step's tokens"
-                             + (" (or an engine's top-k answer: topk)" if spec.needs_topk else ""))
-    if "token_stats" in spec.groups:
-        out["token_stats"] = rows_token_stats(logits, tokens, spec.token_stats)
-    if spec.needs_topk:
-        out["topk_stats"] = _rows_topk(spec, tokens, logits, topk)
+        out["hidden"] = _rows_pooled(hidden, lengths, spec.pooling)
+    from_logits = [g for g in spec.groups if g == "token_stats" or (g == "topk_stats" and topk is None)]
+    if from_logits and logits is None:
+        raise ValueError(f"{_stat_groups(spec)} needs the logits that predicted the step's tokens"
+                         + (" (or an engine's top-k answer: topk)" if spec.needs_topk else ""))
+    scores = _logit_scores(from_logits, spec.top_k, tokens, lengths, logits) if from_logits else {}
+    if spec.needs_topk and topk is not None:
+        got = [len(lp) for lp, _ in topk]
+        if got != lengths:
+            raise ValueError(f"top-k answers for {len(topk)} rows of {got} tokens, but the steps have "
+                             f"{lengths} tokens; an answer must cover every step token")
+        scores["topk_stats"] = _answer_scores(topk, spec.top_k)
+    if scores:
+        names = {"token_stats": spec.token_stats, "topk_stats": spec.topk_stats}
+        out.update(_rows_stats({g: scores[g] for g in spec.groups if g in scores}, names, lengths))
     return out
 
 

@@ -80,8 +80,8 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
 
         return ModelCard(model_card(self.config))
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Pre-sigmoid scores. ``features``: (B, input_size) flat, or (B, L, D) for a hidden-only probe. Returns (B,)."""
+    def _checked(self, features: torch.Tensor) -> torch.Tensor:
+        """``features`` as (B, input_size) float32, or a ValueError naming the widths the probe reads."""
         cfg = self.config
         x = features.float()
         if x.dim() == 3 and cfg.feature_groups == ["hidden"]:
@@ -93,7 +93,12 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
                 f"{len(cfg.token_stats)} token statistics, {len(cfg.topk_stats)} top-k statistics), "
                 f"got {features.shape[-1]} (shape {tuple(features.shape)})"
             )
-        x = (x - self.input_mean) / self.input_std
+        return x
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid scores. ``features``: (B, input_size) flat, or (B, L, D) for a hidden-only probe. Returns (B,)."""
+        cfg = self.config
+        x = (self._checked(features) - self.input_mean) / self.input_std
         if hasattr(self, "layer_logits"):
             h, rest = x[:, : cfg.hidden_width], x[:, cfg.hidden_width :]
             h = h.view(x.shape[0], len(cfg.layer_ids), cfg.hidden_size)
@@ -104,3 +109,27 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Semantic probability in [0, 1] per row. Returns (B,)."""
         return torch.sigmoid(self.logits(features))
+
+    def predict(self, features: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for inference, with little per-call overhead: the decoder's probe call.
+
+        Under ``torch.inference_mode``, ``features`` moved to the probe's device and the MLP run as plain
+        ``linear``/``relu_`` calls (no module dispatch, no dropout, no autograd bookkeeping). Equals
+        :meth:`forward` in eval mode; in training mode (dropout) or with a layer mix it is :meth:`forward`.
+
+        Returns:
+            (B,) probabilities, an inference tensor on the probe's device.
+        """
+        with torch.inference_mode():
+            x = features.to(self.input_mean.device)
+            if self.training or hasattr(self, "layer_logits"):
+                return self(x)
+            x = (self._checked(x) - self.input_mean) / self.input_std
+            for m in self.mlp:
+                if isinstance(m, nn.Linear):
+                    x = torch.nn.functional.linear(x, m.weight, m.bias)
+                elif isinstance(m, nn.ReLU):
+                    x = x.relu_()
+                elif not isinstance(m, nn.Dropout):  # a module this loop does not know: run it as forward does
+                    x = m(x)
+            return x.squeeze(-1).sigmoid_()

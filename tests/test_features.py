@@ -128,3 +128,59 @@ def test_a_probe_reading_statistics_this_version_cannot_compute_is_refused(tmp_p
     with pytest.raises(ValueError, match=r"token_stats \['mean_logprob', 'surprisal_of_the_future'\].*"
                                          r"expected a non-empty subset of \[.*'mean_logprob'.*cannot compute"):
         load_probe(path)
+
+
+def _ragged_rows(lengths, V=11, L=2, D=4, seed=0):
+    """Per-row tokens, (L, k, D) states and (k, V) logits of ragged steps; row 0's logits come in two parts."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+    hidden = [torch.randn(L, n, D, generator=g) * 3 for n in lengths]
+    logits = [torch.randn(n, V, generator=g) * 2 for n in lengths]
+    logits[1][0, tokens[1][0]] = float("-inf")  # an impossible token stays finite
+    return tokens, hidden, [[x[:1], x[1:]] if i == 0 else x for i, x in enumerate(logits)], logits
+
+
+def _padded(rows, T):
+    return torch.stack([torch.cat([r, r.new_zeros(T - len(r), *r.shape[1:])]) for r in rows])
+
+
+@pytest.mark.parametrize("chunk", [None, 11])  # one tensor for the batch, or a few tokens' logits at a time
+def test_rows_features_equal_the_padded_batch_and_each_row_alone(monkeypatch, chunk):
+    from generation import features
+    from generation.groups import TOPK_STATS
+
+    if chunk:
+        monkeypatch.setattr(features, "_CHUNK_ELEMENTS", chunk)
+    lengths = [3, 1, 5, 2]
+    tokens, hidden, logits, whole = _ragged_rows(lengths)
+    spec = FeatureSpec(["hidden", "token_stats", "topk_stats"], [0, 1], "mean", top_k=5)
+    got = features.rows_features(spec, tokens, hidden, logits)
+    n, T = torch.tensor(lengths), max(lengths)
+    states = _padded([h.transpose(0, 1) for h in hidden], T).unbind(2)  # L x (B, T, D)
+    torch.testing.assert_close(got["hidden"], features.pool_hidden_states(states, [0, 1], 0 * n, n), atol=1e-6, rtol=0)
+    ids = _padded([torch.tensor(t) for t in tokens], T)
+    torch.testing.assert_close(got["token_stats"], token_stats(_padded(whole, T), ids, n), atol=1e-6, rtol=0)
+    for i, (x, t) in enumerate(zip(whole, tokens)):  # top-k statistics by hand, row by row
+        lp, rank, outside, ent, mass = features.topk_scores(*features.topk_of_logits(x, torch.tensor(t), 5)).T
+        by_hand = [lp.mean(), lp.min(), (rank >= 1).float().mean(), (rank >= 5).float().mean(), outside.mean(),
+                   torch.log1p(rank).mean(), ent.mean(), ent.max(), mass.mean(), mass.min()]
+        assert list(spec.topk_stats) == list(TOPK_STATS)
+        torch.testing.assert_close(got["topk_stats"][i], torch.stack(by_hand), atol=1e-6, rtol=0)
+        alone = features.rows_features(spec, [t], [hidden[i]], [logits[i]])
+        for g in got:
+            torch.testing.assert_close(got[g][i : i + 1], alone[g], atol=1e-6, rtol=0)
+        assert torch.equal(got["hidden"][i : i + 1], alone["hidden"])  # a row's pooled state ignores the batch
+    last = features.rows_features(FeatureSpec(["hidden"], [0, 1], "last"), tokens, hidden)["hidden"]
+    assert torch.equal(last, torch.stack([h[:, -1] for h in hidden]))
+
+
+def test_rows_features_refuse_logits_or_states_that_do_not_cover_the_step():
+    from generation.features import rows_features
+
+    tokens, hidden, logits, _ = _ragged_rows([3, 2])
+    with pytest.raises(ValueError, match=r"row 1: 1 logits for a step of 2 tokens"):
+        rows_features(FeatureSpec(["token_stats"]), tokens, logits=[logits[0], logits[1][:1]])
+    with pytest.raises(ValueError, match=r"hidden states of \[3, 1\] positions for steps of \[3, 2\] tokens"):
+        rows_features(FeatureSpec(["hidden"], [0]), tokens, [hidden[0][:1], hidden[1][:1, :1]])
+    with pytest.raises(ValueError, match=r"step lengths \[3, 0\] must be >= 1"):
+        rows_features(FeatureSpec(["token_stats"]), [tokens[0], []], logits=[logits[0], logits[1][:0]])

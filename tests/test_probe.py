@@ -35,6 +35,26 @@ def test_paper_architecture_and_options():
     torch.testing.assert_close(mixed(torch.randn(5, 2, 8)).shape, torch.Size([5]))
 
 
+@pytest.mark.parametrize("combine, dims", [("concat", [32, 16]), ("concat", []), ("weighted_sum", [8])])
+def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims):
+    from probes.decoding.proposer import run_probe
+
+    probe = SemanticProbe(ProbeConfig(hidden_size=8, layer_ids=[-1, -2], layer_combine=combine, hidden_dims=dims,
+                                      feature_groups=["hidden", "token_stats"], token_stats=["min_logprob"]))
+    x = torch.randn(6, 17) * 5 + 2
+    probe.set_standardization(x.mean(0), x.std(0))
+    probe.eval()
+    torch.testing.assert_close(probe.predict(x), probe(x), atol=1e-6, rtol=0)
+    assert run_probe(probe, x) == probe(x).tolist()
+    with torch.no_grad():  # an optimiser step in place: predict reads the new weights
+        probe.mlp[0].weight.mul_(-2.0)
+    torch.testing.assert_close(probe.predict(x), probe(x), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"expects 17 features.*got 12"):
+        probe.predict(torch.randn(2, 12))
+    probe.train()  # dropout on: predict is forward (random), still a probability per row
+    assert probe.predict(x).shape == (6,)
+
+
 def test_width_mismatch_names_both_numbers():
     probe = SemanticProbe(ProbeConfig(hidden_size=16, hidden_dims=[4]))
     with pytest.raises(ValueError, match=r"expects 16 features.*got 12"):

@@ -104,8 +104,7 @@ class DraftProposer:
             self.feed_s = time.perf_counter() - t0
         hidden = [d.pooled_input() for d in drafts] if self.spec.needs_hidden else None
         logits = [torch.stack(d.token_logits()) for d in drafts] if self.spec.needs_logits else None
-        x = probe_input(rows_features(self.spec, [d.tokens for d in drafts], hidden, logits), self.spec.groups)
-        p = run_probe(self.probe, x)
+        _, p = probe_rows(self.probe, self.spec, [d.tokens for d in drafts], hidden, logits)
         self.probe_s = time.perf_counter() - t0 - self.feed_s  # a draft forward is not probe time
         return dict(zip(rows, p))
 
@@ -118,6 +117,23 @@ class DraftProposer:
 
 
 def run_probe(probe, x: torch.Tensor) -> list[float]:
-    """A probe's outputs for the rows of ``x`` (moved to the probe's device), as floats."""
+    """A probe's outputs for the rows of ``x`` (moved to the probe's device), as floats.
+
+    A :class:`~probes.model.SemanticProbe` runs its :meth:`~probes.model.SemanticProbe.predict` (no per-call
+    overhead); any other module is called.
+    """
+    predict = getattr(probe, "predict", None)
+    if predict is not None:
+        return predict(x).tolist()
     device = next(probe.parameters(), torch.empty(0)).device
     return probe(x.to(device)).float().cpu().tolist()
+
+
+def probe_rows(probe, spec: FeatureSpec, tokens: Sequence[Sequence[int]], hidden, logits) -> tuple[torch.Tensor, list[float]]:
+    """A probe's input rows (:func:`~generation.features.rows_features`) and outputs for rows' steps.
+
+    Features and MLP run under one ``torch.inference_mode`` (no autograd bookkeeping per op).
+    """
+    with torch.inference_mode():
+        x = probe_input(rows_features(spec, tokens, hidden, logits), spec.groups)
+        return x, run_probe(probe, x)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from generation.cache import BatchedCache
-from generation.features import FeatureSpec, probe_input, rows_features
+from generation.features import FeatureSpec
 from generation.handover import Handover
 from probes.decoding.policies import Needs, fast_path_keeps, judge_score
-from probes.decoding.proposer import Proposal, run_probe
+from probes.decoding.proposer import Proposal, probe_rows
 from probes.decoding.scores import Scores
 
 
@@ -97,10 +97,10 @@ class TargetVerifier:
         q, x = {}, {}
         if needs.q and slow:
             t0 = time.perf_counter()
-            feats = probe_input(rows_features(self.spec, [read[i][0] for i in slow],
-                                              [read[i][3] for i in slow] if self.spec.needs_hidden else None,
-                                              [read[i][2] for i in slow]), self.spec.groups)
-            x, q = dict(zip(slow, feats)), dict(zip(slow, run_probe(self.probe, feats)))
+            feats, out = probe_rows(self.probe, self.spec, [read[i][0] for i in slow],
+                                    [read[i][3] for i in slow] if self.spec.needs_hidden else None,
+                                    [read[i][2] for i in slow])
+            x, q = dict(zip(slow, feats)), dict(zip(slow, out))
             self.probe_s = time.perf_counter() - t0
         coin = {i: float(torch.rand((), generator=self.coins[i])) for i in slow} if needs.coin else {}
         return {i: Scores(proposals[i].text, outputs[i], x.get(i), fast.get(i, False), q.get(i), None, coin.get(i),
