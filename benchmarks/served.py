@@ -586,8 +586,10 @@ def goals(report: dict) -> dict:
         "always_reject_equals_target_only": (report["always_reject_mismatches"], 0, "mismatches"),
         "requests_per_kept_step_at_most_2": (rps["kept"], GOALS["requests_kept"], "requests"),
         "requests_per_refused_step_at_most_3": (rps["refused"], GOALS["requests_refused"], "requests"),
+        # the step as the decoder counts it: the drafted tokens plus the token that opened it (the previous read's
+        # bonus token, or the last token the server wrote), which the server drew but never fed
         "verify_prefills_only_the_step": (prefill.get("prefill_tokens_per_step", math.nan),
-                                          prefill.get("mean_step_tokens", math.nan), "tokens"),
+                                          prefill.get("mean_step_tokens", math.nan) + 1, "tokens"),
         "client_ms_per_step_at_most_5": (report["client_ms_per_step"], GOALS["client_ms_per_step"], "ms"),
     }
     out = {k: {"value": v, "limit": lim, "met": bool(v <= lim + 1e-9), "missed_by": max(v - lim, 0.0), "unit": u}
