@@ -128,3 +128,15 @@ class Connection:
         except self.openai.OpenAIError as e:
             raise self.error(what, e, fix) from None
         return resp, time.perf_counter() - t
+
+
+def connect(client, url: str, model: str | None, *, api_key_env: str, timeout: float, retries: int) -> None:
+    """Give an engine client its :class:`Connection` (``conn``), root ``url``, checked ``model`` and ``version``.
+
+    Raises:
+        EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
+    """
+    client.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
+    client.url = client.conn.root
+    client.model = client.conn.check_model(model)
+    client.version = client.conn.version()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
-from generation.engines.connection import Connection
+from generation.engines.connection import connect
 from generation.specs import SamplingSpec, StepSpec
 
 VLLM_MAX_LOGPROBS = 20
@@ -121,18 +121,15 @@ class _Completions:
 
     name = "?"
     sampling_extra: dict = {}
+    """Request fields this engine needs to sample as the package does (none by default)."""
     top_k_slack = 0
     """Log-probs asked for beyond the probe's k (text-keyed answers need one more, :func:`text_keyed_top`)."""
     unsure_positions = 0
     """Positions whose text-keyed top-k may have lost an entry (:func:`text_keyed_top`), counted over the client's life."""
-    """Request fields this engine needs to sample as the package does (none by default)."""
 
     def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
                  timeout: float = 120.0, retries: int = 3):
-        self.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
-        self.url = self.conn.root
-        self.model = self.conn.check_model(model)
-        self.version = self.conn.version()
+        connect(self, url, model, api_key_env=api_key_env, timeout=timeout, retries=retries)
         self._caps: Capabilities | None = None
 
     def capabilities(self) -> Capabilities:
@@ -226,6 +223,17 @@ class _Completions:
         return top_k + self.top_k_slack if top_k else None
 
     def _ending(self, choice, stops: list[str]) -> tuple[str, str]:
+        """The written text (its delimiter put back when the server cut it) and how it ended."""
+        text = choice.text or ""
+        if choice.finish_reason == "length":
+            return text, "length"
+        if any(text.endswith(d) for d in stops):
+            return text, "delimiter"
+        hit = self._cut_delimiter(choice, text, stops) if stops else None
+        return (text + hit, "delimiter") if hit is not None else (text, "eos")
+
+    def _cut_delimiter(self, choice, text: str, stops: list[str]) -> str | None:
+        """The delimiter the server cut off ``text``, or None (the step ended at EOS)."""
         raise NotImplementedError
 
 
@@ -282,19 +290,9 @@ class LlamaCppEngine(_Completions):
         # (k = 0 when none are wanted) tells a delimiter from EOS.
         return top_k + self.top_k_slack if top_k else (0 if stops else None)
 
-    def _ending(self, choice, stops: list[str]) -> tuple[str, str]:
-        text = choice.text or ""
-        if choice.finish_reason == "length":
-            return text, "length"
-        if any(text.endswith(d) for d in stops):
-            return text, "delimiter"
-        if stops:
-            lp = self._logprobs(choice)
-            rest = "".join(lp["tokens"])[len(text):]
-            hit = max((d for d in stops if rest.startswith(d)), key=len, default=None)
-            if hit is not None:
-                return text + hit, "delimiter"
-        return text, "eos"
+    def _cut_delimiter(self, choice, text: str, stops: list[str]) -> str | None:
+        rest = "".join(self._logprobs(choice)["tokens"])[len(text):]  # the cut stop string's tokens stay here
+        return max((d for d in stops if rest.startswith(d)), key=len, default=None)
 
 
 class VLLMEngine(_Completions):
@@ -338,13 +336,6 @@ class VLLMEngine(_Completions):
         return Reading(self._echo_step(lp, idx, top_k, tops, ids), None, _after(choice, context + step, eos), eos,
                        _usage(resp.usage, secs))
 
-    def _ending(self, choice, stops: list[str]) -> tuple[str, str]:
-        text = choice.text or ""
-        if choice.finish_reason == "length":
-            return text, "length"
-        if any(text.endswith(d) for d in stops):
-            return text, "delimiter"
+    def _cut_delimiter(self, choice, text: str, stops: list[str]) -> str | None:
         reason = (choice.model_extra or {}).get("stop_reason")
-        if isinstance(reason, str):  # include_stop_str_in_output ignored: put the delimiter back
-            return text + reason, "delimiter"
-        return text, "eos"
+        return reason if isinstance(reason, str) else None  # include_stop_str_in_output ignored: put it back

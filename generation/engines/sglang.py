@@ -32,7 +32,7 @@ import torch
 
 from generation.engines import HIDDEN_NORM
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
-from generation.engines.connection import Connection
+from generation.engines.connection import connect
 from generation.engines.openai_compat import top_k_of
 from generation.specs import SamplingSpec, StepSpec
 
@@ -59,10 +59,7 @@ class SGLangEngine:
 
     def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
                  timeout: float = 120.0, retries: int = 3):
-        self.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
-        self.url = self.conn.root
-        self.model = self.conn.check_model(model)
-        self.version = self.conn.version()
+        connect(self, url, model, api_key_env=api_key_env, timeout=timeout, retries=retries)
         self._caps: Capabilities | None = None
         self._known: OrderedDict[str, list[int]] = OrderedDict()
 
