@@ -335,7 +335,8 @@ def test_callback_drives_checkpoint_selection(fitted, tmp_path):
     from datamodules.datamodule import SemanticProbeDataModule
 
     root, _, _ = fitted
-    data = SemanticProbeDataModule(str(root / "data"), build=None, batch_size=64, val_fraction=0.25, test_fraction=0.25)
+    data = SemanticProbeDataModule(str(root / "data"), build=None, batch_size=64, val_fraction=0.25, test_fraction=0.25,
+                                   feature_groups=["hidden", "token_stats"])  # the groups _world_module's probes read
     module = _world_module()
     spec = SpeculativeValidation(max_problems=2, max_seconds=20, max_new_tokens=48, temperature=0.6, plots_dir=str(tmp_path))
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="spec/speedup", mode="max", save_top_k=1)
