@@ -21,9 +21,9 @@ import json
 import re
 import threading
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
-from tests.fake_openai import POLL_S
+from tests.fake_openai import POLL_S, JsonHandler
 
 BOS, BOS_TEXT = 1, "<s>"
 CONTINUATION = "a b\n\nc d"
@@ -63,18 +63,7 @@ class _Server:
         self.requests: list[tuple[str, dict, dict]] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 f = routes_get.get(self.path)
                 self._send(*(f() if f else (404, {"detail": "Not Found"})))

@@ -22,6 +22,21 @@ POLL_S = 0.02
 """How often a server's loop checks for ``close()`` (the standard library's 0.5 s made every test's teardown wait half a second)."""
 
 
+class JsonHandler(BaseHTTPRequestHandler):
+    """The fakes' request handler base: quiet, and ``_send(code, obj)`` answers JSON."""
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class FakeServer:
     """Serves ``model`` (with ``tokenizer``) as ``name`` on a loopback port; ``.url`` is its ``/v1`` base URL.
 
@@ -46,18 +61,7 @@ class FakeServer:
         self.lock = threading.Lock()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code: int, obj) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if outer.status is not None:  # a refusing server (401: a bad key) refuses every route
                     self._send(outer.status, {"error": {"message": "refused: bad key " +
@@ -138,10 +142,7 @@ class FakeJudgeServer:
         self.requests, self.fail_first, self.api = [], fail_first, api
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(JsonHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append((self.path, dict(self.headers), body))
@@ -158,12 +159,7 @@ class FakeJudgeServer:
                         {"token": "yes" if yes else "no", "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.items()]}]}}]}
                 else:
                     out = {"choices": [{"text": " yes" if yes else " no", "logprobs": {"top_logprobs": [{" " + t: v for t, v in lp.items()}]}}]}
-                data = json.dumps(out).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self._send(200, out)
 
         self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"

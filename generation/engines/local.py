@@ -11,8 +11,9 @@ be compared with in-process ones on the same weights:
   entry (after the final norm: ``"final_norm"``), and the next token is drawn as
   :func:`~generation.sampling.sample_next` draws (greedy at temperature 0), from a
   ``torch.Generator`` seeded with ``seed``;
-- :meth:`LocalEngine.write`: token by token on its own KV cache, stopping at EOS, the step's
-  delimiters (``StepSpec.stopper``), ``max_tokens`` or the model's context.
+- :meth:`LocalEngine.write`: the core's writer (:func:`~generation.writer.write_steps`) on a one-row
+  :class:`~generation.cache.BatchedCache`, stopping at EOS, the step's delimiters (``StepSpec.stopper``),
+  ``max_tokens`` or the model's context.
 
 There is no prefix cache: every request prefills its whole prompt, and :class:`Usage` says so.
 """
@@ -22,14 +23,14 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import DynamicCache
-
-from generation.cache import context_length
+from generation.cache import BatchedCache, context_length
 from generation.engines.base import Capabilities, Reading, TokenLogprobs, Usage, Written
-from generation.handover import decode_text
-from generation.sampling import sample_next
+from generation.features import topk_of_logits
+from generation.handover import decode_text, pad_id
+from generation.sampling import Sampler, sample_next
 from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
+from generation.writer import write_steps
 
 
 class LocalEngine:
@@ -101,38 +102,41 @@ class LocalEngine:
             raise ValueError(f"max_tokens={max_tokens!r}, top_k={top_k!r}: expected integers >= 1 (top_k may be None)")
         ids = self._ids(context)
         room = max_tokens if self.context_length is None else min(max_tokens, self.context_length - len(ids))
-        stop = step.stopper(self.tokenizer) if step is not None else None
-        gen = torch.Generator().manual_seed(seed)
-        new, preds, x = [], [], torch.tensor([ids], device=self.device)
-        cache = DynamicCache(config=self.model.config)
-        eos = self.tokenizer.eos_token_id
-        while len(new) < room:
-            out = self.model(x, cache=cache, use_cache=True)
-            logits = out.logits[0, -1].float()
-            preds.append(logits)
-            new.append(self._draw(logits, sampling, gen))
-            if new[-1] == eos or (stop is not None and stop(new)):
-                break
-            x = torch.tensor([[new[-1]]], device=self.device)
+        new, preds = self._write(ids, room, step, sampling, seed, record=bool(top_k)) if room > 0 else ([], [])
         text = decode_text(self.tokenizer, new)
-        how = "eos" if new and new[-1] == eos else \
+        how = "eos" if new and new[-1] == self.tokenizer.eos_token_id else \
             "delimiter" if step is not None and ends_step(text, step.delimiters) else "length"
         tokens = self._logprobs(torch.stack(preds), new, top_k) if top_k and new else None
         usage = Usage(len(ids), len(new), 0, len(ids), time.perf_counter() - t0)
         return Written(text, how, tokens, usage)
 
+    def _write(self, ids: list[int], room: int, step: StepSpec | None, sampling: SamplingSpec, seed: int,
+               record: bool) -> tuple[list[int], list[torch.Tensor]]:
+        """The core's writer on a one-row cache: the new tokens (EOS, the step's stopper or ``room``) and, when
+        ``record``, the logits each was drawn from."""
+        eos, stop = self.tokenizer.eos_token_id, step.stopper(self.tokenizer) if step is not None else None
+
+        def done(tokens: list[int]) -> bool:
+            return tokens[-1] == eos or (stop is not None and stop(tokens))
+
+        cache = BatchedCache(self.model, 1, pad_id(self.tokenizer))
+        cache.prefill([ids])
+        sampler = Sampler(sampling, torch.Generator().manual_seed(seed))
+        draft = write_steps(cache, [0], stop=done, limits={0: room}, sampler=sampler, record_logits=record)[0]
+        return draft.tokens, draft.logits
+
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)
 
     def _logprobs(self, pred: torch.Tensor, ids: list[int], top_k: int) -> TokenLogprobs:
-        """The tokens' log-probabilities under ``pred`` (n, V) and the top-``top_k`` of each row."""
-        logp = torch.log_softmax(pred.float(), dim=-1).cpu()
-        own = logp.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-        top = logp.topk(min(top_k, logp.shape[-1]), dim=-1).values
+        """The tokens' log-probabilities under ``pred`` (n, V) and the top-``top_k`` of each row
+        (:func:`~generation.features.topk_of_logits`, as in-process reading computes them)."""
+        own, top = topk_of_logits(pred, torch.tensor(ids), top_k)
         texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-        return TokenLogprobs(texts, list(ids), own, top)
+        return TokenLogprobs(texts, list(ids), own.cpu(), top.cpu())
 
     @staticmethod
-    def _draw(logits: torch.Tensor, sampling: SamplingSpec, seed: int | torch.Generator) -> int:
-        gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    def _draw(logits: torch.Tensor, sampling: SamplingSpec, seed: int) -> int:
+        """The token after a read, drawn as the writer draws (greedy at temperature 0)."""
+        gen = torch.Generator().manual_seed(seed)
         return int(sample_next(logits[None].cpu(), sampling.temperature, sampling.top_p, gen)[0])
