@@ -184,7 +184,7 @@ class SGLangEngine:
         got, meta, secs = self._generate({"text": context + step, "logprob_start_len": len(known),
                                           **self._read_body(top_k, hidden, sampling, seed)})
         rows = meta.get("input_token_logprobs") or []
-        if not rows or "".join(str(r[2]) for r in rows if r and len(r) > 2 and r[2] is not None) != step:
+        if not rows or _spelled(rows) != step:
             return None
         tokens = self._logprobs(rows, meta.get("input_top_logprobs"), len(rows), top_k, "step")
         return tokens, meta, str(got.get("text", "")), secs
@@ -213,6 +213,11 @@ class SGLangEngine:
             rows, tops = meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
             tokens = self._logprobs(rows[:n], tops[:n], n, top_k, "written")
         out = meta.get("output_token_logprobs") or []
-        if known and how != "eos" and "".join(str(r[2]) for r in out if r and len(r) > 2) == text:
+        if known and how != "eos" and _spelled(out) == text:
             self._remember(context + text, known + [int(r[1]) for r in out])
         return Written(text, how, tokens, self._usage(meta, secs))
+
+
+def _spelled(rows: list) -> str:
+    """The text ``[logprob, id, text]`` rows spell (``return_text_in_logprobs``)."""
+    return "".join(str(r[2]) for r in rows if r and len(r) > 2 and r[2] is not None)
