@@ -9,7 +9,7 @@ delimiter, cap or budget; :func:`generate` is label sampling on top of it (prefi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +81,7 @@ def write_steps(
     collect_hidden: bool = False,
     feed_last: bool = False,
     record_logits: bool = False,
-    record_forced_logits: bool = False,
+    record_forced_logits: bool | Collection[int] = False,
 ) -> dict[int, StepDraft]:
     """Sample one step for every row in ``rows`` together, continuing ``runner``'s cache.
 
@@ -101,7 +101,8 @@ def write_steps(
         feed_last: feed the step's last token too.
         record_logits: keep the logits each token was sampled from (token-level speculation needs them).
         record_forced_logits: also keep the logits that predicted the forced tokens (a probe's token
-            statistics cover the whole step); the forced tokens must still be pending.
+            statistics cover the whole step), for every row (True) or the rows given; their forced tokens
+            must still be pending.
 
     Returns:
         ``{row: StepDraft}``.
@@ -116,12 +117,13 @@ def write_steps(
     writing = [i for i in rows if not done(i)]
     last = [i for i in rows if i not in writing and feed_last]
     before = {i: runner.last_logits[i] for i in rows}
+    forced_rows = set(rows) if record_forced_logits is True else set(record_forced_logits or ())
     first = True
     while writing or last:
         # With forced tokens, the first forward keeps every position's logits: they predicted the forced tokens.
-        need_all = first and record_forced_logits and any(steps[i].n_forced for i in writing + last)
+        need_all = first and any(steps[i].n_forced for i in writing + last if i in forced_rows)
         fed = runner.feed(writing + last, hidden=collect_hidden, all_logits=need_all)
-        _keep_read(steps, fed, before if need_all else None, collect_hidden)
+        _keep_read(steps, fed, {i: before[i] for i in forced_rows} if need_all else None, collect_hidden)
         first, last = False, []
         if not writing:
             break
@@ -136,7 +138,7 @@ def _keep_read(steps: dict[int, StepDraft], fed: dict[int, Feed], before: dict |
     """Keep what a feed read for the steps: the logits of their forced tokens (``before`` given), their states."""
     if before is not None:
         for i, step in steps.items():
-            if step.n_forced:
+            if step.n_forced and i in before:
                 step.forced_logits = _forced_logits(step, fed.get(i), before[i])
     if hidden:
         for i, f in fed.items():

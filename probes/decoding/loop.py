@@ -22,10 +22,10 @@ from generation.sampling import Sampler, stream_seed
 from generation.specs import SamplingSpec
 from generation.writer import StepWriter
 from probes.decoding.policies import AcceptancePolicy
-from probes.decoding.proposer import DraftProposer, RowState
+from probes.decoding.proposer import DraftProposer, Proposal, RowState
 from probes.decoding.results import DecodeResult, StepTrace
-from probes.decoding.rows import Row
-from probes.decoding.speculative import token_sd_steps
+from probes.decoding.rows import Row, TargetStep
+from probes.decoding.speculative import speculate_tokens, token_sd_steps
 from probes.decoding.verify import TargetVerifier
 
 
@@ -73,7 +73,8 @@ class StepLoop:
         B, rows, t_start = len(self.rows), self.rows, time.perf_counter()
         using = self.caches(runner.caches)
         while True:
-            active = [i for i in range(B) if not rows[i].done and self.limit(i, *using) > 0]
+            active = [i for i in range(B) if not rows[i].done
+                      and (rows[i].rewriting is not None or self.limit(i, *using) > 0)]
             for i in range(B):
                 if not rows[i].done and i not in active:
                     rows[i].close(self.dec.tokenizer)  # budget or context exhausted
@@ -106,14 +107,23 @@ class StepLoop:
                 self.t_done[i] = now
 
     def speculate(self, rows_i: list[int], policy: AcceptancePolicy) -> list[int]:
-        """Propose, verify, decide, then commit or roll back every row's step. Returns the refused rows."""
+        """Propose, verify, decide, then commit or roll back every row's step.
+
+        Rows rewriting a refused step (``rewrite_in_rounds``) ride the same draft and target forwards: their
+        proposal continues the target's step and is kept token by token (:meth:`_rewrite_tokens`).
+
+        Returns:
+            The refused rows the target still has to rewrite in a phase of its own (none when refused steps
+            are rewritten in the rounds).
+        """
         needs, rows = policy.needs, self.rows
         t0 = time.perf_counter()
-        states = {i: RowState(tuple(rows[i].forced), self.limit(i, self.tgt, self.drf) + len(rows[i].forced))
-                  for i in rows_i}
+        going = [i for i in rows_i if rows[i].rewriting is not None]
+        judged = [i for i in rows_i if rows[i].rewriting is None]
+        states = {i: self._row_state(i) for i in rows_i}
         proposals = self.proposer.propose(states, for_p=needs.p)
         t_verify = time.perf_counter()
-        scores = self.verifier.verify(proposals, {i: rows[i].text for i in rows_i}, needs)
+        scores = self.verifier.verify(proposals, {i: rows[i].text for i in judged}, needs, rewrites=going)
         t_scored = time.perf_counter()
         want_p = [i for i, s in scores.items() if policy.wants_p(s)] if needs.p else []
         p = self.proposer.score(want_p) if want_p else {}
@@ -123,21 +133,29 @@ class StepLoop:
         probe_s = self.verifier.probe_s + (self.proposer.probe_s if want_p else 0.0)
         draft_s = (t_verify - t0) + (self.proposer.feed_s if want_p else 0.0)
         verify_s = (t_scored - t_verify) - self.verifier.probe_s
+        for i in going:
+            rows[i].stats.rewrite_s += (draft_s + verify_s) / len(rows_i)
+            rows[i].rewriting.seconds += dt
+            self._rewrite_tokens(i, proposals[i], drawn=True)
         rejected, bonus = [], []
-        for i in rows_i:
+        for i in judged:
             d, r, s = proposals[i], rows[i], scores.get(i)
             decision = decisions.get(i, "reject")  # a row the target read nothing of cannot be kept
             self.verifier.close_judge_turn(i, s)
             r.stats.draft_steps_proposed += 1
-            r.stats.probe_s += probe_s / len(rows_i)
+            r.stats.probe_s += probe_s / len(judged)
             r.stats.draft_s += draft_s / len(rows_i)
             r.stats.verify_s += verify_s / len(rows_i)
             r.stats.drafted_tokens += len(d.tokens) - d.n_forced
             trace = StepTrace("draft", d.text, len(d.tokens), s and s.q, s and s.p, decision, dt, s and s.judge)
-            if decision == "reject":  # roll back by length: both models forget the step
-                self.verifier.roll_back(i)
-                self.proposer.roll_back(i)
+            if decision == "reject":
                 r.trace.append(trace)
+                if self.rides:  # the target redraws the step from the forward that just read it
+                    r.rewriting = TargetStep(list(d.tokens[: d.n_forced]), d.n_forced, states[i].limit)
+                    self._rewrite_tokens(i, d, drawn=False)
+                    continue
+                self.verifier.roll_back(i)  # roll back by length: both models forget the step
+                self.proposer.roll_back(i)
                 r.forced = list(d.tokens[: d.n_forced])
                 rejected.append(i)
                 continue
@@ -148,6 +166,46 @@ class StepLoop:
         if bonus:
             self._bonus(bonus)
         return rejected
+
+    @property
+    def rides(self) -> bool:
+        """Refused steps are rewritten inside the rounds (``rewrite_in_rounds`` with ``token_sd``)."""
+        return bool(self.dec.token_sd and self.opt.rewrite_in_rounds)
+
+    def _row_state(self, i: int) -> RowState:
+        """What the proposer is told of row ``i``: a new step after its forced tokens, or the rewrite's continuation."""
+        r = self.rows[i]
+        if r.rewriting is not None:
+            return RowState(tuple(r.rewriting.tokens), r.rewriting.limit, rewrite=True)
+        return RowState(tuple(r.forced), self.limit(i, self.tgt, self.drf) + len(r.forced))
+
+    def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool) -> None:
+        """The target keeps a prefix of the proposal's new tokens and draws the token after it
+        (:func:`~probes.decoding.speculative.speculate_tokens` on the verification forward's logits); the
+        rewrite is committed once the step is finished."""
+        r, rw = self.rows[i], self.rows[i].rewriting
+        new = list(proposal.tokens[proposal.n_forced :])
+        logits = self.verifier.token_logits.get(i)
+        kept, extra = 0, None
+        if logits is not None:
+            base = list(rw.tokens)
+            kept, extra = speculate_tokens(self.sampler, i, new, logits, proposal.logits, drawn=drawn,
+                                           ends_after=lambda j: self._finished(rw, base + new[:j]))
+        rw.tokens.extend(new[:kept])
+        self.verifier.keep(i, kept)
+        self.proposer.keep(i, kept)
+        if extra is not None:
+            rw.tokens.append(extra)
+            self.tgt.seq[i].append(extra)
+            self.proposer.extend(i, [extra])
+        if self._finished(rw, rw.tokens):
+            text = decode_text(self.dec.tokenizer, rw.tokens)
+            trace = StepTrace("target", text, len(rw.tokens), decision="target", seconds=rw.seconds)
+            r.rewriting = None
+            r.commit(trace, rw.tokens, rw.n_forced, self.dec.tokenizer.eos_token_id, False)
+
+    def _finished(self, rw: TargetStep, tokens: list[int]) -> bool:
+        return bool(tokens) and (self.dec.target_stop(tokens) or len(tokens) >= rw.limit)
 
     def _bonus(self, rows_i: list[int]) -> None:
         """The target's next token (after each kept step) opens the row's next step."""

@@ -25,6 +25,11 @@ class LoopOptions:
             sampling from the same draft; lossless for those steps. None (default) = on when the
             models share a tokenizer (``benchmarks/first_step.py``); True with two is refused.
         token_sd_tokens: draft tokens proposed per target pass when ``token_sd``.
+        rewrite_in_rounds: with ``token_sd``, a refused step is rewritten inside the loop's rounds instead of
+            in a phase of its own while the other rows wait: the target redraws the step from the
+            verification forward it already ran (the refused step as a point-mass proposal, so the rewrite
+            is an exact draw from the target), and an unfinished rewrite continues as the draft's proposal,
+            checked token by token in the next round's verification forward beside the other rows' steps.
         bonus_token: on accept, the token the target predicts after the step opens the next step
             (one tokenizer only).
         judge_suffix: the judge turn of the SpecReason baseline; every method keeps room for it
@@ -39,6 +44,7 @@ class LoopOptions:
     answer_marker: str | None = None
     token_sd: bool | None = None
     token_sd_tokens: int = 4
+    rewrite_in_rounds: bool = True
     bonus_token: bool = True
     judge_suffix: str = SPECREASON_SUFFIX
 

@@ -27,12 +27,16 @@ class RowState:
     """What a proposer is told about one row.
 
     Attributes:
-        forced: tokens that open the step, already in the row's context (the target's bonus token).
+        forced: tokens that open the step, already in the row's context (the target's bonus token, or the
+            part of a target step written so far).
         limit: the most tokens the step may hold, forced ones included.
+        rewrite: the step is the target's (a refused step being rewritten): the proposal continues it for
+            token-level speculation, and no probe reads it.
     """
 
     forced: tuple[int, ...]
     limit: int
+    rewrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,14 @@ class Proposal:
         tokens: the step in the proposer's tokenization, forced tokens first.
         n_forced: leading tokens that were given (the target's bonus token), not drafted.
         text: the step's text (up to EOS, special tokens dropped).
+        logits: per new (not forced) token, the proposer's logits it was drawn from, when it has them
+            (token-level speculation reads them).
     """
 
     tokens: list[int]
     n_forced: int
     text: str
+    logits: Sequence[torch.Tensor] = ()
 
 
 class Proposer(Protocol):
@@ -64,6 +71,9 @@ class Proposer(Protocol):
 
     def roll_back(self, row: int) -> None:
         """Forget the row's last proposal (its forced tokens stay)."""
+
+    def keep(self, row: int, n: int) -> None:
+        """Keep the first ``n`` proposed tokens of the row's last proposal and forget the rest."""
 
 
 class DraftProposer:
@@ -86,9 +96,11 @@ class DraftProposer:
         self.steps = self.writer.write(
             list(rows), {i: s.limit for i, s in rows.items()}, forced={i: list(s.forced) for i, s in rows.items()},
             collect_hidden=for_p and self.spec.needs_hidden, record_logits=True,
-            record_forced_logits=for_p and self.spec.needs_logits,
+            record_forced_logits=[i for i, s in rows.items() if not s.rewrite] if for_p and self.spec.needs_logits
+            else False,
         )
-        return {i: Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens)) for i, d in self.steps.items()}
+        return {i: Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits)
+                for i, d in self.steps.items()}
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         self.probe_s = self.feed_s = 0.0
@@ -112,8 +124,12 @@ class DraftProposer:
         self.cache.seq[row].extend(tokens)
 
     def roll_back(self, row: int) -> None:
+        self.keep(row, 0)
+
+    def keep(self, row: int, n: int) -> None:
         d = self.steps[row]
-        self.cache.rollback(row, len(d.tokens) - d.n_forced, last_logits=d.logits[0] if d.logits else None)
+        drop = len(d.tokens) - d.n_forced - n
+        self.cache.rollback(row, drop, last_logits=d.logits[n] if drop > 0 else None)
 
 
 def run_probe(probe, x: torch.Tensor) -> list[float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from generation.cache import BatchedCache
 from generation.handover import decode_text
 from probes.decoding.results import DecodeStats, StepTrace
@@ -13,6 +15,23 @@ def answer_complete(text: str, marker: str | None) -> bool:
         return False
     k = text.rfind(marker)
     return k >= 0 and "\n" in text[k:]
+
+
+@dataclass
+class TargetStep:
+    """A refused step the target is rewriting across rounds (token-level speculation in the loop's own forwards).
+
+    Attributes:
+        tokens: the step so far, in both caches (its last token pending); forced tokens first.
+        n_forced: leading tokens that were given (the target's bonus token), not written for this step.
+        limit: the most tokens the step may hold, forced ones included.
+        seconds: the rounds' time shared to it so far.
+    """
+
+    tokens: list[int]
+    n_forced: int
+    limit: int
+    seconds: float = 0.0
 
 
 class Row:
@@ -33,6 +52,7 @@ class Row:
         self.done = False
         self.stop_reason: str | None = None  # eos, answer, budget or context (results.STOP_REASONS)
         self.forced: list[int] = []  # target bonus token opening the next step
+        self.rewriting: TargetStep | None = None  # the target step being written over rounds, if any
         self.steps_written = 0
 
     @property

@@ -56,6 +56,41 @@ def speculative_step(
     return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
 
 
+def speculate_tokens(
+    sampler,
+    row: int,
+    proposal: Sequence[int],
+    target_logits: torch.Tensor,
+    draft_logits: Sequence[torch.Tensor],
+    *,
+    drawn: bool,
+    ends_after: Callable[[int], bool],
+) -> tuple[int, int | None]:
+    """:func:`speculative_step` on one row's proposal, from the logits both models computed for it.
+
+    Args:
+        sampler: the decode's one sampler (its distributions, and row ``row``'s sampling stream).
+        proposal: the proposed tokens (forced ones excluded).
+        target_logits: at least ``len(proposal) + 1`` rows: the target's logits predicting each proposed token,
+            then the one after the last.
+        draft_logits: the draft's logits each proposed token was drawn from.
+        drawn: the proposal was drawn from ``draft_logits`` (speculative sampling). False: the proposal is a
+            given sequence, such as a step the probes refused; it is then treated as a point mass, so each
+            kept token is kept with the target's probability of it and the first one not kept is replaced by
+            a draw from the target without it: what comes out is exactly a draw from the target, whatever
+            selected the proposal.
+        ends_after: true once ``j`` kept tokens finish the step.
+    """
+    k = len(proposal)
+    t_probs = sampler.probs(target_logits[: k + 1].cpu())
+    if drawn:
+        d_probs = sampler.probs(torch.stack(list(draft_logits)).cpu())
+    else:
+        d_probs = torch.zeros(k, t_probs.shape[-1])
+        d_probs[torch.arange(k), torch.as_tensor(list(proposal), dtype=torch.long)] = 1.0
+    return speculative_step(t_probs, d_probs, proposal, sampler.stream(row), ends_after)
+
+
 def token_sd_steps(
     target: StepWriter,
     draft: StepWriter,
@@ -90,13 +125,9 @@ def token_sd_steps(
             proposal = d.tokens[d.n_forced :]
             k0 = n0[i] - 1 - f.start  # fed index whose logits predict the first proposed token (-1: held before)
             t_logits = torch.cat([before[i][None], f.logits]) if k0 < 0 else f.logits[k0:]
-            t_logits = t_logits[: len(proposal) + 1]  # (k + 1, V)
             base = list(steps[i].tokens)
-            kept, extra = speculative_step(
-                sampler.probs(t_logits.cpu()),
-                sampler.probs(torch.stack(d.logits).cpu()),
-                proposal, sampler.stream(i), lambda j: finished(i, base + proposal[:j]),  # noqa: B023 (called right here)
-            )
+            kept, extra = speculate_tokens(sampler, i, proposal, t_logits, d.logits, drawn=True,
+                                           ends_after=lambda j: finished(i, base + proposal[:j]))  # noqa: B023
             steps[i].tokens.extend(proposal[:kept])
             drop = len(proposal) - kept
             tgt.rollback(i, drop, last_logits=t_logits[kept] if drop else tgt.last_logits[i])

@@ -11,7 +11,7 @@ calls a server returns the same :class:`Scores`; :class:`TargetVerifier` is the 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,39 +47,46 @@ class TargetVerifier:
         self.cache, self.handover, self.probe, self.judge, self.coins = cache, handover, probe, judge, coins
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
         self.probe_s = 0.0  # seconds in the probe during the last verify()
-        self._undo: dict[int, tuple[int, torch.Tensor | None]] = {}  # per row: new tokens, logits before them
+        self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
+        self.token_logits: dict[int, torch.Tensor] = {}  # per row read: logits predicting its new tokens, then after
         self._suffix = 0
 
-    def verify(self, proposals: Mapping[int, Proposal], outputs: Mapping[int, str], needs: Needs) -> dict[int, Scores]:
+    def verify(self, proposals: Mapping[int, Proposal], outputs: Mapping[int, str], needs: Needs,
+               rewrites: Collection[int] = ()) -> dict[int, Scores]:
         """Read every proposal (plus the judge turn when needed) in one forward and score it.
 
+        Rows in ``rewrites`` continue a target step the target is rewriting: read in the same forward, without
+        the judge turn, and not scored. For every row read, :attr:`token_logits` holds the target's logits
+        predicting each new (not forced) token of its proposal, then the token after it: what token-level
+        speculation keeps from (:meth:`keep`).
+
         Returns:
-            ``{row: Scores}`` for the rows it read (an empty step reads nothing, cannot be kept).
+            ``{row: Scores}`` for the rows it read and scores (an empty step reads nothing, cannot be kept).
         """
-        tgt, hand, q_needed = self.cache, self.handover, needs.q or needs.fast_path is not None
+        tgt, hand = self.cache, self.handover
         suffix = list(self.judge.suffix) if needs.judge else []
-        self._suffix, self._undo, starts = len(suffix), {}, {}
+        self._suffix, self._new, self.token_logits = len(suffix), {}, {}
+        starts, n0, pre = {}, {}, {}
         for i, d in proposals.items():
-            new = hand.to_target(d, d.text)
-            starts[i] = len(tgt.seq[i]) - hand.forced_in_target(d)
-            self._undo[i] = (len(new), tgt.last_logits[i])
-            tgt.seq[i].extend(new + suffix)
+            new, tail = hand.to_target(d, d.text), [] if i in rewrites else suffix
+            starts[i], n0[i], pre[i] = len(tgt.seq[i]) - hand.forced_in_target(d), len(tgt.seq[i]), tgt.last_logits[i]
+            self._new[i] = len(new)
+            tgt.seq[i].extend(new + tail)
         fed = tgt.feed(list(proposals), hidden=needs.q and self.spec.needs_hidden, all_logits=True)
         read, after = {}, {}
-        for i, d in proposals.items():
-            f = fed.get(i)
-            if f is None:  # empty step (cannot happen with max_step_tokens >= 1): refused
+        for i, f in fed.items():
+            end = n0[i] + self._new[i] - f.start  # one past the step's last token among the fed tokens
+            first_new = n0[i] - f.start  # fed index of the first new token
+            self.token_logits[i] = (f.logits[first_new - 1 : end] if first_new >= 1
+                                    else torch.cat([pre[i][None], f.logits[:end]]))
+            if i in rewrites:
                 continue
             off = starts[i] - f.start  # index of the step's first token among the fed tokens
-            end = len(tgt.seq[i]) - len(suffix) - f.start  # one past the step's last token
-            n_new, pre = self._undo[i]
             step_logits = None
-            if q_needed:  # (k, V) the target's logits predicting every step token
-                step_logits = f.logits[off - 1 : end - 1] if off >= 1 else torch.cat([pre[None], f.logits[: end - 1]])
-            first_new = off + hand.forced_in_target(d)  # fed index of the first new token
-            self._undo[i] = (n_new, (f.logits[first_new - 1] if first_new >= 1 else pre) if n_new else None)
+            if needs.q or needs.fast_path is not None:  # (k, V) the target's logits predicting every step token
+                step_logits = f.logits[off - 1 : end - 1] if off >= 1 else torch.cat([pre[i][None], f.logits[: end - 1]])
             after[i] = f.logits[end - 1]
-            read[i] = (tgt.seq[i][starts[i] : f.start + end], hand.forced_in_target(d), step_logits,
+            read[i] = (tgt.seq[i][starts[i] : f.start + end], hand.forced_in_target(proposals[i]), step_logits,
                        f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None,
                        f.logits[-1] if suffix else None)
         return self._score(proposals, outputs, read, after, needs)
@@ -114,5 +121,11 @@ class TargetVerifier:
 
     def roll_back(self, row: int) -> None:
         """The target forgets the row's step (by length)."""
-        n_new, pre = self._undo[row]
-        self.cache.rollback(row, n_new, last_logits=pre)
+        self.keep(row, 0)
+
+    def keep(self, row: int, n: int) -> None:
+        """The target keeps the first ``n`` new tokens of the row's proposal and forgets the rest (the judge turn
+        closed first)."""
+        drop = self._new.get(row, 0) - n
+        if drop > 0:
+            self.cache.rollback(row, drop, last_logits=self.token_logits[row][n])
