@@ -47,10 +47,11 @@ class ForwardRecord:
 
     Attributes:
         model: the model that ran it.
-        rows: rows fed something (the forward computes every row of the cache, fed or not).
-        positions: positions computed, padding included: the cache's rows times the widest feed.
+        rows: rows fed something (the forward computes every live row of the cache, fed or not).
+        positions: positions computed, padding included: the live rows times the widest feed.
         tokens: tokens fed (positions that carried a row's token).
         seconds: wall time of the model call.
+        live: rows computed (the cache's rows less those :meth:`BatchedCache.retire` dropped).
     """
 
     model: object
@@ -58,6 +59,7 @@ class ForwardRecord:
     positions: int
     tokens: int
     seconds: float
+    live: int = 0
 
 
 _RECORDERS: list[list[ForwardRecord]] = []
@@ -92,7 +94,8 @@ class BatchedCache:
     next :meth:`feed`. ``last_logits[i]`` (V,) predicts ``seq[i][n_fed[i]]`` when nothing is pending.
 
     Counters of the forwards run so far: ``calls``, ``rows_fed``, ``tokens_fed``, ``positions`` (every
-    forward computes all ``n_rows`` rows at the widest feed's width, so padding counts), ``forward_s``,
+    forward computes every live row at the widest feed's width, so padding counts; :meth:`retire` drops
+    finished rows), ``forward_s``,
     and per row ``passes`` (forwards that fed it) and ``served_s`` (their seconds).
 
     Args:
@@ -119,6 +122,8 @@ class BatchedCache:
         self.cache = DynamicCache(config=model.config)
         self.mask = torch.zeros(n_rows, 0, dtype=torch.long, device=self.device)  # (B, cache length)
         self.cols: list[list[int]] = [[] for _ in range(n_rows)]  # cache column of every fed token
+        self.live: list[int] = list(range(n_rows))  # rows the cache's tensors hold, in their order (retire())
+        self._at = {i: i for i in self.live}  # row -> its index in the cache's tensors
         self.seq: list[list[int]] = [[] for _ in range(n_rows)]
         self.last_logits: list[torch.Tensor | None] = [None] * n_rows
         self.passes = [0] * n_rows  # forwards that fed this row something
@@ -140,13 +145,13 @@ class BatchedCache:
 
     @property
     def holes(self) -> int:
-        """Masked cache columns summed over rows (0 when every row uses every column)."""
-        return self.mask.numel() - sum(len(c) for c in self.cols)
+        """Masked cache columns summed over the live rows (0 when every row uses every column)."""
+        return self.mask.numel() - sum(len(self.cols[i]) for i in self.live)
 
     @property
     def slack(self) -> int:
-        """Cache columns beyond the longest row: what compaction would remove."""
-        return self.mask.shape[1] - max(len(c) for c in self.cols)
+        """Cache columns beyond the longest live row: what compaction would remove."""
+        return self.mask.shape[1] - max((len(self.cols[i]) for i in self.live), default=0)
 
     def pending(self, i: int) -> list[int]:
         """Tokens of row ``i`` not yet in the cache."""
@@ -164,6 +169,8 @@ class BatchedCache:
 
     def select(self, index: Sequence[int]) -> None:
         """Rows become copies of rows ``index`` (``[0, 0, 1, 1]``: two of each); pending tokens travel too."""
+        if len(self.live) != self.n_rows:
+            raise ValueError(f"select() on a cache with retired rows ({self.n_rows - len(self.live)}); select first")
         idx = torch.as_tensor(list(index), dtype=torch.long)
         if len(idx) == 0 or int(idx.min()) < 0 or int(idx.max()) >= self.n_rows:
             raise ValueError(f"index {list(index)[:8]} must be non-empty row numbers below {self.n_rows}")
@@ -176,6 +183,8 @@ class BatchedCache:
         self.last_logits = [self.last_logits[i] for i in pick]
         self.passes = [self.passes[i] for i in pick]
         self.served_s = [self.served_s[i] for i in pick]
+        self.live = list(range(len(pick)))
+        self._at = {i: i for i in self.live}
 
     def fork(self, n: int) -> None:
         """Every row becomes ``n`` consecutive copies of itself (N samples of one prefix)."""
@@ -195,21 +204,24 @@ class BatchedCache:
         todo = {i: t for i, t in todo.items() if t}
         if not todo:
             return {}
+        retired = [i for i in todo if i not in self._at]
+        if retired:
+            raise ValueError(f"rows {retired} were retired; a retired row is not fed again")
         self._maybe_compact()
-        B, width, T0 = self.n_rows, max(len(t) for t in todo.values()), self.mask.shape[1]
+        at, B, width, T0 = self._at, len(self.live), max(len(t) for t in todo.values()), self.mask.shape[1]
         full = len(todo) == B and all(len(t) == width for t in todo.values())  # no column masked by this feed
         ids = [[self.pad_token_id] * width for _ in range(B)]
         pos = [[0] * width for _ in range(B)]
         for i, toks in todo.items():
-            ids[i][: len(toks)] = toks
+            ids[at[i]][: len(toks)] = toks
             n0 = len(self.cols[i])
-            pos[i] = list(range(n0, n0 + width))  # position = index in the row's own sequence
+            pos[at[i]] = list(range(n0, n0 + width))  # position = index in the row's own sequence
         if full:
             new_mask = torch.ones((B, width), dtype=torch.long, device=self.device)
         else:
             new_mask = torch.zeros((B, width), dtype=torch.long)
             for i, toks in todo.items():
-                new_mask[i, : len(toks)] = 1
+                new_mask[at[i], : len(toks)] = 1
             new_mask = new_mask.to(self.device)
         no_holes = full and self.holes == 0
         self.mask = torch.cat([self.mask, new_mask], dim=1)
@@ -235,14 +247,15 @@ class BatchedCache:
             start, n = len(self.cols[i]), len(toks)
             self.cols[i].extend(range(T0, T0 + n))
             self.passes[i] += 1
+            r = at[i]
             if all_logits:
-                logits = out.logits[i, :n]
+                logits = out.logits[r, :n]
             elif isinstance(keep, int):
-                logits = out.logits[i, -1:]
+                logits = out.logits[r, -1:]
             else:
                 col = last.index(n - 1)
-                logits = out.logits[i, col : col + 1]
-            h = torch.stack([out.hidden_states[k][i, :n] for k in self.layer_ids]) if hidden else None  # (L, n, D)
+                logits = out.logits[r, col : col + 1]
+            h = torch.stack([out.hidden_states[k][r, :n] for k in self.layer_ids]) if hidden else None  # (L, n, D)
             result[i] = Feed(start, logits, h)
             self.last_logits[i] = logits[-1]
         return result
@@ -255,7 +268,7 @@ class BatchedCache:
 
     def _count(self, todo: dict[int, list[int]], width: int, seconds: float) -> None:
         """Count one forward: its rows, tokens and positions (padding included), and its time (served rows')."""
-        tokens, positions = sum(len(t) for t in todo.values()), self.n_rows * width
+        tokens, positions = sum(len(t) for t in todo.values()), len(self.live) * width
         self.calls += 1
         self.rows_fed += len(todo)
         self.tokens_fed += tokens
@@ -264,7 +277,7 @@ class BatchedCache:
         for i in todo:
             self.served_s[i] += seconds
         for log in _RECORDERS:
-            log.append(ForwardRecord(self.model, len(todo), positions, tokens, seconds))
+            log.append(ForwardRecord(self.model, len(todo), positions, tokens, seconds, len(self.live)))
 
     def rollback(self, i: int, n: int, last_logits: torch.Tensor | None = None) -> None:
         """Remove the last ``n`` tokens of row ``i``, fed or pending.
@@ -278,17 +291,41 @@ class BatchedCache:
             return
         if n > len(self.seq[i]):
             raise ValueError(f"cannot roll back {n} tokens of row {i}: it holds {len(self.seq[i])}")
+        if i not in self._at:
+            raise ValueError(f"row {i} was retired; a retired row is not rolled back")
         del self.seq[i][-n:]
         drop = self.cols[i][len(self.seq[i]) :]
         if drop:
-            self.mask[i, drop] = 0
+            self.mask[self._at[i], drop] = 0
             del self.cols[i][len(self.seq[i]) :]
         self.last_logits[i] = last_logits
         self._trim()
 
+    def retire(self, rows: Sequence[int]) -> None:
+        """Drop finished rows from the cache's tensors, so later forwards compute only the live rows.
+
+        A retired row keeps its ``seq`` and counters; feeding or rolling it back is refused. What the live
+        rows compute does not change (rows do not attend to each other).
+        """
+        gone = {i for i in rows if i in self._at}
+        if not gone:
+            return
+        keep = [i for i in self.live if i not in gone]
+        if keep:
+            idx = torch.tensor([self._at[i] for i in keep], dtype=torch.long, device=self.device)
+            if self.mask.shape[1]:
+                self.cache.batch_select_indices(idx)
+            self.mask = self.mask[idx]
+        else:  # nothing left to compute: free the tensors
+            self.cache = DynamicCache(config=self.model.config)
+            self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.live, self._at = keep, {i: k for k, i in enumerate(keep)}
+        if keep:
+            self._trim()
+
     def _trim(self) -> None:
         """Crop trailing cache columns that no row uses (with one row: every rollback is a plain crop)."""
-        width = max((c[-1] + 1 for c in self.cols if c), default=0)
+        width = max((self.cols[i][-1] + 1 for i in self.live if self.cols[i]), default=0)
         extra = self.mask.shape[1] - width
         if extra > 0:
             self.cache.crop(-extra)
@@ -305,17 +342,18 @@ class BatchedCache:
         Returns False (and leaves the cache as it is) when a layer holds fewer columns than the
         mask, as a sliding-window layer does once it is full.
         """
-        width = max(len(c) for c in self.cols)
+        width = max(len(self.cols[i]) for i in self.live)
         T = self.mask.shape[1]
         layers = getattr(self.cache, "layers", [])
         if width == T or any(getattr(layer, "keys", None) is None or layer.keys.shape[-2] != T for layer in layers):
             return False
-        idx = torch.zeros(self.n_rows, width, dtype=torch.long)
-        mask = torch.zeros(self.n_rows, width, dtype=torch.long)
-        for i, c in enumerate(self.cols):
+        idx = torch.zeros(len(self.live), width, dtype=torch.long)
+        mask = torch.zeros(len(self.live), width, dtype=torch.long)
+        for k, i in enumerate(self.live):
+            c = self.cols[i]
             if c:
-                idx[i, width - len(c) :] = torch.as_tensor(c)
-                mask[i, width - len(c) :] = 1
+                idx[k, width - len(c) :] = torch.as_tensor(c)
+                mask[k, width - len(c) :] = 1
             self.cols[i] = list(range(width - len(c), width))
         idx = idx.to(self.device)
         for layer in layers:

@@ -95,6 +95,43 @@ def test_masked_columns_do_not_pile_up_and_compaction_is_exact(world_tokenizer):
             torch.testing.assert_close(fed[i].hidden[k, -1], ref.hidden_states[layer][0, -1], atol=1e-4, rtol=1e-4)
 
 
+def test_retired_rows_leave_the_forwards_and_the_others_stay_exact(world_tokenizer):
+    """Issue 22: a finished row is dropped from the cache's tensors; later forwards compute only the live rows,
+    with the same logits, and a retired row is never fed or rolled back again."""
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    rng = random.Random(1)
+    run = BatchedCache(model, 4, compact_at=0.25)
+    run.prefill([[2] + [rng.randrange(3, 40) for _ in range(n)] for n in (3, 9, 1, 5)])
+    run.seq[1] += [11, 12, 13]
+    run.feed([1])
+    run.rollback(1, 2)  # a masked column in row 1 before the retirement
+    with record_forwards() as log:
+        run.retire([0, 2])
+        run.retire([2])  # already retired: nothing happens
+        assert run.live == [1, 3] and run.mask.shape[0] == 2
+        for _ in range(30):  # ragged feeds and rollbacks among the live rows (compaction included)
+            for i in (1, 3):
+                run.seq[i] += [rng.randrange(3, 40) for _ in range(rng.randrange(1, 6))]
+            fed = run.feed([1, 3], all_logits=True)
+            for i in (1, 3):
+                torch.testing.assert_close(fed[i].logits[-1], _fresh(model, run.seq[i]).logits[0, -1],
+                                           atol=1e-4, rtol=1e-4)
+                if rng.random() < 0.5:
+                    run.rollback(i, 1)
+    assert all(r.live == 2 and r.positions % 2 == 0 for r in log)
+    seq0 = list(run.seq[0])
+    run.seq[0].append(5)
+    with pytest.raises(ValueError, match=r"rows \[0\] were retired"):
+        run.feed([0, 1])
+    with pytest.raises(ValueError, match="row 2 was retired"):
+        run.rollback(2, 1)
+    assert run.seq[0][:-1] == seq0 and run.passes[0] == 1  # its sequence and counters stay readable
+    with pytest.raises(ValueError, match="retired rows"):
+        run.select([1, 3])
+    run.retire([1, 3])
+    assert run.live == [] and run.mask.shape[0] == 0
+
+
 def test_fork_gives_every_copy_the_prefix(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2)
     run = BatchedCache(model, 2)

@@ -75,10 +75,12 @@ class StepLoop:
         while True:
             active = [i for i in range(B) if not rows[i].done
                       and (rows[i].rewriting is not None or self.limit(i, *using) > 0)]
-            for i in range(B):
-                if not rows[i].done and i not in active:
-                    rows[i].close(self.dec.tokenizer)  # budget or context exhausted
-                    self.t_done.setdefault(i, time.perf_counter())
+            closing = [i for i in range(B) if not rows[i].done and i not in active]
+            for i in closing:
+                rows[i].close(self.dec.tokenizer)  # budget or context exhausted
+                self.t_done.setdefault(i, time.perf_counter())
+            for c in (self.tgt, self.drf):
+                c.retire(closing)
             if not active:
                 break
             self._timed_round(runner, active)
@@ -101,10 +103,14 @@ class StepLoop:
         served0 = {i: sum(c.served_s[i] for c in caches) for i in active}
         runner.step(self, active)
         total, now = sum(c.forward_s for c in caches) - total0, time.perf_counter()
+        finished = []
         for i in active:
             self.rows[i].stats.idle_s += total - (sum(c.served_s[i] for c in caches) - served0[i])
             if self.rows[i].done:
                 self.t_done[i] = now
+                finished.append(i)
+        for c in caches:  # later forwards compute only the unfinished rows
+            c.retire(finished)
 
     def speculate(self, rows_i: list[int], policy: AcceptancePolicy) -> list[int]:
         """Propose, verify, decide, then commit or roll back every row's step.
