@@ -96,7 +96,8 @@ def pair(request, world_tokenizer):
     return target, tiny_llama(len(world_tokenizer), 24, 1, seed=1), kw
 
 
-@pytest.mark.parametrize("loop", [{}, {"target_first_step": True, "token_sd": False}], ids=["defaults", "paper_loop"])
+@pytest.mark.parametrize("loop", [{}, {"rewrite_in_rounds": False}, {"target_first_step": True, "token_sd": False}],
+                         ids=["defaults", "rewrite_phase", "paper_loop"])
 def test_always_reject_is_target_only(pair, loop):
     target, draft, kw = pair
     dec = stub_decoder(target, draft, q=0.0, p=1.0, **kw, **loop)
@@ -699,15 +700,16 @@ def row_view(r):
                                           s.draft_steps_accepted, s.drafted_tokens, s.target_passes, s.draft_passes)
 
 
-@pytest.mark.parametrize("token_sd", [True, False], ids=["token_sd", "no_token_sd"])
+@pytest.mark.parametrize("rewrite", [{"token_sd": True}, {"token_sd": True, "rewrite_in_rounds": False},
+                                     {"token_sd": False}], ids=["in_rounds", "rewrite_phase", "no_token_sd"])
 @pytest.mark.parametrize("first", [False, True], ids=["draft_first", "target_first"])
-def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, token_sd, first):
+def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, rewrite, first):
     """Issue 22: the lockstep batch of eight prompts of 6-105 tokens decides and samples each row as it would
     alone (text, stop reason, every step's writer/text/decision/q/p, counters), greedy and sampled."""
     target, draft, tok = tiny_pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
-    dec = stub_decoder(target, draft, tok, q=sometimes, rule="threshold", tau=0.5, token_sd=token_sd,
-                       target_first_step=first)
+    dec = stub_decoder(target, draft, tok, q=sometimes, rule="threshold", tau=0.5, target_first_step=first,
+                       **rewrite)
     lengths = [len(tok(p).input_ids) for p in RAGGED]
     assert min(lengths) < 10 and max(lengths) > 100
     for gen in ({"temperature": 0.0}, {"seed": 11}):
@@ -722,6 +724,9 @@ def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, token
         assert all(r.positions % r.live == 0 and r.positions >= r.tokens >= r.rows and r.live <= 8
                    for r in batch_log), gen
         assert batch_log[0].live == 8, gen
+        if dec.token_sd and dec.options.rewrite_in_rounds and not first:
+            # refused steps are rewritten in the rounds: every target forward reads every unfinished row
+            assert all(r.rows == r.live for r in batch_log if r.model is target), gen
         assert sum(r.positions for r in batch_log) > sum(r.tokens for r in batch_log), gen
         decisions = [t.decision for r in batched for t in r.steps]
         assert {"accept", "reject"} <= set(decisions), gen  # both branches, in the same batch

@@ -8,7 +8,8 @@ import torch
 from scipy.stats import chisquare
 
 from generation.handover import Handover
-from generation.sampling import sampling_probs
+from generation.sampling import Sampler, sampling_probs
+from generation.specs import SamplingSpec
 from generation.writer import StepDraft
 from probes.decoding.methods import METHODS, MethodArgs, Speculative, runner_for
 from probes.decoding.policies import (
@@ -20,7 +21,7 @@ from probes.decoding.policies import (
     ratio_keeps,
     threshold_keeps,
 )
-from probes.decoding.speculative import speculative_step
+from probes.decoding.speculative import speculate_tokens, speculative_step
 from probes.decoding.scores import Scores
 
 PT = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])  # target, 2 positions + after
@@ -53,6 +54,30 @@ def test_speculative_sampling_is_lossless_under_sampling():
     assert len(second) > 2000 and _chi2(second, PT[1]) > 1e-3
     # the test can fail: the draft's own distribution is rejected with these sample sizes
     assert _chi2(first, PD[0]) < 1e-6
+
+
+def _redraw(n: int, drawn: bool, seed: int = 0):
+    """First tokens of a refused step redrawn by :func:`speculate_tokens`: proposals drawn from the draft but
+    kept for the redraw only when they open with token 1 (a probe that refuses exactly those)."""
+    g = torch.Generator().manual_seed(seed)
+    sampler = Sampler(SamplingSpec(temperature=1.0, top_p=1.0), torch.Generator().manual_seed(seed + 1))
+    first = []
+    while len(first) < n:
+        proposal = [int(torch.multinomial(PD[j], 1, generator=g)) for j in range(2)]
+        if proposal[0] != 1:
+            continue
+        kept, extra = speculate_tokens(sampler, 0, proposal, PT.log(), list(PD.log()), drawn=drawn,
+                                       ends_after=lambda j: False)
+        first.append((proposal[:kept] + [extra])[0])
+    return first
+
+
+def test_a_refused_step_redrawn_as_a_point_mass_is_an_exact_draw_from_the_target():
+    """Issue 22 (rewrites in the rounds): the verification forward's logits redraw a refused step. Treated as a
+    given sequence (a point mass) the redraw follows the target whatever refused the step; treated as a draw from
+    the draft it would not, because the refusal selected it (the test can fail: that case is rejected)."""
+    assert _chi2(_redraw(6000, drawn=False), PT[0]) > 1e-3
+    assert _chi2(_redraw(6000, drawn=True), PT[0]) < 1e-6
 
 
 def test_speculative_step_stops_where_the_step_ends_and_checks_shapes():
