@@ -77,7 +77,8 @@ GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accu
          "draft_step_auroc": 0.97, "batch8_speedup": 1.8}
 DRAFTING = tuple(m for m in METHODS if TABLE[m].drafts)
 """Methods whose draft steps are judged (decision tables)."""
-LOOPS = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semanticspec[paper_loop]")
+LOOPS = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semanticspec[paper_loop]",
+         "semanticspec[rewrite_phase]")
 """SemanticSpec with the loop's defaults undone: the target writes the first step, no token-level speculation, both."""
 
 
@@ -594,10 +595,11 @@ def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolic
     other = "ratio" if args.rule == "threshold" else "threshold"
     return {
         # the defaults (draft writes the first step, token-level speculation in the target's steps) one at a time
-        # undone, and both: the paper's loop
+        # undone, and both: the paper's loop; and refused steps rewritten in a phase of their own, as before issue 22
         LOOPS[0]: (decoder(loop=replace(loop, target_first_step=True)), {}),
         LOOPS[1]: (decoder(loop=replace(loop, token_sd=False)), {}),
         LOOPS[2]: (decoder(loop=replace(loop, target_first_step=True, token_sd=False)), {}),
+        LOOPS[3]: (decoder(loop=replace(loop, rewrite_in_rounds=False)), {}),
         f"semanticspec[rule={other}]": (decoder(policy=replace(policy, rule=other)), {}),
         # the gated fast path (top-1 and the log-prob floor) on top of the default: how many wrong steps it keeps
         f"semanticspec[fast_path top_k={args.top_k or 1}]": (decoder(policy=replace(policy, top_k=args.top_k or 1)), {}),
