@@ -43,7 +43,8 @@ class DecodeStats:
     results give totals. ``steps`` counts committed steps (rejected proposals not included). Phases of
     the speculative loop: the target's first step (``first_step_s``), drafting (``draft_s``), the
     target's verification forward (``verify_s``), probes (``probe_s``) and the target rewriting
-    refused steps (``rewrite_s``); the rest of ``wall_s`` is bookkeeping. Methods without a draft
+    refused steps (``rewrite_s``: the rewrite phase, or with rewrites in the rounds a rewriting row's share of
+    the rounds it rides); the rest of ``wall_s`` is bookkeeping. Methods without a draft
     count only ``wall_s``. ``idle_s`` and ``done_idle_s`` are this row's own seconds (row-seconds: summed
     over a batch's rows they can exceed its wall time).
     """
