@@ -104,7 +104,13 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
             h = h.view(x.shape[0], len(cfg.layer_ids), cfg.hidden_size)
             h = (torch.softmax(self.layer_logits, 0)[None, :, None] * h).sum(1)  # (B, D)
             x = torch.cat([h, rest], dim=1)
-        return self.mlp(x).squeeze(-1)
+        return self.mlp(x.to(self.mlp_dtype)).squeeze(-1).float()
+
+    @property
+    def mlp_dtype(self) -> torch.dtype:
+        """The dtype the MLP runs in: its weights' (``probe.mlp.half()`` runs it in float16; the inputs are
+        standardized in float32 first, and the outputs are float32)."""
+        return next(self.mlp.parameters()).dtype
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Semantic probability in [0, 1] per row. Returns (B,)."""
@@ -114,8 +120,9 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         """:meth:`forward` for inference, with little per-call overhead: the decoder's probe call.
 
         Under ``torch.inference_mode``, ``features`` moved to the probe's device and the MLP run as plain
-        ``linear``/``relu_`` calls (no module dispatch, no dropout, no autograd bookkeeping). Equals
-        :meth:`forward` in eval mode; in training mode (dropout) or with a layer mix it is :meth:`forward`.
+        ``linear``/``relu_`` calls (no module dispatch, no dropout, no autograd bookkeeping), in
+        :attr:`mlp_dtype`. Equals :meth:`forward` in eval mode; in training mode (dropout) or with a layer mix it
+        is :meth:`forward`.
 
         Returns:
             (B,) probabilities, an inference tensor on the probe's device.
@@ -124,7 +131,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
             x = features.to(self.input_mean.device)
             if self.training or hasattr(self, "layer_logits"):
                 return self(x)
-            x = (self._checked(x) - self.input_mean) / self.input_std
+            x = ((self._checked(x) - self.input_mean) / self.input_std).to(self.mlp_dtype)
             for m in self.mlp:
                 if isinstance(m, nn.Linear):
                     x = torch.nn.functional.linear(x, m.weight, m.bias)
@@ -132,4 +139,4 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
                     x = x.relu_()
                 elif not isinstance(m, nn.Dropout):  # a module this loop does not know: run it as forward does
                     x = m(x)
-            return x.squeeze(-1).sigmoid_()
+            return x.squeeze(-1).float().sigmoid_()

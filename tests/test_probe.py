@@ -55,6 +55,24 @@ def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims
     assert probe.predict(x).shape == (6,)
 
 
+def test_a_half_precision_mlp_predicts_close_to_float32_and_returns_float32():
+    """``probe.mlp.half()`` runs the MLP in float16 (standardization stays float32): the decoder's cheaper call
+    (``benchmarks/probe_cost.py`` measures its time and decisions)."""
+    probe = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[64, 16], feature_groups=["hidden", "token_stats"],
+                                      token_stats=["min_logprob"]))
+    x = torch.randn(32, 9) * 40 + 100  # raw features far from 0: standardizing in float16 would lose them
+    probe.set_standardization(x.mean(0), x.std(0))
+    probe.eval()
+    full = probe.predict(x)
+    probe.mlp.half()
+    assert probe.mlp_dtype == torch.float16 and probe.input_mean.dtype == torch.float32
+    half = probe.predict(x)
+    assert half.dtype == torch.float32 and probe(x).dtype == torch.float32
+    torch.testing.assert_close(half, full, atol=5e-3, rtol=0)
+    torch.testing.assert_close(probe(x), half, atol=1e-3, rtol=0)
+    assert not torch.equal(half, full)  # it did run in float16
+
+
 def test_width_mismatch_names_both_numbers():
     probe = SemanticProbe(ProbeConfig(hidden_size=16, hidden_dims=[4]))
     with pytest.raises(ValueError, match=r"expects 16 features.*got 12"):

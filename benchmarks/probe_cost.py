@@ -1,0 +1,138 @@
+"""What one probe call costs in the decoder, and a float16 MLP against the float32 one at equal decisions.
+
+    python -m benchmarks.probe_cost            # 200 problems at 1 prompt (benchmarks/results/probe-cost.json)
+    python -m benchmarks.probe_cost --quick    # 40 problems (probe-cost-quick.json)
+
+Per call (the shipped target probe, one step of 7 tokens): the features (``rows_features``: pooled hidden
+states and token statistics from the verification forward's logits) and the MLP, the MLP timed warm (called
+again at once) and cold (after a target forward, as in the decoder's loop, where the forwards evict the MLP's
+5.8 MB of weights from the CPU's caches), in float32 and with ``probe.mlp.half()``. Then SemanticSpec decodes the
+same problems with float32 probes (the default), float16 MLPs, and float16 MLPs with the gated fast path
+(``ProbePolicy(top_k=1)``: a step whose every token is the target's top-1 at log-probability >= log 0.5 is kept
+without a probe call), interleaved, from the same seeds: each draft step's decision (kept or not) and ``q``
+compared with the default's one to one (each prompt samples from its own streams, so the texts agree as long
+as the decisions do), and each run's ``probe_overhead`` (probe seconds over wall seconds, the decode
+benchmark's figure; its goal is 2%).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from benchmarks import harness
+from benchmarks.decode import PROBE_ROOT
+from datamodules.arithmetic import models, task
+from generation.features import FeatureSpec, probe_input, rows_features
+from probes.decoder import SemanticSpecDecoder, summarize
+from probes.decoding.options import LoopOptions
+from probes.decoding.policies import ProbePolicy
+
+VARIANTS = {"float32": (False, 0), "float16": (True, 0), "float16+fast_path": (True, 1)}
+"""name: (float16 MLPs, fast path top_k)"""
+
+STEP = "Add 5: 14 + 5 = 19.\n\n"
+
+
+def _median_us(fn, before=None, n: int = 200) -> float:
+    """Median microseconds of ``fn()``, each call after ``before()`` when given (not timed)."""
+    times = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def call_costs(world: models.World, probe) -> dict:
+    """Per-call microseconds of the features and of the MLP (warm and cold, float32 and float16)."""
+    tok, target, spec = world.tokenizer, world.target, FeatureSpec.of(probe.config)
+    prefix = tok("Take 14. Add 5, then multiply it by 3.\n\n").input_ids
+    step = tok(STEP, add_special_tokens=False).input_ids
+    ids = torch.tensor([prefix + step])
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    k = len(step)
+    hidden = torch.stack([out.hidden_states[i][0, -k:] for i in spec.layer_ids])  # (L, k, D)
+    logits = out.logits[0, -k - 1 : -1]  # predicting each step token
+
+    def features():
+        with torch.inference_mode():
+            return probe_input(rows_features(spec, [step], [hidden], [logits]), spec.groups)
+
+    x = features()
+
+    def evict():
+        with torch.no_grad():
+            target(ids)
+
+    costs = {"features_us": _median_us(features, evict), "step_tokens": k}
+    for name in ("float32", "float16"):
+        if name == "float16":
+            probe.mlp.half()
+        costs[f"mlp_{name}_warm_us"] = _median_us(lambda: probe.predict(x))
+        costs[f"mlp_{name}_cold_us"] = _median_us(lambda: probe.predict(x), evict)
+    probe.mlp.float()
+    return costs
+
+
+def _compare(ref: list, other: list) -> dict:
+    """Draft steps kept or refused alike (in order, per problem), the largest ``q`` difference, problems alike."""
+    def steps(res):
+        return [t for r in res for t in r.steps if t.writer == "draft"]
+
+    pairs = list(zip(steps(ref), steps(other)))
+    kept = ("accept", "accept_fast")
+    return {"draft_steps": len(pairs), "same_decision": sum((a.decision in kept) == (b.decision in kept) for a, b in pairs),
+            "max_abs_q_difference": max((abs(a.q - b.q) for a, b in pairs if a.q is not None and b.q is not None),
+                                        default=0.0),
+            "same_texts": sum(a.text == b.text for a, b in zip(ref, other))}
+
+
+def main(argv=None) -> dict:
+    ap = harness.parser(__doc__, quick="40 problems, writes probe-cost-quick.json", threads=1)
+    ap.add_argument("--n-problems", type=int, default=None, help="problems (default 200, quick 40)")
+    ap.add_argument("--seed", type=int, default=50_000, help="problem seed (decode.py uses 30,000)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    n = args.n_problems or (40 if args.quick else 200)
+    world = models.load_world(None)
+    probes = {"target_probe": str(PROBE_ROOT / "target"), "draft_probe": str(PROBE_ROOT / "draft")}
+    decs = {k: SemanticSpecDecoder(world.target, world.draft, world.tokenizer, **probes, policy=ProbePolicy(top_k=top_k),
+                                   options=LoopOptions(answer_marker=task.ANSWER_MARKER))
+            for k, (_, top_k) in VARIANTS.items()}
+    report = {"n_problems": n, "seed": args.seed, "call": call_costs(world, decs["float32"].target_probe)}
+    for k, (half, _) in VARIANTS.items():
+        for p in (decs[k].target_probe, decs[k].draft_probe) if half else ():
+            p.mlp.half()
+    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+    runs, names = {k: [] for k in decs}, list(decs)
+    t0 = time.perf_counter()
+    for k, p in enumerate(tqdm(problems, desc="probe_cost", unit="problem")):
+        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
+            runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k,
+                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95)
+    report["seconds"] = time.perf_counter() - t0
+    report["decisions"] = {name: _compare(runs["float32"], runs[name]) for name in names[1:]}
+    report["runs"] = {name: {k: summarize(res)[k] for k in ("probe_overhead", "wall_s", "probe_s", "steps")}
+                      for name, res in runs.items()}
+    c = report["call"]
+    print(f"per call: features {c['features_us']:.0f} us; MLP float32 {c['mlp_float32_warm_us']:.0f} us warm, "
+          f"{c['mlp_float32_cold_us']:.0f} us cold; float16 {c['mlp_float16_warm_us']:.0f} / {c['mlp_float16_cold_us']:.0f} us")
+    for name, d in report["decisions"].items():
+        print(f"{name} against float32: {d['same_decision']} of {d['draft_steps']} draft steps kept or refused alike, "
+              f"max |dq| {d['max_abs_q_difference']:.2e}, texts the same on {d['same_texts']} of {n} problems")
+    for name, r in report["runs"].items():
+        print(f"{name}: probe overhead {r['probe_overhead']:.2%} (goal 2%), wall {r['wall_s']:.1f} s")
+    harness.write(report, harness.results_path("probe-cost", args.quick))
+    return report
+
+
+if __name__ == "__main__":
+    main()
