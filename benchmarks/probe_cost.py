@@ -3,7 +3,7 @@
     python -m benchmarks.probe_cost            # 200 problems at 1 prompt (benchmarks/results/probe-cost.json)
     python -m benchmarks.probe_cost --quick    # 40 problems (probe-cost-quick.json)
 
-Per call (the shipped target probe, one step of 7 tokens): the features (``rows_features``: pooled hidden
+Per call (the shipped target probe, one world step, ``STEP``, 10 tokens): the features (``rows_features``: pooled hidden
 states and token statistics from the verification forward's logits) and the MLP, the MLP timed warm (called
 again at once) and cold (after a target forward, as in the decoder's loop, where the forwards evict the MLP's
 5.8 MB of weights from the CPU's caches), in float32 and with ``probe.mlp.half()``. Then SemanticSpec decodes the
