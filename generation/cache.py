@@ -40,6 +40,12 @@ class Feed:
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
 
+    def predicting(self, a: int, b: int, before: torch.Tensor | None) -> torch.Tensor:
+        """(b - a, V) logits predicting the fed tokens at indices ``a`` to ``b - 1`` (index ``n`` is the token
+        after the last one fed): each the logits one position back, ``before`` (the row's ``last_logits`` when it
+        was fed) for index 0. Needs ``all_logits``."""
+        return self.logits[a - 1 : b - 1] if a >= 1 else torch.cat([before[None], self.logits[: b - 1]])
+
 
 @dataclass(frozen=True)
 class ForwardRecord:

@@ -86,8 +86,7 @@ def speculate_tokens(
     if drawn:
         d_probs = sampler.probs(torch.stack(list(draft_logits)).cpu())
     else:
-        d_probs = torch.zeros(k, t_probs.shape[-1])
-        d_probs[torch.arange(k), torch.as_tensor(list(proposal), dtype=torch.long)] = 1.0
+        d_probs = torch.nn.functional.one_hot(torch.as_tensor(list(proposal), dtype=torch.long), t_probs.shape[-1]).float()
     return speculative_step(t_probs, d_probs, proposal, sampler.stream(row), ends_after)
 
 
@@ -123,8 +122,8 @@ def token_sd_steps(
         for i in writing:
             d, f = props[i], fed[i]
             proposal = d.tokens[d.n_forced :]
-            k0 = n0[i] - 1 - f.start  # fed index whose logits predict the first proposed token (-1: held before)
-            t_logits = torch.cat([before[i][None], f.logits]) if k0 < 0 else f.logits[k0:]
+            first = n0[i] - f.start  # fed index of the first proposed token
+            t_logits = f.predicting(first, first + len(proposal) + 1, before[i])
             base = list(steps[i].tokens)
             kept, extra = speculate_tokens(sampler, i, proposal, t_logits, d.logits, drawn=True,
                                            ends_after=lambda j: finished(i, base + proposal[:j]))  # noqa: B023

@@ -77,14 +77,13 @@ class TargetVerifier:
         for i, f in fed.items():
             end = n0[i] + self._new[i] - f.start  # one past the step's last token among the fed tokens
             first_new = n0[i] - f.start  # fed index of the first new token
-            self.token_logits[i] = (f.logits[first_new - 1 : end] if first_new >= 1
-                                    else torch.cat([pre[i][None], f.logits[:end]]))
+            self.token_logits[i] = f.predicting(first_new, end + 1, pre[i])
             if i in rewrites:
                 continue
             off = starts[i] - f.start  # index of the step's first token among the fed tokens
             step_logits = None
             if needs.q or needs.fast_path is not None:  # (k, V) the target's logits predicting every step token
-                step_logits = f.logits[off - 1 : end - 1] if off >= 1 else torch.cat([pre[i][None], f.logits[: end - 1]])
+                step_logits = f.predicting(off, end, pre[i])
             after[i] = f.logits[end - 1]
             read[i] = (tgt.seq[i][starts[i] : f.start + end], hand.forced_in_target(proposals[i]), step_logits,
                        f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None,
