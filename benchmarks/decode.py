@@ -232,6 +232,32 @@ def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:
     return {"accuracy_delta": mean, "accuracy_delta_ci95": [mean - half, mean + half]}
 
 
+def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int, argv=None) -> tuple[argparse.Namespace, list]:
+    """The arguments and problems of a script that decodes other problems than this benchmark's with the shipped
+    probes (``first_step``, ``rewrites``, ``probe_cost``).
+
+    Declares ``--quick`` (``quick_n`` problems, ``<name>-quick.json``), ``--threads`` (1; set here),
+    ``--n-problems`` (default ``n``), ``--seed`` (default ``seed``) and ``--max-new-tokens`` (96);
+    ``args.n_problems`` is set to the number decoded.
+    """
+    ap = harness.parser(doc, quick=f"{quick_n} problems, writes {name}-quick.json", threads=1)
+    ap.add_argument("--n-problems", type=int, default=None, help=f"problems (default {n}, quick {quick_n})")
+    ap.add_argument("--seed", type=int, default=seed, help=f"problem seed (decode.py uses {PROBLEM_SEED:,})")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.n_problems = args.n_problems or (quick_n if args.quick else n)
+    return args, task.generate_problems(args.n_problems, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+
+
+def shipped_decoder(world: models.World, policy: ProbePolicy | None = None, **loop) -> SemanticSpecDecoder:
+    """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task's answer marker; ``loop``: other
+    :class:`~probes.decoding.options.LoopOptions` fields."""
+    return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, target_probe=str(PROBE_ROOT / "target"),
+                               draft_probe=str(PROBE_ROOT / "draft"), policy=policy,
+                               options=LoopOptions(answer_marker=TASK.answer_marker, **loop))
+
+
 def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> dict:
     """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}``."""
     names = list(METHODS) + list(variants)

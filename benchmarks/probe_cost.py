@@ -24,11 +24,10 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.decode import PROBE_ROOT
+from benchmarks.decode import other_problems, shipped_decoder
 from datamodules.arithmetic import models, task
 from generation.features import FeatureSpec, probe_input, rows_features
-from probes.decoder import SemanticSpecDecoder, summarize
-from probes.decoding.options import LoopOptions
+from probes.decoder import summarize
 from probes.decoding.policies import ProbePolicy
 
 VARIANTS = {"float32": (False, 0), "float16": (True, 0), "float16+fast_path": (True, 1)}
@@ -95,23 +94,14 @@ def _compare(ref: list, other: list) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = harness.parser(__doc__, quick="40 problems, writes probe-cost-quick.json", threads=1)
-    ap.add_argument("--n-problems", type=int, default=None, help="problems (default 200, quick 40)")
-    ap.add_argument("--seed", type=int, default=50_000, help="problem seed (decode.py uses 30,000)")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    n = args.n_problems or (40 if args.quick else 200)
+    args, problems = other_problems(__doc__, "probe-cost", 200, 40, 50_000, argv)
+    n = args.n_problems
     world = models.load_world(None)
-    probes = {"target_probe": str(PROBE_ROOT / "target"), "draft_probe": str(PROBE_ROOT / "draft")}
-    decs = {k: SemanticSpecDecoder(world.target, world.draft, world.tokenizer, **probes, policy=ProbePolicy(top_k=top_k),
-                                   options=LoopOptions(answer_marker=task.ANSWER_MARKER))
-            for k, (_, top_k) in VARIANTS.items()}
+    decs = {k: shipped_decoder(world, ProbePolicy(top_k=top_k)) for k, (_, top_k) in VARIANTS.items()}
     report = {"n_problems": n, "seed": args.seed, "call": call_costs(world, decs["float32"].target_probe)}
     for k, (half, _) in VARIANTS.items():
         for p in (decs[k].target_probe, decs[k].draft_probe) if half else ():
             p.mlp.half()
-    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
     runs, names = {k: [] for k in decs}, list(decs)
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="probe_cost", unit="problem")):

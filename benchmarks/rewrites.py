@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import time
 
-import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.decode import PROBE_ROOT, paired_delta
+from benchmarks.decode import other_problems, paired_delta, shipped_decoder
 from datamodules.arithmetic import models, task
-from probes.decoder import SemanticSpecDecoder, summarize
-from probes.decoding.options import LoopOptions
+from probes.decoder import summarize
 from probes.metrics import accuracy, speedup
 
 VARIANTS = {"target_only": {}, "in_rounds": {"rewrite_in_rounds": True}, "rewrite_phase": {"rewrite_in_rounds": False}}
@@ -33,19 +31,10 @@ BATCH = 8
 
 
 def main(argv=None) -> dict:
-    ap = harness.parser(__doc__, quick="200 problems, writes rewrites-quick.json", threads=1)
-    ap.add_argument("--n-problems", type=int, default=None, help="problems (default 1000, quick 200)")
-    ap.add_argument("--seed", type=int, default=40_000, help="problem seed (decode.py uses 30,000)")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    n = args.n_problems or (200 if args.quick else 1000)
+    args, problems = other_problems(__doc__, "rewrites", 1000, 200, 40_000, argv)
+    n = args.n_problems
     world = models.load_world(None)
-    probes = {"target_probe": str(PROBE_ROOT / "target"), "draft_probe": str(PROBE_ROOT / "draft")}
-    decs = {k: SemanticSpecDecoder(world.target, world.draft, world.tokenizer, **probes,
-                                   options=LoopOptions(answer_marker=task.ANSWER_MARKER, **kw))
-            for k, kw in VARIANTS.items()}
-    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+    decs = {k: shipped_decoder(world, **kw) for k, kw in VARIANTS.items()}
     runs, walls, names = {k: [] for k in VARIANTS}, dict.fromkeys(VARIANTS, 0.0), list(VARIANTS)
     t0 = time.perf_counter()
     for c, start in enumerate(tqdm(range(0, n, BATCH), desc="rewrites", unit="chunk")):
