@@ -202,3 +202,34 @@ def test_top_p_filter_from_the_head_equals_the_full_sort():
             torch.testing.assert_close(top_p_filter(probs, top_p, head=8), full)
             torch.testing.assert_close(top_p_filter(probs, top_p), full)
             assert (full > 0).sum(-1).min() >= 1
+
+
+def test_exponential_race_samples_each_row_from_its_own_stream_as_multinomial_does():
+    from scipy.stats import chisquare
+
+    from generation.sampling import exponential_race
+
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(4, 7, generator=g) * 1.5, dim=-1)
+    probs[:, 3] = 0.0  # a token outside the nucleus is never drawn (rows stay unnormalised, as the sampler's)
+    ours = [torch.Generator().manual_seed(10 + k) for k in range(4)]
+    ref = [torch.Generator().manual_seed(10 + k) for k in range(4)]
+    draws = torch.stack([exponential_race(probs, ours) for _ in range(4000)])  # (n, 4)
+    # the same draws and the same stream positions as a per-row torch.multinomial (the sampler before it)
+    again = torch.stack([torch.cat([torch.multinomial(probs[k : k + 1], 1, generator=r) for k, r in enumerate(ref)])[:, 0]
+                         for _ in range(100)])
+    assert torch.equal(draws[:100], again)
+    assert (draws != 3).all()
+    for k in range(4):  # each row's draws follow its row's distribution
+        counts = torch.bincount(draws[:, k], minlength=7).double()
+        keep = probs[k] > 0
+        pk = probs[k].double()
+        expected = pk[keep] / pk.sum() * len(draws)
+        assert chisquare(counts[keep].numpy(), expected.numpy()).pvalue > 1e-3
+    # a race skewed toward the first token (its probability doubled) is caught
+    skewed = torch.stack([exponential_race(probs * torch.tensor([2.0, 1, 1, 1, 1, 1, 1]), ours) for _ in range(4000)])
+    counts = torch.bincount(skewed[:, 0], minlength=7).double()
+    keep = probs[0] > 0
+    assert chisquare(counts[keep].numpy(), (probs[0].double()[keep] / probs[0].double().sum() * 4000).numpy()).pvalue < 1e-6
+    with pytest.raises(ValueError, match="3 generators for 4 rows"):
+        exponential_race(probs, ours[:3])
