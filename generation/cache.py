@@ -26,6 +26,15 @@ import torch
 from transformers import DynamicCache
 
 
+def own_mask_ok(config) -> bool:
+    """Whether a feed may hand the model a ready 4D mask (:meth:`BatchedCache._attention_mask`): the model attends
+    through SDPA and every layer attends causally to the whole context (no sliding windows or chunks, which a
+    4D mask given as-is would override)."""
+    layers = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return (getattr(config, "_attn_implementation", None) == "sdpa" and layers == {"full_attention"}
+            and getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None)
+
+
 @dataclass
 class Feed:
     """What one batched forward gave one row.
@@ -140,6 +149,7 @@ class BatchedCache:
         self.forward_s = 0.0  # wall time of the forwards
         self.served_s = [0.0] * n_rows  # wall time of the forwards that fed this row something
         self.compactions = 0
+        self._own_mask = own_mask_ok(model.config)
 
     @property
     def n_rows(self) -> int:
@@ -240,7 +250,7 @@ class BatchedCache:
         out = self.model(
             input_ids=torch.tensor(ids, device=self.device),
             # no masked column anywhere: the model's own causal mask is the same and cheaper to build
-            attention_mask=None if no_holes else self.mask,
+            attention_mask=None if no_holes else self._attention_mask(width),
             position_ids=torch.tensor(pos, device=self.device),
             cache=self.cache,
             use_cache=True,
@@ -265,6 +275,16 @@ class BatchedCache:
             result[i] = Feed(start, logits, h)
             self.last_logits[i] = logits[-1]
         return result
+
+    def _attention_mask(self, width: int) -> torch.Tensor:
+        """The mask of a feed of ``width`` columns: the 2D column mask, or for a model whose every layer attends
+        causally through SDPA the 4D boolean mask transformers would build from it (query column ``q`` sees the
+        used columns ``<= q``), built here in three ops instead of transformers' general mask functions."""
+        if not self._own_mask:
+            return self.mask
+        cols = torch.arange(self.mask.shape[1], device=self.device)
+        causal = cols[None, :] <= cols[-width:, None]  # (width, T)
+        return self.mask.bool()[:, None, None, :] & causal
 
     def _clock(self) -> float:
         """Now; while a :func:`record_forwards` block is open on an accelerator, after its queued work is done."""

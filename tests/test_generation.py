@@ -40,6 +40,37 @@ def test_rows_with_masked_columns_match_unbatched_forward(world_tokenizer):
     assert single.holes == 0
 
 
+def test_the_caches_own_4d_mask_gives_what_transformers_mask_gives_bit_for_bit(world_tokenizer):
+    """The cache builds the 4D mask of a feed with masked columns itself (cheaper than transformers' mask
+    functions); the logits and states equal those of the 2D mask transformers expands, exactly."""
+    from generation.cache import own_mask_ok
+
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    runs = [BatchedCache(model, 3) for _ in range(2)]
+    assert runs[0]._own_mask
+    runs[1]._own_mask = False  # transformers builds the mask from the 2D column mask
+    out = []
+    for run in runs:
+        run.seq = [[2, 5, 6, 7], [2, 9], [2, 4, 4, 4, 4, 4]]
+        feeds = [run.feed([0, 1, 2], hidden=True, all_logits=True)]
+        run.seq[1] += [13, 14, 15]
+        feeds.append(run.feed([1], all_logits=True))
+        run.rollback(1, 2)
+        run.seq[1] += [20]
+        run.seq[2] += [21, 22]
+        feeds.append(run.feed([0, 1, 2], hidden=True, all_logits=True))
+        out.append([(f.logits, f.hidden) for fed in feeds for f in fed.values()])
+    for (a, ha), (b, hb) in zip(*out):
+        assert torch.equal(a, b) and (ha is None or torch.equal(ha, hb))
+    cfg = model.config
+    assert own_mask_ok(cfg)
+    for key, value in (("sliding_window", 64), ("layer_types", ["full_attention", "sliding_attention"]),
+                       ("_attn_implementation", "eager")):  # a 4D mask given as-is would override these
+        other = cfg.__class__.from_dict(cfg.to_dict())
+        setattr(other, key, value)
+        assert not own_mask_ok(other), key
+
+
 def test_forwards_are_counted_with_their_rows_tokens_and_padded_positions(world_tokenizer):
     """Issue 22 cost model: every forward computes all rows at the widest feed, fed or not."""
     model = tiny_llama(len(world_tokenizer), 32, 2)
