@@ -47,7 +47,7 @@ from generation.specs import SamplingSpec
 from probes.decoding import setup
 from probes.decoding.methods import MethodArgs, runner_for
 from probes.decoding.options import LoopOptions
-from probes.decoding.policies import AcceptancePolicy, ProbePolicy
+from probes.decoding.policies import AcceptancePolicy, ProbePolicy, default_policy
 from probes.decoding.prompts import read_prompts
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
 from probes.decoding.verify import JudgeTurn
@@ -69,22 +69,28 @@ class SemanticSpecDecoder:
             fingerprint is checked against ``target``), a ``SemanticProbe``, or None.
         draft_probe: same for the draft (needed by the ratio rule).
         policy: SemanticSpec's acceptance (:class:`~probes.decoding.policies.ProbePolicy`: rule,
-            ``tau``, ``ratio_scale``, fast path, ``lazy_p``); None = ``ProbePolicy()``, the
-            threshold rule at ``tau=0.5`` without fast path.
+            ``tau``, ``ratio_scale``, fast path, ``lazy_p``); None = :func:`~probes.decoding.policies.default_policy`:
+            the threshold rule at ``tau=0.5``, after the gated top-1 fast path when the two models share a
+            tokenizer (``ProbePolicy(top_k=1)``; ``ProbePolicy()`` has no fast path).
         options: the step loop's options (:class:`~probes.decoding.options.LoopOptions`: who
             writes the first step, step delimiters and cap, answer marker, token-level
             speculation, bonus token); None = ``LoopOptions()``.
+        probe_dtype: the dtype the probes' MLPs run in: ``"auto"`` (default: float16 where float16 matrix-vector
+            products are fast, CUDA and x86 CPUs with AVX2/AVX-512; float32 elsewhere;
+            :func:`~probes.decoding.setup.probe_dtype`), ``"float32"`` (the exported weights as they are) or
+            ``"float16"``. A probe given as a module is converted on a copy.
 
     Raises:
         ValueError: a fast path or ``token_sd=True`` with two tokenizers, or a probe exported for
-            another model or trained on other steps (naming the fields).
+            another model or trained on other steps (naming the fields), or a bad ``probe_dtype``.
     """
 
     def __init__(self, target, draft, tokenizer, draft_tokenizer=None, target_probe: ProbeLike = None,
-                 draft_probe: ProbeLike = None, policy: ProbePolicy | None = None, options: LoopOptions | None = None):
+                 draft_probe: ProbeLike = None, policy: ProbePolicy | None = None, options: LoopOptions | None = None,
+                 *, probe_dtype: str = "auto"):
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared
-        self.policy, self.options = policy or ProbePolicy(), options or LoopOptions()
+        self.policy, self.options = policy or default_policy(fast_path=self.shared), options or LoopOptions()
         opt = self.options
         self.token_sd = self.shared if opt.token_sd is None else opt.token_sd
         errors = []
@@ -100,6 +106,9 @@ class SemanticSpecDecoder:
         self.bonus_token = opt.bonus_token and self.shared
         self.target_probe = setup.load(target_probe, target, tokenizer, role="target")
         self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, role="draft")
+        self.target_probe, self.draft_probe = (
+            setup.in_dtype(p, setup.probe_dtype(probe_dtype, next(m.parameters()).device))
+            for p, m in ((self.target_probe, target), (self.draft_probe, draft)))
         self.step = setup.step_spec((self.target_probe, self.draft_probe), opt.step)
         """What a step is (:class:`~generation.specs.StepSpec`): the probes', unless ``options.step`` says."""
         suffix = self.tokenizer(opt.judge_suffix, add_special_tokens=False).input_ids

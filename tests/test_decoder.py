@@ -733,3 +733,32 @@ def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, rewri
         # idle rows (timing only): alone a row is fed by every forward; in the batch rows wait for each other
         assert all(r.stats.idle_s == 0 for r in single) and sum(r.stats.idle_s for r in batched) > 0, gen
         assert max(r.stats.done_idle_s for r in batched) > 0 and min(r.stats.done_idle_s for r in batched) >= 0
+
+
+def test_the_default_policy_takes_the_fast_path_only_with_one_tokenizer(tiny_pair):
+    target, draft, tok = tiny_pair
+    assert SemanticSpecDecoder(target, draft, tok).policy == ProbePolicy(top_k=1)
+    ctok = char_tokenizer()  # two tokenizers: no fast path by default (an explicit one is refused, above)
+    two = SemanticSpecDecoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, ctok)
+    assert two.policy == ProbePolicy() and two.policy.top_k == 0
+
+
+def test_probe_dtype_runs_a_copy_of_the_mlp_in_float16_and_refuses_bad_values(tiny_pair, monkeypatch):
+    from probes.decoding import setup
+
+    target, draft, tok = tiny_pair
+    cfg = ProbeConfig(hidden_size=32, hidden_dims=[16], reads=model_fingerprint(target, tok), role="target")
+    probe = SemanticProbe(cfg).eval()
+    x = torch.randn(8, cfg.input_size)
+    half = SemanticSpecDecoder(target, draft, tok, target_probe=probe, probe_dtype="float16").target_probe
+    assert half is not probe and half.mlp_dtype == torch.float16
+    assert probe.mlp_dtype == torch.float32  # the caller's probe (one being trained, say) is left as it was
+    torch.testing.assert_close(half.predict(x), probe.predict(x), atol=2e-3, rtol=0)
+    assert SemanticSpecDecoder(target, draft, tok, target_probe=probe, probe_dtype="float32").target_probe is probe
+    for capability, want in (("AVX512", torch.float16), ("AVX2", torch.float16), ("DEFAULT", torch.float32)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert setup.probe_dtype("auto", torch.device("cpu")) == want
+        assert SemanticSpecDecoder(target, draft, tok, target_probe=probe).target_probe.mlp_dtype == want
+    assert setup.probe_dtype("auto", torch.device("cuda")) == torch.float16
+    with pytest.raises(ValueError, match=r"probe_dtype='bfloat16'; expected one of \['auto', 'float32', 'float16'\]"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=probe, probe_dtype="bfloat16")

@@ -51,7 +51,7 @@ from generation.steps import ends_step
 from probes.decoding import setup
 from probes.decoding.methods import METHODS, MethodArgs
 from probes.decoding.options import LoopOptions
-from probes.decoding.policies import AcceptancePolicy, FastPath, ProbePolicy, RandomPolicy
+from probes.decoding.policies import AcceptancePolicy, FastPath, ProbePolicy, RandomPolicy, default_policy
 from probes.decoding.proposer import run_probe
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace
 from probes.decoding.rows import answer_complete
@@ -76,23 +76,30 @@ class ServedDecoder:
         draft: the draft's engine client (writes steps).
         target_probe: exported probe directory or ``SemanticProbe`` reading the target server's features, or None.
         draft_probe: same for the draft (the ratio rule's ``p``, from the draft server's top-k), or None.
-        policy: SemanticSpec's acceptance (:class:`ProbePolicy`); None = ``ProbePolicy()``.
+        policy: SemanticSpec's acceptance (:class:`ProbePolicy`); None = :func:`~probes.decoding.policies.default_policy`,
+            the threshold rule after the gated top-1 fast path (the target server reads the step in its own tokens,
+            so the fast path needs no shared tokenizer here).
         options: loop options (:class:`LoopOptions`: first step, step spec, answer marker, bonus token;
             token-level speculation inside refused steps is the target server's own); None = ``LoopOptions()``.
         concurrency: prompts decoded at once (each has at most one request in flight).
+        probe_dtype: the dtype the probes' MLPs run in, as :class:`~probes.decoder.SemanticSpecDecoder`'s
+            (``"auto"``: float16 where it is fast, :func:`~probes.decoding.setup.probe_dtype`), so a probe gives the
+            same ``q`` served and in-process.
 
     Raises:
         ValueError: ``concurrency`` below 1, a probe for the other role, probes that disagree on their
-            step or sampling, or a step spec that differs from the probes'.
+            step or sampling, a step spec that differs from the probes', or a bad ``probe_dtype``.
     """
 
     def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
-                 options: LoopOptions | None = None, *, concurrency: int = 4) -> None:
+                 options: LoopOptions | None = None, *, concurrency: int = 4, probe_dtype: str = "auto") -> None:
         if not is_count(concurrency):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (prompts decoded at once)")
         self.target, self.draft, self.concurrency = target, draft, concurrency
-        self.policy, self.options = policy or ProbePolicy(), options or LoopOptions()
-        self.target_probe, self.draft_probe = _load_probe(target_probe, "target"), _load_probe(draft_probe, "draft")
+        self.policy, self.options = policy or default_policy(), options or LoopOptions()
+        self.target_probe, self.draft_probe = (
+            setup.in_dtype(p, setup.probe_dtype(probe_dtype, p.input_mean.device if p is not None else torch.device("cpu")))
+            for p in (_load_probe(target_probe, "target"), _load_probe(draft_probe, "draft")))
         probes = (self.target_probe, self.draft_probe)
         self.step: StepSpec = setup.step_spec(probes, self.options.step)
         """What a step is: the probes' :class:`StepSpec`, unless ``options.step`` says (a differing one is refused)."""
