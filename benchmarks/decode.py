@@ -58,7 +58,9 @@ from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.methods import METHODS as TABLE
 from probes.decoding.options import LoopOptions
-from probes.decoding.policies import ProbePolicy
+from probes.decoding.policies import ProbePolicy, default_policy
+from probes.decoding import setup
+from probes.decoding.setup import PROBE_DTYPES
 from probes.metrics import accuracy, speedup
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
@@ -250,12 +252,13 @@ def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int, argv=No
     return args, task.generate_problems(args.n_problems, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
 
 
-def shipped_decoder(world: models.World, policy: ProbePolicy | None = None, **loop) -> SemanticSpecDecoder:
+def shipped_decoder(world: models.World, policy: ProbePolicy | None = None, probe_dtype: str = "auto",
+                    **loop) -> SemanticSpecDecoder:
     """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task's answer marker; ``loop``: other
     :class:`~probes.decoding.options.LoopOptions` fields."""
     return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, target_probe=str(PROBE_ROOT / "target"),
                                draft_probe=str(PROBE_ROOT / "draft"), policy=policy,
-                               options=LoopOptions(answer_marker=TASK.answer_marker, **loop))
+                               options=LoopOptions(answer_marker=TASK.answer_marker, **loop), probe_dtype=probe_dtype)
 
 
 def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> dict:
@@ -473,7 +476,10 @@ def arguments() -> argparse.ArgumentParser:
                     help="SemanticSpec's rule (the decoder's default)")
     ap.add_argument("--tau", type=float, default=0.5, help="threshold of the threshold rule")
     ap.add_argument("--ratio-scale", type=float, default=1.0, help="ratio rule: accept with probability min(1, s*q/p)")
-    ap.add_argument("--top-k", type=int, default=0, help="fast path top-k (0 = off, the decoder's default)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="fast path top-k (default: the decoder's, 1 = the gated top-1 fast path; 0 = off)")
+    ap.add_argument("--probe-dtype", choices=PROBE_DTYPES, default="auto",
+                    help="dtype of the probes' MLPs (default: the decoder's, auto = float16 where it is fast)")
     ap.add_argument("--fast-path-min-logprob", type=float, default=math.log(0.5),
                     help="fast path: least target log-probability of every drafted token")
     ap.add_argument(
@@ -568,21 +574,24 @@ class Plan:
 
 def build_plan(args: argparse.Namespace, world: models.World) -> Plan:
     """Build the decoders of the run; fixes ``args.temperature`` and ``args.top_p`` to the probes' sampling."""
+    if args.top_k is None:  # the decoder's default (the world's models share a tokenizer)
+        args.top_k = default_policy().top_k
     policy = ProbePolicy(rule=args.rule, tau=args.tau, ratio_scale=args.ratio_scale, top_k=args.top_k,
                          fast_path_min_logprob=args.fast_path_min_logprob,
                          lazy_p=not args.no_lazy_p)  # same decisions, p only where q alone does not accept
     loop = LoopOptions(answer_marker=TASK.answer_marker)
 
-    def decoder(policy=policy, loop=loop, probes=(args.target_probe, args.draft_probe)) -> SemanticSpecDecoder:
+    def decoder(policy=policy, loop=loop, probes=(args.target_probe, args.draft_probe),
+                probe_dtype=args.probe_dtype) -> SemanticSpecDecoder:
         return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, None, *probes, policy=policy,
-                                   options=loop)
+                                   options=loop, probe_dtype=probe_dtype)
 
     dec = decoder()
     # every method samples as the probes' labels were sampled (a different value is refused for semanticspec)
     spec = dec.sampling(args.temperature, args.top_p)  # the probes' label sampling unless given; another is refused
     args.temperature, args.top_p = spec.temperature, spec.top_p
     knobs, sweeps = sweep_variants(args, dec, decoder, policy)
-    ablations, ablation_paths = ablation_variants(args, decoder)
+    ablations, ablation_paths = ablation_variants(args, decoder, policy)
     loops = loop_variants(args, decoder, policy, loop)
     # the variants' order is their order in each problem's interleaved runs
     return Plan(dec=dec, variants={**loops, **ablations, **sweeps}, beside=(*loops, *ablations),
@@ -603,13 +612,16 @@ def sweep_variants(args: argparse.Namespace, dec: SemanticSpecDecoder, decoder: 
     return knobs, sweeps
 
 
-def ablation_variants(args: argparse.Namespace, decoder: Decoder) -> tuple[dict, dict]:
-    """``semanticspec[<ablation>]`` for each ablation probe pair found, and the pairs' folders; warns of the others."""
+def ablation_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolicy) -> tuple[dict, dict]:
+    """``semanticspec[<ablation>]`` for each ablation probe pair found, and the pairs' folders; warns of the others.
+
+    The ablations decide with their probes alone (no fast path), as :data:`PROBE_ALONE` does with the shipped pair:
+    every draft step then has a ``q``, and the AUROCs and decision tables compare the probes."""
     ablations, ablation_paths = {}, {}
     for name in ABLATIONS:
         t_dir, d_dir = Path(args.ablation_root, name, "target"), Path(args.ablation_root, name, "draft")
         if (t_dir / "config.json").is_file() and (d_dir / "config.json").is_file():
-            ablations[f"semanticspec[{name}]"] = (decoder(probes=(str(t_dir), str(d_dir))), {})
+            ablations[f"semanticspec[{name}]"] = (decoder(policy=replace(policy, top_k=0), probes=(str(t_dir), str(d_dir))), {})
             ablation_paths[name] = {"target": str(t_dir), "draft": str(d_dir)}
         else:
             print(f"WARNING: ablation probes {t_dir.parent} not found; row semanticspec[{name}] is skipped")
@@ -627,9 +639,26 @@ def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolic
         LOOPS[2]: (decoder(loop=replace(loop, target_first_step=True, token_sd=False)), {}),
         LOOPS[3]: (decoder(loop=replace(loop, rewrite_in_rounds=False)), {}),
         f"semanticspec[rule={other}]": (decoder(policy=replace(policy, rule=other)), {}),
-        # the gated fast path (top-1 and the log-prob floor) on top of the default: how many wrong steps it keeps
-        f"semanticspec[fast_path top_k={args.top_k or 1}]": (decoder(policy=replace(policy, top_k=args.top_k or 1)), {}),
+        # the gated fast path (top-1 and the log-prob floor) toggled: the probe alone when it is on (the default;
+        # the shipped pair's AUROC comes from that run, where every draft step has a q), with it when it is off
+        fast_path_variant(args.top_k): (decoder(policy=replace(policy, top_k=0 if args.top_k else 1)), {}),
+        # the probes' MLPs in the other precision (float32 when auto picks float16): its probe overhead
+        f"semanticspec[probe_dtype={other_dtype(args.probe_dtype)}]": (decoder(probe_dtype=other_dtype(args.probe_dtype)), {}),
     }
+
+
+PROBE_ALONE = "semanticspec[no_fast_path]"
+"""The variant that decides with the shipped probes alone when the main run has the fast path."""
+
+
+def fast_path_variant(top_k: int) -> str:
+    """The name of the variant that toggles the main run's fast path."""
+    return PROBE_ALONE if top_k else "semanticspec[fast_path top_k=1]"
+
+
+def other_dtype(probe_dtype: str) -> str:
+    """The probes' MLP dtype of the precision variant: float32 unless the main run is float32 on this machine."""
+    return "float16" if setup.probe_dtype(probe_dtype, torch.device("cpu")) == torch.float32 else "float32"
 
 
 def warm_up(dec: SemanticSpecDecoder, args: argparse.Namespace) -> None:
@@ -660,8 +689,9 @@ def judge_decisions(methods: dict, runs: dict, problems, plan: Plan) -> dict:
     for name in [*DRAFTING, *plan.beside]:
         counts, scored = decisions(runs[name], problems)
         methods[name]["decisions"] = counts
-        if name == "semanticspec" or name in plan.ablations:
-            variant = "hybrid" if name == "semanticspec" else name[len("semanticspec[") : -1]
+        hybrid = PROBE_ALONE if PROBE_ALONE in runs else "semanticspec"  # the shipped pair deciding alone
+        if name == hybrid or name in plan.ablations:
+            variant = "hybrid" if name == hybrid else name[len("semanticspec[") : -1]
             probe_scores[variant] = {"draft_step_auroc": auroc(scored), "n_judged": len(scored),
                                      "n_wrong": sum(not r for _, r in scored), "method": name}
     return probe_scores
@@ -725,7 +755,7 @@ def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, unt
         "probe_paths": portable_paths(probe_paths),  # results are shared: no machine's folders
         "config": {
             k: getattr(args, k)
-            for k in ("max_new_tokens", "temperature", "top_p", "rule", "tau", "ratio_scale", "top_k",
+            for k in ("max_new_tokens", "temperature", "top_p", "rule", "tau", "ratio_scale", "top_k", "probe_dtype",
                       "fast_path_min_logprob", "threads", "quick", "no_lazy_p")
         },
         "seconds": time.perf_counter() - t0,

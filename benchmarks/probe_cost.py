@@ -1,4 +1,4 @@
-"""What one probe call costs in the decoder, and a float16 MLP against the float32 one at equal decisions.
+"""What one probe call costs in the decoder, in float32 and float16, with and without the fast path, at equal decisions.
 
     python -m benchmarks.probe_cost            # 200 problems at 1 prompt (benchmarks/results/probe-cost.json)
     python -m benchmarks.probe_cost --quick    # 40 problems (probe-cost-quick.json)
@@ -6,13 +6,14 @@
 Per call (the shipped target probe, one world step, ``STEP``, 10 tokens): the features (``rows_features``: pooled hidden
 states and token statistics from the verification forward's logits) and the MLP, the MLP timed warm (called
 again at once) and cold (after a target forward, as in the decoder's loop, where the forwards evict the MLP's
-5.8 MB of weights from the CPU's caches), in float32 and with ``probe.mlp.half()``. Then SemanticSpec decodes the
-same problems with float32 probes (the default), float16 MLPs, and float16 MLPs with the gated fast path
-(``ProbePolicy(top_k=1)``: a step whose every token is the target's top-1 at log-probability >= log 0.5 is kept
-without a probe call), interleaved, from the same seeds: each draft step's decision (kept or not) and ``q``
-compared with the default's one to one (each prompt samples from its own streams, so the texts agree as long
-as the decisions do), and each run's ``probe_overhead`` (probe seconds over wall seconds, the decode
-benchmark's figure; its goal is 2%).
+5.8 MB of weights from the CPU's caches), in float32 and in float16 (``probe.mlp.half()``). Then SemanticSpec decodes
+the same problems with float32 probes without the fast path (the exported probes alone: the reference), float16 MLPs
+(``probe_dtype="float16"``), and float16 MLPs with the gated fast path (``ProbePolicy(top_k=1)``: a step whose
+every token is the target's top-1 at log-probability >= log 0.5 is kept without a probe call), interleaved, from the
+same seeds: each draft step's decision (kept or not) and ``q`` compared with the reference's one to one (each prompt
+samples from its own streams, so the texts agree as long as the decisions do), and each run's ``probe_overhead``
+(probe seconds over wall seconds, the decode benchmark's figure; its goal is 2%). ``default`` names the variant the
+decoder runs by default on this machine (``probe_dtype="auto"``, :func:`~probes.decoding.policies.default_policy`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from generation.features import FeatureSpec, probe_input, rows_features
 from probes.decoder import summarize
 from probes.decoding.policies import ProbePolicy
 
-VARIANTS = {"float32": (False, 0), "float16": (True, 0), "float16+fast_path": (True, 1)}
-"""name: (float16 MLPs, fast path top_k)"""
+VARIANTS = {"float32": ("float32", 0), "float16": ("float16", 0), "float16+fast_path": ("float16", 1)}
+"""name: (the probes' MLP dtype, fast path top_k); the decoder's default on a machine is one of them (``default``
+in the report: ``probe_dtype="auto"`` and :func:`~probes.decoding.policies.default_policy`)."""
 
 STEP = "Add 5: 14 + 5 = 19.\n\n"
 
@@ -97,11 +99,11 @@ def main(argv=None) -> dict:
     args, problems = other_problems(__doc__, "probe-cost", 200, 40, 50_000, argv)
     n = args.n_problems
     world = models.load_world(None)
-    decs = {k: shipped_decoder(world, ProbePolicy(top_k=top_k)) for k, (_, top_k) in VARIANTS.items()}
-    report = {"n_problems": n, "seed": args.seed, "call": call_costs(world, decs["float32"].target_probe)}
-    for k, (half, _) in VARIANTS.items():
-        for p in (decs[k].target_probe, decs[k].draft_probe) if half else ():
-            p.mlp.half()
+    decs = {k: shipped_decoder(world, ProbePolicy(top_k=top_k), dtype) for k, (dtype, top_k) in VARIANTS.items()}
+    default = shipped_decoder(world)
+    report = {"n_problems": n, "seed": args.seed, "call": call_costs(world, decs["float32"].target_probe),
+              "default": next(k for k, (dtype, top_k) in VARIANTS.items()
+                              if default.target_probe.mlp_dtype == getattr(torch, dtype) and default.policy.top_k == top_k)}
     runs, names = {k: [] for k in decs}, list(decs)
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="probe_cost", unit="problem")):
@@ -119,7 +121,8 @@ def main(argv=None) -> dict:
         print(f"{name} against float32: {d['same_decision']} of {d['draft_steps']} draft steps kept or refused alike, "
               f"max |dq| {d['max_abs_q_difference']:.2e}, texts the same on {d['same_texts']} of {n} problems")
     for name, r in report["runs"].items():
-        print(f"{name}: probe overhead {r['probe_overhead']:.2%} (goal 2%), wall {r['wall_s']:.1f} s")
+        print(f"{name}: probe overhead {r['probe_overhead']:.2%} (goal 2%), wall {r['wall_s']:.1f} s"
+              + (" (the decoder's default here)" if name == report["default"] else ""))
     harness.write(report, harness.results_path("probe-cost", args.quick))
     return report
 
