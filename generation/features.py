@@ -143,13 +143,13 @@ def _plan(groups: tuple[tuple[str, tuple[str, ...]], ...], device: torch.device)
                  is_mean=column([how == "mean" for how, _, _ in rows], torch.bool)[:, :, 0])
 
 
-def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor | float, mask: torch.Tensor | None) -> torch.Tensor:
     """(B, m) statistics from the groups' per-token scores (C, B, T), right-padded along T.
 
     Args:
         scores: the scores, stacked along C in the plan's group order.
         plan: which statistics.
-        lengths: (B,) float32 tokens per row.
+        lengths: (B,) float32 tokens per row (a Python number for one row).
         mask: (B, T) real positions, or None when every position is real.
     """
     cols = scores.index_select(0, plan.source)  # (m, B, T)
@@ -331,10 +331,10 @@ def _rows_stats(scores: Mapping[str, torch.Tensor], names: Mapping[str, Sequence
     parts = list(scores.values())
     flat = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], dim=1)
     plan = _plan(tuple((g, tuple(names[g])) for g in scores), flat.device)
-    n = torch.tensor(lengths, dtype=torch.float32, device=flat.device)
     if len(lengths) == 1:
-        agg = _statistics(flat.T[:, None], plan, n, None)
+        agg = _statistics(flat.T[:, None], plan, float(lengths[0]), None)
     else:
+        n = torch.tensor(lengths, dtype=torch.float32, device=flat.device)
         mask = torch.arange(max(lengths), device=flat.device) < n[:, None]  # (B, T) real positions
         padded = flat.new_zeros(flat.shape[1], *mask.shape)
         padded[:, mask] = flat.T
@@ -359,9 +359,9 @@ def _rows_pooled(hidden: Sequence[torch.Tensor], lengths: Sequence[int], pooling
     if pooling == "last":
         ends = torch.tensor(lengths, device=h.device).cumsum(0) - 1
         return h[:, ends].transpose(0, 1).contiguous()
-    n = torch.tensor(lengths, dtype=torch.float32, device=h.device)[:, None, None]
     if len(lengths) == 1:
-        return h.sum(1)[None] / n
+        return h.sum(1)[None] / lengths[0]  # a Python number: no tensor to build for one row
+    n = torch.tensor(lengths, dtype=torch.float32, device=h.device)[:, None, None]
     mask = torch.arange(max(lengths), device=h.device) < n[:, 0]  # (B, T)
     padded = h.new_zeros(h.shape[0], *mask.shape, h.shape[-1])  # (L, B, T, D)
     padded[:, mask] = h
