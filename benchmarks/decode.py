@@ -22,9 +22,13 @@ What it measures (issue 4, "Benchmark figures" in docs/design.md):
 - **sweeps** of each method's acceptance knob, one accuracy-vs-speedup curve each: SemanticSpec's
   ratio scale (ratio rule) or ``tau`` (threshold rule); random acceptance's rate; the oracle's
   ``keep_right`` (right steps kept with that probability, wrong ones never: the ideal frontier);
-- **ablations** with the same decoder: the paper's probe (pooled hidden states only),
-  ``token_stats`` only, and both (the default), with each probe pair's **draft-step AUROC**: q
-  against the oracle's right/wrong on every draft step it judged on these held-out problems;
+- **ablations** with the same decoder, each pair deciding alone (no fast path, so every draft step has a q):
+  the paper's probe (pooled hidden states only), ``token_stats`` only, and both (the shipped pair, from
+  ``semanticspec[no_fast_path]``), with each probe pair's **draft-step AUROC**: q against the oracle's
+  right/wrong on every draft step it judged on these held-out problems;
+- the decoder's probe-call defaults toggled: the gated top-1 fast path (``semanticspec[no_fast_path]``) and the
+  probes' MLP precision (``semanticspec[probe_dtype=float32]`` where ``auto`` picks float16), each with its
+  **probe overhead** (probe seconds over wall seconds);
 - **batch_scaling**: target-only and SemanticSpec at 1, 2, 4, 8 and 16 prompts per batch on the same
   ``--scaling-problems`` problems (64; quick 16), methods interleaved per chunk of 16 problems: tokens per
   second, speedup over target-only at the same size, accuracy, forwards per model and what they carry, the
