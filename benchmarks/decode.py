@@ -63,8 +63,7 @@ from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.methods import METHODS as TABLE
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
-from probes.decoding import setup
-from probes.decoding.setup import PROBE_DTYPES
+from probes.decoding.options import PROBE_DTYPES, resolve_probe_dtype
 from probes.metrics import accuracy, speedup
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
@@ -662,7 +661,7 @@ def fast_path_variant(top_k: int) -> str:
 
 def other_dtype(probe_dtype: str) -> str:
     """The probes' MLP dtype of the precision variant: float32 unless the main run is float32 on this machine."""
-    return "float16" if setup.probe_dtype(probe_dtype, torch.device("cpu")) == torch.float32 else "float32"
+    return "float16" if resolve_probe_dtype(probe_dtype, torch.device("cpu")) == torch.float32 else "float32"
 
 
 def warm_up(dec: SemanticSpecDecoder, args: argparse.Namespace) -> None:

@@ -46,7 +46,7 @@ from generation.handover import Handover
 from generation.specs import SamplingSpec
 from probes.decoding import setup
 from probes.decoding.methods import MethodArgs, runner_for
-from probes.decoding.options import LoopOptions
+from probes.decoding.options import LoopOptions, resolve_probe_dtype
 from probes.decoding.policies import AcceptancePolicy, ProbePolicy, default_policy
 from probes.decoding.prompts import read_prompts
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
@@ -77,7 +77,7 @@ class SemanticSpecDecoder:
             speculation, bonus token); None = ``LoopOptions()``.
         probe_dtype: the dtype the probes' MLPs run in: ``"auto"`` (default: float16 where float16 matrix-vector
             products are fast, CUDA and x86 CPUs with AVX2/AVX-512; float32 elsewhere;
-            :func:`~probes.decoding.setup.probe_dtype`), ``"float32"`` (the exported weights as they are) or
+            :func:`~probes.decoding.options.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
             ``"float16"``. A probe given as a module is converted on a copy.
 
     Raises:
@@ -107,7 +107,7 @@ class SemanticSpecDecoder:
         self.target_probe = setup.load(target_probe, target, tokenizer, role="target")
         self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, role="draft")
         self.target_probe, self.draft_probe = (
-            setup.in_dtype(p, setup.probe_dtype(probe_dtype, next(m.parameters()).device))
+            setup.in_dtype(p, resolve_probe_dtype(probe_dtype, next(m.parameters()).device))
             for p, m in ((self.target_probe, target), (self.draft_probe, draft)))
         self.step = setup.step_spec((self.target_probe, self.draft_probe), opt.step)
         """What a step is (:class:`~generation.specs.StepSpec`): the probes', unless ``options.step`` says."""

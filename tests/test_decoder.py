@@ -11,7 +11,7 @@ from generation.groups import TOKEN_STATS, TOPK_STATS
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
-from probes.decoding.options import LoopOptions
+from probes.decoding.options import LoopOptions, resolve_probe_dtype
 from probes.decoding.policies import ProbePolicy, fast_path_keeps
 from probes.decoding.proposer import DraftProposer
 from probes.decoding.verify import TargetVerifier
@@ -744,8 +744,6 @@ def test_the_default_policy_takes_the_fast_path_only_with_one_tokenizer(tiny_pai
 
 
 def test_probe_dtype_runs_a_copy_of_the_mlp_in_float16_and_refuses_bad_values(tiny_pair, monkeypatch):
-    from probes.decoding import setup
-
     target, draft, tok = tiny_pair
     cfg = ProbeConfig(hidden_size=32, hidden_dims=[16], reads=model_fingerprint(target, tok), role="target")
     probe = SemanticProbe(cfg).eval()
@@ -757,8 +755,8 @@ def test_probe_dtype_runs_a_copy_of_the_mlp_in_float16_and_refuses_bad_values(ti
     assert SemanticSpecDecoder(target, draft, tok, target_probe=probe, probe_dtype="float32").target_probe is probe
     for capability, want in (("AVX512", torch.float16), ("AVX2", torch.float16), ("DEFAULT", torch.float32)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert setup.probe_dtype("auto", torch.device("cpu")) == want
+        assert resolve_probe_dtype("auto", torch.device("cpu")) == want
         assert SemanticSpecDecoder(target, draft, tok, target_probe=probe).target_probe.mlp_dtype == want
-    assert setup.probe_dtype("auto", torch.device("cuda")) == torch.float16
+    assert resolve_probe_dtype("auto", torch.device("cuda")) == torch.float16
     with pytest.raises(ValueError, match=r"probe_dtype='bfloat16'; expected one of \['auto', 'float32', 'float16'\]"):
         SemanticSpecDecoder(target, draft, tok, target_probe=probe, probe_dtype="bfloat16")
