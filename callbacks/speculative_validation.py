@@ -188,7 +188,7 @@ class SpeculativeValidation(Callback):
                 self._target, self._draft, self._tokenizer,
                 draft_tokenizer=None if self._draft_tokenizer is self._tokenizer else self._draft_tokenizer,
                 target_probe=probes["target"].cpu(), draft_probe=probes["draft"].cpu(),
-                policy=ProbePolicy(rule=self.rule, tau=self.tau),
+                policy=ProbePolicy(rule=self.rule, tau=self.tau),  # the probes alone (no fast path): it judges them
                 options=LoopOptions(answer_marker=self.task.answer_marker),
             )
             spec, ref, answers, start = [], [], [], time.perf_counter()
