@@ -24,6 +24,10 @@ says whether forwards and positions explain the cost. Predicted tokens/s adds th
 outside the forwards (sampling, probes, bookkeeping: ``other_s``), and ``predicted_speedup`` is the ratio of
 predicted walls.
 
+**Repeats.** With ``repeats`` > 1 every chunk is decoded again at every size (the same texts, the methods' order
+rotated once more): walls, forwards and seconds are over every pass, ``speedup`` is the ratio of the summed
+walls, and ``speedup_repeats`` holds each pass's own, whose spread is what the machine's state does to the ratio.
+
 **Phases** (seconds and shares of the loop's wall): ``first_step``, ``draft``, ``verify``, ``rewrite``,
 ``probe`` and ``other`` (the loop's own :class:`~probes.decoding.results.DecodeStats`; target-only has no
 phases, its steps are ``other``). Idle
@@ -62,6 +66,16 @@ class Run:
         self.row_s = 0.0  # row-seconds: per batch, its rows x its loop wall
         self.records: list[ForwardRecord] = []
 
+    @classmethod
+    def merged(cls, runs: Sequence[Run]) -> Run:
+        """One run of several passes over the same problems (every pass writes the same texts): results, walls,
+        row-seconds and forwards of every pass."""
+        out = cls()
+        out.results = [x for r in runs for x in r.results]
+        out.wall, out.row_s = sum(r.wall for r in runs), sum(r.row_s for r in runs)
+        out.records = [x for r in runs for x in r.records]
+        return out
+
     def add(self, results: list, wall: float, records: list[ForwardRecord], size: int) -> None:
         self.results += results
         self.wall += wall
@@ -72,7 +86,7 @@ class Run:
 
 
 def batch_scaling(dec, problems: Sequence, args, prompt: Callable, check: Callable,
-                  sizes: Sequence[int] = SIZES, methods: Sequence[str] = METHODS) -> dict:
+                  sizes: Sequence[int] = SIZES, methods: Sequence[str] = METHODS, repeats: int = 1) -> dict:
     """The scaling section: ``{"table": {method: {size: figures}}, "cost_model": {model: fit}, "phases": {...}}``.
 
     Args:
@@ -83,20 +97,27 @@ def batch_scaling(dec, problems: Sequence, args, prompt: Callable, check: Callab
         check: ``check(text, problem) -> bool``, the answer checker.
         sizes: batch sizes; the chunk is their least common multiple.
         methods: methods decoded (the first is the speedup's reference).
+        repeats: passes over all chunks (the same texts each time): a method's figures are over every pass, and
+            ``speedup_repeats`` holds each pass's speedup (their spread is the run's timing noise).
     """
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"repeats={repeats!r}: expected an integer >= 1 (passes over the problems)")
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
     chunk = math.lcm(*sizes)
     _warm_up(dec, [prompt(p) for p in problems[: max(sizes)]], sizes, methods, gen)
-    runs = {(m, b): Run() for m in methods for b in sizes}
-    for c, start in enumerate(range(0, len(problems), chunk)):
-        prompts = [prompt(p) for p in problems[start : start + chunk]]
-        for k, b in enumerate(sizes):
-            for m in [*methods[(c + k) % len(methods) :], *methods[: (c + k) % len(methods)]]:
-                with record_forwards() as log:
-                    t0 = time.perf_counter()
-                    res = dec.generate(prompts, method=m, batch_size=b, seed=args.seed + c, **gen)
-                    wall = time.perf_counter() - t0
-                runs[m, b].add(res, wall, log, b)
+    passes = [{(m, b): Run() for m in methods for b in sizes} for _ in range(repeats)]
+    for r, runs in enumerate(passes):
+        for c, start in enumerate(range(0, len(problems), chunk)):
+            prompts = [prompt(p) for p in problems[start : start + chunk]]
+            for k, b in enumerate(sizes):
+                first = (c + k + r) % len(methods)
+                for m in [*methods[first:], *methods[:first]]:
+                    with record_forwards() as log:
+                        t0 = time.perf_counter()
+                        res = dec.generate(prompts, method=m, batch_size=b, seed=args.seed + c, **gen)
+                        wall = time.perf_counter() - t0
+                    runs[m, b].add(res, wall, log, b)
+    runs = {key: Run.merged([p[key] for p in passes]) for key in passes[0]}
     roles = {id(dec.target): "target", id(dec.draft): "draft"}
     costs = fit_costs([r for run in runs.values() for r in run.records], roles)
     table = {m: {str(b): figures(runs[m, b], problems, check, costs, roles) for b in sizes} for m in methods}
@@ -104,10 +125,11 @@ def batch_scaling(dec, problems: Sequence, args, prompt: Callable, check: Callab
         for b in map(str, sizes):
             row, ref = table[m][b], table[methods[0]][b]
             row["speedup"] = ref["wall_s"] / row["wall_s"]
+            row["speedup_repeats"] = [p[methods[0], int(b)].wall / p[m, int(b)].wall for p in passes]
             row["predicted_speedup"] = ref["predicted_wall_s"] / row["predicted_wall_s"]
             row["scaling"] = row["tokens_per_s"] / table[m][str(sizes[0])]["tokens_per_s"]
     phases = {m: {str(b): phase_breakdown(runs[m, b]) for b in sizes} for m in methods}
-    return {"table": table, "cost_model": costs, "phases": phases, "chunk": chunk}
+    return {"table": table, "cost_model": costs, "phases": phases, "chunk": chunk, "repeats": repeats}
 
 
 def _warm_up(dec, prompts: list[str], sizes: Sequence[int], methods: Sequence[str], gen: dict) -> None:
@@ -140,9 +162,11 @@ def fit_costs(records: Sequence[ForwardRecord], roles: dict[int, str]) -> dict[s
 
 def figures(run: Run, problems: Sequence, check: Callable, costs: dict, roles: dict[int, str]) -> dict:
     """One method at one size: throughput, accuracy, forwards per model and what they carried, the prediction."""
-    tokens = sum(r.stats.output_tokens for r in run.results)
-    fig = {"tokens_per_s": tokens / run.wall, "wall_s": run.wall, "output_tokens": tokens, "problems": len(run.results),
-           "accuracy": sum(bool(check(r.text, p)) for r, p in zip(run.results, problems)) / len(run.results)}
+    n = len(problems)  # results of every pass in order; each pass writes the same texts
+    tokens = sum(r.stats.output_tokens for r in run.results)  # over every pass, as the wall and the forwards are
+    fig = {"tokens_per_s": tokens / run.wall, "wall_s": run.wall, "problems": n,
+           "output_tokens": sum(r.stats.output_tokens for r in run.results[:n]),
+           "accuracy": sum(bool(check(r.text, p)) for r, p in zip(run.results[:n], problems)) / n}
     forward_s = predicted = 0.0
     for role in MODELS:
         recs = [r for r in run.records if roles.get(id(r.model)) == role]
@@ -175,6 +199,12 @@ def phase_breakdown(run: Run) -> dict:
     return out
 
 
+def _speedup(row: dict) -> str:
+    """A row's speedup, with each pass's in brackets when there were several."""
+    passes = row.get("speedup_repeats", [])
+    return f"{row['speedup']:.2f}" + (f" ({', '.join(f'{x:.2f}' for x in passes)})" if len(passes) > 1 else "")
+
+
 def markdown(section: dict) -> list[str]:
     """The section's tables: scaling with the cost model's check, the fitted costs, and the phases per size."""
     if not section:
@@ -185,7 +215,7 @@ def markdown(section: dict) -> list[str]:
     for method, row in section["table"].items():
         for b, r in row.items():
             lines.append(
-                f"| {method} | {b} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f} | {r['accuracy']:.3f} "
+                f"| {method} | {b} | {r['tokens_per_s']:.0f} | {_speedup(r)} | {r['accuracy']:.3f} "
                 f"| {r['problems']} | {r['target_forwards']} ({r['target_rows_per_forward']:.1f}, "
                 f"{r['target_positions_per_forward']:.1f}) | {r['draft_forwards']} ({r['draft_rows_per_forward']:.1f}, "
                 f"{r['draft_positions_per_forward']:.1f}) | {r['forward_s']:.2f} ({r['predicted_forward_s']:.2f}) / "

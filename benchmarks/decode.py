@@ -33,7 +33,8 @@ What it measures (issue 4, "Benchmark figures" in docs/design.md):
   ``--scaling-problems`` problems (64; quick 16), methods interleaved per chunk of 16 problems: tokens per
   second, speedup over target-only at the same size, accuracy, forwards per model and what they carry, the
   batch cost model's prediction, and SemanticSpec's phases with its idle rows (:mod:`benchmarks.batching`).
-  ``--only-batch-scaling`` runs this section alone (``decode-scaling[-quick].json``).
+  ``--only-batch-scaling`` runs this section alone (``decode-scaling[-quick].json``); ``--scaling-repeats N``
+  makes N passes over its problems and reports each pass's speedup (``speedup_repeats``) beside the overall one.
 
 Probes default to ``checkpoints/arithmetic/probes/{target,draft}`` (hybrid) and
 ``checkpoints/arithmetic/probes-ablation/{hidden,token_stats}/{target,draft}``; when the default
@@ -293,7 +294,8 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
 def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=batching.SIZES) -> dict:
     """:func:`benchmarks.batching.batch_scaling` on ``problems`` with this task's prompts and answer checker."""
     return batching.batch_scaling(dec, problems, args, lambda p: TASK.prompt_text(dec.tokenizer, p.problem),
-                                  lambda text, p: TASK.check(text, p.answer), sizes)
+                                  lambda text, p: TASK.check(text, p.answer), sizes,
+                                  repeats=args.scaling_repeats)
 
 
 def scaling_section(dec: SemanticSpecDecoder, args: argparse.Namespace) -> dict:
@@ -509,6 +511,9 @@ def arguments() -> argparse.ArgumentParser:
                     help="problems decoded at every batch size (default 64, quick 16)")
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=None,
                     help="batch sizes of the scaling section (default 1 2 4 8 16)")
+    ap.add_argument("--scaling-repeats", type=int, default=1,
+                    help="passes of the scaling section over its problems (the same texts each time); figures are "
+                         "over every pass and speedup_repeats holds each pass's speedup, the run's timing noise")
     ap.add_argument(
         "--no-lazy-p",
         action="store_true",
