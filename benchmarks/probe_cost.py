@@ -32,8 +32,9 @@ from probes.decoder import summarize
 from probes.decoding.policies import ProbePolicy
 
 VARIANTS = {"float32": ("float32", 0), "float16": ("float16", 0), "float16+fast_path": ("float16", 1)}
-"""name: (the probes' MLP dtype, fast path top_k); the decoder's default on a machine is one of them (``default``
-in the report: ``probe_dtype="auto"`` and :func:`~probes.decoding.policies.default_policy`)."""
+"""name: (the probes' MLP dtype, fast path top_k); ``default`` in the report names the one the decoder runs by default
+on the machine (``probe_dtype="auto"`` and :func:`~probes.decoding.policies.default_policy`), None where that is
+float32 with the fast path (a CPU on which ``auto`` keeps float32)."""
 
 STEP = "Add 5: 14 + 5 = 19.\n\n"
 
@@ -102,8 +103,9 @@ def main(argv=None) -> dict:
     decs = {k: shipped_decoder(world, ProbePolicy(top_k=top_k), dtype) for k, (dtype, top_k) in VARIANTS.items()}
     default = shipped_decoder(world)
     report = {"n_problems": n, "seed": args.seed, "call": call_costs(world, decs["float32"].target_probe),
-              "default": next(k for k, (dtype, top_k) in VARIANTS.items()
-                              if default.target_probe.mlp_dtype == getattr(torch, dtype) and default.policy.top_k == top_k)}
+              "default": next((k for k, (dtype, top_k) in VARIANTS.items()  # None: float32 with the fast path
+                               if default.target_probe.mlp_dtype == getattr(torch, dtype)
+                               and default.policy.top_k == top_k), None)}
     runs, names = {k: [] for k in decs}, list(decs)
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="probe_cost", unit="problem")):
