@@ -256,6 +256,35 @@ def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int, argv=No
     return args, task.generate_problems(args.n_problems, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
 
 
+def versus_target_only(runs: dict[str, list], problems: Sequence, walls: dict[str, float]) -> tuple[dict, dict]:
+    """Each method's figures against ``target_only`` on the same problems (``first_step``, ``rewrites``).
+
+    Args:
+        runs: per method, its results in problem order (one method is ``target_only``).
+        problems: the problems decoded (the world's answer checker reads them).
+        walls: per method, its wall seconds.
+
+    Returns:
+        ``({method: {accuracy, wall_s, speedup, step_acceptance, accuracy_delta, accuracy_delta_ci95}},
+        {method: [right per problem]})``; the deltas are paired by problem against target-only.
+    """
+    right = {k: [task.check_answer(r.text, p.answer) for r, p in zip(v, problems)] for k, v in runs.items()}
+    methods = {name: {"accuracy": accuracy(right[name]), "wall_s": walls[name],
+                      "speedup": speedup(walls["target_only"], walls[name]),
+                      "step_acceptance": summarize(res)["step_acceptance"],
+                      **paired_delta(right[name], right["target_only"])} for name, res in runs.items()}
+    return methods, right
+
+
+def print_versus(methods: dict, speedup_label: str = "speedup") -> None:
+    """One line per method of :func:`versus_target_only`: accuracy with its paired interval, speedup, acceptance."""
+    width = max(map(len, methods))
+    for name, m in methods.items():
+        lo, hi = m["accuracy_delta_ci95"]
+        print(f"{name:{width}s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, 95% "
+              f"[{lo:+.3f}, {hi:+.3f}])  {speedup_label} {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
+
+
 def shipped_decoder(world: models.World, policy: ProbePolicy | None = None, probe_dtype: str = "auto",
                     **loop) -> SemanticSpecDecoder:
     """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task's answer marker; ``loop``: other

@@ -21,10 +21,9 @@ import time
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.decode import other_problems, paired_delta, shipped_decoder
+from benchmarks.decode import other_problems, paired_delta, print_versus, shipped_decoder, versus_target_only
 from datamodules.arithmetic import models, task
 from probes.decoder import summarize
-from probes.metrics import accuracy, speedup
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
             "draft_first_step": {"target_first_step": False, "token_sd": False},
@@ -45,21 +44,13 @@ def main(argv=None) -> dict:
             method = "target_only" if name == "target_only" else "semanticspec"
             runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k, method=method,
                                               max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95)
-    right = {k: [task.check_answer(r.text, p.answer) for r, p in zip(v, problems)] for k, v in runs.items()}
-    ref_wall = summarize(runs["target_only"])["wall_s"]
-    report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": {}}
-    for name, res in runs.items():
-        s = summarize(res)
-        report["methods"][name] = {"accuracy": accuracy(right[name]), "speedup": speedup(ref_wall, s["wall_s"]),
-                                   "step_acceptance": s["step_acceptance"], **paired_delta(right[name], right["target_only"])}
+    methods, right = versus_target_only(runs, problems, {k: summarize(v)["wall_s"] for k, v in runs.items()})
+    report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": methods}
     d, t = report["methods"]["draft_first_step"], report["methods"]["target_first_step"]
     report["draft_minus_target_first_step"] = paired_delta(right["draft_first_step"], right["target_first_step"])
     for who in ("target_first_step", "draft_first_step"):
         report[f"{who}+token_sd_minus_{who}"] = paired_delta(right[f"{who}+token_sd"], right[who])
-    for name, m in report["methods"].items():
-        lo, hi = m["accuracy_delta_ci95"]
-        print(f"{name:27s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, 95% [{lo:+.3f}, {hi:+.3f}])"
-              f"  speedup {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
+    print_versus(methods)
     lo, hi = report["draft_minus_target_first_step"]["accuracy_delta_ci95"]
     print(f"draft - target first step: {d['accuracy'] - t['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
           f"speedup {d['speedup']:.2f}x vs {t['speedup']:.2f}x")

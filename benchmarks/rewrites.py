@@ -21,10 +21,8 @@ import time
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.decode import other_problems, paired_delta, shipped_decoder
+from benchmarks.decode import other_problems, paired_delta, print_versus, shipped_decoder, versus_target_only
 from datamodules.arithmetic import models, task
-from probes.decoder import summarize
-from probes.metrics import accuracy, speedup
 
 VARIANTS = {"target_only": {}, "in_rounds": {"rewrite_in_rounds": True}, "rewrite_phase": {"rewrite_in_rounds": False}}
 BATCH = 8
@@ -45,22 +43,14 @@ def main(argv=None) -> dict:
             runs[name] += decs[name].generate(prompts, seed=args.seed + c, method=method, batch_size=BATCH,
                                               max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95)
             walls[name] += time.perf_counter() - t1
-    right = {k: [task.check_answer(r.text, p.answer) for r, p in zip(v, problems)] for k, v in runs.items()}
+    methods, right = versus_target_only(runs, problems, walls)
     report = {"n_problems": n, "seed": args.seed, "batch_size": BATCH, "seconds": time.perf_counter() - t0,
-              "methods": {}}
-    for name, res in runs.items():
-        report["methods"][name] = {"accuracy": accuracy(right[name]), "wall_s": walls[name],
-                                   "speedup": speedup(walls["target_only"], walls[name]),
-                                   "step_acceptance": summarize(res)["step_acceptance"],
-                                   **paired_delta(right[name], right["target_only"])}
+              "methods": methods}
     a, b = right["in_rounds"], right["rewrite_phase"]
     report["in_rounds_minus_rewrite_phase"] = {
         **paired_delta(a, b), "only_in_rounds_right": sum(x and not y for x, y in zip(a, b)),
         "only_rewrite_phase_right": sum(y and not x for x, y in zip(a, b))}
-    for name, m in report["methods"].items():
-        lo, hi = m["accuracy_delta_ci95"]
-        print(f"{name:14s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, 95% [{lo:+.3f}, "
-              f"{hi:+.3f}])  speedup at {BATCH} prompts {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
+    print_versus(methods, f"speedup at {BATCH} prompts")
     d = report["in_rounds_minus_rewrite_phase"]
     lo, hi = d["accuracy_delta_ci95"]
     print(f"in rounds - rewrite phase: {d['accuracy_delta']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]); right only in rounds "
