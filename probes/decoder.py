@@ -46,7 +46,7 @@ from generation.handover import Handover
 from generation.specs import SamplingSpec
 from probes.decoding import setup
 from probes.decoding.methods import MethodArgs, runner_for
-from probes.decoding.options import LoopOptions, resolve_probe_dtype
+from probes.decoding.options import LoopOptions
 from probes.decoding.policies import AcceptancePolicy, ProbePolicy, default_policy
 from probes.decoding.prompts import read_prompts
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
@@ -107,7 +107,7 @@ class SemanticSpecDecoder:
         self.target_probe = setup.load(target_probe, target, tokenizer, role="target")
         self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, role="draft")
         self.target_probe, self.draft_probe = (
-            setup.in_dtype(p, resolve_probe_dtype(probe_dtype, next(m.parameters()).device))
+            setup.in_dtype(p, probe_dtype, next(m.parameters()).device)
             for p, m in ((self.target_probe, target), (self.draft_probe, draft)))
         self.step = setup.step_spec((self.target_probe, self.draft_probe), opt.step)
         """What a step is (:class:`~generation.specs.StepSpec`): the probes', unless ``options.step`` says."""

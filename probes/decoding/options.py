@@ -1,5 +1,5 @@
 """How the decoder's step loop runs, apart from who decides (:class:`LoopOptions`), and the dtype its probes run in
-(:func:`probe_dtype`)."""
+(:func:`resolve_probe_dtype`)."""
 
 from __future__ import annotations
 

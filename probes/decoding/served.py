@@ -50,7 +50,7 @@ from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
 from probes.decoding import setup
 from probes.decoding.methods import METHODS, MethodArgs
-from probes.decoding.options import LoopOptions, resolve_probe_dtype
+from probes.decoding.options import LoopOptions
 from probes.decoding.policies import AcceptancePolicy, FastPath, ProbePolicy, RandomPolicy, default_policy
 from probes.decoding.proposer import run_probe
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace
@@ -98,7 +98,7 @@ class ServedDecoder:
         self.target, self.draft, self.concurrency = target, draft, concurrency
         self.policy, self.options = policy or default_policy(), options or LoopOptions()
         self.target_probe, self.draft_probe = (
-            setup.in_dtype(p, resolve_probe_dtype(probe_dtype, p.input_mean.device if p is not None else torch.device("cpu")))
+            setup.in_dtype(p, probe_dtype, p.input_mean.device if p is not None else torch.device("cpu"))
             for p in (_load_probe(target_probe, "target"), _load_probe(draft_probe, "draft")))
         probes = (self.target_probe, self.draft_probe)
         self.step: StepSpec = setup.step_spec(probes, self.options.step)

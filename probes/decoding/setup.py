@@ -9,6 +9,7 @@ import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count
+from probes.decoding.options import resolve_probe_dtype
 
 
 def load(probe, model, tokenizer, role: str | None = None):
@@ -52,10 +53,12 @@ def load(probe, model, tokenizer, role: str | None = None):
     return probe
 
 
-def in_dtype(probe, dtype: torch.dtype):
-    """``probe`` with its MLP in ``dtype``: itself when it already is (or is None), else a copy (the caller's probe,
-    a module being trained, say, is left as it was). Inputs are still standardised in float32
-    (:meth:`~probes.model.SemanticProbe.predict`)."""
+def in_dtype(probe, probe_dtype: str, device: torch.device):
+    """``probe`` with its MLP in the dtype ``probe_dtype`` resolves to on ``device``
+    (:func:`~probes.decoding.options.resolve_probe_dtype`, which refuses a bad value even without a probe): itself
+    when it already is (or is None), else a copy (the caller's probe, a module being trained, say, is left as it
+    was). Inputs are still standardised in float32 (:meth:`~probes.model.SemanticProbe.predict`)."""
+    dtype = resolve_probe_dtype(probe_dtype, device)
     if probe is None or getattr(probe, "mlp_dtype", dtype) == dtype:
         return probe
     probe = copy.deepcopy(probe)
