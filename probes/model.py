@@ -120,23 +120,39 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         """:meth:`forward` for inference, with little per-call overhead: the decoder's probe call.
 
         Under ``torch.inference_mode``, ``features`` moved to the probe's device and the MLP run as plain
-        ``linear``/``relu_`` calls (no module dispatch, no dropout, no autograd bookkeeping), in
-        :attr:`mlp_dtype`. Equals :meth:`forward` in eval mode; in training mode (dropout) or with a layer mix it
-        is :meth:`forward`.
+        ``linear``/``relu_`` calls over its layers' weights (no module dispatch, no dropout, no autograd
+        bookkeeping, one shape comparison), in :attr:`mlp_dtype`: the same ops as :meth:`forward` in eval mode, so
+        the same numbers. In training mode (dropout), with a layer mix, or for an MLP edited into another layout
+        it is :meth:`forward`.
 
         Returns:
             (B,) probabilities, an inference tensor on the probe's device.
         """
         with torch.inference_mode():
             x = features.to(self.input_mean.device)
-            if self.training or hasattr(self, "layer_logits"):
+            linears = self._linears
+            if self.training or "layer_logits" in self._parameters or linears is None:
                 return self(x)
-            x = ((self._checked(x) - self.input_mean) / self.input_std).to(self.mlp_dtype)
-            for m in self.mlp:
-                if isinstance(m, nn.Linear):
-                    x = torch.nn.functional.linear(x, m.weight, m.bias)
-                elif isinstance(m, nn.ReLU):
-                    x = x.relu_()
-                elif not isinstance(m, nn.Dropout):  # a module this loop does not know: run it as forward does
-                    x = m(x)
-            return x.squeeze(-1).float().sigmoid_()
+            if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.config.input_size:
+                x = self._checked(x)
+            x = ((x - self.input_mean) / self.input_std).to(linears[0].weight.dtype)
+            for m in linears[:-1]:
+                x = torch.nn.functional.linear(x, m.weight, m.bias).relu_()
+            last = linears[-1]
+            return torch.nn.functional.linear(x, last.weight, last.bias).squeeze(-1).float().sigmoid_()
+
+    @property
+    def _linears(self) -> list[nn.Linear] | None:
+        """The MLP's ``Linear`` layers in order, when it has the layout this class builds (``Linear``, ``ReLU``,
+        ``Dropout``, ..., ``Linear``); None for an MLP edited into another layout (:meth:`predict` then runs
+        :meth:`forward`). Found again only when the MLP's modules change (:meth:`predict` runs per decoder step)."""
+        layers = tuple(self.mlp)
+        cached = self.__dict__.get("_linear_cache")
+        if cached is None or cached[0] != layers:
+            n = len(layers) // 3
+            plain = len(layers) == 3 * n + 1 and isinstance(layers[-1], nn.Linear) and all(
+                isinstance(layers[3 * i], nn.Linear) and isinstance(layers[3 * i + 1], nn.ReLU)
+                and isinstance(layers[3 * i + 2], nn.Dropout) for i in range(n))
+            cached = (layers, [layers[3 * i] for i in range(n + 1)] if plain else None)
+            self.__dict__["_linear_cache"] = cached
+        return cached[1]

@@ -7,6 +7,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from torch import nn
 
 from generation.specs import SamplingSpec, StepSpec
 from torch.utils.data import DataLoader
@@ -53,6 +54,20 @@ def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims
         probe.predict(torch.randn(2, 12))
     probe.train()  # dropout on: predict is forward (random), still a probability per row
     assert probe.predict(x).shape == (6,)
+
+
+def test_predict_is_bitwise_forward_and_falls_back_for_an_edited_mlp():
+    """predict runs the Linear layers it found once; replacing a module is noticed (another layout runs forward)."""
+    probe = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[16, 8], feature_groups=["hidden"])).eval()
+    x = torch.randn(4, 8)
+    assert torch.equal(probe.predict(x), probe(x))
+    probe.mlp[0] = nn.Linear(8, 16)  # same layout, new weights: found again
+    assert torch.equal(probe.predict(x), probe(x))
+    probe.mlp[1] = nn.GELU()  # another layout: predict is forward, not Linear/ReLU
+    assert torch.equal(probe.predict(x), probe(x))
+    probe.mlp[1] = nn.ReLU()
+    probe.mlp.half()  # the dtype follows the weights
+    assert torch.equal(probe.predict(x), probe(x)) and probe.predict(x).dtype == torch.float32
 
 
 def test_a_half_precision_mlp_predicts_close_to_float32_and_returns_float32():
