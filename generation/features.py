@@ -113,6 +113,7 @@ class _Plan:
     is_share: torch.Tensor
     is_log: torch.Tensor
     is_mean: torch.Tensor  # (m, 1)
+    sign: torch.Tensor  # (m, 1) ``scale`` for the reduced statistics
 
 
 @functools.lru_cache(maxsize=64)
@@ -140,7 +141,8 @@ def _plan(groups: tuple[tuple[str, tuple[str, ...]], ...], device: torch.device)
                  scale=column([-1.0 if how == "max" else 1.0 for how, _, _ in rows]),
                  threshold=column([t if s else float("nan") for (_, _, t), s in zip(rows, share)]),
                  is_share=column(share, torch.bool), is_log=column([t == "log1p" for _, _, t in rows], torch.bool),
-                 is_mean=column([how == "mean" for how, _, _ in rows], torch.bool)[:, :, 0])
+                 is_mean=column([how == "mean" for how, _, _ in rows], torch.bool)[:, :, 0],
+                 sign=column([-1.0 if how == "max" else 1.0 for how, _, _ in rows])[:, :, 0])
 
 
 def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor | float, mask: torch.Tensor | None) -> torch.Tensor:
@@ -158,7 +160,7 @@ def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor | float
         means, mins = cols.sum(-1), cols.amin(-1)
     else:
         means, mins = (cols * mask).sum(-1), cols.masked_fill(~mask, float("inf")).amin(-1)
-    return torch.where(plan.is_mean, means / lengths, mins * plan.scale[:, :, 0]).T.contiguous()
+    return torch.where(plan.is_mean, means / lengths, mins * plan.sign).T.contiguous()
 
 
 def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str],
@@ -285,21 +287,23 @@ def _logit_chunks(logits: Sequence[torch.Tensor | Sequence[torch.Tensor]],
     Raises:
         ValueError: a row whose parts hold another number of positions than its step has tokens.
     """
+    if len(logits) == 1 and isinstance(logits[0], torch.Tensor) and logits[0].shape[0] == lengths[0]:
+        return [logits[0]]  # the decoder's one row: nothing to check or join
     parts: list[torch.Tensor] = []
     for i, (row, n) in enumerate(zip(logits, lengths)):
         row = [row] if isinstance(row, torch.Tensor) else list(row)
-        at = sum(len(p) for p in row)
+        at = sum(p.shape[0] for p in row)
         if at != n:
             raise ValueError(f"row {i}: {at} logits for a step of {n} tokens; give one (V,) row of logits per token")
         parts += row
     chunks: list[list[torch.Tensor]] = [[]]
     size = 0
     for p in parts:
-        if chunks[-1] and (size + len(p)) * p.shape[-1] > _CHUNK_ELEMENTS:
+        if chunks[-1] and (size + p.shape[0]) * p.shape[-1] > _CHUNK_ELEMENTS:
             chunks.append([])
             size = 0
         chunks[-1].append(p)
-        size += len(p)
+        size += p.shape[0]
     return [c[0] if len(c) == 1 else torch.cat(c) for c in chunks]
 
 
@@ -309,9 +313,11 @@ def _logit_scores(groups: Sequence[str], top_k: int, tokens: Sequence[Sequence[i
     ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long)
     out: dict[str, list[torch.Tensor]] = {g: [] for g in groups}
     at = 0
-    for x in _logit_chunks(logits, lengths):
-        tok = ids[at : at + len(x)].to(x.device)
-        at += len(x)
+    chunks = _logit_chunks(logits, lengths)
+    for x in chunks:
+        n = x.shape[0]
+        tok = (ids if len(chunks) == 1 else ids[at : at + n]).to(x.device)
+        at += n
         if "token_stats" in out:
             out["token_stats"].append(per_token_scores(x, tok))
         if "topk_stats" in out:
