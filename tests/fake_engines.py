@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import zlib
-from http.server import ThreadingHTTPServer
 
-from tests.fake_openai import POLL_S, JsonHandler
+from tests.fake_openai import JsonHandler, LoopbackServer
 
 BOS, BOS_TEXT = 1, "<s>"
 CONTINUATION = "a b\n\nc d"
@@ -58,7 +56,7 @@ def top_entries(prefix: list[int], k: int) -> list[tuple[float, int, str]]:
     return [(-round(0.01 * (j + 1) + 0.001 * len(prefix), 6), 60000 + j, f" w{j}") for j in range(k)]
 
 
-class _Server:
+class _Server(LoopbackServer):
     def __init__(self, routes_get, routes_post):
         self.requests: list[tuple[str, dict, dict]] = []
         outer = self
@@ -75,16 +73,10 @@ class _Server:
                 f = routes_post.get(self.path)
                 self._send(*(f(body, headers) if f else (404, {"detail": "Not Found"})))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.root = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(POLL_S,), daemon=True).start()
+        self.root = self._serve(Handler)
 
     def posts(self, path: str) -> list[dict]:
         return [b for p, _, b in self.requests if p == path]
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def _continue(ids: list[int], max_tokens: int, stops: list[str], keep_stop: bool):

@@ -37,7 +37,21 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-class FakeServer:
+class LoopbackServer:
+    """The fakes' server skeleton: a handler class served on a loopback port from a daemon thread, and ``close()``."""
+
+    def _serve(self, handler: type[JsonHandler], threaded: bool = True) -> str:
+        """Start serving ``handler``; returns the server's root URL (``http://127.0.0.1:PORT``)."""
+        self.httpd = (ThreadingHTTPServer if threaded else HTTPServer)(("127.0.0.1", 0), handler)
+        threading.Thread(target=self.httpd.serve_forever, args=(POLL_S,), daemon=True).start()
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeServer(LoopbackServer):
     """Serves ``model`` (with ``tokenizer``) as ``name`` on a loopback port; ``.url`` is its ``/v1`` base URL.
 
     Args:
@@ -92,9 +106,7 @@ class FakeServer:
                     with outer.lock:
                         outer.in_flight -= 1
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, args=(POLL_S,), daemon=True).start()
+        self.url = self._serve(Handler) + "/v1"
 
     def complete(self, body: dict) -> dict:
         tok, prompt = self.tok, body["prompt"]
@@ -125,12 +137,8 @@ class FakeServer:
         return {"id": "x", "object": "text_completion", "model": self.name, "choices": choices,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used}}
 
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
-
-class FakeJudgeServer:
+class FakeJudgeServer(LoopbackServer):
     """A local OpenAI-compatible judge endpoint: answers 'yes' when both steps share their last number.
 
     Args:
@@ -161,10 +169,4 @@ class FakeJudgeServer:
                     out = {"choices": [{"text": " yes" if yes else " no", "logprobs": {"top_logprobs": [{" " + t: v for t, v in lp.items()}]}}]}
                 self._send(200, out)
 
-        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, args=(POLL_S,), daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.url = self._serve(Handler, threaded=False) + "/v1"
