@@ -113,7 +113,7 @@ class _Plan:
     is_share: torch.Tensor
     is_log: torch.Tensor
     is_mean: torch.Tensor  # (m, 1)
-    sign: torch.Tensor  # (m, 1) ``scale`` for the reduced statistics
+    sign: torch.Tensor  # (m, 1) a view of ``scale`` for the reduced statistics
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,12 +137,12 @@ def _plan(groups: tuple[tuple[str, tuple[str, ...]], ...], device: torch.device)
         return torch.tensor(values, dtype=dtype, device=device)[:, None, None]
 
     share = [isinstance(t, float) for _, _, t in rows]
-    return _Plan(source=torch.tensor([c for _, c, _ in rows], device=device),
-                 scale=column([-1.0 if how == "max" else 1.0 for how, _, _ in rows]),
+    scale = column([-1.0 if how == "max" else 1.0 for how, _, _ in rows])
+    return _Plan(source=torch.tensor([c for _, c, _ in rows], device=device), scale=scale,
                  threshold=column([t if s else float("nan") for (_, _, t), s in zip(rows, share)]),
                  is_share=column(share, torch.bool), is_log=column([t == "log1p" for _, _, t in rows], torch.bool),
                  is_mean=column([how == "mean" for how, _, _ in rows], torch.bool)[:, :, 0],
-                 sign=column([-1.0 if how == "max" else 1.0 for how, _, _ in rows])[:, :, 0])
+                 sign=scale[:, :, 0])
 
 
 def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor | float, mask: torch.Tensor | None) -> torch.Tensor:
@@ -313,10 +313,9 @@ def _logit_scores(groups: Sequence[str], top_k: int, tokens: Sequence[Sequence[i
     ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long)
     out: dict[str, list[torch.Tensor]] = {g: [] for g in groups}
     at = 0
-    chunks = _logit_chunks(logits, lengths)
-    for x in chunks:
+    for x in _logit_chunks(logits, lengths):
         n = x.shape[0]
-        tok = (ids if len(chunks) == 1 else ids[at : at + n]).to(x.device)
+        tok = ids[at : at + n].to(x.device)
         at += n
         if "token_stats" in out:
             out["token_stats"].append(per_token_scores(x, tok))
