@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,11 @@ class Sampler:
     Built once per decode (or label sampling run) and handed to the writers, so temperature and top-p
     travel as one validated object instead of through every call.
 
+    A generator draws only on its own device, so draws from logits on another device (a model on a GPU, with the
+    decoder's CPU streams) come from that device's twins of the streams (:func:`placed`): made once per device, each
+    seeded like the stream it stands for, then kept. A row then draws from one stream per device, whatever its batch;
+    its tokens on a GPU differ from those on the CPU (another generator), as reproducibly.
+
     Attributes:
         spec: temperature and top-p.
         generator: one stream for every row, or one per cache row (``rows`` index it).
@@ -45,10 +50,21 @@ class Sampler:
 
     spec: SamplingSpec = SamplingSpec()
     generator: Streams = None
+    _twins: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def draw(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """One token per row of ``logits`` (B, V), row ``k`` of the batch being cache row ``rows[k]``. Returns (B,)."""
-        return sample_next(logits, self.spec.temperature, self.spec.top_p, row_streams(self.generator, rows))
+        streams = row_streams(self.streams_on(logits.device), rows)
+        return sample_next(logits, self.spec.temperature, self.spec.top_p, streams)
+
+    def streams_on(self, device: torch.device) -> Streams:
+        """The streams that draw on ``device``: the sampler's own where they live there, else their twins."""
+        g = self.generator
+        if _device(g) in (None, device):
+            return g
+        if device not in self._twins:
+            self._twins[device] = placed(g, device)
+        return self._twins[device]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution :meth:`draw` draws from, (..., V)."""
@@ -58,6 +74,23 @@ class Sampler:
         """The random stream of cache row ``row``."""
         return self.generator if self.generator is None or isinstance(self.generator, torch.Generator) \
             else self.generator[row]
+
+
+def _device(generator: Streams) -> torch.device | None:
+    """Where the streams draw (None: no streams)."""
+    if generator is None:
+        return None
+    if isinstance(generator, torch.Generator):
+        return generator.device
+    return generator[0].device if len(generator) else None
+
+
+def placed(generator: torch.Generator | Sequence[torch.Generator], device: torch.device | str) -> Streams:
+    """New generators on ``device``, each seeded with the initial seed of its counterpart in ``generator`` (one, or
+    a sequence): the stream a generator started as, on another device (where it gives other numbers)."""
+    def twin(g: torch.Generator) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(g.initial_seed())
+    return twin(generator) if isinstance(generator, torch.Generator) else [twin(g) for g in generator]
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0,

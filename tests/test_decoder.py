@@ -760,3 +760,23 @@ def test_probe_dtype_runs_a_copy_of_the_mlp_in_float16_and_refuses_bad_values(ti
     assert resolve_probe_dtype("auto", torch.device("cuda")) == torch.float16
     with pytest.raises(ValueError, match=r"probe_dtype='bfloat16'; expected one of \['auto', 'float32', 'float16'\]"):
         SemanticSpecDecoder(target, draft, tok, target_probe=probe, probe_dtype="bfloat16")
+
+
+@pytest.mark.gpu
+def test_sampled_decoding_on_a_gpu_is_reproducible_and_batch_independent(tiny_pair):
+    """The decoder's per-row streams live on the CPU; a model on a GPU draws from their twins there (a generator
+    only draws on its device). Both models on the GPU, and the draft alone on it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import copy
+
+    target, draft, tok = tiny_pair  # shared by other tests: moved as copies
+    on_gpu = copy.deepcopy(target).cuda(), copy.deepcopy(draft).cuda()
+    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
+    for t, d in (on_gpu, (target, on_gpu[1])):
+        dec = stub_decoder(t, d, tok, q=sometimes, rule="threshold", tau=0.5)
+        batched = dec.generate(RAGGED, batch_size=8, max_new_tokens=40, seed=11)
+        assert [row_view(r) for r in batched] == [row_view(r) for r in dec.generate(RAGGED, batch_size=1,
+                                                                                     max_new_tokens=40, seed=11)]
+        assert texts(batched) == texts(dec.generate(RAGGED, batch_size=8, max_new_tokens=40, seed=11))
+        assert texts(batched) != texts(dec.generate(RAGGED, batch_size=8, max_new_tokens=40, seed=12))

@@ -264,3 +264,36 @@ def test_exponential_race_samples_each_row_from_its_own_stream_as_multinomial_do
     assert chisquare(counts[keep].numpy(), (probs[0].double()[keep] / probs[0].double().sum() * 4000).numpy()).pvalue < 1e-6
     with pytest.raises(ValueError, match="3 generators for 4 rows"):
         exponential_race(probs, ours[:3])
+
+
+def test_draws_on_another_device_come_from_twins_of_the_streams_made_once(monkeypatch):
+    """A generator draws only on its device: logits elsewhere (a model on a GPU) draw from twins of the streams
+    (:func:`placed`, seeded like them, made once per device); on the streams' own device nothing changes."""
+    import generation.sampling as S
+
+    own = [torch.Generator().manual_seed(s) for s in (3, 4)]
+    sampler = S.Sampler(SamplingSpec(0.7, 0.9), own)
+    assert sampler.streams_on(torch.device("cpu")) is own
+    assert S.Sampler(SamplingSpec(0.7, 0.9)).streams_on(torch.device("cpu")) is None
+    # twins restart each stream from its seed, wherever the original has got to
+    torch.rand(7, generator=own[0])
+    twins = S.placed(own, "cpu")
+    assert [t.initial_seed() for t in twins] == [3, 4] and all(t is not g for t, g in zip(twins, own))
+    fresh = torch.Generator().manual_seed(3)
+    assert torch.equal(torch.rand(5, generator=twins[0]), torch.rand(5, generator=fresh))
+    assert S.placed(own[1], "cpu").initial_seed() == 4
+    # streams that live elsewhere: twins are made on the logits' device once, and the draws use them
+    class Elsewhere:
+        device = torch.device("cuda", 0)
+    made = []
+    def place(g, device):
+        made.append(device)
+        return [torch.Generator().manual_seed(10 + k) for k in range(len(g))]
+    monkeypatch.setattr(S, "placed", place)
+    away = S.Sampler(SamplingSpec(0.7, 0.9), [Elsewhere(), Elsewhere()])
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    first, second = away.draw(logits, [0, 1]), away.draw(logits[1:], [1])
+    assert made == [torch.device("cpu")]
+    ref = [torch.Generator().manual_seed(10 + k) for k in range(2)]
+    assert torch.equal(first, S.sample_next(logits, 0.7, 0.9, ref))
+    assert torch.equal(second, S.sample_next(logits[1:], 0.7, 0.9, ref[1:]))
