@@ -22,7 +22,9 @@ pooled, :func:`generation.cache.record_forwards`). A decode's predicted forward 
 ``sum_m a_m * forwards_m + b_m * positions_m``; checked against its measured forward time per size, it
 says whether forwards and positions explain the cost. Predicted tokens/s adds the decode's measured time
 outside the forwards (sampling, probes, bookkeeping: ``other_s``), and ``predicted_speedup`` is the ratio of
-predicted walls.
+predicted walls. ``positions_free_speedup`` is the same ratio with every forward costing only its ``a_m``: what
+the speedup would be where a forward costs about the same for 8 positions as for 150 (an accelerator, for
+models this small), on this machine's per-forward and loop costs. A projection, not a measurement.
 
 **Repeats.** With ``repeats`` > 1 every chunk is decoded again at every size (the same texts, the methods' order
 rotated once more): walls, forwards and seconds are over every pass, ``speedup`` is the ratio of the summed
@@ -127,6 +129,7 @@ def batch_scaling(dec, problems: Sequence, args, prompt: Callable, check: Callab
             row["speedup"] = ref["wall_s"] / row["wall_s"]
             row["speedup_repeats"] = [p[methods[0], int(b)].wall / p[m, int(b)].wall for p in passes]
             row["predicted_speedup"] = ref["predicted_wall_s"] / row["predicted_wall_s"]
+            row["positions_free_speedup"] = ref["positions_free_wall_s"] / row["positions_free_wall_s"]
             row["scaling"] = row["tokens_per_s"] / table[m][str(sizes[0])]["tokens_per_s"]
     phases = {m: {str(b): phase_breakdown(runs[m, b]) for b in sizes} for m in methods}
     return {"table": table, "cost_model": costs, "phases": phases, "chunk": chunk, "repeats": repeats}
@@ -167,7 +170,7 @@ def figures(run: Run, problems: Sequence, check: Callable, costs: dict, roles: d
     fig = {"tokens_per_s": tokens / run.wall, "wall_s": run.wall, "problems": n,
            "output_tokens": sum(r.stats.output_tokens for r in run.results[:n]),
            "accuracy": sum(bool(check(r.text, p)) for r, p in zip(run.results[:n], problems)) / n}
-    forward_s = predicted = 0.0
+    forward_s = predicted = fixed = 0.0
     for role in MODELS:
         recs = [r for r in run.records if roles.get(id(r.model)) == role]
         n = max(len(recs), 1)
@@ -180,9 +183,11 @@ def figures(run: Run, problems: Sequence, check: Callable, costs: dict, roles: d
         forward_s += fig[f"{role}_forward_s"]
         if recs and role in costs:
             predicted += costs[role]["a"] * len(recs) + costs[role]["b"] * positions
+            fixed += costs[role]["a"] * len(recs)
     other = max(run.wall - forward_s, 0.0)
     fig.update({"forward_s": forward_s, "predicted_forward_s": predicted, "other_s": other,
-                "predicted_wall_s": predicted + other, "predicted_tokens_per_s": tokens / (predicted + other)})
+                "predicted_wall_s": predicted + other, "predicted_tokens_per_s": tokens / (predicted + other),
+                "positions_free_wall_s": fixed + other})
     return fig
 
 
@@ -210,8 +215,9 @@ def markdown(section: dict) -> list[str]:
     if not section:
         return []
     lines = ["", "| batch scaling | batch | tokens/s | speedup | accuracy | problems | target fwd (rows, positions / fwd) "
-             "| draft fwd (rows, positions / fwd) | forward s (predicted) / wall | predicted tokens/s | predicted speedup |",
-             "|---" * 11 + "|"]
+             "| draft fwd (rows, positions / fwd) | forward s (predicted) / wall | predicted tokens/s | predicted speedup "
+             "| speedup, positions free (projected) |",
+             "|---" * 12 + "|"]
     for method, row in section["table"].items():
         for b, r in row.items():
             lines.append(
@@ -219,7 +225,8 @@ def markdown(section: dict) -> list[str]:
                 f"| {r['problems']} | {r['target_forwards']} ({r['target_rows_per_forward']:.1f}, "
                 f"{r['target_positions_per_forward']:.1f}) | {r['draft_forwards']} ({r['draft_rows_per_forward']:.1f}, "
                 f"{r['draft_positions_per_forward']:.1f}) | {r['forward_s']:.2f} ({r['predicted_forward_s']:.2f}) / "
-                f"{r['wall_s']:.2f} | {r['predicted_tokens_per_s']:.0f} | {r['predicted_speedup']:.2f} |")
+                f"{r['wall_s']:.2f} | {r['predicted_tokens_per_s']:.0f} | {r['predicted_speedup']:.2f} "
+                f"| {r['positions_free_speedup']:.2f} |")
     lines += ["", "| forward cost model (s = a + b * positions) | a (ms) | b (us / position) | forwards | R^2 |",
               "|---|---|---|---|---|"]
     for role, c in section["cost_model"].items():

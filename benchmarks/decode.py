@@ -3,6 +3,7 @@
     python -m benchmarks.decode            # 400 problems (benchmarks/results/decode.json, .md, .png)
     python -m benchmarks.decode --quick    # 40 problems, same code path (decode-quick.*), < 3 min
     python -m benchmarks.decode --target-probe DIR --draft-probe DIR
+    python -m benchmarks.decode --only-batch-scaling --device cuda   # batch scaling with the models on a GPU
 
 What it measures (issue 4, "Benchmark figures" in docs/design.md):
 
@@ -35,6 +36,8 @@ What it measures (issue 4, "Benchmark figures" in docs/design.md):
   batch cost model's prediction, and SemanticSpec's phases with its idle rows (:mod:`benchmarks.batching`).
   ``--only-batch-scaling`` runs this section alone (``decode-scaling[-quick].json``); ``--scaling-repeats N``
   makes N passes over its problems and reports each pass's speedup (``speedup_repeats``) beside the overall one.
+  ``--device`` puts the world's models (and the probes, which follow them) on another torch device, such as a
+  GPU; the loop and the figures are the same (draws then come from the rows' streams on that device).
 
 Probes default to ``checkpoints/arithmetic/probes/{target,draft}`` (hybrid) and
 ``checkpoints/arithmetic/probes-ablation/{hidden,token_stats}/{target,draft}``; when the default
@@ -533,6 +536,9 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument(
         "--world", default=None, help="world model folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)"
     )
+    ap.add_argument("--device", default="cpu",
+                    help="where the world's models and probes run (default cpu; e.g. cuda: the same loop on a GPU, "
+                         "where a forward costs about the same for 8 positions as for 80)")
     ap.add_argument("--no-batch-scaling", action="store_true")
     ap.add_argument("--only-batch-scaling", action="store_true",
                     help="run the batch-scaling section alone (writes decode-scaling[-quick].json and .md)")
@@ -554,7 +560,14 @@ def arguments() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The parsed command line, with each sweep not given set to its default (fewer values for ``--quick``)."""
-    args = arguments().parse_args(argv)
+    ap = arguments()
+    args = ap.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r} is not a torch device ({e})")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device!r}: torch sees no CUDA device here (torch {torch.__version__})")
     if args.sweep is None:
         args.sweep = (
             ([0.5, 4.0] if args.quick else [0.25, 0.5, 2.0, 4.0, 16.0])
@@ -793,7 +806,7 @@ def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, unt
         "config": {
             k: getattr(args, k)
             for k in ("max_new_tokens", "temperature", "top_p", "rule", "tau", "ratio_scale", "top_k", "probe_dtype",
-                      "fast_path_min_logprob", "threads", "quick", "no_lazy_p")
+                      "fast_path_min_logprob", "threads", "device", "quick", "no_lazy_p")
         },
         "seconds": time.perf_counter() - t0,
     }
@@ -818,7 +831,7 @@ def scaling_only(plan: Plan, args: argparse.Namespace, untrained: bool) -> dict:
     scaling = scaling_section(plan.dec, args)
     report = {"batch_scaling": scaling, "goals": batch_goals(scaling), "untrained_probes": untrained,
               "seconds": time.perf_counter() - t0,
-              "config": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "threads", "quick",
+              "config": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "threads", "device", "quick",
                                                        "scaling_problems", "batch_sizes", "seed")}}
     out = harness.results_path("decode-scaling", args.quick, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -831,7 +844,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     n = args.n_problems or (40 if args.quick else 400)
-    world = models.load_world(args.world)
+    world = models.load_world(args.world, device=args.device)
     tmp = probes_or_untrained(args, world)
     plan = build_plan(args, world)
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
