@@ -243,6 +243,30 @@ def test_fast_path_needs_top_k_and_the_log_prob_floor(tiny_pair):
     assert not keeps([[0.7, 0.1, 0.1, 0.1]], [0], top_k=0)  # top_k = 0: off
 
 
+def test_fast_path_verdicts_of_a_batch_are_each_steps_own():
+    """The verifier scores every row's step in one pass (:func:`fast_path_keeps_rows`): each verdict is the one
+    step's alone, whatever the other steps hold (empty ones included)."""
+    import math
+
+    from probes.decoding.policies import fast_path_keeps_rows
+
+    g = torch.Generator().manual_seed(5)
+    steps = []
+    for n in (3, 0, 1, 4, 2, 5, 0, 3):
+        logits = torch.randn(n, 6, generator=g) * 3
+        tokens = logits.argmax(-1) if n % 2 else torch.randint(0, 6, (n,), generator=g)  # odd rows: top-1 steps
+        steps.append((logits, tokens.tolist()))
+    for top_k, floor in ((1, math.log(0.5)), (2, math.log(0.2)), (6, -100.0), (0, -100.0)):
+        each = [fast_path_keeps(lg, torch.tensor(t, dtype=torch.long), top_k, floor) for lg, t in steps]
+        assert fast_path_keeps_rows(steps, top_k, floor) == each
+        if top_k == 6:
+            assert each == [n > 0 for n in (3, 0, 1, 4, 2, 5, 0, 3)]
+    mixed = fast_path_keeps_rows(steps, 1, -100.0)
+    # top-1 steps are kept beside steps of random tokens that are not: the verdicts are not pooled
+    assert [mixed[k] for k in (0, 2, 5, 7)] == [True] * 4 and not (mixed[3] and mixed[4])
+    assert fast_path_keeps_rows([], 1, 0.0) == []
+
+
 def test_fast_path_is_refused_for_two_tokenizers(tiny_pair):
     from transformers import AutoTokenizer  # noqa: F401  (only the identity of the tokenizer object matters)
 

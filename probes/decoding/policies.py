@@ -5,7 +5,7 @@ verdict, the judge's score, the acceptance coin) and the proposer adds the draft
 where the policy wants it; the policy then answers ``accept``, ``accept_fast`` or ``reject`` per
 row. A policy calls no model and writes nothing into its input, so a test calls it on hand-made
 scores. What it reads is declared in :class:`Needs`; the rules themselves are pure functions of
-numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`, :func:`fast_path_keeps`,
+numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`, :func:`fast_path_keeps` and its batch form,
 :func:`judge_score`).
 
 - :class:`ProbePolicy`: SemanticSpec, the target probe's ``q`` against a threshold, or the paper's
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,17 +46,35 @@ def ratio_keeps(q: float, p: float | None, u: float, scale: float = 1.0) -> bool
     return p is None or u * p < scale * q
 
 
-def fast_path_keeps(logits: torch.Tensor, tokens: torch.Tensor, top_k: int, min_logprob: float) -> bool:
+def fast_path_keeps(logits: torch.Tensor, tokens: torch.Tensor | Sequence[int], top_k: int, min_logprob: float) -> bool:
     """Keep without the probe: every token is in the target's top-k and has log-prob >= ``min_logprob``.
 
     Args:
         logits: (k, V) the target's logits predicting each drafted token.
         tokens: (k,) the drafted tokens (a bonus token, which the target wrote, excluded).
     """
-    if len(tokens) == 0 or top_k < 1:
-        return False
-    _, logp, rank = token_scores(logits, tokens)  # as the token statistics score them
-    return bool(((rank < top_k) & (logp >= min_logprob)).all())
+    return fast_path_keeps_rows([(logits, tokens)], top_k, min_logprob)[0]
+
+
+def fast_path_keeps_rows(steps: Sequence[tuple[torch.Tensor, torch.Tensor | Sequence[int]]], top_k: int,
+                         min_logprob: float) -> list[bool]:
+    """:func:`fast_path_keeps` of several steps ``(logits, tokens)``, scored in one pass over all their tokens.
+
+    The verdicts are those of one call per step (a token's scores read its own logits only, as the token
+    statistics score them); an empty step is never kept.
+    """
+    sizes = [len(tokens) for _, tokens in steps]
+    if top_k < 1 or not any(sizes):
+        return [False] * len(steps)
+    scored = [(logits, tokens) for (logits, tokens), n in zip(steps, sizes) if n]
+    ids = [int(t) for _, tokens in scored for t in tokens]
+    logits = scored[0][0] if len(scored) == 1 else torch.cat([lg for lg, _ in scored])
+    _, logp, rank = token_scores(logits, torch.tensor(ids))
+    ok, out, at = ((rank < top_k) & (logp >= min_logprob)).tolist(), [], 0
+    for n in sizes:
+        out.append(n > 0 and all(ok[at : at + n]))
+        at += n
+    return out
 
 
 def judge_score(logits: torch.Tensor, digit_ids: list[int]) -> float:

@@ -19,7 +19,7 @@ import torch
 from generation.cache import BatchedCache
 from generation.features import FeatureSpec
 from generation.handover import Handover
-from probes.decoding.policies import Needs, fast_path_keeps, judge_score
+from probes.decoding.policies import Needs, fast_path_keeps_rows, judge_score
 from probes.decoding.proposer import Proposal, probe_rows
 from probes.decoding.scores import Scores
 
@@ -93,12 +93,10 @@ class TargetVerifier:
     def _score(self, proposals, outputs, read, after, needs: Needs) -> dict[int, Scores]:
         """Fast path, then ``q`` and one coin per row it did not keep (in row order), and the judge's score."""
         self.probe_s = 0.0
-        fast = {}
-        if needs.fast_path is not None:
-            for i, (tokens, n_forced, logits, _, _) in read.items():
-                drafted = torch.as_tensor(tokens[n_forced:])
-                fp = needs.fast_path
-                fast[i] = fast_path_keeps(logits[n_forced:], drafted, fp.top_k, fp.min_logprob)
+        fast, fp = {}, needs.fast_path
+        if fp is not None:  # every row's drafted tokens (a bonus token excluded) scored in one pass
+            steps = [(logits[n_forced:], tokens[n_forced:]) for tokens, n_forced, logits, _, _ in read.values()]
+            fast = dict(zip(read, fast_path_keeps_rows(steps, fp.top_k, fp.min_logprob)))
         slow = [i for i in read if not fast.get(i)]
         q, x = {}, {}
         if needs.q and slow:
