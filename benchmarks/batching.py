@@ -182,8 +182,9 @@ def figures(run: Run, problems: Sequence, check: Callable, costs: dict, roles: d
         fig[f"{role}_forward_s"] = sum(r.seconds for r in recs)
         forward_s += fig[f"{role}_forward_s"]
         if recs and role in costs:
-            predicted += costs[role]["a"] * len(recs) + costs[role]["b"] * positions
-            fixed += costs[role]["a"] * len(recs)
+            per_forward = costs[role]["a"] * len(recs)
+            fixed += per_forward
+            predicted += per_forward + costs[role]["b"] * positions
     other = max(run.wall - forward_s, 0.0)
     fig.update({"forward_s": forward_s, "predicted_forward_s": predicted, "other_s": other,
                 "predicted_wall_s": predicted + other, "predicted_tokens_per_s": tokens / (predicted + other),
