@@ -79,7 +79,7 @@ METHODS = tuple(TABLE)
 REFERENCE = {"token_sd": "hf_target_only"}
 """The method whose wall time a method's speedup is measured against, where it is not ``target_only``: a baseline
 that runs in another library's loop is divided by that library's own target-only time
-(docs/design.md "Definitions used by every benchmark")."""
+(docs/design.md "Benchmark figures")."""
 GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accuracy_gap": 0.10, "probe_overhead": 0.02,
          "draft_step_auroc": 0.97, "batch8_speedup": 1.8}
 DRAFTING = ("semanticspec", "random_accept", "oracle_accept", "specreason")
