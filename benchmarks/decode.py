@@ -42,7 +42,8 @@ What it measures (issue 4, "Benchmark figures" in docs/design.md):
 Probes default to ``checkpoints/arithmetic/probes/{target,draft}`` (hybrid) and
 ``checkpoints/arithmetic/probes-ablation/{hidden,token_stats}/{target,draft}``; when the default
 pair is missing the benchmark says so and uses untrained probes of the right widths (the figures
-are then not the method's).
+are then not the method's). The problems, the oracle and the figures shared with the other scripts are in
+:mod:`benchmarks.common`; the tables and the plot in :mod:`benchmarks.decode_report`.
 """
 
 from __future__ import annotations
@@ -59,54 +60,33 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import batching, harness
+from benchmarks.common import PROBE_ROOT, PROBLEM_SEED, REPO, TASK, figures, oracle_for, paired_delta
+from benchmarks.decode_report import markdown, plot, scaling_markdown
 from datamodules.arithmetic import models, task
-from datamodules.arithmetic.task import ArithmeticTask
 from generation.paths import portable_paths
-from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.methods import METHODS as TABLE
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
 from probes.decoding.options import PROBE_DTYPES, resolve_probe_dtype
-from probes.metrics import accuracy, speedup
+from probes.metrics import speedup
 
-TASK = ArithmeticTask(min_ops=4, max_ops=4)
-"""Held-out four-operation problems: their prompt format, answer marker and checker (the oracle below is the world's)."""
-
-REPO = Path(__file__).resolve().parents[1]
-PROBE_ROOT = REPO / "checkpoints" / "arithmetic" / "probes"
 ABLATION_ROOT = REPO / "checkpoints" / "arithmetic" / "probes-ablation"
 ABLATIONS = ("hidden", "token_stats")
 """Probe pairs decoded beside the default (hybrid) one: the paper's pooled states only, token statistics only."""
-PROBLEM_SEED = 30_000
-"""Seed of the benchmark's problems (world.py uses 20,000; training validates on 10,000)."""
 METHODS = tuple(TABLE)
 """Every method of the decoder's table, in its order."""
+REFERENCE = {"token_sd": "hf_target_only"}
+"""The method whose wall time a method's speedup is measured against, where it is not ``target_only``: a baseline
+that runs in another library's loop is divided by that library's own target-only time
+(docs/design.md "Benchmark figures")."""
 GOALS = {"speedup": 2.0, "accuracy_drop": 0.02, "vs_token_sd": 1.3, "random_accuracy_gap": 0.10, "probe_overhead": 0.02,
          "draft_step_auroc": 0.97, "batch8_speedup": 1.8}
-DRAFTING = tuple(m for m in METHODS if TABLE[m].drafts)
-"""Methods whose draft steps are judged (decision tables)."""
+DRAFTING = ("semanticspec", "random_accept", "oracle_accept", "specreason")
+"""Methods whose draft steps a policy decides: their decisions are judged (decision tables)."""
 LOOPS = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semanticspec[paper_loop]",
          "semanticspec[rewrite_phase]")
 """SemanticSpec with the loop's defaults undone: the target writes the first step, no token-level speculation, both."""
-
-
-def oracle_for(problem: task.Problem):
-    """``oracle(step, output_so_far)``: keep a step whose meaning is the problem's next correct operation,
-    or an answer line with the right answer."""
-
-    def oracle(step: str, prefix: str) -> bool:
-        done = sum(task.meaning(s.strip()) is not None for s in split_steps(prefix))
-        m = task.meaning(step.strip())
-        if m is None:
-            return (
-                step.strip().startswith(task.ANSWER_MARKER)
-                and task.check_answer(step, problem.answer)
-                and done == len(problem.steps)
-            )
-        return done < len(problem.steps) and m == problem.steps[done]
-
-    return oracle
 
 
 def noisy_oracle(problem: task.Problem, keep_right: float, seed: int):
@@ -209,94 +189,6 @@ def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def figures(results, problems, wall_ref: float) -> dict:
-    """Accuracy and the summary figures of one method's results."""
-    s = summarize(results)
-    acc = accuracy(TASK.check(r.text, p.answer) for r, p in zip(results, problems))
-    fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": speedup(wall_ref, s["wall_s"])}
-    keys = (
-        "step_acceptance",
-        "draft_token_share",
-        "target_passes_per_100_tokens",
-        "probe_overhead",
-        "output_tokens",
-        "tokens_per_s",
-        "target_passes",
-        "draft_passes",
-        "draft_steps_proposed",
-        "draft_steps_accepted",
-        "probe_s",
-    )
-    fig.update({k: s[k] for k in keys})
-    return fig
-
-
-def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:
-    """Accuracy minus the reference's on the same problems, and its 95% interval (normal, paired)."""
-    d = [float(a) - float(b) for a, b in zip(right, ref)]
-    n = len(d)
-    mean = sum(d) / n if n else math.nan
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
-    half = 1.96 * sd / math.sqrt(n) if n > 1 else math.nan
-    return {"accuracy_delta": mean, "accuracy_delta_ci95": [mean - half, mean + half]}
-
-
-def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int, argv=None) -> tuple[argparse.Namespace, list]:
-    """The arguments and problems of a script that decodes other problems than this benchmark's with the shipped
-    probes (``first_step``, ``rewrites``, ``probe_cost``).
-
-    Declares ``--quick`` (``quick_n`` problems, ``<name>-quick.json``), ``--threads`` (1; set here),
-    ``--n-problems`` (default ``n``), ``--seed`` (default ``seed``) and ``--max-new-tokens`` (96);
-    ``args.n_problems`` is set to the number decoded.
-    """
-    ap = harness.parser(doc, quick=f"{quick_n} problems, writes {name}-quick.json", threads=1)
-    ap.add_argument("--n-problems", type=int, default=None, help=f"problems (default {n}, quick {quick_n})")
-    ap.add_argument("--seed", type=int, default=seed, help=f"problem seed (decode.py uses {PROBLEM_SEED:,})")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    args.n_problems = args.n_problems or (quick_n if args.quick else n)
-    return args, task.generate_problems(args.n_problems, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
-
-
-def versus_target_only(runs: dict[str, list], problems: Sequence, walls: dict[str, float]) -> tuple[dict, dict]:
-    """Each method's figures against ``target_only`` on the same problems (``first_step``, ``rewrites``).
-
-    Args:
-        runs: per method, its results in problem order (one method is ``target_only``).
-        problems: the problems decoded (the world's answer checker reads them).
-        walls: per method, its wall seconds.
-
-    Returns:
-        ``({method: {accuracy, wall_s, speedup, step_acceptance, accuracy_delta, accuracy_delta_ci95}},
-        {method: [right per problem]})``; the deltas are paired by problem against target-only.
-    """
-    right = {k: [task.check_answer(r.text, p.answer) for r, p in zip(v, problems)] for k, v in runs.items()}
-    methods = {name: {"accuracy": accuracy(right[name]), "wall_s": walls[name],
-                      "speedup": speedup(walls["target_only"], walls[name]),
-                      "step_acceptance": summarize(res)["step_acceptance"],
-                      **paired_delta(right[name], right["target_only"])} for name, res in runs.items()}
-    return methods, right
-
-
-def print_versus(methods: dict, speedup_label: str = "speedup") -> None:
-    """One line per method of :func:`versus_target_only`: accuracy with its paired interval, speedup, acceptance."""
-    width = max(map(len, methods))
-    for name, m in methods.items():
-        lo, hi = m["accuracy_delta_ci95"]
-        print(f"{name:{width}s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, 95% "
-              f"[{lo:+.3f}, {hi:+.3f}])  {speedup_label} {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
-
-
-def shipped_decoder(world: models.World, policy: ProbePolicy | None = None, probe_dtype: str = "auto",
-                    **loop) -> SemanticSpecDecoder:
-    """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task's answer marker; ``loop``: other
-    :class:`~probes.decoding.options.LoopOptions` fields."""
-    return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, target_probe=str(PROBE_ROOT / "target"),
-                               draft_probe=str(PROBE_ROOT / "draft"), policy=policy,
-                               options=LoopOptions(answer_marker=TASK.answer_marker, **loop), probe_dtype=probe_dtype)
-
-
 def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> dict:
     """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}``."""
     names = list(METHODS) + list(variants)
@@ -378,125 +270,6 @@ def batch_goals(scaling: dict) -> dict:
         "batch8_accuracy_within_2_points": {"value": s["accuracy"] - t["accuracy"],
                                             "met": s["accuracy"] >= t["accuracy"] - GOALS["accuracy_drop"]},
     }
-
-
-def markdown(report: dict) -> str:
-    """The report as markdown tables: methods, decisions, phases, probes, sweeps, batch scaling and goals."""
-    sections = (_methods_table, _decisions_table, _phases_table, _probes_table, _sweep_table, _scaling_table,
-                _goals_table)
-    return "\n".join(line for section in sections for line in section(report))
-
-
-def _methods_table(report: dict) -> list[str]:
-    """One row per method and variant: the headline figures and token-level acceptance where there is one."""
-    cols = (
-        "accuracy",
-        "accuracy_delta",
-        "wall_s",
-        "speedup",
-        "step_acceptance",
-        "draft_token_share",
-        "target_passes_per_100_tokens",
-        "probe_overhead",
-    )
-    lines = ["| method | " + " | ".join(cols) + " | accepted tokens / verification |", "|---" * (len(cols) + 2) + "|"]
-    for name, m in report["methods"].items():
-        acc_tok = m.get("mean_accepted_tokens_per_verification")
-        cells = [f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if acc_tok is None else f'{acc_tok:.2f}'} |")
-    return lines
-
-
-def _decisions_table(report: dict) -> list[str]:
-    """The oracle-judged decisions of every method that has them."""
-    keys = ("right_kept", "wrong_kept", "right_refused", "wrong_refused", "wrong_kept_fast_path")
-    lines = ["", "| decisions (oracle-judged draft steps) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for name, m in report["methods"].items():
-        if "decisions" in m:
-            lines.append(f"| {name} | " + " | ".join(str(m["decisions"][k]) for k in keys) + " |")
-    return lines
-
-
-def _phases_table(report: dict) -> list[str]:
-    """Each drafting method's share of wall time per phase and its cost model (none when there are no phases)."""
-    if not report.get("phases"):
-        return []
-    names = ("first_step", "draft", "verify", "probe", "rewrite", "other")
-    lines = ["", "| phases (share of wall time) | " + " | ".join(names) + " | target step/target per token | "
-             "draft/target per token | verify/target per proposal | predicted speedup | measured |",
-             "|---" * (len(names) + 6) + "|"]
-    for name, ph in report["phases"].items():
-        total = sum(ph.values()) or 1.0
-        c = report["cost"][name]
-        lines.append(f"| {name} | " + " | ".join(f"{ph[k] / total:.1%}" for k in names)
-                     + f" | {c['target_step_over_target_per_token']:.2f} | {c['draft_over_target_per_token']:.3f}"
-                     f" | {c['verify_over_target_per_proposal']:.2f} | {c['predicted_speedup']:.2f}"
-                     f" | {c['measured_speedup']:.2f} |")
-    return lines
-
-
-def _probes_table(report: dict) -> list[str]:
-    """Each probe pair's draft-step AUROC (none when no pair was scored)."""
-    if not report.get("probes"):
-        return []
-    lines = ["", "| probe pair | draft-step AUROC | judged steps | wrong |", "|---|---|---|---|"]
-    for name, pr in report["probes"].items():
-        lines.append(f"| {name} | {pr['draft_step_auroc']:.4f} | {pr['n_judged']} | {pr['n_wrong']} |")
-    return lines
-
-
-def _sweep_table(report: dict) -> list[str]:
-    """One row per swept knob value of every method."""
-    lines = ["", "| sweep | knob | value | accuracy | speedup | step_acceptance |", "|---|---|---|---|---|---|"]
-    for method, rows in report["sweep"].items():
-        for row in rows:
-            lines.append(f"| {method} | {row['knob']} | {row['value']} | {row['accuracy']:.3f} | {row['speedup']:.3f} "
-                         f"| {row['step_acceptance']:.3f} |")
-    return lines
-
-
-def _scaling_table(report: dict) -> list[str]:
-    """Batch scaling, its cost model and SemanticSpec's phases per size (none when batch scaling was skipped)."""
-    return batching.markdown(report.get("batch_scaling") or {})
-
-
-def _goals_table(report: dict) -> list[str]:
-    """Each goal with its measured value and whether it is met."""
-    lines = ["", "| goal | value | met |", "|---|---|---|"]
-    for name, g in report["goals"].items():
-        lines.append(f"| {name} | {g['value']:.3f} | {'yes' if g['met'] else '**MISSED**'} |")
-    return lines
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for name, m in report["methods"].items():
-        if name == "hf_target_only":
-            continue
-        ax.scatter(m["speedup"], m["accuracy"], s=40)
-        ax.annotate(name, (m["speedup"], m["accuracy"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    styles = {"semanticspec": "o--", "random_accept": "s:", "oracle_accept": "^-."}
-    for method, rows in report["sweep"].items():
-        if not rows:
-            continue
-        ax.plot([r["speedup"] for r in rows], [r["accuracy"] for r in rows], styles.get(method, "o--"),
-                alpha=0.7, label=f"{method}: {rows[0]['knob']} sweep")
-        for r in rows:
-            ax.annotate(str(r["value"]), (r["speedup"], r["accuracy"]), textcoords="offset points", xytext=(4, -10),
-                        fontsize=7, color="gray")
-    ax.legend(loc="best", fontsize=8)
-    ax.set_xlabel("speedup vs target-only (token_sd: vs transformers' target-only)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(f"Decoding on the embedded world ({report['n_problems']} problems)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -723,13 +496,13 @@ def method_figures(runs: dict, problems, beside: Sequence[str]) -> dict:
     methods = {}
     ref_wall = sum(r.stats.wall_s for r in runs["target_only"])
     for name in METHODS:
-        ref = runs[TABLE[name].reference]
+        ref = runs[REFERENCE.get(name, "target_only")]
         methods[name] = figures(runs[name], problems, sum(r.stats.wall_s for r in ref))
     for name in beside:  # variants reported beside the methods
         methods[name] = figures(runs[name], problems, ref_wall)
     right = {n: [TASK.check(r.text, p.answer) for r, p in zip(runs[n], problems)] for n in methods}
     for name in methods:  # accuracy against target-only on the same problems, with its sampling noise
-        methods[name].update(paired_delta(right[name], right[TABLE[name].reference if name in TABLE else "target_only"]))
+        methods[name].update(paired_delta(right[name], right[REFERENCE.get(name, "target_only")]))
     return methods
 
 
@@ -835,7 +608,7 @@ def scaling_only(plan: Plan, args: argparse.Namespace, untrained: bool) -> dict:
                                                        "scaling_problems", "batch_sizes", "seed")}}
     out = harness.results_path("decode-scaling", args.quick, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    harness.write(report, out, "\n".join(_scaling_table(report) + _goals_table(report)), save_table=True)
+    harness.write(report, out, scaling_markdown(report), save_table=True)
     return report
 
 

@@ -21,7 +21,7 @@ import time
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.decode import other_problems, paired_delta, print_versus, shipped_decoder, versus_target_only
+from benchmarks.common import other_problems, paired_delta, print_versus, shipped_decoder, versus_target_only
 from datamodules.arithmetic import models, task
 from probes.decoder import summarize
 

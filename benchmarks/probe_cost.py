@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.decode import other_problems, shipped_decoder
+from benchmarks.common import other_problems, shipped_decoder
 from datamodules.arithmetic import models, task
 from generation.features import FeatureSpec, probe_input, rows_features
 from probes.decoder import summarize

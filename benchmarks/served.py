@@ -63,7 +63,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.decode import PROBLEM_SEED, TASK, figures, oracle_for
+from benchmarks.common import PROBLEM_SEED, TASK, figures, oracle_for
 from benchmarks.llama_server import world_server
 from datamodules.arithmetic import models, task
 from generation.engines import make_engine

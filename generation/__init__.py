@@ -13,5 +13,6 @@
 - :mod:`generation.padding`: the padding helper of one-shot scoring forwards;
 - :mod:`generation.steps`: step delimiters, splitting traces and the token-by-token step stopper;
 - :mod:`generation.fingerprints`: model and tokenizer fingerprints, for exports and manifests;
-- :mod:`generation.paths`: portable paths (repository-relative) for exports and shared results.
+- :mod:`generation.paths`: portable paths (repository-relative) for exports and shared results, and
+  :func:`~generation.paths.atomic_path`, the one atomic writer of files and folders.
 """

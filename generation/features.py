@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from generation.groups import TOKEN_STATS, TOPK_STATS
 from generation.specs import FeatureSpec
 
 LOGPROB_FLOOR = -30.0
@@ -163,49 +162,6 @@ def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor | float
     return torch.where(plan.is_mean, means / lengths, mins * plan.sign).T.contiguous()
 
 
-def _aggregate(scores: torch.Tensor, lengths: torch.Tensor, names: Sequence[str],
-               group: str = "token_stats") -> torch.Tensor:
-    """(B, len(names)) statistics from right-padded per-token scores (B, T, C) of the group's scoring function.
-
-    Raises:
-        ValueError: a length outside ``1..T``, or a name the group does not compute.
-    """
-    T = scores.shape[1]
-    lengths = lengths.to(scores.device).long()
-    if bool((lengths < 1).any()) or bool((lengths > T).any()):
-        raise ValueError(f"step lengths {lengths.tolist()} must lie in 1..{T}")
-    plan = _plan(((group, tuple(names)),), scores.device)
-    mask = torch.arange(T, device=scores.device)[None] < lengths[:, None]  # (B, T)
-    return _statistics(scores.permute(2, 0, 1), plan, lengths.float(), mask)
-
-
-@torch.no_grad()
-def token_stats(
-    logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, names: Sequence[str] = TOKEN_STATS
-) -> torch.Tensor:
-    """Statistics of each row's step tokens under the logits that predicted them.
-
-    Args:
-        logits: (B, T, V) logits; ``logits[b, t]`` predicts ``tokens[b, t]``.
-        tokens: (B, T) step tokens, right-padded.
-        lengths: (B,) tokens in each row's step (>= 1).
-        names: statistics to return, from :data:`TOKEN_STATS`.
-
-    Returns:
-        (B, len(names)) float32, columns in ``names`` order.
-    """
-    return _aggregate(per_token_scores(logits, tokens), lengths, names)
-
-
-@torch.no_grad()
-def rows_token_stats(logits: Sequence[torch.Tensor | Sequence[torch.Tensor]], tokens: Sequence[Sequence[int]],
-                     names: Sequence[str] = TOKEN_STATS) -> torch.Tensor:
-    """:func:`token_stats` of rows given one by one: row ``i``'s (k_i, V) logits, or consecutive parts of them."""
-    lengths = [len(t) for t in tokens]
-    scores = _logit_scores(["token_stats"], 0, tokens, lengths, logits)
-    return _rows_stats(scores, {"token_stats": names}, lengths)["token_stats"]
-
-
 # ---------------------------------------------------------------------------------------------
 # Top-k statistics: one function from (token log-probs, top-k log-probs), whoever computed them.
 
@@ -240,21 +196,6 @@ def topk_scores(logprobs: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     p = top.exp()
     entropy = -(p * top).nan_to_num(0.0).sum(-1)  # an entry of -inf (p = 0) adds nothing
     return torch.stack([lp.clamp(min=LOGPROB_FLOOR), rank, (rank >= top.shape[-1]).float(), entropy, p.sum(-1)], -1)
-
-
-@torch.no_grad()
-def rows_topk_stats(topk: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int,
-                    names: Sequence[str] = TOPK_STATS) -> torch.Tensor:
-    """:data:`TOPK_STATS` of rows given one by one as ``(logprobs (k_i,), top (k_i, K))`` pairs, K >= ``k``.
-
-    The ``k`` largest entries of ``top`` are used (an engine may answer more than asked, in any order).
-
-    Raises:
-        ValueError: a row whose ``top`` has fewer than ``k`` columns or another number of rows than
-            ``logprobs`` (an answer is never padded).
-    """
-    lengths = [len(lp) for lp, _ in topk]
-    return _rows_stats({"topk_stats": _answer_scores(topk, k)}, {"topk_stats": names}, lengths)["topk_stats"]
 
 
 def _answer_scores(topk: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int) -> torch.Tensor:
@@ -373,43 +314,6 @@ def _rows_pooled(hidden: Sequence[torch.Tensor], lengths: Sequence[int], pooling
     return (padded.sum(2).transpose(0, 1) / n).contiguous()
 
 
-def step_features(
-    spec: FeatureSpec,
-    lengths: torch.Tensor,
-    hidden_states: Sequence[torch.Tensor] | None = None,
-    logits: torch.Tensor | None = None,
-    tokens: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """The feature groups of ``spec`` for a batch of steps, position 0 of each row being its first token.
-
-    Args:
-        spec: what to compute.
-        lengths: (B,) tokens in each row's step.
-        hidden_states: ``hidden``: HF ``output.hidden_states`` (one (B, T, D) per layer plus
-            embeddings) at the step's positions, right-padded.
-        logits: ``token_stats``, ``topk_stats``: (B, T, V) logits predicting each step token.
-        tokens: ``token_stats``, ``topk_stats``: (B, T) the step tokens.
-
-    Returns:
-        ``{"hidden": (B, L, D), "token_stats": (B, K), "topk_stats": (B, K')}`` float32, the groups of ``spec`` only.
-    """
-    out: dict[str, torch.Tensor] = {}
-    if spec.needs_hidden:
-        if hidden_states is None:
-            raise ValueError("the hidden feature group needs the reading forward's hidden_states")
-        ends = lengths.to(hidden_states[0].device)
-        out["hidden"] = pool_hidden_states(hidden_states, spec.layer_ids, torch.zeros_like(ends), ends, spec.pooling)
-    if spec.needs_logits and (logits is None or tokens is None):
-        raise ValueError(f"{_stat_groups(spec)} needs the logits that predicted the step's tokens")
-    if "token_stats" in spec.groups:
-        out["token_stats"] = token_stats(logits, tokens, lengths, spec.token_stats)
-    if spec.needs_topk:
-        n = lengths.tolist()
-        rows = FeatureSpec(["topk_stats"], top_k=spec.top_k, topk_stats=spec.topk_stats)
-        out.update(rows_features(rows, [t[:k].tolist() for t, k in zip(tokens, n)], logits=[x[:k] for x, k in zip(logits, n)]))
-    return out
-
-
 def rows_features(
     spec: FeatureSpec,
     tokens: Sequence[Sequence[int]],
@@ -417,7 +321,7 @@ def rows_features(
     logits: Sequence[torch.Tensor | Sequence[torch.Tensor]] | None = None,
     topk: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """:func:`step_features` of several rows' steps given per row, as a cache's feeds or an engine return them.
+    """The feature groups of ``spec`` for several rows' steps, given per row as a cache's feeds or an engine's answers.
 
     The label build's reading and the decoder's verification both call this. Every row's tokens are
     scored together (their logits concatenated, at most :data:`_CHUNK_ELEMENTS` at once, never padded
@@ -430,10 +334,13 @@ def rows_features(
         hidden: ``hidden`` group: per row (L, k_i, D) states of the step's tokens at the layers
             of ``spec.layer_ids``, in that order (an engine gives (1, k_i, D), the last layer).
         logits: ``token_stats`` group, and ``topk_stats`` when ``topk`` is None: per row (k_i, V) logits
-            predicting each step token, or consecutive parts of them (:func:`rows_token_stats`).
+            predicting each step token, or consecutive parts of them.
         topk: ``topk_stats`` group: per row an engine's ``(logprobs (k_i,), top (k_i, K))``
             (``TokenLogprobs.logprobs``, ``.top``), K >= ``spec.top_k``; None = from ``logits``
             with :func:`topk_of_logits`.
+
+    Returns:
+        ``{"hidden": (B, L, D), "token_stats": (B, K), "topk_stats": (B, K')}`` float32, the groups of ``spec`` only.
     """
     lengths = [len(t) for t in tokens]
     out: dict[str, torch.Tensor] = {}
@@ -469,53 +376,3 @@ def probe_input(parts: Mapping[str, torch.Tensor], groups: Sequence[str]) -> tor
     if missing:
         raise ValueError(f"probe reads feature groups {list(groups)} but only {sorted(parts)} were computed")
     return torch.cat([parts[g].float().flatten(1) for g in groups], dim=1)
-
-
-def pad_steps(rows: Sequence[torch.Tensor], value: float = 0.0) -> torch.Tensor:
-    """Right-pad per-row tensors (k_i, ...) into one (B, max k_i, ...) tensor."""
-    width = max(r.shape[0] for r in rows)
-    out = rows[0].new_full((len(rows), width, *rows[0].shape[1:]), value)
-    for b, r in enumerate(rows):
-        out[b, : r.shape[0]] = r
-    return out
-
-def pool_hidden_states(
-    hidden_states: Sequence[torch.Tensor],
-    layer_ids: Sequence[int],
-    start: torch.Tensor,
-    end: torch.Tensor,
-    pooling: str = "mean",
-) -> torch.Tensor:
-    """Pool each row's positions ``[start, end)`` at the given layers.
-
-    Args:
-        hidden_states: HF ``output.hidden_states``: one (B, T, D) tensor per layer plus embeddings
-            (index 0 = embeddings, -1 = last layer).
-        layer_ids: which entries of ``hidden_states`` to read.
-        start: (B,) first position of each row's step (inclusive).
-        end: (B,) end of each row's step (exclusive); ``end > start``.
-        pooling: ``mean`` over the span or ``last`` (position ``end - 1``).
-
-    Returns:
-        (B, len(layer_ids), D) float32 pooled states.
-    """
-    if pooling not in ("mean", "last"):
-        raise ValueError(f"pooling={pooling!r}; expected 'mean' or 'last'")
-    n = len(hidden_states)
-    bad = [i for i in layer_ids if not -n <= i < n]
-    if bad:
-        raise ValueError(
-            f"layer_ids {bad} out of range for a model with {n - 1} layers: hidden_states has {n} entries "
-            f"(0 = embeddings, 1..{n - 1} = layers, -1 = last); choose ids every reading model has"
-        )
-    h = torch.stack([hidden_states[i] for i in layer_ids], dim=1).float()  # (B, L, T, D)
-    T = h.shape[2]
-    start, end = start.to(h.device).long(), end.to(h.device).long()
-    if bool((end <= start).any()) or bool((end > T).any()) or bool((start < 0).any()):
-        raise ValueError(f"empty or out-of-range spans: start={start.tolist()}, end={end.tolist()}, length {T}")
-    if pooling == "last":
-        idx = (end - 1)[:, None, None, None].expand(-1, h.shape[1], 1, h.shape[-1])
-        return h.gather(2, idx).squeeze(2)
-    pos = torch.arange(T, device=h.device)
-    w = ((pos[None] >= start[:, None]) & (pos[None] < end[:, None])).float()  # (B, T)
-    return torch.einsum("blTd,bT->bld", h, w) / (end - start)[:, None, None].float()

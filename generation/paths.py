@@ -1,13 +1,19 @@
-"""Portable paths: figures and exports that are shared carry no machine's folders.
+"""Paths: portable ones for what is shared, and the one atomic way to write a file or a folder.
 
 Exported probe configs (``probes.fit``) and benchmark results (``benchmarks/``) both record where a
 model or a probe came from; :func:`portable_paths` makes those paths relative to the repository, or
-cuts them to their last part. Standard library only, so a benchmark imports it without the fit CLI.
+cuts them to their last part. Every file the package writes for later (shards, manifests, exported probes,
+converted models) is written through :func:`atomic_path`. Standard library only, so a benchmark imports it
+without the fit CLI.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +45,67 @@ def portable_paths(value: Any) -> Any:
         except ValueError:
             return path.name
     return value
+
+
+def file_mode(folder: bool = False) -> int:
+    """Mode of a new plain file (or folder) under this process's umask, as ``open`` (``mkdir``) gives: 0o644
+    (0o755) under umask 022."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if folder else 0o666) & ~umask
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, *, folder: bool = False, keep_existing: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write, renamed onto ``path`` when the block exits without error.
+
+    An interrupted write leaves the old file or folder or the new one, never half of one; on error the temporary
+    is removed and ``path`` is left as it was. The result gets the modes ``open`` and ``mkdir`` give under the
+    umask (not ``mkdtemp``'s 0700 or a writer's 0600), so files are shared like any other.
+
+    Args:
+        path: the file or folder to write; its parent is created.
+        folder: yield a new empty folder (for writers that fill a directory) instead of a file name.
+        keep_existing: a folder only: when ``path`` exists already (another process finished first), keep it
+            and discard the new one; by default the new folder replaces it.
+
+    Example:
+        >>> with atomic_path(tmp / "manifest.json") as part:  # doctest: +SKIP
+        ...     part.write_text("{}")
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if folder:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    else:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        if folder:
+            _place_folder(tmp, path, keep_existing)
+        else:
+            os.chmod(tmp, file_mode())
+            os.replace(tmp, path)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def _place_folder(tmp: Path, path: Path, keep_existing: bool) -> None:
+    """Rename the finished folder ``tmp`` onto ``path`` (see :func:`atomic_path`)."""
+    os.chmod(tmp, file_mode(folder=True))
+    for f in tmp.iterdir():
+        os.chmod(f, file_mode())
+    if keep_existing or not path.exists():
+        try:
+            os.rename(tmp, path)  # atomic; fails if path exists and is not empty
+        except OSError:
+            if not (keep_existing and path.is_dir()):
+                raise
+        return  # lost a race to an identical result: tmp is removed, the first one stays
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
+    os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)

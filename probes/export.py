@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +14,7 @@ from typing import Any, Optional
 from safetensors.torch import load_file
 
 from generation.fingerprints import model_fingerprint
+from generation.paths import atomic_path
 from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, ProbeConfig, layer_problems
 
 
@@ -51,32 +50,9 @@ def export_probe(probe, path: str | os.PathLike) -> Path:
     The files are written into a temporary sibling directory that then replaces ``path``, so an
     interrupted export leaves either the old probe or the new one, never half of one.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with atomic_path(path, folder=True) as tmp:
         probe.save_pretrained(tmp)
-        _umask_modes(tmp)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-def _umask_modes(folder: Path) -> None:
-    """Give ``folder`` and its files the modes a plain mkdir/open would (mkdtemp makes 0700, some writers 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for f in folder.iterdir():
-        os.chmod(f, 0o666 & ~umask)
+    return Path(path)
 
 
 def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -> None:

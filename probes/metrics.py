@@ -1,10 +1,9 @@
-"""Speculative-decoding metrics in torchmetrics' update/compute form (docs/design.md "Benchmark figures").
+"""Speculative-decoding figures in torchmetrics' functional update/compute form (docs/design.md "Benchmark figures").
 
-Each figure is a ratio of two running sums, so every metric has a pure ``_update`` that turns a
-batch into sums, a pure ``_compute`` that turns sums into the figure, a functional twin for
-benchmarks, and a :class:`~torchmetrics.Metric` whose states reduce with ``sum`` across processes
-(after ``torchmetrics/regression/mse.py``). :func:`speedup` and :func:`accuracy` are the
-run-level figures that every benchmark and the live callback report, computed here only.
+Each figure is a ratio of two sums, so it has a pure ``_update`` that turns a batch into sums and a pure
+``_compute`` that turns sums into the figure (after ``torchmetrics/regression/mse.py``);
+:func:`~probes.decoding.results.summarize` reports them. :func:`speedup` and :func:`accuracy` are the run-level
+figures that every benchmark and the live callback report, computed here only.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
 Number = int | float | Tensor
 
@@ -111,66 +109,3 @@ def accuracy(correct: Iterable[bool]) -> float:
     """
     flags = [bool(c) for c in correct]
     return sum(flags) / len(flags) if flags else 0.0
-
-
-class _RatioMetric(Metric):
-    """A ratio of two summed states; subclasses name the states and the scale."""
-
-    is_differentiable = False
-    full_state_update = False
-    scale = 1.0
-    num: Tensor
-    den: Tensor
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("num", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("den", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, numerator: Number, denominator: Number) -> None:  # type: ignore[override]
-        num, den = self._update_fn(numerator, denominator)
-        self.num += num.to(self.num.device)
-        self.den += den.to(self.den.device)
-
-    def compute(self) -> Tensor:
-        return _ratio_compute(self.num, self.den, self.scale)
-
-    @staticmethod
-    def _update_fn(numerator: Number, denominator: Number) -> tuple[Tensor, Tensor]:
-        return _ratio_update(numerator, denominator)
-
-
-class StepAcceptance(_RatioMetric):
-    """Accepted draft steps / proposed draft steps; ``update(accepted, proposed)``.
-
-    Example:
-        >>> m = StepAcceptance()
-        >>> m.update(3, 4); m.update(1, 4)
-        >>> float(m.compute())
-        0.5
-    """
-
-    higher_is_better = True
-
-    @staticmethod
-    def _update_fn(numerator: Number, denominator: Number) -> tuple[Tensor, Tensor]:
-        return _acceptance_update(numerator, denominator)
-
-
-class DraftTokenShare(_RatioMetric):
-    """Output tokens written by the draft / all output tokens; ``update(draft_tokens, output_tokens)``."""
-
-    higher_is_better = True
-
-
-class TargetPassesPer100Tokens(_RatioMetric):
-    """Target forward calls per 100 output tokens; ``update(target_passes, output_tokens)``."""
-
-    higher_is_better = False
-    scale = 100.0
-
-
-class ProbeOverhead(_RatioMetric):
-    """Seconds in probe forwards / decode seconds; ``update(probe_s, wall_s)``."""
-
-    higher_is_better = False

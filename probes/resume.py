@@ -118,11 +118,3 @@ def refuse_differences(fail, prog: str, given: dict, run: dict, ckpt: str) -> No
         fail(f"--ckpt_path {ckpt} resumes the run in {run_dir_of(ckpt)}, whose config.yaml differs from the options "
              f"given: {'; '.join(diff[:8])}{' ...' if len(diff) > 8 else ''}. Resume with `{prog} --ckpt_path {ckpt}` "
              "alone (the run's own config), or start a new run without --ckpt_path")
-
-
-def restore_sigint(handler) -> None:
-    """Lightning ignores SIGINT after a graceful shutdown; give the previous handler back."""
-    import signal
-
-    if handler is not None:
-        signal.signal(signal.SIGINT, handler)

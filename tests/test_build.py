@@ -20,7 +20,7 @@ from datamodules.labels.clustering import ClusteringConfig
 from datamodules.labels.build import build, main
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.groups import TOKEN_STATS, TOPK_STATS
-from generation.features import pool_hidden_states, rows_features, token_stats, topk_of_logits
+from generation.features import rows_features, topk_of_logits
 from generation.specs import FeatureSpec
 from datamodules.labels.reading import read_steps
 from datamodules.arithmetic.task import ArithmeticTask
@@ -387,10 +387,11 @@ def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer)
         for p, ss in zip(prefixes, steps):
             for s in ss:
                 out = model(input_ids=torch.tensor([p + s]), output_hidden_states=True)
-                want.append(pool_hidden_states(out.hidden_states, [0, -1], torch.tensor([len(p)]),
-                                               torch.tensor([len(p) + len(s)]), pooling))
-                # logits at positions len(p)-1 .. end-2 predict the step's tokens
-                stats.append(token_stats(out.logits[:, len(p) - 1 : -1], torch.tensor([s]), torch.tensor([len(s)])))
+                # the full forward's states at the step's positions; logits at len(p)-1 .. end-2 predict its tokens
+                states = torch.stack([out.hidden_states[k][0, len(p):] for k in (0, -1)])  # (L, len(s), D)
+                full = rows_features(spec, [s], [states], [out.logits[0, len(p) - 1 : -1]])
+                want.append(full["hidden"])
+                stats.append(full["token_stats"])
                 topk.append(topk_of_logits(out.logits[0, len(p) - 1 : -1].detach(), torch.tensor(s), 5))
         torch.testing.assert_close(got["hidden"], torch.cat(want).detach(), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got["token_stats"], torch.cat(stats).detach(), atol=1e-5, rtol=1e-4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from generation.groups import TOKEN_STATS
-from generation.features import probe_input, step_features, token_stats
+from generation.features import probe_input, rows_features
 from generation.specs import FeatureSpec
 from generation.groups import require_features
 from probes.config import ProbeConfig
@@ -16,12 +16,16 @@ from probes.export import export_probe, load_probe
 from probes.model import SemanticProbe
 
 
+def _token_stats(logits, tokens, names=TOKEN_STATS):
+    """The token statistics of one step: ``logits`` (k, V) predicting its ``tokens``."""
+    return rows_features(FeatureSpec(["token_stats"], token_stats=list(names)), [tokens], logits=[logits])["token_stats"]
+
+
 def test_token_stats_match_a_hand_computation():
-    # one row of 2 step tokens (a third, padded position must not count), vocabulary of 6
-    probs = torch.tensor([[[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.6, 0.1, 0.1, 0.05, 0.05], [1 / 6] * 6]])
-    tokens = torch.tensor([[1, 1, 0]])
-    got = dict(zip(TOKEN_STATS, token_stats(probs.log(), tokens, torch.tensor([2]))[0].tolist()))
-    entropy = [-(p * p.log()).sum().item() for p in probs[0, :2]]
+    # one step of 2 tokens, vocabulary of 6
+    probs = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.6, 0.1, 0.1, 0.05, 0.05]])
+    got = dict(zip(TOKEN_STATS, _token_stats(probs.log(), [1, 1])[0].tolist()))
+    entropy = [-(p * p.log()).sum().item() for p in probs]
     assert got["mean_logprob"] == pytest.approx((math.log(0.2) + math.log(0.6)) / 2, abs=1e-5)
     assert got["min_logprob"] == pytest.approx(math.log(0.2), abs=1e-5)
     assert got["mean_entropy"] == pytest.approx(sum(entropy) / 2, abs=1e-5)
@@ -31,29 +35,27 @@ def test_token_stats_match_a_hand_computation():
     assert got["mean_log_rank"] == pytest.approx(math.log(2) / 2, abs=1e-6)
 
 
-def test_token_stats_stay_finite_for_impossible_tokens_and_check_lengths():
-    logits = torch.tensor([[[0.0, float("-inf")], [0.0, 0.0]]])
-    out = token_stats(logits, torch.tensor([[1, 0]]), torch.tensor([2]), ["min_logprob", "mean_entropy"])
+def test_token_stats_stay_finite_for_impossible_tokens_and_check_names():
+    logits = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]])
+    out = _token_stats(logits, [1, 0], ["min_logprob", "mean_entropy"])
     assert torch.isfinite(out).all() and out[0, 0] == pytest.approx(-30.0)
-    with pytest.raises(ValueError, match="step lengths"):
-        token_stats(logits, torch.tensor([[1, 0]]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="unknown token statistics"):
-        token_stats(logits, torch.tensor([[1, 0]]), torch.tensor([1]), ["median_logprob"])
+    with pytest.raises(ValueError, match=r"this version cannot compute \['median_logprob'\]"):
+        _token_stats(logits, [1, 0], ["median_logprob"])  # refused where the spec is built
 
 
-def test_step_features_and_probe_input_follow_the_spec():
-    hs = [torch.randn(2, 3, 4) for _ in range(3)]
-    logits, tokens, lengths = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3)), torch.tensor([3, 2])
+def test_rows_features_and_probe_input_follow_the_spec():
+    hidden = [torch.randn(2, 3, 4), torch.randn(2, 2, 4)]  # per row (L, k_i, D) at the spec's two layers
+    logits, tokens = [torch.randn(3, 5), torch.randn(2, 5)], [[0, 4, 2], [1, 3]]
     spec = FeatureSpec(["hidden", "token_stats"], [-1, 1], "mean", ["mean_logprob", "min_logprob"])
-    parts = step_features(spec, lengths, hs, logits, tokens)
+    parts = rows_features(spec, tokens, hidden, logits)
     assert parts["hidden"].shape == (2, 2, 4) and parts["token_stats"].shape == (2, 2)
-    torch.testing.assert_close(parts["hidden"][1, 0], hs[-1][1, :2].mean(0))
+    torch.testing.assert_close(parts["hidden"][1, 0], hidden[1][0].mean(0))
     x = probe_input(parts, spec.groups)
     assert x.shape == (2, spec.width(4)) == (2, 10)
     torch.testing.assert_close(x[:, -2:], parts["token_stats"])
     with pytest.raises(ValueError, match="needs the logits"):
-        step_features(spec, lengths, hs)
-    only = step_features(FeatureSpec(["token_stats"], token_stats=["mean_logprob"]), lengths, None, logits, tokens)
+        rows_features(spec, tokens, hidden)
+    only = rows_features(FeatureSpec(["token_stats"], token_stats=["mean_logprob"]), tokens, logits=logits)
     assert set(only) == {"token_stats"}
 
 
@@ -140,12 +142,8 @@ def _ragged_rows(lengths, V=11, L=2, D=4, seed=0):
     return tokens, hidden, [[x[:1], x[1:]] if i == 0 else x for i, x in enumerate(logits)], logits
 
 
-def _padded(rows, T):
-    return torch.stack([torch.cat([r, r.new_zeros(T - len(r), *r.shape[1:])]) for r in rows])
-
-
 @pytest.mark.parametrize("chunk", [None, 11])  # one tensor for the batch, or a few tokens' logits at a time
-def test_rows_features_equal_the_padded_batch_and_each_row_alone(monkeypatch, chunk):
+def test_rows_features_equal_a_hand_computation_and_each_row_alone(monkeypatch, chunk):
     from generation import features
     from generation.groups import TOPK_STATS
 
@@ -155,11 +153,16 @@ def test_rows_features_equal_the_padded_batch_and_each_row_alone(monkeypatch, ch
     tokens, hidden, logits, whole = _ragged_rows(lengths)
     spec = FeatureSpec(["hidden", "token_stats", "topk_stats"], [0, 1], "mean", top_k=5)
     got = features.rows_features(spec, tokens, hidden, logits)
-    n, T = torch.tensor(lengths), max(lengths)
-    states = _padded([h.transpose(0, 1) for h in hidden], T).unbind(2)  # L x (B, T, D)
-    torch.testing.assert_close(got["hidden"], features.pool_hidden_states(states, [0, 1], 0 * n, n), atol=1e-6, rtol=0)
-    ids = _padded([torch.tensor(t) for t in tokens], T)
-    torch.testing.assert_close(got["token_stats"], token_stats(_padded(whole, T), ids, n), atol=1e-6, rtol=0)
+    for i, (x, t) in enumerate(zip(whole, tokens)):  # pooled states and token statistics by hand, row by row
+        torch.testing.assert_close(got["hidden"][i], hidden[i].mean(1), atol=1e-6, rtol=0)
+        logp = torch.log_softmax(x, -1)
+        lp = logp[torch.arange(len(t)), t].clamp(min=-30.0)
+        ent = -(logp.exp() * logp).nan_to_num(0.0).sum(-1)
+        rank = (x > x[torch.arange(len(t)), t][:, None]).sum(-1).float()
+        by_hand = [lp.mean(), lp.min(), ent.mean(), ent.max(), (rank >= 1).float().mean(), (rank >= 5).float().mean(),
+                   torch.log1p(rank).mean()]
+        assert list(spec.token_stats) == list(TOKEN_STATS)
+        torch.testing.assert_close(got["token_stats"][i], torch.stack(by_hand), atol=1e-5, rtol=0)
     for i, (x, t) in enumerate(zip(whole, tokens)):  # top-k statistics by hand, row by row
         lp, rank, outside, ent, mass = features.topk_scores(*features.topk_of_logits(x, torch.tensor(t), 5)).T
         by_hand = [lp.mean(), lp.min(), (rank >= 1).float().mean(), (rank >= 5).float().mean(), outside.mean(),

@@ -100,16 +100,6 @@ def test_cluster_config_names_bad_values():
         group_prefixes([(["a"], np.zeros((1, 2)))], None, ClusteringConfig(method="kmeans"))
 
 
-def test_pooling_names_out_of_range_layers():
-    import torch
-
-    from generation.features import pool_hidden_states
-
-    states = tuple(torch.zeros(1, 4, 3) for _ in range(2))  # a 1-layer model: embeddings + 1 layer
-    with pytest.raises(ValueError, match=r"layer_ids \[6\] out of range for a model with 1 layers"):
-        pool_hidden_states(states, [-1, 6], torch.tensor([0]), torch.tensor([2]))
-
-
 def test_steps_whose_numbers_differ_never_share_a_group():
     """A judge that calls everything "the same" (as the world judge does for 1 in 3 wrong results, issue 9)."""
     from datamodules.labels.clustering import numbers

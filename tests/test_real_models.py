@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from datamodules.labels.models import (
-    atomic_dir,
     converted_dir,
     default_cache_dir,
     find_pypi_gguf,
     gguf_cache_key,
     load_causal_lm,
 )
+from generation.paths import atomic_path
 from probes.config import ProbeConfig
 from generation.specs import StepSpec
 from probes.export import export_probe, load_probe
@@ -126,17 +126,21 @@ def test_cache_key_follows_size_and_mtime(tmp_path):
     assert converted_dir(f, tmp_path).parent == tmp_path / "converted"
 
 
-def test_atomic_dir_leaves_nothing_on_failure_and_keeps_a_finished_one(tmp_path):
+def test_an_atomic_folder_leaves_nothing_on_failure_and_keeps_or_replaces_a_finished_one(tmp_path):
+    """A conversion keeps the folder another process finished first; an export replaces the old one."""
     out = tmp_path / "converted" / "m-0"
-    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+    with pytest.raises(RuntimeError), atomic_path(out, folder=True, keep_existing=True) as tmp:
         (tmp / "config.json").write_text("{}")
         raise RuntimeError("killed mid-conversion")
     assert not out.exists() and list(out.parent.iterdir()) == []
-    with atomic_dir(out) as tmp:
+    with atomic_path(out, folder=True, keep_existing=True) as tmp:
         (tmp / "config.json").write_text('{"n": 1}')
-    with atomic_dir(out) as tmp:  # a second writer loses the race: the first result stays
+    with atomic_path(out, folder=True, keep_existing=True) as tmp:  # a second writer loses the race
         (tmp / "config.json").write_text('{"n": 2}')
     assert json.loads((out / "config.json").read_text()) == {"n": 1}
+    with atomic_path(out, folder=True) as tmp:  # by default the new folder replaces the old one
+        (tmp / "config.json").write_text('{"n": 3}')
+    assert json.loads((out / "config.json").read_text()) == {"n": 3}
     assert [p.name for p in out.parent.iterdir()] == ["m-0"]
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from generation.features import LOGPROB_FLOOR, rows_features, step_features, token_scores, topk_of_logits, topk_scores
+from generation.features import LOGPROB_FLOOR, rows_features, token_scores, topk_of_logits, topk_scores
 from generation.groups import TOPK_STATS, check_groups, require_features
 from generation.specs import FeatureSpec
 
@@ -55,10 +55,6 @@ def test_top_k_statistics_match_a_hand_computation_on_a_tiny_distribution():
              "max_topk_entropy": math.log(2), "mean_topk_mass": 1.0, "min_topk_mass": 1.0}
     assert row0 == pytest.approx(want0, abs=1e-5)
     assert row1 == pytest.approx(want1, abs=1e-5)
-    # the padded batch form (step_features) gives the same numbers
-    batch = step_features(FeatureSpec(["topk_stats"], top_k=5), torch.tensor([2, 1]), None,
-                          torch.stack([logits[0], torch.cat([logits[1], logits[1]])]), torch.tensor([[1, 6], [1, 0]]))
-    torch.testing.assert_close(batch["topk_stats"], got)
 
 
 def test_a_token_outside_the_top_k_has_rank_k_and_an_impossible_token_stays_finite():

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Optional
 
 from datamodules.arithmetic import models
+from generation.paths import atomic_path
 
 CACHE_FOLDER = "gguf"
 """Default cache: ``<world root>/gguf/`` (``checkpoints/arithmetic/gguf/`` for the shipped world, gitignored)."""
@@ -174,19 +175,17 @@ def export_gguf(role: str, out_path: str | os.PathLike, root: Optional[str | os.
     cfg = json.loads((folder / "config.json").read_text())
     _check_config(cfg, folder)
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name(f"semanticspec-arithmetic-{role}")
-    w.add_string("semanticspec.weights_key", weights_key(role, root))
-    _add_hparams(w, cfg)
-    _add_tokenizer(w, models.load_tokenizer(root, role), cfg["vocab_size"])
-    _add_tensors(w, load_file(str(folder / "model.safetensors")), cfg)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), "llama")
+        w.add_name(f"semanticspec-arithmetic-{role}")
+        w.add_string("semanticspec.weights_key", weights_key(role, root))
+        _add_hparams(w, cfg)
+        _add_tokenizer(w, models.load_tokenizer(root, role), cfg["vocab_size"])
+        _add_tensors(w, load_file(str(folder / "model.safetensors")), cfg)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
     return out
 
 

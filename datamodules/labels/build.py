@@ -52,12 +52,6 @@ from datamodules.labels.coordination import (
 )
 
 
-def is_complete(data_dir: str | os.PathLike) -> bool:
-    """Whether ``data_dir`` holds a finished build (a manifest marked complete)."""
-    m = S.read_manifest(data_dir)
-    return bool(m and m.get("complete"))
-
-
 def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int | None = None, log=print) -> dict:
     """Build (or finish building) the dataset of ``config`` in ``data_dir``.
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from datamodules.labels import shards as S
 from datamodules.labels.config import signature_mismatches
+from generation.paths import file_mode
 
 def dist_info() -> tuple[int, int]:
     """``(rank, world_size)`` from torch.distributed when initialised, else from RANK / WORLD_SIZE."""
@@ -101,7 +102,7 @@ def _try_lock(data_dir: Path, k: int) -> bool:
     path = _lock_path(data_dir, k)
     for _ in range(2):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, S.file_mode())
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, file_mode())
         except FileExistsError:
             if not _lock_is_stale(path):
                 return False

@@ -82,10 +82,3 @@ def step_text(tokenizer, step: Sequence[int]) -> str:
     if not ids:
         raise ValueError(f"a step of token ids {list(step)} is EOS alone: a server reads text, and EOS has none")
     return tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def usage_totals(readings: Sequence[Reading]) -> dict[str, int]:
-    """Requests and prompt / prefilled / cached tokens over ``readings`` (what the build's manifest reports)."""
-    known = [r.usage.prefill_tokens for r in readings if r.usage.prefill_tokens is not None]
-    return {"requests": len(readings), "prompt_tokens": sum(r.usage.prompt_tokens for r in readings),
-            "prefill_tokens": sum(known) if len(known) == len(readings) else None}

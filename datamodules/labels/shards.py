@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from generation.paths import atomic_path
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3
 """Layout version of the shards and the manifest (2: a ``token_stats`` feature group beside the pooled ``features``;
@@ -42,30 +44,14 @@ def steps_name(index: int) -> str:
     return f"steps-{index:05d}.jsonl"
 
 
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def file_mode() -> int:
-    """Mode of a new plain file under this process's umask (0o644 under umask 022), as ``open`` gives."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary sibling and a rename."""
-    path = Path(path)
-    tmp = _tmp(path)
-    try:
+    """Write ``data`` to ``path`` through a temporary sibling and a rename (:func:`~generation.paths.atomic_path`)."""
+    with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(path)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
@@ -73,17 +59,12 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
-    """Save ``tensors`` as safetensors at ``path``, atomically."""
-    path = Path(path)
-    tmp = _tmp(path)
-    try:
+def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                metadata: dict[str, str] | None = None) -> Path:
+    """Save ``tensors`` as safetensors at ``path``, atomically (safetensors' 0600 becomes the umask's mode)."""
+    with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        os.chmod(tmp, file_mode())  # safetensors creates 0600; shards are shared like the manifest (issue 12)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(path)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

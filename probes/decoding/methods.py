@@ -81,32 +81,18 @@ class MethodArgs:
     oracle: Callable[[str, str], bool] | None = None
 
 
-@dataclass(frozen=True)
-class Method:
-    """One entry of :data:`METHODS`.
-
-    Attributes:
-        build: the runner, from :class:`MethodArgs` (raises ValueError naming a missing argument).
-        drafts: a policy decides the draft's steps (the benchmarks tabulate its decisions).
-        reference: the method whose wall time its speedup is measured against.
-    """
-
-    build: Callable[[MethodArgs], object]
-    drafts: bool = False
-    reference: str = "target_only"
-
-
-METHODS: dict[str, Method] = {
-    "target_only": Method(lambda a: TargetOnly()),
-    "semanticspec": Method(lambda a: Speculative(a.policy), drafts=True),
-    "draft_only": Method(lambda a: DraftOnly()),
-    "random_accept": Method(lambda a: Speculative(RandomPolicy(a.accept_rate)), drafts=True),
-    "oracle_accept": Method(lambda a: Speculative(OraclePolicy(a.oracle)), drafts=True),
-    "specreason": Method(lambda a: Speculative(SpecReasonPolicy()), drafts=True),
-    "hf_target_only": Method(lambda a: TransformersLoop(assisted=False)),
-    "token_sd": Method(lambda a: TransformersLoop(assisted=True), reference="hf_target_only"),
+METHODS: dict[str, Callable[[MethodArgs], object]] = {
+    "target_only": lambda a: TargetOnly(),
+    "semanticspec": lambda a: Speculative(a.policy),
+    "draft_only": lambda a: DraftOnly(),
+    "random_accept": lambda a: Speculative(RandomPolicy(a.accept_rate)),
+    "oracle_accept": lambda a: Speculative(OraclePolicy(a.oracle)),
+    "specreason": lambda a: Speculative(SpecReasonPolicy()),
+    "hf_target_only": lambda a: TransformersLoop(assisted=False),
+    "token_sd": lambda a: TransformersLoop(assisted=True),
 }
-"""``method=`` names of :meth:`~probes.decoder.SemanticSpecDecoder.generate`, in the benchmarks' order."""
+"""``method=`` names of :meth:`~probes.decoder.SemanticSpecDecoder.generate`, each with the function that builds its
+runner from :class:`MethodArgs` (raising ValueError naming a missing argument), in the benchmarks' order."""
 
 
 def runner_for(method: str | AcceptancePolicy, args: MethodArgs):
@@ -119,4 +105,4 @@ def runner_for(method: str | AcceptancePolicy, args: MethodArgs):
         return Speculative(method)
     if method not in METHODS:
         raise ValueError(f"method={method!r}: expected one of {tuple(METHODS)}")
-    return METHODS[method].build(args)
+    return METHODS[method](args)

@@ -203,7 +203,7 @@ def served_policy(method: str | AcceptancePolicy, args: MethodArgs) -> Acceptanc
     elif method in FIXED:
         policy = RandomPolicy(FIXED[method])
     elif method in SERVED_METHODS:
-        policy = METHODS[method].build(args).policy
+        policy = METHODS[method](args).policy
     else:
         raise ValueError(f"method={method!r}: the served decoder runs {SERVED_METHODS} or an acceptance policy")
     if policy.needs.judge:

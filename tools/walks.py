@@ -1,27 +1,30 @@
 """How far a parameter travels: follow a value from a public entry point through every call that passes it on.
 
-    python -m benchmarks.walks                      # temperature and max_step_tokens from the decoder's generate
-    python -m benchmarks.walks --root /path/to/checkout
+    python -m tools.walks                      # temperature from the decoder's generate, and literal defaults
+    python -m tools.walks --root /path/to/checkout --out walks.json
+    python -m tools.walks --entry probes.export:load_probe=path
 
-A static walk over the AST of the package (``generation``, ``probes``, ``datamodules``, ``callbacks``).
-Inside a function, the value is the parameter and every name assigned something that carries it
-(``sampling = {"temperature": temperature}``, ``spec = SamplingSpec(temperature, top_p)``, ``self.x = spec``,
-``spec.temperature``; not the result of an ordinary call); a call that is given such a holder passes the value on to the callee's matching parameter
-(``**kwargs`` of a tainted dict: the parameter with the walked name). Callees are resolved through the
-module's imports, the enclosing class (``self.m``) and, for ``obj.m(...)``, every method of that name
-in the package (all of them when several classes define it). The calls are visited depth first, in source order, every call site
-anew (a function reached from four places is visited four times); each function that receives the value is one *visit* (a value stored on ``self`` is followed into the class's other methods that read
-it), consecutive visits in one file are one *stay*, and a stay in a file the walk had
-already left is a *return* (issue 19's measure of how often a reader must come back to a file).
+A static walk over the AST of the package (``generation``, ``probes``, ``datamodules``, ``callbacks``). Inside a
+function, the value is the parameter and every name assigned something that carries it (``sampling = {"temperature":
+temperature}``, ``spec = SamplingSpec(temperature, top_p)``, ``self.x = spec``, ``spec.temperature``; not the result
+of an ordinary call); a call that is given such a holder passes the value on to the callee's matching parameter
+(``**kwargs`` of a tainted dict: the parameter with the walked name). Callees are resolved through the module's
+imports, the enclosing class (``self.m``) and, for ``obj.m(...)``, every method of that name in the package (all of
+them when several classes define it). The calls are visited depth first, in source order, every call site anew (a
+function reached from four places is visited four times); each function that receives the value is one *visit* (a
+value stored on ``self`` is followed into the class's other methods that read it), consecutive visits in one file
+are one *stay*, and a stay in a file the walk had already left is a *return* (issue 19's measure of how often a
+reader must come back to a file). A static walk loses the trail where a value goes through a call it cannot resolve
+(an object handed to another that calls back into it): count such routes by hand.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from benchmarks import harness
 
 PACKAGES = ("generation", "probes", "datamodules", "callbacks")
 
@@ -286,10 +289,12 @@ DEFAULTS = ("temperature", "top_p", "max_step_tokens", "delimiters")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = harness.parser(__doc__, quick="the same walk (it takes a second), writes walks-quick.json")
+    """Walk each entry's value, count the literal defaults, print both as markdown; returns the figures."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
                     help="checkout to measure (e.g. an older commit checked out with `git worktree add`)")
     ap.add_argument("--entry", action="append", help="module:Class.method=param (repeatable); default: the decoder's")
+    ap.add_argument("--out", type=Path, default=None, help="also write the figures (with each walk's path) as JSON")
     args = ap.parse_args(argv)
     walks = [tuple(e.split("=")) for e in args.entry] if args.entry else WALKS
     out: dict = {"walks": {}, "literal_defaults": {}}
@@ -309,7 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name in DEFAULTS:
         found = out["literal_defaults"][name] = defaults(mods, name)
         rows.append(f"| {name} | {len(found)} | {', '.join(found)} |")
-    harness.write(out, harness.results_path("walks", args.quick), "\n".join(rows))
+    print("\n".join(rows))
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
     return out
 
 

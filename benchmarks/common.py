@@ -1,0 +1,130 @@
+"""What the scripts that decode the embedded world share: its held-out problems, their task and oracle, the
+shipped decoder, and each method's figures against target-only on the same problems.
+
+``benchmarks.decode``, the scripts that decode other problems with the shipped probes (``first_step``,
+``rewrites``, ``probe_cost``) and the served benchmark (``served``) import these, so a figure means the same in
+every table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from benchmarks import harness
+from datamodules.arithmetic import models, task
+from datamodules.arithmetic.task import ArithmeticTask
+from generation.steps import split_steps
+from probes.decoder import SemanticSpecDecoder, summarize
+from probes.decoding.options import LoopOptions
+from probes.decoding.policies import ProbePolicy
+from probes.metrics import accuracy, speedup
+
+TASK = ArithmeticTask(min_ops=4, max_ops=4)
+"""Held-out four-operation problems: their prompt format, answer marker and checker (the oracle is the world's)."""
+REPO = Path(__file__).resolve().parents[1]
+PROBE_ROOT = REPO / "checkpoints" / "arithmetic" / "probes"
+"""The shipped probe pair (``target``, ``draft``)."""
+PROBLEM_SEED = 30_000
+"""Seed of the decode benchmark's problems (world.py uses 20,000; training validates on 10,000)."""
+
+
+def oracle_for(problem: task.Problem):
+    """``oracle(step, output_so_far)``: keep a step whose meaning is the problem's next correct operation,
+    or an answer line with the right answer."""
+
+    def oracle(step: str, prefix: str) -> bool:
+        done = sum(task.meaning(s.strip()) is not None for s in split_steps(prefix))
+        m = task.meaning(step.strip())
+        if m is None:
+            return (
+                step.strip().startswith(task.ANSWER_MARKER)
+                and task.check_answer(step, problem.answer)
+                and done == len(problem.steps)
+            )
+        return done < len(problem.steps) and m == problem.steps[done]
+
+    return oracle
+
+
+def figures(results, problems, wall_ref: float) -> dict:
+    """Accuracy and the summary figures of one method's results."""
+    s = summarize(results)
+    acc = accuracy(TASK.check(r.text, p.answer) for r, p in zip(results, problems))
+    fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": speedup(wall_ref, s["wall_s"])}
+    keys = ("step_acceptance", "draft_token_share", "target_passes_per_100_tokens", "probe_overhead",
+            "output_tokens", "tokens_per_s", "target_passes", "draft_passes", "draft_steps_proposed",
+            "draft_steps_accepted", "probe_s")
+    fig.update({k: s[k] for k in keys})
+    return fig
+
+
+def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:
+    """Accuracy minus the reference's on the same problems, and its 95% interval (normal, paired)."""
+    d = [float(a) - float(b) for a, b in zip(right, ref)]
+    n = len(d)
+    mean = sum(d) / n if n else math.nan
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
+    half = 1.96 * sd / math.sqrt(n) if n > 1 else math.nan
+    return {"accuracy_delta": mean, "accuracy_delta_ci95": [mean - half, mean + half]}
+
+
+def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int,
+                   argv=None) -> tuple[argparse.Namespace, list]:
+    """The arguments and problems of a script that decodes other problems than decode.py's with the shipped
+    probes (``first_step``, ``rewrites``, ``probe_cost``).
+
+    Declares ``--quick`` (``quick_n`` problems, ``<name>-quick.json``), ``--threads`` (1; set here),
+    ``--n-problems`` (default ``n``), ``--seed`` (default ``seed``) and ``--max-new-tokens`` (96);
+    ``args.n_problems`` is set to the number decoded.
+    """
+    ap = harness.parser(doc, quick=f"{quick_n} problems, writes {name}-quick.json", threads=1)
+    ap.add_argument("--n-problems", type=int, default=None, help=f"problems (default {n}, quick {quick_n})")
+    ap.add_argument("--seed", type=int, default=seed, help=f"problem seed (decode.py uses {PROBLEM_SEED:,})")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.n_problems = args.n_problems or (quick_n if args.quick else n)
+    return args, task.generate_problems(args.n_problems, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+
+
+def versus_target_only(runs: dict[str, list], problems: Sequence, walls: dict[str, float]) -> tuple[dict, dict]:
+    """Each method's figures against ``target_only`` on the same problems (``first_step``, ``rewrites``).
+
+    Args:
+        runs: per method, its results in problem order (one method is ``target_only``).
+        problems: the problems decoded (the world's answer checker reads them).
+        walls: per method, its wall seconds.
+
+    Returns:
+        ``({method: {accuracy, wall_s, speedup, step_acceptance, accuracy_delta, accuracy_delta_ci95}},
+        {method: [right per problem]})``; the deltas are paired by problem against target-only.
+    """
+    right = {k: [task.check_answer(r.text, p.answer) for r, p in zip(v, problems)] for k, v in runs.items()}
+    methods = {name: {"accuracy": accuracy(right[name]), "wall_s": walls[name],
+                      "speedup": speedup(walls["target_only"], walls[name]),
+                      "step_acceptance": summarize(res)["step_acceptance"],
+                      **paired_delta(right[name], right["target_only"])} for name, res in runs.items()}
+    return methods, right
+
+
+def print_versus(methods: dict, speedup_label: str = "speedup") -> None:
+    """One line per method of :func:`versus_target_only`: accuracy with its paired interval, speedup, acceptance."""
+    width = max(map(len, methods))
+    for name, m in methods.items():
+        lo, hi = m["accuracy_delta_ci95"]
+        print(f"{name:{width}s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, 95% "
+              f"[{lo:+.3f}, {hi:+.3f}])  {speedup_label} {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
+
+
+def shipped_decoder(world: models.World, policy: ProbePolicy | None = None, probe_dtype: str = "auto",
+                    **loop) -> SemanticSpecDecoder:
+    """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task's answer marker; ``loop``: other
+    :class:`~probes.decoding.options.LoopOptions` fields."""
+    return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, target_probe=str(PROBE_ROOT / "target"),
+                               draft_probe=str(PROBE_ROOT / "draft"), policy=policy,
+                               options=LoopOptions(answer_marker=TASK.answer_marker, **loop), probe_dtype=probe_dtype)
