@@ -56,25 +56,28 @@ def _spec(*groups, **kw):
 # SGLang /generate
 
 
-def test_sglang_read_sends_the_step_start_and_maps_the_answer(fakes):
+def test_sglang_read_asks_from_one_position_earlier_and_drops_the_empty_first_entry(fakes):
+    """SGLang answers the first position asked for with ``[null, id, text]`` and a null top-k (scheduler
+    ``_process_input_token_logprobs``): a read asks from the step's first position - 1 and drops that entry; the
+    radix cache then covers the context but its last token (``Req._compute_max_prefix_len``)."""
     fake = fakes(FakeSGLang)
     engine = _engine("sglang", fake)
-    assert engine.version == "0.5.0" and engine.model == "toy"
+    engine.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=1)  # caches the context
     r = engine.read(CONTEXT, STEP, top_k=5, hidden=True, sampling=SamplingSpec(0.7, 0.9), seed=3)
     ids, start, own, top = _expected(5)
     assert fake.posts("/v1/tokenize") == [{"model": "toy", "prompt": [CONTEXT, CONTEXT + STEP]}]
-    (body,) = fake.posts("/generate")
-    assert body["input_ids"] == ids and body["logprob_start_len"] == start == len(ids_of(CONTEXT))
+    body = fake.posts("/generate")[-1]
+    assert body["input_ids"] == ids and body["logprob_start_len"] == start - 1 == len(ids_of(CONTEXT)) - 1
     assert body["top_logprobs_num"] == 5 and body["return_logprob"] is True and body["return_hidden_states"] is True
-    assert body["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.7, "top_p": 0.9, "sampling_seed": 3}
     n = len(words(STEP))
-    assert r.step.ids == ids[start:] and len(r.step.tokens) == n
+    assert r.step.ids == ids[start:] and len(r.step.tokens) == n and r.step.tokens == words(STEP)
     torch.testing.assert_close(r.step.logprobs, own)
     torch.testing.assert_close(r.step.top, top)
     assert r.hidden.shape == (n, 3) and r.hidden[:, 0].tolist() == list(range(start, len(ids)))
     assert r.next_text == NEXT and r.next_eos is False
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens, r.usage.prefill_tokens) == \
-        (len(ids), 1, start, n)
+        (len(ids), 1, start - 1, n + 1)
+    assert engine.version == "0.5.23" and engine.model == "toy"  # from /server_info (SGLang has no /version)
 
 
 def test_sglang_reads_after_a_seen_context_without_a_tokenize_request(fakes):
@@ -88,7 +91,7 @@ def test_sglang_reads_after_a_seen_context_without_a_tokenize_request(fakes):
     second = engine.read(context, "4 * 2 = 8 .\n\n", top_k=3, hidden=False, sampling=GREEDY, seed=0)
     assert len(fake.posts("/v1/tokenize")) == 1 and len(fake.posts("/generate")) == 2
     body = fake.posts("/generate")[1]
-    assert body["text"] == context + "4 * 2 = 8 .\n\n" and body["logprob_start_len"] == len(ids_of(context))
+    assert body["text"] == context + "4 * 2 = 8 .\n\n" and body["logprob_start_len"] == len(ids_of(context)) - 1
     assert second.step.ids == ids_of(context + "4 * 2 = 8 .\n\n")[len(ids_of(context)):]
     written = engine.write(context, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=1)
     assert fake.posts("/generate")[2]["input_ids"] == ids_of(context)  # the known ids, not the text
@@ -109,7 +112,7 @@ def test_sglang_falls_back_to_tokenizing_when_the_rows_do_not_spell_the_step(fak
 
 
 def test_sglang_takes_the_step_rows_from_a_prefill_that_was_not_cached(fakes):
-    fake = fakes(FakeSGLang, cached=0)
+    fake = fakes(FakeSGLang)  # a first read: nothing cached
     r = _engine("sglang", fake).read(CONTEXT, STEP, top_k=3, hidden=True, sampling=GREEDY, seed=0)
     ids, start, _, _ = _expected(3)
     assert r.hidden[:, 0].tolist() == list(range(start, len(ids))) and r.usage.prefill_tokens == len(ids)
@@ -170,6 +173,9 @@ def test_vllm_read_echoes_with_prompt_logprobs_and_maps_by_text_offsets(fakes):
     torch.testing.assert_close(r.step.logprobs, own)
     torch.testing.assert_close(r.step.top, top)
     assert r.hidden is None and r.next_text == NEXT and not r.next_eos
+    assert (r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.prefill_tokens) == (len(ids), None, None)
+    detailed = _engine("vllm", fakes(FakeVLLM, prompt_tokens_details=True))  # --enable-prompt-tokens-details
+    r = detailed.read(CONTEXT, STEP, top_k=4, hidden=False, sampling=SamplingSpec(0.6, 0.95), seed=7)
     assert (r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.prefill_tokens) == (len(ids), 2, len(ids) - 2)
 
 
