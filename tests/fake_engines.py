@@ -179,8 +179,8 @@ class FakeSGLang(_Server):
     def _params(self, sp: dict) -> dict | None:
         """The sampling fields the request leaves unset filled from the generation config, then SGLang's defaults;
         None for a top_k SGLang refuses (``SamplingParams.verify``: -1 or >= 1)."""
-        got = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-               **self.generation_config, **sp}
+        base = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        got = {f: sp[f] if sp.get(f) is not None else self.generation_config.get(f, v) for f, v in base.items()}
         if got["top_k"] == 0 or got["top_k"] < -1:
             return None
         return {**got, "top_k": 0 if got["top_k"] == -1 else got["top_k"]}

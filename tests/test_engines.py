@@ -11,8 +11,8 @@ from generation.engines import make_engine
 from generation.engines.base import EngineError, MalformedAnswer
 from generation.engines.checks import require
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
-from tests.fake_engines import (NEXT, FakeLlamaCpp, FakeSGLang, FakeVLLM, ids_of, own_logprob, tid, top_entries,
-                                words)
+from tests.fake_engines import (NEUTRAL, NEXT, FakeLlamaCpp, FakeSGLang, FakeVLLM, ids_of, own_logprob, tid,
+                                top_entries, toy_continue, words)
 
 CONTEXT, STEP = "Q: 2 + 3 ?\n\n", "2 + 3 = 5 .\n\n"
 GREEDY = SamplingSpec(0.0, 1.0)
@@ -216,6 +216,43 @@ def test_vllm_short_top_k_is_refused_with_counts(fakes):
     engine = _engine("vllm", fakes(FakeVLLM, short_top=2))
     with pytest.raises(MalformedAnswer, match=r"returned 3 top-k entries at step token 0; asked for 5"):
         engine.read(CONTEXT, STEP, top_k=5, hidden=False, sampling=GREEDY, seed=0)  # 2 + the prompt token
+
+
+LEAKY = {"top_k": 1, "min_p": 0.5, "repetition_penalty": 1.3}
+"""A model's generation_config.json fields that a server fills into every sampling field a request leaves out."""
+
+
+@pytest.mark.parametrize("kind,fake_cls", [("vllm", FakeVLLM), ("sglang", FakeSGLang)])
+def test_writes_state_the_whole_distribution_so_generation_config_defaults_do_not_leak(kind, fake_cls, fakes):
+    """vLLM (--generation-config auto) and SGLang fill unset sampling fields from the model's generation config:
+    the served greedy step then differs from the in-process greedy step (the toy's repetition penalty turns "a " into
+    the runner-up). Every write states top_k, min_p and the repetition penalty, so the two agree, sampled too."""
+    fake = fakes(fake_cls, generation_config=LEAKY)
+    engine = _engine(kind, fake)
+    context, step = "Q: a a ?\n\n", StepSpec(("\n\n",), 8)
+    for sampling, seed in ((GREEDY, 2), (SamplingSpec(1.0, 1.0), 5), (SamplingSpec(1.0, 1.0), 11)):
+        in_process = toy_continue(ids_of(context), 8, ["\n\n"], True, {**sampling.to_dict(), **NEUTRAL}, seed)[1]
+        served = engine.write(context, step=step, max_tokens=8, sampling=sampling, seed=seed)
+        assert served.text == in_process
+        assert fake.effective[-1] == {**sampling.to_dict(), **NEUTRAL}
+    leaky = toy_continue(ids_of(context), 8, ["\n\n"], True, {**GREEDY.to_dict(), **LEAKY}, 2)[1]
+    assert leaky != in_process_greedy(context)  # what the old client (temperature and top_p alone) was served
+
+
+def in_process_greedy(context: str) -> str:
+    return toy_continue(ids_of(context), 8, ["\n\n"], True, {**GREEDY.to_dict(), **NEUTRAL}, 2)[1]
+
+
+def test_vllm_without_the_neutral_fields_samples_from_the_generation_config(fakes):
+    """The fake fills unset fields as vLLM does: a request that sends only temperature and top_p (the old client's)
+    is served from the generation config, greedy included."""
+    fake = fakes(FakeVLLM, generation_config=LEAKY)
+    engine = _engine("vllm", fake)
+    context = "Q: a a ?\n\n"
+    resp, _ = engine.conn.completions(model="toy", prompt=context, max_tokens=8, temperature=0.0, top_p=1.0, seed=2,
+                                      stop=["\n\n"], extra_body={"include_stop_str_in_output": True})
+    assert fake.effective[-1]["top_k"] == 1 and fake.effective[-1]["repetition_penalty"] == 1.3
+    assert resp.choices[0].text != in_process_greedy(context)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from generation.engines import NEUTRAL_SAMPLING
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
 from generation.engines.connection import connect
 from generation.specs import SamplingSpec, StepSpec
@@ -251,7 +252,7 @@ class LlamaCppEngine(_Completions):
 
     name = "llama.cpp"
     top_k_slack = TOP_K_SLACK
-    sampling_extra = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
+    sampling_extra = NEUTRAL_SAMPLING["llama.cpp"]
     """llama-cpp-python samples with top-k 40, min-p 0.05 and a repeat penalty of 1.1 unless told otherwise; these
     turn all three off, so greedy text equals the in-process greedy text (its top-p still cuts the untempered
     distribution, before the temperature, where the package's sampler cuts the tempered one)."""
@@ -309,6 +310,10 @@ class VLLMEngine(_Completions):
     """
 
     name = "vllm"
+    sampling_extra = NEUTRAL_SAMPLING["vllm"]
+    """vLLM fills every sampling field a request leaves out from the model's ``generation_config.json``
+    (``--generation-config auto``): these state ``top_k``, ``min_p`` and ``repetition_penalty`` as the package's
+    sampler uses them (off)."""
 
     def __init__(self, url: str, model: str | None = None, *, max_logprobs: int | None = VLLM_MAX_LOGPROBS, **conn):
         super().__init__(url, model, **conn)

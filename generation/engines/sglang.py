@@ -48,7 +48,7 @@ from collections import OrderedDict
 
 import torch
 
-from generation.engines import HIDDEN_NORM
+from generation.engines import HIDDEN_NORM, NEUTRAL_SAMPLING
 from generation.engines.base import (Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Unsupported,
                                      Usage, Written)
 from generation.engines.connection import at_least, connect
@@ -58,8 +58,6 @@ from generation.specs import SamplingSpec, StepSpec
 MIN_VERSION = "0.5.4"
 """The oldest SGLang this client reads and writes with: ``/v1/tokenize`` exists from 0.5.4 (``sampling_seed`` from
 0.5.3, honoured only with ``--enable-deterministic-inference``)."""
-NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
-"""SGLang's ``sampling_params`` that change nothing (``SamplingParams.verify``: ``top_k`` is -1 or >= 1)."""
 PRE_NORM_MODELS = ("deepseek-v4", "deepseekv4")
 """Model names (lower case, in ``model_path``) whose SGLang hidden rows come before the final norm."""
 KNOWN_TEXTS = 4096
@@ -171,7 +169,7 @@ class SGLangEngine:
 
     def _sampling(self, sampling: SamplingSpec, seed: int, max_new_tokens: int) -> dict:
         return {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                **NEUTRAL, "sampling_seed": seed & 0x7FFFFFFF}
+                **NEUTRAL_SAMPLING["sglang"], "sampling_seed": seed & 0x7FFFFFFF}
 
     def _usage(self, meta: dict, secs: float) -> Usage:
         prompt, cached = int(meta.get("prompt_tokens", 0)), meta.get("cached_tokens")
