@@ -416,3 +416,12 @@ def test_text_keyed_top_k_is_exact_flagged_or_refused():
     assert text_keyed_top({"": -2.5, "a": -0.1, "b": -3.0, "z": -9.0}, "z", -9.0, 3, "u", "w") == \
         ([-0.1, -2.5, -3.0], True)
     assert text_keyed_top(top, "c", -3.0, 3, "u", "w", slack=0) == ([-0.1, -2.0, -3.0], False)  # vLLM: no slack
+
+
+def test_one_redaction_blanks_the_connection_key_and_key_like_variables(monkeypatch):
+    from generation.engines.connection import redact
+
+    monkeypatch.setenv("SOME_API_KEY", "sk-env-secret-42")
+    monkeypatch.setenv("SHORT_TOKEN", "abc")  # too short to be a key: left alone
+    msg = redact("sent sk-env-secret-42 and sk-given-77 with abc", "sk-given-77")
+    assert msg == "sent *** and *** with abc"

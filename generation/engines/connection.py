@@ -86,6 +86,8 @@ class Connection:
 
     def error(self, what: str, e: BaseException, fix: str = "") -> Unreachable:
         """An :class:`Unreachable` for a failed request: the URL, what failed, the cause (key blanked), the fix."""
+        if not fix and isinstance(e, (self.openai.AuthenticationError, self.openai.PermissionDeniedError)):
+            fix = f"set ${self.key_env or '(no variable)'} to a key it accepts"
         fix = fix or "check that the server is running and reachable"
         return Unreachable(self.say(f"server {self.root} failed {what} after {self.retries} attempt(s): "
                                     f"{self.say(e)}; {fix}"), self.root)
@@ -101,9 +103,12 @@ class Connection:
         try:
             return [m.id for m in self.client.models.list()]
         except (self.openai.AuthenticationError, self.openai.PermissionDeniedError) as e:
-            raise self.error("/v1/models", e, f"set ${self.key_env or '(none)'} to a key it accepts") from None
+            raise Unreachable(self.say(f"server {self.url} refused the API key from ${self.key_env or '(none)'} at "
+                                       f"/v1/models ({self.say(e)}); set ${self.key_env or '(no variable)'} to a key "
+                                       "it accepts"), self.root) from None
         except self.openai.OpenAIError as e:
-            raise self.error("/v1/models", e, "start it or fix the URL") from None
+            raise Unreachable(self.say(f"server {self.url} did not answer /v1/models after {self.retries} attempt(s) "
+                                       f"({self.say(e)}); start it or fix the URL"), self.root) from None
 
     def check_model(self, model: str | None) -> str:
         """The model name to request, checked against what the server lists (one cheap call, fails fast).
@@ -172,3 +177,18 @@ def connect(client, url: str, model: str | None, *, api_key_env: str, timeout: f
     client.url = client.conn.root
     client.model = client.conn.check_model(model)
     client.version = client.conn.version(version_route) if version_route else None
+
+
+def identify(conn: Connection) -> tuple[str | None, str | None]:
+    """Which engine serves at ``conn`` and its version: ``("sglang", v)`` (``/server_info``, older
+    ``/get_server_info``), ``("llama.cpp", v)`` (llama-cpp-python's ``/openapi.json``), ``("vllm", v)``
+    (``/version``), or ``(None, None)`` for another OpenAI-compatible server (a few quick GETs, no retries)."""
+    info = conn.get("/server_info") or conn.get("/get_server_info")
+    if isinstance(info, dict) and info.get("version") is not None:
+        return "sglang", str(info["version"])
+    api = conn.get("/openapi.json")
+    title = (api.get("info") or {}) if isinstance(api, dict) else {}
+    if "llama" in str(title.get("title", "")).lower():
+        return "llama.cpp", str(title.get("version")) if title.get("version") is not None else None
+    version = conn.version()
+    return ("vllm", version) if version is not None else (None, None)
