@@ -2,13 +2,14 @@
 their documented schemas, capability refusals, malformed answers, dead servers; a slow test against a real
 llama-cpp-python server and a ``gpu`` test against real SGLang / vLLM servers."""
 
+import re
 import socket
 
 import pytest
 import torch
 
 from generation.engines import make_engine
-from generation.engines.base import EngineError, MalformedAnswer
+from generation.engines.base import EngineError, MalformedAnswer, Unsupported
 from generation.engines.checks import require
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from tests.fake_engines import (NEUTRAL, NEXT, FakeLlamaCpp, FakeSGLang, FakeVLLM, ids_of, own_logprob, tid,
@@ -149,6 +150,81 @@ def test_sglang_without_hidden_states_is_refused_naming_the_flag(fakes):
         require(engine, FeatureSpec(groups=("hidden",)), "target")
     assert fake.root in str(e.value) and "can serve ['topk_stats']" in str(e.value)
     assert not fake.posts("/generate")  # refused before any request that reads
+
+
+@pytest.mark.parametrize("version", ["0.5.2", "0.4.6", None])
+def test_sglang_below_the_version_floor_is_refused_before_any_request(fakes, version):
+    info = {"version": version} if version else {"version": None}
+    fake = fakes(FakeSGLang, info=info)
+    with pytest.raises(Unsupported) as e:
+        _engine("sglang", fake)
+    assert fake.root in str(e.value) and f"reports version {version or 'unknown'}" in str(e.value)
+    assert "SGLang >= 0.5.4" in str(e.value) and not fake.posts("/generate") and not fake.posts("/v1/tokenize")
+
+
+def test_sglang_reads_its_version_from_server_info_or_the_older_route(fakes):
+    assert _engine("sglang", fakes(FakeSGLang, version="0.5.4", info_routes=("/get_server_info",))).version == "0.5.4"
+    with pytest.raises(Unsupported, match="answers neither /server_info nor /get_server_info"):
+        _engine("sglang", fakes(FakeSGLang, info_routes=()))
+
+
+def test_vllm_below_the_version_floor_is_refused(fakes):
+    fake = fakes(FakeVLLM, version="0.10.1")
+    with pytest.raises(Unsupported, match=r"reports version 0.10.1; this client needs vLLM >= 0.11.0") as e:
+        _engine("vllm", fake)
+    assert fake.root in str(e.value) and not fake.posts("/v1/completions")
+
+
+@pytest.mark.parametrize("info,flag", [
+    ({"return_hidden_states_mode": "last"}, "--return-hidden-states-mode full"),
+    ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3"),
+    ({"enable_return_aux_hidden_states": True}, "--enable-return-aux-hidden-states"),
+])
+def test_sglang_whose_rows_are_not_the_last_layer_is_refused_for_hidden(fakes, info, flag):
+    fake = fakes(FakeSGLang, info=info)
+    engine = _engine("sglang", fake)
+    with pytest.raises(Unsupported, match=re.escape(flag)) as e:
+        require(engine, FeatureSpec(groups=("hidden",)), "target")
+    assert fake.root in str(e.value) and "can serve ['topk_stats']" in str(e.value)
+    with pytest.raises(Unsupported, match=re.escape(flag)):
+        engine.read(CONTEXT, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)
+    assert not fake.posts("/generate")
+
+
+def test_sglang_serving_a_pre_norm_model_is_refused_for_a_final_norm_probe(fakes):
+    engine = _engine("sglang", fakes(FakeSGLang, info={"model_path": "deepseek-ai/DeepSeek-V4-Flash"}))
+    assert engine.capabilities().hidden_norm == "pre_norm"
+    with pytest.raises(Unsupported, match=r"hidden_norm='final_norm'.*hidden_norm='pre_norm'"):
+        require(engine, FeatureSpec(groups=("hidden",)), "target")
+
+
+@pytest.mark.parametrize("original", [False, True])
+def test_sglang_written_logprobs_are_read_back_raw_when_the_server_tempers_them(fakes, original):
+    """SGLang returns written tokens' log-probs as log_softmax(logits / T) (raw only when greedy or with
+    SGLANG_RETURN_ORIGINAL_LOGPROB=1, which no route reports): at 0 < T != 1 the client reads them back as prompt
+    tokens, raw, in one more request; greedy needs no second request."""
+    fake = fakes(FakeSGLang, original_logprob=original)
+    engine = _engine("sglang", fake)
+    step = StepSpec(("\n\n",), 8)
+    w = engine.write(CONTEXT, step=step, max_tokens=8, sampling=SamplingSpec(0.5, 1.0), seed=4, top_k=3)
+    ids = ids_of(CONTEXT) + list(w.tokens.ids)
+    start = len(ids_of(CONTEXT))
+    raw = torch.tensor([own_logprob(ids[:i], ids[i]) for i in range(start, len(ids))])
+    torch.testing.assert_close(w.tokens.logprobs, raw)
+    torch.testing.assert_close(w.tokens.top, torch.tensor([[v for v, _, _ in top_entries(ids[:i], 3)]
+                                                           for i in range(start, len(ids))]))
+    back = fake.posts("/generate")[-1]
+    assert back["input_ids"] == ids and back["logprob_start_len"] == start - 1
+    assert back["sampling_params"]["temperature"] == 0.0 and len(fake.posts("/generate")) == 2
+    engine.write(CONTEXT, step=step, max_tokens=8, sampling=GREEDY, seed=4, top_k=3)
+    assert len(fake.posts("/generate")) == 3  # greedy: written log-probs are raw, one request
+
+
+def test_sglang_abort_sent_with_http_200_is_an_error_not_an_eos(fakes):
+    fake = fakes(FakeSGLang, abort=True)
+    with pytest.raises(EngineError, match=r"aborted a /generate request: aborted by the scheduler") as e:
+        _engine("sglang", fake).write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0)
+    assert fake.root in str(e.value)
 
 
 def test_sglang_hidden_states_are_after_the_final_norm(fakes):

@@ -21,11 +21,14 @@ import torch
 
 from generation.engines import NEUTRAL_SAMPLING
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
-from generation.engines.connection import connect
+from generation.engines.connection import at_least, connect
 from generation.specs import SamplingSpec, StepSpec
 
 VLLM_MAX_LOGPROBS = 20
 """vLLM's default ``--max-logprobs``."""
+VLLM_MIN_VERSION = "0.11.0"
+"""The oldest vLLM this client reads and writes with (``return_token_ids``, ``prompt_logprobs`` in the completions
+body; the fixtures ``tests/fixtures/engines/vllm-*.json`` cover 0.11 and 0.34)."""
 
 
 def top_k_of(entries: list[float], k: int, url: str, where: str) -> list[float]:
@@ -317,6 +320,7 @@ class VLLMEngine(_Completions):
 
     def __init__(self, url: str, model: str | None = None, *, max_logprobs: int | None = VLLM_MAX_LOGPROBS, **conn):
         super().__init__(url, model, **conn)
+        at_least(self, self.version, VLLM_MIN_VERSION, "vLLM")
         self.max_logprobs = max_logprobs
 
     def _probe(self) -> Capabilities:
