@@ -155,14 +155,16 @@ class FakeSGLang(_Server):
         short_top: return this many top-k entries per position instead of the k asked for.
         drop_rows: return this many fewer input log-prob rows than the engine would.
         abort: answer every ``/generate`` with ``finish_reason`` ``abort`` (HTTP 200).
+        tail_after_stop: text kept after a matched stop string with ``no_stop_trim`` (before 0.5.23, PR #25980,
+            when several tokens were accepted in one step).
     """
 
     def __init__(self, name="toy", *, version="0.5.23", hidden=True, info=None,
                  info_routes=("/server_info", "/get_server_info"), original_logprob=False, generation_config=None,
-                 short_top=None, drop_rows=0, abort=False):
+                 short_top=None, drop_rows=0, abort=False, tail_after_stop=""):
         self.name, self.version, self.hidden = name, version, hidden
         self.short_top, self.drop_rows, self.abort, self.original_logprob = short_top, drop_rows, abort, original_logprob
-        self.generation_config = dict(generation_config or {})
+        self.generation_config, self.tail_after_stop = dict(generation_config or {}), tail_after_stop
         self.info = {"version": version, "disable_radix_cache": False, "enable_return_hidden_states": hidden,
                      "speculative_algorithm": None, **(info or {})}
         self.cache: list[list[int]] = []
@@ -210,6 +212,8 @@ class FakeSGLang(_Server):
                                                     sp.get("no_stop_trim", False), params, sp.get("sampling_seed"))
         if sp.get("max_new_tokens") == 1 and body.get("logprob_start_len", -1) >= 0:
             out_words, text, finish, hit = [NEXT], NEXT, "length", None  # a read: the token after the step
+        if hit and sp.get("no_stop_trim"):
+            text += self.tail_after_stop
         out_ids = [tid(w) for w in out_words]
         self.cache.append(ids + out_ids)
         meta = {"id": "r", "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": cached,

@@ -220,6 +220,13 @@ def test_sglang_written_logprobs_are_read_back_raw_when_the_server_tempers_them(
     assert len(fake.posts("/generate")) == 3  # greedy: written log-probs are raw, one request
 
 
+def test_sglang_write_cuts_text_kept_after_the_stop_string(fakes):
+    """Before 0.5.23 (PR #25980) no_stop_trim could keep text after the matched stop string as well."""
+    fake = fakes(FakeSGLang, version="0.5.22", tail_after_stop="c ")
+    w = _engine("sglang", fake).write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=1)
+    assert (w.text, w.stop) == ("a b\n\n", "delimiter")
+
+
 def test_sglang_abort_sent_with_http_200_is_an_error_not_an_eos(fakes):
     fake = fakes(FakeSGLang, abort=True)
     with pytest.raises(EngineError, match=r"aborted a /generate request: aborted by the scheduler") as e:

@@ -272,8 +272,9 @@ class SGLangEngine:
         matched = finish.get("matched")
         if finish.get("type") == "length":
             how = "length"
-        elif isinstance(matched, str) and step is not None:
-            how, text = "delimiter", text if text.endswith(matched) else text + matched
+        elif isinstance(matched, str) and step is not None:  # no_stop_trim keeps the stop string; before 0.5.23
+            how, cut = "delimiter", text.find(matched)         # (PR #25980) it could keep text after it as well
+            text = text[:cut + len(matched)] if cut >= 0 else text + matched
         else:
             how = "eos"
         n = int(meta.get("completion_tokens", 0)) - (how == "eos")  # the EOS token is not in the text
