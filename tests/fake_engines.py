@@ -115,6 +115,7 @@ def _draw(word: str, seen: list[int], params: dict, rng: random.Random) -> str:
 class _Server(LoopbackServer):
     def __init__(self, routes_get, routes_post):
         self.requests: list[tuple[str, dict, dict]] = []
+        self.answers: list[tuple[str, dict]] = []
         outer = self
 
         class Handler(JsonHandler):
@@ -127,7 +128,9 @@ class _Server(LoopbackServer):
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 outer.requests.append((self.path, headers, body))
                 f = routes_post.get(self.path)
-                self._send(*(f(body, headers) if f else (404, {"detail": "Not Found"})))
+                code, answer = f(body, headers) if f else (404, {"detail": "Not Found"})
+                outer.answers.append((self.path, answer))
+                self._send(code, answer)
 
         self.root = self._serve(Handler)
 
@@ -216,7 +219,7 @@ class FakeSGLang(_Server):
             text += self.tail_after_stop
         out_ids = [tid(w) for w in out_words]
         self.cache.append(ids + out_ids)
-        meta = {"id": "r", "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": cached,
+        meta = {"id": "r", "e2e_latency": 0.001, "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": cached,
                 "finish_reason": ({"type": "abort", "message": "aborted by the scheduler"} if self.abort else
                                   {"type": "stop", "matched": hit} if finish == "stop" else
                                   {"type": "length", "length": len(out_ids)})}
@@ -294,7 +297,7 @@ class FakeVLLM(_Server):
                                                         body.get("include_stop_str_in_output", False), params,
                                                         body.get("seed"))
         full, all_texts = ids + [tid(w) for w in out_words], texts + out_words
-        choice = {"index": 0, "finish_reason": finish, "stop_reason": hit, "logprobs": None}
+        choice = {"index": 0, "finish_reason": finish, "stop_reason": hit, "logprobs": None, "prompt_logprobs": None}
         if body.get("echo"):
             choice["text"] = ("" if body.get("return_token_ids") else prompt) + text
             if k is not None:
@@ -315,7 +318,8 @@ class FakeVLLM(_Server):
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(out_words),
                  "total_tokens": len(ids) + len(out_words),
                  "prompt_tokens_details": {"cached_tokens": 2} if self.details else None}
-        return 200, {"id": "x", "object": "text_completion", "model": self.name, "choices": [choice], "usage": usage}
+        return 200, {"id": "x", "object": "text_completion", "created": 0, "model": self.name, "choices": [choice],
+                     "usage": usage}
 
 
 class FakeLlamaCpp(_Server):
