@@ -248,16 +248,22 @@ class FakeVLLM(_Server):
         generation_config: the model's ``generation_config.json`` fields vLLM fills into unset sampling fields.
         short_top: put this many entries in each prompt_logprobs position instead of k (+ the prompt token).
         status: answer every completions request with this HTTP status, echoing the Authorization header.
+        lone_texts: echo each token's text decoded alone, as vLLM 0.11 does for SentencePiece tokenizers (the toy:
+            without its trailing spaces), so the texts do not add up to the prompt.
     """
 
     def __init__(self, name="toy", *, version="0.11.0", max_logprobs=20, prompt_tokens_details=False,
-                 generation_config=None, short_top=None, status=None):
+                 generation_config=None, short_top=None, status=None, lone_texts=False):
+        self.lone_texts = lone_texts
         self.name, self.max_logprobs, self.short_top, self.status = name, max_logprobs, short_top, status
         self.details, self.generation_config = prompt_tokens_details, dict(generation_config or {})
         self.effective: list[dict] = []
         super().__init__({"/v1/models": lambda: (200, {"object": "list", "data": [{"id": self.name}]}),
                           "/version": lambda: (200, {"version": version})},
-                         {"/v1/completions": self._complete})
+                         {"/v1/completions": self._complete,
+                          "/tokenize": lambda body, h: (200, {"tokens": ids_of(body["prompt"]),
+                                                              "count": len(ids_of(body["prompt"])),
+                                                              "max_model_len": 4096})})
 
     def _logprobs(self, full, texts, start, k, offset0=0):
         out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
@@ -289,7 +295,7 @@ class FakeVLLM(_Server):
         params = self._params(body)
         self.effective.append(params)
         prompt = body["prompt"]
-        ids, texts = ids_of(prompt), [BOS_TEXT] + words(prompt)
+        ids, texts = ids_of(prompt), [BOS_TEXT] + [w.rstrip(" ") if self.lone_texts else w for w in words(prompt)]
         if body.get("echo"):
             out_words, text, finish, hit = [NEXT], NEXT, "length", None
         else:

@@ -262,6 +262,20 @@ def test_vllm_read_echoes_with_prompt_logprobs_and_maps_by_text_offsets(fakes):
     assert (r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.prefill_tokens) == (len(ids), 2, len(ids) - 2)
 
 
+def test_vllm_finds_the_step_by_ids_when_echoed_texts_do_not_add_up(fakes):
+    """vLLM 0.11 decodes each echoed id alone (SentencePiece spaces, split UTF-8 characters): the step is found by
+    prompt_token_ids against the context's ids from /tokenize."""
+    fake = fakes(FakeVLLM, lone_texts=True)
+    r = _engine("vllm", fake).read(CONTEXT, STEP, top_k=4, hidden=False, sampling=GREEDY, seed=7)
+    ids, start, own, top = _expected(4)
+    assert r.step.ids == ids[start:] and fake.posts("/tokenize") == [{"model": "toy", "prompt": CONTEXT}]
+    torch.testing.assert_close(r.step.logprobs, own)
+    torch.testing.assert_close(r.step.top, top)
+    plain = fakes(FakeVLLM)
+    _engine("vllm", plain).read(CONTEXT, STEP, top_k=4, hidden=False, sampling=GREEDY, seed=7)
+    assert not plain.posts("/tokenize")  # texts that add up need no /tokenize
+
+
 def test_vllm_write_keeps_the_stop_string(fakes):
     fake = fakes(FakeVLLM)
     w = _engine("vllm", fake).write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=2,

@@ -202,8 +202,17 @@ class _Completions:
         lp = self._logprobs(choice)
         generated = int(getattr(resp.usage, "completion_tokens", 0) or 0)
         n_prompt = len(lp["tokens"]) - generated
-        idx = step_positions(lp["text_offset"], lp["tokens"], n_prompt, context, step, self.url)
+        try:
+            idx = step_positions(lp["text_offset"], lp["tokens"], n_prompt, context, step, self.url)
+        except MalformedAnswer:
+            idx = self._positions_by_ids(context, choice, n_prompt)
+            if idx is None:
+                raise
         return resp, secs, choice, lp, idx
+
+    def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
+        """The step's indices found by token ids when the echoed texts do not add up; None: the engine cannot."""
+        return None
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -344,6 +353,22 @@ class VLLMEngine(_Completions):
         eos = choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
         return Reading(self._echo_step(lp, idx, top_k, tops, ids), None, _after(choice, context + step, eos), eos,
                        _usage(resp.usage, secs))
+
+    def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
+        """vLLM 0.11 decodes each echoed id alone, so SentencePiece spaces and the bytes of a split UTF-8 character do
+        not add up to the prompt: the step is found by ids instead, the context's ids from ``POST /tokenize`` (one
+        more request, only for such a prompt) against ``prompt_token_ids`` (``return_token_ids``)."""
+        ids = (choice.model_extra or {}).get("prompt_token_ids")
+        got, _ = self.conn.post("/tokenize", {"model": self.model, "prompt": context}, "/tokenize")
+        ctx = got.get("tokens") if isinstance(got, dict) else None
+        if not isinstance(ids, list) or not isinstance(ctx, list):
+            raise MalformedAnswer(f"server {self.url} answered without prompt_token_ids or /tokenize without tokens; "
+                                  "the echoed texts do not add up to the prompt, so the step cannot be found", self.url)
+        if ids[:len(ctx)] != ctx or not len(ctx) < n_prompt:
+            raise MalformedAnswer(f"server {self.url}: the context's {len(ctx)} token id(s) (/tokenize) are not a prefix "
+                                  f"of the prompt's {n_prompt} (prompt_token_ids): its tokenizer merges the context's "
+                                  "end with the step's start; end steps at a delimiter the tokenizer splits at", self.url)
+        return list(range(len(ctx), n_prompt))
 
     def _cut_delimiter(self, choice, text: str, stops: list[str]) -> str | None:
         reason = (choice.model_extra or {}).get("stop_reason")
