@@ -113,5 +113,5 @@ def test_unreachable_endpoint_fails_after_retries_naming_url_not_key(monkeypatch
     with pytest.raises(Unreachable) as err:  # an EngineError the CLIs catch by type
         judge.same(PAIRS[:1])
     msg = str(err.value)
-    assert f"http://127.0.0.1:{port} failed judge request /chat/completions" in msg and "2 attempt" in msg
+    assert f"http://127.0.0.1:{port}/v1/chat/completions" in msg and "2 attempt" in msg
     assert "sk-secret-123" not in msg and "sk-secret-123" not in repr(judge.__dict__)

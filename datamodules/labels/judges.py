@@ -280,10 +280,15 @@ class HTTPJudge(Judge):
         return self._fields
 
     def _ask(self, prompt: str) -> dict:
-        """One request (retried by the connection): the answer as a dict."""
+        """One request (retried by the connection): the answer as a dict.
+
+        Raises:
+            Unreachable: the endpoint failed after the retries, naming its URL, never the key.
+        """
+        from generation.engines.base import Unreachable
+
         common = {"model": self.model, "max_tokens": 1, "temperature": 0.0, "top_p": 1.0,
                   "extra_body": self._sampling_fields() or None}
-        route = self.url[len(self.conn.url):] or self.url
         try:
             if self.api == "chat":
                 resp = self.conn.client.chat.completions.create(
@@ -291,7 +296,9 @@ class HTTPJudge(Judge):
             else:
                 resp = self.conn.client.completions.create(prompt=prompt, logprobs=5, **common)
         except self.conn.openai.OpenAIError as e:
-            raise self.conn.error(f"judge request {route}", e) from None
+            raise Unreachable(self.conn.say(f"judge endpoint {self.url} failed after {self.conn.retries} attempt(s): "
+                                            f"{self.conn.say(e)}; check that it is running and reachable"),
+                              self.conn.root) from None
         return resp.model_dump()
 
     def _parse(self, resp: dict) -> float:
