@@ -220,6 +220,24 @@ def test_sglang_written_logprobs_are_read_back_raw_when_the_server_tempers_them(
     assert len(fake.posts("/generate")) == 3  # greedy: written log-probs are raw, one request
 
 
+def test_sglang_prefills_a_long_context_before_reading_its_hidden_rows(fakes):
+    """SGLang returns a hidden row for every position it computes: a long context seen for the first time is
+    prefilled in a request of its own, so the hidden read returns the step's rows and one more, not the context's."""
+    from generation.engines.sglang import LONG_CONTEXT
+
+    fake = fakes(FakeSGLang)
+    engine = _engine("sglang", fake)
+    context = "x " * (LONG_CONTEXT + 10) + "?\n\n"
+    r = engine.read(context, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)
+    n, start = len(words(STEP)), len(ids_of(context))
+    prefill, read = fake.posts("/generate")
+    assert prefill["input_ids"] == ids_of(context) and "return_hidden_states" not in prefill
+    assert len(fake.answers[-1][1]["meta_info"]["hidden_states"][0]) == n + 1  # not start + n
+    assert r.hidden[:, 0].tolist() == list(range(start, start + n)) and r.usage.cached_tokens == start - 1
+    engine.read(CONTEXT, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)  # short: no prefill request
+    assert len(fake.posts("/generate")) == 3
+
+
 def test_sglang_write_cuts_text_kept_after_the_stop_string(fakes):
     """Before 0.5.23 (PR #25980) no_stop_trim could keep text after the matched stop string as well."""
     fake = fakes(FakeSGLang, version="0.5.22", tail_after_stop="c ")

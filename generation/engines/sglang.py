@@ -60,6 +60,9 @@ MIN_VERSION = "0.5.4"
 0.5.3, honoured only with ``--enable-deterministic-inference``)."""
 PRE_NORM_MODELS = ("deepseek-v4", "deepseekv4")
 """Model names (lower case, in ``model_path``) whose SGLang hidden rows come before the final norm."""
+LONG_CONTEXT = 128
+"""Contexts of more tokens than this, read for the first time with ``hidden``, are prefilled first
+(:meth:`SGLangEngine._prefill`): one request more per prompt instead of a hidden row per context token."""
 KNOWN_TEXTS = 4096
 """Texts whose server token ids an :class:`SGLangEngine` keeps: a step read after a context it has seen (the previous
 step + the bonus token, or a step the server wrote) needs no ``/v1/tokenize`` call, so a kept step costs two requests
@@ -219,6 +222,8 @@ class SGLangEngine:
         got = self._read_known(context, step, known, top_k, hidden, sampling, seed) if known else None
         if got is None:  # the context's ids are not known, or the server split context + step elsewhere
             ids, start = self._ids(context, step)
+            if hidden and start > LONG_CONTEXT:
+                self._prefill(ids[:start])
             got = self._read_ids(ids, start, top_k, hidden, sampling, seed)
         tokens, meta, got_text, secs = got
         finish = meta.get("finish_reason") or {}
@@ -231,6 +236,12 @@ class SGLangEngine:
             self._remember(context + step + got_text, self._known[context + step] + [int(nxt[0][1])])
         return Reading(tokens, self._hidden(meta, n) if hidden else None, "" if eos else got_text, eos,
                        self._usage(meta, secs))
+
+    def _prefill(self, ids: list[int]) -> None:
+        """Have the server cache a long context first (one token written, nothing returned): SGLang returns a hidden
+        row for every position it computes (no "last n rows" option), so a first read of a long context would carry
+        them all as JSON floats; after this request the read computes, and returns, the step's rows and one more."""
+        self._generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
 
     def _read_body(self, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int) -> dict:
         return {"sampling_params": self._sampling(sampling, seed, 1), "return_logprob": True, "top_logprobs_num": top_k,
