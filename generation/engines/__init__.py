@@ -42,7 +42,9 @@ def make_engine(kind: str, url: str, model: str | None = None, *, api_key_env: s
 
     Raises:
         ValueError: an unknown ``kind``.
-        EngineError: the server does not answer or does not serve ``model``.
+        Unreachable: the server does not answer (after the retries) or refuses the key.
+        Unsupported: it does not serve ``model``, or its version is below the client's floor (SGLang 0.5.4,
+            vLLM 0.11.0), naming the URL, the version and the floor.
     """
     conn = {"api_key_env": api_key_env, "timeout": timeout, "retries": retries}
     if kind == "sglang":
