@@ -248,13 +248,14 @@ class FakeVLLM(_Server):
         generation_config: the model's ``generation_config.json`` fields vLLM fills into unset sampling fields.
         short_top: put this many entries in each prompt_logprobs position instead of k (+ the prompt token).
         status: answer every completions request with this HTTP status, echoing the Authorization header.
+        twin_texts: the two most likely tokens read alike ("", as control tokens), so a text-keyed top-k loses one.
         lone_texts: echo each token's text decoded alone, as vLLM 0.11 does for SentencePiece tokenizers (the toy:
             without its trailing spaces), so the texts do not add up to the prompt.
     """
 
     def __init__(self, name="toy", *, version="0.11.0", max_logprobs=20, prompt_tokens_details=False,
-                 generation_config=None, short_top=None, status=None, lone_texts=False):
-        self.lone_texts = lone_texts
+                 generation_config=None, short_top=None, status=None, lone_texts=False, twin_texts=False):
+        self.lone_texts, self.twin_texts = lone_texts, twin_texts
         self.name, self.max_logprobs, self.short_top, self.status = name, max_logprobs, short_top, status
         self.details, self.generation_config = prompt_tokens_details, dict(generation_config or {})
         self.effective: list[dict] = []
@@ -273,8 +274,8 @@ class FakeVLLM(_Server):
             out["tokens"].append(texts[i])
             out["text_offset"].append(off)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(None if i == 0 else {texts[i]: lp, **{t: v for v, _, t in
-                                                                             top_entries(full[:i], k)}})
+            tops = [(v, "" if self.twin_texts and j < 2 else t) for j, (v, _, t) in enumerate(top_entries(full[:i], k))]
+            out["top_logprobs"].append(None if i == 0 else {texts[i]: lp, **{t: v for v, t in reversed(tops)}})
             off += len(texts[i])
         return out
 

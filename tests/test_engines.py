@@ -304,6 +304,18 @@ def test_vllm_write_keeps_the_stop_string(fakes):
     assert w.tokens.top.shape == (2, 3)
 
 
+def test_vllm_written_top_k_asks_one_more_and_flags_tokens_that_read_alike(fakes):
+    """Written tokens' top_logprobs are keyed by text: two tokens that read alike share a key and one log-prob is lost.
+    Asked for k + 1 entries, the client tells such a position from a full answer and counts it (it used to take k
+    entries, and returned the wrong values unflagged)."""
+    fake = fakes(FakeVLLM, twin_texts=True)
+    engine = _engine("vllm", fake)
+    w = engine.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=2, top_k=3)
+    assert fake.posts("/v1/completions")[0]["logprobs"] == 4 and engine.unsure_positions == len(w.tokens.tokens) == 2
+    capped = _engine("vllm", fakes(FakeVLLM, max_logprobs=3), max_logprobs=3)
+    capped.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=2, top_k=3)  # at the cap
+
+
 def test_vllm_top_k_above_max_logprobs_is_refused(fakes):
     fake = fakes(FakeVLLM, max_logprobs=20)
     engine = _engine("vllm", fake)

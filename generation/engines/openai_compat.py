@@ -178,7 +178,7 @@ class _Completions:
         return lp
 
     def _echo_step(self, lp: dict, idx: list[int], k: int, tops: list[list[float]] | None,
-                   ids: list[int] | None) -> TokenLogprobs:
+                   ids: list[int] | None, slack: int | None = None) -> TokenLogprobs:
         own = [lp["token_logprobs"][i] for i in idx]
         if any(v is None for v in own):
             raise MalformedAnswer(f"server {self.url} returned no log-prob for {sum(v is None for v in own)} of the "
@@ -186,7 +186,7 @@ class _Completions:
                                   "context)", self.url)
         if tops is None:
             got = [text_keyed_top(lp["top_logprobs"][i] or {}, lp["tokens"][i], v, k, self.url, f"step token {j}",
-                                  self.top_k_slack) for j, (i, v) in enumerate(zip(idx, own))]
+                                  self.top_k_slack if slack is None else slack) for j, (i, v) in enumerate(zip(idx, own))]
             tops = [t for t, _ in got]
             self.unsure_positions += sum(u for _, u in got)
         top = [top_k_of(t, k, self.url, f"step token {j}") for j, t in enumerate(tops)]
@@ -219,8 +219,8 @@ class _Completions:
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
               top_k: int | None = None) -> Written:
         stops = list(step.delimiters) if step is not None else None
-        resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed,
-                                  logprobs=self._write_logprobs(top_k, stops), stop=stops,
+        asked = self._write_logprobs(top_k, stops)
+        resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=asked, stop=stops,
                                   extra={"include_stop_str_in_output": True} if stops else None)
         choice = self._choice(resp)
         text, how = self._ending(choice, stops or [])
@@ -229,7 +229,7 @@ class _Completions:
             lp = self._logprobs(choice)
             first = lp["text_offset"][0] if lp["text_offset"] else 0  # llama.cpp counts from the prompt's start
             idx = [i for i, o in enumerate(lp["text_offset"]) if o - first < len(text)]
-            tokens = self._echo_step(lp, idx, top_k, None, None)
+            tokens = self._echo_step(lp, idx, top_k, None, None, slack=(asked or top_k) - top_k)
         return Written(text, how, tokens, _usage(resp.usage, secs))
 
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
@@ -369,6 +369,14 @@ class VLLMEngine(_Completions):
                                   f"of the prompt's {n_prompt} (prompt_token_ids): its tokenizer merges the context's "
                                   "end with the step's start; end steps at a delimiter the tokenizer splits at", self.url)
         return list(range(len(ctx), n_prompt))
+
+    def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
+        # Written tokens' top_logprobs are keyed by text (prompt_logprobs, by id, exist for prompts only): two tokens
+        # that read alike share a key. One entry more, when --max-logprobs allows, tells a lost entry from a full
+        # answer (text_keyed_top), as for llama.cpp.
+        if not top_k:
+            return None
+        return top_k + (self.max_logprobs is None or top_k < self.max_logprobs)
 
     def _cut_delimiter(self, choice, text: str, stops: list[str]) -> str | None:
         reason = (choice.model_extra or {}).get("stop_reason")
