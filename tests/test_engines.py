@@ -552,3 +552,20 @@ def test_one_redaction_blanks_the_connection_key_and_key_like_variables(monkeypa
     monkeypatch.setenv("SHORT_TOKEN", "abc")  # too short to be a key: left alone
     msg = redact("sent sk-env-secret-42 and sk-given-77 with abc", "sk-given-77")
     assert msg == "sent *** and *** with abc"
+
+
+@pytest.mark.slow
+def test_a_real_llama_cpp_python_server_is_identified_and_accepts_the_neutral_fields(tmp_path):
+    from benchmarks.llama_server import server_available, world_server
+    from generation.engines import NEUTRAL_SAMPLING
+    from generation.engines.connection import Connection, identify
+
+    if not server_available():
+        pytest.skip("llama-cpp-python[server] is not installed")
+    with world_server("draft", 8873, log=tmp_path / "d.log") as s:
+        conn = Connection(s.url, api_key_env="", retries=1)
+        kind, version = identify(conn)
+        assert kind == "llama.cpp" and version
+        resp, _ = conn.completions(model="draft", prompt="Q: 2 + 3 =", max_tokens=4, temperature=0.0, top_p=1.0,
+                                   seed=0, extra_body=NEUTRAL_SAMPLING["llama.cpp"])
+        assert resp.choices and resp.usage.completion_tokens >= 1
