@@ -166,7 +166,8 @@ class FakeSGLang(_Server):
                  info_routes=("/server_info", "/get_server_info"), original_logprob=False, generation_config=None,
                  short_top=None, drop_rows=0, abort=False, tail_after_stop=""):
         self.name, self.version, self.hidden = name, version, hidden
-        self.short_top, self.drop_rows, self.abort, self.original_logprob = short_top, drop_rows, abort, original_logprob
+        self.short_top, self.drop_rows, self.abort = short_top, drop_rows, abort
+        self.original_logprob = original_logprob
         self.generation_config, self.tail_after_stop = dict(generation_config or {}), tail_after_stop
         self.info = {"version": version, "disable_radix_cache": False, "enable_return_hidden_states": hidden,
                      "speculative_algorithm": None, **(info or {})}
@@ -219,7 +220,8 @@ class FakeSGLang(_Server):
             text += self.tail_after_stop
         out_ids = [tid(w) for w in out_words]
         self.cache.append(ids + out_ids)
-        meta = {"id": "r", "e2e_latency": 0.001, "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": cached,
+        meta = {"id": "r", "e2e_latency": 0.001, "prompt_tokens": len(ids), "completion_tokens": len(out_ids),
+                "cached_tokens": cached,
                 "finish_reason": ({"type": "abort", "message": "aborted by the scheduler"} if self.abort else
                                   {"type": "stop", "matched": hit} if finish == "stop" else
                                   {"type": "length", "length": len(out_ids)})}

@@ -185,8 +185,9 @@ class _Completions:
                                   f"step's {len(idx)} token(s) (the first prompt position has none: give a non-empty "
                                   "context)", self.url)
         if tops is None:
+            slack = self.top_k_slack if slack is None else slack
             got = [text_keyed_top(lp["top_logprobs"][i] or {}, lp["tokens"][i], v, k, self.url, f"step token {j}",
-                                  self.top_k_slack if slack is None else slack) for j, (i, v) in enumerate(zip(idx, own))]
+                                  slack) for j, (i, v) in enumerate(zip(idx, own))]
             tops = [t for t, _ in got]
             self.unsure_positions += sum(u for _, u in got)
         top = [top_k_of(t, k, self.url, f"step token {j}") for j, t in enumerate(tops)]
@@ -220,7 +221,8 @@ class _Completions:
               top_k: int | None = None) -> Written:
         stops = list(step.delimiters) if step is not None else None
         asked = self._write_logprobs(top_k, stops)
-        resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=asked, stop=stops,
+        resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=asked,
+                                  stop=stops,
                                   extra={"include_stop_str_in_output": True} if stops else None)
         choice = self._choice(resp)
         text, how = self._ending(choice, stops or [])
@@ -365,9 +367,10 @@ class VLLMEngine(_Completions):
             raise MalformedAnswer(f"server {self.url} answered without prompt_token_ids or /tokenize without tokens; "
                                   "the echoed texts do not add up to the prompt, so the step cannot be found", self.url)
         if ids[:len(ctx)] != ctx or not len(ctx) < n_prompt:
-            raise MalformedAnswer(f"server {self.url}: the context's {len(ctx)} token id(s) (/tokenize) are not a prefix "
-                                  f"of the prompt's {n_prompt} (prompt_token_ids): its tokenizer merges the context's "
-                                  "end with the step's start; end steps at a delimiter the tokenizer splits at", self.url)
+            raise MalformedAnswer(f"server {self.url}: the context's {len(ctx)} token id(s) (/tokenize) are not a "
+                                  f"prefix of the prompt's {n_prompt} (prompt_token_ids): its tokenizer merges the "
+                                  "context's end with the step's start; end steps at a delimiter the tokenizer splits "
+                                  "at", self.url)
         return list(range(len(ctx), n_prompt))
 
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:

@@ -183,8 +183,9 @@ class SGLangEngine:
         """``n`` positions of ``[logprob, id, text]`` rows and their top-k lists, refused when short."""
         rows, tops = rows or [], tops or []
         if len(rows) < n or (k and len(tops) < n):
-            raise MalformedAnswer(f"server {self.url} returned {len(rows)} {what} log-prob rows ({field}_token_logprobs)"
-                                  f" and {len(tops)} top-k rows ({field}_top_logprobs); expected {n}", self.url)
+            raise MalformedAnswer(f"server {self.url} returned {len(rows)} {what} log-prob rows "
+                                  f"({field}_token_logprobs) and {len(tops)} top-k rows ({field}_top_logprobs); "
+                                  f"expected {n}", self.url)
         rows, tops = rows[len(rows) - n:], tops[len(tops) - n:] if k else [[]] * n
         if any(not isinstance(r, list) or len(r) < 2 or r[0] is None for r in rows):
             raise MalformedAnswer(f"server {self.url} returned no log-prob for some of the {n} {what} tokens "
