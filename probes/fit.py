@@ -27,7 +27,6 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from datamodules.labels.build import SERVER_ERRORS
 from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.paths import portable_paths
@@ -251,7 +250,9 @@ def _fit(trainer, module, data, ckpt_path: Optional[str], args: list[str]) -> No
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except (ValueError, OSError, RuntimeError) as e:
-        if setup_done.done or (isinstance(e, RuntimeError) and not str(e).startswith(SERVER_ERRORS)):
+        from generation.engines.base import EngineError  # a server of the data build failed or refused
+
+        if setup_done.done or (isinstance(e, RuntimeError) and not isinstance(e, EngineError)):
             raise  # raised while training, or a fault of ours: not an input error, keep the traceback
         fail(str(e))  # the data build (its servers), the data checks or the optimizer refused the input
     except SystemExit:

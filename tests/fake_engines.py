@@ -1,31 +1,48 @@
-"""Loopback fakes of SGLang's ``/generate`` and vLLM's ``/v1/completions``, written from their documented schemas.
+"""Loopback fakes of SGLang's ``/generate`` and vLLM's ``/v1/completions``, written from the engines' code paths.
+
+Each fake answers as the engine's own code does; the answer shapes are recorded, with the engine file and function
+they come from, in ``tests/fixtures/engines/*.json`` (and ``tests/test_engines.py`` checks the fakes against them).
 
 A toy model stands behind both: words (with the spaces after them) are tokens, id = a hash of the text,
 BOS (id 1, text ``<s>``) starts every prompt, and the log-probs at each position are a fixed function
 of the ids before it (:func:`own_logprob`, :func:`top_entries`), so a test knows exactly what the
-answer must map to. The model always continues with :data:`CONTINUATION`.
+answer must map to. The model continues with :data:`CONTINUATION` (:func:`toy_continue`: each word beats a
+runner-up by a small margin, so sampling fields the server fills in by itself change what it writes).
 
-- SGLang (``io_struct.py`` ``GenerateReqInput``; ``meta_info``): ``/generate`` answers
-  ``input_token_logprobs`` / ``output_token_logprobs`` as ``[logprob, id, text]``, ``input_top_logprobs``
-  as lists of those, ``hidden_states`` as ``[prefill rows, ...]`` for the rows after the cached prefix,
-  ``cached_tokens``, ``finish_reason``; ``/v1/tokenize``, ``/get_server_info``.
-- vLLM (``serving_completion.py``): ``echo`` + ``logprobs`` give the legacy ``logprobs`` (tokens, text_offset from
-  0 with the BOS text, token_logprobs, top_logprobs) over prompt + output; ``prompt_logprobs`` per position
-  ``{id: {logprob, rank, decoded_token}}`` (None at 0); ``return_token_ids`` adds ``prompt_token_ids`` and
-  drops the prompt from ``text``; ``include_stop_str_in_output``, ``stop_reason``; a k above ``max_logprobs`` is a 400.
+- SGLang (``python/sglang/srt/managers/scheduler_output_processor_mixin.py``
+  ``_process_input_token_logprobs``; ``schedule_batch.py`` ``Req._compute_max_prefix_len``; ``io_struct.py``
+  ``GenerateReqInput``; ``entrypoints/http_server.py`` ``/server_info``):
+  the entry at ``logprob_start_len`` is ``[null, id, text]`` and its top-k ``null``; top-k lists only with
+  ``top_logprobs_num > 0``; ``output_ids`` in every answer; the radix cache is reused up to
+  ``min(input_len - 1, logprob_start_len)``; written log-probs are ``log_softmax(logits / T)`` (toy: divided
+  by ``T``) unless greedy or ``SGLANG_RETURN_ORIGINAL_LOGPROB``; no ``/version`` route, the version and the
+  flags in ``/server_info`` (older versions: ``/get_server_info`` alone).
+- vLLM (``vllm/entrypoints/openai/serving_completion.py``, ``protocol.py`` ``CompletionRequest``,
+  ``vllm/config`` ``get_diff_sampling_param``): ``echo`` + ``logprobs`` give the legacy ``logprobs`` (tokens,
+  text_offset from 0 with the BOS text, token_logprobs, top_logprobs) over prompt + output; ``prompt_logprobs``
+  per position ``{id: {logprob, rank, decoded_token}}`` (None at 0); ``return_token_ids`` adds
+  ``prompt_token_ids`` and ``token_ids``; ``include_stop_str_in_output``, ``stop_reason``; a k above
+  ``max_logprobs`` is a 400; ``prompt_tokens_details`` is null unless ``--enable-prompt-tokens-details``;
+  unset sampling fields come from the model's ``generation_config.json`` (``--generation-config auto``).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import random
 import re
 import zlib
 
 from tests.fake_openai import JsonHandler, LoopbackServer
 
-BOS, BOS_TEXT = 1, "<s>"
+BOS, BOS_TEXT, EOS = 1, "<s>", 2
 CONTINUATION = "a b\n\nc d"
 NEXT = "next"
+RUNNER_UP = " z"
+"""The toy model's second choice at every written position (:func:`toy_continue`)."""
+NEUTRAL = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+"""Sampling fields that change nothing (the package's one sampler draws from temperature and top-p alone)."""
 
 
 def words(text: str) -> list[str]:
@@ -56,9 +73,49 @@ def top_entries(prefix: list[int], k: int) -> list[tuple[float, int, str]]:
     return [(-round(0.01 * (j + 1) + 0.001 * len(prefix), 6), 60000 + j, f" w{j}") for j in range(k)]
 
 
+def toy_continue(ids: list[int], max_tokens: int, stops: list[str], keep_stop: bool, params: dict, seed: int | None):
+    """What the toy model writes after ``ids`` with these sampling ``params`` (temperature, top_p, top_k, min_p,
+    repetition_penalty): at each position the next word of :data:`CONTINUATION` (logit 1.0) or :data:`RUNNER_UP`
+    (logit 0.9); a repetition penalty divides the logit of a word already seen, top-k 1 or a min-p above 0.9 keeps
+    the first alone. Returns the words, the text (cut after the first stop string), ``"stop"`` or ``"length"``,
+    and the stop string matched."""
+    rng = random.Random(seed)
+    out, text, seen = [], "", list(ids)
+    for w in words(CONTINUATION)[:max_tokens]:
+        w = _draw(w, seen, params, rng)
+        out.append(w)
+        seen.append(tid(w))
+        text += w
+        hit = next((s for s in stops if s in text), None)
+        if hit:
+            cut = text.index(hit) + (len(hit) if keep_stop else 0)
+            return out, text[:cut], "stop", hit
+    return out, text, "length", None
+
+
+def _draw(word: str, seen: list[int], params: dict, rng: random.Random) -> str:
+    logits = {word: 1.0, RUNNER_UP: 0.9}
+    rp = float(params.get("repetition_penalty", 1.0))
+    logits = {w: v / rp if tid(w) in seen else v for w, v in logits.items()}
+    ranked = sorted(logits, key=logits.get, reverse=True)
+    t = float(params.get("temperature", 1.0))
+    if t == 0:
+        return ranked[0]
+    p = {w: math.exp(logits[w] / t) for w in ranked}
+    z = sum(p.values())
+    p = {w: v / z for w, v in p.items()}
+    k = int(params.get("top_k", 0))
+    keep = ranked[:k] if 0 < k < len(ranked) else ranked
+    keep = [w for w in keep if p[w] >= float(params.get("min_p", 0.0)) * p[ranked[0]]]
+    if float(params.get("top_p", 1.0)) < p[ranked[0]]:
+        keep = keep[:1]
+    return rng.choices(keep, weights=[p[w] for w in keep])[0]
+
+
 class _Server(LoopbackServer):
     def __init__(self, routes_get, routes_post):
         self.requests: list[tuple[str, dict, dict]] = []
+        self.answers: list[tuple[str, dict]] = []
         outer = self
 
         class Handler(JsonHandler):
@@ -71,7 +128,9 @@ class _Server(LoopbackServer):
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 outer.requests.append((self.path, headers, body))
                 f = routes_post.get(self.path)
-                self._send(*(f(body, headers) if f else (404, {"detail": "Not Found"})))
+                code, answer = f(body, headers) if f else (404, {"detail": "Not Found"})
+                outer.answers.append((self.path, answer))
+                self._send(code, answer)
 
         self.root = self._serve(Handler)
 
@@ -79,89 +138,135 @@ class _Server(LoopbackServer):
         return [b for p, _, b in self.requests if p == path]
 
 
-def _continue(ids: list[int], max_tokens: int, stops: list[str], keep_stop: bool):
-    """The toy continuation: its words up to ``max_tokens``, cut after the first stop string."""
-    out, text = [], ""
-    for w in words(CONTINUATION)[:max_tokens]:
-        out.append(w)
-        text += w
-        hit = next((s for s in stops if s in text), None)
-        if hit:
-            cut = text.index(hit) + (len(hit) if keep_stop else 0)
-            return out, text[:cut], "stop", hit
-    return out, text, "length", None
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class FakeSGLang(_Server):
     """SGLang's native server (``python -m sglang.launch_server``), as a toy.
 
     Args:
+        version: what ``/server_info`` reports.
         hidden: started with ``--enable-return-hidden-states``.
+        info: more ``/server_info`` fields (``return_hidden_states_mode``, ``speculative_algorithm``, ...).
+        info_routes: the routes that answer the server info (``/get_server_info`` alone before ``/server_info``).
+        original_logprob: started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (written log-probs are raw).
+        generation_config: what the model's ``generation_config.json`` fills into unset sampling fields.
         short_top: return this many top-k entries per position instead of the k asked for.
-        drop_rows: return this many fewer input log-prob rows than asked for.
+        drop_rows: return this many fewer input log-prob rows than the engine would.
+        abort: answer every ``/generate`` with ``finish_reason`` ``abort`` (HTTP 200).
+        tail_after_stop: text kept after a matched stop string with ``no_stop_trim`` (before 0.5.23, PR #25980,
+            when several tokens were accepted in one step).
     """
 
-    def __init__(self, name="toy", *, hidden=True, short_top=None, drop_rows=0, cached=None):
-        self.name, self.hidden, self.short_top, self.drop_rows, self.cached = name, hidden, short_top, drop_rows, cached
-        super().__init__({"/v1/models": lambda: (200, {"object": "list", "data": [{"id": self.name}]}),
-                          "/get_server_info": lambda: (200, {"version": "0.5.0", "disable_radix_cache": False,
-                                                             "enable_return_hidden_states": self.hidden}),
-                          "/version": lambda: (200, {"version": "0.5.0"})},
-                         {"/v1/tokenize": self._tokenize, "/generate": self._generate})
+    def __init__(self, name="toy", *, version="0.5.23", hidden=True, info=None,
+                 info_routes=("/server_info", "/get_server_info"), original_logprob=False, generation_config=None,
+                 short_top=None, drop_rows=0, abort=False, tail_after_stop=""):
+        self.name, self.version, self.hidden = name, version, hidden
+        self.short_top, self.drop_rows, self.abort = short_top, drop_rows, abort
+        self.original_logprob = original_logprob
+        self.generation_config, self.tail_after_stop = dict(generation_config or {}), tail_after_stop
+        self.info = {"version": version, "disable_radix_cache": False, "enable_return_hidden_states": hidden,
+                     "speculative_algorithm": None, **(info or {})}
+        self.cache: list[list[int]] = []
+        self.effective: list[dict] = []
+        get = {"/v1/models": lambda: (200, {"object": "list", "data": [{"id": self.name}]})}
+        get.update({r: (lambda: (200, self.info)) for r in info_routes})
+        super().__init__(get, {"/v1/tokenize": self._tokenize, "/generate": self._generate})
 
     def _tokenize(self, body, headers):
         p = body["prompt"]
         toks = [ids_of(t) for t in p] if isinstance(p, list) else ids_of(p)
         return 200, {"tokens": toks, "count": [len(t) for t in toks] if isinstance(p, list) else len(toks)}
 
-    def _rows(self, ids, start, k):
+    def _params(self, sp: dict) -> dict | None:
+        """The sampling fields the request leaves unset filled from the generation config, then SGLang's defaults;
+        None for a top_k SGLang refuses (``SamplingParams.verify``: -1 or >= 1)."""
+        base = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        got = {f: sp[f] if sp.get(f) is not None else self.generation_config.get(f, v) for f, v in base.items()}
+        if got["top_k"] == 0 or got["top_k"] < -1:
+            return None
+        return {**got, "top_k": 0 if got["top_k"] == -1 else got["top_k"]}
+
+    def _input_rows(self, ids, start, k):
+        """``input_token_logprobs`` from ``start``: the first entry ``[None, id, text]``, its top-k ``None``."""
         texts = {tid(w): w for w in words(CONTINUATION + NEXT)} | SEEN
-        lps = [[own_logprob(ids[:i], ids[i]), ids[i], texts.get(ids[i], f"#{ids[i]}")] for i in range(start, len(ids))]
-        tops = [[list(e) for e in top_entries(ids[:i], self.short_top or k)] for i in range(start, len(ids))]
+        lps = [[None if i == start else own_logprob(ids[:i], ids[i]), ids[i], texts.get(ids[i], f"#{ids[i]}")]
+               for i in range(start, len(ids))]
+        tops = [None if i == start else [list(e) for e in top_entries(ids[:i], self.short_top or k)]
+                for i in range(start, len(ids))]
         return lps[self.drop_rows:], tops[self.drop_rows:]
 
     def _generate(self, body, headers):
+        sp = body.get("sampling_params") or {}
+        params = self._params(sp)
+        if params is None:
+            return 400, {"error": {"message": f"top_k must be -1 (disable), or at least 1, got {sp['top_k']}."}}
+        self.effective.append(params)
         ids = body.get("input_ids") or ids_of(body["text"])
-        sp = body["sampling_params"]
-        k = body.get("top_logprobs_num", 0)
+        k, want = int(body.get("top_logprobs_num") or 0), bool(body.get("return_logprob"))
         start = body.get("logprob_start_len", -1)
-        cached = self.cached if self.cached is not None else max(start, 0)
-        meta = {"prompt_tokens": len(ids), "cached_tokens": cached}
-        if start >= 0:  # a read: the next token
-            out_words, text, finish, hit = [NEXT], NEXT, "length", None
-        else:
-            out_words, text, finish, hit = _continue(ids, sp["max_new_tokens"], sp.get("stop") or [],
-                                                     sp.get("no_stop_trim", False))
+        start = len(ids) - 1 if start == -1 or not want else start
+        cap = max(min(len(ids) - 1, start), 0)  # Req._compute_max_prefix_len
+        cached = min(max((_lcp(ids, s) for s in self.cache), default=0), cap)
+        out_words, text, finish, hit = toy_continue(ids, sp.get("max_new_tokens", 128), sp.get("stop") or [],
+                                                    sp.get("no_stop_trim", False), params, sp.get("sampling_seed"))
+        if sp.get("max_new_tokens") == 1 and body.get("logprob_start_len", -1) >= 0:
+            out_words, text, finish, hit = [NEXT], NEXT, "length", None  # a read: the token after the step
+        if hit and sp.get("no_stop_trim"):
+            text += self.tail_after_stop
         out_ids = [tid(w) for w in out_words]
-        meta.update(completion_tokens=len(out_ids),
-                    finish_reason={"type": "stop", "matched": hit} if finish == "stop" else {"type": "length",
-                                                                                             "length": len(out_ids)})
-        if body.get("return_logprob"):
-            if start >= 0:
-                meta["input_token_logprobs"], meta["input_top_logprobs"] = self._rows(ids, start, k)
-            full = ids + out_ids
-            meta["output_token_logprobs"] = [[own_logprob(full[:i], full[i]), full[i], w]
+        self.cache.append(ids + out_ids)
+        meta = {"id": "r", "e2e_latency": 0.001, "prompt_tokens": len(ids), "completion_tokens": len(out_ids),
+                "cached_tokens": cached,
+                "finish_reason": ({"type": "abort", "message": "aborted by the scheduler"} if self.abort else
+                                  {"type": "stop", "matched": hit} if finish == "stop" else
+                                  {"type": "length", "length": len(out_ids)})}
+        if want:
+            meta["input_token_logprobs"], tops = self._input_rows(ids, start, k)
+            full, t = ids + out_ids, float(params["temperature"])
+            scale = 1.0 if t == 0 or self.original_logprob else t
+            meta["output_token_logprobs"] = [[own_logprob(full[:i], full[i]) / scale, full[i], w]
                                               for i, w in zip(range(len(ids), len(full)), out_words)]
-            meta["output_top_logprobs"] = [[list(e) for e in top_entries(full[:i], k)] for i in range(len(ids), len(full))]
+            if k:
+                meta["input_top_logprobs"] = tops
+                meta["output_top_logprobs"] = [[[v / scale, j, s] for v, j, s in top_entries(full[:i], k)]
+                                               for i in range(len(ids), len(full))]
         if body.get("return_hidden_states"):
             meta["hidden_states"] = [[[float(i), float(ids[i] % 10), 0.5] for i in range(cached, len(ids))]]
-        return 200, {"text": text, "meta_info": meta}
+        return 200, {"text": text, "output_ids": out_ids, "meta_info": meta}
 
 
 class FakeVLLM(_Server):
     """vLLM's OpenAI server (``vllm serve``), as a toy.
 
     Args:
+        version: what ``/version`` reports.
         max_logprobs: its ``--max-logprobs``.
+        prompt_tokens_details: started with ``--enable-prompt-tokens-details`` (else ``usage`` carries null).
+        generation_config: the model's ``generation_config.json`` fields vLLM fills into unset sampling fields.
         short_top: put this many entries in each prompt_logprobs position instead of k (+ the prompt token).
         status: answer every completions request with this HTTP status, echoing the Authorization header.
+        twin_texts: the two most likely tokens read alike ("", as control tokens), so a text-keyed top-k loses one.
+        lone_texts: echo each token's text decoded alone, as vLLM 0.11 does for SentencePiece tokenizers (the toy:
+            without its trailing spaces), so the texts do not add up to the prompt.
     """
 
-    def __init__(self, name="toy", *, max_logprobs=20, short_top=None, status=None):
+    def __init__(self, name="toy", *, version="0.11.0", max_logprobs=20, prompt_tokens_details=False,
+                 generation_config=None, short_top=None, status=None, lone_texts=False, twin_texts=False):
+        self.lone_texts, self.twin_texts = lone_texts, twin_texts
         self.name, self.max_logprobs, self.short_top, self.status = name, max_logprobs, short_top, status
+        self.details, self.generation_config = prompt_tokens_details, dict(generation_config or {})
+        self.effective: list[dict] = []
         super().__init__({"/v1/models": lambda: (200, {"object": "list", "data": [{"id": self.name}]}),
-                          "/version": lambda: (200, {"version": "0.11.0"})},
-                         {"/v1/completions": self._complete})
+                          "/version": lambda: (200, {"version": version})},
+                         {"/v1/completions": self._complete,
+                          "/tokenize": lambda body, h: (200, {"tokens": ids_of(body["prompt"]),
+                                                              "count": len(ids_of(body["prompt"])),
+                                                              "max_model_len": 4096})})
 
     def _logprobs(self, full, texts, start, k, offset0=0):
         out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
@@ -171,10 +276,17 @@ class FakeVLLM(_Server):
             out["tokens"].append(texts[i])
             out["text_offset"].append(off)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(None if i == 0 else {texts[i]: lp, **{t: v for v, _, t in
-                                                                             top_entries(full[:i], k)}})
+            tops = [(v, "" if self.twin_texts and j < 2 else t) for j, (v, _, t) in enumerate(top_entries(full[:i], k))]
+            out["top_logprobs"].append(None if i == 0 else {texts[i]: lp, **{t: v for v, t in reversed(tops)}})
             off += len(texts[i])
         return out
+
+    def _params(self, body: dict) -> dict:
+        """``CompletionRequest.to_sampling_params``: a field the request leaves out comes from the generation config
+        (``default_sampling_params``), then from ``SamplingParams``' own default."""
+        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        got = {f: body[f] if body.get(f) is not None else self.generation_config.get(f, v) for f, v in base.items()}
+        return {**got, "top_k": 0 if got["top_k"] == -1 else got["top_k"]}
 
     def _complete(self, body, headers):
         if self.status:
@@ -183,15 +295,18 @@ class FakeVLLM(_Server):
         if k is not None and k > self.max_logprobs or (body.get("prompt_logprobs") or 0) > self.max_logprobs:
             return 400, {"error": {"message": f"Requested prompt logprobs of {k}, which is greater than max allowed: "
                                               f"{self.max_logprobs}", "type": "BadRequestError"}}
+        params = self._params(body)
+        self.effective.append(params)
         prompt = body["prompt"]
-        ids, texts = ids_of(prompt), [BOS_TEXT] + words(prompt)
+        ids, texts = ids_of(prompt), [BOS_TEXT] + [w.rstrip(" ") if self.lone_texts else w for w in words(prompt)]
         if body.get("echo"):
             out_words, text, finish, hit = [NEXT], NEXT, "length", None
         else:
-            out_words, text, finish, hit = _continue(ids, body["max_tokens"], body.get("stop") or [],
-                                                     body.get("include_stop_str_in_output", False))
+            out_words, text, finish, hit = toy_continue(ids, body["max_tokens"], body.get("stop") or [],
+                                                        body.get("include_stop_str_in_output", False), params,
+                                                        body.get("seed"))
         full, all_texts = ids + [tid(w) for w in out_words], texts + out_words
-        choice = {"index": 0, "finish_reason": finish, "stop_reason": hit, "logprobs": None}
+        choice = {"index": 0, "finish_reason": finish, "stop_reason": hit, "logprobs": None, "prompt_logprobs": None}
         if body.get("echo"):
             choice["text"] = ("" if body.get("return_token_ids") else prompt) + text
             if k is not None:
@@ -203,23 +318,27 @@ class FakeVLLM(_Server):
                      **{str(t): {"logprob": v, "rank": j + 1, "decoded_token": s}
                         for j, (v, t, s) in enumerate(top_entries(full[:i], self.short_top or pk))}}
                     for i in range(1, len(ids))]
-            if body.get("return_token_ids"):
-                choice["prompt_token_ids"] = ids
         else:
             choice["text"] = text
             if k is not None:
                 choice["logprobs"] = self._logprobs(full, all_texts, len(ids), k)
+        if body.get("return_token_ids"):
+            choice["prompt_token_ids"], choice["token_ids"] = ids, full[len(ids):]
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(out_words),
-                 "total_tokens": len(ids) + len(out_words), "prompt_tokens_details": {"cached_tokens": 2}}
-        return 200, {"id": "x", "object": "text_completion", "model": self.name, "choices": [choice], "usage": usage}
+                 "total_tokens": len(ids) + len(out_words),
+                 "prompt_tokens_details": {"cached_tokens": 2} if self.details else None}
+        return 200, {"id": "x", "object": "text_completion", "created": 0, "model": self.name, "choices": [choice],
+                     "usage": usage}
 
 
 class FakeLlamaCpp(_Server):
     """Only what :class:`LlamaCppEngine` asks before reading: ``/v1/models``, and ``/props`` (the C++
-    ``llama-server``) or ``/extras/tokenize`` (llama-cpp-python; ``bos``: the model adds BOS)."""
+    ``llama-server``) or ``/extras/tokenize`` (llama-cpp-python; ``bos``: the model adds BOS), and
+    ``/openapi.json`` (its version)."""
 
-    def __init__(self, name="toy", *, cpp=False, bos=True):
-        get = {"/v1/models": lambda: (200, {"object": "list", "data": [{"id": name}]})}
+    def __init__(self, name="toy", *, cpp=False, bos=True, version="0.3.16"):
+        get = {"/v1/models": lambda: (200, {"object": "list", "data": [{"id": name}]}),
+               "/openapi.json": lambda: (200, {"info": {"title": "🦙 llama.cpp Python API", "version": version}})}
         if cpp:
             get["/props"] = lambda: (200, {"default_generation_settings": {}})
         super().__init__(get, {"/extras/tokenize": lambda body, h: (200, {"tokens": [BOS] if bos else []})})

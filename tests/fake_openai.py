@@ -60,7 +60,7 @@ class FakeServer(LoopbackServer):
         report_stop_reason: add vLLM's ``stop_reason`` to each choice.
         fail_first: answer the first this many completion requests with HTTP 503.
         delay: seconds to wait before answering a completion request.
-        version: what ``GET /version`` answers (None: 404, as llama.cpp).
+        version: what ``GET /version`` answers, as vLLM (None: 404, and ``/openapi.json`` names llama-cpp-python).
         status: answer every request with this HTTP status (e.g. 401, a refused key) instead.
     """
 
@@ -84,6 +84,8 @@ class FakeServer(LoopbackServer):
                     self._send(200, {"object": "list", "data": [{"id": outer.name, "object": "model"}]})
                 elif self.path == "/version" and outer.version is not None:
                     self._send(200, {"version": outer.version})
+                elif self.path == "/openapi.json" and outer.version is None:  # llama-cpp-python says who it is here
+                    self._send(200, {"info": {"title": "🦙 llama.cpp Python API", "version": "0.3.16"}})
                 else:
                     self._send(404, {"detail": "Not Found"})
 

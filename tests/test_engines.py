@@ -2,17 +2,18 @@
 their documented schemas, capability refusals, malformed answers, dead servers; a slow test against a real
 llama-cpp-python server and a ``gpu`` test against real SGLang / vLLM servers."""
 
+import re
 import socket
 
 import pytest
 import torch
 
 from generation.engines import make_engine
-from generation.engines.base import EngineError, MalformedAnswer
+from generation.engines.base import EngineError, MalformedAnswer, Unsupported
 from generation.engines.checks import require
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
-from tests.fake_engines import (NEXT, FakeLlamaCpp, FakeSGLang, FakeVLLM, ids_of, own_logprob, tid, top_entries,
-                                words)
+from tests.fake_engines import (NEUTRAL, NEXT, FakeLlamaCpp, FakeSGLang, FakeVLLM, ids_of, own_logprob, tid,
+                                top_entries, toy_continue, words)
 
 CONTEXT, STEP = "Q: 2 + 3 ?\n\n", "2 + 3 = 5 .\n\n"
 GREEDY = SamplingSpec(0.0, 1.0)
@@ -56,25 +57,28 @@ def _spec(*groups, **kw):
 # SGLang /generate
 
 
-def test_sglang_read_sends_the_step_start_and_maps_the_answer(fakes):
+def test_sglang_read_asks_from_one_position_earlier_and_drops_the_empty_first_entry(fakes):
+    """SGLang answers the first position asked for with ``[null, id, text]`` and a null top-k (scheduler
+    ``_process_input_token_logprobs``): a read asks from the step's first position - 1 and drops that entry; the
+    radix cache then covers the context but its last token (``Req._compute_max_prefix_len``)."""
     fake = fakes(FakeSGLang)
     engine = _engine("sglang", fake)
-    assert engine.version == "0.5.0" and engine.model == "toy"
+    engine.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=1)  # caches the context
     r = engine.read(CONTEXT, STEP, top_k=5, hidden=True, sampling=SamplingSpec(0.7, 0.9), seed=3)
     ids, start, own, top = _expected(5)
     assert fake.posts("/v1/tokenize") == [{"model": "toy", "prompt": [CONTEXT, CONTEXT + STEP]}]
-    (body,) = fake.posts("/generate")
-    assert body["input_ids"] == ids and body["logprob_start_len"] == start == len(ids_of(CONTEXT))
+    body = fake.posts("/generate")[-1]
+    assert body["input_ids"] == ids and body["logprob_start_len"] == start - 1 == len(ids_of(CONTEXT)) - 1
     assert body["top_logprobs_num"] == 5 and body["return_logprob"] is True and body["return_hidden_states"] is True
-    assert body["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.7, "top_p": 0.9, "sampling_seed": 3}
     n = len(words(STEP))
-    assert r.step.ids == ids[start:] and len(r.step.tokens) == n
+    assert r.step.ids == ids[start:] and len(r.step.tokens) == n and r.step.tokens == words(STEP)
     torch.testing.assert_close(r.step.logprobs, own)
     torch.testing.assert_close(r.step.top, top)
     assert r.hidden.shape == (n, 3) and r.hidden[:, 0].tolist() == list(range(start, len(ids)))
     assert r.next_text == NEXT and r.next_eos is False
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens, r.usage.prefill_tokens) == \
-        (len(ids), 1, start, n)
+        (len(ids), 1, start - 1, n + 1)
+    assert engine.version == "0.5.23" and engine.model == "toy"  # from /server_info (SGLang has no /version)
 
 
 def test_sglang_reads_after_a_seen_context_without_a_tokenize_request(fakes):
@@ -88,7 +92,7 @@ def test_sglang_reads_after_a_seen_context_without_a_tokenize_request(fakes):
     second = engine.read(context, "4 * 2 = 8 .\n\n", top_k=3, hidden=False, sampling=GREEDY, seed=0)
     assert len(fake.posts("/v1/tokenize")) == 1 and len(fake.posts("/generate")) == 2
     body = fake.posts("/generate")[1]
-    assert body["text"] == context + "4 * 2 = 8 .\n\n" and body["logprob_start_len"] == len(ids_of(context))
+    assert body["text"] == context + "4 * 2 = 8 .\n\n" and body["logprob_start_len"] == len(ids_of(context)) - 1
     assert second.step.ids == ids_of(context + "4 * 2 = 8 .\n\n")[len(ids_of(context)):]
     written = engine.write(context, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=1)
     assert fake.posts("/generate")[2]["input_ids"] == ids_of(context)  # the known ids, not the text
@@ -109,7 +113,7 @@ def test_sglang_falls_back_to_tokenizing_when_the_rows_do_not_spell_the_step(fak
 
 
 def test_sglang_takes_the_step_rows_from_a_prefill_that_was_not_cached(fakes):
-    fake = fakes(FakeSGLang, cached=0)
+    fake = fakes(FakeSGLang)  # a first read: nothing cached
     r = _engine("sglang", fake).read(CONTEXT, STEP, top_k=3, hidden=True, sampling=GREEDY, seed=0)
     ids, start, _, _ = _expected(3)
     assert r.hidden[:, 0].tolist() == list(range(start, len(ids))) and r.usage.prefill_tokens == len(ids)
@@ -148,6 +152,106 @@ def test_sglang_without_hidden_states_is_refused_naming_the_flag(fakes):
     assert not fake.posts("/generate")  # refused before any request that reads
 
 
+@pytest.mark.parametrize("version", ["0.5.2", "0.4.6", None])
+def test_sglang_below_the_version_floor_is_refused_before_any_request(fakes, version):
+    info = {"version": version} if version else {"version": None}
+    fake = fakes(FakeSGLang, info=info)
+    with pytest.raises(Unsupported) as e:
+        _engine("sglang", fake)
+    assert fake.root in str(e.value) and f"reports version {version or 'unknown'}" in str(e.value)
+    assert "SGLang >= 0.5.4" in str(e.value) and not fake.posts("/generate") and not fake.posts("/v1/tokenize")
+
+
+def test_sglang_reads_its_version_from_server_info_or_the_older_route(fakes):
+    assert _engine("sglang", fakes(FakeSGLang, version="0.5.4", info_routes=("/get_server_info",))).version == "0.5.4"
+    with pytest.raises(Unsupported, match="answers neither /server_info nor /get_server_info"):
+        _engine("sglang", fakes(FakeSGLang, info_routes=()))
+
+
+def test_vllm_below_the_version_floor_is_refused(fakes):
+    fake = fakes(FakeVLLM, version="0.10.1")
+    with pytest.raises(Unsupported, match=r"reports version 0.10.1; this client needs vLLM >= 0.11.0") as e:
+        _engine("vllm", fake)
+    assert fake.root in str(e.value) and not fake.posts("/v1/completions")
+
+
+@pytest.mark.parametrize("info,flag", [
+    ({"return_hidden_states_mode": "last"}, "--return-hidden-states-mode full"),
+    ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3"),
+    ({"enable_return_aux_hidden_states": True}, "--enable-return-aux-hidden-states"),
+])
+def test_sglang_whose_rows_are_not_the_last_layer_is_refused_for_hidden(fakes, info, flag):
+    fake = fakes(FakeSGLang, info=info)
+    engine = _engine("sglang", fake)
+    with pytest.raises(Unsupported, match=re.escape(flag)) as e:
+        require(engine, FeatureSpec(groups=("hidden",)), "target")
+    assert fake.root in str(e.value) and "can serve ['topk_stats']" in str(e.value)
+    with pytest.raises(Unsupported, match=re.escape(flag)):
+        engine.read(CONTEXT, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)
+    assert not fake.posts("/generate")
+
+
+def test_sglang_serving_a_pre_norm_model_is_refused_for_a_final_norm_probe(fakes):
+    engine = _engine("sglang", fakes(FakeSGLang, info={"model_path": "deepseek-ai/DeepSeek-V4-Flash"}))
+    assert engine.capabilities().hidden_norm == "pre_norm"
+    with pytest.raises(Unsupported, match=r"hidden_norm='final_norm'.*hidden_norm='pre_norm'"):
+        require(engine, FeatureSpec(groups=("hidden",)), "target")
+
+
+@pytest.mark.parametrize("original", [False, True])
+def test_sglang_written_logprobs_are_read_back_raw_when_the_server_tempers_them(fakes, original):
+    """SGLang returns written tokens' log-probs as log_softmax(logits / T) (raw only when greedy or with
+    SGLANG_RETURN_ORIGINAL_LOGPROB=1, which no route reports): at 0 < T != 1 the client reads them back as prompt
+    tokens, raw, in one more request; greedy needs no second request."""
+    fake = fakes(FakeSGLang, original_logprob=original)
+    engine = _engine("sglang", fake)
+    step = StepSpec(("\n\n",), 8)
+    w = engine.write(CONTEXT, step=step, max_tokens=8, sampling=SamplingSpec(0.5, 1.0), seed=4, top_k=3)
+    ids = ids_of(CONTEXT) + list(w.tokens.ids)
+    start = len(ids_of(CONTEXT))
+    raw = torch.tensor([own_logprob(ids[:i], ids[i]) for i in range(start, len(ids))])
+    torch.testing.assert_close(w.tokens.logprobs, raw)
+    torch.testing.assert_close(w.tokens.top, torch.tensor([[v for v, _, _ in top_entries(ids[:i], 3)]
+                                                           for i in range(start, len(ids))]))
+    back = fake.posts("/generate")[-1]
+    assert back["input_ids"] == ids and back["logprob_start_len"] == start - 1
+    assert back["sampling_params"]["temperature"] == 0.0 and len(fake.posts("/generate")) == 2
+    engine.write(CONTEXT, step=step, max_tokens=8, sampling=GREEDY, seed=4, top_k=3)
+    assert len(fake.posts("/generate")) == 3  # greedy: written log-probs are raw, one request
+
+
+def test_sglang_prefills_a_long_context_before_reading_its_hidden_rows(fakes):
+    """SGLang returns a hidden row for every position it computes: a long context seen for the first time is
+    prefilled in a request of its own, so the hidden read returns the step's rows and one more, not the context's."""
+    from generation.engines.sglang import LONG_CONTEXT
+
+    fake = fakes(FakeSGLang)
+    engine = _engine("sglang", fake)
+    context = "x " * (LONG_CONTEXT + 10) + "?\n\n"
+    r = engine.read(context, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)
+    n, start = len(words(STEP)), len(ids_of(context))
+    prefill, read = fake.posts("/generate")
+    assert prefill["input_ids"] == ids_of(context) and "return_hidden_states" not in prefill
+    assert len(fake.answers[-1][1]["meta_info"]["hidden_states"][0]) == n + 1  # not start + n
+    assert r.hidden[:, 0].tolist() == list(range(start, start + n)) and r.usage.cached_tokens == start - 1
+    engine.read(CONTEXT, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)  # short: no prefill request
+    assert len(fake.posts("/generate")) == 3
+
+
+def test_sglang_write_cuts_text_kept_after_the_stop_string(fakes):
+    """Before 0.5.23 (PR #25980) no_stop_trim could keep text after the matched stop string as well."""
+    fake = fakes(FakeSGLang, version="0.5.22", tail_after_stop="c ")
+    w = _engine("sglang", fake).write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=1)
+    assert (w.text, w.stop) == ("a b\n\n", "delimiter")
+
+
+def test_sglang_abort_sent_with_http_200_is_an_error_not_an_eos(fakes):
+    fake = fakes(FakeSGLang, abort=True)
+    with pytest.raises(EngineError, match=r"aborted a /generate request: aborted by the scheduler") as e:
+        _engine("sglang", fake).write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0)
+    assert fake.root in str(e.value)
+
+
 def test_sglang_hidden_states_are_after_the_final_norm(fakes):
     caps = _engine("sglang", fakes(FakeSGLang)).capabilities()
     assert (caps.hidden, caps.hidden_norm, caps.prefix_cache_on_read) == (True, "final_norm", True)
@@ -170,7 +274,24 @@ def test_vllm_read_echoes_with_prompt_logprobs_and_maps_by_text_offsets(fakes):
     torch.testing.assert_close(r.step.logprobs, own)
     torch.testing.assert_close(r.step.top, top)
     assert r.hidden is None and r.next_text == NEXT and not r.next_eos
+    assert (r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.prefill_tokens) == (len(ids), None, None)
+    detailed = _engine("vllm", fakes(FakeVLLM, prompt_tokens_details=True))  # --enable-prompt-tokens-details
+    r = detailed.read(CONTEXT, STEP, top_k=4, hidden=False, sampling=SamplingSpec(0.6, 0.95), seed=7)
     assert (r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.prefill_tokens) == (len(ids), 2, len(ids) - 2)
+
+
+def test_vllm_finds_the_step_by_ids_when_echoed_texts_do_not_add_up(fakes):
+    """vLLM 0.11 decodes each echoed id alone (SentencePiece spaces, split UTF-8 characters): the step is found by
+    prompt_token_ids against the context's ids from /tokenize."""
+    fake = fakes(FakeVLLM, lone_texts=True)
+    r = _engine("vllm", fake).read(CONTEXT, STEP, top_k=4, hidden=False, sampling=GREEDY, seed=7)
+    ids, start, own, top = _expected(4)
+    assert r.step.ids == ids[start:] and fake.posts("/tokenize") == [{"model": "toy", "prompt": CONTEXT}]
+    torch.testing.assert_close(r.step.logprobs, own)
+    torch.testing.assert_close(r.step.top, top)
+    plain = fakes(FakeVLLM)
+    _engine("vllm", plain).read(CONTEXT, STEP, top_k=4, hidden=False, sampling=GREEDY, seed=7)
+    assert not plain.posts("/tokenize")  # texts that add up need no /tokenize
 
 
 def test_vllm_write_keeps_the_stop_string(fakes):
@@ -181,6 +302,18 @@ def test_vllm_write_keeps_the_stop_string(fakes):
     assert body["stop"] == ["\n\n"] and body["include_stop_str_in_output"] is True and body["max_tokens"] == 8
     assert (w.text, w.stop) == ("a b\n\n", "delimiter") and w.tokens.tokens == ["a ", "b\n\n"]
     assert w.tokens.top.shape == (2, 3)
+
+
+def test_vllm_written_top_k_asks_one_more_and_flags_tokens_that_read_alike(fakes):
+    """Written tokens' top_logprobs are keyed by text: two tokens that read alike share a key and one log-prob is lost.
+    Asked for k + 1 entries, the client tells such a position from a full answer and counts it (it used to take k
+    entries, and returned the wrong values unflagged)."""
+    fake = fakes(FakeVLLM, twin_texts=True)
+    engine = _engine("vllm", fake)
+    w = engine.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=2, top_k=3)
+    assert fake.posts("/v1/completions")[0]["logprobs"] == 4 and engine.unsure_positions == len(w.tokens.tokens) == 2
+    capped = _engine("vllm", fakes(FakeVLLM, max_logprobs=3), max_logprobs=3)
+    capped.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=2, top_k=3)  # at the cap
 
 
 def test_vllm_top_k_above_max_logprobs_is_refused(fakes):
@@ -210,6 +343,43 @@ def test_vllm_short_top_k_is_refused_with_counts(fakes):
     engine = _engine("vllm", fakes(FakeVLLM, short_top=2))
     with pytest.raises(MalformedAnswer, match=r"returned 3 top-k entries at step token 0; asked for 5"):
         engine.read(CONTEXT, STEP, top_k=5, hidden=False, sampling=GREEDY, seed=0)  # 2 + the prompt token
+
+
+LEAKY = {"top_k": 1, "min_p": 0.5, "repetition_penalty": 1.3}
+"""A model's generation_config.json fields that a server fills into every sampling field a request leaves out."""
+
+
+@pytest.mark.parametrize("kind,fake_cls", [("vllm", FakeVLLM), ("sglang", FakeSGLang)])
+def test_writes_state_the_whole_distribution_so_generation_config_defaults_do_not_leak(kind, fake_cls, fakes):
+    """vLLM (--generation-config auto) and SGLang fill unset sampling fields from the model's generation config:
+    the served greedy step then differs from the in-process greedy step (the toy's repetition penalty turns "a " into
+    the runner-up). Every write states top_k, min_p and the repetition penalty, so the two agree, sampled too."""
+    fake = fakes(fake_cls, generation_config=LEAKY)
+    engine = _engine(kind, fake)
+    context, step = "Q: a a ?\n\n", StepSpec(("\n\n",), 8)
+    for sampling, seed in ((GREEDY, 2), (SamplingSpec(1.0, 1.0), 5), (SamplingSpec(1.0, 1.0), 11)):
+        in_process = toy_continue(ids_of(context), 8, ["\n\n"], True, {**sampling.to_dict(), **NEUTRAL}, seed)[1]
+        served = engine.write(context, step=step, max_tokens=8, sampling=sampling, seed=seed)
+        assert served.text == in_process
+        assert fake.effective[-1] == {**sampling.to_dict(), **NEUTRAL}
+    leaky = toy_continue(ids_of(context), 8, ["\n\n"], True, {**GREEDY.to_dict(), **LEAKY}, 2)[1]
+    assert leaky != in_process_greedy(context)  # what the old client (temperature and top_p alone) was served
+
+
+def in_process_greedy(context: str) -> str:
+    return toy_continue(ids_of(context), 8, ["\n\n"], True, {**GREEDY.to_dict(), **NEUTRAL}, 2)[1]
+
+
+def test_vllm_without_the_neutral_fields_samples_from_the_generation_config(fakes):
+    """The fake fills unset fields as vLLM does: a request that sends only temperature and top_p (the old client's)
+    is served from the generation config, greedy included."""
+    fake = fakes(FakeVLLM, generation_config=LEAKY)
+    engine = _engine("vllm", fake)
+    context = "Q: a a ?\n\n"
+    resp, _ = engine.conn.completions(model="toy", prompt=context, max_tokens=8, temperature=0.0, top_p=1.0, seed=2,
+                                      stop=["\n\n"], extra_body={"include_stop_str_in_output": True})
+    assert fake.effective[-1]["top_k"] == 1 and fake.effective[-1]["repetition_penalty"] == 1.3
+    assert resp.choices[0].text != in_process_greedy(context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,3 +543,29 @@ def test_text_keyed_top_k_is_exact_flagged_or_refused():
     assert text_keyed_top({"": -2.5, "a": -0.1, "b": -3.0, "z": -9.0}, "z", -9.0, 3, "u", "w") == \
         ([-0.1, -2.5, -3.0], True)
     assert text_keyed_top(top, "c", -3.0, 3, "u", "w", slack=0) == ([-0.1, -2.0, -3.0], False)  # vLLM: no slack
+
+
+def test_one_redaction_blanks_the_connection_key_and_key_like_variables(monkeypatch):
+    from generation.engines.connection import redact
+
+    monkeypatch.setenv("SOME_API_KEY", "sk-env-secret-42")
+    monkeypatch.setenv("SHORT_TOKEN", "abc")  # too short to be a key: left alone
+    msg = redact("sent sk-env-secret-42 and sk-given-77 with abc", "sk-given-77")
+    assert msg == "sent *** and *** with abc"
+
+
+@pytest.mark.slow
+def test_a_real_llama_cpp_python_server_is_identified_and_accepts_the_neutral_fields(tmp_path):
+    from benchmarks.llama_server import server_available, world_server
+    from generation.engines import NEUTRAL_SAMPLING
+    from generation.engines.connection import Connection, identify
+
+    if not server_available():
+        pytest.skip("llama-cpp-python[server] is not installed")
+    with world_server("draft", 8873, log=tmp_path / "d.log") as s:
+        conn = Connection(s.url, api_key_env="", retries=1)
+        kind, version = identify(conn)
+        assert kind == "llama.cpp" and version
+        resp, _ = conn.completions(model="draft", prompt="Q: 2 + 3 =", max_tokens=4, temperature=0.0, top_p=1.0,
+                                   seed=0, extra_body=NEUTRAL_SAMPLING["llama.cpp"])
+        assert resp.choices and resp.usage.completion_tokens >= 1

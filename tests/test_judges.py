@@ -7,6 +7,7 @@ import torch
 
 from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
 from datamodules.arithmetic.train import judge_yes_prob
+from generation.engines.base import Unreachable
 from datamodules.labels.judges import HTTPJudge, JudgeCache, LLMJudge, NLIJudge, OracleJudge
 from tests.conftest import tiny_llama
 from tests.fake_openai import FakeJudgeServer
@@ -88,13 +89,14 @@ def test_http_judge_against_a_local_server(server, monkeypatch, api):
     assert probs == pytest.approx([p_yes, 1 - p_yes], abs=1e-6)
     path, headers, body = server.requests[0]
     assert path == ("/v1/chat/completions" if api == "chat" else "/v1/completions")
-    assert headers["Authorization"] == "Bearer sk-secret-123" and body["model"] == "tiny" and body["max_tokens"] == 1
+    headers = {k.lower(): v for k, v in headers.items()}
+    assert headers["authorization"] == "Bearer sk-secret-123" and body["model"] == "tiny" and body["max_tokens"] == 1
 
 
 def test_http_judge_retries_then_succeeds():
     server = FakeJudgeServer(fail_first=2)
     try:
-        judge = HTTPJudge(server.url, "tiny", "Step A: {a}\nStep B: {b}", retries=3, backoff=0.01, concurrency=1)
+        judge = HTTPJudge(server.url, "tiny", "Step A: {a}\nStep B: {b}", retries=3, concurrency=1)
         assert judge.prob_same(PAIRS[:1])[0] > 0.5
         assert len(server.requests) == 3
     finally:
@@ -107,8 +109,8 @@ def test_unreachable_endpoint_fails_after_retries_naming_url_not_key(monkeypatch
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     judge = HTTPJudge(f"http://127.0.0.1:{port}/v1", "tiny", "{a} {b}", api_key_env="MY_JUDGE_KEY", retries=2,
-                      timeout=1, backoff=0.01)
-    with pytest.raises(RuntimeError) as err:
+                      timeout=1)
+    with pytest.raises(Unreachable) as err:  # an EngineError the CLIs catch by type
         judge.same(PAIRS[:1])
     msg = str(err.value)
     assert f"http://127.0.0.1:{port}/v1/chat/completions" in msg and "2 attempt" in msg

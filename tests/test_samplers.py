@@ -10,6 +10,7 @@ from datamodules.labels.build import build
 from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig
 from datamodules.labels.openai_sampler import OpenAISampler
 from datamodules.labels.samplers import minimal_stops, step_from_text
+from generation.engines.base import Unreachable, Unsupported
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from tests.fake_openai import FakeServer
@@ -171,9 +172,10 @@ def test_api_key_is_sent_but_never_shown(serve, world_tokenizer, monkeypatch):
     s.sample(_contexts(world_tokenizer, 1), 1, seed=0)
     assert server.requests[0][0]["authorization"] == "Bearer sk-secret-123"
     server.status = 401  # the server refuses and echoes the header back
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(Unreachable) as e:
         s.sample(_contexts(world_tokenizer, 1), 1, seed=0)
-    assert server.url in str(e.value) and "401" in str(e.value)
+    assert server.url.removesuffix("/v1") in str(e.value) and "401" in str(e.value)
+    assert "set $SAMPLER_KEY to a key it accepts" in str(e.value)
     assert "sk-secret-123" not in str(e.value) and "sk-secret-123" not in json.dumps(s.provenance())
 
 
@@ -182,7 +184,7 @@ def test_failures_are_retried_a_bounded_number_of_times(serve, world_tokenizer):
     out = _sampler(server, world_tokenizer, retries=3).sample(_contexts(world_tokenizer, 1), 2, seed=0)
     assert len(server.requests) == 3 and len(out[0]) == 2
     server = serve(honour_n=True, fail_first=5)
-    with pytest.raises(RuntimeError, match=r"failed after 2 attempt\(s\).*503"):
+    with pytest.raises(Unreachable, match=r"failed /v1/completions .* after 2 attempt\(s\).*503"):
         _sampler(server, world_tokenizer, retries=2).sample(_contexts(world_tokenizer, 1), 2, seed=0)
     assert len(server.requests) == 2
 
@@ -190,7 +192,7 @@ def test_failures_are_retried_a_bounded_number_of_times(serve, world_tokenizer):
 def test_a_slow_server_times_out(serve, world_tokenizer):
     server = serve(delay=2.0)
     t = time.perf_counter()
-    with pytest.raises(RuntimeError, match="Timeout"):
+    with pytest.raises(Unreachable, match="Timeout"):
         _sampler(server, world_tokenizer, timeout=0.3).sample(_contexts(world_tokenizer, 1), 1, seed=0)
     assert time.perf_counter() - t < 2.0
 
@@ -199,12 +201,29 @@ def test_model_and_server_are_checked_before_any_sampling(serve, world_tokenizer
     server = serve(version="0.11.0")
     s = _sampler(server, world_tokenizer)
     assert s.model == "world-draft" and s.server_version == "0.11.0"
-    assert s.provenance() == {"backend": "openai", "model": "world-draft", "urls": [server.url],
-                              "server_version": "0.11.0", "prompt": "text", "stops": ["\n\n"]}
-    with pytest.raises(ValueError, match=r"does not serve model 'other'; it serves \['world-draft'\]"):
+    assert s.provenance() == {"backend": "openai", "model": "world-draft", "urls": [server.url], "engine": "vllm",
+                              "server_version": "0.11.0", "prompt": "text", "stops": ["\n\n"],
+                              "sampling_fields": {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}}
+    with pytest.raises(Unsupported, match=r"does not serve model 'other'; it serves \['world-draft'\]"):
         _sampler(server, world_tokenizer, model="other")
-    with pytest.raises(ConnectionError, match="127.0.0.1:9/v1 did not answer"):
+    with pytest.raises(Unreachable, match="127.0.0.1:9/v1 did not answer /v1/models"):
         _sampler("http://127.0.0.1:9/v1", world_tokenizer)
+
+
+@pytest.mark.parametrize("version,fields", [
+    (None, {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}),  # llama-cpp-python (top_k 40, min_p 0.05, 1.1)
+    ("0.11.0", {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}),  # vLLM (the model's generation config)
+])
+def test_every_request_states_the_whole_distribution(serve, world_tokenizer, version, fields):
+    """Servers fill unset sampling fields from their own defaults or the model's generation_config.json: each step
+    and each continuation request sends temperature, top_p and the engine's neutral top_k, min_p and penalty."""
+    server = serve(honour_n=True, version=version)
+    s = _sampler(server, world_tokenizer)
+    s.sample(_contexts(world_tokenizer, 1), 2, seed=0)
+    s.complete(_contexts(world_tokenizer, 1), 4, seed=0)
+    for _, body in server.requests:
+        assert body["temperature"] == 0.8 and body["top_p"] == 0.95
+        assert {f: body.get(f) for f in fields} == fields
 
 
 def test_token_prompts_send_the_exact_ids(serve, world_tokenizer):

@@ -339,7 +339,9 @@ def main(args: list[str] | None = None) -> dict:
     except (ValueError, OSError) as e:  # refused input: config values, task file, data_dir, models, servers
         _fail(str(e))
     except RuntimeError as e:
-        if not str(e).startswith(SERVER_ERRORS):
+        from generation.engines.base import EngineError  # (here: torch is imported by now)
+
+        if not isinstance(e, EngineError):  # a sampling server, an http judge or a reading engine failed or refused
             raise
         _fail(f"{e} ({_kept(cfg.data_dir)}; rerun the same command to resume)")
     except KeyboardInterrupt:
@@ -349,10 +351,6 @@ def main(args: list[str] | None = None) -> dict:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-SERVER_ERRORS = ("sampling server ", "judge endpoint ")
-"""How a sampling server's or an http judge's failure (after its retries) begins: reported in one line."""
 
 
 def _kept(data_dir: str) -> str:

@@ -18,8 +18,6 @@ import json
 import math
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -235,10 +233,13 @@ class NLIJudge(Judge):
 
 
 class HTTPJudge(Judge):
-    """A judge behind an OpenAI-compatible endpoint (a hosted model, or a vLLM server).
+    """A judge behind an OpenAI-compatible endpoint (a hosted model, or a vLLM, SGLang or llama-cpp-python server).
 
     The prompt asks for one token; P(same) comes from the returned log-probabilities of the yes and
-    no answers when the server gives them, else from the answer text (1.0 or 0.0).
+    no answers when the server gives them, else from the answer text (1.0 or 0.0). Requests go through
+    :class:`~generation.engines.connection.Connection` (its retries with backoff, timeouts and key handling), and
+    state the whole distribution (greedy, top-p 1 and, on a known engine, its neutral top-k, min-p and repetition
+    penalty, :data:`~generation.engines.NEUTRAL_SAMPLING`).
 
     Args:
         url: base URL, e.g. ``http://127.0.0.1:8000/v1`` (the route is appended).
@@ -246,9 +247,8 @@ class HTTPJudge(Judge):
         template: prompt with ``{a}`` and ``{b}``.
         api: ``chat`` (``/chat/completions``) or ``completions`` (``/completions``).
         api_key_env: name of the environment variable holding the API key (never logged); empty = no key.
-        timeout: seconds per request.
-        retries: attempts per request before failing.
-        backoff: seconds before the first retry, doubled at each one.
+        timeout: seconds per request attempt.
+        retries: attempts per request before failing (connection errors, timeouts, 429 and 5xx are retried).
         concurrency: requests in flight.
         yes: answer meaning "same".
         no: answer meaning "different".
@@ -256,45 +256,50 @@ class HTTPJudge(Judge):
     """
 
     def __init__(self, url: str, model: str, template: str, api: str = "chat", api_key_env: str = "OPENAI_API_KEY",
-                 timeout: float = 30.0, retries: int = 3, backoff: float = 1.0, concurrency: int = 8,
+                 timeout: float = 30.0, retries: int = 3, concurrency: int = 8,
                  yes: str = "yes", no: str = "no", **kwargs):
         super().__init__(**kwargs)
         if api not in ("chat", "completions"):
             raise ValueError(f"api={api!r}; expected 'chat' or 'completions'")
-        if retries < 1 or timeout <= 0:
-            raise ValueError(f"retries={retries} (need >= 1), timeout={timeout} (need > 0)")
+        from generation.engines.connection import Connection
+
+        self.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
         self.url = url.rstrip("/") + ("/chat/completions" if api == "chat" else "/completions")
         self.model, self.template, self.api = model, template, api
-        self.api_key_env, self.timeout, self.retries, self.backoff = api_key_env, timeout, retries, backoff
         self.concurrency, self.yes, self.no = concurrency, yes.strip().lower(), no.strip().lower()
         self.id = f"http:{self.url}:{model}:{template}"
+        self._fields: dict | None = None
 
-    def _body(self, prompt: str) -> dict:
-        if self.api == "chat":
-            return {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1,
-                    "temperature": 0, "logprobs": True, "top_logprobs": 5}
-        return {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 5}
+    def _sampling_fields(self) -> dict:
+        """The endpoint's neutral sampling fields (asked once: which engine serves it)."""
+        if self._fields is None:
+            from generation.engines import NEUTRAL_SAMPLING
+            from generation.engines.connection import identify
 
-    def _post(self, body: dict) -> dict:
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        last = ""
-        for attempt in range(self.retries):
-            try:
-                req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code} {e.reason}"
-                if e.code < 500 and e.code != 429:
-                    break  # a client error will not heal on retry
-            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as e:
-                last = type(e).__name__ + (f": {e.reason}" if isinstance(e, urllib.error.URLError) else f": {e}")
-            if attempt + 1 < self.retries:
-                time.sleep(self.backoff * 2**attempt)
-        raise RuntimeError(f"judge endpoint {self.url} failed after {attempt + 1} attempt(s): {last}")
+            self._fields = dict(NEUTRAL_SAMPLING.get(identify(self.conn)[0] or "", {}))
+        return self._fields
+
+    def _ask(self, prompt: str) -> dict:
+        """One request (retried by the connection): the answer as a dict.
+
+        Raises:
+            Unreachable: the endpoint failed after the retries, naming its URL, never the key.
+        """
+        from generation.engines.base import Unreachable
+
+        common = {"model": self.model, "max_tokens": 1, "temperature": 0.0, "top_p": 1.0,
+                  "extra_body": self._sampling_fields() or None}
+        try:
+            if self.api == "chat":
+                resp = self.conn.client.chat.completions.create(
+                    messages=[{"role": "user", "content": prompt}], logprobs=True, top_logprobs=5, **common)
+            else:
+                resp = self.conn.client.completions.create(prompt=prompt, logprobs=5, **common)
+        except self.conn.openai.OpenAIError as e:
+            raise Unreachable(self.conn.say(f"judge endpoint {self.url} failed after {self.conn.retries} attempt(s): "
+                                            f"{self.conn.say(e)}; check that it is running and reachable"),
+                              self.conn.root) from None
+        return resp.model_dump()
 
     def _parse(self, resp: dict) -> float:
         choice = (resp.get("choices") or [{}])[0]
@@ -317,4 +322,4 @@ class HTTPJudge(Judge):
     def _prob_same(self, pairs: Sequence[Pair]) -> list[float]:
         prompts = [self.template.format(a=a.strip(), b=b.strip()) for a, b in pairs]
         with ThreadPoolExecutor(max(1, self.concurrency)) as pool:
-            return [self._parse(r) for r in pool.map(lambda p: self._post(self._body(p)), prompts)]
+            return [self._parse(r) for r in pool.map(self._ask, prompts)]

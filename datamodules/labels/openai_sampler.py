@@ -10,15 +10,24 @@ A server that returns fewer samples than ``n`` (the llama.cpp server ignores ``n
 its first answer: the missing samples are asked for one per request with distinct seeds, and from
 then on that endpoint gets one request per sample.
 
-The API key is read from an environment variable and never logged or put in an error message.
+Every request states the whole distribution: temperature, top-p and the engine's own neutral top-k, min-p and
+repetition penalty (:data:`~generation.engines.NEUTRAL_SAMPLING`; the engine is told from its routes), since vLLM
+and SGLang fill unset fields from the model's ``generation_config.json`` and llama-cpp-python from its own
+defaults. A server that is none of the three gets temperature and top-p alone, with a warning.
+
+Requests go through :class:`~generation.engines.connection.Connection` (one per URL): its retries, timeouts and key
+handling; a failure raises an :class:`~generation.engines.base.EngineError` subclass naming the URL, never the key.
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
+from generation.engines import NEUTRAL_SAMPLING
+from generation.engines.base import MalformedAnswer
+from generation.engines.connection import Connection, identify
 from generation.handover import prompt_text
 from generation.specs import SamplingSpec, StepSpec
 from datamodules.labels.samplers import StepSampler, request_seed, step_from_text
@@ -45,8 +54,9 @@ class OpenAISampler(StepSampler):
 
     Raises:
         ImportError: the ``openai`` client is not installed.
-        ValueError: a bad argument, or the server does not serve ``model`` (naming what it serves).
-        ConnectionError: the first server cannot be reached (naming the URL, never the key).
+        ValueError: a bad argument.
+        EngineError: the first server cannot be reached (``Unreachable``) or does not serve ``model``
+            (``Unsupported``, naming what it serves), naming the URL, never the key.
     """
 
     backend = "openai"
@@ -55,65 +65,26 @@ class OpenAISampler(StepSampler):
                  *, api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout: float = 120.0,
                  retries: int = 3, prompt: str = "text", extra_body: dict | None = None, rank: int = 0):
         super().__init__(tokenizer, step, sampling)
-        try:
-            import openai
-        except ImportError as e:
-            raise ImportError("sampling.backend='openai' needs the openai client: "
-                              f"pip install 'semanticspec-probes[openai]' ({e})") from None
         if not urls:
             raise ValueError("urls is empty: give the base URL of at least one server, e.g. http://127.0.0.1:8000/v1")
         if prompt not in ("text", "tokens"):
             raise ValueError(f"prompt={prompt!r}: expected 'text' or 'tokens'")
         if concurrency < 1 or retries < 1 or timeout <= 0:
             raise ValueError(f"concurrency={concurrency}, retries={retries} (both >= 1), timeout={timeout} (> 0)")
-        self._openai = openai
         self.urls = [u.rstrip("/") for u in urls]
-        self._key = os.environ.get(api_key_env, "") if api_key_env else ""
-        self._key_env = api_key_env
-        self.clients = [openai.OpenAI(base_url=u, api_key=self._key or "none", timeout=timeout,
-                                      max_retries=retries - 1) for u in self.urls]
+        self.conns = [Connection(u, api_key_env=api_key_env, timeout=timeout, retries=retries) for u in self.urls]
         self.concurrency, self.retries, self.prompt = concurrency, retries, prompt
         self.extra_body = dict(DEFAULT_EXTRA_BODY if extra_body is None else extra_body)
         self.ignores_n = [False] * len(self.urls)
         self._next = rank % len(self.urls)
         self.requests = self.generated_tokens = 0
-        self.model = self._check_model(model)
-        self.server_version = self._server_version(0)
-
-    # -- setup ----------------------------------------------------------------------------------
-
-    def _check_model(self, model: str | None) -> str:
-        """The model name to request, checked against what the first server lists (one cheap call, fails fast)."""
-        try:
-            served = [m.id for m in self.clients[0].models.list()]
-        except (self._openai.AuthenticationError, self._openai.PermissionDeniedError) as e:
-            raise PermissionError(f"sampling server {self.urls[0]} refused the API key from ${self._key_env or '(none)'} "
-                                  f"at /models ({self._say(e)}); set {self._key_env or 'sampling.openai.api_key_env'} "
-                                  "to a key it accepts") from None
-        except self._openai.OpenAIError as e:
-            raise ConnectionError(f"sampling server {self.urls[0]} did not answer /models ({self._say(e)}); start it "
-                                  "or fix sampling.openai.<role>.urls") from None
-        if model is None:
-            if len(served) != 1:
-                raise ValueError(f"sampling server {self.urls[0]} serves {served}; name one with model: ...")
-            return served[0]
-        if served and model not in served:
-            raise ValueError(f"sampling server {self.urls[0]} does not serve model {model!r}; it serves {served}")
-        return model
-
-    def _server_version(self, k: int) -> str | None:
-        """The server's reported version (vLLM and SGLang answer ``GET /version``), else None."""
-        root = self.clients[k].with_options(base_url=self.urls[k].removesuffix("/v1"), max_retries=0, timeout=5.0)
-        try:
-            got = root.get("/version", cast_to=object)
-        except self._openai.OpenAIError:
-            return None  # the llama.cpp server has no such route
-        return str(got["version"]) if isinstance(got, dict) and "version" in got else None
-
-    def _say(self, e: Exception) -> str:
-        """An exception as text with the API key blanked out (a server may echo a header back)."""
-        msg = f"{type(e).__name__}: {e}"
-        return msg.replace(self._key, "***") if self._key else msg
+        self.model = self.conns[0].check_model(model)
+        self.engine, self.server_version = identify(self.conns[0])
+        self.sampling_fields = dict(NEUTRAL_SAMPLING.get(self.engine or "", {}))
+        if self.engine is None:
+            warnings.warn(f"sampling server {self.urls[0]} is not vLLM, SGLang or llama-cpp-python: only temperature "
+                          "and top_p are sent, and its own defaults for top_k, min_p and repetition penalty apply",
+                          stacklevel=2)
 
     # -- sampling -------------------------------------------------------------------------------
 
@@ -126,14 +97,11 @@ class OpenAISampler(StepSampler):
 
         ``step=False`` asks for a continuation without stop strings (a whole trace, up to ``max_tokens``).
         """
-        try:
-            resp = self.clients[k].completions.create(
-                model=self.model, prompt=prompt, n=count, temperature=self.temperature, top_p=self.top_p,
-                max_tokens=max_tokens or self.max_step_tokens, stop=self.stops if step else None, seed=seed,
-                extra_body=(self.extra_body or None) if step else None)
-        except self._openai.OpenAIError as e:
-            raise RuntimeError(f"sampling server {self.urls[k]} (model {self.model!r}) failed after "
-                               f"{self.retries} attempt(s): {self._say(e)}") from None
+        extra = {**self.sampling_fields, **(self.extra_body if step else {})}
+        resp, _ = self.conns[k].completions(
+            f"/v1/completions (model {self.model!r})", model=self.model, prompt=prompt, n=count,
+            temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens or self.max_step_tokens,
+            stop=self.stops if step else None, seed=seed, extra_body=extra or None)
         return sorted(resp.choices or [], key=lambda c: c.index), resp.usage
 
     def _pick(self) -> int:
@@ -175,7 +143,8 @@ class OpenAISampler(StepSampler):
                         self.requests += 1
                         self.generated_tokens += getattr(usage, "completion_tokens", 0) or 0
                         if not choices:
-                            raise RuntimeError(f"sampling server {self.urls[k]} returned no choice for a prompt")
+                            raise MalformedAnswer(f"sampling server {self.urls[k]} returned no choice (choices) for "
+                                                  "a prompt", self.conns[k].root)
                         if len(choices) < count:  # the server ignores n: ask for the rest one at a time
                             self.ignores_n[k] = True
                             for j in range(first + len(choices), first + count):
@@ -204,8 +173,9 @@ class OpenAISampler(StepSampler):
         return [(choices[0].text or "") if choices else "" for choices, _ in answers]
 
     def provenance(self):
-        return {"backend": "openai", "model": self.model, "urls": self.urls, "server_version": self.server_version,
-                "prompt": self.prompt, "stops": self.stops}
+        return {"backend": "openai", "model": self.model, "urls": self.urls, "engine": self.engine,
+                "server_version": self.server_version, "prompt": self.prompt, "stops": self.stops,
+                "sampling_fields": self.sampling_fields}
 
     def stats(self):
         return {**super().stats(), "requests": self.requests, "generated_tokens": self.generated_tokens,

@@ -9,6 +9,16 @@ from __future__ import annotations
 
 KINDS = ("sglang", "vllm", "llama.cpp")
 """The engines :func:`make_engine` connects to."""
+NEUTRAL_SAMPLING = {
+    "vllm": {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0},
+    "sglang": {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0},
+    "llama.cpp": {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0},
+}
+"""The sampling fields each engine must be sent, in its own names, so that it samples from temperature and top-p
+alone, as the package's one sampler does. A field left out is filled by the server: vLLM from the model's
+``generation_config.json`` (``--generation-config auto``, the default; ``top_k``, ``min_p``, ``repetition_penalty``),
+SGLang likewise (``--sampling-defaults model``; its ``top_k`` is -1 or >= 1), llama-cpp-python from its own defaults
+(``top_k`` 40, ``min_p`` 0.05, ``repeat_penalty`` 1.1)."""
 HIDDEN_NORM = {"sglang": "final_norm"}
 """The norm convention of the hidden rows each engine returns (only SGLang returns any over HTTP): after the
 model's final norm, as transformers' last ``hidden_states`` entry (:mod:`generation.engines.sglang`)."""
@@ -32,7 +42,9 @@ def make_engine(kind: str, url: str, model: str | None = None, *, api_key_env: s
 
     Raises:
         ValueError: an unknown ``kind``.
-        EngineError: the server does not answer or does not serve ``model``.
+        Unreachable: the server does not answer (after the retries) or refuses the key.
+        Unsupported: it does not serve ``model``, or its version is below the client's floor (SGLang 0.5.4,
+            vLLM 0.11.0), naming the URL, the version and the floor.
     """
     conn = {"api_key_env": api_key_env, "timeout": timeout, "retries": retries}
     if kind == "sglang":

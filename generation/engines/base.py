@@ -131,10 +131,19 @@ class EngineError(RuntimeError):
         self.url = url
 
 
+class Unreachable(EngineError):
+    """A request failed after the client's retries: no answer, a timeout, a refused key or an HTTP error."""
+
+
+class Unsupported(EngineError):
+    """The server answers, but its version or its flags cannot serve what is asked (refused before any request
+    that decodes or builds, naming the URL, what it has, what is needed and the fix)."""
+
+
 class MalformedAnswer(EngineError):
     """A server answered, but short or malformed (fewer top-k entries than asked, missing rows or fields).
 
-    Refused with the counts; an answer is never padded.
+    Refused with the counts, naming the URL and the field (never the key); an answer is never padded.
     """
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from generation.engines.base import Capabilities, EngineError
+from generation.engines.base import Capabilities, Unsupported
 
 FULL_VOCAB = ("token_stats: full-vocabulary statistics (exact entropy and rank); no engine returns the whole "
               "distribution; train the probe on 'topk_stats' (exact from the top-k alone) instead")
@@ -35,7 +35,7 @@ def _hidden_missing(engine, caps: Capabilities, spec) -> list[str]:
     """What is missing for the ``hidden`` group: the rows, the probe's layers, or the probe's source."""
     if not caps.hidden:
         if engine.name == "sglang":
-            return ["hidden: last-layer hidden states; restart the SGLang server with --enable-return-hidden-states"]
+            return ["hidden: last-layer hidden states; " + " ".join(caps.remarks)]
         return [f"hidden: last-layer hidden states; {engine.name} returns none over HTTP; serve the model "
                 "with SGLang (--enable-return-hidden-states) or train the probe without 'hidden'"]
     if tuple(spec.layer_ids) != (-1,):
@@ -60,14 +60,14 @@ def require(engine, spec, role: str) -> Capabilities:
         The engine's capabilities.
 
     Raises:
-        EngineError: naming the server's URL, what is missing (a probe trained on another source's or norm
+        Unsupported: naming the server's URL, what is missing (a probe trained on another source's or norm
             convention's hidden states included), the fix, and the groups this engine can serve.
     """
     caps = engine.capabilities()
     problems = missing(engine, spec)
     if problems:
         can = servable_groups(caps)
-        raise EngineError(f"the {role} server {engine.url} ({engine.name}) cannot serve the probe's groups "
+        raise Unsupported(f"the {role} server {engine.url} ({engine.name}) cannot serve the probe's groups "
                           f"{list(spec.groups)}: missing " + "; ".join(problems)
                           + f". This server can serve {list(can) or 'no probe group'}.", engine.url)
     return caps

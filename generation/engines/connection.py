@@ -3,18 +3,49 @@
 An ``openai.OpenAI`` client per URL with a timeout per attempt and bounded retries (the client
 retries connection errors, timeouts, 429 and 5xx with backoff); the API key is read from an
 environment variable and never logged or put in an error message (a server that echoes a header
-back has it blanked). :class:`Connection` also checks ``/models``, reads ``GET /version`` and posts
-to an engine's native routes (SGLang's ``/generate``) through the same client, so retries, timeouts
-and key handling are the same on every route.
+back has it blanked, :func:`redact`). :class:`Connection` also checks ``/models``, reads ``GET /version`` and
+posts to an engine's native routes (SGLang's ``/generate``) through the same client, so retries, timeouts
+and key handling are the same on every route. The engine clients, the ``openai`` label sampler and the HTTP
+judge all go through it, and a failure is an :class:`~generation.engines.base.EngineError` subclass
+(:class:`~generation.engines.base.Unreachable` after the retries) that the CLIs catch by type.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
-from generation.engines.base import EngineError
+from generation.engines.base import Unreachable, Unsupported
+
+_KEY_NAME = re.compile(r"(?i)(api[_-]?key|token|secret)")
+
+
+def redact(message: str, *keys: str) -> str:
+    """``message`` with ``keys`` and the value of every key-like environment variable (``*API_KEY*``, ``*TOKEN*``,
+    ``*SECRET*``, 8 characters or more) blanked as ``***``: the one place a key is taken out of a message."""
+    values = [k for k in keys if k] + [v for n, v in os.environ.items() if _KEY_NAME.search(n) and len(v) >= 8]
+    for value in sorted(set(values), key=len, reverse=True):
+        message = message.replace(value, "***")
+    return message
+
+
+def at_least(client, version: str | None, floor: str, engine: str) -> None:
+    """Refuse a server older than ``floor`` (or one that does not say), naming its URL, its version and the floor.
+
+    Raises:
+        Unsupported: ``version`` is None, unparsable or below ``floor``.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        ok = version is not None and Version(version.split()[-1]) >= Version(floor)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise Unsupported(f"{engine} server {client.url} reports version {version or 'unknown'}; this client needs "
+                          f"{engine} >= {floor}; upgrade the server", client.url)
 
 
 class Connection:
@@ -50,14 +81,15 @@ class Connection:
         self.root_client = self.client.with_options(base_url=self.root)
 
     def say(self, e: BaseException | str) -> str:
-        """An exception (or text) with the API key blanked out."""
-        msg = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
-        return msg.replace(self._key, "***") if self._key else msg
+        """An exception (or text) with the API key blanked out (:func:`redact`)."""
+        return redact(e if isinstance(e, str) else f"{type(e).__name__}: {e}", self._key)
 
-    def error(self, what: str, e: BaseException, fix: str = "") -> EngineError:
-        """An :class:`EngineError` for a failed request: the URL, what failed, the cause (key blanked), the fix."""
+    def error(self, what: str, e: BaseException, fix: str = "") -> Unreachable:
+        """An :class:`Unreachable` for a failed request: the URL, what failed, the cause (key blanked), the fix."""
+        if not fix and isinstance(e, (self.openai.AuthenticationError, self.openai.PermissionDeniedError)):
+            fix = f"set ${self.key_env or '(no variable)'} to a key it accepts"
         fix = fix or "check that the server is running and reachable"
-        return EngineError(self.say(f"server {self.root} failed {what} after {self.retries} attempt(s): "
+        return Unreachable(self.say(f"server {self.root} failed {what} after {self.retries} attempt(s): "
                                     f"{self.say(e)}; {fix}"), self.root)
 
     # -- routes ---------------------------------------------------------------------------------
@@ -71,9 +103,12 @@ class Connection:
         try:
             return [m.id for m in self.client.models.list()]
         except (self.openai.AuthenticationError, self.openai.PermissionDeniedError) as e:
-            raise self.error("/v1/models", e, f"set ${self.key_env or '(none)'} to a key it accepts") from None
+            raise Unreachable(self.say(f"server {self.url} refused the API key from ${self.key_env or '(none)'} at "
+                                       f"/v1/models ({self.say(e)}); set ${self.key_env or '(no variable)'} to a key "
+                                       "it accepts"), self.root) from None
         except self.openai.OpenAIError as e:
-            raise self.error("/v1/models", e, "start it or fix the URL") from None
+            raise Unreachable(self.say(f"server {self.url} did not answer /v1/models after {self.retries} attempt(s) "
+                                       f"({self.say(e)}); start it or fix the URL"), self.root) from None
 
     def check_model(self, model: str | None) -> str:
         """The model name to request, checked against what the server lists (one cheap call, fails fast).
@@ -84,10 +119,10 @@ class Connection:
         served = self.models()
         if model is None:
             if len(served) != 1:
-                raise EngineError(f"server {self.root} serves {served}; name one with model=...", self.root)
+                raise Unsupported(f"server {self.root} serves {served}; name one with model=...", self.root)
             return served[0]
         if served and model not in served:
-            raise EngineError(f"server {self.root} does not serve model {model!r}; it serves {served}", self.root)
+            raise Unsupported(f"server {self.root} does not serve model {model!r}; it serves {served}", self.root)
         return model
 
     def get(self, path: str) -> Any | None:
@@ -98,9 +133,9 @@ class Connection:
         except self.openai.OpenAIError:
             return None
 
-    def version(self) -> str | None:
-        """The server's reported version (vLLM and SGLang answer ``GET /version``), else None."""
-        got = self.get("/version")
+    def version(self, route: str = "/version") -> str | None:
+        """The server's reported version (vLLM answers ``GET /version``), else None."""
+        got = self.get(route)
         return str(got["version"]) if isinstance(got, dict) and "version" in got else None
 
     def post(self, path: str, body: dict, what: str | None = None) -> tuple[Any, float]:
@@ -130,8 +165,10 @@ class Connection:
         return resp, time.perf_counter() - t
 
 
-def connect(client, url: str, model: str | None, *, api_key_env: str, timeout: float, retries: int) -> None:
-    """Give an engine client its :class:`Connection` (``conn``), root ``url``, checked ``model`` and ``version``.
+def connect(client, url: str, model: str | None, *, api_key_env: str, timeout: float, retries: int,
+            version_route: str | None = "/version") -> None:
+    """Give an engine client its :class:`Connection` (``conn``), root ``url``, checked ``model`` and ``version``
+    (from ``GET version_route``; None: the client reads it itself).
 
     Raises:
         EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
@@ -139,4 +176,19 @@ def connect(client, url: str, model: str | None, *, api_key_env: str, timeout: f
     client.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
     client.url = client.conn.root
     client.model = client.conn.check_model(model)
-    client.version = client.conn.version()
+    client.version = client.conn.version(version_route) if version_route else None
+
+
+def identify(conn: Connection) -> tuple[str | None, str | None]:
+    """Which engine serves at ``conn`` and its version: ``("sglang", v)`` (``/server_info``, older
+    ``/get_server_info``), ``("llama.cpp", v)`` (llama-cpp-python's ``/openapi.json``), ``("vllm", v)``
+    (``/version``), or ``(None, None)`` for another OpenAI-compatible server (a few quick GETs, no retries)."""
+    info = conn.get("/server_info") or conn.get("/get_server_info")
+    if isinstance(info, dict) and info.get("version") is not None:
+        return "sglang", str(info["version"])
+    api = conn.get("/openapi.json")
+    title = (api.get("info") or {}) if isinstance(api, dict) else {}
+    if "llama" in str(title.get("title", "")).lower():
+        return "llama.cpp", str(title.get("version")) if title.get("version") is not None else None
+    version = conn.version()
+    return ("vllm", version) if version is not None else (None, None)

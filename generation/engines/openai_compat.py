@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import torch
 
+from generation.engines import NEUTRAL_SAMPLING
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
-from generation.engines.connection import connect
+from generation.engines.connection import at_least, connect
 from generation.specs import SamplingSpec, StepSpec
 
 VLLM_MAX_LOGPROBS = 20
 """vLLM's default ``--max-logprobs``."""
+VLLM_MIN_VERSION = "0.11.0"
+"""The oldest vLLM this client reads and writes with (``return_token_ids``, ``prompt_logprobs`` in the completions
+body; the fixtures ``tests/fixtures/engines/vllm-*.json`` cover 0.11 and 0.34)."""
 
 
 def top_k_of(entries: list[float], k: int, url: str, where: str) -> list[float]:
@@ -174,15 +178,16 @@ class _Completions:
         return lp
 
     def _echo_step(self, lp: dict, idx: list[int], k: int, tops: list[list[float]] | None,
-                   ids: list[int] | None) -> TokenLogprobs:
+                   ids: list[int] | None, slack: int | None = None) -> TokenLogprobs:
         own = [lp["token_logprobs"][i] for i in idx]
         if any(v is None for v in own):
             raise MalformedAnswer(f"server {self.url} returned no log-prob for {sum(v is None for v in own)} of the "
                                   f"step's {len(idx)} token(s) (the first prompt position has none: give a non-empty "
                                   "context)", self.url)
         if tops is None:
+            slack = self.top_k_slack if slack is None else slack
             got = [text_keyed_top(lp["top_logprobs"][i] or {}, lp["tokens"][i], v, k, self.url, f"step token {j}",
-                                  self.top_k_slack) for j, (i, v) in enumerate(zip(idx, own))]
+                                  slack) for j, (i, v) in enumerate(zip(idx, own))]
             tops = [t for t, _ in got]
             self.unsure_positions += sum(u for _, u in got)
         top = [top_k_of(t, k, self.url, f"step token {j}") for j, t in enumerate(tops)]
@@ -198,16 +203,26 @@ class _Completions:
         lp = self._logprobs(choice)
         generated = int(getattr(resp.usage, "completion_tokens", 0) or 0)
         n_prompt = len(lp["tokens"]) - generated
-        idx = step_positions(lp["text_offset"], lp["tokens"], n_prompt, context, step, self.url)
+        try:
+            idx = step_positions(lp["text_offset"], lp["tokens"], n_prompt, context, step, self.url)
+        except MalformedAnswer:
+            idx = self._positions_by_ids(context, choice, n_prompt)
+            if idx is None:
+                raise
         return resp, secs, choice, lp, idx
+
+    def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
+        """The step's indices found by token ids when the echoed texts do not add up; None: the engine cannot."""
+        return None
 
     # -- writing --------------------------------------------------------------------------------
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
               top_k: int | None = None) -> Written:
         stops = list(step.delimiters) if step is not None else None
-        resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed,
-                                  logprobs=self._write_logprobs(top_k, stops), stop=stops,
+        asked = self._write_logprobs(top_k, stops)
+        resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=asked,
+                                  stop=stops,
                                   extra={"include_stop_str_in_output": True} if stops else None)
         choice = self._choice(resp)
         text, how = self._ending(choice, stops or [])
@@ -216,7 +231,7 @@ class _Completions:
             lp = self._logprobs(choice)
             first = lp["text_offset"][0] if lp["text_offset"] else 0  # llama.cpp counts from the prompt's start
             idx = [i for i, o in enumerate(lp["text_offset"]) if o - first < len(text)]
-            tokens = self._echo_step(lp, idx, top_k, None, None)
+            tokens = self._echo_step(lp, idx, top_k, None, None, slack=(asked or top_k) - top_k)
         return Written(text, how, tokens, _usage(resp.usage, secs))
 
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
@@ -251,7 +266,7 @@ class LlamaCppEngine(_Completions):
 
     name = "llama.cpp"
     top_k_slack = TOP_K_SLACK
-    sampling_extra = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
+    sampling_extra = NEUTRAL_SAMPLING["llama.cpp"]
     """llama-cpp-python samples with top-k 40, min-p 0.05 and a repeat penalty of 1.1 unless told otherwise; these
     turn all three off, so greedy text equals the in-process greedy text (its top-p still cuts the untempered
     distribution, before the temperature, where the package's sampler cuts the tempered one)."""
@@ -309,9 +324,14 @@ class VLLMEngine(_Completions):
     """
 
     name = "vllm"
+    sampling_extra = NEUTRAL_SAMPLING["vllm"]
+    """vLLM fills every sampling field a request leaves out from the model's ``generation_config.json``
+    (``--generation-config auto``): these state ``top_k``, ``min_p`` and ``repetition_penalty`` as the package's
+    sampler uses them (off)."""
 
     def __init__(self, url: str, model: str | None = None, *, max_logprobs: int | None = VLLM_MAX_LOGPROBS, **conn):
         super().__init__(url, model, **conn)
+        at_least(self, self.version, VLLM_MIN_VERSION, "vLLM")
         self.max_logprobs = max_logprobs
 
     def _probe(self) -> Capabilities:
@@ -335,6 +355,31 @@ class VLLMEngine(_Completions):
         eos = choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
         return Reading(self._echo_step(lp, idx, top_k, tops, ids), None, _after(choice, context + step, eos), eos,
                        _usage(resp.usage, secs))
+
+    def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
+        """vLLM 0.11 decodes each echoed id alone, so SentencePiece spaces and the bytes of a split UTF-8 character do
+        not add up to the prompt: the step is found by ids instead, the context's ids from ``POST /tokenize`` (one
+        more request, only for such a prompt) against ``prompt_token_ids`` (``return_token_ids``)."""
+        ids = (choice.model_extra or {}).get("prompt_token_ids")
+        got, _ = self.conn.post("/tokenize", {"model": self.model, "prompt": context}, "/tokenize")
+        ctx = got.get("tokens") if isinstance(got, dict) else None
+        if not isinstance(ids, list) or not isinstance(ctx, list):
+            raise MalformedAnswer(f"server {self.url} answered without prompt_token_ids or /tokenize without tokens; "
+                                  "the echoed texts do not add up to the prompt, so the step cannot be found", self.url)
+        if ids[:len(ctx)] != ctx or not len(ctx) < n_prompt:
+            raise MalformedAnswer(f"server {self.url}: the context's {len(ctx)} token id(s) (/tokenize) are not a "
+                                  f"prefix of the prompt's {n_prompt} (prompt_token_ids): its tokenizer merges the "
+                                  "context's end with the step's start; end steps at a delimiter the tokenizer splits "
+                                  "at", self.url)
+        return list(range(len(ctx), n_prompt))
+
+    def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
+        # Written tokens' top_logprobs are keyed by text (prompt_logprobs, by id, exist for prompts only): two tokens
+        # that read alike share a key. One entry more, when --max-logprobs allows, tells a lost entry from a full
+        # answer (text_keyed_top), as for llama.cpp.
+        if not top_k:
+            return None
+        return top_k + (self.max_logprobs is None or top_k < self.max_logprobs)
 
     def _cut_delimiter(self, choice, text: str, stops: list[str]) -> str | None:
         reason = (choice.model_extra or {}).get("stop_reason")

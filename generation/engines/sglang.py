@@ -1,8 +1,12 @@
 """Engine client of SGLang's native ``POST /generate`` (``python -m sglang.launch_server``).
 
 A read sends context + step as the server's own token ids with ``logprob_start_len`` = the step's
-first token, ``max_new_tokens: 1``, ``top_logprobs_num: k`` and, when asked, ``return_hidden_states``.
-The radix cache is reused up to ``logprob_start_len``, so a cached context is not prefilled again and
+first token - 1, ``max_new_tokens: 1``, ``top_logprobs_num: k`` and, when asked, ``return_hidden_states``.
+SGLang answers the first position asked for with ``[null, id, text]`` and a null top-k entry
+(``python/sglang/srt/managers/scheduler_output_processor_mixin.py`` ``_process_input_token_logprobs``:
+``[None] + input_token_logprobs[:-1]``, 0.4.6 to 0.5.23), so that entry is dropped, as SGLang's own frontend
+does. The radix cache is reused up to ``min(input_len - 1, logprob_start_len)`` (``schedule_batch.py``
+``Req._compute_max_prefix_len``): all of a cached context but its last token is not prefilled again, and
 the answer holds the step's log-probs, its hidden rows and the next token. The ids come from the
 server's ``/v1/tokenize`` (one CPU-only request): the context and context + step are tokenized
 together, and the step starts where the context's ids end (a tokenizer that merges the two is refused),
@@ -14,6 +18,20 @@ Answer fields (``python/sglang/srt/managers/io_struct.py`` ``GenerateReqInput``;
 ``completion_tokens``, ``cached_tokens``, ``finish_reason`` (``{"type": "stop", "matched": str | id}``
 or ``{"type": "length"}``) and ``hidden_states`` (the prefill's rows as one list of rows, then one row
 per decoded token).
+
+Written tokens' log-probs are ``log_softmax(logits / T)`` unless the batch is greedy or the server runs with
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``python/sglang/srt/layers/sampler.py``), an environment variable no route
+reports; prompt (read) log-probs are raw. So at 0 < T != 1 a write that asks for its tokens' log-probs reads them
+back raw, as prompt tokens, in a second request (:meth:`SGLangEngine._read_back`).
+
+Every sampling request states the whole distribution: ``temperature``, ``top_p`` and neutral ``top_k`` (-1),
+``min_p`` (0) and ``repetition_penalty`` (1), since SGLang fills unset fields from the model's
+``generation_config.json`` (``--sampling-defaults model``).
+
+The version and the flags come from ``/server_info`` (older: ``/get_server_info``; SGLang has no ``/version``):
+below :data:`MIN_VERSION` (``/v1/tokenize`` from 0.5.4, ``sampling_seed`` from 0.5.3) the server is refused
+before any request that reads or writes. ``hidden`` is refused on a server whose rows are not the last layer
+after the final norm (:func:`hidden_refusals`).
 
 Hidden rows are AFTER the model's final norm (``"final_norm"``, as transformers' last
 ``hidden_states`` entry): in ``python/sglang/srt/models/llama.py`` ``LlamaModel.forward`` ends with
@@ -30,21 +48,49 @@ from collections import OrderedDict
 
 import torch
 
-from generation.engines import HIDDEN_NORM
-from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
-from generation.engines.connection import connect
+from generation.engines import HIDDEN_NORM, NEUTRAL_SAMPLING
+from generation.engines.base import (Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Unsupported,
+                                     Usage, Written)
+from generation.engines.connection import at_least, connect
 from generation.engines.openai_compat import top_k_of
 from generation.specs import SamplingSpec, StepSpec
 
-
+MIN_VERSION = "0.5.4"
+"""The oldest SGLang this client reads and writes with: ``/v1/tokenize`` exists from 0.5.4 (``sampling_seed`` from
+0.5.3, honoured only with ``--enable-deterministic-inference``)."""
+PRE_NORM_MODELS = ("deepseek-v4", "deepseekv4")
+"""Model names (lower case, in ``model_path``) whose SGLang hidden rows come before the final norm."""
+LONG_CONTEXT = 128
+"""Contexts of more tokens than this, read for the first time with ``hidden``, are prefilled first
+(:meth:`SGLangEngine._prefill`): one request more per prompt instead of a hidden row per context token."""
 KNOWN_TEXTS = 4096
 """Texts whose server token ids an :class:`SGLangEngine` keeps: a step read after a context it has seen (the previous
 step + the bonus token, or a step the server wrote) needs no ``/v1/tokenize`` call, so a kept step costs two requests
 (the draft's write, this read) and a refused one three."""
 
 
+def hidden_refusals(url: str, info: dict) -> tuple[str, ...]:
+    """Why the server's hidden rows are not the last layer's (each: the flag and the fix); empty when they are."""
+    out = []
+    if not info.get("enable_return_hidden_states", False):
+        out.append(f"SGLang server {url} was started without --enable-return-hidden-states; restart it with that flag "
+                   "to read 'hidden'")
+    mode = info.get("return_hidden_states_mode")
+    if mode not in (None, "full"):
+        out.append(f"SGLang server {url} runs --return-hidden-states-mode {mode}, which refuses "
+                   "return_hidden_states; restart it with --return-hidden-states-mode full")
+    spec = info.get("speculative_algorithm")
+    if spec:
+        out.append(f"SGLang server {url} runs speculative decoding (--speculative-algorithm {spec}), whose hidden rows "
+                   "are the draft's auxiliary layers; restart it without --speculative-algorithm to read 'hidden'")
+    if info.get("enable_return_aux_hidden_states"):
+        out.append(f"SGLang server {url} runs --enable-return-aux-hidden-states, whose rows are auxiliary layers "
+                   "concatenated; restart it without that flag to read 'hidden'")
+    return tuple(out)
+
+
 class SGLangEngine:
-    """A client of one SGLang server.
+    """A client of one SGLang server (>= :data:`MIN_VERSION`).
 
     Args:
         url: its base URL (``http://127.0.0.1:30000``, with or without ``/v1``).
@@ -53,27 +99,35 @@ class SGLangEngine:
 
     Raises:
         EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
+        Unsupported: it is not an SGLang server, or one older than :data:`MIN_VERSION`.
     """
 
     name = "sglang"
 
     def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
                  timeout: float = 120.0, retries: int = 3):
-        connect(self, url, model, api_key_env=api_key_env, timeout=timeout, retries=retries)
-        self._caps: Capabilities | None = None
+        connect(self, url, model, api_key_env=api_key_env, timeout=timeout, retries=retries, version_route=None)
         self._known: OrderedDict[str, list[int]] = OrderedDict()
+        self.info = self._server_info()
+        self.version = str(self.info.get("version")) if self.info.get("version") is not None else None
+        at_least(self, self.version, MIN_VERSION, "SGLang")
+        self._caps = self._capabilities()
+
+    def _server_info(self) -> dict:
+        info = self.conn.get("/server_info") or self.conn.get("/get_server_info")
+        if not isinstance(info, dict):
+            raise Unsupported(f"server {self.url} answers neither /server_info nor /get_server_info; is it an SGLang "
+                              "server? Give the URL of python -m sglang.launch_server", self.url)
+        return info
+
+    def _capabilities(self) -> Capabilities:
+        why = hidden_refusals(self.url, self.info)
+        path = str(self.info.get("model_path") or self.model).lower().replace("_", "-")
+        norm = "pre_norm" if any(m in path for m in PRE_NORM_MODELS) else HIDDEN_NORM["sglang"]
+        return Capabilities(True, None, not why, None if why else norm,
+                            not self.info.get("disable_radix_cache", False), why)
 
     def capabilities(self) -> Capabilities:
-        if self._caps is None:
-            info = self.conn.get("/get_server_info") or self.conn.get("/server_info")
-            if not isinstance(info, dict):
-                raise EngineError(f"server {self.url} did not answer /get_server_info; is it an SGLang server?", self.url)
-            self.version = self.version or info.get("version")
-            hidden = bool(info.get("enable_return_hidden_states", False))
-            why = () if hidden else (f"SGLang server {self.url} was started without --enable-return-hidden-states; "
-                                     "restart it with that flag to read 'hidden'",)
-            self._caps = Capabilities(True, None, hidden, HIDDEN_NORM["sglang"] if hidden else None,
-                                      not info.get("disable_radix_cache", False), why)
         return self._caps
 
     # -- requests -------------------------------------------------------------------------------
@@ -83,8 +137,13 @@ class SGLangEngine:
         if isinstance(got, list) and len(got) == 1:
             got = got[0]
         if not isinstance(got, dict) or not isinstance(got.get("meta_info"), dict):
-            raise MalformedAnswer(f"server {self.url} answered /generate without meta_info", self.url)
-        return got, got["meta_info"], secs
+            raise MalformedAnswer(f"server {self.url} answered /generate without the field meta_info", self.url)
+        meta = got["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":  # sent with HTTP 200, not an EOS
+            raise EngineError(f"server {self.url} aborted a /generate request: {finish.get('message', '')!s:.200}; "
+                              "check its log (out of memory, a too-long input, a restart)", self.url)
+        return got, meta, secs
 
     def _remember(self, text: str, ids: list[int]) -> None:
         """The server's ids of a text this client has seen it tokenize (the newest :data:`KNOWN_TEXTS` kept)."""
@@ -93,50 +152,63 @@ class SGLangEngine:
         while len(self._known) > KNOWN_TEXTS:
             self._known.popitem(last=False)
 
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        got, _ = self.conn.post("/v1/tokenize", {"model": self.model, "prompt": texts}, "/v1/tokenize")
+        tokens = got.get("tokens") if isinstance(got, dict) else None
+        if not isinstance(tokens, list) or len(tokens) != len(texts) or not all(isinstance(t, list) for t in tokens):
+            raise MalformedAnswer(f"server {self.url} answered /v1/tokenize of {len(texts)} texts without the field "
+                                  f"tokens holding {len(texts)} token lists", self.url)
+        return [[int(i) for i in t] for t in tokens]
+
     def _ids(self, context: str, step: str) -> tuple[list[int], int]:
         """The server's ids of context + step and the index of the step's first token (one ``/v1/tokenize``)."""
-        got, _ = self.conn.post("/v1/tokenize", {"model": self.model, "prompt": [context, context + step]},
-                                "/v1/tokenize")
-        tokens = got.get("tokens") if isinstance(got, dict) else None
-        if not isinstance(tokens, list) or len(tokens) != 2:
-            raise MalformedAnswer(f"server {self.url} answered /v1/tokenize of 2 texts without 2 token lists", self.url)
-        ctx, full = tokens
+        ctx, full = self._tokenize([context, context + step])
         if not ctx or full[:len(ctx)] != ctx or len(full) == len(ctx):
             raise MalformedAnswer(f"server {self.url}: the context's {len(ctx)} token(s) are not a prefix of context + "
                                   f"step's {len(full)}: its tokenizer merges the context's end with the step's start "
                                   "(or the context or the step is empty)", self.url)
-        self._remember(context, [int(i) for i in ctx])
-        return [int(i) for i in full], len(ctx)
+        self._remember(context, ctx)
+        return full, len(ctx)
 
     def _sampling(self, sampling: SamplingSpec, seed: int, max_new_tokens: int) -> dict:
         return {"max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "sampling_seed": seed & 0x7FFFFFFF}
+                **NEUTRAL_SAMPLING["sglang"], "sampling_seed": seed & 0x7FFFFFFF}
 
     def _usage(self, meta: dict, secs: float) -> Usage:
         prompt, cached = int(meta.get("prompt_tokens", 0)), meta.get("cached_tokens")
         return Usage(prompt, int(meta.get("completion_tokens", 0)), None if cached is None else int(cached),
                      None if cached is None else prompt - int(cached), secs)
 
-    def _logprobs(self, rows, tops, n: int, k: int, what: str) -> TokenLogprobs:
+    def _logprobs(self, rows, tops, n: int, k: int, what: str, field: str) -> TokenLogprobs:
         """``n`` positions of ``[logprob, id, text]`` rows and their top-k lists, refused when short."""
         rows, tops = rows or [], tops or []
         if len(rows) < n or (k and len(tops) < n):
-            raise MalformedAnswer(f"server {self.url} returned {len(rows)} {what} log-prob rows and {len(tops)} top-k "
-                                  f"rows; expected {n}", self.url)
+            raise MalformedAnswer(f"server {self.url} returned {len(rows)} {what} log-prob rows "
+                                  f"({field}_token_logprobs) and {len(tops)} top-k rows ({field}_top_logprobs); "
+                                  f"expected {n}", self.url)
         rows, tops = rows[len(rows) - n:], tops[len(tops) - n:] if k else [[]] * n
-        if any(r is None or r[0] is None for r in rows):
-            raise MalformedAnswer(f"server {self.url} returned no log-prob for some of the {n} {what} tokens", self.url)
+        if any(not isinstance(r, list) or len(r) < 2 or r[0] is None for r in rows):
+            raise MalformedAnswer(f"server {self.url} returned no log-prob for some of the {n} {what} tokens "
+                                  f"({field}_token_logprobs)", self.url)
         top = [top_k_of([float(e[0]) for e in (t or [])], k, self.url, f"{what} token {j}") for j, t in enumerate(tops)]
         return TokenLogprobs([str(r[2]) if len(r) > 2 and r[2] is not None else "" for r in rows],
                              [int(r[1]) for r in rows], torch.tensor([float(r[0]) for r in rows]),
                              torch.tensor(top, dtype=torch.float32).reshape(n, k))
 
+    def _input_rows(self, meta: dict) -> tuple[list, list]:
+        """The prompt rows after the first one asked for, which SGLang always answers ``[null, id, text]``."""
+        rows, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
+        if not isinstance(rows, list) or not rows:
+            raise MalformedAnswer(f"server {self.url} answered /generate without the field input_token_logprobs",
+                                  self.url)
+        return rows[1:], (tops or [None])[1:]
+
     def _hidden(self, meta: dict, n: int) -> torch.Tensor:
         """The step's last-layer rows: the last ``n`` rows the prefill returned."""
         rows = [r for part in meta.get("hidden_states") or [] if part and isinstance(part[0], list) for r in part]
         if len(rows) < n:
-            raise MalformedAnswer(f"server {self.url} returned {len(rows)} hidden row(s) for a step of {n} token(s)",
-                                  self.url)
+            raise MalformedAnswer(f"server {self.url} returned {len(rows)} hidden row(s) (hidden_states) for a step of "
+                                  f"{n} token(s)", self.url)
         return torch.tensor(rows[len(rows) - n:], dtype=torch.float32)
 
     # -- the Engine protocol ----------------------------------------------------------------------
@@ -144,13 +216,15 @@ class SGLangEngine:
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
              seed: int) -> Reading:
         if hidden and not self.capabilities().hidden:
-            raise EngineError(" ".join(self.capabilities().remarks), self.url)
+            raise Unsupported(" ".join(self.capabilities().remarks), self.url)
         if top_k < 1:
             raise ValueError(f"top_k={top_k}: expected >= 1")
         known = self._known.get(context)
         got = self._read_known(context, step, known, top_k, hidden, sampling, seed) if known else None
         if got is None:  # the context's ids are not known, or the server split context + step elsewhere
             ids, start = self._ids(context, step)
+            if hidden and start > LONG_CONTEXT:
+                self._prefill(ids[:start])
             got = self._read_ids(ids, start, top_k, hidden, sampling, seed)
         tokens, meta, got_text, secs = got
         finish = meta.get("finish_reason") or {}
@@ -164,29 +238,35 @@ class SGLangEngine:
         return Reading(tokens, self._hidden(meta, n) if hidden else None, "" if eos else got_text, eos,
                        self._usage(meta, secs))
 
+    def _prefill(self, ids: list[int]) -> None:
+        """Have the server cache a long context first (one token written, nothing returned): SGLang returns a hidden
+        row for every position it computes (no "last n rows" option), so a first read of a long context would carry
+        them all as JSON floats; after this request the read computes, and returns, the step's rows and one more."""
+        self._generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+
     def _read_body(self, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int) -> dict:
         return {"sampling_params": self._sampling(sampling, seed, 1), "return_logprob": True, "top_logprobs_num": top_k,
                 "return_hidden_states": bool(hidden), "return_text_in_logprobs": True}
 
     def _read_ids(self, ids: list[int], start: int, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int):
-        """Read with the step's token ids known: exact."""
-        got, meta, secs = self._generate({"input_ids": ids, "logprob_start_len": start,
+        """Read with the step's token ids known: exact (asked from ``start - 1``, the empty first entry dropped)."""
+        got, meta, secs = self._generate({"input_ids": ids, "logprob_start_len": start - 1,
                                           **self._read_body(top_k, hidden, sampling, seed)})
-        tokens = self._logprobs(meta.get("input_token_logprobs"), meta.get("input_top_logprobs"), len(ids) - start,
-                                top_k, "step")
+        rows, tops = self._input_rows(meta)
+        tokens = self._logprobs(rows, tops, len(ids) - start, top_k, "step", "input")
         return tokens, meta, str(got.get("text", "")), secs
 
     def _read_known(self, context: str, step: str, known: list[int], top_k: int, hidden: bool,
                     sampling: SamplingSpec, seed: int):
         """Read without a ``/v1/tokenize`` call when the context's ids are known from an earlier answer: the server
-        tokenizes context + step and returns the rows from the context's end; None when those rows do not spell
-        the step (the server's tokenizer merged across the boundary), and the caller asks for the ids."""
-        got, meta, secs = self._generate({"text": context + step, "logprob_start_len": len(known),
+        tokenizes context + step and returns the rows from the context's last token; None when the rows after it do
+        not spell the step (the server's tokenizer merged across the boundary), and the caller asks for the ids."""
+        got, meta, secs = self._generate({"text": context + step, "logprob_start_len": len(known) - 1,
                                           **self._read_body(top_k, hidden, sampling, seed)})
-        rows = meta.get("input_token_logprobs") or []
+        rows, tops = self._input_rows(meta)
         if not rows or _spelled(rows) != step:
             return None
-        tokens = self._logprobs(rows, meta.get("input_top_logprobs"), len(rows), top_k, "step")
+        tokens = self._logprobs(rows, tops, len(rows), top_k, "step", "input")
         return tokens, meta, str(got.get("text", "")), secs
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
@@ -194,28 +274,46 @@ class SGLangEngine:
         params = self._sampling(sampling, seed, max_tokens)
         if step is not None:
             params.update(stop=list(step.delimiters), no_stop_trim=True)
+        scaled = bool(top_k) and sampling.temperature not in (0.0, 1.0)  # written log-probs would be tempered
         known = self._known.get(context)
         body = {"input_ids": known} if known else {"text": context}
-        body.update(sampling_params=params, return_logprob=True, top_logprobs_num=top_k or 0,
+        body.update(sampling_params=params, return_logprob=True, top_logprobs_num=0 if scaled else top_k or 0,
                     return_text_in_logprobs=True)  # the written ids: the next read after this text needs no tokenize
         got, meta, secs = self._generate(body)
         text, finish = str(got.get("text", "")), meta.get("finish_reason") or {}
         matched = finish.get("matched")
         if finish.get("type") == "length":
             how = "length"
-        elif isinstance(matched, str) and step is not None:
-            how, text = "delimiter", text if text.endswith(matched) else text + matched
+        elif isinstance(matched, str) and step is not None:  # no_stop_trim keeps the stop string; before 0.5.23
+            how, cut = "delimiter", text.find(matched)         # (PR #25980) it could keep text after it as well
+            text = text[:cut + len(matched)] if cut >= 0 else text + matched
         else:
             how = "eos"
+        n = int(meta.get("completion_tokens", 0)) - (how == "eos")  # the EOS token is not in the text
+        rows = meta.get("output_token_logprobs") or []
         tokens = None
-        if top_k:
-            n = int(meta.get("completion_tokens", 0)) - (how == "eos")  # the EOS token is not in the text
-            rows, tops = meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
-            tokens = self._logprobs(rows[:n], tops[:n], n, top_k, "written")
-        out = meta.get("output_token_logprobs") or []
-        if known and how != "eos" and _spelled(out) == text:
-            self._remember(context + text, known + [int(r[1]) for r in out])
+        if scaled:
+            tokens, usage = self._read_back(context, known, rows[:n], top_k, seed)
+            secs += usage.seconds
+        elif top_k:
+            tokens = self._logprobs(rows[:n], (meta.get("output_top_logprobs") or [])[:n], n, top_k, "written",
+                                    "output")
+        if known and how != "eos" and _spelled(rows) == text:
+            self._remember(context + text, known + [int(r[1]) for r in rows])
         return Written(text, how, tokens, self._usage(meta, secs))
+
+    def _read_back(self, context: str, known: list[int] | None, rows: list, top_k: int, seed: int):
+        """The written tokens' raw log-probs: SGLang tempers written tokens' log-probs (not prompt tokens'), so the
+        context + the written ids are read as a prompt, greedy (one more request; one more ``/v1/tokenize`` when the
+        context's ids are not known)."""
+        ctx = known or self._tokenize([context])[0]
+        written = [int(r[1]) for r in rows if isinstance(r, list) and len(r) > 1]
+        if not written:
+            return self._logprobs([], [], 0, top_k, "written", "output"), Usage(0, 0)
+        got, meta, secs = self._generate({"input_ids": ctx + written, "logprob_start_len": len(ctx) - 1,
+                                          **self._read_body(top_k, False, SamplingSpec(0.0, 1.0), seed)})
+        back_rows, tops = self._input_rows(meta)
+        return self._logprobs(back_rows, tops, len(written), top_k, "written", "input"), self._usage(meta, secs)
 
 
 def _spelled(rows: list) -> str:

@@ -34,7 +34,6 @@ A prompt whose request fails (a dead server, a malformed answer) ends with ``sto
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +43,7 @@ import torch
 
 from generation.engines.base import TokenLogprobs
 from generation.engines.checks import missing, servable_groups
+from generation.engines.connection import redact
 from generation.features import FeatureSpec, probe_input, rows_features
 from generation.sampling import stream_seed
 from generation.specs import SamplingSpec, StepSpec, is_count
@@ -293,17 +293,6 @@ def features(spec: FeatureSpec, step: TokenLogprobs, hidden: torch.Tensor | None
     if spec.needs_topk:
         kw["topk"] = [(step.logprobs, step.top)]
     return probe_input(rows_features(spec, tokens, **kw), spec.groups)
-
-
-_KEY = re.compile(r"(?i)(api[_-]?key|token|secret)")
-
-
-def redact(message: str) -> str:
-    """``message`` with the value of every key-like environment variable (``*API_KEY*``, ``*TOKEN*``) masked."""
-    for name, value in os.environ.items():
-        if _KEY.search(name) and len(value) >= 8 and value in message:
-            message = message.replace(value, "***")
-    return message
 
 
 class PromptDecode:
