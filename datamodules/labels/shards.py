@@ -14,11 +14,12 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:  # torch loads with the first shard read or written, not with the build's command line
+    import torch
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3
@@ -77,6 +78,8 @@ def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metad
     """Save ``tensors`` as safetensors at ``path``, atomically."""
     path = Path(path)
     tmp = _tmp(path)
+    from safetensors.torch import save_file
+
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
         os.chmod(tmp, file_mode())  # safetensors creates 0600; shards are shared like the manifest (issue 12)
