@@ -591,7 +591,7 @@ def test_every_spelling_of_an_option_means_the_same(option, form, tmp_path, monk
 
 
 def _fit_parser_options():
-    from probes.fit import ProbeCLI
+    from probes.fit_cli import ProbeCLI
     from probes.fit import main as fit_main
 
     grabbed = []

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 
+from datamodules.tasks import MOVED_CLASSES
+
 if TYPE_CHECKING:  # torch loads with the first shard read or written, not with the build's command line
     import torch
 
@@ -193,12 +195,6 @@ def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
     return build
 
 
-MOVED_CLASSES = {
-    "datamodules.tasks.ArithmeticTask": "datamodules.arithmetic.task.ArithmeticTask",
-    "datamodules.tasks.BoxedMathTask": "datamodules.tasks.math.BoxedMathTask",
-    "datamodules.tasks.MultipleChoiceTask": "datamodules.tasks.choice.MultipleChoiceTask",
-}
-"""Task classes recorded by builds before the tasks moved into subpackages, and where they live now."""
 
 
 # ---------------------------------------------------------------------------------------------
