@@ -145,6 +145,8 @@ def fit(trainer, module, data, ckpt_path: Optional[str], args: list[str]) -> Non
     run = run_dir_of(ckpt_path) if ckpt_path else None
     if run is not None:
         trainer.callbacks.append(KeepHistory(run, ckpt_path))
+        # a resumed run saves into its own checkpoints/ by design (probes.resume): not worth a warning
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     handler = signal.getsignal(signal.SIGINT)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -210,14 +212,16 @@ _LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary`")
 
 
 def quiet_lightning() -> None:
-    """Silence what a normal run need not show: Lightning's litlogger tip and its warning about a ``__len__``
-    of iterable datasets (the stream deals shards to workers itself, so its length holds)."""
+    """Silence what a normal run need not show: Lightning's litlogger tip, its warning about a ``__len__``
+    of iterable datasets (the stream deals shards to workers itself, so its length holds), and torch's
+    deprecation of ``LeafSpec``, which Lightning's own code still builds (issue 33 item 15; nothing a user can change)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages())
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
 class _DropMessages(logging.Filter):

@@ -736,3 +736,36 @@ def test_a_bad_spec_field_on_the_build_cli_is_one_line_with_exit_status_2(capsys
             main(["--data_dir", "/nonexistent/never-built"] + args)
         err = capsys.readouterr().err.strip()
         assert exit_.value.code == 2 and len(err.splitlines()) == 1 and named in err, (args, err)
+
+
+# -- issue 33: refusals before torch loads, one reason per value, data_dir a file, old class paths ---------------
+
+
+def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
+    from tests.test_fit import refuse_in_a_fresh_process
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("hello\n")
+    cases = [(["--build.sampling.n_sampels", "3"], "did you mean --build.sampling.n_samples?"),
+             (["--build.n_problems", "-3"], "n_problems=-3: the embedded world needs >= 1 problem (see"),
+             (["--build.sampling.temperature", "x"], "build.sampling.temperature"),
+             (["--data_dir", str(a_file)], f"data_dir {a_file} is a file, not a folder")]
+    for args, said in cases:  # issue 33 items 10, 12 and 16
+        status, err, heavy = refuse_in_a_fresh_process("datamodules.labels.build", args)
+        assert status == 2 and len(err) == 1 and said in err[0] and heavy == [], (args, err, heavy)
+    assert "expected >= 0" not in refuse_in_a_fresh_process("datamodules.labels.build", cases[1][0])[1][0]
+
+
+def test_a_task_named_by_its_old_path_is_built_with_a_warning_naming_the_new_one(monkeypatch):
+    import datamodules.tasks
+    from datamodules.labels.build import _parser
+
+    monkeypatch.delitem(vars(datamodules.tasks), "ArithmeticTask", raising=False)  # warned once per process
+    parser = _parser()
+    with pytest.warns(FutureWarning, match="datamodules.tasks.ArithmeticTask moved to "
+                                           "datamodules.arithmetic.task.ArithmeticTask"):
+        cfg = parser.parse_args(["--build.task.class_path", "datamodules.tasks.ArithmeticTask",
+                                 "--build.task.init_args.min_ops", "3"])
+        task = parser.instantiate(cfg).build.task
+    assert isinstance(task, ArithmeticTask) and task.min_ops == 3
+    assert task.spec()["class_path"] == "datamodules.arithmetic.task.ArithmeticTask"  # what the manifest records
