@@ -582,5 +582,8 @@ def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_
 
 def test_a_data_dir_that_is_a_file_is_named_as_such_without_lightning_lines(tmp_path, capsys):
     cfg = _tiny_config(tmp_path)
-    line = _one_line_error(capsys, ["--config", str(cfg), "--data.data_dir", str(cfg)])  # no "GPU available" line
+    line = _one_line_error(capsys, ["--config", str(cfg), "--data.data_dir", str(cfg)])
     assert f"data_dir {cfg} is a file, not a folder" in line
+    # in a process of its own, where Lightning's log lines reach stderr: none before the refusal
+    status, err, _ = refuse_in_a_fresh_process("probes.fit", ["--config", str(cfg), "--data.data_dir", str(cfg)])
+    assert status == 2 and err == [line], err
