@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 """The one folder of the benchmarks' figures (``benchmarks/results``)."""
@@ -37,11 +38,37 @@ def parser(doc: str, quick: str, threads: int | None = None, threads_help: str =
     Returns:
         The parser; the script adds its own options.
     """
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], **kwargs)
+    prog = _prog()
+    if prog:
+        kwargs.setdefault("prog", prog)
+    ap = OneLineParser(description=doc.split("\n\n")[0], **kwargs)
     ap.add_argument("--quick", action="store_true", help=quick)
     if threads is not None:
         ap.add_argument("--threads", type=int, default=threads, help=threads_help)
     return ap
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser that refuses bad input in one line naming ``python -m benchmarks.<name>`` (exit 2),
+    with the closest known option of a mistyped one, as the package's other CLIs do (issue 33 item 14)."""
+
+    def error(self, message: str) -> NoReturn:
+        from datamodules.labels.cli import did_you_mean
+
+        options = sorted(s for s in self._option_string_actions if s.startswith("--"))
+        self.exit(2, f"{self.prog}: error: {did_you_mean(message, options)} (see `{self.prog} --help`)\n")
+
+
+def _prog() -> str | None:
+    """``python -m benchmarks.<name>`` of the script run, or, when a test calls its ``main``, of the outermost
+    benchmark module on the call stack (``first_step`` asks for its parser through ``decode``)."""
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main is not None and main.name.startswith("benchmarks."):
+        return f"python -m {main.name.removesuffix('.__main__')}"
+    name, frame = None, sys._getframe(2)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("benchmarks."):
+        name, frame = frame.f_globals["__name__"], frame.f_back
+    return f"python -m {name}" if name else None
 
 
 def results_path(name: str, quick: bool, out: str | Path | None = None) -> Path:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from datamodules.labels import shards as S
 from datamodules.labels.build import build
 from datamodules.labels.config import ROLES, BuildConfig, signature, signature_mismatches
+from datamodules.labels.coordination import data_dir_problem
 from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of
 from generation.groups import require_features
 from generation.specs import SamplingSpec, StepSpec
@@ -77,6 +78,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             errors.append(f"val_fraction={val_fraction}, test_fraction={test_fraction}: need >= 0 each and a sum below 1")
         if nonfinite not in ("error", "drop"):
             errors.append(f"nonfinite={nonfinite!r}: expected 'error' or 'drop'")
+        if data_dir_problem(data_dir):  # refused here, before the Trainer prints its device lines
+            errors.append(data_dir_problem(data_dir))
         if feature_groups is not None:
             from generation.groups import check_groups
 

@@ -99,7 +99,8 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
         The :class:`~probes.model.SemanticProbe`, in eval mode.
 
     Raises:
-        FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``.
+        FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``, or is one of them (the
+            message says to pass the folder).
         ValueError: the role or fingerprint differs (the message names every differing field), or a
             file is unreadable or invalid: ``config.json`` not JSON, not a probe config, a field out of
             range (e.g. ``layer_ids``, ``sampling.temperature``) or a newer ``format_version`` than
@@ -109,6 +110,9 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
     from probes.model import SemanticProbe
 
     path = Path(path)
+    if path.is_file():  # e.g. ".../target/config.json": the probe is the folder
+        raise FileNotFoundError(f"{path} is a file; pass the folder of an exported probe (config.json + "
+                                f"model.safetensors), e.g. {path.parent}")
     missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")

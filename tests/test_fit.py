@@ -387,7 +387,8 @@ def _tiny_config(root: Path, **data) -> Path:
     if not (root / "d").is_dir():
         make_dataset(root / "d")
     cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    cfg["trainer"].update(max_epochs=3, default_root_dir=str(root / "runs"), enable_progress_bar=False)
+    cfg["trainer"].update(max_epochs=3, default_root_dir=str(root / "runs"), enable_progress_bar=False,
+                          log_every_n_steps=1)  # 2 batches an epoch: Lightning warns about a longer interval
     cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(root / "runs")
     cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "Speculative" not in c["class_path"]]
     cfg["data"].update({"data_dir": str(root / "d"), "build": None, "val_fraction": 0.4, "test_fraction": 0.2, **data})
@@ -496,6 +497,93 @@ def test_a_normal_run_shows_no_noise(tmp_path, capsys, caplog, recwarn):
     out, err = capsys.readouterr()
     text = out + err + caplog.text + " ".join(str(w.message) for w in recwarn)
     for noise in ("litlogger", "Total Flops", "Total FLOPs", "IterableDataset` has `__len__`", "Seed set to",
-                  "Skipping setting a default"):
+                  "Skipping setting a default", "LeafSpec"):
         assert noise not in text, noise
     assert out.count("reusing 4 shards") == 1 and "| target (draft-written) |" in out  # the closing table stays
+
+
+# -- issue 33: refusals before torch loads, --ckpt_path, data_dir a file, YAML typos ---------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "lightning", "transformers")
+
+
+def refuse_in_a_fresh_process(module: str, args: list[str]) -> tuple[int, list[str], list[str]]:
+    """``module``'s ``main(args)`` in a new interpreter: its exit status, stderr lines and the heavy libraries
+    it had imported by then."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys\n"
+            f"main = importlib.import_module({module!r}).main\n"
+            "try:\n    main(sys.argv[1:])\n    status = 0\nexcept SystemExit as e:\n    status = e.code\n"
+            f"print(status, *[m for m in {HEAVY!r} if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    status, *heavy = out.stdout.splitlines()[-1].split()
+    return int(status), [line for line in out.stderr.splitlines() if line.strip()], heavy
+
+
+def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
+    typo = tmp_path / "typo.yaml"
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg["data"]["batch_sise"] = cfg["data"].pop("batch_size")
+    typo.write_text(yaml.safe_dump(cfg))
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("data:\n  build:\n    sampling:\n      n_sampels: 3\n")
+    not_a_checkpoint = tmp_path / "notes.txt"
+    not_a_checkpoint.write_text("hello\n")
+    torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    cases = [
+        (["--trainer.max_epochz", "3"], "unrecognized arguments: --trainer.max_epochz 3; did you mean --trainer.max_epochs?"),
+        (["--data.build.sampling.n_sampels", "3"], "did you mean --data.build.sampling.n_samples?"),
+        (["--config", str(typo)], f"--config {typo}: data.batch_sise is not an option; did you mean data.batch_size?"),
+        (["--config", str(nested)], f"--config {nested}: data.build.sampling.n_sampels is not an option; did you mean "
+                                    "data.build.sampling.n_samples?"),
+        (["--ckpt_path", str(not_a_checkpoint)], f"--ckpt_path {not_a_checkpoint} is not a Lightning checkpoint"),
+        (["--ckpt_path", str(tmp_path / "plain.ckpt")], "is a torch.save archive but not a Lightning checkpoint"),
+        (["--ckpt_path", str(tmp_path / "missing.ckpt")], f"--ckpt_path {tmp_path / 'missing.ckpt'}: no such file"),
+    ]
+    for args, said in cases:  # issue 33 items 3, 11 and 16: one line, exit 2, and torch never imported
+        status, err, heavy = refuse_in_a_fresh_process("probes.fit", args)
+        assert status == 2 and len(err) == 1 and said in err[0] and heavy == [], (args, err, heavy)
+    status, _, heavy = refuse_in_a_fresh_process("probes.fit", ["--help"])
+    assert status == 0 and heavy == []
+
+
+def test_the_first_pass_knows_the_options_the_real_parser_knows():
+    from probes.fit_args import KNOWN_OPTIONS, library_versions, recorded_options
+    from probes.fit_cli import known_options
+
+    again = "re-record: python -c 'from probes.fit_cli import write_known_options; write_known_options()'"
+    assert json.loads(KNOWN_OPTIONS.read_text())["versions"] == library_versions(), again
+    assert sorted(recorded_options()) == known_options(), again
+
+
+def test_a_bad_checkpoint_is_refused_before_data_preparation_and_leaves_no_run_folder(tmp_path, capsys):
+    cfg = _tiny_config(tmp_path)
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello\n")
+    for ckpt in (bad, tmp_path / "missing.ckpt"):
+        line = _one_line_error(capsys, ["--config", str(cfg), "--ckpt_path", str(ckpt)])
+        assert f"--ckpt_path {ckpt}" in line
+    assert not (tmp_path / "runs").exists()  # no version_N/ holding only config.yaml
+
+
+def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_path, capsys):
+    cfg = _tiny_config(tmp_path)
+    main(["--config", str(cfg), "--trainer.max_epochs", "1", "--test", "false", "--export", "false"])
+    other = tmp_path / "elsewhere.ckpt"  # outside its run folder: the config given is used, with other widths
+    (tmp_path / "runs" / "fit" / "version_0" / "checkpoints" / "last.ckpt").rename(other)
+    capsys.readouterr()
+    line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.hidden_dims", "[4]", "--ckpt_path", str(other)])
+    assert "Error(s) in loading state_dict" in line
+    assert sorted(p.name for p in (tmp_path / "runs" / "fit").iterdir()) == ["version_0"]
+
+
+def test_a_data_dir_that_is_a_file_is_named_as_such_without_lightning_lines(tmp_path, capsys):
+    cfg = _tiny_config(tmp_path)
+    line = _one_line_error(capsys, ["--config", str(cfg), "--data.data_dir", str(cfg)])
+    assert f"data_dir {cfg} is a file, not a folder" in line
+    # in a process of its own, where Lightning's log lines reach stderr: none before the refusal
+    status, err, _ = refuse_in_a_fresh_process("probes.fit", ["--config", str(cfg), "--data.data_dir", str(cfg)])
+    assert status == 2 and err == [line], err

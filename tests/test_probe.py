@@ -229,6 +229,13 @@ def test_load_missing_files_named(tmp_path):
         load_probe(tmp_path / "half")
 
 
+def test_load_given_a_file_of_the_probe_says_to_pass_the_folder(tmp_path):
+    path = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, hidden_dims=[4])).eval(), tmp_path / "target")
+    for name in ("config.json", "model.safetensors"):
+        with pytest.raises(FileNotFoundError, match=rf"{path / name} is a file; pass the folder .* e\.g\. {path}$"):
+            load_probe(path / name)  # issue 33 item 13: it said the folder misses config.json
+
+
 def test_interrupted_export_keeps_old_probe(tmp_path, world_tokenizer, monkeypatch):
     model = tiny_llama(len(world_tokenizer), 32)
     old, path = _export(tmp_path, model, world_tokenizer)

@@ -318,7 +318,7 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
 
     from datamodules.datamodule import SemanticProbeDataModule
     from datamodules.labels.shard import make_sampler
-    from probes.fit import PROG, ProbeArgumentParser, ProbeCLI
+    from probes.fit_cli import PROG, ProbeArgumentParser, ProbeCLI
     from probes.module import SemanticProbeModule
 
     widths = {"target": 5120, "draft": 1536}

@@ -156,7 +156,6 @@ def test_engine_read_label_build_trains_probes_that_decode_the_served_world(worl
     import yaml
     from transformers import AutoModelForCausalLM
 
-    import datamodules.labels.build as build_mod
     import datamodules.labels.shard as shard_mod
     from probes.fit import REPO_ROOT, main
 
@@ -176,8 +175,7 @@ def test_engine_read_label_build_trains_probes_that_decode_the_served_world(worl
     def refuse(*args, **kwargs):
         raise AssertionError(f"an engine-read build loaded a model in-process: load_model{args}")
 
-    monkeypatch.setattr(shard_mod, "load_model", refuse)
-    monkeypatch.setattr(build_mod, "load_model", refuse)
+    monkeypatch.setattr(shard_mod, "load_model", refuse)  # (the build imports it from there when it needs it)
     loaded, original = [], AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
                         lambda name, *a, **k: (loaded.append(str(name)), original(name, *a, **k))[1])

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+if TYPE_CHECKING:  # torch and transformers load with the first model, not with the world's registration
+    import torch
+    from transformers import PreTrainedTokenizerFast
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO_ROOT / "checkpoints" / "arithmetic"
@@ -45,9 +46,14 @@ def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
     return path
 
 
-def load_model(role: str, root: Optional[str | os.PathLike] = None, device: str = "cpu", dtype=torch.float32):
-    """Load one world model offline, in eval mode."""
+def load_model(role: str, root: Optional[str | os.PathLike] = None, device: str = "cpu", dtype=None):
+    """Load one world model offline, in eval mode (``dtype`` None: float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from datamodules.labels.models import quiet_loading
+
+    dtype = torch.float32 if dtype is None else dtype
 
     path = model_dir(role, root)
     with quiet_loading():
@@ -56,6 +62,8 @@ def load_model(role: str, root: Optional[str | os.PathLike] = None, device: str 
 
 def load_tokenizer(root: Optional[str | os.PathLike] = None, role: str = "target") -> PreTrainedTokenizerFast:
     """The world's shared tokenizer, offline, from the folder of ``role`` (every folder holds the same one)."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast.from_pretrained(model_dir(role, root), local_files_only=True)
 
 

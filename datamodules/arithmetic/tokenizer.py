@@ -9,11 +9,14 @@ tokenizers do); pass ``add_special_tokens=False`` to encode a continuation.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
 
 from datamodules.arithmetic import task
+
+if TYPE_CHECKING:  # transformers loads when a tokenizer is built, not with the world's registration
+    from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
 MAX_NUMBER = 199
@@ -37,6 +40,8 @@ def _words() -> list[str]:
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Build the world's tokenizer in code (deterministic vocabulary order)."""
+    from transformers import PreTrainedTokenizerFast
+
     vocab_list = SPECIALS + ["\n\n", "\n", " "]
     for w in _words():
         vocab_list += [w, " " + w]

@@ -12,7 +12,8 @@ the build was interrupted before: a rerun skips the whole shards on disk and bui
 merges everything into ``manifest.json`` (docs/design.md "Formats"). The config and the signature the
 manifest records live in :mod:`datamodules.labels.config`, one shard's work in
 :mod:`datamodules.labels.shard`, locks and progress in :mod:`datamodules.labels.coordination`, the writer of
-shards and manifest in :mod:`datamodules.labels.shards`.
+shards and manifest in :mod:`datamodules.labels.shards`. One shard's work (torch, transformers) is imported
+when the first shard is planned, so the command line refuses bad input before torch loads.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from datamodules.labels.config import (
     config_record,
     signature,
 )
-from datamodules.labels.shard import (
-    build_shard, load_model, load_models, load_tokenizers, shard_seed)
 from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.labels.prefixes import make_prefixes, target_traces
 from datamodules.labels.coordination import (
@@ -45,6 +44,7 @@ from datamodules.labels.coordination import (
     build_locked,
     check_recorded,
     damaged_shards,
+    data_dir_problem,
     dist_info,
     make_data_dir,
     sha_or_none,
@@ -156,6 +156,8 @@ class _ShardRun:
             self.totals["cache_hits"] = self.models.judge.cache_hits - self.hits0
 
     def _build_one(self, k: int) -> None:
+        from datamodules.labels.shard import build_shard
+
         if self.models is None:
             self._load_models()
         tensors, recs, counts = build_shard(k, self.plan["shards"][k], self.models, self.config, self.timer)
@@ -167,6 +169,8 @@ class _ShardRun:
                              **{f"{s}_s": round(v, 1) for s, v in self.timer.items() if s in ("sampling", "reading", "judge")})
 
     def _load_models(self) -> None:
+        from datamodules.labels.shard import load_models
+
         t = time.perf_counter()
         self.models = load_models(self.config, self.data_dir / "judge-cache", self.rank, self.plan["samplers"])
         self.timer["loading"] = time.perf_counter() - t
@@ -260,7 +264,7 @@ def _server_samplers(config: BuildConfig, rank: int) -> dict:
     unreachable or refuses the key stops the build before it writes anything. Other backends: ``{}``."""
     if config.sampling.backend != "openai":
         return {}
-    from datamodules.labels.shard import make_sampler
+    from datamodules.labels.shard import load_tokenizers, make_sampler
 
     tok, dtok = load_tokenizers(config)
     return {r: make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
@@ -269,6 +273,8 @@ def _server_samplers(config: BuildConfig, rank: int) -> dict:
 def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict,
           samplers: dict | None = None) -> dict:
     """All prefixes, cut into shards. Target-written traces are generated once and kept on disk."""
+    from datamodules.labels.shard import load_tokenizers
+
     t = time.perf_counter()
     tok, dtok = load_tokenizers(config)
     samplers = dict(samplers or {})
@@ -288,7 +294,7 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
     sampler made for them goes into ``samplers`` for the build to reuse."""
     path = data_dir / "target-traces.jsonl"
     if rank == 0 and not path.is_file():
-        from datamodules.labels.shard import make_sampler
+        from datamodules.labels.shard import load_model, make_sampler, shard_seed
 
         s = config.sampling
         # the package samples with its own copy of the target; a server or vLLM needs none here
@@ -326,6 +332,12 @@ def main(args: list[str] | None = None) -> dict:
     except ValueError as e:
         _fail(str(e))
     cfg = parser.parse_args(args)
+    try:  # the config checks its values before torch loads (issue 33 item 16)
+        config = parser.instantiate(cfg).build
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    if data_dir_problem(cfg.data_dir):
+        _fail(data_dir_problem(cfg.data_dir))
     _, world = dist_info()
     import torch.distributed as dist
 
@@ -334,7 +346,6 @@ def main(args: list[str] | None = None) -> dict:
 
         dist.init_process_group("gloo", timeout=timedelta(hours=12))
     try:
-        config = parser.instantiate(cfg).build
         return build(config, cfg.data_dir, max_shards=cfg.max_shards)
     except (ValueError, OSError) as e:  # refused input: config values, task file, data_dir, models, servers
         _fail(str(e))

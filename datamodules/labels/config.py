@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from datamodules.labels import shards as S
 from datamodules.labels.clustering import ClusteringConfig
 from datamodules.labels.shares import LABELLINGS
@@ -311,7 +309,8 @@ class BuildConfig:
                 errors += [f"{name}.{e}" for e in part.errors()]
         errors += choices(self, {"prefix_source": ("reference", "target"), "pooling": ("mean", "last"),
                                   "labelling": LABELLINGS})
-        errors += at_least(self, n_problems=0, shard_size=1, max_rows=1)
+        said = {e.split("=", 1)[0] for e in errors}  # one reason per value: the task's own n_problems rule wins
+        errors += [e for e in at_least(self, n_problems=0, shard_size=1, max_rows=1) if e.split("=", 1)[0] not in said]
         if isinstance(self.judge, JudgeConfig) and isinstance(self.clustering, ClusteringConfig) \
                 and self.judge.kind == "none" and self.clustering.method != "hdbscan":
             if self.clustering.method == "judge":
@@ -368,8 +367,12 @@ class BuildConfig:
         return FeatureSpec(FEATURE_GROUPS, list(self.layer_ids), self.pooling, list(self.token_stats), self.top_k,
                            list(self.topk_stats))
 
-    def resolved_device(self) -> tuple[str, torch.dtype]:
-        """The device and dtype models run in; with several ranks, ``cuda`` means this rank's GPU (LOCAL_RANK)."""
+    def resolved_device(self) -> tuple[str, Any]:
+        """The device and the ``torch.dtype`` models run in; with several ranks, ``cuda`` means this rank's GPU
+        (LOCAL_RANK). (torch is imported here, not with the module: jsonargparse reads this module's annotations,
+        even under ``TYPE_CHECKING``, and the command lines parse before torch loads, issue 33 item 16.)"""
+        import torch
+
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -60,8 +60,18 @@ def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
     return None, False
 
 
+def data_dir_problem(data_dir: str | os.PathLike) -> str | None:
+    """Why ``data_dir`` cannot be a data folder (it is a file), or None (issue 33 item 10)."""
+    if Path(data_dir).is_file():
+        return (f"data_dir {data_dir} is a file, not a folder; give the folder of shards + manifest.json (built "
+                "there when missing)")
+    return None
+
+
 def make_data_dir(data_dir: Path, todo: str = "the build") -> None:
     """Create ``data_dir`` for writing ``todo``; refuse, naming the way out, when it cannot be written."""
+    if data_dir_problem(data_dir):
+        raise ValueError(data_dir_problem(data_dir))
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. a folder under /proc, or a file in the way: "No such file" would not say which

@@ -14,13 +14,15 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from datamodules.tasks import MOVED_CLASSES
 from generation.paths import atomic_path
+
+if TYPE_CHECKING:  # torch loads with the first shard read or written, not with the build's command line
+    import torch
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3
@@ -62,6 +64,8 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
                 metadata: dict[str, str] | None = None) -> Path:
     """Save ``tensors`` as safetensors at ``path``, atomically (safetensors' 0600 becomes the umask's mode)."""
+    from safetensors.torch import save_file
+
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     return Path(path)
@@ -171,12 +175,6 @@ def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
     return build
 
 
-MOVED_CLASSES = {
-    "datamodules.tasks.ArithmeticTask": "datamodules.arithmetic.task.ArithmeticTask",
-    "datamodules.tasks.BoxedMathTask": "datamodules.tasks.math.BoxedMathTask",
-    "datamodules.tasks.MultipleChoiceTask": "datamodules.tasks.choice.MultipleChoiceTask",
-}
-"""Task classes recorded by builds before the tasks moved into subpackages, and where they live now."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,34 @@
+"""The benchmarks' command lines refuse bad input as the package's other CLIs do (issue 33 item 14)."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_bad_value_is_one_line_naming_the_module():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--problems", "abc"], capture_output=True,
+                         text=True, cwd=REPO_ROOT, timeout=300)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        "python -m benchmarks.decode: error: unrecognized arguments: --problems abc; did you mean --n-problems? "
+        "(see `python -m benchmarks.decode --help`)"]
+
+
+@pytest.mark.parametrize("name", ["compile", "decode", "first_step", "labels", "probe_cost", "real", "rewrites",
+                                  "served", "train", "world"])
+def test_every_benchmark_refuses_in_one_line(name, capsys):
+    module = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--quick", "--no-such-option", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    prog = f"python -m benchmarks.{name}"
+    assert len(err.splitlines()) == 1, err  # not the page of usage under the name `decode.py`
+    assert err.startswith(f"{prog}: error: ") and err.endswith(f" (see `{prog} --help`)\n"), err
