@@ -31,6 +31,7 @@ from datamodules.labels.build import SERVER_ERRORS
 from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.paths import portable_paths
+from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
 from probes.export import export_probe
 from probes.fit_callbacks import NoValidationFallback, ProbeSummary
 from probes.module import SemanticProbeModule
@@ -58,6 +59,7 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
   --data.val_fraction X       share of problems held out for validation (0: monitors watch the train loss)
   --trainer.max_epochs N      epochs to train (-1: no limit; early stopping ends the run)
   --trainer.devices N         devices (processes) to train on
+  --threads N                 torch threads per process (default: 1 per host, or OMP_NUM_THREADS)
   --export_dir DIR            where the best probes are exported (default: <run folder>/export)
   --ckpt_path FILE            resume an interrupted run from its last.ckpt (with the run's own config)
   --print_config              print the full config and exit
@@ -106,6 +108,7 @@ class ProbeCLI(LightningCLI):
         parser.add_argument("--export", type=bool, default=True, help="Export the best probes (false skips the export).")
         parser.add_argument("--test", type=bool, default=True, help="Test the best checkpoint on the held-out split before exporting.")
         parser.add_argument("--ckpt_path", type=Optional[str], default=None, help="Resume training from this Lightning checkpoint (e.g. last.ckpt).")
+        parser.add_argument("--threads", type=Optional[int], default=None, help=THREADS_HELP)
         parser.link_arguments("data.roles", "model.roles")
         parser.link_arguments("data.input_spec", "model.input_spec", apply_on="instantiate")
 
@@ -130,6 +133,10 @@ class ProbeCLI(LightningCLI):
             self.config["seed_everything"] = seed_everything(None if seed is True else seed, workers=True, verbose=False)
 
     def before_instantiate_classes(self) -> None:
+        try:  # issue 36: one thread count per process, set before any model work
+            apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
+        except ValueError as e:
+            fail(str(e))
         epochs = self.config.get("trainer.max_epochs")
         if epochs is not None and epochs < 1 and epochs != -1:
             fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1, or -1 for no limit (early "
