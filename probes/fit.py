@@ -31,7 +31,7 @@ from datamodules.labels.build import SERVER_ERRORS
 from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.paths import portable_paths
-from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
+from generation.threads import DEFAULT_THREADS, OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
 from probes.export import export_probe
 from probes.fit_callbacks import NoValidationFallback, ProbeSummary
 from probes.module import SemanticProbeModule
@@ -59,7 +59,7 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
   --data.val_fraction X       share of problems held out for validation (0: monitors watch the train loss)
   --trainer.max_epochs N      epochs to train (-1: no limit; early stopping ends the run)
   --trainer.devices N         devices (processes) to train on
-  --threads N                 torch threads per process (default: 1 per host, or OMP_NUM_THREADS)
+  --threads N                 torch threads per process (default: OMP_NUM_THREADS, else {DEFAULT_THREADS} per host)
   --export_dir DIR            where the best probes are exported (default: <run folder>/export)
   --ckpt_path FILE            resume an interrupted run from its last.ckpt (with the run's own config)
   --print_config              print the full config and exit

@@ -35,7 +35,8 @@ def test_ranks_come_from_torchrun_or_from_the_processes_the_fit_launches():
     assert T.local_ranks({"LOCAL_WORLD_SIZE": "4"}, launched=2) == 4  # torchrun's count wins
     assert T.local_ranks({}, launched=2) == 2
     assert T.local_ranks({}) == 1
-    assert [T.launched_processes(d) for d in (1, 4, -1, "auto", "3", "0,1", [0, 1, 2], None)] == [1, 4, 1, 1, 3, 2, 3, 1]
+    devices = (1, 4, -1, "auto", "3", "0,1", [0, 1, 2], None)
+    assert [T.launched_processes(d) for d in devices] == [1, 4, 1, 1, 3, 2, 3, 1]
 
 
 @pytest.mark.parametrize("bad", [0, -2, "abc", "0", 1.5, True, ""])
@@ -101,3 +102,10 @@ def test_help_documents_the_option(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "--threads" in capsys.readouterr().out
+
+
+def test_a_resumed_run_may_use_another_thread_count():
+    from probes.resume import config_differences
+
+    assert config_differences({"threads": 2, "model": {"a": 1}}, {"threads": None, "model": {"a": 1}}) == []
+    assert config_differences({"threads": 2, "model": {"a": 2}}, {"threads": None, "model": {"a": 1}}) != []
