@@ -12,7 +12,10 @@ are interleaved, the order reversed every other pass, and each figure is the med
   issue 36; ``--quick``: 4 problems);
 - ``fit``: ``python -m probes.fit`` on shards built once before the timing starts (``--data.build null``):
   4 epochs of training with live speculative validation after each on 8 held-out problems (no time budget, so
-  every configuration does the same work; ``--quick``: 2 epochs, 4 problems), no checkpoints, test or export.
+  every configuration does the same work; ``--quick``: 1 epoch, 4 problems), no checkpoints, test or export.
+
+``--quick`` times the default only where it differs from 1 and 2 (else its figures are those of that count,
+marked ``same_as``); the full run times all three.
 
 A full run takes about half an hour on a quiet 2-core machine (two passes; ``--quick``: a few minutes).
 
@@ -114,7 +117,7 @@ def build_args(data_dir: Path, quick: bool) -> list[str]:
 
 def fit_config(folder: Path, data_dir: Path, quick: bool) -> Path:
     """A YAML over configs/arithmetic.yaml: fixed work (epochs, live problems), nothing kept after training."""
-    epochs, problems = (2, 4) if quick else (4, 8)
+    epochs, problems = (1, 4) if quick else (4, 8)
     text = f"""\
 trainer:
   max_epochs: {epochs}
@@ -167,15 +170,19 @@ def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_
         print(f"{job:5s} threads={setting:7s} {'beside' if beside else 'alone '}: {seconds:7.1f} s", flush=True)
 
 
-def figures(times: dict[tuple[str, str, bool], list[float]], torch_default: int) -> dict:
+def figures(times: dict[tuple[str, str, bool], list[float]], torch_default: int, default: int) -> dict:
     """``{job: {setting: {alone_s, beside_s, slowdown, alone_over_torch_default}}}`` from the medians."""
     out: dict = {}
     for job in ("build", "fit"):
-        rows = {}
+        rows: dict = {"default": None}  # first in the table, filled last when it was not timed apart
         for s in SETTINGS:
+            if (job, s, False) not in times:  # the default, not timed apart from the count it resolves to
+                continue
             alone, beside = statistics.median(times[(job, s, False)]), statistics.median(times[(job, s, True)])
             rows[s] = {"alone_s": round(alone, 2), "beside_s": round(beside, 2), "slowdown": round(beside / alone, 3),
                        "passes": len(times[(job, s, False)])}
+        if rows["default"] is None:
+            rows["default"] = {**rows[str(default)], "same_as": str(default)}
         ref = rows.get(str(torch_default))
         for s in SETTINGS:
             rows[s]["alone_over_torch_default"] = round(rows[s]["alone_s"] / ref["alone_s"], 3) if ref else None
@@ -187,7 +194,8 @@ def table(report: dict) -> str:
     lines = ["| job | threads | alone s | beside s | slowdown | alone / torch default |", "|---|---|---|---|---|---|"]
     for job in ("build", "fit"):
         for s, r in report[job].items():
-            name = f"default ({report['default_threads']})" if s == "default" else s
+            name = s if s != "default" else f"default ({report['default_threads']})" + (
+                f", timed as {r['same_as']}" if "same_as" in r else "")
             ratio = "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"
             lines.append(f"| {job} | {name} | {r['alone_s']:.1f} | {r['beside_s']:.1f} | {r['slowdown']:.2f}x | "
                          f"{ratio} |")
@@ -195,7 +203,7 @@ def table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = harness.parser(__doc__, quick="4-problem build, 2-epoch fit on 4 live problems, one pass; "
+    ap = harness.parser(__doc__, quick="4-problem build, 1-epoch fit on 4 live problems, one pass; "
                         "writes threads-quick.json")
     ap.add_argument("--passes", type=int, default=None, help="passes over every configuration (default 2, quick 1)")
     args = ap.parse_args(argv)
@@ -203,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = [round(x, 2) for x in os.getloadavg()]
     torch_default = torch_default_threads()
     default = resolve_threads(None, env=child_env())[0]
-    configs = [(job, s, beside) for s in SETTINGS for beside in (False, True) for job in ("build", "fit")]
+    settings = [s for s in SETTINGS if not (args.quick and s == "default" and str(default) in SETTINGS)]
+    configs = [(job, s, beside) for s in settings for beside in (False, True) for job in ("build", "fit")]
     times: dict = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="threads-bench-") as tmp:
@@ -217,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"default_threads": default, "torch_default_threads": torch_default, "cpu_count": available_cores(),
               "competitor": {"threads": 2, "matmul_size": COMPETITOR_SIZE}, "uptime_load": load_before,
               "uptime_load_after": [round(x, 2) for x in os.getloadavg()], "passes": passes,
-              "seconds": round(time.perf_counter() - t0, 1), "quick": args.quick, **figures(times, torch_default)}
+              "seconds": round(time.perf_counter() - t0, 1), "quick": args.quick,
+              **figures(times, torch_default, default)}
     harness.write(report, harness.results_path("threads", args.quick), table(report))
     return report
 
