@@ -28,9 +28,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 DEFAULT_THREADS = 1
-"""Intra-op threads per host when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise (measured by
-``python -m benchmarks.threads``: the fastest alone on the embedded world's build and fit, and the one that
-degrades least beside another job)."""
+"""Intra-op threads per host when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise. Measured with
+``python -m benchmarks.threads`` on 2 cores (rough: a shared machine): beside one 2-thread torch process a
+12-problem build took 1.6x its time alone on one thread and 5.1x on two; alone, one thread took 1.3x the time
+of two on the build and 1.1x on the fit. One thread is chosen for the machine someone else also uses."""
 
 OPTION_HELP = (
     "Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else "
