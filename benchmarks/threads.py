@@ -17,9 +17,10 @@ are interleaved, the order reversed every other pass, and each figure is the med
 ``--quick`` times the default only where it differs from 1 and 2 (else its figures are those of that count,
 marked ``same_as``); the full run times all three.
 
-A full run takes about half an hour on a quiet 2-core machine (two passes; ``--quick``: a few minutes).
+A full run takes about 40 minutes on a quiet 2-core machine (two passes; ``--quick``: a few minutes).
 
-Figures per job and thread setting (``default``, ``1``, ``2``): ``alone_s``, ``beside_s``, ``slowdown``
+Figures per job and thread setting (``default``, ``1``, ``2``, ``2-passive``: 2 threads with
+``OMP_WAIT_POLICY=PASSIVE``): ``alone_s``, ``beside_s``, ``slowdown``
 (beside / alone) and ``alone_over_torch_default`` (alone / alone at torch's own default, one thread per core,
 which is what the CLIs used before the thread policy). The machine's ``cpu_count`` and load
 (``uptime_load``, before and after) come with them: on a loaded machine the figures are rough.
@@ -60,13 +61,20 @@ _COMPETITOR = (
 COMPETITOR_SIZE = 512
 """Side of the competitor's square matmuls."""
 
-SETTINGS = ("default", "1", "2")
-"""Thread settings timed: no ``--threads`` (the package's default), then explicit counts."""
+SETTINGS = ("default", "1", "2", "2-passive")
+"""Thread settings timed: no ``--threads`` (the package's default), then explicit counts; ``2-passive`` is 2
+threads with ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads sleep instead of spinning), a candidate default
+that the CLIs cannot set for themselves once torch is imported, timed so that the choice is measured."""
 
 
 def child_env() -> dict[str, str]:
     """The jobs' environment: this one less ``OMP_NUM_THREADS``, so ``default`` times the package's default."""
     return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
+def setting_env(setting: str) -> dict[str, str]:
+    """The environment a job runs in at ``setting``: :func:`child_env`, plus the passive wait policy for it."""
+    return {**child_env(), "OMP_WAIT_POLICY": "PASSIVE"} if setting.endswith("-passive") else child_env()
 
 
 def torch_default_threads() -> int:
@@ -97,12 +105,13 @@ class Competitor:
         self.proc.wait()
 
 
-def timed(module: str, args: list[str], log: Path) -> float:
-    """Run ``module``'s ``main(args)`` in a fresh process; its seconds (output appended to ``log``)."""
+def timed(module: str, args: list[str], log: Path, env: dict[str, str] | None = None) -> float:
+    """Run ``module``'s ``main(args)`` in a fresh process (``env``: :func:`child_env`); its seconds (output
+    appended to ``log``)."""
     with log.open("a") as f:
         f.write(f"\n$ python -m {module} {' '.join(args)}\n")
         f.flush()
-        out = subprocess.run([sys.executable, "-c", _TIMED, module, *args], env=child_env(), stdout=subprocess.PIPE,
+        out = subprocess.run([sys.executable, "-c", _TIMED, module, *args], env=env or child_env(), stdout=subprocess.PIPE,
                              stderr=f, text=True)
         f.write(out.stdout)
     if out.returncode != 0:
@@ -146,7 +155,7 @@ export: false
 
 
 def thread_args(setting: str) -> list[str]:
-    return [] if setting == "default" else ["--threads", setting]
+    return [] if setting == "default" else ["--threads", setting.removesuffix("-passive")]
 
 
 def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_yaml: Path,
@@ -163,11 +172,11 @@ def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_
             module = "probes.fit"
         if beside:
             with Competitor(folder):
-                seconds = timed(module, args, log)
+                seconds = timed(module, args, log, setting_env(setting))
         else:
-            seconds = timed(module, args, log)
+            seconds = timed(module, args, log, setting_env(setting))
         times.setdefault((job, setting, beside), []).append(seconds)
-        print(f"{job:5s} threads={setting:7s} {'beside' if beside else 'alone '}: {seconds:7.1f} s", flush=True)
+        print(f"{job:5s} threads={setting:9s} {'beside' if beside else 'alone '}: {seconds:7.1f} s", flush=True)
 
 
 def figures(times: dict[tuple[str, str, bool], list[float]], torch_default: int, default: int) -> dict:
