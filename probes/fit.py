@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from datamodules.labels.cli import normalise_args
+from generation.threads import DEFAULT_THREADS
 from probes.fit_args import DESCRIPTION, PROG, first_pass
 
 if TYPE_CHECKING:  # torch and Lightning load after the first pass over the arguments (probes.fit_args)
@@ -40,6 +41,7 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
   --data.val_fraction X       share of problems held out for validation (0: monitors watch the train loss)
   --trainer.max_epochs N      epochs to train (-1: no limit; early stopping ends the run)
   --trainer.devices N         devices (processes) to train on
+  --threads N                 torch threads per process (default: OMP_NUM_THREADS, else {DEFAULT_THREADS} per host)
   --export_dir DIR            where the best probes are exported (default: <run folder>/export)
   --ckpt_path FILE            resume an interrupted run from its last.ckpt (with the run's own config)
   --print_config              print the full config and exit

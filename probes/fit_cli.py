@@ -20,6 +20,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 
 from datamodules.datamodule import SemanticProbeDataModule
 from datamodules.labels.cli import did_you_mean, parser_options
+from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
 from probes.fit_args import DESCRIPTION, KNOWN_OPTIONS, PROG, fail, library_versions
 from probes.fit_callbacks import NoValidationFallback, ProbeSummary
 from probes.module import SemanticProbeModule
@@ -55,6 +56,7 @@ class ProbeCLI(LightningCLI):
         parser.add_argument("--export", type=bool, default=True, help="Export the best probes (false skips the export).")
         parser.add_argument("--test", type=bool, default=True, help="Test the best checkpoint on the held-out split before exporting.")
         parser.add_argument("--ckpt_path", type=Optional[str], default=None, help="Resume training from this Lightning checkpoint (e.g. last.ckpt).")
+        parser.add_argument("--threads", type=Optional[int], default=None, help=THREADS_HELP)
         parser.link_arguments("data.roles", "model.roles")
         parser.link_arguments("data.input_spec", "model.input_spec", apply_on="instantiate")
 
@@ -79,6 +81,10 @@ class ProbeCLI(LightningCLI):
             self.config["seed_everything"] = seed_everything(None if seed is True else seed, workers=True, verbose=False)
 
     def before_instantiate_classes(self) -> None:
+        try:  # issue 36: one thread count per process, set before any model work
+            apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
+        except ValueError as e:
+            fail(str(e))
         epochs = self.config.get("trainer.max_epochs")
         if epochs is not None and epochs < 1 and epochs != -1:
             fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1, or -1 for no limit (early "

@@ -18,8 +18,9 @@ from lightning.pytorch import Callback
 
 from datamodules.labels.cli import option_value
 
-IGNORED = ("config", "ckpt_path", "trainer.logger.init_args.version", "test", "export", "export_dir")
-"""Fields a resumed run may differ in: how it was started and what follows training, not what it trains."""
+IGNORED = ("config", "ckpt_path", "trainer.logger.init_args.version", "test", "export", "export_dir", "threads")
+"""Fields a resumed run may differ in: how it was started (its thread count too) and what follows training, not
+what it trains."""
 
 
 def run_dir_of(ckpt_path: str | Path) -> Path | None:

@@ -38,6 +38,7 @@ from datamodules.labels.config import (
 )
 from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.labels.prefixes import make_prefixes, target_traces
+from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads
 from datamodules.labels.coordination import (
     Progress,
     barrier,
@@ -338,6 +339,10 @@ def main(args: list[str] | None = None) -> dict:
         _fail(str(e))
     if data_dir_problem(cfg.data_dir):
         _fail(data_dir_problem(cfg.data_dir))
+    try:
+        apply_threads(cfg.threads)  # issue 36: before any model work
+    except ValueError as e:
+        _fail(str(e))
     _, world = dist_info()
     import torch.distributed as dist
 
@@ -386,6 +391,7 @@ def _parser():
                              "(later options override it).")
     parser.add_argument("--data_dir", type=str, default="data/arithmetic", help="Output folder of shards and manifest.json.")
     parser.add_argument("--max_shards", type=int | None, default=None, help="Stop after this many new shards (no manifest).")
+    parser.add_argument("--threads", type=int | None, default=None, help=THREADS_HELP)
     parser.add_class_arguments(BuildConfig, "build")
     return parser
 

@@ -1,0 +1,145 @@
+"""The intra-op thread policy of the fit and the label build: how many torch threads each process uses.
+
+The package's CPU work is many small ops on small models (the embedded world's target has 4.8M parameters).
+Torch's default gives each process one intra-op thread per core, and those threads spin-wait on each other
+between ops: alone that buys little on such ops, and beside any other busy process (a second job, a test run,
+another rank) every spin steals a core the other process needs, so both slow down far past their fair share
+(issue 36: a 48-problem label build took 5.4x its time alone beside one 2-thread torch process).
+
+The policy, in the order it is applied:
+
+1. ``--threads N`` (the fit's and the build's option), when given;
+2. else ``OMP_NUM_THREADS``, when set (the variable torch itself reads: a user's or launcher's choice stands);
+3. else :data:`DEFAULT_THREADS` per host, divided between the ranks on this host (``LOCAL_WORLD_SIZE``, as
+   torchrun sets it, or the number of processes the fit launches), never below one and never above the
+   host's cores divided by its ranks.
+
+``python -m benchmarks.threads`` measures the build and the fit alone and beside a competing 2-thread torch
+process at the default and at 1 and 2 threads; :data:`DEFAULT_THREADS` is what it chose. Only intra-op threads
+are set: the package starts no inter-op work (no ``torch.jit.fork``), so torch's inter-op pool is never
+created and needs no setting. Figures that sum in floating point over threads (the fit's metrics, in their last
+digits) depend on the count, so a run repeats exactly only at the same count.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+DEFAULT_THREADS = 1
+"""Intra-op threads per host when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise. Measured with
+``python -m benchmarks.threads`` on 2 cores (rough: a shared machine): beside one 2-thread torch process a
+12-problem build took 1.6x its time alone on one thread and 5.1x on two; alone, one thread took 1.3x the time
+of two on the build and 1.1x on the fit. One thread is chosen for the machine someone else also uses."""
+
+OPTION_HELP = (
+    "Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else "
+    f"{DEFAULT_THREADS} per host divided between the ranks on it (the package's small ops gain little from more, "
+    "and extra threads spin against any other job on the machine). Metrics repeat to the last digit only at the "
+    "same count."
+)
+"""The ``--help`` text of the fit's and the build's ``--threads`` option."""
+
+
+def check_threads(value: Any, source: str = "--threads") -> int:
+    """``value`` as a thread count, or a ``ValueError`` naming it.
+
+    Args:
+        value: an int >= 1 (or, from the environment, its decimal string).
+        source: where the value came from, for the message (``--threads``, ``OMP_NUM_THREADS``).
+
+    Raises:
+        ValueError: ``value`` is not a whole number >= 1 (booleans, floats, 0 and negatives included).
+    """
+    n = value
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        n = int(value)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{source} {value!r}: expected a whole number of threads >= 1 (e.g. --threads 1); "
+                         "leave it out for the default")
+    return n
+
+
+def local_ranks(env: Mapping[str, str] = os.environ, launched: int = 1) -> int:
+    """Processes on this host that share its cores: ``LOCAL_WORLD_SIZE`` (torchrun) when set, else ``launched``."""
+    if env.get("LOCAL_WORLD_SIZE"):
+        return check_threads(env["LOCAL_WORLD_SIZE"], "LOCAL_WORLD_SIZE")
+    return max(1, launched)
+
+
+def launched_processes(devices: Any) -> int:
+    """Processes a fit with Lightning's ``trainer.devices`` starts on this host: an int (``-1``/``"auto"``
+    count as one here: the accelerator decides), the length of a list of ids, or a ``"N"`` / ``"0,1"`` string."""
+    if isinstance(devices, (list, tuple)):
+        return max(1, len(devices))
+    if isinstance(devices, str):
+        parts = [p for p in devices.split(",") if p.strip()]
+        if len(parts) > 1:
+            return len(parts)
+        devices = int(parts[0]) if parts and parts[0].strip().isdigit() else 1
+    return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1 else 1
+
+
+def resolve_threads(threads: Any = None, *, ranks: int = 1, cpu_count: int | None = None,
+                    env: Mapping[str, str] = os.environ) -> tuple[int, str]:
+    """The thread count of this process and why (see the module's docstring for the order).
+
+    Args:
+        threads: the ``--threads`` value, or None for the default.
+        ranks: processes on this host that share its cores (see :func:`local_ranks`).
+        cpu_count: cores this process may use (default: its CPU affinity).
+        env: the environment (``OMP_NUM_THREADS``).
+
+    Returns:
+        ``(threads, reason)``: the count, and a few words on where it came from.
+
+    Raises:
+        ValueError: ``threads`` or ``OMP_NUM_THREADS`` is not a whole number >= 1, naming the value.
+    """
+    if threads is not None:
+        return check_threads(threads), "--threads"
+    if env.get("OMP_NUM_THREADS"):
+        return check_threads(env["OMP_NUM_THREADS"], "OMP_NUM_THREADS"), "OMP_NUM_THREADS"
+    cores = cpu_count or available_cores()
+    share = max(1, cores // max(1, ranks))
+    n = min(DEFAULT_THREADS, share)
+    why = f"default: {DEFAULT_THREADS} per host" + (f", {ranks} ranks on {cores} cores" if ranks > 1 else "")
+    return n, why
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity where the OS says, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def apply_threads(threads: Any = None, *, launched: int = 1, log: Callable[[str], Any] | None = print,
+                  env: Mapping[str, str] = os.environ) -> int:
+    """Resolve the thread count (:func:`resolve_threads`), set it with ``torch.set_num_threads`` and say so.
+
+    Call it once, right after parsing a command's arguments and before any model work.
+
+    Args:
+        threads: the ``--threads`` value, or None for the default.
+        launched: processes this command starts on this host (the fit's ``trainer.devices``); torchrun's
+            ``LOCAL_WORLD_SIZE`` takes precedence.
+        log: where the one line that says the choice goes (on local rank 0 only); None: silent.
+        env: the environment.
+
+    Returns:
+        The count set.
+
+    Raises:
+        ValueError: a bad ``threads``, ``OMP_NUM_THREADS`` or ``LOCAL_WORLD_SIZE``, naming the value.
+    """
+    ranks = local_ranks(env, launched)
+    n, why = resolve_threads(threads, ranks=ranks, env=env)
+    import torch  # after the checks: a refused value costs no torch import
+
+    torch.set_num_threads(n)
+    if log is not None and env.get("LOCAL_RANK", "0") == "0":
+        log(f"torch threads: {n} per process ({why}; set with --threads N)")
+    return n
