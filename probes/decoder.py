@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from generation.handover import Handover
+from generation.sampling import stream_keys
 from generation.specs import SamplingSpec
 from probes.decoding import setup
 from probes.decoding.methods import MethodArgs, runner_for
@@ -125,7 +126,7 @@ class SemanticSpecDecoder:
         max_new_tokens: int = 256,
         temperature: float | None = None,
         top_p: float | None = None,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         method: str | AcceptancePolicy = "semanticspec",
         *,
         batch_size: int | None = None,
@@ -146,9 +147,12 @@ class SemanticSpecDecoder:
                 probe judges steps like the ones it was trained on, so for ``semanticspec`` a value
                 that differs from the probes' is refused, naming both.
             top_p: nucleus mass of both models; None = the probes' (else 0.95), enforced likewise.
-            seed: seeds sampling and acceptance coin flips: prompt ``k`` draws from its own streams,
-                seeded from ``(seed, k)``, so it decodes the same alone (as prompt ``k``) and in any
-                batch, whatever ``batch_size``.
+            seed: seeds sampling and acceptance coin flips; every prompt draws from its own streams
+                (:func:`~generation.sampling.stream_keys`). One integer: prompt ``k`` of the call seeds them from
+                ``(seed, k)``, so the call decodes the same whatever ``batch_size``, but the prompt decoded alone
+                (as prompt 0) draws otherwise. One seed per prompt (a list, like the OpenAI API's per-request
+                ``seed``): prompt ``k``'s streams depend on ``seed[k]`` alone, so it decodes the same in any batch,
+                at any position, and alone with ``seed=seed[k]``.
             method: a name of :data:`probes.decoding.methods.METHODS`, or an acceptance policy
                 (e.g. ``SpecReasonPolicy(threshold=8)``) run in the speculative loop.
             batch_size: prompts decoded together (default: all of them).
@@ -162,7 +166,8 @@ class SemanticSpecDecoder:
             ``[]`` for no prompts.
 
         Raises:
-            ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, or a bad
+            ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, a bad seed (not an
+                integer, or a list whose length is not the number of prompts), or a bad
                 prompt (:func:`~probes.decoding.prompts.read_prompts`: a mixed batch, an empty prompt,
                 an id outside the vocabulary, a prompt longer than a model's context), naming the
                 prompt's index; all before any model call.
@@ -171,6 +176,7 @@ class SemanticSpecDecoder:
         sampling = self.sampling(temperature, top_p, enforce=runner is not None and runner.probes_decide)
         setup.check_generate(max_new_tokens, batch_size, problems)
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
+        keys = stream_keys(seed, len(ids_t))
         if not ids_t:
             return []
         bs = batch_size or len(ids_t)
@@ -181,8 +187,8 @@ class SemanticSpecDecoder:
 
             starts = tqdm(starts, desc=str(method), unit="batch")
         for s in starts:
-            chunk = range(s, min(s + bs, len(ids_t)))
-            results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], max_new_tokens, sampling, seed, chunk)
+            results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], max_new_tokens, sampling,
+                                     keys[s : s + bs])
         return results
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None, *,

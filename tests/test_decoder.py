@@ -694,8 +694,9 @@ def test_every_result_carries_a_stop_reason_and_no_method_passes_the_context(tin
         assert res.stop_reason in ("eos", "budget") and res.stats.output_tokens <= 3, (method, res.stop_reason)
 
 
-def test_a_prompt_decodes_the_same_alone_and_in_any_batch(pair):
-    """Issue 21 item 12: each prompt samples from its own stream (seed, index), so batching changes nothing."""
+def test_a_call_decodes_the_same_whatever_its_batch_size(pair):
+    """Issue 21 item 12: with one integer seed, prompt k samples from its own streams (seed, k), so batching a call
+    changes nothing (a prompt alone is prompt 0: see the per-prompt seeds below)."""
     target, draft, kw = pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
     dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
@@ -708,6 +709,37 @@ def test_a_prompt_decodes_the_same_alone_and_in_any_batch(pair):
         assert texts(dec.generate(PROMPTS[:2], **gen)) == together[:2]
     other = texts(dec.generate(PROMPTS, seed=8, max_new_tokens=24))
     assert other != texts(dec.generate(PROMPTS, seed=7, max_new_tokens=24))  # the seed still matters
+
+
+SIX_PROMPTS = PROMPTS + ["Start with 2.\n\n", "Take 9. Multiply it by 2.\n\n", "Begin with 4. Add 6.\n\n"]
+
+
+@pytest.mark.parametrize("method", ["semanticspec", "target_only", "random_accept"])
+def test_with_one_seed_per_prompt_any_prompt_decodes_alone_as_in_its_batch(pair, method):
+    """Issue 33 item 2: a per-prompt seed (the OpenAI API's ``seed`` is per request) makes a prompt's streams depend on
+    its seed alone, so any prompt of a sampled batch decodes alone, at any position, with the same result."""
+    target, draft, kw = pair
+    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
+    dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
+    gen = {"method": method, "max_new_tokens": 24, "accept_rate": 0.5}
+    for seeds in ([3, 7, 11, 0, 5, 42], [1, 1, 2, 3, 5, 8], [100 + k for k in range(6)]):
+        together = texts(dec.generate(SIX_PROMPTS, seed=seeds, **gen))
+        for k in range(6):
+            assert texts(dec.generate([SIX_PROMPTS[k]], seed=seeds[k], **gen)) == together[k : k + 1], (seeds, k)
+            assert texts(dec.generate([SIX_PROMPTS[k]], seed=[seeds[k]], **gen)) == together[k : k + 1], (seeds, k)
+        assert texts(dec.generate(SIX_PROMPTS[::-1], seed=seeds[::-1], batch_size=4, **gen)) == together[::-1]
+    assert together != texts(dec.generate(SIX_PROMPTS, seed=[s + 1 for s in seeds], **gen))  # the seeds still matter
+
+
+def test_a_bad_seed_is_refused_naming_it(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    with pytest.raises(ValueError, match=r"seed holds 2 seeds for 3 prompts: give one seed per prompt"):
+        dec.generate(PROMPTS, seed=[1, 2], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"seed\[1\]='x': expected integers"):
+        dec.generate(PROMPTS, seed=[1, "x", 3], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"seed='7': expected an integer, or a list of one integer per prompt"):
+        dec.generate(PROMPTS, seed="7", max_new_tokens=4)
 
 
 LONG = "Start with 7. Add 5, then multiply it by 3. Subtract 4, then add 9. What is the result?\n\n"

@@ -45,7 +45,7 @@ import torch
 from generation.engines.base import TokenLogprobs
 from generation.engines.checks import missing, servable_groups
 from generation.features import FeatureSpec, probe_input, rows_features
-from generation.sampling import stream_seed
+from generation.sampling import StreamKey, stream_keys, stream_seed
 from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
 from probes.decoding import setup
@@ -110,7 +110,7 @@ class ServedDecoder:
         """Wall time of the last :meth:`generate` call (all prompts; per-prompt times overlap when concurrent)."""
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 256, temperature: float | None = None,
-                 top_p: float | None = None, seed: int = 0, method: str | AcceptancePolicy = "semanticspec", *,
+                 top_p: float | None = None, seed: int | Sequence[int] = 0, method: str | AcceptancePolicy = "semanticspec", *,
                  accept_rate: float | None = None, oracle: Callable[[str, str], bool] | None = None) -> list[DecodeResult]:
         """Decode every prompt (text; the servers tokenize it) with ``method``, prompts concurrently.
 
@@ -120,8 +120,10 @@ class ServedDecoder:
             temperature: 0 is greedy; None = the probes' label sampling, else 0.6; a value that differs
                 from the probes' is refused for methods the probes decide.
             top_p: nucleus mass; None = the probes', else 0.95.
-            seed: prompt ``k``'s request seeds and acceptance coins derive from ``(seed, k, step)``, so it
-                decodes the same whatever ``concurrency``.
+            seed: one integer: prompt ``k``'s request seeds and acceptance coins derive from ``(seed, k, step)``,
+                so it decodes the same whatever ``concurrency``; one seed per prompt (a list): from ``(seed[k], 0,
+                step)``, its own seed alone, so it decodes the same alone (``seed=seed[k]``) and at any position
+                (:func:`~generation.sampling.stream_keys`).
             method: a name of :data:`SERVED_METHODS` or an acceptance policy.
             accept_rate: ``random_accept``'s rate.
             oracle: ``oracle(step_text, output_so_far) -> bool`` of ``oracle_accept``.
@@ -140,7 +142,8 @@ class ServedDecoder:
         setup.check_generate(max_new_tokens, None, problems)
         prompts = _read_prompts(prompts)
         self._check_servers(policy, method)
-        runs = [PromptDecode(self, k, p, max_new_tokens, sampling, seed) for k, p in enumerate(prompts)]
+        keys = stream_keys(seed, len(prompts))
+        runs = [PromptDecode(self, key, p, max_new_tokens, sampling) for key, p in zip(keys, prompts)]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(runs))) as pool:
             results = list(pool.map(lambda r: r.run(method if policy is None else policy), runs))
@@ -311,23 +314,21 @@ class PromptDecode:
 
     Args:
         dec: the decoder (engines, probes, step spec, options).
-        k: the prompt's index (its seeds derive from ``(seed, k)``).
+        key: what the prompt's seeds derive from (:data:`~generation.sampling.StreamKey`: ``(seed, k)``).
         prompt: the prompt text.
         budget: output token budget.
         sampling: temperature and top-p of both servers.
-        seed: the decode's seed.
     """
 
-    def __init__(self, dec: ServedDecoder, k: int, prompt: str, budget: int, sampling: SamplingSpec,
-                 seed: int) -> None:
-        self.dec, self.k, self.prompt, self.budget, self.sampling, self.seed = dec, k, prompt, budget, sampling, seed
+    def __init__(self, dec: ServedDecoder, key: StreamKey, prompt: str, budget: int, sampling: SamplingSpec) -> None:
+        self.dec, self.key, self.prompt, self.budget, self.sampling = dec, key, prompt, budget, sampling
         self.context, self.forced = prompt, ""  # committed text (prompt included); the bonus token opening the next step
         self.pieces: list[str] = []
         self.trace: list[StepTrace] = []
         self.stats = DecodeStats()
         self.done, self.reason = False, None
         self.used = 0  # tokens in the servers' context, from their last usage
-        self.coins = torch.Generator().manual_seed(stream_seed(seed, k, "coins"))
+        self.coins = torch.Generator().manual_seed(stream_seed(*key, "coins"))
 
     @property
     def output(self) -> str:
@@ -370,7 +371,7 @@ class PromptDecode:
     def request(self, role: str, kind: str, *args, **kw):
         """One request to the ``role`` server (``kind``: read or write), counted; a failure names the server."""
         engine = getattr(self.dec, role)
-        kw.update(sampling=self.sampling, seed=stream_seed(self.seed, self.k, f"{role}:{kind}:{len(self.trace)}"))
+        kw.update(sampling=self.sampling, seed=stream_seed(*self.key, f"{role}:{kind}:{len(self.trace)}"))
         t0 = time.perf_counter()
         try:
             answer = getattr(engine, kind)(*args, **kw)
