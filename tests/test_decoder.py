@@ -338,6 +338,30 @@ def test_scripted_fast_path_bonus_and_answer_marker(world_tokenizer):
     assert res.stats.draft_tokens == res.stats.output_tokens - 1  # "Answer" was the target's bonus token
 
 
+def test_the_decoder_takes_the_answer_marker_from_the_task(world_tokenizer):
+    """Issue 33 item 7: ``task=`` gives the decoder the task's answer marker; no LoopOptions needed."""
+    from datamodules.tasks.base import Task
+
+    tok, prompt = world_tokenizer, PROMPTS[1]
+    target, draft = scripted_pair(tok, "3 + 1 = 4.\n\nAnswer: 4\n\nAdd 9", "3 + 1 = 4.\n\nAnswer: 4\n\nAdd 9", prompt)
+    probe = ConstProbe(target.config.hidden_size, 1.0, step=StepSpec(DEFAULT_DELIMITERS, 16))
+    task = Task()
+    dec = SemanticSpecDecoder(target, draft, tok, target_probe=probe, task=task)
+    assert dec.options.answer_marker == task.answer_marker == "Answer:"
+    (res,) = dec.generate([prompt], **GREEDY)
+    assert (res.text, res.stop_reason) == ("3 + 1 = 4.\n\nAnswer: 4\n\n", "answer")
+    (res,) = SemanticSpecDecoder(target, draft, tok, target_probe=probe).generate([prompt], **GREEDY)
+    assert res.stop_reason != "answer" and res.text.endswith("Add 9")  # no task, no marker: on to the end
+    same = SemanticSpecDecoder(target, draft, tok, target_probe=probe, options=LoopOptions(answer_marker="Answer:"),
+                               task=task)
+    assert same.options.answer_marker == "Answer:"
+    with pytest.raises(ValueError, match=r"options.answer_marker='Result:' but the task's is 'Answer:'; give one"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=probe, options=LoopOptions(answer_marker="Result:"),
+                            task=task)
+    with pytest.raises(ValueError, match=r"task='math' has no answer_marker"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=probe, task="math")
+
+
 def test_eos_inside_a_draft_step_ends_the_output(world_tokenizer):
     tok, prompt = world_tokenizer, PROMPTS[1]
     target, draft = scripted_pair(tok, "3 + 1 = 4.\n\nAnswer: 4", "3 plus", prompt)  # draft: EOS after 2 tokens
@@ -598,6 +622,14 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
     with pytest.raises(ValueError, match=r"temperature=0\.0 but the target probe was trained on steps sampled with "
                                          r"temperature=0\.6"):
         dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"leave temperature unset to use the probe's, or pass "
+                                         r"allow_sampling_mismatch=True"):
+        dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=8)
+    # issue 33 item 6: greedy decoding with probes trained at 0.6, as an explicit opt-in that warns
+    with pytest.warns(UserWarning, match=r"allow_sampling_mismatch=True: temperature=0\.0 but the target probe was "
+                                         r"trained on steps sampled with temperature=0\.6"):
+        greedy = dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=16, allow_sampling_mismatch=True)
+    assert texts(greedy) == texts(dec.generate(PROMPTS[:1], method="target_only", temperature=0.0, max_new_tokens=16))
     # unset: the probes' spec, and the same draws as passing it explicitly
     same = dec.generate(PROMPTS[:1], max_new_tokens=16, seed=3)
     assert texts(same) == texts(dec.generate(PROMPTS[:1], temperature=0.6, top_p=0.9, max_new_tokens=16, seed=3))

@@ -82,21 +82,25 @@ class ServedDecoder:
         options: loop options (:class:`LoopOptions`: first step, step spec, answer marker, bonus token;
             token-level speculation inside refused steps is the target server's own); None = ``LoopOptions()``.
         concurrency: prompts decoded at once (each has at most one request in flight).
+        task: the task whose problems are decoded: its ``answer_marker`` ends a decode unless
+            ``options.answer_marker`` says so (as :class:`~probes.decoder.SemanticSpecDecoder`'s ``task``).
         probe_dtype: the dtype the probes' MLPs run in, as :class:`~probes.decoder.SemanticSpecDecoder`'s
             (``"auto"``: float16 where it is fast, :func:`~probes.decoding.options.resolve_probe_dtype`), so a probe gives the
             same ``q`` served and in-process.
 
     Raises:
         ValueError: ``concurrency`` below 1, a probe for the other role, probes that disagree on their
-            step or sampling, a step spec that differs from the probes', or a bad ``probe_dtype``.
+            step or sampling, a step spec that differs from the probes', a bad ``probe_dtype``, or a task whose
+            answer marker differs from ``options.answer_marker``.
     """
 
     def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
-                 options: LoopOptions | None = None, *, concurrency: int = 4, probe_dtype: str = "auto") -> None:
+                 options: LoopOptions | None = None, *, concurrency: int = 4, probe_dtype: str = "auto",
+                 task=None) -> None:
         if not is_count(concurrency):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (prompts decoded at once)")
         self.target, self.draft, self.concurrency = target, draft, concurrency
-        self.policy, self.options = policy or default_policy(), options or LoopOptions()
+        self.policy, self.options = policy or default_policy(), setup.with_task(options, task)
         self.target_probe, self.draft_probe = (
             setup.in_dtype(p, probe_dtype, p.input_mean.device if p is not None else torch.device("cpu"))
             for p in (_load_probe(target_probe, "target"), _load_probe(draft_probe, "draft")))
@@ -111,7 +115,8 @@ class ServedDecoder:
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 256, temperature: float | None = None,
                  top_p: float | None = None, seed: int | Sequence[int] = 0, method: str | AcceptancePolicy = "semanticspec", *,
-                 accept_rate: float | None = None, oracle: Callable[[str, str], bool] | None = None) -> list[DecodeResult]:
+                 accept_rate: float | None = None, oracle: Callable[[str, str], bool] | None = None,
+                 allow_sampling_mismatch: bool = False) -> list[DecodeResult]:
         """Decode every prompt (text; the servers tokenize it) with ``method``, prompts concurrently.
 
         Args:
@@ -127,6 +132,8 @@ class ServedDecoder:
             method: a name of :data:`SERVED_METHODS` or an acceptance policy.
             accept_rate: ``random_accept``'s rate.
             oracle: ``oracle(step_text, output_so_far) -> bool`` of ``oracle_accept``.
+            allow_sampling_mismatch: warn instead of refusing a ``temperature``/``top_p`` that differs from the
+                probes' (as :meth:`~probes.decoder.SemanticSpecDecoder.generate`).
 
         Returns:
             One :class:`DecodeResult` per prompt, in order; a failed one has ``stop_reason="error"``.
@@ -138,7 +145,8 @@ class ServedDecoder:
         """
         policy, problems = self._method(method, accept_rate, oracle)
         sampling = setup.resolve_sampling(self._recorded_sampling, temperature, top_p,
-                                          enforce=policy is not None and policy.decides_with_probes)
+                                          enforce=policy is not None and policy.decides_with_probes,
+                                          allow_mismatch=allow_sampling_mismatch)
         setup.check_generate(max_new_tokens, None, problems)
         prompts = _read_prompts(prompts)
         self._check_servers(policy, method)
