@@ -89,7 +89,7 @@ class StepLoop:
         out = []
         for i, r in enumerate(rows):
             r.stats.wall_s = wall / B
-            r.stats.done_idle_s = t_end - self.t_done.get(i, t_end)
+            r.stats.done_idle_row_s = t_end - self.t_done.get(i, t_end)
             r.stats.target_passes, r.stats.draft_passes = self.tgt.passes[i], self.drf.passes[i]
             text = self.dec.tokenizer.decode(r.out, skip_special_tokens=True) if self.dec.shared else r.text
             out.append(DecodeResult(text, r.trace, r.stats, r.stop_reason))
@@ -105,7 +105,7 @@ class StepLoop:
         total, now = sum(c.forward_s for c in caches) - total0, time.perf_counter()
         finished = []
         for i in active:
-            self.rows[i].stats.idle_s += total - (sum(c.served_s[i] for c in caches) - served0[i])
+            self.rows[i].stats.idle_row_s += total - (sum(c.served_s[i] for c in caches) - served0[i])
             if self.rows[i].done:
                 self.t_done[i] = now
                 finished.append(i)
