@@ -47,7 +47,7 @@ class SpeculativeValidation(Callback):
     then each batch of problems target-only and with SemanticSpec, their order rotating from batch to batch as the
     benchmarks interleave methods (:func:`~probes.decoding.timing.rotation`), so load that comes and goes hits both
     alike. Speedup is target-only wall time measured in the same run over SemanticSpec's (docs/design.md
-    "Definitions"), never a time from an earlier epoch; with ``batch_size=1`` it is the figure
+    "Benchmark figures"), never a time from an earlier epoch; with ``batch_size=1`` it is the figure
     ``python -m benchmarks.decode`` reports for the probes alone (``semanticspec[no_fast_path]``) on the same
     problems (``seed`` 30000 there: the same problems and draws), with larger batches its batch-scaling figure.
 
