@@ -283,7 +283,8 @@ def test_the_callback_says_when_its_speedup_is_unreliable(monkeypatch):
         per_forward = [0.01]
 
         def generate(self, prompts, method="semanticspec", **kwargs):
-            wall = (0.5 if method == "semanticspec" else 1.0) * self.per_forward[len(self.calls) % len(self.per_forward)]
+            speed = self.per_forward[len(self.calls) % len(self.per_forward)]
+            wall = (0.5 if method == "semanticspec" else 1.0) * speed
             self.calls.append((method, list(prompts)))
             return [DecodeResult("Verdict: yes", stats=DecodeStats(wall_s=wall, output_tokens=4, target_passes=4))
                     for _ in prompts]

@@ -114,7 +114,8 @@ class ServedDecoder:
         """Wall time of the last :meth:`generate` call (all prompts; per-prompt times overlap when concurrent)."""
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 256, temperature: float | None = None,
-                 top_p: float | None = None, seed: int | Sequence[int] = 0, method: str | AcceptancePolicy = "semanticspec", *,
+                 top_p: float | None = None, seed: int | Sequence[int] = 0,
+                 method: str | AcceptancePolicy = "semanticspec", *,
                  accept_rate: float | None = None, oracle: Callable[[str, str], bool] | None = None,
                  allow_sampling_mismatch: bool = False) -> list[DecodeResult]:
         """Decode every prompt (text; the servers tokenize it) with ``method``, prompts concurrently.

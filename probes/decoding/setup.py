@@ -101,8 +101,9 @@ def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str
                       "the ones they were trained on, so their decisions (and the accuracy) may suffer.",
                       UserWarning, stacklevel=4)
     elif problems:
-        fix = f"leave {' and '.join(differ)} unset to use the probe's" + (", or pass allow_sampling_mismatch=True to accept the mismatch"
-                                                      if what == "steps sampled" else "")
+        fix = f"leave {' and '.join(differ)} unset to use the probe's"
+        if what == "steps sampled":
+            fix += ", or pass allow_sampling_mismatch=True to accept the mismatch"
         raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems) + f" ({fix})")
 
 

@@ -1,8 +1,8 @@
 """Timing decoding methods against each other: the order they run in, and whether the machine let the times compare.
 
-A speedup is measured with the methods interleaved (docs/design.md "Benchmark figures"): on problem (or batch) ``k`` they
-run in :func:`rotation` order, so load that comes and goes hits every method alike. The benchmarks and the live
-validation callback (:mod:`callbacks.speculative_validation`) share it. :func:`load_per_core` and
+A speedup is measured with the methods interleaved (docs/design.md "Benchmark figures"): on problem (or batch)
+``k`` they run in :func:`rotation` order, so load that comes and goes hits every method alike. The benchmarks and
+the live validation callback (:mod:`callbacks.speculative_validation`) share it. :func:`load_per_core` and
 :func:`timing_noise` say when the times are not to be trusted: more runnable threads than cores, or a reference
 whose cost per forward jumps from problem to problem.
 """
