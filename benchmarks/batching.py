@@ -199,9 +199,9 @@ def phase_breakdown(run: Run) -> dict:
     seconds = {p: s[f"{p}_s"] for p in PHASES}
     seconds["other"] = wall - sum(seconds.values())
     out = {"wall_s": wall, "seconds": seconds, "shares": {p: v / wall if wall else 0.0 for p, v in seconds.items()}}
-    out.update({"idle_rows_s": s["idle_s"], "done_rows_s": s["done_idle_s"], "row_s": run.row_s,
-                "idle_rows_share": s["idle_s"] / run.row_s if run.row_s else 0.0,
-                "done_rows_share": s["done_idle_s"] / run.row_s if run.row_s else 0.0})
+    out.update({"idle_rows_s": s["idle_row_s"], "done_rows_s": s["done_idle_row_s"], "row_s": run.row_s,
+                "idle_rows_share": s["idle_row_s"] / run.row_s if run.row_s else 0.0,
+                "done_rows_share": s["done_idle_row_s"] / run.row_s if run.row_s else 0.0})
     return out
 
 

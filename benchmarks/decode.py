@@ -69,6 +69,7 @@ from probes.decoding.methods import METHODS as TABLE
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
 from probes.decoding.options import PROBE_DTYPES, resolve_probe_dtype
+from probes.decoding.timing import rotation
 from probes.metrics import speedup
 
 ABLATION_ROOT = REPO / "checkpoints" / "arithmetic" / "probes-ablation"
@@ -196,8 +197,7 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
     for k, p in enumerate(tqdm(problems, desc="decode", unit="problem")):
         prompt, seed = TASK.prompt_text(dec.tokenizer, p.problem), args.seed + k
-        order = names[k % len(names) :] + names[: k % len(names)]
-        order = [n for n in order if n != "random_accept"]
+        order = [n for n in rotation(names, k) if n != "random_accept"]
         order.insert(order.index("semanticspec") + 1, "random_accept")  # needs semanticspec's running rate
         for name in order:
             if name in variants:

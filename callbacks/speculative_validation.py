@@ -15,31 +15,48 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from probes.export import check_probe_matches
+from probes.decoding.timing import load_per_core, rotation, timing_noise, unreliable_because
 from probes.metrics import accuracy, speedup
 
 SPEC_METRICS = (
     "speedup",
+    "speedup_reliable",
+    "load_per_core",
+    "timing_noise",
     "accuracy",
     "accuracy_delta",
     "step_acceptance",
     "draft_token_share",
     "target_passes_per_100_tokens",
+    "problems",
 )
 """Logged as ``spec/<name>`` every time the callback runs."""
+METHODS = ("target_only", "semanticspec")
+"""The methods every run decodes, the speedup's reference first."""
 
 
 class SpeculativeValidation(Callback):
     """Decode held-out problems with the probes in training and log speedup, accuracy, acceptance.
 
-    Every run decodes each batch of problems target-only and then with SemanticSpec, so speedup is
-    target-only wall time measured in the same run over SemanticSpec's (docs/design.md "Benchmark figures"),
-    never a time from an earlier epoch. The run is bounded by ``max_problems`` and ``max_seconds``,
-    so it never dominates training. Under DDP rank 0 decodes and broadcasts the figures to every rank.
+    Every run first decodes one short untimed problem with both methods (a warm-up: first calls pay one-off costs),
+    then each batch of problems target-only and with SemanticSpec, their order rotating from batch to batch as the
+    benchmarks interleave methods (:func:`~probes.decoding.timing.rotation`), so load that comes and goes hits both
+    alike. Speedup is target-only wall time measured in the same run over SemanticSpec's (docs/design.md
+    "Benchmark figures"), never a time from an earlier epoch; with ``batch_size=1`` it is the figure
+    ``python -m benchmarks.decode`` reports for the probes alone (``semanticspec[no_fast_path]``) on the same
+    problems (``seed`` 30000 there: the same problems and draws), with larger batches its batch-scaling figure.
+
+    A speedup timed on a busy machine is flagged: ``spec/speedup_reliable`` is 0 (and a warning says why) when the
+    1-minute load average per core (``spec/load_per_core``, the highest before and after the run) exceeds
+    :data:`~probes.decoding.timing.MAX_LOAD_PER_CORE`, or target-only's seconds per forward varied across batches
+    by more than :data:`~probes.decoding.timing.MAX_TIMING_NOISE` (``spec/timing_noise``). Accuracy and
+    acceptance do not depend on timing. The run is bounded by ``max_problems`` and ``max_seconds``, so it never
+    dominates training. Under DDP rank 0 decodes and broadcasts the figures to every rank.
 
     Args:
         task: the problems, prompt format, answer marker and checker (:mod:`datamodules.tasks`; YAML
@@ -52,10 +69,12 @@ class SpeculativeValidation(Callback):
         target_device: device of the target (e.g. ``cuda:0``).
         draft_device: device of the draft (e.g. ``cuda:1``; target and draft may differ).
         max_problems: at most this many problems per run (the task's first ones, or generated with ``seed``).
-        batch_size: problems decoded together (by each method in turn).
+        batch_size: problems decoded together (by each method in turn; 1 = the per-problem speedup of the
+            benchmarks' methods table).
         max_seconds: stop starting new batches after this many seconds of decoding per run.
         every_n_epochs: run every n validation epochs (and always at the end of fit).
-        seed: sampling seed; also the seed of generated problems.
+        seed: the seed of generated problems; problem ``i`` is decoded with seed ``seed + i`` (one seed per
+            prompt, so it decodes the same whatever ``batch_size``, as ``benchmarks.decode`` decodes it).
         max_new_tokens: decode budget per problem.
         temperature: sampling temperature for both models (0 = greedy); None (default) = the
             temperature the probes' labels were sampled at (the decoder refuses another one).
@@ -110,7 +129,7 @@ class SpeculativeValidation(Callback):
         self.model_specs = (target, draft)
         self.devices = (target_device, draft_device)
         self.max_seconds, self.every_n_epochs, self.seed = max_seconds, every_n_epochs, seed
-        self.gen_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        self.gen_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         self.rule, self.tau = rule, tau
         self.plots_dir = plots_dir
         self.history: list[dict[str, float]] = []
@@ -175,42 +194,75 @@ class SpeculativeValidation(Callback):
     @torch.no_grad()
     def decode(self, pl_module: L.LightningModule) -> dict[str, float]:
         """Decode the problem set with the module's current probes; returns the ``spec/`` figures."""
-        from probes.decoder import SemanticSpecDecoder, summarize
-        from probes.decoding.options import LoopOptions
-        from probes.decoding.policies import ProbePolicy
-
         probes = pl_module.probes
         was_training = probes.training
         devices = {r: next(probes[r].parameters()).device for r in ("target", "draft")}
         probes.eval()
         try:
-            decoder = SemanticSpecDecoder(
-                self._target, self._draft, self._tokenizer,
-                draft_tokenizer=None if self._draft_tokenizer is self._tokenizer else self._draft_tokenizer,
-                target_probe=probes["target"].cpu(), draft_probe=probes["draft"].cpu(),
-                policy=ProbePolicy(rule=self.rule, tau=self.tau),  # the probes alone (no fast path): it judges them
-                options=LoopOptions(answer_marker=self.task.answer_marker),
-            )
-            spec, ref, answers, start = [], [], [], time.perf_counter()
-            for i in range(0, len(self.problems), self.batch_size):
-                if spec and time.perf_counter() - start > self.max_seconds:
-                    break
-                batch = self.problems[i : i + self.batch_size]
-                prompts = [self.task.decoder_prompt(self._tokenizer, problem, self._draft_tokenizer) for problem, _ in batch]
-                # target-only first, timed in this run: the speedup's reference (never cached across runs)
-                ref += decoder.generate(prompts, method="target_only", **self.gen_kwargs)
-                spec += decoder.generate(prompts, method="semanticspec", **self.gen_kwargs)
-                answers += [answer for _, answer in batch]
+            runs, answers, load = self._interleaved(self._decoder(probes))
         finally:
             for r in ("target", "draft"):
                 probes[r].to(devices[r])
             probes.train(was_training)
-        self._last = spec
+        self._last = sum(runs["semanticspec"], [])
+        return self._figures(runs, answers, load)
+
+    def _decoder(self, probes):
+        from probes.decoder import SemanticSpecDecoder
+        from probes.decoding.policies import ProbePolicy
+
+        return SemanticSpecDecoder(
+            self._target, self._draft, self._tokenizer,
+            draft_tokenizer=None if self._draft_tokenizer is self._tokenizer else self._draft_tokenizer,
+            target_probe=probes["target"].cpu(), draft_probe=probes["draft"].cpu(),
+            policy=ProbePolicy(rule=self.rule, tau=self.tau),  # the probes alone (no fast path): it judges them
+            task=self.task,
+        )
+
+    def _interleaved(self, decoder) -> tuple[dict[str, list[list]], list, float]:
+        """A warm-up, then every batch by both methods in rotating order, until ``max_seconds``.
+
+        Returns:
+            ``{method: [results of each batch]}``, the answers of the problems decoded, and the highest load
+            average per core seen (before and after).
+        """
+        prompts = [self.task.decoder_prompt(self._tokenizer, problem, self._draft_tokenizer)
+                   for problem, _ in self.problems]
+        for method in METHODS:  # untimed: first calls pay one-off costs (kernels, allocations)
+            decoder.generate(prompts[:1], method=method, **{**self.gen_kwargs, "max_new_tokens": 16})
+        load = load_per_core()
+        runs: dict[str, list[list]] = {m: [] for m in METHODS}
+        answers, start = [], time.perf_counter()
+        for c, i in enumerate(range(0, len(self.problems), self.batch_size)):
+            if c and time.perf_counter() - start > self.max_seconds:
+                break
+            batch = range(i, min(i + self.batch_size, len(self.problems)))
+            for method in rotation(METHODS, c):  # timed in this run: the speedup's reference is never cached
+                runs[method].append(decoder.generate([prompts[k] for k in batch], method=method,
+                                                     seed=[self.seed + k for k in batch], **self.gen_kwargs))
+            answers += [self.problems[k][1] for k in batch]
+        return runs, answers, max(load, load_per_core())
+
+    def _figures(self, runs: dict[str, list[list]], answers: list, load: float) -> dict[str, float]:
+        """The ``spec/`` figures of one run, with the speedup's reliability (a warning when it is not)."""
+        from probes.decoder import summarize
+
+        ref, spec = (sum(runs[m], []) for m in METHODS)
         stats = summarize(spec)
         spec_accuracy = accuracy(self.task.check(r.text, a) for r, a in zip(spec, answers))
         ref_accuracy = accuracy(self.task.check(r.text, a) for r, a in zip(ref, answers))
+        noise = timing_noise([sum(r.stats.wall_s for r in b) for b in runs["target_only"]],
+                             [sum(r.stats.target_passes for r in b) for b in runs["target_only"]])
+        value = speedup(sum(r.stats.wall_s for r in ref), sum(r.stats.wall_s for r in spec))
+        reasons = unreliable_because(load, noise)
+        if reasons:
+            rank_zero_warn(f"spec/speedup={value:.2f} is not reliable: {'; '.join(reasons)}. Accuracy and acceptance "
+                           "are; re-measure the speedup on a quiet machine (python -m benchmarks.decode).")
         return {
-            "speedup": speedup(sum(r.stats.wall_s for r in ref), sum(r.stats.wall_s for r in spec)),
+            "speedup": value,
+            "speedup_reliable": float(not reasons),
+            "load_per_core": load,
+            "timing_noise": noise,
             "accuracy": spec_accuracy,
             "accuracy_delta": spec_accuracy - ref_accuracy,
             "step_acceptance": float(stats["step_acceptance"]),

@@ -8,6 +8,7 @@ speculation all draw tokens with :func:`sample_next` and read its distribution w
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,44 @@ Streams = torch.Generator | Sequence[torch.Generator] | None
 def stream_seed(seed: int, index: int, stream: str) -> int:
     """Seed of one random stream of item ``index`` (a prompt), independent of the other items and their order."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{index}:{stream}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+StreamKey = tuple[int, int]
+"""``(seed, index)``: what one prompt's random streams are seeded from (:func:`stream_seed`)."""
+
+
+def stream_keys(seed: int | Sequence[int], n: int) -> list[StreamKey]:
+    """The :data:`StreamKey` of each of ``n`` prompts.
+
+    One int ``seed``: prompt ``k`` of the call seeds its streams from ``(seed, k)``, so the call decodes the same
+    whatever its batch size, but a prompt moved to another position (or decoded alone) draws otherwise. One seed
+    per prompt (the OpenAI API's per-request ``seed``): prompt ``k`` seeds from ``(seed[k], 0)``, its own seed alone,
+    so it decodes the same in any batch, at any position and alone (``seed=[seed[k]]`` or ``seed=seed[k]``).
+
+    Raises:
+        ValueError: a seed that is not an integer, or a list whose length is not ``n`` (naming both).
+    """
+    if _is_int(seed):
+        return [(int(seed), k) for k in range(n)]
+    if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
+        raise ValueError(f"seed={seed!r}: expected an integer, or a list of one integer per prompt")
+    bad = [f"seed[{k}]={s!r}" for k, s in enumerate(seed) if not _is_int(s)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: expected integers (one seed per prompt)")
+    if len(seed) != n:
+        raise ValueError(f"seed holds {len(seed)} seeds for {n} prompts: give one seed per prompt, or one integer")
+    return [(int(s), 0) for s in seed]
+
+
+def _is_int(x) -> bool:
+    """An integer (a NumPy one too), not a bool."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 def row_streams(generator: Streams, rows: Sequence[int]) -> Streams:

@@ -27,12 +27,19 @@ assisted generation (:mod:`probes.decoding.hf`) and is compared with transformer
 generation (``method="hf_target_only"``). ``method=`` names map to runners in one table,
 :data:`probes.decoding.methods.METHODS`.
 
-Example:
+Example (a task, :class:`datamodules.tasks.base.Task`, gives the problems, their prompts, the answer marker that
+ends a decode, and the checker):
+    >>> task = ArithmeticTask()  # or BoxedMathTask(path="problems.jsonl"), or your own Task
+    >>> problems = task.problems(8, seed=0)  # records {"problem", "answer"}: a file's first 8, or 8 made in code
     >>> dec = SemanticSpecDecoder(target, draft, tok, target_probe="ckpt/target", draft_probe="ckpt/draft",
-    ...                           policy=ProbePolicy(rule="threshold", tau=0.5),
-    ...                           options=LoopOptions(answer_marker="Answer:"))
-    >>> results = dec.generate([problem + "\\n\\n"], max_new_tokens=256)
+    ...                           policy=ProbePolicy(rule="threshold", tau=0.5), task=task)
+    >>> results = dec.generate([task.decoder_prompt(tok, p["problem"]) for p in problems], max_new_tokens=256,
+    ...                        seed=list(range(8)))  # one seed per prompt: each decodes alone as here
+    >>> sum(task.check(r.text, p["answer"]) for r, p in zip(results, problems)) / len(problems)  # accuracy
     >>> summarize(results)["step_acceptance"]
+
+``task.problems(n, seed)`` reads a task file's first ``n`` records, or makes ``n`` in code with
+``task.generate(n, seed)`` when the task has no file (the embedded world's ``ArithmeticTask``).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from generation.handover import Handover
+from generation.sampling import stream_keys
 from generation.specs import SamplingSpec
 from probes.decoding import setup
 from probes.decoding.methods import MethodArgs, runner_for
@@ -75,6 +83,11 @@ class SemanticSpecDecoder:
         options: the step loop's options (:class:`~probes.decoding.options.LoopOptions`: who
             writes the first step, step delimiters and cap, answer marker, token-level
             speculation, bonus token); None = ``LoopOptions()``.
+        task: the :class:`~datamodules.tasks.base.Task` whose problems are decoded (or any object with an
+            ``answer_marker``): a decode ends once a line starting with its ``answer_marker`` is complete, unless
+            ``options.answer_marker`` says so already. None (default): the options' marker, else none (a decode
+            ends at EOS, the token budget or the context end). Its problems come from ``task.problems(n, seed)``
+            and their prompts from ``task.decoder_prompt(tokenizer, problem)``; ``task.check`` scores the text.
         probe_dtype: the dtype the probes' MLPs run in: ``"auto"`` (default: float16 where float16 matrix-vector
             products are fast, CUDA and x86 CPUs with AVX2/AVX-512; float32 elsewhere;
             :func:`~probes.decoding.options.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
@@ -82,15 +95,16 @@ class SemanticSpecDecoder:
 
     Raises:
         ValueError: a fast path or ``token_sd=True`` with two tokenizers, or a probe exported for
-            another model or trained on other steps (naming the fields), or a bad ``probe_dtype``.
+            another model or trained on other steps (naming the fields), a bad ``probe_dtype``, or a task whose
+            answer marker differs from ``options.answer_marker`` (naming both).
     """
 
     def __init__(self, target, draft, tokenizer, draft_tokenizer=None, target_probe: ProbeLike = None,
                  draft_probe: ProbeLike = None, policy: ProbePolicy | None = None, options: LoopOptions | None = None,
-                 *, probe_dtype: str = "auto"):
+                 *, probe_dtype: str = "auto", task=None):
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared
-        self.policy, self.options = policy or default_policy(fast_path=self.shared), options or LoopOptions()
+        self.policy, self.options = policy or default_policy(fast_path=self.shared), setup.with_task(options, task)
         opt = self.options
         self.token_sd = self.shared if opt.token_sd is None else opt.token_sd
         errors = []
@@ -125,13 +139,14 @@ class SemanticSpecDecoder:
         max_new_tokens: int = 256,
         temperature: float | None = None,
         top_p: float | None = None,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         method: str | AcceptancePolicy = "semanticspec",
         *,
         batch_size: int | None = None,
         accept_rate: float | None = None,
         oracle: Callable[[str, str], bool] | None = None,
         progress: bool = False,
+        allow_sampling_mismatch: bool = False,
     ) -> list[DecodeResult]:
         """Decode every prompt with ``method``.
 
@@ -144,17 +159,24 @@ class SemanticSpecDecoder:
             temperature: sampling temperature of both models; 0 is greedy. None (default) = the
                 temperature the probes' labels were sampled at (``config.sampling``), else 0.6. A
                 probe judges steps like the ones it was trained on, so for ``semanticspec`` a value
-                that differs from the probes' is refused, naming both.
+                that differs from the probes' is refused, naming both, unless ``allow_sampling_mismatch``.
             top_p: nucleus mass of both models; None = the probes' (else 0.95), enforced likewise.
-            seed: seeds sampling and acceptance coin flips: prompt ``k`` draws from its own streams,
-                seeded from ``(seed, k)``, so it decodes the same alone (as prompt ``k``) and in any
-                batch, whatever ``batch_size``.
+            seed: seeds sampling and acceptance coin flips; every prompt draws from its own streams
+                (:func:`~generation.sampling.stream_keys`). One integer: prompt ``k`` of the call seeds them from
+                ``(seed, k)``, so the call decodes the same whatever ``batch_size``, but the prompt decoded alone
+                (as prompt 0) draws otherwise. One seed per prompt (a list, like the OpenAI API's per-request
+                ``seed``): prompt ``k``'s streams depend on ``seed[k]`` alone, so it decodes the same in any batch,
+                at any position, and alone with ``seed=seed[k]``.
             method: a name of :data:`probes.decoding.methods.METHODS`, or an acceptance policy
                 (e.g. ``SpecReasonPolicy(threshold=8)``) run in the speculative loop.
             batch_size: prompts decoded together (default: all of them).
             accept_rate: acceptance probability of ``random_accept``.
             oracle: ``oracle(step_text, output_so_far) -> bool`` for ``oracle_accept``.
             progress: show a progress bar over batches.
+            allow_sampling_mismatch: decode with a ``temperature`` or ``top_p`` that differs from the probes'
+                (e.g. greedy, ``temperature=0``, with probes trained on steps sampled at 0.6): a ``UserWarning``
+                naming both values instead of the refusal. The probes then judge steps unlike their training
+                steps, so their decisions, and the accuracy, may suffer: measure before relying on it.
 
         Returns:
             One :class:`DecodeResult` per prompt, in order, each with its ``stop_reason`` (``eos``,
@@ -162,15 +184,18 @@ class SemanticSpecDecoder:
             ``[]`` for no prompts.
 
         Raises:
-            ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, or a bad
+            ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, a bad seed (not an
+                integer, or a list whose length is not the number of prompts), or a bad
                 prompt (:func:`~probes.decoding.prompts.read_prompts`: a mixed batch, an empty prompt,
                 an id outside the vocabulary, a prompt longer than a model's context), naming the
                 prompt's index; all before any model call.
         """
         runner, problems = self._runner(method, accept_rate, oracle)
-        sampling = self.sampling(temperature, top_p, enforce=runner is not None and runner.probes_decide)
+        sampling = self.sampling(temperature, top_p, enforce=runner is not None and runner.probes_decide,
+                                 allow_mismatch=allow_sampling_mismatch)
         setup.check_generate(max_new_tokens, batch_size, problems)
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
+        keys = stream_keys(seed, len(ids_t))
         if not ids_t:
             return []
         bs = batch_size or len(ids_t)
@@ -181,12 +206,12 @@ class SemanticSpecDecoder:
 
             starts = tqdm(starts, desc=str(method), unit="batch")
         for s in starts:
-            chunk = range(s, min(s + bs, len(ids_t)))
-            results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], max_new_tokens, sampling, seed, chunk)
+            results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], max_new_tokens, sampling,
+                                     keys[s : s + bs])
         return results
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
-                 enforce: bool = True) -> SamplingSpec:
+                 enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:
         """The :class:`~generation.specs.SamplingSpec` a decode samples with: the values given, else how the probes'
         labels were sampled, else the defaults (T = 0.6, top-p 0.95).
 
@@ -195,11 +220,13 @@ class SemanticSpecDecoder:
             top_p: nucleus mass; None = the probes'.
             enforce: refuse a given value that differs from the probes' (naming both), as every method whose
                 decisions come from the probes does: a probe judges steps like the ones it was trained on.
+            allow_mismatch: with ``enforce``, warn about such a value instead of refusing it.
 
         Raises:
-            ValueError: a value that differs from the probes' (with ``enforce``), or a bad value (naming it).
+            ValueError: a value that differs from the probes' (with ``enforce`` and without ``allow_mismatch``), or
+                a bad value (naming it).
         """
-        return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce)
+        return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
 
     def _runner(self, method, accept_rate, oracle):
         """The method's runner and what is wrong with the call for it (the probes it needs)."""

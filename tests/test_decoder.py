@@ -338,6 +338,30 @@ def test_scripted_fast_path_bonus_and_answer_marker(world_tokenizer):
     assert res.stats.draft_tokens == res.stats.output_tokens - 1  # "Answer" was the target's bonus token
 
 
+def test_the_decoder_takes_the_answer_marker_from_the_task(world_tokenizer):
+    """Issue 33 item 7: ``task=`` gives the decoder the task's answer marker; no LoopOptions needed."""
+    from datamodules.tasks.base import Task
+
+    tok, prompt = world_tokenizer, PROMPTS[1]
+    target, draft = scripted_pair(tok, "3 + 1 = 4.\n\nAnswer: 4\n\nAdd 9", "3 + 1 = 4.\n\nAnswer: 4\n\nAdd 9", prompt)
+    probe = ConstProbe(target.config.hidden_size, 1.0, step=StepSpec(DEFAULT_DELIMITERS, 16))
+    task = Task()
+    dec = SemanticSpecDecoder(target, draft, tok, target_probe=probe, task=task)
+    assert dec.options.answer_marker == task.answer_marker == "Answer:"
+    (res,) = dec.generate([prompt], **GREEDY)
+    assert (res.text, res.stop_reason) == ("3 + 1 = 4.\n\nAnswer: 4\n\n", "answer")
+    (res,) = SemanticSpecDecoder(target, draft, tok, target_probe=probe).generate([prompt], **GREEDY)
+    assert res.stop_reason != "answer" and res.text.endswith("Add 9")  # no task, no marker: on to the end
+    same = SemanticSpecDecoder(target, draft, tok, target_probe=probe, options=LoopOptions(answer_marker="Answer:"),
+                               task=task)
+    assert same.options.answer_marker == "Answer:"
+    with pytest.raises(ValueError, match=r"options.answer_marker='Result:' but the task's is 'Answer:'; give one"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=probe, options=LoopOptions(answer_marker="Result:"),
+                            task=task)
+    with pytest.raises(ValueError, match=r"task='math' has no answer_marker"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=probe, task="math")
+
+
 def test_eos_inside_a_draft_step_ends_the_output(world_tokenizer):
     tok, prompt = world_tokenizer, PROMPTS[1]
     target, draft = scripted_pair(tok, "3 + 1 = 4.\n\nAnswer: 4", "3 plus", prompt)  # draft: EOS after 2 tokens
@@ -598,6 +622,14 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
     with pytest.raises(ValueError, match=r"temperature=0\.0 but the target probe was trained on steps sampled with "
                                          r"temperature=0\.6"):
         dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"leave temperature unset to use the probe's, or pass "
+                                         r"allow_sampling_mismatch=True"):
+        dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=8)
+    # issue 33 item 6: greedy decoding with probes trained at 0.6, as an explicit opt-in that warns
+    with pytest.warns(UserWarning, match=r"allow_sampling_mismatch=True: temperature=0\.0 but the target probe was "
+                                         r"trained on steps sampled with temperature=0\.6"):
+        greedy = dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=16, allow_sampling_mismatch=True)
+    assert texts(greedy) == texts(dec.generate(PROMPTS[:1], method="target_only", temperature=0.0, max_new_tokens=16))
     # unset: the probes' spec, and the same draws as passing it explicitly
     same = dec.generate(PROMPTS[:1], max_new_tokens=16, seed=3)
     assert texts(same) == texts(dec.generate(PROMPTS[:1], temperature=0.6, top_p=0.9, max_new_tokens=16, seed=3))
@@ -694,8 +726,9 @@ def test_every_result_carries_a_stop_reason_and_no_method_passes_the_context(tin
         assert res.stop_reason in ("eos", "budget") and res.stats.output_tokens <= 3, (method, res.stop_reason)
 
 
-def test_a_prompt_decodes_the_same_alone_and_in_any_batch(pair):
-    """Issue 21 item 12: each prompt samples from its own stream (seed, index), so batching changes nothing."""
+def test_a_call_decodes_the_same_whatever_its_batch_size(pair):
+    """Issue 21 item 12: with one integer seed, prompt k samples from its own streams (seed, k), so batching a call
+    changes nothing (a prompt alone is prompt 0: see the per-prompt seeds below)."""
     target, draft, kw = pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
     dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
@@ -708,6 +741,37 @@ def test_a_prompt_decodes_the_same_alone_and_in_any_batch(pair):
         assert texts(dec.generate(PROMPTS[:2], **gen)) == together[:2]
     other = texts(dec.generate(PROMPTS, seed=8, max_new_tokens=24))
     assert other != texts(dec.generate(PROMPTS, seed=7, max_new_tokens=24))  # the seed still matters
+
+
+SIX_PROMPTS = PROMPTS + ["Start with 2.\n\n", "Take 9. Multiply it by 2.\n\n", "Begin with 4. Add 6.\n\n"]
+
+
+@pytest.mark.parametrize("method", ["semanticspec", "target_only", "random_accept"])
+def test_with_one_seed_per_prompt_any_prompt_decodes_alone_as_in_its_batch(pair, method):
+    """Issue 33 item 2: a per-prompt seed (the OpenAI API's ``seed`` is per request) makes a prompt's streams depend on
+    its seed alone, so any prompt of a sampled batch decodes alone, at any position, with the same result."""
+    target, draft, kw = pair
+    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
+    dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
+    gen = {"method": method, "max_new_tokens": 24, "accept_rate": 0.5}
+    for seeds in ([3, 7, 11, 0, 5, 42], [1, 1, 2, 3, 5, 8], [100 + k for k in range(6)]):
+        together = texts(dec.generate(SIX_PROMPTS, seed=seeds, **gen))
+        for k in range(6):
+            assert texts(dec.generate([SIX_PROMPTS[k]], seed=seeds[k], **gen)) == together[k : k + 1], (seeds, k)
+            assert texts(dec.generate([SIX_PROMPTS[k]], seed=[seeds[k]], **gen)) == together[k : k + 1], (seeds, k)
+        assert texts(dec.generate(SIX_PROMPTS[::-1], seed=seeds[::-1], batch_size=4, **gen)) == together[::-1]
+    assert together != texts(dec.generate(SIX_PROMPTS, seed=[s + 1 for s in seeds], **gen))  # the seeds still matter
+
+
+def test_a_bad_seed_is_refused_naming_it(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    with pytest.raises(ValueError, match=r"seed holds 2 seeds for 3 prompts: give one seed per prompt"):
+        dec.generate(PROMPTS, seed=[1, 2], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"seed\[1\]='x': expected integers"):
+        dec.generate(PROMPTS, seed=[1, "x", 3], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"seed='7': expected an integer, or a list of one integer per prompt"):
+        dec.generate(PROMPTS, seed="7", max_new_tokens=4)
 
 
 LONG = "Start with 7. Add 5, then multiply it by 3. Subtract 4, then add 9. What is the result?\n\n"
@@ -755,8 +819,13 @@ def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, rewri
         decisions = [t.decision for r in batched for t in r.steps]
         assert {"accept", "reject"} <= set(decisions), gen  # both branches, in the same batch
         # idle rows (timing only): alone a row is fed by every forward; in the batch rows wait for each other
-        assert all(r.stats.idle_s == 0 for r in single) and sum(r.stats.idle_s for r in batched) > 0, gen
-        assert max(r.stats.done_idle_s for r in batched) > 0 and min(r.stats.done_idle_s for r in batched) >= 0
+        assert all(r.stats.idle_row_s == 0 for r in single) and sum(r.stats.idle_row_s for r in batched) > 0, gen
+        assert max(r.stats.done_idle_row_s for r in batched) > 0 and min(r.stats.done_idle_row_s for r in batched) >= 0
+        # issue 33 item 8: wall seconds (phases within the wall) and row-seconds (*_row_s) are named apart
+        s = summarize(batched)
+        phases = [k for k in s if k.endswith("_s") and not k.endswith(("_row_s", "_per_s")) and k != "wall_s"]
+        assert sum(s[k] for k in phases) <= s["wall_s"] * (1 + 1e-6), {k: s[k] for k in phases}
+        assert {"idle_row_s", "done_idle_row_s"} <= set(s) and not {"idle_s", "done_idle_s"} & set(s)
 
 
 def test_the_default_policy_takes_the_fast_path_only_with_one_tokenizer(tiny_pair):

@@ -219,8 +219,8 @@ class _StubDecoder:
     calls: list[tuple[str, list[str]]] = []
     answer_marker = None
 
-    def __init__(self, *args, options=None, **kwargs) -> None:
-        type(self).answer_marker = options.answer_marker
+    def __init__(self, *args, task=None, **kwargs) -> None:
+        type(self).answer_marker = task.answer_marker
 
     def generate(self, prompts, method="semanticspec", **kwargs):
         from probes.decoding.results import DecodeResult, DecodeStats
@@ -248,15 +248,65 @@ def test_callback_decodes_a_custom_task_in_batches_and_retimes_target_only(monke
         probes = torch.nn.ModuleDict({r: torch.nn.Linear(2, 1) for r in ("target", "draft")})
 
     first = cb.decode(Module())
-    assert [(m, len(p)) for m, p in _StubDecoder.calls] == [("target_only", 2), ("semanticspec", 2)] * 2 + [
-        ("target_only", 1), ("semanticspec", 1)]
-    assert _StubDecoder.calls[0][1] == ["Is 4 even?\n\n", "Is 5 even?\n\n"] and _StubDecoder.answer_marker == "Verdict:"
+    # an untimed warm-up on one problem, then every batch by both methods, their order rotating (issue 33 item 5)
+    assert [(m, len(p)) for m, p in _StubDecoder.calls] == [
+        ("target_only", 1), ("semanticspec", 1), ("target_only", 2), ("semanticspec", 2), ("semanticspec", 2),
+        ("target_only", 2), ("target_only", 1), ("semanticspec", 1)]
+    assert _StubDecoder.calls[2][1] == ["Is 4 even?\n\n", "Is 5 even?\n\n"] and _StubDecoder.answer_marker == "Verdict:"
     assert first["accuracy"] == 1.0 and first["accuracy_delta"] == 0.0 and first["problems"] == 5
-    # target-only walls (1, 2, 3 s per prompt in its batch) over SemanticSpec's 5 x 0.5 s
-    assert first["speedup"] == pytest.approx((2 * 1 + 2 * 2 + 1 * 3) / 2.5)
+    # target-only walls (2, 3, 4 s per prompt in its batch: the warm-up was the 1st call) over SemanticSpec's 5 x 0.5 s
+    assert first["speedup"] == pytest.approx((2 * 2 + 2 * 3 + 1 * 4) / 2.5)
     second = cb.decode(Module())
-    assert sum(m == "target_only" for m, _ in _StubDecoder.calls) == 6  # decoded again, not cached
-    assert second["speedup"] == pytest.approx((2 * 4 + 2 * 5 + 1 * 6) / 2.5)
+    assert sum(m == "target_only" for m, _ in _StubDecoder.calls) == 8  # decoded again, not cached
+    assert second["speedup"] == pytest.approx((2 * 6 + 2 * 7 + 1 * 8) / 2.5)
+
+
+def test_the_callback_says_when_its_speedup_is_unreliable(monkeypatch):
+    """Issue 33 item 5: a speedup timed under load, or while the machine's speed changed, is flagged and warned."""
+    import math
+
+    import torch
+
+    import callbacks.speculative_validation as sv
+    import probes.decoder
+    from probes.decoding.results import DecodeResult, DecodeStats
+    from probes.decoding.timing import rotation, timing_noise, unreliable_because
+
+    assert rotation(["a", "b", "c"], 4) == ["b", "c", "a"] and rotation(["a", "b"], 0) == ["a", "b"]
+    assert timing_noise([1.0, 2.0, 3.0], [10, 20, 30]) == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(timing_noise([1.0], [10]))  # one chunk says nothing
+    assert timing_noise([1.0, 3.0], [10, 10]) == pytest.approx(2 ** 0.5 / 2)
+    assert unreliable_because(float("nan"), float("nan")) == [] and unreliable_because(0.5, 0.05) == []
+    assert [r.split()[0] for r in unreliable_because(2.0, 0.5)] == ["load", "target-only"]
+
+    class Steady(_StubDecoder):
+        per_forward = [0.01]
+
+        def generate(self, prompts, method="semanticspec", **kwargs):
+            speed = self.per_forward[len(self.calls) % len(self.per_forward)]
+            wall = (0.5 if method == "semanticspec" else 1.0) * speed
+            self.calls.append((method, list(prompts)))
+            return [DecodeResult("Verdict: yes", stats=DecodeStats(wall_s=wall, output_tokens=4, target_passes=4))
+                    for _ in prompts]
+
+    class Module:
+        probes = torch.nn.ModuleDict({r: torch.nn.Linear(2, 1) for r in ("target", "draft")})
+
+    monkeypatch.setattr(probes.decoder, "SemanticSpecDecoder", Steady)
+    cb = sv.SpeculativeValidation(task=YesNoTask(), max_problems=6, batch_size=1)
+    cb._tokenizer = cb._draft_tokenizer = object()
+    monkeypatch.setattr(sv, "load_per_core", lambda: 0.4)
+    quiet = cb.decode(Module())
+    assert (quiet["speedup"], quiet["speedup_reliable"], quiet["load_per_core"]) == (2.0, 1.0, 0.4)
+    assert quiet["timing_noise"] == pytest.approx(0.0, abs=1e-12)
+    monkeypatch.setattr(sv, "load_per_core", lambda: 3.0)
+    with pytest.warns(UserWarning, match=r"spec/speedup=2.00 is not reliable: load average 3.00 per core"):
+        busy = cb.decode(Module())
+    assert (busy["speedup_reliable"], busy["load_per_core"]) == (0.0, 3.0)
+    monkeypatch.setattr(sv, "load_per_core", lambda: 0.4)
+    Steady.per_forward = [0.01, 0.01, 0.03]  # the machine's speed changes under the run
+    with pytest.warns(UserWarning, match=r"target-only seconds per forward varied by \d+% across problems"):
+        assert cb.decode(Module())["speedup_reliable"] == 0.0
 
 
 def test_callback_refuses_bad_task_arguments(tmp_path):

@@ -28,20 +28,21 @@ class TransformersLoop:
     policy = None
     probes_decide = False
 
-    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, seed: int, indices) -> list[DecodeResult]:
-        """Decode prompt by prompt: prompt ``k`` of the decode seeds transformers from its own stream ``(seed, k)``.
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, keys) -> list[DecodeResult]:
+        """Decode prompt by prompt: each seeds transformers from its own stream (``keys``: each prompt's
+        :data:`~generation.sampling.StreamKey`).
 
         Each stops at the models' context end: with one tokenizer the draft reads the same ids; with
         two, transformers hands text over and only the target's context is known here.
         """
         dtok = None if dec.shared else dec.draft_tokenizer
         out = []
-        for k, it, idd in zip(indices, ids_t, ids_d):
+        for key, it, idd in zip(keys, ids_t, ids_d):
             rooms = [(context_length(dec.target), len(it))]
             rooms += [(context_length(dec.draft), len(idd))] if dec.shared else []
             room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
             out.append(hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, it, self.assisted, max_new_tokens,
-                                   sampling, stream_seed(seed, k, "sampling"), room))
+                                   sampling, stream_seed(*key, "sampling"), room))
         return out
 
 

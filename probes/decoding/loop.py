@@ -18,7 +18,7 @@ import torch
 
 from generation.cache import BatchedCache
 from generation.handover import decode_text, pad_id
-from generation.sampling import Sampler, stream_seed
+from generation.sampling import Sampler, StreamKey, stream_seed
 from generation.specs import SamplingSpec
 from generation.writer import StepWriter
 from probes.decoding.policies import AcceptancePolicy
@@ -38,17 +38,17 @@ class StepLoop:
         ids_d: the prompts in the draft's.
         max_new_tokens: output token budget per prompt.
         sampling: temperature and top-p of both models (validated once, where the spec was built).
-        seed: the decode's seed.
-        indices: the prompts' indices in the decode: prompt ``k`` samples and flips its acceptance
-            coins from its own streams, seeded from ``(seed, k)``, so it decodes the same in any batch.
+        keys: each prompt's :data:`~generation.sampling.StreamKey`: it samples and flips its acceptance coins
+            from its own streams, seeded from its key (:func:`~generation.sampling.stream_keys`), so it decodes
+            the same in any batch.
     """
 
     def __init__(self, dec, ids_t: Sequence[list[int]], ids_d: Sequence[list[int]], max_new_tokens: int,
-                 sampling: SamplingSpec, seed: int, indices: Sequence[int]) -> None:
+                 sampling: SamplingSpec, keys: Sequence[StreamKey]) -> None:
         B = len(ids_t)
         def layers(probe):
             return probe.config.layer_ids if probe is not None else [-1]
-        streams = {s: [torch.Generator().manual_seed(stream_seed(seed, k, s)) for k in indices]
+        streams = {s: [torch.Generator().manual_seed(stream_seed(*key, s)) for key in keys]
                    for s in ("sampling", "coins")}
         self.dec, self.opt, self.sampler = dec, dec.options, Sampler(sampling, streams["sampling"])
         self.tgt = BatchedCache(dec.target, B, pad_id(dec.tokenizer), layers(dec.target_probe))
@@ -89,7 +89,7 @@ class StepLoop:
         out = []
         for i, r in enumerate(rows):
             r.stats.wall_s = wall / B
-            r.stats.done_idle_s = t_end - self.t_done.get(i, t_end)
+            r.stats.done_idle_row_s = t_end - self.t_done.get(i, t_end)
             r.stats.target_passes, r.stats.draft_passes = self.tgt.passes[i], self.drf.passes[i]
             text = self.dec.tokenizer.decode(r.out, skip_special_tokens=True) if self.dec.shared else r.text
             out.append(DecodeResult(text, r.trace, r.stats, r.stop_reason))
@@ -105,7 +105,7 @@ class StepLoop:
         total, now = sum(c.forward_s for c in caches) - total0, time.perf_counter()
         finished = []
         for i in active:
-            self.rows[i].stats.idle_s += total - (sum(c.served_s[i] for c in caches) - served0[i])
+            self.rows[i].stats.idle_row_s += total - (sum(c.served_s[i] for c in caches) - served0[i])
             if self.rows[i].done:
                 self.t_done[i] = now
                 finished.append(i)

@@ -29,9 +29,9 @@ class LoopRunner:
         """The probes decide, so the decode samples as their labels were sampled."""
         return self.policy is not None and self.policy.decides_with_probes
 
-    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, seed: int, indices) -> list:
-        """Decode one batch: prompts ``indices`` of the decode (their random streams derive from ``seed``)."""
-        return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, seed, indices).run(self)
+    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, keys) -> list:
+        """Decode one batch; ``keys``: each prompt's :data:`~generation.sampling.StreamKey` (its random streams)."""
+        return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, keys).run(self)
 
     def step(self, loop: StepLoop, active: list[int]) -> None:
         raise NotImplementedError

@@ -39,14 +39,22 @@ class StepTrace:
 class DecodeStats:
     """Counters of one prompt's decode (docs/design.md "Benchmark figures").
 
-    ``wall_s`` and the phase times (``*_s``) of a batch are shared evenly by its rows, so sums over
-    results give totals. ``steps`` counts committed steps (rejected proposals not included). Phases of
-    the speculative loop: the target's first step (``first_step_s``), drafting (``draft_s``), the
-    target's verification forward (``verify_s``), probes (``probe_s``) and the target rewriting
-    refused steps (``rewrite_s``: the rewrite phase, or with rewrites in the rounds a rewriting row's share of
-    the rounds it rides); the rest of ``wall_s`` is bookkeeping. Methods without a draft
-    count only ``wall_s``. ``idle_s`` and ``done_idle_s`` are this row's own seconds (row-seconds: summed
-    over a batch's rows they can exceed its wall time).
+    Two kinds of seconds, told apart by their names:
+
+    - **wall seconds** (``wall_s`` and the phase times, the other ``*_s``): in-process, a batch's seconds are shared
+      evenly by its rows, so their sum over a decode's results is the decode's wall time (and its phases' times);
+    - **row-seconds** (``*_row_s``): this row's own seconds while its batch ran, so summed over a batch's rows they
+      can exceed its wall time (8 rows idle through one 2-second forward are 16 row-seconds).
+
+    Served decoding (:class:`~probes.decoding.served.ServedDecoder`) times each prompt on its own: its ``wall_s``,
+    phases and ``http_s`` are the prompt's own seconds, which overlap when prompts run concurrently (the decode's
+    wall time is then ``ServedDecoder.last_wall_s``); at ``concurrency=1`` their sums are wall seconds.
+
+    ``steps`` counts committed steps (rejected proposals not included). Phases of the speculative loop: the
+    target's first step (``first_step_s``), drafting (``draft_s``), the target's verification forward
+    (``verify_s``), probes (``probe_s``) and the target rewriting refused steps (``rewrite_s``: the rewrite phase,
+    or with rewrites in the rounds a rewriting row's share of the rounds it rides); the rest of ``wall_s`` is
+    bookkeeping. Methods without a draft count only ``wall_s``.
     """
 
     wall_s: float = 0.0
@@ -64,11 +72,11 @@ class DecodeStats:
     rewrite_s: float = 0.0
     drafted_tokens: int = 0
     """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded)."""
-    idle_s: float = 0.0
-    """Step loop: seconds of forwards that ran while this row was unfinished but fed nothing by them (an
-    accepted row while the target rewrites another, a row whose step is written while others still draft)."""
-    done_idle_s: float = 0.0
-    """Step loop: seconds from the round this row finished in to the end of its batch (its slot still computed)."""
+    idle_row_s: float = 0.0
+    """Step loop, row-seconds: seconds of forwards that ran while this row was unfinished but fed nothing by them
+    (an accepted row while the target rewrites another, a row whose step is written while others still draft)."""
+    done_idle_row_s: float = 0.0
+    """Step loop, row-seconds: seconds from the round this row finished in to the end of its batch."""
     requests: int = 0
     """Served decoding: requests sent to the servers (reads and writes of both)."""
     prefill_tokens: int = 0
@@ -109,13 +117,20 @@ class DecodeResult:
 def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
     """Aggregate figures over prompts, named as in docs/design.md "Benchmark figures".
 
+    Every counter of :class:`DecodeStats` is summed over the results: ``wall_s`` and the phase times (``*_s``)
+    are wall seconds (for an in-process decode, its wall time and its phases'), ``idle_row_s`` and
+    ``done_idle_row_s`` are row-seconds (summed over rows, so they can exceed ``wall_s``); see
+    :class:`DecodeStats` for served decoding, whose prompts are timed on their own.
+
     Returns:
         ``step_acceptance``, ``draft_token_share``, ``target_passes_per_100_tokens``,
-        ``probe_overhead``, ``wall_s``, ``output_tokens``, ``tokens_per_s``, ``n_prompts``, ``steps``,
-        ``draft_steps_proposed``, ``draft_steps_accepted``, ``target_passes``, ``draft_passes``, ``probe_s``,
-        the served counters (``requests``, ``prefill_tokens``, ``http_s``) and ``n_errors``: prompts whose decode
-        failed (their counters are included up to the failure; an accuracy over these results must count them
-        as wrong, as their empty text does).
+        ``probe_overhead`` (``probe_s`` / ``wall_s``), ``tokens_per_s`` (``output_tokens`` / ``wall_s``),
+        ``n_prompts``, ``n_errors`` (prompts whose decode failed: their counters are included up to the failure;
+        an accuracy over these results must count them as wrong, as their empty text does), and the sums of
+        every :class:`DecodeStats` field: ``wall_s``, ``output_tokens``, ``steps``, ``draft_steps_proposed``,
+        ``draft_steps_accepted``, ``target_passes``, ``draft_passes``, the phase times (``probe_s``,
+        ``first_step_s``, ``draft_s``, ``verify_s``, ``rewrite_s``), the row-seconds (``idle_row_s``,
+        ``done_idle_row_s``) and the served counters (``requests``, ``prefill_tokens``, ``http_s``).
     """
     s = [r.stats for r in results]
     tot = {k: sum(getattr(x, k) for x in s) for k in DecodeStats.__dataclass_fields__}

@@ -45,7 +45,7 @@ from generation.engines.base import TokenLogprobs
 from generation.engines.checks import missing, servable_groups
 from generation.engines.connection import redact
 from generation.features import FeatureSpec, probe_input, rows_features
-from generation.sampling import stream_seed
+from generation.sampling import StreamKey, stream_keys, stream_seed
 from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
 from probes.decoding import setup
@@ -82,21 +82,25 @@ class ServedDecoder:
         options: loop options (:class:`LoopOptions`: first step, step spec, answer marker, bonus token;
             token-level speculation inside refused steps is the target server's own); None = ``LoopOptions()``.
         concurrency: prompts decoded at once (each has at most one request in flight).
+        task: the task whose problems are decoded: its ``answer_marker`` ends a decode unless
+            ``options.answer_marker`` says so (as :class:`~probes.decoder.SemanticSpecDecoder`'s ``task``).
         probe_dtype: the dtype the probes' MLPs run in, as :class:`~probes.decoder.SemanticSpecDecoder`'s
             (``"auto"``: float16 where it is fast, :func:`~probes.decoding.options.resolve_probe_dtype`), so a probe gives the
             same ``q`` served and in-process.
 
     Raises:
         ValueError: ``concurrency`` below 1, a probe for the other role, probes that disagree on their
-            step or sampling, a step spec that differs from the probes', or a bad ``probe_dtype``.
+            step or sampling, a step spec that differs from the probes', a bad ``probe_dtype``, or a task whose
+            answer marker differs from ``options.answer_marker``.
     """
 
     def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
-                 options: LoopOptions | None = None, *, concurrency: int = 4, probe_dtype: str = "auto") -> None:
+                 options: LoopOptions | None = None, *, concurrency: int = 4, probe_dtype: str = "auto",
+                 task=None) -> None:
         if not is_count(concurrency):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (prompts decoded at once)")
         self.target, self.draft, self.concurrency = target, draft, concurrency
-        self.policy, self.options = policy or default_policy(), options or LoopOptions()
+        self.policy, self.options = policy or default_policy(), setup.with_task(options, task)
         self.target_probe, self.draft_probe = (
             setup.in_dtype(p, probe_dtype, p.input_mean.device if p is not None else torch.device("cpu"))
             for p in (_load_probe(target_probe, "target"), _load_probe(draft_probe, "draft")))
@@ -110,8 +114,10 @@ class ServedDecoder:
         """Wall time of the last :meth:`generate` call (all prompts; per-prompt times overlap when concurrent)."""
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 256, temperature: float | None = None,
-                 top_p: float | None = None, seed: int = 0, method: str | AcceptancePolicy = "semanticspec", *,
-                 accept_rate: float | None = None, oracle: Callable[[str, str], bool] | None = None) -> list[DecodeResult]:
+                 top_p: float | None = None, seed: int | Sequence[int] = 0,
+                 method: str | AcceptancePolicy = "semanticspec", *,
+                 accept_rate: float | None = None, oracle: Callable[[str, str], bool] | None = None,
+                 allow_sampling_mismatch: bool = False) -> list[DecodeResult]:
         """Decode every prompt (text; the servers tokenize it) with ``method``, prompts concurrently.
 
         Args:
@@ -120,11 +126,15 @@ class ServedDecoder:
             temperature: 0 is greedy; None = the probes' label sampling, else 0.6; a value that differs
                 from the probes' is refused for methods the probes decide.
             top_p: nucleus mass; None = the probes', else 0.95.
-            seed: prompt ``k``'s request seeds and acceptance coins derive from ``(seed, k, step)``, so it
-                decodes the same whatever ``concurrency``.
+            seed: one integer: prompt ``k``'s request seeds and acceptance coins derive from ``(seed, k, step)``,
+                so it decodes the same whatever ``concurrency``; one seed per prompt (a list): from ``(seed[k], 0,
+                step)``, its own seed alone, so it decodes the same alone (``seed=seed[k]``) and at any position
+                (:func:`~generation.sampling.stream_keys`).
             method: a name of :data:`SERVED_METHODS` or an acceptance policy.
             accept_rate: ``random_accept``'s rate.
             oracle: ``oracle(step_text, output_so_far) -> bool`` of ``oracle_accept``.
+            allow_sampling_mismatch: warn instead of refusing a ``temperature``/``top_p`` that differs from the
+                probes' (as :meth:`~probes.decoder.SemanticSpecDecoder.generate`).
 
         Returns:
             One :class:`DecodeResult` per prompt, in order; a failed one has ``stop_reason="error"``.
@@ -136,11 +146,13 @@ class ServedDecoder:
         """
         policy, problems = self._method(method, accept_rate, oracle)
         sampling = setup.resolve_sampling(self._recorded_sampling, temperature, top_p,
-                                          enforce=policy is not None and policy.decides_with_probes)
+                                          enforce=policy is not None and policy.decides_with_probes,
+                                          allow_mismatch=allow_sampling_mismatch)
         setup.check_generate(max_new_tokens, None, problems)
         prompts = _read_prompts(prompts)
         self._check_servers(policy, method)
-        runs = [PromptDecode(self, k, p, max_new_tokens, sampling, seed) for k, p in enumerate(prompts)]
+        keys = stream_keys(seed, len(prompts))
+        runs = [PromptDecode(self, key, p, max_new_tokens, sampling) for key, p in zip(keys, prompts)]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(runs))) as pool:
             results = list(pool.map(lambda r: r.run(method if policy is None else policy), runs))
@@ -300,23 +312,21 @@ class PromptDecode:
 
     Args:
         dec: the decoder (engines, probes, step spec, options).
-        k: the prompt's index (its seeds derive from ``(seed, k)``).
+        key: what the prompt's seeds derive from (:data:`~generation.sampling.StreamKey`: ``(seed, k)``).
         prompt: the prompt text.
         budget: output token budget.
         sampling: temperature and top-p of both servers.
-        seed: the decode's seed.
     """
 
-    def __init__(self, dec: ServedDecoder, k: int, prompt: str, budget: int, sampling: SamplingSpec,
-                 seed: int) -> None:
-        self.dec, self.k, self.prompt, self.budget, self.sampling, self.seed = dec, k, prompt, budget, sampling, seed
+    def __init__(self, dec: ServedDecoder, key: StreamKey, prompt: str, budget: int, sampling: SamplingSpec) -> None:
+        self.dec, self.key, self.prompt, self.budget, self.sampling = dec, key, prompt, budget, sampling
         self.context, self.forced = prompt, ""  # committed text (prompt included); the bonus token opening the next step
         self.pieces: list[str] = []
         self.trace: list[StepTrace] = []
         self.stats = DecodeStats()
         self.done, self.reason = False, None
         self.used = 0  # tokens in the servers' context, from their last usage
-        self.coins = torch.Generator().manual_seed(stream_seed(seed, k, "coins"))
+        self.coins = torch.Generator().manual_seed(stream_seed(*key, "coins"))
 
     @property
     def output(self) -> str:
@@ -359,7 +369,7 @@ class PromptDecode:
     def request(self, role: str, kind: str, *args, **kw):
         """One request to the ``role`` server (``kind``: read or write), counted; a failure names the server."""
         engine = getattr(self.dec, role)
-        kw.update(sampling=self.sampling, seed=stream_seed(self.seed, self.k, f"{role}:{kind}:{len(self.trace)}"))
+        kw.update(sampling=self.sampling, seed=stream_seed(*self.key, f"{role}:{kind}:{len(self.trace)}"))
         t0 = time.perf_counter()
         try:
             answer = getattr(engine, kind)(*args, **kw)

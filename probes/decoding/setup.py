@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
+from dataclasses import replace
 
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count
-from probes.decoding.options import resolve_probe_dtype
+from probes.decoding.options import LoopOptions, resolve_probe_dtype
 
 
 def load(probe, model, tokenizer, role: str | None = None):
@@ -89,12 +91,20 @@ def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str
     return seen
 
 
-def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str]], what: str) -> None:
-    """Refuse an explicit value that differs from the probes', naming both."""
-    problems = [f"{k}={v!r} but the {seen[k][1]} was trained on {what} with {k}={seen[k][0]!r} (leave {k} unset "
-                f"to use the probe's)" for k, v in given.items() if v is not None and k in seen and seen[k][0] != v]
-    if problems:
-        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
+def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str]], what: str,
+                     warn: bool = False) -> None:
+    """Refuse an explicit value that differs from the probes', naming both (``warn``: warn instead)."""
+    differ = [k for k, v in given.items() if v is not None and k in seen and seen[k][0] != v]
+    problems = [f"{k}={given[k]!r} but the {seen[k][1]} was trained on {what} with {k}={seen[k][0]!r}" for k in differ]
+    if problems and warn:
+        warnings.warn("allow_sampling_mismatch=True: " + "; ".join(problems) + ". The probes judge steps unlike "
+                      "the ones they were trained on, so their decisions (and the accuracy) may suffer.",
+                      UserWarning, stacklevel=4)
+    elif problems:
+        fix = f"leave {' and '.join(differ)} unset to use the probe's"
+        if what == "steps sampled":
+            fix += ", or pass allow_sampling_mismatch=True to accept the mismatch"
+        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems) + f" ({fix})")
 
 
 def step_spec(probes, given: StepSpec | None) -> StepSpec:
@@ -102,6 +112,27 @@ def step_spec(probes, given: StepSpec | None) -> StepSpec:
     seen = recorded(probes, {"step": lambda c: c.step})
     refuse_conflicts({"step": given}, seen, "steps")
     return given or (seen["step"][0] if "step" in seen else StepSpec())
+
+
+def with_task(options: LoopOptions | None, task) -> LoopOptions:
+    """The loop options of a decoder given ``task`` (any object with an ``answer_marker``, such as a
+    ``datamodules.tasks.base.Task``): its answer marker ends a decode unless ``options`` name one.
+
+    Raises:
+        ValueError: ``options.answer_marker`` and the task's differ (naming both), or the task has no
+            ``answer_marker``.
+    """
+    options = options or LoopOptions()
+    if task is None:
+        return options
+    marker = getattr(task, "answer_marker", None)
+    if not isinstance(marker, str) or not marker:
+        raise ValueError(f"task={task!r} has no answer_marker (a non-empty string); give a "
+                         "datamodules.tasks.base.Task, or LoopOptions(answer_marker=...) and no task")
+    if options.answer_marker not in (None, marker):
+        raise ValueError(f"options.answer_marker={options.answer_marker!r} but the task's is {marker!r}; "
+                         "give one of them")
+    return replace(options, answer_marker=marker)
 
 
 def check_generate(max_new_tokens, batch_size, problems: list[str]) -> None:
@@ -122,16 +153,18 @@ def sampling_spec(probes) -> dict[str, tuple[object, str]]:
                              for k in ("temperature", "top_p")})
 
 
-def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool) -> SamplingSpec:
+def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool,
+                     allow_mismatch: bool = False) -> SamplingSpec:
     """The sampling of a decode: the call's values, else the probes' label sampling, else the defaults.
 
     Args:
         seen: :func:`sampling_spec` of the decoder's probes.
         enforce: the method decides with the probes, so an explicit value that differs from how
             their labels were sampled is refused (naming both).
+        allow_mismatch: warn about such a value instead of refusing it (the caller's explicit opt-in).
     """
     given = {"temperature": temperature, "top_p": top_p}
     if enforce:
-        refuse_conflicts(given, seen, "steps sampled")
+        refuse_conflicts(given, seen, "steps sampled", warn=allow_mismatch)
     out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}
     return SamplingSpec(**out)  # validated here, once
