@@ -287,7 +287,7 @@ def test_a_server_that_echoes_the_key_has_it_blanked(fakes, monkeypatch):
 
 @pytest.mark.slow
 def test_llama_cpp_python_read_equals_its_full_echo_and_write_stops_at_the_delimiter(tmp_path):
-    from benchmarks.llama_server import LlamaServer, server_available
+    from datamodules.arithmetic.serve import LlamaServer, server_available
     from tests.conftest import DRAFT, TARGET, gguf_or_skip
 
     if not server_available():
