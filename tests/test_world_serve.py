@@ -39,3 +39,10 @@ def test_defaults_are_the_ports_the_served_config_builds_against():
     served = (Path(__file__).resolve().parents[1] / "configs" / "served.yaml").read_text()
     assert all(f"127.0.0.1:{port}" in served for port in serve.PORTS.values())
     assert serve.PORTS == {"target": 8851, "draft": 8852}
+
+
+def test_a_world_folder_without_models_is_refused_naming_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(serve, "server_available", lambda: True)
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())  # as if gguf were installed
+    line = _refused(capsys, ["--root", str(tmp_path / "world"), "--log_dir", str(tmp_path / "logs")])
+    assert "cannot serve the world's models" in line and str(tmp_path / "world") in line

@@ -192,8 +192,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         _refuse(INSTALL)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     ports = {"target": args.target_port, "draft": args.draft_port}
-    servers = [world_server(role, port, log=args.log_dir / f"{role}.log", n_threads=args.threads, root=args.root)
-               for role, port in ports.items()]
+    try:  # writes the world's GGUF files on first use
+        servers = [world_server(role, port, log=args.log_dir / f"{role}.log", n_threads=args.threads,
+                                root=args.root) for role, port in ports.items()]
+    except (OSError, ValueError) as e:
+        _refuse(f"cannot serve the world's models: {e}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
     try:
         for server in servers:
