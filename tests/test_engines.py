@@ -457,7 +457,7 @@ def test_a_server_that_echoes_the_key_has_it_blanked(fakes, monkeypatch):
 
 @pytest.mark.slow
 def test_llama_cpp_python_read_equals_its_full_echo_and_write_stops_at_the_delimiter(tmp_path):
-    from benchmarks.llama_server import LlamaServer, server_available
+    from datamodules.arithmetic.serve import LlamaServer, server_available
     from tests.conftest import DRAFT, TARGET, gguf_or_skip
 
     if not server_available():
@@ -556,7 +556,7 @@ def test_one_redaction_blanks_the_connection_key_and_key_like_variables(monkeypa
 
 @pytest.mark.slow
 def test_a_real_llama_cpp_python_server_is_identified_and_accepts_the_neutral_fields(tmp_path):
-    from benchmarks.llama_server import server_available, world_server
+    from datamodules.arithmetic.serve import server_available, world_server
     from generation.engines import NEUTRAL_SAMPLING
     from generation.engines.connection import Connection, identify
 

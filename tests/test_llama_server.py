@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.llama_server import LlamaServer, server_available
+from datamodules.arithmetic.serve import LlamaServer, server_available
 from tests.conftest import DRAFT, TARGET, gguf_or_skip, need_modules
 
 pytestmark = pytest.mark.slow

@@ -53,3 +53,108 @@ def test_readme_decoder_example_runs(capsys):
     exec(compile(example, str(README), "exec"), {"__name__": "readme_example"})
     out = capsys.readouterr().out
     assert "Answer:" in out and "step_acceptance" in out
+
+
+# --------------------------------------------------------------------------- issue 33: a README a user can follow
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start: end if end > 0 else len(text)]
+
+
+def test_readme_stays_short_with_one_headline_table_linking_the_figures():
+    """Issue 33.17: at most 300 lines; the figures are one generated table that links to docs/benchmarks.md."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    results = _section("Results in one table")
+    assert "<!-- report:headline -->" in results and "(docs/benchmarks.md)" in results
+    assert "embedded world" in results and "real pretrained" in results  # says where each figure comes from
+    separators = [line for line in text.splitlines() if line.startswith("|---")]
+    assert len(separators) <= 3  # the headline, the main job's output, the engines; measured figures live elsewhere
+
+
+def test_readme_says_which_format_the_shipped_probes_are_in():
+    """Issue 33.9: the shipped default probes' config format, as the README states it, is the one on disk."""
+    import json
+
+    from probes.config import FORMAT_VERSION
+
+    shipped = {json.loads((README.parent / "checkpoints" / "arithmetic" / "probes" / r / "config.json").read_text())
+               ["format_version"] for r in ("target", "draft")}
+    main_job = " ".join(_section("The main job").split())
+    assert len(shipped) == 1 and f"in config format {shipped.pop()}" in main_job
+    assert f"today's code writes format {FORMAT_VERSION}" in main_job
+    assert "9 stays" not in README.read_text()  # issue 33.9: the walk figures went stale and left the README
+
+
+def test_design_doc_gives_the_formats_the_code_writes():
+    """Issue 33.9: docs/design.md named probe config formats 3 and 4 and the old `config.delimiters` layout."""
+    from datamodules.labels.shards import FORMAT_VERSION as MANIFEST
+    from probes.config import FORMAT_VERSION as PROBE
+
+    design = (README.parent / "docs" / "design.md").read_text()
+    exported = design[design.index("### Exported probe"): design.index("## The embedded world")]
+    assert f"`format_version` ({PROBE})" in exported
+    shards = design[design.index("### Label data: shards and manifest"): design.index("### Exported probe")]
+    assert f"`format_version` ({MANIFEST})" in shards
+    assert "config.delimiters" not in design and "(format 4) carries" not in design
+
+
+@pytest.mark.slow
+def test_readme_serving_section_runs(tmp_path):
+    """Issue 33.4: the "Serving" section's commands as written: install check, start the world's two servers with
+    the one command, decode through ServedDecoder with the shipped servable pair, stop the servers."""
+    import os
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from datamodules.arithmetic.serve import PORTS, server_available
+
+    section = _section("Serving")
+    bash = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0]
+    commands = [line.split("#")[0].strip() for line in bash.splitlines()]
+    assert commands[0] == 'pip install -e ".[server]"'
+    assert "llama-cpp-python[server]" in (README.parent / "pyproject.toml").read_text()  # what that extra installs
+    if not server_available():
+        if os.environ.get("CI"):
+            pytest.fail("llama-cpp-python[server] is not installed; .ci/run installs it")
+        pytest.skip("llama-cpp-python[server] not installed; see README 'Serving'")
+    serve = shlex.split(commands[1])
+    assert serve[:3] == ["python", "-m", "datamodules.arithmetic.serve"]
+    proc = subprocess.Popen([sys.executable, *serve[1:], "--log_dir", str(tmp_path)], cwd=README.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600  # the first run writes the GGUF files
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                for port in PORTS.values():
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(1)
+        assert proc.poll() is None, proc.stdout.read()
+        example = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+        assert "checkpoints/arithmetic/probes-topk/target" in example and "ServedDecoder" in example
+        scope = {"__name__": "readme_serving"}
+        cwd = os.getcwd()
+        os.chdir(README.parent)  # the example's paths are relative to the clone, as for a user in it
+        try:
+            exec(compile(example, str(README), "exec"), scope)
+        finally:
+            os.chdir(cwd)
+        results = scope["results"]
+        assert len(results) == 4 and all(r.ok for r in results), [r.error for r in results]
+        assert sum(r.stats.draft_steps_accepted for r in results) > 0  # the probes kept draft steps
+        assert sum(scope["task"].check(r.text, p["answer"]) for r, p in zip(results, scope["problems"])) >= 3
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert "both servers ready" in out and "stopping both servers" in out, out
+    assert proc.returncode == 0, out

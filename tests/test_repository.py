@@ -30,10 +30,37 @@ def test_quick_benchmark_results_are_ignored_and_untracked():
     assert _git("check-ignore", "--no-index", "benchmarks/results/decode.json").strip() == ""
 
 
+def _repository_files() -> list[Path]:
+    """The files git would commit: tracked ones and untracked ones that ``.gitignore`` does not hide (issue 33.1).
+
+    Never a walk of the whole folder: a clone holds a ``.venv/``, ``data/`` and ``runs/`` that are not the
+    repository's (a dependency's Big5-encoded source in ``.venv/`` broke ``read_text``). A virtual environment is
+    left out even where ``.gitignore`` does not name it (any folder holding a ``pyvenv.cfg``), and so are
+    dot-folders other than ``.ci/``. Outside a git checkout (an unpacked sdist) the folder is walked with the same
+    exclusions.
+    """
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, text=True, timeout=60)
+        names = out.stdout.split("\0") if out.returncode == 0 else None
+    except FileNotFoundError:
+        names = None
+    if names is None:
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")]
+    venvs = {p.parent.relative_to(ROOT).parts for p in ROOT.glob("*/pyvenv.cfg")}
+    skip = {"data", "runs", "lightning_logs", "__pycache__"}
+
+    def kept(name: str) -> bool:
+        parts = Path(name).parts
+        return (not skip & set(parts[:-1]) and parts[:1] not in venvs
+                and not any(part.startswith(".") and part != ".ci" for part in parts[:-1]))
+
+    return [ROOT / name for name in names if name and kept(name) and (ROOT / name).is_file()]
+
+
 def _text_files() -> list[Path]:
-    skip = {".git", "data", "runs", "lightning_logs", "__pycache__"}
-    return [p for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.relative_to(ROOT).parts)
-            and (p.suffix in {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt"} or p.parent.name == ".ci")]
+    return [p for p in _repository_files()
+            if p.suffix in {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt"} or p.parent.name == ".ci"]
 
 
 _OUTSIDE = re.compile("|".join([r"\.\./" + "shared", "DESIGN" + r"\.md", "STYLE" + r"\.md", "ENGINES" + r"\.md"]))
@@ -80,3 +107,12 @@ def test_readme_says_which_main_job_figures_depend_on_the_thread_count():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## The main job"): text.index("## Using a probe in the decoder")]
     assert "**Thread count.**" in section and "OMP_NUM_THREADS=1" in section and "torch.set_num_threads" in section
+
+
+def test_a_virtual_environment_inside_the_clone_is_ignored_and_never_read(tmp_path):
+    """Issue 33.1: `python -m venv .venv` inside the clone leaves `git status` clean and the repository walks skip
+    it, even a venv `.gitignore` does not name (a dependency's file in another encoding broke `read_text`)."""
+    names = [".venv/lib/site-packages/x.py", "venv/lib/site-packages/x.py"]
+    assert set(_git("check-ignore", "--no-index", *names).split()) == set(names)
+    walked = {p.relative_to(ROOT).parts[0] for p in _repository_files()}
+    assert not walked & {".venv", "venv", ".git", "data", "runs"}, walked

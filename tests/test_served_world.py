@@ -1,7 +1,7 @@
 """Served SemanticSpec against real llama-cpp-python servers (issue 20, item 5); slow, run by ``.ci/run``.
 
 The embedded world's target and draft are served from their f32 GGUFs with an f32 KV cache
-(:func:`benchmarks.llama_server.world_server`, ports 8851/8852: ``configs/served.yaml``'s), and the real
+(:func:`datamodules.arithmetic.serve.world_server`, ports 8851/8852: ``configs/served.yaml``'s), and the real
 pretrained pair (Gemma-3-270m target, SmolLM2-135M draft) from their PyPI GGUFs on 8853/8854. Servers
 start once per module (the real pair only when its test runs) and are killed by pid at the end.
 Without llama-cpp-python the module is skipped; under ``CI=1`` (``.ci/run`` installs it) that fails.
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from benchmarks.llama_server import LlamaServer, server_available, world_server
+from datamodules.arithmetic.serve import LlamaServer, server_available, world_server
 from probes.decoding.options import LoopOptions
 from probes.decoding.results import summarize
 from probes.decoding.served import ServedDecoder

@@ -174,7 +174,7 @@ def test_world_gguf_is_written_once_and_again_when_the_weights_change(tmp_path):
 
 
 def test_world_server_serves_the_cached_gguf_with_f32_kv():
-    from benchmarks.llama_server import LlamaServer, world_server
+    from datamodules.arithmetic.serve import LlamaServer, world_server
     from datamodules.arithmetic.gguf import world_gguf
 
     _llama_cpp()
@@ -209,7 +209,7 @@ GREEDY = {"temperature": 0, "repeat_penalty": 1.0}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from benchmarks.llama_server import server_available, world_server
+    from datamodules.arithmetic.serve import server_available, world_server
     from datamodules.arithmetic.models import load_model, load_tokenizer
 
     _llama_cpp()

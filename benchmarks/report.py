@@ -1,0 +1,243 @@
+"""Write the tables of measured figures into docs/benchmarks.md and the README from ``benchmarks/results/*.json``.
+
+::
+
+    python -m benchmarks.report            # rewrite every generated table in place
+    python -m benchmarks.report --check    # exit 1, naming the stale tables, when a page is out of date
+
+A generated table sits between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->``; the text around the
+markers is hand-written and kept as it is. A benchmark run rewrites its JSON; this command then brings the pages
+up to date, and ``tests/test_benchmark_report.py`` fails while they are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
+"""The pages whose ``report:`` blocks this module writes."""
+BLOCK = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
+
+DECODE_METHODS = {
+    "target_only": "target only",
+    "semanticspec": "**SemanticSpec** (the defaults: hybrid probes, threshold 0.5, gated top-1 fast path, float16 "
+                    "MLPs; the draft writes the first step, token-level SD in the target's steps, refused steps "
+                    "rewritten in the rounds)",
+    "semanticspec[no_fast_path]": "SemanticSpec, the probes alone (no fast path)",
+    "semanticspec[probe_dtype=float32]": "SemanticSpec, float32 MLPs (the exported precision)",
+    "semanticspec[rewrite_phase]": "SemanticSpec, refused steps rewritten in a phase of their own",
+    "semanticspec[target_first_step]": "SemanticSpec, target writes the first step",
+    "semanticspec[no_token_sd]": "SemanticSpec, target's steps without token-level SD",
+    "semanticspec[paper_loop]": "SemanticSpec, the paper's loop (both of the above)",
+    "semanticspec[token_stats]": "SemanticSpec, token statistics only (probe alone)",
+    "semanticspec[hidden]": "SemanticSpec, the paper's probe (pooled hidden states only, probe alone)",
+    "semanticspec[rule=ratio]": "SemanticSpec, the paper's ratio rule",
+    "random_accept": "random acceptance (same rate)",
+    "oracle_accept": "oracle acceptance",
+    "specreason": "SpecReason-style",
+    "token_sd": "token-level SD (transformers, vs its own target-only)",
+    "hf_target_only": "transformers' own target-only loop",
+    "draft_only": "draft only",
+}
+"""Row names of the decoding table, in its order; a method the JSON holds and this does not is listed by its key."""
+FIRST_STEP = {
+    "target_first_step": "target writes the first step (the paper)",
+    "draft_first_step": "draft writes the first step",
+    "target_first_step+token_sd": "target first step, token-level SD in the target's steps",
+    "draft_first_step+token_sd": "**draft first step, token-level SD in the target's steps (the default)**",
+}
+LABEL_VARIANTS = {
+    "hdbscan+judge": "HDBSCAN + judge (default, numbers check on)",
+    "hdbscan+judge, match_numbers off": "HDBSCAN + judge, numbers check off",
+    "hdbscan": "HDBSCAN only",
+    "judge": "judge only",
+    "hdbscan+oracle_judge": "HDBSCAN + an oracle judge",
+}
+SERVED_METHODS = {
+    "target_only": "target only (one request per problem)",
+    "semanticspec": "SemanticSpec (the shipped `probes-topk` pair)",
+    "oracle_accept": "oracle acceptance",
+    "semanticspec_engine_probes": "SemanticSpec, probes trained on engine-read labels",
+}
+
+
+@lru_cache(maxsize=None)
+def load(name: str) -> dict:
+    """``benchmarks/results/<name>.json``."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def signed(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:+.{digits}f}".replace("-", "\u2212")
+
+
+def ordered(found: dict, names: dict) -> list[tuple[str, str]]:
+    """``(key, row name)`` for every key of ``found``: ``names``' order first, then unknown keys as they are."""
+    return [(k, names[k]) for k in names if k in found] + [(k, k) for k in found if k not in names]
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+def headline() -> str:
+    """The README's one table: SemanticSpec's speedup and accuracy, where each figure comes from."""
+    d, s, r = load("decode"), load("served"), load("real")
+    m, t = d["methods"]["semanticspec"], d["methods"]["target_only"]
+    b8 = d["batch_scaling"]["table"]["semanticspec"]["8"]
+    sm, st = s["methods"]["semanticspec"], s["methods"]["target_only"]
+    rm, rt = r["methods"]["semanticspec"], r["methods"]["target_only"]
+    rows = [
+        ["embedded world, in-process, 1 prompt", f"{d['n_problems']}", f"**{m['speedup']:.2f}x**",
+         f"{m['accuracy']:.3f} ({t['accuracy']:.3f})", num(m["step_acceptance"])],
+        ["embedded world, in-process, 8 prompts", f"{b8['problems']}", f"{b8['speedup']:.2f}x",
+         f"{b8['accuracy']:.3f} ({d['batch_scaling']['table']['target_only']['8']['accuracy']:.3f})", "-"],
+        ["embedded world, two llama.cpp servers", f"{s['n_problems']}", f"{sm['speedup']:.2f}x",
+         f"{sm['accuracy']:.3f} ({st['accuracy']:.3f})", num(sm["step_acceptance"])],
+        ["real pair (Gemma-3-270m, SmolLM2-135M drafting), in-process", f"{r['n_problems']}",
+         f"{rm['speedup']:.2f}x", f"{rm['accuracy']:.3f} ({rt['accuracy']:.3f})", num(rm["step_acceptance"])],
+    ]
+    return table(["setting (CPU, 2 cores)", "problems", "SemanticSpec speedup over target-only",
+                  "accuracy (target-only)", "step acceptance"], rows)
+
+
+def decode_methods() -> str:
+    ms = load("decode")["methods"]
+    rows = [[name, num(m["accuracy"]), signed(m.get("accuracy_delta")) if k != "target_only" else "-",
+             f"{m['speedup']:.2f}", num(m.get("step_acceptance")) if m.get("step_acceptance") else "-",
+             num(m.get("draft_token_share")), num(m.get("target_passes_per_100_tokens"), 1),
+             num(m["probe_overhead"]) if m.get("probe_overhead") else "-"] for k, name in ordered(ms, DECODE_METHODS)
+            for m in [ms[k]]]
+    return table(["method", "accuracy", "\u0394", "speedup", "step acceptance", "draft token share",
+                  "target passes / 100 tokens", "probe overhead"], rows)
+
+
+def decode_decisions() -> str:
+    ms = load("decode")["methods"]
+    cols = ["right_kept", "wrong_kept", "right_refused", "wrong_refused"]
+    rows = [[name] + [str(ms[k]["decisions"][c]) for c in cols]
+            for k, name in ordered(ms, DECODE_METHODS) if "decisions" in ms[k]]
+    return table(["method", "right kept", "wrong kept", "right refused", "wrong refused"], rows)
+
+
+def batch_scaling() -> str:
+    bs = load("decode-scaling")["batch_scaling"]
+    t, s, ph = bs["table"]["target_only"], bs["table"]["semanticspec"], bs["phases"]["semanticspec"]
+    full = load("decode")["batch_scaling"]["table"]["semanticspec"]
+    rows = []
+    for n in sorted(s, key=int):
+        each = ", ".join(f"{x:.2f}" for x in s[n]["speedup_repeats"])
+        sh = ph[n]["shares"]
+        rows.append([n, f"{t[n]['tokens_per_s']:.0f}", f"{s[n]['tokens_per_s']:.0f}", f"{s[n]['speedup']:.2f} ({each})",
+                     f"{s[n]['predicted_speedup']:.2f}", f"{s[n]['positions_free_speedup']:.2f}",
+                     f"{full[n]['speedup']:.2f}" if n in full else "-",
+                     " / ".join(f"{100 * sh[p]:.1f}" for p in ("draft", "verify", "rewrite", "probe")) + "%",
+                     f"{100 * ph[n]['idle_rows_share']:.1f}%", f"{100 * ph[n]['done_rows_share']:.1f}%",
+                     f"{s[n]['target_positions_per_forward']:.1f}"])
+    return table(["prompts", "target only tokens/s", "SemanticSpec tokens/s", "speedup (each pass)", "predicted",
+                  "positions free (projected)", "full run (`decode.json`)", "draft / verify / rewrite / probe share",
+                  "idle row-seconds", "finished rows' share", "target positions per forward"], rows)
+
+
+def first_step() -> str:
+    f = load("first-step")
+    rows = [[name, num(m["accuracy"]), f"{signed(m['accuracy_delta'])} ({signed(m['accuracy_delta_ci95'][0])}, "
+             f"{signed(m['accuracy_delta_ci95'][1])})", f"{m['speedup']:.2f}", num(m["step_acceptance"])]
+            for k, name in ordered({k: v for k, v in f["methods"].items() if k != "target_only"}, FIRST_STEP)
+            for m in [f["methods"][k]]]
+    return table(["setting", "accuracy", "\u0394 (95% interval)", "speedup", "step acceptance"], rows)
+
+
+def world() -> str:
+    w = load("world")
+    names = {"target": "target (Llama 18x128)", "draft": "draft (Llama 1x96)"}
+    rows = [[names[r], num(w[r]["accuracy"]), f"{w[r]['ms_per_token']:.2f}",
+             " / ".join(f"{x:.2f}" for x in w["template_distribution"][r]["shares"])] for r in names]
+    return table(["model", "accuracy", "ms/token", "templates 0/1/2/3"], rows)
+
+
+def labels() -> str:
+    v = load("labels")["variants"]
+    rows = [[name, num(v[k]["ari"]), num(v[k]["q_mae"]), num(v[k]["p_mae"]),
+             f"{100 * v[k]['draft_wrong_false_high_share']:.1f}%"] for k, name in ordered(v, LABEL_VARIANTS)]
+    return table(["grouping", "ARI vs oracle", "q MAE", "p MAE", "wrong draft steps with label q >= 0.5"], rows)
+
+
+def served_methods() -> str:
+    ms = load("served")["methods"]
+    rows = [[name, num(m["accuracy"]), f"{m['speedup']:.2f}",
+             num(m["step_acceptance"]) if k != "target_only" else "-", str(m["requests"])]
+            for k, name in ordered(ms, SERVED_METHODS) for m in [ms[k]]]
+    return table(["method", "accuracy", "speedup over served target-only", "step acceptance", "requests"], rows)
+
+
+def train() -> str:
+    t = load("train")["samples_per_s"]
+    rows = [[w, f"{t[w]['loader']:,.0f}", f"{t[w]['step']:,.0f}", f"{t[w]['end_to_end']:,.0f}",
+             "yes" if t[w]["loader"] < t[w]["step"] else "no"] for w in sorted(t, key=int)]
+    return table(["features", "loader alone", "step alone", "end to end", "loader bound"], rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "headline": headline, "decode-methods": decode_methods, "decode-decisions": decode_decisions,
+    "batch-scaling": batch_scaling, "first-step": first_step, "world": world, "labels": labels,
+    "served-methods": served_methods, "train": train,
+}
+"""Every generated table by the name its markers carry."""
+
+
+# --------------------------------------------------------------------------- the pages
+
+
+def render(text: str) -> str:
+    """``text`` with every ``report:`` block rewritten from the JSON; an unknown block name is refused."""
+    def one(m: re.Match) -> str:
+        name = m["name"]
+        if name not in TABLES:
+            raise ValueError(f"<!-- report:{name} -->: no such table; expected one of {sorted(TABLES)}")
+        return m.group(1) + TABLES[name]() + m.group(4)
+
+    return BLOCK.sub(one, text)
+
+
+def stale(page: Path) -> list[str]:
+    """Names of the blocks of ``page`` that differ from what the JSON gives."""
+    text = page.read_text()
+    fresh = {m["name"]: m["body"] for m in BLOCK.finditer(render(text))}
+    return [m["name"] for m in BLOCK.finditer(text) if fresh[m["name"]] != m["body"]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="only say which pages are out of date (exit status 1)")
+    args = ap.parse_args(argv)
+    out_of_date = {p.relative_to(ROOT): stale(p) for p in PAGES}
+    out_of_date = {p: names for p, names in out_of_date.items() if names}
+    if args.check:
+        for page, names in out_of_date.items():
+            print(f"{page}: out of date: {', '.join(names)} (run python -m benchmarks.report)", file=sys.stderr)
+        raise SystemExit(1 if out_of_date else 0)
+    for page in PAGES:
+        page.write_text(render(page.read_text()))
+    print(f"rewrote {sum(map(len, out_of_date.values()))} tables" + "".join(
+        f"; {p}: {', '.join(n)}" for p, n in out_of_date.items()))
+
+
+if __name__ == "__main__":
+    main()

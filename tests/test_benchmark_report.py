@@ -1,0 +1,60 @@
+"""docs/benchmarks.md and the README's headline table are written from benchmarks/results/*.json (issue 33.17)."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("page", report.PAGES, ids=lambda p: p.name)
+def test_generated_tables_are_up_to_date_with_the_json(page):
+    assert report.BLOCK.search(page.read_text()), f"{page.name} holds no generated table"
+    assert report.stale(page) == [], f"{page.name} is out of date: run python -m benchmarks.report"
+
+
+def test_every_table_is_placed_and_every_result_with_a_table_is_shown():
+    placed = {m["name"] for page in report.PAGES for m in report.BLOCK.finditer(page.read_text())}
+    assert placed == set(report.TABLES)
+    assert "<!-- report:headline -->" in (ROOT / "README.md").read_text()
+
+
+def test_a_changed_result_makes_the_page_stale_and_the_report_rewrites_only_its_table(monkeypatch, tmp_path):
+    """The check can fail: a figure moved in the JSON shows up as a stale table, and rendering fixes just that."""
+    results = tmp_path / "results"
+    shutil.copytree(report.RESULTS, results)
+    decode = json.loads((results / "decode.json").read_text())
+    decode["methods"]["semanticspec"]["speedup"] = 9.87
+    (results / "decode.json").write_text(json.dumps(decode))
+    monkeypatch.setattr(report, "RESULTS", results)
+    report.load.cache_clear()
+    try:
+        page = tmp_path / "benchmarks.md"
+        page.write_text((ROOT / "docs" / "benchmarks.md").read_text())
+        assert report.stale(page) == ["decode-methods"]
+        text = page.read_text()
+        fresh = report.render(text)
+        assert "| 9.87 |" in fresh and "| 9.87 |" not in text
+        outside = re.sub(report.BLOCK, "", text)
+        assert re.sub(report.BLOCK, "", fresh) == outside  # the hand-written text is kept as it is
+    finally:
+        report.load.cache_clear()
+
+
+def test_an_unknown_table_name_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"report:nope.*no such table.*decode-methods"):
+        report.render("<!-- report:nope -->\n<!-- /report:nope -->")
+
+
+@pytest.mark.integration
+def test_the_check_command_exits_0_when_up_to_date():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.report", "--check"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr

@@ -1,0 +1,48 @@
+"""`python -m datamodules.arithmetic.serve`: the one command that starts the world's two servers (issue 33.4).
+
+The servers themselves run in the slow README test (tests/test_readme.py::test_readme_serving_section_runs) and in
+tests/test_served_world.py; these check the command's refusals, which need no llama.cpp.
+"""
+
+import pytest
+
+from datamodules.arithmetic import serve
+
+
+def _refused(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        serve.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target_port", "8852"], "--target_port and --draft_port are both 8852: give each server its own port"),
+    (["--draft_port", "0"], "--draft_port 0: expected a port from 1 to 65535"),
+    (["--threads", "0"], "--threads 0: expected an integer >= 1"),
+])
+def test_bad_values_are_refused_in_one_line(capsys, argv, message):
+    assert _refused(capsys, argv) == f"python -m datamodules.arithmetic.serve: {message}"
+
+
+def test_a_missing_server_install_says_how_to_install_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(serve, "server_available", lambda: False)
+    line = _refused(capsys, ["--log_dir", str(tmp_path / "logs")])
+    assert 'pip install -e ".[server]"' in line and "README 'Serving'" in line
+    assert not (tmp_path / "logs").exists()  # refused before anything is written
+
+
+def test_defaults_are_the_ports_the_served_config_builds_against():
+    from pathlib import Path
+
+    served = (Path(__file__).resolve().parents[1] / "configs" / "served.yaml").read_text()
+    assert all(f"127.0.0.1:{port}" in served for port in serve.PORTS.values())
+    assert serve.PORTS == {"target": 8851, "draft": 8852}
+
+
+def test_a_world_folder_without_models_is_refused_naming_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(serve, "server_available", lambda: True)
+    pytest.importorskip("gguf")  # the dev extra installs it
+    line = _refused(capsys, ["--root", str(tmp_path / "world"), "--log_dir", str(tmp_path / "logs")])
+    assert "cannot serve the world's models" in line and str(tmp_path / "world") in line
