@@ -67,7 +67,8 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
     tok = _tokenizer("draft")
     contexts = _contexts(tok, 2 if quick else 4, 4 if quick else 8)
     n, rounds = (2, 1) if quick else (4, 2)
-    s = OpenAISampler([server.url], None, tok, StepSpec(DEFAULT_DELIMITERS, 64), SamplingSpec(0.8, 0.95), api_key_env="", concurrency=8)
+    s = OpenAISampler([server.url], None, tok, StepSpec(DEFAULT_DELIMITERS, 64), SamplingSpec(0.8, 0.95),
+                      api_key_env="", concurrency=8)
     s.sample(contexts[:1], 2, seed=99)  # learns that the server ignores n: from here on, one request per sample
     sent: list[dict] = []
     request = s._request
@@ -107,9 +108,11 @@ def builds(servers: dict, quick: bool, log=print) -> dict:
     for backend in ("hf", "openai"):
         extra = {}
         if backend == "openai":
-            extra["openai"] = OpenAIConfig(**{r: EndpointConfig(urls=[servers[r].url]) for r in servers}, api_key_env="")
+            extra["openai"] = OpenAIConfig(**{r: EndpointConfig(urls=[servers[r].url]) for r in servers},
+                                           api_key_env="")
         config = BuildConfig(target=PAIR["target"][0], draft=PAIR["draft"][0], n_problems=1 if quick else 3,
-                             shard_size=8, judge=JudgeConfig(kind="none"), clustering=ClusteringConfig(method="hdbscan"),
+                             shard_size=8, judge=JudgeConfig(kind="none"),
+                             clustering=ClusteringConfig(method="hdbscan"),
                              sampling=SamplingConfig(backend=backend, n_samples=4, **extra),
                              steps=StepSpec(max_step_tokens=32))
         with tempfile.TemporaryDirectory() as d:

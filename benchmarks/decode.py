@@ -299,7 +299,8 @@ def arguments() -> argparse.ArgumentParser:
         default=None,
         help="ratio scales (ratio rule) or tau values (threshold rule) for the SemanticSpec sweep",
     )
-    ap.add_argument("--random-sweep", type=float, nargs="*", default=None, help="accept rates of the random-acceptance sweep")
+    ap.add_argument("--random-sweep", type=float, nargs="*", default=None,
+                    help="accept rates of the random-acceptance sweep")
     ap.add_argument("--oracle-sweep", type=float, nargs="*", default=None,
                     help="keep_right values of the oracle sweep (right steps kept with this probability, wrong never)")
     ap.add_argument("--ablation-root", default=str(ABLATION_ROOT),
@@ -444,7 +445,8 @@ def ablation_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbeP
     for name in ABLATIONS:
         t_dir, d_dir = Path(args.ablation_root, name, "target"), Path(args.ablation_root, name, "draft")
         if (t_dir / "config.json").is_file() and (d_dir / "config.json").is_file():
-            ablations[f"semanticspec[{name}]"] = (decoder(policy=replace(policy, top_k=0), probes=(str(t_dir), str(d_dir))), {})
+            ablations[f"semanticspec[{name}]"] = (decoder(policy=replace(policy, top_k=0),
+                                                          probes=(str(t_dir), str(d_dir))), {})
             ablation_paths[name] = {"target": str(t_dir), "draft": str(d_dir)}
         else:
             print(f"WARNING: ablation probes {t_dir.parent} not found; row semanticspec[{name}] is skipped")
@@ -547,7 +549,8 @@ def sweep_curves(methods: dict, runs: dict, problems, knobs: dict) -> dict:
         rows = []
         for name, v in [*((f"{method}[{k}={v}]", v) for v in values), (method, main)]:
             f = figures(runs[name], problems, ref_wall)
-            rows.append({"knob": k, "value": v, **{x: f[x] for x in ("accuracy", "speedup", "step_acceptance", "wall_s")}})
+            rows.append({"knob": k, "value": v,
+                         **{x: f[x] for x in ("accuracy", "speedup", "step_acceptance", "wall_s")}})
         sweep[method] = sorted(rows, key=lambda r: r["value"])
     return sweep
 
@@ -604,7 +607,8 @@ def scaling_only(plan: Plan, args: argparse.Namespace, untrained: bool) -> dict:
     scaling = scaling_section(plan.dec, args)
     report = {"batch_scaling": scaling, "goals": batch_goals(scaling), "untrained_probes": untrained,
               "seconds": time.perf_counter() - t0,
-              "config": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "threads", "device", "quick",
+              "config": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "threads", "device",
+                                                       "quick",
                                                        "scaling_problems", "batch_sizes", "seed")}}
     out = harness.results_path("decode-scaling", args.quick, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -78,7 +78,8 @@ def load_prefixes(data_dir: Path, problems: list[dict] | None = None) -> list[di
             ref = split_steps(problems[rec["problem_id"]]["trace"])[rec["step_index"]] if problems else None
             out.append({"texts": [s["text"] for s in samples], "writers": np.array([s["writer"] for s in samples]),
                         "groups": np.array([s["group"] for s in samples]), "q": np.array([s["q"] for s in samples]),
-                        "p": np.array([s["p"] for s in samples]), "features": t["target.features"][rows].float().numpy(),
+                        "p": np.array([s["p"] for s in samples]),
+                        "features": t["target.features"][rows].float().numpy(),
                         "reference": ref})
     return out
 
@@ -138,13 +139,15 @@ def variants(config: BuildConfig, prefixes: list[dict]) -> dict:
     for name, (method, judge) in runs.items():
         asked: list = []
         t0 = time.perf_counter()
-        cc = dataclasses.replace(base, method=method, match_numbers=base.match_numbers and "match_numbers off" not in name)
+        cc = dataclasses.replace(base, method=method,
+                                 match_numbers=base.match_numbers and "match_numbers off" not in name)
         groups = group_prefixes(batch, judge, cc, asked)
         res = audit(prefixes, groups)
         if prefixes and prefixes[0].get("reference") is not None:
             wrong = label_audit(prefixes, groups).get("draft", {}).get("wrong", {})
             res["draft_wrong_false_high_share"] = wrong.get("false_high_share", float("nan"))
-        res.update(seconds=round(time.perf_counter() - t0, 2), judge_pairs=len(asked), judge_accuracy=judge_accuracy(asked))
+        res.update(seconds=round(time.perf_counter() - t0, 2), judge_pairs=len(asked),
+                   judge_accuracy=judge_accuracy(asked))
         out[name] = res
     return out
 
@@ -160,13 +163,17 @@ def write_synthetic(d: Path, rows: int, width: int = 384, rows_per_shard: int = 
         for start in range(0, rows, rows_per_shard):
             n = min(rows_per_shard, rows - start)
             ids = torch.arange(start, start + n)
-            yield {"target.features": torch.randn(n, width, generator=g).half(), "target.label": torch.rand(n, generator=g),
-                   "target.q": torch.rand(n), "target.p": torch.rand(n), "target.writer": torch.zeros(n, dtype=torch.int8),
+            yield {"target.features": torch.randn(n, width, generator=g).half(),
+                   "target.label": torch.rand(n, generator=g),
+                   "target.q": torch.rand(n), "target.p": torch.rand(n),
+                   "target.writer": torch.zeros(n, dtype=torch.int8),
                    "target.problem_id": ids // 64, "target.prefix_id": ids // 16, "target.sample_id": ids,
                    "target.group_id": torch.zeros(n, dtype=torch.int32), "target.group_entropy": torch.zeros(n)}
 
-    reads = {"target": {"name_or_path": "synthetic", "architecture": "none", "hidden_size": width, "num_layers": 1, "vocab_size": 1}}
-    S.write_dataset(d, shards(), {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "labels": {}})
+    reads = {"target": {"name_or_path": "synthetic", "architecture": "none", "hidden_size": width, "num_layers": 1,
+                        "vocab_size": 1}}
+    S.write_dataset(d, shards(),
+                    {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "labels": {}})
 
 
 _READER = """
@@ -194,7 +201,8 @@ def read_benchmark(rows: int, batch_size: int = 128) -> dict:
     with tempfile.TemporaryDirectory(prefix="labels-read-") as tmp:
         write_synthetic(Path(tmp), rows)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        out = subprocess.run([sys.executable, "-c", _READER, tmp, str(batch_size)], capture_output=True, text=True, check=False,
+        out = subprocess.run([sys.executable, "-c", _READER, tmp, str(batch_size)], capture_output=True, text=True,
+                             check=False,
                              env=env, cwd=Path(__file__).resolve().parents[1])
         if out.returncode:
             raise RuntimeError(f"read benchmark failed: {out.stderr[-2000:]}")
@@ -245,7 +253,8 @@ def run(quick: bool, with_backends: bool = True) -> dict:
         "variants": var,
         "build": {"n_problems": config.n_problems, "n_prefixes": manifest["n_prefixes"],
                   "n_samples": config.sampling.n_samples,
-                  "rows": {r: v["rows"] for r, v in manifest["roles"].items()}, "judge": manifest["build"]["labels"]["judge"]["kind"],
+                  "rows": {r: v["rows"] for r, v in manifest["roles"].items()},
+                  "judge": manifest["build"]["labels"]["judge"]["kind"],
                   "this_run": manifest["stats"]["this_run"], "world": portable_paths(str(config.model_path("target")))},
         **({"backends": backends.run(quick)} if with_backends else {}),
         "quick": quick,
@@ -267,13 +276,16 @@ def table(res: dict) -> str:
              f"| p MAE vs oracle groups | {res['p_mae']:.4f} | <= 0.05 {goal(res['p_mae'] <= 0.05)} |",
              f"| build seconds | {res['build_seconds']:.1f} | <= 180 {goal(res['build_seconds'] <= 180)} |",
              "| seconds per stage | " + ", ".join(f"{k} {v:.1f}" for k, v in st.items()) + " | |",
-             f"| clustering + judge share | {res['clustering_judge_share']:.1%} | <= 25% {goal(res['clustering_judge_share'] <= 0.25)} |",
-             (f"| bytes per sample (features + overhead) | {res['bytes_per_sample']:.0f} ({res['feature_bytes_per_sample']:.0f} + "
+             f"| clustering + judge share | {res['clustering_judge_share']:.1%} | <= 25% "
+             f"{goal(res['clustering_judge_share'] <= 0.25)} |",
+             (f"| bytes per sample (features + overhead) | {res['bytes_per_sample']:.0f} "
+              f"({res['feature_bytes_per_sample']:.0f} + "
               f"{res['overhead_bytes_per_sample']:.0f}) | 2 B/feature/layer + fixed |"),
              (f"| streaming read, 384-wide, samples/s | {res['read_samples_per_s']:,} | >= 200,000 "
               f"{goal(res['read_samples_per_s'] >= 200_000)} |"),
              (f"| peak RSS MB at 1x / 10x rows | {res['peak_rss_mb']['1x']:.0f} / {res['peak_rss_mb']['10x']:.0f} "
-              f"({res['read_rows']['1x']:,} / {res['read_rows']['10x']:,} rows; {res['import_rss_mb']:.0f} after imports) | flat |")]
+              f"({res['read_rows']['1x']:,} / {res['read_rows']['10x']:,} rows; {res['import_rss_mb']:.0f} after "
+              f"imports) | flat |")]
     lines += ["", "| label audit: writer, oracle | rows | mean label q | mean oracle q | false-high share | goal |",
               "|---|---|---|---|---|---|"]
     for writer, cells in res["audit"].items():

@@ -90,7 +90,8 @@ def _compare(ref: list, other: list) -> dict:
 
     pairs = list(zip(steps(ref), steps(other)))
     kept = ("accept", "accept_fast")
-    return {"draft_steps": len(pairs), "same_decision": sum((a.decision in kept) == (b.decision in kept) for a, b in pairs),
+    return {"draft_steps": len(pairs),
+            "same_decision": sum((a.decision in kept) == (b.decision in kept) for a, b in pairs),
             "max_abs_q_difference": max((abs(a.q - b.q) for a, b in pairs if a.q is not None and b.q is not None),
                                         default=0.0),
             "same_texts": sum(a.text == b.text for a, b in zip(ref, other))}
@@ -118,7 +119,8 @@ def main(argv=None) -> dict:
                       for name, res in runs.items()}
     c = report["call"]
     print(f"per call: features {c['features_us']:.0f} us; MLP float32 {c['mlp_float32_warm_us']:.0f} us warm, "
-          f"{c['mlp_float32_cold_us']:.0f} us cold; float16 {c['mlp_float16_warm_us']:.0f} / {c['mlp_float16_cold_us']:.0f} us")
+          f"{c['mlp_float32_cold_us']:.0f} us cold; float16 {c['mlp_float16_warm_us']:.0f} / "
+          f"{c['mlp_float16_cold_us']:.0f} us")
     for name, d in report["decisions"].items():
         print(f"{name} against float32: {d['same_decision']} of {d['draft_steps']} draft steps kept or refused alike, "
               f"max |dq| {d['max_abs_q_difference']:.2e}, texts the same on {d['same_texts']} of {n} problems")

@@ -74,7 +74,8 @@ def main(argv=None) -> dict:
             runs[name] += d.generate([prompt], method=name, seed=args.seed + k, **gen)
         ours = dec.generate([prompt], method="target_only", temperature=0.0, **gen)[0].text
         ids = torch.tensor([prompt[0]])
-        ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens,
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=args.max_new_tokens,
                               pad_token_id=ttok.pad_token_id, eos_token_id=ttok.eos_token_id)[0, ids.shape[1]:].tolist()
         eos = ttok.eos_token_id
         ref = ref[: ref.index(eos)] if eos in ref else ref

@@ -605,7 +605,8 @@ def goals(report: dict) -> dict:
 
 def markdown(report: dict) -> str:
     """The figures as a markdown table."""
-    lines = ["| method | accuracy | speedup | step acceptance | wall s | requests | errors |", "|---|---|---|---|---|---|---|"]
+    lines = ["| method | accuracy | speedup | step acceptance | wall s | requests | errors |",
+             "|---|---|---|---|---|---|---|"]
     for m, f in report["methods"].items():
         lines.append(f"| {m} | {f['accuracy']:.3f} | {f['speedup']:.2f}x | {f['step_acceptance']:.3f} | "
                      f"{f['wall_s']:.1f} | {f['requests']} | {f['n_errors']} |")

@@ -124,7 +124,8 @@ def template_distribution(traces: Sequence[str]) -> dict:
 def solver_accuracy(model, tok, problems: Sequence[task.Problem], seed: int) -> tuple[dict, list[str]]:
     """Accuracy (with a 95% interval) of one model on ``problems``, and its traces."""
     traces = solve(model, tok, problems, seed)
-    right = [ArithmeticTask().check(t, p.answer) for t, p in zip(traces, problems)]  # the task's checker, as decoding uses
+    # the task's checker, as decoding uses
+    right = [ArithmeticTask().check(t, p.answer) for t, p in zip(traces, problems)]
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in traces]
     # A step can be a true equation and still not the problem's next operation; count agreement with the reference.
     agree = [

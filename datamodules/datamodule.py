@@ -71,7 +71,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         bad = [r for r in roles if r not in ROLES]
         if bad or not roles:
             errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)}")
-        for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0), ("shuffle_buffer", shuffle_buffer, 0)):
+        for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
+                                 ("shuffle_buffer", shuffle_buffer, 0)):
             if value < low:  # name only what is wrong
                 errors.append(f"{name}={value}: expected >= {low}")
         if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
@@ -107,8 +108,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     @property
     def input_spec(self) -> dict[str, dict]:
         """Per role: ``hidden_size``, ``layer_ids``, ``pooling``, ``feature_groups``, ``token_stats``, ``topk_stats``,
-        ``top_k``, ``source``, ``hidden_norm``, ``reads``, ``step`` (a :class:`~generation.specs.StepSpec`), ``sampling`` (a
-        :class:`~generation.specs.SamplingSpec`, None when the data did not record it), ``labels``.
+        ``top_k``, ``source``, ``hidden_norm``, ``reads``, ``step`` (a :class:`~generation.specs.StepSpec`),
+        ``sampling`` (a :class:`~generation.specs.SamplingSpec`, None when the data did not record it), ``labels``.
 
         From the manifest when the data is built, else from the build config (model folders'
         ``config.json`` and tokenizer; no weights are loaded).
@@ -200,7 +201,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                 warnings.warn(f"skipping corrupt shard: {e}", stacklevel=2)
                 self.skipped_shards.append(str(path))
                 continue
-            key = (str(path), self._verified[str(path)], tuple(self.roles), tuple(spec[self.roles[0]]["feature_groups"]))
+            key = (str(path), self._verified[str(path)], tuple(self.roles),
+                   tuple(spec[self.roles[0]]["feature_groups"]))
             if key not in self._counted:  # setup runs once per stage; scan each shard once
                 self._counted[key] = self._count(path, spec)
                 _release_freed_memory()  # else the peak grows with every shard scanned
@@ -213,7 +215,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             if share > 0 and not sum(s["rows"][split] for s in self.shards):  # Lightning's own error comes later
                 warnings.warn(f"data.{split}_fraction={share} put none of the problems in {self.data_dir} into the "
                               f"{split} split (problems are assigned by a hash of their id), so there are no {split} "
-                              f"metrics to monitor; with few problems raise it (e.g. 0.25), or set it to 0", stacklevel=2)
+                              f"metrics to monitor; with few problems raise it (e.g. 0.25), or set it to 0",
+                              stacklevel=2)
 
     def _verify(self, path: Path, sha: str) -> None:
         stat = path.stat() if path.is_file() else None

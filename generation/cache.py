@@ -32,7 +32,8 @@ def own_mask_ok(config) -> bool:
     4D mask given as-is would override)."""
     layers = set(getattr(config, "layer_types", None) or ["full_attention"])
     return (getattr(config, "_attn_implementation", None) == "sdpa" and layers == {"full_attention"}
-            and getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None)
+            and getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size",
+                                                                            None) is None)
 
 
 @dataclass

@@ -144,7 +144,8 @@ def _plan(groups: tuple[tuple[str, tuple[str, ...]], ...], device: torch.device)
                  sign=scale[:, :, 0])
 
 
-def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor | float, mask: torch.Tensor | None) -> torch.Tensor:
+def _statistics(scores: torch.Tensor, plan: _Plan, lengths: torch.Tensor | float,
+                mask: torch.Tensor | None) -> torch.Tensor:
     """(B, m) statistics from the groups' per-token scores (C, B, T), right-padded along T.
 
     Args:

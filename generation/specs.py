@@ -59,7 +59,8 @@ class StepSpec:
         return out
 
     def stopper(self, tokenizer):
-        """The token-level stop check of this step definition for ``tokenizer`` (:class:`~generation.steps.StepStopper`)."""
+        """The token-level stop check of this step definition for ``tokenizer``
+        (:class:`~generation.steps.StepStopper`)."""
         from generation.steps import StepStopper
 
         return StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
@@ -201,7 +202,8 @@ class FeatureSpec:
         """
         if self.needs_hidden and (source, hidden_norm) != (self.source, self.hidden_norm):
             raise ValueError(
-                f"{where}: the probe reads hidden states from source={self.source!r} (hidden_norm={self.hidden_norm!r}), "
+                f"{where}: the probe reads hidden states from source={self.source!r} "
+                f"(hidden_norm={self.hidden_norm!r}), "
                 f"but they would come from source={source!r} (hidden_norm={hidden_norm!r}); hidden states differ "
                 "between sources and norm conventions. Use a probe trained on this source's features, or one that "
                 "reads only token statistics (token_stats, topk_stats)."

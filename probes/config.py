@@ -139,7 +139,8 @@ class ProbeConfig:
                 continue
             try:
                 setattr(self, name, spec_from_dict(spec, value, where=name))
-            except (TypeError, ValueError) as e:  # "invalid SamplingSpec: temperature=nan: ..." -> "sampling.temperature=nan: ..."
+            # "invalid SamplingSpec: temperature=nan: ..." -> "sampling.temperature=nan: ..."
+            except (TypeError, ValueError) as e:
                 msg = str(e)
                 errors += ([f"{name}.{p}" for p in msg.split(": ", 1)[1].split("; ")] if msg.startswith("invalid ")
                            else [msg])

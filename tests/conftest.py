@@ -80,7 +80,8 @@ def tiny_llama(vocab_size: int, hidden_size: int = 32, layers: int = 2, seed: in
 @pytest.fixture()
 def tiny_pair(world_tokenizer):
     """(target, draft, tokenizer): two tiny Llamas of different widths on the world tokenizer."""
-    return tiny_llama(len(world_tokenizer), 32, 2, seed=0), tiny_llama(len(world_tokenizer), 24, 1, seed=1), world_tokenizer
+    return tiny_llama(len(world_tokenizer), 32, 2, seed=0), tiny_llama(len(world_tokenizer), 24, 1,
+                                                                       seed=1), world_tokenizer
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -158,12 +159,15 @@ def make_dataset(d, n_shards=4, prefixes_per_shard=6, n=3, nan_rows=0, drop_draf
                 t[f"{r}.token_stats"] = ts
             if topk:
                 t[f"{r}.topk_stats"] = torch.stack([writer.float(), -sample.float() / 50, torch.rand(rows)], dim=1)
-            t.update({f"{r}.features": f, f"{r}.label": torch.rand(rows), f"{r}.q": torch.rand(rows), f"{r}.p": torch.rand(rows),
+            t.update({f"{r}.features": f, f"{r}.label": torch.rand(rows), f"{r}.q": torch.rand(rows),
+                      f"{r}.p": torch.rand(rows),
                       f"{r}.writer": writer, f"{r}.problem_id": prefix_id // 2,
-                      f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample, f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
+                      f"{r}.prefix_id": prefix_id, f"{r}.sample_id": sample,
+                      f"{r}.group_id": torch.zeros(rows, dtype=torch.int32),
                       f"{r}.group_entropy": torch.zeros(rows)})
         shards.append(t)
-    reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1, "vocab_size": 10}
+    reads = {r: {"name_or_path": r, "architecture": "LlamaForCausalLM", "hidden_size": w, "num_layers": 1,
+                 "vocab_size": 10}
              for r, w in WIDTH.items()}
     sig = {"reads": reads, "layer_ids": [-1], "pooling": "mean", "delimiters": ["\n\n"], "max_step_tokens": 32,
            "sampling": {"n_samples": n, "temperature": 0.6, "top_p": 0.95}, "labels": {"max_step_tokens": 32}}

@@ -19,7 +19,8 @@ import torch
 from generation.writer import generate
 
 POLL_S = 0.02
-"""How often a server's loop checks for ``close()`` (the standard library's 0.5 s made every test's teardown wait half a second)."""
+"""How often a server's loop checks for ``close()`` (the standard library's 0.5 s made every test's teardown wait half a
+second)."""
 
 
 class JsonHandler(BaseHTTPRequestHandler):
@@ -112,11 +113,13 @@ class FakeServer(LoopbackServer):
 
     def complete(self, body: dict) -> dict:
         tok, prompt = self.tok, body["prompt"]
-        ids = list(prompt) if isinstance(prompt, list) else tok(prompt).input_ids  # BOS as the model's tokenizer adds it
+        # BOS as the model's tokenizer adds it
+        ids = list(prompt) if isinstance(prompt, list) else tok(prompt).input_ids
         n = int(body.get("n", 1)) if self.honour_n else 1
         stops = body.get("stop") or []
         g = torch.Generator().manual_seed(int(body.get("seed", 0)))
-        rows = generate(self.model, [ids], max_new_tokens=int(body["max_tokens"]), temperature=float(body["temperature"]),
+        rows = generate(self.model, [ids], max_new_tokens=int(body["max_tokens"]),
+                        temperature=float(body["temperature"]),
                         top_p=float(body.get("top_p", 1.0)), generator=g, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id or 0, num_samples=n,
                         stop=lambda t: any(s in tok.decode(t, skip_special_tokens=True) for s in stops))
@@ -166,9 +169,11 @@ class FakeJudgeServer(LoopbackServer):
                 lp = {"yes": -0.1 if yes else -2.5, "no": -2.5 if yes else -0.1}
                 if "messages" in body:
                     out = {"choices": [{"message": {"content": "yes" if yes else "no"}, "logprobs": {"content": [
-                        {"token": "yes" if yes else "no", "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.items()]}]}}]}
+                        {"token": "yes" if yes else "no",
+                         "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.items()]}]}}]}
                 else:
-                    out = {"choices": [{"text": " yes" if yes else " no", "logprobs": {"top_logprobs": [{" " + t: v for t, v in lp.items()}]}}]}
+                    out = {"choices": [{"text": " yes" if yes else " no",
+                                        "logprobs": {"top_logprobs": [{" " + t: v for t, v in lp.items()}]}}]}
                 self._send(200, out)
 
         self.url = self._serve(Handler, threaded=False) + "/v1"

@@ -71,7 +71,8 @@ def test_figures_predict_the_wall_from_forwards_and_positions_and_with_positions
             ForwardRecord(draft, 8, 8, 8, 0.001, 8)]
     run.add(results, 0.1, recs, 1)
     costs = {"target": {"a": 0.010, "b": 0.0001}, "draft": {"a": 0.001, "b": 0.0}}
-    fig = batching.figures(run, ["x"], lambda text, p: text == p + "!", costs, {id(target): "target", id(draft): "draft"})
+    fig = batching.figures(run, ["x"], lambda text, p: text == p + "!", costs,
+                           {id(target): "target", id(draft): "draft"})
     other = 0.1 - 0.033
     assert fig["other_s"] == pytest.approx(other)
     assert fig["predicted_wall_s"] == pytest.approx(2 * 0.010 + 88 * 0.0001 + 0.001 + other)

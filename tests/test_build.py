@@ -139,7 +139,8 @@ def test_ranks_share_shards_and_rank0_merges(world, reference, tmp_path, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     out = build(_config(world), tmp_path)
-    assert out["complete"] is False and sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00001.safetensors", "shard-00003.safetensors"]
+    assert out["complete"] is False and sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00001.safetensors",
+                                                                                             "shard-00003.safetensors"]
     monkeypatch.setenv("RANK", "0")
     merged = build(_config(world), tmp_path)
     assert merged["complete"] and _dataset_bytes(tmp_path) == _dataset_bytes(reference[0])
@@ -383,7 +384,8 @@ def test_reading_against_the_prefix_cache_equals_a_full_forward(world_tokenizer)
     tok = world_tokenizer
     prefixes = [tok("Take 3. Add 4.\n\n")["input_ids"], tok("Start with 12.\n\n")["input_ids"]]
     # ragged steps: the read goes in waves (median length first), finished rows leaving the batch
-    steps = [[tok(t, add_special_tokens=False)["input_ids"] for t in ("3 + 4 = 7.\n\n", "7", "3 plus 4 equals 7.\n\n", "3 +")],
+    steps = [[tok(t, add_special_tokens=False)["input_ids"] for t in ("3 + 4 = 7.\n\n", "7", "3 plus 4 equals 7.\n\n",
+                                                                      "3 +")],
              [tok("Adding 1 to 12 gives 13.\n\n", add_special_tokens=False)["input_ids"]]]
     for pooling in ("mean", "last"):
         spec = FeatureSpec(["hidden", "token_stats", "topk_stats"], [0, -1], pooling, list(TOKEN_STATS), top_k=5)
@@ -448,7 +450,8 @@ def test_a_real_kill_mid_build_then_rerun_loses_and_duplicates_nothing(world, tm
     build(_config(world, **kw), whole)
     assert _dataset_bytes(killed) == _dataset_bytes(whole)
     manifest = S.read_manifest(killed)
-    ids = torch.cat([S.read_shard(killed / s["file"], ["target.sample_id"])["target.sample_id"] for s in manifest["shards"]])
+    ids = torch.cat([S.read_shard(killed / s["file"],
+                                  ["target.sample_id"])["target.sample_id"] for s in manifest["shards"]])
     assert len(ids) == len(ids.unique()) == 2 * 3 * manifest["n_prefixes"]
 
 
@@ -483,7 +486,8 @@ def test_two_build_processes_into_one_folder_share_the_shards(world, tmp_path):
                        "sampling.seed": 7}.items():
         args += [f"--build.{key}", str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     manifest = S.read_manifest(tmp_path)
@@ -581,7 +585,8 @@ def _one_line(capsys, args, code=2) -> str:
 @pytest.mark.parametrize("option", ["--fit_config", "--config", "-c", "--data_dir", "--build.sampling.seed"])
 def test_every_spelling_of_an_option_means_the_same(option, form, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr("datamodules.labels.build.build", lambda config, data_dir, **kw: calls.append((config, data_dir)))
+    monkeypatch.setattr("datamodules.labels.build.build", lambda config, data_dir,
+                        **kw: calls.append((config, data_dir)))
     fit = tmp_path / "fit.yaml"
     fit.write_text(yaml.safe_dump({"data": {"data_dir": "from-fit", "build": {"n_problems": 5}}}))
     plain = tmp_path / "build.yaml"
@@ -627,7 +632,8 @@ def test_key_equals_value_is_key_space_value_for_every_option_of_both_clis():
     from datamodules.labels.cli import normalise_args, parser_options
 
     options = parser_options(_parser()) + _fit_parser_options()
-    assert {"--fit_config", "--build.sampling.openai.target.urls", "--ckpt_path", "--trainer.max_epochs"} <= set(options)
+    assert {"--fit_config", "--build.sampling.openai.target.urls", "--ckpt_path",
+            "--trainer.max_epochs"} <= set(options)
     for opt in options:
         assert normalise_args([f"{opt}=a=b", "--x", "1"]) == [opt, "a=b", "--x", "1"], opt
     assert normalise_args(["-c", "f.yaml", "-c=g.yaml", "--", "--a=b"]) == ["--config", "f.yaml", "--config", "g.yaml",

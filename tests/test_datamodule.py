@@ -89,7 +89,8 @@ def test_workers_and_ranks_split_the_stream(data):
     assert sorted(with_workers["target"]) == sorted(alone["target"])
     parts = []
     for rank in range(3):
-        stream = ShardStream(dm.shards, ["target", "draft"], "train", 7, True, 30, 0, (0.1, 0.1), groups=("hidden", "token_stats"))
+        stream = ShardStream(dm.shards, ["target", "draft"], "train", 7, True, 30, 0, (0.1, 0.1),
+                             groups=("hidden", "token_stats"))
         stream.rank, stream.world, stream.epoch = rank, 3, 0
         parts.append(_rows(stream))
     sizes = [len(p["target"]) + len(p["draft"]) for p in parts]

@@ -43,8 +43,10 @@ class RecordingModule(SemanticProbeModule):
 @pytest.mark.slow
 def test_ddp_two_cpu_processes_see_disjoint_data(tmp_path):
     data_dir = make_dataset(tmp_path / "data", n_shards=4, prefixes_per_shard=6, n=3)
-    dm = SemanticProbeDataModule(str(data_dir), build=None, batch_size=8, shuffle_buffer=16, val_fraction=0.0, test_fraction=0.0)
-    module = RecordingModule(str(tmp_path), probe=ProbeConfig(hidden_dims=[8]), roles=["target", "draft"], input_spec=dm.input_spec)
+    dm = SemanticProbeDataModule(str(data_dir), build=None, batch_size=8, shuffle_buffer=16, val_fraction=0.0,
+                                 test_fraction=0.0)
+    module = RecordingModule(str(tmp_path), probe=ProbeConfig(hidden_dims=[8]), roles=["target", "draft"],
+                             input_spec=dm.input_spec)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
@@ -79,12 +81,15 @@ def test_speculative_validation_runs_once_and_shares_its_figures_under_ddp(tmp_p
     from datamodules.labels.build import build
 
     build(BuildConfig(n_problems=8, sampling=SamplingConfig(n_samples=2), shard_size=4), tmp_path / "data")
-    dm = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=32, val_fraction=0.25, test_fraction=0.0)
-    module = SemanticProbeModule(probe=ProbeConfig(hidden_dims=[8]), roles=["target", "draft"], input_spec=dm.input_spec)
+    dm = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=32, val_fraction=0.25,
+                                 test_fraction=0.0)
+    module = SemanticProbeModule(probe=ProbeConfig(hidden_dims=[8]), roles=["target", "draft"],
+                                 input_spec=dm.input_spec)
     spec = SpeculativeValidation(max_problems=2, max_seconds=30, max_new_tokens=32, plots_dir=str(tmp_path / "plots"))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[spec, SpecRecorder(str(tmp_path)), DestroyProcessGroup()], default_root_dir=tmp_path)
+                        num_sanity_val_steps=0, callbacks=[spec, SpecRecorder(str(tmp_path)), DestroyProcessGroup()],
+                        default_root_dir=tmp_path)
     trainer.fit(module, datamodule=dm)
     ranks = [json.loads((tmp_path / f"spec{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and "spec/speedup" in ranks[0] and ranks[0]["spec/problems"] == 2

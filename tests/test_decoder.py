@@ -490,7 +490,8 @@ def test_probe_for_another_model_is_refused_naming_fields(tiny_pair, tmp_path):
 def test_a_probe_of_a_servers_hidden_states_is_refused_in_process(tiny_pair, groups, refused):
     """The in-process decoder reads transformers' states after the final norm; statistics come from any source."""
     target, draft, tok = tiny_pair
-    probe = ConstProbe(target.config.hidden_size, 1.0, groups=groups, stats=TOKEN_STATS if "token_stats" in groups else ())
+    probe = ConstProbe(target.config.hidden_size, 1.0, groups=groups,
+                       stats=TOKEN_STATS if "token_stats" in groups else ())
     probe.config.source, probe.config.hidden_norm = "sglang", "pre_norm"
     if refused:
         with pytest.raises(ValueError, match=r"SemanticSpecDecoder \(target probe\).*source='sglang' "
@@ -586,7 +587,8 @@ def test_defaults_follow_the_first_step_benchmark(tiny_pair):
     assert stub_decoder(target, draft, tok, token_sd=False).token_sd is False
     ctok = char_tokenizer()
     cross = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok,
-                                target_probe=ConstProbe(target.config.hidden_size), draft_probe=ConstProbe(24, role="draft"))
+                                target_probe=ConstProbe(target.config.hidden_size),
+                                draft_probe=ConstProbe(24, role="draft"))
     assert cross.token_sd is False  # needs a shared tokenizer: off, not refused, when left to the default
     res = shared.generate(PROMPTS[:1], max_new_tokens=12, seed=0)
     assert res[0].steps[0].writer == "draft"  # the first step was proposed by the draft
@@ -604,7 +606,8 @@ def test_the_step_definition_travels_with_the_probes(tiny_pair):
     assert make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, step=seven).step == seven
     with pytest.raises(ValueError, match=r"step=StepSpec\(delimiters=\('\\n\\n',\), max_step_tokens=64\) but the "
                                          r"target probe was trained on steps with step=StepSpec\(delimiters=\('\.\\n"):
-        make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, delimiters=["\n\n"], max_step_tokens=64)
+        make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, delimiters=["\n\n"],
+                     max_step_tokens=64)
     dprobe.config.step = StepSpec((".\n\n",), 9)
     with pytest.raises(ValueError, match=r"the target probe has step=.*max_step_tokens=7\), the draft probe .*=9\)"):
         make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
@@ -646,7 +649,8 @@ def test_prompts_given_as_token_ids_decode_like_their_text(world_tokenizer):
     ctok = char_tokenizer()
     target, draft = tiny_llama(len(world_tokenizer), 32, 2), tiny_llama(len(ctok), 24, 1, seed=1)
     dec = make_decoder(target, draft, world_tokenizer, draft_tokenizer=ctok,
-                       target_probe=ConstProbe(32, 0.5, step=SIX), draft_probe=ConstProbe(24, 1.0, role="draft", step=SIX))
+                       target_probe=ConstProbe(32, 0.5, step=SIX),
+                       draft_probe=ConstProbe(24, 1.0, role="draft", step=SIX))
     text = dec.generate(PROMPTS[:1], **GREEDY)
     pair = (world_tokenizer(PROMPTS[0]).input_ids, ctok(PROMPTS[0]).input_ids)
     assert texts(dec.generate([pair], **GREEDY)) == texts(text)

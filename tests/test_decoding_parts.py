@@ -24,7 +24,8 @@ from probes.decoding.policies import (
 from probes.decoding.speculative import speculate_tokens, speculative_step
 from probes.decoding.scores import Scores
 
-PT = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])  # target, 2 positions + after
+# target, 2 positions + after
+PT = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
 PD = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.4, 0.4, 0.1, 0.1]])  # draft, far from the target on purpose
 
 

@@ -18,7 +18,8 @@ from probes.model import SemanticProbe
 
 def _token_stats(logits, tokens, names=TOKEN_STATS):
     """The token statistics of one step: ``logits`` (k, V) predicting its ``tokens``."""
-    return rows_features(FeatureSpec(["token_stats"], token_stats=list(names)), [tokens], logits=[logits])["token_stats"]
+    return rows_features(FeatureSpec(["token_stats"], token_stats=list(names)), [tokens],
+                         logits=[logits])["token_stats"]
 
 
 def test_token_stats_match_a_hand_computation():

@@ -52,7 +52,8 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--data.batch_size", "0"], "batch_size=0: expected >= 1", "num_workers"),
     (["--trainer.max_epochs", "0"], "--trainer.max_epochs 0: expected a number of epochs >= 1, or -1", "Epoch"),
     (["--data.build.sampling.n_samples", "0"], "sampling.n_samples=0: expected >= 1", "Traceback"),
-    (["--data.build.sampling.backend", "openai"], "error: invalid BuildConfig: sampling.openai.target.urls=[]", "Union"),
+    (["--data.build.sampling.backend", "openai"], "error: invalid BuildConfig: sampling.openai.target.urls=[]",
+     "Union"),
     (["--trainer.max_epochs", "x"], 'Parser key "trainer.max_epochs"', "Subtypes"),
 ])
 def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named, not_named):
@@ -63,7 +64,8 @@ def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named
 def test_bad_task_file_is_reported_before_training_in_one_line(capsys, tmp_path):
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\n')  # no trace
-    line = _one_line_error(capsys, ["--data.data_dir", str(tmp_path / "data"), "--data.build.task.class_path", "datamodules.tasks.base.Task",
+    line = _one_line_error(capsys, ["--data.data_dir", str(tmp_path / "data"), "--data.build.task.class_path",
+                                    "datamodules.tasks.base.Task",
                                     "--data.build.task.init_args.path", str(task_file),
                                     "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
     assert f"{task_file}:1" in line and "trace" in line
@@ -107,7 +109,8 @@ def test_nested_override_reaches_the_build(capsys):
 
 def test_missing_data_dir_without_build_is_named(tmp_path, capsys):
     missing = tmp_path / "nowhere"
-    line = _one_line_error(capsys, ["--data.data_dir", str(missing), "--data.build", "null", "--trainer.logger", "false"])
+    line = _one_line_error(capsys, ["--data.data_dir", str(missing), "--data.build", "null", "--trainer.logger",
+                                    "false"])
     assert str(missing) in line and "python -m datamodules.labels.build" in line
 
 
@@ -139,7 +142,8 @@ def test_exports_carry_no_absolute_path(tmp_path):
 
     inside, outside = str(REPO_ROOT / "checkpoints" / "arithmetic" / "target"), "/home/someone/models/draft-1.5b"
     spec = {r: {"hidden_size": 8, "layer_ids": [-1], "reads": {"hidden_size": 8, "name_or_path": path},
-                "labels": {"judge": {"model": {"name_or_path": inside}}}} for r, path in (("target", inside), ("draft", outside))}
+                "labels": {"judge": {"model": {"name_or_path": inside}}}} for r, path in (("target", inside),
+                                                                                          ("draft", outside))}
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
     paths = export_probes(module, tmp_path, {"test/target/mse": 0.1})
     configs = {r: json.loads((paths[r] / "config.json").read_text()) for r in paths}
@@ -214,7 +218,8 @@ def test_end_to_end_default_reduced(fitted, capsys):
     assert result["best_ckpt"] and Path(result["best_ckpt"]).is_file()
     rows = list(csv.DictReader(next((root / "runs").rglob("metrics.csv")).open()))
     last = {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}  # last logged value of each
-    for name in ("spec/accuracy", "spec/step_acceptance", "spec/draft_token_share", "val/target/auroc", "val/draft/auroc"):
+    for name in ("spec/accuracy", "spec/step_acceptance", "spec/draft_token_share", "val/target/auroc",
+                 "val/draft/auroc"):
         assert 0 <= last[name] <= 1, (name, last[name])
     assert last["spec/speedup"] > 0 and last["spec/target_passes_per_100_tokens"] > 0
     assert -1 <= last["spec/accuracy_delta"] <= 1 and 0 <= last["val/mse"] < 0.25
@@ -250,7 +255,8 @@ def test_ctrl_c_keeps_last_checkpoint_and_resumes(fitted, tmp_path):
     finally:
         signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after a graceful shutdown
     last = next(tmp_path.rglob("last.ckpt"))
-    assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 0  # epoch 0 finished, epoch 1 interrupted
+    # epoch 0 finished, epoch 1 interrupted
+    assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 0
     saved = last.parent.parent / "config.yaml"  # resuming reads the run's own config: drop the test's interrupter there
     run_cfg = yaml.safe_load(saved.read_text())
     run_cfg["trainer"]["callbacks"] = [c for c in run_cfg["trainer"]["callbacks"] if "InterruptAt" not in c["class_path"]]
@@ -338,9 +344,11 @@ def test_callback_drives_checkpoint_selection(fitted, tmp_path):
     data = SemanticProbeDataModule(str(root / "data"), build=None, batch_size=64, val_fraction=0.25, test_fraction=0.25,
                                    feature_groups=["hidden", "token_stats"])  # the groups _world_module's probes read
     module = _world_module()
-    spec = SpeculativeValidation(max_problems=2, max_seconds=20, max_new_tokens=48, temperature=0.6, plots_dir=str(tmp_path))
+    spec = SpeculativeValidation(max_problems=2, max_seconds=20, max_new_tokens=48, temperature=0.6,
+                                 plots_dir=str(tmp_path))
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="spec/speedup", mode="max", save_top_k=1)
-    trainer = L.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, callbacks=[spec, ckpt], default_root_dir=tmp_path)
+    trainer = L.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, callbacks=[spec, ckpt],
+                        default_root_dir=tmp_path)
     trainer.fit(module, datamodule=data)
     speedups = [h["speedup"] for h in spec.history]
     assert len(speedups) == 3

@@ -186,7 +186,8 @@ def test_greedy_generate_equals_transformers_generate(world_tokenizer):
     ours = generate(model, prompts, max_new_tokens=10, temperature=0.0, num_samples=2)
     for k, p in enumerate(prompts):
         ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
-                             max_new_tokens=10, min_new_tokens=10, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+                             max_new_tokens=10, min_new_tokens=10, pad_token_id=0,
+                             eos_token_id=None)[0, len(p):].tolist()
         assert ours[2 * k] == ours[2 * k + 1] == ref
 
 
@@ -247,7 +248,8 @@ def test_exponential_race_samples_each_row_from_its_own_stream_as_multinomial_do
     ref = [torch.Generator().manual_seed(10 + k) for k in range(4)]
     draws = torch.stack([exponential_race(probs, ours) for _ in range(4000)])  # (n, 4)
     # the same draws and the same stream positions as a per-row torch.multinomial (the sampler before it)
-    again = torch.stack([torch.cat([torch.multinomial(probs[k : k + 1], 1, generator=r) for k, r in enumerate(ref)])[:, 0]
+    again = torch.stack([torch.cat([torch.multinomial(probs[k : k + 1], 1,
+                                                      generator=r) for k, r in enumerate(ref)])[:, 0]
                          for _ in range(100)])
     assert torch.equal(draws[:100], again)
     assert (draws != 3).all()
@@ -261,7 +263,8 @@ def test_exponential_race_samples_each_row_from_its_own_stream_as_multinomial_do
     skewed = torch.stack([exponential_race(probs * torch.tensor([2.0, 1, 1, 1, 1, 1, 1]), ours) for _ in range(4000)])
     counts = torch.bincount(skewed[:, 0], minlength=7).double()
     keep = probs[0] > 0
-    assert chisquare(counts[keep].numpy(), (probs[0].double()[keep] / probs[0].double().sum() * 4000).numpy()).pvalue < 1e-6
+    assert chisquare(counts[keep].numpy(),
+                     (probs[0].double()[keep] / probs[0].double().sum() * 4000).numpy()).pvalue < 1e-6
     with pytest.raises(ValueError, match="3 generators for 4 rows"):
         exponential_race(probs, ours[:3])
 

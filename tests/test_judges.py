@@ -12,7 +12,8 @@ from datamodules.labels.judges import HTTPJudge, JudgeCache, LLMJudge, NLIJudge,
 from tests.conftest import tiny_llama
 from tests.fake_openai import FakeJudgeServer
 
-PAIRS = [("3 + 4 = 7.", "Adding 4 to 3 gives 7."), ("3 + 4 = 7.", "3 + 4 = 8."), ("5 * 2 = 10.", "5 times 2 equals 10.")]
+PAIRS = [("3 + 4 = 7.", "Adding 4 to 3 gives 7."), ("3 + 4 = 7.", "3 + 4 = 8."),
+         ("5 * 2 = 10.", "5 times 2 equals 10.")]
 
 
 def test_llm_judge_reads_yes_no_probabilities(world_tokenizer):

@@ -45,7 +45,8 @@ def test_per_model_labels_leave_the_other_share_undefined():
 def _prefix_samples(rng: random.Random, n: int = 12, embed: str = "meaning"):
     """Samples of one prefix: a few meanings (incl. wrong results) in random templates, and embeddings."""
     a, b = rng.randint(2, 40), rng.randint(1, 9)
-    meanings = [task.Meaning("add", a, b, a + b), task.Meaning("add", a, b, a + b + 1), task.Meaning("sub", a, b, a - b)]
+    meanings = [task.Meaning("add", a, b, a + b), task.Meaning("add", a, b, a + b + 1),
+                task.Meaning("sub", a, b, a - b)]
     picked = [rng.choice(meanings[: rng.randint(1, 3)]) for _ in range(n)]
     templates = [rng.randrange(task.N_TEMPLATES) for _ in range(n)]
     texts = [task.render_step(m, t) + "\n\n" for m, t in zip(picked, templates)]
@@ -78,7 +79,8 @@ def test_hdbscan_alone_follows_the_embeddings():
     bad = [_prefix_samples(rng, embed="template") for _ in range(6)]
     groups = group_prefixes([(t, e) for t, e, _ in bad], None, ClusteringConfig(method="hdbscan"))
     worse = np.mean([adjusted_rand_score([str(m) for m in truth], g) for g, (_, _, truth) in zip(groups, bad)])
-    assert good > 0.75 and worse < good - 0.2, (good, worse)  # tiny sets: HDBSCAN alone is rough even on good embeddings
+    # tiny sets: HDBSCAN alone is rough even on good embeddings
+    assert good > 0.75 and worse < good - 0.2, (good, worse)
     with pytest.raises(ValueError, match="needs a judge"):
         group_prefixes([(t, e) for t, e, _ in bad], None, ClusteringConfig())
 

@@ -66,7 +66,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("path", [p for p in files(*PACKAGE) if WORLD not in str(p)], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", [p for p in files(*PACKAGE) if WORLD not in str(p)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_generic_module_imports_the_world(path):
     """Issue 19: the embedded world registers itself (entry point ``semanticspec.worlds``); nothing generic imports it."""
     bad = [(n, m) for n, m in imported_modules(path) if m.startswith("datamodules.arithmetic")]

@@ -45,14 +45,16 @@ def test_server_that_ignores_n_is_fanned_out(servers):
     tok = _tokenizer(DRAFT)
     task = ArithmeticTask()
     contexts = [task.prompt(tok, r["problem"]) for r in task.problems(2, 1)]
-    s = OpenAISampler([servers["draft"].url], None, tok, StepSpec(DEFAULT_DELIMITERS, 24), SamplingSpec(0.8, 0.95), api_key_env="")
+    s = OpenAISampler([servers["draft"].url], None, tok, StepSpec(DEFAULT_DELIMITERS, 24), SamplingSpec(0.8, 0.95),
+                      api_key_env="")
     assert s.model == "smollm2"
     out = s.sample(contexts, 3, seed=5)
     assert s.ignores_n == [True] and s.requests == 6  # one choice per request: the rest asked for with new seeds
     assert [len(o) for o in out] == [3, 3] and all(o for row in out for o in row)
     assert len({tuple(o) for row in out for o in row}) > 2  # distinct seeds, distinct samples
     assert "assumed" not in s.step_ends and sum(s.step_ends.values()) == 6
-    again = OpenAISampler([servers["draft"].url], "smollm2", tok, StepSpec(DEFAULT_DELIMITERS, 24), SamplingSpec(0.8, 0.95), api_key_env="")
+    again = OpenAISampler([servers["draft"].url], "smollm2", tok, StepSpec(DEFAULT_DELIMITERS, 24),
+                          SamplingSpec(0.8, 0.95), api_key_env="")
     assert again.sample(contexts, 3, seed=5) == out  # the seeds make it reproducible
 
 
@@ -85,7 +87,8 @@ def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, 
     assert run["draft"]["ignores_n"] == [servers["draft"].url] and run["target"]["samples"] == 2 * manifest["n_prefixes"]
     assert manifest["roles"]["target"]["rows"] == 4 * manifest["n_prefixes"]  # joint: both models' samples
     assert manifest["roles"]["draft"]["rows"] == 2 * manifest["n_prefixes"]
-    data = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=8, val_fraction=0.0, test_fraction=0.0)
+    data = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=8, val_fraction=0.0,
+                                   test_fraction=0.0)
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[8]), ["target", "draft"], data.input_spec)
     L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, default_root_dir=tmp_path).fit(module, datamodule=data)

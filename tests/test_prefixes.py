@@ -68,8 +68,10 @@ def test_chat_template_is_applied_when_present(world_tokenizer):
     ids = Task().prompt(tok, "Take 3.")
     assert ids != Task().prompt(world_tokenizer, "Take 3.")
     assert tok.decode(ids).startswith("<bos>Step Take 3.")
-    rendered = tok.apply_chat_template([{"role": "user", "content": "Take 3."}], add_generation_prompt=True, tokenize=True)
-    assert ids == list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)  # exactly what the template gives
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Take 3."}], add_generation_prompt=True,
+                                       tokenize=True)
+    # exactly what the template gives
+    assert ids == list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
 def test_num_samples_shares_one_prefill(world_tokenizer):

@@ -96,7 +96,8 @@ def test_width_mismatch_names_both_numbers():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"pooling": "max"}, "pooling"), ({"role": "judge"}, "role"), ({"layer_ids": []}, "layer_ids"), ({"dropout": 1.5}, "dropout")],
+    [({"pooling": "max"}, "pooling"), ({"role": "judge"}, "role"), ({"layer_ids": []}, "layer_ids"),
+     ({"dropout": 1.5}, "dropout")],
 )
 def test_config_rejects_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -142,7 +143,8 @@ def test_config_names_a_bad_topk_or_source_field(kwargs, says):
 
 
 def _export(tmp_path, model, tok, **kw):
-    cfg = ProbeConfig(hidden_size=model.config.hidden_size, hidden_dims=[16, 8], reads=model_fingerprint(model, tok), **kw)
+    cfg = ProbeConfig(hidden_size=model.config.hidden_size, hidden_dims=[16, 8], reads=model_fingerprint(model, tok),
+                      **kw)
     probe = SemanticProbe(cfg).eval()
     return probe, export_probe(probe, tmp_path / "probe")
 
@@ -239,7 +241,8 @@ def test_load_given_a_file_of_the_probe_says_to_pass_the_folder(tmp_path):
 def test_interrupted_export_keeps_old_probe(tmp_path, world_tokenizer, monkeypatch):
     model = tiny_llama(len(world_tokenizer), 32)
     old, path = _export(tmp_path, model, world_tokenizer)
-    new = SemanticProbe(ProbeConfig(hidden_size=32, hidden_dims=[16, 8], reads=model_fingerprint(model, world_tokenizer)))
+    new = SemanticProbe(ProbeConfig(hidden_size=32, hidden_dims=[16, 8],
+                                    reads=model_fingerprint(model, world_tokenizer)))
 
     def crash(self, save_directory, **kw):  # dies after writing part of the files
         (save_directory / "config.json").write_text("{")
@@ -266,7 +269,8 @@ def _batches(n, widths, seed=0):
 
 
 def _spec(widths):
-    return {r: {"hidden_size": d, "layer_ids": [-1], "pooling": "mean", "reads": {"hidden_size": d}} for r, d in widths.items()}
+    return {r: {"hidden_size": d, "layer_ids": [-1], "pooling": "mean",
+                "reads": {"hidden_size": d}} for r, d in widths.items()}
 
 
 @pytest.mark.parametrize("loss", ["mse", "bce"])
@@ -364,7 +368,8 @@ def test_module_refuses_data_with_other_feature_groups(tmp_path):
     from datamodules.datamodule import SemanticProbeDataModule
 
     data = SemanticProbeDataModule(str(make_dataset(tmp_path / "d")), build=None, batch_size=8, roles=["target"])
-    spec = {"target": {"hidden_size": 16, "layer_ids": [-1], "reads": {"hidden_size": 16}}}  # no feature groups: [hidden]
+    # no feature groups: [hidden]
+    spec = {"target": {"hidden_size": 16, "layer_ids": [-1], "reads": {"hidden_size": 16}}}
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target"], spec)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
@@ -546,7 +551,8 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
     assert card.startswith("---\nlibrary_name: semanticspec-probes\n")
     assert "# SemanticSpec draft probe for" in card and "**draft** model would write" in card
     for fact in ("`hidden`, `token_stats`", "`[-1, 1]`", "`last` over the step's tokens",
-                 "`mean_logprob`, `max_entropy`", "MLP 66 → 16 → 8 → 1", "at most 24 tokens",  # 2 layers x 32 + 2 statistics
+                 # 2 layers x 32 + 2 statistics
+                 "`mean_logprob`, `max_entropy`", "MLP 66 → 16 → 8 → 1", "at most 24 tokens",
                  "| num_layers | `2` |", "| hidden_size | `32` |", f"| tokenizer_hash | `{tok_hash}` |",
                  "| samples per prefix and model (N) | 5 |", "temperature 0.7, top_p 0.9", "`hdbscan+judge`",
                  "`llm` (`judges/tiny`)", "| seed | 7 |", "| mse | 0.0123 |", "| draft_written/auroc | 0.9870 |",

@@ -337,7 +337,8 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     reads = manifest["build"]["reads"]
     assert reads["target"]["hidden_size"] == 640 and reads["draft"]["hidden_size"] == 576
     assert reads["target"]["tokenizer_hash"] != reads["draft"]["tokenizer_hash"]
-    data = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=8, val_fraction=0.0, test_fraction=0.0)
+    data = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=8, val_fraction=0.0,
+                                   test_fraction=0.0)
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[8]), ["target", "draft"], data.input_spec)
     L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, default_root_dir=tmp_path).fit(module, datamodule=data)

@@ -25,7 +25,8 @@ def test_quick_benchmark_results_are_ignored_and_untracked():
     assert [p for p in tracked if "-quick." in p] == []
     assert {"benchmarks/results/decode.json", "benchmarks/results/decode.md"} <= set(tracked)
     quick = [f"benchmarks/results/{n}-quick.{ext}" for n in ("decode", "world", "labels", "train", "first-step",
-                                                             "real", "compile", "served") for ext in ("json", "md", "png")]
+                                                             "real", "compile", "served") for ext in ("json", "md",
+                                                                                                      "png")]
     assert set(_git("check-ignore", "--no-index", *quick).split()) == set(quick)
     assert _git("check-ignore", "--no-index", "benchmarks/results/decode.json").strip() == ""
 

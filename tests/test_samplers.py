@@ -45,7 +45,8 @@ def serve(world_models, world_tokenizer):
 def _sampler(server_or_url, tok, **kw):
     url = server_or_url if isinstance(server_or_url, str) else server_or_url.url
     kw = {"api_key_env": "", "retries": 1, "timeout": 10.0, **kw}
-    return OpenAISampler([url], kw.pop("model", None), tok, StepSpec(DEFAULT_DELIMITERS, 8), SamplingSpec(kw.pop("temperature", 0.8), 0.95), **kw)
+    return OpenAISampler([url], kw.pop("model", None), tok, StepSpec(DEFAULT_DELIMITERS, 8),
+                         SamplingSpec(kw.pop("temperature", 0.8), 0.95), **kw)
 
 
 def _contexts(tok, n=3):
@@ -143,7 +144,8 @@ def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tok
     tok, ctx = world_tokenizer, _contexts(world_tokenizer, 6)
     ctx += [c + tok("19 plus 5 equals 24.\n\n24 + 8 = 32.\n\n32 - 8 = 24.\n\n", add_special_tokens=False).input_ids
             for c in ctx[:2]]  # prefixes whose next step is the last (it ends at EOS)
-    hf = HFSampler(world_models["draft"], tok, StepSpec(DEFAULT_DELIMITERS, 16), SamplingSpec(0.0, 1.0)).sample(ctx, 2, seed=0)
+    hf = HFSampler(world_models["draft"], tok, StepSpec(DEFAULT_DELIMITERS, 16),
+                   SamplingSpec(0.0, 1.0)).sample(ctx, 2, seed=0)
     s = _sampler(serve(**kw), tok, temperature=0.0)
     s.max_step_tokens = 16
     assert s.sample(ctx, 2, seed=0) == hf
@@ -152,12 +154,14 @@ def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tok
 
 def test_requests_stay_bounded_and_spread_over_endpoints(serve, world_tokenizer):
     a, b = serve(honour_n=True, delay=0.05), serve(honour_n=True, delay=0.05)
-    s = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 4), SamplingSpec(0.8, 0.95),
+    s = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 4),
+                      SamplingSpec(0.8, 0.95),
                       api_key_env="", concurrency=2, rank=1)
     s.sample(_contexts(world_tokenizer, 8), 2, seed=0)
     assert len(a.requests) == len(b.requests) == 4
     for rank, first in ((0, a), (1, b), (2, a)):  # ranks of a distributed build start at different endpoints
-        r = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 4), SamplingSpec(0.8, 0.95),
+        r = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 4),
+                          SamplingSpec(0.8, 0.95),
                           api_key_env="", rank=rank)
         before = len(first.requests)
         r.sample(_contexts(world_tokenizer, 1), 1, seed=0)
@@ -295,7 +299,8 @@ def test_greedy_openai_build_equals_the_hf_build(serve, tmp_path):
     assert hf["sampler"]["target"]["backend"] == "hf"
     ends = served["stats"]["this_run"]["sampler"]["draft"]["step_ends"]
     assert ends.get("counted", 0) > 0 and "assumed" not in ends
-    for a, b in zip(sorted((tmp_path / "hf").glob("shard-*.safetensors")), sorted((tmp_path / "openai").glob("shard-*"))):
+    for a, b in zip(sorted((tmp_path / "hf").glob("shard-*.safetensors")),
+                    sorted((tmp_path / "openai").glob("shard-*"))):
         x, y = load_file(a), load_file(b)
         assert x.keys() == y.keys()
         for k in x:
@@ -313,7 +318,8 @@ def test_greedy_openai_build_equals_the_hf_build(serve, tmp_path):
 
 @pytest.mark.parametrize("name", ["qwq-32b.yaml", "r1-distill-qwen-32b.yaml"])
 def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypatch, tmp_path):
-    """The paper-scale configs instantiate (model loading replaced) and their samplers reach servers named as configured."""
+    """The paper-scale configs instantiate (model loading replaced) and their samplers reach servers named as
+    configured."""
     from pathlib import Path
 
     from datamodules.datamodule import SemanticProbeDataModule
@@ -372,11 +378,14 @@ def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monke
             calls["generate"] = (prompts, params)
             def out(text, finish, reason):
                 return types.SimpleNamespace(text=text, finish_reason=finish, stop_reason=reason)
-            return [types.SimpleNamespace(outputs=[out("1 + 2 = 3.\n\n", "stop", "\n\n"), out("Answer: 3", "stop", None)])
+            return [types.SimpleNamespace(outputs=[out("1 + 2 = 3.\n\n", "stop", "\n\n"),
+                                                   out("Answer: 3", "stop", None)])
                     for _ in prompts]
 
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, __version__="9.9"))
-    s = VLLMSampler("/models/x", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 16), SamplingSpec(0.6, 0.95), tensor_parallel_size=2,
+    monkeypatch.setitem(sys.modules, "vllm",
+                        types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, __version__="9.9"))
+    s = VLLMSampler("/models/x", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 16), SamplingSpec(0.6, 0.95),
+                    tensor_parallel_size=2,
                     gpu_memory_utilization=0.3, seed=4)
     assert calls["engine"] == {"model": "/models/x", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.3,
                                "seed": 4, "dtype": "auto"}
@@ -404,12 +413,14 @@ def test_vllm_sampler_on_a_gpu(world_tokenizer, tmp_path):
     from datamodules.labels.samplers import HFSampler, VLLMSampler
 
     path = str(world_root() / "draft")
-    s = VLLMSampler(path, world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 16), SamplingSpec(0.0, 1.0), gpu_memory_utilization=0.2)
+    s = VLLMSampler(path, world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 16), SamplingSpec(0.0, 1.0),
+                    gpu_memory_utilization=0.2)
     ctx = _contexts(world_tokenizer, 4)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
-    assert s.sample(ctx, 1, seed=0) == HFSampler(model, world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 16), SamplingSpec(0.0, 1.0)).sample(ctx, 1, 0)
+    assert s.sample(ctx, 1, seed=0) == HFSampler(model, world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 16),
+                                                 SamplingSpec(0.0, 1.0)).sample(ctx, 1, 0)
 
 
 @pytest.mark.integration

@@ -163,7 +163,8 @@ def test_always_accept_without_bonus_equals_the_draft_alone(world, engines):
 
 
 @pytest.mark.parametrize("policy, want", [(ProbePolicy(), {"accept", "reject"}),
-                                          (ProbePolicy(top_k=2), {"accept_fast", "reject"})], ids=["probe", "fast_path"])
+                                          (ProbePolicy(top_k=2), {"accept_fast", "reject"})],
+                                          ids=["probe", "fast_path"])
 def test_decisions_equal_in_process_with_a_hidden_state_probe(world, engines, policy, want):
     probe = hidden_probe(world)
     served = ServedDecoder(*engines, probe, policy=policy, options=MARKER).generate(world["prompts"], **GREEDY)

@@ -146,7 +146,8 @@ def test_served_topk_features_equal_in_process_within_the_measured_tolerance(wor
     print(f"[timing] topk features {role}: {time.perf_counter() - t0:.1f} s")
 
 
-# --------------------------------------------------------------------------- 3. engine-read labels -> probes -> served decode
+# --------------------------------------------------------------------------- 3. engine-read labels -> probes -> served
+# decode
 
 
 def test_engine_read_label_build_trains_probes_that_decode_the_served_world(world, tmp_path, monkeypatch):
@@ -247,7 +248,9 @@ def test_the_real_pair_decodes_through_two_servers(real_pair):
     # 262k entries), so a read costs seconds here: two prompts for the greedy pair, one for the rest, short budgets
     greedy = {"temperature": 0.0, "max_new_tokens": 32}
     dec = ServedDecoder(target, draft, concurrency=1)  # one slot per server: prompts in turn keep its prefix
-    spec, ref = dec.generate(REAL_PROMPTS, method="always_reject", **greedy), dec.generate(REAL_PROMPTS, method="target_only", **greedy)
+    spec, ref = dec.generate(REAL_PROMPTS, method="always_reject", **greedy), dec.generate(REAL_PROMPTS,
+                                                                                           method="target_only",
+                                                                                           **greedy)
     assert all(r.ok for r in spec + ref), [r.error for r in spec + ref if not r.ok]
     assert all(r.text.strip() for r in spec + ref)
     assert all(r.stats.requests == 2 * r.stats.draft_steps_proposed > 0 for r in spec)

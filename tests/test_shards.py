@@ -9,7 +9,8 @@ from datamodules.labels import shards as S
 
 
 def _tensors():
-    return {"target.features": torch.randn(5, 8).half(), "target.label": torch.rand(5), "draft.features": torch.zeros(0, 4).half()}
+    return {"target.features": torch.randn(5, 8).half(), "target.label": torch.rand(5),
+            "draft.features": torch.zeros(0, 4).half()}
 
 
 def test_write_and_read_round_trip(tmp_path):
@@ -82,7 +83,8 @@ def test_shards_take_the_same_mode_as_the_manifest(tmp_path, umask):
 def test_write_dataset_records_every_shard_and_role(tmp_path):
     reads = {r: {"name_or_path": r, "hidden_size": w} for r, w in (("target", 8), ("draft", 4))}
     build = {"reads": reads, "layer_ids": [-1], "pooling": "mean"}
-    shards = ({"target.features": torch.randn(k + 2, 8).half(), "draft.features": torch.randn(k, 4).half()} for k in range(3))
+    shards = ({"target.features": torch.randn(k + 2, 8).half(),
+               "draft.features": torch.randn(k, 4).half()} for k in range(3))
     m = S.write_dataset(tmp_path / "d", shards, build, n_prefixes=7)  # a generator: shards are written one by one
     assert m == S.read_manifest(tmp_path / "d") and m["complete"] and m["build"] == build and m["n_prefixes"] == 7
     assert m["roles"] == {"target": {"width": 8, "rows": 2 + 3 + 4}, "draft": {"width": 4, "rows": 0 + 1 + 2}}

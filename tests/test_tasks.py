@@ -130,7 +130,8 @@ def test_default_build_records_its_problems_as_before():
     config = BuildConfig()
     assert problems_provenance(config) == {"source": "arithmetic", "n_problems": 200, "task_seed": 1,
                                            "prefix_source": "reference"}
-    assert config_record(config)["task"] == {"class_path": "datamodules.arithmetic.task.ArithmeticTask", "init_args": {}}
+    assert config_record(config)["task"] == {"class_path": "datamodules.arithmetic.task.ArithmeticTask",
+                                             "init_args": {}}
     json.dumps(config_record(config))
     with pytest.raises(ValueError, match="n_problems=0: the embedded world needs >= 1 problem"):
         BuildConfig(n_problems=0)
@@ -163,7 +164,8 @@ def test_file_task_provenance_names_task_file_and_checksum(tmp_path):
 
 def test_problem_without_answer_is_refused_naming_file_and_line(tmp_path):
     path = tmp_path / "mc.jsonl"
-    path.write_text(json.dumps({"problem": "Pick one", "answer": "A"}) + "\n" + json.dumps({"problem": "No answer"}) + "\n")
+    path.write_text(json.dumps({"problem": "Pick one",
+                                "answer": "A"}) + "\n" + json.dumps({"problem": "No answer"}) + "\n")
     with pytest.raises(ValueError, match=r"mc\.jsonl:2: expected an object with a string 'problem' and an 'answer'"):
         MultipleChoiceTask(str(path)).problems()
 

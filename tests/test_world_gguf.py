@@ -85,7 +85,8 @@ def test_gguf_tokenizer_tokenizes_every_world_text_as_the_world_does(world):
     assert _mismatches(world, vocab, texts) == []
     assert [t for t in texts if vocab.detokenize(vocab.tokenize(t.encode(), add_bos=False)).decode() != t] == []
     specials = "<bos>Answer: 4<eos><pad><unk>"
-    assert vocab.tokenize(specials.encode(), add_bos=False, special=True) == world(specials, add_special_tokens=False).input_ids
+    assert vocab.tokenize(specials.encode(), add_bos=False,
+                          special=True) == world(specials, add_special_tokens=False).input_ids
 
 
 @pytest.mark.parametrize("role", ["draft", "target"])

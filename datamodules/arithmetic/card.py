@@ -85,7 +85,8 @@ def train_command(role: str, facts: dict) -> str:
         cmd += f" --threads {facts['threads']}"
     if spec.get("extra", {}).get("init_from"):
         cmd += f" --init-from {spec['extra']['init_from']}"
-    keys = ("steps", "lr", "max_minutes") if spec.get("extra", {}).get("init_from") else ("layers", "steps", "lr", "max_minutes")
+    keys = ("steps", "lr", "max_minutes") if spec.get("extra", {}).get("init_from") else ("layers", "steps", "lr",
+                                                                                          "max_minutes")
     for key in keys:  # with --init-from the layers come from the model it starts from
         if spec[key] != getattr(default, key):
             cmd += f" --{key.replace('_', '-')} {spec[key]}"

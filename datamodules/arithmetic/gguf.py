@@ -53,7 +53,8 @@ SCORE = -1.0
 SPACE = "\u2581"
 """SentencePiece's word-boundary mark; llama.cpp's UGM tokenizer stores spaces as this character."""
 GREEDY = ("\n\n",)
-"""Pieces typed user-defined: llama.cpp splits them out of the text first, leftmost, before Viterbi (see the module docstring)."""
+"""Pieces typed user-defined: llama.cpp splits them out of the text first, leftmost, before Viterbi (see the module
+docstring)."""
 SOURCE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
@@ -189,7 +190,8 @@ def export_gguf(role: str, out_path: str | os.PathLike, root: Optional[str | os.
     return out
 
 
-def world_gguf(role: str, cache_dir: Optional[str | os.PathLike] = None, root: Optional[str | os.PathLike] = None) -> Path:
+def world_gguf(role: str, cache_dir: Optional[str | os.PathLike] = None,
+               root: Optional[str | os.PathLike] = None) -> Path:
     """One role's GGUF, written on first use and again whenever its weights, its tokenizer or this exporter change.
 
     The file is ``<cache_dir>/<role>-<key>.gguf`` with the key from :func:`weights_key`; older files of
@@ -218,7 +220,8 @@ def world_gguf(role: str, cache_dir: Optional[str | os.PathLike] = None, root: O
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--roles", nargs="+", default=list(models.ROLES), choices=models.ROLES)
-    ap.add_argument("--root", type=Path, default=None, help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)")
+    ap.add_argument("--root", type=Path, default=None,
+                    help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)")
     ap.add_argument("--cache_dir", type=Path, default=None, help="where the GGUF files go (default <world root>/gguf)")
     args = ap.parse_args(argv)
     for role in args.roles:

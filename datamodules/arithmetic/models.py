@@ -39,7 +39,8 @@ def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
         raise ValueError(f"role={role!r}; expected one of {ROLES}")
     path = world_root(root) / role
     if not path.is_dir():
-        raise FileNotFoundError(f"world model folder {path} does not exist; train it with `python -m datamodules.arithmetic.train`")
+        raise FileNotFoundError(f"world model folder {path} does not exist; train it with `python -m "
+                                f"datamodules.arithmetic.train`")
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"world model folder {path} is incomplete: missing {', '.join(missing)}")

@@ -85,7 +85,8 @@ class LlamaServer:
     def command(self) -> list[str]:
         """The server's command line."""
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(self.path), "--host", "127.0.0.1",
-               "--port", str(self.port), "--model_alias", self.alias, "--n_ctx", str(self.n_ctx), "--verbose", "true" if self.verbose else "false"]
+               "--port", str(self.port), "--model_alias", self.alias, "--n_ctx", str(self.n_ctx), "--verbose",
+               "true" if self.verbose else "false"]
         if self.n_threads:
             cmd += ["--n_threads", str(self.n_threads)]
         if self.f32_kv:

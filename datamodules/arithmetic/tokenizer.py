@@ -2,8 +2,8 @@
 
 Every number 0-199 and every word of the world's templates is one token, with or without a
 leading space (as GPT-style byte-level tokenizers do), so ``decode(encode(text)) == text`` for
-all text the world writes. Blank lines are tokens too: ``"\\n\\n"`` is the step delimiter. Encoding adds ``<bos>`` in front (as Llama
-tokenizers do); pass ``add_special_tokens=False`` to encode a continuation.
+all text the world writes. Blank lines are tokens too: ``"\\n\\n"`` is the step delimiter. Encoding adds ``<bos>`` in
+front (as Llama tokenizers do); pass ``add_special_tokens=False`` to encode a continuation.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ class EndpointConfig:
 
 @dataclass
 class OpenAIConfig:
-    """The ``openai`` sampling backend (YAML: ``build.sampling.openai.*``); see :mod:`datamodules.labels.openai_sampler`."""
+    """The ``openai`` sampling backend (YAML: ``build.sampling.openai.*``); see
+    :mod:`datamodules.labels.openai_sampler`."""
 
     target: EndpointConfig = field(default_factory=EndpointConfig)
     """Servers of the target model."""

@@ -201,7 +201,8 @@ class Progress:
             self.logged_at, self.logged_done = now, self.done
 
 
-def wait_for_shards(data_dir: Path, n_shards: int, needs=None, poll_s: float = 2.0, timeout_s: float = 12 * 3600) -> None:
+def wait_for_shards(data_dir: Path, n_shards: int, needs=None, poll_s: float = 2.0,
+                    timeout_s: float = 12 * 3600) -> None:
     """Rank 0 without a process group: wait until the other ranks' shards are all on disk (and as recorded)."""
     needs = needs or (lambda k: not (data_dir / S.shard_name(k)).is_file())
     t0 = time.time()

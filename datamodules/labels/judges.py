@@ -177,7 +177,8 @@ class LLMJudge(Judge):
     def _prompt(self, a: str, b: str) -> list[int]:
         text = self.template.format(a=a.strip(), b=b.strip())
         if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return list(self.tokenizer(text)["input_ids"])
 

@@ -45,14 +45,15 @@ def make_prefixes(
     """Cut every trace at each step delimiter.
 
     Args:
-        records: problems from :meth:`Task.problems <datamodules.tasks.base.Task.problems>`; with ``source="target"`` their ``trace``
-            must already hold the target's generation (see :func:`target_traces`).
+        records: problems from :meth:`Task.problems <datamodules.tasks.base.Task.problems>`; with ``source="target"``
+            their ``trace`` must already hold the target's generation (see :func:`target_traces`).
         tokenizer: the target's tokenizer.
         delimiters: step delimiters.
         source: where traces come from, only used in messages.
         draft_tokenizer: the draft's tokenizer when it differs from the target's: each prefix then
             also holds its text in the draft's tokenization (``draft_token_ids``).
-        task: whose prompt format to use (None = the embedded world's, :class:`~datamodules.arithmetic.task.ArithmeticTask`).
+        task: whose prompt format to use (None = the embedded world's,
+            :class:`~datamodules.arithmetic.task.ArithmeticTask`).
 
     Raises:
         ValueError: a record has no trace (named by file and line when read from a file) or the

@@ -2,8 +2,9 @@
 
 The prefix is prefilled once into the core's KV cache (:class:`generation.cache.BatchedCache`),
 which gives every step sampled after it a copy; the steps' tokens are then fed in batched waves
-(as the decoder reads a drafted step), finished rows leaving the batch. The features come from :func:`generation.features.rows_features`,
-the function the decoder's verification pass calls, and only they leave the device.
+(as the decoder reads a drafted step), finished rows leaving the batch. The features come from
+:func:`generation.features.rows_features`, the function the decoder's verification pass calls, and only they leave the
+device.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def read_steps(
         spec: which feature groups to compute, and how (layers, pooling, statistics).
         pad_token_id: id used for padding (masked out).
         max_rows: most steps fed in one forward pass.
-        max_logit_bytes: ``token_stats`` and ``topk_stats`` keep the (rows, step length, vocabulary) logits of a forward;
-            fewer rows go into one forward when they would exceed this (a 262k vocabulary at 32
+        max_logit_bytes: ``token_stats`` and ``topk_stats`` keep the (rows, step length, vocabulary) logits of a
+            forward; fewer rows go into one forward when they would exceed this (a 262k vocabulary at 32
             tokens a step takes 34 MB a row). A prefix's steps always go together.
 
     Identical steps of one prefix are read once (their features are the same).
@@ -63,7 +64,8 @@ def read_steps(
     if not out:
         width = model.config.get_text_config().hidden_size
         empty_parts = {"hidden": torch.zeros(0, len(spec.layer_ids), width),
-                       "token_stats": torch.zeros(0, len(spec.token_stats)), "topk_stats": torch.zeros(0, len(spec.topk_stats))}
+                       "token_stats": torch.zeros(0, len(spec.token_stats)),
+                       "topk_stats": torch.zeros(0, len(spec.topk_stats))}
         return {g: empty_parts[g] for g in spec.groups}
     return {g: torch.cat([o[g] for o in out]) for g in spec.groups}
 

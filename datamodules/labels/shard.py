@@ -101,7 +101,8 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: d
     tok, dtok = load_tokenizers(config)
     toks = {"target": tok, "draft": dtok or tok}
     samplers = dict(samplers or {})
-    if config.sampling.backend != "hf":  # a server sampler asks its server first: an unreachable one fails before models load
+    # a server sampler asks its server first: an unreachable one fails before models load
+    if config.sampling.backend != "hf":
         for r in toks:
             if r not in samplers:
                 samplers[r] = make_sampler(config, r, None, toks[r], rank)
@@ -230,7 +231,8 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     t3 = time.perf_counter()
     judge_s = (judge.seconds - judged_before[0]) if judge is not None else 0.0
     tensors, records = _assemble(prefixes, texts, labels, feats, n, joint)
-    for stage, dt in (("sampling", t1 - t0), ("reading", t2 - t1), ("clustering", t3 - t2 - judge_s), ("judge", judge_s),
+    for stage, dt in (("sampling", t1 - t0), ("reading", t2 - t1), ("clustering", t3 - t2 - judge_s),
+                      ("judge", judge_s),
                       ("labels", time.perf_counter() - t3)):
         timer[stage] = timer.get(stage, 0.0) + dt
     counts = {"prefixes": len(prefixes), "samples": 2 * n * len(prefixes),
@@ -239,7 +241,8 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     return tensors, records, counts
 
 
-def _read(models: Models, config: BuildConfig, ctx: dict, reads: dict, toks: dict) -> dict[str, dict[str, torch.Tensor]]:
+def _read(models: Models, config: BuildConfig, ctx: dict, reads: dict,
+          toks: dict) -> dict[str, dict[str, torch.Tensor]]:
     """``{role: {group: (rows, ...)}}``: each role reads its steps, in-process or through its server, with the
     function the decoder's verification pass calls."""
     spec = config.feature_spec()
@@ -274,12 +277,14 @@ def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch
             c["problem_id"].append(np.full(len(idx), p.problem_id)), c["prefix_id"].append(np.full(len(idx), p.prefix_id))
             c["sample_id"].append(ids[idx]), c["group_id"].append(lab["groups"][idx])
             c["group_entropy"].append(lab["entropy"][idx])
-        records.append({"problem_id": p.problem_id, "prefix_id": p.prefix_id, "step_index": p.step_index, "prefix": p.text,
+        records.append({"problem_id": p.problem_id, "prefix_id": p.prefix_id, "step_index": p.step_index,
+                        "prefix": p.text,
                         "samples": [{"sample_id": int(ids[j]), "writer": int(writer[j]), "text": texts[i][j],
                                      "group": int(lab["groups"][j]), "q": float(lab["q"][j]), "p": float(lab["p"][j])}
                                     for j in range(2 * n)]})
     dtypes = {"q": torch.float32, "p": torch.float32, "writer": torch.int8, "problem_id": torch.int64,
-              "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32, "group_entropy": torch.float32}
+              "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32,
+              "group_entropy": torch.float32}
     tensors: dict[str, torch.Tensor] = {}
     for r in ROLES:
         for g, v in feats[r].items():  # group "hidden" is stored as "features" (fp16), the statistics as float32

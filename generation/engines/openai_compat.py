@@ -95,7 +95,8 @@ def step_positions(offsets: list[int], texts: list[str], n_prompt: int, context:
     if not idx or starts[idx[0]] != len(context):
         raise MalformedAnswer(f"server {url}: no echoed token starts at the step's first character (offset "
                               f"{len(context)}; token starts {starts[-len(idx) - 1:]}): its tokenizer merges the "
-                              "context's end with the step's start; end steps at a delimiter the tokenizer splits at", url)
+                              "context's end with the step's start; end steps at a delimiter the tokenizer splits at",
+                              url)
     spelled = "".join(texts[i] for i in idx)
     if spelled != step:
         raise MalformedAnswer(f"server {url}: the {len(idx)} echoed step token(s) spell {spelled!r}, not the step "

@@ -145,7 +145,8 @@ def run_probe(probe, x: torch.Tensor) -> list[float]:
     return probe(x.to(device)).float().cpu().tolist()
 
 
-def probe_rows(probe, spec: FeatureSpec, tokens: Sequence[Sequence[int]], hidden, logits) -> tuple[torch.Tensor, list[float]]:
+def probe_rows(probe, spec: FeatureSpec, tokens: Sequence[Sequence[int]], hidden, logits) -> tuple[torch.Tensor,
+                                                                                                   list[float]]:
     """A probe's input rows (:func:`~generation.features.rows_features`) and outputs for rows' steps.
 
     Features and MLP run under one ``torch.inference_mode`` (no autograd bookkeeping per op).

@@ -86,7 +86,8 @@ def speculate_tokens(
     if drawn:
         d_probs = sampler.probs(torch.stack(list(draft_logits)).cpu())
     else:
-        d_probs = torch.nn.functional.one_hot(torch.as_tensor(list(proposal), dtype=torch.long), t_probs.shape[-1]).float()
+        d_probs = torch.nn.functional.one_hot(torch.as_tensor(list(proposal), dtype=torch.long),
+                                              t_probs.shape[-1]).float()
     return speculative_step(t_probs, d_probs, proposal, sampler.stream(row), ends_after)
 
 
