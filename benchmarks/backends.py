@@ -90,7 +90,8 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
         figures["bare"][0] += tokens
         figures["bare"][1] += seconds
     rate = {k: v[0] / v[1] for k, v in figures.items()}
-    log(f"overhead: sampler {rate['sampler']:.1f} tok/s, bare loop {rate['bare']:.1f} tok/s over {len(sent)} requests x {rounds}")
+    log(f"overhead: sampler {rate['sampler']:.1f} tok/s, bare loop {rate['bare']:.1f} tok/s over {len(sent)} "
+        f"requests x {rounds}")
     return {"requests_per_round": len(sent), "rounds": rounds, "samples_per_prefix": n, "prefixes": len(contexts),
             "sampler_tokens_per_s": round(rate["sampler"], 2), "bare_tokens_per_s": round(rate["bare"], 2),
             "sampler_over_bare": round(rate["sampler"] / rate["bare"], 3),

@@ -215,8 +215,9 @@ def markdown(section: dict) -> list[str]:
     """The section's tables: scaling with the cost model's check, the fitted costs, and the phases per size."""
     if not section:
         return []
-    lines = ["", "| batch scaling | batch | tokens/s | speedup | accuracy | problems | target fwd (rows, positions / fwd) "
-             "| draft fwd (rows, positions / fwd) | forward s (predicted) / wall | predicted tokens/s | predicted speedup "
+    lines = ["", "| batch scaling | batch | tokens/s | speedup | accuracy | problems "
+             "| target fwd (rows, positions / fwd) | draft fwd (rows, positions / fwd) "
+             "| forward s (predicted) / wall | predicted tokens/s | predicted speedup "
              "| speedup, positions free (projected) |",
              "|---" * 12 + "|"]
     for method, row in section["table"].items():

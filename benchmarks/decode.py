@@ -468,7 +468,8 @@ def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolic
         # the shipped pair's AUROC comes from that run, where every draft step has a q), with it when it is off
         fast_path_variant(args.top_k): (decoder(policy=replace(policy, top_k=0 if args.top_k else 1)), {}),
         # the probes' MLPs in the other precision (float32 when auto picks float16): its probe overhead
-        f"semanticspec[probe_dtype={other_dtype(args.probe_dtype)}]": (decoder(probe_dtype=other_dtype(args.probe_dtype)), {}),
+        f"semanticspec[probe_dtype={other_dtype(args.probe_dtype)}]":
+            (decoder(probe_dtype=other_dtype(args.probe_dtype)), {}),
     }
 
 
@@ -589,7 +590,8 @@ def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, unt
 
 
 def save(report: dict, args: argparse.Namespace) -> None:
-    """Write the JSON, its markdown table and the plot; say whether probes were untrained and which goals were missed."""
+    """Write the JSON, its markdown table and the plot; say whether probes were untrained and which goals were
+    missed."""
     out = harness.results_path("decode", args.quick, args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(report, out.with_suffix(".png"))

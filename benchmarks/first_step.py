@@ -57,7 +57,8 @@ def main(argv=None) -> dict:
     for who in ("target_first_step", "draft_first_step"):
         lo, hi = report[f"{who}+token_sd_minus_{who}"]["accuracy_delta_ci95"]
         a, b = report["methods"][f"{who}+token_sd"], report["methods"][who]
-        print(f"{who} with token-level SD - without: {a['accuracy'] - b['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
+        print(f"{who} with token-level SD - without: {a['accuracy'] - b['accuracy']:+.3f} (95% "
+              f"[{lo:+.3f}, {hi:+.3f}]), "
               f"speedup {a['speedup']:.2f}x vs {b['speedup']:.2f}x")
     harness.write(report, harness.results_path("first-step", args.quick))
     return report

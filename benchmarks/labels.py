@@ -192,7 +192,8 @@ for batch in loader:
 dt = time.perf_counter() - t0
 # VmHWM: this process's own peak RSS (ru_maxrss would carry the parent's peak across fork + exec)
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
-print(json.dumps({"rows": n, "seconds": dt, "rows_per_s": n / dt, "peak_rss_mb": hwm, "setup_seconds": setup_s, "import_rss_mb": base}))
+print(json.dumps({"rows": n, "seconds": dt, "rows_per_s": n / dt, "peak_rss_mb": hwm, "setup_seconds": setup_s,
+                  "import_rss_mb": base}))
 """
 
 
@@ -293,7 +294,8 @@ def table(res: dict) -> str:
             g = f"< 10% {goal(c['false_high_share'] < 0.10)}" if (writer, kind) == ("draft", "wrong") else ""
             lines.append(f"| {writer}, {kind} | {c['n']} | {c['mean_label_q']:.3f} | {c['mean_oracle_q']:.3f} | "
                          f"{c['false_high_share']:.1%} | {g} |")
-    lines += ["", "| grouping | ARI | q MAE | p MAE | wrong draft false-high | judge pairs | judge accuracy | seconds |",
+    lines += ["", "| grouping | ARI | q MAE | p MAE | wrong draft false-high | judge pairs | judge "
+                  "accuracy | seconds |",
               "|---|---|---|---|---|---|---|---|"]
     for name, v in res["variants"].items():
         lines.append(f"| {name} | {v['ari']:.3f} | {v['q_mae']:.4f} | {v['p_mae']:.4f} | "
@@ -322,7 +324,8 @@ def backends_table(b: dict) -> str:
         lines.append(f"| build with {name}: seconds per stage | "
                      + ", ".join(f"{k} {x:.1f}" for k, x in v["seconds_per_stage"].items()) + " | |")
     for role, g in b["greedy_agreement"].items():
-        lines.append(f"| greedy step agreement, server vs hf, {role} | {g['equal']}/{g['prefixes']} ({g['share']:.0%}) | reported |")
+        lines.append(f"| greedy step agreement, server vs hf, {role} | {g['equal']}/{g['prefixes']} "
+                     f"({g['share']:.0%}) | reported |")
     return "\n".join(lines)
 
 

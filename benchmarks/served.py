@@ -147,7 +147,8 @@ RSS_WRAPPER = ("import json, resource, subprocess, sys; rc = subprocess.call(sys
 
 
 def fit_command(urls: Sequence[str], folder: Path, n_problems: int, epochs: int, backend: str) -> list[str]:
-    """``python -m probes.fit --config configs/served.yaml`` pointed at ``urls`` with its data and runs in ``folder``."""
+    """``python -m probes.fit --config configs/served.yaml`` pointed at ``urls`` with its data and runs in
+    ``folder``."""
     return [sys.executable, "-m", "probes.fit", "--config", str(REPO / "configs" / "served.yaml"),
             "--data.data_dir", str(folder / "data"), "--data.build.n_problems", str(n_problems),
             "--data.build.sampling.openai.target.urls", json.dumps([urls[0]]),
@@ -625,7 +626,8 @@ def markdown(report: dict) -> str:
         ("client_ms_per_step", f"{report['client_ms_per_step']:.2f}"),
         ("overhead_share", f"{report['overhead_share']:.3f}"),
         ("decision_agreement (engine-trained vs in-process) / same probe",
-         f"{agree.get('share', math.nan):.4f} / {agree.get('same_probe', math.nan):.4f} ({agree.get('n_steps')} steps)"),
+         f"{agree.get('share', math.nan):.4f} / {agree.get('same_probe', math.nan):.4f} "
+         f"({agree.get('n_steps')} steps)"),
     ]
     if "peak_rss_mb" in b:
         rows += [("build.peak_rss_mb engine-read / in-process-read",

@@ -64,7 +64,8 @@ in_memory = DataLoader(batches, batch_size=None)
 step_per_s = fit_rate(in_memory, sum(len(b["target"]["label"]) for b in batches))
 e2e_per_s = fit_rate(dm.train_dataloader(), rows)
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
-print(json.dumps({"rows": rows, "loader": loader_per_s, "step": step_per_s, "end_to_end": e2e_per_s, "peak_rss_mb": hwm}))
+print(json.dumps({"rows": rows, "loader": loader_per_s, "step": step_per_s, "end_to_end": e2e_per_s,
+                  "peak_rss_mb": hwm}))
 """
 
 
@@ -86,7 +87,8 @@ def measure(width: int, rows: int, batch_size: int = 128, threads: int = 1) -> d
 
 def table(res: dict) -> str:
     lines = [
-        "| features | rows | loader rows/s | step rows/s (no loader) | end-to-end rows/s | loader bound | peak RSS MB |",
+        "| features | rows | loader rows/s | step rows/s (no loader) | end-to-end rows/s | loader "
+        "bound | peak RSS MB |",
         "|---|---|---|---|---|---|---|",
     ]
     for width, r in res["by_width"].items():

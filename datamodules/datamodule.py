@@ -76,7 +76,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             if value < low:  # name only what is wrong
                 errors.append(f"{name}={value}: expected >= {low}")
         if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
-            errors.append(f"val_fraction={val_fraction}, test_fraction={test_fraction}: need >= 0 each and a sum below 1")
+            errors.append(f"val_fraction={val_fraction}, test_fraction={test_fraction}: need >= 0 each "
+                          f"and a sum below 1")
         if nonfinite not in ("error", "drop"):
             errors.append(f"nonfinite={nonfinite!r}: expected 'error' or 'drop'")
         if data_dir_problem(data_dir):  # refused here, before the Trainer prints its device lines
@@ -156,7 +157,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         return self._moments[role]
 
     def _missing_message(self) -> str:
-        state = "does not exist" if not self.data_dir.exists() else "holds no finished build (no complete manifest.json)"
+        state = ("does not exist" if not self.data_dir.exists()
+                 else "holds no finished build (no complete manifest.json)")
         return (f"data_dir {self.data_dir} {state} and build=None; build it with `python -m datamodules.labels.build "
                 f"--data_dir {self.data_dir}` or give a build config")
 

@@ -182,7 +182,8 @@ class FeatureSpec:
 
     @property
     def needs_logits(self) -> bool:
-        """An in-process reader must keep the logits predicting the step's tokens (``token_stats`` or ``topk_stats``)."""
+        """An in-process reader must keep the logits predicting the step's tokens (``token_stats`` or
+        ``topk_stats``)."""
         return "token_stats" in self.groups or self.needs_topk
 
     def width(self, hidden_size: int) -> int:

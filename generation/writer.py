@@ -172,7 +172,8 @@ def _forced_logits(step: StepDraft, feed: Feed | None, before: torch.Tensor | No
         elif j == 0 and before is not None:
             out.append(before)
         else:
-            raise RuntimeError("the logits predicting a forced token were not kept; feed it in the step's first forward")
+            raise RuntimeError("the logits predicting a forced token were not kept; feed it in the "
+                               "step's first forward")
     return out
 
 

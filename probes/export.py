@@ -122,7 +122,8 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
         if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
             warnings.warn(
                 f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against "
-                f"the model it is given (only hidden_size={config.hidden_size} is); re-export it to record the model it reads",
+                f"the model it is given (only hidden_size={config.hidden_size} is); re-export it to record "
+                f"the model it reads",
                 UserWarning,
                 stacklevel=2,
             )

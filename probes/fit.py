@@ -64,8 +64,10 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike, te
     paths = {}
     for role, probe in module.probes.items():
         prefix = f"test/{role}/"
-        probe.config.test_metrics = {k[len(prefix) :]: float(v) for k, v in test_metrics.items() if k.startswith(prefix)}
-        probe.config.reads, probe.config.labels = portable_paths(probe.config.reads), portable_paths(probe.config.labels)
+        probe.config.test_metrics = {k[len(prefix) :]: float(v) for k, v in test_metrics.items()
+                                     if k.startswith(prefix)}
+        probe.config.reads = portable_paths(probe.config.reads)
+        probe.config.labels = portable_paths(probe.config.labels)
         paths[role] = export_probe(probe.cpu().eval(), Path(export_dir) / role)
     return paths
 
@@ -116,8 +118,10 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
 
 
 def _help_args(args: list[str]) -> list[str]:
-    """``--help`` / ``-h``: the short screen of common options (and exit); ``--help_all`` / ``--help full``: every one."""
-    if "--help_all" in args or any(a in ("--help", "-h") and args[i + 1 : i + 2] == ["full"] for i, a in enumerate(args)):
+    """``--help`` / ``-h``: the short screen of common options (and exit); ``--help_all`` / ``--help full``: every
+    one."""
+    if "--help_all" in args or any(a in ("--help", "-h") and args[i + 1 : i + 2] == ["full"]
+                                   for i, a in enumerate(args)):
         return ["--help"]
     if "--help" in args or "-h" in args:
         print(SHORT_HELP, end="")
@@ -135,7 +139,8 @@ def metric_rows(test_metrics: dict[str, float], roles: list[str]) -> dict[str, d
     for role in roles:
         for sub in ("", "draft_written/", "target_written/"):
             prefix = f"test/{role}/{sub}"
-            values = {k[len(prefix) :]: v for k, v in test_metrics.items() if k.startswith(prefix) and "/" not in k[len(prefix) :]}
+            values = {k[len(prefix) :]: v for k, v in test_metrics.items() if k.startswith(prefix)
+                      and "/" not in k[len(prefix) :]}
             if values:
                 rows[f"{role} ({sub[:-1].replace('_', '-')})" if sub else role] = values
     return rows

@@ -55,4 +55,5 @@ class ProbeSummary(ModelSummary):
         cols = [c for c in summary_data if c[0] != "FLOPs"]
         table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes, 0,
                                       *cols)
-        summary_log.info("\n" + "\n".join(line for line in table.splitlines() if not line.rstrip().endswith("Total Flops")))
+        summary_log.info("\n" + "\n".join(line for line in table.splitlines()
+                                          if not line.rstrip().endswith("Total Flops")))

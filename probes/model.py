@@ -96,7 +96,8 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         return x
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Pre-sigmoid scores. ``features``: (B, input_size) flat, or (B, L, D) for a hidden-only probe. Returns (B,)."""
+        """Pre-sigmoid scores. ``features``: (B, input_size) flat, or (B, L, D) for a hidden-only probe. Returns
+        (B,)."""
         cfg = self.config
         x = (self._checked(features) - self.input_mean) / self.input_std
         if hasattr(self, "layer_logits"):

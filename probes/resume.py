@@ -103,7 +103,8 @@ class KeepHistory(Callback):
 
             done = int(torch.load(ckpt_path, map_location="cpu", weights_only=False).get("epoch", -1))
             with path.open(newline="") as f:
-                self.rows = [r for r in csv.DictReader(f) if r.get("epoch") in (None, "") or int(float(r["epoch"])) <= done]
+                self.rows = [r for r in csv.DictReader(f) if r.get("epoch") in (None, "")
+                             or int(float(r["epoch"])) <= done]
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         experiment = getattr(trainer.logger, "experiment", None)

@@ -88,7 +88,8 @@ def test_build_writes_labelled_shards_and_manifest(reference):
             rows = entry["count"][r]
             assert t[f"{r}.features"].shape == (rows, width) and t[f"{r}.features"].dtype == torch.float16
             assert torch.isfinite(t[f"{r}.features"]).all()
-            assert t[f"{r}.token_stats"].shape == (rows, len(TOKEN_STATS)) and torch.isfinite(t[f"{r}.token_stats"]).all()
+            assert t[f"{r}.token_stats"].shape == (rows, len(TOKEN_STATS))
+            assert torch.isfinite(t[f"{r}.token_stats"]).all()
             assert (t[f"{r}.token_stats"][:, 1] <= t[f"{r}.token_stats"][:, 0]).all()  # min <= mean log-prob
             topk = t[f"{r}.topk_stats"]
             assert topk.shape == (rows, len(TOPK_STATS)) and topk.dtype == torch.float32 and torch.isfinite(topk).all()
@@ -130,7 +131,8 @@ def test_killed_build_resumes_to_the_same_bytes(world, reference, tmp_path, monk
     assert any(line.startswith(f"built {n - 1} shards, reused 1 in ") for line in lines), lines  # not "built {n}"
     # progress for logs (issue 12: a first build printed nothing for 27 minutes when not on a terminal)
     progress = [line for line in lines if line.startswith("build (rank 0): ")]
-    assert progress and progress[-1].startswith(f"build (rank 0): {n - 1}/{n - 1} shards, ") and "s elapsed" in progress[-1]
+    assert progress and progress[-1].startswith(f"build (rank 0): "
+                                                f"{n - 1}/{n - 1} shards, ") and "s elapsed" in progress[-1]
     again = build(_config(world), tmp_path)  # complete: nothing rebuilt
     assert again["shards"] == done["shards"]
 
@@ -220,7 +222,8 @@ def test_missing_or_altered_shards_are_rebuilt_exactly(world, reference, tmp_pat
     # what the datamodule says, and its advice, must be true (issue 12)
     with pytest.raises(S.CorruptShardError) as err:
         SemanticProbeDataModule(str(d), build=None).setup()
-    assert f"python -m datamodules.labels.build --data_dir {d}" in str(err.value) and "--data.skip_corrupt true" in str(err.value)
+    assert f"python -m datamodules.labels.build --data_dir {d}" in str(err.value)
+    assert "--data.skip_corrupt true" in str(err.value)
     kept = {k: (d / S.shard_name(k)).stat().st_mtime_ns for k in range(n) if k not in (1, n - 1)}
     lines = []
     done = build(_config(world), d, log=lines.append)  # following the advice
@@ -264,7 +267,8 @@ def test_data_dir_that_cannot_be_created_is_named(world, capsys):
               "--build.judge.model", str(world / "judge"), "--build.n_problems", "1"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("python -m datamodules.labels.build: error: cannot create data_dir")
+    assert len(err.splitlines()) == 1 and err.startswith("python -m datamodules.labels.build: error: "
+                                                         "cannot create data_dir")
 
 
 @pytest.mark.parametrize("args, named", [
@@ -577,7 +581,8 @@ def _one_line(capsys, args, code=2) -> str:
     assert exit_.value.code == code
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("python -m datamodules.labels.build: ") and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("python -m "
+                                                   "datamodules.labels.build: ") and "Traceback" not in err, err
     return lines[0]
 
 

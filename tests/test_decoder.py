@@ -580,7 +580,8 @@ def test_token_sd_inside_target_steps_is_lossless_when_greedy(tiny_pair):
 
 
 def test_defaults_follow_the_first_step_benchmark(tiny_pair):
-    """The draft writes the first step; token-level speculation writes the target's steps when the tokenizer is shared."""
+    """The draft writes the first step; token-level speculation writes the target's steps when the tokenizer is
+    shared."""
     target, draft, tok = tiny_pair
     shared = stub_decoder(target, draft, tok)
     assert shared.token_sd is True and shared.options.target_first_step is False

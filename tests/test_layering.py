@@ -69,7 +69,8 @@ def module_name(path: Path) -> str:
 @pytest.mark.parametrize("path", [p for p in files(*PACKAGE) if WORLD not in str(p)],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_generic_module_imports_the_world(path):
-    """Issue 19: the embedded world registers itself (entry point ``semanticspec.worlds``); nothing generic imports it."""
+    """Issue 19: the embedded world registers itself (entry point ``semanticspec.worlds``); nothing generic imports
+    it."""
     bad = [(n, m) for n, m in imported_modules(path) if m.startswith("datamodules.arithmetic")]
     assert not bad, f"{path.relative_to(ROOT)} imports the world: {bad}"
 

@@ -84,7 +84,8 @@ def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, 
     assert manifest["sampler"]["target"]["model"] == "gemma3" and manifest["sampler"]["draft"]["model"] == "smollm2"
     assert manifest["sampler"]["draft"]["urls"] == [servers["draft"].url]
     run = manifest["stats"]["this_run"]["sampler"]
-    assert run["draft"]["ignores_n"] == [servers["draft"].url] and run["target"]["samples"] == 2 * manifest["n_prefixes"]
+    assert run["draft"]["ignores_n"] == [servers["draft"].url]
+    assert run["target"]["samples"] == 2 * manifest["n_prefixes"]
     assert manifest["roles"]["target"]["rows"] == 4 * manifest["n_prefixes"]  # joint: both models' samples
     assert manifest["roles"]["draft"]["rows"] == 2 * manifest["n_prefixes"]
     data = SemanticProbeDataModule(str(tmp_path / "data"), build=None, batch_size=8, val_fraction=0.0,

@@ -317,7 +317,8 @@ def test_stop_check_on_token_ids_agrees_with_decoding_on_real_tokenizers(real_pa
 
 @pytest.mark.slow
 def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
-    """Gemma-3-270m and SmolLM2 (two tokenizers) through the label build, a training epoch and SemanticSpec (issue 11)."""
+    """Gemma-3-270m and SmolLM2 (two tokenizers) through the label build, a training epoch and SemanticSpec (issue
+    11)."""
     import lightning as L
 
     from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig

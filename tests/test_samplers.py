@@ -1,4 +1,5 @@
-"""Step samplers (datamodules.labels.samplers): the text-to-step rule, the openai sampler against local servers, builds."""
+"""Step samplers (datamodules.labels.samplers): the text-to-step rule, the openai sampler against local servers,
+builds."""
 
 import json
 import time
@@ -255,7 +256,8 @@ def test_a_bos_the_tokenizer_does_not_add_stays_in_a_text_prompt(serve, world_to
     server = serve(honour_n=True)
     ctx = _contexts(world_tokenizer, 1)
     _sampler(server, NoBos(world_tokenizer)).sample(ctx, 1, seed=0)
-    assert server.requests[0][1]["prompt"] == world_tokenizer.decode(ctx[0]) and ctx[0][0] == world_tokenizer.bos_token_id
+    assert server.requests[0][1]["prompt"] == world_tokenizer.decode(ctx[0])
+    assert ctx[0][0] == world_tokenizer.bos_token_id
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +297,8 @@ def test_greedy_openai_build_equals_the_hf_build(serve, tmp_path):
     urls = {r: serve(r).url for r in ("target", "draft")}
     served = build(_world_config(urls), tmp_path / "openai", log=lambda *a: None)
     assert served["build"]["sampler"] == "openai" and hf["build"]["sampler"] == "hf"
-    assert served["sampler"]["draft"]["model"] == "world-draft" and served["sampler"]["target"]["urls"] == [urls["target"]]
+    assert served["sampler"]["draft"]["model"] == "world-draft"
+    assert served["sampler"]["target"]["urls"] == [urls["target"]]
     assert hf["sampler"]["target"]["backend"] == "hf"
     ends = served["stats"]["this_run"]["sampler"]["draft"]["step_ends"]
     assert ends.get("counted", 0) > 0 and "assumed" not in ends
@@ -343,7 +346,8 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
     b = cli.datamodule.build
     assert b.sampling.backend == "openai" and b.sampling.n_samples == 20 and b.sampling.openai.prompt == "tokens"
     assert b.judge.kind == "http" and b.judge.url == b.sampling.openai.target.urls[0]
-    assert cli.model.probes["target"].config.hidden_size == 5120 and cli.model.probes["draft"].config.hidden_size == 1536
+    assert cli.model.probes["target"].config.hidden_size == 5120
+    assert cli.model.probes["draft"].config.hidden_size == 1536
     for role in ("target", "draft"):
         e = getattr(b.sampling.openai, role)
         assert e.urls[0].startswith("http://127.0.0.1:800") and e.model

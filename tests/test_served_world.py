@@ -94,7 +94,8 @@ def _wrong(step: str) -> str:
 
 
 def _world_steps(world, n_problems: int, seed: int) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Prefixes (prompt + the first j reference steps, BOS first) and after each the reference step j and a wrong copy."""
+    """Prefixes (prompt + the first j reference steps, BOS first) and after each the reference step j and a wrong
+    copy."""
     tok, delim = world["tok"], "\n\n"
     prompts, problems = _prompts(world, n_problems, seed)
     prefixes, steps = [], []
@@ -220,7 +221,8 @@ def real_pair(tmp_path_factory):
                                                                                     api_key_env="")
 
 
-REAL_PROMPTS = ["Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nLet's think step by step.\n\n",
+REAL_PROMPTS = ["Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nLet's think "
+                "step by step.\n\n",
                 "Question: What is 12 times 5, minus 7?\nLet's think step by step.\n\n"]
 
 

@@ -208,7 +208,8 @@ def test_custom_task_reaches_the_build_from_yaml(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(cfg)])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "problem 1 of tests.test_tasks.YesNoTask (and 2 more problems: [2, 3]) has no 'trace'" in err
+    assert exit_.value.code == 2
+    assert "problem 1 of tests.test_tasks.YesNoTask (and 2 more problems: [2, 3]) has no 'trace'" in err
     assert not (tmp_path / "data").exists()
 
 

@@ -258,7 +258,8 @@ def test_shipped_judge_stays_above_accuracy_floor():
     pairs = [judge_pair(rng)[:2] for _ in range(200)]
     truth = torch.tensor([task.meaning(a) == task.meaning(b) for a, b in pairs])  # labels from the oracle
     accuracy = float(((judge_yes_prob(model, tok, pairs) > 0.5) == truth).float().mean())
-    assert accuracy >= JUDGE_FLOOR, f"judge agreed with the oracle on {accuracy:.3f} of 200 pairs, floor {JUDGE_FLOOR:.3f}"
+    assert accuracy >= JUDGE_FLOOR, (f"judge agreed with the oracle on {accuracy:.3f} of 200 pairs, "
+                                     f"floor {JUDGE_FLOOR:.3f}")
     constant = max(truth.float().mean().item(), 1 - truth.float().mean().item())  # always "yes" or always "no"
     assert JUDGE_FLOOR > constant + 0.2, f"a constant judge ({constant:.3f}) would pass the floor"
 

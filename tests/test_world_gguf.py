@@ -154,7 +154,8 @@ def test_llama_cpp_logprobs_equal_transformers_with_f32_kv(world, role):
 
 
 def test_world_gguf_is_written_once_and_again_when_the_weights_change(tmp_path):
-    """The cache key follows the weights: same weights, same file (not rewritten); new weights, a new file, old removed."""
+    """The cache key follows the weights: same weights, same file (not rewritten); new weights, a new file, old
+    removed."""
     from safetensors.torch import load_file, save_file
 
     from datamodules.arithmetic.gguf import world_gguf

@@ -205,10 +205,12 @@ class TaskConfig:
         errors = []
         for op, w in self.template_weights.items():
             if op not in OPS or len(w) != N_TEMPLATES or min(w) < 0 or sum(w) <= 0:
-                errors.append(f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative weights, not all zero")
+                errors.append(f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative "
+                              f"weights, not all zero")
         missing = [op for op in self.ops if op in OPS and op not in self.template_weights]
         if missing:
-            errors.append(f"template_weights lacks {missing}: give {N_TEMPLATES} weights for every operation in ops={self.ops}")
+            errors.append(f"template_weights lacks {missing}: give {N_TEMPLATES} weights for every operation "
+                          f"in ops={self.ops}")
         return errors
 
     def _operands(self, op: str) -> range:
@@ -228,7 +230,8 @@ class TaskConfig:
             return True
         ok = set(range(lo, hi + 1))
         for _ in range(self.min_ops):
-            ok = {x for x in range(lo, hi + 1) if any(apply_op(op, x, b) in ok for op in self.ops for b in self._operands(op))}
+            ok = {x for x in range(lo, hi + 1)
+                  if any(apply_op(op, x, b) in ok for op in self.ops for b in self._operands(op))}
         return any(x in ok for x in range(self.start_range[0], self.start_range[1] + 1))
 
 
@@ -262,7 +265,8 @@ def _sample_chain(rng: random.Random, cfg: TaskConfig) -> list[Meaning]:
             x = r
         if len(chain) == n:
             return chain
-    raise ValueError(f"result_range={cfg.result_range}: could not build a chain of {cfg.min_ops}+ operations in 1000 tries")
+    raise ValueError(f"result_range={cfg.result_range}: could not build a chain of {cfg.min_ops}+ "
+                     f"operations in 1000 tries")
 
 
 def problem_text(start: int, chain: Sequence[Meaning], rng: random.Random) -> str:

@@ -121,7 +121,8 @@ def judge_pair(rng: random.Random) -> tuple[str, str, bool]:
     elif kind < 0.57:
         m2 = m1._replace(op=rng.choice([o for o in task.OPS if o != m1.op]))
     elif kind < 0.69:
-        m2 = m1._replace(result=m1.result + 1 if m1.result == 0 or (m1.result < 199 and rng.random() < 0.5) else m1.result - 1)
+        m2 = m1._replace(result=m1.result + 1 if m1.result == 0 or (m1.result < 199 and rng.random() < 0.5)
+                         else m1.result - 1)
     elif kind < 0.77:
         m2 = m1._replace(a=m1.b, b=m1.a) if m1.a != m1.b else m1._replace(b=m1.b + 1)
     elif kind < 0.85:
@@ -227,7 +228,8 @@ def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[
             if band is None or band[0] <= acc <= band[1]:
                 save(model, tok, out / which)
                 saved = history[-1]
-            if (spec.stop_accuracy is not None and acc >= spec.stop_accuracy) or (band is not None and acc > band[1]) or last:
+            stop = spec.stop_accuracy is not None and acc >= spec.stop_accuracy
+            if stop or (band is not None and acc > band[1]) or last:
                 break
     if saved is None:  # never entered the band: keep the last model and say so in the card
         save(model, tok, out / which)
@@ -259,7 +261,8 @@ def _optimizer(model, spec: ModelSpec) -> tuple[torch.optim.Optimizer, torch.opt
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = 50
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / spec.steps))))
+        opt,
+        lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / spec.steps)))),
     )
     return opt, sched
 

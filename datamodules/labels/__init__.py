@@ -1,1 +1,2 @@
-"""The label pipeline: prefixes, sampling backends, reading, judges, clustering, labels, shards and the build command."""
+"""The label pipeline: prefixes, sampling backends, reading, judges, clustering, labels, shards and the build
+command."""

@@ -223,7 +223,8 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
 
 
 def _sampler_record(run: _ShardRun, existing: dict | None) -> dict:
-    """The manifest's ``sampler``: this run's samplers' provenance, else what the last build recorded, else the backend."""
+    """The manifest's ``sampler``: this run's samplers' provenance, else what the last build recorded, else the
+    backend."""
     samplers = run.samplers
     if samplers:
         return {r: smp.provenance() for r, smp in samplers.items()}
@@ -254,7 +255,8 @@ def _check_traces(config: BuildConfig, records: list[dict]) -> None:
     if bad:
         task = config.resolved_task()
         where = f"{task.path}:{bad[0]}" if task.path else f"problem {bad[0]} of {task.spec()['class_path']}"
-        where += f" (and {len(bad) - 1} more {'lines' if task.path else 'problems'}: {bad[1:6]})" if len(bad) > 1 else ""
+        if len(bad) > 1:
+            where += f" (and {len(bad) - 1} more {'lines' if task.path else 'problems'}: {bad[1:6]})"
         raise ValueError(f"{where} has no 'trace'; prefix_source='reference' cuts prefixes from each problem's trace "
                          "(a non-empty string): add the traces, or let the target write them with "
                          "--build.prefix_source target")
@@ -402,7 +404,8 @@ def _with_fit_config(args: list[str]) -> list[str]:
         return args
     i = args.index("--fit_config")
     if i + 1 >= len(args) or not Path(args[i + 1]).is_file():
-        raise ValueError(f"--fit_config {' '.join(args[i + 1 : i + 2])}: expected the path of a `python -m probes.fit` YAML")
+        raise ValueError(f"--fit_config {' '.join(args[i + 1 : i + 2])}: expected the path of a `python -m "
+                         f"probes.fit` YAML")
     data = (yaml.safe_load(Path(args[i + 1]).read_text()) or {}).get("data") or {}
     section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
     return ["--config", yaml.safe_dump(section)] + args[:i] + args[i + 2 :]
@@ -414,7 +417,8 @@ PROG = "python -m datamodules.labels.build"
 def _fail(message: str) -> NoReturn:
     """Report bad input as one line on stderr and exit 2 (issue 12: no traceback, no page of usage)."""
     noise = ("Subtypes:", "Errors:", "Given value type:")  # jsonargparse explains a type error over several lines
-    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip() and not line.strip().startswith(noise))
+    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip()
+                    and not line.strip().startswith(noise))
     print(f"{PROG}: error: {text} (see `{PROG} --help`)", file=sys.stderr)
     raise SystemExit(2)
 

@@ -126,7 +126,8 @@ class OpenAIConfig:
 
 
 READERS = ("hf", "engine")
-"""Reading backends: in-process transformers copies, or each model's server (:mod:`datamodules.labels.engine_reading`)."""
+"""Reading backends: in-process transformers copies, or each model's server
+(:mod:`datamodules.labels.engine_reading`)."""
 ENGINES = ("llama.cpp", "vllm", "sglang")
 
 

@@ -211,6 +211,7 @@ def wait_for_shards(data_dir: Path, n_shards: int, needs=None, poll_s: float = 2
         if not missing:
             return
         if time.time() - t0 > timeout_s:
-            raise TimeoutError(f"rank 0 waited {timeout_s:.0f} s for {len(missing)} shards of the other ranks in {data_dir} "
+            raise TimeoutError(f"rank 0 waited {timeout_s:.0f} s for {len(missing)} shards of the other "
+                               f"ranks in {data_dir} "
                                f"(first: {missing[0]}); rerun the build to finish them")
         time.sleep(poll_s)

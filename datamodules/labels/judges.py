@@ -172,7 +172,8 @@ class LLMJudge(Judge):
         self.no_id = tokenizer(no, add_special_tokens=False)["input_ids"][0]
         if self.yes_id == self.no_id:
             raise ValueError(f"answers {yes!r} and {no!r} start with the same token; give distinct answers")
-        self.id = f"llm:{name or getattr(model.config, '_name_or_path', '') or type(model).__name__}:{template}:{yes}:{no}"
+        name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.id = f"llm:{name}:{template}:{yes}:{no}"
 
     def _prompt(self, a: str, b: str) -> list[int]:
         text = self.template.format(a=a.strip(), b=b.strip())

@@ -79,7 +79,8 @@ def make_prefixes(
 
 def _ids(task: Task, tokenizer, problem: str, text: str) -> list[int]:
     """Prompt plus the written steps, in one model's tokenization."""
-    return task.prompt(tokenizer, problem) + (list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else [])
+    return task.prompt(tokenizer, problem) + (list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text
+                                              else [])
 
 
 def target_traces(sampler, records: Sequence[dict], *, max_new_tokens: int, seed: int,

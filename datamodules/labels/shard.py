@@ -274,7 +274,8 @@ def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch
         for r, idx in rows.items():
             c = cols[r]
             c["q"].append(lab["q"][idx]), c["p"].append(lab["p"][idx]), c["writer"].append(writer[idx])
-            c["problem_id"].append(np.full(len(idx), p.problem_id)), c["prefix_id"].append(np.full(len(idx), p.prefix_id))
+            c["problem_id"].append(np.full(len(idx), p.problem_id))
+            c["prefix_id"].append(np.full(len(idx), p.prefix_id))
             c["sample_id"].append(ids[idx]), c["group_id"].append(lab["groups"][idx])
             c["group_entropy"].append(lab["entropy"][idx])
         records.append({"problem_id": p.problem_id, "prefix_id": p.prefix_id, "step_index": p.step_index,

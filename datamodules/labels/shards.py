@@ -83,8 +83,10 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 def rebuild_advice(data_dir: str | os.PathLike) -> str:
     """What to do about a missing or altered shard: the build checks every shard against the manifest."""
     return (
-        f"run the build again to rebuild it: `python -m datamodules.labels.build --data_dir {data_dir}` with the options it was "
-        "built with (the manifest's `config`), or `python -m probes.fit` with the same data section, whose prepare_data "
+        f"run the build again to rebuild it: `python -m datamodules.labels.build --data_dir {data_dir}` with "
+        f"the options it was "
+        "built with (the manifest's `config`), or `python -m probes.fit` with the same data section, "
+        "whose prepare_data "
         "runs that build unless data.build is null; the build checks every shard against manifest.json and rebuilds "
         "exactly the missing or altered ones. Or train without it: --data.skip_corrupt true"
     )

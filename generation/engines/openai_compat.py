@@ -130,7 +130,8 @@ class _Completions:
     top_k_slack = 0
     """Log-probs asked for beyond the probe's k (text-keyed answers need one more, :func:`text_keyed_top`)."""
     unsure_positions = 0
-    """Positions whose text-keyed top-k may have lost an entry (:func:`text_keyed_top`), counted over the client's life."""
+    """Positions whose text-keyed top-k may have lost an entry (:func:`text_keyed_top`), counted over the client's
+    life."""
 
     def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
                  timeout: float = 120.0, retries: int = 3):

@@ -374,11 +374,13 @@ class PromptDecode:
         try:
             answer = getattr(engine, kind)(*args, **kw)
         except Exception as e:
-            raise RuntimeError(f"the {role} server {engine.url} failed a {kind} request: {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"the {role} server {engine.url} failed a {kind} request: "
+                               f"{type(e).__name__}: {e}") from e
         u, s = answer.usage, self.stats
         s.requests += 1
         s.http_s += time.perf_counter() - t0
-        s.prefill_tokens += u.prefill_tokens if u.prefill_tokens is not None else u.prompt_tokens - (u.cached_tokens or 0)
+        s.prefill_tokens += u.prefill_tokens if u.prefill_tokens is not None else u.prompt_tokens - (u.cached_tokens
+                                                                                                     or 0)
         self.used = max(self.used, u.prompt_tokens + u.completion_tokens)
         return answer
 

@@ -84,7 +84,8 @@ def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str
             if value is None:
                 continue
             if key in seen and seen[key][0] != value:
-                problems.append(f"the {seen[key][1]} has {key}={seen[key][0]!r}, the {probe.config.role} probe {value!r}")
+                problems.append(f"the {seen[key][1]} has {key}={seen[key][0]!r}, the "
+                                f"{probe.config.role} probe {value!r}")
             seen.setdefault(key, (value, f"{probe.config.role} probe"))
     if problems:
         raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
