@@ -111,7 +111,8 @@ def timed(module: str, args: list[str], log: Path, env: dict[str, str] | None = 
     with log.open("a") as f:
         f.write(f"\n$ python -m {module} {' '.join(args)}\n")
         f.flush()
-        out = subprocess.run([sys.executable, "-c", _TIMED, module, *args], env=env or child_env(), stdout=subprocess.PIPE,
+        out = subprocess.run([sys.executable, "-c", _TIMED, module, *args], env=env or child_env(),
+                             stdout=subprocess.PIPE,
                              stderr=f, text=True)
         f.write(out.stdout)
     if out.returncode != 0:

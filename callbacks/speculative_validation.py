@@ -156,8 +156,10 @@ class SpeculativeValidation(Callback):
 
                 self._target, self._tokenizer = load_causal_lm(self.model_specs[0], device=self.devices[0])
                 self._draft, self._draft_tokenizer = load_causal_lm(self.model_specs[1], device=self.devices[1])
-            check_probe_matches(probes["target"].config, self._target, self._tokenizer, where="target probe in training")
-            check_probe_matches(probes["draft"].config, self._draft, self._draft_tokenizer, where="draft probe in training")
+            check_probe_matches(probes["target"].config, self._target, self._tokenizer,
+                                where="target probe in training")
+            check_probe_matches(probes["draft"].config, self._draft, self._draft_tokenizer,
+                                where="draft probe in training")
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._calibration = {"target": [], "draft": []}
@@ -272,7 +274,8 @@ class SpeculativeValidation(Callback):
         }
 
     def write_plots(self, trainer: L.Trainer) -> dict[str, Path]:
-        """Reliability diagram, acceptance vs q/p and the speedup/accuracy history as PNGs; logged as images when the logger can."""
+        """Reliability diagram, acceptance vs q/p and the speedup/accuracy history as PNGs; logged as images when the
+        logger can."""
         import matplotlib
 
         matplotlib.use("Agg")

@@ -2,9 +2,10 @@
 
 With no arguments it runs the embedded default (``configs/arithmetic.yaml``) offline on a CPU.
 Every option can be overridden (``--trainer.max_epochs 3``, ``--data.batch_size 256``) and
-``--help`` shows the common ones, ``--help_all`` (or ``--help full``) every one with its docs. On success it prints the exported probe paths and a metric
-table. Probes are exported inside the run's own folder (``<trainer.log_dir>/export/<role>``);
-replacing the shipped ones is explicit: ``--export_dir checkpoints/arithmetic/probes``.
+``--help`` shows the common ones, ``--help_all`` (or ``--help full``) every one with its docs. On success it prints the
+exported probe paths and a metric table. Probes are exported inside the run's own folder
+(``<trainer.log_dir>/export/<role>``); replacing the shipped ones is explicit: ``--export_dir
+checkpoints/arithmetic/probes``.
 
 Bad input (an unknown key, a value a class refuses, data that cannot be built) ends the command with
 one line on stderr and exit status 2, never a traceback. ``--ckpt_path <run>/checkpoints/last.ckpt``
@@ -50,7 +51,8 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
 """
 
 
-def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike, test_metrics: dict[str, float]) -> dict[str, Path]:
+def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
+                  test_metrics: dict[str, float]) -> dict[str, Path]:
     """Export each role's probe of ``module`` with its test metrics into ``export_dir/<role>``.
 
     Paths in the exported ``config.json`` (the model's ``name_or_path``, the judge's) are made
@@ -112,7 +114,8 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         print("\nbest checkpoint:", best or "(none)")
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")
-        print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy", "accuracy_delta",
+        print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy",
+                                     "accuracy_delta",
                                      "step_acceptance"]))
     return {"export": paths, "test": test_metrics, "best_ckpt": best}
 

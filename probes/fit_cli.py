@@ -53,9 +53,12 @@ class ProbeCLI(LightningCLI):
             "Default: <trainer.log_dir>/export, inside this run's folder. `--export_dir checkpoints/arithmetic/probes` "
             "replaces the shipped probes.",
         )
-        parser.add_argument("--export", type=bool, default=True, help="Export the best probes (false skips the export).")
-        parser.add_argument("--test", type=bool, default=True, help="Test the best checkpoint on the held-out split before exporting.")
-        parser.add_argument("--ckpt_path", type=Optional[str], default=None, help="Resume training from this Lightning checkpoint (e.g. last.ckpt).")
+        parser.add_argument("--export", type=bool, default=True,
+                            help="Export the best probes (false skips the export).")
+        parser.add_argument("--test", type=bool, default=True,
+                            help="Test the best checkpoint on the held-out split before exporting.")
+        parser.add_argument("--ckpt_path", type=Optional[str], default=None,
+                            help="Resume training from this Lightning checkpoint (e.g. last.ckpt).")
         parser.add_argument("--threads", type=Optional[int], default=None, help=THREADS_HELP)
         parser.link_arguments("data.roles", "model.roles")
         parser.link_arguments("data.input_spec", "model.input_spec", apply_on="instantiate")
@@ -78,7 +81,8 @@ class ProbeCLI(LightningCLI):
 
         seed = self.config.get("seed_everything")
         if seed is not False:
-            self.config["seed_everything"] = seed_everything(None if seed is True else seed, workers=True, verbose=False)
+            self.config["seed_everything"] = seed_everything(None if seed is True else seed, workers=True,
+                                                             verbose=False)
 
     def before_instantiate_classes(self) -> None:
         try:  # issue 36: one thread count per process, set before any model work
@@ -221,14 +225,16 @@ _LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary`")
 def quiet_lightning() -> None:
     """Silence what a normal run need not show: Lightning's litlogger tip, its warning about a ``__len__``
     of iterable datasets (the stream deals shards to workers itself, so its length holds), and torch's
-    deprecation of ``LeafSpec``, which Lightning's own code still builds (issue 33 item 15; nothing a user can change)."""
+    deprecation of ``LeafSpec``, which Lightning's own code still builds (issue 33 item 15; nothing a user can
+    change)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages())
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
 
 
 class _DropMessages(logging.Filter):

@@ -546,7 +546,8 @@ def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
     not_a_checkpoint.write_text("hello\n")
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
     cases = [
-        (["--trainer.max_epochz", "3"], "unrecognized arguments: --trainer.max_epochz 3; did you mean --trainer.max_epochs?"),
+        (["--trainer.max_epochz", "3"],
+         "unrecognized arguments: --trainer.max_epochz 3; did you mean --trainer.max_epochs?"),
         (["--data.build.sampling.n_sampels", "3"], "did you mean --data.build.sampling.n_samples?"),
         (["--config", str(typo)], f"--config {typo}: data.batch_sise is not an option; did you mean data.batch_size?"),
         (["--config", str(nested)], f"--config {nested}: data.build.sampling.n_sampels is not an option; did you mean "
@@ -587,7 +588,8 @@ def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_
     other = tmp_path / "elsewhere.ckpt"  # outside its run folder: the config given is used, with other widths
     (tmp_path / "runs" / "fit" / "version_0" / "checkpoints" / "last.ckpt").rename(other)
     capsys.readouterr()
-    line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.hidden_dims", "[4]", "--ckpt_path", str(other)])
+    line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.hidden_dims", "[4]", "--ckpt_path",
+                                    str(other)])
     assert "Error(s) in loading state_dict" in line
     assert sorted(p.name for p in (tmp_path / "runs" / "fit").iterdir()) == ["version_0"]
 

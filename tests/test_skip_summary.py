@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_skip_reasons_are_grouped_into_one_line_that_points_at_the_readme():
-    line = skipped_line(["llama-cpp-python[server] is not installed", "Skipped: llama-cpp-python[server] is not installed",
+    line = skipped_line(["llama-cpp-python[server] is not installed",
+                         "Skipped: llama-cpp-python[server] is not installed",
                          "needs ['llama_cpp', 'gguf']: pip install 'llama-cpp-python[server]' gguf",
                          "needs a CUDA device", "the build finished before it could be killed"])
     assert line == ("skipped: 3 server tests (llama-cpp-python[server] not installed; see README 'Serving'); "

@@ -194,7 +194,8 @@ def _floor(measured: float, n: int, z: float = 3.0) -> float:
     return measured - z * math.sqrt(measured * (1 - measured) / n)
 
 
-# Measured by benchmarks/world.py (benchmarks/results/world.json, docs/benchmarks.md "World"): the target answers 0.965 and
+# Measured by benchmarks/world.py (benchmarks/results/world.json, docs/benchmarks.md "World"): the target answers 0.965
+# and
 # the draft 0.455 of 200 held-out problems; the judge agrees with the oracle on 0.970 of 1,000 held-out pairs.
 # The tests below score 40 problems and 200 pairs, so their floors are 3 standard errors at those sizes.
 ACCURACY_FLOORS = {"target": _floor(0.965, 40), "draft": _floor(0.455, 40)}  # 0.878, 0.219

@@ -3,8 +3,8 @@
     python -m datamodules.labels.build --data_dir data/arithmetic               # the embedded world
     python -m datamodules.labels.build --config build.yaml                      # keys: data_dir, build.*
     python -m datamodules.labels.build --fit_config configs/arithmetic.yaml     # a fit YAML's data: section
-    python -m datamodules.labels.build --build.sampling.n_samples 4             # parts: judge, clustering, sampling, steps
-    torchrun --nproc_per_node 4 -m datamodules.labels.build --config build.yaml # ranks share the shards
+    python -m datamodules.labels.build --build.sampling.n_samples 4             # parts: judge, clustering, sampling,
+    steps torchrun --nproc_per_node 4 -m datamodules.labels.build --config build.yaml # ranks share the shards
 
 The work is cut into shards of ``shard_size`` prefixes. A shard's random streams are seeded by
 ``(sampling.seed, shard index)``, so a shard comes out the same whichever rank builds it and whether
@@ -106,7 +106,8 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     stopped = max_shards is not None and any(run.needs(k) for k in range(run.n_shards))
     stats = run.stats(t0)
     if stopped:
-        return {"complete": False, "shards_on_disk": sum((data_dir / S.shard_name(k)).is_file() for k in range(run.n_shards)),
+        return {"complete": False,
+                "shards_on_disk": sum((data_dir / S.shard_name(k)).is_file() for k in range(run.n_shards)),
                 "n_shards": run.n_shards, "stats": stats}
     return _merge(run, sig, existing, len(records), stats, log)
 
@@ -167,7 +168,8 @@ class _ShardRun:
             self.totals[key] += v
         self.bar.set_postfix(prefixes=self.totals["prefixes"], groups=self.totals["groups"],
                              judge_calls=self.totals["judge_calls"],
-                             **{f"{s}_s": round(v, 1) for s, v in self.timer.items() if s in ("sampling", "reading", "judge")})
+                             **{f"{s}_s": round(v, 1) for s, v in self.timer.items() if s in ("sampling", "reading",
+                                                                                              "judge")})
 
     def _load_models(self) -> None:
         from datamodules.labels.shard import load_models
@@ -194,7 +196,8 @@ class _ShardRun:
         samplers = self.samplers
         if samplers:
             self.totals["sampler"] = {r: smp.stats() for r, smp in samplers.items()}
-        return {"this_run": self.totals, "models_loaded": self.models_loaded, "seconds_per_stage": {k: round(v, 3) for k, v in self.timer.items()},
+        return {"this_run": self.totals, "models_loaded": self.models_loaded,
+                "seconds_per_stage": {k: round(v, 3) for k, v in self.timer.items()},
                 "seconds": round(time.perf_counter() - t0, 3), "rank": self.rank, "world_size": self.world,
                 "built_shards": len(self.built), "reused_shards": len(self.on_disk)}
 
@@ -214,8 +217,10 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
     if not synced:
         wait_for_shards(run.data_dir, run.n_shards, run.needs)
     sampler = _sampler_record(run, existing)
-    manifest = S.write_manifest(run.data_dir, sig, run.n_shards, config=config_record(run.config), n_problems=n_problems,
-                                n_prefixes=run.plan["n_prefixes"], sampler=sampler, reader=_reader_record(run, existing),
+    manifest = S.write_manifest(run.data_dir, sig, run.n_shards, config=config_record(run.config),
+                                n_problems=n_problems,
+                                n_prefixes=run.plan["n_prefixes"], sampler=sampler,
+                                reader=_reader_record(run, existing),
                                 stats=stats)
     barrier()
     _summary(manifest, log)
@@ -243,7 +248,8 @@ def _reader_record(run: _ShardRun, existing: dict | None) -> dict:
         return {"backend": r.backend, "engine": "transformers", "version": transformers.__version__, "loaded": loaded}
     readers = run.models.readers
     return {"backend": r.backend, "engine": r.engine, "version": {k: e.version for k, e in readers.items()},
-            "urls": {k: e.url for k, e in readers.items()}, "models": {k: getattr(e, "model", None) for k, e in readers.items()},
+            "urls": {k: e.url for k, e in readers.items()},
+            "models": {k: getattr(e, "model", None) for k, e in readers.items()},
             "loaded": loaded}
 
 
@@ -251,7 +257,8 @@ def _check_traces(config: BuildConfig, records: list[dict]) -> None:
     """Reference prefixes need every problem's trace; name the file and lines that lack one."""
     if config.prefix_source != "reference":
         return
-    bad = [r.get("line", i + 1) for i, r in enumerate(records) if not isinstance(r.get("trace"), str) or not r["trace"].strip()]
+    bad = [r.get("line", i + 1) for i, r in enumerate(records) if not isinstance(r.get("trace"),
+                                                                                 str) or not r["trace"].strip()]
     if bad:
         task = config.resolved_task()
         where = f"{task.path}:{bad[0]}" if task.path else f"problem {bad[0]} of {task.spec()['class_path']}"
@@ -391,8 +398,10 @@ def _parser():
     parser.add_argument("--fit_config", type=str | None, default=None,
                         help="Take data_dir and build from the data: section of a `python -m probes.fit` YAML "
                              "(later options override it).")
-    parser.add_argument("--data_dir", type=str, default="data/arithmetic", help="Output folder of shards and manifest.json.")
-    parser.add_argument("--max_shards", type=int | None, default=None, help="Stop after this many new shards (no manifest).")
+    parser.add_argument("--data_dir", type=str, default="data/arithmetic",
+                        help="Output folder of shards and manifest.json.")
+    parser.add_argument("--max_shards", type=int | None, default=None,
+                        help="Stop after this many new shards (no manifest).")
     parser.add_argument("--threads", type=int | None, default=None, help=THREADS_HELP)
     parser.add_class_arguments(BuildConfig, "build")
     return parser

@@ -76,17 +76,17 @@ class ServedDecoder:
         draft: the draft's engine client (writes steps).
         target_probe: exported probe directory or ``SemanticProbe`` reading the target server's features, or None.
         draft_probe: same for the draft (the ratio rule's ``p``, from the draft server's top-k), or None.
-        policy: SemanticSpec's acceptance (:class:`ProbePolicy`); None = :func:`~probes.decoding.policies.default_policy`,
-            the threshold rule after the gated top-1 fast path (the target server reads the step in its own tokens,
-            so the fast path needs no shared tokenizer here).
+        policy: SemanticSpec's acceptance (:class:`ProbePolicy`); None =
+            :func:`~probes.decoding.policies.default_policy`, the threshold rule after the gated top-1 fast path (the
+            target server reads the step in its own tokens, so the fast path needs no shared tokenizer here).
         options: loop options (:class:`LoopOptions`: first step, step spec, answer marker, bonus token;
             token-level speculation inside refused steps is the target server's own); None = ``LoopOptions()``.
         concurrency: prompts decoded at once (each has at most one request in flight).
         task: the task whose problems are decoded: its ``answer_marker`` ends a decode unless
             ``options.answer_marker`` says so (as :class:`~probes.decoder.SemanticSpecDecoder`'s ``task``).
         probe_dtype: the dtype the probes' MLPs run in, as :class:`~probes.decoder.SemanticSpecDecoder`'s
-            (``"auto"``: float16 where it is fast, :func:`~probes.decoding.options.resolve_probe_dtype`), so a probe gives the
-            same ``q`` served and in-process.
+            (``"auto"``: float16 where it is fast, :func:`~probes.decoding.options.resolve_probe_dtype`), so a probe
+            gives the same ``q`` served and in-process.
 
     Raises:
         ValueError: ``concurrency`` below 1, a probe for the other role, probes that disagree on their
@@ -320,7 +320,8 @@ class PromptDecode:
 
     def __init__(self, dec: ServedDecoder, key: StreamKey, prompt: str, budget: int, sampling: SamplingSpec) -> None:
         self.dec, self.key, self.prompt, self.budget, self.sampling = dec, key, prompt, budget, sampling
-        self.context, self.forced = prompt, ""  # committed text (prompt included); the bonus token opening the next step
+        # committed text (prompt included); the bonus token opening the next step
+        self.context, self.forced = prompt, ""
         self.pieces: list[str] = []
         self.trace: list[StepTrace] = []
         self.stats = DecodeStats()
@@ -459,7 +460,8 @@ class PromptDecode:
         else:
             self.stats.rewrite_s += dt
         text = self.forced + w.text
-        self.trace.append(StepTrace("target", text, n_forced + w.usage.completion_tokens, decision="target", seconds=dt))
+        self.trace.append(StepTrace("target", text, n_forced + w.usage.completion_tokens, decision="target",
+                                    seconds=dt))
         self.commit(text, w.usage.completion_tokens, False, w.stop == "eos")
 
     def commit(self, text: str, n_new: int, by_draft: bool, eos: bool) -> None:
