@@ -116,7 +116,9 @@ def timed(module: str, args: list[str], log: Path, env: dict[str, str] | None = 
                              stderr=f, text=True)
         f.write(out.stdout)
     if out.returncode != 0:
-        raise RuntimeError(f"python -m {module} {' '.join(args)} exited with status {out.returncode}; see {log}")
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"python -m {module} {' '.join(args)} exited with status {out.returncode}; the end of "
+                           f"its log:\n{tail}")
     return float(out.stdout.rsplit("SECONDS", 1)[1])
 
 
