@@ -13,6 +13,12 @@ them at the end. What it measures (names of issue 20, item 6):
   process around it so that no other child counts) and ``model_weights_loaded`` (the manifest's
   ``stats.models_loaded``: whether the build process loaded target or draft weights); the same fit with
   ``reading.backend: hf`` (in-process reading) beside it for comparison;
+- ``build.label_agreement``: the engine-sampled build's labels against an in-process build (``hf`` sampling and
+  reading) of the same problems, over the step texts both sampled at a prefix
+  (:mod:`datamodules.labels.agreement`: ``ari`` of the meaning groups, ``mean_abs_dq`` of the ``q`` labels,
+  ``shared_texts``, ``coverage``): ``served_vs_in_process``, beside ``in_process_other_seed`` (two in-process
+  builds differing only in their sampling seed: the noise floor) and ``served_repeated`` (the two served builds
+  above: whether the servers sample the same steps again);
 - ``methods.{target_only,semanticspec,oracle_accept}``: accuracy, speedup (served target-only wall / the
   method's on the same servers) and step acceptance on held-out problems (``benchmarks.decode``'s problem
   seed and oracle), methods interleaved problem by problem, concurrency 1, at the probes' sampling, with
@@ -36,8 +42,9 @@ them at the end. What it measures (names of issue 20, item 6):
   :class:`~generation.engines.local.LocalEngine` over the world's target); ``vs_shipped`` compares with the
   shipped in-process pair instead; ``same_probe`` is the share where the shipped probe decides alike on served
   and on in-process features (feature agreement, apart from training);
-- ``projected_speedup_32b``: the README's cost model with the measured step length, acceptance, requests per
-  step and request overhead, and assumed (cited) per-token costs of a 1.5B draft and a 32B target;
+- ``projected_speedup_32b``: the cost model of docs/benchmarks.md ("Served") with the measured step length,
+  acceptance, requests per step and request overhead, and assumed (cited) per-token costs of a 1.5B draft and a
+  32B target;
 - ``concurrency.<1|4|16>.tokens_per_s`` of target-only and SemanticSpec.
 """
 
@@ -66,6 +73,7 @@ from benchmarks import harness
 from benchmarks.common import PROBLEM_SEED, TASK, figures, oracle_for
 from datamodules.arithmetic.serve import world_server
 from datamodules.arithmetic import models, task
+from datamodules.labels.agreement import label_agreement
 from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.features import FeatureSpec
@@ -192,12 +200,42 @@ def build_stage(urls: Sequence[str], tmp: Path, args) -> tuple[dict, dict[str, P
             out.update(fig)
         else:
             out["in_process_read"] = fig
+    out["label_agreement"] = label_stage(tmp, n, {b: tmp / f"fit-{b}" / "data" for b in ("engine", "hf")})
     out["weights_mb"] = {r: sum(f.stat().st_size for f in (models.world_root(None) / r).glob("*.safetensors")) / 2**20
                          for r in ("target", "draft")}
     out["note"] = ("peak RSS of the whole `python -m probes.fit` child (build, then training); both load the "
                    "world's judge in-process for clustering. The world's models are a few MB, so RSS barely "
                    "differs; model_weights_loaded is the build's own record of what it loaded.")
     return out, pairs
+
+
+def in_process_build(folder: Path, n_problems: int, seed: int, log: Path) -> Path:
+    """``configs/served.yaml``'s label build of ``n_problems`` sampled and read in-process (``hf``) into
+    ``folder``, with sampling seed ``seed``; returns the folder."""
+    cmd = [sys.executable, "-m", "datamodules.labels.build", "--fit_config", str(REPO / "configs" / "served.yaml"),
+           "--data_dir", str(folder), "--build.n_problems", str(n_problems), "--build.sampling.backend", "hf",
+           "--build.reading.backend", "hf", "--build.sampling.seed", str(seed)]
+    with open(log, "w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    if done.returncode != 0:
+        tail = "".join(open(log).readlines()[-15:])
+        raise RuntimeError(f"the in-process label build failed (exit {done.returncode}); see {log}:\n{tail}")
+    return folder
+
+
+def label_stage(tmp: Path, n_problems: int, served: dict[str, Path]) -> dict:
+    """Issue 32 item 3: the served build's labels against an in-process build of the same problems
+    (:func:`datamodules.labels.agreement.label_agreement`: ARI of the groups and mean |dq| over the step texts
+    both sampled at a prefix), beside the same figures for two in-process builds that differ only in their
+    sampling seed (the noise floor of sampling) and for the two served builds of :func:`build_stage` (the same
+    servers and seeds: whether served sampling repeats)."""
+    print(f"label agreement: two in-process builds of the same {n_problems} problems ...", flush=True)
+    hf = [in_process_build(tmp / f"labels-hf-{seed}", n_problems, seed, tmp / f"labels-hf-{seed}.log")
+          for seed in (0, 1)]
+    return {"served_vs_in_process": label_agreement(served["engine"], hf[0]),
+            "in_process_other_seed": label_agreement(hf[0], hf[1]),
+            "served_repeated": label_agreement(served["engine"], served["hf"]),
+            "note": "a = the first build named, b = the second; in-process builds use sampling seeds 0 and 1"}
 
 
 # -- decoding -------------------------------------------------------------------------------------------
@@ -452,7 +490,7 @@ def _cut(step, k: int):
 
 
 def projection(method: dict, rps: float, o_ms: float, prefill: dict) -> dict:
-    """The README's cost model for a 1.5B draft and a 32B target, per draft step of L tokens."""
+    """The cost model of docs/benchmarks.md ("Served") for a 1.5B draft and a 32B target, per draft step of L tokens."""
     L = method["drafted_tokens"] / max(method["draft_steps_proposed"], 1)
     r = 1.0 - method["step_acceptance"]
     t_t, t_d, v = (ASSUMED_32B[k][0] for k in ("t_T_ms", "t_D_ms", "v"))
@@ -635,6 +673,11 @@ def markdown(report: dict) -> str:
                  ("build.model_weights_loaded engine-read / in-process-read",
                   f"{b['model_weights_loaded']} / {b['in_process_read']['model_weights_loaded']}"),
                  ("build.seconds_per_stage", ", ".join(f"{k} {v:.1f}" for k, v in b["seconds_per_stage"].items()))]
+        for name, la in b["label_agreement"].items():
+            if isinstance(la, dict) and la["ari"] is not None:
+                rows.append((f"labels {name}: ARI / mean abs dq / shared texts / coverage a, b",
+                             f"{la['ari']:.3f} / {la['mean_abs_dq']:.3f} / {la['shared_texts']} / "
+                             f"{la['coverage']['a']:.2f}, {la['coverage']['b']:.2f}"))
     proj = report["projected_speedup_32b"]
     rows.append(("projected_speedup_32b", f"{proj['value']:.2f}x: {proj['formula']}"))
     for k, v in proj["inputs"].items():

@@ -139,6 +139,26 @@ def read_manifest(data_dir: str | os.PathLike) -> dict | None:
     return manifest
 
 
+def read_step_records(data_dir: str | os.PathLike) -> list[dict]:
+    """The step-text records of a finished dataset, one per prefix, in shard order (what
+    :func:`write_shard_files` wrote: ``problem_id``, ``prefix_id``, ``prefix`` and its ``samples``, each with
+    ``text``, ``writer``, ``group``, ``q`` and ``p``).
+
+    Raises:
+        ValueError: ``data_dir`` holds no finished dataset, or a shard of it has no step texts.
+    """
+    manifest = read_manifest(data_dir)
+    if manifest is None or not manifest.get("complete"):
+        raise ValueError(f"{data_dir} holds no finished dataset (no complete {MANIFEST}); build it first")
+    records = []
+    for entry in manifest["shards"]:
+        if "steps_file" not in entry:
+            raise ValueError(f"{data_dir}: shard {entry['file']} has no step texts (built without them)")
+        text = (Path(data_dir) / entry["steps_file"]).read_text()
+        records += [json.loads(line) for line in text.splitlines() if line.strip()]
+    return records
+
+
 def _check_entry_paths(path: Path, manifest: dict) -> None:
     """Refuse shard entries whose files are not plain names inside the manifest's folder (``../x``, ``/x``)."""
     for k, entry in enumerate(manifest.get("shards") or []):

@@ -19,7 +19,7 @@ class LoopOptions:
 
     Args:
         target_first_step: the target writes the first step (the paper); off by default, as
-            ``benchmarks/first_step.py`` backs (README "Who writes the first step").
+            ``benchmarks/first_step.py`` backs (docs/benchmarks.md, "Who writes the first step").
         step: what a step is (:class:`~generation.specs.StepSpec`: delimiters and cap). None (default) =
             the step the probes' labels were cut at (``config.step``), else ``StepSpec()``. A probe is
             used on the steps it was trained on: a step that differs from a probe's is refused, naming both.
