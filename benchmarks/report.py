@@ -187,6 +187,35 @@ def served_methods() -> str:
     return table(["method", "accuracy", "speedup over served target-only", "step acceptance", "requests"], rows)
 
 
+SERVED_LABELS = {
+    "served_vs_in_process": "served build (engine-sampled) vs in-process build",
+    "in_process_other_seed": "in-process build vs in-process build, other sampling seed (noise floor)",
+    "served_repeated": "served build vs served build, the same servers and seed",
+}
+
+
+def served_labels() -> str:
+    la = load("served")["build"]["label_agreement"]
+    rows = [[name, num(a["ari"]), num(a["mean_abs_dq"]), str(a["shared_texts"]),
+             f"{a['coverage']['a']:.2f} / {a['coverage']['b']:.2f}"]
+            for k, name in ordered({k: v for k, v in la.items() if isinstance(v, dict)}, SERVED_LABELS)
+            for a in [la[k]]]
+    return table(["label builds compared", "ARI of the groups", "mean abs dq", "shared step texts",
+                  "coverage a / b"], rows)
+
+
+def threads() -> str:
+    t = load("threads")
+    rows = []
+    for job in ("build", "fit"):
+        for s, r in t[job].items():
+            name = {"default": f"default ({t['default_threads']})", "2-passive": "2, OMP_WAIT_POLICY=PASSIVE"}.get(s, s)
+            rows.append([job, name, f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
+                         num(r["alone_over_torch_default"], 2)])
+    return table(["job", "threads", "alone s", "beside a 2-thread torch job s", "slowdown",
+                  "alone / torch's default (2 threads)"], rows)
+
+
 def train() -> str:
     t = load("train")["samples_per_s"]
     rows = [[w, f"{t[w]['loader']:,.0f}", f"{t[w]['step']:,.0f}", f"{t[w]['end_to_end']:,.0f}",
@@ -197,7 +226,7 @@ def train() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "decode-methods": decode_methods, "decode-decisions": decode_decisions,
     "batch-scaling": batch_scaling, "first-step": first_step, "world": world, "labels": labels,
-    "served-methods": served_methods, "train": train,
+    "served-methods": served_methods, "served-labels": served_labels, "threads": threads, "train": train,
 }
 """Every generated table by the name its markers carry."""
 

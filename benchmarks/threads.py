@@ -4,7 +4,9 @@
 
 Each job runs as its own command (``python -m datamodules.labels.build`` and ``python -m probes.fit``, timed
 from the start of their ``main()`` to its end, imports aside) with no ``--threads`` (the package's default,
-:mod:`generation.threads`) and with ``--threads 1`` and ``--threads 2``, once alone and once beside a competing
+:mod:`generation.threads`), with ``--threads 1``, and with ``--threads 2`` twice: spinning as libgomp does by
+default (``GOMP_SPINCOUNT=300000``, what the CLIs ran with before issue 36) and passive
+(``OMP_WAIT_POLICY=PASSIVE``, no spin); each once alone and once beside a competing
 process: a loop of float32 matmuls on 2 torch threads (another job on a shared machine). The configurations
 are interleaved, the order reversed every other pass, and each figure is the median over passes:
 
@@ -14,16 +16,13 @@ are interleaved, the order reversed every other pass, and each figure is the med
   4 epochs of training with live speculative validation after each on 8 held-out problems (no time budget, so
   every configuration does the same work; ``--quick``: 1 epoch, 4 problems), no checkpoints, test or export.
 
-``--quick`` times the default only where it differs from 1 and 2 (else its figures are those of that count,
-marked ``same_as``); the full run times all three.
+A full run takes about 30 minutes on a quiet 2-core machine (two passes; ``--quick``: a few minutes).
 
-A full run takes about 40 minutes on a quiet 2-core machine (two passes; ``--quick``: a few minutes).
-
-Figures per job and thread setting (``default``, ``1``, ``2``, ``2-passive``: 2 threads with
-``OMP_WAIT_POLICY=PASSIVE``): ``alone_s``, ``beside_s``, ``slowdown``
-(beside / alone) and ``alone_over_torch_default`` (alone / alone at torch's own default, one thread per core,
-which is what the CLIs used before the thread policy). The machine's ``cpu_count`` and load
-(``uptime_load``, before and after) come with them: on a loaded machine the figures are rough.
+Figures per job and thread setting (``default``, ``1``, ``2-libgomp``, ``2-passive``): ``alone_s``, ``beside_s``,
+``slowdown`` (beside / alone) and ``alone_over_torch_default`` (alone / alone at torch's own default, one thread
+per core spinning as libgomp does, which is what the CLIs used before the thread policy: the ``2-libgomp`` row on 2
+cores). The machine's ``cpu_count`` and load (``uptime_load``, before and after) come with them: on a loaded
+machine the figures are rough.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from generation.threads import available_cores, resolve_threads
+from generation.threads import SPIN_COUNT, available_cores, resolve_threads
 
 # Times a CLI's main() in its own process (imports aside) and prints the seconds as the last line.
 _TIMED = (
@@ -61,20 +60,30 @@ _COMPETITOR = (
 COMPETITOR_SIZE = 512
 """Side of the competitor's square matmuls."""
 
-SETTINGS = ("default", "1", "2", "2-passive")
-"""Thread settings timed: no ``--threads`` (the package's default), then explicit counts; ``2-passive`` is 2
-threads with ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads sleep instead of spinning), a candidate default
-that the CLIs cannot set for themselves once torch is imported, timed so that the choice is measured."""
+SETTINGS = {
+    "default": ([], {}),
+    "1": (["--threads", "1"], {}),
+    "2-libgomp": (["--threads", "2"], {"GOMP_SPINCOUNT": "300000"}),
+    "2-passive": (["--threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
+}
+"""Thread settings timed, as ``(arguments, environment)``: no ``--threads`` (the package's default), one thread,
+and two threads spinning as libgomp does when nothing is set (300000 spins: torch's behaviour before issue 36,
+spelled out since the CLIs now set a shorter spin) or never spinning (passive)."""
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""Variables of the thread policy, left out of the jobs' environment so that each setting says all of it."""
 
 
 def child_env() -> dict[str, str]:
-    """The jobs' environment: this one less ``OMP_NUM_THREADS``, so ``default`` times the package's default."""
-    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    """The jobs' environment: this one less :data:`THREAD_VARIABLES`, so ``default`` times the package's default
+    (and the competitor runs as torch does when nothing is set)."""
+    return {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
 
 
 def setting_env(setting: str) -> dict[str, str]:
-    """The environment a job runs in at ``setting``: :func:`child_env`, plus the passive wait policy for it."""
-    return {**child_env(), "OMP_WAIT_POLICY": "PASSIVE"} if setting.endswith("-passive") else child_env()
+    """The environment a job runs in at ``setting``: :func:`child_env` plus the setting's variables."""
+    return {**child_env(), **SETTINGS[setting][1]}
 
 
 def torch_default_threads() -> int:
@@ -158,7 +167,7 @@ export: false
 
 
 def thread_args(setting: str) -> list[str]:
-    return [] if setting == "default" else ["--threads", setting.removesuffix("-passive")]
+    return SETTINGS[setting][0]
 
 
 def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_yaml: Path,
@@ -182,20 +191,16 @@ def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_
         print(f"{job:5s} threads={setting:9s} {'beside' if beside else 'alone '}: {seconds:7.1f} s", flush=True)
 
 
-def figures(times: dict[tuple[str, str, bool], list[float]], torch_default: int, default: int) -> dict:
+def figures(times: dict[tuple[str, str, bool], list[float]], torch_default: int) -> dict:
     """``{job: {setting: {alone_s, beside_s, slowdown, alone_over_torch_default}}}`` from the medians."""
     out: dict = {}
     for job in ("build", "fit"):
-        rows: dict = {"default": None}  # first in the table, filled last when it was not timed apart
+        rows: dict = {}
         for s in SETTINGS:
-            if (job, s, False) not in times:  # the default, not timed apart from the count it resolves to
-                continue
             alone, beside = statistics.median(times[(job, s, False)]), statistics.median(times[(job, s, True)])
             rows[s] = {"alone_s": round(alone, 2), "beside_s": round(beside, 2), "slowdown": round(beside / alone, 3),
                        "passes": len(times[(job, s, False)])}
-        if rows["default"] is None:
-            rows["default"] = {**rows[str(default)], "same_as": str(default)}
-        ref = rows.get(str(torch_default))
+        ref = rows.get(f"{torch_default}-libgomp")
         for s in SETTINGS:
             rows[s]["alone_over_torch_default"] = round(rows[s]["alone_s"] / ref["alone_s"], 3) if ref else None
         out[job] = rows
@@ -206,8 +211,7 @@ def table(report: dict) -> str:
     lines = ["| job | threads | alone s | beside s | slowdown | alone / torch default |", "|---|---|---|---|---|---|"]
     for job in ("build", "fit"):
         for s, r in report[job].items():
-            name = s if s != "default" else f"default ({report['default_threads']})" + (
-                f", timed as {r['same_as']}" if "same_as" in r else "")
+            name = s if s != "default" else f"default ({report['default_threads']}, GOMP_SPINCOUNT={SPIN_COUNT})"
             ratio = "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"
             lines.append(f"| {job} | {name} | {r['alone_s']:.1f} | {r['beside_s']:.1f} | {r['slowdown']:.2f}x | "
                          f"{ratio} |")
@@ -223,8 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = [round(x, 2) for x in os.getloadavg()]
     torch_default = torch_default_threads()
     default = resolve_threads(None, env=child_env())[0]
-    settings = [s for s in SETTINGS if not (args.quick and s == "default" and str(default) in SETTINGS)]
-    configs = [(job, s, beside) for s in settings for beside in (False, True) for job in ("build", "fit")]
+    configs = [(job, s, beside) for s in SETTINGS for beside in (False, True) for job in ("build", "fit")]
     times: dict = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="threads-bench-") as tmp:
@@ -235,11 +238,12 @@ def main(argv: list[str] | None = None) -> dict:
         fit_yaml = fit_config(folder, fit_data, args.quick)
         for i in range(passes):
             run_pass(configs if i % 2 == 0 else configs[::-1], folder, args.quick, fit_yaml, times)
-    report = {"default_threads": default, "torch_default_threads": torch_default, "cpu_count": available_cores(),
+    report = {"default_threads": default, "default_spin_count": int(SPIN_COUNT), "torch_default_threads": torch_default,
+              "cpu_count": available_cores(),
               "competitor": {"threads": 2, "matmul_size": COMPETITOR_SIZE}, "uptime_load": load_before,
               "uptime_load_after": [round(x, 2) for x in os.getloadavg()], "passes": passes,
               "seconds": round(time.perf_counter() - t0, 1), "quick": args.quick,
-              **figures(times, torch_default, default)}
+              **figures(times, torch_default)}
     harness.write(report, harness.results_path("threads", args.quick), table(report))
     return report
 

@@ -1,43 +1,49 @@
-"""The intra-op thread policy of the fit and the label build: how many torch threads each process uses.
+"""The intra-op thread policy of the fit and the label build: how many torch threads each process uses, and how
+long an idle one spins.
 
 The package's CPU work is many small ops on small models (the embedded world's target has 4.8M parameters).
-Torch's default gives each process one intra-op thread per core, and those threads spin-wait on each other
-between ops: alone that buys little on such ops, and beside any other busy process (a second job, a test run,
-another rank) every spin steals a core the other process needs, so both slow down far past their fair share
-(issue 36: a 48-problem label build took 5.4x its time alone beside one 2-thread torch process).
+Between two ops, torch's OpenMP threads (libgomp in the pip wheels) spin-wait: 300,000 spins by libgomp's
+default before they sleep. Alone that makes small ops fast; beside any other busy process (a second job, a test
+run, another rank) every spin steals a core the other process needs, so both slow down far past their fair
+share (issue 36: a 48-problem label build took 5.4x its time alone beside one 2-thread torch process).
 
 The policy, in the order it is applied:
 
 1. ``--threads N`` (the fit's and the build's option), when given;
 2. else ``OMP_NUM_THREADS``, when set (the variable torch itself reads: a user's or launcher's choice stands);
-3. else :data:`DEFAULT_THREADS` per host, divided between the ranks on this host (``LOCAL_WORLD_SIZE``, as
-   torchrun sets it, or the number of processes the fit launches), never below one and never above the
-   host's cores divided by its ranks.
+3. else the host's cores divided between the ranks on it (``LOCAL_WORLD_SIZE``, as torchrun sets it, or the
+   number of processes the fit launches), never below one: torch's own count for a single process.
+
+and, whatever the count, idle threads spin :data:`SPIN_COUNT` times before they sleep (``GOMP_SPINCOUNT``, set by
+:func:`set_short_spin` before torch loads), unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` says otherwise.
 
 ``python -m benchmarks.threads`` measures the build and the fit alone and beside a competing 2-thread torch
-process at the default and at 1 and 2 threads; :data:`DEFAULT_THREADS` is what it chose. Only intra-op threads
-are set: the package starts no inter-op work (no ``torch.jit.fork``), so torch's inter-op pool is never
-created and needs no setting. Figures that sum in floating point over threads (the fit's metrics, in their last
-digits) depend on the count, so a run repeats exactly only at the same count.
+process at this default, at 1 thread, at 2 threads spinning as libgomp does by default (what the CLIs did
+before) and at 2 passive threads (``OMP_WAIT_POLICY=PASSIVE``: no spin). Only intra-op threads are set: the
+package starts no inter-op work (no ``torch.jit.fork``), so torch's inter-op pool is never created and needs no
+setting. Figures that sum in floating point over threads (the fit's metrics, in their last digits) depend on the
+count, so a run repeats exactly only at the same count.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-DEFAULT_THREADS = 1
-"""Intra-op threads per host when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise. Measured with
-``python -m benchmarks.threads`` on 2 cores (rough: a shared machine): beside one 2-thread torch process a
-12-problem build took 1.6x its time alone on one thread and 5.1x on two; alone, one thread took 1.3x the time
-of two on the build and 1.1x on the fit. One thread is chosen for the machine someone else also uses."""
+SPIN_COUNT = "3000"
+"""``GOMP_SPINCOUNT`` of the CLIs: how many times an idle OpenMP thread spins before it sleeps (libgomp's default,
+300000, spins for a good part of a millisecond). Measured with ``python -m benchmarks.threads`` on 2 cores: alone,
+as fast as libgomp's default within the noise; beside a 2-thread torch process, as graceful as no spin at all
+(``OMP_WAIT_POLICY=PASSIVE``), where libgomp's default made the build 4.5x slower. 30000 spins already lost
+most of that (one run: 75 s beside against 47 s)."""
 
 OPTION_HELP = (
-    "Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else "
-    f"{DEFAULT_THREADS} per host divided between the ranks on it (the package's small ops gain little from more, "
-    "and extra threads spin against any other job on the machine). Metrics repeat to the last digit only at the "
-    "same count."
+    "Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else the host's cores "
+    f"divided between the ranks on it; idle threads spin {SPIN_COUNT} times before sleeping (GOMP_SPINCOUNT; "
+    "OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment override it), so a job beside it keeps its share. "
+    "Metrics repeat to the last digit only at the same count."
 )
 """The ``--help`` text of the fit's and the build's ``--threads`` option."""
 
@@ -102,10 +108,33 @@ def resolve_threads(threads: Any = None, *, ranks: int = 1, cpu_count: int | Non
     if env.get("OMP_NUM_THREADS"):
         return check_threads(env["OMP_NUM_THREADS"], "OMP_NUM_THREADS"), "OMP_NUM_THREADS"
     cores = cpu_count or available_cores()
-    share = max(1, cores // max(1, ranks))
-    n = min(DEFAULT_THREADS, share)
-    why = f"default: {DEFAULT_THREADS} per host" + (f", {ranks} ranks on {cores} cores" if ranks > 1 else "")
-    return n, why
+    n = max(1, cores // max(1, ranks))
+    return n, f"default: {cores} cores" + (f" divided between {ranks} ranks" if ranks > 1 else "")
+
+
+def set_short_spin(env: MutableMapping[str, str] = os.environ) -> bool:
+    """Let idle OpenMP threads spin only :data:`SPIN_COUNT` times before they sleep: set ``GOMP_SPINCOUNT`` in
+    ``env``, unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is already set (a user's choice stands).
+
+    libgomp reads the variable once, when torch loads it, so call this first thing in a command's ``main()``:
+    once torch is imported it changes nothing and is skipped.
+
+    Returns:
+        Whether it set the variable.
+    """
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return False
+    env["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return True
+
+
+def wait_policy(env: Mapping[str, str] = os.environ) -> str:
+    """A few words on how idle OpenMP threads wait under ``env`` (for the line :func:`apply_threads` prints)."""
+    if env.get("OMP_WAIT_POLICY"):
+        return f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}"
+    if env.get("GOMP_SPINCOUNT"):
+        return f"GOMP_SPINCOUNT={env['GOMP_SPINCOUNT']}"
+    return "libgomp's default spin"
 
 
 def available_cores() -> int:
@@ -141,5 +170,5 @@ def apply_threads(threads: Any = None, *, launched: int = 1, log: Callable[[str]
 
     torch.set_num_threads(n)
     if log is not None and env.get("LOCAL_RANK", "0") == "0":
-        log(f"torch threads: {n} per process ({why}; set with --threads N)")
+        log(f"torch threads: {n} per process ({why}; set with --threads N), idle threads: {wait_policy(env)}")
     return n
