@@ -427,7 +427,7 @@ def test_signature_reads_folders_without_weights(world, tmp_path):
     assert sig["reads"]["target"]["hidden_size"] == 32 and sig["reads"]["target"]["num_layers"] == 2
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_a_real_kill_mid_build_then_rerun_loses_and_duplicates_nothing(world, tmp_path):
     import os
     import signal

@@ -751,7 +751,8 @@ def test_a_call_decodes_the_same_whatever_its_batch_size(pair):
 SIX_PROMPTS = PROMPTS + ["Start with 2.\n\n", "Take 9. Multiply it by 2.\n\n", "Begin with 4. Add 6.\n\n"]
 
 
-@pytest.mark.parametrize("method", ["semanticspec", "target_only", "random_accept"])
+@pytest.mark.parametrize("method", ["semanticspec", "target_only",
+                                    pytest.param("random_accept", marks=pytest.mark.slow)])
 def test_with_one_seed_per_prompt_any_prompt_decodes_alone_as_in_its_batch(pair, method):
     """Issue 33 item 2: a per-prompt seed (the OpenAI API's ``seed`` is per request) makes a prompt's streams depend on
     its seed alone, so any prompt of a sampled batch decodes alone, at any position, with the same result."""

@@ -594,6 +594,7 @@ def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_
     assert sorted(p.name for p in (tmp_path / "runs" / "fit").iterdir()) == ["version_0"]
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_a_data_dir_that_is_a_file_is_named_as_such_without_lightning_lines(tmp_path, capsys):
     cfg = _tiny_config(tmp_path)
     line = _one_line_error(capsys, ["--config", str(cfg), "--data.data_dir", str(cfg)])

@@ -107,7 +107,10 @@ def test_readme_says_which_main_job_figures_depend_on_the_thread_count():
     """Issue 21.17: the closing table of the main job repeats only at a fixed torch thread count; the README says so."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## The main job"): text.index("## Using a probe in the decoder")]
-    assert "**Thread count.**" in section and "OMP_NUM_THREADS=1" in section and "torch.set_num_threads" in section
+    assert "**Thread count.**" in section and "--threads N" in section
+    # issue 36: how to set the count, and the default the CLIs choose
+    threads = text[text.index("### Threads and shared machines"): text.index("## Benchmarks")]
+    assert all(s in threads for s in ("--threads N", "OMP_NUM_THREADS", "GOMP_SPINCOUNT", "torch.set_num_threads"))
 
 
 def test_a_virtual_environment_inside_the_clone_is_ignored_and_never_read(tmp_path):

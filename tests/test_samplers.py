@@ -288,7 +288,7 @@ def _world_config(urls=None, **sampling) -> BuildConfig:
                        steps=StepSpec(max_step_tokens=16))
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_greedy_openai_build_equals_the_hf_build(serve, tmp_path):
     """Served by llama.cpp-like servers of the world's models, a greedy build writes the hf build's shards."""
     from safetensors.torch import load_file
@@ -427,7 +427,7 @@ def test_vllm_sampler_on_a_gpu(world_tokenizer, tmp_path):
                                                  SamplingSpec(0.0, 1.0)).sample(ctx, 1, 0)
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_target_traces_come_from_the_server_with_an_openai_backend(serve, tmp_path):
     """prefix_source: target with a server: the target's traces are written by its server, not by a local copy."""
     servers = {r: serve(r, honour_n=True, report_stop_reason=True) for r in ("target", "draft")}

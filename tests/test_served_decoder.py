@@ -135,7 +135,8 @@ def test_local_engine_writes_a_step_and_a_continuation(world, engines):
 # --------------------------------------------------------------------------- equivalences
 
 
-@pytest.mark.parametrize("marker, budget", [("Answer:", 96), ("=", 96), ("Answer:", 11)])
+@pytest.mark.parametrize("marker, budget", [pytest.param("Answer:", 96, marks=pytest.mark.slow),
+                                            pytest.param("=", 96, marks=pytest.mark.slow), ("Answer:", 11)])
 def test_greedy_always_reject_equals_target_only(world, engines, marker, budget):
     dec = ServedDecoder(*engines, options=LoopOptions(answer_marker=marker))
     kw = {"temperature": 0.0, "max_new_tokens": budget}
@@ -198,6 +199,7 @@ def test_decisions_equal_in_process_with_a_topk_probe(world, engines):
     assert {"accept", "reject"} <= {d for r in served for d in decisions([r])[0]}
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_concurrency_changes_nothing_and_requests_per_step(world, engines):
     probe = hidden_probe(world)
     runs = {c: ServedDecoder(*engines, probe, options=MARKER, concurrency=c).generate(world["prompts"], **GREEDY)
@@ -215,6 +217,7 @@ def test_concurrency_changes_nothing_and_requests_per_step(world, engines):
     assert texts(sampled[1]) == texts(sampled[4]) and decisions(sampled[1]) == decisions(sampled[4])
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_oracle_and_target_first_step(world, engines):
     def oracle(step, output):
         return "Answer" in step
