@@ -187,23 +187,6 @@ def served_methods() -> str:
     return table(["method", "accuracy", "speedup over served target-only", "step acceptance", "requests"], rows)
 
 
-SERVED_LABELS = {
-    "served_vs_in_process": "served build (engine-sampled) vs in-process build",
-    "in_process_other_seed": "in-process build vs in-process build, other sampling seed (noise floor)",
-    "served_repeated": "served build vs served build, the same servers and seed",
-}
-
-
-def served_labels() -> str:
-    la = load("served")["build"]["label_agreement"]
-    rows = [[name, num(a["ari"]), num(a["mean_abs_dq"]), str(a["shared_texts"]),
-             f"{a['coverage']['a']:.2f} / {a['coverage']['b']:.2f}"]
-            for k, name in ordered({k: v for k, v in la.items() if isinstance(v, dict)}, SERVED_LABELS)
-            for a in [la[k]]]
-    return table(["label builds compared", "ARI of the groups", "mean abs dq", "shared step texts",
-                  "coverage a / b"], rows)
-
-
 def threads() -> str:
     t = load("threads")
     rows = []
@@ -226,7 +209,7 @@ def train() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "decode-methods": decode_methods, "decode-decisions": decode_decisions,
     "batch-scaling": batch_scaling, "first-step": first_step, "world": world, "labels": labels,
-    "served-methods": served_methods, "served-labels": served_labels, "threads": threads, "train": train,
+    "served-methods": served_methods, "threads": threads, "train": train,
 }
 """Every generated table by the name its markers carry."""
 
