@@ -32,6 +32,13 @@ import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+DEFAULT_THREADS = 1
+"""Threads per process when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise. Measured with
+``python -m benchmarks.threads`` on 2 cores in two full runs: one thread took 1.42-1.48x the time of torch's own
+default (2 threads, libgomp's spin) alone, and 1.43-1.48x its own time beside a 2-thread torch job, where torch's
+default took 4.5x. The CLIs' short spin (:data:`SPIN_COUNT`) was measured as a default too and was slower alone in
+one full run (2.41x), so it is not applied until that is understood."""
+
 SPIN_COUNT = "3000"
 """``GOMP_SPINCOUNT`` of the CLIs: how many times an idle OpenMP thread spins before it sleeps (libgomp's default,
 300000, spins for a good part of a millisecond). Measured with ``python -m benchmarks.threads`` on 2 cores: alone,
@@ -40,10 +47,10 @@ as fast as libgomp's default within the noise; beside a 2-thread torch process, 
 most of that (one run: 75 s beside against 47 s)."""
 
 OPTION_HELP = (
-    "Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else the host's cores "
-    f"divided between the ranks on it; idle threads spin {SPIN_COUNT} times before sleeping (GOMP_SPINCOUNT; "
-    "OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment override it), so a job beside it keeps its share. "
-    "Metrics repeat to the last digit only at the same count."
+    f"Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else {DEFAULT_THREADS} "
+    "(never more than the host's cores divided between its ranks): the package's small ops lose little with one "
+    "thread, and more threads spin against any other job on the machine. Metrics repeat to the last digit only "
+    "at the same count."
 )
 """The ``--help`` text of the fit's and the build's ``--threads`` option."""
 
@@ -108,8 +115,8 @@ def resolve_threads(threads: Any = None, *, ranks: int = 1, cpu_count: int | Non
     if env.get("OMP_NUM_THREADS"):
         return check_threads(env["OMP_NUM_THREADS"], "OMP_NUM_THREADS"), "OMP_NUM_THREADS"
     cores = cpu_count or available_cores()
-    n = max(1, cores // max(1, ranks))
-    return n, f"default: {cores} cores" + (f" divided between {ranks} ranks" if ranks > 1 else "")
+    n = min(DEFAULT_THREADS, max(1, cores // max(1, ranks)))
+    return n, f"default: {DEFAULT_THREADS} per host" + (f", {ranks} ranks on {cores} cores" if ranks > 1 else "")
 
 
 def set_short_spin(env: MutableMapping[str, str] = os.environ) -> bool:

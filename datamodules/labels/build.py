@@ -38,7 +38,7 @@ from datamodules.labels.config import (
 )
 from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.labels.prefixes import make_prefixes, target_traces
-from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, set_short_spin
+from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads
 from datamodules.labels.coordination import (
     Progress,
     barrier,
@@ -334,7 +334,6 @@ def _summary(manifest: dict, log) -> None:
 
 def main(args: list[str] | None = None) -> dict:
     """CLI: ``python -m datamodules.labels.build [--config build.yaml] [--data_dir DIR] [--build.KEY VALUE ...]``."""
-    set_short_spin()  # before torch loads (issue 36): idle OpenMP threads sleep soon, a job beside keeps its share
     parser = _parser()
     given = normalise_args(list(sys.argv[1:] if args is None else args))
     try:
