@@ -3,11 +3,12 @@
     python -m benchmarks.threads [--quick]
 
 Each job runs as its own command (``python -m datamodules.labels.build`` and ``python -m probes.fit``, timed
-from the start of their ``main()`` to its end, imports aside) with no ``--threads`` (the package's default,
-:mod:`generation.threads`), with ``--threads 1``, and with ``--threads 2`` twice: spinning as libgomp does by
-default (``GOMP_SPINCOUNT=300000``, what the CLIs ran with before issue 36) and passive
-(``OMP_WAIT_POLICY=PASSIVE``, no spin); each once alone and once beside a competing
-process: a loop of float32 matmuls on 2 torch threads (another job on a shared machine). The configurations
+from the start of their ``main()`` to its end, imports aside) with ``--threads 1`` (the package's default,
+:mod:`generation.threads`, on this machine: the report's ``default_setting``) and with ``--threads 2`` three
+ways: spinning as libgomp does by default (``GOMP_SPINCOUNT=300000``, what the CLIs ran with before issue 36),
+passive (``OMP_WAIT_POLICY=PASSIVE``, no spin) and with a short spin (``GOMP_SPINCOUNT=3000``); each once alone
+and once beside a competing process: a loop of float32 matmuls on 2 torch threads (another job on a shared
+machine). The configurations
 are interleaved, the order reversed every other pass, and each figure is the median over passes:
 
 - ``build``: the embedded world's label build into an empty folder (48 problems, shards of 16 prefixes, as in
@@ -18,7 +19,7 @@ are interleaved, the order reversed every other pass, and each figure is the med
 
 A full run takes about 30 minutes on a quiet 2-core machine (two passes; ``--quick``: a few minutes).
 
-Figures per job and thread setting (``default``, ``1``, ``2-libgomp``, ``2-passive``): ``alone_s``, ``beside_s``,
+Figures per job and thread setting (``1``, ``2-libgomp``, ``2-passive``, ``2-spin3000``): ``alone_s``, ``beside_s``,
 ``slowdown`` (beside / alone) and ``alone_over_torch_default`` (alone / alone at torch's own default, one thread
 per core spinning as libgomp does, which is what the CLIs used before the thread policy: the ``2-libgomp`` row on 2
 cores). The machine's ``cpu_count`` and load (``uptime_load``, before and after) come with them: on a loaded
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from generation.threads import SPIN_COUNT, available_cores, resolve_threads
+from generation.threads import available_cores, resolve_threads
 
 # Times a CLI's main() in its own process (imports aside) and prints the seconds as the last line.
 _TIMED = (
@@ -61,14 +62,22 @@ COMPETITOR_SIZE = 512
 """Side of the competitor's square matmuls."""
 
 SETTINGS = {
-    "default": ([], {}),
     "1": (["--threads", "1"], {}),
     "2-libgomp": (["--threads", "2"], {"GOMP_SPINCOUNT": "300000"}),
     "2-passive": (["--threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "2-spin3000": (["--threads", "2"], {"GOMP_SPINCOUNT": "3000"}),
 }
-"""Thread settings timed, as ``(arguments, environment)``: no ``--threads`` (the package's default), one thread,
-and two threads spinning as libgomp does when nothing is set (300000 spins: torch's behaviour before issue 36,
-spelled out since the CLIs now set a shorter spin) or never spinning (passive)."""
+"""Thread settings timed, as ``(arguments, environment)``: one thread, and two threads that spin as libgomp does
+when nothing is set (300000 spins: torch's own behaviour, what the CLIs ran before issue 36), never spin
+(passive), or spin 3000 times before they sleep (set by the parent, before torch loads). The package's default
+(no ``--threads``, nothing set) is the setting of its count: :func:`default_setting`."""
+
+
+def default_setting() -> str:
+    """The row of :data:`SETTINGS` that the package's default runs (no ``--threads``, no thread variable): its
+    count, with libgomp's own spin."""
+    n = resolve_threads(None, env=child_env())[0]
+    return str(n) if n == 1 else f"{n}-libgomp"
 
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -76,7 +85,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def child_env() -> dict[str, str]:
-    """The jobs' environment: this one less :data:`THREAD_VARIABLES`, so ``default`` times the package's default
+    """The jobs' environment: this one less :data:`THREAD_VARIABLES`, so ``1`` times the package's default
     (and the competitor runs as torch does when nothing is set)."""
     return {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
 
@@ -211,7 +220,7 @@ def table(report: dict) -> str:
     lines = ["| job | threads | alone s | beside s | slowdown | alone / torch default |", "|---|---|---|---|---|---|"]
     for job in ("build", "fit"):
         for s, r in report[job].items():
-            name = s if s != "default" else f"default ({report['default_threads']}, GOMP_SPINCOUNT={SPIN_COUNT})"
+            name = f"{s} (default)" if s == report["default_setting"] else s
             ratio = "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"
             lines.append(f"| {job} | {name} | {r['alone_s']:.1f} | {r['beside_s']:.1f} | {r['slowdown']:.2f}x | "
                          f"{ratio} |")
@@ -226,7 +235,6 @@ def main(argv: list[str] | None = None) -> dict:
     passes = args.passes or (1 if args.quick else 2)
     load_before = [round(x, 2) for x in os.getloadavg()]
     torch_default = torch_default_threads()
-    default = resolve_threads(None, env=child_env())[0]
     configs = [(job, s, beside) for s in SETTINGS for beside in (False, True) for job in ("build", "fit")]
     times: dict = {}
     t0 = time.perf_counter()
@@ -238,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         fit_yaml = fit_config(folder, fit_data, args.quick)
         for i in range(passes):
             run_pass(configs if i % 2 == 0 else configs[::-1], folder, args.quick, fit_yaml, times)
-    report = {"default_threads": default, "default_spin_count": int(SPIN_COUNT), "torch_default_threads": torch_default,
+    report = {"default_setting": default_setting(), "torch_default_threads": torch_default,
               "cpu_count": available_cores(),
               "competitor": {"threads": 2, "matmul_size": COMPETITOR_SIZE}, "uptime_load": load_before,
               "uptime_load_after": [round(x, 2) for x in os.getloadavg()], "passes": passes,

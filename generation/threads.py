@@ -14,8 +14,8 @@ The policy, in the order it is applied:
 3. else the host's cores divided between the ranks on it (``LOCAL_WORLD_SIZE``, as torchrun sets it, or the
    number of processes the fit launches), never below one: torch's own count for a single process.
 
-and, whatever the count, idle threads spin :data:`SPIN_COUNT` times before they sleep (``GOMP_SPINCOUNT``, set by
-:func:`set_short_spin` before torch loads), unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` says otherwise.
+How idle threads wait is libgomp's to decide, from ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT``, which it reads once
+when torch loads it: the CLIs leave both to the user (the line :func:`apply_threads` prints says which applies).
 
 ``python -m benchmarks.threads`` measures the build and the fit alone and beside a competing 2-thread torch
 process at this default, at 1 thread, at 2 threads spinning as libgomp does by default (what the CLIs did
@@ -28,23 +28,15 @@ count, so a run repeats exactly only at the same count.
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 DEFAULT_THREADS = 1
 """Threads per process when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise. Measured with
 ``python -m benchmarks.threads`` on 2 cores in two full runs: one thread took 1.42-1.48x the time of torch's own
 default (2 threads, libgomp's spin) alone, and 1.43-1.48x its own time beside a 2-thread torch job, where torch's
-default took 4.5x. The CLIs' short spin (:data:`SPIN_COUNT`) was measured as a default too and was slower alone in
-one full run (2.41x), so it is not applied until that is understood."""
-
-SPIN_COUNT = "3000"
-"""``GOMP_SPINCOUNT`` of the CLIs: how many times an idle OpenMP thread spins before it sleeps (libgomp's default,
-300000, spins for a good part of a millisecond). Measured with ``python -m benchmarks.threads`` on 2 cores: alone,
-as fast as libgomp's default within the noise; beside a 2-thread torch process, as graceful as no spin at all
-(``OMP_WAIT_POLICY=PASSIVE``), where libgomp's default made the build 4.5x slower. 30000 spins already lost
-most of that (one run: 75 s beside against 47 s)."""
+default took 4.5x. Two threads that spin less (``GOMP_SPINCOUNT=3000``) or not at all (``OMP_WAIT_POLICY=PASSIVE``)
+are faster alone but must be set before torch loads, so they stay the user's choice; the benchmark times them."""
 
 OPTION_HELP = (
     f"Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else {DEFAULT_THREADS} "
@@ -117,22 +109,6 @@ def resolve_threads(threads: Any = None, *, ranks: int = 1, cpu_count: int | Non
     cores = cpu_count or available_cores()
     n = min(DEFAULT_THREADS, max(1, cores // max(1, ranks)))
     return n, f"default: {DEFAULT_THREADS} per host" + (f", {ranks} ranks on {cores} cores" if ranks > 1 else "")
-
-
-def set_short_spin(env: MutableMapping[str, str] = os.environ) -> bool:
-    """Let idle OpenMP threads spin only :data:`SPIN_COUNT` times before they sleep: set ``GOMP_SPINCOUNT`` in
-    ``env``, unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is already set (a user's choice stands).
-
-    libgomp reads the variable once, when torch loads it, so call this first thing in a command's ``main()``:
-    once torch is imported it changes nothing and is skipped.
-
-    Returns:
-        Whether it set the variable.
-    """
-    if "torch" in sys.modules or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
-        return False
-    env["GOMP_SPINCOUNT"] = SPIN_COUNT
-    return True
 
 
 def wait_policy(env: Mapping[str, str] = os.environ) -> str:
