@@ -187,6 +187,22 @@ def served_methods() -> str:
     return table(["method", "accuracy", "speedup over served target-only", "step acceptance", "requests"], rows)
 
 
+SERVED_LABELS = {
+    "served_vs_in_process": "served build (engine-sampled, engine-read) vs in-process build (seed 0)",
+    "in_process_other_seed": "in-process build, seed 0 vs seed 1 (the noise floor of sampling)",
+    "served_repeated": "served build vs the same servers and seeds, read in-process (does served sampling repeat?)",
+}
+
+
+def served_labels() -> str:
+    a = load("served")["build"]["label_agreement"]
+    rows = [[name, str(a[k]["prefixes"]), str(a[k]["shared_texts"]), num(a[k]["ari"]), num(a[k]["mean_abs_dq"]),
+             f"{a[k]['coverage']['a']:.2f} / {a[k]['coverage']['b']:.2f}"]
+            for k, name in SERVED_LABELS.items() if k in a]
+    return table(["builds compared", "shared prefixes", "shared step texts", "ARI of the groups", "mean abs dq",
+                  "coverage (first / second)"], rows)
+
+
 def threads() -> str:
     t = load("threads")
     rows = []
@@ -209,7 +225,7 @@ def train() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "decode-methods": decode_methods, "decode-decisions": decode_decisions,
     "batch-scaling": batch_scaling, "first-step": first_step, "world": world, "labels": labels,
-    "served-methods": served_methods, "threads": threads, "train": train,
+    "served-methods": served_methods, "served-labels": served_labels, "threads": threads, "train": train,
 }
 """Every generated table by the name its markers carry."""
 

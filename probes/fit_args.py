@@ -6,7 +6,9 @@ the command line and in each ``--config`` file, against the options the real par
 recorded in ``probes/fit_options.json``, written from the parser itself
 (:func:`probes.fit_cli.known_options`; tests/test_fit.py checks that the record is current). With
 another version of Lightning or jsonargparse than the record names, option names are left to the
-real parser. Values are checked where they are used, by the real parser and the classes.
+real parser. Values are checked where they are used, by the real parser and the classes (after the imports),
+except ``--threads`` (the package's own, checked here in full) and the values of options whose type is int,
+float, bool or None alone (recorded with the names: a value none of them can take is refused here).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, NoReturn
 import yaml
 
 from datamodules.labels.cli import check_yaml_files, did_you_mean, option_value
+from generation.threads import check_threads
 
 PROG = "python -m probes.fit"
 DESCRIPTION = (
@@ -51,8 +54,8 @@ def fail(message: str) -> NoReturn:
 def first_pass(args: list[str]) -> None:
     """Refuse, through :func:`fail`, what is wrong in (normalised) ``args`` without importing torch.
 
-    Checks the YAML syntax of each ``--config`` file, that ``--ckpt_path`` is a checkpoint, and that
-    every option given on the command line or as a key of a ``--config`` file exists.
+    Checks the YAML syntax of each ``--config`` file, that ``--ckpt_path`` is a checkpoint, the ``--threads``
+    value, and that every option given on the command line or as a key of a ``--config`` file exists.
     """
     try:
         check_yaml_files(args)
@@ -61,9 +64,15 @@ def first_pass(args: list[str]) -> None:
     ckpt = option_value(args, "--ckpt_path")
     if ckpt is not None and checkpoint_problem(ckpt):
         fail(checkpoint_problem(ckpt))
+    threads = option_value(args, "--threads")
+    if threads is not None and threads.lower() not in ("null", "none"):
+        try:
+            check_threads(threads)
+        except ValueError as e:
+            fail(str(e))
     known = recorded_options()
     if known:
-        problem = unknown_option(args, known)
+        problem = unknown_option(args, known) or bad_value(args, recorded_kinds())
         if problem:
             fail(problem)
 
@@ -107,6 +116,45 @@ def recorded_options() -> set[str] | None:
         return set(record["options"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def recorded_kinds() -> dict[str, str]:
+    """``{option: kind}`` of :data:`KNOWN_OPTIONS` (``"int|null"``...: options whose type is int, float, bool or
+    None alone; :func:`probes.fit_cli.scalar_kinds`); empty where the record has none."""
+    try:
+        return dict(json.loads(KNOWN_OPTIONS.read_text()).get("kinds", {}))
+    except (OSError, ValueError):
+        return {}
+
+
+def bad_value(args: list[str], kinds: dict[str, str]) -> str | None:
+    """The refusal of the first command-line value in (normalised) ``args`` that its option's kind cannot take
+    (``--trainer.max_epochs abc``), or None. Lenient: a value the real parser might take passes (it checks again)."""
+    for i, a in enumerate(args[:-1]):
+        if a == "--":
+            break
+        kind = kinds.get(a)
+        if kind and not any(_takes(k, args[i + 1]) for k in kind.split("|")):
+            return f"{a} {args[i + 1]!r}: expected {kind.replace('|', ' or ')}"
+    return None
+
+
+def _takes(kind: str, value: str) -> bool:
+    """Whether a scalar of ``kind`` (int, float, bool, null) may be read from the command-line ``value`` (as YAML,
+    as jsonargparse reads it)."""
+    try:
+        v = yaml.safe_load(value)
+    except yaml.YAMLError:
+        v = value
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if kind == "float" and not number:
+        try:
+            float(value)
+            return True
+        except ValueError:
+            return False
+    return {"int": isinstance(v, int) and not isinstance(v, bool), "float": number, "bool": isinstance(v, bool),
+            "null": v is None}.get(kind, True)
 
 
 def library_versions() -> dict[str, str | None]:

@@ -191,11 +191,8 @@ def _drop_empty_run_dir(run_dir: Path | None) -> None:
         run_dir.rmdir()
 
 
-def known_options() -> list[str]:
-    """Every option name of the fit parser, with the build config's keys under ``--data.build`` (the parser
-    reads those only when it builds the data's ``BuildConfig``): what :data:`probes.fit_args.KNOWN_OPTIONS` records."""
-    from datamodules.labels.build import _parser as build_parser
-
+def _fit_parser():
+    """The fit's LightningCLI parser, built as the CLI builds it and never run."""
     class Built(Exception):
         pass
 
@@ -207,14 +204,47 @@ def known_options() -> list[str]:
         Capture(SemanticProbeModule, SemanticProbeDataModule, run=False, auto_configure_optimizers=False, args=[],
                 parser_class=ProbeArgumentParser, parser_kwargs=PARSER_KWARGS)
     except Built as built:
-        options = set(parser_options(built.args[0]))
+        return built.args[0]
+    raise RuntimeError("the fit parser was never built")  # pragma: no cover (parse_arguments always runs)
+
+
+def known_options() -> list[str]:
+    """Every option name of the fit parser, with the build config's keys under ``--data.build`` (the parser
+    reads those only when it builds the data's ``BuildConfig``): what :data:`probes.fit_args.KNOWN_OPTIONS` records."""
+    from datamodules.labels.build import _parser as build_parser
+
     build = {"--data." + o[2:] for o in parser_options(build_parser()) if o.startswith("--build.")}
-    return sorted(options | build)
+    return sorted(set(parser_options(_fit_parser())) | build)
+
+
+def scalar_kinds() -> dict[str, str]:
+    """``{option: kind}`` for the fit parser's options whose type is made of int, float, bool and None alone
+    (``"int|null"``, ``"float"``...): the values :func:`probes.fit_args.bad_value` checks before torch loads."""
+    kinds = {}
+    for action in _fit_parser()._actions:
+        kind = scalar_kind(getattr(action, "_typehint", None) or action.type)
+        for option in action.option_strings:
+            if kind and option.startswith("--"):
+                kinds[option] = kind
+    return dict(sorted(kinds.items()))
+
+
+def scalar_kind(hint: Any) -> str | None:
+    """``hint`` as ``"int|float|null"``-style text when it is int, float, bool, None or a union of them, else None."""
+    import typing
+
+    names = {int: "int", float: "float", bool: "bool", type(None): "null"}
+    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType) \
+        else (hint,)
+    if not parts or not all(p in names for p in parts):
+        return None
+    return "|".join(names[p] for p in parts)
 
 
 def write_known_options(path: Path = KNOWN_OPTIONS) -> Path:
-    """Write :func:`known_options` with the library versions they were read with to ``path``."""
-    record: dict[str, Any] = {"versions": library_versions(), "options": known_options()}
+    """Write :func:`known_options` and :func:`scalar_kinds` with the library versions they were read with to
+    ``path``."""
+    record: dict[str, Any] = {"versions": library_versions(), "options": known_options(), "kinds": scalar_kinds()}
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 

@@ -555,6 +555,8 @@ def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
         (["--ckpt_path", str(not_a_checkpoint)], f"--ckpt_path {not_a_checkpoint} is not a Lightning checkpoint"),
         (["--ckpt_path", str(tmp_path / "plain.ckpt")], "is a torch.save archive but not a Lightning checkpoint"),
         (["--ckpt_path", str(tmp_path / "missing.ckpt")], f"--ckpt_path {tmp_path / 'missing.ckpt'}: no such file"),
+        (["--trainer.max_epochs", "abc"], "--trainer.max_epochs 'abc': expected int or null"),
+        (["--threads", "0"], "--threads '0': expected a whole number of threads >= 1"),
     ]
     for args, said in cases:  # issue 33 items 3, 11 and 16: one line, exit 2, and torch never imported
         status, err, heavy = refuse_in_a_fresh_process("probes.fit", args)
@@ -564,12 +566,28 @@ def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
 
 
 def test_the_first_pass_knows_the_options_the_real_parser_knows():
-    from probes.fit_args import KNOWN_OPTIONS, library_versions, recorded_options
-    from probes.fit_cli import known_options
+    from probes.fit_args import KNOWN_OPTIONS, library_versions, recorded_kinds, recorded_options
+    from probes.fit_cli import known_options, scalar_kinds
 
     again = "re-record: python -c 'from probes.fit_cli import write_known_options; write_known_options()'"
     assert json.loads(KNOWN_OPTIONS.read_text())["versions"] == library_versions(), again
     assert sorted(recorded_options()) == known_options(), again
+    assert recorded_kinds() == scalar_kinds(), again
+
+
+def test_the_first_pass_takes_every_value_the_real_parser_takes_and_refuses_what_it_refuses():
+    from probes.fit_args import bad_value, recorded_kinds
+
+    kinds = recorded_kinds()
+    taken = [("--trainer.max_epochs", v) for v in ("3", "+3", "0x10", "1_000", "null", "-1")] + [
+        ("--test", v) for v in ("true", "False", "yes", "on")] + [
+        ("--data.val_fraction", v) for v in ("0.5", ".5", "1e-1", "1")] + [("--trainer.gradient_clip_val", "2")]
+    for option, value in taken:
+        assert bad_value([option, value], kinds) is None, (option, value)
+    refused = [("--trainer.max_epochs", "3.0"), ("--trainer.max_epochs", "true"), ("--test", "1"),
+               ("--test", "maybe"), ("--data.val_fraction", "abc"), ("--data.val_fraction", "true")]
+    for option, value in refused:  # each also refused by jsonargparse (checked by hand with the real parser)
+        assert bad_value([option, value], kinds) == f"{option} {value!r}: expected {kinds[option].replace('|', ' or ')}"
 
 
 def test_a_bad_checkpoint_is_refused_before_data_preparation_and_leaves_no_run_folder(tmp_path, capsys):
