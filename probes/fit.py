@@ -11,7 +11,8 @@ Bad input (an unknown key, a value a class refuses, data that cannot be built) e
 one line on stderr and exit status 2, never a traceback. ``--ckpt_path <run>/checkpoints/last.ckpt``
 resumes an interrupted run with its own config, in its own folder (:mod:`probes.resume`); Ctrl-C
 prints that command. The arguments are looked at before torch loads (:mod:`probes.fit_args`), so a
-mistyped option, or a value of the wrong type (``--trainer.max_epochs abc``), is refused in about a second; the LightningCLI itself is :mod:`probes.fit_cli`.
+mistyped option, or a value of the wrong type (``--trainer.max_epochs abc``), is refused in about a second;
+the LightningCLI itself is :mod:`probes.fit_cli`.
 """
 
 from __future__ import annotations
