@@ -68,6 +68,7 @@ from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.methods import METHODS as TABLE
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
+from probes.decoding.results import Decision
 from probes.decoding.options import PROBE_DTYPES, resolve_probe_dtype
 from probes.decoding.timing import rotation
 from probes.metrics import speedup
@@ -114,16 +115,16 @@ def decisions(results, problems) -> tuple[dict[str, int], list[tuple[float, bool
         oracle, prefix, on_track = oracle_for(p), "", True
         for st in r.steps:
             right = on_track and oracle(st.text, prefix)
-            if st.writer == "draft" or st.decision == "reject":
+            if st.writer == "draft" or st.decision == Decision.REJECT:
                 if not on_track:
                     counts["after_error"] += 1
                 else:
-                    kept = st.decision in ("accept", "accept_fast")
+                    kept = st.decision.kept
                     counts[f"{'right' if right else 'wrong'}_{'kept' if kept else 'refused'}"] += 1
-                    counts["wrong_kept_fast_path"] += int(not right and st.decision == "accept_fast")
+                    counts["wrong_kept_fast_path"] += int(not right and st.decision == Decision.ACCEPT_FAST)
                     if st.q is not None:
                         scored.append((st.q, right))
-            if st.decision != "reject":
+            if st.decision != Decision.REJECT:
                 on_track = right
                 prefix += st.text
     return counts, scored

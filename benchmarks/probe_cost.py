@@ -89,9 +89,8 @@ def _compare(ref: list, other: list) -> dict:
         return [t for r in res for t in r.steps if t.writer == "draft"]
 
     pairs = list(zip(steps(ref), steps(other)))
-    kept = ("accept", "accept_fast")
     return {"draft_steps": len(pairs),
-            "same_decision": sum((a.decision in kept) == (b.decision in kept) for a, b in pairs),
+            "same_decision": sum(a.decision.kept == b.decision.kept for a, b in pairs),
             "max_abs_q_difference": max((abs(a.q - b.q) for a, b in pairs if a.q is not None and b.q is not None),
                                         default=0.0),
             "same_texts": sum(a.text == b.text for a, b in zip(ref, other))}

@@ -81,6 +81,7 @@ from generation.specs import SamplingSpec
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
 from probes.decoding.proposer import run_probe
+from probes.decoding.results import Decision
 from probes.decoding.served import ServedDecoder, features
 from probes.export import load_probe
 
@@ -303,8 +304,8 @@ def requests_per_step(runs: dict, engines: tuple, tag: str = "semanticspec") -> 
     counted = sum(res.stats.requests for res in runs[tag])
     if len(groups) != len(steps):
         raise RuntimeError(f"{len(groups)} draft-step request groups but {len(steps)} draft steps in the traces")
-    kept = [len(g) for g, s in zip(groups, steps) if s.decision in ("accept", "accept_fast")]
-    refused = [len(g) for g, s in zip(groups, steps) if s.decision == "reject"]
+    kept = [len(g) for g, s in zip(groups, steps) if s.decision.kept]
+    refused = [len(g) for g, s in zip(groups, steps) if s.decision == Decision.REJECT]
     return {"kept": _mean(kept), "refused": _mean(refused), "kept_max": max(kept, default=0),
             "refused_max": max(refused, default=0), "n_kept": len(kept), "n_refused": len(refused),
             "requests_recorded": sum(len(g) for g in groups), "requests_counted_by_decoder": counted,

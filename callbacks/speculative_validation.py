@@ -318,7 +318,7 @@ class SpeculativeValidation(Callback):
         fig, ax = plt.subplots(figsize=(4.5, 3.5))
         if steps:
             ratio = [min(s.q / max(s.p, 1e-6), 2.0) for s in steps]
-            accepted = [1.0 if s.decision.startswith("accept") else 0.0 for s in steps]
+            accepted = [1.0 if s.decision.kept else 0.0 for s in steps]
             ax.scatter(ratio, accepted, alpha=0.4, s=12)
         ax.set(xlabel="q / p (clipped at 2)", ylabel="accepted", title="acceptance vs q/p")
         paths["acceptance"] = self._save(fig, out / "acceptance_vs_ratio.png", trainer)

@@ -177,14 +177,17 @@ def _forced_logits(step: StepDraft, feed: Feed | None, before: torch.Tensor | No
     return out
 
 
+DEFAULT_SAMPLING = SamplingSpec()
+"""The paper's sampling (T 0.6, top-p 0.95): :func:`generate`'s default."""
+
+
 @torch.no_grad()
 def generate(
     model,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    temperature: float = SamplingSpec.temperature,
-    top_p: float = SamplingSpec.top_p,
+    sampling: SamplingSpec = DEFAULT_SAMPLING,
     generator: torch.Generator | None = None,
     stop: Callable[[list[int]], bool] | None = None,
     eos_token_id: int | None = None,
@@ -216,5 +219,5 @@ def generate(
 
     rows = range(cache.n_rows)
     steps = write_steps(cache, rows, stop=done, limits={i: max_new_tokens for i in rows},
-                        sampler=Sampler(SamplingSpec(temperature, top_p), generator))
+                        sampler=Sampler(sampling, generator))
     return [steps[i].tokens for i in rows]

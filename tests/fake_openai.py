@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 import torch
 
 from generation.writer import generate
+from generation.specs import SamplingSpec
 
 POLL_S = 0.02
 """How often a server's loop checks for ``close()`` (the standard library's 0.5 s made every test's teardown wait half a
@@ -119,8 +120,8 @@ class FakeServer(LoopbackServer):
         stops = body.get("stop") or []
         g = torch.Generator().manual_seed(int(body.get("seed", 0)))
         rows = generate(self.model, [ids], max_new_tokens=int(body["max_tokens"]),
-                        temperature=float(body["temperature"]),
-                        top_p=float(body.get("top_p", 1.0)), generator=g, eos_token_id=tok.eos_token_id,
+                        sampling=SamplingSpec(float(body["temperature"]), float(body.get("top_p", 1.0))), generator=g,
+                        eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id or 0, num_samples=n,
                         stop=lambda t: any(s in tok.decode(t, skip_special_tokens=True) for s in stops))
         choices, used = [], 0

@@ -139,6 +139,21 @@ def test_each_policy_decides_from_hand_made_scores_alone():
         rows[0].q = 1.0
 
 
+def test_decisions_are_an_enum_that_traces_and_json_read_as_their_values():
+    """Policies answer :class:`Decision` members; a trace keeps them, prints and serialises them as plain strings."""
+    import json
+
+    from probes.decoding.results import Decision, StepTrace
+
+    decided = ProbePolicy(tau=0.5, top_k=1).decide({0: _scores(q=0.7), 1: _scores(q=0.2), 2: _scores(fast=True)})
+    assert decided == {0: Decision.ACCEPT, 1: Decision.REJECT, 2: Decision.ACCEPT_FAST}
+    assert all(type(d) is Decision for d in decided.values())
+    assert [d.kept for d in Decision] == [True, True, False, False]
+    trace = StepTrace("draft", "Add 3.\n\n", 4, 0.7, None, decided[0])
+    assert json.loads(json.dumps(dataclasses.asdict(trace)))["decision"] == "accept"
+    assert StepTrace("target", "x", 1).decision is Decision.TARGET and f"{Decision.REJECT}" == "reject"
+
+
 def test_policies_declare_what_they_read_and_refuse_bad_values():
     assert ProbePolicy().needs.q and not ProbePolicy().needs.p and ProbePolicy().needs.fast_path is None
     ratio = ProbePolicy(rule="ratio", top_k=2).needs

@@ -54,7 +54,8 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--data.build.sampling.n_samples", "0"], "sampling.n_samples=0: expected >= 1", "Traceback"),
     (["--data.build.sampling.backend", "openai"], "error: invalid BuildConfig: sampling.openai.target.urls=[]",
      "Union"),
-    (["--trainer.max_epochs", "x"], 'Parser key "trainer.max_epochs"', "Subtypes"),
+    (["--trainer.max_epochs", "x"], "--trainer.max_epochs 'x': expected int or null", "Parser key"),  # first pass
+    (["--trainer.precision", "bogus"], 'Parser key "trainer.precision"', "Subtypes"),  # the real parser's type error
 ])
 def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named, not_named):
     line = _one_line_error(capsys, args + ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])

@@ -183,7 +183,7 @@ def test_fork_gives_every_copy_the_prefix(world_tokenizer):
 def test_greedy_generate_equals_transformers_generate(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2, seed=3)
     prompts = [[2, 5, 6, 7], [2, 9], [2, 4, 4, 4, 4, 4, 8]]
-    ours = generate(model, prompts, max_new_tokens=10, temperature=0.0, num_samples=2)
+    ours = generate(model, prompts, max_new_tokens=10, sampling=SamplingSpec(0.0, 1.0), num_samples=2)
     for k, p in enumerate(prompts):
         ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
                              max_new_tokens=10, min_new_tokens=10, pad_token_id=0,
@@ -194,11 +194,11 @@ def test_greedy_generate_equals_transformers_generate(world_tokenizer):
 def test_sampled_generate_is_seeded_and_forks_differ(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2, seed=3)
     def run(seed):
-        return generate(model, [[2, 5, 6]], max_new_tokens=12, temperature=1.0, top_p=1.0,
+        return generate(model, [[2, 5, 6]], max_new_tokens=12, sampling=SamplingSpec(1.0, 1.0),
                         generator=torch.Generator().manual_seed(seed), num_samples=4)
     a, b = run(0), run(0)
     assert a == b and len(a) == 4 and len({tuple(x) for x in a}) > 1
-    stop_at_7 = generate(model, [[2, 5, 6]], max_new_tokens=40, temperature=1.0, num_samples=8,
+    stop_at_7 = generate(model, [[2, 5, 6]], max_new_tokens=40, sampling=SamplingSpec(1.0, 1.0), num_samples=8,
                          generator=torch.Generator().manual_seed(1), stop=lambda t: t[-1] == 7)
     assert all((t[-1] == 7) != (len(t) == 40) or t[-1] == 7 for t in stop_at_7)
     assert all(7 not in t[:-1] for t in stop_at_7)

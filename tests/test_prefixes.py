@@ -11,6 +11,7 @@ from datamodules.arithmetic.task import ArithmeticTask
 from datamodules.tasks.base import Task
 from generation.writer import generate
 from generation.steps import split_steps
+from generation.specs import SamplingSpec
 from tests.conftest import tiny_llama
 
 
@@ -77,12 +78,12 @@ def test_chat_template_is_applied_when_present(world_tokenizer):
 def test_num_samples_shares_one_prefill(world_tokenizer):
     model = tiny_llama(len(world_tokenizer))
     prompts = [world_tokenizer("Take 3.\n\n")["input_ids"], world_tokenizer("Start with 12. Add 4.\n\n")["input_ids"]]
-    shared = generate(model, prompts, max_new_tokens=5, temperature=0, num_samples=3)
-    repeated = generate(model, [p for p in prompts for _ in range(3)], max_new_tokens=5, temperature=0)
+    shared = generate(model, prompts, max_new_tokens=5, sampling=SamplingSpec(0, 1.0), num_samples=3)
+    repeated = generate(model, [p for p in prompts for _ in range(3)], max_new_tokens=5, sampling=SamplingSpec(0, 1.0))
     assert shared == repeated and len(shared) == 6
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    a = generate(model, prompts, max_new_tokens=5, temperature=1.0, generator=g1, num_samples=4)
-    b = generate(model, prompts, max_new_tokens=5, temperature=1.0, generator=g2, num_samples=4)
+    a = generate(model, prompts, max_new_tokens=5, sampling=SamplingSpec(1.0, 1.0), generator=g1, num_samples=4)
+    b = generate(model, prompts, max_new_tokens=5, sampling=SamplingSpec(1.0, 1.0), generator=g2, num_samples=4)
     assert a == b  # seeded and reproducible
     with pytest.raises(ValueError, match="num_samples=0"):
         generate(model, prompts, max_new_tokens=2, num_samples=0)

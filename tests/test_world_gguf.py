@@ -13,6 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+from generation.specs import SamplingSpec
 
 from datamodules.arithmetic import task
 from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
@@ -67,7 +68,7 @@ def _sampled_texts(tok, role: str, n_prompts: int = 40) -> list[str]:
     from generation.writer import generate
 
     prompts = [tok(p.problem + task.STEP_DELIMITER).input_ids for p in task.generate_problems(n_prompts, 21)]
-    outs = generate(load_model(role), prompts, max_new_tokens=120, temperature=1.0, top_p=1.0, num_samples=2,
+    outs = generate(load_model(role), prompts, max_new_tokens=120, sampling=SamplingSpec(1.0, 1.0), num_samples=2,
                     generator=torch.Generator().manual_seed(0), eos_token_id=tok.eos_token_id)
     assert sum(map(len, outs)) > 1000
     return [tok.decode(prompts[i // 2] + o, skip_special_tokens=True) for i, o in enumerate(outs)]
@@ -244,7 +245,8 @@ def _text(tok, token: int) -> str:
 def _greedy(model, tok, prompt: str) -> str:
     from generation.writer import generate
 
-    out = generate(model, [tok(prompt).input_ids], max_new_tokens=200, temperature=0, eos_token_id=tok.eos_token_id)
+    out = generate(model, [tok(prompt).input_ids], max_new_tokens=200, sampling=SamplingSpec(0, 1.0),
+                   eos_token_id=tok.eos_token_id)
     return tok.decode(out[0], skip_special_tokens=True)
 
 

@@ -28,7 +28,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import NoReturn, Optional
 
@@ -76,10 +75,13 @@ class LlamaServer:
         self.proc: subprocess.Popen | None = None
 
     def _models(self) -> list[str] | None:
+        """What ``/v1/models`` lists (one quick attempt, the package's one HTTP client), or None: no answer yet."""
+        from generation.engines.base import EngineError
+        from generation.engines.connection import Connection
+
         try:
-            with urllib.request.urlopen(self.url + "/models", timeout=2) as r:
-                return [m["id"] for m in json.loads(r.read())["data"]]
-        except (OSError, ValueError, KeyError):
+            return Connection(self.url, timeout=2.0, retries=1).models()
+        except EngineError:
             return None
 
     def command(self) -> list[str]:

@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from datamodules.arithmetic import task
 from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, build_tokenizer
+from generation.specs import SamplingSpec
 from generation.writer import generate
 from generation.padding import left_pad
 
@@ -161,7 +162,7 @@ def eval_solver(model, tok, problems: list[task.Problem], temperature: float = 0
     model.eval()
     prompts = [lm_example(tok, p)[0][: lm_example(tok, p)[1]] for p in problems]
     g = torch.Generator().manual_seed(seed)
-    outs = generate(model, prompts, max_new_tokens=120, temperature=temperature, top_p=top_p, generator=g,
+    outs = generate(model, prompts, max_new_tokens=120, sampling=SamplingSpec(temperature, top_p), generator=g,
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.train()
     return sum(task.check_answer(tok.decode(o, skip_special_tokens=True),

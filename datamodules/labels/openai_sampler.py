@@ -100,7 +100,8 @@ class OpenAISampler(StepSampler):
         extra = {**self.sampling_fields, **(self.extra_body if step else {})}
         resp, _ = self.conns[k].completions(
             f"/v1/completions (model {self.model!r})", model=self.model, prompt=prompt, n=count,
-            temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens or self.max_step_tokens,
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+            max_tokens=max_tokens or self.max_step_tokens,
             stop=self.stops if step else None, seed=seed, extra_body=extra or None)
         return sorted(resp.choices or [], key=lambda c: c.index), resp.usage
 

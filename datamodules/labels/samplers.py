@@ -105,7 +105,6 @@ class StepSampler:
     def __init__(self, tokenizer, step: StepSpec, sampling: SamplingSpec):
         self.tokenizer, self.step, self.sampling = tokenizer, step, sampling
         self.delimiters, self.max_step_tokens = list(step.delimiters), step.max_step_tokens
-        self.temperature, self.top_p = sampling.temperature, sampling.top_p
         self.stops = minimal_stops(self.delimiters)
         self.step_ends: Counter = Counter()
         self.samples = 0
@@ -142,8 +141,8 @@ class HFSampler(StepSampler):
         g = torch.Generator(device=device).manual_seed(seed)
         tok = self.tokenizer
         stop = self.step.stopper(tok)
-        rows = generate(self.model, contexts, max_new_tokens=self.max_step_tokens, temperature=self.temperature,
-                        top_p=self.top_p, generator=g, stop=stop, eos_token_id=tok.eos_token_id,
+        rows = generate(self.model, contexts, max_new_tokens=self.max_step_tokens, sampling=self.sampling,
+                        generator=g, stop=stop, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id or 0, num_samples=n)
         self.samples += len(rows)
         return [rows[i * n : (i + 1) * n] for i in range(len(contexts))]
@@ -154,7 +153,7 @@ class HFSampler(StepSampler):
         tok, out = self.tokenizer, []
         for i in range(0, len(contexts), batch_size):
             rows = generate(self.model, contexts[i : i + batch_size], max_new_tokens=max_new_tokens,
-                            temperature=self.temperature, top_p=self.top_p, generator=g, eos_token_id=tok.eos_token_id,
+                            sampling=self.sampling, generator=g, eos_token_id=tok.eos_token_id,
                             pad_token_id=tok.pad_token_id or 0)
             out += [tok.decode(r, skip_special_tokens=True) for r in rows]
         return out
@@ -191,7 +190,7 @@ class VLLMSampler(StepSampler):
                                gpu_memory_utilization=gpu_memory_utilization, seed=seed, dtype=dtype)
 
     def sample(self, contexts, n, seed):
-        params = [self._vllm.SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p,
+        params = [self._vllm.SamplingParams(n=n, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                             max_tokens=self.max_step_tokens, stop=self.stops,
                                             include_stop_str_in_output=True, seed=request_seed(seed, i, 0))
                   for i in range(len(contexts))]
@@ -211,7 +210,7 @@ class VLLMSampler(StepSampler):
         return result
 
     def complete(self, contexts, max_new_tokens, seed):
-        params = [self._vllm.SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p,
+        params = [self._vllm.SamplingParams(n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                             max_tokens=max_new_tokens, seed=request_seed(seed, i, 0))
                   for i in range(len(contexts))]
         outs = self.engine.generate([{"prompt_token_ids": list(c)} for c in contexts], params, use_tqdm=False)

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+from typing import Any
+
 from generation.engines import NEUTRAL_SAMPLING
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
 from generation.engines.connection import at_least, connect
@@ -121,6 +124,25 @@ def _after(choice, prompt: str, eos: bool) -> str:
     return "" if eos else text[len(prompt):] if text.startswith(prompt) else text
 
 
+@dataclass(frozen=True)
+class _Echo:
+    """An echo request's answer, as every engine's ``read`` uses it."""
+
+    response: Any
+    """The completion response (its ``usage``)."""
+    seconds: float
+    """The request's wall seconds."""
+    choice: Any
+    """Its one choice (``finish_reason``, the engine's extra fields)."""
+    logprobs: dict
+    """The choice's log-probs (``tokens``, ``text_offset``, ``token_logprobs``, ``top_logprobs``)."""
+    positions: list[int]
+    """Indices of the step's tokens among the echoed ones."""
+
+    def usage(self) -> Usage:
+        return _usage(self.response.usage, self.seconds)
+
+
 class _Completions:
     """What llama.cpp and vLLM clients share: setup, the request, the echo's step, the written step."""
 
@@ -197,7 +219,7 @@ class _Completions:
                              torch.tensor(top, dtype=torch.float32).reshape(len(idx), k))
 
     def _read_echo(self, context: str, step: str, top_k: int, sampling: SamplingSpec, seed: int,
-                   extra: dict | None = None):
+                   extra: dict | None = None) -> _Echo:
         """The echo request and what every engine reads from it: the choice, its logprobs, the step's indices."""
         resp, secs = self._create(context + step, max_tokens=1, sampling=sampling, seed=seed,
                                   logprobs=top_k + self.top_k_slack, echo=True, extra=extra)
@@ -211,7 +233,7 @@ class _Completions:
             idx = self._positions_by_ids(context, choice, n_prompt)
             if idx is None:
                 raise
-        return resp, secs, choice, lp, idx
+        return _Echo(resp, secs, choice, lp, idx)
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """The step's indices found by token ids when the echoed texts do not add up; None: the engine cannot."""
@@ -297,10 +319,10 @@ class LlamaCppEngine(_Completions):
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
              seed: int) -> Reading:
         self._check_read(top_k, hidden)
-        resp, secs, choice, lp, idx = self._read_echo(context, step, top_k, sampling, seed)
-        eos = choice.finish_reason == "stop"
-        return Reading(self._echo_step(lp, idx, top_k, None, None), None, _after(choice, context + step, eos), eos,
-                       _usage(resp.usage, secs))
+        echo = self._read_echo(context, step, top_k, sampling, seed)
+        eos = echo.choice.finish_reason == "stop"
+        return Reading(self._echo_step(echo.logprobs, echo.positions, top_k, None, None), None,
+                       _after(echo.choice, context + step, eos), eos, echo.usage())
 
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
         # The server cuts the stop string off the text but keeps its tokens in the logprobs: asking for them
@@ -345,8 +367,8 @@ class VLLMEngine(_Completions):
              seed: int) -> Reading:
         self._check_read(top_k, hidden)
         extra = {"prompt_logprobs": top_k, "return_token_ids": True}
-        resp, secs, choice, lp, idx = self._read_echo(context, step, top_k, sampling, seed, extra)
-        extra_fields = choice.model_extra or {}
+        echo = self._read_echo(context, step, top_k, sampling, seed, extra)
+        extra_fields, idx = echo.choice.model_extra or {}, echo.positions
         prompt = extra_fields.get("prompt_logprobs")
         if not isinstance(prompt, list) or len(prompt) <= idx[-1]:
             raise MalformedAnswer(f"server {self.url} returned {len(prompt) if isinstance(prompt, list) else 0} "
@@ -354,9 +376,9 @@ class VLLMEngine(_Completions):
         tops = [[float(e["logprob"]) for e in (prompt[i] or {}).values()] for i in idx]
         ids = extra_fields.get("prompt_token_ids")
         ids = [int(ids[i]) for i in idx] if isinstance(ids, list) and len(ids) > idx[-1] else None
-        eos = choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
-        return Reading(self._echo_step(lp, idx, top_k, tops, ids), None, _after(choice, context + step, eos), eos,
-                       _usage(resp.usage, secs))
+        eos = echo.choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
+        return Reading(self._echo_step(echo.logprobs, idx, top_k, tops, ids), None,
+                       _after(echo.choice, context + step, eos), eos, echo.usage())
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """vLLM 0.11 decodes each echoed id alone, so SentencePiece spaces and the bytes of a split UTF-8 character do

@@ -23,7 +23,7 @@ from generation.specs import SamplingSpec
 from generation.writer import StepWriter
 from probes.decoding.policies import AcceptancePolicy
 from probes.decoding.proposer import DraftProposer, Proposal, RowState
-from probes.decoding.results import DecodeResult, StepTrace
+from probes.decoding.results import DecodeResult, Decision, StepTrace
 from probes.decoding.rows import Row, TargetStep
 from probes.decoding.speculative import speculate_tokens, token_sd_steps
 from probes.decoding.verify import TargetVerifier
@@ -146,7 +146,7 @@ class StepLoop:
         rejected, bonus = [], []
         for i in judged:
             d, r, s = proposals[i], rows[i], scores.get(i)
-            decision = decisions.get(i, "reject")  # a row the target read nothing of cannot be kept
+            decision = decisions.get(i, Decision.REJECT)  # a row the target read nothing of cannot be kept
             self.verifier.close_judge_turn(i, s)
             r.stats.draft_steps_proposed += 1
             r.stats.probe_s += probe_s / len(judged)
@@ -154,7 +154,7 @@ class StepLoop:
             r.stats.verify_s += verify_s / len(rows_i)
             r.stats.drafted_tokens += len(d.tokens) - d.n_forced
             trace = StepTrace("draft", d.text, len(d.tokens), s and s.q, s and s.p, decision, dt, s and s.judge)
-            if decision == "reject":
+            if decision == Decision.REJECT:
                 r.trace.append(trace)
                 if self.rides:  # the target redraws the step from the forward that just read it
                     r.rewriting = TargetStep(list(d.tokens[: d.n_forced]), d.n_forced, states[i].limit)
@@ -206,7 +206,7 @@ class StepLoop:
             self.proposer.extend(i, [extra])
         if self._finished(rw, rw.tokens):
             text = decode_text(self.dec.tokenizer, rw.tokens)
-            trace = StepTrace("target", text, len(rw.tokens), decision="target", seconds=rw.seconds)
+            trace = StepTrace("target", text, len(rw.tokens), decision=Decision.TARGET, seconds=rw.seconds)
             r.rewriting = None
             r.commit(trace, rw.tokens, rw.n_forced, self.dec.tokenizer.eos_token_id, False)
 
@@ -256,7 +256,7 @@ class StepLoop:
             text = decode_text(dec.tokenizer, st.tokens)
             if use_draft and not token_sd:  # the draft reads the target's step on its next forward
                 self.proposer.extend(i, dec.handover.to_draft(st.tokens[st.n_forced :], text))
-            trace = StepTrace("target", text, len(st.tokens), decision="target", seconds=dt)
+            trace = StepTrace("target", text, len(st.tokens), decision=Decision.TARGET, seconds=dt)
             rows[i].commit(trace, st.tokens, st.n_forced, dec.tokenizer.eos_token_id, False)
 
     def draft_steps(self, rows_i: list[int]) -> None:
@@ -270,5 +270,5 @@ class StepLoop:
             r.stats.draft_steps_proposed += 1
             r.stats.draft_steps_accepted += 1
             trace = StepTrace("draft", decode_text(self.dec.draft_tokenizer, st.tokens), len(st.tokens),
-                              decision="accept", seconds=dt)
+                              decision=Decision.ACCEPT, seconds=dt)
             r.commit(trace, st.tokens, 0, self.dec.draft_tokenizer.eos_token_id, True)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from generation.features import token_scores
+from probes.decoding.results import Decision
 
 if TYPE_CHECKING:
     from probes.decoding.scores import Scores
@@ -112,7 +113,8 @@ class Needs:
 
 
 class AcceptancePolicy:
-    """Maps each row's scores to ``accept``, ``accept_fast`` or ``reject``; pure (no model call, no writes)."""
+    """Maps each row's scores to a :class:`~probes.decoding.results.Decision` (accept, accept_fast or reject); pure
+    (no model call, no writes)."""
 
     needs = Needs()
     decides_with_probes = False
@@ -122,11 +124,11 @@ class AcceptancePolicy:
         """Whether this row's decision needs the draft probe's ``p`` (given its ``q`` and coin)."""
         return False
 
-    def keep(self, scores: Scores) -> str:
+    def keep(self, scores: Scores) -> Decision:
         """The decision for one row."""
         raise NotImplementedError
 
-    def decide(self, scores: Mapping[int, Scores]) -> dict[int, str]:
+    def decide(self, scores: Mapping[int, Scores]) -> dict[int, Decision]:
         """The decision for every scored row."""
         return {i: self.keep(s) for i, s in scores.items()}
 
@@ -191,12 +193,12 @@ class ProbePolicy(AcceptancePolicy):
             return False
         return not (self.lazy_p and self.ratio_scale * scores.q >= scores.coin)
 
-    def keep(self, scores: Scores) -> str:
+    def keep(self, scores: Scores) -> Decision:
         if scores.fast:
-            return "accept_fast"
+            return Decision.ACCEPT_FAST
         if self.rule == "threshold":
-            return "accept" if threshold_keeps(scores.q, self.tau) else "reject"
-        return "accept" if ratio_keeps(scores.q, scores.p, scores.coin, self.ratio_scale) else "reject"
+            return Decision.ACCEPT if threshold_keeps(scores.q, self.tau) else Decision.REJECT
+        return Decision.ACCEPT if ratio_keeps(scores.q, scores.p, scores.coin, self.ratio_scale) else Decision.REJECT
 
 
 def default_policy(fast_path: bool = True) -> ProbePolicy:
@@ -223,8 +225,8 @@ class RandomPolicy(AcceptancePolicy):
         if self.rate is None or not 0 <= self.rate <= 1:
             raise ValueError(f"method='random_accept' needs accept_rate in [0, 1], got {self.rate}")
 
-    def keep(self, scores: Scores) -> str:
-        return "accept" if scores.coin < self.rate else "reject"
+    def keep(self, scores: Scores) -> Decision:
+        return Decision.ACCEPT if scores.coin < self.rate else Decision.REJECT
 
 
 @dataclass(frozen=True)
@@ -238,8 +240,8 @@ class OraclePolicy(AcceptancePolicy):
             raise ValueError(  # noqa: TRY004
                 "method='oracle_accept' needs oracle=callable(step_text, output_so_far) -> bool")
 
-    def keep(self, scores: Scores) -> str:
-        return "accept" if self.oracle(scores.text, scores.output) else "reject"
+    def keep(self, scores: Scores) -> Decision:
+        return Decision.ACCEPT if self.oracle(scores.text, scores.output) else Decision.REJECT
 
 
 @dataclass(frozen=True)
@@ -249,5 +251,5 @@ class SpecReasonPolicy(AcceptancePolicy):
     threshold: float = 7.0
     needs = Needs(judge=True)
 
-    def keep(self, scores: Scores) -> str:
-        return "accept" if scores.judge >= self.threshold else "reject"
+    def keep(self, scores: Scores) -> Decision:
+        return Decision.ACCEPT if scores.judge >= self.threshold else Decision.REJECT

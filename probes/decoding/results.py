@@ -4,8 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 from probes import metrics
+
+
+class Decision(StrEnum):
+    """What became of a step: a string enum, so a trace compares, prints and serialises as its value."""
+
+    ACCEPT = "accept"
+    """A draft step the policy kept."""
+    ACCEPT_FAST = "accept_fast"
+    """A draft step the top-k fast path kept (the probes did not run)."""
+    REJECT = "reject"
+    """A draft step thrown away; the next trace entry is the target's step."""
+    TARGET = "target"
+    """A step the target wrote."""
+
+    @property
+    def kept(self) -> bool:
+        """A draft step that was kept (either acceptance)."""
+        return self in (Decision.ACCEPT, Decision.ACCEPT_FAST)
 
 
 @dataclass
@@ -18,8 +37,7 @@ class StepTrace:
         n_tokens: tokens in the step, in the writer's tokenizer (a target bonus token included).
         q: target probe's semantic probability (None when not computed, e.g. fast path).
         p: draft probe's semantic probability (None when not computed).
-        decision: ``accept_fast`` (top-k fast path), ``accept``, ``reject`` (a draft step thrown
-            away; the next trace entry is the target's step) or ``target`` (target-written).
+        decision: a :class:`Decision`.
         seconds: wall time of the phases that produced and judged this step (shared evenly by the
             rows of a batch).
         score: SpecReason judge score 0-9 (only for ``method="specreason"``).
@@ -30,7 +48,7 @@ class StepTrace:
     n_tokens: int
     q: float | None = None
     p: float | None = None
-    decision: str = "target"
+    decision: Decision = Decision.TARGET
     seconds: float = 0.0
     score: float | None = None
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from generation.cache import BatchedCache
 from generation.handover import decode_text
-from probes.decoding.results import DecodeStats, StepTrace
+from probes.decoding.results import DecodeStats, Decision, StepTrace
 
 
 def answer_complete(text: str, marker: str | None) -> bool:
@@ -86,7 +86,7 @@ class Row:
         self.finish("budget" if self.stats.output_tokens >= self.budget else "context")
         if self.forced:
             text = decode_text(tokenizer, self.forced)
-            self.trace.append(StepTrace("target", text, len(self.forced), decision="target"))
+            self.trace.append(StepTrace("target", text, len(self.forced), decision=Decision.TARGET))
             self.pieces.append(text)
             self.stats.steps += 1
             self.forced = []

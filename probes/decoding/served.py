@@ -53,7 +53,7 @@ from probes.decoding.methods import METHODS, MethodArgs
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import AcceptancePolicy, FastPath, ProbePolicy, RandomPolicy, default_policy
 from probes.decoding.proposer import run_probe
-from probes.decoding.results import DecodeResult, DecodeStats, StepTrace
+from probes.decoding.results import DecodeResult, DecodeStats, Decision, StepTrace
 from probes.decoding.rows import answer_complete
 from probes.decoding.scores import Scores
 
@@ -399,11 +399,11 @@ class PromptDecode:
         self.stats.drafted_tokens += w.usage.completion_tokens
         step = self.forced + w.text
         reading, scores = self.score(step, w, policy, n_forced)
-        decision = policy.decide({0: scores})[0] if scores is not None else "reject"  # nothing read: not kept
-        s = scores or Scores(step, self.output)
+        decision = policy.decide({0: scores})[0] if scores is not None else Decision.REJECT  # nothing read: not kept
+        s = scores or Scores(text=step, output=self.output)
         self.trace.append(StepTrace("draft", step, n_forced + w.usage.completion_tokens, s.q, s.p, decision,
                                     time.perf_counter() - t0))
-        if decision == "reject":
+        if decision == Decision.REJECT:
             return self.target_step(lim, first=False)
         self.stats.draft_steps_accepted += 1
         before = self.context
@@ -436,7 +436,7 @@ class PromptDecode:
             q = run_probe(dec.target_probe, x)[0]
             self.stats.probe_s += time.perf_counter() - t0
         coin = float(torch.rand((), generator=self.coins)) if needs.coin and not fast else None
-        scores = Scores(step, self.output, x, fast, q, None, coin)
+        scores = Scores(text=step, output=self.output, features=x, fast=fast, q=q, coin=coin)
         if needs.p and policy.wants_p(scores):
             t0 = time.perf_counter()
             if w.tokens is None:
@@ -460,7 +460,7 @@ class PromptDecode:
         else:
             self.stats.rewrite_s += dt
         text = self.forced + w.text
-        self.trace.append(StepTrace("target", text, n_forced + w.usage.completion_tokens, decision="target",
+        self.trace.append(StepTrace("target", text, n_forced + w.usage.completion_tokens, decision=Decision.TARGET,
                                     seconds=dt))
         self.commit(text, w.usage.completion_tokens, False, w.stop == "eos")
 
@@ -481,7 +481,7 @@ class PromptDecode:
     def commit_forced(self) -> None:
         """A step that holds only the pending bonus token (the step cap or the budget leaves no more)."""
         text = self.forced
-        self.trace.append(StepTrace("target", text, 1, decision="target"))
+        self.trace.append(StepTrace("target", text, 1, decision=Decision.TARGET))
         self.commit(text, 0, False, False)
 
     def finish(self, reason: str) -> None:
@@ -491,7 +491,7 @@ class PromptDecode:
         """Finish at the budget or the context end; a pending bonus token becomes a last one-token step."""
         self.finish("budget" if self.stats.output_tokens >= self.budget else "context")
         if self.forced:
-            self.trace.append(StepTrace("target", self.forced, 1, decision="target"))
+            self.trace.append(StepTrace("target", self.forced, 1, decision=Decision.TARGET))
             self.pieces.append(self.forced)
             self.stats.steps += 1
             self.forced = ""
@@ -515,6 +515,6 @@ class PromptDecode:
         if role == "draft":
             s.draft_steps_proposed = s.draft_steps_accepted = 1
             s.draft_tokens = s.drafted_tokens = n
-        decision = "target" if role == "target" else "accept"
+        decision = Decision.TARGET if role == "target" else Decision.ACCEPT
         self.trace.append(StepTrace(role, text, n, decision=decision, seconds=time.perf_counter() - t0))
         self.pieces.append(text)

@@ -32,6 +32,25 @@ class JudgeTurn:
     digits: list[int]
 
 
+@dataclass(frozen=True)
+class StepRead:
+    """What one verification forward read of one row's step (the probe, the fast path and the judge score it).
+
+    Attributes:
+        tokens: the step's target tokens (forced ones first).
+        n_forced: how many of them were forced (the bonus token that opened the step).
+        step_logits: (k, V) the target's logits predicting each step token, when the policy reads them.
+        hidden: (L, k, D) the target's hidden rows of the step, when the probe reads them.
+        judge_logits: (V,) the target's logits after the judge turn (SpecReason), when read.
+    """
+
+    tokens: list[int]
+    n_forced: int
+    step_logits: torch.Tensor | None
+    hidden: torch.Tensor | None
+    judge_logits: torch.Tensor | None
+
+
 class TargetVerifier:
     """The in-process target on its :class:`BatchedCache`, with the target probe and the judge turn.
 
@@ -85,30 +104,31 @@ class TargetVerifier:
             if needs.q or needs.fast_path is not None:  # (k, V) the target's logits predicting every step token
                 step_logits = f.predicting(off, end, pre[i])
             after[i] = f.logits[end - 1]
-            read[i] = (tgt.seq[i][starts[i] : f.start + end], hand.forced_in_target(proposals[i]), step_logits,
-                       f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None,
-                       f.logits[-1] if suffix else None)
+            read[i] = StepRead(tgt.seq[i][starts[i] : f.start + end], hand.forced_in_target(proposals[i]),
+                               step_logits, f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None,
+                               f.logits[-1] if suffix else None)
         return self._score(proposals, outputs, read, after, needs)
 
-    def _score(self, proposals, outputs, read, after, needs: Needs) -> dict[int, Scores]:
+    def _score(self, proposals, outputs, read: dict[int, StepRead], after, needs: Needs) -> dict[int, Scores]:
         """Fast path, then ``q`` and one coin per row it did not keep (in row order), and the judge's score."""
         self.probe_s = 0.0
         fast, fp = {}, needs.fast_path
         if fp is not None:  # every row's drafted tokens (a bonus token excluded) scored in one pass
-            steps = [(logits[n_forced:], tokens[n_forced:]) for tokens, n_forced, logits, _, _ in read.values()]
+            steps = [(r.step_logits[r.n_forced :], r.tokens[r.n_forced :]) for r in read.values()]
             fast = dict(zip(read, fast_path_keeps_rows(steps, fp.top_k, fp.min_logprob)))
         slow = [i for i in read if not fast.get(i)]
         q, x = {}, {}
         if needs.q and slow:
             t0 = time.perf_counter()
-            feats, out = probe_rows(self.probe, self.spec, [read[i][0] for i in slow],
-                                    [read[i][3] for i in slow] if self.spec.needs_hidden else None,
-                                    [read[i][2] for i in slow])
+            feats, out = probe_rows(self.probe, self.spec, [read[i].tokens for i in slow],
+                                    [read[i].hidden for i in slow] if self.spec.needs_hidden else None,
+                                    [read[i].step_logits for i in slow])
             x, q = dict(zip(slow, feats)), dict(zip(slow, out))
             self.probe_s = time.perf_counter() - t0
         coin = {i: float(torch.rand((), generator=self.coins[i])) for i in slow} if needs.coin else {}
-        return {i: Scores(proposals[i].text, outputs[i], x.get(i), fast.get(i, False), q.get(i), None, coin.get(i),
-                          judge_score(read[i][4], self.judge.digits) if needs.judge else None, after[i])
+        return {i: Scores(text=proposals[i].text, output=outputs[i], features=x.get(i), fast=fast.get(i, False),
+                          q=q.get(i), coin=coin.get(i), after=after[i],
+                          judge=judge_score(read[i].judge_logits, self.judge.digits) if needs.judge else None)
                 for i in read}
 
     def close_judge_turn(self, row: int, scores: Scores | None) -> None:
