@@ -40,16 +40,25 @@ def stream_keys(seed: int | Sequence[int], n: int) -> list[StreamKey]:
     Raises:
         ValueError: a seed that is not an integer, or a list whose length is not ``n`` (naming both).
     """
+    errors = seed_errors(seed)
+    if errors:
+        raise ValueError(errors[0])
     if _is_int(seed):
         return [(int(seed), k) for k in range(n)]
-    if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
-        raise ValueError(f"seed={seed!r}: expected an integer, or a list of one integer per prompt")
-    bad = [f"seed[{k}]={s!r}" for k, s in enumerate(seed) if not _is_int(s)]
-    if bad:
-        raise ValueError(f"{', '.join(bad)}: expected integers (one seed per prompt)")
     if len(seed) != n:
         raise ValueError(f"seed holds {len(seed)} seeds for {n} prompts: give one seed per prompt, or one integer")
     return [(int(s), 0) for s in seed]
+
+
+def seed_errors(seed) -> list[str]:
+    """What is wrong with ``seed`` as :func:`stream_keys` reads it, whatever the number of prompts (the one check;
+    :class:`~probes.decoding.config.DecodeConfig` calls it too): ``[]``, or one message naming the bad value."""
+    if _is_int(seed):
+        return []
+    if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
+        return [f"seed={seed!r}: expected an integer, or a list of one integer per prompt"]
+    bad = [f"seed[{k}]={s!r}" for k, s in enumerate(seed) if not _is_int(s)]
+    return [f"{', '.join(bad)}: expected integers (one seed per prompt)"] if bad else []
 
 
 def _is_int(x) -> bool:

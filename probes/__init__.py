@@ -18,6 +18,7 @@ _SURFACE = {
     "load_probe": "probes.export",
     "SemanticSpecDecoder": "probes.decoder",
     "ServedDecoder": "probes.decoding.served",
+    "DecodeConfig": "probes.decoding.config",
     "LoopOptions": "probes.decoding.options",
     "ProbePolicy": "probes.decoding.policies",
     "DecodeResult": "probes.decoding.results",
@@ -25,12 +26,13 @@ _SURFACE = {
 }
 """Each public name and the module that defines it."""
 
-__all__ = ["load_probe", "SemanticSpecDecoder", "ServedDecoder", "LoopOptions", "ProbePolicy", "DecodeResult",
-           "summarize"]
+__all__ = ["load_probe", "SemanticSpecDecoder", "ServedDecoder", "DecodeConfig", "LoopOptions", "ProbePolicy",
+           "DecodeResult", "summarize"]
 assert set(__all__) == set(_SURFACE)
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr__`` imports on first use
     from probes.decoder import SemanticSpecDecoder
+    from probes.decoding.config import DecodeConfig
     from probes.decoding.options import LoopOptions
     from probes.decoding.policies import ProbePolicy
     from probes.decoding.results import DecodeResult, summarize

@@ -45,7 +45,8 @@ ends a decode, and the checker):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -53,9 +54,10 @@ from generation.handover import Handover
 from generation.sampling import stream_keys
 from generation.specs import SamplingSpec
 from probes.decoding import setup
+from probes.decoding.config import DecodeConfig
 from probes.decoding.methods import MethodArgs, runner_for
 from probes.decoding.options import LoopOptions
-from probes.decoding.policies import AcceptancePolicy, ProbePolicy, default_policy
+from probes.decoding.policies import ProbePolicy, default_policy
 from probes.decoding.prompts import read_prompts
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
 from probes.decoding.verify import JudgeTurn
@@ -133,50 +135,22 @@ class SemanticSpecDecoder:
         self.target_stop, self.draft_stop = self.step.stopper(tokenizer), self.step.stopper(self.draft_tokenizer)
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[str],
-        max_new_tokens: int = 256,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | Sequence[int] = 0,
-        method: str | AcceptancePolicy = "semanticspec",
-        *,
-        batch_size: int | None = None,
-        accept_rate: float | None = None,
-        oracle: Callable[[str, str], bool] | None = None,
-        progress: bool = False,
-        allow_sampling_mismatch: bool = False,
-    ) -> list[DecodeResult]:
-        """Decode every prompt with ``method``.
+    def generate(self, prompts: Sequence[str], config: DecodeConfig | None = None, **overrides: Any
+                 ) -> list[DecodeResult]:
+        """Decode every prompt with ``config`` (a :class:`~probes.decoding.config.DecodeConfig`: the budget,
+        sampling, seed, method and its arguments, batch size), or with its fields as keyword arguments, which
+        change a copy of it (``generate(prompts, max_new_tokens=64, seed=[0, 1])``).
 
         Args:
             prompts: prompt strings (tokenized with BOS, as ``tokenizer(prompt)`` does; a bare
                 string is one prompt, as transformers tokenizers read it), or token ids already
                 formatted (a chat template's, e.g. ``Task.prompt``): a list of ids with one tokenizer,
                 a ``(target_ids, draft_ids)`` pair with two.
-            max_new_tokens: output token budget per prompt.
-            temperature: sampling temperature of both models; 0 is greedy. None (default) = the
-                temperature the probes' labels were sampled at (``config.sampling``), else 0.6. A
-                probe judges steps like the ones it was trained on, so for ``semanticspec`` a value
-                that differs from the probes' is refused, naming both, unless ``allow_sampling_mismatch``.
-            top_p: nucleus mass of both models; None = the probes' (else 0.95), enforced likewise.
-            seed: seeds sampling and acceptance coin flips; every prompt draws from its own streams
-                (:func:`~generation.sampling.stream_keys`). One integer: prompt ``k`` of the call seeds them from
-                ``(seed, k)``, so the call decodes the same whatever ``batch_size``, but the prompt decoded alone
-                (as prompt 0) draws otherwise. One seed per prompt (a list, like the OpenAI API's per-request
-                ``seed``): prompt ``k``'s streams depend on ``seed[k]`` alone, so it decodes the same in any batch,
-                at any position, and alone with ``seed=seed[k]``.
-            method: a name of :data:`probes.decoding.methods.METHODS`, or an acceptance policy
+            config: what to decode with; None = ``DecodeConfig()`` (the method ``semanticspec``, 256 new tokens,
+                the probes' sampling, seed 0).
+            **overrides: :class:`~probes.decoding.config.DecodeConfig` fields that change ``config`` for this
+                call. Methods are the names of :data:`probes.decoding.methods.METHODS`, or an acceptance policy
                 (e.g. ``SpecReasonPolicy(threshold=8)``) run in the speculative loop.
-            batch_size: prompts decoded together (default: all of them).
-            accept_rate: acceptance probability of ``random_accept``.
-            oracle: ``oracle(step_text, output_so_far) -> bool`` for ``oracle_accept``.
-            progress: show a progress bar over batches.
-            allow_sampling_mismatch: decode with a ``temperature`` or ``top_p`` that differs from the probes'
-                (e.g. greedy, ``temperature=0``, with probes trained on steps sampled at 0.6): a ``UserWarning``
-                naming both values instead of the refusal. The probes then judge steps unlike their training
-                steps, so their decisions, and the accuracy, may suffer: measure before relying on it.
 
         Returns:
             One :class:`DecodeResult` per prompt, in order, each with its ``stop_reason`` (``eos``,
@@ -184,29 +158,31 @@ class SemanticSpecDecoder:
             ``[]`` for no prompts.
 
         Raises:
-            ValueError: unknown method, missing probe/rate/oracle, bad sampling numbers, a bad seed (not an
-                integer, or a list whose length is not the number of prompts), or a bad
-                prompt (:func:`~probes.decoding.prompts.read_prompts`: a mixed batch, an empty prompt,
-                an id outside the vocabulary, a prompt longer than a model's context), naming the
-                prompt's index; all before any model call.
+            ValueError: a bad config field or an unknown override (naming it), an unknown method, a missing
+                probe/rate/oracle, a sampling that differs from the probes', a list of seeds whose length is not
+                the number of prompts, or a bad prompt (:func:`~probes.decoding.prompts.read_prompts`: a mixed
+                batch, an empty prompt, an id outside the vocabulary, a prompt longer than a model's context),
+                naming the prompt's index; all before any model call.
         """
-        runner, problems = self._runner(method, accept_rate, oracle)
-        sampling = self.sampling(temperature, top_p, enforce=runner is not None and runner.probes_decide,
-                                 allow_mismatch=allow_sampling_mismatch)
-        setup.check_generate(max_new_tokens, batch_size, problems)
+        cfg = DecodeConfig.of(config, overrides)
+        runner, problems = self._runner(cfg.method, cfg.accept_rate, cfg.oracle)
+        sampling = self.sampling(cfg.temperature, cfg.top_p, enforce=runner is not None and runner.probes_decide,
+                                 allow_mismatch=cfg.allow_sampling_mismatch)
+        if problems:
+            raise ValueError("; ".join(problems))
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
-        keys = stream_keys(seed, len(ids_t))
+        keys = stream_keys(cfg.seed, len(ids_t))
         if not ids_t:
             return []
-        bs = batch_size or len(ids_t)
+        bs = cfg.batch_size or len(ids_t)
         results: list[DecodeResult] = []
         starts = range(0, len(ids_t), bs)
-        if progress:
+        if cfg.progress:
             from tqdm.auto import tqdm
 
-            starts = tqdm(starts, desc=str(method), unit="batch")
+            starts = tqdm(starts, desc=str(cfg.method), unit="batch")
         for s in starts:
-            results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], max_new_tokens, sampling,
+            results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], cfg.max_new_tokens, sampling,
                                      keys[s : s + bs])
         return results
 

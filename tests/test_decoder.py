@@ -638,7 +638,7 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
     same = dec.generate(PROMPTS[:1], max_new_tokens=16, seed=3)
     assert texts(same) == texts(dec.generate(PROMPTS[:1], temperature=0.6, top_p=0.9, max_new_tokens=16, seed=3))
     assert dec.generate(PROMPTS[:1], method="target_only", temperature=0.0, max_new_tokens=8)  # no probe decides
-    with pytest.raises(ValueError, match=r"invalid SamplingSpec: temperature=-1.0"):  # refused once, in the spec
+    with pytest.raises(ValueError, match=r"invalid DecodeConfig: temperature=-1.0"):  # refused where it is built
         dec.generate(PROMPTS[:1], method="target_only", temperature=-1.0, max_new_tokens=8)
     dec.draft_probe.config.sampling, dec.draft_probe.config.role = SamplingSpec(1.0, 0.9), "draft"
     with pytest.raises(ValueError, match="temperature=0.6, the draft probe 1.0"):

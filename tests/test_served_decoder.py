@@ -217,6 +217,27 @@ def test_concurrency_changes_nothing_and_requests_per_step(world, engines):
     assert texts(sampled[1]) == texts(sampled[4]) and decisions(sampled[1]) == decisions(sampled[4])
 
 
+def test_both_decoders_read_one_decode_config(world, engines):
+    """Issue 30 item 4: a DecodeConfig passed whole equals its fields passed as keywords, in-process and served, and
+    both give the same greedy target-only texts; a bad override is refused before any forward or request, and the
+    served decoder refuses a batch size (its prompts run concurrently)."""
+    from probes import DecodeConfig
+
+    prompts = world["prompts"][:2]
+    cfg = DecodeConfig(max_new_tokens=24, temperature=0.0, method="target_only")
+    served = ServedDecoder(*engines, options=MARKER)
+    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], options=MARKER)
+    out = {}
+    for name, dec in (("served", served), ("in-process", local)):
+        out[name] = texts(dec.generate(prompts, cfg))
+        assert out[name] == texts(dec.generate(prompts, **dataclasses.asdict(cfg))), name
+        with pytest.raises(ValueError, match="invalid DecodeConfig: max_new_tokens=0"):
+            dec.generate(prompts, cfg, max_new_tokens=0)
+    assert out["served"] == out["in-process"]
+    with pytest.raises(ValueError, match="batch_size=2: the served decoder runs prompts concurrently"):
+        served.generate(prompts, cfg, batch_size=2)
+
+
 @pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_oracle_and_target_first_step(world, engines):
     def oracle(step, output):

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ from generation.sampling import StreamKey, stream_keys, stream_seed
 from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
 from probes.decoding import setup
+from probes.decoding.config import DecodeConfig
 from probes.decoding.methods import METHODS, MethodArgs
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import AcceptancePolicy, FastPath, ProbePolicy, RandomPolicy, default_policy
@@ -113,49 +115,51 @@ class ServedDecoder:
         self.last_wall_s = 0.0
         """Wall time of the last :meth:`generate` call (all prompts; per-prompt times overlap when concurrent)."""
 
-    def generate(self, prompts: Sequence[str], max_new_tokens: int = 256, temperature: float | None = None,
-                 top_p: float | None = None, seed: int | Sequence[int] = 0,
-                 method: str | AcceptancePolicy = "semanticspec", *,
-                 accept_rate: float | None = None, oracle: Callable[[str, str], bool] | None = None,
-                 allow_sampling_mismatch: bool = False) -> list[DecodeResult]:
-        """Decode every prompt (text; the servers tokenize it) with ``method``, prompts concurrently.
+    def generate(self, prompts: Sequence[str], config: DecodeConfig | None = None, **overrides: Any
+                 ) -> list[DecodeResult]:
+        """Decode every prompt (text; the servers tokenize it) with ``config``, prompts concurrently.
 
         Args:
             prompts: non-empty prompt strings.
-            max_new_tokens: output token budget per prompt (counted from the servers' usage).
-            temperature: 0 is greedy; None = the probes' label sampling, else 0.6; a value that differs
-                from the probes' is refused for methods the probes decide.
-            top_p: nucleus mass; None = the probes', else 0.95.
-            seed: one integer: prompt ``k``'s request seeds and acceptance coins derive from ``(seed, k, step)``,
-                so it decodes the same whatever ``concurrency``; one seed per prompt (a list): from ``(seed[k], 0,
-                step)``, its own seed alone, so it decodes the same alone (``seed=seed[k]``) and at any position
-                (:func:`~generation.sampling.stream_keys`).
-            method: a name of :data:`SERVED_METHODS` or an acceptance policy.
-            accept_rate: ``random_accept``'s rate.
-            oracle: ``oracle(step_text, output_so_far) -> bool`` of ``oracle_accept``.
-            allow_sampling_mismatch: warn instead of refusing a ``temperature``/``top_p`` that differs from the
-                probes' (as :meth:`~probes.decoder.SemanticSpecDecoder.generate`).
+            config: a :class:`~probes.decoding.config.DecodeConfig`, as
+                :meth:`~probes.decoder.SemanticSpecDecoder.generate` takes it (the budget is counted from the
+                servers' usage; ``method`` is a name of :data:`SERVED_METHODS` or an acceptance policy; with one
+                integer ``seed``, prompt ``k``'s request seeds and coins derive from ``(seed, k, step)``, so it
+                decodes the same whatever ``concurrency``). ``batch_size`` is refused: prompts run concurrently
+                (``concurrency``).
+            **overrides: config fields that change ``config`` for this call.
 
         Returns:
             One :class:`DecodeResult` per prompt, in order; a failed one has ``stop_reason="error"``.
 
         Raises:
-            ValueError: before any request: no prompts, an empty or non-text prompt, a bad method or
-                argument, or a server that cannot serve what the probes read (naming it, what is missing
-                and the fix).
+            ValueError: before any request: no prompts, an empty or non-text prompt, a bad config field, a bad
+                method or argument, or a server that cannot serve what the probes read (naming it, what is
+                missing and the fix).
         """
-        policy, problems = self._method(method, accept_rate, oracle)
-        sampling = setup.resolve_sampling(self._recorded_sampling, temperature, top_p,
+        cfg = DecodeConfig.of(config, overrides)
+        policy, problems = self._method(cfg.method, cfg.accept_rate, cfg.oracle)
+        sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
                                           enforce=policy is not None and policy.decides_with_probes,
-                                          allow_mismatch=allow_sampling_mismatch)
-        setup.check_generate(max_new_tokens, None, problems)
+                                          allow_mismatch=cfg.allow_sampling_mismatch)
+        if cfg.batch_size is not None:
+            problems.append(f"batch_size={cfg.batch_size}: the served decoder runs prompts concurrently, not in "
+                            f"batches; set ServedDecoder(concurrency=...) (now {self.concurrency})")
+        if problems:
+            raise ValueError("; ".join(problems))
         prompts = _read_prompts(prompts)
-        self._check_servers(policy, method)
-        keys = stream_keys(seed, len(prompts))
-        runs = [PromptDecode(self, key, p, max_new_tokens, sampling) for key, p in zip(keys, prompts)]
+        self._check_servers(policy, cfg.method)
+        keys = stream_keys(cfg.seed, len(prompts))
+        runs = [PromptDecode(self, key, p, cfg.max_new_tokens, sampling) for key, p in zip(keys, prompts)]
+        how = cfg.method if policy is None else policy
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(runs))) as pool:
-            results = list(pool.map(lambda r: r.run(method if policy is None else policy), runs))
+            done = pool.map(lambda r: r.run(how), runs)
+            if cfg.progress:
+                from tqdm.auto import tqdm
+
+                done = tqdm(done, total=len(runs), desc=str(cfg.method), unit="prompt")
+            results = list(done)
         self.last_wall_s = time.perf_counter() - t0
         return results
 

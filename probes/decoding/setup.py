@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from probes.decoding.options import LoopOptions, resolve_probe_dtype
 
 
@@ -134,18 +134,6 @@ def with_task(options: LoopOptions | None, task) -> LoopOptions:
         raise ValueError(f"options.answer_marker={options.answer_marker!r} but the task's is {marker!r}; "
                          "give one of them")
     return replace(options, answer_marker=marker)
-
-
-def check_generate(max_new_tokens, batch_size, problems: list[str]) -> None:
-    """Refuse bad ``generate`` arguments, naming every bad value at once (``problems``: the method's own)."""
-    errors = list(problems)
-    if not is_count(max_new_tokens):
-        errors.append(f"max_new_tokens={max_new_tokens}: expected an integer >= 1")
-    if batch_size is not None and not is_count(batch_size):  # 0 would silently mean "all prompts"
-        errors.append(f"batch_size={batch_size}: expected an integer >= 1, or None for all prompts at once")
-    if errors:
-        raise ValueError("; ".join(errors))
-
 
 
 def sampling_spec(probes) -> dict[str, tuple[object, str]]:

@@ -1,0 +1,133 @@
+"""`DecodeConfig`: what one ``generate`` call decodes with, typed, frozen and checked where it is built.
+
+As transformers' ``GenerationConfig`` and vLLM's ``SamplingParams``: build one and pass it, or pass its fields as
+keyword arguments (``dec.generate(prompts, max_new_tokens=64)``), which build one; both decoders
+(:class:`~probes.decoder.SemanticSpecDecoder`, :class:`~probes.decoding.served.ServedDecoder`) read the same
+config::
+
+    config = DecodeConfig(max_new_tokens=128, seed=[0, 1, 2])
+    results = dec.generate(prompts, config)
+    greedy = dec.generate(prompts, config, temperature=0.0, allow_sampling_mismatch=True)  # a changed copy
+
+A bad value is refused when the config is built, naming the field and the value; what depends on the decoder (a
+method it does not run, a probe it lacks, a sampling that differs from its probes') is refused by ``generate``
+before any model call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from generation.sampling import seed_errors
+from generation.specs import SamplingSpec, is_count
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """What one ``generate`` call decodes with.
+
+    Attributes:
+        max_new_tokens: output token budget per prompt (an integer >= 1).
+        temperature: sampling temperature of both models, 0 greedy; None = the temperature the probes' labels were
+            sampled at (their ``config.sampling``), else 0.6. For methods the probes decide, a value that differs
+            from the probes' is refused, naming both, unless ``allow_sampling_mismatch``.
+        top_p: nucleus mass of both models, in (0, 1]; None = the probes', else 0.95; enforced likewise.
+        seed: seeds sampling and the acceptance coins; every prompt draws from its own streams
+            (:func:`~generation.sampling.stream_keys`). One integer: prompt ``k`` seeds from ``(seed, k)``, so a
+            call decodes the same whatever its batching. One seed per prompt (a list or tuple, like the OpenAI
+            API's per-request ``seed``): prompt ``k`` decodes the same in any batch, at any position, and alone
+            with ``seed=seed[k]``.
+        method: a name of the decoder's method table (``semanticspec``, ``target_only``, ``draft_only``,
+            ``random_accept``, ``oracle_accept``...) or an
+            :class:`~probes.decoding.policies.AcceptancePolicy`, run speculatively.
+        batch_size: prompts decoded together in-process (None: all at once); the served decoder's prompts run
+            concurrently instead (its ``concurrency``), so it refuses a batch size.
+        accept_rate: ``random_accept``'s acceptance probability, in [0, 1].
+        oracle: ``oracle(step_text, output_so_far) -> bool`` of ``oracle_accept``.
+        allow_sampling_mismatch: decode with a ``temperature`` or ``top_p`` that differs from the probes' (greedy
+            with probes trained on steps sampled at 0.6, say): a ``UserWarning`` naming both instead of the
+            refusal. The probes then judge steps unlike their training steps: measure before relying on it.
+        progress: a progress bar over batches (in-process).
+
+    Raises:
+        ValueError: a field with a bad value, naming every bad field and its value at once.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | tuple[int, ...] = 0
+    method: Any = "semanticspec"
+    batch_size: int | None = None
+    accept_rate: float | None = None
+    oracle: Callable[[str, str], bool] | None = None
+    allow_sampling_mismatch: bool = False
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, Sequence) and not isinstance(self.seed, (str, bytes)):
+            object.__setattr__(self, "seed", tuple(self.seed))
+        errors = self._problems()
+        if errors:
+            raise ValueError("invalid DecodeConfig: " + "; ".join(errors))
+
+    def _problems(self) -> list[str]:
+        """Every bad field, as ``name=value: what is expected``."""
+        out = [f"{name}={getattr(self, name)!r}: {why}" for name, why in self._field_problems()]
+        out += SamplingSpec.errors(SamplingSpec.temperature if self.temperature is None else self.temperature,
+                                   SamplingSpec.top_p if self.top_p is None else self.top_p)  # the one check
+        return out + seed_errors(list(self.seed) if isinstance(self.seed, tuple) else self.seed)
+
+    def _field_problems(self) -> list[tuple[str, str]]:
+        out = []
+        if not is_count(self.max_new_tokens):
+            out.append(("max_new_tokens", "expected an integer >= 1"))
+        if not isinstance(self.method, str) and not _is_policy(self.method):
+            out.append(("method", "expected a method name or an AcceptancePolicy"))
+        if self.batch_size is not None and not is_count(self.batch_size):
+            out.append(("batch_size", "expected an integer >= 1, or None for all prompts at once"))
+        if self.accept_rate is not None and not (_real(self.accept_rate) and 0 <= self.accept_rate <= 1):
+            out.append(("accept_rate", "expected a number in [0, 1]"))
+        if self.oracle is not None and not callable(self.oracle):
+            out.append(("oracle", "expected a callable oracle(step_text, output_so_far) -> bool"))
+        for flag in ("allow_sampling_mismatch", "progress"):
+            if not isinstance(getattr(self, flag), bool):
+                out.append((flag, "expected True or False"))
+        return out
+
+    @classmethod
+    def of(cls, config: DecodeConfig | None = None, overrides: Mapping[str, Any] | None = None) -> DecodeConfig:
+        """``config`` (default: ``DecodeConfig()``) with ``overrides`` applied: what ``generate(prompts, config,
+        **overrides)`` decodes with.
+
+        Raises:
+            TypeError: ``config`` is not a DecodeConfig.
+            ValueError: an override that is not a field (naming it and the fields), or a bad value.
+        """
+        if config is None:
+            config = cls()
+        elif not isinstance(config, cls):
+            raise TypeError(f"config must be a DecodeConfig, got {type(config).__name__}; pass its fields as "
+                            "keyword arguments or build one with DecodeConfig(...)")
+        if not overrides:
+            return config
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a DecodeConfig field; expected some of {fields}")
+        return dataclasses.replace(config, **overrides)
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+
+def _is_policy(x: Any) -> bool:
+    from probes.decoding.policies import AcceptancePolicy
+
+    return isinstance(x, AcceptancePolicy)

@@ -1,0 +1,63 @@
+"""`DecodeConfig` (issue 30 item 4): one typed, frozen config of a ``generate`` call, checked where it is built,
+read alike by both decoders; keyword arguments change a copy of it."""
+
+import dataclasses
+
+import pytest
+
+from probes import DecodeConfig, ProbePolicy
+from probes.decoding.policies import RandomPolicy
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("max_new_tokens", 0, "max_new_tokens=0: expected an integer >= 1"),
+    ("max_new_tokens", 2.5, "max_new_tokens=2.5: expected an integer >= 1"),
+    ("max_new_tokens", True, "max_new_tokens=True: expected an integer >= 1"),
+    ("temperature", -0.1, "temperature=-0.1: expected a finite number >= 0"),
+    ("temperature", float("nan"), "temperature=nan: expected a finite number >= 0"),
+    ("top_p", 0.0, "top_p=0.0: expected a number in (0, 1]"),
+    ("top_p", "0.9", "top_p='0.9': expected a number in (0, 1]"),
+    ("seed", "7", "seed='7': expected an integer, or a list of one integer per prompt"),
+    ("seed", [1, 2.0], "seed[1]=2.0: expected integers (one seed per prompt)"),
+    ("method", 3, "method=3: expected a method name or an AcceptancePolicy"),
+    ("batch_size", 0, "batch_size=0: expected an integer >= 1, or None"),
+    ("accept_rate", 1.5, "accept_rate=1.5: expected a number in [0, 1]"),
+    ("oracle", "yes", "oracle='yes': expected a callable"),
+    ("allow_sampling_mismatch", 1, "allow_sampling_mismatch=1: expected True or False"),
+])
+def test_a_bad_field_is_refused_where_the_config_is_built_naming_field_and_value(field, value, said):
+    with pytest.raises(ValueError, match="invalid DecodeConfig: " + _escaped(said)):
+        DecodeConfig(**{field: value})
+
+
+def test_every_bad_field_is_named_at_once():
+    with pytest.raises(ValueError) as e:
+        DecodeConfig(max_new_tokens=0, top_p=2, accept_rate=-1)
+    assert all(f"{name}=" in str(e.value) for name in ("max_new_tokens", "top_p", "accept_rate"))
+
+
+def test_good_values_build_a_frozen_config_with_the_seeds_as_a_tuple():
+    cfg = DecodeConfig(max_new_tokens=8, temperature=0, top_p=1, seed=[3, 4], method=ProbePolicy(tau=0.7),
+                       accept_rate=0, oracle=lambda s, o: True)
+    assert cfg.seed == (3, 4) and cfg.temperature == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_new_tokens = 9
+    assert DecodeConfig(method=RandomPolicy(0.5)).method == RandomPolicy(0.5)
+
+
+def test_overrides_change_a_copy_and_an_unknown_one_is_named():
+    base = DecodeConfig(max_new_tokens=8, seed=1)
+    assert DecodeConfig.of(base, {"seed": 2}) == DecodeConfig(max_new_tokens=8, seed=2) and base.seed == 1
+    assert DecodeConfig.of(None, {}) == DecodeConfig() and DecodeConfig.of(base) is base
+    with pytest.raises(ValueError, match="max_tokens: not a DecodeConfig field; expected some of .*'max_new_tokens'"):
+        DecodeConfig.of(base, {"max_tokens": 4})
+    with pytest.raises(ValueError, match="invalid DecodeConfig: max_new_tokens=0"):
+        DecodeConfig.of(base, {"max_new_tokens": 0})
+    with pytest.raises(TypeError, match="config must be a DecodeConfig, got dict"):
+        DecodeConfig.of({"max_new_tokens": 4})
+
+
+def _escaped(text: str) -> str:
+    import re
+
+    return re.escape(text)
