@@ -39,9 +39,13 @@ from pathlib import Path
 from benchmarks import harness
 from generation.threads import available_cores, resolve_threads
 
-# Times a CLI's main() in its own process (imports aside) and prints the seconds as the last line.
+# Times a CLI's main() in its own process (imports aside) and prints the seconds as the last line. The folder it
+# runs in goes first on sys.path by its absolute name, as `python -m` puts it: `-c` puts "", which stops naming the
+# repository once jsonargparse changes into a --config file's folder to read it (class paths such as
+# callbacks.speculative_validation would then not import).
 _TIMED = (
-    "import importlib, sys, time\n"
+    "import importlib, os, sys, time\n"
+    "sys.path[0] = os.getcwd()\n"
     "main = importlib.import_module(sys.argv[1]).main\n"
     "t0 = time.perf_counter()\n"
     "main(sys.argv[2:])\n"
