@@ -170,6 +170,11 @@ class BatchedCache:
         """Cache columns beyond the longest live row: what compaction would remove."""
         return self.mask.shape[1] - max((len(self.cols[i]) for i in self.live), default=0)
 
+    def extend(self, i: int, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to row ``i``'s sequence: the next :meth:`feed` of the row reads them (the one way a
+        caller adds tokens; :meth:`rollback` takes them back by length)."""
+        self.seq[i].extend(int(t) for t in tokens)
+
     def pending(self, i: int) -> list[int]:
         """Tokens of row ``i`` not yet in the cache."""
         return self.seq[i][len(self.cols[i]) :]

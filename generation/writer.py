@@ -158,7 +158,7 @@ def _draw(runner: BatchedCache, steps: dict[int, StepDraft], writing: list[int],
         if record_logits:
             steps[i].logits.append(logits[k])
         steps[i].tokens.append(int(t))
-        runner.seq[i].append(int(t))
+        runner.extend(i, [t])
     return writing
 
 

@@ -125,3 +125,28 @@ def test_benchmarks_import_no_private_module(path):
     found = {_private(m) for m in imported_names(path)} - {None}
     expected = NOT_YET.get(path.name, set())
     assert found == expected, f"benchmarks/{path.name} imports private {sorted(found)} (known: {sorted(expected)})"
+
+
+def test_only_the_cache_writes_its_sequences():
+    """Issue 30 item 3: tokens join a row of a BatchedCache through ``cache.extend`` (its one writer), never by
+    editing ``cache.seq`` in place: no ``.seq[i].append/extend``, ``.seq[i] = ...`` or ``.seq[i] += ...`` outside
+    generation/cache.py."""
+    found = []
+    for path in files("generation", "probes", "datamodules", "callbacks", "benchmarks"):
+        if path == ROOT / "generation" / "cache.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            target = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                    "append", "extend", "insert"):
+                target = node.func.value
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                target = next((t for t in targets if isinstance(t, ast.Subscript)), None)
+                target = target.value if target is not None else None
+            if isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and target.attr == "seq":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == [], found

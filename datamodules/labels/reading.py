@@ -136,7 +136,7 @@ def _read_chunk(model, prefixes, steps, spec: FeatureSpec, pad_id, device) -> di
         width = left[(len(left) - 1) // 2]  # the median row finishes in this wave
         for k, r in enumerate(rows):
             n = min(width, len(flat[r]) - done[r])
-            cache.seq[k].extend(flat[r][done[r] : done[r] + n])
+            cache.extend(k, flat[r][done[r] : done[r] + n])
             done[r] += n
         fed = cache.feed(range(len(rows)), hidden=spec.needs_hidden, all_logits=spec.needs_logits)
         for k, r in enumerate(rows):

@@ -121,7 +121,7 @@ class DraftProposer:
         return dict(zip(rows, p))
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
-        self.cache.seq[row].extend(tokens)
+        self.cache.extend(row, tokens)
 
     def roll_back(self, row: int) -> None:
         self.keep(row, 0)

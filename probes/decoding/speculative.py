@@ -118,7 +118,7 @@ def token_sd_steps(
         before = {i: tgt.last_logits[i] for i in writing}
         n0 = {i: len(tgt.seq[i]) for i in writing}
         for i in writing:
-            tgt.seq[i].extend(props[i].tokens[props[i].n_forced :])
+            tgt.extend(i, props[i].tokens[props[i].n_forced :])
         fed = tgt.feed(writing, all_logits=True)
         for i in writing:
             d, f = props[i], fed[i]
@@ -134,7 +134,7 @@ def token_sd_steps(
             drf.rollback(i, drop, last_logits=d.logits[kept] if drop else None)
             if extra is not None:
                 steps[i].tokens.append(extra)
-                tgt.seq[i].append(extra)
-                drf.seq[i].append(extra)
+                tgt.extend(i, [extra])
+                drf.extend(i, [extra])
         writing = [i for i in writing if not finished(i, steps[i].tokens)]
     return steps

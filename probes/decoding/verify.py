@@ -90,7 +90,7 @@ class TargetVerifier:
             new, tail = hand.to_target(d, d.text), [] if i in rewrites else suffix
             starts[i], n0[i], pre[i] = len(tgt.seq[i]) - hand.forced_in_target(d), len(tgt.seq[i]), tgt.last_logits[i]
             self._new[i] = len(new)
-            tgt.seq[i].extend(new + tail)
+            tgt.extend(i, new + tail)
         fed = tgt.feed(list(proposals), hidden=needs.q and self.spec.needs_hidden, all_logits=True)
         read, after = {}, {}
         for i, f in fed.items():
