@@ -76,8 +76,10 @@ from probes.metrics import speedup
 ABLATION_ROOT = REPO / "checkpoints" / "arithmetic" / "probes-ablation"
 ABLATIONS = ("hidden", "token_stats")
 """Probe pairs decoded beside the default (hybrid) one: the paper's pooled states only, token statistics only."""
-METHODS = tuple(TABLE)
-"""Every method of the decoder's table, in its order."""
+CHECKS = ("always_reject", "always_accept")
+"""Methods of the table that are equivalence checks (tests hold them), not methods to compare."""
+METHODS = tuple(m for m in TABLE if m not in CHECKS)
+"""Every method of the decoder's table but the checks, in its order."""
 REFERENCE = {"token_sd": "hf_target_only"}
 """The method whose wall time a method's speedup is measured against, where it is not ``target_only``: a baseline
 that runs in another library's loop is divided by that library's own target-only time

@@ -44,8 +44,9 @@ ends a decode, and the checker):
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ from probes.decoding.methods import MethodArgs, runner_for
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
 from probes.decoding.prompts import read_prompts
-from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
+from probes.decoding.results import DecodeResult, DecodeStats, StepEvent, StepTrace, collect, summarize
 from probes.decoding.verify import JudgeTurn
 
 __all__ = ["DecodeResult", "DecodeStats", "SemanticSpecDecoder", "StepTrace", "summarize"]
@@ -164,27 +165,39 @@ class SemanticSpecDecoder:
                 batch, an empty prompt, an id outside the vocabulary, a prompt longer than a model's context),
                 naming the prompt's index; all before any model call.
         """
-        cfg = DecodeConfig.of(config, overrides)
+        plan = self._plan(prompts, DecodeConfig.of(config, overrides))
+        return collect(self._events(*plan), len(plan[1]))
+
+    def stream(self, prompts: Sequence[str], config: DecodeConfig | None = None, **overrides: Any
+               ) -> Iterator[StepEvent]:
+        """:meth:`generate`, yielding each prompt's steps as the loop commits them (or refuses them), then its end
+        event with its :class:`DecodeResult` (:class:`~probes.decoding.results.StepEvent`); prompts of one batch
+        interleave round by round. Everything :meth:`generate` refuses is refused here, when called, before any
+        model call."""
+        return self._events(*self._plan(prompts, DecodeConfig.of(config, overrides)))
+
+    def _plan(self, prompts, cfg: DecodeConfig) -> tuple:
+        """``(runner, target ids, draft ids, stream keys, sampling, cfg)`` of a call, every check done."""
         runner, problems = self._runner(cfg.method, cfg.accept_rate, cfg.oracle)
         sampling = self.sampling(cfg.temperature, cfg.top_p, enforce=runner is not None and runner.probes_decide,
                                  allow_mismatch=cfg.allow_sampling_mismatch)
         if problems:
             raise ValueError("; ".join(problems))
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
-        keys = stream_keys(cfg.seed, len(ids_t))
-        if not ids_t:
-            return []
-        bs = cfg.batch_size or len(ids_t)
-        results: list[DecodeResult] = []
+        return runner, ids_t, ids_d, stream_keys(cfg.seed, len(ids_t)), sampling, cfg
+
+    def _events(self, runner, ids_t, ids_d, keys, sampling, cfg: DecodeConfig) -> Iterator[StepEvent]:
+        """The events of every batch of ``cfg.batch_size`` prompts, with their indices in the call."""
+        bs = cfg.batch_size or max(len(ids_t), 1)
         starts = range(0, len(ids_t), bs)
         if cfg.progress:
             from tqdm.auto import tqdm
 
             starts = tqdm(starts, desc=str(cfg.method), unit="batch")
         for s in starts:
-            results += runner.decode(self, ids_t[s : s + bs], ids_d[s : s + bs], cfg.max_new_tokens, sampling,
-                                     keys[s : s + bs])
-        return results
+            for e in runner.stream(self, ids_t[s : s + bs], ids_d[s : s + bs], cfg.max_new_tokens, sampling,
+                                   keys[s : s + bs]):
+                yield dataclasses.replace(e, prompt=s + e.prompt)
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
                  enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:

@@ -879,3 +879,48 @@ def test_sampled_decoding_on_a_gpu_is_reproducible_and_batch_independent(tiny_pa
                                                                                      max_new_tokens=40, seed=11)]
         assert texts(batched) == texts(dec.generate(RAGGED, batch_size=8, max_new_tokens=40, seed=11))
         assert texts(batched) != texts(dec.generate(RAGGED, batch_size=8, max_new_tokens=40, seed=12))
+
+
+def _check_stream(events, results, n_prompts: int) -> None:
+    """Each prompt's events: its steps in order, each with the output so far, then one end event carrying what
+    ``generate`` returned."""
+    for k in range(n_prompts):
+        mine = [e for e in events if e.prompt == k]
+        assert [e.end for e in mine] == [False] * (len(mine) - 1) + [True], k
+        end, so_far = mine[-1], ""
+        assert end.result.text == results[k].text and end.stop_reason == results[k].stop_reason, k
+        assert [e.step for e in mine[:-1]] == end.result.steps, k  # every step tried, refused ones too
+        for e in mine[:-1]:
+            so_far += e.step.text if e.step.decision != "reject" else ""
+            assert e.text == so_far, k
+        assert so_far == results[k].text, k  # the world's tokenizer decodes the steps as their texts join
+
+
+@pytest.mark.parametrize("method", ["semanticspec", "target_only"])
+def test_stream_yields_each_step_then_the_result_generate_returns(tiny_pair, method):
+    """Issue 30 item 2: the loop yields one event per step it tries and one end event per prompt; generate is
+    those end events' results, whatever the batch size (prompt indices are the call's)."""
+    target, draft, tok = tiny_pair
+    sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
+    dec = stub_decoder(target, draft, tok, q=sometimes, rule="threshold", tau=0.5)
+    gen = {"method": method, "max_new_tokens": 30, "seed": 5, "batch_size": 2}
+    results = dec.generate(PROMPTS, **gen)
+    events = list(dec.stream(PROMPTS, **gen))
+    _check_stream(events, results, len(PROMPTS))
+    assert {e.prompt for e in events} == set(range(len(PROMPTS)))
+    if method == "semanticspec":
+        assert {e.step.decision for e in events if not e.end} >= {"accept", "reject", "target"}
+    with pytest.raises(ValueError, match="max_new_tokens=0"):  # refused when called, not when iterated
+        dec.stream(PROMPTS, max_new_tokens=0)
+
+
+def test_in_process_always_reject_writes_what_target_only_writes(tiny_pair):
+    """Issue 30 item 1: one method table; always_reject (a random policy at rate 0) is the served decoder's check and
+    runs in-process too: greedy, every draft step refused and rewritten by the target gives target-only's text."""
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    spec = dec.generate(PROMPTS, method="always_reject", **GREEDY)
+    assert texts(spec) == texts(dec.generate(PROMPTS, method="target_only", **GREEDY))
+    assert {s.decision for r in spec for s in r.steps if s.writer == "draft"} == {"reject"}
+    kept = dec.generate(PROMPTS, method="always_accept", **GREEDY)
+    assert {s.decision for r in kept for s in r.steps if s.writer == "draft"} == {"accept"}

@@ -171,9 +171,10 @@ def test_the_method_table_maps_every_name_to_a_runner():
     args = MethodArgs(ProbePolicy(tau=0.3), accept_rate=0.5, oracle=lambda s, o: True)
     runners = {name: runner_for(name, args) for name in METHODS}
     assert runners["semanticspec"].policy == ProbePolicy(tau=0.3) and runners["semanticspec"].probes_decide
-    from benchmarks.decode import DRAFTING  # the decode benchmark judges the decisions of every drafting method
+    from benchmarks.decode import CHECKS, DRAFTING  # the decode benchmark judges every drafting method's decisions
 
-    assert set(DRAFTING) == {n for n, r in runners.items() if isinstance(r, Speculative)}
+    assert set(DRAFTING) | set(CHECKS) == {n for n, r in runners.items() if isinstance(r, Speculative)}
+    assert [runners[n].policy.rate for n in ("always_reject", "always_accept")] == [0.0, 1.0]
     assert runner_for(SpecReasonPolicy(threshold=8), args).policy.threshold == 8
     with pytest.raises(ValueError, match="method='beam'"):
         runner_for("beam", args)

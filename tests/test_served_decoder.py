@@ -238,6 +238,21 @@ def test_both_decoders_read_one_decode_config(world, engines):
         served.generate(prompts, cfg, batch_size=2)
 
 
+def test_served_stream_yields_each_step_then_the_result_generate_returns(world, engines):
+    """Issue 30 item 2, served: each prompt's events come in its order (steps tried, then one end event with its
+    result) while concurrent prompts interleave; generate is those results."""
+    from tests.test_decoder import _check_stream
+
+    dec = ServedDecoder(*engines, options=MARKER, concurrency=3)
+    gen = {"method": "random_accept", "accept_rate": 0.5, "temperature": 0.8, "max_new_tokens": 48, "seed": 2}
+    results = dec.generate(world["prompts"], **gen)
+    events = list(dec.stream(world["prompts"], **gen))
+    _check_stream(events, results, len(world["prompts"]))
+    assert {e.step.decision for e in events if not e.end} == {"accept", "reject", "target"}
+    alone = list(dec.stream(world["prompts"][:1], method="target_only", **GREEDY))  # one request: one step
+    assert [e.end for e in alone] == [False, True] and alone[0].text == alone[1].result.text
+
+
 @pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_oracle_and_target_first_step(world, engines):
     def oracle(step, output):

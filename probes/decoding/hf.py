@@ -9,6 +9,7 @@ same loop (docs/design.md "Decoding"). :class:`TransformersLoop` is the runner t
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from generation.cache import context_length
 from generation.handover import decode_text, pad_id
 from generation.sampling import stream_seed
 from generation.specs import SamplingSpec
-from probes.decoding.results import DecodeResult, DecodeStats
+from probes.decoding.results import DecodeResult, DecodeStats, StepEvent
 
 
 @dataclass(frozen=True)
@@ -28,22 +29,23 @@ class TransformersLoop:
     policy = None
     probes_decide = False
 
-    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, keys) -> list[DecodeResult]:
-        """Decode prompt by prompt: each seeds transformers from its own stream (``keys``: each prompt's
-        :data:`~generation.sampling.StreamKey`).
+    def stream(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
+        """Decode prompt by prompt, each seeding transformers from its own stream (``keys``: each prompt's
+        :data:`~generation.sampling.StreamKey`); a prompt's output is one step, yielded with its end event.
 
         Each stops at the models' context end: with one tokenizer the draft reads the same ids; with
         two, transformers hands text over and only the target's context is known here.
         """
         dtok = None if dec.shared else dec.draft_tokenizer
-        out = []
-        for key, it, idd in zip(keys, ids_t, ids_d):
+        for k, (key, it, idd) in enumerate(zip(keys, ids_t, ids_d)):
             rooms = [(context_length(dec.target), len(it))]
             rooms += [(context_length(dec.draft), len(idd))] if dec.shared else []
             room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
-            out.append(hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, it, self.assisted, max_new_tokens,
-                                   sampling, stream_seed(*key, "sampling"), room))
-        return out
+            r = hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, it, self.assisted, max_new_tokens, sampling,
+                            stream_seed(*key, "sampling"), room)
+            for step in r.steps:
+                yield StepEvent(k, step, r.text)
+            yield StepEvent(k, None, r.text, r.stop_reason, r)
 
 
 def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,

@@ -11,7 +11,7 @@ draft when ``token_sd``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -23,7 +23,7 @@ from generation.specs import SamplingSpec
 from generation.writer import StepWriter
 from probes.decoding.policies import AcceptancePolicy
 from probes.decoding.proposer import DraftProposer, Proposal, RowState
-from probes.decoding.results import DecodeResult, Decision, StepTrace
+from probes.decoding.results import DecodeResult, Decision, StepEvent, StepTrace, collect, step_events
 from probes.decoding.rows import Row, TargetStep
 from probes.decoding.speculative import speculate_tokens, token_sd_steps
 from probes.decoding.verify import TargetVerifier
@@ -54,7 +54,8 @@ class StepLoop:
         self.tgt = BatchedCache(dec.target, B, pad_id(dec.tokenizer), layers(dec.target_probe))
         self.drf = BatchedCache(dec.draft, B, pad_id(dec.draft_tokenizer), layers(dec.draft_probe))
         for i in range(B):
-            self.tgt.seq[i], self.drf.seq[i] = list(ids_t[i]), list(ids_d[i])
+            self.tgt.extend(i, ids_t[i])
+            self.drf.extend(i, ids_d[i])
         self.rows = [Row(max_new_tokens, dec.shared, self.opt.answer_marker) for _ in range(B)]
         self.target_writer = StepWriter(self.tgt, dec.target_stop, self.sampler)
         self.draft_writer = StepWriter(self.drf, dec.draft_stop, self.sampler)
@@ -70,8 +71,14 @@ class StepLoop:
 
     def run(self, runner) -> list[DecodeResult]:
         """Rounds of ``runner.step`` until every row is done (EOS, answer, budget or context)."""
+        return collect(self.stream(runner), len(self.rows))
+
+    def stream(self, runner) -> Iterator[StepEvent]:
+        """:meth:`run`, yielding each row's steps after the round that tried them, then one end event per row
+        with its result once the batch is done (a row's seconds are shares of the batch's)."""
         B, rows, t_start = len(self.rows), self.rows, time.perf_counter()
         using = self.caches(runner.caches)
+        sent = [0] * B  # trace entries of each row already yielded
         while True:
             active = [i for i in range(B) if not rows[i].done
                       and (rows[i].rewriting is not None or self.limit(i, *using) > 0)]
@@ -81,19 +88,25 @@ class StepLoop:
                 self.t_done.setdefault(i, time.perf_counter())
             for c in (self.tgt, self.drf):
                 c.retire(closing)
+            if active:
+                self._timed_round(runner, active)
+            yield from self._new_steps(sent)
             if not active:
                 break
-            self._timed_round(runner, active)
         t_end = time.perf_counter()
         wall = t_end - t_start
-        out = []
         for i, r in enumerate(rows):
             r.stats.wall_s = wall / B
             r.stats.done_idle_row_s = t_end - self.t_done.get(i, t_end)
             r.stats.target_passes, r.stats.draft_passes = self.tgt.passes[i], self.drf.passes[i]
             text = self.dec.tokenizer.decode(r.out, skip_special_tokens=True) if self.dec.shared else r.text
-            out.append(DecodeResult(text, r.trace, r.stats, r.stop_reason))
-        return out
+            yield StepEvent(i, None, r.text, r.stop_reason, DecodeResult(text, r.trace, r.stats, r.stop_reason))
+
+    def _new_steps(self, sent: list[int]) -> Iterator[StepEvent]:
+        """An event for each trace entry a row added since the last call (``sent``: entries yielded per row)."""
+        for i, r in enumerate(self.rows):
+            yield from step_events(i, r.trace, r.pieces, sent[i])
+            sent[i] = len(r.trace)
 
     def _timed_round(self, runner, active: list[int]) -> None:
         """``runner.step`` on the active rows; counts each row's idle seconds (forwards that ran without feeding
@@ -202,7 +215,7 @@ class StepLoop:
         self.proposer.keep(i, kept)
         if extra is not None:
             rw.tokens.append(extra)
-            self.tgt.seq[i].append(extra)
+            self.tgt.extend(i, [extra])
             self.proposer.extend(i, [extra])
         if self._finished(rw, rw.tokens):
             text = decode_text(self.dec.tokenizer, rw.tokens)
@@ -219,7 +232,7 @@ class StepLoop:
         drawn = self.sampler.draw(logits, rows_i).tolist()
         for i, t in zip(rows_i, drawn):
             r = self.rows[i]
-            self.tgt.seq[i].append(t)
+            self.tgt.extend(i, [t])
             self.proposer.extend(i, [t])
             r.out.append(t)
             r.stats.output_tokens += 1

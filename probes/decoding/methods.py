@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from generation.specs import SamplingSpec
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from probes.decoding.hf import TransformersLoop
 from probes.decoding.loop import StepLoop
 from probes.decoding.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
+from probes.decoding.results import StepEvent
 
 
 class LoopRunner:
@@ -29,9 +30,10 @@ class LoopRunner:
         """The probes decide, so the decode samples as their labels were sampled."""
         return self.policy is not None and self.policy.decides_with_probes
 
-    def decode(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, keys) -> list:
-        """Decode one batch; ``keys``: each prompt's :data:`~generation.sampling.StreamKey` (its random streams)."""
-        return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, keys).run(self)
+    def stream(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
+        """Decode one batch, yielding its :class:`~probes.decoding.results.StepEvent` (prompt indices within the
+        batch); ``keys``: each prompt's :data:`~generation.sampling.StreamKey` (its random streams)."""
+        return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, keys).stream(self)
 
     def step(self, loop: StepLoop, active: list[int]) -> None:
         raise NotImplementedError
@@ -86,13 +88,18 @@ METHODS: dict[str, Callable[[MethodArgs], object]] = {
     "semanticspec": lambda a: Speculative(a.policy),
     "draft_only": lambda a: DraftOnly(),
     "random_accept": lambda a: Speculative(RandomPolicy(a.accept_rate)),
+    "always_reject": lambda a: Speculative(RandomPolicy(0.0)),
+    "always_accept": lambda a: Speculative(RandomPolicy(1.0)),
     "oracle_accept": lambda a: Speculative(OraclePolicy(a.oracle)),
     "specreason": lambda a: Speculative(SpecReasonPolicy()),
     "hf_target_only": lambda a: TransformersLoop(assisted=False),
     "token_sd": lambda a: TransformersLoop(assisted=True),
 }
-"""``method=`` names of :meth:`~probes.decoder.SemanticSpecDecoder.generate`, each with the function that builds its
-runner from :class:`MethodArgs` (raising ValueError naming a missing argument), in the benchmarks' order."""
+"""``method=`` names of both decoders' ``generate``, each with the function that builds its runner from
+:class:`MethodArgs` (raising ValueError naming a missing argument), in the benchmarks' order. ``always_reject`` and
+``always_accept`` keep no draft step / every one (a random policy at rate 0 / 1): equivalence checks (greedy
+``always_reject`` writes what ``target_only`` writes), which the decode benchmark leaves out. The served decoder runs
+:data:`~probes.decoding.served.SERVED_METHODS`, the names of this table it can serve."""
 
 
 def runner_for(method: str | AcceptancePolicy, args: MethodArgs):

@@ -103,6 +103,65 @@ class DecodeStats:
     """Served decoding: the requests' wall time on the client, HTTP and server included."""
 
 
+@dataclass(frozen=True)
+class StepEvent:
+    """One event of a streamed decode (``stream()`` of either decoder): a step of one prompt, or its end.
+
+    A prompt's events come in its order: one per step it tried (a refused draft step too, ``decision`` reject,
+    whose text is not in the output), then one end event (``step`` None) with its ``stop_reason`` and its whole
+    :class:`DecodeResult`. Events of different prompts interleave as they are decoded.
+
+    Attributes:
+        prompt: the prompt's index in the call.
+        step: the step, or None on the end event.
+        text: the prompt's output so far, after the step (its steps' texts joined; the end event's ``result.text``
+            is decoded from the output tokens in one go, which a tokenizer may space differently at step joins).
+        stop_reason: on the end event, why the prompt stopped (:data:`STOP_REASONS`).
+        result: on the end event, the prompt's :class:`DecodeResult` (what ``generate`` returns for it).
+    """
+
+    prompt: int
+    step: StepTrace | None
+    text: str
+    stop_reason: str | None = None
+    result: DecodeResult | None = None
+
+    @property
+    def end(self) -> bool:
+        """The prompt's last event."""
+        return self.result is not None
+
+
+def step_events(prompt: int, trace: Sequence[StepTrace], pieces: Sequence[str], start: int) -> list[StepEvent]:
+    """Events for ``trace[start:]``, the steps a prompt tried since its last events, each with the output so far.
+
+    ``pieces`` holds the text of each step kept so far, one per trace entry that is not a refused draft step (the
+    invariant both loops keep), so the text before the new entries is the pieces before theirs."""
+    new = trace[start:]
+    kept = len(pieces) - sum(t.decision != Decision.REJECT for t in new)
+    out = []
+    for t in new:
+        kept += t.decision != Decision.REJECT
+        out.append(StepEvent(prompt, t, "".join(pieces[:kept])))
+    return out
+
+
+def collect(events, n: int) -> list[DecodeResult]:
+    """The results of ``n`` prompts from their events (each prompt's end event), in prompt order.
+
+    Raises:
+        RuntimeError: a prompt without an end event (the stream stopped early).
+    """
+    results: list[DecodeResult | None] = [None] * n
+    for e in events:
+        if e.end:
+            results[e.prompt] = e.result
+    missing = [k for k, r in enumerate(results) if r is None]
+    if missing:
+        raise RuntimeError(f"the decode ended without a result for prompts {missing}")
+    return results
+
+
 STOP_REASONS = ("eos", "answer", "budget", "context", "error")
 """Why a decode ended: EOS, a completed answer-marker line, ``max_new_tokens``, the models' context end, or an
 error (a served decode whose server failed: the result's ``error`` says why)."""

@@ -34,8 +34,9 @@ A prompt whose request fails (a dead server, a malformed answer) ends with ``sto
 from __future__ import annotations
 
 import os
+import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -53,16 +54,14 @@ from probes.decoding import setup
 from probes.decoding.config import DecodeConfig
 from probes.decoding.methods import METHODS, MethodArgs
 from probes.decoding.options import LoopOptions
-from probes.decoding.policies import AcceptancePolicy, FastPath, ProbePolicy, RandomPolicy, default_policy
+from probes.decoding.policies import AcceptancePolicy, FastPath, ProbePolicy, default_policy
 from probes.decoding.proposer import run_probe
-from probes.decoding.results import DecodeResult, DecodeStats, Decision, StepTrace
+from probes.decoding.results import DecodeResult, DecodeStats, Decision, StepEvent, StepTrace, collect, step_events
 from probes.decoding.rows import answer_complete
 from probes.decoding.scores import Scores
 
 ALONE = {"target_only": "target", "draft_only": "draft"}
 """Methods where one server writes the whole output in one request."""
-FIXED = {"always_reject": 0.0, "always_accept": 1.0}
-"""Methods that keep no / every draft step (a :class:`RandomPolicy` at rate 0 / 1)."""
 SERVED_METHODS = ("target_only", "semanticspec", "draft_only", "always_reject", "always_accept", "random_accept",
                   "oracle_accept")
 """``method=`` names :meth:`ServedDecoder.generate` runs (SpecReason's judge turn is not served)."""
@@ -137,7 +136,18 @@ class ServedDecoder:
                 method or argument, or a server that cannot serve what the probes read (naming it, what is
                 missing and the fix).
         """
-        cfg = DecodeConfig.of(config, overrides)
+        runs, how, cfg = self._plan(prompts, DecodeConfig.of(config, overrides))
+        return collect(self._events(runs, how, cfg), len(runs))
+
+    def stream(self, prompts: Sequence[str], config: DecodeConfig | None = None, **overrides: Any
+               ) -> Iterator[StepEvent]:
+        """:meth:`generate`, yielding each prompt's steps as its loop tries them, then its end event with its
+        :class:`DecodeResult` (:class:`~probes.decoding.results.StepEvent`); concurrent prompts interleave.
+        Everything :meth:`generate` refuses is refused here, when called, before any request."""
+        return self._events(*self._plan(prompts, DecodeConfig.of(config, overrides)))
+
+    def _plan(self, prompts, cfg: DecodeConfig) -> tuple[list[PromptDecode], str | AcceptancePolicy, DecodeConfig]:
+        """Every prompt's run, what it runs (a policy, or a method of :data:`ALONE`) and ``cfg``, every check done."""
         policy, problems = self._method(cfg.method, cfg.accept_rate, cfg.oracle)
         sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
                                           enforce=policy is not None and policy.decides_with_probes,
@@ -150,18 +160,29 @@ class ServedDecoder:
         prompts = _read_prompts(prompts)
         self._check_servers(policy, cfg.method)
         keys = stream_keys(cfg.seed, len(prompts))
-        runs = [PromptDecode(self, key, p, cfg.max_new_tokens, sampling) for key, p in zip(keys, prompts)]
-        how = cfg.method if policy is None else policy
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(runs))) as pool:
-            done = pool.map(lambda r: r.run(how), runs)
-            if cfg.progress:
-                from tqdm.auto import tqdm
+        runs = [PromptDecode(self, key, p, cfg.max_new_tokens, sampling, k)
+                for k, (key, p) in enumerate(zip(keys, prompts))]
+        return runs, cfg.method if policy is None else policy, cfg
 
-                done = tqdm(done, total=len(runs), desc=str(cfg.method), unit="prompt")
-            results = list(done)
+    def _events(self, runs: list[PromptDecode], how, cfg: DecodeConfig) -> Iterator[StepEvent]:
+        """The runs' events as their threads emit them (at most ``concurrency`` prompts in flight)."""
+        events: queue.Queue[StepEvent] = queue.Queue()
+        bar = None
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(runs), desc=str(cfg.method), unit="prompt")
+        t0, ended = time.perf_counter(), 0
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(runs))) as pool:
+            for r in runs:
+                pool.submit(r.run, how, events.put)
+            while ended < len(runs):
+                e = events.get()
+                ended += e.end
+                if bar is not None and e.end:
+                    bar.update()
+                yield e
         self.last_wall_s = time.perf_counter() - t0
-        return results
 
     def read_top_k(self, policy: AcceptancePolicy) -> int:
         """The top-k a verifying read asks for: what the target probe and the fast path read (at least 1)."""
@@ -209,15 +230,13 @@ class ServedDecoder:
 
 
 def served_policy(method: str | AcceptancePolicy, args: MethodArgs) -> AcceptancePolicy:
-    """The acceptance policy of a speculative served method: the in-process table's, unchanged.
+    """The acceptance policy of a speculative served method: the one method table's, unchanged.
 
     Raises:
         ValueError: an unknown name, a method the served decoder does not run, or a missing argument.
     """
     if isinstance(method, AcceptancePolicy):
         policy = method
-    elif method in FIXED:
-        policy = RandomPolicy(FIXED[method])
     elif method in SERVED_METHODS:
         policy = METHODS[method](args).policy
     else:
@@ -320,10 +339,14 @@ class PromptDecode:
         prompt: the prompt text.
         budget: output token budget.
         sampling: temperature and top-p of both servers.
+        index: the prompt's index in the call (its events carry it).
     """
 
-    def __init__(self, dec: ServedDecoder, key: StreamKey, prompt: str, budget: int, sampling: SamplingSpec) -> None:
+    def __init__(self, dec: ServedDecoder, key: StreamKey, prompt: str, budget: int, sampling: SamplingSpec,
+                 index: int = 0) -> None:
         self.dec, self.key, self.prompt, self.budget, self.sampling = dec, key, prompt, budget, sampling
+        self.index, self.sent = index, 0  # the prompt's index in the call; trace entries emitted
+        self.emit: Callable[[StepEvent], Any] = lambda e: None
         # committed text (prompt included); the bonus token opening the next step
         self.context, self.forced = prompt, ""
         self.pieces: list[str] = []
@@ -337,20 +360,33 @@ class PromptDecode:
     def output(self) -> str:
         return "".join(self.pieces)
 
-    def run(self, how: str | AcceptancePolicy) -> DecodeResult:
-        """Decode to the end (``how``: a policy, or a method of :data:`ALONE`); a failure ends this prompt only."""
+    def run(self, how: str | AcceptancePolicy, emit: Callable[[StepEvent], Any] = lambda e: None) -> DecodeResult:
+        """Decode to the end (``how``: a policy, or a method of :data:`ALONE`), passing ``emit`` an event per step
+        tried and one end event with the result; a failure ends this prompt only."""
         t0 = time.perf_counter()
+        self.emit = emit
         try:
             with torch.inference_mode():
                 if isinstance(how, str):
                     self.alone(ALONE[how])
+                    self.flush()
                 else:
                     self.loop(how)
         except Exception as e:  # noqa: BLE001 (a dead server or a bad answer fails this prompt, not the decode)
+            self.flush()
             self.stats.wall_s = time.perf_counter() - t0
-            return DecodeResult("", self.trace, self.stats, "error", redact(str(e)))
-        self.stats.wall_s = time.perf_counter() - t0
-        return DecodeResult(self.output, self.trace, self.stats, self.reason)
+            result = DecodeResult("", self.trace, self.stats, "error", redact(str(e)))
+        else:
+            self.stats.wall_s = time.perf_counter() - t0
+            result = DecodeResult(self.output, self.trace, self.stats, self.reason)
+        emit(StepEvent(self.index, None, result.text, result.stop_reason, result))
+        return result
+
+    def flush(self) -> None:
+        """Emit the steps tried since the last flush."""
+        for e in step_events(self.index, self.trace, self.pieces, self.sent):
+            self.emit(e)
+        self.sent = len(self.trace)
 
     def loop(self, policy: AcceptancePolicy) -> None:
         while not self.done:
@@ -361,6 +397,7 @@ class PromptDecode:
                 self.target_step(lim, first=True)
             else:
                 self.speculate(lim, policy)
+            self.flush()
 
     def limit(self) -> int:
         """Tokens the next step may add: the budget left, and the room left in the servers' contexts."""
