@@ -203,14 +203,23 @@ def served_labels() -> str:
                   "coverage (first / second)"], rows)
 
 
+THREAD_SETTINGS = {
+    "default": "**the default** (the command's own choice: 2 passive threads on 2 cores)",
+    "1": "1",
+    "2-libgomp": "2, libgomp's default spin (torch's default)",
+    "2-passive": "2, OMP_WAIT_POLICY=PASSIVE",
+    "2-spin3000": "2, GOMP_SPINCOUNT=3000",
+}
+
+
 def threads() -> str:
     t = load("threads")
     rows = []
     for job in ("build", "fit"):
-        for s, r in t[job].items():
-            name = {"default": f"default ({t['default_threads']})", "2-passive": "2, OMP_WAIT_POLICY=PASSIVE"}.get(s, s)
-            rows.append([job, name, f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
-                         num(r["alone_over_torch_default"], 2)])
+        for s, name in ordered(t[job], THREAD_SETTINGS):
+            r = t[job][s]
+            rows.append([job, name, f"{r['alone_s']:.1f}",
+                         f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x", num(r["alone_over_torch_default"], 2)])
     return table(["job", "threads", "alone s", "beside a 2-thread torch job s", "slowdown",
                   "alone / torch's default (2 threads)"], rows)
 

@@ -3,13 +3,14 @@
     python -m benchmarks.threads [--quick]
 
 Each job runs as its own command (``python -m datamodules.labels.build`` and ``python -m probes.fit``, timed
-from the start of their ``main()`` to its end, imports aside) with ``--threads 1`` (the package's default,
-:mod:`generation.threads`, on this machine: the report's ``default_setting``) and with ``--threads 2`` three
-ways: spinning as libgomp does by default (``GOMP_SPINCOUNT=300000``, what the CLIs ran with before issue 36),
-passive (``OMP_WAIT_POLICY=PASSIVE``, no spin) and with a short spin (``GOMP_SPINCOUNT=3000``); each once alone
-and once beside a competing process: a loop of float32 matmuls on 2 torch threads (another job on a shared
-machine). The configurations
-are interleaved, the order reversed every other pass, and each figure is the median over passes:
+from the start of their ``main()`` to its end, imports aside) with no thread option or variable (``default``: what
+:mod:`generation.threads` chooses inside the command; on 2 cores two threads whose idle wait the command sets
+passive before torch loads, so it should match ``2-passive``, the report's ``default_setting``), with ``--threads
+1``, and with ``--threads 2`` three ways set by the parent: spinning as libgomp does by default
+(``GOMP_SPINCOUNT=300000``, what the CLIs ran with before issue 36), passive (``OMP_WAIT_POLICY=PASSIVE``, no spin)
+and with a short spin (``GOMP_SPINCOUNT=3000``); each once alone and once beside a competing process: a loop of
+float32 matmuls on 2 torch threads (another job on a shared machine). The configurations are interleaved, the order
+reversed every other pass, and each figure is the median over passes:
 
 - ``build``: the embedded world's label build into an empty folder (48 problems, shards of 16 prefixes, as in
   issue 36; ``--quick``: 4 problems);
@@ -19,11 +20,11 @@ are interleaved, the order reversed every other pass, and each figure is the med
 
 A full run takes about 30 minutes on a quiet 2-core machine (two passes; ``--quick``: a few minutes).
 
-Figures per job and thread setting (``1``, ``2-libgomp``, ``2-passive``, ``2-spin3000``): ``alone_s``, ``beside_s``,
-``slowdown`` (beside / alone) and ``alone_over_torch_default`` (alone / alone at torch's own default, one thread
-per core spinning as libgomp does, which is what the CLIs used before the thread policy: the ``2-libgomp`` row on 2
-cores). The machine's ``cpu_count`` and load (``uptime_load``, before and after) come with them: on a loaded
-machine the figures are rough.
+Figures per job and thread setting (``default``, ``1``, ``2-libgomp``, ``2-passive``, ``2-spin3000``): ``alone_s``,
+``beside_s``, ``slowdown`` (beside / alone) and ``alone_over_torch_default`` (alone / alone at torch's own default,
+one thread per core spinning as libgomp does, which is what the CLIs used before the thread policy: the
+``2-libgomp`` row on 2 cores). The machine's ``cpu_count`` and load (``uptime_load``, before and after) come with
+them: on a loaded machine the figures are rough.
 """
 
 from __future__ import annotations
@@ -66,22 +67,23 @@ COMPETITOR_SIZE = 512
 """Side of the competitor's square matmuls."""
 
 SETTINGS = {
+    "default": ([], {}),
     "1": (["--threads", "1"], {}),
     "2-libgomp": (["--threads", "2"], {"GOMP_SPINCOUNT": "300000"}),
     "2-passive": (["--threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
     "2-spin3000": (["--threads", "2"], {"GOMP_SPINCOUNT": "3000"}),
 }
-"""Thread settings timed, as ``(arguments, environment)``: one thread, and two threads that spin as libgomp does
-when nothing is set (300000 spins: torch's own behaviour, what the CLIs ran before issue 36), never spin
-(passive), or spin 3000 times before they sleep (set by the parent, before torch loads). The package's default
-(no ``--threads``, nothing set) is the setting of its count: :func:`default_setting`."""
+"""Thread settings timed, as ``(arguments, environment)``: the CLIs' own default (no ``--threads``, nothing set:
+the count and wait policy :mod:`generation.threads` chooses in the command itself), one thread, and two threads
+that spin as libgomp does when nothing is set (300000 spins: torch's own behaviour, what the CLIs ran before issue
+36), never spin (passive, set by the parent before torch loads), or spin 3000 times before they sleep."""
 
 
 def default_setting() -> str:
-    """The row of :data:`SETTINGS` that the package's default runs (no ``--threads``, no thread variable): its
-    count, with libgomp's own spin."""
+    """The row of :data:`SETTINGS` the CLIs' default should match (its count, passive beyond one thread): the
+    ``default`` row measures whether the command's own setting takes effect as the parent's does."""
     n = resolve_threads(None, env=child_env())[0]
-    return str(n) if n == 1 else f"{n}-libgomp"
+    return "1" if n == 1 else f"{n}-passive"
 
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -224,7 +226,7 @@ def table(report: dict) -> str:
     lines = ["| job | threads | alone s | beside s | slowdown | alone / torch default |", "|---|---|---|---|---|---|"]
     for job in ("build", "fit"):
         for s, r in report[job].items():
-            name = f"{s} (default)" if s == report["default_setting"] else s
+            name = f"default (should match {report['default_setting']})" if s == "default" else s
             ratio = "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"
             lines.append(f"| {job} | {name} | {r['alone_s']:.1f} | {r['beside_s']:.1f} | {r['slowdown']:.2f}x | "
                          f"{ratio} |")

@@ -1,5 +1,5 @@
 """The intra-op thread policy of the fit and the label build: how many torch threads each process uses, and how
-long an idle one spins.
+an idle one waits.
 
 The package's CPU work is many small ops on small models (the embedded world's target has 4.8M parameters).
 Between two ops, torch's OpenMP threads (libgomp in the pip wheels) spin-wait: 300,000 spins by libgomp's
@@ -12,37 +12,44 @@ The policy, in the order it is applied:
 1. ``--threads N`` (the fit's and the build's option), when given;
 2. else ``OMP_NUM_THREADS``, when set (the variable torch itself reads: a user's or launcher's choice stands);
 3. else the host's cores divided between the ranks on it (``LOCAL_WORLD_SIZE``, as torchrun sets it, or the
-   number of processes the fit launches), never below one: torch's own count for a single process.
+   number of processes the fit launches), never below one: torch's own count for a single process;
 
-How idle threads wait is libgomp's to decide, from ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT``, which it reads once
-when torch loads it: the CLIs leave both to the user (the line :func:`apply_threads` prints says which applies).
+and, whatever the count, idle threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, set by
+:func:`set_wait_policy` first thing in the CLIs' ``main()``, before torch loads), unless ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` is set already (a user's choice stands). libgomp reads them once, when torch loads it, so from
+Python after ``import torch`` the policy cannot change (the line :func:`apply_threads` prints says which applies).
 
 ``python -m benchmarks.threads`` measures the build and the fit alone and beside a competing 2-thread torch
-process at this default, at 1 thread, at 2 threads spinning as libgomp does by default (what the CLIs did
-before) and at 2 passive threads (``OMP_WAIT_POLICY=PASSIVE``: no spin). Only intra-op threads are set: the
-package starts no inter-op work (no ``torch.jit.fork``), so torch's inter-op pool is never created and needs no
-setting. Figures that sum in floating point over threads (the fit's metrics, in their last digits) depend on the
-count, so a run repeats exactly only at the same count.
+process at 1 thread, at 2 threads spinning as libgomp does by default (what the CLIs did before), at 2 passive
+threads (the default on 2 cores) and at 2 threads spinning 3000 times (``GOMP_SPINCOUNT=3000``). Only intra-op
+threads are set: the package starts no inter-op work (no ``torch.jit.fork``), so torch's inter-op pool is never
+created and needs no setting. Figures that sum in floating point over threads (the fit's metrics, in their last
+digits) depend on the count, so a run repeats exactly only at the same count.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-DEFAULT_THREADS = 1
-"""Threads per process when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise. Measured with
-``python -m benchmarks.threads`` on 2 cores in two full runs: one thread took 1.42-1.48x the time of torch's own
-default (2 threads, libgomp's spin) alone, and 1.43-1.48x its own time beside a 2-thread torch job, where torch's
-default took 4.5x. Two threads that spin less (``GOMP_SPINCOUNT=3000``) or not at all (``OMP_WAIT_POLICY=PASSIVE``)
-are faster alone but must be set before torch loads, so they stay the user's choice; the benchmark times them."""
+DEFAULT_THREADS: int | None = None
+"""Most threads per process when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise; None: the host's
+cores divided between its ranks, as torch counts them. Measured with ``python -m benchmarks.threads`` on 2 cores
+(docs/benchmarks.md "Threads"): with :data:`WAIT_POLICY`, two threads were as fast alone as torch's own default (two
+threads spinning as libgomp does) and stayed within 2x of that beside a 2-thread torch job, where libgomp's spin
+took several times its time; one thread was 1.4x slower alone."""
+
+WAIT_POLICY = "PASSIVE"
+"""``OMP_WAIT_POLICY`` of the CLIs: idle OpenMP threads sleep at once instead of spinning (libgomp spins 300,000
+times by default, stealing the cores another job needs)."""
 
 OPTION_HELP = (
-    f"Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else {DEFAULT_THREADS} "
-    "(never more than the host's cores divided between its ranks): the package's small ops lose little with one "
-    "thread, and more threads spin against any other job on the machine. Metrics repeat to the last digit only "
-    "at the same count."
+    "Intra-op torch threads of this process (>= 1). Default: OMP_NUM_THREADS when set, else the host's cores "
+    f"divided between its ranks; idle threads sleep rather than spin (OMP_WAIT_POLICY={WAIT_POLICY} unless "
+    "OMP_WAIT_POLICY or GOMP_SPINCOUNT is set), so another job on the machine keeps its share. Metrics repeat to "
+    "the last digit only at the same count."
 )
 """The ``--help`` text of the fit's and the build's ``--threads`` option."""
 
@@ -107,8 +114,26 @@ def resolve_threads(threads: Any = None, *, ranks: int = 1, cpu_count: int | Non
     if env.get("OMP_NUM_THREADS"):
         return check_threads(env["OMP_NUM_THREADS"], "OMP_NUM_THREADS"), "OMP_NUM_THREADS"
     cores = cpu_count or available_cores()
-    n = min(DEFAULT_THREADS, max(1, cores // max(1, ranks)))
-    return n, f"default: {DEFAULT_THREADS} per host" + (f", {ranks} ranks on {cores} cores" if ranks > 1 else "")
+    n = max(1, cores // max(1, ranks))
+    if DEFAULT_THREADS is not None:
+        n = min(n, DEFAULT_THREADS)
+    return n, f"default: {cores} cores" + (f" shared by {ranks} ranks" if ranks > 1 else "")
+
+
+def set_wait_policy(env: MutableMapping[str, str] = os.environ) -> bool:
+    """Let idle OpenMP threads sleep instead of spinning: ``OMP_WAIT_POLICY`` = :data:`WAIT_POLICY` in ``env``,
+    unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set already (a user's choice stands).
+
+    libgomp reads the variable once, when torch loads it, so the CLIs call this first thing in ``main()``; once
+    torch is imported it would change nothing, and it is skipped.
+
+    Returns:
+        Whether it set the variable.
+    """
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return False
+    env["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return True
 
 
 def wait_policy(env: Mapping[str, str] = os.environ) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from datamodules.labels.cli import normalise_args
+from generation.threads import set_wait_policy
 from probes.fit_args import DESCRIPTION, PROG, first_pass
 
 if TYPE_CHECKING:  # torch and Lightning load after the first pass over the arguments (probes.fit_args)
@@ -42,7 +43,7 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
   --data.val_fraction X       share of problems held out for validation (0: monitors watch the train loss)
   --trainer.max_epochs N      epochs to train (-1: no limit; early stopping ends the run)
   --trainer.devices N         devices (processes) to train on
-  --threads N                 torch threads per process (default: OMP_NUM_THREADS, else 1)
+  --threads N                 torch threads per process (default: OMP_NUM_THREADS, else the cores)
   --export_dir DIR            where the best probes are exported (default: <run folder>/export)
   --ckpt_path FILE            resume an interrupted run from its last.ckpt (with the run's own config)
   --print_config              print the full config and exit
@@ -89,6 +90,7 @@ def format_table(rows: dict[str, dict[str, float]], columns: list[str]) -> str:
 
 def main(args: list[str] | None = None) -> dict[str, Any]:
     """Run the fit job; returns ``{"export": {role: path}, "test": metrics, "best_ckpt": path}``."""
+    set_wait_policy()  # before torch loads: idle threads sleep rather than spin (issue 36)
     args = normalise_args(list(sys.argv[1:] if args is None else args))
     args = _help_args(args)
     first_pass(args)  # no torch yet: a bad option costs a second, not the imports below (issue 33 item 16)

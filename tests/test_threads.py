@@ -1,5 +1,7 @@
 """The thread policy (generation/threads.py) and its ``--threads`` option on the fit and the build (issue 36)."""
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,10 @@ def keep_threads():
     torch.set_num_threads(n)
 
 
-def test_the_default_is_the_measured_count_whatever_the_cores():
-    assert T.resolve_threads(None, cpu_count=2, env={}) == (T.DEFAULT_THREADS, f"default: {T.DEFAULT_THREADS} per host")
-    assert T.resolve_threads(None, cpu_count=64, env={})[0] == T.DEFAULT_THREADS
+def test_the_default_is_one_thread_per_core_on_a_host_alone():
+    assert T.DEFAULT_THREADS is None  # measured: two passive threads on 2 cores (docs/benchmarks.md "Threads")
+    assert T.resolve_threads(None, cpu_count=2, env={}) == (2, "default: 2 cores")
+    assert T.resolve_threads(None, cpu_count=64, env={})[0] == 64
 
 
 def test_an_explicit_value_wins_over_the_environment_and_the_default():
@@ -63,9 +66,36 @@ def test_apply_sets_torch_and_says_what_it_chose(keep_threads):
     assert said == ["torch threads: 2 per process (--threads; set with --threads N), idle threads: libgomp's "
                     "default spin"]
     T.apply_threads(None, log=said.append, env={"LOCAL_RANK": "1"})  # other local ranks stay quiet
-    assert torch.get_num_threads() == T.DEFAULT_THREADS and len(said) == 1
+    assert torch.get_num_threads() == T.resolve_threads(None, env={})[0] and len(said) == 1
     T.apply_threads(1, log=said.append, env={"GOMP_SPINCOUNT": "3000"})
     assert said[-1].endswith("idle threads: GOMP_SPINCOUNT=3000")
+
+
+def test_the_wait_policy_is_set_before_torch_loads_and_never_over_a_users_choice(monkeypatch):
+    env = {}
+    assert T.set_wait_policy(env) is False and env == {}  # torch is loaded in this process: too late, skipped
+    monkeypatch.delitem(sys.modules, "torch")  # as a command's main() sees it, before its first torch import
+    assert T.set_wait_policy(env) is True and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for users in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "100"}):
+        env = dict(users)
+        assert T.set_wait_policy(env) is False and env == users
+
+
+def test_the_commands_set_the_wait_policy_before_torch_loads():
+    """In a fresh process, the fit's and the build's main() leave OMP_WAIT_POLICY=PASSIVE in the environment libgomp
+    reads when torch loads (here: --help, which loads no torch); a variable the user set stands."""
+    import subprocess
+
+    code = ("import importlib, os, sys\nsys.path[0] = os.getcwd()\n"
+            "main = importlib.import_module(sys.argv[1]).main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('POLICY', os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n")
+    for module in ("probes.fit", "datamodules.labels.build"):
+        for env, want in (({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE")):
+            clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+            out = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, cwd=ROOT,
+                                 env={**clean, **env}, timeout=300).stdout
+            assert out.strip().splitlines()[-1] == f"POLICY {want} False", (module, env, out[-300:])
 
 
 def _one_line_refusal(capsys, main, args) -> str:

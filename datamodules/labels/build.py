@@ -38,7 +38,7 @@ from datamodules.labels.config import (
 )
 from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
 from datamodules.labels.prefixes import make_prefixes, target_traces
-from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads
+from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, set_wait_policy
 from datamodules.labels.coordination import (
     Progress,
     barrier,
@@ -334,6 +334,7 @@ def _summary(manifest: dict, log) -> None:
 
 def main(args: list[str] | None = None) -> dict:
     """CLI: ``python -m datamodules.labels.build [--config build.yaml] [--data_dir DIR] [--build.KEY VALUE ...]``."""
+    set_wait_policy()  # before torch loads: idle threads sleep rather than spin (issue 36)
     parser = _parser()
     given = normalise_args(list(sys.argv[1:] if args is None else args))
     try:
