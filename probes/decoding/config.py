@@ -80,7 +80,7 @@ class DecodeConfig:
         out = [f"{name}={getattr(self, name)!r}: {why}" for name, why in self._field_problems()]
         out += SamplingSpec.errors(SamplingSpec.temperature if self.temperature is None else self.temperature,
                                    SamplingSpec.top_p if self.top_p is None else self.top_p)  # the one check
-        return out + seed_errors(list(self.seed) if isinstance(self.seed, tuple) else self.seed)
+        return out + seed_errors(self.seed)
 
     def _field_problems(self) -> list[tuple[str, str]]:
         out = []

@@ -45,7 +45,7 @@ class TransformersLoop:
                             stream_seed(*key, "sampling"), room)
             for step in r.steps:
                 yield StepEvent(k, step, r.text)
-            yield StepEvent(k, None, r.text, r.stop_reason, r)
+            yield StepEvent(k, None, r.text, r)
 
 
 def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,

@@ -23,7 +23,7 @@ from generation.specs import SamplingSpec
 from generation.writer import StepWriter
 from probes.decoding.policies import AcceptancePolicy
 from probes.decoding.proposer import DraftProposer, Proposal, RowState
-from probes.decoding.results import DecodeResult, Decision, StepEvent, StepTrace, collect, step_events
+from probes.decoding.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
 from probes.decoding.rows import Row, TargetStep
 from probes.decoding.speculative import speculate_tokens, token_sd_steps
 from probes.decoding.verify import TargetVerifier
@@ -69,13 +69,10 @@ class StepLoop:
     def limit(self, i: int, *caches: BatchedCache) -> int:
         return self.rows[i].limit(i, self.dec.spare, *caches)
 
-    def run(self, runner) -> list[DecodeResult]:
-        """Rounds of ``runner.step`` until every row is done (EOS, answer, budget or context)."""
-        return collect(self.stream(runner), len(self.rows))
-
     def stream(self, runner) -> Iterator[StepEvent]:
-        """:meth:`run`, yielding each row's steps after the round that tried them, then one end event per row
-        with its result once the batch is done (a row's seconds are shares of the batch's)."""
+        """Rounds of ``runner.step`` until every row is done (EOS, answer, budget or context), yielding each row's
+        steps after the round that tried them, then one end event per row with its result once the batch is done
+        (a row's seconds are shares of the batch's)."""
         B, rows, t_start = len(self.rows), self.rows, time.perf_counter()
         using = self.caches(runner.caches)
         sent = [0] * B  # trace entries of each row already yielded
@@ -100,7 +97,7 @@ class StepLoop:
             r.stats.done_idle_row_s = t_end - self.t_done.get(i, t_end)
             r.stats.target_passes, r.stats.draft_passes = self.tgt.passes[i], self.drf.passes[i]
             text = self.dec.tokenizer.decode(r.out, skip_special_tokens=True) if self.dec.shared else r.text
-            yield StepEvent(i, None, r.text, r.stop_reason, DecodeResult(text, r.trace, r.stats, r.stop_reason))
+            yield StepEvent(i, None, r.text, DecodeResult(text, r.trace, r.stats, r.stop_reason))
 
     def _new_steps(self, sent: list[int]) -> Iterator[StepEvent]:
         """An event for each trace entry a row added since the last call (``sent``: entries yielded per row)."""

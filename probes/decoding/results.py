@@ -116,20 +116,23 @@ class StepEvent:
         step: the step, or None on the end event.
         text: the prompt's output so far, after the step (its steps' texts joined; the end event's ``result.text``
             is decoded from the output tokens in one go, which a tokenizer may space differently at step joins).
-        stop_reason: on the end event, why the prompt stopped (:data:`STOP_REASONS`).
         result: on the end event, the prompt's :class:`DecodeResult` (what ``generate`` returns for it).
     """
 
     prompt: int
     step: StepTrace | None
     text: str
-    stop_reason: str | None = None
     result: DecodeResult | None = None
 
     @property
     def end(self) -> bool:
         """The prompt's last event."""
         return self.result is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """On the end event, why the prompt stopped (:data:`STOP_REASONS`); None before."""
+        return self.result.stop_reason if self.result is not None else None
 
 
 def step_events(prompt: int, trace: Sequence[StepTrace], pieces: Sequence[str], start: int) -> list[StepEvent]:

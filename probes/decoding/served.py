@@ -379,7 +379,7 @@ class PromptDecode:
         else:
             self.stats.wall_s = time.perf_counter() - t0
             result = DecodeResult(self.output, self.trace, self.stats, self.reason)
-        emit(StepEvent(self.index, None, result.text, result.stop_reason, result))
+        emit(StepEvent(self.index, None, result.text, result))
         return result
 
     def flush(self) -> None:
