@@ -70,9 +70,9 @@ def first_pass(args: list[str]) -> None:
             check_threads(threads)
         except ValueError as e:
             fail(str(e))
-    known = recorded_options()
-    if known:
-        problem = unknown_option(args, known) or bad_value(args, recorded_kinds())
+    record = recorded()
+    if record:
+        problem = unknown_option(args, set(record["options"])) or bad_value(args, record.get("kinds", {}))
         if problem:
             fail(problem)
 
@@ -106,25 +106,28 @@ LIGHTNING_KEY = b"pytorch-lightning_version"
 """A key every Lightning checkpoint holds."""
 
 
-def recorded_options() -> set[str] | None:
-    """The fit parser's options as recorded in :data:`KNOWN_OPTIONS`, or None when the record does not apply
-    (missing, or read with other versions of Lightning or jsonargparse than those installed)."""
+def recorded() -> dict | None:
+    """The record in :data:`KNOWN_OPTIONS` (``options``, and ``kinds``), or None when it does not apply: missing,
+    unreadable, without options, or read with other versions of Lightning or jsonargparse than those installed."""
     try:
         record = json.loads(KNOWN_OPTIONS.read_text())
-        if record.get("versions") != library_versions():
-            return None
-        return set(record["options"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
         return None
+    applies = isinstance(record, dict) and "options" in record and record.get("versions") == library_versions()
+    return record if applies else None
+
+
+def recorded_options() -> set[str] | None:
+    """The fit parser's options as :func:`recorded`, or None when the record does not apply."""
+    record = recorded()
+    return set(record["options"]) if record else None
 
 
 def recorded_kinds() -> dict[str, str]:
-    """``{option: kind}`` of :data:`KNOWN_OPTIONS` (``"int|null"``...: options whose type is int, float, bool or
-    None alone; :func:`probes.fit_cli.scalar_kinds`); empty where the record has none."""
-    try:
-        return dict(json.loads(KNOWN_OPTIONS.read_text()).get("kinds", {}))
-    except (OSError, ValueError):
-        return {}
+    """``{option: kind}`` as :func:`recorded` (``"int|null"``...: options whose type is int, float, bool or None
+    alone; :func:`probes.fit_cli.scalar_kinds`); empty where the record has none or does not apply."""
+    record = recorded()
+    return dict(record.get("kinds", {})) if record else {}
 
 
 def bad_value(args: list[str], kinds: dict[str, str]) -> str | None:

@@ -10,6 +10,8 @@ import json
 import logging
 import signal
 import sys
+import types
+import typing
 import warnings
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -231,11 +233,8 @@ def scalar_kinds() -> dict[str, str]:
 
 def scalar_kind(hint: Any) -> str | None:
     """``hint`` as ``"int|float|null"``-style text when it is int, float, bool, None or a union of them, else None."""
-    import typing
-
     names = {int: "int", float: "float", bool: "bool", type(None): "null"}
-    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType) \
-        else (hint,)
+    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if not parts or not all(p in names for p in parts):
         return None
     return "|".join(names[p] for p in parts)
