@@ -73,6 +73,7 @@ class LlamaServer:
         self.ready_timeout, self.log, self.f32_kv, self.verbose = ready_timeout, log, f32_kv, verbose
         self.url = f"http://127.0.0.1:{port}/v1"
         self.proc: subprocess.Popen | None = None
+        self._conn = None  # the one client that polls /v1/models, made on the first poll
 
     def _models(self) -> list[str] | None:
         """What ``/v1/models`` lists (one quick attempt, the package's one HTTP client), or None: no answer yet."""
@@ -80,7 +81,9 @@ class LlamaServer:
         from generation.engines.connection import Connection
 
         try:
-            return Connection(self.url, timeout=2.0, retries=1).models()
+            if self._conn is None:
+                self._conn = Connection(self.url, timeout=2.0, retries=1)
+            return self._conn.models()
         except EngineError:
             return None
 
