@@ -82,7 +82,8 @@ from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
 from probes.decoding.proposer import run_probe
 from probes.decoding.results import Decision
-from probes.decoding.served import ServedDecoder, features
+from probes.decoding.engine_parts import features
+from probes.decoding.served import ServedDecoder
 from probes.export import load_probe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -282,24 +283,28 @@ def greedy_equivalence(dec: ServedDecoder, prompts: list[str], args) -> dict:
             "first_mismatches": mismatches[:3]}
 
 
-def step_groups(log: list[Request], tag: str) -> list[list[Request]]:
-    """The requests of ``tag``'s run grouped by draft step: a draft write opens a group (``log``: both engines'
-    requests in the order they were sent)."""
-    groups: list[list[Request]] = []
+def step_groups(log: list[Request], tag: str, prompts: list[str]) -> list[list[Request]]:
+    """The requests of ``tag``'s run grouped by draft step, prompt after prompt: a request belongs to the prompt its
+    context opens with, and within a prompt a draft write opens a group (``log``: both engines' requests in the
+    order they were sent; the loop sends a round's requests for all its rows, so prompts interleave)."""
+    by_prompt: dict[int, list[list[Request]]] = {k: [] for k in range(len(prompts))}
+    order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))  # the longest prompt a context opens with
     for r in log:
         if r.tag != tag:
             continue
+        k = next(k for k in order if r.context.startswith(prompts[k]))
+        groups = by_prompt[k]
         if r.kind == "write" and r.role == "draft":
             groups.append([r])
         elif groups:
             groups[-1].append(r)
-    return groups
+    return [g for k in range(len(prompts)) for g in by_prompt[k]]
 
 
-def requests_per_step(runs: dict, engines: tuple, tag: str = "semanticspec") -> dict:
+def requests_per_step(runs: dict, engines: tuple, prompts: list[str], tag: str = "semanticspec") -> dict:
     """Requests per kept and per refused draft step of ``tag``'s run, checked against ``stats.requests``."""
     merged = sorted([r for e in engines for r in e.log], key=lambda r: r.order)
-    groups = step_groups(merged, tag)
+    groups = step_groups(merged, tag, prompts)
     steps = [s for res in runs[tag] for s in res.steps if s.writer == "draft"]
     counted = sum(res.stats.requests for res in runs[tag])
     if len(groups) != len(steps):
@@ -572,7 +577,7 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         f.seek(offset)
         log_text = f.read().decode("utf-8", "replace")
     prefill = prefill_figures(target, log_text, set(prompts))
-    rps = requests_per_step(runs, (target, draft))
+    rps = requests_per_step(runs, (target, draft), prompts)
     rps["request_ms"] = request_ms((target, draft))
     ref = sum(r.stats.wall_s for r in runs["target_only"])
     methods = {m: figures(runs[m], problems, ref) for m in METHODS}

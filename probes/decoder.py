@@ -44,9 +44,8 @@ ends a decode, and the checker):
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,12 +54,13 @@ from generation.handover import Handover
 from generation.sampling import stream_keys
 from generation.specs import SamplingSpec
 from probes.decoding import setup
+from probes.decoding.base import Plan, StepDecoder
 from probes.decoding.config import DecodeConfig
-from probes.decoding.methods import MethodArgs, runner_for
+from probes.decoding.loop import StepLoop
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
 from probes.decoding.prompts import read_prompts
-from probes.decoding.results import DecodeResult, DecodeStats, StepEvent, StepTrace, collect, summarize
+from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
 from probes.decoding.verify import JudgeTurn
 
 __all__ = ["DecodeResult", "DecodeStats", "SemanticSpecDecoder", "StepTrace", "summarize"]
@@ -68,7 +68,7 @@ __all__ = ["DecodeResult", "DecodeStats", "SemanticSpecDecoder", "StepTrace", "s
 ProbeLike = str | os.PathLike | torch.nn.Module | None
 
 
-class SemanticSpecDecoder:
+class SemanticSpecDecoder(StepDecoder):
     """Step-level speculative decoding with semantic probes (SemanticSpec), plus baselines.
 
     Args:
@@ -165,39 +165,21 @@ class SemanticSpecDecoder:
                 batch, an empty prompt, an id outside the vocabulary, a prompt longer than a model's context),
                 naming the prompt's index; all before any model call.
         """
-        plan = self._plan(prompts, DecodeConfig.of(config, overrides))
-        return collect(self._events(*plan), len(plan[1]))
+        return super().generate(prompts, config, **overrides)
 
-    def stream(self, prompts: Sequence[str], config: DecodeConfig | None = None, **overrides: Any
-               ) -> Iterator[StepEvent]:
-        """:meth:`generate`, yielding each prompt's steps as the loop commits them (or refuses them), then its end
-        event with its :class:`DecodeResult` (:class:`~probes.decoding.results.StepEvent`); prompts of one batch
-        interleave round by round. Everything :meth:`generate` refuses is refused here, when called, before any
-        model call."""
-        return self._events(*self._plan(prompts, DecodeConfig.of(config, overrides)))
-
-    def _plan(self, prompts, cfg: DecodeConfig) -> tuple:
-        """``(runner, target ids, draft ids, stream keys, sampling, cfg)`` of a call, every check done."""
+    def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
+        """The call's runner, target and draft ids, stream keys, sampling and config, every check done."""
         runner, problems = self._runner(cfg.method, cfg.accept_rate, cfg.oracle)
         sampling = self.sampling(cfg.temperature, cfg.top_p, enforce=runner is not None and runner.probes_decide,
                                  allow_mismatch=cfg.allow_sampling_mismatch)
         if problems:
             raise ValueError("; ".join(problems))
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
-        return runner, ids_t, ids_d, stream_keys(cfg.seed, len(ids_t)), sampling, cfg
+        return Plan(runner, (ids_t, ids_d), stream_keys(cfg.seed, len(ids_t)), sampling, cfg)
 
-    def _events(self, runner, ids_t, ids_d, keys, sampling, cfg: DecodeConfig) -> Iterator[StepEvent]:
-        """The events of every batch of ``cfg.batch_size`` prompts, with their indices in the call."""
-        bs = cfg.batch_size or max(len(ids_t), 1)
-        starts = range(0, len(ids_t), bs)
-        if cfg.progress:
-            from tqdm.auto import tqdm
-
-            starts = tqdm(starts, desc=str(cfg.method), unit="batch")
-        for s in starts:
-            for e in runner.stream(self, ids_t[s : s + bs], ids_d[s : s + bs], cfg.max_new_tokens, sampling,
-                                   keys[s : s + bs]):
-                yield dataclasses.replace(e, prompt=s + e.prompt)
+    def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> StepLoop:
+        """The loop of one batch over the in-process models (``batch``: target and draft ids)."""
+        return StepLoop.in_process(self, *batch, max_new_tokens, sampling, keys)
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
                  enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:
@@ -217,15 +199,3 @@ class SemanticSpecDecoder:
         """
         return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
 
-    def _runner(self, method, accept_rate, oracle):
-        """The method's runner and what is wrong with the call for it (the probes it needs)."""
-        try:
-            runner = runner_for(method, MethodArgs(self.policy, accept_rate, oracle))
-        except ValueError as e:
-            return None, [str(e)]
-        needs, problems = runner.policy.needs if runner.policy is not None else None, []
-        if needs is not None and needs.q and self.target_probe is None:
-            problems.append(f"method={method!r} needs target_probe (an exported probe directory)")
-        if needs is not None and needs.p and self.draft_probe is None:
-            problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
-        return runner, problems

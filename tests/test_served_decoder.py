@@ -15,7 +15,8 @@ from probes.decoder import SemanticSpecDecoder
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
 from probes.decoding.results import summarize
-from probes.decoding.served import ServedDecoder, answer_cut
+from probes.decoding.engine_parts import answer_cut
+from probes.decoding.served import ServedDecoder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,6 +179,26 @@ def test_decisions_equal_in_process_with_a_hidden_state_probe(world, engines, po
         for x, y in zip(a.steps, b.steps):  # a step the draft ended with EOS is read without it (module docstring)
             if x.q is not None and x is not a.steps[-1]:
                 assert x.q == pytest.approx(y.q, abs=1e-4)
+
+
+@pytest.mark.slow  # 32 problems twice: in CI's slow set, out of the README's 5-minute command
+def test_engine_parts_over_local_engines_decide_as_in_process_parts_on_32_problems(world, engines):
+    """Issue 30: one loop, two sets of parts. The same StepLoop with in-process parts and with engine parts over
+    LocalEngines (the same weights) takes the same decisions and writes the same texts, greedy, on 32 problems;
+    each served step costs the requests the engine parts say (2 kept, 3 refused)."""
+    problems = world["task"].problems(32, 7)
+    prompts = [world["task"].prompt_text(world["tok"], p["problem"]) for p in problems]
+    probe = hidden_probe(world)
+    served = ServedDecoder(*engines, probe, options=MARKER).generate(prompts, **GREEDY)
+    ref = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=probe,
+                              options=MARKER).generate(prompts, **GREEDY)
+    assert len(served) == 32 and all(r.ok for r in served)
+    assert decisions(served) == decisions(ref) and texts(served) == texts(ref)
+    kinds = {d for r in served for d in decisions([r])[0]}
+    assert {"accept", "accept_fast", "reject"} <= kinds  # the fast path, the probe and refusals all ran
+    for r in served:
+        st = r.stats
+        assert st.requests == 2 * st.draft_steps_accepted + 3 * (st.draft_steps_proposed - st.draft_steps_accepted)
 
 
 def _topk_probe():

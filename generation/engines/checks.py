@@ -71,3 +71,16 @@ def require(engine, spec, role: str) -> Capabilities:
                           f"{list(spec.groups)}: missing " + "; ".join(problems)
                           + f". This server can serve {list(can) or 'no probe group'}.", engine.url)
     return caps
+
+
+def serving_problems(engine, spec, role: str) -> list[str]:
+    """What ``engine`` cannot serve of what the ``role`` probe reads (:func:`missing`; a server writing a step
+    returns no hidden rows, so a draft probe cannot read them either)."""
+    out = [f"the {role} server {engine.url} ({engine.name}) cannot give {m}" for m in missing(engine, spec)]
+    if role == "draft" and spec.needs_hidden:
+        out.append("the draft probe reads hidden, but a server writing a step returns no hidden rows; use "
+                   "rule='threshold' or a draft probe without hidden")
+    if out:
+        can = [g for g in servable_groups(engine.capabilities()) if role == "target" or g != "hidden"]
+        out[-1] += f" (groups it can serve: {can})"
+    return out

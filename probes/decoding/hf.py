@@ -29,14 +29,15 @@ class TransformersLoop:
     policy = None
     probes_decide = False
 
-    def stream(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
-        """Decode prompt by prompt, each seeding transformers from its own stream (``keys``: each prompt's
+    def stream(self, dec, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
+        """Decode prompt by prompt (``batch``: the target's and the draft's prompt ids), each seeding transformers
+        from its own stream (``keys``: each prompt's
         :data:`~generation.sampling.StreamKey`); a prompt's output is one step, yielded with its end event.
 
         Each stops at the models' context end: with one tokenizer the draft reads the same ids; with
         two, transformers hands text over and only the target's context is known here.
         """
-        dtok = None if dec.shared else dec.draft_tokenizer
+        dtok, (ids_t, ids_d) = None if dec.shared else dec.draft_tokenizer, batch
         for k, (key, it, idd) in enumerate(zip(keys, ids_t, ids_d)):
             rooms = [(context_length(dec.target), len(it))]
             rooms += [(context_length(dec.draft), len(idd))] if dec.shared else []

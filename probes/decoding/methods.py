@@ -8,11 +8,10 @@ place a method's name is read; the benchmarks import it.
 
 from __future__ import annotations
 
-from generation.specs import SamplingSpec
-
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from generation.specs import SamplingSpec
 from probes.decoding.hf import TransformersLoop
 from probes.decoding.loop import StepLoop
 from probes.decoding.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
@@ -30,10 +29,11 @@ class LoopRunner:
         """The probes decide, so the decode samples as their labels were sampled."""
         return self.policy is not None and self.policy.decides_with_probes
 
-    def stream(self, dec, ids_t, ids_d, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
-        """Decode one batch, yielding its :class:`~probes.decoding.results.StepEvent` (prompt indices within the
-        batch); ``keys``: each prompt's :data:`~generation.sampling.StreamKey` (its random streams)."""
-        return StepLoop(dec, ids_t, ids_d, max_new_tokens, sampling, keys).stream(self)
+    def stream(self, dec, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
+        """Decode one batch (``batch``: the decoder's inputs, sliced to the batch), yielding its
+        :class:`~probes.decoding.results.StepEvent` (prompt indices within the batch); ``keys``: each prompt's
+        :data:`~generation.sampling.StreamKey` (its random streams)."""
+        return dec.step_loop(batch, max_new_tokens, sampling, keys).stream(self)
 
     def step(self, loop: StepLoop, active: list[int]) -> None:
         raise NotImplementedError
@@ -99,7 +99,7 @@ METHODS: dict[str, Callable[[MethodArgs], object]] = {
 :class:`MethodArgs` (raising ValueError naming a missing argument), in the benchmarks' order. ``always_reject`` and
 ``always_accept`` keep no draft step / every one (a random policy at rate 0 / 1): equivalence checks (greedy
 ``always_reject`` writes what ``target_only`` writes), which the decode benchmark leaves out. The served decoder runs
-:data:`~probes.decoding.served.SERVED_METHODS`, the names of this table it can serve."""
+every name but transformers' loops and ``specreason`` (:class:`~probes.decoding.served.ServedDecoder`)."""
 
 
 def runner_for(method: str | AcceptancePolicy, args: MethodArgs):

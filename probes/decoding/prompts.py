@@ -91,3 +91,18 @@ def _check_rows(name: str, model, rows: list[list[int]]) -> None:
         if ctx is not None and len(row) >= ctx:
             raise ValueError(f"prompt {i} has {len(row)} tokens but the {name} model's context "
                              f"(max_position_embeddings) is {ctx}; shorten the prompt")
+
+
+def read_prompt_texts(prompts) -> list[str]:
+    """Prompts for servers (which tokenize them): a non-empty list of non-empty strings, or a ValueError naming the
+    first bad one."""
+    if prompts is None or isinstance(prompts, str):
+        raise ValueError(f"prompts={prompts!r}: expected a list of prompt strings")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt string")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"prompt {i} is {p!r}: the served decoder sends text (the servers tokenize it); "
+                             "give a non-empty string (Task.prompt_text formats one)")
+    return prompts

@@ -41,23 +41,62 @@ class RowState:
 
 @dataclass(frozen=True)
 class Proposal:
-    """One row's drafted step.
+    """One row's step: drafted for the target to verify, or written by one side and kept as it is.
 
     Attributes:
-        tokens: the step in the proposer's tokenization, forced tokens first.
+        tokens: the step in its writer's tokenization, forced tokens first (an engine part knows the forced
+            tokens only: a server answers with text).
         n_forced: leading tokens that were given (the target's bonus token), not drafted.
         text: the step's text (up to EOS, special tokens dropped).
         logits: per new (not forced) token, the proposer's logits it was drawn from, when it has them
             (token-level speculation reads them).
+        n_new: tokens written after the forced ones (None: ``len(tokens) - n_forced``).
+        eos: the step ends the sequence.
+        end: a reason the row ends after this step though it holds no EOS (a server that wrote a whole output
+            and stopped at its budget or context end), else None.
     """
 
-    tokens: list[int]
+    tokens: Sequence
     n_forced: int
     text: str
     logits: Sequence[torch.Tensor] = ()
+    n_new: int | None = None
+    eos: bool = False
+    end: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_new is None:
+            object.__setattr__(self, "n_new", len(self.tokens) - self.n_forced)
+
+    @property
+    def size(self) -> int:
+        """Tokens in the step, forced ones included."""
+        return self.n_forced + self.n_new
+
+    @property
+    def forced(self) -> list:
+        """The forced tokens that opened the step (they open the target's step when it is refused)."""
+        return list(self.tokens[: self.n_forced])
 
 
-class Proposer(Protocol):
+class Part(Protocol):
+    """What the loop asks of both of its parts (the proposer and the verifier), whatever model they drive."""
+
+    passes: Sequence[int]
+    """Per row: forwards (or requests) that fed it something."""
+    served_s: Sequence[float]
+    """Per row: seconds of the forwards (or requests) that fed it something."""
+    forward_s: float
+    """Seconds of all forwards (or requests) so far."""
+
+    def room(self, row: int) -> int | None:
+        """Tokens the row's context still holds (less the spare it keeps), or None when it has no known end."""
+
+    def retire(self, rows: Sequence[int]) -> None:
+        """The rows are finished: later work skips them."""
+
+
+class Proposer(Part, Protocol):
     """Writes steps for rows, scores them with the draft probe, and follows what the target kept."""
 
     def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
@@ -66,8 +105,14 @@ class Proposer(Protocol):
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         """The draft probe's ``p`` of each row's last proposal."""
 
+    def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
+        """One step per row, kept as it is (the draft-only baseline)."""
+
     def extend(self, row: int, tokens: Sequence[int]) -> None:
         """Tokens the target wrote (in the proposer's tokenization) enter the row's context."""
+
+    def take(self, row: int, step: Proposal) -> None:
+        """A step the target wrote enters the row's context (handed over in the proposer's tokenization)."""
 
     def roll_back(self, row: int) -> None:
         """Forget the row's last proposal (its forced tokens stay)."""
@@ -76,20 +121,56 @@ class Proposer(Protocol):
         """Keep the first ``n`` proposed tokens of the row's last proposal and forget the rest."""
 
 
-class DraftProposer:
+class CachePart:
+    """A part over an in-process model's :class:`~generation.cache.BatchedCache` (its counters are the cache's)."""
+
+    def __init__(self, cache, spare: int) -> None:
+        self.cache, self.spare = cache, spare
+
+    @property
+    def passes(self) -> list[int]:
+        return self.cache.passes
+
+    @property
+    def served_s(self) -> list[float]:
+        return self.cache.served_s
+
+    @property
+    def forward_s(self) -> float:
+        return self.cache.forward_s
+
+    def room(self, row: int) -> int | None:
+        c = self.cache
+        return None if c.context is None else c.context - len(c.seq[row]) - self.spare
+
+    def retire(self, rows: Sequence[int]) -> None:
+        self.cache.retire(rows)
+
+    def extend(self, row: int, tokens: Sequence[int]) -> None:
+        self.cache.extend(row, tokens)
+
+
+class DraftProposer(CachePart):
     """The in-process draft model writing on its :class:`BatchedCache`.
 
     Args:
         writer: the draft writing steps (its cache, rows holding their prompts; its stopper and sampler).
         tokenizer: the draft's tokenizer.
         probe: the draft probe (reads the draft's states), or None.
+        handover: hands the target's steps to the draft's tokenization.
+        spare: context room each row keeps (a bonus token, a judge turn).
     """
 
-    def __init__(self, writer: StepWriter, tokenizer, probe) -> None:
-        self.writer, self.cache, self.tokenizer, self.probe = writer, writer.cache, tokenizer, probe
+    def __init__(self, writer: StepWriter, tokenizer, probe, handover, spare: int) -> None:
+        super().__init__(writer.cache, spare)
+        self.writer, self.tokenizer, self.probe, self.handover = writer, tokenizer, probe, handover
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
         self.steps: dict[int, StepDraft] = {}
         self.probe_s = self.feed_s = 0.0  # seconds of the last score(): probe, and the draft's extra read
+
+    def _proposal(self, d: StepDraft) -> Proposal:
+        return Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits,
+                        eos=self.tokenizer.eos_token_id in d.tokens)
 
     def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
         for_p = for_p and self.spec is not None
@@ -99,8 +180,10 @@ class DraftProposer:
             record_forced_logits=[i for i, s in rows.items() if not s.rewrite] if for_p and self.spec.needs_logits
             else False,
         )
-        return {i: Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits)
-                for i, d in self.steps.items()}
+        return {i: self._proposal(d) for i, d in self.steps.items()}
+
+    def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
+        return {i: self._proposal(d) for i, d in self.writer.write(list(rows), dict(limits)).items()}
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         self.probe_s = self.feed_s = 0.0
@@ -120,8 +203,8 @@ class DraftProposer:
         self.probe_s = time.perf_counter() - t0 - self.feed_s  # a draft forward is not probe time
         return dict(zip(rows, p))
 
-    def extend(self, row: int, tokens: Sequence[int]) -> None:
-        self.cache.extend(row, tokens)
+    def take(self, row: int, step: Proposal) -> None:
+        self.extend(row, self.handover.to_draft(list(step.tokens[step.n_forced :]), step.text))
 
     def roll_back(self, row: int) -> None:
         self.keep(row, 0)

@@ -64,9 +64,9 @@ class DecodeStats:
     - **row-seconds** (``*_row_s``): this row's own seconds while its batch ran, so summed over a batch's rows they
       can exceed its wall time (8 rows idle through one 2-second forward are 16 row-seconds).
 
-    Served decoding (:class:`~probes.decoding.served.ServedDecoder`) times each prompt on its own: its ``wall_s``,
-    phases and ``http_s`` are the prompt's own seconds, which overlap when prompts run concurrently (the decode's
-    wall time is then ``ServedDecoder.last_wall_s``); at ``concurrency=1`` their sums are wall seconds.
+    Served decoding (:class:`~probes.decoding.served.ServedDecoder`) runs the same loop, all prompts as rows of one
+    batch, so its seconds are shared the same way; ``http_s`` is the prompt's own request seconds (they overlap
+    when requests run concurrently).
 
     ``steps`` counts committed steps (rejected proposals not included). Phases of the speculative loop: the
     target's first step (``first_step_s``), drafting (``draft_s``), the target's verification forward
@@ -200,7 +200,7 @@ def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
     Every counter of :class:`DecodeStats` is summed over the results: ``wall_s`` and the phase times (``*_s``)
     are wall seconds (for an in-process decode, its wall time and its phases'), ``idle_row_s`` and
     ``done_idle_row_s`` are row-seconds (summed over rows, so they can exceed ``wall_s``); see
-    :class:`DecodeStats` for served decoding, whose prompts are timed on their own.
+    :class:`DecodeStats` for served decoding.
 
     Returns:
         ``step_acceptance``, ``draft_token_share``, ``target_passes_per_100_tokens``,

@@ -1,11 +1,15 @@
-"""Per-prompt decode state: the output so far, the step trace, the counters, and when the prompt is done."""
+"""Per-prompt decode state: the output so far, the step trace, the counters, and when the prompt is done.
+
+A row knows nothing of models or servers: the loop's parts tell it what a step holds
+(:class:`~probes.decoding.proposer.Proposal`) and how much room their contexts have left.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from generation.cache import BatchedCache
-from generation.handover import decode_text
+from probes.decoding.proposer import Proposal
 from probes.decoding.results import DecodeStats, Decision, StepTrace
 
 
@@ -51,50 +55,60 @@ class Row:
         self.stats = DecodeStats()
         self.done = False
         self.stop_reason: str | None = None  # eos, answer, budget or context (results.STOP_REASONS)
-        self.forced: list[int] = []  # target bonus token opening the next step
+        self.forced: list = []  # the target's bonus token opening the next step (an id in-process, a text served)
         self.rewriting: TargetStep | None = None  # the target step being written over rounds, if any
         self.steps_written = 0
+        self.error: str | None = None  # why the row failed (a server's answer), with stop_reason "error"
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
-    def commit(self, trace: StepTrace, tokens: list[int], n_forced: int, eos_id: int | None, by_draft: bool) -> None:
+    def commit(self, trace: StepTrace, step: Proposal, by_draft: bool) -> None:
         """Add a kept step to the output and decide whether the prompt is finished."""
         self.trace.append(trace)
         self.steps_written += 1
         self.stats.steps += 1
-        self.stats.output_tokens += len(tokens) - n_forced
+        self.stats.output_tokens += step.n_new
         if by_draft:
-            self.stats.draft_tokens += len(tokens) - n_forced
+            self.stats.draft_tokens += step.n_new
         if self.shared:
-            self.out.extend(tokens[n_forced:])
+            self.out.extend(step.tokens[step.n_forced :])
         self.pieces.append(trace.text)
         self.forced = []
-        if eos_id is not None and eos_id in tokens:
+        if step.eos:
             self.finish("eos")
         elif answer_complete(self.text, self.answer_marker):
             self.finish("answer")
+        elif step.end is not None:
+            self.finish(step.end)
 
     def finish(self, reason: str) -> None:
         """The prompt is done, for ``reason`` (eos, answer, budget or context)."""
         self.done, self.stop_reason = True, reason
 
-    def close(self, tokenizer) -> None:
+    def fail(self, message: str) -> None:
+        """The row ends with ``stop_reason="error"`` (a server failed it); ``message`` says why."""
+        self.finish("error")
+        self.error = message
+
+    def close(self, text_of: Callable[[Sequence], str]) -> None:
         """Finish at the budget or the context end; a bonus token still waiting for its step becomes a last
-        one-token step."""
+        one-token step (``text_of``: the forced tokens' text)."""
         self.finish("budget" if self.stats.output_tokens >= self.budget else "context")
         if self.forced:
-            text = decode_text(tokenizer, self.forced)
+            text = text_of(self.forced)
             self.trace.append(StepTrace("target", text, len(self.forced), decision=Decision.TARGET))
             self.pieces.append(text)
             self.stats.steps += 1
             self.forced = []
 
-    def limit(self, i: int, spare: int, *caches: BatchedCache) -> int:
-        """Tokens the next step of row ``i`` may hold: budget left and room in the caches' contexts, less ``spare``."""
+    def limit(self, i: int, *parts) -> int:
+        """Tokens the next step of row ``i`` may hold: the budget left, and the room the parts' contexts have left
+        (each part's ``room(i)``, None when its context has no known end)."""
         left = self.budget - self.stats.output_tokens
-        for cache in caches:
-            if cache.context is not None:
-                left = min(left, cache.context - len(cache.seq[i]) - spare)
+        for part in parts:
+            room = part.room(i)
+            if room is not None:
+                left = min(left, room)
         return left

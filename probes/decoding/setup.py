@@ -19,8 +19,10 @@ def load(probe, model, tokenizer, role: str | None = None):
 
     Args:
         probe: exported probe directory, ``SemanticProbe``, or None (returned as is).
-        model: the model whose hidden states the probe reads (fingerprint and ``layer_ids`` checked).
-        tokenizer: that model's tokenizer.
+        model: the model whose hidden states the probe reads (fingerprint and ``layer_ids`` checked), or None for a
+            served model (its weights cannot be fingerprinted here; the server's capabilities are checked before the
+            first request instead).
+        tokenizer: that model's tokenizer (None with no model).
         role: ``"target"`` or ``"draft"``: the slot the probe fills; a probe exported with the other
             role is refused, naming both. None checks no role.
 
@@ -31,6 +33,8 @@ def load(probe, model, tokenizer, role: str | None = None):
     """
     if probe is None:
         return None
+    if model is None:
+        return _load_unbound(probe, role)
     device = str(next(model.parameters()).device)
     if isinstance(probe, (str, os.PathLike)):
         from probes.export import load_probe
@@ -53,6 +57,18 @@ def load(probe, model, tokenizer, role: str | None = None):
     # in-process: hidden states from transformers, after the final norm; a probe of a server's states is refused
     FeatureSpec.of(c).check_source("transformers", "final_norm", where=f"SemanticSpecDecoder ({c.role} probe)")
     return probe
+
+
+def _load_unbound(probe, role: str | None):
+    """A probe directory (loaded without a model) or a probe, checked for its role only."""
+    from probes.export import check_role, load_probe
+
+    if isinstance(probe, (str, os.PathLike)):
+        return load_probe(probe, role=role)
+    if not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
+        raise TypeError(f"{role}_probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
+    check_role(probe.config, role, where=f"the {role} probe")
+    return probe.eval()
 
 
 def in_dtype(probe, probe_dtype: str, device: torch.device):

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from generation.cache import BatchedCache
 from generation.features import FeatureSpec
-from generation.handover import Handover
+from generation.handover import Handover, decode_text
+from generation.writer import StepWriter
 from probes.decoding.policies import Needs, fast_path_keeps_rows, judge_score
-from probes.decoding.proposer import Proposal, probe_rows
+from probes.decoding.proposer import CachePart, Proposal, probe_rows
 from probes.decoding.scores import Scores
+from probes.decoding.speculative import token_sd_steps
 
 
 @dataclass(frozen=True)
@@ -51,24 +52,68 @@ class StepRead:
     judge_logits: torch.Tensor | None
 
 
-class TargetVerifier:
+class TargetVerifier(CachePart):
     """The in-process target on its :class:`BatchedCache`, with the target probe and the judge turn.
 
     Args:
-        cache: the target's cache (rows hold their prompts).
+        writer: the target writing steps (its cache, rows holding their prompts; its stopper and the decode's
+            sampler).
+        tokenizer: the target's tokenizer.
         handover: turns the draft's steps into target tokens.
         probe: the target probe, or None.
         judge: the judge turn.
         coins: per cache row, the generator of its acceptance coins.
+        spare: context room each row keeps (a bonus token, a judge turn).
+        token_sd_tokens: tokens the draft proposes per target forward when it helps the target write a step.
     """
 
-    def __init__(self, cache: BatchedCache, handover: Handover, probe, judge: JudgeTurn, coins) -> None:
-        self.cache, self.handover, self.probe, self.judge, self.coins = cache, handover, probe, judge, coins
+    def __init__(self, writer: StepWriter, tokenizer, handover: Handover, probe, judge: JudgeTurn, coins,
+                 spare: int, token_sd_tokens: int = 0) -> None:
+        super().__init__(writer.cache, spare)
+        self.writer, self.sampler, self.tokenizer = writer, writer.sampler, tokenizer
+        self.handover, self.probe, self.judge, self.coins = handover, probe, judge, coins
+        self.token_sd_tokens = token_sd_tokens
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
         self.probe_s = 0.0  # seconds in the probe during the last verify()
         self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
         self.token_logits: dict[int, torch.Tensor] = {}  # per row read: logits predicting its new tokens, then after
         self._suffix = 0
+
+    def text(self, tokens) -> str:
+        """The text of target tokens (special tokens dropped)."""
+        return decode_text(self.tokenizer, tokens)
+
+    def step(self, tokens: list[int], n_forced: int) -> Proposal:
+        """A target step (forced tokens first) as the loop commits it."""
+        return Proposal(tokens, n_forced, self.text(tokens), eos=self.tokenizer.eos_token_id in tokens)
+
+    def ends_step(self, tokens: list[int], limit: int) -> bool:
+        """A target step of ``tokens`` is finished: its stopper says so, or it holds ``limit`` tokens."""
+        return bool(tokens) and (self.writer.stop(tokens) or len(tokens) >= limit)
+
+    def write(self, rows: list[int], limits: dict[int, int], forced: dict[int, list], assist=None,
+              alone: bool = False) -> dict[int, Proposal]:
+        """The target writes one step per row (after its forced tokens), with token-level speculation from the
+        ``assist`` proposer's draft when given (both caches end holding the step). ``alone`` (the target-only
+        baseline) changes nothing here: the loop's rounds write the output step by step."""
+        if assist is not None:
+            steps = token_sd_steps(self.writer, assist.writer, rows, limits=limits, forced=forced,
+                                   n_propose=self.token_sd_tokens)
+        else:
+            steps = self.writer.write(rows, limits, forced=forced)
+        return {i: self.step(st.tokens, st.n_forced) for i, st in steps.items()}
+
+    def bonus(self, rows: list[int], scores: Mapping[int, Scores]) -> dict[int, list[int]]:
+        """The target's next token after each row's kept step, drawn from the forward that read it; it enters the
+        target's context."""
+        logits = torch.stack([self.cache.last_logits[i] for i in rows]).float()
+        drawn = self.sampler.draw(logits, rows).tolist()
+        for i, t in zip(rows, drawn):
+            self.cache.extend(i, [t])
+        return {i: [t] for i, t in zip(rows, drawn)}
+
+    def is_eos(self, tokens: list) -> bool:
+        return self.tokenizer.eos_token_id in tokens
 
     def verify(self, proposals: Mapping[int, Proposal], outputs: Mapping[int, str], needs: Needs,
                rewrites: Collection[int] = ()) -> dict[int, Scores]:

@@ -1,0 +1,99 @@
+"""What both decoders share: ``generate`` and ``stream`` over the one step loop, and the method's checks.
+
+:class:`~probes.decoder.SemanticSpecDecoder` (in-process models) and
+:class:`~probes.decoding.served.ServedDecoder` (two servers) differ only in how they read their
+prompts and which parts they give :class:`~probes.decoding.loop.StepLoop`
+(:meth:`StepDecoder.step_loop`); the rounds, the decisions and the events are the loop's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+from generation.specs import SamplingSpec
+from probes.decoding.config import DecodeConfig
+from probes.decoding.methods import MethodArgs, runner_for
+from probes.decoding.results import DecodeResult, StepEvent, collect
+
+
+class Plan(NamedTuple):
+    """One call's work, every check done: the runner, the inputs (sequences, one entry per prompt), each prompt's
+    stream key, the sampling and the config."""
+
+    runner: Any
+    inputs: tuple[Sequence, ...]
+    keys: list
+    sampling: SamplingSpec
+    cfg: DecodeConfig
+
+
+class StepDecoder:
+    """The public ``generate``/``stream`` of a decoder; subclasses plan a call and build its loop."""
+
+    policy: Any
+    target_probe: Any
+    draft_probe: Any
+    last_wall_s: float = 0.0
+    """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts)."""
+
+    def generate(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
+                 ) -> list[DecodeResult]:
+        """Decode every prompt with ``config`` (a :class:`~probes.decoding.config.DecodeConfig`), or with its fields
+        as keyword arguments, which change a copy of it (``generate(prompts, max_new_tokens=64, seed=[0, 1])``).
+
+        Returns:
+            One :class:`~probes.decoding.results.DecodeResult` per prompt, in order.
+        """
+        plan = self._plan(prompts, DecodeConfig.of(config, overrides))
+        return collect(self._events(plan), len(plan.keys))
+
+    def stream(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
+               ) -> Iterator[StepEvent]:
+        """:meth:`generate`, yielding each prompt's steps as the loop commits them (or refuses them), then its end
+        event with its :class:`~probes.decoding.results.DecodeResult` (:class:`~probes.decoding.results.StepEvent`);
+        prompts of one batch interleave round by round. Everything :meth:`generate` refuses is refused here, when
+        called, before any model call or request."""
+        return self._events(self._plan(prompts, DecodeConfig.of(config, overrides)))
+
+    def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
+        raise NotImplementedError
+
+    def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys):
+        """The :class:`~probes.decoding.loop.StepLoop` of one batch (``batch``: the plan's inputs, sliced)."""
+        raise NotImplementedError
+
+    def _events(self, plan: Plan) -> Iterator[StepEvent]:
+        """The events of every batch of ``cfg.batch_size`` prompts, with their indices in the call."""
+        n, cfg = len(plan.keys), plan.cfg
+        bs = cfg.batch_size or max(n, 1)
+        bar = None
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=n, desc=str(cfg.method), unit="prompt")
+        t0 = time.perf_counter()
+        for s in range(0, n, bs):
+            batch = tuple(x[s : s + bs] for x in plan.inputs)
+            for e in plan.runner.stream(self, batch, cfg.max_new_tokens, plan.sampling, plan.keys[s : s + bs]):
+                if bar is not None and e.end:
+                    bar.update()
+                yield dataclasses.replace(e, prompt=s + e.prompt)
+        if bar is not None:
+            bar.close()
+        self.last_wall_s = time.perf_counter() - t0
+
+    def _runner(self, method, accept_rate, oracle) -> tuple[Any, list[str]]:
+        """The method's runner and what is wrong with the call for it (the probes it needs)."""
+        try:
+            runner = runner_for(method, MethodArgs(self.policy, accept_rate, oracle))
+        except ValueError as e:
+            return None, [str(e)]
+        needs, problems = runner.policy.needs if runner.policy is not None else None, []
+        if needs is not None and needs.q and self.target_probe is None:
+            problems.append(f"method={method!r} needs target_probe (an exported probe directory)")
+        if needs is not None and needs.p and self.draft_probe is None:
+            problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
+        return runner, problems

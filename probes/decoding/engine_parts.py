@@ -1,0 +1,352 @@
+"""The step loop's parts over two served models (any :class:`~generation.engines.base.Engine`).
+
+:class:`EngineProposer` (the draft's server) and :class:`EngineVerifier` (the target's) plug into
+:class:`~probes.decoding.loop.StepLoop` where the in-process parts do, so served decoding runs the
+same rounds, decisions and bookkeeping. A part sends one request per row of a phase, the rows'
+requests in flight together (at most ``concurrency``); the servers batch them. A round:
+
+1. **propose**: the draft's server writes a step (``write(context, step=StepSpec, max_tokens=cap)``: it
+   stops at the step's delimiters; ``top_k`` when the policy wants the draft probe's ``p``);
+2. **verify**: the target's server reads context + step in one request (``read``): the step's top-k
+   log-probabilities, its hidden rows when the target probe reads them, and the token after it; the
+   probes turn that into :class:`~probes.decoding.scores.Scores` in-process
+   (:func:`~generation.features.rows_features`, then the probe), and the policy decides;
+3. a kept step and the target's *bonus* token (the read's next token; a read of its own when the
+   policy read nothing) join the context; a refused one is written by the target's server (``write``
+   with the step spec), with its own token-level speculation if it runs one.
+
+Requests per step: 2 for a kept step (write, read), 3 for a refused one. The parts keep no model
+state: a row's context is its prompt and its committed text, which the servers' prefix caches hold.
+
+The baselines (``target_only``, ``draft_only``) are one ``write(prompt, step=None, max_tokens=budget)`` per
+prompt: what a user of the server would run, so a speedup against it is against the server's own decode.
+With an answer marker the text is then cut where the step loop would stop (:func:`answer_cut`), so greedy
+``always_reject`` equals ``target_only`` whenever the server tokenizes a written text as it wrote it.
+
+Known difference from in-process decoding: a step the draft ends with EOS is read without its EOS (text
+carries no end-of-sequence), so the target probe pools one row fewer on such a last step.
+
+A row whose request fails (a dead server, a malformed answer) ends with ``stop_reason="error"``, ``text=""``
+and the message (the server's URL, never a key) in ``error``; the other rows go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from generation.engines.base import TokenLogprobs
+from generation.engines.connection import redact
+from generation.features import FeatureSpec, probe_input, rows_features
+from generation.sampling import StreamKey, stream_seed
+from generation.specs import SamplingSpec, StepSpec
+from generation.steps import ends_step
+from probes.decoding.policies import FastPath, Needs
+from probes.decoding.proposer import Proposal, RowState, run_probe
+from probes.decoding.rows import Row, answer_complete
+from probes.decoding.scores import Scores
+
+SPARE = 1
+"""Context room kept for the bonus token."""
+EOS = None
+"""The bonus "token" that ends the sequence (a served bonus token is its text, and EOS has none)."""
+
+
+class EnginePart:
+    """Requests to one server for the rows of a loop: their seeds, counters and concurrency, and their failures.
+
+    Args:
+        engine: the server's client.
+        role: ``"target"`` or ``"draft"`` (request seeds and messages name it).
+        rows: the loop's rows (a request counts into its row's stats; a failure fails its row).
+        prompts: each row's prompt text.
+        keys: each row's :data:`~generation.sampling.StreamKey` (request ``k`` of a row's step ``s`` is seeded from
+            ``(key, role:kind:s)``, so a row decodes the same whatever else runs).
+        sampling: temperature and top-p of both servers.
+        step: what a step is (the delimiters and cap a written step stops at).
+        concurrency: requests in flight at once.
+    """
+
+    def __init__(self, engine, role: str, rows: list[Row], prompts: Sequence[str], keys: Sequence[StreamKey],
+                 sampling: SamplingSpec, step: StepSpec, concurrency: int) -> None:
+        self.engine, self.role, self.rows, self.prompts, self.keys = engine, role, rows, list(prompts), list(keys)
+        self.sampling, self.step_spec, self.concurrency = sampling, step, concurrency
+        n = len(rows)
+        self.passes, self.served_s, self.forward_s = [0] * n, [0.0] * n, 0.0
+        self.used = [0] * n  # tokens in the server's context for the row, from its last usage
+        self.probe_s = 0.0
+
+    def room(self, row: int) -> int | None:
+        ctx = getattr(self.engine, "context_length", None)
+        return None if ctx is None else ctx - self.used[row] - SPARE
+
+    def retire(self, rows: Sequence[int]) -> None:
+        """Nothing to free: a server keeps no row."""
+
+    def context(self, row: int) -> str:
+        """The row's committed text, its prompt first."""
+        return self.prompts[row] + self.rows[row].text
+
+    def each(self, kind: str, calls: Mapping[int, tuple[tuple, dict]]) -> dict:
+        """One ``kind`` request per row (``calls``: its positional and keyword arguments), in flight together; a
+        row whose request fails is failed (:meth:`Row.fail`) and left out of the answers."""
+        t0, out = time.perf_counter(), {}
+        if not calls:
+            return out
+        if self.concurrency == 1 or len(calls) == 1:
+            results = {}
+            for i, (args, kw) in calls.items():
+                results[i] = _Outcome.of(self._one, i, kind, args, kw)
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(calls))) as pool:
+                futures = {i: pool.submit(_Outcome.of, self._one, i, kind, args, kw)
+                           for i, (args, kw) in calls.items()}
+                results = {i: f.result() for i, f in futures.items()}
+        for i, r in results.items():
+            if r.error is not None:
+                self.rows[i].fail(redact(str(r.error)))
+            else:
+                out[i] = r.value
+        self.forward_s += time.perf_counter() - t0
+        return out
+
+    def _one(self, i: int, kind: str, args: tuple, kw: dict):
+        """One request for row ``i``, counted in its stats; a failure names the server."""
+        kw = dict(kw, sampling=self.sampling, seed=stream_seed(*self.keys[i], f"{self.role}:{kind}:"
+                                                                                f"{len(self.rows[i].trace)}"))
+        t0 = time.perf_counter()
+        try:
+            answer = getattr(self.engine, kind)(*args, **kw)
+        except Exception as e:
+            raise RuntimeError(f"the {self.role} server {self.engine.url} failed a {kind} request: "
+                               f"{type(e).__name__}: {e}") from e
+        dt, u, s = time.perf_counter() - t0, answer.usage, self.rows[i].stats
+        s.requests += 1
+        s.http_s += dt
+        s.prefill_tokens += u.prefill_tokens if u.prefill_tokens is not None else u.prompt_tokens - (u.cached_tokens
+                                                                                                     or 0)
+        self.used[i] = max(self.used[i], u.prompt_tokens + u.completion_tokens)
+        self.passes[i] += 1
+        self.served_s[i] += dt
+        return answer
+
+    def write_steps(self, forced: Mapping[int, Sequence], limits: Mapping[int, int], top_k: int | None = None
+                    ) -> tuple[dict[int, Proposal], dict]:
+        """One step per row after its forced tokens (at most ``limits[i]`` tokens, forced ones included), and the
+        servers' answers; a row whose step can hold nothing past its forced tokens sends no request."""
+        calls, steps = {}, {}
+        for i, f in forced.items():
+            cap = min(self.step_spec.max_step_tokens, limits[i]) - len(f)
+            if cap < 1:
+                steps[i] = Proposal(list(f), len(f), "".join(f), n_new=0)
+            else:
+                calls[i] = ((self.context(i) + "".join(f),), dict(step=self.step_spec, max_tokens=cap, top_k=top_k))
+        answers = self.each("write", calls)
+        for i, w in answers.items():
+            f = list(forced[i])
+            steps[i] = Proposal(f, len(f), "".join(f) + w.text, n_new=w.usage.completion_tokens, eos=w.stop == "eos")
+        return steps, answers
+
+    def write_alone(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
+        """Each row's whole output in one request (the baselines), cut where the step loop would stop at the
+        answer (:func:`answer_cut`)."""
+        calls = {}
+        for i in rows:
+            top_k = 1 if self.rows[i].answer_marker else None
+            calls[i] = ((self.context(i),), dict(step=None, max_tokens=limits[i], top_k=top_k))
+        out = {}
+        for i, w in self.each("write", calls).items():
+            text, n, row = w.text, w.usage.completion_tokens, self.rows[i]
+            cut = answer_cut(w.tokens, self.step_spec, row.answer_marker)
+            if cut is not None:
+                text, n = (w.text[: len(cut[0])] if w.text.startswith(cut[0]) else cut[0]), cut[1]
+            eos = w.stop == "eos" and cut is None
+            end = None if eos or cut is not None else "budget" if n >= row.budget else "context"
+            out[i] = Proposal([], 0, text, n_new=n, eos=eos, end=end)
+        return out
+
+    def extend(self, row: int, tokens: Sequence) -> None:
+        """Nothing to do: the server reads the row's committed text with its next request."""
+
+    def roll_back(self, row: int) -> None:
+        """Nothing to do: a refused step never joins the row's text."""
+
+    def keep(self, row: int, n: int) -> None:
+        """Nothing to do (token-level speculation is the server's own)."""
+
+
+class _Outcome:
+    """A request's answer or its exception (a failure fails one row, not the phase)."""
+
+    def __init__(self, value=None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+    @classmethod
+    def of(cls, fn, *args) -> _Outcome:
+        try:
+            return cls(fn(*args))
+        except Exception as e:  # noqa: BLE001 (a dead server or a bad answer fails this row, not the decode)
+            return cls(error=e)
+
+
+class EngineProposer(EnginePart):
+    """The draft's server writing steps; the draft probe reads the written tokens' top-k (its ``p``).
+
+    Args:
+        probe: the draft probe, or None.
+        **kw: :class:`EnginePart`'s arguments (role ``"draft"``).
+    """
+
+    def __init__(self, engine, probe, **kw) -> None:
+        super().__init__(engine, "draft", **kw)
+        self.probe, self.spec = probe, FeatureSpec.of(probe.config) if probe is not None else None
+        self.feed_s = 0.0
+        self.written: dict = {}
+
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
+        top_k = self.spec.top_k if for_p and self.spec is not None and self.spec.needs_topk else None
+        steps, self.written = self.write_steps({i: s.forced for i, s in rows.items()},
+                                               {i: s.limit for i, s in rows.items()}, top_k)
+        return steps
+
+    def score(self, rows: Sequence[int]) -> dict[int, float]:
+        """The draft probe's ``p`` of each row's last step, from the top-k its server returned with it."""
+        t0, out = time.perf_counter(), {}
+        for i in rows:
+            w = self.written.get(i)
+            if w is None or w.tokens is None:
+                self.rows[i].fail(f"the draft server {self.engine.url} returned no log-probs for a written step "
+                                  "though top_k was asked (the draft probe's p reads them)")
+                continue
+            out[i] = run_probe(self.probe, features(self.spec, w.tokens, None))[0]
+        self.probe_s = time.perf_counter() - t0
+        return out
+
+    def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
+        """The draft-only baseline: each row's whole output in one request."""
+        return self.write_alone(rows, limits)
+
+    def take(self, row: int, step: Proposal) -> None:
+        """Nothing to do: the target's step is in the row's text."""
+
+
+class EngineVerifier(EnginePart):
+    """The target's server reading each drafted step; the target probe and the fast path judge its answer.
+
+    Args:
+        probe: the target probe, or None.
+        coins: per row, the generator of its acceptance coins.
+        **kw: :class:`EnginePart`'s arguments (role ``"target"``).
+    """
+
+    def __init__(self, engine, probe, coins, **kw) -> None:
+        super().__init__(engine, "target", **kw)
+        self.probe, self.spec, self.coins = probe, FeatureSpec.of(probe.config) if probe is not None else None, coins
+        self.read_at: dict[int, tuple[str, str]] = {}  # per row verified: (context, step) it was read at
+        self.readings: dict = {}
+
+    def verify(self, proposals: Mapping[int, Proposal], outputs: Mapping[int, str], needs: Needs,
+               rewrites: Collection[int] = ()) -> dict[int, Scores]:
+        """Read each proposal (when the policy reads anything) in one request per row and score it; an empty step
+        is not read and cannot be kept."""
+        self.probe_s = 0.0
+        self.read_at = {i: (self.context(i), d.text) for i, d in proposals.items() if d.text}
+        self.readings = {}
+        if needs.q or needs.fast_path is not None:
+            kw = dict(top_k=self.read_top_k(needs), hidden=needs.q and self.spec.needs_hidden)
+            self.readings = self.each("read", {i: (at, kw) for i, at in self.read_at.items()})
+        scores = {}
+        for i in self.read_at:
+            if self.rows[i].done:  # its read failed
+                continue
+            scores[i] = self._score(proposals[i], outputs[i], self.readings.get(i), needs, self.coins[i])
+        return scores
+
+    def _score(self, d: Proposal, output: str, reading, needs: Needs, coins: torch.Generator) -> Scores:
+        fast = fast_keeps(reading.step, d.n_forced, needs.fast_path) if needs.fast_path is not None else False
+        q = x = None
+        if needs.q and not fast:
+            t0 = time.perf_counter()
+            x = features(self.spec, reading.step, reading.hidden)
+            q = run_probe(self.probe, x)[0]
+            self.probe_s += time.perf_counter() - t0
+        coin = float(torch.rand((), generator=coins)) if needs.coin and not fast else None
+        return Scores(text=d.text, output=output, features=x, fast=fast, q=q, coin=coin)
+
+    def read_top_k(self, needs: Needs) -> int:
+        """The top-k a verifying read asks for: what the target probe and the fast path read (at least 1)."""
+        ks = [1]
+        if needs.q and self.spec.needs_topk:
+            ks.append(self.spec.top_k)
+        if needs.fast_path is not None:
+            ks.append(needs.fast_path.top_k)
+        return max(ks)
+
+    def bonus(self, rows: list[int], scores: Mapping[int, Scores]) -> dict[int, list]:
+        """The target's next token after each row's kept step: from its verifying read, or from a read of its own
+        when the policy read nothing (:data:`EOS` at the end of sequence)."""
+        got = {i: self.readings[i] for i in rows if i in self.readings}
+        got.update(self.each("read", {i: (self.read_at[i], dict(top_k=1, hidden=False))
+                                      for i in rows if i not in got}))
+        return {i: [EOS] if r.next_eos else [r.next_text] if r.next_text else [] for i, r in got.items()}
+
+    def is_eos(self, tokens: Sequence) -> bool:
+        return EOS in tokens
+
+    def text(self, tokens: Sequence) -> str:
+        """The text of served tokens (each is its text)."""
+        return "".join(t for t in tokens if t is not EOS)
+
+    def write(self, rows: list[int], limits: dict[int, int], forced: dict[int, list], assist=None,
+              alone: bool = False) -> dict[int, Proposal]:
+        """The target's server writes one step per row (the first one, or a refused one), or with ``alone`` (the
+        target-only baseline) each row's whole output in one request."""
+        if alone:
+            return self.write_alone(rows, limits)
+        return self.write_steps(forced, limits)[0]
+
+    def close_judge_turn(self, row: int, scores: Scores | None) -> None:
+        """Nothing to do: a served read has no judge turn."""
+
+
+def answer_cut(tokens: TokenLogprobs | None, step: StepSpec, marker: str | None) -> tuple[str, int] | None:
+    """Where the step loop would stop a text written in one request: the end of the first step (cut at
+    ``step``'s delimiters and cap, token by token) after which the answer line is complete.
+
+    Returns:
+        ``(text, n_tokens)`` up to that step's end, or None when the answer never completes.
+    """
+    if tokens is None or not marker:
+        return None
+    text, cur, n = "", "", 0
+    for i, piece in enumerate(tokens.tokens):
+        cur, n = cur + piece, n + 1
+        if ends_step(cur, step.delimiters) or n >= step.max_step_tokens:
+            text, cur, n = text + cur, "", 0
+            if answer_complete(text, marker):
+                return text, i + 1
+    return None
+
+
+def fast_keeps(step: TokenLogprobs, n_forced: int, fp: FastPath) -> bool:
+    """:func:`~probes.decoding.policies.fast_path_keeps` from a server's top-k: every drafted token is in the
+    target's top-``fp.top_k`` and has at least ``fp.min_logprob``."""
+    lp, top = step.logprobs[n_forced:], step.top[n_forced:, : fp.top_k]
+    if len(lp) == 0:
+        return False
+    rank = (top > lp[:, None]).sum(-1)
+    return bool(((rank < fp.top_k) & (lp >= fp.min_logprob)).all())
+
+
+def features(spec: FeatureSpec, step: TokenLogprobs, hidden: torch.Tensor | None) -> torch.Tensor:
+    """A probe's (1, W) input from what a server returned for a step (its top-k, its hidden rows)."""
+    tokens = [step.ids if step.ids is not None else step.tokens]  # only their number matters without token_stats
+    kw = {}
+    if spec.needs_hidden:
+        kw["hidden"] = [hidden[None]]  # (1, k, D): the last layer
+    if spec.needs_topk:
+        kw["topk"] = [(step.logprobs, step.top)]
+    return probe_input(rows_features(spec, tokens, **kw), spec.groups)
