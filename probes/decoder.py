@@ -169,9 +169,12 @@ class SemanticSpecDecoder(StepDecoder):
 
     def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """The call's runner, target and draft ids, stream keys, sampling and config, every check done."""
-        runner, problems = self._runner(cfg.method, cfg.accept_rate, cfg.oracle)
+        runner, problems = self._runner(cfg)
         sampling = self.sampling(cfg.temperature, cfg.top_p, enforce=runner is not None and runner.probes_decide,
                                  allow_mismatch=cfg.allow_sampling_mismatch)
+        if cfg.lookahead > 1 and not self.shared:
+            problems.append(f"lookahead={cfg.lookahead}: a window of steps is read in the target's tokens of the "
+                            "draft's, which needs one tokenizer; this pair has two (use lookahead=1)")
         if problems:
             raise ValueError("; ".join(problems))
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)

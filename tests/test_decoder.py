@@ -164,11 +164,11 @@ def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, 
     spans = {"q": [], "p": []}
     verify, score = TargetVerifier.verify, DraftProposer.score
 
-    def spy_verify(self, proposals, outputs, needs, rewrites=()):
-        n0 = {i: len(self.cache.seq[i]) - self.handover.forced_in_target(d) for i, d in proposals.items()}
-        out = verify(self, proposals, outputs, needs, rewrites)
-        for i in out:  # (prefix, step) as the target holds them
-            d = proposals[i]
+    def spy_verify(self, windows, outputs, needs, rewrites=()):
+        n0 = {i: len(self.cache.seq[i]) - self.handover.forced_in_target(w[0]) for i, w in windows.items()}
+        out = verify(self, windows, outputs, needs, rewrites)
+        for i in out:  # (prefix, step) as the target holds them (one-step windows)
+            d = windows[i][0]
             spans["q"].append((self.cache.seq[i][: n0[i]], self.cache.seq[i][n0[i] : n0[i] + len(d.tokens)]))
         return out
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from generation.specs import SamplingSpec
 from probes.decoding.config import DecodeConfig
-from probes.decoding.methods import MethodArgs, runner_for
+from probes.decoding.methods import MethodArgs, Speculative, runner_for
 from probes.decoding.results import DecodeResult, StepEvent, collect
 
 
@@ -68,7 +68,7 @@ class StepDecoder:
     def _events(self, plan: Plan) -> Iterator[StepEvent]:
         """The events of every batch of ``cfg.batch_size`` prompts, with their indices in the call."""
         n, cfg = len(plan.keys), plan.cfg
-        bs = cfg.batch_size or max(n, 1)
+        bs = self._batch_size(cfg, n)
         bar = None
         if cfg.progress:
             from tqdm.auto import tqdm
@@ -85,10 +85,15 @@ class StepDecoder:
             bar.close()
         self.last_wall_s = time.perf_counter() - t0
 
-    def _runner(self, method, accept_rate, oracle) -> tuple[Any, list[str]]:
-        """The method's runner and what is wrong with the call for it (the probes it needs)."""
+    def _batch_size(self, cfg: DecodeConfig, n: int) -> int:
+        """Prompts per loop: ``cfg.batch_size``, else all ``n``."""
+        return cfg.batch_size or max(n, 1)
+
+    def _runner(self, cfg: DecodeConfig) -> tuple[Any, list[str]]:
+        """The method's runner (with the config's lookahead) and what is wrong with the call for it."""
+        method = cfg.method
         try:
-            runner = runner_for(method, MethodArgs(self.policy, accept_rate, oracle))
+            runner = runner_for(method, MethodArgs(self.policy, cfg.accept_rate, cfg.oracle))
         except ValueError as e:
             return None, [str(e)]
         needs, problems = runner.policy.needs if runner.policy is not None else None, []
@@ -96,4 +101,22 @@ class StepDecoder:
             problems.append(f"method={method!r} needs target_probe (an exported probe directory)")
         if needs is not None and needs.p and self.draft_probe is None:
             problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
+        if cfg.lookahead > 1:
+            why = lookahead_problem(runner, method)
+            if why:
+                problems.append(f"lookahead={cfg.lookahead}: {why}")
+            else:
+                runner = dataclasses.replace(runner, lookahead=cfg.lookahead)
         return runner, problems
+
+
+def lookahead_problem(runner, method) -> str | None:
+    """Why ``method`` cannot judge a window of several drafted steps per target pass, or None."""
+    if not isinstance(runner, Speculative):
+        return f"method={method!r} drafts no steps for the target to judge; use lookahead=1"
+    if runner.policy.needs.judge:
+        return (f"method={method!r} reads a judge turn after each step, which cannot share one forward with the "
+                "steps after it; use lookahead=1")
+    if runner.policy.needs.p:
+        return "the ratio rule reads the draft probe's p, which is read for one-step windows only; use lookahead=1"
+    return None

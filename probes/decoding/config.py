@@ -51,7 +51,13 @@ class DecodeConfig:
         allow_sampling_mismatch: decode with a ``temperature`` or ``top_p`` that differs from the probes' (greedy
             with probes trained on steps sampled at 0.6, say): a ``UserWarning`` naming both instead of the
             refusal. The probes then judge steps unlike their training steps: measure before relying on it.
-        progress: a progress bar over batches (in-process).
+        progress: a progress bar over the prompts.
+        lookahead: drafted steps judged per target pass (an integer >= 1). The draft writes up to ``lookahead``
+            steps one after another, the target reads them all in one forward (served: one request), the probe
+            judges each as the step-by-step loop would (causal attention: a step's features depend only on the text
+            before it), and the kept steps up to the first refused one are committed. 1 (default) is one step per
+            target pass. Speculative methods only; above 1 it needs one tokenizer in-process, and no policy that
+            reads the draft probe's ``p`` or a judge turn.
 
     Raises:
         ValueError: a field with a bad value, naming every bad field and its value at once.
@@ -67,6 +73,7 @@ class DecodeConfig:
     oracle: Callable[[str, str], bool] | None = None
     allow_sampling_mismatch: bool = False
     progress: bool = False
+    lookahead: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, Sequence) and not isinstance(self.seed, (str, bytes)):
@@ -84,8 +91,9 @@ class DecodeConfig:
 
     def _field_problems(self) -> list[tuple[str, str]]:
         out = []
-        if not is_count(self.max_new_tokens):
-            out.append(("max_new_tokens", "expected an integer >= 1"))
+        for name in ("max_new_tokens", "lookahead"):
+            if not is_count(getattr(self, name)):
+                out.append((name, "expected an integer >= 1"))
         if not isinstance(self.method, str) and not _is_policy(self.method):
             out.append(("method", "expected a method name or an AcceptancePolicy"))
         if self.batch_size is not None and not is_count(self.batch_size):

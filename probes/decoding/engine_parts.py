@@ -133,17 +133,19 @@ class EnginePart:
         self.served_s[i] += dt
         return answer
 
-    def write_steps(self, forced: Mapping[int, Sequence], limits: Mapping[int, int], top_k: int | None = None
-                    ) -> tuple[dict[int, Proposal], dict]:
+    def write_steps(self, forced: Mapping[int, Sequence], limits: Mapping[int, int], top_k: int | None = None,
+                    after: Mapping[int, str] | None = None) -> tuple[dict[int, Proposal], dict]:
         """One step per row after its forced tokens (at most ``limits[i]`` tokens, forced ones included), and the
-        servers' answers; a row whose step can hold nothing past its forced tokens sends no request."""
-        calls, steps = {}, {}
+        servers' answers; a row whose step can hold nothing past its forced tokens sends no request. ``after``: text
+        a row's step follows beyond its committed text (the steps of its window before it)."""
+        calls, steps, after = {}, {}, after or {}
         for i, f in forced.items():
             cap = min(self.step_spec.max_step_tokens, limits[i]) - len(f)
             if cap < 1:
                 steps[i] = Proposal(list(f), len(f), "".join(f), n_new=0)
             else:
-                calls[i] = ((self.context(i) + "".join(f),), dict(step=self.step_spec, max_tokens=cap, top_k=top_k))
+                context = self.context(i) + after.get(i, "") + "".join(f)
+                calls[i] = ((context,), dict(step=self.step_spec, max_tokens=cap, top_k=top_k))
         answers = self.each("write", calls)
         for i, w in answers.items():
             f = list(forced[i])
@@ -204,12 +206,18 @@ class EngineProposer(EnginePart):
         super().__init__(engine, "draft", **kw)
         self.probe, self.spec = probe, FeatureSpec.of(probe.config) if probe is not None else None
         self.feed_s = 0.0
-        self.written: dict = {}
+        self.written: dict = {}  # per row: the server's answer for the first step of its window
+        self.window: dict[int, str] = {}  # per row: the text of its window's steps so far
 
-    def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False) -> dict[int, Proposal]:
         top_k = self.spec.top_k if for_p and self.spec is not None and self.spec.needs_topk else None
-        steps, self.written = self.write_steps({i: s.forced for i, s in rows.items()},
-                                               {i: s.limit for i, s in rows.items()}, top_k)
+        steps, written = self.write_steps({i: s.forced for i, s in rows.items()},
+                                          {i: s.limit for i, s in rows.items()}, top_k,
+                                          after=self.window if more else None)
+        if not more:
+            self.written, self.window = written, {}
+        for i, d in steps.items():
+            self.window[i] = self.window.get(i, "") + d.text
         return steps
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
@@ -248,12 +256,13 @@ class EngineVerifier(EnginePart):
         self.read_at: dict[int, tuple[str, str]] = {}  # per row verified: (context, step) it was read at
         self.readings: dict = {}
 
-    def verify(self, proposals: Mapping[int, Proposal], outputs: Mapping[int, str], needs: Needs,
-               rewrites: Collection[int] = ()) -> dict[int, Scores]:
-        """Read each proposal (when the policy reads anything) in one request per row and score it; an empty step
-        is not read and cannot be kept."""
+    def verify(self, windows: Mapping[int, Sequence[Proposal]], outputs: Mapping[int, str], needs: Needs,
+               rewrites: Collection[int] = ()) -> dict[int, list[Scores]]:
+        """Read each row's window of steps (when the policy reads anything) in one request and score each step as
+        the step-by-step loop would; an empty step is not read and cannot be kept, nor can a step whose tokens the
+        server did not split at its start."""
         self.probe_s = 0.0
-        self.read_at = {i: (self.context(i), d.text) for i, d in proposals.items() if d.text}
+        self.read_at = {i: (self.context(i), "".join(d.text for d in w)) for i, w in windows.items() if w[0].text}
         self.readings = {}
         if needs.q or needs.fast_path is not None:
             kw = dict(top_k=self.read_top_k(needs), hidden=needs.q and self.spec.needs_hidden)
@@ -262,15 +271,25 @@ class EngineVerifier(EnginePart):
         for i in self.read_at:
             if self.rows[i].done:  # its read failed
                 continue
-            scores[i] = self._score(proposals[i], outputs[i], self.readings.get(i), needs, self.coins[i])
+            reading, w = self.readings.get(i), windows[i]
+            parts = split_reading(reading, [d.text for d in w]) if reading is not None else [None] * len(w)
+            out = outputs[i]
+            scores[i] = []
+            for d, part in zip(w, parts):
+                if part is False:  # the server's tokens straddle the step's start: nothing to read it from
+                    break
+                scores[i].append(self._score(d, out, part, needs, self.coins[i]))
+                out += d.text
         return scores
 
-    def _score(self, d: Proposal, output: str, reading, needs: Needs, coins: torch.Generator) -> Scores:
-        fast = fast_keeps(reading.step, d.n_forced, needs.fast_path) if needs.fast_path is not None else False
+    def _score(self, d: Proposal, output: str, read, needs: Needs, coins: torch.Generator) -> Scores:
+        """One step's scores from ``read``: its ``(TokenLogprobs, hidden rows)``, or None when nothing was read."""
+        step, hidden = read if read is not None else (None, None)
+        fast = fast_keeps(step, d.n_forced, needs.fast_path) if needs.fast_path is not None else False
         q = x = None
         if needs.q and not fast:
             t0 = time.perf_counter()
-            x = features(self.spec, reading.step, reading.hidden)
+            x = features(self.spec, step, hidden)
             q = run_probe(self.probe, x)[0]
             self.probe_s += time.perf_counter() - t0
         coin = float(torch.rand((), generator=coins)) if needs.coin and not fast else None
@@ -310,6 +329,27 @@ class EngineVerifier(EnginePart):
 
     def close_judge_turn(self, row: int, scores: Scores | None) -> None:
         """Nothing to do: a served read has no judge turn."""
+
+
+def split_reading(reading, texts: Sequence[str]) -> list:
+    """A window's reading cut into its steps: ``(TokenLogprobs, hidden rows)`` per step, or False for a step whose
+    start falls inside a token (it and the steps after it cannot be read)."""
+    tokens, ends, at = reading.step, [], 0
+    for t in texts:
+        at += len(t)
+        ends.append(at)
+    out, a, text_at, k = [], 0, 0, 0
+    for end in ends:
+        while k < len(tokens.tokens) and text_at < end:
+            text_at += len(tokens.tokens[k])
+            k += 1
+        if text_at != end:
+            return out + [False] * (len(texts) - len(out))
+        ids = tokens.ids[a:k] if tokens.ids is not None else None
+        step = TokenLogprobs(tokens.tokens[a:k], ids, tokens.logprobs[a:k], tokens.top[a:k])
+        out.append((step, reading.hidden[a:k] if reading.hidden is not None else None))
+        a = k
+    return out
 
 
 def answer_cut(tokens: TokenLogprobs | None, step: StepSpec, marker: str | None) -> tuple[str, int] | None:

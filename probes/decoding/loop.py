@@ -30,7 +30,7 @@ from probes.decoding.options import LoopOptions
 from probes.decoding.policies import AcceptancePolicy
 from probes.decoding.proposer import DraftProposer, Proposal, Proposer, RowState
 from probes.decoding.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
-from probes.decoding.rows import Row, TargetStep
+from probes.decoding.rows import Row, TargetStep, answer_complete
 from probes.decoding.speculative import speculate_tokens
 from probes.decoding.verify import TargetVerifier
 
@@ -168,9 +168,11 @@ class StepLoop:
         """The rows not done (a part failed the others' requests)."""
         return [i for i in rows_i if not self.rows[i].done]
 
-    def speculate(self, rows_i: list[int], policy: AcceptancePolicy) -> list[int]:
-        """Propose, verify, decide, then commit or roll back every row's step.
+    def speculate(self, rows_i: list[int], policy: AcceptancePolicy, lookahead: int = 1) -> list[int]:
+        """Propose, verify, decide, then commit or roll back every row's step (or window of steps).
 
+        With ``lookahead`` above 1 the draft writes up to that many steps per row, one after another, the target
+        reads them in one forward, and each row keeps its steps up to the first refused one (:meth:`_window`).
         Rows rewriting a refused step (``rewrite_in_rounds``) ride the same draft and target forwards: their
         proposal continues the target's step and is kept token by token (:meth:`_rewrite_tokens`).
 
@@ -181,18 +183,17 @@ class StepLoop:
         needs, rows = policy.needs, self.rows
         t0 = time.perf_counter()
         states = {i: self._row_state(i) for i in rows_i}
-        proposals = self.proposer.propose(states, for_p=needs.p)
+        windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p).items()}
+        self._window(windows, states, lookahead)
         rows_i = self.live(rows_i)
         going = [i for i in rows_i if rows[i].rewriting is not None]
         judged = [i for i in rows_i if rows[i].rewriting is None]
         t_verify = time.perf_counter()
-        scores = self.verifier.verify({i: proposals[i] for i in rows_i}, {i: rows[i].text for i in judged}, needs,
+        scores = self.verifier.verify({i: windows[i] for i in rows_i}, {i: rows[i].text for i in judged}, needs,
                                       rewrites=going)
         t_scored = time.perf_counter()
-        want_p = [i for i, s in scores.items() if policy.wants_p(s) and not rows[i].done] if needs.p else []
-        p = self.proposer.score(want_p) if want_p else {}
-        scores = {i: replace(s, p=p[i]) if i in p else s for i, s in scores.items()}
-        decisions = policy.decide({i: s for i, s in scores.items() if not rows[i].done})
+        scores, want_p = self._with_p(scores, policy)
+        decisions = self._decide(scores, policy)
         rows_i = self.live(rows_i)
         if not rows_i:
             return []
@@ -203,43 +204,95 @@ class StepLoop:
         for i in self.live(going):
             rows[i].stats.rewrite_s += (draft_s + verify_s) / len(rows_i)
             rows[i].rewriting.seconds += dt
-            self._rewrite_tokens(i, proposals[i], drawn=True)
-        return self._settle(self.live(judged), proposals, scores, decisions, states, (dt, probe_s, draft_s,
-                                                                                    verify_s, len(rows_i)))
+            self._rewrite_tokens(i, windows[i][0], drawn=True)
+        return self._settle(self.live(judged), windows, scores, decisions, states, (dt, probe_s, draft_s,
+                                                                                  verify_s, len(rows_i)))
 
-    def _settle(self, judged: list[int], proposals, scores, decisions, states, times) -> list[int]:
-        """Count, trace and commit or roll back each judged row's step; the bonus token after the kept ones.
-        ``times``: the round's seconds per row, probe, draft and verify seconds, and the rows sharing them."""
+    def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], lookahead: int) -> None:
+        """The draft writes up to ``lookahead`` steps per judged row, each after the ones before it, while the row
+        would go on: the last step did not end the sequence or the answer and the budget has room left."""
+        for _ in range(lookahead - 1):
+            more = {i: RowState((), left) for i, w in windows.items()
+                    if (left := self._room_after(i, w, states[i])) > 0}
+            if not more:
+                return
+            for i, d in self.proposer.propose(more, for_p=False, more=True).items():
+                windows[i].append(d)
+
+    def _room_after(self, i: int, window: list[Proposal], state: RowState) -> int:
+        """Tokens a next step of row ``i``'s window may hold (0: the row would stop after the window)."""
+        r, last = self.rows[i], window[-1]
+        if r.done or r.rewriting is not None or last.eos or last.n_new == 0:
+            return 0
+        if answer_complete(r.text + "".join(d.text for d in window), r.answer_marker):
+            return 0
+        return state.limit - sum(d.size for d in window)
+
+    def _with_p(self, scores: dict[int, list], policy: AcceptancePolicy) -> tuple[dict[int, list], list[int]]:
+        """The scores with the draft probe's ``p`` of the rows whose first step the policy wants it for, and those
+        rows (``p`` is read for one-step windows only)."""
+        rows = self.rows
+        want_p = [i for i, s in scores.items() if policy.wants_p(s[0]) and not rows[i].done] if policy.needs.p else []
+        p = self.proposer.score(want_p) if want_p else {}
+        return {i: [replace(s[0], p=p[i]), *s[1:]] if i in p else s for i, s in scores.items()}, want_p
+
+    def _decide(self, scores: dict[int, list], policy: AcceptancePolicy) -> dict[int, list[Decision]]:
+        """Each row's decisions, step by step through its window up to its first refused step, every step judged as
+        if the ones before it were kept (the verifier read it after them)."""
+        going = {i: s for i, s in scores.items() if not self.rows[i].done}
+        out: dict[int, list[Decision]] = {i: [] for i in going}
+        for j in range(max((len(s) for s in going.values()), default=0)):
+            at = {i: s[j] for i, s in going.items() if len(s) > j and (j == 0 or out[i][-1].kept)}
+            for i, d in policy.decide(at).items():
+                out[i].append(d)
+        return out
+
+    def _settle(self, judged: list[int], windows, scores, decisions, states, times) -> list[int]:
+        """Count, trace and commit each judged row's kept steps, and roll back from its first refused one (the steps
+        after it are thrown away); the bonus token after a window kept whole. A step the target read nothing of is
+        refused. ``times``: the round's seconds per row, probe, draft and verify seconds, and the rows sharing
+        them."""
         dt, probe_s, draft_s, verify_s, n = times
         rows, rejected, bonus = self.rows, [], []
         for i in judged:
-            d, r, s = proposals[i], rows[i], scores.get(i)
-            decision = decisions.get(i, Decision.REJECT)  # a row the target read nothing of cannot be kept
-            self.verifier.close_judge_turn(i, s)
-            r.stats.draft_steps_proposed += 1
+            r, w, s, ds = rows[i], windows[i], scores.get(i, []), decisions.get(i, [])
+            self.verifier.close_judge_turn(i, s[0] if s else None)
             r.stats.probe_s += probe_s / len(judged)
             r.stats.draft_s += draft_s / n
             r.stats.verify_s += verify_s / n
-            r.stats.drafted_tokens += d.n_new
-            trace = StepTrace("draft", d.text, d.size, s and s.q, s and s.p, decision, dt, s and s.judge)
-            if decision == Decision.REJECT:
-                r.trace.append(trace)
-                if self.rides:  # the target redraws the step from the forward that just read it
-                    r.rewriting = TargetStep(d.forced, d.n_forced, states[i].limit)
-                    self._rewrite_tokens(i, d, drawn=False)
-                    continue
-                self.verifier.roll_back(i)  # roll back by length: both models forget the step
-                self.proposer.roll_back(i)
-                r.forced = d.forced
-                rejected.append(i)
-                continue
-            r.stats.draft_steps_accepted += 1
-            r.commit(trace, d, True)
-            if self.setup.bonus_token and not r.done and self.limit(i, self.verifier, self.proposer) > 0:
-                bonus.append(i)
+            r.stats.drafted_tokens += sum(d.n_new for d in w)
+            kept = 0
+            for j, d in enumerate(w):
+                decision, sj = ds[j] if j < len(ds) else Decision.REJECT, s[j] if j < len(s) else None
+                r.stats.draft_steps_proposed += 1
+                trace = StepTrace("draft", d.text, d.size, sj and sj.q, sj and sj.p, decision, dt, sj and sj.judge)
+                if decision == Decision.REJECT:
+                    r.trace.append(trace)
+                    if self._refused(i, d, kept, states[i].limit - sum(x.size for x in w[:j])):
+                        rejected.append(i)
+                    break
+                r.stats.draft_steps_accepted += 1
+                r.commit(trace, d, True)
+                kept += d.n_new
+            else:
+                if self.setup.bonus_token and not r.done and self.limit(i, self.verifier, self.proposer) > 0:
+                    bonus.append(i)
         if bonus:
             self._bonus(bonus, scores)
         return rejected
+
+    def _refused(self, i: int, d: Proposal, kept: int, limit: int) -> bool:
+        """Roll row ``i`` back to the start of its refused step ``d`` (after ``kept`` new tokens of its window's
+        kept steps); True when the target still has to rewrite it in a phase of its own."""
+        r = self.rows[i]
+        if self.rides:  # the target redraws the step from the forward that just read it
+            r.rewriting = TargetStep(d.forced, d.n_forced, limit)
+            self._rewrite_tokens(i, d, drawn=False, offset=kept)
+            return False
+        self.verifier.keep(i, kept)  # roll back by length: both models forget the step and the ones after it
+        self.proposer.keep(i, kept)
+        r.forced = d.forced
+        return True
 
     @property
     def rides(self) -> bool:
@@ -253,21 +306,24 @@ class StepLoop:
             return RowState(tuple(r.rewriting.tokens), r.rewriting.limit, rewrite=True)
         return RowState(tuple(r.forced), self.limit(i, self.verifier, self.proposer) + len(r.forced))
 
-    def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool) -> None:
+    def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool, offset: int = 0) -> None:
         """The target keeps a prefix of the proposal's new tokens and draws the token after it
         (:func:`~probes.decoding.speculative.speculate_tokens` on the verification forward's logits); the
-        rewrite is committed once the step is finished."""
+        rewrite is committed once the step is finished. ``offset``: new tokens of the row's window before the
+        proposal (the kept steps before a refused one)."""
         r, rw, ver = self.rows[i], self.rows[i].rewriting, self.verifier
         new = list(proposal.tokens[proposal.n_forced :])
         logits = ver.token_logits.get(i)
+        if logits is not None:
+            logits = logits[offset:]
         kept, extra = 0, None
         if logits is not None:
             base = list(rw.tokens)
             kept, extra = speculate_tokens(ver.sampler, i, new, logits, proposal.logits, drawn=drawn,
                                            ends_after=lambda j: ver.ends_step(base + new[:j], rw.limit))
         rw.tokens.extend(new[:kept])
-        ver.keep(i, kept)
-        self.proposer.keep(i, kept)
+        ver.keep(i, offset + kept)
+        self.proposer.keep(i, offset + kept)
         if extra is not None:
             rw.tokens.append(extra)
             ver.extend(i, [extra])

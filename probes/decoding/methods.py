@@ -61,15 +61,16 @@ class DraftOnly(LoopRunner):
 
 @dataclass(frozen=True)
 class Speculative(LoopRunner):
-    """The draft proposes each step and ``policy`` decides; the target writes the first step when
-    ``target_first_step`` and every refused one."""
+    """The draft proposes each step (or a window of ``lookahead`` steps) and ``policy`` decides; the target writes the
+    first step when ``target_first_step`` and every refused one."""
 
     policy: AcceptancePolicy
+    lookahead: int = 1
 
     def step(self, loop: StepLoop, active: list[int]) -> None:
         first = [i for i in active if loop.opt.target_first_step and loop.rows[i].steps_written == 0]
         spec = [i for i in active if i not in first]
-        rejected = loop.speculate(spec, self.policy) if spec else []
+        rejected = loop.speculate(spec, self.policy, self.lookahead) if spec else []
         if first or rejected:
             loop.rewrite(first, rejected)
 

@@ -99,8 +99,10 @@ class Part(Protocol):
 class Proposer(Part, Protocol):
     """Writes steps for rows, scores them with the draft probe, and follows what the target kept."""
 
-    def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
-        """One step per row; ``for_p``: keep what the draft probe reads (a policy may want ``p``)."""
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False) -> dict[int, Proposal]:
+        """One step per row; ``for_p``: keep what the draft probe reads (a policy may want ``p``); ``more``: the
+        step continues the row's window of proposals (after its last one, as if it were kept) instead of opening
+        a new window."""
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         """The draft probe's ``p`` of each row's last proposal."""
@@ -118,7 +120,7 @@ class Proposer(Part, Protocol):
         """Forget the row's last proposal (its forced tokens stay)."""
 
     def keep(self, row: int, n: int) -> None:
-        """Keep the first ``n`` proposed tokens of the row's last proposal and forget the rest."""
+        """Keep the first ``n`` proposed tokens of the row's window of proposals and forget the rest."""
 
 
 class CachePart:
@@ -165,22 +167,28 @@ class DraftProposer(CachePart):
         super().__init__(writer.cache, spare)
         self.writer, self.tokenizer, self.probe, self.handover = writer, tokenizer, probe, handover
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
-        self.steps: dict[int, StepDraft] = {}
+        self.steps: dict[int, StepDraft] = {}  # per row: the first step of its window (what the draft probe reads)
+        self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order
         self.probe_s = self.feed_s = 0.0  # seconds of the last score(): probe, and the draft's extra read
 
     def _proposal(self, d: StepDraft) -> Proposal:
         return Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits,
                         eos=self.tokenizer.eos_token_id in d.tokens)
 
-    def propose(self, rows: Mapping[int, RowState], *, for_p: bool) -> dict[int, Proposal]:
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False) -> dict[int, Proposal]:
         for_p = for_p and self.spec is not None
-        self.steps = self.writer.write(
+        steps = self.writer.write(
             list(rows), {i: s.limit for i, s in rows.items()}, forced={i: list(s.forced) for i, s in rows.items()},
             collect_hidden=for_p and self.spec.needs_hidden, record_logits=True,
             record_forced_logits=[i for i, s in rows.items() if not s.rewrite] if for_p and self.spec.needs_logits
             else False,
         )
-        return {i: self._proposal(d) for i, d in self.steps.items()}
+        if more:
+            for i, d in steps.items():
+                self.window[i].append(d)
+        else:
+            self.steps, self.window = steps, {i: [d] for i, d in steps.items()}
+        return {i: self._proposal(d) for i, d in steps.items()}
 
     def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
         return {i: self._proposal(d) for i, d in self.writer.write(list(rows), dict(limits)).items()}
@@ -210,9 +218,9 @@ class DraftProposer(CachePart):
         self.keep(row, 0)
 
     def keep(self, row: int, n: int) -> None:
-        d = self.steps[row]
-        drop = len(d.tokens) - d.n_forced - n
-        self.cache.rollback(row, drop, last_logits=d.logits[n] if drop > 0 else None)
+        logits = [lg for d in self.window[row] for lg in d.logits]  # per new token of the window, in order
+        drop = len(logits) - n
+        self.cache.rollback(row, drop, last_logits=logits[n] if drop > 0 else None)
 
 
 def run_probe(probe, x: torch.Tensor) -> list[float]:

@@ -72,7 +72,7 @@ class ServedDecoder(StepDecoder):
 
     def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """The call's runner, prompts, stream keys, sampling and config, every check done before any request."""
-        runner, problems = self._runner(cfg.method, cfg.accept_rate, cfg.oracle)
+        runner, problems = self._runner(cfg)
         policy = runner.policy if runner is not None else None
         if isinstance(runner, TransformersLoop):
             problems.append(f"method={cfg.method!r} runs transformers' own loop on in-process models; use it with "
@@ -91,6 +91,12 @@ class ServedDecoder(StepDecoder):
         prompts = read_prompt_texts(prompts)
         self._check_servers(policy, cfg.method)
         return Plan(runner, (prompts,), stream_keys(cfg.seed, len(prompts)), sampling, cfg)
+
+    def _batch_size(self, cfg: DecodeConfig, n: int) -> int:
+        """All prompts are rows of one loop, their requests in flight together; at ``concurrency=1`` nothing runs
+        together, so prompts run one after another, each keeping a one-sequence server's prefix cache
+        (llama-cpp-python keeps one) instead of evicting the others' round after round."""
+        return max(n, 1) if self.concurrency > 1 else 1
 
     def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> StepLoop:
         """The loop of one batch of text prompts over the two servers."""

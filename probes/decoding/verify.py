@@ -11,7 +11,7 @@ calls a server returns the same :class:`Scores`; :class:`TargetVerifier` is the 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,66 +115,84 @@ class TargetVerifier(CachePart):
     def is_eos(self, tokens: list) -> bool:
         return self.tokenizer.eos_token_id in tokens
 
-    def verify(self, proposals: Mapping[int, Proposal], outputs: Mapping[int, str], needs: Needs,
-               rewrites: Collection[int] = ()) -> dict[int, Scores]:
-        """Read every proposal (plus the judge turn when needed) in one forward and score it.
+    def verify(self, windows: Mapping[int, Sequence[Proposal]], outputs: Mapping[int, str], needs: Needs,
+               rewrites: Collection[int] = ()) -> dict[int, list[Scores]]:
+        """Read every row's proposals (a window of steps, one after another; plus the judge turn when needed) in one
+        forward and score each step as the step-by-step loop would after the steps before it were kept.
 
         Rows in ``rewrites`` continue a target step the target is rewriting: read in the same forward, without
         the judge turn, and not scored. For every row read, :attr:`token_logits` holds the target's logits
-        predicting each new (not forced) token of its proposal, then the token after it: what token-level
+        predicting each new (not forced) token of its window, then the token after it: what token-level
         speculation keeps from (:meth:`keep`).
 
         Returns:
-            ``{row: Scores}`` for the rows it read and scores (an empty step reads nothing, cannot be kept).
+            ``{row: [Scores per step]}`` for the rows it read and scores (an empty step reads nothing, cannot be
+            kept).
         """
         tgt, hand = self.cache, self.handover
         suffix = list(self.judge.suffix) if needs.judge else []
         self._suffix, self._new, self.token_logits = len(suffix), {}, {}
-        starts, n0, pre = {}, {}, {}
-        for i, d in proposals.items():
-            new, tail = hand.to_target(d, d.text), [] if i in rewrites else suffix
-            starts[i], n0[i], pre[i] = len(tgt.seq[i]) - hand.forced_in_target(d), len(tgt.seq[i]), tgt.last_logits[i]
-            self._new[i] = len(new)
-            tgt.extend(i, new + tail)
-        fed = tgt.feed(list(proposals), hidden=needs.q and self.spec.needs_hidden, all_logits=True)
+        bounds, n0, pre = {}, {}, {}
+        for i, window in windows.items():
+            n0[i], pre[i] = len(tgt.seq[i]), tgt.last_logits[i]
+            bounds[i] = []  # per step: (start, end) in the row's sequence, forced tokens included
+            for d in window:
+                new = hand.to_target(d, d.text)
+                start = len(tgt.seq[i]) - hand.forced_in_target(d)
+                tgt.extend(i, new)
+                bounds[i].append((start, len(tgt.seq[i])))
+            self._new[i] = len(tgt.seq[i]) - n0[i]
+            tgt.extend(i, [] if i in rewrites else suffix)
+        fed = tgt.feed(list(windows), hidden=needs.q and self.spec.needs_hidden, all_logits=True)
         read, after = {}, {}
         for i, f in fed.items():
-            end = n0[i] + self._new[i] - f.start  # one past the step's last token among the fed tokens
-            first_new = n0[i] - f.start  # fed index of the first new token
-            self.token_logits[i] = f.predicting(first_new, end + 1, pre[i])
+            end = n0[i] + self._new[i] - f.start  # one past the window's last token among the fed tokens
+            self.token_logits[i] = f.predicting(n0[i] - f.start, end + 1, pre[i])
             if i in rewrites:
                 continue
-            off = starts[i] - f.start  # index of the step's first token among the fed tokens
-            step_logits = None
-            if needs.q or needs.fast_path is not None:  # (k, V) the target's logits predicting every step token
-                step_logits = f.predicting(off, end, pre[i])
-            after[i] = f.logits[end - 1]
-            read[i] = StepRead(tgt.seq[i][starts[i] : f.start + end], hand.forced_in_target(proposals[i]),
-                               step_logits, f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None,
-                               f.logits[-1] if suffix else None)
-        return self._score(proposals, outputs, read, after, needs)
+            for j, (d, (a, b)) in enumerate(zip(windows[i], bounds[i])):
+                read[i, j] = self._read(i, f, a, b, hand.forced_in_target(d), pre[i], needs,
+                                        f.logits[-1] if suffix else None)
+                after[i, j] = f.logits[b - f.start - 1]
+        steps = {(i, j): d for i, w in windows.items() for j, d in enumerate(w)}
+        outs = {(i, j): outputs.get(i, "") + "".join(d.text for d in windows[i][:j]) for i, j in read}
+        scored = self._score(steps, outs, read, after, needs)
+        out: dict[int, list[Scores]] = {}
+        for (i, _), s in scored.items():
+            out.setdefault(i, []).append(s)
+        return out
 
-    def _score(self, proposals, outputs, read: dict[int, StepRead], after, needs: Needs) -> dict[int, Scores]:
-        """Fast path, then ``q`` and one coin per row it did not keep (in row order), and the judge's score."""
+    def _read(self, i: int, f, a: int, b: int, n_forced: int, pre, needs: Needs, judge_logits) -> StepRead:
+        """What the forward ``f`` read of row ``i``'s step at sequence indices ``a`` to ``b - 1``."""
+        off, end = a - f.start, b - f.start
+        step_logits = None
+        if needs.q or needs.fast_path is not None:  # (k, V) the target's logits predicting every step token
+            step_logits = f.predicting(off, end, pre)
+        hidden = f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None
+        return StepRead(self.cache.seq[i][a:b], n_forced, step_logits, hidden, judge_logits)
+
+    def _score(self, steps, outputs, read: dict[tuple, StepRead], after, needs: Needs) -> dict[tuple, Scores]:
+        """Fast path, then ``q`` and one coin per step it did not keep (in order, from its row's stream), and the
+        judge's score; every mapping is keyed by ``(row, step in window)``."""
         self.probe_s = 0.0
         fast, fp = {}, needs.fast_path
-        if fp is not None:  # every row's drafted tokens (a bonus token excluded) scored in one pass
-            steps = [(r.step_logits[r.n_forced :], r.tokens[r.n_forced :]) for r in read.values()]
-            fast = dict(zip(read, fast_path_keeps_rows(steps, fp.top_k, fp.min_logprob)))
-        slow = [i for i in read if not fast.get(i)]
+        if fp is not None:  # every step's drafted tokens (a bonus token excluded) scored in one pass
+            rs = [(r.step_logits[r.n_forced :], r.tokens[r.n_forced :]) for r in read.values()]
+            fast = dict(zip(read, fast_path_keeps_rows(rs, fp.top_k, fp.min_logprob)))
+        slow = [k for k in read if not fast.get(k)]
         q, x = {}, {}
         if needs.q and slow:
             t0 = time.perf_counter()
-            feats, out = probe_rows(self.probe, self.spec, [read[i].tokens for i in slow],
-                                    [read[i].hidden for i in slow] if self.spec.needs_hidden else None,
-                                    [read[i].step_logits for i in slow])
+            feats, out = probe_rows(self.probe, self.spec, [read[k].tokens for k in slow],
+                                    [read[k].hidden for k in slow] if self.spec.needs_hidden else None,
+                                    [read[k].step_logits for k in slow])
             x, q = dict(zip(slow, feats)), dict(zip(slow, out))
             self.probe_s = time.perf_counter() - t0
-        coin = {i: float(torch.rand((), generator=self.coins[i])) for i in slow} if needs.coin else {}
-        return {i: Scores(text=proposals[i].text, output=outputs[i], features=x.get(i), fast=fast.get(i, False),
-                          q=q.get(i), coin=coin.get(i), after=after[i],
-                          judge=judge_score(read[i].judge_logits, self.judge.digits) if needs.judge else None)
-                for i in read}
+        coin = {k: float(torch.rand((), generator=self.coins[k[0]])) for k in slow} if needs.coin else {}
+        return {k: Scores(text=steps[k].text, output=outputs[k], features=x.get(k), fast=fast.get(k, False),
+                          q=q.get(k), coin=coin.get(k), after=after[k],
+                          judge=judge_score(read[k].judge_logits, self.judge.digits) if needs.judge else None)
+                for k in read}
 
     def close_judge_turn(self, row: int, scores: Scores | None) -> None:
         """The target forgets the judge turn it read after the row's step."""
