@@ -91,6 +91,8 @@ DRAFTING = ("semanticspec", "random_accept", "oracle_accept", "specreason")
 LOOPS = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semanticspec[paper_loop]",
          "semanticspec[rewrite_phase]")
 """SemanticSpec with the loop's defaults undone: the target writes the first step, no token-level speculation, both."""
+LOOKAHEADS = (2, 3, 4)
+"""Windows of drafted steps judged per target forward, beside the default one-step loop (issue 31)."""
 
 
 def noisy_oracle(problem: task.Problem, keep_right: float, seed: int):
@@ -207,6 +209,8 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
                 dec_v, kw = variants[name]
                 if "keep_right" in kw:
                     kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
+                elif kw.get("method") == "oracle_accept":
+                    kw = {**kw, "oracle": oracle_for(p)}
                 out[name] += dec_v.generate([prompt], seed=seed, **gen, **kw)
                 continue
             extra = {}
@@ -419,7 +423,7 @@ def build_plan(args: argparse.Namespace, world: models.World) -> Plan:
     args.temperature, args.top_p = spec.temperature, spec.top_p
     knobs, sweeps = sweep_variants(args, dec, decoder, policy)
     ablations, ablation_paths = ablation_variants(args, decoder, policy)
-    loops = loop_variants(args, decoder, policy, loop)
+    loops = {**loop_variants(args, decoder, policy, loop), **lookahead_variants(dec)}
     # the variants' order is their order in each problem's interleaved runs
     return Plan(dec=dec, variants={**loops, **ablations, **sweeps}, beside=(*loops, *ablations),
                 ablations=tuple(ablations), ablation_paths=ablation_paths, knobs=knobs)
@@ -476,6 +480,16 @@ def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolic
     }
 
 
+def lookahead_variants(dec: SemanticSpecDecoder) -> dict:
+    """SemanticSpec and the oracle (the ceiling) judging windows of :data:`LOOKAHEADS` drafted steps per target
+    forward, each step as the step-by-step loop would (``DecodeConfig.lookahead``)."""
+    out = {}
+    for k in LOOKAHEADS:
+        out[f"semanticspec[lookahead={k}]"] = (dec, {"lookahead": k})
+        out[f"oracle_accept[lookahead={k}]"] = (dec, {"method": "oracle_accept", "lookahead": k})
+    return out
+
+
 PROBE_ALONE = "semanticspec[no_fast_path]"
 """The variant that decides with the shipped probes alone when the main run has the fast path."""
 
@@ -529,7 +543,8 @@ def judge_decisions(methods: dict, runs: dict, problems, plan: Plan) -> dict:
 def phases_and_costs(runs: dict) -> tuple[dict, dict]:
     """:func:`phases_and_cost` of each drafting method (but specreason) and of each loop variant."""
     phases, cost = {}, {}
-    for name in [n for n in DRAFTING if n != "specreason"] + list(LOOPS):
+    windows = [f"semanticspec[lookahead={k}]" for k in LOOKAHEADS]
+    for name in [n for n in DRAFTING if n != "specreason"] + list(LOOPS) + windows:
         phases[name], cost[name] = phases_and_cost(runs[name], runs["target_only"])
     return phases, cost
 

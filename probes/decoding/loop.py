@@ -261,6 +261,7 @@ class StepLoop:
             r.stats.draft_s += draft_s / n
             r.stats.verify_s += verify_s / n
             r.stats.drafted_tokens += sum(d.n_new for d in w)
+            r.stats.windows += 1
             kept = 0
             for j, d in enumerate(w):
                 decision, sj = ds[j] if j < len(ds) else Decision.REJECT, s[j] if j < len(s) else None

@@ -89,7 +89,10 @@ class DecodeStats:
     verify_s: float = 0.0
     rewrite_s: float = 0.0
     drafted_tokens: int = 0
-    """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded)."""
+    """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded; a window's steps after a
+    refused one included: they were thrown away unjudged)."""
+    windows: int = 0
+    """Verifications of drafted steps: one per window the target read (``lookahead``: up to that many steps each)."""
     idle_row_s: float = 0.0
     """Step loop, row-seconds: seconds of forwards that ran while this row was unfinished but fed nothing by them
     (an accepted row while the target rewrites another, a row whose step is written while others still draft)."""

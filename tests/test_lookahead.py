@@ -1,0 +1,138 @@
+"""Lookahead windows (``DecodeConfig.lookahead``): several drafted steps judged from one target forward, each as the
+step-by-step loop would judge it; in-process and served over the same loop; bad input refused."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from datamodules.labels.reading import read_steps
+from generation.engines.local import LocalEngine
+from generation.features import probe_input
+from generation.specs import FeatureSpec
+from probes.decoder import SemanticSpecDecoder
+from probes.decoding.options import LoopOptions
+from probes.decoding.policies import ProbePolicy
+from probes.decoding.results import summarize
+from probes.decoding.served import ServedDecoder
+from probes.decoding.verify import TargetVerifier
+from probes.export import load_probe
+from tests.test_decoder import PROMPTS, make_decoder, stub_decoder, texts
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 96}
+MARKER = LoopOptions(answer_marker="Answer:")
+
+
+@pytest.fixture(scope="module")
+def world():
+    from datamodules.arithmetic.models import load_model, load_tokenizer
+    from datamodules.arithmetic.task import ArithmeticTask
+
+    tok, task = load_tokenizer(), ArithmeticTask()
+    target = load_model("target")
+    probe = load_probe("checkpoints/arithmetic/probes/target", target, tok, role="target")
+    hidden = load_probe("checkpoints/arithmetic/probes-ablation/hidden/target", target, tok, role="target")
+    for p in (probe, hidden):
+        p.config = dataclasses.replace(p.config, sampling=None)  # it decides greedy decodes too
+    return {"target": target, "draft": load_model("draft"), "tok": tok, "task": task, "probe": probe,
+            "servable": hidden}
+
+
+def _prompts(world, n: int, seed: int) -> tuple[list, list[str]]:
+    problems = world["task"].problems(n, seed)
+    return problems, [world["task"].prompt_text(world["tok"], p["problem"]) for p in problems]
+
+
+def decisions(results):
+    return [[s.decision for s in r.steps] for r in results]
+
+
+@pytest.mark.slow  # 32 problems, then every judged step read again on its own: in CI's slow set
+def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, monkeypatch):
+    """Issue 31: the features a window's one forward gives each step equal those the label build reads for the same
+    prefix and step, read on their own (as the sequential loop reads it once the steps before it are kept), within
+    float tolerance, and so do the probe's decisions; greedy, 32 problems, windows of 3."""
+    reads, scored = [], []
+    read, score = TargetVerifier._read, TargetVerifier._score
+
+    def spy_read(self, i, f, a, b, *args):
+        reads.append((list(self.cache.seq[i][:a]), list(self.cache.seq[i][a:b])))
+        return read(self, i, f, a, b, *args)
+
+    def spy_score(self, steps, outputs, got, after, needs):
+        out = score(self, steps, outputs, got, after, needs)
+        scored.extend((j, out[k].features, out[k].q) for k in got for j in [k[1]])
+        return out
+
+    monkeypatch.setattr(TargetVerifier, "_read", spy_read)
+    monkeypatch.setattr(TargetVerifier, "_score", spy_score)
+    policy = ProbePolicy()  # no fast path: the probe reads every step
+    dec = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["probe"],
+                              policy=policy, options=MARKER)
+    _, prompts = _prompts(world, 32, 11)
+    res = dec.generate(prompts, lookahead=3, **GREEDY)
+    assert len(reads) == len(scored) and sum(j > 0 for j, _, _ in scored) >= 40  # later steps of windows judged
+    spec, probe = FeatureSpec.of(world["probe"].config), world["probe"]
+    worst = 0.0
+    for (prefix, step), (_, x, q) in zip(reads, scored):
+        built = probe_input(read_steps(world["target"], [prefix], [[step]], spec), spec.groups)[0]
+        torch.testing.assert_close(x.float().cpu(), built.float(), atol=1e-4, rtol=1e-4)
+        worst = max(worst, (x.float().cpu() - built.float()).abs().max().item())
+        q_alone = probe.predict(built[None]).item()
+        if abs(q_alone - policy.tau) > 1e-3:  # a decision within float noise of tau is not compared
+            assert (q >= policy.tau) == (q_alone >= policy.tau)
+    print(f"[measured] {len(reads)} steps read in windows of up to 3, max |window - alone| feature {worst:.2e}")
+    assert all(r.ok for r in res)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_windows_keep_the_equivalences_of_one_step(tiny_pair, k):
+    """Greedy: a window refused at its first step every time writes what the target writes alone; a window always
+    kept (no bonus token) writes what the draft writes alone; and a window of k costs fewer target passes."""
+    target, draft, tok = tiny_pair
+    rej = stub_decoder(target, draft, tok, q=0.0, max_step_tokens=3)
+    assert texts(rej.generate(PROMPTS, lookahead=k, **GREEDY)) == texts(rej.generate(PROMPTS, method="target_only",
+                                                                                     **GREEDY))
+    acc = stub_decoder(target, draft, tok, q=1.0, bonus_token=False, max_step_tokens=3)
+    one, win = acc.generate(PROMPTS, **GREEDY), acc.generate(PROMPTS, lookahead=k, **GREEDY)
+    assert texts(win) == texts(one) == texts(acc.generate(PROMPTS, method="draft_only", **GREEDY))
+    assert summarize(win)["target_passes"] < summarize(one)["target_passes"]
+    assert summarize(win)["step_acceptance"] == 1
+
+
+def test_served_windows_decide_as_in_process_windows_with_fewer_requests(world):
+    """The engine parts read a window in one request and split it per step: the same decisions and texts as
+    in-process windows over the same weights, and fewer requests per committed step than one-step windows."""
+    _, prompts = _prompts(world, 6, 1)
+    engines = LocalEngine(world["target"], world["tok"]), LocalEngine(world["draft"], world["tok"])
+    served = ServedDecoder(*engines, world["servable"], options=MARKER)  # a probe of what a server returns
+    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["servable"],
+                                options=MARKER)
+    per_step = {}
+    for k in (1, 3):
+        a, b = served.generate(prompts, lookahead=k, **GREEDY), local.generate(prompts, lookahead=k, **GREEDY)
+        assert decisions(a) == decisions(b) and texts(a) == texts(b), k
+        s = summarize(a)
+        per_step[k] = s["requests"] / s["steps"]
+    assert per_step[3] < per_step[1] - 0.3, per_step
+
+
+def test_bad_lookahead_is_refused_naming_it(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=1.0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"lookahead={bad!r}: expected an integer >= 1"):
+            dec.generate(PROMPTS, lookahead=bad)
+    with pytest.raises(ValueError, match="lookahead=2: method='target_only' drafts no steps"):
+        dec.generate(PROMPTS, method="target_only", lookahead=2)
+    with pytest.raises(ValueError, match="lookahead=3: method='specreason' reads a judge turn"):
+        dec.generate(PROMPTS, method="specreason", lookahead=3)
+    ratio = stub_decoder(target, draft, tok, q=1.0, rule="ratio")
+    with pytest.raises(ValueError, match="lookahead=2: the ratio rule reads the draft probe's p"):
+        ratio.generate(PROMPTS, lookahead=2)
+    from tests.conftest import char_tokenizer, tiny_llama
+
+    ctok = char_tokenizer()
+    two = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok)
+    with pytest.raises(ValueError, match="lookahead=2: .* needs one tokenizer"):
+        two.generate(PROMPTS, method="random_accept", accept_rate=0.5, lookahead=2)
