@@ -114,7 +114,7 @@ def test_served_windows_decide_as_in_process_windows_with_fewer_requests(world):
         assert decisions(a) == decisions(b) and texts(a) == texts(b), k
         s = summarize(a)
         per_step[k] = s["requests"] / s["steps"]
-    assert per_step[3] < per_step[1] - 0.3, per_step
+    assert per_step[1] > 1.9 and per_step[3] < 1.3, per_step  # one draft write and one read per window
 
 
 def test_bad_lookahead_is_refused_naming_it(tiny_pair):

@@ -32,6 +32,7 @@ and the message (the server's URL, never a key) in ``error``; the other rows go 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -208,17 +209,53 @@ class EngineProposer(EnginePart):
         self.feed_s = 0.0
         self.written: dict = {}  # per row: the server's answer for the first step of its window
         self.window: dict[int, str] = {}  # per row: the text of its window's steps so far
+        self.ahead: dict[int, list[Proposal]] = {}  # per row: the window's next steps, written with its first one
 
-    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False) -> dict[int, Proposal]:
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False,
+                window: int = 1) -> dict[int, Proposal]:
+        """One step per row. A window (``window`` above 1) is written in one request, cut into its steps here:
+        the first is returned, the next ones are returned by the calls with ``more``."""
+        if more:
+            steps = {i: self.ahead[i].pop(0) for i in rows if self.ahead.get(i)}
+            steps.update(self._write({i: s for i, s in rows.items() if i not in steps}, for_p, more))
+        elif window > 1 and not for_p:
+            steps = self._write_window(rows, window)
+        else:
+            steps = self._write(rows, for_p, more)
+        for i, d in steps.items():
+            self.window[i] = self.window.get(i, "") + d.text
+        return steps
+
+    def _write(self, rows: Mapping[int, RowState], for_p: bool, more: bool) -> dict[int, Proposal]:
+        """One step per row, one request each."""
         top_k = self.spec.top_k if for_p and self.spec is not None and self.spec.needs_topk else None
         steps, written = self.write_steps({i: s.forced for i, s in rows.items()},
                                           {i: s.limit for i, s in rows.items()}, top_k,
                                           after=self.window if more else None)
         if not more:
-            self.written, self.window = written, {}
-        for i, d in steps.items():
-            self.window[i] = self.window.get(i, "") + d.text
+            self.written, self.window, self.ahead = written, {}, {}
         return steps
+
+    def _write_window(self, rows: Mapping[int, RowState], window: int) -> dict[int, Proposal]:
+        """Up to ``window`` steps per row in one request (``step=None``, its tokens cut at the step's delimiters and
+        cap as the server's stop would cut them); the first step of each row is returned."""
+        self.written, self.window, self.ahead, calls, out = {}, {}, {}, {}, {}
+        cap = self.step_spec.max_step_tokens
+        for i, s in rows.items():
+            room = s.limit - len(s.forced)
+            if room < 1:
+                out[i] = Proposal(list(s.forced), len(s.forced), "".join(s.forced), n_new=0)
+            else:
+                calls[i] = ((self.context(i) + "".join(s.forced),),
+                            dict(step=None, max_tokens=min(room, window * cap), top_k=1))
+        for i, w in self.each("write", calls).items():
+            steps = cut_steps(w, list(rows[i].forced), self.step_spec, rows[i].limit - len(rows[i].forced))
+            if not steps:
+                self.rows[i].fail(f"the draft server {self.engine.url} returned token texts that do not spell its "
+                                  "text; a window of steps is cut at their boundaries")
+                continue
+            out[i], self.ahead[i] = steps[0], steps[1:window]
+        return out
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         """The draft probe's ``p`` of each row's last step, from the top-k its server returned with it."""
@@ -329,6 +366,37 @@ class EngineVerifier(EnginePart):
 
     def close_judge_turn(self, row: int, scores: Scores | None) -> None:
         """Nothing to do: a served read has no judge turn."""
+
+
+def cut_steps(w, forced: list, step: StepSpec, room: int) -> list[Proposal]:
+    """The steps of a continuation written in one request, cut where a one-step write would stop: at a delimiter, at
+    the step cap (the forced tokens count toward the first step's), or at ``room`` new tokens in all; an unfinished
+    last step is dropped (the request stopped at its ``max_tokens``) unless EOS ended it. Empty when the server's
+    token texts do not spell its text."""
+    pieces = list(w.tokens.tokens) if w.tokens is not None else []
+    eos_piece = w.stop == "eos" and bool(pieces) and "".join(pieces[:-1]) == w.text  # the EOS token's own text
+    if eos_piece:
+        pieces.pop()
+    if w.tokens is None or "".join(pieces) != w.text:
+        return []
+    out, cur, n, total = [], "", 0, 0
+    for piece in pieces:
+        cur, n, total = cur + piece, n + 1, total + 1
+        first = not out
+        if ends_step(cur, step.delimiters) or n >= step.max_step_tokens - (len(forced) if first else 0) or \
+                total >= room:
+            f = forced if first else []
+            out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n))
+            cur, n = "", 0
+            if total >= room:
+                return out
+    if w.stop == "eos":  # the EOS token ends the last step (counted in it, as a one-step write counts it)
+        if cur or not out:
+            f = forced if not out else []
+            out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n + eos_piece, eos=True))
+        else:
+            out[-1] = dataclasses.replace(out[-1], eos=True, n_new=out[-1].n_new + eos_piece)
+    return out
 
 
 def split_reading(reading, texts: Sequence[str]) -> list:

@@ -183,7 +183,7 @@ class StepLoop:
         needs, rows = policy.needs, self.rows
         t0 = time.perf_counter()
         states = {i: self._row_state(i) for i in rows_i}
-        windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p).items()}
+        windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p, window=lookahead).items()}
         self._window(windows, states, lookahead)
         rows_i = self.live(rows_i)
         going = [i for i in rows_i if rows[i].rewriting is not None]

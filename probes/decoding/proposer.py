@@ -99,10 +99,11 @@ class Part(Protocol):
 class Proposer(Part, Protocol):
     """Writes steps for rows, scores them with the draft probe, and follows what the target kept."""
 
-    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False) -> dict[int, Proposal]:
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False,
+                window: int = 1) -> dict[int, Proposal]:
         """One step per row; ``for_p``: keep what the draft probe reads (a policy may want ``p``); ``more``: the
         step continues the row's window of proposals (after its last one, as if it were kept) instead of opening
-        a new window."""
+        a new window; ``window``: the most steps this window will hold (a proposer may write them ahead)."""
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         """The draft probe's ``p`` of each row's last proposal."""
@@ -175,7 +176,8 @@ class DraftProposer(CachePart):
         return Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits,
                         eos=self.tokenizer.eos_token_id in d.tokens)
 
-    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False) -> dict[int, Proposal]:
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False,
+                window: int = 1) -> dict[int, Proposal]:
         for_p = for_p and self.spec is not None
         steps = self.writer.write(
             list(rows), {i: s.limit for i, s in rows.items()}, forced={i: list(s.forced) for i, s in rows.items()},
