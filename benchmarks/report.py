@@ -40,8 +40,16 @@ DECODE_METHODS = {
     "semanticspec[token_stats]": "SemanticSpec, token statistics only (probe alone)",
     "semanticspec[hidden]": "SemanticSpec, the paper's probe (pooled hidden states only, probe alone)",
     "semanticspec[rule=ratio]": "SemanticSpec, the paper's ratio rule",
+    "semanticspec[lookahead=2]": "SemanticSpec, windows of 2 drafted steps per target forward",
+    "semanticspec[lookahead=3]": "SemanticSpec, windows of 3 drafted steps per target forward",
+    "semanticspec[lookahead=4]": "SemanticSpec, windows of 4 drafted steps per target forward",
+    "semanticspec[lookahead=4 adaptive]": "SemanticSpec, windows of up to 4, stopped after a step the draft was unsure "
+                                          "of",
     "random_accept": "random acceptance (same rate)",
     "oracle_accept": "oracle acceptance",
+    "oracle_accept[lookahead=2]": "oracle acceptance, windows of 2",
+    "oracle_accept[lookahead=3]": "oracle acceptance, windows of 3",
+    "oracle_accept[lookahead=4]": "oracle acceptance, windows of 4",
     "specreason": "SpecReason-style",
     "token_sd": "token-level SD (transformers, vs its own target-only)",
     "hf_target_only": "transformers' own target-only loop",
@@ -66,6 +74,8 @@ SERVED_METHODS = {
     "semanticspec": "SemanticSpec (the shipped `probes-topk` pair)",
     "oracle_accept": "oracle acceptance",
     "semanticspec_engine_probes": "SemanticSpec, probes trained on engine-read labels",
+    "semanticspec[lookahead=2]": "SemanticSpec, windows of 2 steps (one draft write, one read each)",
+    "semanticspec[lookahead=4]": "SemanticSpec, windows of 4 steps (one draft write, one read each)",
 }
 
 

@@ -89,7 +89,11 @@ from probes.export import load_probe
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
 PORTS = (8861, 8862)
-METHODS = ("target_only", "semanticspec", "oracle_accept", "semanticspec_engine_probes")
+LOOKAHEADS = (2, 4)
+"""Windows of drafted steps per verify read beside the one-step loop (issue 31): one draft write and one target read
+per window."""
+METHODS = ("target_only", "semanticspec", "oracle_accept", "semanticspec_engine_probes",
+           *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS))
 GREEDY = SamplingSpec(temperature=0.0)
 GOALS = {"requests_kept": 2.0, "requests_refused": 3.0, "client_ms_per_step": 5.0, "decision_agreement": 0.99}
 ASSUMED_32B = {
@@ -264,6 +268,8 @@ def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) 
             dec = decs["engine" if m == "semanticspec_engine_probes" else "shipped"]
             method = "semanticspec" if m.startswith("semanticspec") else m
             extra = {"oracle": oracle_for(p)} if m == "oracle_accept" else {}
+            if "[lookahead=" in m:
+                extra["lookahead"] = int(m[m.index("=") + 1 : -1])
             runs[m] += dec.generate([prompt], method=method, seed=args.seed + k, **gen, **extra)
     for e in engines:
         e.tag = ""
@@ -499,15 +505,20 @@ def projection(method: dict, rps: float, o_ms: float, prefill: dict) -> dict:
     """The cost model of docs/benchmarks.md ("Served") for a 1.5B draft and a 32B target, per draft step of L tokens."""
     L = method["drafted_tokens"] / max(method["draft_steps_proposed"], 1)
     r = 1.0 - method["step_acceptance"]
+    w = method.get("windows", method["draft_steps_proposed"]) / max(method["draft_steps_proposed"], 1)
     t_t, t_d, v = (ASSUMED_32B[k][0] for k in ("t_T_ms", "t_D_ms", "v"))
     cost_target = L * t_t
-    cost_spec = L * t_d + v * t_t + r * L * t_t + rps * o_ms
+    cost_spec = L * t_d + w * v * t_t + r * L * t_t + rps * o_ms
     return {
         "value": cost_target / cost_spec,
-        "formula": "speedup = L*t_T / (L*t_D + v*t_T + r*L*t_T + requests_per_step*o)",
+        "formula": "speedup = L*t_T / (L*t_D + w*v*t_T + r*L*t_T + requests_per_step*o)",
         "inputs": {
-            "L": {"value": L, "measured": True, "what": "mean tokens per proposed draft step (served semanticspec)"},
+            "L": {"value": L, "measured": True, "what": "tokens the draft wrote per judged draft step (a window's "
+                                                         "steps thrown away after a refused one included)"},
             "r": {"value": r, "measured": True, "what": "1 - step_acceptance (served semanticspec)"},
+            "w": {"value": w, "measured": True, "what": "verify reads per judged draft step (1 without lookahead; "
+                                                         "a window of steps is read at once, still ~one decode step "
+                                                         "while memory-bound)"},
             "requests_per_step": {"value": rps, "measured": True, "what": "requests per proposed draft step"},
             "o_ms": {"value": o_ms, "measured": True, "what": "server_request_overhead_ms (this CPU's server)"},
             "prefill_tokens_per_step": {"value": prefill.get("prefill_tokens_per_step"), "measured": True,
@@ -585,6 +596,9 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         methods[m]["n_errors"] = sum(r.stop_reason == "error" for r in runs[m])
         methods[m]["requests"] = sum(r.stats.requests for r in runs[m])
         methods[m]["drafted_tokens"] = sum(r.stats.drafted_tokens for r in runs[m])
+        methods[m]["windows"] = sum(r.stats.windows for r in runs[m])
+        methods[m]["requests_per_committed_step"] = methods[m]["requests"] / max(sum(r.stats.steps for r in runs[m]),
+                                                                                1)
     spec_fig = methods["semanticspec"]
     rps_proposed = spec_fig["requests"] / max(spec_fig["draft_steps_proposed"], 1)
     print("decision agreement (in-process reads of every served draft step) ...", flush=True)
@@ -612,6 +626,10 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         "overheads": ov,
         "decision_agreement": agreement,
         "projected_speedup_32b": projection(spec_fig, rps_proposed, o_ms, prefill),
+        "projected_speedup_32b_by_lookahead": {
+            str(k): projection(methods[f"semanticspec[lookahead={k}]"], methods[f"semanticspec[lookahead={k}]"][
+                "requests"] / max(methods[f"semanticspec[lookahead={k}]"]["draft_steps_proposed"], 1), o_ms, prefill)
+            for k in LOOKAHEADS},
         "concurrency": conc,
         "unsure_top_k_positions": {"target": target.engine.unsure_positions, "draft": draft.engine.unsure_positions},
         "n_problems": n,
@@ -690,6 +708,10 @@ def markdown(report: dict) -> str:
         val = v["value"]
         rows.append((f"  {k} ({'measured' if v['measured'] else 'assumed'})",
                      f"{val:.3g}" if isinstance(val, (int, float)) else str(val)))
+    for k, p in report.get("projected_speedup_32b_by_lookahead", {}).items():
+        m = report["methods"][f"semanticspec[lookahead={k}]"]
+        rows.append((f"lookahead={k}: requests per committed step / projected_speedup_32b",
+                     f"{m['requests_per_committed_step']:.2f} / {p['value']:.2f}x"))
     for n, row in report["concurrency"].items():
         if isinstance(row, dict):
             rows.append((f"concurrency {n} tokens/s target_only / semanticspec",

@@ -136,3 +136,30 @@ def test_bad_lookahead_is_refused_naming_it(tiny_pair):
     two = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok)
     with pytest.raises(ValueError, match="lookahead=2: .* needs one tokenizer"):
         two.generate(PROMPTS, method="random_accept", accept_rate=0.5, lookahead=2)
+
+
+def test_an_adaptive_window_stops_after_an_unsure_step(tiny_pair):
+    """``window_min_logprob``: no step is sure enough at 0 (a window is one step: the one-step loop's decode, draw for
+    draw), every step is at -1e9 (the full window's decode); in between, windows of every size in between."""
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=1.0, max_step_tokens=3)
+    sampled = {"max_new_tokens": 48, "seed": 4, "temperature": 0.8, "allow_sampling_mismatch": True}
+    one = dec.generate(PROMPTS, **sampled)
+    assert texts(dec.generate(PROMPTS, lookahead=4, window_min_logprob=0.0, **sampled)) == texts(one)
+    full = dec.generate(PROMPTS, lookahead=4, **sampled)
+    assert texts(dec.generate(PROMPTS, lookahead=4, window_min_logprob=-1e9, **sampled)) == texts(full)
+    steps = [s for r in full for s in r.steps if s.writer == "draft"]
+    assert all(s.confidence is not None and s.confidence <= 0 for s in steps)
+    mid = sorted(s.confidence for s in steps)[len(steps) // 2]
+    windows = summarize(dec.generate(PROMPTS, lookahead=4, window_min_logprob=mid, **sampled))
+    per = windows["draft_steps_proposed"] / windows["windows"]
+    assert 1 < per < summarize(full)["draft_steps_proposed"] / summarize(full)["windows"]
+
+
+def test_a_bad_window_threshold_is_refused_naming_it(tiny_pair):
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=1.0)
+    with pytest.raises(ValueError, match=r"window_min_logprob=0.5: expected a log-probability \(a number <= 0\)"):
+        dec.generate(PROMPTS, lookahead=2, window_min_logprob=0.5)
+    with pytest.raises(ValueError, match="window_min_logprob=-1.0: an adaptive window needs lookahead > 1"):
+        dec.generate(PROMPTS, window_min_logprob=-1.0)

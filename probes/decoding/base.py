@@ -106,7 +106,8 @@ class StepDecoder:
             if why:
                 problems.append(f"lookahead={cfg.lookahead}: {why}")
             else:
-                runner = dataclasses.replace(runner, lookahead=cfg.lookahead)
+                runner = dataclasses.replace(runner, lookahead=cfg.lookahead,
+                                             window_min_logprob=cfg.window_min_logprob)
         return runner, problems
 
 

@@ -58,6 +58,10 @@ class DecodeConfig:
             before it), and the kept steps up to the first refused one are committed. 1 (default) is one step per
             target pass. Speculative methods only; above 1 it needs one tokenizer in-process, and no policy that
             reads the draft probe's ``p`` or a judge turn.
+        window_min_logprob: an adaptive window (with ``lookahead`` above 1): the draft writes a window's next step
+            only after a step whose every token it drew at this raw log-probability or more (a step it was unsure of
+            is the likelier to be refused, and the steps after a refused one are thrown away); None (default): every
+            window holds ``lookahead`` steps where the row goes on. A number <= 0.
 
     Raises:
         ValueError: a field with a bad value, naming every bad field and its value at once.
@@ -74,6 +78,7 @@ class DecodeConfig:
     allow_sampling_mismatch: bool = False
     progress: bool = False
     lookahead: int = 1
+    window_min_logprob: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, Sequence) and not isinstance(self.seed, (str, bytes)):
@@ -96,6 +101,11 @@ class DecodeConfig:
                 out.append((name, "expected an integer >= 1"))
         if not isinstance(self.method, str) and not _is_policy(self.method):
             out.append(("method", "expected a method name or an AcceptancePolicy"))
+        w = self.window_min_logprob
+        if w is not None and not (_real(w) and w <= 0):
+            out.append(("window_min_logprob", "expected a log-probability (a number <= 0) or None"))
+        elif w is not None and self.lookahead == 1:
+            out.append(("window_min_logprob", "an adaptive window needs lookahead > 1"))
         if self.batch_size is not None and not is_count(self.batch_size):
             out.append(("batch_size", "expected an integer >= 1, or None for all prompts at once"))
         if self.accept_rate is not None and not (_real(self.accept_rate) and 0 <= self.accept_rate <= 1):

@@ -150,7 +150,9 @@ class EnginePart:
         answers = self.each("write", calls)
         for i, w in answers.items():
             f = list(forced[i])
-            steps[i] = Proposal(f, len(f), "".join(f) + w.text, n_new=w.usage.completion_tokens, eos=w.stop == "eos")
+            conf = float(w.tokens.logprobs.min()) if w.tokens is not None and len(w.tokens.logprobs) else None
+            steps[i] = Proposal(f, len(f), "".join(f) + w.text, n_new=w.usage.completion_tokens, eos=w.stop == "eos",
+                                confidence=conf)
         return steps, answers
 
     def write_alone(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
@@ -379,21 +381,22 @@ def cut_steps(w, forced: list, step: StepSpec, room: int) -> list[Proposal]:
         pieces.pop()
     if w.tokens is None or "".join(pieces) != w.text:
         return []
-    out, cur, n, total = [], "", 0, 0
+    out, cur, n, total, lp = [], "", 0, 0, w.tokens.logprobs.tolist()
     for piece in pieces:
         cur, n, total = cur + piece, n + 1, total + 1
         first = not out
         if ends_step(cur, step.delimiters) or n >= step.max_step_tokens - (len(forced) if first else 0) or \
                 total >= room:
             f = forced if first else []
-            out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n))
+            out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n, confidence=min(lp[total - n : total])))
             cur, n = "", 0
             if total >= room:
                 return out
     if w.stop == "eos":  # the EOS token ends the last step (counted in it, as a one-step write counts it)
         if cur or not out:
             f = forced if not out else []
-            out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n + eos_piece, eos=True))
+            out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n + eos_piece, eos=True,
+                                confidence=min(lp[total - n : total], default=None)))
         else:
             out[-1] = dataclasses.replace(out[-1], eos=True, n_new=out[-1].n_new + eos_piece)
     return out

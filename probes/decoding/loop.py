@@ -168,11 +168,13 @@ class StepLoop:
         """The rows not done (a part failed the others' requests)."""
         return [i for i in rows_i if not self.rows[i].done]
 
-    def speculate(self, rows_i: list[int], policy: AcceptancePolicy, lookahead: int = 1) -> list[int]:
+    def speculate(self, rows_i: list[int], policy: AcceptancePolicy, lookahead: int = 1,
+                  min_logprob: float | None = None) -> list[int]:
         """Propose, verify, decide, then commit or roll back every row's step (or window of steps).
 
         With ``lookahead`` above 1 the draft writes up to that many steps per row, one after another, the target
-        reads them in one forward, and each row keeps its steps up to the first refused one (:meth:`_window`).
+        reads them in one forward, and each row keeps its steps up to the first refused one (:meth:`_window`); with
+        ``min_logprob`` a window stops after a step the draft drew a token of below that log-probability.
         Rows rewriting a refused step (``rewrite_in_rounds``) ride the same draft and target forwards: their
         proposal continues the target's step and is kept token by token (:meth:`_rewrite_tokens`).
 
@@ -184,7 +186,7 @@ class StepLoop:
         t0 = time.perf_counter()
         states = {i: self._row_state(i) for i in rows_i}
         windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p, window=lookahead).items()}
-        self._window(windows, states, lookahead)
+        self._window(windows, states, lookahead, min_logprob)
         rows_i = self.live(rows_i)
         going = [i for i in rows_i if rows[i].rewriting is not None]
         judged = [i for i in rows_i if rows[i].rewriting is None]
@@ -208,12 +210,17 @@ class StepLoop:
         return self._settle(self.live(judged), windows, scores, decisions, states, (dt, probe_s, draft_s,
                                                                                   verify_s, len(rows_i)))
 
-    def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], lookahead: int) -> None:
+    def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], lookahead: int,
+                min_logprob: float | None) -> None:
         """The draft writes up to ``lookahead`` steps per judged row, each after the ones before it, while the row
-        would go on: the last step did not end the sequence or the answer and the budget has room left."""
+        would go on (the last step did not end the sequence or the answer, the budget has room left) and, with
+        ``min_logprob``, while the draft drew every token of the last step at that log-probability or more."""
+        def sure(d: Proposal) -> bool:
+            return min_logprob is None or (d.confidence is not None and d.confidence >= min_logprob)
+
         for _ in range(lookahead - 1):
             more = {i: RowState((), left) for i, w in windows.items()
-                    if (left := self._room_after(i, w, states[i])) > 0}
+                    if sure(w[-1]) and (left := self._room_after(i, w, states[i])) > 0}
             if not more:
                 return
             for i, d in self.proposer.propose(more, for_p=False, more=True).items():
@@ -266,7 +273,8 @@ class StepLoop:
             for j, d in enumerate(w):
                 decision, sj = ds[j] if j < len(ds) else Decision.REJECT, s[j] if j < len(s) else None
                 r.stats.draft_steps_proposed += 1
-                trace = StepTrace("draft", d.text, d.size, sj and sj.q, sj and sj.p, decision, dt, sj and sj.judge)
+                trace = StepTrace("draft", d.text, d.size, sj and sj.q, sj and sj.p, decision, dt, sj and sj.judge,
+                                  d.confidence)
                 if decision == Decision.REJECT:
                     r.trace.append(trace)
                     if self._refused(i, d, kept, states[i].limit - sum(x.size for x in w[:j])):

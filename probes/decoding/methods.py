@@ -66,11 +66,12 @@ class Speculative(LoopRunner):
 
     policy: AcceptancePolicy
     lookahead: int = 1
+    window_min_logprob: float | None = None
 
     def step(self, loop: StepLoop, active: list[int]) -> None:
         first = [i for i in active if loop.opt.target_first_step and loop.rows[i].steps_written == 0]
         spec = [i for i in active if i not in first]
-        rejected = loop.speculate(spec, self.policy, self.lookahead) if spec else []
+        rejected = loop.speculate(spec, self.policy, self.lookahead, self.window_min_logprob) if spec else []
         if first or rejected:
             loop.rewrite(first, rejected)
 

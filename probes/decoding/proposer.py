@@ -54,6 +54,8 @@ class Proposal:
         eos: the step ends the sequence.
         end: a reason the row ends after this step though it holds no EOS (a server that wrote a whole output
             and stopped at its budget or context end), else None.
+        confidence: the least log-probability (raw, temperature 1) the writer gave a token it drew in the step, when
+            known (None for a step with no new token).
     """
 
     tokens: Sequence
@@ -63,6 +65,7 @@ class Proposal:
     n_new: int | None = None
     eos: bool = False
     end: str | None = None
+    confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_new is None:
@@ -174,7 +177,7 @@ class DraftProposer(CachePart):
 
     def _proposal(self, d: StepDraft) -> Proposal:
         return Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits,
-                        eos=self.tokenizer.eos_token_id in d.tokens)
+                        eos=self.tokenizer.eos_token_id in d.tokens, confidence=least_logprob(d))
 
     def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False,
                 window: int = 1) -> dict[int, Proposal]:
@@ -223,6 +226,15 @@ class DraftProposer(CachePart):
         logits = [lg for d in self.window[row] for lg in d.logits]  # per new token of the window, in order
         drop = len(logits) - n
         self.cache.rollback(row, drop, last_logits=logits[n] if drop > 0 else None)
+
+
+def least_logprob(d: StepDraft) -> float | None:
+    """The least raw log-probability of a token the writer drew in step ``d`` (``record_logits``), or None."""
+    new = d.tokens[d.n_forced :]
+    if not new or len(d.logits) != len(new):
+        return None
+    logp = torch.log_softmax(torch.stack(d.logits).float(), dim=-1)
+    return float(logp.gather(-1, torch.tensor(new, device=logp.device)[:, None]).min())
 
 
 def run_probe(probe, x: torch.Tensor) -> list[float]:

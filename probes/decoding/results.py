@@ -51,6 +51,9 @@ class StepTrace:
     decision: Decision = Decision.TARGET
     seconds: float = 0.0
     score: float | None = None
+    confidence: float | None = None
+    """Draft steps: the least log-probability (raw, temperature 1) the draft gave a token it drew in the step, when
+    known: the draft-side signal an adaptive window reads (``DecodeConfig.window_min_logprob``)."""
 
 
 @dataclass
