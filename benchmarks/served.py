@@ -92,8 +92,10 @@ PORTS = (8861, 8862)
 LOOKAHEADS = (2, 4)
 """Windows of drafted steps per verify read beside the one-step loop (issue 31): one draft write and one target read
 per window."""
+OVERLAP_ROW = f"semanticspec[lookahead={LOOKAHEADS[-1]} overlap]"
+"""The widest window with the draft writing the next window while the target reads this one (issue 31 item 3)."""
 METHODS = ("target_only", "semanticspec", "oracle_accept", "semanticspec_engine_probes",
-           *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS))
+           *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS), OVERLAP_ROW)
 GREEDY = SamplingSpec(temperature=0.0)
 GOALS = {"requests_kept": 2.0, "requests_refused": 3.0, "client_ms_per_step": 5.0, "decision_agreement": 0.99}
 ASSUMED_32B = {
@@ -269,7 +271,8 @@ def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) 
             method = "semanticspec" if m.startswith("semanticspec") else m
             extra = {"oracle": oracle_for(p)} if m == "oracle_accept" else {}
             if "[lookahead=" in m:
-                extra["lookahead"] = int(m[m.index("=") + 1 : -1])
+                k, *flags = m[m.index("=") + 1 : -1].split()
+                extra.update(lookahead=int(k), overlap="overlap" in flags)
             runs[m] += dec.generate([prompt], method=method, seed=args.seed + k, **gen, **extra)
     for e in engines:
         e.tag = ""
@@ -597,6 +600,8 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         methods[m]["requests"] = sum(r.stats.requests for r in runs[m])
         methods[m]["drafted_tokens"] = sum(r.stats.drafted_tokens for r in runs[m])
         methods[m]["windows"] = sum(r.stats.windows for r in runs[m])
+        methods[m]["ahead_windows"] = sum(r.stats.ahead_windows for r in runs[m])
+        methods[m]["ahead_used"] = sum(r.stats.ahead_used for r in runs[m])
         methods[m]["requests_per_committed_step"] = methods[m]["requests"] / max(sum(r.stats.steps for r in runs[m]),
                                                                                 1)
     spec_fig = methods["semanticspec"]
@@ -708,6 +713,10 @@ def markdown(report: dict) -> str:
         val = v["value"]
         rows.append((f"  {k} ({'measured' if v['measured'] else 'assumed'})",
                      f"{val:.3g}" if isinstance(val, (int, float)) else str(val)))
+    if OVERLAP_ROW in report["methods"]:
+        m, plain = report["methods"][OVERLAP_ROW], report["methods"][f"semanticspec[lookahead={LOOKAHEADS[-1]}]"]
+        rows.append((f"{OVERLAP_ROW}: speedup on this CPU, overlap on / off; windows drafted ahead used / drafted",
+                     f"{m['speedup']:.2f}x / {plain['speedup']:.2f}x; {m['ahead_used']} / {m['ahead_windows']}"))
     for k, p in report.get("projected_speedup_32b_by_lookahead", {}).items():
         m = report["methods"][f"semanticspec[lookahead={k}]"]
         rows.append((f"lookahead={k}: requests per committed step / projected_speedup_32b",

@@ -172,6 +172,10 @@ class SemanticSpecDecoder(StepDecoder):
         runner, problems = self._runner(cfg)
         sampling = self.sampling(cfg.temperature, cfg.top_p, enforce=runner is not None and runner.probes_decide,
                                  allow_mismatch=cfg.allow_sampling_mismatch)
+        if cfg.overlap:
+            problems.append("overlap=True: drafting the next window while the target verifies is served decoding's "
+                            "(ServedDecoder: the two servers are separate processes); in-process the two models share "
+                            "this process's cores")
         if cfg.lookahead > 1 and not self.shared:
             problems.append(f"lookahead={cfg.lookahead}: a window of steps is read in the target's tokens of the "
                             "draft's, which needs one tokenizer; this pair has two (use lookahead=1)")

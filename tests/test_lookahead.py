@@ -163,3 +163,21 @@ def test_a_bad_window_threshold_is_refused_naming_it(tiny_pair):
         dec.generate(PROMPTS, lookahead=2, window_min_logprob=0.5)
     with pytest.raises(ValueError, match="window_min_logprob=-1.0: an adaptive window needs lookahead > 1"):
         dec.generate(PROMPTS, window_min_logprob=-1.0)
+
+
+def test_served_overlap_drafts_the_next_window_while_the_target_reads(world):
+    """``overlap``: the draft server writes each next window while the target server reads this one; greedy, the
+    windows that hold give the texts and decisions of the decode without overlap, and most of them hold."""
+    _, prompts = _prompts(world, 6, 1)
+    engines = LocalEngine(world["target"], world["tok"]), LocalEngine(world["draft"], world["tok"])
+    served = ServedDecoder(*engines, world["servable"], options=MARKER, concurrency=2)
+    plain = served.generate(prompts, lookahead=2, **GREEDY)
+    ahead = served.generate(prompts, lookahead=2, overlap=True, **GREEDY)
+    assert decisions(ahead) == decisions(plain) and texts(ahead) == texts(plain)
+    s = summarize(ahead)
+    assert 0 < s["ahead_used"] <= s["ahead_windows"] and s["ahead_used"] >= 0.5 * s["ahead_windows"], s
+    assert summarize(plain)["ahead_windows"] == 0
+    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["servable"],
+                                options=MARKER)
+    with pytest.raises(ValueError, match="overlap=True: drafting the next window while the target verifies is served"):
+        local.generate(prompts, overlap=True, lookahead=2)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from generation.specs import SamplingSpec
 from probes.decoding.config import DecodeConfig
+from probes.decoding.loop import Window
 from probes.decoding.methods import MethodArgs, Speculative, runner_for
 from probes.decoding.results import DecodeResult, StepEvent, collect
 
@@ -101,13 +102,12 @@ class StepDecoder:
             problems.append(f"method={method!r} needs target_probe (an exported probe directory)")
         if needs is not None and needs.p and self.draft_probe is None:
             problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
-        if cfg.lookahead > 1:
+        if cfg.lookahead > 1 or cfg.overlap:
             why = lookahead_problem(runner, method)
             if why:
                 problems.append(f"lookahead={cfg.lookahead}: {why}")
             else:
-                runner = dataclasses.replace(runner, lookahead=cfg.lookahead,
-                                             window_min_logprob=cfg.window_min_logprob)
+                runner = dataclasses.replace(runner, window=Window(cfg.lookahead, cfg.window_min_logprob, cfg.overlap))
         return runner, problems
 
 

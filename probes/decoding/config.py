@@ -62,6 +62,10 @@ class DecodeConfig:
             only after a step whose every token it drew at this raw log-probability or more (a step it was unsure of
             is the likelier to be refused, and the steps after a refused one are thrown away); None (default): every
             window holds ``lookahead`` steps where the row goes on. A number <= 0.
+        overlap: the draft writes each row's next window while the target reads this one, as if it were kept whole
+            (PEARL-style); the draft's work is thrown away when a step is refused or the target's bonus token is not
+            the draft's next token. Served decoding only (the two servers are separate processes); speculative
+            methods.
 
     Raises:
         ValueError: a field with a bad value, naming every bad field and its value at once.
@@ -79,6 +83,7 @@ class DecodeConfig:
     progress: bool = False
     lookahead: int = 1
     window_min_logprob: float | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, Sequence) and not isinstance(self.seed, (str, bytes)):
@@ -112,7 +117,7 @@ class DecodeConfig:
             out.append(("accept_rate", "expected a number in [0, 1]"))
         if self.oracle is not None and not callable(self.oracle):
             out.append(("oracle", "expected a callable oracle(step_text, output_so_far) -> bool"))
-        for flag in ("allow_sampling_mismatch", "progress"):
+        for flag in ("allow_sampling_mismatch", "progress", "overlap"):
             if not isinstance(getattr(self, flag), bool):
                 out.append((flag, "expected True or False"))
         return out

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -116,15 +116,28 @@ class EnginePart:
 
     def _one(self, i: int, kind: str, args: tuple, kw: dict):
         """One request for row ``i``, counted in its stats; a failure names the server."""
-        kw = dict(kw, sampling=self.sampling, seed=stream_seed(*self.keys[i], f"{self.role}:{kind}:"
-                                                                                f"{len(self.rows[i].trace)}"))
+        answer, dt = self._send(kind, args, kw, self.seed(i, kind))
+        self._count(i, answer, dt)
+        return answer
+
+    def seed(self, i: int, tag: str) -> int:
+        """The seed of row ``i``'s ``tag`` request at its current step (from its key: the same in any batch)."""
+        return stream_seed(*self.keys[i], f"{self.role}:{tag}:{len(self.rows[i].trace)}")
+
+    def _send(self, kind: str, args: tuple, kw: dict, seed: int):
+        """One request and its seconds; a failure names the server."""
+        kw = dict(kw, sampling=self.sampling, seed=seed)
         t0 = time.perf_counter()
         try:
             answer = getattr(self.engine, kind)(*args, **kw)
         except Exception as e:
             raise RuntimeError(f"the {self.role} server {self.engine.url} failed a {kind} request: "
                                f"{type(e).__name__}: {e}") from e
-        dt, u, s = time.perf_counter() - t0, answer.usage, self.rows[i].stats
+        return answer, time.perf_counter() - t0
+
+    def _count(self, i: int, answer, dt: float) -> None:
+        """Count a request's answer and seconds in row ``i``'s stats."""
+        u, s = answer.usage, self.rows[i].stats
         s.requests += 1
         s.http_s += dt
         s.prefill_tokens += u.prefill_tokens if u.prefill_tokens is not None else u.prompt_tokens - (u.cached_tokens
@@ -132,7 +145,6 @@ class EnginePart:
         self.used[i] = max(self.used[i], u.prompt_tokens + u.completion_tokens)
         self.passes[i] += 1
         self.served_s[i] += dt
-        return answer
 
     def write_steps(self, forced: Mapping[int, Sequence], limits: Mapping[int, int], top_k: int | None = None,
                     after: Mapping[int, str] | None = None) -> tuple[dict[int, Proposal], dict]:
@@ -212,6 +224,8 @@ class EngineProposer(EnginePart):
         self.written: dict = {}  # per row: the server's answer for the first step of its window
         self.window: dict[int, str] = {}  # per row: the text of its window's steps so far
         self.ahead: dict[int, list[Proposal]] = {}  # per row: the window's next steps, written with its first one
+        self.prefetch: dict[int, tuple[str, Future]] = {}  # per row: the next window drafted ahead, and its context
+        self._pool: ThreadPoolExecutor | None = None
 
     def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False,
                 window: int = 1) -> dict[int, Proposal]:
@@ -220,7 +234,7 @@ class EngineProposer(EnginePart):
         if more:
             steps = {i: self.ahead[i].pop(0) for i in rows if self.ahead.get(i)}
             steps.update(self._write({i: s for i, s in rows.items() if i not in steps}, for_p, more))
-        elif window > 1 and not for_p:
+        elif (window > 1 or self.prefetch) and not for_p:
             steps = self._write_window(rows, window)
         else:
             steps = self._write(rows, for_p, more)
@@ -240,17 +254,20 @@ class EngineProposer(EnginePart):
 
     def _write_window(self, rows: Mapping[int, RowState], window: int) -> dict[int, Proposal]:
         """Up to ``window`` steps per row in one request (``step=None``, its tokens cut at the step's delimiters and
-        cap as the server's stop would cut them); the first step of each row is returned."""
+        cap as the server's stop would cut them), or the window drafted ahead for the row when it still holds; the
+        first step of each row is returned."""
         self.written, self.window, self.ahead, calls, out = {}, {}, {}, {}, {}
         cap = self.step_spec.max_step_tokens
+        answers = self._drafted_ahead(rows)
         for i, s in rows.items():
             room = s.limit - len(s.forced)
             if room < 1:
                 out[i] = Proposal(list(s.forced), len(s.forced), "".join(s.forced), n_new=0)
-            else:
+            elif i not in answers:
                 calls[i] = ((self.context(i) + "".join(s.forced),),
                             dict(step=None, max_tokens=min(room, window * cap), top_k=1))
-        for i, w in self.each("write", calls).items():
+        answers.update(self.each("write", calls))
+        for i, w in answers.items():
             steps = cut_steps(w, list(rows[i].forced), self.step_spec, rows[i].limit - len(rows[i].forced))
             if not steps:
                 self.rows[i].fail(f"the draft server {self.engine.url} returned token texts that do not spell its "
@@ -270,6 +287,41 @@ class EngineProposer(EnginePart):
                 continue
             out[i] = run_probe(self.probe, features(self.spec, w.tokens, None))[0]
         self.probe_s = time.perf_counter() - t0
+        return out
+
+    def draft_ahead(self, windows: Mapping[int, Sequence[Proposal]], window: int) -> None:
+        """Start drafting each row's next window (one request each, in the background) as if every step of this one
+        were kept: it runs while the target reads this window."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        cap = self.step_spec.max_step_tokens
+        for i, w in windows.items():
+            r, text = self.rows[i], "".join(d.text for d in w)
+            room = r.budget - r.stats.output_tokens - sum(d.n_new for d in w) - 1  # the bonus token opens it
+            if r.done or w[-1].eos or room < 1 or answer_complete(r.text + text, r.answer_marker):
+                continue
+            context = self.context(i) + text
+            kw = dict(step=None, max_tokens=min(room + 1, window * cap), top_k=1)
+            self.prefetch[i] = (context, self._pool.submit(_Outcome.of, self._send, "write", (context,), kw,
+                                                           self.seed(i, "ahead")))
+
+    def _drafted_ahead(self, rows: Mapping[int, RowState]) -> dict:
+        """The windows drafted ahead that still hold, as answers to this window's writes: the row kept the whole
+        window they followed, and the draft's first token is the target's bonus token (it is cut off; the steps
+        after it were drafted after that same token). The others are thrown away (their requests still count)."""
+        out = {}
+        for i, (context, future) in list(self.prefetch.items()):
+            del self.prefetch[i]
+            got = future.result()
+            if got.error is not None:
+                continue  # the row's own write below says what is wrong, if anything
+            w, dt = got.value
+            self._count(i, w, dt)
+            self.rows[i].stats.ahead_windows += 1
+            fit = _after_forced(w, "".join(rows[i].forced)) if i in rows and self.context(i) == context else None
+            if fit is not None:
+                self.rows[i].stats.ahead_used += 1
+                out[i] = fit
         return out
 
     def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
@@ -368,6 +420,19 @@ class EngineVerifier(EnginePart):
 
     def close_judge_turn(self, row: int, scores: Scores | None) -> None:
         """Nothing to do: a served read has no judge turn."""
+
+
+def _after_forced(w, forced: str):
+    """A continuation drafted ahead with its first token ``forced`` (the target's bonus token) cut off, or None when
+    its first token is not that text (no forced text: ``w`` as it is)."""
+    if not forced:
+        return w
+    t = w.tokens
+    if t is None or not t.tokens or t.tokens[0] != forced or not w.text.startswith(forced):
+        return None
+    rest = TokenLogprobs(t.tokens[1:], t.ids[1:] if t.ids is not None else None, t.logprobs[1:], t.top[1:])
+    usage = dataclasses.replace(w.usage, completion_tokens=w.usage.completion_tokens - 1)
+    return dataclasses.replace(w, text=w.text[len(forced) :], tokens=rest, usage=usage)
 
 
 def cut_steps(w, forced: list, step: StepSpec, room: int) -> list[Proposal]:

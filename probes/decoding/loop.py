@@ -36,6 +36,23 @@ from probes.decoding.verify import TargetVerifier
 
 
 @dataclass(frozen=True)
+class Window:
+    """How many drafted steps one verification judges (``DecodeConfig.lookahead`` and its companions).
+
+    Attributes:
+        size: the most steps per window (1: one step per target pass).
+        min_logprob: an adaptive window stops after a step the draft drew a token of below this raw log-probability.
+        overlap: the draft writes each row's next window while the target reads this one, as if it were kept whole
+            (an engine proposer; the work is thrown away when a step is refused or the target's bonus token differs
+            from the draft's next one).
+    """
+
+    size: int = 1
+    min_logprob: float | None = None
+    overlap: bool = False
+
+
+@dataclass(frozen=True)
 class LoopSetup:
     """How the loop runs, whatever its parts.
 
@@ -168,13 +185,13 @@ class StepLoop:
         """The rows not done (a part failed the others' requests)."""
         return [i for i in rows_i if not self.rows[i].done]
 
-    def speculate(self, rows_i: list[int], policy: AcceptancePolicy, lookahead: int = 1,
-                  min_logprob: float | None = None) -> list[int]:
+    def speculate(self, rows_i: list[int], policy: AcceptancePolicy, window: Window = Window()) -> list[int]:
         """Propose, verify, decide, then commit or roll back every row's step (or window of steps).
 
-        With ``lookahead`` above 1 the draft writes up to that many steps per row, one after another, the target
-        reads them in one forward, and each row keeps its steps up to the first refused one (:meth:`_window`); with
-        ``min_logprob`` a window stops after a step the draft drew a token of below that log-probability.
+        With a :class:`Window` above one step the draft writes up to that many steps per row, one after another, the
+        target reads them in one forward, and each row keeps its steps up to the first refused one (:meth:`_window`);
+        an adaptive window stops after a step the draft was unsure of; with ``overlap`` the proposer starts each
+        row's next window before the target reads this one.
         Rows rewriting a refused step (``rewrite_in_rounds``) ride the same draft and target forwards: their
         proposal continues the target's step and is kept token by token (:meth:`_rewrite_tokens`).
 
@@ -185,8 +202,10 @@ class StepLoop:
         needs, rows = policy.needs, self.rows
         t0 = time.perf_counter()
         states = {i: self._row_state(i) for i in rows_i}
-        windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p, window=lookahead).items()}
-        self._window(windows, states, lookahead, min_logprob)
+        windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p, window=window.size).items()}
+        self._window(windows, states, window)
+        if window.overlap:
+            self.proposer.draft_ahead({i: w for i, w in windows.items() if rows[i].rewriting is None}, window.size)
         rows_i = self.live(rows_i)
         going = [i for i in rows_i if rows[i].rewriting is not None]
         judged = [i for i in rows_i if rows[i].rewriting is None]
@@ -210,15 +229,15 @@ class StepLoop:
         return self._settle(self.live(judged), windows, scores, decisions, states, (dt, probe_s, draft_s,
                                                                                   verify_s, len(rows_i)))
 
-    def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], lookahead: int,
-                min_logprob: float | None) -> None:
-        """The draft writes up to ``lookahead`` steps per judged row, each after the ones before it, while the row
-        would go on (the last step did not end the sequence or the answer, the budget has room left) and, with
-        ``min_logprob``, while the draft drew every token of the last step at that log-probability or more."""
+    def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], window: Window) -> None:
+        """The draft writes up to ``window.size`` steps per judged row, each after the ones before it, while the row
+        would go on (the last step did not end the sequence or the answer, the budget has room left) and, for an
+        adaptive window, while the draft drew every token of the last step at ``window.min_logprob`` or more."""
         def sure(d: Proposal) -> bool:
-            return min_logprob is None or (d.confidence is not None and d.confidence >= min_logprob)
+            m = window.min_logprob
+            return m is None or (d.confidence is not None and d.confidence >= m)
 
-        for _ in range(lookahead - 1):
+        for _ in range(window.size - 1):
             more = {i: RowState((), left) for i, w in windows.items()
                     if sure(w[-1]) and (left := self._room_after(i, w, states[i])) > 0}
             if not more:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from generation.specs import SamplingSpec
 from probes.decoding.hf import TransformersLoop
-from probes.decoding.loop import StepLoop
+from probes.decoding.loop import StepLoop, Window
 from probes.decoding.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
 from probes.decoding.results import StepEvent
 
@@ -61,17 +61,16 @@ class DraftOnly(LoopRunner):
 
 @dataclass(frozen=True)
 class Speculative(LoopRunner):
-    """The draft proposes each step (or a window of ``lookahead`` steps) and ``policy`` decides; the target writes the
-    first step when ``target_first_step`` and every refused one."""
+    """The draft proposes each step (or a :class:`~probes.decoding.loop.Window` of steps) and ``policy`` decides; the
+    target writes the first step when ``target_first_step`` and every refused one."""
 
     policy: AcceptancePolicy
-    lookahead: int = 1
-    window_min_logprob: float | None = None
+    window: Window = Window()
 
     def step(self, loop: StepLoop, active: list[int]) -> None:
         first = [i for i in active if loop.opt.target_first_step and loop.rows[i].steps_written == 0]
         spec = [i for i in active if i not in first]
-        rejected = loop.speculate(spec, self.policy, self.lookahead, self.window_min_logprob) if spec else []
+        rejected = loop.speculate(spec, self.policy, self.window) if spec else []
         if first or rejected:
             loop.rewrite(first, rejected)
 

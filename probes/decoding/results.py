@@ -96,6 +96,11 @@ class DecodeStats:
     refused one included: they were thrown away unjudged)."""
     windows: int = 0
     """Verifications of drafted steps: one per window the target read (``lookahead``: up to that many steps each)."""
+    ahead_windows: int = 0
+    """Served ``overlap``: windows the draft wrote while the target read the one before (their requests counted)."""
+    ahead_used: int = 0
+    """Served ``overlap``: of those, the ones that held (the window before was kept whole and the target's bonus
+    token was the draft's next token), so no draft request waited on the target."""
     idle_row_s: float = 0.0
     """Step loop, row-seconds: seconds of forwards that ran while this row was unfinished but fed nothing by them
     (an accepted row while the target rewrites another, a row whose step is written while others still draft)."""
