@@ -271,8 +271,8 @@ def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) 
             method = "semanticspec" if m.startswith("semanticspec") else m
             extra = {"oracle": oracle_for(p)} if m == "oracle_accept" else {}
             if "[lookahead=" in m:
-                k, *flags = m[m.index("=") + 1 : -1].split()
-                extra.update(lookahead=int(k), overlap="overlap" in flags)
+                size, *flags = m[m.index("=") + 1 : -1].split()
+                extra.update(lookahead=int(size), overlap="overlap" in flags)
             runs[m] += dec.generate([prompt], method=method, seed=args.seed + k, **gen, **extra)
     for e in engines:
         e.tag = ""
