@@ -147,6 +147,22 @@ def decode_decisions() -> str:
     return table(["method", "right kept", "wrong kept", "right refused", "wrong refused"], rows)
 
 
+def lookahead() -> str:
+    """The windowed rows of the decode run: speed, accuracy, target passes, steps and thrown-away draft tokens per
+    window, and how well the draft's least token log-probability predicts the target's decision."""
+    ms = load("decode")["methods"]
+    keys = ["semanticspec"] + [k for k in ms if k.startswith(("semanticspec[lookahead", "oracle_accept"))
+                               and "keep_right" not in k]
+    rows = [[k.replace("semanticspec", "SemanticSpec"), f"{m['speedup']:.2f}", num(m["accuracy"]),
+             num(m.get("step_acceptance")), num(m.get("target_passes_per_100_tokens"), 1),
+             num(m["steps_per_window"], 2) if "steps_per_window" in m else "-",
+             num(m["wasted_draft_tokens_per_window"], 2) if "wasted_draft_tokens_per_window" in m else "-",
+             num(m["confidence_auroc"]) if "confidence_auroc" in m else "-"]
+            for k in keys if k in ms for m in [ms[k]]]
+    return table(["row", "speedup", "accuracy", "step acceptance", "target passes / 100 tokens", "steps / window",
+                  "thrown-away draft tokens / window", "AUROC of the draft's confidence"], rows)
+
+
 def batch_scaling() -> str:
     bs = load("decode-scaling")["batch_scaling"]
     t, s, ph = bs["table"]["target_only"], bs["table"]["semanticspec"], bs["phases"]["semanticspec"]
@@ -244,6 +260,7 @@ def train() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "decode-methods": decode_methods, "decode-decisions": decode_decisions,
+    "lookahead": lookahead,
     "batch-scaling": batch_scaling, "first-step": first_step, "world": world, "labels": labels,
     "served-methods": served_methods, "served-labels": served_labels, "threads": threads, "train": train,
 }
