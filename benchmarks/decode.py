@@ -496,6 +496,40 @@ def lookahead_variants(dec: SemanticSpecDecoder) -> dict:
     return out
 
 
+def window_cost(methods: dict, phases: dict) -> dict:
+    """Issue 31's cost model of a verify forward that carries a window, checked before anything is tuned on it.
+
+    The verify seconds of a row are ``a`` per verify forward plus ``b`` per drafted token it reads (every token of a
+    window is read, the ones after a refused step too). ``a`` and ``b`` are fitted on two rows, the one-step loop and
+    windows of 2; the model then predicts the verify seconds of the other windowed rows, and their speedups with
+    every other phase as measured.
+    """
+    rows = [n for n in ["semanticspec", *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS), ADAPTIVE_ROW]
+            if n in methods and n in phases and "steps_per_window" in methods[n]]
+    if len(rows) < 3:
+        return {}
+    ref = methods["target_only"]["wall_s"]
+
+    def counts(n: str) -> tuple[float, float]:
+        m = methods[n]
+        windows = m["draft_steps_proposed"] / m["steps_per_window"]
+        drafted = m["wasted_draft_tokens_per_window"] * windows + m["draft_token_share"] * m["output_tokens"]
+        return windows, drafted
+
+    (w1, d1), (w2, d2) = counts(rows[0]), counts(rows[1])
+    v1, v2 = phases[rows[0]]["verify"], phases[rows[1]]["verify"]
+    det = w1 * d2 - w2 * d1
+    a, b = (v1 * d2 - v2 * d1) / det, (w1 * v2 - w2 * v1) / det
+    out = {"a_s_per_forward": a, "b_s_per_token": b, "fitted_on": rows[:2], "rows": {}}
+    for n in rows:
+        w, d = counts(n)
+        verify = a * w + b * d
+        wall = methods[n]["wall_s"] - phases[n]["verify"] + verify
+        out["rows"][n] = {"verify_s": phases[n]["verify"], "predicted_verify_s": verify,
+                          "speedup": methods[n]["speedup"], "predicted_speedup": ref / wall}
+    return out
+
+
 def window_figures(methods: dict, runs: dict) -> None:
     """Add to each windowed row how well the draft-side signal predicts the target's decision (AUROC of the draft's
     least token log-probability in a judged step against the step being kept) and the draft tokens thrown away per
@@ -604,6 +638,7 @@ def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, unt
     phases, cost = phases_and_costs(runs)
     add_references(methods)
     window_figures(methods, runs)
+    windows = window_cost(methods, phases)
     sweep = sweep_curves(methods, runs, problems, plan.knobs)
     scaling = scaling_section(plan.dec, args)
     probe_paths = {
@@ -616,6 +651,7 @@ def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, unt
         "sweep": sweep,
         "phases": phases,
         "cost": cost,
+        "window_cost": windows,
         "probes": probe_scores,
         "n_problems": len(problems),
         "seed": args.seed,

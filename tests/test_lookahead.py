@@ -100,6 +100,7 @@ def test_windows_keep_the_equivalences_of_one_step(tiny_pair, k):
     assert summarize(win)["step_acceptance"] == 1
 
 
+@pytest.mark.slow  # the world's models behind LocalEngines, two windows sizes both ways: in CI's slow set
 def test_served_windows_decide_as_in_process_windows_with_fewer_requests(world):
     """The engine parts read a window in one request and split it per step: the same decisions and texts as
     in-process windows over the same weights, and fewer requests per committed step than one-step windows."""
@@ -165,6 +166,7 @@ def test_a_bad_window_threshold_is_refused_naming_it(tiny_pair):
         dec.generate(PROMPTS, window_min_logprob=-1.0)
 
 
+@pytest.mark.slow  # the world's models behind LocalEngines, with and without overlap: in CI's slow set
 def test_served_overlap_drafts_the_next_window_while_the_target_reads(world):
     """``overlap``: the draft server writes each next window while the target server reads this one; greedy, the
     windows that hold give the texts and decisions of the decode without overlap, and most of them hold."""
@@ -181,3 +183,30 @@ def test_served_overlap_drafts_the_next_window_while_the_target_reads(world):
                                 options=MARKER)
     with pytest.raises(ValueError, match="overlap=True: drafting the next window while the target verifies is served"):
         local.generate(prompts, overlap=True, lookahead=2)
+
+
+def test_the_window_cost_model_recovers_its_costs_and_predicts_from_them():
+    """benchmarks.decode.window_cost: verify seconds = a per forward + b per token read, fitted on two rows, predict
+    the others (here made exactly so: the prediction must be exact; a row made off the model must be missed)."""
+    from benchmarks.decode import ADAPTIVE_ROW, window_cost
+
+    a, b = 0.02, 0.0005
+    methods, phases = {"target_only": {"wall_s": 30.0}}, {}
+    for k, (windows, drafted, extra) in zip(["semanticspec", "semanticspec[lookahead=2]", "semanticspec[lookahead=3]",
+                                             "semanticspec[lookahead=4]", ADAPTIVE_ROW],
+                                            [(200, 1000, 0), (150, 1100, 0), (120, 1200, 0), (100, 1300, 0.5),
+                                             (110, 1250, 0)]):
+        verify = a * windows + b * drafted + extra
+        # output 1000 tokens, 80% drafted and kept: the rest of the drafted tokens were thrown away
+        methods[k] = {"wall_s": 10.0, "speedup": 3.0, "draft_steps_proposed": 2 * windows, "steps_per_window": 2.0,
+                      "draft_token_share": 0.8, "output_tokens": 1000,
+                      "wasted_draft_tokens_per_window": (drafted - 800) / windows}
+        phases[k] = {"verify": verify}
+    out = window_cost(methods, phases)
+    assert out["a_s_per_forward"] == pytest.approx(a) and out["b_s_per_token"] == pytest.approx(b)
+    rows = out["rows"]
+    assert rows["semanticspec[lookahead=3]"]["predicted_verify_s"] == pytest.approx(a * 120 + b * 1200)
+    assert rows[ADAPTIVE_ROW]["predicted_verify_s"] == pytest.approx(rows[ADAPTIVE_ROW]["verify_s"])
+    off = rows["semanticspec[lookahead=4]"]
+    assert off["verify_s"] - off["predicted_verify_s"] == pytest.approx(0.5)
+    assert off["predicted_speedup"] == pytest.approx(30.0 / (10.0 - 0.5))
