@@ -148,9 +148,10 @@ def decode_decisions() -> str:
 
 
 def lookahead() -> str:
-    """The windowed rows of the decode run: speed, accuracy, target passes, steps and thrown-away draft tokens per
-    window, and how well the draft's least token log-probability predicts the target's decision."""
-    ms = load("decode")["methods"]
+    """The windowed rows of the decode run with windows (``decode-lookahead.json``): speed, accuracy, target passes,
+    steps and thrown-away draft tokens per window, and how well the draft's least token log-probability predicts the
+    target's decision."""
+    ms = load("decode-lookahead")["methods"]
     keys = ["semanticspec"] + [k for k in ms if k.startswith(("semanticspec[lookahead", "oracle_accept"))
                                and "keep_right" not in k]
     rows = [[k.replace("semanticspec", "SemanticSpec"), f"{m['speedup']:.2f}", num(m["accuracy"]),
