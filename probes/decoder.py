@@ -177,8 +177,8 @@ class SemanticSpecDecoder(StepDecoder):
                             "(ServedDecoder: the two servers are separate processes); in-process the two models share "
                             "this process's cores")
         if cfg.lookahead > 1 and not self.shared:
-            problems.append(f"lookahead={cfg.lookahead}: a window of steps is read in the target's tokens of the "
-                            "draft's, which needs one tokenizer; this pair has two (use lookahead=1)")
+            problems.append(f"lookahead={cfg.lookahead}: the target reads a window of the draft's steps in its own "
+                            "tokens, which needs one tokenizer; this pair has two (use lookahead=1)")
         if problems:
             raise ValueError("; ".join(problems))
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)

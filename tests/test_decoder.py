@@ -174,7 +174,7 @@ def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, 
 
     def spy_score(self, rows):
         for i in rows:  # (prefix, step) as the draft holds them
-            d = self.steps[i]
+            d = self.window[i][0]
             spans["p"].append((self.cache.seq[i][: d.start], list(d.tokens)))
         return score(self, rows)
 

@@ -58,6 +58,11 @@ class TokenLogprobs:
             raise ValueError(f"{n} tokens with logprobs of shape {tuple(self.logprobs.shape)} and top-k of shape "
                              f"{tuple(self.top.shape)}; expected ({n},) and ({n}, k)")
 
+    def span(self, a: int, b: int | None = None) -> TokenLogprobs:
+        """The tokens ``a`` to ``b - 1`` (to the end when ``b`` is None), everything about them kept."""
+        ids = self.ids[a:b] if self.ids is not None else None
+        return TokenLogprobs(self.tokens[a:b], ids, self.logprobs[a:b], self.top[a:b])
+
 
 @dataclass(frozen=True)
 class Reading:

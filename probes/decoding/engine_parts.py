@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -188,11 +188,8 @@ class EnginePart:
     def extend(self, row: int, tokens: Sequence) -> None:
         """Nothing to do: the server reads the row's committed text with its next request."""
 
-    def roll_back(self, row: int) -> None:
-        """Nothing to do: a refused step never joins the row's text."""
-
     def keep(self, row: int, n: int) -> None:
-        """Nothing to do (token-level speculation is the server's own)."""
+        """Nothing to do: a refused step never joins the row's text (token-level speculation is the server's own)."""
 
 
 class _Outcome:
@@ -395,7 +392,7 @@ class EngineVerifier(EnginePart):
             ks.append(needs.fast_path.top_k)
         return max(ks)
 
-    def bonus(self, rows: list[int], scores: Mapping[int, Scores]) -> dict[int, list]:
+    def bonus(self, rows: list[int]) -> dict[int, list]:
         """The target's next token after each row's kept step: from its verifying read, or from a read of its own
         when the policy read nothing (:data:`EOS` at the end of sequence)."""
         got = {i: self.readings[i] for i in rows if i in self.readings}
@@ -430,9 +427,8 @@ def _after_forced(w, forced: str):
     t = w.tokens
     if t is None or not t.tokens or t.tokens[0] != forced or not w.text.startswith(forced):
         return None
-    rest = TokenLogprobs(t.tokens[1:], t.ids[1:] if t.ids is not None else None, t.logprobs[1:], t.top[1:])
     usage = dataclasses.replace(w.usage, completion_tokens=w.usage.completion_tokens - 1)
-    return dataclasses.replace(w, text=w.text[len(forced) :], tokens=rest, usage=usage)
+    return dataclasses.replace(w, text=w.text[len(forced) :], tokens=t.span(1), usage=usage)
 
 
 def cut_steps(w, forced: list, step: StepSpec, room: int) -> list[Proposal]:
@@ -446,25 +442,37 @@ def cut_steps(w, forced: list, step: StepSpec, room: int) -> list[Proposal]:
         pieces.pop()
     if w.tokens is None or "".join(pieces) != w.text:
         return []
-    out, cur, n, total, lp = [], "", 0, 0, w.tokens.logprobs.tolist()
-    for piece in pieces:
-        cur, n, total = cur + piece, n + 1, total + 1
-        first = not out
-        if ends_step(cur, step.delimiters) or n >= step.max_step_tokens - (len(forced) if first else 0) or \
-                total >= room:
-            f = forced if first else []
-            out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n, confidence=min(lp[total - n : total])))
-            cur, n = "", 0
-            if total >= room:
-                return out
+    out, a, lp = [], 0, w.tokens.logprobs.tolist()
+    for b in step_ends(pieces, step, len(forced), room):
+        f = forced if not out else []
+        out.append(Proposal(list(f), len(f), "".join(f) + "".join(pieces[a:b]), n_new=b - a, confidence=min(lp[a:b])))
+        a = b
+        if b >= room:
+            return out
+    cur, n = "".join(pieces[a:]), len(pieces) - a
     if w.stop == "eos":  # the EOS token ends the last step (counted in it, as a one-step write counts it)
         if cur or not out:
             f = forced if not out else []
             out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n + eos_piece, eos=True,
-                                confidence=min(lp[total - n : total], default=None)))
+                                confidence=min(lp[a:], default=None)))
         else:
             out[-1] = dataclasses.replace(out[-1], eos=True, n_new=out[-1].n_new + eos_piece)
     return out
+
+
+def step_ends(pieces: Sequence[str], step: StepSpec, n_forced: int = 0, room: int | None = None) -> Iterator[int]:
+    """Where the steps of a run of written tokens (their texts) end, as a one-step write would stop each: at a
+    delimiter or at the step cap (``n_forced`` forced tokens count toward the first step's), and at ``room`` tokens in
+    all (its last end). Yields each step's end index; an unfinished last step yields none."""
+    cur, n, first = "", 0, True
+    for k, piece in enumerate(pieces, 1):
+        cur, n = cur + piece, n + 1
+        if ends_step(cur, step.delimiters) or n >= step.max_step_tokens - (n_forced if first else 0) or \
+                (room is not None and k >= room):
+            yield k
+            if room is not None and k >= room:
+                return
+            cur, n, first = "", 0, False
 
 
 def split_reading(reading, texts: Sequence[str]) -> list:
@@ -481,9 +489,7 @@ def split_reading(reading, texts: Sequence[str]) -> list:
             k += 1
         if text_at != end:
             return out + [False] * (len(texts) - len(out))
-        ids = tokens.ids[a:k] if tokens.ids is not None else None
-        step = TokenLogprobs(tokens.tokens[a:k], ids, tokens.logprobs[a:k], tokens.top[a:k])
-        out.append((step, reading.hidden[a:k] if reading.hidden is not None else None))
+        out.append((tokens.span(a, k), reading.hidden[a:k] if reading.hidden is not None else None))
         a = k
     return out
 
@@ -497,13 +503,10 @@ def answer_cut(tokens: TokenLogprobs | None, step: StepSpec, marker: str | None)
     """
     if tokens is None or not marker:
         return None
-    text, cur, n = "", "", 0
-    for i, piece in enumerate(tokens.tokens):
-        cur, n = cur + piece, n + 1
-        if ends_step(cur, step.delimiters) or n >= step.max_step_tokens:
-            text, cur, n = text + cur, "", 0
-            if answer_complete(text, marker):
-                return text, i + 1
+    for b in step_ends(tokens.tokens, step):
+        text = "".join(tokens.tokens[:b])
+        if answer_complete(text, marker):
+            return text, b
     return None
 
 

@@ -60,13 +60,11 @@ class LoopSetup:
         options: the decoder's loop options (first step, answer marker, rewrites in the rounds).
         bonus_token: the target's next token after a kept step opens the next step.
         token_sd: the draft helps the target write its steps (token-level speculation; in-process parts).
-        shared: one tokenizer: a row's output is kept as tokens (decoded once at the end), else as text.
     """
 
     options: LoopOptions
     bonus_token: bool
     token_sd: bool = False
-    shared: bool = False
 
 
 class StepLoop:
@@ -117,7 +115,7 @@ class StepLoop:
                                   dec.target_probe, dec.judge, streams["coins"], dec.spare,
                                   dec.options.token_sd_tokens)
         rows = [Row(max_new_tokens, dec.shared, dec.options.answer_marker) for _ in range(B)]
-        return cls(proposer, verifier, rows, LoopSetup(dec.options, dec.bonus_token, dec.token_sd, dec.shared))
+        return cls(proposer, verifier, rows, LoopSetup(dec.options, dec.bonus_token, dec.token_sd))
 
     def parts(self, names: Sequence[str]) -> tuple:
         """The parts named ``target`` (the verifier) and ``draft`` (the proposer)."""
@@ -152,7 +150,7 @@ class StepLoop:
             r.stats.wall_s = wall / B
             r.stats.done_idle_row_s = t_end - self.t_done.get(i, t_end)
             r.stats.target_passes, r.stats.draft_passes = self.verifier.passes[i], self.proposer.passes[i]
-            text = "" if r.error else self.verifier.text(r.out) if self.setup.shared else r.text
+            text = "" if r.error else self.verifier.text(r.out) if r.shared else r.text
             yield StepEvent(i, None, r.text, DecodeResult(text, r.trace, r.stats, r.stop_reason, r.error))
 
     def _retire(self, rows_i: list[int]) -> None:
@@ -306,7 +304,7 @@ class StepLoop:
                 if self.setup.bonus_token and not r.done and self.limit(i, self.verifier, self.proposer) > 0:
                     bonus.append(i)
         if bonus:
-            self._bonus(bonus, scores)
+            self._bonus(bonus)
         return rejected
 
     def _refused(self, i: int, d: Proposal, kept: int, limit: int) -> bool:
@@ -342,12 +340,10 @@ class StepLoop:
         r, rw, ver = self.rows[i], self.rows[i].rewriting, self.verifier
         new = list(proposal.tokens[proposal.n_forced :])
         logits = ver.token_logits.get(i)
-        if logits is not None:
-            logits = logits[offset:]
         kept, extra = 0, None
         if logits is not None:
             base = list(rw.tokens)
-            kept, extra = speculate_tokens(ver.sampler, i, new, logits, proposal.logits, drawn=drawn,
+            kept, extra = speculate_tokens(ver.sampler, i, new, logits[offset:], proposal.logits, drawn=drawn,
                                            ends_after=lambda j: ver.ends_step(base + new[:j], rw.limit))
         rw.tokens.extend(new[:kept])
         ver.keep(i, offset + kept)
@@ -362,9 +358,9 @@ class StepLoop:
             r.rewriting = None
             r.commit(trace, step, False)
 
-    def _bonus(self, rows_i: list[int], scores) -> None:
+    def _bonus(self, rows_i: list[int]) -> None:
         """The target's next token (after each kept step) opens the row's next step."""
-        drawn = self.verifier.bonus(rows_i, scores)
+        drawn = self.verifier.bonus(rows_i)
         for i in self.live(rows_i):
             r, t = self.rows[i], drawn[i]
             self.proposer.extend(i, t)

@@ -120,9 +120,6 @@ class Proposer(Part, Protocol):
     def take(self, row: int, step: Proposal) -> None:
         """A step the target wrote enters the row's context (handed over in the proposer's tokenization)."""
 
-    def roll_back(self, row: int) -> None:
-        """Forget the row's last proposal (its forced tokens stay)."""
-
     def keep(self, row: int, n: int) -> None:
         """Keep the first ``n`` proposed tokens of the row's window of proposals and forget the rest."""
 
@@ -171,8 +168,7 @@ class DraftProposer(CachePart):
         super().__init__(writer.cache, spare)
         self.writer, self.tokenizer, self.probe, self.handover = writer, tokenizer, probe, handover
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
-        self.steps: dict[int, StepDraft] = {}  # per row: the first step of its window (what the draft probe reads)
-        self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order
+        self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order (p reads the first)
         self.probe_s = self.feed_s = 0.0  # seconds of the last score(): probe, and the draft's extra read
 
     def _proposal(self, d: StepDraft) -> Proposal:
@@ -192,7 +188,7 @@ class DraftProposer(CachePart):
             for i, d in steps.items():
                 self.window[i].append(d)
         else:
-            self.steps, self.window = steps, {i: [d] for i, d in steps.items()}
+            self.window = {i: [d] for i, d in steps.items()}
         return {i: self._proposal(d) for i, d in steps.items()}
 
     def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
@@ -203,12 +199,13 @@ class DraftProposer(CachePart):
         if not rows:
             return {}
         t0 = time.perf_counter()
-        drafts = [self.steps[i] for i in rows]
+        drafts = [self.window[i][0] for i in rows]
         if self.spec.needs_hidden:
             # The draft reads its step's last token only now, and only for steps that need p:
             # a kept step hands that token to the draft's next forward instead.
             for i, f in self.cache.feed(list(rows), hidden=True).items():
-                self.steps[i].hidden.extend(f.hidden[:, max(0, self.steps[i].start - f.start) :].unbind(1))
+                d = self.window[i][0]
+                d.hidden.extend(f.hidden[:, max(0, d.start - f.start) :].unbind(1))
             self.feed_s = time.perf_counter() - t0
         hidden = [d.pooled_input() for d in drafts] if self.spec.needs_hidden else None
         logits = [torch.stack(d.token_logits()) for d in drafts] if self.spec.needs_logits else None
@@ -218,9 +215,6 @@ class DraftProposer(CachePart):
 
     def take(self, row: int, step: Proposal) -> None:
         self.extend(row, self.handover.to_draft(list(step.tokens[step.n_forced :]), step.text))
-
-    def roll_back(self, row: int) -> None:
-        self.keep(row, 0)
 
     def keep(self, row: int, n: int) -> None:
         logits = [lg for d in self.window[row] for lg in d.logits]  # per new token of the window, in order

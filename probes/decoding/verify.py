@@ -103,7 +103,7 @@ class TargetVerifier(CachePart):
             steps = self.writer.write(rows, limits, forced=forced)
         return {i: self.step(st.tokens, st.n_forced) for i, st in steps.items()}
 
-    def bonus(self, rows: list[int], scores: Mapping[int, Scores]) -> dict[int, list[int]]:
+    def bonus(self, rows: list[int]) -> dict[int, list[int]]:
         """The target's next token after each row's kept step, drawn from the forward that read it; it enters the
         target's context."""
         logits = torch.stack([self.cache.last_logits[i] for i in rows]).float()
@@ -198,10 +198,6 @@ class TargetVerifier(CachePart):
         """The target forgets the judge turn it read after the row's step."""
         if self._suffix:
             self.cache.rollback(row, self._suffix, last_logits=scores.after if scores is not None else None)
-
-    def roll_back(self, row: int) -> None:
-        """The target forgets the row's step (by length)."""
-        self.keep(row, 0)
 
     def keep(self, row: int, n: int) -> None:
         """The target keeps the first ``n`` new tokens of the row's proposal and forgets the rest (the judge turn
