@@ -208,6 +208,31 @@ class BatchedCache:
         self.live = list(range(len(pick)))
         self._at = {i: i for i in self.live}
 
+    def add_row(self, prompt: Sequence[int]) -> int:
+        """A new row holding ``prompt`` (pending: the next :meth:`feed` of the row reads it, beside the other rows'
+        tokens); returns its index. Its cache columns so far are masked, so what the other rows compute does not
+        change (rows do not attend to each other). How a server admits a request into a running batch.
+        """
+        if not len(prompt):
+            raise ValueError("the new row's prompt is empty; a prompt holds at least BOS")
+        i, T = self.n_rows, self.mask.shape[1]
+        layers = getattr(self.cache, "layers", [])
+        if T and any(getattr(layer, "keys", None) is None or layer.keys.shape[-2] != T for layer in layers):
+            raise ValueError("add_row() needs every layer to hold every cache column (no sliding-window layer)")
+        if T:
+            for layer in layers:
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((1, *layer.keys.shape[1:]))])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros((1, *layer.values.shape[1:]))])
+        self.mask = torch.cat([self.mask[:, :T], torch.zeros(1, T, dtype=torch.long, device=self.device)])
+        self.seq.append([int(t) for t in prompt])
+        self.cols.append([])
+        self.last_logits.append(None)
+        self.passes.append(0)
+        self.served_s.append(0.0)
+        self._at[i] = len(self.live)
+        self.live.append(i)
+        return i
+
     def fork(self, n: int) -> None:
         """Every row becomes ``n`` consecutive copies of itself (N samples of one prefix)."""
         if n < 1:

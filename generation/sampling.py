@@ -29,6 +29,12 @@ StreamKey = tuple[int, int]
 """``(seed, index)``: what one prompt's random streams are seeded from (:func:`stream_seed`)."""
 
 
+def key_stream(key: StreamKey, stream: str) -> torch.Generator:
+    """The CPU generator of one prompt's random stream ``stream`` (``"sampling"``, ``"coins"``), seeded from its
+    key (:func:`stream_seed`)."""
+    return torch.Generator().manual_seed(stream_seed(*key, stream))
+
+
 def stream_keys(seed: int | Sequence[int], n: int) -> list[StreamKey]:
     """The :data:`StreamKey` of each of ``n`` prompts.
 

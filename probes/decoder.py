@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from generation.cache import context_length
 from generation.handover import Handover
 from generation.sampling import stream_keys
 from generation.specs import SamplingSpec
@@ -187,6 +188,14 @@ class SemanticSpecDecoder(StepDecoder):
     def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> StepLoop:
         """The loop of one batch over the in-process models (``batch``: target and draft ids)."""
         return StepLoop.in_process(self, *batch, max_new_tokens, sampling, keys)
+
+    def row_inputs(self, inputs: tuple, k: int) -> tuple:
+        return inputs[0][k], inputs[1][k]
+
+    def prompt_room(self, inputs: tuple) -> int | None:
+        rooms = [ctx - len(ids[0]) - self.spare for ids, m in zip(inputs, (self.target, self.draft))
+                 if (ctx := context_length(m)) is not None]
+        return min(rooms, default=None)
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
                  enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:

@@ -163,6 +163,42 @@ def test_retired_rows_leave_the_forwards_and_the_others_stay_exact(world_tokeniz
     assert run.live == [] and run.mask.shape[0] == 0
 
 
+def test_rows_added_to_a_running_cache_read_as_if_alone_and_leave_the_others_exact(world_tokenizer):
+    """Issue 34: a request joins a running batch between rounds (:meth:`BatchedCache.add_row`): its prompt is read in
+    the next forward beside the others' tokens, every row's logits stay those of its sequence read alone, through
+    rollbacks, retirements (all rows gone, then a new one) and compaction."""
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    rng = random.Random(3)
+    run = BatchedCache(model, 2, compact_at=0.25)
+    run.prefill([[2, 5, 6, 7], [2, 9]])
+
+    def check(rows):
+        fed = run.feed(rows, all_logits=True)
+        for i in rows:
+            torch.testing.assert_close(fed[i].logits[-1], _fresh(model, run.seq[i]).logits[0, -1], atol=1e-4,
+                                       rtol=1e-4)
+
+    for k in range(12):
+        live = list(run.live)
+        if k in (2, 5):
+            live.append(run.add_row([2] + [rng.randrange(3, 40) for _ in range(rng.randrange(1, 9))]))
+        if k == 7:
+            run.retire([0])
+            live.remove(0)
+        for i in live:
+            run.extend(i, [rng.randrange(3, 40) for _ in range(rng.randrange(1, 4))])
+        check(live)
+        if k % 3 == 1:
+            run.rollback(live[-1], 1)
+    assert run.n_rows == 4 and run.live == [1, 2, 3]
+    run.retire(run.live)
+    i = run.add_row([2, 8, 9])
+    assert i == 4 and run.live == [4]
+    check([4])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        run.add_row([])
+
+
 def test_fork_gives_every_copy_the_prefix(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2)
     run = BatchedCache(model, 2)

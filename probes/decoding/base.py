@@ -86,6 +86,15 @@ class StepDecoder:
             bar.close()
         self.last_wall_s = time.perf_counter() - t0
 
+    def row_inputs(self, inputs: tuple, k: int) -> tuple:
+        """Prompt ``k`` of a plan's inputs as a loop admits it: its prompt for the verifier, then for the proposer."""
+        raise NotImplementedError
+
+    def prompt_room(self, inputs: tuple) -> int | None:
+        """New tokens the first prompt of a plan's inputs leaves room for in the models' contexts (None: unknown, a
+        server's count)."""
+        return None
+
     def _batch_size(self, cfg: DecodeConfig, n: int) -> int:
         """Prompts per loop: ``cfg.batch_size``, else all ``n``."""
         return cfg.batch_size or max(n, 1)

@@ -42,7 +42,7 @@ import torch
 from generation.engines.base import TokenLogprobs
 from generation.engines.connection import redact
 from generation.features import FeatureSpec, probe_input, rows_features
-from generation.sampling import StreamKey, stream_seed
+from generation.sampling import StreamKey, key_stream, stream_seed
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import ends_step
 from probes.decoding.policies import FastPath, Needs
@@ -86,6 +86,14 @@ class EnginePart:
 
     def retire(self, rows: Sequence[int]) -> None:
         """Nothing to free: a server keeps no row."""
+
+    def admit(self, prompt: str, key: StreamKey) -> None:
+        """A new row (the loop has added it to the shared rows): its prompt text and stream key."""
+        self.prompts.append(prompt)
+        self.keys.append(key)
+        self.passes.append(0)
+        self.served_s.append(0.0)
+        self.used.append(0)
 
     def context(self, row: int) -> str:
         """The row's committed text, its prompt first."""
@@ -343,6 +351,10 @@ class EngineVerifier(EnginePart):
         self.probe, self.spec, self.coins = probe, FeatureSpec.of(probe.config) if probe is not None else None, coins
         self.read_at: dict[int, tuple[str, str]] = {}  # per row verified: (context, step) it was read at
         self.readings: dict = {}
+
+    def admit(self, prompt: str, key: StreamKey) -> None:
+        super().admit(prompt, key)
+        self.coins.append(key_stream(key, "coins"))
 
     def verify(self, windows: Mapping[int, Sequence[Proposal]], outputs: Mapping[int, str], needs: Needs,
                rewrites: Collection[int] = ()) -> dict[int, list[Scores]]:

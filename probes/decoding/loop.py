@@ -19,11 +19,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from generation.cache import BatchedCache
 from generation.handover import pad_id
-from generation.sampling import Sampler, StreamKey, stream_seed
+from generation.sampling import Sampler, StreamKey, key_stream
 from generation.specs import SamplingSpec
 from generation.writer import StepWriter
 from probes.decoding.options import LoopOptions
@@ -81,6 +79,7 @@ class StepLoop:
         self.proposer, self.verifier, self.rows, self.setup = proposer, verifier, rows, setup
         self.opt = setup.options
         self.t_done: dict[int, float] = {}  # when each finished row was seen finished (end of its round)
+        self.t_in: dict[int, float] = dict.fromkeys(range(len(rows)), time.perf_counter())  # when each row came
 
     @classmethod
     def in_process(cls, dec, ids_t: Sequence[list[int]], ids_d: Sequence[list[int]], max_new_tokens: int,
@@ -101,8 +100,7 @@ class StepLoop:
 
         def layers(probe):
             return probe.config.layer_ids if probe is not None else [-1]
-        streams = {s: [torch.Generator().manual_seed(stream_seed(*key, s)) for key in keys]
-                   for s in ("sampling", "coins")}
+        streams = {s: [key_stream(key, s) for key in keys] for s in ("sampling", "coins")}
         sampler = Sampler(sampling, streams["sampling"])
         tgt = BatchedCache(dec.target, B, pad_id(dec.tokenizer), layers(dec.target_probe))
         drf = BatchedCache(dec.draft, B, pad_id(dec.draft_tokenizer), layers(dec.draft_probe))
@@ -128,39 +126,77 @@ class StepLoop:
         """Rounds of ``runner.step`` until every row is done (EOS, answer, budget, context or a failed request),
         yielding each row's steps after the round that tried them, then one end event per row with its result once
         the batch is done (a row's seconds are shares of the batch's)."""
-        B, rows, t_start = len(self.rows), self.rows, time.perf_counter()
-        using = self.parts(runner.caches)
-        sent = [0] * B  # trace entries of each row already yielded
-        while True:
-            active = [i for i in range(B) if not rows[i].done
-                      and (rows[i].rewriting is not None or self.limit(i, *using) > 0)]
-            closing = [i for i in range(B) if not rows[i].done and i not in active]
-            for i in closing:
-                rows[i].close(self.verifier.text)  # budget or context exhausted
-                self.t_done.setdefault(i, time.perf_counter())
-            self._retire(closing)
-            if active:
-                self._timed_round(runner, active)
+        t_start, sent = time.perf_counter(), {}
+        while self._round(runner):
             yield from self._new_steps(sent)
-            if not active:
-                break
+        yield from self._new_steps(sent)
         t_end = time.perf_counter()
-        wall = t_end - t_start
-        for i, r in enumerate(rows):
-            r.stats.wall_s = wall / B
-            r.stats.done_idle_row_s = t_end - self.t_done.get(i, t_end)
-            r.stats.target_passes, r.stats.draft_passes = self.verifier.passes[i], self.proposer.passes[i]
-            text = "" if r.error else self.verifier.text(r.out) if r.shared else r.text
-            yield StepEvent(i, None, r.text, DecodeResult(text, r.trace, r.stats, r.stop_reason, r.error))
+        for i in range(len(self.rows)):
+            yield self._end(i, (t_end - t_start) / len(self.rows), t_end - self.t_done.get(i, t_end))
+
+    def serve(self, runner) -> Iterator[StepEvent]:
+        """:meth:`stream` for rows that come and go: between rounds (while the caller holds an event) it may
+        :meth:`admit` a row or :meth:`cancel` one; each row's end event comes after the round it finished in, its
+        ``wall_s`` the seconds from its admission to then. Ends once every row is done."""
+        sent, ended = {}, set()
+        while True:
+            going = self._round(runner)
+            yield from self._new_steps(sent)
+            for i, r in enumerate(self.rows):
+                if r.done and i not in ended:
+                    ended.add(i)
+                    yield self._end(i, self.t_done.get(i, time.perf_counter()) - self.t_in.get(i, 0.0), 0.0)
+            if not going and all(r.done for r in self.rows):
+                return
+
+    def admit(self, prompts: tuple, budget: int, key: StreamKey) -> int:
+        """A new row, between rounds of :meth:`serve`: ``prompts`` (its prompt for the verifier and for the proposer,
+        as each reads it), its output ``budget`` and its stream key; returns its index. It decodes as it would alone
+        with the same key (rows do not read each other; its streams are its own)."""
+        self.rows.append(Row(budget, self.rows[0].shared, self.opt.answer_marker))
+        i = len(self.rows) - 1
+        self.verifier.admit(prompts[0], key)
+        self.proposer.admit(prompts[1], key)
+        self.t_in[i] = time.perf_counter()
+        return i
+
+    def cancel(self, i: int, why: str) -> None:
+        """Row ``i`` ends now (between rounds; its client left): it fails with ``why`` and leaves the forwards."""
+        if not self.rows[i].done:
+            self.rows[i].fail(why)
+            self.t_done[i] = time.perf_counter()
+            self._retire([i])
+
+    def _round(self, runner) -> bool:
+        """One round over the rows that can go on (the others are closed at their limit); False when none could."""
+        rows, using = self.rows, self.parts(runner.caches)
+        active = [i for i, r in enumerate(rows)
+                  if not r.done and (r.rewriting is not None or self.limit(i, *using) > 0)]
+        closing = [i for i, r in enumerate(rows) if not r.done and i not in active]
+        for i in closing:
+            rows[i].close(self.verifier.text)  # budget or context exhausted
+            self.t_done.setdefault(i, time.perf_counter())
+        self._retire(closing)
+        if active:
+            self._timed_round(runner, active)
+        return bool(active)
+
+    def _end(self, i: int, wall_s: float, done_idle_s: float) -> StepEvent:
+        """Row ``i``'s end event, with its result."""
+        r = self.rows[i]
+        r.stats.wall_s, r.stats.done_idle_row_s = wall_s, done_idle_s
+        r.stats.target_passes, r.stats.draft_passes = self.verifier.passes[i], self.proposer.passes[i]
+        text = "" if r.error else self.verifier.text(r.out) if r.shared else r.text
+        return StepEvent(i, None, r.text, DecodeResult(text, r.trace, r.stats, r.stop_reason, r.error))
 
     def _retire(self, rows_i: list[int]) -> None:
         for part in (self.verifier, self.proposer):  # later forwards compute only the unfinished rows
             part.retire(rows_i)
 
-    def _new_steps(self, sent: list[int]) -> Iterator[StepEvent]:
+    def _new_steps(self, sent: dict[int, int]) -> Iterator[StepEvent]:
         """An event for each trace entry a row added since the last call (``sent``: entries yielded per row)."""
         for i, r in enumerate(self.rows):
-            yield from step_events(i, r.trace, r.pieces, sent[i])
+            yield from step_events(i, r.trace, r.pieces, sent.get(i, 0))
             sent[i] = len(r.trace)
 
     def _timed_round(self, runner, active: list[int]) -> None:

@@ -152,6 +152,11 @@ class CachePart:
     def extend(self, row: int, tokens: Sequence[int]) -> None:
         self.cache.extend(row, tokens)
 
+    def admit(self, prompt: Sequence[int], key) -> None:
+        """A new row holding ``prompt`` (:meth:`~probes.decoding.loop.StepLoop.admit`; its streams are the
+        verifier's to add)."""
+        self.cache.add_row(prompt)
+
 
 class DraftProposer(CachePart):
     """The in-process draft model writing on its :class:`BatchedCache`.

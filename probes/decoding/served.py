@@ -12,7 +12,7 @@ import torch
 
 from generation.engines.checks import serving_problems
 from generation.features import FeatureSpec
-from generation.sampling import stream_keys, stream_seed
+from generation.sampling import key_stream, stream_keys
 from generation.specs import SamplingSpec, StepSpec, is_count
 from probes.decoding import setup
 from probes.decoding.base import Plan, StepDecoder
@@ -92,6 +92,9 @@ class ServedDecoder(StepDecoder):
         self._check_servers(policy, cfg.method)
         return Plan(runner, (prompts,), stream_keys(cfg.seed, len(prompts)), sampling, cfg)
 
+    def row_inputs(self, inputs: tuple, k: int) -> tuple:
+        return inputs[0][k], inputs[0][k]
+
     def _batch_size(self, cfg: DecodeConfig, n: int) -> int:
         """All prompts are rows of one loop, their requests in flight together; at ``concurrency=1`` nothing runs
         together, so prompts run one after another, each keeping a one-sequence server's prefix cache
@@ -104,7 +107,7 @@ class ServedDecoder(StepDecoder):
         rows = [Row(max_new_tokens, False, self.options.answer_marker) for _ in prompts]
         kw = dict(rows=rows, prompts=prompts, keys=keys, sampling=sampling, step=self.step,
                   concurrency=self.concurrency)
-        coins = [torch.Generator().manual_seed(stream_seed(*k, "coins")) for k in keys]  # as in-process
+        coins = [key_stream(k, "coins") for k in keys]  # as in-process
         return StepLoop(EngineProposer(self.draft, self.draft_probe, **kw),
                         EngineVerifier(self.target, self.target_probe, coins, **kw),
                         rows, LoopSetup(self.options, self.options.bonus_token))

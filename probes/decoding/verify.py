@@ -18,6 +18,7 @@ import torch
 
 from generation.features import FeatureSpec
 from generation.handover import Handover, decode_text
+from generation.sampling import key_stream
 from generation.writer import StepWriter
 from probes.decoding.policies import Needs, fast_path_keeps_rows, judge_score
 from probes.decoding.proposer import CachePart, Proposal, probe_rows
@@ -78,6 +79,14 @@ class TargetVerifier(CachePart):
         self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
         self.token_logits: dict[int, torch.Tensor] = {}  # per row read: logits predicting its new tokens, then after
         self._suffix = 0
+
+    def admit(self, prompt: Sequence[int], key) -> None:
+        """A new row holding ``prompt`` with its own sampling and coin streams (the proposer's writer shares the
+        sampler, so the row's sampling stream serves both models)."""
+        super().admit(prompt, key)
+        self.coins.append(key_stream(key, "coins"))
+        self.sampler.generator.append(key_stream(key, "sampling"))
+        self.sampler._twins.clear()  # twins on other devices are made again, with the new row's
 
     def text(self, tokens) -> str:
         """The text of target tokens (special tokens dropped)."""

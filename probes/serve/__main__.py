@@ -1,0 +1,3 @@
+from probes.serve.cli import main
+
+main()

@@ -1,0 +1,172 @@
+"""``python -m probes.serve``: an OpenAI-compatible SemanticSpec endpoint (FastAPI on uvicorn).
+
+With no arguments it serves the embedded world in-process with the shipped probes, on http://127.0.0.1:8000/v1, so
+any OpenAI client can try it with no server to start. ``--target_url`` and ``--draft_url`` put it in front of two
+servers (llama.cpp, vLLM or SGLang) instead; ``--config`` reads the same options from YAML (``configs/serve.yaml``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NoReturn
+
+PROG = "python -m probes.serve"
+REPO = Path(__file__).resolve().parents[2]
+WORLD_PROBES = {"in-process": REPO / "checkpoints/arithmetic/probes",
+                "served": REPO / "checkpoints/arithmetic/probes-topk"}
+
+
+def world_chat(suffix: str) -> str:
+    """The embedded world's chat format: its tokenizer has no chat template, so the world's endpoint formats a chat
+    as its task's prompt: BOS, the user turns, then the task's prompt ``suffix``."""
+    return ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
+            "{% endfor %}{{ " + json.dumps(suffix) + " }}")
+
+
+@dataclass
+class ServeOptions:
+    """What ``python -m probes.serve`` serves and how."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    target_url: str | None = None
+    """The target's server (with --draft_url): serve in front of two servers instead of in-process models."""
+    draft_url: str | None = None
+    """The draft's server."""
+    engine: Literal["llama.cpp", "vllm", "sglang"] = "llama.cpp"
+    """Kind of the two servers."""
+    target_model: str | None = None
+    """Model name the target server serves (None: the one it lists)."""
+    draft_model: str | None = None
+    """Model name the draft server serves (None: the one it lists)."""
+    backend_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the two servers' API key."""
+    concurrency: int = 4
+    """Served: requests in flight at once per server."""
+    target_probe: str | None = None
+    """Exported target probe directory (None: the embedded world's shipped probe for the mode)."""
+    draft_probe: str | None = None
+    """Exported draft probe directory (None: the world's)."""
+    threshold: float = 0.5
+    """Default tau of SemanticSpec's threshold rule (a request's `threshold` overrides it)."""
+    model_name: str = "semanticspec"
+    """The model name /v1/models lists and requests name."""
+    max_rows: int = 16
+    """Rows one loop decodes together (new requests join between rounds)."""
+    max_queue: int = 128
+    """Requests waiting or decoding at once; past it a 429 with Retry-After."""
+    api_key_env: str = "SEMANTICSPEC_API_KEY"
+    """Environment variable holding the key /v1 routes want (unset or empty: none). Never logged."""
+    chat_template: str | None = None
+    """Jinja chat template, or a file holding one (None: the target tokenizer's; the embedded world's task format)."""
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM waits for requests in flight before cancelling them."""
+    threads: int | None = None
+    """CPU threads for torch (None: torch's default)."""
+
+
+def build(opts: ServeOptions):
+    """The app of ``opts``: the decoder (in-process world, or two servers) and the endpoint's settings."""
+    from probes.decoding.options import LoopOptions
+    from probes.decoding.policies import ProbePolicy
+    from probes.serve.app import Settings, build_app
+
+    if (opts.target_url is None) != (opts.draft_url is None):
+        raise ValueError("--target_url and --draft_url go together: give both servers, or neither to serve the "
+                         "embedded world in-process")
+    mode = "in-process" if opts.target_url is None else "served"
+    probes = [p or str(WORLD_PROBES[mode] / role) for p, role in ((opts.target_probe, "target"),
+                                                                   (opts.draft_probe, "draft"))]
+    from datamodules.arithmetic.task import ArithmeticTask
+
+    task = ArithmeticTask()
+    template = _template(opts.chat_template)
+    if mode == "in-process":
+        from datamodules.arithmetic.models import load_world
+        from probes import SemanticSpecDecoder
+
+        world = load_world()
+        policy = ProbePolicy(tau=opts.threshold, top_k=1)
+        dec = SemanticSpecDecoder(world.target, world.draft, world.tokenizer, target_probe=probes[0],
+                                  draft_probe=probes[1], policy=policy, task=task)
+        template = template or world_chat(task.prompt_suffix)
+        backends = ()
+    else:
+        from generation.engines import make_engine
+        from probes import ServedDecoder
+
+        kw = {"api_key_env": opts.backend_key_env}
+        target = make_engine(opts.engine, opts.target_url, opts.target_model, **kw)
+        draft = make_engine(opts.engine, opts.draft_url, opts.draft_model, **kw)
+        dec = ServedDecoder(target, draft, probes[0], probes[1], ProbePolicy(tau=opts.threshold),
+                            LoopOptions(answer_marker=task.answer_marker), concurrency=opts.concurrency)
+        backends = (opts.target_url, opts.draft_url)
+    key = os.environ.get(opts.api_key_env) or None
+    return build_app(dec, Settings(opts.model_name, opts.max_rows, opts.max_queue, key, template, backends))
+
+
+def _template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    p = Path(value)
+    return p.read_text() if len(value) < 4096 and p.is_file() else value
+
+
+def _parser():
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    class OneLineParser(ArgumentParser):
+        def error(self, message: str, ex: Exception | None = None):
+            if not self.exit_on_error:
+                super().error(message, ex)
+            _fail(message)
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[1].replace("\n", " "), allow_abbrev=False)
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML with these options")
+    parser.add_class_arguments(ServeOptions, as_positional=False)
+    return parser
+
+
+def _fail(message: str) -> NoReturn:
+    """Bad input: one line on stderr, exit status 2."""
+    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    print(f"{PROG}: error: {text} (see `{PROG} --help`)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the options, build the app and serve it until SIGINT or SIGTERM (then exit 0)."""
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    ns.pop("config", None)
+    opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
+    for name in ("port", "max_rows", "max_queue", "concurrency"):
+        if getattr(opts, name) < 1:
+            _fail(f"--{name}={getattr(opts, name)}: expected an integer >= 1")
+    if opts.threads:
+        import torch
+
+        torch.set_num_threads(opts.threads)
+    try:
+        app = build(opts)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(str(e))
+    import signal
+
+    import uvicorn
+
+    def done(sig, frame):  # uvicorn re-raises the signal it shut down for, once its handlers are gone: exit 0
+        raise SystemExit(0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, done)
+    print(f"SemanticSpec endpoint on http://{opts.host}:{opts.port}/v1 (model {opts.model_name!r})", flush=True)
+    uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning",
+                timeout_graceful_shutdown=opts.shutdown_timeout)

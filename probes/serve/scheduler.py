@@ -1,0 +1,282 @@
+"""The decode thread behind the endpoint: requests join a running step loop between rounds and leave when done.
+
+One thread owns the models (or the two servers' clients). Requests that decode alike (the same method, sampling and
+window: one runner) share one :class:`~probes.decoding.loop.StepLoop`; a new one is admitted into it between rounds
+(:meth:`StepLoop.admit <probes.decoding.loop.StepLoop.admit>`), up to ``max_rows`` rows, and each row ends on its
+own. Every row draws from its own random streams, seeded from its request's ``seed``, so a request decodes the same
+text whatever else is running (the batched = one-by-one guarantee of ``generate``, for rows that come at any time).
+Loops of different runners take turns, event by event. The thread talks to the asyncio side through each request's
+callback, which it calls with :class:`Update` objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from probes.decoding.config import DecodeConfig
+from probes.decoding.results import DecodeResult
+
+
+@dataclass
+class Update:
+    """What the decode thread tells a request.
+
+    Attributes:
+        planned: the request passed every check and waits for room in a loop (the first update of a good request).
+        delta: output text added since the last update ("" on a refused step or the end).
+        result: on the end update, the result (its text cut at a stop string); None before.
+        finish: on the end update, OpenAI's ``finish_reason`` (``stop``, ``length``), ``error`` (a server failed the
+            row), or ``invalid`` (a check refused the request before it decoded).
+        error: on an error or invalid end, the message (a server's URL, never a key).
+        kept: the step just tried was kept (None on other updates).
+    """
+
+    planned: bool = False
+    prompt_tokens: int = 0
+    delta: str = ""
+    result: DecodeResult | None = None
+    finish: str | None = None
+    error: str | None = None
+    kept: bool | None = None
+    t: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Job:
+    """One request to decode: its prompt (as the decoder reads it, or a function that makes it in the decode thread,
+    which owns the tokenizers), config, stop strings and callback."""
+
+    prompt: object
+    config: DecodeConfig
+    notify: Callable[[Update], None]
+    stop: tuple[str, ...] = ()
+    cancelled: bool = False
+    ended: bool = False
+    text: str = ""  # output text sent so far
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None  # when its first text left
+
+
+class QueueFull(RuntimeError):
+    """The scheduler holds ``max_queue`` requests already."""
+
+
+FINISH = {"eos": "stop", "answer": "stop", "budget": "length", "context": "length", "error": "error"}
+"""OpenAI's ``finish_reason`` of each stop reason."""
+
+
+class _Group:
+    """The running loop of one runner, its rows' jobs and its events."""
+
+    def __init__(self, dec, plan, job: Job) -> None:
+        self.dec, self.runner, self.sampling = dec, plan.runner, plan.sampling
+        self.loop = dec.step_loop(plan.inputs, plan.cfg.max_new_tokens, plan.sampling, plan.keys)
+        self.jobs: dict[int, Job] = {0: job}
+        self.events: Iterator = self.loop.serve(self.runner)
+
+    def admit(self, plan, job: Job) -> None:
+        i = self.loop.admit(self.dec.row_inputs(plan.inputs, 0), plan.cfg.max_new_tokens, plan.keys[0])
+        self.jobs[i] = job
+
+    @property
+    def rows(self) -> int:
+        return sum(not self.loop.rows[i].done for i in self.jobs)
+
+
+class Scheduler:
+    """The decode thread and its queue.
+
+    Args:
+        decoder: a :class:`~probes.decoder.SemanticSpecDecoder` or :class:`~probes.decoding.served.ServedDecoder`.
+        max_rows: rows one loop decodes together (in-process: the batch; served: the rows whose requests are in
+            flight, each bounded by the decoder's ``concurrency``).
+        max_queue: requests waiting or decoding at once; past it :meth:`submit` raises :class:`QueueFull`.
+        on_step: called in the decode thread after every tried step (its decision, its seconds), for metrics.
+    """
+
+    def __init__(self, decoder, max_rows: int = 16, max_queue: int = 128,
+                 on_step: Callable[[str, float], None] | None = None) -> None:
+        for name, v in (("max_rows", max_rows), ("max_queue", max_queue)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r}: expected an integer >= 1")
+        self.dec, self.max_rows, self.max_queue, self.on_step = decoder, max_rows, max_queue, on_step
+        self.inbox: queue.Queue[Job] = queue.Queue()
+        self.waiting: deque[tuple[Job, object]] = deque()  # planned, waiting for room in their loop
+        self.groups: dict[object, _Group] = {}
+        self.pending = 0  # jobs submitted and not ended
+        self.cancelled = 0  # rows that left their loop before their end (their client went away)
+        self.stopping = False
+        self.failure: str | None = None  # why the thread died, if it did
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="semanticspec-decode", daemon=True)
+        self._thread.start()
+
+    def plan(self, prompt, config: DecodeConfig):
+        """The decoder's plan of one prompt: every check ``generate`` makes, and room in the models' context for the
+        prompt and ``max_new_tokens`` (ValueError naming the bad value)."""
+        plan = self.dec._plan([prompt], config)
+        room = self.dec.prompt_room(plan.inputs)
+        if room is not None and config.max_new_tokens > room:
+            raise ValueError(f"max_tokens={config.max_new_tokens}: the prompt leaves room for {room} new tokens in "
+                             "the models' context")
+        return plan
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (planned again in the decode thread).
+
+        Raises:
+            QueueFull: ``max_queue`` jobs are waiting or decoding.
+            RuntimeError: the scheduler is stopping or its thread died.
+        """
+        with self._lock:
+            if self.stopping or self.failure:
+                raise RuntimeError(self.failure or "the server is shutting down")
+            if self.pending >= self.max_queue:
+                raise QueueFull(f"{self.pending} requests are queued or decoding (max_queue={self.max_queue})")
+            self.pending += 1
+        self.inbox.put(job)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for room in a loop."""
+        return len(self.waiting) + self.inbox.qsize()
+
+    @property
+    def running(self) -> int:
+        """Rows decoding now."""
+        return sum(g.rows for g in list(self.groups.values()))
+
+    def stop(self, timeout: float) -> None:
+        """Admit nothing more; let the rows decoding now finish for up to ``timeout`` seconds, then cancel the rest."""
+        with self._lock:
+            self.stopping = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            for g in list(self.groups.values()):
+                for j in g.jobs.values():
+                    j.cancelled = True
+            for j, _ in list(self.waiting):
+                j.cancelled = True
+            self._thread.join(5.0)
+
+    # ---------------------------------------------------------------- the decode thread
+
+    def _run(self) -> None:
+        try:
+            while not (self.stopping and not self.groups and not self.waiting and self.inbox.empty()):
+                self._take(block=not self.groups and not self.waiting)
+                self._place()
+                for key in list(self.groups):
+                    self._advance(key)
+        except Exception as e:  # noqa: BLE001 - every open request learns why, then the thread ends
+            self.failure = f"the decode thread failed: {type(e).__name__}: {e}"
+            for g in self.groups.values():
+                for j in g.jobs.values():
+                    self._end(j, Update(finish="error", error=self.failure))
+            for j, _ in self.waiting:
+                self._end(j, Update(finish="error", error=self.failure))
+
+    def _take(self, block: bool) -> None:
+        """Move new jobs from the inbox to the waiting line, planned (a plan that fails ends its job)."""
+        try:
+            job = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                plan = self.plan(job.prompt() if callable(job.prompt) else job.prompt, job.config)
+            except ValueError as e:
+                self._end(job, Update(finish="invalid", error=str(e)))
+            else:
+                first = plan.inputs[0][0]
+                job.notify(Update(planned=True, prompt_tokens=len(first) if isinstance(first, list) else 0))
+                self.waiting.append((job, plan))
+            try:
+                job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _place(self) -> None:
+        """Admit waiting jobs, in order, into their runner's loop while it has room (a new loop if none runs)."""
+        left = deque()
+        while self.waiting:
+            job, plan = self.waiting.popleft()
+            if job.cancelled:
+                self._end(job, Update(finish="error", error="cancelled"))
+                continue
+            key = (plan.runner, plan.sampling)
+            g = self.groups.get(key)
+            if g is None:
+                self.groups[key] = _Group(self.dec, plan, job)
+            elif g.rows < self.max_rows:
+                g.admit(plan, job)
+            else:
+                left.append((job, plan))
+        self.waiting = left
+
+    def _advance(self, key) -> None:
+        """One event of a loop: a row's step or end, told to its job; cancelled jobs leave their loop."""
+        g = self.groups[key]
+        for i, j in g.jobs.items():
+            if j.cancelled and not g.loop.rows[i].done:
+                g.loop.cancel(i, "cancelled: the client went away")
+                self.cancelled += 1
+        try:
+            e = next(g.events)
+        except StopIteration:
+            del self.groups[key]
+            return
+        job = g.jobs[e.prompt]
+        if e.end:
+            self._finish(job, e)
+        elif not job.cancelled:
+            self._step(g, e, job)
+
+    def _step(self, g: _Group, e, job: Job) -> None:
+        now, kept = time.perf_counter(), e.step.decision != "reject"
+        if self.on_step is not None:
+            self.on_step(str(e.step.decision), e.step.seconds or 0.0)
+        text, hit = cut_at_stop(e.text, job.stop)
+        if hit:
+            g.loop.cancel(e.prompt, "stop")
+        if len(text) > len(job.text):
+            delta, job.text = text[len(job.text):], text
+            job.t_first = job.t_first or now
+            job.notify(Update(delta=delta, kept=kept))
+        if hit:
+            job.cancelled = True
+            result = g.loop.rows[e.prompt]
+            self._end(job, Update(finish="stop", result=DecodeResult(text, result.trace, result.stats, "answer")))
+
+    def _finish(self, job: Job, e) -> None:
+        """The end of a row: the text its steps did not carry (a last bonus token), then its end update."""
+        result = e.result
+        if job.cancelled or result.stop_reason == "error":
+            self._end(job, Update(finish="error", error=result.error or "cancelled", result=result))
+            return
+        text, _ = cut_at_stop(e.text, job.stop)
+        if len(text) > len(job.text):  # the last bonus token (close()) or text the steps did not carry
+            job.notify(Update(delta=text[len(job.text):]))
+            job.text = text
+        self._end(job, Update(finish=FINISH[result.stop_reason], result=dataclasses.replace(result, text=job.text)))
+
+    def _end(self, job: Job, update: Update) -> None:
+        """A job's last update (once)."""
+        if job.ended:
+            return
+        job.ended = True
+        with self._lock:
+            self.pending -= 1
+        job.notify(update)
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """``text`` up to the first of the ``stop`` strings in it (left out, as OpenAI's API does), and whether one was."""
+    cut = min((k for k in (text.find(s) for s in stop if s) if k >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)

@@ -1,0 +1,260 @@
+"""The OpenAI-compatible endpoint (issue 34): real clients (the ``openai`` package, sync and async, and curl), its
+bad-input answers, its faults (a client that leaves, a full queue, a wrong key, SIGTERM), and requests that join a
+running loop decoding as they would alone. The embedded world in-process; the served world in test_endpoint_served."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from datamodules.arithmetic.task import ArithmeticTask
+from probes.decoding.config import DecodeConfig
+
+pytestmark = pytest.mark.integration
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+TASK = ArithmeticTask()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A uvicorn server of ``app`` in a thread, on a free port."""
+
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if time.time() - t0 > 30:
+                raise RuntimeError("the endpoint did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def world_decoder():
+    from probes.serve.cli import ServeOptions, build
+
+    app = build(ServeOptions())
+    yield app.state.scheduler.dec, app
+    app.state.scheduler.stop(0)
+
+
+@pytest.fixture(scope="module")
+def endpoint(world_decoder):
+    running = Running(world_decoder[1])
+    yield running
+    running.stop()
+
+
+def _problem(k: int) -> str:
+    return TASK.problems(k + 1, seed=11)[k]["problem"]
+
+
+def _alone(dec, prompt, seed: int, max_tokens: int = 96) -> str:
+    """The text the Python API decodes for ``prompt`` alone (its steps joined, as the endpoint sends them)."""
+    *_, end = dec.stream([prompt], DecodeConfig(max_new_tokens=max_tokens, seed=seed))
+    return end.text
+
+
+def test_the_openai_client_sync_and_async_streaming_and_not_gets_the_python_apis_text(endpoint, world_decoder):
+    dec = world_decoder[0]
+    prompt = TASK.prompt_text(dec.tokenizer, _problem(0))
+    want = _alone(dec, prompt, seed=7)
+    c = endpoint.client()
+    full = c.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7)
+    assert full.choices[0].text == want and full.choices[0].finish_reason == "stop"
+    u = full.usage.model_dump()
+    assert u["completion_tokens"] > 0 and u["prompt_tokens"] == len(dec.tokenizer(prompt).input_ids)
+    spec = u["semanticspec"]
+    assert 0 <= spec["draft_steps_accepted"] <= spec["draft_steps_proposed"] and 0 <= spec["draft_token_share"] <= 1
+    chunks = list(c.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == u["completion_tokens"]
+
+    async def both():
+        a = openai.AsyncOpenAI(base_url=endpoint.url, api_key="none", max_retries=0)
+        one = await a.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7)
+        streamed = await a.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7, stream=True)
+        return one.choices[0].text, "".join([ch.choices[0].text async for ch in streamed if ch.choices])
+
+    assert asyncio.run(both()) == (want, want)
+
+
+def test_chat_formats_with_the_template_and_a_model_without_one_gets_a_400(endpoint, world_decoder):
+    from probes.serve.app import Settings, build_app
+
+    dec, problem = world_decoder[0], _problem(1)
+    want = _alone(dec, TASK.prompt_text(dec.tokenizer, problem), seed=3)
+    c = endpoint.client()
+    got = c.chat.completions.create(model="semanticspec", messages=[{"role": "user", "content": problem}],
+                                    max_tokens=96, seed=3)
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model="semanticspec", messages=[{"role": "user", "content": problem}],
+                                       max_tokens=96, seed=3, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == want
+    bare = Running(build_app(dec, Settings()))  # the world's tokenizer has no template of its own
+    try:
+        with pytest.raises(openai.BadRequestError, match="no chat template") as e:
+            bare.client().chat.completions.create(model="semanticspec", messages=[{"role": "user", "content": "1"}])
+        assert e.value.body["param"] == "messages"
+    finally:
+        bare.stop()
+        bare.app.state.scheduler.stop(0)
+
+
+BAD = [
+    ('{"prompt": "1 + 1"', None, "malformed JSON"),
+    ({"prompt": "x", "colour": 1}, "colour", "unknown field"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens", "integer"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0"),
+    ({"prompt": "x", "max_tokens": 100000}, "max_tokens", "max_tokens=100000"),
+    ({"prompt": "x", "n": 2}, "n", "n=2"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": "3 " * 3000}, "prompt", "context"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "temperature=-1"),
+    ({"prompt": "x", "method": "fastest"}, "method", "method='fastest'"),
+    ({"prompt": "x", "lookahead": 0}, "lookahead", "lookahead=0"),
+]
+
+
+@pytest.mark.parametrize("body,param,says", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_gets_a_400_naming_the_field_and_the_server_goes_on(endpoint, body, param, says):
+    import urllib.request
+
+    data = body if isinstance(body, str) else json.dumps(body)
+    req = urllib.request.Request(endpoint.url + "/completions", data=data.encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    err = json.loads(e.value.read())["error"]
+    assert err["param"] == param and says in err["message"] and err["type"] == "invalid_request_error"
+    ok = endpoint.client().completions.create(model="semanticspec", prompt="Start with 2.", max_tokens=4, seed=1)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_server_sent_events_ending_with_done(endpoint, world_decoder):
+    dec = world_decoder[0]
+    prompt = TASK.prompt_text(dec.tokenizer, _problem(2))
+    body = json.dumps({"model": "semanticspec", "prompt": prompt, "max_tokens": 96, "seed": 5, "stream": True})
+    out = subprocess.run(["curl", "-sN", endpoint.url + "/completions", "-H", "Content-Type: application/json",
+                          "-d", body], capture_output=True, text=True, timeout=120, check=True).stdout
+    events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == _alone(dec, prompt, seed=5)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and all(c["object"] == "text_completion" for c in chunks)
+    models = json.loads(subprocess.run(["curl", "-s", endpoint.url + "/models"], capture_output=True, text=True,
+                                       timeout=30, check=True).stdout)
+    assert [m["id"] for m in models["data"]] == ["semanticspec"]
+    metrics = subprocess.run(["curl", "-s", endpoint.url[:-3] + "/metrics"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    for name in ("semanticspec_requests_total", "semanticspec_tokens_total", "semanticspec_steps_total",
+                 "semanticspec_step_seconds_bucket", "semanticspec_queue_length", "semanticspec_running_rows"):
+        assert name in metrics
+
+
+def test_a_wrong_api_key_gets_a_401_and_the_key_is_never_logged(world_decoder, capfd):
+    from probes.serve.app import Settings, build_app
+
+    run = Running(build_app(world_decoder[0], Settings(api_key="sk-right-key-123")))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            run.client(api_key="sk-wrong").completions.create(model="semanticspec", prompt="Start with 1.",
+                                                              max_tokens=4)
+        ok = run.client(api_key="sk-right-key-123").completions.create(model="semanticspec", prompt="Start with 1.",
+                                                                       max_tokens=4, seed=0)
+        assert ok.choices[0].text is not None
+    finally:
+        run.stop()
+        run.app.state.scheduler.stop(0)
+    out, err = capfd.readouterr()
+    assert "sk-right-key-123" not in out + err
+
+
+def test_a_full_queue_gets_a_429_with_retry_after(world_decoder):
+    from probes.serve.app import Settings, build_app
+
+    run = Running(build_app(world_decoder[0], Settings(max_rows=1, max_queue=1)))
+    try:
+        first = run.client().completions.create(model="semanticspec", prompt=TASK.prompt_text(
+            world_decoder[0].tokenizer, _problem(3)), max_tokens=96, seed=0, stream=True)
+        next(iter(first))  # the first request is decoding
+        with pytest.raises(openai.RateLimitError) as e:
+            run.client().completions.create(model="semanticspec", prompt="Start with 1.", max_tokens=4)
+        assert e.value.response.headers["retry-after"] == "1" and "max_queue=1" in e.value.message
+        assert "".join(ch.choices[0].text for ch in first)  # the first one finishes
+        ok = run.client().completions.create(model="semanticspec", prompt="Start with 1.", max_tokens=4, seed=0)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+    finally:
+        run.stop()
+        run.app.state.scheduler.stop(0)
+
+
+def test_a_client_that_disconnects_frees_its_row_at_the_next_round(endpoint, world_decoder):
+    sched = world_decoder[1].state.scheduler
+    cancelled = sched.cancelled
+    long = "Start with 1. " + "Add 1, then " * 10 + "add 1. What is the result?\n\n"  # 55 tokens, ~6 steps
+    stream = endpoint.client().completions.create(model="semanticspec", prompt=long, max_tokens=150, seed=0,
+                                                  stream=True, extra_body={"method": "target_only"})
+    next(iter(stream))
+    assert sched.pending == 1
+    stream.response.close()
+    t0 = time.time()
+    while sched.pending and time.time() - t0 < 20:
+        time.sleep(0.05)
+    assert sched.pending == 0 and sched.running == 0
+    assert sched.cancelled == cancelled + 1  # its row left the loop before its end
+
+
+def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "probes.serve", "--port", str(port), "--shutdown_timeout", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert "SemanticSpec endpoint on" in proc.stdout.readline()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        for _ in range(200):
+            try:
+                c.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.05)
+        stream = c.completions.create(model="semanticspec", prompt="Start with 7. Add 5, then multiply it by 3. "
+                                      "What is the result?\n\n", max_tokens=96, seed=7, stream=True)
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        rest = [ch.choices[0] for ch in stream if ch.choices]
+        assert rest and rest[-1].finish_reason in ("stop", "length")  # the request in flight finished
+        assert first.choices[0].text + "".join(r.text for r in rest)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
