@@ -258,3 +258,47 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_64_requests_arriving_at_random_times_each_decode_as_alone(endpoint, world_decoder):
+    """Issue 34's load goal: 64 seeded requests (a quarter target-only, so two loops take turns) arrive over about
+    three seconds and join the running loops between rounds; every stream's chunks, and every non-streaming answer
+    of a second wave, equal the prompt decoded alone through the Python API with the same seed."""
+    import random
+
+    dec, sched = world_decoder
+    dec, sched = dec, sched.state.scheduler
+    problems = TASK.problems(64, seed=21)
+    jobs = [(TASK.prompt_text(dec.tokenizer, p["problem"]), 100 + k, "target_only" if k % 4 == 3 else "semanticspec")
+            for k, p in enumerate(problems)]
+    want = [_alone_with(dec, prompt, seed, method) for prompt, seed, method in jobs]
+    rng = random.Random(0)
+    delays = sorted(rng.uniform(0, 3) for _ in jobs)
+
+    async def wave(stream: bool):
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="none", max_retries=0, timeout=300)
+
+        async def one(k):
+            prompt, seed, method = jobs[k]
+            await asyncio.sleep(delays[k])
+            kw = dict(model="semanticspec", prompt=prompt, max_tokens=96, seed=seed, extra_body={"method": method})
+            if not stream:
+                return (await client.completions.create(**kw)).choices[0].text
+            chunks = await client.completions.create(**kw, stream=True)
+            return "".join([ch.choices[0].text async for ch in chunks if ch.choices])
+
+        return await asyncio.gather(*(one(k) for k in range(len(jobs))))
+
+    joined = sched.joined
+    streamed = asyncio.run(wave(True))
+    assert sched.joined - joined >= 16  # requests joined running loops between rounds
+    assert [k for k in range(64) if streamed[k] != want[k]] == []
+    whole = asyncio.run(wave(False))
+    assert [k for k in range(64) if whole[k] != want[k]] == []
+    assert sched.pending == 0
+
+
+def _alone_with(dec, prompt, seed: int, method: str) -> str:
+    *_, end = dec.stream([prompt], DecodeConfig(max_new_tokens=96, seed=seed, method=method))
+    return end.text

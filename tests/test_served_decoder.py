@@ -377,3 +377,30 @@ def test_a_full_vocabulary_statistics_probe_is_refused(world, engines):
     with pytest.raises(ValueError, match="token_stats.*full-vocabulary"):
         ServedDecoder(target, engines[1], probe, options=MARKER).generate(world["prompts"], **GREEDY)
     assert "read" not in target.calls and "write" not in target.calls
+
+
+@pytest.mark.parametrize("side", ["in_process", "served"])
+def test_rows_admitted_into_a_running_loop_decode_as_they_would_alone(world, engines, side):
+    """Issue 34: a request joins a running loop between rounds (``StepLoop.admit``; the endpoint's admission) and
+    decodes what it decodes alone with its seed, sampled, coins flipped; so do the rows that were running."""
+    from probes.decoding.config import DecodeConfig
+
+    dec = (SemanticSpecDecoder(world["target"], world["draft"], world["tok"], options=MARKER) if side == "in_process"
+           else ServedDecoder(*engines, options=MARKER, concurrency=2))
+    cfg = DecodeConfig(method="random_accept", accept_rate=0.5, temperature=0.8, max_new_tokens=64)
+    plans = [dec._plan([p], dataclasses.replace(cfg, seed=100 + k)) for k, p in enumerate(world["prompts"])]
+    loop = dec.step_loop(plans[0].inputs, 64, plans[0].sampling, plans[0].keys)
+    ends, admitted, together = {}, 1, []
+    for n, e in enumerate(loop.serve(plans[0].runner)):
+        if admitted < len(plans) and n % 3 == 2:  # a new row every few steps, while the others decode
+            i = loop.admit(dec.row_inputs(plans[admitted].inputs, 0), 64, plans[admitted].keys[0])
+            assert i == admitted
+            admitted += 1
+            together.append(sum(not r.done for r in loop.rows))
+        if e.end:
+            ends[e.prompt] = e.result
+    assert admitted == len(plans) == len(ends)
+    assert max(together) >= 3  # rows joined a loop where others were decoding
+    alone = [dec.generate([p], dataclasses.replace(cfg, seed=100 + k))[0] for k, p in enumerate(world["prompts"])]
+    assert texts([ends[k] for k in range(len(plans))]) == texts(alone)
+    assert decisions([ends[k] for k in range(len(plans))]) == decisions(alone)

@@ -106,7 +106,7 @@ def build(opts: ServeOptions):
         draft = make_engine(opts.engine, opts.draft_url, opts.draft_model, **kw)
         dec = ServedDecoder(target, draft, probes[0], probes[1], ProbePolicy(tau=opts.threshold),
                             LoopOptions(answer_marker=task.answer_marker), concurrency=opts.concurrency)
-        backends = (opts.target_url, opts.draft_url)
+        backends = (target.url, draft.url)
     key = os.environ.get(opts.api_key_env) or None
     return build_app(dec, Settings(opts.model_name, opts.max_rows, opts.max_queue, key, template, backends))
 

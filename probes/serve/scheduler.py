@@ -111,6 +111,7 @@ class Scheduler:
         self.groups: dict[object, _Group] = {}
         self.pending = 0  # jobs submitted and not ended
         self.cancelled = 0  # rows that left their loop before their end (their client went away)
+        self.joined = 0  # requests admitted into a loop that was already running
         self.stopping = False
         self.failure: str | None = None  # why the thread died, if it did
         self._lock = threading.Lock()
@@ -216,6 +217,7 @@ class Scheduler:
                 self.groups[key] = _Group(self.dec, plan, job)
             elif g.rows < self.max_rows:
                 g.admit(plan, job)
+                self.joined += 1
             else:
                 left.append((job, plan))
         self.waiting = left

@@ -1,0 +1,204 @@
+"""Endpoint benchmark: SemanticSpec against target-only through `python -m probes.serve`, at concurrency 1, 8 and 32.
+
+The endpoint runs as its own process (the embedded world in-process, or with ``--served`` in front of the world's
+two llama.cpp servers); clients stream completions with the ``openai`` package's async client, each of ``c`` workers
+sending its next request when its last one ends. Per method and concurrency it reports tokens/s (completion tokens
+over the wave's wall time) and p50/p95 of time-to-first-token and end-to-end latency. At concurrency 1 it compares
+the endpoint's wall time with the Python API's (``generate``, one prompt at a time, the same prompts and seeds, in
+this process with the same torch threads), interleaved: the endpoint's overhead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import harness
+
+METHODS = ("semanticspec", "target_only")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def endpoint(args: list[str], threads: int, log: Path):
+    """``python -m probes.serve`` on a free port with ``args``, until the block ends (then SIGTERM)."""
+    import openai
+
+    port = _port()
+    cmd = [sys.executable, "-m", "probes.serve", "--port", str(port), "--threads", str(threads), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}/v1"
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=5)
+    try:
+        for _ in range(1200):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the endpoint exited ({proc.returncode}); see {log}")
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+async def wave(url: str, prompts: list[str], seeds: list[int], method: str, c: int, max_tokens: int) -> dict:
+    """Every prompt through the endpoint with ``c`` workers; the wave's figures."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    todo = list(range(len(prompts)))
+    rows: list[tuple[float, float, int]] = []  # ttft, e2e, completion tokens
+
+    async def worker():
+        while todo:
+            k = todo.pop(0)
+            t0 = time.perf_counter()
+            first, tokens = None, 0
+            stream = await client.completions.create(
+                model="semanticspec", prompt=prompts[k], max_tokens=max_tokens, seed=seeds[k], stream=True,
+                stream_options={"include_usage": True}, extra_body={"method": method})
+            async for ch in stream:
+                if ch.choices and ch.choices[0].text and first is None:
+                    first = time.perf_counter() - t0
+                if ch.usage is not None:
+                    tokens = ch.usage.completion_tokens
+            rows.append((first if first is not None else time.perf_counter() - t0, time.perf_counter() - t0, tokens))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    wall = time.perf_counter() - t0
+    ttft, e2e = sorted(r[0] for r in rows), sorted(r[1] for r in rows)
+    return {"requests": len(rows), "wall_s": round(wall, 3), "completion_tokens": sum(r[2] for r in rows),
+            "tokens_per_s": round(sum(r[2] for r in rows) / wall, 1),
+            "ttft_p50_s": round(_q(ttft, 0.5), 4), "ttft_p95_s": round(_q(ttft, 0.95), 4),
+            "e2e_p50_s": round(_q(e2e, 0.5), 4), "e2e_p95_s": round(_q(e2e, 0.95), 4)}
+
+
+def _q(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1] if len(xs) > 1 else xs[0]
+
+
+def api_wall(dec, prompts: list[str], seeds: list[int], max_tokens: int) -> float:
+    """The Python API's seconds for the prompts one at a time (what a user without the endpoint runs)."""
+    from probes.decoding.config import DecodeConfig
+
+    t0 = time.perf_counter()
+    for p, s in zip(prompts, seeds):
+        dec.generate([p], DecodeConfig(max_new_tokens=max_tokens, seed=s))
+    return time.perf_counter() - t0
+
+
+def run(url: str, prompts, seeds, concurrencies, max_tokens: int) -> dict:
+    out: dict = {m: {} for m in METHODS}
+    for c in concurrencies:
+        for m in METHODS:  # interleaved: the machine's drift touches both methods alike
+            out[m][f"c{c}"] = asyncio.run(wave(url, prompts, seeds, m, c, max_tokens))
+            print(f"  {m} c={c}: {out[m][f'c{c}']}", flush=True)
+    out["speedup"] = {f"c{c}": round(out["semanticspec"][f"c{c}"]["tokens_per_s"]
+                                     / out["target_only"][f"c{c}"]["tokens_per_s"], 3) for c in concurrencies}
+    return out
+
+
+def in_process(args, prompts, seeds) -> dict:
+    import torch
+
+    from probes.serve.cli import ServeOptions, build
+
+    torch.set_num_threads(args.threads)
+    app = build(ServeOptions())
+    dec = app.state.scheduler.dec
+    log = Path(args.log_dir) / "endpoint-in-process.log"
+    with endpoint([], args.threads, log) as url:
+        report = run(url, prompts, seeds, args.concurrency, args.max_tokens)
+        api, served = [], []
+        for _ in range(args.overhead_reps):  # interleaved: API, endpoint, API, endpoint...
+            api.append(api_wall(dec, prompts, seeds, args.max_tokens))
+            served.append(asyncio.run(wave(url, prompts, seeds, "semanticspec", 1, args.max_tokens))["wall_s"])
+    app.state.scheduler.stop(0)
+    report["overhead_c1"] = {"api_wall_s": [round(x, 3) for x in api], "endpoint_wall_s": served,
+                             "ratio": round(sum(served) / sum(api), 4)}
+    return report
+
+
+def served(args, prompts, seeds) -> dict:
+    from datamodules.arithmetic.serve import world_server
+
+    logs = Path(args.log_dir)
+    t_port, d_port = _port(), _port()
+    with world_server("target", t_port, log=logs / "target.log") as t, \
+            world_server("draft", d_port, log=logs / "draft.log") as d:
+        with endpoint(["--target_url", t.url, "--draft_url", d.url, "--target_model", "target", "--draft_model",
+                       "draft", "--concurrency", str(max(args.concurrency))], args.threads,
+                      logs / "endpoint-served.log") as url:
+            return run(url, prompts, seeds, args.concurrency, args.max_tokens)
+
+
+def table(report: dict) -> str:
+    lines = ["| setting | method | concurrency | tokens/s | TTFT p50 / p95 (s) | end-to-end p50 / p95 (s) |",
+             "|---|---|---|---|---|---|"]
+    for setting in ("in_process", "served"):
+        r = report.get(setting)
+        if not r:
+            continue
+        for m in METHODS:
+            for c, f in r[m].items():
+                lines.append(f"| {setting} | {m} | {c[1:]} | {f['tokens_per_s']} | {f['ttft_p50_s']} / "
+                             f"{f['ttft_p95_s']} | {f['e2e_p50_s']} / {f['e2e_p95_s']} |")
+        lines.append(f"| {setting} | speedup (tokens/s) | | " + ", ".join(f"{c[1:]}: {v}x" for c, v in
+                                                                       r["speedup"].items()) + " | | |")
+    o = report.get("in_process", {}).get("overhead_c1")
+    if o:
+        lines.append(f"\nendpoint / Python API wall time at concurrency 1: {o['ratio']} "
+                     f"(API {o['api_wall_s']} s, endpoint {o['endpoint_wall_s']} s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = harness.parser(__doc__, quick="16 prompts at concurrency 1 and 8, in-process only; writes "
+                        "endpoint-quick.json", threads=2, threads_help="torch CPU threads of the endpoint and the "
+                        "Python API")
+    ap.add_argument("--requests", type=int, default=None, help="prompts per wave (default 64; --quick 16)")
+    ap.add_argument("--served", action="store_true", help="also in front of the world's llama.cpp servers")
+    ap.add_argument("--max_tokens", type=int, default=96, help="max_tokens per request (default %(default)s)")
+    ap.add_argument("--overhead_reps", type=int, default=2, help="interleaved API/endpoint passes at concurrency 1")
+    ap.add_argument("--log_dir", default="runs/benchmarks/endpoint", help="server logs")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/endpoint[-quick].json)")
+    args = ap.parse_args(argv)
+    n = args.requests or (16 if args.quick else 64)
+    args.concurrency = (1, 8) if args.quick else (1, 8, 32)
+    if args.quick:
+        args.overhead_reps = 1
+    os.makedirs(args.log_dir, exist_ok=True)
+    from datamodules.arithmetic.models import load_tokenizer
+    from datamodules.arithmetic.task import ArithmeticTask
+
+    task, tok = ArithmeticTask(), load_tokenizer()
+    prompts = [task.prompt_text(tok, p["problem"]) for p in task.problems(n, seed=5)]
+    seeds = list(range(n))
+    report = {"n_requests": n, "max_tokens": args.max_tokens, "threads": args.threads,
+              "load_average": os.getloadavg()[0], "in_process": in_process(args, prompts, seeds)}
+    if args.served:
+        report["served"] = served(args, prompts, seeds)
+    harness.write(report, harness.results_path("endpoint", args.quick, args.out), table(report), save_table=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The endpoint in front of the embedded world's two llama.cpp servers (issue 34); slow, run by ``.ci/run``.
+
+Real clients (the ``openai`` package, sync, async, streaming) get what the served decoder decodes alone with the same
+seed; a backend killed mid-stream ends that stream with an error naming the server's URL (never a key), ``/health``
+reports it down, and the endpoint goes on answering.
+"""
+
+import asyncio
+import json
+import os
+import urllib.request
+
+import pytest
+
+from tests.test_endpoint import TASK, Running
+from tests.test_served_world import _need_server
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+PORTS = {"target": 8871, "draft": 8872}
+SECRET = "sk-backend-secret-4242"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from datamodules.arithmetic.serve import world_server
+    from probes.serve.cli import ServeOptions, build
+
+    _need_server()
+    logs = tmp_path_factory.mktemp("endpoint-servers")
+    os.environ["ENDPOINT_TEST_BACKEND_KEY"] = SECRET  # sent to the backends; must never reach a client or a log
+    with world_server("target", PORTS["target"], log=logs / "target.log") as t, \
+            world_server("draft", PORTS["draft"], log=logs / "draft.log") as d:
+        app = build(ServeOptions(target_url=t.url, draft_url=d.url, target_model="target", draft_model="draft",
+                                 backend_key_env="ENDPOINT_TEST_BACKEND_KEY", concurrency=4))
+        running = Running(app)
+        yield {"run": running, "dec": app.state.scheduler.dec, "draft": d, "target": t}
+        running.stop()
+        app.state.scheduler.stop(0)
+
+
+def _prompt(k: int) -> str:
+    from datamodules.arithmetic.models import load_tokenizer
+
+    return TASK.prompt_text(load_tokenizer(), TASK.problems(k + 1, seed=31)[k]["problem"])
+
+
+def test_real_clients_get_what_the_served_decoder_decodes_alone(served):
+    dec, run = served["dec"], served["run"]
+    prompts = [_prompt(k) for k in range(4)]
+    want = [dec.generate([p], max_new_tokens=96, seed=50 + k)[0] for k, p in enumerate(prompts)]
+    want = [w.text for w in want]
+    c = run.client()
+    one = c.completions.create(model="semanticspec", prompt=prompts[0], max_tokens=96, seed=50)
+    assert one.choices[0].text == want[0] and one.usage.model_dump()["semanticspec"]["draft_steps_proposed"] > 0
+    streamed = c.completions.create(model="semanticspec", prompt=prompts[0], max_tokens=96, seed=50, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == want[0]
+
+    async def together():  # four at once: rows of one served loop, their requests in flight together
+        a = openai.AsyncOpenAI(base_url=run.url, api_key="none", max_retries=0, timeout=300)
+
+        async def one(k):
+            s = await a.completions.create(model="semanticspec", prompt=prompts[k], max_tokens=96, seed=50 + k,
+                                           stream=True)
+            return "".join([ch.choices[0].text async for ch in s if ch.choices])
+
+        return await asyncio.gather(*(one(k) for k in range(4)))
+
+    assert asyncio.run(together()) == want
+    with urllib.request.urlopen(run.url[:-3] + "/health", timeout=30) as h:
+        assert json.loads(h.read())["status"] == "ok"
+
+
+def test_a_backend_killed_mid_stream_ends_the_stream_with_an_error_naming_it(served, capfd):
+    run, draft = served["run"], served["draft"]
+    url = draft.url.removesuffix("/v1")
+    c = run.client(timeout=300)
+    stream = c.completions.create(model="semanticspec", prompt=_prompt(5), max_tokens=96, seed=1, stream=True,
+                                  extra_body={"lookahead": 1})
+    chunks = iter(stream)
+    next(chunks)
+    draft.stop()  # the draft's server dies while the stream is open
+    with pytest.raises(openai.APIError) as e:
+        for _ in chunks:
+            pass
+    assert url in str(e.value) and SECRET not in str(e.value)
+    with pytest.raises(urllib.error.HTTPError) as h:
+        urllib.request.urlopen(run.url[:-3] + "/health", timeout=30)
+    body = json.loads(h.value.read())
+    assert h.value.code == 503 and body["backends_down"] == [url]
+    assert [m.id for m in c.models.list()] == ["semanticspec"]  # the endpoint goes on answering
+    with pytest.raises(openai.APIStatusError) as later:  # a new request fails with the server named, as a 502
+        c.completions.create(model="semanticspec", prompt=_prompt(6), max_tokens=32, seed=2)
+    assert later.value.status_code == 502 and url in later.value.message
+    out, err = capfd.readouterr()
+    assert SECRET not in out + err
