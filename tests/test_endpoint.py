@@ -302,3 +302,10 @@ def test_64_requests_arriving_at_random_times_each_decode_as_alone(endpoint, wor
 def _alone_with(dec, prompt, seed: int, method: str) -> str:
     *_, end = dec.stream([prompt], DecodeConfig(max_new_tokens=96, seed=seed, method=method))
     return end.text
+
+
+@pytest.mark.parametrize("args,says", [(["--max_rows", "0"], "--max_rows=0"), (["--prot", "1"], "--prot"),
+                                       (["--target_url", "http://127.0.0.1:9"], "--draft_url")])
+def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
+    out = subprocess.run([sys.executable, "-m", "probes.serve", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1
