@@ -58,8 +58,10 @@ def endpoint(args: list[str], threads: int, log: Path):
         proc.wait(60)
 
 
-async def wave(url: str, prompts: list[str], seeds: list[int], method: str, c: int, max_tokens: int) -> dict:
-    """Every prompt through the endpoint with ``c`` workers; the wave's figures."""
+async def wave(url: str, prompts: list[str], seeds: list[int], method: str, c: int, max_tokens: int,
+               stream: bool = True) -> dict:
+    """Every prompt through the endpoint with ``c`` workers, streamed (or not); the wave's figures (without
+    streaming the time to the first token is the whole answer's)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
@@ -71,19 +73,23 @@ async def wave(url: str, prompts: list[str], seeds: list[int], method: str, c: i
             k = todo.pop(0)
             t0 = time.perf_counter()
             first, tokens = None, 0
-            stream = await client.completions.create(
-                model="semanticspec", prompt=prompts[k], max_tokens=max_tokens, seed=seeds[k], stream=True,
-                stream_options={"include_usage": True}, extra_body={"method": method})
-            async for ch in stream:
-                if ch.choices and ch.choices[0].text and first is None:
-                    first = time.perf_counter() - t0
-                if ch.usage is not None:
-                    tokens = ch.usage.completion_tokens
+            kw = dict(model="semanticspec", prompt=prompts[k], max_tokens=max_tokens, seed=seeds[k],
+                      extra_body={"method": method})
+            if not stream:
+                tokens = (await client.completions.create(**kw)).usage.completion_tokens
+            else:
+                async for ch in await client.completions.create(**kw, stream=True,
+                                                                stream_options={"include_usage": True}):
+                    if ch.choices and ch.choices[0].text and first is None:
+                        first = time.perf_counter() - t0
+                    if ch.usage is not None:
+                        tokens = ch.usage.completion_tokens
             rows.append((first if first is not None else time.perf_counter() - t0, time.perf_counter() - t0, tokens))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(c)))
     wall = time.perf_counter() - t0
+    await client.close()
     ttft, e2e = sorted(r[0] for r in rows), sorted(r[1] for r in rows)
     return {"requests": len(rows), "wall_s": round(wall, 3), "completion_tokens": sum(r[2] for r in rows),
             "tokens_per_s": round(sum(r[2] for r in rows) / wall, 1),
@@ -103,6 +109,28 @@ def api_wall(dec, prompts: list[str], seeds: list[int], max_tokens: int) -> floa
     for p, s in zip(prompts, seeds):
         dec.generate([p], DecodeConfig(max_new_tokens=max_tokens, seed=s))
     return time.perf_counter() - t0
+
+
+def overhead(dec, url: str, prompts: list[str], seeds: list[int], max_tokens: int, reps: int):
+    """Seconds per pass of the prompts one at a time through the Python API, the endpoint and the endpoint streaming
+    (one client, its connection kept), interleaved prompt by prompt (the machine's drift touches the three alike)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    api, whole, streamed = ([0.0] * reps for _ in range(3))
+    for r in range(reps):
+        for p, s in zip(prompts, seeds):
+            api[r] += api_wall(dec, [p], [s], max_tokens)
+            kw = dict(model="semanticspec", prompt=p, max_tokens=max_tokens, seed=s)
+            t0 = time.perf_counter()
+            client.completions.create(**kw)
+            t1 = time.perf_counter()
+            for _ in client.completions.create(**kw, stream=True):
+                pass
+            whole[r] += t1 - t0
+            streamed[r] += time.perf_counter() - t1
+    client.close()
+    return ([round(x, 3) for x in xs] for xs in (api, whole, streamed))
 
 
 def run(url: str, prompts, seeds, concurrencies, max_tokens: int) -> dict:
@@ -127,13 +155,11 @@ def in_process(args, prompts, seeds) -> dict:
     log = Path(args.log_dir) / "endpoint-in-process.log"
     with endpoint([], args.threads, log) as url:
         report = run(url, prompts, seeds, args.concurrency, args.max_tokens)
-        api, served = [], []
-        for _ in range(args.overhead_reps):  # interleaved: API, endpoint, API, endpoint...
-            api.append(api_wall(dec, prompts, seeds, args.max_tokens))
-            served.append(asyncio.run(wave(url, prompts, seeds, "semanticspec", 1, args.max_tokens))["wall_s"])
+        api, whole, streamed = overhead(dec, url, prompts, seeds, args.max_tokens, args.overhead_reps)
     app.state.scheduler.stop(0)
-    report["overhead_c1"] = {"api_wall_s": [round(x, 3) for x in api], "endpoint_wall_s": served,
-                             "ratio": round(sum(served) / sum(api), 4)}
+    report["overhead_c1"] = {"api_wall_s": api, "endpoint_wall_s": whole, "endpoint_stream_wall_s": streamed,
+                             "ratio": round(sum(whole) / sum(api), 4),
+                             "stream_ratio": round(sum(streamed) / sum(api), 4)}
     return report
 
 
@@ -165,8 +191,9 @@ def table(report: dict) -> str:
                                                                        r["speedup"].items()) + " | | |")
     o = report.get("in_process", {}).get("overhead_c1")
     if o:
-        lines.append(f"\nendpoint / Python API wall time at concurrency 1: {o['ratio']} "
-                     f"(API {o['api_wall_s']} s, endpoint {o['endpoint_wall_s']} s)")
+        lines.append(f"\nendpoint / Python API wall time at concurrency 1: {o['ratio']} without streaming, "
+                     f"{o['stream_ratio']} streaming (API {o['api_wall_s']} s, endpoint {o['endpoint_wall_s']} s, "
+                     f"streaming {o['endpoint_stream_wall_s']} s)")
     return "\n".join(lines)
 
 
@@ -177,14 +204,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=None, help="prompts per wave (default 64; --quick 16)")
     ap.add_argument("--served", action="store_true", help="also in front of the world's llama.cpp servers")
     ap.add_argument("--max_tokens", type=int, default=96, help="max_tokens per request (default %(default)s)")
-    ap.add_argument("--overhead_reps", type=int, default=2, help="interleaved API/endpoint passes at concurrency 1")
+    ap.add_argument("--overhead_reps", type=int, default=None,
+                    help="interleaved API/endpoint passes at concurrency 1 (default 3; --quick 1)")
     ap.add_argument("--log_dir", default="runs/benchmarks/endpoint", help="server logs")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/endpoint[-quick].json)")
     args = ap.parse_args(argv)
+    from generation.threads import set_wait_policy
+
+    set_wait_policy()  # as the endpoint's command does: the Python API runs under the same thread settings
     n = args.requests or (16 if args.quick else 64)
     args.concurrency = (1, 8) if args.quick else (1, 8, 32)
-    if args.quick:
-        args.overhead_reps = 1
+    if args.overhead_reps is None:
+        args.overhead_reps = 1 if args.quick else 3
     os.makedirs(args.log_dir, exist_ok=True)
     from datamodules.arithmetic.models import load_tokenizer
     from datamodules.arithmetic.task import ArithmeticTask

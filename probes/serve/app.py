@@ -246,7 +246,7 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
     if body.threshold is not None:
         config = dataclasses.replace(config, method=dataclasses.replace(dec.policy, tau=float(body.threshold)))
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-    job = Job(prompt, config, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), body.stops())
+    job = Job(prompt, config, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), body.stops(), body.stream)
     try:
         sched.submit(job)
     except QueueFull as e:
@@ -265,18 +265,13 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
         metrics.requests.labels(route, "200").inc()
         return StreamingResponse(_sse(updates, request, job, reply, n_prompt, include, metrics),
                                  media_type="text/event-stream")
-    text = ""
-    while True:
-        u = await _next(updates, request, job)
-        text += u.delta
-        if u.finish is not None:
-            break
+    u = await _next(updates, request, job)  # the end: a non-streaming job is told nothing before it
     if u.finish == "error":
         metrics.requests.labels(route, "502").inc()
         return JSONResponse(error_body(u.error or "the decode failed", None, "server_error"), status_code=502)
     metrics.requests.labels(route, "200").inc()
     _count(metrics, u)
-    return reply.full(text, u.finish, usage(n_prompt, u.result))
+    return reply.full(u.result.text, u.finish, usage(n_prompt, u.result))
 
 
 async def _next(updates: asyncio.Queue, request: Request, job: Job) -> Update:

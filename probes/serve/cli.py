@@ -68,7 +68,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     """Seconds SIGTERM waits for requests in flight before cancelling them."""
     threads: int | None = None
-    """CPU threads for torch (None: torch's default)."""
+    """torch CPU threads (None: OMP_NUM_THREADS, else the cores)."""
 
 
 def build(opts: ServeOptions):
@@ -143,6 +143,9 @@ def _fail(message: str) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the options, build the app and serve it until SIGINT or SIGTERM (then exit 0)."""
+    from generation.threads import apply_threads, set_wait_policy
+
+    set_wait_policy()  # before torch loads: idle threads sleep rather than spin, as the other commands do
     parser = _parser()
     ns = parser.parse_args(argv)
     ns.pop("config", None)
@@ -150,11 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("port", "max_rows", "max_queue", "concurrency"):
         if getattr(opts, name) < 1:
             _fail(f"--{name}={getattr(opts, name)}: expected an integer >= 1")
-    if opts.threads:
-        import torch
-
-        torch.set_num_threads(opts.threads)
     try:
+        apply_threads(opts.threads, log=None)
         app = build(opts)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))

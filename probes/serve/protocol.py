@@ -109,11 +109,12 @@ class Reply:
 
 
 def usage(prompt_tokens: int, result) -> dict:
-    """OpenAI's ``usage``, with SemanticSpec's figures: draft steps proposed and kept, and the share of the output
-    tokens the draft wrote."""
+    """OpenAI's ``usage``, with SemanticSpec's figures: draft steps proposed and kept, the share of the output tokens
+    the draft wrote, and the seconds the request decoded (from joining its loop to its end)."""
     s = result.stats
     out = s.output_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": out, "total_tokens": prompt_tokens + out,
             "semanticspec": {"steps": s.steps, "draft_steps_proposed": s.draft_steps_proposed,
                              "draft_steps_accepted": s.draft_steps_accepted,
-                             "draft_token_share": round(s.draft_tokens / out, 4) if out else 0.0}}
+                             "draft_token_share": round(s.draft_tokens / out, 4) if out else 0.0,
+                             "decode_s": round(s.wall_s, 4)}}

@@ -56,6 +56,7 @@ class Job:
     config: DecodeConfig
     notify: Callable[[Update], None]
     stop: tuple[str, ...] = ()
+    stream: bool = True  # told each step's text as it comes; else only the end (whose result holds the text)
     cancelled: bool = False
     ended: bool = False
     text: str = ""  # output text sent so far
@@ -169,19 +170,25 @@ class Scheduler:
     # ---------------------------------------------------------------- the decode thread
 
     def _run(self) -> None:
+        import torch
+
         try:
-            while not (self.stopping and not self.groups and not self.waiting and self.inbox.empty()):
-                self._take(block=not self.groups and not self.waiting)
-                self._place()
-                for key in list(self.groups):
-                    self._advance(key)
+            with torch.no_grad():  # as generate(): grad mode is per thread
+                while not (self.stopping and not self.groups and not self.waiting and self.inbox.empty()):
+                    self._take(block=not self.groups and not self.waiting)
+                    self._place()
+                    for key in list(self.groups):
+                        self._advance(key)
         except Exception as e:  # noqa: BLE001 - every open request learns why, then the thread ends
-            self.failure = f"the decode thread failed: {type(e).__name__}: {e}"
-            for g in self.groups.values():
-                for j in g.jobs.values():
-                    self._end(j, Update(finish="error", error=self.failure))
-            for j, _ in self.waiting:
+            self._fail_all(e)
+
+    def _fail_all(self, e: Exception) -> None:
+        self.failure = f"the decode thread failed: {type(e).__name__}: {e}"
+        for g in self.groups.values():
+            for j in g.jobs.values():
                 self._end(j, Update(finish="error", error=self.failure))
+        for j, _ in self.waiting:
+            self._end(j, Update(finish="error", error=self.failure))
 
     def _take(self, block: bool) -> None:
         """Move new jobs from the inbox to the waiting line, planned (a plan that fails ends its job)."""
@@ -250,7 +257,8 @@ class Scheduler:
         if len(text) > len(job.text):
             delta, job.text = text[len(job.text):], text
             job.t_first = job.t_first or now
-            job.notify(Update(delta=delta, kept=kept))
+            if job.stream:
+                job.notify(Update(delta=delta, kept=kept))
         if hit:
             job.cancelled = True
             result = g.loop.rows[e.prompt]
@@ -264,7 +272,8 @@ class Scheduler:
             return
         text, _ = cut_at_stop(e.text, job.stop)
         if len(text) > len(job.text):  # the last bonus token (close()) or text the steps did not carry
-            job.notify(Update(delta=text[len(job.text):]))
+            if job.stream:
+                job.notify(Update(delta=text[len(job.text):]))
             job.text = text
         self._end(job, Update(finish=FINISH[result.stop_reason], result=dataclasses.replace(result, text=job.text)))
 
