@@ -259,11 +259,29 @@ def train() -> str:
     return table(["features", "loader alone", "step alone", "end to end", "loader bound"], rows)
 
 
+def endpoint() -> str:
+    e = load("endpoint")
+    rows = []
+    for setting, name in (("in_process", "in-process"), ("served", "two llama.cpp servers")):
+        r = e.get(setting)
+        if not r:
+            continue
+        for c in r["semanticspec"]:
+            s, t = r["semanticspec"][c], r["target_only"][c]
+            rows.append([name, c[1:], f"{s['tokens_per_s']:.0f} / {t['tokens_per_s']:.0f}", f"{r['speedup'][c]:.2f}x",
+                         *(f"{1000 * x['ttft_p50_s']:.0f} / {1000 * x['ttft_p95_s']:.0f}" for x in (s, t)),
+                         *(f"{x['e2e_p50_s']:.2f} / {x['e2e_p95_s']:.2f}" for x in (s, t))])
+    return table(["setting", "concurrency", "tokens/s SemanticSpec / target-only", "speedup",
+                  "TTFT p50 / p95 ms, SemanticSpec", "TTFT, target-only", "end-to-end p50 / p95 s, SemanticSpec",
+                  "end-to-end, target-only"], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "decode-methods": decode_methods, "decode-decisions": decode_decisions,
     "lookahead": lookahead,
     "batch-scaling": batch_scaling, "first-step": first_step, "world": world, "labels": labels,
     "served-methods": served_methods, "served-labels": served_labels, "threads": threads, "train": train,
+    "endpoint": endpoint,
 }
 """Every generated table by the name its markers carry."""
 

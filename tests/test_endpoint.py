@@ -22,6 +22,8 @@ pytestmark = pytest.mark.integration
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 TASK = ArithmeticTask()
+LONG = "Start with 1. " + "Add 1, then " * 10 + "add 1. What is the result?\n\n"
+"""A prompt the target answers in 55 tokens, about 6 steps (0.6 s on 2 cores): a request that is still decoding."""
 
 
 def free_port() -> int:
@@ -180,6 +182,30 @@ def test_curl_streams_server_sent_events_ending_with_done(endpoint, world_decode
         assert name in metrics
 
 
+def test_stop_strings_cut_the_text_and_the_extra_body_sets_semanticspecs_options(endpoint, world_decoder):
+    """``stop`` ends the answer before the stop string (OpenAI's rule), streamed or not; ``threshold`` replaces the
+    policy's tau for the request (0: every judged step is kept) and ``method`` picks the method."""
+    dec = world_decoder[0]
+    prompt = TASK.prompt_text(dec.tokenizer, _problem(0))
+    whole = _alone(dec, prompt, seed=7)
+    stop = whole[whole.index("\n\n") + 2 :][:4]  # the start of the second step
+    c = endpoint.client()
+    got = c.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7, stop=[stop])
+    assert got.choices[0].text == whole[: whole.index(stop)] and got.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7, stop=stop,
+                                    stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == got.choices[0].text
+    kept = c.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7,
+                                extra_body={"threshold": 0.0}).usage.model_extra["semanticspec"]
+    assert kept["draft_steps_accepted"] == kept["draft_steps_proposed"] > 0
+    target = c.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7,
+                                  extra_body={"method": "target_only"}).usage.model_extra["semanticspec"]
+    assert target["draft_steps_proposed"] == 0 and target["draft_token_share"] == 0.0
+    with pytest.raises(openai.BadRequestError, match="threshold"):
+        c.completions.create(model="semanticspec", prompt=prompt, extra_body={"method": "target_only",
+                                                                               "threshold": 0.5})
+
+
 def test_a_wrong_api_key_gets_a_401_and_the_key_is_never_logged(world_decoder, capfd):
     from probes.serve.app import Settings, build_app
 
@@ -203,9 +229,9 @@ def test_a_full_queue_gets_a_429_with_retry_after(world_decoder):
 
     run = Running(build_app(world_decoder[0], Settings(max_rows=1, max_queue=1)))
     try:
-        first = run.client().completions.create(model="semanticspec", prompt=TASK.prompt_text(
-            world_decoder[0].tokenizer, _problem(3)), max_tokens=96, seed=0, stream=True)
-        next(iter(first))  # the first request is decoding
+        first = run.client().completions.create(model="semanticspec", prompt=LONG, max_tokens=150, seed=0,
+                                                stream=True, extra_body={"method": "target_only"})
+        next(iter(first))  # the first request is decoding (about 0.6 s of target steps)
         with pytest.raises(openai.RateLimitError) as e:
             run.client().completions.create(model="semanticspec", prompt="Start with 1.", max_tokens=4)
         assert e.value.response.headers["retry-after"] == "1" and "max_queue=1" in e.value.message
@@ -220,8 +246,7 @@ def test_a_full_queue_gets_a_429_with_retry_after(world_decoder):
 def test_a_client_that_disconnects_frees_its_row_at_the_next_round(endpoint, world_decoder):
     sched = world_decoder[1].state.scheduler
     cancelled = sched.cancelled
-    long = "Start with 1. " + "Add 1, then " * 10 + "add 1. What is the result?\n\n"  # 55 tokens, ~6 steps
-    stream = endpoint.client().completions.create(model="semanticspec", prompt=long, max_tokens=150, seed=0,
+    stream = endpoint.client().completions.create(model="semanticspec", prompt=LONG, max_tokens=150, seed=0,
                                                   stream=True, extra_body={"method": "target_only"})
     next(iter(stream))
     assert sched.pending == 1

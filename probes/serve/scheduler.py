@@ -14,10 +14,9 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from probes.decoding.config import DecodeConfig
 from probes.decoding.results import DecodeResult
@@ -34,7 +33,6 @@ class Update:
         finish: on the end update, OpenAI's ``finish_reason`` (``stop``, ``length``), ``error`` (a server failed the
             row), or ``invalid`` (a check refused the request before it decoded).
         error: on an error or invalid end, the message (a server's URL, never a key).
-        kept: the step just tried was kept (None on other updates).
     """
 
     planned: bool = False
@@ -43,8 +41,6 @@ class Update:
     result: DecodeResult | None = None
     finish: str | None = None
     error: str | None = None
-    kept: bool | None = None
-    t: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -59,9 +55,7 @@ class Job:
     stream: bool = True  # told each step's text as it comes; else only the end (whose result holds the text)
     cancelled: bool = False
     ended: bool = False
-    text: str = ""  # output text sent so far
-    t_submit: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None  # when its first text left
+    text: str = ""  # output text so far (sent, when streamed)
 
 
 class QueueFull(RuntimeError):
@@ -248,7 +242,6 @@ class Scheduler:
             self._step(g, e, job)
 
     def _step(self, g: _Group, e, job: Job) -> None:
-        now, kept = time.perf_counter(), e.step.decision != "reject"
         if self.on_step is not None:
             self.on_step(str(e.step.decision), e.step.seconds or 0.0)
         text, hit = cut_at_stop(e.text, job.stop)
@@ -256,13 +249,12 @@ class Scheduler:
             g.loop.cancel(e.prompt, "stop")
         if len(text) > len(job.text):
             delta, job.text = text[len(job.text):], text
-            job.t_first = job.t_first or now
             if job.stream:
-                job.notify(Update(delta=delta, kept=kept))
+                job.notify(Update(delta=delta))
         if hit:
             job.cancelled = True
-            result = g.loop.rows[e.prompt]
-            self._end(job, Update(finish="stop", result=DecodeResult(text, result.trace, result.stats, "answer")))
+            row = g.loop.rows[e.prompt]
+            self._end(job, Update(finish="stop", result=DecodeResult(text, row.trace, row.stats, "answer")))
 
     def _finish(self, job: Job, e) -> None:
         """The end of a row: the text its steps did not carry (a last bonus token), then its end update."""
