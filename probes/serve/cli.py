@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Literal, NoReturn
 
 PROG = "python -m probes.serve"
-REPO = Path(__file__).resolve().parents[2]
-WORLD_PROBES = {"in-process": REPO / "checkpoints/arithmetic/probes",
-                "served": REPO / "checkpoints/arithmetic/probes-topk"}
+WORLD_PROBES = {"in-process": "probes", "served": "probes-topk"}
+"""The default world's shipped probe pairs (folders of its model root): hidden states and token statistics
+in-process, top-k statistics (what a server returns) served."""
 
 
 def world_chat(suffix: str) -> str:
@@ -72,7 +72,8 @@ class ServeOptions:
 
 
 def build(opts: ServeOptions):
-    """The app of ``opts``: the decoder (in-process world, or two servers) and the endpoint's settings."""
+    """The app of ``opts``: the decoder (the default world's models in-process, found through its registration
+    (``datamodules.tasks.worlds``), or two servers) and the endpoint's settings."""
     from probes.decoding.options import LoopOptions
     from probes.decoding.policies import ProbePolicy
     from probes.serve.app import Settings, build_app
@@ -80,20 +81,20 @@ def build(opts: ServeOptions):
     if (opts.target_url is None) != (opts.draft_url is None):
         raise ValueError("--target_url and --draft_url go together: give both servers, or neither to serve the "
                          "embedded world in-process")
-    mode = "in-process" if opts.target_url is None else "served"
-    probes = [p or str(WORLD_PROBES[mode] / role) for p, role in ((opts.target_probe, "target"),
-                                                                   (opts.draft_probe, "draft"))]
-    from datamodules.arithmetic.task import ArithmeticTask
+    from datamodules.tasks.worlds import default_world
 
-    task = ArithmeticTask()
+    world, mode = default_world(), "in-process" if opts.target_url is None else "served"
+    root = world.model_root()
+    probes = [p or str(root / WORLD_PROBES[mode] / role) for p, role in ((opts.target_probe, "target"),
+                                                                          (opts.draft_probe, "draft"))]
+    task = world.task()
     template = _template(opts.chat_template)
     if mode == "in-process":
-        from datamodules.arithmetic.models import load_world
         from probes import SemanticSpecDecoder
 
-        world = load_world()
+        target, draft = (world.load_model(role, root) for role in ("target", "draft"))
         policy = ProbePolicy(tau=opts.threshold, top_k=1)
-        dec = SemanticSpecDecoder(world.target, world.draft, world.tokenizer, target_probe=probes[0],
+        dec = SemanticSpecDecoder(target, draft, world.load_tokenizer(root), target_probe=probes[0],
                                   draft_probe=probes[1], policy=policy, task=task)
         template = template or world_chat(task.prompt_suffix)
         backends = ()
