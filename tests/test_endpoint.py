@@ -334,3 +334,22 @@ def _alone_with(dec, prompt, seed: int, method: str) -> str:
 def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
     out = subprocess.run([sys.executable, "-m", "probes.serve", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_serve_config_parses_to_the_commands_defaults(capsys):
+    """configs/serve/default.yaml holds every option of the command, each at its default (a fit config's test reads
+    configs/*.yaml; this one is the serve command's)."""
+    from pathlib import Path
+
+    from probes.serve.cli import ServeOptions, main
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "serve" / "default.yaml"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(path), "--print_config"])
+    assert exit_.value.code in (0, None)
+    import dataclasses
+
+    import yaml
+
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == {f.name: f.default for f in dataclasses.fields(ServeOptions)}

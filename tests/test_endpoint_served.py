@@ -8,6 +8,8 @@ reports it down, and the endpoint goes on answering.
 import asyncio
 import json
 import os
+import shutil
+import subprocess
 import urllib.request
 
 import pytest
@@ -67,6 +69,14 @@ def test_real_clients_get_what_the_served_decoder_decodes_alone(served):
         return await asyncio.gather(*(one(k) for k in range(4)))
 
     assert asyncio.run(together()) == want
+    if shutil.which("curl"):  # curl too: server-sent events ending with [DONE]
+        body = json.dumps({"model": "semanticspec", "prompt": prompts[1], "max_tokens": 96, "seed": 51,
+                           "stream": True})
+        out = subprocess.run(["curl", "-sN", run.url + "/completions", "-H", "Content-Type: application/json", "-d",
+                              body], capture_output=True, text=True, timeout=300, check=True).stdout
+        events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want[1]
     with urllib.request.urlopen(run.url[:-3] + "/health", timeout=30) as h:
         assert json.loads(h.read())["status"] == "ok"
 

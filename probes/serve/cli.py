@@ -2,7 +2,8 @@
 
 With no arguments it serves the embedded world in-process with the shipped probes, on http://127.0.0.1:8000/v1, so
 any OpenAI client can try it with no server to start. ``--target_url`` and ``--draft_url`` put it in front of two
-servers (llama.cpp, vLLM or SGLang) instead; ``--config`` reads the same options from YAML (``configs/serve.yaml``).
+servers (llama.cpp, vLLM or SGLang) instead; ``--config`` reads the same options from YAML
+(``configs/serve/default.yaml``).
 """
 
 from __future__ import annotations
