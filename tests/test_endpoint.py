@@ -353,3 +353,17 @@ def test_the_serve_config_parses_to_the_commands_defaults(capsys):
 
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == {f.name: f.default for f in dataclasses.fields(ServeOptions)}
+
+
+def test_the_readmes_endpoint_example_runs(endpoint, capsys):
+    """The README's endpoint example, pointed at this test's endpoint, prints the answer and SemanticSpec's usage."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### An OpenAI-compatible endpoint"):text.index("## Configs")]
+    example = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    assert "http://127.0.0.1:8000/v1" in example
+    exec(compile(example.replace("http://127.0.0.1:8000/v1", endpoint.url), "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "Answer:" in out and "draft_steps_proposed" in out
