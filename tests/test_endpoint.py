@@ -367,3 +367,26 @@ def test_the_readmes_endpoint_example_runs(endpoint, capsys):
     exec(compile(example.replace("http://127.0.0.1:8000/v1", endpoint.url), "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "Answer:" in out and "draft_steps_proposed" in out
+
+
+def test_a_fault_while_planning_ends_that_request_and_the_decode_thread_goes_on():
+    """A request whose planning fails other than by a refusal (a bug, a tokenizer that raises) gets an error, and the
+    next request is served: one request's fault never leaves another hanging."""
+    from probes.serve.scheduler import Job, Scheduler
+
+    class Broken:
+        def _plan(self, prompts, config):
+            if prompts == ["bad"]:
+                raise TypeError("'tuple' object is not callable")
+            raise ValueError(f"prompt 0 is {prompts[0]!r}: refused")
+
+    sched = Scheduler(Broken())
+    got = []
+    for prompt in ("bad", "refused"):
+        done = threading.Event()
+        sched.submit(Job(prompt, DecodeConfig(), lambda u, d=done: (got.append(u), d.set())))
+        assert done.wait(10)
+    assert [(u.finish, u.error) for u in got] == [("error", "TypeError: 'tuple' object is not callable"),
+                                                 ("invalid", "prompt 0 is 'refused': refused")]
+    assert sched.failure is None and sched.pending == 0
+    sched.stop(1)

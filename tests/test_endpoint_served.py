@@ -14,12 +14,11 @@ import urllib.request
 
 import pytest
 
-from tests.test_endpoint import TASK, Running
+from tests.test_endpoint import TASK, Running, free_port
 from tests.test_served_world import _need_server
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
-PORTS = {"target": 8871, "draft": 8872}
 SECRET = "sk-backend-secret-4242"
 
 
@@ -31,8 +30,8 @@ def served(tmp_path_factory):
     _need_server()
     logs = tmp_path_factory.mktemp("endpoint-servers")
     os.environ["ENDPOINT_TEST_BACKEND_KEY"] = SECRET  # sent to the backends; must never reach a client or a log
-    with world_server("target", PORTS["target"], log=logs / "target.log") as t, \
-            world_server("draft", PORTS["draft"], log=logs / "draft.log") as d:
+    with world_server("target", free_port(), log=logs / "target.log") as t, \
+            world_server("draft", free_port(), log=logs / "draft.log") as d:
         app = build(ServeOptions(target_url=t.url, draft_url=d.url, target_model="target", draft_model="draft",
                                  backend_key_env="ENDPOINT_TEST_BACKEND_KEY", concurrency=4))
         running = Running(app)
@@ -69,6 +68,9 @@ def test_real_clients_get_what_the_served_decoder_decodes_alone(served):
         return await asyncio.gather(*(one(k) for k in range(4)))
 
     assert asyncio.run(together()) == want
+    chat = c.chat.completions.create(model="semanticspec", max_tokens=96, seed=51, messages=[
+        {"role": "user", "content": TASK.problems(2, seed=31)[1]["problem"]}])  # the world's task format
+    assert chat.choices[0].message.content == want[1] and chat.usage.prompt_tokens > 0
     if shutil.which("curl"):  # curl too: server-sent events ending with [DONE]
         body = json.dumps({"model": "semanticspec", "prompt": prompts[1], "max_tokens": 96, "seed": 51,
                            "stream": True})

@@ -70,6 +70,8 @@ class Settings:
         api_key: when set, ``/v1`` routes want ``Authorization: Bearer <key>`` (checked in constant time, never
             logged).
         chat_template: a Jinja chat template for the target tokenizer (None: the tokenizer's own).
+        tokenizer: the target's tokenizer, for a decoder that holds none (two servers): chat templates and prompt
+            token counts; None there: chat routes answer 400 and ``prompt_tokens`` is 0.
         backends: the URLs ``/health`` checks (the servers a served decoder reads).
     """
 
@@ -78,6 +80,7 @@ class Settings:
     max_queue: int = 128
     api_key: str | None = None
     chat_template: str | None = None
+    tokenizer: object = None
     backends: tuple[str, ...] = ()
 
 
@@ -86,7 +89,9 @@ def build_app(decoder, settings: Settings | None = None) -> FastAPI:
     (``app.state.scheduler``)."""
     s = settings or Settings()
     metrics = Metrics()
-    sched = Scheduler(decoder, s.max_rows, s.max_queue, on_step=metrics.on_step)
+    tok = getattr(decoder, "tokenizer", None)
+    count = None if tok is not None or s.tokenizer is None else (lambda text: len(s.tokenizer(text).input_ids))
+    sched = Scheduler(decoder, s.max_rows, s.max_queue, on_step=metrics.on_step, count_tokens=count)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -172,13 +177,13 @@ def _routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) 
         if not body.messages:
             raise BadRequest("messages: empty; give at least one message", "messages")
         messages, template = [m.model_dump(exclude_none=True) for m in body.messages], s.chat_template
-        tok = getattr(dec, "tokenizer", None)
+        tok = getattr(dec, "tokenizer", None) or s.tokenizer
         if tok is None or not (template or getattr(tok, "chat_template", None)):
             raise BadRequest("messages: the target model has no chat template; use /v1/completions, or start the "
                              "server with --chat_template", "messages")
 
         def prompt():  # formatted in the decode thread, which owns the tokenizers
-            return chat_prompt(dec, messages, template)
+            return chat_prompt(dec, tok, messages, template)
         return await _serve(request, body, prompt, Reply(True, s.model_name), dec, sched, metrics, s)
 
 
@@ -199,10 +204,9 @@ async def _answers(url: str) -> bool:
     return await asyncio.to_thread(ask)
 
 
-def chat_prompt(dec, messages: list[dict], template: str | None):
-    """The prompt of a chat: the target tokenizer's chat template (or ``template``) with the assistant's turn
+def chat_prompt(dec, tok, messages: list[dict], template: str | None):
+    """The prompt of a chat: the target tokenizer ``tok``'s chat template (or ``template``) with the assistant's turn
     opened, as the decoder reads it (each model's token ids in-process, text served)."""
-    tok = dec.tokenizer
     text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
     if not hasattr(dec, "draft_tokenizer"):
         return text

@@ -21,11 +21,12 @@ WORLD_PROBES = {"in-process": "probes", "served": "probes-topk"}
 in-process, top-k statistics (what a server returns) served."""
 
 
-def world_chat(suffix: str) -> str:
+def world_chat(suffix: str, bos: bool = True) -> str:
     """The embedded world's chat format: its tokenizer has no chat template, so the world's endpoint formats a chat
-    as its task's prompt: BOS, the user turns, then the task's prompt ``suffix``."""
-    return ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
-            "{% endfor %}{{ " + json.dumps(suffix) + " }}")
+    as its task's prompt: BOS (in-process; a server adds its own), the user turns, then the task's prompt
+    ``suffix``."""
+    turns = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    return ("{{ bos_token }}" if bos else "") + turns + "{{ " + json.dumps(suffix) + " }}"
 
 
 @dataclass
@@ -66,6 +67,9 @@ class ServeOptions:
     """Environment variable holding the key /v1 routes want (unset or empty: none). Never logged."""
     chat_template: str | None = None
     """Jinja chat template, or a file holding one (None: the target tokenizer's; the embedded world's task format)."""
+    tokenizer: str | None = None
+    """Served: a local directory with the target's tokenizer, for chat templates and prompt token counts (None: the
+    default world's when its probes are served, else none: chat routes answer 400)."""
     shutdown_timeout: float = 30.0
     """Seconds SIGTERM waits for requests in flight before cancelling them."""
     threads: int | None = None
@@ -84,7 +88,7 @@ def build(opts: ServeOptions):
                          "embedded world in-process")
     from datamodules.tasks.worlds import default_world
 
-    world, mode = default_world(), "in-process" if opts.target_url is None else "served"
+    world, mode, tok = default_world(), "in-process" if opts.target_url is None else "served", None
     root = world.model_root()
     probes = [p or str(root / WORLD_PROBES[mode] / role) for p, role in ((opts.target_probe, "target"),
                                                                           (opts.draft_probe, "draft"))]
@@ -109,8 +113,17 @@ def build(opts: ServeOptions):
         dec = ServedDecoder(target, draft, probes[0], probes[1], ProbePolicy(tau=opts.threshold),
                             LoopOptions(answer_marker=task.answer_marker), concurrency=opts.concurrency)
         backends = (target.url, draft.url)
+        if opts.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(opts.tokenizer, local_files_only=True)
+        elif opts.target_probe is None:
+            tok = world.load_tokenizer(root)
+        if opts.tokenizer is None and tok is not None:
+            template = template or world_chat(task.prompt_suffix, bos=False)
     key = os.environ.get(opts.api_key_env) or None
-    return build_app(dec, Settings(opts.model_name, opts.max_rows, opts.max_queue, key, template, backends))
+    return build_app(dec, Settings(model_name=opts.model_name, max_rows=opts.max_rows, max_queue=opts.max_queue,
+                                   api_key=key, chat_template=template, backends=backends, tokenizer=tok))
 
 
 def _template(value: str | None) -> str | None:

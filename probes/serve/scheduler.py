@@ -93,14 +93,17 @@ class Scheduler:
             flight, each bounded by the decoder's ``concurrency``).
         max_queue: requests waiting or decoding at once; past it :meth:`submit` raises :class:`QueueFull`.
         on_step: called in the decode thread after every tried step (its decision, its seconds), for metrics.
+        count_tokens: a text prompt's token count (a decoder that reads text, as two servers do), or None (0).
     """
 
     def __init__(self, decoder, max_rows: int = 16, max_queue: int = 128,
-                 on_step: Callable[[str, float], None] | None = None) -> None:
+                 on_step: Callable[[str, float], None] | None = None,
+                 count_tokens: Callable[[str], int] | None = None) -> None:
         for name, v in (("max_rows", max_rows), ("max_queue", max_queue)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r}: expected an integer >= 1")
         self.dec, self.max_rows, self.max_queue, self.on_step = decoder, max_rows, max_queue, on_step
+        self.count_tokens = count_tokens
         self.inbox: queue.Queue[Job] = queue.Queue()
         self.waiting: deque[tuple[Job, object]] = deque()  # planned, waiting for room in their loop
         self.groups: dict[object, _Group] = {}
@@ -195,14 +198,20 @@ class Scheduler:
                 plan = self.plan(job.prompt() if callable(job.prompt) else job.prompt, job.config)
             except ValueError as e:
                 self._end(job, Update(finish="invalid", error=str(e)))
+            except Exception as e:  # noqa: BLE001 - a fault of this request's planning ends it, not the thread
+                self._end(job, Update(finish="error", error=f"{type(e).__name__}: {e}"))
             else:
-                first = plan.inputs[0][0]
-                job.notify(Update(planned=True, prompt_tokens=len(first) if isinstance(first, list) else 0))
+                job.notify(Update(planned=True, prompt_tokens=self._prompt_tokens(plan.inputs[0][0])))
                 self.waiting.append((job, plan))
             try:
                 job = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _prompt_tokens(self, first) -> int:
+        if isinstance(first, str):
+            return self.count_tokens(first) if self.count_tokens is not None else 0
+        return len(first)
 
     def _place(self) -> None:
         """Admit waiting jobs, in order, into their runner's loop while it has room (a new loop if none runs)."""
