@@ -258,6 +258,7 @@ def test_a_client_that_disconnects_frees_its_row_at_the_next_round(endpoint, wor
     assert sched.cancelled == cancelled + 1  # its row left the loop before its end
 
 
+@pytest.mark.slow  # a second process loading the world: 10 s on 2 cores
 def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

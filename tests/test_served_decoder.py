@@ -379,7 +379,7 @@ def test_a_full_vocabulary_statistics_probe_is_refused(world, engines):
     assert "read" not in target.calls and "write" not in target.calls
 
 
-@pytest.mark.parametrize("side", ["in_process", "served"])
+@pytest.mark.parametrize("side", ["in_process", pytest.param("served", marks=pytest.mark.slow)])
 def test_rows_admitted_into_a_running_loop_decode_as_they_would_alone(world, engines, side):
     """Issue 34: a request joins a running loop between rounds (``StepLoop.admit``; the endpoint's admission) and
     decodes what it decodes alone with its seed, sampled, coins flipped; so do the rows that were running."""

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Literal, NoReturn
 
 PROG = "python -m probes.serve"
+PAIRED = ("--target_url and --draft_url go together: give both servers, or neither to serve the embedded world "
+          "in-process")
 WORLD_PROBES = {"in-process": "probes", "served": "probes-topk"}
 """The default world's shipped probe pairs (folders of its model root): hidden states and token statistics
 in-process, top-k statistics (what a server returns) served."""
@@ -84,8 +86,7 @@ def build(opts: ServeOptions):
     from probes.serve.app import Settings, build_app
 
     if (opts.target_url is None) != (opts.draft_url is None):
-        raise ValueError("--target_url and --draft_url go together: give both servers, or neither to serve the "
-                         "embedded world in-process")
+        raise ValueError(PAIRED)
     from datamodules.tasks.worlds import default_world
 
     world, mode, tok = default_world(), "in-process" if opts.target_url is None else "served", None
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("port", "max_rows", "max_queue", "concurrency"):
         if getattr(opts, name) < 1:
             _fail(f"--{name}={getattr(opts, name)}: expected an integer >= 1")
+    if (opts.target_url is None) != (opts.draft_url is None):  # before the imports of build()
+        _fail(PAIRED)
     try:
         apply_threads(opts.threads, log=None)
         app = build(opts)
