@@ -145,7 +145,7 @@ class StepLoop:
             for i, r in enumerate(self.rows):
                 if r.done and i not in ended:
                     ended.add(i)
-                    yield self._end(i, self.t_done.get(i, time.perf_counter()) - self.t_in.get(i, 0.0), 0.0)
+                    yield self._end(i, self.t_done[i] - self.t_in[i], 0.0)
             if not going and all(r.done for r in self.rows):
                 return
 

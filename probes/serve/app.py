@@ -225,8 +225,6 @@ def decode_config(body) -> DecodeConfig:
         raise BadRequest(f"{param}={max_tokens}: expected an integer >= 1", param)
     if body.n != 1:
         raise BadRequest(f"n={body.n}: this endpoint writes one choice per request (n=1)", "n")
-    if body.temperature is not None and body.temperature < 0:
-        raise BadRequest(f"temperature={body.temperature}: expected a number >= 0 (0 is greedy)", "temperature")
     if body.method not in ENDPOINT_METHODS:
         raise BadRequest(f"method={body.method!r}: expected one of {ENDPOINT_METHODS}", "method")
     if body.threshold is not None and body.method != "semanticspec":
@@ -236,9 +234,8 @@ def decode_config(body) -> DecodeConfig:
         return DecodeConfig(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed,
                             method=body.method, lookahead=body.lookahead, window_min_logprob=body.window_min_logprob,
                             allow_sampling_mismatch=body.allow_sampling_mismatch)
-    except ValueError as e:
-        names = ("max_new_tokens", "temperature", "top_p", "seed", "lookahead", "window_min_logprob")
-        raise BadRequest(str(e), next((n for n in names if n + "=" in str(e)), None)) from e
+    except ValueError as e:  # DecodeConfig's own checks (temperature, top_p, lookahead...), naming the field
+        raise BadRequest(str(e), _param_of(str(e))) from e
 
 
 async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Scheduler, metrics: Metrics,
@@ -327,6 +324,7 @@ def _param_of(message: str) -> str | None:
     """The request field a decoder's refusal names (its messages start ``name=value``)."""
     head = message.split("=", 1)[0].strip().split(" ")[-1]
     fields = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "method": "method",
-              "lookahead": "lookahead", "max_tokens": "max_tokens", "prompt": "prompt", "seed": "seed"}
+              "lookahead": "lookahead", "window_min_logprob": "window_min_logprob", "max_tokens": "max_tokens",
+              "prompt": "prompt", "seed": "seed"}
     return fields.get(head, "prompt" if "prompt" in message else None)
 

@@ -70,7 +70,7 @@ class _Group:
     """The running loop of one runner, its rows' jobs and its events."""
 
     def __init__(self, dec, plan, job: Job) -> None:
-        self.dec, self.runner, self.sampling = dec, plan.runner, plan.sampling
+        self.dec, self.runner = dec, plan.runner
         self.loop = dec.step_loop(plan.inputs, plan.cfg.max_new_tokens, plan.sampling, plan.keys)
         self.jobs: dict[int, Job] = {0: job}
         self.events: Iterator = self.loop.serve(self.runner)
