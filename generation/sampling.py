@@ -1,8 +1,8 @@
 """The one sampler: temperature / top-p draws from logits, on the logits' device.
 
-Label sampling (:func:`generation.writer.generate`), the decoder's step loop and token-level
-speculation all draw tokens with :func:`sample_next` and read its distribution with
-:func:`top_p_filter`, so every figure comes from the same sampling code.
+Label sampling (:func:`generation.writer.generate`), the decoder's step loop, token-level
+speculation and the local engine all draw tokens with :meth:`Sampler.draw` and read its distribution with
+:meth:`Sampler.probs`, so every figure comes from the same sampling code.
 """
 
 from __future__ import annotations
@@ -107,9 +107,20 @@ class Sampler:
     _twins: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def draw(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-        """One token per row of ``logits`` (B, V), row ``k`` of the batch being cache row ``rows[k]``. Returns (B,)."""
+        """One token per row of ``logits`` (B, V), row ``k`` of the batch being cache row ``rows[k]``; temperature 0
+        is greedy. Returns (B,).
+
+        With one stream per row (``generator`` a sequence), row ``k`` draws from its own, so its token does not
+        depend on the other rows (:func:`exponential_race`); one stream for the batch draws with
+        ``torch.multinomial``.
+        """
+        if self.spec.temperature == 0:
+            return logits.argmax(-1)
+        probs = _nucleus(logits, self.spec.temperature, self.spec.top_p)
         streams = row_streams(self.streams_on(logits.device), rows)
-        return sample_next(logits, self.spec.temperature, self.spec.top_p, streams)
+        if streams is None or isinstance(streams, torch.Generator):
+            return torch.multinomial(probs, 1, generator=streams).squeeze(-1)
+        return exponential_race(probs, streams)
 
     def streams_on(self, device: torch.device) -> Streams:
         """The streams that draw on ``device``: the sampler's own where they live there, else their twins."""
@@ -147,23 +158,6 @@ def placed(generator: torch.Generator | Sequence[torch.Generator], device: torch
     return twin(generator) if isinstance(generator, torch.Generator) else [twin(g) for g in generator]
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-                generator: Streams = None) -> torch.Tensor:
-    """Draw one token per row of ``logits`` (B, V); temperature 0 is greedy. Returns (B,).
-
-    ``generator``: one generator for the batch, or a sequence of B generators (row ``k`` draws from
-    its own, so its token does not depend on the other rows).
-    """
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature} (need >= 0), top_p={top_p} (need in (0, 1])")
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = _nucleus(logits, temperature, top_p)
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return exponential_race(probs, generator)
-
-
 def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One draw per row of ``probs`` (B, V) (unnormalised is fine), row ``k`` from its own generator. Returns (B,).
 
@@ -182,7 +176,7 @@ def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator])
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution :func:`sample_next` draws from, as (..., V) probabilities (one-hot when greedy)."""
+    """The distribution :meth:`Sampler.draw` draws from, as (..., V) probabilities (one-hot when greedy)."""
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     probs = _nucleus(logits.reshape(-1, logits.shape[-1]), temperature, top_p)

@@ -1,9 +1,9 @@
 """Writing steps on a :class:`~generation.cache.BatchedCache`: the decoder's step loop and label sampling.
 
-:func:`write_steps` samples one step for several rows together, each stopping at its own
+:meth:`StepWriter.write` samples one step for several rows together, each stopping at its own
 delimiter, cap or budget; :func:`generate` is label sampling on top of it (prefill once, fork
 ``num_samples`` rows per prompt, write). Tokens are drawn only by
-:func:`generation.sampling.sample_next`, on the logits' device: per token the host receives the
+:meth:`generation.sampling.Sampler.draw`, on the logits' device: per token the host receives the
 ``B`` sampled ids (the stop check needs them) and never the ``(B, V)`` logits.
 """
 
@@ -52,86 +52,84 @@ class StepDraft:
 class StepWriter:
     """A model that writes steps: its cache, its step stopper and the sampler it draws with.
 
-    Built once per decode, so the step and sampling specs reach the writing code in one object instead of
-    through every call (:meth:`write` is :func:`write_steps` on them).
+    Built once per decode (or label sampling run), so the step and sampling specs reach the writing code in one
+    object instead of through every call.
 
     Attributes:
         cache: the model's batched KV cache.
-        stop: its step stopper (``StepSpec.stopper(tokenizer)``).
-        sampler: the decode's one sampler (spec and random streams).
+        stop: its step stopper (``StepSpec.stopper(tokenizer)``): true once a step's tokens end it (delimiter,
+            EOS, cap).
+        sampler: the one sampler (spec and random streams: shared, or one per cache row).
     """
 
     cache: BatchedCache
     stop: Callable[[list[int]], bool]
     sampler: Sampler
 
-    def write(self, rows: Sequence[int], limits: dict[int, int], **options) -> dict[int, StepDraft]:
-        """One step for every row in ``rows`` (``options``: :func:`write_steps`' keyword options)."""
-        return write_steps(self.cache, rows, stop=self.stop, limits=limits, sampler=self.sampler, **options)
+    def write(
+        self,
+        rows: Sequence[int],
+        limits: dict[int, int],
+        *,
+        forced: dict[int, list[int]] | None = None,
+        collect_hidden: bool = False,
+        feed_last: bool = False,
+        record_logits: bool = False,
+        record_forced_logits: bool | Collection[int] = False,
+    ) -> dict[int, StepDraft]:
+        """Sample one step for every row in ``rows`` together, continuing the cache.
 
+        A row's step ends when ``stop(step_tokens)`` is true or it holds ``limits[row]`` tokens. The sampled
+        tokens are appended to the cache's ``seq``; the last one stays pending unless ``feed_last`` (needed to
+        read its hidden state, and it leaves the logits after the step in ``last_logits``).
 
-def write_steps(
-    runner: BatchedCache,
-    rows: Sequence[int],
-    *,
-    stop: Callable[[list[int]], bool],
-    limits: dict[int, int],
-    sampler: Sampler,
-    forced: dict[int, list[int]] | None = None,
-    collect_hidden: bool = False,
-    feed_last: bool = False,
-    record_logits: bool = False,
-    record_forced_logits: bool | Collection[int] = False,
-) -> dict[int, StepDraft]:
-    """Sample one step for every row in ``rows`` together, continuing ``runner``'s cache.
+        Args:
+            rows: rows that write a step now.
+            limits: per row, the most tokens the step may hold (token budget left).
+            forced: per row, tokens that open the step and are already in the cache's ``seq``.
+            collect_hidden: keep the hidden states of the step's tokens (for a probe).
+            feed_last: feed the step's last token too.
+            record_logits: keep the logits each token was sampled from (token-level speculation needs them).
+            record_forced_logits: also keep the logits that predicted the forced tokens (a probe's token
+                statistics cover the whole step), for every row (True) or the rows given; their forced tokens
+                must still be pending.
 
-    A row's step ends when ``stop(step_tokens)`` is true (delimiter, EOS, ``max_step_tokens``)
-    or it holds ``limits[row]`` tokens. The sampled tokens are appended to ``runner.seq``; the
-    last one stays pending unless ``feed_last`` (needed to read its hidden state, and it leaves
-    the logits after the step in ``last_logits``).
+        Returns:
+            ``{row: StepDraft}``.
+        """
+        cache, forced = self.cache, forced or {}
+        steps = {i: StepDraft(len(cache.seq[i]) - len(forced.get(i, [])), list(forced.get(i, [])),
+                              len(forced.get(i, []))) for i in rows}
 
-    Args:
-        runner: the writing model's cache.
-        rows: rows that write a step now.
-        stop: step stopper (``generation.steps.StepStopper``).
-        limits: per row, the most tokens the step may hold (token budget left).
-        sampler: the one sampler with its spec and streams (shared, or one per cache row).
-        forced: per row, tokens that open the step and are already in ``runner.seq``.
-        collect_hidden: keep the hidden states of the step's tokens (for a probe).
-        feed_last: feed the step's last token too.
-        record_logits: keep the logits each token was sampled from (token-level speculation needs them).
-        record_forced_logits: also keep the logits that predicted the forced tokens (a probe's token
-            statistics cover the whole step), for every row (True) or the rows given; their forced tokens
-            must still be pending.
+        def done(i: int) -> bool:
+            return bool(steps[i].tokens) and (self.stop(steps[i].tokens) or len(steps[i].tokens) >= limits[i])
 
-    Returns:
-        ``{row: StepDraft}``.
-    """
-    forced = forced or {}
-    steps = {i: StepDraft(len(runner.seq[i]) - len(forced.get(i, [])), list(forced.get(i, [])), len(forced.get(i, [])))
-             for i in rows}
-
-    def done(i: int) -> bool:
-        return bool(steps[i].tokens) and (stop(steps[i].tokens) or len(steps[i].tokens) >= limits[i])
-
-    writing = [i for i in rows if not done(i)]
-    last = [i for i in rows if i not in writing and feed_last]
-    before = {i: runner.last_logits[i] for i in rows}
-    forced_rows = set(rows) if record_forced_logits is True else set(record_forced_logits or ())
-    first = True
-    while writing or last:
-        # With forced tokens, the first forward keeps every position's logits: they predicted the forced tokens.
-        need_all = first and any(steps[i].n_forced for i in writing + last if i in forced_rows)
-        fed = runner.feed(writing + last, hidden=collect_hidden, all_logits=need_all)
-        _keep_read(steps, fed, {i: before[i] for i in forced_rows} if need_all else None, collect_hidden)
-        first, last = False, []
-        if not writing:
-            break
-        for i in _draw(runner, steps, writing, sampler, record_logits):
-            if done(i):
-                last += [i] if feed_last else []
-        writing = [i for i in writing if not done(i)]
-    return steps
+        writing = [i for i in rows if not done(i)]
+        last = [i for i in rows if i not in writing and feed_last]
+        before = {i: cache.last_logits[i] for i in rows}
+        forced_rows = set(rows) if record_forced_logits is True else set(record_forced_logits or ())
+        first = True
+        while writing or last:
+            # With forced tokens, the first forward keeps every position's logits: they predicted the forced tokens.
+            need_all = first and any(steps[i].n_forced for i in writing + last if i in forced_rows)
+            fed = cache.feed(writing + last, hidden=collect_hidden, all_logits=need_all)
+            _keep_read(steps, fed, {i: before[i] for i in forced_rows} if need_all else None, collect_hidden)
+            first, last = False, []
+            if not writing:
+                break
+            missing = [i for i in writing if cache.last_logits[i] is None]
+            if missing:
+                raise RuntimeError(f"rows {missing} have no logits to sample from; feed their prompt first")
+            logits = torch.stack([cache.last_logits[i] for i in writing]).float()  # (B, V), stays on the device
+            for k, (i, t) in enumerate(zip(writing, self.sampler.draw(logits, writing).tolist())):  # one host sync
+                if record_logits:
+                    steps[i].logits.append(logits[k])
+                steps[i].tokens.append(int(t))
+                cache.extend(i, [t])
+                if done(i) and feed_last:
+                    last.append(i)
+            writing = [i for i in writing if not done(i)]
+        return steps
 
 
 def _keep_read(steps: dict[int, StepDraft], fed: dict[int, Feed], before: dict | None, hidden: bool) -> None:
@@ -144,22 +142,6 @@ def _keep_read(steps: dict[int, StepDraft], fed: dict[int, Feed], before: dict |
         for i, f in fed.items():
             skip = max(0, steps[i].start - f.start)  # fed tokens before the step belong to the prefix
             steps[i].hidden.extend(f.hidden[:, skip:].unbind(1))
-
-
-def _draw(runner: BatchedCache, steps: dict[int, StepDraft], writing: list[int], sampler: Sampler,
-          record_logits: bool) -> list[int]:
-    """Sample the next token of every writing row and append it to its step and its sequence; the rows, in order."""
-    missing = [i for i in writing if runner.last_logits[i] is None]
-    if missing:
-        raise RuntimeError(f"rows {missing} have no logits to sample from; feed their prompt first")
-    logits = torch.stack([runner.last_logits[i] for i in writing]).float()  # (B, V), stays on the device
-    toks = sampler.draw(logits, writing).tolist()  # one host sync: B ids
-    for k, (i, t) in enumerate(zip(writing, toks)):
-        if record_logits:
-            steps[i].logits.append(logits[k])
-        steps[i].tokens.append(int(t))
-        runner.extend(i, [t])
-    return writing
 
 
 def _forced_logits(step: StepDraft, feed: Feed | None, before: torch.Tensor | None) -> list[torch.Tensor]:
@@ -218,6 +200,5 @@ def generate(
         return (eos_token_id is not None and tokens[-1] == eos_token_id) or (stop is not None and stop(tokens))
 
     rows = range(cache.n_rows)
-    steps = write_steps(cache, rows, stop=done, limits={i: max_new_tokens for i in rows},
-                        sampler=Sampler(sampling, generator))
+    steps = StepWriter(cache, done, Sampler(sampling, generator)).write(rows, {i: max_new_tokens for i in rows})
     return [steps[i].tokens for i in rows]

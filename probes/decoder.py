@@ -46,23 +46,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from generation.cache import context_length
-from generation.handover import Handover
-from generation.sampling import stream_keys
+from generation.cache import BatchedCache, context_length
+from generation.handover import Handover, pad_id
+from generation.sampling import Sampler, StreamKey, key_stream, stream_keys
 from generation.specs import SamplingSpec
+from generation.writer import StepWriter
 from probes.decoding import setup
 from probes.decoding.base import Plan, StepDecoder
 from probes.decoding.config import DecodeConfig
-from probes.decoding.loop import StepLoop
+from probes.decoding.loop import LoopSetup, StepLoop
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
 from probes.decoding.prompts import read_prompts
 from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
-from probes.decoding.verify import JudgeTurn
+from probes.decoding.proposer import DraftProposer
+from probes.decoding.rows import Row
+from probes.decoding.verify import JudgeTurn, TargetVerifier
 
 __all__ = ["DecodeResult", "DecodeStats", "SemanticSpecDecoder", "StepTrace", "summarize"]
 
@@ -122,11 +124,8 @@ class SemanticSpecDecoder(StepDecoder):
         self.target, self.draft = target.eval(), draft.eval()
         self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
         self.bonus_token = opt.bonus_token and self.shared
-        self.target_probe = setup.load(target_probe, target, tokenizer, role="target")
-        self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, role="draft")
-        self.target_probe, self.draft_probe = (
-            setup.in_dtype(p, probe_dtype, next(m.parameters()).device)
-            for p, m in ((self.target_probe, target), (self.draft_probe, draft)))
+        self.target_probe = setup.load(target_probe, target, tokenizer, "target", probe_dtype)
+        self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, "draft", probe_dtype)
         self.step = setup.step_spec((self.target_probe, self.draft_probe), opt.step)
         """What a step is (:class:`~generation.specs.StepSpec`): the probes', unless ``options.step`` says."""
         suffix = self.tokenizer(opt.judge_suffix, add_special_tokens=False).input_ids
@@ -136,43 +135,11 @@ class SemanticSpecDecoder(StepDecoder):
         self._recorded_sampling = setup.sampling_spec((self.target_probe, self.draft_probe))
         self.target_stop, self.draft_stop = self.step.stopper(tokenizer), self.step.stopper(self.draft_tokenizer)
 
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[str], config: DecodeConfig | None = None, **overrides: Any
-                 ) -> list[DecodeResult]:
-        """Decode every prompt with ``config`` (a :class:`~probes.decoding.config.DecodeConfig`: the budget,
-        sampling, seed, method and its arguments, batch size), or with its fields as keyword arguments, which
-        change a copy of it (``generate(prompts, max_new_tokens=64, seed=[0, 1])``).
-
-        Args:
-            prompts: prompt strings (tokenized with BOS, as ``tokenizer(prompt)`` does; a bare
-                string is one prompt, as transformers tokenizers read it), or token ids already
-                formatted (a chat template's, e.g. ``Task.prompt``): a list of ids with one tokenizer,
-                a ``(target_ids, draft_ids)`` pair with two.
-            config: what to decode with; None = ``DecodeConfig()`` (the method ``semanticspec``, 256 new tokens,
-                the probes' sampling, seed 0).
-            **overrides: :class:`~probes.decoding.config.DecodeConfig` fields that change ``config`` for this
-                call. Methods are the names of :data:`probes.decoding.methods.METHODS`, or an acceptance policy
-                (e.g. ``SpecReasonPolicy(threshold=8)``) run in the speculative loop.
-
-        Returns:
-            One :class:`DecodeResult` per prompt, in order, each with its ``stop_reason`` (``eos``,
-            ``answer``, ``budget`` or ``context``: no method writes past either model's context);
-            ``[]`` for no prompts.
-
-        Raises:
-            ValueError: a bad config field or an unknown override (naming it), an unknown method, a missing
-                probe/rate/oracle, a sampling that differs from the probes', a list of seeds whose length is not
-                the number of prompts, or a bad prompt (:func:`~probes.decoding.prompts.read_prompts`: a mixed
-                batch, an empty prompt, an id outside the vocabulary, a prompt longer than a model's context),
-                naming the prompt's index; all before any model call.
-        """
-        return super().generate(prompts, config, **overrides)
-
     def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """The call's runner, target and draft ids, stream keys, sampling and config, every check done."""
         runner, problems = self._runner(cfg)
-        sampling = self.sampling(cfg.temperature, cfg.top_p, enforce=runner is not None and runner.probes_decide,
-                                 allow_mismatch=cfg.allow_sampling_mismatch)
+        sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
+                                          runner is not None and runner.probes_decide, cfg.allow_sampling_mismatch)
         if cfg.overlap:
             problems.append("overlap=True: drafting the next window while the target verifies is served decoding's "
                             "(ServedDecoder: the two servers are separate processes); in-process the two models share "
@@ -185,9 +152,33 @@ class SemanticSpecDecoder(StepDecoder):
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
         return Plan(runner, (ids_t, ids_d), stream_keys(cfg.seed, len(ids_t)), sampling, cfg)
 
-    def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> StepLoop:
-        """The loop of one batch over the in-process models (``batch``: target and draft ids)."""
-        return StepLoop.in_process(self, *batch, max_new_tokens, sampling, keys)
+    def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys: Sequence[StreamKey]
+                  ) -> StepLoop:
+        """The loop of one batch over the in-process models: one :class:`~generation.cache.BatchedCache` per model.
+
+        Args:
+            batch: the prompts' target ids and draft ids.
+            max_new_tokens: output token budget per prompt.
+            sampling: temperature and top-p of both models (validated once, where the spec was built).
+            keys: each prompt's :data:`~generation.sampling.StreamKey`: it samples and flips its acceptance coins
+                from its own streams, seeded from its key (:func:`~generation.sampling.stream_keys`), so it decodes
+                the same in any batch.
+        """
+        (ids_t, ids_d), n = batch, len(batch[0])
+        streams = {s: [key_stream(key, s) for key in keys] for s in ("sampling", "coins")}
+        sampler = Sampler(sampling, streams["sampling"])
+        tgt = BatchedCache(self.target, n, pad_id(self.tokenizer), _layers(self.target_probe))
+        drf = BatchedCache(self.draft, n, pad_id(self.draft_tokenizer), _layers(self.draft_probe))
+        for i in range(n):
+            tgt.extend(i, ids_t[i])
+            drf.extend(i, ids_d[i])
+        proposer = DraftProposer(StepWriter(drf, self.draft_stop, sampler), self.draft_tokenizer, self.draft_probe,
+                                 self.handover, self.spare)
+        verifier = TargetVerifier(StepWriter(tgt, self.target_stop, sampler), self.tokenizer, self.handover,
+                                  self.target_probe, self.judge, streams["coins"], self.spare,
+                                  self.options.token_sd_tokens)
+        rows = [Row(max_new_tokens, self.shared, self.options.answer_marker) for _ in range(n)]
+        return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.bonus_token, self.token_sd))
 
     def row_inputs(self, inputs: tuple, k: int) -> tuple:
         return inputs[0][k], inputs[1][k]
@@ -215,3 +206,8 @@ class SemanticSpecDecoder(StepDecoder):
         """
         return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
 
+
+
+def _layers(probe) -> list[int]:
+    """The layers whose hidden states a cache keeps for ``probe`` (the last one without a probe)."""
+    return probe.config.layer_ids if probe is not None else [-1]

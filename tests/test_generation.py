@@ -9,7 +9,7 @@ from generation.cache import BatchedCache, record_forwards
 from generation.sampling import Sampler
 from generation.specs import SamplingSpec
 from generation.steps import StepStopper
-from generation.writer import generate, write_steps
+from generation.writer import StepWriter, generate
 from tests.conftest import stopper_agrees, tiny_llama
 
 
@@ -240,12 +240,12 @@ def test_sampled_generate_is_seeded_and_forks_differ(world_tokenizer):
     assert all(7 not in t[:-1] for t in stop_at_7)
 
 
-def test_write_steps_stops_each_row_at_its_own_limit(world_tokenizer):
+def test_the_writer_stops_each_row_at_its_own_limit(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2, seed=3)
     run = BatchedCache(model, 3)
     run.prefill([[2, 5], [2, 6], [2, 7]])
-    steps = write_steps(run, [0, 1, 2], stop=lambda t: False, limits={0: 1, 1: 4, 2: 9},
-                        sampler=Sampler(SamplingSpec(0.0, 1.0)), feed_last=True)
+    writer = StepWriter(run, lambda t: False, Sampler(SamplingSpec(0.0, 1.0)))
+    steps = writer.write([0, 1, 2], {0: 1, 1: 4, 2: 9}, feed_last=True)
     assert [len(steps[i].tokens) for i in range(3)] == [1, 4, 9]
     assert run.n_fed == [len(s) for s in run.seq]  # feed_last: every token is in the cache
 
@@ -334,5 +334,5 @@ def test_draws_on_another_device_come_from_twins_of_the_streams_made_once(monkey
     first, second = away.draw(logits, [0, 1]), away.draw(logits[1:], [1])
     assert made == [torch.device("cpu")]
     ref = [torch.Generator().manual_seed(10 + k) for k in range(2)]
-    assert torch.equal(first, S.sample_next(logits, 0.7, 0.9, ref))
-    assert torch.equal(second, S.sample_next(logits[1:], 0.7, 0.9, ref[1:]))
+    here = S.Sampler(SamplingSpec(0.7, 0.9), ref)
+    assert torch.equal(first, here.draw(logits, [0, 1])) and torch.equal(second, here.draw(logits[1:], [1]))

@@ -9,9 +9,9 @@ be compared with in-process ones on the same weights:
   prefix (a step that merges with the context's last token is refused); the step's log-probabilities
   and top-k come from the full float32 log-softmax, the hidden rows from the last ``hidden_states``
   entry (after the final norm: ``"final_norm"``), and the next token is drawn as
-  :func:`~generation.sampling.sample_next` draws (greedy at temperature 0), from a
+  :meth:`~generation.sampling.Sampler.draw` draws (greedy at temperature 0), from a
   ``torch.Generator`` seeded with ``seed``;
-- :meth:`LocalEngine.write`: the core's writer (:func:`~generation.writer.write_steps`) on a one-row
+- :meth:`LocalEngine.write`: the core's writer (:meth:`~generation.writer.StepWriter.write`) on a one-row
   :class:`~generation.cache.BatchedCache`, stopping at EOS, the step's delimiters (``StepSpec.stopper``),
   ``max_tokens`` or the model's context.
 
@@ -27,10 +27,10 @@ from generation.cache import BatchedCache, context_length
 from generation.engines.base import Capabilities, Reading, TokenLogprobs, Usage, Written
 from generation.features import topk_of_logits
 from generation.handover import decode_text, pad_id
-from generation.sampling import Sampler, sample_next
+from generation.sampling import Sampler
 from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
-from generation.writer import write_steps
+from generation.writer import StepWriter
 
 
 class LocalEngine:
@@ -122,7 +122,7 @@ class LocalEngine:
         cache = BatchedCache(self.model, 1, pad_id(self.tokenizer))
         cache.prefill([ids])
         sampler = Sampler(sampling, torch.Generator().manual_seed(seed))
-        draft = write_steps(cache, [0], stop=done, limits={0: room}, sampler=sampler, record_logits=record)[0]
+        draft = StepWriter(cache, done, sampler).write([0], {0: room}, record_logits=record)[0]
         return draft.tokens, draft.logits
 
     def _ids(self, text: str) -> list[int]:
@@ -138,5 +138,4 @@ class LocalEngine:
     @staticmethod
     def _draw(logits: torch.Tensor, sampling: SamplingSpec, seed: int) -> int:
         """The token after a read, drawn as the writer draws (greedy at temperature 0)."""
-        gen = torch.Generator().manual_seed(seed)
-        return int(sample_next(logits[None].cpu(), sampling.temperature, sampling.top_p, gen)[0])
+        return int(Sampler(sampling, torch.Generator().manual_seed(seed)).draw(logits[None].cpu(), [0])[0])

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+import torch
+
 from generation.specs import SamplingSpec
 from probes.decoding.config import DecodeConfig
 from probes.decoding.loop import Window
@@ -42,11 +44,32 @@ class StepDecoder:
 
     def generate(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
                  ) -> list[DecodeResult]:
-        """Decode every prompt with ``config`` (a :class:`~probes.decoding.config.DecodeConfig`), or with its fields
-        as keyword arguments, which change a copy of it (``generate(prompts, max_new_tokens=64, seed=[0, 1])``).
+        """Decode every prompt with ``config`` (a :class:`~probes.decoding.config.DecodeConfig`: the budget,
+        sampling, seed, method and its arguments, batch size), or with its fields as keyword arguments, which
+        change a copy of it (``generate(prompts, max_new_tokens=64, seed=[0, 1])``).
+
+        Args:
+            prompts: prompt strings (in-process tokenized with BOS, as ``tokenizer(prompt)`` does; a bare string is
+                one prompt, as transformers tokenizers read it), or, in-process, token ids already formatted (a chat
+                template's, e.g. ``Task.prompt``): a list of ids with one tokenizer, a ``(target_ids, draft_ids)``
+                pair with two. A served decoder's prompts are text (its servers tokenize them).
+            config: what to decode with; None = ``DecodeConfig()`` (the method ``semanticspec``, 256 new tokens,
+                the probes' sampling, seed 0).
+            **overrides: :class:`~probes.decoding.config.DecodeConfig` fields that change ``config`` for this
+                call. Methods are the names of :data:`probes.decoding.methods.METHODS`, or an acceptance policy
+                (e.g. ``SpecReasonPolicy(threshold=8)``) run in the speculative loop.
 
         Returns:
-            One :class:`~probes.decoding.results.DecodeResult` per prompt, in order.
+            One :class:`~probes.decoding.results.DecodeResult` per prompt, in order, each with its ``stop_reason``
+            (``eos``, ``answer``, ``budget``, ``context``, or ``error`` for a served row whose request failed: no
+            method writes past either model's context); ``[]`` for no prompts.
+
+        Raises:
+            ValueError: a bad config field or an unknown override (naming it), an unknown method, a missing
+                probe/rate/oracle, a sampling that differs from the probes', a list of seeds whose length is not
+                the number of prompts, or a bad prompt (a mixed batch, an empty prompt, an id outside the
+                vocabulary, a prompt longer than a model's context), naming the prompt's index; all before any
+                model call or request.
         """
         plan = self._plan(prompts, DecodeConfig.of(config, overrides))
         return collect(self._events(plan), len(plan.keys))
@@ -66,8 +89,9 @@ class StepDecoder:
         """The :class:`~probes.decoding.loop.StepLoop` of one batch (``batch``: the plan's inputs, sliced)."""
         raise NotImplementedError
 
+    @torch.no_grad()
     def _events(self, plan: Plan) -> Iterator[StepEvent]:
-        """The events of every batch of ``cfg.batch_size`` prompts, with their indices in the call."""
+        """The events of every batch of ``cfg.batch_size`` prompts, with their indices in the call (no autograd)."""
         n, cfg = len(plan.keys), plan.cfg
         bs = self._batch_size(cfg, n)
         bar = None

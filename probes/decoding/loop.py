@@ -3,7 +3,7 @@
 :class:`StepLoop` holds the batch's rows and its two parts: a proposer (the draft side) and a
 verifier (the target side). The parts own the models' state: in-process the batched caches
 (:class:`~probes.decoding.proposer.DraftProposer`, :class:`~probes.decoding.verify.TargetVerifier`,
-built by :meth:`StepLoop.in_process`), served the requests to two servers
+built by :meth:`probes.decoder.SemanticSpecDecoder.step_loop`), served the requests to two servers
 (:mod:`probes.decoding.engine_parts`). The loop holds no cache and sends no request: it keeps the
 rows' bookkeeping, asks the policy, and tells the parts what was kept.
 
@@ -19,18 +19,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from generation.cache import BatchedCache
-from generation.handover import pad_id
-from generation.sampling import Sampler, StreamKey, key_stream
-from generation.specs import SamplingSpec
-from generation.writer import StepWriter
+from generation.sampling import StreamKey
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import AcceptancePolicy
-from probes.decoding.proposer import DraftProposer, Proposal, Proposer, RowState
+from probes.decoding.proposer import Proposal, Proposer, RowState
 from probes.decoding.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
 from probes.decoding.rows import Row, TargetStep, answer_complete
 from probes.decoding.speculative import speculate_tokens
-from probes.decoding.verify import TargetVerifier
 
 
 @dataclass(frozen=True)
@@ -80,40 +75,6 @@ class StepLoop:
         self.opt = setup.options
         self.t_done: dict[int, float] = {}  # when each finished row was seen finished (end of its round)
         self.t_in: dict[int, float] = dict.fromkeys(range(len(rows)), time.perf_counter())  # when each row came
-
-    @classmethod
-    def in_process(cls, dec, ids_t: Sequence[list[int]], ids_d: Sequence[list[int]], max_new_tokens: int,
-                   sampling: SamplingSpec, keys: Sequence[StreamKey]) -> StepLoop:
-        """The loop over ``dec``'s in-process models: one :class:`BatchedCache` per model.
-
-        Args:
-            dec: the decoder (models, tokenizers, probes, step stoppers, options).
-            ids_t: the prompts in the target's tokenization.
-            ids_d: the prompts in the draft's.
-            max_new_tokens: output token budget per prompt.
-            sampling: temperature and top-p of both models (validated once, where the spec was built).
-            keys: each prompt's :data:`~generation.sampling.StreamKey`: it samples and flips its acceptance coins
-                from its own streams, seeded from its key (:func:`~generation.sampling.stream_keys`), so it decodes
-                the same in any batch.
-        """
-        B = len(ids_t)
-
-        def layers(probe):
-            return probe.config.layer_ids if probe is not None else [-1]
-        streams = {s: [key_stream(key, s) for key in keys] for s in ("sampling", "coins")}
-        sampler = Sampler(sampling, streams["sampling"])
-        tgt = BatchedCache(dec.target, B, pad_id(dec.tokenizer), layers(dec.target_probe))
-        drf = BatchedCache(dec.draft, B, pad_id(dec.draft_tokenizer), layers(dec.draft_probe))
-        for i in range(B):
-            tgt.extend(i, ids_t[i])
-            drf.extend(i, ids_d[i])
-        proposer = DraftProposer(StepWriter(drf, dec.draft_stop, sampler), dec.draft_tokenizer, dec.draft_probe,
-                                 dec.handover, dec.spare)
-        verifier = TargetVerifier(StepWriter(tgt, dec.target_stop, sampler), dec.tokenizer, dec.handover,
-                                  dec.target_probe, dec.judge, streams["coins"], dec.spare,
-                                  dec.options.token_sd_tokens)
-        rows = [Row(max_new_tokens, dec.shared, dec.options.answer_marker) for _ in range(B)]
-        return cls(proposer, verifier, rows, LoopSetup(dec.options, dec.bonus_token, dec.token_sd))
 
     def parts(self, names: Sequence[str]) -> tuple:
         """The parts named ``target`` (the verifier) and ``draft`` (the proposer)."""

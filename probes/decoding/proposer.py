@@ -214,7 +214,9 @@ class DraftProposer(CachePart):
             self.feed_s = time.perf_counter() - t0
         hidden = [d.pooled_input() for d in drafts] if self.spec.needs_hidden else None
         logits = [torch.stack(d.token_logits()) for d in drafts] if self.spec.needs_logits else None
-        _, p = probe_rows(self.probe, self.spec, [d.tokens for d in drafts], hidden, logits)
+        with torch.inference_mode():  # features and MLP without autograd bookkeeping per op
+            x = probe_input(rows_features(self.spec, [d.tokens for d in drafts], hidden, logits), self.spec.groups)
+            p = run_probe(self.probe, x)
         self.probe_s = time.perf_counter() - t0 - self.feed_s  # a draft forward is not probe time
         return dict(zip(rows, p))
 
@@ -247,14 +249,3 @@ def run_probe(probe, x: torch.Tensor) -> list[float]:
         return predict(x).tolist()
     device = next(probe.parameters(), torch.empty(0)).device
     return probe(x.to(device)).float().cpu().tolist()
-
-
-def probe_rows(probe, spec: FeatureSpec, tokens: Sequence[Sequence[int]], hidden, logits) -> tuple[torch.Tensor,
-                                                                                                   list[float]]:
-    """A probe's input rows (:func:`~generation.features.rows_features`) and outputs for rows' steps.
-
-    Features and MLP run under one ``torch.inference_mode`` (no autograd bookkeeping per op).
-    """
-    with torch.inference_mode():
-        x = probe_input(rows_features(spec, tokens, hidden, logits), spec.groups)
-        return x, run_probe(probe, x)

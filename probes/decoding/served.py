@@ -8,8 +8,6 @@ and a row whose request fails ends with ``stop_reason="error"`` while the others
 
 from __future__ import annotations
 
-import torch
-
 from generation.engines.checks import serving_problems
 from generation.features import FeatureSpec
 from generation.sampling import key_stream, stream_keys
@@ -61,10 +59,8 @@ class ServedDecoder(StepDecoder):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (requests in flight at once)")
         self.target, self.draft, self.concurrency = target, draft, concurrency
         self.policy, self.options = policy or default_policy(), setup.with_task(options, task)
-        loaded = (setup.load(p, None, None, role) for p, role in ((target_probe, "target"), (draft_probe, "draft")))
-        self.target_probe, self.draft_probe = (
-            setup.in_dtype(p, probe_dtype, p.input_mean.device if p is not None else torch.device("cpu"))
-            for p in loaded)
+        self.target_probe, self.draft_probe = (setup.load(p, None, None, role, probe_dtype)
+                                               for p, role in ((target_probe, "target"), (draft_probe, "draft")))
         probes = (self.target_probe, self.draft_probe)
         self.step: StepSpec = setup.step_spec(probes, self.options.step)
         """What a step is: the probes' :class:`StepSpec`, unless ``options.step`` says (a differing one is refused)."""

@@ -14,8 +14,9 @@ from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from probes.decoding.options import LoopOptions, resolve_probe_dtype
 
 
-def load(probe, model, tokenizer, role: str | None = None):
-    """A probe directory, a ``SemanticProbe`` or None, checked against the model it reads and the role it is used in.
+def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "float32"):
+    """A probe directory, a ``SemanticProbe`` or None, checked against the model it reads and the role it is used in,
+    with its MLP in the dtype ``probe_dtype`` resolves to on its device.
 
     Args:
         probe: exported probe directory, ``SemanticProbe``, or None (returned as is).
@@ -25,6 +26,8 @@ def load(probe, model, tokenizer, role: str | None = None):
         tokenizer: that model's tokenizer (None with no model).
         role: ``"target"`` or ``"draft"``: the slot the probe fills; a probe exported with the other
             role is refused, naming both. None checks no role.
+        probe_dtype: ``"auto"``, ``"float32"`` or ``"float16"`` (:func:`~probes.decoding.options.resolve_probe_dtype`,
+            which refuses a bad value even without a probe).
 
     Raises:
         ValueError: wrong role, another model's probe, layers the model lacks, features the
@@ -32,31 +35,43 @@ def load(probe, model, tokenizer, role: str | None = None):
         TypeError: ``probe`` is none of the above.
     """
     if probe is None:
+        resolve_probe_dtype(probe_dtype, torch.device("cpu"))  # a bad value is refused without a probe too
         return None
     if model is None:
-        return _load_unbound(probe, role)
-    device = str(next(model.parameters()).device)
-    if isinstance(probe, (str, os.PathLike)):
+        probe = _load_unbound(probe, role)
+    elif isinstance(probe, (str, os.PathLike)):
         from probes.export import load_probe
 
-        probe = load_probe(probe, model, tokenizer, device=device, role=role)
-    elif not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
-        raise TypeError(f"probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
+        probe = load_probe(probe, model, tokenizer, device=str(next(model.parameters()).device), role=role)
     else:
-        from probes.export import check_layers, check_probe_matches, check_role
-
-        where = f"the {role} probe" if role else f"{probe.config.role} probe"
-        check_role(probe.config, role, where=where)
-        # The same checks as load_probe: width, and model/tokenizer when the probe records them; layers.
-        check_probe_matches(probe.config, model, tokenizer, where=where)
-        check_layers(probe.config, model, where=f"{where} (config.layer_ids)")
-        probe = probe.to(device).eval()
-    c = probe.config  # refuse features this decoder cannot compute, naming both lists
-    require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
-                     provider="SemanticSpecDecoder", wanted_topk=c.topk_stats, provided_topk=TOPK_STATS)
-    # in-process: hidden states from transformers, after the final norm; a probe of a server's states is refused
-    FeatureSpec.of(c).check_source("transformers", "final_norm", where=f"SemanticSpecDecoder ({c.role} probe)")
+        probe = _checked(probe, model, tokenizer, role)
+    if model is not None:
+        c = probe.config  # refuse features this decoder cannot compute, naming both lists
+        require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
+                         provider="SemanticSpecDecoder", wanted_topk=c.topk_stats, provided_topk=TOPK_STATS)
+        # in-process: hidden states from transformers, after the final norm; a probe of a server's states is refused
+        FeatureSpec.of(c).check_source("transformers", "final_norm", where=f"SemanticSpecDecoder ({c.role} probe)")
+    # the MLP in the dtype asked for: the probe itself when it already is, else a copy (the caller's probe, a module
+    # being trained, say, is left as it was); inputs are still standardised in float32 (SemanticProbe.predict)
+    dtype = resolve_probe_dtype(probe_dtype, next(probe.buffers(), next(probe.parameters(), torch.empty(0))).device)
+    if getattr(probe, "mlp_dtype", dtype) != dtype:
+        probe = copy.deepcopy(probe)
+        probe.mlp.to(dtype)
     return probe
+
+
+def _checked(probe, model, tokenizer, role: str | None):
+    """A probe module checked against ``model`` (the checks ``load_probe`` makes) and moved to its device."""
+    if not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
+        raise TypeError(f"probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
+    from probes.export import check_layers, check_probe_matches, check_role
+
+    where = f"the {role} probe" if role else f"{probe.config.role} probe"
+    check_role(probe.config, role, where=where)
+    # The same checks as load_probe: width, and model/tokenizer when the probe records them; layers.
+    check_probe_matches(probe.config, model, tokenizer, where=where)
+    check_layers(probe.config, model, where=f"{where} (config.layer_ids)")
+    return probe.to(str(next(model.parameters()).device)).eval()
 
 
 def _load_unbound(probe, role: str | None):
@@ -69,19 +84,6 @@ def _load_unbound(probe, role: str | None):
         raise TypeError(f"{role}_probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
     check_role(probe.config, role, where=f"the {role} probe")
     return probe.eval()
-
-
-def in_dtype(probe, probe_dtype: str, device: torch.device):
-    """``probe`` with its MLP in the dtype ``probe_dtype`` resolves to on ``device``
-    (:func:`~probes.decoding.options.resolve_probe_dtype`, which refuses a bad value even without a probe): itself
-    when it already is (or is None), else a copy (the caller's probe, a module being trained, say, is left as it
-    was). Inputs are still standardised in float32 (:meth:`~probes.model.SemanticProbe.predict`)."""
-    dtype = resolve_probe_dtype(probe_dtype, device)
-    if probe is None or getattr(probe, "mlp_dtype", dtype) == dtype:
-        return probe
-    probe = copy.deepcopy(probe)
-    probe.mlp.to(dtype)
-    return probe
 
 
 def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from generation.features import FeatureSpec
+from generation.features import FeatureSpec, probe_input, rows_features
 from generation.handover import Handover, decode_text
 from generation.sampling import key_stream
 from generation.writer import StepWriter
 from probes.decoding.policies import Needs, fast_path_keeps_rows, judge_score
-from probes.decoding.proposer import CachePart, Proposal, probe_rows
+from probes.decoding.proposer import CachePart, Proposal, run_probe
 from probes.decoding.scores import Scores
 from probes.decoding.speculative import token_sd_steps
 
@@ -192,10 +192,11 @@ class TargetVerifier(CachePart):
         q, x = {}, {}
         if needs.q and slow:
             t0 = time.perf_counter()
-            feats, out = probe_rows(self.probe, self.spec, [read[k].tokens for k in slow],
-                                    [read[k].hidden for k in slow] if self.spec.needs_hidden else None,
-                                    [read[k].step_logits for k in slow])
-            x, q = dict(zip(slow, feats)), dict(zip(slow, out))
+            with torch.inference_mode():  # features and MLP without autograd bookkeeping per op
+                feats = probe_input(rows_features(self.spec, [read[k].tokens for k in slow],
+                                                  [read[k].hidden for k in slow] if self.spec.needs_hidden else None,
+                                                  [read[k].step_logits for k in slow]), self.spec.groups)
+                x, q = dict(zip(slow, feats)), dict(zip(slow, run_probe(self.probe, feats)))
             self.probe_s = time.perf_counter() - t0
         coin = {k: float(torch.rand((), generator=self.coins[k[0]])) for k in slow} if needs.coin else {}
         return {k: Scores(text=steps[k].text, output=outputs[k], features=x.get(k), fast=fast.get(k, False),
