@@ -175,8 +175,7 @@ class SemanticSpecDecoder(StepDecoder):
         proposer = DraftProposer(StepWriter(drf, self.draft_stop, sampler), self.draft_tokenizer, self.draft_probe,
                                  self.handover, self.spare)
         verifier = TargetVerifier(StepWriter(tgt, self.target_stop, sampler), self.tokenizer, self.handover,
-                                  self.target_probe, self.judge, streams["coins"], self.spare,
-                                  self.options.token_sd_tokens)
+                                  self.target_probe, self.judge, streams["coins"], self.spare)
         rows = [Row(max_new_tokens, self.shared, self.options.answer_marker) for _ in range(n)]
         return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.bonus_token, self.token_sd))
 

@@ -419,7 +419,7 @@ class EngineVerifier(EnginePart):
         """The text of served tokens (each is its text)."""
         return "".join(t for t in tokens if t is not EOS)
 
-    def write(self, rows: list[int], limits: dict[int, int], forced: dict[int, list], assist=None,
+    def write(self, rows: list[int], limits: dict[int, int], forced: dict[int, list],
               alone: bool = False) -> dict[int, Proposal]:
         """The target's server writes one step per row (the first one, or a refused one), or with ``alone`` (the
         target-only baseline) each row's whole output in one request."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from generation.sampling import StreamKey
 from probes.decoding.options import LoopOptions
-from probes.decoding.policies import AcceptancePolicy
+from probes.decoding.policies import AcceptancePolicy, Needs
 from probes.decoding.proposer import Proposal, Proposer, RowState
 from probes.decoding.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
 from probes.decoding.rows import Row, TargetStep, answer_complete
@@ -326,7 +326,7 @@ class StepLoop:
         """What the proposer is told of row ``i``: a new step after its forced tokens, or the rewrite's continuation."""
         r = self.rows[i]
         if r.rewriting is not None:
-            return RowState(tuple(r.rewriting.tokens), r.rewriting.limit, rewrite=True)
+            return RowState(tuple(r.rewriting.tokens), r.rewriting.room(), rewrite=True)
         return RowState(tuple(r.forced), self.limit(i, self.verifier, self.proposer) + len(r.forced))
 
     def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool, offset: int = 0) -> None:
@@ -334,7 +334,7 @@ class StepLoop:
         (:func:`~probes.decoding.speculative.speculate_tokens` on the verification forward's logits); the
         rewrite is committed once the step is finished. ``offset``: new tokens of the row's window before the
         proposal (the kept steps before a refused one)."""
-        r, rw, ver = self.rows[i], self.rows[i].rewriting, self.verifier
+        rw, ver = self.rows[i].rewriting, self.verifier
         new = list(proposal.tokens[proposal.n_forced :])
         logits = ver.token_logits.get(i)
         kept, extra = 0, None
@@ -349,11 +349,33 @@ class StepLoop:
             rw.tokens.append(extra)
             ver.extend(i, [extra])
             self.proposer.extend(i, [extra])
-        if ver.ends_step(rw.tokens, rw.limit):
-            step = ver.step(rw.tokens, rw.n_forced)
+        self._rewritten(i)
+
+    def _rewritten(self, i: int) -> None:
+        """Commit row ``i``'s target step once it is finished (its stopper, or its limit)."""
+        r, rw = self.rows[i], self.rows[i].rewriting
+        if self.verifier.ends_step(rw.tokens, rw.limit):
+            step = self.verifier.step(rw.tokens, rw.n_forced)
             trace = StepTrace("target", step.text, step.size, decision=Decision.TARGET, seconds=rw.seconds)
             r.rewriting = None
             r.commit(trace, step, False)
+
+    def _token_rounds(self, rows_i: list[int], limits: dict[int, int]) -> None:
+        """The target writes one step per row with token-level speculation, both parts in turn: the proposer drafts
+        up to ``token_sd_tokens`` tokens, the verifier reads them in one forward, the target keeps a prefix and
+        draws the token after it (:meth:`_rewrite_tokens`), until every row's step is finished and committed."""
+        rows, chunk = self.rows, self.opt.token_sd_tokens
+        for i in rows_i:
+            rows[i].rewriting = TargetStep(list(rows[i].forced), len(rows[i].forced), limits[i], chunk=chunk)
+            self._rewritten(i)  # forced tokens may finish the step already
+        while writing := [i for i in self.live(rows_i) if rows[i].rewriting is not None]:
+            t0 = time.perf_counter()
+            proposals = self.proposer.propose({i: self._row_state(i) for i in writing}, for_p=False)
+            self.verifier.verify({i: [proposals[i]] for i in writing}, {}, Needs(), rewrites=writing)
+            dt = (time.perf_counter() - t0) / len(writing)
+            for i in self.live(writing):
+                rows[i].rewriting.seconds += dt
+                self._rewrite_tokens(i, proposals[i], drawn=True)
 
     def _bonus(self, rows_i: list[int]) -> None:
         """The target's next token (after each kept step) opens the row's next step."""
@@ -379,21 +401,20 @@ class StepLoop:
             self.rows[i].stats.rewrite_s += dt
 
     def target_steps(self, rows_i: list[int], use_draft: bool) -> None:
-        """The target writes one step for each row; the draft is handed the step (``use_draft``). Without the draft
-        (the target-only baseline) an engine verifier writes the row's whole output in one request."""
+        """The target writes one step for each row; the draft is handed the step (``use_draft``), or helps write it
+        (``token_sd``: :meth:`_token_rounds`). Without the draft (the target-only baseline) an engine verifier
+        writes the row's whole output in one request."""
         t0, rows = time.perf_counter(), self.rows
         using = (self.verifier, self.proposer) if use_draft else (self.verifier,)
         limits = {i: self.limit(i, *using) + len(rows[i].forced) for i in rows_i}
+        if use_draft and self.setup.token_sd:
+            return self._token_rounds(rows_i, limits)
         forced = {i: rows[i].forced for i in rows_i}
-        token_sd = use_draft and self.setup.token_sd
-        if use_draft:
-            steps = self.verifier.write(rows_i, limits, forced, assist=self.proposer if token_sd else None)
-        else:
-            steps = self.verifier.write(rows_i, limits, forced, alone=True)
+        steps = self.verifier.write(rows_i, limits, forced, alone=not use_draft)
         dt = (time.perf_counter() - t0) / len(rows_i)
         for i in self.live(rows_i):
             st = steps[i]
-            if use_draft and not token_sd:  # the draft reads the target's step on its next forward
+            if use_draft:  # the draft reads the target's step on its next forward
                 self.proposer.take(i, st)
             trace = StepTrace("target", st.text, st.size, decision=Decision.TARGET, seconds=dt)
             rows[i].commit(trace, st, False)

@@ -30,12 +30,20 @@ class TargetStep:
         n_forced: leading tokens that were given (the target's bonus token), not written for this step.
         limit: the most tokens the step may hold, forced ones included.
         seconds: the rounds' time shared to it so far.
+        chunk: the most draft tokens proposed per target forward (the target's own steps written with token-level
+            speculation, ``LoopOptions.token_sd_tokens``); None: up to the step's end (a refused step rewritten in
+            the rounds, from the draft's continuation of it).
     """
 
     tokens: list[int]
     n_forced: int
     limit: int
     seconds: float = 0.0
+    chunk: int | None = None
+
+    def room(self) -> int:
+        """The most tokens the step may hold after the next proposal."""
+        return self.limit if self.chunk is None else min(len(self.tokens) + self.chunk, self.limit)
 
 
 class Row:

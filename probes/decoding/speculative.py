@@ -1,4 +1,4 @@
-"""Token-level speculative sampling (Leviathan et al., 2023): the pure rule and the target's step loop on it.
+"""Token-level speculative sampling (Leviathan et al., 2023): the pure rule, and its use on logits both models computed.
 
 :func:`speculative_step` decides, from the target's and the draft's sampling distributions over
 a proposal, how many draft tokens to keep and which token follows: each is kept with
@@ -6,8 +6,9 @@ probability ``min(1, p_target / p_draft)``, the first refused one is replaced by
 the residual ``max(0, p_target - p_draft)``, and when all are kept the target adds one more.
 The distributions are :func:`generation.sampling.sampling_probs`, what the one sampler draws from.
 The output is distributed as the target's own sampling (tests/test_decoding_parts.py checks it
-with a chi-square test on a scripted vocabulary). :func:`token_sd_steps` writes target steps
-with it on the core caches.
+with a chi-square test on a scripted vocabulary). The step loop runs it between its two parts
+(:meth:`~probes.decoding.loop.StepLoop.target_steps`): the proposer drafts tokens, the verifier reads them in
+one forward, :func:`speculate_tokens` keeps a prefix and draws the token after it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from generation.writer import StepDraft, StepWriter
 
 
 def speculative_step(
@@ -89,52 +89,3 @@ def speculate_tokens(
         d_probs = torch.nn.functional.one_hot(torch.as_tensor(list(proposal), dtype=torch.long),
                                               t_probs.shape[-1]).float()
     return speculative_step(t_probs, d_probs, proposal, sampler.stream(row), ends_after)
-
-
-def token_sd_steps(
-    target: StepWriter,
-    draft: StepWriter,
-    rows: Sequence[int],
-    *,
-    limits: dict[int, int],
-    forced: dict[int, list[int]],
-    n_propose: int,
-) -> dict[int, StepDraft]:
-    """The target writes one step per row with :func:`speculative_step` (shared tokenizer).
-
-    The draft proposes up to ``n_propose`` tokens, the target scores them in one forward. Both
-    caches end holding the step (its last token pending). Both writers share the decode's one sampler.
-    """
-    tgt, drf, sampler, stop = target.cache, draft.cache, target.sampler, target.stop
-    steps = {i: StepDraft(len(tgt.seq[i]) - len(forced[i]), list(forced[i]), len(forced[i])) for i in rows}
-
-    def finished(i: int, toks: list[int]) -> bool:
-        return bool(toks) and (stop(toks) or len(toks) >= limits[i])
-
-    writing = [i for i in rows if not finished(i, steps[i].tokens)]
-    while writing:
-        lim = {i: min(len(steps[i].tokens) + n_propose, limits[i]) for i in writing}
-        props = draft.write(writing, lim, record_logits=True, forced={i: steps[i].tokens for i in writing})
-        before = {i: tgt.last_logits[i] for i in writing}
-        n0 = {i: len(tgt.seq[i]) for i in writing}
-        for i in writing:
-            tgt.extend(i, props[i].tokens[props[i].n_forced :])
-        fed = tgt.feed(writing, all_logits=True)
-        for i in writing:
-            d, f = props[i], fed[i]
-            proposal = d.tokens[d.n_forced :]
-            first = n0[i] - f.start  # fed index of the first proposed token
-            t_logits = f.predicting(first, first + len(proposal) + 1, before[i])
-            base = list(steps[i].tokens)
-            kept, extra = speculate_tokens(sampler, i, proposal, t_logits, d.logits, drawn=True,
-                                           ends_after=lambda j: finished(i, base + proposal[:j]))  # noqa: B023
-            steps[i].tokens.extend(proposal[:kept])
-            drop = len(proposal) - kept
-            tgt.rollback(i, drop, last_logits=t_logits[kept] if drop else tgt.last_logits[i])
-            drf.rollback(i, drop, last_logits=d.logits[kept] if drop else None)
-            if extra is not None:
-                steps[i].tokens.append(extra)
-                tgt.extend(i, [extra])
-                drf.extend(i, [extra])
-        writing = [i for i in writing if not finished(i, steps[i].tokens)]
-    return steps

@@ -23,7 +23,6 @@ from generation.writer import StepWriter
 from probes.decoding.policies import Needs, fast_path_keeps_rows, judge_score
 from probes.decoding.proposer import CachePart, Proposal, run_probe
 from probes.decoding.scores import Scores
-from probes.decoding.speculative import token_sd_steps
 
 
 @dataclass(frozen=True)
@@ -65,15 +64,13 @@ class TargetVerifier(CachePart):
         judge: the judge turn.
         coins: per cache row, the generator of its acceptance coins.
         spare: context room each row keeps (a bonus token, a judge turn).
-        token_sd_tokens: tokens the draft proposes per target forward when it helps the target write a step.
     """
 
     def __init__(self, writer: StepWriter, tokenizer, handover: Handover, probe, judge: JudgeTurn, coins,
-                 spare: int, token_sd_tokens: int = 0) -> None:
+                 spare: int) -> None:
         super().__init__(writer.cache, spare)
         self.writer, self.sampler, self.tokenizer = writer, writer.sampler, tokenizer
         self.handover, self.probe, self.judge, self.coins = handover, probe, judge, coins
-        self.token_sd_tokens = token_sd_tokens
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
         self.probe_s = 0.0  # seconds in the probe during the last verify()
         self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
@@ -100,16 +97,11 @@ class TargetVerifier(CachePart):
         """A target step of ``tokens`` is finished: its stopper says so, or it holds ``limit`` tokens."""
         return bool(tokens) and (self.writer.stop(tokens) or len(tokens) >= limit)
 
-    def write(self, rows: list[int], limits: dict[int, int], forced: dict[int, list], assist=None,
+    def write(self, rows: list[int], limits: dict[int, int], forced: dict[int, list],
               alone: bool = False) -> dict[int, Proposal]:
-        """The target writes one step per row (after its forced tokens), with token-level speculation from the
-        ``assist`` proposer's draft when given (both caches end holding the step). ``alone`` (the target-only
-        baseline) changes nothing here: the loop's rounds write the output step by step."""
-        if assist is not None:
-            steps = token_sd_steps(self.writer, assist.writer, rows, limits=limits, forced=forced,
-                                   n_propose=self.token_sd_tokens)
-        else:
-            steps = self.writer.write(rows, limits, forced=forced)
+        """The target writes one step per row (after its forced tokens). ``alone`` (the target-only baseline)
+        changes nothing here: the loop's rounds write the output step by step."""
+        steps = self.writer.write(rows, limits, forced=forced)
         return {i: self.step(st.tokens, st.n_forced) for i, st in steps.items()}
 
     def bonus(self, rows: list[int]) -> dict[int, list[int]]:
