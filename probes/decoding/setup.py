@@ -37,14 +37,22 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
     if probe is None:
         resolve_probe_dtype(probe_dtype, torch.device("cpu"))  # a bad value is refused without a probe too
         return None
-    if model is None:
-        probe = _load_unbound(probe, role)
-    elif isinstance(probe, (str, os.PathLike)):
-        from probes.export import load_probe
+    from probes.export import check_layers, check_probe_matches, check_role, load_probe
 
-        probe = load_probe(probe, model, tokenizer, device=str(next(model.parameters()).device), role=role)
+    device = str(next(model.parameters()).device) if model is not None else None
+    if isinstance(probe, (str, os.PathLike)):
+        probe = load_probe(probe, model, tokenizer, device=device, role=role) if model is not None \
+            else load_probe(probe, role=role)
+    elif not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
+        raise TypeError(f"{role or 'the'} probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
     else:
-        probe = _checked(probe, model, tokenizer, role)
+        where = f"the {role} probe" if role else f"{probe.config.role} probe"
+        check_role(probe.config, role, where=where)
+        if model is not None:  # the same checks as load_probe: width, model/tokenizer when recorded; layers
+            check_probe_matches(probe.config, model, tokenizer, where=where)
+            check_layers(probe.config, model, where=f"{where} (config.layer_ids)")
+            probe = probe.to(device)
+        probe = probe.eval()
     if model is not None:
         c = probe.config  # refuse features this decoder cannot compute, naming both lists
         require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
@@ -58,32 +66,6 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
         probe = copy.deepcopy(probe)
         probe.mlp.to(dtype)
     return probe
-
-
-def _checked(probe, model, tokenizer, role: str | None):
-    """A probe module checked against ``model`` (the checks ``load_probe`` makes) and moved to its device."""
-    if not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
-        raise TypeError(f"probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
-    from probes.export import check_layers, check_probe_matches, check_role
-
-    where = f"the {role} probe" if role else f"{probe.config.role} probe"
-    check_role(probe.config, role, where=where)
-    # The same checks as load_probe: width, and model/tokenizer when the probe records them; layers.
-    check_probe_matches(probe.config, model, tokenizer, where=where)
-    check_layers(probe.config, model, where=f"{where} (config.layer_ids)")
-    return probe.to(str(next(model.parameters()).device)).eval()
-
-
-def _load_unbound(probe, role: str | None):
-    """A probe directory (loaded without a model) or a probe, checked for its role only."""
-    from probes.export import check_role, load_probe
-
-    if isinstance(probe, (str, os.PathLike)):
-        return load_probe(probe, role=role)
-    if not isinstance(probe, torch.nn.Module) or not hasattr(probe, "config"):
-        raise TypeError(f"{role}_probe must be a path, a SemanticProbe or None, got {type(probe).__name__}")
-    check_role(probe.config, role, where=f"the {role} probe")
-    return probe.eval()
 
 
 def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:
