@@ -104,7 +104,8 @@ def batch_scaling(dec, problems: Sequence, args, prompt: Callable, check: Callab
     """
     if not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"repeats={repeats!r}: expected an integer >= 1 (passes over the problems)")
-    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+           "lookahead": 1}  # rows judge one step per pass unless they name a window
     chunk = math.lcm(*sizes)
     _warm_up(dec, [prompt(p) for p in problems[: max(sizes)]], sizes, methods, gen)
     passes = [{(m, b): Run() for m in methods for b in sizes} for _ in range(repeats)]

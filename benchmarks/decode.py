@@ -65,6 +65,7 @@ from benchmarks.decode_report import markdown, plot, scaling_markdown
 from datamodules.arithmetic import models, task
 from generation.paths import portable_paths
 from probes.decoder import SemanticSpecDecoder, summarize
+from probes.decoding.loop import SHIPPED_WINDOW
 from probes.decoding.methods import METHODS as TABLE
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
@@ -93,10 +94,12 @@ LOOPS = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semant
 """SemanticSpec with the loop's defaults undone: the target writes the first step, no token-level speculation, both."""
 LOOKAHEADS = (2, 3, 4)
 """Windows of drafted steps judged per target forward, beside the default one-step loop (issue 31)."""
-ADAPTIVE = (4, math.log(0.5))
-"""The adaptive window's row: up to 4 steps, the next one drafted only after a step whose every token the draft drew
-at probability >= 0.5. The threshold was read off 40 other problems (``generate_problems(40, 777)``, windows of 4):
-26% of judged steps fell below it and the target kept 52% of those, against 93% above it (AUROC 0.84)."""
+ADAPTIVE = (SHIPPED_WINDOW.size, SHIPPED_WINDOW.min_logprob)
+"""The adaptive window's row, SemanticSpec's shipped window (``DecodeConfig.lookahead=None``): up to 4 steps, the next
+one drafted only after a step whose every token the draft drew at probability >= 0.5. The threshold was read off 40
+other problems (``generate_problems(40, 777)``, windows of 4): 26% of judged steps fell below it and the target kept
+52% of those, against 93% above it (AUROC 0.84). The other rows judge one step per target pass unless they name a
+window."""
 ADAPTIVE_ROW = f"semanticspec[lookahead={ADAPTIVE[0]} adaptive]"
 
 
@@ -204,7 +207,8 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
     """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}``."""
     names = list(METHODS) + list(variants)
     out: dict[str, list] = {n: [] for n in names}
-    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+           "lookahead": 1}  # rows judge one step per pass unless they name a window
     for k, p in enumerate(tqdm(problems, desc="decode", unit="problem")):
         prompt, seed = TASK.prompt_text(dec.tokenizer, p.problem), args.seed + k
         order = [n for n in rotation(names, k) if n != "random_accept"]
@@ -216,7 +220,7 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
                     kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
                 elif kw.get("method") == "oracle_accept":
                     kw = {**kw, "oracle": oracle_for(p)}
-                out[name] += dec_v.generate([prompt], seed=seed, **gen, **kw)
+                out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
                 continue
             extra = {}
             if name == "random_accept":

@@ -43,7 +43,8 @@ def main(argv=None) -> dict:
         for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
             method = "target_only" if name == "target_only" else "semanticspec"
             runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k, method=method,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95)
+                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
+                                              lookahead=1)
     methods, right = versus_target_only(runs, problems, {k: summarize(v)["wall_s"] for k, v in runs.items()})
     report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": methods}
     d, t = report["methods"]["draft_first_step"], report["methods"]["target_first_step"]

@@ -111,7 +111,8 @@ def main(argv=None) -> dict:
     for k, p in enumerate(tqdm(problems, desc="probe_cost", unit="problem")):
         for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
             runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95)
+                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
+                                              lookahead=1)
     report["seconds"] = time.perf_counter() - t0
     report["decisions"] = {name: _compare(runs["float32"], runs[name]) for name in names[1:]}
     report["runs"] = {name: {k: summarize(res)[k] for k in ("probe_overhead", "wall_s", "probe_s", "steps")}

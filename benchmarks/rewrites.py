@@ -41,7 +41,8 @@ def main(argv=None) -> dict:
             method = "target_only" if name == "target_only" else "semanticspec"
             t1 = time.perf_counter()
             runs[name] += decs[name].generate(prompts, seed=args.seed + c, method=method, batch_size=BATCH,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95)
+                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
+                                              lookahead=1)
             walls[name] += time.perf_counter() - t1
     methods, right = versus_target_only(runs, problems, walls)
     report = {"n_problems": n, "seed": args.seed, "batch_size": BATCH, "seconds": time.perf_counter() - t0,

@@ -262,7 +262,8 @@ def decoders(target, draft, engine_pair: Path, concurrency: int = 1) -> dict[str
 def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) -> dict[str, list]:
     """Every method on every problem, one prompt at a time, the order rotating from problem to problem."""
     runs: dict[str, list] = {m: [] for m in METHODS}
-    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+           "lookahead": 1}  # rows judge one step per pass unless they name a window
     for k, (prompt, p) in enumerate(tqdm(list(zip(prompts, problems)), desc="methods", unit="problem")):
         for m in METHODS[k % len(METHODS):] + METHODS[: k % len(METHODS)]:
             for e in engines:
@@ -273,7 +274,7 @@ def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) 
             if "[lookahead=" in m:
                 size, *flags = m[m.index("=") + 1 : -1].split()
                 extra.update(lookahead=int(size), overlap="overlap" in flags)
-            runs[m] += dec.generate([prompt], method=method, seed=args.seed + k, **gen, **extra)
+            runs[m] += dec.generate([prompt], method=method, seed=args.seed + k, **{**gen, **extra})
     for e in engines:
         e.tag = ""
     return runs
@@ -540,7 +541,7 @@ def concurrency(decs: dict, prompts: list[str], args, sizes=(1, 4, 16)) -> dict:
         row = {}
         for m in ("target_only", "semanticspec"):
             res = dec.generate(prompts, method=m, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, top_p=args.top_p)
+                               temperature=args.temperature, top_p=args.top_p, lookahead=1)
             tokens = sum(r.stats.output_tokens for r in res)
             row[m] = {"tokens_per_s": tokens / dec.last_wall_s, "wall_s": dec.last_wall_s,
                       "n_errors": sum(r.stop_reason == "error" for r in res)}

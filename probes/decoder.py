@@ -110,6 +110,7 @@ class SemanticSpecDecoder(StepDecoder):
                  *, probe_dtype: str = "auto", task=None):
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared
+        self.windows = self.shared  # the target reads a window of draft steps in its own tokens
         self.policy, self.options = policy or default_policy(fast_path=self.shared), setup.with_task(options, task)
         opt = self.options
         self.token_sd = self.shared if opt.token_sd is None else opt.token_sd
@@ -144,7 +145,7 @@ class SemanticSpecDecoder(StepDecoder):
             problems.append("overlap=True: drafting the next window while the target verifies is served decoding's "
                             "(ServedDecoder: the two servers are separate processes); in-process the two models share "
                             "this process's cores")
-        if cfg.lookahead > 1 and not self.shared:
+        if (cfg.lookahead or 1) > 1 and not self.shared:
             problems.append(f"lookahead={cfg.lookahead}: the target reads a window of the draft's steps in its own "
                             "tokens, which needs one tokenizer; this pair has two (use lookahead=1)")
         if problems:

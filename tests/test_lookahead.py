@@ -11,6 +11,8 @@ from generation.engines.local import LocalEngine
 from generation.features import probe_input
 from generation.specs import FeatureSpec
 from probes.decoder import SemanticSpecDecoder
+from probes.decoding.config import DecodeConfig
+from probes.decoding.loop import SHIPPED_WINDOW, Window
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
 from probes.decoding.results import summarize
@@ -145,7 +147,7 @@ def test_an_adaptive_window_stops_after_an_unsure_step(tiny_pair):
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=1.0, max_step_tokens=3)
     sampled = {"max_new_tokens": 48, "seed": 4, "temperature": 0.8, "allow_sampling_mismatch": True}
-    one = dec.generate(PROMPTS, **sampled)
+    one = dec.generate(PROMPTS, lookahead=1, **sampled)
     assert texts(dec.generate(PROMPTS, lookahead=4, window_min_logprob=0.0, **sampled)) == texts(one)
     full = dec.generate(PROMPTS, lookahead=4, **sampled)
     assert texts(dec.generate(PROMPTS, lookahead=4, window_min_logprob=-1e9, **sampled)) == texts(full)
@@ -155,6 +157,29 @@ def test_an_adaptive_window_stops_after_an_unsure_step(tiny_pair):
     windows = summarize(dec.generate(PROMPTS, lookahead=4, window_min_logprob=mid, **sampled))
     per = windows["draft_steps_proposed"] / windows["windows"]
     assert 1 < per < summarize(full)["draft_steps_proposed"] / summarize(full)["windows"]
+
+
+def test_the_shipped_window_is_semanticspecs_default_where_windows_apply(tiny_pair):
+    """``lookahead=None`` (the default): SemanticSpec runs the shipped window where the decoder and its policy allow
+    windows, and one step per pass elsewhere (no refusal); every other method runs one step unless told."""
+    from tests.conftest import char_tokenizer, tiny_llama
+
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=1.0)
+    window = lambda d, **kw: d._runner(DecodeConfig(**kw))[0].window  # noqa: E731
+    assert window(dec) == SHIPPED_WINDOW and SHIPPED_WINDOW.size == 4 and SHIPPED_WINDOW.min_logprob < 0
+    assert window(dec, lookahead=1) == Window() and window(dec, lookahead=3) == Window(3)
+    assert window(dec, method="random_accept", accept_rate=0.5) == Window()
+    assert window(dec, method="oracle_accept", oracle=lambda s, o: True) == Window()
+    ratio = stub_decoder(target, draft, tok, q=1.0, rule="ratio")  # reads p: one step, and no refusal
+    assert window(ratio) == Window() and ratio._runner(DecodeConfig())[1] == []
+    ctok = char_tokenizer()
+    two = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok)
+    assert window(two) == Window()  # two tokenizers: the target cannot read a window in its own tokens
+    sampled = {"max_new_tokens": 40, "seed": 2, "temperature": 0.8, "allow_sampling_mismatch": True}
+    shipped = dec.generate(PROMPTS, lookahead=SHIPPED_WINDOW.size, window_min_logprob=SHIPPED_WINDOW.min_logprob,
+                           **sampled)
+    assert [r.text for r in dec.generate(PROMPTS, **sampled)] == texts(shipped)
 
 
 def test_a_bad_window_threshold_is_refused_naming_it(tiny_pair):

@@ -17,7 +17,7 @@ import torch
 
 from generation.specs import SamplingSpec
 from probes.decoding.config import DecodeConfig
-from probes.decoding.loop import Window
+from probes.decoding.loop import SHIPPED_WINDOW, Window
 from probes.decoding.methods import MethodArgs, Speculative, runner_for
 from probes.decoding.results import DecodeResult, StepEvent, collect
 
@@ -41,6 +41,8 @@ class StepDecoder:
     draft_probe: Any
     last_wall_s: float = 0.0
     """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts)."""
+    windows: bool = True
+    """The decoder can judge a window of several drafted steps per target pass (in-process: one tokenizer)."""
 
     def generate(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
                  ) -> list[DecodeResult]:
@@ -135,13 +137,22 @@ class StepDecoder:
             problems.append(f"method={method!r} needs target_probe (an exported probe directory)")
         if needs is not None and needs.p and self.draft_probe is None:
             problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
-        if cfg.lookahead > 1 or cfg.overlap:
+        window = self._window(cfg, runner)
+        if window.size > 1 or window.overlap:
             why = lookahead_problem(runner, method)
             if why:
                 problems.append(f"lookahead={cfg.lookahead}: {why}")
             else:
-                runner = dataclasses.replace(runner, window=Window(cfg.lookahead, cfg.window_min_logprob, cfg.overlap))
+                runner = dataclasses.replace(runner, window=window)
         return runner, problems
+
+    def _window(self, cfg: DecodeConfig, runner) -> Window:
+        """The call's window: the config's ``lookahead``, else the shipped window for ``semanticspec`` where this
+        decoder and the policy allow windows, else one step."""
+        if cfg.lookahead is not None:
+            return Window(cfg.lookahead, cfg.window_min_logprob, cfg.overlap)
+        shipped = cfg.method == "semanticspec" and self.windows and lookahead_problem(runner, cfg.method) is None
+        return dataclasses.replace(SHIPPED_WINDOW if shipped else Window(), overlap=cfg.overlap)
 
 
 def lookahead_problem(runner, method) -> str | None:

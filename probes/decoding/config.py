@@ -52,16 +52,19 @@ class DecodeConfig:
             with probes trained on steps sampled at 0.6, say): a ``UserWarning`` naming both instead of the
             refusal. The probes then judge steps unlike their training steps: measure before relying on it.
         progress: a progress bar over the prompts.
-        lookahead: drafted steps judged per target pass (an integer >= 1). The draft writes up to ``lookahead``
-            steps one after another, the target reads them all in one forward (served: one request), the probe
-            judges each as the step-by-step loop would (causal attention: a step's features depend only on the text
-            before it), and the kept steps up to the first refused one are committed. 1 (default) is one step per
-            target pass. Speculative methods only; above 1 it needs one tokenizer in-process, and no policy that
-            reads the draft probe's ``p`` or a judge turn.
-        window_min_logprob: an adaptive window (with ``lookahead`` above 1): the draft writes a window's next step
-            only after a step whose every token it drew at this raw log-probability or more (a step it was unsure of
-            is the likelier to be refused, and the steps after a refused one are thrown away); None (default): every
-            window holds ``lookahead`` steps where the row goes on. A number <= 0.
+        lookahead: drafted steps judged per target pass (an integer >= 1), or None (default): SemanticSpec's
+            shipped window (:data:`~probes.decoding.loop.SHIPPED_WINDOW`: up to 4 steps, adaptive) for the method
+            ``semanticspec`` where windows apply (one tokenizer in-process, a policy that reads neither the draft
+            probe's ``p`` nor a judge turn), else one step. The draft writes up to ``lookahead`` steps one after
+            another, the target reads them all in one forward (served: one request), the probe judges each as the
+            step-by-step loop would (causal attention: a step's features depend only on the text before it), and
+            the kept steps up to the first refused one are committed. 1 is one step per target pass (the paper's
+            loop). Above 1: speculative methods only; it needs one tokenizer in-process, and no policy that reads
+            the draft probe's ``p`` or a judge turn.
+        window_min_logprob: an adaptive window (with a ``lookahead`` above 1 given): the draft writes a window's
+            next step only after a step whose every token it drew at this raw log-probability or more (a step it was
+            unsure of is the likelier to be refused, and the steps after a refused one are thrown away); None
+            (default): every window holds ``lookahead`` steps where the row goes on. A number <= 0.
         overlap: the draft writes each row's next window while the target reads this one, as if it were kept whole
             (PEARL-style); the draft's work is thrown away when a step is refused or the target's bonus token is not
             the draft's next token. Served decoding only (the two servers are separate processes); speculative
@@ -81,7 +84,7 @@ class DecodeConfig:
     oracle: Callable[[str, str], bool] | None = None
     allow_sampling_mismatch: bool = False
     progress: bool = False
-    lookahead: int = 1
+    lookahead: int | None = None
     window_min_logprob: float | None = None
     overlap: bool = False
 
@@ -101,15 +104,16 @@ class DecodeConfig:
 
     def _field_problems(self) -> list[tuple[str, str]]:
         out = []
-        for name in ("max_new_tokens", "lookahead"):
-            if not is_count(getattr(self, name)):
-                out.append((name, "expected an integer >= 1"))
+        if not is_count(self.max_new_tokens):
+            out.append(("max_new_tokens", "expected an integer >= 1"))
+        if self.lookahead is not None and not is_count(self.lookahead):
+            out.append(("lookahead", "expected an integer >= 1, or None for the shipped window"))
         if not isinstance(self.method, str) and not _is_policy(self.method):
             out.append(("method", "expected a method name or an AcceptancePolicy"))
         w = self.window_min_logprob
         if w is not None and not (_real(w) and w <= 0):
             out.append(("window_min_logprob", "expected a log-probability (a number <= 0) or None"))
-        elif w is not None and self.lookahead == 1:
+        elif w is not None and (self.lookahead is None or self.lookahead == 1):
             out.append(("window_min_logprob", "an adaptive window needs lookahead > 1"))
         if self.batch_size is not None and not is_count(self.batch_size):
             out.append(("batch_size", "expected an integer >= 1, or None for all prompts at once"))

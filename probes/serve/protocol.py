@@ -39,7 +39,7 @@ class _Request(BaseModel):
     # SemanticSpec's options (the client's extra_body)
     method: StrictStr = "semanticspec"
     threshold: Number | None = Field(None, description="the probe policy's tau (threshold rule)")
-    lookahead: StrictInt = 1
+    lookahead: StrictInt | None = None
     window_min_logprob: Number | None = None
     allow_sampling_mismatch: StrictBool = False
 
