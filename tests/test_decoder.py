@@ -330,7 +330,7 @@ def test_scripted_fast_path_bonus_and_answer_marker(world_tokenizer):
     dec = stub_decoder(
         target, draft, tok, q=1.0, top_k=1, answer_marker="Answer:", target_first_step=False, max_step_tokens=16
     )
-    (res,) = dec.generate([prompt], method="semanticspec", **GREEDY)
+    (res,) = dec.generate([prompt], method="semanticspec", lookahead=1, **GREEDY)  # one step, then the bonus
     assert res.text == "3 plus 1 equals 4.\n\nAnswer: 4\n\n"  # stops once the answer line is complete
     assert res.stop_reason == "answer"
     decisions = [t.decision for t in res.steps]
