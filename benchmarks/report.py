@@ -76,6 +76,7 @@ SERVED_METHODS = {
     "semanticspec_engine_probes": "SemanticSpec, probes trained on engine-read labels",
     "semanticspec[lookahead=2]": "SemanticSpec, windows of 2 steps (one draft write, one read each)",
     "semanticspec[lookahead=4]": "SemanticSpec, windows of 4 steps (one draft write, one read each)",
+    "semanticspec[lookahead=4 adaptive]": "SemanticSpec's shipped window: up to 4 steps, adaptive (the default)",
     "semanticspec[lookahead=4 overlap]": "SemanticSpec, windows of 4, the draft writing the next one during the read",
 }
 

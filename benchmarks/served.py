@@ -78,6 +78,7 @@ from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.features import FeatureSpec
 from generation.specs import SamplingSpec
+from probes.decoding.loop import SHIPPED_WINDOW
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
 from probes.decoding.proposer import run_probe
@@ -94,8 +95,13 @@ LOOKAHEADS = (2, 4)
 per window."""
 OVERLAP_ROW = f"semanticspec[lookahead={LOOKAHEADS[-1]} overlap]"
 """The widest window with the draft writing the next window while the target reads this one (issue 31 item 3)."""
+SHIPPED_ROW = f"semanticspec[lookahead={SHIPPED_WINDOW.size} adaptive]"
+"""SemanticSpec's shipped window (``DecodeConfig.lookahead=None``: up to 4 steps, adaptive), what a served decode runs
+by default; the other SemanticSpec rows pin their window (``semanticspec``: one step per read)."""
+WINDOWS = (*(str(k) for k in LOOKAHEADS), f"{SHIPPED_WINDOW.size} adaptive")
+"""The windowed rows' keys (``semanticspec[lookahead=<key>]``) in the 32B projection by window."""
 METHODS = ("target_only", "semanticspec", "oracle_accept", "semanticspec_engine_probes",
-           *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS), OVERLAP_ROW)
+           *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS), SHIPPED_ROW, OVERLAP_ROW)
 GREEDY = SamplingSpec(temperature=0.0)
 GOALS = {"requests_kept": 2.0, "requests_refused": 3.0, "client_ms_per_step": 5.0, "decision_agreement": 0.99}
 ASSUMED_32B = {
@@ -274,6 +280,8 @@ def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) 
             if "[lookahead=" in m:
                 size, *flags = m[m.index("=") + 1 : -1].split()
                 extra.update(lookahead=int(size), overlap="overlap" in flags)
+                if "adaptive" in flags:
+                    extra.update(window_min_logprob=SHIPPED_WINDOW.min_logprob)
             runs[m] += dec.generate([prompt], method=method, seed=args.seed + k, **{**gen, **extra})
     for e in engines:
         e.tag = ""
@@ -633,9 +641,9 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         "decision_agreement": agreement,
         "projected_speedup_32b": projection(spec_fig, rps_proposed, o_ms, prefill),
         "projected_speedup_32b_by_lookahead": {
-            str(k): projection(methods[f"semanticspec[lookahead={k}]"], methods[f"semanticspec[lookahead={k}]"][
+            k: projection(methods[f"semanticspec[lookahead={k}]"], methods[f"semanticspec[lookahead={k}]"][
                 "requests"] / max(methods[f"semanticspec[lookahead={k}]"]["draft_steps_proposed"], 1), o_ms, prefill)
-            for k in LOOKAHEADS},
+            for k in WINDOWS},
         "concurrency": conc,
         "unsure_top_k_positions": {"target": target.engine.unsure_positions, "draft": draft.engine.unsure_positions},
         "n_problems": n,
