@@ -391,3 +391,32 @@ def test_a_fault_while_planning_ends_that_request_and_the_decode_thread_goes_on(
                                                  ("invalid", "prompt 0 is 'refused': refused")]
     assert sched.failure is None and sched.pending == 0
     sched.stop(1)
+
+
+def test_a_loop_admits_rows_per_loop_rows_then_a_fresh_loop_takes_the_next_requests(tiny_pair):
+    """Under steady traffic one loop never grows past ``rows_per_loop`` rows (its finished rows' state and the scans
+    over them stay bounded): the next requests start a fresh loop while it drains, and every request still decodes as
+    it would alone with its seed."""
+    from probes.serve.scheduler import Job, Scheduler
+    from tests.test_decoder import PROMPTS, stub_decoder
+
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=lambda x: (x.flatten(1)[:, 3] > 0).float())
+    loops, step_loop = [], dec.step_loop
+    dec.step_loop = lambda *a: loops.append(step_loop(*a)) or loops[-1]
+    with pytest.raises(ValueError, match="rows_per_loop=2: expected at least max_rows=3"):
+        Scheduler(dec, max_rows=3, rows_per_loop=2)
+    sched = Scheduler(dec, max_rows=2, rows_per_loop=3)
+    cfg = dict(max_new_tokens=24, temperature=0.8, allow_sampling_mismatch=True)
+    prompts = [PROMPTS[k % len(PROMPTS)] for k in range(10)]
+    got, done = {}, threading.Semaphore(0)
+    for k, p in enumerate(prompts):
+        sched.submit(Job(p, DecodeConfig(seed=k, **cfg), lambda u, k=k: (u.finish and (got.update({k: u}),
+                                                                                       done.release()))))
+    for _ in prompts:
+        assert done.acquire(timeout=60)
+    sched.stop(5)
+    assert all(got[k].finish in ("stop", "length") for k in got), {k: got[k].error for k in got}
+    alone = [dec.generate([p], seed=k, **cfg)[0].text for k, p in enumerate(prompts)]
+    assert [got[k].result.text for k in range(len(prompts))] == alone
+    assert sched.loops >= 4 and all(len(loop.rows) <= 3 for loop in loops) and sched.joined > 0

@@ -3,9 +3,11 @@
 One thread owns the models (or the two servers' clients). Requests that decode alike (the same method, sampling and
 window: one runner) share one :class:`~probes.decoding.loop.StepLoop`; a new one is admitted into it between rounds
 (:meth:`StepLoop.admit <probes.decoding.loop.StepLoop.admit>`), up to ``max_rows`` rows, and each row ends on its
-own. Every row draws from its own random streams, seeded from its request's ``seed``, so a request decodes the same
-text whatever else is running (the batched = one-by-one guarantee of ``generate``, for rows that come at any time).
-Loops of different runners take turns, event by event. The thread talks to the asyncio side through each request's
+own. A loop admits ``rows_per_loop`` rows in its life at most: the next requests of its runner then start a fresh
+loop while it drains, so under steady traffic no loop keeps or scans an unbounded number of finished rows. Every row
+draws from its own random streams, seeded from its request's ``seed``, so a request decodes the same text whatever
+else is running (the batched = one-by-one guarantee of ``generate``, for rows that come at any time). Loops take
+turns, event by event. The thread talks to the asyncio side through each request's
 callback, which it calls with :class:`Update` objects.
 """
 
@@ -72,12 +74,17 @@ class _Group:
     def __init__(self, dec, plan, job: Job) -> None:
         self.dec, self.runner = dec, plan.runner
         self.loop = dec.step_loop(plan.inputs, plan.cfg.max_new_tokens, plan.sampling, plan.keys)
-        self.jobs: dict[int, Job] = {0: job}
+        self.jobs: dict[int, Job] = {0: job}  # the rows whose end event has not passed yet
         self.events: Iterator = self.loop.serve(self.runner)
 
     def admit(self, plan, job: Job) -> None:
         i = self.loop.admit(self.dec.row_inputs(plan.inputs, 0), plan.cfg.max_new_tokens, plan.keys[0])
         self.jobs[i] = job
+
+    @property
+    def admitted(self) -> int:
+        """Rows the loop has admitted in its life."""
+        return len(self.loop.rows)
 
     @property
     def rows(self) -> int:
@@ -92,17 +99,22 @@ class Scheduler:
         max_rows: rows one loop decodes together (in-process: the batch; served: the rows whose requests are in
             flight, each bounded by the decoder's ``concurrency``).
         max_queue: requests waiting or decoding at once; past it :meth:`submit` raises :class:`QueueFull`.
+        rows_per_loop: rows one loop admits in its life (at least ``max_rows``); the next requests of its runner then
+            start a fresh loop while it drains, which bounds what a loop keeps under steady traffic.
         on_step: called in the decode thread after every tried step (its decision, its seconds), for metrics.
         count_tokens: a text prompt's token count (a decoder that reads text, as two servers do), or None (0).
     """
 
     def __init__(self, decoder, max_rows: int = 16, max_queue: int = 128,
                  on_step: Callable[[str, float], None] | None = None,
-                 count_tokens: Callable[[str], int] | None = None) -> None:
-        for name, v in (("max_rows", max_rows), ("max_queue", max_queue)):
+                 count_tokens: Callable[[str], int] | None = None, rows_per_loop: int = 256) -> None:
+        for name, v in (("max_rows", max_rows), ("max_queue", max_queue), ("rows_per_loop", rows_per_loop)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r}: expected an integer >= 1")
+        if rows_per_loop < max_rows:
+            raise ValueError(f"rows_per_loop={rows_per_loop}: expected at least max_rows={max_rows}")
         self.dec, self.max_rows, self.max_queue, self.on_step = decoder, max_rows, max_queue, on_step
+        self.rows_per_loop = rows_per_loop
         self.count_tokens = count_tokens
         self.inbox: queue.Queue[Job] = queue.Queue()
         self.waiting: deque[tuple[Job, object]] = deque()  # planned, waiting for room in their loop
@@ -110,6 +122,7 @@ class Scheduler:
         self.pending = 0  # jobs submitted and not ended
         self.cancelled = 0  # rows that left their loop before their end (their client went away)
         self.joined = 0  # requests admitted into a loop that was already running
+        self.loops = 0  # loops started
         self.stopping = False
         self.failure: str | None = None  # why the thread died, if it did
         self._lock = threading.Lock()
@@ -223,8 +236,12 @@ class Scheduler:
                 continue
             key = (plan.runner, plan.sampling)
             g = self.groups.get(key)
+            if g is not None and g.admitted >= self.rows_per_loop:  # it drains under a key of its own
+                self.groups[(key, self.loops)] = self.groups.pop(key)
+                g = None
             if g is None:
                 self.groups[key] = _Group(self.dec, plan, job)
+                self.loops += 1
             elif g.rows < self.max_rows:
                 g.admit(plan, job)
                 self.joined += 1
@@ -246,6 +263,7 @@ class Scheduler:
             return
         job = g.jobs[e.prompt]
         if e.end:
+            del g.jobs[e.prompt]
             self._finish(job, e)
         elif not job.cancelled:
             self._step(g, e, job)
