@@ -61,8 +61,8 @@ from probes.decoding.loop import LoopSetup, StepLoop
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy, default_policy
 from probes.decoding.prompts import read_prompts
-from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
 from probes.decoding.proposer import DraftProposer
+from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
 from probes.decoding.rows import Row
 from probes.decoding.verify import JudgeTurn, TargetVerifier
 
@@ -205,7 +205,6 @@ class SemanticSpecDecoder(StepDecoder):
                 a bad value (naming it).
         """
         return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
-
 
 
 def _layers(probe) -> list[int]:

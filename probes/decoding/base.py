@@ -141,7 +141,7 @@ class StepDecoder:
         if window.size > 1 or window.overlap:
             why = lookahead_problem(runner, method)
             if why:
-                problems.append(f"lookahead={cfg.lookahead}: {why}")
+                problems.append(f"lookahead={window.size}: {why}")
             else:
                 runner = dataclasses.replace(runner, window=window)
         return runner, problems
