@@ -53,10 +53,9 @@ class OneLineParser(argparse.ArgumentParser):
     with the closest known option of a mistyped one, as the package's other CLIs do (issue 33 item 14)."""
 
     def error(self, message: str) -> NoReturn:
-        from datamodules.labels.cli import did_you_mean
+        from datamodules.labels.cli import did_you_mean, fail, parser_options
 
-        options = sorted(s for s in self._option_string_actions if s.startswith("--"))
-        self.exit(2, f"{self.prog}: error: {did_you_mean(message, options)} (see `{self.prog} --help`)\n")
+        fail(self.prog, did_you_mean(message, parser_options(self)))
 
 
 def _prog() -> str | None:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import re
-import sys
 import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any, NoReturn
 import yaml
 
 from datamodules.labels.cli import check_yaml_files, did_you_mean, option_value
+from datamodules.labels.cli import fail as cli_fail
 from generation.threads import check_threads
 
 PROG = "python -m probes.fit"
@@ -38,17 +37,8 @@ RECORDED_WITH = ("lightning", "jsonargparse")
 
 
 def fail(message: str) -> NoReturn:
-    """Report bad input as one line on stderr and exit 2 (issue 12: no traceback, no page of usage)."""
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    # jsonargparse explains a type error over several lines; keep what names the key, the types and the value
-    noise = ("Subtypes:", "Errors:", "Given value type:")
-    text = " ".join(line for line in lines if not line.startswith(noise))
-    # a class that refused its arguments in an Optional field: keep its own message, not the Union's wrapping
-    refused = re.search(r"(invalid \w+: .*?)(?: - Expected a <class 'NoneType'>.*)?$", text)
-    if refused and "Union subtypes" in text:
-        text = refused.group(1)
-    print(f"{PROG}: error: {text} (see `{PROG} --help`)", file=sys.stderr)
-    raise SystemExit(2)
+    """Report bad input as one line on stderr and exit 2 (:func:`datamodules.labels.cli.fail`)."""
+    cli_fail(PROG, message)
 
 
 def first_pass(args: list[str]) -> None:

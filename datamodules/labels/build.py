@@ -36,7 +36,7 @@ from datamodules.labels.config import (
     config_record,
     signature,
 )
-from datamodules.labels.cli import check_yaml_files, did_you_mean, normalise_args, parser_options
+from datamodules.labels.cli import check_yaml_files, fail, normalise_args, one_line_parser
 from datamodules.labels.prefixes import make_prefixes, target_traces
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, set_wait_policy
 from datamodules.labels.coordination import (
@@ -385,16 +385,10 @@ def _kept(data_dir: str) -> str:
 
 
 def _parser():
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
-
-    class OneLineParser(ArgumentParser):
-        def error(self, message: str, ex: Exception | None = None):
-            if not self.exit_on_error:  # jsonargparse asks for an exception here
-                super().error(message, ex)
-            _fail(did_you_mean(message, parser_options(self)))
+    from jsonargparse import ActionConfigFile, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help text
-    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = one_line_parser(PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML with data_dir and build.* keys")
     parser.add_argument("--fit_config", type=str | None, default=None,
                         help="Take data_dir and build from the data: section of a `python -m probes.fit` YAML "
@@ -426,11 +420,7 @@ PROG = "python -m datamodules.labels.build"
 
 def _fail(message: str) -> NoReturn:
     """Report bad input as one line on stderr and exit 2 (issue 12: no traceback, no page of usage)."""
-    noise = ("Subtypes:", "Errors:", "Given value type:")  # jsonargparse explains a type error over several lines
-    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip()
-                    and not line.strip().startswith(noise))
-    print(f"{PROG}: error: {text} (see `{PROG} --help`)", file=sys.stderr)
-    raise SystemExit(2)
+    fail(PROG, message)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
-"""What `python -m probes.fit` and `python -m datamodules.labels.build` share on the command line.
+"""What the package's command lines share (`python -m probes.fit`, `python -m datamodules.labels.build`,
+`python -m probes.serve`, the benchmarks).
 
-Both read their arguments once through :func:`normalise_args` (``--key=value`` is ``--key value``;
+They read their arguments once through :func:`normalise_args` (``--key=value`` is ``--key value``;
 ``-c`` is ``--config``), check every YAML they are given before jsonargparse reads it (a syntax
-error then names the file, not ``"<unicode string>"``), and answer a mistyped option with the
-closest ones the parser knows (:func:`did_you_mean`).
+error then names the file, not ``"<unicode string>"``), answer a mistyped option with the
+closest ones the parser knows (:func:`did_you_mean`), and report bad input as one line and exit 2
+(:func:`fail`, :func:`one_line_parser`).
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -88,3 +92,35 @@ def did_you_mean(message: str, options: list[str]) -> str:
 def parser_options(parser) -> list[str]:
     """Every ``--option`` a jsonargparse/argparse parser knows."""
     return sorted(s for s in parser._option_string_actions if s.startswith("--"))
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """Report bad input as one line on stderr and exit 2 (no traceback, no page of usage).
+
+    jsonargparse explains a type error over several lines: the lines that name the key, the types and the value are
+    kept; a class that refused its arguments in an Optional field keeps its own message, not the Union's wrapping.
+    """
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    noise = ("Subtypes:", "Errors:", "Given value type:")
+    text = " ".join(line for line in lines if not line.startswith(noise))
+    refused = re.search(r"(invalid \w+: .*?)(?: - Expected a <class 'NoneType'>.*)?$", text)
+    if refused and "Union subtypes" in text:
+        text = refused.group(1)
+    print(f"{prog}: error: {text} (see `{prog} --help`)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def one_line_parser(prog: str, **kwargs):
+    """A jsonargparse ``ArgumentParser`` (``kwargs`` its arguments) whose errors are :func:`fail`'s one line, with
+    the closest known options of a mistyped one."""
+    from jsonargparse import ArgumentParser
+
+    class OneLineParser(ArgumentParser):
+        def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+            from jsonargparse._common import debug_mode_active
+
+            if not self.exit_on_error or debug_mode_active():  # jsonargparse asks for an exception here
+                super().error(message, ex)
+            fail(prog, did_you_mean(message, parser_options(self)))
+
+    return OneLineParser(prog=prog, **kwargs)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NoReturn
@@ -135,16 +134,12 @@ def _template(value: str | None) -> str | None:
 
 
 def _parser():
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+    from jsonargparse import ActionConfigFile, set_parsing_settings
 
-    class OneLineParser(ArgumentParser):
-        def error(self, message: str, ex: Exception | None = None):
-            if not self.exit_on_error:
-                super().error(message, ex)
-            _fail(message)
+    from datamodules.labels.cli import one_line_parser
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[1].replace("\n", " "), allow_abbrev=False)
+    parser = one_line_parser(PROG, description=__doc__.split("\n\n")[1].replace("\n", " "), allow_abbrev=False)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML with these options")
     parser.add_class_arguments(ServeOptions, as_positional=False)
     return parser
@@ -152,9 +147,9 @@ def _parser():
 
 def _fail(message: str) -> NoReturn:
     """Bad input: one line on stderr, exit status 2."""
-    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
-    print(f"{PROG}: error: {text} (see `{PROG} --help`)", file=sys.stderr)
-    raise SystemExit(2)
+    from datamodules.labels.cli import fail
+
+    fail(PROG, message)
 
 
 def main(argv: list[str] | None = None) -> None:
