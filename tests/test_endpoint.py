@@ -330,7 +330,8 @@ def _alone_with(dec, prompt, seed: int, method: str) -> str:
     return end.text
 
 
-@pytest.mark.parametrize("args,says", [(["--max_rows", "0"], "--max_rows=0"), (["--prot", "1"], "--prot 1; did you mean --port?"),
+@pytest.mark.parametrize("args,says", [(["--max_rows", "0"], "--max_rows=0"),
+                                       (["--prot", "1"], "--prot 1; did you mean --port?"),
                                        (["--target_url", "http://127.0.0.1:9"], "--draft_url")])
 def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
     out = subprocess.run([sys.executable, "-m", "probes.serve", *args], capture_output=True, text=True, timeout=120)
