@@ -15,6 +15,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts at one torch thread: a command's main() run in-process sets the count for the whole process
+    (``apply_threads``), and floats summed over threads differ in their last bits from one count to another."""
+    yield
+    torch.set_num_threads(1)
+
+
 # --------------------------------------------------------------------------- what a run skipped, and why
 
 

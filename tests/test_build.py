@@ -362,19 +362,20 @@ def test_build_config_names_bad_values_by_their_dotted_names():
 
 
 def test_cli_with_a_config_file(world, reference, tmp_path, capsys):
+    # --threads 1: the reference was built at this process's one thread, and a build repeats its bytes at one count
     cfg = tmp_path / "build.yaml"
     out = tmp_path / "cli"
     cfg.write_text(f"data_dir: {out}\nbuild:\n  target: {world / 'target'}\n  draft: {world / 'draft'}\n"
                    f"  judge:\n    model: {world / 'judge'}\n  n_problems: 3\n  shard_size: 4\n"
                    "  sampling:\n    n_samples: 3\n    seed: 7\n  steps:\n    max_step_tokens: 6\n")
-    main(["--config", str(cfg)])
+    main(["--config", str(cfg), "--threads", "1"])
     assert _dataset_bytes(out) == _dataset_bytes(reference[0])
     # a fit YAML's data: section, nested parts included, with an option on top
     fit, out2 = tmp_path / "fit.yaml", tmp_path / "fit-data"
     section = yaml.safe_load(cfg.read_text())
     section["build"]["sampling"]["seed"] = 1
     fit.write_text(yaml.safe_dump({"model": {"loss": "mse"}, "data": {**section, "data_dir": str(out2)}}))
-    main(["--fit_config", str(fit), "--build.sampling.seed", "7"])
+    main(["--fit_config", str(fit), "--build.sampling.seed", "7", "--threads", "1"])
     assert _dataset_bytes(out2) == _dataset_bytes(reference[0])
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
@@ -688,7 +689,7 @@ def test_ctrl_c_keeps_whole_shards_and_prints_the_resume_command(world, referenc
 
     monkeypatch.setattr(B, "build_shard", build_shard)
     d = tmp_path / "d"
-    args = _world_args(world, d) + ["--build.sampling.seed", "7"]
+    args = _world_args(world, d) + ["--build.sampling.seed", "7", "--threads", "1"]  # the reference's thread count
     line = _one_line(capsys, args, code=130)
     assert line == (f"python -m datamodules.labels.build: interrupted; 1 whole shard kept in {d}. Resume with: "
                     f"python -m datamodules.labels.build {' '.join(args)}")
