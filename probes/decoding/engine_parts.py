@@ -78,7 +78,7 @@ class EnginePart:
         n = len(rows)
         self.passes, self.served_s, self.forward_s = [0] * n, [0.0] * n, 0.0
         self.used = [0] * n  # tokens in the server's context for the row, from its last usage
-        self.probe_s = 0.0
+        self.probe_s = 0.0  # seconds in the probe so far
 
     def room(self, row: int) -> int | None:
         ctx = getattr(self.engine, "context_length", None)
@@ -225,7 +225,6 @@ class EngineProposer(EnginePart):
     def __init__(self, engine, probe, **kw) -> None:
         super().__init__(engine, "draft", **kw)
         self.probe, self.spec = probe, FeatureSpec.of(probe.config) if probe is not None else None
-        self.feed_s = 0.0
         self.written: dict = {}  # per row: the server's answer for the first step of its window
         self.window: dict[int, str] = {}  # per row: the text of its window's steps so far
         self.ahead: dict[int, list[Proposal]] = {}  # per row: the window's next steps, written with its first one
@@ -291,7 +290,7 @@ class EngineProposer(EnginePart):
                                   "though top_k was asked (the draft probe's p reads them)")
                 continue
             out[i] = run_probe(self.probe, features(self.spec, w.tokens, None))[0]
-        self.probe_s = time.perf_counter() - t0
+        self.probe_s += time.perf_counter() - t0
         return out
 
     def draft_ahead(self, windows: Mapping[int, Sequence[Proposal]], window: int) -> None:
@@ -361,7 +360,6 @@ class EngineVerifier(EnginePart):
         """Read each row's window of steps (when the policy reads anything) in one request and score each step as
         the step-by-step loop would; an empty step is not read and cannot be kept, nor can a step whose tokens the
         server did not split at its start."""
-        self.probe_s = 0.0
         self.read_at = {i: (self.context(i), "".join(d.text for d in w)) for i, w in windows.items() if w[0].text}
         self.readings = {}
         if needs.q or needs.fast_path is not None:

@@ -5,7 +5,8 @@ verifier (the target side). The parts own the models' state: in-process the batc
 (:class:`~probes.decoding.proposer.DraftProposer`, :class:`~probes.decoding.verify.TargetVerifier`,
 built by :meth:`probes.decoder.SemanticSpecDecoder.step_loop`), served the requests to two servers
 (:mod:`probes.decoding.engine_parts`). The loop holds no cache and sends no request: it keeps the
-rows' bookkeeping, asks the policy, and tells the parts what was kept.
+rows' bookkeeping, asks the policy, and tells the parts what was kept. Nor does it read a clock: it tells its
+:class:`~probes.decoding.meter.Meter` which round and phase it is in, and the meter measures.
 
 A runner (:mod:`probes.decoding.methods`) says what one round does for the active rows: the
 target writes a step, the draft writes one, or the draft proposes and an acceptance policy decides
@@ -16,11 +17,11 @@ step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the d
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from generation.sampling import StreamKey
+from probes.decoding.meter import Meter
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import AcceptancePolicy, Needs
 from probes.decoding.proposer import Proposal, Proposer, RowState
@@ -82,8 +83,7 @@ class StepLoop:
     def __init__(self, proposer: Proposer, verifier, rows: list[Row], setup: LoopSetup) -> None:
         self.proposer, self.verifier, self.rows, self.setup = proposer, verifier, rows, setup
         self.opt = setup.options
-        self.t_done: dict[int, float] = {}  # when each finished row was seen finished (end of its round)
-        self.t_in: dict[int, float] = dict.fromkeys(range(len(rows)), time.perf_counter())  # when each row came
+        self.meter = Meter(rows, verifier, proposer)
 
     def parts(self, names: Sequence[str]) -> tuple:
         """The parts named ``target`` (the verifier) and ``draft`` (the proposer)."""
@@ -96,13 +96,12 @@ class StepLoop:
         """Rounds of ``runner.step`` until every row is done (EOS, answer, budget, context or a failed request),
         yielding each row's steps after the round that tried them, then one end event per row with its result once
         the batch is done (a row's seconds are shares of the batch's)."""
-        t_start, sent = time.perf_counter(), {}
+        sent = {}
         while self._round(runner):
             yield from self._new_steps(sent)
         yield from self._new_steps(sent)
-        t_end = time.perf_counter()
-        for i in range(len(self.rows)):
-            yield self._end(i, (t_end - t_start) / len(self.rows), t_end - self.t_done.get(i, t_end))
+        for i, walls in enumerate(self.meter.batch_walls()):
+            yield self._end(i, *walls)
 
     def serve(self, runner) -> Iterator[StepEvent]:
         """:meth:`stream` for rows that come and go: between rounds (while the caller holds an event) it may
@@ -115,7 +114,7 @@ class StepLoop:
             for i, r in enumerate(self.rows):
                 if r.done and i not in ended:
                     ended.add(i)
-                    yield self._end(i, self.t_done[i] - self.t_in[i], 0.0)
+                    yield self._end(i, self.meter.alone_wall(i), 0.0)
             if not going and all(r.done for r in self.rows):
                 return
 
@@ -127,14 +126,14 @@ class StepLoop:
         i = len(self.rows) - 1
         self.verifier.admit(prompts[0], key)
         self.proposer.admit(prompts[1], key)
-        self.t_in[i] = time.perf_counter()
+        self.meter.admitted()
         return i
 
     def cancel(self, i: int, why: str) -> None:
         """Row ``i`` ends now (between rounds; its client left): it fails with ``why`` and leaves the forwards."""
         if not self.rows[i].done:
             self.rows[i].fail(why)
-            self.t_done[i] = time.perf_counter()
+            self.meter.finished([i])
             self._retire([i])
 
     def _round(self, runner) -> bool:
@@ -145,10 +144,12 @@ class StepLoop:
         closing = [i for i, r in enumerate(rows) if not r.done and i not in active]
         for i in closing:
             rows[i].close(self.verifier.text)  # budget or context exhausted
-            self.t_done.setdefault(i, time.perf_counter())
+        self.meter.finished(closing)
         self._retire(closing)
         if active:
-            self._timed_round(runner, active)
+            with self.meter.round(active):
+                runner.step(self, active)
+            self._retire([i for i in active if rows[i].done])
         return bool(active)
 
     def _end(self, i: int, wall_s: float, done_idle_s: float) -> StepEvent:
@@ -169,22 +170,6 @@ class StepLoop:
             yield from step_events(i, r.trace, r.pieces, sent.get(i, 0))
             sent[i] = len(r.trace)
 
-    def _timed_round(self, runner, active: list[int]) -> None:
-        """``runner.step`` on the active rows; counts each row's idle seconds (forwards that ran without feeding
-        it) and notes when rows finish. Timing only: nothing a row decides depends on it."""
-        parts = (self.verifier, self.proposer)
-        total0 = sum(p.forward_s for p in parts)
-        served0 = {i: sum(p.served_s[i] for p in parts) for i in active}
-        runner.step(self, active)
-        total, now = sum(p.forward_s for p in parts) - total0, time.perf_counter()
-        finished = []
-        for i in active:
-            self.rows[i].stats.idle_row_s += total - (sum(p.served_s[i] for p in parts) - served0[i])
-            if self.rows[i].done:
-                self.t_done[i] = now
-                finished.append(i)
-        self._retire(finished)
-
     def live(self, rows_i: Sequence[int]) -> list[int]:
         """The rows not done (a part failed the others' requests)."""
         return [i for i in rows_i if not self.rows[i].done]
@@ -204,34 +189,24 @@ class StepLoop:
             are rewritten in the rounds).
         """
         needs, rows = policy.needs, self.rows
-        t0 = time.perf_counter()
         states = {i: self._row_state(i) for i in rows_i}
-        windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p, window=window.size).items()}
-        self._window(windows, states, window)
-        if window.overlap:
-            self.proposer.draft_ahead({i: w for i, w in windows.items() if rows[i].rewriting is None}, window.size)
-        rows_i = self.live(rows_i)
         going = [i for i in rows_i if rows[i].rewriting is not None]
-        judged = [i for i in rows_i if rows[i].rewriting is None]
-        t_verify = time.perf_counter()
-        scores = self.verifier.verify({i: windows[i] for i in rows_i}, {i: rows[i].text for i in judged}, needs,
-                                      rewrites=going)
-        t_scored = time.perf_counter()
-        scores, want_p = self._with_p(scores, policy)
-        decisions = self._decide(scores, policy)
+        with self.meter.phase({i: "rewrite" if i in going else "draft" for i in rows_i}):
+            windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p, window=window.size).items()}
+            self._window(windows, states, window)
+            if window.overlap:
+                self.proposer.draft_ahead({i: w for i, w in windows.items() if i not in going}, window.size)
         rows_i = self.live(rows_i)
-        if not rows_i:
-            return []
-        dt = (time.perf_counter() - t0) / len(rows_i)
-        probe_s = self.verifier.probe_s + (self.proposer.probe_s if want_p else 0.0)
-        draft_s = (t_verify - t0) + (self.proposer.feed_s if want_p else 0.0)
-        verify_s = (t_scored - t_verify) - self.verifier.probe_s
+        judged = [i for i in rows_i if i not in going]
+        with self.meter.phase({i: "rewrite" if i in going else "verify" for i in rows_i}):
+            scores = self.verifier.verify({i: windows[i] for i in rows_i}, {i: rows[i].text for i in judged}, needs,
+                                          rewrites=[i for i in rows_i if i in going])
+        with self.meter.phase(dict.fromkeys(judged, "draft")):  # the draft probe's p, and the draft's read for it
+            scores = self._with_p(scores, policy)
+        decisions = self._decide(scores, policy)
         for i in self.live(going):
-            rows[i].stats.rewrite_s += (draft_s + verify_s) / len(rows_i)
-            rows[i].rewriting.seconds += dt
             self._rewrite_tokens(i, windows[i][0], drawn=True)
-        return self._settle(self.live(judged), windows, scores, decisions, states, (dt, probe_s, draft_s,
-                                                                                  verify_s, len(rows_i)))
+        return self._settle(self.live(judged), windows, scores, decisions, states)
 
     def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], window: Window) -> None:
         """The draft writes up to ``window.size`` steps per judged row, each after the ones before it, while the row
@@ -258,13 +233,13 @@ class StepLoop:
             return 0
         return state.limit - sum(d.size for d in window)
 
-    def _with_p(self, scores: dict[int, list], policy: AcceptancePolicy) -> tuple[dict[int, list], list[int]]:
-        """The scores with the draft probe's ``p`` of the rows whose first step the policy wants it for, and those
-        rows (``p`` is read for one-step windows only)."""
+    def _with_p(self, scores: dict[int, list], policy: AcceptancePolicy) -> dict[int, list]:
+        """The scores with the draft probe's ``p`` of the rows whose first step the policy wants it for (``p`` is read
+        for one-step windows only)."""
         rows = self.rows
         want_p = [i for i, s in scores.items() if policy.wants_p(s[0]) and not rows[i].done] if policy.needs.p else []
         p = self.proposer.score(want_p) if want_p else {}
-        return {i: [replace(s[0], p=p[i]), *s[1:]] if i in p else s for i, s in scores.items()}, want_p
+        return {i: [replace(s[0], p=p[i]), *s[1:]] if i in p else s for i, s in scores.items()}
 
     def _decide(self, scores: dict[int, list], policy: AcceptancePolicy) -> dict[int, list[Decision]]:
         """Each row's decisions, step by step through its window up to its first refused step, every step judged as
@@ -277,27 +252,22 @@ class StepLoop:
                 out[i].append(d)
         return out
 
-    def _settle(self, judged: list[int], windows, scores, decisions, states, times) -> list[int]:
+    def _settle(self, judged: list[int], windows, scores, decisions, states) -> list[int]:
         """Count, trace and commit each judged row's kept steps, and roll back from its first refused one (the steps
         after it are thrown away); the bonus token after a window kept whole. A step the target read nothing of is
-        refused. ``times``: the round's seconds per row, probe, draft and verify seconds, and the rows sharing
-        them."""
-        dt, probe_s, draft_s, verify_s, n = times
+        refused."""
         rows, rejected, bonus = self.rows, [], []
         for i in judged:
             r, w, s, ds = rows[i], windows[i], scores.get(i, []), decisions.get(i, [])
             self.verifier.close_judge_turn(i, s[0] if s else None)
-            r.stats.probe_s += probe_s / len(judged)
-            r.stats.draft_s += draft_s / n
-            r.stats.verify_s += verify_s / n
             r.stats.drafted_tokens += sum(d.n_new for d in w)
             r.stats.windows += 1
             kept = 0
             for j, d in enumerate(w):
                 decision, sj = ds[j] if j < len(ds) else Decision.REJECT, s[j] if j < len(s) else None
                 r.stats.draft_steps_proposed += 1
-                trace = StepTrace("draft", d.text, d.size, sj and sj.q, sj and sj.p, decision, dt, sj and sj.judge,
-                                  d.confidence)
+                trace = StepTrace("draft", d.text, d.size, sj and sj.q, sj and sj.p, decision, score=sj and sj.judge,
+                                  confidence=d.confidence)
                 if decision == Decision.REJECT:
                     r.trace.append(trace)
                     if self._refused(i, d, kept, states[i].limit - sum(x.size for x in w[:j])):
@@ -365,7 +335,7 @@ class StepLoop:
         r, rw = self.rows[i], self.rows[i].rewriting
         if self.verifier.ends_step(rw.tokens, rw.limit):
             step = self.verifier.step(rw.tokens, rw.n_forced)
-            trace = StepTrace("target", step.text, step.size, decision=Decision.TARGET, seconds=rw.seconds)
+            trace = StepTrace("target", step.text, step.size, decision=Decision.TARGET)
             r.rewriting = None
             r.commit(trace, step, False)
 
@@ -378,12 +348,9 @@ class StepLoop:
             rows[i].rewriting = TargetStep(list(rows[i].forced), len(rows[i].forced), limits[i], chunk=chunk)
             self._rewritten(i)  # forced tokens may finish the step already
         while writing := [i for i in self.live(rows_i) if rows[i].rewriting is not None]:
-            t0 = time.perf_counter()
             proposals = self.proposer.propose({i: self._row_state(i) for i in writing}, for_p=False)
             self.verifier.verify({i: [proposals[i]] for i in writing}, {}, Needs(), rewrites=writing)
-            dt = (time.perf_counter() - t0) / len(writing)
             for i in self.live(writing):
-                rows[i].rewriting.seconds += dt
                 self._rewrite_tokens(i, proposals[i], drawn=True)
 
     def _bonus(self, rows_i: list[int]) -> None:
@@ -401,42 +368,34 @@ class StepLoop:
 
     def rewrite(self, first: list[int], rejected: list[int]) -> None:
         """The target writes the first step of ``first`` and the refused step of ``rejected`` (one batch)."""
-        t0 = time.perf_counter()
-        self.target_steps(first + rejected, use_draft=True)
-        dt = (time.perf_counter() - t0) / len(first + rejected)  # one batch; its time is shared per row
-        for i in first:
-            self.rows[i].stats.first_step_s += dt
-        for i in rejected:
-            self.rows[i].stats.rewrite_s += dt
+        with self.meter.phase({**dict.fromkeys(first, "first_step"), **dict.fromkeys(rejected, "rewrite")}):
+            self.target_steps(first + rejected, use_draft=True)  # one batch
 
     def target_steps(self, rows_i: list[int], use_draft: bool) -> None:
         """The target writes one step for each row; the draft is handed the step (``use_draft``), or helps write it
         (``token_sd``: :meth:`_token_rounds`). Without the draft (the target-only baseline) an engine verifier
         writes the row's whole output in one request."""
-        t0, rows = time.perf_counter(), self.rows
+        rows = self.rows
         using = (self.verifier, self.proposer) if use_draft else (self.verifier,)
         limits = {i: self.limit(i, *using) + len(rows[i].forced) for i in rows_i}
         if use_draft and self.setup.token_sd:
             return self._token_rounds(rows_i, limits)
         forced = {i: rows[i].forced for i in rows_i}
         steps = self.verifier.write(rows_i, limits, forced, alone=not use_draft)
-        dt = (time.perf_counter() - t0) / len(rows_i)
         for i in self.live(rows_i):
             st = steps[i]
             if use_draft:  # the draft reads the target's step on its next forward
                 self.proposer.take(i, st)
-            trace = StepTrace("target", st.text, st.size, decision=Decision.TARGET, seconds=dt)
+            trace = StepTrace("target", st.text, st.size, decision=Decision.TARGET)
             rows[i].commit(trace, st, False)
 
     def draft_steps(self, rows_i: list[int]) -> None:
         """The draft writes one step for each row, kept as it is (the draft-only baseline; an engine proposer
         writes the row's whole output in one request)."""
-        t0 = time.perf_counter()
         steps = self.proposer.write(rows_i, {i: self.limit(i, self.proposer) for i in rows_i})
-        dt = (time.perf_counter() - t0) / len(rows_i)
         for i in self.live(rows_i):
             st, r = steps[i], self.rows[i]
             r.stats.draft_steps_proposed += 1
             r.stats.draft_steps_accepted += 1
             r.stats.drafted_tokens += st.n_new
-            r.commit(StepTrace("draft", st.text, st.size, decision=Decision.ACCEPT, seconds=dt), st, True)
+            r.commit(StepTrace("draft", st.text, st.size, decision=Decision.ACCEPT), st, True)

@@ -91,6 +91,8 @@ class Part(Protocol):
     """Per row: seconds of the forwards (or requests) that fed it something."""
     forward_s: float
     """Seconds of all forwards (or requests) so far."""
+    probe_s: float
+    """Seconds in the part's probe so far (inside its calls: the loop's meter moves them out of its phases)."""
 
     def room(self, row: int) -> int | None:
         """Tokens the row's context still holds (less the spare it keeps), or None when it has no known end."""
@@ -174,7 +176,7 @@ class DraftProposer(CachePart):
         self.writer, self.tokenizer, self.probe, self.handover = writer, tokenizer, probe, handover
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
         self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order (p reads the first)
-        self.probe_s = self.feed_s = 0.0  # seconds of the last score(): probe, and the draft's extra read
+        self.probe_s = 0.0  # seconds in the probe so far
 
     def _proposal(self, d: StepDraft) -> Proposal:
         return Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits,
@@ -200,10 +202,8 @@ class DraftProposer(CachePart):
         return {i: self._proposal(d) for i, d in self.writer.write(list(rows), dict(limits)).items()}
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
-        self.probe_s = self.feed_s = 0.0
         if not rows:
             return {}
-        t0 = time.perf_counter()
         drafts = [self.window[i][0] for i in rows]
         if self.spec.needs_hidden:
             # The draft reads its step's last token only now, and only for steps that need p:
@@ -211,13 +211,13 @@ class DraftProposer(CachePart):
             for i, f in self.cache.feed(list(rows), hidden=True).items():
                 d = self.window[i][0]
                 d.hidden.extend(f.hidden[:, max(0, d.start - f.start) :].unbind(1))
-            self.feed_s = time.perf_counter() - t0
+        t0 = time.perf_counter()  # a draft forward is not probe time
         hidden = [d.pooled_input() for d in drafts] if self.spec.needs_hidden else None
         logits = [torch.stack(d.token_logits()) for d in drafts] if self.spec.needs_logits else None
         with torch.inference_mode():  # features and MLP without autograd bookkeeping per op
             x = probe_input(rows_features(self.spec, [d.tokens for d in drafts], hidden, logits), self.spec.groups)
             p = run_probe(self.probe, x)
-        self.probe_s = time.perf_counter() - t0 - self.feed_s  # a draft forward is not probe time
+        self.probe_s += time.perf_counter() - t0
         return dict(zip(rows, p))
 
     def take(self, row: int, step: Proposal) -> None:

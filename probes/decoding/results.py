@@ -38,8 +38,9 @@ class StepTrace:
         q: target probe's semantic probability (None when not computed, e.g. fast path).
         p: draft probe's semantic probability (None when not computed).
         decision: a :class:`Decision`.
-        seconds: wall time of the phases that produced and judged this step (shared evenly by the
-            rows of a batch).
+        seconds: the row's share of the loop's rounds since its previous step (a round's seconds shared evenly by
+            the rows in it), split evenly among the steps one round traced for the row; a row's steps' seconds add
+            up to at most its ``wall_s`` (:class:`~probes.decoding.meter.Meter`).
         score: SpecReason judge score 0-9 (only for ``method="specreason"``).
     """
 

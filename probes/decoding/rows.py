@@ -29,7 +29,6 @@ class TargetStep:
         tokens: the step so far, in both caches (its last token pending); forced tokens first.
         n_forced: leading tokens that were given (the target's bonus token), not written for this step.
         limit: the most tokens the step may hold, forced ones included.
-        seconds: the rounds' time shared to it so far.
         chunk: the most draft tokens proposed per target forward (the target's own steps written with token-level
             speculation, ``LoopOptions.token_sd_tokens``); None: up to the step's end (a refused step rewritten in
             the rounds, from the draft's continuation of it).
@@ -38,7 +37,6 @@ class TargetStep:
     tokens: list[int]
     n_forced: int
     limit: int
-    seconds: float = 0.0
     chunk: int | None = None
 
     def room(self) -> int:

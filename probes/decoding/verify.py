@@ -72,7 +72,7 @@ class TargetVerifier(CachePart):
         self.writer, self.sampler, self.tokenizer = writer, writer.sampler, tokenizer
         self.handover, self.probe, self.judge, self.coins = handover, probe, judge, coins
         self.spec = FeatureSpec.of(probe.config) if probe is not None else None
-        self.probe_s = 0.0  # seconds in the probe during the last verify()
+        self.probe_s = 0.0  # seconds in the probe so far
         self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
         self.token_logits: dict[int, torch.Tensor] = {}  # per row read: logits predicting its new tokens, then after
         self._suffix = 0
@@ -175,7 +175,6 @@ class TargetVerifier(CachePart):
     def _score(self, steps, outputs, read: dict[tuple, StepRead], after, needs: Needs) -> dict[tuple, Scores]:
         """Fast path, then ``q`` and one coin per step it did not keep (in order, from its row's stream), and the
         judge's score; every mapping is keyed by ``(row, step in window)``."""
-        self.probe_s = 0.0
         fast, fp = {}, needs.fast_path
         if fp is not None:  # every step's drafted tokens (a bonus token excluded) scored in one pass
             rs = [(r.step_logits[r.n_forced :], r.tokens[r.n_forced :]) for r in read.values()]
@@ -189,7 +188,7 @@ class TargetVerifier(CachePart):
                                                   [read[k].hidden for k in slow] if self.spec.needs_hidden else None,
                                                   [read[k].step_logits for k in slow]), self.spec.groups)
                 x, q = dict(zip(slow, feats)), dict(zip(slow, run_probe(self.probe, feats)))
-            self.probe_s = time.perf_counter() - t0
+            self.probe_s += time.perf_counter() - t0
         coin = {k: float(torch.rand((), generator=self.coins[k[0]])) for k in slow} if needs.coin else {}
         return {k: Scores(text=steps[k].text, output=outputs[k], features=x.get(k), fast=fast.get(k, False),
                           q=q.get(k), coin=coin.get(k), after=after[k],
