@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,18 +25,12 @@ METHODS = ("semanticspec", "target_only")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def endpoint(args: list[str], threads: int, log: Path):
     """``python -m probes.serve`` on a free port with ``args``, until the block ends (then SIGTERM)."""
     import openai
 
-    port = _port()
+    port, = harness.free_ports(1)
     cmd = [sys.executable, "-m", "probes.serve", "--port", str(port), "--threads", str(threads), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -167,7 +160,7 @@ def served(args, prompts, seeds) -> dict:
     from datamodules.arithmetic.serve import world_server
 
     logs = Path(args.log_dir)
-    t_port, d_port = _port(), _port()
+    t_port, d_port = harness.free_ports(2)
     with world_server("target", t_port, log=logs / "target.log") as t, \
             world_server("draft", d_port, log=logs / "draft.log") as d:
         with endpoint(["--target_url", t.url, "--draft_url", d.url, "--target_model", "target", "--draft_model",

@@ -14,7 +14,9 @@ of the same code path), as docs/design.md "Benchmark figures" describes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,6 +70,16 @@ def _prog() -> str | None:
     while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("benchmarks."):
         name, frame = frame.f_globals["__name__"], frame.f_back
     return f"python -m {name}" if name else None
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports no process listens on now (the OS's picks, held together while picked), for
+    servers the script starts: two runs at once then each talk to their own servers."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def results_path(name: str, quick: bool, out: str | Path | None = None) -> Path:

@@ -4,8 +4,8 @@
     python -m benchmarks.served --quick    # 8 problems, a smaller build (served-quick.*)
 
 The script starts the world's target and draft servers itself (``datamodules.arithmetic.serve.world_server``: f32
-weights and KV cache, one thread each, llama.cpp's verbose per-request output on, ports 8861/8862) and stops
-them at the end. What it measures (names of issue 20, item 6):
+weights and KV cache, one thread each, llama.cpp's verbose per-request output on, on free ports unless ``--ports``
+names two) and stops them at the end. What it measures (names of issue 20, item 6):
 
 - ``build``: the engine-read label build and probe fit of ``configs/served.yaml`` pointed at these servers,
   run as a child ``python -m probes.fit`` (data and run folders in a temporary folder): its
@@ -89,7 +89,6 @@ from probes.export import load_probe
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
-PORTS = (8861, 8862)
 LOOKAHEADS = (2, 4)
 """Windows of drafted steps per verify read beside the one-step loop (issue 31): one draft write and one target read
 per window."""
@@ -744,7 +743,9 @@ def arguments():
     ap.add_argument("--build-problems", type=int, default=48, help="problems of the engine-read build (--quick: 8)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=PROBLEM_SEED)
-    ap.add_argument("--ports", type=int, nargs=2, default=list(PORTS), help="target and draft server ports")
+    ap.add_argument("--ports", type=int, nargs=2, default=None,
+                    help="target and draft server ports (default: two free ones, so runs at once do not share "
+                         "servers)")
     ap.add_argument("--engine-probes", default=None,
                     help="an exported engine-trained pair ({target,draft}); skips the build stage")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/served[-quick].json)")
@@ -760,7 +761,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
         tmp = Path(tmp)
         servers = [world_server(role, port, log=tmp / f"{role}.log", n_threads=1, verbose=True)
-                   for role, port in zip(("target", "draft"), args.ports)]
+                   for role, port in zip(("target", "draft"), args.ports or harness.free_ports(2))]
         try:
             for s in servers:
                 s.start()

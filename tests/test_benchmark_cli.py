@@ -32,3 +32,19 @@ def test_every_benchmark_refuses_in_one_line(name, capsys):
     prog = f"python -m benchmarks.{name}"
     assert len(err.splitlines()) == 1, err  # not the page of usage under the name `decode.py`
     assert err.startswith(f"{prog}: error: ") and err.endswith(f" (see `{prog} --help`)\n"), err
+
+
+def test_the_served_benchmark_starts_its_servers_on_free_ports_by_default():
+    """Two runs at once must not share servers: on fixed ports the second run's client talked to the first run's
+    servers (its own could not bind), and the first's server log counted both runs' requests."""
+    import socket
+
+    from benchmarks import harness, served
+
+    assert served.arguments().parse_args([]).ports is None
+    assert served.arguments().parse_args(["--ports", "9001", "9002"]).ports == [9001, 9002]
+    ports = harness.free_ports(2)
+    assert len(set(ports)) == 2
+    for port in ports:  # each is free now
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
