@@ -39,10 +39,11 @@ def test_readme_test_command_leaves_out_slow_tests():
                              cwd=root, capture_output=True, text=True, check=True).stdout
         return {line.split("::")[-1] for line in out.splitlines() if "::" in line}
 
-    assert "test_readme_decoder_example_runs" not in collected()
+    readme_command = collected()
+    assert "test_readme_decoder_example_runs" not in readme_command
     assert "test_readme_decoder_example_runs" in collected("-m", "slow")
     unit_tier = collected("-m", "not slow and not integration")
-    assert "test_readme_test_command_leaves_out_slow_tests" in collected()  # the README's command runs integration
+    assert "test_readme_test_command_leaves_out_slow_tests" in readme_command  # the README's command runs integration
     assert "test_readme_test_command_leaves_out_slow_tests" not in unit_tier  # ... the unit tier does not
     assert "test_readme_opens_with_setup_and_test_commands_that_ci_runs" in unit_tier
 

@@ -305,7 +305,7 @@ def test_build_config_resolves_gguf_specs_to_converted_folders(tmp_path, monkeyp
     assert folder_fingerprint(folder)["architecture"] == "LlamaForCausalLM"
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # 12 s on 2 cores with the pair's loading: in CI's slow set, out of the README's 5-minute command
 def test_stop_check_on_token_ids_agrees_with_decoding_on_real_tokenizers(real_pair):
     """The stopper's token-id gate is exact for a byte-level BPE (SmolLM2) and a sentencepiece (Gemma) vocabulary."""
     from tests.conftest import stopper_agrees

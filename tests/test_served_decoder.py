@@ -263,6 +263,7 @@ def test_both_decoders_read_one_decode_config(world, engines):
         served.generate(prompts, cfg, batch_size=2)
 
 
+@pytest.mark.slow  # 9 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_served_stream_yields_each_step_then_the_result_generate_returns(world, engines):
     """Issue 30 item 2, served: each prompt's events come in its order (steps tried, then one end event with its
     result) while concurrent prompts interleave; generate is those results."""
