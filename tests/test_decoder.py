@@ -82,8 +82,8 @@ def texts(results):
 
 PAIRS = ["one tokenizer", "multi-layer probes", "two tokenizers"]
 SLOW = pytest.mark.slow
-"""Over 5 s a case on 2 cores: the README's command runs one case of the costliest equivalences (one tokenizer, the
-default loop), CI's slow set the others."""
+"""Over 5 s a case on 2 cores: the README's command checks a call's batching with one pair (one tokenizer); the other
+pairs, the per-prompt seeds and the ragged batches run in CI's slow set."""
 
 
 @pytest.fixture(params=PAIRS)
@@ -755,9 +755,8 @@ def test_a_call_decodes_the_same_whatever_its_batch_size(pair):
 SIX_PROMPTS = PROMPTS + ["Start with 2.\n\n", "Take 9. Multiply it by 2.\n\n", "Begin with 4. Add 6.\n\n"]
 
 
-@pytest.mark.parametrize("pair", [PAIRS[0], *(pytest.param(p, marks=SLOW) for p in PAIRS[1:])], indirect=True)
-@pytest.mark.parametrize("method", ["semanticspec", pytest.param("target_only", marks=SLOW),
-                                    pytest.param("random_accept", marks=SLOW)])
+@SLOW  # the README's command checks a call's batching alone (the test before)
+@pytest.mark.parametrize("method", ["semanticspec", "target_only", "random_accept"])
 def test_with_one_seed_per_prompt_any_prompt_decodes_alone_as_in_its_batch(pair, method):
     """Issue 33 item 2: a per-prompt seed (the OpenAI API's ``seed`` is per request) makes a prompt's streams depend on
     its seed alone, so any prompt of a sampled batch decodes alone, at any position, with the same result."""
@@ -799,11 +798,10 @@ def row_view(r):
                                           s.draft_steps_accepted, s.drafted_tokens, s.target_passes, s.draft_passes)
 
 
-@pytest.mark.parametrize("rewrite", [{"token_sd": True}, pytest.param({"token_sd": True, "rewrite_in_rounds": False},
-                                                                     marks=SLOW),
-                                     pytest.param({"token_sd": False}, marks=SLOW)],
-                         ids=["in_rounds", "rewrite_phase", "no_token_sd"])
-@pytest.mark.parametrize("first", [False, pytest.param(True, marks=SLOW)], ids=["draft_first", "target_first"])
+@SLOW
+@pytest.mark.parametrize("rewrite", [{"token_sd": True}, {"token_sd": True, "rewrite_in_rounds": False},
+                                     {"token_sd": False}], ids=["in_rounds", "rewrite_phase", "no_token_sd"])
+@pytest.mark.parametrize("first", [False, True], ids=["draft_first", "target_first"])
 def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, rewrite, first):
     """Issue 22: the lockstep batch of eight prompts of 6-105 tokens decides and samples each row as it would
     alone (text, stop reason, every step's writer/text/decision/q/p, counters), greedy and sampled."""

