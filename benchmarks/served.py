@@ -42,9 +42,9 @@ names two) and stops them at the end. What it measures (names of issue 20, item 
   :class:`~generation.engines.local.LocalEngine` over the world's target); ``vs_shipped`` compares with the
   shipped in-process pair instead; ``same_probe`` is the share where the shipped probe decides alike on served
   and on in-process features (feature agreement, apart from training);
-- ``projected_speedup_32b``: the cost model of docs/benchmarks.md ("Served") with the measured step length,
-  acceptance, requests per step and request overhead, and assumed (cited) per-token costs of a 1.5B draft and a
-  32B target;
+- ``projected_speedup_32b``: the cost model of docs/benchmarks.md ("Served") with the measured output and drafted
+  tokens per judged step, acceptance, requests per step and request overhead, and assumed (cited) per-token costs of
+  a 1.5B draft and a 32B target (``ceiling``: the same with free reads and no request overhead);
 - ``concurrency.<1|4|16>.tokens_per_s`` of target-only and SemanticSpec.
 """
 
@@ -513,17 +513,26 @@ def _cut(step, k: int):
 
 
 def projection(method: dict, rps: float, o_ms: float, prefill: dict) -> dict:
-    """The cost model of docs/benchmarks.md ("Served") for a 1.5B draft and a 32B target, per draft step of L tokens."""
-    L = method["drafted_tokens"] / max(method["draft_steps_proposed"], 1)
+    """The cost model of docs/benchmarks.md ("Served") for a 1.5B draft and a 32B target, per judged draft step.
+
+    Target-only pays ``t_T`` for each of the ``s`` output tokens a judged step yields (the step kept, or the target's
+    own step in its place, with its opening token); SemanticSpec pays the draft for the ``L`` tokens it wrote (a
+    window's steps thrown away after a refused one included, so ``L`` may exceed ``s``), the verify reads, the
+    target's own steps for the refused share ``r`` and the requests' overhead. ``ceiling`` is the same model with
+    free reads and no request overhead: what the draft's cost and the refusals alone allow."""
+    n = max(method["draft_steps_proposed"], 1)
+    s, L = method["output_tokens"] / n, method["drafted_tokens"] / n
     r = 1.0 - method["step_acceptance"]
-    w = method.get("windows", method["draft_steps_proposed"]) / max(method["draft_steps_proposed"], 1)
+    w = method.get("windows", n) / n
     t_t, t_d, v = (ASSUMED_32B[k][0] for k in ("t_T_ms", "t_D_ms", "v"))
-    cost_target = L * t_t
-    cost_spec = L * t_d + w * v * t_t + r * L * t_t + rps * o_ms
+    draft_and_refused = L * t_d + r * s * t_t
     return {
-        "value": cost_target / cost_spec,
-        "formula": "speedup = L*t_T / (L*t_D + w*v*t_T + r*L*t_T + requests_per_step*o)",
+        "value": s * t_t / (draft_and_refused + w * v * t_t + rps * o_ms),
+        "ceiling": s * t_t / draft_and_refused,
+        "formula": "speedup = s*t_T / (L*t_D + w*v*t_T + r*s*t_T + requests_per_step*o)",
         "inputs": {
+            "s": {"value": s, "measured": True, "what": "output tokens per judged draft step (a kept step, or the "
+                                                         "target's step in place of a refused one)"},
             "L": {"value": L, "measured": True, "what": "tokens the draft wrote per judged draft step (a window's "
                                                          "steps thrown away after a refused one included)"},
             "r": {"value": r, "measured": True, "what": "1 - step_acceptance (served semanticspec)"},
@@ -716,7 +725,8 @@ def markdown(report: dict) -> str:
                              f"{la['ari']:.3f} / {la['mean_abs_dq']:.3f} / {la['shared_texts']} / "
                              f"{la['coverage']['a']:.2f}, {la['coverage']['b']:.2f}"))
     proj = report["projected_speedup_32b"]
-    rows.append(("projected_speedup_32b", f"{proj['value']:.2f}x: {proj['formula']}"))
+    rows.append(("projected_speedup_32b (ceiling: free reads, no request overhead)",
+                 f"{proj['value']:.2f}x ({proj['ceiling']:.2f}x): {proj['formula']}"))
     for k, v in proj["inputs"].items():
         val = v["value"]
         rows.append((f"  {k} ({'measured' if v['measured'] else 'assumed'})",
@@ -727,8 +737,8 @@ def markdown(report: dict) -> str:
                      f"{m['speedup']:.2f}x / {plain['speedup']:.2f}x; {m['ahead_used']} / {m['ahead_windows']}"))
     for k, p in report.get("projected_speedup_32b_by_lookahead", {}).items():
         m = report["methods"][f"semanticspec[lookahead={k}]"]
-        rows.append((f"lookahead={k}: requests per committed step / projected_speedup_32b",
-                     f"{m['requests_per_committed_step']:.2f} / {p['value']:.2f}x"))
+        rows.append((f"lookahead={k}: requests per committed step / projected_speedup_32b (ceiling)",
+                     f"{m['requests_per_committed_step']:.2f} / {p['value']:.2f}x ({p['ceiling']:.2f}x)"))
     for n, row in report["concurrency"].items():
         if isinstance(row, dict):
             rows.append((f"concurrency {n} tokens/s target_only / semanticspec",

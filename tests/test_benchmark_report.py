@@ -58,3 +58,16 @@ def test_the_check_command_exits_0_when_up_to_date():
     run = subprocess.run([sys.executable, "-m", "benchmarks.report", "--check"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_the_32b_projection_credits_target_only_with_output_tokens_not_thrown_away_drafts():
+    from benchmarks.served import projection
+
+    method = {"draft_steps_proposed": 10, "output_tokens": 60, "drafted_tokens": 100, "step_acceptance": 0.8,
+              "windows": 4}
+    p = projection(method, rps=1.0, o_ms=0.0, prefill={})
+    # s = 6 output tokens per judged step, L = 10 drafted (4 thrown away), r = 0.2, w = 0.4 reads per judged step
+    assert p["value"] == pytest.approx(6 * 25 / (10 * 6 + 0.4 * 1.1 * 25 + 0.2 * 6 * 25))
+    assert p["ceiling"] == pytest.approx(6 * 25 / (10 * 6 + 0.2 * 6 * 25))
+    kept_drafts = projection({**method, "drafted_tokens": 60}, rps=1.0, o_ms=0.0, prefill={})
+    assert kept_drafts["value"] > p["value"] and p["inputs"]["s"]["value"] == 6.0

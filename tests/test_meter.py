@@ -64,6 +64,16 @@ def test_a_phase_moves_the_probes_seconds_to_the_judged_rows_and_skips_failed_on
     assert rows[0].stats.probe_s == 0.5 and rows[1].stats.probe_s == 0.0 and rows[2].stats.verify_s == 0.0
 
 
+
+def test_a_phase_name_outside_the_stats_fields_is_refused():
+    rows = [Row(100, True, None)]
+    m = Meter(rows, *parts(1))
+    with pytest.raises(ValueError, match="'drafting'"):
+        with m.phase({0: "drafting"}):
+            pass
+    assert rows[0].stats.draft_s == 0.0
+
+
 @pytest.mark.parametrize("loop", [{}, {"rewrite_in_rounds": False}], ids=["defaults", "rewrite_phase"])
 def test_a_decodes_step_and_phase_seconds_fit_in_its_wall_time(tiny_pair, loop):
     # Per batch: a row that runs longer than the others takes a larger share of the rounds than of the wall.

@@ -196,11 +196,11 @@ class StepLoop:
             self._window(windows, states, window)
             if window.overlap:
                 self.proposer.draft_ahead({i: w for i, w in windows.items() if i not in going}, window.size)
-        rows_i = self.live(rows_i)
+        rows_i, going = self.live(rows_i), self.live(going)
         judged = [i for i in rows_i if i not in going]
-        with self.meter.phase({i: "rewrite" if i in going else "verify" for i in rows_i}):
+        with self.meter.phase({**dict.fromkeys(judged, "verify"), **dict.fromkeys(going, "rewrite")}):
             scores = self.verifier.verify({i: windows[i] for i in rows_i}, {i: rows[i].text for i in judged}, needs,
-                                          rewrites=[i for i in rows_i if i in going])
+                                          rewrites=going)
         with self.meter.phase(dict.fromkeys(judged, "draft")):  # the draft probe's p, and the draft's read for it
             scores = self._with_p(scores, policy)
         decisions = self._decide(scores, policy)

@@ -70,6 +70,8 @@ class Meter:
         """A phase of a round for the rows of ``fields``, each mapped to the phase its share counts to
         (:data:`PHASES`). The seconds, less the probes' (which go to the rows not rewriting), are shared evenly by
         the rows that did not fail in it."""
+        if bad := sorted(set(fields.values()) - set(PHASES)):
+            raise ValueError(f"phase names must be among {PHASES}, got {bad}")
         t0, probe0 = time.perf_counter(), self._probe_s()
         yield
         probe = self._probe_s() - probe0
