@@ -64,7 +64,6 @@ def test_a_phase_moves_the_probes_seconds_to_the_judged_rows_and_skips_failed_on
     assert rows[0].stats.probe_s == 0.5 and rows[1].stats.probe_s == 0.0 and rows[2].stats.verify_s == 0.0
 
 
-
 def test_a_phase_name_outside_the_stats_fields_is_refused():
     rows = [Row(100, True, None)]
     m = Meter(rows, *parts(1))
