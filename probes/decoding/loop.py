@@ -51,8 +51,9 @@ SHIPPED_WINDOW = Window(4, math.log(0.5))
 """SemanticSpec's window when ``DecodeConfig.lookahead`` is not given (and the decoder and policy allow windows): up to
 4 drafted steps per target pass, the next one drafted only after a step whose every token the draft drew at
 probability >= 0.5. Measured with ``python -m benchmarks.decode`` on 400 problems (docs/benchmarks.md, "Lookahead"):
-2.85x target-only at 0.970 accuracy, against 2.40x at 0.965 for one step per pass and 0.973 for target-only; the
-threshold was read off 40 other problems (AUROC 0.84 for the target's decision)."""
+2.85x target-only at 0.970 accuracy, against 2.40x at 0.965 for one step per pass and 0.973 for target-only (the
+same decisions on a machine with half the per-forward cost: 2.43x against 2.08x); the threshold was read off 40 other
+problems (AUROC 0.84 for the target's decision)."""
 
 
 @dataclass(frozen=True)
