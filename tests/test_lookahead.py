@@ -12,7 +12,7 @@ from generation.features import probe_input
 from generation.specs import FeatureSpec
 from probes.decoder import SemanticSpecDecoder
 from probes.decoding.config import DecodeConfig
-from probes.decoding.loop import SHIPPED_WINDOW, Window
+from probes.decoding.loop import SHIPPED_WINDOW, StepLoop, Window
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
 from probes.decoding.results import summarize
@@ -53,9 +53,11 @@ def decisions(results):
 def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, monkeypatch):
     """Issue 31: the features a window's one forward gives each step equal those the label build reads for the same
     prefix and step, read on their own (as the sequential loop reads it once the steps before it are kept), within
-    float tolerance, and so do the probe's decisions; greedy, 32 problems, windows of 3."""
-    reads, scored = [], []
-    read, score = TargetVerifier._read, TargetVerifier._score
+    float tolerance, and so do the probe's decisions; greedy, 32 problems, windows of 3. Windows drafted after a
+    rewrite's continuation, read in its forward, are among them, and some are settled; one step per pass drafts
+    none."""
+    reads, scored, after = [], [], []
+    read, score, settle = TargetVerifier._read, TargetVerifier._score, StepLoop._settle
 
     def spy_read(self, i, f, a, b, *args):
         reads.append((list(self.cache.seq[i][:a]), list(self.cache.seq[i][a:b])))
@@ -66,8 +68,13 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
         scored.extend((j, out[k].features, out[k].q) for k in got for j in [k[1]])
         return out
 
+    def spy_settle(self, judged, windows, scores, decisions, states, rewritten=(), offsets=None):
+        after.extend(rewritten)
+        return settle(self, judged, windows, scores, decisions, states, rewritten, offsets)
+
     monkeypatch.setattr(TargetVerifier, "_read", spy_read)
     monkeypatch.setattr(TargetVerifier, "_score", spy_score)
+    monkeypatch.setattr(StepLoop, "_settle", spy_settle)
     policy = ProbePolicy()  # no fast path: the probe reads every step
     dec = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["probe"],
                               policy=policy, options=MARKER)
@@ -83,7 +90,12 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
         q_alone = probe.predict(built[None]).item()
         if abs(q_alone - policy.tau) > 1e-3:  # a decision within float noise of tau is not compared
             assert (q >= policy.tau) == (q_alone >= policy.tau)
-    print(f"[measured] {len(reads)} steps read in windows of up to 3, max |window - alone| feature {worst:.2e}")
+    print(f"[measured] {len(reads)} steps read in windows of up to 3 ({len(after)} windows settled after a rewrite), "
+          f"max |window - alone| feature {worst:.2e}")
+    assert after
+    n_after = len(after)
+    one = dec.generate(prompts, lookahead=1, **GREEDY)  # one step per pass: never a window after a rewrite
+    assert len(after) == n_after and sum(r.stats.windows for r in one) == sum(r.stats.draft_steps_proposed for r in one)
     assert all(r.ok for r in res)
 
 

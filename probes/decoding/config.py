@@ -58,9 +58,10 @@ class DecodeConfig:
             probe's ``p`` nor a judge turn), else one step. The draft writes up to ``lookahead`` steps one after
             another, the target reads them all in one forward (served: one request), the probe judges each as the
             step-by-step loop would (causal attention: a step's features depend only on the text before it), and
-            the kept steps up to the first refused one are committed. 1 is one step per target pass (the paper's
-            loop). Above 1: speculative methods only; it needs one tokenizer in-process, and no policy that reads
-            the draft probe's ``p`` or a judge turn.
+            the kept steps up to the first refused one are committed; in-process, a window may also follow a
+            refused step's rewrite in the same forward (docs/design.md, "Windows"). 1 is one step per target pass
+            (the paper's loop). Above 1: speculative methods only; it needs one tokenizer in-process, and no policy
+            that reads the draft probe's ``p`` or a judge turn.
         window_min_logprob: an adaptive window (with a ``lookahead`` above 1 given): the draft writes a window's
             next step only after a step whose every token it drew at this raw log-probability or more (a step it was
             unsure of is the likelier to be refused, and the steps after a refused one are thrown away); None

@@ -51,9 +51,9 @@ SHIPPED_WINDOW = Window(4, math.log(0.5))
 """SemanticSpec's window when ``DecodeConfig.lookahead`` is not given (and the decoder and policy allow windows): up to
 4 drafted steps per target pass, the next one drafted only after a step whose every token the draft drew at
 probability >= 0.5. Measured with ``python -m benchmarks.decode`` on 400 problems (docs/benchmarks.md, "Lookahead"):
-2.85x target-only at 0.970 accuracy, against 2.40x at 0.965 for one step per pass and 0.973 for target-only (the
-same decisions on a machine with half the per-forward cost: 2.43x against 2.08x); the threshold was read off 40 other
-problems (AUROC 0.84 for the target's decision)."""
+2.71x target-only at 0.968 accuracy, against 2.19x at 0.965 for one step per pass and 0.973 for target-only, on a
+machine where the same loop without windows after rewrites ran 2.43x (2.85x on one with twice the per-forward cost);
+the threshold was read off 40 other problems (AUROC 0.84 for the target's decision)."""
 
 
 @dataclass(frozen=True)
@@ -200,26 +200,35 @@ class StepLoop:
         rows_i, going = self.live(rows_i), self.live(going)
         judged = [i for i in rows_i if i not in going]
         with self.meter.phase({**dict.fromkeys(judged, "verify"), **dict.fromkeys(going, "rewrite")}):
-            scores = self.verifier.verify({i: windows[i] for i in rows_i}, {i: rows[i].text for i in judged}, needs,
+            scores = self.verifier.verify({i: windows[i] for i in rows_i}, {i: rows[i].text for i in rows_i}, needs,
                                           rewrites=going)
         with self.meter.phase(dict.fromkeys(judged, "draft")):  # the draft probe's p, and the draft's read for it
-            scores = self._with_p(scores, policy)
+            scores = {**scores, **self._with_p({i: s for i, s in scores.items() if i in judged}, policy)}
         decisions = self._decide(scores, policy)
+        after = {}  # rewriting rows whose step the target finished as drafted, with the window drafted after it
         for i in self.live(going):
-            self._rewrite_tokens(i, windows[i][0], drawn=True)
-        return self._settle(self.live(judged), windows, scores, decisions, states)
+            if self._rewrite_tokens(i, windows[i][0], drawn=True, hold=len(windows[i]) > 1):
+                after[i] = windows[i][0].n_new
+        return self._settle(self.live(judged), windows, scores, decisions, states, self.live(list(after)), after)
 
     def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], window: Window) -> None:
         """The draft writes up to ``window.size`` steps per judged row, each after the ones before it, while the row
         would go on (the last step did not end the sequence or the answer, the budget has room left) and, for an
-        adaptive window, while the draft drew every token of the last step at ``window.min_logprob`` or more."""
+        adaptive window, while the draft drew every token of the last step at ``window.min_logprob`` or more.
+
+        With windows above one step, a row rewriting a refused step (in the rounds) whose continuation ends the step
+        gets a window after it on the same terms (its continuation judged as the last step): the target reads both
+        in one forward, and the window counts only if the target finishes its step as drafted (:meth:`_settle`)."""
         def sure(d: Proposal) -> bool:
             m = window.min_logprob
             return m is None or (d.confidence is not None and d.confidence >= m)
 
-        for _ in range(window.size - 1):
+        def cap(i: int) -> int:  # proposals a row's window may hold: a rewrite's continuation comes first
+            return window.size + 1 if states[i].rewrite and window.size > 1 else window.size
+
+        for _ in range(window.size):
             more = {i: RowState((), left) for i, w in windows.items()
-                    if sure(w[-1]) and (left := self._room_after(i, w, states[i])) > 0}
+                    if len(w) < cap(i) and sure(w[-1]) and (left := self._room_after(i, w, states[i])) > 0}
             if not more:
                 return
             for i, d in self.proposer.propose(more, for_p=False, more=True).items():
@@ -228,11 +237,16 @@ class StepLoop:
     def _room_after(self, i: int, window: list[Proposal], state: RowState) -> int:
         """Tokens a next step of row ``i``'s window may hold (0: the row would stop after the window)."""
         r, last = self.rows[i], window[-1]
-        if r.done or r.rewriting is not None or last.eos or last.n_new == 0:
+        if r.done or last.eos or last.n_new == 0:
             return 0
         if answer_complete(r.text + "".join(d.text for d in window), r.answer_marker):
             return 0
-        return state.limit - sum(d.size for d in window)
+        if r.rewriting is None:
+            return state.limit - sum(d.size for d in window)
+        rw, first = r.rewriting, window[0]  # the continuation (its text the whole step), then the steps after it
+        if not self.rides or not self.verifier.ends_step([*rw.tokens, *first.tokens[first.n_forced :]], rw.limit):
+            return 0
+        return self.limit(i, self.verifier, self.proposer) - len(rw.tokens) - sum(d.n_new for d in window)
 
     def _with_p(self, scores: dict[int, list], policy: AcceptancePolicy) -> dict[int, list]:
         """The scores with the draft probe's ``p`` of the rows whose first step the policy wants it for (``p`` is read
@@ -253,17 +267,22 @@ class StepLoop:
                 out[i].append(d)
         return out
 
-    def _settle(self, judged: list[int], windows, scores, decisions, states) -> list[int]:
+    def _settle(self, judged: list[int], windows, scores, decisions, states, rewritten: Sequence[int] = (),
+                offsets: dict[int, int] | None = None) -> list[int]:
         """Count, trace and commit each judged row's kept steps, and roll back from its first refused one (the steps
         after it are thrown away); the bonus token after a window kept whole. A step the target read nothing of is
-        refused."""
+        refused. ``rewritten``: rows whose rewrite the target just finished as drafted, their window after it
+        (``offsets``: the new tokens of the rewrite before it) settled the same way."""
         rows, rejected, bonus = self.rows, [], []
-        for i in judged:
+        for i in [*judged, *rewritten]:
             r, w, s, ds = rows[i], windows[i], scores.get(i, []), decisions.get(i, [])
-            self.verifier.close_judge_turn(i, s[0] if s else None)
+            if i in rewritten:
+                w, kept, limit = w[1:], offsets[i], self.limit(i, self.verifier, self.proposer)
+            else:
+                self.verifier.close_judge_turn(i, s[0] if s else None)
+                kept, limit = 0, states[i].limit
             r.stats.drafted_tokens += sum(d.n_new for d in w)
             r.stats.windows += 1
-            kept = 0
             for j, d in enumerate(w):
                 decision, sj = ds[j] if j < len(ds) else Decision.REJECT, s[j] if j < len(s) else None
                 r.stats.draft_steps_proposed += 1
@@ -271,7 +290,7 @@ class StepLoop:
                                   confidence=d.confidence)
                 if decision == Decision.REJECT:
                     r.trace.append(trace)
-                    if self._refused(i, d, kept, states[i].limit - sum(x.size for x in w[:j])):
+                    if self._refused(i, d, kept, limit - sum(x.size for x in w[:j])):
                         rejected.append(i)
                     break
                 r.stats.draft_steps_accepted += 1
@@ -309,11 +328,15 @@ class StepLoop:
             return RowState(tuple(r.rewriting.tokens), r.rewriting.room(), rewrite=True)
         return RowState(tuple(r.forced), self.limit(i, self.verifier, self.proposer) + len(r.forced))
 
-    def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool, offset: int = 0) -> None:
+    def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool, offset: int = 0, hold: bool = False) -> bool:
         """The target keeps a prefix of the proposal's new tokens and draws the token after it
         (:func:`~probes.decoding.speculative.speculate_tokens` on the verification forward's logits); the
         rewrite is committed once the step is finished. ``offset``: new tokens of the row's window before the
-        proposal (the kept steps before a refused one)."""
+        proposal (the kept steps before a refused one). ``hold``: a window was drafted after the proposal; when the
+        target keeps the proposal whole and it ends the step, both parts keep that window too, to be settled.
+
+        Returns:
+            True when the window after the proposal is held (the step committed, the row going on)."""
         rw, ver = self.rows[i].rewriting, self.verifier
         new = list(proposal.tokens[proposal.n_forced :])
         logits = ver.token_logits.get(i)
@@ -323,6 +346,9 @@ class StepLoop:
             kept, extra = speculate_tokens(ver.sampler, i, new, logits[offset:], proposal.logits, drawn=drawn,
                                            ends_after=lambda j: ver.ends_step(base + new[:j], rw.limit))
         rw.tokens.extend(new[:kept])
+        if hold and extra is None and kept == len(new) and logits is not None:
+            self._rewritten(i)
+            return not self.rows[i].done
         ver.keep(i, offset + kept)
         self.proposer.keep(i, offset + kept)
         if extra is not None:
@@ -330,6 +356,7 @@ class StepLoop:
             ver.extend(i, [extra])
             self.proposer.extend(i, [extra])
         self._rewritten(i)
+        return False
 
     def _rewritten(self, i: int) -> None:
         """Commit row ``i``'s target step once it is finished (its stopper, or its limit)."""

@@ -149,9 +149,9 @@ class TargetVerifier(CachePart):
         for i, f in fed.items():
             end = n0[i] + self._new[i] - f.start  # one past the window's last token among the fed tokens
             self.token_logits[i] = f.predicting(n0[i] - f.start, end + 1, pre[i])
-            if i in rewrites:
-                continue
             for j, (d, (a, b)) in enumerate(zip(windows[i], bounds[i])):
+                if i in rewrites and j == 0:
+                    continue
                 read[i, j] = self._read(i, f, a, b, hand.forced_in_target(d), pre[i], needs,
                                         f.logits[-1] if suffix else None)
                 after[i, j] = f.logits[b - f.start - 1]
