@@ -68,9 +68,9 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
         scored.extend((j, out[k].features, out[k].q) for k in got for j in [k[1]])
         return out
 
-    def spy_settle(self, judged, windows, scores, decisions, states, rewritten=(), offsets=None):
-        after.extend(rewritten)
-        return settle(self, judged, windows, scores, decisions, states, rewritten, offsets)
+    def spy_settle(self, judged, windows, scores, decisions, states, rewritten=None):
+        after.extend(rewritten or {})
+        return settle(self, judged, windows, scores, decisions, states, rewritten)
 
     monkeypatch.setattr(TargetVerifier, "_read", spy_read)
     monkeypatch.setattr(TargetVerifier, "_score", spy_score)

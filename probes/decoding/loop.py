@@ -209,7 +209,8 @@ class StepLoop:
         for i in self.live(going):
             if self._rewrite_tokens(i, windows[i][0], drawn=True, hold=len(windows[i]) > 1):
                 after[i] = windows[i][0].n_new
-        return self._settle(self.live(judged), windows, scores, decisions, states, self.live(list(after)), after)
+        return self._settle(self.live(judged), windows, scores, decisions, states,
+                            {i: n for i, n in after.items() if not rows[i].done})
 
     def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], window: Window) -> None:
         """The draft writes up to ``window.size`` steps per judged row, each after the ones before it, while the row
@@ -217,8 +218,8 @@ class StepLoop:
         adaptive window, while the draft drew every token of the last step at ``window.min_logprob`` or more.
 
         With windows above one step, a row rewriting a refused step (in the rounds) whose continuation ends the step
-        gets a window after it on the same terms (its continuation judged as the last step): the target reads both
-        in one forward, and the window counts only if the target finishes its step as drafted (:meth:`_settle`)."""
+        gets a window after it on the same terms (the continuation taken as the window's last step): the target reads
+        both in one forward, and the window counts only if the target finishes its step as drafted (:meth:`_settle`)."""
         def sure(d: Proposal) -> bool:
             m = window.min_logprob
             return m is None or (d.confidence is not None and d.confidence >= m)
@@ -267,17 +268,17 @@ class StepLoop:
                 out[i].append(d)
         return out
 
-    def _settle(self, judged: list[int], windows, scores, decisions, states, rewritten: Sequence[int] = (),
-                offsets: dict[int, int] | None = None) -> list[int]:
+    def _settle(self, judged: list[int], windows, scores, decisions, states,
+                rewritten: dict[int, int] | None = None) -> list[int]:
         """Count, trace and commit each judged row's kept steps, and roll back from its first refused one (the steps
         after it are thrown away); the bonus token after a window kept whole. A step the target read nothing of is
-        refused. ``rewritten``: rows whose rewrite the target just finished as drafted, their window after it
-        (``offsets``: the new tokens of the rewrite before it) settled the same way."""
-        rows, rejected, bonus = self.rows, [], []
+        refused. ``rewritten``: ``{row: new tokens of its rewrite}`` for rows whose rewrite the target just finished
+        as drafted; their window after the rewrite is settled the same way."""
+        rows, rejected, bonus, rewritten = self.rows, [], [], rewritten or {}
         for i in [*judged, *rewritten]:
             r, w, s, ds = rows[i], windows[i], scores.get(i, []), decisions.get(i, [])
             if i in rewritten:
-                w, kept, limit = w[1:], offsets[i], self.limit(i, self.verifier, self.proposer)
+                w, kept, limit = w[1:], rewritten[i], self.limit(i, self.verifier, self.proposer)
             else:
                 self.verifier.close_judge_turn(i, s[0] if s else None)
                 kept, limit = 0, states[i].limit
