@@ -63,6 +63,7 @@ from benchmarks import batching, harness
 from benchmarks.common import PROBE_ROOT, PROBLEM_SEED, REPO, TASK, figures, oracle_for, paired_delta
 from benchmarks.decode_report import markdown, plot, scaling_markdown
 from datamodules.arithmetic import models, task
+from generation.cache import record_forwards
 from generation.paths import portable_paths
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.loop import SHIPPED_WINDOW
@@ -203,10 +204,12 @@ def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> dict:
-    """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}``."""
+def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> tuple[dict, dict]:
+    """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}`` and
+    ``{name: [ForwardRecord]}``, every forward each method ran (:func:`generation.cache.record_forwards`)."""
     names = list(METHODS) + list(variants)
     out: dict[str, list] = {n: [] for n in names}
+    forwards: dict[str, list] = {n: [] for n in names}
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
            "lookahead": 1}  # rows judge one step per pass unless they name a window
     for k, p in enumerate(tqdm(problems, desc="decode", unit="problem")):
@@ -220,15 +223,19 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
                     kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
                 elif kw.get("method") == "oracle_accept":
                     kw = {**kw, "oracle": oracle_for(p)}
-                out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
+                with record_forwards() as log:
+                    out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
+                forwards[name] += log
                 continue
             extra = {}
             if name == "random_accept":
                 extra["accept_rate"] = summarize(out["semanticspec"])["step_acceptance"]
             if name == "oracle_accept":
                 extra["oracle"] = oracle_for(p)
-            out[name] += dec.generate([prompt], method=name, seed=seed, **gen, **extra)
-    return out
+            with record_forwards() as log:
+                out[name] += dec.generate([prompt], method=name, seed=seed, **gen, **extra)
+            forwards[name] += log
+    return out, forwards
 
 
 def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=batching.SIZES) -> dict:
@@ -500,37 +507,34 @@ def lookahead_variants(dec: SemanticSpecDecoder) -> dict:
     return out
 
 
-def window_cost(methods: dict, phases: dict) -> dict:
-    """Issue 31's cost model of a verify forward that carries a window, checked before anything is tuned on it.
+def window_cost(methods: dict, forwards: dict, roles: dict[int, str]) -> dict:
+    """Issue 31's cost model of a target forward that carries a window, checked before anything is tuned on it.
 
-    The verify seconds of a row are ``a`` per verify forward plus ``b`` per drafted token it reads (every token of a
-    window is read, the ones after a refused step too). ``a`` and ``b`` are fitted on two rows, the one-step loop and
-    windows of 2; the model then predicts the verify seconds of the other windowed rows, and their speedups with
-    every other phase as measured.
+    Every forward of model ``m`` costs ``a_m + b_m * positions`` seconds (:func:`benchmarks.batching.fit_costs`,
+    least squares on each forward the one-step loop and windows of 2 ran: verify, rewrite and first-step forwards
+    alike, and the draft's). The model then predicts every other row's forward seconds from its own forwards and
+    positions, and its speedup with the seconds outside the forwards as measured. ``machine`` gives the fitted costs
+    in milliseconds beside target-only's seconds per token: the units in which the speedups move with the machine.
     """
-    rows = [n for n in ["semanticspec", *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS), ADAPTIVE_ROW]
-            if n in methods and n in phases and "steps_per_window" in methods[n]]
-    if len(rows) < 3:
+    rows = [n for n in ["target_only", "semanticspec", *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS),
+                        ADAPTIVE_ROW] if n in methods and forwards.get(n)]
+    fit_on = rows[1:3]
+    if len(rows) < 4:
         return {}
+    costs = batching.fit_costs([r for n in fit_on for r in forwards[n]], roles)
     ref = methods["target_only"]["wall_s"]
-
-    def counts(n: str) -> tuple[float, float]:
-        m = methods[n]
-        windows = m["draft_steps_proposed"] / m["steps_per_window"]
-        drafted = m["wasted_draft_tokens_per_window"] * windows + m["draft_token_share"] * m["output_tokens"]
-        return windows, drafted
-
-    (w1, d1), (w2, d2) = counts(rows[0]), counts(rows[1])
-    v1, v2 = phases[rows[0]]["verify"], phases[rows[1]]["verify"]
-    det = w1 * d2 - w2 * d1
-    a, b = (v1 * d2 - v2 * d1) / det, (w1 * v2 - w2 * v1) / det
-    out = {"a_s_per_forward": a, "b_s_per_token": b, "fitted_on": rows[:2], "rows": {}}
+    out = {"costs": costs, "fitted_on": fit_on, "rows": {}, "machine": {
+        **{f"{m}_{k}_ms": 1000 * costs[m][k] for m in costs for k in ("a", "b")},
+        "target_only_ms_per_token": 1000 * ref / max(methods["target_only"]["output_tokens"], 1)}}
     for n in rows:
-        w, d = counts(n)
-        verify = a * w + b * d
-        wall = methods[n]["wall_s"] - phases[n]["verify"] + verify
-        out["rows"][n] = {"verify_s": phases[n]["verify"], "predicted_verify_s": verify,
-                          "speedup": methods[n]["speedup"], "predicted_speedup": ref / wall}
+        measured = predicted = 0.0
+        for r in forwards[n]:
+            fit = costs.get(roles.get(id(r.model)))
+            measured += r.seconds
+            predicted += fit["a"] + fit["b"] * r.positions if fit else r.seconds
+        wall = methods[n]["wall_s"] - measured + predicted
+        out["rows"][n] = {"forward_s": measured, "predicted_forward_s": predicted, "speedup": methods[n]["speedup"],
+                          "predicted_speedup": ref / wall}
     return out
 
 
@@ -635,14 +639,16 @@ def sweep_curves(methods: dict, runs: dict, problems, knobs: dict) -> dict:
     return sweep
 
 
-def build_report(args: argparse.Namespace, plan: Plan, runs: dict, problems, untrained: bool, t0: float) -> dict:
-    """The benchmark's figures (``seconds`` counts from ``t0`` and includes batch scaling)."""
+def build_report(args: argparse.Namespace, plan: Plan, runs: dict, forwards: dict, problems, untrained: bool,
+                 t0: float) -> dict:
+    """The benchmark's figures (``seconds`` counts from ``t0`` and includes batch scaling); ``forwards``: every
+    method's timed forwards (:func:`run_methods`)."""
     methods = method_figures(runs, problems, plan.beside)
     probe_scores = judge_decisions(methods, runs, problems, plan)
     phases, cost = phases_and_costs(runs)
     add_references(methods)
     window_figures(methods, runs)
-    windows = window_cost(methods, phases)
+    windows = window_cost(methods, forwards, {id(plan.dec.target): "target", id(plan.dec.draft): "draft"})
     sweep = sweep_curves(methods, runs, problems, plan.knobs)
     scaling = scaling_section(plan.dec, args)
     probe_paths = {
@@ -716,8 +722,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             tmp.cleanup()
         return report
     t0 = time.perf_counter()
-    runs = run_methods(plan.dec, plan.variants, problems, args)
-    report = build_report(args, plan, runs, problems, untrained=tmp is not None, t0=t0)
+    runs, forwards = run_methods(plan.dec, plan.variants, problems, args)
+    report = build_report(args, plan, runs, forwards, problems, untrained=tmp is not None, t0=t0)
     save(report, args)
     if tmp is not None:
         tmp.cleanup()

@@ -9,8 +9,8 @@ from benchmarks import batching
 
 def markdown(report: dict) -> str:
     """The report as markdown tables: methods, decisions, phases, probes, sweeps, batch scaling and goals."""
-    sections = (_methods_table, _decisions_table, _phases_table, _probes_table, _sweep_table, _scaling_table,
-                _goals_table)
+    sections = (_methods_table, _decisions_table, _phases_table, _window_cost_table, _probes_table, _sweep_table,
+                _scaling_table, _goals_table)
     return "\n".join(line for section in sections for line in section(report))
 
 
@@ -64,6 +64,21 @@ def _phases_table(report: dict) -> list[str]:
                      + f" | {c['target_step_over_target_per_token']:.2f} | {c['draft_over_target_per_token']:.3f}"
                      f" | {c['verify_over_target_per_proposal']:.2f} | {c['predicted_speedup']:.2f}"
                      f" | {c['measured_speedup']:.2f} |")
+    return lines
+
+
+def _window_cost_table(report: dict) -> list[str]:
+    """The windows' cost model: the fitted per-forward costs and each row's forward seconds and speedup, measured
+    against predicted (none when the run had no windowed rows)."""
+    wc = report.get("window_cost")
+    if not wc or "machine" not in wc:
+        return []
+    machine = ", ".join(f"{k} {v:.3f}" for k, v in wc["machine"].items())
+    lines = ["", f"Cost per forward a + b·positions, fitted on {' and '.join(wc['fitted_on'])}: {machine}", "",
+             "| window cost model | forward s | predicted | speedup | predicted |", "|---|---|---|---|---|"]
+    for name, r in wc["rows"].items():
+        lines.append(f"| {name} | {r['forward_s']:.1f} | {r['predicted_forward_s']:.1f} | {r['speedup']:.2f} "
+                     f"| {r['predicted_speedup']:.2f} |")
     return lines
 
 

@@ -223,27 +223,40 @@ def test_served_overlap_drafts_the_next_window_while_the_target_reads(world):
 
 
 def test_the_window_cost_model_recovers_its_costs_and_predicts_from_them():
-    """benchmarks.decode.window_cost: verify seconds = a per forward + b per token read, fitted on two rows, predict
-    the others (here made exactly so: the prediction must be exact; a row made off the model must be missed)."""
+    """benchmarks.decode.window_cost: every forward costs a + b * positions per model, fitted on the one-step loop
+    and windows of 2, predicts the other rows (here made exactly so: the prediction must be exact; a row with
+    forwards off the model must be missed by their extra seconds)."""
     from benchmarks.decode import ADAPTIVE_ROW, window_cost
+    from generation.cache import ForwardRecord
 
-    a, b = 0.02, 0.0005
-    methods, phases = {"target_only": {"wall_s": 30.0}}, {}
-    for k, (windows, drafted, extra) in zip(["semanticspec", "semanticspec[lookahead=2]", "semanticspec[lookahead=3]",
-                                             "semanticspec[lookahead=4]", ADAPTIVE_ROW],
-                                            [(200, 1000, 0), (150, 1100, 0), (120, 1200, 0), (100, 1300, 0.5),
-                                             (110, 1250, 0)]):
-        verify = a * windows + b * drafted + extra
-        # output 1000 tokens, 80% drafted and kept: the rest of the drafted tokens were thrown away
-        methods[k] = {"wall_s": 10.0, "speedup": 3.0, "draft_steps_proposed": 2 * windows, "steps_per_window": 2.0,
-                      "draft_token_share": 0.8, "output_tokens": 1000,
-                      "wasted_draft_tokens_per_window": (drafted - 800) / windows}
-        phases[k] = {"verify": verify}
-    out = window_cost(methods, phases)
-    assert out["a_s_per_forward"] == pytest.approx(a) and out["b_s_per_token"] == pytest.approx(b)
-    rows = out["rows"]
-    assert rows["semanticspec[lookahead=3]"]["predicted_verify_s"] == pytest.approx(a * 120 + b * 1200)
-    assert rows[ADAPTIVE_ROW]["predicted_verify_s"] == pytest.approx(rows[ADAPTIVE_ROW]["verify_s"])
+    target, draft = object(), object()
+    roles = {id(target): "target", id(draft): "draft"}
+    costs = {"target": (0.008, 0.0003), "draft": (0.0006, 0.00001)}
+
+    def forward(model, positions, extra=0.0):
+        a, b = costs[roles[id(model)]]
+        return ForwardRecord(model, 1, positions, positions, a + b * positions + extra, 1)
+
+    shapes = {"target_only": ([1] * 400, []), "semanticspec": ([9, 12, 3] * 40, [1] * 300),
+              "semanticspec[lookahead=2]": ([18, 25, 4] * 25, [1, 2] * 150),
+              "semanticspec[lookahead=3]": ([30, 7] * 30, [1] * 320), ADAPTIVE_ROW: ([22, 14] * 33, [1] * 310),
+              "semanticspec[lookahead=4]": ([40, 9] * 25, [1] * 330)}
+    forwards, methods = {}, {}
+    for name, (t, d) in shapes.items():
+        extra = 0.01 if name == "semanticspec[lookahead=4]" else 0.0  # 50 target forwards 10 ms off the model
+        forwards[name] = [forward(target, n, extra) for n in t] + [forward(draft, n) for n in d]
+        methods[name] = {"wall_s": sum(r.seconds for r in forwards[name]) + 1.0, "speedup": 2.0,
+                         "output_tokens": 400}
+    out = window_cost(methods, forwards, roles)
+    assert out["fitted_on"] == ["semanticspec", "semanticspec[lookahead=2]"]
+    for role, (a, b) in costs.items():
+        assert out["costs"][role]["a"] == pytest.approx(a) and out["costs"][role]["b"] == pytest.approx(b)
+    assert out["machine"]["target_a_ms"] == pytest.approx(8.0)
+    assert out["machine"]["target_only_ms_per_token"] == pytest.approx(1000 * methods["target_only"]["wall_s"] / 400)
+    rows, ref = out["rows"], methods["target_only"]["wall_s"]
+    for name in ("target_only", "semanticspec[lookahead=3]", ADAPTIVE_ROW):
+        assert rows[name]["predicted_forward_s"] == pytest.approx(rows[name]["forward_s"])
+        assert rows[name]["predicted_speedup"] == pytest.approx(ref / methods[name]["wall_s"])
     off = rows["semanticspec[lookahead=4]"]
-    assert off["verify_s"] - off["predicted_verify_s"] == pytest.approx(0.5)
-    assert off["predicted_speedup"] == pytest.approx(30.0 / (10.0 - 0.5))
+    assert off["forward_s"] - off["predicted_forward_s"] == pytest.approx(0.5)
+    assert off["predicted_speedup"] == pytest.approx(ref / (methods["semanticspec[lookahead=4]"]["wall_s"] - 0.5))
