@@ -165,6 +165,20 @@ def lookahead() -> str:
                   "thrown-away draft tokens / window", "AUROC of the draft's confidence"], rows)
 
 
+def window_costs() -> str:
+    """The windows' cost model in the decode run with windows (``decode-lookahead.json``): the per-forward costs
+    fitted on the one-step loop and windows of 2, and each row's forward seconds and speedup, measured and
+    predicted."""
+    wc = load("decode-lookahead")["window_cost"]
+    m = wc["machine"]
+    head = (f"Fitted per forward (a + b·positions): target a = {m['target_a_ms']:.2f} ms, b = {m['target_b_ms']:.3f} "
+            f"ms; draft a = {m['draft_a_ms']:.3f} ms, b = {m['draft_b_ms']:.4f} ms; a target-only token "
+            f"{m['target_only_ms_per_token']:.2f} ms.\n\n")
+    rows = [[k.replace("semanticspec", "SemanticSpec"), f"{r['forward_s']:.1f}", f"{r['predicted_forward_s']:.1f}",
+             f"{r['speedup']:.2f}", f"{r['predicted_speedup']:.2f}"] for k, r in wc["rows"].items()]
+    return head + table(["row", "forward seconds", "predicted", "speedup", "predicted"], rows)
+
+
 def batch_scaling() -> str:
     bs = load("decode-scaling")["batch_scaling"]
     t, s, ph = bs["table"]["target_only"], bs["table"]["semanticspec"], bs["phases"]["semanticspec"]
@@ -279,7 +293,7 @@ def endpoint() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "decode-methods": decode_methods, "decode-decisions": decode_decisions,
-    "lookahead": lookahead,
+    "lookahead": lookahead, "window-cost": window_costs,
     "batch-scaling": batch_scaling, "first-step": first_step, "world": world, "labels": labels,
     "served-methods": served_methods, "served-labels": served_labels, "threads": threads, "train": train,
     "endpoint": endpoint,

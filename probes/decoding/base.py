@@ -91,9 +91,10 @@ class StepDecoder:
         """The :class:`~probes.decoding.loop.StepLoop` of one batch (``batch``: the plan's inputs, sliced)."""
         raise NotImplementedError
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _events(self, plan: Plan) -> Iterator[StepEvent]:
-        """The events of every batch of ``cfg.batch_size`` prompts, with their indices in the call (no autograd)."""
+        """The events of every batch of ``cfg.batch_size`` prompts, with their indices in the call (in inference mode:
+        no autograd, no version counters)."""
         n, cfg = len(plan.keys), plan.cfg
         bs = self._batch_size(cfg, n)
         bar = None

@@ -183,7 +183,7 @@ class Scheduler:
         import torch
 
         try:
-            with torch.no_grad():  # as generate(): grad mode is per thread
+            with torch.inference_mode():  # as generate(): the mode is per thread
                 while not (self.stopping and not self.groups and not self.waiting and self.inbox.empty()):
                     self._take(block=not self.groups and not self.waiting)
                     self._place()
