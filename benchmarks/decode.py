@@ -30,6 +30,11 @@ What it measures (issue 4, "Benchmark figures" in docs/design.md):
 - the decoder's probe-call defaults toggled: the gated top-1 fast path (``semanticspec[no_fast_path]``) and the
   probes' MLP precision (``semanticspec[probe_dtype=float32]`` where ``auto`` picks float16), each with its
   **probe overhead** (probe seconds over wall seconds);
+- **lookahead windows** (issue 31): SemanticSpec and the oracle judging windows of 2, 3 and 4 drafted steps per
+  target forward, and the shipped adaptive window, each with its steps and thrown-away draft tokens per window
+  and the AUROC of the draft's confidence against the target's decision; and **window_cost**, the cost model
+  ``a_m + b_m * positions`` per forward of each model, fitted on every forward of the one-step loop and windows
+  of 2 (:func:`window_cost`) and checked on the other rows' forward seconds and speedups;
 - **batch_scaling**: target-only and SemanticSpec at 1, 2, 4, 8 and 16 prompts per batch on the same
   ``--scaling-problems`` problems (64; quick 16), methods interleaved per chunk of 16 problems: tokens per
   second, speedup over target-only at the same size, accuracy, forwards per model and what they carry, the
