@@ -1,7 +1,8 @@
 """`python -m datamodules.arithmetic.serve`: the one command that starts the world's two servers (issue 33.4).
 
 The servers themselves run in the slow README test (tests/test_readme.py::test_readme_serving_section_runs) and in
-tests/test_served_world.py; these check the command's refusals, which need no llama.cpp.
+tests/test_served_world.py; these check the command's refusals, which need no llama.cpp, and (slow) that SIGINT stops
+it however it was started.
 """
 
 import pytest
@@ -46,3 +47,48 @@ def test_a_world_folder_without_models_is_refused_naming_it(capsys, monkeypatch,
     pytest.importorskip("gguf")  # the dev extra installs it
     line = _refused(capsys, ["--root", str(tmp_path / "world"), "--log_dir", str(tmp_path / "logs")])
     assert "cannot serve the world's models" in line and str(tmp_path / "world") in line
+
+
+@pytest.mark.slow
+def test_sigint_stops_both_servers_even_when_started_with_sigint_ignored(tmp_path):
+    """A script's `cmd &` starts the command with SIGINT ignored, and Python then installs no KeyboardInterrupt
+    handler: the command restores it, so SIGINT (Ctrl-C) still stops both servers and the command exits."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    if not serve.server_available():
+        pytest.skip("llama-cpp-python[server] not installed; see README 'Serving'")
+    ports = {"target": 8861, "draft": 8862}
+
+    def answers(port: int) -> bool:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
+            return True
+        except OSError:
+            return False
+
+    assert not any(answers(p) for p in ports.values())
+    proc = subprocess.Popen([sys.executable, "-m", "datamodules.arithmetic.serve", "--log_dir", str(tmp_path),
+                             "--target_port", str(ports["target"]), "--draft_port", str(ports["draft"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 600  # the first run writes the GGUF files
+        while proc.poll() is None and time.monotonic() < deadline and not all(answers(p) for p in ports.values()):
+            time.sleep(1)
+        assert proc.poll() is None, proc.stdout.read()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopping both servers" in out, out
+        assert not any(answers(p) for p in ports.values())
+    finally:
+        if proc.poll() is None:  # SIGTERM stops both servers too
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -204,6 +204,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (OSError, ValueError) as e:
         _refuse(f"cannot serve the world's models: {e}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
+    # Ctrl-C stops both even where the command was started with SIGINT ignored (as `cmd &` in a script starts it):
+    # Python installs no KeyboardInterrupt handler then
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for server in servers:
             try:
