@@ -521,10 +521,10 @@ def window_cost(methods: dict, forwards: dict, roles: dict[int, str]) -> dict:
     positions, and its speedup with the seconds outside the forwards as measured. ``machine`` gives the fitted costs
     in milliseconds beside target-only's seconds per token: the units in which the speedups move with the machine.
     """
-    rows = [n for n in ["target_only", "semanticspec", *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS),
+    fit_on = ["semanticspec", f"semanticspec[lookahead={LOOKAHEADS[0]}]"]
+    rows = [n for n in ["target_only", *fit_on, *(f"semanticspec[lookahead={k}]" for k in LOOKAHEADS[1:]),
                         ADAPTIVE_ROW] if n in methods and forwards.get(n)]
-    fit_on = rows[1:3]
-    if len(rows) < 4:
+    if not {"target_only", *fit_on} <= set(rows) or len(rows) < 4:
         return {}
     costs = batching.fit_costs([r for n in fit_on for r in forwards[n]], roles)
     ref = methods["target_only"]["wall_s"]

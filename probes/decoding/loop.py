@@ -206,12 +206,11 @@ class StepLoop:
         with self.meter.phase(dict.fromkeys(judged, "draft")):  # the draft probe's p, and the draft's read for it
             scores = {**scores, **self._with_p({i: s for i, s in scores.items() if i in judged}, policy)}
         decisions = self._decide(scores, policy)
-        after = {}  # rewriting rows whose step the target finished as drafted, with the window drafted after it
+        after = {}  # rows going on whose rewrite the target finished as drafted: their window after it is settled
         for i in self.live(going):
             if self._rewrite_tokens(i, windows[i][0], drawn=True, hold=len(windows[i]) > 1):
                 after[i] = windows[i][0].n_new
-        return self._settle(self.live(judged), windows, scores, decisions, states,
-                            {i: n for i, n in after.items() if not rows[i].done})
+        return self._settle(self.live(judged), windows, scores, decisions, states, after)
 
     def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], window: Window) -> None:
         """The draft writes up to ``window.size`` steps per judged row, each after the ones before it, while the row
