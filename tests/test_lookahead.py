@@ -15,6 +15,7 @@ from probes.decoding.config import DecodeConfig
 from probes.decoding.loop import SHIPPED_WINDOW, StepLoop, Window
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
+from probes.decoding.proposer import DraftProposer
 from probes.decoding.results import summarize
 from probes.decoding.served import ServedDecoder
 from probes.decoding.verify import TargetVerifier
@@ -55,9 +56,21 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
     prefix and step, read on their own (as the sequential loop reads it once the steps before it are kept), within
     float tolerance, and so do the probe's decisions; greedy, 32 problems, windows of 3. Windows drafted after a
     rewrite's continuation, read in its forward, are among them, and some are settled; one step per pass drafts
-    none."""
-    reads, scored, after = [], [], []
+    none. Every token the draft wrote for a step (a rewrite's continuation aside) counts in ``drafted_tokens``, those
+    of the windows thrown away after a continuation the target did not finish as drafted too."""
+    reads, scored, after, steps_drafted, thrown = [], [], [], [0], [0]
     read, score, settle = TargetVerifier._read, TargetVerifier._score, StepLoop._settle
+    propose, rewrite_tokens = DraftProposer.propose, StepLoop._rewrite_tokens
+
+    def spy_propose(self, rows, **kw):
+        out = propose(self, rows, **kw)
+        steps_drafted[0] += sum(d.n_new for i, d in out.items() if not rows[i].rewrite)
+        return out
+
+    def spy_rewrite_tokens(self, i, proposal, drawn, offset=0, hold=False):
+        held = rewrite_tokens(self, i, proposal, drawn, offset, hold)
+        thrown[0] += hold and not held
+        return held
 
     def spy_read(self, i, f, a, b, *args):
         reads.append((list(self.cache.seq[i][:a]), list(self.cache.seq[i][a:b])))
@@ -75,6 +88,8 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
     monkeypatch.setattr(TargetVerifier, "_read", spy_read)
     monkeypatch.setattr(TargetVerifier, "_score", spy_score)
     monkeypatch.setattr(StepLoop, "_settle", spy_settle)
+    monkeypatch.setattr(DraftProposer, "propose", spy_propose)
+    monkeypatch.setattr(StepLoop, "_rewrite_tokens", spy_rewrite_tokens)
     policy = ProbePolicy()  # no fast path: the probe reads every step
     dec = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["probe"],
                               policy=policy, options=MARKER)
@@ -90,9 +105,10 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
         q_alone = probe.predict(built[None]).item()
         if abs(q_alone - policy.tau) > 1e-3:  # a decision within float noise of tau is not compared
             assert (q >= policy.tau) == (q_alone >= policy.tau)
-    print(f"[measured] {len(reads)} steps read in windows of up to 3 ({len(after)} windows settled after a rewrite), "
-          f"max |window - alone| feature {worst:.2e}")
-    assert after
+    print(f"[measured] {len(reads)} steps read in windows of up to 3 ({len(after)} windows settled after a rewrite, "
+          f"{thrown[0]} thrown away), max |window - alone| feature {worst:.2e}")
+    assert after and thrown[0]
+    assert summarize(res)["drafted_tokens"] == steps_drafted[0]
     n_after = len(after)
     one = dec.generate(prompts, lookahead=1, **GREEDY)  # one step per pass: never a window after a rewrite
     assert len(after) == n_after and sum(r.stats.windows for r in one) == sum(r.stats.draft_steps_proposed for r in one)

@@ -210,6 +210,8 @@ class StepLoop:
         for i in self.live(going):
             if self._rewrite_tokens(i, windows[i][0], drawn=True, hold=len(windows[i]) > 1):
                 after[i] = windows[i][0].n_new
+            else:  # the window after the continuation (if any) is thrown away unjudged
+                rows[i].stats.drafted_tokens += sum(d.n_new for d in windows[i][1:])
         return self._settle(self.live(judged), windows, scores, decisions, states, after)
 
     def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], window: Window) -> None:
