@@ -95,7 +95,8 @@ class DecodeStats:
     drafted_tokens: int = 0
     """Tokens the draft wrote, kept or not (the bonus tokens that open steps excluded; a window's steps after a
     refused one included: they were thrown away unjudged, and so are the windows drafted after a rewrite's
-    continuation that the target did not finish as drafted; the continuation's own tokens excluded)."""
+    continuation that the target did not finish as drafted; the continuation's own tokens excluded, and so are served
+    ``overlap``'s windows drafted ahead, counted in ``ahead_windows``)."""
     windows: int = 0
     """Verifications of drafted steps: one per window the target read (``lookahead``: up to that many steps each)."""
     ahead_windows: int = 0
