@@ -113,12 +113,9 @@ def test_readme_serving_section_runs(tmp_path):
     import os
     import shlex
     import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
 
     from datamodules.arithmetic.serve import PORTS, server_available
+    from tests.test_world_serve import start_serving
 
     section = _section("Serving")
     bash = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0]
@@ -131,18 +128,8 @@ def test_readme_serving_section_runs(tmp_path):
         pytest.skip("llama-cpp-python[server] not installed; see README 'Serving'")
     serve = shlex.split(commands[1])
     assert serve[:3] == ["python", "-m", "datamodules.arithmetic.serve"]
-    proc = subprocess.Popen([sys.executable, *serve[1:], "--log_dir", str(tmp_path)], cwd=README.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_serving([*serve[3:], "--log_dir", str(tmp_path)], PORTS.values(), cwd=README.parent)
     try:
-        deadline = time.monotonic() + 600  # the first run writes the GGUF files
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                for port in PORTS.values():
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
-                break
-            except OSError:
-                time.sleep(1)
-        assert proc.poll() is None, proc.stdout.read()
         example = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
         assert "checkpoints/arithmetic/probes-topk/target" in example and "ServedDecoder" in example
         scope = {"__name__": "readme_serving"}

@@ -5,9 +5,35 @@ tests/test_served_world.py; these check the command's refusals, which need no ll
 it however it was started.
 """
 
+import subprocess
+import sys
+import time
+import urllib.request
+
 import pytest
 
 from datamodules.arithmetic import serve
+
+
+def answers(port: int) -> bool:
+    """The server on ``port`` answers ``/v1/models``."""
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_serving(args: list[str], ports, **popen) -> subprocess.Popen:
+    """``python -m datamodules.arithmetic.serve`` with ``args``, in a session of its own, returned once the servers on
+    ``ports`` answer (the first run writes the GGUF files: up to 10 minutes); fails with its output if it ends first."""
+    proc = subprocess.Popen([sys.executable, "-m", "datamodules.arithmetic.serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline and not all(answers(p) for p in ports):
+        time.sleep(1)
+    assert proc.poll() is None, proc.stdout.read()
+    return proc
 
 
 def _refused(capsys, argv):
@@ -54,32 +80,15 @@ def test_sigint_stops_both_servers_even_when_started_with_sigint_ignored(tmp_pat
     """A script's `cmd &` starts the command with SIGINT ignored, and Python then installs no KeyboardInterrupt
     handler: the command restores it, so SIGINT (Ctrl-C) still stops both servers and the command exits."""
     import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
 
     if not serve.server_available():
         pytest.skip("llama-cpp-python[server] not installed; see README 'Serving'")
     ports = {"target": 8861, "draft": 8862}
-
-    def answers(port: int) -> bool:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
-            return True
-        except OSError:
-            return False
-
     assert not any(answers(p) for p in ports.values())
-    proc = subprocess.Popen([sys.executable, "-m", "datamodules.arithmetic.serve", "--log_dir", str(tmp_path),
-                             "--target_port", str(ports["target"]), "--draft_port", str(ports["draft"])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = start_serving(["--log_dir", str(tmp_path), "--target_port", str(ports["target"]), "--draft_port",
+                          str(ports["draft"])], ports.values(),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        deadline = time.monotonic() + 600  # the first run writes the GGUF files
-        while proc.poll() is None and time.monotonic() < deadline and not all(answers(p) for p in ports.values()):
-            time.sleep(1)
-        assert proc.poll() is None, proc.stdout.read()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "stopping both servers" in out, out
