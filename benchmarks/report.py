@@ -150,9 +150,8 @@ def decode_decisions() -> str:
 
 def lookahead() -> str:
     """The windowed rows of the decode run with windows (``decode-lookahead.json``): speed (and its gain over the same
-    method's one-step row), accuracy, target passes,
-    steps and thrown-away draft tokens per window, and how well the draft's least token log-probability predicts the
-    target's decision."""
+    method's one-step row), accuracy, target passes, steps and thrown-away draft tokens per window, and how well the
+    draft's least token log-probability predicts the target's decision."""
     ms = load("decode-lookahead")["methods"]
     keys = ["semanticspec"] + [k for k in ms if k.startswith(("semanticspec[lookahead", "oracle_accept"))
                                and "keep_right" not in k]
@@ -164,8 +163,7 @@ def lookahead() -> str:
              num(m["confidence_auroc"]) if "confidence_auroc" in m else "-"]
             for k in keys if k in ms for m in [ms[k]]]
     return table(["row", "speedup", "over one step", "accuracy", "step acceptance", "target passes / 100 tokens",
-                  "steps / window",
-                  "thrown-away draft tokens / window", "AUROC of the draft's confidence"], rows)
+                  "steps / window", "thrown-away draft tokens / window", "AUROC of the draft's confidence"], rows)
 
 
 def window_costs() -> str:
