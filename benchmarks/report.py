@@ -109,23 +109,28 @@ def ordered(found: dict, names: dict) -> list[tuple[str, str]]:
 
 
 def headline() -> str:
-    """The README's one table: SemanticSpec's speedup and accuracy, where each figure comes from."""
-    d, s, r = load("decode"), load("served"), load("real")
-    m, t = d["methods"]["semanticspec"], d["methods"]["target_only"]
+    """The README's one table: SemanticSpec's speedup and accuracy, where each figure comes from. Where the decoders'
+    default (the shipped window) was measured it leads, with the one-step loop's speedup of the same run beside it."""
+    d, w, s, r = load("decode"), load("decode-lookahead"), load("served"), load("real")
     b8 = d["batch_scaling"]["table"]["semanticspec"]["8"]
-    sm, st = s["methods"]["semanticspec"], s["methods"]["target_only"]
-    rm, rt = r["methods"]["semanticspec"], r["methods"]["target_only"]
+
+    def row(setting: str, run: dict, key: str, bold: bool = False) -> list[str]:
+        m, t = run["methods"][key], run["methods"]["target_only"]
+        speed = f"**{m['speedup']:.2f}x**" if bold else f"{m['speedup']:.2f}x"
+        if key != "semanticspec":
+            speed += f" (one step a pass: {run['methods']['semanticspec']['speedup']:.2f}x)"
+        return [setting, f"{run['n_problems']}", speed, f"{m['accuracy']:.3f} ({t['accuracy']:.3f})",
+                num(m["step_acceptance"])]
+
+    window = "semanticspec[lookahead=4 adaptive]"
     rows = [
-        ["embedded world, in-process, 1 prompt", f"{d['n_problems']}", f"**{m['speedup']:.2f}x**",
-         f"{m['accuracy']:.3f} ({t['accuracy']:.3f})", num(m["step_acceptance"])],
-        ["embedded world, in-process, 8 prompts", f"{b8['problems']}", f"{b8['speedup']:.2f}x",
+        row("embedded world, in-process, 1 prompt", w, window, bold=True),
+        ["embedded world, in-process, 8 prompts, one step a pass", f"{b8['problems']}", f"{b8['speedup']:.2f}x",
          f"{b8['accuracy']:.3f} ({d['batch_scaling']['table']['target_only']['8']['accuracy']:.3f})", "-"],
-        ["embedded world, two llama.cpp servers", f"{s['n_problems']}", f"{sm['speedup']:.2f}x",
-         f"{sm['accuracy']:.3f} ({st['accuracy']:.3f})", num(sm["step_acceptance"])],
-        ["real pair (Gemma-3-270m, SmolLM2-135M drafting), in-process", f"{r['n_problems']}",
-         f"{rm['speedup']:.2f}x", f"{rm['accuracy']:.3f} ({rt['accuracy']:.3f})", num(rm["step_acceptance"])],
+        row("embedded world, two llama.cpp servers", s, window),
+        row("real pair (Gemma-3-270m, SmolLM2-135M drafting), in-process, one step a pass", r, "semanticspec"),
     ]
-    return table(["setting (CPU, 2 cores)", "problems", "SemanticSpec speedup over target-only",
+    return table(["setting (CPU, 2 cores)", "problems", "SemanticSpec speedup over target-only (default window)",
                   "accuracy (target-only)", "step acceptance"], rows)
 
 
