@@ -183,6 +183,10 @@ class SemanticSpecDecoder(StepDecoder):
     def row_inputs(self, inputs: tuple, k: int) -> tuple:
         return inputs[0][k], inputs[1][k]
 
+    def context_room(self) -> int | None:
+        rooms = [ctx - 1 - self.spare for m in (self.target, self.draft) if (ctx := context_length(m)) is not None]
+        return min(rooms, default=None)
+
     def prompt_room(self, inputs: tuple) -> int | None:
         rooms = [ctx - len(ids[0]) - self.spare for ids, m in zip(inputs, (self.target, self.draft))
                  if (ctx := context_length(m)) is not None]

@@ -141,6 +141,7 @@ BAD = [
     ({"prompt": "x", "temperature": -1}, "temperature", "temperature=-1"),
     ({"prompt": "x", "method": "fastest"}, "method", "method='fastest'"),
     ({"prompt": "x", "lookahead": 0}, "lookahead", "lookahead=0"),
+    ({"prompt": "x", "lookahead": 1000}, "lookahead", "cannot fit"),
 ]
 
 

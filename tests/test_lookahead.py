@@ -169,6 +169,27 @@ def test_bad_lookahead_is_refused_naming_it(tiny_pair):
         two.generate(PROMPTS, method="random_accept", accept_rate=0.5, lookahead=2)
 
 
+def test_a_window_that_cannot_fit_the_context_is_refused_naming_it(tiny_pair):
+    """Issue 31's bad input: a window whose steps, each at the step spec's most tokens, could not fit the models'
+    context after a one-token prompt is refused before any model call, naming the value and the most that fits; the
+    largest window that fits decodes. Served decoders check it with the engines that tell their context."""
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=1.0)
+    cap, room = dec.step.max_step_tokens, dec.context_room()
+    assert room == min(m.config.max_position_embeddings for m in (target, draft)) - 1 - dec.spare
+    most = room // cap
+    assert dec.generate(PROMPTS[:1], lookahead=most, max_new_tokens=8, seed=0)[0].stop_reason in ("eos", "budget")
+    for bad in (most + 1, 10**6):
+        says = rf"lookahead={bad}: a window of {bad} steps of up to {cap} tokens \({bad * cap}\) cannot fit the {room}"
+        with pytest.raises(ValueError, match=says + rf" new tokens .* lookahead <= {most}"):
+            dec.generate(PROMPTS, lookahead=bad)
+    served = ServedDecoder(LocalEngine(target, tok), LocalEngine(draft, tok))
+    with pytest.raises(ValueError, match=rf"lookahead={10**6}: a window of {10**6} steps"):
+        served.generate(PROMPTS, method="random_accept", accept_rate=0.5, lookahead=10**6)
+    assert served.generate(PROMPTS[:1], method="random_accept", accept_rate=0.5, lookahead=2, max_new_tokens=8,
+                           seed=0)[0].stop_reason in ("eos", "budget")
+
+
 def test_an_adaptive_window_stops_after_an_unsure_step(tiny_pair):
     """``window_min_logprob``: no step is sure enough at 0 (a window is one step: the one-step loop's decode, draw for
     draw), every step is at -1e9 (the full window's decode); in between, windows of every size in between."""

@@ -140,12 +140,26 @@ class StepDecoder:
             problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
         window = self._window(cfg, runner)
         if window.size > 1 or window.overlap:
-            why = lookahead_problem(runner, method)
+            why = lookahead_problem(runner, method) or self._window_fits(cfg.lookahead)
             if why:
                 problems.append(f"lookahead={window.size}: {why}")
             else:
                 runner = dataclasses.replace(runner, window=window)
         return runner, problems
+
+    def _window_fits(self, lookahead: int | None) -> str | None:
+        """Why a window of ``lookahead`` steps of the step spec's most tokens cannot fit the models' context after a
+        one-token prompt, or None (the shipped window, None, is cut at the context as any window near its end is)."""
+        room, cap = self.context_room(), self.step.max_step_tokens
+        if lookahead is None or room is None or lookahead * cap <= room:
+            return None
+        return (f"a window of {lookahead} steps of up to {cap} tokens ({lookahead * cap}) cannot fit the "
+                f"{room} new tokens the models' context leaves after a one-token prompt; use lookahead <= "
+                f"{max(room // cap, 1)}")
+
+    def context_room(self) -> int | None:
+        """New tokens both models' contexts hold after a one-token prompt (None: unknown)."""
+        return None
 
     def _window(self, cfg: DecodeConfig, runner) -> Window:
         """The call's window: the config's ``lookahead``, else the shipped window for ``semanticspec`` where this

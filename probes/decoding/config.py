@@ -60,8 +60,11 @@ class DecodeConfig:
             step-by-step loop would (causal attention: a step's features depend only on the text before it), and
             the kept steps up to the first refused one are committed; in-process, a window may also follow a
             refused step's rewrite in the same forward (docs/design.md, "Windows"). 1 is one step per target pass
-            (the paper's loop). Above 1: speculative methods only; it needs one tokenizer in-process, and no policy
-            that reads the draft probe's ``p`` or a judge turn.
+            (the paper's loop). Above 1: speculative methods only; it needs one tokenizer in-process, no policy
+            that reads the draft probe's ``p`` or a judge turn, and room in the models' context for ``lookahead``
+            steps of the step spec's most tokens after a one-token prompt (where the decoder knows the context; the
+            decoder refuses more, naming the most that fits). A window near the context's end or the budget's is
+            cut there (the row's ``stop_reason`` says which).
         window_min_logprob: an adaptive window (with a ``lookahead`` above 1 given): the draft writes a window's
             next step only after a step whose every token it drew at this raw log-probability or more (a step it was
             unsure of is the likelier to be refused, and the steps after a refused one are thrown away); None

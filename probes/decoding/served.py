@@ -15,7 +15,7 @@ from generation.specs import SamplingSpec, StepSpec, is_count
 from probes.decoding import setup
 from probes.decoding.base import Plan, StepDecoder
 from probes.decoding.config import DecodeConfig
-from probes.decoding.engine_parts import EngineProposer, EngineVerifier
+from probes.decoding.engine_parts import SPARE, EngineProposer, EngineVerifier
 from probes.decoding.loop import LoopSetup, StepLoop
 from probes.decoding.methods import TransformersLoop
 from probes.decoding.options import LoopOptions
@@ -90,6 +90,12 @@ class ServedDecoder(StepDecoder):
 
     def row_inputs(self, inputs: tuple, k: int) -> tuple:
         return inputs[0][k], inputs[0][k]
+
+    def context_room(self) -> int | None:
+        """From the engines that tell their context (an in-process ``LocalEngine``; a server's is not read)."""
+        rooms = [ctx - 1 - SPARE for e in (self.target, self.draft)
+                 if (ctx := getattr(e, "context_length", None)) is not None]
+        return min(rooms, default=None)
 
     def _batch_size(self, cfg: DecodeConfig, n: int) -> int:
         """All prompts are rows of one loop, their requests in flight together; at ``concurrency=1`` nothing runs
