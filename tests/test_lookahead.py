@@ -190,6 +190,23 @@ def test_a_window_that_cannot_fit_the_context_is_refused_naming_it(tiny_pair):
                            seed=0)[0].stop_reason in ("eos", "budget")
 
 
+def test_a_window_near_the_context_or_budget_end_is_cut_there(tiny_pair):
+    """Issue 31's bad input: a window that would pass the context or the output budget stops at the limit, never
+    past it, and the row's stop_reason names the limit (fixed windows up to the most that fits)."""
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok, q=0.5)
+    long_ids = tok("Add 5, then " * 70).input_ids
+    ctx = target.config.max_position_embeddings
+    for k in (2, dec.context_room() // dec.step.max_step_tokens):
+        for n in (ctx - 56, ctx - 16, ctx - 1):
+            for method in ("semanticspec", "random_accept"):
+                (res,) = dec.generate([long_ids[:n]], method=method, max_new_tokens=64, seed=0, lookahead=k,
+                                      accept_rate=0.5)
+                assert res.stop_reason in ("eos", "context") and n + res.stats.output_tokens <= ctx, (k, n, method)
+        (res,) = dec.generate([PROMPTS[2]], max_new_tokens=3, seed=0, lookahead=k)
+        assert res.stop_reason in ("eos", "budget") and res.stats.output_tokens <= 3, k
+
+
 def test_an_adaptive_window_stops_after_an_unsure_step(tiny_pair):
     """``window_min_logprob``: no step is sure enough at 0 (a window is one step: the one-step loop's decode, draw for
     draw), every step is at -1e9 (the full window's decode); in between, windows of every size in between."""
