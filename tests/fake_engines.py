@@ -160,11 +160,13 @@ class FakeSGLang(_Server):
         abort: answer every ``/generate`` with ``finish_reason`` ``abort`` (HTTP 200).
         tail_after_stop: text kept after a matched stop string with ``no_stop_trim`` (before 0.5.23, PR #25980,
             when several tokens were accepted in one step).
+        context_len: the model's context, which ``/v1/models`` states as the card's ``max_model_len``
+            (``entrypoints/http_server.py`` ``available_models``: ``tokenizer_manager.model_config.context_len``).
     """
 
     def __init__(self, name="toy", *, version="0.5.23", hidden=True, info=None,
                  info_routes=("/server_info", "/get_server_info"), original_logprob=False, generation_config=None,
-                 short_top=None, drop_rows=0, abort=False, tail_after_stop=""):
+                 short_top=None, drop_rows=0, abort=False, tail_after_stop="", context_len=4096):
         self.name, self.version, self.hidden = name, version, hidden
         self.short_top, self.drop_rows, self.abort = short_top, drop_rows, abort
         self.original_logprob = original_logprob
@@ -173,7 +175,8 @@ class FakeSGLang(_Server):
                      "speculative_algorithm": None, **(info or {})}
         self.cache: list[list[int]] = []
         self.effective: list[dict] = []
-        get = {"/v1/models": lambda: (200, {"object": "list", "data": [{"id": self.name}]})}
+        card = {"id": name, "object": "model", "owned_by": "sglang", "root": name, "max_model_len": context_len}
+        get = {"/v1/models": lambda: (200, {"object": "list", "data": [card]})}
         get.update({r: (lambda: (200, self.info)) for r in info_routes})
         super().__init__(get, {"/v1/tokenize": self._tokenize, "/generate": self._generate})
 
@@ -250,23 +253,27 @@ class FakeVLLM(_Server):
         generation_config: the model's ``generation_config.json`` fields vLLM fills into unset sampling fields.
         short_top: put this many entries in each prompt_logprobs position instead of k (+ the prompt token).
         status: answer every completions request with this HTTP status, echoing the Authorization header.
+        max_model_len: its context, which ``/v1/models`` states on the base model's card (``serving_models.py``
+            ``show_available_models``: ``ModelCard(max_model_len=self.max_model_len)``) and ``/tokenize`` too.
         twin_texts: the two most likely tokens read alike ("", as control tokens), so a text-keyed top-k loses one.
         lone_texts: echo each token's text decoded alone, as vLLM 0.11 does for SentencePiece tokenizers (the toy:
             without its trailing spaces), so the texts do not add up to the prompt.
     """
 
     def __init__(self, name="toy", *, version="0.11.0", max_logprobs=20, prompt_tokens_details=False,
-                 generation_config=None, short_top=None, status=None, lone_texts=False, twin_texts=False):
+                 generation_config=None, short_top=None, status=None, lone_texts=False, twin_texts=False,
+                 max_model_len=4096):
         self.lone_texts, self.twin_texts = lone_texts, twin_texts
+        card = {"id": name, "object": "model", "owned_by": "vllm", "max_model_len": max_model_len}
         self.name, self.max_logprobs, self.short_top, self.status = name, max_logprobs, short_top, status
         self.details, self.generation_config = prompt_tokens_details, dict(generation_config or {})
         self.effective: list[dict] = []
-        super().__init__({"/v1/models": lambda: (200, {"object": "list", "data": [{"id": self.name}]}),
+        super().__init__({"/v1/models": lambda: (200, {"object": "list", "data": [card]}),
                           "/version": lambda: (200, {"version": version})},
                          {"/v1/completions": self._complete,
                           "/tokenize": lambda body, h: (200, {"tokens": ids_of(body["prompt"]),
                                                               "count": len(ids_of(body["prompt"])),
-                                                              "max_model_len": 4096})})
+                                                              "max_model_len": max_model_len})})
 
     def _logprobs(self, full, texts, start, k, offset0=0):
         out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}

@@ -87,6 +87,8 @@ def test_each_client_answers_every_version_it_claims_and_refuses_the_rest(record
         return
     engine = make_engine(kind, server.root, api_key_env="", retries=1, timeout=10.0)
     assert engine.version == version
+    card = next(x for x in fixture["exchanges"] if x["route"] == "/v1/models")["response"]["data"][0]
+    assert engine.context_length == card["max_model_len"]  # the context the server states
     want = fixture["expect"]["read"]
     r = engine.read(want["context"], want["step"], top_k=want["top_k"], hidden=want["hidden"], sampling=GREEDY, seed=0)
     assert not server.unmatched, server.unmatched

@@ -403,6 +403,23 @@ def test_llama_cpp_python_without_bos_is_refused_for_reading(fakes):
     assert _engine("llama.cpp", fakes(FakeLlamaCpp, bos=True)).capabilities().prompt_logprobs is True
 
 
+def test_engines_take_the_context_their_models_endpoint_states(fakes):
+    """vLLM's and SGLang's ``/v1/models`` cards state ``max_model_len``, which becomes the engine's
+    ``context_length``; llama-cpp-python's cards do not (``llama_cpp/server/app.py`` ``get_models``), so it is None.
+    A served decoder over engines that state it refuses a window that cannot fit, naming the value."""
+    from probes.decoding.served import ServedDecoder
+
+    vllm = _engine("vllm", fakes(FakeVLLM, max_model_len=80))
+    assert vllm.context_length == 80
+    assert _engine("sglang", fakes(FakeSGLang, context_len=96)).context_length == 96
+    assert _engine("llama.cpp", fakes(FakeLlamaCpp)).context_length is None
+    dec = ServedDecoder(vllm, _engine("vllm", fakes(FakeVLLM, max_model_len=64)))
+    cap = dec.step.max_step_tokens
+    assert dec.context_room() == 64 - 2  # a one-token prompt and the bonus token's room
+    with pytest.raises(ValueError, match=rf"lookahead=2: a window of 2 steps of up to {cap} tokens .* 62 new tokens"):
+        dec.generate(["x"], method="random_accept", accept_rate=0.5, lookahead=2)
+
+
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError, match=r"kind='tgi'.*'sglang', 'vllm', 'llama.cpp'"):
         make_engine("tgi", "http://127.0.0.1:1")

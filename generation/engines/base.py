@@ -159,6 +159,9 @@ class Engine(Protocol):
     """``"sglang"``, ``"vllm"`` or ``"llama.cpp"``."""
     url: str
     version: str | None
+    context_length: int | None
+    """The model's context in tokens, where the server states it (vLLM's and SGLang's ``/v1/models``
+    ``max_model_len``), else None: the decoders cap a row's steps at the room it leaves."""
 
     def capabilities(self) -> Capabilities:
         """What this server can give (asked once, before any decoding or sampling)."""

@@ -80,6 +80,8 @@ class Connection:
         self.client = openai.OpenAI(base_url=self.url, api_key=self._key or "none", timeout=timeout,
                                     max_retries=retries - 1)
         self.root_client = self.client.with_options(base_url=self.root)
+        self.contexts: dict[str, int] = {}
+        """Per model name, the context ``/v1/models`` states (``max_model_len``), filled by :meth:`models`."""
 
     def say(self, e: BaseException | str) -> str:
         """An exception (or text) with the API key blanked out (:func:`redact`)."""
@@ -96,13 +98,14 @@ class Connection:
     # -- routes ---------------------------------------------------------------------------------
 
     def models(self) -> list[str]:
-        """The model names ``/v1/models`` lists.
+        """The model names ``/v1/models`` lists; their contexts, where it states them (vLLM's and SGLang's model
+        cards carry ``max_model_len``; llama-cpp-python's do not), go to :attr:`contexts`.
 
         Raises:
             EngineError: the server refused the key or did not answer.
         """
         try:
-            return [m.id for m in self.client.models.list()]
+            listed = list(self.client.models.list())
         except (self.openai.AuthenticationError, self.openai.PermissionDeniedError) as e:
             raise Unreachable(self.say(f"server {self.url} refused the API key from ${self.key_env or '(none)'} at "
                                        f"/v1/models ({self.say(e)}); set ${self.key_env or '(no variable)'} to a key "
@@ -110,6 +113,8 @@ class Connection:
         except self.openai.OpenAIError as e:
             raise Unreachable(self.say(f"server {self.url} did not answer /v1/models after {self.retries} attempt(s) "
                                        f"({self.say(e)}); start it or fix the URL"), self.root) from None
+        self.contexts = {m.id: n for m in listed if type(n := getattr(m, "max_model_len", None)) is int and n > 0}
+        return [m.id for m in listed]
 
     def check_model(self, model: str | None) -> str:
         """The model name to request, checked against what the server lists (one cheap call, fails fast).
@@ -168,8 +173,9 @@ class Connection:
 
 def connect(client, url: str, model: str | None, *, api_key_env: str, timeout: float, retries: int,
             version_route: str | None = "/version") -> None:
-    """Give an engine client its :class:`Connection` (``conn``), root ``url``, checked ``model`` and ``version``
-    (from ``GET version_route``; None: the client reads it itself).
+    """Give an engine client its :class:`Connection` (``conn``), root ``url``, checked ``model``, its
+    ``context_length`` as ``/v1/models`` states it (None where it does not) and ``version`` (from ``GET
+    version_route``; None: the client reads it itself).
 
     Raises:
         EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
@@ -177,6 +183,7 @@ def connect(client, url: str, model: str | None, *, api_key_env: str, timeout: f
     client.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
     client.url = client.conn.root
     client.model = client.conn.check_model(model)
+    client.context_length = client.conn.contexts.get(client.model)
     client.version = client.conn.version(version_route) if version_route else None
 
 
