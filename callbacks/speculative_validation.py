@@ -23,19 +23,6 @@ from probes.export import check_probe_matches
 from probes.decoding.timing import load_per_core, rotation, timing_noise, unreliable_because
 from probes.metrics import accuracy, speedup
 
-SPEC_METRICS = (
-    "speedup",
-    "speedup_reliable",
-    "load_per_core",
-    "timing_noise",
-    "accuracy",
-    "accuracy_delta",
-    "step_acceptance",
-    "draft_token_share",
-    "target_passes_per_100_tokens",
-    "problems",
-)
-"""Logged as ``spec/<name>`` every time the callback runs."""
 METHODS = ("target_only", "semanticspec")
 """The methods every run decodes, the speedup's reference first."""
 

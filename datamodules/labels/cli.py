@@ -18,8 +18,6 @@ from typing import NoReturn
 
 import yaml
 
-CONFIG_FLAGS = ("--config", "-c")
-"""The options that name a YAML config; ``-c FILE`` means ``--config FILE``."""
 _OPTION = re.compile(r"^(--[A-Za-z_][\w.\-]*\+?)=(.*)$", re.DOTALL)
 
 
