@@ -184,11 +184,14 @@ class SemanticSpecDecoder(StepDecoder):
         return inputs[0][k], inputs[1][k]
 
     def context_room(self) -> int | None:
-        rooms = [ctx - 1 - self.spare for m in (self.target, self.draft) if (ctx := context_length(m)) is not None]
-        return min(rooms, default=None)
+        return self._room(1, 1)
 
     def prompt_room(self, inputs: tuple) -> int | None:
-        rooms = [ctx - len(ids[0]) - self.spare for ids, m in zip(inputs, (self.target, self.draft))
+        return self._room(len(inputs[0][0]), len(inputs[1][0]))
+
+    def _room(self, n_target: int, n_draft: int) -> int | None:
+        """New tokens both models' contexts hold after prompts of these lengths (None: neither context known)."""
+        rooms = [ctx - n - self.spare for n, m in ((n_target, self.target), (n_draft, self.draft))
                  if (ctx := context_length(m)) is not None]
         return min(rooms, default=None)
 
