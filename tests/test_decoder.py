@@ -12,7 +12,7 @@ from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
 from probes.decoding.options import LoopOptions, resolve_probe_dtype
-from probes.decoding.policies import ProbePolicy, fast_path_keeps
+from probes.decoding.policies import ProbePolicy, fast_path_keeps_rows
 from probes.decoding.proposer import DraftProposer
 from probes.decoding.verify import TargetVerifier
 from probes.export import export_probe
@@ -228,6 +228,11 @@ def test_fast_path_skips_the_probes(tiny_pair):
     assert "accept_fast" not in {t.decision for t in res[0].steps} and gated.target_probe.calls > 0
 
 
+def fast_path_keeps(logits, tokens, top_k: int, floor: float) -> bool:
+    """The fast path's verdict on one step alone."""
+    return fast_path_keeps_rows([(logits, tokens)], top_k, floor)[0]
+
+
 def test_fast_path_needs_top_k_and_the_log_prob_floor(tiny_pair):
     """A token that is the target's top-1 but below the floor, or above the floor but outside the top-k, stops it."""
     import math
@@ -250,8 +255,6 @@ def test_fast_path_verdicts_of_a_batch_are_each_steps_own():
     """The verifier scores every row's step in one pass (:func:`fast_path_keeps_rows`): each verdict is the one
     step's alone, whatever the other steps hold (empty ones included)."""
     import math
-
-    from probes.decoding.policies import fast_path_keeps_rows
 
     g = torch.Generator().manual_seed(5)
     steps = []

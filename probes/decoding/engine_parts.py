@@ -521,7 +521,7 @@ def answer_cut(tokens: TokenLogprobs | None, step: StepSpec, marker: str | None)
 
 
 def fast_keeps(step: TokenLogprobs, n_forced: int, fp: FastPath) -> bool:
-    """:func:`~probes.decoding.policies.fast_path_keeps` from a server's top-k: every drafted token is in the
+    """:func:`~probes.decoding.policies.fast_path_keeps_rows` from a server's top-k: every drafted token is in the
     target's top-``fp.top_k`` and has at least ``fp.min_logprob``."""
     lp, top = step.logprobs[n_forced:], step.top[n_forced:, : fp.top_k]
     if len(lp) == 0:

@@ -5,7 +5,7 @@ verdict, the judge's score, the acceptance coin) and the proposer adds the draft
 where the policy wants it; the policy then answers ``accept``, ``accept_fast`` or ``reject`` per
 row. A policy calls no model and writes nothing into its input, so a test calls it on hand-made
 scores. What it reads is declared in :class:`Needs`; the rules themselves are pure functions of
-numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`, :func:`fast_path_keeps` and its batch form,
+numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`, :func:`fast_path_keeps_rows`,
 :func:`judge_score`).
 
 - :class:`ProbePolicy`: SemanticSpec, the target probe's ``q`` against a threshold, or the paper's
@@ -47,22 +47,14 @@ def ratio_keeps(q: float, p: float | None, u: float, scale: float = 1.0) -> bool
     return p is None or u * p < scale * q
 
 
-def fast_path_keeps(logits: torch.Tensor, tokens: torch.Tensor | Sequence[int], top_k: int, min_logprob: float) -> bool:
-    """Keep without the probe: every token is in the target's top-k and has log-prob >= ``min_logprob``.
-
-    Args:
-        logits: (k, V) the target's logits predicting each drafted token.
-        tokens: (k,) the drafted tokens (a bonus token, which the target wrote, excluded).
-    """
-    return fast_path_keeps_rows([(logits, tokens)], top_k, min_logprob)[0]
-
-
 def fast_path_keeps_rows(steps: Sequence[tuple[torch.Tensor, torch.Tensor | Sequence[int]]], top_k: int,
                          min_logprob: float) -> list[bool]:
-    """:func:`fast_path_keeps` of several steps ``(logits, tokens)``, scored in one pass over all their tokens.
+    """The fast path's verdict on each step ``(logits, tokens)``: keep without the probe when every token is in the
+    target's top-k and has log-prob >= ``min_logprob``; scored in one pass over all the steps' tokens.
 
-    The verdicts are those of one call per step (a token's scores read its own logits only, as the token
-    statistics score them); an empty step is never kept.
+    ``logits`` (k, V) are the target's logits predicting each drafted token, ``tokens`` (k,) the drafted tokens (a
+    bonus token, which the target wrote, excluded). The verdicts are those of one call per step (a token's scores
+    read its own logits only, as the token statistics score them); an empty step is never kept.
     """
     sizes = [len(tokens) for _, tokens in steps]
     if top_k < 1 or not any(sizes):
@@ -87,7 +79,7 @@ def judge_score(logits: torch.Tensor, digit_ids: list[int]) -> float:
 @dataclass(frozen=True)
 class FastPath:
     """The gated top-k fast path: keep a step whose every drafted token is in the target's top-k and
-    has at least ``min_logprob`` under it (:func:`fast_path_keeps`)."""
+    has at least ``min_logprob`` under it (:func:`fast_path_keeps_rows`)."""
 
     top_k: int
     min_logprob: float

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from probes import metrics
@@ -203,9 +203,6 @@ class DecodeResult:
     def ok(self) -> bool:
         """The decode finished (EOS, answer, budget or context), it did not fail."""
         return self.error is None and self.stop_reason != "error"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections.abc import Sequence
 
 MAX_LOAD_PER_CORE = 1.0
@@ -44,11 +45,9 @@ def timing_noise(seconds: Sequence[float], units: Sequence[float]) -> float:
     per-forward time spreads only when other work takes the cores. NaN with fewer than two chunks with units.
     """
     rates = [s / u for s, u in zip(seconds, units) if u > 0]
-    if len(rates) < 2:
+    if len(rates) < 2 or statistics.fmean(rates) <= 0:
         return math.nan
-    mean = sum(rates) / len(rates)
-    var = sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)
-    return math.sqrt(var) / mean if mean > 0 else math.nan
+    return statistics.stdev(rates) / statistics.fmean(rates)
 
 
 def unreliable_because(load: float, noise: float) -> list[str]:
