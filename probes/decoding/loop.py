@@ -87,10 +87,6 @@ class StepLoop:
         self.opt = setup.options
         self.meter = Meter(rows, verifier, proposer)
 
-    def parts(self, names: Sequence[str]) -> tuple:
-        """The parts named ``target`` (the verifier) and ``draft`` (the proposer)."""
-        return tuple({"target": self.verifier, "draft": self.proposer}[n] for n in names)
-
     def limit(self, i: int, *parts) -> int:
         return self.rows[i].limit(i, *parts)
 
@@ -140,7 +136,7 @@ class StepLoop:
 
     def _round(self, runner) -> bool:
         """One round over the rows that can go on (the others are closed at their limit); False when none could."""
-        rows, using = self.rows, self.parts(runner.caches)
+        rows, using = self.rows, [{"target": self.verifier, "draft": self.proposer}[n] for n in runner.caches]
         active = [i for i, r in enumerate(rows)
                   if not r.done and (r.rewriting is not None or self.limit(i, *using) > 0)]
         closing = [i for i, r in enumerate(rows) if not r.done and i not in active]
