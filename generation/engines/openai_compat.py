@@ -111,8 +111,7 @@ def _usage(usage, seconds: float) -> Usage:
     """:class:`Usage` from an OpenAI usage object (``prompt_tokens_details.cached_tokens`` when present)."""
     if usage is None:
         return Usage(0, 0, seconds=seconds)
-    details = getattr(usage, "prompt_tokens_details", None)
-    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    cached = getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None)
     prompt = int(usage.prompt_tokens or 0)
     return Usage(prompt, int(usage.completion_tokens or 0), cached,
                  None if cached is None else prompt - int(cached), seconds)
@@ -155,9 +154,8 @@ class _Completions:
     """Positions whose text-keyed top-k may have lost an entry (:func:`text_keyed_top`), counted over the client's
     life."""
 
-    def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
-                 timeout: float = 120.0, retries: int = 3):
-        connect(self, url, model, api_key_env=api_key_env, timeout=timeout, retries=retries)
+    def __init__(self, url: str, model: str | None = None, **conn):
+        connect(self, url, model, **conn)
         self._caps: Capabilities | None = None
 
     def capabilities(self) -> Capabilities:

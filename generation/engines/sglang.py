@@ -104,9 +104,8 @@ class SGLangEngine:
 
     name = "sglang"
 
-    def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
-                 timeout: float = 120.0, retries: int = 3):
-        connect(self, url, model, api_key_env=api_key_env, timeout=timeout, retries=retries, version_route=None)
+    def __init__(self, url: str, model: str | None = None, **conn):
+        connect(self, url, model, version_route=None, **conn)
         self._known: OrderedDict[str, list[int]] = OrderedDict()
         self.info = self._server_info()
         self.version = str(self.info.get("version")) if self.info.get("version") is not None else None
