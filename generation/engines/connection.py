@@ -66,9 +66,8 @@ class Connection:
         try:
             import openai
         except ImportError as e:
-            raise ImportError(f"engine clients need the openai client: pip install "
-                              f"'semanticspec-probes[openai]' ({e})") \
-                from None
+            raise ImportError("engine clients need the openai client: pip install "
+                              f"'semanticspec-probes[openai]' ({e})") from None
         if retries < 1 or timeout <= 0:
             raise ValueError(f"retries={retries} (expected >= 1), timeout={timeout} (expected > 0)")
         self.openai = openai

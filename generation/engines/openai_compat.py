@@ -244,8 +244,7 @@ class _Completions:
         stops = list(step.delimiters) if step is not None else None
         asked = self._write_logprobs(top_k, stops)
         resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=asked,
-                                  stop=stops,
-                                  extra={"include_stop_str_in_output": True} if stops else None)
+                                  stop=stops, extra={"include_stop_str_in_output": True} if stops else None)
         choice = self._choice(resp)
         text, how = self._ending(choice, stops or [])
         tokens = None
