@@ -112,8 +112,8 @@ class BatchedCache:
     """A model, its KV cache and, per row, the token sequence it has in context.
 
     ``seq[i]`` is row ``i``'s prompt plus committed output plus tentative tokens, in this model's
-    tokenization; ``n_fed[i]`` of them are in the cache; the rest are *pending* and go into the
-    next :meth:`feed`. ``last_logits[i]`` (V,) predicts ``seq[i][n_fed[i]]`` when nothing is pending.
+    tokenization; the first ``len(cols[i])`` of them are in the cache (``cols[i]``: their cache columns); the rest
+    are *pending* and go into the next :meth:`feed`. ``last_logits[i]`` (V,) predicts the first pending token.
 
     Counters of the forwards run so far: ``forward_s`` (their seconds), and per row ``passes`` (forwards that fed
     it) and ``served_s`` (their seconds); :func:`record_forwards` keeps each forward's rows, tokens and positions.
