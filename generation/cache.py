@@ -113,7 +113,8 @@ class BatchedCache:
 
     ``seq[i]`` is row ``i``'s prompt plus committed output plus tentative tokens, in this model's
     tokenization; the first ``len(cols[i])`` of them are in the cache (``cols[i]``: their cache columns); the rest
-    are *pending* and go into the next :meth:`feed`. ``last_logits[i]`` (V,) predicts the first pending token.
+    are *pending* and go into the next :meth:`feed`. ``last_logits[i]`` (V,) predicts ``seq[i][len(cols[i])]`` when
+    nothing is pending.
 
     Counters of the forwards run so far: ``forward_s`` (their seconds), and per row ``passes`` (forwards that fed
     it) and ``served_s`` (their seconds); :func:`record_forwards` keeps each forward's rows, tokens and positions.

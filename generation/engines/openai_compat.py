@@ -127,19 +127,14 @@ def _after(choice, prompt: str, eos: bool) -> str:
 class _Echo:
     """An echo request's answer, as every engine's ``read`` uses it."""
 
-    response: Any
-    """The completion response (its ``usage``)."""
-    seconds: float
-    """The request's wall seconds."""
+    usage: Usage
+    """The request's usage (its wall seconds included)."""
     choice: Any
     """Its one choice (``finish_reason``, the engine's extra fields)."""
     logprobs: dict
     """The choice's log-probs (``tokens``, ``text_offset``, ``token_logprobs``, ``top_logprobs``)."""
     positions: list[int]
     """Indices of the step's tokens among the echoed ones."""
-
-    def usage(self) -> Usage:
-        return _usage(self.response.usage, self.seconds)
 
 
 class _Completions:
@@ -231,7 +226,7 @@ class _Completions:
             idx = self._positions_by_ids(context, choice, n_prompt)
             if idx is None:
                 raise
-        return _Echo(resp, secs, choice, lp, idx)
+        return _Echo(_usage(resp.usage, secs), choice, lp, idx)
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """The step's indices found by token ids when the echoed texts do not add up; None: the engine cannot."""
@@ -319,7 +314,7 @@ class LlamaCppEngine(_Completions):
         echo = self._read_echo(context, step, top_k, sampling, seed)
         eos = echo.choice.finish_reason == "stop"
         return Reading(self._echo_step(echo.logprobs, echo.positions, top_k, None, None), None,
-                       _after(echo.choice, context + step, eos), eos, echo.usage())
+                       _after(echo.choice, context + step, eos), eos, echo.usage)
 
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
         # The server cuts the stop string off the text but keeps its tokens in the logprobs: asking for them
@@ -375,7 +370,7 @@ class VLLMEngine(_Completions):
         ids = [int(ids[i]) for i in idx] if isinstance(ids, list) and len(ids) > idx[-1] else None
         eos = echo.choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
         return Reading(self._echo_step(echo.logprobs, idx, top_k, tops, ids), None,
-                       _after(echo.choice, context + step, eos), eos, echo.usage())
+                       _after(echo.choice, context + step, eos), eos, echo.usage)
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """vLLM 0.11 decodes each echoed id alone, so SentencePiece spaces and the bytes of a split UTF-8 character do
