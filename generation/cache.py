@@ -112,13 +112,12 @@ class BatchedCache:
     """A model, its KV cache and, per row, the token sequence it has in context.
 
     ``seq[i]`` is row ``i``'s prompt plus committed output plus tentative tokens, in this model's
-    tokenization; ``n_fed[i]`` of them are in the cache; the rest are *pending* and go into the
-    next :meth:`feed`. ``last_logits[i]`` (V,) predicts ``seq[i][n_fed[i]]`` when nothing is pending.
+    tokenization; the first ``len(cols[i])`` of them are in the cache (``cols[i]``: their cache columns); the rest
+    are *pending* and go into the next :meth:`feed`. ``last_logits[i]`` (V,) predicts ``seq[i][len(cols[i])]`` when
+    nothing is pending.
 
-    Counters of the forwards run so far: ``calls``, ``rows_fed``, ``tokens_fed``, ``positions`` (every
-    forward computes every live row at the widest feed's width, so padding counts; :meth:`retire` drops
-    finished rows), ``forward_s``,
-    and per row ``passes`` (forwards that fed it) and ``served_s`` (their seconds).
+    Counters of the forwards run so far: ``forward_s`` (their seconds), and per row ``passes`` (forwards that fed
+    it) and ``served_s`` (their seconds); :func:`record_forwards` keeps each forward's rows, tokens and positions.
 
     Args:
         model: a transformers causal LM (eval mode), on any device.
@@ -149,22 +148,13 @@ class BatchedCache:
         self.seq: list[list[int]] = [[] for _ in range(n_rows)]
         self.last_logits: list[torch.Tensor | None] = [None] * n_rows
         self.passes = [0] * n_rows  # forwards that fed this row something
-        self.calls = 0  # forwards in total
-        self.rows_fed = 0  # rows fed, summed over forwards
-        self.tokens_fed = 0  # tokens fed, summed over forwards
-        self.positions = 0  # positions computed, summed over forwards: n_rows x the widest feed (padding included)
         self.forward_s = 0.0  # wall time of the forwards
         self.served_s = [0.0] * n_rows  # wall time of the forwards that fed this row something
-        self.compactions = 0
         self._own_mask = own_mask_ok(model.config)
 
     @property
     def n_rows(self) -> int:
         return len(self.seq)
-
-    @property
-    def n_fed(self) -> list[int]:
-        return [len(c) for c in self.cols]
 
     @property
     def holes(self) -> int:
@@ -332,17 +322,14 @@ class BatchedCache:
         return time.perf_counter()
 
     def _count(self, todo: dict[int, list[int]], width: int, seconds: float) -> None:
-        """Count one forward: its rows, tokens and positions (padding included), and its time (served rows')."""
-        tokens, positions = sum(len(t) for t in todo.values()), len(self.live) * width
-        self.calls += 1
-        self.rows_fed += len(todo)
-        self.tokens_fed += tokens
-        self.positions += positions
+        """Count one forward's time (and the served rows'); record its rows, tokens and positions (padding included)
+        in the open :func:`record_forwards` blocks."""
         self.forward_s += seconds
         for i in todo:
             self.served_s[i] += seconds
+        tokens = sum(len(t) for t in todo.values())
         for log in _RECORDERS:
-            log.append(ForwardRecord(self.model, len(todo), positions, tokens, seconds, len(self.live)))
+            log.append(ForwardRecord(self.model, len(todo), len(self.live) * width, tokens, seconds, len(self.live)))
 
     @torch.inference_mode()
     def rollback(self, i: int, n: int, last_logits: torch.Tensor | None = None) -> None:
@@ -431,5 +418,4 @@ class BatchedCache:
             if hasattr(layer, "cumulative_length"):
                 layer.cumulative_length = width
         self.mask = mask.to(self.device)
-        self.compactions += 1
         return True

@@ -288,11 +288,8 @@ def _rows_stats(scores: Mapping[str, torch.Tensor], names: Mapping[str, Sequence
         agg = _statistics(padded, plan, n, mask)
     if len(scores) == 1:
         return {g: agg for g in scores}
-    out, at = {}, 0
-    for g in scores:
-        out[g] = agg[:, at : at + len(names[g])].contiguous()
-        at += len(names[g])
-    return out
+    parts = agg.split([len(names[g]) for g in scores], dim=1)
+    return {g: part.contiguous() for g, part in zip(scores, parts)}
 
 
 def _rows_pooled(hidden: Sequence[torch.Tensor], lengths: Sequence[int], pooling: str) -> torch.Tensor:

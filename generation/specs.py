@@ -65,9 +65,6 @@ class StepSpec:
 
         return StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"delimiters": list(self.delimiters), "max_step_tokens": self.max_step_tokens}
-
 
 @dataclass(frozen=True)
 class SamplingSpec:

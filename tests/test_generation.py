@@ -84,11 +84,10 @@ def test_forwards_are_counted_with_their_rows_tokens_and_padded_positions(world_
         other.seq = [[2, 3], [2]]
         other.feed([0, 1])
     run.seq[0] += [8]
-    run.feed([0])  # after the block: counted by the cache, not recorded
-    assert (run.calls, run.rows_fed, run.tokens_fed, run.positions) == (3, 5, 15, 18 + 6 + 3)
+    run.feed([0])  # after the block: timed by the cache, not recorded
     assert [(r.model, r.rows, r.tokens, r.positions) for r in log] == [(model, 3, 12, 18), (model, 1, 2, 6),
                                                                         (model, 2, 3, 4)]
-    assert all(r.seconds > 0 for r in log) and run.forward_s >= log[0].seconds + log[1].seconds
+    assert all(r.seconds > 0 for r in log) and run.forward_s > log[0].seconds + log[1].seconds
     assert run.served_s[1] == pytest.approx(log[0].seconds + log[1].seconds)
     assert run.served_s[2] == pytest.approx(log[0].seconds) and run.served_s[0] > run.served_s[2]
     run.select([2, 1])
@@ -100,6 +99,8 @@ def test_masked_columns_do_not_pile_up_and_compaction_is_exact(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2)
     rng = random.Random(0)
     run = BatchedCache(model, 4, layer_ids=(-1, 1), compact_at=0.25)
+    compacted, compact = [], run.compact
+    run.compact = lambda: compacted.append(compact()) or compacted[-1]
     run.prefill([[2] + [rng.randrange(3, 40) for _ in range(rng.randrange(1, 6))] for _ in range(4)])
     widest = 0
     for _ in range(60):
@@ -113,7 +114,7 @@ def test_masked_columns_do_not_pile_up_and_compaction_is_exact(world_tokenizer):
             if rng.random() < 0.5:  # a rejected step: roll back part of what was fed
                 run.rollback(i, rng.randrange(1, len(run.seq[i]) - 1 if len(run.seq[i]) > 2 else 1))
         widest = max(widest, run.mask.shape[1])
-    assert run.compactions > 0
+    assert any(compacted)
     longest = max(len(s) for s in run.seq)
     assert widest < 2 * longest + 64  # without compaction the width grows with every round (~250 here)
     for i in range(4):
@@ -247,7 +248,7 @@ def test_the_writer_stops_each_row_at_its_own_limit(world_tokenizer):
     writer = StepWriter(run, lambda t: False, Sampler(SamplingSpec(0.0, 1.0)))
     steps = writer.write([0, 1, 2], {0: 1, 1: 4, 2: 9}, feed_last=True)
     assert [len(steps[i].tokens) for i in range(3)] == [1, 4, 9]
-    assert run.n_fed == [len(s) for s in run.seq]  # feed_last: every token is in the cache
+    assert [len(c) for c in run.cols] == [len(s) for s in run.seq]  # feed_last: every token is in the cache
 
 
 def test_stop_check_on_token_ids_agrees_with_decoding(world_tokenizer):

@@ -46,17 +46,10 @@ def make_engine(kind: str, url: str, model: str | None = None, *, api_key_env: s
         Unsupported: it does not serve ``model``, or its version is below the client's floor (SGLang 0.5.4,
             vLLM 0.11.0), naming the URL, the version and the floor.
     """
-    conn = {"api_key_env": api_key_env, "timeout": timeout, "retries": retries}
-    if kind == "sglang":
-        from generation.engines.sglang import SGLangEngine
+    if kind not in KINDS:
+        raise ValueError(f"engine kind={kind!r}: expected one of {list(KINDS)}")
+    from generation.engines.openai_compat import LlamaCppEngine, VLLMEngine
+    from generation.engines.sglang import SGLangEngine  # imports openai_compat too
 
-        return SGLangEngine(url, model, **conn, **options)
-    if kind == "vllm":
-        from generation.engines.openai_compat import VLLMEngine
-
-        return VLLMEngine(url, model, **conn, **options)
-    if kind == "llama.cpp":
-        from generation.engines.openai_compat import LlamaCppEngine
-
-        return LlamaCppEngine(url, model, **conn, **options)
-    raise ValueError(f"engine kind={kind!r}: expected one of {list(KINDS)}")
+    client = {"sglang": SGLangEngine, "vllm": VLLMEngine, "llama.cpp": LlamaCppEngine}[kind]
+    return client(url, model, api_key_env=api_key_env, timeout=timeout, retries=retries, **options)

@@ -66,9 +66,8 @@ class Connection:
         try:
             import openai
         except ImportError as e:
-            raise ImportError(f"engine clients need the openai client: pip install "
-                              f"'semanticspec-probes[openai]' ({e})") \
-                from None
+            raise ImportError("engine clients need the openai client: pip install "
+                              f"'semanticspec-probes[openai]' ({e})") from None
         if retries < 1 or timeout <= 0:
             raise ValueError(f"retries={retries} (expected >= 1), timeout={timeout} (expected > 0)")
         self.openai = openai
@@ -171,16 +170,15 @@ class Connection:
         return resp, time.perf_counter() - t
 
 
-def connect(client, url: str, model: str | None, *, api_key_env: str, timeout: float, retries: int,
-            version_route: str | None = "/version") -> None:
-    """Give an engine client its :class:`Connection` (``conn``), root ``url``, checked ``model``, its
-    ``context_length`` as ``/v1/models`` states it (None where it does not) and ``version`` (from ``GET
-    version_route``; None: the client reads it itself).
+def connect(client, url: str, model: str | None, *, version_route: str | None = "/version", **conn) -> None:
+    """Give an engine client its :class:`Connection` (``conn``: ``api_key_env``, ``timeout``, ``retries``), root
+    ``url``, checked ``model``, its ``context_length`` as ``/v1/models`` states it (None where it does not) and
+    ``version`` (from ``GET version_route``; None: the client reads it itself).
 
     Raises:
         EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
     """
-    client.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
+    client.conn = Connection(url, **conn)
     client.url = client.conn.root
     client.model = client.conn.check_model(model)
     client.context_length = client.conn.contexts.get(client.model)

@@ -82,7 +82,8 @@ class LocalEngine:
         ids = full[len(ctx) :]
         tokens = self._logprobs(pred, ids, top_k)
         rows = out.hidden_states[-1][0, len(ctx) :].float().cpu() if hidden else None
-        nxt = self._draw(logits[-1], sampling, seed)
+        # the token after the step, drawn as the writer draws (greedy at temperature 0)
+        nxt = int(Sampler(sampling, torch.Generator().manual_seed(seed)).draw(logits[-1:].cpu(), [0])[0])
         eos = nxt == self.tokenizer.eos_token_id
         usage = Usage(len(full), 1, 0, len(full), time.perf_counter() - t0)
         return Reading(tokens, rows, "" if eos else decode_text(self.tokenizer, [nxt]), eos, usage)
@@ -134,8 +135,3 @@ class LocalEngine:
         own, top = topk_of_logits(pred, torch.tensor(ids), top_k)
         texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
         return TokenLogprobs(texts, list(ids), own.cpu(), top.cpu())
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, sampling: SamplingSpec, seed: int) -> int:
-        """The token after a read, drawn as the writer draws (greedy at temperature 0)."""
-        return int(Sampler(sampling, torch.Generator().manual_seed(seed)).draw(logits[None].cpu(), [0])[0])

@@ -111,8 +111,7 @@ def _usage(usage, seconds: float) -> Usage:
     """:class:`Usage` from an OpenAI usage object (``prompt_tokens_details.cached_tokens`` when present)."""
     if usage is None:
         return Usage(0, 0, seconds=seconds)
-    details = getattr(usage, "prompt_tokens_details", None)
-    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    cached = getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None)
     prompt = int(usage.prompt_tokens or 0)
     return Usage(prompt, int(usage.completion_tokens or 0), cached,
                  None if cached is None else prompt - int(cached), seconds)
@@ -128,19 +127,14 @@ def _after(choice, prompt: str, eos: bool) -> str:
 class _Echo:
     """An echo request's answer, as every engine's ``read`` uses it."""
 
-    response: Any
-    """The completion response (its ``usage``)."""
-    seconds: float
-    """The request's wall seconds."""
+    usage: Usage
+    """The request's usage (its wall seconds included)."""
     choice: Any
     """Its one choice (``finish_reason``, the engine's extra fields)."""
     logprobs: dict
     """The choice's log-probs (``tokens``, ``text_offset``, ``token_logprobs``, ``top_logprobs``)."""
     positions: list[int]
     """Indices of the step's tokens among the echoed ones."""
-
-    def usage(self) -> Usage:
-        return _usage(self.response.usage, self.seconds)
 
 
 class _Completions:
@@ -155,9 +149,8 @@ class _Completions:
     """Positions whose text-keyed top-k may have lost an entry (:func:`text_keyed_top`), counted over the client's
     life."""
 
-    def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
-                 timeout: float = 120.0, retries: int = 3):
-        connect(self, url, model, api_key_env=api_key_env, timeout=timeout, retries=retries)
+    def __init__(self, url: str, model: str | None = None, **conn):
+        connect(self, url, model, **conn)
         self._caps: Capabilities | None = None
 
     def capabilities(self) -> Capabilities:
@@ -233,7 +226,7 @@ class _Completions:
             idx = self._positions_by_ids(context, choice, n_prompt)
             if idx is None:
                 raise
-        return _Echo(resp, secs, choice, lp, idx)
+        return _Echo(_usage(resp.usage, secs), choice, lp, idx)
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """The step's indices found by token ids when the echoed texts do not add up; None: the engine cannot."""
@@ -246,8 +239,7 @@ class _Completions:
         stops = list(step.delimiters) if step is not None else None
         asked = self._write_logprobs(top_k, stops)
         resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=asked,
-                                  stop=stops,
-                                  extra={"include_stop_str_in_output": True} if stops else None)
+                                  stop=stops, extra={"include_stop_str_in_output": True} if stops else None)
         choice = self._choice(resp)
         text, how = self._ending(choice, stops or [])
         tokens = None
@@ -322,7 +314,7 @@ class LlamaCppEngine(_Completions):
         echo = self._read_echo(context, step, top_k, sampling, seed)
         eos = echo.choice.finish_reason == "stop"
         return Reading(self._echo_step(echo.logprobs, echo.positions, top_k, None, None), None,
-                       _after(echo.choice, context + step, eos), eos, echo.usage())
+                       _after(echo.choice, context + step, eos), eos, echo.usage)
 
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
         # The server cuts the stop string off the text but keeps its tokens in the logprobs: asking for them
@@ -378,7 +370,7 @@ class VLLMEngine(_Completions):
         ids = [int(ids[i]) for i in idx] if isinstance(ids, list) and len(ids) > idx[-1] else None
         eos = echo.choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
         return Reading(self._echo_step(echo.logprobs, idx, top_k, tops, ids), None,
-                       _after(echo.choice, context + step, eos), eos, echo.usage())
+                       _after(echo.choice, context + step, eos), eos, echo.usage)
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """vLLM 0.11 decodes each echoed id alone, so SentencePiece spaces and the bytes of a split UTF-8 character do

@@ -104,9 +104,8 @@ class SGLangEngine:
 
     name = "sglang"
 
-    def __init__(self, url: str, model: str | None = None, *, api_key_env: str = "OPENAI_API_KEY",
-                 timeout: float = 120.0, retries: int = 3):
-        connect(self, url, model, api_key_env=api_key_env, timeout=timeout, retries=retries, version_route=None)
+    def __init__(self, url: str, model: str | None = None, **conn):
+        connect(self, url, model, version_route=None, **conn)
         self._known: OrderedDict[str, list[int]] = OrderedDict()
         self.info = self._server_info()
         self.version = str(self.info.get("version")) if self.info.get("version") is not None else None
@@ -227,16 +226,13 @@ class SGLangEngine:
                 self._prefill(ids[:start])
             got = self._read_ids(ids, start, top_k, hidden, sampling, seed)
         tokens, meta, got_text, secs = got
-        finish = meta.get("finish_reason") or {}
-        eos = finish.get("type") == "stop"
-        n = len(tokens.tokens)
-        ctx_ids = self._known.get(context) or []
-        self._remember(context + step, ctx_ids + list(tokens.ids or []))
+        eos = (meta.get("finish_reason") or {}).get("type") == "stop"
+        self._remember(context + step, (self._known.get(context) or []) + list(tokens.ids or []))
         nxt = meta.get("output_token_logprobs") or []
         if not eos and len(nxt) == 1 and nxt[0] and len(nxt[0]) > 1:
             self._remember(context + step + got_text, self._known[context + step] + [int(nxt[0][1])])
-        return Reading(tokens, self._hidden(meta, n) if hidden else None, "" if eos else got_text, eos,
-                       self._usage(meta, secs))
+        return Reading(tokens, self._hidden(meta, len(tokens.tokens)) if hidden else None, "" if eos else got_text,
+                       eos, self._usage(meta, secs))
 
     def _prefill(self, ids: list[int]) -> None:
         """Have the server cache a long context first (one token written, nothing returned): SGLang returns a hidden
