@@ -244,20 +244,16 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
     return out, forwards
 
 
-def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=batching.SIZES) -> dict:
-    """:func:`benchmarks.batching.batch_scaling` on ``problems`` with this task's prompts and answer checker."""
-    return batching.batch_scaling(dec, problems, args, lambda p: TASK.prompt_text(dec.tokenizer, p.problem),
-                                  lambda text, p: TASK.check(text, p.answer), sizes,
-                                  repeats=args.scaling_repeats)
-
-
 def scaling_section(dec: SemanticSpecDecoder, args: argparse.Namespace) -> dict:
-    """:func:`batch_scaling` on the first ``--scaling-problems`` problems (empty when skipped)."""
+    """:func:`benchmarks.batching.batch_scaling` on the first ``--scaling-problems`` problems with this task's prompts
+    and answer checker (empty when skipped)."""
     if args.no_batch_scaling:
         return {}
     n = args.scaling_problems or (16 if args.quick else 64)
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
-    return batch_scaling(dec, problems, args, tuple(args.batch_sizes or batching.SIZES))
+    return batching.batch_scaling(dec, problems, args, lambda p: TASK.prompt_text(dec.tokenizer, p.problem),
+                                  lambda text, p: TASK.check(text, p.answer), tuple(args.batch_sizes or batching.SIZES),
+                                  repeats=args.scaling_repeats)
 
 
 def goals(methods: dict, probes: dict, scaling: dict | None = None) -> dict:
@@ -566,8 +562,6 @@ def window_figures(methods: dict, runs: dict) -> None:
     window (refused steps and the unjudged steps after them) and its speedup over the same method's one-step row of
     the same run (``speedup_over_one_step``: what windows gain on this machine, which moves less with the machine's
     state than the speedups do)."""
-    from torchmetrics.functional.classification import binary_auroc
-
     for name in [n for n in methods if "lookahead=" in n] + ["semanticspec"]:
         steps = [s for r in runs[name] for s in r.steps if s.writer == "draft" and s.confidence is not None]
         s = summarize(runs[name])
@@ -576,9 +570,7 @@ def window_figures(methods: dict, runs: dict) -> None:
         m["steps_per_window"] = s["draft_steps_proposed"] / max(s["windows"], 1)
         one = methods.get(name.split("[")[0])  # the same method judging one step per pass, in the same run
         m["speedup_over_one_step"] = m["speedup"] / one["speedup"] if one and one["speedup"] > 0 else math.nan
-        kept = torch.tensor([int(t.decision.kept) for t in steps])
-        m["confidence_auroc"] = (float(binary_auroc(torch.tensor([t.confidence for t in steps]), kept))
-                                 if 0 < int(kept.sum()) < len(steps) else math.nan)
+        m["confidence_auroc"] = auroc([(t.confidence, t.decision.kept) for t in steps])
 
 
 PROBE_ALONE = "semanticspec[no_fast_path]"
@@ -726,9 +718,8 @@ def scaling_only(plan: Plan, args: argparse.Namespace, untrained: bool) -> dict:
               "config": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "threads", "device",
                                                        "quick",
                                                        "scaling_problems", "batch_sizes", "seed")}}
-    out = harness.results_path("decode-scaling", args.quick, args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    harness.write(report, out, scaling_markdown(report), save_table=True)
+    harness.write(report, harness.results_path("decode-scaling", args.quick, args.out), scaling_markdown(report),
+                  save_table=True)
     return report
 
 
@@ -744,13 +735,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     warm_up(plan.dec, args)
     if args.only_batch_scaling:
         report = scaling_only(plan, args, untrained=tmp is not None)
-        if tmp is not None:
-            tmp.cleanup()
-        return report
-    t0 = time.perf_counter()
-    runs, forwards = run_methods(plan.dec, plan.variants, problems, args)
-    report = build_report(args, plan, runs, forwards, problems, untrained=tmp is not None, t0=t0)
-    save(report, args)
+    else:
+        t0 = time.perf_counter()
+        runs, forwards = run_methods(plan.dec, plan.variants, problems, args)
+        report = build_report(args, plan, runs, forwards, problems, untrained=tmp is not None, t0=t0)
+        save(report, args)
     if tmp is not None:
         tmp.cleanup()
     return report
