@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import time
 
-from tqdm.auto import tqdm
-
 from benchmarks import harness
-from benchmarks.common import other_problems, paired_delta, print_versus, shipped_decoder, versus_target_only
-from datamodules.arithmetic import models, task
+from benchmarks.common import (interleaved, other_problems, paired_delta, print_versus, shipped_decoder,
+                               versus_target_only)
+from datamodules.arithmetic import models
 from probes.decoder import summarize
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
@@ -36,15 +35,8 @@ def main(argv=None) -> dict:
     n = args.n_problems
     world = models.load_world(None)
     decs = {k: shipped_decoder(world, **kw) for k, kw in VARIANTS.items()}
-    runs = {k: [] for k in VARIANTS}
-    names = list(VARIANTS)
     t0 = time.perf_counter()
-    for k, p in enumerate(tqdm(problems, desc="first_step", unit="problem")):
-        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
-            method = "target_only" if name == "target_only" else "semanticspec"
-            runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k, method=method,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
-                                              lookahead=1)
+    runs, _ = interleaved(decs, problems, args, "first_step")
     methods, right = versus_target_only(runs, problems, {k: summarize(v)["wall_s"] for k, v in runs.items()})
     report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": methods}
     d, t = report["methods"]["draft_first_step"], report["methods"]["target_first_step"]

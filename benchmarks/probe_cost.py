@@ -22,11 +22,10 @@ import statistics
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.common import other_problems, shipped_decoder
-from datamodules.arithmetic import models, task
+from benchmarks.common import interleaved, other_problems, shipped_decoder
+from datamodules.arithmetic import models
 from generation.features import FeatureSpec, probe_input, rows_features
 from probes.decoder import summarize
 from probes.decoding.policies import ProbePolicy
@@ -106,15 +105,10 @@ def main(argv=None) -> dict:
               "default": next((k for k, (dtype, top_k) in VARIANTS.items()  # None: float32 with the fast path
                                if default.target_probe.mlp_dtype == getattr(torch, dtype)
                                and default.policy.top_k == top_k), None)}
-    runs, names = {k: [] for k in decs}, list(decs)
     t0 = time.perf_counter()
-    for k, p in enumerate(tqdm(problems, desc="probe_cost", unit="problem")):
-        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
-            runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
-                                              lookahead=1)
+    runs, _ = interleaved(decs, problems, args, "probe_cost")
     report["seconds"] = time.perf_counter() - t0
-    report["decisions"] = {name: _compare(runs["float32"], runs[name]) for name in names[1:]}
+    report["decisions"] = {name: _compare(runs["float32"], runs[name]) for name in list(decs)[1:]}
     report["runs"] = {name: {k: summarize(res)[k] for k in ("probe_overhead", "wall_s", "probe_s", "steps")}
                       for name, res in runs.items()}
     c = report["call"]
