@@ -49,6 +49,7 @@ import torch
 
 from generation.cache import ForwardRecord, record_forwards
 from probes.decoding.results import summarize
+from probes.decoding.timing import rotation
 
 SIZES = (1, 2, 4, 8, 16)
 """Prompts per batch of the scaling section."""
@@ -113,8 +114,7 @@ def batch_scaling(dec, problems: Sequence, args, prompt: Callable, check: Callab
         for c, start in enumerate(range(0, len(problems), chunk)):
             prompts = [prompt(p) for p in problems[start : start + chunk]]
             for k, b in enumerate(sizes):
-                first = (c + k + r) % len(methods)
-                for m in [*methods[first:], *methods[:first]]:
+                for m in rotation(methods, c + k + r):
                     with record_forwards() as log:
                         t0 = time.perf_counter()
                         res = dec.generate(prompts, method=m, batch_size=b, seed=args.seed + c, **gen)

