@@ -17,8 +17,10 @@ import argparse
 import contextlib
 import json
 import socket
+import statistics
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -80,6 +82,18 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in socks]
+
+
+def median_seconds(fn: Callable[[], object], n: int = 200, before: Callable[[], object] | None = None) -> float:
+    """Median seconds of ``n`` calls of ``fn()``, each after ``before()`` when given (not timed)."""
+    times = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def results_path(name: str, quick: bool, out: str | Path | None = None) -> Path:

@@ -18,7 +18,6 @@ decoder runs by default on this machine (``probe_dtype="auto"``, :func:`~probes.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -36,18 +35,6 @@ on the machine (``probe_dtype="auto"`` and :func:`~probes.decoding.policies.defa
 float32 with the fast path (a CPU on which ``auto`` keeps float32)."""
 
 STEP = "Add 5: 14 + 5 = 19.\n\n"
-
-
-def _median_us(fn, before=None, n: int = 200) -> float:
-    """Median microseconds of ``fn()``, each call after ``before()`` when given (not timed)."""
-    times = []
-    for _ in range(n):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def call_costs(world: models.World, probe) -> dict:
@@ -72,12 +59,12 @@ def call_costs(world: models.World, probe) -> dict:
         with torch.no_grad():
             target(ids)
 
-    costs = {"features_us": _median_us(features, evict), "step_tokens": k}
+    costs = {"features_us": harness.median_seconds(features, before=evict) * 1e6, "step_tokens": k}
     for name in ("float32", "float16"):
         if name == "float16":
             probe.mlp.half()
-        costs[f"mlp_{name}_warm_us"] = _median_us(lambda: probe.predict(x))
-        costs[f"mlp_{name}_cold_us"] = _median_us(lambda: probe.predict(x), evict)
+        costs[f"mlp_{name}_warm_us"] = harness.median_seconds(lambda: probe.predict(x)) * 1e6
+        costs[f"mlp_{name}_cold_us"] = harness.median_seconds(lambda: probe.predict(x), before=evict) * 1e6
     probe.mlp.float()
     return costs
 

@@ -55,7 +55,6 @@ import json
 import math
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -402,13 +401,9 @@ def prefill_figures(target: Recorded, log_text: str, prompts: set[str], tag: str
 
 def server_request_overhead_ms(engine, n: int) -> float:
     """Median round trip (ms) of a minimal completion (BOS + one word, ``max_tokens`` 1) to ``engine``'s server."""
-    client = engine.conn.client
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        client.completions.create(model=engine.model, prompt="1", max_tokens=1, temperature=0.0)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    create = engine.conn.client.completions.create
+    seconds = harness.median_seconds(lambda: create(model=engine.model, prompt="1", max_tokens=1, temperature=0.0), n)
+    return seconds * 1000
 
 
 CANNED = {"id": "c", "object": "text_completion", "created": 0, "model": "m",
@@ -444,15 +439,11 @@ def http_client_ms(n: int) -> float:
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="none", max_retries=0)
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            client.completions.create(model="m", prompt="1", max_tokens=1)
-            times.append(time.perf_counter() - t0)
+        seconds = harness.median_seconds(lambda: client.completions.create(model="m", prompt="1", max_tokens=1), n)
     finally:
         server.shutdown()
         server.server_close()
-    return statistics.median(times) * 1000
+    return seconds * 1000
 
 
 def overheads(results, rps: float, o_ms: float, client_ms: float) -> dict:
