@@ -606,11 +606,8 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
     methods = {m: figures(runs[m], problems, ref) for m in METHODS}
     for m in METHODS:
         methods[m]["n_errors"] = sum(r.stop_reason == "error" for r in runs[m])
-        methods[m]["requests"] = sum(r.stats.requests for r in runs[m])
-        methods[m]["drafted_tokens"] = sum(r.stats.drafted_tokens for r in runs[m])
-        methods[m]["windows"] = sum(r.stats.windows for r in runs[m])
-        methods[m]["ahead_windows"] = sum(r.stats.ahead_windows for r in runs[m])
-        methods[m]["ahead_used"] = sum(r.stats.ahead_used for r in runs[m])
+        for k in ("requests", "drafted_tokens", "windows", "ahead_windows", "ahead_used"):
+            methods[m][k] = sum(getattr(r.stats, k) for r in runs[m])
         methods[m]["requests_per_committed_step"] = methods[m]["requests"] / max(sum(r.stats.steps for r in runs[m]),
                                                                                 1)
     spec_fig = methods["semanticspec"]
@@ -641,9 +638,8 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         "decision_agreement": agreement,
         "projected_speedup_32b": projection(spec_fig, rps_proposed, o_ms, prefill),
         "projected_speedup_32b_by_lookahead": {
-            k: projection(methods[f"semanticspec[lookahead={k}]"], methods[f"semanticspec[lookahead={k}]"][
-                "requests"] / max(methods[f"semanticspec[lookahead={k}]"]["draft_steps_proposed"], 1), o_ms, prefill)
-            for k in WINDOWS},
+            k: projection(m, m["requests"] / max(m["draft_steps_proposed"], 1), o_ms, prefill)
+            for k in WINDOWS for m in [methods[f"semanticspec[lookahead={k}]"]]},
         "concurrency": conc,
         "unsure_top_k_positions": {"target": target.engine.unsure_positions, "draft": draft.engine.unsure_positions},
         "n_problems": n,
