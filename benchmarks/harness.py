@@ -20,7 +20,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -110,6 +110,11 @@ def shown(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """The lines of a markdown table: ``header``, its rule, and a line per row of cells."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def write(report: dict, path: Path, table: str | None = None, *, save_table: bool = False,

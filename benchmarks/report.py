@@ -20,6 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+from benchmarks import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
@@ -88,8 +90,7 @@ def load(name: str) -> dict:
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+    return "\n".join(harness.table(header, rows)) + "\n"
 
 
 def num(x: float | None, digits: int = 3) -> str:
