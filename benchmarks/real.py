@@ -110,13 +110,12 @@ def main(argv=None) -> dict:
 
 def table(report: dict) -> str:
     """The build's figures, each method's accuracy and speedup, and the two greedy checks, as markdown."""
-    lines = [f"label rows {report['label_rows']}; build seconds per stage {report['seconds_per_stage']}",
-             "| method | accuracy | speedup | step acceptance |", "|---|---|---|---|"]
-    for name, m in report["methods"].items():
-        lines.append(f"| {name} | {m['accuracy']:.3f} | {m['speedup']:.2f} | {m['step_acceptance']:.3f} |")
-    lines.append(f"greedy target_only == transformers generate: {report['greedy_matches_hf_count']}; "
-                 f"greedy token_sd == greedy hf_target_only: {report['token_sd_lossless_count']}")
-    return "\n".join(lines)
+    rows = [[name, f"{m['accuracy']:.3f}", f"{m['speedup']:.2f}", f"{m['step_acceptance']:.3f}"]
+            for name, m in report["methods"].items()]
+    return "\n".join([f"label rows {report['label_rows']}; build seconds per stage {report['seconds_per_stage']}",
+                      *harness.table(["method", "accuracy", "speedup", "step acceptance"], rows),
+                      f"greedy target_only == transformers generate: {report['greedy_matches_hf_count']}; "
+                      f"greedy token_sd == greedy hf_target_only: {report['token_sd_lossless_count']}"])
 
 
 if __name__ == "__main__":

@@ -678,14 +678,10 @@ def goals(report: dict) -> dict:
 
 def markdown(report: dict) -> str:
     """The figures as a markdown table."""
-    lines = ["| method | accuracy | speedup | step acceptance | wall s | requests | errors |",
-             "|---|---|---|---|---|---|---|"]
-    for m, f in report["methods"].items():
-        lines.append(f"| {m} | {f['accuracy']:.3f} | {f['speedup']:.2f}x | {f['step_acceptance']:.3f} | "
-                     f"{f['wall_s']:.1f} | {f['requests']} | {f['n_errors']} |")
+    methods = [[m, f"{f['accuracy']:.3f}", f"{f['speedup']:.2f}x", f"{f['step_acceptance']:.3f}", f"{f['wall_s']:.1f}",
+                str(f["requests"]), str(f["n_errors"])] for m, f in report["methods"].items()]
     rps, pre, agree = report["requests_per_step"], report["prefill"], report["decision_agreement"]
     b = report["build"]
-    lines += ["", "| figure | value |", "|---|---|"]
     rows = [
         ("always_reject_equals_target_only (greedy, every problem)",
          f"{report['always_reject_equals_target_only']} ({report['always_reject_mismatches']} mismatches)"),
@@ -731,8 +727,8 @@ def markdown(report: dict) -> str:
         if isinstance(row, dict):
             rows.append((f"concurrency {n} tokens/s target_only / semanticspec",
                          f"{row['target_only']['tokens_per_s']:.0f} / {row['semanticspec']['tokens_per_s']:.0f}"))
-    lines += [f"| {k} | {v} |" for k, v in rows]
-    return "\n".join(lines)
+    return "\n".join([*harness.table(["method", "accuracy", "speedup", "step acceptance", "wall s", "requests",
+                                       "errors"], methods), "", *harness.table(["figure", "value"], rows)])
 
 
 def arguments():

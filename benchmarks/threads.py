@@ -223,14 +223,12 @@ def figures(times: dict[tuple[str, str, bool], list[float]], torch_default: int)
 
 
 def table(report: dict) -> str:
-    lines = ["| job | threads | alone s | beside s | slowdown | alone / torch default |", "|---|---|---|---|---|---|"]
-    for job in ("build", "fit"):
-        for s, r in report[job].items():
-            name = f"default (should match {report['default_setting']})" if s == "default" else s
-            ratio = "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"
-            lines.append(f"| {job} | {name} | {r['alone_s']:.1f} | {r['beside_s']:.1f} | {r['slowdown']:.2f}x | "
-                         f"{ratio} |")
-    return "\n".join(lines)
+    rows = [[job, f"default (should match {report['default_setting']})" if s == "default" else s,
+             f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
+             "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"]
+            for job in ("build", "fit") for s, r in report[job].items()]
+    return "\n".join(harness.table(["job", "threads", "alone s", "beside s", "slowdown", "alone / torch default"],
+                                   rows))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -350,17 +350,15 @@ def markdown(r: dict) -> str:
         f"World benchmark ({'quick, ' if r['quick'] else ''}{r['n_problems']} four-operation problems, "
         f"T={r['temperature']}, top-p={r['top_p']}; models from {r['root']})",
         "",
-        "| model | accuracy (95% CI) | ms/token (decode) | prefill ms | templates 0/1/2/3 | malformed steps "
-        "| true steps | steps as reference |",
-        "|---|---|---|---|---|---|---|---|",
+        *harness.table(
+            ["model", "accuracy (95% CI)", "ms/token (decode)", "prefill ms", "templates 0/1/2/3", "malformed steps",
+             "true steps", "steps as reference"],
+            ([name, f"{m['accuracy']:.3f} ({m['accuracy_ci95'][0]:.2f}-{m['accuracy_ci95'][1]:.2f})",
+              f"{m['ms_per_token']:.3f}", f"{m['prefill_ms']:.2f}", fmt(d["shares"]), f"{d['malformed_share']:.3f}",
+              f"{d['correct_step_share']:.3f}", f"{m['reference_step_share']:.3f}"]
+             for name in SOLVERS for m, d in [(r[name], dist[name])]),
+        ),
     ]
-    for name in SOLVERS:
-        m, d = r[name], dist[name]
-        lines.append(
-            f"| {name} | {m['accuracy']:.3f} ({m['accuracy_ci95'][0]:.2f}-{m['accuracy_ci95'][1]:.2f}) | "
-            f"{m['ms_per_token']:.3f} | {m['prefill_ms']:.2f} | {fmt(d['shares'])} | "
-            f"{d['malformed_share']:.3f} | {d['correct_step_share']:.3f} | {m['reference_step_share']:.3f} |"
-        )
     c, fit = r["judge_confusion"], r["layer_cost_fit"]
     lines += [
         "",
