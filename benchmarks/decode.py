@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +63,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torchmetrics.functional.classification import binary_auroc
 from tqdm.auto import tqdm
 
 from benchmarks import batching, harness
@@ -112,8 +114,6 @@ ADAPTIVE_ROW = f"semanticspec[lookahead={ADAPTIVE[0]} adaptive]"
 
 def noisy_oracle(problem: task.Problem, keep_right: float, seed: int):
     """The oracle that keeps a right step only with probability ``keep_right`` (never a wrong one)."""
-    import random
-
     exact, rng = oracle_for(problem), random.Random(seed)
     return lambda step, prefix: exact(step, prefix) and rng.random() < keep_right
 
@@ -187,8 +187,6 @@ def phases_and_cost(results, reference) -> tuple[dict[str, float], dict[str, flo
 
 def auroc(scored: list[tuple[float, bool]]) -> float:
     """AUROC of q for right vs wrong draft steps (NaN when one class is missing)."""
-    from torchmetrics.functional.classification import binary_auroc
-
     if not scored or len({r for _, r in scored}) < 2:
         return math.nan
     q = torch.tensor([s for s, _ in scored])

@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -496,8 +496,6 @@ def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_pro
 
 def _cut(step, k: int):
     """A server's step answer with its top-k cut to ``k`` columns (the read asked for the most any probe reads)."""
-    from dataclasses import replace
-
     return replace(step, top=step.top[:, :k])
 
 

@@ -29,6 +29,7 @@ them: on a loaded machine the figures are rough.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -181,10 +182,6 @@ export: false
     return path
 
 
-def thread_args(setting: str) -> list[str]:
-    return SETTINGS[setting][0]
-
-
 def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_yaml: Path,
              times: dict[tuple[str, str, bool], list[float]]) -> None:
     """Time each ``(job, setting, beside)`` of ``order`` once, appending the seconds to ``times``."""
@@ -192,15 +189,12 @@ def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_
     for job, setting, beside in order:
         if job == "build":
             out = folder / f"build-{len(times.get((job, setting, beside), []))}-{setting}-{int(beside)}"
-            args = build_args(out, quick) + thread_args(setting)
+            args = build_args(out, quick) + SETTINGS[setting][0]
             module = "datamodules.labels.build"
         else:
-            args = ["--config", "configs/arithmetic.yaml", "--config", str(fit_yaml)] + thread_args(setting)
+            args = ["--config", "configs/arithmetic.yaml", "--config", str(fit_yaml)] + SETTINGS[setting][0]
             module = "probes.fit"
-        if beside:
-            with Competitor(folder):
-                seconds = timed(module, args, log, setting_env(setting))
-        else:
+        with Competitor(folder) if beside else contextlib.nullcontext():
             seconds = timed(module, args, log, setting_env(setting))
         times.setdefault((job, setting, beside), []).append(seconds)
         print(f"{job:5s} threads={setting:9s} {'beside' if beside else 'alone '}: {seconds:7.1f} s", flush=True)
