@@ -16,15 +16,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+"""The repository's root."""
+RESULTS_DIR = REPO / "benchmarks" / "results"
 """The one folder of the benchmarks' figures (``benchmarks/results``)."""
 
 
@@ -82,6 +86,16 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in socks]
+
+
+def child_json(code: str, args: Sequence[str], threads: int, what: str) -> dict:
+    """Run ``python -c code *args`` in the repository with ``OMP_NUM_THREADS=threads``; the JSON its last output line
+    prints. Fails naming ``what``, with the end of its stderr, when it exits non-zero."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if out.returncode:
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def median_seconds(fn: Callable[[], object], n: int = 200, before: Callable[[], object] | None = None) -> float:

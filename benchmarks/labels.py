@@ -31,8 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -201,13 +199,7 @@ def read_benchmark(rows: int, batch_size: int = 128) -> dict:
     """Stream ``rows`` synthetic 384-wide rows in a fresh process; rows/s and its peak RSS."""
     with tempfile.TemporaryDirectory(prefix="labels-read-") as tmp:
         write_synthetic(Path(tmp), rows)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        out = subprocess.run([sys.executable, "-c", _READER, tmp, str(batch_size)], capture_output=True, text=True,
-                             check=False,
-                             env=env, cwd=Path(__file__).resolve().parents[1])
-        if out.returncode:
-            raise RuntimeError(f"read benchmark failed: {out.stderr[-2000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return harness.child_json(_READER, [tmp, str(batch_size)], 1, "read benchmark")
 
 
 # ---- main ----------------------------------------------------------------------------------

@@ -264,12 +264,9 @@ THREAD_SETTINGS = {
 
 def threads() -> str:
     t = load("threads")
-    rows = []
-    for job in ("build", "fit"):
-        for s, name in ordered(t[job], THREAD_SETTINGS):
-            r = t[job][s]
-            rows.append([job, name, f"{r['alone_s']:.1f}",
-                         f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x", num(r["alone_over_torch_default"], 2)])
+    rows = [[job, name, f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
+             num(r["alone_over_torch_default"], 2)]
+            for job in ("build", "fit") for s, name in ordered(t[job], THREAD_SETTINGS) for r in [t[job][s]]]
     return table(["job", "threads", "alone s", "beside a 2-thread torch job s", "slowdown",
                   "alone / torch's default (2 threads)"], rows)
 
