@@ -12,7 +12,6 @@ import argparse
 import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -29,7 +28,7 @@ from probes.metrics import accuracy, speedup
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
 """Held-out four-operation problems: their prompt format, answer marker and checker (the oracle is the world's)."""
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO
 PROBE_ROOT = REPO / "checkpoints" / "arithmetic" / "probes"
 """The shipped probe pair (``target``, ``draft``)."""
 PROBLEM_SEED = 30_000

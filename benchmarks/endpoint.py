@@ -22,7 +22,6 @@ from pathlib import Path
 from benchmarks import harness
 
 METHODS = ("semanticspec", "target_only")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -33,7 +32,7 @@ def endpoint(args: list[str], threads: int, log: Path):
     port, = harness.free_ports(1)
     cmd = [sys.executable, "-m", "probes.serve", "--port", str(port), "--threads", str(threads), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=harness.REPO)
     url = f"http://127.0.0.1:{port}/v1"
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=5)
     try:

@@ -22,8 +22,8 @@ from typing import Callable
 
 from benchmarks import harness
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+ROOT = harness.REPO
+RESULTS = harness.RESULTS_DIR
 PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
 """The pages whose ``report:`` blocks this module writes."""
 BLOCK = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)

@@ -69,7 +69,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.common import PROBLEM_SEED, TASK, figures, oracle_for
+from benchmarks.common import PROBLEM_SEED, REPO, TASK, figures, oracle_for
 from datamodules.arithmetic.serve import world_server
 from datamodules.arithmetic import models, task
 from datamodules.labels.agreement import label_agreement
@@ -87,7 +87,6 @@ from probes.decoding.served import ServedDecoder
 from probes.decoding.timing import rotation
 from probes.export import load_probe
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
 LOOKAHEADS = (2, 4)
 """Windows of drafted steps per verify read beside the one-step loop (issue 31): one draft write and one target read
