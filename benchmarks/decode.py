@@ -221,23 +221,15 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
         order = [n for n in rotation(names, k) if n != "random_accept"]
         order.insert(order.index("semanticspec") + 1, "random_accept")  # needs semanticspec's running rate
         for name in order:
-            if name in variants:
-                dec_v, kw = variants[name]
-                if "keep_right" in kw:
-                    kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
-                elif kw.get("method") == "oracle_accept":
-                    kw = {**kw, "oracle": oracle_for(p)}
-                with record_forwards() as log:
-                    out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
-                forwards[name] += log
-                continue
-            extra = {}
-            if name == "random_accept":
-                extra["accept_rate"] = summarize(out["semanticspec"])["step_acceptance"]
-            if name == "oracle_accept":
-                extra["oracle"] = oracle_for(p)
+            dec_v, kw = variants.get(name, (dec, {"method": name}))  # a method of the table, or a variant
+            if "keep_right" in kw:
+                kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
+            elif kw.get("method") == "oracle_accept":
+                kw = {**kw, "oracle": oracle_for(p)}
+            elif name == "random_accept":
+                kw = {**kw, "accept_rate": summarize(out["semanticspec"])["step_acceptance"]}
             with record_forwards() as log:
-                out[name] += dec.generate([prompt], method=name, seed=seed, **gen, **extra)
+                out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
             forwards[name] += log
     return out, forwards
 
