@@ -330,8 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="only say which pages are out of date (exit status 1)")
     args = ap.parse_args(argv)
-    out_of_date = {p.relative_to(ROOT): stale(p) for p in PAGES}
-    out_of_date = {p: names for p, names in out_of_date.items() if names}
+    out_of_date = {p.relative_to(ROOT): names for p in PAGES if (names := stale(p))}
     if args.check:
         for page, names in out_of_date.items():
             print(f"{page}: out of date: {', '.join(names)} (run python -m benchmarks.report)", file=sys.stderr)
