@@ -39,20 +39,16 @@ def main(argv=None) -> dict:
     runs, _ = interleaved(decs, problems, args, "first_step")
     methods, right = versus_target_only(runs, problems, {k: summarize(v)["wall_s"] for k, v in runs.items()})
     report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": methods}
-    d, t = report["methods"]["draft_first_step"], report["methods"]["target_first_step"]
-    report["draft_minus_target_first_step"] = paired_delta(right["draft_first_step"], right["target_first_step"])
-    for who in ("target_first_step", "draft_first_step"):
-        report[f"{who}+token_sd_minus_{who}"] = paired_delta(right[f"{who}+token_sd"], right[who])
+    differences = {  # report key: (setting, setting it is compared with, what the printed line says)
+        "draft_minus_target_first_step": ("draft_first_step", "target_first_step", "draft - target first step"),
+        **{f"{who}+token_sd_minus_{who}": (f"{who}+token_sd", who, f"{who} with token-level SD - without")
+           for who in ("target_first_step", "draft_first_step")}}
     print_versus(methods)
-    lo, hi = report["draft_minus_target_first_step"]["accuracy_delta_ci95"]
-    print(f"draft - target first step: {d['accuracy'] - t['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
-          f"speedup {d['speedup']:.2f}x vs {t['speedup']:.2f}x")
-    for who in ("target_first_step", "draft_first_step"):
-        lo, hi = report[f"{who}+token_sd_minus_{who}"]["accuracy_delta_ci95"]
-        a, b = report["methods"][f"{who}+token_sd"], report["methods"][who]
-        print(f"{who} with token-level SD - without: {a['accuracy'] - b['accuracy']:+.3f} (95% "
-              f"[{lo:+.3f}, {hi:+.3f}]), "
-              f"speedup {a['speedup']:.2f}x vs {b['speedup']:.2f}x")
+    for key, (a, b, said) in differences.items():
+        report[key] = paired_delta(right[a], right[b])
+        lo, hi = report[key]["accuracy_delta_ci95"]
+        print(f"{said}: {methods[a]['accuracy'] - methods[b]['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
+              f"speedup {methods[a]['speedup']:.2f}x vs {methods[b]['speedup']:.2f}x")
     harness.write(report, harness.results_path("first-step", args.quick))
     return report
 
