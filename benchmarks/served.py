@@ -253,14 +253,12 @@ def label_stage(tmp: Path, n_problems: int, served: dict[str, Path]) -> dict:
 # -- decoding -------------------------------------------------------------------------------------------
 
 
-def decoders(target, draft, engine_pair: Path, concurrency: int = 1) -> dict[str, ServedDecoder]:
-    """The shipped in-process-trained pair's decoder and the engine-trained pair's, at the threshold rule."""
+def decoders(target, draft, engine_pair: Path) -> dict[str, ServedDecoder]:
+    """The shipped in-process-trained pair's decoder and the engine-trained pair's, at the threshold rule, one request
+    in flight at a time."""
     loop, policy = LoopOptions(answer_marker=TASK.answer_marker), ProbePolicy()
-    shipped = ServedDecoder(target, draft, str(SHIPPED / "target"), str(SHIPPED / "draft"), policy, loop,
-                            concurrency=concurrency)
-    engine = ServedDecoder(target, draft, str(engine_pair / "target"), str(engine_pair / "draft"), policy, loop,
-                           concurrency=concurrency)
-    return {"shipped": shipped, "engine": engine}
+    return {name: ServedDecoder(target, draft, str(pair / "target"), str(pair / "draft"), policy, loop, concurrency=1)
+            for name, pair in (("shipped", SHIPPED), ("engine", engine_pair))}
 
 
 def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) -> dict[str, list]:
@@ -577,14 +575,13 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         build, pairs = {"skipped": f"--engine-probes {args.engine_probes}"}, {"engine": Path(args.engine_probes)}
     else:
         build, pairs = build_stage(urls, tmp, args)
-    pair = pairs["engine"]
     world = models.load_world(None)
     tok = world.tokenizer
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
     prompts = [TASK.prompt_text(tok, p.problem) for p in problems]
     target = Recorded(make_engine("llama.cpp", urls[0], "target"), "target")
     draft = Recorded(make_engine("llama.cpp", urls[1], "draft"), "draft")
-    decs = decoders(target, draft, pair)
+    decs = decoders(target, draft, pairs["engine"])
     sampling = decs["shipped"].target_probe.config.sampling
     args.temperature, args.top_p = sampling.temperature, sampling.top_p
     warm_up(decs, tok, args)
