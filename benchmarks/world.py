@@ -55,22 +55,19 @@ def prompt_ids(tok, problem: task.Problem) -> list[int]:
     return ids[:start]
 
 
+def _sample(model, prompts: list[list[int]], new_tokens: int, g: torch.Generator, eos: int | None, pad: int) -> list:
+    """:func:`generate` at the benchmark's sampling (:data:`TEMPERATURE`, :data:`TOP_P`)."""
+    return generate(model, prompts, max_new_tokens=new_tokens, temperature=TEMPERATURE, top_p=TOP_P, generator=g,
+                    eos_token_id=eos, pad_token_id=pad)
+
+
 def solve(model, tok, problems: Sequence[task.Problem], seed: int, batch_size: int = 50) -> list[str]:
     """Sample a trace for each problem (batched, seeded); returns the decoded traces."""
     g = torch.Generator().manual_seed(seed)
     traces = []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        outs = generate(
-            model,
-            [prompt_ids(tok, p) for p in chunk],
-            max_new_tokens=160,
-            temperature=TEMPERATURE,
-            top_p=TOP_P,
-            generator=g,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
+        outs = _sample(model, [prompt_ids(tok, p) for p in chunk], 160, g, tok.eos_token_id, tok.pad_token_id)
         traces += [tok.decode(o, skip_special_tokens=True) for o in outs]
     return traces
 
@@ -143,16 +140,7 @@ def solver_accuracy(model, tok, problems: Sequence[task.Problem], seed: int) -> 
 def _time_generate(model, prompt: list[int], new_tokens: int, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    out = generate(
-        model,
-        [prompt],
-        max_new_tokens=new_tokens,
-        temperature=TEMPERATURE,
-        top_p=TOP_P,
-        generator=g,
-        eos_token_id=None,
-        pad_token_id=0,
-    )  # no EOS: every call writes exactly new_tokens tokens
+    out = _sample(model, [prompt], new_tokens, g, None, 0)  # no EOS: every call writes exactly new_tokens tokens
     elapsed = time.perf_counter() - t0
     assert len(out[0]) == new_tokens
     return elapsed
