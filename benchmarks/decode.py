@@ -586,16 +586,12 @@ def warm_up(dec: SemanticSpecDecoder, args: argparse.Namespace) -> None:
 
 def method_figures(runs: dict, problems, beside: Sequence[str]) -> dict:
     """Figures of every method and of the variants beside them, with accuracy against each one's reference."""
-    methods = {}
-    ref_wall = sum(r.stats.wall_s for r in runs["target_only"])
-    for name in METHODS:
-        ref = runs[REFERENCE.get(name, "target_only")]
-        methods[name] = figures(runs[name], problems, sum(r.stats.wall_s for r in ref))
-    for name in beside:  # variants reported beside the methods
-        methods[name] = figures(runs[name], problems, ref_wall)
+    ref = {name: REFERENCE.get(name, "target_only") for name in [*METHODS, *beside]}  # variants: target-only
+    walls = {name: sum(r.stats.wall_s for r in runs[name]) for name in set(ref.values())}
+    methods = {name: figures(runs[name], problems, walls[ref[name]]) for name in ref}
     right = {n: [TASK.check(r.text, p.answer) for r, p in zip(runs[n], problems)] for n in methods}
     for name in methods:  # accuracy against target-only on the same problems, with its sampling noise
-        methods[name].update(paired_delta(right[name], right[REFERENCE.get(name, "target_only")]))
+        methods[name].update(paired_delta(right[name], right[ref[name]]))
     return methods
 
 
