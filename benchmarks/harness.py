@@ -1,4 +1,5 @@
-"""What every benchmark script shares: its command line, where its figures go and how they are written.
+"""What every benchmark script shares: its command line, where its figures go and how they are written (markdown
+tables, JSON), and the small timing and child-process helpers several scripts measure with.
 
 A script builds its parser here, measures, and hands its report to :func:`write`::
 
