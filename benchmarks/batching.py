@@ -47,8 +47,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from benchmarks import harness
 from generation.cache import ForwardRecord, record_forwards
 from probes.decoding.results import summarize
+from probes.decoding.timing import rotation
 
 SIZES = (1, 2, 4, 8, 16)
 """Prompts per batch of the scaling section."""
@@ -113,8 +115,7 @@ def batch_scaling(dec, problems: Sequence, args, prompt: Callable, check: Callab
         for c, start in enumerate(range(0, len(problems), chunk)):
             prompts = [prompt(p) for p in problems[start : start + chunk]]
             for k, b in enumerate(sizes):
-                first = (c + k + r) % len(methods)
-                for m in [*methods[first:], *methods[:first]]:
+                for m in rotation(methods, c + k + r):
                     with record_forwards() as log:
                         t0 = time.perf_counter()
                         res = dec.generate(prompts, method=m, batch_size=b, seed=args.seed + c, **gen)
@@ -216,29 +217,24 @@ def markdown(section: dict) -> list[str]:
     """The section's tables: scaling with the cost model's check, the fitted costs, and the phases per size."""
     if not section:
         return []
-    lines = ["", "| batch scaling | batch | tokens/s | speedup | accuracy | problems "
-             "| target fwd (rows, positions / fwd) | draft fwd (rows, positions / fwd) "
-             "| forward s (predicted) / wall | predicted tokens/s | predicted speedup "
-             "| speedup, positions free (projected) |",
-             "|---" * 12 + "|"]
-    for method, row in section["table"].items():
-        for b, r in row.items():
-            lines.append(
-                f"| {method} | {b} | {r['tokens_per_s']:.0f} | {_speedup(r)} | {r['accuracy']:.3f} "
-                f"| {r['problems']} | {r['target_forwards']} ({r['target_rows_per_forward']:.1f}, "
-                f"{r['target_positions_per_forward']:.1f}) | {r['draft_forwards']} ({r['draft_rows_per_forward']:.1f}, "
-                f"{r['draft_positions_per_forward']:.1f}) | {r['forward_s']:.2f} ({r['predicted_forward_s']:.2f}) / "
-                f"{r['wall_s']:.2f} | {r['predicted_tokens_per_s']:.0f} | {r['predicted_speedup']:.2f} "
-                f"| {r['positions_free_speedup']:.2f} |")
-    lines += ["", "| forward cost model (s = a + b * positions) | a (ms) | b (us / position) | forwards | R^2 |",
-              "|---|---|---|---|---|"]
-    for role, c in section["cost_model"].items():
-        lines.append(f"| {role} | {c['a'] * 1e3:.3f} | {c['b'] * 1e6:.2f} | {c['forwards']} | {c['r2']:.3f} |")
+    header = ["batch scaling", "batch", "tokens/s", "speedup", "accuracy", "problems",
+              "target fwd (rows, positions / fwd)", "draft fwd (rows, positions / fwd)", "forward s (predicted) / wall",
+              "predicted tokens/s", "predicted speedup", "speedup, positions free (projected)"]
+    rows = [[method, b, f"{r['tokens_per_s']:.0f}", _speedup(r), f"{r['accuracy']:.3f}", str(r["problems"]),
+             *(f"{r[f'{m}_forwards']} ({r[f'{m}_rows_per_forward']:.1f}, {r[f'{m}_positions_per_forward']:.1f})"
+               for m in MODELS),
+             f"{r['forward_s']:.2f} ({r['predicted_forward_s']:.2f}) / {r['wall_s']:.2f}",
+             f"{r['predicted_tokens_per_s']:.0f}", f"{r['predicted_speedup']:.2f}",
+             f"{r['positions_free_speedup']:.2f}"] for method, row in section["table"].items() for b, r in row.items()]
+    costs = [[role, f"{c['a'] * 1e3:.3f}", f"{c['b'] * 1e6:.2f}", str(c["forwards"]), f"{c['r2']:.3f}"]
+             for role, c in section["cost_model"].items()]
+    lines = ["", *harness.table(header, rows), "",
+             *harness.table(["forward cost model (s = a + b * positions)", "a (ms)", "b (us / position)", "forwards",
+                             "R^2"], costs)]
     names = (*PHASES, "other")
     for method, per_size in section["phases"].items():
-        lines += ["", f"| {method} phases (share of wall) | batch | " + " | ".join(names)
-                  + " | idle rows (share of row-s) | done rows (share of row-s) |", "|---" * (len(names) + 4) + "|"]
-        for b, ph in per_size.items():
-            lines.append(f"| {method} | {b} | " + " | ".join(f"{ph['shares'][k]:.1%}" for k in names)
-                         + f" | {ph['idle_rows_share']:.1%} | {ph['done_rows_share']:.1%} |")
+        rows = [[method, b, *(f"{ph['shares'][k]:.1%}" for k in names), f"{ph['idle_rows_share']:.1%}",
+                 f"{ph['done_rows_share']:.1%}"] for b, ph in per_size.items()]
+        lines += ["", *harness.table([f"{method} phases (share of wall)", "batch", *names, "idle rows (share of row-s)",
+                                      "done rows (share of row-s)"], rows)]
     return lines

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from benchmarks import harness
 from datamodules.arithmetic import models, task
@@ -22,11 +23,12 @@ from generation.steps import split_steps
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
+from probes.decoding.timing import rotation
 from probes.metrics import accuracy, speedup
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
 """Held-out four-operation problems: their prompt format, answer marker and checker (the oracle is the world's)."""
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO
 PROBE_ROOT = REPO / "checkpoints" / "arithmetic" / "probes"
 """The shipped probe pair (``target``, ``draft``)."""
 PROBLEM_SEED = 30_000
@@ -90,6 +92,25 @@ def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int,
     torch.set_num_threads(args.threads)
     args.n_problems = args.n_problems or (quick_n if args.quick else n)
     return args, task.generate_problems(args.n_problems, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+
+
+def interleaved(decs: dict[str, SemanticSpecDecoder], problems: Sequence, args: argparse.Namespace, desc: str,
+                batch: int = 1) -> tuple[dict[str, list], dict[str, float]]:
+    """``{name: results}`` and ``{name: wall seconds}`` of each of ``decs`` (``target_only`` runs target-only, the
+    others SemanticSpec; temperature 0.6, top-p 0.95, one step a pass) on ``problems``, ``batch`` at a time, in an
+    order rotating from chunk to chunk, chunk ``c`` with seed ``args.seed + c`` (``first_step``, ``rewrites``, ...)."""
+    runs, walls = {k: [] for k in decs}, dict.fromkeys(decs, 0.0)
+    chunks = range(0, len(problems), batch)
+    for c, start in enumerate(tqdm(chunks, desc=desc, unit="problem" if batch == 1 else "chunk")):
+        prompts = [p.problem + task.STEP_DELIMITER for p in problems[start : start + batch]]
+        for name in rotation(list(decs), c):
+            method = "target_only" if name == "target_only" else "semanticspec"
+            t0 = time.perf_counter()
+            runs[name] += decs[name].generate(prompts, seed=args.seed + c, method=method,
+                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
+                                              lookahead=1)
+            walls[name] += time.perf_counter() - t0
+    return runs, walls
 
 
 def versus_target_only(runs: dict[str, list], problems: Sequence, walls: dict[str, float]) -> tuple[dict, dict]:

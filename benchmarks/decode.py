@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +63,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torchmetrics.functional.classification import binary_auroc
 from tqdm.auto import tqdm
 
 from benchmarks import batching, harness
@@ -112,8 +114,6 @@ ADAPTIVE_ROW = f"semanticspec[lookahead={ADAPTIVE[0]} adaptive]"
 
 def noisy_oracle(problem: task.Problem, keep_right: float, seed: int):
     """The oracle that keeps a right step only with probability ``keep_right`` (never a wrong one)."""
-    import random
-
     exact, rng = oracle_for(problem), random.Random(seed)
     return lambda step, prefix: exact(step, prefix) and rng.random() < keep_right
 
@@ -187,8 +187,6 @@ def phases_and_cost(results, reference) -> tuple[dict[str, float], dict[str, flo
 
 def auroc(scored: list[tuple[float, bool]]) -> float:
     """AUROC of q for right vs wrong draft steps (NaN when one class is missing)."""
-    from torchmetrics.functional.classification import binary_auroc
-
     if not scored or len({r for _, r in scored}) < 2:
         return math.nan
     q = torch.tensor([s for s, _ in scored])
@@ -223,41 +221,29 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
         order = [n for n in rotation(names, k) if n != "random_accept"]
         order.insert(order.index("semanticspec") + 1, "random_accept")  # needs semanticspec's running rate
         for name in order:
-            if name in variants:
-                dec_v, kw = variants[name]
-                if "keep_right" in kw:
-                    kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
-                elif kw.get("method") == "oracle_accept":
-                    kw = {**kw, "oracle": oracle_for(p)}
-                with record_forwards() as log:
-                    out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
-                forwards[name] += log
-                continue
-            extra = {}
-            if name == "random_accept":
-                extra["accept_rate"] = summarize(out["semanticspec"])["step_acceptance"]
-            if name == "oracle_accept":
-                extra["oracle"] = oracle_for(p)
+            dec_v, kw = variants.get(name, (dec, {"method": name}))  # a method of the table, or a variant
+            if "keep_right" in kw:
+                kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
+            elif kw.get("method") == "oracle_accept":
+                kw = {**kw, "oracle": oracle_for(p)}
+            elif name == "random_accept":
+                kw = {**kw, "accept_rate": summarize(out["semanticspec"])["step_acceptance"]}
             with record_forwards() as log:
-                out[name] += dec.generate([prompt], method=name, seed=seed, **gen, **extra)
+                out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
             forwards[name] += log
     return out, forwards
 
 
-def batch_scaling(dec: SemanticSpecDecoder, problems, args, sizes=batching.SIZES) -> dict:
-    """:func:`benchmarks.batching.batch_scaling` on ``problems`` with this task's prompts and answer checker."""
-    return batching.batch_scaling(dec, problems, args, lambda p: TASK.prompt_text(dec.tokenizer, p.problem),
-                                  lambda text, p: TASK.check(text, p.answer), sizes,
-                                  repeats=args.scaling_repeats)
-
-
 def scaling_section(dec: SemanticSpecDecoder, args: argparse.Namespace) -> dict:
-    """:func:`batch_scaling` on the first ``--scaling-problems`` problems (empty when skipped)."""
+    """:func:`benchmarks.batching.batch_scaling` on the first ``--scaling-problems`` problems with this task's prompts
+    and answer checker (empty when skipped)."""
     if args.no_batch_scaling:
         return {}
     n = args.scaling_problems or (16 if args.quick else 64)
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
-    return batch_scaling(dec, problems, args, tuple(args.batch_sizes or batching.SIZES))
+    return batching.batch_scaling(dec, problems, args, lambda p: TASK.prompt_text(dec.tokenizer, p.problem),
+                                  lambda text, p: TASK.check(text, p.answer), tuple(args.batch_sizes or batching.SIZES),
+                                  repeats=args.scaling_repeats)
 
 
 def goals(methods: dict, probes: dict, scaling: dict | None = None) -> dict:
@@ -566,8 +552,6 @@ def window_figures(methods: dict, runs: dict) -> None:
     window (refused steps and the unjudged steps after them) and its speedup over the same method's one-step row of
     the same run (``speedup_over_one_step``: what windows gain on this machine, which moves less with the machine's
     state than the speedups do)."""
-    from torchmetrics.functional.classification import binary_auroc
-
     for name in [n for n in methods if "lookahead=" in n] + ["semanticspec"]:
         steps = [s for r in runs[name] for s in r.steps if s.writer == "draft" and s.confidence is not None]
         s = summarize(runs[name])
@@ -576,9 +560,7 @@ def window_figures(methods: dict, runs: dict) -> None:
         m["steps_per_window"] = s["draft_steps_proposed"] / max(s["windows"], 1)
         one = methods.get(name.split("[")[0])  # the same method judging one step per pass, in the same run
         m["speedup_over_one_step"] = m["speedup"] / one["speedup"] if one and one["speedup"] > 0 else math.nan
-        kept = torch.tensor([int(t.decision.kept) for t in steps])
-        m["confidence_auroc"] = (float(binary_auroc(torch.tensor([t.confidence for t in steps]), kept))
-                                 if 0 < int(kept.sum()) < len(steps) else math.nan)
+        m["confidence_auroc"] = auroc([(t.confidence, t.decision.kept) for t in steps])
 
 
 PROBE_ALONE = "semanticspec[no_fast_path]"
@@ -604,16 +586,12 @@ def warm_up(dec: SemanticSpecDecoder, args: argparse.Namespace) -> None:
 
 def method_figures(runs: dict, problems, beside: Sequence[str]) -> dict:
     """Figures of every method and of the variants beside them, with accuracy against each one's reference."""
-    methods = {}
-    ref_wall = sum(r.stats.wall_s for r in runs["target_only"])
-    for name in METHODS:
-        ref = runs[REFERENCE.get(name, "target_only")]
-        methods[name] = figures(runs[name], problems, sum(r.stats.wall_s for r in ref))
-    for name in beside:  # variants reported beside the methods
-        methods[name] = figures(runs[name], problems, ref_wall)
+    ref = {name: REFERENCE.get(name, "target_only") for name in [*METHODS, *beside]}  # variants: target-only
+    walls = {name: sum(r.stats.wall_s for r in runs[name]) for name in set(ref.values())}
+    methods = {name: figures(runs[name], problems, walls[ref[name]]) for name in ref}
     right = {n: [TASK.check(r.text, p.answer) for r, p in zip(runs[n], problems)] for n in methods}
     for name in methods:  # accuracy against target-only on the same problems, with its sampling noise
-        methods[name].update(paired_delta(right[name], right[REFERENCE.get(name, "target_only")]))
+        methods[name].update(paired_delta(right[name], right[ref[name]]))
     return methods
 
 
@@ -726,9 +704,8 @@ def scaling_only(plan: Plan, args: argparse.Namespace, untrained: bool) -> dict:
               "config": {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "threads", "device",
                                                        "quick",
                                                        "scaling_problems", "batch_sizes", "seed")}}
-    out = harness.results_path("decode-scaling", args.quick, args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    harness.write(report, out, scaling_markdown(report), save_table=True)
+    harness.write(report, harness.results_path("decode-scaling", args.quick, args.out), scaling_markdown(report),
+                  save_table=True)
     return report
 
 
@@ -744,13 +721,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     warm_up(plan.dec, args)
     if args.only_batch_scaling:
         report = scaling_only(plan, args, untrained=tmp is not None)
-        if tmp is not None:
-            tmp.cleanup()
-        return report
-    t0 = time.perf_counter()
-    runs, forwards = run_methods(plan.dec, plan.variants, problems, args)
-    report = build_report(args, plan, runs, forwards, problems, untrained=tmp is not None, t0=t0)
-    save(report, args)
+    else:
+        t0 = time.perf_counter()
+        runs, forwards = run_methods(plan.dec, plan.variants, problems, args)
+        report = build_report(args, plan, runs, forwards, problems, untrained=tmp is not None, t0=t0)
+        save(report, args)
     if tmp is not None:
         tmp.cleanup()
     return report

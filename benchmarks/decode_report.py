@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import batching
+from benchmarks import batching, harness
 
 
 def markdown(report: dict) -> str:
@@ -31,22 +31,18 @@ def _methods_table(report: dict) -> list[str]:
         "target_passes_per_100_tokens",
         "probe_overhead",
     )
-    lines = ["| method | " + " | ".join(cols) + " | accepted tokens / verification |", "|---" * (len(cols) + 2) + "|"]
-    for name, m in report["methods"].items():
-        acc_tok = m.get("mean_accepted_tokens_per_verification")
-        cells = [f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if acc_tok is None else f'{acc_tok:.2f}'} |")
-    return lines
+    rows = [[name, *(f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols),
+             "" if (acc_tok := m.get("mean_accepted_tokens_per_verification")) is None else f"{acc_tok:.2f}"]
+            for name, m in report["methods"].items()]
+    return harness.table(["method", *cols, "accepted tokens / verification"], rows)
 
 
 def _decisions_table(report: dict) -> list[str]:
     """The oracle-judged decisions of every method that has them."""
     keys = ("right_kept", "wrong_kept", "right_refused", "wrong_refused", "wrong_kept_fast_path")
-    lines = ["", "| decisions (oracle-judged draft steps) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for name, m in report["methods"].items():
-        if "decisions" in m:
-            lines.append(f"| {name} | " + " | ".join(str(m["decisions"][k]) for k in keys) + " |")
-    return lines
+    rows = [[name, *(str(m["decisions"][k]) for k in keys)]
+            for name, m in report["methods"].items() if "decisions" in m]
+    return ["", *harness.table(["decisions (oracle-judged draft steps)", *keys], rows)]
 
 
 def _phases_table(report: dict) -> list[str]:
@@ -54,17 +50,13 @@ def _phases_table(report: dict) -> list[str]:
     if not report.get("phases"):
         return []
     names = ("first_step", "draft", "verify", "probe", "rewrite", "other")
-    lines = ["", "| phases (share of wall time) | " + " | ".join(names) + " | target step/target per token | "
-             "draft/target per token | verify/target per proposal | predicted speedup | measured |",
-             "|---" * (len(names) + 6) + "|"]
-    for name, ph in report["phases"].items():
-        total = sum(ph.values()) or 1.0
-        c = report["cost"][name]
-        lines.append(f"| {name} | " + " | ".join(f"{ph[k] / total:.1%}" for k in names)
-                     + f" | {c['target_step_over_target_per_token']:.2f} | {c['draft_over_target_per_token']:.3f}"
-                     f" | {c['verify_over_target_per_proposal']:.2f} | {c['predicted_speedup']:.2f}"
-                     f" | {c['measured_speedup']:.2f} |")
-    return lines
+    rows = [[name, *(f"{ph[k] / (sum(ph.values()) or 1.0):.1%}" for k in names),
+             f"{c['target_step_over_target_per_token']:.2f}", f"{c['draft_over_target_per_token']:.3f}",
+             f"{c['verify_over_target_per_proposal']:.2f}", f"{c['predicted_speedup']:.2f}",
+             f"{c['measured_speedup']:.2f}"] for name, ph in report["phases"].items() for c in [report["cost"][name]]]
+    return ["", *harness.table(["phases (share of wall time)", *names, "target step/target per token",
+                                "draft/target per token", "verify/target per proposal", "predicted speedup",
+                                "measured"], rows)]
 
 
 def _window_cost_table(report: dict) -> list[str]:
@@ -74,32 +66,26 @@ def _window_cost_table(report: dict) -> list[str]:
     if not wc or "machine" not in wc:
         return []
     machine = ", ".join(f"{k} {v:.3f}" for k, v in wc["machine"].items())
-    lines = ["", f"Cost per forward a + b·positions, fitted on {' and '.join(wc['fitted_on'])}: {machine}", "",
-             "| window cost model | forward s | predicted | speedup | predicted |", "|---|---|---|---|---|"]
-    for name, r in wc["rows"].items():
-        lines.append(f"| {name} | {r['forward_s']:.1f} | {r['predicted_forward_s']:.1f} | {r['speedup']:.2f} "
-                     f"| {r['predicted_speedup']:.2f} |")
-    return lines
+    rows = [[name, f"{r['forward_s']:.1f}", f"{r['predicted_forward_s']:.1f}", f"{r['speedup']:.2f}",
+             f"{r['predicted_speedup']:.2f}"] for name, r in wc["rows"].items()]
+    return ["", f"Cost per forward a + b·positions, fitted on {' and '.join(wc['fitted_on'])}: {machine}", "",
+            *harness.table(["window cost model", "forward s", "predicted", "speedup", "predicted"], rows)]
 
 
 def _probes_table(report: dict) -> list[str]:
     """Each probe pair's draft-step AUROC (none when no pair was scored)."""
     if not report.get("probes"):
         return []
-    lines = ["", "| probe pair | draft-step AUROC | judged steps | wrong |", "|---|---|---|---|"]
-    for name, pr in report["probes"].items():
-        lines.append(f"| {name} | {pr['draft_step_auroc']:.4f} | {pr['n_judged']} | {pr['n_wrong']} |")
-    return lines
+    rows = [[name, f"{pr['draft_step_auroc']:.4f}", str(pr["n_judged"]), str(pr["n_wrong"])]
+            for name, pr in report["probes"].items()]
+    return ["", *harness.table(["probe pair", "draft-step AUROC", "judged steps", "wrong"], rows)]
 
 
 def _sweep_table(report: dict) -> list[str]:
     """One row per swept knob value of every method."""
-    lines = ["", "| sweep | knob | value | accuracy | speedup | step_acceptance |", "|---|---|---|---|---|---|"]
-    for method, rows in report["sweep"].items():
-        for row in rows:
-            lines.append(f"| {method} | {row['knob']} | {row['value']} | {row['accuracy']:.3f} | {row['speedup']:.3f} "
-                         f"| {row['step_acceptance']:.3f} |")
-    return lines
+    rows = [[method, str(r["knob"]), str(r["value"]), f"{r['accuracy']:.3f}", f"{r['speedup']:.3f}",
+             f"{r['step_acceptance']:.3f}"] for method, sweep in report["sweep"].items() for r in sweep]
+    return ["", *harness.table(["sweep", "knob", "value", "accuracy", "speedup", "step_acceptance"], rows)]
 
 
 def _scaling_table(report: dict) -> list[str]:
@@ -109,10 +95,8 @@ def _scaling_table(report: dict) -> list[str]:
 
 def _goals_table(report: dict) -> list[str]:
     """Each goal with its measured value and whether it is met."""
-    lines = ["", "| goal | value | met |", "|---|---|---|"]
-    for name, g in report["goals"].items():
-        lines.append(f"| {name} | {g['value']:.3f} | {'yes' if g['met'] else '**MISSED**'} |")
-    return lines
+    rows = [[name, f"{g['value']:.3f}", "yes" if g["met"] else "**MISSED**"] for name, g in report["goals"].items()]
+    return ["", *harness.table(["goal", "value", "met"], rows)]
 
 
 def plot(report: dict, path: Path) -> None:

@@ -22,7 +22,6 @@ from pathlib import Path
 from benchmarks import harness
 
 METHODS = ("semanticspec", "target_only")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -33,7 +32,7 @@ def endpoint(args: list[str], threads: int, log: Path):
     port, = harness.free_ports(1)
     cmd = [sys.executable, "-m", "probes.serve", "--port", str(port), "--threads", str(threads), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=harness.REPO)
     url = f"http://127.0.0.1:{port}/v1"
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=5)
     try:
@@ -94,34 +93,28 @@ def _q(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1] if len(xs) > 1 else xs[0]
 
 
-def api_wall(dec, prompts: list[str], seeds: list[int], max_tokens: int) -> float:
-    """The Python API's seconds for the prompts one at a time (what a user without the endpoint runs)."""
-    from probes.decoding.config import DecodeConfig
-
-    t0 = time.perf_counter()
-    for p, s in zip(prompts, seeds):
-        dec.generate([p], DecodeConfig(max_new_tokens=max_tokens, seed=s))
-    return time.perf_counter() - t0
-
-
 def overhead(dec, url: str, prompts: list[str], seeds: list[int], max_tokens: int, reps: int):
     """Seconds per pass of the prompts one at a time through the Python API, the endpoint and the endpoint streaming
     (one client, its connection kept), interleaved prompt by prompt (the machine's drift touches the three alike)."""
     import openai
 
+    from probes.decoding.config import DecodeConfig
+
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
     api, whole, streamed = ([0.0] * reps for _ in range(3))
     for r in range(reps):
         for p, s in zip(prompts, seeds):
-            api[r] += api_wall(dec, [p], [s], max_tokens)
             kw = dict(model="semanticspec", prompt=p, max_tokens=max_tokens, seed=s)
             t0 = time.perf_counter()
-            client.completions.create(**kw)
+            dec.generate([p], DecodeConfig(max_new_tokens=max_tokens, seed=s))  # what a user without the endpoint runs
             t1 = time.perf_counter()
+            client.completions.create(**kw)
+            t2 = time.perf_counter()
             for _ in client.completions.create(**kw, stream=True):
                 pass
-            whole[r] += t1 - t0
-            streamed[r] += time.perf_counter() - t1
+            api[r] += t1 - t0
+            whole[r] += t2 - t1
+            streamed[r] += time.perf_counter() - t2
     client.close()
     return ([round(x, 3) for x in xs] for xs in (api, whole, streamed))
 

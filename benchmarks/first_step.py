@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import time
 
-from tqdm.auto import tqdm
-
 from benchmarks import harness
-from benchmarks.common import other_problems, paired_delta, print_versus, shipped_decoder, versus_target_only
-from datamodules.arithmetic import models, task
+from benchmarks.common import (interleaved, other_problems, paired_delta, print_versus, shipped_decoder,
+                               versus_target_only)
+from datamodules.arithmetic import models
 from probes.decoder import summarize
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
@@ -36,31 +35,20 @@ def main(argv=None) -> dict:
     n = args.n_problems
     world = models.load_world(None)
     decs = {k: shipped_decoder(world, **kw) for k, kw in VARIANTS.items()}
-    runs = {k: [] for k in VARIANTS}
-    names = list(VARIANTS)
     t0 = time.perf_counter()
-    for k, p in enumerate(tqdm(problems, desc="first_step", unit="problem")):
-        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
-            method = "target_only" if name == "target_only" else "semanticspec"
-            runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k, method=method,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
-                                              lookahead=1)
+    runs, _ = interleaved(decs, problems, args, "first_step")
     methods, right = versus_target_only(runs, problems, {k: summarize(v)["wall_s"] for k, v in runs.items()})
     report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": methods}
-    d, t = report["methods"]["draft_first_step"], report["methods"]["target_first_step"]
-    report["draft_minus_target_first_step"] = paired_delta(right["draft_first_step"], right["target_first_step"])
-    for who in ("target_first_step", "draft_first_step"):
-        report[f"{who}+token_sd_minus_{who}"] = paired_delta(right[f"{who}+token_sd"], right[who])
+    differences = {  # report key: (setting, setting it is compared with, what the printed line says)
+        "draft_minus_target_first_step": ("draft_first_step", "target_first_step", "draft - target first step"),
+        **{f"{who}+token_sd_minus_{who}": (f"{who}+token_sd", who, f"{who} with token-level SD - without")
+           for who in ("target_first_step", "draft_first_step")}}
     print_versus(methods)
-    lo, hi = report["draft_minus_target_first_step"]["accuracy_delta_ci95"]
-    print(f"draft - target first step: {d['accuracy'] - t['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
-          f"speedup {d['speedup']:.2f}x vs {t['speedup']:.2f}x")
-    for who in ("target_first_step", "draft_first_step"):
-        lo, hi = report[f"{who}+token_sd_minus_{who}"]["accuracy_delta_ci95"]
-        a, b = report["methods"][f"{who}+token_sd"], report["methods"][who]
-        print(f"{who} with token-level SD - without: {a['accuracy'] - b['accuracy']:+.3f} (95% "
-              f"[{lo:+.3f}, {hi:+.3f}]), "
-              f"speedup {a['speedup']:.2f}x vs {b['speedup']:.2f}x")
+    for key, (a, b, said) in differences.items():
+        report[key] = paired_delta(right[a], right[b])
+        lo, hi = report[key]["accuracy_delta_ci95"]
+        print(f"{said}: {methods[a]['accuracy'] - methods[b]['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
+              f"speedup {methods[a]['speedup']:.2f}x vs {methods[b]['speedup']:.2f}x")
     harness.write(report, harness.results_path("first-step", args.quick))
     return report
 

@@ -1,4 +1,5 @@
-"""What every benchmark script shares: its command line, where its figures go and how they are written.
+"""What every benchmark script shares: its command line, where its figures go and how they are written (markdown
+tables, JSON), and the small timing and child-process helpers several scripts measure with.
 
 A script builds its parser here, measures, and hands its report to :func:`write`::
 
@@ -16,13 +17,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
+import statistics
+import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+"""The repository's root."""
+RESULTS_DIR = REPO / "benchmarks" / "results"
 """The one folder of the benchmarks' figures (``benchmarks/results``)."""
 
 
@@ -82,6 +89,28 @@ def free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
+def child_json(code: str, args: Sequence[str], threads: int, what: str) -> dict:
+    """Run ``python -c code *args`` in the repository with ``OMP_NUM_THREADS=threads``; the JSON its last output line
+    prints. Fails naming ``what``, with the end of its stderr, when it exits non-zero."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if out.returncode:
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def median_seconds(fn: Callable[[], object], n: int = 200, before: Callable[[], object] | None = None) -> float:
+    """Median seconds of ``n`` calls of ``fn()``, each after ``before()`` when given (not timed)."""
+    times = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def results_path(name: str, quick: bool, out: str | Path | None = None) -> Path:
     """``out`` when given, else ``benchmarks/results/<name>.json`` (``<name>-quick.json`` for a quick run)."""
     if out is not None:
@@ -96,6 +125,11 @@ def shown(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """The lines of a markdown table: ``header``, its rule, and a line per row of cells."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def write(report: dict, path: Path, table: str | None = None, *, save_table: bool = False,

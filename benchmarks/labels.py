@@ -31,8 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -201,13 +199,7 @@ def read_benchmark(rows: int, batch_size: int = 128) -> dict:
     """Stream ``rows`` synthetic 384-wide rows in a fresh process; rows/s and its peak RSS."""
     with tempfile.TemporaryDirectory(prefix="labels-read-") as tmp:
         write_synthetic(Path(tmp), rows)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        out = subprocess.run([sys.executable, "-c", _READER, tmp, str(batch_size)], capture_output=True, text=True,
-                             check=False,
-                             env=env, cwd=Path(__file__).resolve().parents[1])
-        if out.returncode:
-            raise RuntimeError(f"read benchmark failed: {out.stderr[-2000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return harness.child_json(_READER, [tmp, str(batch_size)], 1, "read benchmark")
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -287,20 +279,17 @@ def table(res: dict) -> str:
              (f"| peak RSS MB at 1x / 10x rows | {res['peak_rss_mb']['1x']:.0f} / {res['peak_rss_mb']['10x']:.0f} "
               f"({res['read_rows']['1x']:,} / {res['read_rows']['10x']:,} rows; {res['import_rss_mb']:.0f} after "
               f"imports) | flat |")]
-    lines += ["", "| label audit: writer, oracle | rows | mean label q | mean oracle q | false-high share | goal |",
-              "|---|---|---|---|---|---|"]
-    for writer, cells in res["audit"].items():
-        for kind, c in cells.items():
-            g = f"< 10% {goal(c['false_high_share'] < 0.10)}" if (writer, kind) == ("draft", "wrong") else ""
-            lines.append(f"| {writer}, {kind} | {c['n']} | {c['mean_label_q']:.3f} | {c['mean_oracle_q']:.3f} | "
-                         f"{c['false_high_share']:.1%} | {g} |")
-    lines += ["", "| grouping | ARI | q MAE | p MAE | wrong draft false-high | judge pairs | judge "
-                  "accuracy | seconds |",
-              "|---|---|---|---|---|---|---|---|"]
-    for name, v in res["variants"].items():
-        lines.append(f"| {name} | {v['ari']:.3f} | {v['q_mae']:.4f} | {v['p_mae']:.4f} | "
-                     f"{v.get('draft_wrong_false_high_share', float('nan')):.1%} | {v['judge_pairs']} | "
-                     f"{v['judge_accuracy']:.3f} | {v['seconds']:.1f} |")
+    audit = [[f"{writer}, {kind}", str(c["n"]), f"{c['mean_label_q']:.3f}", f"{c['mean_oracle_q']:.3f}",
+              f"{c['false_high_share']:.1%}",
+              f"< 10% {goal(c['false_high_share'] < 0.10)}" if (writer, kind) == ("draft", "wrong") else ""]
+             for writer, cells in res["audit"].items() for kind, c in cells.items()]
+    lines += ["", *harness.table(["label audit: writer, oracle", "rows", "mean label q", "mean oracle q",
+                                  "false-high share", "goal"], audit)]
+    groupings = [[name, f"{v['ari']:.3f}", f"{v['q_mae']:.4f}", f"{v['p_mae']:.4f}",
+                  f"{v.get('draft_wrong_false_high_share', float('nan')):.1%}", str(v["judge_pairs"]),
+                  f"{v['judge_accuracy']:.3f}", f"{v['seconds']:.1f}"] for name, v in res["variants"].items()]
+    lines += ["", *harness.table(["grouping", "ARI", "q MAE", "p MAE", "wrong draft false-high", "judge pairs",
+                                  "judge accuracy", "seconds"], groupings)]
     if "backends" in res:
         lines += ["", backends_table(res["backends"])]
     return "\n".join(lines)

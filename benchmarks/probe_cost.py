@@ -18,15 +18,13 @@ decoder runs by default on this machine (``probe_dtype="auto"``, :func:`~probes.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.common import other_problems, shipped_decoder
-from datamodules.arithmetic import models, task
+from benchmarks.common import interleaved, other_problems, shipped_decoder
+from datamodules.arithmetic import models
 from generation.features import FeatureSpec, probe_input, rows_features
 from probes.decoder import summarize
 from probes.decoding.policies import ProbePolicy
@@ -37,18 +35,6 @@ on the machine (``probe_dtype="auto"`` and :func:`~probes.decoding.policies.defa
 float32 with the fast path (a CPU on which ``auto`` keeps float32)."""
 
 STEP = "Add 5: 14 + 5 = 19.\n\n"
-
-
-def _median_us(fn, before=None, n: int = 200) -> float:
-    """Median microseconds of ``fn()``, each call after ``before()`` when given (not timed)."""
-    times = []
-    for _ in range(n):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def call_costs(world: models.World, probe) -> dict:
@@ -73,12 +59,12 @@ def call_costs(world: models.World, probe) -> dict:
         with torch.no_grad():
             target(ids)
 
-    costs = {"features_us": _median_us(features, evict), "step_tokens": k}
+    costs = {"features_us": harness.median_seconds(features, before=evict) * 1e6, "step_tokens": k}
     for name in ("float32", "float16"):
         if name == "float16":
             probe.mlp.half()
-        costs[f"mlp_{name}_warm_us"] = _median_us(lambda: probe.predict(x))
-        costs[f"mlp_{name}_cold_us"] = _median_us(lambda: probe.predict(x), evict)
+        costs[f"mlp_{name}_warm_us"] = harness.median_seconds(lambda: probe.predict(x)) * 1e6
+        costs[f"mlp_{name}_cold_us"] = harness.median_seconds(lambda: probe.predict(x), before=evict) * 1e6
     probe.mlp.float()
     return costs
 
@@ -106,15 +92,10 @@ def main(argv=None) -> dict:
               "default": next((k for k, (dtype, top_k) in VARIANTS.items()  # None: float32 with the fast path
                                if default.target_probe.mlp_dtype == getattr(torch, dtype)
                                and default.policy.top_k == top_k), None)}
-    runs, names = {k: [] for k in decs}, list(decs)
     t0 = time.perf_counter()
-    for k, p in enumerate(tqdm(problems, desc="probe_cost", unit="problem")):
-        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
-            runs[name] += decs[name].generate([p.problem + task.STEP_DELIMITER], seed=args.seed + k,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
-                                              lookahead=1)
+    runs, _ = interleaved(decs, problems, args, "probe_cost")
     report["seconds"] = time.perf_counter() - t0
-    report["decisions"] = {name: _compare(runs["float32"], runs[name]) for name in names[1:]}
+    report["decisions"] = {name: _compare(runs["float32"], runs[name]) for name in list(decs)[1:]}
     report["runs"] = {name: {k: summarize(res)[k] for k in ("probe_overhead", "wall_s", "probe_s", "steps")}
                       for name, res in runs.items()}
     c = report["call"]

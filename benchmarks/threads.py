@@ -29,6 +29,7 @@ them: on a loaded machine the figures are rough.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -181,10 +182,6 @@ export: false
     return path
 
 
-def thread_args(setting: str) -> list[str]:
-    return SETTINGS[setting][0]
-
-
 def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_yaml: Path,
              times: dict[tuple[str, str, bool], list[float]]) -> None:
     """Time each ``(job, setting, beside)`` of ``order`` once, appending the seconds to ``times``."""
@@ -192,15 +189,12 @@ def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_
     for job, setting, beside in order:
         if job == "build":
             out = folder / f"build-{len(times.get((job, setting, beside), []))}-{setting}-{int(beside)}"
-            args = build_args(out, quick) + thread_args(setting)
+            args = build_args(out, quick) + SETTINGS[setting][0]
             module = "datamodules.labels.build"
         else:
-            args = ["--config", "configs/arithmetic.yaml", "--config", str(fit_yaml)] + thread_args(setting)
+            args = ["--config", "configs/arithmetic.yaml", "--config", str(fit_yaml)] + SETTINGS[setting][0]
             module = "probes.fit"
-        if beside:
-            with Competitor(folder):
-                seconds = timed(module, args, log, setting_env(setting))
-        else:
+        with Competitor(folder) if beside else contextlib.nullcontext():
             seconds = timed(module, args, log, setting_env(setting))
         times.setdefault((job, setting, beside), []).append(seconds)
         print(f"{job:5s} threads={setting:9s} {'beside' if beside else 'alone '}: {seconds:7.1f} s", flush=True)
@@ -223,14 +217,12 @@ def figures(times: dict[tuple[str, str, bool], list[float]], torch_default: int)
 
 
 def table(report: dict) -> str:
-    lines = ["| job | threads | alone s | beside s | slowdown | alone / torch default |", "|---|---|---|---|---|---|"]
-    for job in ("build", "fit"):
-        for s, r in report[job].items():
-            name = f"default (should match {report['default_setting']})" if s == "default" else s
-            ratio = "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"
-            lines.append(f"| {job} | {name} | {r['alone_s']:.1f} | {r['beside_s']:.1f} | {r['slowdown']:.2f}x | "
-                         f"{ratio} |")
-    return "\n".join(lines)
+    rows = [[job, f"default (should match {report['default_setting']})" if s == "default" else s,
+             f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
+             "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"]
+            for job in ("build", "fit") for s, r in report[job].items()]
+    return "\n".join(harness.table(["job", "threads", "alone s", "beside s", "slowdown", "alone / torch default"],
+                                   rows))
 
 
 def main(argv: list[str] | None = None) -> dict:

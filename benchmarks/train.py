@@ -11,10 +11,6 @@ and peak RSS. The loader is the bottleneck when it is slower than the step alone
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,30 +69,16 @@ def measure(width: int, rows: int, batch_size: int = 128, threads: int = 1) -> d
     """Write ``rows`` synthetic rows of ``width`` features and time loader, step and fit in a fresh process."""
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
         write_synthetic(Path(tmp), rows, width=width, rows_per_shard=max(1024, min(8192, 40_000_000 // (2 * width))))
-        out = subprocess.run(
-            [sys.executable, "-c", _WORKER, tmp, str(batch_size), str(threads)],
-            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
-            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-        )
-        if out.returncode:
-            raise RuntimeError(f"train benchmark worker failed:\n{out.stderr[-3000:]}")
-        res = json.loads(out.stdout.strip().splitlines()[-1])
+        res = harness.child_json(_WORKER, [tmp, str(batch_size), str(threads)], threads, "train benchmark worker")
     res["loader_bound"] = res["loader"] < res["step"]
     return res
 
 
 def table(res: dict) -> str:
-    lines = [
-        "| features | rows | loader rows/s | step rows/s (no loader) | end-to-end rows/s | loader "
-        "bound | peak RSS MB |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for width, r in res["by_width"].items():
-        lines.append(
-            f"| {width} | {r['rows']} | {r['loader']:,.0f} | {r['step']:,.0f} | {r['end_to_end']:,.0f} | "
-            f"{'yes' if r['loader_bound'] else 'no'} | {r['peak_rss_mb']:.0f} |"
-        )
-    return "\n".join(lines)
+    rows = [[width, str(r["rows"]), f"{r['loader']:,.0f}", f"{r['step']:,.0f}", f"{r['end_to_end']:,.0f}",
+             "yes" if r["loader_bound"] else "no", f"{r['peak_rss_mb']:.0f}"] for width, r in res["by_width"].items()]
+    return "\n".join(harness.table(["features", "rows", "loader rows/s", "step rows/s (no loader)", "end-to-end rows/s",
+                                    "loader bound", "peak RSS MB"], rows))
 
 
 def main(argv: list[str] | None = None) -> dict:

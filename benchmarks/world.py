@@ -55,22 +55,19 @@ def prompt_ids(tok, problem: task.Problem) -> list[int]:
     return ids[:start]
 
 
+def _sample(model, prompts: list[list[int]], new_tokens: int, g: torch.Generator, eos: int | None, pad: int) -> list:
+    """:func:`generate` at the benchmark's sampling (:data:`TEMPERATURE`, :data:`TOP_P`)."""
+    return generate(model, prompts, max_new_tokens=new_tokens, temperature=TEMPERATURE, top_p=TOP_P, generator=g,
+                    eos_token_id=eos, pad_token_id=pad)
+
+
 def solve(model, tok, problems: Sequence[task.Problem], seed: int, batch_size: int = 50) -> list[str]:
     """Sample a trace for each problem (batched, seeded); returns the decoded traces."""
     g = torch.Generator().manual_seed(seed)
     traces = []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        outs = generate(
-            model,
-            [prompt_ids(tok, p) for p in chunk],
-            max_new_tokens=160,
-            temperature=TEMPERATURE,
-            top_p=TOP_P,
-            generator=g,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
+        outs = _sample(model, [prompt_ids(tok, p) for p in chunk], 160, g, tok.eos_token_id, tok.pad_token_id)
         traces += [tok.decode(o, skip_special_tokens=True) for o in outs]
     return traces
 
@@ -143,16 +140,7 @@ def solver_accuracy(model, tok, problems: Sequence[task.Problem], seed: int) -> 
 def _time_generate(model, prompt: list[int], new_tokens: int, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    out = generate(
-        model,
-        [prompt],
-        max_new_tokens=new_tokens,
-        temperature=TEMPERATURE,
-        top_p=TOP_P,
-        generator=g,
-        eos_token_id=None,
-        pad_token_id=0,
-    )  # no EOS: every call writes exactly new_tokens tokens
+    out = _sample(model, [prompt], new_tokens, g, None, 0)  # no EOS: every call writes exactly new_tokens tokens
     elapsed = time.perf_counter() - t0
     assert len(out[0]) == new_tokens
     return elapsed
@@ -350,17 +338,15 @@ def markdown(r: dict) -> str:
         f"World benchmark ({'quick, ' if r['quick'] else ''}{r['n_problems']} four-operation problems, "
         f"T={r['temperature']}, top-p={r['top_p']}; models from {r['root']})",
         "",
-        "| model | accuracy (95% CI) | ms/token (decode) | prefill ms | templates 0/1/2/3 | malformed steps "
-        "| true steps | steps as reference |",
-        "|---|---|---|---|---|---|---|---|",
+        *harness.table(
+            ["model", "accuracy (95% CI)", "ms/token (decode)", "prefill ms", "templates 0/1/2/3", "malformed steps",
+             "true steps", "steps as reference"],
+            ([name, f"{m['accuracy']:.3f} ({m['accuracy_ci95'][0]:.2f}-{m['accuracy_ci95'][1]:.2f})",
+              f"{m['ms_per_token']:.3f}", f"{m['prefill_ms']:.2f}", fmt(d["shares"]), f"{d['malformed_share']:.3f}",
+              f"{d['correct_step_share']:.3f}", f"{m['reference_step_share']:.3f}"]
+             for name in SOLVERS for m, d in [(r[name], dist[name])]),
+        ),
     ]
-    for name in SOLVERS:
-        m, d = r[name], dist[name]
-        lines.append(
-            f"| {name} | {m['accuracy']:.3f} ({m['accuracy_ci95'][0]:.2f}-{m['accuracy_ci95'][1]:.2f}) | "
-            f"{m['ms_per_token']:.3f} | {m['prefill_ms']:.2f} | {fmt(d['shares'])} | "
-            f"{d['malformed_share']:.3f} | {d['correct_step_share']:.3f} | {m['reference_step_share']:.3f} |"
-        )
     c, fit = r["judge_confusion"], r["layer_cost_fit"]
     lines += [
         "",
