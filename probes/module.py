@@ -13,7 +13,7 @@ draft-written rows with a low label (the draft's wrong steps) can be weighted up
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import lightning as L
@@ -208,10 +208,6 @@ class SemanticProbeModule(L.LightningModule):
 
     def configure_optimizers(self):
         return self.optimizer_factory(self.parameters())
-
-    def probe_config(self, role: str) -> dict[str, Any]:
-        """The config of ``role``'s probe as a plain dict (what ``config.json`` will hold)."""
-        return asdict(self.probes[role].config)
 
 
 def _check_streamed(role: str, cfg: ProbeConfig, given: dict[str, Any], data_dir) -> None:
