@@ -66,11 +66,7 @@ class Task:
             if errors:
                 raise ValueError("; ".join(errors))
             return self.generate(n, seed)
-        records = []
-        for rec in read_jsonl(self.path):
-            records.append(rec)
-            if n and len(records) >= n:
-                break
+        records = read_jsonl(self.path)[: n or None]
         if not records:
             raise ValueError(f"task file {self.path} holds no problems; "
                              "expected JSONL lines {\"problem\", \"trace\", \"answer\"}")
@@ -156,21 +152,12 @@ class Task:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Records of a task file with the line each came from, naming ``file:line`` of a bad one."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"task file {path} does not exist")
-    return [{**rec, "line": line} for rec, line in zip(read_records(path), _record_lines(Path(path)))]
+    return list(read_records(path, with_line=True))
 
 
-def _record_lines(path: Path) -> list[int]:
-    """Line numbers of the non-blank lines (the records :func:`read_records` yields, in order)."""
-    with open(path) as f:
-        return [i for i, line in enumerate(f, 1) if line.strip()]
-
-
-
-
-def read_records(path: str | Path) -> Iterator[dict]:
-    """``{"problem", "trace"?, "answer"}`` records of a JSONL file, naming the file and line of a bad one."""
+def read_records(path: str | Path, with_line: bool = False) -> Iterator[dict]:
+    """``{"problem", "trace"?, "answer"}`` records of a JSONL file, naming the file and line of a bad one
+    (``with_line``: each with the ``line`` it came from)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"task file {path} does not exist")
@@ -184,4 +171,4 @@ def read_records(path: str | Path) -> Iterator[dict]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str) or "answer" not in rec:
                 raise ValueError(f"{path}:{lineno}: expected an object with a string 'problem' and an 'answer'")
-            yield rec
+            yield {**rec, "line": lineno} if with_line else rec
