@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from datamodules.labels import shards as S
-from datamodules.labels.clustering import ClusteringConfig
+from datamodules.labels.clustering import ClusteringConfig, at_least, choices
 from datamodules.labels.shares import LABELLINGS
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
@@ -224,16 +224,6 @@ class SamplingConfig:
     def spec(self) -> SamplingSpec:
         """Temperature and top-p as the typed spec the manifest records and the probes carry."""
         return SamplingSpec(self.temperature, self.top_p)
-
-
-def choices(part, allowed: dict[str, tuple]) -> list[str]:
-    """``name=value: expected one of ...`` for each field of ``part`` outside its allowed values."""
-    return [f"{k}={getattr(part, k)!r}: expected one of {v}" for k, v in allowed.items() if getattr(part, k) not in v]
-
-
-def at_least(part, **low: int) -> list[str]:
-    """``name=value: expected >= low`` for each field of ``part`` below its lower bound."""
-    return [f"{k}={getattr(part, k)}: expected >= {v}" for k, v in low.items() if getattr(part, k) < v]
 
 
 PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig, "reading": ReadingConfig}
