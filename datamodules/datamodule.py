@@ -133,7 +133,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                               "pooling": sig["pooling"], "feature_groups": list(groups),
                               "token_stats": stats if "token_stats" in groups else [],
                               "topk_stats": topk if "topk_stats" in groups else [], "top_k": sig.get("top_k", 20),
-                              **_recorded_source(sig),
+                              "source": sig.get("source", "transformers"),  # builds before format 3 read in-process
+                              "hidden_norm": sig.get("hidden_norm", "final_norm"),
                               "reads": dict(sig["reads"][r]), "step": step, "sampling": sampling, "labels": labels}
                           for r in self.roles}
         return self._spec
@@ -289,11 +290,6 @@ def _recorded_specs(sig: dict) -> tuple[StepSpec, SamplingSpec | None, dict]:
     if "n_samples" in recorded:
         labels["n_samples"] = recorded["n_samples"]
     return step, sampling, labels
-
-
-def _recorded_source(sig: dict) -> dict[str, str]:
-    """Where the data's features were read (``source``, ``hidden_norm``); builds before format 3 read in-process."""
-    return {"source": sig.get("source", "transformers"), "hidden_norm": sig.get("hidden_norm", "final_norm")}
 
 
 def _release_freed_memory() -> None:
