@@ -11,16 +11,16 @@ The oracle audits labels and scores answers; the label pipeline never uses it.
 
 from __future__ import annotations
 
-import json
+import operator
 import random
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from datamodules.tasks.base import Task
 
 OPS = ("add", "sub", "mul")
+_OPERATORS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}
 
 # Paraphrase templates per operation; index i is "template i" in every distribution we report.
 TEMPLATES: dict[str, tuple[str, ...]] = {
@@ -65,13 +65,9 @@ class Meaning(NamedTuple):
 
 def apply_op(op: str, a: int, b: int) -> int:
     """Return ``a <op> b`` for one of :data:`OPS`."""
-    if op == "add":
-        return a + b
-    if op == "sub":
-        return a - b
-    if op == "mul":
-        return a * b
-    raise ValueError(f"unknown operation {op!r}; expected one of {OPS}")
+    if op not in _OPERATORS:
+        raise ValueError(f"unknown operation {op!r}; expected one of {OPS}")
+    return _OPERATORS[op](a, b)
 
 
 def render_step(m: Meaning, template: int) -> str:
@@ -296,16 +292,6 @@ def generate_problems(n: int, seed: int, cfg: Optional[TaskConfig] = None) -> li
     cfg = cfg or TaskConfig()
     rng = random.Random(seed)
     return [make_problem(rng, cfg) for _ in range(n)]
-
-
-def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
-    """Write problems as JSONL lines ``{"problem", "trace", "answer"}``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for p in problems:
-            f.write(json.dumps(p.to_json()) + "\n")
-    return path
 
 
 class ArithmeticTask(Task):
