@@ -208,7 +208,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                    tuple(spec[self.roles[0]]["feature_groups"]))
             if key not in self._counted:  # setup runs once per stage; scan each shard once
                 self._counted[key] = self._count(path, spec)
-                _release_freed_memory()  # else the peak grows with every shard scanned
+                if (trim := _malloc_trim()) is not None:  # else the peak grows with every shard scanned
+                    trim(0)
             rows, bad, sums = self._counted[key]
             self.dropped_rows += bad
             self.shards.append({"path": str(path), "rows": rows, "train_sums": sums})
@@ -292,17 +293,11 @@ def _recorded_specs(sig: dict) -> tuple[StepSpec, SamplingSpec | None, dict]:
     return step, sampling, labels
 
 
-def _release_freed_memory() -> None:
-    """Hand a shard scan's freed buffers back to the OS. glibc keeps them, fragmented: scanning 400k rows
-    left 2.6 GB of RSS, 0.44 GB with this (``benchmarks/labels.py`` measures the peak). A no-op without glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
-    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``), or None."""
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``), or None (no glibc). It hands a
+    shard scan's freed buffers back to the OS; glibc keeps them, fragmented: scanning 400k rows left 2.6 GB of RSS,
+    0.44 GB with it (``benchmarks/labels.py`` measures the peak)."""
     import ctypes
     import ctypes.util
 
