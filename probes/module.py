@@ -118,12 +118,9 @@ class SemanticProbeModule(L.LightningModule):
     def _role_config(probe: ProbeConfig, role: str, spec: Optional[dict[str, Any]]) -> ProbeConfig:
         if isinstance(probe, dict):
             probe = ProbeConfig.from_dict(probe)
-        fields = {"role": role}
-        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "top_k", "topk_stats",
-                    "source", "hidden_norm", "reads", "step", "sampling", "labels"):
-            if spec is not None and key in spec:
-                fields[key] = copy.deepcopy(spec[key])
-        return replace(probe, **fields)
+        known = ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "top_k", "topk_stats",
+                 "source", "hidden_norm", "reads", "step", "sampling", "labels")
+        return replace(probe, role=role, **{k: copy.deepcopy(spec[k]) for k in known if k in (spec or {})})
 
     def forward(self, role: str, features: torch.Tensor) -> torch.Tensor:
         """Semantic probability of each row for ``role``'s probe. Returns (B,)."""
