@@ -66,7 +66,7 @@ class Task:
             if errors:
                 raise ValueError("; ".join(errors))
             return self.generate(n, seed)
-        records = read_jsonl(self.path)[: n or None]
+        records = list(read_records(self.path, with_line=True))[: n or None]  # every line checked, first n kept
         if not records:
             raise ValueError(f"task file {self.path} holds no problems; "
                              "expected JSONL lines {\"problem\", \"trace\", \"answer\"}")
@@ -148,11 +148,6 @@ class Task:
             return got is not None and bool(self.equal(got, answer))
         except Exception:  # a checker must not stop a decode run; what cannot be read is not correct
             return False
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a task file with the line each came from, naming ``file:line`` of a bad one."""
-    return list(read_records(path, with_line=True))
 
 
 def read_records(path: str | Path, with_line: bool = False) -> Iterator[dict]:
