@@ -216,12 +216,9 @@ def known_options() -> list[str]:
 def scalar_kinds() -> dict[str, str]:
     """``{option: kind}`` for the fit parser's options whose type is made of int, float, bool and None alone
     (``"int|null"``, ``"float"``...): the values :func:`probes.fit_args.bad_value` checks before torch loads."""
-    kinds = {}
-    for action in _fit_parser()._actions:
-        kind = scalar_kind(getattr(action, "_typehint", None) or action.type)
-        for option in action.option_strings:
-            if kind and option.startswith("--"):
-                kinds[option] = kind
+    kinds = {option: kind for action in _fit_parser()._actions
+             if (kind := scalar_kind(getattr(action, "_typehint", None) or action.type))
+             for option in action.option_strings if option.startswith("--")}
     return dict(sorted(kinds.items()))
 
 
