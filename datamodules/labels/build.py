@@ -213,7 +213,7 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
         if not synced:  # ranks launched without a process group: rank 0 merges once it sees every shard
             return {"complete": False, "rank": run.rank, "n_shards": run.n_shards, "stats": stats}
         barrier()
-        return json.loads((run.data_dir / S.MANIFEST).read_text())
+        return S.read_manifest(run.data_dir)
     if not synced:
         wait_for_shards(run.data_dir, run.n_shards, run.needs)
     sampler = _sampler_record(run, existing)

@@ -152,7 +152,6 @@ def main(argv: list[str] | None = None) -> None:
     set_wait_policy()  # before torch loads: idle threads sleep rather than spin, as the other commands do
     parser = _parser()
     ns = parser.parse_args(argv)
-    ns.pop("config", None)
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
     for name in ("port", "max_rows", "max_queue", "concurrency"):
         if getattr(opts, name) < 1:
