@@ -162,8 +162,7 @@ class TaskConfig:
 
     def _ops_known(self) -> bool:
         """Whether ``ops`` is a non-empty subset of :data:`OPS`."""
-        unknown = [op for op in self.ops if op not in OPS]
-        return not unknown and bool(self.ops)
+        return bool(self.ops) and all(op in OPS for op in self.ops)
 
     def _bound_errors(self) -> list[str]:
         """What is wrong with the operation counts, the ranges and ``ops`` taken one by one."""
