@@ -38,7 +38,6 @@ class Models:
     tokenizer: Any
     """The target's tokenizer."""
     judge: Any
-    device: str
     draft_tokenizer: Any = None
     """The draft's own tokenizer, or None when it shares the target's (steps then cross as tokens, not text)."""
     samplers: dict[str, Any] = field(default_factory=dict)
@@ -113,8 +112,8 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: d
     for r in toks:
         if r not in samplers:
             samplers[r] = make_sampler(config, r, models[r], toks[r], rank)
-    return Models(models["target"], models["draft"], tok, make_judge(config, cache_dir, rank, device, dtype), device,
-                  dtok, samplers, readers)
+    return Models(models["target"], models["draft"], tok, make_judge(config, cache_dir, rank, device, dtype), dtok,
+                  samplers, readers)
 
 
 def make_readers(config: BuildConfig, toks: dict[str, Any]) -> dict[str, Any]:
