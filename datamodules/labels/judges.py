@@ -82,7 +82,8 @@ class Judge:
             raise ValueError(f"combine={combine!r}; expected 'mean' or 'both'")
         self.threshold, self.combine = threshold, combine
         self.cache = JudgeCache(cache_dir, cache_tag) if cache_dir is not None else None
-        self._memory: dict[str, float] = self.cache.memory if self.cache is not None else {}  # answers known here
+        # the answers known so far: the disk cache's (read at start, grown by put) when there is one
+        self._memory: dict[str, float] = self.cache.memory if self.cache is not None else {}
         self.calls = 0
         """Questions answered by the model (one direction each)."""
         self.cache_hits = 0
@@ -107,7 +108,7 @@ class Judge:
             new = {k: float(p) for (k, _), p in zip(todo, probs)}
             self._memory.update(new)
             if self.cache is not None:
-                self.cache.put(new)  # on disk (its memory is ours)
+                self.cache.put(new)
             known.update(new)
         return [known[k] for k in keys]
 
