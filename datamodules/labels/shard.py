@@ -102,16 +102,12 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: d
     samplers = dict(samplers or {})
     # a server sampler asks its server first: an unreachable one fails before models load
     if config.sampling.backend != "hf":
-        for r in toks:
-            if r not in samplers:
-                samplers[r] = make_sampler(config, r, None, toks[r], rank)
+        samplers.update({r: make_sampler(config, r, None, toks[r], rank) for r in toks if r not in samplers})
     readers = make_readers(config, toks) if config.reading.backend == "engine" else {}
     # a model is loaded only when the package itself samples or reads with it
     needed = config.sampling.backend == "hf" or not readers
     models = {r: load_model(config, r) if needed else None for r in toks}
-    for r in toks:
-        if r not in samplers:
-            samplers[r] = make_sampler(config, r, models[r], toks[r], rank)
+    samplers.update({r: make_sampler(config, r, models[r], toks[r], rank) for r in toks if r not in samplers})
     return Models(models["target"], models["draft"], tok, make_judge(config, cache_dir, rank, device, dtype), dtok,
                   samplers, readers)
 
