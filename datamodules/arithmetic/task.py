@@ -197,11 +197,9 @@ class TaskConfig:
 
     def _weight_errors(self) -> list[str]:
         """What is wrong with ``template_weights``: bad weights, or an operation of ``ops`` without any."""
-        errors = []
-        for op, w in self.template_weights.items():
-            if op not in OPS or len(w) != N_TEMPLATES or min(w) < 0 or sum(w) <= 0:
-                errors.append(f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative "
-                              f"weights, not all zero")
+        errors = [f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative weights, not all zero"
+                  for op, w in self.template_weights.items()
+                  if op not in OPS or len(w) != N_TEMPLATES or min(w) < 0 or sum(w) <= 0]
         missing = [op for op in self.ops if op in OPS and op not in self.template_weights]
         if missing:
             errors.append(f"template_weights lacks {missing}: give {N_TEMPLATES} weights for every operation "
