@@ -95,10 +95,8 @@ class Task:
     def spec(self) -> dict[str, Any]:
         """``{"class_path", "init_args"}``: how YAML names this task (arguments left at their default are omitted)."""
         cls = type(self)
-        args = {}
-        for name, p in inspect.signature(cls.__init__).parameters.items():
-            if name != "self" and hasattr(self, name) and getattr(self, name) != p.default:
-                args[name] = getattr(self, name)
+        args = {name: getattr(self, name) for name, p in inspect.signature(cls.__init__).parameters.items()
+                if name != "self" and hasattr(self, name) and getattr(self, name) != p.default}
         return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": args}
 
     # ------------------------------------------------------------------ prompt
