@@ -133,7 +133,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                               "pooling": sig["pooling"], "feature_groups": list(groups),
                               "token_stats": stats if "token_stats" in groups else [],
                               "topk_stats": topk if "topk_stats" in groups else [], "top_k": sig.get("top_k", 20),
-                              **_recorded_source(sig),
+                              "source": sig.get("source", "transformers"),  # builds before format 3 read in-process
+                              "hidden_norm": sig.get("hidden_norm", "final_norm"),
                               "reads": dict(sig["reads"][r]), "step": step, "sampling": sampling, "labels": labels}
                           for r in self.roles}
         return self._spec
@@ -207,7 +208,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                    tuple(spec[self.roles[0]]["feature_groups"]))
             if key not in self._counted:  # setup runs once per stage; scan each shard once
                 self._counted[key] = self._count(path, spec)
-                _release_freed_memory()  # else the peak grows with every shard scanned
+                if (trim := _malloc_trim()) is not None:  # else the peak grows with every shard scanned
+                    trim(0)
             rows, bad, sums = self._counted[key]
             self.dropped_rows += bad
             self.shards.append({"path": str(path), "rows": rows, "train_sums": sums})
@@ -291,22 +293,11 @@ def _recorded_specs(sig: dict) -> tuple[StepSpec, SamplingSpec | None, dict]:
     return step, sampling, labels
 
 
-def _recorded_source(sig: dict) -> dict[str, str]:
-    """Where the data's features were read (``source``, ``hidden_norm``); builds before format 3 read in-process."""
-    return {"source": sig.get("source", "transformers"), "hidden_norm": sig.get("hidden_norm", "final_norm")}
-
-
-def _release_freed_memory() -> None:
-    """Hand a shard scan's freed buffers back to the OS. glibc keeps them, fragmented: scanning 400k rows
-    left 2.6 GB of RSS, 0.44 GB with this (``benchmarks/labels.py`` measures the peak). A no-op without glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
-    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``), or None."""
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``), or None (no glibc). It hands a
+    shard scan's freed buffers back to the OS; glibc keeps them, fragmented: scanning 400k rows left 2.6 GB of RSS,
+    0.44 GB with it (``benchmarks/labels.py`` measures the peak)."""
     import ctypes
     import ctypes.util
 

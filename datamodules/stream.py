@@ -11,6 +11,7 @@ that has no row of it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,11 +127,9 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         order = self._order()
-        total = sum(self.shards[k]["rows"][self.split] for k in order)
-        limit = (total // self.world) * self.world
-        offsets, at = {}, 0
-        for k in order:
-            offsets[k], at = at, at + self.shards[k]["rows"][self.split]
+        sizes = [self.shards[k]["rows"][self.split] for k in order]
+        limit = (sum(sizes) // self.world) * self.world
+        offsets = dict(zip(order, itertools.accumulate(sizes, initial=0)))  # each shard's first row in the split
         mine = order[wid::nw]
         g = torch.Generator().manual_seed(hash((self.seed, self.epoch, self.rank, wid)) % 2**62)
         if self.shuffle:

@@ -9,7 +9,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from safetensors.torch import load_file
 
@@ -18,22 +18,14 @@ from generation.paths import atomic_path
 from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, ProbeConfig, layer_problems
 
 
-def fingerprint_mismatches(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """``"field: probe has X, model has Y"`` for every checked field both sides know and that differs."""
-    return [
-        f"{k}: probe has {expected[k]!r}, model has {actual[k]!r}"
-        for k in FINGERPRINT_FIELDS
-        if k in expected and k in actual and expected[k] != actual[k]
-    ]
-
-
 def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str = "probe") -> None:
     """Raise if a probe with ``config`` cannot read ``model``'s hidden states, naming each differing field.
 
     Used by :func:`load_probe` and by every consumer handed a probe object (decoder, callback).
     """
-    actual = model_fingerprint(model, tokenizer)
-    problems = fingerprint_mismatches(config.reads, actual)
+    actual, reads = model_fingerprint(model, tokenizer), config.reads
+    problems = [f"{k}: probe has {reads[k]!r}, model has {actual[k]!r}" for k in FINGERPRINT_FIELDS
+                if k in reads and k in actual and reads[k] != actual[k]]  # the checked fields both sides know
     if config.hidden_size != actual["hidden_size"] and not any(p.startswith("hidden_size") for p in problems):
         problems.append(f"hidden_size: probe has {config.hidden_size!r}, model has {actual['hidden_size']!r}")
     if problems:

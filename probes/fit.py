@@ -111,8 +111,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         export_dir = cli.config.get("export_dir") or default_export_dir(trainer)
         paths = export_probes(module, export_dir, test_metrics)
     if trainer.is_global_zero:
-        summary = metric_rows(test_metrics, module.roles)
-        summary.update(live)
+        summary = metric_rows(test_metrics, module.roles) | live
         print("\nbest checkpoint:", best or "(none)")
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")

@@ -107,19 +107,6 @@ def recorded() -> dict | None:
     return record if applies else None
 
 
-def recorded_options() -> set[str] | None:
-    """The fit parser's options as :func:`recorded`, or None when the record does not apply."""
-    record = recorded()
-    return set(record["options"]) if record else None
-
-
-def recorded_kinds() -> dict[str, str]:
-    """``{option: kind}`` as :func:`recorded` (``"int|null"``...: options whose type is int, float, bool or None
-    alone; :func:`probes.fit_cli.scalar_kinds`); empty where the record has none or does not apply."""
-    record = recorded()
-    return dict(record.get("kinds", {})) if record else {}
-
-
 def bad_value(args: list[str], kinds: dict[str, str]) -> str | None:
     """The refusal of the first command-line value in (normalised) ``args`` that its option's kind cannot take
     (``--trainer.max_epochs abc``), or None. Lenient: a value the real parser might take passes (it checks again)."""

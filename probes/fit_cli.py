@@ -120,23 +120,18 @@ def make_cli(args: list[str], default_config: Path) -> ProbeCLI:
     quiet_lightning()
     ProbeCLI.resume_base = resume_base
     try:
-        return ProbeCLI(
-            SemanticProbeModule,
-            SemanticProbeDataModule,
-            run=False,
-            auto_configure_optimizers=False,
-            args=args,
-            save_config_kwargs={"overwrite": True},
-            parser_class=ProbeArgumentParser,
-            parser_kwargs=PARSER_KWARGS,
-        )
+        return ProbeCLI(SemanticProbeModule, SemanticProbeDataModule, args=args, save_config_kwargs={"overwrite": True},
+                        **CLI_KWARGS)
     finally:
         ProbeCLI.resume_base = None
 
 
 CHECKPOINT_ERRORS = ("Error(s) in loading state_dict",)
 """How torch refuses a ``--ckpt_path`` whose weights do not fit the model the config builds: an input error."""
-PARSER_KWARGS = {"prog": PROG, "description": DESCRIPTION, "allow_abbrev": False}  # no silent prefix matches
+CLI_KWARGS = {"run": False, "auto_configure_optimizers": False, "parser_class": ProbeArgumentParser,
+              "parser_kwargs": {"prog": PROG, "description": DESCRIPTION, "allow_abbrev": False}}
+"""How the fit's LightningCLI is built: by :func:`make_cli`, and by :func:`_fit_parser` for the options it knows
+(``allow_abbrev`` off: no silent prefix matches)."""
 
 
 class _SetupDone(Callback):
@@ -203,8 +198,7 @@ def _fit_parser():
             raise Built(parser)
 
     try:
-        Capture(SemanticProbeModule, SemanticProbeDataModule, run=False, auto_configure_optimizers=False, args=[],
-                parser_class=ProbeArgumentParser, parser_kwargs=PARSER_KWARGS)
+        Capture(SemanticProbeModule, SemanticProbeDataModule, args=[], **CLI_KWARGS)
     except Built as built:
         return built.args[0]
     raise RuntimeError("the fit parser was never built")  # pragma: no cover (parse_arguments always runs)
@@ -222,12 +216,9 @@ def known_options() -> list[str]:
 def scalar_kinds() -> dict[str, str]:
     """``{option: kind}`` for the fit parser's options whose type is made of int, float, bool and None alone
     (``"int|null"``, ``"float"``...): the values :func:`probes.fit_args.bad_value` checks before torch loads."""
-    kinds = {}
-    for action in _fit_parser()._actions:
-        kind = scalar_kind(getattr(action, "_typehint", None) or action.type)
-        for option in action.option_strings:
-            if kind and option.startswith("--"):
-                kinds[option] = kind
+    kinds = {option: kind for action in _fit_parser()._actions
+             if (kind := scalar_kind(getattr(action, "_typehint", None) or action.type))
+             for option in action.option_strings if option.startswith("--")}
     return dict(sorted(kinds.items()))
 
 

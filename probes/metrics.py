@@ -39,18 +39,14 @@ def _acceptance_update(accepted: Number, proposed: Number) -> tuple[Tensor, Tens
     return acc, prop
 
 
-def _acceptance_compute(accepted: Tensor, proposed: Tensor) -> Tensor:
-    """Step acceptance: accepted draft steps / proposed draft steps (0 when none was proposed)."""
-    return _ratio_compute(accepted, proposed)
-
-
 def step_acceptance(accepted: Number, proposed: Number) -> Tensor:
-    """Functional step acceptance over counts (per prompt or totals).
+    """Functional step acceptance over counts (per prompt or totals): accepted draft steps / proposed draft steps
+    (0 when none was proposed).
 
     >>> float(step_acceptance([3, 1], [4, 4]))
     0.5
     """
-    return _acceptance_compute(*_acceptance_update(accepted, proposed))
+    return _ratio_compute(*_acceptance_update(accepted, proposed))
 
 
 def draft_token_share(draft_tokens: Number, output_tokens: Number) -> Tensor:

@@ -13,7 +13,7 @@ draft-written rows with a low label (the draft's wrong steps) can be weighted up
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import lightning as L
@@ -118,12 +118,9 @@ class SemanticProbeModule(L.LightningModule):
     def _role_config(probe: ProbeConfig, role: str, spec: Optional[dict[str, Any]]) -> ProbeConfig:
         if isinstance(probe, dict):
             probe = ProbeConfig.from_dict(probe)
-        fields = {"role": role}
-        for key in ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "top_k", "topk_stats",
-                    "source", "hidden_norm", "reads", "step", "sampling", "labels"):
-            if spec is not None and key in spec:
-                fields[key] = copy.deepcopy(spec[key])
-        return replace(probe, **fields)
+        known = ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "top_k", "topk_stats",
+                 "source", "hidden_norm", "reads", "step", "sampling", "labels")
+        return replace(probe, role=role, **{k: copy.deepcopy(spec[k]) for k in known if k in (spec or {})})
 
     def forward(self, role: str, features: torch.Tensor) -> torch.Tensor:
         """Semantic probability of each row for ``role``'s probe. Returns (B,)."""
@@ -208,10 +205,6 @@ class SemanticProbeModule(L.LightningModule):
 
     def configure_optimizers(self):
         return self.optimizer_factory(self.parameters())
-
-    def probe_config(self, role: str) -> dict[str, Any]:
-        """The config of ``role``'s probe as a plain dict (what ``config.json`` will hold)."""
-        return asdict(self.probes[role].config)
 
 
 def _check_streamed(role: str, cfg: ProbeConfig, given: dict[str, Any], data_dir) -> None:

@@ -69,12 +69,7 @@ def resume_command(prog: str, last: str, args: list[str]) -> str:
     """The command that resumes from ``last``: ``--ckpt_path`` alone when its run folder holds the config."""
     if run_dir_of(last) is not None:
         return f"{prog} --ckpt_path {shlex.quote(str(last))}"
-    rest, skip = [], False
-    for a in args:
-        if skip or a == "--ckpt_path":
-            skip = a == "--ckpt_path"
-            continue
-        rest.append(a)
+    rest = [a for i, a in enumerate(args) if "--ckpt_path" not in (a, args[i - 1] if i else None)]  # and its value
     return f"{prog} {shlex.join(rest + ['--ckpt_path', str(last)])}".replace("  ", " ")
 
 

@@ -567,19 +567,20 @@ def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
 
 
 def test_the_first_pass_knows_the_options_the_real_parser_knows():
-    from probes.fit_args import KNOWN_OPTIONS, library_versions, recorded_kinds, recorded_options
+    from probes.fit_args import KNOWN_OPTIONS, library_versions, recorded
     from probes.fit_cli import known_options, scalar_kinds
 
     again = "re-record: python -c 'from probes.fit_cli import write_known_options; write_known_options()'"
     assert json.loads(KNOWN_OPTIONS.read_text())["versions"] == library_versions(), again
-    assert sorted(recorded_options()) == known_options(), again
-    assert recorded_kinds() == scalar_kinds(), again
+    record = recorded()
+    assert sorted(record["options"]) == known_options(), again
+    assert record["kinds"] == scalar_kinds(), again
 
 
 def test_the_first_pass_takes_every_value_the_real_parser_takes_and_refuses_what_it_refuses():
-    from probes.fit_args import bad_value, recorded_kinds
+    from probes.fit_args import bad_value, recorded
 
-    kinds = recorded_kinds()
+    kinds = recorded()["kinds"]
     taken = [("--trainer.max_epochs", v) for v in ("3", "+3", "0x10", "1_000", "null", "-1")] + [
         ("--test", v) for v in ("true", "False", "yes", "on")] + [
         ("--data.val_fraction", v) for v in ("0.5", ".5", "1e-1", "1")] + [("--trainer.gradient_clip_val", "2")]

@@ -31,7 +31,8 @@ def test_prefixes_cut_at_every_step(world_tokenizer):
 
 
 def test_prefixes_from_task_file(world_tokenizer, tmp_path):
-    path = task.write_jsonl(task.generate_problems(4, seed=2), tmp_path / "t.jsonl")
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(p.to_json()) + "\n" for p in task.generate_problems(4, seed=2)))
     records = Task(str(path)).problems(2)
     assert len(records) == 2 and records[0]["line"] == 1
     assert make_prefixes(records, world_tokenizer)

@@ -37,8 +37,6 @@ GGML_TYPE_F32 = 0
 
 def server_available() -> bool:
     """Whether ``llama_cpp.server`` can be imported (``pip install "llama-cpp-python[server]"``)."""
-    import importlib.util
-
     return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("uvicorn") is not None
 
 

@@ -11,16 +11,16 @@ The oracle audits labels and scores answers; the label pipeline never uses it.
 
 from __future__ import annotations
 
-import json
+import operator
 import random
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from datamodules.tasks.base import Task
 
 OPS = ("add", "sub", "mul")
+_OPERATORS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}
 
 # Paraphrase templates per operation; index i is "template i" in every distribution we report.
 TEMPLATES: dict[str, tuple[str, ...]] = {
@@ -65,13 +65,9 @@ class Meaning(NamedTuple):
 
 def apply_op(op: str, a: int, b: int) -> int:
     """Return ``a <op> b`` for one of :data:`OPS`."""
-    if op == "add":
-        return a + b
-    if op == "sub":
-        return a - b
-    if op == "mul":
-        return a * b
-    raise ValueError(f"unknown operation {op!r}; expected one of {OPS}")
+    if op not in _OPERATORS:
+        raise ValueError(f"unknown operation {op!r}; expected one of {OPS}")
+    return _OPERATORS[op](a, b)
 
 
 def render_step(m: Meaning, template: int) -> str:
@@ -166,8 +162,7 @@ class TaskConfig:
 
     def _ops_known(self) -> bool:
         """Whether ``ops`` is a non-empty subset of :data:`OPS`."""
-        unknown = [op for op in self.ops if op not in OPS]
-        return not unknown and bool(self.ops)
+        return bool(self.ops) and all(op in OPS for op in self.ops)
 
     def _bound_errors(self) -> list[str]:
         """What is wrong with the operation counts, the ranges and ``ops`` taken one by one."""
@@ -202,11 +197,9 @@ class TaskConfig:
 
     def _weight_errors(self) -> list[str]:
         """What is wrong with ``template_weights``: bad weights, or an operation of ``ops`` without any."""
-        errors = []
-        for op, w in self.template_weights.items():
-            if op not in OPS or len(w) != N_TEMPLATES or min(w) < 0 or sum(w) <= 0:
-                errors.append(f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative "
-                              f"weights, not all zero")
+        errors = [f"template_weights[{op!r}]={tuple(w)}: need {N_TEMPLATES} non-negative weights, not all zero"
+                  for op, w in self.template_weights.items()
+                  if op not in OPS or len(w) != N_TEMPLATES or min(w) < 0 or sum(w) <= 0]
         missing = [op for op in self.ops if op in OPS and op not in self.template_weights]
         if missing:
             errors.append(f"template_weights lacks {missing}: give {N_TEMPLATES} weights for every operation "
@@ -296,16 +289,6 @@ def generate_problems(n: int, seed: int, cfg: Optional[TaskConfig] = None) -> li
     cfg = cfg or TaskConfig()
     rng = random.Random(seed)
     return [make_problem(rng, cfg) for _ in range(n)]
-
-
-def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
-    """Write problems as JSONL lines ``{"problem", "trace", "answer"}``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for p in problems:
-            f.write(json.dumps(p.to_json()) + "\n")
-    return path
 
 
 class ArithmeticTask(Task):

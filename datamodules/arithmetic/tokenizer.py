@@ -29,11 +29,7 @@ def _words() -> list[str]:
     texts = [t for ts in task.TEMPLATES.values() for t in ts]
     texts += list(task.PROBLEM_OPS.values()) + list(task.PROBLEM_OPENERS) + list(task.PROBLEM_QUESTIONS)
     texts += [task.ANSWER_MARKER, JUDGE_TEMPLATE, " yes no Yes No", "Add Subtract Multiply then , . ? :"]
-    pieces: set[str] = set()
-    for t in texts:
-        for p in re.findall(PIECE, re.sub(r"\{\w\}", "", t)):
-            if p.strip():
-                pieces.add(p.strip())
+    pieces = {p.strip() for t in texts for p in re.findall(PIECE, re.sub(r"\{\w\}", "", t)) if p.strip()}
     pieces |= {str(i) for i in range(MAX_NUMBER + 1)}
     return sorted(pieces)
 

@@ -24,7 +24,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 from tqdm.auto import tqdm
@@ -213,7 +213,7 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
         if not synced:  # ranks launched without a process group: rank 0 merges once it sees every shard
             return {"complete": False, "rank": run.rank, "n_shards": run.n_shards, "stats": stats}
         barrier()
-        return json.loads((run.data_dir / S.MANIFEST).read_text())
+        return S.read_manifest(run.data_dir)
     if not synced:
         wait_for_shards(run.data_dir, run.n_shards, run.needs)
     sampler = _sampler_record(run, existing)
@@ -341,18 +341,18 @@ def main(args: list[str] | None = None) -> dict:
         check_yaml_files(given, ("--config", "--fit_config"))
         args = _with_fit_config(given)
     except ValueError as e:
-        _fail(str(e))
+        fail(PROG, str(e))
     cfg = parser.parse_args(args)
     try:  # the config checks its values before torch loads (issue 33 item 16)
         config = parser.instantiate(cfg).build
     except (ValueError, OSError) as e:
-        _fail(str(e))
+        fail(PROG, str(e))
     if data_dir_problem(cfg.data_dir):
-        _fail(data_dir_problem(cfg.data_dir))
+        fail(PROG, data_dir_problem(cfg.data_dir))
     try:
         apply_threads(cfg.threads)  # issue 36: before any model work
     except ValueError as e:
-        _fail(str(e))
+        fail(PROG, str(e))
     _, world = dist_info()
     import torch.distributed as dist
 
@@ -363,13 +363,13 @@ def main(args: list[str] | None = None) -> dict:
     try:
         return build(config, cfg.data_dir, max_shards=cfg.max_shards)
     except (ValueError, OSError) as e:  # refused input: config values, task file, data_dir, models, servers
-        _fail(str(e))
+        fail(PROG, str(e))
     except RuntimeError as e:
         from generation.engines.base import EngineError  # (here: torch is imported by now)
 
         if not isinstance(e, EngineError):  # a sampling server, an http judge or a reading engine failed or refused
             raise
-        _fail(f"{e} ({_kept(cfg.data_dir)}; rerun the same command to resume)")
+        fail(PROG, f"{e} ({_kept(cfg.data_dir)}; rerun the same command to resume)")
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; {_kept(cfg.data_dir)}. Resume with: {PROG} {shlex.join(given)}".rstrip(),
               file=sys.stderr)
@@ -416,11 +416,6 @@ def _with_fit_config(args: list[str]) -> list[str]:
 
 
 PROG = "python -m datamodules.labels.build"
-
-
-def _fail(message: str) -> NoReturn:
-    """Report bad input as one line on stderr and exit 2 (issue 12: no traceback, no page of usage)."""
-    fail(PROG, message)
 
 
 if __name__ == "__main__":

@@ -79,11 +79,8 @@ def did_you_mean(message: str, options: list[str]) -> str:
     if not m:
         return message
     unknown = [w.split("=")[0] for w in m.group(1).split() if w.startswith("--")]
-    hints = []
-    for word in unknown:
-        close = difflib.get_close_matches(word, options, n=1, cutoff=0.75)
-        if close:
-            hints.append(f"did you mean {close[0]}?")
+    hints = [f"did you mean {close[0]}?" for word in unknown
+             if (close := difflib.get_close_matches(word, options, n=1, cutoff=0.75))]
     return message.rstrip() + ("; " + "; ".join(hints) if hints else "")
 
 

@@ -34,6 +34,16 @@ import numpy as np
 METHODS = ("hdbscan+judge", "hdbscan", "judge")
 
 
+def choices(part, allowed: dict[str, tuple]) -> list[str]:
+    """``name=value: expected one of ...`` for each field of ``part`` outside its allowed values."""
+    return [f"{k}={getattr(part, k)!r}: expected one of {v}" for k, v in allowed.items() if getattr(part, k) not in v]
+
+
+def at_least(part, **low: int) -> list[str]:
+    """``name=value: expected >= low`` for each field of ``part`` below its lower bound."""
+    return [f"{k}={getattr(part, k)}: expected >= {v}" for k, v in low.items() if getattr(part, k) < v]
+
+
 @dataclass
 class ClusteringConfig:
     """How one prefix's samples are grouped by meaning (YAML: ``build.clustering.*``)."""
@@ -60,20 +70,10 @@ class ClusteringConfig:
 
     def errors(self) -> list[str]:
         """What is wrong, one ``name=value: expected ...`` per bad field."""
-        errors = []
-        if self.method not in METHODS:
-            errors.append(f"method={self.method!r}: expected one of {METHODS}")
-        if self.min_cluster_size < 2:
-            errors.append(f"min_cluster_size={self.min_cluster_size}: expected >= 2")
+        errors = choices(self, {"method": METHODS}) + at_least(self, min_cluster_size=2)
         if not 0 <= self.membership_threshold <= 1:
             errors.append(f"membership_threshold={self.membership_threshold}: expected 0..1")
-        if self.merge_distance < 0:
-            errors.append(f"merge_distance={self.merge_distance}: expected >= 0")
-        if self.votes < 1:
-            errors.append(f"votes={self.votes}: expected >= 1")
-        if self.max_candidates < 1:
-            errors.append(f"max_candidates={self.max_candidates}: expected >= 1")
-        return errors
+        return errors + at_least(self, merge_distance=0, votes=1, max_candidates=1)
 
 
 def normalize_text(text: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from datamodules.labels import shards as S
-from datamodules.labels.clustering import ClusteringConfig
+from datamodules.labels.clustering import ClusteringConfig, at_least, choices
 from datamodules.labels.shares import LABELLINGS
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
@@ -226,16 +226,6 @@ class SamplingConfig:
         return SamplingSpec(self.temperature, self.top_p)
 
 
-def choices(part, allowed: dict[str, tuple]) -> list[str]:
-    """``name=value: expected one of ...`` for each field of ``part`` outside its allowed values."""
-    return [f"{k}={getattr(part, k)!r}: expected one of {v}" for k, v in allowed.items() if getattr(part, k) not in v]
-
-
-def at_least(part, **low: int) -> list[str]:
-    """``name=value: expected >= low`` for each field of ``part`` below its lower bound."""
-    return [f"{k}={getattr(part, k)}: expected >= {v}" for k, v in low.items() if getattr(part, k) < v]
-
-
 PARTS = {"judge": JudgeConfig, "clustering": ClusteringConfig, "sampling": SamplingConfig, "reading": ReadingConfig}
 """The nested parts of :class:`BuildConfig`, by field name."""
 
@@ -428,9 +418,8 @@ def default_template(judge: JudgeConfig) -> str:
 def label_provenance(config: BuildConfig) -> dict[str, Any]:
     """The ``labels`` entry of a probe's input spec: labelling, clustering, judge, step cap, seed."""
     cc = config.clustering
-    params = {"min_cluster_size": cc.min_cluster_size, "membership_threshold": cc.membership_threshold,
-              "merge_distance": cc.merge_distance, "votes": cc.votes, "max_candidates": cc.max_candidates,
-              "match_numbers": cc.match_numbers}
+    params = {k: getattr(cc, k) for k in ("min_cluster_size", "membership_threshold", "merge_distance", "votes",
+                                          "max_candidates", "match_numbers")}
     # max_step_tokens stays here too: probes exported before the step spec had its own entry read it from labels
     return {"labelling": config.labelling, "clustering": cc.method, "clustering_params": params,
             "max_step_tokens": config.steps.max_step_tokens, "judge": judge_provenance(config),

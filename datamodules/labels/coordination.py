@@ -201,10 +201,9 @@ class Progress:
             self.logged_at, self.logged_done = now, self.done
 
 
-def wait_for_shards(data_dir: Path, n_shards: int, needs=None, poll_s: float = 2.0,
-                    timeout_s: float = 12 * 3600) -> None:
-    """Rank 0 without a process group: wait until the other ranks' shards are all on disk (and as recorded)."""
-    needs = needs or (lambda k: not (data_dir / S.shard_name(k)).is_file())
+def wait_for_shards(data_dir: Path, n_shards: int, needs, timeout_s: float = 12 * 3600) -> None:
+    """Rank 0 without a process group: wait until the other ranks' shards are all on disk (and as recorded: no shard
+    ``needs`` building)."""
     t0 = time.time()
     while True:
         missing = [S.shard_name(k) for k in range(n_shards) if needs(k)]
@@ -214,4 +213,4 @@ def wait_for_shards(data_dir: Path, n_shards: int, needs=None, poll_s: float = 2
             raise TimeoutError(f"rank 0 waited {timeout_s:.0f} s for {len(missing)} shards of the other "
                                f"ranks in {data_dir} "
                                f"(first: {missing[0]}); rerun the build to finish them")
-        time.sleep(poll_s)
+        time.sleep(LOCK_POLL_S)

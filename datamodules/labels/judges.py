@@ -54,9 +54,6 @@ class JudgeCache:
         """Content hash of one question: sha256 of the judge id and both texts."""
         return hashlib.sha256(json.dumps([judge_id, a, b]).encode()).hexdigest()
 
-    def get(self, key: str) -> float | None:
-        return self.memory.get(key)
-
     def put(self, items: dict[str, float]) -> None:
         if not items:
             return
@@ -85,7 +82,8 @@ class Judge:
             raise ValueError(f"combine={combine!r}; expected 'mean' or 'both'")
         self.threshold, self.combine = threshold, combine
         self.cache = JudgeCache(cache_dir, cache_tag) if cache_dir is not None else None
-        self._memory: dict[str, float] = {}
+        # the answers known so far: the disk cache's (read at start, grown by put) when there is one
+        self._memory: dict[str, float] = self.cache.memory if self.cache is not None else {}
         self.calls = 0
         """Questions answered by the model (one direction each)."""
         self.cache_hits = 0
@@ -99,7 +97,7 @@ class Judge:
     def prob_same(self, pairs: Sequence[Pair]) -> list[float]:
         """P(same) for each ``(a, b)`` read in that order, from the cache when it knows it."""
         keys = [JudgeCache.key(self.id, a, b) for a, b in pairs]
-        known = {k: self._lookup(k) for k in set(keys)}
+        known = {k: self._memory.get(k) for k in set(keys)}
         todo = sorted({k: (a, b) for k, (a, b) in zip(keys, pairs) if known[k] is None}.items())
         self.cache_hits += sum(known[k] is not None for k in keys)
         if todo:
@@ -113,10 +111,6 @@ class Judge:
                 self.cache.put(new)
             known.update(new)
         return [known[k] for k in keys]
-
-    def _lookup(self, key: str) -> float | None:
-        hit = self._memory.get(key)
-        return hit if hit is not None or self.cache is None else self.cache.get(key)
 
     def score(self, pairs: Sequence[Pair]) -> list[float]:
         """Both directions combined: the mean of P(a~b) and P(b~a), or their minimum for ``both``."""

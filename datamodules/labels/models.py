@@ -145,9 +145,7 @@ def resolve_gguf(name_or_path: str | os.PathLike, gguf_file: Optional[str | os.P
     if gguf_file is None and name.endswith(".gguf"):
         path = Path(name)
     elif gguf_file is not None:
-        path = Path(gguf_file)
-        if not path.is_absolute():
-            path = Path(name) / path
+        path = Path(name) / gguf_file  # an absolute gguf_file replaces the folder
     else:
         return None
     if not path.is_file():

@@ -87,12 +87,9 @@ def _distinct_steps(steps: Sequence[Sequence[Sequence[int]]]) -> tuple[list[list
     where: list[int] = []  # flat row -> row among the distinct steps
     distinct = 0
     for ss in steps:
-        seen: dict[tuple[int, ...], int] = {}
-        for s in ss:
-            if tuple(s) not in seen:
-                seen[tuple(s)] = distinct
-                distinct += 1
-            where.append(seen[tuple(s)])
+        seen: dict[tuple[int, ...], int] = {}  # a new step takes the next row
+        where += [seen.setdefault(tuple(s), distinct + len(seen)) for s in ss]
+        distinct += len(seen)
         unique.append([list(k) for k in seen])
     return unique, where
 

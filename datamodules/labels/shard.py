@@ -38,7 +38,6 @@ class Models:
     tokenizer: Any
     """The target's tokenizer."""
     judge: Any
-    device: str
     draft_tokenizer: Any = None
     """The draft's own tokenizer, or None when it shares the target's (steps then cross as tokens, not text)."""
     samplers: dict[str, Any] = field(default_factory=dict)
@@ -103,18 +102,14 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: d
     samplers = dict(samplers or {})
     # a server sampler asks its server first: an unreachable one fails before models load
     if config.sampling.backend != "hf":
-        for r in toks:
-            if r not in samplers:
-                samplers[r] = make_sampler(config, r, None, toks[r], rank)
+        samplers.update({r: make_sampler(config, r, None, toks[r], rank) for r in toks if r not in samplers})
     readers = make_readers(config, toks) if config.reading.backend == "engine" else {}
     # a model is loaded only when the package itself samples or reads with it
     needed = config.sampling.backend == "hf" or not readers
     models = {r: load_model(config, r) if needed else None for r in toks}
-    for r in toks:
-        if r not in samplers:
-            samplers[r] = make_sampler(config, r, models[r], toks[r], rank)
-    return Models(models["target"], models["draft"], tok, make_judge(config, cache_dir, rank, device, dtype), device,
-                  dtok, samplers, readers)
+    samplers.update({r: make_sampler(config, r, models[r], toks[r], rank) for r in toks if r not in samplers})
+    return Models(models["target"], models["draft"], tok, make_judge(config, cache_dir, rank, device, dtype), dtok,
+                  samplers, readers)
 
 
 def make_readers(config: BuildConfig, toks: dict[str, Any]) -> dict[str, Any]:
@@ -263,29 +258,27 @@ def _embeddings(feats: dict[str, torch.Tensor], n_prefixes: int) -> np.ndarray:
 
 
 def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    cols: dict[str, dict[str, list]] = {r: {k: [] for k in ("q", "p", "writer", "problem_id", "prefix_id", "sample_id",
-                                                           "group_id", "group_entropy")} for r in ROLES}
+    dtypes = {"q": torch.float32, "p": torch.float32, "writer": torch.int8, "problem_id": torch.int64,
+              "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32,
+              "group_entropy": torch.float32}
+    cols: dict[str, dict[str, list]] = {r: {k: [] for k in dtypes} for r in ROLES}
     records = []
+    writer = np.array([TARGET] * n + [DRAFT] * n)
+    rows = {"target": np.arange(2 * n) if joint else np.arange(n), "draft": np.arange(n, 2 * n)}
     for i, p in enumerate(prefixes):
         lab = labels[i]
         ids = np.arange(2 * n) + p.prefix_id * 2 * n
-        writer = np.array([TARGET] * n + [DRAFT] * n)
-        rows = {"target": np.arange(2 * n) if joint else np.arange(n), "draft": np.arange(n, 2 * n)}
+        columns = {"q": lab["q"], "p": lab["p"], "writer": writer, "problem_id": np.full(2 * n, p.problem_id),
+                   "prefix_id": np.full(2 * n, p.prefix_id), "sample_id": ids, "group_id": lab["groups"],
+                   "group_entropy": lab["entropy"]}  # one value per sample; each role keeps its rows
         for r, idx in rows.items():
-            c = cols[r]
-            c["q"].append(lab["q"][idx]), c["p"].append(lab["p"][idx]), c["writer"].append(writer[idx])
-            c["problem_id"].append(np.full(len(idx), p.problem_id))
-            c["prefix_id"].append(np.full(len(idx), p.prefix_id))
-            c["sample_id"].append(ids[idx]), c["group_id"].append(lab["groups"][idx])
-            c["group_entropy"].append(lab["entropy"][idx])
+            for k, v in columns.items():
+                cols[r][k].append(v[idx])
         records.append({"problem_id": p.problem_id, "prefix_id": p.prefix_id, "step_index": p.step_index,
                         "prefix": p.text,
                         "samples": [{"sample_id": int(ids[j]), "writer": int(writer[j]), "text": texts[i][j],
                                      "group": int(lab["groups"][j]), "q": float(lab["q"][j]), "p": float(lab["p"][j])}
                                     for j in range(2 * n)]})
-    dtypes = {"q": torch.float32, "p": torch.float32, "writer": torch.int8, "problem_id": torch.int64,
-              "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32,
-              "group_entropy": torch.float32}
     tensors: dict[str, torch.Tensor] = {}
     for r in ROLES:
         for g, v in feats[r].items():  # group "hidden" is stored as "features" (fp16), the statistics as float32

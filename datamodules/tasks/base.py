@@ -66,11 +66,7 @@ class Task:
             if errors:
                 raise ValueError("; ".join(errors))
             return self.generate(n, seed)
-        records = []
-        for rec in read_jsonl(self.path):
-            records.append(rec)
-            if n and len(records) >= n:
-                break
+        records = list(read_records(self.path, with_line=True))[: n or None]  # every line checked, first n kept
         if not records:
             raise ValueError(f"task file {self.path} holds no problems; "
                              "expected JSONL lines {\"problem\", \"trace\", \"answer\"}")
@@ -99,10 +95,8 @@ class Task:
     def spec(self) -> dict[str, Any]:
         """``{"class_path", "init_args"}``: how YAML names this task (arguments left at their default are omitted)."""
         cls = type(self)
-        args = {}
-        for name, p in inspect.signature(cls.__init__).parameters.items():
-            if name != "self" and hasattr(self, name) and getattr(self, name) != p.default:
-                args[name] = getattr(self, name)
+        args = {name: getattr(self, name) for name, p in inspect.signature(cls.__init__).parameters.items()
+                if name != "self" and hasattr(self, name) and getattr(self, name) != p.default}
         return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": args}
 
     # ------------------------------------------------------------------ prompt
@@ -154,23 +148,9 @@ class Task:
             return False
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a task file with the line each came from, naming ``file:line`` of a bad one."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"task file {path} does not exist")
-    return [{**rec, "line": line} for rec, line in zip(read_records(path), _record_lines(Path(path)))]
-
-
-def _record_lines(path: Path) -> list[int]:
-    """Line numbers of the non-blank lines (the records :func:`read_records` yields, in order)."""
-    with open(path) as f:
-        return [i for i, line in enumerate(f, 1) if line.strip()]
-
-
-
-
-def read_records(path: str | Path) -> Iterator[dict]:
-    """``{"problem", "trace"?, "answer"}`` records of a JSONL file, naming the file and line of a bad one."""
+def read_records(path: str | Path, with_line: bool = False) -> Iterator[dict]:
+    """``{"problem", "trace"?, "answer"}`` records of a JSONL file, naming the file and line of a bad one
+    (``with_line``: each with the ``line`` it came from)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"task file {path} does not exist")
@@ -184,4 +164,4 @@ def read_records(path: str | Path) -> Iterator[dict]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str) or "answer" not in rec:
                 raise ValueError(f"{path}:{lineno}: expected an object with a string 'problem' and an 'answer'")
-            yield rec
+            yield {**rec, "line": lineno} if with_line else rec

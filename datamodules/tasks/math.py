@@ -19,9 +19,6 @@ class BoxedMathTask(Task):
 
     answer_marker = "\\boxed"
 
-    def __init__(self, path: str | None = None) -> None:
-        super().__init__(path)
-
     def extract(self, text: str) -> str | None:
         return last_boxed(text)
 

@@ -31,8 +31,7 @@ def normalize(answer: str) -> str:
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12 -> \frac{1}{2}
     s = re.sub(r"(\d),(?=\d{3}(?!\d))", r"\1", s)  # 1,000 -> 1000
     s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s.strip())  # x = 5 -> 5
-    s = re.sub(r"\s+", "", s).rstrip(".")
-    return s
+    return re.sub(r"\s+", "", s).rstrip(".")
 
 
 def to_sympy_text(s: str) -> str | None:

@@ -12,7 +12,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Literal
+
+from datamodules.labels.cli import fail, one_line_parser
 
 PROG = "python -m probes.serve"
 PAIRED = ("--target_url and --draft_url go together: give both servers, or neither to serve the embedded world "
@@ -136,20 +138,11 @@ def _template(value: str | None) -> str | None:
 def _parser():
     from jsonargparse import ActionConfigFile, set_parsing_settings
 
-    from datamodules.labels.cli import one_line_parser
-
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = one_line_parser(PROG, description=__doc__.split("\n\n")[1].replace("\n", " "), allow_abbrev=False)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML with these options")
     parser.add_class_arguments(ServeOptions, as_positional=False)
     return parser
-
-
-def _fail(message: str) -> NoReturn:
-    """Bad input: one line on stderr, exit status 2."""
-    from datamodules.labels.cli import fail
-
-    fail(PROG, message)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,18 +152,17 @@ def main(argv: list[str] | None = None) -> None:
     set_wait_policy()  # before torch loads: idle threads sleep rather than spin, as the other commands do
     parser = _parser()
     ns = parser.parse_args(argv)
-    ns.pop("config", None)
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
     for name in ("port", "max_rows", "max_queue", "concurrency"):
         if getattr(opts, name) < 1:
-            _fail(f"--{name}={getattr(opts, name)}: expected an integer >= 1")
+            fail(PROG, f"--{name}={getattr(opts, name)}: expected an integer >= 1")
     if (opts.target_url is None) != (opts.draft_url is None):  # before the imports of build()
-        _fail(PAIRED)
+        fail(PROG, PAIRED)
     try:
         apply_threads(opts.threads, log=None)
         app = build(opts)
     except (ValueError, FileNotFoundError, OSError) as e:
-        _fail(str(e))
+        fail(PROG, str(e))
     import signal
 
     import uvicorn
