@@ -37,6 +37,7 @@ from datamodules.arithmetic import models, task
 from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
 from datamodules.arithmetic.task import ArithmeticTask
 from generation.paths import portable_paths
+from generation.specs import SamplingSpec
 from generation.writer import generate
 from probes.metrics import accuracy
 
@@ -57,7 +58,7 @@ def prompt_ids(tok, problem: task.Problem) -> list[int]:
 
 def _sample(model, prompts: list[list[int]], new_tokens: int, g: torch.Generator, eos: int | None, pad: int) -> list:
     """:func:`generate` at the benchmark's sampling (:data:`TEMPERATURE`, :data:`TOP_P`)."""
-    return generate(model, prompts, max_new_tokens=new_tokens, temperature=TEMPERATURE, top_p=TOP_P, generator=g,
+    return generate(model, prompts, max_new_tokens=new_tokens, sampling=SamplingSpec(TEMPERATURE, TOP_P), generator=g,
                     eos_token_id=eos, pad_token_id=pad)
 
 

@@ -48,3 +48,16 @@ def test_the_served_benchmark_starts_its_servers_on_free_ports_by_default():
     for port in ports:  # each is free now
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_the_world_benchmark_samples_through_the_package_generate(tiny_pair):
+    """``benchmarks.world`` samples traces with :func:`generation.writer.generate` at its own temperature and top-p:
+    seeded, the same twice, and exactly ``new_tokens`` long without EOS (its decode-cost timing relies on it). The
+    call once passed ``temperature=``/``top_p=`` that ``generate`` no longer takes, and the benchmark failed."""
+    from benchmarks import world
+    from datamodules.arithmetic.task import generate_problems
+
+    model, _, tok = tiny_pair
+    problems = generate_problems(2, seed=3)
+    assert world.solve(model, tok, problems, seed=5) == world.solve(model, tok, problems, seed=5)
+    assert world._time_generate(model, world.prompt_ids(tok, problems[0]), 7, seed=1) > 0
