@@ -73,6 +73,7 @@ from benchmarks.common import PROBLEM_SEED, REPO, TASK, figures, oracle_for
 from datamodules.arithmetic.serve import world_server
 from datamodules.arithmetic import models, task
 from datamodules.labels.agreement import label_agreement
+from datamodules.labels.shards import read_manifest
 from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.features import FeatureSpec
@@ -200,7 +201,7 @@ def build_stage(urls: Sequence[str], tmp: Path, args) -> tuple[dict, dict[str, P
         print(f"build + fit, reading.backend {backend}, {n} problems ...", flush=True)
         folder = tmp / f"fit-{backend}"
         got = run_fit(fit_command(urls, folder, n, epochs, backend), tmp / f"fit-{backend}.log")
-        manifest = json.loads((folder / "data" / "manifest.json").read_text())
+        manifest = read_manifest(folder / "data")
         stats = manifest["stats"]
         loaded = stats.get("models_loaded", {})
         fig = {"peak_rss_mb": got["peak_rss_mb"], "seconds": got["seconds"],
