@@ -72,14 +72,14 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
                       api_key_env="", concurrency=8)
     s.sample(contexts[:1], 2, seed=99)  # learns that the server ignores n: from here on, one request per sample
     sent: list[dict] = []
-    request = s._request
+    conn = s.conns[0]
+    completions = conn.completions
 
-    def recording(k, prompt, count, seed):
-        sent.append({"model": s.model, "prompt": prompt, "n": count, "temperature": s.temperature, "top_p": s.top_p,
-                     "max_tokens": s.max_step_tokens, "stop": s.stops, "seed": seed, **s.extra_body})
-        return request(k, prompt, count, seed)
+    def recording(what, fix="", **kw):  # each request's body as the client sends it (extra_body merged in)
+        sent.append({**{k: v for k, v in kw.items() if k != "extra_body"}, **(kw.get("extra_body") or {})})
+        return completions(what, fix, **kw)
 
-    s._request = recording
+    conn.completions = recording
     figures = {"sampler": [0, 0.0], "bare": [0, 0.0]}
     for r in range(rounds):
         tok0, t0 = s.generated_tokens, time.perf_counter()
