@@ -101,13 +101,7 @@ class DecodeConfig:
 
     def _problems(self) -> list[str]:
         """Every bad field, as ``name=value: what is expected``."""
-        out = [f"{name}={getattr(self, name)!r}: {why}" for name, why in self._field_problems()]
-        out += SamplingSpec.errors(SamplingSpec.temperature if self.temperature is None else self.temperature,
-                                   SamplingSpec.top_p if self.top_p is None else self.top_p)  # the one check
-        return out + seed_errors(self.seed)
-
-    def _field_problems(self) -> list[tuple[str, str]]:
-        out = []
+        out = []  # (field, what is expected)
         if not is_count(self.max_new_tokens):
             out.append(("max_new_tokens", "expected an integer >= 1"))
         if self.lookahead is not None and not is_count(self.lookahead):
@@ -128,7 +122,10 @@ class DecodeConfig:
         for flag in ("allow_sampling_mismatch", "progress", "overlap"):
             if not isinstance(getattr(self, flag), bool):
                 out.append((flag, "expected True or False"))
-        return out
+        problems = [f"{name}={getattr(self, name)!r}: {why}" for name, why in out]
+        problems += SamplingSpec.errors(SamplingSpec.temperature if self.temperature is None else self.temperature,
+                                        SamplingSpec.top_p if self.top_p is None else self.top_p)  # the one check
+        return problems + seed_errors(self.seed)
 
     @classmethod
     def of(cls, config: DecodeConfig | None = None, overrides: Mapping[str, Any] | None = None) -> DecodeConfig:
@@ -155,7 +152,6 @@ class DecodeConfig:
 
 def _real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
 
 
 def _is_policy(x: Any) -> bool:
