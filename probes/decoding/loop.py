@@ -88,7 +88,11 @@ class StepLoop:
         self.meter = Meter(rows, verifier, proposer)
 
     def limit(self, i: int, *parts) -> int:
-        return self.rows[i].limit(i, *parts)
+        """Tokens the next step of row ``i`` may hold: its budget left, and the room the contexts of ``parts`` (default
+        both) have left (a part's ``room(i)``, None when its context has no known end)."""
+        r = self.rows[i]
+        rooms = [room for part in parts or (self.verifier, self.proposer) if (room := part.room(i)) is not None]
+        return min([r.budget - r.stats.output_tokens, *rooms])
 
     def stream(self, runner) -> Iterator[StepEvent]:
         """Rounds of ``runner.step`` until every row is done (EOS, answer, budget, context or a failed request),
@@ -245,7 +249,7 @@ class StepLoop:
         rw, first = r.rewriting, window[0]  # the continuation (its text the whole step), then the steps after it
         if not self.rides or not self.verifier.ends_step([*rw.tokens, *first.tokens[first.n_forced :]], rw.limit):
             return 0
-        return self.limit(i, self.verifier, self.proposer) - len(rw.tokens) - sum(d.n_new for d in window)
+        return self.limit(i) - len(rw.tokens) - sum(d.n_new for d in window)
 
     def _with_p(self, scores: dict[int, list], policy: AcceptancePolicy) -> dict[int, list]:
         """The scores with the draft probe's ``p`` of the rows whose first step the policy wants it for (``p`` is read
@@ -276,7 +280,7 @@ class StepLoop:
         for i in [*judged, *rewritten]:
             r, w, s, ds = rows[i], windows[i], scores.get(i, []), decisions.get(i, [])
             if i in rewritten:
-                w, kept, limit = w[1:], rewritten[i], self.limit(i, self.verifier, self.proposer)
+                w, kept, limit = w[1:], rewritten[i], self.limit(i)
             else:
                 self.verifier.close_judge_turn(i, s[0] if s else None)
                 kept, limit = 0, states[i].limit
@@ -296,7 +300,7 @@ class StepLoop:
                 r.commit(trace, d, True)
                 kept += d.n_new
             else:
-                if self.setup.bonus_token and not r.done and self.limit(i, self.verifier, self.proposer) > 0:
+                if self.setup.bonus_token and not r.done and self.limit(i) > 0:
                     bonus.append(i)
         if bonus:
             self._bonus(bonus)
@@ -325,7 +329,7 @@ class StepLoop:
         r = self.rows[i]
         if r.rewriting is not None:
             return RowState(tuple(r.rewriting.tokens), r.rewriting.room(), rewrite=True)
-        return RowState(tuple(r.forced), self.limit(i, self.verifier, self.proposer) + len(r.forced))
+        return RowState(tuple(r.forced), self.limit(i) + len(r.forced))
 
     def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool, offset: int = 0, hold: bool = False) -> bool:
         """The target keeps a prefix of the proposal's new tokens and draws the token after it

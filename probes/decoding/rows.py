@@ -1,7 +1,7 @@
 """Per-prompt decode state: the output so far, the step trace, the counters, and when the prompt is done.
 
 A row knows nothing of models or servers: the loop's parts tell it what a step holds
-(:class:`~probes.decoding.proposer.Proposal`) and how much room their contexts have left.
+(:class:`~probes.decoding.proposer.Proposal`); the loop weighs its budget against their contexts' room.
 """
 
 from __future__ import annotations
@@ -108,13 +108,3 @@ class Row:
             self.pieces.append(text)
             self.stats.steps += 1
             self.forced = []
-
-    def limit(self, i: int, *parts) -> int:
-        """Tokens the next step of row ``i`` may hold: the budget left, and the room the parts' contexts have left
-        (each part's ``room(i)``, None when its context has no known end)."""
-        left = self.budget - self.stats.output_tokens
-        for part in parts:
-            room = part.room(i)
-            if room is not None:
-                left = min(left, room)
-        return left
