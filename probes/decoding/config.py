@@ -24,6 +24,7 @@ from typing import Any
 
 from generation.sampling import seed_errors
 from generation.specs import SamplingSpec, is_count
+from probes.decoding.policies import AcceptancePolicy
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class DecodeConfig:
             out.append(("max_new_tokens", "expected an integer >= 1"))
         if self.lookahead is not None and not is_count(self.lookahead):
             out.append(("lookahead", "expected an integer >= 1, or None for the shipped window"))
-        if not isinstance(self.method, str) and not _is_policy(self.method):
+        if not isinstance(self.method, (str, AcceptancePolicy)):
             out.append(("method", "expected a method name or an AcceptancePolicy"))
         w = self.window_min_logprob
         if w is not None and not (_real(w) and w <= 0):
@@ -152,9 +153,3 @@ class DecodeConfig:
 
 def _real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _is_policy(x: Any) -> bool:
-    from probes.decoding.policies import AcceptancePolicy
-
-    return isinstance(x, AcceptancePolicy)
