@@ -177,10 +177,8 @@ class EnginePart:
     def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
         """Each row's whole output in one request (the baselines: the draft-only one here, the target-only one through
         :meth:`EngineVerifier.write`), cut where the step loop would stop at the answer (:func:`answer_cut`)."""
-        calls = {}
-        for i in rows:
-            top_k = 1 if self.rows[i].answer_marker else None
-            calls[i] = ((self.context(i),), dict(step=None, max_tokens=limits[i], top_k=top_k))
+        calls = {i: ((self.context(i),), dict(step=None, max_tokens=limits[i],
+                                              top_k=1 if self.rows[i].answer_marker else None)) for i in rows}
         out = {}
         for i, w in self.each("write", calls).items():
             text, n, row = w.text, w.usage.completion_tokens, self.rows[i]
