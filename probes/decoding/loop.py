@@ -297,7 +297,7 @@ class StepLoop:
                         rejected.append(i)
                     break
                 r.stats.draft_steps_accepted += 1
-                r.commit(trace, d, True)
+                r.commit(trace, d)
                 kept += d.n_new
             else:
                 if self.setup.bonus_token and not r.done and self.limit(i) > 0:
@@ -366,9 +366,8 @@ class StepLoop:
         r, rw = self.rows[i], self.rows[i].rewriting
         if self.verifier.ends_step(rw.tokens, rw.limit):
             step = self.verifier.step(rw.tokens, rw.n_forced)
-            trace = StepTrace("target", step.text, step.size, decision=Decision.TARGET)
             r.rewriting = None
-            r.commit(trace, step, False)
+            r.commit(StepTrace("target", step.text, step.size, decision=Decision.TARGET), step)
 
     def _token_rounds(self, rows_i: list[int], limits: dict[int, int]) -> None:
         """The target writes one step per row with token-level speculation, both parts in turn: the proposer drafts
@@ -417,8 +416,7 @@ class StepLoop:
             st = steps[i]
             if use_draft:  # the draft reads the target's step on its next forward
                 self.proposer.take(i, st)
-            trace = StepTrace("target", st.text, st.size, decision=Decision.TARGET)
-            rows[i].commit(trace, st, False)
+            rows[i].commit(StepTrace("target", st.text, st.size, decision=Decision.TARGET), st)
 
     def draft_steps(self, rows_i: list[int]) -> None:
         """The draft writes one step for each row, kept as it is (the draft-only baseline; an engine proposer
@@ -429,4 +427,4 @@ class StepLoop:
             r.stats.draft_steps_proposed += 1
             r.stats.draft_steps_accepted += 1
             r.stats.drafted_tokens += st.n_new
-            r.commit(StepTrace("draft", st.text, st.size, decision=Decision.ACCEPT), st, True)
+            r.commit(StepTrace("draft", st.text, st.size, decision=Decision.ACCEPT), st)

@@ -70,13 +70,13 @@ class Row:
     def text(self) -> str:
         return "".join(self.pieces)
 
-    def commit(self, trace: StepTrace, step: Proposal, by_draft: bool) -> None:
-        """Add a kept step to the output and decide whether the prompt is finished."""
+    def commit(self, trace: StepTrace, step: Proposal) -> None:
+        """Add a kept step (its trace entry says who wrote it) to the output; decide whether the prompt is finished."""
         self.trace.append(trace)
         self.steps_written += 1
         self.stats.steps += 1
         self.stats.output_tokens += step.n_new
-        if by_draft:
+        if trace.writer == "draft":
             self.stats.draft_tokens += step.n_new
         if self.shared:
             self.out.extend(step.tokens[step.n_forced :])
