@@ -195,8 +195,6 @@ class DraftProposer(CachePart):
         return {i: self._proposal(d) for i, d in self.writer.write(list(rows), dict(limits)).items()}
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
-        if not rows:
-            return {}
         drafts = [self.window[i][0] for i in rows]
         if self.spec.needs_hidden:
             # The draft reads its step's last token only now, and only for steps that need p:
