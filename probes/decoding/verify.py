@@ -152,12 +152,9 @@ class TargetVerifier(CachePart):
             for j, (d, (a, b)) in enumerate(zip(windows[i], bounds[i])):
                 if i in rewrites and j == 0:
                     continue
-                lo, hi = a - f.start, b - f.start  # the step among the fed tokens
-                logits = f.predicting(lo, hi, pre[i]) if needs.q or needs.fast_path is not None else None
-                hidden = f.hidden[:, lo:hi] if needs.q and self.spec.needs_hidden else None
-                read[i, j] = StepRead(tgt.seq[i][a:b], hand.forced_in_target(d), logits, hidden,
-                                      f.logits[-1] if suffix else None)
-                after[i, j] = f.logits[hi - 1]
+                read[i, j] = self._read(i, f, a, b, hand.forced_in_target(d), pre[i], needs,
+                                        f.logits[-1] if suffix else None)
+                after[i, j] = f.logits[b - f.start - 1]
         steps = {(i, j): d for i, w in windows.items() for j, d in enumerate(w)}
         outs = {(i, j): outputs.get(i, "") + "".join(d.text for d in windows[i][:j]) for i, j in read}
         scored = self._score(steps, outs, read, after, needs)
@@ -165,6 +162,15 @@ class TargetVerifier(CachePart):
         for (i, _), s in scored.items():
             out.setdefault(i, []).append(s)
         return out
+
+    def _read(self, i: int, f, a: int, b: int, n_forced: int, pre, needs: Needs, judge_logits) -> StepRead:
+        """What the forward ``f`` read of row ``i``'s step at sequence indices ``a`` to ``b - 1``."""
+        off, end = a - f.start, b - f.start
+        step_logits = None
+        if needs.q or needs.fast_path is not None:  # (k, V) the target's logits predicting every step token
+            step_logits = f.predicting(off, end, pre)
+        hidden = f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None
+        return StepRead(self.cache.seq[i][a:b], n_forced, step_logits, hidden, judge_logits)
 
     def _score(self, steps, outputs, read: dict[tuple, StepRead], after, needs: Needs) -> dict[tuple, Scores]:
         """Fast path, then ``q`` and one coin per step it did not keep (in order, from its row's stream), and the
