@@ -164,21 +164,16 @@ class SpeculativeValidation(Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or (trainer.current_epoch + 1) % self.every_n_epochs:
             return
-        figures = self._run(trainer, pl_module)
+        figures = trainer.strategy.broadcast(self.decode(pl_module) if trainer.is_global_zero else {}, src=0)
+        if trainer.is_global_zero:
+            self.history.append({"epoch": trainer.current_epoch, **figures})
+            rank_zero_info("spec: " + ", ".join(f"{k}={v:.3f}" for k, v in figures.items()))
         for name, value in figures.items():
             pl_module.log(f"spec/{name}", value, sync_dist=False, rank_zero_only=False)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and self.history:
             self.write_plots(trainer)
-
-    def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
-        figures = self.decode(pl_module) if trainer.is_global_zero else {}
-        figures = trainer.strategy.broadcast(figures, src=0)
-        if trainer.is_global_zero:
-            self.history.append({"epoch": trainer.current_epoch, **figures})
-            rank_zero_info("spec: " + ", ".join(f"{k}={v:.3f}" for k, v in figures.items()))
-        return figures
 
     @torch.no_grad()
     def decode(self, pl_module: L.LightningModule) -> dict[str, float]:

@@ -180,9 +180,6 @@ class SemanticSpecDecoder(StepDecoder):
         rows = [Row(max_new_tokens, self.shared, self.options.answer_marker) for _ in range(n)]
         return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.bonus_token, self.token_sd))
 
-    def row_inputs(self, inputs: tuple, k: int) -> tuple:
-        return inputs[0][k], inputs[1][k]
-
     def context_room(self) -> int | None:
         return self._room(1, 1)
 

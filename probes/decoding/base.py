@@ -23,8 +23,8 @@ from probes.decoding.results import DecodeResult, StepEvent, collect
 
 
 class Plan(NamedTuple):
-    """One call's work, every check done: the runner, the inputs (sequences, one entry per prompt), each prompt's
-    stream key, the sampling and the config."""
+    """One call's work, every check done: the runner, the inputs (the prompts as the verifier reads them, then as the
+    proposer does), each prompt's stream key, the sampling and the config."""
 
     runner: Any
     inputs: tuple[Sequence, ...]
@@ -115,7 +115,7 @@ class StepDecoder:
 
     def row_inputs(self, inputs: tuple, k: int) -> tuple:
         """Prompt ``k`` of a plan's inputs as a loop admits it: its prompt for the verifier, then for the proposer."""
-        raise NotImplementedError
+        return inputs[0][k], inputs[1][k]
 
     def prompt_room(self, inputs: tuple) -> int | None:
         """New tokens the first prompt of a plan's inputs leaves room for in the models' contexts (None: unknown, a

@@ -24,6 +24,7 @@ from typing import Any
 
 from generation.sampling import seed_errors
 from generation.specs import SamplingSpec, is_count
+from probes.decoding.policies import AcceptancePolicy
 
 
 @dataclass(frozen=True)
@@ -101,18 +102,12 @@ class DecodeConfig:
 
     def _problems(self) -> list[str]:
         """Every bad field, as ``name=value: what is expected``."""
-        out = [f"{name}={getattr(self, name)!r}: {why}" for name, why in self._field_problems()]
-        out += SamplingSpec.errors(SamplingSpec.temperature if self.temperature is None else self.temperature,
-                                   SamplingSpec.top_p if self.top_p is None else self.top_p)  # the one check
-        return out + seed_errors(self.seed)
-
-    def _field_problems(self) -> list[tuple[str, str]]:
-        out = []
+        out = []  # (field, what is expected)
         if not is_count(self.max_new_tokens):
             out.append(("max_new_tokens", "expected an integer >= 1"))
         if self.lookahead is not None and not is_count(self.lookahead):
             out.append(("lookahead", "expected an integer >= 1, or None for the shipped window"))
-        if not isinstance(self.method, str) and not _is_policy(self.method):
+        if not isinstance(self.method, (str, AcceptancePolicy)):
             out.append(("method", "expected a method name or an AcceptancePolicy"))
         w = self.window_min_logprob
         if w is not None and not (_real(w) and w <= 0):
@@ -128,7 +123,10 @@ class DecodeConfig:
         for flag in ("allow_sampling_mismatch", "progress", "overlap"):
             if not isinstance(getattr(self, flag), bool):
                 out.append((flag, "expected True or False"))
-        return out
+        problems = [f"{name}={getattr(self, name)!r}: {why}" for name, why in out]
+        problems += SamplingSpec.errors(SamplingSpec.temperature if self.temperature is None else self.temperature,
+                                        SamplingSpec.top_p if self.top_p is None else self.top_p)  # the one check
+        return problems + seed_errors(self.seed)
 
     @classmethod
     def of(cls, config: DecodeConfig | None = None, overrides: Mapping[str, Any] | None = None) -> DecodeConfig:
@@ -155,10 +153,3 @@ class DecodeConfig:
 
 def _real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-
-def _is_policy(x: Any) -> bool:
-    from probes.decoding.policies import AcceptancePolicy
-
-    return isinstance(x, AcceptancePolicy)

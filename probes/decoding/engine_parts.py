@@ -36,6 +36,7 @@ import dataclasses
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import accumulate
 
 import torch
 
@@ -106,9 +107,7 @@ class EnginePart:
         if not calls:
             return out
         if self.concurrency == 1 or len(calls) == 1:
-            results = {}
-            for i, (args, kw) in calls.items():
-                results[i] = _Outcome.of(self._one, i, kind, args, kw)
+            results = {i: _Outcome.of(self._one, i, kind, args, kw) for i, (args, kw) in calls.items()}
         else:
             with ThreadPoolExecutor(max_workers=min(self.concurrency, len(calls))) as pool:
                 futures = {i: pool.submit(_Outcome.of, self._one, i, kind, args, kw)
@@ -175,13 +174,11 @@ class EnginePart:
                                 confidence=conf)
         return steps, answers
 
-    def write_alone(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
-        """Each row's whole output in one request (the baselines), cut where the step loop would stop at the
-        answer (:func:`answer_cut`)."""
-        calls = {}
-        for i in rows:
-            top_k = 1 if self.rows[i].answer_marker else None
-            calls[i] = ((self.context(i),), dict(step=None, max_tokens=limits[i], top_k=top_k))
+    def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
+        """Each row's whole output in one request (the baselines: the draft-only one here, the target-only one through
+        :meth:`EngineVerifier.write`), cut where the step loop would stop at the answer (:func:`answer_cut`)."""
+        calls = {i: ((self.context(i),), dict(step=None, max_tokens=limits[i],
+                                              top_k=1 if self.rows[i].answer_marker else None)) for i in rows}
         out = {}
         for i, w in self.each("write", calls).items():
             text, n, row = w.text, w.usage.completion_tokens, self.rows[i]
@@ -328,10 +325,6 @@ class EngineProposer(EnginePart):
                 out[i] = fit
         return out
 
-    def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
-        """The draft-only baseline: each row's whole output in one request."""
-        return self.write_alone(rows, limits)
-
     def take(self, row: int, step: Proposal) -> None:
         """Nothing to do: the target's step is in the row's text."""
 
@@ -422,7 +415,7 @@ class EngineVerifier(EnginePart):
         """The target's server writes one step per row (the first one, or a refused one), or with ``alone`` (the
         target-only baseline) each row's whole output in one request."""
         if alone:
-            return self.write_alone(rows, limits)
+            return super().write(rows, limits)
         return self.write_steps(forced, limits)[0]
 
     def close_judge_turn(self, row: int, scores: Scores | None) -> None:
@@ -488,12 +481,9 @@ def step_ends(pieces: Sequence[str], step: StepSpec, n_forced: int = 0, room: in
 def split_reading(reading, texts: Sequence[str]) -> list:
     """A window's reading cut into its steps: ``(TokenLogprobs, hidden rows)`` per step, or False for a step whose
     start falls inside a token (it and the steps after it cannot be read)."""
-    tokens, ends, at = reading.step, [], 0
-    for t in texts:
-        at += len(t)
-        ends.append(at)
+    tokens = reading.step
     out, a, text_at, k = [], 0, 0, 0
-    for end in ends:
+    for end in accumulate(len(t) for t in texts):
         while k < len(tokens.tokens) and text_at < end:
             text_at += len(tokens.tokens[k])
             k += 1

@@ -88,7 +88,11 @@ class StepLoop:
         self.meter = Meter(rows, verifier, proposer)
 
     def limit(self, i: int, *parts) -> int:
-        return self.rows[i].limit(i, *parts)
+        """Tokens the next step of row ``i`` may hold: its budget left, and the room the contexts of ``parts`` (default
+        both) have left (a part's ``room(i)``, None when its context has no known end)."""
+        r = self.rows[i]
+        rooms = [room for part in parts or (self.verifier, self.proposer) if (room := part.room(i)) is not None]
+        return min([r.budget - r.stats.output_tokens, *rooms])
 
     def stream(self, runner) -> Iterator[StepEvent]:
         """Rounds of ``runner.step`` until every row is done (EOS, answer, budget, context or a failed request),
@@ -245,7 +249,7 @@ class StepLoop:
         rw, first = r.rewriting, window[0]  # the continuation (its text the whole step), then the steps after it
         if not self.rides or not self.verifier.ends_step([*rw.tokens, *first.tokens[first.n_forced :]], rw.limit):
             return 0
-        return self.limit(i, self.verifier, self.proposer) - len(rw.tokens) - sum(d.n_new for d in window)
+        return self.limit(i) - len(rw.tokens) - sum(d.n_new for d in window)
 
     def _with_p(self, scores: dict[int, list], policy: AcceptancePolicy) -> dict[int, list]:
         """The scores with the draft probe's ``p`` of the rows whose first step the policy wants it for (``p`` is read
@@ -276,7 +280,7 @@ class StepLoop:
         for i in [*judged, *rewritten]:
             r, w, s, ds = rows[i], windows[i], scores.get(i, []), decisions.get(i, [])
             if i in rewritten:
-                w, kept, limit = w[1:], rewritten[i], self.limit(i, self.verifier, self.proposer)
+                w, kept, limit = w[1:], rewritten[i], self.limit(i)
             else:
                 self.verifier.close_judge_turn(i, s[0] if s else None)
                 kept, limit = 0, states[i].limit
@@ -293,10 +297,10 @@ class StepLoop:
                         rejected.append(i)
                     break
                 r.stats.draft_steps_accepted += 1
-                r.commit(trace, d, True)
+                r.commit(trace, d)
                 kept += d.n_new
             else:
-                if self.setup.bonus_token and not r.done and self.limit(i, self.verifier, self.proposer) > 0:
+                if self.setup.bonus_token and not r.done and self.limit(i) > 0:
                     bonus.append(i)
         if bonus:
             self._bonus(bonus)
@@ -325,7 +329,7 @@ class StepLoop:
         r = self.rows[i]
         if r.rewriting is not None:
             return RowState(tuple(r.rewriting.tokens), r.rewriting.room(), rewrite=True)
-        return RowState(tuple(r.forced), self.limit(i, self.verifier, self.proposer) + len(r.forced))
+        return RowState(tuple(r.forced), self.limit(i) + len(r.forced))
 
     def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool, offset: int = 0, hold: bool = False) -> bool:
         """The target keeps a prefix of the proposal's new tokens and draws the token after it
@@ -362,9 +366,8 @@ class StepLoop:
         r, rw = self.rows[i], self.rows[i].rewriting
         if self.verifier.ends_step(rw.tokens, rw.limit):
             step = self.verifier.step(rw.tokens, rw.n_forced)
-            trace = StepTrace("target", step.text, step.size, decision=Decision.TARGET)
             r.rewriting = None
-            r.commit(trace, step, False)
+            r.commit(StepTrace("target", step.text, step.size, decision=Decision.TARGET), step)
 
     def _token_rounds(self, rows_i: list[int], limits: dict[int, int]) -> None:
         """The target writes one step per row with token-level speculation, both parts in turn: the proposer drafts
@@ -413,8 +416,7 @@ class StepLoop:
             st = steps[i]
             if use_draft:  # the draft reads the target's step on its next forward
                 self.proposer.take(i, st)
-            trace = StepTrace("target", st.text, st.size, decision=Decision.TARGET)
-            rows[i].commit(trace, st, False)
+            rows[i].commit(StepTrace("target", st.text, st.size, decision=Decision.TARGET), st)
 
     def draft_steps(self, rows_i: list[int]) -> None:
         """The draft writes one step for each row, kept as it is (the draft-only baseline; an engine proposer
@@ -425,4 +427,4 @@ class StepLoop:
             r.stats.draft_steps_proposed += 1
             r.stats.draft_steps_accepted += 1
             r.stats.drafted_tokens += st.n_new
-            r.commit(StepTrace("draft", st.text, st.size, decision=Decision.ACCEPT), st, True)
+            r.commit(StepTrace("draft", st.text, st.size, decision=Decision.ACCEPT), st)

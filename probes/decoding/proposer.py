@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 import torch
@@ -129,20 +130,12 @@ class Proposer(Part, Protocol):
 class CachePart:
     """A part over an in-process model's :class:`~generation.cache.BatchedCache` (its counters are the cache's)."""
 
+    passes = property(attrgetter("cache.passes"))
+    served_s = property(attrgetter("cache.served_s"))
+    forward_s = property(attrgetter("cache.forward_s"))
+
     def __init__(self, cache, spare: int) -> None:
         self.cache, self.spare = cache, spare
-
-    @property
-    def passes(self) -> list[int]:
-        return self.cache.passes
-
-    @property
-    def served_s(self) -> list[float]:
-        return self.cache.served_s
-
-    @property
-    def forward_s(self) -> float:
-        return self.cache.forward_s
 
     def room(self, row: int) -> int | None:
         c = self.cache
@@ -202,8 +195,6 @@ class DraftProposer(CachePart):
         return {i: self._proposal(d) for i, d in self.writer.write(list(rows), dict(limits)).items()}
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
-        if not rows:
-            return {}
         drafts = [self.window[i][0] for i in rows]
         if self.spec.needs_hidden:
             # The draft reads its step's last token only now, and only for steps that need p:

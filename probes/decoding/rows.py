@@ -1,7 +1,7 @@
 """Per-prompt decode state: the output so far, the step trace, the counters, and when the prompt is done.
 
 A row knows nothing of models or servers: the loop's parts tell it what a step holds
-(:class:`~probes.decoding.proposer.Proposal`) and how much room their contexts have left.
+(:class:`~probes.decoding.proposer.Proposal`); the loop weighs its budget against their contexts' room.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ class Row:
     def text(self) -> str:
         return "".join(self.pieces)
 
-    def commit(self, trace: StepTrace, step: Proposal, by_draft: bool) -> None:
-        """Add a kept step to the output and decide whether the prompt is finished."""
+    def commit(self, trace: StepTrace, step: Proposal) -> None:
+        """Add a kept step (its trace entry says who wrote it) to the output; decide whether the prompt is finished."""
         self.trace.append(trace)
         self.steps_written += 1
         self.stats.steps += 1
         self.stats.output_tokens += step.n_new
-        if by_draft:
+        if trace.writer == "draft":
             self.stats.draft_tokens += step.n_new
         if self.shared:
             self.out.extend(step.tokens[step.n_forced :])
@@ -108,13 +108,3 @@ class Row:
             self.pieces.append(text)
             self.stats.steps += 1
             self.forced = []
-
-    def limit(self, i: int, *parts) -> int:
-        """Tokens the next step of row ``i`` may hold: the budget left, and the room the parts' contexts have left
-        (each part's ``room(i)``, None when its context has no known end)."""
-        left = self.budget - self.stats.output_tokens
-        for part in parts:
-            room = part.room(i)
-            if room is not None:
-                left = min(left, room)
-        return left

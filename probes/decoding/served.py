@@ -86,10 +86,7 @@ class ServedDecoder(StepDecoder):
             raise ValueError("; ".join(problems))
         prompts = read_prompt_texts(prompts)
         self._check_servers(policy, cfg.method)
-        return Plan(runner, (prompts,), stream_keys(cfg.seed, len(prompts)), sampling, cfg)
-
-    def row_inputs(self, inputs: tuple, k: int) -> tuple:
-        return inputs[0][k], inputs[0][k]
+        return Plan(runner, (prompts, prompts), stream_keys(cfg.seed, len(prompts)), sampling, cfg)  # both read text
 
     def context_room(self) -> int | None:
         """From the engines that tell their context (an in-process ``LocalEngine``; a server's is not read)."""
@@ -105,7 +102,7 @@ class ServedDecoder(StepDecoder):
 
     def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> StepLoop:
         """The loop of one batch of text prompts over the two servers."""
-        (prompts,) = batch
+        prompts, _ = batch
         rows = [Row(max_new_tokens, False, self.options.answer_marker) for _ in prompts]
         kw = dict(rows=rows, prompts=prompts, keys=keys, sampling=sampling, step=self.step,
                   concurrency=self.concurrency)

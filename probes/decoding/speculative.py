@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-
 def speculative_step(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
