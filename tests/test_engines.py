@@ -586,3 +586,15 @@ def test_a_real_llama_cpp_python_server_is_identified_and_accepts_the_neutral_fi
         resp, _ = conn.completions(model="draft", prompt="Q: 2 + 3 =", max_tokens=4, temperature=0.0, top_p=1.0,
                                    seed=0, extra_body=NEUTRAL_SAMPLING["llama.cpp"])
         assert resp.choices and resp.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("kind, cls", [("sglang", FakeSGLang), ("vllm", FakeVLLM), ("llama.cpp", FakeLlamaCpp)])
+def test_an_engine_whose_server_serves_another_model_is_refused_before_any_request(fakes, kind, cls):
+    """Issue 30's bad input: an engine given a URL that answers with another model is refused when it is made (before
+    the first prompt), naming the URL and both model names; only the model list was asked for."""
+    fake = fakes(cls)
+    with pytest.raises(Unsupported) as e:
+        _engine(kind, fake, model="world-target")
+    msg = str(e.value)
+    assert fake.root in msg and "'world-target'" in msg and "['toy']" in msg, msg
+    assert not fake.requests  # no POST: nothing was sampled, read or tokenized
