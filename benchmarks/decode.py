@@ -253,11 +253,8 @@ def goals(methods: dict, probes: dict, scaling: dict | None = None) -> dict:
     tsd = methods["token_sd"]["speedup"]
     auc = probes.get("hybrid", {}).get("draft_step_auroc", math.nan)
     return {
-        "speedup_at_least_2x": {"value": s["speedup"], "met": s["speedup"] >= GOALS["speedup"]},
-        "accuracy_within_2_points": {
-            "value": s["accuracy"] - t["accuracy"],
-            "met": s["accuracy"] >= t["accuracy"] - GOALS["accuracy_drop"],
-        },
+        **speed_and_accuracy(("speedup_at_least_2x", "accuracy_within_2_points"), s, t, GOALS["speedup"],
+                             GOALS["accuracy_drop"]),
         "speedup_vs_token_sd_at_least_1.3": {
             "value": s["speedup"] / tsd if tsd > 0 else math.nan,
             "met": s["speedup"] >= GOALS["vs_token_sd"] * tsd,
@@ -276,18 +273,20 @@ def goals(methods: dict, probes: dict, scaling: dict | None = None) -> dict:
     }
 
 
+def speed_and_accuracy(names: tuple[str, str], m: dict, ref: dict, min_speedup: float, max_drop: float) -> dict:
+    """The goals ``names``: ``m``'s speedup at least ``min_speedup``, and its accuracy at most ``max_drop`` below
+    ``ref``'s (the value: the difference)."""
+    return {names[0]: {"value": m["speedup"], "met": m["speedup"] >= min_speedup},
+            names[1]: {"value": m["accuracy"] - ref["accuracy"], "met": m["accuracy"] >= ref["accuracy"] - max_drop}}
+
+
 def window_goals(methods: dict) -> dict:
     """Issue 31's in-process goal: the shipped window at 2.9x target-only or more, within 1 point of its accuracy."""
     if ADAPTIVE_ROW not in methods:
         return {}
-    w, t = methods[ADAPTIVE_ROW], methods["target_only"]
-    return {
-        "shipped_window_at_least_2.9x": {"value": w["speedup"], "met": w["speedup"] >= GOALS["shipped_window_speedup"]},
-        "shipped_window_accuracy_within_1_point": {
-            "value": w["accuracy"] - t["accuracy"],
-            "met": w["accuracy"] >= t["accuracy"] - GOALS["shipped_window_accuracy_drop"],
-        },
-    }
+    return speed_and_accuracy(("shipped_window_at_least_2.9x", "shipped_window_accuracy_within_1_point"),
+                              methods[ADAPTIVE_ROW], methods["target_only"], GOALS["shipped_window_speedup"],
+                              GOALS["shipped_window_accuracy_drop"])
 
 
 def batch_goals(scaling: dict) -> dict:
@@ -295,12 +294,9 @@ def batch_goals(scaling: dict) -> dict:
     table = scaling.get("table", {})
     if "8" not in table.get("semanticspec", {}):
         return {}
-    s, t = table["semanticspec"]["8"], table["target_only"]["8"]
-    return {
-        "batch8_speedup_at_least_1.8": {"value": s["speedup"], "met": s["speedup"] >= GOALS["batch8_speedup"]},
-        "batch8_accuracy_within_2_points": {"value": s["accuracy"] - t["accuracy"],
-                                            "met": s["accuracy"] >= t["accuracy"] - GOALS["accuracy_drop"]},
-    }
+    return speed_and_accuracy(("batch8_speedup_at_least_1.8", "batch8_accuracy_within_2_points"),
+                              table["semanticspec"]["8"], table["target_only"]["8"], GOALS["batch8_speedup"],
+                              GOALS["accuracy_drop"])
 
 
 def arguments() -> argparse.ArgumentParser:
