@@ -82,7 +82,7 @@ from probes.decoding.loop import SHIPPED_WINDOW
 from probes.decoding.options import LoopOptions
 from probes.decoding.policies import ProbePolicy
 from probes.decoding.proposer import run_probe
-from probes.decoding.results import Decision
+from probes.decoding.results import Decision, summarize
 from probes.decoding.engine_parts import features
 from probes.decoding.served import ServedDecoder
 from probes.decoding.timing import rotation
@@ -446,11 +446,8 @@ def http_client_ms(n: int) -> float:
 
 def overheads(results, rps: float, o_ms: float, client_ms: float) -> dict:
     """``client_ms_per_step`` and ``overhead_share`` of one method's results (see the module docstring)."""
-    wall = sum(r.stats.wall_s for r in results)
-    http = sum(r.stats.http_s for r in results)
-    steps = sum(r.stats.steps for r in results)
-    requests = sum(r.stats.requests for r in results)
-    probe = sum(r.stats.probe_s for r in results)
+    s = summarize(results)
+    wall, http, steps, requests, probe = (s[k] for k in ("wall_s", "http_s", "steps", "requests", "probe_s"))
     return {"client_ms_per_step": ((wall - http) / max(steps, 1) + rps * client_ms / 1000) * 1000,
             "outside_requests_ms_per_step": (wall - http) / max(steps, 1) * 1000,
             "overhead_share": (requests * o_ms / 1000 + probe) / wall if wall else math.nan,
@@ -600,11 +597,10 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
     ref = sum(r.stats.wall_s for r in runs["target_only"])
     methods = {m: figures(runs[m], problems, ref) for m in METHODS}
     for m in METHODS:
+        s = summarize(runs[m])
         methods[m]["n_errors"] = sum(r.stop_reason == "error" for r in runs[m])
-        for k in ("requests", "drafted_tokens", "windows", "ahead_windows", "ahead_used"):
-            methods[m][k] = sum(getattr(r.stats, k) for r in runs[m])
-        methods[m]["requests_per_committed_step"] = methods[m]["requests"] / max(sum(r.stats.steps for r in runs[m]),
-                                                                                1)
+        methods[m].update({k: s[k] for k in ("requests", "drafted_tokens", "windows", "ahead_windows", "ahead_used")})
+        methods[m]["requests_per_committed_step"] = s["requests"] / max(s["steps"], 1)
     spec_fig = methods["semanticspec"]
     rps_proposed = spec_fig["requests"] / max(spec_fig["draft_steps_proposed"], 1)
     print("decision agreement (in-process reads of every served draft step) ...", flush=True)
