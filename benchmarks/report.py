@@ -161,13 +161,10 @@ def lookahead() -> str:
     ms = load("decode-lookahead")["methods"]
     keys = ["semanticspec"] + [k for k in ms if k.startswith(("semanticspec[lookahead", "oracle_accept"))
                                and "keep_right" not in k]
-    rows = [[k.replace("semanticspec", "SemanticSpec"), f"{m['speedup']:.2f}",
-             num(m["speedup_over_one_step"], 2) if "speedup_over_one_step" in m else "-", num(m["accuracy"]),
-             num(m.get("step_acceptance")), num(m.get("target_passes_per_100_tokens"), 1),
-             num(m["steps_per_window"], 2) if "steps_per_window" in m else "-",
-             num(m["wasted_draft_tokens_per_window"], 2) if "wasted_draft_tokens_per_window" in m else "-",
-             num(m["confidence_auroc"]) if "confidence_auroc" in m else "-"]
-            for k in keys if k in ms for m in [ms[k]]]
+    rows = [[k.replace("semanticspec", "SemanticSpec"), f"{m['speedup']:.2f}", num(m.get("speedup_over_one_step"), 2),
+             num(m["accuracy"]), num(m.get("step_acceptance")), num(m.get("target_passes_per_100_tokens"), 1),
+             num(m.get("steps_per_window"), 2), num(m.get("wasted_draft_tokens_per_window"), 2),
+             num(m.get("confidence_auroc"))] for k in keys if k in ms for m in [ms[k]]]
     return table(["row", "speedup", "over one step", "accuracy", "step acceptance", "target passes / 100 tokens",
                   "steps / window", "thrown-away draft tokens / window", "AUROC of the draft's confidence"], rows)
 
