@@ -97,11 +97,6 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
 
 
-def setting_env(setting: str) -> dict[str, str]:
-    """The environment a job runs in at ``setting``: :func:`child_env` plus the setting's variables."""
-    return {**child_env(), **SETTINGS[setting][1]}
-
-
 def torch_default_threads() -> int:
     """Torch's own thread count in a fresh process with no setting (what the CLIs used before issue 36)."""
     out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=child_env(),
@@ -195,7 +190,7 @@ def run_pass(order: list[tuple[str, str, bool]], folder: Path, quick: bool, fit_
             args = ["--config", "configs/arithmetic.yaml", "--config", str(fit_yaml)] + SETTINGS[setting][0]
             module = "probes.fit"
         with Competitor(folder) if beside else contextlib.nullcontext():
-            seconds = timed(module, args, log, setting_env(setting))
+            seconds = timed(module, args, log, {**child_env(), **SETTINGS[setting][1]})
         times.setdefault((job, setting, beside), []).append(seconds)
         print(f"{job:5s} threads={setting:9s} {'beside' if beside else 'alone '}: {seconds:7.1f} s", flush=True)
 
