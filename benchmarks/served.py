@@ -497,7 +497,7 @@ def _cut(step, k: int):
 # -- projection and concurrency -------------------------------------------------------------------------
 
 
-def projection(method: dict, rps: float, o_ms: float, prefill: dict) -> dict:
+def projection(method: dict, o_ms: float, prefill: dict) -> dict:
     """The cost model of docs/benchmarks.md ("Served") for a 1.5B draft and a 32B target, per judged draft step.
 
     Target-only pays ``t_T`` for each of the ``s`` output tokens a judged step yields (the step kept, or the target's
@@ -506,7 +506,7 @@ def projection(method: dict, rps: float, o_ms: float, prefill: dict) -> dict:
     target's own steps for the refused share ``r`` and the requests' overhead. ``ceiling`` is the same model with
     free reads and no request overhead: what the draft's cost and the refusals alone allow."""
     n = max(method["draft_steps_proposed"], 1)
-    s, L = method["output_tokens"] / n, method["drafted_tokens"] / n
+    s, L, rps = method["output_tokens"] / n, method["drafted_tokens"] / n, method["requests"] / n
     r = 1.0 - method["step_acceptance"]
     w = method.get("windows", n) / n
     t_t, t_d, v = (ASSUMED_32B[k][0] for k in ("t_T_ms", "t_D_ms", "v"))
@@ -601,8 +601,6 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         methods[m]["n_errors"] = sum(r.stop_reason == "error" for r in runs[m])
         methods[m].update({k: s[k] for k in ("requests", "drafted_tokens", "windows", "ahead_windows", "ahead_used")})
         methods[m]["requests_per_committed_step"] = s["requests"] / max(s["steps"], 1)
-    spec_fig = methods["semanticspec"]
-    rps_proposed = spec_fig["requests"] / max(spec_fig["draft_steps_proposed"], 1)
     print("decision agreement (in-process reads of every served draft step) ...", flush=True)
     same_build = load_probe(pairs["hf"] / "target", role="target") if "hf" in pairs else None
     agreement = decision_agreement(target, LocalEngine(world.target, tok), decs["shipped"].target_probe,
@@ -627,10 +625,9 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
         "overhead_share": ov["overhead_share"],
         "overheads": ov,
         "decision_agreement": agreement,
-        "projected_speedup_32b": projection(spec_fig, rps_proposed, o_ms, prefill),
-        "projected_speedup_32b_by_lookahead": {
-            k: projection(m, m["requests"] / max(m["draft_steps_proposed"], 1), o_ms, prefill)
-            for k in WINDOWS for m in [methods[f"semanticspec[lookahead={k}]"]]},
+        "projected_speedup_32b": projection(methods["semanticspec"], o_ms, prefill),
+        "projected_speedup_32b_by_lookahead": {k: projection(methods[f"semanticspec[lookahead={k}]"], o_ms, prefill)
+                                               for k in WINDOWS},
         "concurrency": conc,
         "unsure_top_k_positions": {"target": target.engine.unsure_positions, "draft": draft.engine.unsure_positions},
         "n_problems": n,

@@ -64,10 +64,10 @@ def test_the_32b_projection_credits_target_only_with_output_tokens_not_thrown_aw
     from benchmarks.served import projection
 
     method = {"draft_steps_proposed": 10, "output_tokens": 60, "drafted_tokens": 100, "step_acceptance": 0.8,
-              "windows": 4}
-    p = projection(method, rps=1.0, o_ms=0.0, prefill={})
+              "windows": 4, "requests": 10}
+    p = projection(method, o_ms=0.0, prefill={})
     # s = 6 output tokens per judged step, L = 10 drafted (4 thrown away), r = 0.2, w = 0.4 reads per judged step
     assert p["value"] == pytest.approx(6 * 25 / (10 * 6 + 0.4 * 1.1 * 25 + 0.2 * 6 * 25))
     assert p["ceiling"] == pytest.approx(6 * 25 / (10 * 6 + 0.2 * 6 * 25))
-    kept_drafts = projection({**method, "drafted_tokens": 60}, rps=1.0, o_ms=0.0, prefill={})
+    kept_drafts = projection({**method, "drafted_tokens": 60}, o_ms=0.0, prefill={})
     assert kept_drafts["value"] > p["value"] and p["inputs"]["s"]["value"] == 6.0
