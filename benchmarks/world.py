@@ -358,10 +358,9 @@ def markdown(r: dict) -> str:
         f"{fit['per_layer_ms']:.3f} ms per layer "
         f"(layers {fit['layers']}); a target of {fit['target_layers_for_goal']} layers would meet the 1/5 goal",
         "",
-        f"| judge ({r['judge_pairs']} pairs) | oracle: same | oracle: different |",
-        "|---|---|---|",
-        f"| judge says yes | {c['true_yes']} | {c['false_yes']} |",
-        f"| judge says no | {c['false_no']} | {c['true_no']} |",
+        *harness.table([f"judge ({r['judge_pairs']} pairs)", "oracle: same", "oracle: different"],
+                       [["judge says yes", str(c["true_yes"]), str(c["false_yes"])],
+                        ["judge says no", str(c["false_no"]), str(c["true_no"])]]),
         "",
         f"judge accuracy: **{r['judge_accuracy']:.3f}** · by kind: "
         + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in r["judge_accuracy_by_kind"].items()),
