@@ -88,9 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     rows = {384: 20_000, 5120: 6_000} if args.quick else {384: 100_000, 5120: 30_000}
     t0 = time.time()
-    by_width = {}
-    for width, n in rows.items():
-        by_width[str(width)] = measure(width, n, threads=args.threads)
+    by_width = {str(width): measure(width, n, threads=args.threads) for width, n in rows.items()}
     res = {
         "samples_per_s": {w: {k: r[k] for k in ("loader", "step", "end_to_end")} for w, r in by_width.items()},
         "loader_bound": any(r["loader_bound"] for r in by_width.values()),
