@@ -63,7 +63,7 @@ def _bare_loop(url: str, bodies: list[dict]) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
-def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
+def overhead(server: LlamaServer, quick: bool) -> dict:
     """The ``openai`` sampler's throughput over a bare loop's on the very same requests."""
     tok = _tokenizer("draft")
     contexts = _contexts(tok, 2 if quick else 4, 4 if quick else 8)
@@ -91,7 +91,7 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
         figures["bare"][0] += tokens
         figures["bare"][1] += seconds
     rate = {k: v[0] / v[1] for k, v in figures.items()}
-    log(f"overhead: sampler {rate['sampler']:.1f} tok/s, bare loop {rate['bare']:.1f} tok/s over {len(sent)} "
+    print(f"overhead: sampler {rate['sampler']:.1f} tok/s, bare loop {rate['bare']:.1f} tok/s over {len(sent)} "
         f"requests x {rounds}")
     return {"requests_per_round": len(sent), "rounds": rounds, "samples_per_prefix": n, "prefixes": len(contexts),
             "sampler_tokens_per_s": round(rate["sampler"], 2), "bare_tokens_per_s": round(rate["bare"], 2),
@@ -99,7 +99,7 @@ def overhead(server: LlamaServer, quick: bool, log=print) -> dict:
             "tokens": {k: v[0] for k, v in figures.items()}, "seconds": {k: round(v[1], 2) for k, v in figures.items()}}
 
 
-def builds(servers: dict, quick: bool, log=print) -> dict:
+def builds(servers: dict, quick: bool) -> dict:
     """The same label build of the real pair with ``hf`` and with ``openai`` sampling."""
     out = {}
     for backend in ("hf", "openai"):
@@ -121,12 +121,12 @@ def builds(servers: dict, quick: bool, log=print) -> dict:
                         "prefixes": m["n_prefixes"], "samples_per_s": round(samples / stages["sampling"], 2),
                         "reading_share": round(stages["reading"] / st["seconds"], 3),
                         "sampler": st["this_run"].get("sampler")}
-        log(f"build {backend}: {st['seconds']:.1f} s, {samples} samples, {out[backend]['samples_per_s']} samples/s "
+        print(f"build {backend}: {st['seconds']:.1f} s, {samples} samples, {out[backend]['samples_per_s']} samples/s "
             f"sampling, reading {100 * out[backend]['reading_share']:.0f}% of the build")
     return out
 
 
-def greedy_agreement(servers: dict, quick: bool, log=print) -> dict:
+def greedy_agreement(servers: dict, quick: bool) -> dict:
     """Share of prefixes where the server's greedy step equals transformers' on the dequantized model."""
     from transformers import AutoModelForCausalLM
 
@@ -140,11 +140,11 @@ def greedy_agreement(servers: dict, quick: bool, log=print) -> dict:
                             api_key_env="").sample(contexts, 1, seed=0)
         same = sum(a == b for a, b in zip(hf, srv))
         out[role] = {"prefixes": len(contexts), "equal": same, "share": round(same / len(contexts), 3)}
-        log(f"greedy agreement {role}: {same}/{len(contexts)}")
+        print(f"greedy agreement {role}: {same}/{len(contexts)}")
     return out
 
 
-def run(quick: bool, log=print) -> dict:
+def run(quick: bool) -> dict:
     """All three measurements with both servers up; ``{"skipped": reason}`` without the server package."""
     if not server_available():
         return {"skipped": "llama-cpp-python[server] is not installed (pip install 'llama-cpp-python[server]')"}
@@ -156,9 +156,8 @@ def run(quick: bool, log=print) -> dict:
             for s in servers.values():
                 s.start()
             res = {"models": {r: PAIR[r][0] for r in PAIR}, "server": "llama-cpp-python[server] (llama.cpp)",
-                   "threads": threads,
-                   "overhead": overhead(servers["draft"], quick, log), "builds": builds(servers, quick, log),
-                   "greedy_agreement": greedy_agreement(servers, quick, log)}
+                   "threads": threads, "overhead": overhead(servers["draft"], quick), "builds": builds(servers, quick),
+                   "greedy_agreement": greedy_agreement(servers, quick)}
         finally:
             for s in servers.values():
                 s.stop()
