@@ -193,21 +193,6 @@ def auroc(scored: list[tuple[float, bool]]) -> float:
     return float(binary_auroc(q, torch.tensor([int(r) for _, r in scored])))
 
 
-def untrained_probes(target, draft, tok, out: Path) -> tuple[Path, Path]:
-    """Export untrained probes of the right widths (for development before trained ones exist)."""
-    from probes.config import ProbeConfig
-    from probes.export import export_probe
-    from generation.fingerprints import model_fingerprint
-    from probes.model import SemanticProbe
-
-    torch.manual_seed(0)
-    paths = []
-    for role, model in (("target", target), ("draft", draft)):
-        cfg = ProbeConfig(hidden_size=model.config.hidden_size, role=role, reads=model_fingerprint(model, tok))
-        paths.append(export_probe(SemanticProbe(cfg).eval(), out / role))
-    return paths[0], paths[1]
-
-
 def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> tuple[dict, dict]:
     """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}`` and
     ``{name: [ForwardRecord]}``, every forward each method ran (:func:`generation.cache.record_forwards`)."""
@@ -383,7 +368,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def probes_or_untrained(args: argparse.Namespace, world: models.World) -> tempfile.TemporaryDirectory | None:
-    """Point ``args`` at untrained probes of the right widths when the trained pair is missing.
+    """Point ``args`` at untrained probes of the right widths (seeded) when the trained pair is missing.
 
     Returns:
         The temporary folder holding the untrained probes (clean it up after the run), or None when the trained
@@ -391,9 +376,17 @@ def probes_or_untrained(args: argparse.Namespace, world: models.World) -> tempfi
     """
     if Path(args.target_probe, "config.json").is_file() and Path(args.draft_probe, "config.json").is_file():
         return None
+    from generation.fingerprints import model_fingerprint
+    from probes.config import ProbeConfig
+    from probes.export import export_probe
+    from probes.model import SemanticProbe
+
     tmp = tempfile.TemporaryDirectory()
-    args.target_probe, args.draft_probe = map(str, untrained_probes(world.target, world.draft, world.tokenizer,
-                                                                    Path(tmp.name)))
+    torch.manual_seed(0)
+    for role, model in (("target", world.target), ("draft", world.draft)):
+        cfg = ProbeConfig(hidden_size=model.config.hidden_size, role=role,
+                          reads=model_fingerprint(model, world.tokenizer))
+        setattr(args, f"{role}_probe", str(export_probe(SemanticProbe(cfg).eval(), Path(tmp.name) / role)))
     print(
         f"WARNING: trained probes not found; using UNTRAINED probes of the right widths ({args.target_probe}). "
         "The figures below are not SemanticSpec's."
