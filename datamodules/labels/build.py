@@ -339,19 +339,12 @@ def main(args: list[str] | None = None) -> dict:
     given = normalise_args(list(sys.argv[1:] if args is None else args))
     try:
         check_yaml_files(given, ("--config", "--fit_config"))
-        args = _with_fit_config(given)
-    except ValueError as e:
-        fail(PROG, str(e))
-    cfg = parser.parse_args(args)
-    try:  # the config checks its values before torch loads (issue 33 item 16)
-        config = parser.instantiate(cfg).build
-    except (ValueError, OSError) as e:
-        fail(PROG, str(e))
-    if data_dir_problem(cfg.data_dir):
-        fail(PROG, data_dir_problem(cfg.data_dir))
-    try:
+        cfg = parser.parse_args(_with_fit_config(given))
+        config = parser.instantiate(cfg).build  # the config checks its values before torch loads (issue 33 item 16)
+        if data_dir_problem(cfg.data_dir):
+            fail(PROG, data_dir_problem(cfg.data_dir))
         apply_threads(cfg.threads)  # issue 36: before any model work
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         fail(PROG, str(e))
     _, world = dist_info()
     import torch.distributed as dist
