@@ -323,8 +323,7 @@ def _count(metrics: Metrics, u: Update) -> None:
 def _param_of(message: str) -> str | None:
     """The request field a decoder's refusal names (its messages start ``name=value``)."""
     head = message.split("=", 1)[0].strip().split(" ")[-1]
-    fields = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "method": "method",
-              "lookahead": "lookahead", "window_min_logprob": "window_min_logprob", "max_tokens": "max_tokens",
-              "prompt": "prompt", "seed": "seed"}
-    return fields.get(head, "prompt" if "prompt" in message else None)
+    fields = ("max_tokens", "temperature", "top_p", "method", "lookahead", "window_min_logprob", "prompt", "seed")
+    head = "max_tokens" if head == "max_new_tokens" else head  # the request's name of the decoder's field
+    return head if head in fields else "prompt" if "prompt" in message else None
 

@@ -121,7 +121,6 @@ def build(opts: ServeOptions):
             tok = AutoTokenizer.from_pretrained(opts.tokenizer, local_files_only=True)
         elif opts.target_probe is None:
             tok = world.load_tokenizer(root)
-        if opts.tokenizer is None and tok is not None:
             template = template or world_chat(task.prompt_suffix, bos=False)
     key = os.environ.get(opts.api_key_env) or None
     return build_app(dec, Settings(model_name=opts.model_name, max_rows=opts.max_rows, max_queue=opts.max_queue,
