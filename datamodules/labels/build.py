@@ -193,9 +193,8 @@ class _ShardRun:
 
     def stats(self, t0: float) -> dict:
         """What this run did, for the manifest: totals (with the samplers' own stats), seconds, shard counts."""
-        samplers = self.samplers
-        if samplers:
-            self.totals["sampler"] = {r: smp.stats() for r, smp in samplers.items()}
+        if self.samplers:
+            self.totals["sampler"] = {r: smp.stats() for r, smp in self.samplers.items()}
         return {"this_run": self.totals, "models_loaded": self.models_loaded,
                 "seconds_per_stage": {k: round(v, 3) for k, v in self.timer.items()},
                 "seconds": round(time.perf_counter() - t0, 3), "rank": self.rank, "world_size": self.world,
@@ -230,9 +229,8 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
 def _sampler_record(run: _ShardRun, existing: dict | None) -> dict:
     """The manifest's ``sampler``: this run's samplers' provenance, else what the last build recorded, else the
     backend."""
-    samplers = run.samplers
-    if samplers:
-        return {r: smp.provenance() for r, smp in samplers.items()}
+    if run.samplers:
+        return {r: smp.provenance() for r, smp in run.samplers.items()}
     return (existing or {}).get("sampler") or {r: {"backend": run.config.sampling.backend} for r in ROLES}
 
 def _reader_record(run: _ShardRun, existing: dict | None) -> dict:
