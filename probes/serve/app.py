@@ -213,8 +213,7 @@ def chat_prompt(dec, tok, messages: list[dict], template: str | None):
     ids = list(tok(text, add_special_tokens=False).input_ids)
     if dec.shared:
         return ids
-    dtok = dec.draft_tokenizer
-    return ids, list(dtok(text, add_special_tokens=False).input_ids)
+    return ids, list(dec.draft_tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def decode_config(body) -> DecodeConfig:
