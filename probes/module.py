@@ -198,8 +198,7 @@ class SemanticProbeModule(L.LightningModule):
         for key, name in self.metric_names.items():
             collection = self.metrics[f"{stage}_{key}"]
             if collection["mse"].total > 0:
-                values = collection.compute()
-                self.log_dict({f"{stage}/{name}/{k}": v for k, v in values.items()}, sync_dist=True)
+                self.log_dict({f"{stage}/{name}/{k}": v for k, v in collection.compute().items()}, sync_dist=True)
             collection.reset()
 
     def configure_optimizers(self):

@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     from generation.threads import apply_threads, set_wait_policy
 
     set_wait_policy()  # before torch loads: idle threads sleep rather than spin, as the other commands do
-    parser = _parser()
-    ns = parser.parse_args(argv)
+    ns = _parser().parse_args(argv)
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
     for name in ("port", "max_rows", "max_queue", "concurrency"):
         if getattr(opts, name) < 1:
