@@ -92,8 +92,7 @@ class ShardStream(IterableDataset):
 
     def __len__(self) -> int:
         """Batches per rank (an upper bound with several workers, whose last batches may be short)."""
-        total = sum(s["rows"][self.split] for s in self.shards)
-        per_rank = total // self.world
+        per_rank = sum(s["rows"][self.split] for s in self.shards) // self.world
         workers = max(1, getattr(self, "_num_workers", 1))
         return math.ceil(per_rank / self.batch_size) + (workers - 1 if per_rank else 0)
 

@@ -109,8 +109,7 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
         if first.get("type") == "json_invalid":
             message, param = f"malformed JSON: {first.get('msg', '')}", None
         elif first.get("type") == "extra_forbidden":
@@ -130,8 +129,7 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
     async def key_check(request: Request, call_next):
         key = app.state.settings.api_key
         if key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
                 metrics.requests.labels(request.url.path, "401").inc()
                 return JSONResponse(error_body("invalid API key", None, "authentication_error"), status_code=401)
         return await call_next(request)
