@@ -68,8 +68,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     ):
         super().__init__()
         errors = []
-        bad = [r for r in roles if r not in ROLES]
-        if bad or not roles:
+        if not roles or any(r not in ROLES for r in roles):
             errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)}")
         for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
                                  ("shuffle_buffer", shuffle_buffer, 0)):

@@ -92,8 +92,7 @@ class ShardStream(IterableDataset):
 
     def __len__(self) -> int:
         """Batches per rank (an upper bound with several workers, whose last batches may be short)."""
-        total = sum(s["rows"][self.split] for s in self.shards)
-        per_rank = total // self.world
+        per_rank = sum(s["rows"][self.split] for s in self.shards) // self.world
         workers = max(1, getattr(self, "_num_workers", 1))
         return math.ceil(per_rank / self.batch_size) + (workers - 1 if per_rank else 0)
 
@@ -132,10 +131,7 @@ class ShardStream(IterableDataset):
         offsets = dict(zip(order, itertools.accumulate(sizes, initial=0)))  # each shard's first row in the split
         mine = order[wid::nw]
         g = torch.Generator().manual_seed(hash((self.seed, self.epoch, self.rank, wid)) % 2**62)
-        if self.shuffle:
-            yield from self._shuffled(mine, offsets, limit, g)
-        else:
-            yield from self._in_order(mine, offsets, limit)
+        yield from self._shuffled(mine, offsets, limit, g) if self.shuffle else self._in_order(mine, offsets, limit)
 
     def _in_order(self, mine, offsets, limit) -> Iterator[Batch]:
         # Roles share batches in file order, so a rank yields exactly ceil(rows / batch_size) batches:

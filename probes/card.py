@@ -42,8 +42,7 @@ def model_card(config: ProbeConfig) -> str:
 
 def _front_matter(config: ProbeConfig) -> str:
     tags = ["semanticspec", "speculative-decoding", f"{config.role}-probe"]
-    lines = ["---", "library_name: semanticspec-probes", "tags:", *[f"- {t}" for t in tags], "---", ""]
-    return "\n".join(lines)
+    return "\n".join(["---", "library_name: semanticspec-probes", "tags:", *[f"- {t}" for t in tags], "---", ""])
 
 
 def _reads_section(config: ProbeConfig) -> str:

@@ -98,8 +98,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
 
     cli = make_cli(args, DEFAULT_CONFIG)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
-    ckpt_path = cli.config.get("ckpt_path")
-    fit(trainer, module, data, ckpt_path, args)
+    fit(trainer, module, data, cli.config.get("ckpt_path"), args)
     best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
     live = _spec_summary(trainer)  # before test() replaces the callback metrics
     test_metrics: dict[str, float] = {}
@@ -108,8 +107,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         test_metrics = {k: float(v) for r in results for k, v in r.items()}
     paths: dict[str, Path] = {}
     if cli.config.get("export", True) and trainer.is_global_zero:
-        export_dir = cli.config.get("export_dir") or default_export_dir(trainer)
-        paths = export_probes(module, export_dir, test_metrics)
+        paths = export_probes(module, cli.config.get("export_dir") or default_export_dir(trainer), test_metrics)
     if trainer.is_global_zero:
         summary = metric_rows(test_metrics, module.roles) | live
         print("\nbest checkpoint:", best or "(none)")

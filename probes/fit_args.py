@@ -157,8 +157,7 @@ def unknown_option(args: list[str], known: set[str]) -> str | None:
             value = args[i + 1 : i + 2] if i + 1 < len(args) and not args[i + 1].startswith("--") else []
             return did_you_mean(f"unrecognized arguments: {' '.join([a] + value)}", sorted(known))
         if a == "--config" and i + 1 < len(args) and Path(args[i + 1]).is_file():
-            data = yaml.safe_load(Path(args[i + 1]).read_text())
-            for key in _yaml_keys(data, "", known):
+            for key in _yaml_keys(yaml.safe_load(Path(args[i + 1]).read_text()), "", known):
                 close = difflib.get_close_matches(f"--{key}", sorted(known), n=1, cutoff=0.75)
                 hint = f"; did you mean {close[0][2:]}?" if close else ""
                 return f"--config {args[i + 1]}: {key} is not an option{hint}"

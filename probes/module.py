@@ -131,8 +131,7 @@ class SemanticProbeModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if stage == "fit" and dm is not None and hasattr(dm, "feature_moments"):
             for role, probe in self.probes.items():
-                given, cfg = dm.input_spec[role], probe.config
-                _check_streamed(role, cfg, given, dm.data_dir)
+                _check_streamed(role, probe.config, dm.input_spec[role], dm.data_dir)
                 probe.set_standardization(*dm.feature_moments(role))
 
     def _loss(self, logits: torch.Tensor, label: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,8 +198,7 @@ class SemanticProbeModule(L.LightningModule):
         for key, name in self.metric_names.items():
             collection = self.metrics[f"{stage}_{key}"]
             if collection["mse"].total > 0:
-                values = collection.compute()
-                self.log_dict({f"{stage}/{name}/{k}": v for k, v in values.items()}, sync_dist=True)
+                self.log_dict({f"{stage}/{name}/{k}": v for k, v in collection.compute().items()}, sync_dist=True)
             collection.reset()
 
     def configure_optimizers(self):

@@ -75,8 +75,7 @@ def resume_command(prog: str, last: str, args: list[str]) -> str:
 
 def interrupted_line(prog: str, trainer, args: list[str]) -> str:
     """What an interrupted fit kept (``last.ckpt``) and the command that resumes it, as one line."""
-    ckpt = trainer.checkpoint_callback
-    last = getattr(ckpt, "last_model_path", "") or ""
+    last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
     if not last or not Path(last).is_file():
         return (f"{prog}: interrupted in epoch {trainer.current_epoch + 1} before a checkpoint was saved; nothing "
                 "kept to resume from. Rerun the command to start again.")

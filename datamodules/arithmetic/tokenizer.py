@@ -38,9 +38,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     """Build the world's tokenizer in code (deterministic vocabulary order)."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab_list = SPECIALS + ["\n\n", "\n", " "]
-    for w in _words():
-        vocab_list += [w, " " + w]
+    vocab_list = SPECIALS + ["\n\n", "\n", " "] + [v for w in _words() for v in (w, " " + w)]
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys(vocab_list))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")

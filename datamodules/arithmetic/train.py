@@ -17,7 +17,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -204,9 +204,7 @@ def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[
     opt, sched = _optimizer(model, spec)
     rng = random.Random(seed + 1)
     cfg = task.TaskConfig(min_ops=2, max_ops=6, template_weights={op: spec.style for op in task.OPS})
-    eval_problems = task.generate_problems(200, EVAL_SEED,
-                                           task.TaskConfig(min_ops=4, max_ops=4,
-                                                           template_weights={op: spec.style for op in task.OPS}))
+    eval_problems = task.generate_problems(200, EVAL_SEED, replace(cfg, min_ops=4, max_ops=4))
     evaluate = (lambda: eval_judge(model, tok)) if which == "judge" else (lambda: eval_solver(model, tok,
                                                                                               eval_problems))
     history, saved, t0 = [], None, time.time()

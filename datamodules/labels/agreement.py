@@ -79,9 +79,7 @@ def label_agreement(a_dir: str | os.PathLike, b_dir: str | os.PathLike) -> dict:
             groups_a.append(names.setdefault(("a", k, ga), len(names)))
             groups_b.append(names.setdefault(("b", k, gb), len(names)))
             dq.append(abs(qa - qb))
-    ari = None
-    if dq:
-        ari = float(adjusted_rand_score(torch.tensor(groups_a), torch.tensor(groups_b)))
+    ari = float(adjusted_rand_score(torch.tensor(groups_a), torch.tensor(groups_b))) if dq else None
     return {"prefixes": len(keys), "shared_texts": len(dq), "ari": ari,
             "mean_abs_dq": sum(dq) / len(dq) if dq else None,
             "coverage": {"a": _coverage(a, shared), "b": _coverage(b, shared)}}

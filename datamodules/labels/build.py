@@ -193,9 +193,8 @@ class _ShardRun:
 
     def stats(self, t0: float) -> dict:
         """What this run did, for the manifest: totals (with the samplers' own stats), seconds, shard counts."""
-        samplers = self.samplers
-        if samplers:
-            self.totals["sampler"] = {r: smp.stats() for r, smp in samplers.items()}
+        if self.samplers:
+            self.totals["sampler"] = {r: smp.stats() for r, smp in self.samplers.items()}
         return {"this_run": self.totals, "models_loaded": self.models_loaded,
                 "seconds_per_stage": {k: round(v, 3) for k, v in self.timer.items()},
                 "seconds": round(time.perf_counter() - t0, 3), "rank": self.rank, "world_size": self.world,
@@ -230,9 +229,8 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
 def _sampler_record(run: _ShardRun, existing: dict | None) -> dict:
     """The manifest's ``sampler``: this run's samplers' provenance, else what the last build recorded, else the
     backend."""
-    samplers = run.samplers
-    if samplers:
-        return {r: smp.provenance() for r, smp in samplers.items()}
+    if run.samplers:
+        return {r: smp.provenance() for r, smp in run.samplers.items()}
     return (existing or {}).get("sampler") or {r: {"backend": run.config.sampling.backend} for r in ROLES}
 
 def _reader_record(run: _ShardRun, existing: dict | None) -> dict:
@@ -339,19 +337,12 @@ def main(args: list[str] | None = None) -> dict:
     given = normalise_args(list(sys.argv[1:] if args is None else args))
     try:
         check_yaml_files(given, ("--config", "--fit_config"))
-        args = _with_fit_config(given)
-    except ValueError as e:
-        fail(PROG, str(e))
-    cfg = parser.parse_args(args)
-    try:  # the config checks its values before torch loads (issue 33 item 16)
-        config = parser.instantiate(cfg).build
-    except (ValueError, OSError) as e:
-        fail(PROG, str(e))
-    if data_dir_problem(cfg.data_dir):
-        fail(PROG, data_dir_problem(cfg.data_dir))
-    try:
+        cfg = parser.parse_args(_with_fit_config(given))
+        config = parser.instantiate(cfg).build  # the config checks its values before torch loads (issue 33 item 16)
+        if data_dir_problem(cfg.data_dir):
+            fail(PROG, data_dir_problem(cfg.data_dir))
         apply_threads(cfg.threads)  # issue 36: before any model work
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         fail(PROG, str(e))
     _, world = dist_info()
     import torch.distributed as dist

@@ -44,11 +44,8 @@ def normalise_args(args: list[str]) -> list[str]:
 
 def option_value(args: list[str], flag: str) -> str | None:
     """The value given to ``flag`` last in (normalised) ``args``, or None."""
-    found = None
-    for i, a in enumerate(args[:-1]):
-        if a == flag:
-            found = args[i + 1]
-    return found
+    found = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    return found[-1] if found else None
 
 
 def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config",)) -> None:

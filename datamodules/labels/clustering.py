@@ -159,9 +159,8 @@ def _confident_members(labels: np.ndarray, probs: np.ndarray, counts: np.ndarray
     uncertain: list[int] = [int(i) for i in np.flatnonzero(labels < 0)]
     for c in sorted(set(labels[labels >= 0].tolist())):
         ms = sorted(np.flatnonzero(labels == c).tolist(), key=lambda i: (-counts[i], -probs[i], i))
-        members.append([ms[0]])
+        members.append(ms[:1] + [i for i in ms[1:] if probs[i] >= membership_threshold])
         uncertain += [i for i in ms[1:] if probs[i] < membership_threshold]
-        members[-1] += [i for i in ms[1:] if probs[i] >= membership_threshold]
     return members, uncertain
 
 

@@ -97,9 +97,8 @@ class Judge:
     def prob_same(self, pairs: Sequence[Pair]) -> list[float]:
         """P(same) for each ``(a, b)`` read in that order, from the cache when it knows it."""
         keys = [JudgeCache.key(self.id, a, b) for a, b in pairs]
-        known = {k: self._memory.get(k) for k in set(keys)}
-        todo = sorted({k: (a, b) for k, (a, b) in zip(keys, pairs) if known[k] is None}.items())
-        self.cache_hits += sum(known[k] is not None for k in keys)
+        todo = sorted({k: (a, b) for k, (a, b) in zip(keys, pairs) if k not in self._memory}.items())
+        self.cache_hits += sum(k in self._memory for k in keys)
         if todo:
             t0 = time.perf_counter()
             probs = self._prob_same([q for _, q in todo])
@@ -109,8 +108,7 @@ class Judge:
             self._memory.update(new)
             if self.cache is not None:
                 self.cache.put(new)
-            known.update(new)
-        return [known[k] for k in keys]
+        return [self._memory[k] for k in keys]
 
     def score(self, pairs: Sequence[Pair]) -> list[float]:
         """Both directions combined: the mean of P(a~b) and P(b~a), or their minimum for ``both``."""
@@ -305,13 +303,9 @@ class HTTPJudge(Judge):
             tops = {t["token"]: t["logprob"] for t in lp["content"][0].get("top_logprobs", [])}
         elif self.api == "completions" and lp.get("top_logprobs"):
             tops = dict(lp["top_logprobs"][0])
-        probs = {"yes": 0.0, "no": 0.0}
-        for tok, logprob in tops.items():
-            word = tok.strip().lower()
-            if word in (self.yes, self.no):
-                probs["yes" if word == self.yes else "no"] += math.exp(logprob)
-        if probs["yes"] + probs["no"] > 0:
-            return probs["yes"] / (probs["yes"] + probs["no"])
+        yes, no = (sum(math.exp(lp) for t, lp in tops.items() if t.strip().lower() == w) for w in (self.yes, self.no))
+        if yes + no > 0:
+            return yes / (yes + no)
         text = (choice.get("message") or {}).get("content") if self.api == "chat" else choice.get("text")
         return float(str(text or "").strip().lower().startswith(self.yes))
 

@@ -260,8 +260,7 @@ def load_causal_lm(name_or_path: str | os.PathLike, gguf_file: Optional[str | os
     folder = ensure_converted(gguf, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    spec = str(name_or_path) if str(name_or_path).startswith(PYPI_PREFIX) else str(gguf)
-    model.config.name_or_path = spec
+    model.config.name_or_path = str(name_or_path) if str(name_or_path).startswith(PYPI_PREFIX) else str(gguf)
     return model.to(device).eval(), tokenizer
 
 

@@ -21,6 +21,7 @@ handling; a failure raises an :class:`~generation.engines.base.EngineError` subc
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
@@ -76,7 +77,7 @@ class OpenAISampler(StepSampler):
         self.concurrency, self.retries, self.prompt = concurrency, retries, prompt
         self.extra_body = dict(DEFAULT_EXTRA_BODY if extra_body is None else extra_body)
         self.ignores_n = [False] * len(self.urls)
-        self._next = rank % len(self.urls)
+        self._round_robin = itertools.islice(itertools.cycle(range(len(self.urls))), rank % len(self.urls), None)
         self.requests = self.generated_tokens = 0
         self.model = self.conns[0].check_model(model)
         self.engine, self.server_version = identify(self.conns[0])
@@ -105,11 +106,6 @@ class OpenAISampler(StepSampler):
             stop=self.stops if step else None, seed=seed, extra_body=extra or None)
         return sorted(resp.choices or [], key=lambda c: c.index), resp.usage
 
-    def _pick(self) -> int:
-        k = self._next
-        self._next = (k + 1) % len(self.urls)
-        return k
-
     def _step(self, choice, generated: int | None) -> list[int]:
         extra = choice.model_extra or {}
         reason = extra.get("stop_reason", extra.get("matched_stop", "unknown"))
@@ -125,7 +121,7 @@ class OpenAISampler(StepSampler):
             futures: dict = {}
 
             def submit(i: int, first: int, count: int) -> None:
-                k = self._pick()
+                k = next(self._round_robin)
                 if self.ignores_n[k] and count > 1:  # known to ignore n: one request per sample
                     for j in range(first, first + count):
                         submit(i, j, 1)
@@ -162,8 +158,8 @@ class OpenAISampler(StepSampler):
     def complete(self, contexts, max_new_tokens, seed):
         prompts = [self._prompt(c) for c in contexts]
         with ThreadPoolExecutor(self.concurrency) as pool:
-            futures = [pool.submit(self._request, self._pick(), p, 1, request_seed(seed, i, 0), False, max_new_tokens)
-                       for i, p in enumerate(prompts)]
+            futures = [pool.submit(self._request, next(self._round_robin), p, 1, request_seed(seed, i, 0), False,
+                                   max_new_tokens) for i, p in enumerate(prompts)]
             try:
                 answers = [f.result() for f in futures]
             except BaseException:

@@ -140,9 +140,8 @@ class HFSampler(StepSampler):
         device = next(self.model.parameters()).device
         g = torch.Generator(device=device).manual_seed(seed)
         tok = self.tokenizer
-        stop = self.step.stopper(tok)
         rows = generate(self.model, contexts, max_new_tokens=self.max_step_tokens, sampling=self.sampling,
-                        generator=g, stop=stop, eos_token_id=tok.eos_token_id,
+                        generator=g, stop=self.step.stopper(tok), eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id or 0, num_samples=n)
         self.samples += len(rows)
         return [rows[i * n : (i + 1) * n] for i in range(len(contexts))]

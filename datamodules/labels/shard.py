@@ -225,7 +225,7 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
         labels = [per_model_labels(a, b) for a, b in zip(tg, dg)]
     t3 = time.perf_counter()
     judge_s = (judge.seconds - judged_before[0]) if judge is not None else 0.0
-    tensors, records = _assemble(prefixes, texts, labels, feats, n, joint)
+    tensors, records = _assemble(prefixes, texts, labels, feats, writers, joint)
     for stage, dt in (("sampling", t1 - t0), ("reading", t2 - t1), ("clustering", t3 - t2 - judge_s),
                       ("judge", judge_s),
                       ("labels", time.perf_counter() - t3)):
@@ -257,13 +257,12 @@ def _embeddings(feats: dict[str, torch.Tensor], n_prefixes: int) -> np.ndarray:
     return x.flatten(1).float().numpy().reshape(n_prefixes, -1, x[0].numel())
 
 
-def _assemble(prefixes, texts, labels, feats, n, joint) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def _assemble(prefixes, texts, labels, feats, writer, joint) -> tuple[dict[str, torch.Tensor], list[dict]]:
     dtypes = {"q": torch.float32, "p": torch.float32, "writer": torch.int8, "problem_id": torch.int64,
               "prefix_id": torch.int64, "sample_id": torch.int64, "group_id": torch.int32,
               "group_entropy": torch.float32}
     cols: dict[str, dict[str, list]] = {r: {k: [] for k in dtypes} for r in ROLES}
-    records = []
-    writer = np.array([TARGET] * n + [DRAFT] * n)
+    records, n = [], len(writer) // 2  # each prefix's samples: the target's n, then the draft's n
     rows = {"target": np.arange(2 * n) if joint else np.arange(n), "draft": np.arange(n, 2 * n)}
     for i, p in enumerate(prefixes):
         lab = labels[i]

@@ -109,8 +109,7 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
         if first.get("type") == "json_invalid":
             message, param = f"malformed JSON: {first.get('msg', '')}", None
         elif first.get("type") == "extra_forbidden":
@@ -130,8 +129,7 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
     async def key_check(request: Request, call_next):
         key = app.state.settings.api_key
         if key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
                 metrics.requests.labels(request.url.path, "401").inc()
                 return JSONResponse(error_body("invalid API key", None, "authentication_error"), status_code=401)
         return await call_next(request)
@@ -213,8 +211,7 @@ def chat_prompt(dec, tok, messages: list[dict], template: str | None):
     ids = list(tok(text, add_special_tokens=False).input_ids)
     if dec.shared:
         return ids
-    dtok = dec.draft_tokenizer
-    return ids, list(dtok(text, add_special_tokens=False).input_ids)
+    return ids, list(dec.draft_tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def decode_config(body) -> DecodeConfig:
@@ -323,8 +320,7 @@ def _count(metrics: Metrics, u: Update) -> None:
 def _param_of(message: str) -> str | None:
     """The request field a decoder's refusal names (its messages start ``name=value``)."""
     head = message.split("=", 1)[0].strip().split(" ")[-1]
-    fields = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "method": "method",
-              "lookahead": "lookahead", "window_min_logprob": "window_min_logprob", "max_tokens": "max_tokens",
-              "prompt": "prompt", "seed": "seed"}
-    return fields.get(head, "prompt" if "prompt" in message else None)
+    fields = ("max_tokens", "temperature", "top_p", "method", "lookahead", "window_min_logprob", "prompt", "seed")
+    head = "max_tokens" if head == "max_new_tokens" else head  # the request's name of the decoder's field
+    return head if head in fields else "prompt" if "prompt" in message else None
 

@@ -121,7 +121,6 @@ def build(opts: ServeOptions):
             tok = AutoTokenizer.from_pretrained(opts.tokenizer, local_files_only=True)
         elif opts.target_probe is None:
             tok = world.load_tokenizer(root)
-        if opts.tokenizer is None and tok is not None:
             template = template or world_chat(task.prompt_suffix, bos=False)
     key = os.environ.get(opts.api_key_env) or None
     return build_app(dec, Settings(model_name=opts.model_name, max_rows=opts.max_rows, max_queue=opts.max_queue,
@@ -150,8 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     from generation.threads import apply_threads, set_wait_policy
 
     set_wait_policy()  # before torch loads: idle threads sleep rather than spin, as the other commands do
-    parser = _parser()
-    ns = parser.parse_args(argv)
+    ns = _parser().parse_args(argv)
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
     for name in ("port", "max_rows", "max_queue", "concurrency"):
         if getattr(opts, name) < 1:

@@ -97,12 +97,9 @@ class Reply:
 
     def full(self, text: str, finish: str, usage: dict) -> dict:
         """The non-streaming body."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-            return {**self._body("chat.completion", [choice]), "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._body("text_completion", [choice]), "usage": usage}
+        written = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        choice = {"index": 0, **written, "logprobs": None, "finish_reason": finish}
+        return {**self._body("chat.completion" if self.chat else "text_completion", [choice]), "usage": usage}
 
     def _body(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
