@@ -104,6 +104,12 @@ def test_http_judge_retries_then_succeeds():
         server.close()
 
 
+def test_an_http_judge_with_the_same_word_for_both_answers_is_refused():
+    """As the LLM judge refuses answers that start with the same token: P(same) would read one word twice."""
+    with pytest.raises(ValueError, match=r"answers 'Yes' and ' yes' are the same word; give distinct answers"):
+        HTTPJudge("http://127.0.0.1:9/v1", "tiny", "{a} {b}", yes="Yes", no=" yes")
+
+
 def test_unreachable_endpoint_fails_after_retries_naming_url_not_key(monkeypatch):
     monkeypatch.setenv("MY_JUDGE_KEY", "sk-secret-123")
     with socket.socket() as s:  # a port nothing listens on

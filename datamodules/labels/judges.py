@@ -255,6 +255,8 @@ class HTTPJudge(Judge):
         super().__init__(**kwargs)
         if api not in ("chat", "completions"):
             raise ValueError(f"api={api!r}; expected 'chat' or 'completions'")
+        if yes.strip().lower() == no.strip().lower():
+            raise ValueError(f"answers {yes!r} and {no!r} are the same word; give distinct answers")
         from generation.engines.connection import Connection
 
         self.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
