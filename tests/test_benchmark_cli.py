@@ -61,3 +61,19 @@ def test_the_world_benchmark_samples_through_the_package_generate(tiny_pair):
     problems = generate_problems(2, seed=3)
     assert world.solve(model, tok, problems, seed=5) == world.solve(model, tok, problems, seed=5)
     assert world._time_generate(model, world.prompt_ids(tok, problems[0]), 7, seed=1) > 0
+
+
+@pytest.mark.slow  # 15-60 s: the embedded world's models sampled, timed and judged
+def test_the_world_benchmark_quick_run_writes_its_figures(tmp_path):
+    """``python -m benchmarks.world --quick`` runs to the end (no test ran it, and it had stopped running) and writes
+    the figures its goals read."""
+    import json
+
+    out = tmp_path / "world-quick.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.world", "--quick", "--out", str(out)], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["quick"] and got["n_problems"] == 50 and 0 <= got["target"]["accuracy"] <= 1
+    assert set(got["goals"]) == {"target_accuracy >= 0.95", "draft_accuracy in [0.40, 0.80]", "cost_ratio <= 0.2",
+                                 "judge_accuracy >= 0.95"}
