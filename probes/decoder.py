@@ -180,17 +180,11 @@ class SemanticSpecDecoder(StepDecoder):
         rows = [Row(max_new_tokens, self.shared, self.options.answer_marker) for _ in range(n)]
         return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.bonus_token, self.token_sd))
 
-    def context_room(self) -> int | None:
-        return self._room(1, 1)
+    def contexts(self) -> tuple[int | None, int | None]:
+        return context_length(self.target), context_length(self.draft)
 
     def prompt_room(self, inputs: tuple) -> int | None:
         return self._room(len(inputs[0][0]), len(inputs[1][0]))
-
-    def _room(self, n_target: int, n_draft: int) -> int | None:
-        """New tokens both models' contexts hold after prompts of these lengths (None: neither context known)."""
-        rooms = [ctx - n - self.spare for n, m in ((n_target, self.target), (n_draft, self.draft))
-                 if (ctx := context_length(m)) is not None]
-        return min(rooms, default=None)
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
                  enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:

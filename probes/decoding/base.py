@@ -43,6 +43,8 @@ class StepDecoder:
     """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts)."""
     windows: bool = True
     """The decoder can judge a window of several drafted steps per target pass (in-process: one tokenizer)."""
+    spare: int
+    """Context positions each row keeps free past its output (a bonus token, and in-process a judge turn)."""
 
     def generate(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
                  ) -> list[DecodeResult]:
@@ -158,8 +160,17 @@ class StepDecoder:
                 f"{max(room // cap, 1)}")
 
     def context_room(self) -> int | None:
-        """New tokens both models' contexts hold after a one-token prompt (None: unknown)."""
-        return None
+        """New tokens both models' contexts hold after a one-token prompt (None: neither context known)."""
+        return self._room(1, 1)
+
+    def _room(self, n_target: int, n_draft: int) -> int | None:
+        """New tokens both models' contexts hold after prompts of these lengths (None: neither context known)."""
+        rooms = [ctx - n - self.spare for n, ctx in zip((n_target, n_draft), self.contexts()) if ctx is not None]
+        return min(rooms, default=None)
+
+    def contexts(self) -> tuple[int | None, int | None]:
+        """The target's and the draft's context in tokens, each None where it is not known."""
+        raise NotImplementedError
 
     def _window(self, cfg: DecodeConfig, runner) -> Window:
         """The call's window: the config's ``lookahead``, else the shipped window for ``semanticspec`` where this

@@ -52,6 +52,8 @@ class ServedDecoder(StepDecoder):
             marker differs from ``options.answer_marker``.
     """
 
+    spare = SPARE  # the bonus token's position (no judge turn is served)
+
     def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
                  options: LoopOptions | None = None, *, concurrency: int = 4, probe_dtype: str = "auto",
                  task=None) -> None:
@@ -88,11 +90,10 @@ class ServedDecoder(StepDecoder):
         self._check_servers(policy, cfg.method)
         return Plan(runner, (prompts, prompts), stream_keys(cfg.seed, len(prompts)), sampling, cfg)  # both read text
 
-    def context_room(self) -> int | None:
-        """From the engines that tell their context (an in-process ``LocalEngine``; a server's is not read)."""
-        rooms = [ctx - 1 - SPARE for e in (self.target, self.draft)
-                 if (ctx := getattr(e, "context_length", None)) is not None]
-        return min(rooms, default=None)
+    def contexts(self) -> tuple[int | None, int | None]:
+        """As the engines state them (``Engine.context_length``: vLLM's and SGLang's ``/v1/models``, a
+        ``LocalEngine``'s model; None for llama-cpp-python)."""
+        return tuple(getattr(e, "context_length", None) for e in (self.target, self.draft))
 
     def _batch_size(self, cfg: DecodeConfig, n: int) -> int:
         """All prompts are rows of one loop, their requests in flight together; at ``concurrency=1`` nothing runs
