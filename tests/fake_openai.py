@@ -53,6 +53,26 @@ class LoopbackServer:
         self.httpd.server_close()
 
 
+class InFlight:
+    """Requests in flight now (``now``) and at most (``peak``), over one server or several that share it.
+
+    A request counts from its arrival until its answer is ready, not until it is sent: a client that has its answer
+    may already send the next request while the server thread is still writing.
+    """
+
+    def __init__(self):
+        self.lock, self.now, self.peak = threading.Lock(), 0, 0
+
+    def __enter__(self):
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.now -= 1
+
+
 class FakeServer(LoopbackServer):
     """Serves ``model`` (with ``tokenizer``) as ``name`` on a loopback port; ``.url`` is its ``/v1`` base URL.
 
@@ -64,16 +84,18 @@ class FakeServer(LoopbackServer):
         delay: seconds to wait before answering a completion request.
         version: what ``GET /version`` answers, as vLLM (None: 404, and ``/openapi.json`` names llama-cpp-python).
         status: answer every request with this HTTP status (e.g. 401, a refused key) instead.
+        in_flight: the gauge that counts this server's completion requests in flight (share one between servers to
+            bound their sum); a gauge of its own by default.
     """
 
     def __init__(self, model, tokenizer, name: str = "tiny", *, honour_n: bool = False, include_stop: bool = False,
                  report_stop_reason: bool = False, fail_first: int = 0, delay: float = 0.0,
-                 version: str | None = None, status: int | None = None):
+                 version: str | None = None, status: int | None = None, in_flight: InFlight | None = None):
         self.model, self.tok, self.name = model, tokenizer, name
         self.honour_n, self.include_stop, self.report_stop_reason = honour_n, include_stop, report_stop_reason
         self.fail_first, self.delay, self.version, self.status = fail_first, delay, version, status
         self.requests: list[tuple[dict, dict]] = []
-        self.in_flight = self.max_in_flight = 0
+        self.in_flight = in_flight or InFlight()
         self.lock = threading.Lock()
         outer = self
 
@@ -96,19 +118,16 @@ class FakeServer(LoopbackServer):
                 with outer.lock:
                     outer.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
                     k = len(outer.requests)
-                    outer.in_flight += 1
-                    outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
-                try:
+                with outer.in_flight:
                     time.sleep(outer.delay)
                     if outer.status is not None:
-                        return self._send(outer.status, {"error": {"message": "refused: bad key " +
-                                                                   self.headers.get("Authorization", "")}})
-                    if k <= outer.fail_first:
-                        return self._send(503, {"error": {"message": "busy"}})
-                    self._send(200, outer.complete(body))
-                finally:
-                    with outer.lock:
-                        outer.in_flight -= 1
+                        answer = outer.status, {"error": {"message": "refused: bad key " +
+                                                          self.headers.get("Authorization", "")}}
+                    elif k <= outer.fail_first:
+                        answer = 503, {"error": {"message": "busy"}}
+                    else:
+                        answer = 200, outer.complete(body)
+                self._send(*answer)
 
         self.url = self._serve(Handler) + "/v1"
 
