@@ -84,7 +84,7 @@ def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int,
     ``--n-problems`` (default ``n``), ``--seed`` (default ``seed``) and ``--max-new-tokens`` (96);
     ``args.n_problems`` is set to the number decoded.
     """
-    ap = harness.parser(doc, quick=f"{quick_n} problems, writes {name}-quick.json", threads=1)
+    ap = harness.parser(doc, quick=f"{quick_n} problems, writes {name}-quick.json", threads=1, name=name)
     ap.add_argument("--n-problems", type=int, default=None, help=f"problems (default {n}, quick {quick_n})")
     ap.add_argument("--seed", type=int, default=seed, help=f"problem seed (decode.py uses {PROBLEM_SEED:,})")
     ap.add_argument("--max-new-tokens", type=int, default=96)

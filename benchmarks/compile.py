@@ -45,7 +45,7 @@ def per_token_ms(model, prompt: torch.Tensor, steps: int, mode: str, forward=Non
 
 
 def main(argv=None) -> dict:
-    ap = harness.parser(__doc__, quick="20 steps, writes compile-quick.json", threads=1)
+    ap = harness.parser(__doc__, quick="20 steps, writes compile-quick.json", threads=1, name="compile")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps = 20 if args.quick else 60
@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
         res["models"][name] = row
     t, d = res["models"]["target"], res["models"]["draft"]
     res["ratio"] = {k: d[k] / t[k] for k in ("eager_dynamic_ms", "eager_static_ms", "compiled_static_ms")}
-    harness.write(res, harness.results_path("compile", args.quick), table(res))
+    harness.write(res, harness.results_path("compile", args.quick, args.out), table(res))
     return res
 
 

@@ -287,7 +287,7 @@ def batch_goals(scaling: dict) -> dict:
 def arguments() -> argparse.ArgumentParser:
     """The benchmark's command line (the harness's ``--quick`` and ``--threads``, then its own options)."""
     ap = harness.parser(__doc__, quick="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*", threads=1,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+                        name="decode", formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-problems", type=int, default=None, help="problems (default 400, quick 40)")
     ap.add_argument("--seed", type=int, default=PROBLEM_SEED)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -340,7 +340,6 @@ def arguments() -> argparse.ArgumentParser:
         action="store_true",
         help="compute p for every judged step (default: only when q alone does not accept)",
     )
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode[-quick].json)")
     return ap
 
 

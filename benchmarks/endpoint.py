@@ -186,14 +186,13 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, quick="16 prompts at concurrency 1 and 8, in-process only; writes "
                         "endpoint-quick.json", threads=2, threads_help="torch CPU threads of the endpoint and the "
-                        "Python API")
+                        "Python API", name="endpoint")
     ap.add_argument("--requests", type=int, default=None, help="prompts per wave (default 64; --quick 16)")
     ap.add_argument("--served", action="store_true", help="also in front of the world's llama.cpp servers")
     ap.add_argument("--max_tokens", type=int, default=96, help="max_tokens per request (default %(default)s)")
     ap.add_argument("--overhead_reps", type=int, default=None,
                     help="interleaved API/endpoint passes at concurrency 1 (default 3; --quick 1)")
     ap.add_argument("--log_dir", default="runs/benchmarks/endpoint", help="server logs")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/endpoint[-quick].json)")
     args = ap.parse_args(argv)
     from generation.threads import set_wait_policy
 

@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
         lo, hi = report[key]["accuracy_delta_ci95"]
         print(f"{said}: {methods[a]['accuracy'] - methods[b]['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
               f"speedup {methods[a]['speedup']:.2f}x vs {methods[b]['speedup']:.2f}x")
-    harness.write(report, harness.results_path("first-step", args.quick))
+    harness.write(report, harness.results_path("first-step", args.quick, args.out))
     return report
 
 

@@ -3,10 +3,10 @@ tables, JSON), and the small timing and child-process helpers several scripts me
 
 A script builds its parser here, measures, and hands its report to :func:`write`::
 
-    ap = harness.parser(__doc__, quick="100 problems, writes first-step-quick.json", threads=1)
+    ap = harness.parser(__doc__, quick="100 problems, writes first-step-quick.json", threads=1, name="first-step")
     args = ap.parse_args(argv)
     ...
-    harness.write(report, harness.results_path("first-step", args.quick), table)
+    harness.write(report, harness.results_path("first-step", args.quick, args.out), table)
 
 Figures go to ``benchmarks/results/<name>.json`` (``<name>-quick.json`` for ``--quick``, a reduced run
 of the same code path), as docs/design.md "Benchmark figures" describes.
@@ -33,15 +33,17 @@ RESULTS_DIR = REPO / "benchmarks" / "results"
 """The one folder of the benchmarks' figures (``benchmarks/results``)."""
 
 
-def parser(doc: str, quick: str, threads: int | None = None, threads_help: str = "torch CPU threads",
-           **kwargs: Any) -> argparse.ArgumentParser:
-    """The script's argument parser, with ``--quick`` (and ``--threads``) already declared.
+def parser(doc: str, quick: str, threads: int | None = None, threads_help: str = "torch CPU threads", *,
+           name: str | None = None, **kwargs: Any) -> argparse.ArgumentParser:
+    """The script's argument parser, with ``--quick`` (and ``--threads``, ``--out``) already declared.
 
     Args:
         doc: the script's module docstring; its first paragraph becomes the description.
         quick: help of ``--quick``: what the reduced run does and where it writes.
         threads: default of ``--threads``; None declares no ``--threads``.
         threads_help: help of ``--threads``.
+        name: the figures' name (:func:`results_path`); declares ``--out``, the JSON path that replaces
+            ``benchmarks/results/<name>[-quick].json`` (a test's quick run writes outside the repository).
         **kwargs: passed to :class:`argparse.ArgumentParser` (e.g. ``formatter_class``).
 
     Returns:
@@ -54,6 +56,9 @@ def parser(doc: str, quick: str, threads: int | None = None, threads_help: str =
     ap.add_argument("--quick", action="store_true", help=quick)
     if threads is not None:
         ap.add_argument("--threads", type=int, default=threads, help=threads_help)
+    if name is not None:
+        ap.add_argument("--out", type=Path, default=None,
+                        help=f"JSON path (default benchmarks/results/{name}[-quick].json)")
     return ap
 
 

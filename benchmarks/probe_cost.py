@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
     for name, r in report["runs"].items():
         print(f"{name}: probe overhead {r['probe_overhead']:.2%} (goal 2%), wall {r['wall_s']:.1f} s"
               + (" (the decoder's default here)" if name == report["default"] else ""))
-    harness.write(report, harness.results_path("probe-cost", args.quick))
+    harness.write(report, harness.results_path("probe-cost", args.quick, args.out))
     return report
 
 

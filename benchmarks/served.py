@@ -720,7 +720,8 @@ def markdown(report: dict) -> str:
 
 
 def arguments():
-    ap = harness.parser(__doc__, quick="8 problems and an 8-problem build, writes served-quick.json")
+    ap = harness.parser(__doc__, quick="8 problems and an 8-problem build, writes served-quick.json",
+                        name="served")
     ap.add_argument("--n-problems", type=int, default=None, help="held-out problems (default 64, --quick 8)")
     ap.add_argument("--build-problems", type=int, default=48, help="problems of the engine-read build (--quick: 8)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -730,7 +731,6 @@ def arguments():
                          "servers)")
     ap.add_argument("--engine-probes", default=None,
                     help="an exported engine-trained pair ({target,draft}); skips the build stage")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/served[-quick].json)")
     return ap
 
 

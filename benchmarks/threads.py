@@ -222,7 +222,7 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, quick="4-problem build, 1-epoch fit on 4 live problems, one pass; "
-                        "writes threads-quick.json")
+                        "writes threads-quick.json", name="threads")
     ap.add_argument("--passes", type=int, default=None, help="passes over every configuration (default 2, quick 1)")
     args = ap.parse_args(argv)
     passes = args.passes or (1 if args.quick else 2)
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
               "uptime_load_after": [round(x, 2) for x in os.getloadavg()], "passes": passes,
               "seconds": round(time.perf_counter() - t0, 1), "quick": args.quick,
               **figures(times, torch_default)}
-    harness.write(report, harness.results_path("threads", args.quick), table(report))
+    harness.write(report, harness.results_path("threads", args.quick, args.out), table(report))
     return report
 
 

@@ -84,7 +84,7 @@ def table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, quick="fewer rows (under 3 minutes on 2 cores)", threads=1,
                         threads_help="torch CPU threads (more than the idle cores makes OpenMP spin: 2 threads on a "
-                        "busy 2-core machine ran 20x slower)")
+                        "busy 2-core machine ran 20x slower)", name="train")
     args = ap.parse_args(argv)
     rows = {384: 20_000, 5120: 6_000} if args.quick else {384: 100_000, 5120: 30_000}
     t0 = time.time()
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     bound = (f"loader bound: {res['loader_bound']}  (the loader is the bottleneck when it streams fewer rows/s than "
              "the step alone trains)")
-    harness.write(res, harness.results_path("train", args.quick), table(res) + "\n\n" + bound)
+    harness.write(res, harness.results_path("train", args.quick, args.out), table(res) + "\n\n" + bound)
     return res
 
 

@@ -382,12 +382,12 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ap = harness.parser(__doc__, quick="reduced run (50 problems, 300 pairs), at most ~3 minutes", threads=1)
+    ap = harness.parser(__doc__, quick="reduced run (50 problems, 300 pairs), at most ~3 minutes", threads=1,
+                        name="world")
     ap.add_argument(
         "--root", type=Path, default=None, help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)"
     )
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/world[-quick].json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = run(args.quick, args.root, args.seed)

@@ -77,3 +77,51 @@ def test_the_world_benchmark_quick_run_writes_its_figures(tmp_path):
     assert got["quick"] and got["n_problems"] == 50 and 0 <= got["target"]["accuracy"] <= 1
     assert set(got["goals"]) == {"target_accuracy >= 0.95", "draft_accuracy in [0.40, 0.80]", "cost_ratio <= 0.2",
                                  "judge_accuracy >= 0.95"}
+
+
+@pytest.mark.parametrize("name", ["compile", "decode", "endpoint", "first_step", "labels", "probe_cost", "real",
+                                  "rewrites", "served", "threads", "train", "world"])
+def test_every_benchmark_writes_where_out_says(name, monkeypatch, tmp_path):
+    """Every benchmark takes ``--out`` from the harness, so a quick run (a test's) can write outside the repository's
+    results; without it the figures go to ``benchmarks/results/<name>[-quick].json``."""
+    import argparse
+
+    from benchmarks import harness
+
+    seen = {}
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        seen["args"] = real_parse(self, args, namespace)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    module = importlib.import_module(f"benchmarks.{name}")
+    required = {"real": ["--probes", "p", "--data-dir", "d"]}.get(name, [])
+    with pytest.raises(SystemExit):
+        module.main(["--quick", "--out", str(tmp_path / "x.json"), *required])
+    assert seen["args"].out == tmp_path / "x.json"
+    assert harness.results_path(name, True, seen["args"].out) == tmp_path / "x.json"
+
+
+@pytest.mark.slow  # train 40 s, compile 60 s on 2 cores
+@pytest.mark.parametrize("name", ["train", "compile"])
+def test_the_train_and_compile_benchmarks_quick_runs_write_their_figures(name, tmp_path):
+    """``python -m benchmarks.train --quick`` and ``benchmarks.compile --quick`` run to the end (no test ran them)
+    and write positive timings where ``--out`` says, leaving the committed results alone."""
+    import json
+
+    committed = REPO_ROOT / "benchmarks" / "results" / f"{name}-quick.json"
+    before = committed.read_bytes() if committed.is_file() else None
+    out = tmp_path / f"{name}-quick.json"
+    run = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(out.read_text())
+    if name == "train":
+        assert set(got["samples_per_s"]) == {"384", "5120"}
+        assert all(v > 0 for row in got["samples_per_s"].values() for v in row.values())
+    else:
+        assert got["steps"] == 20 and set(got["models"]) == {"target", "draft"}
+        assert all(v > 0 for row in got["models"].values() for v in row.values())
+    assert (committed.read_bytes() if committed.is_file() else None) == before
