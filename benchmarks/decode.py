@@ -475,8 +475,6 @@ def ablation_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbeP
 def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolicy, loop: LoopOptions) -> dict:
     """SemanticSpec with the loop's defaults undone (:data:`LOOPS`), with the other rule, and with the fast path."""
     other = "ratio" if args.rule == "threshold" else "threshold"
-    # the probes' MLP dtype of the precision variant: float32 unless the main run is float32 on this machine
-    dtype = "float16" if resolve_probe_dtype(args.probe_dtype, torch.device("cpu")) == torch.float32 else "float32"
     return {
         # the defaults (draft writes the first step, token-level speculation in the target's steps) one at a time
         # undone, and both: the paper's loop; and refused steps rewritten in a phase of their own, as before issue 22
@@ -487,10 +485,10 @@ def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolic
         f"semanticspec[rule={other}]": (decoder(policy=replace(policy, rule=other)), {}),
         # the gated fast path (top-1 and the log-prob floor) toggled: the probe alone when it is on (the default;
         # the shipped pair's AUROC comes from that run, where every draft step has a q), with it when it is off
-        PROBE_ALONE if args.top_k else "semanticspec[fast_path top_k=1]":
-            (decoder(policy=replace(policy, top_k=0 if args.top_k else 1)), {}),
+        fast_path_variant(args.top_k): (decoder(policy=replace(policy, top_k=0 if args.top_k else 1)), {}),
         # the probes' MLPs in the other precision (float32 when auto picks float16): its probe overhead
-        f"semanticspec[probe_dtype={dtype}]": (decoder(probe_dtype=dtype), {}),
+        f"semanticspec[probe_dtype={other_dtype(args.probe_dtype)}]":
+            (decoder(probe_dtype=other_dtype(args.probe_dtype)), {}),
     }
 
 
@@ -555,6 +553,16 @@ def window_figures(methods: dict, runs: dict) -> None:
 
 PROBE_ALONE = "semanticspec[no_fast_path]"
 """The variant that decides with the shipped probes alone when the main run has the fast path."""
+
+
+def fast_path_variant(top_k: int) -> str:
+    """The name of the variant that toggles the main run's fast path."""
+    return PROBE_ALONE if top_k else "semanticspec[fast_path top_k=1]"
+
+
+def other_dtype(probe_dtype: str) -> str:
+    """The probes' MLP dtype of the precision variant: float32 unless the main run is float32 on this machine."""
+    return "float16" if resolve_probe_dtype(probe_dtype, torch.device("cpu")) == torch.float32 else "float32"
 
 
 def warm_up(dec: SemanticSpecDecoder, args: argparse.Namespace) -> None:
