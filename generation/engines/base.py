@@ -140,6 +140,20 @@ class Unreachable(EngineError):
     """A request failed after the client's retries: no answer, a timeout, a refused key or an HTTP error."""
 
 
+class Refused(EngineError):
+    """The server answered the request with a client error (400, 413, 422: a prompt past its context, a budget it
+    refuses): the caller's to fix, not retried, and passed on as such (the endpoint answers 400).
+
+    Attributes:
+        status: the HTTP status.
+        param: the field the server's error JSON names, if any.
+    """
+
+    def __init__(self, message: str, url: str, status: int, param: str | None = None):
+        super().__init__(message, url)
+        self.status, self.param = status, param
+
+
 class Unsupported(EngineError):
     """The server answers, but its version or its flags cannot serve what is asked (refused before any request
     that decodes or builds, naming the URL, what it has, what is needed and the fix)."""

@@ -17,7 +17,7 @@ import re
 import time
 from typing import Any
 
-from generation.engines.base import Unreachable, Unsupported
+from generation.engines.base import EngineError, Refused, Unreachable, Unsupported
 
 _KEY_NAME = re.compile(r"(?i)(api[_-]?key|token|secret)")
 
@@ -86,8 +86,17 @@ class Connection:
         """An exception (or text) with the API key blanked out (:func:`redact`)."""
         return redact(e if isinstance(e, str) else f"{type(e).__name__}: {e}", self._key)
 
-    def error(self, what: str, e: BaseException, fix: str = "") -> Unreachable:
-        """An :class:`Unreachable` for a failed request: the URL, what failed, the cause (key blanked), the fix."""
+    def error(self, what: str, e: BaseException, fix: str = "") -> EngineError:
+        """The error of a failed request: :class:`Refused` for a client error the server answered at once (400, 413,
+        422: never retried; its message the server's), else :class:`Unreachable` (the URL, what failed, the cause with
+        the key blanked, the fix)."""
+        status = getattr(e, "status_code", None)
+        if isinstance(e, self.openai.APIStatusError) and status in (400, 413, 422):
+            body = e.body.get("error", e.body) if isinstance(e.body, dict) else {}
+            said = body.get("message") if isinstance(body, dict) else None
+            param = body.get("param") if isinstance(body, dict) else None
+            return Refused(self.say(f"server {self.root} refused {what} ({status}): {said or self.say(e)}"),
+                           self.root, status, param if isinstance(param, str) else None)
         if not fix and isinstance(e, (self.openai.AuthenticationError, self.openai.PermissionDeniedError)):
             fix = f"set ${self.key_env or '(no variable)'} to a key it accepts"
         fix = fix or "check that the server is running and reachable"

@@ -65,6 +65,7 @@ class Row:
         self.rewriting: TargetStep | None = None  # the target step being written over rounds, if any
         self.steps_written = 0
         self.error: str | None = None  # why the row failed (a server's answer), with stop_reason "error"
+        self.cause: BaseException | None = None  # the engine's error behind it, if one
 
     @property
     def text(self) -> str:
@@ -93,10 +94,12 @@ class Row:
         """The prompt is done, for ``reason`` (eos, answer, budget or context)."""
         self.done, self.stop_reason = True, reason
 
-    def fail(self, message: str) -> None:
-        """The row ends with ``stop_reason="error"`` (a server failed it); ``message`` says why."""
+    def fail(self, message: str, cause: BaseException | None = None) -> None:
+        """The row ends with ``stop_reason="error"`` (a server failed it); ``message`` says why, ``cause`` is the
+        engine's error (a :class:`~generation.engines.base.Refused`: the server refused the request as the caller's
+        error)."""
         self.finish("error")
-        self.error = message
+        self.error, self.cause = message, cause
 
     def close(self, text_of: Callable[[Sequence], str]) -> None:
         """Finish at the budget or the context end; a bonus token still waiting for its step becomes a last

@@ -67,6 +67,8 @@ class ServedDecoder(StepDecoder):
         self.step: StepSpec = setup.step_spec(probes, self.options.step)
         """What a step is: the probes' :class:`StepSpec`, unless ``options.step`` says (a differing one is refused)."""
         self._recorded_sampling = setup.sampling_spec(probes)
+        if (why := swapped(target, draft, self.target_probe, self.draft_probe)) is not None:
+            raise ValueError(why)
 
     def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """The call's runner, prompts, stream keys, sampling and config, every check done before any request."""
@@ -132,3 +134,20 @@ class ServedDecoder(StepDecoder):
         if problems:
             raise ValueError("these servers cannot run this decode: " + "; ".join(problems))
 
+
+def swapped(target, draft, target_probe, draft_probe) -> str | None:
+    """Why the two servers look swapped, or None: the model a server serves is named as the other role's probe
+    reads it (its ``config.json``'s ``reads.name_or_path``, or that path's last part, as a server's alias often is)
+    and not as its own role's probe reads it."""
+    def names(probe) -> set[str]:
+        path = str(((probe.config.reads or {}) if probe is not None else {}).get("name_or_path") or "")
+        return {path, path.rstrip("/").rsplit("/", 1)[-1]} - {""}
+
+    own = {"target": names(target_probe), "draft": names(draft_probe)}
+    for role, other, engine in (("target", "draft", target), ("draft", "target", draft)):
+        model = getattr(engine, "model", None)
+        if model in own[other] and model not in own[role]:
+            return (f"the {role} server {engine.url} serves {model!r}, which the {other} probe reads "
+                    f"({max(own[other], key=len)!r}); are the target's and the draft's servers swapped? Give the "
+                    f"target's server as the target")
+    return None

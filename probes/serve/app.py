@@ -13,17 +13,23 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import random
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
 
+from generation.engines.base import Refused
 from probes.decoding.config import DecodeConfig
 from probes.decoding.methods import METHODS
-from probes.serve.protocol import ChatRequest, CompletionRequest, Reply, error_body, usage
+from probes.serve.protocol import (ChatRequest, CompletionRequest, Reply, error_body, lone_surrogate, unsupported,
+                                   usage)
 from probes.serve.scheduler import Job, QueueFull, Scheduler, Update
+
+log = logging.getLogger(__name__)
 
 ENDPOINT_METHODS = tuple(m for m in METHODS if m not in ("hf_target_only", "token_sd"))
 """Methods a request may name: every step-loop method (transformers' own loops decode whole batches alone)."""
@@ -52,7 +58,12 @@ class Metrics:
         self.step_seconds = Histogram("semanticspec_step_seconds", "Seconds per tried step", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.queue = Gauge("semanticspec_queue_length", "Requests waiting for room in a loop", registry=r)
-        self.running = Gauge("semanticspec_running_rows", "Rows decoding now", registry=r)
+        self.running = Gauge("semanticspec_running_rows", "Rows decoding now (in every loop: while an old loop "
+                             "drains beside a fresh one, this can exceed --max_rows)", registry=r)
+        self.cancelled = Gauge("semanticspec_cancelled_rows", "Rows that left their loop before their end (their "
+                               "client went away)", registry=r)
+        self.after_cancel = Gauge("semanticspec_steps_after_cancel", "Steps of cancelled rows decoded after the "
+                                  "cancel (those their loop's round had already written)", registry=r)
 
     def on_step(self, decision: str, seconds: float) -> None:
         self.steps.labels(decision).inc()
@@ -100,24 +111,34 @@ def build_app(decoder, settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="SemanticSpec endpoint", lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.settings = sched, metrics, s
+    app.add_middleware(Guard, settings=s, metrics=metrics)  # inside Starlette's ServerErrorMiddleware
     _errors(app, metrics)
     _routes(app, decoder, sched, metrics, s)
     return app
 
 
 def _errors(app: FastAPI, metrics: Metrics) -> None:
+    """Every refusal in OpenAI's error JSON: bad bodies (pydantic), unknown routes and methods (Starlette), the
+    endpoint's own checks (:class:`BadRequest`); the key check and the last-resort 500 are :class:`Guard`'s."""
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        if first.get("type") == "json_invalid":
-            message, param = f"malformed JSON: {first.get('msg', '')}", None
-        elif first.get("type") == "extra_forbidden":
-            message = f"{param}: unknown field"
-        else:
-            message = f"{param}: {first.get('msg', 'invalid value')}"
+        message, param = validation_message(exc.errors())
         metrics.requests.labels(request.url.path, "400").inc()
         return JSONResponse(error_body(message, param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http(request: Request, exc: HTTPException):
+        metrics.requests.labels(request.url.path, str(exc.status_code)).inc()
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path}); see GET /v1/models and the POST routes " \
+                      "/v1/completions and /v1/chat/completions"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path} (allowed: " \
+                      f"{(exc.headers or {}).get('Allow', '?')})"
+        else:  # FastAPI's "There was an error parsing the body": a body that is not UTF-8 JSON
+            message = f"malformed request body: {exc.detail}; send UTF-8 JSON"
+        return JSONResponse(error_body(message, None), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(BadRequest)
     async def bad(request: Request, exc: BadRequest):
@@ -125,21 +146,88 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
         return JSONResponse(error_body(str(exc), exc.param, exc.kind), status_code=exc.status,
                             headers=exc.headers)
 
-    @app.middleware("http")
-    async def key_check(request: Request, call_next):
-        key = app.state.settings.api_key
-        if key and request.url.path.startswith("/v1"):
-            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
-                metrics.requests.labels(request.url.path, "401").inc()
-                return JSONResponse(error_body("invalid API key", None, "authentication_error"), status_code=401)
-        return await call_next(request)
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "json-or-python", "function-after",
+              "function-before", "function-wrap"}
 
 
-def _info_routes(app: FastAPI, sched: Scheduler, metrics: Metrics, s: Settings) -> None:
+def validation_message(errors: list) -> tuple[str, str | None]:
+    """A pydantic refusal as one message and the field it names (``param`` without pydantic's union tags such as
+    ``prompt.str`` or ``temperature.float``, which vLLM strips too)."""
+    first = errors[0] if errors else {}
+    loc = [x for x in first.get("loc", ()) if isinstance(x, int) or (x != "body" and x.split("[")[0] not in _TYPE_TAGS
+                                                                     and "[" not in x)]
+    param = ".".join(str(x) for x in loc) or None
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return f"malformed JSON: {first.get('ctx', {}).get('error') or first.get('msg', '')}", None
+    if kind == "extra_forbidden":
+        return f"{param}: unknown field (not OpenAI's, nor one of SemanticSpec's options)", param
+    if kind == "missing" and param is None:
+        return "the request has no body: send a JSON object with the route's fields", None
+    if kind in ("model_type", "model_attributes_type", "dict_type") and param is None:
+        return "the body must be a JSON object with the route's fields", None
+    return f"{param}: {first.get('msg', 'invalid value')}", param
+
+
+class Guard:
+    """The endpoint's outermost ASGI layer: the ``/v1`` key check and a last-resort JSON 500.
+
+    A plain ASGI middleware rather than FastAPI's ``@app.middleware("http")`` (Starlette's ``BaseHTTPMiddleware``),
+    under which ``request.is_disconnected()`` never saw a non-streaming client leave, so its row decoded to the end.
+    A fault no handler maps is answered in OpenAI's JSON with the connection kept open (an unhandled exception would
+    have Starlette answer in plain text and uvicorn drop the keep-alive connection), and logged once.
+    """
+
+    def __init__(self, app, settings: Settings, metrics: Metrics) -> None:
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        key, path = self.settings.api_key, scope["path"]
+        if key and path.startswith("/v1") and not key_matches(dict(scope["headers"]).get(b"authorization", b""), key):
+            self.metrics.requests.labels(path, "401").inc()
+            return await JSONResponse(error_body("invalid API key", None, "authentication_error"),
+                                      status_code=401)(scope, receive, send)
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 - the answer a client can read, instead of a dropped connection
+            log.exception("%s %s failed", scope.get("method"), path)
+            self.metrics.requests.labels(path, "500").inc()
+            if not started:
+                body = error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error")
+                await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+def key_matches(header: bytes, key: str) -> bool:
+    """``Authorization: Bearer <key>``, the scheme in any case (RFC 7235), the key compared in constant time."""
+    scheme, _, given = header.decode("latin-1").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) -> None:
+    known = [c for c in dec.contexts() if c is not None]
+    card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "semanticspec-probes",
+            **({"max_model_len": min(known)} if known else {})}  # as vLLM's and SGLang's cards state it
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": 0,
-                                            "owned_by": "semanticspec-probes"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != s.model_name:
+            raise BadRequest(f"model={model!r}: this server serves {s.model_name!r}", "model", 404,
+                             "not_found_error")
+        return card
 
     @app.get("/health")
     async def health():
@@ -153,11 +241,13 @@ def _info_routes(app: FastAPI, sched: Scheduler, metrics: Metrics, s: Settings) 
     async def prometheus():
         metrics.queue.set(sched.queued)
         metrics.running.set(sched.running)
+        metrics.cancelled.set(sched.cancelled)
+        metrics.after_cancel.set(sched.after_cancel)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) -> None:
-    _info_routes(app, sched, metrics, s)
+    _info_routes(app, dec, sched, metrics, s)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -174,11 +264,14 @@ def _routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) 
     async def chat(body: ChatRequest, request: Request):
         if not body.messages:
             raise BadRequest("messages: empty; give at least one message", "messages")
-        messages, template = [m.model_dump(exclude_none=True) for m in body.messages], s.chat_template
+        messages, template = [m.as_template_turn() for m in body.messages], s.chat_template
         tok = getattr(dec, "tokenizer", None) or s.tokenizer
-        if tok is None or not (template or getattr(tok, "chat_template", None)):
-            raise BadRequest("messages: the target model has no chat template; use /v1/completions, or start the "
-                             "server with --chat_template", "messages")
+        if tok is None:
+            raise BadRequest("messages: this endpoint has no tokenizer to format a chat with; use /v1/completions, "
+                             "or start the server with --tokenizer DIR (the target's tokenizer)", "messages")
+        if not (template or getattr(tok, "chat_template", None)):
+            raise BadRequest("messages: the target tokenizer has no chat template; use /v1/completions, or start "
+                             "the server with --chat_template", "messages")
 
         def prompt():  # formatted in the decode thread, which owns the tokenizers
             return chat_prompt(dec, tok, messages, template)
@@ -214,12 +307,22 @@ def chat_prompt(dec, tok, messages: list[dict], template: str | None):
     return ids, list(dec.draft_tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def decode_config(body) -> DecodeConfig:
-    """The request's :class:`DecodeConfig`, every field checked (BadRequest naming the request's field)."""
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    if max_tokens <= 0:
-        raise BadRequest(f"{param}={max_tokens}: expected an integer >= 1", param)
+def check_body(body) -> None:
+    """The checks pydantic cannot make (BadRequest naming the field): text that is not Unicode, and OpenAI's fields
+    at values this endpoint cannot honour."""
+    for hit in (lone_surrogate(body.model_dump(exclude_none=True)), unsupported(body)):
+        if hit is not None:
+            raise BadRequest(hit[1], hit[0])
+
+
+def decode_config(body, policy=None) -> DecodeConfig:
+    """The request's :class:`DecodeConfig`, every field checked (BadRequest naming the request's field); ``policy``:
+    the decoder's, whose ``tau`` a request's ``threshold`` replaces. Without ``max_tokens`` the config holds the
+    decoder's default budget, which the scheduler replaces by the route's default (:func:`budget_rule`)."""
+    given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if given is not None and given <= 0:
+        raise BadRequest(f"{param}={given}: expected an integer >= 1", param)
     if body.n != 1:
         raise BadRequest(f"n={body.n}: this endpoint writes one choice per request (n=1)", "n")
     if body.method not in ENDPOINT_METHODS:
@@ -227,12 +330,29 @@ def decode_config(body) -> DecodeConfig:
     if body.threshold is not None and body.method != "semanticspec":
         raise BadRequest(f"threshold: applies to method 'semanticspec', not {body.method!r}", "threshold")
     seed = body.seed if body.seed is not None else random.getrandbits(31)
+    method = body.method
+    if body.threshold is not None:
+        if not 0 <= body.threshold <= 1:
+            raise BadRequest(f"threshold={body.threshold}: expected a number in [0, 1] (the threshold rule's tau)",
+                             "threshold")
+        method = dataclasses.replace(policy, tau=float(body.threshold))
     try:
-        return DecodeConfig(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed,
-                            method=body.method, lookahead=body.lookahead, window_min_logprob=body.window_min_logprob,
+        return DecodeConfig(max_new_tokens=given or DecodeConfig.max_new_tokens, temperature=body.temperature,
+                            top_p=body.top_p, seed=seed, method=method, lookahead=body.lookahead,
+                            window_min_logprob=body.window_min_logprob,
                             allow_sampling_mismatch=body.allow_sampling_mismatch)
     except ValueError as e:  # DecodeConfig's own checks (temperature, top_p, lookahead...), naming the field
         raise BadRequest(str(e), _param_of(str(e))) from e
+
+
+def budget_rule(cap: int | None):
+    """The budget of a request without ``max_tokens``, from the room its prompt leaves (None: unknown, then the
+    decoder's default): at most ``cap`` tokens (completions: 16), or all the room (chat: ``cap`` None)."""
+    def budget(room: int | None) -> int:
+        if room is None:
+            return cap or DecodeConfig.max_new_tokens
+        return min(cap, room) if cap else room
+    return budget
 
 
 async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Scheduler, metrics: Metrics,
@@ -240,11 +360,12 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
     if body.model is not None and body.model != s.model_name:
         raise BadRequest(f"model={body.model!r}: this server serves {s.model_name!r}", "model", 404,
                          "not_found_error")
-    config = decode_config(body)
-    if body.threshold is not None:
-        config = dataclasses.replace(config, method=dataclasses.replace(dec.policy, tau=float(body.threshold)))
+    check_body(body)
+    config = decode_config(body, getattr(dec, "policy", None))
+    no_budget = body.max_tokens is None and body.max_completion_tokens is None
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-    job = Job(prompt, config, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), body.stops(), body.stream)
+    job = Job(prompt, config, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), body.stops(), body.stream,
+              budget=budget_rule(body.default_tokens) if no_budget else None)
     try:
         sched.submit(job)
     except QueueFull as e:
@@ -252,46 +373,68 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
                          {"Retry-After": "1"}) from e
     except RuntimeError as e:
         raise BadRequest(str(e), None, 503, "server_error") from e
-    first = await _next(updates, request, job)
-    if first.finish == "invalid":
-        raise BadRequest(first.error, _param_of(first.error))
-    n_prompt = first.prompt_tokens
-    metrics.tokens.labels("prompt").inc(n_prompt)
+    try:
+        first = await _next(updates, request, job)
+        if first.planned and not body.stream:
+            end = await _next(updates, request, job)  # a non-streaming job is told nothing before its end
+    except _Gone:
+        metrics.requests.labels(request.url.path, "499").inc()
+        return Response(status_code=499)  # nginx's "client closed request": no one reads it
+    if not first.planned:  # refused (invalid) or failed while planning: the request's only update
+        raise _refusal(first, "messages" if reply.chat else "prompt")
+    metrics.tokens.labels("prompt").inc(first.prompt_tokens)
     route = request.url.path
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         metrics.requests.labels(route, "200").inc()
-        return StreamingResponse(_sse(updates, request, job, reply, n_prompt, include, metrics),
+        return StreamingResponse(_sse(updates, request, job, reply, first.prompt_tokens, include, metrics),
                                  media_type="text/event-stream")
-    u = await _next(updates, request, job)  # the end: a non-streaming job is told nothing before it
-    if u.finish == "error":
-        metrics.requests.labels(route, "502").inc()
-        return JSONResponse(error_body(u.error or "the decode failed", None, "server_error"), status_code=502)
+    if end.finish == "error":
+        raise _refusal(end, "messages" if reply.chat else "prompt")
     metrics.requests.labels(route, "200").inc()
-    _count(metrics, u)
-    return reply.full(u.result.text, u.finish, usage(n_prompt, u.result))
+    _count(metrics, end)
+    return reply.full(end.result.text, end.finish, usage(first.prompt_tokens, end.result))
+
+
+def _refusal(u: Update, prompt_field: str) -> BadRequest:
+    """The error a failed request gets: 400 for a refusal (the endpoint's checks, or a server that refused the
+    request as the caller's error), 503 at shutdown, 502 when a server failed, 500 for a fault of the endpoint."""
+    if u.finish == "invalid":
+        return BadRequest(u.error, _param_of(u.error) or prompt_field)
+    if isinstance(u.cause, Refused):
+        return BadRequest(u.error, "max_tokens" if "max_tokens" in str(u.cause.param) else prompt_field)
+    return BadRequest(u.error or "the decode failed", None, u.status, "server_error")
+
+
+class _Gone(Exception):
+    """The client went away before its answer (its job is cancelled)."""
 
 
 async def _next(updates: asyncio.Queue, request: Request, job: Job) -> Update:
-    """The job's next update; a client that went away cancels its job (its row leaves at the next round)."""
+    """The job's next update; a client that went away cancels its job (its row leaves at the next round).
+
+    Raises:
+        _Gone: the client disconnected.
+    """
     while True:
         try:
-            return await asyncio.wait_for(updates.get(), 0.5)
+            return await asyncio.wait_for(updates.get(), 0.25)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 job.cancelled = True
-                raise asyncio.CancelledError from None
+                raise _Gone from None
 
 
 async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_usage: bool, metrics: Metrics):
     """The job's server-sent events: a chunk per text delta, the last with its finish reason, then ``[DONE]``; a
-    row a server failed ends with an error event naming the server."""
+    row that failed (a server, a fault, the shutdown) ends with an error event saying why, then ``[DONE]``."""
     first = True
     try:
         while True:
             u = await _next(updates, request, job)
             if u.finish == "error":
-                yield _event(error_body(u.error or "the decode failed", None, "server_error"))
+                e = _refusal(u, "messages" if reply.chat else "prompt")
+                yield _event(error_body(str(e), e.param, e.kind, e.status))
                 break
             if u.delta or first:
                 yield _event(reply.chunk(u.delta, first=first))
@@ -303,6 +446,8 @@ async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_
                     yield _event(reply.usage_chunk(usage(n_prompt, u.result)))
                 break
         yield "data: [DONE]\n\n"
+    except _Gone:
+        return
     finally:
         job.cancelled = job.cancelled or not job.ended
 

@@ -59,7 +59,7 @@ class ServeOptions:
     draft_probe: str | None = None
     """Exported draft probe directory (None: the world's)."""
     threshold: float = 0.5
-    """Default tau of SemanticSpec's threshold rule (a request's `threshold` overrides it)."""
+    """Default tau of SemanticSpec's threshold rule (a request's "threshold" field overrides it)."""
     model_name: str = "semanticspec"
     """The model name /v1/models lists and requests name."""
     max_rows: int = 16
@@ -72,9 +72,9 @@ class ServeOptions:
     """Jinja chat template, or a file holding one (None: the target tokenizer's; the embedded world's task format)."""
     tokenizer: str | None = None
     """Served: a local directory with the target's tokenizer, for chat templates and prompt token counts (None: the
-    default world's when its probes are served, else none: chat routes answer 400)."""
+    world's when the target probe reads the world's target, else none: chat routes answer 400)."""
     shutdown_timeout: float = 30.0
-    """Seconds SIGTERM waits for requests in flight before cancelling them."""
+    """Seconds SIGTERM waits for requests in flight; those left then end with an error (503) in their last second."""
     threads: int | None = None
     """torch CPU threads (None: OMP_NUM_THREADS, else the cores)."""
 
@@ -119,12 +119,19 @@ def build(opts: ServeOptions):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(opts.tokenizer, local_files_only=True)
-        elif opts.target_probe is None:
-            tok = world.load_tokenizer(root)
+        elif _reads_with(dec.target_probe, world_tok := world.load_tokenizer(root)):  # the world's, shipped or own
+            tok = world_tok
             template = template or world_chat(task.prompt_suffix, bos=False)
     key = os.environ.get(opts.api_key_env) or None
     return build_app(dec, Settings(model_name=opts.model_name, max_rows=opts.max_rows, max_queue=opts.max_queue,
                                    api_key=key, chat_template=template, backends=backends, tokenizer=tok))
+
+
+def _reads_with(probe, tokenizer) -> bool:
+    """The probe reads a model with ``tokenizer`` (its ``config.json``'s ``reads.tokenizer_hash``)."""
+    from generation.fingerprints import tokenizer_hash
+
+    return (probe.config.reads or {}).get("tokenizer_hash") == tokenizer_hash(tokenizer)
 
 
 def _template(value: str | None) -> str | None:
@@ -145,7 +152,8 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the options, build the app and serve it until SIGINT or SIGTERM (then exit 0)."""
+    """Parse the options, build the app and serve it until SIGINT or SIGTERM (then exit 0). Every refusal before
+    serving (a bad option, a backend that does not answer, a port in use) is one line with exit status 2."""
     from generation.threads import apply_threads, set_wait_policy
 
     set_wait_policy()  # before torch loads: idle threads sleep rather than spin, as the other commands do
@@ -154,16 +162,54 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("port", "max_rows", "max_queue", "concurrency"):
         if getattr(opts, name) < 1:
             fail(PROG, f"--{name}={getattr(opts, name)}: expected an integer >= 1")
+    if not opts.shutdown_timeout >= 0:
+        fail(PROG, f"--shutdown_timeout={opts.shutdown_timeout}: expected seconds >= 0")
     if (opts.target_url is None) != (opts.draft_url is None):  # before the imports of build()
         fail(PROG, PAIRED)
+    sock = _bind(opts.host, opts.port)  # before the models load: a port in use is refused at once
+    from generation.engines.base import EngineError
+
     try:
         apply_threads(opts.threads, log=None)
         app = build(opts)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, OSError, EngineError) as e:
         fail(PROG, str(e))
+    _serve(app, opts, sock)
+
+
+def _bind(host: str, port: int):
+    """A socket listening on ``host:port`` (uvicorn serves on it), or exit 2 naming the port."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        fail(PROG, f"--port={port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server there?")
+    sock.set_inheritable(True)
+    return sock
+
+
+def _serve(app, opts: ServeOptions, sock) -> None:
+    """uvicorn on ``sock`` until SIGINT or SIGTERM: it stops admitting, lets requests in flight finish for up to
+    ``--shutdown_timeout`` seconds, and ends those left with an error (503; streams: an error event and ``[DONE]``)
+    a second before uvicorn would cancel their handlers."""
+    import asyncio
     import signal
 
     import uvicorn
+
+    sched = app.state.scheduler
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            grace = max(0.0, opts.shutdown_timeout - 1.0)
+            stopping = asyncio.ensure_future(asyncio.to_thread(sched.stop, grace))
+            await super().shutdown(sockets)
+            await stopping
 
     def done(sig, frame):  # uvicorn re-raises the signal it shut down for, once its handlers are gone: exit 0
         raise SystemExit(0)
@@ -171,5 +217,5 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, done)
     print(f"SemanticSpec endpoint on http://{opts.host}:{opts.port}/v1 (model {opts.model_name!r})", flush=True)
-    uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning",
-                timeout_graceful_shutdown=opts.shutdown_timeout)
+    Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=opts.shutdown_timeout)).run(
+        sockets=[sock])

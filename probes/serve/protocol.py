@@ -1,33 +1,92 @@
 """The OpenAI wire format the endpoint reads and writes: request models, response and chunk bodies, error JSON.
 
-Requests are checked by pydantic: an unknown field or a value of the wrong type is refused with a 400 in OpenAI's
-error JSON naming the field, as vLLM's server does. SemanticSpec's own options ride in the body beside OpenAI's
-fields (the ``extra_body`` of the ``openai`` client), as vLLM's extra sampling parameters do: ``method``,
-``threshold``, ``lookahead``, ``window_min_logprob`` and ``allow_sampling_mismatch``.
+Requests are checked by pydantic: a value of the wrong type, NaN or an infinity is refused with a 400 in OpenAI's
+error JSON naming the field. OpenAI's fields that the endpoint cannot honour (penalties, ``logit_bias``, ``best_of``,
+``logprobs``, tools...) are accepted at their neutral values, which the SDKs send, and refused by name as "not
+supported" otherwise (:data:`NEUTRAL`). A field that is not OpenAI's and not SemanticSpec's is refused as unknown:
+vLLM's ``OpenAIBaseModel`` (``extra="allow"``) ignores such a field with a logged warning, which lets a misspelt
+``temprature`` decode at the default silently. SemanticSpec's own options ride in the body beside OpenAI's fields (the
+``extra_body`` of the ``openai`` client), as vLLM's extra sampling parameters do: ``method``, ``threshold``,
+``lookahead``, ``window_min_logprob`` and ``allow_sampling_mismatch``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr
 
 Number = StrictFloat | StrictInt
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+COMPLETIONS_DEFAULT_TOKENS = 16
+"""``/v1/completions`` without ``max_tokens`` writes at most 16 tokens (OpenAI's and vLLM's default), capped at the
+room the prompt leaves; ``/v1/chat/completions`` without it writes up to the room the prompt leaves (vLLM's rule)."""
+
+NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "best_of": (1,), "suffix": ("",), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none", "auto"), "store": (False,),
+    "metadata": ({},), "service_tier": ("auto", "default"), "modalities": (["text"],), "top_k": (0, -1),
+    "min_p": (0,), "ignore_eos": (False,), "prediction": (), "audio": (), "reasoning_effort": (),
+    "web_search_options": (),
+}
+"""OpenAI's (and vLLM's common extra) request fields the endpoint cannot honour, each with the values that ask for
+nothing (``null`` always does): accepted and ignored, any other value refused as not supported, naming the field.
+The ``openai`` SDK, LangChain and others send several of them at these values."""
+
+
+def unsupported(body: BaseModel) -> tuple[str, str] | None:
+    """The first field of ``body`` set to a value the endpoint cannot honour: ``(field, message)``, or None."""
+    for name in NEUTRAL:
+        value = getattr(body, name, None)
+        if value is not None and not any(_same(value, v) for v in NEUTRAL[name]):
+            ok = " or ".join(repr(v) for v in (None, *NEUTRAL[name]))
+            return name, f"{name}={value!r}: not supported by this endpoint (accepted: {ok})"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 0 == 0.0, but True is not 1."""
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+def lone_surrogate(value: Any, where: str = "") -> tuple[str, str] | None:
+    """The first string in ``value`` (a request body as JSON values) that is not Unicode text: ``(field, message)``.
+    JSON may escape half a UTF-16 pair (``"\\ud800"``), which ``json.loads`` reads into a str no tokenizer or UTF-8
+    encoder takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return where, (f"{where or 'body'}: holds a lone UTF-16 surrogate (U+{ord(value[e.start]):04X}) at "
+                           f"character {e.start}, which is not Unicode text; send the character itself or a whole "
+                           "surrogate pair")
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if (hit := lone_surrogate(v, f"{where}.{k}" if where else str(k))) is not None:
+            return hit
+    return None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: StrictBool = False
+    continuous_usage_stats: Literal[False] = False
 
 
 class _Request(BaseModel):
     """The fields both routes read."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: StrictStr | None = None
-    max_tokens: StrictInt = Field(256, description="output token budget (the decoder's max_new_tokens)")
+    max_tokens: StrictInt | None = Field(None, description="output token budget (the decoder's max_new_tokens); "
+                                         "None: the route's default")
+    max_completion_tokens: StrictInt | None = None
     temperature: Number | None = None
     top_p: Number | None = None
     seed: StrictInt | None = None
@@ -42,6 +101,19 @@ class _Request(BaseModel):
     lookahead: StrictInt | None = None
     window_min_logprob: Number | None = None
     allow_sampling_mismatch: StrictBool = False
+    # OpenAI's fields the endpoint cannot honour: accepted at their neutral values (NEUTRAL)
+    presence_penalty: JsonValue = None
+    frequency_penalty: JsonValue = None
+    repetition_penalty: JsonValue = None
+    logit_bias: JsonValue = None
+    logprobs: JsonValue = None
+    top_k: JsonValue = None
+    min_p: JsonValue = None
+    ignore_eos: JsonValue = None
+    response_format: JsonValue = None
+    store: JsonValue = None
+    metadata: JsonValue = None
+    service_tier: JsonValue = None
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -51,24 +123,51 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``: one prompt string."""
 
     prompt: StrictStr | list[StrictStr]
-    max_completion_tokens: StrictInt | None = None
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: JsonValue = None
+    best_of: JsonValue = None
+    suffix: JsonValue = None
+    default_tokens: ClassVar[int | None] = COMPLETIONS_DEFAULT_TOKENS
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content (OpenAI's content-part list); other part types are not supported."""
+
+    model_config = STRICT
+    type: Literal["text"]
+    text: StrictStr
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
     name: StrictStr | None = None
+
+    def as_template_turn(self) -> dict:
+        """The turn a chat template reads: text parts joined by newlines (vLLM's ``"string"`` content format,
+        ``entrypoints/chat_utils.py``), and ``developer`` read as ``system`` (OpenAI's newer name for it; templates
+        know ``system``)."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        turn = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return turn if self.name is None else {**turn, "name": self.name}
 
 
 class ChatRequest(_Request):
     """``POST /v1/chat/completions``: messages, formatted with the target tokenizer's chat template."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: StrictInt | None = None
-    logprobs: Literal[False] | None = None
+    top_logprobs: JsonValue = None
+    tools: JsonValue = None
+    tool_choice: JsonValue = None
+    parallel_tool_calls: JsonValue = None
+    functions: JsonValue = None
+    function_call: JsonValue = None
+    modalities: JsonValue = None
+    prediction: JsonValue = None
+    audio: JsonValue = None
+    reasoning_effort: JsonValue = None
+    web_search_options: JsonValue = None
+    default_tokens: ClassVar[int | None] = None  # the room the prompt leaves
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",

@@ -13,7 +13,9 @@ callback, which it calls with :class:`Update` objects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import queue
 import threading
 from collections import deque
@@ -21,7 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from probes.decoding.config import DecodeConfig
-from probes.decoding.results import DecodeResult
+from probes.decoding.results import Decision, DecodeResult, DecodeStats, StepTrace
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,6 +39,10 @@ class Update:
         finish: on the end update, OpenAI's ``finish_reason`` (``stop``, ``length``), ``error`` (a server failed the
             row), or ``invalid`` (a check refused the request before it decoded).
         error: on an error or invalid end, the message (a server's URL, never a key).
+        status: on an error end, the HTTP status it answers with: 502 a server failed the row, 503 the server is
+            shutting down, 500 a fault of the endpoint.
+        cause: on an error end whose server refused the row's request, the engine's error (a
+            :class:`~generation.engines.base.Refused` is the caller's error: the prompt past the server's context).
     """
 
     planned: bool = False
@@ -43,6 +51,8 @@ class Update:
     result: DecodeResult | None = None
     finish: str | None = None
     error: str | None = None
+    status: int = 500
+    cause: BaseException | None = None
 
 
 @dataclass
@@ -55,6 +65,7 @@ class Job:
     notify: Callable[[Update], None]
     stop: tuple[str, ...] = ()
     stream: bool = True  # told each step's text as it comes; else only the end (whose result holds the text)
+    budget: Callable[[int | None], int] | None = None  # no max_tokens given: the budget from the prompt's room
     cancelled: bool = False
     ended: bool = False
     text: str = ""  # output text so far (sent, when streamed)
@@ -121,19 +132,27 @@ class Scheduler:
         self.groups: dict[object, _Group] = {}
         self.pending = 0  # jobs submitted and not ended
         self.cancelled = 0  # rows that left their loop before their end (their client went away)
+        self.after_cancel = 0  # steps of cancelled rows that their loop yielded after the cancel (its round's own)
         self.joined = 0  # requests admitted into a loop that was already running
         self.loops = 0  # loops started
         self.stopping = False
         self.failure: str | None = None  # why the thread died, if it did
+        self.abort_reason: str | None = None  # set when stop() ends the requests left: why
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="semanticspec-decode", daemon=True)
         self._thread.start()
 
-    def plan(self, prompt, config: DecodeConfig):
+    def plan(self, prompt, config: DecodeConfig, budget: Callable[[int | None], int] | None = None):
         """The decoder's plan of one prompt: every check ``generate`` makes, and room in the models' context for the
-        prompt and ``max_new_tokens`` (ValueError naming the bad value)."""
+        prompt and ``max_new_tokens`` (ValueError naming the bad value). ``budget``: the request gave no
+        ``max_tokens``, and its budget is ``budget(room)`` (room: the new tokens the prompt leaves, None unknown)."""
         plan = self.dec._plan([prompt], config)
         room = self.dec.prompt_room(plan.inputs)
+        if room is not None and room < 1:
+            raise ValueError(f"prompt: {len(plan.inputs[0][0])} tokens leave no room for a new token in the models' "
+                             "context")
+        if budget is not None:
+            return plan._replace(cfg=dataclasses.replace(plan.cfg, max_new_tokens=budget(room)))
         if room is not None and config.max_new_tokens > room:
             raise ValueError(f"max_tokens={config.max_new_tokens}: the prompt leaves room for {room} new tokens in "
                              "the models' context")
@@ -164,12 +183,14 @@ class Scheduler:
         """Rows decoding now."""
         return sum(g.rows for g in list(self.groups.values()))
 
-    def stop(self, timeout: float) -> None:
-        """Admit nothing more; let the rows decoding now finish for up to ``timeout`` seconds, then cancel the rest."""
+    def stop(self, timeout: float, reason: str = "the server shut down before this request finished") -> None:
+        """Admit nothing more; let the rows decoding now finish for up to ``timeout`` seconds, then end the rest with
+        an error saying ``reason`` (status 503)."""
         with self._lock:
             self.stopping = True
         self._thread.join(timeout)
         if self._thread.is_alive():
+            self.abort_reason = reason
             for g in list(self.groups.values()):
                 for j in g.jobs.values():
                     j.cancelled = True
@@ -189,7 +210,8 @@ class Scheduler:
                     self._place()
                     for key in list(self.groups):
                         self._advance(key)
-        except Exception as e:  # noqa: BLE001 - every open request learns why, then the thread ends
+        except Exception as e:  # noqa: BLE001 - a fault of the scheduler itself: every open request learns why
+            log.exception("the decode thread failed")
             self._fail_all(e)
 
     def _fail_all(self, e: Exception) -> None:
@@ -207,19 +229,28 @@ class Scheduler:
         except queue.Empty:
             return
         while True:
-            try:
-                plan = self.plan(job.prompt() if callable(job.prompt) else job.prompt, job.config)
-            except ValueError as e:
-                self._end(job, Update(finish="invalid", error=str(e)))
-            except Exception as e:  # noqa: BLE001 - a fault of this request's planning ends it, not the thread
-                self._end(job, Update(finish="error", error=f"{type(e).__name__}: {e}"))
-            else:
-                job.notify(Update(planned=True, prompt_tokens=self._prompt_tokens(plan.inputs[0][0])))
+            with self._guard(job, "planning"):
+                prompt = job.prompt() if callable(job.prompt) else job.prompt
+                plan = self.plan(prompt, job.config, job.budget)
+                tokens = self._prompt_tokens(plan.inputs[0][0])
+                job.notify(Update(planned=True, prompt_tokens=tokens))
                 self.waiting.append((job, plan))
             try:
                 job = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    @contextlib.contextmanager
+    def _guard(self, job: Job, what: str):
+        """Run a block of one job's work: a refusal (ValueError) ends it as ``invalid``, any other fault as
+        ``error`` (logged with its traceback); the thread and the other jobs go on."""
+        try:
+            yield
+        except ValueError as e:
+            self._end(job, Update(finish="invalid", error=str(e)))
+        except Exception as e:  # noqa: BLE001 - a fault of this request ends it, not the thread
+            log.exception("a request failed while %s", what)
+            self._end(job, Update(finish="error", error=f"{type(e).__name__}: {e}"))
 
     def _prompt_tokens(self, first) -> int:
         if isinstance(first, str):
@@ -232,25 +263,28 @@ class Scheduler:
         while self.waiting:
             job, plan = self.waiting.popleft()
             if job.cancelled:
-                self._end(job, Update(finish="error", error="cancelled"))
+                self._end(job, self._cancelled())
                 continue
             key = (plan.runner, plan.sampling)
             g = self.groups.get(key)
             if g is not None and g.admitted >= self.rows_per_loop:  # it drains under a key of its own
                 self.groups[(key, self.loops)] = self.groups.pop(key)
                 g = None
-            if g is None:
-                self.groups[key] = _Group(self.dec, plan, job)
-                self.loops += 1
-            elif g.rows < self.max_rows:
-                g.admit(plan, job)
-                self.joined += 1
-            else:
+            if g is not None and g.rows >= self.max_rows:
                 left.append((job, plan))
+                continue
+            with self._guard(job, "joining a loop"):
+                if g is None:
+                    self.groups[key] = _Group(self.dec, plan, job)
+                    self.loops += 1
+                else:
+                    g.admit(plan, job)
+                    self.joined += 1
         self.waiting = left
 
     def _advance(self, key) -> None:
-        """One event of a loop: a row's step or end, told to its job; cancelled jobs leave their loop."""
+        """One event of a loop: a row's step or end, told to its job; cancelled jobs leave their loop. A fault in the
+        loop ends its rows' jobs with an error (their rows share its batch) and the other loops go on."""
         g = self.groups[key]
         for i, j in g.jobs.items():
             if j.cancelled and not g.loop.rows[i].done:
@@ -261,11 +295,19 @@ class Scheduler:
         except StopIteration:
             del self.groups[key]
             return
+        except Exception as ex:  # noqa: BLE001 - this loop's fault ends its rows, not the thread
+            log.exception("a decode loop failed")
+            del self.groups[key]
+            for j in g.jobs.values():
+                self._end(j, Update(finish="error", error=f"the decode failed: {type(ex).__name__}: {ex}"))
+            return
         job = g.jobs[e.prompt]
         if e.end:
             del g.jobs[e.prompt]
-            self._finish(job, e)
-        elif not job.cancelled:
+            self._finish(job, e, g.loop.rows[e.prompt])
+        elif job.cancelled:
+            self.after_cancel += 1
+        else:
             self._step(g, e, job)
 
     def _step(self, g: _Group, e, job: Job) -> None:
@@ -274,26 +316,35 @@ class Scheduler:
         text, hit = cut_at_stop(e.text, job.stop)
         if hit:
             g.loop.cancel(e.prompt, "stop")
+            job.cancelled = True
+            row = g.loop.rows[e.prompt]
+            self._send(job, text)
+            stats = stats_through(row.trace, e.step, row.stats)
+            self._end(job, Update(finish="stop", result=DecodeResult(text, row.trace, stats, "answer")))
+        else:  # hold back an end that may start a stop string the next step completes
+            self._send(job, text[:len(text) - held_back(text, job.stop)])
+
+    def _send(self, job: Job, text: str) -> None:
+        """Tell a streaming job the text past what it was sent."""
         if len(text) > len(job.text):
             delta, job.text = text[len(job.text):], text
             if job.stream:
                 job.notify(Update(delta=delta))
-        if hit:
-            job.cancelled = True
-            row = g.loop.rows[e.prompt]
-            self._end(job, Update(finish="stop", result=DecodeResult(text, row.trace, row.stats, "answer")))
 
-    def _finish(self, job: Job, e) -> None:
-        """The end of a row: the text its steps did not carry (a last bonus token), then its end update."""
+    def _cancelled(self) -> Update:
+        return Update(finish="error", error=self.abort_reason or "cancelled", status=503)
+
+    def _finish(self, job: Job, e, row) -> None:
+        """The end of a row: the text its steps did not carry (a last bonus token, a held-back end), then its end
+        update."""
         result = e.result
-        if job.cancelled or result.stop_reason == "error":
-            self._end(job, Update(finish="error", error=result.error or "cancelled", result=result))
+        if job.cancelled:
+            self._end(job, self._cancelled())
             return
-        text, _ = cut_at_stop(e.text, job.stop)
-        if len(text) > len(job.text):  # the last bonus token (close()) or text the steps did not carry
-            if job.stream:
-                job.notify(Update(delta=text[len(job.text):]))
-            job.text = text
+        if result.stop_reason == "error":
+            self._end(job, Update(finish="error", error=result.error, result=result, status=502, cause=row.cause))
+            return
+        self._send(job, cut_at_stop(e.text, job.stop)[0])
         self._end(job, Update(finish=FINISH[result.stop_reason], result=dataclasses.replace(result, text=job.text)))
 
     def _end(self, job: Job, update: Update) -> None:
@@ -304,6 +355,26 @@ class Scheduler:
         with self._lock:
             self.pending -= 1
         job.notify(update)
+
+
+def held_back(text: str, stop: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` may begin a stop string (held back from a stream until the next
+    step says whether the stop string completes: vLLM's detokenizer holds back the same)."""
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+def stats_through(trace: list[StepTrace], step: StepTrace, stats: DecodeStats) -> DecodeStats:
+    """``stats`` counted over ``trace`` up to and including ``step`` (a row a stop string ended inside a window:
+    the window's later steps are not the answer's), its seconds the steps' own."""
+    upto = trace[:next((k for k, t in enumerate(trace) if t is step), len(trace) - 1) + 1]
+    kept = [t for t in upto if t.decision != Decision.REJECT]
+    drafted = [t for t in upto if t.writer == "draft"]
+    return dataclasses.replace(
+        stats, steps=len(kept), output_tokens=sum(t.n_tokens for t in kept),
+        draft_tokens=sum(t.n_tokens for t in drafted if t.decision.kept),
+        draft_steps_proposed=len(drafted), draft_steps_accepted=sum(t.decision.kept for t in drafted),
+        wall_s=sum(t.seconds or 0.0 for t in upto))
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
