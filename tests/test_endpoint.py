@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import pytest
 
 from datamodules.arithmetic.task import ArithmeticTask
 from probes.decoding.config import DecodeConfig
+from tests.conftest import Running, free_port
 
 pytestmark = pytest.mark.integration
 openai = pytest.importorskip("openai")
@@ -24,36 +24,6 @@ uvicorn = pytest.importorskip("uvicorn")
 TASK = ArithmeticTask()
 LONG = "Start with 1. " + "Add 1, then " * 10 + "add 1. What is the result?\n\n"
 """A prompt the target answers in 55 tokens, about 6 steps (0.6 s on 2 cores): a request that is still decoding."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Running:
-    """A uvicorn server of ``app`` in a thread, on a free port."""
-
-    def __init__(self, app) -> None:
-        self.port = free_port()
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        t0 = time.time()
-        while not self.server.started:
-            if time.time() - t0 > 30:
-                raise RuntimeError("the endpoint did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    def client(self, **kw):
-        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import urllib.request
 
 import pytest
 
-from tests.test_endpoint import TASK, Running, free_port
+from tests.conftest import Running, free_port
+from tests.test_endpoint import TASK
 from tests.test_served_world import _need_server
 
 pytestmark = pytest.mark.slow

@@ -132,6 +132,7 @@ class Scheduler:
         self.groups: dict[object, _Group] = {}
         self.pending = 0  # jobs submitted and not ended
         self.cancelled = 0  # rows that left their loop before their end (their client went away)
+        self.dropped = 0  # requests whose client went away while they waited for room in a loop
         self.after_cancel = 0  # steps of cancelled rows that their loop yielded after the cancel (its round's own)
         self.joined = 0  # requests admitted into a loop that was already running
         self.loops = 0  # loops started
@@ -263,6 +264,7 @@ class Scheduler:
         while self.waiting:
             job, plan = self.waiting.popleft()
             if job.cancelled:
+                self.dropped += 1
                 self._end(job, self._cancelled())
                 continue
             key = (plan.runner, plan.sampling)
