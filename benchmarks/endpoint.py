@@ -6,6 +6,13 @@ sending its next request when its last one ends. Per method and concurrency it r
 over the wave's wall time) and p50/p95 of time-to-first-token and end-to-end latency. At concurrency 1 it compares
 the endpoint's wall time with the Python API's (``generate``, one prompt at a time, the same prompts and seeds, in
 this process with the same torch threads), interleaved: the endpoint's overhead.
+
+Then a chaos run (``chaos`` in the JSON): ``--chaos_clients`` streaming clients (32) for ``--chaos_seconds`` (60), of
+whose requests 10% disconnect after their first chunk and 5% send a bad body (a lone surrogate, NaN, a wrong type,
+broken JSON...). Every other request must stream the text the Python API decodes for its prompt and seed alone; every
+bad body must get OpenAI's error JSON; ``/health`` must stay ok; and the steps decoded for abandoned requests after
+their cancel (the endpoint's ``semanticspec_max_steps_after_cancel``) must stay within one round (a window: at most
+the shipped window's steps).
 """
 
 from __future__ import annotations
@@ -143,6 +150,7 @@ def in_process(args, prompts, seeds) -> dict:
         report = run(url, prompts, seeds, args.concurrency, args.max_tokens)
         api, whole, streamed = overhead(dec, url, prompts, seeds, args.max_tokens, args.overhead_reps)
     app.state.scheduler.stop(0)
+    report["_dec"] = dec
     report["overhead_c1"] = {"api_wall_s": api, "endpoint_wall_s": whole, "endpoint_stream_wall_s": streamed,
                              "ratio": round(sum(whole) / sum(api), 4),
                              "stream_ratio": round(sum(streamed) / sum(api), 4)}
@@ -162,6 +170,112 @@ def served(args, prompts, seeds) -> dict:
             return run(url, prompts, seeds, args.concurrency, args.max_tokens)
 
 
+BAD_BODIES = ['{"prompt": "hi \\ud800", "max_tokens": 4}', '{"prompt": "x", "threshold": NaN}', '{"prompt": 7}',
+              '{"prompt": "x", "max_tokens": "many"}', '{"prompt": ', '[]', '{"prompt": "x", "logit_bias": {"1": 5}}',
+              '{"messages": [{"role": "user", "content": "hi \\udfff"}]}', '{"prompt": "x", "temperature": -1}']
+"""Bodies a chaos run sends as its bad requests (each must get a 4xx with OpenAI's error JSON)."""
+
+
+async def chaos_wave(url: str, prompts: list[str], seeds: list[int], want: list[str], clients: int, seconds: float,
+                     max_tokens: int, seed: int = 0) -> dict:
+    """``clients`` streaming workers for ``seconds``: 10% of requests disconnect after the first chunk, 5% send a
+    bad body, the rest must stream ``want[k]`` for prompt ``k``; what each kind got."""
+    import json
+    import random
+
+    import httpx
+    import openai
+
+    rng = random.Random(seed)
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    raw = httpx.AsyncClient(timeout=60)
+    counts = {"completed": 0, "mismatched": 0, "abandoned": 0, "bad_bodies": 0, "bad_answered": 0, "failed": 0}
+    wrong: list[str] = []
+    deadline, nxt = time.perf_counter() + seconds, [0]
+
+    async def one():
+        k, r = nxt[0] % len(prompts), rng.random()
+        nxt[0] += 1
+        if r < 0.05:
+            counts["bad_bodies"] += 1
+            route = "/chat/completions" if "messages" in (body := rng.choice(BAD_BODIES)) else "/completions"
+            resp = await raw.post(url + route, content=body.encode("utf-8", "surrogatepass"),
+                                  headers={"Content-Type": "application/json"})
+            err = resp.json().get("error", {}) if resp.headers.get("content-type", "").startswith("application/json") \
+                else {}
+            ok = 400 <= resp.status_code < 500 and set(err) == {"message", "type", "param", "code"}
+            counts["bad_answered"] += ok
+            return None if ok else wrong.append(f"bad body {body!r}: {resp.status_code} {resp.text[:100]}")
+        stream = await client.completions.create(model="semanticspec", prompt=prompts[k], max_tokens=max_tokens,
+                                                 seed=seeds[k], stream=True)
+        if r < 0.15:
+            async for _ in stream:
+                break
+            await stream.close()  # the client goes away mid-request
+            counts["abandoned"] += 1
+            return None
+        text = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+        counts["completed"] += 1
+        if text != want[k]:
+            counts["mismatched"] += 1
+            wrong.append(f"prompt {k}: {text!r} != {want[k]!r}")
+        return None
+
+    async def worker():
+        while time.perf_counter() < deadline:
+            try:
+                await one()
+            except (openai.OpenAIError, httpx.HTTPError, json.JSONDecodeError) as e:
+                counts["failed"] += 1
+                wrong.append(f"{type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    await raw.aclose()
+    return {**counts, "requests": sum(counts[k] for k in ("completed", "abandoned", "bad_bodies")) + counts["failed"],
+            "wall_s": round(wall, 1), "problems": wrong[:10]}
+
+
+def chaos(args, prompts, seeds, want) -> dict:
+    """The chaos run against a fresh endpoint process, then its health and its cancel figures."""
+    import json
+    import urllib.request
+
+    from probes.decoding.loop import SHIPPED_WINDOW
+
+    log = Path(args.log_dir) / "endpoint-chaos.log"
+    with endpoint([], args.threads, log) as url:
+        out = asyncio.run(chaos_wave(url, prompts, seeds, want, args.chaos_clients, args.chaos_seconds,
+                                     args.max_tokens))
+        root = url.removesuffix("/v1")
+        for _ in range(600):  # the abandoned rows' loops drain
+            with urllib.request.urlopen(root + "/health", timeout=30) as h:
+                health = json.loads(h.read())
+            if health.get("running") == 0 and health.get("queued") == 0:
+                break
+            time.sleep(0.1)
+        with urllib.request.urlopen(root + "/metrics", timeout=30) as m:
+            metrics = {line.split()[0]: float(line.split()[1]) for line in m.read().decode().splitlines()
+                       if line.startswith("semanticspec_") and " " in line}
+    out.update(health=health.get("status"), cancelled_rows=int(metrics.get("semanticspec_cancelled_rows", 0)),
+               steps_after_cancel=int(metrics.get("semanticspec_steps_after_cancel", 0)),
+               max_steps_after_cancel=int(metrics.get("semanticspec_max_steps_after_cancel", 0)),
+               one_round_steps=SHIPPED_WINDOW.size, clients=args.chaos_clients, seconds=args.chaos_seconds)
+    out["goal_met"] = (out["mismatched"] == 0 and out["failed"] == 0 and out["bad_answered"] == out["bad_bodies"]
+                       and out["health"] == "ok" and out["max_steps_after_cancel"] <= out["one_round_steps"])
+    return out
+
+
+def expected_texts(dec, prompts: list[str], seeds: list[int], max_tokens: int) -> list[str]:
+    """What the Python API decodes for each prompt alone with its seed (the endpoint's streams must add up to it)."""
+    from probes.decoding.config import DecodeConfig
+
+    return [list(dec.stream([p], DecodeConfig(max_new_tokens=max_tokens, seed=s)))[-1].text
+            for p, s in zip(prompts, seeds)]
+
+
 def table(report: dict) -> str:
     lines = ["| setting | method | concurrency | tokens/s | TTFT p50 / p95 (s) | end-to-end p50 / p95 (s) |",
              "|---|---|---|---|---|---|"]
@@ -175,6 +289,14 @@ def table(report: dict) -> str:
                              f"{f['ttft_p95_s']} | {f['e2e_p50_s']} / {f['e2e_p95_s']} |")
         lines.append(f"| {setting} | speedup (tokens/s) | | " + ", ".join(f"{c[1:]}: {v}x" for c, v in
                                                                        r["speedup"].items()) + " | | |")
+    ch = report.get("chaos")
+    if ch:
+        lines.append(f"\nchaos ({ch['clients']} streaming clients, {ch['seconds']} s): {ch['requests']} requests, "
+                     f"{ch['completed']} completed ({ch['mismatched']} not their seeded text), {ch['abandoned']} "
+                     f"abandoned mid-request, {ch['bad_bodies']} bad bodies ({ch['bad_answered']} answered with "
+                     f"OpenAI's error JSON), {ch['failed']} failed; /health {ch['health']}; {ch['cancelled_rows']} "
+                     f"rows cancelled, at most {ch['max_steps_after_cancel']} step(s) of one decoded after its cancel "
+                     f"(one round: up to {ch['one_round_steps']}); goal met: {ch['goal_met']}")
     o = report.get("in_process", {}).get("overhead_c1")
     if o:
         lines.append(f"\nendpoint / Python API wall time at concurrency 1: {o['ratio']} without streaming, "
@@ -193,6 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--overhead_reps", type=int, default=None,
                     help="interleaved API/endpoint passes at concurrency 1 (default 3; --quick 1)")
     ap.add_argument("--log_dir", default="runs/benchmarks/endpoint", help="server logs")
+    ap.add_argument("--chaos_clients", type=int, default=None, help="streaming clients of the chaos run (default 32; "
+                    "--quick 8; 0 skips it)")
+    ap.add_argument("--chaos_seconds", type=float, default=None, help="seconds of the chaos run (default 60; "
+                    "--quick 15)")
     args = ap.parse_args(argv)
     from generation.threads import set_wait_policy
 
@@ -201,6 +327,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.concurrency = (1, 8) if args.quick else (1, 8, 32)
     if args.overhead_reps is None:
         args.overhead_reps = 1 if args.quick else 3
+    if args.chaos_clients is None:
+        args.chaos_clients = 8 if args.quick else 32
+    if args.chaos_seconds is None:
+        args.chaos_seconds = 15.0 if args.quick else 60.0
     os.makedirs(args.log_dir, exist_ok=True)
     from datamodules.arithmetic.models import load_tokenizer
     from datamodules.arithmetic.task import ArithmeticTask
@@ -212,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
               "load_average": os.getloadavg()[0], "in_process": in_process(args, prompts, seeds)}
     if args.served:
         report["served"] = served(args, prompts, seeds)
+    dec = report["in_process"].pop("_dec")
+    if args.chaos_clients:
+        report["chaos"] = chaos(args, prompts, seeds, expected_texts(dec, prompts, seeds, args.max_tokens))
     harness.write(report, harness.results_path("endpoint", args.quick, args.out), table(report), save_table=True)
     return report
 

@@ -64,6 +64,8 @@ class Metrics:
                                "client went away)", registry=r)
         self.after_cancel = Gauge("semanticspec_steps_after_cancel", "Steps of cancelled rows decoded after the "
                                   "cancel (those their loop's round had already written)", registry=r)
+        self.max_after_cancel = Gauge("semanticspec_max_steps_after_cancel", "The most steps one cancelled row "
+                                      "decoded after its cancel", registry=r)
 
     def on_step(self, decision: str, seconds: float) -> None:
         self.steps.labels(decision).inc()
@@ -243,6 +245,7 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
         metrics.running.set(sched.running)
         metrics.cancelled.set(sched.cancelled)
         metrics.after_cancel.set(sched.after_cancel)
+        metrics.max_after_cancel.set(sched.max_after_cancel)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

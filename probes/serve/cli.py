@@ -34,7 +34,7 @@ def world_chat(suffix: str, bos: bool = True) -> str:
 
 @dataclass
 class ServeOptions:
-    """What ``python -m probes.serve`` serves and how."""
+    """What python -m probes.serve serves and how."""
 
     host: str = "127.0.0.1"
     """Address to listen on."""
@@ -145,7 +145,8 @@ def _parser():
     from jsonargparse import ActionConfigFile, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = one_line_parser(PROG, description=__doc__.split("\n\n")[1].replace("\n", " "), allow_abbrev=False)
+    description = __doc__.split("\n\n")[1].replace("\n", " ").replace("``", "")
+    parser = one_line_parser(PROG, description=description, allow_abbrev=False)
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="YAML with these options")
     parser.add_class_arguments(ServeOptions, as_positional=False)
     return parser

@@ -66,6 +66,7 @@ class Job:
     stop: tuple[str, ...] = ()
     stream: bool = True  # told each step's text as it comes; else only the end (whose result holds the text)
     budget: Callable[[int | None], int] | None = None  # no max_tokens given: the budget from the prompt's room
+    after_cancel: int = 0  # steps its loop yielded after it was cancelled
     cancelled: bool = False
     ended: bool = False
     text: str = ""  # output text so far (sent, when streamed)
@@ -134,6 +135,7 @@ class Scheduler:
         self.cancelled = 0  # rows that left their loop before their end (their client went away)
         self.dropped = 0  # requests whose client went away while they waited for room in a loop
         self.after_cancel = 0  # steps of cancelled rows that their loop yielded after the cancel (its round's own)
+        self.max_after_cancel = 0  # the most such steps of one row
         self.joined = 0  # requests admitted into a loop that was already running
         self.loops = 0  # loops started
         self.stopping = False
@@ -308,7 +310,9 @@ class Scheduler:
             del g.jobs[e.prompt]
             self._finish(job, e, g.loop.rows[e.prompt])
         elif job.cancelled:
+            job.after_cancel += 1
             self.after_cancel += 1
+            self.max_after_cancel = max(self.max_after_cancel, job.after_cancel)
         else:
             self._step(g, e, job)
 
