@@ -257,6 +257,69 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path):
             proc.kill()
 
 
+@pytest.mark.slow  # a second process loading the world: 15 s on 2 cores
+def test_sigterm_past_the_shutdown_timeout_ends_requests_with_a_503_not_a_cut(tmp_path):
+    """Two requests decode when SIGTERM comes with --shutdown_timeout 1.5: each row still decoding half a second
+    later ends with a 503 (a stream: an error event, then [DONE]) before uvicorn cancels its handler, and the
+    process exits 0 without a storm of tracebacks. Both rows together take about 1.6 s on 2 cores, so the timeout
+    cuts at least one of them."""
+    import httpx
+
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "probes.serve", "--port", str(port), "--shutdown_timeout",
+                                 "1.5"], stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                  "PYTHONUNBUFFERED": "1"})
+    root = f"http://127.0.0.1:{port}"
+    body = {"prompt": "Start with 1. " + "Add 1, then " * 20 + "add 1. What is the result?\n\n", "max_tokens": 150,
+            "method": "target_only", "lookahead": 1}
+    got = {}
+
+    def whole():  # the non-streaming request: a 200 or a JSON 503, never a plain-text 500 or a dropped connection
+        try:
+            r = httpx.post(root + "/v1/completions", json=body, timeout=60)
+            got["whole"] = (r.status_code, r.json())
+        except (httpx.HTTPError, ValueError) as e:
+            got["whole"] = (None, repr(e))
+
+    try:
+        for _ in range(600):
+            try:
+                httpx.get(root + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        t = threading.Thread(target=whole)
+        t.start()
+        with httpx.stream("POST", root + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            events = [next(line for line in lines if line.startswith("data: "))]
+            for _ in range(500):  # until both decode
+                if "semanticspec_running_rows 2.0" in httpx.get(root + "/metrics").text:
+                    break
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            events += [line for line in lines if line.startswith("data: ")]
+        t.join(60)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "data: [DONE]"  # never cut
+    last = json.loads(events[-2][6:])
+    if "error" in last:
+        assert last["error"]["type"] == "server_error" and "shut" in last["error"]["message"]
+    else:
+        assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    status, answer = got["whole"]
+    assert status in (200, 503), answer
+    if status == 503:
+        assert answer["error"]["type"] == "server_error" and "shut" in answer["error"]["message"]
+    assert status == 503 or "error" in last  # the timeout cut at least one of them
+    output = log.read_text()
+    assert sum("CancelledError" in line or "Traceback" in line for line in output.splitlines()) < 20, output
+
+
 @pytest.mark.slow
 def test_64_requests_arriving_at_random_times_each_decode_as_alone(endpoint, world_decoder):
     """Issue 34's load goal: 64 seeded requests (a quarter target-only, so two loops take turns) arrive over about
@@ -303,10 +366,22 @@ def _alone_with(dec, prompt, seed: int, method: str) -> str:
 
 @pytest.mark.parametrize("args,says", [(["--max_rows", "0"], "--max_rows=0"),
                                        (["--prot", "1"], "--prot 1; did you mean --port?"),
-                                       (["--target_url", "http://127.0.0.1:9"], "--draft_url")])
+                                       (["--target_url", "http://127.0.0.1:9"], "--draft_url"),
+                                       (["--shutdown_timeout", "-1"], "--shutdown_timeout=-1.0"),
+                                       (["--target_url", "http://127.0.0.1:9", "--draft_url", "http://127.0.0.1:9",
+                                         "--port", "{free}"], "http://127.0.0.1:9"),  # no backend: 5 s of retries
+                                       (["--port", "{busy}"], "--port={busy}")])
 def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
-    out = subprocess.run([sys.executable, "-m", "probes.serve", *args], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    import socket
+
+    with socket.socket() as busy:  # a port another server listens on
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = {"free": free_port(), "busy": busy.getsockname()[1]}
+        out = subprocess.run([sys.executable, "-m", "probes.serve", *(a.format(**ports) for a in args)],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and says.format(**ports) in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "SemanticSpec endpoint on" not in out.stdout  # refused before the banner
 
 
 def test_the_serve_config_parses_to_the_commands_defaults(capsys):

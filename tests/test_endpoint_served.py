@@ -84,6 +84,59 @@ def test_real_clients_get_what_the_served_decoder_decodes_alone(served):
         assert json.loads(h.read())["status"] == "ok"
 
 
+def test_a_lone_surrogate_gets_a_400_naming_prompt_and_the_servers_go_on(served):
+    import httpx
+
+    run = served["run"]
+    r = httpx.post(run.url + "/completions", content='{"prompt": "hi \\ud800", "max_tokens": 4}',
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    ok = run.client().completions.create(model="semanticspec", prompt=_prompt(0), max_tokens=8, seed=1)
+    assert ok.choices[0].text
+    assert httpx.get(run.url[:-3] + "/health", timeout=30).json()["status"] == "ok"
+
+
+def test_a_prompt_past_the_servers_context_gets_its_message_as_a_400_not_retried(served):
+    with pytest.raises(openai.BadRequestError) as e:  # the world's llama.cpp servers hold 256 tokens
+        served["run"].client().completions.create(model="semanticspec", prompt="3 " * 400, max_tokens=4, seed=1)
+    message = e.value.body["message"]
+    assert "maximum context length is 256 tokens" in message and "attempt" not in message
+    assert e.value.body["param"] == "prompt"
+
+
+def test_swapped_servers_are_refused(served):
+    from probes.serve.cli import ServeOptions, build
+
+    with pytest.raises(ValueError, match="swapped"):
+        build(ServeOptions(target_url=served["draft"].url, draft_url=served["target"].url, target_model="draft",
+                           draft_model="target"))
+
+
+def test_chat_works_with_the_worlds_probes_named_and_without_a_tokenizer_the_400_names_tokenizer(served):
+    from datamodules.tasks.worlds import default_world
+    from probes.serve.app import Settings, build_app
+    from probes.serve.cli import ServeOptions, build
+
+    probes = default_world().model_root() / "probes-topk"
+    app = build(ServeOptions(target_url=served["target"].url, draft_url=served["draft"].url, target_model="target",
+                             draft_model="draft", target_probe=str(probes / "target"),
+                             draft_probe=str(probes / "draft")))
+    bare = build_app(app.state.scheduler.dec, Settings())
+    messages = [{"role": "user", "content": TASK.problems(1, seed=31)[0]["problem"]}]
+    runs = [Running(app), Running(bare)]
+    try:
+        chat = runs[0].client().chat.completions.create(model="semanticspec", max_tokens=96, seed=1,
+                                                        messages=messages)
+        assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError) as e:
+            runs[1].client().chat.completions.create(model="semanticspec", max_tokens=8, messages=messages)
+        assert "--tokenizer" in e.value.body["message"]
+    finally:
+        for run, a in zip(runs, (app, bare)):
+            run.stop()
+            a.state.scheduler.stop(0)
+
+
 def test_a_backend_killed_mid_stream_ends_the_stream_with_an_error_naming_it(served, capfd):
     run, draft = served["run"], served["draft"]
     url = draft.url.removesuffix("/v1")

@@ -95,8 +95,9 @@ class Connection:
             body = e.body.get("error", e.body) if isinstance(e.body, dict) else {}
             said = body.get("message") if isinstance(body, dict) else None
             param = body.get("param") if isinstance(body, dict) else None
-            return Refused(self.say(f"server {self.root} refused {what} ({status}): {said or self.say(e)}"),
-                           self.root, status, param if isinstance(param, str) else None)
+            return Refused(self.say(f"server {self.root} refused {what} ({status}): {said or self.say(e)}"
+                                    + (f"; {fix}" if fix else "")), self.root, status,
+                           param if isinstance(param, str) else None)
         if not fix and isinstance(e, (self.openai.AuthenticationError, self.openai.PermissionDeniedError)):
             fix = f"set ${self.key_env or '(no variable)'} to a key it accepts"
         fix = fix or "check that the server is running and reachable"

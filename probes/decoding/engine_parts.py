@@ -115,7 +115,7 @@ class EnginePart:
                 results = {i: f.result() for i, f in futures.items()}
         for i, r in results.items():
             if r.error is not None:
-                self.rows[i].fail(redact(str(r.error)), r.error)
+                self.rows[i].fail(redact(str(r.error)), r.error.__cause__ or r.error)  # the engine's own error
             else:
                 out[i] = r.value
         self.forward_s += time.perf_counter() - t0

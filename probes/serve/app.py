@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from generation.engines.base import Refused
 from probes.decoding.config import DecodeConfig
@@ -201,6 +202,8 @@ class Guard:
 
         try:
             await self.app(scope, receive, sending)
+        except ClientDisconnect:  # the client went before its body was read: no one to answer
+            self.metrics.requests.labels(path, "499").inc()
         except Exception as e:  # noqa: BLE001 - the answer a client can read, instead of a dropped connection
             log.exception("%s %s failed", scope.get("method"), path)
             self.metrics.requests.labels(path, "500").inc()
@@ -437,7 +440,7 @@ async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_
             u = await _next(updates, request, job)
             if u.finish == "error":
                 e = _refusal(u, "messages" if reply.chat else "prompt")
-                yield _event(error_body(str(e), e.param, e.kind, e.status))
+                yield _event(error_body(str(e), e.param, e.kind))
                 break
             if u.delta or first:
                 yield _event(reply.chunk(u.delta, first=first))

@@ -1,0 +1,68 @@
+"""A server's client error is the caller's to fix: :class:`~generation.engines.connection.Connection` raises
+:class:`~generation.engines.base.Refused` with the server's own message after one request, not retried; a server
+that is down still raises :class:`~generation.engines.base.Unreachable` after the retries."""
+
+import pytest
+
+from tests.fake_openai import JsonHandler, LoopbackServer
+
+pytest.importorskip("openai")
+
+CONTEXT_MESSAGE = ("This model's maximum context length is 256 tokens, however you requested 300 tokens (290 in your "
+                   "prompt; 10 for the completion). Please reduce your prompt; or completion length.")
+
+
+class AnsweringServer(LoopbackServer):
+    """Answers every ``POST`` with ``status`` and ``body``, counting the requests.
+
+    Its 400 body is llama-cpp-python's for a prompt past its context: ``ErrorResponseFormatters.
+    context_length_exceeded`` in ``llama_cpp/server/errors.py``, llama-cpp-python 0.3.36.
+    """
+
+    def __init__(self, status: int, body: dict):
+        self.requests = 0
+        outer = self
+
+        class Handler(JsonHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests += 1
+                self._send(status, body)
+
+        self.url = self._serve(Handler) + "/v1"
+
+
+@pytest.fixture
+def server(request):
+    s = AnsweringServer(*request.param)
+    yield s
+    s.close()
+
+
+PAST_CONTEXT = (400, {"error": {"message": CONTEXT_MESSAGE, "type": "invalid_request_error", "param": "messages",
+                                "code": "context_length_exceeded"}})
+
+
+@pytest.mark.parametrize("server", [PAST_CONTEXT], indirect=True)
+def test_a_prompt_past_the_servers_context_is_refused_once_with_its_message(server):
+    from generation.engines.base import Refused
+    from generation.engines.connection import Connection
+
+    conn = Connection(server.url, api_key_env="", timeout=10, retries=3)
+    with pytest.raises(Refused) as e:
+        conn.completions(model="m", prompt="x", max_tokens=1)
+    assert e.value.status == 400 and e.value.param == "messages"
+    message = str(e.value)
+    assert CONTEXT_MESSAGE in message and server.url.removesuffix("/v1") in message and "attempt" not in message
+    assert server.requests == 1  # not retried
+
+
+@pytest.mark.parametrize("server", [(503, {"error": {"message": "busy"}})], indirect=True)
+def test_a_busy_server_is_still_unreachable_after_the_retries(server):
+    from generation.engines.base import Unreachable
+    from generation.engines.connection import Connection
+
+    conn = Connection(server.url, api_key_env="", timeout=10, retries=3)
+    with pytest.raises(Unreachable) as e:
+        conn.completions(model="m", prompt="x", max_tokens=1)
+    assert "3 attempt(s)" in str(e.value) and server.requests == 3
