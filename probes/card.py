@@ -1,134 +1,139 @@
 """The model card (``README.md``) of an exported probe, written from its :class:`ProbeConfig` alone.
 
-No torch import: the card says what the config records, nothing else. Hub-style YAML front matter
-first, then what the probe reads, the model it reads, its labels, its test metrics and how to load it.
+No torch import: the card says what the config records, nothing else. The front matter is a
+:class:`~huggingface_hub.ModelCardData`; the body is the Jinja template :data:`TEMPLATE`, rendered by
+:meth:`~huggingface_hub.ModelCard.from_template`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from huggingface_hub import ModelCard, ModelCardData
+
 from probes.config import ProbeConfig
 
-ROLE_TEXT = {
-    "target": "the **target** model would write a step with the same meaning (q)",
-    "draft": "the **draft** model would write a step with the same meaning (p)",
-}
+TEMPLATE = """---
+{{ card_data }}
+---
 
+# SemanticSpec {{ c.role }} probe for `{{ c.reads.get("name_or_path") or "an unrecorded model" }}`
 
-def model_card(config: ProbeConfig) -> str:
-    """Markdown model card of a probe with ``config``.
+A semantic probe of semanticspec-probes (SemanticSpec, arXiv 2602.03708): it reads what the model computes while \
+reading a reasoning step (prefix in context) and estimates the probability that the **{{ c.role }}** model would \
+write a step with the same meaning ({{ "q" if c.role == "target" else "p" }}). `SemanticSpecDecoder` keeps a draft \
+step when the target probe's q is high enough (the package's docs/design.md, "Decoding").
 
-    Returns:
-        The card's text: front matter, then the sections "What it reads", "The model it reads",
-        "Labels", "Test metrics" and "How to load it".
-    """
-    name = config.reads.get("name_or_path") or "an unrecorded model"
-    parts = [
-        _front_matter(config),
-        f"# SemanticSpec {config.role} probe for `{name}`\n",
-        f"A semantic probe of semanticspec-probes (SemanticSpec, arXiv 2602.03708): it reads what "
-        f"the model computes while reading a reasoning step (prefix in context) and estimates the probability that "
-        f"{ROLE_TEXT[config.role]}. `SemanticSpecDecoder` keeps a draft step when the target probe's q is high "
-        f"enough (the package's docs/design.md, \"Decoding\").\n",
-        _reads_section(config),
-        _model_section(config),
-        _labels_section(config),
-        _metrics_section(config),
-        _load_section(config),
-    ]
-    return "\n".join(parts)
+## What it reads
 
+{{ table("what", "value", reads) }}
+## The model it reads
 
-def _front_matter(config: ProbeConfig) -> str:
-    tags = ["semanticspec", "speculative-decoding", f"{config.role}-probe"]
-    return "\n".join(["---", "library_name: semanticspec-probes", "tags:", *[f"- {t}" for t in tags], "---", ""])
+{% if c.reads %}The fingerprint recorded at export; `load_probe` refuses a model or tokenizer that differs in any \
+field but the name, naming each field.
 
+{{ table("field", "value", fingerprint) }}
+{% else %}Not recorded (an old export): only the width, hidden_size={{ c.hidden_size }}, is checked at load time. \
+Re-export the probe to record its model.
 
-def _reads_section(config: ProbeConfig) -> str:
-    rows = [("feature groups", ", ".join(f"`{g}`" for g in config.feature_groups))]
-    if "hidden" in config.feature_groups:
-        rows += [("layers", f"`{config.layer_ids}` (HF `hidden_states` indices: 0 = embeddings, -1 = last layer)"),
-                 ("pooling", f"`{config.pooling}` over the step's tokens"),
-                 ("layer combination", f"`{config.layer_combine}`")]
-    if "token_stats" in config.feature_groups:
-        rows.append(("token statistics", ", ".join(f"`{s}`" for s in config.token_stats)))
-    if "topk_stats" in config.feature_groups:
-        rows.append((f"top-{config.top_k} statistics", ", ".join(f"`{s}`" for s in config.topk_stats)))
-    rows.append(("read by", f"`{config.source}`" + (f", hidden states `{config.hidden_norm}`"
-                                                     if "hidden" in config.feature_groups else "")))
-    dims = " → ".join(str(d) for d in [config.input_size, *config.hidden_dims, 1])
-    rows += [("input", f"{config.input_size} columns" + (", standardised with the training rows' mean and "
-                                                         "standard deviation" if config.standardize else "")),
-             ("network", f"MLP {dims}, ReLU, dropout {config.dropout}, sigmoid"),
-             ("step", f"text up to a delimiter in `{list(config.step.delimiters)!r}`, at most "
-                      f"{config.step.max_step_tokens} tokens")]
-    return "## What it reads\n\n" + _table(("what", "value"), rows)
+{% endif %}## Labels
 
+{% if labels %}Each training row is a sampled step labelled with the share of the model's samples that fall in its \
+meaning group.
 
-def _model_section(config: ProbeConfig) -> str:
-    if not config.reads:
-        return ("## The model it reads\n\nNot recorded (an old export): only the width, hidden_size="
-                f"{config.hidden_size}, is checked at load time. Re-export the probe to record its model.\n")
-    rows = [(k, f"`{v}`") for k, v in config.reads.items()]
-    return ("## The model it reads\n\nThe fingerprint recorded at export; `load_probe` refuses a model or tokenizer "
-            "that differs in any field but the name, naming each field.\n\n" + _table(("field", "value"), rows))
+{{ table("what", "value", labels) }}
+{% else %}No label provenance recorded.
 
+{% endif %}## Test metrics
 
-def _labels_section(config: ProbeConfig) -> str:
-    labels, sampling = config.labels, config.sampling
-    judge = labels.get("judge")
-    judge_text = ""
-    if isinstance(judge, dict):
-        model = judge.get("model")
-        model_name = model.get("name_or_path") if isinstance(model, dict) else model
-        judge_text = f"`{judge.get('kind', '?')}`" + _maybe(model_name, " (`{}`)")
-    elif judge is not None:
-        judge_text = f"`{judge}`"
-    rows = [("samples per prefix and model (N)", _maybe(labels.get("n_samples"), "{}")),
-            ("sampling", f"temperature {sampling.temperature}, top_p {sampling.top_p}" if sampling else ""),
-            ("labelling", _maybe(labels.get("labelling"), "`{}`")),
-            ("meaning groups", _maybe(labels.get("clustering"), "`{}`")),
-            ("judge", judge_text),
-            ("seed", _maybe(labels.get("seed"), "{}"))]
-    rows = [(k, v) for k, v in rows if v]
-    if not rows:
-        return "## Labels\n\nNo label provenance recorded.\n"
-    return ("## Labels\n\nEach training row is a sampled step labelled with the share of the model's samples that "
-            "fall in its meaning group.\n\n" + _table(("what", "value"), rows))
+{% if test_metrics %}On the held-out test problems at export (`draft_written/...`: the rows the draft wrote, where the \
+decoder decides).
 
+{{ table("metric", "value", test_metrics) }}
+{% else %}None recorded at export.
 
-def _metrics_section(config: ProbeConfig) -> str:
-    if not config.test_metrics:
-        return "## Test metrics\n\nNone recorded at export.\n"
-    rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in sorted(config.test_metrics.items())]
-    return ("## Test metrics\n\nOn the held-out test problems at export (`draft_written/...`: the rows the draft "
-            "wrote, where the decoder decides).\n\n" + _table(("metric", "value"), rows))
-
-
-def _load_section(config: ProbeConfig) -> str:
-    other = "draft" if config.role == "target" else "target"
-    return f"""## How to load it
+{% endif %}## How to load it
 
 ```python
 from probes.export import load_probe
 
-# model, tokenizer: the {config.role} model this probe reads (see "The model it reads")
-probe = load_probe("path/to/this/folder", model=model, tokenizer=tokenizer, role="{config.role}")
+# model, tokenizer: the {{ c.role }} model this probe reads (see "The model it reads")
+probe = load_probe("path/to/this/folder", model=model, tokenizer=tokenizer, role="{{ c.role }}")
 ```
 
-or pass the folder to `SemanticSpecDecoder(..., {config.role}_probe="path/to/this/folder")` with its
-{other} counterpart. The folder holds `config.json` (format version {config.format_version}) and
-`model.safetensors`; nothing is unpickled.
+or pass the folder to `SemanticSpecDecoder(..., {{ c.role }}_probe="path/to/this/folder")` with its
+{{ "draft" if c.role == "target" else "target" }} counterpart. The folder holds `config.json` (format version \
+{{ c.format_version }}) and `model.safetensors`; nothing is unpickled.
+
 """
+"""The card's body (Jinja drops the last newline): ``c`` is the config; :func:`model_card` builds the rows."""
+
+
+def model_card(config: ProbeConfig) -> ModelCard:
+    """The model card of a probe with ``config``.
+
+    Args:
+        config: the exported probe's config; the card states only what it records.
+
+    Returns:
+        A card with Hub front matter (library, license, tags) and the sections "What it reads",
+        "The model it reads", "Labels", "Test metrics" and "How to load it". A section whose facts the
+        config does not record says so.
+    """
+    data = ModelCardData(library_name="semanticspec-probes", license="apache-2.0",
+                         tags=["semanticspec", "speculative-decoding", f"{config.role}-probe"])
+    test_metrics = [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in sorted(config.test_metrics.items())]
+    return ModelCard.from_template(
+        data, template_str=TEMPLATE, c=config, table=_table, reads=_reads_rows(config), labels=_label_rows(config),
+        fingerprint=[(k, f"`{v}`") for k, v in config.reads.items()], test_metrics=test_metrics)
+
+
+def _reads_rows(config: ProbeConfig) -> list[tuple[str, str]]:
+    """What the probe reads and how: features, the model's part in them, input, network and step."""
+    groups, codes = config.feature_groups, lambda xs: ", ".join(f"`{x}`" for x in xs)
+    rows = [("feature groups", codes(groups))]
+    if "hidden" in groups:
+        rows += [("layers", f"`{config.layer_ids}` (HF `hidden_states` indices: 0 = embeddings, -1 = last layer)"),
+                 ("pooling", f"`{config.pooling}` over the step's tokens"),
+                 ("layer combination", f"`{config.layer_combine}`")]
+    if "token_stats" in groups:
+        rows.append(("token statistics", codes(config.token_stats)))
+    if "topk_stats" in groups:
+        rows.append((f"top-{config.top_k} statistics", codes(config.topk_stats)))
+    norm = f", hidden states `{config.hidden_norm}`" if "hidden" in groups else ""
+    standardised = ", standardised with the training rows' mean and standard deviation" if config.standardize else ""
+    dims = " → ".join(str(d) for d in [config.input_size, *config.hidden_dims, 1])
+    return rows + [("read by", f"`{config.source}`{norm}"),
+                   ("input", f"{config.input_size} columns{standardised}"),
+                   ("network", f"MLP {dims}, ReLU, dropout {config.dropout}, sigmoid"),
+                   ("step", f"text up to a delimiter in `{list(config.step.delimiters)!r}`, at most "
+                            f"{config.step.max_step_tokens} tokens")]
+
+
+def _label_rows(config: ProbeConfig) -> list[tuple[str, str]]:
+    """The label provenance the config records; rows with nothing recorded are left out."""
+    labels, sampling, judge = config.labels, config.sampling, config.labels.get("judge")
+    if isinstance(judge, dict):
+        model = judge.get("model")
+        model = model.get("name_or_path") if isinstance(model, dict) else model
+        judge = f"`{judge.get('kind', '?')}`" + _maybe(model, " (`{}`)")
+    else:
+        judge = _maybe(judge, "`{}`")
+    rows = [("samples per prefix and model (N)", _maybe(labels.get("n_samples"), "{}")),
+            ("sampling", f"temperature {sampling.temperature}, top_p {sampling.top_p}" if sampling else ""),
+            ("labelling", _maybe(labels.get("labelling"), "`{}`")),
+            ("meaning groups", _maybe(labels.get("clustering"), "`{}`")),
+            ("judge", judge),
+            ("seed", _maybe(labels.get("seed"), "{}"))]
+    return [(k, v) for k, v in rows if v]
 
 
 def _maybe(value: Any, fmt: str) -> str:
-    """``fmt`` filled with ``value``, or "" when nothing is recorded (so rows and suffixes drop out)."""
+    """``fmt`` filled with ``value``, or "" when nothing is recorded."""
     return "" if value is None else fmt.format(value)
 
 
-def _table(header: tuple[str, str], rows: list[tuple[str, Any]]) -> str:
-    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
-    lines += [f"| {k} | {str(v).replace('|', '&#124;')} |" for k, v in rows]
-    return "\n".join(lines) + "\n"
+def _table(key: str, value: str, rows: list[tuple[str, Any]]) -> str:
+    """A two-column markdown table; a ``|`` inside a value is escaped so that it stays in its cell."""
+    lines = [f"| {key} | {value} |", "|---|---|"]
+    return "\n".join(lines + [f"| {k} | {str(v).replace('|', '&#124;')} |" for k, v in rows]) + "\n"

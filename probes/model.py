@@ -74,11 +74,9 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
 
     def generate_model_card(self, *args, **kwargs):
         """The exported ``README.md``: a card written from the config (``probes.card``), not the Hub's template."""
-        from huggingface_hub import ModelCard
-
         from probes.card import model_card
 
-        return ModelCard(model_card(self.config))
+        return model_card(self.config)
 
     def _checked(self, features: torch.Tensor) -> torch.Tensor:
         """``features`` as (B, input_size) float32, or a ValueError naming the widths the probe reads."""

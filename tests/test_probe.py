@@ -7,6 +7,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from torch import nn
 
 from generation.specs import SamplingSpec, StepSpec
@@ -550,6 +551,8 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
     tok_hash = model_fingerprint(model, world_tokenizer)["tokenizer_hash"]
     assert "More Information Needed" not in card and "pushed to the Hub" not in card
     assert card.startswith("---\nlibrary_name: semanticspec-probes\n")
+    data = ModelCard.load(path / "README.md").data  # the front matter is Hub metadata the Hub's own parser reads
+    assert data.license == "apache-2.0" and data.tags == ["semanticspec", "speculative-decoding", "draft-probe"]
     assert "# SemanticSpec draft probe for" in card and "**draft** model would write" in card
     for fact in ("`hidden`, `token_stats`", "`[-1, 1]`", "`last` over the step's tokens",
                  # 2 layers x 32 + 2 statistics

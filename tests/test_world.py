@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 
 from datamodules.tasks.base import read_records
 from datamodules.arithmetic import card, models, task
@@ -371,4 +372,8 @@ def test_model_card_reports_training_facts_and_measured_numbers(tmp_path, world_
         "missed: cost_ratio <= 0.2",
     ):
         assert expected in text, expected
+    front = ModelCard.load(tmp_path / "draft" / "README.md").data  # Hub metadata: the model's own accuracy
+    assert front.library_name == "transformers" and front.pipeline_tag == "text-generation"
+    assert [(e.metric_type, e.metric_value) for e in front.eval_results] == [("accuracy", 0.4321)]
     assert "Not measured yet" in card.card_text("draft", folder, None)
+    assert ModelCard(card.card_text("draft", folder, None)).data.eval_results is None

@@ -7,7 +7,9 @@
 A card says how its model was trained (sizes, steps, minutes, data and template styles, seed, the
 command, read from the folder's ``training.json``) and what it measures (accuracy, decode ms/token,
 template distribution, judge accuracy, read from ``benchmarks/results/world.json``). Nothing in a
-card is typed by hand, so re-training and re-measuring keeps it true.
+card is typed by hand, so re-training and re-measuring keeps it true. The front matter is a
+:class:`~huggingface_hub.ModelCardData` (with the model's own accuracy as its ``model-index``); the
+body is the Jinja template :data:`TEMPLATE`, rendered by :meth:`~huggingface_hub.ModelCard.from_template`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import json
 import shutil
 from pathlib import Path
 from typing import Optional
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, build_tokenizer
@@ -93,212 +97,185 @@ def train_command(role: str, facts: dict) -> str:
     return cmd
 
 
-def _fmt_shares(xs) -> str:
-    return " / ".join(f"{x:.2f}" for x in xs)
+TEMPLATE = """---
+{{ card_data }}
+---
 
+# SemanticSpec arithmetic world: {{ role }}
 
-def _training_section(role: str, folder: Path, facts: dict, cfg: dict) -> list[str]:
-    spec, saved = facts["spec"], facts["saved_at"]
-    weights_mb = (folder / "model.safetensors").stat().st_size / 1e6
-    lines = [
-        "## Model",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| architecture | `{cfg['architectures'][0]}` (transformers), tied input/output embeddings |",
-        f"| layers x width | {cfg['num_hidden_layers']} x {cfg['hidden_size']} ({cfg['num_attention_heads']} heads, "
-        f"MLP {cfg['intermediate_size']}) |",
-        f"| parameters | {facts['parameters']:,} ({weights_mb:.1f} MB float32 safetensors) |",
-        f"| vocabulary | {cfg['vocab_size']} word-level tokens (every number 0-199 is one token), "
-        f"context {cfg['max_position_embeddings']} |",
-        "",
-        "## Training",
-        "",
-    ]
-    if role == "judge":
-        lines.append(
-            "Data: fresh step pairs every batch from `train.judge_pair`: half the same meaning in two random "
-            "templates, the rest mostly hard negatives (another operation on the same numbers, result off by one, "
-            "swapped or shifted operands); the loss is on the ` yes`/` no` answer token only."
-        )
-    if spec.get("extra", {}).get("init_from"):
-        lines.append(
-            f"\nInitialised from the weights in `{spec['extra']['init_from']}` (a model of the world that already "
-            "reads every template), not from random weights; its size is that model's."
-        )
-    else:
-        lines.append(
-            "Data: fresh problems every batch from `task.make_problem` with `TaskConfig(min_ops=2, max_ops=6)` "
-            "(start 1-20, add/subtract 1-9, multiply by 2-3, every intermediate result in 0-199); the loss "
-            "is on the trace and the answer line only, not the problem. Template weights per operation "
-            f"(templates 0/1/2/3): **{_fmt_shares(spec['style'])}**."
-        )
-    stop = (
-        f"stop at held-out accuracy >= {spec['stop_accuracy']}"
-        if spec.get("stop_accuracy") is not None
-        else f"keep the last checkpoint with held-out accuracy in {spec['accuracy_band']}, stop above it"
-        if spec.get("accuracy_band")
-        else "run all steps"
-    )
-    lines += [
-        "",
-        f"- optimizer: AdamW, lr {spec['lr']}, betas (0.9, 0.98), weight decay 0.01, 50 warm-up steps, "
-        "cosine decay to 10%, "
-        f"gradient clipping 1.0, batch {spec['batch']} {'pairs' if role == 'judge' else 'problems'}",
-        f"- budget: {spec['steps']} steps or {spec['max_minutes']} minutes; rule: {stop}; "
-        f"evaluation every {spec['eval_every']} steps "
-        f"({'1,000 judge pairs' if role == 'judge' else '200 four-operation problems, T=0.6, top-p 0.95'}, "
-        "seed 10,000)",
-        f"- **shipped checkpoint: step {saved['step']}, after {saved['minutes']} minutes** "
-        f"on {facts.get('threads', 1)} CPU thread(s) of a shared 2-core machine "
-        f"(held-out {'pair' if role == 'judge' else 'answer'} accuracy {saved['accuracy']:.3f} at that point)",
-        f"- seed {facts['seed']}; command: `{train_command(role, facts)}` "
-        "then `python -m datamodules.arithmetic.card --publish /tmp/world`",
-        "",
-        "<details><summary>validation history</summary>",
-        "",
-        "| step | minutes | loss | held-out accuracy |",
-        "|---|---|---|---|",
-    ]
-    lines += [f"| {h['step']} | {h['minutes']} | {h['loss']} | {h['accuracy']:.3f} |" for h in facts["history"]]
-    lines += ["", "</details>", ""]
-    return lines
+A small `LlamaForCausalLM` trained from scratch on CPU for the embedded world of semanticspec-probes \
+("The embedded world" in docs/design.md). It is {{ role_text }}
 
+A prompt is `<bos>` + problem + blank line; the trace writes one operation per step, steps separated by a blank line, \
+and ends with `{{ answer_marker }} N` and `<eos>`:
 
-def _measured_section(role: str, r: Optional[dict]) -> list[str]:
-    lines = ["## Measured (`python -m benchmarks.world`)", ""]
-    if r is None:
-        return lines + [
-            "Not measured yet: run `python -m benchmarks.world`, then `python -m datamodules.arithmetic.card`.",
-            "",
-        ]
-    dist = r["template_distribution"]
-    lines += [
-        f"On {r['n_problems']} held-out four-operation problems (seed {r['problem_seed']}), each model sampling at "
-        f"T={r['temperature']}, top-p {r['top_p']} with `generation.writer.generate`; decode cost at batch 1 with "
-        f"the same code, {r['torch_threads']} CPU thread(s), median over {r['target']['timing_prompts']} prompts "
-        f"of {r['target']['timing_new_tokens']} tokens, prefill excluded.",
-        "",
-        "| model | answer accuracy (95% CI) | decode ms/token | templates written 0/1/2/3 | true steps "
-        "| steps as reference |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name in ("target", "draft"):
-        m, d = r[name], dist[name]
-        mark = " **(this model)**" if name == role else ""
-        lines.append(
-            f"| {name}{mark} | {m['accuracy']:.3f} ({m['accuracy_ci95'][0]:.2f}-{m['accuracy_ci95'][1]:.2f}) | "
-            f"{m['ms_per_token']:.3f} | {_fmt_shares(d['shares'])} | {d['correct_step_share']:.3f} | "
-            f"{m['reference_step_share']:.3f} |"
-        )
-    c = r["judge_confusion"]
-    lines += [
-        "",
-        f"- cost ratio draft/target: **{r['cost_ratio']:.3f}** (goal <= 0.2); style distance between the two "
-        f"models' template shares (total variation): {dist['style_distance']:.2f}",
-        f"- judge{' **(this model)**' if role == 'judge' else ''}: **{r['judge_accuracy']:.3f}** "
-        "agreement with the oracle on "
-        f"{r['judge_pairs']} held-out pairs (seed {r['judge_seed']}); yes on same {c['true_yes']}, yes on different "
-        f"{c['false_yes']}, no on same {c['false_no']}, no on different {c['true_no']}",
-    ]
-    if role == "judge":
-        lines.append(
-            "- judge accuracy by pair kind: "
-            + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in r["judge_accuracy_by_kind"].items())
-        )
-        ms = r.get("judge_on_model_steps", {"pairs": 0})
-        if ms["pairs"]:
-            lines.append(
-                f"- on the models' own steps (the target's and the draft's step at the same position of a benchmark "
-                f"problem, {ms['pairs']} pairs, {ms['same_share']:.0%} the same meaning): {ms['accuracy']:.3f} "
-                f"(on same {ms['accuracy_on_same']}, on different {ms['accuracy_on_different']})"
-            )
-            if (ms.get("accuracy_on_different") or 1.0) < 0.9:
-                lines.append(
-                    "  - most errors here are steps that differ in several numbers at once (another operand *and* "
-                    "result), a kind of negative `train.judge_pair` never draws"
-                )
-        if "judge_pairs_seen_in_training" in r:
-            lines.append(
-                f"- {r['judge_pairs_seen_in_training']:.0%} of the benchmark pairs also occur in the judge's training "
-                "stream (the space of pairs is small), so this is in-distribution agreement, not generalisation."
-            )
-    if role in ("target", "draft"):
-        d = dist[role]
-        lines.append(
-            f"- this model's steps: {d['steps']} written, {d['malformed_share']:.1%} not a well-formed step; "
-            "template shares by operation: " + ", ".join(f"{op} {_fmt_shares(v)}" for op, v in d["by_op"].items())
-        )
-        lines.append(
-            f"- decode {r[role]['ms_per_token']:.3f} ms/token, prefill of a prompt {r[role]['prefill_ms']:.2f} ms"
-        )
-        lines += [
-            "",
-            "A trace this model sampled (problem 0 of the benchmark):",
-            "",
-            "```",
-            r[role]["example_trace"],
-            "```",
-        ]
-    if role == "judge" and "judge_decode" in r:
-        lines.append(
-            f"- decode {r['judge_decode']['ms_per_token']:.3f} ms/token, "
-            f"prefill of a prompt {r['judge_decode']['prefill_ms']:.2f} ms"
-        )
-    missed = [g for g, ok in r["goals"].items() if not ok]
-    lines += ["", "Goals of issue 6 missed: " + (", ".join(missed) if missed else "none") + ".", ""]
-    return lines
+```
+Start with 7. Add 5, then multiply it by 3. What is the result?
+
+7 + 5 = 12.
+
+36 is what we get from 12 times 3.
+
+Answer: 36
+```
+
+## Model
+
+| | |
+|---|---|
+| architecture | `{{ cfg.architectures[0] }}` (transformers), tied input/output embeddings |
+| layers x width | {{ cfg.num_hidden_layers }} x {{ cfg.hidden_size }} ({{ cfg.num_attention_heads }} heads, \
+MLP {{ cfg.intermediate_size }}) |
+| parameters | {{ "{:,}".format(facts.parameters) }} ({{ "%.1f" | format(weights_mb) }} MB float32 safetensors) |
+| vocabulary | {{ cfg.vocab_size }} word-level tokens (every number 0-199 is one token), \
+context {{ cfg.max_position_embeddings }} |
+
+## Training
+
+{% if role == "judge" %}Data: fresh step pairs every batch from `train.judge_pair`: half the same meaning in two \
+random templates, the rest mostly hard negatives (another operation on the same numbers, result off by one, swapped \
+or shifted operands); the loss is on the ` yes`/` no` answer token only.
+{% else %}Data: fresh problems every batch from `task.make_problem` with `TaskConfig(min_ops=2, max_ops=6)` (start \
+1-20, add/subtract 1-9, multiply by 2-3, every intermediate result in 0-199); the loss is on the trace and the answer \
+line only, not the problem. Template weights per operation (templates 0/1/2/3): **{{ shares(spec.style) }}**.
+{% endif %}{% if init_from %}
+Initialised from the weights in `{{ init_from }}` (a model of the world that already reads every template), not from \
+random weights; its size is that model's.
+{% endif %}
+- optimizer: AdamW, lr {{ spec.lr }}, betas (0.9, 0.98), weight decay 0.01, 50 warm-up steps, cosine decay to 10%, \
+gradient clipping 1.0, batch {{ spec.batch }} {{ "pairs" if role == "judge" else "problems" }}
+- budget: {{ spec.steps }} steps or {{ spec.max_minutes }} minutes; rule: {{ stop }}; evaluation every \
+{{ spec.eval_every }} steps ({{ "1,000 judge pairs" if role == "judge" else \
+"200 four-operation problems, T=0.6, top-p 0.95" }}, seed 10,000)
+- **shipped checkpoint: step {{ facts.saved_at.step }}, after {{ facts.saved_at.minutes }} minutes** on \
+{{ facts.get("threads", 1) }} CPU thread(s) of a shared 2-core machine (held-out \
+{{ "pair" if role == "judge" else "answer" }} accuracy {{ "%.3f" | format(facts.saved_at.accuracy) }} at that point)
+- seed {{ facts.seed }}; command: `{{ command }}` then `python -m datamodules.arithmetic.card --publish /tmp/world`
+
+<details><summary>validation history</summary>
+
+| step | minutes | loss | held-out accuracy |
+|---|---|---|---|
+{% for h in facts.history %}| {{ h.step }} | {{ h.minutes }} | {{ h.loss }} | {{ "%.3f" | format(h.accuracy) }} |
+{% endfor %}
+</details>
+
+## Measured (`python -m benchmarks.world`)
+
+{% if r is none %}Not measured yet: run `python -m benchmarks.world`, then `python -m datamodules.arithmetic.card`.
+{% else %}{% set dist, c = r.template_distribution, r.judge_confusion %}\
+On {{ r.n_problems }} held-out four-operation problems (seed {{ r.problem_seed }}), each model sampling at \
+T={{ r.temperature }}, top-p {{ r.top_p }} with `generation.writer.generate`; decode cost at batch 1 with the same \
+code, {{ r.torch_threads }} CPU thread(s), median over {{ r.target.timing_prompts }} prompts of \
+{{ r.target.timing_new_tokens }} tokens, prefill excluded.
+
+| model | answer accuracy (95% CI) | decode ms/token | templates written 0/1/2/3 | true steps | steps as reference |
+|---|---|---|---|---|---|
+{% for name in ("target", "draft") %}{% set m, d = r[name], dist[name] %}\
+| {{ name }}{{ " **(this model)**" if name == role }} \
+| {{ "%.3f (%.2f-%.2f)" | format(m.accuracy, *m.accuracy_ci95) }} | {{ "%.3f" | format(m.ms_per_token) }} \
+| {{ shares(d.shares) }} | {{ "%.3f" | format(d.correct_step_share) }} \
+| {{ "%.3f" | format(m.reference_step_share) }} |
+{% endfor %}
+- cost ratio draft/target: **{{ "%.3f" | format(r.cost_ratio) }}** (goal <= 0.2); style distance between the two \
+models' template shares (total variation): {{ "%.2f" | format(dist.style_distance) }}
+- judge{{ " **(this model)**" if role == "judge" }}: **{{ "%.3f" | format(r.judge_accuracy) }}** agreement with the \
+oracle on {{ r.judge_pairs }} held-out pairs (seed {{ r.judge_seed }}); yes on same {{ c.true_yes }}, yes on \
+different {{ c.false_yes }}, no on same {{ c.false_no }}, no on different {{ c.true_no }}
+{% if role == "judge" %}{% set ms = r.get("judge_on_model_steps", {"pairs": 0}) %}\
+- judge accuracy by pair kind: {% for k, v in r.judge_accuracy_by_kind.items() %}{{ k }} \
+{{ "%.3f" | format(v.accuracy) }} (n={{ v.n }}){{ ", " if not loop.last }}{% endfor %}
+{% if ms.pairs %}- on the models' own steps (the target's and the draft's step at the same position of a benchmark \
+problem, {{ ms.pairs }} pairs, {{ "{:.0%}".format(ms.same_share) }} the same meaning): \
+{{ "%.3f" | format(ms.accuracy) }} (on same {{ ms.accuracy_on_same }}, on different {{ ms.accuracy_on_different }})
+{% if (ms.accuracy_on_different or 1.0) < 0.9 %}  - most errors here are steps that differ in several numbers at \
+once (another operand *and* result), a kind of negative `train.judge_pair` never draws
+{% endif %}{% endif %}{% if "judge_pairs_seen_in_training" in r %}\
+- {{ "{:.0%}".format(r.judge_pairs_seen_in_training) }} of the benchmark pairs also occur in the judge's training \
+stream (the space of pairs is small), so this is in-distribution agreement, not generalisation.
+{% endif %}{% if "judge_decode" in r %}- decode {{ "%.3f" | format(r.judge_decode.ms_per_token) }} ms/token, \
+prefill of a prompt {{ "%.2f" | format(r.judge_decode.prefill_ms) }} ms
+{% endif %}{% else %}{% set d = dist[role] %}\
+- this model's steps: {{ d.steps }} written, {{ "{:.1%}".format(d.malformed_share) }} not a well-formed step; \
+template shares by operation: {% for op, v in d.by_op.items() %}{{ op }} {{ shares(v) }}\
+{{ ", " if not loop.last }}{% endfor %}
+- decode {{ "%.3f" | format(r[role].ms_per_token) }} ms/token, prefill of a prompt \
+{{ "%.2f" | format(r[role].prefill_ms) }} ms
+
+A trace this model sampled (problem 0 of the benchmark):
+
+```
+{{ r[role].example_trace }}
+```
+{% endif %}
+Goals of `benchmarks.world` missed: {{ missed | join(", ") or "none" }}.
+{% endif %}
+## Use
+
+```python
+from datamodules.arithmetic.models import load_world  # or AutoModelForCausalLM.from_pretrained(folder)
+world = load_world()  # world.target, world.draft, world.judge, world.tokenizer
+```
+
+## Limitations
+
+A toy: a closed vocabulary of {{ cfg.vocab_size }} words and numbers, problems of one shape. Accuracy is measured by \
+sampling and has the interval shown; held-out means other seeds, not unseen kinds of problem. "true steps" are \
+equations that hold; "steps as reference" also do the problem's operation at that position.
+
+"""
+"""A card's body (Jinja drops the last newline): ``facts`` is the folder's ``training.json``, ``cfg`` its
+``config.json``, ``r`` the benchmark's results or None."""
 
 
 def card_text(role: str, folder: Path, results: Optional[dict]) -> str:
-    """The README.md of one model folder, from its ``training.json`` and the benchmark's ``results``."""
+    """The README.md of one model folder.
+
+    Args:
+        role: ``target``, ``draft`` or ``judge``.
+        folder: the model's folder, with ``training.json``, ``config.json`` and ``model.safetensors``.
+        results: the output of ``benchmarks.world`` (``benchmarks/results/world.json``), or None when
+            the models are not measured yet.
+
+    Returns:
+        The card's text: Hub front matter, then the sections "Model", "Training", "Measured", "Use"
+        and "Limitations".
+    """
     facts = json.loads((folder / "training.json").read_text())
-    cfg = json.loads((folder / "config.json").read_text())
-    lines = [
-        "---",
-        "library_name: transformers",
-        "pipeline_tag: text-generation",
-        "tags: [semanticspec, speculative-decoding, arithmetic, toy-world]",
-        "---",
-        "",
-        f"# SemanticSpec arithmetic world: {role}",
-        "",
-        f"A small `LlamaForCausalLM` trained from scratch on CPU for the embedded world of semanticspec-probes "
-        f'(issue 6; "The embedded world" in docs/design.md). It is {ROLE_TEXT[role]}',
-        "",
-        "A prompt is `<bos>` + problem + blank line; the trace writes one operation per step, steps separated "
-        f"by a blank line, and ends with `{task.ANSWER_MARKER} N` and `<eos>`:",
-        "",
-        "```",
-        "Start with 7. Add 5, then multiply it by 3. What is the result?",
-        "",
-        "7 + 5 = 12.",
-        "",
-        "36 is what we get from 12 times 3.",
-        "",
-        "Answer: 36",
-        "```",
-        "",
-    ]
-    lines += _training_section(role, folder, facts, cfg)
-    lines += _measured_section(role, results)
-    lines += [
-        "## Use",
-        "",
-        "```python",
-        "from datamodules.arithmetic.models import load_world  # or AutoModelForCausalLM.from_pretrained(folder)",
-        "world = load_world()  # world.target, world.draft, world.judge, world.tokenizer",
-        "```",
-        "",
-        "## Limitations",
-        "",
-        f"A toy: a closed vocabulary of {cfg['vocab_size']} words and numbers, problems of one shape. "
-        "Accuracy is measured "
-        'by sampling and has the interval shown; held-out means other seeds, not unseen kinds of problem. "true steps" '
-        'are equations that hold; "steps as reference" also do the problem\'s operation at that position.',
-        "",
-    ]
-    return "\n".join(lines)
+    spec = facts["spec"]
+    if spec.get("stop_accuracy") is not None:
+        stop = f"stop at held-out accuracy >= {spec['stop_accuracy']}"
+    elif spec.get("accuracy_band"):
+        stop = f"keep the last checkpoint with held-out accuracy in {spec['accuracy_band']}, stop above it"
+    else:
+        stop = "run all steps"
+    data = ModelCardData(library_name="transformers", license="apache-2.0", pipeline_tag="text-generation",
+                         tags=["semanticspec", "speculative-decoding", "arithmetic", "toy-world"],
+                         **_eval_results(role, results))
+    card = ModelCard.from_template(
+        data, template_str=TEMPLATE, role=role, role_text=ROLE_TEXT[role], answer_marker=task.ANSWER_MARKER,
+        facts=facts, spec=spec, cfg=json.loads((folder / "config.json").read_text()), r=results, stop=stop,
+        weights_mb=(folder / "model.safetensors").stat().st_size / 1e6, command=train_command(role, facts),
+        init_from=spec.get("extra", {}).get("init_from"), shares=lambda xs: " / ".join(f"{x:.2f}" for x in xs),
+        missed=[g for g, ok in results["goals"].items() if not ok] if results else [])
+    return str(card)
+
+
+def _eval_results(role: str, r: Optional[dict]) -> dict:
+    """The model's own measured accuracy as ``ModelCardData`` fields (its ``model-index``), if measured."""
+    if r is None:
+        return {}
+    if role == "judge":
+        result = EvalResult(task_type="text-classification", dataset_type="semanticspec-arithmetic-world",
+                            dataset_name=f"{r['judge_pairs']} held-out step pairs (seed {r['judge_seed']})",
+                            metric_type="accuracy", metric_name="agreement with the oracle",
+                            metric_value=r["judge_accuracy"])
+    else:
+        result = EvalResult(task_type="text-generation", dataset_type="semanticspec-arithmetic-world",
+                            dataset_name=f"{r['n_problems']} held-out four-operation problems "
+                                         f"(seed {r['problem_seed']})",
+                            metric_type="accuracy", metric_name="answer accuracy", metric_value=r[role]["accuracy"])
+    return {"model_name": f"semanticspec-arithmetic-{role}", "eval_results": [result]}
 
 
 def write_card(role: str, root: Optional[str | Path] = None, results: Optional[dict] = None) -> Path:
