@@ -6,8 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from probes import metrics
-
 
 class Decision(StrEnum):
     """What became of a step: a string enum, so a trace compares, prints and serialises as its value."""
@@ -205,6 +203,11 @@ class DecodeResult:
         return self.error is None and self.stop_reason != "error"
 
 
+def _ratio(num: float, den: float) -> float:
+    """``num / den`` as a float, and 0 when nothing was counted (``den == 0``)."""
+    return num / den if den > 0 else 0.0
+
+
 def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
     """Aggregate figures over prompts, named as in docs/design.md "Benchmark figures".
 
@@ -214,8 +217,10 @@ def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
     :class:`DecodeStats` for served decoding.
 
     Returns:
-        ``step_acceptance``, ``draft_token_share``, ``target_passes_per_100_tokens``,
-        ``probe_overhead`` (``probe_s`` / ``wall_s``), ``tokens_per_s`` (``output_tokens`` / ``wall_s``),
+        ``step_acceptance`` (``draft_steps_accepted`` / ``draft_steps_proposed``), ``draft_token_share``
+        (``draft_tokens`` / ``output_tokens``), ``target_passes_per_100_tokens`` (100 * ``target_passes`` /
+        ``output_tokens``), ``probe_overhead`` (``probe_s`` / ``wall_s``), ``tokens_per_s`` (``output_tokens`` /
+        ``wall_s``), each 0 when its denominator is 0 (nothing counted),
         ``n_prompts``, ``n_errors`` (prompts whose decode failed: their counters are included up to the failure;
         an accuracy over these results must count them as wrong, as their empty text does), and the sums of
         every :class:`DecodeStats` field: ``wall_s``, ``output_tokens``, ``steps``, ``draft_steps_proposed``,
@@ -226,13 +231,11 @@ def summarize(results: Sequence[DecodeResult]) -> dict[str, float]:
     s = [r.stats for r in results]
     tot = {k: sum(getattr(x, k) for x in s) for k in DecodeStats.__dataclass_fields__}
     return {
-        "step_acceptance": float(metrics.step_acceptance(tot["draft_steps_accepted"], tot["draft_steps_proposed"])),
-        "draft_token_share": float(metrics.draft_token_share(tot["draft_tokens"], tot["output_tokens"])),
-        "target_passes_per_100_tokens": float(
-            metrics.target_passes_per_100_tokens(tot["target_passes"], tot["output_tokens"])
-        ),
-        "probe_overhead": float(metrics.probe_overhead(tot["probe_s"], tot["wall_s"])),
-        "tokens_per_s": tot["output_tokens"] / tot["wall_s"] if tot["wall_s"] > 0 else 0.0,
+        "step_acceptance": _ratio(tot["draft_steps_accepted"], tot["draft_steps_proposed"]),
+        "draft_token_share": _ratio(tot["draft_tokens"], tot["output_tokens"]),
+        "target_passes_per_100_tokens": _ratio(100 * tot["target_passes"], tot["output_tokens"]),
+        "probe_overhead": _ratio(tot["probe_s"], tot["wall_s"]),
+        "tokens_per_s": _ratio(tot["output_tokens"], tot["wall_s"]),
         "n_prompts": len(results),
         "n_errors": sum(not r.ok for r in results),
         **tot,
