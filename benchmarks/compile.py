@@ -72,14 +72,11 @@ def main(argv=None) -> dict:
 
 def table(res: dict) -> str:
     """ms per token of each model and mode, and the draft/target ratios, as markdown."""
-    lines = ["| model | eager DynamicCache ms/token | eager StaticCache | compiled StaticCache | compile s |",
-             "|---|---|---|---|---|"]
-    for name, r in res["models"].items():
-        lines.append(f"| {name} | {r['eager_dynamic_ms']:.3f} | {r['eager_static_ms']:.3f} | "
-                     f"{r['compiled_static_ms']:.3f} | {r['compile_s']:.1f} |")
-    lines.append(f"| draft/target | {res['ratio']['eager_dynamic_ms']:.3f} | {res['ratio']['eager_static_ms']:.3f} "
-                 f"| {res['ratio']['compiled_static_ms']:.3f} | |")
-    return "\n".join(lines)
+    modes = ("eager_dynamic_ms", "eager_static_ms", "compiled_static_ms")
+    rows = [[name, *(f"{r[k]:.3f}" for k in modes), f"{r['compile_s']:.1f}"] for name, r in res["models"].items()]
+    rows.append(["draft/target", *(f"{res['ratio'][k]:.3f}" for k in modes), ""])
+    return "\n".join(harness.table(["model", "eager DynamicCache ms/token", "eager StaticCache", "compiled StaticCache",
+                                    "compile s"], rows))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from tabulate import tabulate
+
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root."""
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -67,7 +69,7 @@ class OneLineParser(argparse.ArgumentParser):
     with the closest known option of a mistyped one, as the package's other CLIs do (issue 33 item 14)."""
 
     def error(self, message: str) -> NoReturn:
-        from datamodules.labels.cli import did_you_mean, fail, parser_options
+        from generation.cli import did_you_mean, fail, parser_options
 
         fail(self.prog, did_you_mean(message, parser_options(self)))
 
@@ -133,8 +135,8 @@ def shown(path: Path) -> str:
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    """The lines of a markdown table: ``header``, its rule, and a line per row of cells."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+    """The lines of a markdown table (GitHub's format); cells are shown as given, never reparsed as numbers."""
+    return tabulate(list(rows), list(header), tablefmt="github", disable_numparse=True).splitlines()
 
 
 def write(report: dict, path: Path, table: str | None = None, *, save_table: bool = False,

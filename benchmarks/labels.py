@@ -254,42 +254,44 @@ def run(quick: bool, with_backends: bool = True) -> dict:
     }
 
 
-def table(res: dict) -> str:
-    def goal(ok: bool) -> str:
-        return "met" if ok else "MISSED"
+def _goal(ok: bool) -> str:
+    return "met" if ok else "MISSED"
 
-    st = res["seconds_per_stage"]
-    lines = ["| metric | value | goal |", "|---|---|---|",
-             f"| ARI vs oracle (HDBSCAN + judge) | {res['ari']:.3f} | >= 0.9 {goal(res['ari'] >= 0.9)} |",
-             f"| ARI HDBSCAN only | {res['ari_hdbscan_only']:.3f} | |",
-             f"| ARI judge only | {res['ari_judge_only']:.3f} | |",
-             f"| ARI with the oracle as judge (audit: bound for a perfect judge) | {res['ari_oracle_judge']:.3f} | |",
-             f"| judge accuracy on asked pairs | {res['judge_accuracy']:.3f} | |",
-             f"| q MAE vs oracle groups | {res['q_mae']:.4f} | <= 0.05 {goal(res['q_mae'] <= 0.05)} |",
-             f"| p MAE vs oracle groups | {res['p_mae']:.4f} | <= 0.05 {goal(res['p_mae'] <= 0.05)} |",
-             f"| build seconds | {res['build_seconds']:.1f} | <= 180 {goal(res['build_seconds'] <= 180)} |",
-             "| seconds per stage | " + ", ".join(f"{k} {v:.1f}" for k, v in st.items()) + " | |",
-             f"| clustering + judge share | {res['clustering_judge_share']:.1%} | <= 25% "
-             f"{goal(res['clustering_judge_share'] <= 0.25)} |",
-             (f"| bytes per sample (features + overhead) | {res['bytes_per_sample']:.0f} "
-              f"({res['feature_bytes_per_sample']:.0f} + "
-              f"{res['overhead_bytes_per_sample']:.0f}) | 2 B/feature/layer + fixed |"),
-             (f"| streaming read, 384-wide, samples/s | {res['read_samples_per_s']:,} | >= 200,000 "
-              f"{goal(res['read_samples_per_s'] >= 200_000)} |"),
-             (f"| peak RSS MB at 1x / 10x rows | {res['peak_rss_mb']['1x']:.0f} / {res['peak_rss_mb']['10x']:.0f} "
-              f"({res['read_rows']['1x']:,} / {res['read_rows']['10x']:,} rows; {res['import_rss_mb']:.0f} after "
-              f"imports) | flat |")]
+
+def table(res: dict) -> str:
+    st, rss, rows_read = res["seconds_per_stage"], res["peak_rss_mb"], res["read_rows"]
+    metrics = [
+        ["ARI vs oracle (HDBSCAN + judge)", f"{res['ari']:.3f}", f">= 0.9 {_goal(res['ari'] >= 0.9)}"],
+        ["ARI HDBSCAN only", f"{res['ari_hdbscan_only']:.3f}", ""],
+        ["ARI judge only", f"{res['ari_judge_only']:.3f}", ""],
+        ["ARI with the oracle as judge (audit: bound for a perfect judge)", f"{res['ari_oracle_judge']:.3f}", ""],
+        ["judge accuracy on asked pairs", f"{res['judge_accuracy']:.3f}", ""],
+        ["q MAE vs oracle groups", f"{res['q_mae']:.4f}", f"<= 0.05 {_goal(res['q_mae'] <= 0.05)}"],
+        ["p MAE vs oracle groups", f"{res['p_mae']:.4f}", f"<= 0.05 {_goal(res['p_mae'] <= 0.05)}"],
+        ["build seconds", f"{res['build_seconds']:.1f}", f"<= 180 {_goal(res['build_seconds'] <= 180)}"],
+        ["seconds per stage", ", ".join(f"{k} {v:.1f}" for k, v in st.items()), ""],
+        ["clustering + judge share", f"{res['clustering_judge_share']:.1%}",
+         f"<= 25% {_goal(res['clustering_judge_share'] <= 0.25)}"],
+        ["bytes per sample (features + overhead)", f"{res['bytes_per_sample']:.0f} "
+         f"({res['feature_bytes_per_sample']:.0f} + {res['overhead_bytes_per_sample']:.0f})",
+         "2 B/feature/layer + fixed"],
+        ["streaming read, 384-wide, samples/s", f"{res['read_samples_per_s']:,}",
+         f">= 200,000 {_goal(res['read_samples_per_s'] >= 200_000)}"],
+        ["peak RSS MB at 1x / 10x rows", f"{rss['1x']:.0f} / {rss['10x']:.0f} ({rows_read['1x']:,} / "
+         f"{rows_read['10x']:,} rows; {res['import_rss_mb']:.0f} after imports)", "flat"],
+    ]
     audit = [[f"{writer}, {kind}", str(c["n"]), f"{c['mean_label_q']:.3f}", f"{c['mean_oracle_q']:.3f}",
               f"{c['false_high_share']:.1%}",
-              f"< 10% {goal(c['false_high_share'] < 0.10)}" if (writer, kind) == ("draft", "wrong") else ""]
+              f"< 10% {_goal(c['false_high_share'] < 0.10)}" if (writer, kind) == ("draft", "wrong") else ""]
              for writer, cells in res["audit"].items() for kind, c in cells.items()]
-    lines += ["", *harness.table(["label audit: writer, oracle", "rows", "mean label q", "mean oracle q",
-                                  "false-high share", "goal"], audit)]
     groupings = [[name, f"{v['ari']:.3f}", f"{v['q_mae']:.4f}", f"{v['p_mae']:.4f}",
                   f"{v.get('draft_wrong_false_high_share', float('nan')):.1%}", str(v["judge_pairs"]),
                   f"{v['judge_accuracy']:.3f}", f"{v['seconds']:.1f}"] for name, v in res["variants"].items()]
-    lines += ["", *harness.table(["grouping", "ARI", "q MAE", "p MAE", "wrong draft false-high", "judge pairs",
-                                  "judge accuracy", "seconds"], groupings)]
+    lines = [*harness.table(["metric", "value", "goal"], metrics), "",
+             *harness.table(["label audit: writer, oracle", "rows", "mean label q", "mean oracle q",
+                             "false-high share", "goal"], audit), "",
+             *harness.table(["grouping", "ARI", "q MAE", "p MAE", "wrong draft false-high", "judge pairs",
+                             "judge accuracy", "seconds"], groupings)]
     if "backends" in res:
         lines += ["", backends_table(res["backends"])]
     return "\n".join(lines)
@@ -300,22 +302,21 @@ def backends_table(b: dict) -> str:
     if "skipped" in b:
         return f"sampling backends: skipped ({b['skipped']})"
     o = b["overhead"]
+
     def ok(good):
         return "(met)" if good else "(missed)"
-    lines = ["| sampling backends, real pair | value | goal |", "|---|---|---|",
-             (f"| openai sampler over a bare loop, same {o['requests_per_round']} requests x {o['rounds']} | "
-              f"{o['sampler_over_bare']:.2f} ({o['sampler_tokens_per_s']:.1f} vs {o['bare_tokens_per_s']:.1f} tok/s) | "
-              f">= 0.9 {ok(o['sampler_over_bare'] >= 0.9)} |")]
+    rows = [[f"openai sampler over a bare loop, same {o['requests_per_round']} requests x {o['rounds']}",
+             f"{o['sampler_over_bare']:.2f} ({o['sampler_tokens_per_s']:.1f} vs {o['bare_tokens_per_s']:.1f} tok/s)",
+             f">= 0.9 {ok(o['sampler_over_bare'] >= 0.9)}"]]
     for name, v in b["builds"].items():
-        goal = f"<= 30% {ok(v['reading_share'] <= 0.3)}" if name == "openai" else ""
-        lines.append(f"| build with {name}: {v['samples']} samples in {v['seconds']:.1f} s, {v['samples_per_s']:.2f} "
-                     f"samples/s sampling; reading share | {v['reading_share']:.1%} | {goal} |")
-        lines.append(f"| build with {name}: seconds per stage | "
-                     + ", ".join(f"{k} {x:.1f}" for k, x in v["seconds_per_stage"].items()) + " | |")
-    for role, g in b["greedy_agreement"].items():
-        lines.append(f"| greedy step agreement, server vs hf, {role} | {g['equal']}/{g['prefixes']} "
-                     f"({g['share']:.0%}) | reported |")
-    return "\n".join(lines)
+        rows += [[f"build with {name}: {v['samples']} samples in {v['seconds']:.1f} s, {v['samples_per_s']:.2f} "
+                  "samples/s sampling; reading share", f"{v['reading_share']:.1%}",
+                  f"<= 30% {ok(v['reading_share'] <= 0.3)}" if name == "openai" else ""],
+                 [f"build with {name}: seconds per stage",
+                  ", ".join(f"{k} {x:.1f}" for k, x in v["seconds_per_stage"].items()), ""]]
+    rows += [[f"greedy step agreement, server vs hf, {role}", f"{g['equal']}/{g['prefixes']} ({g['share']:.0%})",
+              "reported"] for role, g in b["greedy_agreement"].items()]
+    return "\n".join(harness.table(["sampling backends, real pair", "value", "goal"], rows))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -305,22 +305,21 @@ TABLES: dict[str, Callable[[], str]] = {
 # --------------------------------------------------------------------------- the pages
 
 
-def render(text: str) -> str:
-    """``text`` with every ``report:`` block rewritten from the JSON; an unknown block name is refused."""
-    def one(m: re.Match) -> str:
-        name = m["name"]
-        if name not in TABLES:
-            raise ValueError(f"<!-- report:{name} -->: no such table; expected one of {sorted(TABLES)}")
-        return m.group(1) + TABLES[name]() + m.group(4)
+def fresh(name: str) -> str:
+    """The body of block ``name`` as the JSON gives it; an unknown name is refused, naming the known ones."""
+    if name not in TABLES:
+        raise ValueError(f"<!-- report:{name} -->: no such table; expected one of {sorted(TABLES)}")
+    return TABLES[name]()
 
-    return BLOCK.sub(one, text)
+
+def render(text: str) -> str:
+    """``text`` with every ``report:`` block rewritten from the JSON."""
+    return BLOCK.sub(lambda m: m.group(1) + fresh(m["name"]) + m.group(4), text)
 
 
 def stale(page: Path) -> list[str]:
     """Names of the blocks of ``page`` that differ from what the JSON gives."""
-    text = page.read_text()
-    fresh = {m["name"]: m["body"] for m in BLOCK.finditer(render(text))}
-    return [m["name"] for m in BLOCK.finditer(text) if fresh[m["name"]] != m["body"]]
+    return [m["name"] for m in BLOCK.finditer(page.read_text()) if m["body"] != fresh(m["name"])]
 
 
 def main(argv: list[str] | None = None) -> None:
