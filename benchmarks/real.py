@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from benchmarks import harness
 from datamodules.labels import shards as S
 from datamodules.arithmetic.task import ArithmeticTask
-from datamodules.labels.models import load_causal_lm
+from generation.loading import load_causal_lm
 from probes.decoder import SemanticSpecDecoder, summarize
 from probes.decoding.options import LoopOptions
 from probes.decoding.timing import rotation

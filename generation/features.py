@@ -8,7 +8,7 @@ Three groups (docs/design.md "Probes and their features"), all taken from the on
   predicted them (position ``t - 1`` predicts token ``t``; the prefix's last position predicts the
   first): mean and min log-probability, mean and max entropy, the share of tokens that are not the
   model's top-1 or not in its top-5, and the mean log rank. They are the model's own judgement of
-  the drafted tokens (issue 9: min log-prob separates right from wrong draft steps at AUROC ~0.98
+  the drafted tokens (min log-prob separates right from wrong draft steps at AUROC ~0.98
   where pooled states reach ~0.85);
 - ``topk_stats``: statistics that are exact from the token's log-prob and the model's ``top_k`` largest
   log-probs, so a server's top-k answer gives the same numbers as full logits in-process:

@@ -1,14 +1,26 @@
-"""Fingerprints of a model and its tokenizer: what a probe or a data directory records about the model it reads.
+"""Fingerprints of a model and its tokenizer, and of files: what a probe or a data directory records about what it
+was made from.
 
-Imported downward by the exports (``probes.export``) and the label build's manifest
-(``datamodules.labels.config``), so both describe a model the same way.
+Imported downward by the exports (``probes.export``), the label build's manifest and shards
+(``datamodules.labels.config``, ``datamodules.labels.shards``) and the tasks (a problem file's hash), so all describe
+a model or a file the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def tokenizer_hash(tokenizer) -> str:

@@ -5,7 +5,7 @@ The package's CPU work is many small ops on small models (the embedded world's t
 Between two ops, torch's OpenMP threads (libgomp in the pip wheels) spin-wait: 300,000 spins by libgomp's
 default before they sleep. Alone that makes small ops fast; beside any other busy process (a second job, a test
 run, another rank) every spin steals a core the other process needs, so both slow down far past their fair
-share (issue 36: a 48-problem label build took 5.4x its time alone beside one 2-thread torch process).
+share (a 48-problem label build took 5.4x its time alone beside one 2-thread torch process).
 
 The policy, in the order it is applied:
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from datamodules.labels.cli import normalise_args
+from generation.cli import normalise_args
 from generation.threads import set_wait_policy
 from probes.fit_args import DESCRIPTION, PROG, first_pass
 
@@ -90,10 +90,10 @@ def format_table(rows: dict[str, dict[str, float]], columns: list[str]) -> str:
 
 def main(args: list[str] | None = None) -> dict[str, Any]:
     """Run the fit job; returns ``{"export": {role: path}, "test": metrics, "best_ckpt": path}``."""
-    set_wait_policy()  # before torch loads: idle threads sleep rather than spin (issue 36)
+    set_wait_policy()  # before torch loads: idle threads sleep rather than spin
     args = normalise_args(list(sys.argv[1:] if args is None else args))
     args = _help_args(args)
-    first_pass(args)  # no torch yet: a bad option costs a second, not the imports below (issue 33 item 16)
+    first_pass(args)  # no torch yet: a bad option costs a second, not the imports below
     from probes.fit_cli import fit, make_cli
 
     cli = make_cli(args, DEFAULT_CONFIG)

@@ -1,7 +1,7 @@
 """The fit command line before torch loads: its name, one-line refusals and a first pass over the arguments.
 
 Importing torch and Lightning takes seconds, so `python -m probes.fit` looks at what it was given
-before it imports them (issue 33 item 16): YAML syntax, ``--ckpt_path``, and every option name, on
+before it imports them: YAML syntax, ``--ckpt_path``, and every option name, on
 the command line and in each ``--config`` file, against the options the real parser knows. Those are
 recorded in ``probes/fit_options.json``, written from the parser itself
 (:func:`probes.fit_cli.known_options`; tests/test_fit.py checks that the record is current). With
@@ -22,8 +22,8 @@ from typing import Any, NoReturn
 
 import yaml
 
-from datamodules.labels.cli import check_yaml_files, did_you_mean, option_value
-from datamodules.labels.cli import fail as cli_fail
+from generation.cli import check_yaml_files, did_you_mean, option_value
+from generation.cli import fail as cli_fail
 from generation.threads import check_threads
 
 PROG = "python -m probes.fit"
@@ -37,7 +37,7 @@ RECORDED_WITH = ("lightning", "jsonargparse")
 
 
 def fail(message: str) -> NoReturn:
-    """Report bad input as one line on stderr and exit 2 (:func:`datamodules.labels.cli.fail`)."""
+    """Report bad input as one line on stderr and exit 2 (:func:`generation.cli.fail`)."""
     cli_fail(PROG, message)
 
 

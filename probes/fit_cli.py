@@ -21,7 +21,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from datamodules.datamodule import SemanticProbeDataModule
-from datamodules.labels.cli import did_you_mean, parser_options
+from generation.cli import did_you_mean, parser_options
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
 from probes.fit_args import DESCRIPTION, KNOWN_OPTIONS, PROG, fail, library_versions
 from probes.fit_callbacks import NoValidationFallback, ProbeSummary
@@ -87,7 +87,7 @@ class ProbeCLI(LightningCLI):
                                                              verbose=False)
 
     def before_instantiate_classes(self) -> None:
-        try:  # issue 36: one thread count per process, set before any model work
+        try:  # one thread count per process, set before any model work
             apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
         except ValueError as e:
             fail(str(e))
@@ -182,7 +182,7 @@ def _new_run_dir(trainer) -> Path | None:
 
 
 def _drop_empty_run_dir(run_dir: Path | None) -> None:
-    """Remove the folder a refused fit created if it holds nothing but its ``config.yaml`` (issue 33 item 3)."""
+    """Remove the folder a refused fit created if it holds nothing but its ``config.yaml``."""
     if run_dir is not None and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml"}:
         (run_dir / "config.yaml").unlink(missing_ok=True)
         run_dir.rmdir()
@@ -207,7 +207,7 @@ def _fit_parser():
 def known_options() -> list[str]:
     """Every option name of the fit parser, with the build config's keys under ``--data.build`` (the parser
     reads those only when it builds the data's ``BuildConfig``): what :data:`probes.fit_args.KNOWN_OPTIONS` records."""
-    from datamodules.labels.build import _parser as build_parser
+    from datamodules.labels.build import build_parser
 
     build = {"--data." + o[2:] for o in parser_options(build_parser()) if o.startswith("--build.")}
     return sorted(set(parser_options(_fit_parser())) | build)
@@ -245,7 +245,7 @@ _LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary`")
 def quiet_lightning() -> None:
     """Silence what a normal run need not show: Lightning's litlogger tip, its warning about a ``__len__``
     of iterable datasets (the stream deals shards to workers itself, so its length holds), and torch's
-    deprecation of ``LeafSpec``, which Lightning's own code still builds (issue 33 item 15; nothing a user can
+    deprecation of ``LeafSpec``, which Lightning's own code still builds (nothing a user can
     change)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)

@@ -6,7 +6,7 @@ Batches come from :class:`~datamodules.datamodule.SemanticProbeDataModule` as
 reading of its own.
 
 Decisions at decode time happen on draft-written steps, so the target probe's metrics are also
-reported on those rows alone (``val/target/draft_written/auroc``, ...; issue 9), and the rare
+reported on those rows alone (``val/target/draft_written/auroc``, ...), and the rare
 draft-written rows with a low label (the draft's wrong steps) can be weighted up in the loss.
 """
 

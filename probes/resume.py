@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from lightning.pytorch import Callback
 
-from datamodules.labels.cli import option_value
+from generation.cli import option_value
 
 IGNORED = ("config", "ckpt_path", "trainer.logger.init_args.version", "test", "export", "export_dir", "threads")
 """Fields a resumed run may differ in: how it was started (its thread count too) and what follows training, not

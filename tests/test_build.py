@@ -5,7 +5,6 @@ from pathlib import Path
 import json
 import os
 import shutil
-import socket
 import threading
 import time
 
@@ -14,6 +13,7 @@ import torch
 import yaml
 
 from datamodules.labels import shards as S
+from generation.fingerprints import sha256_file
 from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig, signature
 from generation.specs import SamplingSpec, StepSpec
 from datamodules.labels.clustering import ClusteringConfig
@@ -82,7 +82,7 @@ def test_build_writes_labelled_shards_and_manifest(reference):
     assert len(m["shards"]) == -(-m["n_prefixes"] // 4)
     for entry in m["shards"]:
         path = d / entry["file"]
-        assert S.sha256_file(path) == entry["sha256"]
+        assert sha256_file(path) == entry["sha256"]
         t = S.read_shard(path)
         for r, width, per_prefix in (("target", 32, 2 * n), ("draft", 24, n)):
             rows = entry["count"][r]
@@ -286,9 +286,14 @@ def test_cli_refusals_are_one_line_and_exit_2(args, named, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and named in err and "Traceback" not in err, err
 
 
-def _lock(d, k, pid):
+def _lock(d, k):
+    """Shard ``k``'s lock in ``d``, held here as another build would hold it (a second flock on one file)."""
+    from filelock import FileLock
+
     d.mkdir(parents=True, exist_ok=True)
-    (d / f".{S.shard_name(k)}.lock").write_text(f"{socket.gethostname()} {pid}\n")
+    lock = FileLock(d / f".{S.shard_name(k)}.lock")
+    lock.acquire(timeout=0)
+    return lock
 
 
 @pytest.mark.integration
@@ -298,7 +303,7 @@ def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, ref
     ref_dir, ref = reference
     n = len(ref["shards"])
     monkeypatch.setattr(shard_work, "LOCK_POLL_S", 0.05)
-    _lock(tmp_path, 1, os.getpid())  # "another build" (alive) is writing shard 1
+    held = _lock(tmp_path, 1)  # "another build" (alive) is writing shard 1
     lines, out = [], {}
     thread = threading.Thread(target=lambda: out.update(m=build(_config(world), tmp_path, log=lines.append)))
     thread.start()
@@ -309,7 +314,7 @@ def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, ref
     assert not (tmp_path / S.shard_name(1)).exists() and not (tmp_path / S.MANIFEST).exists()  # skipped, and waiting
     for name in (S.steps_name(1), S.shard_name(1)):  # the other build finishes shard 1 and lets go
         S.atomic_write_bytes(tmp_path / name, (ref_dir / name).read_bytes())
-    (tmp_path / f".{S.shard_name(1)}.lock").unlink()
+    held.release()
     thread.join(120)
     m = out["m"]
     assert m["complete"] and [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in ref["shards"]]
@@ -319,13 +324,20 @@ def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, ref
 
 
 @pytest.mark.integration
-def test_lock_of_a_dead_build_is_taken_over(world, reference, tmp_path):
+def test_lock_of_a_killed_build_is_taken_over(world, reference, tmp_path):
+    """A build killed while it holds a shard's lock leaves the lock file, and the OS lets go of the lock."""
+    import signal
     import subprocess
     import sys
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    _lock(tmp_path, 0, dead.pid)
+    lock = tmp_path / f".{S.shard_name(0)}.lock"
+    hold = ("import sys; from filelock import FileLock; FileLock(sys.argv[1]).acquire(timeout=0); "
+            "print('held', flush=True); sys.stdin.read()")
+    with subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as holder:
+        assert holder.stdout.readline().strip() == "held"
+        holder.send_signal(signal.SIGKILL)
+    assert lock.is_file()
     m = build(_config(world), tmp_path)
     assert m["complete"] and m["stats"]["built_shards"] == len(reference[1]["shards"])
     assert _dataset_bytes(tmp_path) == _dataset_bytes(reference[0]) and not list(tmp_path.glob(".*.lock"))
@@ -628,16 +640,16 @@ def _fit_parser_options():
             fit_main([])
     finally:
         ProbeCLI.parse_arguments = original
-    from datamodules.labels.cli import parser_options
+    from generation.cli import parser_options
 
     return parser_options(grabbed[0])
 
 
 def test_key_equals_value_is_key_space_value_for_every_option_of_both_clis():
-    from datamodules.labels.build import _parser
-    from datamodules.labels.cli import normalise_args, parser_options
+    from datamodules.labels.build import build_parser
+    from generation.cli import normalise_args, parser_options
 
-    options = parser_options(_parser()) + _fit_parser_options()
+    options = parser_options(build_parser()) + _fit_parser_options()
     assert {"--fit_config", "--build.sampling.openai.target.urls", "--ckpt_path",
             "--trainer.max_epochs"} <= set(options)
     for opt in options:
@@ -777,10 +789,10 @@ def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
 
 def test_a_task_named_by_its_old_path_is_built_with_a_warning_naming_the_new_one(monkeypatch):
     import datamodules.tasks
-    from datamodules.labels.build import _parser
+    from datamodules.labels.build import build_parser
 
     monkeypatch.delitem(vars(datamodules.tasks), "ArithmeticTask", raising=False)  # warned once per process
-    parser = _parser()
+    parser = build_parser()
     with pytest.warns(FutureWarning, match="datamodules.tasks.ArithmeticTask moved to "
                                            "datamodules.arithmetic.task.ArithmeticTask"):
         cfg = parser.parse_args(["--build.task.class_path", "datamodules.tasks.ArithmeticTask",

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from datamodules.labels import shards as S
+from generation.fingerprints import sha256_file
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.specs import SamplingSpec, StepSpec
 from datamodules.stream import SPLITS, ShardStream, split_of
@@ -116,7 +117,7 @@ def test_corrupt_shard_is_named_with_checksums_or_skipped(data, damage):
     expected = S.read_manifest(data)["shards"][2]["sha256"]
     with pytest.raises(S.CorruptShardError) as err:
         _dm(data)
-    assert str(path) in str(err.value) and expected in str(err.value) and S.sha256_file(path) in str(err.value)
+    assert str(path) in str(err.value) and expected in str(err.value) and sha256_file(path) in str(err.value)
     with pytest.warns(UserWarning, match="skipping corrupt shard"):
         dm = _dm(data, skip_corrupt=True)
     assert dm.skipped_shards == [str(path)] and len(dm.shards) == 3

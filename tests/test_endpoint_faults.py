@@ -257,7 +257,8 @@ def test_abandoned_non_streaming_requests_free_their_rows_within_a_round():
         # each left its loop or the waiting line (or, on a loaded machine, went before its body was read)
         assert sched.pending == 0 and 1 <= sched.cancelled + sched.dropped <= 6
         decoded = sum(steps.labels(d)._value.get() for d in ("accept", "accept_fast", "reject", "target")) - before
-        assert decoded < 6 * whole / 2, (decoded, whole)
+        assert decoded < 6 * whole, (decoded, whole)  # each decoded to its end before: 6 * whole
+        assert sched.max_after_cancel <= 1  # target-only, one step a round: at most that round's step
         ok = run.client(api_key="k").completions.create(model="semanticspec", prompt="Start with 1.", max_tokens=4)
         assert ok.choices[0].finish_reason in ("stop", "length")
     finally:

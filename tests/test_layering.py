@@ -150,3 +150,38 @@ def test_only_the_cache_writes_its_sequences():
             if isinstance(target, ast.Attribute) and target.attr == "seq":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == [], found
+
+
+def test_no_module_takes_another_modules_private_names():
+    """``from a import _b`` reaches into ``a``'s private state: what another module needs is public."""
+    found = []
+    for path in files(*PACKAGE):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGE:
+                found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_")]
+    assert found == [], found
+
+
+@pytest.mark.parametrize("path", files("datamodules/tasks", WORLD), ids=lambda p: str(p.relative_to(ROOT)))
+def test_tasks_and_the_world_do_not_import_the_label_pipeline(path):
+    """A task and the embedded world are what the label pipeline reads, not parts of it: what they share with it
+    (file hashes, model loading) lives in the generation core."""
+    bad = [(n, m) for n, m in imported_modules(path) if m.startswith("datamodules.labels")]
+    assert not bad, f"{path.relative_to(ROOT)} imports the label pipeline: {bad}"
+
+
+@pytest.mark.parametrize("path", files("probes", "callbacks"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_fit_and_the_endpoint_take_the_command_line_helpers_from_the_core(path):
+    """The commands share their command-line helpers through ``generation.cli``, not the label build's modules."""
+    bad = [(n, m) for n, m in imported_modules(path) if m.startswith("datamodules.labels.cli")]
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", files(*INFERENCE), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_decoder_does_not_import_the_training_side(path):
+    """The decoder, its parts and its results import nothing of training (the fit, the LightningModule, the run
+    metrics): a user who decodes loads no Lightning."""
+    training = ("probes.fit", "probes.module", "probes.metrics", "probes.resume")
+    bad = [(n, m) for n, m in imported_modules(path) if m.startswith(training)]
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

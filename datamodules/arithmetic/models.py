@@ -52,7 +52,7 @@ def load_model(role: str, root: Optional[str | os.PathLike] = None, device: str 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from datamodules.labels.models import quiet_loading
+    from generation.loading import quiet_loading
 
     dtype = torch.float32 if dtype is None else dtype
 

@@ -44,7 +44,7 @@ class LlamaServer:
     """A ``python -m llama_cpp.server`` process serving one GGUF model.
 
     Args:
-        model: a ``.gguf`` path or ``pypi:PACKAGE`` (:func:`datamodules.labels.models.find_pypi_gguf`).
+        model: a ``.gguf`` path or ``pypi:PACKAGE`` (:func:`generation.loading.find_pypi_gguf`).
         port: loopback port; a port already answering is refused, so a stale server is never measured.
         alias: the model name it serves (``/v1/models``).
         n_ctx: context length.
@@ -62,7 +62,7 @@ class LlamaServer:
     def __init__(self, model: str, port: int, alias: str, n_ctx: int = 2048, n_threads: int | None = None,
                  ready_timeout: float = 120.0, log: str | os.PathLike | None = None, f32_kv: bool = False,
                  verbose: bool = False):
-        from datamodules.labels.models import find_pypi_gguf
+        from generation.loading import find_pypi_gguf
 
         path = find_pypi_gguf(model.removeprefix("pypi:")) if model.startswith("pypi:") else Path(model)
         if not Path(path).is_file():

@@ -58,7 +58,7 @@ class ModelSpec:
 
 
 SPECS = {
-    # 18 layers (9 before, issue 10): at this width a forward's cost is mostly per-layer overhead, and with
+    # 18 layers (9 before): at this width a forward's cost is mostly per-layer overhead, and with
     # 9 layers the one-layer draft cost 0.24 of the target per token in the decoder's loop; randomly
     # initialised targets measured 0.123 at 18 layers (benchmarks.world.decode_cost), under the 0.15 goal.
     "target": ModelSpec(layers=18, hidden=128, heads=2, steps=3000, lr=3e-3, style=TARGET_STYLE, stop_accuracy=0.975,

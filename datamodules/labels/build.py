@@ -30,13 +30,14 @@ import yaml
 from tqdm.auto import tqdm
 
 from datamodules.labels import shards as S
+from generation.fingerprints import sha256_file
 from datamodules.labels.config import (
     ROLES,
     BuildConfig,
     config_record,
     signature,
 )
-from datamodules.labels.cli import check_yaml_files, fail, normalise_args, one_line_parser
+from generation.cli import check_yaml_files, fail, normalise_args, one_line_parser
 from datamodules.labels.prefixes import make_prefixes, target_traces
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, set_wait_policy
 from datamodules.labels.coordination import (
@@ -83,7 +84,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     data_dir = Path(data_dir)
     rank, world = dist_info()
     sig = signature(config)
-    # Check every input before writing anything (issue 12): a refused build leaves no build.json behind.
+    # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_traces(config, records)
     existing, pinned = check_recorded(data_dir, sig, log)
@@ -141,7 +142,7 @@ class _ShardRun:
         if not path.is_file():
             return True
         if k in self.expected:
-            if (S.sha256_file(path), sha_or_none(self.data_dir / S.steps_name(k))) != self.expected[k]:
+            if (sha256_file(path), sha_or_none(self.data_dir / S.steps_name(k))) != self.expected[k]:
                 return True
             del self.expected[k]  # rebuilt (by us or another build): stop hashing it
         return False
@@ -332,16 +333,16 @@ def _summary(manifest: dict, log) -> None:
 
 def main(args: list[str] | None = None) -> dict:
     """CLI: ``python -m datamodules.labels.build [--config build.yaml] [--data_dir DIR] [--build.KEY VALUE ...]``."""
-    set_wait_policy()  # before torch loads: idle threads sleep rather than spin (issue 36)
-    parser = _parser()
+    set_wait_policy()  # before torch loads: idle threads sleep rather than spin
+    parser = build_parser()
     given = normalise_args(list(sys.argv[1:] if args is None else args))
     try:
         check_yaml_files(given, ("--config", "--fit_config"))
         cfg = parser.parse_args(_with_fit_config(given))
-        config = parser.instantiate(cfg).build  # the config checks its values before torch loads (issue 33 item 16)
+        config = parser.instantiate(cfg).build  # the config checks its values before torch loads
         if data_dir_problem(cfg.data_dir):
             fail(PROG, data_dir_problem(cfg.data_dir))
-        apply_threads(cfg.threads)  # issue 36: before any model work
+        apply_threads(cfg.threads)  # before any model work
     except (ValueError, OSError) as e:
         fail(PROG, str(e))
     _, world = dist_info()
@@ -375,7 +376,8 @@ def _kept(data_dir: str) -> str:
     return f"{n} whole shard{'s' if n != 1 else ''} kept in {data_dir}"
 
 
-def _parser():
+def build_parser():
+    """The build command's parser (``python -m datamodules.labels.build``); the fit reads its option names."""
     from jsonargparse import ActionConfigFile, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings become --help text

@@ -15,7 +15,7 @@ Per prefix (docs/design.md "Meaning groups"):
 
 With ``match_numbers`` (default), two texts whose numbers differ are "different" without asking the
 judge: the world judge calls a step with a wrong result the same as the right one in a third of
-such pairs, which put wrong draft steps into the target's group (issue 9).
+such pairs, which put wrong draft steps into the target's group.
 
 Steps 3-5 are written as generators that yield the pairs they need judged, so
 :func:`group_prefixes` asks the judge about many prefixes in one batch.
@@ -65,7 +65,7 @@ class ClusteringConfig:
     texts) and joins it when their mean judge score passes the threshold: one judge error is outvoted."""
     match_numbers: bool = True
     """Two steps whose numbers differ (as multisets) never share a meaning group, whatever the judge says.
-    The world judge calls a step with a wrong result "the same" as the right one in 1 of 3 cases (issue 9);
+    The world judge calls a step with a wrong result "the same" as the right one in 1 of 3 cases;
     turn off for tasks whose paraphrases change numbers (e.g. 0.5 vs 1/2)."""
 
     def errors(self) -> list[str]:

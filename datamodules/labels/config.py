@@ -341,7 +341,7 @@ class BuildConfig:
         given = {"target": self.target, "draft": self.draft, "judge": self.judge.model}[role]
         if not given:
             return str(default_world().model_root() / role)
-        from datamodules.labels.models import local_model_dir
+        from generation.loading import local_model_dir
 
         return local_model_dir(given)  # a GGUF or ``pypi:PACKAGE`` becomes its converted, cached folder
 
@@ -362,7 +362,7 @@ class BuildConfig:
     def resolved_device(self) -> tuple[str, Any]:
         """The device and the ``torch.dtype`` models run in; with several ranks, ``cuda`` means this rank's GPU
         (LOCAL_RANK). (torch is imported here, not with the module: jsonargparse reads this module's annotations,
-        even under ``TYPE_CHECKING``, and the command lines parse before torch loads, issue 33 item 16.)"""
+        even under ``TYPE_CHECKING``, and the command lines parse before torch loads.)"""
         import torch
 
         device = self.device

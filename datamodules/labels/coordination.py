@@ -1,22 +1,24 @@
 """Bookkeeping of a data folder that several builds may share: ranks, locks, progress, damage.
 
-Two builds into one folder share the work: each shard is built under a lock file, shards another
-build holds are skipped and waited for, and a lock whose process is gone is taken over. A
-finished build's shards are checked against the manifest's checksums, so exactly the missing or
-altered ones are rebuilt.
+Two builds into one folder share the work: each shard is built under an OS file lock (filelock),
+shards another build holds are skipped and waited for, and the lock of a killed build is released
+by the OS with its process, so another build takes the shard over. A finished build's shards are
+checked against the manifest's checksums, so exactly the missing or altered ones are rebuilt.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from datamodules.labels import shards as S
 from datamodules.labels.config import signature_mismatches
+from generation.fingerprints import sha256_file
 from generation.paths import file_mode
 
 def dist_info() -> tuple[int, int]:
@@ -61,7 +63,7 @@ def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
 
 
 def data_dir_problem(data_dir: str | os.PathLike) -> str | None:
-    """Why ``data_dir`` cannot be a data folder (it is a file), or None (issue 33 item 10)."""
+    """Why ``data_dir`` cannot be a data folder (it is a file), or None."""
     if Path(data_dir).is_file():
         return (f"data_dir {data_dir} is a file, not a folder; give the folder of shards + manifest.json (built "
                 "there when missing)")
@@ -84,7 +86,7 @@ def make_data_dir(data_dir: Path, todo: str = "the build") -> None:
 
 
 def sha_or_none(path: Path) -> str | None:
-    return S.sha256_file(path) if path.is_file() else None
+    return sha256_file(path) if path.is_file() else None
 
 
 def damaged_shards(data_dir: Path, manifest: dict) -> list[int]:
@@ -99,80 +101,70 @@ def damaged_shards(data_dir: Path, manifest: dict) -> list[int]:
 
 LOCK_POLL_S = 2.0
 """Seconds between looks at shards another build holds."""
-EMPTY_LOCK_STALE_S = 60.0
-"""A lock file still empty after this long was left by a writer killed before it wrote its pid."""
 
 
 def _lock_path(data_dir: Path, k: int) -> Path:
     return data_dir / f".{S.shard_name(k)}.lock"
 
 
-def _try_lock(data_dir: Path, k: int) -> bool:
-    """Take shard ``k``'s lock (O_CREAT|O_EXCL, holding ``host pid``); a lock whose process is gone is taken over."""
-    path = _lock_path(data_dir, k)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, file_mode())
-        except FileExistsError:
-            if not _lock_is_stale(path):
-                return False
-            path.unlink(missing_ok=True)  # its builder died (same host, pid gone): take the shard over
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
-        return True
-    return False
-
-
-def _lock_is_stale(path: Path) -> bool:
-    """Whether a lock's holder is known to be gone: same host and no such pid (another host's lock stays)."""
+def _try_lock(data_dir: Path, k: int) -> FileLock | None:
+    """Shard ``k``'s lock, taken without waiting, or None while another build (or thread) holds it."""
+    lock = FileLock(_lock_path(data_dir, k), mode=file_mode())
     try:
-        text = path.read_text().split()
-        age = time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return True  # released meanwhile
-    if len(text) != 2 or not text[1].isdigit():
-        return age > EMPTY_LOCK_STALE_S  # being written now, or its writer was killed before writing
-    host, pid = text[0], int(text[1])
-    if host != socket.gethostname():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+        lock.acquire(timeout=0)
+    except Timeout:
+        return None
+    return lock
 
 
 def build_locked(data_dir: Path, pending: list[int], needs, build_one, done_one, max_shards: int | None) -> list[int]:
     """Build every shard of ``pending`` that ``needs`` building, each under its lock.
 
-    Shards another build holds are skipped and looked at again until they are on disk (or their
-    holder died and this build takes them over). Returns the shards this process built.
+    A shard's lock is an OS lock (flock on Unix) on ``.shard-00000.safetensors.lock``, released when its
+    holder exits or is killed. Shards another build holds are skipped and looked at again until they are
+    on disk, or until their holder is gone and this build takes them over. The lock files of the shards
+    done are removed on the way out (no build locks a shard that is on disk); a shard whose build failed
+    keeps its released lock file, which the next build takes.
+
+    Args:
+        data_dir: the folder of shards and their lock files.
+        pending: the shards to see to, in order.
+        needs: ``needs(k)``: whether shard ``k`` must be built (asked again under its lock).
+        build_one: ``build_one(k)`` writes shard ``k``.
+        done_one: ``done_one(k)`` is called once shard ``k`` is on disk, whoever built it.
+        max_shards: return after building this many shards (None: no limit).
+
+    Returns:
+        The shards this process built.
     """
     built: list[int] = []
-    pending = list(pending)
-    while pending:
-        progressed = False
-        for k in list(pending):
-            if max_shards is not None and len(built) >= max_shards:
-                return built
-            if needs(k):
-                if not _try_lock(data_dir, k):
-                    continue  # another build is writing it
-                try:
-                    if needs(k):  # checked again under the lock: another build may have just finished it
-                        build_one(k)
-                        built.append(k)
-                finally:
-                    _lock_path(data_dir, k).unlink(missing_ok=True)
-            pending.remove(k)
-            done_one(k)
-            progressed = True
-        if pending and not progressed:
-            time.sleep(LOCK_POLL_S)
-    return built
+    todo = list(pending)
+    try:
+        while todo:
+            progressed = False
+            for k in list(todo):
+                if max_shards is not None and len(built) >= max_shards:
+                    return built
+                if needs(k):
+                    lock = _try_lock(data_dir, k)
+                    if lock is None:
+                        continue  # another build is writing it
+                    try:
+                        if needs(k):  # checked again under the lock: another build may have just finished it
+                            build_one(k)
+                            built.append(k)
+                    finally:
+                        lock.release()
+                todo.remove(k)
+                done_one(k)
+                progressed = True
+            if todo and not progressed:
+                time.sleep(LOCK_POLL_S)
+        return built
+    finally:
+        for k in pending:
+            if k not in todo:
+                _lock_path(data_dir, k).unlink(missing_ok=True)
 
 
 PROGRESS_EVERY_S = 30.0
@@ -183,7 +175,7 @@ PROGRESS_EVERY_SHARDS = 0.1
 
 
 class Progress:
-    """Progress lines for logs: tqdm draws a bar on a terminal and nothing elsewhere (issue 12)."""
+    """Progress lines for logs: tqdm draws a bar on a terminal and nothing elsewhere."""
 
     def __init__(self, total: int, rank: int, log):
         self.total, self.rank, self.log = total, rank, log

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from datamodules.labels.reading import _check_read_inputs, _distinct_steps
+from datamodules.labels.reading import check_read_inputs, distinct_steps
 from generation.engines.base import Engine, Reading
 from generation.features import rows_features
 from generation.handover import prompt_text
@@ -45,10 +45,10 @@ def read_steps_served(engine: Engine, tokenizer, prefixes: Sequence[Sequence[int
     Raises:
         ValueError: bad inputs, or a step the server read as no token.
     """
-    _check_read_inputs(prefixes, steps)
+    check_read_inputs(prefixes, steps)
     if concurrency < 1:
         raise ValueError(f"concurrency={concurrency}: expected >= 1")
-    unique, where = _distinct_steps(steps)
+    unique, where = distinct_steps(steps)
     contexts = [prompt_text(tokenizer, p) for p in prefixes]
     texts = [[step_text(tokenizer, s) for s in ss] for ss in unique]
 

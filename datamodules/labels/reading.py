@@ -48,10 +48,10 @@ def read_steps(
         ``{group: tensor}`` on CPU, rows in input order: ``hidden`` (R, len(layer_ids), D) and
         ``token_stats`` (R, K) and ``topk_stats`` (R, K') float32, R = sum of len(steps[i]).
     """
-    _check_read_inputs(prefixes, steps)
+    check_read_inputs(prefixes, steps)
     # Samples often repeat (a confident model writes the same step several times): read each distinct
     # step of a prefix once and give its features to every copy.
-    unique, where = _distinct_steps(steps)
+    unique, where = distinct_steps(steps)
     if len(where) > sum(len(ss) for ss in unique):
         got = read_steps(model, prefixes, unique, spec, pad_token_id, max_rows, max_logit_bytes)
         index = torch.tensor(where, dtype=torch.long)
@@ -70,7 +70,7 @@ def read_steps(
     return {g: torch.cat([o[g] for o in out]) for g in spec.groups}
 
 
-def _check_read_inputs(prefixes: Sequence[Sequence[int]], steps: Sequence[Sequence[Sequence[int]]]) -> None:
+def check_read_inputs(prefixes: Sequence[Sequence[int]], steps: Sequence[Sequence[Sequence[int]]]) -> None:
     """Refuse steps for another number of prefixes, empty steps and empty prefixes."""
     if len(prefixes) != len(steps):
         raise ValueError(f"{len(prefixes)} prefixes but steps for {len(steps)}")
@@ -81,7 +81,7 @@ def _check_read_inputs(prefixes: Sequence[Sequence[int]], steps: Sequence[Sequen
         raise ValueError("empty prefixes cannot be read: a prefix holds at least the prompt (with BOS)")
 
 
-def _distinct_steps(steps: Sequence[Sequence[Sequence[int]]]) -> tuple[list[list[list[int]]], list[int]]:
+def distinct_steps(steps: Sequence[Sequence[Sequence[int]]]) -> tuple[list[list[list[int]]], list[int]]:
     """Per prefix its distinct steps (in order of first appearance), and per flat row its row among them."""
     unique: list[list[list[int]]] = []
     where: list[int] = []  # flat row -> row among the distinct steps

@@ -24,7 +24,7 @@ from datamodules.labels.prefixes import Prefix
 from datamodules.labels.reading import read_steps
 from datamodules.labels.openai_sampler import OpenAISampler
 from datamodules.labels.samplers import HFSampler, StepSampler, VLLMSampler
-from datamodules.labels.models import quiet_loading
+from generation.loading import quiet_loading
 from generation.handover import Handover
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ name in the same folder and renamed into place, so a killed build leaves only wh
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import safe_open
 
 from datamodules.tasks import MOVED_CLASSES
+from generation.fingerprints import sha256_file
 from generation.paths import atomic_path
 
 if TYPE_CHECKING:  # torch loads with the first shard read or written, not with the build's command line
@@ -69,15 +69,6 @@ def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     return Path(path)
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def rebuild_advice(data_dir: str | os.PathLike) -> str:

@@ -16,7 +16,7 @@ MOVED_CLASSES = {
 
 def __getattr__(name: str) -> Any:
     """A task class under the path it had before the tasks moved (``datamodules.tasks.ArithmeticTask``), with a
-    warning naming today's, so configs that name the old path keep working (issue 33 item 18)."""
+    warning naming today's, so configs that name the old path keep working."""
     new = MOVED_CLASSES.get(f"{__name__}.{name}")
     if new is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

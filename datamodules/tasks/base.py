@@ -87,7 +87,7 @@ class Task:
         """Where a build's problems came from (the manifest's ``problems`` entry)."""
         out: dict[str, Any] = {"source": "file" if self.path else "generated", "task": self.spec()}
         if self.path:
-            from datamodules.labels.shards import sha256_file
+            from generation.fingerprints import sha256_file
 
             out.update(task_file=str(self.path), sha256=sha256_file(self.path) if Path(self.path).is_file() else None)
         return {**out, "n_problems": n} if self.path else {**out, "n_problems": n, "task_seed": seed}

@@ -1,4 +1,4 @@
-"""What a batch of prompts may be, checked before any model call (issue 21 item 10, issue 22 "Bad input").
+"""What a batch of prompts may be, checked before any model call.
 
 A prompt is text, token ids already formatted (one tokenizer), or a ``(target_ids, draft_ids)``
 pair (two tokenizers); a batch holds one form. Every prompt must hold at least one token, ids the

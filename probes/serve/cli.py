@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from datamodules.labels.cli import fail, one_line_parser
+from generation.cli import fail, one_line_parser
 
 PROG = "python -m probes.serve"
 PAIRED = ("--target_url and --draft_url go together: give both servers, or neither to serve the embedded world "
