@@ -31,7 +31,7 @@ rotated once more): walls, forwards and seconds are over every pass, ``speedup``
 walls, and ``speedup_repeats`` holds each pass's own, whose spread is what the machine's state does to the ratio.
 
 **Phases** (seconds and shares of the loop's wall): ``first_step``, ``draft``, ``verify``, ``rewrite``,
-``probe`` and ``other`` (the loop's own :class:`~probes.decoding.results.DecodeStats`; target-only has no
+``probe`` and ``other`` (the loop's own :class:`~semanticspec.results.DecodeStats`; target-only has no
 phases, its steps are ``other``). Idle
 rows are row-seconds: ``idle_rows`` counts, for every unfinished row, the forwards that ran without feeding
 it (accepted rows while the target rewrites refused ones, rows whose step is written while others still
@@ -49,8 +49,8 @@ import torch
 
 from benchmarks import harness
 from generation.cache import ForwardRecord, record_forwards
-from probes.decoding.results import summarize
-from probes.decoding.timing import rotation
+from semanticspec.results import summarize
+from semanticspec.timing import rotation
 
 SIZES = (1, 2, 4, 8, 16)
 """Prompts per batch of the scaling section."""
@@ -58,7 +58,7 @@ METHODS = ("target_only", "semanticspec")
 """Methods of the scaling section; the first is the speedup's reference."""
 MODELS = ("target", "draft")
 PHASES = ("first_step", "draft", "verify", "rewrite", "probe")
-"""SemanticSpec's phases in :class:`~probes.decoding.results.DecodeStats` (``<phase>_s``); the rest is ``other``."""
+"""SemanticSpec's phases in :class:`~semanticspec.results.DecodeStats` (``<phase>_s``); the rest is ``other``."""
 
 
 class Run:

@@ -20,10 +20,10 @@ from benchmarks import harness
 from datamodules.arithmetic import models, task
 from datamodules.arithmetic.task import ArithmeticTask
 from generation.steps import split_steps
-from probes.decoder import SemanticSpecDecoder, summarize
-from probes.decoding.options import LoopOptions
-from probes.decoding.policies import ProbePolicy
-from probes.decoding.timing import rotation
+from semanticspec.decoder import SemanticSpecDecoder, summarize
+from semanticspec.options import LoopOptions
+from semanticspec.policies import ProbePolicy
+from semanticspec.timing import rotation
 from probes.metrics import accuracy, speedup
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
@@ -145,7 +145,7 @@ def print_versus(methods: dict, speedup_label: str = "speedup") -> None:
 def shipped_decoder(world: models.World, policy: ProbePolicy | None = None, probe_dtype: str = "auto",
                     **loop) -> SemanticSpecDecoder:
     """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task's answer marker; ``loop``: other
-    :class:`~probes.decoding.options.LoopOptions` fields."""
+    :class:`~semanticspec.options.LoopOptions` fields."""
     return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, target_probe=str(PROBE_ROOT / "target"),
                                draft_probe=str(PROBE_ROOT / "draft"), policy=policy,
                                options=LoopOptions(answer_marker=TASK.answer_marker, **loop), probe_dtype=probe_dtype)

@@ -7,7 +7,7 @@
 
 What it measures (issue 4, "Benchmark figures" in docs/design.md):
 
-- every method of :class:`~probes.decoder.SemanticSpecDecoder` on the same fixed 4-operation
+- every method of :class:`~semanticspec.decoder.SemanticSpecDecoder` on the same fixed 4-operation
   problems (``task.generate_problems(n, seed)``), the same seeds and the same generation code,
   methods interleaved per problem (their order rotates from problem to problem) so machine load
   hits all of them alike;
@@ -72,14 +72,14 @@ from benchmarks.decode_report import markdown, plot, scaling_markdown
 from datamodules.arithmetic import models, task
 from generation.cache import record_forwards
 from generation.paths import portable_paths
-from probes.decoder import SemanticSpecDecoder, summarize
-from probes.decoding.loop import SHIPPED_WINDOW
-from probes.decoding.methods import METHODS as TABLE
-from probes.decoding.options import LoopOptions
-from probes.decoding.policies import ProbePolicy, default_policy
-from probes.decoding.results import Decision
-from probes.decoding.options import PROBE_DTYPES, resolve_probe_dtype
-from probes.decoding.timing import rotation
+from semanticspec.decoder import SemanticSpecDecoder, summarize
+from semanticspec.loop import SHIPPED_WINDOW
+from semanticspec.methods import METHODS as TABLE
+from semanticspec.options import LoopOptions
+from semanticspec.policies import ProbePolicy, default_policy
+from semanticspec.results import Decision
+from semanticspec.options import PROBE_DTYPES, resolve_probe_dtype
+from semanticspec.timing import rotation
 from probes.metrics import speedup
 
 ABLATION_ROOT = REPO / "checkpoints" / "arithmetic" / "probes-ablation"

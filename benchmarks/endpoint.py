@@ -1,4 +1,5 @@
-"""Endpoint benchmark: SemanticSpec against target-only through `python -m probes.serve`, at concurrency 1, 8 and 32.
+"""Endpoint benchmark: SemanticSpec against target-only through `python -m semanticspec.serve`, at concurrency 1, 8
+and 32.
 
 The endpoint runs as its own process (the embedded world in-process, or with ``--served`` in front of the world's
 two llama.cpp servers); clients stream completions with the ``openai`` package's async client, each of ``c`` workers
@@ -33,11 +34,11 @@ METHODS = ("semanticspec", "target_only")
 
 @contextlib.contextmanager
 def endpoint(args: list[str], threads: int, log: Path):
-    """``python -m probes.serve`` on a free port with ``args``, until the block ends (then SIGTERM)."""
+    """``python -m semanticspec.serve`` on a free port with ``args``, until the block ends (then SIGTERM)."""
     import openai
 
     port, = harness.free_ports(1)
-    cmd = [sys.executable, "-m", "probes.serve", "--port", str(port), "--threads", str(threads), *args]
+    cmd = [sys.executable, "-m", "semanticspec.serve", "--port", str(port), "--threads", str(threads), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=harness.REPO)
     url = f"http://127.0.0.1:{port}/v1"
@@ -105,7 +106,7 @@ def overhead(dec, url: str, prompts: list[str], seeds: list[int], max_tokens: in
     (one client, its connection kept), interleaved prompt by prompt (the machine's drift touches the three alike)."""
     import openai
 
-    from probes.decoding.config import DecodeConfig
+    from semanticspec.config import DecodeConfig
 
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
     api, whole, streamed = ([0.0] * reps for _ in range(3))
@@ -140,7 +141,7 @@ def run(url: str, prompts, seeds, concurrencies, max_tokens: int) -> dict:
 def in_process(args, prompts, seeds) -> dict:
     import torch
 
-    from probes.serve.cli import ServeOptions, build
+    from semanticspec.serve.cli import ServeOptions, build
 
     torch.set_num_threads(args.threads)
     app = build(ServeOptions())
@@ -243,7 +244,7 @@ def chaos(args, prompts, seeds, want) -> dict:
     import json
     import urllib.request
 
-    from probes.decoding.loop import SHIPPED_WINDOW
+    from semanticspec.loop import SHIPPED_WINDOW
 
     log = Path(args.log_dir) / "endpoint-chaos.log"
     with endpoint([], args.threads, log) as url:
@@ -270,7 +271,7 @@ def chaos(args, prompts, seeds, want) -> dict:
 
 def expected_texts(dec, prompts: list[str], seeds: list[int], max_tokens: int) -> list[str]:
     """What the Python API decodes for each prompt alone with its seed (the endpoint's streams must add up to it)."""
-    from probes.decoding.config import DecodeConfig
+    from semanticspec.config import DecodeConfig
 
     return [list(dec.stream([p], DecodeConfig(max_new_tokens=max_tokens, seed=s)))[-1].text
             for p, s in zip(prompts, seeds)]

@@ -22,7 +22,7 @@ from benchmarks import harness
 from benchmarks.common import (interleaved, other_problems, paired_delta, print_versus, shipped_decoder,
                                versus_target_only)
 from datamodules.arithmetic import models
-from probes.decoder import summarize
+from semanticspec.decoder import summarize
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
             "draft_first_step": {"target_first_step": False, "token_sd": False},

@@ -13,7 +13,7 @@ every token is the target's top-1 at log-probability >= log 0.5 is kept without 
 same seeds: each draft step's decision (kept or not) and ``q`` compared with the reference's one to one (each prompt
 samples from its own streams, so the texts agree as long as the decisions do), and each run's ``probe_overhead``
 (probe seconds over wall seconds, the decode benchmark's figure; its goal is 2%). ``default`` names the variant the
-decoder runs by default on this machine (``probe_dtype="auto"``, :func:`~probes.decoding.policies.default_policy`).
+decoder runs by default on this machine (``probe_dtype="auto"``, :func:`~semanticspec.policies.default_policy`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from benchmarks import harness
 from benchmarks.common import interleaved, other_problems, shipped_decoder
 from datamodules.arithmetic import models
 from generation.features import FeatureSpec, probe_input, rows_features
-from probes.decoder import summarize
-from probes.decoding.policies import ProbePolicy
+from semanticspec.decoder import summarize
+from semanticspec.policies import ProbePolicy
 
 VARIANTS = {"float32": ("float32", 0), "float16": ("float16", 0), "float16+fast_path": ("float16", 1)}
 """name: (the probes' MLP dtype, fast path top_k); ``default`` in the report names the one the decoder runs by default
-on the machine (``probe_dtype="auto"`` and :func:`~probes.decoding.policies.default_policy`), None where that is
+on the machine (``probe_dtype="auto"`` and :func:`~semanticspec.policies.default_policy`), None where that is
 float32 with the fast path (a CPU on which ``auto`` keeps float32)."""
 
 STEP = "Add 5: 14 + 5 = 19.\n\n"

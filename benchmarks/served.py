@@ -78,14 +78,14 @@ from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.features import FeatureSpec
 from generation.specs import SamplingSpec
-from probes.decoding.loop import SHIPPED_WINDOW
-from probes.decoding.options import LoopOptions
-from probes.decoding.policies import ProbePolicy
-from probes.decoding.proposer import run_probe
-from probes.decoding.results import Decision, summarize
-from probes.decoding.engine_parts import features
-from probes.decoding.served import ServedDecoder
-from probes.decoding.timing import rotation
+from semanticspec.loop import SHIPPED_WINDOW
+from semanticspec.options import LoopOptions
+from semanticspec.policies import ProbePolicy
+from semanticspec.proposer import run_probe
+from semanticspec.results import Decision, summarize
+from semanticspec.engine_parts import features
+from semanticspec.served import ServedDecoder
+from semanticspec.timing import rotation
 from probes.export import load_probe
 
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"

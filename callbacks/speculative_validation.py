@@ -1,7 +1,7 @@
 """`SpeculativeValidation`: real speculative decoding with the probes being trained, during validation.
 
 Probe metrics (MSE, AUROC) are proxies; this callback decodes a held-out problem set of any
-:class:`~datamodules.tasks.base.Task` through :class:`~probes.decoder.SemanticSpecDecoder` (the same code
+:class:`~datamodules.tasks.base.Task` through :class:`~semanticspec.decoder.SemanticSpecDecoder` (the same code
 users run) and logs what users care about, so ModelCheckpoint and EarlyStopping can follow
 ``spec/speedup`` or ``spec/accuracy``.
 """
@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from probes.export import check_probe_matches
-from probes.decoding.timing import load_per_core, rotation, timing_noise, unreliable_because
+from semanticspec.timing import load_per_core, rotation, timing_noise, unreliable_because
 from probes.metrics import accuracy, speedup
 
 METHODS = ("target_only", "semanticspec")
@@ -32,7 +32,7 @@ class SpeculativeValidation(Callback):
 
     Every run first decodes one short untimed problem with both methods (a warm-up: first calls pay one-off costs),
     then each batch of problems target-only and with SemanticSpec, their order rotating from batch to batch as the
-    benchmarks interleave methods (:func:`~probes.decoding.timing.rotation`), so load that comes and goes hits both
+    benchmarks interleave methods (:func:`~semanticspec.timing.rotation`), so load that comes and goes hits both
     alike. Speedup is target-only wall time measured in the same run over SemanticSpec's (docs/design.md
     "Benchmark figures"), never a time from an earlier epoch; with ``batch_size=1`` it is the figure
     ``python -m benchmarks.decode`` reports for the probes alone (``semanticspec[no_fast_path]``) on the same
@@ -40,8 +40,8 @@ class SpeculativeValidation(Callback):
 
     A speedup timed on a busy machine is flagged: ``spec/speedup_reliable`` is 0 (and a warning says why) when the
     1-minute load average per core (``spec/load_per_core``, the highest before and after the run) exceeds
-    :data:`~probes.decoding.timing.MAX_LOAD_PER_CORE`, or target-only's seconds per forward varied across batches
-    by more than :data:`~probes.decoding.timing.MAX_TIMING_NOISE` (``spec/timing_noise``). Accuracy and
+    :data:`~semanticspec.timing.MAX_LOAD_PER_CORE`, or target-only's seconds per forward varied across batches
+    by more than :data:`~semanticspec.timing.MAX_TIMING_NOISE` (``spec/timing_noise``). Accuracy and
     acceptance do not depend on timing. The run is bounded by ``max_problems`` and ``max_seconds``, so it never
     dominates training. Under DDP rank 0 decodes and broadcasts the figures to every rank.
 
@@ -192,8 +192,8 @@ class SpeculativeValidation(Callback):
         return self._figures(runs, answers, load)
 
     def _decoder(self, probes):
-        from probes.decoder import SemanticSpecDecoder
-        from probes.decoding.policies import ProbePolicy
+        from semanticspec.decoder import SemanticSpecDecoder
+        from semanticspec.policies import ProbePolicy
 
         return SemanticSpecDecoder(
             self._target, self._draft, self._tokenizer,
@@ -229,7 +229,7 @@ class SpeculativeValidation(Callback):
 
     def _figures(self, runs: dict[str, list[list]], answers: list, load: float) -> dict[str, float]:
         """The ``spec/`` figures of one run, with the speedup's reliability (a warning when it is not)."""
-        from probes.decoder import summarize
+        from semanticspec.decoder import summarize
 
         ref, spec = (sum(runs[m], []) for m in METHODS)
         stats = summarize(spec)

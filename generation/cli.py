@@ -1,5 +1,5 @@
 """What the package's command lines share (`python -m probes.fit`, `python -m datamodules.labels.build`,
-`python -m probes.serve`, the benchmarks).
+`python -m semanticspec.serve`, the benchmarks).
 
 They read their arguments once through :func:`normalise_args` (``--key=value`` is ``--key value``;
 ``-c`` is ``--config``), check every YAML they are given before jsonargparse reads it (a syntax

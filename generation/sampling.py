@@ -58,7 +58,7 @@ def stream_keys(seed: int | Sequence[int], n: int) -> list[StreamKey]:
 
 def seed_errors(seed) -> list[str]:
     """What is wrong with ``seed`` as :func:`stream_keys` reads it, whatever the number of prompts (the one check;
-    :class:`~probes.decoding.config.DecodeConfig` calls it too): ``[]``, or one message naming the bad value."""
+    :class:`~semanticspec.config.DecodeConfig` calls it too): ``[]``, or one message naming the bad value."""
     if _is_int(seed):
         return []
     if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):

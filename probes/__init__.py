@@ -1,12 +1,13 @@
-"""SemanticSpec probes: the probe (`probes.model`), its config, LightningModule, fit CLI, export/load and the decoder.
+"""SemanticSpec probes: the probe (``probes.model``) and its config, its training (the LightningModule, the
+``python -m probes.fit`` command) and its export (``probes.export``: ``config.json`` + ``model.safetensors`` + a
+model card). Decoding with probes is :mod:`semanticspec`'s.
 
-The public surface is :data:`__all__`: what a caller needs to load a probe and decode with it, in process or
-through servers::
+The public surface is :data:`__all__`::
 
-    from probes import LoopOptions, ProbePolicy, SemanticSpecDecoder, summarize
+    from probes import load_probe
 
 Each name is imported on first use (PEP 562), so ``import probes`` and the modules that need no torch
-(``probes.config``, the command lines' refusals) stay free of torch until a decoder or a probe is asked for.
+(``probes.config``, the command lines' refusals) stay free of torch until a probe is asked for.
 """
 
 from __future__ import annotations
@@ -14,29 +15,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_SURFACE = {
-    "load_probe": "probes.export",
-    "SemanticSpecDecoder": "probes.decoder",
-    "ServedDecoder": "probes.decoding.served",
-    "DecodeConfig": "probes.decoding.config",
-    "LoopOptions": "probes.decoding.options",
-    "ProbePolicy": "probes.decoding.policies",
-    "DecodeResult": "probes.decoding.results",
-    "summarize": "probes.decoding.results",
-}
+_SURFACE = {"load_probe": "probes.export"}
 """Each public name and the module that defines it."""
 
-__all__ = ["load_probe", "SemanticSpecDecoder", "ServedDecoder", "DecodeConfig", "LoopOptions", "ProbePolicy",
-           "DecodeResult", "summarize"]
+__all__ = ["load_probe"]
 assert set(__all__) == set(_SURFACE)
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr__`` imports on first use
-    from probes.decoder import SemanticSpecDecoder
-    from probes.decoding.config import DecodeConfig
-    from probes.decoding.options import LoopOptions
-    from probes.decoding.policies import ProbePolicy
-    from probes.decoding.results import DecodeResult, summarize
-    from probes.decoding.served import ServedDecoder
     from probes.export import load_probe
 
 

@@ -3,7 +3,7 @@
 "Benchmark figures"): :func:`speedup` and :func:`accuracy`.
 
 The per-decode ratios (step acceptance, draft token share, target passes per 100 tokens, probe overhead) are
-plain divisions of the decoder's counters, made by :func:`~probes.decoding.results.summarize`.
+plain divisions of the decoder's counters, made by :func:`~semanticspec.results.summarize`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import batching
-from probes.decoding.results import DecodeResult, DecodeStats
+from semanticspec.results import DecodeResult, DecodeStats
 
 
 class SlowFake:

@@ -524,8 +524,8 @@ def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, worl
     import lightning as L
 
     from probes.config import ProbeConfig
-    from probes.decoder import SemanticSpecDecoder
-    from probes.decoding.policies import ProbePolicy
+    from semanticspec.decoder import SemanticSpecDecoder
+    from semanticspec.policies import ProbePolicy
     from probes.export import export_probe
     from probes.module import SemanticProbeModule
     from tests.conftest import PROMPTS, char_tokenizer

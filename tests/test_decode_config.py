@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from probes import DecodeConfig, ProbePolicy
-from probes.decoding.policies import RandomPolicy
+from semanticspec import DecodeConfig, ProbePolicy
+from semanticspec.policies import RandomPolicy
 
 
 @pytest.mark.parametrize("field, value, said", [

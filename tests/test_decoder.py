@@ -10,11 +10,11 @@ from generation.cache import record_forwards
 from generation.groups import TOKEN_STATS, TOPK_STATS
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
-from probes.decoder import DecodeResult, SemanticSpecDecoder, summarize
-from probes.decoding.options import LoopOptions, resolve_probe_dtype
-from probes.decoding.policies import ProbePolicy, fast_path_keeps_rows
-from probes.decoding.proposer import DraftProposer
-from probes.decoding.verify import TargetVerifier
+from semanticspec.decoder import DecodeResult, SemanticSpecDecoder, summarize
+from semanticspec.options import LoopOptions, resolve_probe_dtype
+from semanticspec.policies import ProbePolicy, fast_path_keeps_rows
+from semanticspec.proposer import DraftProposer
+from semanticspec.verify import TargetVerifier
 from probes.export import export_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
@@ -721,7 +721,7 @@ def test_token_ids_as_a_tuple_are_ids_with_one_tokenizer_and_ambiguous_with_two(
 
 def test_every_result_carries_a_stop_reason_and_no_method_passes_the_context(tiny_pair):
     """Issue 21 item 11: prompts near the context end (256 positions) stop at it, with the reason, in every method."""
-    from probes.decoding.methods import METHODS
+    from semanticspec.methods import METHODS
 
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=0.5)

@@ -11,8 +11,8 @@ from generation.handover import Handover
 from generation.sampling import Sampler, sampling_probs
 from generation.specs import SamplingSpec
 from generation.writer import StepDraft
-from probes.decoding.methods import METHODS, MethodArgs, Speculative, runner_for
-from probes.decoding.policies import (
+from semanticspec.methods import METHODS, MethodArgs, Speculative, runner_for
+from semanticspec.policies import (
     OraclePolicy,
     ProbePolicy,
     RandomPolicy,
@@ -21,8 +21,8 @@ from probes.decoding.policies import (
     ratio_keeps,
     threshold_keeps,
 )
-from probes.decoding.speculative import speculate_tokens, speculative_step
-from probes.decoding.scores import Scores
+from semanticspec.speculative import speculate_tokens, speculative_step
+from semanticspec.scores import Scores
 
 # target, 2 positions + after
 PT = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
@@ -144,7 +144,7 @@ def test_decisions_are_an_enum_that_traces_and_json_read_as_their_values():
     """Policies answer :class:`Decision` members; a trace keeps them, prints and serialises them as plain strings."""
     import json
 
-    from probes.decoding.results import Decision, StepTrace
+    from semanticspec.results import Decision, StepTrace
 
     decided = ProbePolicy(tau=0.5, top_k=1).decide({0: _scores(q=0.7), 1: _scores(q=0.2), 2: _scores(fast=True)})
     assert decided == {0: Decision.ACCEPT, 1: Decision.REJECT, 2: Decision.ACCEPT_FAST}

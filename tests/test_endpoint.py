@@ -15,7 +15,7 @@ import time
 import pytest
 
 from datamodules.arithmetic.task import ArithmeticTask
-from probes.decoding.config import DecodeConfig
+from semanticspec.config import DecodeConfig
 from tests.conftest import Running, free_port
 
 pytestmark = pytest.mark.integration
@@ -28,7 +28,7 @@ LONG = "Start with 1. " + "Add 1, then " * 10 + "add 1. What is the result?\n\n"
 
 @pytest.fixture(scope="module")
 def world_decoder():
-    from probes.serve.cli import ServeOptions, build
+    from semanticspec.serve.cli import ServeOptions, build
 
     app = build(ServeOptions())
     yield app.state.scheduler.dec, app
@@ -78,7 +78,7 @@ def test_the_openai_client_sync_and_async_streaming_and_not_gets_the_python_apis
 
 
 def test_chat_formats_with_the_template_and_a_model_without_one_gets_a_400(endpoint, world_decoder):
-    from probes.serve.app import Settings, build_app
+    from semanticspec.serve.app import Settings, build_app
 
     dec, problem = world_decoder[0], _problem(1)
     want = _alone(dec, TASK.prompt_text(dec.tokenizer, problem), seed=3)
@@ -178,7 +178,7 @@ def test_stop_strings_cut_the_text_and_the_extra_body_sets_semanticspecs_options
 
 
 def test_a_wrong_api_key_gets_a_401_and_the_key_is_never_logged(world_decoder, capfd):
-    from probes.serve.app import Settings, build_app
+    from semanticspec.serve.app import Settings, build_app
 
     run = Running(build_app(world_decoder[0], Settings(api_key="sk-right-key-123")))
     try:
@@ -196,7 +196,7 @@ def test_a_wrong_api_key_gets_a_401_and_the_key_is_never_logged(world_decoder, c
 
 
 def test_a_full_queue_gets_a_429_with_retry_after(world_decoder):
-    from probes.serve.app import Settings, build_app
+    from semanticspec.serve.app import Settings, build_app
 
     run = Running(build_app(world_decoder[0], Settings(max_rows=1, max_queue=1)))
     try:
@@ -233,8 +233,8 @@ def test_a_client_that_disconnects_frees_its_row_at_the_next_round(endpoint, wor
 def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "probes.serve", "--port", str(port), "--shutdown_timeout", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "semanticspec.serve", "--port", str(port), "--shutdown_timeout",
+                             "20"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert "SemanticSpec endpoint on" in proc.stdout.readline()
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
@@ -267,7 +267,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_requests_with_a_503_not_a_cut(tm
 
     port, log = free_port(), tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "probes.serve", "--port", str(port), "--shutdown_timeout",
+        proc = subprocess.Popen([sys.executable, "-m", "semanticspec.serve", "--port", str(port), "--shutdown_timeout",
                                  "1.5"], stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
                                                                                   "PYTHONUNBUFFERED": "1"})
     root = f"http://127.0.0.1:{port}"
@@ -378,7 +378,7 @@ def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         ports = {"free": free_port(), "busy": busy.getsockname()[1]}
-        out = subprocess.run([sys.executable, "-m", "probes.serve", *(a.format(**ports) for a in args)],
+        out = subprocess.run([sys.executable, "-m", "semanticspec.serve", *(a.format(**ports) for a in args)],
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and says.format(**ports) in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "SemanticSpec endpoint on" not in out.stdout  # refused before the banner
@@ -389,7 +389,7 @@ def test_the_serve_config_parses_to_the_commands_defaults(capsys):
     configs/*.yaml; this one is the serve command's)."""
     from pathlib import Path
 
-    from probes.serve.cli import ServeOptions, main
+    from semanticspec.serve.cli import ServeOptions, main
 
     path = Path(__file__).resolve().parents[1] / "configs" / "serve" / "default.yaml"
     with pytest.raises(SystemExit) as exit_:
@@ -420,7 +420,7 @@ def test_the_readmes_endpoint_example_runs(endpoint, capsys):
 def test_a_fault_while_planning_ends_that_request_and_the_decode_thread_goes_on():
     """A request whose planning fails other than by a refusal (a bug, a tokenizer that raises) gets an error, and the
     next request is served: one request's fault never leaves another hanging."""
-    from probes.serve.scheduler import Job, Scheduler
+    from semanticspec.serve.scheduler import Job, Scheduler
 
     class Broken:
         def _plan(self, prompts, config):
@@ -444,7 +444,7 @@ def test_a_loop_admits_rows_per_loop_rows_then_a_fresh_loop_takes_the_next_reque
     """Under steady traffic one loop never grows past ``rows_per_loop`` rows (its finished rows' state and the scans
     over them stay bounded): the next requests start a fresh loop while it drains, and every request still decodes as
     it would alone with its seed."""
-    from probes.serve.scheduler import Job, Scheduler
+    from semanticspec.serve.scheduler import Job, Scheduler
     from tests.test_decoder import PROMPTS, stub_decoder
 
     target, draft, tok = tiny_pair

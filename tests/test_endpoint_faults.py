@@ -9,7 +9,7 @@ import time
 import pytest
 
 from datamodules.arithmetic.task import ArithmeticTask
-from probes.decoding.config import DecodeConfig
+from semanticspec.config import DecodeConfig
 from tests.conftest import Running
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,7 @@ LONGER = "Start with 1. " + "Add 1, then " * 20 + "add 1. What is the result?\n\
 
 @pytest.fixture(scope="module")
 def world():
-    from probes.serve.cli import ServeOptions, build
+    from semanticspec.serve.cli import ServeOptions, build
 
     app = build(ServeOptions())
     running = Running(app)
@@ -115,7 +115,7 @@ def test_what_common_clients_send_is_taken(world):
 
 
 def test_a_lower_case_bearer_scheme_is_accepted():
-    from probes.serve.app import key_matches
+    from semanticspec.serve.app import key_matches
 
     assert key_matches(b"bearer sk-1", "sk-1") and key_matches(b"Bearer  sk-1 ", "sk-1")
     assert not key_matches(b"Basic sk-1", "sk-1") and not key_matches(b"bearer sk-2", "sk-1")
@@ -146,7 +146,7 @@ def test_every_refusal_is_openais_error_json_without_pydantic_markers(world, met
 def test_a_request_whose_planning_fails_is_answered_and_the_endpoint_goes_on(world_tokenizer):
     """A fault outside the decoder's checks (a tokenizer that raises, a bug) ends that request with an OpenAI error
     (a 500 at once, not a wait forever), and the next request is served."""
-    from probes.serve.app import build_app
+    from semanticspec.serve.app import build_app
 
     class Decoder:
         tokenizer, policy = world_tokenizer, None
@@ -177,7 +177,7 @@ def test_a_request_whose_planning_fails_is_answered_and_the_endpoint_goes_on(wor
 def test_a_prompt_token_count_that_raises_ends_that_request_not_the_decode_thread():
     """The served path's prompt token count runs in the decode thread: a count that raises (the tokenizer refusing a
     string) ends that request with an error; the thread and the next request go on (it once killed the thread)."""
-    from probes.serve.scheduler import Job, Scheduler
+    from semanticspec.serve.scheduler import Job, Scheduler
 
     class Plan:
         def __init__(self, prompt, config):
@@ -207,7 +207,7 @@ def test_a_prompt_token_count_that_raises_ends_that_request_not_the_decode_threa
 
 
 def test_a_loop_that_fails_ends_its_requests_and_the_next_request_is_served(tiny_pair):
-    from probes.serve.scheduler import Job, Scheduler
+    from semanticspec.serve.scheduler import Job, Scheduler
     from tests.test_decoder import PROMPTS, stub_decoder
 
     target, draft, tok = tiny_pair
@@ -237,8 +237,8 @@ def test_abandoned_non_streaming_requests_free_their_rows_within_a_round():
     """Non-streaming clients that give up leave their loop at the next round: with one row and a short queue, 6
     abandoned requests neither decode to their end nor keep their queue slots (each once decoded all its steps and
     kept its slot, behind the key check's BaseHTTPMiddleware)."""
-    from probes.serve.app import Settings, build_app
-    from probes.serve.cli import ServeOptions, build
+    from semanticspec.serve.app import Settings, build_app
+    from semanticspec.serve.cli import ServeOptions, build
 
     dec = build(ServeOptions()).state.scheduler.dec
     run = Running(build_app(dec, Settings(max_rows=1, max_queue=4, api_key="k")))

@@ -26,7 +26,7 @@ SECRET = "sk-backend-secret-4242"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from datamodules.arithmetic.serve import world_server
-    from probes.serve.cli import ServeOptions, build
+    from semanticspec.serve.cli import ServeOptions, build
 
     _need_server()
     logs = tmp_path_factory.mktemp("endpoint-servers")
@@ -105,7 +105,7 @@ def test_a_prompt_past_the_servers_context_gets_its_message_as_a_400_not_retried
 
 
 def test_swapped_servers_are_refused(served):
-    from probes.serve.cli import ServeOptions, build
+    from semanticspec.serve.cli import ServeOptions, build
 
     with pytest.raises(ValueError, match="swapped"):
         build(ServeOptions(target_url=served["draft"].url, draft_url=served["target"].url, target_model="draft",
@@ -114,8 +114,8 @@ def test_swapped_servers_are_refused(served):
 
 def test_chat_works_with_the_worlds_probes_named_and_without_a_tokenizer_the_400_names_tokenizer(served):
     from datamodules.tasks.worlds import default_world
-    from probes.serve.app import Settings, build_app
-    from probes.serve.cli import ServeOptions, build
+    from semanticspec.serve.app import Settings, build_app
+    from semanticspec.serve.cli import ServeOptions, build
 
     probes = default_world().model_root() / "probes-topk"
     app = build(ServeOptions(target_url=served["target"].url, draft_url=served["draft"].url, target_model="target",

@@ -407,7 +407,7 @@ def test_engines_take_the_context_their_models_endpoint_states(fakes):
     """vLLM's and SGLang's ``/v1/models`` cards state ``max_model_len``, which becomes the engine's
     ``context_length``; llama-cpp-python's cards do not (``llama_cpp/server/app.py`` ``get_models``), so it is None.
     A served decoder over engines that state it refuses a window that cannot fit, naming the value."""
-    from probes.decoding.served import ServedDecoder
+    from semanticspec.served import ServedDecoder
 
     vllm = _engine("vllm", fakes(FakeVLLM, max_model_len=80))
     assert vllm.context_length == 80

@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INFERENCE = ["probes/decoder.py", "probes/decoding", "probes/export.py", "probes/model.py", "probes/config.py"]
+INFERENCE = ["semanticspec", "probes/export.py", "probes/model.py", "probes/config.py"]
+COMMANDS = ["semanticspec/serve/cli.py"]
+"""The endpoint's command finds the default world through the registry of worlds (``datamodules.tasks.worlds``), as
+the fit command does; the decoder and the endpoint's app, scheduler and wire format import no data package."""
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -45,7 +48,8 @@ def test_the_generation_core_imports_neither_side(path):
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-@pytest.mark.parametrize("path", files(*INFERENCE), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", [p for p in files(*INFERENCE) if str(p.relative_to(ROOT)) not in COMMANDS],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_inference_does_not_import_the_training_data_package(path):
     bad = [(n, m) for n, m in imported_modules(path) if m.split(".")[0] == "datamodules"]
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
@@ -57,7 +61,7 @@ def test_the_label_build_does_not_reach_up_into_inference():
     assert not bad, bad
 
 
-PACKAGE = ("datamodules", "generation", "probes", "callbacks")
+PACKAGE = ("datamodules", "generation", "probes", "semanticspec", "callbacks")
 WORLD = "datamodules/arithmetic"
 
 
@@ -104,7 +108,7 @@ def test_no_import_circle():
             visit(node, [node])
 
 
-PRIVATE = ("probes.fit", "probes.decoding.setup")
+PRIVATE = ("probes.fit", "semanticspec.setup")
 """Modules no benchmark imports: the fit CLI (it brings in LightningCLI) and the decoder's setup checks (the
 method table, the policies and the loop options are the decoder's public parts)."""
 NOT_YET: dict[str, set[str]] = {}
@@ -185,3 +189,11 @@ def test_the_decoder_does_not_import_the_training_side(path):
     training = ("probes.fit", "probes.module", "probes.metrics", "probes.resume")
     bad = [(n, m) for n, m in imported_modules(path) if m.startswith(training)]
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_probe_package_does_not_reach_up_into_the_decoder():
+    """The wings stack: generation <- probes (the probe, its training, its export) <- semanticspec (the decoder and
+    the endpoint) <- callbacks (live validation decodes). The probe package imports nothing of the decoder."""
+    bad = [(p.relative_to(ROOT), n, m) for p in files("probes") for n, m in imported_modules(p)
+           if m.split(".")[0] in ("semanticspec", "callbacks")]
+    assert not bad, bad

@@ -10,15 +10,15 @@ from datamodules.labels.reading import read_steps
 from generation.engines.local import LocalEngine
 from generation.features import probe_input
 from generation.specs import FeatureSpec
-from probes.decoder import SemanticSpecDecoder
-from probes.decoding.config import DecodeConfig
-from probes.decoding.loop import SHIPPED_WINDOW, StepLoop, Window
-from probes.decoding.options import LoopOptions
-from probes.decoding.policies import ProbePolicy
-from probes.decoding.proposer import DraftProposer
-from probes.decoding.results import summarize
-from probes.decoding.served import ServedDecoder
-from probes.decoding.verify import TargetVerifier
+from semanticspec.decoder import SemanticSpecDecoder
+from semanticspec.config import DecodeConfig
+from semanticspec.loop import SHIPPED_WINDOW, StepLoop, Window
+from semanticspec.options import LoopOptions
+from semanticspec.policies import ProbePolicy
+from semanticspec.proposer import DraftProposer
+from semanticspec.results import summarize
+from semanticspec.served import ServedDecoder
+from semanticspec.verify import TargetVerifier
 from probes.export import load_probe
 from tests.test_decoder import PROMPTS, make_decoder, stub_decoder, texts
 

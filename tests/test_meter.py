@@ -9,14 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from probes.decoding import meter as meter_mod
-from probes.decoding.meter import Meter
-from probes.decoding.results import Decision, StepTrace
-from probes.decoding.rows import Row
+from semanticspec import meter as meter_mod
+from semanticspec.meter import Meter
+from semanticspec.results import Decision, StepTrace
+from semanticspec.rows import Row
 from tests.conftest import PROMPTS
 from tests.test_decoder import GREEDY, stub_decoder
 
-LOOP = Path(__file__).resolve().parents[1] / "probes" / "decoding" / "loop.py"
+LOOP = Path(__file__).resolve().parents[1] / "semanticspec" / "loop.py"
 
 
 def test_the_loop_reads_no_clock():

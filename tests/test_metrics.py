@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from probes import metrics
-from probes.decoder import DecodeResult, DecodeStats, summarize
+from semanticspec.decoder import DecodeResult, DecodeStats, summarize
 
 
 def test_summarize_uses_the_definitions():

@@ -39,7 +39,7 @@ def test_paper_architecture_and_options():
 
 @pytest.mark.parametrize("combine, dims", [("concat", [32, 16]), ("concat", []), ("weighted_sum", [8])])
 def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims):
-    from probes.decoding.proposer import run_probe
+    from semanticspec.proposer import run_probe
 
     probe = SemanticProbe(ProbeConfig(hidden_size=8, layer_ids=[-1, -2], layer_combine=combine, hidden_dims=dims,
                                       feature_groups=["hidden", "token_stats"], token_stats=["min_logprob"]))
@@ -415,7 +415,7 @@ def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(worl
 
 def test_a_probe_used_in_the_other_role_is_refused_naming_both(tmp_path, world_tokenizer):
     """A draft probe handed over as the target probe is refused by its role, before any fingerprint check."""
-    from probes.decoding import setup
+    from semanticspec import setup
 
     model = tiny_llama(len(world_tokenizer), 32)
     probe, path = _export(tmp_path, model, world_tokenizer, role="draft")
@@ -437,7 +437,7 @@ def test_a_probe_used_in_the_other_role_is_refused_naming_both(tmp_path, world_t
 
 
 def test_decoder_refuses_a_draft_probe_as_target_probe(tmp_path, world_tokenizer):
-    from probes.decoder import SemanticSpecDecoder
+    from semanticspec.decoder import SemanticSpecDecoder
 
     model = tiny_llama(len(world_tokenizer), 32)
     _, path = _export(tmp_path, model, world_tokenizer, role="draft")

@@ -258,8 +258,8 @@ def test_converted_folder_is_reused(real_pair, monkeypatch):
 
 @pytest.mark.slow
 def test_cross_tokenizer_semanticspec_decode(real_pair, tmp_path):
-    from probes.decoder import SemanticSpecDecoder
-    from probes.decoding.policies import ProbePolicy
+    from semanticspec.decoder import SemanticSpecDecoder
+    from semanticspec.policies import ProbePolicy
 
     target, target_tok, draft, draft_tok = real_pair
     step = StepSpec(max_step_tokens=12)  # the probes' labels were cut so; the decoder takes it from them
@@ -283,7 +283,7 @@ def test_cross_tokenizer_semanticspec_decode(real_pair, tmp_path):
 
 @pytest.mark.slow
 def test_probe_of_the_wrong_width_is_refused(real_pair, tmp_path):
-    from probes.decoder import SemanticSpecDecoder
+    from semanticspec.decoder import SemanticSpecDecoder
 
     target, target_tok, draft, draft_tok = real_pair
     wrong = _probe_dir(tmp_path / "draft-width", draft, draft_tok, "target")  # 576 wide, target is 640
@@ -325,8 +325,8 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     from datamodules.labels.clustering import ClusteringConfig
     from datamodules.labels.build import build
     from datamodules.datamodule import SemanticProbeDataModule
-    from probes.decoder import SemanticSpecDecoder
-    from probes.decoding.options import LoopOptions
+    from semanticspec.decoder import SemanticSpecDecoder
+    from semanticspec.options import LoopOptions
     from probes.module import SemanticProbeModule
 
     need_modules("gguf", "accelerate")
@@ -381,7 +381,7 @@ def test_callback_decodes_the_real_pair_on_boxed_math(real_pair, tmp_path):
 @pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_sampled_cross_tokenizer_token_sd_leaves_the_draft_usable(real_pair):
     """transformers' universal assisted generation wraps the assistant's embeddings and LM head; they are restored."""
-    from probes.decoder import SemanticSpecDecoder
+    from semanticspec.decoder import SemanticSpecDecoder
 
     target, target_tok, draft, draft_tok = real_pair
     heads = (draft.get_input_embeddings(), draft.get_output_embeddings())

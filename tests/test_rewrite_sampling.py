@@ -12,8 +12,8 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from datamodules.arithmetic import models, task
-from probes.decoder import SemanticSpecDecoder
-from probes.decoding.options import LoopOptions
+from semanticspec.decoder import SemanticSpecDecoder
+from semanticspec.options import LoopOptions
 
 pytestmark = pytest.mark.slow
 

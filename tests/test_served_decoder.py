@@ -11,12 +11,12 @@ from generation.engines.base import Capabilities
 from generation.engines.local import LocalEngine
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
-from probes.decoder import SemanticSpecDecoder
-from probes.decoding.options import LoopOptions
-from probes.decoding.policies import ProbePolicy
-from probes.decoding.results import summarize
-from probes.decoding.engine_parts import answer_cut
-from probes.decoding.served import ServedDecoder
+from semanticspec.decoder import SemanticSpecDecoder
+from semanticspec.options import LoopOptions
+from semanticspec.policies import ProbePolicy
+from semanticspec.results import summarize
+from semanticspec.engine_parts import answer_cut
+from semanticspec.served import ServedDecoder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -249,7 +249,7 @@ def test_both_decoders_read_one_decode_config(world, engines):
     """Issue 30 item 4: a DecodeConfig passed whole equals its fields passed as keywords, in-process and served, and
     both give the same greedy target-only texts; a bad override is refused before any forward or request, and the
     served decoder refuses a batch size (its prompts run concurrently)."""
-    from probes import DecodeConfig
+    from semanticspec import DecodeConfig
 
     prompts = world["prompts"][:2]
     cfg = DecodeConfig(max_new_tokens=24, temperature=0.0, method="target_only")
@@ -387,7 +387,7 @@ def test_a_full_vocabulary_statistics_probe_is_refused(world, engines):
 def test_rows_admitted_into_a_running_loop_decode_as_they_would_alone(world, engines, side):
     """Issue 34: a request joins a running loop between rounds (``StepLoop.admit``; the endpoint's admission) and
     decodes what it decodes alone with its seed, sampled, coins flipped; so do the rows that were running."""
-    from probes.decoding.config import DecodeConfig
+    from semanticspec.config import DecodeConfig
 
     dec = (SemanticSpecDecoder(world["target"], world["draft"], world["tok"], options=MARKER) if side == "in_process"
            else ServedDecoder(*engines, options=MARKER, concurrency=2))

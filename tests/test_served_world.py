@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from datamodules.arithmetic.serve import LlamaServer, server_available, world_server
-from probes.decoding.options import LoopOptions
-from probes.decoding.results import summarize
-from probes.decoding.served import ServedDecoder
+from semanticspec.options import LoopOptions
+from semanticspec.results import summarize
+from semanticspec.served import ServedDecoder
 from tests.conftest import DRAFT, TARGET, gguf_or_skip
 
 pytestmark = pytest.mark.slow
@@ -240,7 +240,7 @@ def _untrained_topk_probe():
 def test_the_real_pair_decodes_through_two_servers(real_pair):
     import llama_cpp
 
-    from probes.decoding.policies import ProbePolicy
+    from semanticspec.policies import ProbePolicy
 
     t0 = time.perf_counter()
     target, draft = real_pair

@@ -226,7 +226,7 @@ class _StubDecoder:
         type(self).answer_marker = task.answer_marker
 
     def generate(self, prompts, method="semanticspec", **kwargs):
-        from probes.decoding.results import DecodeResult, DecodeStats
+        from semanticspec.results import DecodeResult, DecodeStats
 
         self.calls.append((method, list(prompts)))
         n_ref = sum(m == "target_only" for m, _ in self.calls)
@@ -238,10 +238,10 @@ class _StubDecoder:
 def test_callback_decodes_a_custom_task_in_batches_and_retimes_target_only(monkeypatch):
     import torch
 
-    import probes.decoder
+    import semanticspec.decoder
     from callbacks.speculative_validation import SpeculativeValidation
 
-    monkeypatch.setattr(probes.decoder, "SemanticSpecDecoder", _StubDecoder)
+    monkeypatch.setattr(semanticspec.decoder, "SemanticSpecDecoder", _StubDecoder)
     _StubDecoder.calls = []
     cb = SpeculativeValidation(task=YesNoTask(), max_problems=5, batch_size=2, seed=4)
     assert [a for _, a in cb.problems] == ["yes", "no", "yes", "no", "yes"]
@@ -271,9 +271,9 @@ def test_the_callback_says_when_its_speedup_is_unreliable(monkeypatch):
     import torch
 
     import callbacks.speculative_validation as sv
-    import probes.decoder
-    from probes.decoding.results import DecodeResult, DecodeStats
-    from probes.decoding.timing import rotation, timing_noise, unreliable_because
+    import semanticspec.decoder
+    from semanticspec.results import DecodeResult, DecodeStats
+    from semanticspec.timing import rotation, timing_noise, unreliable_because
 
     assert rotation(["a", "b", "c"], 4) == ["b", "c", "a"] and rotation(["a", "b"], 0) == ["a", "b"]
     assert timing_noise([1.0, 2.0, 3.0], [10, 20, 30]) == pytest.approx(0.0, abs=1e-12)
@@ -295,7 +295,7 @@ def test_the_callback_says_when_its_speedup_is_unreliable(monkeypatch):
     class Module:
         probes = torch.nn.ModuleDict({r: torch.nn.Linear(2, 1) for r in ("target", "draft")})
 
-    monkeypatch.setattr(probes.decoder, "SemanticSpecDecoder", Steady)
+    monkeypatch.setattr(semanticspec.decoder, "SemanticSpecDecoder", Steady)
     cb = sv.SpeculativeValidation(task=YesNoTask(), max_problems=6, batch_size=1)
     cb._tokenizer = cb._draft_tokenizer = object()
     monkeypatch.setattr(sv, "load_per_core", lambda: 0.4)

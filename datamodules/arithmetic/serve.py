@@ -8,7 +8,7 @@ writes the world's f32 GGUF files once (:func:`datamodules.arithmetic.gguf.world
 ``python -m llama_cpp.server`` per model with an f32 KV cache (so its log-probs equal transformers' within
 5e-4), prints their URLs when both answer, and stops both on Ctrl-C or SIGTERM, or when either exits. The
 shipped ``topk_stats`` probe pair, ``checkpoints/arithmetic/probes-topk``, decodes through them with
-:class:`~probes.decoding.served.ServedDecoder` (README "Serving").
+:class:`~semanticspec.served.ServedDecoder` (README "Serving").
 
 :class:`LlamaServer` starts and stops one such server from Python (the tests and benchmarks use it)::
 

@@ -1,8 +1,8 @@
 """What both decoders share: ``generate`` and ``stream`` over the one step loop, and the method's checks.
 
-:class:`~probes.decoder.SemanticSpecDecoder` (in-process models) and
-:class:`~probes.decoding.served.ServedDecoder` (two servers) differ only in how they read their
-prompts and which parts they give :class:`~probes.decoding.loop.StepLoop`
+:class:`~semanticspec.decoder.SemanticSpecDecoder` (in-process models) and
+:class:`~semanticspec.served.ServedDecoder` (two servers) differ only in how they read their
+prompts and which parts they give :class:`~semanticspec.loop.StepLoop`
 (:meth:`StepDecoder.step_loop`); the rounds, the decisions and the events are the loop's.
 """
 
@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 import torch
 
 from generation.specs import SamplingSpec
-from probes.decoding.config import DecodeConfig
-from probes.decoding.loop import SHIPPED_WINDOW, Window
-from probes.decoding.methods import MethodArgs, Speculative, runner_for
-from probes.decoding.results import DecodeResult, StepEvent, collect
+from semanticspec.config import DecodeConfig
+from semanticspec.loop import SHIPPED_WINDOW, Window
+from semanticspec.methods import MethodArgs, Speculative, runner_for
+from semanticspec.results import DecodeResult, StepEvent, collect
 
 
 class Plan(NamedTuple):
@@ -48,7 +48,7 @@ class StepDecoder:
 
     def generate(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
                  ) -> list[DecodeResult]:
-        """Decode every prompt with ``config`` (a :class:`~probes.decoding.config.DecodeConfig`: the budget,
+        """Decode every prompt with ``config`` (a :class:`~semanticspec.config.DecodeConfig`: the budget,
         sampling, seed, method and its arguments, batch size), or with its fields as keyword arguments, which
         change a copy of it (``generate(prompts, max_new_tokens=64, seed=[0, 1])``).
 
@@ -59,12 +59,12 @@ class StepDecoder:
                 pair with two. A served decoder's prompts are text (its servers tokenize them).
             config: what to decode with; None = ``DecodeConfig()`` (the method ``semanticspec``, 256 new tokens,
                 the probes' sampling, seed 0).
-            **overrides: :class:`~probes.decoding.config.DecodeConfig` fields that change ``config`` for this
-                call. Methods are the names of :data:`probes.decoding.methods.METHODS`, or an acceptance policy
+            **overrides: :class:`~semanticspec.config.DecodeConfig` fields that change ``config`` for this
+                call. Methods are the names of :data:`semanticspec.methods.METHODS`, or an acceptance policy
                 (e.g. ``SpecReasonPolicy(threshold=8)``) run in the speculative loop.
 
         Returns:
-            One :class:`~probes.decoding.results.DecodeResult` per prompt, in order, each with its ``stop_reason``
+            One :class:`~semanticspec.results.DecodeResult` per prompt, in order, each with its ``stop_reason``
             (``eos``, ``answer``, ``budget``, ``context``, or ``error`` for a served row whose request failed: no
             method writes past either model's context); ``[]`` for no prompts.
 
@@ -81,7 +81,7 @@ class StepDecoder:
     def stream(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
                ) -> Iterator[StepEvent]:
         """:meth:`generate`, yielding each prompt's steps as the loop commits them (or refuses them), then its end
-        event with its :class:`~probes.decoding.results.DecodeResult` (:class:`~probes.decoding.results.StepEvent`);
+        event with its :class:`~semanticspec.results.DecodeResult` (:class:`~semanticspec.results.StepEvent`);
         prompts of one batch interleave round by round. Everything :meth:`generate` refuses is refused here, when
         called, before any model call or request."""
         return self._events(self._plan(prompts, DecodeConfig.of(config, overrides)))
@@ -90,7 +90,7 @@ class StepDecoder:
         raise NotImplementedError
 
     def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys):
-        """The :class:`~probes.decoding.loop.StepLoop` of one batch (``batch``: the plan's inputs, sliced)."""
+        """The :class:`~semanticspec.loop.StepLoop` of one batch (``batch``: the plan's inputs, sliced)."""
         raise NotImplementedError
 
     @torch.inference_mode()

@@ -5,14 +5,14 @@ against its KV cache; a probe on the target's hidden states (``q``) and one on t
 decide whether the step means what the target would have said (docs/design.md "Decoding"):
 
 1. the target writes the first step if ``target_first_step`` (the paper; by default the draft does);
-2. **propose**: the :class:`~probes.decoding.proposer.Proposer` (the draft) writes a step, keeping
+2. **propose**: the :class:`~semanticspec.proposer.Proposer` (the draft) writes a step, keeping
    what the draft probe reads;
-3. **verify**: the :class:`~probes.decoding.verify.TargetVerifier` reads the step in one forward
+3. **verify**: the :class:`~semanticspec.verify.TargetVerifier` reads the step in one forward
    pass (new tokens only, KV cache kept) and scores it (``q``, fast path, judge, coin); the
    proposer adds the draft probe's ``p`` where the policy wants it;
-4. **decide**: the method's :class:`~probes.decoding.policies.AcceptancePolicy`, a pure function
-   of the step's :class:`~probes.decoding.scores.Scores`, keeps or refuses it (SemanticSpec,
-   :class:`~probes.decoding.policies.ProbePolicy`: the optional gated top-k fast path, then
+4. **decide**: the method's :class:`~semanticspec.policies.AcceptancePolicy`, a pure function
+   of the step's :class:`~semanticspec.scores.Scores`, keeps or refuses it (SemanticSpec,
+   :class:`~semanticspec.policies.ProbePolicy`: the optional gated top-k fast path, then
    ``q >= tau`` or the paper's ratio rule ``min(1, ratio_scale * q / p)``);
 5. **commit or roll back**: a kept step stays in both caches and the token the target predicts
    after it (the *bonus* token) opens the next step; a refused one is rolled back by length and the
@@ -20,12 +20,12 @@ decide whether the step means what the target would have said (docs/design.md "D
 6. stop at EOS, a completed answer-marker line, the token budget or the context end.
 
 Several prompts advance together, each with its own decisions (one :class:`~generation.cache.BatchedCache`
-per model, in :class:`~probes.decoding.loop.StepLoop`). Every baseline (target only, draft only,
+per model, in :class:`~semanticspec.loop.StepLoop`). Every baseline (target only, draft only,
 SpecReason-style judging, random and oracle acceptance) runs through the same loop and the same
 sampler, so their timings compare; token-level speculative decoding runs in transformers' own
-assisted generation (:mod:`probes.decoding.hf`) and is compared with transformers' own target-only
+assisted generation (:mod:`semanticspec.hf`) and is compared with transformers' own target-only
 generation (``method="hf_target_only"``). ``method=`` names map to runners in one table,
-:data:`probes.decoding.methods.METHODS`.
+:data:`semanticspec.methods.METHODS`.
 
 Example (a task, :class:`datamodules.tasks.base.Task`, gives the problems, their prompts, the answer marker that
 ends a decode, and the checker):
@@ -54,17 +54,17 @@ from generation.handover import Handover, pad_id
 from generation.sampling import Sampler, StreamKey, key_stream, stream_keys
 from generation.specs import SamplingSpec
 from generation.writer import StepWriter
-from probes.decoding import setup
-from probes.decoding.base import Plan, StepDecoder
-from probes.decoding.config import DecodeConfig
-from probes.decoding.loop import LoopSetup, StepLoop
-from probes.decoding.options import LoopOptions
-from probes.decoding.policies import ProbePolicy, default_policy
-from probes.decoding.prompts import read_prompts
-from probes.decoding.proposer import DraftProposer
-from probes.decoding.results import DecodeResult, DecodeStats, StepTrace, summarize
-from probes.decoding.rows import Row
-from probes.decoding.verify import JudgeTurn, TargetVerifier
+from semanticspec import setup
+from semanticspec.base import Plan, StepDecoder
+from semanticspec.config import DecodeConfig
+from semanticspec.loop import LoopSetup, StepLoop
+from semanticspec.options import LoopOptions
+from semanticspec.policies import ProbePolicy, default_policy
+from semanticspec.prompts import read_prompts
+from semanticspec.proposer import DraftProposer
+from semanticspec.results import DecodeResult, DecodeStats, StepTrace, summarize
+from semanticspec.rows import Row
+from semanticspec.verify import JudgeTurn, TargetVerifier
 
 __all__ = ["DecodeResult", "DecodeStats", "SemanticSpecDecoder", "StepTrace", "summarize"]
 
@@ -82,11 +82,11 @@ class SemanticSpecDecoder(StepDecoder):
         target_probe: exported probe directory (loaded with ``probes.export.load_probe`` so its
             fingerprint is checked against ``target``), a ``SemanticProbe``, or None.
         draft_probe: same for the draft (needed by the ratio rule).
-        policy: SemanticSpec's acceptance (:class:`~probes.decoding.policies.ProbePolicy`: rule,
-            ``tau``, ``ratio_scale``, fast path, ``lazy_p``); None = :func:`~probes.decoding.policies.default_policy`:
+        policy: SemanticSpec's acceptance (:class:`~semanticspec.policies.ProbePolicy`: rule,
+            ``tau``, ``ratio_scale``, fast path, ``lazy_p``); None = :func:`~semanticspec.policies.default_policy`:
             the threshold rule at ``tau=0.5``, after the gated top-1 fast path when the two models share a
             tokenizer (``ProbePolicy(top_k=1)``; ``ProbePolicy()`` has no fast path).
-        options: the step loop's options (:class:`~probes.decoding.options.LoopOptions`: who
+        options: the step loop's options (:class:`~semanticspec.options.LoopOptions`: who
             writes the first step, step delimiters and cap, answer marker, token-level
             speculation, bonus token); None = ``LoopOptions()``.
         task: the :class:`~datamodules.tasks.base.Task` whose problems are decoded (or any object with an
@@ -96,7 +96,7 @@ class SemanticSpecDecoder(StepDecoder):
             and their prompts from ``task.decoder_prompt(tokenizer, problem)``; ``task.check`` scores the text.
         probe_dtype: the dtype the probes' MLPs run in: ``"auto"`` (default: float16 where float16 matrix-vector
             products are fast, CUDA and x86 CPUs with AVX2/AVX-512; float32 elsewhere;
-            :func:`~probes.decoding.options.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
+            :func:`~semanticspec.options.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
             ``"float16"``. A probe given as a module is converted on a copy.
 
     Raises:

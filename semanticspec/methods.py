@@ -2,7 +2,7 @@
 
 A runner says what a round of the step loop does for the active rows (:class:`TargetOnly`,
 :class:`DraftOnly`, :class:`Speculative` with an acceptance policy), or decodes on its own
-(:class:`~probes.decoding.hf.TransformersLoop`, transformers' loop). :data:`METHODS` is the only
+(:class:`~semanticspec.hf.TransformersLoop`, transformers' loop). :data:`METHODS` is the only
 place a method's name is read; the benchmarks import it.
 """
 
@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from generation.specs import SamplingSpec
-from probes.decoding.hf import TransformersLoop
-from probes.decoding.loop import StepLoop, Window
-from probes.decoding.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
-from probes.decoding.results import StepEvent
+from semanticspec.hf import TransformersLoop
+from semanticspec.loop import StepLoop, Window
+from semanticspec.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
+from semanticspec.results import StepEvent
 
 
 class LoopRunner:
@@ -31,7 +31,7 @@ class LoopRunner:
 
     def stream(self, dec, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
         """Decode one batch (``batch``: the decoder's inputs, sliced to the batch), yielding its
-        :class:`~probes.decoding.results.StepEvent` (prompt indices within the batch); ``keys``: each prompt's
+        :class:`~semanticspec.results.StepEvent` (prompt indices within the batch); ``keys``: each prompt's
         :data:`~generation.sampling.StreamKey` (its random streams)."""
         return dec.step_loop(batch, max_new_tokens, sampling, keys).stream(self)
 
@@ -61,7 +61,7 @@ class DraftOnly(LoopRunner):
 
 @dataclass(frozen=True)
 class Speculative(LoopRunner):
-    """The draft proposes each step (or a :class:`~probes.decoding.loop.Window` of steps) and ``policy`` decides; the
+    """The draft proposes each step (or a :class:`~semanticspec.loop.Window` of steps) and ``policy`` decides; the
     target writes the first step when ``target_first_step`` and every refused one."""
 
     policy: AcceptancePolicy
@@ -100,7 +100,7 @@ METHODS: dict[str, Callable[[MethodArgs], object]] = {
 :class:`MethodArgs` (raising ValueError naming a missing argument), in the benchmarks' order. ``always_reject`` and
 ``always_accept`` keep no draft step / every one (a random policy at rate 0 / 1): equivalence checks (greedy
 ``always_reject`` writes what ``target_only`` writes), which the decode benchmark leaves out. The served decoder runs
-every name but transformers' loops and ``specreason`` (:class:`~probes.decoding.served.ServedDecoder`)."""
+every name but transformers' loops and ``specreason`` (:class:`~semanticspec.served.ServedDecoder`)."""
 
 
 def runner_for(method: str | AcceptancePolicy, args: MethodArgs):

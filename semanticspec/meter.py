@@ -1,8 +1,8 @@
 """What a step loop's work costs in seconds: the loop computes, the meter measures.
 
-:class:`~probes.decoding.loop.StepLoop` reads no clock. It tells its :class:`Meter` when a round runs and for which
+:class:`~semanticspec.loop.StepLoop` reads no clock. It tells its :class:`Meter` when a round runs and for which
 rows (:meth:`Meter.round`), which phase of a round it is in and for whom (:meth:`Meter.phase`), and when rows come and
-finish; the meter times them and writes the seconds into each row's :class:`~probes.decoding.results.DecodeStats` and
+finish; the meter times them and writes the seconds into each row's :class:`~semanticspec.results.DecodeStats` and
 into the steps the round traced. Nothing a row decides reads the meter.
 """
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from probes.decoding.rows import Row
+from semanticspec.rows import Row
 
 PHASES = ("first_step", "draft", "verify", "rewrite")
 """The phases :meth:`Meter.phase` shares out, each to the row stats field of its name and ``_s``; the probes' seconds

@@ -2,8 +2,8 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (streaming as server-sent events in OpenAI's chunk format,
 ending with ``data: [DONE]``), ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). :func:`build_app` puts them
-in front of any decoder: in-process models (:class:`~probes.decoder.SemanticSpecDecoder`) or two servers
-(:class:`~probes.decoding.served.ServedDecoder`); ``python -m probes.serve`` builds one from a config.
+in front of any decoder: in-process models (:class:`~semanticspec.decoder.SemanticSpecDecoder`) or two servers
+(:class:`~semanticspec.served.ServedDecoder`); ``python -m semanticspec.serve`` builds one from a config.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from generation.engines.base import Refused
-from probes.decoding.config import DecodeConfig
-from probes.decoding.methods import METHODS
-from probes.serve.protocol import (ChatRequest, CompletionRequest, Reply, error_body, lone_surrogate, unsupported,
+from semanticspec.config import DecodeConfig
+from semanticspec.methods import METHODS
+from semanticspec.serve.protocol import (ChatRequest, CompletionRequest, Reply, error_body, lone_surrogate, unsupported,
                                    usage)
-from probes.serve.scheduler import Job, QueueFull, Scheduler, Update
+from semanticspec.serve.scheduler import Job, QueueFull, Scheduler, Update
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
-from probes.decoding.options import LoopOptions, resolve_probe_dtype
+from semanticspec.options import LoopOptions, resolve_probe_dtype
 
 
 def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "float32"):
@@ -26,7 +26,7 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
         tokenizer: that model's tokenizer (None with no model).
         role: ``"target"`` or ``"draft"``: the slot the probe fills; a probe exported with the other
             role is refused, naming both. None checks no role.
-        probe_dtype: ``"auto"``, ``"float32"`` or ``"float16"`` (:func:`~probes.decoding.options.resolve_probe_dtype`,
+        probe_dtype: ``"auto"``, ``"float32"`` or ``"float16"`` (:func:`~semanticspec.options.resolve_probe_dtype`,
             which refuses a bad value even without a probe).
 
     Raises:

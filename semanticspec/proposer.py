@@ -148,7 +148,7 @@ class CachePart:
         self.cache.extend(row, tokens)
 
     def admit(self, prompt: Sequence[int], key) -> None:
-        """A new row holding ``prompt`` (:meth:`~probes.decoding.loop.StepLoop.admit`; its streams are the
+        """A new row holding ``prompt`` (:meth:`~semanticspec.loop.StepLoop.admit`; its streams are the
         verifier's to add)."""
         self.cache.add_row(prompt)
 

@@ -1,4 +1,4 @@
-"""``python -m probes.serve``: an OpenAI-compatible SemanticSpec endpoint (FastAPI on uvicorn).
+"""``python -m semanticspec.serve``: an OpenAI-compatible SemanticSpec endpoint (FastAPI on uvicorn).
 
 With no arguments it serves the embedded world in-process with the shipped probes, on http://127.0.0.1:8000/v1, so
 any OpenAI client can try it with no server to start. ``--target_url`` and ``--draft_url`` put it in front of two
@@ -16,7 +16,7 @@ from typing import Literal
 
 from generation.cli import fail, one_line_parser
 
-PROG = "python -m probes.serve"
+PROG = "python -m semanticspec.serve"
 PAIRED = ("--target_url and --draft_url go together: give both servers, or neither to serve the embedded world "
           "in-process")
 WORLD_PROBES = {"in-process": "probes", "served": "probes-topk"}
@@ -34,7 +34,7 @@ def world_chat(suffix: str, bos: bool = True) -> str:
 
 @dataclass
 class ServeOptions:
-    """What python -m probes.serve serves and how."""
+    """What python -m semanticspec.serve serves and how."""
 
     host: str = "127.0.0.1"
     """Address to listen on."""
@@ -82,9 +82,9 @@ class ServeOptions:
 def build(opts: ServeOptions):
     """The app of ``opts``: the decoder (the default world's models in-process, found through its registration
     (``datamodules.tasks.worlds``), or two servers) and the endpoint's settings."""
-    from probes.decoding.options import LoopOptions
-    from probes.decoding.policies import ProbePolicy
-    from probes.serve.app import Settings, build_app
+    from semanticspec.options import LoopOptions
+    from semanticspec.policies import ProbePolicy
+    from semanticspec.serve.app import Settings, build_app
 
     if (opts.target_url is None) != (opts.draft_url is None):
         raise ValueError(PAIRED)
@@ -97,7 +97,7 @@ def build(opts: ServeOptions):
     task = world.task()
     template = _template(opts.chat_template)
     if mode == "in-process":
-        from probes import SemanticSpecDecoder
+        from semanticspec import SemanticSpecDecoder
 
         target, draft = (world.load_model(role, root) for role in ("target", "draft"))
         policy = ProbePolicy(tau=opts.threshold, top_k=1)
@@ -107,7 +107,7 @@ def build(opts: ServeOptions):
         backends = ()
     else:
         from generation.engines import make_engine
-        from probes import ServedDecoder
+        from semanticspec import ServedDecoder
 
         kw = {"api_key_env": opts.backend_key_env}
         target = make_engine(opts.engine, opts.target_url, opts.target_model, **kw)

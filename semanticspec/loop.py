@@ -2,13 +2,13 @@
 
 :class:`StepLoop` holds the batch's rows and its two parts: a proposer (the draft side) and a
 verifier (the target side). The parts own the models' state: in-process the batched caches
-(:class:`~probes.decoding.proposer.DraftProposer`, :class:`~probes.decoding.verify.TargetVerifier`,
-built by :meth:`probes.decoder.SemanticSpecDecoder.step_loop`), served the requests to two servers
-(:mod:`probes.decoding.engine_parts`). The loop holds no cache and sends no request: it keeps the
+(:class:`~semanticspec.proposer.DraftProposer`, :class:`~semanticspec.verify.TargetVerifier`,
+built by :meth:`semanticspec.decoder.SemanticSpecDecoder.step_loop`), served the requests to two servers
+(:mod:`semanticspec.engine_parts`). The loop holds no cache and sends no request: it keeps the
 rows' bookkeeping, asks the policy, and tells the parts what was kept. Nor does it read a clock: it tells its
-:class:`~probes.decoding.meter.Meter` which round and phase it is in, and the meter measures.
+:class:`~semanticspec.meter.Meter` which round and phase it is in, and the meter measures.
 
-A runner (:mod:`probes.decoding.methods`) says what one round does for the active rows: the
+A runner (:mod:`semanticspec.methods`) says what one round does for the active rows: the
 target writes a step, the draft writes one, or the draft proposes and an acceptance policy decides
 (:meth:`StepLoop.speculate`). A refused step is rolled back in both parts and the target writes the
 step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the draft when ``token_sd``.
@@ -21,13 +21,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from generation.sampling import StreamKey
-from probes.decoding.meter import Meter
-from probes.decoding.options import LoopOptions
-from probes.decoding.policies import AcceptancePolicy, Needs
-from probes.decoding.proposer import Proposal, Proposer, RowState
-from probes.decoding.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
-from probes.decoding.rows import Row, TargetStep, answer_complete
-from probes.decoding.speculative import speculate_tokens
+from semanticspec.meter import Meter
+from semanticspec.options import LoopOptions
+from semanticspec.policies import AcceptancePolicy, Needs
+from semanticspec.proposer import Proposal, Proposer, RowState
+from semanticspec.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
+from semanticspec.rows import Row, TargetStep, answer_complete
+from semanticspec.speculative import speculate_tokens
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,8 @@ class StepLoop:
     """One batch of prompts decoded together, each row with its own decisions.
 
     Args:
-        proposer: the draft side (:class:`~probes.decoding.proposer.Proposer`), its rows holding their prompts.
-        verifier: the target side (:class:`~probes.decoding.verify.TargetVerifier` or an engine verifier).
+        proposer: the draft side (:class:`~semanticspec.proposer.Proposer`), its rows holding their prompts.
+        verifier: the target side (:class:`~semanticspec.verify.TargetVerifier` or an engine verifier).
         rows: one :class:`Row` per prompt.
         setup: how the loop runs (:class:`LoopSetup`).
     """
@@ -333,7 +333,7 @@ class StepLoop:
 
     def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool, offset: int = 0, hold: bool = False) -> bool:
         """The target keeps a prefix of the proposal's new tokens and draws the token after it
-        (:func:`~probes.decoding.speculative.speculate_tokens` on the verification forward's logits); the
+        (:func:`~semanticspec.speculative.speculate_tokens` on the verification forward's logits); the
         rewrite is committed once the step is finished. ``offset``: new tokens of the row's window before the
         proposal (the kept steps before a refused one). ``hold``: a window was drafted after the proposal; when the
         target keeps the proposal whole and it ends the step, both parts keep that window too, to be settled.

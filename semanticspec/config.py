@@ -2,7 +2,7 @@
 
 As transformers' ``GenerationConfig`` and vLLM's ``SamplingParams``: build one and pass it, or pass its fields as
 keyword arguments (``dec.generate(prompts, max_new_tokens=64)``), which build one; both decoders
-(:class:`~probes.decoder.SemanticSpecDecoder`, :class:`~probes.decoding.served.ServedDecoder`) read the same
+(:class:`~semanticspec.decoder.SemanticSpecDecoder`, :class:`~semanticspec.served.ServedDecoder`) read the same
 config::
 
     config = DecodeConfig(max_new_tokens=128, seed=[0, 1, 2])
@@ -24,7 +24,7 @@ from typing import Any
 
 from generation.sampling import seed_errors
 from generation.specs import SamplingSpec, is_count
-from probes.decoding.policies import AcceptancePolicy
+from semanticspec.policies import AcceptancePolicy
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class DecodeConfig:
             with ``seed=seed[k]``.
         method: a name of the decoder's method table (``semanticspec``, ``target_only``, ``draft_only``,
             ``random_accept``, ``oracle_accept``...) or an
-            :class:`~probes.decoding.policies.AcceptancePolicy`, run speculatively.
+            :class:`~semanticspec.policies.AcceptancePolicy`, run speculatively.
         batch_size: prompts decoded together in-process (None: all at once); the served decoder's prompts run
             concurrently instead (its ``concurrency``), so it refuses a batch size.
         accept_rate: ``random_accept``'s acceptance probability, in [0, 1].
@@ -54,7 +54,7 @@ class DecodeConfig:
             refusal. The probes then judge steps unlike their training steps: measure before relying on it.
         progress: a progress bar over the prompts.
         lookahead: drafted steps judged per target pass (an integer >= 1), or None (default): SemanticSpec's
-            shipped window (:data:`~probes.decoding.loop.SHIPPED_WINDOW`: up to 4 steps, adaptive) for the method
+            shipped window (:data:`~semanticspec.loop.SHIPPED_WINDOW`: up to 4 steps, adaptive) for the method
             ``semanticspec`` where windows apply (one tokenizer in-process, a policy that reads neither the draft
             probe's ``p`` nor a judge turn), else one step. The draft writes up to ``lookahead`` steps one after
             another, the target reads them all in one forward (served: one request), the probe judges each as the

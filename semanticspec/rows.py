@@ -1,7 +1,7 @@
 """Per-prompt decode state: the output so far, the step trace, the counters, and when the prompt is done.
 
 A row knows nothing of models or servers: the loop's parts tell it what a step holds
-(:class:`~probes.decoding.proposer.Proposal`); the loop weighs its budget against their contexts' room.
+(:class:`~semanticspec.proposer.Proposal`); the loop weighs its budget against their contexts' room.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from probes.decoding.proposer import Proposal
-from probes.decoding.results import DecodeStats, Decision, StepTrace
+from semanticspec.proposer import Proposal
+from semanticspec.results import DecodeStats, Decision, StepTrace
 
 
 def answer_complete(text: str, marker: str | None) -> bool:

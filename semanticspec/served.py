@@ -1,7 +1,7 @@
 """`ServedDecoder`: SemanticSpec's step loop over two served models (any :class:`~generation.engines.base.Engine`).
 
-The loop is :class:`~probes.decoding.loop.StepLoop`, the one the in-process decoder runs; only its parts
-differ (:mod:`probes.decoding.engine_parts`: one request per row of a phase, at most ``concurrency`` in
+The loop is :class:`~semanticspec.loop.StepLoop`, the one the in-process decoder runs; only its parts
+differ (:mod:`semanticspec.engine_parts`: one request per row of a phase, at most ``concurrency`` in
 flight). Its prompts are text (the servers tokenize them), all of a call's prompts are rows of one loop,
 and a row whose request fails ends with ``stop_reason="error"`` while the others go on.
 """
@@ -12,23 +12,23 @@ from generation.engines.checks import serving_problems
 from generation.features import FeatureSpec
 from generation.sampling import key_stream, stream_keys
 from generation.specs import SamplingSpec, StepSpec, is_count
-from probes.decoding import setup
-from probes.decoding.base import Plan, StepDecoder
-from probes.decoding.config import DecodeConfig
-from probes.decoding.engine_parts import SPARE, EngineProposer, EngineVerifier
-from probes.decoding.loop import LoopSetup, StepLoop
-from probes.decoding.methods import TransformersLoop
-from probes.decoding.options import LoopOptions
-from probes.decoding.policies import ProbePolicy, default_policy
-from probes.decoding.prompts import read_prompt_texts
-from probes.decoding.rows import Row
+from semanticspec import setup
+from semanticspec.base import Plan, StepDecoder
+from semanticspec.config import DecodeConfig
+from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier
+from semanticspec.loop import LoopSetup, StepLoop
+from semanticspec.methods import TransformersLoop
+from semanticspec.options import LoopOptions
+from semanticspec.policies import ProbePolicy, default_policy
+from semanticspec.prompts import read_prompt_texts
+from semanticspec.rows import Row
 
 
 class ServedDecoder(StepDecoder):
     """Step-level speculative decoding with semantic probes, over a served target and a served draft.
 
-    ``generate(prompts, config)`` and ``stream`` are :class:`~probes.decoder.SemanticSpecDecoder`'s, with text
-    prompts; every method of :data:`~probes.decoding.methods.METHODS` runs but transformers' own loops
+    ``generate(prompts, config)`` and ``stream`` are :class:`~semanticspec.decoder.SemanticSpecDecoder`'s, with text
+    prompts; every method of :data:`~semanticspec.methods.METHODS` runs but transformers' own loops
     (``hf_target_only``, ``token_sd``) and SpecReason's judge turn. ``target_only`` and ``draft_only`` write each
     output in one request, as a user of the server would; the budget is counted from the servers' usage.
 
@@ -37,7 +37,7 @@ class ServedDecoder(StepDecoder):
         draft: the draft's engine client (writes steps).
         target_probe: exported probe directory or ``SemanticProbe`` reading the target server's features, or None.
         draft_probe: same for the draft (the ratio rule's ``p``, from the draft server's top-k), or None.
-        policy: SemanticSpec's acceptance; None = :func:`~probes.decoding.policies.default_policy`, the threshold
+        policy: SemanticSpec's acceptance; None = :func:`~semanticspec.policies.default_policy`, the threshold
             rule after the gated top-1 fast path (the target server reads the step in its own tokens).
         options: loop options (first step, step spec, answer marker, bonus token; token-level speculation inside
             refused steps is the target server's own); None = ``LoopOptions()``.

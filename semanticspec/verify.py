@@ -4,7 +4,7 @@ What a policy decides from is all here, per row: the target probe's ``q`` (from 
 hidden states at the step and its logits predicting the step's tokens, cut from this one
 forward), the fast-path verdict, the judge's score after a judge turn, the acceptance coin, and
 the target's logits after the step (the bonus token is drawn from them). The draft probe's ``p``
-is the proposer's to add (:meth:`~probes.decoding.proposer.Proposer.score`). A verifier that
+is the proposer's to add (:meth:`~semanticspec.proposer.Proposer.score`). A verifier that
 calls a server returns the same :class:`Scores`; :class:`TargetVerifier` is the in-process one.
 """
 
@@ -20,9 +20,9 @@ from generation.features import FeatureSpec, probe_input, rows_features
 from generation.handover import Handover, decode_text
 from generation.sampling import key_stream
 from generation.writer import StepWriter
-from probes.decoding.policies import Needs, fast_path_keeps_rows, judge_score
-from probes.decoding.proposer import CachePart, Proposal, run_probe
-from probes.decoding.scores import Scores
+from semanticspec.policies import Needs, fast_path_keeps_rows, judge_score
+from semanticspec.proposer import CachePart, Proposal, run_probe
+from semanticspec.scores import Scores
 
 
 @dataclass(frozen=True)

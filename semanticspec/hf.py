@@ -3,7 +3,7 @@
 Token-level speculative decoding (transformers' assisted generation with the same draft) is
 compared with transformers' own target-only ``generate``, so both sides of that ratio run the
 same loop (docs/design.md "Decoding"). :class:`TransformersLoop` is the runner the method table
-(:mod:`probes.decoding.methods`) maps both names to; it decodes prompt by prompt.
+(:mod:`semanticspec.methods`) maps both names to; it decodes prompt by prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from generation.cache import context_length
 from generation.handover import decode_text, pad_id
 from generation.sampling import stream_seed
 from generation.specs import SamplingSpec
-from probes.decoding.results import DecodeResult, DecodeStats, StepEvent
+from semanticspec.results import DecodeResult, DecodeStats, StepEvent
 
 
 @dataclass(frozen=True)

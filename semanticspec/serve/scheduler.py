@@ -1,8 +1,8 @@
 """The decode thread behind the endpoint: requests join a running step loop between rounds and leave when done.
 
 One thread owns the models (or the two servers' clients). Requests that decode alike (the same method, sampling and
-window: one runner) share one :class:`~probes.decoding.loop.StepLoop`; a new one is admitted into it between rounds
-(:meth:`StepLoop.admit <probes.decoding.loop.StepLoop.admit>`), up to ``max_rows`` rows, and each row ends on its
+window: one runner) share one :class:`~semanticspec.loop.StepLoop`; a new one is admitted into it between rounds
+(:meth:`StepLoop.admit <semanticspec.loop.StepLoop.admit>`), up to ``max_rows`` rows, and each row ends on its
 own. A loop admits ``rows_per_loop`` rows in its life at most: the next requests of its runner then start a fresh
 loop while it drains, so under steady traffic no loop keeps or scans an unbounded number of finished rows. Every row
 draws from its own random streams, seeded from its request's ``seed``, so a request decodes the same text whatever
@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from probes.decoding.config import DecodeConfig
-from probes.decoding.results import Decision, DecodeResult, DecodeStats, StepTrace
+from semanticspec.config import DecodeConfig
+from semanticspec.results import Decision, DecodeResult, DecodeStats, StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Scheduler:
     """The decode thread and its queue.
 
     Args:
-        decoder: a :class:`~probes.decoder.SemanticSpecDecoder` or :class:`~probes.decoding.served.ServedDecoder`.
+        decoder: a :class:`~semanticspec.decoder.SemanticSpecDecoder` or :class:`~semanticspec.served.ServedDecoder`.
         max_rows: rows one loop decodes together (in-process: the batch; served: the rows whose requests are in
             flight, each bounded by the decoder's ``concurrency``).
         max_queue: requests waiting or decoding at once; past it :meth:`submit` raises :class:`QueueFull`.

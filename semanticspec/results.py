@@ -38,7 +38,7 @@ class StepTrace:
         decision: a :class:`Decision`.
         seconds: the row's share of the loop's rounds since its previous step (a round's seconds shared evenly by
             the rows in it), split evenly among the steps one round traced for the row; a row's steps' seconds add
-            up to at most its ``wall_s`` (:class:`~probes.decoding.meter.Meter`).
+            up to at most its ``wall_s`` (:class:`~semanticspec.meter.Meter`).
         score: SpecReason judge score 0-9 (only for ``method="specreason"``).
     """
 
@@ -66,7 +66,7 @@ class DecodeStats:
     - **row-seconds** (``*_row_s``): this row's own seconds while its batch ran, so summed over a batch's rows they
       can exceed its wall time (8 rows idle through one 2-second forward are 16 row-seconds).
 
-    Served decoding (:class:`~probes.decoding.served.ServedDecoder`) runs the same loop, all prompts as rows of one
+    Served decoding (:class:`~semanticspec.served.ServedDecoder`) runs the same loop, all prompts as rows of one
     batch, so its seconds are shared the same way; ``http_s`` is the prompt's own request seconds (they overlap
     when requests run concurrently).
 

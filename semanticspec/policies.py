@@ -1,4 +1,4 @@
-"""Acceptance policies: pure maps from a drafted step's :class:`~probes.decoding.scores.Scores` to a decision.
+"""Acceptance policies: pure maps from a drafted step's :class:`~semanticspec.scores.Scores` to a decision.
 
 The loop proposes a step per row, the verifier scores it (the target probe's ``q``, the fast-path
 verdict, the judge's score, the acceptance coin) and the proposer adds the draft probe's ``p``
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from generation.features import token_scores
-from probes.decoding.results import Decision
+from semanticspec.results import Decision
 
 if TYPE_CHECKING:
-    from probes.decoding.scores import Scores
+    from semanticspec.scores import Scores
 
 RULES = ("ratio", "threshold")
 
@@ -105,7 +105,7 @@ class Needs:
 
 
 class AcceptancePolicy:
-    """Maps each row's scores to a :class:`~probes.decoding.results.Decision` (accept, accept_fast or reject); pure
+    """Maps each row's scores to a :class:`~semanticspec.results.Decision` (accept, accept_fast or reject); pure
     (no model call, no writes)."""
 
     needs = Needs()

@@ -1,7 +1,7 @@
 """The step loop's parts over two served models (any :class:`~generation.engines.base.Engine`).
 
 :class:`EngineProposer` (the draft's server) and :class:`EngineVerifier` (the target's) plug into
-:class:`~probes.decoding.loop.StepLoop` where the in-process parts do, so served decoding runs the
+:class:`~semanticspec.loop.StepLoop` where the in-process parts do, so served decoding runs the
 same rounds, decisions and bookkeeping. A part sends one request per row of a phase, the rows'
 requests in flight together (at most ``concurrency``); the servers batch them. A round:
 
@@ -9,7 +9,7 @@ requests in flight together (at most ``concurrency``); the servers batch them. A
    stops at the step's delimiters; ``top_k`` when the policy wants the draft probe's ``p``);
 2. **verify**: the target's server reads context + step in one request (``read``): the step's top-k
    log-probabilities, its hidden rows when the target probe reads them, and the token after it; the
-   probes turn that into :class:`~probes.decoding.scores.Scores` in-process
+   probes turn that into :class:`~semanticspec.scores.Scores` in-process
    (:func:`~generation.features.rows_features`, then the probe), and the policy decides;
 3. a kept step and the target's *bonus* token (the read's next token; a read of its own when the
    policy read nothing) join the context; a refused one is written by the target's server (``write``
@@ -46,10 +46,10 @@ from generation.features import FeatureSpec, probe_input, rows_features
 from generation.sampling import StreamKey, key_stream, stream_seed
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import ends_step
-from probes.decoding.policies import FastPath, Needs
-from probes.decoding.proposer import Proposal, RowState, run_probe
-from probes.decoding.rows import Row, answer_complete
-from probes.decoding.scores import Scores
+from semanticspec.policies import FastPath, Needs
+from semanticspec.proposer import Proposal, RowState, run_probe
+from semanticspec.rows import Row, answer_complete
+from semanticspec.scores import Scores
 
 SPARE = 1
 """Context room kept for the bonus token."""
@@ -511,7 +511,7 @@ def answer_cut(tokens: TokenLogprobs | None, step: StepSpec, marker: str | None)
 
 
 def fast_keeps(step: TokenLogprobs, n_forced: int, fp: FastPath) -> bool:
-    """:func:`~probes.decoding.policies.fast_path_keeps_rows` from a server's top-k: every drafted token is in the
+    """:func:`~semanticspec.policies.fast_path_keeps_rows` from a server's top-k: every drafted token is in the
     target's top-``fp.top_k`` and has at least ``fp.min_logprob``."""
     lp, top = step.logprobs[n_forced:], step.top[n_forced:, : fp.top_k]
     if len(lp) == 0:

@@ -1,2 +1,0 @@
-"""The OpenAI-compatible SemanticSpec endpoint (``python -m probes.serve``): :func:`~probes.serve.app.build_app`
-over any decoder, :mod:`.scheduler`'s decode thread admitting requests into running loops between rounds."""

@@ -1,3 +1,0 @@
-from probes.serve.cli import main
-
-main()

@@ -1,0 +1,60 @@
+"""SemanticSpec decoding: the step loop, its in-process and served parts, the acceptance policies, the results, and
+the OpenAI-compatible endpoint (:mod:`semanticspec.serve`).
+
+The public surface is :data:`__all__`: what a caller needs to decode with exported probes, in process or through
+servers::
+
+    from semanticspec import DecodeConfig, ProbePolicy, SemanticSpecDecoder, ServedDecoder, summarize
+
+The wing's modules: the decoders (``decoder``: in-process models; ``served``: two servers) over ``base`` (the public
+``generate``/``stream``); a proposer (``proposer``, ``engine_parts``) writes a step, a verifier (``verify``,
+``engine_parts``) reads it into typed ``Scores`` (``scores``), a pure acceptance policy (``policies``) decides, and
+the step loop (``loop``, with ``rows`` and ``meter``) commits or rolls back; ``methods`` maps method names to
+runners, ``config`` and ``options`` hold a call's and the loop's settings, ``hf`` runs transformers' own loop as a
+baseline, ``speculative`` is token-level speculative sampling, ``prompts`` checks prompts, ``setup`` checks probes
+and resolves their specs, ``timing`` reads the machine's load, ``results`` holds what a decode returns.
+
+Each public name is imported on first use (PEP 562), so ``import semanticspec`` imports no torch until a decoder is
+asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_SURFACE = {
+    "SemanticSpecDecoder": "semanticspec.decoder",
+    "ServedDecoder": "semanticspec.served",
+    "DecodeConfig": "semanticspec.config",
+    "LoopOptions": "semanticspec.options",
+    "ProbePolicy": "semanticspec.policies",
+    "DecodeResult": "semanticspec.results",
+    "summarize": "semanticspec.results",
+}
+"""Each public name and the module that defines it."""
+
+__all__ = ["SemanticSpecDecoder", "ServedDecoder", "DecodeConfig", "LoopOptions", "ProbePolicy", "DecodeResult",
+           "summarize"]
+assert set(__all__) == set(_SURFACE)
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr__`` imports on first use
+    from semanticspec.config import DecodeConfig
+    from semanticspec.decoder import SemanticSpecDecoder
+    from semanticspec.options import LoopOptions
+    from semanticspec.policies import ProbePolicy
+    from semanticspec.results import DecodeResult, summarize
+    from semanticspec.served import ServedDecoder
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module on first use, and keep it here."""
+    if name not in _SURFACE:
+        raise AttributeError(f"module 'semanticspec' has no attribute {name!r}; its public names are {__all__}")
+    value = getattr(importlib.import_module(_SURFACE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,0 +1,3 @@
+from semanticspec.serve.cli import main
+
+main()
