@@ -25,7 +25,7 @@ python -m pip install -q "$SPEC"
 smoke() {
   python - <<'PY'
 from llama_cpp import Llama
-from datamodules.arithmetic.gguf import world_gguf
+from arithmetic_world.gguf import world_gguf
 llm = Llama(model_path=str(world_gguf("draft")), n_ctx=256, n_threads=1, verbose=False)
 out = llm.create_completion("Start with 7.", max_tokens=2, temperature=0.0)
 assert out["choices"][0]["text"] is not None

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from datamodules.arithmetic.serve import LlamaServer, server_available
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world.serve import LlamaServer, server_available
+from arithmetic_world.task import ArithmeticTask
 from datamodules.labels.build import build
 from datamodules.labels.clustering import ClusteringConfig
 from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig

@@ -17,8 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from datamodules.arithmetic import models, task
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world import models, task
+from arithmetic_world.task import ArithmeticTask
 from generation.steps import split_steps
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.options import LoopOptions
@@ -142,7 +142,7 @@ def print_versus(methods: dict, speedup_label: str = "speedup") -> None:
               f"[{lo:+.3f}, {hi:+.3f}])  {speedup_label} {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
 
 
-def shipped_decoder(world: models.World, policy: ProbePolicy | None = None, probe_dtype: str = "auto",
+def shipped_decoder(world: models.WorldModels, policy: ProbePolicy | None = None, probe_dtype: str = "auto",
                     **loop) -> SemanticSpecDecoder:
     """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task's answer marker; ``loop``: other
     :class:`~semanticspec.options.LoopOptions` fields."""

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from benchmarks import harness
-from datamodules.arithmetic import models
+from arithmetic_world import models
 
 PROMPT = "Start with 7. Add 5, then multiply it by 3, then add 2, then subtract 4. What is the result?\n\n"
 

@@ -69,7 +69,7 @@ from tqdm.auto import tqdm
 from benchmarks import batching, harness
 from benchmarks.common import PROBE_ROOT, PROBLEM_SEED, REPO, TASK, figures, oracle_for, paired_delta
 from benchmarks.decode_report import markdown, plot, scaling_markdown
-from datamodules.arithmetic import models, task
+from arithmetic_world import models, task
 from generation.cache import record_forwards
 from generation.paths import portable_paths
 from semanticspec.decoder import SemanticSpecDecoder, summarize
@@ -366,7 +366,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def probes_or_untrained(args: argparse.Namespace, world: models.World) -> tempfile.TemporaryDirectory | None:
+def probes_or_untrained(args: argparse.Namespace, world: models.WorldModels) -> tempfile.TemporaryDirectory | None:
     """Point ``args`` at untrained probes of the right widths (seeded) when the trained pair is missing.
 
     Returns:
@@ -415,7 +415,7 @@ class Plan:
     """Per swept method: its knob, the swept values, and the value of its main run (random: SemanticSpec's rate)."""
 
 
-def build_plan(args: argparse.Namespace, world: models.World) -> Plan:
+def build_plan(args: argparse.Namespace, world: models.WorldModels) -> Plan:
     """Build the decoders of the run; fixes ``args.temperature`` and ``args.top_p`` to the probes' sampling."""
     if args.top_k is None:  # the decoder's default (the world's models share a tokenizer)
         args.top_k = default_policy().top_k

@@ -159,7 +159,7 @@ def in_process(args, prompts, seeds) -> dict:
 
 
 def served(args, prompts, seeds) -> dict:
-    from datamodules.arithmetic.serve import world_server
+    from arithmetic_world.serve import world_server
 
     logs = Path(args.log_dir)
     t_port, d_port = harness.free_ports(2)
@@ -333,8 +333,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.chaos_seconds is None:
         args.chaos_seconds = 15.0 if args.quick else 60.0
     os.makedirs(args.log_dir, exist_ok=True)
-    from datamodules.arithmetic.models import load_tokenizer
-    from datamodules.arithmetic.task import ArithmeticTask
+    from arithmetic_world.models import load_tokenizer
+    from arithmetic_world.task import ArithmeticTask
 
     task, tok = ArithmeticTask(), load_tokenizer()
     prompts = [task.prompt_text(tok, p["problem"]) for p in task.problems(n, seed=5)]

@@ -21,7 +21,7 @@ import time
 from benchmarks import harness
 from benchmarks.common import (interleaved, other_problems, paired_delta, print_versus, shipped_decoder,
                                versus_target_only)
-from datamodules.arithmetic import models
+from arithmetic_world import models
 from semanticspec.decoder import summarize
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},

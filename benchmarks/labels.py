@@ -41,7 +41,7 @@ from sklearn.metrics import adjusted_rand_score
 
 from benchmarks import backends, harness
 from datamodules.labels import shards as S
-from datamodules.arithmetic.task import meaning
+from arithmetic_world.task import meaning
 from datamodules.labels.config import BuildConfig
 from datamodules.labels.build import build
 from datamodules.labels.shard import make_judge

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from benchmarks import harness
 from datamodules.labels import shards as S
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world.task import ArithmeticTask
 from generation.loading import load_causal_lm
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.options import LoopOptions

@@ -21,7 +21,7 @@ import time
 from benchmarks import harness
 from benchmarks.common import (interleaved, other_problems, paired_delta, print_versus, shipped_decoder,
                                versus_target_only)
-from datamodules.arithmetic import models
+from arithmetic_world import models
 
 VARIANTS = {"target_only": {}, "in_rounds": {"rewrite_in_rounds": True}, "rewrite_phase": {"rewrite_in_rounds": False}}
 BATCH = 8

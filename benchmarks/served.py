@@ -3,7 +3,7 @@
     python -m benchmarks.served            # 64 held-out problems (benchmarks/results/served.json, .md)
     python -m benchmarks.served --quick    # 8 problems, a smaller build (served-quick.*)
 
-The script starts the world's target and draft servers itself (``datamodules.arithmetic.serve.world_server``: f32
+The script starts the world's target and draft servers itself (``arithmetic_world.serve.world_server``: f32
 weights and KV cache, one thread each, llama.cpp's verbose per-request output on, on free ports unless ``--ports``
 names two) and stops them at the end. What it measures (names of issue 20, item 6):
 
@@ -70,8 +70,8 @@ from tqdm.auto import tqdm
 
 from benchmarks import harness
 from benchmarks.common import PROBLEM_SEED, REPO, TASK, figures, oracle_for
-from datamodules.arithmetic.serve import world_server
-from datamodules.arithmetic import models, task
+from arithmetic_world.serve import world_server
+from arithmetic_world import models, task
 from datamodules.labels.agreement import label_agreement
 from datamodules.labels.shards import read_manifest
 from generation.engines import make_engine

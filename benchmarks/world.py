@@ -13,9 +13,9 @@ What it measures (issue 6, "The embedded world" in docs/design.md):
   a fit of cost against depth over the three models says how deep a target would meet that goal;
 - **judge_accuracy** and its confusion matrix against the oracle on held-out step pairs, half of
   them hard negatives (same numbers with another operation, result off by one, swapped or shifted
-  operands), as :func:`datamodules.arithmetic.train.judge_pair` draws them, from another seed;
+  operands), as :func:`arithmetic_world.train.judge_pair` draws them, from another seed;
 - **template_distribution**: which paraphrase template each model actually writes, read from its
-  sampled steps with :func:`datamodules.arithmetic.task.parse_step`.
+  sampled steps with :func:`arithmetic_world.task.parse_step`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
-from datamodules.arithmetic import models, task
-from datamodules.arithmetic.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world import models, task
+from arithmetic_world.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
+from arithmetic_world.task import ArithmeticTask
 from generation.paths import portable_paths
 from generation.specs import SamplingSpec
 from generation.writer import generate

@@ -72,7 +72,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 @pytest.fixture(scope="session")
 def world_tokenizer():
-    from datamodules.arithmetic.tokenizer import build_tokenizer
+    from arithmetic_world.tokenizer import build_tokenizer
 
     return build_tokenizer()
 

@@ -55,7 +55,7 @@ def test_the_world_benchmark_samples_through_the_package_generate(tiny_pair):
     seeded, the same twice, and exactly ``new_tokens`` long without EOS (its decode-cost timing relies on it). The
     call once passed ``temperature=``/``top_p=`` that ``generate`` no longer takes, and the benchmark failed."""
     from benchmarks import world
-    from datamodules.arithmetic.task import generate_problems
+    from arithmetic_world.task import generate_problems
 
     model, _, tok = tiny_pair
     problems = generate_problems(2, seed=3)

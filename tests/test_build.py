@@ -23,7 +23,7 @@ from generation.groups import TOKEN_STATS, TOPK_STATS
 from generation.features import rows_features, topk_of_logits
 from generation.specs import FeatureSpec
 from datamodules.labels.reading import read_steps
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world.task import ArithmeticTask
 from datamodules.tasks.math import BoxedMathTask
 from tests.conftest import tiny_llama
 from tests.fake_openai import FakeJudgeServer
@@ -236,7 +236,7 @@ def test_missing_or_altered_shards_are_rebuilt_exactly(world, reference, tmp_pat
 
 
 def test_refused_task_file_writes_nothing_and_the_fixed_file_builds(world, tmp_path):
-    from datamodules.arithmetic import task
+    from arithmetic_world import task
 
     good = [p.to_json() for p in task.generate_problems(2, seed=3)]
     bad = dict(good[1])
@@ -794,9 +794,9 @@ def test_a_task_named_by_its_old_path_is_built_with_a_warning_naming_the_new_one
     monkeypatch.delitem(vars(datamodules.tasks), "ArithmeticTask", raising=False)  # warned once per process
     parser = build_parser()
     with pytest.warns(FutureWarning, match="datamodules.tasks.ArithmeticTask moved to "
-                                           "datamodules.arithmetic.task.ArithmeticTask"):
+                                           "arithmetic_world.task.ArithmeticTask"):
         cfg = parser.parse_args(["--build.task.class_path", "datamodules.tasks.ArithmeticTask",
                                  "--build.task.init_args.min_ops", "3"])
         task = parser.instantiate(cfg).build.task
     assert isinstance(task, ArithmeticTask) and task.min_ops == 3
-    assert task.spec()["class_path"] == "datamodules.arithmetic.task.ArithmeticTask"  # what the manifest records
+    assert task.spec()["class_path"] == "arithmetic_world.task.ArithmeticTask"  # what the manifest records

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world.task import ArithmeticTask
 from semanticspec.config import DecodeConfig
 from tests.conftest import Running, free_port
 

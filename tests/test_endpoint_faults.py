@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world.task import ArithmeticTask
 from semanticspec.config import DecodeConfig
 from tests.conftest import Running
 
@@ -269,7 +269,7 @@ def test_abandoned_non_streaming_requests_free_their_rows_within_a_round():
 def test_a_stop_string_across_a_step_boundary_never_reaches_the_stream(world):
     """A stop string that starts at the end of one step and ends in the next: the stream holds the step's end back
     until the next step says, so the streamed chunks add up to the non-streamed text."""
-    from datamodules.arithmetic.models import load_tokenizer
+    from arithmetic_world.models import load_tokenizer
 
     c = world.client()
     prompt = TASK.prompt_text(load_tokenizer(), TASK.problems(1, seed=11)[0]["problem"])
@@ -286,7 +286,7 @@ def test_a_stop_string_across_a_step_boundary_never_reaches_the_stream(world):
 def test_a_stop_inside_a_window_counts_only_the_steps_up_to_it(world):
     """``usage`` of a row a stop string ended inside a window counts the steps up to the stop, not the window's later
     ones, and its decode seconds are the steps' own (once 0.0)."""
-    from datamodules.arithmetic.models import load_tokenizer
+    from arithmetic_world.models import load_tokenizer
 
     c = world.client()
     prompt = TASK.prompt_text(load_tokenizer(), TASK.problems(3, seed=11)[2]["problem"])

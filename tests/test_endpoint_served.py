@@ -25,7 +25,7 @@ SECRET = "sk-backend-secret-4242"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from datamodules.arithmetic.serve import world_server
+    from arithmetic_world.serve import world_server
     from semanticspec.serve.cli import ServeOptions, build
 
     _need_server()
@@ -42,7 +42,7 @@ def served(tmp_path_factory):
 
 
 def _prompt(k: int) -> str:
-    from datamodules.arithmetic.models import load_tokenizer
+    from arithmetic_world.models import load_tokenizer
 
     return TASK.prompt_text(load_tokenizer(), TASK.problems(k + 1, seed=31)[k]["problem"])
 

@@ -474,7 +474,7 @@ def test_a_server_that_echoes_the_key_has_it_blanked(fakes, monkeypatch):
 
 @pytest.mark.slow
 def test_llama_cpp_python_read_equals_its_full_echo_and_write_stops_at_the_delimiter(tmp_path):
-    from datamodules.arithmetic.serve import LlamaServer, server_available
+    from arithmetic_world.serve import LlamaServer, server_available
     from tests.conftest import DRAFT, TARGET, gguf_or_skip
 
     if not server_available():
@@ -514,7 +514,7 @@ def test_real_gpu_engine_reads_and_writes(kind, tmp_path):
 
     if not torch.cuda.is_available() or importlib.util.find_spec(kind) is None:
         pytest.skip(f"needs CUDA and {kind} installed")
-    from datamodules.arithmetic.models import world_root
+    from arithmetic_world.models import world_root
 
     model, port = str(world_root() / "target"), 8830 + (kind == "vllm")
     cmd = ([sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
@@ -573,7 +573,7 @@ def test_one_redaction_blanks_the_connection_key_and_key_like_variables(monkeypa
 
 @pytest.mark.slow
 def test_a_real_llama_cpp_python_server_is_identified_and_accepts_the_neutral_fields(tmp_path):
-    from datamodules.arithmetic.serve import server_available, world_server
+    from arithmetic_world.serve import server_available, world_server
     from generation.engines import NEUTRAL_SAMPLING
     from generation.engines.connection import Connection, identify
 

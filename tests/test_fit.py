@@ -190,7 +190,7 @@ def fitted(run_config):
 
 @pytest.mark.slow
 def test_end_to_end_default_reduced(fitted, capsys):
-    from datamodules.arithmetic.models import load_model, load_tokenizer
+    from arithmetic_world.models import load_model, load_tokenizer
 
     root, path, result = fitted
     tok = load_tokenizer()
@@ -299,7 +299,7 @@ def test_callback_with_wrong_width_probes_is_refused():
 
 def test_callback_bad_problem_file_fails_before_training(tmp_path):
     from callbacks.speculative_validation import SpeculativeValidation
-    from datamodules.arithmetic.task import ArithmeticTask
+    from arithmetic_world.task import ArithmeticTask
 
     bad = tmp_path / "problems.jsonl"
     bad.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\nnot json\n')
@@ -311,7 +311,7 @@ def test_callback_bad_problem_file_fails_before_training(tmp_path):
 
 def _world_module():
     from generation.groups import TOKEN_STATS
-    from datamodules.arithmetic.models import load_model, load_tokenizer
+    from arithmetic_world.models import load_model, load_tokenizer
     from probes.config import ProbeConfig
     from generation.fingerprints import model_fingerprint
     from probes.module import SemanticProbeModule

@@ -5,8 +5,8 @@ import socket
 import pytest
 import torch
 
-from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
-from datamodules.arithmetic.train import judge_yes_prob
+from arithmetic_world.tokenizer import JUDGE_TEMPLATE
+from arithmetic_world.train import judge_yes_prob
 from generation.engines.base import Unreachable
 from datamodules.labels.judges import HTTPJudge, JudgeCache, LLMJudge, NLIJudge, OracleJudge
 from tests.conftest import tiny_llama

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import adjusted_rand_score
 
-from datamodules.arithmetic import task
+from arithmetic_world import task
 from datamodules.labels.clustering import ClusteringConfig, group_prefixes
 from datamodules.labels.judges import OracleJudge
 from datamodules.labels.shares import DRAFT, TARGET, entropy, joint_labels, per_model_labels

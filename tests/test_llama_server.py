@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from datamodules.arithmetic.serve import LlamaServer, server_available
+from arithmetic_world.serve import LlamaServer, server_available
 from tests.conftest import DRAFT, TARGET, gguf_or_skip, need_modules
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def _tokenizer(package):
 
 def test_server_that_ignores_n_is_fanned_out(servers):
     from datamodules.labels.openai_sampler import OpenAISampler
-    from datamodules.arithmetic.task import ArithmeticTask
+    from arithmetic_world.task import ArithmeticTask
     from generation.specs import SamplingSpec, StepSpec
     from generation.steps import DEFAULT_DELIMITERS
 

@@ -28,8 +28,8 @@ MARKER = LoopOptions(answer_marker="Answer:")
 
 @pytest.fixture(scope="module")
 def world():
-    from datamodules.arithmetic.models import load_model, load_tokenizer
-    from datamodules.arithmetic.task import ArithmeticTask
+    from arithmetic_world.models import load_model, load_tokenizer
+    from arithmetic_world.task import ArithmeticTask
 
     tok, task = load_tokenizer(), ArithmeticTask()
     target = load_model("target")

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from datamodules.arithmetic import task
+from arithmetic_world import task
 from datamodules.labels.prefixes import make_prefixes
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world.task import ArithmeticTask
 from datamodules.tasks.base import Task
 from generation.writer import generate
 from generation.steps import split_steps

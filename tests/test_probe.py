@@ -390,7 +390,7 @@ def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(worl
     import shutil
     from pathlib import Path
 
-    from datamodules.arithmetic.models import load_model
+    from arithmetic_world.models import load_model
 
     root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic"
     for role in ("target", "draft"):
@@ -527,7 +527,7 @@ def test_non_finite_sampling_is_refused_on_the_config_not_on_a_decoder_argument(
 def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
     from pathlib import Path
 
-    from datamodules.arithmetic.models import load_model
+    from arithmetic_world.models import load_model
 
     root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic"
     for folder, groups in (("probes", ["hidden", "token_stats"]), ("probes-topk", ["topk_stats"])):

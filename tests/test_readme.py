@@ -114,7 +114,7 @@ def test_readme_serving_section_runs(tmp_path):
     import shlex
     import signal
 
-    from datamodules.arithmetic.serve import PORTS, server_available
+    from arithmetic_world.serve import PORTS, server_available
     from tests.test_world_serve import start_serving
 
     section = _section("Serving")
@@ -127,7 +127,7 @@ def test_readme_serving_section_runs(tmp_path):
             pytest.fail("llama-cpp-python[server] is not installed; .ci/run installs it")
         pytest.skip("llama-cpp-python[server] not installed; see README 'Serving'")
     serve = shlex.split(commands[1])
-    assert serve[:3] == ["python", "-m", "datamodules.arithmetic.serve"]
+    assert serve[:3] == ["python", "-m", "arithmetic_world.serve"]
     proc = start_serving([*serve[3:], "--log_dir", str(tmp_path)], PORTS.values(), cwd=README.parent)
     try:
         example = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from datamodules.arithmetic import models, task
+from arithmetic_world import models, task
 from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.options import LoopOptions
 

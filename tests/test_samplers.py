@@ -23,7 +23,7 @@ STOPS = ["\n\n"]
 def world_models():
     from transformers import AutoModelForCausalLM
 
-    from datamodules.arithmetic.models import world_root
+    from arithmetic_world.models import world_root
 
     return {r: AutoModelForCausalLM.from_pretrained(world_root() / r, local_files_only=True).eval()
             for r in ("target", "draft")}
@@ -51,7 +51,7 @@ def _sampler(server_or_url, tok, **kw):
 
 
 def _contexts(tok, n=3):
-    from datamodules.arithmetic.task import ArithmeticTask
+    from arithmetic_world.task import ArithmeticTask
 
     task = ArithmeticTask()
     return [task.prompt(tok, r["problem"]) for r in task.problems(n, 1)]
@@ -413,7 +413,7 @@ def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monke
 def test_vllm_sampler_on_a_gpu(world_tokenizer, tmp_path):
     """vLLM's real engine samples the world's draft; its greedy steps equal the hf sampler's."""
     pytest.importorskip("vllm")
-    from datamodules.arithmetic.models import world_root
+    from arithmetic_world.models import world_root
     from datamodules.labels.samplers import HFSampler, VLLMSampler
 
     path = str(world_root() / "draft")

@@ -35,8 +35,8 @@ KEY = "sk-test-0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def world():
-    from datamodules.arithmetic.models import load_model, load_tokenizer
-    from datamodules.arithmetic.task import ArithmeticTask
+    from arithmetic_world.models import load_model, load_tokenizer
+    from arithmetic_world.task import ArithmeticTask
 
     tok = load_tokenizer()
     task = ArithmeticTask()

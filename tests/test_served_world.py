@@ -1,7 +1,7 @@
 """Served SemanticSpec against real llama-cpp-python servers (issue 20, item 5); slow, run by ``.ci/run``.
 
 The embedded world's target and draft are served from their f32 GGUFs with an f32 KV cache
-(:func:`datamodules.arithmetic.serve.world_server`, ports 8851/8852: ``configs/served.yaml``'s), and the real
+(:func:`arithmetic_world.serve.world_server`, ports 8851/8852: ``configs/served.yaml``'s), and the real
 pretrained pair (Gemma-3-270m target, SmolLM2-135M draft) from their PyPI GGUFs on 8853/8854. Servers
 start once per module (the real pair only when its test runs) and are killed by pid at the end.
 Without llama-cpp-python the module is skipped; under ``CI=1`` (``.ci/run`` installs it) that fails.
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from datamodules.arithmetic.serve import LlamaServer, server_available, world_server
+from arithmetic_world.serve import LlamaServer, server_available, world_server
 from semanticspec.options import LoopOptions
 from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
@@ -41,8 +41,8 @@ def _need_server() -> None:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The world's two servers, clients of both (LlamaCppEngine), its in-process models, tokenizer and task."""
-    from datamodules.arithmetic.models import load_model, load_tokenizer
-    from datamodules.arithmetic.task import ArithmeticTask
+    from arithmetic_world.models import load_model, load_tokenizer
+    from arithmetic_world.task import ArithmeticTask
     from generation.engines import make_engine
 
     _need_server()

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from datamodules.arithmetic import task as world
+from arithmetic_world import task as world
 from datamodules.tasks.math_equal import math_equal
-from datamodules.arithmetic.task import ArithmeticTask
+from arithmetic_world.task import ArithmeticTask
 from datamodules.tasks.math import BoxedMathTask, last_boxed
 from datamodules.tasks.choice import MultipleChoiceTask
 from datamodules.tasks.base import Task
@@ -130,7 +130,7 @@ def test_default_build_records_its_problems_as_before():
     config = BuildConfig()
     assert problems_provenance(config) == {"source": "arithmetic", "n_problems": 200, "task_seed": 1,
                                            "prefix_source": "reference"}
-    assert config_record(config)["task"] == {"class_path": "datamodules.arithmetic.task.ArithmeticTask",
+    assert config_record(config)["task"] == {"class_path": "arithmetic_world.task.ArithmeticTask",
                                              "init_args": {}}
     json.dumps(config_record(config))
     with pytest.raises(ValueError, match="n_problems=0: the embedded world needs >= 1 problem"):

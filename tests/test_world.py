@@ -10,8 +10,8 @@ import torch
 from huggingface_hub import ModelCard
 
 from datamodules.tasks.base import read_records
-from datamodules.arithmetic import card, models, task
-from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, MAX_NUMBER
+from arithmetic_world import card, models, task
+from arithmetic_world.tokenizer import JUDGE_TEMPLATE, MAX_NUMBER
 from tests.conftest import tiny_llama
 
 # A few meanings per operation, with edge numbers (0, the largest token, negative results, multi-digit).
@@ -207,7 +207,7 @@ JUDGE_FLOOR = _floor(0.970, 200)  # 0.934; an always-"no" judge scores 0.555 on 
 def _shipped(role: str):
     folder = models.world_root() / role
     if not folder.is_dir():
-        pytest.skip(f"{folder} is absent: train it with `python -m datamodules.arithmetic.train --which {role}`")
+        pytest.skip(f"{folder} is absent: train it with `python -m arithmetic_world.train --which {role}`")
     return folder
 
 
@@ -240,7 +240,7 @@ def test_shipped_weights_stay_under_60_mb():
 @pytest.mark.integration
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_shipped_solver_stays_above_accuracy_floor(role):
-    from datamodules.arithmetic.train import eval_solver
+    from arithmetic_world.train import eval_solver
 
     _shipped(role)
     model, tok = models.load_model(role), models.load_tokenizer(role=role)
@@ -253,7 +253,7 @@ def test_shipped_solver_stays_above_accuracy_floor(role):
 
 @pytest.mark.integration
 def test_shipped_judge_stays_above_accuracy_floor():
-    from datamodules.arithmetic.train import judge_pair, judge_yes_prob
+    from arithmetic_world.train import judge_pair, judge_yes_prob
 
     _shipped("judge")
     model, tok = models.load_model("judge"), models.load_tokenizer(role="judge")

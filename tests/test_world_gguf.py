@@ -15,8 +15,8 @@ import pytest
 import torch
 from generation.specs import SamplingSpec
 
-from datamodules.arithmetic import task
-from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
+from arithmetic_world import task
+from arithmetic_world.tokenizer import JUDGE_TEMPLATE
 
 ATOL = 5e-4
 """Largest |log p(transformers) - log p(llama.cpp, f32 KV)| allowed, over the whole vocabulary at every position.
@@ -40,14 +40,14 @@ def _llama_cpp():
 
 @pytest.fixture(scope="module")
 def world():
-    from datamodules.arithmetic.models import load_tokenizer
+    from arithmetic_world.models import load_tokenizer
 
     _llama_cpp()
     return load_tokenizer()
 
 
 def _vocab(role="target"):
-    from datamodules.arithmetic.gguf import world_gguf
+    from arithmetic_world.gguf import world_gguf
 
     return _llama_cpp().Llama(model_path=str(world_gguf(role)), vocab_only=True, verbose=False)
 
@@ -64,7 +64,7 @@ def _world_texts(tok) -> list[str]:
 
 def _sampled_texts(tok, role: str, n_prompts: int = 40) -> list[str]:
     """Contexts + continuations the world's model samples at temperature 1 (about 2,800 tokens), decoded."""
-    from datamodules.arithmetic.models import load_model
+    from arithmetic_world.models import load_model
     from generation.writer import generate
 
     prompts = [tok(p.problem + task.STEP_DELIMITER).input_ids for p in task.generate_problems(n_prompts, 21)]
@@ -140,8 +140,8 @@ def _max_logprob_gap(model, llm, tok, texts) -> float:
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_llama_cpp_logprobs_equal_transformers_with_f32_kv(world, role):
     """All positions, all tokens, 6 world texts: within ATOL with an f32 KV cache; the f16 default is far off."""
-    from datamodules.arithmetic.gguf import world_gguf
-    from datamodules.arithmetic.models import load_model
+    from arithmetic_world.gguf import world_gguf
+    from arithmetic_world.models import load_model
 
     llama_cpp = _llama_cpp()
     texts = [p.problem + task.STEP_DELIMITER + p.trace for p in task.generate_problems(6, 11)]
@@ -159,8 +159,8 @@ def test_world_gguf_is_written_once_and_again_when_the_weights_change(tmp_path):
     removed."""
     from safetensors.torch import load_file, save_file
 
-    from datamodules.arithmetic.gguf import world_gguf
-    from datamodules.arithmetic.models import model_dir
+    from arithmetic_world.gguf import world_gguf
+    from arithmetic_world.models import model_dir
 
     _llama_cpp()
     root = tmp_path / "world"
@@ -177,8 +177,8 @@ def test_world_gguf_is_written_once_and_again_when_the_weights_change(tmp_path):
 
 
 def test_world_server_serves_the_cached_gguf_with_f32_kv():
-    from datamodules.arithmetic.serve import LlamaServer, world_server
-    from datamodules.arithmetic.gguf import world_gguf
+    from arithmetic_world.serve import LlamaServer, world_server
+    from arithmetic_world.gguf import world_gguf
 
     _llama_cpp()
     server = world_server("draft", 8899)
@@ -190,8 +190,8 @@ def test_world_server_serves_the_cached_gguf_with_f32_kv():
 
 
 def test_export_refuses_a_model_llama_gguf_cannot_hold(tmp_path):
-    from datamodules.arithmetic.gguf import export_gguf
-    from datamodules.arithmetic.models import model_dir
+    from arithmetic_world.gguf import export_gguf
+    from arithmetic_world.models import model_dir
 
     _llama_cpp()
     shutil.copytree(model_dir("draft"), tmp_path / "draft")
@@ -212,8 +212,8 @@ GREEDY = {"temperature": 0, "repeat_penalty": 1.0}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from datamodules.arithmetic.serve import server_available, world_server
-    from datamodules.arithmetic.models import load_model, load_tokenizer
+    from arithmetic_world.serve import server_available, world_server
+    from arithmetic_world.models import load_model, load_tokenizer
 
     _llama_cpp()
     if not server_available():

@@ -1,4 +1,4 @@
-"""`python -m datamodules.arithmetic.serve`: the one command that starts the world's two servers (issue 33.4).
+"""`python -m arithmetic_world.serve`: the one command that starts the world's two servers (issue 33.4).
 
 The servers themselves run in the slow README test (tests/test_readme.py::test_readme_serving_section_runs) and in
 tests/test_served_world.py; these check the command's refusals, which need no llama.cpp, and (slow) that SIGINT stops
@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from datamodules.arithmetic import serve
+from arithmetic_world import serve
 
 
 def answers(port: int) -> bool:
@@ -25,9 +25,9 @@ def answers(port: int) -> bool:
 
 
 def start_serving(args: list[str], ports, **popen) -> subprocess.Popen:
-    """``python -m datamodules.arithmetic.serve`` with ``args``, in a session of its own, returned once the servers on
+    """``python -m arithmetic_world.serve`` with ``args``, in a session of its own, returned once the servers on
     ``ports`` answer (the first run writes the GGUF files: up to 10 minutes); fails with its output if it ends first."""
-    proc = subprocess.Popen([sys.executable, "-m", "datamodules.arithmetic.serve", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "arithmetic_world.serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline and not all(answers(p) for p in ports):
@@ -50,7 +50,7 @@ def _refused(capsys, argv):
     (["--threads", "0"], "--threads 0: expected an integer >= 1"),
 ])
 def test_bad_values_are_refused_in_one_line(capsys, argv, message):
-    assert _refused(capsys, argv) == f"python -m datamodules.arithmetic.serve: {message}"
+    assert _refused(capsys, argv) == f"python -m arithmetic_world.serve: {message}"
 
 
 def test_a_missing_server_install_says_how_to_install_it(capsys, monkeypatch, tmp_path):

@@ -146,7 +146,7 @@ class LLMJudge(Judge):
         model: causal LM (eval mode, on its device).
         tokenizer: its tokenizer; its chat template wraps the prompt when it has one.
         template: prompt with ``{a}`` and ``{b}``; the world judge uses
-            :data:`~datamodules.arithmetic.tokenizer.JUDGE_TEMPLATE`.
+            :data:`~arithmetic_world.tokenizer.JUDGE_TEMPLATE`.
         yes: the answer meaning "same" (its first token is read).
         no: the answer meaning "different".
         batch_size: prompts per forward pass.

@@ -53,7 +53,7 @@ def make_prefixes(
         draft_tokenizer: the draft's tokenizer when it differs from the target's: each prefix then
             also holds its text in the draft's tokenization (``draft_token_ids``).
         task: whose prompt format to use (None = the embedded world's,
-            :class:`~datamodules.arithmetic.task.ArithmeticTask`).
+            :class:`~arithmetic_world.task.ArithmeticTask`).
 
     Raises:
         ValueError: a record has no trace (named by file and line when read from a file) or the

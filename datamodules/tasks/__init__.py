@@ -7,7 +7,7 @@ import warnings
 from typing import Any
 
 MOVED_CLASSES = {
-    "datamodules.tasks.ArithmeticTask": "datamodules.arithmetic.task.ArithmeticTask",
+    "datamodules.tasks.ArithmeticTask": "arithmetic_world.task.ArithmeticTask",
     "datamodules.tasks.BoxedMathTask": "datamodules.tasks.math.BoxedMathTask",
     "datamodules.tasks.MultipleChoiceTask": "datamodules.tasks.choice.MultipleChoiceTask",
 }

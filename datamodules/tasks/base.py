@@ -3,7 +3,7 @@
 A :class:`Task` is what the label build, the live callback, the benchmarks and the decoder examples
 take. Built-ins:
 
-- :class:`~datamodules.arithmetic.task.ArithmeticTask`: the embedded world, which registers itself
+- :class:`~arithmetic_world.task.ArithmeticTask`: the embedded world, which registers itself
   (:mod:`datamodules.tasks.worlds`);
 - :class:`~datamodules.tasks.math.BoxedMathTask`: a JSONL file whose answers are written ``\\boxed{...}`` and compared
   as math (numbers, fractions, simple expressions, with sympy);

@@ -1,7 +1,7 @@
 """Self-contained worlds: a task that ships its own models and judge, and registers itself.
 
 Generic code (the build config, the live callback, the oracle judge) never imports a world. A world
-registers a :class:`World` under the ``semanticspec.worlds`` entry-point group of its package's
+registers a :class:`RegisteredWorld` under the ``semanticspec.worlds`` entry-point group of its package's
 metadata (``pyproject.toml``; this package registers the embedded arithmetic world there), and
 :func:`default_world` loads the one named by ``$SEMANTICSPEC_DEFAULT_WORLD`` (default ``arithmetic``)
 whenever a config leaves the task, the models or the judge template unset.
@@ -26,7 +26,7 @@ DEFAULT_WORLD_ENV = "SEMANTICSPEC_DEFAULT_WORLD"
 
 
 @dataclass(frozen=True)
-class World:
+class RegisteredWorld:
     """A task with its own models: what generic code needs when a config names no task or model.
 
     Attributes:
@@ -51,7 +51,7 @@ class World:
 
 
 @functools.cache
-def load_world(name: str) -> World:
+def registered_world(name: str) -> RegisteredWorld:
     """The world registered as ``name``.
 
     Raises:
@@ -62,11 +62,11 @@ def load_world(name: str) -> World:
         raise LookupError(f"no world {name!r} is registered under the entry-point group {GROUP!r} (registered: "
                           f"{sorted(found) or 'none'}); install the package that ships it (pip install -e .)")
     world = found[name].load()
-    if not isinstance(world, World):
-        raise TypeError(f"entry point {found[name].value} is a {type(world).__name__}, expected a World")
+    if not isinstance(world, RegisteredWorld):
+        raise TypeError(f"entry point {found[name].value} is a {type(world).__name__}, expected a RegisteredWorld")
     return world
 
 
-def default_world() -> World:
+def default_world() -> RegisteredWorld:
     """The world used when a config leaves the task or the models unset (``$SEMANTICSPEC_DEFAULT_WORLD``)."""
-    return load_world(os.environ.get(DEFAULT_WORLD_ENV, "arithmetic"))
+    return registered_world(os.environ.get(DEFAULT_WORLD_ENV, "arithmetic"))

@@ -11,15 +11,15 @@ if TYPE_CHECKING:  # torch and transformers load with the first model, not with 
     import torch
     from transformers import PreTrainedTokenizerFast
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROOT = REPO_ROOT / "checkpoints" / "arithmetic"
 ROLES = ("target", "draft", "judge")
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 @dataclass
-class World:
-    """The world's models (eval mode) and their shared tokenizer."""
+class WorldModels:
+    """The world's loaded models (eval mode) and their shared tokenizer."""
 
     target: torch.nn.Module
     draft: torch.nn.Module
@@ -40,7 +40,7 @@ def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
     path = world_root(root) / role
     if not path.is_dir():
         raise FileNotFoundError(f"world model folder {path} does not exist; train it with `python -m "
-                                f"datamodules.arithmetic.train`")
+                                f"arithmetic_world.train`")
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"world model folder {path} is incomplete: missing {', '.join(missing)}")
@@ -68,6 +68,6 @@ def load_tokenizer(root: Optional[str | os.PathLike] = None, role: str = "target
     return PreTrainedTokenizerFast.from_pretrained(model_dir(role, root), local_files_only=True)
 
 
-def load_world(root: Optional[str | os.PathLike] = None, device: str = "cpu") -> World:
+def load_world(root: Optional[str | os.PathLike] = None, device: str = "cpu") -> WorldModels:
     """Load target, draft and judge with their tokenizer. Raises naming any missing folder or file."""
-    return World(*(load_model(r, root, device) for r in ROLES), load_tokenizer(root), world_root(root))
+    return WorldModels(*(load_model(r, root, device) for r in ROLES), load_tokenizer(root), world_root(root))

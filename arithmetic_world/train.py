@@ -1,13 +1,13 @@
 """Train the embedded world's target, draft and judge (small Llama models) on CPU.
 
-    python -m datamodules.arithmetic.train --which target --out checkpoints/arithmetic
-    python -m datamodules.arithmetic.train --which draft judge   # judge starts from OUT/target
+    python -m arithmetic_world.train --which target --out checkpoints/arithmetic
+    python -m arithmetic_world.train --which draft judge   # judge starts from OUT/target
 
 Each model is a standard ``LlamaForCausalLM`` saved with ``save_pretrained`` (safetensors) next
 to the shared word-level tokenizer and a model card. The target and draft learn from corpora with
 different paraphrase-template preferences (the draft favours phrasings the target rarely uses);
 the draft is small and stopped early so it makes real arithmetic mistakes; the judge learns to
-answer `` yes``/`` no`` to :data:`~datamodules.arithmetic.tokenizer.JUDGE_TEMPLATE`.
+answer `` yes``/`` no`` to :data:`~arithmetic_world.tokenizer.JUDGE_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from datamodules.arithmetic import task
-from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, build_tokenizer
+from arithmetic_world import task
+from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
 from generation.specs import SamplingSpec
 from generation.writer import generate
 from generation.padding import left_pad
@@ -289,7 +289,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--which", nargs="+", default=["draft", "target", "judge"], choices=sorted(SPECS),
                     help="models to train, in order; the judge starts from OUT/target when it exists")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "checkpoints" / "arithmetic")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--max-minutes", type=float, default=None, help="override every model's time budget")

@@ -1,8 +1,8 @@
 """Publish the embedded world's trained models and write their model cards from measured numbers.
 
-    python -m datamodules.arithmetic.card --publish /tmp/world   # copy finished models into checkpoints/arithmetic
+    python -m arithmetic_world.card --publish /tmp/world   # copy finished models into checkpoints/arithmetic
     python -m benchmarks.world                                   # measure them
-    python -m datamodules.arithmetic.card                        # write every README.md from the measurements
+    python -m arithmetic_world.card                        # write every README.md from the measurements
 
 A card says how its model was trained (sizes, steps, minutes, data and template styles, seed, the
 command, read from the folder's ``training.json``) and what it measures (accuracy, decode ms/token,
@@ -22,9 +22,9 @@ from typing import Optional
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from datamodules.arithmetic import models, task
-from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE, build_tokenizer
-from datamodules.arithmetic.train import SPECS
+from arithmetic_world import models, task
+from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
+from arithmetic_world.train import SPECS
 
 RESULTS = models.REPO_ROOT / "benchmarks" / "results" / "world.json"
 COPIED_FILES = ("config.json", "generation_config.json", "model.safetensors", "training.json")
@@ -84,7 +84,7 @@ def publish(role: str, src_root: str | Path, dst_root: Optional[str | Path] = No
 def train_command(role: str, facts: dict) -> str:
     """The training command that reproduces ``facts`` (``training.json``), with the overrides it used."""
     spec, default = facts["spec"], SPECS[role]
-    cmd = f"python -m datamodules.arithmetic.train --which {role} --seed {facts['seed']} --out /tmp/world"
+    cmd = f"python -m arithmetic_world.train --which {role} --seed {facts['seed']} --out /tmp/world"
     if facts.get("threads", 1) != 1:
         cmd += f" --threads {facts['threads']}"
     if spec.get("extra", {}).get("init_from"):
@@ -150,7 +150,7 @@ gradient clipping 1.0, batch {{ spec.batch }} {{ "pairs" if role == "judge" else
 - **shipped checkpoint: step {{ facts.saved_at.step }}, after {{ facts.saved_at.minutes }} minutes** on \
 {{ facts.get("threads", 1) }} CPU thread(s) of a shared 2-core machine (held-out \
 {{ "pair" if role == "judge" else "answer" }} accuracy {{ "%.3f" | format(facts.saved_at.accuracy) }} at that point)
-- seed {{ facts.seed }}; command: `{{ command }}` then `python -m datamodules.arithmetic.card --publish /tmp/world`
+- seed {{ facts.seed }}; command: `{{ command }}` then `python -m arithmetic_world.card --publish /tmp/world`
 
 <details><summary>validation history</summary>
 
@@ -162,7 +162,7 @@ gradient clipping 1.0, batch {{ spec.batch }} {{ "pairs" if role == "judge" else
 
 ## Measured (`python -m benchmarks.world`)
 
-{% if r is none %}Not measured yet: run `python -m benchmarks.world`, then `python -m datamodules.arithmetic.card`.
+{% if r is none %}Not measured yet: run `python -m benchmarks.world`, then `python -m arithmetic_world.card`.
 {% else %}{% set dist, c = r.template_distribution, r.judge_confusion %}\
 On {{ r.n_problems }} held-out four-operation problems (seed {{ r.problem_seed }}), each model sampling at \
 T={{ r.temperature }}, top-p {{ r.top_p }} with `generation.writer.generate`; decode cost at batch 1 with the same \
@@ -213,7 +213,7 @@ Goals of `benchmarks.world` missed: {{ missed | join(", ") or "none" }}.
 ## Use
 
 ```python
-from datamodules.arithmetic.models import load_world  # or AutoModelForCausalLM.from_pretrained(folder)
+from arithmetic_world.models import load_world  # or AutoModelForCausalLM.from_pretrained(folder)
 world = load_world()  # world.target, world.draft, world.judge, world.tokenizer
 ```
 

@@ -5,7 +5,7 @@ K rows permuted as llama.cpp's own ``convert_hf_to_gguf.py`` does; the tied embe
 matrix, so there is no ``output.weight``). :func:`world_gguf` writes each file once into a cache
 folder and writes it again when the weights, the tokenizer or this exporter change::
 
-    python -m datamodules.arithmetic.gguf            # target, draft and judge -> checkpoints/arithmetic/gguf/
+    python -m arithmetic_world.gguf       # target, draft and judge -> checkpoints/arithmetic/gguf/
 
 **Why a Unigram ("t5") tokenizer.** The world's tokenizer is word-level: a regex splits text into
 pieces (a number or a word with its optional leading space, ``"\\n\\n"``, ``"\\n"``, a punctuation
@@ -31,7 +31,7 @@ Text outside the vocabulary is not covered: the world's tokenizer writes ``<unk>
 199 (``"1234"``), llama.cpp splits it into known numbers. ``tests/test_world_gguf.py`` checks the
 tokenizers agree on everything the world writes (problems, traces, the judge's prompts, its models'
 samples), and that log-probs through llama.cpp equal transformers' when the KV cache is f32
-(:func:`datamodules.arithmetic.serve.world_server`).
+(:func:`arithmetic_world.serve.world_server`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from datamodules.arithmetic import models
+from arithmetic_world import models
 from generation.paths import atomic_path
 
 CACHE_FOLDER = "gguf"

@@ -1,4 +1,4 @@
-"""The embedded arithmetic world as a registered :class:`~datamodules.tasks.worlds.World`.
+"""The embedded arithmetic world as a registered :class:`~datamodules.tasks.worlds.RegisteredWorld`.
 
 ``pyproject.toml`` registers :data:`WORLD` under the ``semanticspec.worlds`` entry points, so generic code
 finds the world's task, models and judge template without importing this package.
@@ -6,11 +6,11 @@ finds the world's task, models and judge template without importing this package
 
 from __future__ import annotations
 
-from datamodules.arithmetic import models, task
-from datamodules.arithmetic.tokenizer import JUDGE_TEMPLATE
-from datamodules.tasks.worlds import World
+from arithmetic_world import models, task
+from arithmetic_world.tokenizer import JUDGE_TEMPLATE
+from datamodules.tasks.worlds import RegisteredWorld
 
-WORLD = World(
+WORLD = RegisteredWorld(
     name="arithmetic",
     task=task.ArithmeticTask,
     validation_task=lambda: task.ArithmeticTask(min_ops=4, max_ops=4),

@@ -2,9 +2,9 @@
 
 ::
 
-    python -m datamodules.arithmetic.serve          # target on :8851, draft on :8852 (configs/served.yaml's ports)
+    python -m arithmetic_world.serve          # target on :8851, draft on :8852 (configs/served.yaml's ports)
 
-writes the world's f32 GGUF files once (:func:`datamodules.arithmetic.gguf.world_gguf`), starts one
+writes the world's f32 GGUF files once (:func:`arithmetic_world.gguf.world_gguf`), starts one
 ``python -m llama_cpp.server`` per model with an f32 KV cache (so its log-probs equal transformers' within
 5e-4), prints their URLs when both answer, and stops both on Ctrl-C or SIGTERM, or when either exits. The
 shipped ``topk_stats`` probe pair, ``checkpoints/arithmetic/probes-topk``, decodes through them with
@@ -134,7 +134,7 @@ def world_server(role: str, port: int, log: str | os.PathLike | None = None, n_t
                  root: str | os.PathLike | None = None, verbose: bool = False) -> LlamaServer:
     """A server for one of the embedded world's models, ready to ``start()`` or use as a context manager.
 
-    It serves :func:`datamodules.arithmetic.gguf.world_gguf` (f32 weights, written on first use) with
+    It serves :func:`arithmetic_world.gguf.world_gguf` (f32 weights, written on first use) with
     an f32 KV cache, under the alias ``role``, with the world's context length. With llama.cpp's default
     f16 KV cache its log-probs differ from transformers' by up to 1e-2 (target) to 5e-2 (draft); with f32
     they agree within 5e-4 (``tests/test_world_gguf.py`` measures both).
@@ -147,8 +147,8 @@ def world_server(role: str, port: int, log: str | os.PathLike | None = None, n_t
         root: the world folder (default ``$SEMANTICSPEC_WORLD`` or ``checkpoints/arithmetic``).
         verbose: llama.cpp's per-request output into ``log`` (:class:`LlamaServer`).
     """
-    from datamodules.arithmetic.gguf import world_gguf
-    from datamodules.arithmetic.models import model_dir
+    from arithmetic_world.gguf import world_gguf
+    from arithmetic_world.models import model_dir
 
     n_ctx = json.loads((model_dir(role, root) / "config.json").read_text())["max_position_embeddings"]
     return LlamaServer(str(world_gguf(role, root=root)), port, role, n_ctx=n_ctx, n_threads=n_threads, log=log,
@@ -163,12 +163,12 @@ INSTALL = ("llama-cpp-python[server] is not installed: pip install -e \".[server
 
 
 def _refuse(message: str) -> NoReturn:
-    print(f"python -m datamodules.arithmetic.serve: {message}", file=sys.stderr)
+    print(f"python -m arithmetic_world.serve: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def _arguments(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m datamodules.arithmetic.serve",
+    ap = argparse.ArgumentParser(prog="python -m arithmetic_world.serve",
                                  description="Serve the embedded world's target and draft with llama.cpp until "
                                              "Ctrl-C.")
     ap.add_argument("--target_port", type=int, default=PORTS["target"], help="default %(default)s")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from datamodules.arithmetic import task
+from arithmetic_world import task
 
 if TYPE_CHECKING:  # transformers loads when a tokenizer is built, not with the world's registration
     from transformers import PreTrainedTokenizerFast
