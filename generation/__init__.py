@@ -16,6 +16,7 @@
 - :mod:`generation.loading`: loading causal LMs from a folder, a GGUF file or a PyPI package of GGUF chunks;
 - :mod:`generation.cli`: what the command lines share (one-line refusals with exit status 2, suggestions for a
   mistyped option, ``--key=value``);
+- :mod:`generation.surface`: a package's public names imported on first use;
 - :mod:`generation.paths`: portable paths (repository-relative) for exports and shared results, and
   :func:`~generation.paths.atomic_path`, the one atomic writer of files and folders.
 """

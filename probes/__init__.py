@@ -12,8 +12,9 @@ Each name is imported on first use (PEP 562), so ``import probes`` and the modul
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from generation.surface import lazy_surface
 
 _SURFACE = {"load_probe": "probes.export"}
 """Each public name and the module that defines it."""
@@ -25,14 +26,4 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr
     from probes.export import load_probe
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module on first use, and keep it here."""
-    if name not in _SURFACE:
-        raise AttributeError(f"module 'probes' has no attribute {name!r}; its public names are {__all__}")
-    value = getattr(importlib.import_module(_SURFACE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_surface("probes", _SURFACE, globals())

@@ -20,8 +20,9 @@ asked for.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from generation.surface import lazy_surface
 
 _SURFACE = {
     "SemanticSpecDecoder": "semanticspec.decoder",
@@ -47,14 +48,4 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr
     from semanticspec.served import ServedDecoder
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module on first use, and keep it here."""
-    if name not in _SURFACE:
-        raise AttributeError(f"module 'semanticspec' has no attribute {name!r}; its public names are {__all__}")
-    value = getattr(importlib.import_module(_SURFACE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_surface("semanticspec", _SURFACE, globals())
