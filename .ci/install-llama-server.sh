@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the llama.cpp server that the `openai` sampling backend is tested and measured against (issue 13):
-# tests/test_llama_server.py and benchmarks/backends.py start it as `python -m llama_cpp.server`.
+# tests/datamodules/test_llama_server.py and benchmarks/backends.py start it as `python -m llama_cpp.server`.
 # llama-cpp-python compiles llama.cpp from source (about 7 minutes on 2 cores); pip caches the wheel,
 # so later runs install it in seconds. Idempotent. A user installs the same with `pip install -e ".[server]"`
 # (README "Serving"); this script pins the version CI measured and builds a wheel that runs on any x86-64 CPU.

@@ -28,7 +28,7 @@ same tokens, so ``"\n\n"`` is typed user-defined (:data:`GREEDY`): llama.cpp spl
 pieces out of the text first, leftmost, as the regex does, and Viterbi segments the rest.
 
 Text outside the vocabulary is not covered: the world's tokenizer writes ``<unk>`` for a number above
-199 (``"1234"``), llama.cpp splits it into known numbers. ``tests/test_world_gguf.py`` checks the
+199 (``"1234"``), llama.cpp splits it into known numbers. ``tests/arithmetic_world/test_world_gguf.py`` checks the
 tokenizers agree on everything the world writes (problems, traces, the judge's prompts, its models'
 samples), and that log-probs through llama.cpp equal transformers' when the KV cache is f32
 (:func:`arithmetic_world.serve.world_server`).

@@ -137,7 +137,7 @@ def world_server(role: str, port: int, log: str | os.PathLike | None = None, n_t
     It serves :func:`arithmetic_world.gguf.world_gguf` (f32 weights, written on first use) with
     an f32 KV cache, under the alias ``role``, with the world's context length. With llama.cpp's default
     f16 KV cache its log-probs differ from transformers' by up to 1e-2 (target) to 5e-2 (draft); with f32
-    they agree within 5e-4 (``tests/test_world_gguf.py`` measures both).
+    they agree within 5e-4 (``tests/arithmetic_world/test_world_gguf.py`` measures both).
 
     Args:
         role: ``"target"``, ``"draft"`` or ``"judge"``.

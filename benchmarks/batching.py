@@ -13,7 +13,7 @@ two walls) and the scaling across sizes do not pick up drift; per-size runs (all
 then the other) would put minutes between the two walls of a ratio. A chunk is a whole number of batches at
 every size, so each size decodes the same batches it would decode on all problems at once. Each problem
 samples from its own stream (the chunk's seed, its index), the same at every size, so a method's outputs
-and accuracy are the same at every size (``tests/test_decoder.py`` checks batched = one by one): sizes
+and accuracy are the same at every size (``tests/semanticspec/test_decoder.py`` checks batched = one by one): sizes
 differ in time only.
 
 **Cost model.** A forward of model ``m`` computing ``positions`` positions costs ``a_m + b_m * positions``

@@ -4,7 +4,7 @@ Importing torch and Lightning takes seconds, so `python -m probes.fit` looks at 
 before it imports them: YAML syntax, ``--ckpt_path``, and every option name, on
 the command line and in each ``--config`` file, against the options the real parser knows. Those are
 recorded in ``probes/fit_options.json``, written from the parser itself
-(:func:`probes.fit_cli.known_options`; tests/test_fit.py checks that the record is current). With
+(:func:`probes.fit_cli.known_options`; tests/probes/test_fit.py checks that the record is current). With
 another version of Lightning or jsonargparse than the record names, option names are left to the
 real parser. Values are checked where they are used, by the real parser and the classes (after the imports),
 except ``--threads`` (the package's own, checked here in full) and the values of options whose type is int,

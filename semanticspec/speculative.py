@@ -5,7 +5,7 @@ a proposal, how many draft tokens to keep and which token follows: each is kept 
 probability ``min(1, p_target / p_draft)``, the first refused one is replaced by a draw from
 the residual ``max(0, p_target - p_draft)``, and when all are kept the target adds one more.
 The distributions are :func:`generation.sampling.sampling_probs`, what the one sampler draws from.
-The output is distributed as the target's own sampling (tests/test_decoding_parts.py checks it
+The output is distributed as the target's own sampling (tests/semanticspec/test_decoding_parts.py checks it
 with a chi-square test on a scripted vocabulary). The step loop runs it between its two parts
 (:meth:`~semanticspec.loop.StepLoop.target_steps`): the proposer drafts tokens, the verifier reads them in
 one forward, :func:`speculate_tokens` keeps a prefix and draws the token after it.

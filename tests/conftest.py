@@ -1,14 +1,22 @@
-"""Shared fixtures and helpers: tiny models, tokenizers and shards built in code, CPU only.
+"""Shared fixtures and helpers: tiny models, tokenizers and shards built in code, the endpoint on a port, commands
+in a fresh process and the world's servers; CPU only.
 
-Test modules import helpers from here (``from tests.conftest import tiny_llama``), never from each other.
+The tests follow the package's wings (``tests/generation``, ``tests/probes``, ``tests/semanticspec``,
+``tests/datamodules``, ``tests/arithmetic_world``; repository-wide checks at the top). Test modules import helpers
+from here (``from tests.conftest import tiny_llama``) or from their wing's conftest
+(``from tests.semanticspec.conftest import stub_decoder``), never from each other.
 """
 
 import os
 import random
 import socket
 import string
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,3 +291,56 @@ class Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+# --------------------------------------------------------------------------- subprocesses and the world's servers
+
+HEAVY = ("torch", "lightning", "transformers")
+"""The libraries a command's refusal must not have imported."""
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def refuse_in_a_fresh_process(module: str, args: list[str]) -> tuple[int, list[str], list[str]]:
+    """``module``'s ``main(args)`` in a new interpreter: its exit status, stderr lines and the heavy libraries
+    it had imported by then."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys\n"
+            f"main = importlib.import_module({module!r}).main\n"
+            "try:\n    main(sys.argv[1:])\n    status = 0\nexcept SystemExit as e:\n    status = e.code\n"
+            f"print(status, *[m for m in {HEAVY!r} if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    status, *heavy = out.stdout.splitlines()[-1].split()
+    return int(status), [line for line in out.stderr.splitlines() if line.strip()], heavy
+
+
+def answers(port: int) -> bool:
+    """The server on ``port`` answers ``/v1/models``."""
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_serving(args: list[str], ports, **popen) -> subprocess.Popen:
+    """``python -m arithmetic_world.serve`` with ``args``, in a session of its own, returned once the servers on
+    ``ports`` answer (the first run writes the GGUF files: up to 10 minutes); fails with its output if it ends first."""
+    proc = subprocess.Popen([sys.executable, "-m", "arithmetic_world.serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline and not all(answers(p) for p in ports):
+        time.sleep(1)
+    assert proc.poll() is None, proc.stdout.read()
+    return proc
+
+
+def need_server() -> None:
+    """Skip (fail on CI) where llama-cpp-python[server] is not installed."""
+    from arithmetic_world.serve import server_available
+
+    if not server_available():
+        if os.environ.get("CI"):
+            pytest.fail("llama-cpp-python[server] is not installed; .ci/run installs it")
+        pytest.skip("llama-cpp-python[server] is not installed")

@@ -1,7 +1,8 @@
 """Loopback fakes of SGLang's ``/generate`` and vLLM's ``/v1/completions``, written from the engines' code paths.
 
 Each fake answers as the engine's own code does; the answer shapes are recorded, with the engine file and function
-they come from, in ``tests/fixtures/engines/*.json`` (and ``tests/test_engines.py`` checks the fakes against them).
+they come from, in ``tests/fixtures/engines/*.json`` (and ``tests/generation/test_engines.py`` checks the fakes
+against them).
 
 A toy model stands behind both: words (with the spaces after them) are tokens, id = a hash of the text,
 BOS (id 1, text ``<s>``) starts every prompt, and the log-probs at each position are a fixed function

@@ -115,7 +115,7 @@ def test_readme_serving_section_runs(tmp_path):
     import signal
 
     from arithmetic_world.serve import PORTS, server_available
-    from tests.test_world_serve import start_serving
+    from tests.conftest import start_serving
 
     section = _section("Serving")
     bash = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0]

@@ -338,7 +338,7 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
                 "num_layers": 64 if role == "target" else 28, "vocab_size": 152064, "tokenizer_hash": "q"}
 
     monkeypatch.setattr("datamodules.labels.config.folder_fingerprint", fingerprint)
-    config = Path(__file__).resolve().parents[1] / "configs" / name
+    config = Path(__file__).resolve().parents[2] / "configs" / name
     cli = ProbeCLI(SemanticProbeModule, SemanticProbeDataModule, run=False, auto_configure_optimizers=False,
                    args=["--config", str(config), "--trainer.logger", "false", "--data.data_dir", str(tmp_path),
                          "--trainer.default_root_dir", str(tmp_path)],

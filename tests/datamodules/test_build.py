@@ -773,7 +773,7 @@ def test_a_bad_spec_field_on_the_build_cli_is_one_line_with_exit_status_2(capsys
 
 
 def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
-    from tests.test_fit import refuse_in_a_fresh_process
+    from tests.conftest import refuse_in_a_fresh_process
 
     a_file = tmp_path / "notes.txt"
     a_file.write_text("hello\n")

@@ -1,39 +1,16 @@
 """`python -m arithmetic_world.serve`: the one command that starts the world's two servers (issue 33.4).
 
 The servers themselves run in the slow README test (tests/test_readme.py::test_readme_serving_section_runs) and in
-tests/test_served_world.py; these check the command's refusals, which need no llama.cpp, and (slow) that SIGINT stops
-it however it was started.
+tests/arithmetic_world/test_served_world.py; these check the command's refusals, which need no llama.cpp, and
+(slow) that SIGINT stops it however it was started.
 """
 
 import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
 from arithmetic_world import serve
-
-
-def answers(port: int) -> bool:
-    """The server on ``port`` answers ``/v1/models``."""
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
-        return True
-    except OSError:
-        return False
-
-
-def start_serving(args: list[str], ports, **popen) -> subprocess.Popen:
-    """``python -m arithmetic_world.serve`` with ``args``, in a session of its own, returned once the servers on
-    ``ports`` answer (the first run writes the GGUF files: up to 10 minutes); fails with its output if it ends first."""
-    proc = subprocess.Popen([sys.executable, "-m", "arithmetic_world.serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline and not all(answers(p) for p in ports):
-        time.sleep(1)
-    assert proc.poll() is None, proc.stdout.read()
-    return proc
+from tests.conftest import answers, start_serving
 
 
 def _refused(capsys, argv):
@@ -63,7 +40,7 @@ def test_a_missing_server_install_says_how_to_install_it(capsys, monkeypatch, tm
 def test_defaults_are_the_ports_the_served_config_builds_against():
     from pathlib import Path
 
-    served = (Path(__file__).resolve().parents[1] / "configs" / "served.yaml").read_text()
+    served = (Path(__file__).resolve().parents[2] / "configs" / "served.yaml").read_text()
     assert all(f"127.0.0.1:{port}" in served for port in serve.PORTS.values())
     assert serve.PORTS == {"target": 8851, "draft": 8852}
 

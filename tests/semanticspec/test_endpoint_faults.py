@@ -208,7 +208,8 @@ def test_a_prompt_token_count_that_raises_ends_that_request_not_the_decode_threa
 
 def test_a_loop_that_fails_ends_its_requests_and_the_next_request_is_served(tiny_pair):
     from semanticspec.serve.scheduler import Job, Scheduler
-    from tests.test_decoder import PROMPTS, stub_decoder
+    from tests.conftest import PROMPTS
+    from tests.semanticspec.conftest import stub_decoder
 
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok)

@@ -179,13 +179,13 @@ def test_custom_task_by_class_path_in_the_fit_yaml(capsys, tmp_path):
     from probes.fit import main
 
     cfg = tmp_path / "fit.yaml"
-    cfg.write_text(yaml.safe_dump({"data": {"build": {"task": {"class_path": "tests.test_tasks.YesNoTask",
+    cfg.write_text(yaml.safe_dump({"data": {"build": {"task": {"class_path": "tests.datamodules.test_tasks.YesNoTask",
                                                                 "init_args": {"n_words": 3}}}}}))
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(cfg), "--print_config"])
     assert exit_.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["data"]["build"]["task"] == {"class_path": "tests.test_tasks.YesNoTask",
+    assert printed["data"]["build"]["task"] == {"class_path": "tests.datamodules.test_tasks.YesNoTask",
                                                 "init_args": {"path": None, "n_words": 3}}
 
 
@@ -204,12 +204,12 @@ def test_custom_task_reaches_the_build_from_yaml(capsys, tmp_path):
 
     cfg = tmp_path / "build.yaml"
     cfg.write_text("data_dir: " + str(tmp_path / "data") + "\nbuild:\n  n_problems: 3\n  task:\n"
-                   "    class_path: tests.test_tasks.YesNoTask\n")
+                   "    class_path: tests.datamodules.test_tasks.YesNoTask\n")
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(cfg)])
     err = capsys.readouterr().err
     assert exit_.value.code == 2
-    assert "problem 1 of tests.test_tasks.YesNoTask (and 2 more problems: [2, 3]) has no 'trace'" in err
+    assert "problem 1 of tests.datamodules.test_tasks.YesNoTask (and 2 more problems: [2, 3]) has no 'trace'" in err
     assert not (tmp_path / "data").exists()
 
 

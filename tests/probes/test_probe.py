@@ -392,7 +392,7 @@ def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(worl
 
     from arithmetic_world.models import load_model
 
-    root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic"
+    root = Path(__file__).resolve().parents[2] / "checkpoints" / "arithmetic"
     for role in ("target", "draft"):
         # a format-2 export of the shipped probe: what format 3 added (the sampling spec) taken out
         folder = shutil.copytree(root / "probes" / role, tmp_path / role)
@@ -529,7 +529,7 @@ def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
 
     from arithmetic_world.models import load_model
 
-    root = Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic"
+    root = Path(__file__).resolve().parents[2] / "checkpoints" / "arithmetic"
     for folder, groups in (("probes", ["hidden", "token_stats"]), ("probes-topk", ["topk_stats"])):
         for role in ("target", "draft"):
             with warnings.catch_warnings():

@@ -14,8 +14,9 @@ from generation.specs import StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.export import load_probe
 from probes.fit import DEFAULT_CONFIG, main
+from tests.conftest import refuse_in_a_fresh_process
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -245,7 +246,7 @@ def test_ctrl_c_keeps_last_checkpoint_and_resumes(fitted, tmp_path):
     cfg = yaml.safe_load(path.read_text())
     cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"]
                                    if "SpeculativeValidation" not in c["class_path"]]
-    cfg["trainer"]["callbacks"].append({"class_path": "tests.test_fit.InterruptAt", "init_args": {"epoch": 1}})
+    cfg["trainer"]["callbacks"].append({"class_path": "tests.probes.test_fit.InterruptAt", "init_args": {"epoch": 1}})
     cfg["trainer"].update(max_epochs=3, default_root_dir=str(tmp_path))
     cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path)
     cfg["export_dir"] = str(tmp_path / "export")
@@ -367,7 +368,7 @@ def test_default_job_on_a_fresh_clone_leaves_git_status_empty(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
                             capture_output=True, check=True).stdout.decode().split("\0")
     clone = tmp_path / "clone"
@@ -393,8 +394,8 @@ def test_default_job_on_a_fresh_clone_leaves_git_status_empty(tmp_path):
 
 
 def _tiny_config(root: Path, **data) -> Path:
-    """The default config on synthetic shards (tests/test_datamodule.py): no build, no live decoding, seconds."""
-    from tests.test_datamodule import make_dataset
+    """The default config on synthetic shards (``make_dataset``): no build, no live decoding, seconds."""
+    from tests.conftest import make_dataset
 
     if not (root / "d").is_dir():
         make_dataset(root / "d")
@@ -413,7 +414,7 @@ def _tiny_config(root: Path, **data) -> Path:
 def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_run(tmp_path, capsys):
     cfg = _tiny_config(tmp_path)
     handler = signal.getsignal(signal.SIGINT)
-    interrupt = '[{"class_path": "tests.test_fit.InterruptAt", "init_args": {"epoch": 1}}]'
+    interrupt = '[{"class_path": "tests.probes.test_fit.InterruptAt", "init_args": {"epoch": 1}}]'
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(cfg), "--trainer.max_epochs", "5", "--trainer.callbacks+", interrupt])
     assert exit_.value.code == 130 and signal.getsignal(signal.SIGINT) == handler  # SIGINT is not left ignored
@@ -517,23 +518,7 @@ def test_a_normal_run_shows_no_noise(tmp_path, capsys, caplog, recwarn):
 
 # -- issue 33: refusals before torch loads, --ckpt_path, data_dir a file, YAML typos ---------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "lightning", "transformers")
-
-
-def refuse_in_a_fresh_process(module: str, args: list[str]) -> tuple[int, list[str], list[str]]:
-    """``module``'s ``main(args)`` in a new interpreter: its exit status, stderr lines and the heavy libraries
-    it had imported by then."""
-    import subprocess
-    import sys
-
-    code = ("import importlib, sys\n"
-            f"main = importlib.import_module({module!r}).main\n"
-            "try:\n    main(sys.argv[1:])\n    status = 0\nexcept SystemExit as e:\n    status = e.code\n"
-            f"print(status, *[m for m in {HEAVY!r} if m in sys.modules])\n")
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    status, *heavy = out.stdout.splitlines()[-1].split()
-    return int(status), [line for line in out.stderr.splitlines() if line.strip()], heavy
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):

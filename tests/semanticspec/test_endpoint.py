@@ -391,7 +391,7 @@ def test_the_serve_config_parses_to_the_commands_defaults(capsys):
 
     from semanticspec.serve.cli import ServeOptions, main
 
-    path = Path(__file__).resolve().parents[1] / "configs" / "serve" / "default.yaml"
+    path = Path(__file__).resolve().parents[2] / "configs" / "serve" / "default.yaml"
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(path), "--print_config"])
     assert exit_.value.code in (0, None)
@@ -408,7 +408,7 @@ def test_the_readmes_endpoint_example_runs(endpoint, capsys):
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text[text.index("### An OpenAI-compatible endpoint"):text.index("## Configs")]
     example = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
     assert "http://127.0.0.1:8000/v1" in example
@@ -445,7 +445,8 @@ def test_a_loop_admits_rows_per_loop_rows_then_a_fresh_loop_takes_the_next_reque
     over them stay bounded): the next requests start a fresh loop while it drains, and every request still decodes as
     it would alone with its seed."""
     from semanticspec.serve.scheduler import Job, Scheduler
-    from tests.test_decoder import PROMPTS, stub_decoder
+    from tests.conftest import PROMPTS
+    from tests.semanticspec.conftest import stub_decoder
 
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=lambda x: (x.flatten(1)[:, 3] > 0).float())

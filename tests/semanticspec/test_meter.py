@@ -14,9 +14,9 @@ from semanticspec.meter import Meter
 from semanticspec.results import Decision, StepTrace
 from semanticspec.rows import Row
 from tests.conftest import PROMPTS
-from tests.test_decoder import GREEDY, stub_decoder
+from tests.semanticspec.conftest import GREEDY, stub_decoder
 
-LOOP = Path(__file__).resolve().parents[1] / "semanticspec" / "loop.py"
+LOOP = Path(__file__).resolve().parents[2] / "semanticspec" / "loop.py"
 
 
 def test_the_loop_reads_no_clock():

@@ -22,7 +22,7 @@ from generation.engines.sglang import MIN_VERSION as SGLANG_MIN_VERSION
 from generation.specs import SamplingSpec, StepSpec
 from tests.fake_engines import FakeSGLang, FakeVLLM, _Server
 
-FIXTURES = sorted((Path(__file__).parent / "fixtures" / "engines").glob("*.json"))
+FIXTURES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "engines").glob("*.json"))
 FLOORS = {"sglang": SGLANG_MIN_VERSION, "vllm": VLLM_MIN_VERSION}
 GREEDY = SamplingSpec(0.0, 1.0)
 

@@ -20,7 +20,8 @@ from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
 from semanticspec.verify import TargetVerifier
 from probes.export import load_probe
-from tests.test_decoder import PROMPTS, make_decoder, stub_decoder, texts
+from tests.conftest import PROMPTS
+from tests.semanticspec.conftest import make_decoder, stub_decoder, texts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 96}
 MARKER = LoopOptions(answer_marker="Answer:")

@@ -8,18 +8,17 @@ Without llama-cpp-python the module is skipped; under ``CI=1`` (``.ci/run`` inst
 """
 
 import json
-import os
 import re
 import time
 
 import pytest
 import torch
 
-from arithmetic_world.serve import LlamaServer, server_available, world_server
+from arithmetic_world.serve import LlamaServer, world_server
 from semanticspec.options import LoopOptions
 from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
-from tests.conftest import DRAFT, TARGET, gguf_or_skip
+from tests.conftest import DRAFT, TARGET, gguf_or_skip, need_server
 
 pytestmark = pytest.mark.slow
 PORTS = {"target": 8851, "draft": 8852}
@@ -31,13 +30,6 @@ TOPK_TOLERANCE = 5e-5
 KV cache on the server, float32 log-softmax in-process); measured 1.5e-5: see the test's docstring."""
 
 
-def _need_server() -> None:
-    if not server_available():
-        if os.environ.get("CI"):
-            pytest.fail("llama-cpp-python[server] is not installed; .ci/run installs it")
-        pytest.skip("llama-cpp-python[server] is not installed")
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The world's two servers, clients of both (LlamaCppEngine), its in-process models, tokenizer and task."""
@@ -45,7 +37,7 @@ def world(tmp_path_factory):
     from arithmetic_world.task import ArithmeticTask
     from generation.engines import make_engine
 
-    _need_server()
+    need_server()
     logs = tmp_path_factory.mktemp("world-servers")
     with world_server("target", PORTS["target"], log=logs / "target.log") as t, \
             world_server("draft", PORTS["draft"], log=logs / "draft.log") as d:
@@ -120,7 +112,7 @@ def test_served_topk_features_equal_in_process_within_the_measured_tolerance(wor
     max |Δ| over all ten statistics 1.53e-5 (target) and 1.00e-5 (draft), all in ``min_logprob``; the rank and
     membership statistics agree exactly; the lead measured 7.6e-6 on 18 steps. The tolerance
     :data:`TOPK_TOLERANCE` (5e-5) is ~3x the worst measured; with llama.cpp's default f16 KV cache log-probs
-    alone differ by up to 5e-2 (tests/test_world_gguf.py).
+    alone differ by up to 5e-2 (tests/arithmetic_world/test_world_gguf.py).
     """
     from datamodules.labels.engine_reading import read_steps_served
     from datamodules.labels.reading import read_steps
@@ -212,7 +204,7 @@ def real_pair(tmp_path_factory):
     """Gemma-3-270m (target: it adds BOS, so its server can read) and SmolLM2-135M (draft: no BOS, it only writes)."""
     from generation.engines import make_engine
 
-    _need_server()
+    need_server()
     gguf_or_skip(TARGET), gguf_or_skip(DRAFT)
     logs = tmp_path_factory.mktemp("real-servers")
     with LlamaServer(f"pypi:{TARGET}", REAL_PORTS["target"], "gemma3", n_threads=1, log=logs / "target.log") as t, \

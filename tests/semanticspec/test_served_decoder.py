@@ -18,7 +18,7 @@ from semanticspec.results import summarize
 from semanticspec.engine_parts import answer_cut
 from semanticspec.served import ServedDecoder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 try:  # the engine clients' error (branch `engines`); a stand-in with its signature until it is merged
     from generation.engines.base import EngineError
@@ -186,7 +186,7 @@ def test_engine_parts_over_local_engines_decide_as_in_process_parts_on_32_proble
     """Issue 30: one loop, two sets of parts. The same StepLoop with in-process parts and with engine parts over
     LocalEngines (the same weights) takes the same decisions and writes the same texts, greedy, on 32 problems;
     each served step of the one-step loop costs the requests the engine parts say (2 kept, 3 refused). (Windows,
-    SemanticSpec's default: tests/test_lookahead.py.)"""
+    SemanticSpec's default: tests/semanticspec/test_lookahead.py.)"""
     problems = world["task"].problems(32, 7)
     prompts = [world["task"].prompt_text(world["tok"], p["problem"]) for p in problems]
     probe = hidden_probe(world)
@@ -270,13 +270,13 @@ def test_both_decoders_read_one_decode_config(world, engines):
 def test_served_stream_yields_each_step_then_the_result_generate_returns(world, engines):
     """Issue 30 item 2, served: each prompt's events come in its order (steps tried, then one end event with its
     result) while concurrent prompts interleave; generate is those results."""
-    from tests.test_decoder import _check_stream
+    from tests.semanticspec.conftest import check_stream
 
     dec = ServedDecoder(*engines, options=MARKER, concurrency=3)
     gen = {"method": "random_accept", "accept_rate": 0.5, "temperature": 0.8, "max_new_tokens": 48, "seed": 2}
     results = dec.generate(world["prompts"], **gen)
     events = list(dec.stream(world["prompts"], **gen))
-    _check_stream(events, results, len(world["prompts"]))
+    check_stream(events, results, len(world["prompts"]))
     assert {e.step.decision for e in events if not e.end} == {"accept", "reject", "target"}
     alone = list(dec.stream(world["prompts"][:1], method="target_only", **GREEDY))  # one request: one step
     assert [e.end for e in alone] == [False, True] and alone[0].text == alone[1].result.text

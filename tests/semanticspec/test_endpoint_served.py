@@ -15,12 +15,13 @@ import urllib.request
 import pytest
 
 from tests.conftest import Running, free_port
-from tests.test_endpoint import TASK
-from tests.test_served_world import _need_server
+from arithmetic_world.task import ArithmeticTask
+from tests.conftest import need_server
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 SECRET = "sk-backend-secret-4242"
+TASK = ArithmeticTask()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def served(tmp_path_factory):
     from arithmetic_world.serve import world_server
     from semanticspec.serve.cli import ServeOptions, build
 
-    _need_server()
+    need_server()
     logs = tmp_path_factory.mktemp("endpoint-servers")
     os.environ["ENDPOINT_TEST_BACKEND_KEY"] = SECRET  # sent to the backends; must never reach a client or a log
     with world_server("target", free_port(), log=logs / "target.log") as t, \

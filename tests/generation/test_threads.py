@@ -9,7 +9,7 @@ import torch
 
 from generation import threads as T
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """``reading.backend: engine``: steps read through a model's server give the in-process features; its config checks.
 
 The server here is :class:`generation.engines.local.LocalEngine` (an in-process model answering as a served
-one does); the real llama-cpp-python servers are in tests/test_served_world.py (slow).
+one does); the real llama-cpp-python servers are in tests/arithmetic_world/test_served_world.py (slow).
 """
 
 import random
