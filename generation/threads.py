@@ -5,7 +5,7 @@ The package's CPU work is many small ops on small models (the embedded world's t
 Between two ops, torch's OpenMP threads (libgomp in the pip wheels) spin-wait: 300,000 spins by libgomp's
 default before they sleep. Alone that makes small ops fast; beside any other busy process (a second job, a test
 run, another rank) every spin steals a core the other process needs, so both slow down far past their fair
-share (a 48-problem label build took 5.4x its time alone beside one 2-thread torch process).
+share (docs/benchmarks.md "Threads" measures how far).
 
 The policy, in the order it is applied:
 
@@ -36,10 +36,9 @@ from typing import Any
 
 DEFAULT_THREADS: int | None = None
 """Most threads per process when neither ``--threads`` nor ``OMP_NUM_THREADS`` says otherwise; None: the host's
-cores divided between its ranks, as torch counts them. Measured with ``python -m benchmarks.threads`` on 2 cores
-(docs/benchmarks.md "Threads"): with :data:`WAIT_POLICY`, two threads were as fast alone as torch's own default (two
-threads spinning as libgomp does) and stayed within 2x of that beside a 2-thread torch job, where libgomp's spin
-took several times its time; one thread was 1.4x slower alone."""
+cores divided between its ranks, as torch counts them. With :data:`WAIT_POLICY` that is as fast alone as torch's
+own default and degrades far less beside another torch job (``python -m benchmarks.threads``; docs/benchmarks.md
+"Threads")."""
 
 WAIT_POLICY = "PASSIVE"
 """``OMP_WAIT_POLICY`` of the CLIs: idle OpenMP threads sleep at once instead of spinning (libgomp spins 300,000

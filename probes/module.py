@@ -71,8 +71,8 @@ class SemanticProbeModule(L.LightningModule):
         loss: ``mse`` on the semantic probability (paper) or ``bce`` with soft labels.
         optimizer: optimizer factory (paper: Adam, lr 1e-3).
         draft_low_label_weight: loss weight of the target probe's draft-written rows whose label is
-            below 0.5 (the draft's wrong steps: about 7% of the rows on the embedded world, and the
-            steps a decoder must refuse). 1.0 = the paper's unweighted loss.
+            below 0.5 (the draft's wrong steps: a small share of the rows, and the steps a decoder must
+            refuse). 1.0 = the paper's unweighted loss.
     """
 
     def __init__(

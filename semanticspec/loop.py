@@ -50,11 +50,9 @@ class Window:
 SHIPPED_WINDOW = Window(4, math.log(0.5))
 """SemanticSpec's window when ``DecodeConfig.lookahead`` is not given (and the decoder and policy allow windows): up to
 4 drafted steps per target pass, the next one drafted only after a step whose every token the draft drew at
-probability >= 0.5. Measured with ``python -m benchmarks.decode`` on 400 problems (docs/benchmarks.md, "Lookahead"):
-2.61x target-only at 0.968 accuracy, against 2.09x at 0.965 for one step per pass and 0.973 for target-only; the same
-decisions ran at 2.96x against 2.31x on the same machine hours earlier, when its one-token forwards were dearer (the
-ratio grows with a forward's fixed cost); the threshold was read off 40 other problems (AUROC 0.84 for the target's
-decision)."""
+probability >= 0.5 (a threshold read off problems other than the benchmark's). What it gains over one step per
+pass, and why the gain grows with a forward's fixed cost: ``python -m benchmarks.decode``, docs/benchmarks.md
+"Lookahead"."""
 
 
 @dataclass(frozen=True)

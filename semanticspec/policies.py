@@ -138,7 +138,7 @@ class ProbePolicy(AcceptancePolicy):
         ratio_scale: multiplies ``q / p`` in the ratio rule (>1 accepts more; a speed knob).
         top_k: fast path: keep a step without the probe when every draft token is in the target's
             top-k and passes ``fast_path_min_logprob``; 0 (default) disables it. The paper's plain
-            top-2 test kept 56% of the wrong steps SemanticSpec accepted, so it is gated.
+            top-2 test kept many of the wrong steps SemanticSpec accepted, so it is gated.
             Needs a shared tokenizer (the decoder refuses it otherwise).
         fast_path_min_logprob: fast path: every draft token's log-probability under the target must
             be at least this (default log 0.5: the target itself would write it more often than not).
