@@ -338,10 +338,10 @@ def decode_config(body, policy=None) -> DecodeConfig:
     seed = body.seed if body.seed is not None else random.getrandbits(31)
     method = body.method
     if body.threshold is not None:
-        if not 0 <= body.threshold <= 1:
-            raise BadRequest(f"threshold={body.threshold}: expected a number in [0, 1] (the threshold rule's tau)",
-                             "threshold")
-        method = dataclasses.replace(policy, tau=float(body.threshold))
+        try:
+            method = dataclasses.replace(policy, tau=float(body.threshold))
+        except ValueError as e:  # the policy's own check of tau, named by the request's field
+            raise BadRequest(f"threshold={body.threshold}: {e}", "threshold") from e
     try:
         return DecodeConfig(max_new_tokens=given or DecodeConfig.max_new_tokens, temperature=body.temperature,
                             top_p=body.top_p, seed=seed, method=method, lookahead=body.lookahead,
