@@ -10,9 +10,9 @@ The wing's modules: the decoders (``decoder``: in-process models; ``served``: tw
 ``generate``/``stream``); a proposer (``proposer``, ``engine_parts``) writes a step, a verifier (``verify``,
 ``engine_parts``) reads it into typed ``Scores`` (``scores``), a pure acceptance policy (``policies``) decides, and
 the step loop (``loop``, with ``rows`` and ``meter``) commits or rolls back; ``methods`` maps method names to
-runners, ``config`` and ``options`` hold a call's and the loop's settings, ``hf`` runs transformers' own loop as a
-baseline, ``speculative`` is token-level speculative sampling, ``prompts`` checks prompts, ``setup`` checks probes
-and resolves their specs, ``timing`` reads the machine's load, ``results`` holds what a decode returns.
+round functions, ``config`` and ``options`` hold a call's and the loop's settings, ``hf`` runs transformers' own
+loop as a baseline, ``speculative`` is token-level speculative sampling, ``prompts`` checks prompts, ``setup``
+checks probes and resolves their specs, ``timing`` reads the machine's load, ``results`` holds what a decode returns.
 
 Each public name is imported on first use (PEP 562), so ``import semanticspec`` imports no torch until a decoder is
 asked for.

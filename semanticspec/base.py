@@ -18,15 +18,16 @@ import torch
 from generation.specs import SamplingSpec
 from semanticspec.config import DecodeConfig
 from semanticspec.loop import SHIPPED_WINDOW, Window
-from semanticspec.methods import MethodArgs, Speculative, runner_for
+from semanticspec.hf import TransformersLoop
+from semanticspec.methods import Method, MethodArgs, method_for
 from semanticspec.results import DecodeResult, StepEvent, collect
 
 
 class Plan(NamedTuple):
-    """One call's work, every check done: the runner, the inputs (the prompts as the verifier reads them, then as the
+    """One call's work, every check done: the method, the inputs (the prompts as the verifier reads them, then as the
     proposer does), each prompt's stream key, the sampling and the config."""
 
-    runner: Any
+    method: Method | TransformersLoop
     inputs: tuple[Sequence, ...]
     keys: list
     sampling: SamplingSpec
@@ -75,7 +76,7 @@ class StepDecoder:
                 vocabulary, a prompt longer than a model's context), naming the prompt's index; all before any
                 model call or request.
         """
-        plan = self._plan(prompts, DecodeConfig.of(config, overrides))
+        plan = self.plan(prompts, DecodeConfig.of(config, overrides))
         return collect(self._events(plan), len(plan.keys))
 
     def stream(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
@@ -84,14 +85,21 @@ class StepDecoder:
         event with its :class:`~semanticspec.results.DecodeResult` (:class:`~semanticspec.results.StepEvent`);
         prompts of one batch interleave round by round. Everything :meth:`generate` refuses is refused here, when
         called, before any model call or request."""
-        return self._events(self._plan(prompts, DecodeConfig.of(config, overrides)))
+        return self._events(self.plan(prompts, DecodeConfig.of(config, overrides)))
 
-    def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
+    def plan(self, prompts, cfg: DecodeConfig) -> Plan:
+        """A call's work: its method, prompts as each part reads them, stream keys, sampling and config, every check
+        :meth:`generate` makes done (ValueError naming what is wrong) before any model call or request."""
         raise NotImplementedError
 
     def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys):
         """The :class:`~semanticspec.loop.StepLoop` of one batch (``batch``: the plan's inputs, sliced)."""
         raise NotImplementedError
+
+    def batch_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
+        """The events of one batch of a plan (``batch``: its inputs, sliced; ``keys``: their stream keys), prompt
+        indices within the batch: the batch's step loop, run with the plan's method."""
+        return self.step_loop(batch, plan.cfg.max_new_tokens, plan.sampling, keys).stream(plan.method)
 
     @torch.inference_mode()
     def _events(self, plan: Plan) -> Iterator[StepEvent]:
@@ -107,7 +115,7 @@ class StepDecoder:
         t0 = time.perf_counter()
         for s in range(0, n, bs):
             batch = tuple(x[s : s + bs] for x in plan.inputs)
-            for e in plan.runner.stream(self, batch, cfg.max_new_tokens, plan.sampling, plan.keys[s : s + bs]):
+            for e in self.batch_events(plan, batch, plan.keys[s : s + bs]):
                 if bar is not None and e.end:
                     bar.update()
                 yield dataclasses.replace(e, prompt=s + e.prompt)
@@ -128,26 +136,26 @@ class StepDecoder:
         """Prompts per loop: ``cfg.batch_size``, else all ``n``."""
         return cfg.batch_size or max(n, 1)
 
-    def _runner(self, cfg: DecodeConfig) -> tuple[Any, list[str]]:
-        """The method's runner (with the config's lookahead) and what is wrong with the call for it."""
-        method = cfg.method
+    def _method(self, cfg: DecodeConfig) -> tuple[Method | TransformersLoop | None, list[str]]:
+        """The call's method (with the config's window) and what is wrong with the call for it."""
+        name = cfg.method
         try:
-            runner = runner_for(method, MethodArgs(self.policy, cfg.accept_rate, cfg.oracle))
+            method = method_for(name, MethodArgs(self.policy, cfg.accept_rate, cfg.oracle))
         except ValueError as e:
             return None, [str(e)]
-        needs, problems = runner.policy.needs if runner.policy is not None else None, []
+        needs, problems = method.policy.needs if method.policy is not None else None, []
         if needs is not None and needs.q and self.target_probe is None:
-            problems.append(f"method={method!r} needs target_probe (an exported probe directory)")
+            problems.append(f"method={name!r} needs target_probe (an exported probe directory)")
         if needs is not None and needs.p and self.draft_probe is None:
             problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
-        window = self._window(cfg, runner)
+        window = self._window(cfg, method)
         if window.size > 1 or window.overlap:
-            why = lookahead_problem(runner, method) or self._window_fits(cfg.lookahead)
+            why = lookahead_problem(method, name) or self._window_fits(cfg.lookahead)
             if why:
                 problems.append(f"lookahead={window.size}: {why}")
             else:
-                runner = dataclasses.replace(runner, window=window)
-        return runner, problems
+                method = dataclasses.replace(method, window=window)
+        return method, problems
 
     def _window_fits(self, lookahead: int | None) -> str | None:
         """Why a window of ``lookahead`` steps of the step spec's most tokens cannot fit the models' context after a
@@ -172,22 +180,22 @@ class StepDecoder:
         """The target's and the draft's context in tokens, each None where it is not known."""
         raise NotImplementedError
 
-    def _window(self, cfg: DecodeConfig, runner) -> Window:
+    def _window(self, cfg: DecodeConfig, method) -> Window:
         """The call's window: the config's ``lookahead``, else the shipped window for ``semanticspec`` where this
         decoder and the policy allow windows, else one step."""
         if cfg.lookahead is not None:
             return Window(cfg.lookahead, cfg.window_min_logprob, cfg.overlap)
-        shipped = cfg.method == "semanticspec" and self.windows and lookahead_problem(runner, cfg.method) is None
+        shipped = cfg.method == "semanticspec" and self.windows and lookahead_problem(method, cfg.method) is None
         return dataclasses.replace(SHIPPED_WINDOW if shipped else Window(), overlap=cfg.overlap)
 
 
-def lookahead_problem(runner, method) -> str | None:
-    """Why ``method`` cannot judge a window of several drafted steps per target pass, or None."""
-    if not isinstance(runner, Speculative):
-        return f"method={method!r} drafts no steps for the target to judge; use lookahead=1"
-    if runner.policy.needs.judge:
-        return (f"method={method!r} reads a judge turn after each step, which cannot share one forward with the "
+def lookahead_problem(method, name) -> str | None:
+    """Why ``method`` (named ``name``) cannot judge a window of several drafted steps per target pass, or None."""
+    if getattr(method, "policy", None) is None:
+        return f"method={name!r} drafts no steps for the target to judge; use lookahead=1"
+    if method.policy.needs.judge:
+        return (f"method={name!r} reads a judge turn after each step, which cannot share one forward with the "
                 "steps after it; use lookahead=1")
-    if runner.policy.needs.p:
+    if method.policy.needs.p:
         return "the ratio rule reads the draft probe's p, which is read for one-step windows only; use lookahead=1"
     return None

@@ -24,7 +24,7 @@ per model, in :class:`~semanticspec.loop.StepLoop`). Every baseline (target only
 SpecReason-style judging, random and oracle acceptance) runs through the same loop and the same
 sampler, so their timings compare; token-level speculative decoding runs in transformers' own
 assisted generation (:mod:`semanticspec.hf`) and is compared with transformers' own target-only
-generation (``method="hf_target_only"``). ``method=`` names map to runners in one table,
+generation (``method="hf_target_only"``). ``method=`` names map to methods in one table,
 :data:`semanticspec.methods.METHODS`.
 
 Example (a task, :class:`datamodules.tasks.base.Task`, gives the problems, their prompts, the answer marker that
@@ -45,7 +45,7 @@ ends a decode, and the checker):
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -57,12 +57,13 @@ from generation.writer import StepWriter
 from semanticspec import setup
 from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
+from semanticspec.hf import TransformersLoop, transformers_events
 from semanticspec.loop import LoopSetup, StepLoop
 from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy, default_policy
 from semanticspec.prompts import read_prompts
 from semanticspec.proposer import DraftProposer
-from semanticspec.results import DecodeResult, DecodeStats, StepTrace, summarize
+from semanticspec.results import DecodeResult, DecodeStats, StepEvent, StepTrace, summarize
 from semanticspec.rows import Row
 from semanticspec.verify import JudgeTurn, TargetVerifier
 
@@ -136,11 +137,11 @@ class SemanticSpecDecoder(StepDecoder):
         self._recorded_sampling = setup.sampling_spec((self.target_probe, self.draft_probe))
         self.target_stop, self.draft_stop = self.step.stopper(tokenizer), self.step.stopper(self.draft_tokenizer)
 
-    def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
-        """The call's runner, target and draft ids, stream keys, sampling and config, every check done."""
-        runner, problems = self._runner(cfg)
+    def plan(self, prompts, cfg: DecodeConfig) -> Plan:
+        """The call's method, target and draft ids, stream keys, sampling and config, every check done."""
+        method, problems = self._method(cfg)
         sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
-                                          runner is not None and runner.probes_decide, cfg.allow_sampling_mismatch)
+                                          method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
         if cfg.overlap:
             problems.append("overlap=True: drafting the next window while the target verifies is served decoding's "
                             "(ServedDecoder: the two servers are separate processes); in-process the two models share "
@@ -151,7 +152,16 @@ class SemanticSpecDecoder(StepDecoder):
         if problems:
             raise ValueError("; ".join(problems))
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
-        return Plan(runner, (ids_t, ids_d), stream_keys(cfg.seed, len(ids_t)), sampling, cfg)
+        return Plan(method, (ids_t, ids_d), stream_keys(cfg.seed, len(ids_t)), sampling, cfg)
+
+    def batch_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
+        """The events of one batch: its step loop, or for a :class:`~semanticspec.hf.TransformersLoop` method
+        transformers' own loop, prompt by prompt."""
+        if isinstance(plan.method, TransformersLoop):
+            return transformers_events(plan.method, self.target, self.draft, self.tokenizer,
+                                       None if self.shared else self.draft_tokenizer, batch, plan.cfg.max_new_tokens,
+                                       plan.sampling, keys)
+        return super().batch_events(plan, batch, keys)
 
     def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys: Sequence[StreamKey]
                   ) -> StepLoop:

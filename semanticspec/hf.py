@@ -2,7 +2,7 @@
 
 Token-level speculative decoding (transformers' assisted generation with the same draft) is
 compared with transformers' own target-only ``generate``, so both sides of that ratio run the
-same loop (docs/design.md "Decoding"). :class:`TransformersLoop` is the runner the method table
+same loop (docs/design.md "Decoding"). :class:`TransformersLoop` is the method the method table
 (:mod:`semanticspec.methods`) maps both names to; it decodes prompt by prompt.
 """
 
@@ -23,30 +23,33 @@ from semanticspec.results import DecodeResult, DecodeStats, StepEvent
 
 @dataclass(frozen=True)
 class TransformersLoop:
-    """Runner: every prompt through ``target.generate``, assisted by the draft when ``assisted``."""
+    """The method that runs transformers' own loop, ``target.generate``, assisted by the draft when ``assisted``
+    (the in-process decoder runs it with :func:`transformers_events`; it is not a round of the step loop)."""
 
     assisted: bool
     policy = None
     probes_decide = False
 
-    def stream(self, dec, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
-        """Decode prompt by prompt (``batch``: the target's and the draft's prompt ids), each seeding transformers
-        from its own stream (``keys``: each prompt's
-        :data:`~generation.sampling.StreamKey`); a prompt's output is one step, yielded with its end event.
 
-        Each stops at the models' context end: with one tokenizer the draft reads the same ids; with
-        two, transformers hands text over and only the target's context is known here.
-        """
-        dtok, (ids_t, ids_d) = None if dec.shared else dec.draft_tokenizer, batch
-        for k, (key, it, idd) in enumerate(zip(keys, ids_t, ids_d)):
-            rooms = [(context_length(dec.target), len(it))]
-            rooms += [(context_length(dec.draft), len(idd))] if dec.shared else []
-            room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
-            r = hf_generate(dec.target, dec.draft, dec.tokenizer, dtok, it, self.assisted, max_new_tokens, sampling,
-                            stream_seed(*key, "sampling"), room)
-            for step in r.steps:
-                yield StepEvent(k, step, r.text)
-            yield StepEvent(k, None, r.text, r)
+def transformers_events(method: TransformersLoop, target, draft, tokenizer, draft_tokenizer, batch: tuple,
+                        max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
+    """Decode prompt by prompt (``batch``: the target's and the draft's prompt ids), each seeding transformers from
+    its own stream (``keys``: each prompt's :data:`~generation.sampling.StreamKey`); a prompt's output is one step,
+    yielded with its end event. ``draft_tokenizer``: None when the models share ``tokenizer``.
+
+    Each stops at the models' context end: with one tokenizer the draft reads the same ids; with two, transformers
+    hands text over and only the target's context is known here.
+    """
+    shared, (ids_t, ids_d) = draft_tokenizer is None, batch
+    for k, (key, it, idd) in enumerate(zip(keys, ids_t, ids_d)):
+        rooms = [(context_length(target), len(it))]
+        rooms += [(context_length(draft), len(idd))] if shared else []
+        room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
+        r = hf_generate(target, draft, tokenizer, draft_tokenizer, it, method.assisted, max_new_tokens, sampling,
+                        stream_seed(*key, "sampling"), room)
+        for step in r.steps:
+            yield StepEvent(k, step, r.text)
+        yield StepEvent(k, None, r.text, r)
 
 
 def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,

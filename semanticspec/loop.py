@@ -8,9 +8,9 @@ built by :meth:`semanticspec.decoder.SemanticSpecDecoder.step_loop`), served the
 rows' bookkeeping, asks the policy, and tells the parts what was kept. Nor does it read a clock: it tells its
 :class:`~semanticspec.meter.Meter` which round and phase it is in, and the meter measures.
 
-A runner (:mod:`semanticspec.methods`) says what one round does for the active rows: the
-target writes a step, the draft writes one, or the draft proposes and an acceptance policy decides
-(:meth:`StepLoop.speculate`). A refused step is rolled back in both parts and the target writes the
+A method (:mod:`semanticspec.methods`) names the round function that says what one round does for the
+active rows: the target writes a step, the draft writes one, or the draft proposes and an acceptance policy
+decides (:meth:`StepLoop.speculate`). A refused step is rolled back in both parts and the target writes the
 step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the draft when ``token_sd``.
 """
 
@@ -92,24 +92,25 @@ class StepLoop:
         rooms = [room for part in parts or (self.verifier, self.proposer) if (room := part.room(i)) is not None]
         return min([r.budget - r.stats.output_tokens, *rooms])
 
-    def stream(self, runner) -> Iterator[StepEvent]:
-        """Rounds of ``runner.step`` until every row is done (EOS, answer, budget, context or a failed request),
+    def stream(self, method) -> Iterator[StepEvent]:
+        """Rounds of ``method.round`` (a :class:`~semanticspec.methods.Method`) until every row is done (EOS, answer,
+        budget, context or a failed request),
         yielding each row's steps after the round that tried them, then one end event per row with its result once
         the batch is done (a row's seconds are shares of the batch's)."""
         sent = {}
-        while self._round(runner):
+        while self._round(method):
             yield from self._new_steps(sent)
         yield from self._new_steps(sent)
         for i, walls in enumerate(self.meter.batch_walls()):
             yield self._end(i, *walls)
 
-    def serve(self, runner) -> Iterator[StepEvent]:
+    def serve(self, method) -> Iterator[StepEvent]:
         """:meth:`stream` for rows that come and go: between rounds (while the caller holds an event) it may
         :meth:`admit` a row or :meth:`cancel` one; each row's end event comes after the round it finished in, its
         ``wall_s`` the seconds from its admission to then. Ends once every row is done."""
         sent, ended = {}, set()
         while True:
-            going = self._round(runner)
+            going = self._round(method)
             yield from self._new_steps(sent)
             for i, r in enumerate(self.rows):
                 if r.done and i not in ended:
@@ -136,9 +137,9 @@ class StepLoop:
             self.meter.finished([i])
             self._retire([i])
 
-    def _round(self, runner) -> bool:
+    def _round(self, method) -> bool:
         """One round over the rows that can go on (the others are closed at their limit); False when none could."""
-        rows, using = self.rows, [{"target": self.verifier, "draft": self.proposer}[n] for n in runner.caches]
+        rows, using = self.rows, [{"target": self.verifier, "draft": self.proposer}[n] for n in method.uses]
         active = [i for i, r in enumerate(rows)
                   if not r.done and (r.rewriting is not None or self.limit(i, *using) > 0)]
         closing = [i for i, r in enumerate(rows) if not r.done and i not in active]
@@ -148,7 +149,7 @@ class StepLoop:
         self._retire(closing)
         if active:
             with self.meter.round(active):
-                runner.step(self, active)
+                method.round(self, active, method)
             self._retire([i for i in active if rows[i].done])
         return bool(active)
 

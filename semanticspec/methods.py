@@ -1,116 +1,106 @@
-"""The decoding methods: runner objects, and the one table that maps ``method=`` names to them.
+"""The decoding methods: one table that maps ``method=`` names to what a round of the step loop does.
 
-A runner says what a round of the step loop does for the active rows (:class:`TargetOnly`,
-:class:`DraftOnly`, :class:`Speculative` with an acceptance policy), or decodes on its own
-(:class:`~semanticspec.hf.TransformersLoop`, transformers' loop). :data:`METHODS` is the only
-place a method's name is read; the benchmarks import it.
+A :class:`Method` names its round function (one of the loop's: the target writes a step, the draft writes
+one, or the draft proposes and an acceptance policy decides), the parts whose room bounds a step, and its
+policy and window. :class:`~semanticspec.hf.TransformersLoop` is the one method that is not a round of the
+loop: the in-process decoder runs transformers' own loop for it. :data:`METHODS` is the only place a method's
+name is read; the benchmarks import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from generation.specs import SamplingSpec
 from semanticspec.hf import TransformersLoop
 from semanticspec.loop import StepLoop, Window
 from semanticspec.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
-from semanticspec.results import StepEvent
 
 
-class LoopRunner:
-    """A runner on the package's step loop; ``caches`` bound each step (budget and context)."""
+@dataclass(frozen=True)
+class Method:
+    """A method on the step loop.
 
-    caches: tuple[str, ...] = ("target", "draft")
+    Attributes:
+        round: what one round does for the active rows, ``round(loop, rows, method)`` (:func:`target_round`,
+            :func:`draft_round`, :func:`speculative_round`).
+        uses: the parts whose context room bounds a step (``"target"``, ``"draft"``).
+        policy: the acceptance policy of a speculative method, else None.
+        window: drafted steps judged per target pass (speculative methods).
+    """
+
+    round: Callable[[StepLoop, list[int], Method], None]
+    uses: tuple[str, ...] = ("target", "draft")
     policy: AcceptancePolicy | None = None
+    window: Window = Window()
 
     @property
     def probes_decide(self) -> bool:
         """The probes decide, so the decode samples as their labels were sampled."""
         return self.policy is not None and self.policy.decides_with_probes
 
-    def stream(self, dec, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
-        """Decode one batch (``batch``: the decoder's inputs, sliced to the batch), yielding its
-        :class:`~semanticspec.results.StepEvent` (prompt indices within the batch); ``keys``: each prompt's
-        :data:`~generation.sampling.StreamKey` (its random streams)."""
-        return dec.step_loop(batch, max_new_tokens, sampling, keys).stream(self)
 
-    def step(self, loop: StepLoop, active: list[int]) -> None:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class TargetOnly(LoopRunner):
+def target_round(loop: StepLoop, rows: list[int], method: Method) -> None:
     """The target writes every step (the reference)."""
-
-    caches = ("target",)
-
-    def step(self, loop: StepLoop, active: list[int]) -> None:
-        loop.target_steps(active, use_draft=False)
+    loop.target_steps(rows, use_draft=False)
 
 
-@dataclass(frozen=True)
-class DraftOnly(LoopRunner):
+def draft_round(loop: StepLoop, rows: list[int], method: Method) -> None:
     """The draft writes every step, all kept."""
-
-    caches = ("draft",)
-
-    def step(self, loop: StepLoop, active: list[int]) -> None:
-        loop.draft_steps(active)
+    loop.draft_steps(rows)
 
 
-@dataclass(frozen=True)
-class Speculative(LoopRunner):
-    """The draft proposes each step (or a :class:`~semanticspec.loop.Window` of steps) and ``policy`` decides; the
-    target writes the first step when ``target_first_step`` and every refused one."""
+def speculative_round(loop: StepLoop, rows: list[int], method: Method) -> None:
+    """The draft proposes each row's step (or window of steps) and ``method.policy`` decides; the target writes the
+    first step when ``target_first_step``, and every refused one."""
+    first = [i for i in rows if loop.opt.target_first_step and loop.rows[i].steps_written == 0]
+    spec = [i for i in rows if i not in first]
+    rejected = loop.speculate(spec, method.policy, method.window) if spec else []
+    if first or rejected:
+        loop.rewrite(first, rejected)
 
-    policy: AcceptancePolicy
-    window: Window = Window()
 
-    def step(self, loop: StepLoop, active: list[int]) -> None:
-        first = [i for i in active if loop.opt.target_first_step and loop.rows[i].steps_written == 0]
-        spec = [i for i in active if i not in first]
-        rejected = loop.speculate(spec, self.policy, self.window) if spec else []
-        if first or rejected:
-            loop.rewrite(first, rejected)
+def speculative(policy: AcceptancePolicy) -> Method:
+    """The speculative method deciding with ``policy``."""
+    return Method(speculative_round, policy=policy)
 
 
 @dataclass(frozen=True)
 class MethodArgs:
-    """What a method's runner is built from: the decoder's SemanticSpec policy and ``generate``'s arguments."""
+    """What a method is built from: the decoder's SemanticSpec policy and ``generate``'s arguments."""
 
     policy: ProbePolicy
     accept_rate: float | None = None
     oracle: Callable[[str, str], bool] | None = None
 
 
-METHODS: dict[str, Callable[[MethodArgs], object]] = {
-    "target_only": lambda a: TargetOnly(),
-    "semanticspec": lambda a: Speculative(a.policy),
-    "draft_only": lambda a: DraftOnly(),
-    "random_accept": lambda a: Speculative(RandomPolicy(a.accept_rate)),
-    "always_reject": lambda a: Speculative(RandomPolicy(0.0)),
-    "always_accept": lambda a: Speculative(RandomPolicy(1.0)),
-    "oracle_accept": lambda a: Speculative(OraclePolicy(a.oracle)),
-    "specreason": lambda a: Speculative(SpecReasonPolicy()),
+METHODS: dict[str, Callable[[MethodArgs], Method | TransformersLoop]] = {
+    "target_only": lambda a: Method(target_round, ("target",)),
+    "semanticspec": lambda a: speculative(a.policy),
+    "draft_only": lambda a: Method(draft_round, ("draft",)),
+    "random_accept": lambda a: speculative(RandomPolicy(a.accept_rate)),
+    "always_reject": lambda a: speculative(RandomPolicy(0.0)),
+    "always_accept": lambda a: speculative(RandomPolicy(1.0)),
+    "oracle_accept": lambda a: speculative(OraclePolicy(a.oracle)),
+    "specreason": lambda a: speculative(SpecReasonPolicy()),
     "hf_target_only": lambda a: TransformersLoop(assisted=False),
     "token_sd": lambda a: TransformersLoop(assisted=True),
 }
-"""``method=`` names of both decoders' ``generate``, each with the function that builds its runner from
+"""``method=`` names of both decoders' ``generate``, each with the function that builds its :class:`Method` from
 :class:`MethodArgs` (raising ValueError naming a missing argument), in the benchmarks' order. ``always_reject`` and
 ``always_accept`` keep no draft step / every one (a random policy at rate 0 / 1): equivalence checks (greedy
 ``always_reject`` writes what ``target_only`` writes), which the decode benchmark leaves out. The served decoder runs
 every name but transformers' loops and ``specreason`` (:class:`~semanticspec.served.ServedDecoder`)."""
 
 
-def runner_for(method: str | AcceptancePolicy, args: MethodArgs):
-    """The runner of ``method``: a name of :data:`METHODS`, or an acceptance policy (run speculatively).
+def method_for(method: str | AcceptancePolicy, args: MethodArgs) -> Method | TransformersLoop:
+    """The method ``method`` names: a name of :data:`METHODS`, or an acceptance policy (run speculatively).
 
     Raises:
         ValueError: an unknown name, or an argument the method needs is missing or bad.
     """
     if isinstance(method, AcceptancePolicy):
-        return Speculative(method)
+        return speculative(method)
     if method not in METHODS:
         raise ValueError(f"method={method!r}: expected one of {tuple(METHODS)}")
     return METHODS[method](args)

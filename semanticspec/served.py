@@ -17,7 +17,7 @@ from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier
 from semanticspec.loop import LoopSetup, StepLoop
-from semanticspec.methods import TransformersLoop
+from semanticspec.hf import TransformersLoop
 from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy, default_policy
 from semanticspec.prompts import read_prompt_texts
@@ -70,18 +70,18 @@ class ServedDecoder(StepDecoder):
         if (why := swapped(target, draft, self.target_probe, self.draft_probe)) is not None:
             raise ValueError(why)
 
-    def _plan(self, prompts, cfg: DecodeConfig) -> Plan:
-        """The call's runner, prompts, stream keys, sampling and config, every check done before any request."""
-        runner, problems = self._runner(cfg)
-        policy = runner.policy if runner is not None else None
-        if isinstance(runner, TransformersLoop):
+    def plan(self, prompts, cfg: DecodeConfig) -> Plan:
+        """The call's method, prompts, stream keys, sampling and config, every check done before any request."""
+        method, problems = self._method(cfg)
+        policy = method.policy if method is not None else None
+        if isinstance(method, TransformersLoop):
             problems.append(f"method={cfg.method!r} runs transformers' own loop on in-process models; use it with "
                             "SemanticSpecDecoder")
         elif policy is not None and policy.needs.judge:
             problems.append(f"method={cfg.method!r} scores steps after a judge turn from the target's digit logits, "
                             "which the served decoder does not read; use it in-process (SemanticSpecDecoder)")
         sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
-                                          enforce=runner is not None and runner.probes_decide,
+                                          enforce=method is not None and method.probes_decide,
                                           allow_mismatch=cfg.allow_sampling_mismatch)
         if cfg.batch_size is not None:
             problems.append(f"batch_size={cfg.batch_size}: the served decoder runs prompts concurrently, not in "
@@ -90,7 +90,7 @@ class ServedDecoder(StepDecoder):
             raise ValueError("; ".join(problems))
         prompts = read_prompt_texts(prompts)
         self._check_servers(policy, cfg.method)
-        return Plan(runner, (prompts, prompts), stream_keys(cfg.seed, len(prompts)), sampling, cfg)  # both read text
+        return Plan(method, (prompts, prompts), stream_keys(cfg.seed, len(prompts)), sampling, cfg)  # both read text
 
     def contexts(self) -> tuple[int | None, int | None]:
         """As the engines state them (``Engine.context_length``: vLLM's and SGLang's ``/v1/models``, a

@@ -1,9 +1,9 @@
 """The decode thread behind the endpoint: requests join a running step loop between rounds and leave when done.
 
 One thread owns the models (or the two servers' clients). Requests that decode alike (the same method, sampling and
-window: one runner) share one :class:`~semanticspec.loop.StepLoop`; a new one is admitted into it between rounds
+window: one method) share one :class:`~semanticspec.loop.StepLoop`; a new one is admitted into it between rounds
 (:meth:`StepLoop.admit <semanticspec.loop.StepLoop.admit>`), up to ``max_rows`` rows, and each row ends on its
-own. A loop admits ``rows_per_loop`` rows in its life at most: the next requests of its runner then start a fresh
+own. A loop admits ``rows_per_loop`` rows in its life at most: the next requests of its method then start a fresh
 loop while it drains, so under steady traffic no loop keeps or scans an unbounded number of finished rows. Every row
 draws from its own random streams, seeded from its request's ``seed``, so a request decodes the same text whatever
 else is running (the batched = one-by-one guarantee of ``generate``, for rows that come at any time). Loops take
@@ -81,13 +81,13 @@ FINISH = {"eos": "stop", "answer": "stop", "budget": "length", "context": "lengt
 
 
 class _Group:
-    """The running loop of one runner, its rows' jobs and its events."""
+    """The running loop of one method, its rows' jobs and its events."""
 
     def __init__(self, dec, plan, job: Job) -> None:
-        self.dec, self.runner = dec, plan.runner
+        self.dec = dec
         self.loop = dec.step_loop(plan.inputs, plan.cfg.max_new_tokens, plan.sampling, plan.keys)
         self.jobs: dict[int, Job] = {0: job}  # the rows whose end event has not passed yet
-        self.events: Iterator = self.loop.serve(self.runner)
+        self.events: Iterator = self.loop.serve(plan.method)
 
     def admit(self, plan, job: Job) -> None:
         i = self.loop.admit(self.dec.row_inputs(plan.inputs, 0), plan.cfg.max_new_tokens, plan.keys[0])
@@ -111,7 +111,7 @@ class Scheduler:
         max_rows: rows one loop decodes together (in-process: the batch; served: the rows whose requests are in
             flight, each bounded by the decoder's ``concurrency``).
         max_queue: requests waiting or decoding at once; past it :meth:`submit` raises :class:`QueueFull`.
-        rows_per_loop: rows one loop admits in its life (at least ``max_rows``); the next requests of its runner then
+        rows_per_loop: rows one loop admits in its life (at least ``max_rows``); the next requests of its method then
             start a fresh loop while it drains, which bounds what a loop keeps under steady traffic.
         on_step: called in the decode thread after every tried step (its decision, its seconds), for metrics.
         count_tokens: a text prompt's token count (a decoder that reads text, as two servers do), or None (0).
@@ -149,7 +149,7 @@ class Scheduler:
         """The decoder's plan of one prompt: every check ``generate`` makes, and room in the models' context for the
         prompt and ``max_new_tokens`` (ValueError naming the bad value). ``budget``: the request gave no
         ``max_tokens``, and its budget is ``budget(room)`` (room: the new tokens the prompt leaves, None unknown)."""
-        plan = self.dec._plan([prompt], config)
+        plan = self.dec.plan([prompt], config)
         room = self.dec.prompt_room(plan.inputs)
         if room is not None and room < 1:
             raise ValueError(f"prompt: {len(plan.inputs[0][0])} tokens leave no room for a new token in the models' "
@@ -261,7 +261,7 @@ class Scheduler:
         return len(first)
 
     def _place(self) -> None:
-        """Admit waiting jobs, in order, into their runner's loop while it has room (a new loop if none runs)."""
+        """Admit waiting jobs, in order, into their method's loop while it has room (a new loop if none runs)."""
         left = deque()
         while self.waiting:
             job, plan = self.waiting.popleft()
@@ -269,7 +269,7 @@ class Scheduler:
                 self.dropped += 1
                 self._end(job, self._cancelled())
                 continue
-            key = (plan.runner, plan.sampling)
+            key = (plan.method, plan.sampling)
             g = self.groups.get(key)
             if g is not None and g.admitted >= self.rows_per_loop:  # it drains under a key of its own
                 self.groups[(key, self.loops)] = self.groups.pop(key)

@@ -11,7 +11,7 @@ from generation.handover import Handover
 from generation.sampling import Sampler, sampling_probs
 from generation.specs import SamplingSpec
 from generation.writer import StepDraft
-from semanticspec.methods import METHODS, MethodArgs, Speculative, runner_for
+from semanticspec.methods import METHODS, MethodArgs, method_for, speculative_round
 from semanticspec.policies import (
     OraclePolicy,
     ProbePolicy,
@@ -168,17 +168,18 @@ def test_policies_declare_what_they_read_and_refuse_bad_values():
         OraclePolicy(None)
 
 
-def test_the_method_table_maps_every_name_to_a_runner():
+def test_the_method_table_maps_every_name_to_a_method():
     args = MethodArgs(ProbePolicy(tau=0.3), accept_rate=0.5, oracle=lambda s, o: True)
-    runners = {name: runner_for(name, args) for name in METHODS}
-    assert runners["semanticspec"].policy == ProbePolicy(tau=0.3) and runners["semanticspec"].probes_decide
+    methods = {name: method_for(name, args) for name in METHODS}
+    assert methods["semanticspec"].policy == ProbePolicy(tau=0.3) and methods["semanticspec"].probes_decide
     from benchmarks.decode import CHECKS, DRAFTING  # the decode benchmark judges every drafting method's decisions
 
-    assert set(DRAFTING) | set(CHECKS) == {n for n, r in runners.items() if isinstance(r, Speculative)}
-    assert [runners[n].policy.rate for n in ("always_reject", "always_accept")] == [0.0, 1.0]
-    assert runner_for(SpecReasonPolicy(threshold=8), args).policy.threshold == 8
+    speculative = {n for n, m in methods.items() if getattr(m, "round", None) is speculative_round}
+    assert set(DRAFTING) | set(CHECKS) == speculative
+    assert [methods[n].policy.rate for n in ("always_reject", "always_accept")] == [0.0, 1.0]
+    assert method_for(SpecReasonPolicy(threshold=8), args).policy.threshold == 8
     with pytest.raises(ValueError, match="method='beam'"):
-        runner_for("beam", args)
+        method_for("beam", args)
 
 
 def test_handover_shared_passes_tokens_and_two_tokenizers_pass_text(world_tokenizer):

@@ -423,7 +423,7 @@ def test_a_fault_while_planning_ends_that_request_and_the_decode_thread_goes_on(
     from semanticspec.serve.scheduler import Job, Scheduler
 
     class Broken:
-        def _plan(self, prompts, config):
+        def plan(self, prompts, config):
             if prompts == ["bad"]:
                 raise TypeError("'tuple' object is not callable")
             raise ValueError(f"prompt 0 is {prompts[0]!r}: refused")

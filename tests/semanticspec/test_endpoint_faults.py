@@ -154,7 +154,7 @@ def test_a_request_whose_planning_fails_is_answered_and_the_endpoint_goes_on(wor
         def contexts(self):
             return 256, 256
 
-        def _plan(self, prompts, config):
+        def plan(self, prompts, config):
             if "boom" in prompts[0]:
                 raise TypeError("TextEncodeInput must be Union[...]")
             raise ValueError(f"prompt={prompts[0]!r}: refused")
@@ -184,7 +184,7 @@ def test_a_prompt_token_count_that_raises_ends_that_request_not_the_decode_threa
             self.inputs, self.cfg = ([prompt], [prompt]), config
 
     class Served:
-        def _plan(self, prompts, config):
+        def plan(self, prompts, config):
             if prompts == ["bad"]:
                 return Plan("bad", config)
             raise ValueError("prompt: refused")

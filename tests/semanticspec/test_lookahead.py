@@ -233,13 +233,13 @@ def test_the_shipped_window_is_semanticspecs_default_where_windows_apply(tiny_pa
 
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=1.0)
-    window = lambda d, **kw: d._runner(DecodeConfig(**kw))[0].window  # noqa: E731
+    window = lambda d, **kw: d._method(DecodeConfig(**kw))[0].window  # noqa: E731
     assert window(dec) == SHIPPED_WINDOW and SHIPPED_WINDOW.size == 4 and SHIPPED_WINDOW.min_logprob < 0
     assert window(dec, lookahead=1) == Window() and window(dec, lookahead=3) == Window(3)
     assert window(dec, method="random_accept", accept_rate=0.5) == Window()
     assert window(dec, method="oracle_accept", oracle=lambda s, o: True) == Window()
     ratio = stub_decoder(target, draft, tok, q=1.0, rule="ratio")  # reads p: one step, and no refusal
-    assert window(ratio) == Window() and ratio._runner(DecodeConfig())[1] == []
+    assert window(ratio) == Window() and ratio._method(DecodeConfig())[1] == []
     ctok = char_tokenizer()
     two = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok)
     assert window(two) == Window()  # two tokenizers: the target cannot read a window in its own tokens

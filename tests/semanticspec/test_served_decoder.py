@@ -392,10 +392,10 @@ def test_rows_admitted_into_a_running_loop_decode_as_they_would_alone(world, eng
     dec = (SemanticSpecDecoder(world["target"], world["draft"], world["tok"], options=MARKER) if side == "in_process"
            else ServedDecoder(*engines, options=MARKER, concurrency=2))
     cfg = DecodeConfig(method="random_accept", accept_rate=0.5, temperature=0.8, max_new_tokens=64)
-    plans = [dec._plan([p], dataclasses.replace(cfg, seed=100 + k)) for k, p in enumerate(world["prompts"])]
+    plans = [dec.plan([p], dataclasses.replace(cfg, seed=100 + k)) for k, p in enumerate(world["prompts"])]
     loop = dec.step_loop(plans[0].inputs, 64, plans[0].sampling, plans[0].keys)
     ends, admitted, together = {}, 1, []
-    for n, e in enumerate(loop.serve(plans[0].runner)):
+    for n, e in enumerate(loop.serve(plans[0].method)):
         if admitted < len(plans) and n % 3 == 2:  # a new row every few steps, while the others decode
             i = loop.admit(dec.row_inputs(plans[admitted].inputs, 0), 64, plans[admitted].keys[0])
             assert i == admitted
