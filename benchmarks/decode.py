@@ -73,7 +73,7 @@ from arithmetic_world import models, task
 from generation.cache import record_forwards
 from generation.paths import portable_paths
 from semanticspec.decoder import SemanticSpecDecoder, summarize
-from semanticspec.loop import SHIPPED_WINDOW
+from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.methods import METHODS as TABLE
 from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy, default_policy

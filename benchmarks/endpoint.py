@@ -244,7 +244,7 @@ def chaos(args, prompts, seeds, want) -> dict:
     import json
     import urllib.request
 
-    from semanticspec.loop import SHIPPED_WINDOW
+    from semanticspec.parts import SHIPPED_WINDOW
 
     log = Path(args.log_dir) / "endpoint-chaos.log"
     with endpoint([], args.threads, log) as url:

@@ -78,10 +78,10 @@ from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.features import FeatureSpec
 from generation.specs import SamplingSpec
-from semanticspec.loop import SHIPPED_WINDOW
+from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy
-from semanticspec.proposer import run_probe
+from semanticspec.parts import run_probe
 from semanticspec.results import Decision, summarize
 from semanticspec.engine_parts import features
 from semanticspec.served import ServedDecoder

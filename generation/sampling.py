@@ -131,6 +131,11 @@ class Sampler:
             self._twins[device] = placed(g, device)
         return self._twins[device]
 
+    def add_stream(self, generator: torch.Generator) -> None:
+        """A new cache row's stream (the sampler has one per row); twins on other devices are made again with it."""
+        self.generator.append(generator)
+        self._twins.clear()
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution :meth:`draw` draws from, (..., V)."""
         return sampling_probs(logits, self.spec.temperature, self.spec.top_p)

@@ -17,7 +17,7 @@ import torch
 
 from generation.specs import SamplingSpec
 from semanticspec.config import DecodeConfig
-from semanticspec.loop import SHIPPED_WINDOW, Window
+from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.hf import TransformersLoop
 from semanticspec.methods import Method, MethodArgs, method_for
 from semanticspec.results import DecodeResult, StepEvent, collect

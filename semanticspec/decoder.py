@@ -5,9 +5,9 @@ against its KV cache; a probe on the target's hidden states (``q``) and one on t
 decide whether the step means what the target would have said (docs/design.md "Decoding"):
 
 1. the target writes the first step if ``target_first_step`` (the paper; by default the draft does);
-2. **propose**: the :class:`~semanticspec.proposer.Proposer` (the draft) writes a step, keeping
+2. **propose**: the :class:`~semanticspec.parts.Proposer` (the draft) writes a step, keeping
    what the draft probe reads;
-3. **verify**: the :class:`~semanticspec.verify.TargetVerifier` reads the step in one forward
+3. **verify**: the :class:`~semanticspec.cache_parts.TargetVerifier` reads the step in one forward
    pass (new tokens only, KV cache kept) and scores it (``q``, fast path, judge, coin); the
    proposer adds the draft probe's ``p`` where the policy wants it;
 4. **decide**: the method's :class:`~semanticspec.policies.AcceptancePolicy`, a pure function
@@ -56,16 +56,16 @@ from generation.specs import SamplingSpec
 from generation.writer import StepWriter
 from semanticspec import setup
 from semanticspec.base import Plan, StepDecoder
+from semanticspec.cache_parts import DraftProposer, JudgeTurn, TargetVerifier
 from semanticspec.config import DecodeConfig
 from semanticspec.hf import TransformersLoop, transformers_events
 from semanticspec.loop import LoopSetup, StepLoop
+from semanticspec.meter import Meter
 from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy, default_policy
 from semanticspec.prompts import read_prompts
-from semanticspec.proposer import DraftProposer
 from semanticspec.results import DecodeResult, DecodeStats, StepEvent, StepTrace, summarize
 from semanticspec.rows import Row
-from semanticspec.verify import JudgeTurn, TargetVerifier
 
 __all__ = ["DecodeResult", "DecodeStats", "SemanticSpecDecoder", "StepTrace", "summarize"]
 
@@ -188,7 +188,8 @@ class SemanticSpecDecoder(StepDecoder):
         verifier = TargetVerifier(StepWriter(tgt, self.target_stop, sampler), self.tokenizer, self.handover,
                                   self.target_probe, self.judge, streams["coins"], self.spare)
         rows = [Row(max_new_tokens, self.shared, self.options.answer_marker) for _ in range(n)]
-        return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.bonus_token, self.token_sd))
+        return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.bonus_token, self.token_sd),
+                        Meter(rows, verifier, proposer))
 
     def contexts(self) -> tuple[int | None, int | None]:
         return context_length(self.target), context_length(self.draft)

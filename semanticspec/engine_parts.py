@@ -47,7 +47,7 @@ from generation.sampling import StreamKey, key_stream, stream_seed
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import ends_step
 from semanticspec.policies import FastPath, Needs
-from semanticspec.proposer import Proposal, RowState, run_probe
+from semanticspec.parts import ONE_STEP, Proposal, RoomAfter, RowState, Window, grow_windows, run_probe
 from semanticspec.rows import Row, answer_complete
 from semanticspec.scores import Scores
 
@@ -174,9 +174,13 @@ class EnginePart:
                                 confidence=conf)
         return steps, answers
 
-    def write(self, rows: Sequence[int], limits: Mapping[int, int]) -> dict[int, Proposal]:
-        """Each row's whole output in one request (the baselines: the draft-only one here, the target-only one through
-        :meth:`EngineVerifier.write`), cut where the step loop would stop at the answer (:func:`answer_cut`)."""
+    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Sequence] | None = None,
+              alone: bool = False) -> dict[int, Proposal]:
+        """The server writes one step per row (the first one, or a refused one), or with ``alone`` (the baselines)
+        each row's whole output in one request, cut where the step loop would stop at the answer
+        (:func:`answer_cut`)."""
+        if not alone:
+            return self.write_steps(forced, limits)[0]
         calls = {i: ((self.context(i),), dict(step=None, max_tokens=limits[i],
                                               top_k=1 if self.rows[i].answer_marker else None)) for i in rows}
         out = {}
@@ -228,17 +232,27 @@ class EngineProposer(EnginePart):
         self.prefetch: dict[int, tuple[str, Future]] = {}  # per row: the next window drafted ahead, and its context
         self._pool: ThreadPoolExecutor | None = None
 
-    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, more: bool = False,
-                window: int = 1) -> dict[int, Proposal]:
-        """One step per row. A window (``window`` above 1) is written in one request, cut into its steps here:
-        the first is returned, the next ones are returned by the calls with ``more``."""
-        if more:
-            steps = {i: self.ahead[i].pop(0) for i in rows if self.ahead.get(i)}
-            steps.update(self._write({i: s for i, s in rows.items() if i not in steps}, for_p, more))
-        elif (window > 1 or self.prefetch) and not for_p:
-            steps = self._write_window(rows, window)
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, window: Window = ONE_STEP,
+                room_after: RoomAfter | None = None) -> dict[int, list[Proposal]]:
+        """A window of steps per row. A window above one step is written in one request and cut into its steps here
+        (a step the window's request did not hold is written on its own); with ``window.overlap`` each row's next
+        window is then drafted ahead, while the target reads this one (:meth:`_draft_ahead`)."""
+        if (window.size > 1 or self.prefetch) and not for_p:
+            first = self._write_window(rows, window.size)
         else:
-            steps = self._write(rows, for_p, more)
+            first = self._write(rows, for_p, more=False)
+        self.window = {i: d.text for i, d in first.items()}
+        windows = {i: [d] for i, d in first.items()}
+        if room_after is not None:
+            grow_windows(windows, rows, window, self._more, room_after)
+        if window.overlap:
+            self._draft_ahead({i: w for i, w in windows.items() if not rows[i].rewrite}, window.size)
+        return windows
+
+    def _more(self, rows: Mapping[int, RowState]) -> dict[int, Proposal]:
+        """The next step of each row's window: written with its first one, else in a request of its own."""
+        steps = {i: self.ahead[i].pop(0) for i in rows if self.ahead.get(i)}
+        steps.update(self._write({i: s for i, s in rows.items() if i not in steps}, False, more=True))
         for i, d in steps.items():
             self.window[i] = self.window.get(i, "") + d.text
         return steps
@@ -290,7 +304,7 @@ class EngineProposer(EnginePart):
         self.probe_s += time.perf_counter() - t0
         return out
 
-    def draft_ahead(self, windows: Mapping[int, Sequence[Proposal]], window: int) -> None:
+    def _draft_ahead(self, windows: Mapping[int, Sequence[Proposal]], window: int) -> None:
         """Start drafting each row's next window (one request each, in the background) as if every step of this one
         were kept: it runs while the target reads this window."""
         if self._pool is None:
@@ -409,17 +423,6 @@ class EngineVerifier(EnginePart):
     def text(self, tokens: Sequence) -> str:
         """The text of served tokens (each is its text)."""
         return "".join(t for t in tokens if t is not EOS)
-
-    def write(self, rows: list[int], limits: dict[int, int], forced: dict[int, list],
-              alone: bool = False) -> dict[int, Proposal]:
-        """The target's server writes one step per row (the first one, or a refused one), or with ``alone`` (the
-        target-only baseline) each row's whole output in one request."""
-        if alone:
-            return super().write(rows, limits)
-        return self.write_steps(forced, limits)[0]
-
-    def close_judge_turn(self, row: int, scores: Scores | None) -> None:
-        """Nothing to do: a served read has no judge turn."""
 
 
 def _after_forced(w, forced: str):

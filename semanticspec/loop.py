@@ -2,11 +2,12 @@
 
 :class:`StepLoop` holds the batch's rows and its two parts: a proposer (the draft side) and a
 verifier (the target side). The parts own the models' state: in-process the batched caches
-(:class:`~semanticspec.proposer.DraftProposer`, :class:`~semanticspec.verify.TargetVerifier`,
+(:class:`~semanticspec.cache_parts.DraftProposer`, :class:`~semanticspec.cache_parts.TargetVerifier`,
 built by :meth:`semanticspec.decoder.SemanticSpecDecoder.step_loop`), served the requests to two servers
 (:mod:`semanticspec.engine_parts`). The loop holds no cache and sends no request: it keeps the
 rows' bookkeeping, asks the policy, and tells the parts what was kept. Nor does it read a clock: it tells its
-:class:`~semanticspec.meter.Meter` which round and phase it is in, and the meter measures.
+observer (:class:`LoopObserver`; the decoders attach a :class:`~semanticspec.meter.Meter`) which round and phase it
+is in and when rows come and end, and the observer measures.
 
 A method (:mod:`semanticspec.methods`) names the round function that says what one round does for the
 active rows: the target writes a step, the draft writes one, or the draft proposes and an acceptance policy
@@ -16,43 +17,18 @@ step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the d
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from generation.sampling import StreamKey
-from semanticspec.meter import Meter
 from semanticspec.options import LoopOptions
 from semanticspec.policies import AcceptancePolicy, Needs
-from semanticspec.proposer import Proposal, Proposer, RowState
+from semanticspec.parts import ONE_STEP, Proposal, Proposer, RowState, Verifier, Window
 from semanticspec.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
 from semanticspec.rows import Row, TargetStep, answer_complete
 from semanticspec.speculative import speculate_tokens
-
-
-@dataclass(frozen=True)
-class Window:
-    """How many drafted steps one verification judges (``DecodeConfig.lookahead`` and its companions).
-
-    Attributes:
-        size: the most steps per window (1: one step per target pass).
-        min_logprob: an adaptive window stops after a step the draft drew a token of below this raw log-probability.
-        overlap: the draft writes each row's next window while the target reads this one, as if it were kept whole
-            (an engine proposer; the work is thrown away when a step is refused or the target's bonus token differs
-            from the draft's next one).
-    """
-
-    size: int = 1
-    min_logprob: float | None = None
-    overlap: bool = False
-
-
-SHIPPED_WINDOW = Window(4, math.log(0.5))
-"""SemanticSpec's window when ``DecodeConfig.lookahead`` is not given (and the decoder and policy allow windows): up to
-4 drafted steps per target pass, the next one drafted only after a step whose every token the draft drew at
-probability >= 0.5 (a threshold read off problems other than the benchmark's). What it gains over one step per
-pass, and why the gain grows with a forward's fixed cost: ``python -m benchmarks.decode``, docs/benchmarks.md
-"Lookahead"."""
 
 
 @dataclass(frozen=True)
@@ -70,20 +46,45 @@ class LoopSetup:
     token_sd: bool = False
 
 
+class LoopObserver(Protocol):
+    """What watches a loop's work (:class:`~semanticspec.meter.Meter` times it): told when a round and each phase
+    of it run and for which rows, and when rows come and end; nothing the loop decides reads it."""
+
+    def round(self, active: Sequence[int]) -> AbstractContextManager:
+        """A round over the ``active`` rows runs inside this context."""
+
+    def phase(self, fields: Mapping[int, str]) -> AbstractContextManager:
+        """A phase of a round runs inside this context, for the rows of ``fields`` (each mapped to its phase)."""
+
+    def admitted(self) -> None:
+        """A row joined (the last of the loop's rows)."""
+
+    def finished(self, rows: Sequence[int]) -> None:
+        """Rows ended outside a round (closed at their limit, or cancelled)."""
+
+    def batch_ended(self) -> None:
+        """The batch is done: every row's end event follows."""
+
+    def row_ended(self, row: int) -> None:
+        """Row ``row``'s end event follows (rows that come and go)."""
+
+
 class StepLoop:
     """One batch of prompts decoded together, each row with its own decisions.
 
     Args:
-        proposer: the draft side (:class:`~semanticspec.proposer.Proposer`), its rows holding their prompts.
-        verifier: the target side (:class:`~semanticspec.verify.TargetVerifier` or an engine verifier).
+        proposer: the draft side (:class:`~semanticspec.parts.Proposer`), its rows holding their prompts.
+        verifier: the target side (:class:`~semanticspec.parts.Verifier`).
         rows: one :class:`Row` per prompt.
         setup: how the loop runs (:class:`LoopSetup`).
+        observer: what watches its rounds (the decoders' :class:`~semanticspec.meter.Meter`).
     """
 
-    def __init__(self, proposer: Proposer, verifier, rows: list[Row], setup: LoopSetup) -> None:
+    def __init__(self, proposer: Proposer, verifier: Verifier, rows: list[Row], setup: LoopSetup,
+                 observer: LoopObserver) -> None:
         self.proposer, self.verifier, self.rows, self.setup = proposer, verifier, rows, setup
         self.opt = setup.options
-        self.meter = Meter(rows, verifier, proposer)
+        self.meter = observer
 
     def limit(self, i: int, *parts) -> int:
         """Tokens the next step of row ``i`` may hold: its budget left, and the room the contexts of ``parts`` (default
@@ -101,8 +102,9 @@ class StepLoop:
         while self._round(method):
             yield from self._new_steps(sent)
         yield from self._new_steps(sent)
-        for i, walls in enumerate(self.meter.batch_walls()):
-            yield self._end(i, *walls)
+        self.meter.batch_ended()
+        for i in range(len(self.rows)):
+            yield self._end(i)
 
     def serve(self, method) -> Iterator[StepEvent]:
         """:meth:`stream` for rows that come and go: between rounds (while the caller holds an event) it may
@@ -115,7 +117,8 @@ class StepLoop:
             for i, r in enumerate(self.rows):
                 if r.done and i not in ended:
                     ended.add(i)
-                    yield self._end(i, self.meter.alone_wall(i), 0.0)
+                    self.meter.row_ended(i)
+                    yield self._end(i)
             if not going and all(r.done for r in self.rows):
                 return
 
@@ -153,10 +156,9 @@ class StepLoop:
             self._retire([i for i in active if rows[i].done])
         return bool(active)
 
-    def _end(self, i: int, wall_s: float, done_idle_s: float) -> StepEvent:
+    def _end(self, i: int) -> StepEvent:
         """Row ``i``'s end event, with its result."""
         r = self.rows[i]
-        r.stats.wall_s, r.stats.done_idle_row_s = wall_s, done_idle_s
         r.stats.target_passes, r.stats.draft_passes = self.verifier.passes[i], self.proposer.passes[i]
         text = "" if r.error else self.verifier.text(r.out) if r.shared else r.text
         return StepEvent(i, None, r.text, DecodeResult(text, r.trace, r.stats, r.stop_reason, r.error))
@@ -175,11 +177,12 @@ class StepLoop:
         """The rows not done (a part failed the others' requests)."""
         return [i for i in rows_i if not self.rows[i].done]
 
-    def speculate(self, rows_i: list[int], policy: AcceptancePolicy, window: Window = Window()) -> list[int]:
+    def speculate(self, rows_i: list[int], policy: AcceptancePolicy, window: Window = ONE_STEP) -> list[int]:
         """Propose, verify, decide, then commit or roll back every row's step (or window of steps).
 
         With a :class:`Window` above one step the draft writes up to that many steps per row, one after another, the
-        target reads them in one forward, and each row keeps its steps up to the first refused one (:meth:`_window`);
+        target reads them in one forward, and each row keeps its steps up to the first refused one
+        (:func:`~semanticspec.parts.grow_windows`);
         an adaptive window stops after a step the draft was unsure of; with ``overlap`` the proposer starts each
         row's next window before the target reads this one.
         Rows rewriting a refused step (``rewrite_in_rounds``) ride the same draft and target forwards: their
@@ -193,10 +196,7 @@ class StepLoop:
         states = {i: self._row_state(i) for i in rows_i}
         going = [i for i in rows_i if rows[i].rewriting is not None]
         with self.meter.phase({i: "rewrite" if i in going else "draft" for i in rows_i}):
-            windows = {i: [d] for i, d in self.proposer.propose(states, for_p=needs.p, window=window.size).items()}
-            self._window(windows, states, window)
-            if window.overlap:
-                self.proposer.draft_ahead({i: w for i, w in windows.items() if i not in going}, window.size)
+            windows = self.proposer.propose(states, for_p=needs.p, window=window, room_after=self._room_after)
         rows_i, going = self.live(rows_i), self.live(going)
         judged = [i for i in rows_i if i not in going]
         with self.meter.phase({**dict.fromkeys(judged, "verify"), **dict.fromkeys(going, "rewrite")}):
@@ -212,29 +212,6 @@ class StepLoop:
             else:  # the window after the continuation (if any) is thrown away unjudged
                 rows[i].stats.drafted_tokens += sum(d.n_new for d in windows[i][1:])
         return self._settle(self.live(judged), windows, scores, decisions, states, after)
-
-    def _window(self, windows: dict[int, list[Proposal]], states: dict[int, RowState], window: Window) -> None:
-        """The draft writes up to ``window.size`` steps per judged row, each after the ones before it, while the row
-        would go on (the last step did not end the sequence or the answer, the budget has room left) and, for an
-        adaptive window, while the draft drew every token of the last step at ``window.min_logprob`` or more.
-
-        With windows above one step, a row rewriting a refused step (in the rounds) whose continuation ends the step
-        gets a window after it on the same terms (the continuation taken as the window's last step): the target reads
-        both in one forward, and the window counts only if the target finishes its step as drafted (:meth:`_settle`)."""
-        def sure(d: Proposal) -> bool:
-            m = window.min_logprob
-            return m is None or (d.confidence is not None and d.confidence >= m)
-
-        def cap(i: int) -> int:  # proposals a row's window may hold: a rewrite's continuation comes first
-            return window.size + 1 if states[i].rewrite and window.size > 1 else window.size
-
-        for _ in range(window.size):
-            more = {i: RowState((), left) for i, w in windows.items()
-                    if len(w) < cap(i) and sure(w[-1]) and (left := self._room_after(i, w, states[i])) > 0}
-            if not more:
-                return
-            for i, d in self.proposer.propose(more, for_p=False, more=True).items():
-                windows[i].append(d)
 
     def _room_after(self, i: int, window: list[Proposal], state: RowState) -> int:
         """Tokens a next step of row ``i``'s window may hold (0: the row would stop after the window)."""
@@ -281,7 +258,6 @@ class StepLoop:
             if i in rewritten:
                 w, kept, limit = w[1:], rewritten[i], self.limit(i)
             else:
-                self.verifier.close_judge_turn(i, s[0] if s else None)
                 kept, limit = 0, states[i].limit
             r.stats.drafted_tokens += sum(d.n_new for d in w)
             r.stats.windows += 1
@@ -377,7 +353,8 @@ class StepLoop:
             rows[i].rewriting = TargetStep(list(rows[i].forced), len(rows[i].forced), limits[i], chunk=chunk)
             self._rewritten(i)  # forced tokens may finish the step already
         while writing := [i for i in self.live(rows_i) if rows[i].rewriting is not None]:
-            proposals = self.proposer.propose({i: self._row_state(i) for i in writing}, for_p=False)
+            proposals = {i: w[0] for i, w in self.proposer.propose({i: self._row_state(i) for i in writing},
+                                                                     for_p=False).items()}
             self.verifier.verify({i: [proposals[i]] for i in writing}, {}, Needs(), rewrites=writing)
             for i in self.live(writing):
                 self._rewrite_tokens(i, proposals[i], drawn=True)
@@ -420,7 +397,7 @@ class StepLoop:
     def draft_steps(self, rows_i: list[int]) -> None:
         """The draft writes one step for each row, kept as it is (the draft-only baseline; an engine proposer
         writes the row's whole output in one request)."""
-        steps = self.proposer.write(rows_i, {i: self.limit(i, self.proposer) for i in rows_i})
+        steps = self.proposer.write(rows_i, {i: self.limit(i, self.proposer) for i in rows_i}, alone=True)
         for i in self.live(rows_i):
             st, r = steps[i], self.rows[i]
             r.stats.draft_steps_proposed += 1

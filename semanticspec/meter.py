@@ -1,10 +1,10 @@
 """What a step loop's work costs in seconds: the loop computes, the meter measures.
 
-:class:`~semanticspec.loop.StepLoop` reads no clock. It tells its :class:`Meter` when a round runs and for which
-rows (:meth:`Meter.round`), which phase of a round it is in and for whom (:meth:`Meter.phase`), and when rows come and
-finish; the meter times them and writes the seconds into each row's :class:`~semanticspec.results.DecodeStats` and
-into the steps the round traced. Nothing a row decides reads the meter.
-"""
+:class:`~semanticspec.loop.StepLoop` reads no clock. It tells its observer, a :class:`Meter`, when a round runs and
+for which rows (:meth:`Meter.round`), which phase of a round it is in and for whom (:meth:`Meter.phase`), and when
+rows come and end; the meter times them and writes the seconds into each row's
+:class:`~semanticspec.results.DecodeStats` and into the steps the round traced. Nothing a row decides reads the
+meter."""
 
 from __future__ import annotations
 
@@ -84,15 +84,18 @@ class Meter:
         for i in judged:
             self.rows[i].stats.probe_s += probe / len(judged)
 
-    def batch_walls(self) -> list[tuple[float, float]]:
-        """Each row's ``wall_s`` and ``done_idle_row_s`` when its batch ends now: its share of the batch's seconds,
-        and the seconds since it finished."""
+    def batch_ended(self) -> None:
+        """The batch ends now: each row's ``wall_s`` is its share of the batch's seconds, its ``done_idle_row_s`` the
+        seconds since it finished."""
         now = time.perf_counter()
-        return [((now - self.t_start) / len(self.rows), now - self.t_done.get(i, now)) for i in range(len(self.rows))]
+        share = (now - self.t_start) / len(self.rows)
+        for i, r in enumerate(self.rows):
+            r.stats.wall_s, r.stats.done_idle_row_s = share, now - self.t_done.get(i, now)
 
-    def alone_wall(self, i: int) -> float:
-        """Row ``i``'s ``wall_s`` when rows come and go: from its admission to the end of the round it finished in."""
-        return self.t_done[i] - self.t_in[i]
+    def row_ended(self, i: int) -> None:
+        """Row ``i`` ends when rows come and go: its ``wall_s`` runs from its admission to the end of the round it
+        finished in."""
+        self.rows[i].stats.wall_s, self.rows[i].stats.done_idle_row_s = self.t_done[i] - self.t_in[i], 0.0
 
     def _forward_s(self) -> float:
         return sum(p.forward_s for p in self.parts)

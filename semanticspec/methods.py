@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from semanticspec.hf import TransformersLoop
-from semanticspec.loop import StepLoop, Window
+from semanticspec.loop import StepLoop
+from semanticspec.parts import Window
 from semanticspec.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
 
 

@@ -1,7 +1,7 @@
 """Per-prompt decode state: the output so far, the step trace, the counters, and when the prompt is done.
 
 A row knows nothing of models or servers: the loop's parts tell it what a step holds
-(:class:`~semanticspec.proposer.Proposal`); the loop weighs its budget against their contexts' room.
+(:class:`~semanticspec.parts.Proposal`); the loop weighs its budget against their contexts' room.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from semanticspec.proposer import Proposal
+from semanticspec.parts import Proposal
 from semanticspec.results import DecodeStats, Decision, StepTrace
 
 

@@ -20,7 +20,6 @@ class Scores:
         p: the draft probe's, when computed.
         coin: the row's uniform acceptance coin (from the row's own stream), when the policy draws one.
         judge: the judge's expected 0-9 score (SpecReason), when computed.
-        after: (V,) the target's logits after the step; a kept step's bonus token is drawn from them.
     """
 
     text: str
@@ -31,4 +30,3 @@ class Scores:
     p: float | None = None
     coin: float | None = None
     judge: float | None = None
-    after: torch.Tensor | None = None

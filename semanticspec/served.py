@@ -17,6 +17,7 @@ from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier
 from semanticspec.loop import LoopSetup, StepLoop
+from semanticspec.meter import Meter
 from semanticspec.hf import TransformersLoop
 from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy, default_policy
@@ -110,9 +111,10 @@ class ServedDecoder(StepDecoder):
         kw = dict(rows=rows, prompts=prompts, keys=keys, sampling=sampling, step=self.step,
                   concurrency=self.concurrency)
         coins = [key_stream(k, "coins") for k in keys]  # as in-process
-        return StepLoop(EngineProposer(self.draft, self.draft_probe, **kw),
-                        EngineVerifier(self.target, self.target_probe, coins, **kw),
-                        rows, LoopSetup(self.options, self.options.bonus_token))
+        proposer = EngineProposer(self.draft, self.draft_probe, **kw)
+        verifier = EngineVerifier(self.target, self.target_probe, coins, **kw)
+        return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.options.bonus_token),
+                        Meter(rows, verifier, proposer))
 
     def _check_servers(self, policy, method) -> None:
         """Refuse servers that cannot serve the method's reads, before any request that decodes."""

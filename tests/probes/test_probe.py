@@ -39,7 +39,7 @@ def test_paper_architecture_and_options():
 
 @pytest.mark.parametrize("combine, dims", [("concat", [32, 16]), ("concat", []), ("weighted_sum", [8])])
 def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims):
-    from semanticspec.proposer import run_probe
+    from semanticspec.parts import run_probe
 
     probe = SemanticProbe(ProbeConfig(hidden_size=8, layer_ids=[-1, -2], layer_combine=combine, hidden_dims=dims,
                                       feature_groups=["hidden", "token_stats"], token_stats=["min_logprob"]))

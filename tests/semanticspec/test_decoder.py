@@ -13,8 +13,7 @@ from probes.config import ProbeConfig
 from semanticspec.decoder import DecodeResult, SemanticSpecDecoder, summarize
 from semanticspec.options import LoopOptions, resolve_probe_dtype
 from semanticspec.policies import ProbePolicy, fast_path_keeps_rows
-from semanticspec.proposer import DraftProposer
-from semanticspec.verify import TargetVerifier
+from semanticspec.cache_parts import DraftProposer, TargetVerifier
 from probes.export import export_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe

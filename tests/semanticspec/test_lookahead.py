@@ -12,13 +12,13 @@ from generation.features import probe_input
 from generation.specs import FeatureSpec
 from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.config import DecodeConfig
-from semanticspec.loop import SHIPPED_WINDOW, StepLoop, Window
+from semanticspec.loop import StepLoop
 from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy
-from semanticspec.proposer import DraftProposer
+from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
-from semanticspec.verify import TargetVerifier
+from semanticspec.cache_parts import DraftProposer, TargetVerifier
 from probes.export import load_probe
 from tests.conftest import PROMPTS
 from tests.semanticspec.conftest import make_decoder, stub_decoder, texts

@@ -1,11 +1,13 @@
-"""The verifier: the target reads every row's proposal in one forward and returns typed :class:`Scores`.
+"""The loop's parts over in-process models: the draft (:class:`DraftProposer`) and the target (:class:`TargetVerifier`),
+each writing on its model's :class:`~generation.cache.BatchedCache`.
 
-What a policy decides from is all here, per row: the target probe's ``q`` (from the target's
-hidden states at the step and its logits predicting the step's tokens, cut from this one
-forward), the fast-path verdict, the judge's score after a judge turn, the acceptance coin, and
-the target's logits after the step (the bonus token is drawn from them). The draft probe's ``p``
-is the proposer's to add (:meth:`~semanticspec.proposer.Proposer.score`). A verifier that
-calls a server returns the same :class:`Scores`; :class:`TargetVerifier` is the in-process one.
+The proposer writes windows of steps and scores their first one with the draft probe (``p``); the verifier reads every
+row's window in one forward and returns typed :class:`~semanticspec.scores.Scores`: the target probe's ``q`` (from the
+target's hidden states at the step and its logits predicting the step's tokens, cut from this one forward), the
+fast-path verdict, the judge's score after a judge turn, the acceptance coin. Beyond the protocols of
+:mod:`semanticspec.parts`, both roll back by length (``keep``) and take the other side's tokens (``extend``, the
+draft's ``take``), and the target exposes what token-level speculation inside its steps reads (``token_logits``,
+``ends_step``, ``sampler``, ``step``).
 """
 
 from __future__ import annotations
@@ -13,16 +15,130 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
 from generation.features import FeatureSpec, probe_input, rows_features
 from generation.handover import Handover, decode_text
 from generation.sampling import key_stream
-from generation.writer import StepWriter
+from generation.writer import StepDraft, StepWriter
+from semanticspec.parts import ONE_STEP, Proposal, RoomAfter, RowState, Window, grow_windows, run_probe
 from semanticspec.policies import Needs, fast_path_keeps_rows, judge_score
-from semanticspec.proposer import CachePart, Proposal, run_probe
 from semanticspec.scores import Scores
+
+
+class CachePart:
+    """A part over an in-process model's :class:`~generation.cache.BatchedCache` (its counters are the cache's)."""
+
+    passes = property(attrgetter("cache.passes"))
+    served_s = property(attrgetter("cache.served_s"))
+    forward_s = property(attrgetter("cache.forward_s"))
+
+    def __init__(self, cache, spare: int) -> None:
+        self.cache, self.spare = cache, spare
+
+    def room(self, row: int) -> int | None:
+        c = self.cache
+        return None if c.context is None else c.context - len(c.seq[row]) - self.spare
+
+    def retire(self, rows: Sequence[int]) -> None:
+        self.cache.retire(rows)
+
+    def extend(self, row: int, tokens: Sequence[int]) -> None:
+        self.cache.extend(row, tokens)
+
+    def admit(self, prompt: Sequence[int], key) -> None:
+        """A new row holding ``prompt`` (:meth:`~semanticspec.loop.StepLoop.admit`; its streams are the
+        verifier's to add)."""
+        self.cache.add_row(prompt)
+
+
+class DraftProposer(CachePart):
+    """The in-process draft model writing on its :class:`BatchedCache`.
+
+    Args:
+        writer: the draft writing steps (its cache, rows holding their prompts; its stopper and sampler).
+        tokenizer: the draft's tokenizer.
+        probe: the draft probe (reads the draft's states), or None.
+        handover: hands the target's steps to the draft's tokenization.
+        spare: context room each row keeps (a bonus token, a judge turn).
+    """
+
+    def __init__(self, writer: StepWriter, tokenizer, probe, handover, spare: int) -> None:
+        super().__init__(writer.cache, spare)
+        self.writer, self.tokenizer, self.probe, self.handover = writer, tokenizer, probe, handover
+        self.spec = FeatureSpec.of(probe.config) if probe is not None else None
+        self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order (p reads the first)
+        self.probe_s = 0.0  # seconds in the probe so far
+
+    def _proposal(self, d: StepDraft) -> Proposal:
+        return Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits,
+                        eos=self.tokenizer.eos_token_id in d.tokens, confidence=least_logprob(d))
+
+    def propose(self, rows: Mapping[int, RowState], *, for_p: bool, window: Window = ONE_STEP,
+                room_after: RoomAfter | None = None) -> dict[int, list[Proposal]]:
+        windows = {i: [d] for i, d in self._write(rows, for_p, more=False).items()}
+        if room_after is not None:
+            grow_windows(windows, rows, window, lambda more: self._write(more, False, more=True), room_after)
+        return windows
+
+    def _write(self, rows: Mapping[int, RowState], for_p: bool, more: bool) -> dict[int, Proposal]:
+        """One step per row; ``more``: the step continues the row's window (after its last step, as if kept)."""
+        for_p = for_p and self.spec is not None
+        steps = self.writer.write(
+            list(rows), {i: s.limit for i, s in rows.items()}, forced={i: list(s.forced) for i, s in rows.items()},
+            collect_hidden=for_p and self.spec.needs_hidden, record_logits=True,
+            record_forced_logits=[i for i, s in rows.items() if not s.rewrite] if for_p and self.spec.needs_logits
+            else False,
+        )
+        if more:
+            for i, d in steps.items():
+                self.window[i].append(d)
+        else:
+            self.window = {i: [d] for i, d in steps.items()}
+        return {i: self._proposal(d) for i, d in steps.items()}
+
+    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Sequence] | None = None,
+              alone: bool = False) -> dict[int, Proposal]:
+        """The draft writes one step per row, kept as it is (``alone`` changes nothing: the loop's rounds write the
+        output step by step)."""
+        return {i: self._proposal(d) for i, d in self.writer.write(list(rows), dict(limits), forced=forced).items()}
+
+    def score(self, rows: Sequence[int]) -> dict[int, float]:
+        drafts = [self.window[i][0] for i in rows]
+        if self.spec.needs_hidden:
+            # The draft reads its step's last token only now, and only for steps that need p:
+            # a kept step hands that token to the draft's next forward instead.
+            for i, f in self.cache.feed(list(rows), hidden=True).items():
+                d = self.window[i][0]
+                d.hidden.extend(f.hidden[:, max(0, d.start - f.start) :].unbind(1))
+        t0 = time.perf_counter()  # a draft forward is not probe time
+        hidden = [d.pooled_input() for d in drafts] if self.spec.needs_hidden else None
+        logits = [torch.stack(d.token_logits()) for d in drafts] if self.spec.needs_logits else None
+        with torch.inference_mode():  # features and MLP without autograd bookkeeping per op
+            x = probe_input(rows_features(self.spec, [d.tokens for d in drafts], hidden, logits), self.spec.groups)
+            p = run_probe(self.probe, x)
+        self.probe_s += time.perf_counter() - t0
+        return dict(zip(rows, p))
+
+    def take(self, row: int, step: Proposal) -> None:
+        self.extend(row, self.handover.to_draft(list(step.tokens[step.n_forced :]), step.text))
+
+    def keep(self, row: int, n: int) -> None:
+        logits = [lg for d in self.window[row] for lg in d.logits]  # per new token of the window, in order
+        drop = len(logits) - n
+        self.cache.rollback(row, drop, last_logits=logits[n] if drop > 0 else None)
+
+
+def least_logprob(d: StepDraft) -> float | None:
+    """The least raw log-probability of a token the writer drew in step ``d`` (``record_logits``), or None."""
+    new = d.tokens[d.n_forced :]
+    if not new or len(d.logits) != len(new):
+        return None
+    logp = torch.log_softmax(torch.stack(d.logits).float(), dim=-1)
+    return float(logp.gather(-1, torch.tensor(new, device=logp.device)[:, None]).min())
+
 
 
 @dataclass(frozen=True)
@@ -75,15 +191,13 @@ class TargetVerifier(CachePart):
         self.probe_s = 0.0  # seconds in the probe so far
         self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
         self.token_logits: dict[int, torch.Tensor] = {}  # per row read: logits predicting its new tokens, then after
-        self._suffix = 0
 
     def admit(self, prompt: Sequence[int], key) -> None:
         """A new row holding ``prompt`` with its own sampling and coin streams (the proposer's writer shares the
         sampler, so the row's sampling stream serves both models)."""
         super().admit(prompt, key)
         self.coins.append(key_stream(key, "coins"))
-        self.sampler.generator.append(key_stream(key, "sampling"))
-        self.sampler._twins.clear()  # twins on other devices are made again, with the new row's
+        self.sampler.add_stream(key_stream(key, "sampling"))
 
     def text(self, tokens) -> str:
         """The text of target tokens (special tokens dropped)."""
@@ -97,11 +211,11 @@ class TargetVerifier(CachePart):
         """A target step of ``tokens`` is finished: its stopper says so, or it holds ``limit`` tokens."""
         return bool(tokens) and (self.writer.stop(tokens) or len(tokens) >= limit)
 
-    def write(self, rows: list[int], limits: dict[int, int], forced: dict[int, list],
+    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Sequence] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
         """The target writes one step per row (after its forced tokens). ``alone`` (the target-only baseline)
         changes nothing here: the loop's rounds write the output step by step."""
-        steps = self.writer.write(rows, limits, forced=forced)
+        steps = self.writer.write(list(rows), dict(limits), forced=forced)
         return {i: self.step(st.tokens, st.n_forced) for i, st in steps.items()}
 
     def bonus(self, rows: list[int]) -> dict[int, list[int]]:
@@ -132,7 +246,7 @@ class TargetVerifier(CachePart):
         """
         tgt, hand = self.cache, self.handover
         suffix = list(self.judge.suffix) if needs.judge else []
-        self._suffix, self._new, self.token_logits = len(suffix), {}, {}
+        self._new, self.token_logits = {}, {}
         bounds, n0, pre = {}, {}, {}
         for i, window in windows.items():
             n0[i], pre[i] = len(tgt.seq[i]), tgt.last_logits[i]
@@ -157,7 +271,11 @@ class TargetVerifier(CachePart):
                 after[i, j] = f.logits[b - f.start - 1]
         steps = {(i, j): d for i, w in windows.items() for j, d in enumerate(w)}
         outs = {(i, j): outputs.get(i, "") + "".join(d.text for d in windows[i][:j]) for i, j in read}
-        scored = self._score(steps, outs, read, after, needs)
+        scored = self._score(steps, outs, read, needs)
+        if suffix:  # the judge turn is read: the target forgets it, its logits after the step last again
+            for i in windows:
+                if i not in rewrites:
+                    tgt.rollback(i, len(suffix), last_logits=after.get((i, 0)))
         out: dict[int, list[Scores]] = {}
         for (i, _), s in scored.items():
             out.setdefault(i, []).append(s)
@@ -172,7 +290,7 @@ class TargetVerifier(CachePart):
         hidden = f.hidden[:, off:end] if needs.q and self.spec.needs_hidden else None
         return StepRead(self.cache.seq[i][a:b], n_forced, step_logits, hidden, judge_logits)
 
-    def _score(self, steps, outputs, read: dict[tuple, StepRead], after, needs: Needs) -> dict[tuple, Scores]:
+    def _score(self, steps, outputs, read: dict[tuple, StepRead], needs: Needs) -> dict[tuple, Scores]:
         """Fast path, then ``q`` and one coin per step it did not keep (in order, from its row's stream), and the
         judge's score; every mapping is keyed by ``(row, step in window)``."""
         fast, fp = {}, needs.fast_path
@@ -191,18 +309,12 @@ class TargetVerifier(CachePart):
             self.probe_s += time.perf_counter() - t0
         coin = {k: float(torch.rand((), generator=self.coins[k[0]])) for k in slow} if needs.coin else {}
         return {k: Scores(text=steps[k].text, output=outputs[k], features=x.get(k), fast=fast.get(k, False),
-                          q=q.get(k), coin=coin.get(k), after=after[k],
+                          q=q.get(k), coin=coin.get(k),
                           judge=judge_score(read[k].judge_logits, self.judge.digits) if needs.judge else None)
                 for k in read}
 
-    def close_judge_turn(self, row: int, scores: Scores | None) -> None:
-        """The target forgets the judge turn it read after the row's step."""
-        if self._suffix:
-            self.cache.rollback(row, self._suffix, last_logits=scores.after if scores is not None else None)
-
     def keep(self, row: int, n: int) -> None:
-        """The target keeps the first ``n`` new tokens of the row's proposal and forgets the rest (the judge turn
-        closed first)."""
+        """The target keeps the first ``n`` new tokens of the row's proposal and forgets the rest."""
         drop = self._new.get(row, 0) - n
         if drop > 0:
             self.cache.rollback(row, drop, last_logits=self.token_logits[row][n])
