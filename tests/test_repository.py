@@ -103,16 +103,6 @@ def test_docstring_references_to_the_design_name_its_sections():
     assert missing == []
 
 
-def test_readme_says_which_main_job_figures_depend_on_the_thread_count():
-    """Issue 21.17: the closing table of the main job repeats only at a fixed torch thread count; the README says so."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## The main job"): text.index("## Using a probe in the decoder")]
-    assert "**Thread count.**" in section and "--threads N" in section
-    # issue 36: how to set the count, and the default the CLIs choose
-    threads = text[text.index("### Threads and shared machines"): text.index("## Benchmarks")]
-    assert all(s in threads for s in ("--threads N", "OMP_NUM_THREADS", "torch.set_num_threads"))
-
-
 def test_a_virtual_environment_inside_the_clone_is_ignored_and_never_read(tmp_path):
     """Issue 33.1: `python -m venv .venv` inside the clone leaves `git status` clean and the repository walks skip
     it, even a venv `.gitignore` does not name (a dependency's file in another encoding broke `read_text`)."""
