@@ -74,9 +74,8 @@ from generation.cache import record_forwards
 from generation.paths import portable_paths
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.parts import SHIPPED_WINDOW
-from semanticspec.methods import METHODS as TABLE
 from semanticspec.options import LoopOptions
-from semanticspec.policies import ProbePolicy, default_policy
+from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, default_policy
 from semanticspec.results import Decision
 from semanticspec.options import PROBE_DTYPES, resolve_probe_dtype
 from semanticspec.timing import rotation
@@ -87,8 +86,12 @@ ABLATIONS = ("hidden", "token_stats")
 """Probe pairs decoded beside the default (hybrid) one: the paper's pooled states only, token statistics only."""
 CHECKS = ("always_reject", "always_accept")
 """Methods of the table that are equivalence checks (tests hold them), not methods to compare."""
-METHODS = tuple(m for m in TABLE if m not in CHECKS)
-"""Every method of the decoder's table but the checks, in its order."""
+POLICIES = {"random_accept": RandomPolicy, "oracle_accept": OraclePolicy}
+"""Methods named by their policy's class (``method=RandomPolicy(rate)``), with the argument each problem gives them:
+random acceptance at SemanticSpec's running rate, the world's oracle for the problem."""
+METHODS = ("target_only", "semanticspec", "draft_only", "random_accept", "oracle_accept", "specreason",
+           "hf_target_only", "token_sd")
+"""Every method of the decoder's table but the checks, and the two policy methods, in the benchmark's order."""
 REFERENCE = {"token_sd": "hf_target_only"}
 """The method whose wall time a method's speedup is measured against, where it is not ``target_only``: a baseline
 that runs in another library's loop is divided by that library's own target-only time
@@ -208,11 +211,11 @@ def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[tas
         for name in order:
             dec_v, kw = variants.get(name, (dec, {"method": name}))  # a method of the table, or a variant
             if "keep_right" in kw:
-                kw = {"method": "oracle_accept", "oracle": noisy_oracle(p, kw["keep_right"], seed)}
+                kw = {"method": OraclePolicy(noisy_oracle(p, kw["keep_right"], seed))}
             elif kw.get("method") == "oracle_accept":
-                kw = {**kw, "oracle": oracle_for(p)}
+                kw = {**kw, "method": OraclePolicy(oracle_for(p))}
             elif name == "random_accept":
-                kw = {**kw, "accept_rate": summarize(out["semanticspec"])["step_acceptance"]}
+                kw = {**kw, "method": RandomPolicy(summarize(out["semanticspec"])["step_acceptance"])}
             with record_forwards() as log:
                 out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
             forwards[name] += log
@@ -449,7 +452,7 @@ def sweep_variants(args: argparse.Namespace, dec: SemanticSpecDecoder, decoder: 
              "random_accept": ("accept_rate", list(args.random_sweep), None),
              "oracle_accept": ("keep_right", list(args.oracle_sweep), 1.0)}
     swept = {"semanticspec": lambda v: (decoder(policy=replace(policy, **{knob: v})), {}),
-             "random_accept": lambda v: (dec, {"method": "random_accept", "accept_rate": v}),
+             "random_accept": lambda v: (dec, {"method": RandomPolicy(v)}),
              "oracle_accept": lambda v: (dec, {"keep_right": v})}
     sweeps = {f"{m}[{k}={v}]": swept[m](v) for m, (k, values, _) in knobs.items() for v in values}
     return knobs, sweeps
@@ -568,8 +571,9 @@ def other_dtype(probe_dtype: str) -> str:
 def warm_up(dec: SemanticSpecDecoder, args: argparse.Namespace) -> None:
     """Decode two other problems with every method: first calls pay one-off costs (kernels, generation config)."""
     warm = [TASK.prompt_text(dec.tokenizer, p.problem) for p in task.generate_problems(2, args.seed - 1)]
+    args = {"random_accept": 0.5, "oracle_accept": lambda s, p: True}
     for m in METHODS:
-        dec.generate(warm, method=m, max_new_tokens=16, accept_rate=0.5, oracle=lambda s, p: True, batch_size=1)
+        dec.generate(warm, method=POLICIES[m](args[m]) if m in POLICIES else m, max_new_tokens=16, batch_size=1)
 
 
 def method_figures(runs: dict, problems, beside: Sequence[str]) -> dict:

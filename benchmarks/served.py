@@ -78,10 +78,9 @@ from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.features import FeatureSpec
 from generation.specs import SamplingSpec
-from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.options import LoopOptions
-from semanticspec.policies import ProbePolicy
-from semanticspec.parts import run_probe
+from semanticspec.parts import SHIPPED_WINDOW, run_probe
+from semanticspec.policies import OraclePolicy, ProbePolicy
 from semanticspec.results import Decision, summarize
 from semanticspec.engine_parts import features
 from semanticspec.served import ServedDecoder
@@ -272,8 +271,8 @@ def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) 
             for e in engines:
                 e.tag = m
             dec = decs["engine" if m == "semanticspec_engine_probes" else "shipped"]
-            method = "semanticspec" if m.startswith("semanticspec") else m
-            extra = {"oracle": oracle_for(p)} if m == "oracle_accept" else {}
+            method = m if m != "oracle_accept" else OraclePolicy(oracle_for(p))
+            method, extra = "semanticspec" if m.startswith("semanticspec") else method, {}
             if "[lookahead=" in m:
                 size, *flags = m[m.index("=") + 1 : -1].split()
                 extra.update(lookahead=int(size), overlap="overlap" in flags)

@@ -19,7 +19,7 @@ from generation.specs import SamplingSpec
 from semanticspec.config import DecodeConfig
 from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.hf import TransformersLoop
-from semanticspec.methods import Method, MethodArgs, method_for
+from semanticspec.methods import Method, method_for
 from semanticspec.results import DecodeResult, StepEvent, collect
 
 
@@ -140,7 +140,7 @@ class StepDecoder:
         """The call's method (with the config's window) and what is wrong with the call for it."""
         name = cfg.method
         try:
-            method = method_for(name, MethodArgs(self.policy, cfg.accept_rate, cfg.oracle))
+            method = method_for(name, self.policy)
         except ValueError as e:
             return None, [str(e)]
         needs, problems = method.policy.needs if method.policy is not None else None, []

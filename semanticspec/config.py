@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,12 +43,11 @@ class DecodeConfig:
             API's per-request ``seed``): prompt ``k`` decodes the same in any batch, at any position, and alone
             with ``seed=seed[k]``.
         method: a name of the decoder's method table (``semanticspec``, ``target_only``, ``draft_only``,
-            ``random_accept``, ``oracle_accept``...) or an
-            :class:`~semanticspec.policies.AcceptancePolicy`, run speculatively.
+            ``specreason``...) or an :class:`~semanticspec.policies.AcceptancePolicy` run speculatively: another
+            :class:`~semanticspec.policies.ProbePolicy`, ``RandomPolicy(rate)`` (keeps a step with probability
+            ``rate``), ``OraclePolicy(oracle)`` (keeps a step when ``oracle(step_text, output_so_far)``).
         batch_size: prompts decoded together in-process (None: all at once); the served decoder's prompts run
             concurrently instead (its ``concurrency``), so it refuses a batch size.
-        accept_rate: ``random_accept``'s acceptance probability, in [0, 1].
-        oracle: ``oracle(step_text, output_so_far) -> bool`` of ``oracle_accept``.
         allow_sampling_mismatch: decode with a ``temperature`` or ``top_p`` that differs from the probes' (greedy
             with probes trained on steps sampled at 0.6, say): a ``UserWarning`` naming both instead of the
             refusal. The probes then judge steps unlike their training steps: measure before relying on it.
@@ -85,8 +84,6 @@ class DecodeConfig:
     seed: int | tuple[int, ...] = 0
     method: Any = "semanticspec"
     batch_size: int | None = None
-    accept_rate: float | None = None
-    oracle: Callable[[str, str], bool] | None = None
     allow_sampling_mismatch: bool = False
     progress: bool = False
     lookahead: int | None = None
@@ -116,10 +113,6 @@ class DecodeConfig:
             out.append(("window_min_logprob", "an adaptive window needs lookahead > 1"))
         if self.batch_size is not None and not is_count(self.batch_size):
             out.append(("batch_size", "expected an integer >= 1, or None for all prompts at once"))
-        if self.accept_rate is not None and not (_real(self.accept_rate) and 0 <= self.accept_rate <= 1):
-            out.append(("accept_rate", "expected a number in [0, 1]"))
-        if self.oracle is not None and not callable(self.oracle):
-            out.append(("oracle", "expected a callable oracle(step_text, output_so_far) -> bool"))
         for flag in ("allow_sampling_mismatch", "progress", "overlap"):
             if not isinstance(getattr(self, flag), bool):
                 out.append((flag, "expected True or False"))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from semanticspec.hf import TransformersLoop
 from semanticspec.loop import StepLoop
 from semanticspec.parts import Window
-from semanticspec.policies import AcceptancePolicy, OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
+from semanticspec.policies import AcceptancePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy
 
 
 @dataclass(frozen=True)
@@ -66,42 +66,34 @@ def speculative(policy: AcceptancePolicy) -> Method:
     return Method(speculative_round, policy=policy)
 
 
-@dataclass(frozen=True)
-class MethodArgs:
-    """What a method is built from: the decoder's SemanticSpec policy and ``generate``'s arguments."""
-
-    policy: ProbePolicy
-    accept_rate: float | None = None
-    oracle: Callable[[str, str], bool] | None = None
-
-
-METHODS: dict[str, Callable[[MethodArgs], Method | TransformersLoop]] = {
-    "target_only": lambda a: Method(target_round, ("target",)),
-    "semanticspec": lambda a: speculative(a.policy),
-    "draft_only": lambda a: Method(draft_round, ("draft",)),
-    "random_accept": lambda a: speculative(RandomPolicy(a.accept_rate)),
-    "always_reject": lambda a: speculative(RandomPolicy(0.0)),
-    "always_accept": lambda a: speculative(RandomPolicy(1.0)),
-    "oracle_accept": lambda a: speculative(OraclePolicy(a.oracle)),
-    "specreason": lambda a: speculative(SpecReasonPolicy()),
-    "hf_target_only": lambda a: TransformersLoop(assisted=False),
-    "token_sd": lambda a: TransformersLoop(assisted=True),
+METHODS: dict[str, Callable[[ProbePolicy], Method | TransformersLoop]] = {
+    "target_only": lambda policy: Method(target_round, ("target",)),
+    "semanticspec": speculative,
+    "draft_only": lambda policy: Method(draft_round, ("draft",)),
+    "always_reject": lambda policy: speculative(RandomPolicy(0.0)),
+    "always_accept": lambda policy: speculative(RandomPolicy(1.0)),
+    "specreason": lambda policy: speculative(SpecReasonPolicy()),
+    "hf_target_only": lambda policy: TransformersLoop(assisted=False),
+    "token_sd": lambda policy: TransformersLoop(assisted=True),
 }
-"""``method=`` names of both decoders' ``generate``, each with the function that builds its :class:`Method` from
-:class:`MethodArgs` (raising ValueError naming a missing argument), in the benchmarks' order. ``always_reject`` and
-``always_accept`` keep no draft step / every one (a random policy at rate 0 / 1): equivalence checks (greedy
-``always_reject`` writes what ``target_only`` writes), which the decode benchmark leaves out. The served decoder runs
-every name but transformers' loops and ``specreason`` (:class:`~semanticspec.served.ServedDecoder`)."""
+"""``method=`` names of both decoders' ``generate``, each with the function that builds its :class:`Method` from the
+decoder's SemanticSpec policy, in the benchmarks' order. A method with arguments is named by its policy instead
+(``method=RandomPolicy(0.5)``, ``method=OraclePolicy(oracle)``). ``always_reject`` and ``always_accept`` keep no
+draft step / every one (a random policy at rate 0 / 1): equivalence checks (greedy ``always_reject`` writes what
+``target_only`` writes), which the decode benchmark leaves out. The served decoder runs every name but
+transformers' loops and ``specreason`` (:class:`~semanticspec.served.ServedDecoder`)."""
 
 
-def method_for(method: str | AcceptancePolicy, args: MethodArgs) -> Method | TransformersLoop:
-    """The method ``method`` names: a name of :data:`METHODS`, or an acceptance policy (run speculatively).
+def method_for(method: str | AcceptancePolicy, policy: ProbePolicy) -> Method | TransformersLoop:
+    """The method ``method`` names: a name of :data:`METHODS` (``policy``: the decoder's SemanticSpec policy), or an
+    acceptance policy (run speculatively).
 
     Raises:
-        ValueError: an unknown name, or an argument the method needs is missing or bad.
+        ValueError: an unknown name.
     """
     if isinstance(method, AcceptancePolicy):
         return speculative(method)
     if method not in METHODS:
-        raise ValueError(f"method={method!r}: expected one of {tuple(METHODS)}")
-    return METHODS[method](args)
+        raise ValueError(f"method={method!r}: expected one of {tuple(METHODS)} or an AcceptancePolicy "
+                         "(RandomPolicy(rate), OraclePolicy(oracle), ProbePolicy(...))")
+    return METHODS[method](policy)

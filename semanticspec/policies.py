@@ -214,8 +214,8 @@ class RandomPolicy(AcceptancePolicy):
     needs = Needs(coin=True)
 
     def __post_init__(self) -> None:
-        if self.rate is None or not 0 <= self.rate <= 1:
-            raise ValueError(f"method='random_accept' needs accept_rate in [0, 1], got {self.rate}")
+        if isinstance(self.rate, bool) or not isinstance(self.rate, numbers.Real) or not 0 <= self.rate <= 1:
+            raise ValueError(f"RandomPolicy(rate={self.rate!r}): expected a number in [0, 1]")
 
     def keep(self, scores: Scores) -> Decision:
         return Decision.ACCEPT if scores.coin < self.rate else Decision.REJECT
@@ -230,7 +230,7 @@ class OraclePolicy(AcceptancePolicy):
     def __post_init__(self) -> None:
         if not callable(self.oracle):  # a ValueError, as every other bad generate() argument
             raise ValueError(  # noqa: TRY004
-                "method='oracle_accept' needs oracle=callable(step_text, output_so_far) -> bool")
+                f"OraclePolicy(oracle={self.oracle!r}): expected a callable oracle(step_text, output_so_far) -> bool")
 
     def keep(self, scores: Scores) -> Decision:
         return Decision.ACCEPT if self.oracle(scores.text, scores.output) else Decision.REJECT

@@ -19,6 +19,7 @@ from semanticspec.options import LoopOptions
 from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
 from tests.conftest import DRAFT, TARGET, gguf_or_skip, need_server
+from semanticspec.policies import RandomPolicy
 
 pytestmark = pytest.mark.slow
 PORTS = {"target": 8851, "draft": 8852}
@@ -254,7 +255,7 @@ def test_the_real_pair_decodes_through_two_servers(real_pair):
     if [r.text for r in spec] != [r.text for r in ref]:
         print(f"[real pair] greedy always_reject != target_only: {[r.text for r in spec]} vs {[r.text for r in ref]}")
 
-    mixed = dec.generate(REAL_PROMPTS[:1], method="random_accept", accept_rate=0.5, seed=1, **greedy)
+    mixed = dec.generate(REAL_PROMPTS[:1], method=RandomPolicy(0.5), seed=1, **greedy)
     assert all(r.ok for r in mixed), [r.error for r in mixed if not r.ok]
     s = summarize(mixed)
     assert s["draft_steps_proposed"] >= 1 and all(r.stats.requests >= r.stats.draft_steps_proposed for r in mixed)

@@ -12,6 +12,7 @@ from generation.engines import make_engine
 from generation.engines.base import EngineError, MalformedAnswer, Unsupported
 from generation.engines.checks import require
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
+from semanticspec.policies import RandomPolicy
 from tests.fake_engines import (NEUTRAL, NEXT, FakeLlamaCpp, FakeSGLang, FakeVLLM, ids_of, own_logprob, tid,
                                 top_entries, toy_continue, words)
 
@@ -417,7 +418,7 @@ def test_engines_take_the_context_their_models_endpoint_states(fakes):
     cap = dec.step.max_step_tokens
     assert dec.context_room() == 64 - 2  # a one-token prompt and the bonus token's room
     with pytest.raises(ValueError, match=rf"lookahead=2: a window of 2 steps of up to {cap} tokens .* 62 new tokens"):
-        dec.generate(["x"], method="random_accept", accept_rate=0.5, lookahead=2)
+        dec.generate(["x"], method=RandomPolicy(0.5), lookahead=2)
 
 
 def test_unknown_kind_is_refused():

@@ -21,8 +21,6 @@ from semanticspec.policies import RandomPolicy
     ("seed", [1, 2.0], "seed[1]=2.0: expected integers (one seed per prompt)"),
     ("method", 3, "method=3: expected a method name or an AcceptancePolicy"),
     ("batch_size", 0, "batch_size=0: expected an integer >= 1, or None"),
-    ("accept_rate", 1.5, "accept_rate=1.5: expected a number in [0, 1]"),
-    ("oracle", "yes", "oracle='yes': expected a callable"),
     ("allow_sampling_mismatch", 1, "allow_sampling_mismatch=1: expected True or False"),
 ])
 def test_a_bad_field_is_refused_where_the_config_is_built_naming_field_and_value(field, value, said):
@@ -32,13 +30,12 @@ def test_a_bad_field_is_refused_where_the_config_is_built_naming_field_and_value
 
 def test_every_bad_field_is_named_at_once():
     with pytest.raises(ValueError) as e:
-        DecodeConfig(max_new_tokens=0, top_p=2, accept_rate=-1)
-    assert all(f"{name}=" in str(e.value) for name in ("max_new_tokens", "top_p", "accept_rate"))
+        DecodeConfig(max_new_tokens=0, top_p=2, batch_size=-1)
+    assert all(f"{name}=" in str(e.value) for name in ("max_new_tokens", "top_p", "batch_size"))
 
 
 def test_good_values_build_a_frozen_config_with_the_seeds_as_a_tuple():
-    cfg = DecodeConfig(max_new_tokens=8, temperature=0, top_p=1, seed=[3, 4], method=ProbePolicy(tau=0.7),
-                       accept_rate=0, oracle=lambda s, o: True)
+    cfg = DecodeConfig(max_new_tokens=8, temperature=0, top_p=1, seed=[3, 4], method=ProbePolicy(tau=0.7))
     assert cfg.seed == (3, 4) and cfg.temperature == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_new_tokens = 9

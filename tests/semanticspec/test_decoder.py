@@ -12,7 +12,7 @@ from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from semanticspec.decoder import DecodeResult, SemanticSpecDecoder, summarize
 from semanticspec.options import LoopOptions, resolve_probe_dtype
-from semanticspec.policies import ProbePolicy, fast_path_keeps_rows
+from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, fast_path_keeps_rows
 from semanticspec.cache_parts import DraftProposer, TargetVerifier
 from probes.export import export_probe
 from generation.fingerprints import model_fingerprint
@@ -343,12 +343,12 @@ def test_random_and_oracle_acceptance(tiny_pair):
     target, draft, tok = tiny_pair
     dec = make_decoder(target, draft, tok, max_step_tokens=4)
     for rate, expected in ((0.0, 0.0), (1.0, 1.0)):
-        s = summarize(dec.generate(PROMPTS, method="random_accept", accept_rate=rate, max_new_tokens=16))
+        s = summarize(dec.generate(PROMPTS, method=RandomPolicy(rate), max_new_tokens=16))
         assert s["step_acceptance"] == expected and s["draft_steps_proposed"] > 0
     seen = []
     def keep_even(step, prefix):
         return seen.append((step, prefix)) or len(seen) % 2 == 0
-    (res,) = dec.generate(PROMPTS[:1], method="oracle_accept", oracle=keep_even, max_new_tokens=24)
+    (res,) = dec.generate(PROMPTS[:1], method=OraclePolicy(keep_even), max_new_tokens=24)
     proposals = [t for t in res.steps if t.writer == "draft"]
     assert [t.decision for t in proposals] == ["accept" if k % 2 else "reject" for k in range(len(proposals))]
     assert [s for s, _ in seen] == [t.text for t in proposals]
@@ -475,8 +475,8 @@ def test_empty_prompt_list_and_bad_arguments(tiny_pair):
     assert dec.generate([]) == []
     with pytest.raises(ValueError, match="method='beam'"):
         dec.generate(PROMPTS, method="beam")
-    with pytest.raises(ValueError, match="accept_rate"):
-        dec.generate(PROMPTS, method="random_accept")
+    with pytest.raises(ValueError, match="method='random_accept': expected one of .* or an AcceptancePolicy"):
+        dec.generate(PROMPTS, method="random_accept")  # a method with an argument is named by its policy
     with pytest.raises(ValueError, match="needs target_probe"):
         make_decoder(target, draft, tok).generate(PROMPTS)
     with pytest.raises(ValueError, match=r"rule='greedy'.*tau=2"):
@@ -670,14 +670,15 @@ def test_every_result_carries_a_stop_reason_and_no_method_passes_the_context(tin
 
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=0.5)
-    extra = {"accept_rate": 0.5, "oracle": lambda step, out: True}
+    extra = {}
     long_ids = tok("Add 5, then " * 70).input_ids
+    methods = [*METHODS, RandomPolicy(0.5), OraclePolicy(lambda step, out: True)]
     for n in (240, 250, 255):
-        for method in METHODS:
+        for method in methods:
             (res,) = dec.generate([long_ids[:n]], method=method, max_new_tokens=64, seed=0, **extra)
             assert res.stop_reason in ("eos", "context"), (n, method, res.stop_reason)
             assert n + res.stats.output_tokens <= 256, (n, method, res.stats.output_tokens)
-    for method in METHODS:
+    for method in methods:
         (res,) = dec.generate([PROMPTS[2]], method=method, max_new_tokens=3, seed=0, **extra)
         assert res.stop_reason in ("eos", "budget") and res.stats.output_tokens <= 3, (method, res.stop_reason)
 
@@ -689,8 +690,8 @@ def test_a_call_decodes_the_same_whatever_its_batch_size(pair):
     target, draft, kw = pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
     dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
-    for method in ("semanticspec", "target_only", "random_accept"):
-        gen = {"method": method, "max_new_tokens": 24, "seed": 7, "accept_rate": 0.5}
+    for method in ("semanticspec", "target_only", RandomPolicy(0.5)):
+        gen = {"method": method, "max_new_tokens": 24, "seed": 7}
         together = texts(dec.generate(PROMPTS, **gen))
         for bs in (1, 2):
             assert texts(dec.generate(PROMPTS, batch_size=bs, **gen)) == together, (method, bs)
@@ -704,14 +705,14 @@ SIX_PROMPTS = PROMPTS + ["Start with 2.\n\n", "Take 9. Multiply it by 2.\n\n", "
 
 
 @SLOW  # the README's command checks a call's batching alone (the test before)
-@pytest.mark.parametrize("method", ["semanticspec", "target_only", "random_accept"])
+@pytest.mark.parametrize("method", ["semanticspec", "target_only", RandomPolicy(0.5)])
 def test_with_one_seed_per_prompt_any_prompt_decodes_alone_as_in_its_batch(pair, method):
     """Issue 33 item 2: a per-prompt seed (the OpenAI API's ``seed`` is per request) makes a prompt's streams depend on
     its seed alone, so any prompt of a sampled batch decodes alone, at any position, with the same result."""
     target, draft, kw = pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
     dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
-    gen = {"method": method, "max_new_tokens": 24, "accept_rate": 0.5}
+    gen = {"method": method, "max_new_tokens": 24}
     for seeds in ([3, 7, 11, 0, 5, 42], [1, 1, 2, 3, 5, 8], [100 + k for k in range(6)]):
         together = texts(dec.generate(SIX_PROMPTS, seed=seeds, **gen))
         for k in range(6):

@@ -3,6 +3,8 @@
 import dataclasses
 import math
 
+import re
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -11,7 +13,7 @@ from generation.handover import Handover
 from generation.sampling import Sampler, sampling_probs
 from generation.specs import SamplingSpec
 from generation.writer import StepDraft
-from semanticspec.methods import METHODS, MethodArgs, method_for, speculative_round
+from semanticspec.methods import METHODS, method_for, speculative_round
 from semanticspec.policies import (
     OraclePolicy,
     ProbePolicy,
@@ -160,26 +162,27 @@ def test_policies_declare_what_they_read_and_refuse_bad_values():
     ratio = ProbePolicy(rule="ratio", top_k=2).needs
     assert ratio.p and ratio.coin and ratio.fast_path.top_k == 2
     assert RandomPolicy(0.5).needs.coin and SpecReasonPolicy().needs.judge
-    with pytest.raises(ValueError, match="accept_rate in \\[0, 1\\], got 1.5"):
-        RandomPolicy(1.5)
+    for bad in (1.5, -0.1, None, True, "0.5"):
+        with pytest.raises(ValueError, match=rf"RandomPolicy\(rate={re.escape(repr(bad))}\): expected a number"):
+            RandomPolicy(bad)
     with pytest.raises(ValueError, match=r"rule='greedy'.*tau=2.*top_k=-1"):
         ProbePolicy(rule="greedy", tau=2, top_k=-1)
-    with pytest.raises(ValueError, match="needs oracle=callable"):
+    with pytest.raises(ValueError, match=r"OraclePolicy\(oracle=None\): expected a callable"):
         OraclePolicy(None)
 
 
 def test_the_method_table_maps_every_name_to_a_method():
-    args = MethodArgs(ProbePolicy(tau=0.3), accept_rate=0.5, oracle=lambda s, o: True)
-    methods = {name: method_for(name, args) for name in METHODS}
+    methods = {name: method_for(name, ProbePolicy(tau=0.3)) for name in METHODS}
     assert methods["semanticspec"].policy == ProbePolicy(tau=0.3) and methods["semanticspec"].probes_decide
-    from benchmarks.decode import CHECKS, DRAFTING  # the decode benchmark judges every drafting method's decisions
+    from benchmarks.decode import CHECKS, DRAFTING, POLICIES  # the benchmark judges every drafting method's decisions
 
     speculative = {n for n, m in methods.items() if getattr(m, "round", None) is speculative_round}
-    assert set(DRAFTING) | set(CHECKS) == speculative
+    assert set(DRAFTING) | set(CHECKS) == speculative | set(POLICIES)  # with random and oracle acceptance
     assert [methods[n].policy.rate for n in ("always_reject", "always_accept")] == [0.0, 1.0]
-    assert method_for(SpecReasonPolicy(threshold=8), args).policy.threshold == 8
+    assert method_for(SpecReasonPolicy(threshold=8), ProbePolicy()).policy.threshold == 8
+    assert method_for(RandomPolicy(0.25), ProbePolicy()).policy.rate == 0.25
     with pytest.raises(ValueError, match="method='beam'"):
-        method_for("beam", args)
+        method_for("beam", ProbePolicy())
 
 
 def test_handover_shared_passes_tokens_and_two_tokenizers_pass_text(world_tokenizer):

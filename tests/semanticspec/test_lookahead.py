@@ -14,7 +14,7 @@ from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.loop import StepLoop
 from semanticspec.options import LoopOptions
-from semanticspec.policies import ProbePolicy
+from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
@@ -167,7 +167,7 @@ def test_bad_lookahead_is_refused_naming_it(tiny_pair):
     ctok = char_tokenizer()
     two = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok)
     with pytest.raises(ValueError, match="lookahead=2: .* needs one tokenizer"):
-        two.generate(PROMPTS, method="random_accept", accept_rate=0.5, lookahead=2)
+        two.generate(PROMPTS, method=RandomPolicy(0.5), lookahead=2)
 
 
 def test_a_window_that_cannot_fit_the_context_is_refused_naming_it(tiny_pair):
@@ -186,8 +186,8 @@ def test_a_window_that_cannot_fit_the_context_is_refused_naming_it(tiny_pair):
             dec.generate(PROMPTS, lookahead=bad)
     served = ServedDecoder(LocalEngine(target, tok), LocalEngine(draft, tok))
     with pytest.raises(ValueError, match=rf"lookahead={10**6}: a window of {10**6} steps"):
-        served.generate(PROMPTS, method="random_accept", accept_rate=0.5, lookahead=10**6)
-    assert served.generate(PROMPTS[:1], method="random_accept", accept_rate=0.5, lookahead=2, max_new_tokens=8,
+        served.generate(PROMPTS, method=RandomPolicy(0.5), lookahead=10**6)
+    assert served.generate(PROMPTS[:1], method=RandomPolicy(0.5), lookahead=2, max_new_tokens=8,
                            seed=0)[0].stop_reason in ("eos", "budget")
 
 
@@ -200,9 +200,8 @@ def test_a_window_near_the_context_or_budget_end_is_cut_there(tiny_pair):
     ctx = target.config.max_position_embeddings
     for k in (2, dec.context_room() // dec.step.max_step_tokens):
         for n in (ctx - 56, ctx - 16, ctx - 1):
-            for method in ("semanticspec", "random_accept"):
-                (res,) = dec.generate([long_ids[:n]], method=method, max_new_tokens=64, seed=0, lookahead=k,
-                                      accept_rate=0.5)
+            for method in ("semanticspec", RandomPolicy(0.5)):
+                (res,) = dec.generate([long_ids[:n]], method=method, max_new_tokens=64, seed=0, lookahead=k)
                 assert res.stop_reason in ("eos", "context") and n + res.stats.output_tokens <= ctx, (k, n, method)
         (res,) = dec.generate([PROMPTS[2]], max_new_tokens=3, seed=0, lookahead=k)
         assert res.stop_reason in ("eos", "budget") and res.stats.output_tokens <= 3, k
@@ -236,8 +235,8 @@ def test_the_shipped_window_is_semanticspecs_default_where_windows_apply(tiny_pa
     window = lambda d, **kw: d._method(DecodeConfig(**kw))[0].window  # noqa: E731
     assert window(dec) == SHIPPED_WINDOW and SHIPPED_WINDOW.size == 4 and SHIPPED_WINDOW.min_logprob < 0
     assert window(dec, lookahead=1) == Window() and window(dec, lookahead=3) == Window(3)
-    assert window(dec, method="random_accept", accept_rate=0.5) == Window()
-    assert window(dec, method="oracle_accept", oracle=lambda s, o: True) == Window()
+    assert window(dec, method=RandomPolicy(0.5)) == Window()
+    assert window(dec, method=OraclePolicy(lambda s, o: True)) == Window()
     ratio = stub_decoder(target, draft, tok, q=1.0, rule="ratio")  # reads p: one step, and no refusal
     assert window(ratio) == Window() and ratio._method(DecodeConfig())[1] == []
     ctok = char_tokenizer()

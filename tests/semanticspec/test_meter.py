@@ -15,6 +15,7 @@ from semanticspec.results import Decision, StepTrace
 from semanticspec.rows import Row
 from tests.conftest import PROMPTS
 from tests.semanticspec.conftest import GREEDY, stub_decoder
+from semanticspec.policies import RandomPolicy
 
 LOOP = Path(__file__).resolve().parents[2] / "semanticspec" / "loop.py"
 
@@ -78,7 +79,7 @@ def test_a_decodes_step_and_phase_seconds_fit_in_its_wall_time(tiny_pair, loop):
     # Per batch: a row that runs longer than the others takes a larger share of the rounds than of the wall.
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=0.5, p=1.0, **loop)
-    results = dec.generate(PROMPTS, method="random_accept", accept_rate=0.5, **GREEDY)
+    results = dec.generate(PROMPTS, method=RandomPolicy(0.5), **GREEDY)
     wall = sum(r.stats.wall_s for r in results)
     phases = sum(r.stats.first_step_s + r.stats.draft_s + r.stats.verify_s + r.stats.probe_s + r.stats.rewrite_s
                  for r in results)

@@ -14,6 +14,7 @@ from scipy.stats import chi2_contingency
 from arithmetic_world import models, task
 from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.options import LoopOptions
+from semanticspec.policies import RandomPolicy
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def test_every_step_rewritten_in_the_rounds_samples_as_target_only():
     assert dec.token_sd and dec.options.rewrite_in_rounds
     prompt = task.generate_problems(1, 123, task.TaskConfig(min_ops=4, max_ops=4))[0].problem + task.STEP_DELIMITER
     ref = _openings(dec, prompt, method="target_only")
-    rewritten = _openings(dec, prompt, method="random_accept", accept_rate=0.0)
+    rewritten = _openings(dec, prompt, method=RandomPolicy(0.0))
     keys = [k for k in set(ref) | set(rewritten) if ref[k] + rewritten[k] >= 5]
     assert len(keys) >= 4  # enough different openings for the test to see a difference
     table = np.array([[ref[k] for k in keys], [rewritten[k] for k in keys]])

@@ -13,7 +13,7 @@ from generation.specs import SamplingSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.options import LoopOptions
-from semanticspec.policies import ProbePolicy
+from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.results import summarize
 from semanticspec.engine_parts import answer_cut
 from semanticspec.served import ServedDecoder
@@ -240,7 +240,7 @@ def test_concurrency_changes_nothing_and_requests_per_step(world, engines):
     assert all(r.stats.wall_s >= r.stats.http_s for r in runs[1])
     # sampled: each prompt draws from its own seeds, whatever runs beside it
     sampled = {c: ServedDecoder(*engines, options=MARKER, concurrency=c).generate(
-        world["prompts"], method="random_accept", accept_rate=0.5, temperature=0.8, max_new_tokens=64, seed=3)
+        world["prompts"], method=RandomPolicy(0.5), temperature=0.8, max_new_tokens=64, seed=3)
         for c in (1, 4)}
     assert texts(sampled[1]) == texts(sampled[4]) and decisions(sampled[1]) == decisions(sampled[4])
 
@@ -273,7 +273,7 @@ def test_served_stream_yields_each_step_then_the_result_generate_returns(world, 
     from tests.semanticspec.conftest import check_stream
 
     dec = ServedDecoder(*engines, options=MARKER, concurrency=3)
-    gen = {"method": "random_accept", "accept_rate": 0.5, "temperature": 0.8, "max_new_tokens": 48, "seed": 2}
+    gen = {"method": RandomPolicy(0.5), "temperature": 0.8, "max_new_tokens": 48, "seed": 2}
     results = dec.generate(world["prompts"], **gen)
     events = list(dec.stream(world["prompts"], **gen))
     check_stream(events, results, len(world["prompts"]))
@@ -288,7 +288,7 @@ def test_oracle_and_target_first_step(world, engines):
         return "Answer" in step
 
     dec = ServedDecoder(*engines, options=LoopOptions(answer_marker="Answer:", target_first_step=True))
-    results = dec.generate(world["prompts"], method="oracle_accept", oracle=oracle, **GREEDY)
+    results = dec.generate(world["prompts"], method=OraclePolicy(oracle), **GREEDY)
     assert all(r.steps[0].writer == "target" for r in results)
     drafted = [s for r in results for s in r.steps if s.writer == "draft"]
     assert [s.decision for s in drafted] == ["accept" if "Answer" in s.text else "reject" for s in drafted]
@@ -342,7 +342,7 @@ def test_bad_input_is_refused_before_any_request(world, engines):
         with pytest.raises(ValueError, match=match):
             dec.generate(prompts, **GREEDY)
     for kw, match in [({"max_new_tokens": 0}, "max_new_tokens=0"), ({"method": "specreason"}, "specreason"),
-                      ({"method": "nope"}, "nope"), ({"method": "random_accept"}, "accept_rate")]:
+                      ({"method": "nope"}, "nope"), ({"accept_rate": 0.5}, "accept_rate")]:
         with pytest.raises(ValueError, match=match):
             dec.generate(world["prompts"], **{**GREEDY, **kw})
     for c in (0, 1.5, True):
@@ -391,7 +391,7 @@ def test_rows_admitted_into_a_running_loop_decode_as_they_would_alone(world, eng
 
     dec = (SemanticSpecDecoder(world["target"], world["draft"], world["tok"], options=MARKER) if side == "in_process"
            else ServedDecoder(*engines, options=MARKER, concurrency=2))
-    cfg = DecodeConfig(method="random_accept", accept_rate=0.5, temperature=0.8, max_new_tokens=64)
+    cfg = DecodeConfig(method=RandomPolicy(0.5), temperature=0.8, max_new_tokens=64)
     plans = [dec.plan([p], dataclasses.replace(cfg, seed=100 + k)) for k, p in enumerate(world["prompts"])]
     loop = dec.step_loop(plans[0].inputs, 64, plans[0].sampling, plans[0].keys)
     ends, admitted, together = {}, 1, []
