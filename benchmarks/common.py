@@ -21,7 +21,7 @@ from arithmetic_world import models, task
 from arithmetic_world.task import ArithmeticTask
 from generation.steps import split_steps
 from semanticspec.decoder import SemanticSpecDecoder, summarize
-from semanticspec.options import LoopOptions
+from semanticspec.config import DecodeConfig
 from semanticspec.policies import ProbePolicy
 from semanticspec.timing import rotation
 from probes.metrics import accuracy, speedup
@@ -144,8 +144,8 @@ def print_versus(methods: dict, speedup_label: str = "speedup") -> None:
 
 def shipped_decoder(world: models.WorldModels, policy: ProbePolicy | None = None, probe_dtype: str = "auto",
                     **loop) -> SemanticSpecDecoder:
-    """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task's answer marker; ``loop``: other
-    :class:`~semanticspec.options.LoopOptions` fields."""
+    """The world's pair with the shipped probes (:data:`PROBE_ROOT`) and the task (its answer marker); ``loop``: the
+    loop settings of its default :class:`~semanticspec.config.DecodeConfig`."""
     return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, target_probe=str(PROBE_ROOT / "target"),
-                               draft_probe=str(PROBE_ROOT / "draft"), policy=policy,
-                               options=LoopOptions(answer_marker=TASK.answer_marker, **loop), probe_dtype=probe_dtype)
+                               draft_probe=str(PROBE_ROOT / "draft"), policy=policy, config=DecodeConfig(**loop),
+                               probe_dtype=probe_dtype, task=TASK)

@@ -74,10 +74,10 @@ from generation.cache import record_forwards
 from generation.paths import portable_paths
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.parts import SHIPPED_WINDOW
-from semanticspec.options import LoopOptions
+from semanticspec.config import DecodeConfig
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, default_policy
 from semanticspec.results import Decision
-from semanticspec.options import PROBE_DTYPES, resolve_probe_dtype
+from semanticspec.config import PROBE_DTYPES, resolve_probe_dtype
 from semanticspec.timing import rotation
 from probes.metrics import speedup
 
@@ -425,12 +425,12 @@ def build_plan(args: argparse.Namespace, world: models.WorldModels) -> Plan:
     policy = ProbePolicy(rule=args.rule, tau=args.tau, ratio_scale=args.ratio_scale, top_k=args.top_k,
                          fast_path_min_logprob=args.fast_path_min_logprob,
                          lazy_p=not args.no_lazy_p)  # same decisions, p only where q alone does not accept
-    loop = LoopOptions(answer_marker=TASK.answer_marker)
+    loop = DecodeConfig()  # the loop's defaults; each loop variant changes them
 
     def decoder(policy=policy, loop=loop, probes=(args.target_probe, args.draft_probe),
                 probe_dtype=args.probe_dtype) -> SemanticSpecDecoder:
         return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, None, *probes, policy=policy,
-                                   options=loop, probe_dtype=probe_dtype)
+                                   config=loop, probe_dtype=probe_dtype, task=TASK)
 
     dec = decoder()
     # every method samples as the probes' labels were sampled (a different value is refused for semanticspec)
@@ -475,7 +475,7 @@ def ablation_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbeP
     return ablations, ablation_paths
 
 
-def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolicy, loop: LoopOptions) -> dict:
+def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolicy, loop: DecodeConfig) -> dict:
     """SemanticSpec with the loop's defaults undone (:data:`LOOPS`), with the other rule, and with the fast path."""
     other = "ratio" if args.rule == "threshold" else "threshold"
     return {

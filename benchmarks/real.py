@@ -32,7 +32,6 @@ from datamodules.labels import shards as S
 from arithmetic_world.task import ArithmeticTask
 from generation.loading import load_causal_lm
 from semanticspec.decoder import SemanticSpecDecoder, summarize
-from semanticspec.options import LoopOptions
 from semanticspec.timing import rotation
 from probes.metrics import accuracy, speedup
 
@@ -55,8 +54,7 @@ def main(argv=None) -> dict:
     draft, dtok = load_causal_lm(DRAFT)
     task = ArithmeticTask(min_ops=2, max_ops=2)  # the build's default task, shorter problems
     dec = SemanticSpecDecoder(target, draft, ttok, draft_tokenizer=dtok, target_probe=Path(args.probes, "target"),
-                              draft_probe=Path(args.probes, "draft"),
-                              options=LoopOptions(answer_marker=task.answer_marker))
+                              draft_probe=Path(args.probes, "draft"), task=task)
     # transformers' assisted generation (token_sd across tokenizers) runs on its own copy of the draft, so nothing
     # it sets on its assistant reaches the draft the package's loop uses.
     hf = SemanticSpecDecoder(target, copy.deepcopy(draft), ttok, draft_tokenizer=dtok)

@@ -78,7 +78,6 @@ from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.features import FeatureSpec
 from generation.specs import SamplingSpec
-from semanticspec.options import LoopOptions
 from semanticspec.parts import SHIPPED_WINDOW, run_probe
 from semanticspec.policies import OraclePolicy, ProbePolicy
 from semanticspec.results import Decision, summarize
@@ -256,8 +255,8 @@ def label_stage(tmp: Path, n_problems: int, served: dict[str, Path]) -> dict:
 def decoders(target, draft, engine_pair: Path) -> dict[str, ServedDecoder]:
     """The shipped in-process-trained pair's decoder and the engine-trained pair's, at the threshold rule, one request
     in flight at a time."""
-    loop, policy = LoopOptions(answer_marker=TASK.answer_marker), ProbePolicy()
-    return {name: ServedDecoder(target, draft, str(pair / "target"), str(pair / "draft"), policy, loop, concurrency=1)
+    return {name: ServedDecoder(target, draft, str(pair / "target"), str(pair / "draft"), ProbePolicy(), task=TASK,
+                                concurrency=1)
             for name, pair in (("shipped", SHIPPED), ("engine", engine_pair))}
 
 

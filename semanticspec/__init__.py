@@ -7,12 +7,13 @@ servers::
     from semanticspec import DecodeConfig, ProbePolicy, SemanticSpecDecoder, ServedDecoder, summarize
 
 The wing's modules: the decoders (``decoder``: in-process models; ``served``: two servers) over ``base`` (the public
-``generate``/``stream``); a proposer (``proposer``, ``engine_parts``) writes a step, a verifier (``verify``,
-``engine_parts``) reads it into typed ``Scores`` (``scores``), a pure acceptance policy (``policies``) decides, and
-the step loop (``loop``, with ``rows`` and ``meter``) commits or rolls back; ``methods`` maps method names to
-round functions, ``config`` and ``options`` hold a call's and the loop's settings, ``hf`` runs transformers' own
-loop as a baseline, ``speculative`` is token-level speculative sampling, ``prompts`` checks prompts, ``setup``
-checks probes and resolves their specs, ``timing`` reads the machine's load, ``results`` holds what a decode returns.
+``generate``/``stream``); ``parts`` is the loop's contract with its two parts, a proposer that writes steps and a
+verifier that reads them into typed ``Scores`` (``scores``), implemented in-process (``cache_parts``) and over two
+servers (``engine_parts``); a pure acceptance policy (``policies``) decides, and the step loop (``loop``, with
+``rows`` and its observer ``meter``) commits or rolls back; ``methods`` maps method names to round functions,
+``config`` holds a call's settings, ``hf`` runs transformers' own loop as a baseline, ``speculative`` is token-level
+speculative sampling, ``prompts`` checks prompts, ``setup`` checks probes and resolves their specs, ``timing`` reads
+the machine's load, ``results`` holds what a decode returns.
 
 Each public name is imported on first use (PEP 562), so ``import semanticspec`` imports no torch until a decoder is
 asked for.
@@ -28,21 +29,18 @@ _SURFACE = {
     "SemanticSpecDecoder": "semanticspec.decoder",
     "ServedDecoder": "semanticspec.served",
     "DecodeConfig": "semanticspec.config",
-    "LoopOptions": "semanticspec.options",
     "ProbePolicy": "semanticspec.policies",
     "DecodeResult": "semanticspec.results",
     "summarize": "semanticspec.results",
 }
 """Each public name and the module that defines it."""
 
-__all__ = ["SemanticSpecDecoder", "ServedDecoder", "DecodeConfig", "LoopOptions", "ProbePolicy", "DecodeResult",
-           "summarize"]
+__all__ = ["SemanticSpecDecoder", "ServedDecoder", "DecodeConfig", "ProbePolicy", "DecodeResult", "summarize"]
 assert set(__all__) == set(_SURFACE)
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr__`` imports on first use
     from semanticspec.config import DecodeConfig
     from semanticspec.decoder import SemanticSpecDecoder
-    from semanticspec.options import LoopOptions
     from semanticspec.policies import ProbePolicy
     from semanticspec.results import DecodeResult, summarize
     from semanticspec.served import ServedDecoder

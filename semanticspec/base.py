@@ -15,8 +15,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from generation.specs import SamplingSpec
+from generation.specs import SamplingSpec, StepSpec
 from semanticspec.config import DecodeConfig
+from semanticspec import setup
+from semanticspec.loop import LoopSetup
 from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.hf import TransformersLoop
 from semanticspec.methods import Method, method_for
@@ -25,13 +27,17 @@ from semanticspec.results import DecodeResult, StepEvent, collect
 
 class Plan(NamedTuple):
     """One call's work, every check done: the method, the inputs (the prompts as the verifier reads them, then as the
-    proposer does), each prompt's stream key, the sampling and the config."""
+    proposer does), each prompt's stream key, the sampling, the config, how the loop runs, what a step is and the
+    context room each row keeps spare."""
 
     method: Method | TransformersLoop
     inputs: tuple[Sequence, ...]
     keys: list
     sampling: SamplingSpec
     cfg: DecodeConfig
+    loop: LoopSetup
+    step: StepSpec
+    spare: int
 
 
 class StepDecoder:
@@ -40,12 +46,16 @@ class StepDecoder:
     policy: Any
     target_probe: Any
     draft_probe: Any
+    config: DecodeConfig
+    """The decoder's default config: a call without one starts from it."""
+    task: Any = None
+    """The task whose answer marker ends a decode (None: the config's marker, if any)."""
+    step: StepSpec
+    """What a step is with the default config: the probes' :class:`StepSpec`, unless the config says."""
     last_wall_s: float = 0.0
     """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts)."""
     windows: bool = True
     """The decoder can judge a window of several drafted steps per target pass (in-process: one tokenizer)."""
-    spare: int
-    """Context positions each row keeps free past its output (a bonus token, and in-process a judge turn)."""
 
     def generate(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
                  ) -> list[DecodeResult]:
@@ -76,7 +86,7 @@ class StepDecoder:
                 vocabulary, a prompt longer than a model's context), naming the prompt's index; all before any
                 model call or request.
         """
-        plan = self.plan(prompts, DecodeConfig.of(config, overrides))
+        plan = self.plan(prompts, self._config(config, overrides))
         return collect(self._events(plan), len(plan.keys))
 
     def stream(self, prompts: Sequence, config: DecodeConfig | None = None, **overrides: Any
@@ -85,21 +95,55 @@ class StepDecoder:
         event with its :class:`~semanticspec.results.DecodeResult` (:class:`~semanticspec.results.StepEvent`);
         prompts of one batch interleave round by round. Everything :meth:`generate` refuses is refused here, when
         called, before any model call or request."""
-        return self._events(self.plan(prompts, DecodeConfig.of(config, overrides)))
+        return self._events(self.plan(prompts, self._config(config, overrides)))
+
+    def _config(self, config: DecodeConfig | None, overrides) -> DecodeConfig:
+        """A call's config: ``config``, else the decoder's own, with ``overrides`` applied."""
+        return DecodeConfig.of(self.config if config is None else config, overrides)
+
+    def loop_setup(self, config: DecodeConfig | None = None) -> LoopSetup:
+        """How the step loop runs for ``config`` (default: the decoder's own) on this decoder: the task's answer
+        marker, token-level speculation and the bonus token where this pair allows them (ValueError: what it
+        cannot run)."""
+        return self._setup(self.config if config is None else config)[0]
+
+    def _setup(self, cfg: DecodeConfig) -> tuple[LoopSetup, StepSpec]:
+        """How the loop runs for ``cfg`` on this decoder, and what a step is (the probes' unless ``cfg.step`` says).
+
+        Raises:
+            ValueError: a step that differs from the probes', an answer marker that differs from the task's, or loop
+                settings this decoder cannot run (naming them).
+        """
+        step = setup.step_spec((self.target_probe, self.draft_probe), cfg.step)
+        marker = setup.answer_marker(cfg.answer_marker, self.task)
+        token_sd, bonus = self._token_sd(cfg)
+        return LoopSetup(cfg.target_first_step, marker, bonus, token_sd, cfg.token_sd_tokens,
+                         cfg.rewrite_in_rounds), step
+
+    def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
+        """Whether the target writes its steps with token-level speculation, and whether a bonus token opens the step
+        after a kept one, for ``cfg`` on this decoder (ValueError: what it cannot run)."""
+        raise NotImplementedError
+
+    def spare(self, cfg: DecodeConfig) -> int:
+        """Context positions each row keeps free past its output for ``cfg`` (a bonus token, and in-process a judge
+        turn)."""
+        raise NotImplementedError
 
     def plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """A call's work: its method, prompts as each part reads them, stream keys, sampling and config, every check
         :meth:`generate` makes done (ValueError naming what is wrong) before any model call or request."""
         raise NotImplementedError
 
-    def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys):
-        """The :class:`~semanticspec.loop.StepLoop` of one batch (``batch``: the plan's inputs, sliced)."""
+    def step_loop(self, plan: Plan, batch: tuple, keys):
+        """The :class:`~semanticspec.loop.StepLoop` of one batch of ``plan`` (``batch``: its inputs, sliced; ``keys``:
+        their stream keys)."""
         raise NotImplementedError
 
     def batch_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
         """The events of one batch of a plan (``batch``: its inputs, sliced; ``keys``: their stream keys), prompt
         indices within the batch: the batch's step loop, run with the plan's method."""
-        return self.step_loop(batch, plan.cfg.max_new_tokens, plan.sampling, keys).stream(plan.method)
+        return self.step_loop(plan, batch, keys).stream(plan.method)
 
     @torch.inference_mode()
     def _events(self, plan: Plan) -> Iterator[StepEvent]:
@@ -127,17 +171,19 @@ class StepDecoder:
         """Prompt ``k`` of a plan's inputs as a loop admits it: its prompt for the verifier, then for the proposer."""
         return inputs[0][k], inputs[1][k]
 
-    def prompt_room(self, inputs: tuple) -> int | None:
-        """New tokens the first prompt of a plan's inputs leaves room for in the models' contexts (None: unknown, a
-        server's count)."""
+    def prompt_room(self, plan: Plan) -> int | None:
+        """New tokens the first prompt of a plan leaves room for in the models' contexts (None: unknown, a server's
+        count)."""
         return None
 
     def _batch_size(self, cfg: DecodeConfig, n: int) -> int:
         """Prompts per loop: ``cfg.batch_size``, else all ``n``."""
         return cfg.batch_size or max(n, 1)
 
-    def _method(self, cfg: DecodeConfig) -> tuple[Method | TransformersLoop | None, list[str]]:
-        """The call's method (with the config's window) and what is wrong with the call for it."""
+    def _method(self, cfg: DecodeConfig, step: StepSpec | None = None) -> tuple[Method | TransformersLoop | None,
+                                                                                 list[str]]:
+        """The call's method (with the config's window, its steps ``step``: default the decoder's) and what is wrong
+        with the call for it."""
         name = cfg.method
         try:
             method = method_for(name, self.policy)
@@ -150,30 +196,31 @@ class StepDecoder:
             problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
         window = self._window(cfg, method)
         if window.size > 1 or window.overlap:
-            why = lookahead_problem(method, name) or self._window_fits(cfg.lookahead)
+            why = lookahead_problem(method, name) or self._window_fits(cfg, step or self.step)
             if why:
                 problems.append(f"lookahead={window.size}: {why}")
             else:
                 method = dataclasses.replace(method, window=window)
         return method, problems
 
-    def _window_fits(self, lookahead: int | None) -> str | None:
-        """Why a window of ``lookahead`` steps of the step spec's most tokens cannot fit the models' context after a
+    def _window_fits(self, cfg: DecodeConfig, step: StepSpec) -> str | None:
+        """Why a window of ``cfg.lookahead`` steps of ``step``'s most tokens cannot fit the models' context after a
         one-token prompt, or None (the shipped window, None, is cut at the context as any window near its end is)."""
-        room, cap = self.context_room(), self.step.max_step_tokens
+        lookahead, room, cap = cfg.lookahead, self.context_room(self.spare(cfg)), step.max_step_tokens
         if lookahead is None or room is None or lookahead * cap <= room:
             return None
         return (f"a window of {lookahead} steps of up to {cap} tokens ({lookahead * cap}) cannot fit the "
                 f"{room} new tokens the models' context leaves after a one-token prompt; use lookahead <= "
                 f"{max(room // cap, 1)}")
 
-    def context_room(self) -> int | None:
-        """New tokens both models' contexts hold after a one-token prompt (None: neither context known)."""
-        return self._room(1, 1)
+    def context_room(self, spare: int | None = None) -> int | None:
+        """New tokens both models' contexts hold after a one-token prompt, each row keeping ``spare`` positions free
+        (default: what the decoder's own config keeps); None: neither context known."""
+        return self._room(1, 1, self.spare(self.config) if spare is None else spare)
 
-    def _room(self, n_target: int, n_draft: int) -> int | None:
+    def _room(self, n_target: int, n_draft: int, spare: int) -> int | None:
         """New tokens both models' contexts hold after prompts of these lengths (None: neither context known)."""
-        rooms = [ctx - n - self.spare for n, ctx in zip((n_target, n_draft), self.contexts()) if ctx is not None]
+        rooms = [ctx - n - spare for n, ctx in zip((n_target, n_draft), self.contexts()) if ctx is not None]
         return min(rooms, default=None)
 
     def contexts(self) -> tuple[int | None, int | None]:

@@ -1,4 +1,5 @@
-"""`DecodeConfig`: what one ``generate`` call decodes with, typed, frozen and checked where it is built.
+"""`DecodeConfig`: what one ``generate`` call decodes with, typed, frozen and checked where it is built; and the dtype a
+decoder runs its probes in (:func:`resolve_probe_dtype`).
 
 As transformers' ``GenerationConfig`` and vLLM's ``SamplingParams``: build one and pass it, or pass its fields as
 keyword arguments (``dec.generate(prompts, max_new_tokens=64)``), which build one; both decoders
@@ -22,9 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from generation.sampling import seed_errors
-from generation.specs import SamplingSpec, is_count
+from generation.specs import SamplingSpec, StepSpec, is_count
 from semanticspec.policies import AcceptancePolicy
+
+SPECREASON_SUFFIX = "\nScore 0-9:"
+"""Judge turn appended after a draft step for SpecReason-style scoring (SpecReason asks for a 0-9 score)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,27 @@ class DecodeConfig:
             (PEARL-style); the draft's work is thrown away when a step is refused or the target's bonus token is not
             the draft's next token. Served decoding only (the two servers are separate processes); speculative
             methods.
+        target_first_step: the target writes each prompt's first step (the paper); off by default, as
+            ``benchmarks/first_step.py`` backs (docs/benchmarks.md, "Who writes the first step").
+        step: what a step is (:class:`~generation.specs.StepSpec`: delimiters and cap). None (default) = the step the
+            probes' labels were cut at (``config.step``), else ``StepSpec()``. A probe is used on the steps it was
+            trained on: a step that differs from a probe's is refused, naming both.
+        answer_marker: stop once a line starting at this marker is complete (e.g. ``"Answer:"``); None = the
+            decoder's task's marker, else none. A marker that differs from the task's is refused.
+        token_sd: the target writes its steps (first and refused) with token-level speculative sampling from the
+            same draft; lossless for those steps. None (default) = on when the models share a tokenizer
+            (``benchmarks/first_step.py``); True with two is refused, as is True served (a target server writes
+            refused steps with its own speculation, if it has one).
+        token_sd_tokens: draft tokens proposed per target pass when ``token_sd``.
+        rewrite_in_rounds: with ``token_sd``, a refused step is rewritten inside the loop's rounds instead of in a
+            phase of its own while the other rows wait: the target redraws the step from the verification forward
+            it already ran (the refused step as a point-mass proposal, so the rewrite is an exact draw from the
+            target), and an unfinished rewrite continues as the draft's proposal, checked token by token in the next
+            round's verification forward beside the other rows' steps.
+        bonus_token: on accept, the token the target predicts after the step opens the next step (in-process, one
+            tokenizer only).
+        judge_suffix: the judge turn of the SpecReason baseline; in-process, every method keeps room for it (and a
+            bonus token) at the context's end.
 
     Raises:
         ValueError: a field with a bad value, naming every bad field and its value at once.
@@ -89,6 +116,14 @@ class DecodeConfig:
     lookahead: int | None = None
     window_min_logprob: float | None = None
     overlap: bool = False
+    target_first_step: bool = False
+    step: StepSpec | None = None
+    answer_marker: str | None = None
+    token_sd: bool | None = None
+    token_sd_tokens: int = 4
+    rewrite_in_rounds: bool = True
+    bonus_token: bool = True
+    judge_suffix: str = SPECREASON_SUFFIX
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, Sequence) and not isinstance(self.seed, (str, bytes)):
@@ -113,13 +148,30 @@ class DecodeConfig:
             out.append(("window_min_logprob", "an adaptive window needs lookahead > 1"))
         if self.batch_size is not None and not is_count(self.batch_size):
             out.append(("batch_size", "expected an integer >= 1, or None for all prompts at once"))
-        for flag in ("allow_sampling_mismatch", "progress", "overlap"):
+        for flag in ("allow_sampling_mismatch", "progress", "overlap", "target_first_step", "rewrite_in_rounds",
+                     "bonus_token"):
             if not isinstance(getattr(self, flag), bool):
                 out.append((flag, "expected True or False"))
+        out += self._loop_problems()
         problems = [f"{name}={getattr(self, name)!r}: {why}" for name, why in out]
         problems += SamplingSpec.errors(SamplingSpec.temperature if self.temperature is None else self.temperature,
                                         SamplingSpec.top_p if self.top_p is None else self.top_p)  # the one check
         return problems + seed_errors(self.seed)
+
+    def _loop_problems(self) -> list[tuple[str, str]]:
+        """The loop settings' bad fields, as ``(name, what is expected)``."""
+        out = []
+        if not (self.token_sd is None or isinstance(self.token_sd, bool)):
+            out.append(("token_sd", "expected True, False or None (on where the models share a tokenizer)"))
+        if not is_count(self.token_sd_tokens):
+            out.append(("token_sd_tokens", "expected an integer >= 1"))
+        if self.step is not None and not isinstance(self.step, StepSpec):
+            out.append(("step", "expected a generation.specs.StepSpec or None"))
+        if self.answer_marker is not None and not (isinstance(self.answer_marker, str) and self.answer_marker):
+            out.append(("answer_marker", "expected a non-empty string or None"))
+        if not isinstance(self.judge_suffix, str) or not self.judge_suffix:
+            out.append(("judge_suffix", "expected a non-empty string"))
+        return out
 
     @classmethod
     def of(cls, config: DecodeConfig | None = None, overrides: Mapping[str, Any] | None = None) -> DecodeConfig:
@@ -146,3 +198,29 @@ class DecodeConfig:
 
 def _real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+PROBE_DTYPES = ("auto", "float32", "float16")
+"""``probe_dtype`` values: the dtype a decoder runs its probes' MLPs in."""
+
+
+def resolve_probe_dtype(value: str, device: torch.device) -> torch.dtype:
+    """The dtype a probe's MLP runs in on ``device`` for ``probe_dtype=value``.
+
+    ``auto`` is float16 where a float16 matrix-vector product is fast: on CUDA, and on x86 CPUs whose kernels
+    PyTorch built for AVX2 or AVX-512 (which convert float16 in registers). A batch-1 probe call reads every
+    weight once, and the models' forwards evict them from the CPU's caches between calls, so halving the bytes
+    halves the call (the world's paper-size MLP: 0.74 ms to 0.38 ms after a target forward, its q within
+    3.4e-4 of float32's on every labelled row, no decision at tau 0.5 changed). Elsewhere (no SIMD kernels)
+    float16 is several times slower, so ``auto`` keeps float32.
+
+    Raises:
+        ValueError: a value outside :data:`PROBE_DTYPES`, naming it.
+    """
+    if value not in PROBE_DTYPES:
+        raise ValueError(f"probe_dtype={value!r}; expected one of {list(PROBE_DTYPES)}")
+    if value == "auto":
+        fast = device.type == "cuda" or (device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in
+                                         ("AVX2", "AVX512"))
+        value = "float16" if fast else "float32"
+    return getattr(torch, value)

@@ -45,6 +45,7 @@ ends a decode, and the checker):
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -52,16 +53,15 @@ import torch
 from generation.cache import BatchedCache, context_length
 from generation.handover import Handover, pad_id
 from generation.sampling import Sampler, StreamKey, key_stream, stream_keys
-from generation.specs import SamplingSpec
+from generation.specs import SamplingSpec, StepSpec
 from generation.writer import StepWriter
 from semanticspec import setup
 from semanticspec.base import Plan, StepDecoder
 from semanticspec.cache_parts import DraftProposer, JudgeTurn, TargetVerifier
 from semanticspec.config import DecodeConfig
 from semanticspec.hf import TransformersLoop, transformers_events
-from semanticspec.loop import LoopSetup, StepLoop
+from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
-from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy, default_policy
 from semanticspec.prompts import read_prompts
 from semanticspec.results import DecodeResult, DecodeStats, StepEvent, StepTrace, summarize
@@ -87,59 +87,67 @@ class SemanticSpecDecoder(StepDecoder):
             ``tau``, ``ratio_scale``, fast path, ``lazy_p``); None = :func:`~semanticspec.policies.default_policy`:
             the threshold rule at ``tau=0.5``, after the gated top-1 fast path when the two models share a
             tokenizer (``ProbePolicy(top_k=1)``; ``ProbePolicy()`` has no fast path).
-        options: the step loop's options (:class:`~semanticspec.options.LoopOptions`: who
-            writes the first step, step delimiters and cap, answer marker, token-level
-            speculation, bonus token); None = ``LoopOptions()``.
+        config: the decoder's default :class:`~semanticspec.config.DecodeConfig` (the budget, sampling, method,
+            window and the loop's settings: who writes the first step, the step spec, token-level speculation, the
+            bonus token); a ``generate`` call without a config starts from it. None = ``DecodeConfig()``.
         task: the :class:`~datamodules.tasks.base.Task` whose problems are decoded (or any object with an
-            ``answer_marker``): a decode ends once a line starting with its ``answer_marker`` is complete, unless
-            ``options.answer_marker`` says so already. None (default): the options' marker, else none (a decode
-            ends at EOS, the token budget or the context end). Its problems come from ``task.problems(n, seed)``
+            ``answer_marker``): a decode ends once a line starting with its ``answer_marker`` is complete. None
+            (default): the config's ``answer_marker``, else none (a decode ends at EOS, the token budget or the
+            context end). Its problems come from ``task.problems(n, seed)``
             and their prompts from ``task.decoder_prompt(tokenizer, problem)``; ``task.check`` scores the text.
         probe_dtype: the dtype the probes' MLPs run in: ``"auto"`` (default: float16 where float16 matrix-vector
             products are fast, CUDA and x86 CPUs with AVX2/AVX-512; float32 elsewhere;
-            :func:`~semanticspec.options.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
+            :func:`~semanticspec.config.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
             ``"float16"``. A probe given as a module is converted on a copy.
 
     Raises:
-        ValueError: a fast path or ``token_sd=True`` with two tokenizers, or a probe exported for
+        ValueError: a fast path or ``config.token_sd=True`` with two tokenizers, or a probe exported for
             another model or trained on other steps (naming the fields), a bad ``probe_dtype``, or a task whose
-            answer marker differs from ``options.answer_marker`` (naming both).
+            answer marker differs from ``config.answer_marker`` (naming both).
     """
 
     def __init__(self, target, draft, tokenizer, draft_tokenizer=None, target_probe: ProbeLike = None,
-                 draft_probe: ProbeLike = None, policy: ProbePolicy | None = None, options: LoopOptions | None = None,
+                 draft_probe: ProbeLike = None, policy: ProbePolicy | None = None, config: DecodeConfig | None = None,
                  *, probe_dtype: str = "auto", task=None):
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared
         self.windows = self.shared  # the target reads a window of draft steps in its own tokens
-        self.policy, self.options = policy or default_policy(fast_path=self.shared), setup.with_task(options, task)
-        opt = self.options
-        self.token_sd = self.shared if opt.token_sd is None else opt.token_sd
-        errors = []
+        self.policy = policy or default_policy(fast_path=self.shared)
+        self.config, self.task = config or DecodeConfig(), task
         if self.policy.top_k and not self.shared:
-            errors.append(f"top_k={self.policy.top_k}: the fast path compares the draft's tokens with the target's "
-                          "top-k, so it needs a shared tokenizer; this pair has two (use top_k=0)")
-        if self.token_sd and not self.shared:
-            errors.append("token_sd=True (token-level speculation inside target steps) needs a shared tokenizer")
-        if errors:
-            raise ValueError("invalid SemanticSpecDecoder arguments: " + "; ".join(errors))
+            raise ValueError(f"invalid SemanticSpecDecoder arguments: top_k={self.policy.top_k}: the fast path "
+                             "compares the draft's tokens with the target's top-k, so it needs a shared tokenizer; "
+                             "this pair has two (use top_k=0)")
         self.target, self.draft = target.eval(), draft.eval()
         self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
-        self.bonus_token = opt.bonus_token and self.shared
         self.target_probe = setup.load(target_probe, target, tokenizer, "target", probe_dtype)
         self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, "draft", probe_dtype)
-        self.step = setup.step_spec((self.target_probe, self.draft_probe), opt.step)
-        """What a step is (:class:`~generation.specs.StepSpec`): the probes', unless ``options.step`` says."""
-        suffix = self.tokenizer(opt.judge_suffix, add_special_tokens=False).input_ids
+        self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
         digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
-        self.judge = JudgeTurn(suffix, digits)
-        self.spare = 1 + len(suffix)  # room kept for a bonus token and SpecReason's judge turn
+        self._judges = {s: JudgeTurn(self.tokenizer(s, add_special_tokens=False).input_ids, digits)
+                        for s in {self.config.judge_suffix}}
         self._recorded_sampling = setup.sampling_spec((self.target_probe, self.draft_probe))
-        self.target_stop, self.draft_stop = self.step.stopper(tokenizer), self.step.stopper(self.draft_tokenizer)
+        self._stoppers: dict = {}
+
+    def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
+        if cfg.token_sd and not self.shared:
+            raise ValueError("token_sd=True (token-level speculation inside target steps) needs a shared tokenizer")
+        return self.shared if cfg.token_sd is None else cfg.token_sd, cfg.bonus_token and self.shared
+
+    def judge(self, suffix: str) -> JudgeTurn:
+        """The judge turn of ``suffix`` (a config's ``judge_suffix``) in the target's tokens."""
+        if suffix not in self._judges:
+            self._judges[suffix] = replace(next(iter(self._judges.values())),
+                                           suffix=self.tokenizer(suffix, add_special_tokens=False).input_ids)
+        return self._judges[suffix]
+
+    def spare(self, cfg: DecodeConfig) -> int:
+        return 1 + len(self.judge(cfg.judge_suffix).suffix)  # a bonus token and SpecReason's judge turn
 
     def plan(self, prompts, cfg: DecodeConfig) -> Plan:
-        """The call's method, target and draft ids, stream keys, sampling and config, every check done."""
-        method, problems = self._method(cfg)
+        """The call's method, target and draft ids, stream keys, sampling, config and loop setup, every check done."""
+        loop, step = self._setup(cfg)
+        method, problems = self._method(cfg, step)
         sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
                                           method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
         if cfg.overlap:
@@ -152,7 +160,8 @@ class SemanticSpecDecoder(StepDecoder):
         if problems:
             raise ValueError("; ".join(problems))
         ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
-        return Plan(method, (ids_t, ids_d), stream_keys(cfg.seed, len(ids_t)), sampling, cfg)
+        return Plan(method, (ids_t, ids_d), stream_keys(cfg.seed, len(ids_t)), sampling, cfg, loop, step,
+                    self.spare(cfg))
 
     def batch_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
         """The events of one batch: its step loop, or for a :class:`~semanticspec.hf.TransformersLoop` method
@@ -163,39 +172,44 @@ class SemanticSpecDecoder(StepDecoder):
                                        plan.sampling, keys)
         return super().batch_events(plan, batch, keys)
 
-    def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys: Sequence[StreamKey]
-                  ) -> StepLoop:
-        """The loop of one batch over the in-process models: one :class:`~generation.cache.BatchedCache` per model.
+    def step_loop(self, plan: Plan, batch: tuple, keys: Sequence[StreamKey]) -> StepLoop:
+        """The loop of one batch of ``plan`` over the in-process models: one :class:`~generation.cache.BatchedCache`
+        per model.
 
         Args:
+            plan: the call's plan (its budget, sampling, loop setup, step spec and spare room).
             batch: the prompts' target ids and draft ids.
-            max_new_tokens: output token budget per prompt.
-            sampling: temperature and top-p of both models (validated once, where the spec was built).
             keys: each prompt's :data:`~generation.sampling.StreamKey`: it samples and flips its acceptance coins
                 from its own streams, seeded from its key (:func:`~generation.sampling.stream_keys`), so it decodes
                 the same in any batch.
         """
         (ids_t, ids_d), n = batch, len(batch[0])
         streams = {s: [key_stream(key, s) for key in keys] for s in ("sampling", "coins")}
-        sampler = Sampler(sampling, streams["sampling"])
+        sampler = Sampler(plan.sampling, streams["sampling"])
         tgt = BatchedCache(self.target, n, pad_id(self.tokenizer), _layers(self.target_probe))
         drf = BatchedCache(self.draft, n, pad_id(self.draft_tokenizer), _layers(self.draft_probe))
         for i in range(n):
             tgt.extend(i, ids_t[i])
             drf.extend(i, ids_d[i])
-        proposer = DraftProposer(StepWriter(drf, self.draft_stop, sampler), self.draft_tokenizer, self.draft_probe,
-                                 self.handover, self.spare)
-        verifier = TargetVerifier(StepWriter(tgt, self.target_stop, sampler), self.tokenizer, self.handover,
-                                  self.target_probe, self.judge, streams["coins"], self.spare)
-        rows = [Row(max_new_tokens, self.shared, self.options.answer_marker) for _ in range(n)]
-        return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.bonus_token, self.token_sd),
-                        Meter(rows, verifier, proposer))
+        target_stop, draft_stop = self._stopper(plan.step)
+        proposer = DraftProposer(StepWriter(drf, draft_stop, sampler), self.draft_tokenizer, self.draft_probe,
+                                 self.handover, plan.spare)
+        verifier = TargetVerifier(StepWriter(tgt, target_stop, sampler), self.tokenizer, self.handover,
+                                  self.target_probe, self.judge(plan.cfg.judge_suffix), streams["coins"], plan.spare)
+        rows = [Row(plan.cfg.max_new_tokens, self.shared, plan.loop.answer_marker) for _ in range(n)]
+        return StepLoop(proposer, verifier, rows, plan.loop, Meter(rows, verifier, proposer))
+
+    def _stopper(self, step: StepSpec) -> tuple:
+        """The target's and the draft's stop checks of ``step`` (made once per step spec)."""
+        if step not in self._stoppers:
+            self._stoppers[step] = step.stopper(self.tokenizer), step.stopper(self.draft_tokenizer)
+        return self._stoppers[step]
 
     def contexts(self) -> tuple[int | None, int | None]:
         return context_length(self.target), context_length(self.draft)
 
-    def prompt_room(self, inputs: tuple) -> int | None:
-        return self._room(len(inputs[0][0]), len(inputs[1][0]))
+    def prompt_room(self, plan: Plan) -> int | None:
+        return self._room(len(plan.inputs[0][0]), len(plan.inputs[1][0]), plan.spare)
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
                  enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from generation.sampling import StreamKey
-from semanticspec.options import LoopOptions
 from semanticspec.policies import AcceptancePolicy, Needs
 from semanticspec.parts import ONE_STEP, Proposal, Proposer, RowState, Verifier, Window
 from semanticspec.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
@@ -33,17 +32,24 @@ from semanticspec.speculative import speculate_tokens
 
 @dataclass(frozen=True)
 class LoopSetup:
-    """How the loop runs, whatever its parts.
+    """How the loop runs, whatever its parts: a call's :class:`~semanticspec.config.DecodeConfig` resolved for the
+    decoder that runs it (the task's answer marker, what one tokenizer allows).
 
     Attributes:
-        options: the decoder's loop options (first step, answer marker, rewrites in the rounds).
+        target_first_step: the target writes each row's first step.
+        answer_marker: a row is done once a line starting with it is complete (None: no marker).
         bonus_token: the target's next token after a kept step opens the next step.
         token_sd: the draft helps the target write its steps (token-level speculation; in-process parts).
+        token_sd_tokens: draft tokens proposed per target pass with ``token_sd``.
+        rewrite_in_rounds: with ``token_sd``, a refused step is rewritten inside the rounds.
     """
 
-    options: LoopOptions
-    bonus_token: bool
+    target_first_step: bool = False
+    answer_marker: str | None = None
+    bonus_token: bool = True
     token_sd: bool = False
+    token_sd_tokens: int = 4
+    rewrite_in_rounds: bool = True
 
 
 class LoopObserver(Protocol):
@@ -83,7 +89,6 @@ class StepLoop:
     def __init__(self, proposer: Proposer, verifier: Verifier, rows: list[Row], setup: LoopSetup,
                  observer: LoopObserver) -> None:
         self.proposer, self.verifier, self.rows, self.setup = proposer, verifier, rows, setup
-        self.opt = setup.options
         self.meter = observer
 
     def limit(self, i: int, *parts) -> int:
@@ -126,7 +131,7 @@ class StepLoop:
         """A new row, between rounds of :meth:`serve`: ``prompts`` (its prompt for the verifier and for the proposer,
         as each reads it), its output ``budget`` and its stream key; returns its index. It decodes as it would alone
         with the same key (rows do not read each other; its streams are its own)."""
-        self.rows.append(Row(budget, self.rows[0].shared, self.opt.answer_marker))
+        self.rows.append(Row(budget, self.rows[0].shared, self.setup.answer_marker))
         i = len(self.rows) - 1
         self.verifier.admit(prompts[0], key)
         self.proposer.admit(prompts[1], key)
@@ -297,7 +302,7 @@ class StepLoop:
     @property
     def rides(self) -> bool:
         """Refused steps are rewritten inside the rounds (``rewrite_in_rounds`` with ``token_sd``)."""
-        return bool(self.setup.token_sd and self.opt.rewrite_in_rounds)
+        return bool(self.setup.token_sd and self.setup.rewrite_in_rounds)
 
     def _row_state(self, i: int) -> RowState:
         """What the proposer is told of row ``i``: a new step after its forced tokens, or the rewrite's continuation."""
@@ -348,7 +353,7 @@ class StepLoop:
         """The target writes one step per row with token-level speculation, both parts in turn: the proposer drafts
         up to ``token_sd_tokens`` tokens, the verifier reads them in one forward, the target keeps a prefix and
         draws the token after it (:meth:`_rewrite_tokens`), until every row's step is finished and committed."""
-        rows, chunk = self.rows, self.opt.token_sd_tokens
+        rows, chunk = self.rows, self.setup.token_sd_tokens
         for i in rows_i:
             rows[i].rewriting = TargetStep(list(rows[i].forced), len(rows[i].forced), limits[i], chunk=chunk)
             self._rewritten(i)  # forced tokens may finish the step already

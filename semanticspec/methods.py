@@ -54,7 +54,7 @@ def draft_round(loop: StepLoop, rows: list[int], method: Method) -> None:
 def speculative_round(loop: StepLoop, rows: list[int], method: Method) -> None:
     """The draft proposes each row's step (or window of steps) and ``method.policy`` decides; the target writes the
     first step when ``target_first_step``, and every refused one."""
-    first = [i for i in rows if loop.opt.target_first_step and loop.rows[i].steps_written == 0]
+    first = [i for i in rows if loop.setup.target_first_step and loop.rows[i].steps_written == 0]
     spec = [i for i in rows if i not in first]
     rejected = loop.speculate(spec, method.policy, method.window) if spec else []
     if first or rejected:

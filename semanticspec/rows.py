@@ -30,7 +30,7 @@ class TargetStep:
         n_forced: leading tokens that were given (the target's bonus token), not written for this step.
         limit: the most tokens the step may hold, forced ones included.
         chunk: the most draft tokens proposed per target forward (the target's own steps written with token-level
-            speculation, ``LoopOptions.token_sd_tokens``); None: up to the step's end (a refused step rewritten in
+            speculation, ``DecodeConfig.token_sd_tokens``); None: up to the step's end (a refused step rewritten in
             the rounds, from the draft's continuation of it).
     """
 

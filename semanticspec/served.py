@@ -11,15 +11,14 @@ from __future__ import annotations
 from generation.engines.checks import serving_problems
 from generation.features import FeatureSpec
 from generation.sampling import key_stream, stream_keys
-from generation.specs import SamplingSpec, StepSpec, is_count
+from generation.specs import is_count
 from semanticspec import setup
 from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier
-from semanticspec.loop import LoopSetup, StepLoop
+from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
 from semanticspec.hf import TransformersLoop
-from semanticspec.options import LoopOptions
 from semanticspec.policies import ProbePolicy, default_policy
 from semanticspec.prompts import read_prompt_texts
 from semanticspec.rows import Row
@@ -40,8 +39,9 @@ class ServedDecoder(StepDecoder):
         draft_probe: same for the draft (the ratio rule's ``p``, from the draft server's top-k), or None.
         policy: SemanticSpec's acceptance; None = :func:`~semanticspec.policies.default_policy`, the threshold
             rule after the gated top-1 fast path (the target server reads the step in its own tokens).
-        options: loop options (first step, step spec, answer marker, bonus token; token-level speculation inside
-            refused steps is the target server's own); None = ``LoopOptions()``.
+        config: the decoder's default :class:`~semanticspec.config.DecodeConfig` (a ``generate`` call without one
+            starts from it; token-level speculation inside refused steps is the target server's own, so
+            ``token_sd=True`` is refused); None = ``DecodeConfig()``.
         concurrency: requests in flight at once per server (each row has at most one).
         task: the task whose problems are decoded: its ``answer_marker`` ends a decode, as the in-process
             decoder's ``task``.
@@ -50,30 +50,29 @@ class ServedDecoder(StepDecoder):
     Raises:
         ValueError: ``concurrency`` below 1, a probe for the other role, probes that disagree on their step or
             sampling, a step spec that differs from the probes', a bad ``probe_dtype``, or a task whose answer
-            marker differs from ``options.answer_marker``.
+            marker differs from ``config.answer_marker``.
     """
 
-    spare = SPARE  # the bonus token's position (no judge turn is served)
-
     def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
-                 options: LoopOptions | None = None, *, concurrency: int = 4, probe_dtype: str = "auto",
+                 config: DecodeConfig | None = None, *, concurrency: int = 4, probe_dtype: str = "auto",
                  task=None) -> None:
         if not is_count(concurrency):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (requests in flight at once)")
         self.target, self.draft, self.concurrency = target, draft, concurrency
-        self.policy, self.options = policy or default_policy(), setup.with_task(options, task)
+        self.policy, self.config, self.task = policy or default_policy(), config or DecodeConfig(), task
         self.target_probe, self.draft_probe = (setup.load(p, None, None, role, probe_dtype)
                                                for p, role in ((target_probe, "target"), (draft_probe, "draft")))
         probes = (self.target_probe, self.draft_probe)
-        self.step: StepSpec = setup.step_spec(probes, self.options.step)
-        """What a step is: the probes' :class:`StepSpec`, unless ``options.step`` says (a differing one is refused)."""
+        self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
         self._recorded_sampling = setup.sampling_spec(probes)
         if (why := swapped(target, draft, self.target_probe, self.draft_probe)) is not None:
             raise ValueError(why)
 
     def plan(self, prompts, cfg: DecodeConfig) -> Plan:
-        """The call's method, prompts, stream keys, sampling and config, every check done before any request."""
-        method, problems = self._method(cfg)
+        """The call's method, prompts, stream keys, sampling, config and loop setup, every check done before any
+        request."""
+        loop, step = self._setup(cfg)
+        method, problems = self._method(cfg, step)
         policy = method.policy if method is not None else None
         if isinstance(method, TransformersLoop):
             problems.append(f"method={cfg.method!r} runs transformers' own loop on in-process models; use it with "
@@ -91,7 +90,8 @@ class ServedDecoder(StepDecoder):
             raise ValueError("; ".join(problems))
         prompts = read_prompt_texts(prompts)
         self._check_servers(policy, cfg.method)
-        return Plan(method, (prompts, prompts), stream_keys(cfg.seed, len(prompts)), sampling, cfg)  # both read text
+        keys = stream_keys(cfg.seed, len(prompts))
+        return Plan(method, (prompts, prompts), keys, sampling, cfg, loop, step, SPARE)  # both parts read text
 
     def contexts(self) -> tuple[int | None, int | None]:
         """As the engines state them (``Engine.context_length``: vLLM's and SGLang's ``/v1/models``, a
@@ -104,17 +104,25 @@ class ServedDecoder(StepDecoder):
         (llama-cpp-python keeps one) instead of evicting the others' round after round."""
         return max(n, 1) if self.concurrency > 1 else 1
 
-    def step_loop(self, batch: tuple, max_new_tokens: int, sampling: SamplingSpec, keys) -> StepLoop:
-        """The loop of one batch of text prompts over the two servers."""
+    def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
+        if cfg.token_sd:
+            raise ValueError("token_sd=True: the served decoder's target server writes refused steps with its own "
+                             "speculation, if it runs one; leave token_sd unset")
+        return False, cfg.bonus_token
+
+    def spare(self, cfg: DecodeConfig) -> int:
+        return SPARE  # the bonus token's position (no judge turn is served)
+
+    def step_loop(self, plan: Plan, batch: tuple, keys) -> StepLoop:
+        """The loop of one batch of text prompts of ``plan`` over the two servers."""
         prompts, _ = batch
-        rows = [Row(max_new_tokens, False, self.options.answer_marker) for _ in prompts]
-        kw = dict(rows=rows, prompts=prompts, keys=keys, sampling=sampling, step=self.step,
+        rows = [Row(plan.cfg.max_new_tokens, False, plan.loop.answer_marker) for _ in prompts]
+        kw = dict(rows=rows, prompts=prompts, keys=keys, sampling=plan.sampling, step=plan.step,
                   concurrency=self.concurrency)
         coins = [key_stream(k, "coins") for k in keys]  # as in-process
         proposer = EngineProposer(self.draft, self.draft_probe, **kw)
         verifier = EngineVerifier(self.target, self.target_probe, coins, **kw)
-        return StepLoop(proposer, verifier, rows, LoopSetup(self.options, self.options.bonus_token),
-                        Meter(rows, verifier, proposer))
+        return StepLoop(proposer, verifier, rows, plan.loop, Meter(rows, verifier, proposer))
 
     def _check_servers(self, policy, method) -> None:
         """Refuse servers that cannot serve the method's reads, before any request that decodes."""

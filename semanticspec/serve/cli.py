@@ -82,7 +82,6 @@ class ServeOptions:
 def build(opts: ServeOptions):
     """The app of ``opts``: the decoder (the default world's models in-process, found through its registration
     (``datamodules.tasks.worlds``), or two servers) and the endpoint's settings."""
-    from semanticspec.options import LoopOptions
     from semanticspec.policies import ProbePolicy
     from semanticspec.serve.app import Settings, build_app
 
@@ -112,8 +111,8 @@ def build(opts: ServeOptions):
         kw = {"api_key_env": opts.backend_key_env}
         target = make_engine(opts.engine, opts.target_url, opts.target_model, **kw)
         draft = make_engine(opts.engine, opts.draft_url, opts.draft_model, **kw)
-        dec = ServedDecoder(target, draft, probes[0], probes[1], ProbePolicy(tau=opts.threshold),
-                            LoopOptions(answer_marker=task.answer_marker), concurrency=opts.concurrency)
+        dec = ServedDecoder(target, draft, probes[0], probes[1], ProbePolicy(tau=opts.threshold), task=task,
+                            concurrency=opts.concurrency)
         backends = (target.url, draft.url)
         if opts.tokenizer is not None:
             from transformers import AutoTokenizer

@@ -85,7 +85,7 @@ class _Group:
 
     def __init__(self, dec, plan, job: Job) -> None:
         self.dec = dec
-        self.loop = dec.step_loop(plan.inputs, plan.cfg.max_new_tokens, plan.sampling, plan.keys)
+        self.loop = dec.step_loop(plan, plan.inputs, plan.keys)
         self.jobs: dict[int, Job] = {0: job}  # the rows whose end event has not passed yet
         self.events: Iterator = self.loop.serve(plan.method)
 
@@ -150,7 +150,7 @@ class Scheduler:
         prompt and ``max_new_tokens`` (ValueError naming the bad value). ``budget``: the request gave no
         ``max_tokens``, and its budget is ``budget(room)`` (room: the new tokens the prompt leaves, None unknown)."""
         plan = self.dec.plan([prompt], config)
-        room = self.dec.prompt_room(plan.inputs)
+        room = self.dec.prompt_room(plan)
         if room is not None and room < 1:
             raise ValueError(f"prompt: {len(plan.inputs[0][0])} tokens leave no room for a new token in the models' "
                              "context")
@@ -269,7 +269,7 @@ class Scheduler:
                 self.dropped += 1
                 self._end(job, self._cancelled())
                 continue
-            key = (plan.method, plan.sampling)
+            key = (plan.method, plan.sampling, plan.loop, plan.step, plan.spare, plan.cfg.judge_suffix)
             g = self.groups.get(key)
             if g is not None and g.admitted >= self.rows_per_loop:  # it drains under a key of its own
                 self.groups[(key, self.loops)] = self.groups.pop(key)

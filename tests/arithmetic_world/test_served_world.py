@@ -11,11 +11,12 @@ import json
 import re
 import time
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from arithmetic_world.serve import LlamaServer, world_server
-from semanticspec.options import LoopOptions
 from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
 from tests.conftest import DRAFT, TARGET, gguf_or_skip, need_server
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 PORTS = {"target": 8851, "draft": 8852}
 """The world's servers, on ``configs/served.yaml``'s ports (its label build is run against them)."""
 REAL_PORTS = {"target": 8853, "draft": 8854}
-MARKER = LoopOptions(answer_marker="Answer:")
+MARKER = SimpleNamespace(answer_marker="Answer:")  # a task: its answer marker ends every decode
 TOPK_TOLERANCE = 5e-5
 """Served top-k statistics vs in-process ones, max |Δ| over every statistic of every step read (f32 weights and
 KV cache on the server, float32 log-softmax in-process); measured 1.5e-5: see the test's docstring."""
@@ -58,7 +59,7 @@ def _prompts(world, n: int, seed: int) -> tuple[list[str], list[dict]]:
 def test_served_greedy_always_reject_equals_served_target_only(world):
     t0 = time.perf_counter()
     prompts, _ = _prompts(world, 8, 11)
-    dec = ServedDecoder(world["engines"]["target"], world["engines"]["draft"], options=MARKER)
+    dec = ServedDecoder(world["engines"]["target"], world["engines"]["draft"], task=MARKER)
     kw = {"temperature": 0.0, "max_new_tokens": 96}
     spec = dec.generate(prompts, method="always_reject", **kw)
     ref = dec.generate(prompts, method="target_only", **kw)
@@ -187,7 +188,7 @@ def test_engine_read_label_build_trains_probes_that_decode_the_served_world(worl
 
     prompts, _ = _prompts(world, 8, 99)  # problems the build did not see (task seed 1)
     dec = ServedDecoder(world["engines"]["target"], world["engines"]["draft"], result["export"]["target"],
-                        result["export"]["draft"], options=MARKER)
+                        result["export"]["draft"], task=MARKER)
     out = dec.generate(prompts, max_new_tokens=96, seed=3)
     assert all(r.ok for r in out), [r.error for r in out if not r.ok]
     s = summarize(out)

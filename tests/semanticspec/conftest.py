@@ -7,7 +7,7 @@ from generation.specs import StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from semanticspec.decoder import SemanticSpecDecoder
-from semanticspec.options import LoopOptions
+from semanticspec.config import DecodeConfig
 from semanticspec.policies import ProbePolicy
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
@@ -36,20 +36,22 @@ class ConstProbe(torch.nn.Module):
 
 
 POLICY = set(ProbePolicy.__dataclass_fields__)
-OPTIONS = set(LoopOptions.__dataclass_fields__)
+OPTIONS = {"target_first_step", "step", "answer_marker", "token_sd", "token_sd_tokens", "rewrite_in_rounds",
+           "bonus_token", "judge_suffix"}
+"""The loop settings of a DecodeConfig."""
 
 
 def make_decoder(target, draft, tok, draft_tokenizer=None, target_probe=None, draft_probe=None, **kw):
-    """The decoder with ``kw`` sorted into its policy and loop options (the flat knobs tests read best);
-    ``delimiters``/``max_step_tokens`` make the options' ``step``."""
+    """The decoder with ``kw`` sorted into its policy and its default config's loop settings (the flat knobs tests read
+    best); ``delimiters``/``max_step_tokens`` make the config's ``step``."""
     if "delimiters" in kw or "max_step_tokens" in kw:
         kw["step"] = StepSpec(tuple(kw.pop("delimiters", None) or DEFAULT_DELIMITERS),
                               kw.pop("max_step_tokens", None) or StepSpec.max_step_tokens)
     policy = ProbePolicy(**{k: v for k, v in kw.items() if k in POLICY})
-    options = LoopOptions(**{k: v for k, v in kw.items() if k in OPTIONS})
+    config = DecodeConfig(**{k: v for k, v in kw.items() if k in OPTIONS})
     unknown = set(kw) - POLICY - OPTIONS
     assert not unknown, unknown
-    return SemanticSpecDecoder(target, draft, tok, draft_tokenizer, target_probe, draft_probe, policy, options)
+    return SemanticSpecDecoder(target, draft, tok, draft_tokenizer, target_probe, draft_probe, policy, config)
 
 
 def stub_decoder(target, draft, tok, q=1.0, p=1.0, groups=("hidden",), stats=(), layer_ids=(-1,), **kw):

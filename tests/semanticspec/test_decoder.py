@@ -10,8 +10,9 @@ from generation.cache import record_forwards
 from generation.groups import TOKEN_STATS
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
+from semanticspec.config import DecodeConfig
 from semanticspec.decoder import DecodeResult, SemanticSpecDecoder, summarize
-from semanticspec.options import LoopOptions, resolve_probe_dtype
+from semanticspec.config import resolve_probe_dtype
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, fast_path_keeps_rows
 from semanticspec.cache_parts import DraftProposer, TargetVerifier
 from probes.export import export_probe
@@ -290,7 +291,7 @@ def test_scripted_fast_path_bonus_and_answer_marker(world_tokenizer):
 
 
 def test_the_decoder_takes_the_answer_marker_from_the_task(world_tokenizer):
-    """Issue 33 item 7: ``task=`` gives the decoder the task's answer marker; no LoopOptions needed."""
+    """Issue 33 item 7: ``task=`` gives the decoder the task's answer marker; no config needed."""
     from datamodules.tasks.base import Task
 
     tok, prompt = world_tokenizer, PROMPTS[1]
@@ -298,16 +299,16 @@ def test_the_decoder_takes_the_answer_marker_from_the_task(world_tokenizer):
     probe = ConstProbe(target.config.hidden_size, 1.0, step=StepSpec(DEFAULT_DELIMITERS, 16))
     task = Task()
     dec = SemanticSpecDecoder(target, draft, tok, target_probe=probe, task=task)
-    assert dec.options.answer_marker == task.answer_marker == "Answer:"
+    assert dec.loop_setup().answer_marker == task.answer_marker == "Answer:"
     (res,) = dec.generate([prompt], **GREEDY)
     assert (res.text, res.stop_reason) == ("3 + 1 = 4.\n\nAnswer: 4\n\n", "answer")
     (res,) = SemanticSpecDecoder(target, draft, tok, target_probe=probe).generate([prompt], **GREEDY)
     assert res.stop_reason != "answer" and res.text.endswith("Add 9")  # no task, no marker: on to the end
-    same = SemanticSpecDecoder(target, draft, tok, target_probe=probe, options=LoopOptions(answer_marker="Answer:"),
+    same = SemanticSpecDecoder(target, draft, tok, target_probe=probe, config=DecodeConfig(answer_marker="Answer:"),
                                task=task)
-    assert same.options.answer_marker == "Answer:"
-    with pytest.raises(ValueError, match=r"options.answer_marker='Result:' but the task's is 'Answer:'; give one"):
-        SemanticSpecDecoder(target, draft, tok, target_probe=probe, options=LoopOptions(answer_marker="Result:"),
+    assert same.loop_setup().answer_marker == "Answer:"
+    with pytest.raises(ValueError, match=r"answer_marker='Result:' but the task's is 'Answer:'; give one"):
+        SemanticSpecDecoder(target, draft, tok, target_probe=probe, config=DecodeConfig(answer_marker="Result:"),
                             task=task)
     with pytest.raises(ValueError, match=r"task='math' has no answer_marker"):
         SemanticSpecDecoder(target, draft, tok, target_probe=probe, task="math")
@@ -363,7 +364,7 @@ def test_specreason_keeps_steps_scored_seven_or_more(tiny_pair, digit, decision)
     target, draft, tok = tiny_pair
     dec = make_decoder(target, draft, tok, max_step_tokens=4)
     bias = torch.zeros(target.config.vocab_size)
-    bias[dec.judge.digits[digit]] = 100.0
+    bias[dec.judge(dec.config.judge_suffix).digits[digit]] = 100.0
     hook = target.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
     try:
         (res,) = dec.generate(PROMPTS[:1], method="specreason", max_new_tokens=24, temperature=0.0)
@@ -535,13 +536,13 @@ def test_defaults_follow_the_first_step_benchmark(tiny_pair):
     shared."""
     target, draft, tok = tiny_pair
     shared = stub_decoder(target, draft, tok)
-    assert shared.token_sd is True and shared.options.target_first_step is False
-    assert stub_decoder(target, draft, tok, token_sd=False).token_sd is False
+    assert shared.loop_setup().token_sd is True and shared.loop_setup().target_first_step is False
+    assert stub_decoder(target, draft, tok, token_sd=False).loop_setup().token_sd is False
     ctok = char_tokenizer()
     cross = make_decoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, draft_tokenizer=ctok,
                                 target_probe=ConstProbe(target.config.hidden_size),
                                 draft_probe=ConstProbe(24, role="draft"))
-    assert cross.token_sd is False  # needs a shared tokenizer: off, not refused, when left to the default
+    assert cross.loop_setup().token_sd is False  # needs a shared tokenizer: off, not refused, when left to the default
     res = shared.generate(PROMPTS[:1], max_new_tokens=12, seed=0)
     assert res[0].steps[0].writer == "draft"  # the first step was proposed by the draft
 
@@ -554,7 +555,7 @@ def test_the_step_definition_travels_with_the_probes(tiny_pair):
     dprobe = ConstProbe(draft.config.hidden_size, role="draft", step=seven)
     dec = make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe)
     assert dec.step == seven
-    assert dec.target_stop.max_step_tokens == dec.draft_stop.max_step_tokens == 7
+    assert all(stop.max_step_tokens == 7 for stop in dec._stopper(dec.step))
     assert make_decoder(target, draft, tok, target_probe=tprobe, draft_probe=dprobe, step=seven).step == seven
     with pytest.raises(ValueError, match=r"step=StepSpec\(delimiters=\('\\n\\n',\), max_step_tokens=64\) but the "
                                          r"target probe was trained on steps with step=StepSpec\(delimiters=\('\.\\n"):
@@ -772,7 +773,7 @@ def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, rewri
         assert all(r.positions % r.live == 0 and r.positions >= r.tokens >= r.rows and r.live <= 8
                    for r in batch_log), gen
         assert batch_log[0].live == 8, gen
-        if dec.token_sd and dec.options.rewrite_in_rounds and not first:
+        if dec.loop_setup().token_sd and dec.loop_setup().rewrite_in_rounds and not first:
             # refused steps are rewritten in the rounds: every target forward reads every unfinished row
             assert all(r.rows == r.live for r in batch_log if r.model is target), gen
         assert sum(r.positions for r in batch_log) > sum(r.tokens for r in batch_log), gen

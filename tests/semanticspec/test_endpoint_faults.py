@@ -189,7 +189,7 @@ def test_a_prompt_token_count_that_raises_ends_that_request_not_the_decode_threa
                 return Plan("bad", config)
             raise ValueError("prompt: refused")
 
-        def prompt_room(self, inputs):
+        def prompt_room(self, plan):
             return None
 
     def count(text):

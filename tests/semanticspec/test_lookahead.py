@@ -3,6 +3,8 @@ step-by-step loop would judge it; in-process and served over the same loop; bad 
 
 import dataclasses
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,7 +15,6 @@ from generation.specs import FeatureSpec
 from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.loop import StepLoop
-from semanticspec.options import LoopOptions
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.results import summarize
@@ -24,7 +25,7 @@ from tests.conftest import PROMPTS
 from tests.semanticspec.conftest import make_decoder, stub_decoder, texts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 96}
-MARKER = LoopOptions(answer_marker="Answer:")
+MARKER = SimpleNamespace(answer_marker="Answer:")  # a task: its answer marker ends every decode
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
     monkeypatch.setattr(StepLoop, "_rewrite_tokens", spy_rewrite_tokens)
     policy = ProbePolicy()  # no fast path: the probe reads every step
     dec = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["probe"],
-                              policy=policy, options=MARKER)
+                              policy=policy, task=MARKER)
     _, prompts = _prompts(world, 32, 11)
     res = dec.generate(prompts, lookahead=3, **GREEDY)
     assert len(reads) == len(scored) and sum(j > 0 for j, _, _ in scored) >= 40  # later steps of windows judged
@@ -137,9 +138,9 @@ def test_served_windows_decide_as_in_process_windows_with_fewer_requests(world):
     in-process windows over the same weights, and fewer requests per committed step than one-step windows."""
     _, prompts = _prompts(world, 6, 1)
     engines = LocalEngine(world["target"], world["tok"]), LocalEngine(world["draft"], world["tok"])
-    served = ServedDecoder(*engines, world["servable"], options=MARKER)  # a probe of what a server returns
+    served = ServedDecoder(*engines, world["servable"], task=MARKER)  # a probe of what a server returns
     local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["servable"],
-                                options=MARKER)
+                                task=MARKER)
     per_step = {}
     for k in (1, 3):
         a, b = served.generate(prompts, lookahead=k, **GREEDY), local.generate(prompts, lookahead=k, **GREEDY)
@@ -177,7 +178,7 @@ def test_a_window_that_cannot_fit_the_context_is_refused_naming_it(tiny_pair):
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=1.0)
     cap, room = dec.step.max_step_tokens, dec.context_room()
-    assert room == min(m.config.max_position_embeddings for m in (target, draft)) - 1 - dec.spare
+    assert room == min(m.config.max_position_embeddings for m in (target, draft)) - 1 - dec.spare(dec.config)
     most = room // cap
     assert dec.generate(PROMPTS[:1], lookahead=most, max_new_tokens=8, seed=0)[0].stop_reason in ("eos", "budget")
     for bad in (most + 1, 10**6):
@@ -263,7 +264,7 @@ def test_served_overlap_drafts_the_next_window_while_the_target_reads(world):
     windows that hold give the texts and decisions of the decode without overlap, and most of them hold."""
     _, prompts = _prompts(world, 6, 1)
     engines = LocalEngine(world["target"], world["tok"]), LocalEngine(world["draft"], world["tok"])
-    served = ServedDecoder(*engines, world["servable"], options=MARKER, concurrency=2)
+    served = ServedDecoder(*engines, world["servable"], task=MARKER, concurrency=2)
     plain = served.generate(prompts, lookahead=2, **GREEDY)
     ahead = served.generate(prompts, lookahead=2, overlap=True, **GREEDY)
     assert decisions(ahead) == decisions(plain) and texts(ahead) == texts(plain)
@@ -271,7 +272,7 @@ def test_served_overlap_drafts_the_next_window_while_the_target_reads(world):
     assert 0 < s["ahead_used"] <= s["ahead_windows"] and s["ahead_used"] >= 0.5 * s["ahead_windows"], s
     assert summarize(plain)["ahead_windows"] == 0
     local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["servable"],
-                                options=MARKER)
+                                task=MARKER)
     with pytest.raises(ValueError, match="overlap=True: drafting the next window while the target verifies is served"):
         local.generate(prompts, overlap=True, lookahead=2)
 

@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency
 
 from arithmetic_world import models, task
 from semanticspec.decoder import SemanticSpecDecoder
-from semanticspec.options import LoopOptions
+from semanticspec.config import DecodeConfig
 from semanticspec.policies import RandomPolicy
 
 pytestmark = pytest.mark.slow
@@ -33,8 +33,8 @@ def _openings(dec, prompt: str, **method) -> collections.Counter:
 def test_every_step_rewritten_in_the_rounds_samples_as_target_only():
     world = models.load_world(None)
     dec = SemanticSpecDecoder(world.target, world.draft, world.tokenizer,
-                              options=LoopOptions(answer_marker=task.ANSWER_MARKER))
-    assert dec.token_sd and dec.options.rewrite_in_rounds
+                              config=DecodeConfig(answer_marker=task.ANSWER_MARKER))
+    assert dec.loop_setup().token_sd and dec.loop_setup().rewrite_in_rounds
     prompt = task.generate_problems(1, 123, task.TaskConfig(min_ops=4, max_ops=4))[0].problem + task.STEP_DELIMITER
     ref = _openings(dec, prompt, method="target_only")
     rewritten = _openings(dec, prompt, method=RandomPolicy(0.0))

@@ -4,6 +4,8 @@ target-only, draft-only and in-process decoding, concurrency, request counts, fa
 import dataclasses
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from generation.engines.local import LocalEngine
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from semanticspec.decoder import SemanticSpecDecoder
-from semanticspec.options import LoopOptions
+from semanticspec.config import DecodeConfig
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.results import summarize
 from semanticspec.engine_parts import answer_cut
@@ -29,7 +31,7 @@ except ImportError:
             self.url = url
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 96}
-MARKER = LoopOptions(answer_marker="Answer:")
+MARKER = SimpleNamespace(answer_marker="Answer:")  # a task: its answer marker ends every decode
 KEY = "sk-test-0123456789abcdef"
 
 
@@ -139,7 +141,7 @@ def test_local_engine_writes_a_step_and_a_continuation(world, engines):
 @pytest.mark.parametrize("marker, budget", [pytest.param("Answer:", 96, marks=pytest.mark.slow),
                                             pytest.param("=", 96, marks=pytest.mark.slow), ("Answer:", 11)])
 def test_greedy_always_reject_equals_target_only(world, engines, marker, budget):
-    dec = ServedDecoder(*engines, options=LoopOptions(answer_marker=marker))
+    dec = ServedDecoder(*engines, config=DecodeConfig(answer_marker=marker))
     kw = {"temperature": 0.0, "max_new_tokens": budget}
     spec, ref = dec.generate(world["prompts"], method="always_reject", **kw), dec.generate(world["prompts"],
                                                                                          method="target_only", **kw)
@@ -156,7 +158,7 @@ def test_greedy_always_reject_equals_target_only(world, engines, marker, budget)
 
 
 def test_always_accept_without_bonus_equals_the_draft_alone(world, engines):
-    dec = ServedDecoder(*engines, options=LoopOptions(answer_marker="Answer:", bonus_token=False))
+    dec = ServedDecoder(*engines, config=DecodeConfig(answer_marker="Answer:", bonus_token=False))
     spec = dec.generate(world["prompts"], method="always_accept", **GREEDY)
     assert texts(spec) == texts(dec.generate(world["prompts"], method="draft_only", **GREEDY))
     s = summarize(spec)
@@ -169,9 +171,9 @@ def test_always_accept_without_bonus_equals_the_draft_alone(world, engines):
                                           ids=["probe", "fast_path"])
 def test_decisions_equal_in_process_with_a_hidden_state_probe(world, engines, policy, want):
     probe = hidden_probe(world)
-    served = ServedDecoder(*engines, probe, policy=policy, options=MARKER).generate(world["prompts"], **GREEDY)
+    served = ServedDecoder(*engines, probe, policy=policy, task=MARKER).generate(world["prompts"], **GREEDY)
     local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=probe, policy=policy,
-                                options=MARKER)
+                                task=MARKER)
     ref = local.generate(world["prompts"], batch_size=1, **GREEDY)
     assert texts(served) == texts(ref) and decisions(served) == decisions(ref)
     assert want <= {d for r in served for d in decisions([r])[0]}
@@ -190,9 +192,9 @@ def test_engine_parts_over_local_engines_decide_as_in_process_parts_on_32_proble
     problems = world["task"].problems(32, 7)
     prompts = [world["task"].prompt_text(world["tok"], p["problem"]) for p in problems]
     probe = hidden_probe(world)
-    served = ServedDecoder(*engines, probe, options=MARKER).generate(prompts, **GREEDY, lookahead=1)
+    served = ServedDecoder(*engines, probe, task=MARKER).generate(prompts, **GREEDY, lookahead=1)
     ref = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=probe,
-                              options=MARKER).generate(prompts, **GREEDY, lookahead=1)
+                              task=MARKER).generate(prompts, **GREEDY, lookahead=1)
     assert len(served) == 32 and all(r.ok for r in served)
     assert decisions(served) == decisions(ref) and texts(served) == texts(ref)
     kinds = {d for r in served for d in decisions([r])[0]}
@@ -214,8 +216,8 @@ def _topk_probe():
 
 def test_decisions_equal_in_process_with_a_topk_probe(world, engines):
     probe = _topk_probe()
-    served = ServedDecoder(*engines, probe, options=MARKER).generate(world["prompts"], **GREEDY)
-    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=probe, options=MARKER)
+    served = ServedDecoder(*engines, probe, task=MARKER).generate(world["prompts"], **GREEDY)
+    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=probe, task=MARKER)
     ref = local.generate(world["prompts"], batch_size=1, **GREEDY)
     assert decisions(served) == decisions(ref) and texts(served) == texts(ref)
     assert {"accept", "reject"} <= {d for r in served for d in decisions([r])[0]}
@@ -224,7 +226,7 @@ def test_decisions_equal_in_process_with_a_topk_probe(world, engines):
 @pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_concurrency_changes_nothing_and_requests_per_step(world, engines):
     probe = hidden_probe(world)
-    runs = {c: ServedDecoder(*engines, probe, options=MARKER, concurrency=c).generate(world["prompts"], **GREEDY,
+    runs = {c: ServedDecoder(*engines, probe, task=MARKER, concurrency=c).generate(world["prompts"], **GREEDY,
                                                                                       lookahead=1)
             for c in (1, 4)}
     assert texts(runs[1]) == texts(runs[4]) and decisions(runs[1]) == decisions(runs[4])
@@ -239,7 +241,7 @@ def test_concurrency_changes_nothing_and_requests_per_step(world, engines):
     assert sum(r.stats.wall_s for r in runs[4]) >= max(r.stats.http_s for r in runs[4])
     assert all(r.stats.wall_s >= r.stats.http_s for r in runs[1])
     # sampled: each prompt draws from its own seeds, whatever runs beside it
-    sampled = {c: ServedDecoder(*engines, options=MARKER, concurrency=c).generate(
+    sampled = {c: ServedDecoder(*engines, task=MARKER, concurrency=c).generate(
         world["prompts"], method=RandomPolicy(0.5), temperature=0.8, max_new_tokens=64, seed=3)
         for c in (1, 4)}
     assert texts(sampled[1]) == texts(sampled[4]) and decisions(sampled[1]) == decisions(sampled[4])
@@ -253,8 +255,8 @@ def test_both_decoders_read_one_decode_config(world, engines):
 
     prompts = world["prompts"][:2]
     cfg = DecodeConfig(max_new_tokens=24, temperature=0.0, method="target_only")
-    served = ServedDecoder(*engines, options=MARKER)
-    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], options=MARKER)
+    served = ServedDecoder(*engines, task=MARKER)
+    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], task=MARKER)
     out = {}
     for name, dec in (("served", served), ("in-process", local)):
         out[name] = texts(dec.generate(prompts, cfg))
@@ -272,7 +274,7 @@ def test_served_stream_yields_each_step_then_the_result_generate_returns(world, 
     result) while concurrent prompts interleave; generate is those results."""
     from tests.semanticspec.conftest import check_stream
 
-    dec = ServedDecoder(*engines, options=MARKER, concurrency=3)
+    dec = ServedDecoder(*engines, task=MARKER, concurrency=3)
     gen = {"method": RandomPolicy(0.5), "temperature": 0.8, "max_new_tokens": 48, "seed": 2}
     results = dec.generate(world["prompts"], **gen)
     events = list(dec.stream(world["prompts"], **gen))
@@ -287,13 +289,13 @@ def test_oracle_and_target_first_step(world, engines):
     def oracle(step, output):
         return "Answer" in step
 
-    dec = ServedDecoder(*engines, options=LoopOptions(answer_marker="Answer:", target_first_step=True))
+    dec = ServedDecoder(*engines, config=DecodeConfig(answer_marker="Answer:", target_first_step=True))
     results = dec.generate(world["prompts"], method=OraclePolicy(oracle), **GREEDY)
     assert all(r.steps[0].writer == "target" for r in results)
     drafted = [s for r in results for s in r.steps if s.writer == "draft"]
     assert [s.decision for s in drafted] == ["accept" if "Answer" in s.text else "reject" for s in drafted]
     assert {"accept", "reject"} <= {s.decision for s in drafted}
-    ref = ServedDecoder(*engines, options=LoopOptions(answer_marker="Answer:", target_first_step=True))
+    ref = ServedDecoder(*engines, config=DecodeConfig(answer_marker="Answer:", target_first_step=True))
     assert texts(ref.generate(world["prompts"], method="always_reject", **GREEDY)) == texts(
         ref.generate(world["prompts"], method="target_only", **GREEDY))
 
@@ -305,8 +307,8 @@ def test_a_server_failing_for_one_prompt_fails_only_that_prompt(world, engines, 
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     prompts, probe = world["prompts"], hidden_probe(world)
     target = Wrapped(engines[0], fail=lambda kind, ctx: ctx.startswith(prompts[2]))
-    results = ServedDecoder(target, engines[1], probe, options=MARKER).generate(prompts, **GREEDY)
-    ref = ServedDecoder(*engines, probe, options=MARKER).generate(prompts, **GREEDY)
+    results = ServedDecoder(target, engines[1], probe, task=MARKER).generate(prompts, **GREEDY)
+    ref = ServedDecoder(*engines, probe, task=MARKER).generate(prompts, **GREEDY)
     bad = results[2]
     assert bad.stop_reason == "error" and not bad.ok and bad.text == ""
     assert "http://10.0.0.7:8001" in bad.error and "EngineError" in bad.error and KEY not in bad.error
@@ -335,7 +337,7 @@ def test_answer_cut_is_the_step_loops_stop():
 
 def test_bad_input_is_refused_before_any_request(world, engines):
     target, draft = Wrapped(engines[0]), Wrapped(engines[1])
-    dec = ServedDecoder(target, draft, hidden_probe(world), options=MARKER)
+    dec = ServedDecoder(target, draft, hidden_probe(world), task=MARKER)
     cases = [([], "prompts is empty"), (None, "prompts=None"), (["ok", ""], "prompt 1"), ([[2, 5]], "prompt 0"),
              ("one string", "list of prompt strings")]
     for prompts, match in cases:
@@ -364,7 +366,7 @@ def _caps(**kw):
 ])
 def test_a_server_that_cannot_serve_the_probe_is_refused_naming_it(world, engines, caps, name, match):
     target = Wrapped(engines[0], caps=caps, name=name)
-    dec = ServedDecoder(target, engines[1], hidden_probe(world), options=MARKER)
+    dec = ServedDecoder(target, engines[1], hidden_probe(world), task=MARKER)
     with pytest.raises(ValueError, match=match) as e:
         dec.generate(world["prompts"], **GREEDY)
     assert "http://10.0.0.7:8001" in str(e.value)
@@ -379,7 +381,7 @@ def test_a_full_vocabulary_statistics_probe_is_refused(world, engines):
     probe.config = dataclasses.replace(probe.config, sampling=None)
     target = Wrapped(engines[0])
     with pytest.raises(ValueError, match="token_stats.*full-vocabulary"):
-        ServedDecoder(target, engines[1], probe, options=MARKER).generate(world["prompts"], **GREEDY)
+        ServedDecoder(target, engines[1], probe, task=MARKER).generate(world["prompts"], **GREEDY)
     assert "read" not in target.calls and "write" not in target.calls
 
 
@@ -389,11 +391,11 @@ def test_rows_admitted_into_a_running_loop_decode_as_they_would_alone(world, eng
     decodes what it decodes alone with its seed, sampled, coins flipped; so do the rows that were running."""
     from semanticspec.config import DecodeConfig
 
-    dec = (SemanticSpecDecoder(world["target"], world["draft"], world["tok"], options=MARKER) if side == "in_process"
-           else ServedDecoder(*engines, options=MARKER, concurrency=2))
+    dec = (SemanticSpecDecoder(world["target"], world["draft"], world["tok"], task=MARKER) if side == "in_process"
+           else ServedDecoder(*engines, task=MARKER, concurrency=2))
     cfg = DecodeConfig(method=RandomPolicy(0.5), temperature=0.8, max_new_tokens=64)
     plans = [dec.plan([p], dataclasses.replace(cfg, seed=100 + k)) for k, p in enumerate(world["prompts"])]
-    loop = dec.step_loop(plans[0].inputs, 64, plans[0].sampling, plans[0].keys)
+    loop = dec.step_loop(plans[0], plans[0].inputs, plans[0].keys)
     ends, admitted, together = {}, 1, []
     for n, e in enumerate(loop.serve(plans[0].method)):
         if admitted < len(plans) and n % 3 == 2:  # a new row every few steps, while the others decode
