@@ -15,14 +15,14 @@ import sys
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from datamodules.datamodule import SemanticProbeDataModule
-from generation.cli import did_you_mean, parser_options
+from generation.cli import OneLineErrors, parser_options
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
 from probes.fit_args import DESCRIPTION, PROG, fail, options_cache
 from probes.fit_callbacks import NoValidationFallback
@@ -32,15 +32,8 @@ from probes.module import SemanticProbeModule
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
-class ProbeArgumentParser(LightningArgumentParser):
-    """Parse errors as one line (see :func:`fail`) instead of the whole usage and a tip."""
-
-    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
-        from jsonargparse._common import debug_mode_active
-
-        if not self.exit_on_error or debug_mode_active():  # jsonargparse asks for an exception here
-            super().error(message, ex)
-        fail(did_you_mean(message, parser_options(self)))
+class ProbeArgumentParser(OneLineErrors, LightningArgumentParser):
+    """Parse errors as one line (see :func:`generation.cli.fail`) instead of the whole usage and a tip."""
 
 
 class ProbeCLI(LightningCLI):
