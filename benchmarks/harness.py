@@ -25,9 +25,11 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from tabulate import tabulate
+
+from generation.cli import OneLineErrors
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root."""
@@ -64,14 +66,9 @@ def parser(doc: str, quick: str, threads: int | None = None, threads_help: str =
     return ap
 
 
-class OneLineParser(argparse.ArgumentParser):
+class OneLineParser(OneLineErrors, argparse.ArgumentParser):
     """An argparse parser that refuses bad input in one line naming ``python -m benchmarks.<name>`` (exit 2),
-    with the closest known option of a mistyped one, as the package's other CLIs do (issue 33 item 14)."""
-
-    def error(self, message: str) -> NoReturn:
-        from generation.cli import did_you_mean, fail, parser_options
-
-        fail(self.prog, did_you_mean(message, parser_options(self)))
+    with the closest known option of a mistyped one, as the package's other CLIs do."""
 
 
 def _prog() -> str | None:

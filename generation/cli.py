@@ -5,7 +5,7 @@ They read their arguments once through :func:`normalise_args` (``--key=value`` i
 ``-c`` is ``--config``), check every YAML they are given before jsonargparse reads it (a syntax
 error then names the file, not ``"<unicode string>"``), answer a mistyped option with the
 closest ones the parser knows (:func:`did_you_mean`), and report bad input as one line and exit 2
-(:func:`fail`, :func:`one_line_parser`).
+(:func:`fail`, which every parser's errors go through: :class:`OneLineErrors`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,6 @@ def normalise_args(args: list[str]) -> list[str]:
         else:
             out.append(a)
     return out
-
-
-def option_value(args: list[str], flag: str) -> str | None:
-    """The value given to ``flag`` last in (normalised) ``args``, or None."""
-    found = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
-    return found[-1] if found else None
 
 
 def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config",)) -> None:
@@ -102,17 +96,20 @@ def fail(prog: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+class OneLineErrors:
+    """Mix into an argparse or jsonargparse parser class, first: its errors are :func:`fail`'s one line naming its
+    ``prog``, with the closest known options of a mistyped one."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        from jsonargparse._common import debug_mode_active
+
+        if not getattr(self, "exit_on_error", True) or debug_mode_active():  # jsonargparse asks for an exception
+            super().error(message, ex)
+        fail(self.prog, did_you_mean(message, parser_options(self)))
+
+
 def one_line_parser(prog: str, **kwargs):
-    """A jsonargparse ``ArgumentParser`` (``kwargs`` its arguments) whose errors are :func:`fail`'s one line, with
-    the closest known options of a mistyped one."""
+    """A jsonargparse ``ArgumentParser`` (``kwargs`` its arguments) with :class:`OneLineErrors`."""
     from jsonargparse import ArgumentParser
 
-    class OneLineParser(ArgumentParser):
-        def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-            from jsonargparse._common import debug_mode_active
-
-            if not self.exit_on_error or debug_mode_active():  # jsonargparse asks for an exception here
-                super().error(message, ex)
-            fail(prog, did_you_mean(message, parser_options(self)))
-
-    return OneLineParser(prog=prog, **kwargs)
+    return type("OneLineParser", (OneLineErrors, ArgumentParser), {})(prog=prog, **kwargs)

@@ -8,11 +8,11 @@ exported probe paths and a metric table. Probes are exported inside the run's ow
 checkpoints/arithmetic/probes``.
 
 Bad input (an unknown key, a value a class refuses, data that cannot be built) ends the command with
-one line on stderr and exit status 2, never a traceback. ``--ckpt_path <run>/checkpoints/last.ckpt``
-resumes an interrupted run with its own config, in its own folder (:mod:`probes.resume`); Ctrl-C
-prints that command. The arguments are looked at before torch loads (:mod:`probes.fit_args`), so a
-mistyped option, or a value of the wrong type (``--trainer.max_epochs abc``), is refused in about a second;
-the LightningCLI itself is :mod:`probes.fit_cli`.
+one line on stderr and exit status 2, never a traceback. ``--config <run>/config.yaml --ckpt_path
+<run>/checkpoints/last.ckpt`` resumes an interrupted run with its own config (the one LightningCLI saved in its
+folder), in a new run folder; Ctrl-C prints that command. Option names are looked at before torch loads
+(:mod:`probes.fit_args`), so a mistyped option is refused in under a second; the LightningCLI itself is
+:mod:`probes.fit_cli`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
   --trainer.devices N         devices (processes) to train on
   --threads N                 torch threads per process (default: OMP_NUM_THREADS, else the cores)
   --export_dir DIR            where the best probes are exported (default: <run folder>/export)
-  --ckpt_path FILE            resume an interrupted run from its last.ckpt (with the run's own config)
+  --ckpt_path FILE            resume from a last.ckpt (with --config <run>/config.yaml: the run's own options)
   --print_config              print the full config and exit
   -h, --help                  this screen
   --help_all                  every option (trainer, model, data, build), with its docs
@@ -98,7 +98,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
 
     cli = make_cli(args, DEFAULT_CONFIG)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
-    fit(trainer, module, data, cli.config.get("ckpt_path"), args)
+    fit(trainer, module, data, cli.config.get("ckpt_path"))
     best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
     live = _spec_summary(trainer)  # before test() replaces the callback metrics
     test_metrics: dict[str, float] = {}

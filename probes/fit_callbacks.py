@@ -1,4 +1,4 @@
-"""Callbacks `python -m probes.fit` adds: a run without a validation split, and a model summary without FLOPs."""
+"""The callback `python -m probes.fit` adds: a run without a validation split monitors the training loss."""
 
 from __future__ import annotations
 
@@ -6,9 +6,6 @@ import sys
 
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-from lightning.pytorch.callbacks.model_summary import ModelSummary
-from lightning.pytorch.callbacks.model_summary import log as summary_log
-from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
 FALLBACK_MONITOR = "train/loss_epoch"
 """What EarlyStopping and ModelCheckpoint watch when there is no validation split: the training loss per epoch."""
@@ -41,19 +38,3 @@ class NoValidationFallback(Callback):
         if self.switched and trainer.is_global_zero:
             print(f"no validation rows (data.val_fraction={data.val_fraction}): {', '.join(self.switched)} "
                   f"monitor {FALLBACK_MONITOR} instead", file=sys.stderr)
-
-
-class ProbeSummary(ModelSummary):
-    """Lightning's model summary without the FLOPs column and total, which read 0 (the probes have no example input)."""
-
-    @staticmethod
-    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
-                  total_flops, **summarize_kwargs) -> None:
-        if total_flops:
-            return ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
-                                          total_training_modes, total_flops, **summarize_kwargs)
-        cols = [c for c in summary_data if c[0] != "FLOPs"]
-        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes, 0,
-                                      *cols)
-        summary_log.info("\n" + "\n".join(line for line in table.splitlines()
-                                          if not line.rstrip().endswith("Total Flops")))

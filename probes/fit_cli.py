@@ -8,39 +8,32 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import signal
 import sys
-import types
-import typing
 import warnings
+import zipfile
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from datamodules.datamodule import SemanticProbeDataModule
-from generation.cli import did_you_mean, parser_options
+from generation.cli import OneLineErrors, parser_options
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
-from probes.fit_args import DESCRIPTION, KNOWN_OPTIONS, PROG, fail, library_versions
-from probes.fit_callbacks import NoValidationFallback, ProbeSummary
+from probes.fit_args import DESCRIPTION, PROG, fail, options_cache
+from probes.fit_callbacks import NoValidationFallback
 from probes.module import SemanticProbeModule
-from probes.resume import KeepHistory, interrupted_line, refuse_differences, resume_args, run_dir_of
 
 # Field docstrings of ProbeConfig / BuildConfig become their --help text (as in litgpt).
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
-class ProbeArgumentParser(LightningArgumentParser):
-    """Parse errors as one line (see :func:`fail`) instead of the whole usage and a tip."""
-
-    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
-        from jsonargparse._common import debug_mode_active
-
-        if not self.exit_on_error or debug_mode_active():  # jsonargparse asks for an exception here
-            super().error(message, ex)
-        fail(did_you_mean(message, parser_options(self)))
+class ProbeArgumentParser(OneLineErrors, LightningArgumentParser):
+    """Parse errors as one line (see :func:`generation.cli.fail`) instead of the whole usage and a tip."""
 
 
 class ProbeCLI(LightningCLI):
@@ -65,16 +58,11 @@ class ProbeCLI(LightningCLI):
         parser.link_arguments("data.roles", "model.roles")
         parser.link_arguments("data.input_spec", "model.input_spec", apply_on="instantiate")
 
-    resume_base: Optional[list[str]] = None
-    """Set by main() when resuming: the arguments that give the run's own config (see :mod:`probes.resume`)."""
-
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         # main() always hands over the arguments (sys.argv's, after the default --config), so Lightning's
         # warning about `args` and sys.argv both being given would open every run; parse them directly.
+        remember_options(parser)
         self.config = parser.parse_args(args)
-        if self.resume_base is not None:  # a resumed run is the interrupted run: refuse other values
-            run = parser.parse_args(self.resume_base)
-            refuse_differences(fail, PROG, self.config.as_dict(), run.as_dict(), self.config.get("ckpt_path"))
 
     def _set_seed(self) -> None:
         # Lightning prints "Seed set to N" here, before the classes check their arguments: a refused value
@@ -87,6 +75,8 @@ class ProbeCLI(LightningCLI):
                                                              verbose=False)
 
     def before_instantiate_classes(self) -> None:
+        if self.config.get("ckpt_path"):
+            check_checkpoint(self.config.ckpt_path)
         try:  # one thread count per process, set before any model work
             apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
         except ValueError as e:
@@ -97,10 +87,7 @@ class ProbeCLI(LightningCLI):
                  "stopping or --trainer.max_time ends the run)")
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
-        callbacks = list(callbacks) + [NoValidationFallback()]
-        if config.get("enable_model_summary") is not False:
-            callbacks.append(ProbeSummary())  # Lightning's own, less its "FLOPs 0" column and total
-        return super()._instantiate_trainer(config, callbacks)
+        return super()._instantiate_trainer(config, list(callbacks) + [NoValidationFallback()])
 
     def instantiate_classes(self) -> None:
         try:
@@ -110,28 +97,57 @@ class ProbeCLI(LightningCLI):
 
 
 def make_cli(args: list[str], default_config: Path) -> ProbeCLI:
-    """The parsed and instantiated CLI of ``args`` (a resume reads the run's own config first, see
-    :mod:`probes.resume`; without ``--config``, ``default_config``)."""
-    args, resume_base = resume_args(args)
+    """The parsed and instantiated CLI of ``args`` (without ``--config``, ``default_config`` first)."""
     if "--config" not in args:
         # The embedded default unless a config is given. (Not `default_config_files`: jsonargparse then
         # rejects an optimizer class_path in the YAML.)
         args = ["--config", str(default_config)] + args
     quiet_lightning()
-    ProbeCLI.resume_base = resume_base
+    return ProbeCLI(SemanticProbeModule, SemanticProbeDataModule, args=args, save_config_kwargs={"overwrite": True},
+                    **CLI_KWARGS)
+
+
+def remember_options(parser) -> None:
+    """Keep ``parser``'s option names, with the build config's under ``--data.build`` (the parser reads those only
+    when it builds the data's ``BuildConfig``), where :func:`probes.fit_args.first_pass` looks for them."""
+    path = options_cache()
+    if path.is_file():
+        return
+    from datamodules.labels.build import build_parser
+
+    build = {"--data." + o[2:] for o in parser_options(build_parser()) if o.startswith("--build.")}
     try:
-        return ProbeCLI(SemanticProbeModule, SemanticProbeDataModule, args=args, save_config_kwargs={"overwrite": True},
-                        **CLI_KWARGS)
-    finally:
-        ProbeCLI.resume_base = None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for old in path.parent.glob("fit-options-*.json"):  # of other versions or edits
+            old.unlink(missing_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several processes of one run may write it at once
+        tmp.write_text(json.dumps(sorted(set(parser_options(parser)) | build)))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache: the real parser checks the names of every run
+
+
+def check_checkpoint(path: str) -> None:
+    """Refuse, through :func:`fail`, a ``--ckpt_path`` that is not a Lightning checkpoint, before the data is
+    prepared (Lightning reads it after). A Lightning checkpoint is a ``torch.save`` zip archive whose pickled dict
+    (``<name>/data.pkl``) has a ``pytorch-lightning_version`` key, looked for here without unpickling."""
+    expected = "give the last.ckpt of an interrupted run (<run folder>/checkpoints/last.ckpt)"
+    try:
+        with zipfile.ZipFile(path) as z:
+            pickled = b"".join(z.read(n) for n in z.namelist() if n.endswith("data.pkl"))
+    except OSError as e:
+        fail(f"--ckpt_path {path}: {e.strerror or e}; {expected}")
+    except zipfile.BadZipFile:
+        fail(f"--ckpt_path {path} is not a Lightning checkpoint (not a torch.save archive); {expected}")
+    if b"pytorch-lightning_version" not in pickled:
+        fail(f"--ckpt_path {path} is a torch.save archive but not a Lightning checkpoint; {expected}")
 
 
 CHECKPOINT_ERRORS = ("Error(s) in loading state_dict",)
 """How torch refuses a ``--ckpt_path`` whose weights do not fit the model the config builds: an input error."""
 CLI_KWARGS = {"run": False, "auto_configure_optimizers": False, "parser_class": ProbeArgumentParser,
               "parser_kwargs": {"prog": PROG, "description": DESCRIPTION, "allow_abbrev": False}}
-"""How the fit's LightningCLI is built: by :func:`make_cli`, and by :func:`_fit_parser` for the options it knows
-(``allow_abbrev`` off: no silent prefix matches)."""
+"""How :func:`make_cli` builds the fit's LightningCLI (``allow_abbrev`` off: no silent prefix matches)."""
 
 
 class _SetupDone(Callback):
@@ -143,16 +159,11 @@ class _SetupDone(Callback):
         self.done = True
 
 
-def fit(trainer, module, data, ckpt_path: Optional[str], args: list[str]) -> None:
+def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
     """``trainer.fit``; bad input before training ends in one line, Ctrl-C in what was kept and how to resume."""
     setup_done = _SetupDone()
     trainer.callbacks.append(setup_done)
     new_run_dir = _new_run_dir(trainer)
-    run = run_dir_of(ckpt_path) if ckpt_path else None
-    if run is not None:
-        trainer.callbacks.append(KeepHistory(run, ckpt_path))
-        # a resumed run saves into its own checkpoints/ by design (probes.resume): not worth a warning
-        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     handler = signal.getsignal(signal.SIGINT)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -171,8 +182,23 @@ def fit(trainer, module, data, ckpt_path: Optional[str], args: list[str]) -> Non
         if handler is not None:
             signal.signal(signal.SIGINT, handler)  # Lightning left SIGINT ignored
         if trainer.is_global_zero:
-            print(interrupted_line(PROG, trainer, args), file=sys.stderr)
+            print(interrupted_line(trainer), file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def interrupted_line(trainer) -> str:
+    """What an interrupted fit kept (``last.ckpt``) and the command that resumes it from the run's own
+    ``config.yaml`` (LightningCLI saved it in the run's folder), as one line."""
+    last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+    if not last or not Path(last).is_file():
+        return (f"{PROG}: interrupted in epoch {trainer.current_epoch + 1} before a checkpoint was saved; nothing "
+                "kept to resume from. Rerun the command to start again.")
+    import torch
+
+    epoch = int(torch.load(last, map_location="cpu", weights_only=False).get("epoch", -1)) + 1
+    config = Path(trainer.log_dir or trainer.default_root_dir) / "config.yaml"
+    return (f"{PROG}: interrupted; kept {last} (after epoch {epoch}). Resume with: {PROG} --config "
+            f"{shlex.quote(str(config))} --ckpt_path {shlex.quote(last)}")
 
 
 def _new_run_dir(trainer) -> Path | None:
@@ -188,57 +214,6 @@ def _drop_empty_run_dir(run_dir: Path | None) -> None:
         run_dir.rmdir()
 
 
-def _fit_parser():
-    """The fit's LightningCLI parser, built as the CLI builds it and never run."""
-    class Built(Exception):
-        pass
-
-    class Capture(ProbeCLI):
-        def parse_arguments(self, parser, args) -> NoReturn:
-            raise Built(parser)
-
-    try:
-        Capture(SemanticProbeModule, SemanticProbeDataModule, args=[], **CLI_KWARGS)
-    except Built as built:
-        return built.args[0]
-    raise RuntimeError("the fit parser was never built")  # pragma: no cover (parse_arguments always runs)
-
-
-def known_options() -> list[str]:
-    """Every option name of the fit parser, with the build config's keys under ``--data.build`` (the parser
-    reads those only when it builds the data's ``BuildConfig``): what :data:`probes.fit_args.KNOWN_OPTIONS` records."""
-    from datamodules.labels.build import build_parser
-
-    build = {"--data." + o[2:] for o in parser_options(build_parser()) if o.startswith("--build.")}
-    return sorted(set(parser_options(_fit_parser())) | build)
-
-
-def scalar_kinds() -> dict[str, str]:
-    """``{option: kind}`` for the fit parser's options whose type is made of int, float, bool and None alone
-    (``"int|null"``, ``"float"``...): the values :func:`probes.fit_args.bad_value` checks before torch loads."""
-    kinds = {option: kind for action in _fit_parser()._actions
-             if (kind := scalar_kind(getattr(action, "_typehint", None) or action.type))
-             for option in action.option_strings if option.startswith("--")}
-    return dict(sorted(kinds.items()))
-
-
-def scalar_kind(hint: Any) -> str | None:
-    """``hint`` as ``"int|float|null"``-style text when it is int, float, bool, None or a union of them, else None."""
-    names = {int: "int", float: "float", bool: "bool", type(None): "null"}
-    parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if not parts or not all(p in names for p in parts):
-        return None
-    return "|".join(names[p] for p in parts)
-
-
-def write_known_options(path: Path = KNOWN_OPTIONS) -> Path:
-    """Write :func:`known_options` and :func:`scalar_kinds` with the library versions they were read with to
-    ``path``."""
-    record: dict[str, Any] = {"versions": library_versions(), "options": known_options(), "kinds": scalar_kinds()}
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    return path
-
-
 _LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary`")
 
 
@@ -252,9 +227,9 @@ def quiet_lightning() -> None:
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages())
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
-    warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a resumed run has a folder of its own
 
 
 class _DropMessages(logging.Filter):

@@ -139,10 +139,3 @@ def test_help_documents_the_option(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "--threads" in capsys.readouterr().out
-
-
-def test_a_resumed_run_may_use_another_thread_count():
-    from probes.resume import config_differences
-
-    assert config_differences({"threads": 2, "model": {"a": 1}}, {"threads": None, "model": {"a": 1}}) == []
-    assert config_differences({"threads": 2, "model": {"a": 2}}, {"threads": None, "model": {"a": 1}}) != []
