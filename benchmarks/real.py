@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
     greedy_match, lossless, errors = [], [], []
     t0 = time.perf_counter()
     for k, p in enumerate(tqdm(problems, desc="real", unit="problem")):
-        prompt = task.decoder_prompt(ttok, p["problem"], dtok)  # each model's chat template, as the build's
+        (prompt,) = dec.prompts([p["problem"]])  # each model's chat template, as the build's
         for name in rotation(list(runs), k):  # interleaved, order rotating
             d = hf if name in ("hf_target_only", "token_sd") else dec
             runs[name] += d.generate([prompt], method=name, seed=args.seed + k, **gen)

@@ -210,8 +210,7 @@ class SpeculativeValidation(Callback):
             ``{method: [results of each batch]}``, the answers of the problems decoded, and the highest load
             average per core seen (before and after).
         """
-        prompts = [self.task.decoder_prompt(self._tokenizer, problem, self._draft_tokenizer)
-                   for problem, _ in self.problems]
+        prompts = decoder.prompts([problem for problem, _ in self.problems])
         for method in METHODS:  # untimed: first calls pay one-off costs (kernels, allocations)
             decoder.generate(prompts[:1], method=method, **{**self.gen_kwargs, "max_new_tokens": 16})
         load = load_per_core()

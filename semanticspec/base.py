@@ -130,6 +130,21 @@ class StepDecoder:
         turn)."""
         raise NotImplementedError
 
+    def prompts(self, problems: Sequence[str]) -> list:
+        """Each problem as :meth:`generate` reads it, in the decoder's task's format (``Task.prompt_text``: a model's
+        chat template where its tokenizer has one, else the problem and the task's prompt suffix).
+
+        Raises:
+            ValueError: the decoder has no task.
+        """
+        if self.task is None:
+            raise ValueError("prompts() formats problems as the decoder's task does; give the decoder task=... (a "
+                             "datamodules.tasks.base.Task), or format prompts yourself")
+        return [self._prompt(p) for p in problems]
+
+    def _prompt(self, problem: str):
+        raise NotImplementedError
+
     def plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """A call's work: its method, prompts as each part reads them, stream keys, sampling and config, every check
         :meth:`generate` makes done (ValueError naming what is wrong) before any model call or request."""

@@ -33,7 +33,7 @@ ends a decode, and the checker):
     >>> problems = task.problems(8, seed=0)  # records {"problem", "answer"}: a file's first 8, or 8 made in code
     >>> dec = SemanticSpecDecoder(target, draft, tok, target_probe="ckpt/target", draft_probe="ckpt/draft",
     ...                           policy=ProbePolicy(rule="threshold", tau=0.5), task=task)
-    >>> results = dec.generate([task.decoder_prompt(tok, p["problem"]) for p in problems], max_new_tokens=256,
+    >>> results = dec.generate(dec.prompts([p["problem"] for p in problems]), max_new_tokens=256,
     ...                        seed=list(range(8)))  # one seed per prompt: each decodes alone as here
     >>> sum(task.check(r.text, p["answer"]) for r, p in zip(results, problems)) / len(problems)  # accuracy
     >>> summarize(results)["step_acceptance"]
@@ -94,7 +94,7 @@ class SemanticSpecDecoder(StepDecoder):
             ``answer_marker``): a decode ends once a line starting with its ``answer_marker`` is complete. None
             (default): the config's ``answer_marker``, else none (a decode ends at EOS, the token budget or the
             context end). Its problems come from ``task.problems(n, seed)``
-            and their prompts from ``task.decoder_prompt(tokenizer, problem)``; ``task.check`` scores the text.
+            and their prompts from ``decoder.prompts(problems)``; ``task.check`` scores the text.
         probe_dtype: the dtype the probes' MLPs run in: ``"auto"`` (default: float16 where float16 matrix-vector
             products are fast, CUDA and x86 CPUs with AVX2/AVX-512; float32 elsewhere;
             :func:`~semanticspec.config.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
@@ -128,6 +128,14 @@ class SemanticSpecDecoder(StepDecoder):
                         for s in {self.config.judge_suffix}}
         self._recorded_sampling = setup.sampling_spec((self.target_probe, self.draft_probe))
         self._stoppers: dict = {}
+
+    def _prompt(self, problem: str):
+        """Text where the one tokenizer has no chat template (``generate`` adds BOS as the tokenizer does), else each
+        model's own ids in its own chat template: one list with one tokenizer, a ``(target, draft)`` pair with two."""
+        task, tok = self.task, self.tokenizer
+        if not self.shared:
+            return task.prompt(tok, problem), task.prompt(self.draft_tokenizer, problem)
+        return task.prompt(tok, problem) if getattr(tok, "chat_template", None) else task.prompt_text(tok, problem)
 
     def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
         if cfg.token_sd and not self.shared:

@@ -56,7 +56,7 @@ def _read(i: int, prompt, shared: bool) -> tuple[str, object]:
     ids = _ids(i, prompt)
     if not shared:
         raise ValueError(f"prompt {i} is token ids, which need one tokenizer; this pair has two, so give a "
-                         "(target_ids, draft_ids) pair (Task.decoder_prompt builds one)")
+                         "(target_ids, draft_ids) pair (SemanticSpecDecoder.prompts builds one)")
     return IDS, ids
 
 

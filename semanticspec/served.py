@@ -44,7 +44,9 @@ class ServedDecoder(StepDecoder):
             ``token_sd=True`` is refused); None = ``DecodeConfig()``.
         concurrency: requests in flight at once per server (each row has at most one).
         task: the task whose problems are decoded: its ``answer_marker`` ends a decode, as the in-process
-            decoder's ``task``.
+            decoder's ``task``, and :meth:`prompts` formats problems as it does.
+        tokenizer: the target's tokenizer, whose chat template :meth:`prompts` applies (the servers read text); None:
+            the task's plain format (the problem and its prompt suffix).
         probe_dtype: the dtype the probes' MLPs run in, as the in-process decoder's, so a probe gives the same ``q``.
 
     Raises:
@@ -55,11 +57,12 @@ class ServedDecoder(StepDecoder):
 
     def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
                  config: DecodeConfig | None = None, *, concurrency: int = 4, probe_dtype: str = "auto",
-                 task=None) -> None:
+                 task=None, tokenizer=None) -> None:
         if not is_count(concurrency):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (requests in flight at once)")
         self.target, self.draft, self.concurrency = target, draft, concurrency
         self.policy, self.config, self.task = policy or default_policy(), config or DecodeConfig(), task
+        self.tokenizer = tokenizer
         self.target_probe, self.draft_probe = (setup.load(p, None, None, role, probe_dtype)
                                                for p, role in ((target_probe, "target"), (draft_probe, "draft")))
         probes = (self.target_probe, self.draft_probe)
@@ -103,6 +106,9 @@ class ServedDecoder(StepDecoder):
         together, so prompts run one after another, each keeping a one-sequence server's prefix cache
         (llama-cpp-python keeps one) instead of evicting the others' round after round."""
         return max(n, 1) if self.concurrency > 1 else 1
+
+    def _prompt(self, problem: str) -> str:
+        return self.task.prompt_text(self.tokenizer, problem)
 
     def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
         if cfg.token_sd:

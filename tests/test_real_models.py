@@ -374,7 +374,10 @@ def test_callback_decodes_the_real_pair_on_boxed_math(real_pair, tmp_path):
     for f in figures:
         assert f["problems"] == 2 and f["speedup"] > 0 and 0 <= f["accuracy"] <= 1
     # each prompt reached each model in its own chat template, once (no doubled BOS)
-    (t_ids, d_ids) = cb.task.decoder_prompt(target_tok, "What is 2 + 3?", draft_tok)
+    from semanticspec.decoder import SemanticSpecDecoder
+
+    dec = SemanticSpecDecoder(target, draft, target_tok, draft_tok, task=cb.task)
+    ((t_ids, d_ids),) = dec.prompts(["What is 2 + 3?"])
     assert t_ids[:2] != [target_tok.bos_token_id] * 2 and d_ids != t_ids
 
 

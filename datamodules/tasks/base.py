@@ -103,7 +103,8 @@ class Task:
 
     def prompt_text(self, tokenizer, problem: str) -> str:
         """The prompt as text: the tokenizer's chat template with the problem as the user turn when it
-        has one, else ``problem + prompt_suffix``."""
+        has one, else ``problem + prompt_suffix`` (also with no tokenizer: None). The decoders' ``prompts``
+        format problems with it."""
         if getattr(tokenizer, "chat_template", None):
             return tokenizer.apply_chat_template([{"role": "user", "content": problem}], add_generation_prompt=True,
                                                  tokenize=False)
@@ -114,16 +115,6 @@ class Task:
         template writes its own special tokens)."""
         chat = bool(getattr(tokenizer, "chat_template", None))
         return list(tokenizer(self.prompt_text(tokenizer, problem), add_special_tokens=not chat)["input_ids"])
-
-    def decoder_prompt(self, tokenizer, problem: str, draft_tokenizer=None):
-        """The prompt as ``SemanticSpecDecoder.generate`` takes it: text when there is no chat template and
-        one tokenizer (the decoder adds BOS), else each model's own token ids (a ``(target, draft)`` pair
-        when the draft has its own tokenizer)."""
-        if draft_tokenizer is None or draft_tokenizer is tokenizer:
-            if not getattr(tokenizer, "chat_template", None):
-                return self.prompt_text(tokenizer, problem)
-            return self.prompt(tokenizer, problem)
-        return self.prompt(tokenizer, problem), self.prompt(draft_tokenizer, problem)
 
     # ------------------------------------------------------------------ answers
 

@@ -223,7 +223,10 @@ class _StubDecoder:
     answer_marker = None
 
     def __init__(self, *args, task=None, **kwargs) -> None:
-        type(self).answer_marker = task.answer_marker
+        type(self).answer_marker, self.task = task.answer_marker, task
+
+    def prompts(self, problems):  # as the decoder's, with a tokenizer without a chat template
+        return [self.task.prompt_text(None, p) for p in problems]
 
     def generate(self, prompts, method="semanticspec", **kwargs):
         from semanticspec.results import DecodeResult, DecodeStats
