@@ -278,18 +278,18 @@ def expected_texts(dec, prompts: list[str], seeds: list[int], max_tokens: int) -
 
 
 def table(report: dict) -> str:
-    lines = ["| setting | method | concurrency | tokens/s | TTFT p50 / p95 (s) | end-to-end p50 / p95 (s) |",
-             "|---|---|---|---|---|---|"]
+    """The figures as markdown: a row per setting, method and concurrency, the speedups, chaos and overhead."""
+    rows = []
     for setting in ("in_process", "served"):
         r = report.get(setting)
         if not r:
             continue
-        for m in METHODS:
-            for c, f in r[m].items():
-                lines.append(f"| {setting} | {m} | {c[1:]} | {f['tokens_per_s']} | {f['ttft_p50_s']} / "
-                             f"{f['ttft_p95_s']} | {f['e2e_p50_s']} / {f['e2e_p95_s']} |")
-        lines.append(f"| {setting} | speedup (tokens/s) | | " + ", ".join(f"{c[1:]}: {v}x" for c, v in
-                                                                       r["speedup"].items()) + " | | |")
+        rows += [[setting, m, c[1:], str(f["tokens_per_s"]), f"{f['ttft_p50_s']} / {f['ttft_p95_s']}",
+                  f"{f['e2e_p50_s']} / {f['e2e_p95_s']}"] for m in METHODS for c, f in r[m].items()]
+        rows.append([setting, "speedup (tokens/s)", "", ", ".join(f"{c[1:]}: {v}x" for c, v in r["speedup"].items()),
+                     "", ""])
+    lines = harness.table(["setting", "method", "concurrency", "tokens/s", "TTFT p50 / p95 (s)",
+                           "end-to-end p50 / p95 (s)"], rows)
     ch = report.get("chaos")
     if ch:
         lines.append(f"\nchaos ({ch['clients']} streaming clients, {ch['seconds']} s): {ch['requests']} requests, "

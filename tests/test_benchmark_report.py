@@ -72,3 +72,19 @@ def test_the_32b_projection_credits_target_only_with_output_tokens_not_thrown_aw
     assert p["ceiling"] == pytest.approx(6 * 25 / (10 * 6 + 0.2 * 6 * 25))
     kept_drafts = projection({**method, "drafted_tokens": 60}, o_ms=0.0, prefill={})
     assert kept_drafts["value"] > p["value"] and p["inputs"]["s"]["value"] == 6.0
+
+
+def test_the_endpoint_table_has_a_row_per_setting_method_and_concurrency_and_the_speedups():
+    from benchmarks import endpoint
+
+    res = json.loads((report.RESULTS / "endpoint.json").read_text())
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in endpoint.table(res).splitlines()
+            if line.startswith("| ") and not line.startswith("| setting")]
+    s = res["in_process"]["semanticspec"]["c8"]
+    assert ["in_process", "semanticspec", "8", str(s["tokens_per_s"]), f"{s['ttft_p50_s']} / {s['ttft_p95_s']}",
+            f"{s['e2e_p50_s']} / {s['e2e_p95_s']}"] in rows
+    settings = [k for k in ("in_process", "served") if res.get(k)]
+    per_setting = [sum(len(res[k][m]) for m in endpoint.METHODS) + 1 for k in settings]  # + its speedup row
+    assert len(rows) == sum(per_setting)
+    assert rows[per_setting[0] - 1][1:4] == ["speedup (tokens/s)", "", ", ".join(
+        f"{c[1:]}: {v}x" for c, v in res["in_process"]["speedup"].items())]
