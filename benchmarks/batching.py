@@ -228,13 +228,13 @@ def markdown(section: dict) -> list[str]:
              f"{r['positions_free_speedup']:.2f}"] for method, row in section["table"].items() for b, r in row.items()]
     costs = [[role, f"{c['a'] * 1e3:.3f}", f"{c['b'] * 1e6:.2f}", str(c["forwards"]), f"{c['r2']:.3f}"]
              for role, c in section["cost_model"].items()]
-    lines = ["", *harness.table(header, rows), "",
-             *harness.table(["forward cost model (s = a + b * positions)", "a (ms)", "b (us / position)", "forwards",
-                             "R^2"], costs)]
+    lines = ["", harness.table(header, rows), "",
+             harness.table(["forward cost model (s = a + b * positions)", "a (ms)", "b (us / position)", "forwards",
+                            "R^2"], costs)]
     names = (*PHASES, "other")
     for method, per_size in section["phases"].items():
         rows = [[method, b, *(f"{ph['shares'][k]:.1%}" for k in names), f"{ph['idle_rows_share']:.1%}",
                  f"{ph['done_rows_share']:.1%}"] for b, ph in per_size.items()]
-        lines += ["", *harness.table([f"{method} phases (share of wall)", "batch", *names, "idle rows (share of row-s)",
-                                      "done rows (share of row-s)"], rows)]
+        lines += ["", harness.table([f"{method} phases (share of wall)", "batch", *names, "idle rows (share of row-s)",
+                                     "done rows (share of row-s)"], rows)]
     return lines

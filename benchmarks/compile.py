@@ -75,8 +75,8 @@ def table(res: dict) -> str:
     modes = ("eager_dynamic_ms", "eager_static_ms", "compiled_static_ms")
     rows = [[name, *(f"{r[k]:.3f}" for k in modes), f"{r['compile_s']:.1f}"] for name, r in res["models"].items()]
     rows.append(["draft/target", *(f"{res['ratio'][k]:.3f}" for k in modes), ""])
-    return "\n".join(harness.table(["model", "eager DynamicCache ms/token", "eager StaticCache", "compiled StaticCache",
-                                    "compile s"], rows))
+    return harness.table(["model", "eager DynamicCache ms/token", "eager StaticCache", "compiled StaticCache",
+                          "compile s"], rows)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def _methods_table(report: dict) -> list[str]:
     rows = [[name, *(f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols),
              "" if (acc_tok := m.get("mean_accepted_tokens_per_verification")) is None else f"{acc_tok:.2f}"]
             for name, m in report["methods"].items()]
-    return harness.table(["method", *cols, "accepted tokens / verification"], rows)
+    return [harness.table(["method", *cols, "accepted tokens / verification"], rows)]
 
 
 def _decisions_table(report: dict) -> list[str]:
@@ -42,7 +42,7 @@ def _decisions_table(report: dict) -> list[str]:
     keys = ("right_kept", "wrong_kept", "right_refused", "wrong_refused", "wrong_kept_fast_path")
     rows = [[name, *(str(m["decisions"][k]) for k in keys)]
             for name, m in report["methods"].items() if "decisions" in m]
-    return ["", *harness.table(["decisions (oracle-judged draft steps)", *keys], rows)]
+    return ["", harness.table(["decisions (oracle-judged draft steps)", *keys], rows)]
 
 
 def _phases_table(report: dict) -> list[str]:
@@ -54,9 +54,9 @@ def _phases_table(report: dict) -> list[str]:
              f"{c['target_step_over_target_per_token']:.2f}", f"{c['draft_over_target_per_token']:.3f}",
              f"{c['verify_over_target_per_proposal']:.2f}", f"{c['predicted_speedup']:.2f}",
              f"{c['measured_speedup']:.2f}"] for name, ph in report["phases"].items() for c in [report["cost"][name]]]
-    return ["", *harness.table(["phases (share of wall time)", *names, "target step/target per token",
-                                "draft/target per token", "verify/target per proposal", "predicted speedup",
-                                "measured"], rows)]
+    return ["", harness.table(["phases (share of wall time)", *names, "target step/target per token",
+                               "draft/target per token", "verify/target per proposal", "predicted speedup",
+                               "measured"], rows)]
 
 
 def _window_cost_table(report: dict) -> list[str]:
@@ -69,7 +69,7 @@ def _window_cost_table(report: dict) -> list[str]:
     rows = [[name, f"{r['forward_s']:.1f}", f"{r['predicted_forward_s']:.1f}", f"{r['speedup']:.2f}",
              f"{r['predicted_speedup']:.2f}"] for name, r in wc["rows"].items()]
     return ["", f"Cost per forward a + b·positions, fitted on {' and '.join(wc['fitted_on'])}: {machine}", "",
-            *harness.table(["window cost model", "forward s", "predicted", "speedup", "predicted"], rows)]
+            harness.table(["window cost model", "forward s", "predicted", "speedup", "predicted"], rows)]
 
 
 def _probes_table(report: dict) -> list[str]:
@@ -78,14 +78,14 @@ def _probes_table(report: dict) -> list[str]:
         return []
     rows = [[name, f"{pr['draft_step_auroc']:.4f}", str(pr["n_judged"]), str(pr["n_wrong"])]
             for name, pr in report["probes"].items()]
-    return ["", *harness.table(["probe pair", "draft-step AUROC", "judged steps", "wrong"], rows)]
+    return ["", harness.table(["probe pair", "draft-step AUROC", "judged steps", "wrong"], rows)]
 
 
 def _sweep_table(report: dict) -> list[str]:
     """One row per swept knob value of every method."""
     rows = [[method, str(r["knob"]), str(r["value"]), f"{r['accuracy']:.3f}", f"{r['speedup']:.3f}",
              f"{r['step_acceptance']:.3f}"] for method, sweep in report["sweep"].items() for r in sweep]
-    return ["", *harness.table(["sweep", "knob", "value", "accuracy", "speedup", "step_acceptance"], rows)]
+    return ["", harness.table(["sweep", "knob", "value", "accuracy", "speedup", "step_acceptance"], rows)]
 
 
 def _scaling_table(report: dict) -> list[str]:
@@ -96,7 +96,7 @@ def _scaling_table(report: dict) -> list[str]:
 def _goals_table(report: dict) -> list[str]:
     """Each goal with its measured value and whether it is met."""
     rows = [[name, f"{g['value']:.3f}", "yes" if g["met"] else "**MISSED**"] for name, g in report["goals"].items()]
-    return ["", *harness.table(["goal", "value", "met"], rows)]
+    return ["", harness.table(["goal", "value", "met"], rows)]
 
 
 def plot(report: dict, path: Path) -> None:

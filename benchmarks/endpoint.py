@@ -288,8 +288,8 @@ def table(report: dict) -> str:
                   f"{f['e2e_p50_s']} / {f['e2e_p95_s']}"] for m in METHODS for c, f in r[m].items()]
         rows.append([setting, "speedup (tokens/s)", "", ", ".join(f"{c[1:]}: {v}x" for c, v in r["speedup"].items()),
                      "", ""])
-    lines = harness.table(["setting", "method", "concurrency", "tokens/s", "TTFT p50 / p95 (s)",
-                           "end-to-end p50 / p95 (s)"], rows)
+    lines = [harness.table(["setting", "method", "concurrency", "tokens/s", "TTFT p50 / p95 (s)",
+                            "end-to-end p50 / p95 (s)"], rows)]
     ch = report.get("chaos")
     if ch:
         lines.append(f"\nchaos ({ch['clients']} streaming clients, {ch['seconds']} s): {ch['requests']} requests, "

@@ -131,9 +131,9 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    """The lines of a markdown table (GitHub's format); cells are shown as given, never reparsed as numbers."""
-    return tabulate(list(rows), list(header), tablefmt="github", disable_numparse=True).splitlines()
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table (GitHub's format); cells are shown as given, never reparsed as numbers."""
+    return tabulate(list(rows), list(header), tablefmt="github", disable_numparse=True)
 
 
 def write(report: dict, path: Path, table: str | None = None, *, save_table: bool = False,

@@ -287,11 +287,11 @@ def table(res: dict) -> str:
     groupings = [[name, f"{v['ari']:.3f}", f"{v['q_mae']:.4f}", f"{v['p_mae']:.4f}",
                   f"{v.get('draft_wrong_false_high_share', float('nan')):.1%}", str(v["judge_pairs"]),
                   f"{v['judge_accuracy']:.3f}", f"{v['seconds']:.1f}"] for name, v in res["variants"].items()]
-    lines = [*harness.table(["metric", "value", "goal"], metrics), "",
-             *harness.table(["label audit: writer, oracle", "rows", "mean label q", "mean oracle q",
-                             "false-high share", "goal"], audit), "",
-             *harness.table(["grouping", "ARI", "q MAE", "p MAE", "wrong draft false-high", "judge pairs",
-                             "judge accuracy", "seconds"], groupings)]
+    lines = [harness.table(["metric", "value", "goal"], metrics), "",
+             harness.table(["label audit: writer, oracle", "rows", "mean label q", "mean oracle q",
+                            "false-high share", "goal"], audit), "",
+             harness.table(["grouping", "ARI", "q MAE", "p MAE", "wrong draft false-high", "judge pairs",
+                            "judge accuracy", "seconds"], groupings)]
     if "backends" in res:
         lines += ["", backends_table(res["backends"])]
     return "\n".join(lines)
@@ -316,7 +316,7 @@ def backends_table(b: dict) -> str:
                   ", ".join(f"{k} {x:.1f}" for k, x in v["seconds_per_stage"].items()), ""]]
     rows += [[f"greedy step agreement, server vs hf, {role}", f"{g['equal']}/{g['prefixes']} ({g['share']:.0%})",
               "reported"] for role, g in b["greedy_agreement"].items()]
-    return "\n".join(harness.table(["sampling backends, real pair", "value", "goal"], rows))
+    return harness.table(["sampling backends, real pair", "value", "goal"], rows)
 
 
 def main(argv: list[str] | None = None) -> dict:

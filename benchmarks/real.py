@@ -111,7 +111,7 @@ def table(report: dict) -> str:
     rows = [[name, f"{m['accuracy']:.3f}", f"{m['speedup']:.2f}", f"{m['step_acceptance']:.3f}"]
             for name, m in report["methods"].items()]
     return "\n".join([f"label rows {report['label_rows']}; build seconds per stage {report['seconds_per_stage']}",
-                      *harness.table(["method", "accuracy", "speedup", "step acceptance"], rows),
+                      harness.table(["method", "accuracy", "speedup", "step acceptance"], rows),
                       f"greedy target_only == transformers generate: {report['greedy_matches_hf_count']}; "
                       f"greedy token_sd == greedy hf_target_only: {report['token_sd_lossless_count']}"])
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks import harness
+from benchmarks.harness import table
 
 ROOT = harness.REPO
 RESULTS = harness.RESULTS_DIR
@@ -87,10 +88,6 @@ SERVED_METHODS = {
 def load(name: str) -> dict:
     """``benchmarks/results/<name>.json``."""
     return json.loads((RESULTS / f"{name}.json").read_text())
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    return "\n".join(harness.table(header, rows)) + "\n"
 
 
 def num(x: float | None, digits: int = 3) -> str:
@@ -306,10 +303,10 @@ TABLES: dict[str, Callable[[], str]] = {
 
 
 def fresh(name: str) -> str:
-    """The body of block ``name`` as the JSON gives it; an unknown name is refused, naming the known ones."""
+    """Block ``name``'s body (newline-ended) as the JSON gives it; an unknown name is refused, naming the known ones."""
     if name not in TABLES:
         raise ValueError(f"<!-- report:{name} -->: no such table; expected one of {sorted(TABLES)}")
-    return TABLES[name]()
+    return TABLES[name]() + "\n"
 
 
 def render(text: str) -> str:

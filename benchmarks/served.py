@@ -713,8 +713,8 @@ def markdown(report: dict) -> str:
         if isinstance(row, dict):
             rows.append((f"concurrency {n} tokens/s target_only / semanticspec",
                          f"{row['target_only']['tokens_per_s']:.0f} / {row['semanticspec']['tokens_per_s']:.0f}"))
-    return "\n".join([*harness.table(["method", "accuracy", "speedup", "step acceptance", "wall s", "requests",
-                                       "errors"], methods), "", *harness.table(["figure", "value"], rows)])
+    return "\n".join([harness.table(["method", "accuracy", "speedup", "step acceptance", "wall s", "requests",
+                                      "errors"], methods), "", harness.table(["figure", "value"], rows)])
 
 
 def arguments():

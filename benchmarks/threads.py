@@ -216,8 +216,7 @@ def table(report: dict) -> str:
              f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
              "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"]
             for job in ("build", "fit") for s, r in report[job].items()]
-    return "\n".join(harness.table(["job", "threads", "alone s", "beside s", "slowdown", "alone / torch default"],
-                                   rows))
+    return harness.table(["job", "threads", "alone s", "beside s", "slowdown", "alone / torch default"], rows)
 
 
 def main(argv: list[str] | None = None) -> dict:

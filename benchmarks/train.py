@@ -77,8 +77,8 @@ def measure(width: int, rows: int, batch_size: int = 128, threads: int = 1) -> d
 def table(res: dict) -> str:
     rows = [[width, str(r["rows"]), f"{r['loader']:,.0f}", f"{r['step']:,.0f}", f"{r['end_to_end']:,.0f}",
              "yes" if r["loader_bound"] else "no", f"{r['peak_rss_mb']:.0f}"] for width, r in res["by_width"].items()]
-    return "\n".join(harness.table(["features", "rows", "loader rows/s", "step rows/s (no loader)", "end-to-end rows/s",
-                                    "loader bound", "peak RSS MB"], rows))
+    return harness.table(["features", "rows", "loader rows/s", "step rows/s (no loader)", "end-to-end rows/s",
+                          "loader bound", "peak RSS MB"], rows)
 
 
 def main(argv: list[str] | None = None) -> dict:

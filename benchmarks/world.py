@@ -339,7 +339,7 @@ def markdown(r: dict) -> str:
         f"World benchmark ({'quick, ' if r['quick'] else ''}{r['n_problems']} four-operation problems, "
         f"T={r['temperature']}, top-p={r['top_p']}; models from {r['root']})",
         "",
-        *harness.table(
+        harness.table(
             ["model", "accuracy (95% CI)", "ms/token (decode)", "prefill ms", "templates 0/1/2/3", "malformed steps",
              "true steps", "steps as reference"],
             ([name, f"{m['accuracy']:.3f} ({m['accuracy_ci95'][0]:.2f}-{m['accuracy_ci95'][1]:.2f})",
@@ -358,9 +358,9 @@ def markdown(r: dict) -> str:
         f"{fit['per_layer_ms']:.3f} ms per layer "
         f"(layers {fit['layers']}); a target of {fit['target_layers_for_goal']} layers would meet the 1/5 goal",
         "",
-        *harness.table([f"judge ({r['judge_pairs']} pairs)", "oracle: same", "oracle: different"],
-                       [["judge says yes", str(c["true_yes"]), str(c["false_yes"])],
-                        ["judge says no", str(c["false_no"]), str(c["true_no"])]]),
+        harness.table([f"judge ({r['judge_pairs']} pairs)", "oracle: same", "oracle: different"],
+                      [["judge says yes", str(c["true_yes"]), str(c["false_yes"])],
+                       ["judge says no", str(c["false_no"]), str(c["true_no"])]]),
         "",
         f"judge accuracy: **{r['judge_accuracy']:.3f}** · by kind: "
         + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in r["judge_accuracy_by_kind"].items()),
