@@ -21,16 +21,8 @@ def scaling_markdown(report: dict) -> str:
 
 def _methods_table(report: dict) -> list[str]:
     """One row per method and variant: the headline figures and token-level acceptance where there is one."""
-    cols = (
-        "accuracy",
-        "accuracy_delta",
-        "wall_s",
-        "speedup",
-        "step_acceptance",
-        "draft_token_share",
-        "target_passes_per_100_tokens",
-        "probe_overhead",
-    )
+    cols = ("accuracy", "accuracy_delta", "wall_s", "speedup", "step_acceptance", "draft_token_share",
+            "target_passes_per_100_tokens", "probe_overhead")
     rows = [[name, *(f"{m[c]:.3f}" if isinstance(m[c], float) else str(m[c]) for c in cols),
              "" if (acc_tok := m.get("mean_accepted_tokens_per_verification")) is None else f"{acc_tok:.2f}"]
             for name, m in report["methods"].items()]
