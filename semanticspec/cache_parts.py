@@ -23,7 +23,7 @@ from generation.features import FeatureSpec, probe_input, rows_features
 from generation.handover import Handover, decode_text
 from generation.sampling import key_stream
 from generation.writer import StepDraft, StepWriter
-from semanticspec.parts import ONE_STEP, Proposal, RoomAfter, RowState, Window, grow_windows, run_probe
+from semanticspec.parts import ONE_STEP, Forced, Proposal, RoomAfter, RowState, Window, grow_windows, run_probe
 from semanticspec.policies import Needs, fast_path_keeps_rows, judge_score
 from semanticspec.scores import Scores
 
@@ -87,7 +87,7 @@ class DraftProposer(CachePart):
         """One step per row; ``more``: the step continues the row's window (after its last step, as if kept)."""
         for_p = for_p and self.spec is not None
         steps = self.writer.write(
-            list(rows), {i: s.limit for i, s in rows.items()}, forced={i: list(s.forced) for i, s in rows.items()},
+            list(rows), {i: s.limit for i, s in rows.items()}, forced={i: list(s.forced.ids) for i, s in rows.items()},
             collect_hidden=for_p and self.spec.needs_hidden, record_logits=True,
             record_forced_logits=[i for i, s in rows.items() if not s.rewrite] if for_p and self.spec.needs_logits
             else False,
@@ -99,11 +99,12 @@ class DraftProposer(CachePart):
             self.window = {i: [d] for i, d in steps.items()}
         return {i: self._proposal(d) for i, d in steps.items()}
 
-    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Sequence] | None = None,
+    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
         """The draft writes one step per row, kept as it is (``alone`` changes nothing: the loop's rounds write the
         output step by step)."""
-        return {i: self._proposal(d) for i, d in self.writer.write(list(rows), dict(limits), forced=forced).items()}
+        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced))
+        return {i: self._proposal(d) for i, d in steps.items()}
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         drafts = [self.window[i][0] for i in rows]
@@ -211,24 +212,21 @@ class TargetVerifier(CachePart):
         """A target step of ``tokens`` is finished: its stopper says so, or it holds ``limit`` tokens."""
         return bool(tokens) and (self.writer.stop(tokens) or len(tokens) >= limit)
 
-    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Sequence] | None = None,
+    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
         """The target writes one step per row (after its forced tokens). ``alone`` (the target-only baseline)
         changes nothing here: the loop's rounds write the output step by step."""
-        steps = self.writer.write(list(rows), dict(limits), forced=forced)
+        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced))
         return {i: self.step(st.tokens, st.n_forced) for i, st in steps.items()}
 
-    def bonus(self, rows: list[int]) -> dict[int, list[int]]:
+    def bonus(self, rows: list[int]) -> dict[int, Forced]:
         """The target's next token after each row's kept step, drawn from the forward that read it; it enters the
         target's context."""
         logits = torch.stack([self.cache.last_logits[i] for i in rows]).float()
         drawn = self.sampler.draw(logits, rows).tolist()
         for i, t in zip(rows, drawn):
             self.cache.extend(i, [t])
-        return {i: [t] for i, t in zip(rows, drawn)}
-
-    def is_eos(self, tokens: list) -> bool:
-        return self.tokenizer.eos_token_id in tokens
+        return {i: Forced((t,), eos=t == self.tokenizer.eos_token_id) for i, t in zip(rows, drawn)}
 
     def verify(self, windows: Mapping[int, Sequence[Proposal]], outputs: Mapping[int, str], needs: Needs,
                rewrites: Collection[int] = ()) -> dict[int, list[Scores]]:
@@ -318,3 +316,8 @@ class TargetVerifier(CachePart):
         drop = self._new.get(row, 0) - n
         if drop > 0:
             self.cache.rollback(row, drop, last_logits=self.token_logits[row][n])
+
+
+def _ids(forced: Mapping[int, Forced] | None) -> dict[int, list[int]] | None:
+    """Each row's forced token ids, as a writer takes them."""
+    return None if forced is None else {i: list(f.ids) for i, f in forced.items()}

@@ -51,7 +51,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from generation.cache import BatchedCache, context_length
-from generation.handover import Handover, pad_id
+from generation.handover import Handover, decode_text, pad_id
 from generation.sampling import Sampler, StreamKey, key_stream, stream_keys
 from generation.specs import SamplingSpec, StepSpec
 from generation.writer import StepWriter
@@ -204,7 +204,8 @@ class SemanticSpecDecoder(StepDecoder):
                                  self.handover, plan.spare)
         verifier = TargetVerifier(StepWriter(tgt, target_stop, sampler), self.tokenizer, self.handover,
                                   self.target_probe, self.judge(plan.cfg.judge_suffix), streams["coins"], plan.spare)
-        rows = [Row(plan.cfg.max_new_tokens, self.shared, plan.loop.answer_marker) for _ in range(n)]
+        decode = (lambda ids: decode_text(self.tokenizer, ids)) if self.shared else None  # the output, whole
+        rows = [Row(plan.cfg.max_new_tokens, plan.loop.answer_marker, decode) for _ in range(n)]
         return StepLoop(proposer, verifier, rows, plan.loop, Meter(rows, verifier, proposer))
 
     def _stopper(self, step: StepSpec) -> tuple:

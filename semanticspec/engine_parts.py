@@ -47,14 +47,13 @@ from generation.sampling import StreamKey, key_stream, stream_seed
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import ends_step
 from semanticspec.policies import FastPath, Needs
-from semanticspec.parts import ONE_STEP, Proposal, RoomAfter, RowState, Window, grow_windows, run_probe
+from semanticspec.parts import (NOTHING_FORCED, ONE_STEP, Forced, Proposal, RoomAfter, RowState, Window, grow_windows,
+                                run_probe)
 from semanticspec.rows import Row, answer_complete
 from semanticspec.scores import Scores
 
 SPARE = 1
 """Context room kept for the bonus token."""
-EOS = None
-"""The bonus "token" that ends the sequence (a served bonus token is its text, and EOS has none)."""
 
 
 class EnginePart:
@@ -153,7 +152,7 @@ class EnginePart:
         self.passes[i] += 1
         self.served_s[i] += dt
 
-    def write_steps(self, forced: Mapping[int, Sequence], limits: Mapping[int, int], top_k: int | None = None,
+    def write_steps(self, forced: Mapping[int, Forced], limits: Mapping[int, int], top_k: int | None = None,
                     after: Mapping[int, str] | None = None) -> tuple[dict[int, Proposal], dict]:
         """One step per row after its forced tokens (at most ``limits[i]`` tokens, forced ones included), and the
         servers' answers; a row whose step can hold nothing past its forced tokens sends no request. ``after``: text
@@ -162,19 +161,19 @@ class EnginePart:
         for i, f in forced.items():
             cap = min(self.step_spec.max_step_tokens, limits[i]) - len(f)
             if cap < 1:
-                steps[i] = Proposal(list(f), len(f), "".join(f), n_new=0)
+                steps[i] = Proposal((), len(f), f.text, n_new=0, forced_texts=f.texts)
             else:
-                context = self.context(i) + after.get(i, "") + "".join(f)
+                context = self.context(i) + after.get(i, "") + f.text
                 calls[i] = ((context,), dict(step=self.step_spec, max_tokens=cap, top_k=top_k))
         answers = self.each("write", calls)
         for i, w in answers.items():
-            f = list(forced[i])
+            f = forced[i]
             conf = float(w.tokens.logprobs.min()) if w.tokens is not None and len(w.tokens.logprobs) else None
-            steps[i] = Proposal(f, len(f), "".join(f) + w.text, n_new=w.usage.completion_tokens, eos=w.stop == "eos",
-                                confidence=conf)
+            steps[i] = Proposal((), len(f), f.text + w.text, n_new=w.usage.completion_tokens, eos=w.stop == "eos",
+                                confidence=conf, forced_texts=f.texts)
         return steps, answers
 
-    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Sequence] | None = None,
+    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
         """The server writes one step per row (the first one, or a refused one), or with ``alone`` (the baselines)
         each row's whole output in one request, cut where the step loop would stop at the answer
@@ -277,13 +276,13 @@ class EngineProposer(EnginePart):
         for i, s in rows.items():
             room = s.limit - len(s.forced)
             if room < 1:
-                out[i] = Proposal(list(s.forced), len(s.forced), "".join(s.forced), n_new=0)
+                out[i] = Proposal((), len(s.forced), s.forced.text, n_new=0, forced_texts=s.forced.texts)
             elif i not in answers:
-                calls[i] = ((self.context(i) + "".join(s.forced),),
+                calls[i] = ((self.context(i) + s.forced.text,),
                             dict(step=None, max_tokens=min(room, window * cap), top_k=1))
         answers.update(self.each("write", calls))
         for i, w in answers.items():
-            steps = cut_steps(w, list(rows[i].forced), self.step_spec, rows[i].limit - len(rows[i].forced))
+            steps = cut_steps(w, rows[i].forced, self.step_spec, rows[i].limit - len(rows[i].forced))
             if not steps:
                 self.rows[i].fail(f"the draft server {self.engine.url} returned token texts that do not spell its "
                                   "text; a window of steps is cut at their boundaries")
@@ -333,7 +332,7 @@ class EngineProposer(EnginePart):
             w, dt = got.value
             self._count(i, w, dt)
             self.rows[i].stats.ahead_windows += 1
-            fit = _after_forced(w, "".join(rows[i].forced)) if i in rows and self.context(i) == context else None
+            fit = _after_forced(w, rows[i].forced.text) if i in rows and self.context(i) == context else None
             if fit is not None:
                 self.rows[i].stats.ahead_used += 1
                 out[i] = fit
@@ -409,20 +408,14 @@ class EngineVerifier(EnginePart):
             ks.append(needs.fast_path.top_k)
         return max(ks)
 
-    def bonus(self, rows: list[int]) -> dict[int, list]:
+    def bonus(self, rows: list[int]) -> dict[int, Forced]:
         """The target's next token after each row's kept step: from its verifying read, or from a read of its own
-        when the policy read nothing (:data:`EOS` at the end of sequence)."""
+        when the policy read nothing (its text, or the end of the sequence, which has none)."""
         got = {i: self.readings[i] for i in rows if i in self.readings}
         got.update(self.each("read", {i: (self.read_at[i], dict(top_k=1, hidden=False))
                                       for i in rows if i not in got}))
-        return {i: [EOS] if r.next_eos else [r.next_text] if r.next_text else [] for i, r in got.items()}
-
-    def is_eos(self, tokens: Sequence) -> bool:
-        return EOS in tokens
-
-    def text(self, tokens: Sequence) -> str:
-        """The text of served tokens (each is its text)."""
-        return "".join(t for t in tokens if t is not EOS)
+        return {i: Forced(eos=True) if r.next_eos else Forced(texts=(r.next_text,) if r.next_text else ())
+                for i, r in got.items()}
 
 
 def _after_forced(w, forced: str):
@@ -437,7 +430,7 @@ def _after_forced(w, forced: str):
     return dataclasses.replace(w, text=w.text[len(forced) :], tokens=t.span(1), usage=usage)
 
 
-def cut_steps(w, forced: list, step: StepSpec, room: int) -> list[Proposal]:
+def cut_steps(w, forced: Forced, step: StepSpec, room: int) -> list[Proposal]:
     """The steps of a continuation written in one request, cut where a one-step write would stop: at a delimiter, at
     the step cap (the forced tokens count toward the first step's), or at ``room`` new tokens in all; an unfinished
     last step is dropped (the request stopped at its ``max_tokens``) unless EOS ended it. Empty when the server's
@@ -450,17 +443,18 @@ def cut_steps(w, forced: list, step: StepSpec, room: int) -> list[Proposal]:
         return []
     out, a, lp = [], 0, w.tokens.logprobs.tolist()
     for b in step_ends(pieces, step, len(forced), room):
-        f = forced if not out else []
-        out.append(Proposal(list(f), len(f), "".join(f) + "".join(pieces[a:b]), n_new=b - a, confidence=min(lp[a:b])))
+        f = forced if not out else NOTHING_FORCED
+        out.append(Proposal((), len(f), f.text + "".join(pieces[a:b]), n_new=b - a, confidence=min(lp[a:b]),
+                            forced_texts=f.texts))
         a = b
         if b >= room:
             return out
     cur, n = "".join(pieces[a:]), len(pieces) - a
     if w.stop == "eos":  # the EOS token ends the last step (counted in it, as a one-step write counts it)
         if cur or not out:
-            f = forced if not out else []
-            out.append(Proposal(list(f), len(f), "".join(f) + cur, n_new=n + eos_piece, eos=True,
-                                confidence=min(lp[a:], default=None)))
+            f = forced if not out else NOTHING_FORCED
+            out.append(Proposal((), len(f), f.text + cur, n_new=n + eos_piece, eos=True,
+                                confidence=min(lp[a:], default=None), forced_texts=f.texts))
         else:
             out[-1] = dataclasses.replace(out[-1], eos=True, n_new=out[-1].n_new + eos_piece)
     return out

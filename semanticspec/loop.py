@@ -24,7 +24,7 @@ from typing import Protocol
 
 from generation.sampling import StreamKey
 from semanticspec.policies import AcceptancePolicy, Needs
-from semanticspec.parts import ONE_STEP, Proposal, Proposer, RowState, Verifier, Window
+from semanticspec.parts import ONE_STEP, Forced, Proposal, Proposer, RowState, Verifier, Window
 from semanticspec.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
 from semanticspec.rows import Row, TargetStep, answer_complete
 from semanticspec.speculative import speculate_tokens
@@ -131,7 +131,7 @@ class StepLoop:
         """A new row, between rounds of :meth:`serve`: ``prompts`` (its prompt for the verifier and for the proposer,
         as each reads it), its output ``budget`` and its stream key; returns its index. It decodes as it would alone
         with the same key (rows do not read each other; its streams are its own)."""
-        self.rows.append(Row(budget, self.rows[0].shared, self.setup.answer_marker))
+        self.rows.append(Row(budget, self.setup.answer_marker, self.rows[0].decode))
         i = len(self.rows) - 1
         self.verifier.admit(prompts[0], key)
         self.proposer.admit(prompts[1], key)
@@ -152,7 +152,7 @@ class StepLoop:
                   if not r.done and (r.rewriting is not None or self.limit(i, *using) > 0)]
         closing = [i for i, r in enumerate(rows) if not r.done and i not in active]
         for i in closing:
-            rows[i].close(self.verifier.text)  # budget or context exhausted
+            rows[i].close()  # budget or context exhausted
         self.meter.finished(closing)
         self._retire(closing)
         if active:
@@ -165,8 +165,7 @@ class StepLoop:
         """Row ``i``'s end event, with its result."""
         r = self.rows[i]
         r.stats.target_passes, r.stats.draft_passes = self.verifier.passes[i], self.proposer.passes[i]
-        text = "" if r.error else self.verifier.text(r.out) if r.shared else r.text
-        return StepEvent(i, None, r.text, DecodeResult(text, r.trace, r.stats, r.stop_reason, r.error))
+        return StepEvent(i, None, r.text, DecodeResult(r.output(), r.trace, r.stats, r.stop_reason, r.error))
 
     def _retire(self, rows_i: list[int]) -> None:
         for part in (self.verifier, self.proposer):  # later forwards compute only the unfinished rows
@@ -291,7 +290,7 @@ class StepLoop:
         kept steps); True when the target still has to rewrite it in a phase of its own."""
         r = self.rows[i]
         if self.rides:  # the target redraws the step from the forward that just read it
-            r.rewriting = TargetStep(d.forced, d.n_forced, limit)
+            r.rewriting = TargetStep(list(d.forced.ids), d.n_forced, limit)
             self._rewrite_tokens(i, d, drawn=False, offset=kept)
             return False
         self.verifier.keep(i, kept)  # roll back by length: both models forget the step and the ones after it
@@ -308,8 +307,8 @@ class StepLoop:
         """What the proposer is told of row ``i``: a new step after its forced tokens, or the rewrite's continuation."""
         r = self.rows[i]
         if r.rewriting is not None:
-            return RowState(tuple(r.rewriting.tokens), r.rewriting.room(), rewrite=True)
-        return RowState(tuple(r.forced), self.limit(i) + len(r.forced))
+            return RowState(Forced(tuple(r.rewriting.tokens)), r.rewriting.room(), rewrite=True)
+        return RowState(r.forced, self.limit(i) + len(r.forced))
 
     def _rewrite_tokens(self, i: int, proposal: Proposal, drawn: bool, offset: int = 0, hold: bool = False) -> bool:
         """The target keeps a prefix of the proposal's new tokens and draws the token after it
@@ -355,7 +354,7 @@ class StepLoop:
         draws the token after it (:meth:`_rewrite_tokens`), until every row's step is finished and committed."""
         rows, chunk = self.rows, self.setup.token_sd_tokens
         for i in rows_i:
-            rows[i].rewriting = TargetStep(list(rows[i].forced), len(rows[i].forced), limits[i], chunk=chunk)
+            rows[i].rewriting = TargetStep(list(rows[i].forced.ids), len(rows[i].forced), limits[i], chunk=chunk)
             self._rewritten(i)  # forced tokens may finish the step already
         while writing := [i for i in self.live(rows_i) if rows[i].rewriting is not None]:
             proposals = {i: w[0] for i, w in self.proposer.propose({i: self._row_state(i) for i in writing},
@@ -368,14 +367,14 @@ class StepLoop:
         """The target's next token (after each kept step) opens the row's next step."""
         drawn = self.verifier.bonus(rows_i)
         for i in self.live(rows_i):
-            r, t = self.rows[i], drawn[i]
-            self.proposer.extend(i, t)
-            r.out.extend(t)
+            r, bonus = self.rows[i], drawn[i]
+            self.proposer.extend(i, bonus.ids)
+            r.out.extend(bonus.ids)
             r.stats.output_tokens += 1
-            if self.verifier.is_eos(t):
+            if bonus.eos:
                 r.finish("eos")
             else:
-                r.forced = list(t)
+                r.forced = bonus
 
     def rewrite(self, first: list[int], rejected: list[int]) -> None:
         """The target writes the first step of ``first`` and the refused step of ``rejected`` (one batch)."""

@@ -48,18 +48,46 @@ pass, and why the gain grows with a forward's fixed cost: ``python -m benchmarks
 
 
 @dataclass(frozen=True)
+class Forced:
+    """Tokens that open a row's next step, already in its context (the target's bonus token, or the part of a target
+    step written so far): their ids in-process, their texts served (a server answers with text), each in a field of
+    its own.
+
+    Attributes:
+        ids: the tokens' ids (in-process parts).
+        texts: the tokens' texts, one a token (served parts).
+        eos: the token ends the sequence (served it has no text).
+    """
+
+    ids: tuple[int, ...] = ()
+    texts: tuple[str, ...] = ()
+    eos: bool = False
+
+    def __len__(self) -> int:
+        """Tokens held."""
+        return max(len(self.ids), len(self.texts))
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+NOTHING_FORCED = Forced()
+"""No token opens the step."""
+
+
+@dataclass(frozen=True)
 class RowState:
     """What a proposer is told about one row.
 
     Attributes:
-        forced: tokens that open the step, already in the row's context (the target's bonus token, or the
-            part of a target step written so far).
+        forced: tokens that open the step, already in the row's context.
         limit: the most tokens the step may hold, forced ones included.
         rewrite: the step is the target's (a refused step being rewritten): the proposal continues it for
             token-level speculation, and no probe reads it.
     """
 
-    forced: tuple[int, ...]
+    forced: Forced
     limit: int
     rewrite: bool = False
 
@@ -69,8 +97,8 @@ class Proposal:
     """One row's step: drafted for the target to verify, or written by one side and kept as it is.
 
     Attributes:
-        tokens: the step in its writer's tokenization, forced tokens first (an engine part knows the forced
-            tokens only: a server answers with text).
+        tokens: the step's token ids in its writer's tokenization, forced tokens first (in-process; a served step
+            has none: a server answers with text).
         n_forced: leading tokens that were given (the target's bonus token), not drafted.
         text: the step's text (up to EOS, special tokens dropped).
         logits: per new (not forced) token, the proposer's logits it was drawn from, when it has them
@@ -81,9 +109,10 @@ class Proposal:
             and stopped at its budget or context end), else None.
         confidence: the least log-probability (raw, temperature 1) the writer gave a token it drew in the step, when
             known (None for a step with no new token).
+        forced_texts: the forced tokens' texts (served).
     """
 
-    tokens: Sequence
+    tokens: Sequence[int]
     n_forced: int
     text: str
     logits: Sequence[torch.Tensor] = ()
@@ -91,6 +120,7 @@ class Proposal:
     eos: bool = False
     end: str | None = None
     confidence: float | None = None
+    forced_texts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n_new is None:
@@ -102,9 +132,9 @@ class Proposal:
         return self.n_forced + self.n_new
 
     @property
-    def forced(self) -> list:
+    def forced(self) -> Forced:
         """The forced tokens that opened the step (they open the target's step when it is refused)."""
-        return list(self.tokens[: self.n_forced])
+        return Forced(tuple(self.tokens[: self.n_forced]), self.forced_texts)
 
 
 RoomAfter = Callable[[int, list[Proposal], RowState], int]
@@ -129,7 +159,7 @@ class Part(Protocol):
     def admit(self, prompt, key) -> None:
         """A new row (the loop has added it to its rows): its prompt as this part reads it, and its stream key."""
 
-    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Sequence] | None = None,
+    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
         """One step per row after its forced tokens, kept as it is; ``alone`` (a baseline: no other part reads the
         row) lets a served part write the row's whole output in one request."""
@@ -154,14 +184,9 @@ class Verifier(Part, Protocol):
                rewrites: Collection[int] = ()) -> dict[int, list[Scores]]:
         """Each row's window read after its output, every step scored as the step-by-step loop would."""
 
-    def bonus(self, rows: list[int]) -> dict[int, list]:
-        """The target's next token after each row's kept window, from the read that judged it."""
-
-    def text(self, tokens: Sequence) -> str:
-        """The text of target tokens."""
-
-    def is_eos(self, tokens: Sequence) -> bool:
-        """The tokens hold the end of the sequence."""
+    def bonus(self, rows: list[int]) -> dict[int, Forced]:
+        """The target's next token after each row's kept window, from the read that judged it (it enters the
+        target's context; it opens the row's next step unless it ends the sequence)."""
 
 
 def grow_windows(windows: dict[int, list[Proposal]], states: Mapping[int, RowState], window: Window,
@@ -181,7 +206,7 @@ def grow_windows(windows: dict[int, list[Proposal]], states: Mapping[int, RowSta
         return window.size + 1 if states[i].rewrite and window.size > 1 else window.size
 
     for _ in range(window.size):
-        more = {i: RowState((), left) for i, w in windows.items()
+        more = {i: RowState(NOTHING_FORCED, left) for i, w in windows.items()
                 if len(w) < cap(i) and sure(w[-1]) and (left := room_after(i, w, states[i])) > 0}
         if not more:
             return

@@ -6,10 +6,10 @@ A row knows nothing of models or servers: the loop's parts tell it what a step h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from semanticspec.parts import Proposal
+from semanticspec.parts import NOTHING_FORCED, Proposal
 from semanticspec.results import DecodeStats, Decision, StepTrace
 
 
@@ -49,19 +49,21 @@ class Row:
 
     Args:
         budget: output tokens it may write.
-        shared: the models share one tokenizer (the output is kept as tokens, else as text).
         answer_marker: the prompt is done once a line starting with this is complete.
+        decode: the models share one tokenizer in-process: the output is kept as ids too, and its text is these ids
+            decoded whole (``decode(ids)``); None: the output's text is its steps' texts, joined.
     """
 
-    def __init__(self, budget: int, shared: bool, answer_marker: str | None) -> None:
-        self.budget, self.shared, self.answer_marker = budget, shared, answer_marker
-        self.out: list[int] = []  # output tokens (shared tokenizer)
+    def __init__(self, budget: int, answer_marker: str | None, decode: Callable[[list[int]], str] | None = None
+                 ) -> None:
+        self.budget, self.answer_marker, self.decode = budget, answer_marker, decode
+        self.out: list[int] = []  # output token ids (one tokenizer, in-process)
         self.pieces: list[str] = []  # output text per committed step
         self.trace: list[StepTrace] = []
         self.stats = DecodeStats()
         self.done = False
         self.stop_reason: str | None = None  # eos, answer, budget or context (results.STOP_REASONS)
-        self.forced: list = []  # the target's bonus token opening the next step (an id in-process, a text served)
+        self.forced = NOTHING_FORCED  # the target's bonus token opening the next step
         self.rewriting: TargetStep | None = None  # the target step being written over rounds, if any
         self.steps_written = 0
         self.error: str | None = None  # why the row failed (a server's answer), with stop_reason "error"
@@ -79,10 +81,10 @@ class Row:
         self.stats.output_tokens += step.n_new
         if trace.writer == "draft":
             self.stats.draft_tokens += step.n_new
-        if self.shared:
+        if self.decode is not None:
             self.out.extend(step.tokens[step.n_forced :])
         self.pieces.append(trace.text)
-        self.forced = []
+        self.forced = NOTHING_FORCED
         if step.eos:
             self.finish("eos")
         elif answer_complete(self.text, self.answer_marker):
@@ -101,13 +103,21 @@ class Row:
         self.finish("error")
         self.error, self.cause = message, cause
 
-    def close(self, text_of: Callable[[Sequence], str]) -> None:
+    def close(self) -> None:
         """Finish at the budget or the context end; a bonus token still waiting for its step becomes a last
-        one-token step (``text_of``: the forced tokens' text)."""
+        one-token step."""
         self.finish("budget" if self.stats.output_tokens >= self.budget else "context")
         if self.forced:
-            text = text_of(self.forced)
+            ids = list(self.forced.ids)
+            text = self.decode(ids) if ids and self.decode is not None else self.forced.text
             self.trace.append(StepTrace("target", text, len(self.forced), decision=Decision.TARGET))
             self.pieces.append(text)
             self.stats.steps += 1
-            self.forced = []
+            self.forced = NOTHING_FORCED
+
+    def output(self) -> str:
+        """The decode's text: empty for a failed row, else the ids decoded whole (one tokenizer) or the steps'
+        texts."""
+        if self.error:
+            return ""
+        return self.decode(self.out) if self.decode is not None else self.text

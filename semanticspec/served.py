@@ -122,7 +122,7 @@ class ServedDecoder(StepDecoder):
     def step_loop(self, plan: Plan, batch: tuple, keys) -> StepLoop:
         """The loop of one batch of text prompts of ``plan`` over the two servers."""
         prompts, _ = batch
-        rows = [Row(plan.cfg.max_new_tokens, False, plan.loop.answer_marker) for _ in prompts]
+        rows = [Row(plan.cfg.max_new_tokens, plan.loop.answer_marker) for _ in prompts]
         kw = dict(rows=rows, prompts=prompts, keys=keys, sampling=plan.sampling, step=plan.step,
                   concurrency=self.concurrency)
         coins = [key_stream(k, "coins") for k in keys]  # as in-process

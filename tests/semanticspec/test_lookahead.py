@@ -62,10 +62,10 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
     of the windows thrown away after a continuation the target did not finish as drafted too."""
     reads, scored, after, steps_drafted, thrown = [], [], [], [0], [0]
     read, score, settle = TargetVerifier._read, TargetVerifier._score, StepLoop._settle
-    propose, rewrite_tokens = DraftProposer.propose, StepLoop._rewrite_tokens
+    write, rewrite_tokens = DraftProposer._write, StepLoop._rewrite_tokens
 
-    def spy_propose(self, rows, **kw):
-        out = propose(self, rows, **kw)
+    def spy_write(self, rows, for_p, more):  # every step the draft writes, a window's later ones too
+        out = write(self, rows, for_p, more)
         steps_drafted[0] += sum(d.n_new for i, d in out.items() if not rows[i].rewrite)
         return out
 
@@ -78,8 +78,8 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
         reads.append((list(self.cache.seq[i][:a]), list(self.cache.seq[i][a:b])))
         return read(self, i, f, a, b, *args)
 
-    def spy_score(self, steps, outputs, got, after, needs):
-        out = score(self, steps, outputs, got, after, needs)
+    def spy_score(self, steps, outputs, got, needs):
+        out = score(self, steps, outputs, got, needs)
         scored.extend((j, out[k].features, out[k].q) for k in got for j in [k[1]])
         return out
 
@@ -90,7 +90,7 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
     monkeypatch.setattr(TargetVerifier, "_read", spy_read)
     monkeypatch.setattr(TargetVerifier, "_score", spy_score)
     monkeypatch.setattr(StepLoop, "_settle", spy_settle)
-    monkeypatch.setattr(DraftProposer, "propose", spy_propose)
+    monkeypatch.setattr(DraftProposer, "_write", spy_write)
     monkeypatch.setattr(StepLoop, "_rewrite_tokens", spy_rewrite_tokens)
     policy = ProbePolicy()  # no fast path: the probe reads every step
     dec = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=world["probe"],

@@ -39,7 +39,7 @@ def parts(n):
 
 
 def test_a_round_shares_its_seconds_and_a_rows_new_steps_share_what_it_was_given(clock):
-    rows = [Row(100, True, None) for _ in range(3)]
+    rows = [Row(100, None) for _ in range(3)]
     verifier, proposer = parts(3)
     m = Meter(rows, verifier, proposer)  # t = 0
     with m.round([0, 1]):  # t = 1 .. 2: one second, half each
@@ -55,7 +55,7 @@ def test_a_round_shares_its_seconds_and_a_rows_new_steps_share_what_it_was_given
 
 
 def test_a_phase_moves_the_probes_seconds_to_the_judged_rows_and_skips_failed_ones(clock):
-    rows = [Row(100, True, None) for _ in range(3)]
+    rows = [Row(100, None) for _ in range(3)]
     verifier, proposer = parts(3)
     m = Meter(rows, verifier, proposer)
     with m.phase({0: "verify", 1: "rewrite", 2: "verify"}):  # t = 1 .. 2 (the probe counters are read between)
@@ -66,7 +66,7 @@ def test_a_phase_moves_the_probes_seconds_to_the_judged_rows_and_skips_failed_on
 
 
 def test_a_phase_name_outside_the_stats_fields_is_refused():
-    rows = [Row(100, True, None)]
+    rows = [Row(100, None)]
     m = Meter(rows, *parts(1))
     with pytest.raises(ValueError, match="'drafting'"):
         with m.phase({0: "drafting"}):
