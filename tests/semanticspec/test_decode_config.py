@@ -22,6 +22,12 @@ from semanticspec.policies import RandomPolicy
     ("method", 3, "method=3: expected a method name or an AcceptancePolicy"),
     ("batch_size", 0, "batch_size=0: expected an integer >= 1, or None"),
     ("allow_sampling_mismatch", 1, "allow_sampling_mismatch=1: expected True or False"),
+    ("target_first_step", "yes", "target_first_step='yes': expected True or False"),
+    ("token_sd", 1, "token_sd=1: expected True, False or None"),
+    ("token_sd_tokens", 0, "token_sd_tokens=0: expected an integer >= 1"),
+    ("step", "\n\n", "step='\\n\\n': expected a generation.specs.StepSpec or None"),
+    ("answer_marker", "", "answer_marker='': expected a non-empty string or None"),
+    ("judge_suffix", None, "judge_suffix=None: expected a non-empty string"),
 ])
 def test_a_bad_field_is_refused_where_the_config_is_built_naming_field_and_value(field, value, said):
     with pytest.raises(ValueError, match="invalid DecodeConfig: " + _escaped(said)):

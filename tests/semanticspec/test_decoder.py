@@ -864,3 +864,20 @@ def test_in_process_always_reject_writes_what_target_only_writes(tiny_pair):
     assert {s.decision for r in spec for s in r.steps if s.writer == "draft"} == {"reject"}
     kept = dec.generate(PROMPTS, method="always_accept", **GREEDY)
     assert {s.decision for r in kept for s in r.steps if s.writer == "draft"} == {"accept"}
+
+
+def test_a_loop_setting_is_a_field_of_the_call_or_of_the_decoders_default_config(tiny_pair):
+    """The loop's settings are DecodeConfig fields: per call, or in the decoder's own config (a call without a
+    config starts from it); an explicit config replaces the decoder's whole."""
+    target, draft, tok = tiny_pair
+    gen = dict(max_new_tokens=24, seed=3)
+    plain = stub_decoder(target, draft, tok, q=0.0)
+    paper = stub_decoder(target, draft, tok, q=0.0, target_first_step=True, token_sd=False)
+    per_call = plain.generate(PROMPTS, target_first_step=True, token_sd=False, **gen)
+    assert texts(per_call) == texts(paper.generate(PROMPTS, **gen))
+    assert {r.steps[0].writer for r in per_call} == {"target"}  # the target wrote each first step
+    assert {r.steps[0].writer for r in plain.generate(PROMPTS, **gen)} == {"draft"}  # the draft did (refused)
+    assert {r.steps[0].writer for r in paper.generate(PROMPTS, DecodeConfig(**gen))} == {"draft"}
+    two = make_decoder(target, draft, tok, draft_tokenizer=char_tokenizer())
+    with pytest.raises(ValueError, match="token_sd=True .* needs a shared tokenizer"):
+        two.generate(PROMPTS, token_sd=True, **gen)

@@ -344,7 +344,9 @@ def test_bad_input_is_refused_before_any_request(world, engines):
         with pytest.raises(ValueError, match=match):
             dec.generate(prompts, **GREEDY)
     for kw, match in [({"max_new_tokens": 0}, "max_new_tokens=0"), ({"method": "specreason"}, "specreason"),
-                      ({"method": "nope"}, "nope"), ({"accept_rate": 0.5}, "accept_rate")]:
+                      ({"method": "nope"}, "nope"), ({"accept_rate": 0.5}, "accept_rate"),
+                      ({"token_sd": True}, "token_sd=True: the served decoder's target server"),
+                      ({"answer_marker": "Result:"}, "answer_marker='Result:' but the task's is 'Answer:'")]:
         with pytest.raises(ValueError, match=match):
             dec.generate(world["prompts"], **{**GREEDY, **kw})
     for c in (0, 1.5, True):
@@ -410,3 +412,20 @@ def test_rows_admitted_into_a_running_loop_decode_as_they_would_alone(world, eng
     alone = [dec.generate([p], dataclasses.replace(cfg, seed=100 + k))[0] for k, p in enumerate(world["prompts"])]
     assert texts([ends[k] for k in range(len(plans))]) == texts(alone)
     assert decisions([ends[k] for k in range(len(plans))]) == decisions(alone)
+
+
+def test_both_decoders_format_problems_with_their_task(world, engines):
+    """``prompts`` is the one prompt builder: the task's format (a chat template where the tokenizer has one; served,
+    the target's ``tokenizer=``), the same prompts for both decoders of one tokenizer; no task is refused."""
+    import copy
+
+    problems = [p["problem"] for p in world["problems"][:2]]
+    local = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], task=world["task"])
+    served = ServedDecoder(*engines, task=world["task"])
+    assert local.prompts(problems) == served.prompts(problems) == world["prompts"][:2]
+    chat = copy.deepcopy(world["tok"])
+    chat.chat_template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    assert ServedDecoder(*engines, task=world["task"], tokenizer=chat).prompts(problems[:1]) == \
+        [f"<|user|>{problems[0]}<|assistant|>"]
+    with pytest.raises(ValueError, match="prompts\\(\\) formats problems as the decoder's task does; give"):
+        ServedDecoder(*engines).prompts(problems)
