@@ -74,7 +74,6 @@ from generation.cache import record_forwards
 from generation.paths import portable_paths
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.parts import SHIPPED_WINDOW
-from semanticspec.config import DecodeConfig
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, default_policy
 from semanticspec.results import Decision
 from semanticspec.config import PROBE_DTYPES, resolve_probe_dtype
@@ -397,7 +396,7 @@ def probes_or_untrained(args: argparse.Namespace, world: models.WorldModels) -> 
 
 
 Decoder = Callable[..., SemanticSpecDecoder]
-"""``decoder(policy=..., loop=..., probes=...)``: a decoder like the main one with the given parts replaced."""
+"""``decoder(policy=..., probes=..., probe_dtype=...)``: a decoder like the main one with the given parts replaced."""
 
 
 @dataclass
@@ -425,12 +424,10 @@ def build_plan(args: argparse.Namespace, world: models.WorldModels) -> Plan:
     policy = ProbePolicy(rule=args.rule, tau=args.tau, ratio_scale=args.ratio_scale, top_k=args.top_k,
                          fast_path_min_logprob=args.fast_path_min_logprob,
                          lazy_p=not args.no_lazy_p)  # same decisions, p only where q alone does not accept
-    loop = DecodeConfig()  # the loop's defaults; each loop variant changes them
-
-    def decoder(policy=policy, loop=loop, probes=(args.target_probe, args.draft_probe),
+    def decoder(policy=policy, probes=(args.target_probe, args.draft_probe),
                 probe_dtype=args.probe_dtype) -> SemanticSpecDecoder:
         return SemanticSpecDecoder(world.target, world.draft, world.tokenizer, None, *probes, policy=policy,
-                                   config=loop, probe_dtype=probe_dtype, task=TASK)
+                                   probe_dtype=probe_dtype, task=TASK)
 
     dec = decoder()
     # every method samples as the probes' labels were sampled (a different value is refused for semanticspec)
@@ -438,7 +435,7 @@ def build_plan(args: argparse.Namespace, world: models.WorldModels) -> Plan:
     args.temperature, args.top_p = spec.temperature, spec.top_p
     knobs, sweeps = sweep_variants(args, dec, decoder, policy)
     ablations, ablation_paths = ablation_variants(args, decoder, policy)
-    loops = {**loop_variants(args, decoder, policy, loop), **lookahead_variants(dec)}
+    loops = {**loop_variants(args, dec, decoder, policy), **lookahead_variants(dec)}
     # the variants' order is their order in each problem's interleaved runs
     return Plan(dec=dec, variants={**loops, **ablations, **sweeps}, beside=(*loops, *ablations),
                 ablations=tuple(ablations), ablation_paths=ablation_paths, knobs=knobs)
@@ -475,16 +472,16 @@ def ablation_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbeP
     return ablations, ablation_paths
 
 
-def loop_variants(args: argparse.Namespace, decoder: Decoder, policy: ProbePolicy, loop: DecodeConfig) -> dict:
+def loop_variants(args: argparse.Namespace, dec: SemanticSpecDecoder, decoder: Decoder, policy: ProbePolicy) -> dict:
     """SemanticSpec with the loop's defaults undone (:data:`LOOPS`), with the other rule, and with the fast path."""
     other = "ratio" if args.rule == "threshold" else "threshold"
     return {
         # the defaults (draft writes the first step, token-level speculation in the target's steps) one at a time
         # undone, and both: the paper's loop; and refused steps rewritten in a phase of their own, as before issue 22
-        LOOPS[0]: (decoder(loop=replace(loop, target_first_step=True)), {}),
-        LOOPS[1]: (decoder(loop=replace(loop, token_sd=False)), {}),
-        LOOPS[2]: (decoder(loop=replace(loop, target_first_step=True, token_sd=False)), {}),
-        LOOPS[3]: (decoder(loop=replace(loop, rewrite_in_rounds=False)), {}),
+        LOOPS[0]: (dec, {"target_first_step": True}),
+        LOOPS[1]: (dec, {"token_sd": False}),
+        LOOPS[2]: (dec, {"target_first_step": True, "token_sd": False}),
+        LOOPS[3]: (dec, {"rewrite_in_rounds": False}),
         f"semanticspec[rule={other}]": (decoder(policy=replace(policy, rule=other)), {}),
         # the gated fast path (top-1 and the log-prob floor) toggled: the probe alone when it is on (the default;
         # the shipped pair's AUROC comes from that run, where every draft step has a q), with it when it is off
