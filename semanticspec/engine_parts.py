@@ -85,7 +85,10 @@ class EnginePart:
         return None if ctx is None else ctx - self.used[row] - SPARE
 
     def retire(self, rows: Sequence[int]) -> None:
-        """Nothing to free: a server keeps no row."""
+        """Finished rows send no more requests: their prompts are dropped (a server keeps no row; the endpoint's
+        long-lived loops admit hundreds)."""
+        for i in rows:
+            self.prompts[i] = ""
 
     def admit(self, prompt: str, key: StreamKey) -> None:
         """A new row (the loop has added it to the shared rows): its prompt text and stream key."""
