@@ -342,8 +342,8 @@ class VLLMEngine(_Completions):
     name = "vllm"
     sampling_extra = NEUTRAL_SAMPLING["vllm"]
     """vLLM fills every sampling field a request leaves out from the model's ``generation_config.json``
-    (``--generation-config auto``): these state ``top_k``, ``min_p`` and ``repetition_penalty`` as the package's
-    sampler uses them (off)."""
+    (``--generation-config auto``): these state ``top_k``, ``min_p``, ``repetition_penalty`` and both penalties as the
+    package's sampler uses them (off)."""
 
     def __init__(self, url: str, model: str | None = None, *, max_logprobs: int | None = VLLM_MAX_LOGPROBS, **conn):
         super().__init__(url, model, **conn)
@@ -368,7 +368,9 @@ class VLLMEngine(_Completions):
         tops = [[float(e["logprob"]) for e in (prompt[i] or {}).values()] for i in idx]
         ids = extra_fields.get("prompt_token_ids")
         ids = [int(ids[i]) for i in idx] if isinstance(ids, list) and len(ids) > idx[-1] else None
-        eos = echo.choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
+        # stop_reason: None at EOS, the token id of an end-of-turn id the generation config lists (an int), the
+        # matched string of a stop string (none is sent here)
+        eos = echo.choice.finish_reason == "stop" and not isinstance(extra_fields.get("stop_reason"), str)
         return Reading(self._echo_step(echo.logprobs, idx, top_k, tops, ids), None,
                        _after(echo.choice, context + step, eos), eos, echo.usage)
 

@@ -25,13 +25,18 @@ reports; prompt (read) log-probs are raw. So at 0 < T != 1 a write that asks for
 back raw, as prompt tokens, in a second request (:meth:`SGLangEngine._read_back`).
 
 Every sampling request states the whole distribution: ``temperature``, ``top_p`` and neutral ``top_k`` (-1),
-``min_p`` (0) and ``repetition_penalty`` (1), since SGLang fills unset fields from the model's
-``generation_config.json`` (``--sampling-defaults model``).
+``min_p`` (0), ``repetition_penalty`` (1) and both penalties (0), since ``/generate`` fills unset fields from
+``--preferred-sampling-params`` (``tokenizer_manager.py``: ``{**preferred, **request}``; it reads no generation config,
+only the chat route does). That flag is read from ``/server_info``, and a server whose preferred fields reach what a
+request leaves unset (a ``stop``, ``ignore_eos``, ...) is refused (:func:`preferred_refusal`).
 
 The version and the flags come from ``/server_info`` (older: ``/get_server_info``; SGLang has no ``/version``):
 below :data:`MIN_VERSION` (``/v1/tokenize`` from 0.5.4, ``sampling_seed`` from 0.5.3) the server is refused
 before any request that reads or writes. ``hidden`` is refused on a server whose rows are not the last layer
-after the final norm (:func:`hidden_refusals`).
+after the final norm, or below :data:`HIDDEN_MIN_VERSION` (:func:`hidden_refusals`).
+
+A ``/generate`` answer whose ``finish_reason`` is ``abort`` comes with HTTP 200 (the scheduler aborted it: a restart,
+memory pressure): it is asked again, up to the connection's retries, before it is an error.
 
 Hidden rows are AFTER the model's final norm (``"final_norm"``, as transformers' last
 ``hidden_states`` entry): in ``python/sglang/srt/models/llama.py`` ``LlamaModel.forward`` ends with
@@ -58,6 +63,17 @@ from generation.specs import SamplingSpec, StepSpec
 MIN_VERSION = "0.5.4"
 """The oldest SGLang this client reads and writes with: ``/v1/tokenize`` exists from 0.5.4 (``sampling_seed`` from
 0.5.3, honoured only with ``--enable-deterministic-inference``)."""
+HIDDEN_MIN_VERSION = "0.5.17"
+"""The oldest SGLang whose hidden rows this client reads: before it, a batched prefill slices each request's rows by
+``len(req.origin_input_ids)`` and advances the offset only for requests that asked for hidden states, while the
+batch's rows hold only each request's uncached (*extend*) part (``scheduler_output_processor_mixin.py``
+``process_batch_result_prefill`` in 0.5.4/0.5.9, ``_append_prefill_hidden_states`` in 0.5.14/0.5.16): with a
+radix-cache hit, as every read after the first has, one request gets another's rows, silently. 0.5.17 slices by
+``extend_input_len`` and advances for every request."""
+STATED_FIELDS = frozenset(("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                           "presence_penalty", "frequency_penalty", "sampling_seed"))
+"""The sampling fields every ``/generate`` request of this client states: ``--preferred-sampling-params`` can only
+fill others."""
 PRE_NORM_MODELS = ("deepseek-v4", "deepseekv4")
 """Model names (lower case, in ``model_path``) whose SGLang hidden rows come before the final norm."""
 LONG_CONTEXT = 128
@@ -70,8 +86,15 @@ step + the bonus token, or a step the server wrote) needs no ``/v1/tokenize`` ca
 
 
 def hidden_refusals(url: str, info: dict) -> tuple[str, ...]:
-    """Why the server's hidden rows are not the last layer's (each: the flag and the fix); empty when they are."""
+    """Why the server's hidden rows are not the last layer's, or not this request's (each: the version or the flag,
+    and the fix); empty when they are."""
+    from packaging.version import Version
+
     out = []
+    if Version(str(info["version"])) < Version(HIDDEN_MIN_VERSION):
+        out.append(f"SGLang server {url} runs {info['version']}, which before {HIDDEN_MIN_VERSION} gives a request "
+                   "another request's hidden rows when prefills with a cached prefix are batched; upgrade it to SGLang "
+                   f">= {HIDDEN_MIN_VERSION} to read 'hidden', or train the probe on 'topk_stats'")
     if not info.get("enable_return_hidden_states", False):
         out.append(f"SGLang server {url} was started without --enable-return-hidden-states; restart it with that flag "
                    "to read 'hidden'")
@@ -89,6 +112,25 @@ def hidden_refusals(url: str, info: dict) -> tuple[str, ...]:
     return tuple(out)
 
 
+def preferred_refusal(url: str, info: dict) -> str | None:
+    """Why the server's ``--preferred-sampling-params`` would change what this client asks (the fields it fills that
+    the client does not state), or None."""
+    import json
+
+    preferred = info.get("preferred_sampling_params")
+    if isinstance(preferred, str):
+        try:
+            preferred = json.loads(preferred)
+        except ValueError:
+            return f"SGLang server {url} states --preferred-sampling-params {preferred!r}, which is not JSON"
+    extra = sorted(set(preferred or {}) - STATED_FIELDS)
+    if not extra:
+        return None
+    return (f"SGLang server {url} runs --preferred-sampling-params with {extra}, fields this client does not state, "
+            "so the server would fill them into every request; restart it without those fields (these are stated in "
+            f"every request and may stay: {sorted(STATED_FIELDS)})")
+
+
 class SGLangEngine:
     """A client of one SGLang server (>= :data:`MIN_VERSION`).
 
@@ -99,7 +141,8 @@ class SGLangEngine:
 
     Raises:
         EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
-        Unsupported: it is not an SGLang server, or one older than :data:`MIN_VERSION`.
+        Unsupported: it is not an SGLang server, one older than :data:`MIN_VERSION`, or one whose
+            ``--preferred-sampling-params`` fill fields a request leaves unset.
     """
 
     name = "sglang"
@@ -110,10 +153,12 @@ class SGLangEngine:
         self.info = self._server_info()
         self.version = str(self.info.get("version")) if self.info.get("version") is not None else None
         at_least(self, self.version, MIN_VERSION, "SGLang")
+        if (why := preferred_refusal(self.url, self.info)) is not None:
+            raise Unsupported(why, self.url)
         self._caps = self._capabilities()
 
     def _server_info(self) -> dict:
-        info = self.conn.get("/server_info") or self.conn.get("/get_server_info")
+        info = self.conn.get("/server_info", patient=True) or self.conn.get("/get_server_info", patient=True)
         if not isinstance(info, dict):
             raise Unsupported(f"server {self.url} answers neither /server_info nor /get_server_info; is it an SGLang "
                               "server? Give the URL of python -m sglang.launch_server", self.url)
@@ -132,17 +177,19 @@ class SGLangEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def _generate(self, body: dict) -> tuple[dict, dict, float]:
-        got, secs = self.conn.post("/generate", body, "/generate")
-        if isinstance(got, list) and len(got) == 1:
-            got = got[0]
-        if not isinstance(got, dict) or not isinstance(got.get("meta_info"), dict):
-            raise MalformedAnswer(f"server {self.url} answered /generate without the field meta_info", self.url)
-        meta = got["meta_info"]
-        finish = meta.get("finish_reason") or {}
-        if isinstance(finish, dict) and finish.get("type") == "abort":  # sent with HTTP 200, not an EOS
-            raise EngineError(f"server {self.url} aborted a /generate request: {finish.get('message', '')!s:.200}; "
-                              "check its log (out of memory, a too-long input, a restart)", self.url)
-        return got, meta, secs
+        for _ in range(self.conn.retries):
+            got, secs = self.conn.post("/generate", body, "/generate")
+            if isinstance(got, list) and len(got) == 1:
+                got = got[0]
+            if not isinstance(got, dict) or not isinstance(got.get("meta_info"), dict):
+                raise MalformedAnswer(f"server {self.url} answered /generate without the field meta_info", self.url)
+            meta = got["meta_info"]
+            finish = meta.get("finish_reason") or {}
+            if not (isinstance(finish, dict) and finish.get("type") == "abort"):  # an abort comes with HTTP 200
+                return got, meta, secs
+        raise EngineError(f"server {self.url} aborted a /generate request {self.conn.retries} time(s): "
+                          f"{finish.get('message', '')!s:.200}; check its log (out of memory, a too-long input, a "
+                          "restart)", self.url)
 
     def _remember(self, text: str, ids: list[int]) -> None:
         """The server's ids of a text this client has seen it tokenize (the newest :data:`KNOWN_TEXTS` kept)."""
