@@ -389,3 +389,62 @@ class FakeLlamaCpp(_Server):
         if cpp:
             get["/props"] = lambda: (200, {"default_generation_settings": {}})
         super().__init__(get, {"/extras/tokenize": lambda body, h: (200, {"tokens": [BOS] if bos else []})})
+
+
+class ScriptSGLang(_Server):
+    """SGLang's ``/generate`` over a real tokenizer (``tokenizers.Tokenizer``) and a model that writes ``script``.
+
+    The model's next token after a prompt whose ids begin the script's is the script's next one (log-prob -0.1, the
+    runner-up -2.0), after the script EOS. Per-token texts are each id decoded alone, as SGLang returns them in every
+    version (``tokenizer_manager.py`` ``detokenize_logprob_tokens``: ``batch_decode`` of one-id lists), while ``text``
+    is the output decoded after its prompt (``detokenizer_manager.py``: incremental, so it adds up). ``/v1/tokenize``
+    as the tokenizer encodes; hidden rows are not served.
+    """
+
+    def __init__(self, tokenizer, script: str, name: str = "toy"):
+        self.tok, self.script, self.name = tokenizer, tokenizer.encode(script).ids, name
+        self.eos = tokenizer.token_to_id("</s>")
+        info = {"version": "0.5.23", "enable_return_hidden_states": False, "disable_radix_cache": False}
+        card = {"id": name, "object": "model", "owned_by": "sglang", "root": name, "max_model_len": 4096}
+        super().__init__({"/v1/models": lambda: (200, {"object": "list", "data": [card]}),
+                          "/server_info": lambda: (200, info)},
+                         {"/v1/tokenize": self._tokenize, "/generate": self._generate})
+
+    def _tokenize(self, body, headers):
+        p = body["prompt"]
+        toks = [self.tok.encode(t).ids for t in p] if isinstance(p, list) else self.tok.encode(p).ids
+        return 200, {"tokens": toks}
+
+    def _next(self, ids: list[int]) -> int:
+        n = len(ids)
+        return self.script[n] if ids == self.script[:n] and n < len(self.script) else self.eos
+
+    def _row(self, lp, i: int) -> list:
+        return [lp, i, self.tok.decode([i])]
+
+    def _generate(self, body, headers):
+        sp = body.get("sampling_params") or {}
+        ids = list(body.get("input_ids") or self.tok.encode(body["text"]).ids)
+        k, start = int(body.get("top_logprobs_num") or 0), body.get("logprob_start_len", -1)
+        out, stop, finish = [], sp.get("stop") or [], {"type": "length", "length": 0}
+        while len(out) < sp.get("max_new_tokens", 128):
+            nxt = self._next(ids + out)
+            out.append(nxt)
+            written = self.tok.decode(ids + out)[len(self.tok.decode(ids)):]
+            hit = next((s for s in stop if s in written), None)
+            if nxt == self.eos or hit:
+                finish = {"type": "stop", "matched": hit or self.eos}
+                break
+        text = self.tok.decode(ids + [i for i in out if i != self.eos])[len(self.tok.decode(ids)):]
+        if finish.get("matched") and isinstance(finish["matched"], str) and not sp.get("no_stop_trim"):
+            text = text[:text.index(finish["matched"])]
+        tops = [[-0.1, 0, "?"], [-2.0, 0, "?"]] + [[-3.0 - j, 0, "?"] for j in range(k)]
+        meta = {"id": "r", "prompt_tokens": len(ids), "completion_tokens": len(out), "cached_tokens": 0,
+                "finish_reason": finish,
+                "output_token_logprobs": [self._row(-0.1, i) for i in out],
+                "output_top_logprobs": [tops[:k] for _ in out]}
+        if start >= 0:
+            meta["input_token_logprobs"] = [self._row(None if j == start else -0.1, ids[j])
+                                            for j in range(start, len(ids))]
+            meta["input_top_logprobs"] = [None if j == start else tops[:k] for j in range(start, len(ids))]
+        return 200, {"text": text, "output_ids": out, "meta_info": meta}

@@ -55,7 +55,7 @@ import torch
 
 from generation.engines import HIDDEN_NORM, NEUTRAL_SAMPLING
 from generation.engines.base import (Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Unsupported,
-                                     Usage, Written)
+                                     Usage, Written, spell)
 from generation.engines.connection import at_least, connect
 from generation.engines.openai_compat import top_k_of
 from generation.specs import SamplingSpec, StepSpec
@@ -307,7 +307,7 @@ class SGLangEngine:
         got, meta, secs = self._generate({"text": context + step, "logprob_start_len": len(known) - 1,
                                           **self._read_body(top_k, hidden, sampling, seed)})
         rows, tops = self._input_rows(meta)
-        if not rows or _spelled(rows) != step:
+        if not rows or spell(_texts(rows), step) is None:
             return None
         tokens = self._logprobs(rows, tops, len(rows), top_k, "step", "input")
         return tokens, meta, str(got.get("text", "")), secs
@@ -341,7 +341,7 @@ class SGLangEngine:
         elif top_k:
             tokens = self._logprobs(rows[:n], (meta.get("output_top_logprobs") or [])[:n], n, top_k, "written",
                                     "output")
-        if known and how != "eos" and _spelled(rows) == text:
+        if known and how != "eos" and spell(_texts(rows), text) is not None:
             self._remember(context + text, known + [int(r[1]) for r in rows])
         return Written(text, how, tokens, self._usage(meta, secs))
 
@@ -359,6 +359,6 @@ class SGLangEngine:
         return self._logprobs(back_rows, tops, len(written), top_k, "written", "input"), self._usage(meta, secs)
 
 
-def _spelled(rows: list) -> str:
-    """The text ``[logprob, id, text]`` rows spell (``return_text_in_logprobs``)."""
-    return "".join(str(r[2]) for r in rows if r and len(r) > 2 and r[2] is not None)
+def _texts(rows: list) -> list[str]:
+    """The texts of ``[logprob, id, text]`` rows (``return_text_in_logprobs``: each id decoded alone)."""
+    return [str(r[2]) for r in rows if r and len(r) > 2 and r[2] is not None]
