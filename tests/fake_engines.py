@@ -231,6 +231,18 @@ class FakeSGLang(_Server):
         return lps[self.drop_rows:], tops[self.drop_rows:]
 
     def _generate(self, body, headers):
+        prompts = body.get("input_ids") or body.get("text")
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], (list, str)):  # a batch: one answer each
+            answers = []
+            for j, p in enumerate(prompts):
+                one = {**body, "input_ids" if "input_ids" in body else "text": p}
+                if isinstance(body.get("sampling_params"), list):
+                    one["sampling_params"] = body["sampling_params"][j]
+                code, answer = self._generate(one, headers)
+                if code != 200:
+                    return code, answer
+                answers.append(answer)
+            return 200, answers
         sp = body.get("sampling_params") or {}
         params = self._params(sp)
         if params is None:
@@ -347,6 +359,8 @@ class FakeVLLM(_Server):
             out_words, text, finish, hit = [""], "", "stop", END_OF_TURN
         elif body.get("echo"):
             out_words, text, finish, hit = [NEXT], NEXT, "length", None
+        elif body.get("n", 1) > 1:  # child j seeded seed + j (v1/engine/parallel_sampling.py ParentRequest)
+            return self._samples(body, params, ids, prompt)
         else:
             out_words, text, finish, hit = toy_continue(ids, body["max_tokens"], body.get("stop") or [],
                                                         body.get("include_stop_str_in_output", False), params,
@@ -375,6 +389,19 @@ class FakeVLLM(_Server):
                  "total_tokens": len(ids) + len(out_words),
                  "prompt_tokens_details": {"cached_tokens": 2} if self.details else None}
         return 200, {"id": "x", "object": "text_completion", "created": 0, "model": self.name, "choices": [choice],
+                     "usage": usage}
+
+
+    def _samples(self, body, params, ids, prompt):
+        choices, used = [], 0
+        for j in range(body["n"]):
+            seed = None if body.get("seed") is None else body["seed"] + j
+            out_words, text, finish, hit = toy_continue(ids, body["max_tokens"], body.get("stop") or [],
+                                                        body.get("include_stop_str_in_output", False), params, seed)
+            used += len(out_words)
+            choices.append({"index": j, "text": text, "finish_reason": finish, "stop_reason": hit, "logprobs": None})
+        usage = {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used}
+        return 200, {"id": "x", "object": "text_completion", "created": 0, "model": self.name, "choices": choices,
                      "usage": usage}
 
 

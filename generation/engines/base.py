@@ -228,6 +228,8 @@ class Engine(Protocol):
         ``hidden``, and the next token drawn with ``sampling`` and ``seed``."""
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
-              top_k: int | None = None) -> Written:
+              top_k: int | None = None, n: int | None = None) -> Written | list[Written]:
         """Continue ``context``: one step (stop at ``step``'s delimiters, at most ``max_tokens``), or, with
-        ``step=None``, up to ``max_tokens`` tokens; ``top_k``: also return the written tokens' log-probs."""
+        ``step=None``, up to ``max_tokens`` tokens; ``top_k``: also return the written tokens' log-probs. ``n``: a
+        list of ``n`` continuations, continuation ``j`` drawn with seed ``seed + j`` (as vLLM seeds the children of
+        an ``n`` request), in one request where the engine takes ``n``; a request's usage on its first one."""

@@ -177,18 +177,25 @@ class SGLangEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def _generate(self, body: dict) -> tuple[dict, dict, float]:
+        ((got, meta),), secs = self._generate_all(body, 1)
+        return got, meta, secs
+
+    def _generate_all(self, body: dict, n: int) -> tuple[list[tuple[dict, dict]], float]:
+        """``POST /generate`` of ``n`` prompts (one: a plain body; more: lists): each answer and its ``meta_info``, and
+        the seconds; asked again when the scheduler aborted one (an abort comes with HTTP 200)."""
         for _ in range(self.conn.retries):
             got, secs = self.conn.post("/generate", body, "/generate")
-            if isinstance(got, list) and len(got) == 1:
-                got = got[0]
-            if not isinstance(got, dict) or not isinstance(got.get("meta_info"), dict):
-                raise MalformedAnswer(f"server {self.url} answered /generate without the field meta_info", self.url)
-            meta = got["meta_info"]
-            finish = meta.get("finish_reason") or {}
-            if not (isinstance(finish, dict) and finish.get("type") == "abort"):  # an abort comes with HTTP 200
-                return got, meta, secs
+            got = got if isinstance(got, list) else [got]
+            if len(got) != n or not all(isinstance(g, dict) and isinstance(g.get("meta_info"), dict) for g in got):
+                raise MalformedAnswer(f"server {self.url} answered /generate of {n} prompt(s) without {n} answers "
+                                      "holding the field meta_info", self.url)
+            aborted = [g["meta_info"].get("finish_reason") for g in got
+                       if isinstance(g["meta_info"].get("finish_reason"), dict)
+                       and g["meta_info"]["finish_reason"].get("type") == "abort"]
+            if not aborted:
+                return [(g, g["meta_info"]) for g in got], secs
         raise EngineError(f"server {self.url} aborted a /generate request {self.conn.retries} time(s): "
-                          f"{finish.get('message', '')!s:.200}; check its log (out of memory, a too-long input, a "
+                          f"{aborted[0].get('message', '')!s:.200}; check its log (out of memory, a too-long input, a "
                           "restart)", self.url)
 
     def _remember(self, text: str, ids: list[int]) -> None:
@@ -313,16 +320,28 @@ class SGLangEngine:
         return tokens, meta, str(got.get("text", "")), secs
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
-              top_k: int | None = None) -> Written:
-        params = self._sampling(sampling, seed, max_tokens)
-        if step is not None:
-            params.update(stop=list(step.delimiters), no_stop_trim=True)
+              top_k: int | None = None, n: int | None = None) -> Written | list[Written]:
+        """``n``: one ``/generate`` of ``n`` copies of the prompt, copy ``j`` with ``sampling_seed`` ``seed + j`` (one
+        ``sampling_params`` with ``n`` would give every copy the same seed)."""
+        seeds = [seed] if n is None else [seed + j for j in range(n)]
+        params = [self._sampling(sampling, s, max_tokens) for s in seeds]
+        for p in params:
+            p.update(stop=list(step.delimiters), no_stop_trim=True) if step is not None else None
         scaled = bool(top_k) and sampling.temperature not in (0.0, 1.0)  # written log-probs would be tempered
         known = self._known.get(context)
         body = {"input_ids": known} if known else {"text": context}
-        body.update(sampling_params=params, return_logprob=True, top_logprobs_num=0 if scaled else top_k or 0,
+        if n is not None:
+            body = {k: [v] * n for k, v in body.items()}
+        body.update(sampling_params=params if n is not None else params[0], return_logprob=True,
+                    top_logprobs_num=0 if scaled else top_k or 0,
                     return_text_in_logprobs=True)  # the written ids: the next read after this text needs no tokenize
-        got, meta, secs = self._generate(body)
+        answers, secs = self._generate_all(body, len(seeds))
+        out = [self._written(got, meta, secs if j == 0 else 0.0, context, known, step, top_k, scaled, s)
+               for j, ((got, meta), s) in enumerate(zip(answers, seeds))]
+        return out if n is not None else out[0]
+
+    def _written(self, got: dict, meta: dict, secs: float, context: str, known: list[int] | None,
+                 step: StepSpec | None, top_k: int | None, scaled: bool, seed: int) -> Written:
         text, finish = str(got.get("text", "")), meta.get("finish_reason") or {}
         matched = finish.get("matched")
         if finish.get("type") == "length":
