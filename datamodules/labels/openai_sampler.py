@@ -3,7 +3,8 @@
 The servers are vLLM (``vllm serve``), SGLang (``python -m sglang.launch_server``) or llama-cpp-python
 (``python -m llama_cpp.server``), named by ``engine`` or told from their routes. Each prefix's ``n`` samples are one
 :meth:`~generation.engines.base.Engine.write` with ``n``: the step's delimiters as stops, ``max_tokens`` = the step
-cap, sample ``j`` seeded ``seed + j`` (one vLLM request, one SGLang batch, one llama-cpp-python request a sample);
+cap, sample ``j`` seeded ``seed + j`` (one vLLM request, one SGLang batch; llama-cpp-python ignores ``n``: one
+request a sample, each seeded apart);
 what the engine clients do for every served path holds here too: the whole distribution stated (no server default
 leaks in), the delimiter a server cut off put back, EOS told from a stop string, an SGLang abort asked again.
 Prefixes run concurrently (at most ``concurrency`` at once), spread round-robin over the role's servers.
@@ -67,14 +68,22 @@ class OpenAISampler(StepSampler):
         self._round_robin = itertools.islice(itertools.cycle(range(len(self.urls))), rank % len(self.urls), None)
         self.generated_tokens = 0
 
-    def _each(self, contexts: list[list[int]], **write) -> list:
-        """One ``write`` per context (its seed from ``write["seed"]``, the context's index and 0), on the servers in
-        turn, at most ``concurrency`` at once."""
-        seed = write.pop("seed")
-        calls = [(self.engines[next(self._round_robin)], prompt_text(self.tokenizer, c), request_seed(seed, i, 0))
+    def _each(self, contexts: list[list[int]], seed: int, n: int | None = None, **write) -> list:
+        """One ``write`` per context on the servers in turn, at most ``concurrency`` at once. With ``n``, context
+        ``i``'s samples are seeded from ``request_seed(seed, i, 0)`` on (the engine's ``seed + j``), except on
+        llama-cpp-python, which ignores ``n``: there each sample is a request of its own, seeded
+        ``request_seed(seed, i, j)``, so a build repeats (and resumes) the samples it drew before the engine clients
+        wrote them."""
+        def one(engine, prompt: str, i: int):
+            if n is not None and engine.name == "llama.cpp":
+                return [engine.write(prompt, sampling=self.sampling, seed=request_seed(seed, i, j), **write)
+                        for j in range(n)]
+            return engine.write(prompt, sampling=self.sampling, seed=request_seed(seed, i, 0), n=n, **write)
+
+        calls = [(self.engines[next(self._round_robin)], prompt_text(self.tokenizer, c), i)
                  for i, c in enumerate(contexts)]
         with ThreadPoolExecutor(self.concurrency) as pool:
-            futures = [pool.submit(e.write, p, sampling=self.sampling, seed=s, **write) for e, p, s in calls]
+            futures = [pool.submit(one, *call) for call in calls]
             try:
                 answers = [f.result() for f in futures]
             except BaseException:

@@ -66,8 +66,12 @@ def test_llama_cpp_gets_one_request_per_sample_with_distinct_seeds(serve, world_
     ctx = _contexts(world_tokenizer)
     out = s.sample(ctx, 4, seed=11)
     assert [len(o) for o in out] == [4, 4, 4] and all(isinstance(x, list) and x for o in out for x in o)
+    from datamodules.labels.samplers import request_seed
+
     seeds = [(b["prompt"], b["seed"]) for _, b in server.requests]
-    assert len(set(seeds)) == len(seeds) == 3 * 4  # every sample its own request and seed: seed + j
+    assert len(set(seeds)) == len(seeds) == 3 * 4  # every sample its own request and seed
+    assert sorted(b["seed"] for _, b in server.requests) == sorted(request_seed(11, i, j) for i in range(3)
+                                                                    for j in range(4))
     assert all(b.get("n") is None for _, b in server.requests)
     assert len({tuple(x) for o in out for x in o}) > 3  # the samples differ
     assert s.sample(ctx, 4, seed=11) == out  # the seeds make it reproducible
