@@ -91,7 +91,7 @@ def hidden_refusals(url: str, info: dict) -> tuple[str, ...]:
     from packaging.version import Version
 
     out = []
-    if Version(str(info["version"])) < Version(HIDDEN_MIN_VERSION):
+    if Version(str(info["version"]).split()[-1]) < Version(HIDDEN_MIN_VERSION):  # at_least parsed it
         out.append(f"SGLang server {url} runs {info['version']}, which before {HIDDEN_MIN_VERSION} gives a request "
                    "another request's hidden rows when prefills with a cached prefix are batched; upgrade it to SGLang "
                    f">= {HIDDEN_MIN_VERSION} to read 'hidden', or train the probe on 'topk_stats'")
