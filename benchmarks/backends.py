@@ -70,12 +70,12 @@ def overhead(server: LlamaServer, quick: bool) -> dict:
     n, rounds = (2, 1) if quick else (4, 2)
     s = OpenAISampler([server.url], None, tok, StepSpec(DEFAULT_DELIMITERS, 64), SamplingSpec(0.8, 0.95),
                       api_key_env="", concurrency=8)
-    s.sample(contexts[:1], 2, seed=99)  # learns that the server ignores n: from here on, one request per sample
+    s.sample(contexts[:1], 2, seed=99)  # the server warmed up before either loop is timed
     sent: list[dict] = []
-    conn = s.conns[0]
+    conn = s.engines[0].conn  # llama-cpp-python ignores n: one request per sample
     completions = conn.completions
 
-    def recording(what, fix="", **kw):  # each request's body as the client sends it (extra_body merged in)
+    def recording(what="/v1/completions", fix="", **kw):  # each request's body as sent (extra_body merged in)
         sent.append({**{k: v for k, v in kw.items() if k != "extra_body"}, **(kw.get("extra_body") or {})})
         return completions(what, fix, **kw)
 

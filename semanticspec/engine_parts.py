@@ -40,7 +40,7 @@ from itertools import accumulate
 
 import torch
 
-from generation.engines.base import TokenLogprobs
+from generation.engines.base import TokenLogprobs, spell
 from generation.engines.connection import redact
 from generation.features import FeatureSpec, probe_input, rows_features
 from generation.sampling import StreamKey, key_stream, stream_seed
@@ -437,12 +437,11 @@ def cut_steps(w, forced: Forced, step: StepSpec, room: int) -> list[Proposal]:
     """The steps of a continuation written in one request, cut where a one-step write would stop: at a delimiter, at
     the step cap (the forced tokens count toward the first step's), or at ``room`` new tokens in all; an unfinished
     last step is dropped (the request stopped at its ``max_tokens``) unless EOS ended it. Empty when the server's
-    token texts do not spell its text."""
+    token texts cannot be mended to spell its text (:func:`~generation.engines.base.spell`)."""
     pieces = list(w.tokens.tokens) if w.tokens is not None else []
-    eos_piece = w.stop == "eos" and bool(pieces) and "".join(pieces[:-1]) == w.text  # the EOS token's own text
-    if eos_piece:
-        pieces.pop()
-    if w.tokens is None or "".join(pieces) != w.text:
+    eos_piece = w.stop == "eos" and bool(pieces) and spell(pieces[:-1], w.text) is not None  # the EOS token's text
+    pieces = spell(pieces[:-1] if eos_piece else pieces, w.text) if w.tokens is not None else None
+    if pieces is None:
         return []
     out, a, lp = [], 0, w.tokens.logprobs.tolist()
     for b in step_ends(pieces, step, len(forced), room):
@@ -480,12 +479,14 @@ def step_ends(pieces: Sequence[str], step: StepSpec, n_forced: int = 0, room: in
 
 def split_reading(reading, texts: Sequence[str]) -> list:
     """A window's reading cut into its steps: ``(TokenLogprobs, hidden rows)`` per step, or False for a step whose
-    start falls inside a token (it and the steps after it cannot be read)."""
+    start falls inside a token (it and the steps after it cannot be read), its tokens' texts mended where the server
+    decoded each id alone (:func:`~generation.engines.base.spell`)."""
     tokens = reading.step
+    pieces = spell(tokens.tokens, "".join(texts)) or []
     out, a, text_at, k = [], 0, 0, 0
     for end in accumulate(len(t) for t in texts):
-        while k < len(tokens.tokens) and text_at < end:
-            text_at += len(tokens.tokens[k])
+        while k < len(pieces) and text_at < end:
+            text_at += len(pieces[k])
             k += 1
         if text_at != end:
             return out + [False] * (len(texts) - len(out))

@@ -37,12 +37,12 @@ import zlib
 
 from tests.fake_openai import JsonHandler, LoopbackServer
 
-BOS, BOS_TEXT, EOS = 1, "<s>", 2
+BOS, BOS_TEXT, EOS, END_OF_TURN = 1, "<s>", 2, 3
 CONTINUATION = "a b\n\nc d"
 NEXT = "next"
 RUNNER_UP = " z"
 """The toy model's second choice at every written position (:func:`toy_continue`)."""
-NEUTRAL = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+NEUTRAL = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 """Sampling fields that change nothing (the package's one sampler draws from temperature and top-p alone)."""
 
 
@@ -76,10 +76,10 @@ def top_entries(prefix: list[int], k: int) -> list[tuple[float, int, str]]:
 
 def toy_continue(ids: list[int], max_tokens: int, stops: list[str], keep_stop: bool, params: dict, seed: int | None):
     """What the toy model writes after ``ids`` with these sampling ``params`` (temperature, top_p, top_k, min_p,
-    repetition_penalty): at each position the next word of :data:`CONTINUATION` (logit 1.0) or :data:`RUNNER_UP`
-    (logit 0.9); a repetition penalty divides the logit of a word already seen, top-k 1 or a min-p above 0.9 keeps
-    the first alone. Returns the words, the text (cut after the first stop string), ``"stop"`` or ``"length"``,
-    and the stop string matched."""
+    repetition_penalty, presence_penalty): at each position the next word of :data:`CONTINUATION` (logit 1.0) or
+    :data:`RUNNER_UP` (logit 0.9); a repetition penalty divides the logit of a word already seen and a presence
+    penalty is subtracted from it, top-k 1 or a min-p above 0.9 keeps the first alone. Returns the words, the text
+    (cut after the first stop string), ``"stop"`` or ``"length"``, and the stop string matched."""
     rng = random.Random(seed)
     out, text, seen = [], "", list(ids)
     for w in words(CONTINUATION)[:max_tokens]:
@@ -96,8 +96,8 @@ def toy_continue(ids: list[int], max_tokens: int, stops: list[str], keep_stop: b
 
 def _draw(word: str, seen: list[int], params: dict, rng: random.Random) -> str:
     logits = {word: 1.0, RUNNER_UP: 0.9}
-    rp = float(params.get("repetition_penalty", 1.0))
-    logits = {w: v / rp if tid(w) in seen else v for w, v in logits.items()}
+    rp, pp = float(params.get("repetition_penalty", 1.0)), float(params.get("presence_penalty", 0.0))
+    logits = {w: v / rp - pp if tid(w) in seen else v for w, v in logits.items()}
     ranked = sorted(logits, key=logits.get, reverse=True)
     t = float(params.get("temperature", 1.0))
     if t == 0:
@@ -139,6 +139,12 @@ class _Server(LoopbackServer):
         return [b for p, _, b in self.requests if p == path]
 
 
+def _older(version: str, than: str) -> bool:
+    from packaging.version import Version
+
+    return Version(version) < Version(than)
+
+
 def _lcp(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -155,10 +161,15 @@ class FakeSGLang(_Server):
         info: more ``/server_info`` fields (``return_hidden_states_mode``, ``speculative_algorithm``, ...).
         info_routes: the routes that answer the server info (``/get_server_info`` alone before ``/server_info``).
         original_logprob: started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (written log-probs are raw).
-        generation_config: what the model's ``generation_config.json`` fills into unset sampling fields.
+        preferred: its ``--preferred-sampling-params`` (a dict, stated in ``/server_info`` as the JSON string the
+            flag took): ``/generate`` fills the fields a request leaves unset from it, then from ``SamplingParams``'
+            defaults (``tokenizer_manager.py`` ``_create_tokenized_object``: ``{**preferred, **obj.sampling_params}``);
+            ``/generate`` reads no generation config.
         short_top: return this many top-k entries per position instead of the k asked for.
         drop_rows: return this many fewer input log-prob rows than the engine would.
-        abort: answer every ``/generate`` with ``finish_reason`` ``abort`` (HTTP 200).
+        abort: answer ``/generate`` with ``finish_reason`` ``abort`` (HTTP 200): every request (True) or the first
+            ``abort`` requests (an int).
+        busy: answer the first ``busy`` GETs of each server-info route with a 503 (a server too busy to answer).
         tail_after_stop: text kept after a matched stop string with ``no_stop_trim`` (before 0.5.23, PR #25980,
             when several tokens were accepted in one step).
         context_len: the model's context, which ``/v1/models`` states as the card's ``max_model_len``
@@ -166,20 +177,28 @@ class FakeSGLang(_Server):
     """
 
     def __init__(self, name="toy", *, version="0.5.23", hidden=True, info=None,
-                 info_routes=("/server_info", "/get_server_info"), original_logprob=False, generation_config=None,
-                 short_top=None, drop_rows=0, abort=False, tail_after_stop="", context_len=4096):
+                 info_routes=("/server_info", "/get_server_info"), original_logprob=False, preferred=None,
+                 short_top=None, drop_rows=0, abort=False, busy=0, tail_after_stop="", context_len=4096):
         self.name, self.version, self.hidden = name, version, hidden
         self.short_top, self.drop_rows, self.abort = short_top, drop_rows, abort
         self.original_logprob = original_logprob
-        self.generation_config, self.tail_after_stop = dict(generation_config or {}), tail_after_stop
+        self.preferred, self.tail_after_stop = dict(preferred or {}), tail_after_stop
         self.info = {"version": version, "disable_radix_cache": False, "enable_return_hidden_states": hidden,
-                     "speculative_algorithm": None, **(info or {})}
+                     "speculative_algorithm": None,
+                     "preferred_sampling_params": json.dumps(preferred) if preferred else None, **(info or {})}
+        self.busy = {r: busy for r in info_routes}
         self.cache: list[list[int]] = []
         self.effective: list[dict] = []
         card = {"id": name, "object": "model", "owned_by": "sglang", "root": name, "max_model_len": context_len}
         get = {"/v1/models": lambda: (200, {"object": "list", "data": [card]})}
-        get.update({r: (lambda: (200, self.info)) for r in info_routes})
+        get.update({r: (lambda r=r: self._info(r)) for r in info_routes})
         super().__init__(get, {"/v1/tokenize": self._tokenize, "/generate": self._generate})
+
+    def _info(self, route):
+        if self.busy[route]:
+            self.busy[route] -= 1
+            return 503, {"error": {"message": "busy"}}
+        return 200, self.info
 
     def _tokenize(self, body, headers):
         p = body["prompt"]
@@ -187,13 +206,20 @@ class FakeSGLang(_Server):
         return 200, {"tokens": toks, "count": [len(t) for t in toks] if isinstance(p, list) else len(toks)}
 
     def _params(self, sp: dict) -> dict | None:
-        """The sampling fields the request leaves unset filled from the generation config, then SGLang's defaults;
-        None for a top_k SGLang refuses (``SamplingParams.verify``: -1 or >= 1)."""
-        base = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
-        got = {f: sp[f] if sp.get(f) is not None else self.generation_config.get(f, v) for f, v in base.items()}
+        """The sampling fields the request leaves unset filled from ``--preferred-sampling-params``, then SGLang's
+        defaults; None for a top_k SGLang refuses (``SamplingParams.verify``: -1 or >= 1)."""
+        base = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        got = {f: v for f, v in {**base, **self.preferred, **sp}.items() if f in base}
         if got["top_k"] == 0 or got["top_k"] < -1:
             return None
         return {**got, "top_k": 0 if got["top_k"] == -1 else got["top_k"]}
+
+    def _aborts(self) -> bool:
+        if self.abort is True or self.abort is False:
+            return self.abort
+        self.abort -= 1
+        return self.abort >= 0
 
     def _input_rows(self, ids, start, k):
         """``input_token_logprobs`` from ``start``: the first entry ``[None, id, text]``, its top-k ``None``."""
@@ -205,6 +231,18 @@ class FakeSGLang(_Server):
         return lps[self.drop_rows:], tops[self.drop_rows:]
 
     def _generate(self, body, headers):
+        prompts = body.get("input_ids") or body.get("text")
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], (list, str)):  # a batch: one answer each
+            answers = []
+            for j, p in enumerate(prompts):
+                one = {**body, "input_ids" if "input_ids" in body else "text": p}
+                if isinstance(body.get("sampling_params"), list):
+                    one["sampling_params"] = body["sampling_params"][j]
+                code, answer = self._generate(one, headers)
+                if code != 200:
+                    return code, answer
+                answers.append(answer)
+            return 200, answers
         sp = body.get("sampling_params") or {}
         params = self._params(sp)
         if params is None:
@@ -226,7 +264,7 @@ class FakeSGLang(_Server):
         self.cache.append(ids + out_ids)
         meta = {"id": "r", "e2e_latency": 0.001, "prompt_tokens": len(ids), "completion_tokens": len(out_ids),
                 "cached_tokens": cached,
-                "finish_reason": ({"type": "abort", "message": "aborted by the scheduler"} if self.abort else
+                "finish_reason": ({"type": "abort", "message": "aborted by the scheduler"} if self._aborts() else
                                   {"type": "stop", "matched": hit} if finish == "stop" else
                                   {"type": "length", "length": len(out_ids)})}
         if want:
@@ -259,12 +297,18 @@ class FakeVLLM(_Server):
         twin_texts: the two most likely tokens read alike ("", as control tokens), so a text-keyed top-k loses one.
         lone_texts: echo each token's text decoded alone, as vLLM 0.11 does for SentencePiece tokenizers (the toy:
             without its trailing spaces), so the texts do not add up to the prompt.
+        end_of_turn: the token after every read prompt is :data:`END_OF_TURN`, an id the model's
+            ``generation_config.json`` lists in ``eos_token_id`` beside the tokenizer's EOS:
+            ``SamplingParams.update_from_generation_config`` puts it in ``stop_token_ids``, and ``check_stop``
+            (``v1/core/sched/utils.py``, 0.11 and 0.34) ends the request with ``finish_reason`` ``"stop"`` and
+            ``stop_reason`` = that id, an int (text "": a special token).
     """
 
     def __init__(self, name="toy", *, version="0.11.0", max_logprobs=20, prompt_tokens_details=False,
                  generation_config=None, short_top=None, status=None, lone_texts=False, twin_texts=False,
-                 max_model_len=4096):
-        self.lone_texts, self.twin_texts = lone_texts, twin_texts
+                 max_model_len=4096, end_of_turn=False):
+        self.lone_texts, self.twin_texts, self.end_of_turn = lone_texts, twin_texts, end_of_turn
+        self.version = version
         card = {"id": name, "object": "model", "owned_by": "vllm", "max_model_len": max_model_len}
         self.name, self.max_logprobs, self.short_top, self.status = name, max_logprobs, short_top, status
         self.details, self.generation_config = prompt_tokens_details, dict(generation_config or {})
@@ -291,9 +335,13 @@ class FakeVLLM(_Server):
 
     def _params(self, body: dict) -> dict:
         """``CompletionRequest.to_sampling_params``: a field the request leaves out comes from the generation config
-        (``default_sampling_params``), then from ``SamplingParams``' own default."""
-        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-        got = {f: body[f] if body.get(f) is not None else self.generation_config.get(f, v) for f, v in base.items()}
+        (``default_sampling_params``, ``config/model.py`` ``get_diff_sampling_param``; the two penalties from 0.31),
+        then from ``SamplingParams``' own default."""
+        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        filled = set(base) - ({"presence_penalty", "frequency_penalty"} if _older(self.version, "0.31") else set())
+        got = {f: body[f] if body.get(f) is not None else self.generation_config.get(f, v) if f in filled else v
+               for f, v in base.items()}
         return {**got, "top_k": 0 if got["top_k"] == -1 else got["top_k"]}
 
     def _complete(self, body, headers):
@@ -307,13 +355,18 @@ class FakeVLLM(_Server):
         self.effective.append(params)
         prompt = body["prompt"]
         ids, texts = ids_of(prompt), [BOS_TEXT] + [w.rstrip(" ") if self.lone_texts else w for w in words(prompt)]
-        if body.get("echo"):
+        if body.get("echo") and self.end_of_turn:
+            out_words, text, finish, hit = [""], "", "stop", END_OF_TURN
+        elif body.get("echo"):
             out_words, text, finish, hit = [NEXT], NEXT, "length", None
+        elif body.get("n", 1) > 1:  # child j seeded seed + j (v1/engine/parallel_sampling.py ParentRequest)
+            return self._samples(body, params, ids, prompt)
         else:
             out_words, text, finish, hit = toy_continue(ids, body["max_tokens"], body.get("stop") or [],
                                                         body.get("include_stop_str_in_output", False), params,
                                                         body.get("seed"))
-        full, all_texts = ids + [tid(w) for w in out_words], texts + out_words
+        full = ids + ([END_OF_TURN] if hit == END_OF_TURN else [tid(w) for w in out_words])
+        all_texts = texts + out_words
         choice = {"index": 0, "finish_reason": finish, "stop_reason": hit, "logprobs": None, "prompt_logprobs": None}
         if body.get("echo"):
             choice["text"] = ("" if body.get("return_token_ids") else prompt) + text
@@ -339,6 +392,19 @@ class FakeVLLM(_Server):
                      "usage": usage}
 
 
+    def _samples(self, body, params, ids, prompt):
+        choices, used = [], 0
+        for j in range(body["n"]):
+            seed = None if body.get("seed") is None else body["seed"] + j
+            out_words, text, finish, hit = toy_continue(ids, body["max_tokens"], body.get("stop") or [],
+                                                        body.get("include_stop_str_in_output", False), params, seed)
+            used += len(out_words)
+            choices.append({"index": j, "text": text, "finish_reason": finish, "stop_reason": hit, "logprobs": None})
+        usage = {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used}
+        return 200, {"id": "x", "object": "text_completion", "created": 0, "model": self.name, "choices": choices,
+                     "usage": usage}
+
+
 class FakeLlamaCpp(_Server):
     """Only what :class:`LlamaCppEngine` asks before reading: ``/v1/models``, and ``/props`` (the C++
     ``llama-server``) or ``/extras/tokenize`` (llama-cpp-python; ``bos``: the model adds BOS), and
@@ -350,3 +416,62 @@ class FakeLlamaCpp(_Server):
         if cpp:
             get["/props"] = lambda: (200, {"default_generation_settings": {}})
         super().__init__(get, {"/extras/tokenize": lambda body, h: (200, {"tokens": [BOS] if bos else []})})
+
+
+class ScriptSGLang(_Server):
+    """SGLang's ``/generate`` over a real tokenizer (``tokenizers.Tokenizer``) and a model that writes ``script``.
+
+    The model's next token after a prompt whose ids begin the script's is the script's next one (log-prob -0.1, the
+    runner-up -2.0), after the script EOS. Per-token texts are each id decoded alone, as SGLang returns them in every
+    version (``tokenizer_manager.py`` ``detokenize_logprob_tokens``: ``batch_decode`` of one-id lists), while ``text``
+    is the output decoded after its prompt (``detokenizer_manager.py``: incremental, so it adds up). ``/v1/tokenize``
+    as the tokenizer encodes; hidden rows are not served.
+    """
+
+    def __init__(self, tokenizer, script: str, name: str = "toy"):
+        self.tok, self.script, self.name = tokenizer, tokenizer.encode(script).ids, name
+        self.eos = tokenizer.token_to_id("</s>")
+        info = {"version": "0.5.23", "enable_return_hidden_states": False, "disable_radix_cache": False}
+        card = {"id": name, "object": "model", "owned_by": "sglang", "root": name, "max_model_len": 4096}
+        super().__init__({"/v1/models": lambda: (200, {"object": "list", "data": [card]}),
+                          "/server_info": lambda: (200, info)},
+                         {"/v1/tokenize": self._tokenize, "/generate": self._generate})
+
+    def _tokenize(self, body, headers):
+        p = body["prompt"]
+        toks = [self.tok.encode(t).ids for t in p] if isinstance(p, list) else self.tok.encode(p).ids
+        return 200, {"tokens": toks}
+
+    def _next(self, ids: list[int]) -> int:
+        n = len(ids)
+        return self.script[n] if ids == self.script[:n] and n < len(self.script) else self.eos
+
+    def _row(self, lp, i: int) -> list:
+        return [lp, i, self.tok.decode([i])]
+
+    def _generate(self, body, headers):
+        sp = body.get("sampling_params") or {}
+        ids = list(body.get("input_ids") or self.tok.encode(body["text"]).ids)
+        k, start = int(body.get("top_logprobs_num") or 0), body.get("logprob_start_len", -1)
+        out, stop, finish = [], sp.get("stop") or [], {"type": "length", "length": 0}
+        while len(out) < sp.get("max_new_tokens", 128):
+            nxt = self._next(ids + out)
+            out.append(nxt)
+            written = self.tok.decode(ids + out)[len(self.tok.decode(ids)):]
+            hit = next((s for s in stop if s in written), None)
+            if nxt == self.eos or hit:
+                finish = {"type": "stop", "matched": hit or self.eos}
+                break
+        text = self.tok.decode(ids + [i for i in out if i != self.eos])[len(self.tok.decode(ids)):]
+        if finish.get("matched") and isinstance(finish["matched"], str) and not sp.get("no_stop_trim"):
+            text = text[:text.index(finish["matched"])]
+        tops = [[-0.1, 0, "?"], [-2.0, 0, "?"]] + [[-3.0 - j, 0, "?"] for j in range(k)]
+        meta = {"id": "r", "prompt_tokens": len(ids), "completion_tokens": len(out), "cached_tokens": 0,
+                "finish_reason": finish,
+                "output_token_logprobs": [self._row(-0.1, i) for i in out],
+                "output_top_logprobs": [tops[:k] for _ in out]}
+        if start >= 0:
+            meta["input_token_logprobs"] = [self._row(None if j == start else -0.1, ids[j])
+                                            for j in range(start, len(ids))]
+            meta["input_top_logprobs"] = [None if j == start else tops[:k] for j in range(start, len(ids))]
+        return 200, {"text": text, "output_ids": out, "meta_info": meta}

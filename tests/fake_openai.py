@@ -1,10 +1,11 @@
 """Local OpenAI-compatible servers for the tests: a completions server backed by a real (tiny) model
 (:class:`FakeJudgeServer` below answers judge prompts by rule instead).
 
-:class:`FakeServer` behaves like the servers the ``openai`` sampler meets: by default like the llama.cpp server (it
-ignores ``n``, cuts the stop string off the text, says ``finish_reason: stop`` for a stop string and
-for EOS alike, and counts the stop string's tokens in ``usage``); ``honour_n``, ``include_stop`` and
-``report_stop_reason`` make it behave like vLLM instead.
+:class:`FakeServer` answers as llama-cpp-python's server does (``llama_cpp/llama.py`` ``_create_completion``,
+0.3.x): it ignores ``n``, cuts the stop string off the text, says ``finish_reason: stop`` for a stop string and for
+EOS alike, and with ``logprobs`` lists every generated token, the cut stop string's included, with text offsets from
+the prompt's start. Given a ``version`` it answers as vLLM does (``GET /version``; ``n`` children seeded ``seed + j``,
+``v1/engine/parallel_sampling.py``; ``include_stop_str_in_output`` and ``stop_reason`` honoured).
 """
 
 from __future__ import annotations
@@ -77,9 +78,6 @@ class FakeServer(LoopbackServer):
     """Serves ``model`` (with ``tokenizer``) as ``name`` on a loopback port; ``.url`` is its ``/v1`` base URL.
 
     Args:
-        honour_n: return ``n`` choices (vLLM) instead of one (llama.cpp).
-        include_stop: keep the stop string in the text (vLLM's ``include_stop_str_in_output``).
-        report_stop_reason: add vLLM's ``stop_reason`` to each choice.
         fail_first: answer the first this many completion requests with HTTP 503.
         delay: seconds to wait before answering a completion request.
         version: what ``GET /version`` answers, as vLLM (None: 404, and ``/openapi.json`` names llama-cpp-python).
@@ -88,11 +86,9 @@ class FakeServer(LoopbackServer):
             bound their sum); a gauge of its own by default.
     """
 
-    def __init__(self, model, tokenizer, name: str = "tiny", *, honour_n: bool = False, include_stop: bool = False,
-                 report_stop_reason: bool = False, fail_first: int = 0, delay: float = 0.0,
+    def __init__(self, model, tokenizer, name: str = "tiny", *, fail_first: int = 0, delay: float = 0.0,
                  version: str | None = None, status: int | None = None, in_flight: InFlight | None = None):
         self.model, self.tok, self.name = model, tokenizer, name
-        self.honour_n, self.include_stop, self.report_stop_reason = honour_n, include_stop, report_stop_reason
         self.fail_first, self.delay, self.version, self.status = fail_first, delay, version, status
         self.requests: list[tuple[dict, dict]] = []
         self.in_flight = in_flight or InFlight()
@@ -133,31 +129,31 @@ class FakeServer(LoopbackServer):
 
     def complete(self, body: dict) -> dict:
         tok, prompt = self.tok, body["prompt"]
-        # BOS as the model's tokenizer adds it
-        ids = list(prompt) if isinstance(prompt, list) else tok(prompt).input_ids
-        n = int(body.get("n", 1)) if self.honour_n else 1
-        stops = body.get("stop") or []
-        g = torch.Generator().manual_seed(int(body.get("seed", 0)))
-        rows = generate(self.model, [ids], max_new_tokens=int(body["max_tokens"]),
-                        sampling=SamplingSpec(float(body["temperature"]), float(body.get("top_p", 1.0))), generator=g,
-                        eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id or 0, num_samples=n,
-                        stop=lambda t: any(s in tok.decode(t, skip_special_tokens=True) for s in stops))
+        ids = tok(prompt).input_ids  # BOS as the model's tokenizer adds it
+        vllm, stops = self.version is not None, body.get("stop") or []
         choices, used = [], 0
-        for i, row in enumerate(rows):
+        for j in range(int(body.get("n") or 1) if vllm else 1):
+            g = torch.Generator().manual_seed(int(body.get("seed", 0)) + j)
+            row = generate(self.model, [ids], max_new_tokens=int(body["max_tokens"]),
+                           sampling=SamplingSpec(float(body["temperature"]), float(body.get("top_p", 1.0))),
+                           generator=g, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0,
+                           stop=lambda t: any(s in tok.decode(t, skip_special_tokens=True) for s in stops))[0]
             eos = row[-1] == tok.eos_token_id
             gen = row[:-1] if eos else row
-            used += len(gen)
+            used += len(row)
             text = tok.decode(gen, skip_special_tokens=True)
             hit = min(((text.index(s), s) for s in stops if s in text), default=None)
-            reason = None
             if hit is not None:
-                text = text[: hit[0] + (len(hit[1]) if self.include_stop else 0)]
-                reason = hit[1]
-            finish = "stop" if eos or hit is not None else "length"
-            c = {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
-            if self.report_stop_reason:
-                c["stop_reason"] = reason
+                text = text[: hit[0] + (len(hit[1]) if vllm and body.get("include_stop_str_in_output") else 0)]
+            c = {"index": j, "text": text, "finish_reason": "stop" if eos or hit is not None else "length",
+                 "logprobs": None}
+            if vllm:
+                c["stop_reason"] = hit[1] if hit is not None else None
+            elif body.get("logprobs") is not None:  # every generated token, the cut stop string's included
+                pieces = [tok.decode(gen[:k + 1])[len(tok.decode(gen[:k])):] for k in range(len(gen))]
+                offsets = [len(prompt) + sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
+                c["logprobs"] = {"tokens": pieces, "text_offset": offsets, "token_logprobs": [0.0] * len(pieces),
+                                 "top_logprobs": [{p: 0.0} for p in pieces]}
             choices.append(c)
         return {"id": "x", "object": "text_completion", "model": self.name, "choices": choices,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used}}

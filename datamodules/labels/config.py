@@ -89,13 +89,16 @@ class EndpointConfig:
 
 @dataclass
 class OpenAIConfig:
-    """The ``openai`` sampling backend (YAML: ``build.sampling.openai.*``); see
+    """The ``openai`` sampling backend (YAML: ``build.sampling.openai.*``): the models' servers write the steps; see
     :mod:`datamodules.labels.openai_sampler`."""
 
     target: EndpointConfig = field(default_factory=EndpointConfig)
     """Servers of the target model."""
     draft: EndpointConfig = field(default_factory=EndpointConfig)
     """Servers of the draft model."""
+    engine: str | None = None
+    """The servers' engine: ``llama.cpp`` (llama-cpp-python's server), ``vllm`` or ``sglang``; None = told from the
+    first server's routes."""
     api_key_env: str = "OPENAI_API_KEY"
     """Environment variable holding the API key (never logged); unset or empty = no key."""
     concurrency: int = 8
@@ -104,13 +107,11 @@ class OpenAIConfig:
     """Seconds per request attempt."""
     retries: int = 3
     """Attempts per request (connection errors, timeouts, 429 and 5xx are retried with backoff)."""
-    prompt: str = "text"
-    """Send prefixes as ``text`` (any server) or ``tokens`` (vLLM, SGLang: the exact ids, no re-tokenization)."""
-    extra_body: dict[str, Any] | None = None
-    """Extra request fields; None = ask vLLM and SGLang to keep the stop string in the text; ``{}`` = none."""
 
     def errors(self) -> list[str]:
-        out = choices(self, {"prompt": ("text", "tokens")}) + at_least(self, concurrency=1, retries=1)
+        out = at_least(self, concurrency=1, retries=1)
+        if self.engine is not None:
+            out += choices(self, {"engine": ENGINES})
         if self.timeout <= 0:
             out.append(f"timeout={self.timeout}: expected > 0")
         for role in ROLES:

@@ -7,21 +7,17 @@ model's own tokenization, so every backend feeds the same reading pass (:mod:`da
 Backends (``build.sampling.backend``):
 
 - ``hf`` (default): the package's own KV-cache sampler (:func:`generation.writer.generate`), no server.
-- ``openai``: any OpenAI-compatible ``/v1/completions`` endpoint (vLLM ``serve``, SGLang, the llama.cpp
-  server); see :mod:`datamodules.labels.openai_sampler`.
+- ``openai``: a model's servers (vLLM, SGLang, llama-cpp-python) through the package's engine clients; see
+  :mod:`datamodules.labels.openai_sampler`.
 - ``vllm``: vLLM's offline ``LLM`` engine in this process (``pip install "semanticspec-probes[vllm]"``, GPUs).
 
-A server returns text. :func:`step_from_text` turns one returned completion into the step the
-``hf`` sampler would have kept: the delimiter that stopped it put back when the server cut it off
-(vLLM ``include_stop_str_in_output``, or the ``stop_reason`` / ``matched_stop`` it reports, or,
-for a server that says neither, its token count), and EOS appended when the model ended there.
+Each returned step is counted by how it ended (``delimiter``, ``eos`` or ``length``), for the manifest.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,63 +25,9 @@ import torch
 from generation.specs import SamplingSpec, StepSpec
 from generation.writer import generate
 
-def minimal_stops(delimiters: Sequence[str]) -> list[str]:
-    """The delimiters a server must stop at: those holding no other delimiter.
-
-    A server cuts at the first stop string it sees, so ``".\\n\\n"`` never fires before ``"\\n\\n"``;
-    for the blank-line family this leaves ``["\\n\\n"]``, and restoring a cut-off delimiter is exact.
-    """
-    out = [d for d in dict.fromkeys(delimiters) if not any(o != d and o in d for o in delimiters)]
-    return out or list(delimiters)
-
-
 def request_seed(seed: int, context: int, sample: int) -> int:
     """Seed of one sample's request: distinct per (context, sample), fits in 31 bits (llama.cpp takes uint32)."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{context}:{sample}".encode()).digest()[:4], "little") & 0x7FFFFFFF
-
-
-def step_from_text(tokenizer, text: str, finish_reason: str | None, stops: Sequence[str], *,
-                   stop_reason: Any = "unknown", generated_tokens: int | None = None) -> tuple[list[int], str]:
-    """One returned completion as a step in ``tokenizer``'s ids, and how its end was resolved.
-
-    Args:
-        tokenizer: the sampling model's tokenizer.
-        text: the completion's text.
-        finish_reason: ``stop`` (a stop string or EOS) or ``length`` (the step cap).
-        stops: the stop strings sent (:func:`minimal_stops`).
-        stop_reason: what the server says stopped it: the matched string, a token id or None for EOS
-            (vLLM's ``stop_reason``, SGLang's ``matched_stop``); ``"unknown"`` when it says nothing.
-        generated_tokens: tokens the server generated for this one completion (its ``usage`` when
-            the request asked for one); EOS and a cut-off stop string count there, not in ``text``.
-
-    Returns:
-        ``(ids, how)``; ``how`` is ``included`` (the text kept its delimiter), ``reported`` (put back
-        from ``stop_reason``), ``counted`` (put back because the server's token count matches the text
-        with its delimiter rather than without), ``assumed`` (put back with nothing to tell a stop
-        string from EOS), ``eos`` or ``length``.
-    """
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    def ids(s):
-        return list(tokenizer(s, add_special_tokens=False).input_ids) if s else []
-    if any(text.endswith(s) for s in stops):
-        return ids(text), "included"
-    if finish_reason == "length":
-        return ids(text) or eos, "length"
-    if finish_reason != "stop":
-        raise ValueError(f"finish_reason={finish_reason!r}: expected 'stop' or 'length'")
-    if isinstance(stop_reason, str) and stop_reason != "unknown":
-        return ids(text + stop_reason), "reported"
-    if stop_reason != "unknown":  # None or a token id: the model ended the text (EOS)
-        return ids(text) + eos, "eos"
-    if generated_tokens is not None:
-        # A cut-off stop string was generated (and counted); EOS is not counted. The count tells the two apart
-        # unless the stop string merges into the text's last token (then both readings have as many tokens).
-        n_text, n_stop = len(ids(text)), len(ids(text + stops[0]))
-        if n_text != n_stop:
-            if abs(generated_tokens - n_stop) <= abs(generated_tokens - n_text):
-                return ids(text + stops[0]), "counted"
-            return ids(text) + eos, "eos"
-    return ids(text + stops[0]), "assumed"  # a step ends at a delimiter far more often than at EOS
 
 
 class StepSampler:
@@ -97,7 +39,7 @@ class StepSampler:
         sampling: temperature and top-p.
 
     Subclasses set :attr:`backend` and implement :meth:`sample`; :attr:`step_ends` counts how the
-    returned steps' ends were resolved (:func:`step_from_text`), for the manifest.
+    returned steps ended (:meth:`_step`), for the manifest.
     """
 
     backend = "?"
@@ -105,9 +47,16 @@ class StepSampler:
     def __init__(self, tokenizer, step: StepSpec, sampling: SamplingSpec):
         self.tokenizer, self.step, self.sampling = tokenizer, step, sampling
         self.delimiters, self.max_step_tokens = list(step.delimiters), step.max_step_tokens
-        self.stops = minimal_stops(self.delimiters)
         self.step_ends: Counter = Counter()
         self.samples = 0
+
+    def _step(self, text: str, how: str) -> list[int]:
+        """A step a server wrote (its delimiter in ``text``) in the role's ids, EOS appended where ``how`` is
+        ``"eos"`` (or the text is empty); counted in :attr:`step_ends`."""
+        self.step_ends[how] += 1
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+        return ids + eos if how == "eos" else ids or eos
 
     def sample(self, contexts: list[list[int]], n: int, seed: int) -> list[list[list[int]]]:
         """``n`` steps after every context: ``out[i][j]`` is sample ``j`` of context ``i`` (token ids)."""
@@ -190,18 +139,15 @@ class VLLMSampler(StepSampler):
 
     def sample(self, contexts, n, seed):
         params = [self._vllm.SamplingParams(n=n, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                            max_tokens=self.max_step_tokens, stop=self.stops,
+                                            max_tokens=self.max_step_tokens, stop=self.delimiters,
                                             include_stop_str_in_output=True, seed=request_seed(seed, i, 0))
                   for i in range(len(contexts))]
         outs = self.engine.generate([{"prompt_token_ids": list(c)} for c in contexts], params, use_tqdm=False)
         result = []
         for out in outs:
-            steps = []
-            for c in out.outputs:
-                ids, how = step_from_text(self.tokenizer, c.text, c.finish_reason, self.stops,
-                                          stop_reason=c.stop_reason)
-                self.step_ends[how] += 1
-                steps.append(ids)
+            # stop_reason: the matched stop string (kept in the text), else None at EOS or an end-of-turn id (int)
+            steps = [self._step(c.text, "length" if c.finish_reason == "length" else
+                                "delimiter" if isinstance(c.stop_reason, str) else "eos") for c in out.outputs]
             if len(steps) != n:
                 raise RuntimeError(f"vLLM returned {len(steps)} samples for one prompt; asked for n={n}")
             result.append(steps)

@@ -87,8 +87,8 @@ def make_sampler(config, role: str, model, tokenizer, rank: int = 0) -> StepSamp
                            gpu_memory_utilization=v.gpu_memory_utilization, seed=s.seed, dtype=v.dtype)
     o = s.openai
     e = getattr(o, role)
-    return OpenAISampler(e.urls, e.model, *common, api_key_env=o.api_key_env, concurrency=o.concurrency,
-                         timeout=o.timeout, retries=o.retries, prompt=o.prompt, rank=rank)
+    return OpenAISampler(e.urls, e.model, *common, engine=o.engine, api_key_env=o.api_key_env,
+                         concurrency=o.concurrency, timeout=o.timeout, retries=o.retries, rank=rank)
 
 
 def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: dict | None = None) -> Models:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 KINDS = ("sglang", "vllm", "llama.cpp")
 """The engines :func:`make_engine` connects to."""
+_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
 NEUTRAL_SAMPLING = {
-    "vllm": {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0},
-    "sglang": {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0},
-    "llama.cpp": {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0},
+    "vllm": {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **_PENALTIES},
+    "sglang": {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, **_PENALTIES},
+    "llama.cpp": {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0, **_PENALTIES},
 }
 """The sampling fields each engine must be sent, in its own names, so that it samples from temperature and top-p
 alone, as the package's one sampler does. A field left out is filled by the server: vLLM from the model's
-``generation_config.json`` (``--generation-config auto``, the default; ``top_k``, ``min_p``, ``repetition_penalty``),
-SGLang likewise (``--sampling-defaults model``; its ``top_k`` is -1 or >= 1), llama-cpp-python from its own defaults
-(``top_k`` 40, ``min_p`` 0.05, ``repeat_penalty`` 1.1)."""
+``generation_config.json`` (``--generation-config auto``, the default: ``top_k``, ``min_p``, ``repetition_penalty``,
+and from 0.31 ``presence_penalty`` and ``frequency_penalty``; ``config/model.py`` ``get_diff_sampling_param``),
+SGLang's ``/generate`` from ``--preferred-sampling-params`` (its ``top_k`` is -1 or >= 1), llama-cpp-python from its
+own defaults (``top_k`` 40, ``min_p`` 0.05, ``repeat_penalty`` 1.1)."""
 HIDDEN_NORM = {"sglang": "final_norm"}
 """The norm convention of the hidden rows each engine returns (only SGLang returns any over HTTP): after the
 model's final norm, as transformers' last ``hidden_states`` entry (:mod:`generation.engines.sglang`)."""

@@ -122,6 +122,48 @@ class Capabilities:
     remarks: tuple[str, ...] = ()
 
 
+def spell(pieces: list[str], text: str) -> list[str] | None:
+    """Per-token texts that add up to ``text``: ``pieces`` themselves when they do, else ``pieces`` as engines decode
+    each id alone, mended; None when they cannot be.
+
+    SGLang (``tokenizer_manager.py`` ``detokenize_logprob_tokens``, every version) and vLLM 0.11 decode each id alone:
+    a SentencePiece tokenizer's dummy prefix drops the leading spaces, and the bytes of a character split over several
+    tokens read as U+FFFD. ``text`` (which the server decodes whole) holds what they lost: each piece takes the spaces
+    before it, and a run of tokens reading U+FFFD takes the characters up to where the next piece starts, all on its
+    last token (a step never ends inside a character: delimiters are ASCII).
+    """
+    if "".join(pieces) == text:
+        return list(pieces)
+    out, pos, i = [], 0, 0
+    while i < len(pieces):
+        if "\ufffd" in pieces[i]:  # bytes of split characters, up to where the next piece starts
+            j = i
+            while j < len(pieces) and "\ufffd" in pieces[j]:
+                j += 1
+            end = next((k for k in range(pos + 1, len(text) + 1) if j == len(pieces) and k == len(text)
+                        or j < len(pieces) and text.startswith(pieces[j], _spaces(text, k, pieces[j]))), None)
+            if end is None:
+                return None
+            out += [""] * (j - i - 1) + [text[pos:end]]
+            pos, i = end, j
+            continue
+        k = _spaces(text, pos, pieces[i])
+        if not text.startswith(pieces[i], k):
+            return None
+        out.append(text[pos:k + len(pieces[i])])
+        pos, i = k + len(pieces[i]), i + 1
+    return out if pos == len(text) else None
+
+
+def _spaces(text: str, at: int, piece: str) -> int:
+    """Where ``piece`` starts in ``text`` from ``at``, past the spaces a lone decode dropped (``at`` when it is
+    there)."""
+    k = at
+    while not text.startswith(piece, k) and k < len(text) and text[k] == " ":
+        k += 1
+    return k
+
+
 class EngineError(RuntimeError):
     """A server died, refused or timed out (after the client's retries), or cannot serve what is asked.
 
@@ -186,6 +228,8 @@ class Engine(Protocol):
         ``hidden``, and the next token drawn with ``sampling`` and ``seed``."""
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
-              top_k: int | None = None) -> Written:
+              top_k: int | None = None, n: int | None = None) -> Written | list[Written]:
         """Continue ``context``: one step (stop at ``step``'s delimiters, at most ``max_tokens``), or, with
-        ``step=None``, up to ``max_tokens`` tokens; ``top_k``: also return the written tokens' log-probs."""
+        ``step=None``, up to ``max_tokens`` tokens; ``top_k``: also return the written tokens' log-probs. ``n``: a
+        list of ``n`` continuations, continuation ``j`` drawn with seed ``seed + j`` (as vLLM seeds the children of
+        an ``n`` request), in one request where the engine takes ``n``; a request's usage on its first one."""

@@ -140,11 +140,12 @@ class Connection:
             raise Unsupported(f"server {self.root} does not serve model {model!r}; it serves {served}", self.root)
         return model
 
-    def get(self, path: str) -> Any | None:
-        """``GET path`` on the server's root, one quick attempt; None when it has no such route or fails."""
-        quick = self.root_client.with_options(max_retries=0, timeout=5.0)
+    def get(self, path: str, patient: bool = False) -> Any | None:
+        """``GET path`` on the server's root, one quick attempt (``patient``: the connection's timeout and retries);
+        None when it has no such route or fails."""
+        client = self.root_client if patient else self.root_client.with_options(max_retries=0, timeout=5.0)
         try:
-            return quick.get(path, cast_to=object)
+            return client.get(path, cast_to=object)
         except self.openai.OpenAIError:
             return None
 

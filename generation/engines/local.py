@@ -90,14 +90,18 @@ class LocalEngine:
 
     @torch.inference_mode()
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
-              top_k: int | None = None) -> Written:
-        """Continue ``context``: one step (``step``'s stopper) or, with ``step=None``, up to ``max_tokens`` tokens.
+              top_k: int | None = None, n: int | None = None) -> Written | list[Written]:
+        """Continue ``context``: one step (``step``'s stopper) or, with ``step=None``, up to ``max_tokens`` tokens;
+        ``n``: a list of ``n``, continuation ``j`` drawn with seed ``seed + j``.
 
         ``stop`` is ``"eos"``, ``"delimiter"`` or ``"length"`` (``max_tokens``, the step cap or the context end).
 
         Raises:
             ValueError: ``max_tokens`` or ``top_k`` not an integer >= 1.
         """
+        if n is not None:
+            return [self.write(context, step=step, max_tokens=max_tokens, sampling=sampling, seed=seed + j,
+                               top_k=top_k) for j in range(n)]
         t0 = time.perf_counter()
         if not is_count(max_tokens) or (top_k is not None and not is_count(top_k)):
             raise ValueError(f"max_tokens={max_tokens!r}, top_k={top_k!r}: expected integers >= 1 (top_k may be None)")

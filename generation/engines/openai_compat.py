@@ -141,6 +141,8 @@ class _Completions:
     """What llama.cpp and vLLM clients share: setup, the request, the echo's step, the written step."""
 
     name = "?"
+    takes_n = True
+    """The server answers ``n`` samples in one request (vLLM; llama-cpp-python ignores ``n``)."""
     sampling_extra: dict = {}
     """Request fields this engine needs to sample as the package does (none by default)."""
     top_k_slack = 0
@@ -174,12 +176,12 @@ class _Completions:
                               "log-probs per position", self.url)
 
     def _create(self, prompt: str, *, max_tokens: int, sampling: SamplingSpec, seed: int, logprobs: int | None,
-                echo: bool = False, stop: list[str] | None = None, extra: dict | None = None):
+                echo: bool = False, stop: list[str] | None = None, extra: dict | None = None, n: int | None = None):
         fix = (f"start vllm serve with --max-logprobs >= {logprobs}" if self.name == "vllm" and logprobs else "")
         return self.conn.completions(
             fix=fix, model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, seed=seed & 0x7FFFFFFF, logprobs=logprobs, echo=echo, stop=stop,
-            extra_body={**self.sampling_extra, **(extra or {})} or None)
+            extra_body={**self.sampling_extra, **(extra or {})} or None, **({"n": n} if n is not None else {}))
 
     def _choice(self, resp):
         if not resp.choices:
@@ -235,20 +237,32 @@ class _Completions:
     # -- writing --------------------------------------------------------------------------------
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
-              top_k: int | None = None) -> Written:
+              top_k: int | None = None, n: int | None = None) -> Written | list[Written]:
+        if n is not None and not self.takes_n:  # one request per sample, seeded as vLLM seeds a request's children
+            return [self.write(context, step=step, max_tokens=max_tokens, sampling=sampling, seed=seed + j,
+                               top_k=top_k) for j in range(n)]
         stops = list(step.delimiters) if step is not None else None
         asked = self._write_logprobs(top_k, stops)
         resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=asked,
-                                  stop=stops, extra={"include_stop_str_in_output": True} if stops else None)
-        choice = self._choice(resp)
-        text, how = self._ending(choice, stops or [])
+                                  stop=stops, extra={"include_stop_str_in_output": True} if stops else None, n=n)
+        choices = sorted(resp.choices or [], key=lambda c: c.index) if n is not None else [self._choice(resp)]
+        if len(choices) != (n or 1):
+            raise MalformedAnswer(f"server {self.url} returned {len(choices)} choice(s) (choices); asked for n={n}",
+                                  self.url)
+        usage = _usage(resp.usage, secs)  # a request's usage: on its first sample
+        out = [self._written(c, stops or [], top_k, asked, usage if j == 0 else Usage(0, 0))
+               for j, c in enumerate(choices)]
+        return out if n is not None else out[0]
+
+    def _written(self, choice, stops: list[str], top_k: int | None, asked: int | None, usage: Usage) -> Written:
+        text, how = self._ending(choice, stops)
         tokens = None
         if top_k:
             lp = self._logprobs(choice)
             first = lp["text_offset"][0] if lp["text_offset"] else 0  # llama.cpp counts from the prompt's start
             idx = [i for i, o in enumerate(lp["text_offset"]) if o - first < len(text)]
             tokens = self._echo_step(lp, idx, top_k, None, None, slack=(asked or top_k) - top_k)
-        return Written(text, how, tokens, _usage(resp.usage, secs))
+        return Written(text, how, tokens, usage)
 
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
         return top_k + self.top_k_slack if top_k else None
@@ -281,6 +295,7 @@ class LlamaCppEngine(_Completions):
     """
 
     name = "llama.cpp"
+    takes_n = False
     top_k_slack = TOP_K_SLACK
     sampling_extra = NEUTRAL_SAMPLING["llama.cpp"]
     """llama-cpp-python samples with top-k 40, min-p 0.05 and a repeat penalty of 1.1 unless told otherwise; these
@@ -342,8 +357,8 @@ class VLLMEngine(_Completions):
     name = "vllm"
     sampling_extra = NEUTRAL_SAMPLING["vllm"]
     """vLLM fills every sampling field a request leaves out from the model's ``generation_config.json``
-    (``--generation-config auto``): these state ``top_k``, ``min_p`` and ``repetition_penalty`` as the package's
-    sampler uses them (off)."""
+    (``--generation-config auto``): these state ``top_k``, ``min_p``, ``repetition_penalty`` and both penalties as the
+    package's sampler uses them (off)."""
 
     def __init__(self, url: str, model: str | None = None, *, max_logprobs: int | None = VLLM_MAX_LOGPROBS, **conn):
         super().__init__(url, model, **conn)
@@ -368,7 +383,9 @@ class VLLMEngine(_Completions):
         tops = [[float(e["logprob"]) for e in (prompt[i] or {}).values()] for i in idx]
         ids = extra_fields.get("prompt_token_ids")
         ids = [int(ids[i]) for i in idx] if isinstance(ids, list) and len(ids) > idx[-1] else None
-        eos = echo.choice.finish_reason == "stop" and extra_fields.get("stop_reason") is None
+        # stop_reason: None at EOS, the token id of an end-of-turn id the generation config lists (an int), the
+        # matched string of a stop string (none is sent here)
+        eos = echo.choice.finish_reason == "stop" and not isinstance(extra_fields.get("stop_reason"), str)
         return Reading(self._echo_step(echo.logprobs, idx, top_k, tops, ids), None,
                        _after(echo.choice, context + step, eos), eos, echo.usage)
 

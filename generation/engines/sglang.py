@@ -25,13 +25,18 @@ reports; prompt (read) log-probs are raw. So at 0 < T != 1 a write that asks for
 back raw, as prompt tokens, in a second request (:meth:`SGLangEngine._read_back`).
 
 Every sampling request states the whole distribution: ``temperature``, ``top_p`` and neutral ``top_k`` (-1),
-``min_p`` (0) and ``repetition_penalty`` (1), since SGLang fills unset fields from the model's
-``generation_config.json`` (``--sampling-defaults model``).
+``min_p`` (0), ``repetition_penalty`` (1) and both penalties (0), since ``/generate`` fills unset fields from
+``--preferred-sampling-params`` (``tokenizer_manager.py``: ``{**preferred, **request}``; it reads no generation config,
+only the chat route does). That flag is read from ``/server_info``, and a server whose preferred fields reach what a
+request leaves unset (a ``stop``, ``ignore_eos``, ...) is refused (:func:`preferred_refusal`).
 
 The version and the flags come from ``/server_info`` (older: ``/get_server_info``; SGLang has no ``/version``):
 below :data:`MIN_VERSION` (``/v1/tokenize`` from 0.5.4, ``sampling_seed`` from 0.5.3) the server is refused
 before any request that reads or writes. ``hidden`` is refused on a server whose rows are not the last layer
-after the final norm (:func:`hidden_refusals`).
+after the final norm, or below :data:`HIDDEN_MIN_VERSION` (:func:`hidden_refusals`).
+
+A ``/generate`` answer whose ``finish_reason`` is ``abort`` comes with HTTP 200 (the scheduler aborted it: a restart,
+memory pressure): it is asked again, up to the connection's retries, before it is an error.
 
 Hidden rows are AFTER the model's final norm (``"final_norm"``, as transformers' last
 ``hidden_states`` entry): in ``python/sglang/srt/models/llama.py`` ``LlamaModel.forward`` ends with
@@ -50,7 +55,7 @@ import torch
 
 from generation.engines import HIDDEN_NORM, NEUTRAL_SAMPLING
 from generation.engines.base import (Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Unsupported,
-                                     Usage, Written)
+                                     Usage, Written, spell)
 from generation.engines.connection import at_least, connect
 from generation.engines.openai_compat import top_k_of
 from generation.specs import SamplingSpec, StepSpec
@@ -58,6 +63,17 @@ from generation.specs import SamplingSpec, StepSpec
 MIN_VERSION = "0.5.4"
 """The oldest SGLang this client reads and writes with: ``/v1/tokenize`` exists from 0.5.4 (``sampling_seed`` from
 0.5.3, honoured only with ``--enable-deterministic-inference``)."""
+HIDDEN_MIN_VERSION = "0.5.17"
+"""The oldest SGLang whose hidden rows this client reads: before it, a batched prefill slices each request's rows by
+``len(req.origin_input_ids)`` and advances the offset only for requests that asked for hidden states, while the
+batch's rows hold only each request's uncached (*extend*) part (``scheduler_output_processor_mixin.py``
+``process_batch_result_prefill`` in 0.5.4/0.5.9, ``_append_prefill_hidden_states`` in 0.5.14/0.5.16): with a
+radix-cache hit, as every read after the first has, one request gets another's rows, silently. 0.5.17 slices by
+``extend_input_len`` and advances for every request."""
+STATED_FIELDS = frozenset(("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                           "presence_penalty", "frequency_penalty", "sampling_seed"))
+"""The sampling fields every ``/generate`` request of this client states: ``--preferred-sampling-params`` can only
+fill others."""
 PRE_NORM_MODELS = ("deepseek-v4", "deepseekv4")
 """Model names (lower case, in ``model_path``) whose SGLang hidden rows come before the final norm."""
 LONG_CONTEXT = 128
@@ -70,8 +86,15 @@ step + the bonus token, or a step the server wrote) needs no ``/v1/tokenize`` ca
 
 
 def hidden_refusals(url: str, info: dict) -> tuple[str, ...]:
-    """Why the server's hidden rows are not the last layer's (each: the flag and the fix); empty when they are."""
+    """Why the server's hidden rows are not the last layer's, or not this request's (each: the version or the flag,
+    and the fix); empty when they are."""
+    from packaging.version import Version
+
     out = []
+    if Version(str(info["version"]).split()[-1]) < Version(HIDDEN_MIN_VERSION):  # at_least parsed it
+        out.append(f"SGLang server {url} runs {info['version']}, which before {HIDDEN_MIN_VERSION} gives a request "
+                   "another request's hidden rows when prefills with a cached prefix are batched; upgrade it to SGLang "
+                   f">= {HIDDEN_MIN_VERSION} to read 'hidden', or train the probe on 'topk_stats'")
     if not info.get("enable_return_hidden_states", False):
         out.append(f"SGLang server {url} was started without --enable-return-hidden-states; restart it with that flag "
                    "to read 'hidden'")
@@ -89,6 +112,25 @@ def hidden_refusals(url: str, info: dict) -> tuple[str, ...]:
     return tuple(out)
 
 
+def preferred_refusal(url: str, info: dict) -> str | None:
+    """Why the server's ``--preferred-sampling-params`` would change what this client asks (the fields it fills that
+    the client does not state), or None."""
+    import json
+
+    preferred = info.get("preferred_sampling_params")
+    if isinstance(preferred, str):
+        try:
+            preferred = json.loads(preferred)
+        except ValueError:
+            return f"SGLang server {url} states --preferred-sampling-params {preferred!r}, which is not JSON"
+    extra = sorted(set(preferred or {}) - STATED_FIELDS)
+    if not extra:
+        return None
+    return (f"SGLang server {url} runs --preferred-sampling-params with {extra}, fields this client does not state, "
+            "so the server would fill them into every request; restart it without those fields (these are stated in "
+            f"every request and may stay: {sorted(STATED_FIELDS)})")
+
+
 class SGLangEngine:
     """A client of one SGLang server (>= :data:`MIN_VERSION`).
 
@@ -99,7 +141,8 @@ class SGLangEngine:
 
     Raises:
         EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
-        Unsupported: it is not an SGLang server, or one older than :data:`MIN_VERSION`.
+        Unsupported: it is not an SGLang server, one older than :data:`MIN_VERSION`, or one whose
+            ``--preferred-sampling-params`` fill fields a request leaves unset.
     """
 
     name = "sglang"
@@ -110,10 +153,12 @@ class SGLangEngine:
         self.info = self._server_info()
         self.version = str(self.info.get("version")) if self.info.get("version") is not None else None
         at_least(self, self.version, MIN_VERSION, "SGLang")
+        if (why := preferred_refusal(self.url, self.info)) is not None:
+            raise Unsupported(why, self.url)
         self._caps = self._capabilities()
 
     def _server_info(self) -> dict:
-        info = self.conn.get("/server_info") or self.conn.get("/get_server_info")
+        info = self.conn.get("/server_info", patient=True) or self.conn.get("/get_server_info", patient=True)
         if not isinstance(info, dict):
             raise Unsupported(f"server {self.url} answers neither /server_info nor /get_server_info; is it an SGLang "
                               "server? Give the URL of python -m sglang.launch_server", self.url)
@@ -132,17 +177,26 @@ class SGLangEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def _generate(self, body: dict) -> tuple[dict, dict, float]:
-        got, secs = self.conn.post("/generate", body, "/generate")
-        if isinstance(got, list) and len(got) == 1:
-            got = got[0]
-        if not isinstance(got, dict) or not isinstance(got.get("meta_info"), dict):
-            raise MalformedAnswer(f"server {self.url} answered /generate without the field meta_info", self.url)
-        meta = got["meta_info"]
-        finish = meta.get("finish_reason") or {}
-        if isinstance(finish, dict) and finish.get("type") == "abort":  # sent with HTTP 200, not an EOS
-            raise EngineError(f"server {self.url} aborted a /generate request: {finish.get('message', '')!s:.200}; "
-                              "check its log (out of memory, a too-long input, a restart)", self.url)
+        ((got, meta),), secs = self._generate_all(body, 1)
         return got, meta, secs
+
+    def _generate_all(self, body: dict, n: int) -> tuple[list[tuple[dict, dict]], float]:
+        """``POST /generate`` of ``n`` prompts (one: a plain body; more: lists): each answer and its ``meta_info``, and
+        the seconds; asked again when the scheduler aborted one (an abort comes with HTTP 200)."""
+        for _ in range(self.conn.retries):
+            got, secs = self.conn.post("/generate", body, "/generate")
+            got = got if isinstance(got, list) else [got]
+            if len(got) != n or not all(isinstance(g, dict) and isinstance(g.get("meta_info"), dict) for g in got):
+                raise MalformedAnswer(f"server {self.url} answered /generate of {n} prompt(s) without {n} answers "
+                                      "holding the field meta_info", self.url)
+            aborted = [g["meta_info"].get("finish_reason") for g in got
+                       if isinstance(g["meta_info"].get("finish_reason"), dict)
+                       and g["meta_info"]["finish_reason"].get("type") == "abort"]
+            if not aborted:
+                return [(g, g["meta_info"]) for g in got], secs
+        raise EngineError(f"server {self.url} aborted a /generate request {self.conn.retries} time(s): "
+                          f"{aborted[0].get('message', '')!s:.200}; check its log (out of memory, a too-long input, a "
+                          "restart)", self.url)
 
     def _remember(self, text: str, ids: list[int]) -> None:
         """The server's ids of a text this client has seen it tokenize (the newest :data:`KNOWN_TEXTS` kept)."""
@@ -260,22 +314,34 @@ class SGLangEngine:
         got, meta, secs = self._generate({"text": context + step, "logprob_start_len": len(known) - 1,
                                           **self._read_body(top_k, hidden, sampling, seed)})
         rows, tops = self._input_rows(meta)
-        if not rows or _spelled(rows) != step:
+        if not rows or spell(_texts(rows), step) is None:
             return None
         tokens = self._logprobs(rows, tops, len(rows), top_k, "step", "input")
         return tokens, meta, str(got.get("text", "")), secs
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
-              top_k: int | None = None) -> Written:
-        params = self._sampling(sampling, seed, max_tokens)
-        if step is not None:
-            params.update(stop=list(step.delimiters), no_stop_trim=True)
+              top_k: int | None = None, n: int | None = None) -> Written | list[Written]:
+        """``n``: one ``/generate`` of ``n`` copies of the prompt, copy ``j`` with ``sampling_seed`` ``seed + j`` (one
+        ``sampling_params`` with ``n`` would give every copy the same seed)."""
+        seeds = [seed] if n is None else [seed + j for j in range(n)]
+        params = [self._sampling(sampling, s, max_tokens) for s in seeds]
+        for p in params:
+            p.update(stop=list(step.delimiters), no_stop_trim=True) if step is not None else None
         scaled = bool(top_k) and sampling.temperature not in (0.0, 1.0)  # written log-probs would be tempered
         known = self._known.get(context)
         body = {"input_ids": known} if known else {"text": context}
-        body.update(sampling_params=params, return_logprob=True, top_logprobs_num=0 if scaled else top_k or 0,
+        if n is not None:
+            body = {k: [v] * n for k, v in body.items()}
+        body.update(sampling_params=params if n is not None else params[0], return_logprob=True,
+                    top_logprobs_num=0 if scaled else top_k or 0,
                     return_text_in_logprobs=True)  # the written ids: the next read after this text needs no tokenize
-        got, meta, secs = self._generate(body)
+        answers, secs = self._generate_all(body, len(seeds))
+        out = [self._written(got, meta, secs if j == 0 else 0.0, context, known, step, top_k, scaled, s)
+               for j, ((got, meta), s) in enumerate(zip(answers, seeds))]
+        return out if n is not None else out[0]
+
+    def _written(self, got: dict, meta: dict, secs: float, context: str, known: list[int] | None,
+                 step: StepSpec | None, top_k: int | None, scaled: bool, seed: int) -> Written:
         text, finish = str(got.get("text", "")), meta.get("finish_reason") or {}
         matched = finish.get("matched")
         if finish.get("type") == "length":
@@ -294,7 +360,7 @@ class SGLangEngine:
         elif top_k:
             tokens = self._logprobs(rows[:n], (meta.get("output_top_logprobs") or [])[:n], n, top_k, "written",
                                     "output")
-        if known and how != "eos" and _spelled(rows) == text:
+        if known and how != "eos" and spell(_texts(rows), text) is not None:
             self._remember(context + text, known + [int(r[1]) for r in rows])
         return Written(text, how, tokens, self._usage(meta, secs))
 
@@ -312,6 +378,6 @@ class SGLangEngine:
         return self._logprobs(back_rows, tops, len(written), top_k, "written", "input"), self._usage(meta, secs)
 
 
-def _spelled(rows: list) -> str:
-    """The text ``[logprob, id, text]`` rows spell (``return_text_in_logprobs``)."""
-    return "".join(str(r[2]) for r in rows if r and len(r) > 2 and r[2] is not None)
+def _texts(rows: list) -> list[str]:
+    """The texts of ``[logprob, id, text]`` rows (``return_text_in_logprobs``: each id decoded alone)."""
+    return [str(r[2]) for r in rows if r and len(r) > 2 and r[2] is not None]

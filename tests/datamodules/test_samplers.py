@@ -1,4 +1,4 @@
-"""Step samplers (datamodules.labels.samplers): the text-to-step rule, the openai sampler against local servers,
+"""Step samplers (datamodules.labels.samplers): the openai sampler (the engine clients' writes) against local servers,
 builds."""
 
 import json
@@ -10,13 +10,10 @@ import torch
 from datamodules.labels.build import build
 from datamodules.labels.config import BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, SamplingConfig
 from datamodules.labels.openai_sampler import OpenAISampler
-from datamodules.labels.samplers import minimal_stops, step_from_text
 from generation.engines.base import Unreachable, Unsupported
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from tests.fake_openai import FakeServer, InFlight
-
-STOPS = ["\n\n"]
 
 
 @pytest.fixture(scope="module")
@@ -58,87 +55,42 @@ def _contexts(tok, n=3):
 
 
 # ---------------------------------------------------------------------------------------------
-# The rule that turns a returned completion into a step.
+# The openai sampler against local servers backed by the world's draft (llama-cpp-python-like, or vLLM-like with a
+# version), and against the toy SGLang.
 
 
-def test_minimal_stops_keeps_only_delimiters_holding_no_other():
-    assert minimal_stops(DEFAULT_DELIMITERS) == ["\n\n"]
-    assert minimal_stops(["A", "B", "xA"]) == ["A", "B"]
-
-
-@pytest.mark.parametrize("text, finish, kw, want_text, eos, how", [
-    ("24 + 8 = 32.\n\n", "stop", {}, "24 + 8 = 32.\n\n", False, "included"),
-    ("24 + 8 = 32.", "stop", {"stop_reason": "\n\n"}, "24 + 8 = 32.\n\n", False, "reported"),
-    ("Answer: 24", "stop", {"stop_reason": None}, "Answer: 24", True, "eos"),
-    ("Answer: 24", "stop", {"stop_reason": 3}, "Answer: 24", True, "eos"),
-    ("24 + 8 = 32.", "stop", {"generated_tokens": 99}, "24 + 8 = 32.\n\n", False, "counted"),
-    ("24 + 8 = 32.", "stop", {"generated_tokens": 0}, "24 + 8 = 32.", True, "eos"),
-    ("24 + 8 = 32.", "stop", {}, "24 + 8 = 32.\n\n", False, "assumed"),
-    ("24 + 8 =", "length", {}, "24 + 8 =", False, "length"),
-])
-def test_step_from_text_restores_the_end(world_tokenizer, text, finish, kw, want_text, eos, how):
-    tok = world_tokenizer
-    if kw.get("generated_tokens") == 0:  # exactly the text's tokens: nothing was cut off, the model ended
-        kw = {"generated_tokens": len(tok(text, add_special_tokens=False).input_ids)}
-    ids, got = step_from_text(tok, text, finish, STOPS, **kw)
-    assert got == how
-    assert ids == tok(want_text, add_special_tokens=False).input_ids + ([tok.eos_token_id] if eos else [])
-
-
-def test_a_stop_string_merged_into_the_last_token_is_assumed_not_guessed(world_tokenizer):
-    """When the text with and without its delimiter has as many tokens, the count cannot tell; say so."""
-
-    class Merging:  # a tokenizer whose last token swallows a trailing blank line
-        eos_token_id = 3
-
-        def __call__(self, text, add_special_tokens=False):
-            ids = world_tokenizer(text.removesuffix("\n\n"), add_special_tokens=False).input_ids
-            return type("Enc", (), {"input_ids": ids[:-1] + [ids[-1] + 1000] if text.endswith("\n\n") else ids})()
-
-    ids, how = step_from_text(Merging(), "24 + 8 = 32.", "stop", STOPS, generated_tokens=6)
-    assert how == "assumed" and ids[-1] >= 1000
-
-
-def test_step_from_text_refuses_an_unknown_finish_reason(world_tokenizer):
-    with pytest.raises(ValueError, match="finish_reason='abort'"):
-        step_from_text(world_tokenizer, "x", "abort", STOPS)
-
-
-# ---------------------------------------------------------------------------------------------
-# The openai sampler against a local server backed by the world's draft.
-
-
-def test_server_that_ignores_n_is_fanned_out_with_distinct_seeds(serve, world_tokenizer):
-    server = serve()  # llama.cpp-like: one choice whatever n asks
+def test_llama_cpp_gets_one_request_per_sample_with_distinct_seeds(serve, world_tokenizer):
+    server = serve()  # llama-cpp-python ignores n
     s = _sampler(server, world_tokenizer)
+    assert s.engine == "llama.cpp"
     ctx = _contexts(world_tokenizer)
     out = s.sample(ctx, 4, seed=11)
     assert [len(o) for o in out] == [4, 4, 4] and all(isinstance(x, list) and x for o in out for x in o)
-    assert s.ignores_n == [True]
+    from datamodules.labels.samplers import request_seed
+
     seeds = [(b["prompt"], b["seed"]) for _, b in server.requests]
     assert len(set(seeds)) == len(seeds) == 3 * 4  # every sample its own request and seed
-    # the first answer taught it: at most the prompts already in flight went out with n=4
-    assert sum(b["n"] == 4 for _, b in server.requests) <= len(ctx)
+    assert sorted(b["seed"] for _, b in server.requests) == sorted(request_seed(11, i, j) for i in range(3)
+                                                                    for j in range(4))
+    assert all(b.get("n") is None for _, b in server.requests)
     assert len({tuple(x) for o in out for x in o}) > 3  # the samples differ
-    s.sample(ctx, 4, seed=11)
-    assert all(b["n"] == 1 for _, b in server.requests[12:])
+    assert s.sample(ctx, 4, seed=11) == out  # the seeds make it reproducible
     assert s.stats()["samples"] == 24 and sum(s.stats()["step_ends"].values()) == 24
 
 
-def test_server_that_honours_n_gets_one_request_per_prefix(serve, world_tokenizer):
-    server = serve(honour_n=True, include_stop=True)
+def test_vllm_gets_one_request_per_prefix(serve, world_tokenizer):
+    server = serve(version="0.11.0")
     s = _sampler(server, world_tokenizer)
     out = s.sample(_contexts(world_tokenizer), 4, seed=0)
     assert len(server.requests) == 3 and [len(o) for o in out] == [4, 4, 4]
     body = server.requests[0][1]
-    assert body["stop"] == ["\n\n"] and body["max_tokens"] == 8 and body["temperature"] == 0.8
-    assert body["top_p"] == 0.95 and body["include_stop_str_in_output"] is True
-    assert set(s.step_ends) <= {"included", "eos", "length"}
+    assert body["n"] == 4 and body["stop"] == list(DEFAULT_DELIMITERS) and body["max_tokens"] == 8
+    assert body["temperature"] == 0.8 and body["top_p"] == 0.95 and body["include_stop_str_in_output"] is True
+    assert set(s.step_ends) <= {"delimiter", "eos", "length"}
 
 
-@pytest.mark.parametrize("kw", [{}, {"honour_n": True, "report_stop_reason": True},  # llama.cpp, SGLang-like
-                                {"honour_n": True, "include_stop": True, "report_stop_reason": True}])  # vLLM
-def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tokenizer, kw):
+@pytest.mark.parametrize("version", [None, "0.11.0"], ids=["llama.cpp", "vllm"])
+def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tokenizer, version):
     """Whichever way the server marks a step's end, the step is the one the package's own sampler writes."""
     from datamodules.labels.samplers import HFSampler
 
@@ -147,24 +99,22 @@ def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tok
             for c in ctx[:2]]  # prefixes whose next step is the last (it ends at EOS)
     hf = HFSampler(world_models["draft"], tok, StepSpec(DEFAULT_DELIMITERS, 16),
                    SamplingSpec(0.0, 1.0)).sample(ctx, 2, seed=0)
-    s = _sampler(serve(**kw), tok, temperature=0.0)
-    s.max_step_tokens = 16
+    s = OpenAISampler([serve(version=version).url], None, tok, StepSpec(DEFAULT_DELIMITERS, 16),
+                      SamplingSpec(0.0, 1.0), api_key_env="", retries=1)
     assert s.sample(ctx, 2, seed=0) == hf
-    assert "eos" in s.step_ends and s.step_ends.get("assumed", 0) == 0
+    assert "eos" in s.step_ends and "delimiter" in s.step_ends
 
 
 def test_requests_stay_bounded_and_spread_over_endpoints(serve, world_tokenizer):
     both = InFlight()  # one gauge over both servers: the bound is on the sampler's requests in flight, wherever sent
-    a, b = (serve(honour_n=True, delay=0.05, in_flight=both) for _ in range(2))
+    a, b = (serve(version="0.11.0", delay=0.05, in_flight=both) for _ in range(2))
     s = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 4),
-                      SamplingSpec(0.8, 0.95),
-                      api_key_env="", concurrency=2, rank=1)
+                      SamplingSpec(0.8, 0.95), api_key_env="", concurrency=2, rank=1)
     s.sample(_contexts(world_tokenizer, 8), 2, seed=0)
     assert len(a.requests) == len(b.requests) == 4 and both.peak <= 2
     for rank, first in ((0, a), (1, b), (2, a)):  # ranks of a distributed build start at different endpoints
         r = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 4),
-                          SamplingSpec(0.8, 0.95),
-                          api_key_env="", rank=rank)
+                          SamplingSpec(0.8, 0.95), api_key_env="", rank=rank)
         before = len(first.requests)
         r.sample(_contexts(world_tokenizer, 1), 1, seed=0)
         assert len(first.requests) == before + 1
@@ -172,7 +122,7 @@ def test_requests_stay_bounded_and_spread_over_endpoints(serve, world_tokenizer)
 
 def test_api_key_is_sent_but_never_shown(serve, world_tokenizer, monkeypatch):
     monkeypatch.setenv("SAMPLER_KEY", "sk-secret-123")
-    server = serve(honour_n=True)
+    server = serve(version="0.11.0")
     s = _sampler(server, world_tokenizer, api_key_env="SAMPLER_KEY")
     s.sample(_contexts(world_tokenizer, 1), 1, seed=0)
     assert server.requests[0][0]["authorization"] == "Bearer sk-secret-123"
@@ -185,11 +135,11 @@ def test_api_key_is_sent_but_never_shown(serve, world_tokenizer, monkeypatch):
 
 
 def test_failures_are_retried_a_bounded_number_of_times(serve, world_tokenizer):
-    server = serve(honour_n=True, fail_first=2)
+    server = serve(version="0.11.0", fail_first=2)
     out = _sampler(server, world_tokenizer, retries=3).sample(_contexts(world_tokenizer, 1), 2, seed=0)
     assert len(server.requests) == 3 and len(out[0]) == 2
-    server = serve(honour_n=True, fail_first=5)
-    with pytest.raises(Unreachable, match=r"failed /v1/completions .* after 2 attempt\(s\).*503"):
+    server = serve(version="0.11.0", fail_first=5)
+    with pytest.raises(Unreachable, match=r"failed /v1/completions after 2 attempt\(s\).*503"):
         _sampler(server, world_tokenizer, retries=2).sample(_contexts(world_tokenizer, 1), 2, seed=0)
     assert len(server.requests) == 2
 
@@ -205,39 +155,71 @@ def test_a_slow_server_times_out(serve, world_tokenizer):
 def test_model_and_server_are_checked_before_any_sampling(serve, world_tokenizer):
     server = serve(version="0.11.0")
     s = _sampler(server, world_tokenizer)
-    assert s.model == "world-draft" and s.server_version == "0.11.0"
+    assert s.model == "world-draft"
     assert s.provenance() == {"backend": "openai", "model": "world-draft", "urls": [server.url], "engine": "vllm",
-                              "server_version": "0.11.0", "prompt": "text", "stops": ["\n\n"],
-                              "sampling_fields": {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}}
+                              "server_version": "0.11.0", "delimiters": list(DEFAULT_DELIMITERS)}
     with pytest.raises(Unsupported, match=r"does not serve model 'other'; it serves \['world-draft'\]"):
         _sampler(server, world_tokenizer, model="other")
     with pytest.raises(Unreachable, match="127.0.0.1:9/v1 did not answer /v1/models"):
         _sampler("http://127.0.0.1:9/v1", world_tokenizer)
+    with pytest.raises(Unsupported, match=r"reports version 0.10.0; this client needs vLLM >= 0.11.0"):
+        _sampler(serve(version="0.10.0"), world_tokenizer)
+    assert not [b for x in server.requests for b in x]  # nothing was sampled
 
 
-@pytest.mark.parametrize("version,fields", [
-    (None, {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}),  # llama-cpp-python (top_k 40, min_p 0.05, 1.1)
-    ("0.11.0", {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}),  # vLLM (the model's generation config)
-])
-def test_every_request_states_the_whole_distribution(serve, world_tokenizer, version, fields):
-    """Servers fill unset sampling fields from their own defaults or the model's generation_config.json: each step
-    and each continuation request sends temperature, top_p and the engine's neutral top_k, min_p and penalty."""
-    server = serve(honour_n=True, version=version)
-    s = _sampler(server, world_tokenizer)
-    s.sample(_contexts(world_tokenizer, 1), 2, seed=0)
-    s.complete(_contexts(world_tokenizer, 1), 4, seed=0)
-    for _, body in server.requests:
-        assert body["temperature"] == 0.8 and body["top_p"] == 0.95
-        assert {f: body.get(f) for f in fields} == fields
+def _as_list(x):
+    return x if isinstance(x, list) else [x]
 
 
-def test_token_prompts_send_the_exact_ids(serve, world_tokenizer):
-    server = serve(honour_n=True)
-    ctx = _contexts(world_tokenizer, 1)
-    _sampler(server, world_tokenizer, prompt="tokens").sample(ctx, 1, seed=0)
-    assert server.requests[0][1]["prompt"] == ctx[0]
-    _sampler(server, world_tokenizer).sample(ctx, 1, seed=0)
-    assert server.requests[1][1]["prompt"] == world_tokenizer.decode(ctx[0][1:])  # the server adds its own BOS
+def _sglang(**kw):
+    from tests.fake_engines import FakeSGLang
+
+    return FakeSGLang(**kw)
+
+
+@pytest.mark.parametrize("kind", ["llama.cpp", "vllm", "sglang"])
+def test_every_request_states_the_whole_distribution(serve, world_tokenizer, kind):
+    """Servers fill unset sampling fields from their own defaults (llama-cpp-python), the model's generation config
+    (vLLM; both penalties from 0.31) or --preferred-sampling-params (SGLang): each step and each continuation request
+    sends temperature, top_p and the engine's neutral top_k, min_p, repetition penalty and both penalties."""
+    from generation.engines import NEUTRAL_SAMPLING
+
+    server = _sglang() if kind == "sglang" else serve(version={"vllm": "0.34.0"}.get(kind))
+    try:
+        s = _sampler(server.root if kind == "sglang" else server, world_tokenizer)
+        assert s.engine == kind
+        s.sample(_contexts(world_tokenizer, 1), 2, seed=0)
+        s.complete(_contexts(world_tokenizer, 1), 4, seed=0)
+        if kind == "sglang":  # a batch of n carries n sampling_params
+            bodies = [p for b in server.posts("/generate") for p in _as_list(b["sampling_params"])]
+        else:
+            bodies = [b for _, b in server.requests]
+        assert len(bodies) >= 2
+        for body in bodies:
+            assert body["temperature"] == 0.8 and body["top_p"] == 0.95
+            fields = NEUTRAL_SAMPLING[kind]
+            assert {f: body.get(f) for f in fields} == fields and body["presence_penalty"] == 0.0
+    finally:
+        if kind == "sglang":
+            server.close()
+
+
+def test_sglang_samples_of_one_prefix_are_seeded_apart_and_an_abort_is_asked_again(world_tokenizer):
+    """One sampling_seed copied to n samples gives n identical ones under --enable-deterministic-inference: the n
+    samples of a prefix go in one /generate batch, sample j seeded seed + j, as vLLM seeds a request's children. An
+    abort SGLang answers with HTTP 200 is asked again instead of ending the build."""
+    server = _sglang(abort=1)
+    try:
+        s = OpenAISampler([server.root], None, world_tokenizer, StepSpec(("\n\n",), 8), SamplingSpec(1.0, 1.0),
+                          api_key_env="", retries=2)
+        out = s.sample(_contexts(world_tokenizer, 1), 6, seed=3)
+        first, again = server.posts("/generate")  # the aborted batch, asked again
+        seeds = [p["sampling_params"] for p in [again]][0]
+        assert first == again and [p["sampling_seed"] for p in seeds] == [seeds[0]["sampling_seed"] + j
+                                                                           for j in range(6)]
+        assert len(out[0]) == 6 and len({tuple(x) for x in out[0]}) > 1  # the samples differ
+    finally:
+        server.close()
 
 
 def test_a_bos_the_tokenizer_does_not_add_stays_in_a_text_prompt(serve, world_tokenizer):
@@ -253,11 +235,13 @@ def test_a_bos_the_tokenizer_does_not_add_stays_in_a_text_prompt(serve, world_to
         def __call__(self, text, **kw):
             return self._tok(text, **{**kw, "add_special_tokens": False})
 
-    server = serve(honour_n=True)
+    server = serve(version="0.11.0")
     ctx = _contexts(world_tokenizer, 1)
     _sampler(server, NoBos(world_tokenizer)).sample(ctx, 1, seed=0)
     assert server.requests[0][1]["prompt"] == world_tokenizer.decode(ctx[0])
     assert ctx[0][0] == world_tokenizer.bos_token_id
+    _sampler(server, world_tokenizer).sample(ctx, 1, seed=0)
+    assert server.requests[1][1]["prompt"] == world_tokenizer.decode(ctx[0][1:])  # the server adds its own BOS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +256,8 @@ def test_build_config_checks_the_backend():
         BuildConfig(sampling=SamplingConfig(backend="openai", openai=OpenAIConfig(
             target=EndpointConfig(urls=["127.0.0.1:8000"]), concurrency=0)))
     msg = str(e.value)
+    with pytest.raises(ValueError, match=r"sampling.openai.engine='tgi': expected one of"):
+        BuildConfig(sampling=SamplingConfig(backend="openai", openai=OpenAIConfig(engine="tgi")))
     assert "sampling.openai.concurrency=0: expected >= 1" in msg
     assert "sampling.openai.target.urls: '127.0.0.1:8000' is not an http(s) URL" in msg
     assert "sampling.openai.draft.urls=[]: give the base URL" in msg
@@ -301,7 +287,7 @@ def test_greedy_openai_build_equals_the_hf_build(serve, tmp_path):
     assert served["sampler"]["target"]["urls"] == [urls["target"]]
     assert hf["sampler"]["target"]["backend"] == "hf"
     ends = served["stats"]["this_run"]["sampler"]["draft"]["step_ends"]
-    assert ends.get("counted", 0) > 0 and "assumed" not in ends
+    assert ends.get("delimiter", 0) > 0 and set(ends) <= {"delimiter", "eos", "length"}
     for a, b in zip(sorted((tmp_path / "hf").glob("shard-*.safetensors")),
                     sorted((tmp_path / "openai").glob("shard-*"))):
         x, y = load_file(a), load_file(b)
@@ -344,21 +330,21 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
                          "--trainer.default_root_dir", str(tmp_path)],
                    parser_class=ProbeArgumentParser, parser_kwargs={"prog": PROG})
     b = cli.datamodule.build
-    assert b.sampling.backend == "openai" and b.sampling.n_samples == 20 and b.sampling.openai.prompt == "tokens"
+    assert b.sampling.backend == "openai" and b.sampling.n_samples == 20 and b.sampling.openai.engine == "vllm"
     assert b.judge.kind == "http" and b.judge.url == b.sampling.openai.target.urls[0]
     assert cli.model.probes["target"].config.hidden_size == 5120
     assert cli.model.probes["draft"].config.hidden_size == 1536
     for role in ("target", "draft"):
         e = getattr(b.sampling.openai, role)
         assert e.urls[0].startswith("http://127.0.0.1:800") and e.model
-        server = serve(role, name=e.model, honour_n=True, report_stop_reason=True)
+        server = serve(role, name=e.model, version="0.11.0")
         e.urls = [server.url]
         s = make_sampler(b, role, None, world_tokenizer)
         out = s.sample(_contexts(world_tokenizer, 1), 2, seed=0)
         assert len(out[0]) == 2 and s.model == e.model
         body = server.requests[0][1]
-        assert isinstance(body["prompt"], list) and body["max_tokens"] == b.steps.max_step_tokens
-        assert body["temperature"] == 0.6 and body["top_p"] == 0.95 and body["stop"] == ["\n\n"]
+        assert body["n"] == 2 and body["max_tokens"] == b.steps.max_step_tokens
+        assert body["temperature"] == 0.6 and body["top_p"] == 0.95 and body["stop"] == list(b.steps.delimiters)
 
 
 def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monkeypatch):
@@ -383,7 +369,7 @@ def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monke
             def out(text, finish, reason):
                 return types.SimpleNamespace(text=text, finish_reason=finish, stop_reason=reason)
             return [types.SimpleNamespace(outputs=[out("1 + 2 = 3.\n\n", "stop", "\n\n"),
-                                                   out("Answer: 3", "stop", None)])
+                                                   out("Answer: 3", "stop", 7)])  # an end-of-turn id
                     for _ in prompts]
 
     monkeypatch.setitem(sys.modules, "vllm",
@@ -397,8 +383,9 @@ def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monke
     out = s.sample(ctx, 2, seed=1)
     prompts, params = calls["generate"]
     assert prompts == [{"prompt_token_ids": c} for c in ctx]
-    assert params[0].kw == {"n": 2, "temperature": 0.6, "top_p": 0.95, "max_tokens": 16, "stop": ["\n\n"],
-                            "include_stop_str_in_output": True, "seed": params[0].kw["seed"]}
+    assert params[0].kw == {"n": 2, "temperature": 0.6, "top_p": 0.95, "max_tokens": 16,
+                            "stop": list(DEFAULT_DELIMITERS), "include_stop_str_in_output": True,
+                            "seed": params[0].kw["seed"]}
     assert params[0].kw["seed"] != params[1].kw["seed"]
     tok = world_tokenizer
     assert out[0] == [tok("1 + 2 = 3.\n\n", add_special_tokens=False).input_ids,
@@ -430,12 +417,12 @@ def test_vllm_sampler_on_a_gpu(world_tokenizer, tmp_path):
 @pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_target_traces_come_from_the_server_with_an_openai_backend(serve, tmp_path):
     """prefix_source: target with a server: the target's traces are written by its server, not by a local copy."""
-    servers = {r: serve(r, honour_n=True, report_stop_reason=True) for r in ("target", "draft")}
+    servers = {r: serve(r, version="0.11.0") for r in ("target", "draft")}
     config = _world_config({r: s.url for r, s in servers.items()}, temperature=0.6)
     config.prefix_source, config.n_problems = "target", 2
     m = build(config, tmp_path, log=lambda *a: None)
     traces = [json.loads(line) for line in (tmp_path / "target-traces.jsonl").read_text().splitlines()]
     assert len(traces) == 2 and all(t["trace"] for t in traces) and m["n_prefixes"] >= 2
     first = [b for _, b in servers["target"].requests[:2]]  # the traces: no stop strings, 16 step caps long
-    assert all(b.get("stop") is None and b["max_tokens"] == 16 * 16 and b["n"] == 1 for b in first)
-    assert all(b.get("stop") == ["\n\n"] for _, b in servers["target"].requests[2:])  # then the steps
+    assert all(b.get("stop") is None and b["max_tokens"] == 16 * 16 and b.get("n") is None for b in first)
+    assert all(b.get("stop") == list(DEFAULT_DELIMITERS) for _, b in servers["target"].requests[2:])  # the steps

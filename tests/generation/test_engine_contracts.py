@@ -101,6 +101,9 @@ def test_each_client_answers_every_version_it_claims_and_refuses_the_rest(record
         torch.testing.assert_close(r.hidden, torch.tensor(want["hidden_rows"]))
     assert (r.next_text, r.next_eos) == (want["next_text"], want["next_eos"])
     assert (r.usage.cached_tokens, r.usage.prefill_tokens) == (want["cached_tokens"], want["prefill_tokens"])
+    if "hidden_refused" in fixture["expect"]:  # a version whose hidden rows cannot be trusted: refused for hidden
+        caps = engine.capabilities()
+        assert not caps.hidden and fixture["expect"]["hidden_refused"] in caps.remarks[0]
     want = fixture["expect"]["write"]
     w = engine.write(want["context"], step=StepSpec(tuple(want["delimiters"]), want["max_tokens"]),
                      max_tokens=want["max_tokens"], sampling=GREEDY, seed=0, top_k=want["top_k"])

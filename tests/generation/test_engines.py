@@ -248,7 +248,7 @@ def test_sglang_write_cuts_text_kept_after_the_stop_string(fakes):
 
 def test_sglang_abort_sent_with_http_200_is_an_error_not_an_eos(fakes):
     fake = fakes(FakeSGLang, abort=True)
-    with pytest.raises(EngineError, match=r"aborted a /generate request: aborted by the scheduler") as e:
+    with pytest.raises(EngineError, match=r"aborted a /generate request 1 time\(s\): aborted by the scheduler") as e:
         _engine("sglang", fake).write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0)
     assert fake.root in str(e.value)
 
@@ -346,16 +346,20 @@ def test_vllm_short_top_k_is_refused_with_counts(fakes):
         engine.read(CONTEXT, STEP, top_k=5, hidden=False, sampling=GREEDY, seed=0)  # 2 + the prompt token
 
 
-LEAKY = {"top_k": 1, "min_p": 0.5, "repetition_penalty": 1.3}
-"""A model's generation_config.json fields that a server fills into every sampling field a request leaves out."""
+LEAKY = {"top_k": 1, "min_p": 0.5, "repetition_penalty": 1.3, "presence_penalty": 1.5}
+"""Sampling fields a server fills into every field a request leaves out (vLLM: the model's generation_config.json;
+SGLang's /generate: --preferred-sampling-params)."""
 
 
-@pytest.mark.parametrize("kind,fake_cls", [("vllm", FakeVLLM), ("sglang", FakeSGLang)])
-def test_writes_state_the_whole_distribution_so_generation_config_defaults_do_not_leak(kind, fake_cls, fakes):
-    """vLLM (--generation-config auto) and SGLang fill unset sampling fields from the model's generation config:
-    the served greedy step then differs from the in-process greedy step (the toy's repetition penalty turns "a " into
-    the runner-up). Every write states top_k, min_p and the repetition penalty, so the two agree, sampled too."""
-    fake = fakes(fake_cls, generation_config=LEAKY)
+@pytest.mark.parametrize("kind,fake_cls,server", [("vllm", FakeVLLM, {"version": "0.34.0", "generation_config": LEAKY}),
+                                                  ("vllm", FakeVLLM, {"version": "0.11.0", "generation_config": LEAKY}),
+                                                  ("sglang", FakeSGLang, {"preferred": LEAKY})])
+def test_writes_state_the_whole_distribution_so_server_defaults_do_not_leak(kind, fake_cls, server, fakes):
+    """vLLM (--generation-config auto; both penalties from 0.31) and SGLang (--preferred-sampling-params) fill unset
+    sampling fields: the served greedy step then differs from the in-process greedy step (the toy's penalties turn
+    "a " into the runner-up). Every write states top_k, min_p, the repetition penalty and both penalties, so the two
+    agree, sampled too."""
+    fake = fakes(fake_cls, **server)
     engine = _engine(kind, fake)
     context, step = "Q: a a ?\n\n", StepSpec(("\n\n",), 8)
     for sampling, seed in ((GREEDY, 2), (SamplingSpec(1.0, 1.0), 5), (SamplingSpec(1.0, 1.0), 11)):
@@ -599,3 +603,62 @@ def test_an_engine_whose_server_serves_another_model_is_refused_before_any_reque
     msg = str(e.value)
     assert fake.root in msg and "'world-target'" in msg and "['toy']" in msg, msg
     assert not fake.requests  # no POST: nothing was sampled, read or tokenized
+
+
+def test_vllm_leaves_presence_penalty_to_the_generation_config_from_0_31():
+    """The fake fills the penalties as vLLM does: from the generation config only from 0.31 on."""
+    from tests.fake_engines import FakeVLLM as F
+
+    assert F(version="0.34.0", generation_config=LEAKY)._params({})["presence_penalty"] == 1.5
+    assert F(version="0.11.0", generation_config=LEAKY)._params({})["presence_penalty"] == 0.0
+
+
+def test_vllm_read_ending_at_an_end_of_turn_id_is_the_end(fakes):
+    """An end-of-turn id listed only in the generation config's eos_token_id becomes a stop token id: vLLM answers
+    finish_reason "stop" with stop_reason = that id (an int), which ends the row as EOS does."""
+    r = _engine("vllm", fakes(FakeVLLM, end_of_turn=True)).read(CONTEXT, STEP, top_k=2, hidden=False,
+                                                                 sampling=GREEDY, seed=0)
+    assert (r.next_eos, r.next_text) == (True, "")
+
+
+@pytest.mark.parametrize("version", ["0.5.4", "0.5.16"])
+def test_sglang_before_0_5_17_is_refused_for_hidden_naming_the_version(fakes, version):
+    """Before 0.5.17 a batched prefill with a cached prefix gives a request another request's hidden rows: refused
+    where the probe's groups are checked and at a hidden read, before any /generate request; top-k reads still
+    serve."""
+    fake = fakes(FakeSGLang, version=version)
+    engine = _engine("sglang", fake)
+    with pytest.raises(Unsupported, match=rf"runs {version}.*SGLang >= 0.5.17") as e:
+        require(engine, FeatureSpec(groups=("hidden",)), "target")
+    assert fake.root in str(e.value) and "can serve ['topk_stats']" in str(e.value)
+    with pytest.raises(Unsupported, match="0.5.17"):
+        engine.read(CONTEXT, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)
+    assert not fake.posts("/generate")
+    assert engine.read(CONTEXT, STEP, top_k=2, hidden=False, sampling=GREEDY, seed=0).step.ids
+    assert _engine("sglang", fakes(FakeSGLang, version="0.5.17")).capabilities().hidden
+
+
+def test_sglang_preferred_sampling_params_that_fill_unstated_fields_are_refused(fakes):
+    """--preferred-sampling-params fills every field a /generate request leaves unset: a preferred stop string or
+    ignore_eos would change every written step, so such a server is refused when the client is made, naming the flag
+    and the fields; preferred values of fields every request states are overridden and accepted."""
+    fake = fakes(FakeSGLang, preferred={"temperature": 0.6, "stop": ["Answer"], "ignore_eos": True})
+    with pytest.raises(Unsupported, match=r"--preferred-sampling-params with \['ignore_eos', 'stop'\]") as e:
+        _engine("sglang", fake)
+    assert fake.root in str(e.value) and not fake.posts("/generate") and not fake.posts("/v1/tokenize")
+    _engine("sglang", fakes(FakeSGLang, preferred={"temperature": 0.6, "top_k": 20}))
+
+
+def test_sglang_server_info_is_asked_again_when_the_server_is_busy(fakes):
+    """A busy server that answers /server_info late (or 503) is asked again with the connection's retries, not
+    refused as "not SGLang" after one quick attempt."""
+    fake = fakes(FakeSGLang, busy=1)
+    assert make_engine("sglang", fake.root, api_key_env="", retries=2, timeout=10.0).version == "0.5.23"
+
+
+def test_sglang_abort_is_asked_again_before_it_is_an_error(fakes):
+    """SGLang answers an aborted request with HTTP 200 and finish_reason abort: a transient abort is asked again."""
+    fake = fakes(FakeSGLang, abort=1)
+    w = make_engine("sglang", fake.root, api_key_env="", retries=2, timeout=10.0).write(
+        CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0)
+    assert (w.text, w.stop, len(fake.posts("/generate"))) == ("a b\n\n", "delimiter", 2)
