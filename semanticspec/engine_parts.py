@@ -188,7 +188,7 @@ class EnginePart:
         out = {}
         for i, w in self.each("write", calls).items():
             text, n, row = w.text, w.usage.completion_tokens, self.rows[i]
-            cut = answer_cut(w.tokens, self.step_spec, row.answer_marker)
+            cut = answer_cut(w.tokens, self.step_spec, row.answer_marker, w.text)
             if cut is not None:
                 text, n = (w.text[: len(cut[0])] if w.text.startswith(cut[0]) else cut[0]), cut[1]
             eos = w.stop == "eos" and cut is None
@@ -495,17 +495,23 @@ def split_reading(reading, texts: Sequence[str]) -> list:
     return out
 
 
-def answer_cut(tokens: TokenLogprobs | None, step: StepSpec, marker: str | None) -> tuple[str, int] | None:
+def answer_cut(tokens: TokenLogprobs | None, step: StepSpec, marker: str | None,
+               written: str | None = None) -> tuple[str, int] | None:
     """Where the step loop would stop a text written in one request: the end of the first step (cut at
-    ``step``'s delimiters and cap, token by token) after which the answer line is complete.
+    ``step``'s delimiters and cap, token by token) after which the answer line is complete. ``written``: the text the
+    server decoded whole, which mends per-token texts that do not add up to it (:func:`spell`; an end-of-sequence
+    token's own text at the end is left as it is).
 
     Returns:
         ``(text, n_tokens)`` up to that step's end, or None when the answer never completes.
     """
     if tokens is None or not marker:
         return None
-    for b in step_ends(tokens.tokens, step):
-        text = "".join(tokens.tokens[:b])
+    pieces = list(tokens.tokens)
+    if written is not None and pieces:
+        pieces = spell(pieces, written) or (spell(pieces[:-1], written) or pieces[:-1]) + pieces[-1:]
+    for b in step_ends(pieces, step):
+        text = "".join(pieces[:b])
         if answer_complete(text, marker):
             return text, b
     return None

@@ -330,6 +330,15 @@ def test_answer_cut_is_the_step_loops_stop():
     # steps cut at 2 tokens: "1\n\n", "Answer: 5", "\nmore": the third completes the answer line
     assert answer_cut(toks, StepSpec(("\n\n",), 2), "Answer:") == ("1\n\nAnswer: 5\nmore", 6)
     assert answer_cut(toks, StepSpec(("\n\n",), 32), "Result:") is None
+    # per-token texts as SGLang decodes each id of a SentencePiece tokenizer alone (the space before 5 lost): mended
+    # against the text the server decoded whole, and cut where the step loop stops
+    alone = ["1", "\n\n", "Answer:", "5", "\n", "more", "\n\n", "x"]
+    toks = TokenLogprobs(alone, None, torch.zeros(len(alone)), torch.zeros(len(alone), 1))
+    assert answer_cut(toks, StepSpec(("\n\n",), 32), "Answer:", "1\n\nAnswer: 5\nmore\n\nx") == \
+        ("1\n\nAnswer: 5\nmore\n\n", 7)
+    toks = TokenLogprobs(alone + ["</s>"], None, torch.zeros(len(alone) + 1), torch.zeros(len(alone) + 1, 1))
+    assert answer_cut(toks, StepSpec(("\n\n",), 32), "Answer:", "1\n\nAnswer: 5\nmore\n\nx") == \
+        ("1\n\nAnswer: 5\nmore\n\n", 7)  # the EOS token's own text after the text
 
 
 # --------------------------------------------------------------------------- bad input
