@@ -52,6 +52,8 @@ class StepDecoder:
     """The task whose answer marker ends a decode (None: the config's marker, if any)."""
     step: StepSpec
     """What a step is with the default config: the probes' :class:`StepSpec`, unless the config says."""
+    _recorded_sampling: dict
+    """How the probes' labels were sampled, per field, with whose it is (``setup.sampling_spec``)."""
     last_wall_s: float = 0.0
     """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts)."""
     windows: bool = True
@@ -119,6 +121,17 @@ class StepDecoder:
         token_sd, bonus = self._token_sd(cfg)
         return LoopSetup(cfg.target_first_step, marker, bonus, token_sd, cfg.token_sd_tokens,
                          cfg.rewrite_in_rounds), step
+
+    def _resolve(self, cfg: DecodeConfig) -> tuple[LoopSetup, StepSpec, Method | TransformersLoop | None, list[str],
+                                                    SamplingSpec]:
+        """What every plan resolves from ``cfg``: the loop setup and step spec (:meth:`_setup`), the method and what
+        is wrong with the call for it (:meth:`_method`), and the sampling (the probes' unless given; a value that
+        differs from theirs is refused for a method they decide, naming both)."""
+        loop, step = self._setup(cfg)
+        method, problems = self._method(cfg, step)
+        sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
+                                          method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
+        return loop, step, method, problems, sampling
 
     def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
         """Whether the target writes its steps with token-level speculation, and whether a bonus token opens the step

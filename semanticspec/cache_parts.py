@@ -87,7 +87,7 @@ class DraftProposer(CachePart):
         """One step per row; ``more``: the step continues the row's window (after its last step, as if kept)."""
         for_p = for_p and self.spec is not None
         steps = self.writer.write(
-            list(rows), {i: s.limit for i, s in rows.items()}, forced={i: list(s.forced.ids) for i, s in rows.items()},
+            list(rows), {i: s.limit for i, s in rows.items()}, forced=_ids({i: s.forced for i, s in rows.items()}),
             collect_hidden=for_p and self.spec.needs_hidden, record_logits=True,
             record_forced_logits=[i for i, s in rows.items() if not s.rewrite] if for_p and self.spec.needs_logits
             else False,
@@ -139,7 +139,6 @@ def least_logprob(d: StepDraft) -> float | None:
         return None
     logp = torch.log_softmax(torch.stack(d.logits).float(), dim=-1)
     return float(logp.gather(-1, torch.tensor(new, device=logp.device)[:, None]).min())
-
 
 
 @dataclass(frozen=True)
@@ -257,7 +256,7 @@ class TargetVerifier(CachePart):
             self._new[i] = len(tgt.seq[i]) - n0[i]
             tgt.extend(i, [] if i in rewrites else suffix)
         fed = tgt.feed(list(windows), hidden=needs.q and self.spec.needs_hidden, all_logits=True)
-        read, after = {}, {}
+        read = {}
         for i, f in fed.items():
             end = n0[i] + self._new[i] - f.start  # one past the window's last token among the fed tokens
             self.token_logits[i] = f.predicting(n0[i] - f.start, end + 1, pre[i])
@@ -266,14 +265,13 @@ class TargetVerifier(CachePart):
                     continue
                 read[i, j] = self._read(i, f, a, b, hand.forced_in_target(d), pre[i], needs,
                                         f.logits[-1] if suffix else None)
-                after[i, j] = f.logits[b - f.start - 1]
         steps = {(i, j): d for i, w in windows.items() for j, d in enumerate(w)}
         outs = {(i, j): outputs.get(i, "") + "".join(d.text for d in windows[i][:j]) for i, j in read}
         scored = self._score(steps, outs, read, needs)
-        if suffix:  # the judge turn is read: the target forgets it, its logits after the step last again
+        if suffix:  # the judge turn is read: the target forgets it, its logits after the window last again
             for i in windows:
                 if i not in rewrites:
-                    tgt.rollback(i, len(suffix), last_logits=after.get((i, 0)))
+                    tgt.rollback(i, len(suffix), last_logits=self.token_logits[i][self._new[i]])
         out: dict[int, list[Scores]] = {}
         for (i, _), s in scored.items():
             out.setdefault(i, []).append(s)

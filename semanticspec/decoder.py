@@ -45,7 +45,6 @@ ends a decode, and the checker):
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -123,9 +122,8 @@ class SemanticSpecDecoder(StepDecoder):
         self.target_probe = setup.load(target_probe, target, tokenizer, "target", probe_dtype)
         self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, "draft", probe_dtype)
         self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
-        digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
-        self._judges = {s: JudgeTurn(self.tokenizer(s, add_special_tokens=False).input_ids, digits)
-                        for s in {self.config.judge_suffix}}
+        self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
+        self._judges: dict[str, JudgeTurn] = {}  # per judge_suffix
         self._recorded_sampling = setup.sampling_spec((self.target_probe, self.draft_probe))
         self._stoppers: dict = {}
 
@@ -145,8 +143,7 @@ class SemanticSpecDecoder(StepDecoder):
     def judge(self, suffix: str) -> JudgeTurn:
         """The judge turn of ``suffix`` (a config's ``judge_suffix``) in the target's tokens."""
         if suffix not in self._judges:
-            self._judges[suffix] = replace(next(iter(self._judges.values())),
-                                           suffix=self.tokenizer(suffix, add_special_tokens=False).input_ids)
+            self._judges[suffix] = JudgeTurn(self.tokenizer(suffix, add_special_tokens=False).input_ids, self._digits)
         return self._judges[suffix]
 
     def spare(self, cfg: DecodeConfig) -> int:
@@ -154,10 +151,7 @@ class SemanticSpecDecoder(StepDecoder):
 
     def plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """The call's method, target and draft ids, stream keys, sampling, config and loop setup, every check done."""
-        loop, step = self._setup(cfg)
-        method, problems = self._method(cfg, step)
-        sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
-                                          method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
+        loop, step, method, problems, sampling = self._resolve(cfg)
         if cfg.overlap:
             problems.append("overlap=True: drafting the next window while the target verifies is served decoding's "
                             "(ServedDecoder: the two servers are separate processes); in-process the two models share "

@@ -74,8 +74,7 @@ class ServedDecoder(StepDecoder):
     def plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """The call's method, prompts, stream keys, sampling, config and loop setup, every check done before any
         request."""
-        loop, step = self._setup(cfg)
-        method, problems = self._method(cfg, step)
+        loop, step, method, problems, sampling = self._resolve(cfg)
         policy = method.policy if method is not None else None
         if isinstance(method, TransformersLoop):
             problems.append(f"method={cfg.method!r} runs transformers' own loop on in-process models; use it with "
@@ -83,9 +82,6 @@ class ServedDecoder(StepDecoder):
         elif policy is not None and policy.needs.judge:
             problems.append(f"method={cfg.method!r} scores steps after a judge turn from the target's digit logits, "
                             "which the served decoder does not read; use it in-process (SemanticSpecDecoder)")
-        sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
-                                          enforce=method is not None and method.probes_decide,
-                                          allow_mismatch=cfg.allow_sampling_mismatch)
         if cfg.batch_size is not None:
             problems.append(f"batch_size={cfg.batch_size}: the served decoder runs prompts concurrently, not in "
                             f"batches; set ServedDecoder(concurrency=...) (now {self.concurrency})")
