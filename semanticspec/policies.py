@@ -196,8 +196,9 @@ class ProbePolicy(AcceptancePolicy):
 def default_policy(fast_path: bool = True, tau: float | None = None) -> ProbePolicy:
     """SemanticSpec's default policy: the threshold rule at ``tau`` (None: 0.5; the decoders pass the threshold
     ``python -m semanticspec.evaluate`` stored beside the probes, :func:`semanticspec.setup.stored_tau`), after the
-    gated top-1 fast path when the decoder can run it (``fast_path``; in-process it compares the draft's token ids with the target's top-k, so
-    both models must share a tokenizer; a served target reads the step in its own tokens), without it otherwise.
+    gated top-1 fast path when the decoder can run it (``fast_path``; in-process it compares the draft's token ids
+    with the target's top-k, so both models must share a tokenizer; a served target reads the step in its own
+    tokens), without it otherwise.
 
     The fast path keeps a step whose every draft token is the target's top-1 at log-probability >= log 0.5
     without calling the probe. On the embedded world it decided 999 of 1,000 draft steps as the probe alone did

@@ -38,7 +38,8 @@ class ServedDecoder(StepDecoder):
         target_probe: exported probe directory or ``SemanticProbe`` reading the target server's features, or None.
         draft_probe: same for the draft (the ratio rule's ``p``, from the draft server's top-k), or None.
         policy: SemanticSpec's acceptance; None = :func:`~semanticspec.policies.default_policy`, the threshold
-            rule (at the ``threshold.json`` beside the target probe when there is one, else 0.5) after the gated top-1 fast path (the target server reads the step in its own tokens).
+            rule (at the ``threshold.json`` beside the target probe when there is one, else 0.5) after the gated
+            top-1 fast path (the target server reads the step in its own tokens).
         config: the decoder's default :class:`~semanticspec.config.DecodeConfig` (a ``generate`` call without one
             starts from it; token-level speculation inside refused steps is the target server's own, so
             ``token_sd=True`` is refused); None = ``DecodeConfig()``.
