@@ -700,7 +700,7 @@ def main(argv: list[str] | None = None) -> dict:
     given = normalise_args(list(sys.argv[1:] if argv is None else argv))
     p = parser()
     ns = p.parse_args(given)
-    task = p.instantiate_classes(ns).task if ns.task is not None else None
+    task = p.instantiate(ns).task if ns.task is not None else None
     opts = EvaluateOptions(**{**{k: v for k, v in vars(ns).items() if k in EvaluateOptions.__dataclass_fields__},
                               "task": task})
     if errors := option_errors(opts):
