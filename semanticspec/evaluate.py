@@ -607,7 +607,7 @@ def held_out(opts: EvaluateOptions, fit: FitRun) -> tuple[Any, list[dict], int]:
 def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems: list[dict], skip: int) -> Setup:
     """The decoders (in-process or served) and the arms of the evaluation; servers and models are checked here."""
     from generation.fingerprints import sha256_file
-    from semanticspec.setup import stored_tau
+    from semanticspec.setup import resolve_sampling, sampling_spec, stored_tau
 
     tau = opts.tau if opts.tau is not None else stored_tau(probes / "target")
     tau = 0.5 if tau is None else tau
@@ -616,7 +616,8 @@ def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems:
         dec, shared, make, where = served_decoder(opts, tp, dp, task, tau)
     else:
         dec, shared, make, where = local_decoder(opts, fit.build, tp, dp, task, tau)
-    spec = dec.sampling(None, None)  # every method samples as the probes' labels were sampled
+    # every method samples as the probes' labels were sampled (as the decode benchmark does)
+    spec = resolve_sampling(sampling_spec((dec.target_probe, dec.draft_probe)), None, None, enforce=True)
     gen = {"max_new_tokens": opts.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p}
     one = {**gen, "lookahead": 1}
 
