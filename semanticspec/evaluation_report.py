@@ -111,7 +111,7 @@ def plot(report: dict, path: Path) -> Path:
     ax.set_xlabel("speedup over target-only (wall time)")
     ax.set_ylabel("accuracy")
     ax.set_title(f"{report['n_evaluated']} held-out problems")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower center")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
