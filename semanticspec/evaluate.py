@@ -144,7 +144,7 @@ def wilson(right: int, n: int, z: float = Z95) -> list[float]:
     p, z2 = right / n, z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return [max(0.0, centre - half), min(1.0, centre + half)]
+    return [0.0 if right == 0 else max(0.0, centre - half), 1.0 if right == n else min(1.0, centre + half)]
 
 
 def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:

@@ -93,16 +93,16 @@ def plot(report: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     sweep = report["sweep"]
     xs, ys = [r["speedup"] for r in sweep], [r["accuracy"] for r in sweep]
-    err = [[r["accuracy"] - r["accuracy_ci95"][0] for r in sweep], [r["accuracy_ci95"][1] - r["accuracy"]
-                                                                    for r in sweep]]
+    err = [[max(0.0, r["accuracy"] - r["accuracy_ci95"][0]) for r in sweep],  # Wilson's bounds can round past p
+           [max(0.0, r["accuracy_ci95"][1] - r["accuracy"]) for r in sweep]]
     ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label="SemanticSpec (tau sweep)")
     for r in sweep:
         ax.annotate(f"{r['threshold']:g}", (r["speedup"], r["accuracy"]), textcoords="offset points", xytext=(4, 4),
                     fontsize=8)
     for name, m in report["methods"].items():
         if name in ("target_only", "token_sd"):
-            ax.errorbar([m["speedup"]], [m["accuracy"]], yerr=[[m["accuracy"] - m["accuracy_ci95"][0]],
-                                                              [m["accuracy_ci95"][1] - m["accuracy"]]],
+            ax.errorbar([m["speedup"]], [m["accuracy"]], yerr=[[max(0.0, m["accuracy"] - m["accuracy_ci95"][0])],
+                                                              [max(0.0, m["accuracy_ci95"][1] - m["accuracy"])]],
                         marker="s", capsize=3, linestyle="none", label=name)
     p = report["pick"]
     if p["tau"] is not None:
