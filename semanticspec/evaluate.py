@@ -303,11 +303,16 @@ class Evaluation:
         p, prompt, seed = self.s.problems[k], self.s.prompts[k], self.s.seed + k
         for name in rotation(list(self.s.arms), k):
             tau = self.s.tau if name == "semanticspec" else None
-            if self.records.get(k, name, tau) is None:
+            if self._missing(k, name, tau):
                 self._decode(k, name, tau, self.s.arms[name], p, prompt, seed)
         for tau in self.thresholds:
-            if self.records.get(k, "semanticspec", tau) is None:
+            if self._missing(k, "semanticspec", tau):
                 self._sweep(k, tau, p, prompt, seed)
+
+    def _missing(self, k: int, name: str, tau: float | None) -> bool:
+        """Not recorded, or recorded as failed (a rerun tries a failed decode again; its new line replaces it)."""
+        row = self.records.get(k, name, tau)
+        return row is None or "failed" in row
 
     def _decode(self, k: int, name: str, tau: float | None, arm: Arm, p, prompt, seed: int) -> None:
         row = {"problem": k, "method": name, "threshold": tau, "seed": seed}
@@ -718,7 +723,12 @@ def main(argv: list[str] | None = None) -> dict:
         evaluation = Evaluation(setup, out_dir, opts.thresholds, opts.max_accuracy_drop, progress=opts.progress)
     except (ValueError, OSError, EngineError) as e:
         fail(PROG, str(e))
-    report = evaluation.run()
+    try:
+        report = evaluation.run()
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; {len(evaluation.records.lines)} decodes kept in {evaluation.records.path}. "
+              f"Resume with: {PROG} {' '.join(given)}", file=sys.stderr)
+        raise SystemExit(130) from None
     report["probes"] = str(probes)
     command = " ".join([PROG, *given])
     written = write_threshold(probes, report, command) if opts.write_threshold and report["n_evaluated"] else None

@@ -210,6 +210,11 @@ def test_a_problem_that_fails_is_recorded_and_the_run_goes_on(tmp_path):
     assert report["n_evaluated"] == 2
     assert {(f["problem"], f["reason"]) for f in report["failed"]} == {(1, "RuntimeError: server went away")}
     assert report["methods"]["semanticspec"]["accuracy"] == 1.0
+    # the server is back: a rerun decodes the failed problem again
+    problems[1]["problem"] = "b"
+    setup.prompts[1] = "b"
+    again = E.Evaluation(setup, tmp_path, [0.5], 0.01, progress=False).run()
+    assert again["n_evaluated"] == 3 and not again["failed"]
 
 
 def test_wilson_interval_and_pick_rule():
