@@ -650,6 +650,8 @@ def local_decoder(opts: EvaluateOptions, build, tp: str, dp: str, task, tau: flo
     from semanticspec.policies import default_policy
 
     tok, dtok = load_tokenizers(build)
+    for role, probe, t in (("target", tp, tok), ("draft", dp, dtok or tok)):
+        check_before_loading(probe, build.model_path(role), t, role)
     target, draft = load_model(build, "target"), load_model(build, "draft")
     if opts.target_device is not None:
         target = target.to(opts.target_device)
@@ -662,6 +664,24 @@ def local_decoder(opts: EvaluateOptions, build, tp: str, dp: str, task, tau: flo
     dec = make(default_policy(fast_path=dtok is None, tau=tau))
     where = {"mode": "in-process", "target": build.model_path("target"), "draft": build.model_path("draft")}
     return dec, dtok is None, make, where
+
+
+def check_before_loading(probe_dir: str, model_dir: str, tokenizer, role: str) -> None:
+    """Refuse a probe exported for another model from the model's config and tokenizer alone, before its weights
+    load (the decoder checks the loaded model again).
+
+    Raises:
+        ValueError: naming each differing fingerprint field (:func:`probes.export.check_probe_matches`).
+    """
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from probes.export import check_probe_matches, load_probe
+
+    config = load_probe(probe_dir, role=role).config
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    check_probe_matches(config, model, tokenizer, where=f"--probes {Path(probe_dir).parent}: {role}/")
 
 
 def served_decoder(opts: EvaluateOptions, tp: str, dp: str, task, tau: float):

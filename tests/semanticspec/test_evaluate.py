@@ -72,7 +72,9 @@ def test_probes_for_another_role_are_refused(capsys, monkeypatch, tmp_path):
 
 
 def test_probes_for_another_model_are_refused(capsys, monkeypatch, tmp_path):
+    """From the models' configs and tokenizers, before their weights load."""
     no_decoding(monkeypatch)
+    monkeypatch.setattr("datamodules.labels.shard.load_model", lambda *a: pytest.fail("weights loaded"))
     other = copy_probes(tmp_path, target="draft")  # the draft's probe, relabelled as a target probe
     cfg = json.loads((other / "target" / "config.json").read_text())
     (other / "target" / "config.json").write_text(json.dumps({**cfg, "role": "target"}))
