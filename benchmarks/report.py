@@ -303,7 +303,9 @@ def evaluate_readme() -> str:
     from semanticspec.evaluation_report import methods_table
 
     r = load("evaluate")
-    return methods_table({**r, "methods": {k: v for k, v in r["methods"].items() if k != "hf_target_only"}})
+    names = {"token_sd": "token_sd (speedup vs transformers' own target-only)"}
+    methods = {names.get(k, k): v for k, v in r["methods"].items() if k != "hf_target_only"}
+    return methods_table({**r, "methods": methods})
 
 
 TABLES: dict[str, Callable[[], str]] = {
