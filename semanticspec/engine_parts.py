@@ -47,8 +47,8 @@ from generation.sampling import StreamKey, key_stream, stream_seed
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import ends_step
 from semanticspec.policies import FastPath, Needs
-from semanticspec.parts import (NOTHING_FORCED, ONE_STEP, Forced, Proposal, RoomAfter, RowState, Window, grow_windows,
-                                run_probe)
+from semanticspec.parts import (NOTHING_FORCED, ONE_STEP, Commit, Forced, Proposal, RoomAfter, RowState, Window,
+                                grow_windows, run_probe)
 from semanticspec.rows import Row, answer_complete
 from semanticspec.scores import Scores
 
@@ -196,11 +196,9 @@ class EnginePart:
             out[i] = Proposal([], 0, text, n_new=n, eos=eos, end=end)
         return out
 
-    def extend(self, row: int, tokens: Sequence) -> None:
-        """Nothing to do: the server reads the row's committed text with its next request."""
-
-    def keep(self, row: int, n: int) -> None:
-        """Nothing to do: a refused step never joins the row's text (token-level speculation is the server's own)."""
+    def sync(self, row: int, commit: Commit) -> None:
+        """Nothing to sync: a served part holds no context between requests; the server reads the row's committed text
+        with the next one (a refused step never joins it)."""
 
 
 class _Outcome:
@@ -340,9 +338,6 @@ class EngineProposer(EnginePart):
                 self.rows[i].stats.ahead_used += 1
                 out[i] = fit
         return out
-
-    def take(self, row: int, step: Proposal) -> None:
-        """Nothing to do: the target's step is in the row's text."""
 
 
 class EngineVerifier(EnginePart):
