@@ -18,7 +18,7 @@ from operator import attrgetter
 
 import torch
 
-from generation.features import FeatureSpec, probe_input, rows_features
+from generation.features import probe_input, rows_features
 from generation.handover import Handover, decode_text
 from generation.sampling import key_stream
 from generation.writer import StepDraft, StepWriter
@@ -80,7 +80,7 @@ class DraftProposer(CachePart):
     def __init__(self, writer: StepWriter, tokenizer, probe, handover, spare: int) -> None:
         super().__init__(writer.cache, spare)
         self.writer, self.tokenizer, self.probe, self.handover = writer, tokenizer, probe, handover
-        self.spec = FeatureSpec.of(probe.config) if probe is not None else None
+        self.spec = probe.config.features if probe is not None else None
         self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order (p reads the first)
         self.probe_s = 0.0  # seconds in the probe so far
 
@@ -199,7 +199,7 @@ class TargetVerifier(CachePart):
         super().__init__(writer.cache, spare)
         self.writer, self.sampler, self.tokenizer = writer, writer.sampler, tokenizer
         self.handover, self.probe, self.judge, self.coins = handover, probe, judge, coins
-        self.spec = FeatureSpec.of(probe.config) if probe is not None else None
+        self.spec = probe.config.features if probe is not None else None
         self.probe_s = 0.0  # seconds in the probe so far
         self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
         self.token_logits: dict[int, torch.Tensor] = {}  # per row read: logits predicting its new tokens, then after

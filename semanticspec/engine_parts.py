@@ -225,7 +225,7 @@ class EngineProposer(EnginePart):
 
     def __init__(self, engine, probe, **kw) -> None:
         super().__init__(engine, "draft", **kw)
-        self.probe, self.spec = probe, FeatureSpec.of(probe.config) if probe is not None else None
+        self.probe, self.spec = probe, probe.config.features if probe is not None else None
         self.written: dict = {}  # per row: the server's answer for the first step of its window
         self.window: dict[int, str] = {}  # per row: the text of its window's steps so far
         self.ahead: dict[int, list[Proposal]] = {}  # per row: the window's next steps, written with its first one
@@ -351,7 +351,7 @@ class EngineVerifier(EnginePart):
 
     def __init__(self, engine, probe, coins, **kw) -> None:
         super().__init__(engine, "target", **kw)
-        self.probe, self.spec, self.coins = probe, FeatureSpec.of(probe.config) if probe is not None else None, coins
+        self.probe, self.spec, self.coins = probe, probe.config.features if probe is not None else None, coins
         self.read_at: dict[int, tuple[str, str]] = {}  # per row verified: (context, step) it was read at
         self.readings: dict = {}
 
