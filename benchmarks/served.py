@@ -76,7 +76,6 @@ from datamodules.labels.agreement import label_agreement
 from datamodules.labels.shards import read_manifest
 from generation.engines import make_engine
 from generation.engines.local import LocalEngine
-from generation.features import FeatureSpec
 from generation.specs import SamplingSpec
 from semanticspec.parts import SHIPPED_WINDOW, run_probe
 from semanticspec.policies import OraclePolicy, ProbePolicy
@@ -464,7 +463,7 @@ def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_pro
     ``vs_shipped``: against the shipped in-process pair (trained on a bigger build); ``same_probe``: the shipped
     probe on served against in-process features (the features alone).
     """
-    s_spec, e_spec = FeatureSpec.of(shipped.config), FeatureSpec.of(engine_probe.config)
+    s_spec, e_spec = shipped.config.features, engine_probe.config.features
     rows = []
     for r in target.log:
         if r.kind != "read" or not r.tag.startswith("semanticspec"):
@@ -474,7 +473,7 @@ def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_pro
         q_engine = run_probe(engine_probe, features(e_spec, _cut(served, e_spec.top_k), None))[0]
         q_served = run_probe(shipped, features(s_spec, _cut(served, s_spec.top_k), None))[0]
         q_local = run_probe(shipped, features(s_spec, mine, None))[0]
-        q_same = run_probe(same_build, features(FeatureSpec.of(same_build.config), mine, None))[0] \
+        q_same = run_probe(same_build, features(same_build.config.features, mine, None))[0] \
             if same_build is not None else math.nan
         rows.append((float(q_engine), float(q_served), float(q_local), float(q_same)))
     if not rows:

@@ -65,7 +65,7 @@ def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -
 
 
 def check_layers(config: ProbeConfig, model, where: str = "probe") -> None:
-    """Raise if ``config.layer_ids`` does not index ``model``'s hidden states, naming the ids and the range."""
+    """Raise if ``config.features.layer_ids`` does not index ``model``'s hidden states, naming the ids and the range."""
     problems = layer_problems(list(config.features.layer_ids), model_fingerprint(model)["num_layers"])
     if problems:
         raise ValueError(f"{where} reads layers the model does not have: " + "; ".join(problems))
