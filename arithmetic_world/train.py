@@ -58,9 +58,8 @@ class ModelSpec:
 
 
 SPECS = {
-    # 18 layers (9 before): at this width a forward's cost is mostly per-layer overhead, and with
-    # 9 layers the one-layer draft cost 0.24 of the target per token in the decoder's loop; randomly
-    # initialised targets measured 0.123 at 18 layers (benchmarks.world.decode_cost), under the 0.15 goal.
+    # 18 layers: at this width a forward's cost is mostly per-layer overhead, so a deep target keeps the one-layer
+    # draft's cost per token under the world's 0.15 goal (benchmarks.world.decode_cost; docs/benchmarks.md).
     "target": ModelSpec(layers=18, hidden=128, heads=2, steps=3000, lr=3e-3, style=TARGET_STYLE, stop_accuracy=0.975,
                         max_minutes=95),
     "draft": ModelSpec(layers=1, hidden=96, heads=2, steps=2500, style=DRAFT_STYLE, accuracy_band=(0.45, 0.72),

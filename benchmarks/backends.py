@@ -1,4 +1,4 @@
-"""Sampling backends on the real pair (issue 13): ``hf`` against a local llama.cpp server, in one run.
+"""Sampling backends on the real pair: ``hf`` against a local llama.cpp server, in one run.
 
     python -m benchmarks.labels --only backends [--quick]   # updates labels.json's "backends"
 

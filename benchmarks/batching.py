@@ -1,4 +1,4 @@
-"""Batch scaling of the decode benchmark, the batch cost model that explains it, and where the time goes (issue 22).
+"""Batch scaling of the decode benchmark, the batch cost model that explains it, and where the time goes.
 
 :func:`batch_scaling` decodes the same problems at 1, 2, 4, 8 and 16 prompts per batch with target-only and
 SemanticSpec, and reports per method and size: tokens per second, speedup over target-only at the same size,

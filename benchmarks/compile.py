@@ -3,10 +3,9 @@
     python -m benchmarks.compile            # 60 decode steps per model (benchmarks/results/compile.json)
     python -m benchmarks.compile --quick    # 20 steps (compile-quick.json)
 
-Issue 10 asks for a lean decode loop and ``torch.compile`` or a static cache "if it measurably
-helps on CPU". This times one-token decode steps of the world's target and draft at batch 1,
-greedy, three ways: eager with a ``DynamicCache`` (what the package runs), eager with a
-``StaticCache``, and ``torch.compile`` of the forward with a ``StaticCache`` (fixed shapes, so
+Whether ``torch.compile`` or a static cache measurably helps on CPU: this times one-token decode steps of the
+world's target and draft at batch 1, greedy, three ways: eager with a ``DynamicCache`` (what the package runs), eager
+with a ``StaticCache``, and ``torch.compile`` of the forward with a ``StaticCache`` (fixed shapes, so
 one compilation). It reports ms per token, the compile time, and the draft/target ratio of each,
 which is what bounds speculative decoding's speedup (docs/design.md "Benchmark figures").
 """

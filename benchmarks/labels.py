@@ -4,7 +4,7 @@
     python -m benchmarks.labels --only backends  # just the sampling backends on the real pair
     python -m benchmarks.labels --only world     # everything but the backends (no llama.cpp server needed)
 
-Measures (issue 3, docs/design.md "Benchmark figures" -> labels.json):
+Measures (docs/design.md "Benchmark figures" -> labels.json):
 - ``ari``: adjusted Rand index of the pipeline's groups vs the oracle's meanings, mean over prefixes
   (goal >= 0.9); ``ari_hdbscan_only`` and ``ari_judge_only`` regroup the same samples without the
   judge or without HDBSCAN;
@@ -15,7 +15,7 @@ Measures (issue 3, docs/design.md "Benchmark figures" -> labels.json):
 - ``audit.<target|draft>.<right|wrong>``: per writer and oracle correctness (a sample is right when
   its meaning is the reference step's), the mean label q, the mean oracle q (share of the target's
   samples with its meaning) and ``false_high_share`` (label q >= 0.5 where the oracle q < 0.5; goal
-  for wrong draft steps < 10%, issue 9); ``variants`` regroups with ``match_numbers`` off to show
+  for wrong draft steps < 10%); ``variants`` regroups with ``match_numbers`` off to show
   what the numbers check changes;
 - ``seconds_per_stage`` of the default build and the share of clustering + judge (goal <= 25%);
 - ``bytes_per_sample`` on disk;

@@ -25,7 +25,7 @@ import torch
 from benchmarks import harness
 from benchmarks.common import interleaved, other_problems, shipped_decoder
 from arithmetic_world import models
-from generation.features import FeatureSpec, probe_input, rows_features
+from generation.features import probe_input, rows_features
 from semanticspec.decoder import summarize
 from semanticspec.policies import ProbePolicy
 
@@ -39,7 +39,7 @@ STEP = "Add 5: 14 + 5 = 19.\n\n"
 
 def call_costs(world: models.WorldModels, probe) -> dict:
     """Per-call microseconds of the features and of the MLP (warm and cold, float32 and float16)."""
-    tok, target, spec = world.tokenizer, world.target, FeatureSpec.of(probe.config)
+    tok, target, spec = world.tokenizer, world.target, probe.config.features
     prefix = tok("Take 14. Add 5, then multiply it by 3.\n\n").input_ids
     step = tok(STEP, add_special_tokens=False).input_ids
     ids = torch.tensor([prefix + step])

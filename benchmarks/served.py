@@ -1,11 +1,11 @@
-"""Served benchmark: SemanticSpec through two llama-cpp-python servers of the embedded world (issue 20).
+"""Served benchmark: SemanticSpec through two llama-cpp-python servers of the embedded world.
 
     python -m benchmarks.served            # 64 held-out problems (benchmarks/results/served.json, .md)
     python -m benchmarks.served --quick    # 8 problems, a smaller build (served-quick.*)
 
 The script starts the world's target and draft servers itself (``arithmetic_world.serve.world_server``: f32
 weights and KV cache, one thread each, llama.cpp's verbose per-request output on, on free ports unless ``--ports``
-names two) and stops them at the end. What it measures (names of issue 20, item 6):
+names two) and stops them at the end. What it measures:
 
 - ``build``: the engine-read label build and probe fit of ``configs/served.yaml`` pointed at these servers,
   run as a child ``python -m probes.fit`` (data and run folders in a temporary folder): its
@@ -76,7 +76,6 @@ from datamodules.labels.agreement import label_agreement
 from datamodules.labels.shards import read_manifest
 from generation.engines import make_engine
 from generation.engines.local import LocalEngine
-from generation.features import FeatureSpec
 from generation.specs import SamplingSpec
 from semanticspec.parts import SHIPPED_WINDOW, run_probe
 from semanticspec.policies import OraclePolicy, ProbePolicy
@@ -88,10 +87,10 @@ from probes.export import load_probe
 
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
 LOOKAHEADS = (2, 4)
-"""Windows of drafted steps per verify read beside the one-step loop (issue 31): one draft write and one target read
+"""Windows of drafted steps per verify read beside the one-step loop: one draft write and one target read
 per window."""
 OVERLAP_ROW = f"semanticspec[lookahead={LOOKAHEADS[-1]} overlap]"
-"""The widest window with the draft writing the next window while the target reads this one (issue 31 item 3)."""
+"""The widest window with the draft writing the next window while the target reads this one."""
 SHIPPED_ROW = f"semanticspec[lookahead={SHIPPED_WINDOW.size} adaptive]"
 """SemanticSpec's shipped window (``DecodeConfig.lookahead=None``: up to 4 steps, adaptive), what a served decode runs
 by default; the other SemanticSpec rows pin their window (``semanticspec``: one step per read)."""
@@ -235,7 +234,7 @@ def in_process_build(folder: Path, n_problems: int, seed: int, log: Path) -> Pat
 
 
 def label_stage(tmp: Path, n_problems: int, served: dict[str, Path]) -> dict:
-    """Issue 32 item 3: the served build's labels against an in-process build of the same problems
+    """The served build's labels against an in-process build of the same problems
     (:func:`datamodules.labels.agreement.label_agreement`: ARI of the groups and mean |dq| over the step texts
     both sampled at a prefix), beside the same figures for two in-process builds that differ only in their
     sampling seed (the noise floor of sampling) and for the two served builds of :func:`build_stage` (the same
@@ -464,7 +463,7 @@ def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_pro
     ``vs_shipped``: against the shipped in-process pair (trained on a bigger build); ``same_probe``: the shipped
     probe on served against in-process features (the features alone).
     """
-    s_spec, e_spec = FeatureSpec.of(shipped.config), FeatureSpec.of(engine_probe.config)
+    s_spec, e_spec = shipped.config.features, engine_probe.config.features
     rows = []
     for r in target.log:
         if r.kind != "read" or not r.tag.startswith("semanticspec"):
@@ -474,7 +473,7 @@ def decision_agreement(target: Recorded, local: LocalEngine, shipped, engine_pro
         q_engine = run_probe(engine_probe, features(e_spec, _cut(served, e_spec.top_k), None))[0]
         q_served = run_probe(shipped, features(s_spec, _cut(served, s_spec.top_k), None))[0]
         q_local = run_probe(shipped, features(s_spec, mine, None))[0]
-        q_same = run_probe(same_build, features(FeatureSpec.of(same_build.config), mine, None))[0] \
+        q_same = run_probe(same_build, features(same_build.config.features, mine, None))[0] \
             if same_build is not None else math.nan
         rows.append((float(q_engine), float(q_served), float(q_local), float(q_same)))
     if not rows:
@@ -638,7 +637,7 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
 
 
 def goals(report: dict) -> dict:
-    """Issue 20's goals with the measured values, whether each is met and by how much it is missed."""
+    """The served goals with the measured values, whether each is met and by how much it is missed."""
     rps, agree = report["requests_per_step"], report["decision_agreement"]
     prefill = report["prefill"]
     rows = {

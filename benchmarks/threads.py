@@ -7,13 +7,13 @@ from the start of their ``main()`` to its end, imports aside) with no thread opt
 :mod:`generation.threads` chooses inside the command; on 2 cores two threads whose idle wait the command sets
 passive before torch loads, so it should match ``2-passive``, the report's ``default_setting``), with ``--threads
 1``, and with ``--threads 2`` three ways set by the parent: spinning as libgomp does by default
-(``GOMP_SPINCOUNT=300000``, what the CLIs ran with before issue 36), passive (``OMP_WAIT_POLICY=PASSIVE``, no spin)
+(``GOMP_SPINCOUNT=300000``, what the CLIs once ran with), passive (``OMP_WAIT_POLICY=PASSIVE``, no spin)
 and with a short spin (``GOMP_SPINCOUNT=3000``); each once alone and once beside a competing process: a loop of
 float32 matmuls on 2 torch threads (another job on a shared machine). The configurations are interleaved, the order
 reversed every other pass, and each figure is the median over passes:
 
 - ``build``: the embedded world's label build into an empty folder (48 problems, shards of 16 prefixes, as in
-  issue 36; ``--quick``: 4 problems);
+  the threads figures of docs/benchmarks.md; ``--quick``: 4 problems);
 - ``fit``: ``python -m probes.fit`` on shards built once before the timing starts (``--data.build null``):
   4 epochs of training with live speculative validation after each on 8 held-out problems (no time budget, so
   every configuration does the same work; ``--quick``: 1 epoch, 4 problems), no checkpoints, test or export.
@@ -98,7 +98,7 @@ def child_env() -> dict[str, str]:
 
 
 def torch_default_threads() -> int:
-    """Torch's own thread count in a fresh process with no setting (what the CLIs used before issue 36)."""
+    """Torch's own thread count in a fresh process with no setting (what the CLIs once used)."""
     out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=child_env(),
                          capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
@@ -143,7 +143,7 @@ def timed(module: str, args: list[str], log: Path, env: dict[str, str] | None = 
 
 
 def build_args(data_dir: Path, quick: bool) -> list[str]:
-    """The label build of issue 36 (48 problems, shards of 16 prefixes); 4 problems with ``--quick``."""
+    """The threads benchmark's label build (48 problems, shards of 16 prefixes); 4 problems with ``--quick``."""
     return ["--data_dir", str(data_dir), "--build.n_problems", "4" if quick else "48", "--build.shard_size", "16"]
 
 

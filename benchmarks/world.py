@@ -3,7 +3,7 @@
     python -m benchmarks.world            # 200 problems, 1,000 judge pairs (benchmarks/results/world.json)
     python -m benchmarks.world --quick    # reduced run, same code path (world-quick.json)
 
-What it measures (issue 6, "The embedded world" in docs/design.md):
+What it measures ("The embedded world" in docs/design.md):
 
 - **accuracy** of the target and the draft on held-out 4-operation problems, each sampling its own
   trace at temperature 0.6, top-p 0.95 with the one sampler (:func:`generation.writer.generate`);
@@ -183,7 +183,7 @@ def layer_cost_fit(layers: dict[str, int], ms: dict[str, float], goal: float = G
 
     At these widths a decode step costs a fixed overhead (embedding, masks, head, sampling, Python)
     plus a roughly constant cost per layer, so the fit says how deep a target would have to be for
-    the draft to cost at most ``goal`` of it (issue 6's cost-ratio goal).
+    the draft to cost at most ``goal`` of it (the world's cost-ratio goal).
     """
     xs, ys = [layers[n] for n in ms], [ms[n] for n in ms]
     mx, my = statistics.mean(xs), statistics.mean(ys)
@@ -321,7 +321,7 @@ def run(quick: bool = False, root: Optional[Path] = None, seed: int = 0) -> dict
 
 
 def goals(r: dict) -> dict:
-    """Each of issue 6's goals with the measured value and whether it is met."""
+    """Each of the world's goals with the measured value and whether it is met."""
     lo, hi = GOALS["draft_accuracy"]
     return {
         "target_accuracy >= 0.95": r["target"]["accuracy"] >= GOALS["target_accuracy"],

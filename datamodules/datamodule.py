@@ -24,7 +24,7 @@ from datamodules.labels.config import ROLES, BuildConfig, signature, signature_m
 from datamodules.labels.coordination import data_dir_problem
 from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of
 from generation.groups import require_features
-from generation.specs import SamplingSpec, StepSpec
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 
 
 class SemanticProbeDataModule(pl.LightningDataModule):
@@ -107,8 +107,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
 
     @property
     def input_spec(self) -> dict[str, dict]:
-        """Per role: ``hidden_size``, ``layer_ids``, ``pooling``, ``feature_groups``, ``token_stats``, ``topk_stats``,
-        ``top_k``, ``source``, ``hidden_norm``, ``reads``, ``step`` (a :class:`~generation.specs.StepSpec`),
+        """Per role: ``hidden_size``, ``features`` (what the probe reads: a :class:`~generation.specs.FeatureSpec` of
+        the groups ``data.feature_groups`` picks from those held), ``reads``, ``step`` (a
+        :class:`~generation.specs.StepSpec`),
         ``sampling`` (a :class:`~generation.specs.SamplingSpec`, None when the data did not record it), ``labels``.
 
         From the manifest when the data is built, else from the build config (model folders'
@@ -128,12 +129,11 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             require_features(groups, stats, held, stats, where=f"data.feature_groups={groups}",
                              provider=f"the data in {self.data_dir}", wanted_topk=topk, provided_topk=topk)
             step, sampling, labels = _recorded_specs(sig)
-            self._spec = {r: {"hidden_size": int(sig["reads"][r]["hidden_size"]), "layer_ids": list(sig["layer_ids"]),
-                              "pooling": sig["pooling"], "feature_groups": list(groups),
-                              "token_stats": stats if "token_stats" in groups else [],
-                              "topk_stats": topk if "topk_stats" in groups else [], "top_k": sig.get("top_k", 20),
-                              "source": sig.get("source", "transformers"),  # builds before format 3 read in-process
-                              "hidden_norm": sig.get("hidden_norm", "final_norm"),
+            features = FeatureSpec(groups, sig["layer_ids"], sig["pooling"], stats if "token_stats" in groups else (),
+                                   sig.get("top_k", 20), topk if "topk_stats" in groups else (),
+                                   sig.get("source", "transformers"),  # builds before format 3 read in-process
+                                   sig.get("hidden_norm", "final_norm"))
+            self._spec = {r: {"hidden_size": int(sig["reads"][r]["hidden_size"]), "features": features,
                               "reads": dict(sig["reads"][r]), "step": step, "sampling": sampling, "labels": labels}
                           for r in self.roles}
         return self._spec
@@ -204,7 +204,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                 self.skipped_shards.append(str(path))
                 continue
             key = (str(path), self._verified[str(path)], tuple(self.roles),
-                   tuple(spec[self.roles[0]]["feature_groups"]))
+                   spec[self.roles[0]]["features"].groups)
             if key not in self._counted:  # setup runs once per stage; scan each shard once
                 self._counted[key] = self._count(path, spec)
                 if (trim := _malloc_trim()) is not None:  # else the peak grows with every shard scanned
@@ -235,17 +235,19 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         shapes = S.shard_shapes(path)
         rows, dropped, sums = {s: 0 for s in SPLITS}, 0, {}
         for r in self.roles:
-            groups = tuple(spec[r]["feature_groups"])
+            f = spec[r]["features"]
+            groups = f.groups
             if "hidden" in groups:
-                want = len(spec[r]["layer_ids"]) * spec[r]["hidden_size"]
+                want = len(f.layer_ids) * spec[r]["hidden_size"]
                 have = shapes[f"{r}.features"][1]
                 if have != want:
                     raise ValueError(f"shard {path}: {r}.features are {have} wide, expected {want} "
-                                     f"(= {len(spec[r]['layer_ids'])} layers x hidden_size {spec[r]['hidden_size']})")
+                                     f"(= {len(f.layer_ids)} layers x hidden_size {spec[r]['hidden_size']})")
             for g in ("token_stats", "topk_stats"):
-                if g in groups and shapes.get(f"{r}.{g}", [0, -1])[1] != len(spec[r][g]):
+                names = list(getattr(f, g))
+                if g in groups and shapes.get(f"{r}.{g}", [0, -1])[1] != len(names):
                     raise ValueError(f"shard {path}: {r}.{g} has shape {shapes.get(f'{r}.{g}')}, "
-                                     f"expected {len(spec[r][g])} columns ({spec[r][g]})")
+                                     f"expected {len(names)} columns ({names})")
             t = read_rows(path, [r], groups, ("problem_id",))
             finite = torch.isfinite(t[f"{r}.input"]).all(1)
             if not bool(finite.all()):
@@ -264,7 +266,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     def _loader(self, split: str) -> DataLoader:
         if not self.shards:
             self.setup()
-        groups = tuple(self.input_spec[self.roles[0]]["feature_groups"])
+        groups = self.input_spec[self.roles[0]]["features"].groups
         stream = ShardStream(self.shards, self.roles, split, self.batch_size, split == "train", self.shuffle_buffer,
                              self.seed, (self.val_fraction, self.test_fraction), self.nonfinite, groups)
         stream._num_workers = self.num_workers

@@ -124,10 +124,12 @@ class FeatureSpec:
         groups: feature groups, a subset of :data:`~generation.groups.FEATURE_GROUPS`, in that order.
         layer_ids: ``hidden``: HF ``hidden_states`` indices (0 = embeddings, -1 = last layer).
         pooling: ``hidden``: ``mean`` over the step's tokens or ``last``.
-        token_stats: ``token_stats``: names from :data:`~generation.groups.TOKEN_STATS`.
+        token_stats: ``token_stats``: names from :data:`~generation.groups.TOKEN_STATS` (none when the group is not
+            read).
         top_k: ``topk_stats``: how many of the reading model's largest log-probs the statistics see
             (at least 5: top-5 membership is one of them).
-        topk_stats: ``topk_stats``: names from :data:`~generation.groups.TOPK_STATS`.
+        topk_stats: ``topk_stats``: names from :data:`~generation.groups.TOPK_STATS` (none when the group is not
+            read).
         source: where the features are read (:data:`SOURCES`): ``transformers`` in-process, or a server.
         hidden_norm: ``hidden``: the norm convention of the last layer's states (:data:`HIDDEN_NORMS`).
 
@@ -148,6 +150,9 @@ class FeatureSpec:
     def __post_init__(self) -> None:
         for f in ("groups", "layer_ids", "token_stats", "topk_stats"):
             object.__setattr__(self, f, tuple(getattr(self, f)))
+        for g in ("token_stats", "topk_stats"):  # the names of a group not read are none (one spelling per spec)
+            if g not in self.groups:
+                object.__setattr__(self, g, ())
         problems = check_groups(list(self.groups), list(self.token_stats), list(self.topk_stats))
         if self.pooling not in ("mean", "last"):
             problems.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
@@ -206,12 +211,6 @@ class FeatureSpec:
                 "between sources and norm conventions. Use a probe trained on this source's features, or one that "
                 "reads only token statistics (token_stats, topk_stats)."
             )
-
-    @classmethod
-    def of(cls, config) -> "FeatureSpec":
-        """The spec of a :class:`~probes.config.ProbeConfig` (or anything with its feature fields)."""
-        return cls(tuple(config.feature_groups), tuple(config.layer_ids), config.pooling, tuple(config.token_stats),
-                   config.top_k, tuple(config.topk_stats), config.source, config.hidden_norm)
 
 
 def spec_from_dict(cls, d: Mapping[str, Any] | None, where: str):

@@ -90,20 +90,21 @@ def model_card(config: ProbeConfig) -> ModelCard:
 
 def _reads_rows(config: ProbeConfig) -> list[tuple[str, str]]:
     """What the probe reads and how: features, the model's part in them, input, network and step."""
-    groups, codes = config.feature_groups, lambda xs: ", ".join(f"`{x}`" for x in xs)
+    f = config.features
+    groups, codes = f.groups, lambda xs: ", ".join(f"`{x}`" for x in xs)
     rows = [("feature groups", codes(groups))]
     if "hidden" in groups:
-        rows += [("layers", f"`{config.layer_ids}` (HF `hidden_states` indices: 0 = embeddings, -1 = last layer)"),
-                 ("pooling", f"`{config.pooling}` over the step's tokens"),
+        rows += [("layers", f"`{list(f.layer_ids)}` (HF `hidden_states` indices: 0 = embeddings, -1 = last layer)"),
+                 ("pooling", f"`{f.pooling}` over the step's tokens"),
                  ("layer combination", f"`{config.layer_combine}`")]
     if "token_stats" in groups:
-        rows.append(("token statistics", codes(config.token_stats)))
+        rows.append(("token statistics", codes(f.token_stats)))
     if "topk_stats" in groups:
-        rows.append((f"top-{config.top_k} statistics", codes(config.topk_stats)))
-    norm = f", hidden states `{config.hidden_norm}`" if "hidden" in groups else ""
+        rows.append((f"top-{f.top_k} statistics", codes(f.topk_stats)))
+    norm = f", hidden states `{f.hidden_norm}`" if "hidden" in groups else ""
     standardised = ", standardised with the training rows' mean and standard deviation" if config.standardize else ""
     dims = " → ".join(str(d) for d in [config.input_size, *config.hidden_dims, 1])
-    return rows + [("read by", f"`{config.source}`{norm}"),
+    return rows + [("read by", f"`{f.source}`{norm}"),
                    ("input", f"{config.input_size} columns{standardised}"),
                    ("network", f"MLP {dims}, ReLU, dropout {config.dropout}, sigmoid"),
                    ("step", f"text up to a delimiter in `{list(config.step.delimiters)!r}`, at most "

@@ -8,10 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from generation.groups import check_groups
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec, spec_from_dict
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """Version of the exported ``config.json`` layout; older versions keep loading.
 
 1: pooled hidden states only. 2: named feature groups (``feature_groups``, ``token_stats``) and
@@ -21,7 +20,10 @@ load with it unknown). 4: typed specs: ``step`` (delimiters and step cap, which 
 ``delimiters`` and ``labels.max_step_tokens``) and ``sampling`` (temperature and top-p; ``n_samples``
 moves to ``labels``). 5: the ``topk_stats`` group (``top_k``, ``topk_stats``) and where the features come from
 (``source``, ``hidden_norm``); formats 0-4 load with ``topk_stats`` unread, ``top_k=20``,
-``source="transformers"`` and ``hidden_norm="final_norm"`` (what every earlier probe read)."""
+``source="transformers"`` and ``hidden_norm="final_norm"`` (what every earlier probe read). 6: what the probe
+reads in one ``features`` entry (a :class:`~generation.specs.FeatureSpec`: ``groups``, ``layer_ids``, ``pooling``,
+``token_stats``, ``top_k``, ``topk_stats``, ``source``, ``hidden_norm``), which formats 0-5 kept as flat keys
+(``feature_groups`` for ``groups``)."""
 FINGERPRINT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size", "tokenizer_hash")
 """Fields of a reading model's fingerprint that must match at load time (name_or_path is informative)."""
 ROLES = ("target", "draft")
@@ -60,28 +62,13 @@ class ProbeConfig:
 
     hidden_size: int = 128
     """Width of the hidden states the probe reads (the reading model's hidden size)."""
-    layer_ids: list[int] = field(default_factory=lambda: [-1])
-    """HF ``hidden_states`` indices the probe reads; 0 = embeddings, -1 = last layer."""
+    features: FeatureSpec = field(default_factory=FeatureSpec)
+    """What the probe reads (:class:`~generation.specs.FeatureSpec`): its feature groups, concatenated in order
+    (``hidden``: pooled states of ``layer_ids``; ``token_stats``: the reading model's statistics of the step's tokens;
+    ``topk_stats``: statistics exact from its top-k log-probs, which a server can give), the layers and pooling, the
+    statistics' names, and where the features are read (``source``, ``hidden_norm``); see ``generation.features``."""
     layer_combine: str = "concat"
     """How several layers become one input: ``concat`` or ``weighted_sum`` (learned softmax weights)."""
-    pooling: str = "mean"
-    """How a step's token states become one vector: ``mean`` over the step's tokens, or ``last``."""
-    feature_groups: list[str] = field(default_factory=lambda: ["hidden"])
-    """Feature groups the probe reads, concatenated in this order: ``hidden`` (pooled states of ``layer_ids``),
-    ``token_stats`` (the reading model's statistics of the step's tokens) and/or ``topk_stats`` (statistics exact
-    from the reading model's top-k log-probs, which a server can give); see ``generation.features``."""
-    token_stats: list[str] = field(default_factory=list)
-    """Names of the token statistics the ``token_stats`` group holds, in order (e.g. ``mean_logprob``)."""
-    top_k: int = 20
-    """``topk_stats``: how many of the reading model's largest log-probs the statistics see (an integer >= 5)."""
-    topk_stats: list[str] = field(default_factory=list)
-    """Names of the statistics the ``topk_stats`` group holds, in order (e.g. ``not_topk_share``)."""
-    source: str = "transformers"
-    """Where the features were read: ``transformers`` (in-process), ``sglang``, ``vllm`` or ``llama.cpp``. A decoder
-    reading ``hidden`` from another source refuses the probe."""
-    hidden_norm: str = "final_norm"
-    """Norm convention of the last layer's hidden states: ``final_norm`` (after the model's final norm, as
-    transformers' last ``hidden_states`` entry) or ``pre_norm``."""
     standardize: bool = True
     """Standardise every input column with the training rows' mean and standard deviation (stored as buffers)."""
     hidden_dims: list[int] = field(default_factory=lambda: [2048, 512, 256])
@@ -110,13 +97,11 @@ class ProbeConfig:
         errors = self._typed_specs()
         if self.hidden_size < 1:
             errors.append(f"hidden_size={self.hidden_size}: expected >= 1")
-        errors += layer_problems(self.layer_ids, self.reads.get("num_layers") if isinstance(self.reads, dict) else None)
+        if isinstance(self.features, FeatureSpec):
+            errors += [f"features.{p}" for p in layer_problems(
+                list(self.features.layer_ids), self.reads.get("num_layers") if isinstance(self.reads, dict) else None)]
         if self.layer_combine not in ("concat", "weighted_sum"):
             errors.append(f"layer_combine={self.layer_combine!r}: expected 'concat' or 'weighted_sum'")
-        if self.pooling not in ("mean", "last"):
-            errors.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
-        errors += check_groups(self.feature_groups, self.token_stats, self.topk_stats)
-        errors += FeatureSpec.origin_errors(self.top_k, self.source, self.hidden_norm)
         if any(d < 1 for d in self.hidden_dims):
             errors.append(f"hidden_dims={self.hidden_dims}: widths must be >= 1")
         if not 0 <= self.dropout < 1:
@@ -131,9 +116,10 @@ class ProbeConfig:
             raise ValueError("invalid ProbeConfig: " + "; ".join(errors))
 
     def _typed_specs(self) -> list[str]:
-        """``step`` and ``sampling`` given as dicts (``config.json``, YAML) become their specs; problems, by field."""
+        """``step``, ``sampling`` and ``features`` given as dicts (``config.json``, YAML) become their specs; problems,
+        by field."""
         errors = []
-        for name, spec in (("step", StepSpec), ("sampling", SamplingSpec)):
+        for name, spec in (("step", StepSpec), ("sampling", SamplingSpec), ("features", FeatureSpec)):
             value = getattr(self, name)
             if not isinstance(value, dict):
                 continue
@@ -149,18 +135,12 @@ class ProbeConfig:
     @property
     def hidden_width(self) -> int:
         """Columns of the ``hidden`` group: ``len(layer_ids) * hidden_size`` (0 when the probe does not read it)."""
-        return len(self.layer_ids) * self.hidden_size if "hidden" in self.feature_groups else 0
-
-    @property
-    def features(self) -> FeatureSpec:
-        """What the probe reads, as the typed feature spec the feature function takes."""
-        return FeatureSpec.of(self)
+        return len(self.features.layer_ids) * self.hidden_size if self.features.needs_hidden else 0
 
     @property
     def input_size(self) -> int:
         """Width of one flattened input row: the ``hidden`` columns, then one per token and per top-k statistic."""
-        stats = len(self.token_stats) if "token_stats" in self.feature_groups else 0
-        return self.hidden_width + stats + (len(self.topk_stats) if "topk_stats" in self.feature_groups else 0)
+        return self.features.width(self.hidden_size)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":
@@ -184,11 +164,28 @@ class ProbeConfig:
             d.setdefault("standardize", False)
         if d["format_version"] < 4:
             d = _upgrade_specs(d)
+        if d["format_version"] < 6:
+            d = nest_features(d)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown probe config keys {unknown}; known keys: {sorted(known)}")
         return cls(**d)
+
+
+FLAT_FEATURES = {"feature_groups": "groups", **{k: k for k in ("layer_ids", "pooling", "token_stats", "top_k",
+                                                                 "topk_stats", "source", "hidden_norm")}}
+"""Format 0-5 keys of what a probe reads, kept flat in ``config.json``, and their :class:`FeatureSpec` fields."""
+
+
+def nest_features(d: dict[str, Any]) -> dict[str, Any]:
+    """A format 0-5 ``config.json`` dict with what the probe reads in one ``features`` entry (format 6); what an older
+    format left out is what every probe of it read (pooled last-layer states, no statistics)."""
+    d = dict(d)
+    features = {"groups": ["hidden"], "token_stats": [], "topk_stats": []}
+    features.update({new: d.pop(old) for old, new in FLAT_FEATURES.items() if old in d})
+    d["features"] = features
+    return d
 
 
 def _upgrade_specs(d: dict[str, Any]) -> dict[str, Any]:

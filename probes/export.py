@@ -65,8 +65,8 @@ def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -
 
 
 def check_layers(config: ProbeConfig, model, where: str = "probe") -> None:
-    """Raise if ``config.layer_ids`` does not index ``model``'s hidden states, naming the ids and the range."""
-    problems = layer_problems(config.layer_ids, model_fingerprint(model)["num_layers"])
+    """Raise if ``config.features.layer_ids`` does not index ``model``'s hidden states, naming the ids and the range."""
+    problems = layer_problems(list(config.features.layer_ids), model_fingerprint(model)["num_layers"])
     if problems:
         raise ValueError(f"{where} reads layers the model does not have: " + "; ".join(problems))
 
@@ -120,7 +120,7 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
                 stacklevel=2,
             )
         check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
-        check_layers(config, model, where=f"{path / 'config.json'} (field layer_ids)")
+        check_layers(config, model, where=f"{path / 'config.json'} (field features.layer_ids)")
     weights = path / "model.safetensors"
     _check_header(weights, config)
     probe = SemanticProbe(config)
@@ -167,7 +167,8 @@ def _check_header(file: Path, config: ProbeConfig) -> None:
                          + [f"unexpected tensors {unexpected}"] * bool(unexpected))
         raise ValueError(
             f"{file} does not hold the weights {file.parent / 'config.json'} describes ({what}; the config's "
-            f"hidden_size={config.hidden_size}, layer_ids={config.layer_ids}, feature_groups={config.feature_groups}, "
+            f"hidden_size={config.hidden_size}, "
+            f"features={config.features}, "
             f"hidden_dims={config.hidden_dims}); {_REDO}")
 
 

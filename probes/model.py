@@ -17,7 +17,7 @@ def expected_shapes(config: ProbeConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"input_mean": (config.input_size,), "input_std": (config.input_size,)}
     width = config.input_size
     if config.layer_combine == "weighted_sum" and config.hidden_width:
-        shapes["layer_logits"] = (len(config.layer_ids),)
+        shapes["layer_logits"] = (len(config.features.layer_ids),)
         width = config.input_size - config.hidden_width + config.hidden_size
     for i, d in enumerate([*config.hidden_dims, 1]):
         shapes[f"mlp.{3 * i}.weight"], shapes[f"mlp.{3 * i}.bias"] = (d, width), (d,)
@@ -46,7 +46,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         self.config = config
         self.register_buffer("input_mean", torch.zeros(config.input_size))
         self.register_buffer("input_std", torch.ones(config.input_size))
-        n_layers = len(config.layer_ids)
+        n_layers = len(config.features.layer_ids)
         width = config.input_size
         if config.layer_combine == "weighted_sum" and config.hidden_width:
             self.layer_logits = nn.Parameter(torch.zeros(n_layers))
@@ -80,15 +80,15 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
 
     def _checked(self, features: torch.Tensor) -> torch.Tensor:
         """``features`` as (B, input_size) float32, or a ValueError naming the widths the probe reads."""
-        cfg = self.config
+        cfg, f = self.config, self.config.features
         x = features.float()
-        if x.dim() == 3 and cfg.feature_groups == ["hidden"]:
+        if x.dim() == 3 and f.groups == ("hidden",):
             x = x.flatten(1)
         if x.dim() != 2 or x.shape[-1] != cfg.input_size:
             raise ValueError(
-                f"probe expects {cfg.input_size} features per row (groups {cfg.feature_groups}: "
-                f"{len(cfg.layer_ids)} layers x hidden_size={cfg.hidden_size} for hidden, "
-                f"{len(cfg.token_stats)} token statistics, {len(cfg.topk_stats)} top-k statistics), "
+                f"probe expects {cfg.input_size} features per row (groups {list(f.groups)}: "
+                f"{len(f.layer_ids)} layers x hidden_size={cfg.hidden_size} for hidden, "
+                f"{len(f.token_stats)} token statistics, {len(f.topk_stats)} top-k statistics), "
                 f"got {features.shape[-1]} (shape {tuple(features.shape)})"
             )
         return x
@@ -100,7 +100,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         x = (self._checked(features) - self.input_mean) / self.input_std
         if hasattr(self, "layer_logits"):
             h, rest = x[:, : cfg.hidden_width], x[:, cfg.hidden_width :]
-            h = h.view(x.shape[0], len(cfg.layer_ids), cfg.hidden_size)
+            h = h.view(x.shape[0], len(cfg.features.layer_ids), cfg.hidden_size)
             h = (torch.softmax(self.layer_logits, 0)[None, :, None] * h).sum(1)  # (B, D)
             x = torch.cat([h, rest], dim=1)
         return self.mlp(x.to(self.mlp_dtype)).squeeze(-1).float()

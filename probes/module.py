@@ -27,7 +27,7 @@ from torchmetrics.wrappers import BinaryTargetTransformer
 from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef, R2Score
 
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
-from probes.config import ProbeConfig
+from probes.config import ProbeConfig, nest_features
 from probes.model import SemanticProbe
 
 # The specs travel in the module's hyperparameters (data.input_spec, linked by the fit CLI); a checkpoint holding them
@@ -64,7 +64,7 @@ class SemanticProbeModule(L.LightningModule):
 
     Args:
         probe: architecture shared by the probes (widths, dropout, layer combination). Fields that
-            only the data knows (hidden_size, layer_ids, pooling, reads, delimiters, sampling, labels) are
+            only the data knows (hidden_size, what the probe reads, reads, step, sampling, labels) are
             filled per role from ``input_spec``.
         roles: which probes to train: ``target``, ``draft`` or both.
         input_spec: per role, what the data holds (linked from ``data.input_spec`` by the CLI).
@@ -118,8 +118,9 @@ class SemanticProbeModule(L.LightningModule):
     def _role_config(probe: ProbeConfig, role: str, spec: Optional[dict[str, Any]]) -> ProbeConfig:
         if isinstance(probe, dict):
             probe = ProbeConfig.from_dict(probe)
-        known = ("hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats", "top_k", "topk_stats",
-                 "source", "hidden_norm", "reads", "step", "sampling", "labels")
+        if spec is not None and "features" not in spec:  # checkpoints before config format 6: feature fields flat
+            spec = nest_features(spec)
+        known = ("hidden_size", "features", "reads", "step", "sampling", "labels")
         return replace(probe, role=role, **{k: copy.deepcopy(spec[k]) for k in known if k in (spec or {})})
 
     def forward(self, role: str, features: torch.Tensor) -> torch.Tensor:
@@ -207,15 +208,14 @@ class SemanticProbeModule(L.LightningModule):
 
 def _check_streamed(role: str, cfg: ProbeConfig, given: dict[str, Any], data_dir) -> None:
     """Refuse a probe whose features differ from those the datamodule streams (groups, statistics, k, source)."""
-    keys = ("feature_groups", "token_stats", "topk_stats", "top_k", "source", "hidden_norm")
-    defaults = {"token_stats": [], "topk_stats": [], "top_k": 20, "source": "transformers", "hidden_norm": "final_norm"}
-    probe = {k: getattr(cfg, k) for k in keys}
-    data = {k: given.get(k, defaults.get(k)) for k in keys}
+    keys = ("groups", "token_stats", "topk_stats", "top_k", "source", "hidden_norm")
+    probe = {k: getattr(cfg.features, k) for k in keys}
+    data = {k: getattr(given["features"], k) for k in keys}
     if probe != data:
         raise ValueError(
-            f"the {role} probe reads feature groups {cfg.feature_groups} (token statistics {cfg.token_stats}) "
-            f"but the datamodule streams {given['feature_groups']} (token statistics "
-            f"{given.get('token_stats', [])}) from {data_dir}; differing: "
+            f"the {role} probe reads feature groups {list(cfg.features.groups)} (token statistics "
+            f"{list(cfg.features.token_stats)}) but the datamodule streams {list(given['features'].groups)} (token "
+            f"statistics {list(given['features'].token_stats)}) from {data_dir}; differing: "
             + ", ".join(f"{k}: probe {probe[k]!r}, data {data[k]!r}" for k in keys if probe[k] != data[k])
             + "; set data.feature_groups to the probe's groups, or build the module from the datamodule's input_spec"
         )

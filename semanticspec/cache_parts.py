@@ -4,10 +4,9 @@ each writing on its model's :class:`~generation.cache.BatchedCache`.
 The proposer writes windows of steps and scores their first one with the draft probe (``p``); the verifier reads every
 row's window in one forward and returns typed :class:`~semanticspec.scores.Scores`: the target probe's ``q`` (from the
 target's hidden states at the step and its logits predicting the step's tokens, cut from this one forward), the
-fast-path verdict, the judge's score after a judge turn, the acceptance coin. Beyond the protocols of
-:mod:`semanticspec.parts`, both roll back by length (``keep``) and take the other side's tokens (``extend``, the
-draft's ``take``), and the target exposes what token-level speculation inside its steps reads (``token_logits``,
-``ends_step``, ``sampler``, ``step``).
+fast-path verdict, the judge's score after a judge turn, the acceptance coin. Both sync their caches to
+what a row committed (:meth:`CachePart.sync`: roll back by length, feed the bonus token or the target's step), and the
+target writes its steps token by token from the draft's proposals (:class:`~semanticspec.parts.TokenVerifier`).
 """
 
 from __future__ import annotations
@@ -19,13 +18,14 @@ from operator import attrgetter
 
 import torch
 
-from generation.features import FeatureSpec, probe_input, rows_features
+from generation.features import probe_input, rows_features
 from generation.handover import Handover, decode_text
 from generation.sampling import key_stream
 from generation.writer import StepDraft, StepWriter
-from semanticspec.parts import ONE_STEP, Forced, Proposal, RoomAfter, RowState, Window, grow_windows, run_probe
+from semanticspec.parts import ONE_STEP, Commit, Forced, Proposal, RoomAfter, RowState, Window, grow_windows, run_probe
 from semanticspec.policies import Needs, fast_path_keeps_rows, judge_score
 from semanticspec.scores import Scores
+from semanticspec.speculative import speculate_tokens
 
 
 class CachePart:
@@ -45,8 +45,20 @@ class CachePart:
     def retire(self, rows: Sequence[int]) -> None:
         self.cache.retire(rows)
 
-    def extend(self, row: int, tokens: Sequence[int]) -> None:
-        self.cache.extend(row, tokens)
+    def sync(self, row: int, commit: Commit) -> None:
+        """Roll the row back to the new tokens of its last read it keeps (their logits after them last), then feed
+        what follows them (:class:`~semanticspec.parts.Commit`)."""
+        if commit.kept is not None:
+            self._keep(row, commit.kept)
+        self.cache.extend(row, [*commit.then, *self._taken(commit.step)])
+
+    def _keep(self, row: int, n: int) -> None:
+        """The row keeps the first ``n`` new tokens of its last read and forgets the rest."""
+        raise NotImplementedError
+
+    def _taken(self, step: Proposal | None) -> list[int]:
+        """The tokens of the target's ``step`` this part feeds (none: the target wrote it in its own context)."""
+        return []
 
     def admit(self, prompt: Sequence[int], key) -> None:
         """A new row holding ``prompt`` (:meth:`~semanticspec.loop.StepLoop.admit`; its streams are the
@@ -68,7 +80,7 @@ class DraftProposer(CachePart):
     def __init__(self, writer: StepWriter, tokenizer, probe, handover, spare: int) -> None:
         super().__init__(writer.cache, spare)
         self.writer, self.tokenizer, self.probe, self.handover = writer, tokenizer, probe, handover
-        self.spec = FeatureSpec.of(probe.config) if probe is not None else None
+        self.spec = probe.config.features if probe is not None else None
         self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order (p reads the first)
         self.probe_s = 0.0  # seconds in the probe so far
 
@@ -123,10 +135,10 @@ class DraftProposer(CachePart):
         self.probe_s += time.perf_counter() - t0
         return dict(zip(rows, p))
 
-    def take(self, row: int, step: Proposal) -> None:
-        self.extend(row, self.handover.to_draft(list(step.tokens[step.n_forced :]), step.text))
+    def _taken(self, step: Proposal | None) -> list[int]:
+        return [] if step is None else self.handover.to_draft(list(step.tokens[step.n_forced :]), step.text)
 
-    def keep(self, row: int, n: int) -> None:
+    def _keep(self, row: int, n: int) -> None:
         logits = [lg for d in self.window[row] for lg in d.logits]  # per new token of the window, in order
         drop = len(logits) - n
         self.cache.rollback(row, drop, last_logits=logits[n] if drop > 0 else None)
@@ -187,7 +199,7 @@ class TargetVerifier(CachePart):
         super().__init__(writer.cache, spare)
         self.writer, self.sampler, self.tokenizer = writer, writer.sampler, tokenizer
         self.handover, self.probe, self.judge, self.coins = handover, probe, judge, coins
-        self.spec = FeatureSpec.of(probe.config) if probe is not None else None
+        self.spec = probe.config.features if probe is not None else None
         self.probe_s = 0.0  # seconds in the probe so far
         self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
         self.token_logits: dict[int, torch.Tensor] = {}  # per row read: logits predicting its new tokens, then after
@@ -203,13 +215,27 @@ class TargetVerifier(CachePart):
         """The text of target tokens (special tokens dropped)."""
         return decode_text(self.tokenizer, tokens)
 
-    def step(self, tokens: list[int], n_forced: int) -> Proposal:
+    def step(self, tokens: Sequence[int], n_forced: int) -> Proposal:
         """A target step (forced tokens first) as the loop commits it."""
         return Proposal(tokens, n_forced, self.text(tokens), eos=self.tokenizer.eos_token_id in tokens)
 
-    def ends_step(self, tokens: list[int], limit: int) -> bool:
+    def ends_step(self, tokens: Sequence[int], limit: int) -> bool:
         """A target step of ``tokens`` is finished: its stopper says so, or it holds ``limit`` tokens."""
         return bool(tokens) and (self.writer.stop(tokens) or len(tokens) >= limit)
+
+    def finished(self, tokens: Sequence[int], n_forced: int, limit: int) -> Proposal | None:
+        return self.step(list(tokens), n_forced) if self.ends_step(tokens, limit) else None
+
+    def rewrite(self, row: int, tokens: Sequence[int], limit: int, proposal: Proposal, drawn: bool,
+                offset: int = 0) -> tuple[int, int | None] | None:
+        """Token-level speculation (:func:`~semanticspec.speculative.speculate_tokens`) on the logits of the last
+        :meth:`verify` (:attr:`token_logits`), the step ending at the stopper or ``limit``."""
+        logits = self.token_logits.get(row)
+        if logits is None:
+            return None
+        base, new = list(tokens), list(proposal.tokens[proposal.n_forced :])
+        return speculate_tokens(self.sampler, row, new, logits[offset:], proposal.logits, drawn=drawn,
+                                ends_after=lambda j: self.ends_step(base + new[:j], limit))
 
     def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
@@ -219,12 +245,10 @@ class TargetVerifier(CachePart):
         return {i: self.step(st.tokens, st.n_forced) for i, st in steps.items()}
 
     def bonus(self, rows: list[int]) -> dict[int, Forced]:
-        """The target's next token after each row's kept step, drawn from the forward that read it; it enters the
-        target's context."""
+        """The target's next token after each row's kept step, drawn from the forward that read it (it enters the
+        contexts with :meth:`sync`)."""
         logits = torch.stack([self.cache.last_logits[i] for i in rows]).float()
         drawn = self.sampler.draw(logits, rows).tolist()
-        for i, t in zip(rows, drawn):
-            self.cache.extend(i, [t])
         return {i: Forced((t,), eos=t == self.tokenizer.eos_token_id) for i, t in zip(rows, drawn)}
 
     def verify(self, windows: Mapping[int, Sequence[Proposal]], outputs: Mapping[int, str], needs: Needs,
@@ -235,7 +259,7 @@ class TargetVerifier(CachePart):
         Rows in ``rewrites`` continue a target step the target is rewriting: read in the same forward, without
         the judge turn, and not scored. For every row read, :attr:`token_logits` holds the target's logits
         predicting each new (not forced) token of its window, then the token after it: what token-level
-        speculation keeps from (:meth:`keep`).
+        speculation keeps from (:meth:`rewrite`).
 
         Returns:
             ``{row: [Scores per step]}`` for the rows it read and scores (an empty step reads nothing, cannot be
@@ -309,8 +333,7 @@ class TargetVerifier(CachePart):
                           judge=judge_score(read[k].judge_logits, self.judge.digits) if needs.judge else None)
                 for k in read}
 
-    def keep(self, row: int, n: int) -> None:
-        """The target keeps the first ``n`` new tokens of the row's proposal and forgets the rest."""
+    def _keep(self, row: int, n: int) -> None:
         drop = self._new.get(row, 0) - n
         if drop > 0:
             self.cache.rollback(row, drop, last_logits=self.token_logits[row][n])

@@ -210,9 +210,8 @@ def resolve_probe_dtype(value: str, device: torch.device) -> torch.dtype:
     ``auto`` is float16 where a float16 matrix-vector product is fast: on CUDA, and on x86 CPUs whose kernels
     PyTorch built for AVX2 or AVX-512 (which convert float16 in registers). A batch-1 probe call reads every
     weight once, and the models' forwards evict them from the CPU's caches between calls, so halving the bytes
-    halves the call (the world's paper-size MLP: 0.74 ms to 0.38 ms after a target forward, its q within
-    3.4e-4 of float32's on every labelled row, no decision at tau 0.5 changed). Elsewhere (no SIMD kernels)
-    float16 is several times slower, so ``auto`` keeps float32.
+    about halves the call, with the same decisions (``python -m benchmarks.probe_cost``, docs/benchmarks.md).
+    Elsewhere (no SIMD kernels) float16 is several times slower, so ``auto`` keeps float32.
 
     Raises:
         ValueError: a value outside :data:`PROBE_DTYPES`, naming it.

@@ -236,4 +236,4 @@ class SemanticSpecDecoder(StepDecoder):
 
 def _layers(probe) -> list[int]:
     """The layers whose hidden states a cache keeps for ``probe`` (the last one without a probe)."""
-    return probe.config.layer_ids if probe is not None else [-1]
+    return list(probe.config.features.layer_ids) if probe is not None else [-1]

@@ -47,8 +47,8 @@ from generation.sampling import StreamKey, key_stream, stream_seed
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import ends_step
 from semanticspec.policies import FastPath, Needs
-from semanticspec.parts import (NOTHING_FORCED, ONE_STEP, Forced, Proposal, RoomAfter, RowState, Window, grow_windows,
-                                run_probe)
+from semanticspec.parts import (NOTHING_FORCED, ONE_STEP, Commit, Forced, Proposal, RoomAfter, RowState, Window,
+                                grow_windows, run_probe)
 from semanticspec.rows import Row, answer_complete
 from semanticspec.scores import Scores
 
@@ -196,11 +196,9 @@ class EnginePart:
             out[i] = Proposal([], 0, text, n_new=n, eos=eos, end=end)
         return out
 
-    def extend(self, row: int, tokens: Sequence) -> None:
-        """Nothing to do: the server reads the row's committed text with its next request."""
-
-    def keep(self, row: int, n: int) -> None:
-        """Nothing to do: a refused step never joins the row's text (token-level speculation is the server's own)."""
+    def sync(self, row: int, commit: Commit) -> None:
+        """Nothing to sync: a served part holds no context between requests; the server reads the row's committed text
+        with the next one (a refused step never joins it)."""
 
 
 class _Outcome:
@@ -227,7 +225,7 @@ class EngineProposer(EnginePart):
 
     def __init__(self, engine, probe, **kw) -> None:
         super().__init__(engine, "draft", **kw)
-        self.probe, self.spec = probe, FeatureSpec.of(probe.config) if probe is not None else None
+        self.probe, self.spec = probe, probe.config.features if probe is not None else None
         self.written: dict = {}  # per row: the server's answer for the first step of its window
         self.window: dict[int, str] = {}  # per row: the text of its window's steps so far
         self.ahead: dict[int, list[Proposal]] = {}  # per row: the window's next steps, written with its first one
@@ -341,9 +339,6 @@ class EngineProposer(EnginePart):
                 out[i] = fit
         return out
 
-    def take(self, row: int, step: Proposal) -> None:
-        """Nothing to do: the target's step is in the row's text."""
-
 
 class EngineVerifier(EnginePart):
     """The target's server reading each drafted step; the target probe and the fast path judge its answer.
@@ -356,7 +351,7 @@ class EngineVerifier(EnginePart):
 
     def __init__(self, engine, probe, coins, **kw) -> None:
         super().__init__(engine, "target", **kw)
-        self.probe, self.spec, self.coins = probe, FeatureSpec.of(probe.config) if probe is not None else None, coins
+        self.probe, self.spec, self.coins = probe, probe.config.features if probe is not None else None, coins
         self.read_at: dict[int, tuple[str, str]] = {}  # per row verified: (context, step) it was read at
         self.readings: dict = {}
 

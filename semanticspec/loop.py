@@ -12,7 +12,9 @@ is in and when rows come and end, and the observer measures.
 A method (:mod:`semanticspec.methods`) names the round function that says what one round does for the
 active rows: the target writes a step, the draft writes one, or the draft proposes and an acceptance policy
 decides (:meth:`StepLoop.speculate`). A refused step is rolled back in both parts and the target writes the
-step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the draft when ``token_sd``.
+step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the draft when ``token_sd`` (a verifier
+that can: :class:`~semanticspec.parts.TokenVerifier`). After each decision both parts follow what the row committed
+(:meth:`~semanticspec.parts.Part.sync`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from typing import Protocol
 
 from generation.sampling import StreamKey
 from semanticspec.policies import AcceptancePolicy, Needs
-from semanticspec.parts import ONE_STEP, Forced, Proposal, Proposer, RowState, Verifier, Window
+from semanticspec.parts import (ONE_STEP, Commit, Forced, Proposal, Proposer, RowState, TokenVerifier, Verifier,
+                                Window)
 from semanticspec.results import DecodeResult, Decision, StepEvent, StepTrace, step_events
 from semanticspec.rows import Row, TargetStep, answer_complete
-from semanticspec.speculative import speculate_tokens
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class StepLoop:
 
     def __init__(self, proposer: Proposer, verifier: Verifier, rows: list[Row], setup: LoopSetup,
                  observer: LoopObserver) -> None:
+        if setup.token_sd and not isinstance(verifier, TokenVerifier):
+            raise TypeError(f"token_sd: {type(verifier).__name__} does not write the target's steps token by token")
         self.proposer, self.verifier, self.rows, self.setup = proposer, verifier, rows, setup
         self.meter = observer
 
@@ -167,6 +171,11 @@ class StepLoop:
         r.stats.target_passes, r.stats.draft_passes = self.verifier.passes[i], self.proposer.passes[i]
         return StepEvent(i, None, r.text, DecodeResult(r.output(), r.trace, r.stats, r.stop_reason, r.error))
 
+    def _sync(self, i: int, commit: Commit) -> None:
+        """Both parts follow what row ``i`` committed."""
+        for part in (self.verifier, self.proposer):
+            part.sync(i, commit)
+
     def _retire(self, rows_i: list[int]) -> None:
         for part in (self.verifier, self.proposer):  # later forwards compute only the unfinished rows
             part.retire(rows_i)
@@ -227,7 +236,7 @@ class StepLoop:
         if r.rewriting is None:
             return state.limit - sum(d.size for d in window)
         rw, first = r.rewriting, window[0]  # the continuation (its text the whole step), then the steps after it
-        if not self.rides or not self.verifier.ends_step([*rw.tokens, *first.tokens[first.n_forced :]], rw.limit):
+        if not self.rides or not self.verifier.finished([*rw.tokens, *first.tokens[first.n_forced :]], 0, rw.limit):
             return 0
         return self.limit(i) - len(rw.tokens) - sum(d.n_new for d in window)
 
@@ -293,8 +302,7 @@ class StepLoop:
             r.rewriting = TargetStep(list(d.forced.ids), d.n_forced, limit)
             self._rewrite_tokens(i, d, drawn=False, offset=kept)
             return False
-        self.verifier.keep(i, kept)  # roll back by length: both models forget the step and the ones after it
-        self.proposer.keep(i, kept)
+        self._sync(i, Commit(kept))  # both models forget the step and the ones after it
         r.forced = d.forced
         return True
 
@@ -319,32 +327,24 @@ class StepLoop:
 
         Returns:
             True when the window after the proposal is held (the step committed, the row going on)."""
-        rw, ver = self.rows[i].rewriting, self.verifier
-        new = list(proposal.tokens[proposal.n_forced :])
-        logits = ver.token_logits.get(i)
-        kept, extra = 0, None
-        if logits is not None:
-            base = list(rw.tokens)
-            kept, extra = speculate_tokens(ver.sampler, i, new, logits[offset:], proposal.logits, drawn=drawn,
-                                           ends_after=lambda j: ver.ends_step(base + new[:j], rw.limit))
+        rw, new = self.rows[i].rewriting, list(proposal.tokens[proposal.n_forced :])
+        read = self.verifier.rewrite(i, rw.tokens, rw.limit, proposal, drawn, offset)
+        kept, extra = read or (0, None)
         rw.tokens.extend(new[:kept])
-        if hold and extra is None and kept == len(new) and logits is not None:
+        if hold and extra is None and kept == len(new) and read is not None:
             self._rewritten(i)
             return not self.rows[i].done
-        ver.keep(i, offset + kept)
-        self.proposer.keep(i, offset + kept)
+        self._sync(i, Commit(offset + kept, () if extra is None else (extra,)))
         if extra is not None:
             rw.tokens.append(extra)
-            ver.extend(i, [extra])
-            self.proposer.extend(i, [extra])
         self._rewritten(i)
         return False
 
     def _rewritten(self, i: int) -> None:
         """Commit row ``i``'s target step once it is finished (its stopper, or its limit)."""
         r, rw = self.rows[i], self.rows[i].rewriting
-        if self.verifier.ends_step(rw.tokens, rw.limit):
-            step = self.verifier.step(rw.tokens, rw.n_forced)
+        step = self.verifier.finished(rw.tokens, rw.n_forced, rw.limit)
+        if step is not None:
             r.rewriting = None
             r.commit(StepTrace("target", step.text, step.size, decision=Decision.TARGET), step)
 
@@ -368,7 +368,7 @@ class StepLoop:
         drawn = self.verifier.bonus(rows_i)
         for i in self.live(rows_i):
             r, bonus = self.rows[i], drawn[i]
-            self.proposer.extend(i, bonus.ids)
+            self._sync(i, Commit(then=bonus.ids))
             r.out.extend(bonus.ids)
             r.stats.output_tokens += 1
             if bonus.eos:
@@ -395,7 +395,7 @@ class StepLoop:
         for i in self.live(rows_i):
             st = steps[i]
             if use_draft:  # the draft reads the target's step on its next forward
-                self.proposer.take(i, st)
+                self._sync(i, Commit(step=st))
             rows[i].commit(StepTrace("target", st.text, st.size, decision=Decision.TARGET), st)
 
     def draft_steps(self, rows_i: list[int]) -> None:

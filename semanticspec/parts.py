@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -137,6 +137,22 @@ class Proposal:
         return Forced(tuple(self.tokens[: self.n_forced]), self.forced_texts)
 
 
+@dataclass(frozen=True)
+class Commit:
+    """What a row committed after a decision, for each part to sync its context to (:meth:`Part.sync`).
+
+    Attributes:
+        kept: new tokens of the row's last read (its window, or a rewrite's continuation) that stay, counted from the
+            start of the read; the rest leave the context. None: all of them stay.
+        then: target token ids that follow (the target's bonus token, or the token it drew after the kept ones).
+        step: a step the target wrote, already in the target's context: the draft reads it next.
+    """
+
+    kept: int | None = None
+    then: tuple[int, ...] = ()
+    step: Proposal | None = None
+
+
 RoomAfter = Callable[[int, list[Proposal], RowState], int]
 """``room_after(row, window, state)``: tokens a next step of the row's window may hold (0: the window ends)."""
 
@@ -158,6 +174,13 @@ class Part(Protocol):
 
     def admit(self, prompt, key) -> None:
         """A new row (the loop has added it to its rows): its prompt as this part reads it, and its stream key."""
+
+    def retire(self, rows: Sequence[int]) -> None:
+        """The rows are done: later work leaves them out."""
+
+    def sync(self, row: int, commit: Commit) -> None:
+        """The row committed ``commit``: the part's context follows the row's committed output (in-process parts crop
+        or feed their caches; a served part holds no context between requests, the server reads the row's text)."""
 
     def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
@@ -187,6 +210,24 @@ class Verifier(Part, Protocol):
     def bonus(self, rows: list[int]) -> dict[int, Forced]:
         """The target's next token after each row's kept window, from the read that judged it (it enters the
         target's context; it opens the row's next step unless it ends the sequence)."""
+
+
+@runtime_checkable
+class TokenVerifier(Verifier, Protocol):
+    """A verifier that also writes the target's steps token by token from the draft's proposals (token-level
+    speculation inside a step, ``DecodeConfig.token_sd``): the in-process target, whose verification forward gives
+    its logits at every token it read. A served target writes its steps inside its server."""
+
+    def rewrite(self, row: int, tokens: Sequence[int], limit: int, proposal: Proposal, drawn: bool,
+                offset: int = 0) -> tuple[int, int | None] | None:
+        """The target's step so far (``tokens``, at most ``limit``) continued by the proposal's new tokens, as read
+        by the last :meth:`verify` (after ``offset`` new tokens of the row's read): how many of them the target keeps,
+        and the token it draws after them (None when it keeps them all, or the step ends within them); None when the
+        row was not read. ``drawn``: the proposal was drawn from the draft's logits (it carries them)."""
+
+    def finished(self, tokens: Sequence[int], n_forced: int, limit: int) -> Proposal | None:
+        """The target's step of ``tokens`` (its first ``n_forced`` given) as the row commits it, once it is finished
+        (its stopper says so, or it holds ``limit`` tokens); else None."""
 
 
 def grow_windows(windows: dict[int, list[Proposal]], states: Mapping[int, RowState], window: Window,

@@ -9,7 +9,6 @@ and a row whose request fails ends with ``stop_reason="error"`` while the others
 from __future__ import annotations
 
 from generation.engines.checks import serving_problems
-from generation.features import FeatureSpec
 from generation.sampling import key_stream, stream_keys
 from generation.specs import is_count
 from semanticspec import setup
@@ -139,12 +138,12 @@ class ServedDecoder(StepDecoder):
                             f"which method={method!r} reads every drafted step with; serve the target with an engine "
                             "that does (llama-cpp-python, vLLM, SGLang; not the C++ llama-server)")
         if needs.q:
-            problems += serving_problems(self.target, FeatureSpec.of(self.target_probe.config), "target")
+            problems += serving_problems(self.target, self.target_probe.config.features, "target")
         if needs.fast_path is not None and caps.max_top_k is not None and caps.max_top_k < needs.fast_path.top_k:
             problems.append(f"the fast path reads the target's top-{needs.fast_path.top_k} but {self.target.url} "
                             f"returns at most {caps.max_top_k}; lower ProbePolicy.top_k or raise the server's limit")
         if needs.p:
-            problems += serving_problems(self.draft, FeatureSpec.of(self.draft_probe.config), "draft")
+            problems += serving_problems(self.draft, self.draft_probe.config.features, "draft")
         if problems:
             raise ValueError("these servers cannot run this decode: " + "; ".join(problems))
 

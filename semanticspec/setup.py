@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec
+from generation.specs import SamplingSpec, StepSpec
 from semanticspec.config import resolve_probe_dtype
 
 
@@ -49,15 +49,16 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
         check_role(probe.config, role, where=where)
         if model is not None:  # the same checks as load_probe: width, model/tokenizer when recorded; layers
             check_probe_matches(probe.config, model, tokenizer, where=where)
-            check_layers(probe.config, model, where=f"{where} (config.layer_ids)")
+            check_layers(probe.config, model, where=f"{where} (config.features.layer_ids)")
             probe = probe.to(device)
         probe = probe.eval()
     if model is not None:
         c = probe.config  # refuse features this decoder cannot compute, naming both lists
-        require_features(c.feature_groups, c.token_stats, FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
-                         provider="SemanticSpecDecoder", wanted_topk=c.topk_stats, provided_topk=TOPK_STATS)
+        f = c.features
+        require_features(list(f.groups), list(f.token_stats), FEATURE_GROUPS, TOKEN_STATS, where=f"{c.role} probe",
+                         provider="SemanticSpecDecoder", wanted_topk=list(f.topk_stats), provided_topk=TOPK_STATS)
         # in-process: hidden states from transformers, after the final norm; a probe of a server's states is refused
-        FeatureSpec.of(c).check_source("transformers", "final_norm", where=f"SemanticSpecDecoder ({c.role} probe)")
+        c.features.check_source("transformers", "final_norm", where=f"SemanticSpecDecoder ({c.role} probe)")
     # the MLP in the dtype asked for: the probe itself when it already is, else a copy (the caller's probe, a module
     # being trained, say, is left as it was); inputs are still standardised in float32 (SemanticProbe.predict)
     dtype = resolve_probe_dtype(probe_dtype, next(probe.buffers(), next(probe.parameters(), torch.empty(0))).device)

@@ -222,13 +222,12 @@ REAL_PROMPTS = ["Question: Tom has 3 apples and buys 4 more. How many apples doe
 
 
 def _untrained_topk_probe():
-    from generation.groups import TOPK_STATS
+    from generation.specs import FeatureSpec
     from probes.config import ProbeConfig
     from probes.model import SemanticProbe
 
     torch.manual_seed(0)
-    cfg = ProbeConfig(hidden_size=640, feature_groups=["topk_stats"], topk_stats=list(TOPK_STATS), role="target",
-                      source="llama.cpp")
+    cfg = ProbeConfig(hidden_size=640, features=FeatureSpec(["topk_stats"], source="llama.cpp"), role="target")
     return SemanticProbe(cfg).eval()
 
 

@@ -41,17 +41,15 @@ def _dm(d, **kw):
 
 def test_input_spec_and_batches(data):
     dm = _dm(data)
-    assert dm.input_spec["target"]["hidden_size"] == 16 and dm.input_spec["draft"]["layer_ids"] == [-1]
-    assert set(dm.input_spec["target"]) == {"hidden_size", "layer_ids", "pooling", "feature_groups", "token_stats",
-                                            "topk_stats", "top_k", "source", "hidden_norm", "reads", "step", "sampling",
-                                            "labels"}
+    assert dm.input_spec["target"]["hidden_size"] == 16 and dm.input_spec["draft"]["features"].layer_ids == (-1,)
+    assert set(dm.input_spec["target"]) == {"hidden_size", "features", "reads", "step", "sampling", "labels"}
     # a build before the topk_stats group (format 2): none streamed, read in-process
-    assert (dm.input_spec["target"]["topk_stats"], dm.input_spec["target"]["source"]) == ([], "transformers")
+    features = dm.input_spec["target"]["features"]
+    assert (features.topk_stats, features.source, features.pooling) == ((), "transformers", "mean")
     assert dm.input_spec["draft"]["sampling"] == SamplingSpec(0.6, 0.95)
     assert dm.input_spec["draft"]["step"] == StepSpec(("\n\n",), 32)
     assert dm.input_spec["draft"]["labels"] == {"n_samples": 3}  # the step cap has one home: the step spec
-    assert dm.input_spec["target"]["feature_groups"] == ["hidden", "token_stats"]
-    assert dm.input_spec["target"]["token_stats"] == STATS
+    assert features.groups == ("hidden", "token_stats") and list(features.token_stats) == STATS
     batches = list(dm.train_dataloader())
     assert all(sum(len(t["label"]) for t in b.values()) == 10 for b in batches[:-1])
     assert any(len(b) == 2 for b in batches)  # mixed batches hold both roles
@@ -203,7 +201,7 @@ def test_feeds_a_lightning_trainer(data, tmp_path):
                                            (["hidden", "token_stats"], WIDTH["target"] + 2)])
 def test_feature_groups_are_chosen_and_concatenated_in_order(data, groups, width):
     dm = _dm(data, feature_groups=groups, roles=["target"], val_fraction=0.0, test_fraction=0.0)
-    assert dm.input_spec["target"]["feature_groups"] == groups
+    assert list(dm.input_spec["target"]["features"].groups) == groups
     batch = next(iter(dm.train_dataloader()))["target"]
     assert batch["features"].shape[1] == width
     if "token_stats" in groups:  # the stats' column 1 is the writer code: the last column here
@@ -217,8 +215,8 @@ def test_feature_groups_are_chosen_and_concatenated_in_order(data, groups, width
 def test_the_topk_stats_group_is_streamed_last_with_its_spec(tmp_path, groups, width):
     d = make_dataset(tmp_path / "d", topk=True)
     dm = _dm(d, feature_groups=groups, roles=["target"], val_fraction=0.0, test_fraction=0.0)
-    spec = dm.input_spec["target"]
-    assert (spec["topk_stats"], spec["top_k"], spec["hidden_norm"]) == (TOPK, 20, "final_norm")
+    spec = dm.input_spec["target"]["features"]
+    assert (list(spec.topk_stats), spec.top_k, spec.hidden_norm) == (TOPK, 20, "final_norm")
     batch = next(iter(dm.train_dataloader()))["target"]
     assert batch["features"].shape[1] == width and batch["features"].dtype == torch.float32
     torch.testing.assert_close(batch["features"][:, -3], batch["writer"].float())  # topk column 0: the writer
@@ -229,7 +227,7 @@ def test_the_topk_stats_group_is_streamed_last_with_its_spec(tmp_path, groups, w
 def test_groups_the_data_lacks_are_refused_naming_both_lists(tmp_path):
     d = make_dataset(tmp_path / "d", stats=False)  # a format-1 build: pooled states only
     dm = _dm(d)  # None = what the data holds
-    assert dm.input_spec["target"]["feature_groups"] == ["hidden"]
+    assert dm.input_spec["target"]["features"].groups == ("hidden",)
     with pytest.raises(ValueError, match=r"reads feature groups \['hidden', 'token_stats'\].*provides \['hidden'\]"):
         _dm(d, feature_groups=["hidden", "token_stats"])
     with pytest.raises(ValueError, match="feature groups.*expected a non-empty subset"):

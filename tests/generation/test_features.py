@@ -81,8 +81,8 @@ def test_require_features_names_both_lists():
 
 
 def hybrid_config(**kw):
-    return ProbeConfig(hidden_size=8, layer_ids=[-1, -2], feature_groups=["hidden", "token_stats"],
-                       token_stats=["mean_logprob", "min_logprob", "not_top1_share"], hidden_dims=[16], **kw)
+    return ProbeConfig(hidden_size=8, hidden_dims=[16], **kw, features=FeatureSpec(
+        ["hidden", "token_stats"], [-1, -2], token_stats=["mean_logprob", "min_logprob", "not_top1_share"]))
 
 
 @pytest.mark.parametrize("combine", ["concat", "weighted_sum"])
@@ -99,7 +99,7 @@ def test_hybrid_probe_standardises_and_round_trips(tmp_path, combine):
     torch.testing.assert_close(same(x), after)  # the buffers carry the scaling
     loaded = load_probe(export_probe(probe, tmp_path / "p"))
     torch.testing.assert_close(loaded(x), after)
-    assert json.loads((tmp_path / "p" / "config.json").read_text())["feature_groups"] == ["hidden", "token_stats"]
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["features"]["groups"] == ["hidden", "token_stats"]
     with pytest.raises(ValueError, match="expects 19 features per row.*got 16"):
         probe(torch.randn(2, 16))
 
@@ -112,12 +112,12 @@ def test_a_version_1_export_loads_as_a_hidden_only_probe_without_scaling(tmp_pat
     d = tmp_path / "v1"
     d.mkdir()
     cfg = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(old.config))).items()
-           if k not in ("feature_groups", "token_stats", "standardize")}
-    cfg["format_version"] = 1
+           if k not in ("features", "standardize")}
+    cfg.update(format_version=1, layer_ids=[-1], pooling="mean")  # format 1: what the probe reads kept flat
     (d / "config.json").write_text(json.dumps(cfg))
     save_file({k: v for k, v in old.state_dict().items() if not k.startswith("input_")}, str(d / "model.safetensors"))
     loaded = load_probe(d)
-    assert loaded.config.feature_groups == ["hidden"] and not loaded.config.standardize
+    assert loaded.config.features.groups == ("hidden",) and not loaded.config.standardize
     x = torch.randn(3, 8)
     torch.testing.assert_close(loaded(x), old(x))
 
@@ -126,7 +126,7 @@ def test_a_probe_reading_statistics_this_version_cannot_compute_is_refused(tmp_p
     probe = SemanticProbe(hybrid_config())
     path = export_probe(probe, tmp_path / "p")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["token_stats"] = ["mean_logprob", "surprisal_of_the_future"]
+    cfg["features"]["token_stats"] = ["mean_logprob", "surprisal_of_the_future"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"token_stats \['mean_logprob', 'surprisal_of_the_future'\].*"
                                          r"expected a non-empty subset of \[.*'mean_logprob'.*cannot compute"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from generation.specs import StepSpec
+from generation.specs import FeatureSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.export import load_probe
 from probes.fit import DEFAULT_CONFIG, main
@@ -143,7 +143,7 @@ def test_exports_carry_no_absolute_path(tmp_path):
     from probes.module import SemanticProbeModule
 
     inside, outside = str(REPO_ROOT / "checkpoints" / "arithmetic" / "target"), "/home/someone/models/draft-1.5b"
-    spec = {r: {"hidden_size": 8, "layer_ids": [-1], "reads": {"hidden_size": 8, "name_or_path": path},
+    spec = {r: {"hidden_size": 8, "features": FeatureSpec(), "reads": {"hidden_size": 8, "name_or_path": path},
                 "labels": {"judge": {"model": {"name_or_path": inside}}}} for r, path in (("target", inside),
                                                                                           ("draft", outside))}
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
@@ -291,7 +291,7 @@ def test_callback_with_wrong_width_probes_is_refused():
     from probes.config import ProbeConfig
     from probes.module import SemanticProbeModule
 
-    spec = {r: {"hidden_size": 7, "layer_ids": [-1], "reads": {"hidden_size": 7}} for r in ("target", "draft")}
+    spec = {r: {"hidden_size": 7, "features": FeatureSpec(), "reads": {"hidden_size": 7}} for r in ("target", "draft")}
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
     callback = SpeculativeValidation(max_problems=1)
     with pytest.raises(ValueError, match="hidden_size: probe has 7, model has"):
@@ -321,8 +321,8 @@ def _world_module():
     spec = {}
     for role in ("target", "draft"):
         fp = model_fingerprint(load_model(role), tok)
-        spec[role] = {"hidden_size": fp["hidden_size"], "layer_ids": [-1], "reads": fp,
-                      "feature_groups": ["hidden", "token_stats"], "token_stats": list(TOKEN_STATS)}
+        spec[role] = {"hidden_size": fp["hidden_size"], "reads": fp,
+                      "features": FeatureSpec(["hidden", "token_stats"], token_stats=TOKEN_STATS)}
     return SemanticProbeModule(ProbeConfig(hidden_dims=[16]), ["target", "draft"], spec)
 
 

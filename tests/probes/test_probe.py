@@ -10,7 +10,7 @@ import torch
 from huggingface_hub import ModelCard
 from torch import nn
 
-from generation.specs import SamplingSpec, StepSpec
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from torch.utils.data import DataLoader
 
 from probes.config import ProbeConfig
@@ -28,9 +28,10 @@ def test_paper_architecture_and_options():
     assert all(m.p == 0.3 for m in probe.mlp if isinstance(m, torch.nn.Dropout))
     linear = SemanticProbe(ProbeConfig(hidden_size=64, hidden_dims=[]))
     assert [type(m) for m in linear.mlp] == [torch.nn.Linear]
-    concat = SemanticProbe(ProbeConfig(hidden_size=8, layer_ids=[-1, -2, 3], hidden_dims=[4]))
+    concat = SemanticProbe(ProbeConfig(hidden_size=8, features=FeatureSpec(layer_ids=[-1, -2, 3]), hidden_dims=[4]))
     assert concat.mlp[0].in_features == 24
-    mixed = SemanticProbe(ProbeConfig(hidden_size=8, layer_ids=[-1, -2], layer_combine="weighted_sum", hidden_dims=[4]))
+    mixed = SemanticProbe(ProbeConfig(hidden_size=8, features=FeatureSpec(layer_ids=[-1, -2]),
+                                      layer_combine="weighted_sum", hidden_dims=[4]))
     assert mixed.mlp[0].in_features == 8 and mixed.layer_logits.shape == (2,)
     out = mixed.eval()(torch.randn(5, 16))
     assert out.shape == (5,) and bool(((out > 0) & (out < 1)).all())
@@ -41,8 +42,9 @@ def test_paper_architecture_and_options():
 def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims):
     from semanticspec.parts import run_probe
 
-    probe = SemanticProbe(ProbeConfig(hidden_size=8, layer_ids=[-1, -2], layer_combine=combine, hidden_dims=dims,
-                                      feature_groups=["hidden", "token_stats"], token_stats=["min_logprob"]))
+    probe = SemanticProbe(ProbeConfig(hidden_size=8, layer_combine=combine, hidden_dims=dims,
+                                      features=FeatureSpec(["hidden", "token_stats"], [-1, -2],
+                                                           token_stats=["min_logprob"])))
     x = torch.randn(6, 17) * 5 + 2
     probe.set_standardization(x.mean(0), x.std(0))
     probe.eval()
@@ -59,7 +61,7 @@ def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims
 
 def test_predict_is_bitwise_forward_and_falls_back_for_an_edited_mlp():
     """predict runs the Linear layers it found once; replacing a module is noticed (another layout runs forward)."""
-    probe = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[16, 8], feature_groups=["hidden"])).eval()
+    probe = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[16, 8])).eval()
     x = torch.randn(4, 8)
     assert torch.equal(probe.predict(x), probe(x))
     probe.mlp[0] = nn.Linear(8, 16)  # same layout, new weights: found again
@@ -74,8 +76,8 @@ def test_predict_is_bitwise_forward_and_falls_back_for_an_edited_mlp():
 def test_a_half_precision_mlp_predicts_close_to_float32_and_returns_float32():
     """``probe.mlp.half()`` runs the MLP in float16 (standardization stays float32): the decoder's cheaper call
     (``benchmarks/probe_cost.py`` measures its time and decisions)."""
-    probe = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[64, 16], feature_groups=["hidden", "token_stats"],
-                                      token_stats=["min_logprob"]))
+    probe = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[64, 16],
+                                      features=FeatureSpec(["hidden", "token_stats"], token_stats=["min_logprob"])))
     x = torch.randn(32, 9) * 40 + 100  # raw features far from 0: standardizing in float16 would lose them
     probe.set_standardization(x.mean(0), x.std(0))
     probe.eval()
@@ -97,7 +99,8 @@ def test_width_mismatch_names_both_numbers():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"pooling": "max"}, "pooling"), ({"role": "judge"}, "role"), ({"layer_ids": []}, "layer_ids"),
+    [({"features": {"pooling": "max"}}, "features.pooling"), ({"role": "judge"}, "role"),
+     ({"features": {"layer_ids": []}}, "features.layer_ids"),
      ({"dropout": 1.5}, "dropout")],
 )
 def test_config_rejects_bad_values(kwargs, field):
@@ -115,15 +118,27 @@ def test_config_from_dict_upgrades_and_names_unknown_keys():
 @pytest.mark.parametrize("version", [0, 1, 2, 3, 4])
 def test_configs_before_format_5_load_as_in_process_probes_without_topk_stats(version):
     old = {"hidden_size": 8, "layer_ids": [-1], "format_version": version}
-    c = ProbeConfig.from_dict(old)
-    assert (c.source, c.hidden_norm, c.top_k, c.topk_stats) == ("transformers", "final_norm", 20, [])
-    assert c.features.source == "transformers" and not c.features.needs_topk
+    f = ProbeConfig.from_dict(old).features
+    assert (f.source, f.hidden_norm, f.top_k, f.topk_stats) == ("transformers", "final_norm", 20, ())
+    assert not f.needs_topk
+
+
+def test_a_format_5_config_nests_its_flat_feature_keys():
+    """Formats 0-5 kept what a probe reads as flat keys; they load into the one ``features`` spec."""
+    flat = {"hidden_size": 8, "layer_ids": [-1, 2], "pooling": "last", "feature_groups": ["hidden", "topk_stats"],
+            "token_stats": ["mean_logprob"], "top_k": 10, "topk_stats": ["min_logprob"], "source": "llama.cpp",
+            "hidden_norm": "pre_norm", "format_version": 5}
+    c = ProbeConfig.from_dict(flat)
+    assert c.features == FeatureSpec(("hidden", "topk_stats"), (-1, 2), "last", (), 10, ("min_logprob",), "llama.cpp",
+                                     "pre_norm")
+    assert c.input_size == 2 * 8 + 1 and dataclasses.asdict(c)["features"]["layer_ids"] == (-1, 2)
 
 
 def test_a_topk_probe_config_counts_its_statistics_and_carries_its_source():
-    c = ProbeConfig(hidden_size=8, feature_groups=["hidden", "topk_stats"], top_k=10,
-                    topk_stats=["min_logprob", "not_topk_share"], source="llama.cpp", hidden_norm="pre_norm")
-    assert c.input_size == 8 + 2 and c.format_version == 5
+    c = ProbeConfig(hidden_size=8, features=FeatureSpec(["hidden", "topk_stats"], top_k=10,
+                                                        topk_stats=["min_logprob", "not_topk_share"],
+                                                        source="llama.cpp", hidden_norm="pre_norm"))
+    assert c.input_size == 8 + 2 and c.format_version == 6
     spec = c.features
     assert (spec.top_k, spec.topk_stats, spec.source, spec.hidden_norm) == (10, ("min_logprob", "not_topk_share"),
                                                                             "llama.cpp", "pre_norm")
@@ -136,11 +151,11 @@ def test_a_topk_probe_config_counts_its_statistics_and_carries_its_source():
     ({"top_k": 3}, "top_k=3: expected an integer >= 5"),
     ({"source": "ollama"}, "source='ollama': expected one of"),
     ({"hidden_norm": "rms"}, "hidden_norm='rms': expected one of"),
-    ({"feature_groups": ["topk_stats"], "topk_stats": []}, r"topk_stats \[\]: expected a non-empty subset"),
+    ({"groups": ["topk_stats"], "topk_stats": []}, r"topk_stats \[\]: expected a non-empty subset"),
 ])
 def test_config_names_a_bad_topk_or_source_field(kwargs, says):
-    with pytest.raises(ValueError, match=says):
-        ProbeConfig(**kwargs)
+    with pytest.raises(ValueError, match=f"features.{says}"):
+        ProbeConfig(features=kwargs)
 
 
 def _export(tmp_path, model, tok, **kw):
@@ -270,8 +285,7 @@ def _batches(n, widths, seed=0):
 
 
 def _spec(widths):
-    return {r: {"hidden_size": d, "layer_ids": [-1], "pooling": "mean",
-                "reads": {"hidden_size": d}} for r, d in widths.items()}
+    return {r: {"hidden_size": d, "features": FeatureSpec(), "reads": {"hidden_size": d}} for r, d in widths.items()}
 
 
 @pytest.mark.parametrize("loss", ["mse", "bce"])
@@ -371,7 +385,7 @@ def test_module_refuses_data_with_other_feature_groups(tmp_path):
 
     data = SemanticProbeDataModule(str(make_dataset(tmp_path / "d")), build=None, batch_size=8, roles=["target"])
     # no feature groups: [hidden]
-    spec = {"target": {"hidden_size": 16, "layer_ids": [-1], "reads": {"hidden_size": 16}}}
+    spec = {"target": {"hidden_size": 16, "features": FeatureSpec(), "reads": {"hidden_size": 16}}}
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target"], spec)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
@@ -446,15 +460,19 @@ def test_decoder_refuses_a_draft_probe_as_target_probe(tmp_path, world_tokenizer
 
 
 def _edit_config(path, **changes):
+    """Change ``config.json``'s fields; ``features.<field>`` changes one field of what the probe reads."""
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+    for k, v in changes.items():
+        (cfg["features"] if k.startswith("features.") else cfg)[k.removeprefix("features.")] = v
+    (path / "config.json").write_text(json.dumps(cfg))
 
 
 @pytest.mark.parametrize("changes, says", [
-    ({"layer_ids": [-100]}, r"layer_ids=\[-100\]: \[-100\] out of range for a model with 2 layers \(3 hidden_states"),
-    ({"layer_ids": []}, r"layer_ids=\[\]: expected a non-empty list"),
-    ({"layer_ids": [-1, -1]}, r"layer_ids=\[-1, -1\]: a layer is listed twice"),
-    ({"layer_ids": ["-1"]}, r"layer_ids=\['-1'\]: expected integers"),
+    ({"features.layer_ids": [-100]},
+     r"features.layer_ids=\[-100\]: \[-100\] out of range for a model with 2 layers \(3 hidden_states"),
+    ({"features.layer_ids": []}, r"features.layer_ids is empty"),
+    ({"features.layer_ids": [-1, -1]}, r"features.layer_ids=\[-1, -1\]: a layer is listed twice"),
+    ({"features.layer_ids": ["-1"]}, r"features.layer_ids=\['-1'\]: expected integers"),
     ({"sampling": {"temperature": float("nan"), "top_p": 0.95}}, r"sampling\.temperature=nan: expected a finite"),
     ({"sampling": {"temperature": float("inf")}}, r"sampling\.temperature=inf"),
     ({"sampling": {"top_p": 0}}, r"sampling\.top_p=0: expected a number in \(0, 1\]"),
@@ -472,15 +490,17 @@ def test_invalid_config_is_refused_at_load_naming_the_file_and_field(tmp_path, w
 def test_layer_ids_are_checked_against_the_model_given_even_without_a_fingerprint(tmp_path, world_tokenizer):
     """An old export records no `reads`; a layer the model lacks is still refused at load, not in decoding."""
     model = tiny_llama(len(world_tokenizer), 32, layers=2)
-    path = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, layer_ids=[3], hidden_dims=[4])), tmp_path / "p")
-    assert load_probe(path).config.layer_ids == [3]  # no model: nothing to check the index against
+    path = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, features=FeatureSpec(layer_ids=[3]),
+                                                  hidden_dims=[4])), tmp_path / "p")
+    assert load_probe(path).config.features.layer_ids == (3,)  # no model: nothing to check the index against
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the "records no reads" warning
-        with pytest.raises(ValueError, match=rf"{path}/config.json \(field layer_ids\).*\[3\] out of range.*-3\.\.2"):
+        with pytest.raises(ValueError,
+                           match=rf"{path}/config.json \(field features.layer_ids\).*\[3\] out of range.*-3\.\.2"):
             load_probe(path, model=model)
-        ok = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, layer_ids=[0, 2, -3], hidden_dims=[4])),
-                          tmp_path / "ok")
-        assert load_probe(ok, model=model).config.layer_ids == [0, 2, -3]
+        ok = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, features=FeatureSpec(layer_ids=[0, 2, -3]),
+                                                    hidden_dims=[4])), tmp_path / "ok")
+        assert load_probe(ok, model=model).config.features.layer_ids == (0, 2, -3)
 
 
 def test_shapes_are_checked_in_the_header_before_anything_is_allocated(tmp_path, world_tokenizer, monkeypatch):
@@ -488,8 +508,8 @@ def test_shapes_are_checked_in_the_header_before_anything_is_allocated(tmp_path,
     from probes.model import expected_shapes
 
     for cfg in (ProbeConfig(hidden_size=8, hidden_dims=[4, 3]), ProbeConfig(hidden_size=8, hidden_dims=[]),
-                ProbeConfig(hidden_size=8, layer_ids=[-1, 0], layer_combine="weighted_sum", hidden_dims=[5],
-                            feature_groups=["hidden", "token_stats"], token_stats=["mean_logprob"])):
+                ProbeConfig(hidden_size=8, layer_combine="weighted_sum", hidden_dims=[5],
+                            features=FeatureSpec(["hidden", "token_stats"], [-1, 0], token_stats=["mean_logprob"]))):
         assert expected_shapes(cfg) == {k: tuple(v.shape) for k, v in SemanticProbe(cfg).state_dict().items()}
     model = tiny_llama(len(world_tokenizer), 32)
     _, path = _export(tmp_path, model, world_tokenizer)
@@ -535,7 +555,7 @@ def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 probe = load_probe(root / folder / role, model=load_model(role), tokenizer=world_tokenizer, role=role)
-            assert probe.config.role == role and probe.config.feature_groups == groups
+            assert probe.config.role == role and list(probe.config.features.groups) == groups
 
 
 def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
@@ -543,8 +563,9 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32)
     labels = {"labelling": "joint", "clustering": "hdbscan+judge", "seed": 7, "n_samples": 5,
               "judge": {"kind": "llm", "model": {"name_or_path": "judges/tiny"}}}
-    _, path = _export(tmp_path, model, world_tokenizer, role="draft", layer_ids=[-1, 1], pooling="last",
-                      feature_groups=["hidden", "token_stats"], token_stats=["mean_logprob", "max_entropy"],
+    _, path = _export(tmp_path, model, world_tokenizer, role="draft",
+                      features=FeatureSpec(["hidden", "token_stats"], [-1, 1], "last",
+                                           token_stats=["mean_logprob", "max_entropy"]),
                       labels=labels, sampling={"temperature": 0.7, "top_p": 0.9}, step={"max_step_tokens": 24},
                       test_metrics={"mse": 0.0123, "draft_written/auroc": 0.987})
     card = (path / "README.md").read_text()
@@ -560,7 +581,7 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
                  "| num_layers | `2` |", "| hidden_size | `32` |", f"| tokenizer_hash | `{tok_hash}` |",
                  "| samples per prefix and model (N) | 5 |", "temperature 0.7, top_p 0.9", "`hdbscan+judge`",
                  "`llm` (`judges/tiny`)", "| seed | 7 |", "| mse | 0.0123 |", "| draft_written/auroc | 0.9870 |",
-                 'role="draft"', "draft_probe=", "format version 5",
+                 'role="draft"', "draft_probe=", "format version 6",
                  "| read by | `transformers`, hidden states `final_norm` |"):
         assert fact in card, fact
     no_judge = ProbeConfig(hidden_size=8, hidden_dims=[4], labels={"clustering": "hdbscan", "judge": {"kind": "none"}})

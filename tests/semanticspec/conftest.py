@@ -3,7 +3,7 @@
 import torch
 
 from generation.groups import TOPK_STATS
-from generation.specs import StepSpec
+from generation.specs import FeatureSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from semanticspec.decoder import SemanticSpecDecoder
@@ -21,10 +21,8 @@ class ConstProbe(torch.nn.Module):
     def __init__(self, hidden_size: int, value=1.0, layer_ids=(-1,), groups=("hidden",), stats=(), role="target",
                  step=None):
         super().__init__()
-        self.config = ProbeConfig(hidden_size=hidden_size, layer_ids=list(layer_ids), hidden_dims=[],
-                                  feature_groups=list(groups), token_stats=list(stats), role=role,
-                                  topk_stats=list(TOPK_STATS) if "topk_stats" in groups else [],
-                                  step=step or StepSpec())
+        self.config = ProbeConfig(hidden_size=hidden_size, hidden_dims=[], role=role, step=step or StepSpec(),
+                                  features=FeatureSpec(groups, layer_ids, token_stats=stats, topk_stats=TOPK_STATS))
         self.value = value
         self.calls = 0
 

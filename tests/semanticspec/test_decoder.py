@@ -1,6 +1,6 @@
 """SemanticSpecDecoder: equivalences with stub probes, batching, scripted models, baselines and bad input."""
 
-
+import dataclasses
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -444,7 +444,7 @@ def test_a_probe_of_a_servers_hidden_states_is_refused_in_process(tiny_pair, gro
     target, draft, tok = tiny_pair
     probe = ConstProbe(target.config.hidden_size, 1.0, groups=groups,
                        stats=TOKEN_STATS if "token_stats" in groups else ())
-    probe.config.source, probe.config.hidden_norm = "sglang", "pre_norm"
+    probe.config.features = dataclasses.replace(probe.config.features, source="sglang", hidden_norm="pre_norm")
     if refused:
         with pytest.raises(ValueError, match=r"SemanticSpecDecoder \(target probe\).*source='sglang' "
                                              r"\(hidden_norm='pre_norm'\).*source='transformers'"):

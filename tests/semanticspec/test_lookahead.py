@@ -11,7 +11,6 @@ import torch
 from datamodules.labels.reading import read_steps
 from generation.engines.local import LocalEngine
 from generation.features import probe_input
-from generation.specs import FeatureSpec
 from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.loop import StepLoop
@@ -98,7 +97,7 @@ def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, mon
     _, prompts = _prompts(world, 32, 11)
     res = dec.generate(prompts, lookahead=3, **GREEDY)
     assert len(reads) == len(scored) and sum(j > 0 for j, _, _ in scored) >= 40  # later steps of windows judged
-    spec, probe = FeatureSpec.of(world["probe"].config), world["probe"]
+    spec, probe = world["probe"].config.features, world["probe"]
     worst = 0.0
     for (prefix, step), (_, x, q) in zip(reads, scored):
         built = probe_input(read_steps(world["target"], [prefix], [[step]], spec), spec.groups)[0]

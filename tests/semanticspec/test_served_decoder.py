@@ -438,3 +438,49 @@ def test_both_decoders_format_problems_with_their_task(world, engines):
         [f"<|user|>{problems[0]}<|assistant|>"]
     with pytest.raises(ValueError, match="prompts\\(\\) formats problems as the decoder's task does; give"):
         ServedDecoder(*engines).prompts(problems)
+
+
+# --------------------------------------------------------------------------- the loop's contract
+
+
+def _members(*protocols) -> set[str]:
+    """What the protocols list: their methods and their annotated attributes."""
+    return {n for p in protocols for c in p.__mro__ if c.__module__ == "semanticspec.parts"
+            for n in [*vars(c), *getattr(c, "__annotations__", {})] if not n.startswith("_")}
+
+
+class Recording:
+    """A part the loop is handed instead of ``part``: every member the loop reads is recorded in ``seen``."""
+
+    def __init__(self, part, seen: set) -> None:
+        object.__setattr__(self, "_part", part)
+        object.__setattr__(self, "_seen", seen)
+
+    def __getattr__(self, name):
+        self._seen.add(name)
+        return getattr(self._part, name)
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_the_loop_reads_only_what_the_protocols_list(world, engines, monkeypatch, served):
+    """Every member of a part the step loop touches, over windows, refusals, bonus tokens and (in-process) token-level
+    rewriting in the rounds, is one its protocols declare: the loop holds by type, not by convention."""
+    from semanticspec.loop import StepLoop
+    from semanticspec.parts import Proposer, TokenVerifier, Verifier
+
+    seen = {"proposer": set(), "verifier": set()}
+    init = StepLoop.__init__
+
+    def recording_init(self, proposer, verifier, *args, **kw):
+        init(self, Recording(proposer, seen["proposer"]), Recording(verifier, seen["verifier"]), *args, **kw)
+
+    monkeypatch.setattr(StepLoop, "__init__", recording_init)
+    policy = OraclePolicy(lambda step, out: len(step) % 3 != 0)  # some steps kept, some refused
+    dec = ServedDecoder(*engines, config=DecodeConfig(answer_marker="Answer:")) if served else \
+        SemanticSpecDecoder(world["target"], world["draft"], world["tok"], config=DecodeConfig(answer_marker="Answer:"))
+    results = dec.generate(world["prompts"][:3], method=policy, lookahead=2, **GREEDY)
+    assert {"accept", "reject"} <= {s.decision for r in results for s in r.steps}
+    assert seen["proposer"] and seen["proposer"] <= _members(Proposer)
+    assert {"sync", "verify", "bonus"} <= seen["verifier"] <= _members(TokenVerifier if not served else Verifier)
+    if not served:  # refused steps rewritten token by token in the rounds
+        assert {"rewrite", "finished"} <= seen["verifier"]
