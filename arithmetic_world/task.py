@@ -15,7 +15,7 @@ import operator
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from datamodules.tasks.base import Task
 
@@ -322,6 +322,24 @@ class ArithmeticTask(Task):
     def extract(self, text: str) -> str | None:
         got = extract_answer(text)
         return None if got is None else str(got)
+
+    def step_judge(self, problem: dict) -> Callable[[str, str], bool]:
+        """The world's oracle for ``problem`` (a record with its reference ``trace``): a step is right when its meaning
+        is the problem's next operation after the output so far, or when it is the answer line with the right
+        answer after every operation."""
+        from generation.steps import split_steps
+
+        steps = [m for s in split_steps(problem["trace"]) if (m := meaning(s.strip())) is not None]
+
+        def judge(step: str, prefix: str) -> bool:
+            done = sum(meaning(s.strip()) is not None for s in split_steps(prefix))
+            m = meaning(step.strip())
+            if m is None:
+                return (step.strip().startswith(ANSWER_MARKER) and check_answer(step, problem["answer"])
+                        and done == len(steps))
+            return done < len(steps) and m == steps[done]
+
+        return judge
 
     def check(self, text: str, answer: Any) -> bool:
         try:

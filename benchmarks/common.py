@@ -9,7 +9,6 @@ every table.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from collections.abc import Sequence
 
@@ -22,6 +21,7 @@ from arithmetic_world.task import ArithmeticTask
 from generation.steps import split_steps
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.config import DecodeConfig
+from semanticspec.evaluate import paired_delta
 from semanticspec.policies import ProbePolicy
 from semanticspec.timing import rotation
 from probes.metrics import accuracy, speedup
@@ -63,16 +63,6 @@ def figures(results, problems, wall_ref: float) -> dict:
             "draft_steps_accepted", "probe_s")
     fig.update({k: s[k] for k in keys})
     return fig
-
-
-def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:
-    """Accuracy minus the reference's on the same problems, and its 95% interval (normal, paired)."""
-    d = [float(a) - float(b) for a, b in zip(right, ref)]
-    n = len(d)
-    mean = sum(d) / n if n else math.nan
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
-    half = 1.96 * sd / math.sqrt(n) if n > 1 else math.nan
-    return {"accuracy_delta": mean, "accuracy_delta_ci95": [mean - half, mean + half]}
 
 
 def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int,

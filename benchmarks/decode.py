@@ -59,23 +59,23 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torchmetrics.functional.classification import binary_auroc
-from tqdm.auto import tqdm
 
 from benchmarks import batching, harness
-from benchmarks.common import PROBE_ROOT, PROBLEM_SEED, REPO, TASK, figures, oracle_for, paired_delta
+from benchmarks.common import PROBE_ROOT, PROBLEM_SEED, REPO, TASK, figures, oracle_for
 from benchmarks.decode_report import markdown, plot, scaling_markdown
 from arithmetic_world import models, task
 from generation.cache import record_forwards
 from generation.paths import portable_paths
 from semanticspec.decoder import SemanticSpecDecoder, summarize
+from semanticspec.evaluate import Arm, decision_counts, interleaved, paired_delta
 from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, default_policy
-from semanticspec.results import Decision
 from semanticspec.config import PROBE_DTYPES, resolve_probe_dtype
 from semanticspec.timing import rotation
 from probes.metrics import speedup
@@ -121,34 +121,9 @@ def noisy_oracle(problem: task.Problem, keep_right: float, seed: int):
 
 
 def decisions(results, problems) -> tuple[dict[str, int], list[tuple[float, bool]]]:
-    """Oracle-judged decision counts over the proposed draft steps, and ``(q, right)`` of the judged ones.
-
-    A step is right when the oracle keeps it given the output committed before it (the same test as
-    ``oracle_accept``). Once a wrong step is committed (by either model) the oracle can call nothing
-    after it right, so later proposals are counted apart as ``after_error`` and left out of the four
-    cells and of the AUROC. ``wrong_kept_fast_path`` counts wrong steps kept by the fast path (they
-    are in ``wrong_kept`` too).
-    """
-    keys = ("right_kept", "wrong_kept", "right_refused", "wrong_refused", "wrong_kept_fast_path", "after_error")
-    counts = dict.fromkeys(keys, 0)
-    scored = []
-    for r, p in zip(results, problems):
-        oracle, prefix, on_track = oracle_for(p), "", True
-        for st in r.steps:
-            right = on_track and oracle(st.text, prefix)
-            if st.writer == "draft" or st.decision == Decision.REJECT:
-                if not on_track:
-                    counts["after_error"] += 1
-                else:
-                    kept = st.decision.kept
-                    counts[f"{'right' if right else 'wrong'}_{'kept' if kept else 'refused'}"] += 1
-                    counts["wrong_kept_fast_path"] += int(not right and st.decision == Decision.ACCEPT_FAST)
-                    if st.q is not None:
-                        scored.append((st.q, right))
-            if st.decision != Decision.REJECT:
-                on_track = right
-                prefix += st.text
-    return counts, scored
+    """Oracle-judged decision counts over the proposed draft steps, and ``(q, right)`` of the judged ones
+    (:func:`semanticspec.evaluate.decision_counts` with the world's oracle of each problem, :func:`oracle_for`)."""
+    return decision_counts(results, [oracle_for(p) for p in problems])
 
 
 def phases_and_cost(results, reference) -> tuple[dict[str, float], dict[str, float]]:
@@ -196,29 +171,42 @@ def auroc(scored: list[tuple[float, bool]]) -> float:
 
 
 def run_methods(dec: SemanticSpecDecoder, variants: dict, problems: Sequence[task.Problem], args) -> tuple[dict, dict]:
-    """Every method and SemanticSpec variant on every problem, interleaved; returns ``{name: [DecodeResult]}`` and
-    ``{name: [ForwardRecord]}``, every forward each method ran (:func:`generation.cache.record_forwards`)."""
+    """Every method and SemanticSpec variant on every problem, interleaved (:func:`semanticspec.evaluate.interleaved`,
+    the evaluation's core); returns ``{name: [DecodeResult]}`` and ``{name: [ForwardRecord]}``, every forward each
+    method ran (:func:`generation.cache.record_forwards`)."""
     names = list(METHODS) + list(variants)
-    out: dict[str, list] = {n: [] for n in names}
     forwards: dict[str, list] = {n: [] for n in names}
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
            "lookahead": 1}  # rows judge one step per pass unless they name a window
-    for k, p in enumerate(tqdm(problems, desc="decode", unit="problem")):
-        prompt, seed = TASK.prompt_text(dec.tokenizer, p.problem), args.seed + k
-        order = [n for n in rotation(names, k) if n != "random_accept"]
-        order.insert(order.index("semanticspec") + 1, "random_accept")  # needs semanticspec's running rate
-        for name in order:
-            dec_v, kw = variants.get(name, (dec, {"method": name}))  # a method of the table, or a variant
+
+    def arm(name: str) -> Arm:
+        dec_v, kw = variants.get(name, (dec, {"method": name}))  # a method of the table, or a variant
+
+        def keywords(k: int, p: task.Problem, so_far: dict) -> dict:
             if "keep_right" in kw:
-                kw = {"method": OraclePolicy(noisy_oracle(p, kw["keep_right"], seed))}
-            elif kw.get("method") == "oracle_accept":
-                kw = {**kw, "method": OraclePolicy(oracle_for(p))}
-            elif name == "random_accept":
-                kw = {**kw, "method": RandomPolicy(summarize(out["semanticspec"])["step_acceptance"])}
-            with record_forwards() as log:
-                out[name] += dec_v.generate([prompt], seed=seed, **{**gen, **kw})
-            forwards[name] += log
-    return out, forwards
+                return {**gen, "method": OraclePolicy(noisy_oracle(p, kw["keep_right"], args.seed + k))}
+            if kw.get("method") == "oracle_accept":
+                return {**gen, **kw, "method": OraclePolicy(oracle_for(p))}
+            if name == "random_accept":  # SemanticSpec's running rate (it runs just before, on every problem)
+                return {**gen, **kw, "method": RandomPolicy(summarize(so_far["semanticspec"])["step_acceptance"])}
+            return {**gen, **kw}
+
+        return Arm(dec_v, keywords)
+
+    def order(names: list[str], k: int) -> list[str]:
+        out = [n for n in rotation(names, k) if n != "random_accept"]
+        out.insert(out.index("semanticspec") + 1, "random_accept")  # needs semanticspec's running rate
+        return out
+
+    @contextmanager
+    def recorded(name: str):
+        with record_forwards() as log:
+            yield
+        forwards[name] += log
+
+    prompts = [TASK.prompt_text(dec.tokenizer, p.problem) for p in problems]
+    runs = interleaved({n: arm(n) for n in names}, problems, prompts, args.seed, order=order, around=recorded)
+    return runs, forwards
 
 
 def scaling_section(dec: SemanticSpecDecoder, args: argparse.Namespace) -> dict:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 
 from benchmarks import harness
-from benchmarks.common import (interleaved, other_problems, paired_delta, print_versus, shipped_decoder,
-                               versus_target_only)
+from benchmarks.common import interleaved, other_problems, print_versus, shipped_decoder, versus_target_only
+from semanticspec.evaluate import paired_delta
 from arithmetic_world import models
 from semanticspec.decoder import summarize
 

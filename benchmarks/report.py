@@ -289,12 +289,31 @@ def endpoint() -> str:
                   "end-to-end, target-only"], rows)
 
 
+def evaluate() -> str:
+    """``python -m semanticspec.evaluate`` on the world: the methods, the threshold sweep and the rule's pick."""
+    from semanticspec.evaluation_report import methods_table, pick_line, sweep_table
+
+    r = load("evaluate")
+    return "\n\n".join([methods_table(r), sweep_table(r), pick_line(r)])
+
+
+def evaluate_readme() -> str:
+    """The README's evaluation table: the methods against target-only (token-level SD's reference, transformers' own
+    target-only loop, left to docs/benchmarks.md)."""
+    from semanticspec.evaluation_report import methods_table
+
+    r = load("evaluate")
+    names = {"token_sd": "token_sd (speedup vs transformers' own target-only)"}
+    methods = {names.get(k, k): v for k, v in r["methods"].items() if k != "hf_target_only"}
+    return methods_table({**r, "methods": methods})
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "decode-methods": decode_methods, "decode-decisions": decode_decisions,
     "lookahead": lookahead, "window-cost": window_costs,
     "batch-scaling": batch_scaling, "first-step": first_step, "world": world, "labels": labels,
     "served-methods": served_methods, "served-labels": served_labels, "threads": threads, "train": train,
-    "endpoint": endpoint,
+    "endpoint": endpoint, "evaluate": evaluate, "evaluate-readme": evaluate_readme,
 }
 """Every generated table by the name its markers carry."""
 

@@ -13,7 +13,8 @@ servers (``engine_parts``); a pure acceptance policy (``policies``) decides, and
 ``rows`` and its observer ``meter``) commits or rolls back; ``methods`` maps method names to round functions,
 ``config`` holds a call's settings, ``hf`` runs transformers' own loop as a baseline, ``speculative`` is token-level
 speculative sampling, ``prompts`` checks prompts, ``setup`` checks probes and resolves their specs, ``timing`` reads
-the machine's load, ``results`` holds what a decode returns.
+the machine's load, ``results`` holds what a decode returns; ``evaluate`` judges exported probes on held-out problems
+and picks their threshold (``python -m semanticspec.evaluate``, its tables and plot in ``evaluation_report``).
 
 Each public name is imported on first use (PEP 562), so ``import semanticspec`` imports no torch until a decoder is
 asked for.

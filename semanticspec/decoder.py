@@ -84,7 +84,8 @@ class SemanticSpecDecoder(StepDecoder):
         draft_probe: same for the draft (needed by the ratio rule).
         policy: SemanticSpec's acceptance (:class:`~semanticspec.policies.ProbePolicy`: rule,
             ``tau``, ``ratio_scale``, fast path, ``lazy_p``); None = :func:`~semanticspec.policies.default_policy`:
-            the threshold rule at ``tau=0.5``, after the gated top-1 fast path when the two models share a
+            the threshold rule at ``tau=0.5`` (or at the ``threshold.json`` beside the target probe's folder, written by
+            ``python -m semanticspec.evaluate``), after the gated top-1 fast path when the two models share a
             tokenizer (``ProbePolicy(top_k=1)``; ``ProbePolicy()`` has no fast path).
         config: the decoder's default :class:`~semanticspec.config.DecodeConfig` (the budget, sampling, method,
             window and the loop's settings: who writes the first step, the step spec, token-level speculation, the
@@ -111,7 +112,7 @@ class SemanticSpecDecoder(StepDecoder):
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared
         self.windows = self.shared  # the target reads a window of draft steps in its own tokens
-        self.policy = policy or default_policy(fast_path=self.shared)
+        self.policy = policy or default_policy(fast_path=self.shared, tau=setup.stored_tau(target_probe))
         self.config, self.task = config or DecodeConfig(), task
         if self.policy.top_k and not self.shared:
             raise ValueError(f"invalid SemanticSpecDecoder arguments: top_k={self.policy.top_k}: the fast path "

@@ -193,17 +193,19 @@ class ProbePolicy(AcceptancePolicy):
         return Decision.ACCEPT if ratio_keeps(scores.q, scores.p, scores.coin, self.ratio_scale) else Decision.REJECT
 
 
-def default_policy(fast_path: bool = True) -> ProbePolicy:
-    """SemanticSpec's default policy: the threshold rule at ``tau=0.5``, after the gated top-1 fast path when the
-    decoder can run it (``fast_path``; in-process it compares the draft's token ids with the target's top-k, so
-    both models must share a tokenizer; a served target reads the step in its own tokens), without it otherwise.
+def default_policy(fast_path: bool = True, tau: float | None = None) -> ProbePolicy:
+    """SemanticSpec's default policy: the threshold rule at ``tau`` (None: 0.5; the decoders pass the threshold
+    ``python -m semanticspec.evaluate`` stored beside the probes, :func:`semanticspec.setup.stored_tau`), after the
+    gated top-1 fast path when the decoder can run it (``fast_path``; in-process it compares the draft's token ids
+    with the target's top-k, so both models must share a tokenizer; a served target reads the step in its own
+    tokens), without it otherwise.
 
     The fast path keeps a step whose every draft token is the target's top-1 at log-probability >= log 0.5
     without calling the probe. On the embedded world it decided 999 of 1,000 draft steps as the probe alone did
     (``benchmarks.probe_cost``), kept one right step more and no wrong one on the decode benchmark's 400 problems,
     and cut the probe's share of the wall time by about a third.
     """
-    return ProbePolicy(top_k=1 if fast_path else 0)
+    return ProbePolicy(tau=0.5 if tau is None else tau, top_k=1 if fast_path else 0)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ class ServedDecoder(StepDecoder):
         target_probe: exported probe directory or ``SemanticProbe`` reading the target server's features, or None.
         draft_probe: same for the draft (the ratio rule's ``p``, from the draft server's top-k), or None.
         policy: SemanticSpec's acceptance; None = :func:`~semanticspec.policies.default_policy`, the threshold
-            rule after the gated top-1 fast path (the target server reads the step in its own tokens).
+            rule (at the ``threshold.json`` beside the target probe when there is one, else 0.5) after the gated
+            top-1 fast path (the target server reads the step in its own tokens).
         config: the decoder's default :class:`~semanticspec.config.DecodeConfig` (a ``generate`` call without one
             starts from it; token-level speculation inside refused steps is the target server's own, so
             ``token_sd=True`` is refused); None = ``DecodeConfig()``.
@@ -60,7 +61,8 @@ class ServedDecoder(StepDecoder):
         if not is_count(concurrency):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (requests in flight at once)")
         self.target, self.draft, self.concurrency = target, draft, concurrency
-        self.policy, self.config, self.task = policy or default_policy(), config or DecodeConfig(), task
+        self.policy = policy or default_policy(tau=setup.stored_tau(target_probe))  # the evaluation's pick, if any
+        self.config, self.task = config or DecodeConfig(), task
         self.tokenizer = tokenizer
         self.target_probe, self.draft_probe = (setup.load(p, None, None, role, probe_dtype)
                                                for p, role in ((target_probe, "target"), (draft_probe, "draft")))

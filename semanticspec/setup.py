@@ -154,3 +154,41 @@ def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, en
         refuse_conflicts(given, seen, "steps sampled", warn=allow_mismatch)
     out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}
     return SamplingSpec(**out)  # validated here, once
+
+
+THRESHOLD_FILE = "threshold.json"
+"""The threshold ``python -m semanticspec.evaluate`` picked for a probe pair, in the export folder beside the pair's
+``target/`` and ``draft/``."""
+THRESHOLD_FORMAT = 1
+"""Format version of :data:`THRESHOLD_FILE`: ``{"format_version", "tau", "rule", "target_probe_sha256", ...}``."""
+
+
+def stored_tau(target_probe) -> float | None:
+    """The threshold picked for ``target_probe`` (an exported probe directory), from :data:`THRESHOLD_FILE` in the
+    folder above it; None when there is none, when ``target_probe`` is no directory, or when the file was written for
+    other weights (then with a warning, naming the file).
+
+    A decoder given no policy decides at this ``tau``; an explicit policy (or a request's threshold) wins.
+    """
+    import json
+    from pathlib import Path
+
+    if not isinstance(target_probe, (str, os.PathLike)):
+        return None
+    path = Path(target_probe).parent / THRESHOLD_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        tau, version = float(data["tau"]), int(data["format_version"])
+    except (ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"{path}: not a threshold file ({e}); deciding at the default tau", stacklevel=3)
+        return None
+    from generation.fingerprints import sha256_file
+
+    weights = Path(target_probe) / "model.safetensors"
+    if version > THRESHOLD_FORMAT or not 0 <= tau <= 1 or data.get("target_probe_sha256") != sha256_file(weights):
+        warnings.warn(f"{path} was written for other probe weights or by a newer version (format_version={version}, "
+                      f"tau={tau}); deciding at the default tau", stacklevel=3)
+        return None
+    return tau

@@ -21,8 +21,8 @@ def test_a_bad_value_is_one_line_naming_the_module():
         "(see `python -m benchmarks.decode --help`)"]
 
 
-@pytest.mark.parametrize("name", ["compile", "decode", "first_step", "labels", "probe_cost", "real", "rewrites",
-                                  "served", "train", "world"])
+@pytest.mark.parametrize("name", ["compile", "decode", "evaluate", "first_step", "labels", "probe_cost", "real",
+                                  "rewrites", "served", "train", "world"])
 def test_every_benchmark_refuses_in_one_line(name, capsys):
     module = importlib.import_module(f"benchmarks.{name}")
     with pytest.raises(SystemExit) as e:

@@ -7,9 +7,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 INFERENCE = ["semanticspec", "probes/export.py", "probes/model.py", "probes/config.py"]
-COMMANDS = ["semanticspec/serve/cli.py"]
+COMMANDS = ["semanticspec/serve/cli.py", "semanticspec/evaluate.py"]
 """The endpoint's command finds the default world through the registry of worlds (``datamodules.tasks.worlds``), as
-the fit command does; the decoder and the endpoint's app, scheduler and wire format import no data package."""
+the fit command does, and the evaluation reads the fit's label build (its task, models and problems); the decoder and
+the endpoint's app, scheduler and wire format import no data package."""
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

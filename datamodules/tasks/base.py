@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from generation.steps import DEFAULT_DELIMITERS
 
@@ -129,6 +129,11 @@ class Task:
     def equal(self, got: str, answer: Any) -> bool:
         """Whether an extracted answer means ``answer`` (here: the same string, spaces aside)."""
         return got.strip() == str(answer).strip()
+
+    def step_judge(self, problem: dict) -> Callable[[str, str], bool] | None:
+        """``judge(step, output so far)``: whether ``step`` is a right next step of ``problem``, or None (here) when
+        the task cannot judge steps; ``python -m semanticspec.evaluate`` then reports no decision counts."""
+        return None
 
     def check(self, text: str, answer: Any) -> bool:
         """Whether ``text`` ends with the right answer; a missing or malformed answer is wrong, never an error."""

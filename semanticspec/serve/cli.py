@@ -58,8 +58,9 @@ class ServeOptions:
     """Exported target probe directory (None: the embedded world's shipped probe for the mode)."""
     draft_probe: str | None = None
     """Exported draft probe directory (None: the world's)."""
-    threshold: float = 0.5
-    """Default tau of SemanticSpec's threshold rule (a request's "threshold" field overrides it)."""
+    threshold: float | None = None
+    """Default tau of SemanticSpec's threshold rule (a request's "threshold" field overrides it); None: the one
+    `python -m semanticspec.evaluate` stored beside the probes (threshold.json), else 0.5."""
     model_name: str = "semanticspec"
     """The model name /v1/models lists and requests name."""
     max_rows: int = 16
@@ -84,6 +85,7 @@ def build(opts: ServeOptions):
     (``datamodules.tasks.worlds``), or two servers) and the endpoint's settings."""
     from semanticspec.policies import ProbePolicy
     from semanticspec.serve.app import Settings, build_app
+    from semanticspec.setup import stored_tau
 
     if (opts.target_url is None) != (opts.draft_url is None):
         raise ValueError(PAIRED)
@@ -95,11 +97,13 @@ def build(opts: ServeOptions):
                                                                           (opts.draft_probe, "draft"))]
     task = world.task()
     template = _template(opts.chat_template)
+    tau = opts.threshold if opts.threshold is not None else stored_tau(probes[0])
+    tau = 0.5 if tau is None else tau
     if mode == "in-process":
         from semanticspec import SemanticSpecDecoder
 
         target, draft = (world.load_model(role, root) for role in ("target", "draft"))
-        policy = ProbePolicy(tau=opts.threshold, top_k=1)
+        policy = ProbePolicy(tau=tau, top_k=1)
         dec = SemanticSpecDecoder(target, draft, world.load_tokenizer(root), target_probe=probes[0],
                                   draft_probe=probes[1], policy=policy, task=task)
         template = template or world_chat(task.prompt_suffix)
@@ -111,7 +115,7 @@ def build(opts: ServeOptions):
         kw = {"api_key_env": opts.backend_key_env}
         target = make_engine(opts.engine, opts.target_url, opts.target_model, **kw)
         draft = make_engine(opts.engine, opts.draft_url, opts.draft_model, **kw)
-        dec = ServedDecoder(target, draft, probes[0], probes[1], ProbePolicy(tau=opts.threshold), task=task,
+        dec = ServedDecoder(target, draft, probes[0], probes[1], ProbePolicy(tau=tau), task=task,
                             concurrency=opts.concurrency)
         backends = (target.url, draft.url)
         if opts.tokenizer is not None:

@@ -10,6 +10,7 @@ Without llama-cpp-python the module is skipped; under ``CI=1`` (``.ci/run`` inst
 import json
 import re
 import time
+from pathlib import Path
 
 from types import SimpleNamespace
 
@@ -268,3 +269,22 @@ def test_the_real_pair_decodes_through_two_servers(real_pair):
     assert all(r.stats.requests >= 2 * r.stats.draft_steps_proposed for r in out)
     print(f"[timing] real pair: {time.perf_counter() - t0:.1f} s; texts {[r.text[:60] for r in ref]}")
 
+
+
+# --------------------------------------------------------------------------- the evaluation through the servers
+
+
+def test_the_evaluation_runs_through_the_worlds_servers(world, tmp_path):
+    """``python -m semanticspec.evaluate --target_url --draft_url`` (issue 53): the same evaluation through the two
+    servers, with the served probe pair; every problem decoded by both methods, nothing failed."""
+    from semanticspec.evaluate import main
+
+    root = Path(__file__).resolve().parents[2]
+    report = main(["--config", str(root / "configs" / "arithmetic.yaml"),
+                   "--probes", str(root / "checkpoints" / "arithmetic" / "probes-topk"),
+                   "--target_url", world["servers"]["target"].url, "--draft_url", world["servers"]["draft"].url,
+                   "--n_problems", "3", "--thresholds", "[0.5]", "--write_threshold", "false", "--progress", "false",
+                   "--out_dir", str(tmp_path)])
+    assert report["settings"]["where"]["mode"] == "served" and not report["failed"]
+    assert set(report["methods"]) == {"target_only", "semanticspec"} and report["n_evaluated"] == 3
+    assert report["methods"]["semanticspec"]["step_acceptance"] > 0.5

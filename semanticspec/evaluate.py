@@ -1,0 +1,783 @@
+"""``python -m semanticspec.evaluate``: judge exported probes on their own pair and task.
+
+Target-only against SemanticSpec (and token-level speculative decoding where the two models share a tokenizer) on
+held-out problems, methods interleaved per problem, each problem with its own seed; a threshold sweep and the
+threshold a stated rule picks, written beside the probes (``threshold.json``) for the decoders and the endpoint to
+use by default::
+
+    python -m semanticspec.evaluate --config configs/arithmetic.yaml          # the newest run's export
+    python -m semanticspec.evaluate --config runs/arithmetic/fit/version_0    # a run folder
+    python -m semanticspec.evaluate --probes checkpoints/arithmetic/probes --n_problems 40
+    python -m semanticspec.evaluate --probes checkpoints/arithmetic/probes-topk \\
+        --target_url http://127.0.0.1:8851/v1 --draft_url http://127.0.0.1:8852/v1    # two servers, the same loop
+
+The evaluation belongs to the decoder's wing: ``semanticspec`` imports ``probes`` (the probe, its training, its
+export), so a ``probes.evaluate`` that imports the decoder would close an import circle between the two packages.
+
+The module holds the evaluation core, which the benchmarks (``benchmarks/decode.py``, ``benchmarks/real.py``) call
+too (:class:`Arm`, :func:`decode_one`, :func:`interleaved`, :func:`decision_counts`, :func:`paired_delta`,
+:func:`wilson`), the resumable run (:class:`Evaluation`: one JSON line per problem, method and threshold in
+``records.jsonl``), and the command (:class:`EvaluateOptions`, :func:`main`). The tables and the plot are
+:mod:`semanticspec.evaluation_report`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from generation.cli import fail, one_line_parser
+
+PROG = "python -m semanticspec.evaluate"
+FORMAT_VERSION = 1
+"""Format version of ``records.jsonl`` and ``evaluation.json``."""
+RULE = "the fastest threshold whose accuracy is within max_accuracy_drop of target-only's on the same problems"
+"""The rule that picks the threshold (as R2R picks its router's: a stated rule on held-out data)."""
+Z95 = 1.959963984540054
+"""The standard normal's 97.5% quantile: 95% intervals."""
+
+# --------------------------------------------------------------------------- the core: one way to measure a decode
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method as the evaluation decodes it: a decoder and its ``generate`` keywords.
+
+    Attributes:
+        decoder: a :class:`~semanticspec.decoder.SemanticSpecDecoder` or :class:`~semanticspec.served.ServedDecoder`.
+        keywords: ``generate`` keywords (``method``, budget, sampling, window), or a function of ``(k, problem,
+            results so far per arm)`` returning them (a method whose argument depends on the problem or on the run).
+        reference: the arm whose wall time this one's speedup divides (transformers' own loops: its target-only).
+    """
+
+    decoder: Any
+    keywords: dict | Callable[[int, Any, dict], dict] = field(default_factory=dict)
+    reference: str = "target_only"
+
+
+def decode_one(arm: Arm, k: int, problem, prompt, seed: int, so_far: dict | None = None):
+    """Problem ``k`` (its ``prompt``) decoded by ``arm`` with ``seed``: the :class:`~semanticspec.results.DecodeResult`.
+    Timing is the decoder's own (``result.stats.wall_s``), so nothing outside the decode is counted."""
+    kw = arm.keywords(k, problem, so_far or {}) if callable(arm.keywords) else arm.keywords
+    return arm.decoder.generate([prompt], seed=seed, **kw)[0]
+
+
+def rotation(names: Sequence[str], k: int) -> list[str]:
+    """The order of the arms on problem ``k`` (:func:`semanticspec.timing.rotation`: each takes every place in
+    turn, so machine load hits all alike)."""
+    from semanticspec.timing import rotation as rotate
+
+    return rotate(names, k)
+
+
+def interleaved(arms: dict[str, Arm], problems: Sequence, prompts: Sequence, seed: int, *,
+                order: Callable[[list[str], int], list[str]] = rotation,
+                around: Callable[[str], contextlib.AbstractContextManager] | None = None,
+                desc: str = "decode") -> dict[str, list]:
+    """Every arm on every problem, interleaved per problem, problem ``k`` decoded with seed ``seed + k``.
+
+    Args:
+        arms: ``{name: Arm}``.
+        problems: the problems (handed to callable keywords).
+        prompts: each problem's prompt as the decoders read it (``decoder.prompts``).
+        seed: problem ``k``'s decodes use ``seed + k`` (a prompt decodes the same alone or beside others).
+        order: the arms' order on problem ``k`` (default :func:`rotation`).
+        around: a context manager per decode, by arm name (a benchmark records the forwards there).
+        desc: the progress bar's label.
+
+    Returns:
+        ``{name: [DecodeResult per problem]}``.
+    """
+    from tqdm.auto import tqdm
+
+    out: dict[str, list] = {n: [] for n in arms}
+    for k, p in enumerate(tqdm(problems, desc=desc, unit="problem")):
+        for name in order(list(arms), k):
+            with around(name) if around is not None else contextlib.nullcontext():
+                out[name].append(decode_one(arms[name], k, p, prompts[k], seed + k, out))
+    return out
+
+
+def decision_counts(results: Sequence, oracles: Sequence[Callable[[str, str], bool]]) -> tuple[dict[str, int], list]:
+    """Oracle-judged decision counts over the proposed draft steps, and ``(q, right)`` of the probe-judged ones.
+
+    A step is right when ``oracle(step, output so far)`` accepts it. Once a wrong step is committed (by either model)
+    nothing after it can be right, so later proposals are counted apart as ``after_error`` and left out of the four
+    cells. ``wrong_kept_fast_path`` counts wrong steps the fast path kept (they are in ``wrong_kept`` too).
+    """
+    from semanticspec.results import Decision
+
+    keys = ("right_kept", "wrong_kept", "right_refused", "wrong_refused", "wrong_kept_fast_path", "after_error")
+    counts = dict.fromkeys(keys, 0)
+    scored = []
+    for r, oracle in zip(results, oracles):
+        prefix, on_track = "", True
+        for st in r.steps:
+            right = on_track and oracle(st.text, prefix)
+            if st.writer == "draft" or st.decision == Decision.REJECT:
+                if not on_track:
+                    counts["after_error"] += 1
+                else:
+                    kept = st.decision.kept
+                    counts[f"{'right' if right else 'wrong'}_{'kept' if kept else 'refused'}"] += 1
+                    counts["wrong_kept_fast_path"] += int(not right and st.decision == Decision.ACCEPT_FAST)
+                    if st.q is not None:
+                        scored.append((st.q, right))
+            if st.decision != Decision.REJECT:
+                on_track = right
+                prefix += st.text
+    return counts, scored
+
+
+def wilson(right: int, n: int, z: float = Z95) -> list[float]:
+    """Wilson score interval of a share ``right / n`` (95% by default); NaNs for ``n = 0``."""
+    if n == 0:
+        return [math.nan, math.nan]
+    p, z2 = right / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return [0.0 if right == 0 else max(0.0, centre - half), 1.0 if right == n else min(1.0, centre + half)]
+
+
+def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:
+    """Accuracy minus the reference's on the same problems, and its 95% interval (normal, paired by problem)."""
+    d = [float(a) - float(b) for a, b in zip(right, ref)]
+    n = len(d)
+    mean = sum(d) / n if n else math.nan
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
+    half = 1.96 * sd / math.sqrt(n) if n > 1 else math.nan
+    return {"accuracy_delta": mean, "accuracy_delta_ci95": [mean - half, mean + half]}
+
+
+def same_decisions(result, tau: float, other: float) -> bool:
+    """Whether a threshold-rule decode at ``tau`` decides every step as one at ``other`` would: no step it judged
+    with the probe (kept or refused by ``q``; the fast path's steps were not judged by ``q``) has a ``q`` on which
+    the two thresholds disagree. Then the decode at ``other`` is this one, step for step (same seed, same draws)."""
+    from semanticspec.results import Decision
+
+    judged = (Decision.ACCEPT, Decision.REJECT)
+    return all((s.q >= tau) == (s.q >= other) for s in result.steps if s.q is not None and s.decision in judged)
+
+
+def figures(results: Sequence, right: Sequence[bool], reference_wall: float) -> dict:
+    """One method's figures over its results: accuracy with its Wilson interval, speedup against
+    ``reference_wall`` (the reference's wall seconds on the same problems) and the decode summary."""
+    from semanticspec.results import summarize
+
+    s, n = summarize(results), len(right)
+    wall = s["wall_s"]
+    keys = ("tokens_per_s", "step_acceptance", "draft_token_share", "target_passes_per_100_tokens", "output_tokens",
+            "draft_steps_proposed", "draft_steps_accepted", "target_passes", "probe_overhead")
+    return {"accuracy": sum(right) / n if n else math.nan, "accuracy_ci95": wilson(sum(right), n),
+            "wall_s": wall, "speedup": reference_wall / wall if wall > 0 else math.nan, "n_problems": n,
+            **{k: s[k] for k in keys}}
+
+
+# --------------------------------------------------------------------------- records: one JSON line per decode
+
+
+def result_json(result) -> dict:
+    """A :class:`~semanticspec.results.DecodeResult` as JSON (every field; :func:`result_of` reads it back)."""
+    return dataclasses.asdict(result)
+
+
+def result_of(data: dict):
+    """The :class:`~semanticspec.results.DecodeResult` :func:`result_json` wrote."""
+    from semanticspec.results import Decision, DecodeResult, DecodeStats, StepTrace
+
+    steps = [StepTrace(**{**s, "decision": Decision(s["decision"])}) for s in data["steps"]]
+    return DecodeResult(**{**data, "steps": steps, "stats": DecodeStats(**data["stats"])})
+
+
+class Records:
+    """``records.jsonl``: a header line (the settings every decode depends on), then one line per decode.
+
+    A rerun reads what is recorded and skips it; a line cut short by a kill is dropped. A header that differs from
+    the run's settings is refused, naming the first differing field.
+    """
+
+    def __init__(self, path: Path, header: dict) -> None:
+        self.path, self.header = Path(path), header
+        self.lines: dict[tuple, dict] = {}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            self._read()
+        else:
+            self._append({"header": header})
+
+    def _read(self) -> None:
+        raw = self.path.read_bytes()
+        whole = raw[: raw.rfind(b"\n") + 1]  # a line cut short by a kill is dropped (and cut from the file)
+        if len(whole) < len(raw):
+            with open(self.path, "r+b") as f:
+                f.truncate(len(whole))
+        rows = [json.loads(line) for line in whole.decode().splitlines() if line.strip()]
+        if not rows or "header" not in rows[0]:
+            self.path.write_text("")
+            self._append({"header": self.header})
+            return
+        had = rows[0]["header"]
+        for key in sorted(set(had) | set(self.header)):
+            if had.get(key) != self.header.get(key):
+                raise ValueError(f"{self.path} records decodes with {key}={had.get(key)!r}, this run has "
+                                 f"{self.header.get(key)!r}; give another --out_dir, or delete the file to start over")
+        for row in rows[1:]:
+            self.lines[key_of(row)] = row
+
+    def _append(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def get(self, problem: int, method: str, threshold: float | None = None) -> dict | None:
+        """The recorded line of a decode, or None."""
+        return self.lines.get((problem, method, threshold))
+
+    def add(self, row: dict) -> None:
+        """Append ``row`` (``problem``, ``method``, ``threshold`` and its result or failure) and keep it."""
+        self._append(row)
+        self.lines[key_of(row)] = row
+
+
+def key_of(row: dict) -> tuple:
+    """A record's key: ``(problem, method, threshold)``."""
+    return row["problem"], row["method"], row.get("threshold")
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Setup:
+    """What an evaluation decodes: its arms, problems, prompts, task and the SemanticSpec decoders by threshold."""
+
+    arms: dict[str, Arm]
+    """The methods beside the sweep (``target_only``, ``semanticspec`` at ``tau``, ``hf_target_only`` and
+    ``token_sd`` where they run)."""
+    problems: list[dict]
+    prompts: list
+    task: Any
+    tau: float
+    """SemanticSpec's main threshold (its row in the methods' table)."""
+    semanticspec_at: Callable[[float], Arm]
+    """SemanticSpec's arm at another threshold (the sweep)."""
+    seed: int
+    header: dict
+    """The settings every decode depends on (the records' header)."""
+
+
+class Evaluation:
+    """The resumable evaluation of :class:`Setup` into ``out_dir``: decodes what ``records.jsonl`` lacks, then
+    computes every figure from the records alone, so a resumed run ends with the same JSON as an uninterrupted one
+    (timings aside)."""
+
+    def __init__(self, setup: Setup, out_dir: Path, thresholds: Sequence[float], max_accuracy_drop: float,
+                 progress: bool = True) -> None:
+        self.s, self.out_dir = setup, Path(out_dir)
+        self.thresholds = sorted({float(t) for t in thresholds} | {setup.tau})
+        self.max_accuracy_drop, self.progress = max_accuracy_drop, progress
+        self.records = Records(self.out_dir / "records.jsonl", setup.header)
+        self._arms_at: dict[float, Arm] = {setup.tau: setup.arms["semanticspec"]}
+
+    def run(self) -> dict:
+        """Decode every problem (what is recorded is skipped) and return the report."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(range(len(self.s.problems)), desc="evaluate", unit="problem", disable=not self.progress)
+        for k in bar:
+            self._problem(k)
+            bar.set_postfix(self._running(k + 1), refresh=False)
+        return self.report()
+
+    def _problem(self, k: int) -> None:
+        """Problem ``k``: the arms interleaved (order rotating), then the sweep's thresholds."""
+        p, prompt, seed = self.s.problems[k], self.s.prompts[k], self.s.seed + k
+        for name in rotation(list(self.s.arms), k):
+            tau = self.s.tau if name == "semanticspec" else None
+            if self._missing(k, name, tau):
+                self._decode(k, name, tau, self.s.arms[name], p, prompt, seed)
+        for tau in self.thresholds:
+            if self._missing(k, "semanticspec", tau):
+                self._sweep(k, tau, p, prompt, seed)
+
+    def _missing(self, k: int, name: str, tau: float | None) -> bool:
+        """Not recorded, or recorded as failed (a rerun tries a failed decode again; its new line replaces it)."""
+        row = self.records.get(k, name, tau)
+        return row is None or "failed" in row
+
+    def _decode(self, k: int, name: str, tau: float | None, arm: Arm, p, prompt, seed: int) -> None:
+        row = {"problem": k, "method": name, "threshold": tau, "seed": seed}
+        try:
+            r = decode_one(arm, k, p, prompt, seed)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # a problem that fails is recorded with its reason; the run goes on
+            self.records.add({**row, "failed": f"{type(e).__name__}: {e}"})
+            return
+        if not r.ok:
+            row["failed"] = r.error or f"stop_reason={r.stop_reason}"
+        self.records.add({**row, "right": bool(self.s.task.check(r.text, p["answer"])), "result": result_json(r)})
+
+    def _sweep(self, k: int, tau: float, p, prompt, seed: int) -> None:
+        """SemanticSpec at ``tau`` on problem ``k``: a recorded decode at another threshold that decides every step
+        the same is this decode (recorded with ``reused_from``); otherwise it is decoded."""
+        for other in self.thresholds:
+            row = self.records.get(k, "semanticspec", other)
+            if row is None or "result" not in row or "reused_from" in row or "failed" in row:
+                continue
+            if same_decisions(result_of(row["result"]), other, tau):
+                self.records.add({**row, "threshold": tau, "reused_from": other})
+                return
+        if tau not in self._arms_at:
+            self._arms_at[tau] = self.s.semanticspec_at(tau)
+        self._decode(k, "semanticspec", tau, self._arms_at[tau], p, prompt, seed)
+
+    def _running(self, n: int) -> dict:
+        """The progress bar's running figures over the first ``n`` problems."""
+        rows = {m: [self.records.get(k, m, self.s.tau if m == "semanticspec" else None) for k in range(n)]
+                for m in ("target_only", "semanticspec")}
+        ok = [k for k in range(n) if all(r is not None and "result" in r for r in (rows["target_only"][k],
+                                                                                   rows["semanticspec"][k]))]
+        if not ok:
+            return {}
+        acc = {m: sum(rows[m][k]["right"] for k in ok) / len(ok) for m in rows}
+        wall = {m: sum(rows[m][k]["result"]["stats"]["wall_s"] for k in ok) for m in rows}
+        return {"acc_target": f"{acc['target_only']:.3f}", "acc_semanticspec": f"{acc['semanticspec']:.3f}",
+                "speedup": f"{wall['target_only'] / max(wall['semanticspec'], 1e-9):.2f}x"}
+
+    # ----------------------------------------------------------------------- figures, from the records alone
+
+    def report(self) -> dict:
+        """The figures of everything recorded for this run's problems: per method, the sweep, the pick."""
+        n = len(self.s.problems)
+        names = list(self.s.arms)
+        main = {m: [self.records.get(k, m, self.s.tau if m == "semanticspec" else None) for k in range(n)]
+                for m in names}
+        sweep = {t: [self.records.get(k, "semanticspec", t) for k in range(n)] for t in self.thresholds}
+        failed = sorted({k for rows in [*main.values(), *sweep.values()] for k, r in enumerate(rows)
+                         if r is None or "failed" in r})
+        ok = [k for k in range(n) if k not in failed]
+        methods = {m: self._figures(main[m], main[self.s.arms[m].reference], main["target_only"], ok) for m in names}
+        judge = getattr(self.s.task, "step_judge", None)
+        if judge is not None and ok and judge(self.s.problems[ok[0]]) is not None:
+            counts, _ = decision_counts([result_of(main["semanticspec"][k]["result"]) for k in ok],
+                                        [judge(self.s.problems[k]) for k in ok])
+            methods["semanticspec"]["decisions"] = counts
+        curve = [{"threshold": t, **self._figures(sweep[t], main["target_only"], main["target_only"], ok),
+                  "reused": sum("reused_from" in sweep[t][k] for k in ok)} for t in self.thresholds]
+        return {
+            "format_version": FORMAT_VERSION,
+            "n_problems": n, "n_evaluated": len(ok), "seed": self.s.seed, "tau": self.s.tau,
+            "settings": self.s.header,
+            "methods": methods,
+            "sweep": curve,
+            "pick": pick(curve, methods["target_only"], self.max_accuracy_drop),
+            "failed": [{"problem": k, "method": r["method"], "threshold": r.get("threshold"), "reason": r["failed"]}
+                       for k in failed for r in self._rows_of(k) if "failed" in r],
+            "missing": [k for k in failed if any(r is None for r in self._expected(k))],
+        }
+
+    def _figures(self, rows: list, ref_rows: list, target_rows: list, ok: list[int]) -> dict:
+        results = [result_of(rows[k]["result"]) for k in ok]
+        right = [rows[k]["right"] for k in ok]
+        ref_wall = sum(ref_rows[k]["result"]["stats"]["wall_s"] for k in ok)
+        return {**figures(results, right, ref_wall), **paired_delta(right, [target_rows[k]["right"] for k in ok])}
+
+    def _expected(self, k: int) -> list:
+        return [*(self.records.get(k, m, self.s.tau if m == "semanticspec" else None) for m in self.s.arms),
+                *(self.records.get(k, "semanticspec", t) for t in self.thresholds)]
+
+    def _rows_of(self, k: int) -> list[dict]:
+        return [r for r in self._expected(k) if r is not None]
+
+
+def pick(curve: list[dict], target_only: dict, max_drop: float) -> dict:
+    """The rule's threshold (:data:`RULE`) on the sweep ``curve``, with its figures and intervals; ``tau`` None when
+    no threshold is within ``max_drop`` of target-only's accuracy."""
+    floor = target_only["accuracy"] - max_drop
+    within = [r for r in curve if r["accuracy"] >= floor - 1e-12]
+    out = {"rule": RULE, "max_accuracy_drop": max_drop, "target_only_accuracy": target_only["accuracy"],
+           "target_only_accuracy_ci95": target_only["accuracy_ci95"]}
+    if not within:
+        return {**out, "tau": None, "why": f"no threshold reached accuracy >= {floor:.4f}"}
+    # equal speedups come from one decode reused at several thresholds: the one nearest the default (0.5) is kept
+    best = max(within, key=lambda r: (r["speedup"], -abs(r["threshold"] - 0.5)))
+    keys = ("accuracy", "accuracy_ci95", "accuracy_delta", "accuracy_delta_ci95", "speedup", "step_acceptance")
+    return {**out, "tau": best["threshold"], **{k: best[k] for k in keys}}
+
+
+def write_threshold(probes: Path, report: dict, command: str) -> Path | None:
+    """Write the pick as ``threshold.json`` beside the probes (:data:`semanticspec.setup.THRESHOLD_FILE`); None when
+    the rule picked nothing."""
+    from generation.fingerprints import sha256_file
+    from semanticspec.setup import THRESHOLD_FILE, THRESHOLD_FORMAT
+
+    p = report["pick"]
+    if p["tau"] is None:
+        return None
+    data = {"format_version": THRESHOLD_FORMAT, "tau": p["tau"], "rule": RULE,
+            "max_accuracy_drop": p["max_accuracy_drop"],
+            "target_probe_sha256": sha256_file(probes / "target" / "model.safetensors"),
+            "figures": {k: v for k, v in p.items() if k not in ("rule", "tau", "max_accuracy_drop")},
+            "n_problems": report["n_evaluated"], "seed": report["seed"], "command": command}
+    path = probes / THRESHOLD_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# --------------------------------------------------------------------------- the command
+
+
+@dataclass
+class EvaluateOptions:
+    """What python -m semanticspec.evaluate decodes and where it writes."""
+
+    config: str = "configs/arithmetic.yaml"
+    """The fit's config (the YAML given to `python -m probes.fit --config`) or a run folder holding its config.yaml:
+    the models, the task, the label build (whose problems are not evaluated) and where the run exports."""
+    probes: str | None = None
+    """Export folder holding target/ and draft/ (None: the run's newest export, <log dir>/version_N/export)."""
+    out_dir: str | None = None
+    """Where records.jsonl, evaluation.json, .md and .png go (None: <probes>/evaluation). A rerun resumes there."""
+    task: Any = None
+    """Another task to evaluate on (class_path and init_args, e.g. a test file); None: the label build's task."""
+    n_problems: int = 40
+    """Held-out problems to decode."""
+    seed: int = 30_000
+    """Seed of a generated task's problems; problem k also decodes with seed + k."""
+    skip: int | None = None
+    """A file task: lines skipped at its start (None: the lines the label build used, when it is the build's file)."""
+    max_new_tokens: int = 96
+    """Token budget of every decode."""
+    tau: float | None = None
+    """SemanticSpec's threshold in the methods' table (None: the probes' threshold.json, else 0.5)."""
+    thresholds: list[float] = field(default_factory=lambda: [0.3, 0.4, 0.5, 0.6, 0.7])
+    """The sweep's thresholds, each in [0, 1]; a decode that decides as at another is not redone."""
+    max_accuracy_drop: float = 0.01
+    """The rule: the fastest threshold whose accuracy is at most this below target-only's (0.01 = one point)."""
+    write_threshold: bool = True
+    """Write the rule's pick beside the probes (threshold.json), the decoders' and the endpoint's default tau."""
+    token_sd: bool = True
+    """In-process with one tokenizer: also token-level speculative decoding (transformers' assisted generation,
+    timed against transformers' own target-only loop)."""
+    target_device: str | None = None
+    """In-process: the target's torch device (None: the build config's device)."""
+    draft_device: str | None = None
+    """In-process: the draft's torch device (None: the target's)."""
+    target_url: str | None = None
+    """The target's server (with --draft_url): decode through two servers with the same loop."""
+    draft_url: str | None = None
+    """The draft's server."""
+    engine: Literal["llama.cpp", "vllm", "sglang"] = "llama.cpp"
+    """Kind of the two servers."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the servers' API key (unset or empty: none)."""
+    threads: int | None = None
+    """torch CPU threads (None: OMP_NUM_THREADS, else the cores)."""
+    progress: bool = True
+    """Show the progress bar (running accuracy and speedup)."""
+
+
+def option_errors(opts: EvaluateOptions) -> list[str]:
+    """What is wrong with the options alone (before anything loads), each naming the value."""
+    errors = [f"--thresholds: {t!r} is outside [0, 1]" for t in opts.thresholds
+              if not (isinstance(t, (int, float)) and 0 <= t <= 1)]
+    if not opts.thresholds:
+        errors.append("--thresholds: expected at least one value in [0, 1]")
+    if opts.tau is not None and not 0 <= opts.tau <= 1:
+        errors.append(f"--tau={opts.tau}: expected a threshold in [0, 1]")
+    if not 0 <= opts.max_accuracy_drop <= 1:
+        errors.append(f"--max_accuracy_drop={opts.max_accuracy_drop}: expected a share in [0, 1] (0.01 = 1 point)")
+    for name in ("n_problems", "max_new_tokens"):
+        if getattr(opts, name) < 1:
+            errors.append(f"--{name}={getattr(opts, name)}: expected an integer >= 1")
+    if opts.skip is not None and opts.skip < 0:
+        errors.append(f"--skip={opts.skip}: expected an integer >= 0")
+    if (opts.target_url is None) != (opts.draft_url is None):
+        errors.append("--target_url and --draft_url go together: give both servers, or neither to decode in-process")
+    return errors
+
+
+@dataclass
+class FitRun:
+    """What the evaluation reads from the fit's config: its label build and where the run exports."""
+
+    build: Any
+    """The label build's :class:`~datamodules.labels.config.BuildConfig`."""
+    data_dir: Path
+    exports: list[Path]
+    """Export folders of the run, newest first."""
+
+
+def read_fit(config: str) -> FitRun:
+    """The label build and the run's exports of a fit config (a YAML, or a run folder holding ``config.yaml``).
+
+    Raises:
+        ValueError: no such file or folder, or a ``data.build`` section the build refuses.
+    """
+    import yaml
+
+    from datamodules.labels.build import build_parser
+
+    path = Path(config)
+    run = path if path.is_dir() else None
+    if run is not None:
+        path = run / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"--config {config}: expected a `python -m probes.fit` YAML or a run folder holding "
+                         "config.yaml")
+    fit = yaml.safe_load(path.read_text()) or {}
+    data = fit.get("data") or {}
+    section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
+    parser = build_parser()
+    build = parser.instantiate(parser.parse_args(["--config", yaml.safe_dump(section)])).build
+    return FitRun(build, Path(section["data_dir"]), [run / "export"] if run is not None else run_exports(fit))
+
+
+def run_exports(fit: dict) -> list[Path]:
+    """The export folders of a fit config's runs (``<save_dir>/<name>/version_N/export``), newest first."""
+    trainer = fit.get("trainer") or {}
+    logger = trainer.get("logger") or {}
+    args = logger.get("init_args", {}) if isinstance(logger, dict) else {}
+    root = Path(args.get("save_dir") or trainer.get("default_root_dir") or ".") / (args.get("name") or
+                                                                                   "lightning_logs")
+    def version(p: Path) -> int:
+        tail = p.parent.name.rsplit("_", 1)[-1]
+        return int(tail) if tail.isdigit() else -1
+    return sorted(root.glob("version_*/export"), key=version, reverse=True)
+
+
+def probe_dir(opts: EvaluateOptions, fit: FitRun) -> Path:
+    """The export folder to evaluate, checked to hold a target and a draft probe in their roles."""
+    if opts.probes is None:
+        found = [p for p in fit.exports if (p / "target" / "config.json").is_file()]
+        if not found:
+            raise ValueError(f"--probes: the run of --config {opts.config} has exported no probes yet (looked for "
+                             "<log dir>/version_N/export); train with `python -m probes.fit --config "
+                             f"{opts.config}`, or give --probes DIR (e.g. checkpoints/arithmetic/probes)")
+        return found[0]
+    root = Path(opts.probes)
+    for role in ("target", "draft"):
+        cfg = root / role / "config.json"
+        if not cfg.is_file():
+            raise ValueError(f"--probes {root}: no {role}/config.json there; expected an export folder holding "
+                             "target/ and draft/")
+        has = json.loads(cfg.read_text()).get("role", role)
+        if has != role:
+            raise ValueError(f"--probes {root}: {role}/ holds a probe exported for role {has!r}, expected {role!r}")
+    return root
+
+
+def held_out(opts: EvaluateOptions, fit: FitRun) -> tuple[Any, list[dict], int]:
+    """The task, its held-out problems (none of them among the label build's, every one with an answer) and the
+    file lines skipped before them."""
+    from datamodules.labels.shards import read_manifest
+
+    build_task = fit.build.resolved_task()
+    task = opts.task if opts.task is not None else build_task
+    manifest = read_manifest(fit.data_dir) if fit.data_dir.is_dir() else None
+    used = (manifest or {}).get("build", {}).get("problems") or {}
+    build_n, build_seed = used.get("n_problems", fit.build.n_problems), used.get("task_seed", fit.build.task_seed)
+    same_file = task.path is not None and build_task.path is not None and Path(task.path) == Path(build_task.path)
+    skip = opts.skip if opts.skip is not None else (build_n if same_file and build_n else 0)
+    problems = task.problems(skip + opts.n_problems, opts.seed)[skip:]
+    if len(problems) < opts.n_problems:
+        raise ValueError(f"--n_problems={opts.n_problems}: the task holds {len(problems)} problems after the "
+                         f"{skip} skipped (--skip)")
+    no_answer = [k for k, p in enumerate(problems) if p.get("answer") in (None, "")]
+    if no_answer:
+        first = problems[no_answer[0]]["problem"][:60]
+        raise ValueError(f"task {task.spec()['class_path']}: problem {no_answer[0]} ({first!r}) has no answer to "
+                         f"check; {len(no_answer)} of {len(problems)} lack one")
+    seen = {p["problem"] for p in build_task.problems(build_n, build_seed)}
+    overlap = [k for k, p in enumerate(problems) if p["problem"] in seen]
+    if overlap:
+        raise ValueError(f"--seed={opts.seed} --skip={skip}: {len(overlap)} of the {len(problems)} problems are among "
+                         f"the label build's ({build_n} from task_seed {build_seed}), e.g. problem {overlap[0]}; "
+                         "choose another --seed, --skip or --task")
+    return task, problems, skip
+
+
+def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems: list[dict], skip: int) -> Setup:
+    """The decoders (in-process or served) and the arms of the evaluation; servers and models are checked here."""
+    from generation.fingerprints import sha256_file
+    from semanticspec.setup import resolve_sampling, sampling_spec, stored_tau
+
+    tau = opts.tau if opts.tau is not None else stored_tau(probes / "target")
+    tau = 0.5 if tau is None else tau
+    tp, dp = str(probes / "target"), str(probes / "draft")
+    if opts.target_url is not None:
+        dec, shared, make, where = served_decoder(opts, tp, dp, task, tau)
+    else:
+        dec, shared, make, where = local_decoder(opts, fit.build, tp, dp, task, tau)
+    # every method samples as the probes' labels were sampled (as the decode benchmark does)
+    spec = resolve_sampling(sampling_spec((dec.target_probe, dec.draft_probe)), None, None, enforce=True)
+    gen = {"max_new_tokens": opts.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p}
+    one = {**gen, "lookahead": 1}
+
+    def semanticspec_at(t: float) -> Arm:
+        d = dec if t == tau else make(dataclasses.replace(dec.policy, tau=t))
+        return Arm(d, {**gen, "method": "semanticspec"})  # lookahead None: the shipped window
+
+    arms = {"target_only": Arm(dec, {**one, "method": "target_only"}), "semanticspec": semanticspec_at(tau)}
+    if opts.token_sd and shared and opts.target_url is None:
+        arms["hf_target_only"] = Arm(dec, {**one, "method": "hf_target_only"}, reference="hf_target_only")
+        arms["token_sd"] = Arm(dec, {**one, "method": "token_sd"}, reference="hf_target_only")
+    header = {"format_version": FORMAT_VERSION, "where": where, "task": task.spec(), "seed": opts.seed,
+              "max_new_tokens": opts.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
+              "probes": {r: sha256_file(probes / r / "model.safetensors") for r in ("target", "draft")},
+              "skip": skip}
+    return Setup(arms, problems, dec.prompts([p["problem"] for p in problems]), task, tau, semanticspec_at,
+                 opts.seed, header)
+
+
+def local_decoder(opts: EvaluateOptions, build, tp: str, dp: str, task, tau: float):
+    """The in-process decoder of the build's models (on ``--target_device`` / ``--draft_device``), a maker of the same
+    decoder with another policy, whether the two share a tokenizer, and the models' description."""
+    from datamodules.labels.shard import load_model, load_tokenizers
+    from semanticspec.decoder import SemanticSpecDecoder
+    from semanticspec.policies import default_policy
+
+    tok, dtok = load_tokenizers(build)
+    for role, probe, t in (("target", tp, tok), ("draft", dp, dtok or tok)):
+        check_before_loading(probe, build.model_path(role), t, role)
+    target, draft = load_model(build, "target"), load_model(build, "draft")
+    if opts.target_device is not None:
+        target = target.to(opts.target_device)
+    if opts.draft_device is not None or opts.target_device is not None:
+        draft = draft.to(opts.draft_device or opts.target_device)
+
+    def make(policy):
+        return SemanticSpecDecoder(target, draft, tok, dtok, tp, dp, policy=policy, task=task)
+
+    dec = make(default_policy(fast_path=dtok is None, tau=tau))
+    where = {"mode": "in-process", "target": build.model_path("target"), "draft": build.model_path("draft")}
+    return dec, dtok is None, make, where
+
+
+def check_before_loading(probe_dir: str, model_dir: str, tokenizer, role: str) -> None:
+    """Refuse a probe exported for another model from the model's config and tokenizer alone, before its weights
+    load (the decoder checks the loaded model again).
+
+    Raises:
+        ValueError: naming each differing fingerprint field (:func:`probes.export.check_probe_matches`).
+    """
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from probes.export import check_probe_matches, load_probe
+
+    config = load_probe(probe_dir, role=role).config
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    check_probe_matches(config, model, tokenizer, where=f"--probes {Path(probe_dir).parent}: {role}/")
+
+
+def served_decoder(opts: EvaluateOptions, tp: str, dp: str, task, tau: float):
+    """The served decoder of two servers (each checked to answer before any decoding), a maker of the same decoder
+    with another policy, False (no in-process token-level SD), and the servers' description."""
+    from generation.engines import make_engine
+    from semanticspec.policies import default_policy
+    from semanticspec.served import ServedDecoder
+
+    engines = [make_engine(opts.engine, url, None, api_key_env=opts.api_key_env, retries=1, timeout=30.0)
+               for url in (opts.target_url, opts.draft_url)]
+
+    def make(policy):
+        return ServedDecoder(*engines, tp, dp, policy, task=task, concurrency=1)
+
+    where = {"mode": "served", "engine": opts.engine, "target": opts.target_url, "draft": opts.draft_url}
+    return make(default_policy(tau=tau)), False, make, where
+
+
+def parser():
+    """The command's parser: the options of :class:`EvaluateOptions`, their docstrings as ``--help``."""
+    from jsonargparse import set_parsing_settings
+
+    from datamodules.tasks.base import Task
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    description = __doc__.split("\n\n")[1].replace("\n", " ").replace("``", "").removesuffix("::") + "."
+    p = one_line_parser(PROG, description=description, allow_abbrev=False)
+    p.add_class_arguments(EvaluateOptions, as_positional=False, skip={"task"})
+    p.add_subclass_arguments(Task, "task", required=False, default=None,
+                             help="Another task to evaluate on (class_path and init_args); default: the label build's")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse the options, refuse bad input before any decoding (one line, exit 2), evaluate, write the JSON, the
+    markdown table, the plot and the pick; returns the report."""
+    from generation.cli import normalise_args
+    from generation.threads import apply_threads, set_wait_policy
+
+    set_wait_policy()
+    given = normalise_args(list(sys.argv[1:] if argv is None else argv))
+    p = parser()
+    ns = p.parse_args(given)
+    task = p.instantiate(ns).task if ns.task is not None else None
+    opts = EvaluateOptions(**{**{k: v for k, v in vars(ns).items() if k in EvaluateOptions.__dataclass_fields__},
+                              "task": task})
+    if errors := option_errors(opts):
+        fail(PROG, "; ".join(errors))
+    from generation.engines.base import EngineError
+
+    try:
+        fit = read_fit(opts.config)
+        probes = probe_dir(opts, fit)
+        task, problems, skip = held_out(opts, fit)
+        apply_threads(opts.threads, log=None)
+        setup = make_setup(opts, fit, probes, task, problems, skip)
+        out_dir = Path(opts.out_dir) if opts.out_dir else probes / "evaluation"
+        evaluation = Evaluation(setup, out_dir, opts.thresholds, opts.max_accuracy_drop, progress=opts.progress)
+    except (ValueError, OSError, EngineError) as e:
+        fail(PROG, str(e))
+    try:
+        report = evaluation.run()
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; {len(evaluation.records.lines)} decodes kept in {evaluation.records.path}. "
+              f"Resume with: {PROG} {' '.join(given)}", file=sys.stderr)
+        raise SystemExit(130) from None
+    report["probes"] = str(probes)
+    command = " ".join([PROG, *given])
+    written = write_threshold(probes, report, command) if opts.write_threshold and report["n_evaluated"] else None
+    report["threshold_file"] = str(written) if written is not None else None
+    save(report, out_dir)
+    return report
+
+
+def save(report: dict, out_dir: Path) -> None:
+    """``evaluation.json``, ``evaluation.md`` and ``evaluation.png`` in ``out_dir``; the table is printed."""
+    from semanticspec.evaluation_report import markdown, plot
+
+    table = markdown(report)
+    (out_dir / "evaluation.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "evaluation.md").write_text(table + "\n")
+    plot(report, out_dir / "evaluation.png")
+    print(table)
+    where = report.get("threshold_file")
+    print(f"wrote {out_dir / 'evaluation.json'}, .md, .png"
+          + (f"; threshold {report['pick']['tau']} in {where}" if where else ""))
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[dict]:
+    """The decode lines of a ``records.jsonl`` (the header left out)."""
+    with open(path) as f:
+        for line in f:
+            if line.strip() and "header" not in (row := json.loads(line)):
+                yield row
+
+
+if __name__ == "__main__":
+    main()

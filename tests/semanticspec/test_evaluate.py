@@ -1,0 +1,288 @@
+"""``python -m semanticspec.evaluate`` (issue 53): refusals before any decoding, a small evaluation of the shipped world
+(resume, the sweep's reuse, the same texts as the decode benchmark's loop), and the picked threshold as the decoders'
+and the endpoint's default."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from semanticspec import evaluate as E
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "arithmetic.yaml")
+SHIPPED = ROOT / "checkpoints" / "arithmetic" / "probes"
+TIMING = ("wall_s", "speedup", "tokens_per_s", "seconds", "_s", "probe_overhead")
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """The one line ``main(argv)`` exits 2 with."""
+    with pytest.raises(SystemExit) as e:
+        E.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def no_decoding(monkeypatch):
+    """Fail the test if anything is decoded."""
+    monkeypatch.setattr(E, "decode_one", lambda *a, **k: pytest.fail("decoded before refusing"))
+
+
+def copy_probes(tmp_path: Path, target: str = "target", draft: str = "draft") -> Path:
+    out = tmp_path / "probes"
+    for role, src in (("target", target), ("draft", draft)):
+        shutil.copytree(SHIPPED / src, out / role)
+    return out
+
+
+# --------------------------------------------------------------------------- bad input, refused before decoding
+
+
+def test_a_threshold_grid_outside_0_1_is_refused(capsys, monkeypatch):
+    no_decoding(monkeypatch)
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--thresholds", "[0.3, 1.5]"])
+    assert "--thresholds: 1.5 is outside [0, 1]" in err
+
+
+def test_a_split_overlapping_the_label_builds_problems_is_refused(capsys, monkeypatch):
+    no_decoding(monkeypatch)  # the build of configs/arithmetic.yaml generates 200 problems from task_seed 1
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--seed", "1", "--n_problems", "3"])
+    assert "--seed=1" in err and "3 of the 3 problems are among the label build's" in err
+
+
+def test_a_task_with_no_answers_to_check_is_refused(capsys, monkeypatch, tmp_path):
+    no_decoding(monkeypatch)
+    path = tmp_path / "open.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"Say {i}.", "answer": None}) + "\n" for i in range(3)))
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "3",
+                           "--task", "datamodules.tasks.base.Task", "--task.path", str(path)])
+    assert "problem 0 ('Say 0.') has no answer to check" in err
+
+
+def test_probes_for_another_role_are_refused(capsys, monkeypatch, tmp_path):
+    no_decoding(monkeypatch)
+    swapped = copy_probes(tmp_path, target="draft", draft="target")
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(swapped)])
+    assert "target/ holds a probe exported for role 'draft'" in err
+
+
+def test_probes_for_another_model_are_refused(capsys, monkeypatch, tmp_path):
+    """From the models' configs and tokenizers, before their weights load."""
+    no_decoding(monkeypatch)
+    monkeypatch.setattr("datamodules.labels.shard.load_model", lambda *a: pytest.fail("weights loaded"))
+    other = copy_probes(tmp_path, target="draft")  # the draft's probe, relabelled as a target probe
+    cfg = json.loads((other / "target" / "config.json").read_text())
+    (other / "target" / "config.json").write_text(json.dumps({**cfg, "role": "target"}))
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(other), "--n_problems", "2"])
+    assert "hidden_size" in err and "target" in err
+
+
+def test_an_unreachable_server_is_refused(capsys, monkeypatch):
+    no_decoding(monkeypatch)
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(ROOT / "checkpoints/arithmetic/probes-topk"),
+                           "--target_url", "http://127.0.0.1:9/v1", "--draft_url", "http://127.0.0.1:9/v1"])
+    assert "127.0.0.1:9" in err
+
+
+# --------------------------------------------------------------------------- an evaluation of the shipped world
+
+ARGS = ["--config", CONFIG, "--n_problems", "2", "--thresholds", "[0.05, 0.5, 0.95]", "--token_sd", "false",
+        "--progress", "false", "--task", "arithmetic_world.task.ArithmeticTask", "--task.min_ops", "4",
+        "--task.max_ops", "4"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("evaluate")
+    probes = copy_probes(tmp)
+    out = tmp / "out"
+    report = E.main([*ARGS, "--probes", str(probes), "--out_dir", str(out)])
+    return SimpleNamespace(report=report, probes=probes, out=out, tmp=tmp)
+
+
+def without_timings(x):
+    if isinstance(x, dict):
+        return {k: without_timings(v) for k, v in x.items() if not any(t in k for t in TIMING)}
+    if isinstance(x, list):
+        return [without_timings(v) for v in x]
+    return x
+
+
+def test_the_evaluation_writes_its_figures_and_the_pick(run):
+    r = run.report
+    assert r["n_evaluated"] == 2 and not r["failed"]
+    assert set(r["methods"]) == {"target_only", "semanticspec"}
+    s = r["methods"]["semanticspec"]
+    lo, hi = s["accuracy_ci95"]
+    assert lo <= s["accuracy"] <= hi and 0 < s["step_acceptance"] <= 1 and s["target_passes_per_100_tokens"] < 100
+    assert sum(s["decisions"].values()) >= s["draft_steps_proposed"] - s["decisions"]["after_error"] > 0
+    assert [row["threshold"] for row in r["sweep"]] == [0.05, 0.5, 0.95]
+    for name in ("evaluation.json", "evaluation.md", "evaluation.png", "records.jsonl"):
+        assert (run.out / name).stat().st_size > 0
+    stored = json.loads((run.probes / "threshold.json").read_text())
+    assert stored["tau"] == r["pick"]["tau"] and stored["format_version"] == 1 and stored["rule"] == E.RULE
+    floor = r["methods"]["target_only"]["accuracy"] - 0.01
+    pick = next(row for row in r["sweep"] if row["threshold"] == r["pick"]["tau"])
+    assert pick["accuracy"] >= floor - 1e-12
+    assert all(row["speedup"] <= pick["speedup"] for row in r["sweep"] if row["accuracy"] >= floor - 1e-12)
+
+
+def test_a_killed_evaluation_resumes_to_the_same_report(run, tmp_path):
+    lines = (run.out / "records.jsonl").read_text().splitlines(keepends=True)
+    assert len(lines) == 1 + 2 * 4  # header; per problem target-only, SemanticSpec at 0.5 and at the 2 other thresholds
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "records.jsonl").write_text("".join(lines[:6]) + lines[6][:25])  # killed while writing line 7
+    resumed = E.main([*ARGS, "--probes", str(run.probes), "--out_dir", str(out), "--write_threshold", "false"])
+    assert len((out / "records.jsonl").read_text().splitlines()) == len(lines)
+    # the pick is the fastest threshold: it follows the timings, which a resumed run measures anew
+    assert without_timings({**resumed, "pick": None}) == without_timings({**run.report, "pick": None,
+                                                                          "threshold_file": None})
+    again = E.main([*ARGS, "--probes", str(run.probes), "--out_dir", str(out), "--write_threshold", "false"])
+    assert again == resumed  # a finished evaluation is not redone: the same records, the same figures
+
+
+def test_a_reused_decode_is_the_decode_at_its_threshold(run):
+    """The sweep reuses a decode where no probe-judged step's q lies between the two thresholds; decoding again at
+    that threshold gives the same text and decisions."""
+    from arithmetic_world.models import load_world
+    from arithmetic_world.task import ArithmeticTask
+    from semanticspec.decoder import SemanticSpecDecoder
+    from semanticspec.policies import ProbePolicy
+
+    rows = list(E.iter_records(run.out / "records.jsonl"))
+    reused = [r for r in rows if "reused_from" in r]
+    redone = [r for r in rows if r["method"] == "semanticspec" and r["threshold"] != 0.5 and "reused_from" not in r]
+    assert reused and redone  # 0.05 and 0.95 each took one path on some problem
+    world = load_world()
+    settings = run.report["settings"]
+    for row in reused[:1] + redone[:1]:
+        dec = SemanticSpecDecoder(world.target, world.draft, world.tokenizer, None, run.probes / "target",
+                                  run.probes / "draft", policy=ProbePolicy(tau=row["threshold"], top_k=1),
+                                  task=SimpleNamespace(answer_marker="Answer:"))
+        p = ArithmeticTask(min_ops=4, max_ops=4).problems(2, 30_000)[row["problem"]]
+        got = dec.generate([p["problem"] + "\n\n"], seed=row["seed"], max_new_tokens=96,
+                           temperature=settings["temperature"], top_p=settings["top_p"])[0]
+        want = E.result_of(row["result"])
+        assert got.text == want.text
+        assert [s.decision for s in got.steps] == [s.decision for s in want.steps]
+
+
+def test_the_evaluation_decodes_as_the_decode_benchmark(run):
+    """The same problems and seeds give the same target-only and SemanticSpec texts as ``benchmarks.decode``'s
+    settings (its shipped-window row) through the core."""
+    from benchmarks.decode import ADAPTIVE, build_plan, parse_args
+    from arithmetic_world import models, task
+
+    args = parse_args(["--quick", "--n-problems", "2", "--no-batch-scaling"])
+    plan = build_plan(args, models.load_world())
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p, "lookahead": 1}
+    arms = {"target_only": E.Arm(plan.dec, {**gen, "method": "target_only"}),
+            "semanticspec": E.Arm(plan.dec, {**gen, "lookahead": ADAPTIVE[0], "window_min_logprob": ADAPTIVE[1]})}
+    problems = task.generate_problems(2, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+    prompts = [p.problem + task.STEP_DELIMITER for p in problems]
+    bench = E.interleaved(arms, problems, prompts, args.seed)
+    rows = {(r["problem"], r["method"], r["threshold"]): r for r in E.iter_records(run.out / "records.jsonl")}
+    for k in range(2):
+        for name, tau in (("target_only", None), ("semanticspec", 0.5)):
+            ours = E.result_of(rows[(k, name, tau)]["result"])
+            assert ours.text == bench[name][k].text
+            assert [s.decision for s in ours.steps] == [s.decision for s in bench[name][k].steps]
+
+
+def test_a_problem_that_fails_is_recorded_and_the_run_goes_on(tmp_path):
+    from semanticspec.results import DecodeResult, DecodeStats
+
+    class Flaky:
+        def generate(self, prompts, seed, **kw):
+            if prompts[0] == "bad":
+                raise RuntimeError("server went away")
+            return [DecodeResult(text="Answer: 1", stats=DecodeStats(wall_s=1.0, output_tokens=3), stop_reason="eos")]
+
+    task = SimpleNamespace(check=lambda text, answer: text.endswith(str(answer)))
+    problems = [{"problem": p, "answer": 1} for p in ("a", "bad", "c")]
+    arms = {"target_only": E.Arm(Flaky()), "semanticspec": E.Arm(Flaky())}
+    setup = E.Setup(arms, problems, [p["problem"] for p in problems], task, 0.5, lambda t: E.Arm(Flaky()), 0, {})
+    report = E.Evaluation(setup, tmp_path, [0.5], 0.01, progress=False).run()
+    assert report["n_evaluated"] == 2
+    assert {(f["problem"], f["reason"]) for f in report["failed"]} == {(1, "RuntimeError: server went away")}
+    assert report["methods"]["semanticspec"]["accuracy"] == 1.0
+    # the server is back: a rerun decodes the failed problem again
+    problems[1]["problem"] = "b"
+    setup.prompts[1] = "b"
+    again = E.Evaluation(setup, tmp_path, [0.5], 0.01, progress=False).run()
+    assert again["n_evaluated"] == 3 and not again["failed"]
+
+
+def test_wilson_interval_and_pick_rule():
+    assert all(math.isnan(x) for x in E.wilson(0, 0))
+    lo, hi = E.wilson(39, 40)
+    assert 0.86 < lo < 0.88 and 0.99 < hi < 1.0
+    base = {"accuracy_ci95": [0, 1], "accuracy_delta": 0, "accuracy_delta_ci95": [0, 0], "step_acceptance": 0.5}
+    curve = [{**base, "threshold": t, "accuracy": a, "speedup": s} for t, a, s in
+             ((0.3, 0.90, 3.0), (0.5, 0.97, 2.5), (0.7, 0.975, 2.0))]
+    assert E.pick(curve, {"accuracy": 0.975, "accuracy_ci95": [0.9, 1]}, 0.01)["tau"] == 0.5
+    assert E.pick(curve, {"accuracy": 0.975, "accuracy_ci95": [0.9, 1]}, 0.1)["tau"] == 0.3
+    assert E.pick(curve, {"accuracy": 1.0, "accuracy_ci95": [0.9, 1]}, 0.0)["tau"] is None
+
+
+# --------------------------------------------------------------------------- threshold.json as the default tau
+
+
+@pytest.fixture()
+def picked(tmp_path):
+    """A copy of the shipped probes with a picked threshold of 0.37 beside them."""
+    probes = copy_probes(tmp_path)
+    report = {"pick": {"tau": 0.37, "max_accuracy_drop": 0.01}, "n_evaluated": 1, "seed": 0}
+    E.write_threshold(probes, report, "test")
+    return probes
+
+
+def test_the_decoders_use_the_picked_threshold_and_explicit_policies_win(picked):
+    from arithmetic_world.models import load_world
+    from semanticspec.decoder import SemanticSpecDecoder
+    from semanticspec.policies import ProbePolicy
+    from semanticspec.served import ServedDecoder
+
+    w = load_world()
+    t, d = picked / "target", picked / "draft"
+    assert SemanticSpecDecoder(w.target, w.draft, w.tokenizer, None, t, d).policy.tau == 0.37
+    explicit = SemanticSpecDecoder(w.target, w.draft, w.tokenizer, None, t, d, policy=ProbePolicy(tau=0.5, top_k=1))
+    assert explicit.policy.tau == 0.5
+    assert SemanticSpecDecoder(w.target, w.draft, w.tokenizer, None, SHIPPED / "target", d).policy.tau == 0.5
+    engines = [SimpleNamespace(model=None, url=f"http://x/{r}") for r in ("target", "draft")]
+    topk = ROOT / "checkpoints" / "arithmetic" / "probes-topk"
+    served_dir = picked.parent / "served"
+    shutil.copytree(topk, served_dir)
+    E.write_threshold(served_dir, {"pick": {"tau": 0.42, "max_accuracy_drop": 0.01}, "n_evaluated": 1, "seed": 0},
+                      "test")
+    assert ServedDecoder(*engines, served_dir / "target", served_dir / "draft").policy.tau == 0.42
+    assert ServedDecoder(*engines, served_dir / "target", served_dir / "draft", ProbePolicy(tau=0.6)).policy.tau == 0.6
+
+
+def test_a_threshold_file_for_other_weights_is_ignored(picked):
+    from semanticspec.setup import stored_tau
+
+    assert stored_tau(picked / "target") == 0.37
+    data = json.loads((picked / "threshold.json").read_text())
+    (picked / "threshold.json").write_text(json.dumps({**data, "target_probe_sha256": "0" * 64}))
+    with pytest.warns(UserWarning, match="other probe weights"):
+        assert stored_tau(picked / "target") is None
+
+
+def test_the_endpoint_uses_the_picked_threshold_unless_given_one(picked):
+    pytest.importorskip("fastapi")
+    from semanticspec.serve.cli import ServeOptions, build
+
+    for given, want in ((None, 0.37), (0.5, 0.5)):
+        app = build(ServeOptions(target_probe=str(picked / "target"), draft_probe=str(picked / "draft"),
+                                 threshold=given))
+        try:
+            assert app.state.scheduler.dec.policy.tau == want
+        finally:
+            app.state.scheduler.stop(0)
