@@ -12,6 +12,7 @@ import yaml
 
 from generation.specs import FeatureSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
+from probes.config import FORMAT_VERSION
 from probes.export import load_probe
 from probes.fit import DEFAULT_CONFIG, main
 from tests.conftest import refuse_in_a_fresh_process
@@ -217,7 +218,8 @@ def test_end_to_end_default_reduced(fitted, capsys):
         assert m["r2"] <= 1 and m["mse"] < 0.25  # a constant 0.5 scores 0.25 at worst
         assert cfg["sampling"] == {"temperature": 0.6, "top_p": 0.95} and cfg["labels"]["n_samples"] == 3  # typed specs
         assert cfg["step"] == {"delimiters": list(DEFAULT_DELIMITERS), "max_step_tokens": 32}  # the decoder reads them
-        assert probe.config.step == StepSpec(DEFAULT_DELIMITERS, 32) and cfg["format_version"] == 5
+        assert probe.config.step == StepSpec(DEFAULT_DELIMITERS, 32) and cfg["format_version"] == FORMAT_VERSION
+        assert cfg["features"]["groups"] == list(probe.config.features.groups)  # what it reads: one nested entry
     assert result["best_ckpt"] and Path(result["best_ckpt"]).is_file()
     rows = list(csv.DictReader(next((root / "runs").rglob("metrics.csv")).open()))
     last = {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}  # last logged value of each
