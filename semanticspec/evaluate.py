@@ -662,8 +662,16 @@ def local_decoder(opts: EvaluateOptions, build, tp: str, dp: str, task, tau: flo
         return SemanticSpecDecoder(target, draft, tok, dtok, tp, dp, policy=policy, task=task)
 
     dec = make(default_policy(fast_path=dtok is None, tau=tau))
-    where = {"mode": "in-process", "target": build.model_path("target"), "draft": build.model_path("draft")}
+    where = {"mode": "in-process", **{role: _identity(m, t) for role, m, t in (("target", target, tok),
+                                                                               ("draft", draft, dtok or tok))}}
     return dec, dtok is None, make, where
+
+
+def _identity(model, tokenizer) -> dict:
+    """A model as the records' header names it: its fingerprint without its path, so a moved checkout resumes."""
+    from generation.fingerprints import model_fingerprint
+
+    return {k: v for k, v in model_fingerprint(model, tokenizer).items() if k != "name_or_path"}
 
 
 def check_before_loading(probe_dir: str, model_dir: str, tokenizer, role: str) -> None:

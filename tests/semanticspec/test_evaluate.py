@@ -145,6 +145,8 @@ def test_a_killed_evaluation_resumes_to_the_same_report(run, tmp_path):
                                                                           "threshold_file": None})
     again = E.main([*ARGS, "--probes", str(run.probes), "--out_dir", str(out), "--write_threshold", "false"])
     assert again == resumed  # a finished evaluation is not redone: the same records, the same figures
+    # the header names the models by their fingerprints, not their paths: a moved checkout resumes
+    assert str(ROOT) not in json.dumps(resumed["settings"]) and resumed["settings"]["where"]["target"]["num_layers"]
 
 
 def test_a_reused_decode_is_the_decode_at_its_threshold(run):
