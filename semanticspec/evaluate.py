@@ -609,13 +609,15 @@ def held_out(opts: EvaluateOptions, fit: FitRun) -> tuple[Any, list[dict], int]:
     return task, problems, skip
 
 
-def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems: list[dict], skip: int) -> Setup:
-    """The decoders (in-process or served) and the arms of the evaluation; servers and models are checked here."""
+def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems: list[dict], skip: int,
+               resumed: float | None = None) -> Setup:
+    """The decoders (in-process or served) and the arms of the evaluation; servers and models are checked here.
+    SemanticSpec's main threshold is ``--tau``, else the one of the run it resumes (``resumed``: a rerun does not move
+    to the pick its first run wrote), else the probes' ``threshold.json``, else 0.5."""
     from generation.fingerprints import sha256_file
     from semanticspec.setup import resolve_sampling, sampling_spec, stored_tau
 
-    tau = opts.tau if opts.tau is not None else stored_tau(probes / "target")
-    tau = 0.5 if tau is None else tau
+    tau = next((t for t in (opts.tau, resumed, stored_tau(probes / "target")) if t is not None), 0.5)
     tp, dp = str(probes / "target"), str(probes / "draft")
     if opts.target_url is not None:
         dec, shared, make, where = served_decoder(opts, tp, dp, task, tau)
@@ -635,7 +637,7 @@ def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems:
         arms["hf_target_only"] = Arm(dec, {**one, "method": "hf_target_only"}, reference="hf_target_only")
         arms["token_sd"] = Arm(dec, {**one, "method": "token_sd"}, reference="hf_target_only")
     header = {"format_version": FORMAT_VERSION, "where": where, "task": task.spec(), "seed": opts.seed,
-              "max_new_tokens": opts.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
+              "max_new_tokens": opts.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p, "tau": tau,
               "probes": {r: sha256_file(probes / r / "model.safetensors") for r in ("target", "draft")},
               "skip": skip}
     return Setup(arms, problems, dec.prompts([p["problem"] for p in problems]), task, tau, semanticspec_at,
@@ -746,8 +748,8 @@ def main(argv: list[str] | None = None) -> dict:
         probes = probe_dir(opts, fit)
         task, problems, skip = held_out(opts, fit)
         apply_threads(opts.threads, log=None)
-        setup = make_setup(opts, fit, probes, task, problems, skip)
         out_dir = Path(opts.out_dir) if opts.out_dir else probes / "evaluation"
+        setup = make_setup(opts, fit, probes, task, problems, skip, recorded_tau(out_dir))
         evaluation = Evaluation(setup, out_dir, opts.thresholds, opts.max_accuracy_drop, progress=opts.progress)
     except (ValueError, OSError, EngineError) as e:
         fail(PROG, str(e))
@@ -777,6 +779,15 @@ def save(report: dict, out_dir: Path) -> None:
     where = report.get("threshold_file")
     print(f"wrote {out_dir / 'evaluation.json'}, .md, .png"
           + (f"; threshold {report['pick']['tau']} in {where}" if where else ""))
+
+
+def recorded_tau(out_dir: Path) -> float | None:
+    """SemanticSpec's main threshold in the header of ``out_dir``'s ``records.jsonl``, or None (no records yet)."""
+    try:
+        with open(Path(out_dir) / "records.jsonl") as f:
+            return json.loads(f.readline())["header"].get("tau")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def iter_records(path: str | os.PathLike) -> Iterator[dict]:

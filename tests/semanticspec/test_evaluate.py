@@ -139,6 +139,8 @@ def test_a_killed_evaluation_resumes_to_the_same_report(run, tmp_path):
     out.mkdir()
     (out / "records.jsonl").write_text("".join(lines[:6]) + lines[6][:25])  # killed while writing line 7
     resumed = E.main([*ARGS, "--probes", str(run.probes), "--out_dir", str(out), "--write_threshold", "false"])
+    # the first run wrote its pick beside the probes; the resumed run keeps the threshold its records were decoded at
+    assert (run.probes / "threshold.json").is_file() and resumed["tau"] == run.report["tau"] == 0.5
     assert len((out / "records.jsonl").read_text().splitlines()) == len(lines)
     # the pick is the fastest threshold: it follows the timings, which a resumed run measures anew
     assert without_timings({**resumed, "pick": None}) == without_timings({**run.report, "pick": None,
