@@ -77,7 +77,8 @@ from datamodules.labels.shards import read_manifest
 from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.specs import SamplingSpec
-from semanticspec.parts import SHIPPED_WINDOW, run_probe
+from probes.model import run_probe
+from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.policies import OraclePolicy, ProbePolicy
 from semanticspec.results import Decision, summarize
 from semanticspec.engine_parts import features

@@ -155,3 +155,16 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
             cached = (layers, [layers[3 * i] for i in range(n + 1)] if plain else None)
             self.__dict__["_linear_cache"] = cached
         return cached[1]
+
+
+def run_probe(probe, x: torch.Tensor) -> list[float]:
+    """A probe's outputs for the rows of ``x`` (moved to the probe's device), as floats.
+
+    A :class:`SemanticProbe` runs its :meth:`~SemanticProbe.predict` (no per-call overhead); any other module (a
+    probe of the caller's own) is called.
+    """
+    predict = getattr(probe, "predict", None)
+    if predict is not None:
+        return predict(x).tolist()
+    device = next(probe.parameters(), torch.empty(0)).device
+    return probe(x.to(device)).float().cpu().tolist()

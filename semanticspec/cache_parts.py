@@ -22,7 +22,8 @@ from generation.features import probe_input, rows_features
 from generation.handover import Handover, decode_text
 from generation.sampling import key_stream
 from generation.writer import StepDraft, StepWriter
-from semanticspec.parts import ONE_STEP, Commit, Forced, Proposal, RoomAfter, RowState, Window, grow_windows, run_probe
+from probes.model import run_probe
+from semanticspec.parts import ONE_STEP, Commit, Forced, Proposal, RoomAfter, RowState, Window, grow_windows
 from semanticspec.policies import Needs, fast_path_keeps_rows, judge_score
 from semanticspec.scores import Scores
 from semanticspec.speculative import speculate_tokens

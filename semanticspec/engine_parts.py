@@ -46,9 +46,10 @@ from generation.features import FeatureSpec, probe_input, rows_features
 from generation.sampling import StreamKey, key_stream, stream_seed
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import ends_step
+from probes.model import run_probe
 from semanticspec.policies import FastPath, Needs
 from semanticspec.parts import (NOTHING_FORCED, ONE_STEP, Commit, Forced, Proposal, RoomAfter, RowState, Window,
-                                grow_windows, run_probe)
+                                grow_windows)
 from semanticspec.rows import Row, answer_complete
 from semanticspec.scores import Scores
 

@@ -253,16 +253,3 @@ def grow_windows(windows: dict[int, list[Proposal]], states: Mapping[int, RowSta
             return
         for i, d in write_more(more).items():
             windows[i].append(d)
-
-
-def run_probe(probe, x: torch.Tensor) -> list[float]:
-    """A probe's outputs for the rows of ``x`` (moved to the probe's device), as floats.
-
-    A :class:`~probes.model.SemanticProbe` runs its :meth:`~probes.model.SemanticProbe.predict` (no per-call
-    overhead); any other module is called.
-    """
-    predict = getattr(probe, "predict", None)
-    if predict is not None:
-        return predict(x).tolist()
-    device = next(probe.parameters(), torch.empty(0)).device
-    return probe(x.to(device)).float().cpu().tolist()

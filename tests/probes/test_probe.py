@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from probes.config import ProbeConfig
 from probes.export import export_probe, load_probe
 from generation.fingerprints import model_fingerprint
-from probes.model import SemanticProbe
+from probes.model import SemanticProbe, run_probe
 from probes.module import SemanticProbeModule
 from tests.conftest import tiny_llama
 
@@ -40,7 +40,6 @@ def test_paper_architecture_and_options():
 
 @pytest.mark.parametrize("combine, dims", [("concat", [32, 16]), ("concat", []), ("weighted_sum", [8])])
 def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims):
-    from semanticspec.parts import run_probe
 
     probe = SemanticProbe(ProbeConfig(hidden_size=8, layer_combine=combine, hidden_dims=dims,
                                       features=FeatureSpec(["hidden", "token_stats"], [-1, -2],
