@@ -40,6 +40,7 @@ from generation.paths import portable_paths
 from generation.specs import SamplingSpec
 from generation.writer import generate
 from probes.metrics import accuracy
+from semanticspec.evaluate import wilson
 
 PROBLEM_SEED = 20_000
 """Seed of the benchmark's problems; training validates on ``EVAL_SEED`` (10,000)."""
@@ -74,12 +75,9 @@ def solve(model, tok, problems: Sequence[task.Problem], seed: int, batch_size: i
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion ``k / n``."""
-    if n == 0:
-        return (0.0, 1.0)
-    p, d = k / n, 1 + z * z / n
-    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (round(max(0.0, c - h), 4), round(min(1.0, c + h), 4))
+    """95% Wilson score interval of a proportion ``k / n`` (:func:`semanticspec.evaluate.wilson`), to 4 digits."""
+    lo, hi = wilson(k, n, z)
+    return (round(lo, 4), round(hi, 4))
 
 
 def template_distribution(traces: Sequence[str]) -> dict:

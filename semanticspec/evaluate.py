@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from generation.cli import fail, one_line_parser
+from semanticspec.timing import rotation
 
 PROG = "python -m semanticspec.evaluate"
 FORMAT_VERSION = 1
@@ -70,14 +71,6 @@ def decode_one(arm: Arm, k: int, problem, prompt, seed: int, so_far: dict | None
     return arm.decoder.generate([prompt], seed=seed, **kw)[0]
 
 
-def rotation(names: Sequence[str], k: int) -> list[str]:
-    """The order of the arms on problem ``k`` (:func:`semanticspec.timing.rotation`: each takes every place in
-    turn, so machine load hits all alike)."""
-    from semanticspec.timing import rotation as rotate
-
-    return rotate(names, k)
-
-
 def interleaved(arms: dict[str, Arm], problems: Sequence, prompts: Sequence, seed: int, *,
                 order: Callable[[list[str], int], list[str]] = rotation,
                 around: Callable[[str], contextlib.AbstractContextManager] | None = None,
@@ -89,7 +82,8 @@ def interleaved(arms: dict[str, Arm], problems: Sequence, prompts: Sequence, see
         problems: the problems (handed to callable keywords).
         prompts: each problem's prompt as the decoders read it (``decoder.prompts``).
         seed: problem ``k``'s decodes use ``seed + k`` (a prompt decodes the same alone or beside others).
-        order: the arms' order on problem ``k`` (default :func:`rotation`).
+        order: the arms' order on problem ``k`` (default :func:`~semanticspec.timing.rotation`: each takes every place
+            in turn, so machine load hits all alike).
         around: a context manager per decode, by arm name (a benchmark records the forwards there).
         desc: the progress bar's label.
 
