@@ -129,8 +129,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             require_features(groups, stats, held, stats, where=f"data.feature_groups={groups}",
                              provider=f"the data in {self.data_dir}", wanted_topk=topk, provided_topk=topk)
             step, sampling, labels = _recorded_specs(sig)
-            features = FeatureSpec(groups, sig["layer_ids"], sig["pooling"], stats if "token_stats" in groups else (),
-                                   sig.get("top_k", 20), topk if "topk_stats" in groups else (),
+            features = FeatureSpec(groups, sig["layer_ids"], sig["pooling"], stats, sig.get("top_k", 20), topk,
                                    sig.get("source", "transformers"),  # builds before format 3 read in-process
                                    sig.get("hidden_norm", "final_norm"))
             self._spec = {r: {"hidden_size": int(sig["reads"][r]["hidden_size"]), "features": features,

@@ -212,13 +212,10 @@ class TargetVerifier(CachePart):
         self.coins.append(key_stream(key, "coins"))
         self.sampler.add_stream(key_stream(key, "sampling"))
 
-    def text(self, tokens) -> str:
-        """The text of target tokens (special tokens dropped)."""
-        return decode_text(self.tokenizer, tokens)
-
     def step(self, tokens: Sequence[int], n_forced: int) -> Proposal:
         """A target step (forced tokens first) as the loop commits it."""
-        return Proposal(tokens, n_forced, self.text(tokens), eos=self.tokenizer.eos_token_id in tokens)
+        tok = self.tokenizer
+        return Proposal(tokens, n_forced, decode_text(tok, tokens), eos=tok.eos_token_id in tokens)
 
     def ends_step(self, tokens: Sequence[int], limit: int) -> bool:
         """A target step of ``tokens`` is finished: its stopper says so, or it holds ``limit`` tokens."""
