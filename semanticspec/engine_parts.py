@@ -434,9 +434,12 @@ def cut_steps(w, forced: Forced, step: StepSpec, room: int) -> list[Proposal]:
     the step cap (the forced tokens count toward the first step's), or at ``room`` new tokens in all; an unfinished
     last step is dropped (the request stopped at its ``max_tokens``) unless EOS ended it. Empty when the server's
     token texts cannot be mended to spell its text (:func:`~generation.engines.base.spell`)."""
-    pieces = list(w.tokens.tokens) if w.tokens is not None else []
-    eos_piece = w.stop == "eos" and bool(pieces) and spell(pieces[:-1], w.text) is not None  # the EOS token's text
-    pieces = spell(pieces[:-1] if eos_piece else pieces, w.text) if w.tokens is not None else None
+    if w.tokens is None:
+        return []
+    pieces = list(w.tokens.tokens)
+    without_eos = spell(pieces[:-1], w.text) if w.stop == "eos" and pieces else None
+    eos_piece = without_eos is not None  # the last piece is the EOS token's own text
+    pieces = without_eos if eos_piece else spell(pieces, w.text)
     if pieces is None:
         return []
     out, a, lp = [], 0, w.tokens.logprobs.tolist()
