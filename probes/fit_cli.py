@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -23,6 +22,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.cli import OneLineErrors, parser_options
+from generation.paths import atomic_path
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
 from probes.fit_args import DESCRIPTION, PROG, fail, options_cache
 from probes.fit_callbacks import NoValidationFallback
@@ -120,9 +120,8 @@ def remember_options(parser) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         for old in path.parent.glob("fit-options-*.json"):  # of other versions or edits
             old.unlink(missing_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several processes of one run may write it at once
-        tmp.write_text(json.dumps(sorted(set(parser_options(parser)) | build)))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:  # a temporary of this process: several of one run may write it at once
+            tmp.write_text(json.dumps(sorted(set(parser_options(parser)) | build)))
     except OSError:
         pass  # an unwritable cache: the real parser checks the names of every run
 

@@ -413,6 +413,7 @@ def write_threshold(probes: Path, report: dict, command: str) -> Path | None:
     """Write the pick as ``threshold.json`` beside the probes (:data:`semanticspec.setup.THRESHOLD_FILE`); None when
     the rule picked nothing."""
     from generation.fingerprints import sha256_file
+    from generation.paths import atomic_path
     from semanticspec.setup import THRESHOLD_FILE, THRESHOLD_FORMAT
 
     p = report["pick"]
@@ -424,9 +425,8 @@ def write_threshold(probes: Path, report: dict, command: str) -> Path | None:
             "figures": {k: v for k, v in p.items() if k not in ("rule", "tau", "max_accuracy_drop")},
             "n_problems": report["n_evaluated"], "seed": report["seed"], "command": command}
     path = probes / THRESHOLD_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
 
