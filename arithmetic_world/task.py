@@ -228,6 +228,21 @@ class TaskConfig:
         return any(x in ok for x in range(self.start_range[0], self.start_range[1] + 1))
 
 
+def step_oracle(steps: Sequence[Meaning], answer: Any) -> Callable[[str, str], bool]:
+    """``oracle(step, output_so_far)``: a step is right when its meaning is the next of a problem's ``steps`` after the
+    output so far, or when it is the answer line with the right ``answer`` after every operation."""
+    from generation.steps import split_steps
+
+    def oracle(step: str, prefix: str) -> bool:
+        done = sum(meaning(s.strip()) is not None for s in split_steps(prefix))
+        m = meaning(step.strip())
+        if m is None:
+            return step.strip().startswith(ANSWER_MARKER) and check_answer(step, answer) and done == len(steps)
+        return done < len(steps) and m == steps[done]
+
+    return oracle
+
+
 @dataclass
 class Problem:
     """One problem with its reference trace; ``to_json`` gives the JSONL shape real data has."""
@@ -324,22 +339,11 @@ class ArithmeticTask(Task):
         return None if got is None else str(got)
 
     def step_judge(self, problem: dict) -> Callable[[str, str], bool]:
-        """The world's oracle for ``problem`` (a record with its reference ``trace``): a step is right when its meaning
-        is the problem's next operation after the output so far, or when it is the answer line with the right
-        answer after every operation."""
+        """The world's oracle (:func:`step_oracle`) for ``problem``, a record with its reference ``trace``."""
         from generation.steps import split_steps
 
         steps = [m for s in split_steps(problem["trace"]) if (m := meaning(s.strip())) is not None]
-
-        def judge(step: str, prefix: str) -> bool:
-            done = sum(meaning(s.strip()) is not None for s in split_steps(prefix))
-            m = meaning(step.strip())
-            if m is None:
-                return (step.strip().startswith(ANSWER_MARKER) and check_answer(step, problem["answer"])
-                        and done == len(steps))
-            return done < len(steps) and m == steps[done]
-
-        return judge
+        return step_oracle(steps, problem["answer"])
 
     def check(self, text: str, answer: Any) -> bool:
         try:

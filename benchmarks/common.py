@@ -18,7 +18,6 @@ from tqdm.auto import tqdm
 from benchmarks import harness
 from arithmetic_world import models, task
 from arithmetic_world.task import ArithmeticTask
-from generation.steps import split_steps
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.config import DecodeConfig
 from semanticspec.evaluate import paired_delta
@@ -37,20 +36,8 @@ PROBLEM_SEED = 30_000
 
 def oracle_for(problem: task.Problem):
     """``oracle(step, output_so_far)``: keep a step whose meaning is the problem's next correct operation,
-    or an answer line with the right answer."""
-
-    def oracle(step: str, prefix: str) -> bool:
-        done = sum(task.meaning(s.strip()) is not None for s in split_steps(prefix))
-        m = task.meaning(step.strip())
-        if m is None:
-            return (
-                step.strip().startswith(task.ANSWER_MARKER)
-                and task.check_answer(step, problem.answer)
-                and done == len(problem.steps)
-            )
-        return done < len(problem.steps) and m == problem.steps[done]
-
-    return oracle
+    or an answer line with the right answer (:func:`arithmetic_world.task.step_oracle`)."""
+    return task.step_oracle(problem.steps, problem.answer)
 
 
 def figures(results, problems, wall_ref: float) -> dict:
