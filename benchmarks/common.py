@@ -9,21 +9,18 @@ every table.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from benchmarks import harness
 from arithmetic_world import models, task
 from arithmetic_world.task import ArithmeticTask
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.config import DecodeConfig
+from semanticspec import evaluate
 from semanticspec.evaluate import paired_delta
 from semanticspec.policies import ProbePolicy
-from semanticspec.timing import rotation
-from probes.metrics import accuracy, speedup
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
 """Held-out four-operation problems: their prompt format, answer marker and checker (the oracle is the world's)."""
@@ -41,15 +38,9 @@ def oracle_for(problem: task.Problem):
 
 
 def figures(results, problems, wall_ref: float) -> dict:
-    """Accuracy and the summary figures of one method's results."""
-    s = summarize(results)
-    acc = accuracy(TASK.check(r.text, p.answer) for r, p in zip(results, problems))
-    fig = {"accuracy": acc, "wall_s": s["wall_s"], "speedup": speedup(wall_ref, s["wall_s"])}
-    keys = ("step_acceptance", "draft_token_share", "target_passes_per_100_tokens", "probe_overhead",
-            "output_tokens", "tokens_per_s", "target_passes", "draft_passes", "draft_steps_proposed",
-            "draft_steps_accepted", "probe_s")
-    fig.update({k: s[k] for k in keys})
-    return fig
+    """One method's figures on the world's problems (:func:`semanticspec.evaluate.figures`: accuracy with its Wilson
+    interval, speedup against ``wall_ref``, the decode summary)."""
+    return evaluate.figures(results, [TASK.check(r.text, p.answer) for r, p in zip(results, problems)], wall_ref)
 
 
 def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int,
@@ -71,42 +62,34 @@ def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int,
     return args, task.generate_problems(args.n_problems, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
 
 
-def interleaved(decs: dict[str, SemanticSpecDecoder], problems: Sequence, args: argparse.Namespace, desc: str,
-                batch: int = 1) -> tuple[dict[str, list], dict[str, float]]:
-    """``{name: results}`` and ``{name: wall seconds}`` of each of ``decs`` (``target_only`` runs target-only, the
-    others SemanticSpec; temperature 0.6, top-p 0.95, one step a pass) on ``problems``, ``batch`` at a time, in an
-    order rotating from chunk to chunk, chunk ``c`` with seed ``args.seed + c`` (``first_step``, ``rewrites``, ...)."""
-    runs, walls = {k: [] for k in decs}, dict.fromkeys(decs, 0.0)
-    chunks = range(0, len(problems), batch)
-    for c, start in enumerate(tqdm(chunks, desc=desc, unit="problem" if batch == 1 else "chunk")):
-        prompts = [p.problem + task.STEP_DELIMITER for p in problems[start : start + batch]]
-        for name in rotation(list(decs), c):
-            method = "target_only" if name == "target_only" else "semanticspec"
-            t0 = time.perf_counter()
-            runs[name] += decs[name].generate(prompts, seed=args.seed + c, method=method,
-                                              max_new_tokens=args.max_new_tokens, temperature=0.6, top_p=0.95,
-                                              lookahead=1)
-            walls[name] += time.perf_counter() - t0
-    return runs, walls
+def versus_runs(decs: dict[str, SemanticSpecDecoder], problems: Sequence, args: argparse.Namespace, desc: str,
+                batch: int = 1) -> dict[str, list]:
+    """``{name: results}`` of each of ``decs`` (``target_only`` runs target-only, the others SemanticSpec; temperature
+    0.6, top-p 0.95, one step a pass) on ``problems``, through the evaluation's core
+    (:func:`semanticspec.evaluate.interleaved`: ``batch`` problems a call, the order rotating, chunk ``c`` with seed
+    ``args.seed + c``), for ``first_step``, ``rewrites`` and ``probe_cost``."""
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": 0.6, "top_p": 0.95, "lookahead": 1}
+    arms = {name: evaluate.Arm(dec, {"method": "target_only" if name == "target_only" else "semanticspec", **gen})
+            for name, dec in decs.items()}
+    prompts = [p.problem + task.STEP_DELIMITER for p in problems]
+    return evaluate.interleaved(arms, problems, prompts, args.seed, batch=batch, desc=desc)
 
 
-def versus_target_only(runs: dict[str, list], problems: Sequence, walls: dict[str, float]) -> tuple[dict, dict]:
+def versus_target_only(runs: dict[str, list], problems: Sequence) -> tuple[dict, dict]:
     """Each method's figures against ``target_only`` on the same problems (``first_step``, ``rewrites``).
 
     Args:
         runs: per method, its results in problem order (one method is ``target_only``).
         problems: the problems decoded (the world's answer checker reads them).
-        walls: per method, its wall seconds.
 
     Returns:
-        ``({method: {accuracy, wall_s, speedup, step_acceptance, accuracy_delta, accuracy_delta_ci95}},
+        ``({method: {the figures of :func:`semanticspec.evaluate.figures`, accuracy_delta, accuracy_delta_ci95}},
         {method: [right per problem]})``; the deltas are paired by problem against target-only.
     """
     right = {k: [task.check_answer(r.text, p.answer) for r, p in zip(v, problems)] for k, v in runs.items()}
-    methods = {name: {"accuracy": accuracy(right[name]), "wall_s": walls[name],
-                      "speedup": speedup(walls["target_only"], walls[name]),
-                      "step_acceptance": summarize(res)["step_acceptance"],
-                      **paired_delta(right[name], right["target_only"])} for name, res in runs.items()}
+    ref = summarize(runs["target_only"])["wall_s"]
+    methods = {name: {**evaluate.figures(res, right[name], ref), **paired_delta(right[name], right["target_only"])}
+               for name, res in runs.items()}
     return methods, right
 
 

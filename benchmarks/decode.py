@@ -78,7 +78,7 @@ from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, default_policy
 from semanticspec.config import PROBE_DTYPES, resolve_probe_dtype
 from semanticspec.timing import rotation
-from probes.metrics import speedup
+from semanticspec.results import speedup
 
 ABLATION_ROOT = REPO / "checkpoints" / "arithmetic" / "probes-ablation"
 ABLATIONS = ("hidden", "token_stats")

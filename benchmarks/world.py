@@ -39,7 +39,7 @@ from arithmetic_world.task import ArithmeticTask
 from generation.paths import portable_paths
 from generation.specs import SamplingSpec
 from generation.writer import generate
-from probes.metrics import accuracy
+from semanticspec.results import accuracy
 from semanticspec.evaluate import wilson
 
 PROBLEM_SEED = 20_000

@@ -21,7 +21,7 @@ from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from probes.export import check_probe_matches
 from semanticspec.timing import load_per_core, rotation, timing_noise, unreliable_because
-from probes.metrics import accuracy, speedup
+from semanticspec.results import accuracy, speedup
 
 METHODS = ("target_only", "semanticspec")
 """The methods every run decodes, the speedup's reference first."""

@@ -71,7 +71,7 @@ def decode_one(arm: Arm, k: int, problem, prompt, seed: int, so_far: dict | None
     return arm.decoder.generate([prompt], seed=seed, **kw)[0]
 
 
-def interleaved(arms: dict[str, Arm], problems: Sequence, prompts: Sequence, seed: int, *,
+def interleaved(arms: dict[str, Arm], problems: Sequence, prompts: Sequence, seed: int, *, batch: int = 1,
                 order: Callable[[list[str], int], list[str]] = rotation,
                 around: Callable[[str], contextlib.AbstractContextManager] | None = None,
                 desc: str = "decode") -> dict[str, list]:
@@ -82,21 +82,34 @@ def interleaved(arms: dict[str, Arm], problems: Sequence, prompts: Sequence, see
         problems: the problems (handed to callable keywords).
         prompts: each problem's prompt as the decoders read it (``decoder.prompts``).
         seed: problem ``k``'s decodes use ``seed + k`` (a prompt decodes the same alone or beside others).
-        order: the arms' order on problem ``k`` (default :func:`~semanticspec.timing.rotation`: each takes every place
-            in turn, so machine load hits all alike).
+        batch: problems decoded at once by one ``generate`` call; chunk ``c`` of ``batch`` problems is decoded with
+            seed ``seed + c`` (each prompt from its own streams: :func:`~generation.sampling.stream_keys`), and the
+            arms' order rotates from chunk to chunk. Arms with callable keywords decode one problem at a time.
+        order: the arms' order on problem (chunk) ``k`` (default :func:`~semanticspec.timing.rotation`: each takes
+            every place in turn, so machine load hits all alike).
         around: a context manager per decode, by arm name (a benchmark records the forwards there).
         desc: the progress bar's label.
 
     Returns:
         ``{name: [DecodeResult per problem]}``.
+
+    Raises:
+        ValueError: ``batch`` below 1, or above 1 with an arm whose keywords are a function of the problem.
     """
     from tqdm.auto import tqdm
 
+    if batch < 1 or (batch > 1 and any(callable(a.keywords) for a in arms.values())):
+        raise ValueError(f"batch={batch}: expected 1, or more with every arm's keywords a dict")
     out: dict[str, list] = {n: [] for n in arms}
-    for k, p in enumerate(tqdm(problems, desc=desc, unit="problem")):
-        for name in order(list(arms), k):
+    chunks = range(0, len(problems), batch)
+    for c, k in enumerate(tqdm(chunks, desc=desc, unit="problem" if batch == 1 else "chunk")):
+        for name in order(list(arms), c):
             with around(name) if around is not None else contextlib.nullcontext():
-                out[name].append(decode_one(arms[name], k, p, prompts[k], seed + k, out))
+                if batch == 1:
+                    out[name].append(decode_one(arms[name], k, problems[k], prompts[k], seed + k, out))
+                else:
+                    out[name] += arms[name].decoder.generate(list(prompts[k : k + batch]), seed=seed + c,
+                                                             **arms[name].keywords)
     return out
 
 
@@ -164,14 +177,15 @@ def same_decisions(result, tau: float, other: float) -> bool:
 def figures(results: Sequence, right: Sequence[bool], reference_wall: float) -> dict:
     """One method's figures over its results: accuracy with its Wilson interval, speedup against
     ``reference_wall`` (the reference's wall seconds on the same problems) and the decode summary."""
-    from semanticspec.results import summarize
+    from semanticspec.results import accuracy, speedup, summarize
 
     s, n = summarize(results), len(right)
     wall = s["wall_s"]
     keys = ("tokens_per_s", "step_acceptance", "draft_token_share", "target_passes_per_100_tokens", "output_tokens",
-            "draft_steps_proposed", "draft_steps_accepted", "target_passes", "probe_overhead")
-    return {"accuracy": sum(right) / n if n else math.nan, "accuracy_ci95": wilson(sum(right), n),
-            "wall_s": wall, "speedup": reference_wall / wall if wall > 0 else math.nan, "n_problems": n,
+            "draft_steps_proposed", "draft_steps_accepted", "target_passes", "draft_passes",
+            "probe_overhead", "probe_s")
+    return {"accuracy": accuracy(right), "accuracy_ci95": wilson(sum(right), n),
+            "wall_s": wall, "speedup": speedup(reference_wall, wall), "n_problems": n,
             **{k: s[k] for k in keys}}
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from probes import metrics
+from semanticspec import results as metrics
 from semanticspec.decoder import DecodeResult, DecodeStats, summarize
 
 
