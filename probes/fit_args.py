@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import NoReturn
 
 from generation.cli import check_yaml_files, did_you_mean
+from generation.paths import default_cache_dir
 from generation.cli import fail as cli_fail
 
 PROG = "python -m probes.fit"
@@ -73,5 +73,4 @@ def options_cache() -> Path:
     stamps = [(str(p), p.stat().st_mtime_ns, p.stat().st_size) for name in PACKAGES
               for p in sorted((root / name).rglob("*.py"))]
     key = json.dumps([sys.version, version("lightning"), version("jsonargparse"), stamps])
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "semanticspec"
-    return cache / f"fit-options-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return default_cache_dir() / f"fit-options-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

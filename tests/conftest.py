@@ -34,6 +34,17 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _fit_options_in_a_temporary_folder(tmp_path_factory, monkeypatch):
+    """A fit run in-process keeps its option names (``probes.fit_args.options_cache``) where a test's
+    ``$SEMANTICSPEC_CACHE`` says, else in this session's temporary folder, not in the user's cache."""
+    import probes.fit_args
+    from generation.paths import CACHE_ENV
+
+    root = tmp_path_factory.getbasetemp() / "fit-options"
+    monkeypatch.setattr(probes.fit_args, "default_cache_dir", lambda: Path(os.environ.get(CACHE_ENV) or root))
+
+
 # --------------------------------------------------------------------------- what a run skipped, and why
 
 

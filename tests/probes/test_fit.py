@@ -519,7 +519,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mistyped_options_are_refused_in_one_line_before_torch_loads(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("SEMANTICSPEC_CACHE", str(tmp_path / "cache"))
     status, err, heavy = refuse_in_a_fresh_process("probes.fit", ["--trainer.max_epochz", "3"])
     assert status == 2 and len(err) == 1 and "--trainer.max_epochz" in err[0]  # no names kept yet: the real parser
     with pytest.raises(SystemExit):
@@ -543,7 +543,7 @@ def test_mistyped_options_are_refused_in_one_line_before_torch_loads(tmp_path, m
 def test_the_first_pass_knows_every_option_the_real_parser_knows(tmp_path, monkeypatch, capsys):
     from probes.fit_args import is_known, options_cache
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("SEMANTICSPEC_CACHE", str(tmp_path))
     with pytest.raises(SystemExit):
         main(["--print_config"])
     known = set(json.loads(options_cache().read_text()))
