@@ -42,6 +42,27 @@ POSITIVE_AT = 0.5
 """Label at or above which a sample counts as positive for AUROC and calibration error."""
 
 
+FROM_THE_DATA = {
+    "hidden_size": "the hidden size of the model it reads (data.build.target / data.build.draft)",
+    "features": "data.feature_groups and data.build.layer_ids, pooling, token_stats, top_k, topk_stats",
+    "reads": "the model it reads (data.build.target / data.build.draft)",
+    "step": "data.build.steps",
+    "sampling": "data.build.sampling",
+    "labels": "the label build (data.build)",
+    "role": "model.roles",
+}
+"""The probe config's fields the fit fills per role from the data (``input_spec``), and where each is set."""
+
+
+def _filled_from_the_data(probe: ProbeConfig | dict) -> list[str]:
+    """The fields of ``probe`` (``model.probe``) given other values than their defaults although the fit fills them
+    from the data, so that a value given there is refused rather than silently replaced."""
+    given = ProbeConfig.from_dict(probe) if isinstance(probe, dict) else probe
+    default = ProbeConfig()
+    return [f"model.probe.{k}={getattr(given, k)!r}: filled per role from the data; set {where}"
+            for k, where in FROM_THE_DATA.items() if getattr(given, k) != getattr(default, k)]
+
+
 def regression_metrics() -> MetricCollection:
     """MSE, MAE, R², Pearson on the probability; AUROC and calibration error at label >= 0.5."""
     return MetricCollection(
@@ -64,8 +85,9 @@ class SemanticProbeModule(L.LightningModule):
 
     Args:
         probe: architecture shared by the probes (widths, dropout, layer combination). Fields that
-            only the data knows (hidden_size, what the probe reads, reads, step, sampling, labels) are
-            filled per role from ``input_spec``.
+            only the data knows (hidden_size, what the probe reads, reads, step, sampling, labels) and the
+            role are filled per role from ``input_spec``; with an ``input_spec``, one given another value
+            here is refused (:data:`FROM_THE_DATA` says where each is set).
         roles: which probes to train: ``target``, ``draft`` or both.
         input_spec: per role, what the data holds (linked from ``data.input_spec`` by the CLI).
         loss: ``mse`` on the semantic probability (paper) or ``bce`` with soft labels.
@@ -95,6 +117,8 @@ class SemanticProbeModule(L.LightningModule):
             errors.append(f"input_spec lacks roles {missing}; it has {sorted(input_spec or {})}")
         if not draft_low_label_weight > 0:
             errors.append(f"draft_low_label_weight={draft_low_label_weight}: expected > 0")
+        if input_spec is not None:
+            errors += _filled_from_the_data(probe)
         if errors:
             raise ValueError("invalid SemanticProbeModule arguments: " + "; ".join(errors))
         self.save_hyperparameters(ignore=["optimizer"])
@@ -104,6 +128,8 @@ class SemanticProbeModule(L.LightningModule):
         self.draft_low_label_weight = float(draft_low_label_weight)
         self.probe_configs = {r: self._role_config(probe, r, (input_spec or {}).get(r)) for r in self.roles}
         self.probes = nn.ModuleDict({r: SemanticProbe(c) for r, c in self.probe_configs.items()})
+        if all(c.input_size for c in self.probe_configs.values()):  # the model summary's sizes and FLOPs
+            self.example_input_array = {r: torch.zeros(1, c.input_size) for r, c in self.probe_configs.items()}
         # metric set -> the name it logs under: each probe on all its rows, the target probe per writer
         self.metric_names = {r: r for r in self.roles}
         if "target" in self.roles:
@@ -123,9 +149,10 @@ class SemanticProbeModule(L.LightningModule):
         known = ("hidden_size", "features", "reads", "step", "sampling", "labels")
         return replace(probe, role=role, **{k: copy.deepcopy(spec[k]) for k in known if k in (spec or {})})
 
-    def forward(self, role: str, features: torch.Tensor) -> torch.Tensor:
-        """Semantic probability of each row for ``role``'s probe. Returns (B,)."""
-        return self.probes[role](features)
+    def forward(self, **features: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Semantic probability of each row, per role: ``module(target=x)`` gives ``{"target": (B,)}`` (any of the
+        module's roles, each with its ``(B, W)`` features)."""
+        return {role: self.probes[role](x) for role, x in features.items()}
 
     def setup(self, stage: str) -> None:
         """Before fitting, standardise each probe's inputs with the training rows' moments (from the datamodule)."""

@@ -587,3 +587,32 @@ def test_a_data_dir_that_is_a_file_is_named_as_such_without_lightning_lines(tmp_
     # in a process of its own, where Lightning's log lines reach stderr: none before the refusal
     status, err, _ = refuse_in_a_fresh_process("probes.fit", ["--config", str(cfg), "--data.data_dir", str(cfg)])
     assert status == 2 and err == [line], err
+
+
+def test_the_model_summary_counts_each_probes_sizes_and_flops():
+    """The fit's model summary runs both probes on an example row: their in/out sizes and FLOPs, not zeros."""
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    from probes.config import ProbeConfig
+    from probes.module import SemanticProbeModule
+
+    spec = {r: {"hidden_size": h, "features": FeatureSpec()} for r, h in (("target", 8), ("draft", 6))}
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
+    out = module(**module.example_input_array)
+    assert {r: tuple(q.shape) for r, q in out.items()} == {"target": (1,), "draft": (1,)}
+    summary = ModelSummary(module, max_depth=2)
+    widths = {r: module.probe_configs[r].input_size for r in ("target", "draft")}
+    assert summary.total_flops > 0
+    assert summary.in_sizes[summary.layer_names.index("probes.target")] == [1, widths["target"]]
+    assert summary.in_sizes[summary.layer_names.index("probes.draft")] == [1, widths["draft"]]
+
+
+def test_a_probe_field_the_data_fills_is_refused_not_ignored(tmp_path, capsys):
+    """``model.probe.features`` (and the other fields the fit fills per role from the data) would be replaced by the
+    data's; a value given there is refused in one line that says where to set it."""
+    cfg = _tiny_config(tmp_path)
+    line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.features.layer_ids", "[-2]"])
+    assert "model.probe.features=" in line and "set data.feature_groups and data.build.layer_ids" in line
+    line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.role", "draft"])
+    assert "model.probe.role='draft': filled per role from the data; set model.roles" in line
+    assert not (tmp_path / "runs").exists()

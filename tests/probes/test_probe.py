@@ -295,7 +295,7 @@ def test_module_learns_both_roles(tmp_path, loss):
                         enable_model_summary=False, default_root_dir=tmp_path)
     with torch.no_grad():
         val = list(_batches(4, widths, seed=1))
-        before = sum(float(((module(r, b[r]["features"]) - b[r]["label"]) ** 2).mean()) for b in val
+        before = sum(float(((module(**{r: b[r]["features"]})[r] - b[r]["label"]) ** 2).mean()) for b in val
                      for r in widths) / 8
     trainer.fit(module, _batches(30, widths), _batches(4, widths, seed=1))
     metrics = trainer.callback_metrics
