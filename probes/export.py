@@ -102,14 +102,7 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
     from probes.model import SemanticProbe
 
     path = Path(path)
-    if path.is_file():  # e.g. ".../target/config.json": the probe is the folder
-        raise FileNotFoundError(f"{path} is a file; pass the folder of an exported probe (config.json + "
-                                f"model.safetensors), e.g. {path.parent}")
-    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")
-    config = _read_config(path / "config.json")
-    check_role(config, role, where=f"probe at {path}")
+    config = probe_config(path, role)
     if model is not None:
         if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
             warnings.warn(
@@ -126,6 +119,25 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
     probe = SemanticProbe(config)
     probe.load_state_dict(_read_weights(weights), strict=False)  # shapes and names checked in the header
     return probe.to(device or "cpu").eval()
+
+
+def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeConfig:
+    """The config of the exported probe at ``path``, read without its weights (what :func:`load_probe` checks first).
+
+    Raises:
+        FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``, or is one of them.
+        ValueError: ``config.json`` is no valid probe config, or the probe's role is not ``role`` (None: any).
+    """
+    path = Path(path)
+    if path.is_file():  # e.g. ".../target/config.json": the probe is the folder
+        raise FileNotFoundError(f"{path} is a file; pass the folder of an exported probe (config.json + "
+                                f"model.safetensors), e.g. {path.parent}")
+    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")
+    config = _read_config(path / "config.json")
+    check_role(config, role, where=f"probe at {path}")
+    return config
 
 
 _REDO = "re-export the probe (probes.export.export_probe) or restore the file"

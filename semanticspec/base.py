@@ -133,6 +133,24 @@ class StepDecoder:
                                           method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
         return loop, step, method, problems, sampling
 
+    def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
+                 enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:
+        """The :class:`~generation.specs.SamplingSpec` a decode samples with: the values given, else how the probes'
+        labels were sampled, else the defaults (T = 0.6, top-p 0.95).
+
+        Args:
+            temperature: 0 is greedy; None = the probes'.
+            top_p: nucleus mass; None = the probes'.
+            enforce: refuse a given value that differs from the probes' (naming both), as every method whose
+                decisions come from the probes does: a probe judges steps like the ones it was trained on.
+            allow_mismatch: with ``enforce``, warn about such a value instead of refusing it.
+
+        Raises:
+            ValueError: a value that differs from the probes' (with ``enforce`` and without ``allow_mismatch``), or
+                a bad value (naming it).
+        """
+        return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
+
     def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
         """Whether the target writes its steps with token-level speculation, and whether a bonus token opens the step
         after a kept one, for ``cfg`` on this decoder (ValueError: what it cannot run)."""

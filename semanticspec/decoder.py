@@ -52,7 +52,7 @@ import torch
 from generation.cache import BatchedCache, context_length
 from generation.handover import Handover, decode_text, pad_id
 from generation.sampling import Sampler, StreamKey, key_stream, stream_keys
-from generation.specs import SamplingSpec, StepSpec
+from generation.specs import StepSpec
 from generation.writer import StepWriter
 from semanticspec import setup
 from semanticspec.base import Plan, StepDecoder
@@ -214,24 +214,6 @@ class SemanticSpecDecoder(StepDecoder):
 
     def prompt_room(self, plan: Plan) -> int | None:
         return self._room(len(plan.inputs[0][0]), len(plan.inputs[1][0]), plan.spare)
-
-    def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
-                 enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:
-        """The :class:`~generation.specs.SamplingSpec` a decode samples with: the values given, else how the probes'
-        labels were sampled, else the defaults (T = 0.6, top-p 0.95).
-
-        Args:
-            temperature: 0 is greedy; None = the probes'.
-            top_p: nucleus mass; None = the probes'.
-            enforce: refuse a given value that differs from the probes' (naming both), as every method whose
-                decisions come from the probes does: a probe judges steps like the ones it was trained on.
-            allow_mismatch: with ``enforce``, warn about such a value instead of refusing it.
-
-        Raises:
-            ValueError: a value that differs from the probes' (with ``enforce`` and without ``allow_mismatch``), or
-                a bad value (naming it).
-        """
-        return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
 
 
 def _layers(probe) -> list[int]:

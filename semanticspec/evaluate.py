@@ -623,7 +623,7 @@ def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems:
     SemanticSpec's main threshold is ``--tau``, else the one of the run it resumes (``resumed``: a rerun does not move
     to the pick its first run wrote), else the probes' ``threshold.json``, else 0.5."""
     from generation.fingerprints import sha256_file
-    from semanticspec.setup import resolve_sampling, sampling_spec, stored_tau
+    from semanticspec.setup import stored_tau
 
     tau = next((t for t in (opts.tau, resumed, stored_tau(probes / "target")) if t is not None), 0.5)
     tp, dp = str(probes / "target"), str(probes / "draft")
@@ -632,7 +632,7 @@ def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems:
     else:
         dec, shared, make, where = local_decoder(opts, fit.build, tp, dp, task, tau)
     # every method samples as the probes' labels were sampled (as the decode benchmark does)
-    spec = resolve_sampling(sampling_spec((dec.target_probe, dec.draft_probe)), None, None, enforce=True)
+    spec = dec.sampling()
     gen = {"max_new_tokens": opts.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p}
     one = {**gen, "lookahead": 1}
 
@@ -668,10 +668,12 @@ def local_decoder(opts: EvaluateOptions, build, tp: str, dp: str, task, tau: flo
     if opts.draft_device is not None or opts.target_device is not None:
         draft = draft.to(opts.draft_device or opts.target_device)
 
-    def make(policy):
-        return SemanticSpecDecoder(target, draft, tok, dtok, tp, dp, policy=policy, task=task)
+    dec = SemanticSpecDecoder(target, draft, tok, dtok, tp, dp, default_policy(fast_path=dtok is None, tau=tau),
+                              task=task)
 
-    dec = make(default_policy(fast_path=dtok is None, tau=tau))
+    def make(policy):  # the same decoder at another policy, on the probes loaded once
+        return SemanticSpecDecoder(target, draft, tok, dtok, dec.target_probe, dec.draft_probe, policy, task=task)
+
     where = {"mode": "in-process", **{role: _identity(m, t) for role, m, t in (("target", target, tok),
                                                                                ("draft", draft, dtok or tok))}}
     return dec, dtok is None, make, where
@@ -695,9 +697,9 @@ def check_before_loading(probe_dir: str, model_dir: str, tokenizer, role: str) -
 
     from transformers import AutoConfig
 
-    from probes.export import check_probe_matches, load_probe
+    from probes.export import check_probe_matches, probe_config
 
-    config = load_probe(probe_dir, role=role).config
+    config = probe_config(probe_dir, role)
     model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
     check_probe_matches(config, model, tokenizer, where=f"--probes {Path(probe_dir).parent}: {role}/")
 
@@ -712,11 +714,13 @@ def served_decoder(opts: EvaluateOptions, tp: str, dp: str, task, tau: float):
     engines = [make_engine(opts.engine, url, None, api_key_env=opts.api_key_env, retries=1, timeout=30.0)
                for url in (opts.target_url, opts.draft_url)]
 
-    def make(policy):
-        return ServedDecoder(*engines, tp, dp, policy, task=task, concurrency=1)
+    dec = ServedDecoder(*engines, tp, dp, default_policy(tau=tau), task=task, concurrency=1)
+
+    def make(policy):  # the same decoder at another policy, on the probes loaded once
+        return ServedDecoder(*engines, dec.target_probe, dec.draft_probe, policy, task=task, concurrency=1)
 
     where = {"mode": "served", "engine": opts.engine, "target": opts.target_url, "draft": opts.draft_url}
-    return make(default_policy(tau=tau)), False, make, where
+    return dec, False, make, where
 
 
 def parser():
