@@ -50,6 +50,7 @@ names two) and stops them at the end. What it measures:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -82,8 +83,8 @@ from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.policies import OraclePolicy, ProbePolicy
 from semanticspec.results import Decision, summarize
 from semanticspec.engine_parts import features
+from semanticspec.evaluate import Arm, interleaved
 from semanticspec.served import ServedDecoder
-from semanticspec.timing import rotation
 from probes.export import load_probe
 
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
@@ -260,27 +261,36 @@ def decoders(target, draft, engine_pair: Path) -> dict[str, ServedDecoder]:
             for name, pair in (("shipped", SHIPPED), ("engine", engine_pair))}
 
 
-def interleaved(decs: dict, engines: tuple, prompts: list[str], problems, args) -> dict[str, list]:
-    """Every method on every problem, one prompt at a time, the order rotating from problem to problem."""
-    runs: dict[str, list] = {m: [] for m in METHODS}
+def arms(decs: dict, args) -> dict[str, Arm]:
+    """Every method of :data:`METHODS` as the evaluation's core decodes it: its decoder (the engine-trained pair's for
+    ``semanticspec_engine_probes``) and its ``generate`` keywords (one step a pass unless the row names a window; the
+    oracle's depends on the problem)."""
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-           "lookahead": 1}  # rows judge one step per pass unless they name a window
-    for k, (prompt, p) in enumerate(tqdm(list(zip(prompts, problems)), desc="methods", unit="problem")):
-        for m in rotation(METHODS, k):
-            for e in engines:
-                e.tag = m
-            dec = decs["engine" if m == "semanticspec_engine_probes" else "shipped"]
-            method = m if m != "oracle_accept" else OraclePolicy(oracle_for(p))
-            method, extra = "semanticspec" if m.startswith("semanticspec") else method, {}
-            if "[lookahead=" in m:
-                size, *flags = m[m.index("=") + 1 : -1].split()
-                extra.update(lookahead=int(size), overlap="overlap" in flags)
-                if "adaptive" in flags:
-                    extra.update(window_min_logprob=SHIPPED_WINDOW.min_logprob)
-            runs[m] += dec.generate([prompt], method=method, seed=args.seed + k, **{**gen, **extra})
+           "lookahead": 1}
+    out = {}
+    for m in METHODS:
+        kw = {**gen, "method": "semanticspec" if m.startswith("semanticspec") else m}
+        if "[lookahead=" in m:
+            size, *flags = m[m.index("=") + 1 : -1].split()
+            kw.update(lookahead=int(size), overlap="overlap" in flags)
+            if "adaptive" in flags:
+                kw.update(window_min_logprob=SHIPPED_WINDOW.min_logprob)
+        if m == "oracle_accept":
+            kw = lambda k, p, so_far: {**gen, "method": OraclePolicy(oracle_for(p))}  # noqa: E731
+        out[m] = Arm(decs["engine" if m == "semanticspec_engine_probes" else "shipped"], kw)
+    return out
+
+
+@contextlib.contextmanager
+def tagged(engines: tuple, method: str):
+    """The engines' requests tagged with ``method`` while it decodes (the request log groups them by it)."""
     for e in engines:
-        e.tag = ""
-    return runs
+        e.tag = method
+    try:
+        yield
+    finally:
+        for e in engines:
+            e.tag = ""
 
 
 def greedy_equivalence(dec: ServedDecoder, prompts: list[str], args) -> dict:
@@ -584,7 +594,8 @@ def measure(args, servers, tmp: Path, n: int) -> dict:
     target.log.clear()
     draft.log.clear()
     offset = Path(servers[0].log).stat().st_size
-    runs = interleaved(decs, (target, draft), prompts, problems, args)
+    runs = interleaved(arms(decs, args), problems, prompts, args.seed, around=lambda m: tagged((target, draft), m),
+                       desc="methods")  # every method on every problem, one prompt at a time, the order rotating
     time.sleep(1.0)  # the server's log lines of the last request
     with open(servers[0].log, "rb") as f:
         f.seek(offset)
