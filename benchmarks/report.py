@@ -7,7 +7,7 @@
 
 A generated table sits between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->``; the text around the
 markers is hand-written and kept as it is. A benchmark run rewrites its JSON; this command then brings the pages
-up to date, and ``tests/test_benchmark_report.py`` fails while they are not.
+up to date, and ``tests/benchmarks/test_report.py`` fails while they are not.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("page", report.PAGES, ids=lambda p: p.name)
