@@ -8,32 +8,10 @@ from semanticspec.decoder import DecodeResult, DecodeStats, summarize
 
 
 def test_summarize_uses_the_definitions():
-    a = DecodeResult(
-        "x",
-        stats=DecodeStats(
-            wall_s=2.0,
-            output_tokens=100,
-            draft_tokens=60,
-            steps=10,
-            draft_steps_proposed=9,
-            draft_steps_accepted=6,
-            target_passes=30,
-            probe_s=0.1,
-        ),
-    )
-    b = DecodeResult(
-        "y",
-        stats=DecodeStats(
-            wall_s=1.0,
-            output_tokens=50,
-            draft_tokens=0,
-            steps=5,
-            draft_steps_proposed=4,
-            draft_steps_accepted=0,
-            target_passes=20,
-            probe_s=0.05,
-        ),
-    )
+    fields = ("wall_s", "output_tokens", "draft_tokens", "steps", "draft_steps_proposed", "draft_steps_accepted",
+              "target_passes", "probe_s")
+    a, b = (DecodeResult(text, stats=DecodeStats(**dict(zip(fields, values))))
+            for text, values in (("x", (2.0, 100, 60, 10, 9, 6, 30, 0.1)), ("y", (1.0, 50, 0, 5, 4, 0, 20, 0.05))))
     s = summarize([a, b])
     assert s["step_acceptance"] == pytest.approx(6 / 13)
     assert s["draft_token_share"] == pytest.approx(60 / 150)
