@@ -87,7 +87,11 @@ class DecodeStats:
     draft_steps_proposed: int = 0
     draft_steps_accepted: int = 0
     target_passes: int = 0
+    """Target passes: in-process, forwards of the target that fed this row (one per token it wrote alone, one per
+    step or window it read); served, requests to the target's server (a whole step written is one), so served and
+    in-process figures of it do not compare."""
     draft_passes: int = 0
+    """Draft passes, counted as ``target_passes`` is."""
     probe_s: float = 0.0
     first_step_s: float = 0.0
     draft_s: float = 0.0
