@@ -267,8 +267,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             self.setup()
         groups = self.input_spec[self.roles[0]]["features"].groups
         stream = ShardStream(self.shards, self.roles, split, self.batch_size, split == "train", self.shuffle_buffer,
-                             self.seed, (self.val_fraction, self.test_fraction), self.nonfinite, groups)
-        stream._num_workers = self.num_workers
+                             self.seed, (self.val_fraction, self.test_fraction), self.nonfinite, groups,
+                             self.num_workers)
         return EpochLoader(stream, batch_size=None, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:

@@ -79,12 +79,14 @@ class ShardStream(IterableDataset):
         fractions: ``(val_fraction, test_fraction)``.
         nonfinite: ``error`` or ``drop`` rows whose features hold NaN or inf.
         groups: feature groups to stream (``hidden``, ``token_stats``, ``topk_stats``), concatenated in this order.
+        num_workers: the dataloader workers that share the stream (its length counts their short last batches).
     """
 
     def __init__(self, shards: list[dict], roles: list[str], split: str, batch_size: int, shuffle: bool,
                  shuffle_buffer: int, seed: int, fractions: tuple[float, float], nonfinite: str = "error",
-                 groups: tuple[str, ...] = ("hidden",)):
+                 groups: tuple[str, ...] = ("hidden",), num_workers: int = 0):
         self.shards, self.roles, self.split, self.groups = shards, list(roles), split, tuple(groups)
+        self.num_workers = num_workers
         self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, shuffle_buffer
         self.seed, self.fractions, self.nonfinite = seed, fractions, nonfinite
         self.epoch = -1
@@ -93,7 +95,7 @@ class ShardStream(IterableDataset):
     def __len__(self) -> int:
         """Batches per rank (an upper bound with several workers, whose last batches may be short)."""
         per_rank = sum(s["rows"][self.split] for s in self.shards) // self.world
-        workers = max(1, getattr(self, "_num_workers", 1))
+        workers = max(1, self.num_workers)
         return math.ceil(per_rank / self.batch_size) + (workers - 1 if per_rank else 0)
 
     def _order(self) -> list[int]:
