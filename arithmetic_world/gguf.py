@@ -56,13 +56,17 @@ GREEDY = ("\n\n",)
 """Pieces typed user-defined: llama.cpp splits them out of the text first, leftmost, before Viterbi (see the module
 docstring)."""
 SOURCE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+GGUF_FORMAT = 1
+"""Version of what :func:`export_gguf` writes from those files; part of the cache key. Raise it with any change to
+the written bytes (tensor layout, metadata, the vocabulary's token types), so cached files are written again."""
 
 
 def weights_key(role: str, root: Optional[str | os.PathLike] = None) -> str:
-    """Cache key of one role's GGUF: sha256 (16 hex digits) of its config, weights and tokenizer, and of this
-    module's source, so that a changed exporter writes the files again."""
+    """Cache key of one role's GGUF: sha256 (16 hex digits) of its config, weights and tokenizer, and of
+    :data:`GGUF_FORMAT`, so that a changed exporter writes the files again (an edit that changes no byte, a comment,
+    does not)."""
     folder = models.model_dir(role, root)
-    h = hashlib.sha256(Path(__file__).read_bytes())
+    h = hashlib.sha256(f"gguf-format-{GGUF_FORMAT}".encode())
     for name in SOURCE_FILES:
         h.update(name.encode())
         with open(folder / name, "rb") as f:

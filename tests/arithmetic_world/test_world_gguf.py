@@ -350,3 +350,24 @@ def test_served_seed_is_honoured_and_n_is_not(served):
     texts = [_complete(server, seed=s, **body)["choices"][0]["text"] for s in (5, 5, 6, 7)]
     assert texts[0] == texts[1] and len(set(texts)) >= 2
     assert len(_complete(server, seed=5, n=3, **body)["choices"]) == 1
+
+
+def test_the_gguf_cache_key_follows_the_format_and_the_model_files_not_the_exporters_source(monkeypatch, tmp_path):
+    """A cached GGUF is written again when the exporter's format version or a model file changes; an edit of the
+    exporter that changes no byte it writes (a comment) keeps the cache."""
+    from arithmetic_world import gguf, models
+
+    key = gguf.weights_key("draft")
+    source = gguf.__file__
+    monkeypatch.setattr(gguf, "__file__", str(tmp_path / "edited.py"))  # the key no longer reads its own source
+    assert gguf.weights_key("draft") == key
+    monkeypatch.setattr(gguf, "__file__", source)
+    monkeypatch.setattr(gguf, "GGUF_FORMAT", gguf.GGUF_FORMAT + 1)
+    assert gguf.weights_key("draft") != key
+    monkeypatch.undo()
+    copy = tmp_path / "draft"
+    shutil.copytree(models.model_dir("draft"), copy)
+    assert gguf.weights_key("draft", tmp_path) == key
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    assert gguf.weights_key("draft", tmp_path) != key
