@@ -110,7 +110,6 @@ class Capabilities:
         hidden: it returns the last layer's hidden rows.
         hidden_norm: their norm convention (``"final_norm"``: after the model's final norm, as
             transformers' last ``hidden_states`` entry; ``"pre_norm"``: before it), when ``hidden``.
-        prefix_cache_on_read: a read reuses the cached context (only the step is prefilled).
         remarks: why something is missing and how to get it, one sentence each (shown when refused).
     """
 
@@ -118,7 +117,6 @@ class Capabilities:
     max_top_k: int | None
     hidden: bool
     hidden_norm: str | None
-    prefix_cache_on_read: bool
     remarks: tuple[str, ...] = ()
 
 

@@ -53,9 +53,8 @@ class LocalEngine:
         self.device = next(model.parameters()).device
 
     def capabilities(self) -> Capabilities:
-        """Everything: prompt log-probs with any top-k, hidden rows after the final norm; no prefix cache."""
-        return Capabilities(prompt_logprobs=True, max_top_k=None, hidden=True, hidden_norm="final_norm",
-                            prefix_cache_on_read=False)
+        """Everything: prompt log-probs with any top-k, hidden rows after the final norm."""
+        return Capabilities(prompt_logprobs=True, max_top_k=None, hidden=True, hidden_norm="final_norm")
 
     @torch.inference_mode()
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,

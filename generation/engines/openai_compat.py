@@ -312,7 +312,7 @@ class LlamaCppEngine(_Completions):
         if self.conn.get("/props") is not None:
             why = (f"{self.url} is llama.cpp's C++ llama-server, which returns log-probs of generated tokens only "
                    "(no echo); serve the GGUF with llama-cpp-python (python -m llama_cpp.server) to read steps")
-            return Capabilities(False, None, False, None, True, (why,))
+            return Capabilities(False, None, False, None, (why,))
         got, _ = self.conn.post("/extras/tokenize", {"input": "", "model": self.model}, "/extras/tokenize")
         if not isinstance(got, dict) or not isinstance(got.get("tokens"), list):
             raise MalformedAnswer(f"server {self.url} answered /extras/tokenize without a token list", self.url)
@@ -320,8 +320,8 @@ class LlamaCppEngine(_Completions):
             why = (f"the model at {self.url} adds no BOS token, and llama-cpp-python's echo then pairs every prompt "
                    "token with the previous position's log-probs (llama_cpp/llama.py _create_completion); serve a "
                    "GGUF whose tokenizer adds BOS (tokenizer.ggml.add_bos_token = true) to read steps")
-            return Capabilities(False, None, False, None, True, (why,))
-        return Capabilities(True, None, False, None, True)
+            return Capabilities(False, None, False, None, (why,))
+        return Capabilities(True, None, False, None)
 
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
              seed: int) -> Reading:
@@ -368,7 +368,7 @@ class VLLMEngine(_Completions):
     def _probe(self) -> Capabilities:
         why = (f"vLLM returns no hidden states over HTTP (RFCs #24288, #48743); its log-probs are capped by "
                f"--max-logprobs (here {self.max_logprobs}), and prompt log-probs skip its prefix cache")
-        return Capabilities(True, self.max_logprobs, False, None, False, (why,))
+        return Capabilities(True, self.max_logprobs, False, None, (why,))
 
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
              seed: int) -> Reading:

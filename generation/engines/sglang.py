@@ -168,8 +168,7 @@ class SGLangEngine:
         why = hidden_refusals(self.url, self.info)
         path = str(self.info.get("model_path") or self.model).lower().replace("_", "-")
         norm = "pre_norm" if any(m in path for m in PRE_NORM_MODELS) else HIDDEN_NORM["sglang"]
-        return Capabilities(True, None, not why, None if why else norm,
-                            not self.info.get("disable_radix_cache", False), why)
+        return Capabilities(True, None, not why, None if why else norm, why)
 
     def capabilities(self) -> Capabilities:
         return self._caps

@@ -255,7 +255,7 @@ def test_sglang_abort_sent_with_http_200_is_an_error_not_an_eos(fakes):
 
 def test_sglang_hidden_states_are_after_the_final_norm(fakes):
     caps = _engine("sglang", fakes(FakeSGLang)).capabilities()
-    assert (caps.hidden, caps.hidden_norm, caps.prefix_cache_on_read) == (True, "final_norm", True)
+    assert (caps.hidden, caps.hidden_norm) == (True, "final_norm")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -365,8 +365,7 @@ def test_bad_input_is_refused_before_any_request(world, engines):
 
 
 def _caps(**kw):
-    base = {"prompt_logprobs": True, "max_top_k": 20, "hidden": True, "hidden_norm": "final_norm",
-            "prefix_cache_on_read": True}
+    base = {"prompt_logprobs": True, "max_top_k": 20, "hidden": True, "hidden_norm": "final_norm"}
     return Capabilities(**{**base, **kw})
 
 
