@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from generation.sampling import stream_keys
 from generation.specs import SamplingSpec, StepSpec
 from semanticspec.config import DecodeConfig
 from semanticspec import setup
@@ -122,17 +123,6 @@ class StepDecoder:
         return LoopSetup(cfg.target_first_step, marker, bonus, token_sd, cfg.token_sd_tokens,
                          cfg.rewrite_in_rounds), step
 
-    def _resolve(self, cfg: DecodeConfig) -> tuple[LoopSetup, StepSpec, Method | TransformersLoop | None, list[str],
-                                                    SamplingSpec]:
-        """What every plan resolves from ``cfg``: the loop setup and step spec (:meth:`_setup`), the method and what
-        is wrong with the call for it (:meth:`_method`), and the sampling (the probes' unless given; a value that
-        differs from theirs is refused for a method they decide, naming both)."""
-        loop, step = self._setup(cfg)
-        method, problems = self._method(cfg, step)
-        sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
-                                          method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
-        return loop, step, method, problems, sampling
-
     def sampling(self, temperature: float | None = None, top_p: float | None = None, *,
                  enforce: bool = True, allow_mismatch: bool = False) -> SamplingSpec:
         """The :class:`~generation.specs.SamplingSpec` a decode samples with: the values given, else how the probes'
@@ -178,7 +168,29 @@ class StepDecoder:
 
     def plan(self, prompts, cfg: DecodeConfig) -> Plan:
         """A call's work: its method, prompts as each part reads them, stream keys, sampling and config, every check
-        :meth:`generate` makes done (ValueError naming what is wrong) before any model call or request."""
+        :meth:`generate` makes done (ValueError naming what is wrong) before any model call or request.
+
+        The loop setup and step spec (:meth:`_setup`), the method (:meth:`_method`), what this decoder cannot run of
+        the call (:meth:`_refusals`), the sampling (the probes' unless given; a value that differs from theirs is
+        refused for a method they decide, naming both), then the prompts as the parts read them (:meth:`_inputs`).
+        """
+        loop, step = self._setup(cfg)
+        method, problems = self._method(cfg, step)
+        problems += self._refusals(cfg, method)
+        sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
+                                          method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
+        if problems:
+            raise ValueError("; ".join(problems))
+        inputs = self._inputs(prompts, cfg, method)
+        return Plan(method, inputs, stream_keys(cfg.seed, len(inputs[0])), sampling, cfg, loop, step, self.spare(cfg))
+
+    def _refusals(self, cfg: DecodeConfig, method) -> list[str]:
+        """What this decoder cannot run of ``cfg`` with ``method`` (one line each, naming the field)."""
+        raise NotImplementedError
+
+    def _inputs(self, prompts, cfg: DecodeConfig, method) -> tuple[Sequence, Sequence]:
+        """The prompts as the verifier reads them, then as the proposer does (ValueError naming a bad prompt or a
+        server that cannot run ``method``)."""
         raise NotImplementedError
 
     def step_loop(self, plan: Plan, batch: tuple, keys):

@@ -51,7 +51,7 @@ import torch
 
 from generation.cache import BatchedCache, context_length
 from generation.handover import Handover, decode_text, pad_id
-from generation.sampling import Sampler, StreamKey, key_stream, stream_keys
+from generation.sampling import Sampler, StreamKey, key_stream
 from generation.specs import StepSpec
 from generation.writer import StepWriter
 from semanticspec import setup
@@ -150,9 +150,8 @@ class SemanticSpecDecoder(StepDecoder):
     def spare(self, cfg: DecodeConfig) -> int:
         return 1 + len(self.judge(cfg.judge_suffix).suffix)  # a bonus token and SpecReason's judge turn
 
-    def plan(self, prompts, cfg: DecodeConfig) -> Plan:
-        """The call's method, target and draft ids, stream keys, sampling, config and loop setup, every check done."""
-        loop, step, method, problems, sampling = self._resolve(cfg)
+    def _refusals(self, cfg: DecodeConfig, method) -> list[str]:
+        problems = []
         if cfg.overlap:
             problems.append("overlap=True: drafting the next window while the target verifies is served decoding's "
                             "(ServedDecoder: the two servers are separate processes); in-process the two models share "
@@ -160,11 +159,11 @@ class SemanticSpecDecoder(StepDecoder):
         if (cfg.lookahead or 1) > 1 and not self.shared:
             problems.append(f"lookahead={cfg.lookahead}: the target reads a window of the draft's steps in its own "
                             "tokens, which needs one tokenizer; this pair has two (use lookahead=1)")
-        if problems:
-            raise ValueError("; ".join(problems))
-        ids_t, ids_d = read_prompts(prompts, self.handover, self.target, self.draft)
-        return Plan(method, (ids_t, ids_d), stream_keys(cfg.seed, len(ids_t)), sampling, cfg, loop, step,
-                    self.spare(cfg))
+        return problems
+
+    def _inputs(self, prompts, cfg: DecodeConfig, method) -> tuple[list, list]:
+        """The target's and the draft's ids of each prompt."""
+        return read_prompts(prompts, self.handover, self.target, self.draft)
 
     def batch_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
         """The events of one batch: its step loop, or for a :class:`~semanticspec.hf.TransformersLoop` method

@@ -9,7 +9,7 @@ and a row whose request fails ends with ``stop_reason="error"`` while the others
 from __future__ import annotations
 
 from generation.engines.checks import serving_problems
-from generation.sampling import key_stream, stream_keys
+from generation.sampling import key_stream
 from generation.specs import is_count
 from semanticspec import setup
 from semanticspec.base import Plan, StepDecoder
@@ -72,26 +72,25 @@ class ServedDecoder(StepDecoder):
         if (why := swapped(target, draft, self.target_probe, self.draft_probe)) is not None:
             raise ValueError(why)
 
-    def plan(self, prompts, cfg: DecodeConfig) -> Plan:
-        """The call's method, prompts, stream keys, sampling, config and loop setup, every check done before any
-        request."""
-        loop, step, method, problems, sampling = self._resolve(cfg)
-        policy = method.policy if method is not None else None
+    def _refusals(self, cfg: DecodeConfig, method) -> list[str]:
+        problems = []
         if isinstance(method, TransformersLoop):
             problems.append(f"method={cfg.method!r} runs transformers' own loop on in-process models; use it with "
                             "SemanticSpecDecoder")
-        elif policy is not None and policy.needs.judge:
+        elif method is not None and method.policy is not None and method.policy.needs.judge:
             problems.append(f"method={cfg.method!r} scores steps after a judge turn from the target's digit logits, "
                             "which the served decoder does not read; use it in-process (SemanticSpecDecoder)")
         if cfg.batch_size is not None:
             problems.append(f"batch_size={cfg.batch_size}: the served decoder runs prompts concurrently, not in "
                             f"batches; set ServedDecoder(concurrency=...) (now {self.concurrency})")
-        if problems:
-            raise ValueError("; ".join(problems))
-        prompts = read_prompt_texts(prompts)
-        self._check_servers(policy, cfg.method)
-        keys = stream_keys(cfg.seed, len(prompts))
-        return Plan(method, (prompts, prompts), keys, sampling, cfg, loop, step, SPARE)  # both parts read text
+        return problems
+
+    def _inputs(self, prompts, cfg: DecodeConfig, method) -> tuple[list[str], list[str]]:
+        """The prompts' texts, which both parts read; the servers checked for ``method`` (ValueError: what they
+        cannot give it)."""
+        texts = read_prompt_texts(prompts)
+        self._check_servers(method.policy, cfg.method)
+        return texts, texts
 
     def contexts(self) -> tuple[int | None, int | None]:
         """As the engines state them (``Engine.context_length``: vLLM's and SGLang's ``/v1/models``, a

@@ -100,7 +100,7 @@ def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str
     if problems and warn:
         warnings.warn("allow_sampling_mismatch=True: " + "; ".join(problems) + ". The probes judge steps unlike "
                       "the ones they were trained on, so their decisions (and the accuracy) may suffer.",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=5)  # the caller of generate() or stream()
     elif problems:
         fix = f"leave {' and '.join(differ)} unset to use the probe's"
         if what == "steps sampled":
