@@ -5,7 +5,7 @@
     python -m benchmarks.decode --target-probe DIR --draft-probe DIR
     python -m benchmarks.decode --only-batch-scaling --device cuda   # batch scaling with the models on a GPU
 
-What it measures (issue 4, "Benchmark figures" in docs/design.md):
+What it measures ("Benchmark figures" in docs/design.md):
 
 - every method of :class:`~semanticspec.decoder.SemanticSpecDecoder` on the same fixed 4-operation
   problems (``task.generate_problems(n, seed)``), the same seeds and the same generation code,
@@ -19,7 +19,7 @@ What it measures (issue 4, "Benchmark figures" in docs/design.md):
   problem's next correct operation (the world's oracle);
 - **decisions** of every method that drafts, judged by the oracle on the rows where decisions
   happen (each proposed draft step): ``right_kept``, ``wrong_kept``, ``right_refused``,
-  ``wrong_refused`` and ``wrong_kept_fast_path`` (issue 9);
+  ``wrong_refused`` and ``wrong_kept_fast_path``;
 - **sweeps** of each method's acceptance knob, one accuracy-vs-speedup curve each: SemanticSpec's
   ratio scale (ratio rule) or ``tau`` (threshold rule); random acceptance's rate; the oracle's
   ``keep_right`` (right steps kept with that probability, wrong ones never: the ideal frontier);
@@ -30,7 +30,7 @@ What it measures (issue 4, "Benchmark figures" in docs/design.md):
 - the decoder's probe-call defaults toggled: the gated top-1 fast path (``semanticspec[no_fast_path]``) and the
   probes' MLP precision (``semanticspec[probe_dtype=float32]`` where ``auto`` picks float16), each with its
   **probe overhead** (probe seconds over wall seconds);
-- **lookahead windows** (issue 31): SemanticSpec and the oracle judging windows of 2, 3 and 4 drafted steps per
+- **lookahead windows**: SemanticSpec and the oracle judging windows of 2, 3 and 4 drafted steps per
   target forward, and the shipped adaptive window, each with its steps and thrown-away draft tokens per window
   and the AUROC of the draft's confidence against the target's decision; and **window_cost**, the cost model
   ``a_m + b_m * positions`` per forward of each model, fitted on every forward of the one-step loop and windows
@@ -104,7 +104,7 @@ LOOPS = ("semanticspec[target_first_step]", "semanticspec[no_token_sd]", "semant
          "semanticspec[rewrite_phase]")
 """SemanticSpec with the loop's defaults undone: the target writes the first step, no token-level speculation, both."""
 LOOKAHEADS = (2, 3, 4)
-"""Windows of drafted steps judged per target forward, beside the default one-step loop (issue 31)."""
+"""Windows of drafted steps judged per target forward, beside the default one-step loop."""
 ADAPTIVE = (SHIPPED_WINDOW.size, SHIPPED_WINDOW.min_logprob)
 """The adaptive window's row, SemanticSpec's shipped window (``DecodeConfig.lookahead=None``): up to 4 steps, the next
 one drafted only after a step whose every token the draft drew at probability >= 0.5. The threshold was read off 40
@@ -127,7 +127,7 @@ def decisions(results, problems) -> tuple[dict[str, int], list[tuple[float, bool
 
 
 def phases_and_cost(results, reference) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds per phase of a drafting method, and the cost model built from them (issue 10).
+    """Seconds per phase of a drafting method, and the cost model built from them.
 
     Costs are in units of ``c_T``, target-only seconds per output token (``reference``). The model
     predicts the method's wall time as ``c_T`` per token the target writes step by step (bonus tokens
@@ -222,7 +222,7 @@ def scaling_section(dec: SemanticSpecDecoder, args: argparse.Namespace) -> dict:
 
 
 def goals(methods: dict, probes: dict, scaling: dict | None = None) -> dict:
-    """Each goal of issues 4, 9, 22 and 31 with its measured value and whether it is met (batch 8: when scaled; the
+    """Each goal of the benchmark with its measured value and whether it is met (batch 8: when scaled; the
     shipped window's: when its row ran)."""
     s, t = methods["semanticspec"], methods["target_only"]
     tsd = methods["token_sd"]["speedup"]
@@ -256,7 +256,7 @@ def speed_and_accuracy(names: tuple[str, str], m: dict, ref: dict, min_speedup: 
 
 
 def window_goals(methods: dict) -> dict:
-    """Issue 31's in-process goal: the shipped window at 2.9x target-only or more, within 1 point of its accuracy."""
+    """The windows' in-process goal: the shipped window at 2.9x target-only or more, within 1 point of its accuracy."""
     if ADAPTIVE_ROW not in methods:
         return {}
     return speed_and_accuracy(("shipped_window_at_least_2.9x", "shipped_window_accuracy_within_1_point"),
@@ -265,7 +265,7 @@ def window_goals(methods: dict) -> dict:
 
 
 def batch_goals(scaling: dict) -> dict:
-    """Issue 22's batch-8 goal: SemanticSpec's speedup over target-only at 8 prompts, within 2 points of accuracy."""
+    """The batch-8 goal: SemanticSpec's speedup over target-only at 8 prompts, within 2 points of accuracy."""
     table = scaling.get("table", {})
     if "8" not in table.get("semanticspec", {}):
         return {}
@@ -465,7 +465,7 @@ def loop_variants(args: argparse.Namespace, dec: SemanticSpecDecoder, decoder: D
     other = "ratio" if args.rule == "threshold" else "threshold"
     return {
         # the defaults (draft writes the first step, token-level speculation in the target's steps) one at a time
-        # undone, and both: the paper's loop; and refused steps rewritten in a phase of their own, as before issue 22
+        # undone, and both: the paper's loop; and refused steps rewritten in a phase of their own (the old way)
         LOOPS[0]: (dec, {"target_first_step": True}),
         LOOPS[1]: (dec, {"token_sd": False}),
         LOOPS[2]: (dec, {"target_first_step": True, "token_sd": False}),
@@ -492,7 +492,7 @@ def lookahead_variants(dec: SemanticSpecDecoder) -> dict:
 
 
 def window_cost(methods: dict, forwards: dict, roles: dict[int, str]) -> dict:
-    """Issue 31's cost model of a target forward that carries a window, checked before anything is tuned on it.
+    """The cost model of a target forward that carries a window, checked before anything is tuned on it.
 
     Every forward of model ``m`` costs ``a_m + b_m * positions`` seconds (:func:`benchmarks.batching.fit_costs`,
     least squares on each forward the one-step loop and windows of 2 ran: verify, rewrite and first-step forwards

@@ -5,7 +5,7 @@
 
 First train probes on the pair: ``python -m probes.fit --config configs/smollm2-gemma3.yaml`` (it builds the
 labels). This reads that build's manifest and decodes held-out problems of the embedded world (their text is
-plain English) with the exported probes. It reports (issue 11, ``benchmarks/results/real.json``):
+plain English) with the exported probes. It reports (``benchmarks/results/real.json``):
 
 - ``label_rows`` and ``seconds_per_stage`` of the label build (from its manifest);
 - ``methods.{target_only,token_sd,semanticspec}.{accuracy,speedup}``: target-only and SemanticSpec in the
