@@ -3,8 +3,8 @@
     python -m benchmarks.first_step            # 1000 problems (benchmarks/results/first-step.json)
     python -m benchmarks.first_step --quick    # 100 problems (first-step-quick.json), < 1 min
 
-The decode benchmark (400 problems) shows the draft writing the first step 0.2x faster and 1.75
-points less accurate, a difference within its sampling noise. This benchmark decodes target-only,
+On the decode benchmark's 400 problems the two settings differ by less than its sampling noise. This
+benchmark decodes target-only,
 SemanticSpec with the target's first step and SemanticSpec with the draft's, interleaved, on
 other problems than decode.py's (seed 40,000), and reports each accuracy with its paired 95%
 interval against target-only and the speedup. Both settings also run with the target's own steps

@@ -6,7 +6,7 @@
 With ``rewrite_in_rounds`` (the default) the target redraws a refused step from the verification forward
 that read it and an unfinished rewrite continues in the next round's forwards; without it the target rewrites
 refused rows in a phase of its own while the other rows wait. Both are exact draws from the target, so their
-accuracies differ only by the draws; the decode benchmark's 400 problems showed 0.965 against 0.985. This
+accuracies differ only by the draws, which the decode benchmark's 400 problems cannot tell apart. This
 benchmark decodes target-only and both settings, a chunk of 8 problems at a time by each in rotating order, on
 other problems than decode.py's (seed 40,000), and reports each accuracy with its paired 95% interval against
 target-only, the two settings' paired difference and how many problems each gets right that the other does not,
