@@ -57,6 +57,16 @@ SPARE = 1
 """Context room kept for the bonus token."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedPrompt:
+    """A row's prompt as one server reads it: its text, and how many tokens that server's tokenizer makes of it where
+    the server states its context (``Engine.prompt_tokens``; None: not counted), so that the row's first request is
+    capped at the room the prompt leaves."""
+
+    text: str
+    tokens: int | None = None
+
+
 class EnginePart:
     """Requests to one server for the rows of a loop: their seeds, counters and concurrency, and their failures.
 
@@ -64,7 +74,7 @@ class EnginePart:
         engine: the server's client.
         role: ``"target"`` or ``"draft"`` (request seeds and messages name it).
         rows: the loop's rows (a request counts into its row's stats; a failure fails its row).
-        prompts: each row's prompt text.
+        prompts: each row's prompt as this server reads it.
         keys: each row's :data:`~generation.sampling.StreamKey` (request ``k`` of a row's step ``s`` is seeded from
             ``(key, role:kind:s)``, so a row decodes the same whatever else runs).
         sampling: temperature and top-p of both servers.
@@ -72,13 +82,15 @@ class EnginePart:
         concurrency: requests in flight at once.
     """
 
-    def __init__(self, engine, role: str, rows: list[Row], prompts: Sequence[str], keys: Sequence[StreamKey],
-                 sampling: SamplingSpec, step: StepSpec, concurrency: int) -> None:
-        self.engine, self.role, self.rows, self.prompts, self.keys = engine, role, rows, list(prompts), list(keys)
+    def __init__(self, engine, role: str, rows: list[Row], prompts: Sequence[ServedPrompt],
+                 keys: Sequence[StreamKey], sampling: SamplingSpec, step: StepSpec, concurrency: int) -> None:
+        self.engine, self.role, self.rows, self.keys = engine, role, rows, list(keys)
+        self.prompts = [p.text for p in prompts]
         self.sampling, self.step_spec, self.concurrency = sampling, step, concurrency
         n = len(rows)
         self.passes, self.served_s, self.forward_s = [0] * n, [0.0] * n, 0.0
-        self.used = [0] * n  # tokens in the server's context for the row, from its last usage
+        self.used = [p.tokens or 0 for p in prompts]  # the row's tokens in the server's context: its prompt's, then its
+        # last request's (usage)
         self.probe_s = 0.0  # seconds in the probe so far
 
     def room(self, row: int) -> int | None:
@@ -91,13 +103,13 @@ class EnginePart:
         for i in rows:
             self.prompts[i] = ""
 
-    def admit(self, prompt: str, key: StreamKey) -> None:
-        """A new row (the loop has added it to the shared rows): its prompt text and stream key."""
-        self.prompts.append(prompt)
+    def admit(self, prompt: ServedPrompt, key: StreamKey) -> None:
+        """A new row (the loop has added it to the shared rows): its prompt and stream key."""
+        self.prompts.append(prompt.text)
         self.keys.append(key)
         self.passes.append(0)
         self.served_s.append(0.0)
-        self.used.append(0)
+        self.used.append(prompt.tokens or 0)
 
     def context(self, row: int) -> str:
         """The row's committed text, its prompt first."""

@@ -14,7 +14,7 @@ from generation.specs import is_count
 from semanticspec import setup
 from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
-from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier
+from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier, ServedPrompt
 from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
 from semanticspec.hf import TransformersLoop
@@ -85,12 +85,32 @@ class ServedDecoder(StepDecoder):
                             f"batches; set ServedDecoder(concurrency=...) (now {self.concurrency})")
         return problems
 
-    def _inputs(self, prompts, cfg: DecodeConfig, method) -> tuple[list[str], list[str]]:
-        """The prompts' texts, which both parts read; the servers checked for ``method`` (ValueError: what they
-        cannot give it)."""
+    def _inputs(self, prompts, cfg: DecodeConfig, method) -> tuple[list[ServedPrompt], list[ServedPrompt]]:
+        """The prompts as the target's server reads them, then as the draft's: their texts, counted in the server's
+        tokenizer where it states its context; the servers checked for ``method`` (ValueError: what they cannot give
+        it, or a prompt that fills a server's context)."""
         texts = read_prompt_texts(prompts)
         self._check_servers(method.policy, cfg.method)
-        return texts, texts
+        return self._counted(texts, self.target, "target"), self._counted(texts, self.draft, "draft")
+
+    @staticmethod
+    def _counted(texts: list[str], engine, role: str) -> list[ServedPrompt]:
+        """``texts`` as ``engine`` reads them: counted by its tokenizer (one tokenize request) where it states its
+        context, and refused when one fills it (as in-process prompts are)."""
+        ctx = getattr(engine, "context_length", None)
+        counts = engine.prompt_tokens(texts) if ctx is not None else None
+        if counts is None:
+            return [ServedPrompt(t) for t in texts]
+        for i, n in enumerate(counts):
+            if n >= ctx:
+                raise ValueError(f"prompt {i} has {n} tokens in the {role} server's tokenizer but its context "
+                                 f"(max_model_len) is {ctx}; shorten the prompt")
+        return [ServedPrompt(t, n) for t, n in zip(texts, counts)]
+
+    def prompt_room(self, plan: Plan) -> int | None:
+        """New tokens the first prompt of ``plan`` leaves in the servers' contexts (None: neither states one)."""
+        rooms = [ctx - p[0].tokens - plan.spare for ctx, p in zip(self.contexts(), plan.inputs) if ctx is not None]
+        return min(rooms, default=None)
 
     def contexts(self) -> tuple[int | None, int | None]:
         """As the engines state them (``Engine.context_length``: vLLM's and SGLang's ``/v1/models``, a
@@ -117,13 +137,12 @@ class ServedDecoder(StepDecoder):
 
     def step_loop(self, plan: Plan, batch: tuple, keys) -> StepLoop:
         """The loop of one batch of text prompts of ``plan`` over the two servers."""
-        prompts, _ = batch
-        rows = [Row(plan.cfg.max_new_tokens, plan.loop.answer_marker) for _ in prompts]
-        kw = dict(rows=rows, prompts=prompts, keys=keys, sampling=plan.sampling, step=plan.step,
-                  concurrency=self.concurrency)
+        for_target, for_draft = batch
+        rows = [Row(plan.cfg.max_new_tokens, plan.loop.answer_marker) for _ in for_target]
+        kw = dict(rows=rows, keys=keys, sampling=plan.sampling, step=plan.step, concurrency=self.concurrency)
         coins = [key_stream(k, "coins") for k in keys]  # as in-process
-        proposer = EngineProposer(self.draft, self.draft_probe, **kw)
-        verifier = EngineVerifier(self.target, self.target_probe, coins, **kw)
+        proposer = EngineProposer(self.draft, self.draft_probe, prompts=for_draft, **kw)
+        verifier = EngineVerifier(self.target, self.target_probe, coins, prompts=for_target, **kw)
         return StepLoop(proposer, verifier, rows, plan.loop, Meter(rows, verifier, proposer))
 
     def _check_servers(self, policy, method) -> None:

@@ -220,6 +220,10 @@ class Engine(Protocol):
     def capabilities(self) -> Capabilities:
         """What this server can give (asked once, before any decoding or sampling)."""
 
+    def prompt_tokens(self, texts: list[str]) -> list[int] | None:
+        """How many tokens the server makes of each text as a prompt (BOS included where it adds one), from its own
+        tokenizer; None from a server that states no ``context_length`` (nothing needs the count there)."""
+
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
              seed: int) -> Reading:
         """Read ``context + step`` in one request: the step's log-probs (top-``top_k``), hidden rows when

@@ -129,6 +129,10 @@ class LocalEngine:
         draft = StepWriter(cache, done, sampler).write([0], {0: room}, record_logits=record)[0]
         return draft.tokens, draft.logits
 
+    def prompt_tokens(self, texts: list[str]) -> list[int]:
+        """``tokenizer(text)``'s length (BOS included where the tokenizer adds it)."""
+        return [len(self._ids(t)) for t in texts]
+
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)
 

@@ -323,6 +323,10 @@ class LlamaCppEngine(_Completions):
             return Capabilities(False, None, False, None, (why,))
         return Capabilities(True, None, False, None)
 
+    def prompt_tokens(self, texts: list[str]) -> None:
+        """None: llama-cpp-python states no context, so nothing needs a prompt's count."""
+        return None
+
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
              seed: int) -> Reading:
         self._check_read(top_k, hidden)
@@ -388,6 +392,18 @@ class VLLMEngine(_Completions):
         eos = echo.choice.finish_reason == "stop" and not isinstance(extra_fields.get("stop_reason"), str)
         return Reading(self._echo_step(echo.logprobs, idx, top_k, tops, ids), None,
                        _after(echo.choice, context + step, eos), eos, echo.usage)
+
+    def prompt_tokens(self, texts: list[str]) -> list[int]:
+        """One ``POST /tokenize`` per text (``TokenizeCompletionRequest``: the prompt as a completion reads it, special
+        tokens added); its ``count``."""
+        out = []
+        for text in texts:
+            got, _ = self.conn.post("/tokenize", {"model": self.model, "prompt": text}, "/tokenize")
+            count = got.get("count") if isinstance(got, dict) else None
+            if not isinstance(count, int):
+                raise MalformedAnswer(f"server {self.url} answered /tokenize without an integer count", self.url)
+            out.append(count)
+        return out
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """vLLM 0.11 decodes each echoed id alone, so SentencePiece spaces and the bytes of a split UTF-8 character do

@@ -212,6 +212,10 @@ class SGLangEngine:
                                   f"tokens holding {len(texts)} token lists", self.url)
         return [[int(i) for i in t] for t in tokens]
 
+    def prompt_tokens(self, texts: list[str]) -> list[int]:
+        """One ``/v1/tokenize`` of all ``texts``."""
+        return [len(ids) for ids in self._tokenize(list(texts))]
+
     def _ids(self, context: str, step: str) -> tuple[list[int], int]:
         """The server's ids of context + step and the index of the step's first token (one ``/v1/tokenize``)."""
         ctx, full = self._tokenize([context, context + step])

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from semanticspec.config import DecodeConfig
+from semanticspec.engine_parts import ServedPrompt
 from semanticspec.results import Decision, DecodeResult, DecodeStats, StepTrace
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,8 @@ class Scheduler:
         plan = self.dec.plan([prompt], config)
         room = self.dec.prompt_room(plan)
         if room is not None and room < 1:
-            raise ValueError(f"prompt: {len(plan.inputs[0][0])} tokens leave no room for a new token in the models' "
-                             "context")
+            raise ValueError(f"prompt: {self._prompt_tokens(plan.inputs[0][0])} tokens leave no room for a new token "
+                             "in the models' context")
         if budget is not None:
             return plan._replace(cfg=dataclasses.replace(plan.cfg, max_new_tokens=budget(room)))
         if room is not None and config.max_new_tokens > room:
@@ -256,8 +257,12 @@ class Scheduler:
             self._end(job, Update(finish="error", error=f"{type(e).__name__}: {e}"))
 
     def _prompt_tokens(self, first) -> int:
-        if isinstance(first, str):
-            return self.count_tokens(first) if self.count_tokens is not None else 0
+        """The first prompt's tokens in the target's tokenizer: its ids in-process, its server's count served (else
+        the endpoint's own tokenizer's, 0 without one)."""
+        if isinstance(first, ServedPrompt):
+            if first.tokens is not None:
+                return first.tokens
+            return self.count_tokens(first.text) if self.count_tokens is not None else 0
         return len(first)
 
     def _place(self) -> None:

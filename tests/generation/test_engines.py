@@ -408,6 +408,19 @@ def test_llama_cpp_python_without_bos_is_refused_for_reading(fakes):
     assert _engine("llama.cpp", fakes(FakeLlamaCpp, bos=True)).capabilities().prompt_logprobs is True
 
 
+def test_engines_count_a_prompts_tokens_with_the_servers_tokenizer(fakes):
+    """``prompt_tokens``: SGLang in one ``/v1/tokenize`` of every text, vLLM one ``/tokenize`` each (its ``count``);
+    llama-cpp-python, which states no context, counts nothing."""
+    texts = [CONTEXT, CONTEXT + STEP]
+    sglang_fake, vllm_fake = fakes(FakeSGLang), fakes(FakeVLLM)
+    want = [len(ids_of(t)) for t in texts]
+    assert _engine("sglang", sglang_fake).prompt_tokens(texts) == want
+    assert sglang_fake.posts("/v1/tokenize") == [{"model": "toy", "prompt": texts}]
+    assert _engine("vllm", vllm_fake).prompt_tokens(texts) == want
+    assert vllm_fake.posts("/tokenize") == [{"model": "toy", "prompt": t} for t in texts]
+    assert _engine("llama.cpp", fakes(FakeLlamaCpp)).prompt_tokens(texts) is None
+
+
 def test_engines_take_the_context_their_models_endpoint_states(fakes):
     """vLLM's and SGLang's ``/v1/models`` cards state ``max_model_len``, which becomes the engine's
     ``context_length``; llama-cpp-python's cards do not (``llama_cpp/server/app.py`` ``get_models``), so it is None.

@@ -93,6 +93,9 @@ class Wrapped:
         self.calls.append("write")
         return self.inner.write(context, **kw)
 
+    def prompt_tokens(self, texts):
+        return self.inner.prompt_tokens(texts)
+
 
 # --------------------------------------------------------------------------- the local engine
 
@@ -483,3 +486,56 @@ def test_the_loop_reads_only_what_the_protocols_list(world, engines, monkeypatch
     assert {"sync", "verify", "bonus"} <= seen["verifier"] <= _members(TokenVerifier if not served else Verifier)
     if not served:  # refused steps rewritten token by token in the rounds
         assert {"rewrite", "finished"} <= seen["verifier"]
+
+
+class Sized(Wrapped):
+    """An engine stating a smaller context than its model's, recording each write's ``max_tokens``."""
+
+    def __init__(self, inner, context_length):
+        super().__init__(inner)
+        self.context_length, self.max_tokens = context_length, []
+
+    def write(self, context, **kw):
+        self.max_tokens.append(kw["max_tokens"])
+        return super().write(context, **kw)
+
+
+def test_a_prompt_that_fills_a_servers_context_is_refused_before_any_decoding_request(world, engines):
+    prompts, tok = world["prompts"], world["tok"]
+    n = len(tok(prompts[1]).input_ids)
+    target, draft = Sized(engines[0], 4096), Sized(engines[1], n)  # the draft's server holds no new token
+    with pytest.raises(ValueError, match=rf"prompt 1 has {n} tokens in the draft server's tokenizer but its context "
+                                         rf"\(max_model_len\) is {n}; shorten the prompt"):
+        ServedDecoder(target, draft, task=MARKER).generate(prompts[:2], method="target_only", **GREEDY)
+    assert not {"read", "write"} & set(target.calls + draft.calls)
+
+
+def test_a_rows_first_request_is_capped_at_the_room_its_prompt_leaves(world, engines):
+    """The prompt's count from the server's tokenizer caps the row's first write, so no request asks a server for more
+    than its context holds (the row ends at the context instead)."""
+    prompt, tok = world["prompts"][0], world["tok"]
+    n = len(tok(prompt).input_ids)
+    target, draft = Sized(engines[0], n + 6), Sized(engines[1], 4096)
+    dec = ServedDecoder(target, draft, task=MARKER)
+    (r,) = dec.generate([prompt], method="target_only", **GREEDY)
+    assert target.max_tokens and target.max_tokens[0] <= 6 - 1  # the room, less the bonus token's position
+    assert r.stop_reason == "context" and r.stats.output_tokens <= 5
+    assert dec.prompt_room(dec.plan([prompt], DecodeConfig(max_new_tokens=4, method="target_only"))) == 5
+
+
+def test_the_endpoint_refuses_a_budget_past_a_servers_context_before_decoding(world, engines):
+    """The endpoint's plan knows the room a served prompt leaves (its server's count), so a ``max_tokens`` past it is
+    refused, naming the room, as in-process."""
+    from semanticspec.serve.scheduler import Scheduler
+
+    prompt, tok = world["prompts"][0], world["tok"]
+    n = len(tok(prompt).input_ids)
+    target = Sized(engines[0], n + 6)
+    sched = Scheduler(ServedDecoder(target, Sized(engines[1], 4096), task=MARKER))
+    try:
+        with pytest.raises(ValueError, match="max_tokens=50: the prompt leaves room for 5 new tokens"):
+            sched.plan(prompt, DecodeConfig(max_new_tokens=50, method="target_only"))
+        assert sched.plan(prompt, DecodeConfig(method="target_only"), budget=lambda room: room).cfg.max_new_tokens == 5
+    finally:
+        sched.stop(1)
+    assert not {"read", "write"} & set(target.calls)
