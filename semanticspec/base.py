@@ -200,8 +200,16 @@ class StepDecoder:
 
     def batch_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
         """The events of one batch of a plan (``batch``: its inputs, sliced; ``keys``: their stream keys), prompt
-        indices within the batch: the batch's step loop, run with the plan's method."""
+        indices within the batch: the batch's step loop, run with the plan's method, or for a
+        :class:`~semanticspec.hf.TransformersLoop` method transformers' own loop (:meth:`transformers_events`)."""
+        if isinstance(plan.method, TransformersLoop):
+            return self.transformers_events(plan, batch, keys)
         return self.step_loop(plan, batch, keys).stream(plan.method)
+
+    def transformers_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
+        """The events of one batch decoded by transformers' own loop, prompt by prompt (in-process only: the served
+        decoder refuses such a method in :meth:`plan`)."""
+        raise NotImplementedError
 
     @torch.inference_mode()
     def _events(self, plan: Plan) -> Iterator[StepEvent]:

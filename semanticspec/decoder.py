@@ -58,7 +58,7 @@ from semanticspec import setup
 from semanticspec.base import Plan, StepDecoder
 from semanticspec.cache_parts import DraftProposer, JudgeTurn, TargetVerifier
 from semanticspec.config import DecodeConfig
-from semanticspec.hf import TransformersLoop, transformers_events
+from semanticspec.hf import transformers_events
 from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
 from semanticspec.policies import ProbePolicy, default_policy
@@ -165,14 +165,10 @@ class SemanticSpecDecoder(StepDecoder):
         """The target's and the draft's ids of each prompt."""
         return read_prompts(prompts, self.handover, self.target, self.draft)
 
-    def batch_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
-        """The events of one batch: its step loop, or for a :class:`~semanticspec.hf.TransformersLoop` method
-        transformers' own loop, prompt by prompt."""
-        if isinstance(plan.method, TransformersLoop):
-            return transformers_events(plan.method, self.target, self.draft, self.tokenizer,
-                                       None if self.shared else self.draft_tokenizer, batch, plan.cfg.max_new_tokens,
-                                       plan.sampling, keys)
-        return super().batch_events(plan, batch, keys)
+    def transformers_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
+        return transformers_events(plan.method, self.target, self.draft, self.tokenizer,
+                                   None if self.shared else self.draft_tokenizer, batch, plan.cfg.max_new_tokens,
+                                   plan.sampling, keys)
 
     def step_loop(self, plan: Plan, batch: tuple, keys: Sequence[StreamKey]) -> StepLoop:
         """The loop of one batch of ``plan`` over the in-process models: one :class:`~generation.cache.BatchedCache`
