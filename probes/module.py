@@ -146,8 +146,8 @@ class SemanticProbeModule(L.LightningModule):
             probe = ProbeConfig.from_dict(probe)
         if spec is not None and "features" not in spec:  # checkpoints before config format 6: feature fields flat
             spec = nest_features(spec)
-        known = ("hidden_size", "features", "reads", "step", "sampling", "labels")
-        return replace(probe, role=role, **{k: copy.deepcopy(spec[k]) for k in known if k in (spec or {})})
+        filled = {k: copy.deepcopy(spec[k]) for k in FROM_THE_DATA if k in (spec or {}) and k != "role"}
+        return replace(probe, role=role, **filled)
 
     def forward(self, **features: torch.Tensor) -> dict[str, torch.Tensor]:
         """Semantic probability of each row, per role: ``module(target=x)`` gives ``{"target": (B,)}`` (any of the
