@@ -83,7 +83,7 @@ class ServeOptions:
 def build(opts: ServeOptions):
     """The app of ``opts``: the decoder (the default world's models in-process, found through its registration
     (``datamodules.tasks.worlds``), or two servers) and the endpoint's settings."""
-    from semanticspec.policies import ProbePolicy
+    from semanticspec.policies import default_policy
     from semanticspec.serve.app import Settings, build_app
     from semanticspec.setup import stored_tau
 
@@ -97,13 +97,12 @@ def build(opts: ServeOptions):
                                                                           (opts.draft_probe, "draft"))]
     task = world.task()
     template = _template(opts.chat_template)
-    tau = opts.threshold if opts.threshold is not None else stored_tau(probes[0])
-    tau = 0.5 if tau is None else tau
+    tau = opts.threshold if opts.threshold is not None else stored_tau(probes[0])  # None: the default, 0.5
     if mode == "in-process":
         from semanticspec import SemanticSpecDecoder
 
         target, draft = (world.load_model(role, root) for role in ("target", "draft"))
-        policy = ProbePolicy(tau=tau, top_k=1)
+        policy = default_policy(fast_path=True, tau=tau)
         dec = SemanticSpecDecoder(target, draft, world.load_tokenizer(root), target_probe=probes[0],
                                   draft_probe=probes[1], policy=policy, task=task)
         template = template or world_chat(task.prompt_suffix)
@@ -115,7 +114,7 @@ def build(opts: ServeOptions):
         kw = {"api_key_env": opts.backend_key_env}
         target = make_engine(opts.engine, opts.target_url, opts.target_model, **kw)
         draft = make_engine(opts.engine, opts.draft_url, opts.draft_model, **kw)
-        dec = ServedDecoder(target, draft, probes[0], probes[1], ProbePolicy(tau=tau), task=task,
+        dec = ServedDecoder(target, draft, probes[0], probes[1], default_policy(fast_path=False, tau=tau), task=task,
                             concurrency=opts.concurrency)
         backends = (target.url, draft.url)
         if opts.tokenizer is not None:
