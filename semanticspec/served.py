@@ -108,8 +108,9 @@ class ServedDecoder(StepDecoder):
         return [ServedPrompt(t, n) for t, n in zip(texts, counts)]
 
     def prompt_room(self, plan: Plan) -> int | None:
-        """New tokens the first prompt of ``plan`` leaves in the servers' contexts (None: neither states one)."""
-        rooms = [ctx - p[0].tokens - plan.spare for ctx, p in zip(self.contexts(), plan.inputs) if ctx is not None]
+        """New tokens the first prompt of ``plan`` leaves in the servers' contexts (None: no server counted it)."""
+        rooms = [ctx - p[0].tokens - plan.spare for ctx, p in zip(self.contexts(), plan.inputs)
+                 if ctx is not None and p[0].tokens is not None]
         return min(rooms, default=None)
 
     def contexts(self) -> tuple[int | None, int | None]:

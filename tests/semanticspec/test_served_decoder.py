@@ -539,3 +539,13 @@ def test_the_endpoint_refuses_a_budget_past_a_servers_context_before_decoding(wo
     finally:
         sched.stop(1)
     assert not {"read", "write"} & set(target.calls)
+
+
+def test_a_server_that_states_a_context_but_counts_nothing_leaves_the_room_unknown(world, engines):
+    class Uncounted(Sized):
+        def prompt_tokens(self, texts):
+            return None
+
+    dec = ServedDecoder(Uncounted(engines[0], 4096), Uncounted(engines[1], 4096), task=MARKER)
+    plan = dec.plan(world["prompts"][:1], DecodeConfig(method="target_only"))
+    assert plan.inputs[0][0].tokens is None and dec.prompt_room(plan) is None
