@@ -149,6 +149,23 @@ class StepLoop:
             self.meter.finished([i])
             self._retire([i])
 
+    def target_round(self, rows: list[int], method) -> None:
+        """A round in which the target writes every step (the reference)."""
+        self.target_steps(rows, use_draft=False)
+
+    def draft_round(self, rows: list[int], method) -> None:
+        """A round in which the draft writes every step, all kept."""
+        self.draft_steps(rows)
+
+    def speculative_round(self, rows: list[int], method) -> None:
+        """A round in which the draft proposes each row's step (or window of steps) and ``method.policy`` decides;
+        the target writes the first step when ``target_first_step``, and every refused one."""
+        first = [i for i in rows if self.setup.target_first_step and self.rows[i].steps_written == 0]
+        spec = [i for i in rows if i not in first]
+        rejected = self.speculate(spec, method.policy, method.window) if spec else []
+        if first or rejected:
+            self.rewrite(first, rejected)
+
     def _round(self, method) -> bool:
         """One round over the rows that can go on (the others are closed at their limit); False when none could."""
         rows, using = self.rows, [{"target": self.verifier, "draft": self.proposer}[n] for n in method.uses]

@@ -23,8 +23,9 @@ class Method:
     """A method on the step loop.
 
     Attributes:
-        round: what one round does for the active rows, ``round(loop, rows, method)`` (:func:`target_round`,
-            :func:`draft_round`, :func:`speculative_round`).
+        round: the loop's round function, what one round does for the active rows, ``round(loop, rows, method)``
+            (:meth:`~semanticspec.loop.StepLoop.target_round`, :meth:`~semanticspec.loop.StepLoop.draft_round`,
+            :meth:`~semanticspec.loop.StepLoop.speculative_round`).
         uses: the parts whose context room bounds a step (``"target"``, ``"draft"``).
         policy: the acceptance policy of a speculative method, else None.
         window: drafted steps judged per target pass (speculative methods).
@@ -41,35 +42,15 @@ class Method:
         return self.policy is not None and self.policy.decides_with_probes
 
 
-def target_round(loop: StepLoop, rows: list[int], method: Method) -> None:
-    """The target writes every step (the reference)."""
-    loop.target_steps(rows, use_draft=False)
-
-
-def draft_round(loop: StepLoop, rows: list[int], method: Method) -> None:
-    """The draft writes every step, all kept."""
-    loop.draft_steps(rows)
-
-
-def speculative_round(loop: StepLoop, rows: list[int], method: Method) -> None:
-    """The draft proposes each row's step (or window of steps) and ``method.policy`` decides; the target writes the
-    first step when ``target_first_step``, and every refused one."""
-    first = [i for i in rows if loop.setup.target_first_step and loop.rows[i].steps_written == 0]
-    spec = [i for i in rows if i not in first]
-    rejected = loop.speculate(spec, method.policy, method.window) if spec else []
-    if first or rejected:
-        loop.rewrite(first, rejected)
-
-
 def speculative(policy: AcceptancePolicy) -> Method:
     """The speculative method deciding with ``policy``."""
-    return Method(speculative_round, policy=policy)
+    return Method(StepLoop.speculative_round, policy=policy)
 
 
 METHODS: dict[str, Callable[[ProbePolicy], Method | TransformersLoop]] = {
-    "target_only": lambda policy: Method(target_round, ("target",)),
+    "target_only": lambda policy: Method(StepLoop.target_round, ("target",)),
     "semanticspec": speculative,
-    "draft_only": lambda policy: Method(draft_round, ("draft",)),
+    "draft_only": lambda policy: Method(StepLoop.draft_round, ("draft",)),
     "always_reject": lambda policy: speculative(RandomPolicy(0.0)),
     "always_accept": lambda policy: speculative(RandomPolicy(1.0)),
     "specreason": lambda policy: speculative(SpecReasonPolicy()),

@@ -13,7 +13,8 @@ from generation.handover import Handover
 from generation.sampling import Sampler, sampling_probs
 from generation.specs import SamplingSpec
 from generation.writer import StepDraft
-from semanticspec.methods import METHODS, method_for, speculative_round
+from semanticspec.loop import StepLoop
+from semanticspec.methods import METHODS, method_for
 from semanticspec.policies import (
     OraclePolicy,
     ProbePolicy,
@@ -176,7 +177,7 @@ def test_the_method_table_maps_every_name_to_a_method():
     assert methods["semanticspec"].policy == ProbePolicy(tau=0.3) and methods["semanticspec"].probes_decide
     from benchmarks.decode import CHECKS, DRAFTING, POLICIES  # the benchmark judges every drafting method's decisions
 
-    speculative = {n for n, m in methods.items() if getattr(m, "round", None) is speculative_round}
+    speculative = {n for n, m in methods.items() if getattr(m, "round", None) is StepLoop.speculative_round}
     assert set(DRAFTING) | set(CHECKS) == speculative | set(POLICIES)  # with random and oracle acceptance
     assert [methods[n].policy.rate for n in ("always_reject", "always_accept")] == [0.0, 1.0]
     assert method_for(SpecReasonPolicy(threshold=8), ProbePolicy()).policy.threshold == 8
