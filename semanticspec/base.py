@@ -1,4 +1,6 @@
-"""What both decoders share: ``generate`` and ``stream`` over the one step loop, and the method's checks.
+"""What both decoders share: ``generate`` and ``stream`` over the one step loop, and each call's plan: its config
+resolved against the probes (the step and the sampling their labels were made with) and the task (the answer marker),
+and the method's checks.
 
 :class:`~semanticspec.decoder.SemanticSpecDecoder` (in-process models) and
 :class:`~semanticspec.served.ServedDecoder` (two servers) differ only in how they read their
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -18,7 +21,6 @@ import torch
 from generation.sampling import stream_keys
 from generation.specs import SamplingSpec, StepSpec
 from semanticspec.config import DecodeConfig
-from semanticspec import setup
 from semanticspec.loop import LoopSetup
 from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.hf import TransformersLoop
@@ -54,7 +56,7 @@ class StepDecoder:
     step: StepSpec
     """What a step is with the default config: the probes' :class:`StepSpec`, unless the config says."""
     _recorded_sampling: dict
-    """How the probes' labels were sampled, per field, with whose it is (``setup.sampling_spec``)."""
+    """How the probes' labels were sampled, per field, with whose it is (:func:`sampling_spec`)."""
     last_wall_s: float = 0.0
     """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts)."""
     windows: bool = True
@@ -117,8 +119,8 @@ class StepDecoder:
             ValueError: a step that differs from the probes', an answer marker that differs from the task's, or loop
                 settings this decoder cannot run (naming them).
         """
-        step = setup.step_spec((self.target_probe, self.draft_probe), cfg.step)
-        marker = setup.answer_marker(cfg.answer_marker, self.task)
+        step = step_spec((self.target_probe, self.draft_probe), cfg.step)
+        marker = answer_marker(cfg.answer_marker, self.task)
         token_sd, bonus = self._token_sd(cfg)
         return LoopSetup(cfg.target_first_step, marker, bonus, token_sd, cfg.token_sd_tokens,
                          cfg.rewrite_in_rounds), step
@@ -139,7 +141,7 @@ class StepDecoder:
             ValueError: a value that differs from the probes' (with ``enforce`` and without ``allow_mismatch``), or
                 a bad value (naming it).
         """
-        return setup.resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
+        return resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
 
     def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
         """Whether the target writes its steps with token-level speculation, and whether a bonus token opens the step
@@ -177,7 +179,7 @@ class StepDecoder:
         loop, step = self._setup(cfg)
         method, problems = self._method(cfg, step)
         problems += self._refusals(cfg, method)
-        sampling = setup.resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
+        sampling = resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
                                           method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
         if problems:
             raise ValueError("; ".join(problems))
@@ -312,3 +314,94 @@ def lookahead_problem(method, name) -> str | None:
     if method.policy.needs.p:
         return "the ratio rule reads the draft probe's p, which is read for one-step windows only; use lookahead=1"
     return None
+
+
+# ------------------------------------------------------------------ a call's settings against the probes and task
+
+
+def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:
+    """What the probes' labels were built with, per field: ``{field: (value, "target probe")}``.
+
+    Raises:
+        ValueError: two probes disagree (naming both values).
+    """
+    seen: dict[str, tuple[object, str]] = {}
+    problems = []
+    for probe in probes:
+        if probe is None:
+            continue
+        for key, get in fields.items():
+            value = get(probe.config)
+            if value is None:
+                continue
+            if key in seen and seen[key][0] != value:
+                problems.append(f"the {seen[key][1]} has {key}={seen[key][0]!r}, the "
+                                f"{probe.config.role} probe {value!r}")
+            seen.setdefault(key, (value, f"{probe.config.role} probe"))
+    if problems:
+        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
+    return seen
+
+
+def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str]], what: str,
+                     warn: bool = False) -> None:
+    """Refuse an explicit value that differs from the probes', naming both (``warn``: warn instead)."""
+    differ = [k for k, v in given.items() if v is not None and k in seen and seen[k][0] != v]
+    problems = [f"{k}={given[k]!r} but the {seen[k][1]} was trained on {what} with {k}={seen[k][0]!r}" for k in differ]
+    if problems and warn:
+        warnings.warn("allow_sampling_mismatch=True: " + "; ".join(problems) + ". The probes judge steps unlike "
+                      "the ones they were trained on, so their decisions (and the accuracy) may suffer.",
+                      UserWarning, stacklevel=5)  # the caller of generate() or stream()
+    elif problems:
+        fix = f"leave {' and '.join(differ)} unset to use the probe's"
+        if what == "steps sampled":
+            fix += ", or pass allow_sampling_mismatch=True to accept the mismatch"
+        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems) + f" ({fix})")
+
+
+def step_spec(probes, given: StepSpec | None) -> StepSpec:
+    """The step definition: the one the probes' labels were cut at, unless given; a differing one is refused."""
+    seen = recorded(probes, {"step": lambda c: c.step})
+    refuse_conflicts({"step": given}, seen, "steps")
+    return given or (seen["step"][0] if "step" in seen else StepSpec())
+
+
+def answer_marker(given: str | None, task) -> str | None:
+    """The marker that ends a decode: ``given`` (a config's ``answer_marker``), else ``task``'s (any object with an
+    ``answer_marker``, such as a ``datamodules.tasks.base.Task``), else None.
+
+    Raises:
+        ValueError: the task has no ``answer_marker``, or ``given`` differs from it (naming both).
+    """
+    if task is None:
+        return given
+    marker = getattr(task, "answer_marker", None)
+    if not isinstance(marker, str) or not marker:
+        raise ValueError(f"task={task!r} has no answer_marker (a non-empty string); give a "
+                         "datamodules.tasks.base.Task, or DecodeConfig(answer_marker=...) and no task")
+    if given not in (None, marker):
+        raise ValueError(f"answer_marker={given!r} but the task's is {marker!r}; give one of them")
+    return marker
+
+
+def sampling_spec(probes) -> dict[str, tuple[object, str]]:
+    """How the probes' labelled steps were sampled (``config.sampling``), per field, with whose it is."""
+    return recorded(probes, {k: (lambda c, k=k: getattr(c.sampling, k) if c.sampling else None)
+                             for k in ("temperature", "top_p")})
+
+
+def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool,
+                     allow_mismatch: bool = False) -> SamplingSpec:
+    """The sampling of a decode: the call's values, else the probes' label sampling, else the defaults.
+
+    Args:
+        seen: :func:`sampling_spec` of the decoder's probes.
+        enforce: the method decides with the probes, so an explicit value that differs from how
+            their labels were sampled is refused (naming both).
+        allow_mismatch: warn about such a value instead of refusing it (the caller's explicit opt-in).
+    """
+    given = {"temperature": temperature, "top_p": top_p}
+    if enforce:
+        refuse_conflicts(given, seen, "steps sampled", warn=allow_mismatch)
+    out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}
+    return SamplingSpec(**out)  # validated here, once

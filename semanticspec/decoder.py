@@ -55,7 +55,7 @@ from generation.sampling import Sampler, StreamKey, key_stream
 from generation.specs import StepSpec
 from generation.writer import StepWriter
 from semanticspec import setup
-from semanticspec.base import Plan, StepDecoder
+from semanticspec.base import Plan, StepDecoder, sampling_spec
 from semanticspec.cache_parts import DraftProposer, JudgeTurn, TargetVerifier
 from semanticspec.config import DecodeConfig
 from semanticspec.hf import transformers_events
@@ -125,7 +125,7 @@ class SemanticSpecDecoder(StepDecoder):
         self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
         self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
         self._judges: dict[str, JudgeTurn] = {}  # per judge_suffix
-        self._recorded_sampling = setup.sampling_spec((self.target_probe, self.draft_probe))
+        self._recorded_sampling = sampling_spec((self.target_probe, self.draft_probe))
         self._stoppers: dict = {}
 
     def _prompt(self, problem: str):

@@ -12,7 +12,7 @@ from generation.engines.checks import serving_problems
 from generation.sampling import key_stream
 from generation.specs import is_count
 from semanticspec import setup
-from semanticspec.base import Plan, StepDecoder
+from semanticspec.base import Plan, StepDecoder, sampling_spec
 from semanticspec.config import DecodeConfig
 from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier, ServedPrompt
 from semanticspec.loop import StepLoop
@@ -68,7 +68,7 @@ class ServedDecoder(StepDecoder):
                                                for p, role in ((target_probe, "target"), (draft_probe, "draft")))
         probes = (self.target_probe, self.draft_probe)
         self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
-        self._recorded_sampling = setup.sampling_spec(probes)
+        self._recorded_sampling = sampling_spec(probes)
         if (why := swapped(target, draft, self.target_probe, self.draft_probe)) is not None:
             raise ValueError(why)
 

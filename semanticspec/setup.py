@@ -1,4 +1,5 @@
-"""What the decoder checks and resolves before it runs: arguments, probes, and the step definition they carry."""
+"""What a decoder loads before its first call: its probes, checked against the models they read, and the threshold
+the evaluation picked for them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import warnings
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
-from generation.specs import SamplingSpec, StepSpec
 from semanticspec.config import resolve_probe_dtype
 
 
@@ -66,94 +66,6 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
         probe = copy.deepcopy(probe)
         probe.mlp.to(dtype)
     return probe
-
-
-def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:
-    """What the probes' labels were built with, per field: ``{field: (value, "target probe")}``.
-
-    Raises:
-        ValueError: two probes disagree (naming both values).
-    """
-    seen: dict[str, tuple[object, str]] = {}
-    problems = []
-    for probe in probes:
-        if probe is None:
-            continue
-        for key, get in fields.items():
-            value = get(probe.config)
-            if value is None:
-                continue
-            if key in seen and seen[key][0] != value:
-                problems.append(f"the {seen[key][1]} has {key}={seen[key][0]!r}, the "
-                                f"{probe.config.role} probe {value!r}")
-            seen.setdefault(key, (value, f"{probe.config.role} probe"))
-    if problems:
-        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
-    return seen
-
-
-def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str]], what: str,
-                     warn: bool = False) -> None:
-    """Refuse an explicit value that differs from the probes', naming both (``warn``: warn instead)."""
-    differ = [k for k, v in given.items() if v is not None and k in seen and seen[k][0] != v]
-    problems = [f"{k}={given[k]!r} but the {seen[k][1]} was trained on {what} with {k}={seen[k][0]!r}" for k in differ]
-    if problems and warn:
-        warnings.warn("allow_sampling_mismatch=True: " + "; ".join(problems) + ". The probes judge steps unlike "
-                      "the ones they were trained on, so their decisions (and the accuracy) may suffer.",
-                      UserWarning, stacklevel=5)  # the caller of generate() or stream()
-    elif problems:
-        fix = f"leave {' and '.join(differ)} unset to use the probe's"
-        if what == "steps sampled":
-            fix += ", or pass allow_sampling_mismatch=True to accept the mismatch"
-        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems) + f" ({fix})")
-
-
-def step_spec(probes, given: StepSpec | None) -> StepSpec:
-    """The step definition: the one the probes' labels were cut at, unless given; a differing one is refused."""
-    seen = recorded(probes, {"step": lambda c: c.step})
-    refuse_conflicts({"step": given}, seen, "steps")
-    return given or (seen["step"][0] if "step" in seen else StepSpec())
-
-
-def answer_marker(given: str | None, task) -> str | None:
-    """The marker that ends a decode: ``given`` (a config's ``answer_marker``), else ``task``'s (any object with an
-    ``answer_marker``, such as a ``datamodules.tasks.base.Task``), else None.
-
-    Raises:
-        ValueError: the task has no ``answer_marker``, or ``given`` differs from it (naming both).
-    """
-    if task is None:
-        return given
-    marker = getattr(task, "answer_marker", None)
-    if not isinstance(marker, str) or not marker:
-        raise ValueError(f"task={task!r} has no answer_marker (a non-empty string); give a "
-                         "datamodules.tasks.base.Task, or DecodeConfig(answer_marker=...) and no task")
-    if given not in (None, marker):
-        raise ValueError(f"answer_marker={given!r} but the task's is {marker!r}; give one of them")
-    return marker
-
-
-def sampling_spec(probes) -> dict[str, tuple[object, str]]:
-    """How the probes' labelled steps were sampled (``config.sampling``), per field, with whose it is."""
-    return recorded(probes, {k: (lambda c, k=k: getattr(c.sampling, k) if c.sampling else None)
-                             for k in ("temperature", "top_p")})
-
-
-def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool,
-                     allow_mismatch: bool = False) -> SamplingSpec:
-    """The sampling of a decode: the call's values, else the probes' label sampling, else the defaults.
-
-    Args:
-        seen: :func:`sampling_spec` of the decoder's probes.
-        enforce: the method decides with the probes, so an explicit value that differs from how
-            their labels were sampled is refused (naming both).
-        allow_mismatch: warn about such a value instead of refusing it (the caller's explicit opt-in).
-    """
-    given = {"temperature": temperature, "top_p": top_p}
-    if enforce:
-        refuse_conflicts(given, seen, "steps sampled", warn=allow_mismatch)
-    out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}
-    return SamplingSpec(**out)  # validated here, once
 
 
 THRESHOLD_FILE = "threshold.json"
