@@ -76,7 +76,7 @@ from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.evaluate import Arm, decision_counts, interleaved, paired_delta
 from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, default_policy
-from semanticspec.config import PROBE_DTYPES, resolve_probe_dtype
+from probes.model import PROBE_DTYPES, resolve_probe_dtype
 from semanticspec.timing import rotation
 from semanticspec.results import speedup
 

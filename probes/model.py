@@ -157,6 +157,31 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         return cached[1]
 
 
+PROBE_DTYPES = ("auto", "float32", "float16")
+"""``probe_dtype`` values: the dtype a probe's MLP runs in (the decoders' ``probe_dtype``)."""
+
+
+def resolve_probe_dtype(value: str, device: torch.device) -> torch.dtype:
+    """The dtype a probe's MLP runs in on ``device`` for ``probe_dtype=value``.
+
+    ``auto`` is float16 where a float16 matrix-vector product is fast: on CUDA, and on x86 CPUs whose kernels
+    PyTorch built for AVX2 or AVX-512 (which convert float16 in registers). A batch-1 probe call reads every
+    weight once, and the models' forwards evict them from the CPU's caches between calls, so halving the bytes
+    about halves the call, with the same decisions (``python -m benchmarks.probe_cost``, docs/benchmarks.md).
+    Elsewhere (no SIMD kernels) float16 is several times slower, so ``auto`` keeps float32.
+
+    Raises:
+        ValueError: a value outside :data:`PROBE_DTYPES`, naming it.
+    """
+    if value not in PROBE_DTYPES:
+        raise ValueError(f"probe_dtype={value!r}; expected one of {list(PROBE_DTYPES)}")
+    if value == "auto":
+        fast = device.type == "cuda" or (device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in
+                                         ("AVX2", "AVX512"))
+        value = "float16" if fast else "float32"
+    return getattr(torch, value)
+
+
 def run_probe(probe, x: torch.Tensor) -> list[float]:
     """A probe's outputs for the rows of ``x`` (moved to the probe's device), as floats.
 

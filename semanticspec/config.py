@@ -1,5 +1,4 @@
-"""`DecodeConfig`: what one ``generate`` call decodes with, typed, frozen and checked where it is built; and the dtype a
-decoder runs its probes in (:func:`resolve_probe_dtype`).
+"""`DecodeConfig`: what one ``generate`` call decodes with, typed, frozen and checked where it is built.
 
 As transformers' ``GenerationConfig`` and vLLM's ``SamplingParams``: build one and pass it, or pass its fields as
 keyword arguments (``dec.generate(prompts, max_new_tokens=64)``), which build one; both decoders
@@ -22,8 +21,6 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from generation.sampling import seed_errors
 from generation.specs import SamplingSpec, StepSpec, is_count
@@ -198,28 +195,3 @@ class DecodeConfig:
 
 def _real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-PROBE_DTYPES = ("auto", "float32", "float16")
-"""``probe_dtype`` values: the dtype a decoder runs its probes' MLPs in."""
-
-
-def resolve_probe_dtype(value: str, device: torch.device) -> torch.dtype:
-    """The dtype a probe's MLP runs in on ``device`` for ``probe_dtype=value``.
-
-    ``auto`` is float16 where a float16 matrix-vector product is fast: on CUDA, and on x86 CPUs whose kernels
-    PyTorch built for AVX2 or AVX-512 (which convert float16 in registers). A batch-1 probe call reads every
-    weight once, and the models' forwards evict them from the CPU's caches between calls, so halving the bytes
-    about halves the call, with the same decisions (``python -m benchmarks.probe_cost``, docs/benchmarks.md).
-    Elsewhere (no SIMD kernels) float16 is several times slower, so ``auto`` keeps float32.
-
-    Raises:
-        ValueError: a value outside :data:`PROBE_DTYPES`, naming it.
-    """
-    if value not in PROBE_DTYPES:
-        raise ValueError(f"probe_dtype={value!r}; expected one of {list(PROBE_DTYPES)}")
-    if value == "auto":
-        fast = device.type == "cuda" or (device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in
-                                         ("AVX2", "AVX512"))
-        value = "float16" if fast else "float32"
-    return getattr(torch, value)

@@ -97,7 +97,7 @@ class SemanticSpecDecoder(StepDecoder):
             and their prompts from ``decoder.prompts(problems)``; ``task.check`` scores the text.
         probe_dtype: the dtype the probes' MLPs run in: ``"auto"`` (default: float16 where float16 matrix-vector
             products are fast, CUDA and x86 CPUs with AVX2/AVX-512; float32 elsewhere;
-            :func:`~semanticspec.config.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
+            :func:`~probes.model.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or
             ``"float16"``. A probe given as a module is converted on a copy.
 
     Raises:

@@ -10,7 +10,6 @@ import warnings
 import torch
 
 from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
-from semanticspec.config import resolve_probe_dtype
 
 
 def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "float32"):
@@ -25,7 +24,7 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
         tokenizer: that model's tokenizer (None with no model).
         role: ``"target"`` or ``"draft"``: the slot the probe fills; a probe exported with the other
             role is refused, naming both. None checks no role.
-        probe_dtype: ``"auto"``, ``"float32"`` or ``"float16"`` (:func:`~semanticspec.config.resolve_probe_dtype`,
+        probe_dtype: ``"auto"``, ``"float32"`` or ``"float16"`` (:func:`~probes.model.resolve_probe_dtype`,
             which refuses a bad value even without a probe).
 
     Raises:
@@ -33,6 +32,8 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
             decoder cannot compute, or hidden states read from another source or norm convention.
         TypeError: ``probe`` is none of the above.
     """
+    from probes.model import resolve_probe_dtype
+
     if probe is None:
         resolve_probe_dtype(probe_dtype, torch.device("cpu"))  # a bad value is refused without a probe too
         return None

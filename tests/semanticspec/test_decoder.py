@@ -12,7 +12,7 @@ from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from semanticspec.config import DecodeConfig
 from semanticspec.decoder import DecodeResult, SemanticSpecDecoder, summarize
-from semanticspec.config import resolve_probe_dtype
+from probes.model import resolve_probe_dtype
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, fast_path_keeps_rows
 from semanticspec.cache_parts import DraftProposer, TargetVerifier
 from probes.export import export_probe
