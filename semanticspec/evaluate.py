@@ -160,7 +160,7 @@ def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:
     n = len(d)
     mean = sum(d) / n if n else math.nan
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
-    half = 1.96 * sd / math.sqrt(n) if n > 1 else math.nan
+    half = Z95 * sd / math.sqrt(n) if n > 1 else math.nan
     return {"accuracy_delta": mean, "accuracy_delta_ci95": [mean - half, mean + half]}
 
 
@@ -575,15 +575,14 @@ def probe_dir(opts: EvaluateOptions, fit: FitRun) -> Path:
                              "<log dir>/version_N/export); train with `python -m probes.fit --config "
                              f"{opts.config}`, or give --probes DIR (e.g. checkpoints/arithmetic/probes)")
         return found[0]
+    from probes.export import probe_config
+
     root = Path(opts.probes)
     for role in ("target", "draft"):
-        cfg = root / role / "config.json"
-        if not cfg.is_file():
-            raise ValueError(f"--probes {root}: no {role}/config.json there; expected an export folder holding "
-                             "target/ and draft/")
-        has = json.loads(cfg.read_text()).get("role", role)
-        if has != role:
-            raise ValueError(f"--probes {root}: {role}/ holds a probe exported for role {has!r}, expected {role!r}")
+        try:
+            probe_config(root / role, role)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--probes {root}: expected an export folder holding target/ and draft/; {e}") from None
     return root
 
 

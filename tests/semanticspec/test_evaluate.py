@@ -68,7 +68,7 @@ def test_probes_for_another_role_are_refused(capsys, monkeypatch, tmp_path):
     no_decoding(monkeypatch)
     swapped = copy_probes(tmp_path, target="draft", draft="target")
     err = refused(capsys, ["--config", CONFIG, "--probes", str(swapped)])
-    assert "target/ holds a probe exported for role 'draft'" in err
+    assert "target was exported with role 'draft'" in err and "used as the target probe" in err
 
 
 def test_probes_for_another_model_are_refused(capsys, monkeypatch, tmp_path):
