@@ -56,7 +56,7 @@ class LlamaServer:
         verbose: llama.cpp's own output on (``--verbose true``): per request it prints how many prompt tokens
             matched the cached prefix and how many it evaluated (``Llama.generate: K prefix-match hit,
             remaining N prompt tokens to eval``, ``llama_perf_context_print: prompt eval time = ... / N tokens``),
-            which :func:`prefill_counts` reads back from ``log``.
+            which the served benchmark reads back from ``log`` (``benchmarks.served.server_prefills``).
     """
 
     def __init__(self, model: str, port: int, alias: str, n_ctx: int = 2048, n_threads: int | None = None,

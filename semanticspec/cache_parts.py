@@ -68,7 +68,7 @@ class CachePart:
 
 
 class DraftProposer(CachePart):
-    """The in-process draft model writing on its :class:`BatchedCache`.
+    """The in-process draft model writing on its :class:`~generation.cache.BatchedCache`.
 
     Args:
         writer: the draft writing steps (its cache, rows holding their prompts; its stopper and sampler).

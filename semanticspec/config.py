@@ -56,7 +56,7 @@ class DecodeConfig:
             refusal. The probes then judge steps unlike their training steps: measure before relying on it.
         progress: a progress bar over the prompts.
         lookahead: drafted steps judged per target pass (an integer >= 1), or None (default): SemanticSpec's
-            shipped window (:data:`~semanticspec.loop.SHIPPED_WINDOW`: up to 4 steps, adaptive) for the method
+            shipped window (:data:`~semanticspec.parts.SHIPPED_WINDOW`: up to 4 steps, adaptive) for the method
             ``semanticspec`` where windows apply (one tokenizer in-process, a policy that reads neither the draft
             probe's ``p`` nor a judge turn), else one step. The draft writes up to ``lookahead`` steps one after
             another, the target reads them all in one forward (served: one request), the probe judges each as the
