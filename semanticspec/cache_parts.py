@@ -182,7 +182,7 @@ class StepRead:
 
 
 class TargetVerifier(CachePart):
-    """The in-process target on its :class:`BatchedCache`, with the target probe and the judge turn.
+    """The in-process target on its :class:`~generation.cache.BatchedCache`, with the target probe and the judge turn.
 
     Args:
         writer: the target writing steps (its cache, rows holding their prompts; its stopper and the decode's

@@ -1,5 +1,7 @@
 """The repository stands on its own and running it as the README says leaves `git status` clean."""
 
+import ast
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -123,3 +125,73 @@ def test_library_code_names_no_internal_issue_numbers():
             found += [f"{p.relative_to(ROOT)}:{k}" for k, line in enumerate(p.read_text().splitlines(), 1)
                       if re.search(r"\b[Ii]ssues? \d+\b", line)]
     assert found == [], found
+
+
+_REFERENCE = re.compile(r":(?:func|class|meth|data|mod|attr|exc):`~?\.?([\w.]+)`")
+
+
+def _bound(node) -> set[str]:
+    """The names (and ``self.`` attributes) an assignment binds; none for another statement."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {n.id if isinstance(n, ast.Name) else n.attr for t in targets for n in ast.walk(t)
+            if isinstance(n, ast.Name) or isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "self"}
+
+
+def _names(tree) -> dict:
+    """A module's top-level names: a class's members as a set, a function or a variable as None, an import as
+    ``"import:dotted.path"``."""
+    defs, top = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef), {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            top[node.name] = set().union(*({n.name} if isinstance(n, defs) else _bound(n) for n in ast.walk(node)))
+        elif isinstance(node, defs):
+            top[node.name] = None
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                name = a.asname or a.name.split(".")[0]
+                path = f"{node.module}.{a.name}" if isinstance(node, ast.ImportFrom) else a.name if a.asname else name
+                top[name] = f"import:{path}"
+        else:
+            top.update(dict.fromkeys(_bound(node)))
+    return top
+
+
+def test_docstring_cross_references_name_what_exists():
+    """Every ``:func:``/``:class:``/``:meth:``/``:data:``/``:attr:``/``:mod:`` reference to the package's own code
+    names a module, function, class or member that exists (a moved or renamed one leaves the reference stale)."""
+    files = [p for p in _repository_files() if p.suffix == ".py" and p.relative_to(ROOT).parts[0] != "tests"]
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
+    texts = {m: p.read_text() for m, p in modules.items()}
+    index = {m: _names(ast.parse(t)) for m, t in texts.items()}
+    ours = {m.split(".")[0] for m in modules}
+
+    def found(module: str, parts: list[str]) -> bool:
+        names = index[module]
+        if not parts:
+            return True
+        got = names.get(parts[0], False)
+        if isinstance(got, str):  # an imported name: look where it comes from
+            return resolves(got.removeprefix("import:").split(".") + parts[1:])
+        if got is False:
+            if f"{module}.{parts[0]}" in modules:
+                return found(f"{module}.{parts[0]}", parts[1:])
+            return len(parts) == 1 and "__getattr__" in names and f'"{parts[0]}"' in texts[module]  # a lazy name
+        return len(parts) == 1 or (isinstance(got, set) and len(parts) == 2 and parts[1] in got)
+
+    def resolves(parts: list[str]) -> bool:
+        if parts[0] not in ours:
+            return importlib.util.find_spec(parts[0]) is not None  # another library's name
+        return any(found(".".join(parts[:i]), parts[i:]) for i in range(len(parts), 0, -1)
+                   if ".".join(parts[:i]) in modules)
+
+    stale = []
+    for module, text in texts.items():
+        package = module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+        members = set().union(*(m for m in index[module].values() if isinstance(m, set)))
+        for ref in _REFERENCE.findall(text):
+            parts = ref.split(".")
+            if not (found(module, parts) or (len(parts) == 1 and parts[0] in members)
+                    or (parts[0] in ours or importlib.util.find_spec(parts[0]) is not None) and resolves(parts)
+                    or parts[0] not in ours and resolves(f"{package}.{ref}".split("."))):
+                stale.append(f"{modules[module].relative_to(ROOT)}: {ref}")
+    assert stale == []
