@@ -25,7 +25,7 @@ import torch
 from benchmarks import harness
 from benchmarks.common import other_problems, shipped_decoder, versus_runs
 from arithmetic_world import models
-from generation.features import probe_input, rows_features
+from generation.features import probe_features
 from semanticspec.decoder import summarize
 from semanticspec.policies import ProbePolicy
 
@@ -51,7 +51,7 @@ def call_costs(world: models.WorldModels, probe) -> dict:
 
     def features():
         with torch.inference_mode():
-            return probe_input(rows_features(spec, [step], [hidden], [logits]), spec.groups)
+            return probe_features(spec, [step], [hidden], [logits])
 
     x = features()
 

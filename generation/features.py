@@ -374,3 +374,10 @@ def probe_input(parts: Mapping[str, torch.Tensor], groups: Sequence[str]) -> tor
     if missing:
         raise ValueError(f"probe reads feature groups {list(groups)} but only {sorted(parts)} were computed")
     return torch.cat([parts[g].float().flatten(1) for g in groups], dim=1)
+
+
+def probe_features(spec: FeatureSpec, tokens: Sequence[Sequence[int]], hidden=None, logits=None,
+                   topk=None) -> torch.Tensor:
+    """A probe's (B, W) float32 input for several rows' steps: :func:`rows_features`, flattened by
+    :func:`probe_input` in ``spec.groups`` order (the arguments are :func:`rows_features`')."""
+    return probe_input(rows_features(spec, tokens, hidden, logits, topk), spec.groups)

@@ -18,7 +18,7 @@ from operator import attrgetter
 
 import torch
 
-from generation.features import probe_input, rows_features
+from generation.features import probe_features
 from generation.handover import Handover, decode_text
 from generation.sampling import key_stream
 from generation.writer import StepDraft, StepWriter
@@ -131,7 +131,7 @@ class DraftProposer(CachePart):
         hidden = [d.pooled_input() for d in drafts] if self.spec.needs_hidden else None
         logits = [torch.stack(d.token_logits()) for d in drafts] if self.spec.needs_logits else None
         with torch.inference_mode():  # features and MLP without autograd bookkeeping per op
-            x = probe_input(rows_features(self.spec, [d.tokens for d in drafts], hidden, logits), self.spec.groups)
+            x = probe_features(self.spec, [d.tokens for d in drafts], hidden, logits)
             p = run_probe(self.probe, x)
         self.probe_s += time.perf_counter() - t0
         return dict(zip(rows, p))
@@ -320,9 +320,9 @@ class TargetVerifier(CachePart):
         if needs.q and slow:
             t0 = time.perf_counter()
             with torch.inference_mode():  # features and MLP without autograd bookkeeping per op
-                feats = probe_input(rows_features(self.spec, [read[k].tokens for k in slow],
-                                                  [read[k].hidden for k in slow] if self.spec.needs_hidden else None,
-                                                  [read[k].step_logits for k in slow]), self.spec.groups)
+                feats = probe_features(self.spec, [read[k].tokens for k in slow],
+                                       [read[k].hidden for k in slow] if self.spec.needs_hidden else None,
+                                       [read[k].step_logits for k in slow])
                 x, q = dict(zip(slow, feats)), dict(zip(slow, run_probe(self.probe, feats)))
             self.probe_s += time.perf_counter() - t0
         coin = {k: float(torch.rand((), generator=self.coins[k[0]])) for k in slow} if needs.coin else {}

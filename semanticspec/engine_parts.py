@@ -42,7 +42,7 @@ import torch
 
 from generation.engines.base import TokenLogprobs, spell
 from generation.engines.connection import redact
-from generation.features import FeatureSpec, probe_input, rows_features
+from generation.features import FeatureSpec, probe_features
 from generation.sampling import StreamKey, key_stream, stream_seed
 from generation.specs import SamplingSpec, StepSpec
 from generation.steps import ends_step
@@ -546,4 +546,4 @@ def features(spec: FeatureSpec, step: TokenLogprobs, hidden: torch.Tensor | None
         kw["hidden"] = [hidden[None]]  # (1, k, D): the last layer
     if spec.needs_topk:
         kw["topk"] = [(step.logprobs, step.top)]
-    return probe_input(rows_features(spec, tokens, **kw), spec.groups)
+    return probe_features(spec, tokens, **kw)
