@@ -19,9 +19,10 @@ from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, ProbeConf
 
 
 def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str = "probe") -> None:
-    """Raise if a probe with ``config`` cannot read ``model``'s hidden states, naming each differing field.
+    """Raise if a probe with ``config`` cannot read ``model``'s hidden states: it was exported for another model
+    (naming each differing field), or it reads layers the model does not have (naming the ids and the range).
 
-    Used by :func:`load_probe` and by every consumer handed a probe object (decoder, callback).
+    Used by :func:`load_probe` and by every consumer handed a probe object (decoder, callback, evaluation).
     """
     actual, reads = model_fingerprint(model, tokenizer), config.reads
     problems = [f"{k}: probe has {reads[k]!r}, model has {actual[k]!r}" for k in FINGERPRINT_FIELDS
@@ -34,6 +35,9 @@ def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str =
             + "; ".join(problems)
             + ". Export a probe for this model or load the matching one."
         )
+    layers = layer_problems(list(config.features.layer_ids), actual["num_layers"])
+    if layers:
+        raise ValueError(f"{where} reads layers the model does not have (features.layer_ids): " + "; ".join(layers))
 
 
 def export_probe(probe, path: str | os.PathLike) -> Path:
@@ -62,13 +66,6 @@ def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -
             f"{where} was exported with role {config.role!r} (it estimates the {config.role} model's semantic "
             f"probability) but is used as the {role} probe; pass a probe exported with role {role!r} here, "
             f"or this one as the {config.role} probe")
-
-
-def check_layers(config: ProbeConfig, model, where: str = "probe") -> None:
-    """Raise if ``config.features.layer_ids`` does not index ``model``'s hidden states, naming the ids and the range."""
-    problems = layer_problems(list(config.features.layer_ids), model_fingerprint(model)["num_layers"])
-    if problems:
-        raise ValueError(f"{where} reads layers the model does not have: " + "; ".join(problems))
 
 
 def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Optional[str] = None,
@@ -113,7 +110,6 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
                 stacklevel=2,
             )
         check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
-        check_layers(config, model, where=f"{path / 'config.json'} (field features.layer_ids)")
     weights = path / "model.safetensors"
     _check_header(weights, config)
     probe = SemanticProbe(config)

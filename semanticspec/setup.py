@@ -37,7 +37,7 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
     if probe is None:
         resolve_probe_dtype(probe_dtype, torch.device("cpu"))  # a bad value is refused without a probe too
         return None
-    from probes.export import check_layers, check_probe_matches, check_role, load_probe
+    from probes.export import check_probe_matches, check_role, load_probe
 
     device = str(next(model.parameters()).device) if model is not None else None
     if isinstance(probe, (str, os.PathLike)):
@@ -50,7 +50,6 @@ def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "f
         check_role(probe.config, role, where=where)
         if model is not None:  # the same checks as load_probe: width, model/tokenizer when recorded; layers
             check_probe_matches(probe.config, model, tokenizer, where=where)
-            check_layers(probe.config, model, where=f"{where} (config.features.layer_ids)")
             probe = probe.to(device)
         probe = probe.eval()
     if model is not None:

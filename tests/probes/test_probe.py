@@ -495,7 +495,7 @@ def test_layer_ids_are_checked_against_the_model_given_even_without_a_fingerprin
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the "records no reads" warning
         with pytest.raises(ValueError,
-                           match=rf"{path}/config.json \(field features.layer_ids\).*\[3\] out of range.*-3\.\.2"):
+                           match=rf"probe at {path} reads layers the model does not have.*\[3\] out of range.*-3\.\.2"):
             load_probe(path, model=model)
         ok = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, features=FeatureSpec(layer_ids=[0, 2, -3]),
                                                     hidden_dims=[4])), tmp_path / "ok")
