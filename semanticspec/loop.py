@@ -9,9 +9,10 @@ rows' bookkeeping, asks the policy, and tells the parts what was kept. Nor does 
 observer (:class:`LoopObserver`; the decoders attach a :class:`~semanticspec.meter.Meter`) which round and phase it
 is in and when rows come and end, and the observer measures.
 
-A method (:mod:`semanticspec.methods`) names the round function that says what one round does for the
-active rows: the target writes a step, the draft writes one, or the draft proposes and an acceptance policy
-decides (:meth:`StepLoop.speculate`). A refused step is rolled back in both parts and the target writes the
+A method (:mod:`semanticspec.methods`) names which of the loop's round functions runs each round for the active
+rows: the target writes a step (:meth:`StepLoop.target_round`), the draft writes one (:meth:`StepLoop.draft_round`),
+or the draft proposes and an acceptance policy decides (:meth:`StepLoop.speculative_round`, through
+:meth:`StepLoop.speculate`). A refused step is rolled back in both parts and the target writes the
 step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the draft when ``token_sd`` (a verifier
 that can: :class:`~semanticspec.parts.TokenVerifier`). After each decision both parts follow what the row committed
 (:meth:`~semanticspec.parts.Part.sync`).
