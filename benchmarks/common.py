@@ -19,7 +19,6 @@ from arithmetic_world.task import ArithmeticTask
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.config import DecodeConfig
 from semanticspec import evaluate
-from semanticspec.evaluate import paired_delta
 from semanticspec.policies import ProbePolicy
 
 TASK = ArithmeticTask(min_ops=4, max_ops=4)
@@ -88,8 +87,8 @@ def versus_target_only(runs: dict[str, list], problems: Sequence) -> tuple[dict,
     """
     right = {k: [task.check_answer(r.text, p.answer) for r, p in zip(v, problems)] for k, v in runs.items()}
     ref = summarize(runs["target_only"])["wall_s"]
-    methods = {name: {**evaluate.figures(res, right[name], ref), **paired_delta(right[name], right["target_only"])}
-               for name, res in runs.items()}
+    methods = {name: {**evaluate.figures(res, right[name], ref),
+                      **evaluate.paired_delta(right[name], right["target_only"])} for name, res in runs.items()}
     return methods, right
 
 

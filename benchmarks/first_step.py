@@ -3,15 +3,13 @@
     python -m benchmarks.first_step            # 1000 problems (benchmarks/results/first-step.json)
     python -m benchmarks.first_step --quick    # 100 problems (first-step-quick.json), < 1 min
 
-On the decode benchmark's 400 problems the two settings differ by less than its sampling noise. This
-benchmark decodes target-only,
-SemanticSpec with the target's first step and SemanticSpec with the draft's, interleaved, on
-other problems than decode.py's (seed 40,000), and reports each accuracy with its paired 95%
-interval against target-only and the speedup. Both settings also run with the target's own steps
-(its first step and its rewrites of refused steps) written by token-level speculative sampling
-(``token_sd=True``, lossless), the other knob that moves the decoder's speed. The decoder's
-``target_first_step`` and ``token_sd`` defaults follow this benchmark (docs/benchmarks.md, "Who writes the
-first step").
+On the decode benchmark's 400 problems the two settings differ by less than its sampling noise. This benchmark
+decodes target-only, SemanticSpec with the target's first step and SemanticSpec with the draft's, interleaved, on
+other problems than decode.py's (seed 40,000), and reports each accuracy with its paired 95% interval against
+target-only and the speedup. Both settings also run with the target's own steps (its first step and its rewrites of
+refused steps) written by token-level speculative sampling (``token_sd=True``, lossless), the other knob that moves
+the decoder's speed. The decoder's ``target_first_step`` and ``token_sd`` defaults follow this benchmark
+(docs/benchmarks.md, "Who writes the first step").
 """
 
 from __future__ import annotations

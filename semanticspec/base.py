@@ -180,7 +180,7 @@ class StepDecoder:
         method, problems = self._method(cfg, step)
         problems += self._refusals(cfg, method)
         sampling = resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
-                                          method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
+                                    method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
         if problems:
             raise ValueError("; ".join(problems))
         inputs = self._inputs(prompts, cfg, method)
