@@ -141,7 +141,7 @@ class StepDecoder:
             ValueError: a value that differs from the probes' (with ``enforce`` and without ``allow_mismatch``), or
                 a bad value (naming it).
         """
-        return resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch)
+        return resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch, stacklevel=2)
 
     def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
         """Whether the target writes its steps with token-level speculation, and whether a bonus token opens the step
@@ -180,7 +180,8 @@ class StepDecoder:
         method, problems = self._method(cfg, step)
         problems += self._refusals(cfg, method)
         sampling = resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
-                                    method is not None and method.probes_decide, cfg.allow_sampling_mismatch)
+                                    method is not None and method.probes_decide, cfg.allow_sampling_mismatch,
+                                    stacklevel=3)  # the warning names the line calling generate() or stream()
         if problems:
             raise ValueError("; ".join(problems))
         inputs = self._inputs(prompts, cfg, method)
@@ -344,14 +345,15 @@ def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str
 
 
 def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str]], what: str,
-                     warn: bool = False) -> None:
-    """Refuse an explicit value that differs from the probes', naming both (``warn``: warn instead)."""
+                     warn: bool = False, stacklevel: int = 1) -> None:
+    """Refuse an explicit value that differs from the probes', naming both (``warn``: warn instead, naming the line
+    ``stacklevel`` frames up, 1 being the caller's)."""
     differ = [k for k, v in given.items() if v is not None and k in seen and seen[k][0] != v]
     problems = [f"{k}={given[k]!r} but the {seen[k][1]} was trained on {what} with {k}={seen[k][0]!r}" for k in differ]
     if problems and warn:
         warnings.warn("allow_sampling_mismatch=True: " + "; ".join(problems) + ". The probes judge steps unlike "
                       "the ones they were trained on, so their decisions (and the accuracy) may suffer.",
-                      UserWarning, stacklevel=5)  # the caller of generate() or stream()
+                      UserWarning, stacklevel=stacklevel + 1)
     elif problems:
         fix = f"leave {' and '.join(differ)} unset to use the probe's"
         if what == "steps sampled":
@@ -391,7 +393,7 @@ def sampling_spec(probes) -> dict[str, tuple[object, str]]:
 
 
 def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool,
-                     allow_mismatch: bool = False) -> SamplingSpec:
+                     allow_mismatch: bool = False, stacklevel: int = 1) -> SamplingSpec:
     """The sampling of a decode: the call's values, else the probes' label sampling, else the defaults.
 
     Args:
@@ -399,9 +401,10 @@ def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, en
         enforce: the method decides with the probes, so an explicit value that differs from how
             their labels were sampled is refused (naming both).
         allow_mismatch: warn about such a value instead of refusing it (the caller's explicit opt-in).
+        stacklevel: the frame the warning names, 1 being the caller's (as :func:`warnings.warn` counts).
     """
     given = {"temperature": temperature, "top_p": top_p}
     if enforce:
-        refuse_conflicts(given, seen, "steps sampled", warn=allow_mismatch)
+        refuse_conflicts(given, seen, "steps sampled", warn=allow_mismatch, stacklevel=stacklevel + 1)
     out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}
     return SamplingSpec(**out)  # validated here, once

@@ -586,6 +586,11 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
                                          r"trained on steps sampled with temperature=0\.6"):
         greedy = dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=16, allow_sampling_mismatch=True)
     assert texts(greedy) == texts(dec.generate(PROMPTS[:1], method="target_only", temperature=0.0, max_new_tokens=16))
+    with pytest.warns(UserWarning, match="allow_sampling_mismatch=True") as caught:  # each names the caller's line
+        dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=4, allow_sampling_mismatch=True)
+        dec.stream(PROMPTS[:1], temperature=0.0, max_new_tokens=4, allow_sampling_mismatch=True)
+        dec.sampling(temperature=0.0, allow_mismatch=True)
+    assert [w.filename for w in caught] == [__file__] * 3
     # unset: the probes' spec, and the same draws as passing it explicitly
     same = dec.generate(PROMPTS[:1], max_new_tokens=16, seed=3)
     assert texts(same) == texts(dec.generate(PROMPTS[:1], temperature=0.6, top_p=0.9, max_new_tokens=16, seed=3))
