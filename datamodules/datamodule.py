@@ -23,8 +23,7 @@ from datamodules.labels.build import build
 from datamodules.labels.config import ROLES, BuildConfig, signature, signature_mismatches
 from datamodules.labels.coordination import data_dir_problem
 from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of
-from generation.groups import require_features
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec, check_groups, require_features
 
 
 class SemanticProbeDataModule(pl.LightningDataModule):
@@ -82,8 +81,6 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         if data_dir_problem(data_dir):  # refused here, before the Trainer prints its device lines
             errors.append(data_dir_problem(data_dir))
         if feature_groups is not None:
-            from generation.groups import check_groups
-
             errors += check_groups(feature_groups, None)
         if errors:
             raise ValueError("invalid SemanticProbeDataModule arguments: " + "; ".join(errors))

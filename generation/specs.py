@@ -8,7 +8,9 @@ configs and tools read specs without building a model.
 
 - :class:`StepSpec`: step delimiters and the step cap; :meth:`StepSpec.stopper` makes the token-level stop check;
 - :class:`SamplingSpec`: temperature and top-p of the one sampler;
-- :class:`FeatureSpec`: the feature groups a probe reads and how each is computed.
+- :class:`FeatureSpec`: the feature groups a probe reads and how each is computed, beside the names of the groups
+  and statistics this version computes (:data:`FEATURE_GROUPS`, :data:`TOKEN_STATS`, :data:`TOPK_STATS`) and their
+  checks (:func:`check_groups`, :func:`require_features`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
-from generation.groups import TOKEN_STATS, TOPK_STATS, check_groups
 from generation.steps import DEFAULT_DELIMITERS
 
 
@@ -109,6 +110,93 @@ def _real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+FEATURE_GROUPS: tuple[str, ...] = ("hidden", "token_stats", "topk_stats")
+"""Feature groups a probe can read, in the order they are concatenated into its input."""
+TOKEN_STATS: tuple[str, ...] = (
+    "mean_logprob",
+    "min_logprob",
+    "mean_entropy",
+    "max_entropy",
+    "not_top1_share",
+    "not_top5_share",
+    "mean_log_rank",
+)
+"""Token statistics this version computes (``token_stats`` group), in storage order."""
+TOPK_STATS: tuple[str, ...] = (
+    "mean_logprob",
+    "min_logprob",
+    "not_top1_share",
+    "not_top5_share",
+    "not_topk_share",
+    "mean_log_rank",
+    "mean_topk_entropy",
+    "max_topk_entropy",
+    "mean_topk_mass",
+    "min_topk_mass",
+)
+"""Top-k statistics this version computes (``topk_stats`` group), in storage order: each is exact from the
+token's log-prob and the reading model's k largest log-probs (what a server's top-k answer holds)."""
+STAT_GROUPS: dict[str, tuple[str, ...]] = {"token_stats": TOKEN_STATS, "topk_stats": TOPK_STATS}
+"""The statistics groups and the names each can hold."""
+
+
+def check_groups(groups: Sequence[str], stats: Sequence[str] | None, topk: Sequence[str] | None = None) -> list[str]:
+    """Problems with a list of feature groups and of their statistics (empty when all are valid).
+
+    Args:
+        groups: feature groups, a subset of :data:`FEATURE_GROUPS` in that order.
+        stats: the ``token_stats`` names (checked when ``token_stats`` is read); None checks the groups alone
+            (the statistics are chosen elsewhere, e.g. by the data).
+        topk: the ``topk_stats`` names (checked when ``topk_stats`` is read); None = not checked.
+    """
+    problems = []
+    unknown = [g for g in groups if g not in FEATURE_GROUPS]
+    if not groups or unknown or len(set(groups)) != len(groups):
+        problems.append(f"feature groups {list(groups)}: expected a non-empty subset of {list(FEATURE_GROUPS)}"
+                        + (f" (unknown: {unknown})" if unknown else ""))
+    elif list(groups) != [g for g in FEATURE_GROUPS if g in groups]:
+        problems.append(f"feature groups {list(groups)}: list them in the order {list(FEATURE_GROUPS)}")
+    for group, names in (("token_stats", stats), ("topk_stats", topk)):
+        bad = [s for s in names or () if s not in STAT_GROUPS[group]]
+        if names is not None and group in groups and (not names or bad):
+            problems.append(f"{group} {list(names)}: expected a non-empty subset of {list(STAT_GROUPS[group])}"
+                            + (f" (this version cannot compute {bad})" if bad else ""))
+    return problems
+
+
+def require_features(
+    wanted_groups: Sequence[str],
+    wanted_stats: Sequence[str],
+    provided_groups: Sequence[str],
+    provided_stats: Sequence[str],
+    where: str,
+    provider: str,
+    wanted_topk: Sequence[str] = (),
+    provided_topk: Sequence[str] = TOPK_STATS,
+) -> None:
+    """Raise naming both lists when ``where`` reads feature groups or statistics that ``provider`` cannot give.
+
+    ``wanted_topk``/``provided_topk`` are the ``topk_stats`` names, checked as ``wanted_stats``/``provided_stats``
+    are for ``token_stats``.
+
+    Raises:
+        ValueError: a group, or (for ``token_stats`` and ``topk_stats``) a statistic, is missing from what is provided.
+    """
+    missing = [g for g in wanted_groups if g not in provided_groups]
+    for group, wanted, provided in (("token_stats", wanted_stats, provided_stats),
+                                    ("topk_stats", wanted_topk, provided_topk)):
+        if group in wanted_groups and group in provided_groups:
+            missing += [f"{group}.{s}" for s in wanted if s not in provided]
+    if missing:
+        topk = f", top-k statistics {list(wanted_topk)}" if "topk_stats" in wanted_groups else ""
+        has = f", top-k statistics {list(provided_topk)}" if "topk_stats" in provided_groups else ""
+        raise ValueError(
+            f"{where} reads feature groups {list(wanted_groups)} (token statistics {list(wanted_stats)}{topk}), but "
+            f"{provider} provides {list(provided_groups)} (token statistics {list(provided_stats)}{has}); "
+            f"missing {missing}. Use a probe trained on features this source provides, or rebuild the data with them."
+        )
+
+
 SOURCES: tuple[str, ...] = ("transformers", "sglang", "vllm", "llama.cpp")
 """Where a probe's features are read: in-process transformers, or an engine's server."""
 HIDDEN_NORMS: tuple[str, ...] = ("final_norm", "pre_norm")
@@ -121,14 +209,14 @@ class FeatureSpec:
     """What a probe reads: its feature groups, how each is computed, and where the features come from.
 
     Attributes:
-        groups: feature groups, a subset of :data:`~generation.groups.FEATURE_GROUPS`, in that order.
+        groups: feature groups, a subset of :data:`FEATURE_GROUPS`, in that order.
         layer_ids: ``hidden``: HF ``hidden_states`` indices (0 = embeddings, -1 = last layer).
         pooling: ``hidden``: ``mean`` over the step's tokens or ``last``.
-        token_stats: ``token_stats``: names from :data:`~generation.groups.TOKEN_STATS` (none when the group is not
+        token_stats: ``token_stats``: names from :data:`TOKEN_STATS` (none when the group is not
             read).
         top_k: ``topk_stats``: how many of the reading model's largest log-probs the statistics see
             (at least 5: top-5 membership is one of them).
-        topk_stats: ``topk_stats``: names from :data:`~generation.groups.TOPK_STATS` (none when the group is not
+        topk_stats: ``topk_stats``: names from :data:`TOPK_STATS` (none when the group is not
             read).
         source: where the features are read (:data:`SOURCES`): ``transformers`` in-process, or a server.
         hidden_norm: ``hidden``: the norm convention of the last layer's states (:data:`HIDDEN_NORMS`).

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
+from generation.specs import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
 
 
 def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "float32"):

@@ -23,8 +23,8 @@ from datamodules.labels.clustering import ClusteringConfig, at_least, choices
 from datamodules.labels.shares import LABELLINGS
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
-from generation.groups import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, check_groups
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec
+from generation.specs import (FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, FeatureSpec, SamplingSpec, StepSpec,
+                              check_groups)
 
 
 JUDGES = ("llm", "http", "nli", "none")

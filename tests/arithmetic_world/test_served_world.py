@@ -120,7 +120,7 @@ def test_served_topk_features_equal_in_process_within_the_measured_tolerance(wor
     from datamodules.labels.engine_reading import read_steps_served
     from datamodules.labels.reading import read_steps
     from generation.features import FeatureSpec
-    from generation.groups import TOPK_STATS
+    from generation.specs import TOPK_STATS
 
     t0 = time.perf_counter()
     prefixes, steps = _world_steps(world, 6, 21)

@@ -15,13 +15,11 @@ import yaml
 from datamodules.labels import shards as S
 from generation.fingerprints import sha256_file
 from datamodules.labels.config import BuildConfig, JudgeConfig, SamplingConfig, signature
-from generation.specs import SamplingSpec, StepSpec
+from generation.specs import TOKEN_STATS, TOPK_STATS, FeatureSpec, SamplingSpec, StepSpec
 from datamodules.labels.clustering import ClusteringConfig
 from datamodules.labels.build import build, main
 from datamodules.datamodule import SemanticProbeDataModule
-from generation.groups import TOKEN_STATS, TOPK_STATS
 from generation.features import rows_features, topk_of_logits
-from generation.specs import FeatureSpec
 from datamodules.labels.reading import read_steps
 from arithmetic_world.task import ArithmeticTask
 from datamodules.tasks.math import BoxedMathTask

@@ -7,10 +7,8 @@ import math
 import pytest
 import torch
 
-from generation.groups import TOKEN_STATS
+from generation.specs import TOKEN_STATS, FeatureSpec, require_features
 from generation.features import probe_input, rows_features
-from generation.specs import FeatureSpec
-from generation.groups import require_features
 from probes.config import ProbeConfig
 from probes.export import export_probe, load_probe
 from probes.model import SemanticProbe
@@ -146,7 +144,7 @@ def _ragged_rows(lengths, V=11, L=2, D=4, seed=0):
 @pytest.mark.parametrize("chunk", [None, 11])  # one tensor for the batch, or a few tokens' logits at a time
 def test_rows_features_equal_a_hand_computation_and_each_row_alone(monkeypatch, chunk):
     from generation import features
-    from generation.groups import TOPK_STATS
+    from generation.specs import TOPK_STATS
 
     if chunk:
         monkeypatch.setattr(features, "_CHUNK_ELEMENTS", chunk)

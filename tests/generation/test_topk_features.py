@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from generation.features import LOGPROB_FLOOR, rows_features, token_scores, topk_of_logits, topk_scores
-from generation.groups import TOPK_STATS, check_groups, require_features
-from generation.specs import FeatureSpec
+from generation.specs import TOPK_STATS, FeatureSpec, check_groups, require_features
 
 
 def server_answer(logits: torch.Tensor, tokens: list[int], k: int, extra: int = 0):

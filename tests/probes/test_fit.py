@@ -313,7 +313,7 @@ def test_callback_bad_problem_file_fails_before_training(tmp_path):
 
 
 def _world_module():
-    from generation.groups import TOKEN_STATS
+    from generation.specs import TOKEN_STATS
     from arithmetic_world.models import load_model, load_tokenizer
     from probes.config import ProbeConfig
     from generation.fingerprints import model_fingerprint

@@ -2,8 +2,7 @@
 
 import torch
 
-from generation.groups import TOPK_STATS
-from generation.specs import FeatureSpec, StepSpec
+from generation.specs import TOPK_STATS, FeatureSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from semanticspec.decoder import SemanticSpecDecoder

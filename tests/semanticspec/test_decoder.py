@@ -7,7 +7,7 @@ from transformers import LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from generation.cache import record_forwards
-from generation.groups import TOKEN_STATS
+from generation.specs import TOKEN_STATS, SamplingSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from semanticspec.config import DecodeConfig
@@ -18,7 +18,6 @@ from semanticspec.cache_parts import DraftProposer, TargetVerifier
 from probes.export import export_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
-from generation.specs import SamplingSpec, StepSpec
 from tests.conftest import PROMPTS, char_tokenizer, tiny_llama
 from tests.semanticspec.conftest import (GREEDY, SIX, ConstProbe, check_stream, make_decoder, stub_decoder,
                                          texts)
@@ -100,7 +99,7 @@ def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, 
     token: the features cover it on both sides. The build reads with ``datamodules.labels.reading.read_steps``.
     """
     from datamodules.labels.reading import read_steps
-    from generation.groups import TOKEN_STATS
+    from generation.specs import TOKEN_STATS
     from generation.features import probe_input
     from generation.specs import FeatureSpec
 
