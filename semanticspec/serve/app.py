@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from generation.engines.base import Refused
 from semanticspec.config import DecodeConfig
@@ -50,7 +51,8 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("semanticspec_requests", "Requests by route and status code", ["route", "status"],
+        self.requests = Counter("semanticspec_requests", "Requests by route (the endpoint's route template, "
+                                "'other' for a path it does not serve) and status code", ["route", "status"],
                                 registry=r)
         self.tokens = Counter("semanticspec_tokens", "Tokens: prompt, completion, and the draft's share of completion",
                               ["kind"], registry=r)
@@ -68,9 +70,22 @@ class Metrics:
         self.max_after_cancel = Gauge("semanticspec_max_steps_after_cancel", "The most steps one cancelled row "
                                       "decoded after its cancel", registry=r)
 
+    def count(self, scope, status: int | str) -> None:
+        """Count a request answered with ``status`` under :func:`route_label` of its ``scope``."""
+        self.requests.labels(route_label(scope), str(status)).inc()
+
     def on_step(self, decision: str, seconds: float) -> None:
         self.steps.labels(decision).inc()
         self.step_seconds.observe(seconds)
+
+
+def route_label(scope) -> str:
+    """The route a request's ``scope`` matches, as its template (``/v1/models/{model:path}``), or ``other``: a metric's
+    label is never the raw path a client sent, which would make one series per path anyone cares to request."""
+    route = scope.get("route")  # Starlette's router sets it on a match (a path-only match too: a 405)
+    if route is None:  # not routed yet (the key check), or no route matched (a 404)
+        route = next((r for r in scope["app"].router.routes if r.matches(scope)[0] != Match.NONE), None)
+    return getattr(route, "path", "other")
 
 
 @dataclasses.dataclass
@@ -127,12 +142,12 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
-        metrics.requests.labels(request.url.path, "400").inc()
+        metrics.count(request.scope, 400)
         return JSONResponse(error_body(message, param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http(request: Request, exc: HTTPException):
-        metrics.requests.labels(request.url.path, str(exc.status_code)).inc()
+        metrics.count(request.scope, exc.status_code)
         if exc.status_code == 404:
             message = f"Invalid URL ({request.method} {request.url.path}); see GET /v1/models and the POST routes " \
                       "/v1/completions and /v1/chat/completions"
@@ -145,7 +160,7 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(BadRequest)
     async def bad(request: Request, exc: BadRequest):
-        metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        metrics.count(request.scope, exc.status)
         return JSONResponse(error_body(str(exc), exc.param, exc.kind), status_code=exc.status,
                             headers=exc.headers)
 
@@ -190,7 +205,7 @@ class Guard:
             return await self.app(scope, receive, send)
         key, path = self.settings.api_key, scope["path"]
         if key and path.startswith("/v1") and not key_matches(dict(scope["headers"]).get(b"authorization", b""), key):
-            self.metrics.requests.labels(path, "401").inc()
+            self.metrics.count(scope, 401)
             return await JSONResponse(error_body("invalid API key", None, "authentication_error"),
                                       status_code=401)(scope, receive, send)
         started = False
@@ -203,10 +218,10 @@ class Guard:
         try:
             await self.app(scope, receive, sending)
         except ClientDisconnect:  # the client went before its body was read: no one to answer
-            self.metrics.requests.labels(path, "499").inc()
+            self.metrics.count(scope, 499)
         except Exception as e:  # noqa: BLE001 - the answer a client can read, instead of a dropped connection
             log.exception("%s %s failed", scope.get("method"), path)
-            self.metrics.requests.labels(path, "500").inc()
+            self.metrics.count(scope, 500)
             if not started:
                 body = error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error")
                 await JSONResponse(body, status_code=500)(scope, receive, send)
@@ -386,20 +401,19 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
         if first.planned and not body.stream:
             end = await _next(updates, request, job)  # a non-streaming job is told nothing before its end
     except _Gone:
-        metrics.requests.labels(request.url.path, "499").inc()
+        metrics.count(request.scope, 499)
         return Response(status_code=499)  # nginx's "client closed request": no one reads it
     if not first.planned:  # refused (invalid) or failed while planning: the request's only update
         raise _refusal(first, "messages" if reply.chat else "prompt")
     metrics.tokens.labels("prompt").inc(first.prompt_tokens)
-    route = request.url.path
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        metrics.requests.labels(route, "200").inc()
+        metrics.count(request.scope, 200)
         return StreamingResponse(_sse(updates, request, job, reply, first.prompt_tokens, include, metrics),
                                  media_type="text/event-stream")
     if end.finish == "error":
         raise _refusal(end, "messages" if reply.chat else "prompt")
-    metrics.requests.labels(route, "200").inc()
+    metrics.count(request.scope, 200)
     _count(metrics, end)
     return reply.full(end.result.text, end.finish, usage(first.prompt_tokens, end.result))
 

@@ -195,6 +195,34 @@ def test_a_wrong_api_key_gets_a_401_and_the_key_is_never_logged(world_decoder, c
     assert "sk-right-key-123" not in out + err
 
 
+def test_metrics_count_requests_by_route_never_by_the_path_a_client_sent(world_decoder):
+    """A path anyone may request (a 404, a 401 before routing) is counted as ``other``: one series per invented path
+    would grow /metrics without bound."""
+    import re
+
+    import httpx
+
+    from semanticspec.serve.app import Settings, build_app
+
+    run, auth = Running(build_app(world_decoder[0], Settings(api_key="sk-k"))), {"Authorization": "Bearer sk-k"}
+    try:
+        for i in range(3):
+            assert httpx.get(f"{run.url[:-3]}/random-{i}").status_code == 404
+            assert httpx.get(f"{run.url}/nope-{i}").status_code == 401  # the key check, before routing
+            assert httpx.get(f"{run.url}/nope-{i}", headers=auth).status_code == 404
+            assert httpx.get(f"{run.url}/models/model-{i}", headers=auth).status_code == 404
+        assert httpx.delete(f"{run.url}/completions", headers=auth).status_code == 405
+        text = httpx.get(f"{run.url[:-3]}/metrics").text
+    finally:
+        run.stop()
+        run.app.state.scheduler.stop(0)
+    routes = set(re.findall(r'semanticspec_requests_total\{route="([^"]*)"', text))
+    assert routes == {"other", "/v1/models/{model:path}", "/v1/completions"}, routes
+    for series, n in (('route="other",status="404"', 6), ('route="other",status="401"', 3),
+                      ('route="/v1/models/{model:path}",status="404"', 3), ('route="/v1/completions",status="405"', 1)):
+        assert f"semanticspec_requests_total{{{series}}} {n:.1f}" in text, series
+
+
 def test_a_full_queue_gets_a_429_with_retry_after(world_decoder):
     from semanticspec.serve.app import Settings, build_app
 
