@@ -70,7 +70,8 @@ class ServeOptions:
     api_key_env: str = "SEMANTICSPEC_API_KEY"
     """Environment variable holding the key /v1 routes want (unset or empty: none). Never logged."""
     chat_template: str | None = None
-    """Jinja chat template, or a file holding one (None: the target tokenizer's; the embedded world's task format)."""
+    """A file holding a Jinja chat template, or the template itself (read as vLLM reads --chat-template), checked at
+    start-up on a one-message chat (None: the target tokenizer's; the embedded world's task format)."""
     tokenizer: str | None = None
     """Served: a local directory with the target's tokenizer, for chat templates and prompt token counts (None: the
     world's when the target probe reads the world's target, else none: chat routes answer 400)."""
@@ -101,11 +102,12 @@ def build(opts: ServeOptions):
     if mode == "in-process":
         from semanticspec import SemanticSpecDecoder
 
+        world_tok, template = world.load_tokenizer(root), template or world_chat(task.prompt_suffix)
+        check_template(world_tok, template)  # before the models load
         target, draft = (world.load_model(role, root) for role in ("target", "draft"))
         policy = default_policy(fast_path=True, tau=tau)
-        dec = SemanticSpecDecoder(target, draft, world.load_tokenizer(root), target_probe=probes[0],
-                                  draft_probe=probes[1], policy=policy, task=task)
-        template = template or world_chat(task.prompt_suffix)
+        dec = SemanticSpecDecoder(target, draft, world_tok, target_probe=probes[0], draft_probe=probes[1],
+                                  policy=policy, task=task)
         backends = ()
     else:
         from generation.engines import make_engine
@@ -124,6 +126,8 @@ def build(opts: ServeOptions):
         elif _reads_with(dec.target_probe, world_tok := world.load_tokenizer(root)):  # the world's, shipped or own
             tok = world_tok
             template = template or world_chat(task.prompt_suffix, bos=False)
+        if template is not None:
+            check_template(tok, template)
     key = os.environ.get(opts.api_key_env) or None
     return build_app(dec, Settings(model_name=opts.model_name, max_rows=opts.max_rows, max_queue=opts.max_queue,
                                    api_key=key, chat_template=template, backends=backends, tokenizer=tok))
@@ -137,10 +141,33 @@ def _reads_with(probe, tokenizer) -> bool:
 
 
 def _template(value: str | None) -> str | None:
+    """``--chat_template``: the file it names, else the template itself where it holds ``{``, ``}`` or a line break,
+    as vLLM reads its ``--chat-template`` (ValueError: neither a readable file nor a template)."""
     if value is None:
         return None
-    p = Path(value)
-    return p.read_text() if len(value) < 4096 and p.is_file() else value
+    try:
+        return Path(value).read_text()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the text
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(f"--chat_template={value!r}: no readable file ({getattr(e, 'strerror', None) or e}) and no "
+                         "Jinja template; give the path of a file holding one, or the template") from None
+
+
+def check_template(tok, template: str) -> None:
+    """Refuse a chat ``template`` the target tokenizer ``tok`` cannot format a one-message chat with (naming the
+    template's fault), or one with no tokenizer to format chats."""
+    from jinja2 import TemplateError
+
+    if tok is None:
+        raise ValueError("--chat_template: this endpoint has no tokenizer to format chats with; give --tokenizer DIR "
+                         "(the target's tokenizer)")
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "1 + 1"}], chat_template=template,
+                                add_generation_prompt=True, tokenize=False)
+    except TemplateError as e:  # a syntax error, or the template's own raise_exception
+        raise ValueError(f"--chat_template: the target tokenizer cannot format a chat with it "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def _parser():
@@ -165,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("port", "max_rows", "max_queue", "concurrency"):
         if getattr(opts, name) < 1:
             fail(PROG, f"--{name}={getattr(opts, name)}: expected an integer >= 1")
+    if opts.port > 65535:
+        fail(PROG, f"--port={opts.port}: expected a port from 1 to 65535")
     if not opts.shutdown_timeout >= 0:
         fail(PROG, f"--shutdown_timeout={opts.shutdown_timeout}: expected seconds >= 0")
     if (opts.target_url is None) != (opts.draft_url is None):  # before the imports of build()

@@ -398,7 +398,13 @@ def _alone_with(dec, prompt, seed: int, method: str) -> str:
                                        (["--shutdown_timeout", "-1"], "--shutdown_timeout=-1.0"),
                                        (["--target_url", "http://127.0.0.1:9", "--draft_url", "http://127.0.0.1:9",
                                          "--port", "{free}"], "http://127.0.0.1:9"),  # no backend: 5 s of retries
-                                       (["--port", "{busy}"], "--port={busy}")])
+                                       (["--port", "{busy}"], "--port={busy}"),
+                                       (["--port", "99999"], "--port=99999: expected a port from 1 to 65535"),
+                                       (["--chat_template", "/no/such/chat.jinja", "--port", "{free}"],
+                                        "--chat_template='/no/such/chat.jinja': no readable file"),
+                                       (["--chat_template", "{{% if messages %}}{{{{ messages[0].content ",
+                                         "--port", "{free}"], "--chat_template: the target tokenizer cannot format a "
+                                                              "chat with it (TemplateSyntaxError")])
 def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
     import socket
 
