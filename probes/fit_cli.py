@@ -90,10 +90,14 @@ class ProbeCLI(LightningCLI):
         return super()._instantiate_trainer(config, list(callbacks) + [NoValidationFallback()])
 
     def instantiate_classes(self) -> None:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         try:
             super().instantiate_classes()
         except (ValueError, OSError) as e:  # the classes check their arguments when built (docs/contributing.md)
             fail(str(e))
+        except MisconfigurationException as e:  # the Trainer's own refusal: devices, accelerator, strategy
+            fail(f"--trainer: {e}")
 
 
 def make_cli(args: list[str], default_config: Path) -> ProbeCLI:
