@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any
 
 MOVED_CLASSES = {
@@ -15,13 +13,10 @@ MOVED_CLASSES = {
 
 
 def __getattr__(name: str) -> Any:
-    """A task class under the path it had before the tasks moved (``datamodules.tasks.ArithmeticTask``), with a
-    warning naming today's, so configs that name the old path keep working."""
+    """No task class lives here under the path it had before the tasks moved: the error names today's path (a
+    recorded build's old path is upgraded where its manifest is read,
+    :func:`datamodules.labels.shards.upgrade_build_record`). Nothing is returned or warned about, so a library
+    that looks names up here (jsonargparse shortening an import path) finds nothing and keeps today's path."""
     new = MOVED_CLASSES.get(f"{__name__}.{name}")
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} moved to {new}; name the new path in your config (class_path: {new})",
-                  FutureWarning, stacklevel=2)
-    module, _, cls = new.rpartition(".")
-    globals()[name] = moved = getattr(importlib.import_module(module), cls)  # one warning per process
-    return moved
+    hint = f"; {__name__}.{name} moved to {new}: name that in your config (class_path: {new})" if new else ""
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}{hint}")

@@ -785,16 +785,24 @@ def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
     assert "expected >= 0" not in refuse_in_a_fresh_process("datamodules.labels.build", cases[1][0])[1][0]
 
 
-def test_a_task_named_by_its_old_path_is_built_with_a_warning_naming_the_new_one(monkeypatch):
-    import datamodules.tasks
+def test_a_task_named_by_its_old_path_is_refused_naming_the_new_one_and_the_new_path_warns_nothing(capsys):
+    import warnings
+
     from datamodules.labels.build import build_parser
 
-    monkeypatch.delitem(vars(datamodules.tasks), "ArithmeticTask", raising=False)  # warned once per process
     parser = build_parser()
-    with pytest.warns(FutureWarning, match="datamodules.tasks.ArithmeticTask moved to "
-                                           "arithmetic_world.task.ArithmeticTask"):
-        cfg = parser.parse_args(["--build.task.class_path", "datamodules.tasks.ArithmeticTask",
-                                 "--build.task.init_args.min_ops", "3"])
-        task = parser.instantiate(cfg).build.task
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--build.task.class_path", "datamodules.tasks.ArithmeticTask"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "datamodules.tasks.ArithmeticTask moved to arithmetic_world.task.ArithmeticTask" \
+        in err and len(err.strip().splitlines()) == 1, err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # jsonargparse looks the class up in datamodules.tasks: no FutureWarning
+        cfg = parser.parse_args(["--build.task.class_path", "datamodules.tasks.math.BoxedMathTask",
+                                 "--build.task.init_args.path", "problems.jsonl"])
+    assert cfg.build.task.class_path == "datamodules.tasks.math.BoxedMathTask"
+    task = parser.parse_args(["--build.task.class_path", "arithmetic_world.task.ArithmeticTask",
+                              "--build.task.init_args.min_ops", "3"])
+    task = parser.instantiate(task).build.task
     assert isinstance(task, ArithmeticTask) and task.min_ops == 3
     assert task.spec()["class_path"] == "arithmetic_world.task.ArithmeticTask"  # what the manifest records
