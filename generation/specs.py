@@ -197,6 +197,28 @@ def require_features(
         )
 
 
+def layer_problems(layer_ids: list[int], num_layers: int | None = None) -> list[str]:
+    """Problems with ``layer_ids`` (empty when valid); with ``num_layers``, each id must index ``hidden_states``.
+
+    A model with ``num_layers`` decoder layers returns ``num_layers + 1`` hidden states (the embeddings
+    first), so valid ids are ``-(num_layers + 1) .. num_layers``.
+    """
+    if not isinstance(layer_ids, (list, tuple)) or not layer_ids:
+        return [f"layer_ids={layer_ids!r}: expected a non-empty list of layer indices, e.g. [-1]"]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
+        return [f"layer_ids={layer_ids!r}: expected integers (hidden_states indices)"]
+    problems = []
+    if len(set(layer_ids)) != len(layer_ids):
+        problems.append(f"layer_ids={layer_ids}: a layer is listed twice")
+    if num_layers is not None:
+        n = num_layers + 1
+        bad = [i for i in layer_ids if not -n <= i < n]
+        if bad:
+            problems.append(f"layer_ids={layer_ids}: {bad} out of range for a model with {num_layers} layers "
+                            f"({n} hidden_states: valid ids are {-n}..{n - 1})")
+    return problems
+
+
 SOURCES: tuple[str, ...] = ("transformers", "sglang", "vllm", "llama.cpp")
 """Where a probe's features are read: in-process transformers, or an engine's server."""
 HIDDEN_NORMS: tuple[str, ...] = ("final_norm", "pre_norm")

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from generation.fingerprints import model_fingerprint
 from generation.paths import atomic_path
-from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, ProbeConfig, layer_problems
+from generation.specs import layer_problems
+from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, ProbeConfig
 
 
 def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str = "probe") -> None:

@@ -24,13 +24,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
 from tqdm.auto import tqdm
 
 from datamodules.labels import shards as S
-from generation.fingerprints import sha256_file
+from generation.fingerprints import model_fingerprint, sha256_file
 from datamodules.labels.config import (
     ROLES,
     BuildConfig,
@@ -38,6 +39,7 @@ from datamodules.labels.config import (
     signature,
 )
 from generation.cli import check_yaml_files, fail, normalise_args, one_line_parser
+from generation.specs import layer_problems
 from datamodules.labels.prefixes import make_prefixes, target_traces
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, set_wait_policy
 from datamodules.labels.coordination import (
@@ -87,6 +89,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_traces(config, records)
+    _check_layers(config)
     existing, pinned = check_recorded(data_dir, sig, log)
     finished = bool(existing and existing.get("complete"))
     damaged = damaged_shards(data_dir, existing) if finished else []
@@ -266,6 +269,18 @@ def _check_traces(config: BuildConfig, records: list[dict]) -> None:
         raise ValueError(f"{where} has no 'trace'; prefix_source='reference' cuts prefixes from each problem's trace "
                          "(a non-empty string): add the traces, or let the target write them with "
                          "--build.prefix_source target")
+
+
+def _check_layers(config: BuildConfig) -> None:
+    """Refuse ``layer_ids`` a model lacks, read from each model's ``config.json`` before any weights load."""
+    from transformers import AutoConfig
+
+    for role in ("target", "draft"):
+        path = config.model_path(role)
+        n = model_fingerprint(SimpleNamespace(config=AutoConfig.from_pretrained(path, local_files_only=True)))
+        problems = layer_problems(list(config.layer_ids), n["num_layers"])
+        if problems:
+            raise ValueError(f"build.{problems[0]} (the {role} model, {path})")
 
 
 def _server_samplers(config: BuildConfig, rank: int) -> dict:

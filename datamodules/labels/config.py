@@ -24,7 +24,7 @@ from datamodules.labels.shares import LABELLINGS
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from generation.specs import (FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, FeatureSpec, SamplingSpec, StepSpec,
-                              check_groups)
+                              check_groups, layer_problems)
 
 
 JUDGES = ("llm", "http", "nli", "none")
@@ -310,8 +310,7 @@ class BuildConfig:
                 errors.append("clustering.method='judge' needs a judge, but judge.kind='none'")
             else:
                 self.clustering.method = "hdbscan"  # no judge: HDBSCAN alone
-        if not self.layer_ids:
-            errors.append("layer_ids is empty: give at least one layer, e.g. [-1]")
+        errors += layer_problems(self.layer_ids)
         errors += check_groups(list(FEATURE_GROUPS), self.token_stats, self.topk_stats)
         errors += FeatureSpec.origin_errors(self.top_k, "transformers", "final_norm")
         errors += self._reading_errors()
