@@ -71,6 +71,7 @@ from benchmarks.common import PROBE_ROOT, PROBLEM_SEED, REPO, TASK, figures, ora
 from benchmarks.decode_report import markdown, plot, scaling_markdown
 from arithmetic_world import models, task
 from generation.cache import record_forwards
+from generation.loading import device_problem
 from generation.paths import portable_paths
 from semanticspec.decoder import SemanticSpecDecoder, summarize
 from semanticspec.evaluate import Arm, decision_counts, interleaved, paired_delta
@@ -337,12 +338,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The parsed command line, with each sweep not given set to its default (fewer values for ``--quick``)."""
     ap = arguments()
     args = ap.parse_args(argv)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        ap.error(f"--device {args.device!r} is not a torch device ({e})")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error(f"--device {args.device!r}: torch sees no CUDA device here (torch {torch.__version__})")
+    if problem := device_problem(args.device):
+        ap.error(f"--device {problem}")
     if args.sweep is None:
         args.sweep = (
             ([0.5, 4.0] if args.quick else [0.25, 0.5, 2.0, 4.0, 16.0])

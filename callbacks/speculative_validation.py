@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
+from generation.loading import device_problem
 from probes.export import check_probe_matches
 from semanticspec.timing import load_per_core, rotation, timing_noise, unreliable_because
 from semanticspec.results import accuracy, speedup
@@ -106,6 +107,9 @@ class SpeculativeValidation(Callback):
             errors.append(f"target={target!r}, draft={draft!r}: give both or neither (neither = the embedded world's)")
         if rule not in ("ratio", "threshold"):
             errors.append(f"rule={rule!r}: expected 'ratio' or 'threshold'")
+        errors += [f"{name}={problem}" for name, device in (("target_device", target_device),
+                                                             ("draft_device", draft_device))
+                   if (problem := device_problem(device))]
         if errors:
             raise ValueError("invalid SpeculativeValidation arguments: " + "; ".join(errors))
         # Read the problem set now, so a bad file fails before any training (names file and line).

@@ -218,6 +218,21 @@ def local_model_dir(name_or_path: str | os.PathLike, gguf_file: Optional[str | o
     return str(name_or_path) if gguf is None else str(ensure_converted(gguf, cache_dir))
 
 
+def device_problem(device: str) -> str | None:
+    """Why ``device`` is no torch device this process can put a model on (None: it can), naming the value."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        return f"{device!r} is not a torch device ({e})"
+    if d.type == "cuda" and not torch.cuda.is_available():
+        return f"{device!r}: torch sees no CUDA device here (torch {torch.__version__})"
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        return f"{device!r}: torch sees {torch.cuda.device_count()} CUDA devices (0..{torch.cuda.device_count() - 1})"
+    if d.type == "mps" and not torch.backends.mps.is_available():
+        return f"{device!r}: torch sees no MPS device here"
+    return None
+
+
 def load_causal_lm(name_or_path: str | os.PathLike, gguf_file: Optional[str | os.PathLike] = None,
                    cache_dir: Optional[str | os.PathLike] = None, device: str | torch.device = "cpu",
                    dtype: Optional[torch.dtype | str] = None):

@@ -655,9 +655,13 @@ def local_decoder(opts: EvaluateOptions, build, tp: str, dp: str, task, tau: flo
     """The in-process decoder of the build's models (on ``--target_device`` / ``--draft_device``), a maker of the same
     decoder with another policy, whether the two share a tokenizer, and the models' description."""
     from datamodules.labels.shard import load_model, load_tokenizers
+    from generation.loading import device_problem
     from semanticspec.decoder import SemanticSpecDecoder
     from semanticspec.policies import default_policy
 
+    for name, device in (("target_device", opts.target_device), ("draft_device", opts.draft_device)):
+        if device is not None and (problem := device_problem(device)):
+            raise ValueError(f"--{name} {problem}")
     tok, dtok = load_tokenizers(build)
     for role, probe, t in (("target", tp, tok), ("draft", dp, dtok or tok)):
         check_before_loading(probe, build.model_path(role), t, role)

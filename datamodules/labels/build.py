@@ -89,7 +89,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_traces(config, records)
-    _check_layers(config)
+    _check_models(config)
     existing, pinned = check_recorded(data_dir, sig, log)
     finished = bool(existing and existing.get("complete"))
     damaged = damaged_shards(data_dir, existing) if finished else []
@@ -271,10 +271,15 @@ def _check_traces(config: BuildConfig, records: list[dict]) -> None:
                          "--build.prefix_source target")
 
 
-def _check_layers(config: BuildConfig) -> None:
-    """Refuse ``layer_ids`` a model lacks, read from each model's ``config.json`` before any weights load."""
+def _check_models(config: BuildConfig) -> None:
+    """Refuse a device this process cannot use, and ``layer_ids`` a model lacks (read from each model's
+    ``config.json``), before any weights load."""
     from transformers import AutoConfig
 
+    from generation.loading import device_problem
+
+    if problem := device_problem(config.resolved_device()[0]):
+        raise ValueError(f"build.device={config.device!r}: {problem}")
     for role in ("target", "draft"):
         path = config.model_path(role)
         n = model_fingerprint(SimpleNamespace(config=AutoConfig.from_pretrained(path, local_files_only=True)))

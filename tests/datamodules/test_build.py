@@ -248,7 +248,7 @@ def test_refused_task_file_writes_nothing_and_the_fixed_file_builds(world, tmp_p
     assert build(_config(world, task=ArithmeticTask(str(task_file))), d)["complete"]
 
 
-def test_layer_ids_a_model_lacks_are_refused_before_anything_loads_or_is_written(world, tmp_path):
+def test_layers_a_model_lacks_and_a_device_torch_lacks_are_refused_before_anything_is_written(world, tmp_path):
     d = tmp_path / "data"
     with pytest.raises(ValueError, match=r"build\.layer_ids=\[2\]: \[2\] out of range for a model with 1 layers "
                                          r"\(2 hidden_states: valid ids are -2\.\.1\) \(the draft model, "):
@@ -256,6 +256,10 @@ def test_layer_ids_a_model_lacks_are_refused_before_anything_loads_or_is_written
     assert not d.exists()
     with pytest.raises(ValueError, match=r"layer_ids=\[-1, -1\]: a layer is listed twice"):
         _config(world, layer_ids=[-1, -1])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"build\.device='cuda': 'cuda': torch sees no CUDA device here"):
+            build(_config(world, device="cuda"), d)
+        assert not d.exists()
 
 
 def test_folder_without_a_shard_is_not_pinned_by_another_config(world, tmp_path):

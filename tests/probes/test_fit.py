@@ -311,6 +311,8 @@ def test_callback_bad_problem_file_fails_before_training(tmp_path):
         SpeculativeValidation(task=ArithmeticTask(str(bad)))
     with pytest.raises(ValueError, match="max_seconds"):
         SpeculativeValidation(max_seconds=0)
+    with pytest.raises(ValueError, match=r"draft_device='cuda:bad' is not a torch device"):
+        SpeculativeValidation(draft_device="cuda:bad")
 
 
 def _world_module():

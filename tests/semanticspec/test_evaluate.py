@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from semanticspec import evaluate as E
 
@@ -80,6 +81,18 @@ def test_probes_for_another_model_are_refused(capsys, monkeypatch, tmp_path):
     (other / "target" / "config.json").write_text(json.dumps({**cfg, "role": "target"}))
     err = refused(capsys, ["--config", CONFIG, "--probes", str(other), "--n_problems", "2"])
     assert "hidden_size" in err and "target" in err
+
+
+def test_a_device_torch_cannot_use_is_refused_before_the_weights_load(capsys, monkeypatch):
+    no_decoding(monkeypatch)
+    monkeypatch.setattr("datamodules.labels.shard.load_model", lambda *a: pytest.fail("weights loaded"))
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "2", "--target_device",
+                           "bogus"])
+    assert "--target_device 'bogus' is not a torch device" in err
+    if not torch.cuda.is_available():
+        err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "2", "--draft_device",
+                               "cuda:0"])
+        assert "--draft_device 'cuda:0': torch sees no CUDA device here" in err
 
 
 def test_an_unreachable_server_is_refused(capsys, monkeypatch):
