@@ -153,16 +153,21 @@ class StepDecoder:
         turn)."""
         raise NotImplementedError
 
-    def prompts(self, problems: Sequence[str]) -> list:
+    def prompts(self, problems: Sequence[str] | str) -> list:
         """Each problem as :meth:`generate` reads it, in the decoder's task's format (``Task.prompt_text``: a model's
-        chat template where its tokenizer has one, else the problem and the task's prompt suffix).
+        chat template where its tokenizer has one, else the problem and the task's prompt suffix); a bare string is
+        one problem, as :meth:`generate` reads a bare string as one prompt.
 
         Raises:
-            ValueError: the decoder has no task.
+            ValueError: the decoder has no task, or a problem is not a string (naming its index).
         """
         if self.task is None:
             raise ValueError("prompts() formats problems as the decoder's task does; give the decoder task=... (a "
                              "datamodules.tasks.base.Task), or format prompts yourself")
+        problems = [problems] if isinstance(problems, str) else list(problems)
+        bad = next((i for i, p in enumerate(problems) if not isinstance(p, str)), None)
+        if bad is not None:
+            raise ValueError(f"problem {bad} is a {type(problems[bad]).__name__}: expected the problem's text")
         return [self._prompt(p) for p in problems]
 
     def _prompt(self, problem: str):

@@ -440,6 +440,9 @@ def test_both_decoders_format_problems_with_their_task(world, engines):
         [f"<|user|>{problems[0]}<|assistant|>"]
     with pytest.raises(ValueError, match="prompts\\(\\) formats problems as the decoder's task does; give"):
         ServedDecoder(*engines).prompts(problems)
+    assert served.prompts(problems[0]) == served.prompts(problems[:1])  # a bare string is one problem
+    with pytest.raises(ValueError, match="problem 1 is a int: expected the problem's text"):
+        served.prompts([problems[0], 5])
 
 
 # --------------------------------------------------------------------------- the loop's contract
