@@ -14,7 +14,6 @@ body is the Jinja template :data:`TEMPLATE`, rendered by :meth:`~huggingface_hub
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -25,6 +24,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from arithmetic_world import models, task
 from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
 from arithmetic_world.train import SPECS
+from generation.cli import one_line_parser
 
 RESULTS = models.REPO_ROOT / "benchmarks" / "results" / "world.json"
 COPIED_FILES = ("config.json", "generation_config.json", "model.safetensors", "training.json")
@@ -287,12 +287,13 @@ def write_card(role: str, root: Optional[str | Path] = None, results: Optional[d
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = one_line_parser("python -m arithmetic_world.card", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--root", type=Path, default=None, help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)"
     )
     ap.add_argument("--publish", type=Path, default=None, help="first copy finished models from this training folder")
-    ap.add_argument("--roles", nargs="+", default=list(models.ROLES), choices=models.ROLES)
+    ap.add_argument("--roles", nargs="+", default=list(models.ROLES), choices=models.ROLES,
+                    help="the models whose cards are written")
     ap.add_argument("--results", type=Path, default=RESULTS, help="benchmarks/world.py output to report")
     args = ap.parse_args(argv)
     results = json.loads(args.results.read_text()) if args.results.is_file() else None

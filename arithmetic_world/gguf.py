@@ -36,7 +36,6 @@ samples), and that log-probs through llama.cpp equal transformers' when the KV c
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 from arithmetic_world import models
+from generation.cli import one_line_parser
 from generation.paths import atomic_path
 
 CACHE_FOLDER = "gguf"
@@ -222,8 +222,9 @@ def world_gguf(role: str, cache_dir: Optional[str | os.PathLike] = None,
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--roles", nargs="+", default=list(models.ROLES), choices=models.ROLES)
+    ap = one_line_parser("python -m arithmetic_world.gguf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--roles", nargs="+", default=list(models.ROLES), choices=models.ROLES,
+                    help="the models written as GGUF files")
     ap.add_argument("--root", type=Path, default=None,
                     help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)")
     ap.add_argument("--cache_dir", type=Path, default=None, help="where the GGUF files go (default <world root>/gguf)")

@@ -20,7 +20,6 @@ It is ready when ``/v1/models`` answers, and is killed by its pid when the block
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -31,6 +30,9 @@ import time
 from pathlib import Path
 from typing import NoReturn, Optional
 
+from generation.cli import fail, one_line_parser
+
+PROG = "python -m arithmetic_world.serve"
 GGML_TYPE_F32 = 0
 """ggml's type id of float32 (``--type_k``/``--type_v`` take ggml type ids; the server's default is float16)."""
 
@@ -163,19 +165,16 @@ INSTALL = ("llama-cpp-python[server] is not installed: pip install -e \".[server
 
 
 def _refuse(message: str) -> NoReturn:
-    print(f"python -m arithmetic_world.serve: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    fail(PROG, message)
 
 
-def _arguments(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m arithmetic_world.serve",
-                                 description="Serve the embedded world's target and draft with llama.cpp until "
-                                             "Ctrl-C.")
-    ap.add_argument("--target_port", type=int, default=PORTS["target"], help="default %(default)s")
-    ap.add_argument("--draft_port", type=int, default=PORTS["draft"], help="default %(default)s")
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads per server (default %(default)s)")
+def _arguments(argv: Optional[list[str]]):
+    ap = one_line_parser(PROG, description="Serve the embedded world's target and draft with llama.cpp until Ctrl-C.")
+    ap.add_argument("--target_port", type=int, default=PORTS["target"], help="the target server's port")
+    ap.add_argument("--draft_port", type=int, default=PORTS["draft"], help="the draft server's port")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per server")
     ap.add_argument("--log_dir", type=Path, default=Path("runs/arithmetic/servers"),
-                    help="where each server's output goes, <role>.log (default %(default)s)")
+                    help="where each server's output goes, <role>.log")
     ap.add_argument("--root", type=Path, default=None,
                     help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)")
     args = ap.parse_args(argv)

@@ -12,7 +12,6 @@ answer `` yes``/`` no`` to :data:`~arithmetic_world.tokenizer.JUDGE_TEMPLATE`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -27,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from arithmetic_world import task
 from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
+from generation.cli import one_line_parser
 from generation.specs import SamplingSpec
 from generation.writer import generate
 from generation.padding import left_pad
@@ -284,12 +284,12 @@ def save(model, tok, path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = one_line_parser("python -m arithmetic_world.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--which", nargs="+", default=["draft", "target", "judge"], choices=sorted(SPECS),
                     help="models to train, in order; the judge starts from OUT/target when it exists")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic",
+                    help="the world folder: each model is saved to OUT/<role>")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the corpus and the initial weights")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--max-minutes", type=float, default=None, help="override every model's time budget")
     ap.add_argument("--init-from", type=Path, default=None,

@@ -25,9 +25,11 @@ def _refused(capsys, argv):
     (["--target_port", "8852"], "--target_port and --draft_port are both 8852: give each server its own port"),
     (["--draft_port", "0"], "--draft_port 0: expected a port from 1 to 65535"),
     (["--threads", "0"], "--threads 0: expected an integer >= 1"),
+    (["--target_prot", "1"], "unrecognized arguments: --target_prot 1; did you mean --target_port?"),
 ])
 def test_bad_values_are_refused_in_one_line(capsys, argv, message):
-    assert _refused(capsys, argv) == f"python -m arithmetic_world.serve: {message}"
+    prog = "python -m arithmetic_world.serve"
+    assert _refused(capsys, argv) == f"{prog}: error: {message} (see `{prog} --help`)"
 
 
 def test_a_missing_server_install_says_how_to_install_it(capsys, monkeypatch, tmp_path):
