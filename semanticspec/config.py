@@ -138,6 +138,11 @@ class DecodeConfig:
             out.append(("lookahead", "expected an integer >= 1, or None for the shipped window"))
         if not isinstance(self.method, (str, AcceptancePolicy)):
             out.append(("method", "expected a method name or an AcceptancePolicy"))
+        elif isinstance(self.method, str):
+            from semanticspec.methods import unknown_method  # the table imports the loop; configs are built after it
+
+            if (why := unknown_method(self.method)) is not None:
+                out.append(("method", why))
         w = self.window_min_logprob
         if w is not None and not (_real(w) and w <= 0):
             out.append(("window_min_logprob", "expected a log-probability (a number <= 0) or None"))

@@ -70,11 +70,19 @@ def method_for(method: str | AcceptancePolicy, policy: ProbePolicy) -> Method | 
     acceptance policy (run speculatively).
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name (:func:`unknown_method`, which a :class:`~semanticspec.config.DecodeConfig` naming
+            it already refused where it was built).
     """
     if isinstance(method, AcceptancePolicy):
         return speculative(method)
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}: expected one of {tuple(METHODS)} or an AcceptancePolicy "
-                         "(RandomPolicy(rate), OraclePolicy(oracle), ProbePolicy(...))")
+    if (why := unknown_method(method)) is not None:
+        raise ValueError(f"method={method!r}: {why}")
     return METHODS[method](policy)
+
+
+def unknown_method(name: str) -> str | None:
+    """What is expected instead of ``name`` when it names no method of :data:`METHODS` (None: it names one)."""
+    if name in METHODS:
+        return None
+    return (f"expected one of {tuple(METHODS)} or an AcceptancePolicy (RandomPolicy(rate), OraclePolicy(oracle), "
+            "ProbePolicy(...))")

@@ -475,6 +475,8 @@ def test_empty_prompt_list_and_bad_arguments(tiny_pair):
     assert dec.generate([]) == []
     with pytest.raises(ValueError, match="method='beam'"):
         dec.generate(PROMPTS, method="beam")
+    with pytest.raises(ValueError, match="invalid DecodeConfig: method='beam': expected one of"):
+        DecodeConfig(method="beam")  # refused where it is built, as every other bad field
     with pytest.raises(ValueError, match="method='random_accept': expected one of .* or an AcceptancePolicy"):
         dec.generate(PROMPTS, method="random_accept")  # a method with an argument is named by its policy
     with pytest.raises(ValueError, match="needs target_probe"):
