@@ -8,6 +8,8 @@ and the label build (a draft step as the target reads it) both hand steps over w
 
 from __future__ import annotations
 
+from generation.fingerprints import tokenizer_hash
+
 
 def pad_id(tok) -> int:
     """The id fed in unused slots: the pad token, else EOS, else 0."""
@@ -44,13 +46,16 @@ class Handover:
 
     Args:
         tokenizer: the target's tokenizer.
-        draft_tokenizer: the draft's, or None when it shares the target's.
+        draft_tokenizer: the draft's, or None when it shares the target's. One with the target's vocabulary and
+            special tokens (the same :func:`~generation.fingerprints.tokenizer_hash`, as the label build tells them
+            apart) is shared: the target's tokenizer serves both, and tokens pass unchanged.
     """
 
     def __init__(self, tokenizer, draft_tokenizer=None) -> None:
         self.tokenizer = tokenizer
-        self.shared = draft_tokenizer is None or draft_tokenizer is tokenizer
-        self.draft_tokenizer = tokenizer if draft_tokenizer is None else draft_tokenizer
+        self.shared = draft_tokenizer is None or draft_tokenizer is tokenizer \
+            or tokenizer_hash(draft_tokenizer) == tokenizer_hash(tokenizer)
+        self.draft_tokenizer = tokenizer if self.shared else draft_tokenizer
 
     def to_target(self, step, text: str) -> list[int]:
         """A draft step (``tokens``, ``n_forced``) as new target tokens (its forced bonus token excluded)."""

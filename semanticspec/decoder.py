@@ -61,7 +61,7 @@ from semanticspec.config import DecodeConfig
 from semanticspec.hf import transformers_events
 from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
-from semanticspec.policies import ProbePolicy, default_policy
+from semanticspec.policies import ProbePolicy, check_policy, default_policy
 from semanticspec.prompts import read_prompts
 from semanticspec.results import DecodeResult, DecodeStats, StepEvent, StepTrace, summarize
 from semanticspec.rows import Row
@@ -104,11 +104,13 @@ class SemanticSpecDecoder(StepDecoder):
         ValueError: a fast path or ``config.token_sd=True`` with two tokenizers, or a probe exported for
             another model or trained on other steps (naming the fields), a bad ``probe_dtype``, or a task whose
             answer marker differs from ``config.answer_marker`` (naming both).
+        TypeError: a ``policy`` that is not a ``ProbePolicy`` (other methods are named per call, ``method=``).
     """
 
     def __init__(self, target, draft, tokenizer, draft_tokenizer=None, target_probe: ProbeLike = None,
                  draft_probe: ProbeLike = None, policy: ProbePolicy | None = None, config: DecodeConfig | None = None,
                  *, probe_dtype: str = "auto", task=None):
+        check_policy(policy)
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared
         self.windows = self.shared  # the target reads a window of draft steps in its own tokens

@@ -208,6 +208,14 @@ def default_policy(fast_path: bool = True, tau: float | None = None) -> ProbePol
     return ProbePolicy(tau=0.5 if tau is None else tau, top_k=1 if fast_path else 0)
 
 
+def check_policy(policy) -> None:
+    """Refuse a decoder's ``policy=`` that is not a :class:`ProbePolicy`, SemanticSpec's acceptance (every other
+    method is named per call: ``generate(method=RandomPolicy(0.5))``)."""
+    if policy is not None and not isinstance(policy, ProbePolicy):
+        raise TypeError(f"policy={policy!r}: expected a ProbePolicy (SemanticSpec's acceptance) or None; name another "
+                        "method per call, e.g. generate(prompts, method=RandomPolicy(0.5))")
+
+
 @dataclass(frozen=True)
 class RandomPolicy(AcceptancePolicy):
     """Keep each step with probability ``rate`` (its coin below the rate; one coin per step, in row order)."""
@@ -244,6 +252,11 @@ class SpecReasonPolicy(AcceptancePolicy):
 
     threshold: float = 7.0
     needs = Needs(judge=True)
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t <= 9:
+            raise ValueError(f"SpecReasonPolicy(threshold={t!r}): expected a number in [0, 9] (the judge's score)")
 
     def keep(self, scores: Scores) -> Decision:
         return Decision.ACCEPT if scores.judge >= self.threshold else Decision.REJECT

@@ -18,7 +18,7 @@ from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier, Ser
 from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
 from semanticspec.hf import TransformersLoop
-from semanticspec.policies import ProbePolicy, default_policy
+from semanticspec.policies import ProbePolicy, check_policy, default_policy
 from semanticspec.prompts import read_prompt_texts
 from semanticspec.rows import Row
 
@@ -53,6 +53,7 @@ class ServedDecoder(StepDecoder):
         ValueError: ``concurrency`` below 1, a probe for the other role, probes that disagree on their step or
             sampling, a step spec that differs from the probes', a bad ``probe_dtype``, or a task whose answer
             marker differs from ``config.answer_marker``.
+        TypeError: a ``policy`` that is not a ``ProbePolicy`` (other methods are named per call, ``method=``).
     """
 
     def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
@@ -60,6 +61,7 @@ class ServedDecoder(StepDecoder):
                  task=None, tokenizer=None) -> None:
         if not is_count(concurrency):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (requests in flight at once)")
+        check_policy(policy)
         self.target, self.draft, self.concurrency = target, draft, concurrency
         self.policy = policy or default_policy(tau=setup.stored_tau(target_probe))  # the evaluation's pick, if any
         self.config, self.task = config or DecodeConfig(), task

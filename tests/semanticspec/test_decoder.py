@@ -13,7 +13,7 @@ from probes.config import ProbeConfig
 from semanticspec.config import DecodeConfig
 from semanticspec.decoder import DecodeResult, SemanticSpecDecoder, summarize
 from probes.model import resolve_probe_dtype
-from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, fast_path_keeps_rows
+from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy, fast_path_keeps_rows
 from semanticspec.cache_parts import DraftProposer, TargetVerifier
 from probes.export import export_probe
 from generation.fingerprints import model_fingerprint
@@ -219,10 +219,10 @@ def test_fast_path_verdicts_of_a_batch_are_each_steps_own():
 
 
 def test_fast_path_is_refused_for_two_tokenizers(tiny_pair):
-    from transformers import AutoTokenizer  # noqa: F401  (only the identity of the tokenizer object matters)
-
     target, draft, tok = tiny_pair
     other = __import__("copy").deepcopy(tok)
+    assert make_decoder(target, draft, tok, draft_tokenizer=other, top_k=2).shared  # the same vocabulary: shared
+    other.add_tokens(["<only-the-draft-has-it>"])
     with pytest.raises(ValueError, match="top_k=2.*shared tokenizer"):
         make_decoder(target, draft, tok, draft_tokenizer=other, top_k=2)
 
@@ -477,6 +477,12 @@ def test_empty_prompt_list_and_bad_arguments(tiny_pair):
         dec.generate(PROMPTS, method="beam")
     with pytest.raises(ValueError, match="invalid DecodeConfig: method='beam': expected one of"):
         DecodeConfig(method="beam")  # refused where it is built, as every other bad field
+    with pytest.raises(TypeError, match=r"policy=RandomPolicy\(rate=0.5\): expected a ProbePolicy .* "
+                                        r"method=RandomPolicy\(0.5\)"):
+        SemanticSpecDecoder(target, draft, tok, policy=RandomPolicy(0.5))
+    for threshold in ("7", None, float("nan"), -5, 100, True):
+        with pytest.raises(ValueError, match=r"SpecReasonPolicy\(threshold=.*\): expected a number in \[0, 9\]"):
+            SpecReasonPolicy(threshold=threshold)
     with pytest.raises(ValueError, match="method='random_accept': expected one of .* or an AcceptancePolicy"):
         dec.generate(PROMPTS, method="random_accept")  # a method with an argument is named by its policy
     with pytest.raises(ValueError, match="needs target_probe"):

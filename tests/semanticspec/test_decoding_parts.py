@@ -192,7 +192,9 @@ def test_handover_shared_passes_tokens_and_two_tokenizers_pass_text(world_tokeni
     shared = Handover(world_tokenizer)
     step = StepDraft(5, [7, 8, 9], n_forced=1)
     assert shared.shared and shared.to_target(step, "ignored") == [8, 9] and shared.forced_in_target(step) == 1
+    assert Handover(world_tokenizer, copy.deepcopy(world_tokenizer)).shared  # the same vocabulary: one tokenizer
     other = copy.deepcopy(world_tokenizer)
+    other.add_tokens(["<only-the-draft-has-it>"])  # another vocabulary
     text = Handover(world_tokenizer, other)
     ids = world_tokenizer("Add 2.\n\n", add_special_tokens=False).input_ids
     assert not text.shared and text.forced_in_target(step) == 0
