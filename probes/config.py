@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec, layer_problems, spec_from_dict
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count, layer_problems, spec_from_dict
 
 FORMAT_VERSION = 6
 """Version of the exported ``config.json`` layout; older versions keep loading.
@@ -73,17 +73,19 @@ class ProbeConfig:
 
     def __post_init__(self) -> None:
         errors = self._typed_specs()
-        if self.hidden_size < 1:
-            errors.append(f"hidden_size={self.hidden_size}: expected >= 1")
+        if not is_count(self.hidden_size):
+            errors.append(f"hidden_size={self.hidden_size!r}: expected an integer >= 1")
         if isinstance(self.features, FeatureSpec):
             errors += [f"features.{p}" for p in layer_problems(
                 list(self.features.layer_ids), self.reads.get("num_layers") if isinstance(self.reads, dict) else None)]
         if self.layer_combine not in ("concat", "weighted_sum"):
             errors.append(f"layer_combine={self.layer_combine!r}: expected 'concat' or 'weighted_sum'")
-        if any(d < 1 for d in self.hidden_dims):
-            errors.append(f"hidden_dims={self.hidden_dims}: widths must be >= 1")
-        if not 0 <= self.dropout < 1:
-            errors.append(f"dropout={self.dropout}: expected 0 <= dropout < 1")
+        if not isinstance(self.hidden_dims, (list, tuple)) or not all(is_count(d) for d in self.hidden_dims):
+            errors.append(f"hidden_dims={self.hidden_dims!r}: expected a list of integer widths >= 1 ([] = linear)")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            errors.append(f"dropout={self.dropout!r}: expected a number with 0 <= dropout < 1")
+        if not isinstance(self.standardize, bool):
+            errors.append(f"standardize={self.standardize!r}: expected true or false")
         if self.role not in ROLES:
             errors.append(f"role={self.role!r}: expected 'target' or 'draft'")
         if not isinstance(self.step, StepSpec):
@@ -128,6 +130,8 @@ class ProbeConfig:
             NewerFormatError: ``format_version`` is newer than this code writes.
             ValueError: unknown keys, or a field out of range (each named).
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object of probe config fields, got {type(d).__name__}")
         d = dict(d)
         d.setdefault("format_version", 0)
         version = d["format_version"]

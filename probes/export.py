@@ -138,6 +138,8 @@ def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeCo
 
 
 _REDO = "re-export the probe (probes.export.export_probe) or restore the file"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""The safetensors dtypes a probe's tensors may have (an integer tensor would truncate its standardisation)."""
 
 
 def _read_config(file: Path) -> ProbeConfig:
@@ -161,6 +163,7 @@ def _check_header(file: Path, config: ProbeConfig) -> None:
     try:
         with safe_open(str(file), framework="pt") as f:
             found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{file} is not a readable safetensors file ({e}): truncated, or not "
                          f"safetensors (a pickled .bin/.pt renamed?); {_REDO}") from None
@@ -171,6 +174,7 @@ def _check_header(file: Path, config: ProbeConfig) -> None:
     unexpected = sorted(k for k in found if k not in expected)
     wrong = [f"{k} has shape {list(found[k])}, expected {list(v)}" for k, v in expected.items()
              if k in found and found[k] != v]
+    wrong += [f"{k} is {t}, expected floating point" for k, t in dtypes.items() if t not in FLOAT_DTYPES]
     if missing or unexpected or wrong:
         what = "; ".join(wrong + [f"missing tensors {missing}"] * bool(missing)
                          + [f"unexpected tensors {unexpected}"] * bool(unexpected))
@@ -193,4 +197,7 @@ def _read_weights(file: Path) -> dict:
     if bad:
         raise ValueError(f"{file} holds NaN or infinite values in {bad}; the probe would refuse or accept every "
                          f"step blindly. {_REDO.capitalize()} (a diverged training exports such weights)")
+    if "input_std" in state and not bool((state["input_std"] > 0).all()):
+        raise ValueError(f"{file} holds an input_std that is not positive everywhere (training sets each at least "
+                         f"1e-6); the probe would divide by it and score every step NaN. {_REDO.capitalize()}")
     return state

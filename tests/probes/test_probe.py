@@ -476,6 +476,10 @@ def _edit_config(path, **changes):
     ({"sampling": {"temperature": float("inf")}}, r"sampling\.temperature=inf"),
     ({"sampling": {"top_p": 0}}, r"sampling\.top_p=0: expected a number in \(0, 1\]"),
     ({"format_version": 99}, r"format_version=99: written by a newer semanticspec-probes.*upgrade semanticspec-probes"),
+    ({"hidden_size": 32.0}, r"hidden_size=32\.0: expected an integer >= 1"),  # a torch error when built, before
+    ({"hidden_dims": [16.0]}, r"hidden_dims=\[16\.0\]: expected a list of integer widths"),
+    ({"dropout": "x"}, r"dropout='x': expected a number"),  # a comparison's TypeError, naming no field, before
+    ({"standardize": "false"}, r"standardize='false': expected true or false"),  # loaded as true before
 ])
 def test_invalid_config_is_refused_at_load_naming_the_file_and_field(tmp_path, world_tokenizer, changes, says):
     model = tiny_llama(len(world_tokenizer), 32)
@@ -484,6 +488,14 @@ def test_invalid_config_is_refused_at_load_naming_the_file_and_field(tmp_path, w
     with pytest.raises(ValueError, match=says) as err:
         load_probe(path, model=model, tokenizer=world_tokenizer)
     assert f"{path}/config.json" in str(err.value)
+
+
+def test_a_config_json_that_is_no_object_is_refused_not_read_as_the_defaults(tmp_path, world_tokenizer):
+    model = tiny_llama(len(world_tokenizer), 32)
+    _, path = _export(tmp_path, model, world_tokenizer)
+    (path / "config.json").write_text("[]")  # it read as a default config, and the weights were blamed
+    with pytest.raises(ValueError, match=rf"{path}/config.json is not a probe config: expected a JSON object"):
+        load_probe(path, model=model, tokenizer=world_tokenizer)
 
 
 def test_layer_ids_are_checked_against_the_model_given_even_without_a_fingerprint(tmp_path, world_tokenizer):
@@ -535,6 +547,22 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, world_tokeni
     state["mlp.3.bias"][0] = bad
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"{path}/model.safetensors holds NaN or infinite values in \['mlp.3.bias'\]"):
+        load_probe(path, model=model, tokenizer=world_tokenizer)
+
+
+def test_weights_that_would_score_every_step_nan_are_refused(tmp_path, world_tokenizer):
+    """A zero standardisation, or integer tensors (which truncate it to zero), load without a NaN in the file but
+    make every score NaN: refused, naming the tensor."""
+    from safetensors.torch import save_file
+
+    model = tiny_llama(len(world_tokenizer), 32)
+    probe, path = _export(tmp_path, model, world_tokenizer)
+    state = {k: v.clone().contiguous() for k, v in probe.state_dict().items()}
+    save_file({**state, "input_std": torch.zeros_like(state["input_std"])}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"holds an input_std that is not positive everywhere"):
+        load_probe(path, model=model, tokenizer=world_tokenizer)
+    save_file({k: v.to(torch.int64) for k, v in state.items()}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"input_std is I64, expected floating point"):
         load_probe(path, model=model, tokenizer=world_tokenizer)
 
 
