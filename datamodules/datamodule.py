@@ -266,7 +266,11 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         stream = ShardStream(self.shards, self.roles, split, self.batch_size, split == "train", self.shuffle_buffer,
                              self.seed, (self.val_fraction, self.test_fraction), self.nonfinite, groups,
                              self.num_workers)
-        return EpochLoader(stream, batch_size=None, num_workers=self.num_workers)
+        return EpochLoader(stream, batch_size=None, num_workers=self.num_workers, epoch_of=self._trainer_epoch)
+
+    def _trainer_epoch(self) -> int | None:
+        """The epoch the trainer runs (None outside one): a resumed run's epochs read as an uninterrupted run's do."""
+        return None if self.trainer is None else self.trainer.current_epoch
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -238,8 +238,15 @@ class _Buffer:
 
 
 class EpochLoader(DataLoader):
-    """A DataLoader that bumps its stream's epoch (shard order, shuffle seed) at every pass."""
+    """A DataLoader that sets its stream's epoch (shard order, shuffle seed) at every pass: the trainer's epoch where
+    ``epoch_of`` gives one, so a resumed run reads epoch ``k`` as an uninterrupted run does, else one more than the
+    last pass's."""
+
+    def __init__(self, dataset, *, epoch_of=lambda: None, **kw) -> None:
+        super().__init__(dataset, **kw)
+        self.epoch_of = epoch_of
 
     def __iter__(self):
-        self.dataset.epoch += 1
+        epoch = self.epoch_of()
+        self.dataset.epoch = self.dataset.epoch + 1 if epoch is None else epoch
         return super().__iter__()

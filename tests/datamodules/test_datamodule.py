@@ -1,6 +1,7 @@
 """`SemanticProbeDataModule` on synthetic shards: batches, splits, shuffling, workers, ranks, faults."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,6 +80,9 @@ def test_shuffling_is_seeded_and_changes_per_epoch(data):
     assert again == first
     in_order = _rows(dm.val_dataloader())
     assert in_order == _rows(dm.val_dataloader())
+    resumed = _dm(data)  # a run resumed at epoch 1 reads epoch 1 as the uninterrupted run did, not epoch 0
+    resumed.trainer = SimpleNamespace(current_epoch=1)
+    assert _rows(resumed.train_dataloader()) == second
 
 
 def test_workers_and_ranks_split_the_stream(data):
