@@ -48,6 +48,10 @@ def at_least(client, version: str | None, floor: str, engine: str) -> None:
                           f"{engine} >= {floor}; upgrade the server", client.url)
 
 
+DOWN_S = 30.0
+"""Seconds a server that is gone (no connection, or no answer in time after the retries) is not asked again."""
+
+
 class Connection:
     """A client of one server.
 
@@ -81,6 +85,11 @@ class Connection:
         self.root_client = self.client.with_options(base_url=self.root)
         self.contexts: dict[str, int] = {}
         """Per model name, the context ``/v1/models`` states (``max_model_len``), filled by :meth:`models`."""
+        self.down_s = min(timeout, DOWN_S)
+        """Seconds a server found gone is not asked again (:meth:`_call`): :data:`DOWN_S`, or the timeout if shorter."""
+        self._down: tuple[float, str] | None = None
+        """When a request last found the server gone (no connection, or no answer in time after the retries), and
+        why."""
 
     def say(self, e: BaseException | str) -> str:
         """An exception (or text) with the API key blanked out (:func:`redact`)."""
@@ -160,12 +169,7 @@ class Connection:
         Raises:
             EngineError: the server refused the request or did not answer after the retries.
         """
-        t = time.perf_counter()
-        try:
-            got = self.root_client.post(path, body=body, cast_to=object)
-        except self.openai.OpenAIError as e:
-            raise self.error(what or path, e) from None
-        return got, time.perf_counter() - t
+        return self._call(what or path, "", lambda: self.root_client.post(path, body=body, cast_to=object))
 
     def completions(self, what: str = "/v1/completions", fix: str = "", **kw) -> tuple[Any, float]:
         """``completions.create(**kw)`` with retries: the response and the seconds it took.
@@ -173,12 +177,32 @@ class Connection:
         Raises:
             EngineError: the server refused the request or did not answer after the retries.
         """
+        return self._call(what, fix, lambda: self.client.completions.create(**kw))
+
+    def _call(self, what: str, fix: str, request) -> tuple[Any, float]:
+        """``request()`` with the client's retries, and the seconds it took; a server gone (no connection, or no
+        answer in time after the retries) is not asked again for :attr:`down_s` seconds, so the requests behind a hung
+        server fail at once instead of each waiting out its timeouts (then one request tries it again).
+
+        Raises:
+            EngineError: the server refused the request, did not answer after the retries, or is gone.
+        """
+        if self._down is not None:
+            since, why = self._down
+            if time.monotonic() - since < self.down_s:
+                raise Unreachable(f"server {self.root} is not asked {what}: {why} {time.monotonic() - since:.0f} s "
+                                  f"ago (asked again {self.down_s:g} s after)", self.root)
+            self._down = (time.monotonic(), why)  # this request tries it; the others wait for its answer
         t = time.perf_counter()
         try:
-            resp = self.client.completions.create(**kw)
+            answer = request()
         except self.openai.OpenAIError as e:
+            gone = isinstance(e, self.openai.APIConnectionError)  # no connection, or a timeout (its subclass)
+            self._down = (time.monotonic(), f"it failed {what} after {self.retries} attempt(s) ({self.say(e)})") \
+                if gone else None  # an answer, even a refusal, says it is there
             raise self.error(what, e, fix) from None
-        return resp, time.perf_counter() - t
+        self._down = None
+        return answer, time.perf_counter() - t
 
 
 def connect(client, url: str, model: str | None, *, version_route: str | None = "/version", **conn) -> None:

@@ -2,6 +2,8 @@
 :class:`~generation.engines.base.Refused` with the server's own message after one request, not retried; a server
 that is down still raises :class:`~generation.engines.base.Unreachable` after the retries."""
 
+import time
+
 import pytest
 
 from tests.fake_openai import JsonHandler, LoopbackServer
@@ -66,3 +68,49 @@ def test_a_busy_server_is_still_unreachable_after_the_retries(server):
     with pytest.raises(Unreachable) as e:
         conn.completions(model="m", prompt="x", max_tokens=1)
     assert "3 attempt(s)" in str(e.value) and server.requests == 3
+
+
+class HangingServer(LoopbackServer):
+    """Holds every ``POST`` for ``hang`` seconds before answering 200 with a minimal completion (a stopped server that
+    still accepts connections, as a SIGSTOPped llama.cpp does), counting the requests."""
+
+    def __init__(self, hang: float):
+        self.requests, self.hang = 0, hang
+        outer = self
+
+        class Handler(JsonHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests += 1
+                time.sleep(outer.hang)
+                try:
+                    self._send(200, {"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                                     "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
+                                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                except OSError:  # the client gave up waiting
+                    pass
+
+        self.url = self._serve(Handler) + "/v1"
+
+
+def test_a_hung_server_fails_the_requests_behind_it_at_once_and_is_asked_again_later():
+    from generation.engines.base import Unreachable
+    from generation.engines.connection import Connection
+
+    server = HangingServer(hang=2.0)
+    try:
+        conn = Connection(server.url, api_key_env="", timeout=0.5, retries=2)
+        t0 = time.perf_counter()
+        with pytest.raises(Unreachable, match="after 2 attempt"):
+            conn.completions(model="m", prompt="x", max_tokens=1)
+        waited = time.perf_counter() - t0
+        for _ in range(5):  # behind it: refused without a request
+            with pytest.raises(Unreachable, match=r"is not asked /v1/completions: it failed .* \(asked again 0\.5 s"):
+                conn.completions(model="m", prompt="x", max_tokens=1)
+        assert server.requests == 2 and waited >= 1.0
+        server.hang = 0.0  # it answers again
+        time.sleep(conn.down_s)
+        assert conn.completions(model="m", prompt="x", max_tokens=1)[0].choices[0].text == "ok"
+        assert conn.completions(model="m", prompt="x", max_tokens=1)[0].choices[0].text == "ok"
+    finally:
+        server.close()
