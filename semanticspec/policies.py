@@ -162,15 +162,17 @@ class ProbePolicy(AcceptancePolicy):
         errors = []
         if self.rule not in RULES:
             errors.append(f"rule={self.rule!r}: expected one of {RULES}")
-        if not 0 <= self.tau <= 1:
-            errors.append(f"tau={self.tau}: expected 0 <= tau <= 1")
+        if not (_real(self.tau) and 0 <= self.tau <= 1):
+            errors.append(f"tau={self.tau!r}: expected a number with 0 <= tau <= 1")
         scale = self.ratio_scale
         if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
             errors.append(f"ratio_scale={self.ratio_scale}: expected a finite number > 0")
         if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
             errors.append(f"top_k={self.top_k}: expected an integer >= 0 (0 disables the fast path)")
-        if not self.fast_path_min_logprob <= 0:
-            errors.append(f"fast_path_min_logprob={self.fast_path_min_logprob}: expected a log-probability <= 0")
+        if not (_real(self.fast_path_min_logprob) and self.fast_path_min_logprob <= 0):
+            errors.append(f"fast_path_min_logprob={self.fast_path_min_logprob!r}: expected a log-probability <= 0")
+        if not isinstance(self.lazy_p, bool):
+            errors.append(f"lazy_p={self.lazy_p!r}: expected True or False")
         if errors:
             raise ValueError("invalid ProbePolicy: " + "; ".join(errors))
 
@@ -206,6 +208,11 @@ def default_policy(fast_path: bool = True, tau: float | None = None) -> ProbePol
     and cut the probe's share of the wall time by about a third.
     """
     return ProbePolicy(tau=0.5 if tau is None else tau, top_k=1 if fast_path else 0)
+
+
+def _real(x) -> bool:
+    """A real number, not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def check_policy(policy) -> None:

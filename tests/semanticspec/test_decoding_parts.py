@@ -168,6 +168,10 @@ def test_policies_declare_what_they_read_and_refuse_bad_values():
             RandomPolicy(bad)
     with pytest.raises(ValueError, match=r"rule='greedy'.*tau=2.*top_k=-1"):
         ProbePolicy(rule="greedy", tau=2, top_k=-1)
+    for bad, says in (({"tau": "0.5"}, "tau='0.5'"), ({"tau": True}, "tau=True"), ({"lazy_p": "yes"}, "lazy_p='yes'"),
+                      ({"fast_path_min_logprob": "x"}, "fast_path_min_logprob='x'")):  # a TypeError, or accepted
+        with pytest.raises(ValueError, match=rf"invalid ProbePolicy: {says}: expected"):
+            ProbePolicy(**bad)
     with pytest.raises(ValueError, match=r"OraclePolicy\(oracle=None\): expected a callable"):
         OraclePolicy(None)
 
