@@ -269,8 +269,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         return EpochLoader(stream, batch_size=None, num_workers=self.num_workers, epoch_of=self._trainer_epoch)
 
     def _trainer_epoch(self) -> int | None:
-        """The epoch the trainer runs (None outside one): a resumed run's epochs read as an uninterrupted run's do."""
-        return None if self.trainer is None else self.trainer.current_epoch
+        """The epoch the trainer runs (None outside one), as Lightning counts it for a sampler's ``set_epoch`` (a
+        resumed run's epochs then read as an uninterrupted run's do)."""
+        return None if self.trainer is None else self.trainer.fit_loop.epoch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

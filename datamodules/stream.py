@@ -240,10 +240,11 @@ class _Buffer:
 class EpochLoader(DataLoader):
     """A DataLoader that sets its stream's epoch (shard order, shuffle seed) at every pass: the trainer's epoch where
     ``epoch_of`` gives one, so a resumed run reads epoch ``k`` as an uninterrupted run does, else one more than the
-    last pass's."""
+    last pass's. Its iterators seed from a generator of its own, not from torch's global one, which the training's
+    dropout draws from (a resumed run's first iterator is made before its epoch restores that state)."""
 
     def __init__(self, dataset, *, epoch_of=lambda: None, **kw) -> None:
-        super().__init__(dataset, **kw)
+        super().__init__(dataset, generator=torch.Generator().manual_seed(dataset.seed), **kw)
         self.epoch_of = epoch_of
 
     def __iter__(self):

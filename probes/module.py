@@ -209,6 +209,25 @@ class SemanticProbeModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._shared_step(batch, "val")
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep torch's random state (dropout draws) with the checkpoint: Lightning keeps none."""
+        checkpoint["rng_states"] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            checkpoint["rng_states"]["cuda"] = torch.cuda.get_rng_state_all()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resumed_rng = checkpoint.get("rng_states")  # set when the first resumed epoch starts
+
+    def on_train_epoch_start(self) -> None:
+        """A resumed run's first epoch starts from the random state its checkpoint kept, so it draws the dropout
+        masks the uninterrupted run drew from there (with the data order, :class:`~datamodules.stream.EpochLoader`,
+        it trains as that run did)."""
+        states, self._resumed_rng = getattr(self, "_resumed_rng", None), None
+        if states is not None:
+            torch.set_rng_state(states["cpu"])
+            if "cuda" in states and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(states["cuda"])
+
     def on_validation_epoch_end(self) -> None:
         self._log_epoch_metrics("val")
 

@@ -81,7 +81,8 @@ def test_shuffling_is_seeded_and_changes_per_epoch(data):
     in_order = _rows(dm.val_dataloader())
     assert in_order == _rows(dm.val_dataloader())
     resumed = _dm(data)  # a run resumed at epoch 1 reads epoch 1 as the uninterrupted run did, not epoch 0
-    resumed.trainer = SimpleNamespace(current_epoch=1)
+    resumed.trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(
+        current=SimpleNamespace(processed=1))))
     assert _rows(resumed.train_dataloader()) == second
 
 

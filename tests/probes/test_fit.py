@@ -438,11 +438,16 @@ def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_r
                    "--export", "false"])
     resumed = tmp_path / "runs" / "fit" / "version_1"  # Lightning's way: the resumed run logs in a folder of its own
     assert result["best_ckpt"].startswith(str(resumed / "checkpoints"))
-    step = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
-    assert step == 5 * 2  # 5 epochs of 2 batches: the run's max_epochs, continued from epoch 1
-    epochs = [{int(float(r["epoch"])) for r in csv.DictReader((d / "metrics.csv").open()) if r.get("epoch")}
-              for d in (run, resumed)]
+    rows = [list(csv.DictReader((d / "metrics.csv").open())) for d in (run, resumed)]
+    assert max(int(r["step"]) for r in rows[1]) == 5 * 2 - 1  # 5 epochs of 2 batches, continued from epoch 1
+    epochs = [{int(float(r["epoch"])) for r in rs if r.get("epoch")} for rs in rows]
     assert epochs == [{0}, {1, 2, 3, 4}], epochs  # each run's own history
+    main(["--config", str(cfg), "--trainer.max_epochs", "5", "--test", "false", "--export", "false"])
+    whole = list(csv.DictReader((tmp_path / "runs" / "fit" / "version_2" / "metrics.csv").open()))
+
+    def losses(rs):  # the training loss at each step
+        return {r["step"]: r["train/loss_step"] for r in rs if r.get("train/loss_step")}
+    assert losses(rows[1]) == {k: v for k, v in losses(whole).items() if int(k) >= 2}  # resumed: as uninterrupted
 
 
 def test_a_run_without_validation_split_monitors_the_train_loss(tmp_path, capsys):
