@@ -58,7 +58,8 @@ class StepDecoder:
     _recorded_sampling: dict
     """How the probes' labels were sampled, per field, with whose it is (:func:`sampling_spec`)."""
     last_wall_s: float = 0.0
-    """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts)."""
+    """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts; a stream's until its reader closes
+    it)."""
     windows: bool = True
     """The decoder can judge a window of several drafted steps per target pass (in-process: one tokenizer)."""
 
@@ -231,15 +232,17 @@ class StepDecoder:
 
             bar = tqdm(total=n, desc=str(cfg.method), unit="prompt")
         t0 = time.perf_counter()
-        for s in range(0, n, bs):
-            batch = tuple(x[s : s + bs] for x in plan.inputs)
-            for e in self.batch_events(plan, batch, plan.keys[s : s + bs]):
-                if bar is not None and e.end:
-                    bar.update()
-                yield dataclasses.replace(e, prompt=s + e.prompt)
-        if bar is not None:
-            bar.close()
-        self.last_wall_s = time.perf_counter() - t0
+        try:
+            for s in range(0, n, bs):
+                batch = tuple(x[s : s + bs] for x in plan.inputs)
+                for e in self.batch_events(plan, batch, plan.keys[s : s + bs]):
+                    if bar is not None and e.end:
+                        bar.update()
+                    yield dataclasses.replace(e, prompt=s + e.prompt)
+        finally:  # a stream its reader left too (closed, or collected)
+            if bar is not None:
+                bar.close()
+            self.last_wall_s = time.perf_counter() - t0
 
     def row_inputs(self, inputs: tuple, k: int) -> tuple:
         """Prompt ``k`` of a plan's inputs as a loop admits it: its prompt for the verifier, then for the proposer."""

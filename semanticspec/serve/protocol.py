@@ -89,7 +89,7 @@ class _Request(BaseModel):
     max_completion_tokens: StrictInt | None = None
     temperature: Number | None = None
     top_p: Number | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)  # int64, as vLLM bounds it (protocol.py, _LONG_INFO)
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt = 1
     stream: StrictBool = False

@@ -864,6 +864,11 @@ def test_stream_yields_each_step_then_the_result_generate_returns(tiny_pair, met
         assert {e.step.decision for e in events if not e.end} >= {"accept", "reject", "target"}
     with pytest.raises(ValueError, match="max_new_tokens=0"):  # refused when called, not when iterated
         dec.stream(PROMPTS, max_new_tokens=0)
+    dec.last_wall_s = 0.0
+    left = dec.stream(PROMPTS, **gen)
+    next(left)
+    left.close()  # a reader that leaves after the first event: its wall time is the stream's so far
+    assert dec.last_wall_s > 0.0
 
 
 def test_in_process_always_reject_writes_what_target_only_writes(tiny_pair):

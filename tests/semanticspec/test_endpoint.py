@@ -112,6 +112,7 @@ BAD = [
     ({"prompt": "x", "method": "fastest"}, "method", "method='fastest'"),
     ({"prompt": "x", "lookahead": 0}, "lookahead", "lookahead=0"),
     ({"prompt": "x", "lookahead": 1000}, "lookahead", "cannot fit"),
+    ({"prompt": "x", "seed": 2**64}, "seed", "less than or equal to 9223372036854775807"),
 ]
 
 
