@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from datamodules.tasks import choice, math  # noqa: F401,E402  (their tasks are the --task choices --help lists)
+
 MOVED_CLASSES = {
     "datamodules.tasks.ArithmeticTask": "arithmetic_world.task.ArithmeticTask",
     "datamodules.tasks.BoxedMathTask": "datamodules.tasks.math.BoxedMathTask",
