@@ -124,7 +124,8 @@ class ProbeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":
-        """Build from a ``config.json`` dict, upgrading older layouts and naming unknown keys.
+        """Build from a ``config.json`` dict, upgrading older layouts (the config says :data:`FORMAT_VERSION` then) and
+        naming unknown keys.
 
         Raises:
             NewerFormatError: ``format_version`` is newer than this code writes.
@@ -152,7 +153,7 @@ class ProbeConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown probe config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**d)
+        return cls(**{**d, "format_version": FORMAT_VERSION})  # today's layout now: a re-export writes it as such
 
 
 FLAT_FEATURES = {"feature_groups": "groups", **{k: k for k in ("layer_ids", "pooling", "token_stats", "top_k",

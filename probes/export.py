@@ -168,8 +168,8 @@ def _check_header(file: Path, config: ProbeConfig) -> None:
         raise ValueError(f"{file} is not a readable safetensors file ({e}): truncated, or not "
                          f"safetensors (a pickled .bin/.pt renamed?); {_REDO}") from None
     expected = expected_shapes(config)
-    # Version-1 exports predate the standardisation buffers; they read raw inputs (identity buffers).
-    optional = {"input_mean", "input_std"} if config.format_version < 2 else set()
+    # A probe that does not standardise reads raw inputs (identity buffers): version-1 exports did not hold them.
+    optional = set() if config.standardize else {"input_mean", "input_std"}
     missing = sorted(k for k in expected if k not in found and k not in optional)
     unexpected = sorted(k for k in found if k not in expected)
     wrong = [f"{k} has shape {list(found[k])}, expected {list(v)}" for k, v in expected.items()

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 import warnings
 
 import lightning as L
@@ -13,7 +14,7 @@ from torch import nn
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from torch.utils.data import DataLoader
 
-from probes.config import ProbeConfig
+from probes.config import FORMAT_VERSION, ProbeConfig
 from probes.export import export_probe, load_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe, run_probe
@@ -109,7 +110,7 @@ def test_config_rejects_bad_values(kwargs, field):
 
 def test_config_from_dict_upgrades_and_names_unknown_keys():
     old = {"hidden_size": 8, "layer_ids": [-1]}  # a version-0 export without format_version
-    assert ProbeConfig.from_dict(old).format_version == 0
+    assert ProbeConfig.from_dict(old).format_version == FORMAT_VERSION  # upgraded: a re-export writes today's layout
     with pytest.raises(ValueError, match="hidden_szie"):
         ProbeConfig.from_dict({"hidden_szie": 8})
 
@@ -120,6 +121,19 @@ def test_configs_before_format_5_load_as_in_process_probes_without_topk_stats(ve
     f = ProbeConfig.from_dict(old).features
     assert (f.source, f.hidden_norm, f.top_k, f.topk_stats) == ("transformers", "final_norm", 20, ())
     assert not f.needs_topk
+
+
+def test_a_shipped_format_3_probe_re_exported_loads_back_and_scores_the_same(tmp_path):
+    """Loading upgrades an old layout; the re-export writes today's (it wrote the new layout as format 3, which the
+    next load read as an old one and dropped the token statistics)."""
+    root = Path(__file__).resolve().parents[2] / "checkpoints" / "arithmetic" / "probes" / "target"
+    assert json.loads((root / "config.json").read_text())["format_version"] == 3
+    probe = load_probe(root)
+    again = load_probe(export_probe(probe, tmp_path / "target"))
+    assert json.loads((tmp_path / "target" / "config.json").read_text())["format_version"] == FORMAT_VERSION
+    assert again.config == probe.config
+    x = torch.randn(4, probe.config.input_size)
+    assert torch.equal(probe(x), again(x))
 
 
 def test_a_format_5_config_nests_its_flat_feature_keys():
