@@ -24,7 +24,9 @@ class MultipleChoiceTask(Task):
         if not letters or not letters.isalpha() or not letters.isupper():
             raise ValueError(f"letters={letters!r}: expected upper-case letters, e.g. 'ABCD'")
         self.letters = letters
-        self._rx = re.compile(r"(?i:answer)(?:\s+(?i:is))?\s*[:=]?\s*[(*\[\s]*([" + letters + r"])(?![A-Za-z])")
+        # one run of separators after "answer" (or "answer is"): side-by-side optional runs of spaces backtracked
+        # in cubic time on a long run of whitespace
+        self._rx = re.compile(r"(?i:answer)(?:\s+(?i:is))?[\s:=(*\[]*([" + letters + r"])(?![A-Za-z])")
 
     def extract(self, text: str) -> str | None:
         found = self._rx.findall(text or "")

@@ -94,6 +94,24 @@ def test_multiple_choice_reads_the_last_stated_letter(text, letter):
     assert MultipleChoiceTask().extract(text) == letter
 
 
+def test_multiple_choice_reads_a_long_run_of_whitespace_in_linear_time():
+    """A degenerate output ("answer" and 20,000 spaces) took over 20 s (the pattern backtracked in cubic time); an alarm
+    10 s away fails the test instead of hanging it."""
+    import signal
+
+    def too_slow(*_):
+        raise TimeoutError("extract backtracks on a long run of whitespace")
+
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(10)
+    try:
+        assert MultipleChoiceTask().extract("answer" + " " * 20_000 + "x") is None
+        assert MultipleChoiceTask().extract("answer" + "\n" * 20_000 + "(C)") == "C"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def test_multiple_choice_check_and_letters():
     t = MultipleChoiceTask()
     assert t.check("the answer is (B)", "B") and t.check("the answer is (B)", "(b)") and not t.check("Answer: A", "B")
