@@ -419,7 +419,7 @@ def label_provenance(config: BuildConfig) -> dict[str, Any]:
     """The ``labels`` entry of a probe's input spec: labelling, clustering, judge, step cap, seed."""
     cc = config.clustering
     params = {k: getattr(cc, k) for k in ("min_cluster_size", "membership_threshold", "merge_distance", "votes",
-                                          "max_candidates", "match_numbers")}
+                                          "max_candidates", "match_numbers", "verify_members")}
     # max_step_tokens stays here too: probes exported before the step spec had its own entry read it from labels
     return {"labelling": config.labelling, "clustering": cc.method, "clustering_params": params,
             "max_step_tokens": config.steps.max_step_tokens, "judge": judge_provenance(config),

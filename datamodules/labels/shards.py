@@ -173,7 +173,8 @@ def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
     Records written before the sampling spec had its own entry kept ``n_samples``, ``temperature``
     and ``top_p`` in ``labels``; they move to ``sampling`` (the shards are unchanged). Records written
     before the sampling backends sampled with transformers: their ``sampler`` is ``hf``. Task classes
-    recorded under the import path they had before the tasks moved (:data:`MOVED_CLASSES`) get today's.
+    recorded under the import path they had before the tasks moved (:data:`MOVED_CLASSES`) get today's. Records
+    written before ``clustering.verify_members`` was recorded get its default, ``True``.
     """
     labels = build.get("labels")
     if "sampling" not in build and isinstance(labels, dict) and any(k in labels for k in SAMPLING_KEYS):
@@ -181,6 +182,9 @@ def upgrade_build_record(build: dict[str, Any]) -> dict[str, Any]:
                  "labels": {k: v for k, v in labels.items() if k not in SAMPLING_KEYS}}
     if "sampling" in build and "sampler" not in build:
         build = {**build, "sampler": "hf"}  # every build before the sampling backends sampled with transformers
+    params = (build.get("labels") or {}).get("clustering_params")
+    if isinstance(params, dict) and "verify_members" not in params:  # recorded since; the default before
+        build = {**build, "labels": {**build["labels"], "clustering_params": {**params, "verify_members": True}}}
     task = (build.get("problems") or {}).get("task")
     if isinstance(task, dict) and task.get("class_path") in MOVED_CLASSES:
         task = {**task, "class_path": MOVED_CLASSES[task["class_path"]]}

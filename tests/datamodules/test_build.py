@@ -152,6 +152,8 @@ def test_data_for_other_layers_or_models_is_refused(world, reference):
         build(_config(world, layer_ids=[0, -1]), d)
     with pytest.raises(ValueError, match=r"reads\.draft\.hidden_size: data has 24, config asks 32"):
         build(_config(world, draft=str(world / "judge")), d)
+    with pytest.raises(ValueError, match=r"clustering_params\.verify_members: data has True, config asks False"):
+        build(_config(world, clustering={"verify_members": False}), d)  # other labels: reused before
     dm = SemanticProbeDataModule(str(d), build=_config(world, pooling="last"))
     with pytest.raises(ValueError, match=r"pooling: data has 'mean', config asks 'last'"):
         dm.setup()
@@ -163,6 +165,7 @@ def test_data_recorded_before_the_sampling_entry_still_matches(world, reference,
     shutil.copytree(ref_dir, d)
     m = json.loads((d / S.MANIFEST).read_text())
     m["build"]["labels"].update(m["build"].pop("sampling"))  # the layout manifests had before
+    del m["build"]["labels"]["clustering_params"]["verify_members"]  # recorded since: the default then
     S.atomic_write_json(d / S.MANIFEST, m)
     lines = []
     assert build(_config(world), d, log=lines.append)["build"]["sampling"]["n_samples"] == 3
