@@ -72,9 +72,23 @@ class JudgeConfig:
             out.append(f"model=None: kind={self.kind!r} needs model ({what})")
         if not 0 < self.threshold < 1:
             out.append(f"threshold={self.threshold}: expected in (0, 1)")
+        if self.template is not None:
+            out += _template_errors(self.template)
         if self.timeout <= 0:
             out.append(f"timeout={self.timeout}: expected > 0")
         return out
+
+
+def _template_errors(template: str) -> list[str]:
+    """What keeps ``template`` from being a judge prompt: it must hold ``{a}`` and ``{b}`` and format with them alone
+    (a literal brace doubled, as ``str.format`` reads it)."""
+    try:
+        template.format(a="", b="")
+    except (KeyError, IndexError, ValueError) as e:
+        return [f"template={template!r}: {{a}} and {{b}} are its only fields (double a literal brace: {{{{ }}}}); "
+                f"str.format says {type(e).__name__}: {e}"]
+    missing = [f for f in ("{a}", "{b}") if f not in template]
+    return [f"template={template!r}: lacks {' and '.join(missing)}"] if missing else []
 
 
 @dataclass
@@ -400,7 +414,7 @@ def judge_provenance(config: BuildConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": j.kind, "threshold": j.threshold}
     if j.kind in ("llm", "nli"):
         path = config.model_path("judge")
-        out["model"] = folder_fingerprint(path) if Path(path).is_dir() else {"name_or_path": path}
+        out["model"] = folder_fingerprint(path)  # a missing folder is refused here, before anything is written
     else:
         out.update(model=j.model, url=j.url, api=j.api)
     if j.kind in ("llm", "http"):

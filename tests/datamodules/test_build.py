@@ -259,6 +259,13 @@ def test_layers_a_model_lacks_and_a_device_torch_lacks_are_refused_before_anythi
     assert not d.exists()
     with pytest.raises(ValueError, match=r"layer_ids=\[-1, -1\]: a layer is listed twice"):
         _config(world, layer_ids=[-1, -1])
+    with pytest.raises(FileNotFoundError, match=rf"model folder {tmp_path / 'nope'} does not exist"):
+        build(_config(world, judge={"model": str(tmp_path / "nope")}), d)  # it was a hub error, after build.json
+    assert not d.exists()
+    for template, says in (("{a} {b} {c}", "only fields.*KeyError: 'c'"), ("{a} {b} {0}", "IndexError"),
+                           ("{a} only", "lacks {b}")):  # a traceback once the models had loaded
+        with pytest.raises(ValueError, match=rf"judge\.template=.*{says}"):
+            _config(world, judge={"template": template})
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"build\.device='cuda': 'cuda': torch sees no CUDA device here"):
             build(_config(world, device="cuda"), d)
