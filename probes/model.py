@@ -85,11 +85,11 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         if x.dim() == 3 and f.groups == ("hidden",):
             x = x.flatten(1)
         if x.dim() != 2 or x.shape[-1] != cfg.input_size:
+            got = f"shape {tuple(features.shape)}" if x.dim() != 2 else f"{features.shape[-1]} per row"
             raise ValueError(
-                f"probe expects {cfg.input_size} features per row (groups {list(f.groups)}: "
-                f"{len(f.layer_ids)} layers x hidden_size={cfg.hidden_size} for hidden, "
-                f"{len(f.token_stats)} token statistics, {len(f.topk_stats)} top-k statistics), "
-                f"got {features.shape[-1]} (shape {tuple(features.shape)})"
+                f"probe expects a (batch, {cfg.input_size}) input: {cfg.input_size} features per row (groups "
+                f"{list(f.groups)}: {len(f.layer_ids)} layers x hidden_size={cfg.hidden_size} for hidden, "
+                f"{len(f.token_stats)} token statistics, {len(f.topk_stats)} top-k statistics), got {got}"
             )
         return x
 

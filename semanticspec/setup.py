@@ -92,15 +92,20 @@ def stored_tau(target_probe) -> float | None:
         return None
     try:
         data = json.loads(path.read_text())
-        tau, version = float(data["tau"]), int(data["format_version"])
+        tau, version = data["tau"], data["format_version"]
     except (ValueError, KeyError, TypeError) as e:
         warnings.warn(f"{path}: not a threshold file ({e}); deciding at the default tau", stacklevel=3)
         return None
     from generation.fingerprints import sha256_file
 
-    weights = Path(target_probe) / "model.safetensors"
-    if version > THRESHOLD_FORMAT or not 0 <= tau <= 1 or data.get("target_probe_sha256") != sha256_file(weights):
-        warnings.warn(f"{path} was written for other probe weights or by a newer version (format_version={version}, "
-                      f"tau={tau}); deciding at the default tau", stacklevel=3)
+    why = None
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 <= tau <= 1:  # NaN fails the range
+        why = f"tau={tau!r} is no threshold in [0, 1]"
+    elif isinstance(version, bool) or not isinstance(version, int) or version > THRESHOLD_FORMAT:
+        why = f"format_version={version!r}: this version reads {THRESHOLD_FORMAT} and older"
+    elif data.get("target_probe_sha256") != sha256_file(Path(target_probe) / "model.safetensors"):
+        why = "it was written for other probe weights"
+    if why is not None:
+        warnings.warn(f"{path}: {why}; deciding at the default tau", stacklevel=3)
         return None
-    return tau
+    return float(tau)

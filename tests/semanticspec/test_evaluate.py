@@ -4,6 +4,7 @@ and the endpoint's default."""
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -287,9 +288,12 @@ def test_a_threshold_file_for_other_weights_is_ignored(picked):
 
     assert stored_tau(picked / "target") == 0.37
     data = json.loads((picked / "threshold.json").read_text())
-    (picked / "threshold.json").write_text(json.dumps({**data, "target_probe_sha256": "0" * 64}))
-    with pytest.warns(UserWarning, match="other probe weights"):
-        assert stored_tau(picked / "target") is None
+    for edit, says in (({"target_probe_sha256": "0" * 64}, "it was written for other probe weights"),
+                       ({"tau": True}, "tau=True is no threshold in"), ({"tau": "0.4"}, "tau='0.4' is no threshold"),
+                       ({"tau": 1.5}, "tau=1.5 is no threshold"), ({"format_version": 1.9}, "format_version=1.9: ")):
+        (picked / "threshold.json").write_text(json.dumps({**data, **edit}))  # a bool or a string was read as a tau
+        with pytest.warns(UserWarning, match=rf"threshold.json: {re.escape(says)}.*deciding at the default tau"):
+            assert stored_tau(picked / "target") is None
 
 
 def test_the_endpoint_uses_the_picked_threshold_unless_given_one(picked):
