@@ -87,7 +87,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         if x.dim() != 2 or x.shape[-1] != cfg.input_size:
             got = f"shape {tuple(features.shape)}" if x.dim() != 2 else f"{features.shape[-1]} per row"
             raise ValueError(
-                f"probe expects a (batch, {cfg.input_size}) input: {cfg.input_size} features per row (groups "
+                f"probe expects {cfg.input_size} features per row, a (batch, {cfg.input_size}) input (groups "
                 f"{list(f.groups)}: {len(f.layer_ids)} layers x hidden_size={cfg.hidden_size} for hidden, "
                 f"{len(f.token_stats)} token statistics, {len(f.topk_stats)} top-k statistics), got {got}"
             )

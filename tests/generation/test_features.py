@@ -99,11 +99,11 @@ def test_hybrid_probe_standardises_and_round_trips(tmp_path, combine):
     loaded = load_probe(export_probe(probe, tmp_path / "p"))
     torch.testing.assert_close(loaded(x), after)
     assert json.loads((tmp_path / "p" / "config.json").read_text())["features"]["groups"] == ["hidden", "token_stats"]
-    with pytest.raises(ValueError, match="expects a \\(batch, 19\\) input: 19 features per row.*got 16 per row"):
+    with pytest.raises(ValueError, match="expects 19 features per row, a \\(batch, 19\\) input.*got 16 per row"):
         probe(torch.randn(2, 16))
     for one in (torch.randn(19), torch.tensor(1.0)):  # one row without its batch: it said "got 19", or an IndexError
         shape = re.escape(str(tuple(one.shape)))
-        with pytest.raises(ValueError, match=r"expects a \(batch, 19\) input.*got shape " + shape):
+        with pytest.raises(ValueError, match=r"a \(batch, 19\) input.*got shape " + shape):
             probe(one)
 
 
