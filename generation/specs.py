@@ -106,6 +106,11 @@ def is_count(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
 
 
+def is_real(x: Any) -> bool:
+    """A real number (a NumPy one too), not a bool: a threshold, a rate, a log-probability."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 

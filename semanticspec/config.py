@@ -17,13 +17,12 @@ before any model call.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from generation.sampling import seed_errors
-from generation.specs import SamplingSpec, StepSpec, is_count
+from generation.specs import SamplingSpec, StepSpec, is_count, is_real
 from semanticspec.policies import AcceptancePolicy
 
 SPECREASON_SUFFIX = "\nScore 0-9:"
@@ -144,7 +143,7 @@ class DecodeConfig:
             if (why := unknown_method(self.method)) is not None:
                 out.append(("method", why))
         w = self.window_min_logprob
-        if w is not None and not (_real(w) and w <= 0):
+        if w is not None and not (is_real(w) and w <= 0):
             out.append(("window_min_logprob", "expected a log-probability (a number <= 0) or None"))
         elif w is not None and (self.lookahead is None or self.lookahead == 1):
             out.append(("window_min_logprob", "an adaptive window needs lookahead > 1"))
@@ -196,7 +195,3 @@ class DecodeConfig:
         if unknown:
             raise ValueError(f"{', '.join(unknown)}: not a DecodeConfig field; expected some of {fields}")
         return dataclasses.replace(config, **overrides)
-
-
-def _real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from generation.features import token_scores
+from generation.specs import is_real
 from semanticspec.results import Decision
 
 if TYPE_CHECKING:
@@ -162,14 +163,14 @@ class ProbePolicy(AcceptancePolicy):
         errors = []
         if self.rule not in RULES:
             errors.append(f"rule={self.rule!r}: expected one of {RULES}")
-        if not (_real(self.tau) and 0 <= self.tau <= 1):
+        if not (is_real(self.tau) and 0 <= self.tau <= 1):
             errors.append(f"tau={self.tau!r}: expected a number with 0 <= tau <= 1")
         scale = self.ratio_scale
         if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
             errors.append(f"ratio_scale={self.ratio_scale}: expected a finite number > 0")
         if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
             errors.append(f"top_k={self.top_k}: expected an integer >= 0 (0 disables the fast path)")
-        if not (_real(self.fast_path_min_logprob) and self.fast_path_min_logprob <= 0):
+        if not (is_real(self.fast_path_min_logprob) and self.fast_path_min_logprob <= 0):
             errors.append(f"fast_path_min_logprob={self.fast_path_min_logprob!r}: expected a log-probability <= 0")
         if not isinstance(self.lazy_p, bool):
             errors.append(f"lazy_p={self.lazy_p!r}: expected True or False")
@@ -210,11 +211,6 @@ def default_policy(fast_path: bool = True, tau: float | None = None) -> ProbePol
     return ProbePolicy(tau=0.5 if tau is None else tau, top_k=1 if fast_path else 0)
 
 
-def _real(x) -> bool:
-    """A real number, not a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def check_policy(policy) -> None:
     """Refuse a decoder's ``policy=`` that is not a :class:`ProbePolicy`, SemanticSpec's acceptance (every other
     method is named per call: ``generate(method=RandomPolicy(0.5))``)."""
@@ -231,7 +227,7 @@ class RandomPolicy(AcceptancePolicy):
     needs = Needs(coin=True)
 
     def __post_init__(self) -> None:
-        if isinstance(self.rate, bool) or not isinstance(self.rate, numbers.Real) or not 0 <= self.rate <= 1:
+        if not (is_real(self.rate) and 0 <= self.rate <= 1):
             raise ValueError(f"RandomPolicy(rate={self.rate!r}): expected a number in [0, 1]")
 
     def keep(self, scores: Scores) -> Decision:
@@ -262,7 +258,7 @@ class SpecReasonPolicy(AcceptancePolicy):
 
     def __post_init__(self) -> None:
         t = self.threshold
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t <= 9:
+        if not (is_real(t) and 0 <= t <= 9):
             raise ValueError(f"SpecReasonPolicy(threshold={t!r}): expected a number in [0, 9] (the judge's score)")
 
     def keep(self, scores: Scores) -> Decision:

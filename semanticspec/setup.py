@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from generation.specs import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, require_features
+from generation.specs import FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, is_real, require_features
 
 
 def load(probe, model, tokenizer, role: str | None = None, probe_dtype: str = "float32"):
@@ -99,7 +99,7 @@ def stored_tau(target_probe) -> float | None:
     from generation.fingerprints import sha256_file
 
     why = None
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 <= tau <= 1:  # NaN fails the range
+    if not (is_real(tau) and 0 <= tau <= 1):  # NaN fails the range
         why = f"tau={tau!r} is no threshold in [0, 1]"
     elif isinstance(version, bool) or not isinstance(version, int) or version > THRESHOLD_FORMAT:
         why = f"format_version={version!r}: this version reads {THRESHOLD_FORMAT} and older"

@@ -24,14 +24,13 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import yaml
 from tqdm.auto import tqdm
 
 from datamodules.labels import shards as S
-from generation.fingerprints import model_fingerprint, sha256_file
+from generation.fingerprints import sha256_file
 from datamodules.labels.config import (
     ROLES,
     BuildConfig,
@@ -89,7 +88,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_traces(config, records)
-    _check_models(config)
+    _check_models(config, sig)
     existing, pinned = check_recorded(data_dir, sig, log)
     finished = bool(existing and existing.get("complete"))
     damaged = damaged_shards(data_dir, existing) if finished else []
@@ -271,21 +270,17 @@ def _check_traces(config: BuildConfig, records: list[dict]) -> None:
                          "--build.prefix_source target")
 
 
-def _check_models(config: BuildConfig) -> None:
-    """Refuse a device this process cannot use, and ``layer_ids`` a model lacks (read from each model's
-    ``config.json``), before any weights load."""
-    from transformers import AutoConfig
-
+def _check_models(config: BuildConfig, sig: dict) -> None:
+    """Refuse a device this process cannot use, and ``layer_ids`` a model lacks (``sig``: the build's
+    :func:`~datamodules.labels.config.signature`, which read each model's ``config.json``), before any weights load."""
     from generation.loading import device_problem
 
     if problem := device_problem(config.resolved_device()[0]):
         raise ValueError(f"build.device={config.device!r}: {problem}")
     for role in ("target", "draft"):
-        path = config.model_path(role)
-        n = model_fingerprint(SimpleNamespace(config=AutoConfig.from_pretrained(path, local_files_only=True)))
-        problems = layer_problems(list(config.layer_ids), n["num_layers"])
+        problems = layer_problems(list(config.layer_ids), sig["reads"][role]["num_layers"])
         if problems:
-            raise ValueError(f"build.{problems[0]} (the {role} model, {path})")
+            raise ValueError(f"build.{problems[0]} (the {role} model, {config.model_path(role)})")
 
 
 def _server_samplers(config: BuildConfig, rank: int) -> dict:
