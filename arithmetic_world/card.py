@@ -9,7 +9,8 @@ command, read from the folder's ``training.json``) and what it measures (accurac
 template distribution, judge accuracy, read from ``benchmarks/results/world.json``). Nothing in a
 card is typed by hand, so re-training and re-measuring keeps it true. The front matter is a
 :class:`~huggingface_hub.ModelCardData` (with the model's own accuracy as its ``model-index``); the
-body is the Jinja template :data:`TEMPLATE`, rendered by :meth:`~huggingface_hub.ModelCard.from_template`.
+body is the Jinja template ``card_template.md`` beside this module, rendered by
+:meth:`~huggingface_hub.ModelCard.from_template`.
 """
 
 from __future__ import annotations
@@ -97,135 +98,9 @@ def train_command(role: str, facts: dict) -> str:
     return cmd
 
 
-TEMPLATE = """---
-{{ card_data }}
----
-
-# SemanticSpec arithmetic world: {{ role }}
-
-A small `LlamaForCausalLM` trained from scratch on CPU for the embedded world of semanticspec-probes \
-("The embedded world" in docs/design.md). It is {{ role_text }}
-
-A prompt is `<bos>` + problem + blank line; the trace writes one operation per step, steps separated by a blank line, \
-and ends with `{{ answer_marker }} N` and `<eos>`:
-
-```
-Start with 7. Add 5, then multiply it by 3. What is the result?
-
-7 + 5 = 12.
-
-36 is what we get from 12 times 3.
-
-Answer: 36
-```
-
-## Model
-
-| | |
-|---|---|
-| architecture | `{{ cfg.architectures[0] }}` (transformers), tied input/output embeddings |
-| layers x width | {{ cfg.num_hidden_layers }} x {{ cfg.hidden_size }} ({{ cfg.num_attention_heads }} heads, \
-MLP {{ cfg.intermediate_size }}) |
-| parameters | {{ "{:,}".format(facts.parameters) }} ({{ "%.1f" | format(weights_mb) }} MB float32 safetensors) |
-| vocabulary | {{ cfg.vocab_size }} word-level tokens (every number 0-199 is one token), \
-context {{ cfg.max_position_embeddings }} |
-
-## Training
-
-{% if role == "judge" %}Data: fresh step pairs every batch from `train.judge_pair`: half the same meaning in two \
-random templates, the rest mostly hard negatives (another operation on the same numbers, result off by one, swapped \
-or shifted operands); the loss is on the ` yes`/` no` answer token only.
-{% else %}Data: fresh problems every batch from `task.make_problem` with `TaskConfig(min_ops=2, max_ops=6)` (start \
-1-20, add/subtract 1-9, multiply by 2-3, every intermediate result in 0-199); the loss is on the trace and the answer \
-line only, not the problem. Template weights per operation (templates 0/1/2/3): **{{ shares(spec.style) }}**.
-{% endif %}{% if init_from %}
-Initialised from the weights in `{{ init_from }}` (a model of the world that already reads every template), not from \
-random weights; its size is that model's.
-{% endif %}
-- optimizer: AdamW, lr {{ spec.lr }}, betas (0.9, 0.98), weight decay 0.01, 50 warm-up steps, cosine decay to 10%, \
-gradient clipping 1.0, batch {{ spec.batch }} {{ "pairs" if role == "judge" else "problems" }}
-- budget: {{ spec.steps }} steps or {{ spec.max_minutes }} minutes; rule: {{ stop }}; evaluation every \
-{{ spec.eval_every }} steps ({{ "1,000 judge pairs" if role == "judge" else \
-"200 four-operation problems, T=0.6, top-p 0.95" }}, seed 10,000)
-- **shipped checkpoint: step {{ facts.saved_at.step }}, after {{ facts.saved_at.minutes }} minutes** on \
-{{ facts.get("threads", 1) }} CPU thread(s) of a shared 2-core machine (held-out \
-{{ "pair" if role == "judge" else "answer" }} accuracy {{ "%.3f" | format(facts.saved_at.accuracy) }} at that point)
-- seed {{ facts.seed }}; command: `{{ command }}` then `python -m arithmetic_world.card --publish /tmp/world`
-
-<details><summary>validation history</summary>
-
-| step | minutes | loss | held-out accuracy |
-|---|---|---|---|
-{% for h in facts.history %}| {{ h.step }} | {{ h.minutes }} | {{ h.loss }} | {{ "%.3f" | format(h.accuracy) }} |
-{% endfor %}
-</details>
-
-## Measured (`python -m benchmarks.world`)
-
-{% if r is none %}Not measured yet: run `python -m benchmarks.world`, then `python -m arithmetic_world.card`.
-{% else %}{% set dist, c = r.template_distribution, r.judge_confusion %}\
-On {{ r.n_problems }} held-out four-operation problems (seed {{ r.problem_seed }}), each model sampling at \
-T={{ r.temperature }}, top-p {{ r.top_p }} with `generation.writer.generate`; decode cost at batch 1 with the same \
-code, {{ r.torch_threads }} CPU thread(s), median over {{ r.target.timing_prompts }} prompts of \
-{{ r.target.timing_new_tokens }} tokens, prefill excluded.
-
-| model | answer accuracy (95% CI) | decode ms/token | templates written 0/1/2/3 | true steps | steps as reference |
-|---|---|---|---|---|---|
-{% for name in ("target", "draft") %}{% set m, d = r[name], dist[name] %}\
-| {{ name }}{{ " **(this model)**" if name == role }} \
-| {{ "%.3f (%.2f-%.2f)" | format(m.accuracy, *m.accuracy_ci95) }} | {{ "%.3f" | format(m.ms_per_token) }} \
-| {{ shares(d.shares) }} | {{ "%.3f" | format(d.correct_step_share) }} \
-| {{ "%.3f" | format(m.reference_step_share) }} |
-{% endfor %}
-- cost ratio draft/target: **{{ "%.3f" | format(r.cost_ratio) }}** (goal <= 0.2); style distance between the two \
-models' template shares (total variation): {{ "%.2f" | format(dist.style_distance) }}
-- judge{{ " **(this model)**" if role == "judge" }}: **{{ "%.3f" | format(r.judge_accuracy) }}** agreement with the \
-oracle on {{ r.judge_pairs }} held-out pairs (seed {{ r.judge_seed }}); yes on same {{ c.true_yes }}, yes on \
-different {{ c.false_yes }}, no on same {{ c.false_no }}, no on different {{ c.true_no }}
-{% if role == "judge" %}{% set ms = r.get("judge_on_model_steps", {"pairs": 0}) %}\
-- judge accuracy by pair kind: {% for k, v in r.judge_accuracy_by_kind.items() %}{{ k }} \
-{{ "%.3f" | format(v.accuracy) }} (n={{ v.n }}){{ ", " if not loop.last }}{% endfor %}
-{% if ms.pairs %}- on the models' own steps (the target's and the draft's step at the same position of a benchmark \
-problem, {{ ms.pairs }} pairs, {{ "{:.0%}".format(ms.same_share) }} the same meaning): \
-{{ "%.3f" | format(ms.accuracy) }} (on same {{ ms.accuracy_on_same }}, on different {{ ms.accuracy_on_different }})
-{% if (ms.accuracy_on_different or 1.0) < 0.9 %}  - most errors here are steps that differ in several numbers at \
-once (another operand *and* result), a kind of negative `train.judge_pair` never draws
-{% endif %}{% endif %}{% if "judge_pairs_seen_in_training" in r %}\
-- {{ "{:.0%}".format(r.judge_pairs_seen_in_training) }} of the benchmark pairs also occur in the judge's training \
-stream (the space of pairs is small), so this is in-distribution agreement, not generalisation.
-{% endif %}{% if "judge_decode" in r %}- decode {{ "%.3f" | format(r.judge_decode.ms_per_token) }} ms/token, \
-prefill of a prompt {{ "%.2f" | format(r.judge_decode.prefill_ms) }} ms
-{% endif %}{% else %}{% set d = dist[role] %}\
-- this model's steps: {{ d.steps }} written, {{ "{:.1%}".format(d.malformed_share) }} not a well-formed step; \
-template shares by operation: {% for op, v in d.by_op.items() %}{{ op }} {{ shares(v) }}\
-{{ ", " if not loop.last }}{% endfor %}
-- decode {{ "%.3f" | format(r[role].ms_per_token) }} ms/token, prefill of a prompt \
-{{ "%.2f" | format(r[role].prefill_ms) }} ms
-
-A trace this model sampled (problem 0 of the benchmark):
-
-```
-{{ r[role].example_trace }}
-```
-{% endif %}
-Goals of `benchmarks.world` missed: {{ missed | join(", ") or "none" }}.
-{% endif %}
-## Use
-
-```python
-from arithmetic_world.models import load_world  # or AutoModelForCausalLM.from_pretrained(folder)
-world = load_world()  # world.target, world.draft, world.judge, world.tokenizer
-```
-
-## Limitations
-
-A toy: a closed vocabulary of {{ cfg.vocab_size }} words and numbers, problems of one shape. Accuracy is measured by \
-sampling and has the interval shown; held-out means other seeds, not unseen kinds of problem. "true steps" are \
-equations that hold; "steps as reference" also do the problem's operation at that position.
-
-"""
-"""A card's body (Jinja drops the last newline): ``facts`` is the folder's ``training.json``, ``cfg`` its
-``config.json``, ``r`` the benchmark's results or None."""
+TEMPLATE = Path(__file__).with_name("card_template.md")
+"""A card's body, a Jinja template (Jinja drops the last newline): ``facts`` is the folder's ``training.json``,
+``cfg`` its ``config.json``, ``r`` the benchmark's results or None."""
 
 
 def card_text(role: str, folder: Path, results: Optional[dict]) -> str:
@@ -253,7 +128,7 @@ def card_text(role: str, folder: Path, results: Optional[dict]) -> str:
                          tags=["semanticspec", "speculative-decoding", "arithmetic", "toy-world"],
                          **_eval_results(role, results))
     card = ModelCard.from_template(
-        data, template_str=TEMPLATE, role=role, role_text=ROLE_TEXT[role], answer_marker=task.ANSWER_MARKER,
+        data, template_path=TEMPLATE, role=role, role_text=ROLE_TEXT[role], answer_marker=task.ANSWER_MARKER,
         facts=facts, spec=spec, cfg=json.loads((folder / "config.json").read_text()), r=results, stop=stop,
         weights_mb=(folder / "model.safetensors").stat().st_size / 1e6, command=train_command(role, facts),
         init_from=spec.get("extra", {}).get("init_from"), shares=lambda xs: " / ".join(f"{x:.2f}" for x in xs),

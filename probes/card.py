@@ -1,72 +1,22 @@
 """The model card (``README.md``) of an exported probe, written from its :class:`ProbeConfig` alone.
 
 No torch import: the card says what the config records, nothing else. The front matter is a
-:class:`~huggingface_hub.ModelCardData`; the body is the Jinja template :data:`TEMPLATE`, rendered by
-:meth:`~huggingface_hub.ModelCard.from_template`.
+:class:`~huggingface_hub.ModelCardData`; the body is the Jinja template ``card_template.md`` beside this
+module, rendered by :meth:`~huggingface_hub.ModelCard.from_template`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
 from probes.config import ProbeConfig
 
-TEMPLATE = """---
-{{ card_data }}
----
-
-# SemanticSpec {{ c.role }} probe for `{{ c.reads.get("name_or_path") or "an unrecorded model" }}`
-
-A semantic probe of semanticspec-probes (SemanticSpec, arXiv 2602.03708): it reads what the model computes while \
-reading a reasoning step (prefix in context) and estimates the probability that the **{{ c.role }}** model would \
-write a step with the same meaning ({{ "q" if c.role == "target" else "p" }}). `SemanticSpecDecoder` keeps a draft \
-step when the target probe's q is high enough (the package's docs/design.md, "Decoding").
-
-## What it reads
-
-{{ table("what", "value", reads) }}
-## The model it reads
-
-{% if c.reads %}The fingerprint recorded at export; `load_probe` refuses a model or tokenizer that differs in any \
-field but the name, naming each field.
-
-{{ table("field", "value", fingerprint) }}
-{% else %}Not recorded (an old export): only the width, hidden_size={{ c.hidden_size }}, is checked at load time. \
-Re-export the probe to record its model.
-
-{% endif %}## Labels
-
-{% if labels %}Each training row is a sampled step labelled with the share of the model's samples that fall in its \
-meaning group.
-
-{{ table("what", "value", labels) }}
-{% else %}No label provenance recorded.
-
-{% endif %}## Test metrics
-
-{% if test_metrics %}On the held-out test problems at export (`draft_written/...`: the rows the draft wrote, where the \
-decoder decides).
-
-{{ table("metric", "value", test_metrics) }}
-{% else %}None recorded at export.
-
-{% endif %}## How to load it
-
-```python
-from probes.export import load_probe
-
-# model, tokenizer: the {{ c.role }} model this probe reads (see "The model it reads")
-probe = load_probe("path/to/this/folder", model=model, tokenizer=tokenizer, role="{{ c.role }}")
-```
-
-or pass the folder to `SemanticSpecDecoder(..., {{ c.role }}_probe="path/to/this/folder")` with its
-{{ "draft" if c.role == "target" else "target" }} counterpart. The folder holds `config.json` (format version \
-{{ c.format_version }}) and `model.safetensors`; nothing is unpickled.
-
-"""
-"""The card's body (Jinja drops the last newline): ``c`` is the config; :func:`model_card` builds the rows."""
+TEMPLATE = Path(__file__).with_name("card_template.md")
+"""The card's body, a Jinja template (Jinja drops the last newline): ``c`` is the config; :func:`model_card` builds
+the rows."""
 
 
 def model_card(config: ProbeConfig) -> ModelCard:
@@ -84,8 +34,9 @@ def model_card(config: ProbeConfig) -> ModelCard:
                          tags=["semanticspec", "speculative-decoding", f"{config.role}-probe"])
     test_metrics = [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in sorted(config.test_metrics.items())]
     return ModelCard.from_template(
-        data, template_str=TEMPLATE, c=config, table=_table, reads=_reads_rows(config), labels=_label_rows(config),
-        fingerprint=[(k, f"`{v}`") for k, v in config.reads.items()], test_metrics=test_metrics)
+        data, template_path=TEMPLATE, c=config, table=_table, reads=_reads_rows(config),
+        labels=_label_rows(config), fingerprint=[(k, f"`{v}`") for k, v in config.reads.items()],
+        test_metrics=test_metrics)
 
 
 def _reads_rows(config: ProbeConfig) -> list[tuple[str, str]]:
