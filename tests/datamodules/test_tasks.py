@@ -1,14 +1,14 @@
 """Tasks: the built-ins' extractors and checkers, a user's task by class_path, the callback on any task."""
 
 import json
+import threading
 import time
 
 import pytest
 
 from arithmetic_world import task as world
-from datamodules.tasks.math_equal import math_equal
 from arithmetic_world.task import ArithmeticTask
-from datamodules.tasks.math import BoxedMathTask, last_boxed
+from datamodules.tasks.math import BoxedMathTask, last_boxed, math_equal
 from datamodules.tasks.choice import MultipleChoiceTask
 from datamodules.tasks.base import Task
 
@@ -51,6 +51,9 @@ def test_last_boxed(text, content):
     ("2x+1", "1+2x"), ("x^2 + 2x + 1", "(x+1)^2"), ("\\frac{\\sqrt{3}}{2}", "\\sqrt{3}/2"), ("3", "3.0"),
     ("1,000", "1000"), ("x = 5", "5"), ("$\\left( 3 \\right)$", "3"), ("50\\%", "50"), ("2^{10}", "1024"),
     ("2 \\cdot 3", "6"), ("\\text{12}", "12"), ("(1,2)", "(1, 2)"),
+    # read as values since Math-Verify compares them (the hand-written normaliser missed each)
+    (".5", "0.5"), ("\\sqrt3", "\\sqrt{3}"), ("\\$5", "5"), ("5 \\text{ cm}", "5"), ("0.1+0.2", "0.3"),
+    ("10^{100}", "10^{100}"),
 ])
 def test_math_equal_accepts_the_same_value_written_differently(got, answer):
     assert math_equal(got, answer) and math_equal(answer, got)
@@ -58,7 +61,7 @@ def test_math_equal_accepts_the_same_value_written_differently(got, answer):
 
 @pytest.mark.parametrize("got, answer", [
     ("1/3", "0.33"), ("2x+1", "2x+2"), ("\\pi", "3.14"), ("(1,2)", "(2,1)"), ("", ""), ("x", "y"),
-    ("\\frac{1}{2", "0.5"), ("five", "5"),
+    ("\\frac{1}{2", "0.5"), ("five", "5"), ("1,2", "12"),
 ])
 def test_math_equal_refuses_different_or_unreadable_answers(got, answer):
     assert not math_equal(got, answer)
@@ -71,6 +74,17 @@ def test_model_output_is_never_evaluated_and_huge_powers_are_not_computed(tmp_pa
     assert not math_equal(evil, "1")
     assert not math_equal("9^9^9^9", "1") and not math_equal("9^{9^{9}}", "1") and not math_equal("2^{99999}", "1")
     assert not marker.exists() and time.perf_counter() - t0 < 5
+
+
+def test_math_equal_outside_the_main_thread_compares_without_a_timer():
+    # Math-Verify's timer is signal.alarm, which only the main thread may set; a worker thread compares without it,
+    # and a power too large to compute is then compared as text, not computed
+    out = {}
+    cases = {"half": ("\\frac{1}{2}", "0.5"), "tower": ("9^{9^{9}}", "1"), "same_tower": ("9^{9^{9}}", "9^{9^{9}}")}
+    worker = threading.Thread(target=lambda: out.update({k: math_equal(*c) for k, c in cases.items()}))
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and out == {"half": True, "tower": False, "same_tower": True}
 
 
 def test_boxed_task_checks_and_never_raises():
