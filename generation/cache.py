@@ -102,9 +102,10 @@ def record_forwards() -> Iterator[list[ForwardRecord]]:
         _RECORDERS.remove(log)
 
 
-def context_length(model) -> int | None:
-    """Positions the model knows (``max_position_embeddings`` of its text config), or None."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+def context_length(config) -> int | None:
+    """Positions a model of ``config`` (its transformers config) knows: ``max_position_embeddings`` of its text
+    config, or None."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(cfg, "max_position_embeddings", None)
 
 
@@ -136,7 +137,7 @@ class BatchedCache:
             raise ValueError(f"compact_at={compact_at}; expected a share in (0, 1]")
         self.model = model
         self.device = next(model.parameters()).device
-        self.context = context_length(model)
+        self.context = context_length(model.config)
         self.pad_token_id = int(pad_token_id)
         self.layer_ids = list(layer_ids)
         self.compact_at = float(compact_at)

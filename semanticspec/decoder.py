@@ -207,7 +207,7 @@ class SemanticSpecDecoder(StepDecoder):
         return self._stoppers[step]
 
     def contexts(self) -> tuple[int | None, int | None]:
-        return context_length(self.target), context_length(self.draft)
+        return context_length(self.target.config), context_length(self.draft.config)
 
     def prompt_room(self, plan: Plan) -> int | None:
         return self._room(len(plan.inputs[0][0]), len(plan.inputs[1][0]), plan.spare)

@@ -42,8 +42,8 @@ def transformers_events(method: TransformersLoop, target, draft, tokenizer, draf
     """
     shared, (ids_t, ids_d) = draft_tokenizer is None, batch
     for k, (key, it, idd) in enumerate(zip(keys, ids_t, ids_d)):
-        rooms = [(context_length(target), len(it))]
-        rooms += [(context_length(draft), len(idd))] if shared else []
+        rooms = [(context_length(target.config), len(it))]
+        rooms += [(context_length(draft.config), len(idd))] if shared else []
         room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
         r = hf_generate(target, draft, tokenizer, draft_tokenizer, it, method.assisted, max_new_tokens, sampling,
                         stream_seed(*key, "sampling"), room)

@@ -80,7 +80,7 @@ def _ids(i: int, seq) -> list[int]:
 
 def _check_rows(name: str, model, rows: list[list[int]]) -> None:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    vocab, ctx = getattr(cfg, "vocab_size", None), context_length(model)
+    vocab, ctx = getattr(cfg, "vocab_size", None), context_length(model.config)
     for i, row in enumerate(rows):
         if not row:
             raise ValueError(f"prompt {i} is empty in the {name}'s tokenization: give text that has tokens")

@@ -96,13 +96,13 @@ def world_tokenizer():
     return build_tokenizer()
 
 
-def tiny_llama(vocab_size: int, hidden_size: int = 32, layers: int = 2, seed: int = 0):
-    """A LlamaForCausalLM small enough for unit tests (tens of thousands of parameters)."""
+def tiny_llama(vocab_size: int, hidden_size: int = 32, layers: int = 2, seed: int = 0, context: int = 256):
+    """A LlamaForCausalLM small enough for unit tests (tens of thousands of parameters), of ``context`` positions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=37, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=context,
                       pad_token_id=0, bos_token_id=2, eos_token_id=3)
     return LlamaForCausalLM(cfg).eval()
 

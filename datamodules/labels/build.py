@@ -39,7 +39,7 @@ from datamodules.labels.config import (
 )
 from generation.cli import check_yaml_files, fail, normalise_args, one_line_parser
 from generation.specs import layer_problems
-from datamodules.labels.prefixes import make_prefixes, target_traces
+from datamodules.labels.prefixes import make_prefixes, prefix_ids, target_traces
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, set_wait_policy
 from datamodules.labels.coordination import (
     Progress,
@@ -89,6 +89,10 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_traces(config, records)
     _check_models(config, sig)
+    from datamodules.labels.shard import load_tokenizers
+
+    tokenizers = load_tokenizers(config)
+    _check_context(config, records, tokenizers)
     existing, pinned = check_recorded(data_dir, sig, log)
     finished = bool(existing and existing.get("complete"))
     damaged = damaged_shards(data_dir, existing) if finished else []
@@ -96,14 +100,15 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
         log(f"reusing {len(existing['shards'])} shards in {data_dir}")
         return existing
     expected = _recorded_checksums(data_dir, existing, damaged, log) if finished else {}
-    servers = _server_samplers(config, rank)  # an unreachable or refusing server fails before anything is written
+    # an unreachable or refusing server fails before anything is written
+    servers = _server_samplers(config, rank, tokenizers)
     make_data_dir(data_dir, f"{len(damaged)} missing or altered shards" if finished else "the whole build")
     if rank == 0 and not pinned:
         S.atomic_write_json(data_dir / "build.json", {"build": sig, "config": config_record(config)})
 
     timer: dict[str, float] = {}
     t0 = time.perf_counter()
-    plan = _plan(config, records, data_dir, rank, timer, servers)
+    plan = _plan(config, records, data_dir, rank, timer, tokenizers, servers)
     run = _ShardRun(config, data_dir, plan, timer, expected, (rank, world))
     run.build_mine(max_shards, log)
     stopped = max_shards is not None and any(run.needs(k) for k in range(run.n_shards))
@@ -283,24 +288,48 @@ def _check_models(config: BuildConfig, sig: dict) -> None:
             raise ValueError(f"build.{problems[0]} (the {role} model, {config.model_path(role)})")
 
 
-def _server_samplers(config: BuildConfig, rank: int) -> dict:
+def _check_context(config: BuildConfig, records: list[dict], tokenizers: tuple) -> None:
+    """Refuse the problems whose prompt (and, for reference prefixes, trace up to its last step) leaves a model fewer
+    than ``max_step_tokens`` positions of its context for a step: naming the first, the model and the counts."""
+    from transformers import AutoConfig
+
+    from generation.cache import context_length
+    from generation.steps import split_steps
+
+    task, room = config.resolved_task(), config.steps.max_step_tokens
+    for role, tok in zip(("target", "draft"), (tokenizers[0], tokenizers[1] or tokenizers[0])):
+        context = context_length(AutoConfig.from_pretrained(config.model_path(role), local_files_only=True))
+        if context is None:
+            continue
+        sizes = [len(prefix_ids(task, tok, r["problem"], "".join(split_steps(r["trace"], config.steps.delimiters)[:-1])
+                                if config.prefix_source == "reference" else "")) for r in records]
+        over = [k for k, n in enumerate(sizes) if n + room > context]
+        if over:
+            k = over[0]
+            where = f"line {records[k]['line']}" if "line" in records[k] else f"problem {k}"
+            what = "prompt and reference trace" if config.prefix_source == "reference" else "prompt"
+            raise ValueError(f"{where}: its {what} take {sizes[k]} tokens of the {role} model's {context}-position "
+                             f"context ({config.model_path(role)}), leaving fewer than max_step_tokens={room} for a "
+                             f"step ({len(over)} of {len(records)} problems do): drop or shorten them, or use models "
+                             "with a longer context")
+
+
+def _server_samplers(config: BuildConfig, rank: int, tokenizers: tuple) -> dict:
     """The ``openai`` backend's samplers, made now: each asks its server for its models, so a server that is
     unreachable or refuses the key stops the build before it writes anything. Other backends: ``{}``."""
     if config.sampling.backend != "openai":
         return {}
-    from datamodules.labels.shard import load_tokenizers, make_sampler
+    from datamodules.labels.shard import make_sampler
 
-    tok, dtok = load_tokenizers(config)
+    tok, dtok = tokenizers
     return {r: make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
 
 
-def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict,
+def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict, tokenizers: tuple,
           samplers: dict | None = None) -> dict:
     """All prefixes, cut into shards. Target-written traces are generated once and kept on disk."""
-    from datamodules.labels.shard import load_tokenizers
-
     t = time.perf_counter()
-    tok, dtok = load_tokenizers(config)
+    tok, dtok = tokenizers
     samplers = dict(samplers or {})
     if config.prefix_source == "target":
         records = _target_traces(config, records, tok, data_dir, rank, samplers)

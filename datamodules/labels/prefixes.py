@@ -69,15 +69,15 @@ def make_prefixes(
         steps = split_steps(trace, delimiters)
         for k in range(len(steps)):
             text = "".join(steps[:k])
-            ids = _ids(task, tokenizer, rec["problem"], text)
-            dids = None if draft_tokenizer is None else _ids(task, draft_tokenizer, rec["problem"], text)
+            ids = prefix_ids(task, tokenizer, rec["problem"], text)
+            dids = None if draft_tokenizer is None else prefix_ids(task, draft_tokenizer, rec["problem"], text)
             prefixes.append(Prefix(pid, len(prefixes), k, text, ids, dids))
     if not prefixes:
         raise ValueError("the problems give no prefix; check the task's problems or n_problems")
     return prefixes
 
 
-def _ids(task: Task, tokenizer, problem: str, text: str) -> list[int]:
+def prefix_ids(task: Task, tokenizer, problem: str, text: str) -> list[int]:
     """Prompt plus the written steps, in one model's tokenization."""
     return task.prompt(tokenizer, problem) + (list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text
                                               else [])

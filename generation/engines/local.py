@@ -48,7 +48,7 @@ class LocalEngine:
         self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
         self.url = f"local://{getattr(model.config, '_name_or_path', '') or type(model).__name__}"
         self.version = f"transformers {transformers.__version__}"
-        self.context_length = context_length(model)
+        self.context_length = context_length(model.config)
         """The model's context (``max_position_embeddings``), None when unknown."""
         self.device = next(model.parameters()).device
 

@@ -272,6 +272,22 @@ def test_layers_a_model_lacks_and_a_device_torch_lacks_are_refused_before_anythi
         assert not d.exists()
 
 
+def test_problems_longer_than_a_models_context_are_refused_before_anything_is_written(world, tmp_path):
+    # the build used to cut and read such prefixes past the model's positions without a word
+    short = tmp_path / "world"
+    shutil.copytree(world, short)
+    cfg = json.loads((short / "draft" / "config.json").read_text())
+    (short / "draft" / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 24}))
+    d = tmp_path / "data"
+    config = _config(short, judge={"model": str(world / "judge")})
+    with pytest.raises(ValueError, match=r"problem 0: its prompt and reference trace take \d+ tokens of the draft "
+                                         r"model's 24-position context .*fewer than max_step_tokens=6 for a step "
+                                         r"\(\d of 3 problems do\)"):
+        build(config, d)
+    assert not d.exists()
+    assert build(_config(world), d)["complete"]  # the same problems fit the models' own 256 positions
+
+
 def test_folder_without_a_shard_is_not_pinned_by_another_config(world, tmp_path):
     started = build(_config(world, sampling={"seed": 1}), tmp_path, max_shards=0)  # stopped before its first shard
     assert not started["complete"] and (tmp_path / "build.json").is_file()
@@ -554,7 +570,7 @@ def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, worl
 
     ctok = char_tokenizer()
     draft_dir = tmp_path / "char-draft"
-    tiny_llama(len(ctok), 24, 1, seed=1).save_pretrained(draft_dir)
+    tiny_llama(len(ctok), 24, 1, seed=1, context=512).save_pretrained(draft_dir)  # a character a token
     ctok.save_pretrained(draft_dir)
     d = tmp_path / "data"
     m = build(_config(world, draft=str(draft_dir), judge={"kind": "none"}, clustering={"method": "hdbscan"}), d)
