@@ -150,8 +150,13 @@ def read_records(path: str | Path, with_line: bool = False) -> Iterator[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"task file {path} does not exist")
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "JSONL is UTF-8: convert the file, e.g. with iconv -f latin1 -t utf-8") from None
             if not line.strip():
                 continue
             try:

@@ -29,11 +29,14 @@ class MultipleChoiceTask(Task):
         self._rx = re.compile(r"(?i:answer)(?:\s+(?i:is))?[\s:=(*\[]*([" + letters + r"])(?![A-Za-z])")
 
     def extract(self, text: str) -> str | None:
-        found = self._rx.findall(text or "")
-        if found:
-            return found[-1]
-        boxed = last_boxed(text)
-        return boxed.strip("() ") if boxed and boxed.strip("() ") in self.letters else None
+        """The letter of whichever comes last: an "answer" phrase or a box holding one letter."""
+        text = text or ""
+        found = list(self._rx.finditer(text))
+        boxed = (last_boxed(text) or "").strip("() ")
+        box_at = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+        if len(boxed) == 1 and boxed in self.letters and (not found or box_at > found[-1].start()):
+            return boxed
+        return found[-1].group(1) if found else None
 
     def equal(self, got: str, answer: Any) -> bool:
         return got.upper() == str(answer).strip().strip("()").upper()

@@ -103,6 +103,8 @@ def test_boxed_task_checks_and_never_raises():
     ("... so the Answer: (B)", "B"), ("Therefore the answer is C.", "C"), ("The correct answer is **D**.", "D"),
     ("answer: A", "A"), ("Answer: (A) ... on reflection the answer is (C)", "C"), ("\\boxed{B}", "B"),
     ("The answer is a fraction", None), ("I pick B", None), ("Answer: E", None), ("", None),
+    ("the answer is B ... checking again, \\boxed{C}", "C"), ("\\boxed{B}, so the answer is (D)", "D"),
+    ("\\boxed{AB}", None), ("\\boxed{ABCD}", None),  # a box of several letters is no one choice
 ])
 def test_multiple_choice_reads_the_last_stated_letter(text, letter):
     assert MultipleChoiceTask().extract(text) == letter
@@ -200,6 +202,14 @@ def test_problem_without_answer_is_refused_naming_file_and_line(tmp_path):
                                 "answer": "A"}) + "\n" + json.dumps({"problem": "No answer"}) + "\n")
     with pytest.raises(ValueError, match=r"mc\.jsonl:2: expected an object with a string 'problem' and an 'answer'"):
         MultipleChoiceTask(str(path)).problems()
+
+
+def test_a_file_in_another_encoding_is_refused_naming_its_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"  # it raised a UnicodeDecodeError that named neither the file nor the line
+    path.write_bytes(json.dumps({"problem": "1+1?", "answer": "2"}).encode() + b"\n"
+                     + '{"problem": "caf\u00e9 costs?", "answer": "3"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 \(byte 0xe9 at column 17\)"):
+        BoxedMathTask(str(path)).problems()
 
 
 # ------------------------------------------------------------------ a user's task by class_path
