@@ -45,10 +45,11 @@ class JudgeConfig:
     template: str | None = None
     """Judge prompt with ``{a}`` and ``{b}``; None = the world's ``JUDGE_TEMPLATE`` (llm) or a plain question (http)."""
     yes_answer: str = " yes"
-    """``llm`` judge: the answer meaning "same" (its first token's probability is read); chat models often say ``Yes``.
-    (Not a bare ``yes:`` key: YAML reads that as a boolean.)"""
+    """``llm`` judge: the answer meaning "same" (its first token's probability is read); the default is a space
+    then ``yes``, the word as it follows the prompt; chat models often say ``Yes``. (Not a bare ``yes:`` key:
+    YAML reads that as a boolean.)"""
     no_answer: str = " no"
-    """``llm`` judge: the answer meaning "different"."""
+    """``llm`` judge: the answer meaning "different"; the default is a space then ``no``."""
     url: str = ""
     """Base URL of the ``http`` judge, e.g. ``http://127.0.0.1:8000/v1``."""
     api: str = "chat"
