@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
@@ -190,6 +192,12 @@ def run_probe(probe, x: torch.Tensor) -> list[float]:
     """
     predict = getattr(probe, "predict", None)
     if predict is not None:
-        return predict(x).tolist()
-    device = next(probe.parameters(), torch.empty(0)).device
-    return probe(x.to(device)).float().cpu().tolist()
+        out = predict(x).tolist()
+    else:
+        device = next(probe.parameters(), torch.empty(0)).device
+        out = probe(x.to(device)).float().cpu().tolist()
+    if any(v != v for v in out):  # NaN: no threshold keeps it, so every such step would be refused without a word
+        role = getattr(getattr(probe, "config", None), "role", None) or "a"
+        warnings.warn(f"the {role} probe scored NaN: its input held NaN or inf (e.g. a float16 overflow in the "
+                      "model's hidden states); such a step is refused", RuntimeWarning, stacklevel=2)
+    return out

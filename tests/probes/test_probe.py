@@ -39,6 +39,19 @@ def test_paper_architecture_and_options():
     torch.testing.assert_close(mixed(torch.randn(5, 2, 8)).shape, torch.Size([5]))
 
 
+def test_a_nan_score_is_warned_about_once_naming_the_probe():
+    # a NaN input (a float16 overflow upstream) made every step's q NaN, and every step was refused without a word
+    probe = SemanticProbe(ProbeConfig(hidden_size=4, role="target", features=FeatureSpec(["hidden"], [-1]))).eval()
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_probe(probe, x)  # finite inputs: no warning
+    x[1, 2] = float("nan")
+    with pytest.warns(RuntimeWarning, match="the target probe scored NaN: its input held NaN or inf"):
+        scores = run_probe(probe, x)
+    assert scores[1] != scores[1] and scores[0] == scores[0]
+
+
 @pytest.mark.parametrize("combine, dims", [("concat", [32, 16]), ("concat", []), ("weighted_sum", [8])])
 def test_predict_equals_forward_in_eval_and_follows_weight_updates(combine, dims):
 
