@@ -96,9 +96,10 @@ def plot(report: dict, path: Path) -> Path:
     err = [[max(0.0, r["accuracy"] - r["accuracy_ci95"][0]) for r in sweep],  # Wilson's bounds can round past p
            [max(0.0, r["accuracy_ci95"][1] - r["accuracy"]) for r in sweep]]
     ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label="SemanticSpec (tau sweep)")
-    for r in sweep:
-        ax.annotate(f"{r['threshold']:g}", (r["speedup"], r["accuracy"]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=8)
+    middle = (min(xs + [1.0]) + max(xs + [1.0])) / 2  # a label right of the middle is written to its point's left
+    for (x, y), taus in _labels(sweep, near=0.02 * max(xs, default=1.0)).items():
+        ax.annotate(", ".join(taus), (x, y), textcoords="offset points", xytext=(-6 if x > middle else 4, 4),
+                    ha="right" if x > middle else "left", fontsize=8)
     for name, m in report["methods"].items():
         if name in ("target_only", "token_sd"):
             ax.errorbar([m["speedup"]], [m["accuracy"]], yerr=[[max(0.0, m["accuracy"] - m["accuracy_ci95"][0])],
@@ -116,3 +117,14 @@ def plot(report: dict, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _labels(sweep: list[dict], near: float) -> dict[tuple[float, float], list[str]]:
+    """The sweep's thresholds by the point they are written at: thresholds whose accuracy is the same and whose speedup
+    is within ``near`` of the first share one label (they decided alike; single labels overlapped)."""
+    out: dict[tuple[float, float], list[str]] = {}
+    for r in sweep:
+        at = next((k for k in out if k[1] == r["accuracy"] and abs(k[0] - r["speedup"]) <= near),
+                  (r["speedup"], r["accuracy"]))
+        out.setdefault(at, []).append(f"{r['threshold']:g}")
+    return out

@@ -307,3 +307,13 @@ def test_the_endpoint_uses_the_picked_threshold_unless_given_one(picked):
             assert app.state.scheduler.dec.policy.tau == want
         finally:
             app.state.scheduler.stop(0)
+
+
+def test_thresholds_that_decided_alike_share_one_label_on_the_plot():
+    # four thresholds at one point were written over each other, the last one off the figure's edge
+    from semanticspec.evaluation_report import _labels
+
+    sweep = [{"threshold": t, "speedup": s, "accuracy": a}
+             for t, s, a in ((0.3, 2.97, 0.925), (0.4, 2.99, 0.925), (0.5, 3.0, 0.925), (0.7, 2.9, 0.95))]
+    assert _labels(sweep, near=0.06) == {(2.97, 0.925): ["0.3", "0.4", "0.5"], (2.9, 0.95): ["0.7"]}
+    assert len(_labels(sweep, near=0.001)) == 4  # apart, each keeps its own
