@@ -90,8 +90,13 @@ def fail(prog: str, message: str) -> NoReturn:
     noise = ("Subtypes:", "Errors:", "Given value type:")
     text = " ".join(line for line in lines if not line.startswith(noise))
     refused = re.search(r"(invalid \w+: .*?)(?: - Expected a <class 'NoneType'>.*)?$", text)
+    generic = ("Does not validate", "Expected a", "Problem with given class_path", "Parser key")  # jsonargparse's
+    own = [line[2:] for line in lines if line.startswith("- ") and not line[2:].startswith(generic)
+           and not line.endswith(":")]  # a class's own refusal: one whole line among the unions' bullets
     if refused and "Union subtypes" in text:
         text = refused.group(1)
+    elif own and "Union subtypes" in text:  # the class's own refusal of its arguments, after what named it
+        text = text.split("Does not validate")[0] + own[0]
     print(f"{prog}: error: {text} (see `{prog} --help`)", file=sys.stderr)
     raise SystemExit(2)
 

@@ -227,11 +227,13 @@ class Records:
         if len(whole) < len(raw):
             with open(self.path, "r+b") as f:
                 f.truncate(len(whole))
-        rows = [json.loads(line) for line in whole.decode().splitlines() if line.strip()]
-        if not rows or "header" not in rows[0]:
-            self.path.write_text("")
+        rows = self._rows(whole)
+        if not rows:
             self._append({"header": self.header})
             return
+        if not isinstance(rows[0], dict) or "header" not in rows[0]:
+            raise ValueError(f"{self.path}:1 is not the records' header (the settings its decodes were made with); "
+                             "give another --out_dir, or delete the file to start over")
         had = rows[0]["header"]
         for key in sorted(set(had) | set(self.header)):
             if had.get(key) != self.header.get(key):
@@ -239,6 +241,19 @@ class Records:
                                  f"{self.header.get(key)!r}; give another --out_dir, or delete the file to start over")
         for row in rows[1:]:
             self.lines[key_of(row)] = row
+
+    def _rows(self, whole: bytes) -> list:
+        """The file's lines as JSON, a bad one named by file and line."""
+        rows = []
+        for n, line in enumerate(whole.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line.decode()))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{self.path}:{n}: not a JSON record ({e}); give another --out_dir, or delete the "
+                                 "file to start over") from None
+        return rows
 
     def _append(self, row: dict) -> None:
         with open(self.path, "a") as f:
@@ -528,12 +543,18 @@ class FitRun:
     """Export folders of the run, newest first."""
 
 
+FIT_SECTIONS = {"data", "model", "trainer"}
+"""A fit config holds at least one of these."""
+
+
 def read_fit(config: str) -> FitRun:
     """The label build and the run's exports of a fit config (a YAML, or a run folder holding ``config.yaml``).
 
     Raises:
         ValueError: no such file or folder, or a ``data.build`` section the build refuses.
     """
+    from argparse import ArgumentError
+
     import yaml
 
     from datamodules.labels.build import build_parser
@@ -545,11 +566,21 @@ def read_fit(config: str) -> FitRun:
     if not path.is_file():
         raise ValueError(f"--config {config}: expected a `python -m probes.fit` YAML or a run folder holding "
                          "config.yaml")
-    fit = yaml.safe_load(path.read_text()) or {}
+    try:
+        fit = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: not a readable YAML file ({str(e).splitlines()[0]})") from None
+    if not isinstance(fit, dict) or not set(fit) & FIT_SECTIONS or not isinstance(fit.get("data") or {}, dict):
+        raise ValueError(f"--config {path}: expected a `python -m probes.fit` config (a mapping with a data: section, "
+                         "or trainer: or model:), or a run folder holding its config.yaml")
     data = fit.get("data") or {}
     section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
     parser = build_parser()
-    build = parser.instantiate(parser.parse_args(["--config", yaml.safe_dump(section)])).build
+    parser.exit_on_error = False  # its errors are this command's, naming the config
+    try:
+        build = parser.instantiate(parser.parse_args(["--config", yaml.safe_dump(section)])).build
+    except (ArgumentError, ValueError, TypeError) as e:
+        raise ValueError(f"--config {path}: its data.build section is refused: {e}") from None
     return FitRun(build, Path(section["data_dir"]), [run / "export"] if run is not None else run_exports(fit))
 
 
@@ -602,7 +633,7 @@ def held_out(opts: EvaluateOptions, fit: FitRun) -> tuple[Any, list[dict], int]:
     if len(problems) < opts.n_problems:
         raise ValueError(f"--n_problems={opts.n_problems}: the task holds {len(problems)} problems after the "
                          f"{skip} skipped (--skip)")
-    no_answer = [k for k, p in enumerate(problems) if p.get("answer") in (None, "")]
+    no_answer = [k for k, p in enumerate(problems) if p.get("answer") is None or not str(p["answer"]).strip()]
     if no_answer:
         first = problems[no_answer[0]]["problem"][:60]
         raise ValueError(f"task {task.spec()['class_path']}: problem {no_answer[0]} ({first!r}) has no answer to "
@@ -743,27 +774,41 @@ def parser():
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse the options, refuse bad input before any decoding (one line, exit 2), evaluate, write the JSON, the
-    markdown table, the plot and the pick; returns the report."""
+    markdown table, the plot and the pick; returns the report. Ctrl-C stops it with exit status 130, naming what was
+    kept and the command that resumes."""
     from generation.cli import normalise_args
+
+    given = normalise_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return _evaluate(given)
+    except KeyboardInterrupt:  # while the models load, or while the report is written
+        print(f"{PROG}: interrupted; resume with: {PROG} {' '.join(given)}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _evaluate(given: list[str]) -> dict:
+    from generation.engines.base import EngineError
     from generation.threads import apply_threads, set_wait_policy
 
     set_wait_policy()
-    given = normalise_args(list(sys.argv[1:] if argv is None else argv))
     p = parser()
     ns = p.parse_args(given)
-    task = p.instantiate(ns).task if ns.task is not None else None
+    try:
+        task = p.instantiate(ns).task if ns.task is not None else None
+    except (ValueError, TypeError) as e:
+        fail(PROG, f"--task: {e}")
     opts = EvaluateOptions(**{**{k: v for k, v in vars(ns).items() if k in EvaluateOptions.__dataclass_fields__},
                               "task": task})
     if errors := option_errors(opts):
         fail(PROG, "; ".join(errors))
-    from generation.engines.base import EngineError
-
     try:
         fit = read_fit(opts.config)
         probes = probe_dir(opts, fit)
+        out_dir = Path(opts.out_dir) if opts.out_dir else probes / "evaluation"
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"--out_dir {out_dir}: is a file; expected a folder (made if missing)")
         task, problems, skip = held_out(opts, fit)
         apply_threads(opts.threads, log=None)
-        out_dir = Path(opts.out_dir) if opts.out_dir else probes / "evaluation"
         setup = make_setup(opts, fit, probes, task, problems, skip, recorded_tau(out_dir))
         evaluation = Evaluation(setup, out_dir, opts.thresholds, opts.max_accuracy_drop, progress=opts.progress)
     except (ValueError, OSError, EngineError) as e:
@@ -774,26 +819,46 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{PROG}: interrupted; {len(evaluation.records.lines)} decodes kept in {evaluation.records.path}. "
               f"Resume with: {PROG} {' '.join(given)}", file=sys.stderr)
         raise SystemExit(130) from None
+    from semanticspec.setup import THRESHOLD_FILE
+
     report["probes"] = str(probes)
-    command = " ".join([PROG, *given])
-    written = write_threshold(probes, report, command) if opts.write_threshold and report["n_evaluated"] else None
-    report["threshold_file"] = str(written) if written is not None else None
-    save(report, out_dir)
+    picked = opts.write_threshold and report["n_evaluated"] and report["pick"]["tau"] is not None
+    report["threshold_file"] = str(probes / THRESHOLD_FILE) if picked else None
+    save(report, out_dir)  # the report first: an interrupted write leaves the old threshold beside a stale report
+    if picked:
+        write_threshold(probes, report, " ".join([PROG, *given]))
+    if not report["n_evaluated"]:
+        first = report["failed"][0] if report["failed"] else {"problem": 0, "method": "?", "reason": "not decoded"}
+        print(f"{PROG}: no problem was evaluated: every one has a failed decode (first: problem {first['problem']}, "
+              f"{first['method']}: {first['reason']}); see {evaluation.records.path}", file=sys.stderr)
+        raise SystemExit(1)
     return report
 
 
 def save(report: dict, out_dir: Path) -> None:
-    """``evaluation.json``, ``evaluation.md`` and ``evaluation.png`` in ``out_dir``; the table is printed."""
+    """``evaluation.png``, ``evaluation.md`` and, last, ``evaluation.json`` in ``out_dir`` (a figure no problem
+    measured is null there, not NaN, so strict JSON readers read it); the table is printed."""
     from semanticspec.evaluation_report import markdown, plot
 
     table = markdown(report)
-    (out_dir / "evaluation.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "evaluation.md").write_text(table + "\n")
     plot(report, out_dir / "evaluation.png")
+    (out_dir / "evaluation.md").write_text(table + "\n")
+    (out_dir / "evaluation.json").write_text(json.dumps(_finite(report), indent=2, allow_nan=False) + "\n")
     print(table)
     where = report.get("threshold_file")
     print(f"wrote {out_dir / 'evaluation.json'}, .md, .png"
           + (f"; threshold {report['pick']['tau']} in {where}" if where else ""))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (a figure of no problems) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def recorded_tau(out_dir: Path) -> float | None:

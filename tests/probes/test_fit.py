@@ -59,6 +59,9 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--trainer.max_epochs", "x"], 'Parser key "trainer.max_epochs"', "Traceback"),
     (["--trainer.precision", "bogus"], 'Parser key "trainer.precision"', "Subtypes"),  # the real parser's type error
     (["--trainer.devices", "0"], "--trainer: `Trainer(devices='0')` value is not a valid input", "Traceback"),
+    # a task refusing its own arguments: its message was buried in the unions' and the namespaces' text
+    (["--data.build.task", "datamodules.tasks.choice.MultipleChoiceTask", "--data.build.task.letters", "abc"],
+     "error: letters='abc': expected upper-case letters", "Namespace"),
 ])
 def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named, not_named):
     line = _one_line_error(capsys, args + ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])

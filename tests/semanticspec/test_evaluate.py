@@ -103,6 +103,69 @@ def test_an_unreachable_server_is_refused(capsys, monkeypatch):
     assert "127.0.0.1:9" in err
 
 
+@pytest.mark.parametrize("text, says", [
+    ("a: [", "not a readable YAML file"), ("- 1\n", "expected a `python -m probes.fit` config"),
+    ("foo: 1\n", "expected a `python -m probes.fit` config"), ("data: 5\n", "expected a `python -m probes.fit` config"),
+    ("data:\n  build:\n    n_problems: abc\n", "its data.build section is refused"),
+])
+def test_a_config_that_is_no_fit_config_is_refused_naming_it(capsys, monkeypatch, tmp_path, text, says):
+    # each was a traceback (exit 1), ran on defaults, or blamed `python -m datamodules.labels.build`
+    no_decoding(monkeypatch)
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    err = refused(capsys, ["--config", str(path), "--probes", str(SHIPPED)])
+    assert f"--config {path}: {says}" in err and "labels.build" not in err
+
+
+def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_refused(capsys, monkeypatch, tmp_path):
+    no_decoding(monkeypatch)
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task",
+                           "datamodules.tasks.choice.MultipleChoiceTask", "--task.letters", "abc"])
+    assert "--task: letters='abc': expected upper-case letters" in err  # it was a 48-line double traceback
+    (tmp_path / "afile").write_text("")
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--out_dir", str(tmp_path / "afile")])
+    assert f"--out_dir {tmp_path / 'afile'}: is a file" in err
+
+
+def test_records_with_a_damaged_header_or_line_are_refused_not_erased(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps({"note": "header lost"}) + "\n" + json.dumps({"problem": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"records\.jsonl:1 is not the records' header"):
+        E.Records(path, {"seed": 1})
+    assert len(path.read_text().splitlines()) == 2  # it was erased, and every decode redone
+    path.write_text(json.dumps({"header": {"seed": 1}}) + "\n{bad\n" + json.dumps({"problem": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"records\.jsonl:2: not a JSON record"):
+        E.Records(path, {"seed": 1})
+
+
+def test_an_evaluation_that_evaluated_nothing_fails_and_writes_strict_json(capsys, monkeypatch, tmp_path):
+    # every decode failing (a device that cannot run, prompts past the context) ended with exit 0 and a NaN pick
+    def fails(*a, **k):
+        raise RuntimeError("the model cannot run here")
+
+    monkeypatch.setattr(E, "decode_one", fails)
+    probes = copy_probes(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        E.main([*ARGS, "--probes", str(probes), "--out_dir", str(tmp_path / "out")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "no problem was evaluated" in err and "RuntimeError: the model cannot run here" in err
+    text = (tmp_path / "out" / "evaluation.json").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in evaluation.json"))
+    assert not (probes / "threshold.json").exists()
+
+
+def test_ctrl_c_before_decoding_exits_130_naming_the_resume_command(capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(E, "make_setup", interrupted)  # while the models load: it was a traceback
+    with pytest.raises(SystemExit) as e:
+        E.main(["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "2"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip().startswith(f"{E.PROG}: interrupted; resume with: {E.PROG} --config")
+
+
 # --------------------------------------------------------------------------- an evaluation of the shipped world
 
 ARGS = ["--config", CONFIG, "--n_problems", "2", "--thresholds", "[0.05, 0.5, 0.95]", "--token_sd", "false",
