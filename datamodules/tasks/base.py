@@ -61,6 +61,8 @@ class Task:
             ValueError: a malformed line (named ``file:line``), an empty file, or a bad ``n``.
             FileNotFoundError: ``path`` does not exist.
         """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n={n!r}: expected a number of problems >= 0 (0: every problem of the file)")
         if self.path is None:
             errors = self.errors(n)
             if errors:
@@ -149,11 +151,11 @@ def read_records(path: str | Path, with_line: bool = False) -> Iterator[dict]:
     (``with_line``: each with the ``line`` it came from)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"task file {path} does not exist")
+        raise FileNotFoundError(f"task file {path} {'is a folder' if path.is_dir() else 'does not exist'}")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is read past
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
                                  "JSONL is UTF-8: convert the file, e.g. with iconv -f latin1 -t utf-8") from None
@@ -165,4 +167,14 @@ def read_records(path: str | Path, with_line: bool = False) -> Iterator[dict]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str) or "answer" not in rec:
                 raise ValueError(f"{path}:{lineno}: expected an object with a string 'problem' and an 'answer'")
+            if (answer := rec["answer"]) is not None and not _is_answer(answer):
+                raise ValueError(f"{path}:{lineno}: 'answer' is {answer!r}: expected a string or a finite number "
+                                 "(null or \"\" where the problem has no answer to check)")
             yield {**rec, "line": lineno} if with_line else rec
+
+
+def _is_answer(answer: Any) -> bool:
+    """An answer a task can check: a string (blank: no answer), or a finite number."""
+    if isinstance(answer, str):
+        return True
+    return isinstance(answer, (int, float)) and not isinstance(answer, bool) and abs(answer) < float("inf")

@@ -8,6 +8,8 @@ from typing import Any
 from datamodules.tasks.base import Task
 from datamodules.tasks.math import last_boxed
 
+_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
+
 
 class MultipleChoiceTask(Task):
     """Multiple-choice problems (GPQA style) from a JSONL file; answers are letters.
@@ -26,13 +28,14 @@ class MultipleChoiceTask(Task):
         self.letters = letters
         # one run of separators after "answer" (or "answer is"): side-by-side optional runs of spaces backtracked
         # in cubic time on a long run of whitespace
-        self._rx = re.compile(r"(?i:answer)(?:\s+(?i:is))?[\s:=(*\[]*([" + letters + r"])(?![A-Za-z])")
+        self._rx = re.compile(r"(?i:answers?)(?:\s+(?i:is))?(?:\s+(?i:option|choice))?[\s:=(*\[-]*([" + letters
+                              + r"])(?![A-Za-z])")
 
     def extract(self, text: str) -> str | None:
         """The letter of whichever comes last: an "answer" phrase or a box holding one letter."""
         text = text or ""
         found = list(self._rx.finditer(text))
-        boxed = (last_boxed(text) or "").strip("() ")
+        boxed = _TEXT.sub(r"\1", last_boxed(text) or "").strip("() .")  # \boxed{\text{(D)}} and \boxed{D.} say D
         box_at = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
         if len(boxed) == 1 and boxed in self.letters and (not found or box_at > found[-1].start()):
             return boxed

@@ -123,6 +123,9 @@ def test_boxed_task_checks_and_never_raises():
     ("The answer is a fraction", None), ("I pick B", None), ("Answer: E", None), ("", None),
     ("the answer is B ... checking again, \\boxed{C}", "C"), ("\\boxed{B}, so the answer is (D)", "D"),
     ("\\boxed{AB}", None), ("\\boxed{ABCD}", None),  # a box of several letters is no one choice
+    ("\\boxed{\\text{D}}", "D"), ("\\boxed{\\textbf{(D)}}", "D"), ("\\boxed{D.}", "D"), ("Answers: B", "B"),
+    ("Answer - B", "B"), ("The answer is option B", "B"), ("the answer is choice (C)", "C"),
+    ("the answer is optional", None),
 ])
 def test_multiple_choice_reads_the_last_stated_letter(text, letter):
     assert MultipleChoiceTask().extract(text) == letter
@@ -228,6 +231,22 @@ def test_a_file_in_another_encoding_is_refused_naming_its_line(tmp_path):
                      + '{"problem": "caf\u00e9 costs?", "answer": "3"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 \(byte 0xe9 at column 17\)"):
         BoxedMathTask(str(path)).problems()
+
+
+def test_task_files_refuse_answers_no_task_can_check_and_read_past_a_byte_order_mark(tmp_path):
+    path = tmp_path / "t.jsonl"
+    for answer in ([], {"x": 1}, True, float("nan")):  # each was scored wrong for every method without a word
+        path.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n"
+                        + json.dumps({"problem": "2+2?", "answer": answer}) + "\n")
+        with pytest.raises(ValueError, match=r"t\.jsonl:2: 'answer' is .*: expected a string or a finite number"):
+            BoxedMathTask(str(path)).problems()
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"problem": "1+1?", "answer": "2"}).encode() + b"\n")
+    assert BoxedMathTask(str(path)).problems() == [{"problem": "1+1?", "answer": "2", "line": 1}]  # was refused
+    with pytest.raises(FileNotFoundError, match=f"task file {tmp_path} is a folder"):
+        BoxedMathTask(str(tmp_path)).problems()
+    for n in (-1, "2", 1.5):  # -1 dropped the last record
+        with pytest.raises(ValueError, match=r"n=.*: expected a number of problems >= 0"):
+            BoxedMathTask(str(path)).problems(n)
 
 
 # ------------------------------------------------------------------ a user's task by class_path
