@@ -48,6 +48,8 @@ MAX_CHARS = 400
 """Longer answers are only compared as text: Math-Verify's reading time grows fast with length."""
 MAX_DEPTH = 20
 """Answers nesting brackets deeper are only compared as text (its parser slows down sharply with depth)."""
+_GROUPS = re.compile(r"(\d)\\[,!;: ](?=\d{3}(?!\d))")
+"""A thin space between digit groups (``10\\,000``), which Math-Verify reads as two numbers."""
 _HUGE = re.compile(
     r"\^\s*\{[^{}]*\^"  # an exponent holding a power: 9^{9^{9}}, (10^{10})^{10^{10}}
     r"|\^\s*(?:\w|\{[^{}]*\})\s*\^"  # a chained power: 9^9^9, 10^{10}^{10}
@@ -67,7 +69,7 @@ def math_equal(got: str, answer: str) -> bool:
     :data:`MAX_CHARS`, nested deeper than :data:`MAX_DEPTH`) is compared as text, the same in every thread."""
     from math_verify import parse, verify
 
-    got, answer = str(got).strip(), str(answer).strip()
+    got, answer = (_GROUPS.sub(r"\1", str(x).strip()) for x in (got, answer))
     if _too_costly(got) or _too_costly(answer):
         return bool(got) and got == answer
     gold, pred = parse(f"${answer}$", parsing_timeout=None), parse(f"${got}$", parsing_timeout=None)

@@ -53,7 +53,7 @@ def test_last_boxed(text, content):
     ("2 \\cdot 3", "6"), ("\\text{12}", "12"), ("(1,2)", "(1, 2)"),
     # read as values since Math-Verify compares them (the hand-written normaliser missed each)
     (".5", "0.5"), ("\\sqrt3", "\\sqrt{3}"), ("\\$5", "5"), ("5 \\text{ cm}", "5"), ("0.1+0.2", "0.3"),
-    ("10^{100}", "10^{100}"),
+    ("10^{100}", "10^{100}"), ("10\\,000", "10000"), ("12\\,345\\,678", "12345678"),  # thin spaces between groups
 ])
 def test_math_equal_accepts_the_same_value_written_differently(got, answer):
     assert math_equal(got, answer) and math_equal(answer, got)
