@@ -6,7 +6,7 @@ take. Built-ins:
 - :class:`~arithmetic_world.task.ArithmeticTask`: the embedded world, which registers itself
   (:mod:`datamodules.tasks.worlds`);
 - :class:`~datamodules.tasks.math.BoxedMathTask`: a JSONL file whose answers are written ``\\boxed{...}`` and compared
-  as math (numbers, fractions, simple expressions, with sympy);
+  as math by Hugging Face's Math-Verify (numbers, fractions, expressions, intervals, sets);
 - :class:`~datamodules.tasks.choice.MultipleChoiceTask`: a JSONL file whose answers are letters (GPQA style).
 
 A user's own task subclasses :class:`Task` (overriding :meth:`~Task.extract` and
