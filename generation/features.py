@@ -116,8 +116,11 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=64)
+@torch.inference_mode(False)
 def _plan(groups: tuple[tuple[str, tuple[str, ...]], ...], device: torch.device) -> _Plan:
-    """The :class:`_Plan` of ``((group, names), ...)``.
+    """The :class:`_Plan` of ``((group, names), ...)``; cached, so made outside inference mode: a plan a decode made
+    first (in inference mode) would otherwise stop every later computation autograd records ("Inference tensors
+    cannot be saved for backward").
 
     Raises:
         ValueError: a name the group does not compute.

@@ -191,3 +191,18 @@ def test_rows_features_refuse_logits_or_states_that_do_not_cover_the_step():
         rows_features(FeatureSpec(["hidden"], [0]), tokens, [hidden[0][:1], hidden[1][:1, :1]])
     with pytest.raises(ValueError, match=r"step lengths \[3, 0\] must be >= 1"):
         rows_features(FeatureSpec(["token_stats"]), [tokens[0], []], logits=[logits[0], logits[1][:0]])
+
+
+def test_features_made_first_in_inference_mode_still_work_under_autograd():
+    # the statistics' plan is cached: made first by a decode (in inference mode), it stopped every later features
+    # computation autograd records with "Inference tensors cannot be saved for backward"
+    from generation.features import _plan
+
+    _plan.cache_clear()
+    spec = FeatureSpec(["token_stats"], token_stats=list(TOKEN_STATS))
+    logits = torch.randn(3, 11)
+    with torch.inference_mode():
+        rows_features(spec, [[1, 2, 3]], logits=[logits])
+    tracked = logits.clone().requires_grad_(True)  # as a model's output outside no_grad is
+    torch.testing.assert_close(rows_features(spec, [[1, 2, 3]], logits=[tracked])["token_stats"].detach(),
+                               rows_features(spec, [[1, 2, 3]], logits=[logits])["token_stats"])
