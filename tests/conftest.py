@@ -125,7 +125,7 @@ def char_tokenizer():
     chars = sorted(set(string.printable))
     vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<bos>", "<eos>"] + chars)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # line breaks too
     tk.decoder = decoders.Fuse()
     tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     return PreTrainedTokenizerFast(

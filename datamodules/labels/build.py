@@ -87,12 +87,12 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     sig = signature(config)
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
-    _check_traces(config, records)
+    _check_problems(config, records)
     _check_models(config, sig)
     from datamodules.labels.shard import load_tokenizers
 
     tokenizers = load_tokenizers(config)
-    _check_context(config, records, tokenizers)
+    _check_prompts(config, records, tokenizers)
     existing, pinned = check_recorded(data_dir, sig, log)
     finished = bool(existing and existing.get("complete"))
     damaged = damaged_shards(data_dir, existing) if finished else []
@@ -259,20 +259,44 @@ def _reader_record(run: _ShardRun, existing: dict | None) -> dict:
             "loaded": loaded}
 
 
-def _check_traces(config: BuildConfig, records: list[dict]) -> None:
-    """Reference prefixes need every problem's trace; name the file and lines that lack one."""
+def _check_problems(config: BuildConfig, records: list[dict]) -> None:
+    """Refuse a problem given twice (its prefixes would land in more than one split), and for reference prefixes a
+    problem without a trace, or traces none of which holds a step delimiter (each problem would give its prompt alone);
+    naming the file and lines."""
+    task = config.resolved_task()
+
+    def where(ks: list[int]) -> str:
+        lines = [records[k].get("line", k + 1) for k in ks]
+        out = f"{task.path}:{lines[0]}" if task.path else f"problem {lines[0]} of {task.spec()['class_path']}"
+        return out + (f" (and {len(ks) - 1} more {'lines' if task.path else 'problems'}: {lines[1:6]})"
+                      if len(ks) > 1 else "")
+
+    first: dict[str, int] = {}
+    twice: list[tuple[int, int]] = []  # (the first copy, a repeat)
+    for k, r in enumerate(records):
+        if r["problem"] in first:
+            twice.append((first[r["problem"]], k))
+        else:
+            first[r["problem"]] = k
+    if twice:
+        raise ValueError(f"{where([twice[0][1]])} repeats the problem of {where([twice[0][0]])} ({len(twice)} repeats):"
+                         " the datamodule splits by problem, so a repeat can train on what another copy tests; remove "
+                         "the repeats")
     if config.prefix_source != "reference":
         return
-    bad = [r.get("line", i + 1) for i, r in enumerate(records) if not isinstance(r.get("trace"),
-                                                                                 str) or not r["trace"].strip()]
+    bad = [k for k, r in enumerate(records) if not isinstance(r.get("trace"), str) or not r["trace"].strip()]
     if bad:
-        task = config.resolved_task()
-        where = f"{task.path}:{bad[0]}" if task.path else f"problem {bad[0]} of {task.spec()['class_path']}"
-        if len(bad) > 1:
-            where += f" (and {len(bad) - 1} more {'lines' if task.path else 'problems'}: {bad[1:6]})"
-        raise ValueError(f"{where} has no 'trace'; prefix_source='reference' cuts prefixes from each problem's trace "
-                         "(a non-empty string): add the traces, or let the target write them with "
+        raise ValueError(f"{where(bad)} has no 'trace'; prefix_source='reference' cuts prefixes from each problem's "
+                         "trace (a non-empty string): add the traces, or let the target write them with "
                          "--build.prefix_source target")
+    from generation.steps import split_steps
+
+    delims = config.steps.delimiters
+    if records and all(len(split_steps(r["trace"], delims)) < 2 for r in records):
+        crlf = " (their line breaks are \\r\\n)" if any("\r\n" in r["trace"] for r in records) else ""
+        raise ValueError(f"{where(list(range(len(records))))}: no trace holds a step delimiter of "
+                         f"build.steps.delimiters={list(delims)!r}{crlf}, so each problem would give its prompt "
+                         "alone: write the steps apart as the delimiters say, or give the traces' own delimiters")
 
 
 def _check_models(config: BuildConfig, sig: dict) -> None:
@@ -288,30 +312,39 @@ def _check_models(config: BuildConfig, sig: dict) -> None:
             raise ValueError(f"build.{problems[0]} (the {role} model, {config.model_path(role)})")
 
 
-def _check_context(config: BuildConfig, records: list[dict], tokenizers: tuple) -> None:
-    """Refuse the problems whose prompt (and, for reference prefixes, trace up to its last step) leaves a model fewer
-    than ``max_step_tokens`` positions of its context for a step: naming the first, the model and the counts."""
+def _check_prompts(config: BuildConfig, records: list[dict], tokenizers: tuple) -> None:
+    """Refuse the problems a model cannot read: whose prompt (and, for reference prefixes, trace up to its last step)
+    holds text its tokenizer has no token for (it reads ``<unk>``), or leaves fewer than ``max_step_tokens`` positions
+    of its context for a step; naming the first, the model and the counts."""
     from transformers import AutoConfig
 
     from generation.cache import context_length
     from generation.steps import split_steps
 
     task, room = config.resolved_task(), config.steps.max_step_tokens
+    reference = config.prefix_source == "reference"
+    what = "prompt and reference trace" if reference else "prompt"
+    texts = ["".join(split_steps(r["trace"], config.steps.delimiters)[:-1]) if reference else "" for r in records]
     for role, tok in zip(("target", "draft"), (tokenizers[0], tokenizers[1] or tokenizers[0])):
+        ids = [prefix_ids(task, tok, r["problem"], text) for r, text in zip(records, texts)]
+        where = f"{role} model's tokenizer ({config.model_path(role)})"
+        unknown = [k for k, row in enumerate(ids) if tok.unk_token_id is not None and tok.unk_token_id in row]
+        if unknown:
+            raise ValueError(f"{_where(records, unknown[0])}: its {what} hold text the {where} has no token for (it "
+                             f"reads {tok.unk_token!r}; {len(unknown)} of {len(records)} problems do): rewrite them "
+                             "in the models' vocabulary, or use models that can read them")
         context = context_length(AutoConfig.from_pretrained(config.model_path(role), local_files_only=True))
-        if context is None:
-            continue
-        sizes = [len(prefix_ids(task, tok, r["problem"], "".join(split_steps(r["trace"], config.steps.delimiters)[:-1])
-                                if config.prefix_source == "reference" else "")) for r in records]
-        over = [k for k, n in enumerate(sizes) if n + room > context]
+        over = [k for k, row in enumerate(ids) if context is not None and len(row) + room > context]
         if over:
-            k = over[0]
-            where = f"line {records[k]['line']}" if "line" in records[k] else f"problem {k}"
-            what = "prompt and reference trace" if config.prefix_source == "reference" else "prompt"
-            raise ValueError(f"{where}: its {what} take {sizes[k]} tokens of the {role} model's {context}-position "
-                             f"context ({config.model_path(role)}), leaving fewer than max_step_tokens={room} for a "
-                             f"step ({len(over)} of {len(records)} problems do): drop or shorten them, or use models "
-                             "with a longer context")
+            raise ValueError(f"{_where(records, over[0])}: its {what} take {len(ids[over[0]])} tokens of the {role} "
+                             f"model's {context}-position context ({config.model_path(role)}), leaving fewer than "
+                             f"max_step_tokens={room} for a step ({len(over)} of {len(records)} problems do): drop or "
+                             "shorten them, or use models with a longer context")
+
+
+def _where(records: list[dict], k: int) -> str:
+    """Record ``k`` as a message names it: its file line, else its index."""
+    return f"line {records[k]['line']}" if "line" in records[k] else f"problem {k}"
 
 
 def _server_samplers(config: BuildConfig, rank: int, tokenizers: tuple) -> dict:

@@ -167,6 +167,8 @@ def read_records(path: str | Path, with_line: bool = False) -> Iterator[dict]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("problem"), str) or "answer" not in rec:
                 raise ValueError(f"{path}:{lineno}: expected an object with a string 'problem' and an 'answer'")
+            if not rec["problem"].strip():
+                raise ValueError(f"{path}:{lineno}: 'problem' is blank: expected the problem's text")
             if (answer := rec["answer"]) is not None and not _is_answer(answer):
                 raise ValueError(f"{path}:{lineno}: 'answer' is {answer!r}: expected a string or a finite number "
                                  "(null or \"\" where the problem has no answer to check)")

@@ -288,6 +288,27 @@ def test_problems_longer_than_a_models_context_are_refused_before_anything_is_wr
     assert build(_config(world), d)["complete"]  # the same problems fit the models' own 256 positions
 
 
+def test_repeated_problems_traces_without_steps_and_unreadable_text_are_refused_before_writing(world, tmp_path):
+    # each built without a word: repeats that leak across the splits, one prompt-only prefix a problem with every
+    # label 1.0, and text the tokenizer read as <unk>
+    d, path = tmp_path / "data", tmp_path / "math.jsonl"
+
+    def refused(records, match, **kw):
+        path.write_text("".join(json.dumps({"answer": "1", **r}) + "\n" for r in records))
+        with pytest.raises(ValueError, match=match):
+            build(_config(world, task=BoxedMathTask(str(path)), **kw), d)
+        assert not d.exists()
+
+    step = {"problem": "Start with 2.", "trace": "2 + 1 = 3.\n\nAnswer: 3"}
+    refused([step, {"problem": "Start with 4.", "trace": "4 + 1 = 5.\n\nAnswer: 5"}, step],
+            r"math\.jsonl:3 repeats the problem of .*math\.jsonl:1 \(1 repeats\)")
+    refused([{"problem": "Start with 2.", "trace": "2 + 1 = 3.\r\n\r\nAnswer: 3"}],
+            r"no trace holds a step delimiter of build\.steps\.delimiters=.* \(their line breaks are \\r\\n\)")
+    refused([{"problem": "Start with \u00e9t\u00e9.", "trace": "2 + 1 = 3.\n\nAnswer: 3"}],
+            r"line 1: its prompt and reference trace hold text the target model's tokenizer .* has no token for "
+            r"\(it reads '<unk>'; 1 of 1 problems do\)")
+
+
 def test_folder_without_a_shard_is_not_pinned_by_another_config(world, tmp_path):
     started = build(_config(world, sampling={"seed": 1}), tmp_path, max_shards=0)  # stopped before its first shard
     assert not started["complete"] and (tmp_path / "build.json").is_file()

@@ -244,6 +244,10 @@ def test_task_files_refuse_answers_no_task_can_check_and_read_past_a_byte_order_
     assert BoxedMathTask(str(path)).problems() == [{"problem": "1+1?", "answer": "2", "line": 1}]  # was refused
     with pytest.raises(FileNotFoundError, match=f"task file {tmp_path} is a folder"):
         BoxedMathTask(str(tmp_path)).problems()
+    path.write_text(json.dumps({"problem": "  ", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: 'problem' is blank"):
+        BoxedMathTask(str(path)).problems()
+    path.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     for n in (-1, "2", 1.5):  # -1 dropped the last record
         with pytest.raises(ValueError, match=r"n=.*: expected a number of problems >= 0"):
             BoxedMathTask(str(path)).problems(n)

@@ -81,7 +81,7 @@ def test_always_accept_with_bonus_and_target_equal_to_draft_is_both(tiny_pair):
 def test_batched_rows_decide_independently_and_match_one_by_one(pair):
     target, draft, kw = pair
     def sometimes(x):  # splits every pair's steps both ways (asserted below)
-        return (x.flatten(1)[:, 9] > 0).float()
+        return (x.flatten(1)[:, 5] > 0).float()
     dec = stub_decoder(target, draft, q=sometimes, rule="threshold", tau=0.5, **kw)
     batched = dec.generate(PROMPTS, method="semanticspec", **GREEDY)
     single = dec.generate(PROMPTS, method="semanticspec", batch_size=1, **GREEDY)
