@@ -25,7 +25,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from arithmetic_world import models, task
 from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
 from arithmetic_world.train import SPECS
-from generation.cli import one_line_parser
+from generation.cli import fail, one_line_parser
 
 RESULTS = models.REPO_ROOT / "benchmarks" / "results" / "world.json"
 COPIED_FILES = ("config.json", "generation_config.json", "model.safetensors", "training.json")
@@ -169,13 +169,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--publish", type=Path, default=None, help="first copy finished models from this training folder")
     ap.add_argument("--roles", nargs="+", default=list(models.ROLES), choices=models.ROLES,
                     help="the models whose cards are written")
-    ap.add_argument("--results", type=Path, default=RESULTS, help="benchmarks/world.py output to report")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="benchmarks/world.py output to report (default benchmarks/results/world.json, where measured)")
     args = ap.parse_args(argv)
-    results = json.loads(args.results.read_text()) if args.results.is_file() else None
-    for role in args.roles:
-        if args.publish is not None:
-            print(f"published {publish(role, args.publish, args.root)}")
-        print(f"wrote {write_card(role, args.root, results)}")
+    prog = "python -m arithmetic_world.card"
+    path = args.results or RESULTS
+    if args.results is not None and not path.is_file():
+        fail(prog, f"--results {path}: no such file; measure with `python -m benchmarks.world`")
+    try:
+        results = json.loads(path.read_text()) if path.is_file() else None
+        for role in args.roles:
+            if args.publish is not None:
+                print(f"published {publish(role, args.publish, args.root)}")
+            print(f"wrote {write_card(role, args.root, results)}")
+    except json.JSONDecodeError as e:
+        fail(prog, f"--results {path}: not valid JSON ({e})")
+    except (OSError, ValueError, KeyError) as e:  # a missing model folder or training.json, an unfinished training
+        fail(prog, str(e))
 
 
 if __name__ == "__main__":

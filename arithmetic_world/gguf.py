@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 from arithmetic_world import models
-from generation.cli import one_line_parser
+from generation.cli import fail, one_line_parser
 from generation.paths import atomic_path
 
 CACHE_FOLDER = "gguf"
@@ -229,8 +229,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)")
     ap.add_argument("--cache_dir", type=Path, default=None, help="where the GGUF files go (default <world root>/gguf)")
     args = ap.parse_args(argv)
-    for role in args.roles:
-        print(world_gguf(role, args.cache_dir, args.root))
+    try:
+        for role in args.roles:
+            print(world_gguf(role, args.cache_dir, args.root))
+    except (OSError, ValueError) as e:  # a missing or incomplete world folder, an unwritable cache
+        fail("python -m arithmetic_world.gguf", str(e))
 
 
 if __name__ == "__main__":

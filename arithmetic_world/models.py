@@ -40,7 +40,8 @@ def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
     path = world_root(root) / role
     if not path.is_dir():
         raise FileNotFoundError(f"world model folder {path} does not exist; train it with `python -m "
-                                f"arithmetic_world.train`")
+                                f"arithmetic_world.train --which {role} --out DIR`, then `python -m "
+                                "arithmetic_world.card --publish DIR`")
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"world model folder {path} is incomplete: missing {', '.join(missing)}")

@@ -1,7 +1,8 @@
 """Train the embedded world's target, draft and judge (small Llama models) on CPU.
 
-    python -m arithmetic_world.train --which target --out checkpoints/arithmetic
-    python -m arithmetic_world.train --which draft judge   # judge starts from OUT/target
+    python -m arithmetic_world.train --which target --out /tmp/world
+    python -m arithmetic_world.train --which draft judge --out /tmp/world   # judge starts from OUT/target
+    python -m arithmetic_world.card --publish /tmp/world                      # into checkpoints/arithmetic
 
 Each model is a standard ``LlamaForCausalLM`` saved with ``save_pretrained`` (safetensors) next
 to the shared word-level tokenizer and a model card. The target and draft learn from corpora with
@@ -26,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from arithmetic_world import task
 from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
-from generation.cli import one_line_parser
+from generation.cli import fail, one_line_parser
 from generation.specs import SamplingSpec
 from generation.writer import generate
 from generation.padding import left_pad
@@ -287,8 +288,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap = one_line_parser("python -m arithmetic_world.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--which", nargs="+", default=["draft", "target", "judge"], choices=sorted(SPECS),
                     help="models to train, in order; the judge starts from OUT/target when it exists")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "checkpoints" / "arithmetic",
-                    help="the world folder: each model is saved to OUT/<role>")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="the training folder: each model is saved to OUT/<role> (publish finished models into the "
+                         "world with `python -m arithmetic_world.card --publish OUT`)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the corpus and the initial weights")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--max-minutes", type=float, default=None, help="override every model's time budget")
@@ -298,6 +300,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
     ap.add_argument("--layers", type=int, default=None, help="override the number of transformer layers")
     args = ap.parse_args(argv)
+    if problems := _option_problems(args):
+        fail("python -m arithmetic_world.train", "; ".join(problems))
     for w in args.which:
         for key in ("max_minutes", "steps", "lr", "layers"):
             if getattr(args, key) is not None:
@@ -306,6 +310,19 @@ def main(argv: Optional[list[str]] = None) -> None:
         if w == "judge" and init is None and (args.out / "target" / "model.safetensors").is_file():
             init = args.out / "target"  # a judge that already reads every template learns in minutes
         train(w, args.out, seed=args.seed, threads=args.threads, init_from=init)
+
+
+def _option_problems(args) -> list[str]:
+    """What is wrong with the options, each naming the value (checked before anything is trained or written)."""
+    out = [f"--{k} {getattr(args, k)}: expected an integer >= 1" for k in ("threads", "steps", "layers")
+           if getattr(args, k) is not None and getattr(args, k) < 1]
+    out += [f"--{k.replace('_', '-')} {getattr(args, k)}: expected a number > 0" for k in ("lr", "max_minutes")
+            if getattr(args, k) is not None and not 0 < getattr(args, k) < math.inf]
+    if args.init_from is not None and not (args.init_from / "config.json").is_file():
+        out.append(f"--init-from {args.init_from}: expected a saved model's folder (with config.json)")
+    if args.out.exists() and not args.out.is_dir():
+        out.append(f"--out {args.out}: is a file; expected a folder")
+    return out
 
 
 if __name__ == "__main__":

@@ -380,3 +380,32 @@ def test_model_card_reports_training_facts_and_measured_numbers(tmp_path, world_
     assert [(e.metric_type, e.metric_value) for e in front.eval_results] == [("accuracy", 0.4321)]
     assert "Not measured yet" in card.card_text("draft", folder, None)
     assert ModelCard(card.card_text("draft", folder, None)).data.eval_results is None
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--which", "draft"], "the following arguments are required: out"),  # it trained over checkpoints/arithmetic
+    (["--steps", "0"], "--steps 0: expected an integer >= 1"), (["--threads", "0"], "--threads 0: expected an integer"),
+    (["--lr", "-1"], "--lr -1.0: expected a number > 0"), (["--init-from", "/nonexistent"], "--init-from /nonexistent"),
+])
+def test_train_refuses_bad_options_in_one_line_before_writing(capsys, tmp_path, args, says):
+    from arithmetic_world.train import main
+
+    out = [] if "--which" in args else ["--which", "draft", "--out", str(tmp_path / "w")]
+    with pytest.raises(SystemExit) as e:
+        main(args + out)  # each was a traceback, --steps -1 after writing a random model
+    assert e.value.code == 2 and says in capsys.readouterr().err and not (tmp_path / "w").exists()
+
+
+def test_card_and_gguf_refuse_a_missing_world_or_results_in_one_line(capsys, tmp_path):
+    from arithmetic_world import gguf
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{bad")
+    for main, args, says in ((card.main, ["--root", str(tmp_path / "none")], "world model folder"),
+                             (card.main, ["--results", str(bad)], "not valid JSON"),
+                             (card.main, ["--results", str(tmp_path / "missing.json")], "no such file"),
+                             (gguf.main, ["--root", str(tmp_path / "none"), "--cache_dir", str(tmp_path / "g")],
+                              "world model folder")):
+        with pytest.raises(SystemExit) as e:
+            main(args)  # tracebacks, and a --results that is not there was silently left out
+        assert e.value.code == 2 and says in capsys.readouterr().err
