@@ -102,7 +102,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
     live = _spec_summary(trainer)  # before test() replaces the callback metrics
     test_metrics: dict[str, float] = {}
-    if cli.config.get("test", True):
+    if cli.config.get("test", True) and getattr(data, "test_fraction", 1) > 0:  # 0: no test split to run on
         results = trainer.test(module, datamodule=data, ckpt_path="best" if best else None, verbose=False)
         test_metrics = {k: float(v) for r in results for k, v in r.items()}
     paths: dict[str, Path] = {}
@@ -113,9 +113,11 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         print("\nbest checkpoint:", best or "(none)")
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")
-        print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy",
-                                     "accuracy_delta",
-                                     "step_acceptance"]))
+        if summary:
+            print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy",
+                                         "accuracy_delta", "step_acceptance"]))
+        else:
+            print("no test metrics: the run had no test split (data.test_fraction=0) or --test false")
     return {"export": paths, "test": test_metrics, "best_ckpt": best}
 
 

@@ -25,6 +25,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
 from torchmetrics.wrappers import BinaryTargetTransformer
 from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef, R2Score
+from torchmetrics.utilities import dim_zero_cat
 
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from probes.config import ProbeConfig, nest_features
@@ -63,17 +64,37 @@ def _filled_from_the_data(probe: ProbeConfig | dict) -> list[str]:
             for k, where in FROM_THE_DATA.items() if getattr(given, k) != getattr(default, k)]
 
 
+class DefinedAUROC(BinaryAUROC):
+    """:class:`~torchmetrics.classification.BinaryAUROC`, NaN where the targets hold one class: AUROC is undefined
+    there, and torchmetrics warns and gives 0, which a results table shows as a measured 0."""
+
+    def compute(self) -> torch.Tensor:
+        target = dim_zero_cat(self.target)
+        if target.numel() == 0 or bool(target.min() == target.max()):
+            return torch.tensor(float("nan"))
+        return super().compute()
+
+
+class DefinedR2(R2Score):
+    """:class:`~torchmetrics.regression.R2Score`, NaN where the targets do not vary (R² is undefined there)."""
+
+    def compute(self) -> torch.Tensor:
+        if bool(self.total * self.sum_squared_error - self.sum_error**2 <= 0):  # n·Σy² − (Σy)²: n² times the variance
+            return torch.tensor(float("nan"))
+        return super().compute()
+
+
 def regression_metrics() -> MetricCollection:
     """MSE, MAE, R², Pearson on the probability; AUROC and calibration error at label >= 0.5."""
     return MetricCollection(
         {
             "mse": MeanSquaredError(),
             "mae": MeanAbsoluteError(),
-            "r2": R2Score(),
+            "r2": DefinedR2(),
             "pearson": PearsonCorrCoef(),
             # label >= 0.5 is the positive class ("the model would likely write this meaning");
             # the wrapper tests label > threshold, so the threshold sits just below 0.5.
-            "auroc": BinaryTargetTransformer(BinaryAUROC(), threshold=POSITIVE_AT - 1e-6),
+            "auroc": BinaryTargetTransformer(DefinedAUROC(), threshold=POSITIVE_AT - 1e-6),
             "ece": BinaryTargetTransformer(BinaryCalibrationError(n_bins=10), threshold=POSITIVE_AT - 1e-6),
         },
         compute_groups=False,

@@ -627,3 +627,11 @@ def test_a_probe_field_the_data_fills_is_refused_not_ignored(tmp_path, capsys):
     line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.role", "draft"])
     assert "model.probe.role='draft': filled per role from the data; set model.roles" in line
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_without_a_test_split_runs_no_test_and_says_so(tmp_path, capsys):
+    # it ran a test on an empty loader and printed a results table with a header and no rows
+    cfg = _tiny_config(tmp_path, test_fraction=0.0)
+    result = main(["--config", str(cfg), "--trainer.max_epochs", "1", "--export_dir", str(tmp_path / "export")])
+    out = capsys.readouterr().out
+    assert result["test"] == {} and "no test metrics: the run had no test split" in out

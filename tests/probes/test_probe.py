@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 import warnings
 
@@ -644,3 +645,21 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
     card = (bare / "README.md").read_text()  # an old-style config: what is missing is said, not invented
     assert "Not recorded (an old export)" in card and "None recorded at export" in card
     assert "No label provenance recorded" in card
+
+
+def test_metrics_undefined_on_the_rows_are_nan_not_zero():
+    # test rows all labelled 1: AUROC and R² are undefined, and the results table showed them as a measured 0.0000
+    import torchmetrics.functional as F
+
+    from probes.module import regression_metrics
+
+    metrics, preds = regression_metrics(), torch.rand(8)
+    metrics.update(preds, torch.ones(8))
+    out = metrics.compute()
+    assert math.isnan(out["auroc"]) and math.isnan(out["r2"]) and out["mse"] > 0
+    metrics.reset()
+    labels = torch.tensor([0.0, 0.2, 0.7, 1.0, 0.4, 0.9, 0.1, 0.6])
+    metrics.update(preds, labels)  # where they are defined, they are torchmetrics' own
+    out = metrics.compute()
+    torch.testing.assert_close(out["r2"], F.r2_score(preds, labels))
+    torch.testing.assert_close(out["auroc"], F.classification.binary_auroc(preds, (labels >= 0.5).long()))
