@@ -153,6 +153,10 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         return self._moments[role]
 
     def _missing_message(self) -> str:
+        if (self.data_dir / "build.json").is_file():  # started with options of its own: the default would be refused
+            return (f"data_dir {self.data_dir} holds an unfinished build (no complete manifest.json) and build=None; "
+                    "finish it by running the build that started it again (its options are the `config` in "
+                    f"{self.data_dir / 'build.json'}), or give that build config")
         state = ("does not exist" if not self.data_dir.exists()
                  else "holds no finished build (no complete manifest.json)")
         return (f"data_dir {self.data_dir} {state} and build=None; build it with `python -m datamodules.labels.build "

@@ -312,6 +312,10 @@ def test_repeated_problems_traces_without_steps_and_unreadable_text_are_refused_
 def test_folder_without_a_shard_is_not_pinned_by_another_config(world, tmp_path):
     started = build(_config(world, sampling={"seed": 1}), tmp_path, max_shards=0)  # stopped before its first shard
     assert not started["complete"] and (tmp_path / "build.json").is_file()
+    # the datamodule's advice for it: the build's own options (the default command's would be refused)
+    with pytest.raises(FileNotFoundError, match=r"holds an unfinished build .* finish it by running the build that "
+                                                r"started it again \(its options are the `config` in .*build\.json\)"):
+        SemanticProbeDataModule(str(tmp_path), build=None).prepare_data()
     assert build(_config(world), tmp_path)["complete"]  # not "holds data built for another config"
     with pytest.raises(ValueError, match="holds .* shards built for another config"):
         build(_config(world, sampling={"seed": 1}), tmp_path)  # once it holds shards, it is
