@@ -193,13 +193,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = _arguments(argv)
     if not server_available() or importlib.util.find_spec("gguf") is None:
         _refuse(INSTALL)
-    args.log_dir.mkdir(parents=True, exist_ok=True)
     ports = {"target": args.target_port, "draft": args.draft_port}
     try:  # writes the world's GGUF files on first use
         servers = [world_server(role, port, log=args.log_dir / f"{role}.log", n_threads=args.threads,
                                 root=args.root) for role, port in ports.items()]
     except (OSError, ValueError) as e:
         _refuse(f"cannot serve the world's models: {e}")
+    args.log_dir.mkdir(parents=True, exist_ok=True)  # once the models are there: a refused start leaves no folder
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
     # Ctrl-C stops both even where the command was started with SIGINT ignored (as `cmd &` in a script starts it):
     # Python installs no KeyboardInterrupt handler then
