@@ -87,6 +87,8 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     sig = signature(config)
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
+    if config.n_problems > len(records):
+        log(f"the task file holds {len(records)} problems: building all of them (n_problems={config.n_problems})")
     _check_problems(config, records)
     _check_models(config, sig)
     from datamodules.labels.shard import load_tokenizers

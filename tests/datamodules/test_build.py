@@ -304,6 +304,11 @@ def test_repeated_problems_traces_without_steps_and_unreadable_text_are_refused_
             r"math\.jsonl:3 repeats the problem of .*math\.jsonl:1 \(1 repeats\)")
     refused([{"problem": "Start with 2.", "trace": "2 + 1 = 3.\r\n\r\nAnswer: 3"}],
             r"no trace holds a step delimiter of build\.steps\.delimiters=.* \(their line breaks are \\r\\n\)")
+    said = []  # a file shorter than n_problems is built whole, and the build says so
+    path.write_text(json.dumps({"answer": "3", **step}) + "\n")
+    build(_config(world, task=BoxedMathTask(str(path))), d, max_shards=0, log=said.append)
+    assert "the task file holds 1 problems: building all of them (n_problems=3)" in said
+    shutil.rmtree(d)
     refused([{"problem": "Start with \u00e9t\u00e9.", "trace": "2 + 1 = 3.\n\nAnswer: 3"}],
             r"line 1: its prompt and reference trace hold text the target model's tokenizer .* has no token for "
             r"\(it reads '<unk>'; 1 of 1 problems do\)")
