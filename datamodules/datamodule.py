@@ -218,7 +218,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             if share > 0 and not sum(s["rows"][split] for s in self.shards):  # Lightning's own error comes later
                 warnings.warn(f"data.{split}_fraction={share} put none of the problems in {self.data_dir} into the "
                               f"{split} split (problems are assigned by a hash of their id), so there are no {split} "
-                              f"metrics to monitor; with few problems raise it (e.g. 0.25), or set it to 0",
+                              f"metrics to monitor; build more problems, raise it, or set it to 0",
                               stacklevel=2)
 
     def _verify(self, path: Path, sha: str) -> None:

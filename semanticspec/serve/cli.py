@@ -106,8 +106,14 @@ def build(opts: ServeOptions):
         check_template(world_tok, template)  # before the models load
         target, draft = (world.load_model(role, root) for role in ("target", "draft"))
         policy = default_policy(fast_path=True, tau=tau)
-        dec = SemanticSpecDecoder(target, draft, world_tok, target_probe=probes[0], draft_probe=probes[1],
-                                  policy=policy, task=task)
+        try:
+            dec = SemanticSpecDecoder(target, draft, world_tok, target_probe=probes[0], draft_probe=probes[1],
+                                      policy=policy, task=task)
+        except ValueError as e:
+            if "exported for another model" not in str(e):
+                raise
+            raise ValueError(f"{e}. In-process the endpoint serves the embedded world's models; serve probes of "
+                             "other models in front of their two servers (--target_url, --draft_url)") from None
         backends = ()
     else:
         from generation.engines import make_engine

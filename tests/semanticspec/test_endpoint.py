@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -417,6 +418,19 @@ def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and says.format(**ports) in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "SemanticSpec endpoint on" not in out.stdout  # refused before the banner
+
+
+def test_in_process_probes_of_other_models_are_refused_pointing_to_the_servers(tmp_path):
+    # the endpoint serves the world's models in-process; the refusal did not say how to serve other models
+    probe = tmp_path / "target"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "checkpoints/arithmetic/probes/target", probe)
+    config = json.loads((probe / "config.json").read_text())
+    config["reads"] = {**config["reads"], "name_or_path": "google/gemma-3-270m", "num_layers": 26}
+    (probe / "config.json").write_text(json.dumps(config))
+    out = subprocess.run([sys.executable, "-m", "semanticspec.serve", "--target_probe", str(probe), "--port",
+                          str(free_port())], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "exported for another model" in out.stderr
+    assert "serve probes of other models in front of their two servers (--target_url, --draft_url)" in out.stderr
 
 
 def test_the_serve_config_parses_to_the_commands_defaults(capsys):
