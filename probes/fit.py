@@ -105,6 +105,10 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     if cli.config.get("test", True) and getattr(data, "test_fraction", 1) > 0:  # 0: no test split to run on
         results = trainer.test(module, datamodule=data, ckpt_path="best" if best else None, verbose=False)
         test_metrics = {k: float(v) for r in results for k, v in r.items()}
+    elif best:  # the test loads the best weights; without one, they are loaded here, so the best ones are exported
+        import torch
+
+        module.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
     paths: dict[str, Path] = {}
     if cli.config.get("export", True) and trainer.is_global_zero:
         paths = export_probes(module, cli.config.get("export_dir") or default_export_dir(trainer), test_metrics)

@@ -631,7 +631,19 @@ def test_a_probe_field_the_data_fills_is_refused_not_ignored(tmp_path, capsys):
 
 def test_a_run_without_a_test_split_runs_no_test_and_says_so(tmp_path, capsys):
     # it ran a test on an empty loader and printed a results table with a header and no rows
+    from safetensors.torch import load_file
+
     cfg = _tiny_config(tmp_path, test_fraction=0.0)
-    result = main(["--config", str(cfg), "--trainer.max_epochs", "1", "--export_dir", str(tmp_path / "export")])
+    config = yaml.safe_load(cfg.read_text())  # the "best" epoch is the first (ModelCheckpoint can watch "epoch")
+    next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))["init_args"].update(
+        monitor="epoch", mode="min")
+    cfg.write_text(yaml.safe_dump(config))
+    result = main(["--config", str(cfg), "--trainer.max_epochs", "3", "--export_dir", str(tmp_path / "export")])
+    assert Path(result["best_ckpt"]).name.startswith("epoch0")
     out = capsys.readouterr().out
     assert result["test"] == {} and "no test metrics: the run had no test split" in out
+    # the best checkpoint's weights are exported (the test used to load them; without one, the last were)
+    best = torch.load(result["best_ckpt"], map_location="cpu", weights_only=False)["state_dict"]
+    exported = load_file(str(tmp_path / "export" / "target" / "model.safetensors"))
+    assert all(torch.equal(v, best[f"probes.target.{k}"]) for k, v in exported.items() if f"probes.target.{k}" in best)
+    assert any(f"probes.target.{k}" in best for k in exported)
