@@ -793,6 +793,9 @@ def _evaluate(given: list[str]) -> dict:
     set_wait_policy()
     p = parser()
     ns = p.parse_args(given)
+    if ns.task is not None and "--task" not in given:  # jsonargparse made the base Task of --task.<arg> alone
+        fail(PROG, "--task.* given without --task: name the task's class too, e.g. --task "
+                   "datamodules.tasks.math.BoxedMathTask --task.path FILE")
     try:
         task = p.instantiate(ns).task if ns.task is not None else None
     except (ValueError, TypeError) as e:

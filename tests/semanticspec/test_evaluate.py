@@ -122,6 +122,9 @@ def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_ref
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task",
                            "datamodules.tasks.choice.MultipleChoiceTask", "--task.letters", "abc"])
     assert "--task: letters='abc': expected upper-case letters" in err  # it was a 48-line double traceback
+    # --task.path alone: jsonargparse made the base Task of it, which scored every answer wrong without a word
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task.path", str(tmp_path / "t.jsonl")])
+    assert "--task.* given without --task: name the task's class too" in err
     (tmp_path / "afile").write_text("")
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--out_dir", str(tmp_path / "afile")])
     assert f"--out_dir {tmp_path / 'afile'}: is a file" in err
