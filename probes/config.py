@@ -34,6 +34,10 @@ class NewerFormatError(ValueError):
     """A ``config.json`` written by a newer semanticspec-probes than this one (``format_version`` too high)."""
 
 
+class OtherModelError(ValueError):
+    """A probe exported for another model than the one it is given (its recorded fingerprint differs)."""
+
+
 @dataclass
 class ProbeConfig:
     """Architecture, input spec, role and provenance of one semantic probe."""

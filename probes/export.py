@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 from generation.fingerprints import model_fingerprint
 from generation.paths import atomic_path
 from generation.specs import layer_problems
-from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, ProbeConfig
+from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, OtherModelError, ProbeConfig
 
 
 def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str = "probe") -> None:
     """Raise if a probe with ``config`` cannot read ``model``'s hidden states: it was exported for another model
-    (naming each differing field), or it reads layers the model does not have (naming the ids and the range).
+    (:class:`~probes.config.OtherModelError`, naming each differing field), or it reads layers the model does not have
+    (ValueError, naming the ids and the range).
 
     Used by :func:`load_probe` and by every consumer handed a probe object (decoder, callback, evaluation).
     """
@@ -31,7 +32,7 @@ def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str =
     if config.hidden_size != actual["hidden_size"] and not any(p.startswith("hidden_size") for p in problems):
         problems.append(f"hidden_size: probe has {config.hidden_size!r}, model has {actual['hidden_size']!r}")
     if problems:
-        raise ValueError(
+        raise OtherModelError(
             f"{where} was exported for another model ({config.reads.get('name_or_path') or 'unknown'}); "
             + "; ".join(problems)
             + ". Export a probe for this model or load the matching one."

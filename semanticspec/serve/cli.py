@@ -106,12 +106,12 @@ def build(opts: ServeOptions):
         check_template(world_tok, template)  # before the models load
         target, draft = (world.load_model(role, root) for role in ("target", "draft"))
         policy = default_policy(fast_path=True, tau=tau)
+        from probes.config import OtherModelError
+
         try:
             dec = SemanticSpecDecoder(target, draft, world_tok, target_probe=probes[0], draft_probe=probes[1],
                                       policy=policy, task=task)
-        except ValueError as e:
-            if "exported for another model" not in str(e):
-                raise
+        except OtherModelError as e:
             raise ValueError(f"{e}. In-process the endpoint serves the embedded world's models; serve probes of "
                              "other models in front of their two servers (--target_url, --draft_url)") from None
         backends = ()
