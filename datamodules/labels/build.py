@@ -18,6 +18,7 @@ when the first shard is planned, so the command line refuses bad input before to
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -87,20 +88,21 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     sig = signature(config)
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
-    if config.n_problems > len(records):
-        log(f"the task file holds {len(records)} problems: building all of them (n_problems={config.n_problems})")
-    _check_problems(config, records)
     _check_models(config, sig)
-    from datamodules.labels.shard import load_tokenizers
-
-    tokenizers = load_tokenizers(config)
-    _check_prompts(config, records, tokenizers)
     existing, pinned = check_recorded(data_dir, sig, log)
     finished = bool(existing and existing.get("complete"))
     damaged = damaged_shards(data_dir, existing) if finished else []
     if finished and not damaged:  # read as it is: a finished build needs no write access
         log(f"reusing {len(existing['shards'])} shards in {data_dir}")
         return existing
+    # what is built is checked (a reused build was, when it was built): its problems, then what the models read
+    if config.n_problems > len(records):
+        log(f"the task file holds {len(records)} problems: building all of them (n_problems={config.n_problems})")
+    _check_problems(config, records)
+    from datamodules.labels.shard import load_tokenizers
+
+    tokenizers = load_tokenizers(config)
+    _check_prompts(config, records, tokenizers)
     expected = _recorded_checksums(data_dir, existing, damaged, log) if finished else {}
     # an unreachable or refusing server fails before anything is written
     servers = _server_samplers(config, rank, tokenizers)
@@ -266,13 +268,7 @@ def _check_problems(config: BuildConfig, records: list[dict]) -> None:
     problem without a trace, or traces none of which holds a step delimiter (each problem would give its prompt alone);
     naming the file and lines."""
     task = config.resolved_task()
-
-    def where(ks: list[int]) -> str:
-        lines = [records[k].get("line", k + 1) for k in ks]
-        out = f"{task.path}:{lines[0]}" if task.path else f"problem {lines[0]} of {task.spec()['class_path']}"
-        return out + (f" (and {len(ks) - 1} more {'lines' if task.path else 'problems'}: {lines[1:6]})"
-                      if len(ks) > 1 else "")
-
+    where = functools.partial(_where, task, records)
     first: dict[str, int] = {}
     twice: list[tuple[int, int]] = []  # (the first copy, a repeat)
     for k, r in enumerate(records):
@@ -329,24 +325,28 @@ def _check_prompts(config: BuildConfig, records: list[dict], tokenizers: tuple) 
     texts = ["".join(split_steps(r["trace"], config.steps.delimiters)[:-1]) if reference else "" for r in records]
     for role, tok in zip(("target", "draft"), (tokenizers[0], tokenizers[1] or tokenizers[0])):
         ids = [prefix_ids(task, tok, r["problem"], text) for r, text in zip(records, texts)]
-        where = f"{role} model's tokenizer ({config.model_path(role)})"
         unknown = [k for k, row in enumerate(ids) if tok.unk_token_id is not None and tok.unk_token_id in row]
         if unknown:
-            raise ValueError(f"{_where(records, unknown[0])}: its {what} hold text the {where} has no token for (it "
-                             f"reads {tok.unk_token!r}; {len(unknown)} of {len(records)} problems do): rewrite them "
-                             "in the models' vocabulary, or use models that can read them")
+            raise ValueError(f"{_where(task, records, unknown[:1])}: its {what} hold text the {role} model's "
+                             f"tokenizer ({config.model_path(role)}) has no token for (it reads {tok.unk_token!r}; "
+                             f"{len(unknown)} of {len(records)} problems do): rewrite them in the models' vocabulary, "
+                             "or use models that can read them")
         context = context_length(AutoConfig.from_pretrained(config.model_path(role), local_files_only=True))
         over = [k for k, row in enumerate(ids) if context is not None and len(row) + room > context]
         if over:
-            raise ValueError(f"{_where(records, over[0])}: its {what} take {len(ids[over[0]])} tokens of the {role} "
-                             f"model's {context}-position context ({config.model_path(role)}), leaving fewer than "
-                             f"max_step_tokens={room} for a step ({len(over)} of {len(records)} problems do): drop or "
-                             "shorten them, or use models with a longer context")
+            raise ValueError(f"{_where(task, records, over[:1])}: its {what} take {len(ids[over[0]])} tokens of the "
+                             f"{role} model's {context}-position context ({config.model_path(role)}), leaving fewer "
+                             f"than max_step_tokens={room} for a step ({len(over)} of {len(records)} problems do): "
+                             "drop or shorten them, or use models with a longer context")
 
 
-def _where(records: list[dict], k: int) -> str:
-    """Record ``k`` as a message names it: its file line, else its index."""
-    return f"line {records[k]['line']}" if "line" in records[k] else f"problem {k}"
+def _where(task, records: list[dict], ks: list[int]) -> str:
+    """Where records ``ks`` come from, as a message names them: ``file:line`` (and how many more), else the
+    problem's number (from 1) and the task's class."""
+    lines = [records[k].get("line", k + 1) for k in ks]
+    out = f"{task.path}:{lines[0]}" if task.path else f"problem {lines[0]} of {task.spec()['class_path']}"
+    return out + (f" (and {len(ks) - 1} more {'lines' if task.path else 'problems'}: {lines[1:6]})"
+                  if len(ks) > 1 else "")
 
 
 def _server_samplers(config: BuildConfig, rank: int, tokenizers: tuple) -> dict:

@@ -61,6 +61,17 @@ def reference(world, tmp_path_factory):
     return d, build(_config(world), d)
 
 
+def test_a_finished_build_is_reused_without_reading_its_problems_again(world, reference, monkeypatch):
+    # the problems and prompts are checked when a build is made; every fit that reuses it loaded the tokenizers and
+    # tokenized every problem again
+    def unread(*a, **k):
+        raise AssertionError("tokenizers loaded for a finished build")
+
+    monkeypatch.setattr("datamodules.labels.shard.load_tokenizers", unread)
+    d, m = reference
+    assert build(_config(world), d)["build"] == m["build"]
+
+
 def test_build_writes_labelled_shards_and_manifest(reference):
     d, m = reference
     n = 3
@@ -280,7 +291,8 @@ def test_problems_longer_than_a_models_context_are_refused_before_anything_is_wr
     (short / "draft" / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 24}))
     d = tmp_path / "data"
     config = _config(short, judge={"model": str(world / "judge")})
-    with pytest.raises(ValueError, match=r"problem 0: its prompt and reference trace take \d+ tokens of the draft "
+    with pytest.raises(ValueError, match=r"problem 1 of arithmetic_world\.task\.ArithmeticTask: its prompt and "
+                                         r"reference trace take \d+ tokens of the draft "
                                          r"model's 24-position context .*fewer than max_step_tokens=6 for a step "
                                          r"\(\d of 3 problems do\)"):
         build(config, d)
@@ -310,7 +322,7 @@ def test_repeated_problems_traces_without_steps_and_unreadable_text_are_refused_
     assert "the task file holds 1 problems: building all of them (n_problems=3)" in said
     shutil.rmtree(d)
     refused([{"problem": "Start with \u00e9t\u00e9.", "trace": "2 + 1 = 3.\n\nAnswer: 3"}],
-            r"line 1: its prompt and reference trace hold text the target model's tokenizer .* has no token for "
+            r"math\.jsonl:1: its prompt and reference trace hold text the target model's tokenizer .* has no token for "
             r"\(it reads '<unk>'; 1 of 1 problems do\)")
 
 
