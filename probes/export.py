@@ -5,6 +5,7 @@ Nothing here unpickles: weights are safetensors, the config is JSON.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -21,8 +22,9 @@ from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, OtherMode
 
 def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str = "probe") -> None:
     """Raise if a probe with ``config`` cannot read ``model``'s hidden states: it was exported for another model
-    (:class:`~probes.config.OtherModelError`, naming each differing field), or it reads layers the model does not have
-    (ValueError, naming the ids and the range).
+    (:class:`~probes.config.OtherModelError`, naming each differing field), it reads layers the model does not have,
+    or it reads hidden states of another source than a transformers model after its final norm, a server's say
+    (ValueError, naming the ids and the range, or both sources).
 
     Used by :func:`load_probe` and by every consumer handed a probe object (decoder, callback, evaluation).
     """
@@ -40,6 +42,7 @@ def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str =
     layers = layer_problems(list(config.features.layer_ids), actual["num_layers"])
     if layers:
         raise ValueError(f"{where} reads layers the model does not have (features.layer_ids): " + "; ".join(layers))
+    config.features.check_source("transformers", "final_norm", where=where)
 
 
 def export_probe(probe, path: str | os.PathLike) -> Path:
@@ -70,37 +73,72 @@ def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -
             f"or this one as the {config.role} probe")
 
 
-def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Optional[str] = None,
-               role: Optional[str] = None):
-    """Load an exported probe, refusing one that was exported for another model or role.
+def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, role: Optional[str] = None,
+               dtype: Optional[str] = None):
+    """An exported probe (or a probe already in memory), checked against the model it reads and the role it is used
+    in: the one way the decoders, the endpoint and the evaluation take a probe.
 
-    Nothing is allocated before the config is valid and the weights file's header holds exactly the
+    From a folder, nothing is allocated before the config is valid and the weights file's header holds exactly the
     tensor shapes the config implies.
 
     Args:
-        path: directory holding ``config.json`` and ``model.safetensors``.
-        model: the transformers model the probe will read; its fingerprint must match and
-            ``layer_ids`` must index its hidden states.
+        probe: the folder holding ``config.json`` and ``model.safetensors``, or a
+            :class:`~probes.model.SemanticProbe` (checked the same way; converted on a copy, so a module being
+            trained is left as it was).
+        model: the transformers model the probe will read: its fingerprint must match, ``layer_ids`` must index its
+            hidden states, and a probe reading hidden states must have been trained on a transformers model's
+            (:func:`check_probe_matches`). None checks none of this (a served model: its server's capabilities are
+            checked before its first request).
         tokenizer: that model's tokenizer; its vocabulary hash must match when given.
-        device: where to put the probe (default CPU).
-        role: the role the caller uses the probe in (``"target"`` or ``"draft"``); a probe
-            exported with the other role is refused. None accepts either.
+        device: where to put the probe; default the model's device, else CPU for a folder (a module stays where it
+            is).
+        role: the role the caller uses the probe in (``"target"`` or ``"draft"``); a probe exported with the other
+            role is refused. None accepts either.
+        dtype: the MLP's dtype, ``"auto"``, ``"float32"`` or ``"float16"``
+            (:func:`~probes.model.resolve_probe_dtype`); None keeps the probe's own (an export's is float32).
 
     Returns:
         The :class:`~probes.model.SemanticProbe`, in eval mode.
 
     Raises:
-        FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``, or is one of them (the
+        FileNotFoundError: ``probe`` lacks ``config.json`` or ``model.safetensors``, or is one of them (the
             message says to pass the folder).
         ValueError: the role or fingerprint differs (the message names every differing field), or a
             file is unreadable or invalid: ``config.json`` not JSON, not a probe config, a field out of
             range (e.g. ``layer_ids``, ``sampling.temperature``) or a newer ``format_version`` than
             this code reads; ``model.safetensors`` truncated, not safetensors (e.g. a pickle), not the
             shapes the config describes, or holding NaN/inf. Each message names the file and field.
+        TypeError: ``probe`` is neither a folder nor a probe module.
     """
+    import torch
+
+    from probes.model import resolve_probe_dtype
+
+    if model is not None and device is None:
+        device = str(next(model.parameters()).device)
+    if isinstance(probe, (str, os.PathLike)):
+        probe = _from_folder(Path(probe), model, tokenizer, role).to(device or "cpu")
+    elif isinstance(probe, torch.nn.Module) and hasattr(probe, "config"):
+        where = f"the {role} probe" if role else f"{probe.config.role} probe"
+        check_role(probe.config, role, where=where)
+        if model is not None:
+            check_probe_matches(probe.config, model, tokenizer, where=where)
+        probe = probe.to(device) if device is not None else probe
+    else:
+        raise TypeError(f"{role or 'the'} probe must be a path or a SemanticProbe, got {type(probe).__name__}")
+    probe = probe.eval()
+    if dtype is not None:  # inputs are still standardised in float32 (SemanticProbe.predict)
+        want = resolve_probe_dtype(dtype, next(probe.buffers(), next(probe.parameters(), torch.empty(0))).device)
+        if getattr(probe, "mlp_dtype", want) != want:
+            probe = copy.deepcopy(probe)
+            probe.mlp.to(want)
+    return probe
+
+
+def _from_folder(path: Path, model, tokenizer, role: Optional[str]):
+    """The probe exported at ``path`` (CPU), its config, header and weights checked before and as it loads."""
     from probes.model import SemanticProbe
 
-    path = Path(path)
     config = probe_config(path, role)
     if model is not None:
         if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
@@ -109,14 +147,14 @@ def load_probe(path: str | os.PathLike, model=None, tokenizer=None, device: Opti
                 f"the model it is given (only hidden_size={config.hidden_size} is); re-export it to record "
                 f"the model it reads",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
     weights = path / "model.safetensors"
     _check_header(weights, config)
     probe = SemanticProbe(config)
     probe.load_state_dict(_read_weights(weights), strict=False)  # shapes and names checked in the header
-    return probe.to(device or "cpu").eval()
+    return probe
 
 
 def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeConfig:

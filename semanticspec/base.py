@@ -394,6 +394,18 @@ def answer_marker(given: str | None, task) -> str | None:
     return marker
 
 
+def load_probes(probes, models, tokenizers, probe_dtype: str) -> tuple:
+    """A decoder's target and draft probes (each a folder, a ``SemanticProbe`` or None), each loaded and checked by
+    :func:`probes.export.load_probe` against its model (None: a served model) and its role, with its MLP in
+    ``probe_dtype`` (a bad value is refused without a probe too)."""
+    from probes.export import load_probe
+    from probes.model import resolve_probe_dtype
+
+    resolve_probe_dtype(probe_dtype, torch.device("cpu"))
+    return tuple(None if p is None else load_probe(p, m, t, role=role, dtype=probe_dtype)
+                 for p, m, t, role in zip(probes, models, tokenizers, ("target", "draft")))
+
+
 def sampling_spec(probes) -> dict[str, tuple[object, str]]:
     """How the probes' labelled steps were sampled (``config.sampling``), per field, with whose it is."""
     return recorded(probes, {k: (lambda c, k=k: getattr(c.sampling, k) if c.sampling else None)

@@ -54,14 +54,13 @@ from generation.handover import Handover, decode_text, pad_id
 from generation.sampling import Sampler, StreamKey, key_stream
 from generation.specs import StepSpec
 from generation.writer import StepWriter
-from semanticspec import setup
-from semanticspec.base import Plan, StepDecoder, sampling_spec
+from semanticspec.base import Plan, StepDecoder, load_probes, sampling_spec
 from semanticspec.cache_parts import DraftProposer, JudgeTurn, TargetVerifier
 from semanticspec.config import DecodeConfig
 from semanticspec.hf import transformers_events
 from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
-from semanticspec.policies import ProbePolicy, check_policy, default_policy
+from semanticspec.policies import ProbePolicy, check_policy, default_policy, stored_tau
 from semanticspec.prompts import read_prompts
 from semanticspec.results import DecodeResult, DecodeStats, StepEvent, StepTrace, summarize
 from semanticspec.rows import Row
@@ -114,7 +113,7 @@ class SemanticSpecDecoder(StepDecoder):
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared
         self.windows = self.shared  # the target reads a window of draft steps in its own tokens
-        self.policy = policy or default_policy(fast_path=self.shared, tau=setup.stored_tau(target_probe))
+        self.policy = policy or default_policy(fast_path=self.shared, tau=stored_tau(target_probe))
         self.config, self.task = config or DecodeConfig(), task
         if self.policy.top_k and not self.shared:
             raise ValueError(f"invalid SemanticSpecDecoder arguments: top_k={self.policy.top_k}: the fast path "
@@ -122,8 +121,8 @@ class SemanticSpecDecoder(StepDecoder):
                              "this pair has two (use top_k=0)")
         self.target, self.draft = target.eval(), draft.eval()
         self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
-        self.target_probe = setup.load(target_probe, target, tokenizer, "target", probe_dtype)
-        self.draft_probe = setup.load(draft_probe, draft, self.draft_tokenizer, "draft", probe_dtype)
+        self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (target, draft),
+                                                          (tokenizer, self.draft_tokenizer), probe_dtype)
         self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
         self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
         self._judges: dict[str, JudgeTurn] = {}  # per judge_suffix

@@ -439,11 +439,11 @@ def pick(curve: list[dict], target_only: dict, max_drop: float) -> dict:
 
 
 def write_threshold(probes: Path, report: dict, command: str) -> Path | None:
-    """Write the pick as ``threshold.json`` beside the probes (:data:`semanticspec.setup.THRESHOLD_FILE`); None when
+    """Write the pick as ``threshold.json`` beside the probes (:data:`semanticspec.policies.THRESHOLD_FILE`); None when
     the rule picked nothing."""
     from generation.fingerprints import sha256_file
     from generation.paths import atomic_path
-    from semanticspec.setup import THRESHOLD_FILE, THRESHOLD_FORMAT
+    from semanticspec.policies import THRESHOLD_FILE, THRESHOLD_FORMAT
 
     p = report["pick"]
     if p["tau"] is None:
@@ -653,7 +653,7 @@ def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems:
     SemanticSpec's main threshold is ``--tau``, else the one of the run it resumes (``resumed``: a rerun does not move
     to the pick its first run wrote), else the probes' ``threshold.json``, else 0.5."""
     from generation.fingerprints import sha256_file
-    from semanticspec.setup import stored_tau
+    from semanticspec.policies import stored_tau
 
     tau = next((t for t in (opts.tau, resumed, stored_tau(probes / "target")) if t is not None), 0.5)
     tp, dp = str(probes / "target"), str(probes / "draft")
@@ -822,7 +822,7 @@ def _evaluate(given: list[str]) -> dict:
         print(f"{PROG}: interrupted; {len(evaluation.records.lines)} decodes kept in {evaluation.records.path}. "
               f"Resume with: {PROG} {' '.join(given)}", file=sys.stderr)
         raise SystemExit(130) from None
-    from semanticspec.setup import THRESHOLD_FILE
+    from semanticspec.policies import THRESHOLD_FILE
 
     report["probes"] = str(probes)
     picked = opts.write_threshold and report["n_evaluated"] and report["pick"]["tau"] is not None

@@ -17,15 +17,20 @@ numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`, :func:`fast_pa
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from generation.features import token_scores
+from generation.fingerprints import sha256_file
 from generation.specs import is_real
 from semanticspec.results import Decision
 
@@ -198,7 +203,7 @@ class ProbePolicy(AcceptancePolicy):
 
 def default_policy(fast_path: bool = True, tau: float | None = None) -> ProbePolicy:
     """SemanticSpec's default policy: the threshold rule at ``tau`` (None: 0.5; the decoders pass the threshold
-    ``python -m semanticspec.evaluate`` stored beside the probes, :func:`semanticspec.setup.stored_tau`), after the
+    ``python -m semanticspec.evaluate`` stored beside the probes, :func:`stored_tau`), after the
     gated top-1 fast path when the decoder can run it (``fast_path``; in-process it compares the draft's token ids
     with the target's top-k, so both models must share a tokenizer; a served target reads the step in its own
     tokens), without it otherwise.
@@ -209,6 +214,44 @@ def default_policy(fast_path: bool = True, tau: float | None = None) -> ProbePol
     and cut the probe's share of the wall time by about a third.
     """
     return ProbePolicy(tau=0.5 if tau is None else tau, top_k=1 if fast_path else 0)
+
+
+THRESHOLD_FILE = "threshold.json"
+"""The threshold ``python -m semanticspec.evaluate`` picked for a probe pair, in the export folder beside the pair's
+``target/`` and ``draft/``."""
+THRESHOLD_FORMAT = 1
+"""Format version of :data:`THRESHOLD_FILE`: ``{"format_version", "tau", "rule", "target_probe_sha256", ...}``."""
+
+
+def stored_tau(target_probe) -> float | None:
+    """The threshold picked for ``target_probe`` (an exported probe directory), from :data:`THRESHOLD_FILE` in the
+    folder above it; None when there is none, when ``target_probe`` is no directory, or when the file was written for
+    other weights (then with a warning, naming the file).
+
+    A decoder given no policy decides at this ``tau``; an explicit policy (or a request's threshold) wins.
+    """
+    if not isinstance(target_probe, (str, os.PathLike)):
+        return None
+    path = Path(target_probe).parent / THRESHOLD_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        tau, version = data["tau"], data["format_version"]
+    except (ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"{path}: not a threshold file ({e}); deciding at the default tau", stacklevel=3)
+        return None
+    why = None
+    if not (is_real(tau) and 0 <= tau <= 1):  # NaN fails the range
+        why = f"tau={tau!r} is no threshold in [0, 1]"
+    elif isinstance(version, bool) or not isinstance(version, int) or version > THRESHOLD_FORMAT:
+        why = f"format_version={version!r}: this version reads {THRESHOLD_FORMAT} and older"
+    elif data.get("target_probe_sha256") != sha256_file(Path(target_probe) / "model.safetensors"):
+        why = "it was written for other probe weights"
+    if why is not None:
+        warnings.warn(f"{path}: {why}; deciding at the default tau", stacklevel=3)
+        return None
+    return float(tau)
 
 
 def check_policy(policy) -> None:

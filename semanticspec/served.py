@@ -11,14 +11,13 @@ from __future__ import annotations
 from generation.engines.checks import serving_problems
 from generation.sampling import key_stream
 from generation.specs import is_count
-from semanticspec import setup
-from semanticspec.base import Plan, StepDecoder, sampling_spec
+from semanticspec.base import Plan, StepDecoder, load_probes, sampling_spec
 from semanticspec.config import DecodeConfig
 from semanticspec.engine_parts import SPARE, EngineProposer, EngineVerifier, ServedPrompt
 from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
 from semanticspec.hf import TransformersLoop
-from semanticspec.policies import ProbePolicy, check_policy, default_policy
+from semanticspec.policies import ProbePolicy, check_policy, default_policy, stored_tau
 from semanticspec.prompts import read_prompt_texts
 from semanticspec.rows import Row
 
@@ -63,11 +62,11 @@ class ServedDecoder(StepDecoder):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (requests in flight at once)")
         check_policy(policy)
         self.target, self.draft, self.concurrency = target, draft, concurrency
-        self.policy = policy or default_policy(tau=setup.stored_tau(target_probe))  # the evaluation's pick, if any
+        self.policy = policy or default_policy(tau=stored_tau(target_probe))  # the evaluation's pick, if any
         self.config, self.task = config or DecodeConfig(), task
         self.tokenizer = tokenizer
-        self.target_probe, self.draft_probe = (setup.load(p, None, None, role, probe_dtype)
-                                               for p, role in ((target_probe, "target"), (draft_probe, "draft")))
+        self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (None, None), (None, None),
+                                                          probe_dtype)
         probes = (self.target_probe, self.draft_probe)
         self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
         self._recorded_sampling = sampling_spec(probes)

@@ -86,7 +86,7 @@ def build(opts: ServeOptions):
     (``datamodules.tasks.worlds``), or two servers) and the endpoint's settings."""
     from semanticspec.policies import default_policy
     from semanticspec.serve.app import Settings, build_app
-    from semanticspec.setup import stored_tau
+    from semanticspec.policies import stored_tau
 
     if (opts.target_url is None) != (opts.draft_url is None):
         raise ValueError(PAIRED)

@@ -456,8 +456,6 @@ def test_probes_exported_before_the_sampling_spec_take_it_from_their_labels(worl
 
 def test_a_probe_used_in_the_other_role_is_refused_naming_both(tmp_path, world_tokenizer):
     """A draft probe handed over as the target probe is refused by its role, before any fingerprint check."""
-    from semanticspec import setup
-
     model = tiny_llama(len(world_tokenizer), 32)
     probe, path = _export(tmp_path, model, world_tokenizer, role="draft")
     with pytest.raises(ValueError, match=r"exported with role 'draft'.*used as the target probe"):
@@ -466,15 +464,18 @@ def test_a_probe_used_in_the_other_role_is_refused_naming_both(tmp_path, world_t
     assert load_probe(path, model=model, tokenizer=world_tokenizer).config.role == "draft"  # role=None: either
     with pytest.raises(ValueError, match="role='judge'"):
         load_probe(path, role="judge")
-    # the decoder's loader, for a directory and for a probe object
+    # a probe object, as the decoders hand it over, is checked as a folder is
     for given in (path, probe):
         with pytest.raises(ValueError, match=r"exported with role 'draft'.*used as the target probe"):
-            setup.load(given, model, world_tokenizer, role="target")
-        assert setup.load(given, model, world_tokenizer, role="draft").config.role == "draft"
+            load_probe(given, model, world_tokenizer, role="target")
+        assert load_probe(given, model, world_tokenizer, role="draft").config.role == "draft"
     # a probe of another model in the wrong slot: the role is named first (the fingerprint would give no hint)
     other = tiny_llama(len(world_tokenizer), 24, layers=1)
-    with pytest.raises(ValueError, match="exported with role 'draft'"):
-        setup.load(path, other, world_tokenizer, role="target")
+    for given in (path, probe):
+        with pytest.raises(ValueError, match="exported with role 'draft'"):
+            load_probe(given, other, world_tokenizer, role="target")
+    with pytest.raises(TypeError, match="must be a path or a SemanticProbe, got int"):
+        load_probe(3, model, world_tokenizer)
 
 
 def test_decoder_refuses_a_draft_probe_as_target_probe(tmp_path, world_tokenizer):

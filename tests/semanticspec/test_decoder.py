@@ -439,17 +439,24 @@ def test_probe_for_another_model_is_refused_naming_fields(tiny_pair, tmp_path):
 @pytest.mark.parametrize("groups, refused", [(["hidden"], True), (["hidden", "topk_stats"], True),
                                              (["token_stats", "topk_stats"], False)])
 def test_a_probe_of_a_servers_hidden_states_is_refused_in_process(tiny_pair, groups, refused):
-    """The in-process decoder reads transformers' states after the final norm; statistics come from any source."""
+    """The in-process decoder reads transformers' states after the final norm; statistics come from any source. The
+    live-validation callback and the evaluation, which decode in-process too, check a probe with the same
+    ``check_probe_matches``."""
+    from probes.export import check_probe_matches
+
     target, draft, tok = tiny_pair
     probe = ConstProbe(target.config.hidden_size, 1.0, groups=groups,
                        stats=TOKEN_STATS if "token_stats" in groups else ())
     probe.config.features = dataclasses.replace(probe.config.features, source="sglang", hidden_norm="pre_norm")
     if refused:
-        with pytest.raises(ValueError, match=r"SemanticSpecDecoder \(target probe\).*source='sglang' "
+        with pytest.raises(ValueError, match=r"the target probe: .*source='sglang' "
                                              r"\(hidden_norm='pre_norm'\).*source='transformers'"):
             make_decoder(target, draft, tok, target_probe=probe, rule="threshold")
+        with pytest.raises(ValueError, match=r"target probe in training: .*source='sglang'"):
+            check_probe_matches(probe.config, target, tok, where="target probe in training")
     else:
         make_decoder(target, draft, tok, target_probe=probe, rule="threshold")
+        check_probe_matches(probe.config, target, tok)
 
 
 def test_prompt_longer_than_context_names_both_lengths(tiny_pair):

@@ -350,7 +350,7 @@ def test_the_decoders_use_the_picked_threshold_and_explicit_policies_win(picked)
 
 
 def test_a_threshold_file_for_other_weights_is_ignored(picked):
-    from semanticspec.setup import stored_tau
+    from semanticspec.policies import stored_tau
 
     assert stored_tau(picked / "target") == 0.37
     data = json.loads((picked / "threshold.json").read_text())
