@@ -239,26 +239,31 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
             **({"max_model_len": min(known)} if known else {})}  # as vLLM's and SGLang's cards state it
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        metrics.count(request.scope, 200)
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model:path}")
-    async def model(model: str):
+    async def model(model: str, request: Request):
         if model != s.model_name:
             raise BadRequest(f"model={model!r}: this server serves {s.model_name!r}", "model", 404,
                              "not_found_error")
+        metrics.count(request.scope, 200)
         return card
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         down = [u for u in s.backends if not await _answers(u)]
         if sched.failure or down:
             why = sched.failure or "backend down: " + ", ".join(down)
+            metrics.count(request.scope, 503)
             return JSONResponse({"status": "down", "reason": why, "backends_down": down}, status_code=503)
+        metrics.count(request.scope, 200)
         return {"status": "ok", "running": sched.running, "queued": sched.queued}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        metrics.count(request.scope, 200)  # this scrape is in its own answer
         metrics.queue.set(sched.queued)
         metrics.running.set(sched.running)
         metrics.cancelled.set(sched.cancelled)
@@ -319,7 +324,12 @@ async def _answers(url: str) -> bool:
 def chat_prompt(dec, tok, messages: list[dict], template: str | None):
     """The prompt of a chat: the target tokenizer ``tok``'s chat template (or ``template``) with the assistant's turn
     opened, as the decoder reads it (each model's token ids in-process, text served)."""
-    text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+    from jinja2 import TemplateError
+
+    try:
+        text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+    except TemplateError as e:  # the template's own raise_exception (roles it cannot format), as vLLM answers: a 400
+        raise ValueError(f"messages: the chat template cannot format them: {e}") from None
     if not hasattr(dec, "draft_tokenizer"):
         return text
     ids = list(tok(text, add_special_tokens=False).input_ids)
@@ -422,7 +432,10 @@ def _refusal(u: Update, prompt_field: str) -> BadRequest:
     """The error a failed request gets: 400 for a refusal (the endpoint's checks, or a server that refused the
     request as the caller's error), 503 at shutdown, 502 when a server failed, 500 for a fault of the endpoint."""
     if u.finish == "invalid":
-        return BadRequest(u.error, _param_of(u.error) or prompt_field)
+        param = _param_of(u.error)
+        if param in (None, "prompt"):
+            return BadRequest(_worded(u.error, prompt_field), prompt_field)
+        return BadRequest(u.error, param)
     if isinstance(u.cause, Refused):
         return BadRequest(u.error, "max_tokens" if "max_tokens" in str(u.cause.param) else prompt_field)
     return BadRequest(u.error or "the decode failed", None, u.status, "server_error")
@@ -482,6 +495,16 @@ def _count(metrics: Metrics, u: Update) -> None:
     st = u.result.stats
     metrics.tokens.labels("completion").inc(st.output_tokens)
     metrics.tokens.labels("draft").inc(st.draft_tokens)
+
+
+def _worded(message: str, field: str) -> str:
+    """A refusal of the request's one prompt in the request's words: the decoder names it ``prompt 0`` (its index in
+    a batch), and a chat's prompt is its messages in the chat template."""
+    for head in ("prompt 0 ", "the prompt "):
+        if message.startswith(head):
+            it = "messages: the chat in its template" if field == "messages" else "prompt: the prompt"
+            return f"{it} {message[len(head):]}"
+    return message
 
 
 def _param_of(message: str) -> str | None:

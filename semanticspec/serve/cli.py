@@ -26,9 +26,12 @@ in-process, top-k statistics (what a server returns) served."""
 
 def world_chat(suffix: str, bos: bool = True) -> str:
     """The embedded world's chat format: its tokenizer has no chat template, so the world's endpoint formats a chat
-    as its task's prompt: BOS (in-process; a server adds its own), the user turns, then the task's prompt
-    ``suffix``."""
-    turns = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    as its task's prompt: BOS (in-process; a server adds its own), the user turns one per line, then the task's
+    prompt ``suffix``. Its models were trained on problems alone, so a system, developer or assistant message is
+    refused (a 400 naming the message), not dropped."""
+    turns = ("{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('message ' ~ loop.index0 ~ ' is "
+             "a ' ~ m['role'] ~ ' message: the embedded world\\'s models read user messages only (its problems)') }}"
+             "{% endif %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ m['content'] }}{% endfor %}")
     return ("{{ bos_token }}" if bos else "") + turns + "{{ " + json.dumps(suffix) + " }}"
 
 

@@ -153,13 +153,13 @@ class Scheduler:
         plan = self.dec.plan([prompt], config)
         room = self.dec.prompt_room(plan)
         if room is not None and room < 1:
-            raise ValueError(f"prompt: {self._prompt_tokens(plan.inputs[0][0])} tokens leave no room for a new token "
-                             "in the models' context")
+            raise ValueError(f"the prompt has {self._prompt_tokens(plan.inputs[0][0])} tokens, which leave no room for "
+                             f"a new token in {_context(plan)}")
         if budget is not None:
             return plan._replace(cfg=dataclasses.replace(plan.cfg, max_new_tokens=budget(room)))
         if room is not None and config.max_new_tokens > room:
             raise ValueError(f"max_tokens={config.max_new_tokens}: the prompt leaves room for {room} new tokens in "
-                             "the models' context")
+                             f"{_context(plan)}")
         return plan
 
     def submit(self, job: Job) -> None:
@@ -314,6 +314,8 @@ class Scheduler:
         if e.end:
             del g.jobs[e.prompt]
             self._finish(job, e, g.loop.rows[e.prompt])
+        elif job.ended:  # answered at a stop string: the rest of its round's window is dropped
+            pass
         elif job.cancelled:
             job.after_cancel += 1
             self.after_cancel += 1
@@ -327,7 +329,6 @@ class Scheduler:
         text, hit = cut_at_stop(e.text, job.stop)
         if hit:
             g.loop.cancel(e.prompt, "stop")
-            job.cancelled = True
             row = g.loop.rows[e.prompt]
             self._send(job, text)
             stats = stats_through(row.trace, e.step, row.stats)
@@ -349,6 +350,8 @@ class Scheduler:
         """The end of a row: the text its steps did not carry (a last bonus token, a held-back end), then its end
         update."""
         result = e.result
+        if job.ended:  # answered at a stop string
+            return
         if job.cancelled:
             self._end(job, self._cancelled())
             return
@@ -366,6 +369,12 @@ class Scheduler:
         with self._lock:
             self.pending -= 1
         job.notify(update)
+
+
+def _context(plan) -> str:
+    """The models' context as a refusal of a prompt's room names it: with the positions the decoder keeps free."""
+    return (f"the models' context, of which the decoder keeps {plan.spare} positions free (the target's bonus token; "
+            "in-process, SpecReason's judge turn too)")
 
 
 def held_back(text: str, stop: tuple[str, ...]) -> int:

@@ -5,6 +5,7 @@ running loop decoding as they would alone. The embedded world in-process; the se
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -100,12 +101,32 @@ def test_chat_formats_with_the_template_and_a_model_without_one_gets_a_400(endpo
         bare.app.state.scheduler.stop(0)
 
 
+def test_a_chats_user_turns_are_lines_and_a_role_the_world_cannot_read_gets_a_400(endpoint):
+    """The world's chat format joins user turns one per line (two turns read as one message holding both), and
+    refuses a system, developer or assistant message, naming it: its models read problems alone, and dropping the
+    message would answer another question than the one asked."""
+    c = endpoint.client()
+
+    def used(messages):
+        return c.chat.completions.create(model="semanticspec", messages=messages, max_tokens=2, seed=0).usage
+
+    two = used([{"role": "user", "content": "Start with 7."}, {"role": "user", "content": "Add 5."}])
+    assert two.prompt_tokens == used([{"role": "user", "content": "Start with 7.\nAdd 5."}]).prompt_tokens
+    for role, read_as in (("system", "system"), ("developer", "system"), ("assistant", "assistant")):
+        with pytest.raises(openai.BadRequestError) as e:
+            used([{"role": "user", "content": "Start with 7."}, {"role": role, "content": "Be terse."}])
+        err = e.value.body  # a developer message is a system message to a template (OpenAI's renaming)
+        assert err["param"] == "messages" and f"message 1 is a {read_as} message" in err["message"], err
+
+
 BAD = [
     ('{"prompt": "1 + 1"', None, "malformed JSON"),
     ({"prompt": "x", "colour": 1}, "colour", "unknown field"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens", "integer"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0"),
     ({"prompt": "x", "max_tokens": 100000}, "max_tokens", "max_tokens=100000"),
+    ({"prompt": "x", "max_tokens": 250}, "max_tokens", "the decoder keeps 7 positions free"),
+    ({"prompt": "3 " * 250}, "prompt", "prompt: the prompt has 252 tokens, which leave no room"),
     ({"prompt": "x", "n": 2}, "n", "n=2"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": "3 " * 3000}, "prompt", "context"),
@@ -115,6 +136,19 @@ BAD = [
     ({"prompt": "x", "lookahead": 1000}, "lookahead", "cannot fit"),
     ({"prompt": "x", "seed": 2**64}, "seed", "less than or equal to 9223372036854775807"),
 ]
+
+
+@pytest.mark.parametrize("content,says", [("3 " * 3000, r"has \d+ tokens but the target model's context"),
+                                           ("3 " * 246, r"has 2\d\d tokens, which leave no room")],
+                         ids=["past-context", "no-room"])
+def test_a_chat_too_long_gets_a_400_naming_messages(endpoint, content, says):
+    """A chat's prompt is its messages in the chat template: a refusal of it names ``messages``, never the
+    ``prompt`` a chat request has no field for, nor the decoder's index of it in a batch."""
+    with pytest.raises(openai.BadRequestError) as e:
+        endpoint.client().chat.completions.create(model="semanticspec", max_tokens=4,
+                                                  messages=[{"role": "user", "content": content}])
+    err = e.value.body
+    assert err["param"] == "messages" and re.match("messages: the chat in its template " + says, err["message"])
 
 
 @pytest.mark.parametrize("body,param,says", BAD, ids=[b[2] for b in BAD])
@@ -214,14 +248,21 @@ def test_metrics_count_requests_by_route_never_by_the_path_a_client_sent(world_d
             assert httpx.get(f"{run.url}/nope-{i}", headers=auth).status_code == 404
             assert httpx.get(f"{run.url}/models/model-{i}", headers=auth).status_code == 404
         assert httpx.delete(f"{run.url}/completions", headers=auth).status_code == 405
+        for _ in range(2):  # the answered GETs count too
+            assert httpx.get(f"{run.url}/models", headers=auth).status_code == 200
+        assert httpx.get(f"{run.url}/models/semanticspec", headers=auth).status_code == 200
+        assert httpx.get(f"{run.url[:-3]}/health").status_code == 200
         text = httpx.get(f"{run.url[:-3]}/metrics").text
     finally:
         run.stop()
         run.app.state.scheduler.stop(0)
     routes = set(re.findall(r'semanticspec_requests_total\{route="([^"]*)"', text))
-    assert routes == {"other", "/v1/models/{model:path}", "/v1/completions"}, routes
+    assert routes == {"other", "/v1/models", "/v1/models/{model:path}", "/v1/completions", "/health",
+                      "/metrics"}, routes
     for series, n in (('route="other",status="404"', 6), ('route="other",status="401"', 3),
-                      ('route="/v1/models/{model:path}",status="404"', 3), ('route="/v1/completions",status="405"', 1)):
+                      ('route="/v1/models/{model:path}",status="404"', 3), ('route="/v1/completions",status="405"', 1),
+                      ('route="/v1/models",status="200"', 2), ('route="/v1/models/{model:path}",status="200"', 1),
+                      ('route="/health",status="200"', 1), ('route="/metrics",status="200"', 1)):
         assert f"semanticspec_requests_total{{{series}}} {n:.1f}" in text, series
 
 

@@ -294,11 +294,15 @@ def test_a_stop_inside_a_window_counts_only_the_steps_up_to_it(world):
     prompt = TASK.prompt_text(load_tokenizer(), TASK.problems(3, seed=11)[2]["problem"])
     whole = c.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7)
     first = whole.choices[0].text.index("\n\n")
+    sched = world.app.state.scheduler
+    before = sched.cancelled, sched.after_cancel
     stop = c.completions.create(model="semanticspec", prompt=prompt, max_tokens=96, seed=7,
                                 stop=whole.choices[0].text[first + 2:][:3])
     used, all_ = stop.usage.model_dump(), whole.usage.model_dump()
     assert used["completion_tokens"] < all_["completion_tokens"]
     assert used["semanticspec"]["steps"] <= 2 and used["semanticspec"]["decode_s"] > 0
+    # no client cancelled: the window's steps after the stop are no steps decoded after a cancel
+    assert (sched.cancelled, sched.after_cancel) == before
 
 
 FUZZ_VALUES = [None, True, -1, 0, 2**63, -(2**63) - 1, 1e308, -1e-308, "NaN", "Infinity", "-Infinity", "",
