@@ -83,8 +83,9 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
 
     Args:
         probe: the folder holding ``config.json`` and ``model.safetensors``, or a
-            :class:`~probes.model.SemanticProbe` (checked the same way; converted on a copy, so a module being
-            trained is left as it was).
+            :class:`~probes.model.SemanticProbe`, checked the same way: returned as it is when it already is in
+            eval mode, on ``device`` and in ``dtype``, else as a converted copy (a module being trained is never
+            changed).
         model: the transformers model the probe will read: its fingerprint must match, ``layer_ids`` must index its
             hidden states, and a probe reading hidden states must have been trained on a transformers model's
             (:func:`check_probe_matches`). None checks none of this (a served model: its server's capabilities are
@@ -117,21 +118,25 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
     if model is not None and device is None:
         device = str(next(model.parameters()).device)
     if isinstance(probe, (str, os.PathLike)):
-        probe = _from_folder(Path(probe), model, tokenizer, role).to(device or "cpu")
+        probe, mine = _from_folder(Path(probe), model, tokenizer, role), True
+        device = device or "cpu"
     elif isinstance(probe, torch.nn.Module) and hasattr(probe, "config"):
         where = f"the {role} probe" if role else f"{probe.config.role} probe"
         check_role(probe.config, role, where=where)
         if model is not None:
             check_probe_matches(probe.config, model, tokenizer, where=where)
-        probe = probe.to(device) if device is not None else probe
+        mine = False
     else:
         raise TypeError(f"{role or 'the'} probe must be a path or a SemanticProbe, got {type(probe).__name__}")
-    probe = probe.eval()
-    if dtype is not None:  # inputs are still standardised in float32 (SemanticProbe.predict)
-        want = resolve_probe_dtype(dtype, next(probe.buffers(), next(probe.parameters(), torch.empty(0))).device)
-        if getattr(probe, "mlp_dtype", want) != want:
-            probe = copy.deepcopy(probe)
-            probe.mlp.to(want)
+    here = next(probe.buffers(), next(probe.parameters(), torch.empty(0))).device
+    device = here if device is None else torch.device(device)
+    want = None if dtype is None else resolve_probe_dtype(dtype, device)  # inputs stay float32 (SemanticProbe.predict)
+    want = None if getattr(probe, "mlp_dtype", want) == want else want
+    if not mine and (probe.training or device != here or want is not None):
+        probe = copy.deepcopy(probe)  # the caller's module (one being trained, say) is left as it was
+    probe = probe.to(device).eval()
+    if want is not None:
+        probe.mlp.to(want)
     return probe
 
 

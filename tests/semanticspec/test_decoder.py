@@ -826,6 +826,10 @@ def test_probe_dtype_runs_a_copy_of_the_mlp_in_float16_and_refuses_bad_values(ti
     assert probe.mlp_dtype == torch.float32  # the caller's probe (one being trained, say) is left as it was
     torch.testing.assert_close(half.predict(x), probe.predict(x), atol=2e-3, rtol=0)
     assert SemanticSpecDecoder(target, draft, tok, target_probe=probe, probe_dtype="float32").target_probe is probe
+    probe.train()  # a module being trained: the decoder judges with an eval copy, and training goes on as it was
+    held = SemanticSpecDecoder(target, draft, tok, target_probe=probe, probe_dtype="float32").target_probe
+    assert probe.training and not held.training and held is not probe
+    probe.eval()
     for capability, want in (("AVX512", torch.float16), ("AVX2", torch.float16), ("DEFAULT", torch.float32)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert resolve_probe_dtype("auto", torch.device("cpu")) == want
