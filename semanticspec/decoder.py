@@ -169,7 +169,7 @@ class SemanticSpecDecoder(StepDecoder):
     def transformers_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
         return transformers_events(plan.method, self.target, self.draft, self.tokenizer,
                                    None if self.shared else self.draft_tokenizer, batch, plan.cfg.max_new_tokens,
-                                   plan.sampling, keys)
+                                   plan.sampling, keys, plan.loop.answer_marker)
 
     def step_loop(self, plan: Plan, batch: tuple, keys: Sequence[StreamKey]) -> StepLoop:
         """The loop of one batch of ``plan`` over the in-process models: one :class:`~generation.cache.BatchedCache`

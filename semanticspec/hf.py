@@ -13,12 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from generation.cache import context_length
 from generation.handover import decode_text, pad_id
 from generation.sampling import stream_seed
 from generation.specs import SamplingSpec
 from semanticspec.results import DecodeResult, DecodeStats, StepEvent
+from semanticspec.rows import answer_complete
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,12 @@ class TransformersLoop:
 
 
 def transformers_events(method: TransformersLoop, target, draft, tokenizer, draft_tokenizer, batch: tuple,
-                        max_new_tokens: int, sampling: SamplingSpec, keys) -> Iterator[StepEvent]:
+                        max_new_tokens: int, sampling: SamplingSpec, keys, marker: str | None = None
+                        ) -> Iterator[StepEvent]:
     """Decode prompt by prompt (``batch``: the target's and the draft's prompt ids), each seeding transformers from
     its own stream (``keys``: each prompt's :data:`~generation.sampling.StreamKey`); a prompt's output is one step,
-    yielded with its end event. ``draft_tokenizer``: None when the models share ``tokenizer``.
+    yielded with its end event. ``draft_tokenizer``: None when the models share ``tokenizer``. ``marker``: the
+    answer marker that ends a decode as it ends the step loop's (its line complete), None for none.
 
     Each stops at the models' context end: with one tokenizer the draft reads the same ids; with two, transformers
     hands text over and only the target's context is known here.
@@ -46,19 +50,23 @@ def transformers_events(method: TransformersLoop, target, draft, tokenizer, draf
         rooms += [(context_length(draft.config), len(idd))] if shared else []
         room = min([c - n for c, n in rooms if c is not None], default=max_new_tokens)
         r = hf_generate(target, draft, tokenizer, draft_tokenizer, it, method.assisted, max_new_tokens, sampling,
-                        stream_seed(*key, "sampling"), room)
+                        stream_seed(*key, "sampling"), room, marker)
         for step in r.steps:
             yield StepEvent(k, step, r.text)
         yield StepEvent(k, None, r.text, r)
 
 
 def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,
-                sampling: SamplingSpec, seed: int, room: int | None = None) -> DecodeResult:
+                sampling: SamplingSpec, seed: int, room: int | None = None, marker: str | None = None
+                ) -> DecodeResult:
     """One prompt through ``target.generate`` (assisted by ``draft`` when ``assisted``: ``token_sd``).
 
     ``draft_tokenizer`` is None for a shared tokenizer, else transformers' universal assisted
     generation hands text between the two. ``room``: new tokens the context holds (None: no limit);
-    the result stops there with ``stop_reason="context"``.
+    the result stops there with ``stop_reason="context"``. ``marker``: the output ends once its line starting at
+    the answer marker is complete (``stop_reason="answer"``), as the step loop's does. transformers samples from
+    torch's global generator, seeded with ``seed`` here and restored afterwards (the caller's draws go on as if
+    this call had not run).
     """
     dev = next(target.parameters()).device
     cap = max_new_tokens if room is None else min(max_new_tokens, room)
@@ -70,6 +78,8 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assis
     # both, and its cross-tokenizer handover decodes with clean_up_tokenization_spaces=True; each warns once per
     # process from inside transformers, not from here.)
     kwargs = {"max_new_tokens": cap, "pad_token_id": pad_id(tokenizer), "eos_token_id": tokenizer.eos_token_id}
+    if marker:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_AnswerDone(tokenizer, len(ids), marker)])
     # Sampling as the package's sampler does it: temperature and top-p, no top-k (transformers' default is 50).
     kwargs.update({"do_sample": False} if sampling.greedy else
                   {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": None})
@@ -82,11 +92,12 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assis
     # LM head with pruned, re-indexing wrappers and leaves them there, which breaks every later forward of the draft
     # (the decoder's own loop and the next assisted call fail with shape errors); they are put back afterwards.
     heads = (draft.get_input_embeddings(), draft.get_output_embeddings())
-    torch.manual_seed(seed)
     t0 = time.perf_counter()
     try:
         x = torch.tensor([ids], device=dev)
-        out = target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
     finally:
         for h in hooks:
             h.remove()
@@ -103,7 +114,29 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assis
     eos = tokenizer.eos_token_id
     if eos in new:
         new = new[: new.index(eos) + 1]
+    answered = _answer_end(tokenizer, new, marker)  # assisted generation may accept tokens past it in one chunk
+    new = new[:answered] if answered is not None else new
     stats = DecodeStats(wall_s=wall, output_tokens=len(new), steps=0, target_passes=calls["target"],
                         draft_passes=calls["draft"])
-    reason = "eos" if eos in new else ("budget" if len(new) >= max_new_tokens else "context")
+    reason = "eos" if eos in new else "answer" if answered is not None else \
+        "budget" if len(new) >= max_new_tokens else "context"
     return DecodeResult(decode_text(tokenizer, new), [], stats, reason)
+
+
+class _AnswerDone(StoppingCriteria):
+    """transformers' stopping criterion of the answer marker: the new tokens' text holds its line, complete."""
+
+    def __init__(self, tokenizer, start: int, marker: str) -> None:
+        self.tokenizer, self.start, self.marker = tokenizer, start, marker
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = [answer_complete(decode_text(self.tokenizer, row[self.start :].tolist()), self.marker)
+                for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def _answer_end(tokenizer, new: list[int], marker: str | None) -> int | None:
+    """How many of ``new`` end the output at the answer marker's completed line (None: they do not)."""
+    if not marker or not answer_complete(decode_text(tokenizer, new), marker):
+        return None
+    return next(j for j in range(1, len(new) + 1) if answer_complete(decode_text(tokenizer, new[:j]), marker))

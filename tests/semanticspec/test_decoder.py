@@ -390,6 +390,28 @@ def test_transformers_baselines_report_their_own_times(tiny_pair):
             assert all(r.stats.target_passes >= r.stats.output_tokens for r in res)
 
 
+def test_transformers_baselines_end_at_the_answer_and_leave_torchs_generator_alone():
+    """transformers' loop (plain and assisted) ends a decode at the answer marker's completed line, as the step loop
+    does, so the methods' outputs and times compare; it samples from torch's global generator, which the call
+    seeds and then restores: a caller's own draws go on as if it had not run."""
+    from arithmetic_world.models import load_world
+    from semanticspec.rows import answer_complete
+
+    w = load_world()
+    dec = SemanticSpecDecoder(w.target, w.draft, w.tokenizer)  # no task: the marker is the call's
+    prompt = "<bos>Start with 7. Add 5. What is the result?\n\n"
+    ours = dec.generate([prompt], method="target_only", temperature=0.0, max_new_tokens=48, answer_marker="+")[0]
+    assert ours.stop_reason == "answer" and ours.text.count("\n\n") == 1  # the first line holds "+"
+    for method in ("hf_target_only", "token_sd"):
+        torch.manual_seed(5)
+        r = dec.generate([prompt], method=method, temperature=0.0, max_new_tokens=48, answer_marker="+")[0]
+        drawn = float(torch.rand(()))
+        torch.manual_seed(5)
+        assert drawn == float(torch.rand(())), method  # the caller's generator, untouched
+        assert r.stop_reason == "answer" and ours.text.startswith(r.text) and answer_complete(r.text, "+"), method
+        assert not answer_complete(w.tokenizer.decode(w.tokenizer(r.text).input_ids[1:-1]), "+")  # ends at the line
+
+
 # --------------------------------------------------------------------------- cross-tokenizer
 
 
