@@ -87,9 +87,9 @@ class SamplingSpec:
     def errors(temperature: Any, top_p: Any) -> list[str]:
         """What is wrong with these values (the one check; configs that hold the fields call it too)."""
         out = []
-        if not _real(temperature) or not (math.isfinite(temperature) and temperature >= 0):
+        if not is_real(temperature) or not (math.isfinite(temperature) and temperature >= 0):
             out.append(f"temperature={temperature!r}: expected a finite number >= 0 (0 = greedy)")
-        if not _real(top_p) or not 0 < top_p <= 1:
+        if not is_real(top_p) or not 0 < top_p <= 1:
             out.append(f"top_p={top_p!r}: expected a number in (0, 1]")
         return out
 
@@ -109,10 +109,6 @@ def is_count(x: Any) -> bool:
 def is_real(x: Any) -> bool:
     """A real number (a NumPy one too), not a bool: a threshold, a rate, a log-probability."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 FEATURE_GROUPS: tuple[str, ...] = ("hidden", "token_stats", "topk_stats")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -165,6 +165,8 @@ class StepDecoder:
         if self.task is None:
             raise ValueError("prompts() formats problems as the decoder's task does; give the decoder task=... (a "
                              "datamodules.tasks.base.Task), or format prompts yourself")
+        if isinstance(problems, (bytes, bytearray)) or not isinstance(problems, (str, Iterable)):
+            raise ValueError(f"problems={problems!r}: expected a list of problem texts (or one text)")
         problems = [problems] if isinstance(problems, str) else list(problems)
         bad = next((i for i, p in enumerate(problems) if not isinstance(p, str)), None)
         if bad is not None:
@@ -273,8 +275,12 @@ class StepDecoder:
             problems.append("rule='ratio' needs draft_probe for p; give one or use rule='threshold'")
         window = self._window(cfg, method)
         if window.size > 1 or window.overlap:
-            why = lookahead_problem(method, name) or self._window_fits(cfg, step or self.step)
-            if why:
+            why = lookahead_problem(method, name)
+            if why:  # overlap drafts a next window ahead: of one step too
+                head, fix = ("overlap=True", "overlap=False") if window.size == 1 else \
+                    (f"lookahead={window.size}", "lookahead=1")
+                problems.append(f"{head}: {why}; use {fix}")
+            elif why := self._window_fits(cfg, step or self.step):
                 problems.append(f"lookahead={window.size}: {why}")
             else:
                 method = dataclasses.replace(method, window=window)
@@ -316,12 +322,12 @@ class StepDecoder:
 def lookahead_problem(method, name) -> str | None:
     """Why ``method`` (named ``name``) cannot judge a window of several drafted steps per target pass, or None."""
     if getattr(method, "policy", None) is None:
-        return f"method={name!r} drafts no steps for the target to judge; use lookahead=1"
+        return f"method={name!r} drafts no steps for the target to judge"
     if method.policy.needs.judge:
         return (f"method={name!r} reads a judge turn after each step, which cannot share one forward with the "
-                "steps after it; use lookahead=1")
+                "steps after it")
     if method.policy.needs.p:
-        return "the ratio rule reads the draft probe's p, which is read for one-step windows only; use lookahead=1"
+        return "the ratio rule reads the draft probe's p, which is read for one-step windows only"
     return None
 
 
@@ -424,6 +430,9 @@ def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, en
         stacklevel: the frame the warning names, 1 being the caller's (as :func:`warnings.warn` counts).
     """
     given = {"temperature": temperature, "top_p": top_p}
+    bad = SamplingSpec.errors(*(getattr(SamplingSpec, k) if v is None else v for k, v in given.items()))
+    if bad:  # a bad value is named as such, before it is compared with the probes'
+        raise ValueError("invalid sampling: " + "; ".join(bad))
     if enforce:
         refuse_conflicts(given, seen, "steps sampled", warn=allow_mismatch, stacklevel=stacklevel + 1)
     out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}

@@ -90,7 +90,7 @@ class SemanticSpecDecoder(StepDecoder):
             window and the loop's settings: who writes the first step, the step spec, token-level speculation, the
             bonus token); a ``generate`` call without a config starts from it. None = ``DecodeConfig()``.
         task: the :class:`~datamodules.tasks.base.Task` whose problems are decoded (or any object with an
-            ``answer_marker``): a decode ends once a line starting with its ``answer_marker`` is complete. None
+            ``answer_marker``): a decode ends once a newline follows its ``answer_marker``'s last occurrence. None
             (default): the config's ``answer_marker``, else none (a decode ends at EOS, the token budget or the
             context end). Its problems come from ``task.problems(n, seed)``
             and their prompts from ``decoder.prompts(problems)``; ``task.check`` scores the text.
@@ -114,7 +114,7 @@ class SemanticSpecDecoder(StepDecoder):
         self.shared = self.handover.shared
         self.windows = self.shared  # the target reads a window of draft steps in its own tokens
         self.policy = policy or default_policy(fast_path=self.shared, tau=stored_tau(target_probe))
-        self.config, self.task = config or DecodeConfig(), task
+        self.config, self.task = DecodeConfig.of(config), task
         if self.policy.top_k and not self.shared:
             raise ValueError(f"invalid SemanticSpecDecoder arguments: top_k={self.policy.top_k}: the fast path "
                              "compares the draft's tokens with the target's top-k, so it needs a shared tokenizer; "

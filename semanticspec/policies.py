@@ -172,9 +172,9 @@ class ProbePolicy(AcceptancePolicy):
             errors.append(f"tau={self.tau!r}: expected a number with 0 <= tau <= 1")
         scale = self.ratio_scale
         if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
-            errors.append(f"ratio_scale={self.ratio_scale}: expected a finite number > 0")
+            errors.append(f"ratio_scale={self.ratio_scale!r}: expected a finite number > 0")
         if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
-            errors.append(f"top_k={self.top_k}: expected an integer >= 0 (0 disables the fast path)")
+            errors.append(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables the fast path)")
         if not (is_real(self.fast_path_min_logprob) and self.fast_path_min_logprob <= 0):
             errors.append(f"fast_path_min_logprob={self.fast_path_min_logprob!r}: expected a log-probability <= 0")
         if not isinstance(self.lazy_p, bool):

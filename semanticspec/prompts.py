@@ -49,7 +49,11 @@ def _read(i: int, prompt, shared: bool) -> tuple[str, object]:
             raise ValueError(f"prompt {i} is empty: give the text the model continues")
         return TEXT, prompt
     if isinstance(prompt, tuple) and len(prompt) == 2 and all(_sequence(side) for side in prompt):
-        return PAIR, (_ids(i, prompt[0]), _ids(i, prompt[1]))
+        pair = _ids(i, prompt[0]), _ids(i, prompt[1])
+        if shared and pair[0] != pair[1]:  # both models would read other prompts
+            raise ValueError(f"prompt {i} is a (target_ids, draft_ids) pair whose two sides differ, but this pair "
+                             "shares one tokenizer, so both models read the same ids: give them once")
+        return PAIR, pair
     if not _sequence(prompt):
         raise ValueError(f"prompt {i} is a {type(prompt).__name__}: expected a string, token ids or a "
                          "(target_ids, draft_ids) pair")
@@ -94,13 +98,11 @@ def _check_rows(name: str, model, rows: list[list[int]]) -> None:
 
 
 def read_prompt_texts(prompts) -> list[str]:
-    """Prompts for servers (which tokenize them): a non-empty list of non-empty strings, or a ValueError naming the
-    first bad one."""
-    if prompts is None or isinstance(prompts, str):
-        raise ValueError(f"prompts={prompts!r}: expected a list of prompt strings")
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("prompts is empty: give at least one prompt string")
+    """Prompts for servers (which tokenize them): a list of non-empty strings (a bare string is one prompt), or a
+    ValueError naming the first bad one."""
+    if prompts is None:
+        raise ValueError("prompts=None: expected a list of prompt strings")
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # not one prompt per character
     for i, p in enumerate(prompts):
         if not isinstance(p, str) or not p:
             raise ValueError(f"prompt {i} is {p!r}: the served decoder sends text (the servers tokenize it); "

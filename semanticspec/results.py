@@ -40,8 +40,10 @@ class StepTrace:
         p: draft probe's semantic probability (None when not computed).
         decision: a :class:`Decision`.
         seconds: the row's share of the loop's rounds since its previous step (a round's seconds shared evenly by
-            the rows in it), split evenly among the steps one round traced for the row; a row's steps' seconds add
-            up to at most its ``wall_s`` (:class:`~semanticspec.meter.Meter`).
+            the rows in it), split evenly among the steps one round traced for the row
+            (:class:`~semanticspec.meter.Meter`). Over a batch the steps' seconds add up to at most the rows'
+            ``wall_s``; one row's can exceed its own ``wall_s``, an even share of its batch's seconds, when it was
+            in more rounds than the others.
         score: SpecReason judge score 0-9 (only for ``method="specreason"``).
     """
 

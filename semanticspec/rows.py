@@ -14,7 +14,8 @@ from semanticspec.results import DecodeStats, Decision, StepTrace
 
 
 def answer_complete(text: str, marker: str | None) -> bool:
-    """The output ``text`` ends a decode: its last line starting at ``marker`` is complete (a newline follows)."""
+    """The output ``text`` ends a decode: a newline follows the last occurrence of ``marker``, wherever it stands in
+    its line (``\\boxed{`` mid-sentence too)."""
     if not marker:
         return False
     k = text.rfind(marker)
@@ -49,7 +50,7 @@ class Row:
 
     Args:
         budget: output tokens it may write.
-        answer_marker: the prompt is done once a line starting with this is complete.
+        answer_marker: the prompt is done once a newline follows its last occurrence (:func:`answer_complete`).
         decode: the models share one tokenizer in-process: the output is kept as ids too, and its text is these ids
             decoded whole (``decode(ids)``); None: the output's text is its steps' texts, joined.
     """

@@ -63,7 +63,7 @@ class ServedDecoder(StepDecoder):
         check_policy(policy)
         self.target, self.draft, self.concurrency = target, draft, concurrency
         self.policy = policy or default_policy(tau=stored_tau(target_probe))  # the evaluation's pick, if any
-        self.config, self.task = config or DecodeConfig(), task
+        self.config, self.task = DecodeConfig.of(config), task
         self.tokenizer = tokenizer
         self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (None, None), (None, None),
                                                           probe_dtype)

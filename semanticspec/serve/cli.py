@@ -26,12 +26,14 @@ in-process, top-k statistics (what a server returns) served."""
 
 def world_chat(suffix: str, bos: bool = True) -> str:
     """The embedded world's chat format: its tokenizer has no chat template, so the world's endpoint formats a chat
-    as its task's prompt: BOS (in-process; a server adds its own), the user turns one per line, then the task's
-    prompt ``suffix``. Its models were trained on problems alone, so a system, developer or assistant message is
-    refused (a 400 naming the message), not dropped."""
-    turns = ("{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('message ' ~ loop.index0 ~ ' is "
-             "a ' ~ m['role'] ~ ' message: the embedded world\\'s models read user messages only (its problems)') }}"
-             "{% endif %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ m['content'] }}{% endfor %}")
+    as its task's prompt: BOS (in-process; a server adds its own), the system and user turns one per line (a system
+    turn read as text before the problem, as Gemma-3's template folds it into the first user turn), then the task's
+    prompt ``suffix``. An assistant turn is refused (a 400 naming it): the world's models answer one problem and
+    cannot continue a conversation; nothing is dropped without a word."""
+    turns = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('message ' ~ loop.index0 ~ "
+             "' is an assistant message: the embedded world\\'s models answer one problem; they cannot continue a "
+             "conversation') }}{% endif %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ m['content'] }}"
+             "{% endfor %}")
     return ("{{ bos_token }}" if bos else "") + turns + "{{ " + json.dumps(suffix) + " }}"
 
 

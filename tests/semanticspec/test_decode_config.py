@@ -64,3 +64,31 @@ def _escaped(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_numpy_numbers_sample_and_bad_sampling_or_arguments_are_named_as_bad_values(tiny_pair):
+    """A NumPy temperature is a number, as every other field's; a bad sampling value is named as bad before it is
+    compared with the probes'; a policy's bad values are shown as given; a decoder's config and ``prompts()`` refuse
+    what is no config or no problems with the one-line errors ``generate`` gives."""
+    import numpy as np
+
+    from semanticspec import SemanticSpecDecoder
+
+    target, draft, tok = tiny_pair
+    assert DecodeConfig(temperature=np.float32(0.5), top_p=np.float64(0.9)).top_p == 0.9
+    dec = SemanticSpecDecoder(target, draft, tok)
+    assert dec.sampling(np.float64(0.6), np.float64(0.95)).temperature == 0.6
+    for args, said in ((("0.6",), "temperature='0.6': expected a finite number"),
+                       ((-1,), "temperature=-1: expected a finite number"), ((None, 2), "top_p=2: expected a number")):
+        with pytest.raises(ValueError, match=said):
+            dec.sampling(*args)
+    with pytest.raises(ValueError, match="ratio_scale='2': expected a finite number > 0; top_k='1': expected an int"):
+        ProbePolicy(ratio_scale="2", top_k="1")
+    with pytest.raises(TypeError, match="config must be a DecodeConfig, got dict"):
+        SemanticSpecDecoder(target, draft, tok, config={"max_new_tokens": 5})
+    from arithmetic_world.task import ArithmeticTask
+
+    tasked = SemanticSpecDecoder(target, draft, tok, task=ArithmeticTask())
+    for bad in (None, b"ab", 5):
+        with pytest.raises(ValueError, match=r"problems=.*: expected a list of problem texts"):
+            tasked.prompts(bad)

@@ -674,6 +674,8 @@ def test_bad_prompts_are_refused_before_any_model_call_naming_the_index(tiny_pai
         ([[5, 2.5]], r"prompt 0 holds 2.5 at position 1: expected an integer token id"),
         ([PROMPTS[0], ids], r"prompt 1 is token ids but prompt 0 is text: a batch holds prompts of one form"),
         ([PROMPTS[0], "Add 5, then " * 100], r"prompt 1 has \d+ tokens but the target model's context .* is 256"),
+        ([(ids, ids[:-1])], r"prompt 0 is a \(target_ids, draft_ids\) pair whose two sides differ, but this pair "
+                            r"shares one tokenizer"),
     ]
     try:
         for prompts, match in cases:
@@ -688,6 +690,7 @@ def test_bad_prompts_are_refused_before_any_model_call_naming_the_index(tiny_pai
         for h in hooks:
             h.remove()
     assert not calls  # every refusal came before any model call
+    assert texts(dec.generate([(ids, ids)], max_new_tokens=4)) == texts(dec.generate([ids], max_new_tokens=4))
     with pytest.raises(ValueError, match=r"ratio_scale=nan: expected a finite number > 0"):
         ProbePolicy(rule="ratio", ratio_scale=float("nan"))
     with pytest.raises(ValueError, match=r"top_k=1.5: expected an integer >= 0"):

@@ -101,22 +101,25 @@ def test_chat_formats_with_the_template_and_a_model_without_one_gets_a_400(endpo
         bare.app.state.scheduler.stop(0)
 
 
-def test_a_chats_user_turns_are_lines_and_a_role_the_world_cannot_read_gets_a_400(endpoint):
-    """The world's chat format joins user turns one per line (two turns read as one message holding both), and
-    refuses a system, developer or assistant message, naming it: its models read problems alone, and dropping the
-    message would answer another question than the one asked."""
+def test_a_chats_turns_are_lines_and_an_assistant_turn_the_world_cannot_continue_gets_a_400(endpoint):
+    """The world's chat format reads every turn, one per line: two user turns read as one message holding both, and
+    a system (or developer) turn is read before the problem, not dropped; an assistant turn is refused, naming it,
+    since the world's models answer one problem and cannot continue a conversation."""
     c = endpoint.client()
 
     def used(messages):
         return c.chat.completions.create(model="semanticspec", messages=messages, max_tokens=2, seed=0).usage
 
-    two = used([{"role": "user", "content": "Start with 7."}, {"role": "user", "content": "Add 5."}])
-    assert two.prompt_tokens == used([{"role": "user", "content": "Start with 7.\nAdd 5."}]).prompt_tokens
-    for role, read_as in (("system", "system"), ("developer", "system"), ("assistant", "assistant")):
-        with pytest.raises(openai.BadRequestError) as e:
-            used([{"role": "user", "content": "Start with 7."}, {"role": role, "content": "Be terse."}])
-        err = e.value.body  # a developer message is a system message to a template (OpenAI's renaming)
-        assert err["param"] == "messages" and f"message 1 is a {read_as} message" in err["message"], err
+    one = used([{"role": "user", "content": "Start with 7.\nAdd 5."}]).prompt_tokens
+    assert used([{"role": "user", "content": "Start with 7."}, {"role": "user", "content": "Add 5."}]).prompt_tokens \
+        == one
+    for role in ("system", "developer"):
+        assert used([{"role": role, "content": "Start with 7."}, {"role": "user", "content": "Add 5."}]).prompt_tokens \
+            == one, role
+    with pytest.raises(openai.BadRequestError) as e:
+        used([{"role": "user", "content": "Start with 7."}, {"role": "assistant", "content": "7."}])
+    err = e.value.body
+    assert err["param"] == "messages" and "message 1 is an assistant message" in err["message"], err
 
 
 BAD = [

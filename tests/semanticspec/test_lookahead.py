@@ -155,8 +155,10 @@ def test_bad_lookahead_is_refused_naming_it(tiny_pair):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=f"lookahead={bad!r}: expected an integer >= 1"):
             dec.generate(PROMPTS, lookahead=bad)
-    with pytest.raises(ValueError, match="lookahead=2: method='target_only' drafts no steps"):
+    with pytest.raises(ValueError, match="lookahead=2: method='target_only' drafts no steps.*; use lookahead=1"):
         dec.generate(PROMPTS, method="target_only", lookahead=2)
+    with pytest.raises(ValueError, match="overlap=True: method='target_only' drafts no steps.*; use overlap=False"):
+        dec.generate(PROMPTS, method="target_only", overlap=True)  # not "lookahead=1: ...; use lookahead=1"
     with pytest.raises(ValueError, match="lookahead=3: method='specreason' reads a judge turn"):
         dec.generate(PROMPTS, method="specreason", lookahead=3)
     ratio = stub_decoder(target, draft, tok, q=1.0, rule="ratio")

@@ -19,6 +19,7 @@ from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.results import summarize
 from semanticspec.engine_parts import answer_cut
 from semanticspec.served import ServedDecoder
+from semanticspec.prompts import read_prompt_texts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -350,11 +351,11 @@ def test_answer_cut_is_the_step_loops_stop():
 def test_bad_input_is_refused_before_any_request(world, engines):
     target, draft = Wrapped(engines[0]), Wrapped(engines[1])
     dec = ServedDecoder(target, draft, hidden_probe(world), task=MARKER)
-    cases = [([], "prompts is empty"), (None, "prompts=None"), (["ok", ""], "prompt 1"), ([[2, 5]], "prompt 0"),
-             ("one string", "list of prompt strings")]
+    cases = [(None, "prompts=None"), (["ok", ""], "prompt 1"), ([[2, 5]], "prompt 0")]
     for prompts, match in cases:
         with pytest.raises(ValueError, match=match):
             dec.generate(prompts, **GREEDY)
+    assert read_prompt_texts("one string") == ["one string"]  # a bare string is one prompt, not one per character
     for kw, match in [({"max_new_tokens": 0}, "max_new_tokens=0"), ({"method": "specreason"}, "specreason"),
                       ({"method": "nope"}, "nope"), ({"accept_rate": 0.5}, "accept_rate"),
                       ({"token_sd": True}, "token_sd=True: the served decoder's target server"),
@@ -365,6 +366,8 @@ def test_bad_input_is_refused_before_any_request(world, engines):
         with pytest.raises(ValueError, match="concurrency"):
             ServedDecoder(target, draft, concurrency=c)
     assert target.calls == [] and draft.calls == []
+    assert dec.generate([], **GREEDY) == []  # as in-process: no prompts, no results (the servers' checks still run)
+    assert set(target.calls + draft.calls) == {"capabilities"}
 
 
 def _caps(**kw):
