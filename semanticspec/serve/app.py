@@ -142,6 +142,9 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
+        ctype = request.headers.get("content-type", "")
+        if param is None and "json" not in ctype and not message.startswith("malformed JSON"):  # curl -d's form type
+            message += f" (it came as {ctype or 'no Content-Type'}; send it with Content-Type: application/json)"
         metrics.count(request.scope, 400)
         return JSONResponse(error_body(message, param), status_code=400)
 

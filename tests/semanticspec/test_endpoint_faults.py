@@ -114,6 +114,18 @@ def test_what_common_clients_send_is_taken(world):
     assert e.value.body["param"] == "tools"
 
 
+def test_a_json_body_sent_as_a_form_is_told_to_send_its_content_type(world):
+    """``curl -d '{...}'`` without ``-H 'Content-Type: application/json'`` sends a form: the 400 says so, since
+    "the body must be a JSON object" alone reads wrong to someone whose body is one."""
+    body = json.dumps({"prompt": "Start with 2.", "max_tokens": 2})
+    with httpx.Client() as c:
+        r = c.post(world.url + "/completions", content=body,
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400
+    assert "it came as application/x-www-form-urlencoded; send it with Content-Type: application/json" in \
+        r.json()["error"]["message"]
+
+
 def test_a_lower_case_bearer_scheme_is_accepted():
     from semanticspec.serve.app import key_matches
 
