@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -90,6 +91,8 @@ class Connection:
         self._down: tuple[float, str] | None = None
         """When a request last found the server gone (no connection, or no answer in time after the retries), and
         why."""
+        self._trying = threading.Condition()  # the one request trying a gone server again; the others wait on it
+        self._trier: int | None = None  # that request's thread
 
     def say(self, e: BaseException | str) -> str:
         """An exception (or text) with the API key blanked out (:func:`redact`)."""
@@ -182,27 +185,53 @@ class Connection:
     def _call(self, what: str, fix: str, request) -> tuple[Any, float]:
         """``request()`` with the client's retries, and the seconds it took; a server gone (no connection, or no
         answer in time after the retries) is not asked again for :attr:`down_s` seconds, so the requests behind a hung
-        server fail at once instead of each waiting out its timeouts (then one request tries it again).
+        server fail at once instead of each waiting out its timeouts; then one request tries it again and the others
+        wait for its answer.
 
         Raises:
             EngineError: the server refused the request, did not answer after the retries, or is gone.
         """
-        if self._down is not None:
-            since, why = self._down
-            if time.monotonic() - since < self.down_s:
-                raise Unreachable(f"server {self.root} is not asked {what}: {why} {time.monotonic() - since:.0f} s "
-                                  f"ago (asked again {self.down_s:g} s after)", self.root)
-            self._down = (time.monotonic(), why)  # this request tries it; the others wait for its answer
+        trier = self._admit(what)
         t = time.perf_counter()
         try:
             answer = request()
+            self._down = None
         except self.openai.OpenAIError as e:
             gone = isinstance(e, self.openai.APIConnectionError)  # no connection, or a timeout (its subclass)
             self._down = (time.monotonic(), f"it failed {what} after {self.retries} attempt(s) ({self.say(e)})") \
                 if gone else None  # an answer, even a refusal, says it is there
             raise self.error(what, e, fix) from None
-        self._down = None
+        finally:
+            if trier:
+                with self._trying:
+                    self._trier = None
+                    self._trying.notify_all()
         return answer, time.perf_counter() - t
+
+    def _admit(self, what: str) -> bool:
+        """Let a request go to the server, refusing it while the server is marked gone; once the mark is
+        :attr:`down_s` old, the first request tries the server (True: it is the one) and the others wait for its
+        answer, then go or are refused by it."""
+        with self._trying:
+            while True:
+                if self._down is None:
+                    return False
+                since, why = self._down
+                if time.monotonic() - since < self.down_s:
+                    raise Unreachable(f"server {self.root} is not asked {what}: {why} {time.monotonic() - since:.0f} s "
+                                      f"ago (asked again {self.down_s:g} s after)", self.root)
+                if self._trier is None:
+                    self._trier = threading.get_ident()
+                    return True
+                self._trying.wait()
+
+    def down(self) -> str | None:
+        """Why requests to this server are refused now without asking it (it was found gone less than
+        :attr:`down_s` seconds ago), else None."""
+        down = self._down
+        if down is None or (left := self.down_s - (time.monotonic() - down[0])) <= 0:
+            return None
+        return f"{self.root} is not asked for {left:.0f} s more: {down[1]}"
 
 
 def connect(client, url: str, model: str | None, *, version_route: str | None = "/version", **conn) -> None:

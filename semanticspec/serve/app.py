@@ -257,8 +257,11 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
     @app.get("/health")
     async def health(request: Request):
         down = [u for u in s.backends if not await _answers(u)]
+        marked = {c.root: why for e in (getattr(dec, "target", None), getattr(dec, "draft", None))
+                  if (c := getattr(e, "conn", None)) is not None and (why := c.down())}  # requests refused meanwhile
+        down += [u for u in marked if u not in down]
         if sched.failure or down:
-            why = sched.failure or "backend down: " + ", ".join(down)
+            why = sched.failure or "backend down: " + ", ".join(marked.get(u, u) for u in down)
             metrics.count(request.scope, 503)
             return JSONResponse({"status": "down", "reason": why, "backends_down": down}, status_code=503)
         metrics.count(request.scope, 200)

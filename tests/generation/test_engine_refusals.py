@@ -2,6 +2,7 @@
 :class:`~generation.engines.base.Refused` with the server's own message after one request, not retried; a server
 that is down still raises :class:`~generation.engines.base.Unreachable` after the retries."""
 
+import threading
 import time
 
 import pytest
@@ -108,9 +109,18 @@ def test_a_hung_server_fails_the_requests_behind_it_at_once_and_is_asked_again_l
             with pytest.raises(Unreachable, match=r"is not asked /v1/completions: it failed .* \(asked again 0\.5 s"):
                 conn.completions(model="m", prompt="x", max_tokens=1)
         assert server.requests == 2 and waited >= 1.0
-        server.hang = 0.0  # it answers again
+        assert conn.down().startswith(f"{conn.root} is not asked for ")  # what /health reports meanwhile
+        server.hang = 0.2  # it answers again, slowly
         time.sleep(conn.down_s)
-        assert conn.completions(model="m", prompt="x", max_tokens=1)[0].choices[0].text == "ok"
+        assert conn.down() is None
+        got = []  # four requests at once: one tries the server, the three behind it wait for its answer, then go
+        threads = [threading.Thread(target=lambda: got.append(conn.completions(model="m", prompt="x", max_tokens=1)))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [a.choices[0].text for a, _ in got] == ["ok"] * 4 and server.requests == 6
         assert conn.completions(model="m", prompt="x", max_tokens=1)[0].choices[0].text == "ok"
     finally:
         server.close()

@@ -269,6 +269,28 @@ def test_metrics_count_requests_by_route_never_by_the_path_a_client_sent(world_d
         assert f"semanticspec_requests_total{{{series}}} {n:.1f}" in text, series
 
 
+def test_health_is_503_while_a_backend_is_marked_gone(endpoint, world_decoder):
+    """A backend found gone is not asked again for a while (its requests refused at once): /health says so until
+    then, though the server may answer a health check already, so that it never says "ok" while requests fail."""
+    import httpx
+
+    class Gone:
+        root = "http://127.0.0.1:9"
+
+        def down(self):
+            return f"{self.root} is not asked for 12 s more: it failed /v1/completions after 3 attempt(s)"
+
+    target = world_decoder[0].target
+    assert httpx.get(endpoint.url[:-3] + "/health").status_code == 200
+    target.conn = Gone()
+    try:
+        r = httpx.get(endpoint.url[:-3] + "/health")
+    finally:
+        del target.conn
+    assert r.status_code == 503 and r.json()["backends_down"] == [Gone.root]
+    assert "is not asked for 12 s more" in r.json()["reason"]
+
+
 def test_a_full_queue_gets_a_429_with_retry_after(world_decoder):
     from semanticspec.serve.app import Settings, build_app
 
