@@ -147,6 +147,14 @@ class ServedDecoder(StepDecoder):
         verifier = EngineVerifier(self.target, self.target_probe, coins, prompts=for_target, **kw)
         return StepLoop(proposer, verifier, rows, plan.loop, Meter(rows, verifier, proposer))
 
+    def check_servers(self, config: DecodeConfig | None = None) -> None:
+        """Refuse servers that cannot run ``config``'s method (default: the decoder's own config) with these probes:
+        a ValueError naming what each lacks. :meth:`generate` checks the same before its first request; the endpoint
+        calls this at start-up, so its default requests are not refused one by one as the caller's error."""
+        cfg = self.config if config is None else config
+        method = self._method(cfg)[0]
+        self._check_servers(getattr(method, "policy", None), cfg.method)
+
     def _check_servers(self, policy, method) -> None:
         """Refuse servers that cannot serve the method's reads, before any request that decodes."""
         if policy is None:

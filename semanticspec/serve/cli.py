@@ -59,6 +59,11 @@ class ServeOptions:
     """Environment variable holding the two servers' API key."""
     concurrency: int = 4
     """Served: requests in flight at once per server."""
+    backend_timeout: float = 120.0
+    """Served: seconds a server has to answer one attempt of a request; a hung server fails its requests after the
+    attempts (then it is not asked again for 30 s, or this timeout if shorter)."""
+    backend_retries: int = 3
+    """Served: attempts per request to a server (connection errors, timeouts, 429 and 5xx are tried again)."""
     target_probe: str | None = None
     """Exported target probe directory (None: the embedded world's shipped probe for the mode)."""
     draft_probe: str | None = None
@@ -124,11 +129,12 @@ def build(opts: ServeOptions):
         from generation.engines import make_engine
         from semanticspec import ServedDecoder
 
-        kw = {"api_key_env": opts.backend_key_env}
+        kw = {"api_key_env": opts.backend_key_env, "timeout": opts.backend_timeout, "retries": opts.backend_retries}
         target = make_engine(opts.engine, opts.target_url, opts.target_model, **kw)
         draft = make_engine(opts.engine, opts.draft_url, opts.draft_model, **kw)
         dec = ServedDecoder(target, draft, probes[0], probes[1], default_policy(fast_path=False, tau=tau), task=task,
                             concurrency=opts.concurrency)
+        dec.check_servers()  # servers that cannot serve the probes are refused here, not as each request's 400
         backends = (target.url, draft.url)
         if opts.tokenizer is not None:
             from transformers import AutoTokenizer
@@ -200,13 +206,15 @@ def main(argv: list[str] | None = None) -> None:
     set_wait_policy()  # before torch loads: idle threads sleep rather than spin, as the other commands do
     ns = _parser().parse_args(argv)
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
-    for name in ("port", "max_rows", "max_queue", "concurrency"):
+    for name in ("port", "max_rows", "max_queue", "concurrency", "backend_retries"):
         if getattr(opts, name) < 1:
             fail(PROG, f"--{name}={getattr(opts, name)}: expected an integer >= 1")
     if opts.port > 65535:
         fail(PROG, f"--port={opts.port}: expected a port from 1 to 65535")
     if not opts.shutdown_timeout >= 0:
         fail(PROG, f"--shutdown_timeout={opts.shutdown_timeout}: expected seconds >= 0")
+    if not opts.backend_timeout > 0:
+        fail(PROG, f"--backend_timeout={opts.backend_timeout}: expected seconds > 0")
     if (opts.target_url is None) != (opts.draft_url is None):  # before the imports of build()
         fail(PROG, PAIRED)
     sock = _bind(opts.host, opts.port)  # before the models load: a port in use is refused at once

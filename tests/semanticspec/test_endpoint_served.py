@@ -113,6 +113,17 @@ def test_swapped_servers_are_refused(served):
                            draft_model="target"))
 
 
+def test_probes_the_servers_cannot_serve_are_refused_at_start_up(served):
+    """The in-process probes read hidden states, which llama.cpp's server does not return: refused when the endpoint
+    starts (one line, exit 2 on the command line), not as a 400 blaming every request's prompt."""
+    from semanticspec.serve.cli import ServeOptions, build
+
+    with pytest.raises(ValueError, match="these servers cannot run this decode: .*hidden"):
+        build(ServeOptions(target_url=served["target"].url, draft_url=served["draft"].url, target_model="target",
+                           draft_model="draft", target_probe="checkpoints/arithmetic/probes/target",
+                           draft_probe="checkpoints/arithmetic/probes/draft"))
+
+
 def test_chat_works_with_the_worlds_probes_named_and_without_a_tokenizer_the_400_names_tokenizer(served):
     from datamodules.tasks.worlds import default_world
     from semanticspec.serve.app import Settings, build_app

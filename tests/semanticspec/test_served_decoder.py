@@ -386,6 +386,9 @@ def test_a_server_that_cannot_serve_the_probe_is_refused_naming_it(world, engine
     with pytest.raises(ValueError, match=match) as e:
         dec.generate(world["prompts"], **GREEDY)
     assert "http://10.0.0.7:8001" in str(e.value)
+    with pytest.raises(ValueError, match=match):  # the same check, before any decode (the endpoint's start-up)
+        dec.check_servers()
+    dec.check_servers(DecodeConfig(method="target_only"))  # writing alone needs none
     assert set(target.calls) == {"capabilities"}  # asked, then nothing that decodes
     assert dec.generate(world["prompts"][:1], method="target_only", **GREEDY)[0].ok  # writing alone needs none
 
