@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import shlex
 import signal
 import sys
@@ -70,13 +71,18 @@ class ProbeCLI(LightningCLI):
         from lightning.fabric.utilities.seed import seed_everything
 
         seed = self.config.get("seed_everything")
+        if seed is True:  # "a random seed", as --help says (Lightning's seed_everything(None) picks 0)
+            seed = random.SystemRandom().randrange(2**32)
         if seed is not False:
-            self.config["seed_everything"] = seed_everything(None if seed is True else seed, workers=True,
-                                                             verbose=False)
+            try:
+                self.config["seed_everything"] = seed_everything(seed, workers=True, verbose=False)
+            except ValueError as e:  # out of numpy's range
+                fail(f"--seed_everything {seed}: {e}")
 
     def before_instantiate_classes(self) -> None:
         if self.config.get("ckpt_path"):
             check_checkpoint(self.config.ckpt_path)
+            check_resumed_optimizer(self.config.ckpt_path, self.parser.dump(self.config, skip_check=True))
         try:  # one thread count per process, set before any model work
             apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
         except ValueError as e:
@@ -138,12 +144,39 @@ def check_checkpoint(path: str) -> None:
     try:
         with zipfile.ZipFile(path) as z:
             pickled = b"".join(z.read(n) for n in z.namelist() if n.endswith("data.pkl"))
+            damaged = z.testzip()  # every member's CRC: a flipped byte in the weights trains on silently
     except OSError as e:
         fail(f"--ckpt_path {path}: {e.strerror or e}; {expected}")
     except zipfile.BadZipFile:
         fail(f"--ckpt_path {path} is not a Lightning checkpoint (not a torch.save archive); {expected}")
     if b"pytorch-lightning_version" not in pickled:
         fail(f"--ckpt_path {path} is a torch.save archive but not a Lightning checkpoint; {expected}")
+    if damaged is not None:
+        fail(f"--ckpt_path {path} is damaged: {damaged} fails its checksum; {expected} (an intact copy), or start "
+             "the run again without --ckpt_path")
+
+
+def check_resumed_optimizer(path: str, config_yaml: str) -> None:
+    """Refuse, through :func:`fail`, resuming with another optimizer than the run's own (``config.yaml`` beside its
+    ``checkpoints/``; nothing to compare without one): Lightning restores the optimizer's state from the checkpoint,
+    learning rate included, so a changed option would be recorded in the new run's config and not used."""
+    import yaml
+
+    run_config = Path(path).resolve().parent.parent / "config.yaml"
+    try:
+        old = (yaml.safe_load(run_config.read_text()) or {}).get("model", {}).get("optimizer")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return
+    new = (yaml.safe_load(config_yaml) or {}).get("model", {}).get("optimizer")
+    was, now = (dict(o.get("init_args") or {}, class_path=o.get("class_path")) if isinstance(o, dict) else {"": o}
+                for o in (old, new))  # a null argument is its default, whether or not a dump wrote it
+    keys = ["class_path"] if was.get("class_path") != now.get("class_path") else sorted(set(was) | set(now), key=str)
+    differ = ", ".join(f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in keys if was.get(k) != now.get(k))
+    if old is None or not differ:
+        return
+    fail(f"--ckpt_path {path} resumes its run's optimizer state (learning rate included), but model.optimizer "
+         f"differs from that run's ({run_config}): {differ}; resume with the run's own optimizer (--config "
+         f"{run_config}), or train a new run without --ckpt_path")
 
 
 CHECKPOINT_ERRORS = ("Error(s) in loading state_dict",)

@@ -590,6 +590,39 @@ def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_
     assert sorted(p.name for p in (tmp_path / "runs" / "fit").iterdir()) == ["version_0"]
 
 
+def test_a_resume_with_another_optimizer_or_a_damaged_checkpoint_and_a_bad_seed_are_one_line(tmp_path, capsys):
+    """Lightning restores the optimizer's state from the checkpoint, learning rate included, so a resume with another
+    optimizer would record options it does not use: refused, naming them. A checkpoint whose weights fail their
+    checksum is refused before training on them. A seed numpy cannot take is one line; ``true`` is a random one."""
+    import zipfile
+
+    cfg = _tiny_config(tmp_path)
+    main(["--config", str(cfg), "--trainer.max_epochs", "1", "--test", "false", "--export", "false",
+          "--seed_everything", "true"])
+    run = tmp_path / "runs" / "fit" / "version_0"
+    seed = yaml.safe_load((run / "config.yaml").read_text())["seed_everything"]
+    assert type(seed) is int and 0 <= seed < 2**32  # recorded, so the run repeats (true was seed 0 before)
+    last, saved = run / "checkpoints" / "last.ckpt", str(run / "config.yaml")
+    capsys.readouterr()
+    line = _one_line_error(capsys, ["--config", saved, "--ckpt_path", str(last), "--model.optimizer.init_args.lr",
+                                    "0.5"])
+    assert "model.optimizer differs from that run's" in line and "lr: 0.0001 -> 0.5" in line
+    damaged = tmp_path / "damaged.ckpt"
+    with zipfile.ZipFile(last) as z:
+        weights = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(last.read_bytes())
+    name_len, extra_len = int.from_bytes(raw[weights.header_offset + 26:][:2], "little"), \
+        int.from_bytes(raw[weights.header_offset + 28:][:2], "little")  # the local header's, not the directory's
+    at = weights.header_offset + 30 + name_len + extra_len + 8
+    raw[at:at + 16] = bytes(b ^ 0xFF for b in raw[at:at + 16])
+    damaged.write_bytes(raw)
+    line = _one_line_error(capsys, ["--config", saved, "--ckpt_path", str(damaged)])
+    assert f"{weights.filename} fails its checksum" in line
+    for bad in ("-5", "99999999999"):
+        assert f"--seed_everything {bad}: {bad} is not in bounds" in _one_line_error(
+            capsys, ["--config", str(cfg), "--seed_everything", bad])
+
+
 @pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_a_data_dir_that_is_a_file_is_named_as_such_without_lightning_lines(tmp_path, capsys):
     cfg = _tiny_config(tmp_path)
