@@ -110,11 +110,14 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
 
         module.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
     paths: dict[str, Path] = {}
-    if cli.config.get("export", True) and trainer.is_global_zero:
+    unexported = _not_exported(trainer) if cli.config.get("export", True) else None
+    if cli.config.get("export", True) and trainer.is_global_zero and unexported is None:
         paths = export_probes(module, cli.config.get("export_dir") or default_export_dir(trainer), test_metrics)
     if trainer.is_global_zero:
         summary = metric_rows(test_metrics, module.roles) | live
         print("\nbest checkpoint:", best or "(none)")
+        if unexported is not None:
+            print(f"not exported: {unexported}")
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")
         if summary:
@@ -123,6 +126,17 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         else:
             print("no test metrics: the run had no test split (data.test_fraction=0) or --test false")
     return {"export": paths, "test": test_metrics, "best_ckpt": best}
+
+
+def _not_exported(trainer) -> str | None:
+    """Why the fit's probes are not worth exporting (over an export a decoder may read), or None: a debugging run,
+    or a fit that trained no batch."""
+    if trainer.fast_dev_run:
+        return "--trainer.fast_dev_run is a debugging run (a batch or a few, no checkpoints)"
+    if trainer.global_step == 0:
+        return ("the fit trained no batch (--trainer.limit_train_batches 0?): the probes are as initialised; "
+                "--export false says so without this line")
+    return None
 
 
 def _help_args(args: list[str]) -> list[str]:

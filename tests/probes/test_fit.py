@@ -590,6 +590,17 @@ def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_
     assert sorted(p.name for p in (tmp_path / "runs" / "fit").iterdir()) == ["version_0"]
 
 
+@pytest.mark.parametrize("debug", [["--trainer.limit_train_batches", "0"], ["--trainer.fast_dev_run", "true"]],
+                         ids=["no-batch", "fast_dev_run"])
+def test_a_fit_that_trained_nothing_or_a_debugging_run_exports_nothing_and_says_so(tmp_path, capsys, debug):
+    """Untrained probes, or a debugging run's, must not land over an export a decoder reads (fast_dev_run's went to
+    <default_root_dir>/export, the same folder every such run)."""
+    cfg = _tiny_config(tmp_path)
+    result = main(["--config", str(cfg), "--test", "false", *debug])
+    assert result["export"] == {} and not list(tmp_path.rglob("model.safetensors"))
+    assert "not exported: " in capsys.readouterr().out
+
+
 def test_a_resume_with_another_optimizer_or_a_damaged_checkpoint_and_a_bad_seed_are_one_line(tmp_path, capsys):
     """Lightning restores the optimizer's state from the checkpoint, learning rate included, so a resume with another
     optimizer would record options it does not use: refused, naming them. A checkpoint whose weights fail their
