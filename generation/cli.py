@@ -26,14 +26,15 @@ def normalise_args(args: list[str]) -> list[str]:
 
     Both CLIs look at some options themselves before jsonargparse does (``--config``, ``--ckpt_path``,
     ``--fit_config``, ``--help``); spelling every option one way makes ``--key=value`` and ``--key value``
-    mean the same for all of them. Nothing after a lone ``--`` is touched.
+    mean the same for all of them. ``--print_config=skip_null`` stays whole: its value is optional, so jsonargparse
+    reads one only after ``=``. Nothing after a lone ``--`` is touched.
     """
     out: list[str] = []
     for i, a in enumerate(args):
         if a == "--":
             return out + list(args[i:])
         m = _OPTION.match(a)
-        if m:
+        if m and m.group(1) != "--print_config":
             out += [m.group(1), m.group(2)]
         elif a == "-c" or a.startswith("-c="):
             out += ["--config"] + ([a[3:]] if a.startswith("-c=") else [])

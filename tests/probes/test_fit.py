@@ -84,6 +84,15 @@ def test_no_lightning_warning_about_args(recwarn):
     assert not [w for w in recwarn if "args parameter" in str(w.message)]
 
 
+def test_print_config_takes_jsonargparses_flags_after_an_equals_sign(capsys):
+    """``--print_config=skip_null`` is jsonargparse's own spelling (its value is optional): it was split into
+    ``--print_config skip_null`` and refused as an unrecognized argument."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--print_config=skip_null"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "max_epochs:" in out and ": null" not in out
+
+
 def test_help_documents_options(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help_all"])
