@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -49,11 +50,17 @@ def export_probe(probe, path: str | os.PathLike) -> Path:
     """Write ``probe`` to ``path`` (``model.safetensors``, ``config.json``, model card) atomically.
 
     The files are written into a temporary sibling directory that then replaces ``path``, so an
-    interrupted export leaves either the old probe or the new one, never half of one.
+    interrupted export leaves either the old probe or the new one, never half of one. Files of an existing ``path``
+    that the export does not write (a user's notes, say) are carried over, as ``save_pretrained`` into a folder
+    leaves them.
     """
+    path = Path(path)
     with atomic_path(path, folder=True) as tmp:
         probe.save_pretrained(tmp)
-    return Path(path)
+        for old in path.iterdir() if path.is_dir() else ():
+            if not (tmp / old.name).exists():
+                (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+    return path
 
 
 def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -> None:

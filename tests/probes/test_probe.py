@@ -281,6 +281,20 @@ def test_load_given_a_file_of_the_probe_says_to_pass_the_folder(tmp_path):
             load_probe(path / name)  # issue 33 item 13: it said the folder misses config.json
 
 
+def test_an_export_over_a_folder_replaces_the_probe_and_keeps_the_users_files(tmp_path, world_tokenizer):
+    """A second export into a folder replaces the probe's files whole (atomically) and carries over what the user
+    put there, as ``save_pretrained`` does; it deleted them without a word."""
+    model = tiny_llama(len(world_tokenizer), 32)
+    _, path = _export(tmp_path, model, world_tokenizer)
+    (path / "notes.txt").write_text("mine\n")
+    (path / "extra").mkdir()
+    (path / "extra" / "a.bin").write_bytes(b"\x00\x01")
+    new = SemanticProbe(ProbeConfig(hidden_size=32, hidden_dims=[8], reads=model_fingerprint(model, world_tokenizer)))
+    export_probe(new, path)
+    assert list(load_probe(path, model=model).config.hidden_dims) == [8]
+    assert (path / "notes.txt").read_text() == "mine\n" and (path / "extra" / "a.bin").read_bytes() == b"\x00\x01"
+
+
 def test_interrupted_export_keeps_old_probe(tmp_path, world_tokenizer, monkeypatch):
     model = tiny_llama(len(world_tokenizer), 32)
     old, path = _export(tmp_path, model, world_tokenizer)
