@@ -50,7 +50,7 @@ def first_pass(args: list[str]) -> None:
     for i, a in enumerate(args):
         if a == "--":
             break
-        if a.startswith("--") and not is_known(a.rstrip("+"), known):
+        if a.startswith("--") and not is_known(a.rstrip("+").split("=", 1)[0], known):  # --print_config=skip_null
             value = args[i + 1 : i + 2] if i + 1 < len(args) and not args[i + 1].startswith("--") else []
             fail(did_you_mean(f"unrecognized arguments: {' '.join([a] + value)}", sorted(known)))
 

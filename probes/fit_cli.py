@@ -64,6 +64,7 @@ class ProbeCLI(LightningCLI):
         # warning about `args` and sys.argv both being given would open every run; parse them directly.
         remember_options(parser)
         self.config = parser.parse_args(args)
+        _logger_follows_root(self.config, list(args or ()))
 
     def _set_seed(self) -> None:
         # Lightning prints "Seed set to N" here, before the classes check their arguments: a refused value
@@ -134,6 +135,17 @@ def remember_options(parser) -> None:
             tmp.write_text(json.dumps(sorted(set(parser_options(parser)) | build)))
     except OSError:
         pass  # an unwritable cache: the real parser checks the names of every run
+
+
+def _logger_follows_root(config, args: list[str]) -> None:
+    """``--trainer.default_root_dir DIR`` given alone moves the whole run there: the logger's ``save_dir`` (where the
+    run folder, its plots and the default export go; the configs set it to the same root) follows it, unless the
+    command line sets the logger too."""
+    if "--trainer.default_root_dir" not in args or any(a.startswith("--trainer.logger") for a in args):
+        return
+    logger = config.get("trainer.logger")
+    if logger is not None and not isinstance(logger, (bool, list)) and "save_dir" in (logger.get("init_args") or {}):
+        logger.init_args.save_dir = config.get("trainer.default_root_dir")
 
 
 def check_checkpoint(path: str) -> None:

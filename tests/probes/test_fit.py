@@ -610,6 +610,17 @@ def test_a_fit_that_trained_nothing_or_a_debugging_run_exports_nothing_and_says_
     assert "not exported: " in capsys.readouterr().out
 
 
+def test_default_root_dir_alone_moves_the_whole_run(tmp_path):
+    """The configs set the logger's save_dir to the same root: ``--trainer.default_root_dir`` alone moved the
+    checkpoints but left the run folder, its metrics and the default export under the config's root."""
+    cfg = _tiny_config(tmp_path)
+    result = main(["--config", str(cfg), "--trainer.max_epochs", "1", "--test", "false",
+                   "--trainer.default_root_dir", str(tmp_path / "elsewhere")])
+    assert (tmp_path / "elsewhere" / "fit" / "version_0" / "metrics.csv").is_file()
+    assert not (tmp_path / "runs").exists()
+    assert all(Path(p).is_relative_to(tmp_path / "elsewhere") for p in result["export"].values())
+
+
 def test_a_resume_with_another_optimizer_or_a_damaged_checkpoint_and_a_bad_seed_are_one_line(tmp_path, capsys):
     """Lightning restores the optimizer's state from the checkpoint, learning rate included, so a resume with another
     optimizer would record options it does not use: refused, naming them. A checkpoint whose weights fail their
