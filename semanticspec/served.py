@@ -8,7 +8,7 @@ and a row whose request fails ends with ``stop_reason="error"`` while the others
 
 from __future__ import annotations
 
-from generation.engines.checks import serving_problems
+from generation.engines.checks import model_names, serving_problems, swapped_roles
 from generation.sampling import key_stream
 from generation.specs import is_count
 from semanticspec.base import Plan, StepDecoder, load_probes, sampling_spec
@@ -178,17 +178,11 @@ class ServedDecoder(StepDecoder):
 
 def swapped(target, draft, target_probe, draft_probe) -> str | None:
     """Why the two servers look swapped, or None: the model a server serves is named as the other role's probe
-    reads it (its ``config.json``'s ``reads.name_or_path``, or that path's last part, as a server's alias often is)
-    and not as its own role's probe reads it."""
+    reads it (its ``config.json``'s ``reads.name_or_path``, or that path's last part) and not as its own role's probe
+    reads it (:func:`~generation.engines.checks.swapped_roles`)."""
     def names(probe) -> set[str]:
-        path = str(((probe.config.reads or {}) if probe is not None else {}).get("name_or_path") or "")
-        return {path, path.rstrip("/").rsplit("/", 1)[-1]} - {""}
+        return model_names(((probe.config.reads or {}) if probe is not None else {}).get("name_or_path"))
 
+    served = {role: (e.url, getattr(e, "model", None)) for role, e in (("target", target), ("draft", draft))}
     own = {"target": names(target_probe), "draft": names(draft_probe)}
-    for role, other, engine in (("target", "draft", target), ("draft", "target", draft)):
-        model = getattr(engine, "model", None)
-        if model in own[other] and model not in own[role]:
-            return (f"the {role} server {engine.url} serves {model!r}, which the {other} probe reads "
-                    f"({max(own[other], key=len)!r}); are the target's and the draft's servers swapped? Give the "
-                    f"target's server as the target")
-    return None
+    return swapped_roles(served, own, "model, as its probe records it")

@@ -354,10 +354,12 @@ def _server_samplers(config: BuildConfig, rank: int, tokenizers: tuple) -> dict:
     unreachable or refuses the key stops the build before it writes anything. Other backends: ``{}``."""
     if config.sampling.backend != "openai":
         return {}
-    from datamodules.labels.shard import make_sampler
+    from datamodules.labels.shard import make_sampler, refuse_swapped
 
     tok, dtok = tokenizers
-    return {r: make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
+    samplers = {r: make_sampler(config, r, None, t, rank) for r, t in (("target", tok), ("draft", dtok or tok))}
+    refuse_swapped(config, {r: (s.urls[0], s.model) for r, s in samplers.items()})
+    return samplers
 
 
 def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict, tokenizers: tuple,

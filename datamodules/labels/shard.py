@@ -108,8 +108,21 @@ def load_models(config: BuildConfig, cache_dir: Path, rank: int = 0, samplers: d
     needed = config.sampling.backend == "hf" or not readers
     models = {r: load_model(config, r) if needed else None for r in toks}
     samplers.update({r: make_sampler(config, r, models[r], toks[r], rank) for r in toks if r not in samplers})
+    refuse_swapped(config, {r: (s.urls[0], s.model) for r, s in samplers.items() if s.backend == "openai"})
+    refuse_swapped(config, {r: (e.url, e.model) for r, e in readers.items()})
     return Models(models["target"], models["draft"], tok, make_judge(config, cache_dir, rank, device, dtype), dtok,
                   samplers, readers)
+
+
+def refuse_swapped(config: BuildConfig, servers: dict[str, tuple[str, str | None]]) -> None:
+    """Refuse role servers that look swapped: a role's server serving the model the build names for the other role
+    (:func:`~generation.engines.checks.swapped_roles`). ``servers``: per role, its URL and served model name."""
+    from generation.engines.checks import model_names, swapped_roles
+
+    if set(servers) == {"target", "draft"}:
+        own = {r: model_names(getattr(config, r) or config.model_path(r)) for r in servers}
+        if why := swapped_roles(servers, own):
+            raise ValueError(why)
 
 
 def make_readers(config: BuildConfig, toks: dict[str, Any]) -> dict[str, Any]:

@@ -84,3 +84,29 @@ def serving_problems(engine, spec, role: str) -> list[str]:
         can = [g for g in servable_groups(engine.capabilities()) if role == "target" or g != "hidden"]
         out[-1] += f" (groups it can serve: {can})"
     return out
+
+
+def model_names(path: str | None) -> set[str]:
+    """The names a server may serve a model by: its path or hub id, and that path's last part (as a server's alias
+    often is)."""
+    path = str(path or "")
+    return {path, path.rstrip("/").rsplit("/", 1)[-1]} - {""}
+
+
+def swapped_roles(served: dict[str, tuple[str, str | None]], own: dict[str, set[str]],
+                  whose: str = "model") -> str | None:
+    """Why the target's and the draft's servers look swapped, or None: a role's server serves a model named as the
+    other role's and not as its own.
+
+    Args:
+        served: per role, its server's URL and the model name it serves.
+        own: per role, the names of the model it should serve (:func:`model_names`).
+        whose: what the names are of, for the message.
+    """
+    for role, other in (("target", "draft"), ("draft", "target")):
+        url, model = served[role]
+        if model in own[other] and model not in own[role]:
+            return (f"the {role} server {url} serves {model!r}, the {other}'s {whose} ({max(own[other], key=len)!r}); "
+                    "are the target's and the draft's servers swapped? Give the target's server as the target")
+    return None
+

@@ -888,3 +888,37 @@ def test_a_task_named_by_its_old_path_is_refused_naming_the_new_one_and_the_new_
     task = parser.instantiate(task).build.task
     assert isinstance(task, ArithmeticTask) and task.min_ops == 3
     assert task.spec()["class_path"] == "arithmetic_world.task.ArithmeticTask"  # what the manifest records
+
+
+def test_servers_swapped_between_the_roles_are_refused_before_anything_is_sampled():
+    """A role's server serving the model the build names for the other role (its path, or the path's last part as
+    an alias) is refused, as the served decoder and the endpoint refuse it; servers under other aliases pass (nothing
+    to tell them by)."""
+    from datamodules.labels.shard import refuse_swapped
+
+    config = BuildConfig(target="models/qwen-32b", draft="models/qwen-1.5b")
+    refuse_swapped(config, {"target": ("http://a", "qwen-32b"), "draft": ("http://b", "models/qwen-1.5b")})
+    refuse_swapped(config, {"target": ("http://a", "gemma3"), "draft": ("http://b", "smollm2")})
+    with pytest.raises(ValueError, match=r"the target server http://a serves 'qwen-1.5b', the draft's model "
+                                         r"\('models/qwen-1.5b'\); are the target's and the draft's servers swapped"):
+        refuse_swapped(config, {"target": ("http://a", "qwen-1.5b"), "draft": ("http://b", "qwen-32b")})
+    with pytest.raises(ValueError, match="the target server http://a serves 'draft'"):  # the world's own names
+        refuse_swapped(BuildConfig(), {"target": ("http://a", "draft"), "draft": ("http://b", "target")})
+
+
+@pytest.mark.slow
+def test_the_build_refuses_the_worlds_servers_swapped(tmp_path, capsys):
+    """The label build against the world's two llama.cpp servers given the wrong way round (models left for the
+    servers to name): one line, exit 2, nothing sampled. It built, recording the target's rows as the target's."""
+    from arithmetic_world.serve import world_server
+    from tests.conftest import free_port, need_server
+
+    need_server()
+    with world_server("target", free_port()) as t, world_server("draft", free_port()) as d:
+        with pytest.raises(SystemExit) as e:
+            main(["--fit_config", "configs/served.yaml", "--data_dir", str(tmp_path / "d"), "--build.n_problems", "4",
+                  "--build.sampling.openai.target.urls", f"[{d.url}]", "--build.sampling.openai.draft.urls",
+                  f"[{t.url}]", "--build.sampling.openai.target.model", "null",
+                  "--build.sampling.openai.draft.model", "null"])
+    assert e.value.code == 2 and "servers swapped" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.safetensors"))  # nothing sampled, nothing written
