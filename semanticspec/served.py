@@ -149,8 +149,9 @@ class ServedDecoder(StepDecoder):
 
     def check_servers(self, config: DecodeConfig | None = None) -> None:
         """Refuse servers that cannot run ``config``'s method (default: the decoder's own config) with these probes:
-        a ValueError naming what each lacks. :meth:`generate` checks the same before its first request; the endpoint
-        calls this at start-up, so its default requests are not refused one by one as the caller's error."""
+        a ValueError naming what each lacks. :meth:`~semanticspec.base.StepDecoder.generate` checks the same before
+        its first request; the endpoint calls this at start-up, so its default requests are not refused one by one
+        as the caller's error."""
         cfg = self.config if config is None else config
         method = self._method(cfg)[0]
         self._check_servers(getattr(method, "policy", None), cfg.method)
