@@ -57,20 +57,32 @@ def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config",)) ->
             continue  # jsonargparse says what is wrong with a path, or reads the value as inline YAML
         try:
             with path.open() as f:  # from a stream, YAML's marks carry the file's name
-                yaml.safe_load(f)
+                loaded = yaml.safe_load(f)
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
             what = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ValueError(f"{a} {path}: invalid YAML{at}: {what}") from None
+        if not isinstance(loaded, dict):  # jsonargparse says "Unexpected config:" and names nothing
+            found = "nothing (an empty file)" if loaded is None else f"a {type(loaded).__name__}"
+            raise ValueError(f"{a} {path}: expected a YAML mapping of options (key: value lines), found {found}")
 
 
-def did_you_mean(message: str, options: list[str]) -> str:
-    """``message`` (an "unrecognized arguments" error) with the closest known options of each unknown one."""
+def did_you_mean(message: str, options: list[str], args: list[str] | None = None) -> str:
+    """``message`` (an "unrecognized arguments" error, or jsonargparse's "Group 'g' does not accept option 'k'")
+    with the closest known options of each unknown one; a key no option of ``args`` (the command line, when given)
+    set is named as a key of its config files."""
     m = re.search(r"nrecognized arguments: (.*)", message)
-    if not m:
+    group = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
+    if group and args is not None:
+        key = f"--{group[1]}.{group[2]}"
+        files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "--fit_config")]
+        if files and not any(a == key or a.startswith(key + "=") for a in args):
+            message = message.rstrip() + f" (a key of {', '.join(files)})"
+    if not m and not group:
         return message
-    unknown = [w.split("=")[0] for w in m.group(1).split() if w.startswith("--")]
+    unknown = [w.split("=")[0] for w in m.group(1).split() if w.startswith("--")] if m else \
+        [f"--{group[1]}.{group[2]}"]
     hints = [f"did you mean {close[0]}?" for word in unknown
              if (close := difflib.get_close_matches(word, options, n=1, cutoff=0.75))]
     return message.rstrip() + ("; " + "; ".join(hints) if hints else "")
@@ -111,7 +123,7 @@ class OneLineErrors:
 
         if not getattr(self, "exit_on_error", True) or debug_mode_active():  # jsonargparse asks for an exception
             super().error(message, ex)
-        fail(self.prog, did_you_mean(message, parser_options(self)))
+        fail(self.prog, did_you_mean(message, parser_options(self), getattr(self, "given_args", None)))
 
 
 def one_line_parser(prog: str, **kwargs):

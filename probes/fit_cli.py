@@ -63,6 +63,7 @@ class ProbeCLI(LightningCLI):
         # main() always hands over the arguments (sys.argv's, after the default --config), so Lightning's
         # warning about `args` and sys.argv both being given would open every run; parse them directly.
         remember_options(parser)
+        parser.given_args = list(args or ())  # its errors name the config file of a key no option set
         self.config = parser.parse_args(args)
         _logger_follows_root(self.config, list(args or ()))
 

@@ -45,6 +45,19 @@ def test_unknown_key_is_named(capsys):
     assert "max_epochz" in _one_line_error(capsys, ["--trainer.max_epochz", "3", "--print_config"])
 
 
+def test_a_config_file_that_is_empty_or_holds_a_mistyped_key_is_named(tmp_path, capsys):
+    """jsonargparse said "Unexpected config:" of an empty file and named no file for a key it does not know."""
+    empty, listed, typo = tmp_path / "empty.yaml", tmp_path / "list.yaml", tmp_path / "typo.yaml"
+    empty.write_text("# nothing yet\n")
+    listed.write_text("- trainer\n")
+    typo.write_text("trainer:\n  max_epoch: 1\n")
+    assert f"--config {empty}: expected a YAML mapping of options (key: value lines), found nothing" in \
+        _one_line_error(capsys, ["--config", str(empty)])
+    assert "found a list" in _one_line_error(capsys, ["--config", str(listed)])
+    line = _one_line_error(capsys, ["--config", str(typo)])
+    assert f"does not accept option 'max_epoch' (a key of {typo}); did you mean --trainer.max_epochs?" in line
+
+
 def test_prefix_of_a_key_is_not_expanded(capsys):
     # argparse would read --trainer.max_epoch as --trainer.max_epochs and run with it (issue 12)
     assert "--trainer.max_epoch 1" in _one_line_error(capsys, ["--trainer.max_epoch", "1", "--print_config"])
