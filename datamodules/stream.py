@@ -79,7 +79,7 @@ class ShardStream(IterableDataset):
         fractions: ``(val_fraction, test_fraction)``.
         nonfinite: ``error`` or ``drop`` rows whose features hold NaN or inf.
         groups: feature groups to stream (``hidden``, ``token_stats``, ``topk_stats``), concatenated in this order.
-        num_workers: the dataloader workers that share the stream (its length counts their short last batches).
+        num_workers: the dataloader workers that share the stream (several: its length is unknown, :meth:`__len__`).
     """
 
     def __init__(self, shards: list[dict], roles: list[str], split: str, batch_size: int, shuffle: bool,
@@ -93,10 +93,19 @@ class ShardStream(IterableDataset):
         self.rank, self.world = dist_rank_world()
 
     def __len__(self) -> int:
-        """Batches per rank (an upper bound with several workers, whose last batches may be short)."""
+        """Batches per rank, exactly, with at most one dataloader worker.
+
+        Raises:
+            TypeError: with several workers, each of which ends with a short batch of its own shards: the count then
+                depends on how the epoch's shards fall to them. ``len()`` of the loader raises it too, so Lightning
+                reads the loader as one of unknown length and validates when it ends (an upper bound made it wait
+                for a last batch that never came, and no validation ran).
+        """
+        if self.num_workers > 1:
+            raise TypeError(f"{self.split} batches with num_workers={self.num_workers}: unknown until the epoch's "
+                            "shards are dealt to the workers")
         per_rank = sum(s["rows"][self.split] for s in self.shards) // self.world
-        workers = max(1, self.num_workers)
-        return math.ceil(per_rank / self.batch_size) + (workers - 1 if per_rank else 0)
+        return math.ceil(per_rank / self.batch_size)
 
     def _order(self) -> list[int]:
         order = list(range(len(self.shards)))

@@ -103,6 +103,28 @@ def test_workers_and_ranks_split_the_stream(data):
     assert len(union) == len(set(union)) and len(alone["target"]) + len(alone["draft"]) - len(union) < 3
 
 
+def test_with_workers_the_loaders_length_is_unknown_and_every_epoch_validates(data):
+    """Each worker ends with a short batch of its own shards, so the count depends on the epoch's deal: the loader
+    has no length, and Lightning validates when it ends. An upper bound made Lightning wait for a last batch that
+    never came: no validation ran, and EarlyStopping on a val metric failed."""
+    import lightning as L
+
+    from probes.config import ProbeConfig
+    from probes.module import SemanticProbeModule
+
+    with pytest.raises(TypeError, match="num_workers=2"):
+        len(_dm(data, num_workers=2).train_dataloader())
+    assert len(_dm(data).train_dataloader()) == sum(1 for _ in _dm(data).train_dataloader())  # exact alone
+    dm = SemanticProbeDataModule(str(data), build=None, batch_size=10, shuffle_buffer=20, val_fraction=0.25,
+                                 test_fraction=0.25, num_workers=2)
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], dm.input_spec)
+    trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed > 0
+    assert any(k.startswith("val/") for k in trainer.callback_metrics)
+
+
 def test_a_role_absent_from_a_batch_is_absent_from_its_dict(tmp_path):
     d = make_dataset(tmp_path / "d", n_shards=1, drop_draft_in=0)
     dm = _dm(d, val_fraction=0.0, test_fraction=0.0)  # one shard's problems: a held-out split would be empty
