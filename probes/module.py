@@ -31,9 +31,10 @@ from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from probes.config import ProbeConfig, nest_features
 from probes.model import SemanticProbe
 
-# The specs travel in the module's hyperparameters (data.input_spec, linked by the fit CLI); a checkpoint holding them
-# loads with torch's weights_only unpickler, which needs each class allowed: frozen dataclasses of str, int and float.
-torch.serialization.add_safe_globals([StepSpec, SamplingSpec, FeatureSpec])
+# The specs travel in the module's hyperparameters (data.input_spec, linked by the fit CLI; ``probe`` as a ProbeConfig
+# when a module is built in Python); a checkpoint holding them loads with torch's weights_only unpickler, which needs
+# each class allowed: dataclasses of str, int, float, and dicts and tuples of them.
+torch.serialization.add_safe_globals([StepSpec, SamplingSpec, FeatureSpec, ProbeConfig])
 
 ROLES = ("target", "draft")
 WRITERS = {"target_written": 0, "draft_written": 1}

@@ -678,3 +678,24 @@ def test_metrics_undefined_on_the_rows_are_nan_not_zero():
     out = metrics.compute()
     torch.testing.assert_close(out["r2"], F.r2_score(preds, labels))
     torch.testing.assert_close(out["auroc"], F.classification.binary_auroc(preds, (labels >= 0.5).long()))
+
+
+def test_a_module_built_in_python_reloads_from_its_checkpoint(tmp_path):
+    """``SemanticProbeModule(ProbeConfig(...))`` keeps the config object in its hyperparameters; Lightning's
+    ``load_from_checkpoint`` (torch's weights_only unpickler) refused it as an unsupported global."""
+    import lightning as L
+
+    from datamodules.datamodule import SemanticProbeDataModule
+    from probes.module import SemanticProbeModule
+    from tests.conftest import make_dataset
+
+    make_dataset(tmp_path / "d")
+    dm = SemanticProbeDataModule(str(tmp_path / "d"), build=None, batch_size=10, val_fraction=0.25,
+                                 test_fraction=0.25)
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], dm.input_spec)
+    trainer = L.Trainer(max_epochs=1, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, datamodule=dm)
+    again = SemanticProbeModule.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
+    x = torch.randn(3, module.probes["target"].config.input_size)
+    torch.testing.assert_close(again.probes["target"].eval()(x), module.probes["target"].eval()(x))
