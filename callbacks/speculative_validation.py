@@ -60,7 +60,8 @@ class SpeculativeValidation(Callback):
         batch_size: problems decoded together (by each method in turn; 1 = the per-problem speedup of the
             benchmarks' methods table).
         max_seconds: stop starting new batches after this many seconds of decoding per run.
-        every_n_epochs: run every n validation epochs (and always at the end of fit).
+        every_n_epochs: run every n validation epochs, and at the last epoch ``max_epochs`` allows (a run that early
+            stopping ends between two runs keeps the figures of the one before).
         seed: the seed of generated problems; problem ``i`` is decoded with seed ``seed + i`` (one seed per
             prompt, so it decodes the same whatever ``batch_size``, as ``benchmarks.decode`` decodes it).
         max_new_tokens: decode budget per problem.
@@ -166,7 +167,8 @@ class SpeculativeValidation(Callback):
                     self._calibration[role].append(torch.stack([pred, part["label"].float().cpu()], 1))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or (trainer.current_epoch + 1) % self.every_n_epochs:
+        last = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
+        if trainer.sanity_checking or ((trainer.current_epoch + 1) % self.every_n_epochs and not last):
             return
         figures = trainer.strategy.broadcast(self.decode(pl_module) if trainer.is_global_zero else {}, src=0)
         if trainer.is_global_zero:

@@ -724,3 +724,21 @@ def test_a_run_without_a_test_split_runs_no_test_and_says_so(tmp_path, capsys):
     exported = load_file(str(tmp_path / "export" / "target" / "model.safetensors"))
     assert all(torch.equal(v, best[f"probes.target.{k}"]) for k, v in exported.items() if f"probes.target.{k}" in best)
     assert any(f"probes.target.{k}" in best for k in exported)
+
+
+def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
+    """``every_n_epochs=2`` with one epoch decoded never: its docstring promised the end of the fit too."""
+    from types import SimpleNamespace
+
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    cb = SpeculativeValidation(every_n_epochs=2)
+    cb.decode = lambda module: {"speedup": 2.0}
+    logged = []
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.append((name, value)))
+    for epoch, max_epochs, runs in ((0, 3, False), (1, 3, True), (2, 3, True), (0, 1, True), (0, None, False)):
+        trainer = SimpleNamespace(sanity_checking=False, current_epoch=epoch, max_epochs=max_epochs,
+                                  is_global_zero=True, strategy=SimpleNamespace(broadcast=lambda x, src: x))
+        logged.clear()
+        cb.on_validation_epoch_end(trainer, module)
+        assert (logged == [("spec/speedup", 2.0)]) == runs, (epoch, max_epochs)
