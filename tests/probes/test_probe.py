@@ -699,3 +699,20 @@ def test_a_module_built_in_python_reloads_from_its_checkpoint(tmp_path):
     again = SemanticProbeModule.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
     x = torch.randn(3, module.probes["target"].config.input_size)
     torch.testing.assert_close(again.probes["target"].eval()(x), module.probes["target"].eval()(x))
+
+
+def test_a_probe_given_as_a_dict_of_fields_is_read_in_todays_layout(tmp_path):
+    """``SemanticProbeModule(probe={"hidden_dims": [16]})`` was read as a format-0 config.json: standardisation off,
+    and with the data's input_spec refused for a step field the user never set."""
+    from datamodules.datamodule import SemanticProbeDataModule
+    from probes.module import SemanticProbeModule
+    from tests.conftest import make_dataset
+
+    assert SemanticProbeModule(probe={"hidden_dims": [16]}).probes["target"].config.standardize
+    make_dataset(tmp_path / "d")
+    dm = SemanticProbeDataModule(str(tmp_path / "d"), build=None, batch_size=10, val_fraction=0.25,
+                                 test_fraction=0.25)
+    module = SemanticProbeModule(probe={"hidden_dims": [16]}, input_spec=dm.input_spec)
+    assert module.probes["draft"].config.standardize and list(module.probes["draft"].config.hidden_dims) == [16]
+    old = SemanticProbeModule(probe={"hidden_dims": [16], "format_version": 1})  # a format it says: upgraded as such
+    assert not old.probes["target"].config.standardize
