@@ -286,6 +286,10 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader("test")
 
+    def predict_dataloader(self) -> DataLoader:
+        """The test split, in file order: what ``trainer.predict`` scores (held-out problems)."""
+        return self._loader("test")
+
 
 def _recorded_specs(sig: dict) -> tuple[StepSpec, SamplingSpec | None, dict]:
     """The step and sampling specs a manifest's build record holds, and the label provenance without them."""

@@ -265,6 +265,12 @@ class SemanticProbeModule(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_epoch_metrics("test")
 
+    def predict_step(self, batch: dict, batch_idx: int) -> dict[str, dict[str, torch.Tensor]]:
+        """``trainer.predict``: each role's probabilities on a batch of the stream, beside its labels and writers:
+        ``{role: {"q": (B_r,), "label": (B_r,), "writer": (B_r,)}}`` (the datamodule predicts on the test split)."""
+        return {r: {"q": self.probes[r](part["features"]), "label": part["label"], "writer": part["writer"]}
+                for r, part in batch.items() if r in self.probes}
+
     def _log_epoch_metrics(self, stage: str) -> None:
         overall = getattr(self, f"{stage}_mse")
         if overall.total > 0:

@@ -716,3 +716,25 @@ def test_a_probe_given_as_a_dict_of_fields_is_read_in_todays_layout(tmp_path):
     assert module.probes["draft"].config.standardize and list(module.probes["draft"].config.hidden_dims) == [16]
     old = SemanticProbeModule(probe={"hidden_dims": [16], "format_version": 1})  # a format it says: upgraded as such
     assert not old.probes["target"].config.standardize
+
+
+def test_trainer_predict_scores_the_held_out_rows(tmp_path):
+    """``trainer.predict(module, datamodule=dm)`` had no predict_dataloader, and with a loader Lightning's default
+    step called ``module(batch)``, which takes keyword arguments."""
+    import lightning as L
+
+    from datamodules.datamodule import SemanticProbeDataModule
+    from probes.module import SemanticProbeModule
+    from tests.conftest import make_dataset
+
+    make_dataset(tmp_path / "d")
+    dm = SemanticProbeDataModule(str(tmp_path / "d"), build=None, batch_size=10, val_fraction=0.25,
+                                 test_fraction=0.25)
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], dm.input_spec)
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    out = trainer.predict(module, datamodule=dm)
+    rows = sum(len(b["target"]["q"]) for b in out if "target" in b)
+    assert rows == sum(len(b["target"]["label"]) for b in dm.test_dataloader() if "target" in b) > 0
+    b = next(b for b in out if "target" in b)
+    torch.testing.assert_close(b["target"]["q"], module.probes["target"].eval()(next(
+        x for x in dm.test_dataloader() if "target" in x)["target"]["features"]))
