@@ -11,6 +11,7 @@ shuffle buffer; one shard in memory at a time). A batch is ``{role: {"features",
 from __future__ import annotations
 
 import functools
+import numbers
 import warnings
 from pathlib import Path
 
@@ -67,12 +68,12 @@ class SemanticProbeDataModule(pl.LightningDataModule):
     ):
         super().__init__()
         errors = []
-        if not roles or any(r not in ROLES for r in roles):
-            errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)}")
+        if not roles or any(r not in ROLES for r in roles) or len(set(roles)) != len(roles):
+            errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)} without repeats")
         for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
                                  ("shuffle_buffer", shuffle_buffer, 0)):
-            if value < low:  # name only what is wrong
-                errors.append(f"{name}={value}: expected >= {low}")
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:  # only what is wrong
+                errors.append(f"{name}={value!r}: expected an integer >= {low}")
         if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
             errors.append(f"val_fraction={val_fraction}, test_fraction={test_fraction}: need >= 0 each "
                           f"and a sum below 1")
@@ -267,7 +268,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         if not self.shards:
             self.setup()
         groups = self.input_spec[self.roles[0]]["features"].groups
-        stream = ShardStream(self.shards, self.roles, split, self.batch_size, split == "train", self.shuffle_buffer,
+        shuffle = split == "train" and not getattr(self.trainer, "overfit_batches", 0)  # overfitting: the same batches
+        stream = ShardStream(self.shards, self.roles, split, self.batch_size, shuffle, self.shuffle_buffer,
                              self.seed, (self.val_fraction, self.test_fraction), self.nonfinite, groups,
                              self.num_workers)
         return EpochLoader(stream, batch_size=None, num_workers=self.num_workers, epoch_of=self._trainer_epoch)

@@ -186,6 +186,9 @@ class SemanticProbeModule(L.LightningModule):
         """Before fitting, standardise each probe's inputs with the training rows' moments (from the datamodule)."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if stage == "fit" and dm is not None and hasattr(dm, "feature_moments"):
+            if missing := [r for r in self.probes if r not in dm.input_spec]:
+                raise ValueError(f"the module trains probes for {list(self.probes)} but the datamodule streams roles "
+                                 f"{list(dm.input_spec)} (missing {missing}); give both the same roles")
             for role, probe in self.probes.items():
                 _check_streamed(role, probe.config, dm.input_spec[role], dm.data_dir)
                 probe.set_standardization(*dm.feature_moments(role))
@@ -244,7 +247,10 @@ class SemanticProbeModule(L.LightningModule):
             checkpoint["rng_states"]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._resumed_rng = checkpoint.get("rng_states")  # set when the first resumed epoch starts
+        """A trainer resuming from ``checkpoint`` restores its random state when the first resumed epoch starts; a
+        module only loaded from it (``load_from_checkpoint``) keeps the caller's (a new fit seeds its own)."""
+        if self._trainer is not None:
+            self._resumed_rng = checkpoint.get("rng_states")
 
     def on_train_epoch_start(self) -> None:
         """A resumed run's first epoch starts from the random state its checkpoint kept, so it draws the dropout
@@ -287,8 +293,10 @@ class SemanticProbeModule(L.LightningModule):
 
 
 def _check_streamed(role: str, cfg: ProbeConfig, given: dict[str, Any], data_dir) -> None:
-    """Refuse a probe whose features differ from those the datamodule streams (groups, statistics, k, source)."""
-    keys = ("groups", "token_stats", "topk_stats", "top_k", "source", "hidden_norm")
+    """Refuse a probe whose features differ from those the datamodule streams (groups, statistics, k, source; the
+    layers and pooling of the hidden states it reads)."""
+    keys = ("groups", "token_stats", "topk_stats", "top_k", "source", "hidden_norm") + \
+        (("layer_ids", "pooling") if cfg.features.needs_hidden else ())
     probe = {k: getattr(cfg.features, k) for k in keys}
     data = {k: getattr(given["features"], k) for k in keys}
     if probe != data:

@@ -185,7 +185,7 @@ def test_bad_arguments_are_named():
         SemanticProbeDataModule(build=None, nonfinite="skip")
     with pytest.raises(ValueError) as err:
         SemanticProbeDataModule(build=None, batch_size=0)
-    assert "batch_size=0: expected >= 1" in str(err.value)
+    assert "batch_size=0: expected an integer >= 1" in str(err.value)
     assert "num_workers" not in str(err.value) and "shuffle_buffer" not in str(err.value)  # only what is wrong
 
 

@@ -64,7 +64,7 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
 
 
 @pytest.mark.parametrize("args, named, not_named", [
-    (["--data.batch_size", "0"], "batch_size=0: expected >= 1", "num_workers"),
+    (["--data.batch_size", "0"], "batch_size=0: expected an integer >= 1", "num_workers"),
     (["--trainer.max_epochs", "0"], "--trainer.max_epochs 0: expected a number of epochs >= 1, or -1", "Epoch"),
     (["--data.build.sampling.n_samples", "0"], "sampling.n_samples=0: expected >= 1", "Traceback"),
     (["--data.build.sampling.backend", "openai"], "error: invalid BuildConfig: sampling.openai.target.urls=[]",

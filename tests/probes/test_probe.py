@@ -738,3 +738,45 @@ def test_trainer_predict_scores_the_held_out_rows(tmp_path):
     b = next(b for b in out if "target" in b)
     torch.testing.assert_close(b["target"]["q"], module.probes["target"].eval()(next(
         x for x in dm.test_dataloader() if "target" in x)["target"]["features"]))
+
+
+def test_overfit_batches_repeats_its_batches_and_a_loaded_module_keeps_the_callers_seed(tmp_path):
+    """The stream shuffled on its own, so ``overfit_batches`` drew other batches every epoch; a module only loaded
+    from a checkpoint restored the checkpoint's random state at its next fit's first epoch, over the caller's seed.
+    Bad loader sizes and repeated roles are one ValueError naming them."""
+    import lightning as L
+
+    from datamodules.datamodule import SemanticProbeDataModule
+    from probes.module import SemanticProbeModule
+    from tests.conftest import make_dataset
+
+    make_dataset(tmp_path / "d")
+    dm = SemanticProbeDataModule(str(tmp_path / "d"), build=None, batch_size=10, val_fraction=0.25,
+                                 test_fraction=0.25)
+    seen = []
+
+    class Labels(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, i):
+            seen.append(float(sum(p["label"].sum() for p in batch.values())))
+
+    def trainer(**kw):
+        return L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         **kw)
+
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], dm.input_spec)
+    fitted = trainer(max_epochs=3, overfit_batches=2, callbacks=[Labels()])
+    fitted.fit(module, datamodule=dm)
+    assert len(seen) == 6 and seen[:2] == seen[2:4] == seen[4:]
+    path = tmp_path / "m.ckpt"
+    fitted.save_checkpoint(path)
+    weights = []
+    for seed in (1, 2):
+        L.seed_everything(seed, verbose=False)
+        again = SemanticProbeModule.load_from_checkpoint(path)
+        trainer(max_epochs=1, enable_checkpointing=False).fit(again, datamodule=dm)
+        weights.append(again.probes["target"].mlp[0].weight.detach().clone())
+    assert not torch.equal(*weights)  # each seed's dropout draws
+    for bad, said in (({"batch_size": 2.5}, "batch_size=2.5: expected an integer >= 1"),
+                      ({"roles": ["target", "target"]}, "without repeats")):
+        with pytest.raises(ValueError, match=said):
+            SemanticProbeDataModule(str(tmp_path / "d"), build=None, **bad)
