@@ -780,3 +780,29 @@ def test_overfit_batches_repeats_its_batches_and_a_loaded_module_keeps_the_calle
                       ({"roles": ["target", "target"]}, "without repeats")):
         with pytest.raises(ValueError, match=said):
             SemanticProbeDataModule(str(tmp_path / "d"), build=None, **bad)
+
+
+def test_a_module_and_a_datamodule_that_disagree_on_roles_or_layers_are_refused_naming_them(tmp_path):
+    import dataclasses
+
+    import lightning as L
+
+    from datamodules.datamodule import SemanticProbeDataModule
+    from probes.module import SemanticProbeModule
+    from tests.conftest import make_dataset
+
+    make_dataset(tmp_path / "d")
+
+    def fit(module, **dm):
+        data = SemanticProbeDataModule(str(tmp_path / "d"), build=None, batch_size=10, val_fraction=0.25,
+                                       test_fraction=0.25, **dm)
+        L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=False).fit(module, datamodule=data)
+
+    spec = SemanticProbeDataModule(str(tmp_path / "d"), build=None).input_spec
+    with pytest.raises(ValueError, match=r"probes for \['target', 'draft'\] but the datamodule streams roles "
+                                         r"\['target'\] \(missing \['draft'\]\)"):
+        fit(SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec), roles=["target"])
+    other = {r: dict(s, features=dataclasses.replace(s["features"], layer_ids=(-2,))) for r, s in spec.items()}
+    with pytest.raises(ValueError, match=r"differing: layer_ids: probe \(-2,\), data \(-1,\)"):
+        fit(SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], other))
