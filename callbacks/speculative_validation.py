@@ -167,7 +167,7 @@ class SpeculativeValidation(Callback):
                     self._calibration[role].append(torch.stack([pred, part["label"].float().cpu()], 1))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        last = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
+        last = (trainer.max_epochs or -1) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs  # -1: no limit
         if trainer.sanity_checking or ((trainer.current_epoch + 1) % self.every_n_epochs and not last):
             return
         figures = trainer.strategy.broadcast(self.decode(pl_module) if trainer.is_global_zero else {}, src=0)

@@ -27,7 +27,8 @@ def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str =
     or it reads hidden states of another source than a transformers model after its final norm, a server's say
     (ValueError, naming the ids and the range, or both sources).
 
-    Used by :func:`load_probe` and by every consumer handed a probe object (decoder, callback, evaluation).
+    Used by :func:`load_probe` (the decoders' loader) and by the live-validation callback and the evaluation, which
+    check a probe against models they load themselves.
     """
     actual, reads = model_fingerprint(model, tokenizer), config.reads
     problems = [f"{k}: probe has {reads[k]!r}, model has {actual[k]!r}" for k in FINGERPRINT_FIELDS

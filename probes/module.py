@@ -247,9 +247,9 @@ class SemanticProbeModule(L.LightningModule):
             checkpoint["rng_states"]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A trainer resuming from ``checkpoint`` restores its random state when the first resumed epoch starts; a
-        module only loaded from it (``load_from_checkpoint``) keeps the caller's (a new fit seeds its own)."""
-        if self._trainer is not None:
+        """A trainer resuming a fit from ``checkpoint`` restores its random state when the first resumed epoch starts;
+        a module only loaded from it (``load_from_checkpoint``, or a test or validation from it) keeps the caller's."""
+        if self._trainer is not None and self._trainer.state.fn == "fit":
             self._resumed_rng = checkpoint.get("rng_states")
 
     def on_train_epoch_start(self) -> None:

@@ -7,14 +7,15 @@ servers::
     from semanticspec import DecodeConfig, ProbePolicy, SemanticSpecDecoder, ServedDecoder, summarize
 
 The wing's modules: the decoders (``decoder``: in-process models; ``served``: two servers) over ``base`` (the public
-``generate``/``stream``); ``parts`` is the loop's contract with its two parts, a proposer that writes steps and a
-verifier that reads them into typed ``Scores`` (``scores``), implemented in-process (``cache_parts``) and over two
-servers (``engine_parts``); a pure acceptance policy (``policies``) decides, and the step loop (``loop``, with
-``rows`` and its observer ``meter``) commits or rolls back; ``methods`` maps method names to round functions,
-``config`` holds a call's settings, ``hf`` runs transformers' own loop as a baseline, ``speculative`` is token-level
-speculative sampling, ``prompts`` checks prompts, ``setup`` checks probes and resolves their specs, ``timing`` reads
-the machine's load, ``results`` holds what a decode returns; ``evaluate`` judges exported probes on held-out problems
-and picks their threshold (``python -m semanticspec.evaluate``, its tables and plot in ``evaluation_report``).
+``generate``/``stream``, the probes loaded through ``probes.export.load_probe`` and their specs resolved); ``parts``
+is the loop's contract with its two parts, a proposer that writes steps and a verifier that reads them into typed
+``Scores`` (``scores``), implemented in-process (``cache_parts``) and over two servers (``engine_parts``); a pure
+acceptance policy (``policies``) decides, and the step loop (``loop``, with ``rows`` and its observer ``meter``)
+commits or rolls back; ``methods`` maps method names to round functions, ``config`` holds a call's settings, ``hf``
+runs transformers' own loop as a baseline, ``speculative`` is token-level speculative sampling, ``prompts`` checks
+prompts, ``timing`` reads the machine's load, ``results`` holds what a decode returns; ``evaluate`` judges exported
+probes on held-out problems and picks their threshold (``python -m semanticspec.evaluate``, its tables and plot in
+``evaluation_report``).
 
 Each public name is imported on first use (PEP 562), so ``import semanticspec`` imports no torch until a decoder is
 asked for.

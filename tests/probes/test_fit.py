@@ -736,7 +736,8 @@ def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
     cb.decode = lambda module: {"speedup": 2.0}
     logged = []
     module = SimpleNamespace(log=lambda name, value, **kw: logged.append((name, value)))
-    for epoch, max_epochs, runs in ((0, 3, False), (1, 3, True), (2, 3, True), (0, 1, True), (0, None, False)):
+    for epoch, max_epochs, runs in ((0, 3, False), (1, 3, True), (2, 3, True), (0, 1, True), (0, None, False),
+                                    (0, -1, False), (1, -1, True)):  # -1: no limit, so no last epoch
         trainer = SimpleNamespace(sanity_checking=False, current_epoch=epoch, max_epochs=max_epochs,
                                   is_global_zero=True, strategy=SimpleNamespace(broadcast=lambda x, src: x))
         logged.clear()
