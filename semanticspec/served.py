@@ -184,6 +184,15 @@ def swapped(target, draft, target_probe, draft_probe) -> str | None:
     def names(probe) -> set[str]:
         return model_names(((probe.config.reads or {}) if probe is not None else {}).get("name_or_path"))
 
-    served = {role: (e.url, getattr(e, "model", None)) for role, e in (("target", target), ("draft", draft))}
+    served = {role: (e.url, _served_name(e)) for role, e in (("target", target), ("draft", draft))}
     own = {"target": names(target_probe), "draft": names(draft_probe)}
     return swapped_roles(served, own, "model, as its probe records it")
+
+
+def _served_name(engine) -> str | None:
+    """The model name ``engine`` serves: a server client's ``model``, or an in-process engine's model's
+    ``name_or_path`` (:class:`~generation.engines.local.LocalEngine` holds the model itself)."""
+    model = getattr(engine, "model", None)
+    return model if isinstance(model, str) or model is None else getattr(getattr(model, "config", None),
+                                                                        "name_or_path", None)
+

@@ -95,8 +95,8 @@ def model_names(path: str | None) -> set[str]:
 
 def swapped_roles(served: dict[str, tuple[str, str | None]], own: dict[str, set[str]],
                   whose: str = "model") -> str | None:
-    """Why the target's and the draft's servers look swapped, or None: a role's server serves a model named as the
-    other role's and not as its own.
+    """Why the target's and the draft's servers look swapped, or None: a role's server serves a model named (by its
+    path or the path's last part) as the other role's and not as its own.
 
     Args:
         served: per role, its server's URL and the model name it serves.
@@ -105,7 +105,8 @@ def swapped_roles(served: dict[str, tuple[str, str | None]], own: dict[str, set[
     """
     for role, other in (("target", "draft"), ("draft", "target")):
         url, model = served[role]
-        if model in own[other] and model not in own[role]:
+        names = model_names(model)  # a served path is known by its last part too
+        if names & own[other] and not names & own[role]:
             return (f"the {role} server {url} serves {model!r}, the {other}'s {whose} ({max(own[other], key=len)!r}); "
                     "are the target's and the draft's servers swapped? Give the target's server as the target")
     return None

@@ -393,6 +393,14 @@ def test_a_server_that_cannot_serve_the_probe_is_refused_naming_it(world, engine
     assert dec.generate(world["prompts"][:1], method="target_only", **GREEDY)[0].ok  # writing alone needs none
 
 
+def test_in_process_engines_given_the_wrong_way_round_are_refused(engines):
+    """A LocalEngine holds its model, not a name: the swap check read no name there and let swapped engines decode."""
+    topk = ("checkpoints/arithmetic/probes-topk/target", "checkpoints/arithmetic/probes-topk/draft")
+    ServedDecoder(*engines, *topk, task=MARKER)
+    with pytest.raises(ValueError, match="the target server .* serves .*draft.*servers swapped"):
+        ServedDecoder(engines[1], engines[0], *topk, task=MARKER)
+
+
 def test_a_full_vocabulary_statistics_probe_is_refused(world, engines):
     from probes.export import load_probe
 
