@@ -257,10 +257,13 @@ def _new_run_dir(trainer) -> Path | None:
 
 
 def _drop_empty_run_dir(run_dir: Path | None) -> None:
-    """Remove the folder a refused fit created if it holds nothing but its ``config.yaml``."""
+    """Remove the folder a refused fit created if it holds nothing but its ``config.yaml``, and the logger's folder
+    above it (``fit/``) when that is left empty."""
     if run_dir is not None and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml"}:
         (run_dir / "config.yaml").unlink(missing_ok=True)
         run_dir.rmdir()
+        if not any(run_dir.parent.iterdir()):
+            run_dir.parent.rmdir()
 
 
 _LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary`")
@@ -268,7 +271,7 @@ _LIGHTNING_NOISE = ("litlogger", "Skipping setting a default `ModelSummary`")
 
 def quiet_lightning() -> None:
     """Silence what a normal run need not show: Lightning's litlogger tip, its warning about a ``__len__``
-    of iterable datasets (the stream deals shards to workers itself, so its length holds), and torch's
+    of iterable datasets (the stream's is exact with at most one worker, and with several it has none), and torch's
     deprecation of ``LeafSpec``, which Lightning's own code still builds (nothing a user can
     change)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):

@@ -600,6 +600,13 @@ def test_a_bad_checkpoint_is_refused_before_data_preparation_and_leaves_no_run_f
     assert not (tmp_path / "runs").exists()  # no version_N/ holding only config.yaml
 
 
+def test_a_value_refused_once_the_trainer_exists_leaves_no_empty_logger_folder(tmp_path, capsys):
+    cfg = _tiny_config(tmp_path)
+    assert "Invalid learning rate" in _one_line_error(capsys, ["--config", str(cfg), "--model.optimizer.init_args.lr",
+                                                               "-1"])
+    assert not (tmp_path / "runs" / "fit").exists()  # neither version_0/ nor the fit/ above it
+
+
 def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_path, capsys):
     cfg = _tiny_config(tmp_path)
     main(["--config", str(cfg), "--trainer.max_epochs", "1", "--test", "false", "--export", "false"])
