@@ -210,6 +210,12 @@ class _SetupDone(Callback):
 
 def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
     """``trainer.fit``; bad input before training ends in one line, Ctrl-C in what was kept and how to resume."""
+    import torch
+
+    try:  # the optimizer's own checks (a learning rate below 0, say), before the data is built for minutes
+        module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    except (ValueError, TypeError) as e:
+        fail(f"--model.optimizer: {e}")
     setup_done = _SetupDone()
     trainer.callbacks.append(setup_done)
     new_run_dir = _new_run_dir(trainer)

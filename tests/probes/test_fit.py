@@ -607,6 +607,14 @@ def test_a_value_refused_once_the_trainer_exists_leaves_no_empty_logger_folder(t
     assert not (tmp_path / "runs" / "fit").exists()  # neither version_0/ nor the fit/ above it
 
 
+def test_an_optimizer_value_is_refused_before_the_data_is_built(tmp_path, capsys):
+    """torch's optimizer refused ``lr=-1`` only when the fit configured it, after minutes of label building."""
+    line = _one_line_error(capsys, ["--data.data_dir", str(tmp_path / "data"), "--trainer.default_root_dir",
+                                    str(tmp_path / "runs"), "--model.optimizer.init_args.lr", "-1"])
+    assert "--model.optimizer: Invalid learning rate: -1" in line
+    assert not (tmp_path / "data").exists()  # nothing built
+
+
 def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_path, capsys):
     cfg = _tiny_config(tmp_path)
     main(["--config", str(cfg), "--trainer.max_epochs", "1", "--test", "false", "--export", "false"])
