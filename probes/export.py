@@ -129,7 +129,7 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
         probe, mine = _from_folder(Path(probe), model, tokenizer, role), True
         device = device or "cpu"
     elif isinstance(probe, torch.nn.Module) and hasattr(probe, "config"):
-        where = f"the {role} probe" if role else f"{probe.config.role} probe"
+        where = f"the {role or probe.config.role} probe"
         check_role(probe.config, role, where=where)
         if model is not None:
             check_probe_matches(probe.config, model, tokenizer, where=where)
