@@ -140,8 +140,11 @@ class StepDecoder:
 
         Raises:
             ValueError: a value that differs from the probes' (with ``enforce`` and without ``allow_mismatch``), or
-                a bad value (naming it).
+                a bad value (naming it, before it is compared with the probes').
         """
+        given = {"temperature": temperature, "top_p": top_p}  # a call's config was checked where it was built
+        if bad := SamplingSpec.errors(*(getattr(SamplingSpec, k) if v is None else v for k, v in given.items())):
+            raise ValueError("invalid sampling: " + "; ".join(bad))
         return resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch, stacklevel=2)
 
     def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
@@ -430,9 +433,6 @@ def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, en
         stacklevel: the frame the warning names, 1 being the caller's (as :func:`warnings.warn` counts).
     """
     given = {"temperature": temperature, "top_p": top_p}
-    bad = SamplingSpec.errors(*(getattr(SamplingSpec, k) if v is None else v for k, v in given.items()))
-    if bad:  # a bad value is named as such, before it is compared with the probes'
-        raise ValueError("invalid sampling: " + "; ".join(bad))
     if enforce:
         refuse_conflicts(given, seen, "steps sampled", warn=allow_mismatch, stacklevel=stacklevel + 1)
     out = {k: v if v is not None else seen.get(k, (getattr(SamplingSpec, k),))[0] for k, v in given.items()}
