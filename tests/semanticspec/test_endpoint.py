@@ -239,23 +239,23 @@ def test_metrics_count_requests_by_route_never_by_the_path_a_client_sent(world_d
     would grow /metrics without bound."""
     import re
 
-    import httpx
+    import httpx2
 
     from semanticspec.serve.app import Settings, build_app
 
     run, auth = Running(build_app(world_decoder[0], Settings(api_key="sk-k"))), {"Authorization": "Bearer sk-k"}
     try:
         for i in range(3):
-            assert httpx.get(f"{run.url[:-3]}/random-{i}").status_code == 404
-            assert httpx.get(f"{run.url}/nope-{i}").status_code == 401  # the key check, before routing
-            assert httpx.get(f"{run.url}/nope-{i}", headers=auth).status_code == 404
-            assert httpx.get(f"{run.url}/models/model-{i}", headers=auth).status_code == 404
-        assert httpx.delete(f"{run.url}/completions", headers=auth).status_code == 405
+            assert httpx2.get(f"{run.url[:-3]}/random-{i}").status_code == 404
+            assert httpx2.get(f"{run.url}/nope-{i}").status_code == 401  # the key check, before routing
+            assert httpx2.get(f"{run.url}/nope-{i}", headers=auth).status_code == 404
+            assert httpx2.get(f"{run.url}/models/model-{i}", headers=auth).status_code == 404
+        assert httpx2.delete(f"{run.url}/completions", headers=auth).status_code == 405
         for _ in range(2):  # the answered GETs count too
-            assert httpx.get(f"{run.url}/models", headers=auth).status_code == 200
-        assert httpx.get(f"{run.url}/models/semanticspec", headers=auth).status_code == 200
-        assert httpx.get(f"{run.url[:-3]}/health").status_code == 200
-        text = httpx.get(f"{run.url[:-3]}/metrics").text
+            assert httpx2.get(f"{run.url}/models", headers=auth).status_code == 200
+        assert httpx2.get(f"{run.url}/models/semanticspec", headers=auth).status_code == 200
+        assert httpx2.get(f"{run.url[:-3]}/health").status_code == 200
+        text = httpx2.get(f"{run.url[:-3]}/metrics").text
     finally:
         run.stop()
         run.app.state.scheduler.stop(0)
@@ -272,7 +272,7 @@ def test_metrics_count_requests_by_route_never_by_the_path_a_client_sent(world_d
 def test_health_is_503_while_a_backend_is_marked_gone(endpoint, world_decoder):
     """A backend found gone is not asked again for a while (its requests refused at once): /health says so until
     then, though the server may answer a health check already, so that it never says "ok" while requests fail."""
-    import httpx
+    import httpx2
 
     class Gone:
         root = "http://127.0.0.1:9"
@@ -281,10 +281,10 @@ def test_health_is_503_while_a_backend_is_marked_gone(endpoint, world_decoder):
             return f"{self.root} is not asked for 12 s more: it failed /v1/completions after 3 attempt(s)"
 
     target = world_decoder[0].target
-    assert httpx.get(endpoint.url[:-3] + "/health").status_code == 200
+    assert httpx2.get(endpoint.url[:-3] + "/health").status_code == 200
     target.conn = Gone()
     try:
-        r = httpx.get(endpoint.url[:-3] + "/health")
+        r = httpx2.get(endpoint.url[:-3] + "/health")
     finally:
         del target.conn
     assert r.status_code == 503 and r.json()["backends_down"] == [Gone.root]
@@ -359,7 +359,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_requests_with_a_503_not_a_cut(tm
     later ends with a 503 (a stream: an error event, then [DONE]) before uvicorn cancels its handler, and the
     process exits 0 without a storm of tracebacks. Both rows together take about 1.6 s on 2 cores, so the timeout
     cuts at least one of them."""
-    import httpx
+    import httpx2
 
     port, log = free_port(), tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -373,25 +373,25 @@ def test_sigterm_past_the_shutdown_timeout_ends_requests_with_a_503_not_a_cut(tm
 
     def whole():  # the non-streaming request: a 200 or a JSON 503, never a plain-text 500 or a dropped connection
         try:
-            r = httpx.post(root + "/v1/completions", json=body, timeout=60)
+            r = httpx2.post(root + "/v1/completions", json=body, timeout=60)
             got["whole"] = (r.status_code, r.json())
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx2.HTTPError, ValueError) as e:
             got["whole"] = (None, repr(e))
 
     try:
         for _ in range(600):
             try:
-                httpx.get(root + "/health", timeout=5)
+                httpx2.get(root + "/health", timeout=5)
                 break
-            except httpx.TransportError:
+            except httpx2.TransportError:
                 time.sleep(0.05)
         t = threading.Thread(target=whole)
         t.start()
-        with httpx.stream("POST", root + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        with httpx2.stream("POST", root + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             lines = r.iter_lines()
             events = [next(line for line in lines if line.startswith("data: "))]
             for _ in range(500):  # until both decode
-                if "semanticspec_running_rows 2.0" in httpx.get(root + "/metrics").text:
+                if "semanticspec_running_rows 2.0" in httpx2.get(root + "/metrics").text:
                     break
                 time.sleep(0.01)
             proc.send_signal(signal.SIGTERM)

@@ -14,7 +14,7 @@ from tests.conftest import Running
 
 pytestmark = pytest.mark.integration
 openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+httpx2 = pytest.importorskip("httpx2")  # the HTTP client openai and starlette use (httpx before them)
 TASK = ArithmeticTask()
 LONG = "Start with 1. " + "Add 1, then " * 10 + "add 1. What is the result?\n\n"
 LONGER = "Start with 1. " + "Add 1, then " * 20 + "add 1. What is the result?\n\n"
@@ -32,7 +32,7 @@ def world():
     app.state.scheduler.stop(0)
 
 
-def _post(client, url: str, body) -> httpx.Response:
+def _post(client, url: str, body) -> httpx2.Response:
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return client.post(url, content=data, headers={"Content-Type": "application/json"}, timeout=60)
 
@@ -51,18 +51,18 @@ def _ok_after(client, world) -> None:
     ("/completions", '{"prompt": "Start with 2.", "stop": ["\\ud83d"]}', "stop.0"),
 ], ids=["prompt", "prompt-list", "chat", "stop"])
 def test_a_lone_surrogate_gets_a_400_naming_the_field_and_the_next_request_is_served(world, route, body, param):
-    with httpx.Client() as c:
+    with httpx2.Client() as c:
         r = _post(c, world.url + route, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
         assert "surrogate" in r.json()["error"]["message"]
         _ok_after(c, world)
-    with httpx.Client() as c:
+    with httpx2.Client() as c:
         assert c.get(world.url[:-3] + "/health").json()["status"] == "ok"
 
 
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "NaN", "Infinity"])
 def test_a_threshold_outside_0_1_or_not_finite_gets_a_400_and_the_connection_stays(world, value):
-    with httpx.Client() as c:
+    with httpx2.Client() as c:
         r = _post(c, world.url + "/completions", '{"prompt": "Start with 2.", "threshold": %s}' % value)
         assert r.status_code == 400 and r.json()["error"]["param"] == "threshold", r.text
         _ok_after(c, world)
@@ -118,7 +118,7 @@ def test_a_json_body_sent_as_a_form_is_told_to_send_its_content_type(world):
     """``curl -d '{...}'`` without ``-H 'Content-Type: application/json'`` sends a form: the 400 says so, since
     "the body must be a JSON object" alone reads wrong to someone whose body is one."""
     body = json.dumps({"prompt": "Start with 2.", "max_tokens": 2})
-    with httpx.Client() as c:
+    with httpx2.Client() as c:
         r = c.post(world.url + "/completions", content=body,
                    headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 400
@@ -146,7 +146,7 @@ def test_a_lower_case_bearer_scheme_is_accepted():
     ("POST", "/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "this server serves 'semanticspec'"),
 ])
 def test_every_refusal_is_openais_error_json_without_pydantic_markers(world, method, path, body, status, says):
-    with httpx.Client() as c:
+    with httpx2.Client() as c:
         r = c.request(method, world.url + path, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == status
         err = r.json()["error"]
@@ -173,7 +173,7 @@ def test_a_request_whose_planning_fails_is_answered_and_the_endpoint_goes_on(wor
 
     run = Running(build_app(Decoder()))
     try:
-        with httpx.Client() as c:
+        with httpx2.Client() as c:
             t0 = time.time()
             r = _post(c, run.url + "/completions", {"prompt": "boom", "max_tokens": 4})
             assert r.status_code == 500 and "TextEncodeInput" in r.json()["error"]["message"]
@@ -347,7 +347,7 @@ def _corpus():
             yield route, raw
 
 
-def _well_formed(r: httpx.Response) -> bool:
+def _well_formed(r: httpx2.Response) -> bool:
     """A completion (200: JSON with choices, or events ending with [DONE]) or OpenAI's error JSON (4xx)."""
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         return r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
@@ -367,7 +367,7 @@ def test_fuzzed_bodies_get_an_openai_error_or_a_completion_and_the_endpoint_stay
     corpus = list(_corpus())
     assert len(corpus) > 1000
     bad = []
-    with httpx.Client(timeout=30) as c:
+    with httpx2.Client(timeout=30) as c:
         for route, raw in corpus:
             t0 = time.time()
             r = c.post(world.url + route, content=raw.encode("utf-8", "surrogatepass"),

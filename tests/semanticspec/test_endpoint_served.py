@@ -86,15 +86,15 @@ def test_real_clients_get_what_the_served_decoder_decodes_alone(served):
 
 
 def test_a_lone_surrogate_gets_a_400_naming_prompt_and_the_servers_go_on(served):
-    import httpx
+    import httpx2
 
     run = served["run"]
-    r = httpx.post(run.url + "/completions", content='{"prompt": "hi \\ud800", "max_tokens": 4}',
+    r = httpx2.post(run.url + "/completions", content='{"prompt": "hi \\ud800", "max_tokens": 4}',
                    headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     ok = run.client().completions.create(model="semanticspec", prompt=_prompt(0), max_tokens=8, seed=1)
     assert ok.choices[0].text
-    assert httpx.get(run.url[:-3] + "/health", timeout=30).json()["status"] == "ok"
+    assert httpx2.get(run.url[:-3] + "/health", timeout=30).json()["status"] == "ok"
 
 
 def test_a_prompt_past_the_servers_context_gets_its_message_as_a_400_not_retried(served):
