@@ -113,6 +113,15 @@ class StepDecoder:
         cannot run)."""
         return self._setup(self.config if config is None else config)[0]
 
+    def _checked_default(self) -> StepSpec:
+        """What a step is with the decoder's own config, checked before any call for what every call with it would be
+        refused (ValueError naming the field, as a call's refusal does: a method this decoder cannot run, a setting
+        it has no use for); a call's overrides are still checked per call."""
+        step = self._setup(self.config)[1]
+        if problems := self._refusals(self.config, method_for(self.config.method, self.policy)):
+            raise ValueError(f"config: {'; '.join(problems)}")
+        return step
+
     def _setup(self, cfg: DecodeConfig) -> tuple[LoopSetup, StepSpec]:
         """How the loop runs for ``cfg`` on this decoder, and what a step is (the probes' unless ``cfg.step`` says).
 

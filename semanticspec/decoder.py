@@ -102,7 +102,8 @@ class SemanticSpecDecoder(StepDecoder):
     Raises:
         ValueError: a fast path or ``config.token_sd=True`` with two tokenizers, or a probe exported for
             another model or trained on other steps (naming the fields), a bad ``probe_dtype``, or a task whose
-            answer marker differs from ``config.answer_marker`` (naming both).
+            answer marker differs from ``config.answer_marker`` (naming both), or a ``config`` every call would be
+            refused with (``overlap=True``, ``lookahead`` above 1 with two tokenizers).
         TypeError: a ``policy`` that is not a ``ProbePolicy`` (other methods are named per call, ``method=``).
     """
 
@@ -123,7 +124,7 @@ class SemanticSpecDecoder(StepDecoder):
         self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
         self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (target, draft),
                                                           (tokenizer, self.draft_tokenizer), probe_dtype)
-        self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
+        self.step = self._checked_default()
         self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
         self._judges: dict[str, JudgeTurn] = {}  # per judge_suffix
         self._recorded_sampling = sampling_spec((self.target_probe, self.draft_probe))

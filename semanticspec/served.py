@@ -51,7 +51,8 @@ class ServedDecoder(StepDecoder):
     Raises:
         ValueError: ``concurrency`` below 1, a probe for the other role, probes that disagree on their step or
             sampling, a step spec that differs from the probes', a bad ``probe_dtype``, or a task whose answer
-            marker differs from ``config.answer_marker``.
+            marker differs from ``config.answer_marker``, or a ``config`` every call would be refused with (a
+            ``batch_size``, a method that runs transformers' own loop or reads a judge turn).
         TypeError: a ``policy`` that is not a ``ProbePolicy`` (other methods are named per call, ``method=``).
     """
 
@@ -68,7 +69,7 @@ class ServedDecoder(StepDecoder):
         self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (None, None), (None, None),
                                                           probe_dtype)
         probes = (self.target_probe, self.draft_probe)
-        self.step = self._setup(self.config)[1]  # the default config is checked here, before any call
+        self.step = self._checked_default()
         self._recorded_sampling = sampling_spec(probes)
         if (why := swapped(target, draft, self.target_probe, self.draft_probe)) is not None:
             raise ValueError(why)

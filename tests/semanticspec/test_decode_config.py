@@ -7,6 +7,7 @@ import pytest
 
 from semanticspec import DecodeConfig, ProbePolicy
 from semanticspec.policies import RandomPolicy
+from tests.conftest import PROMPTS
 
 
 @pytest.mark.parametrize("field, value, said", [
@@ -92,3 +93,21 @@ def test_numpy_numbers_sample_and_bad_sampling_or_arguments_are_named_as_bad_val
     for bad in (None, b"ab", 5):
         with pytest.raises(ValueError, match=r"problems=.*: expected a list of problem texts"):
             tasked.prompts(bad)
+
+
+def test_a_decoders_own_config_is_refused_when_every_call_with_it_would_be(tiny_pair):
+    """A default config that no call could run (overlap in-process, a batch size served, an unknown method) is refused
+    where the decoder is built, with the words a call's refusal has; a call may still override it."""
+    from generation.engines.local import LocalEngine
+    from semanticspec import SemanticSpecDecoder, ServedDecoder
+
+    target, draft, tok = tiny_pair
+    with pytest.raises(ValueError, match="config: overlap=True: drafting the next window .* is served decoding's"):
+        SemanticSpecDecoder(target, draft, tok, config=DecodeConfig(overlap=True, lookahead=2))
+    engines = LocalEngine(target, tok), LocalEngine(draft, tok)
+    with pytest.raises(ValueError, match="config: batch_size=2: the served decoder runs prompts concurrently"):
+        ServedDecoder(*engines, config=DecodeConfig(batch_size=2))
+    with pytest.raises(ValueError, match="config: method='hf_target_only' runs transformers' own loop"):
+        ServedDecoder(*engines, config=DecodeConfig(method="hf_target_only"))
+    lenient = SemanticSpecDecoder(target, draft, tok, config=DecodeConfig(method="target_only", max_new_tokens=3))
+    assert len(lenient.generate(PROMPTS[:1], temperature=0.0)) == 1
