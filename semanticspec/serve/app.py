@@ -345,11 +345,17 @@ def chat_prompt(dec, tok, messages: list[dict], template: str | None):
 
 
 def check_body(body) -> None:
-    """The checks pydantic cannot make (BadRequest naming the field): text that is not Unicode, and OpenAI's fields
-    at values this endpoint cannot honour."""
+    """The checks pydantic cannot make (BadRequest naming the field): text that is not Unicode, OpenAI's fields at
+    values this endpoint cannot honour, ``stream_options`` without a stream and an empty stop string (vLLM refuses
+    both, ``protocol.py`` and ``sampling_params.py``)."""
     for hit in (lone_surrogate(body.model_dump(exclude_none=True)), unsupported(body)):
         if hit is not None:
             raise BadRequest(hit[1], hit[0])
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options: given only with stream=true (a whole answer carries its usage)",
+                         "stream_options")
+    if "" in body.stops():
+        raise BadRequest("stop: holds an empty string, which no text could end at; leave it out", "stop")
 
 
 def decode_config(body, policy=None, base: DecodeConfig | None = None) -> DecodeConfig:

@@ -16,7 +16,8 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      model_validator)
 
 Number = StrictFloat | StrictInt
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -39,13 +40,22 @@ nothing (``null`` always does): accepted and ignored, any other value refused as
 The ``openai`` SDK, LangChain and others send several of them at these values."""
 
 
+MESSAGE_NEUTRAL: dict[str, tuple] = {"refusal": (), "tool_calls": ([],), "tool_call_id": (), "function_call": (),
+                                     "audio": (), "annotations": ([],)}
+"""OpenAI's message fields the endpoint cannot honour, as :data:`NEUTRAL`: an answer's message passed back whole (the
+``openai`` SDK's ``message.model_dump()``) carries them at null."""
+
+
 def unsupported(body: BaseModel) -> tuple[str, str] | None:
-    """The first field of ``body`` set to a value the endpoint cannot honour: ``(field, message)``, or None."""
-    for name in NEUTRAL:
-        value = getattr(body, name, None)
-        if value is not None and not any(_same(value, v) for v in NEUTRAL[name]):
-            ok = " or ".join(repr(v) for v in (None, *NEUTRAL[name]))
-            return name, f"{name}={value!r}: not supported by this endpoint (accepted: {ok})"
+    """The first field of ``body`` (or of one of its chat messages) set to a value the endpoint cannot honour:
+    ``(field, message)``, or None."""
+    for where, part, neutral in (("", body, NEUTRAL), *((f"messages.{i}.", m, MESSAGE_NEUTRAL)
+                                                        for i, m in enumerate(getattr(body, "messages", ())))):
+        for name in neutral:
+            value = getattr(part, name, None)
+            if value is not None and not any(_same(value, v) for v in neutral[name]):
+                ok = " or ".join(repr(v) for v in (None, *neutral[name]))
+                return where + name, f"{where}{name}={value!r}: not supported by this endpoint (accepted: {ok})"
     return None
 
 
@@ -73,16 +83,30 @@ def lone_surrogate(value: Any, where: str = "") -> tuple[str, str] | None:
     return None
 
 
-class StreamOptions(BaseModel):
+class _Part(BaseModel):
+    """A part of a request: a field OpenAI lets be null takes its default at null (an SDK sends an argument given as
+    None so), as vLLM's ``Optional`` fields do; a required field at null is still refused."""
+
     model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
+
+class StreamOptions(_Part):
     include_usage: StrictBool = False
     continuous_usage_stats: Literal[False] = False
 
 
-class _Request(BaseModel):
+class _Request(_Part):
     """The fields both routes read."""
 
-    model_config = STRICT
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, description="output token budget (the decoder's max_new_tokens); "
                                          "None: the route's default")
@@ -129,7 +153,7 @@ class CompletionRequest(_Request):
     default_tokens: ClassVar[int | None] = COMPLETIONS_DEFAULT_TOKENS
 
 
-class TextPart(BaseModel):
+class TextPart(_Part):
     """A text part of a message's content (OpenAI's content-part list); other part types are not supported."""
 
     model_config = STRICT
@@ -137,11 +161,17 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT
+class ChatMessage(_Part):
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[TextPart]
     name: StrictStr | None = None
+    # OpenAI's message fields the endpoint cannot honour: accepted at their neutral values (MESSAGE_NEUTRAL)
+    refusal: JsonValue = None
+    tool_calls: JsonValue = None
+    tool_call_id: JsonValue = None
+    function_call: JsonValue = None
+    audio: JsonValue = None
+    annotations: JsonValue = None
 
     def as_template_turn(self) -> dict:
         """The turn a chat template reads: text parts joined by newlines (vLLM's ``"string"`` content format,

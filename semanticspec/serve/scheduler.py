@@ -158,8 +158,9 @@ class Scheduler:
         if budget is not None:
             return plan._replace(cfg=dataclasses.replace(plan.cfg, max_new_tokens=budget(room)))
         if room is not None and config.max_new_tokens > room:
-            raise ValueError(f"max_tokens={config.max_new_tokens}: the prompt leaves room for {room} new tokens in "
-                             f"{_context(plan)}")
+            raise ValueError(f"max_tokens={config.max_new_tokens}: too large; at most {room} new tokens fit after "
+                             f"the prompt's {self._prompt_tokens(plan.inputs[0][0])} tokens in {_context(plan)}; use "
+                             f"max_tokens <= {room}")
         return plan
 
     def submit(self, job: Job) -> None:
@@ -373,7 +374,8 @@ class Scheduler:
 
 def _context(plan) -> str:
     """The models' context as a refusal of a prompt's room names it: with the positions the decoder keeps free."""
-    return (f"the models' context, of which the decoder keeps {plan.spare} positions free (the target's bonus token; "
+    kept = f"{plan.spare} position" + ("" if plan.spare == 1 else "s")
+    return (f"the models' context, of which the decoder keeps {kept} free (the target's bonus token; "
             "in-process, SpecReason's judge turn too)")
 
 

@@ -122,6 +122,35 @@ def test_a_chats_turns_are_lines_and_an_assistant_turn_the_world_cannot_continue
     assert err["param"] == "messages" and "message 1 is an assistant message" in err["message"], err
 
 
+def test_null_means_not_given_and_a_message_passed_back_whole_is_read(endpoint):
+    """A field OpenAI lets be null takes its default at null (an SDK sends an argument given as None so), and a
+    message with OpenAI's own fields at null (``message.model_dump()`` of an answer) is read as its text; those fields
+    set to something are refused by name."""
+    c = endpoint.client()
+    nulls = dict(n=None, stream=None, stream_options=None, temperature=None, stop=None, seed=0, max_tokens=3)
+    plain = c.completions.create(model="semanticspec", prompt="Start with 2.", max_tokens=3, seed=0)
+    assert c.completions.create(model="semanticspec", prompt="Start with 2.", **nulls).choices[0].text \
+        == plain.choices[0].text
+    extra = {"method": None, "allow_sampling_mismatch": None}
+    assert c.completions.create(model="semanticspec", prompt="Start with 2.", max_tokens=3, seed=0,
+                                extra_body=extra).choices[0].text == plain.choices[0].text
+    turn = {"role": "user", "content": "Start with 2.", "refusal": None, "tool_calls": None, "function_call": None,
+            "audio": None, "annotations": None, "name": None}
+    said = c.chat.completions.create(model="semanticspec", messages=[turn], max_tokens=3, seed=0)
+    assert said.choices[0].message.content == c.chat.completions.create(
+        model="semanticspec", messages=[{"role": "user", "content": "Start with 2."}], max_tokens=3,
+        seed=0).choices[0].message.content
+    chunks = list(c.completions.create(model="semanticspec", prompt="Start with 2.", max_tokens=3, seed=0,
+                                       stream=True, stream_options={"include_usage": None}))
+    assert "".join(x.choices[0].text for x in chunks if x.choices) == plain.choices[0].text
+    assert all(x.usage is None for x in chunks)  # include_usage at null: not asked
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="semanticspec", max_tokens=3,
+                                  messages=[{**turn, "tool_calls": [{"id": "1", "type": "function"}]}])
+    err = e.value.body
+    assert err["param"] == "messages.0.tool_calls" and "not supported by this endpoint" in err["message"], err
+
+
 BAD = [
     ('{"prompt": "1 + 1"', None, "malformed JSON"),
     ({"prompt": "x", "colour": 1}, "colour", "unknown field"),
@@ -129,6 +158,9 @@ BAD = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0"),
     ({"prompt": "x", "max_tokens": 100000}, "max_tokens", "max_tokens=100000"),
     ({"prompt": "x", "max_tokens": 250}, "max_tokens", "the decoder keeps 7 positions free"),
+    ({"prompt": "x", "max_tokens": 250}, "max_tokens", "at most 247 new tokens fit after the prompt's 2 tokens"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only with stream=true"),
+    ({"prompt": "x", "stop": ["\n", ""]}, "stop", "stop: holds an empty string"),
     ({"prompt": "3 " * 250}, "prompt", "prompt: the prompt has 252 tokens, which leave no room"),
     ({"prompt": "x", "n": 2}, "n", "n=2"),
     ({"prompt": ""}, "prompt", "empty"),

@@ -550,7 +550,7 @@ def test_the_endpoint_refuses_a_budget_past_a_servers_context_before_decoding(wo
     target = Sized(engines[0], n + 6)
     sched = Scheduler(ServedDecoder(target, Sized(engines[1], 4096), task=MARKER))
     try:
-        with pytest.raises(ValueError, match="max_tokens=50: the prompt leaves room for 5 new tokens"):
+        with pytest.raises(ValueError, match="max_tokens=50: too large; at most 5 new tokens fit after the prompt"):
             sched.plan(prompt, DecodeConfig(max_new_tokens=50, method="target_only"))
         assert sched.plan(prompt, DecodeConfig(method="target_only"), budget=lambda room: room).cfg.max_new_tokens == 5
     finally:
