@@ -26,8 +26,9 @@ from arithmetic_world import models, task
 from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
 from arithmetic_world.train import SPECS
 from generation.cli import fail, one_line_parser
+from generation.paths import REPO_ROOT
 
-RESULTS = models.REPO_ROOT / "benchmarks" / "results" / "world.json"
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "world.json"
 COPIED_FILES = ("config.json", "generation_config.json", "model.safetensors", "training.json")
 """What :func:`publish` copies from a training folder; the tokenizer is rebuilt in code instead."""
 ROLE_TEXT = {

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from generation.paths import REPO_ROOT
+
 if TYPE_CHECKING:  # torch and transformers load with the first model, not with the world's registration
     import torch
     from transformers import PreTrainedTokenizerFast
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROOT = REPO_ROOT / "checkpoints" / "arithmetic"
 ROLES = ("target", "draft", "judge")
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -28,9 +29,23 @@ class WorldModels:
     root: Path
 
 
-def world_root(root: Optional[str | os.PathLike] = None) -> Path:
-    """Where the world's models live: ``root``, else ``$SEMANTICSPEC_WORLD``, else ``checkpoints/arithmetic``."""
-    return Path(root or os.environ.get("SEMANTICSPEC_WORLD") or DEFAULT_ROOT)
+def world_root(root: Optional[str | os.PathLike] = None, *, must_exist: bool = False) -> Path:
+    """Where the world's models live: ``root``, else ``$SEMANTICSPEC_WORLD``, else ``checkpoints/arithmetic``.
+
+    Raises:
+        FileNotFoundError: ``must_exist`` and no such folder, saying where the models ship and how to point at them.
+    """
+    path = Path(root or os.environ.get("SEMANTICSPEC_WORLD") or DEFAULT_ROOT)
+    if must_exist and not path.is_dir():
+        raise FileNotFoundError(_missing(f"world folder {path}"))
+    return path
+
+
+def _missing(what: str) -> str:
+    return (f"{what} does not exist: the embedded world's models ship in a clone of the repository "
+            "(checkpoints/arithmetic), not in a wheel; set SEMANTICSPEC_WORLD to a folder holding target/, draft/ "
+            "and judge/, or train one with `python -m arithmetic_world.train --which ROLE --out DIR`, then "
+            "`python -m arithmetic_world.card --publish DIR`")
 
 
 def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
@@ -39,9 +54,7 @@ def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
         raise ValueError(f"role={role!r}; expected one of {ROLES}")
     path = world_root(root) / role
     if not path.is_dir():
-        raise FileNotFoundError(f"world model folder {path} does not exist; train it with `python -m "
-                                f"arithmetic_world.train --which {role} --out DIR`, then `python -m "
-                                "arithmetic_world.card --publish DIR`")
+        raise FileNotFoundError(_missing(f"world model folder {path}"))
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"world model folder {path} is incomplete: missing {', '.join(missing)}")
@@ -71,4 +84,5 @@ def load_tokenizer(root: Optional[str | os.PathLike] = None, role: str = "target
 
 def load_world(root: Optional[str | os.PathLike] = None, device: str = "cpu") -> WorldModels:
     """Load target, draft and judge with their tokenizer. Raises naming any missing folder or file."""
+    world_root(root, must_exist=True)
     return WorldModels(*(load_model(r, root, device) for r in ROLES), load_tokenizer(root), world_root(root))

@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from generation.cli import normalise_args
+from generation.paths import DEFAULT_CONFIG
 from generation.threads import set_wait_policy
 from probes.fit_args import DESCRIPTION, PROG, first_pass
 
 if TYPE_CHECKING:  # torch and Lightning load after the first pass over the arguments (probes.fit_args)
     from probes.module import SemanticProbeModule
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "arithmetic.yaml"
 SHORT_HELP = f"""usage: {PROG} [options]
 
 {DESCRIPTION}

@@ -466,9 +466,10 @@ def write_threshold(probes: Path, report: dict, command: str) -> Path | None:
 class EvaluateOptions:
     """What python -m semanticspec.evaluate decodes and where it writes."""
 
-    config: str = "configs/arithmetic.yaml"
+    config: str | None = None
     """The fit's config (the YAML given to `python -m probes.fit --config`) or a run folder holding its config.yaml:
-    the models, the task, the label build (whose problems are not evaluated) and where the run exports."""
+    the models, the task, the label build (whose problems are not evaluated) and where the run exports. None: the
+    package's configs/arithmetic.yaml, the one `python -m probes.fit` reads without --config."""
     probes: str | None = None
     """Export folder holding target/ and draft/ (None: the run's newest export, <log dir>/version_N/export)."""
     out_dir: str | None = None
@@ -564,7 +565,8 @@ def read_fit(config: str) -> FitRun:
     if run is not None:
         path = run / "config.yaml"
     if not path.is_file():
-        raise ValueError(f"--config {config}: expected a `python -m probes.fit` YAML or a run folder holding "
+        what = "holds no config.yaml" if run is not None else "no such file or folder"
+        raise ValueError(f"--config {config}: {what}; expected a `python -m probes.fit` YAML or a run folder holding "
                          "config.yaml")
     try:
         fit = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -804,6 +806,10 @@ def _evaluate(given: list[str]) -> dict:
                               "task": task})
     if errors := option_errors(opts):
         fail(PROG, "; ".join(errors))
+    if opts.config is None:
+        from generation.paths import DEFAULT_CONFIG
+
+        opts = dataclasses.replace(opts, config=str(DEFAULT_CONFIG))
     try:
         fit = read_fit(opts.config)
         probes = probe_dir(opts, fit)

@@ -154,7 +154,8 @@ def test_engine_read_label_build_trains_probes_that_decode_the_served_world(worl
     from transformers import AutoModelForCausalLM
 
     import datamodules.labels.shard as shard_mod
-    from probes.fit import REPO_ROOT, main
+    from generation.paths import REPO_ROOT
+    from probes.fit import main
 
     t0 = time.perf_counter()
     cfg = yaml.safe_load((REPO_ROOT / "configs" / "served.yaml").read_text())

@@ -409,3 +409,17 @@ def test_card_and_gguf_refuse_a_missing_world_or_results_in_one_line(capsys, tmp
         with pytest.raises(SystemExit) as e:
             main(args)  # tracebacks, and a --results that is not there was silently left out
         assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_worlds_models_missing_are_named_with_where_they_ship(monkeypatch, tmp_path):
+    """A world folder that does not exist (a wheel, whose site-packages holds no checkpoints/) is named, with where
+    the models ship and the variable that points at them: a build's model paths, before a tokenizer is asked for it
+    (which read an absolute path as a hub repo id, "Repo id must be in the form ...")."""
+    from arithmetic_world.models import load_world
+    from datamodules.labels.config import BuildConfig
+
+    monkeypatch.setenv("SEMANTICSPEC_WORLD", str(tmp_path / "nowhere"))
+    for call in (lambda: BuildConfig().model_path("target"), load_world):
+        with pytest.raises(FileNotFoundError, match="nowhere does not exist: the embedded world's models ship in a "
+                                                    "clone .*; set SEMANTICSPEC_WORLD to a folder"):
+            call()

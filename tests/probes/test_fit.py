@@ -166,7 +166,8 @@ def _absolute_paths(value, where=""):
 
 def test_exports_carry_no_absolute_path(tmp_path):
     from probes.config import ProbeConfig
-    from probes.fit import REPO_ROOT, export_probes
+    from generation.paths import REPO_ROOT
+    from probes.fit import export_probes
     from probes.module import SemanticProbeModule
 
     inside, outside = str(REPO_ROOT / "checkpoints" / "arithmetic" / "target"), "/home/someone/models/draft-1.5b"
@@ -183,7 +184,7 @@ def test_exports_carry_no_absolute_path(tmp_path):
 
 
 def test_shipped_probe_configs_carry_no_absolute_path():
-    from probes.fit import REPO_ROOT
+    from generation.paths import REPO_ROOT
 
     shipped = sorted((REPO_ROOT / "checkpoints").glob("*/probes/*/config.json"))
     assert shipped

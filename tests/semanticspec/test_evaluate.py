@@ -117,6 +117,19 @@ def test_a_config_that_is_no_fit_config_is_refused_naming_it(capsys, monkeypatch
     assert f"--config {path}: {says}" in err and "labels.build" not in err
 
 
+def test_without_config_the_packages_config_is_read_from_any_folder_and_a_missing_one_is_named(capsys, monkeypatch,
+                                                                                                tmp_path):
+    """No --config: the package's configs/arithmetic.yaml (as probes.fit reads), not one relative to where the command
+    runs; a --config that does not exist is named as missing, a run folder without config.yaml as holding none."""
+    no_decoding(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    err = refused(capsys, ["--probes", str(tmp_path / "nowhere")])
+    assert err.startswith("python -m semanticspec.evaluate: error: --probes ") and "--config" not in err, err
+    assert "--config missing.yaml: no such file or folder" in refused(capsys, ["--config", "missing.yaml"])
+    (tmp_path / "run").mkdir()
+    assert f"--config {tmp_path / 'run'}: holds no config.yaml" in refused(capsys, ["--config", str(tmp_path / "run")])
+
+
 def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_refused(capsys, monkeypatch, tmp_path):
     no_decoding(monkeypatch)
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task",
