@@ -109,8 +109,10 @@ class ProbeCLI(LightningCLI):
 
 
 def make_cli(args: list[str], default_config: Path) -> ProbeCLI:
-    """The parsed and instantiated CLI of ``args`` (without ``--config``, ``default_config`` first)."""
-    if "--config" not in args:
+    """The parsed and instantiated CLI of ``args`` (without ``--config``, ``default_config`` first; not for
+    ``--help``, whose screen shows the parser's defaults whatever the config, so it prints where no default config is,
+    as in a wheel)."""
+    if "--config" not in args and "--help" not in args:
         # The embedded default unless a config is given. (Not `default_config_files`: jsonargparse then
         # rejects an optimizer class_path in the YAML.)
         args = ["--config", str(default_config)] + args
@@ -218,6 +220,9 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
         fail(f"--model.optimizer: {e}")
     setup_done = _SetupDone()
     trainer.callbacks.append(setup_done)
+    if trainer.fast_dev_run:  # "no checkpoints", Lightning says; its ModelCheckpoint still wrote last.ckpt at the end
+        for callback in trainer.checkpoint_callbacks:
+            callback.save_last = False
     new_run_dir = _new_run_dir(trainer)
     handler = signal.getsignal(signal.SIGINT)
     try:

@@ -536,6 +536,19 @@ def test_short_help_names_real_options_and_help_all_lists_every_one(capsys):
     assert len(named) >= 9 and not {w for w in named if w not in full}
 
 
+def test_help_all_prints_where_no_default_config_is_and_keeps_a_given_config(capsys, monkeypatch, tmp_path):
+    """Installed from a wheel the package has no configs/: ``--help_all`` still prints every option (it read the
+    missing default config and failed, even with ``--config`` given, which it dropped)."""
+    import probes.fit as F
+
+    monkeypatch.setattr(F, "DEFAULT_CONFIG", tmp_path / "configs" / "arithmetic.yaml")
+    for args in (["--help_all"], ["--help", "full"], ["--config", str(_tiny_config(tmp_path)), "--help_all"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 0, args
+        assert len(capsys.readouterr().out.splitlines()) > 300, args
+
+
 def test_a_normal_run_shows_no_noise(tmp_path, capsys, caplog, recwarn):
     cfg = _tiny_config(tmp_path)
     main(["--config", str(cfg), "--trainer.max_epochs", "1", "--export", "false"])
@@ -637,6 +650,7 @@ def test_a_fit_that_trained_nothing_or_a_debugging_run_exports_nothing_and_says_
     result = main(["--config", str(cfg), "--test", "false", *debug])
     assert result["export"] == {} and not list(tmp_path.rglob("model.safetensors"))
     assert "not exported: " in capsys.readouterr().out
+    assert not list(tmp_path.rglob("*.ckpt"))  # fast_dev_run's last.ckpt landed in <default_root_dir>/checkpoints
 
 
 def test_default_root_dir_alone_moves_the_whole_run(tmp_path):
