@@ -214,6 +214,14 @@ def test_curl_streams_server_sent_events_ending_with_done(endpoint, world_decode
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == _alone(dec, prompt, seed=5)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and all(c["object"] == "text_completion" for c in chunks)
+    assert not any("usage" in c for c in chunks)
+    usage_asked = json.dumps({**json.loads(body), "stream_options": {"include_usage": True}})
+    out = subprocess.run(["curl", "-sN", endpoint.url + "/completions", "-H", "Content-Type: application/json",
+                          "-d", usage_asked], capture_output=True, text=True, timeout=120, check=True).stdout
+    with_usage = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("data: {")]
+    # OpenAI: "All other chunks will also include a usage field, but with a null value"
+    assert all(c["usage"] is None for c in with_usage[:-1]) and with_usage[-1]["usage"]["completion_tokens"] > 0
+    assert with_usage[-1]["choices"] == []
     models = json.loads(subprocess.run(["curl", "-s", endpoint.url + "/models"], capture_output=True, text=True,
                                        timeout=30, check=True).stdout)
     assert [m["id"] for m in models["data"]] == ["semanticspec"]
