@@ -170,21 +170,28 @@ class FakeSGLang(_Server):
         abort: answer ``/generate`` with ``finish_reason`` ``abort`` (HTTP 200): every request (True) or the first
             ``abort`` requests (an int).
         busy: answer the first ``busy`` GETs of each server-info route with a 503 (a server too busy to answer).
-        tail_after_stop: text kept after a matched stop string with ``no_stop_trim`` (before 0.5.23, PR #25980,
+        tail_after_stop: text kept after a matched stop string with ``no_stop_trim`` (before 0.5.14, PR #25980,
             when several tokens were accepted in one step).
         context_len: the model's context, which ``/v1/models`` states as the card's ``max_model_len``
             (``entrypoints/http_server.py`` ``available_models``: ``tokenizer_manager.model_config.context_len``).
+        deterministic: started with ``--enable-deterministic-inference``, stated in ``/server_info``; without it the
+            server ignores ``sampling_seed`` (``sampling/sampling_batch_info.py``: the seeds' tensor is built only
+            ``if enable_deterministic``, else None, and ``layers/sampler.py`` draws unseeded).
+        nan: end every ``/generate`` as SGLang ends a request whose sampled id falls outside the vocabulary (NaN
+            logits): ``finish_reason`` ``{"type": "stop", "matched": "NaN happened"}`` (``schedule_batch.py``
+            ``_check_vocab_boundary_finish``), shaped as a matched stop string.
     """
 
     def __init__(self, name="toy", *, version="0.5.23", hidden=True, info=None,
                  info_routes=("/server_info", "/get_server_info"), original_logprob=False, preferred=None,
-                 short_top=None, drop_rows=0, abort=False, busy=0, tail_after_stop="", context_len=4096):
-        self.name, self.version, self.hidden = name, version, hidden
+                 short_top=None, drop_rows=0, abort=False, busy=0, tail_after_stop="", context_len=4096,
+                 deterministic=True, nan=False):
+        self.name, self.version, self.hidden, self.nan = name, version, hidden, nan
         self.short_top, self.drop_rows, self.abort = short_top, drop_rows, abort
         self.original_logprob = original_logprob
         self.preferred, self.tail_after_stop = dict(preferred or {}), tail_after_stop
         self.info = {"version": version, "disable_radix_cache": False, "enable_return_hidden_states": hidden,
-                     "speculative_algorithm": None,
+                     "speculative_algorithm": None, "enable_deterministic_inference": deterministic,
                      "preferred_sampling_params": json.dumps(preferred) if preferred else None, **(info or {})}
         self.busy = {r: busy for r in info_routes}
         self.cache: list[list[int]] = []
@@ -254,8 +261,9 @@ class FakeSGLang(_Server):
         start = len(ids) - 1 if start == -1 or not want else start
         cap = max(min(len(ids) - 1, start), 0)  # Req._compute_max_prefix_len
         cached = min(max((_lcp(ids, s) for s in self.cache), default=0), cap)
+        seed = sp.get("sampling_seed") if self.info["enable_deterministic_inference"] else None
         out_words, text, finish, hit = toy_continue(ids, sp.get("max_new_tokens", 128), sp.get("stop") or [],
-                                                    sp.get("no_stop_trim", False), params, sp.get("sampling_seed"))
+                                                    sp.get("no_stop_trim", False), params, seed)
         if sp.get("max_new_tokens") == 1 and body.get("logprob_start_len", -1) >= 0:
             out_words, text, finish, hit = [NEXT], NEXT, "length", None  # a read: the token after the step
         if hit and sp.get("no_stop_trim"):
@@ -265,6 +273,7 @@ class FakeSGLang(_Server):
         meta = {"id": "r", "e2e_latency": 0.001, "prompt_tokens": len(ids), "completion_tokens": len(out_ids),
                 "cached_tokens": cached,
                 "finish_reason": ({"type": "abort", "message": "aborted by the scheduler"} if self._aborts() else
+                                  {"type": "stop", "matched": "NaN happened"} if self.nan else
                                   {"type": "stop", "matched": hit} if finish == "stop" else
                                   {"type": "length", "length": len(out_ids)})}
         if want:
@@ -302,12 +311,16 @@ class FakeVLLM(_Server):
             ``SamplingParams.update_from_generation_config`` puts it in ``stop_token_ids``, and ``check_stop``
             (``v1/core/sched/utils.py``, 0.11 and 0.34) ends the request with ``finish_reason`` ``"stop"`` and
             ``stop_reason`` = that id, an int (text "": a special token).
+        abort: answer the first ``abort`` completions requests as vLLM answers a request its engine aborted (a
+            shutdown, ``/pause``): HTTP 200, the partial text, ``finish_reason`` ``"abort"`` (``v1/engine/__init__.py``
+            ``FINISH_REASON_STRINGS``; only ``"error"`` becomes a 500 in ``serving.py`` ``_raise_if_error``).
     """
 
     def __init__(self, name="toy", *, version="0.11.0", max_logprobs=20, prompt_tokens_details=False,
                  generation_config=None, short_top=None, status=None, lone_texts=False, twin_texts=False,
-                 max_model_len=4096, end_of_turn=False):
+                 max_model_len=4096, end_of_turn=False, abort=0):
         self.lone_texts, self.twin_texts, self.end_of_turn = lone_texts, twin_texts, end_of_turn
+        self.abort = abort
         self.version = version
         card = {"id": name, "object": "model", "owned_by": "vllm", "max_model_len": max_model_len}
         self.name, self.max_logprobs, self.short_top, self.status = name, max_logprobs, short_top, status
@@ -365,6 +378,9 @@ class FakeVLLM(_Server):
             out_words, text, finish, hit = toy_continue(ids, body["max_tokens"], body.get("stop") or [],
                                                         body.get("include_stop_str_in_output", False), params,
                                                         body.get("seed"))
+        if self.abort:
+            self.abort -= 1
+            finish, hit, out_words, text = "abort", None, out_words[:1], text[:len(out_words[0])] if out_words else ""
         full = ids + ([END_OF_TURN] if hit == END_OF_TURN else [tid(w) for w in out_words])
         all_texts = texts + out_words
         choice = {"index": 0, "finish_reason": finish, "stop_reason": hit, "logprobs": None, "prompt_logprobs": None}
@@ -431,7 +447,8 @@ class ScriptSGLang(_Server):
     def __init__(self, tokenizer, script: str, name: str = "toy"):
         self.tok, self.script, self.name = tokenizer, tokenizer.encode(script).ids, name
         self.eos = tokenizer.token_to_id("</s>")
-        info = {"version": "0.5.23", "enable_return_hidden_states": False, "disable_radix_cache": False}
+        info = {"version": "0.5.23", "enable_return_hidden_states": False, "disable_radix_cache": False,
+                "enable_deterministic_inference": True}
         card = {"id": name, "object": "model", "owned_by": "sglang", "root": name, "max_model_len": 4096}
         super().__init__({"/v1/models": lambda: (200, {"object": "list", "data": [card]}),
                           "/server_info": lambda: (200, info)},

@@ -49,6 +49,7 @@ and are not what ``/generate`` returns for a plain server).
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -63,6 +64,10 @@ from generation.specs import SamplingSpec, StepSpec
 MIN_VERSION = "0.5.4"
 """The oldest SGLang this client reads and writes with: ``/v1/tokenize`` exists from 0.5.4 (``sampling_seed`` from
 0.5.3, honoured only with ``--enable-deterministic-inference``)."""
+NAN_STOP = "NaN happened"
+"""The ``matched`` of a request SGLang ended at a token id outside the vocabulary (NaN logits), shaped as a stop
+string's (``schedule_batch.py`` ``FINISH_MATCHED_STR(matched="NaN happened")``): a failure, never a delimiter or EOS."""
+
 HIDDEN_MIN_VERSION = "0.5.17"
 """The oldest SGLang whose hidden rows this client reads: before it, a batched prefill slices each request's rows by
 ``len(req.origin_input_ids)`` and advances the offset only for requests that asked for hidden states, while the
@@ -83,6 +88,12 @@ KNOWN_TEXTS = 4096
 """Texts whose server token ids an :class:`SGLangEngine` keeps: a step read after a context it has seen (the previous
 step + the bonus token, or a step the server wrote) needs no ``/v1/tokenize`` call, so a kept step costs two requests
 (the draft's write, this read) and a refused one three."""
+
+
+
+class UnseededServer(UserWarning):
+    """An SGLang server that ignores sampling seeds: ``sampling_seed`` is read only with
+    ``--enable-deterministic-inference`` (``sampling/sampling_batch_info.py``: the seeds' tensor is None otherwise)."""
 
 
 def hidden_refusals(url: str, info: dict) -> tuple[str, ...]:
@@ -156,6 +167,12 @@ class SGLangEngine:
         if (why := preferred_refusal(self.url, self.info)) is not None:
             raise Unsupported(why, self.url)
         self._caps = self._capabilities()
+        self.seeded = bool(self.info.get("enable_deterministic_inference"))
+        if not self.seeded:
+            warnings.warn(UnseededServer(
+                f"SGLang server {self.url} runs without --enable-deterministic-inference, so it ignores sampling "
+                "seeds: its sampled steps and drawn tokens cannot be repeated with a seed (a resumed label build "
+                "draws other samples); start it with the flag to make them repeatable"), stacklevel=2)
 
     def _server_info(self) -> dict:
         info = self.conn.get("/server_info", patient=True) or self.conn.get("/get_server_info", patient=True)
@@ -188,9 +205,13 @@ class SGLangEngine:
             if len(got) != n or not all(isinstance(g, dict) and isinstance(g.get("meta_info"), dict) for g in got):
                 raise MalformedAnswer(f"server {self.url} answered /generate of {n} prompt(s) without {n} answers "
                                       "holding the field meta_info", self.url)
-            aborted = [g["meta_info"].get("finish_reason") for g in got
-                       if isinstance(g["meta_info"].get("finish_reason"), dict)
-                       and g["meta_info"]["finish_reason"].get("type") == "abort"]
+            finishes = [g["meta_info"].get("finish_reason") for g in got
+                        if isinstance(g["meta_info"].get("finish_reason"), dict)]
+            if any(f.get("matched") == NAN_STOP for f in finishes):
+                raise EngineError(f"server {self.url} ended a /generate request at a token outside the vocabulary "
+                                  f"(finish_reason matched {NAN_STOP!r}: NaN logits); check the model's weights and "
+                                  "dtype on the server", self.url)
+            aborted = [f for f in finishes if f.get("type") == "abort"]
             if not aborted:
                 return [(g, g["meta_info"]) for g in got], secs
         raise EngineError(f"server {self.url} aborted a /generate request {self.conn.retries} time(s): "
@@ -349,7 +370,7 @@ class SGLangEngine:
         matched = finish.get("matched")
         if finish.get("type") == "length":
             how = "length"
-        elif isinstance(matched, str) and step is not None:  # no_stop_trim keeps the stop string; before 0.5.23
+        elif isinstance(matched, str) and step is not None:  # no_stop_trim keeps the stop string; before 0.5.14
             how, cut = "delimiter", text.find(matched)         # (PR #25980) it could keep text after it as well
             text = text[:cut + len(matched)] if cut >= 0 else text + matched
         else:

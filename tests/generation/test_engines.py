@@ -253,6 +253,37 @@ def test_sglang_abort_sent_with_http_200_is_an_error_not_an_eos(fakes):
     assert fake.root in str(e.value)
 
 
+def test_sglang_nan_stop_is_an_error_not_a_delimiter_or_an_eos(fakes):
+    """SGLang ends a request whose sampled id falls outside the vocabulary (NaN logits) with a finish shaped as a
+    matched stop string, "NaN happened": it was written as a step ending at that "delimiter" (the string appended to
+    the text), and read as EOS."""
+    engine = _engine("sglang", fakes(FakeSGLang, nan=True))
+    with pytest.raises(EngineError, match="outside the vocabulary .*'NaN happened'"):
+        engine.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.read(CONTEXT, STEP, top_k=2, hidden=False, sampling=GREEDY, seed=0)
+
+
+def test_sglang_without_deterministic_inference_warns_that_it_ignores_seeds(fakes):
+    """SGLang reads ``sampling_seed`` only with --enable-deterministic-inference: without it, two writes with one
+    seed differ, and the client says so once, when it connects (it sent the seeds as if they held)."""
+    from generation.engines.sglang import UnseededServer
+
+    fake = fakes(FakeSGLang, deterministic=False)
+    with pytest.warns(UnseededServer, match="without --enable-deterministic-inference, so it ignores sampling seeds"):
+        engine = _engine("sglang", fake)
+    hot = SamplingSpec(5.0, 1.0)
+    texts = {engine.write(CONTEXT, step=None, max_tokens=8, sampling=hot, seed=3).text for _ in range(12)}
+    assert len(texts) > 1 and not engine.seeded
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnseededServer)
+        seeded = _engine("sglang", fakes(FakeSGLang))
+    assert seeded.seeded and len({seeded.write(CONTEXT, step=None, max_tokens=8, sampling=hot, seed=3).text
+                                  for _ in range(4)}) == 1
+
+
 def test_sglang_hidden_states_are_after_the_final_norm(fakes):
     caps = _engine("sglang", fakes(FakeSGLang)).capabilities()
     assert (caps.hidden, caps.hidden_norm) == (True, "final_norm")
@@ -260,6 +291,20 @@ def test_sglang_hidden_states_are_after_the_final_norm(fakes):
 
 # ---------------------------------------------------------------------------------------------
 # vLLM /v1/completions
+
+
+def test_vllm_abort_sent_with_http_200_is_asked_again_then_an_error_not_an_eos(fakes):
+    """vLLM answers a request its engine aborted (a shutdown, /pause) with HTTP 200, the partial text and
+    finish_reason "abort": it was read as a step that ended at EOS."""
+    fake = fakes(FakeVLLM, abort=1)
+    engine = make_engine("vllm", fake.root, api_key_env="", retries=2, timeout=10.0)
+    w = engine.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0)
+    assert (w.text, w.stop, len(fake.posts("/v1/completions"))) == ("a b\n\n", "delimiter", 2)
+    fake.abort = 5
+    with pytest.raises(EngineError, match=r"finish_reason 'abort' 2 time\(s\)"):
+        engine.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0)
+    with pytest.raises(EngineError, match="finish_reason 'abort'"):
+        engine.read(CONTEXT, STEP, top_k=2, hidden=False, sampling=GREEDY, seed=0)
 
 
 def test_vllm_read_echoes_with_prompt_logprobs_and_maps_by_text_offsets(fakes):
