@@ -369,10 +369,13 @@ class VLLMEngine(_Completions):
     """
 
     name = "vllm"
-    sampling_extra = NEUTRAL_SAMPLING["vllm"]
+    sampling_extra = {**NEUTRAL_SAMPLING["vllm"], "return_tokens_as_token_ids": False}
     """vLLM fills every sampling field a request leaves out from the model's ``generation_config.json``
     (``--generation-config auto``): these state ``top_k``, ``min_p``, ``repetition_penalty`` and both penalties as the
-    package's sampler uses them (off)."""
+    package's sampler uses them (off). And the log-probs' tokens as texts: a server started with
+    ``--return-tokens-as-token-ids`` writes them ``"token_id:N"`` unless the request says otherwise
+    (``serving_completion.py``: the request's field, else the server's flag), and the written tokens' offsets would
+    count those strings."""
 
     def __init__(self, url: str, model: str | None = None, *, max_logprobs: int | None = VLLM_MAX_LOGPROBS, **conn):
         super().__init__(url, model, **conn)

@@ -307,6 +307,17 @@ def test_vllm_abort_sent_with_http_200_is_asked_again_then_an_error_not_an_eos(f
         engine.read(CONTEXT, STEP, top_k=2, hidden=False, sampling=GREEDY, seed=0)
 
 
+def test_vllm_requests_ask_for_token_texts_whatever_the_servers_flag(fakes):
+    """A vLLM server started with --return-tokens-as-token-ids writes log-probs' tokens as "token_id:N" unless a
+    request says otherwise, and the written tokens' text offsets then count those strings: every request says so."""
+    fake = fakes(FakeVLLM)
+    engine = _engine("vllm", fake)
+    engine.read(CONTEXT, STEP, top_k=2, hidden=False, sampling=GREEDY, seed=0)
+    engine.write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0, top_k=2)
+    bodies = fake.posts("/v1/completions")
+    assert len(bodies) == 2 and all(b["return_tokens_as_token_ids"] is False for b in bodies)
+
+
 def test_vllm_read_echoes_with_prompt_logprobs_and_maps_by_text_offsets(fakes):
     fake = fakes(FakeVLLM)
     engine = _engine("vllm", fake)
