@@ -177,6 +177,8 @@ class FakeSGLang(_Server):
         deterministic: started with ``--enable-deterministic-inference``, stated in ``/server_info``; without it the
             server ignores ``sampling_seed`` (``sampling/sampling_batch_info.py``: the seeds' tensor is built only
             ``if enable_deterministic``, else None, and ``layers/sampler.py`` draws unseeded).
+        special_next: the token after a read step is a special token that is not EOS (a base model's end-of-turn):
+            its text decodes to "" (``skip_special_tokens``), the request ending at ``length``.
         nan: end every ``/generate`` as SGLang ends a request whose sampled id falls outside the vocabulary (NaN
             logits): ``finish_reason`` ``{"type": "stop", "matched": "NaN happened"}`` (``schedule_batch.py``
             ``_check_vocab_boundary_finish``), shaped as a matched stop string.
@@ -185,8 +187,9 @@ class FakeSGLang(_Server):
     def __init__(self, name="toy", *, version="0.5.23", hidden=True, info=None,
                  info_routes=("/server_info", "/get_server_info"), original_logprob=False, preferred=None,
                  short_top=None, drop_rows=0, abort=False, busy=0, tail_after_stop="", context_len=4096,
-                 deterministic=True, nan=False):
+                 deterministic=True, nan=False, special_next=False):
         self.name, self.version, self.hidden, self.nan = name, version, hidden, nan
+        self.special_next = special_next
         self.short_top, self.drop_rows, self.abort = short_top, drop_rows, abort
         self.original_logprob = original_logprob
         self.preferred, self.tail_after_stop = dict(preferred or {}), tail_after_stop
@@ -266,6 +269,8 @@ class FakeSGLang(_Server):
                                                     sp.get("no_stop_trim", False), params, seed)
         if sp.get("max_new_tokens") == 1 and body.get("logprob_start_len", -1) >= 0:
             out_words, text, finish, hit = [NEXT], NEXT, "length", None  # a read: the token after the step
+            if self.special_next:
+                text = ""
         if hit and sp.get("no_stop_trim"):
             text += self.tail_after_stop
         out_ids = [tid(w) for w in out_words]

@@ -307,7 +307,7 @@ class SGLangEngine:
         eos = (meta.get("finish_reason") or {}).get("type") == "stop"
         self._remember(context + step, (self._known.get(context) or []) + list(tokens.ids or []))
         nxt = meta.get("output_token_logprobs") or []
-        if not eos and len(nxt) == 1 and nxt[0] and len(nxt[0]) > 1:
+        if not eos and got_text and len(nxt) == 1 and nxt[0] and len(nxt[0]) > 1:  # "": a special token, skipped
             self._remember(context + step + got_text, self._known[context + step] + [int(nxt[0][1])])
         return Reading(tokens, self._hidden(meta, len(tokens.tokens)) if hidden else None, "" if eos else got_text,
                        eos, self._usage(meta, secs))

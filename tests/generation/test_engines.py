@@ -284,6 +284,18 @@ def test_sglang_without_deterministic_inference_warns_that_it_ignores_seeds(fake
                                   for _ in range(4)}) == 1
 
 
+def test_sglang_a_special_next_token_is_not_remembered_as_the_steps_continuation(fakes):
+    """A read's next token that decodes to "" (a special token, not EOS) spells nothing of the text: remembering
+    context + step + "" as ids ending in it made the next write of context + step read that token too."""
+    fake = fakes(FakeSGLang, special_next=True)
+    engine = _engine("sglang", fake)
+    r = engine.read(CONTEXT, STEP, top_k=2, hidden=False, sampling=GREEDY, seed=0)
+    assert (r.next_text, r.next_eos) == ("", False)
+    engine.write(CONTEXT + STEP, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=0)
+    sent = fake.posts("/generate")[-1]
+    assert sent.get("input_ids", ids_of(CONTEXT + STEP)) == ids_of(CONTEXT + STEP), sent
+
+
 def test_sglang_hidden_states_are_after_the_final_norm(fakes):
     caps = _engine("sglang", fakes(FakeSGLang)).capabilities()
     assert (caps.hidden, caps.hidden_norm) == (True, "final_norm")
