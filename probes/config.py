@@ -82,6 +82,10 @@ class ProbeConfig:
         if isinstance(self.features, FeatureSpec):
             errors += [f"features.{p}" for p in layer_problems(
                 list(self.features.layer_ids), self.reads.get("num_layers") if isinstance(self.reads, dict) else None)]
+        elif not any(e.startswith("features") for e in errors):
+            errors.append(f"features={self.features!r}: expected a generation.specs.FeatureSpec (an object of groups, "
+                          "layer_ids, pooling, ...)")
+        errors += self._records()
         if self.layer_combine not in ("concat", "weighted_sum"):
             errors.append(f"layer_combine={self.layer_combine!r}: expected 'concat' or 'weighted_sum'")
         if not isinstance(self.hidden_dims, (list, tuple)) or not all(is_count(d) for d in self.hidden_dims):
@@ -98,6 +102,16 @@ class ProbeConfig:
             errors.append(f"sampling={self.sampling!r}: expected a generation.specs.SamplingSpec or None")
         if errors:
             raise ValueError("invalid ProbeConfig: " + "; ".join(errors))
+
+    def _records(self) -> list[str]:
+        """Problems of the provenance fields: ``reads``, ``labels`` and ``test_metrics`` are objects, the metrics
+        numbers."""
+        errors = [f"{name}={getattr(self, name)!r}: expected an object (a dict)"
+                  for name in ("reads", "labels", "test_metrics") if not isinstance(getattr(self, name), dict)]
+        if isinstance(self.test_metrics, dict) and not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in self.test_metrics.values()):
+            errors.append(f"test_metrics={self.test_metrics!r}: expected numbers")
+        return errors
 
     def _typed_specs(self) -> list[str]:
         """``step``, ``sampling`` and ``features`` given as dicts (``config.json``, YAML) become their specs; problems,
@@ -138,7 +152,7 @@ class ProbeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object of probe config fields, got {type(d).__name__}")
         d = dict(d)
-        d.setdefault("format_version", 0)
+        d.setdefault("format_version", FORMAT_VERSION if "features" in d else 0)  # nested `features`: format 6 on
         version = d["format_version"]
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"format_version={version!r}: expected an integer from 0 to {FORMAT_VERSION}")

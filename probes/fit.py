@@ -53,14 +53,8 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
 
 def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
                   test_metrics: dict[str, float]) -> dict[str, Path]:
-    """Export each role's probe of ``module`` with its test metrics into ``export_dir/<role>``.
-
-    Paths in the exported ``config.json`` (the model's ``name_or_path``, the judge's) are made
-    portable first: relative to the repository when inside it, else the folder's name. They are
-    informative only (loading compares the other fingerprint fields), and a shipped export must not
-    carry the exporting machine's folders.
-    """
-    from generation.paths import portable_paths
+    """Export each role's probe of ``module`` with its test metrics into ``export_dir/<role>`` (the paths it records
+    made portable, :func:`~probes.model.portable_config`)."""
     from probes.export import export_probe
 
     paths = {}
@@ -68,8 +62,6 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
         prefix = f"test/{role}/"
         probe.config.test_metrics = {k[len(prefix) :]: float(v) for k, v in test_metrics.items()
                                      if k.startswith(prefix)}
-        probe.config.reads = portable_paths(probe.config.reads)
-        probe.config.labels = portable_paths(probe.config.labels)
         paths[role] = export_probe(probe.cpu().eval(), Path(export_dir) / role)
     return paths
 

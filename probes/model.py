@@ -1,14 +1,31 @@
-"""`SemanticProbe`: the paper's MLP over a step's feature groups, plain torch, built from its config."""
+"""`SemanticProbe`: the paper's MLP over a step's feature groups, plain torch, built from its config, and read
+from its exported files with every check of them (:func:`read_folder`: the config's fields, the weights' names,
+shapes and values, each refusal naming the file)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import warnings
+from pathlib import Path
+from typing import Optional
 
 import torch
 from huggingface_hub import PyTorchModelHubMixin
+from safetensors.torch import load_file
 from torch import nn
 
-from probes.config import ProbeConfig
+from probes.config import FORMAT_VERSION, ROLES, NewerFormatError, ProbeConfig
+
+
+def portable_config(config: ProbeConfig) -> ProbeConfig:
+    """``config`` with the paths it records (the model's ``name_or_path``, the judge's) relative to the repository
+    when inside it, else their last part (:func:`~generation.paths.portable_paths`): informative only (loading
+    compares the other fingerprint fields), and an export must not carry the exporting machine's folders."""
+    from generation.paths import portable_paths
+
+    return dataclasses.replace(config, reads=portable_paths(config.reads), labels=portable_paths(config.labels))
 
 
 def expected_shapes(config: ProbeConfig) -> dict[str, tuple[int, ...]]:
@@ -43,8 +60,8 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
 
     def __init__(self, config: ProbeConfig):
         super().__init__()
-        if isinstance(config, dict):  # from_pretrained hands over the parsed config.json
-            config = ProbeConfig.from_dict(config)
+        if isinstance(config, dict):  # today's layout unless it says its format (a config.json is read by load_probe)
+            config = ProbeConfig.from_dict({"format_version": FORMAT_VERSION, **config})
         self.config = config
         self.register_buffer("input_mean", torch.zeros(config.input_size))
         self.register_buffer("input_std", torch.ones(config.input_size))
@@ -74,11 +91,36 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         self.input_mean.copy_(mean)
         self.input_std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
 
+    def save_pretrained(self, save_directory, *, config=None, **kwargs):
+        """huggingface_hub's ``save_pretrained`` (and so ``push_to_hub``), writing this probe's config as it is now in
+        today's layout, its paths made portable (:func:`portable_config`), beside a card written from the same
+        config; ``config`` replaces it. (The mixin wrote the config the probe was built from: a probe loaded from an
+        older format, or whose config was changed since, got a ``config.json`` its card contradicted.)"""
+        return super().save_pretrained(save_directory, config=portable_config(config or self.config), **kwargs)
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, revision, cache_dir, force_download: bool, local_files_only: bool,
+                         token, map_location: str = "cpu", strict: bool = False, role: str | None = None,
+                         **model_kwargs):
+        """``from_pretrained`` with :func:`~probes.export.load_probe`'s checks of the files (the config's fields, the
+        weights' names, shapes and values, each refusal naming the file; ``role``: the role the probe is used in,
+        :func:`check_role`): a local folder as it is, a Hub repository's snapshot (``config.json``,
+        ``model.safetensors``). The model it will read is not known here: :func:`~probes.export.load_probe` checks
+        that too."""
+        folder = Path(model_id).expanduser()
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(repo_id=model_id, revision=revision, cache_dir=cache_dir,
+                                            force_download=force_download, local_files_only=local_files_only,
+                                            token=token, allow_patterns=["config.json", "model.safetensors"]))
+        return read_folder(folder, probe_config(folder, role)).to(map_location).eval()
+
     def generate_model_card(self, *args, **kwargs):
         """The exported ``README.md``: a card written from the config (``probes.card``), not the Hub's template."""
         from probes.card import model_card
 
-        return model_card(self.config)
+        return model_card(portable_config(self.config))
 
     def _checked(self, features: torch.Tensor) -> torch.Tensor:
         """``features`` as (B, input_size) float32, or a ValueError naming the widths the probe reads."""
@@ -201,3 +243,120 @@ def run_probe(probe, x: torch.Tensor) -> list[float]:
         warnings.warn(f"the {role} probe scored NaN: its input held NaN or inf (e.g. a float16 overflow in the "
                       "model's hidden states); such a step is refused", RuntimeWarning, stacklevel=2)
     return out
+
+
+# --------------------------------------------------------------------------- an exported probe's files
+
+
+def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -> None:
+    """Raise if a probe exported for one role is used as the other (``role=None`` checks nothing).
+
+    Raises:
+        ValueError: ``role`` is not ``target``/``draft``, or ``config.role`` differs (naming both).
+    """
+    if role is None:
+        return
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}: expected one of {ROLES} (or None to accept either)")
+    if config.role != role:
+        raise ValueError(
+            f"{where} was exported with role {config.role!r} (it estimates the {config.role} model's semantic "
+            f"probability) but is used as the {role} probe; pass a probe exported with role {role!r} here, "
+            f"or this one as the {config.role} probe")
+
+
+def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeConfig:
+    """The config of the exported probe at ``path``, read without its weights (what :func:`load_probe` checks first).
+
+    Raises:
+        FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``, or is one of them.
+        ValueError: ``config.json`` is no valid probe config, or the probe's role is not ``role`` (None: any).
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; pass the folder of an exported probe (config.json + "
+                                "model.safetensors)")
+    if path.is_file():  # e.g. ".../target/config.json": the probe is the folder
+        raise FileNotFoundError(f"{path} is a file; pass the folder of an exported probe (config.json + "
+                                f"model.safetensors), e.g. {path.parent}")
+    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} is not an exported probe: missing {', '.join(missing)}")
+    config = _read_config(path / "config.json")
+    check_role(config, role, where=f"probe at {path}")
+    return config
+
+
+_REDO = "re-export the probe (probes.export.export_probe) or restore the file"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""The safetensors dtypes a probe's tensors may have (an integer tensor would truncate its standardisation)."""
+
+
+def _read_config(file: Path) -> ProbeConfig:
+    """``config.json`` as a :class:`ProbeConfig`; every refusal names the file."""
+    try:
+        return ProbeConfig.from_dict(json.loads(file.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e.msg}, line {e.lineno}); {_REDO}") from None
+    except NewerFormatError as e:
+        raise ValueError(f"{file}: {e}") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a JSON value that is no probe config
+        raise ValueError(f"{file} is not a probe config: {e}; {_REDO}") from None
+
+
+def _check_header(file: Path, config: ProbeConfig) -> None:
+    """Compare the tensor names and shapes in ``file``'s header with those ``config`` implies, reading no tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}): truncated, or not "
+                         f"safetensors (a pickled .bin/.pt renamed?); {_REDO}") from None
+    expected = expected_shapes(config)
+    # A probe that does not standardise reads raw inputs (identity buffers): version-1 exports did not hold them.
+    optional = set() if config.standardize else {"input_mean", "input_std"}
+    missing = sorted(k for k in expected if k not in found and k not in optional)
+    unexpected = sorted(k for k in found if k not in expected)
+    wrong = [f"{k} has shape {list(found[k])}, expected {list(v)}" for k, v in expected.items()
+             if k in found and found[k] != v]
+    wrong += [f"{k} is {t}, expected floating point" for k, t in dtypes.items() if t not in FLOAT_DTYPES]
+    if missing or unexpected or wrong:
+        what = "; ".join(wrong + [f"missing tensors {missing}"] * bool(missing)
+                         + [f"unexpected tensors {unexpected}"] * bool(unexpected))
+        raise ValueError(
+            f"{file} does not hold the weights {file.parent / 'config.json'} describes ({what}; the config's "
+            f"hidden_size={config.hidden_size}, "
+            f"features={config.features}, "
+            f"hidden_dims={config.hidden_dims}); {_REDO}")
+
+
+def _read_weights(file: Path) -> dict:
+    """The tensors of ``file`` (CPU), refusing NaN or infinite values by tensor name."""
+    from safetensors import SafetensorError
+
+    try:
+        state = load_file(str(file), device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); {_REDO}") from None
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise ValueError(f"{file} holds NaN or infinite values in {bad}; the probe would refuse or accept every "
+                         f"step blindly. {_REDO.capitalize()} (a diverged training exports such weights)")
+    if "input_std" in state and not bool((state["input_std"] > 0).all()):
+        raise ValueError(f"{file} holds an input_std that is not positive everywhere (training sets each at least "
+                         f"1e-6); the probe would divide by it and score every step NaN. {_REDO.capitalize()}")
+    return state
+
+
+def read_folder(path: Path, config: ProbeConfig) -> SemanticProbe:
+    """The probe exported at ``path`` whose config (:func:`probe_config`) is ``config``, on the CPU: the weights
+    file's header checked to hold exactly the tensors ``config`` implies before anything is allocated, and their
+    values as they load."""
+    weights = path / "model.safetensors"
+    _check_header(weights, config)
+    probe = SemanticProbe(config)
+    probe.load_state_dict(_read_weights(weights), strict=False)  # names and shapes checked in the header
+    return probe

@@ -608,7 +608,7 @@ def probe_dir(opts: EvaluateOptions, fit: FitRun) -> Path:
                              "<log dir>/version_N/export); train with `python -m probes.fit --config "
                              f"{opts.config}`, or give --probes DIR (e.g. checkpoints/arithmetic/probes)")
         return found[0]
-    from probes.export import probe_config
+    from probes.model import probe_config
 
     root = Path(opts.probes)
     for role in ("target", "draft"):
@@ -733,7 +733,8 @@ def check_before_loading(probe_dir: str, model_dir: str, tokenizer, role: str) -
 
     from transformers import AutoConfig
 
-    from probes.export import check_probe_matches, probe_config
+    from probes.export import check_probe_matches
+    from probes.model import probe_config
 
     config = probe_config(probe_dir, role)
     model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))

@@ -523,6 +523,11 @@ def _edit_config(path, **changes):
     ({"hidden_dims": [16.0]}, r"hidden_dims=\[16\.0\]: expected a list of integer widths"),
     ({"dropout": "x"}, r"dropout='x': expected a number"),  # a comparison's TypeError, naming no field, before
     ({"standardize": "false"}, r"standardize='false': expected true or false"),  # loaded as true before
+    # each below loaded, and a later export or card failed with an AttributeError naming no file
+    ({"features": ["hidden"]}, r"features=\['hidden'\]: expected a generation.specs.FeatureSpec"),
+    ({"labels": None}, r"labels=None: expected an object"),
+    ({"reads": "target"}, r"reads='target': expected an object"),
+    ({"test_metrics": {"mse": "low"}}, r"test_metrics=\{'mse': 'low'\}: expected numbers"),
 ])
 def test_invalid_config_is_refused_at_load_naming_the_file_and_field(tmp_path, world_tokenizer, changes, says):
     model = tiny_llama(len(world_tokenizer), 32)
@@ -806,3 +811,57 @@ def test_a_module_and_a_datamodule_that_disagree_on_roles_or_layers_are_refused_
     other = {r: dict(s, features=dataclasses.replace(s["features"], layer_ids=(-2,))) for r, s in spec.items()}
     with pytest.raises(ValueError, match=r"differing: layer_ids: probe \(-2,\), data \(-1,\)"):
         fit(SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], other))
+
+
+def test_from_pretrained_loads_through_load_probe_and_save_pretrained_writes_the_probe_as_it_is(tmp_path):
+    """huggingface_hub's methods: from_pretrained checks a folder as load_probe does (it loaded a missing tensor at
+    its random initial value, and took no role); save_pretrained writes the probe's config as it is now, in today's
+    layout, beside a card from the same config (it wrote the config the probe was built from: a format-3 probe's
+    old layout under a card saying format 6, and a changed config not at all)."""
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints" / "arithmetic" / "probes" / "target"
+    probe = SemanticProbe.from_pretrained(shipped)
+    x = torch.randn(3, probe.config.input_size)
+    assert torch.equal(probe(x), load_probe(shipped)(x)) and not probe.training
+    probe.config.test_metrics = {"mse": 0.5}
+    probe.save_pretrained(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert saved["format_version"] == FORMAT_VERSION and "features" in saved and saved["test_metrics"] == {"mse": 0.5}
+    assert "| mse | 0.5000 |" in (tmp_path / "again" / "README.md").read_text()
+    with pytest.raises(ValueError, match="exported with role 'target'.*used as the draft probe"):
+        SemanticProbe.from_pretrained(shipped, role="draft")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "again" / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != "mlp.0.bias"}, str(tmp_path / "again" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"does not hold the weights .*missing tensors \['mlp.0.bias'\]"):
+        SemanticProbe.from_pretrained(tmp_path / "again")
+
+
+def test_an_export_records_portable_paths_refuses_a_file_and_expands_the_home_folder(tmp_path, monkeypatch):
+    """export_probe (and save_pretrained) wrote the exporting machine's folders into config.json and the card (only
+    the fit made them portable), replaced a file in its way without a word, and made a folder named "~"."""
+    cfg = ProbeConfig(hidden_size=8, hidden_dims=[4], reads={"name_or_path": "/home/someone/models/target-7b"},
+                      labels={"judge": {"model": "/home/someone/models/judge"}})
+    probe = SemanticProbe(cfg)
+    out = export_probe(probe, tmp_path / "probe")
+    text = (out / "config.json").read_text() + (out / "README.md").read_text()
+    assert "/home/someone" not in text and "target-7b" in text
+    assert probe.config.reads["name_or_path"] == "/home/someone/models/target-7b"  # the caller's probe unchanged
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ValueError, match="afile is a file; export a probe into a folder"):
+        export_probe(probe, tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "mine"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    export_probe(probe, "~/p")
+    assert load_probe("~/p").config.hidden_size == 8 and not Path("~").exists()
+    with pytest.raises(FileNotFoundError, match="does not exist; pass the folder of an exported probe"):
+        load_probe(tmp_path / "nowhere")
+
+
+def test_a_config_dict_without_a_format_reads_as_todays_layout():
+    """A dict written by hand is today's layout (it was read as format 0: no standardisation, and a nested
+    ``features`` replaced by the pooled last layer)."""
+    probe = SemanticProbe({"hidden_size": 8, "hidden_dims": [4], "features": {"groups": ["token_stats"]}})
+    assert probe.config.standardize and probe.config.features.groups == ("token_stats",)
+    assert ProbeConfig.from_dict({"hidden_size": 8, "features": {"groups": ["token_stats"]}}).features.groups == (
+        "token_stats",)
