@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import random
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -238,7 +239,7 @@ def key_matches(header: bytes, key: str) -> bool:
 
 def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) -> None:
     known = [c for c in dec.contexts() if c is not None]
-    card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "semanticspec-probes",
+    card = {"id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "semanticspec-probes",
             **({"max_model_len": min(known)} if known else {})}  # as vLLM's and SGLang's cards state it
 
     @app.get("/v1/models")
@@ -253,6 +254,11 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
                              "not_found_error")
         metrics.count(request.scope, 200)
         return card
+
+    @app.get("/version")
+    async def version(request: Request):  # vLLM's route: clients and probes of a vLLM fleet ask it
+        metrics.count(request.scope, 200)
+        return {"version": _package_version()}
 
     @app.get("/health")
     async def health(request: Request):
@@ -532,3 +538,12 @@ def _param_of(message: str) -> str | None:
     head = "max_tokens" if head == "max_new_tokens" else head  # the request's name of the decoder's field
     return head if head in fields else "prompt" if "prompt" in message else None
 
+
+def _package_version() -> str:
+    """The installed semanticspec-probes' version ("unknown" when it is run from files not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("semanticspec-probes")
+    except PackageNotFoundError:
+        return "unknown"

@@ -224,7 +224,10 @@ def test_curl_streams_server_sent_events_ending_with_done(endpoint, world_decode
     assert with_usage[-1]["choices"] == []
     models = json.loads(subprocess.run(["curl", "-s", endpoint.url + "/models"], capture_output=True, text=True,
                                        timeout=30, check=True).stdout)
-    assert [m["id"] for m in models["data"]] == ["semanticspec"]
+    assert [m["id"] for m in models["data"]] == ["semanticspec"] and models["data"][0]["created"] > 1.7e9
+    version = json.loads(subprocess.run(["curl", "-s", endpoint.url[:-3] + "/version"], capture_output=True,
+                                        text=True, timeout=30, check=True).stdout)
+    assert version["version"] not in ("", None)
     metrics = subprocess.run(["curl", "-s", endpoint.url[:-3] + "/metrics"], capture_output=True, text=True,
                              timeout=30, check=True).stdout
     for name in ("semanticspec_requests_total", "semanticspec_tokens_total", "semanticspec_steps_total",
