@@ -175,11 +175,12 @@ class SpeculativeValidation(Callback):
             self.history.append({"epoch": trainer.current_epoch, **figures})
             rank_zero_info("spec: " + ", ".join(f"{k}={v:.3f}" for k, v in figures.items()))
         for name, value in figures.items():
-            pl_module.log(f"spec/{name}", value, sync_dist=False, rank_zero_only=False)
+            pl_module.log(f"spec/{name}", value, sync_dist=True)  # the same on every rank (broadcast): the mean
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank asks, rank 0 writes (asked by one, it hung)
         if trainer.is_global_zero and self.history:
-            self.write_plots(trainer)
+            self.write_plots(trainer, log_dir)
 
     @torch.no_grad()
     def decode(self, pl_module: L.LightningModule) -> dict[str, float]:
@@ -260,15 +261,16 @@ class SpeculativeValidation(Callback):
             "problems": float(len(spec)),
         }
 
-    def write_plots(self, trainer: L.Trainer) -> dict[str, Path]:
-        """Reliability diagram, acceptance vs q/p and the speedup/accuracy history as PNGs; logged as images when the
-        logger can."""
+    def write_plots(self, trainer: L.Trainer, log_dir: str | None = None) -> dict[str, Path]:
+        """Reliability diagram, acceptance vs q/p and the speedup/accuracy history as PNGs, in ``plots_dir`` (default
+        ``<log_dir>/spec``, ``log_dir`` default the trainer's); logged as images when the logger can."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        out = Path(self.plots_dir or Path(trainer.log_dir or trainer.default_root_dir) / "spec")
+        log_dir = log_dir if log_dir is not None else trainer.log_dir
+        out = Path(self.plots_dir or Path(log_dir or trainer.default_root_dir) / "spec")
         out.mkdir(parents=True, exist_ok=True)
         paths = {}
 

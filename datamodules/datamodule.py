@@ -172,7 +172,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                 raise FileNotFoundError(self._missing_message())
             self._say(f"reusing {len(S.read_manifest(self.data_dir)['shards'])} shards in {self.data_dir}")
             return
-        build(self.build, self.data_dir, log=self._say)
+        build(self.build, self.data_dir, log=self._say, alone=True)  # the other processes wait in Lightning's barrier
         self._spec = None
 
     def _say(self, line: str) -> None:

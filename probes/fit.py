@@ -102,8 +102,9 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         module.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
     paths: dict[str, Path] = {}
     unexported = _not_exported(trainer) if cli.config.get("export", True) else None
+    export_dir = cli.config.get("export_dir") or default_export_dir(trainer)  # every rank: a broadcast under DDP
     if cli.config.get("export", True) and trainer.is_global_zero and unexported is None:
-        paths = export_probes(module, cli.config.get("export_dir") or default_export_dir(trainer), test_metrics)
+        paths = export_probes(module, export_dir, test_metrics)
     if trainer.is_global_zero:
         summary = metric_rows(test_metrics, module.roles) | live
         print("\nbest checkpoint:", best or "(none)")

@@ -256,9 +256,17 @@ def interrupted_line(trainer) -> str:
     import torch
 
     epoch = int(torch.load(last, map_location="cpu", weights_only=False).get("epoch", -1)) + 1
-    config = Path(trainer.log_dir or trainer.default_root_dir) / "config.yaml"
+    config = _run_folder(trainer) / "config.yaml"
     return (f"{PROG}: interrupted; kept {last} (after epoch {epoch}). Resume with: {PROG} --config "
             f"{shlex.quote(str(config))} --ckpt_path {shlex.quote(last)}")
+
+
+def _run_folder(trainer) -> Path:
+    """The run's folder as this rank's logger knows it: ``trainer.log_dir`` without its broadcast, which needs every
+    rank (after an interrupt under DDP the others are gone, and rank 0 alone asking broke the line)."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    folder = (getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)) if logger is not None else None
+    return Path(folder or trainer.default_root_dir)
 
 
 def _new_run_dir(trainer) -> Path | None:

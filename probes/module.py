@@ -219,6 +219,7 @@ class SemanticProbeModule(L.LightningModule):
             logits = self.probes[role].logits(part["features"])
             loss = self._loss(logits, part["label"], self._weights(role, part) if stage == "train" else None)
             bs = part["label"].numel()
+            # not synced: under DDP a batch may lack a role on one rank only, and a sync there would wait forever
             self.log(f"{stage}/{role}/loss", loss, batch_size=bs, on_step=stage == "train", on_epoch=True)
             if stage != "train":
                 prob = torch.sigmoid(logits).detach()
@@ -233,8 +234,18 @@ class SemanticProbeModule(L.LightningModule):
         if n == 0:
             raise ValueError(f"{stage} batch has no rows for roles {self.roles}; it has {sorted(batch)}")
         loss = total / n
-        self.log(f"{stage}/loss", loss, batch_size=n, prog_bar=True, on_step=stage == "train", on_epoch=True)
-        return loss
+        self.log(f"{stage}/loss", loss, batch_size=n, prog_bar=True, on_step=stage == "train", on_epoch=True,
+                 sync_dist=True)
+        return loss + self._idle_probes(batch, loss) if stage == "train" else loss
+
+    def _idle_probes(self, batch: dict, like: torch.Tensor) -> torch.Tensor | float:
+        """Under DDP, zero times the parameters of each probe whose role the batch lacks: DDP waits for a gradient of
+        every parameter on every rank (``find_unused_parameters=False``, its default), and a rank whose batch held no
+        row of a role hung the others. One process: 0.0, so the optimizer skips such a probe as before."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return 0.0
+        idle = [p for r, probe in self.probes.items() if r not in batch for p in probe.parameters()]
+        return sum((0.0 * p.sum() for p in idle), like.new_zeros(()))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "train")
@@ -281,14 +292,22 @@ class SemanticProbeModule(L.LightningModule):
 
     def _log_epoch_metrics(self, stage: str) -> None:
         overall = getattr(self, f"{stage}_mse")
-        if overall.total > 0:
+        if self._any_rows(overall):
             self.log(f"{stage}/mse", overall.compute(), prog_bar=True, sync_dist=True)
         overall.reset()
         for key, name in self.metric_names.items():
             collection = self.metrics[f"{stage}_{key}"]
-            if collection["mse"].total > 0:
+            if self._any_rows(collection["mse"]):
                 self.log_dict({f"{stage}/{name}/{k}": v for k, v in collection.compute().items()}, sync_dist=True)
             collection.reset()
+
+    def _any_rows(self, metric) -> bool:
+        """Whether any rank updated ``metric`` (a MeanSquaredError): its ``compute()`` gathers across ranks, so every
+        rank must make the same choice (one rank without rows of a writer skipped it, and the others waited)."""
+        total = metric.total.detach().clone()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            total = self.trainer.strategy.reduce(total, reduce_op="sum")
+        return bool(total > 0)
 
     def configure_optimizers(self):
         return self.optimizer_factory(self.parameters())

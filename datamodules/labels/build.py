@@ -50,13 +50,15 @@ from datamodules.labels.coordination import (
     damaged_shards,
     data_dir_problem,
     dist_info,
+    in_process_group,
     make_data_dir,
     sha_or_none,
     wait_for_shards,
 )
 
 
-def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int | None = None, log=print) -> dict:
+def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int | None = None, log=print,
+          alone: bool = False) -> dict:
     """Build (or finish building) the dataset of ``config`` in ``data_dir``.
 
     Resumable: whole shards already on disk are kept; a shard is written under a temporary name
@@ -73,6 +75,8 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
         max_shards: stop after building this many new shards without writing the manifest
             (tests use it to simulate a kill).
         log: where the summary (and, when stderr is not a terminal, progress lines) go.
+        alone: this process builds every shard and waits for no other, whatever process group it is in (Lightning's
+            ``prepare_data`` runs on one process per node while the others wait in Lightning's own barrier).
 
     Returns:
         The manifest (``complete=False`` and no checksums when stopped by ``max_shards``).
@@ -84,7 +88,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
         RuntimeError: an ``http`` judge stayed unreachable after its retries (finished shards stay).
     """
     data_dir = Path(data_dir)
-    rank, world = dist_info()
+    rank, world = (0, 1) if alone else dist_info()
     sig = signature(config)
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
@@ -112,8 +116,8 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
 
     timer: dict[str, float] = {}
     t0 = time.perf_counter()
-    plan = _plan(config, records, data_dir, rank, timer, tokenizers, servers)
-    run = _ShardRun(config, data_dir, plan, timer, expected, (rank, world))
+    plan = _plan(config, records, data_dir, rank, timer, tokenizers, servers, alone)
+    run = _ShardRun(config, data_dir, plan, timer, expected, (rank, world), not alone and in_process_group())
     run.build_mine(max_shards, log)
     stopped = max_shards is not None and any(run.needs(k) for k in range(run.n_shards))
     stats = run.stats(t0)
@@ -135,8 +139,9 @@ class _ShardRun:
     """This process's share of a build's shards: which still need building, building them, and the totals."""
 
     def __init__(self, config: BuildConfig, data_dir: Path, plan: dict, timer: dict[str, float],
-                 expected: dict[int, tuple[str, str]], rank_world: tuple[int, int]) -> None:
+                 expected: dict[int, tuple[str, str]], rank_world: tuple[int, int], synced: bool) -> None:
         self.config, self.data_dir, self.plan, self.timer = config, data_dir, plan, timer
+        self.synced = synced  # in a process group whose ranks build together (barriers)
         self.expected = expected  # shard -> checksums a finished build recorded (rebuild what differs)
         self.rank, self.world = rank_world
         self.n_shards = len(plan["shards"])
@@ -216,14 +221,12 @@ class _ShardRun:
 def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, stats: dict, log) -> dict:
     """Rank 0 writes the manifest once every shard is on disk and returns it; other ranks return what it
     wrote, or (launched without a process group) a note that rank 0 merges."""
-    import torch.distributed as dist
-
-    synced = dist.is_available() and dist.is_initialized()
-    barrier()
+    synced = run.synced
+    barrier(synced)
     if run.rank != 0:
         if not synced:  # ranks launched without a process group: rank 0 merges once it sees every shard
             return {"complete": False, "rank": run.rank, "n_shards": run.n_shards, "stats": stats}
-        barrier()
+        barrier(synced)
         return S.read_manifest(run.data_dir)
     if not synced:
         wait_for_shards(run.data_dir, run.n_shards, run.needs)
@@ -233,7 +236,7 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
                                 n_prefixes=run.plan["n_prefixes"], sampler=sampler,
                                 reader=_reader_record(run, existing),
                                 stats=stats)
-    barrier()
+    barrier(synced)
     _summary(manifest, log)
     return manifest
 
@@ -363,13 +366,13 @@ def _server_samplers(config: BuildConfig, rank: int, tokenizers: tuple) -> dict:
 
 
 def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict, tokenizers: tuple,
-          samplers: dict | None = None) -> dict:
+          samplers: dict | None = None, alone: bool = False) -> dict:
     """All prefixes, cut into shards. Target-written traces are generated once and kept on disk."""
     t = time.perf_counter()
     tok, dtok = tokenizers
     samplers = dict(samplers or {})
     if config.prefix_source == "target":
-        records = _target_traces(config, records, tok, data_dir, rank, samplers)
+        records = _target_traces(config, records, tok, data_dir, rank, samplers, alone)
     prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source, draft_tokenizer=dtok,
                              task=config.resolved_task())
     timer["prefixes"] = timer.get("prefixes", 0.0) + time.perf_counter() - t
@@ -379,7 +382,7 @@ def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, t
 
 
 def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path, rank: int,
-                   samplers: dict) -> list[dict]:
+                   samplers: dict, alone: bool = False) -> list[dict]:
     """The target's own traces, written once (by the build's backend) and kept on disk; a server or vLLM
     sampler made for them goes into ``samplers`` for the build to reuse."""
     path = data_dir / "target-traces.jsonl"
@@ -396,7 +399,7 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
                             max_new_tokens=16 * config.steps.max_step_tokens, seed=shard_seed(s.seed, -1, "traces"),
                             task=config.resolved_task())
         S.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in out).encode())
-    barrier()
+    barrier(not alone)
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

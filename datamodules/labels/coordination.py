@@ -30,10 +30,19 @@ def dist_info() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def barrier() -> None:
+def in_process_group() -> bool:
+    """Whether this process is in an initialised torch.distributed process group."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier(synced: bool = True) -> None:
+    """Wait for every rank of the process group (nothing without one, or when not ``synced``: a process building
+    alone)."""
+    if synced and in_process_group():
+        import torch.distributed as dist
+
         dist.barrier()
 
 

@@ -103,6 +103,26 @@ def test_workers_and_ranks_split_the_stream(data):
     assert len(union) == len(set(union)) and len(alone["target"]) + len(alone["draft"]) - len(union) < 3
 
 
+def test_ranks_with_several_workers_each_yield_the_same_number_of_batches(tmp_path):
+    """Each worker ends with a short batch of its own shards, and a rank's rows of a worker's shards can differ from
+    another rank's by one: their batch counts differed (for batch sizes such as 5, 6, 9), and DDP's collectives then
+    waited or failed (here 20 and 21 batches at batch size 2 in epoch 1). Every worker now yields, on every rank,
+    the fewest batches any rank's share makes."""
+    from datamodules.stream import EpochLoader
+
+    dm = _dm(make_dataset(tmp_path / "d", n_shards=5, prefixes_per_shard=3, n=3))
+    for batch_size in range(2, 9):
+        for epoch in range(3):
+            counts = []
+            for rank in (0, 1):
+                stream = ShardStream(dm.shards, ["target", "draft"], "train", batch_size, True, 30, 0, (0.25, 0.25),
+                                     groups=("hidden", "token_stats"), num_workers=2)
+                stream.rank, stream.world = rank, 2
+                loader = EpochLoader(stream, batch_size=None, num_workers=2, epoch_of=lambda e=epoch: e)
+                counts.append(sum(1 for _ in loader))
+            assert counts[0] == counts[1], (batch_size, epoch, counts)
+
+
 def test_with_workers_the_loaders_length_is_unknown_and_every_epoch_validates(data):
     """Each worker ends with a short batch of its own shards, so the count depends on the epoch's deal: the loader
     has no length, and Lightning validates when it ends. An upper bound made Lightning wait for a last batch that

@@ -93,3 +93,63 @@ def test_speculative_validation_runs_once_and_shares_its_figures_under_ddp(tmp_p
     trainer.fit(module, datamodule=dm)
     ranks = [json.loads((tmp_path / f"spec{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and "spec/speedup" in ranks[0] and ranks[0]["spec/problems"] == 2
+
+
+
+def _tiny_fit_config(tmp_path, name: str = "tiny", long: bool = False) -> str:
+    """The default config, cut to seconds: a 12-problem build (into an empty folder), a 16-wide MLP, 2 epochs, a
+    2-problem live validation, batches of 2 rows (so some batch lacks a role on one rank). ``long``: 400 epochs
+    without early stopping (a run to interrupt)."""
+    import yaml
+
+    from generation.paths import DEFAULT_CONFIG
+
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg["data"].update(data_dir=str(tmp_path / "data"), batch_size=2, val_fraction=0.25, test_fraction=0.25,
+                       build={"n_problems": 12, "shard_size": 4, "sampling": {"n_samples": 2}})
+    cfg["model"]["probe"]["hidden_dims"] = [16]
+    cfg["trainer"].update(accelerator="cpu", max_epochs=400 if long else 2, enable_progress_bar=False,
+                          default_root_dir=str(tmp_path / "runs"))
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
+    callbacks = [c for c in cfg["trainer"]["callbacks"] if not (long and "EarlyStopping" in c["class_path"])]
+    for c in callbacks:
+        if "SpeculativeValidation" in c["class_path"]:
+            c["init_args"].update(max_problems=2, max_seconds=10, max_new_tokens=32, every_n_epochs=1)
+    cfg["trainer"]["callbacks"] = callbacks
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.slow  # two processes, a label build and a live validation, then a run interrupted: about 2 minutes
+def test_the_fit_command_under_ddp_builds_its_labels_trains_plots_exports_and_resumes_after_ctrl_c(tmp_path):
+    """``python -m probes.fit --trainer.devices 2 --trainer.strategy ddp`` as a user runs it: it hung in the label
+    build (prepare_data's one process built half the shards and waited for the other rank), then after training in
+    the live validation's plots and the default export (rank 0 alone asked trainer.log_dir, a broadcast), and at a
+    batch holding no row of a role on one rank (DDP waited for that probe's gradients); Ctrl-C printed 170 lines of
+    traceback and exit status 1, not the resume line and 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    cmd = [sys.executable, "-m", "probes.fit", "--config", _tiny_fit_config(tmp_path), *ddp]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "fit" / "version_0"
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (run_dir / "export" / "target").iterdir()}
+    assert (run_dir / "spec" / "history.png").is_file() and run.stdout.count("| probe | mse |") == 1
+    longer = [sys.executable, "-m", "probes.fit", "--config", _tiny_fit_config(tmp_path, "long", long=True), *ddp,
+              "--export", "false"]
+    proc = subprocess.Popen(longer, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "runs" / "fit" / "version_1").rglob("last.ckpt")) and time.monotonic() < deadline:
+        time.sleep(1)
+    time.sleep(2)
+    os.killpg(os.getpgid(proc.pid), signal.SIGINT)  # Ctrl-C reaches every process of the terminal's group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted; kept" in err and "Resume with:" in err and "Traceback" not in err, err[-3000:]
