@@ -37,15 +37,17 @@ def world_root(root: Optional[str | os.PathLike] = None, *, must_exist: bool = F
     """
     path = Path(root or os.environ.get("SEMANTICSPEC_WORLD") or DEFAULT_ROOT)
     if must_exist and not path.is_dir():
-        raise FileNotFoundError(_missing(f"world folder {path}"))
+        raise FileNotFoundError(_missing(f"world folder {path}", "python -m arithmetic_world.train --out DIR"))
     return path
 
 
-def _missing(what: str) -> str:
+def _missing(what: str, train: str) -> str:
+    """Why the world's models are not there and how to get them (``train``: the command that trains what is
+    missing)."""
     return (f"{what} does not exist: the embedded world's models ship in a clone of the repository "
             "(checkpoints/arithmetic), not in a wheel; set SEMANTICSPEC_WORLD to a folder holding target/, draft/ "
-            "and judge/, or train one with `python -m arithmetic_world.train --which ROLE --out DIR`, then "
-            "`python -m arithmetic_world.card --publish DIR`")
+            f"and judge/, or train them with `{train}`, then `python -m arithmetic_world.card --publish DIR --root "
+            "WORLD` and set SEMANTICSPEC_WORLD=WORLD")
 
 
 def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
@@ -54,7 +56,8 @@ def model_dir(role: str, root: Optional[str | os.PathLike] = None) -> Path:
         raise ValueError(f"role={role!r}; expected one of {ROLES}")
     path = world_root(root) / role
     if not path.is_dir():
-        raise FileNotFoundError(_missing(f"world model folder {path}"))
+        raise FileNotFoundError(_missing(f"world model folder {path}",
+                                         f"python -m arithmetic_world.train --which {role} --out DIR"))
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"world model folder {path} is incomplete: missing {', '.join(missing)}")

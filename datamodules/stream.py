@@ -62,11 +62,12 @@ def read_rows(path: str | Path, roles: list[str], groups: tuple[str, ...], colum
 class ShardStream(IterableDataset):
     """Batches of one split streamed from shards.
 
-    Rows are striped across DDP ranks by their position in the epoch's shard order (every rank
-    gets the same number, the few left over are dropped so no rank waits), and shards are dealt
-    round-robin to dataloader workers. Shuffling permutes the shard order each epoch and draws
-    batches uniformly from a buffer of at most ``shuffle_buffer`` rows (each row is copied into
-    the buffer once and out once).
+    Rows are striped across DDP ranks by their position in the epoch's shard order (every rank gets the same
+    number, the few left over are dropped so no rank waits), and shards are dealt round-robin to dataloader
+    workers; with several workers under DDP each worker also stops at the batch count every rank's share reaches
+    (:meth:`_worker_cap`), a rank dropping its last few rows. Shuffling permutes the shard order each epoch and
+    draws batches uniformly from a buffer of at most ``shuffle_buffer`` rows (each row is copied into the buffer
+    once and out once).
 
     Args:
         shards: per shard ``{"path", "rows": {split: int}}`` (rows of each split, finite rows only).

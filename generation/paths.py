@@ -20,8 +20,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The repository (the folder holding ``generation/``); paths inside it are written relative to it."""
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "arithmetic.yaml"
-"""The embedded default's fit config: what ``python -m probes.fit`` and ``python -m semanticspec.evaluate`` read
-without ``--config``."""
+"""The embedded default's fit config in a clone: what ``python -m probes.fit`` and ``python -m semanticspec.evaluate``
+read without ``--config`` (a wheel ships no ``configs/``)."""
 CACHE_ENV = "SEMANTICSPEC_CACHE"
 """The environment variable that moves the package's cache (converted models, the fit's option names)."""
 

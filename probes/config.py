@@ -143,11 +143,13 @@ class ProbeConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":
         """Build from a ``config.json`` dict, upgrading older layouts (the config says :data:`FORMAT_VERSION` then) and
-        naming unknown keys.
+        naming unknown keys. A dict without ``format_version`` is format 6 when it nests ``features``, else format 0
+        (an old ``config.json``); ``SemanticProbe(dict)`` assumes today's.
 
         Raises:
             NewerFormatError: ``format_version`` is newer than this code writes.
-            ValueError: unknown keys, or a field out of range (each named).
+            ValueError: unknown keys, or a field out of range or of the wrong type (``features``, ``reads``,
+                ``labels``, ``test_metrics``), each named.
         """
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object of probe config fields, got {type(d).__name__}")

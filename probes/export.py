@@ -98,8 +98,8 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
         The :class:`~probes.model.SemanticProbe`, in eval mode.
 
     Raises:
-        FileNotFoundError: ``probe`` lacks ``config.json`` or ``model.safetensors``, or is one of them (the
-            message says to pass the folder).
+        FileNotFoundError: ``probe`` does not exist, lacks ``config.json`` or ``model.safetensors``, or is one of
+            them (the message says to pass the folder).
         ValueError: the role or fingerprint differs (the message names every differing field), or a
             file is unreadable or invalid: ``config.json`` not JSON, not a probe config, a field out of
             range (e.g. ``layer_ids``, ``sampling.temperature``) or a newer ``format_version`` than

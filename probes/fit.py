@@ -133,8 +133,8 @@ def _not_exported(trainer) -> str | None:
 
 def _help_args(args: list[str]) -> list[str]:
     """``--help`` / ``-h``: the short screen of common options (and exit); ``--help_all`` / ``--help full``: every
-    one, with the defaults of the config in force (``--config``, else the embedded default's), so the other
-    arguments stay and ``--help`` comes last."""
+    option with the parser's own defaults, the other arguments (a ``--config`` too) kept and ``--help`` last, so no
+    default config is read (it prints from a wheel too)."""
     full = [i + 1 for i, a in enumerate(args) if a in ("--help", "-h") and args[i + 1 : i + 2] == ["full"]]
     if "--help_all" in args or full:
         return [a for i, a in enumerate(args) if a not in ("--help_all", "--help", "-h") and i not in full] + ["--help"]

@@ -1,6 +1,6 @@
 """`SemanticProbe`: the paper's MLP over a step's feature groups, plain torch, built from its config, and read
-from its exported files with every check of them (:func:`read_folder`: the config's fields, the weights' names,
-shapes and values, each refusal naming the file)."""
+from its exported files with every check of them (:func:`probe_config`: the config's fields and role;
+:func:`read_folder`: the weights' names, shapes and values; each refusal naming the file)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
     Several layers are concatenated or mixed by a learned softmax-weighted sum.
 
     Args:
-        config: the probe's :class:`ProbeConfig`.
+        config: the probe's :class:`ProbeConfig`, or a dict of its fields (today's layout unless it says its
+            ``format_version``).
     """
 
     def __init__(self, config: ProbeConfig):
@@ -93,20 +94,36 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
 
     def save_pretrained(self, save_directory, *, config=None, **kwargs):
         """huggingface_hub's ``save_pretrained`` (and so ``push_to_hub``), writing this probe's config as it is now in
-        today's layout, its paths made portable (:func:`portable_config`), beside a card written from the same
-        config; ``config`` replaces it. (The mixin wrote the config the probe was built from: a probe loaded from an
-        older format, or whose config was changed since, got a ``config.json`` its card contradicted.)"""
+        today's layout, its paths made portable (:func:`portable_config`), beside a card written from it
+        (``config``, if given, replaces the ``config.json`` only; a ``README.md`` already in ``save_directory`` is
+        kept, as huggingface_hub keeps it, while :func:`~probes.export.export_probe` always writes a fresh one). The
+        mixin wrote the config the probe was built from: a probe loaded from an older format, or whose config was
+        changed since, got a ``config.json`` its card contradicted."""
         return super().save_pretrained(save_directory, config=portable_config(config or self.config), **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *, role: str | None = None, map_location: str = "cpu",
+                        **kwargs):
+        """huggingface_hub's ``from_pretrained`` with :func:`~probes.export.load_probe`'s checks of the files: a local
+        folder (``~`` expanded) is read by :func:`probe_config` and :func:`read_folder`, every refusal naming the
+        file (the mixin parsed its ``config.json`` first, a bare JSON error); a Hub repository through the mixin,
+        its snapshot checked alike. ``role``: the role the probe is used in (:func:`check_role`); the weights are
+        always checked exactly (``strict`` has no effect).
+
+        Raises:
+            FileNotFoundError, ValueError: as :func:`probe_config` and :func:`read_folder`.
+        """
+        folder = Path(pretrained_model_name_or_path).expanduser()
+        if folder.is_dir():
+            return read_folder(folder, probe_config(folder, role)).to(map_location).eval()
+        return super().from_pretrained(pretrained_model_name_or_path, role=role, map_location=map_location, **kwargs)
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, revision, cache_dir, force_download: bool, local_files_only: bool,
                          token, map_location: str = "cpu", strict: bool = False, role: str | None = None,
                          **model_kwargs):
-        """``from_pretrained`` with :func:`~probes.export.load_probe`'s checks of the files (the config's fields, the
-        weights' names, shapes and values, each refusal naming the file; ``role``: the role the probe is used in,
-        :func:`check_role`): a local folder as it is, a Hub repository's snapshot (``config.json``,
-        ``model.safetensors``). The model it will read is not known here: :func:`~probes.export.load_probe` checks
-        that too."""
+        """A Hub repository's snapshot (``config.json``, ``model.safetensors``) read as :meth:`from_pretrained` reads a
+        folder. The model it will read is not known here: :func:`~probes.export.load_probe` checks that too."""
         folder = Path(model_id).expanduser()
         if not folder.is_dir():
             from huggingface_hub import snapshot_download
@@ -266,10 +283,12 @@ def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -
 
 
 def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeConfig:
-    """The config of the exported probe at ``path``, read without its weights (what :func:`load_probe` checks first).
+    """The config of the exported probe at ``path``, read without its weights (what
+    :func:`~probes.export.load_probe` checks first).
 
     Raises:
-        FileNotFoundError: ``path`` lacks ``config.json`` or ``model.safetensors``, or is one of them.
+        FileNotFoundError: ``path`` does not exist, lacks ``config.json`` or ``model.safetensors``, or is one of
+            them.
         ValueError: ``config.json`` is no valid probe config, or the probe's role is not ``role`` (None: any).
     """
     path = Path(path).expanduser()

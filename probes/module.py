@@ -120,9 +120,9 @@ class SemanticProbeModule(L.LightningModule):
         roles: which probes to train: ``target``, ``draft`` or both.
         input_spec: per role, what the data holds (linked from ``data.input_spec`` by the CLI).
         loss: ``mse`` on the semantic probability (paper) or ``bce`` with soft labels.
-        optimizer: optimizer factory (paper: Adam, lr 1e-3). A callable is no hyperparameter a checkpoint can hold:
-            ``load_from_checkpoint`` builds the default unless given ``optimizer=...`` again (a resumed fit restores
-            the optimizer's state, learning rate included, from the checkpoint).
+        optimizer: optimizer factory (paper: Adam, lr 1e-3). A callable is not saved as a hyperparameter:
+            ``load_from_checkpoint`` builds the default (Adam) unless given ``optimizer=...`` again (a resumed fit
+            restores the optimizer's state, learning rate included, from the checkpoint).
         draft_low_label_weight: loss weight of the target probe's draft-written rows whose label is
             below 0.5 (the draft's wrong steps: a small share of the rows, and the steps a decoder must
             refuse). 1.0 = the paper's unweighted loss.

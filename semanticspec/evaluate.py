@@ -469,7 +469,7 @@ class EvaluateOptions:
     config: str | None = None
     """The fit's config (the YAML given to `python -m probes.fit --config`) or a run folder holding its config.yaml:
     the models, the task, the label build (whose problems are not evaluated) and where the run exports. None: the
-    package's configs/arithmetic.yaml, the one `python -m probes.fit` reads without --config."""
+    clone's configs/arithmetic.yaml, the one `python -m probes.fit` reads without --config (a wheel has none)."""
     probes: str | None = None
     """Export folder holding target/ and draft/ (None: the run's newest export, <log dir>/version_N/export)."""
     out_dir: str | None = None
@@ -810,6 +810,9 @@ def _evaluate(given: list[str]) -> dict:
     if opts.config is None:
         from generation.paths import DEFAULT_CONFIG
 
+        if not DEFAULT_CONFIG.is_file():
+            fail(PROG, f"no --config given, and the default {DEFAULT_CONFIG} does not exist (a wheel ships no "
+                       "configs/): give --config FILE, or a run folder")
         opts = dataclasses.replace(opts, config=str(DEFAULT_CONFIG))
     try:
         fit = read_fit(opts.config)

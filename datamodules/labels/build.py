@@ -3,8 +3,8 @@
     python -m datamodules.labels.build --data_dir data/arithmetic               # the embedded world
     python -m datamodules.labels.build --config build.yaml                      # keys: data_dir, build.*
     python -m datamodules.labels.build --fit_config configs/arithmetic.yaml     # a fit YAML's data: section
-    python -m datamodules.labels.build --build.sampling.n_samples 4             # parts: judge, clustering, sampling,
-    steps torchrun --nproc_per_node 4 -m datamodules.labels.build --config build.yaml # ranks share the shards
+    python -m datamodules.labels.build --build.sampling.n_samples 4             # judge, clustering, sampling, steps
+    torchrun --nproc_per_node 4 -m datamodules.labels.build --config build.yaml # ranks share the shards
 
 The work is cut into shards of ``shard_size`` prefixes. A shard's random streams are seeded by
 ``(sampling.seed, shard index)``, so a shard comes out the same whichever rank builds it and whether

@@ -177,9 +177,10 @@ class _Completions:
 
     def _create(self, prompt: str, *, max_tokens: int, sampling: SamplingSpec, seed: int, logprobs: int | None,
                 echo: bool = False, stop: list[str] | None = None, extra: dict | None = None, n: int | None = None):
-        """One ``/v1/completions`` request and its seconds, asked again when the engine aborted it: vLLM answers a
-        request its engine aborted (a shutdown, ``/pause``) with HTTP 200 and ``finish_reason`` ``"abort"``
-        (``v1/engine/__init__.py`` ``FINISH_REASON_STRINGS``), the partial text as if it had ended."""
+        """One ``/v1/completions`` request and its seconds, asked again (up to the connection's retries in all, then
+        an EngineError) when the engine aborted or failed it: vLLM answers a request its engine aborted (a shutdown,
+        ``/pause``) with HTTP 200 and ``finish_reason`` ``"abort"`` (``v1/engine/__init__.py``
+        ``FINISH_REASON_STRINGS``, which also lists ``"error"``), the partial text as if it had ended."""
         fix = (f"start vllm serve with --max-logprobs >= {logprobs}" if self.name == "vllm" and logprobs else "")
         for _ in range(self.conn.retries):
             resp, secs = self.conn.completions(
@@ -190,8 +191,8 @@ class _Completions:
             if not aborted:
                 return resp, secs
         raise EngineError(f"server {self.url} ended a /v1/completions request with finish_reason {aborted[0]!r} "
-                          f"{self.conn.retries} time(s) (HTTP 200: its engine aborted it, a restart or a pause); check "
-                          "its log", self.url)
+                          f"{self.conn.retries} time(s) (HTTP 200: its engine aborted or failed it, a restart or a "
+                          "pause); check its log", self.url)
 
     def _choice(self, resp):
         if not resp.choices:

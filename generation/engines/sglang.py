@@ -36,7 +36,9 @@ before any request that reads or writes. ``hidden`` is refused on a server whose
 after the final norm, or below :data:`HIDDEN_MIN_VERSION` (:func:`hidden_refusals`).
 
 A ``/generate`` answer whose ``finish_reason`` is ``abort`` comes with HTTP 200 (the scheduler aborted it: a restart,
-memory pressure): it is asked again, up to the connection's retries, before it is an error.
+memory pressure): it is asked again, up to the connection's retries, before it is an error. One whose ``matched`` is
+``"NaN happened"`` (a sampled id outside the vocabulary) is an error at once. A server started without
+``--enable-deterministic-inference`` ignores ``sampling_seed``: the client warns once (:class:`UnseededServer`).
 
 Hidden rows are AFTER the model's final norm (``"final_norm"``, as transformers' last
 ``hidden_states`` entry): in ``python/sglang/srt/models/llama.py`` ``LlamaModel.forward`` ends with
@@ -154,6 +156,9 @@ class SGLangEngine:
         EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
         Unsupported: it is not an SGLang server, one older than :data:`MIN_VERSION`, or one whose
             ``--preferred-sampling-params`` fill fields a request leaves unset.
+
+    Warns:
+        UnseededServer: the server runs without ``--enable-deterministic-inference`` (it ignores ``sampling_seed``).
     """
 
     name = "sglang"

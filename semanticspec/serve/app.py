@@ -358,10 +358,10 @@ def check_body(body) -> None:
         if hit is not None:
             raise BadRequest(hit[1], hit[0])
     if body.stream_options is not None and not body.stream:
-        raise BadRequest("stream_options: given only with stream=true (a whole answer carries its usage)",
+        raise BadRequest("stream_options: allowed only with stream=true (a non-streamed answer carries its usage)",
                          "stream_options")
     if "" in body.stops():
-        raise BadRequest("stop: holds an empty string, which no text could end at; leave it out", "stop")
+        raise BadRequest("stop: holds an empty string (it would match anywhere); leave it out", "stop")
 
 
 def decode_config(body, policy=None, base: DecodeConfig | None = None) -> DecodeConfig:

@@ -854,6 +854,10 @@ def test_an_export_records_portable_paths_refuses_a_file_and_expands_the_home_fo
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     export_probe(probe, "~/p")
     assert load_probe("~/p").config.hidden_size == 8 and not Path("~").exists()
+    assert SemanticProbe.from_pretrained("~/p").config.hidden_size == 8  # the mixin read "~/p" as a hub repo id
+    (tmp_path / "home" / "p" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"p/config.json is not valid JSON"):  # the mixin's bare JSONDecodeError
+        SemanticProbe.from_pretrained(tmp_path / "home" / "p")
     with pytest.raises(FileNotFoundError, match="does not exist; pass the folder of an exported probe"):
         load_probe(tmp_path / "nowhere")
 
