@@ -432,7 +432,10 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
         metrics.count(request.scope, 499)
         return Response(status_code=499)  # nginx's "client closed request": no one reads it
     if not first.planned:  # refused (invalid) or failed while planning: the request's only update
-        raise _refusal(first, "messages" if reply.chat else "prompt")
+        e = _refusal(first, "messages" if reply.chat else "prompt")
+        if e.param == "max_tokens" and body.max_completion_tokens is not None:  # the field the request gave
+            e = BadRequest(str(e).replace("max_tokens", "max_completion_tokens"), "max_completion_tokens")
+        raise e
     metrics.tokens.labels("prompt").inc(first.prompt_tokens)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)

@@ -159,6 +159,9 @@ BAD = [
     ({"prompt": "x", "max_tokens": 100000}, "max_tokens", "max_tokens=100000"),
     ({"prompt": "x", "max_tokens": 250}, "max_tokens", "the decoder keeps 7 positions free"),
     ({"prompt": "x", "max_tokens": 250}, "max_tokens", "at most 247 new tokens fit after the prompt's 2 tokens"),
+    ({"prompt": "x", "max_completion_tokens": 250}, "max_completion_tokens",
+     "max_completion_tokens=250: too large; at most 247 new tokens fit after the prompt's 2 tokens in the models' "
+     "context, of which the decoder keeps 7 positions free"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only with stream=true"),
     ({"prompt": "x", "stop": ["\n", ""]}, "stop", "stop: holds an empty string"),
     ({"prompt": "3 " * 250}, "prompt", "prompt: the prompt has 252 tokens, which leave no room"),
