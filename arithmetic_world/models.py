@@ -87,5 +87,5 @@ def load_tokenizer(root: Optional[str | os.PathLike] = None, role: str = "target
 
 def load_world(root: Optional[str | os.PathLike] = None, device: str = "cpu") -> WorldModels:
     """Load target, draft and judge with their tokenizer. Raises naming any missing folder or file."""
-    world_root(root, must_exist=True)
-    return WorldModels(*(load_model(r, root, device) for r in ROLES), load_tokenizer(root), world_root(root))
+    root = world_root(root, must_exist=True)
+    return WorldModels(*(load_model(r, root, device) for r in ROLES), load_tokenizer(root), root)

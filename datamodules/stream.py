@@ -144,18 +144,17 @@ class ShardStream(IterableDataset):
         mine = order[wid::nw]
         g = torch.Generator().manual_seed(hash((self.seed, self.epoch, self.rank, wid)) % 2**62)
         batches = self._shuffled(mine, offsets, limit, g) if self.shuffle else self._in_order(mine, offsets, limit)
-        yield from itertools.islice(batches, self._worker_cap(mine, offsets, sizes, order, limit) if nw > 1 else None)
+        yield from itertools.islice(batches, self._worker_cap(mine, offsets, limit) if nw > 1 else None)
 
-    def _worker_cap(self, mine: list[int], offsets: dict, sizes: list[int], order: list[int], limit: int) -> int | None:
+    def _worker_cap(self, mine: list[int], offsets: dict, limit: int) -> int | None:
         """The batches a worker of several yields on every rank: the fewest any rank's share of the worker's shards
         makes (each worker ends with a short batch of its own, so the ranks' counts differed by one, and DDP's
         collectives then waited or failed). A rank with more drops its last rows; one process: no cap."""
         if self.world == 1:
             return None
-        size_of = dict(zip(order, sizes))
 
         def rows(r: int) -> int:  # positions p of the worker's shards, p < limit, striped to rank r (p % world == r)
-            return sum(max(0, _ceil_div(min(offsets[k] + size_of[k], limit) - r, self.world)
+            return sum(max(0, _ceil_div(min(offsets[k] + self.shards[k]["rows"][self.split], limit) - r, self.world)
                            - _ceil_div(offsets[k] - r, self.world)) for k in mine)
 
         return min(math.ceil(rows(r) / self.batch_size) for r in range(self.world))

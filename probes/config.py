@@ -141,6 +141,13 @@ class ProbeConfig:
         return self.features.width(self.hidden_size)
 
     @classmethod
+    def of(cls, value: "ProbeConfig | dict[str, Any]") -> "ProbeConfig":
+        """``value`` as a config: a dict of fields (YAML, Python, a checkpoint's hyperparameters) in today's layout
+        unless it says its ``format_version`` (an old ``config.json`` without one is format 0, :meth:`from_dict`; a
+        dict written by hand is not, and read so it lost standardisation)."""
+        return cls.from_dict({"format_version": FORMAT_VERSION, **value}) if isinstance(value, dict) else value
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":
         """Build from a ``config.json`` dict, upgrading older layouts (the config says :data:`FORMAT_VERSION` then) and
         naming unknown keys. A dict without ``format_version`` is format 6 when it nests ``features``, else format 0

@@ -16,7 +16,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from safetensors.torch import load_file
 from torch import nn
 
-from probes.config import FORMAT_VERSION, ROLES, NewerFormatError, ProbeConfig
+from probes.config import ROLES, NewerFormatError, ProbeConfig
 
 
 def portable_config(config: ProbeConfig) -> ProbeConfig:
@@ -61,8 +61,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
 
     def __init__(self, config: ProbeConfig):
         super().__init__()
-        if isinstance(config, dict):  # today's layout unless it says its format (a config.json is read by load_probe)
-            config = ProbeConfig.from_dict({"format_version": FORMAT_VERSION, **config})
+        config = ProbeConfig.of(config)  # a config.json is read by probe_config
         self.config = config
         self.register_buffer("input_mean", torch.zeros(config.input_size))
         self.register_buffer("input_std", torch.ones(config.input_size))
@@ -123,15 +122,14 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
                          token, map_location: str = "cpu", strict: bool = False, role: str | None = None,
                          **model_kwargs):
         """A Hub repository's snapshot (``config.json``, ``model.safetensors``) read as :meth:`from_pretrained` reads a
-        folder. The model it will read is not known here: :func:`~probes.export.load_probe` checks that too."""
-        folder = Path(model_id).expanduser()
-        if not folder.is_dir():
-            from huggingface_hub import snapshot_download
+        folder (the mixin calls this for what is not a local folder). The model it will read is not known here:
+        :func:`~probes.export.load_probe` checks that too."""
+        from huggingface_hub import snapshot_download
 
-            folder = Path(snapshot_download(repo_id=model_id, revision=revision, cache_dir=cache_dir,
-                                            force_download=force_download, local_files_only=local_files_only,
-                                            token=token, allow_patterns=["config.json", "model.safetensors"]))
-        return read_folder(folder, probe_config(folder, role)).to(map_location).eval()
+        folder = snapshot_download(repo_id=model_id, revision=revision, cache_dir=cache_dir,
+                                   force_download=force_download, local_files_only=local_files_only, token=token,
+                                   allow_patterns=["config.json", "model.safetensors"])
+        return cls.from_pretrained(folder, role=role, map_location=map_location)
 
     def generate_model_card(self, *args, **kwargs):
         """The exported ``README.md``: a card written from the config (``probes.card``), not the Hub's template."""

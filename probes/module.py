@@ -28,7 +28,7 @@ from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, Pearson
 from torchmetrics.utilities import dim_zero_cat
 
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec
-from probes.config import FORMAT_VERSION, ProbeConfig, nest_features
+from probes.config import ProbeConfig, nest_features
 from probes.model import SemanticProbe
 
 # The specs travel in the module's hyperparameters (data.input_spec, linked by the fit CLI; ``probe`` as a ProbeConfig
@@ -56,17 +56,10 @@ FROM_THE_DATA = {
 """The probe config's fields the fit fills per role from the data (``input_spec``), and where each is set."""
 
 
-def _probe_config(probe: ProbeConfig | dict) -> ProbeConfig:
-    """``model.probe`` as a config: a dict of fields (YAML, Python, a checkpoint's hyperparameters) is read in
-    today's layout unless it says its ``format_version`` (an old ``config.json`` without one is format 0, but a dict
-    written by hand is not: it lost standardisation)."""
-    return ProbeConfig.from_dict({"format_version": FORMAT_VERSION, **probe}) if isinstance(probe, dict) else probe
-
-
 def _filled_from_the_data(probe: ProbeConfig | dict) -> list[str]:
     """The fields of ``probe`` (``model.probe``) given other values than their defaults although the fit fills them
     from the data, so that a value given there is refused rather than silently replaced."""
-    given = _probe_config(probe)
+    given = ProbeConfig.of(probe)
     default = ProbeConfig()
     return [f"model.probe.{k}={getattr(given, k)!r}: filled per role from the data; set {where}"
             for k, where in FROM_THE_DATA.items() if getattr(given, k) != getattr(default, k)]
@@ -173,7 +166,7 @@ class SemanticProbeModule(L.LightningModule):
 
     @staticmethod
     def _role_config(probe: ProbeConfig, role: str, spec: Optional[dict[str, Any]]) -> ProbeConfig:
-        probe = _probe_config(probe)
+        probe = ProbeConfig.of(probe)
         if spec is not None and "features" not in spec:  # checkpoints before config format 6: feature fields flat
             spec = nest_features(spec)
         filled = {k: copy.deepcopy(spec[k]) for k in FROM_THE_DATA if k in (spec or {}) and k != "role"}

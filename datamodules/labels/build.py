@@ -89,6 +89,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     """
     data_dir = Path(data_dir)
     rank, world = (0, 1) if alone else dist_info()
+    synced = not alone and in_process_group()  # ranks that build together and meet at barriers
     sig = signature(config)
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
@@ -116,8 +117,8 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
 
     timer: dict[str, float] = {}
     t0 = time.perf_counter()
-    plan = _plan(config, records, data_dir, rank, timer, tokenizers, servers, alone)
-    run = _ShardRun(config, data_dir, plan, timer, expected, (rank, world), not alone and in_process_group())
+    plan = _plan(config, records, data_dir, rank, timer, tokenizers, servers, synced)
+    run = _ShardRun(config, data_dir, plan, timer, expected, (rank, world), synced)
     run.build_mine(max_shards, log)
     stopped = max_shards is not None and any(run.needs(k) for k in range(run.n_shards))
     stats = run.stats(t0)
@@ -366,13 +367,13 @@ def _server_samplers(config: BuildConfig, rank: int, tokenizers: tuple) -> dict:
 
 
 def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, timer: dict, tokenizers: tuple,
-          samplers: dict | None = None, alone: bool = False) -> dict:
+          samplers: dict | None = None, synced: bool = True) -> dict:
     """All prefixes, cut into shards. Target-written traces are generated once and kept on disk."""
     t = time.perf_counter()
     tok, dtok = tokenizers
     samplers = dict(samplers or {})
     if config.prefix_source == "target":
-        records = _target_traces(config, records, tok, data_dir, rank, samplers, alone)
+        records = _target_traces(config, records, tok, data_dir, rank, samplers, synced)
     prefixes = make_prefixes(records, tok, config.steps.delimiters, config.prefix_source, draft_tokenizer=dtok,
                              task=config.resolved_task())
     timer["prefixes"] = timer.get("prefixes", 0.0) + time.perf_counter() - t
@@ -382,7 +383,7 @@ def _plan(config: BuildConfig, records: list[dict], data_dir: Path, rank: int, t
 
 
 def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path, rank: int,
-                   samplers: dict, alone: bool = False) -> list[dict]:
+                   samplers: dict, synced: bool = True) -> list[dict]:
     """The target's own traces, written once (by the build's backend) and kept on disk; a server or vLLM
     sampler made for them goes into ``samplers`` for the build to reuse."""
     path = data_dir / "target-traces.jsonl"
@@ -399,7 +400,7 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
                             max_new_tokens=16 * config.steps.max_step_tokens, seed=shard_seed(s.seed, -1, "traces"),
                             task=config.resolved_task())
         S.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in out).encode())
-    barrier(not alone)
+    barrier(synced)
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

@@ -156,7 +156,6 @@ class CompletionRequest(_Request):
 class TextPart(_Part):
     """A text part of a message's content (OpenAI's content-part list); other part types are not supported."""
 
-    model_config = STRICT
     type: Literal["text"]
     text: StrictStr
 
