@@ -176,12 +176,14 @@ class FakeSGLang(_Server):
             (``entrypoints/http_server.py`` ``available_models``: ``tokenizer_manager.model_config.context_len``).
         deterministic: started with ``--enable-deterministic-inference``, stated in ``/server_info``; without it the
             server ignores ``sampling_seed`` (``sampling/sampling_batch_info.py``: the seeds' tensor is built only
-            ``if enable_deterministic``, else None, and ``layers/sampler.py`` draws unseeded).
+            ``if enable_deterministic``, else None, and ``layers/sampler.py`` draws unseeded; read in SGLang v0.5.3,
+            v0.5.4 and main of 2026-08).
         special_next: the token after a read step is a special token that is not EOS (a base model's end-of-turn):
             its text decodes to "" (``skip_special_tokens``), the request ending at ``length``.
         nan: end every ``/generate`` as SGLang ends a request whose sampled id falls outside the vocabulary (NaN
             logits): ``finish_reason`` ``{"type": "stop", "matched": "NaN happened"}`` (``schedule_batch.py``
-            ``_check_vocab_boundary_finish``), shaped as a matched stop string.
+            ``_check_vocab_boundary_finish``, SGLang v0.5.4 to v0.5.17 and main of 2026-08), shaped as a matched stop
+            string.
     """
 
     def __init__(self, name="toy", *, version="0.5.23", hidden=True, info=None,
@@ -318,7 +320,8 @@ class FakeVLLM(_Server):
             ``stop_reason`` = that id, an int (text "": a special token).
         abort: answer the first ``abort`` completions requests as vLLM answers a request its engine aborted (a
             shutdown, ``/pause``): HTTP 200, the partial text, ``finish_reason`` ``"abort"`` (``v1/engine/__init__.py``
-            ``FINISH_REASON_STRINGS``; only ``"error"`` becomes a 500 in ``serving.py`` ``_raise_if_error``).
+            ``FINISH_REASON_STRINGS``; only ``"error"`` becomes a 500 in ``serving.py`` ``_raise_if_error``; vLLM
+            main of 2026-07).
     """
 
     def __init__(self, name="toy", *, version="0.11.0", max_logprobs=20, prompt_tokens_details=False,
