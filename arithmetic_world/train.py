@@ -65,8 +65,7 @@ SPECS = {
                         max_minutes=95),
     "draft": ModelSpec(layers=1, hidden=96, heads=2, steps=2500, style=DRAFT_STYLE, accuracy_band=(0.45, 0.72),
                        eval_every=100, max_minutes=25),
-    # From scratch (3 x 128) the judge reached only 78% in 30 minutes; started from the target it
-    # passed 99% in 1000 steps (12 minutes), so the judge is fine-tuned from the target by default.
+    # Fine-tuned from the target by default: from scratch it learns far slower (docs/benchmarks.md, World).
     "judge": ModelSpec(layers=3, hidden=128, heads=2, steps=1500, lr=1e-3, batch=128, eval_every=250,
                        stop_accuracy=0.985, max_minutes=30),
 }

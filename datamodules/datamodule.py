@@ -308,8 +308,8 @@ def _recorded_specs(sig: dict) -> tuple[StepSpec, SamplingSpec | None, dict]:
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
     """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``), or None (no glibc). It hands a
-    shard scan's freed buffers back to the OS; glibc keeps them, fragmented: scanning 400k rows left 2.6 GB of RSS,
-    0.44 GB with it (``benchmarks/labels.py`` measures the peak)."""
+    shard scan's freed buffers back to the OS; glibc keeps them, fragmented, and the peak RSS grows with every shard
+    scanned (``benchmarks/labels.py`` measures the peak; docs/benchmarks.md, Labels)."""
     import ctypes
     import ctypes.util
 
