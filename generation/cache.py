@@ -382,7 +382,10 @@ class BatchedCache:
         """Crop trailing cache columns that no row uses (with one row: every rollback is a plain crop)."""
         width = max((self.cols[i][-1] + 1 for i in self.live if self.cols[i]), default=0)
         extra = self.mask.shape[1] - width
-        if extra > 0:
+        if extra > 0 and width == 0:  # no live row fed yet: a crop would leave layers of 0 columns that add_row skips
+            self.cache = DynamicCache(config=self.model.config)
+            self.mask = self.mask[:, :0]
+        elif extra > 0:
             self.cache.crop(-extra)
             self.mask = self.mask[:, :width]
 

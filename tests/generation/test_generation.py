@@ -200,6 +200,22 @@ def test_rows_added_to_a_running_cache_read_as_if_alone_and_leave_the_others_exa
         run.add_row([])
 
 
+def test_a_row_added_after_the_only_fed_row_left_is_read_beside_the_other_new_rows(world_tokenizer):
+    """An endpoint whose one decoding client left while two requests joined: the retirement cropped every column
+    (no live row was fed yet) but kept layers of 0 columns, which ``add_row`` then left one row short, and the next
+    forward failed ("Sizes of tensors must match"), failing every request of the loop."""
+    model = tiny_llama(len(world_tokenizer), 32, 2)
+    run = BatchedCache(model, 1)
+    run.extend(0, [2, 5, 6, 7])
+    run.feed([0])
+    b = run.add_row([2, 8, 9])
+    run.retire([0])
+    d = run.add_row([2, 4, 4, 4])
+    fed = run.feed([b, d], all_logits=True)
+    for i in (b, d):
+        torch.testing.assert_close(fed[i].logits[-1], _fresh(model, run.seq[i]).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
 def test_fork_gives_every_copy_the_prefix(world_tokenizer):
     model = tiny_llama(len(world_tokenizer), 32, 2)
     run = BatchedCache(model, 2)
