@@ -194,13 +194,13 @@ class Scheduler:
         with self._lock:
             self.stopping = True
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread.is_alive():  # answered here: a served round may take longer than the time left
             self.abort_reason = reason
-            for g in list(self.groups.values()):
-                for j in g.jobs.values():
-                    j.cancelled = True
-            for j, _ in list(self.waiting):
+            jobs = [j for g in list(self.groups.values()) for j in list(g.jobs.values())]
+            jobs += [j for j, _ in list(self.waiting)] + list(self.inbox.queue)
+            for j in jobs:
                 j.cancelled = True
+                self._end(j, self._cancelled())
             self._thread.join(5.0)
 
     # ---------------------------------------------------------------- the decode thread
@@ -364,10 +364,10 @@ class Scheduler:
 
     def _end(self, job: Job, update: Update) -> None:
         """A job's last update (once)."""
-        if job.ended:
-            return
-        job.ended = True
-        with self._lock:
+        with self._lock:  # stop() ends jobs from another thread
+            if job.ended:
+                return
+            job.ended = True
             self.pending -= 1
         job.notify(update)
 

@@ -377,3 +377,39 @@ def test_fuzzed_bodies_get_an_openai_error_or_a_completion_and_the_endpoint_stay
                 bad.append((route, raw[:80], r.status_code, r.text[:120]))
         assert c.get(world.url[:-3] + "/health").json()["status"] == "ok"
     assert bad == []
+
+
+def test_stop_answers_the_requests_left_at_once_while_their_round_still_runs(tiny_pair):
+    """A served round takes seconds of HTTP: stop() marked the rows cancelled and the decode thread answered them
+    after its round, past uvicorn's cut a second later (plain-text 500s, streams cut). It answers them itself, with a
+    503, as soon as its grace ends; each job is answered once, also when its round then ends it."""
+    from semanticspec.serve.scheduler import Job, Scheduler
+    from tests.conftest import PROMPTS
+    from tests.semanticspec.conftest import stub_decoder
+
+    target, draft, tok = tiny_pair
+    dec = stub_decoder(target, draft, tok)
+    slow = threading.Event()
+    def sleep(*args):
+        if slow.is_set():
+            time.sleep(1.5)
+
+    hook = target.register_forward_hook(sleep)
+    sched = Scheduler(dec)
+    got, started = {k: [] for k in range(3)}, threading.Event()
+    try:
+        for k in range(3):
+            sched.submit(Job(PROMPTS[0], DecodeConfig(max_new_tokens=150, seed=k),
+                             lambda u, k=k: (got[k].append((time.time(), u)), u.delta and started.set())))
+        assert started.wait(30)
+        slow.set()  # every target forward from now on takes 1.5 s
+        time.sleep(0.3)  # inside such a forward
+        t0 = time.time()
+        sched.stop(0.2)
+    finally:
+        hook.remove()
+    ends = {k: [(t, u) for t, u in us if u.finish] for k, us in got.items()}
+    assert all(len(e) == 1 for e in ends.values()), ends  # once each
+    assert all(u.status == 503 and "shut down" in u.error for (_, u), in ends.values())
+    assert max(t for (t, _), in ends.values()) - t0 < 0.2 + 0.6  # not after the round (1.5 s, 1.2 s of it left)
+    assert sched.pending == 0
