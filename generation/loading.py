@@ -233,6 +233,16 @@ def device_problem(device: str) -> str | None:
     return None
 
 
+def checked_device(device: str | torch.device, name: str) -> torch.device:
+    """``device`` as a torch device this process can put a tensor on, or a ValueError naming ``name`` and the value."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str) or (problem := device_problem(device)):
+        raise ValueError(f"{name}: {problem}" if isinstance(device, str) else f"{name}={device!r}: expected a device "
+                         "name, e.g. 'cpu' or 'cuda:0'")
+    return torch.device(device)
+
+
 def load_causal_lm(name_or_path: str | os.PathLike, gguf_file: Optional[str | os.PathLike] = None,
                    cache_dir: Optional[str | os.PathLike] = None, device: str | torch.device = "cpu",
                    dtype: Optional[torch.dtype | str] = None):

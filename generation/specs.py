@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from generation.steps import DEFAULT_DELIMITERS
 
@@ -101,9 +101,14 @@ class SamplingSpec:
         return asdict(self)
 
 
+def is_int(x: Any) -> bool:
+    """An integer (a NumPy one too), not a bool: a seed, a count, a bound."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def is_count(x: Any) -> bool:
     """An integer (not a bool) of at least 1: a step cap, a token budget, a batch size."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+    return is_int(x) and x >= 1
 
 
 def is_real(x: Any) -> bool:
@@ -159,9 +164,11 @@ def check_groups(groups: Sequence[str], stats: Sequence[str] | None, topk: Seque
         problems.append(f"feature groups {list(groups)}: list them in the order {list(FEATURE_GROUPS)}")
     for group, names in (("token_stats", stats), ("topk_stats", topk)):
         bad = [s for s in names or () if s not in STAT_GROUPS[group]]
-        if names is not None and group in groups and (not names or bad):
+        twice = sorted({s for s in names or () if list(names).count(s) > 1})
+        if names is not None and group in groups and (not names or bad or twice):
             problems.append(f"{group} {list(names)}: expected a non-empty subset of {list(STAT_GROUPS[group])}"
-                            + (f" (this version cannot compute {bad})" if bad else ""))
+                            + (f" (this version cannot compute {bad})" if bad else "")
+                            + (f" ({twice} named twice)" if twice else ""))
     return problems
 
 
@@ -259,6 +266,9 @@ class FeatureSpec:
     hidden_norm: str = "final_norm"
 
     def __post_init__(self) -> None:
+        lists = [f for f in ("groups", "layer_ids", "token_stats", "topk_stats")
+                 if isinstance(getattr(self, f), (str, bytes)) or not isinstance(getattr(self, f), Iterable)]
+        _refuse("feature spec", [f"{f}={getattr(self, f)!r}: expected a list" for f in lists])
         for f in ("groups", "layer_ids", "token_stats", "topk_stats"):
             object.__setattr__(self, f, tuple(getattr(self, f)))
         for g in ("token_stats", "topk_stats"):  # the names of a group not read are none (one spelling per spec)
@@ -267,8 +277,8 @@ class FeatureSpec:
         problems = check_groups(list(self.groups), list(self.token_stats), list(self.topk_stats))
         if self.pooling not in ("mean", "last"):
             problems.append(f"pooling={self.pooling!r}: expected 'mean' or 'last'")
-        if "hidden" in self.groups and not self.layer_ids:
-            problems.append("layer_ids is empty: the hidden group needs at least one layer, e.g. [-1]")
+        if "hidden" in self.groups:  # the model's depth is checked where the model is known (layer_problems)
+            problems += layer_problems(list(self.layer_ids))
         problems += self.origin_errors(self.top_k, self.source, self.hidden_norm)
         _refuse("feature spec", problems)
 

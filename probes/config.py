@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count, layer_problems, spec_from_dict
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count, is_real, layer_problems, spec_from_dict
 
 FORMAT_VERSION = 6
 """Version of the exported ``config.json`` layout; older versions keep loading.
@@ -79,18 +79,13 @@ class ProbeConfig:
         errors = self._typed_specs()
         if not is_count(self.hidden_size):
             errors.append(f"hidden_size={self.hidden_size!r}: expected an integer >= 1")
-        if isinstance(self.features, FeatureSpec):
-            errors += [f"features.{p}" for p in layer_problems(
-                list(self.features.layer_ids), self.reads.get("num_layers") if isinstance(self.reads, dict) else None)]
-        elif not any(e.startswith("features") for e in errors):
-            errors.append(f"features={self.features!r}: expected a generation.specs.FeatureSpec (an object of groups, "
-                          "layer_ids, pooling, ...)")
+        errors += self._feature_errors(errors)
         errors += self._records()
         if self.layer_combine not in ("concat", "weighted_sum"):
             errors.append(f"layer_combine={self.layer_combine!r}: expected 'concat' or 'weighted_sum'")
         if not isinstance(self.hidden_dims, (list, tuple)) or not all(is_count(d) for d in self.hidden_dims):
             errors.append(f"hidden_dims={self.hidden_dims!r}: expected a list of integer widths >= 1 ([] = linear)")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+        if not is_real(self.dropout) or not 0 <= self.dropout < 1:
             errors.append(f"dropout={self.dropout!r}: expected a number with 0 <= dropout < 1")
         if not isinstance(self.standardize, bool):
             errors.append(f"standardize={self.standardize!r}: expected true or false")
@@ -100,8 +95,25 @@ class ProbeConfig:
             errors.append(f"step={self.step!r}: expected a generation.specs.StepSpec")
         if self.sampling is not None and not isinstance(self.sampling, SamplingSpec):
             errors.append(f"sampling={self.sampling!r}: expected a generation.specs.SamplingSpec or None")
+        if self.format_version != FORMAT_VERSION:  # from_dict upgrades an older layout to today's
+            errors.append(f"format_version={self.format_version!r}: a ProbeConfig holds today's layout "
+                          f"({FORMAT_VERSION}); read an older config.json with ProbeConfig.from_dict")
         if errors:
             raise ValueError("invalid ProbeConfig: " + "; ".join(errors))
+
+    def _feature_errors(self, errors: list[str]) -> list[str]:
+        """Problems of ``features`` (unless ``errors`` already names them): a FeatureSpec whose layers index the
+        hidden states of the model ``reads`` records."""
+        if not isinstance(self.features, FeatureSpec):
+            return [] if any(e.startswith("features") for e in errors) else [
+                f"features={self.features!r}: expected a generation.specs.FeatureSpec (an object of groups, "
+                "layer_ids, pooling, ...)"]
+        depth = self.reads.get("num_layers") if isinstance(self.reads, dict) else None
+        layers = list(self.features.layer_ids)
+        out = [f"features.{p}" for p in layer_problems(layers, depth if is_count(depth) else None)]
+        if depth is not None and not is_count(depth):
+            out.append(f"reads.num_layers={depth!r}: expected an integer >= 1")
+        return out
 
     def _records(self) -> list[str]:
         """Problems of the provenance fields: ``reads``, ``labels`` and ``test_metrics`` are objects, the metrics

@@ -111,11 +111,19 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
 
     from probes.model import resolve_probe_dtype
 
-    if model is not None and device is None:
-        device = str(next(model.parameters()).device)
+    from generation.loading import checked_device
+
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected the transformers model the probe reads, got {type(model).__name__}")
+    if tokenizer is not None and not hasattr(tokenizer, "get_vocab"):
+        raise TypeError(f"tokenizer: expected the model's tokenizer, got {type(tokenizer).__name__}")
+    if device is not None:
+        device = checked_device(device, "device")
+    elif model is not None:
+        device = next(model.parameters()).device
     if isinstance(probe, (str, os.PathLike)):
         probe, mine = _from_folder(Path(probe).expanduser(), model, tokenizer, role), True
-        device = device or "cpu"
+        device = device or torch.device("cpu")
     elif isinstance(probe, torch.nn.Module) and hasattr(probe, "config"):
         where = f"the {role or probe.config.role} probe"
         check_role(probe.config, role, where=where)
@@ -125,7 +133,7 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
     else:
         raise TypeError(f"{role or 'the'} probe must be a path or a SemanticProbe, got {type(probe).__name__}")
     here = next(probe.buffers(), next(probe.parameters(), torch.empty(0))).device
-    device = here if device is None else torch.device(device)
+    device = here if device is None else device
     want = None if dtype is None else resolve_probe_dtype(dtype, device)  # inputs stay float32 (SemanticProbe.predict)
     want = None if getattr(probe, "mlp_dtype", want) == want else want
     if not mine and (probe.training or device != here or want is not None):

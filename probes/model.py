@@ -98,6 +98,8 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         kept, as huggingface_hub keeps it, while :func:`~probes.export.export_probe` always writes a fresh one). The
         mixin wrote the config the probe was built from: a probe loaded from an older format, or whose config was
         changed since, got a ``config.json`` its card contradicted."""
+        if not isinstance(save_directory, (str, os.PathLike)) or not str(save_directory):
+            raise ValueError(f"save_directory={save_directory!r}: expected a folder path")
         return super().save_pretrained(save_directory, config=portable_config(config or self.config), **kwargs)
 
     @classmethod
@@ -112,9 +114,13 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         Raises:
             FileNotFoundError, ValueError: as :func:`probe_config` and :func:`read_folder`.
         """
-        folder = Path(pretrained_model_name_or_path).expanduser()
-        if folder.is_dir():
-            return read_folder(folder, probe_config(folder, role)).to(map_location).eval()
+        from generation.loading import checked_device
+
+        name = str(pretrained_model_name_or_path)
+        folder = Path(name).expanduser()
+        device = checked_device(map_location, "map_location")
+        if folder.exists() or not _hub_id(name):  # a path: a missing one is named as missing, never sent to the Hub
+            return read_folder(folder, probe_config(folder, role)).to(device).eval()
         return super().from_pretrained(pretrained_model_name_or_path, role=role, map_location=map_location, **kwargs)
 
     @classmethod
@@ -140,8 +146,10 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
     def _checked(self, features: torch.Tensor) -> torch.Tensor:
         """``features`` as (B, input_size) float32, or a ValueError naming the widths the probe reads."""
         cfg, f = self.config, self.config.features
+        if not isinstance(features, torch.Tensor):
+            raise TypeError(f"probe features must be a torch.Tensor, got {type(features).__name__}")
         x = features.float()
-        if x.dim() == 3 and f.groups == ("hidden",):
+        if x.dim() == 3 and f.groups == ("hidden",) and x.shape[1:] == (len(f.layer_ids), cfg.hidden_size):
             x = x.flatten(1)
         if x.dim() != 2 or x.shape[-1] != cfg.input_size:
             got = f"shape {tuple(features.shape)}" if x.dim() != 2 else f"{features.shape[-1]} per row"
@@ -278,6 +286,19 @@ def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -
             f"{where} was exported with role {config.role!r} (it estimates the {config.role} model's semantic "
             f"probability) but is used as the {role} probe; pass a probe exported with role {role!r} here, "
             f"or this one as the {config.role} probe")
+
+
+def _hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hub repository id (``name`` or ``namespace/name``), not a local path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name[:1] in ("/", ".", "~", "") or name.count("/") > 1 or os.sep != "/" and os.sep in name:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeConfig:

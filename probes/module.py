@@ -13,6 +13,7 @@ draft-written rows with a low label (the draft's wrong steps) can be weighted up
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -27,7 +28,7 @@ from torchmetrics.wrappers import BinaryTargetTransformer
 from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef, R2Score
 from torchmetrics.utilities import dim_zero_cat
 
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_real
 from probes.config import ProbeConfig, nest_features
 from probes.model import SemanticProbe
 
@@ -132,16 +133,23 @@ class SemanticProbeModule(L.LightningModule):
     ) -> None:
         super().__init__()
         errors = []
-        if not roles or any(r not in ROLES for r in roles) or len(set(roles)) != len(roles):
-            errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)} without repeats")
+        if isinstance(roles, str) or not isinstance(roles, (list, tuple)) or not roles or any(
+                r not in ROLES for r in roles) or len(set(roles)) != len(roles):
+            errors.append(f"roles={roles!r}: expected a non-empty list from {list(ROLES)} without repeats")
+            roles = []
+        if not isinstance(probe, (ProbeConfig, dict)):
+            errors.append(f"probe={probe!r}: expected a ProbeConfig (or a dict of its fields)")
+        if not callable(optimizer):
+            errors.append(f"optimizer={optimizer!r}: expected a callable that takes the parameters (e.g. "
+                          "torch.optim.Adam, or functools.partial(torch.optim.AdamW, lr=1e-3))")
         if loss not in LOSSES:
             errors.append(f"loss={loss!r}: expected one of {list(LOSSES)}")
         missing = [r for r in roles if input_spec is not None and r not in input_spec]
         if missing:
             errors.append(f"input_spec lacks roles {missing}; it has {sorted(input_spec or {})}")
-        if not draft_low_label_weight > 0:
-            errors.append(f"draft_low_label_weight={draft_low_label_weight}: expected > 0")
-        if input_spec is not None:
+        if not is_real(draft_low_label_weight) or not 0 < draft_low_label_weight < math.inf:
+            errors.append(f"draft_low_label_weight={draft_low_label_weight!r}: expected a finite number > 0")
+        if input_spec is not None and isinstance(probe, (ProbeConfig, dict)):
             errors += _filled_from_the_data(probe)
         if errors:
             raise ValueError("invalid SemanticProbeModule arguments: " + "; ".join(errors))

@@ -109,13 +109,26 @@ def test_width_mismatch_names_both_numbers():
     probe = SemanticProbe(ProbeConfig(hidden_size=16, hidden_dims=[4]))
     with pytest.raises(ValueError, match=r"expects 16 features.*got 12"):
         probe(torch.randn(2, 12))
+    two = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4], features={"layer_ids": [-1, -2]}))
+    assert two(torch.randn(3, 2, 8)).shape == (3,)  # (batch, layers, hidden) is flattened
+    with pytest.raises(ValueError, match=r"expects 16 features.*got shape \(3, 4, 4\)"):
+        two(torch.randn(3, 4, 4))  # 4 x 4 = 16 columns, but not 2 layers of 8: it was read as if it were
+    with pytest.raises(TypeError, match=r"probe features must be a torch.Tensor, got list"):
+        probe([[0.0] * 16])
 
 
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"features": {"pooling": "max"}}, "features.pooling"), ({"role": "judge"}, "role"),
      ({"features": {"layer_ids": []}}, "features.layer_ids"),
-     ({"dropout": 1.5}, "dropout")],
+     ({"dropout": 1.5}, "dropout"),
+     # each below was accepted, or failed with a TypeError naming no field
+     ({"features": {"layer_ids": ["a"]}}, r"features.layer_ids=\['a'\]: expected integers"),
+     ({"features": {"layer_ids": None}}, r"features.layer_ids=None: expected a list"),
+     ({"features": {"groups": ["hidden", "token_stats"], "token_stats": ["mean_logprob", "mean_logprob"]}},
+      r"\['mean_logprob'\] named twice"),
+     ({"format_version": 99}, r"format_version=99: a ProbeConfig holds today's layout"),  # written, then unloadable
+     ({"reads": {"num_layers": "2"}}, r"reads.num_layers='2': expected an integer >= 1")],
 )
 def test_config_rejects_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -391,6 +404,13 @@ def test_module_reports_the_rows_each_model_wrote_and_weights_the_drafts_wrong_s
 def test_module_rejects_bad_arguments():
     with pytest.raises(ValueError, match="roles"):
         SemanticProbeModule(roles=["judge"])
+    for kwargs, says in [({"draft_low_label_weight": float("inf")}, r"draft_low_label_weight=inf: expected a finite"),
+                         ({"draft_low_label_weight": "2"}, r"draft_low_label_weight='2'"),
+                         ({"roles": None}, r"roles=None: expected a non-empty list"),
+                         ({"probe": None}, r"probe=None: expected a ProbeConfig"),
+                         ({"optimizer": "adam"}, r"optimizer='adam': expected a callable")]:
+        with pytest.raises(ValueError, match=says):  # a loss of NaN, or a TypeError naming no argument, before
+            SemanticProbeModule(**kwargs)
     with pytest.raises(ValueError, match="loss"):
         SemanticProbeModule(loss="hinge")
     with pytest.raises(ValueError, match=r"input_spec lacks roles \['draft'\]"):
@@ -512,7 +532,7 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize("changes, says", [
     ({"features.layer_ids": [-100]},
      r"features.layer_ids=\[-100\]: \[-100\] out of range for a model with 2 layers \(3 hidden_states"),
-    ({"features.layer_ids": []}, r"features.layer_ids is empty"),
+    ({"features.layer_ids": []}, r"features.layer_ids=\[\]: expected a non-empty list of layer indices"),
     ({"features.layer_ids": [-1, -1]}, r"features.layer_ids=\[-1, -1\]: a layer is listed twice"),
     ({"features.layer_ids": ["-1"]}, r"features.layer_ids=\['-1'\]: expected integers"),
     ({"sampling": {"temperature": float("nan"), "top_p": 0.95}}, r"sampling\.temperature=nan: expected a finite"),
@@ -860,6 +880,31 @@ def test_an_export_records_portable_paths_refuses_a_file_and_expands_the_home_fo
         SemanticProbe.from_pretrained(tmp_path / "home" / "p")
     with pytest.raises(FileNotFoundError, match="does not exist; pass the folder of an exported probe"):
         load_probe(tmp_path / "nowhere")
+
+
+def test_a_path_that_is_no_probe_folder_and_a_bad_device_or_model_are_named(tmp_path, monkeypatch, world_tokenizer):
+    """from_pretrained sent every path that was not a folder to the Hub (an absolute one: "Repo id must be in the form
+    ...", a relative one: network retries, then LocalEntryNotFoundError); a bad device, a tokenizer for the model, or a
+    string for the tokenizer failed in torch or with an AttributeError; save_pretrained("") wrote into the working
+    folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "probe")
+    for path, says in [(tmp_path / "typo", "typo does not exist"), ("typo/probe/target", "typo/probe/target does not"),
+                       (tmp_path / "probe" / "config.json", r"config.json is a file; pass the folder")]:
+        with pytest.raises(FileNotFoundError, match=says):
+            SemanticProbe.from_pretrained(path)
+    with pytest.raises(ValueError, match=r"map_location: 'nope' is not a torch device"):
+        SemanticProbe.from_pretrained(tmp_path / "probe", map_location="nope")
+    with pytest.raises(ValueError, match=r"device: 'nope' is not a torch device"):
+        load_probe(tmp_path / "probe", device="nope")
+    with pytest.raises(TypeError, match=r"model: expected the transformers model the probe reads"):
+        load_probe(tmp_path / "probe", model=world_tokenizer)
+    with pytest.raises(TypeError, match=r"tokenizer: expected the model's tokenizer, got str"):
+        load_probe(tmp_path / "probe", model=tiny_llama(len(world_tokenizer), 8), tokenizer="tok")
+    with pytest.raises(ValueError, match=r"save_directory='': expected a folder path"):
+        load_probe(tmp_path / "probe").save_pretrained("")
+    assert not (tmp_path / "config.json").exists()
 
 
 def test_a_config_dict_without_a_format_reads_as_todays_layout():
