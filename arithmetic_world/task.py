@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from datamodules.tasks.base import Task
+from generation.specs import is_int
 
 OPS = ("add", "sub", "mul")
 _OPERATORS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}
@@ -154,15 +155,34 @@ class TaskConfig:
     """Per operation, the weight of each paraphrase template in reference traces."""
 
     def __post_init__(self) -> None:
-        errors = self._bound_errors()
-        errors += self._reach_errors(others=bool(errors))
-        errors += self._weight_errors()
+        errors = self._type_errors()
+        if not errors:  # the bounds are compared only once they are numbers
+            errors = self._bound_errors()
+            errors += self._reach_errors(others=bool(errors))
+            errors += self._weight_errors()
         if errors:
             raise ValueError("invalid TaskConfig: " + "; ".join(errors))
 
     def _ops_known(self) -> bool:
         """Whether ``ops`` is a non-empty subset of :data:`OPS`."""
         return bool(self.ops) and all(op in OPS for op in self.ops)
+
+    def _type_errors(self) -> list[str]:
+        """Fields of the wrong type: the counts integers, the ranges pairs of integers, ``ops`` a list of names."""
+        errors = [f"{name}={getattr(self, name)!r}: expected an integer" for name in ("min_ops", "max_ops")
+                  if not is_int(getattr(self, name))]
+        for name in ("start_range", "addsub_range", "mul_range", "result_range"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 2 or not all(
+                    is_int(x) for x in value):
+                errors.append(f"{name}={value!r}: expected a pair of integers [low, high]")
+        if isinstance(self.ops, str) or not isinstance(self.ops, Sequence):
+            errors.append(f"ops={self.ops!r}: expected a list from {OPS}")
+        if not isinstance(self.template_weights, dict) or not all(
+                isinstance(w, Sequence) and all(isinstance(x, (int, float)) for x in w)
+                for w in self.template_weights.values()):
+            errors.append(f"template_weights={self.template_weights!r}: expected {{operation: [weights]}}")
+        return errors
 
     def _bound_errors(self) -> list[str]:
         """What is wrong with the operation counts, the ranges and ``ops`` taken one by one."""

@@ -11,7 +11,7 @@ shuffle buffer; one shard in memory at a time). A batch is ``{role: {"features",
 from __future__ import annotations
 
 import functools
-import numbers
+import os
 import warnings
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from datamodules.labels.build import build
 from datamodules.labels.config import ROLES, BuildConfig, signature, signature_mismatches
 from datamodules.labels.coordination import data_dir_problem
 from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec, check_groups, require_features
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec, check_groups, is_int, is_real, require_features
 
 
 class SemanticProbeDataModule(pl.LightningDataModule):
@@ -67,22 +67,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         feature_groups: list[str] | None = None,
     ):
         super().__init__()
-        errors = []
-        if not roles or any(r not in ROLES for r in roles) or len(set(roles)) != len(roles):
-            errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)} without repeats")
-        for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
-                                 ("shuffle_buffer", shuffle_buffer, 0)):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:  # only what is wrong
-                errors.append(f"{name}={value!r}: expected an integer >= {low}")
-        if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
-            errors.append(f"val_fraction={val_fraction}, test_fraction={test_fraction}: need >= 0 each "
-                          f"and a sum below 1")
-        if nonfinite not in ("error", "drop"):
-            errors.append(f"nonfinite={nonfinite!r}: expected 'error' or 'drop'")
-        if data_dir_problem(data_dir):  # refused here, before the Trainer prints its device lines
-            errors.append(data_dir_problem(data_dir))
-        if feature_groups is not None:
-            errors += check_groups(feature_groups, None)
+        errors = _argument_errors(data_dir, build, roles, batch_size, num_workers, shuffle_buffer, val_fraction,
+                                  test_fraction, seed, skip_corrupt, nonfinite, feature_groups)
         if errors:
             raise ValueError("invalid SemanticProbeDataModule arguments: " + "; ".join(errors))
         self.data_dir, self.build, self.roles = Path(data_dir), build, list(roles)
@@ -303,6 +289,37 @@ def _recorded_specs(sig: dict) -> tuple[StepSpec, SamplingSpec | None, dict]:
     if "n_samples" in recorded:
         labels["n_samples"] = recorded["n_samples"]
     return step, sampling, labels
+
+
+def _argument_errors(data_dir, build, roles, batch_size, num_workers, shuffle_buffer, val_fraction, test_fraction,
+                     seed, skip_corrupt, nonfinite, feature_groups) -> list[str]:
+    """What is wrong with :class:`SemanticProbeDataModule`'s arguments, one line each naming the value."""
+    errors = []
+    if not roles or any(r not in ROLES for r in roles) or len(set(roles)) != len(roles):
+        errors.append(f"roles={roles}: expected a non-empty subset of {list(ROLES)} without repeats")
+    for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
+                             ("shuffle_buffer", shuffle_buffer, 0)):
+        if not is_int(value) or value < low:  # only what is wrong
+            errors.append(f"{name}={value!r}: expected an integer >= {low}")
+    if not (is_real(val_fraction) and is_real(test_fraction)) or not (
+            0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
+        errors.append(f"val_fraction={val_fraction!r}, test_fraction={test_fraction!r}: need numbers >= 0 each "
+                      f"and a sum below 1")
+    if not is_int(seed) or not 0 <= seed < 2**32:  # as Lightning's seed range
+        errors.append(f"seed={seed!r}: expected an integer in [0, 2**32)")
+    if not isinstance(skip_corrupt, bool):
+        errors.append(f"skip_corrupt={skip_corrupt!r}: expected true or false")
+    if build is not None and not isinstance(build, BuildConfig):
+        errors.append(f"build={build!r}: expected a BuildConfig (or None: never build)")
+    if not isinstance(data_dir, (str, os.PathLike)):
+        errors.append(f"data_dir={data_dir!r}: expected a folder path")
+    elif data_dir_problem(data_dir):  # refused here, before the Trainer prints its device lines
+        errors.append(data_dir_problem(data_dir))
+    if nonfinite not in ("error", "drop"):
+        errors.append(f"nonfinite={nonfinite!r}: expected 'error' or 'drop'")
+    if feature_groups is not None:
+        errors += check_groups(feature_groups, None)
+    return errors
 
 
 @functools.lru_cache(maxsize=1)

@@ -28,6 +28,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from generation.specs import is_int
 from generation.steps import DEFAULT_DELIMITERS
 
 
@@ -61,8 +62,11 @@ class Task:
             ValueError: a malformed line (named ``file:line``), an empty file, or a bad ``n``.
             FileNotFoundError: ``path`` does not exist.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"n={n!r}: expected a number of problems >= 0 (0: every problem of the file)")
+        if not is_int(seed):
+            raise ValueError(f"seed={seed!r}: expected an integer (the same seed gives the same problems)")
+        n, seed = int(n), int(seed)  # random.Random takes no NumPy integer
         if self.path is None:
             errors = self.errors(n)
             if errors:
@@ -107,6 +111,8 @@ class Task:
         """The prompt as text: the tokenizer's chat template with the problem as the user turn when it
         has one, else ``problem + prompt_suffix`` (also with no tokenizer: None). The decoders' ``prompts``
         format problems with it."""
+        if not isinstance(problem, str):
+            raise ValueError(f"problem={problem!r}: expected the problem's text")
         if getattr(tokenizer, "chat_template", None):
             return tokenizer.apply_chat_template([{"role": "user", "content": problem}], add_generation_prompt=True,
                                                  tokenize=False)

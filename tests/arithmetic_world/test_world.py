@@ -86,6 +86,13 @@ def test_jsonl_round_trip_and_bad_lines_name_file_and_line(tmp_path):
         ({"template_weights": {op: (0, 0, 0, 0) for op in task.OPS}}, "template_weights"),
         ({"template_weights": {op: (1, 1) for op in task.OPS}}, "template_weights"),
         ({"template_weights": {"add": (1, 1, 1, 1)}}, "template_weights"),  # sub and mul lack weights
+        # of the wrong type: a TypeError naming no knob, or (2.0, True) accepted and failing at the first problem
+        ({"min_ops": "2"}, r"min_ops='2': expected an integer"),
+        ({"min_ops": 2.0}, r"min_ops=2.0: expected an integer"),
+        ({"max_ops": True}, r"max_ops=True: expected an integer"),
+        ({"start_range": 5}, r"start_range=5: expected a pair of integers"),
+        ({"ops": 5}, r"ops=5: expected a list"),
+        ({"template_weights": 3}, r"template_weights=3: expected"),
     ],
 )
 def test_impossible_generator_knobs_raise_naming_the_knob(knobs, named):

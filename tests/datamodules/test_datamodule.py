@@ -207,6 +207,15 @@ def test_bad_arguments_are_named():
         SemanticProbeDataModule(build=None, batch_size=0)
     assert "batch_size=0: expected an integer >= 1" in str(err.value)
     assert "num_workers" not in str(err.value) and "shuffle_buffer" not in str(err.value)  # only what is wrong
+    # each below was accepted and failed at the first batch (or, skip_corrupt="no", skipped corrupt shards)
+    for kwargs, says in [({"seed": None}, r"seed=None: expected an integer in \[0, 2\*\*32\)"),
+                         ({"seed": 2**70}, r"seed=\d+: expected an integer"),
+                         ({"skip_corrupt": "no"}, r"skip_corrupt='no': expected true or false"),
+                         ({"val_fraction": "0.1"}, r"val_fraction='0.1', test_fraction=0.1: need numbers"),
+                         ({"build": {"n_problems": 3}}, r"build=\{'n_problems': 3\}: expected a BuildConfig"),
+                         ({"data_dir": None}, r"data_dir=None: expected a folder path")]:
+        with pytest.raises(ValueError, match=says):
+            SemanticProbeDataModule(**{"build": None, **kwargs})
 
 
 def test_len_bounds_the_batches(data):

@@ -174,6 +174,19 @@ def test_arithmetic_task_is_the_world():
     assert t.check("Answer: 3", "3") and not t.check("Answer: 3", "three") and not t.check(None, 3)
 
 
+def test_problems_take_numpy_counts_and_refuse_a_seed_that_is_no_integer():
+    """``seed=None`` gave other problems each run, ``[1]`` a TypeError from ``random``; NumPy counts were refused."""
+    import numpy as np
+
+    task = ArithmeticTask()
+    assert task.problems(np.int64(3), seed=np.int64(5)) == task.problems(3, seed=5)
+    for seed in (None, 1.5, [1], "a"):
+        with pytest.raises(ValueError, match=r"seed=.*: expected an integer"):
+            task.problems(2, seed=seed)
+    with pytest.raises(ValueError, match=r"problem=None: expected the problem's text"):
+        task.prompt_text(None, None)
+
+
 def test_arithmetic_prompt_is_the_worlds(world_tokenizer):
     p = world.generate_problems(1, seed=0)[0]
     assert ArithmeticTask().prompt(world_tokenizer, p.problem) == world_tokenizer(p.problem + "\n\n")["input_ids"]
