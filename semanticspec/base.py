@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +23,7 @@ from generation.specs import SamplingSpec, StepSpec
 from semanticspec.config import DecodeConfig
 from semanticspec.loop import LoopSetup
 from semanticspec.parts import SHIPPED_WINDOW, Window
+from semanticspec.prompts import batch
 from semanticspec.hf import TransformersLoop
 from semanticspec.methods import Method, method_for
 from semanticspec.results import DecodeResult, StepEvent, collect
@@ -177,12 +178,11 @@ class StepDecoder:
         if self.task is None:
             raise ValueError("prompts() formats problems as the decoder's task does; give the decoder task=... (a "
                              "datamodules.tasks.base.Task), or format prompts yourself")
-        if isinstance(problems, (bytes, bytearray)) or not isinstance(problems, (str, Iterable)):
-            raise ValueError(f"problems={problems!r}: expected a list of problem texts (or one text)")
-        problems = [problems] if isinstance(problems, str) else list(problems)
-        bad = next((i for i, p in enumerate(problems) if not isinstance(p, str)), None)
+        problems = batch(problems, "problems", "problem texts (or one text)")
+        bad = next((i for i, p in enumerate(problems) if not isinstance(p, str) or not p.strip()), None)
         if bad is not None:
-            raise ValueError(f"problem {bad} is a {type(problems[bad]).__name__}: expected the problem's text")
+            got = "empty" if isinstance(problems[bad], str) else f"a {type(problems[bad]).__name__}"
+            raise ValueError(f"problem {bad} is {got}: expected the problem's text")
         return [self._prompt(p) for p in problems]
 
     def _prompt(self, problem: str):
@@ -403,6 +403,8 @@ def answer_marker(given: str | None, task) -> str | None:
     """
     if task is None:
         return given
+    if isinstance(task, type):  # its class attributes would pass, its methods fail at the first prompt
+        raise TypeError(f"task={task.__name__}: a class; give an instance, e.g. task={task.__name__}()")
     marker = getattr(task, "answer_marker", None)
     if not isinstance(marker, str) or not marker:
         raise ValueError(f"task={task!r} has no answer_marker (a non-empty string); give a "

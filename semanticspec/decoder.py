@@ -110,6 +110,13 @@ class SemanticSpecDecoder(StepDecoder):
     def __init__(self, target, draft, tokenizer, draft_tokenizer=None, target_probe: ProbeLike = None,
                  draft_probe: ProbeLike = None, policy: ProbePolicy | None = None, config: DecodeConfig | None = None,
                  *, probe_dtype: str = "auto", task=None):
+        for name, model in (("target", target), ("draft", draft)):
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"{name}={model!r}: expected an in-process transformers model (AutoModelForCausalLM); "
+                                "models behind servers decode with ServedDecoder")
+        for name, tok in (("tokenizer", tokenizer), ("draft_tokenizer", draft_tokenizer)):
+            if (tok is not None or name == "tokenizer") and not (callable(tok) and hasattr(tok, "get_vocab")):
+                raise TypeError(f"{name}={tok!r}: expected a transformers tokenizer (AutoTokenizer)")
         check_policy(policy)
         self.handover = Handover(tokenizer, draft_tokenizer)
         self.shared = self.handover.shared

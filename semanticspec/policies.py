@@ -18,8 +18,8 @@ numbers and logits (:func:`threshold_keeps`, :func:`ratio_keeps`, :func:`fast_pa
 from __future__ import annotations
 
 import json
+import inspect
 import math
-import numbers
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from generation.features import token_scores
 from generation.fingerprints import sha256_file
-from generation.specs import is_real
+from generation.specs import is_int, is_real
 from semanticspec.results import Decision
 
 if TYPE_CHECKING:
@@ -171,9 +172,9 @@ class ProbePolicy(AcceptancePolicy):
         if not (is_real(self.tau) and 0 <= self.tau <= 1):
             errors.append(f"tau={self.tau!r}: expected a number with 0 <= tau <= 1")
         scale = self.ratio_scale
-        if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+        if not (is_real(scale) and math.isfinite(scale) and scale > 0):
             errors.append(f"ratio_scale={self.ratio_scale!r}: expected a finite number > 0")
-        if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+        if not (is_int(self.top_k) and self.top_k >= 0):
             errors.append(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables the fast path)")
         if not (is_real(self.fast_path_min_logprob) and self.fast_path_min_logprob <= 0):
             errors.append(f"fast_path_min_logprob={self.fast_path_min_logprob!r}: expected a log-probability <= 0")
@@ -284,12 +285,26 @@ class OraclePolicy(AcceptancePolicy):
     oracle: Callable[[str, str], bool]
 
     def __post_init__(self) -> None:
-        if not callable(self.oracle):  # a ValueError, as every other bad generate() argument
-            raise ValueError(  # noqa: TRY004
+        if not callable(self.oracle) or not _takes_two(self.oracle):  # a ValueError, as every bad generate() argument
+            raise ValueError(
                 f"OraclePolicy(oracle={self.oracle!r}): expected a callable oracle(step_text, output_so_far) -> bool")
 
     def keep(self, scores: Scores) -> Decision:
-        return Decision.ACCEPT if self.oracle(scores.text, scores.output) else Decision.REJECT
+        kept = self.oracle(scores.text, scores.output)
+        if not isinstance(kept, (bool, np.bool_)):  # "no" would keep the step, None refuse it
+            raise TypeError(f"OraclePolicy: oracle({scores.text!r}, ...) returned {kept!r}; expected True or False")
+        return Decision.ACCEPT if kept else Decision.REJECT
+
+
+def _takes_two(fn) -> bool:
+    """Whether ``fn`` can be called with two positional arguments (True when its signature cannot be read)."""
+    try:
+        inspect.signature(fn).bind("", "")
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a signature
+        return True
+    return True
 
 
 @dataclass(frozen=True)

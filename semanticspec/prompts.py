@@ -9,7 +9,7 @@ model's vocabulary knows, and fewer tokens than either model's context. A refusa
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from generation.cache import context_length
 from generation.handover import Handover
@@ -26,9 +26,7 @@ def read_prompts(prompts, handover: Handover, target, draft) -> tuple[list[list[
         target: the target model (its vocabulary size and context).
         draft: the draft model.
     """
-    if prompts is None:
-        raise ValueError("prompts=None: expected a list of prompts (strings, or token ids already formatted)")
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # not one prompt per character
+    prompts = batch(prompts, "prompts", "prompts (strings, or token ids already formatted)")
     read = [_read(i, p, handover.shared) for i, p in enumerate(prompts)]
     for i, (form, _) in enumerate(read):
         if form != read[0][0]:
@@ -47,7 +45,7 @@ def _read(i: int, prompt, shared: bool) -> tuple[str, object]:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError(f"prompt {i} is empty: give the text the model continues")
-        return TEXT, prompt
+        return TEXT, utf8(prompt, f"prompt {i}")
     if isinstance(prompt, tuple) and len(prompt) == 2 and all(_sequence(side) for side in prompt):
         pair = _ids(i, prompt[0]), _ids(i, prompt[1])
         if shared and pair[0] != pair[1]:  # both models would read other prompts
@@ -100,11 +98,32 @@ def _check_rows(name: str, model, rows: list[list[int]]) -> None:
 def read_prompt_texts(prompts) -> list[str]:
     """Prompts for servers (which tokenize them): a list of non-empty strings (a bare string is one prompt), or a
     ValueError naming the first bad one."""
-    if prompts is None:
-        raise ValueError("prompts=None: expected a list of prompt strings")
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # not one prompt per character
+    prompts = batch(prompts, "prompts", "prompt strings")
     for i, p in enumerate(prompts):
         if not isinstance(p, str) or not p:
             raise ValueError(f"prompt {i} is {p!r}: the served decoder sends text (the servers tokenize it); "
                              "give a non-empty string (Task.prompt_text formats one)")
+        utf8(p, f"prompt {i}")
     return prompts
+
+
+def batch(items, name: str, what: str) -> list:
+    """``items`` as a list (a bare string is one item, not one per character), or a ValueError naming ``name`` and
+    the value: a list, a tuple or an iterator (a generator) is a batch; a tensor, a mapping, a set (no order) or a
+    number is not."""
+    if isinstance(items, str):
+        return [items]
+    if not isinstance(items, (list, tuple, Iterator)):
+        hint = " (a tensor of ids: its .tolist())" if hasattr(items, "tolist") else ""
+        raise ValueError(f"{name}={items!r}: expected a list of {what}{hint}")
+    return list(items)
+
+
+def utf8(text: str, where: str) -> str:
+    """``text``, or a ValueError when it cannot be encoded as UTF-8 (a lone surrogate), naming ``where``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} is not valid UTF-8 text: {e.reason} at character {e.start} "
+                         f"({text[e.start:e.end]!r})") from None
+    return text

@@ -59,6 +59,10 @@ class ServedDecoder(StepDecoder):
     def __init__(self, target, draft, target_probe=None, draft_probe=None, policy: ProbePolicy | None = None,
                  config: DecodeConfig | None = None, *, concurrency: int = 4, probe_dtype: str = "auto",
                  task=None, tokenizer=None) -> None:
+        for name, engine in (("target", target), ("draft", draft)):
+            if not hasattr(engine, "url"):  # a URL string, a model, None
+                raise TypeError(f"{name}={engine!r}: expected an engine client (generation.engines.make_engine(kind, "
+                                "url, role)); in-process models decode with SemanticSpecDecoder")
         if not is_count(concurrency):
             raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1 (requests in flight at once)")
         check_policy(policy)

@@ -676,6 +676,10 @@ def test_bad_prompts_are_refused_before_any_model_call_naming_the_index(tiny_pai
         ([PROMPTS[0], "Add 5, then " * 100], r"prompt 1 has \d+ tokens but the target model's context .* is 256"),
         ([(ids, ids[:-1])], r"prompt 0 is a \(target_ids, draft_ids\) pair whose two sides differ, but this pair "
                             r"shares one tokenizer"),
+        (5, r"prompts=5: expected a list of prompts"),  # 'int' object is not iterable, before
+        (torch.tensor(ids), r"prompts=tensor\(.*\): expected a list of prompts .*its \.tolist\(\)"),
+        ({PROMPTS[0]: 1}, r"prompts=\{.*\}: expected a list of prompts"),  # its keys were decoded, before
+        (["abc\ud800"], r"prompt 0 is not valid UTF-8 text: surrogates not allowed at character 3"),
     ]
     try:
         for prompts, match in cases:
@@ -691,8 +695,11 @@ def test_bad_prompts_are_refused_before_any_model_call_naming_the_index(tiny_pai
             h.remove()
     assert not calls  # every refusal came before any model call
     assert texts(dec.generate([(ids, ids)], max_new_tokens=4)) == texts(dec.generate([ids], max_new_tokens=4))
+    assert texts(dec.generate(iter([ids]), max_new_tokens=4)) == texts(dec.generate([ids], max_new_tokens=4))
     with pytest.raises(ValueError, match=r"ratio_scale=nan: expected a finite number > 0"):
         ProbePolicy(rule="ratio", ratio_scale=float("nan"))
+    with pytest.raises(ValueError, match=r"ratio_scale=True: expected a finite number > 0"):
+        ProbePolicy(rule="ratio", ratio_scale=True)
     with pytest.raises(ValueError, match=r"top_k=1.5: expected an integer >= 0"):
         ProbePolicy(top_k=1.5)
 
@@ -934,3 +941,40 @@ def test_a_loop_setting_is_a_field_of_the_call_or_of_the_decoders_default_config
     two = make_decoder(target, draft, tok, draft_tokenizer=char_tokenizer())
     with pytest.raises(ValueError, match="token_sd=True .* needs a shared tokenizer"):
         two.generate(PROMPTS, token_sd=True, **gen)
+
+
+def test_parts_of_the_wrong_kind_and_bad_problems_are_refused_naming_them(tiny_pair):
+    """A model, tokenizer, server or task of the wrong kind is named where the decoder is built (an AttributeError
+    from deep inside, or a class for a task accepted until the first prompt, before); an empty problem is refused."""
+    from arithmetic_world.task import ArithmeticTask
+    from semanticspec import ServedDecoder
+
+    target, draft, tok = tiny_pair
+    for args, says in [((None, draft, tok), r"target=None: expected an in-process transformers model"),
+                       ((target, "draft-path", tok), r"draft='draft-path': expected an in-process transformers"),
+                       ((target, draft, None), r"tokenizer=None: expected a transformers tokenizer")]:
+        with pytest.raises(TypeError, match=says):
+            SemanticSpecDecoder(*args)
+    with pytest.raises(TypeError, match=r"task=ArithmeticTask: a class; give an instance, e.g. "
+                                        r"task=ArithmeticTask\(\)"):
+        SemanticSpecDecoder(target, draft, tok, task=ArithmeticTask)
+    with pytest.raises(TypeError, match=r"target='http://127.0.0.1:1/v1': expected an engine client"):
+        ServedDecoder("http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1")
+    dec = SemanticSpecDecoder(target, draft, tok, task=ArithmeticTask())
+    for problems, says in [("", r"problem 0 is empty"), (["Start with 7.", " "], r"problem 1 is empty"),
+                           ({"Start with 7.": 1}, r"problems=\{.*\}: expected a list of problem texts")]:
+        with pytest.raises(ValueError, match=says):
+            dec.prompts(problems)
+    assert dec.prompts(p for p in ["Start with 7."]) == dec.prompts(["Start with 7."])
+
+
+def test_an_oracle_is_checked_when_built_and_its_answers_when_called():
+    """An oracle that takes other arguments failed mid-decode; one answering "no" kept the step (truthiness)."""
+    from semanticspec.policies import OraclePolicy
+    from semanticspec.scores import Scores
+
+    with pytest.raises(ValueError, match=r"expected a callable oracle\(step_text, output_so_far\)"):
+        OraclePolicy(lambda text: True)
+    policy = OraclePolicy(lambda text, out: "no")
+    with pytest.raises(TypeError, match=r"returned 'no'; expected True or False"):
+        policy.keep(Scores(text="Add 5.", output=""))
