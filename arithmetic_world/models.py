@@ -73,9 +73,15 @@ def load_model(role: str, root: Optional[str | os.PathLike] = None, device: str 
 
     dtype = torch.float32 if dtype is None else dtype
 
+    from safetensors import SafetensorError
+
     path = model_dir(role, root)
-    with quiet_loading():
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    try:
+        with quiet_loading():
+            return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    except SafetensorError as e:  # a cut or overwritten download: named, as every other bad world folder
+        raise ValueError(f"world model {path / 'model.safetensors'} is damaged ({e}); restore it (a clone's "
+                         "checkpoints/, or git checkout) or train it again") from None
 
 
 def load_tokenizer(root: Optional[str | os.PathLike] = None, role: str = "target") -> PreTrainedTokenizerFast:

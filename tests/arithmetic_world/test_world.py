@@ -430,3 +430,17 @@ def test_the_worlds_models_missing_are_named_with_where_they_ship(monkeypatch, t
         with pytest.raises(FileNotFoundError, match="nowhere does not exist: the embedded world's models ship in a "
                                                     "clone .*; set SEMANTICSPEC_WORLD to a folder"):
             call()
+
+
+def test_a_damaged_world_model_is_named_not_a_safetensors_traceback(tmp_path):
+    """A cut model.safetensors ended the endpoint (and every command loading the world) with a traceback and exit
+    status 1; it is a ValueError naming the file, which the commands print as one line."""
+    import shutil
+
+    from arithmetic_world.models import load_model, world_root
+
+    shutil.copytree(world_root() / "draft", tmp_path / "draft")
+    weights = tmp_path / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"draft/model.safetensors is damaged \(.*header.*\); restore it"):
+        load_model("draft", tmp_path)
