@@ -260,6 +260,15 @@ def _serve(app, opts: ServeOptions, sock) -> None:
             grace = max(0.0, opts.shutdown_timeout - 1.0)
             stopping = asyncio.ensure_future(asyncio.to_thread(sched.stop, grace))
             await super().shutdown(sockets)
+            while not (stopping.done() or self.force_exit):
+                await asyncio.wait({stopping}, timeout=0.1)
+            if self.force_exit:  # a second Ctrl-C quits now, as uvicorn's own; it skipped the app's shutdown
+                sched.abort("the server was stopped (a second Ctrl-C) before this request finished")
+                for _ in range(40):  # the handlers send their 503s (cancelled at the loop's end: a traceback each)
+                    if not self.server_state.tasks:
+                        break
+                    await asyncio.sleep(0.05)
+                await self.lifespan.shutdown()
             await stopping
 
     def done(sig, frame):  # uvicorn re-raises the signal it shut down for, once its handlers are gone: exit 0

@@ -194,14 +194,18 @@ class Scheduler:
         with self._lock:
             self.stopping = True
         self._thread.join(timeout)
-        if self._thread.is_alive():  # answered here: a served round may take longer than the time left
-            self.abort_reason = reason
-            jobs = [j for g in list(self.groups.values()) for j in list(g.jobs.values())]
-            jobs += [j for j, _ in list(self.waiting)] + list(self.inbox.queue)
-            for j in jobs:
-                j.cancelled = True
-                self._end(j, self._cancelled())
+        if self._thread.is_alive():
+            self.abort(reason)
             self._thread.join(5.0)
+
+    def abort(self, reason: str) -> None:
+        """End every request left with an error saying ``reason`` (status 503), now: answered here, as a served round
+        may take longer than the time left; their rows leave their loops at the next round."""
+        self.abort_reason = reason
+        jobs = [j for g in list(self.groups.values()) for j in list(g.jobs.values())]
+        for j in jobs + [j for j, _ in list(self.waiting)] + list(self.inbox.queue):
+            j.cancelled = True
+            self._end(j, self._cancelled())
 
     # ---------------------------------------------------------------- the decode thread
 

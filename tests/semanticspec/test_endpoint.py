@@ -462,6 +462,59 @@ def test_sigterm_past_the_shutdown_timeout_ends_requests_with_a_503_not_a_cut(tm
     assert sum("CancelledError" in line or "Traceback" in line for line in output.splitlines()) < 20, output
 
 
+@pytest.mark.slow  # a second process loading the world: 15 s on 2 cores
+def test_a_second_ctrl_c_ends_the_requests_left_at_once_and_exits_0_without_tracebacks(tmp_path):
+    """uvicorn's rule: a second Ctrl-C quits without waiting. The endpoint waited for its requests all the same (up to
+    --shutdown_timeout, 30 s here), and then printed the lifespan's CancelledError traceback. Now the requests left
+    end with an error event and [DONE] at once, and the log stays clean."""
+    import httpx2
+
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "semanticspec.serve", "--port", str(port), "--shutdown_timeout",
+                                 "30"], stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                 "PYTHONUNBUFFERED": "1"})
+    root = f"http://127.0.0.1:{port}"
+    body = {"prompt": "Start with 1. " + "Add 1, then " * 20 + "add 1. What is the result?\n\n", "max_tokens": 150,
+            "method": "target_only", "lookahead": 1, "stream": True}
+    events, started = {}, threading.Semaphore(0)
+
+    def stream(k):
+        with httpx2.stream("POST", root + "/v1/completions", json={**body, "seed": k}, timeout=60) as r:
+            events[k] = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events[k].append(line)
+                    if len(events[k]) == 1:
+                        started.release()
+
+    try:
+        for _ in range(600):
+            try:
+                httpx2.get(root + "/health", timeout=5)
+                break
+            except httpx2.TransportError:
+                time.sleep(0.05)
+        threads = [threading.Thread(target=stream, args=(k,)) for k in range(12)]
+        for t in threads:
+            t.start()
+        assert started.acquire(timeout=60)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        for t in threads:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(events) == 12 and all(e[-1] == "data: [DONE]" for e in events.values())
+    ended = [json.loads(e[-2][6:]) for e in events.values()]
+    assert any("second Ctrl-C" in (x.get("error") or {}).get("message", "") for x in ended), ended
+    output = log.read_text()
+    assert "Traceback" not in output and "CancelledError" not in output, output
+
+
 @pytest.mark.slow
 def test_64_requests_arriving_at_random_times_each_decode_as_alone(endpoint, world_decoder):
     """Issue 34's load goal: 64 seeded requests (a quarter target-only, so two loops take turns) arrive over about
