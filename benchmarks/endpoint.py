@@ -260,8 +260,8 @@ def chaos(args, prompts, seeds, want) -> dict:
         with urllib.request.urlopen(root + "/metrics", timeout=30) as m:
             metrics = {line.split()[0]: float(line.split()[1]) for line in m.read().decode().splitlines()
                        if line.startswith("semanticspec_") and " " in line}
-    out.update(health=health.get("status"), cancelled_rows=int(metrics.get("semanticspec_cancelled_rows", 0)),
-               steps_after_cancel=int(metrics.get("semanticspec_steps_after_cancel", 0)),
+    out.update(health=health.get("status"), cancelled_rows=int(metrics.get("semanticspec_cancelled_rows_total", 0)),
+               steps_after_cancel=int(metrics.get("semanticspec_steps_after_cancel_total", 0)),
                max_steps_after_cancel=int(metrics.get("semanticspec_max_steps_after_cancel", 0)),
                one_round_steps=SHIPPED_WINDOW.size, clients=args.chaos_clients, seconds=args.chaos_seconds)
     out["goal_met"] = (out["mismatched"] == 0 and out["failed"] == 0 and out["bad_answered"] == out["bad_bodies"]

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
@@ -64,12 +65,12 @@ class Metrics:
         self.queue = Gauge("semanticspec_queue_length", "Requests waiting for room in a loop", registry=r)
         self.running = Gauge("semanticspec_running_rows", "Rows decoding now (in every loop: while an old loop "
                              "drains beside a fresh one, this can exceed --max_rows)", registry=r)
-        self.cancelled = Gauge("semanticspec_cancelled_rows", "Rows that left their loop before their end (their "
-                               "client went away)", registry=r)
-        self.after_cancel = Gauge("semanticspec_steps_after_cancel", "Steps of cancelled rows decoded after the "
-                                  "cancel (those their loop's round had already written)", registry=r)
         self.max_after_cancel = Gauge("semanticspec_max_steps_after_cancel", "The most steps one cancelled row "
                                       "decoded after its cancel", registry=r)
+
+    def watch(self, sched: Scheduler) -> None:
+        """Export ``sched``'s running totals as counters (read at each scrape)."""
+        self.registry.register(_SchedulerTotals(sched))
 
     def count(self, scope, status: int | str) -> None:
         """Count a request answered with ``status`` under :func:`route_label` of its ``scope``."""
@@ -78,6 +79,22 @@ class Metrics:
     def on_step(self, decision: str, seconds: float) -> None:
         self.steps.labels(decision).inc()
         self.step_seconds.observe(seconds)
+
+
+class _SchedulerTotals:
+    """The scheduler's running totals, as Prometheus counters (``*_total``: ``rate()`` reads them)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    def collect(self):
+        s = self.sched
+        yield CounterMetricFamily("semanticspec_cancelled_rows", "Rows that left their loop before their end (their "
+                                  "client went away)", value=s.cancelled)
+        yield CounterMetricFamily("semanticspec_dropped_requests", "Requests whose client went away while they "
+                                  "waited for room in a loop", value=s.dropped)
+        yield CounterMetricFamily("semanticspec_steps_after_cancel", "Steps of cancelled rows decoded after the "
+                                  "cancel (those their loop's round had already written)", value=s.after_cancel)
 
 
 def route_label(scope) -> str:
@@ -122,6 +139,7 @@ def build_app(decoder, settings: Settings | None = None) -> FastAPI:
     tok = getattr(decoder, "tokenizer", None)
     count = None if tok is not None or s.tokenizer is None else (lambda text: len(s.tokenizer(text).input_ids))
     sched = Scheduler(decoder, s.max_rows, s.max_queue, on_step=metrics.on_step, count_tokens=count)
+    metrics.watch(sched)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -263,8 +281,7 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
     @app.get("/health")
     async def health(request: Request):
         down = [u for u in s.backends if not await _answers(u)]
-        marked = {c.root: why for e in (getattr(dec, "target", None), getattr(dec, "draft", None))
-                  if (c := getattr(e, "conn", None)) is not None and (why := c.down())}  # requests refused meanwhile
+        marked = marked_down(dec)
         down += [u for u in marked if u not in down]
         if sched.failure or down:
             why = sched.failure or "backend down: " + ", ".join(marked.get(u, u) for u in down)
@@ -278,8 +295,6 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
         metrics.count(request.scope, 200)  # this scrape is in its own answer
         metrics.queue.set(sched.queued)
         metrics.running.set(sched.running)
-        metrics.cancelled.set(sched.cancelled)
-        metrics.after_cancel.set(sched.after_cancel)
         metrics.max_after_cancel.set(sched.max_after_cancel)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -417,6 +432,8 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
     job = Job(prompt, config, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), body.stops(), body.stream,
               budget=budget_rule(body.default_tokens) if no_budget else None)
+    if marked := marked_down(dec):  # known before the first step: a stream's 502 too, not a 200 with an error event
+        raise BadRequest("backend down: " + "; ".join(marked.values()), None, 502, "server_error")
     try:
         sched.submit(job)
     except QueueFull as e:
@@ -460,6 +477,13 @@ def _refusal(u: Update, prompt_field: str) -> BadRequest:
     if isinstance(u.cause, Refused):
         return BadRequest(u.error, "max_tokens" if "max_tokens" in str(u.cause.param) else prompt_field)
     return BadRequest(u.error or "the decode failed", None, u.status, "server_error")
+
+
+def marked_down(dec) -> dict[str, str]:
+    """The decoder's servers found gone a short while ago, whose requests are refused meanwhile without asking them
+    (``Connection.down``): their URL and why."""
+    return {c.root: why for e in (getattr(dec, "target", None), getattr(dec, "draft", None))
+            if (c := getattr(e, "conn", None)) is not None and (why := c.down())}
 
 
 class _Gone(Exception):

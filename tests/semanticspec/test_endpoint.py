@@ -329,12 +329,16 @@ def test_health_is_503_while_a_backend_is_marked_gone(endpoint, world_decoder):
     target = world_decoder[0].target
     assert httpx2.get(endpoint.url[:-3] + "/health").status_code == 200
     target.conn = Gone()
+    body = {"model": "semanticspec", "prompt": "Start with 1.", "max_tokens": 4}
     try:
         r = httpx2.get(endpoint.url[:-3] + "/health")
+        answers = [httpx2.post(endpoint.url + "/completions", json={**body, "stream": stream}) for stream in (False, True)]
     finally:
         del target.conn
     assert r.status_code == 503 and r.json()["backends_down"] == [Gone.root]
     assert "is not asked for 12 s more" in r.json()["reason"]
+    for a in answers:  # a stream got a 200 and an error event: its headers went before its first step failed
+        assert a.status_code == 502 and a.json()["error"]["message"].startswith(f"backend down: {Gone.root} is not")
 
 
 def test_a_full_queue_gets_a_429_with_retry_after(world_decoder):

@@ -273,6 +273,10 @@ def test_abandoned_non_streaming_requests_free_their_rows_within_a_round():
         decoded = sum(steps.labels(d)._value.get() for d in ("accept", "accept_fast", "reject", "target")) - before
         assert decoded < 6 * whole, (decoded, whole)  # each decoded to its end before: 6 * whole
         assert sched.max_after_cancel <= 1  # target-only, one step a round: at most that round's step
+        text = httpx2.get(f"{run.url[:-3]}/metrics").text  # counters (gauges before; the dropped ones not exported)
+        for name, value in (("cancelled_rows", sched.cancelled), ("dropped_requests", sched.dropped)):
+            assert f"# TYPE semanticspec_{name}_total counter" in text or f"# TYPE semanticspec_{name} counter" in text
+            assert f"semanticspec_{name}_total {float(value)}" in text, text
         ok = run.client(api_key="k").completions.create(model="semanticspec", prompt="Start with 1.", max_tokens=4)
         assert ok.choices[0].finish_reason in ("stop", "length")
     finally:
