@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         fail(PROG, f"--backend_timeout={opts.backend_timeout}: expected seconds > 0")
     if (opts.target_url is None) != (opts.draft_url is None):  # before the imports of build()
         fail(PROG, PAIRED)
+    if opts.target_url is None and (given := _served_only(opts)):
+        fail(PROG, f"{', '.join(given)}: options of a served endpoint (with --target_url and --draft_url); "
+                   "in-process the embedded world's models are served")
     sock = _bind(opts.host, opts.port)  # before the models load: a port in use is refused at once
     from generation.engines.base import EngineError
 
@@ -228,8 +231,20 @@ def main(argv: list[str] | None = None) -> None:
     _serve(app, opts, sock)
 
 
+SERVED_ONLY = ("engine", "target_model", "draft_model", "backend_key_env", "concurrency", "backend_timeout",
+               "backend_retries", "tokenizer")
+"""The options that only a served endpoint reads."""
+
+
+def _served_only(opts: ServeOptions) -> list[str]:
+    """The served-only options ``opts`` gives other values than their defaults, as ``--name=value``."""
+    default = ServeOptions()
+    return [f"--{k}={getattr(opts, k)}" for k in SERVED_ONLY if getattr(opts, k) != getattr(default, k)]
+
+
 def _bind(host: str, port: int):
     """A socket listening on ``host:port`` (uvicorn serves on it), or exit 2 naming the port."""
+    import errno
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -237,8 +252,13 @@ def _bind(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+    except socket.gaierror as e:  # a name that does not resolve, or no address
+        sock.close()
+        fail(PROG, f"--host={host}: not an address of this machine ({e.strerror or e})")
     except OSError as e:
         sock.close()
+        if e.errno == errno.EADDRNOTAVAIL:
+            fail(PROG, f"--host={host}: not an address of this machine ({e.strerror or e})")
         fail(PROG, f"--port={port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server there?")
     sock.set_inheritable(True)
     return sock

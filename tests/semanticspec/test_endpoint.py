@@ -571,6 +571,9 @@ def _alone_with(dec, prompt, seed: int, method: str) -> str:
                                          "--port", "{free}"], "http://127.0.0.1:9"),  # no backend: 5 s of retries
                                        (["--port", "{busy}"], "--port={busy}"),
                                        (["--port", "99999"], "--port=99999: expected a port from 1 to 65535"),
+                                       (["--host", "999.1.1.1"], "--host=999.1.1.1: not an address of this machine"),
+                                       (["--tokenizer", "/no/tok", "--concurrency", "2"],  # served the world, silently
+                                        "--concurrency=2, --tokenizer=/no/tok: options of a served endpoint"),
                                        (["--chat_template", "/no/such/chat.jinja", "--port", "{free}"],
                                         "--chat_template='/no/such/chat.jinja': no readable file"),
                                        (["--chat_template", "{{% if messages %}}{{{{ messages[0].content ",
