@@ -332,7 +332,8 @@ def test_health_is_503_while_a_backend_is_marked_gone(endpoint, world_decoder):
     body = {"model": "semanticspec", "prompt": "Start with 1.", "max_tokens": 4}
     try:
         r = httpx2.get(endpoint.url[:-3] + "/health")
-        answers = [httpx2.post(endpoint.url + "/completions", json={**body, "stream": stream}) for stream in (False, True)]
+        answers = [httpx2.post(endpoint.url + "/completions", json={**body, "stream": stream})
+                   for stream in (False, True)]
     finally:
         del target.conn
     assert r.status_code == 503 and r.json()["backends_down"] == [Gone.root]
@@ -403,6 +404,31 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path):
             proc.kill()
 
 
+ROWS_BODY = {"prompt": "Start with 1. " + "Add 1, then " * 20 + "add 1. What is the result?\n\n", "max_tokens": 150,
+             "method": "target_only", "lookahead": 1}
+"""A request that decodes for about 0.8 s on 2 cores."""
+
+
+def _serve_until_healthy(log: Path, shutdown_timeout: str):
+    """``python -m semanticspec.serve`` in a process of its own, its output into ``log``, once its /health answers:
+    the process and the root URL."""
+    import httpx2
+
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "semanticspec.serve", "--port", str(port), "--shutdown_timeout",
+                                 shutdown_timeout], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    root = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            httpx2.get(root + "/health", timeout=5)
+            break
+        except httpx2.TransportError:
+            time.sleep(0.05)
+    return proc, root
+
+
 @pytest.mark.slow  # a second process loading the world: 15 s on 2 cores
 def test_sigterm_past_the_shutdown_timeout_ends_requests_with_a_503_not_a_cut(tmp_path):
     """Two requests decode when SIGTERM comes with --shutdown_timeout 1.5: each row still decoding half a second
@@ -411,15 +437,9 @@ def test_sigterm_past_the_shutdown_timeout_ends_requests_with_a_503_not_a_cut(tm
     cuts at least one of them."""
     import httpx2
 
-    port, log = free_port(), tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "semanticspec.serve", "--port", str(port), "--shutdown_timeout",
-                                 "1.5"], stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                  "PYTHONUNBUFFERED": "1"})
-    root = f"http://127.0.0.1:{port}"
-    body = {"prompt": "Start with 1. " + "Add 1, then " * 20 + "add 1. What is the result?\n\n", "max_tokens": 150,
-            "method": "target_only", "lookahead": 1}
-    got = {}
+    log = tmp_path / "serve.log"
+    proc, root = _serve_until_healthy(log, "1.5")
+    body, got = ROWS_BODY, {}
 
     def whole():  # the non-streaming request: a 200 or a JSON 503, never a plain-text 500 or a dropped connection
         try:
@@ -429,12 +449,6 @@ def test_sigterm_past_the_shutdown_timeout_ends_requests_with_a_503_not_a_cut(tm
             got["whole"] = (None, repr(e))
 
     try:
-        for _ in range(600):
-            try:
-                httpx2.get(root + "/health", timeout=5)
-                break
-            except httpx2.TransportError:
-                time.sleep(0.05)
         t = threading.Thread(target=whole)
         t.start()
         with httpx2.stream("POST", root + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
@@ -473,15 +487,9 @@ def test_a_second_ctrl_c_ends_the_requests_left_at_once_and_exits_0_without_trac
     end with an error event and [DONE] at once, and the log stays clean."""
     import httpx2
 
-    port, log = free_port(), tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "semanticspec.serve", "--port", str(port), "--shutdown_timeout",
-                                 "30"], stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                 "PYTHONUNBUFFERED": "1"})
-    root = f"http://127.0.0.1:{port}"
-    body = {"prompt": "Start with 1. " + "Add 1, then " * 20 + "add 1. What is the result?\n\n", "max_tokens": 150,
-            "method": "target_only", "lookahead": 1, "stream": True}
-    events, started = {}, threading.Semaphore(0)
+    log = tmp_path / "serve.log"
+    proc, root = _serve_until_healthy(log, "30")
+    body, events, started = {**ROWS_BODY, "stream": True}, {}, threading.Semaphore(0)
 
     def stream(k):
         with httpx2.stream("POST", root + "/v1/completions", json={**body, "seed": k}, timeout=60) as r:
@@ -493,12 +501,6 @@ def test_a_second_ctrl_c_ends_the_requests_left_at_once_and_exits_0_without_trac
                         started.release()
 
     try:
-        for _ in range(600):
-            try:
-                httpx2.get(root + "/health", timeout=5)
-                break
-            except httpx2.TransportError:
-                time.sleep(0.05)
         threads = [threading.Thread(target=stream, args=(k,)) for k in range(12)]
         for t in threads:
             t.start()
