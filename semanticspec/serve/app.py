@@ -299,8 +299,27 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def prompt_char_limit(dec, tok) -> tuple[int, str] | None:
+    """More characters than a prompt that fits the target's context can hold, and why: the context times its
+    tokenizer's longest token (a token covers at most that many characters), twice (a normalizer may fold
+    characters); None where either is unknown. A longer prompt is refused before it is tokenized, which would hold
+    the decode thread, and every request in it, for seconds."""
+    ctx = dec.contexts()[0]
+    if ctx is None or tok is None:
+        return None
+    longest = max((len(t) for t in tok.get_vocab()), default=0)
+    return 2 * ctx * longest, f"a prompt that fits the target's context of {ctx} tokens holds fewer (its " \
+                               f"tokenizer's longest token has {longest} characters); shorten it"
+
+
+def _check_length(chars: int, limit: tuple[int, str] | None, field: str) -> None:
+    if limit is not None and chars > limit[0]:
+        raise BadRequest(f"{field}: {chars} characters; {limit[1]}", field)
+
+
 def _routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) -> None:
     _info_routes(app, dec, sched, metrics, s)
+    limit = prompt_char_limit(dec, getattr(dec, "tokenizer", None) or s.tokenizer)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -311,6 +330,7 @@ def _routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) 
             prompt = prompt[0]
         if not prompt:
             raise BadRequest("prompt: empty; give the text to continue", "prompt")
+        _check_length(len(prompt), limit, "prompt")
         return await _serve(request, body, prompt, Reply(False, s.model_name), dec, sched, metrics, s)
 
     @app.post("/v1/chat/completions")
@@ -318,6 +338,7 @@ def _routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) 
         if not body.messages:
             raise BadRequest("messages: empty; give at least one message", "messages")
         messages, template = [m.as_template_turn() for m in body.messages], s.chat_template
+        _check_length(sum(len(m["content"]) for m in messages), limit, "messages")
         tok = getattr(dec, "tokenizer", None) or s.tokenizer
         if tok is None:
             raise BadRequest("messages: this endpoint has no tokenizer to format a chat with; use /v1/completions, "

@@ -3,6 +3,7 @@ requests free their rows, and every answer to a fuzzed body is an OpenAI error o
 in-process; the same in front of the world's servers in test_endpoint_served."""
 
 import json
+import re
 import threading
 import time
 
@@ -42,6 +43,20 @@ def _ok_after(client, world) -> None:
     r = _post(client, world.url + "/completions", {"prompt": "Start with 2.", "max_tokens": 4, "seed": 1})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("route,field", [("/completions", "prompt"), ("/chat/completions", "messages")])
+def test_a_prompt_longer_than_any_that_fits_is_refused_before_it_is_tokenized(world, route, field):
+    """A 2 MB prompt was tokenized in the decode thread, holding every other request for seconds (15 s for 10 MB on
+    2 cores), only to be refused for its length; it is refused by its characters, which bound its tokens."""
+    text = "Add 1, then " * 200_000
+    body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    with httpx2.Client() as c:
+        r = _post(c, world.url + route, json.dumps({**body, "max_tokens": 4}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+        assert re.match(rf"{field}: 2400000 characters; a prompt that fits the target's context of 256 tokens holds "
+                        r"fewer \(its tokenizer's longest token has \d+ characters\)", r.json()["error"]["message"])
+        _ok_after(c, world)
 
 
 @pytest.mark.parametrize("route,body,param", [
