@@ -199,7 +199,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                                 root=args.root) for role, port in ports.items()]
     except (OSError, ValueError) as e:
         _refuse(f"cannot serve the world's models: {e}")
-    args.log_dir.mkdir(parents=True, exist_ok=True)  # once the models are there: a refused start leaves no folder
+    try:  # once the models are there: a refused start leaves no folder
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _refuse(f"--log_dir {args.log_dir}: cannot hold the servers' logs ({e.strerror or e})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
     # Ctrl-C stops both even where the command was started with SIGINT ignored (as `cmd &` in a script starts it):
     # Python installs no KeyboardInterrupt handler then

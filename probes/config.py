@@ -38,6 +38,10 @@ class OtherModelError(ValueError):
     """A probe exported for another model than the one it is given (its recorded fingerprint differs)."""
 
 
+FEATURE_DTYPES = ("float16", "bfloat16", "float32")
+"""The dtypes pooled features may be stored in."""
+
+
 @dataclass
 class ProbeConfig:
     """Architecture, input spec, role and provenance of one semantic probe."""
@@ -91,6 +95,8 @@ class ProbeConfig:
             errors.append(f"standardize={self.standardize!r}: expected true or false")
         if self.role not in ROLES:
             errors.append(f"role={self.role!r}: expected 'target' or 'draft'")
+        if self.features_dtype not in FEATURE_DTYPES:
+            errors.append(f"features_dtype={self.features_dtype!r}: expected one of {list(FEATURE_DTYPES)}")
         if not isinstance(self.step, StepSpec):
             errors.append(f"step={self.step!r}: expected a generation.specs.StepSpec")
         if self.sampling is not None and not isinstance(self.sampling, SamplingSpec):

@@ -126,8 +126,8 @@ def _not_exported(trainer) -> str | None:
     if trainer.fast_dev_run:
         return "--trainer.fast_dev_run is a debugging run (a batch or a few, no checkpoints)"
     if trainer.global_step == 0:
-        return ("the fit trained no batch (--trainer.limit_train_batches 0?): the probes are as initialised; "
-                "--export false says so without this line")
+        return ("the fit trained no batch (--trainer.limit_train_batches, max_steps or max_time 0?): the probes are "
+                "as initialised; --export false says so without this line")
     return None
 
 

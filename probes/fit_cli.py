@@ -12,6 +12,7 @@ import random
 import shlex
 import signal
 import sys
+import tempfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -93,6 +94,8 @@ class ProbeCLI(LightningCLI):
         if epochs is not None and epochs < 1 and epochs != -1:
             fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1, or -1 for no limit (early "
                  "stopping or --trainer.max_time ends the run)")
+        for problem in trainer_problems(self.config.get("trainer")) + export_problems(self.config.get("export_dir")):
+            fail(problem)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
         return super()._instantiate_trainer(config, list(callbacks) + [NoValidationFallback()])
@@ -104,8 +107,45 @@ class ProbeCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, OSError) as e:  # the classes check their arguments when built (docs/contributing.md)
             fail(str(e))
-        except MisconfigurationException as e:  # the Trainer's own refusal: devices, accelerator, strategy
+        except (MisconfigurationException, TypeError) as e:  # the Trainer's own refusal: devices, accelerator...
+            if isinstance(e, TypeError) and "devices" not in str(e):
+                raise
             fail(f"--trainer: {e}")
+
+
+def trainer_problems(trainer) -> list[str]:
+    """The Trainer's counts that Lightning takes and then fails on (a ZeroDivisionError mid-fit) or trains wrongly
+    with (``accumulate_grad_batches -1``), as ``--trainer.<name> <value>: ...``."""
+    trainer = trainer or {}
+    out = []
+    for name in ("accumulate_grad_batches", "check_val_every_n_epoch"):
+        value = trainer.get(name)
+        if value is not None and not (isinstance(value, int) and value >= 1):
+            out.append(f"--trainer.{name} {value}: expected an integer >= 1")
+    interval = trainer.get("val_check_interval")
+    if interval is not None and not interval > 0:
+        out.append(f"--trainer.val_check_interval {interval}: expected a share of an epoch > 0 or a number of "
+                   "batches >= 1")
+    if trainer.get("limit_val_batches") in (0, 0.0):
+        out.append("--trainer.limit_val_batches 0: the monitors watch validation metrics; to train without "
+                   "validation give --data.val_fraction 0 (they then watch the train loss)")
+    return out
+
+
+def export_problems(export_dir) -> list[str]:
+    """Why the probes could not be exported into ``export_dir`` (checked before the fit, not after it): empty, a
+    file, or under no folder this process may write."""
+    if export_dir is None:
+        return []
+    path = Path(str(export_dir)).expanduser()
+    if not str(export_dir) or path.is_file():
+        return [f"--export_dir {export_dir!r}: expected a folder to export the probes into"]
+    parent = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    try:  # a folder made and removed again: os.access says yes to root, also where nothing can be made (/proc)
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as e:
+        return [f"--export_dir {export_dir}: no folder can be made in {parent} ({e.strerror or e})"]
+    return []
 
 
 def make_cli(args: list[str], default_config: Path) -> ProbeCLI:
@@ -227,7 +267,7 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
     handler = signal.getsignal(signal.SIGINT)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    except (ValueError, OSError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
         from generation.engines.base import EngineError  # a server of the data build failed or refused
 
         refused = isinstance(e, EngineError) or str(e).startswith(CHECKPOINT_ERRORS)

@@ -427,6 +427,8 @@ def main(args: list[str] | None = None) -> dict:
         config = parser.instantiate(cfg).build  # the config checks its values before torch loads
         if data_dir_problem(cfg.data_dir):
             fail(PROG, data_dir_problem(cfg.data_dir))
+        if cfg.max_shards is not None and cfg.max_shards < 1:
+            fail(PROG, f"--max_shards {cfg.max_shards}: expected a number of new shards >= 1 (leave it out for all)")
         apply_threads(cfg.threads)  # before any model work
     except (ValueError, OSError) as e:
         fail(PROG, str(e))
@@ -439,8 +441,8 @@ def main(args: list[str] | None = None) -> dict:
         dist.init_process_group("gloo", timeout=timedelta(hours=12))
     try:
         return build(config, cfg.data_dir, max_shards=cfg.max_shards)
-    except (ValueError, OSError) as e:  # refused input: config values, task file, data_dir, models, servers
-        fail(PROG, str(e))
+    except (ValueError, OSError, ImportError) as e:  # refused input: config values, task file, data_dir, models,
+        fail(PROG, str(e))  # servers; a backend whose package is not installed (vLLM)
     except RuntimeError as e:
         from generation.engines.base import EngineError  # (here: torch is imported by now)
 

@@ -77,6 +77,10 @@ class JudgeConfig:
             out += _template_errors(self.template)
         if self.timeout <= 0:
             out.append(f"timeout={self.timeout}: expected > 0")
+        out += [f"{name}={getattr(self, name)!r}: expected the answer's text, e.g. ' yes' (the judge reads the "
+                "probability of its first token)" for name in ("yes_answer", "no_answer") if not getattr(self, name)]
+        if self.yes_answer and self.yes_answer == self.no_answer:
+            out.append(f"yes_answer={self.yes_answer!r}, no_answer={self.no_answer!r}: expected two different answers")
         return out
 
 

@@ -72,7 +72,9 @@ def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
 
 
 def data_dir_problem(data_dir: str | os.PathLike) -> str | None:
-    """Why ``data_dir`` cannot be a data folder (it is a file), or None."""
+    """Why ``data_dir`` cannot be a data folder (empty: the working folder; or a file), or None."""
+    if not str(data_dir):
+        return "data_dir '': expected a folder for the shards + manifest.json (not the working folder)"
     if Path(data_dir).is_file():
         return (f"data_dir {data_dir} is a file, not a folder; give the folder of shards + manifest.json (built "
                 "there when missing)")

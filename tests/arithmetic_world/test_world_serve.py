@@ -80,3 +80,12 @@ def test_sigint_stops_both_servers_even_when_started_with_sigint_ignored(tmp_pat
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_log_dir_that_is_a_file_is_refused_naming_it(capsys, monkeypatch, tmp_path):
+    """It ended in a FileExistsError traceback (the folder was made outside the refusals)."""
+    monkeypatch.setattr(serve, "server_available", lambda: True)
+    pytest.importorskip("gguf")
+    (tmp_path / "afile").write_text("")
+    line = _refused(capsys, ["--log_dir", str(tmp_path / "afile")])
+    assert f"--log_dir {tmp_path / 'afile'}: cannot hold the servers' logs" in line

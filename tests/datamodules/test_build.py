@@ -1,5 +1,6 @@
 """The label build: shards and manifest, resume after a kill, ranks, refusals, the CLI, step reading."""
 
+import importlib.util
 import io
 from pathlib import Path
 import json
@@ -357,6 +358,12 @@ def test_data_dir_that_cannot_be_created_is_named(world, capsys):
     (["--build.sampling.n_sample", "3"], "unrecognized arguments: --build.sampling.n_sample 3"),
     (["--build.n_samples", "3"], "unrecognized arguments: --build.n_samples 3"),  # the flat key of before is refused
     (["--fit_config", "nowhere.yaml"], "--fit_config nowhere.yaml"),
+    # each below: an IndexError traceback, a build of nothing with no word, or labels written into the working folder
+    (["--build.judge.no_answer", ""], "judge.no_answer='': expected the answer's text"),
+    (["--max_shards", "0"], "--max_shards 0: expected a number of new shards >= 1"),
+    (["--data_dir", ""], "data_dir '': expected a folder"),
+    pytest.param(["--build.sampling.backend", "vllm", "--build.n_problems", "1"], "needs vLLM",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")),
 ])
 def test_cli_refusals_are_one_line_and_exit_2(args, named, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -72,6 +72,21 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--trainer.max_epochs", "x"], 'Parser key "trainer.max_epochs"', "Traceback"),
     (["--trainer.precision", "bogus"], 'Parser key "trainer.precision"', "Subtypes"),  # the real parser's type error
     (["--trainer.devices", "0"], "--trainer: `Trainer(devices='0')` value is not a valid input", "Traceback"),
+    # each below: a traceback (the first three once training ran, a ZeroDivisionError inside Lightning's loops) or,
+    # accumulate_grad_batches -1, a fit that trained otherwise
+    (["--trainer.accumulate_grad_batches", "0"], "--trainer.accumulate_grad_batches 0: expected an integer >= 1",
+     "Traceback"),
+    (["--trainer.accumulate_grad_batches", "-1"], "--trainer.accumulate_grad_batches -1: expected", "Traceback"),
+    (["--trainer.check_val_every_n_epoch", "0"], "--trainer.check_val_every_n_epoch 0: expected", "Traceback"),
+    (["--trainer.val_check_interval", "0"], "--trainer.val_check_interval 0: expected a share", "Traceback"),
+    (["--trainer.limit_val_batches", "0"], "give --data.val_fraction 0", "Traceback"),
+    (["--trainer.devices", "-2"], "--trainer: `devices` selected with `CPUAccelerator` should be an int > 0",
+     "Traceback"),
+    (["--export_dir", "/proc/x"], "--export_dir /proc/x: no folder can be made in /proc", "Traceback"),  # after fit
+    (["--export_dir", ""], "--export_dir '': expected a folder", "Traceback"),  # the default, silently
+    (["--data.data_dir", ""], "data_dir '': expected a folder", "Traceback"),  # wrote into the working folder
+    (["--data.build.judge.yes_answer", ""], "judge.yes_answer='': expected the answer's text", "IndexError"),
+    (["--model.probe.features_dtype", "foo"], "features_dtype='foo': expected one of", "Traceback"),
     # a task refusing its own arguments: its message was buried in the unions' and the namespaces' text
     (["--data.build.task", "datamodules.tasks.choice.MultipleChoiceTask", "--data.build.task.letters", "abc"],
      "error: letters='abc': expected upper-case letters", "Namespace"),
