@@ -57,6 +57,23 @@ def portable_paths(value: Any) -> Any:
     return value
 
 
+def folder_problem(folder: str | os.PathLike, option: str) -> str | None:
+    """Why ``folder`` (the value of ``option``) cannot be made or written into, checked before the work that writes
+    there (a folder made and removed in its nearest existing parent: ``os.access`` says yes to root also where
+    nothing can be made, as under /proc), or None. Empty (the working folder, by accident) and a file are refused."""
+    path = Path(str(folder)).expanduser()
+    if not str(folder):
+        return f"{option} '': expected a folder (made if missing), not the working folder by accident"
+    if path.is_file():
+        return f"{option} {folder}: is a file; expected a folder (made if missing)"
+    parent = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    try:
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as e:
+        return f"{option} {folder}: no folder can be made in {parent} ({e.strerror or e})"
+    return None
+
+
 def file_mode(folder: bool = False) -> int:
     """Mode of a new plain file (or folder) under this process's umask, as ``open`` (``mkdir``) gives: 0o644
     (0o755) under umask 022."""

@@ -12,7 +12,6 @@ import random
 import shlex
 import signal
 import sys
-import tempfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -24,7 +23,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 
 from datamodules.datamodule import SemanticProbeDataModule
 from generation.cli import OneLineErrors, parser_options
-from generation.paths import atomic_path
+from generation.paths import atomic_path, folder_problem
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
 from probes.fit_args import DESCRIPTION, PROG, fail, options_cache
 from probes.fit_callbacks import NoValidationFallback
@@ -94,8 +93,11 @@ class ProbeCLI(LightningCLI):
         if epochs is not None and epochs < 1 and epochs != -1:
             fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1, or -1 for no limit (early "
                  "stopping or --trainer.max_time ends the run)")
-        for problem in trainer_problems(self.config.get("trainer")) + export_problems(self.config.get("export_dir")):
-            fail(problem)
+        export = self.config.get("export_dir")
+        for problem in trainer_problems(self.config.get("trainer")) + [export is not None and folder_problem(
+                export, "--export_dir")]:
+            if problem:
+                fail(problem)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
         return super()._instantiate_trainer(config, list(callbacks) + [NoValidationFallback()])
@@ -130,22 +132,6 @@ def trainer_problems(trainer) -> list[str]:
         out.append("--trainer.limit_val_batches 0: the monitors watch validation metrics; to train without "
                    "validation give --data.val_fraction 0 (they then watch the train loss)")
     return out
-
-
-def export_problems(export_dir) -> list[str]:
-    """Why the probes could not be exported into ``export_dir`` (checked before the fit, not after it): empty, a
-    file, or under no folder this process may write."""
-    if export_dir is None:
-        return []
-    path = Path(str(export_dir)).expanduser()
-    if not str(export_dir) or path.is_file():
-        return [f"--export_dir {export_dir!r}: expected a folder to export the probes into"]
-    parent = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    try:  # a folder made and removed again: os.access says yes to root, also where nothing can be made (/proc)
-        tempfile.TemporaryDirectory(dir=parent).cleanup()
-    except OSError as e:
-        return [f"--export_dir {export_dir}: no folder can be made in {parent} ({e.strerror or e})"]
-    return []
 
 
 def make_cli(args: list[str], default_config: Path) -> ProbeCLI:

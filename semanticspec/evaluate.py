@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from generation.cli import fail, one_line_parser
+from generation.paths import folder_problem
 from semanticspec.timing import rotation
 
 PROG = "python -m semanticspec.evaluate"
@@ -817,9 +818,9 @@ def _evaluate(given: list[str]) -> dict:
     try:
         fit = read_fit(opts.config)
         probes = probe_dir(opts, fit)
-        out_dir = Path(opts.out_dir) if opts.out_dir else probes / "evaluation"
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ValueError(f"--out_dir {out_dir}: is a file; expected a folder (made if missing)")
+        out_dir = Path(opts.out_dir).expanduser() if opts.out_dir is not None else probes / "evaluation"
+        if problem := folder_problem(out_dir if opts.out_dir is None else opts.out_dir, "--out_dir"):
+            raise ValueError(problem)  # before the models load
         task, problems, skip = held_out(opts, fit)
         apply_threads(opts.threads, log=None)
         setup = make_setup(opts, fit, probes, task, problems, skip, recorded_tau(out_dir))

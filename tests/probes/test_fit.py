@@ -83,7 +83,8 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--trainer.devices", "-2"], "--trainer: `devices` selected with `CPUAccelerator` should be an int > 0",
      "Traceback"),
     (["--export_dir", "/proc/x"], "--export_dir /proc/x: no folder can be made in /proc", "Traceback"),  # after fit
-    (["--export_dir", ""], "--export_dir '': expected a folder", "Traceback"),  # the default, silently
+    (["--export_dir", ""], "--export_dir '': expected a folder", "Traceback"),
+    (["--export_dir", __file__], f"--export_dir {__file__}: is a file", "Traceback"),  # the default, silently
     (["--data.data_dir", ""], "data_dir '': expected a folder", "Traceback"),  # wrote into the working folder
     (["--data.build.judge.yes_answer", ""], "judge.yes_answer='': expected the answer's text", "IndexError"),
     (["--model.probe.features_dtype", "foo"], "features_dtype='foo': expected one of", "Traceback"),

@@ -141,6 +141,9 @@ def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_ref
     (tmp_path / "afile").write_text("")
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--out_dir", str(tmp_path / "afile")])
     assert f"--out_dir {tmp_path / 'afile'}: is a file" in err
+    # refused before the models load (a bare "[Errno 2]" after them), or the default taken silently
+    for out, says in [("/proc/x", "--out_dir /proc/x: no folder can be made in /proc"), ("", "--out_dir '': expected")]:
+        assert says in refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--out_dir", out])
 
 
 def test_records_with_a_damaged_header_or_line_are_refused_not_erased(tmp_path):
