@@ -93,9 +93,12 @@ class ProbeCLI(LightningCLI):
         if epochs is not None and epochs < 1 and epochs != -1:
             fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1, or -1 for no limit (early "
                  "stopping or --trainer.max_time ends the run)")
-        export = self.config.get("export_dir")
-        for problem in trainer_problems(self.config.get("trainer")) + [export is not None and folder_problem(
-                export, "--export_dir")]:
+        if self.config.get("ckpt_path") == "":  # Lightning's "found no path for the best weights"
+            fail("--ckpt_path '': expected a last.ckpt to resume from (leave it out to start afresh)")
+        folders = (("--export_dir", self.config.get("export_dir")),
+                   ("--trainer.default_root_dir", self.config.get("trainer.default_root_dir")))
+        for problem in trainer_problems(self.config.get("trainer")) + [
+                folder_problem(value, option) for option, value in folders if value is not None]:
             if problem:
                 fail(problem)
 

@@ -83,8 +83,9 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--trainer.devices", "-2"], "--trainer: `devices` selected with `CPUAccelerator` should be an int > 0",
      "Traceback"),
     (["--export_dir", "/proc/x"], "--export_dir /proc/x: no folder can be made in /proc", "Traceback"),  # after fit
-    (["--export_dir", ""], "--export_dir '': expected a folder", "Traceback"),
-    (["--export_dir", __file__], f"--export_dir {__file__}: is a file", "Traceback"),  # the default, silently
+    (["--export_dir", ""], "--export_dir '': expected a folder", "Traceback"),  # the default, silently
+    (["--export_dir", __file__], f"--export_dir {__file__}: is a file", "Traceback"),
+    (["--ckpt_path", ""], "--ckpt_path '': expected a last.ckpt", "best weights"),  # Lightning's words, naming none
     (["--data.data_dir", ""], "data_dir '': expected a folder", "Traceback"),  # wrote into the working folder
     (["--data.build.judge.yes_answer", ""], "judge.yes_answer='': expected the answer's text", "IndexError"),
     (["--model.probe.features_dtype", "foo"], "features_dtype='foo': expected one of", "Traceback"),
@@ -95,6 +96,12 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
 def test_refused_values_end_in_one_line_and_exit_2(capsys, tmp_path, args, named, not_named):
     line = _one_line_error(capsys, args + ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
     assert named in line and not_named not in line
+
+
+def test_a_run_folder_where_nothing_can_be_made_is_named(capsys):
+    """It was a bare "[Errno 2] No such file or directory: '/proc/x'" after Lightning's device lines."""
+    line = _one_line_error(capsys, ["--trainer.logger", "false", "--trainer.default_root_dir", "/proc/x"])
+    assert "--trainer.default_root_dir /proc/x: no folder can be made in /proc" in line
 
 
 def test_bad_task_file_is_reported_before_training_in_one_line(capsys, tmp_path):
