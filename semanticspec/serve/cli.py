@@ -252,12 +252,9 @@ def _bind(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except socket.gaierror as e:  # a name that does not resolve, or no address
-        sock.close()
-        fail(PROG, f"--host={host}: not an address of this machine ({e.strerror or e})")
     except OSError as e:
         sock.close()
-        if e.errno == errno.EADDRNOTAVAIL:
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # no such name, or not this machine's
             fail(PROG, f"--host={host}: not an address of this machine ({e.strerror or e})")
         fail(PROG, f"--port={port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server there?")
     sock.set_inheritable(True)
