@@ -527,12 +527,12 @@ async def _next(updates: asyncio.Queue, request: Request, job: Job) -> Update:
 
 
 async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_usage: bool, metrics: Metrics):
-    """The job's server-sent events: a chunk per text delta, the last with its finish reason, then ``[DONE]``; a
-    row that failed (a server, a fault, the shutdown) ends with an error event saying why, then ``[DONE]``. With
+    """The job's server-sent events: a chat's role chunk, a chunk per text delta, the last with its finish reason, then
+    ``[DONE]``; a row that failed (a server, a fault, the shutdown) ends with an error event saying why, then ``[DONE]``. With
     ``include_usage`` a usage chunk comes before ``[DONE]`` and every other chunk has ``"usage": null``, as OpenAI
     documents it."""
-    def chunk(delta: str, finish: str | None = None, first: bool = False) -> dict:
-        body = reply.chunk(delta, finish, first)
+    def chunk(delta: str, finish: str | None = None, role: bool = False) -> dict:
+        body = reply.chunk(delta, finish, role=role)
         return {**body, "usage": None} if include_usage else body
 
     first = True
@@ -543,9 +543,11 @@ async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_
                 e = _refusal(u, "messages" if reply.chat else "prompt")
                 yield _event(error_body(str(e), e.param, e.kind))
                 break
-            if u.delta or first:
-                yield _event(chunk(u.delta, first=first))
-                first = False
+            if first and reply.chat:
+                yield _event(chunk("", role=True))
+            if u.delta or (first and not reply.chat):
+                yield _event(chunk(u.delta))
+            first = False
             if u.finish is not None:
                 yield _event(chunk("", u.finish))
                 _count(metrics, u)

@@ -212,10 +212,12 @@ class Reply:
         self.chat, self.model, self.created = chat, model, int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
-    def chunk(self, delta: str, finish: str | None = None, first: bool = False) -> dict:
-        """One server-sent chunk: ``delta`` text, and on the last one its ``finish_reason``."""
+    def chunk(self, delta: str, finish: str | None = None, *, role: bool = False) -> dict:
+        """One server-sent chunk: ``delta`` text, and on the last one its ``finish_reason``. ``role``: a chat's first
+        chunk, the assistant's role with empty content and nothing else, as OpenAI and vLLM open a stream (vLLM
+        ``entrypoints/openai/serving_chat.py``, ``chat_completion_stream_generator``, at 003fe59)."""
         if self.chat:
-            d = ({"role": "assistant", "content": delta} if first else {"content": delta}) if delta or first else {}
+            d = {"role": "assistant", "content": ""} if role else {"content": delta} if delta else {}
             choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
             return self._body("chat.completion.chunk", [choice])
         return self._body("text_completion", [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}])

@@ -88,9 +88,12 @@ def test_chat_formats_with_the_template_and_a_model_without_one_gets_a_400(endpo
     got = c.chat.completions.create(model="semanticspec", messages=[{"role": "user", "content": problem}],
                                     max_tokens=96, seed=3)
     assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
-    stream = c.chat.completions.create(model="semanticspec", messages=[{"role": "user", "content": problem}],
-                                       max_tokens=96, seed=3, stream=True)
+    stream = list(c.chat.completions.create(model="semanticspec", messages=[{"role": "user", "content": problem}],
+                                            max_tokens=96, seed=3, stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in stream) == want
+    # vLLM's and OpenAI's opening chunk: the role with empty content, alone; no later chunk repeats the role
+    deltas = [ch.choices[0].delta.model_dump(exclude_none=True) for ch in stream]
+    assert deltas[0] == {"role": "assistant", "content": ""} and all("role" not in d for d in deltas[1:])
     bare = Running(build_app(dec, Settings()))  # the world's tokenizer has no template of its own
     try:
         with pytest.raises(openai.BadRequestError, match="no chat template") as e:
