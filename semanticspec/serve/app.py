@@ -67,6 +67,18 @@ class Metrics:
                              "drains beside a fresh one, this can exceed --max_rows)", registry=r)
         self.max_after_cancel = Gauge("semanticspec_max_steps_after_cancel", "The most steps one cancelled row "
                                       "decoded after its cancel", registry=r)
+        # as vLLM's request_success, e2e_request_latency_seconds and time_to_first_token_seconds, with its buckets
+        # (vllm/v1/metrics/loggers.py at 005a810); a row that failed counts too, as finished_reason="error"
+        self.finished = Counter("semanticspec_requests_finished", "Requests decoded to their end, by OpenAI's "
+                                "finish_reason (stop, length), or error (a server failed the row, or the shutdown "
+                                "ended it)", ["finished_reason"], registry=r)
+        self.latency = Histogram("semanticspec_e2e_request_latency_seconds", "Seconds from a request's arrival to its "
+                                 "end", registry=r, buckets=(0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50,
+                                                             60, 120, 240, 480, 960, 1920, 7680))
+        self.first_text = Histogram("semanticspec_time_to_first_token_seconds", "Seconds from a request's arrival to "
+                                    "its first output text (streamed or not)", registry=r,
+                                    buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1,
+                                             2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560))
 
     def watch(self, sched: Scheduler) -> None:
         """Export ``sched``'s running totals as counters (read at each scrape)."""
@@ -75,6 +87,17 @@ class Metrics:
     def count(self, scope, status: int | str) -> None:
         """Count a request answered with ``status`` under :func:`route_label` of its ``scope``."""
         self.requests.labels(route_label(scope), str(status)).inc()
+
+    def end(self, job: Job, u: Update) -> None:
+        """Count a request's end ``u`` (a finish reason, or error): its tokens, its latency and its time to first
+        text."""
+        self.finished.labels(u.finish).inc()
+        self.latency.observe(time.monotonic() - job.arrived)
+        if job.first_text_at is not None:
+            self.first_text.observe(job.first_text_at - job.arrived)
+        if u.finish != "error":
+            self.tokens.labels("completion").inc(u.result.stats.output_tokens)
+            self.tokens.labels("draft").inc(u.result.stats.draft_tokens)
 
     def on_step(self, decision: str, seconds: float) -> None:
         self.steps.labels(decision).inc()
@@ -480,10 +503,10 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
         metrics.count(request.scope, 200)
         return StreamingResponse(_sse(updates, request, job, reply, first.prompt_tokens, include, metrics),
                                  media_type="text/event-stream")
+    metrics.end(job, end)
     if end.finish == "error":
         raise _refusal(end, "messages" if reply.chat else "prompt")
     metrics.count(request.scope, 200)
-    _count(metrics, end)
     return reply.full(end.result.text, end.finish, usage(first.prompt_tokens, end.result))
 
 
@@ -528,9 +551,9 @@ async def _next(updates: asyncio.Queue, request: Request, job: Job) -> Update:
 
 async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_usage: bool, metrics: Metrics):
     """The job's server-sent events: a chat's role chunk, a chunk per text delta, the last with its finish reason, then
-    ``[DONE]``; a row that failed (a server, a fault, the shutdown) ends with an error event saying why, then ``[DONE]``. With
-    ``include_usage`` a usage chunk comes before ``[DONE]`` and every other chunk has ``"usage": null``, as OpenAI
-    documents it."""
+    ``[DONE]``; a row that failed (a server, a fault, the shutdown) ends with an error event saying why, then
+    ``[DONE]``. With ``include_usage`` a usage chunk comes before ``[DONE]`` and every other chunk has ``"usage":
+    null``, as OpenAI documents it."""
     def chunk(delta: str, finish: str | None = None, role: bool = False) -> dict:
         body = reply.chunk(delta, finish, role=role)
         return {**body, "usage": None} if include_usage else body
@@ -539,6 +562,8 @@ async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_
     try:
         while True:
             u = await _next(updates, request, job)
+            if u.finish is not None:
+                metrics.end(job, u)
             if u.finish == "error":
                 e = _refusal(u, "messages" if reply.chat else "prompt")
                 yield _event(error_body(str(e), e.param, e.kind))
@@ -550,7 +575,6 @@ async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_
             first = False
             if u.finish is not None:
                 yield _event(chunk("", u.finish))
-                _count(metrics, u)
                 if include_usage:
                     yield _event(reply.usage_chunk(usage(n_prompt, u.result)))
                 break
@@ -563,12 +587,6 @@ async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
-
-
-def _count(metrics: Metrics, u: Update) -> None:
-    st = u.result.stats
-    metrics.tokens.labels("completion").inc(st.output_tokens)
-    metrics.tokens.labels("draft").inc(st.draft_tokens)
 
 
 def _worded(message: str, field: str) -> str:

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ class Job:
     cancelled: bool = False
     ended: bool = False
     text: str = ""  # output text so far (sent, when streamed)
+    arrived: float = dataclasses.field(default_factory=time.monotonic)  # when it was made (time.monotonic)
+    first_text_at: float | None = None  # when its first output text was decoded (time.monotonic)
 
 
 class QueueFull(RuntimeError):
@@ -344,6 +347,8 @@ class Scheduler:
     def _send(self, job: Job, text: str) -> None:
         """Tell a streaming job the text past what it was sent."""
         if len(text) > len(job.text):
+            if not job.text:
+                job.first_text_at = time.monotonic()
             delta, job.text = text[len(job.text):], text
             if job.stream:
                 job.notify(Update(delta=delta))

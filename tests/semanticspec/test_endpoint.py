@@ -318,6 +318,48 @@ def test_metrics_count_requests_by_route_never_by_the_path_a_client_sent(world_d
         assert f"semanticspec_requests_total{{{series}}} {n:.1f}" in text, series
 
 
+def test_metrics_count_each_finish_reason_and_time_every_request_to_its_end(world_decoder):
+    """As vLLM's request_success, e2e latency and time-to-first-token metrics: a request that ends (streamed or not)
+    is counted by its finish reason, a row that failed as ``error`` (its stream's status went out as 200), and each
+    is timed from its arrival; the time to first text only where there was text."""
+    import httpx2
+
+    from semanticspec.serve.app import Settings, build_app
+
+    dec = world_decoder[0]
+    run, step_loop = Running(build_app(dec, Settings())), dec.step_loop
+
+    def failing(*a):
+        dec.step_loop = step_loop
+        raise RuntimeError("injected fault")
+
+    body = {"model": "semanticspec", "prompt": TASK.prompt_text(dec.tokenizer, _problem(1)), "seed": 0}
+    try:
+        short = httpx2.post(run.url + "/completions", json={**body, "max_tokens": 2}, timeout=60).json()
+        with httpx2.stream("POST", run.url + "/completions", timeout=60,
+                           json={**body, "max_tokens": 200, "stream": True,
+                                 "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        dec.step_loop = failing
+        failed = httpx2.post(run.url + "/completions", json={**body, "max_tokens": 4}, timeout=60)
+        text = httpx2.get(run.url[:-3] + "/metrics").text
+    finally:
+        dec.step_loop = step_loop
+        run.stop()
+        run.app.state.scheduler.stop(0)
+    assert short["choices"][0]["finish_reason"] == "length" and failed.status_code == 500, failed.text
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
+    for reason in ("length", "stop", "error"):
+        assert f'semanticspec_requests_finished_total{{finished_reason="{reason}"}} 1.0' in text, reason
+    figure = {m[0]: float(m[1]) for m in re.findall(r"^(semanticspec_\w+) (\S+)$", text, re.M)}
+    assert figure["semanticspec_e2e_request_latency_seconds_count"] == 3
+    assert figure["semanticspec_time_to_first_token_seconds_count"] == 2  # the failed row wrote nothing
+    first, whole = (figure[f"semanticspec_{k}_seconds_sum"] for k in ("time_to_first_token", "e2e_request_latency"))
+    assert 0 < first < whole
+    completion = short["usage"]["completion_tokens"] + events[-1]["usage"]["completion_tokens"]
+    assert f'semanticspec_tokens_total{{kind="completion"}} {completion:.1f}' in text
+
+
 def test_health_is_503_while_a_backend_is_marked_gone(endpoint, world_decoder):
     """A backend found gone is not asked again for a while (its requests refused at once): /health says so until
     then, though the server may answer a health check already, so that it never says "ok" while requests fail."""
