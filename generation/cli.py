@@ -43,21 +43,23 @@ def normalise_args(args: list[str]) -> list[str]:
     return out
 
 
-def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config",)) -> None:
-    """Parse each YAML file given to ``flags`` in ``args``; a syntax error is raised naming the file and line.
+def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config", "-c")) -> None:
+    """Parse each YAML file given to ``flags`` in ``args`` (``--config F`` or ``--config=F``); a syntax error is raised
+    naming the file and line.
 
     Raises:
-        ValueError: ``FILE: invalid YAML: ... line L, column C``.
+        ValueError: ``FILE: invalid YAML: ... line L, column C``, or a file that is not UTF-8 text.
     """
-    for i, a in enumerate(args[:-1]):
-        if a not in flags:
-            continue
-        path = Path(args[i + 1])
+    given = [(a, args[i + 1]) for i, a in enumerate(args[:-1]) if a in flags]
+    for a, value in given + [tuple(a.split("=", 1)) for a in args if a.split("=", 1)[0] in flags and "=" in a]:
+        path = Path(value)
         if not path.is_file():
             continue  # jsonargparse says what is wrong with a path, or reads the value as inline YAML
         try:
             with path.open() as f:  # from a stream, YAML's marks carry the file's name
                 loaded = yaml.safe_load(f)
+        except UnicodeDecodeError as e:  # read as jsonargparse reads it; its error named no file
+            raise ValueError(f"{a} {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""

@@ -422,7 +422,7 @@ def main(args: list[str] | None = None) -> dict:
     parser = build_parser()
     given = normalise_args(list(sys.argv[1:] if args is None else args))
     try:
-        check_yaml_files(given, ("--config", "--fit_config"))
+        check_yaml_files(given, ("--config", "-c", "--fit_config"))
         cfg = parser.parse_args(_with_fit_config(given))
         config = parser.instantiate(cfg).build  # the config checks its values before torch loads
         if data_dir_problem(cfg.data_dir):

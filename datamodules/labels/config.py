@@ -396,8 +396,13 @@ class BuildConfig:
 # What a build is: the signature a manifest records and a config is compared with.
 
 
-def folder_fingerprint(path: str) -> dict[str, Any]:
-    """Fingerprint of a model folder from its ``config.json`` and tokenizer, without loading weights."""
+def folder_fingerprint(path: str, option: str = "model folder") -> dict[str, Any]:
+    """Fingerprint of a model folder from its ``config.json`` and tokenizer, without loading weights.
+
+    Raises:
+        FileNotFoundError: ``path`` is no folder, naming ``option`` (the setting that gave it, e.g. ``build.target``).
+        ValueError: transformers cannot read it as a model with a tokenizer, naming ``option`` and transformers' reason.
+    """
     from types import SimpleNamespace
 
     from transformers import AutoConfig, AutoTokenizer
@@ -405,9 +410,13 @@ def folder_fingerprint(path: str) -> dict[str, Any]:
     from generation.fingerprints import model_fingerprint
 
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"model folder {path} does not exist")
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        what = "a file, not a model folder" if Path(path).exists() else "no such folder"
+        raise FileNotFoundError(f"{option}={path}: {what}")
+    try:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{option}={path}: not a model folder transformers can read ({e})") from e
     return model_fingerprint(SimpleNamespace(config=cfg), tok)
 
 
@@ -419,7 +428,7 @@ def judge_provenance(config: BuildConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": j.kind, "threshold": j.threshold}
     if j.kind in ("llm", "nli"):
         path = config.model_path("judge")
-        out["model"] = folder_fingerprint(path)  # a missing folder is refused here, before anything is written
+        out["model"] = folder_fingerprint(path, "build.judge.model")  # refused here, before anything is written
     else:
         out.update(model=j.model, url=j.url, api=j.api)
     if j.kind in ("llm", "http"):
@@ -471,7 +480,7 @@ def signature(config: BuildConfig) -> dict[str, Any]:
     spec = config.feature_spec()
     return {
         "format_version": S.FORMAT_VERSION,
-        "reads": {r: folder_fingerprint(config.model_path(r)) for r in ROLES},
+        "reads": {r: folder_fingerprint(config.model_path(r), f"build.{r}") for r in ROLES},
         "layer_ids": list(spec.layer_ids),
         "pooling": config.pooling,
         "feature_groups": list(spec.groups),

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from generation.cli import fail, one_line_parser
+from generation.cli import check_yaml_files, fail, one_line_parser
 
 PROG = "python -m semanticspec.serve"
 PAIRED = ("--target_url and --draft_url go together: give both servers, or neither to serve the embedded world "
@@ -204,6 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     from generation.threads import apply_threads, set_wait_policy
 
     set_wait_policy()  # before torch loads: idle threads sleep rather than spin, as the other commands do
+    try:
+        check_yaml_files(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        fail(PROG, str(e))
     ns = _parser().parse_args(argv)
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
     for name in ("port", "max_rows", "max_queue", "concurrency", "backend_retries"):

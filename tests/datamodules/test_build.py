@@ -271,8 +271,14 @@ def test_layers_a_model_lacks_and_a_device_torch_lacks_are_refused_before_anythi
     assert not d.exists()
     with pytest.raises(ValueError, match=r"layer_ids=\[-1, -1\]: a layer is listed twice"):
         _config(world, layer_ids=[-1, -1])
-    with pytest.raises(FileNotFoundError, match=rf"model folder {tmp_path / 'nope'} does not exist"):
+    with pytest.raises(FileNotFoundError, match=rf"build\.judge\.model={tmp_path / 'nope'}: no such folder"):
         build(_config(world, judge={"model": str(tmp_path / "nope")}), d)  # it was a hub error, after build.json
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=rf"build\.target={tmp_path / 'weights.bin'}: a file, not a model "):
+        build(_config(world, target=str(tmp_path / "weights.bin")), d)  # it was "does not exist"
+    with pytest.raises(ValueError, match=rf"build\.draft={tmp_path}: not a model folder transformers can read "
+                                         r"\(Unrecognized model"):  # transformers' words, naming no setting
+        build(_config(world, draft=str(tmp_path)), d)
     assert not d.exists()
     for template, says in (("{a} {b} {c}", "only fields.*KeyError: 'c'"), ("{a} {b} {0}", "IndexError"),
                            ("{a} only", "lacks {b}")):  # a traceback once the models had loaded

@@ -535,6 +535,8 @@ def test_errors_are_one_line_yaml_names_the_file_and_typos_get_a_suggestion(tmp_
     bad.write_text("trainer:\n  max_epochs: 3\n   devices: [1\n")
     line = _one_line_error(capsys, ["--config", str(bad)])
     assert f"{bad}: invalid YAML at line 3" in line and "unicode string" not in line
+    bad.write_bytes(b"\xff\xfetrainer: {}\n")  # jsonargparse's "'utf-8' codec can't decode", naming no file
+    assert f"--config {bad}: not UTF-8 text" in _one_line_error(capsys, [f"--config={bad}"])
     line = _one_line_error(capsys, ["--trainer.max_epochz", "3"])
     assert "did you mean --trainer.max_epochs?" in line
     line = _one_line_error(capsys, ["--trainer.max_epochs", "-2", "--trainer.logger", "false"])

@@ -671,6 +671,21 @@ def test_the_serve_config_parses_to_the_commands_defaults(capsys):
     assert printed == {f.name: f.default for f in dataclasses.fields(ServeOptions)}
 
 
+@pytest.mark.parametrize("content,says", [(b"\xff\xfeport: 1\n", "not UTF-8 text"),
+                                          (b"port: [1\n", "invalid YAML at line 2")])
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_it(tmp_path, capsys, content, says):
+    """It was a UnicodeDecodeError traceback (not UTF-8), or jsonargparse's words naming no file."""
+    from semanticspec.serve.cli import main
+
+    bad = tmp_path / "serve.yaml"
+    bad.write_bytes(content)
+    for args in (["--config", str(bad)], [f"-c={bad}"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"{args[0].split('=')[0]} {bad}: {says}" in err and len(err.splitlines()) == 1
+
+
 def test_the_readmes_endpoint_example_runs(endpoint, capsys):
     """The README's endpoint example, pointed at this test's endpoint, prints the answer and SemanticSpec's usage."""
     import re
