@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -101,6 +102,13 @@ class LlamaServer:
     def start(self) -> "LlamaServer":
         if self._models() is not None:
             raise RuntimeError(f"port {self.port} already answers /v1/models; stop that server or pick another port")
+        with socket.socket() as probe:  # the server would exit with code 3 and say why only in its log
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", self.port))
+            except OSError as e:
+                raise RuntimeError(f"port {self.port} on 127.0.0.1 is taken ({e.strerror or e}); stop what holds it "
+                                   "or pick another port") from None
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.ready_timeout
@@ -208,11 +216,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     # Python installs no KeyboardInterrupt handler then
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        for server in servers:
+        for role, server in zip(ports, servers):
             try:
                 server.start()
             except RuntimeError as e:
-                _refuse(str(e))
+                _refuse(f"the {role} server (--{role}_port {server.port}): {e}")
             print(f"{server.alias}: {server.url} (model {server.alias!r}, log {server.log})", flush=True)
         print("both servers ready; Ctrl-C stops them", flush=True)
         while all(s.proc is not None and s.proc.poll() is None for s in servers):

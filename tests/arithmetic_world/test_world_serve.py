@@ -89,3 +89,17 @@ def test_a_log_dir_that_is_a_file_is_refused_naming_it(capsys, monkeypatch, tmp_
     (tmp_path / "afile").write_text("")
     line = _refused(capsys, ["--log_dir", str(tmp_path / "afile")])
     assert f"--log_dir {tmp_path / 'afile'}: cannot hold the servers' logs" in line
+
+
+def test_a_port_another_program_holds_is_refused_naming_the_option(capsys, monkeypatch, tmp_path):
+    """It was "llama.cpp server exited with code 3 before it was ready" (the reason only in the server's log)."""
+    import socket
+
+    monkeypatch.setattr(serve, "server_available", lambda: True)
+    pytest.importorskip("gguf")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = _refused(capsys, ["--log_dir", str(tmp_path), "--target_port", str(port)])  # no server starts
+    assert f"the target server (--target_port {port}): port {port} on 127.0.0.1 is taken" in line
