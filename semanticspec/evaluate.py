@@ -529,6 +529,8 @@ def option_errors(opts: EvaluateOptions) -> list[str]:
             errors.append(f"--{name}={getattr(opts, name)}: expected an integer >= 1")
     if opts.skip is not None and opts.skip < 0:
         errors.append(f"--skip={opts.skip}: expected an integer >= 0")
+    if opts.seed < 0:  # a generated task's problems from -s are those from s: -1 gave the label build's own
+        errors.append(f"--seed={opts.seed}: expected an integer >= 0")
     if (opts.target_url is None) != (opts.draft_url is None):
         errors.append("--target_url and --draft_url go together: give both servers, or neither to decode in-process")
     return errors

@@ -59,13 +59,13 @@ class Task:
         """The task's problems: the file's first ``n`` records (0 = all), or ``n`` generated from ``seed``.
 
         Raises:
-            ValueError: a malformed line (named ``file:line``), an empty file, or a bad ``n``.
+            ValueError: a malformed line (named ``file:line``), an empty file, or a bad ``n`` or ``seed``.
             FileNotFoundError: ``path`` does not exist.
         """
         if not is_int(n) or n < 0:
             raise ValueError(f"n={n!r}: expected a number of problems >= 0 (0: every problem of the file)")
-        if not is_int(seed):
-            raise ValueError(f"seed={seed!r}: expected an integer (the same seed gives the same problems)")
+        if not is_int(seed) or seed < 0:  # random.Random(-s) is random.Random(s): -1 gave seed 1's problems
+            raise ValueError(f"seed={seed!r}: expected an integer >= 0 (the same seed gives the same problems)")
         n, seed = int(n), int(seed)  # random.Random takes no NumPy integer
         if self.path is None:
             errors = self.errors(n)

@@ -360,6 +360,7 @@ def test_data_dir_that_cannot_be_created_is_named(world, capsys):
 
 @pytest.mark.parametrize("args, named", [
     (["--build.sampling.n_samples", "0"], "sampling.n_samples=0: expected >= 1"),
+    (["--build.task_seed", "-1"], "task_seed=-1: expected >= 0"),  # random read it as 1, the default's problems
     # no silent prefix expansion
     (["--build.sampling.n_sample", "3"], "unrecognized arguments: --build.sampling.n_sample 3"),
     (["--build.n_samples", "3"], "unrecognized arguments: --build.n_samples 3"),  # the flat key of before is refused

@@ -180,7 +180,7 @@ def test_problems_take_numpy_counts_and_refuse_a_seed_that_is_no_integer():
 
     task = ArithmeticTask()
     assert task.problems(np.int64(3), seed=np.int64(5)) == task.problems(3, seed=5)
-    for seed in (None, 1.5, [1], "a"):
+    for seed in (None, 1.5, [1], "a", -1):  # random.Random(-1) is random.Random(1): the same problems
         with pytest.raises(ValueError, match=r"seed=.*: expected an integer"):
             task.problems(2, seed=seed)
     with pytest.raises(ValueError, match=r"problem=None: expected the problem's text"):

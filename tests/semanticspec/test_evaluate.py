@@ -55,6 +55,8 @@ def test_a_split_overlapping_the_label_builds_problems_is_refused(capsys, monkey
     no_decoding(monkeypatch)  # the build of configs/arithmetic.yaml generates 200 problems from task_seed 1
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--seed", "1", "--n_problems", "3"])
     assert "--seed=1" in err and "3 of the 3 problems are among the label build's" in err
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--seed", "-1", "--n_problems", "3"])
+    assert "--seed=-1: expected an integer >= 0" in err  # was the same overlap: random reads -1 as 1
 
 
 def test_a_task_with_no_answers_to_check_is_refused(capsys, monkeypatch, tmp_path):
