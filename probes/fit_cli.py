@@ -119,14 +119,16 @@ class ProbeCLI(LightningCLI):
 
 
 def trainer_problems(trainer) -> list[str]:
-    """The Trainer's counts that Lightning takes and then fails on (a ZeroDivisionError mid-fit) or trains wrongly
-    with (``accumulate_grad_batches -1``), as ``--trainer.<name> <value>: ...``."""
+    """The Trainer's counts that Lightning takes and then fails on (a ZeroDivisionError mid-fit), trains wrongly with
+    (``accumulate_grad_batches -1``) or takes outside its documented range, as ``--trainer.<name> <value>: ...``."""
     trainer = trainer or {}
     out = []
-    for name in ("accumulate_grad_batches", "check_val_every_n_epoch"):
+    least = {"accumulate_grad_batches": 1, "check_val_every_n_epoch": 1, "log_every_n_steps": 1, "min_epochs": 0,
+             "num_sanity_val_steps": -1}  # Lightning's documented ranges (-1: every validation batch), unchecked there
+    for name, low in least.items():
         value = trainer.get(name)
-        if value is not None and not (isinstance(value, int) and value >= 1):
-            out.append(f"--trainer.{name} {value}: expected an integer >= 1")
+        if value is not None and not (isinstance(value, int) and value >= low):
+            out.append(f"--trainer.{name} {value}: expected an integer >= {low}")
     interval = trainer.get("val_check_interval")
     if interval is not None and not interval > 0:
         out.append(f"--trainer.val_check_interval {interval}: expected a share of an epoch > 0 or a number of "
