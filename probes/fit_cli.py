@@ -12,6 +12,7 @@ import random
 import shlex
 import signal
 import sys
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -255,6 +256,8 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
         for callback in trainer.checkpoint_callbacks:
             callback.save_last = False
     new_run_dir = _new_run_dir(trainer)
+    if ckpt_path:
+        keep_checkpoints_together(trainer, ckpt_path)
     handler = signal.getsignal(signal.SIGINT)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -273,15 +276,42 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
         if handler is not None:
             signal.signal(signal.SIGINT, handler)  # Lightning left SIGINT ignored
         if trainer.is_global_zero:
-            print(interrupted_line(trainer), file=sys.stderr)
+            print(interrupted_line(trainer, setup_done.done), file=sys.stderr)
         raise SystemExit(130) from None
 
 
-def interrupted_line(trainer) -> str:
+def keep_checkpoints_together(trainer, ckpt_path: str) -> None:
+    """A resumed run saves its checkpoints where the run it resumes saved them (each ``ModelCheckpoint`` given no
+    ``dirpath``), so that Lightning restores what they tracked: it keeps a callback's best score only when its folder
+    is unchanged, and the resumed run logs into a new version folder. Otherwise the resumed run's first epoch counted
+    as its best, and a worse checkpoint than the whole run's best was tested and exported."""
+    import torch
+
+    states = torch.load(ckpt_path, map_location="cpu", weights_only=False).get("callbacks") or {}
+    for callback in trainer.checkpoint_callbacks:
+        recorded = (states.get(callback.state_key) or {}).get("dirpath")
+        if callback.dirpath is None and recorded and Path(recorded).is_dir():
+            callback.dirpath = recorded
+            warnings.filterwarnings("ignore", message=rf"Checkpoint directory {re.escape(recorded)} exists and is not")
+
+
+def latest_checkpoint(trainer) -> str:
+    """The checkpoint of the latest epoch an interrupted run kept: a ``ModelCheckpoint``'s ``last.ckpt``
+    (``save_last``), or the one file a ``ModelCheckpoint`` without a monitor keeps (the configs' ``filename: last``);
+    "" for none."""
+    paths = [c.last_model_path or ("" if c.monitor else c.best_model_path) for c in trainer.checkpoint_callbacks]
+    return next((p for p in paths if p and Path(p).is_file()), "")
+
+
+def interrupted_line(trainer, training: bool = True) -> str:
     """What an interrupted fit kept (``last.ckpt``) and the command that resumes it from the run's own
-    ``config.yaml`` (LightningCLI saved it in the run's folder), as one line."""
-    last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
-    if not last or not Path(last).is_file():
+    ``config.yaml`` (LightningCLI saved it in the run's folder), as one line; ``training``: whether training had
+    started (before it, the data was being prepared: the label build keeps its whole shards)."""
+    last = latest_checkpoint(trainer)
+    if not last and not training:
+        return (f"{PROG}: interrupted while preparing the data; the label build keeps the shards it finished. Rerun "
+                "the command to go on from them.")
+    if not last:
         return (f"{PROG}: interrupted in epoch {trainer.current_epoch + 1} before a checkpoint was saved; nothing "
                 "kept to resume from. Rerun the command to start again.")
     import torch
@@ -331,7 +361,6 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")  # a resumed run has a folder of its own
 
 
 class _DropMessages(logging.Filter):

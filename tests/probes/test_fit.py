@@ -471,9 +471,12 @@ def _tiny_config(root: Path, **data) -> Path:
 
 
 def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_run(tmp_path, capsys):
+    """Ctrl-C keeps the latest epoch (Lightning's save_last kept only the last improving one, so a resume redid
+    epochs), and the resumed run continues the run: the same losses, and the same best checkpoint tested and exported
+    (Lightning dropped the best score when a resumed run saved into its new folder, so its first epoch was "best")."""
     cfg = _tiny_config(tmp_path)
     handler = signal.getsignal(signal.SIGINT)
-    interrupt = '[{"class_path": "tests.probes.test_fit.InterruptAt", "init_args": {"epoch": 1}}]'
+    interrupt = '[{"class_path": "tests.probes.test_fit.InterruptAt", "init_args": {"epoch": 3}}]'
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(cfg), "--trainer.max_epochs", "5", "--trainer.callbacks+", interrupt])
     assert exit_.value.code == 130 and signal.getsignal(signal.SIGINT) == handler  # SIGINT is not left ignored
@@ -481,7 +484,7 @@ def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_r
     last = run / "checkpoints" / "last.ckpt"
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("python -m probes.fit: interrupted")]
-    expected = (f"python -m probes.fit: interrupted; kept {last} (after epoch 1). "
+    expected = (f"python -m probes.fit: interrupted; kept {last} (after epoch 3). "
                 f"Resume with: python -m probes.fit --config {run / 'config.yaml'} --ckpt_path {last}")
     assert said == [expected], err
     # the command it printed: the run's own config (max_epochs 5, not the default 12)
@@ -491,17 +494,39 @@ def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_r
     result = main(["--config", str(run / "config.yaml"), "--ckpt_path", str(last), "--test", "false",
                    "--export", "false"])
     resumed = tmp_path / "runs" / "fit" / "version_1"  # Lightning's way: the resumed run logs in a folder of its own
-    assert result["best_ckpt"].startswith(str(resumed / "checkpoints"))
     rows = [list(csv.DictReader((d / "metrics.csv").open())) for d in (run, resumed)]
-    assert max(int(r["step"]) for r in rows[1]) == 5 * 2 - 1  # 5 epochs of 2 batches, continued from epoch 1
+    assert max(int(r["step"]) for r in rows[1]) == 5 * 2 - 1  # 5 epochs of 2 batches, continued from epoch 3
     epochs = [{int(float(r["epoch"])) for r in rs if r.get("epoch")} for rs in rows]
-    assert epochs == [{0}, {1, 2, 3, 4}], epochs  # each run's own history
-    main(["--config", str(cfg), "--trainer.max_epochs", "5", "--test", "false", "--export", "false"])
-    whole = list(csv.DictReader((tmp_path / "runs" / "fit" / "version_2" / "metrics.csv").open()))
+    assert epochs == [{0, 1, 2}, {3, 4}], epochs  # each run's own history
+    whole = main(["--config", str(cfg), "--trainer.max_epochs", "5", "--test", "false", "--export", "false"])
+    rows.append(list(csv.DictReader((tmp_path / "runs" / "fit" / "version_2" / "metrics.csv").open())))
 
     def losses(rs):  # the training loss at each step
         return {r["step"]: r["train/loss_step"] for r in rs if r.get("train/loss_step")}
-    assert losses(rows[1]) == {k: v for k, v in losses(whole).items() if int(k) >= 2}  # resumed: as uninterrupted
+    assert losses(rows[1]) == {k: v for k, v in losses(rows[2]).items() if int(k) >= 6}  # resumed: as uninterrupted
+    # the run's checkpoints stay in its folder, and its best is the uninterrupted run's (same epoch, same score)
+    assert result["best_ckpt"].startswith(str(run / "checkpoints"))
+    assert Path(result["best_ckpt"]).name == Path(whole["best_ckpt"]).name, (result["best_ckpt"], whole["best_ckpt"])
+
+
+def test_ctrl_c_while_the_data_is_prepared_says_the_build_keeps_its_shards(tmp_path, capsys, monkeypatch):
+    """It said "nothing kept to resume from", though the label build keeps every shard it finished."""
+    from datamodules.datamodule import SemanticProbeDataModule
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SemanticProbeDataModule, "prepare_data", interrupted)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--config", str(_tiny_config(tmp_path))])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    said = [line for line in capsys.readouterr().err.splitlines() if "interrupted" in line]
+    assert exit_.value.code == 130 and said == ["python -m probes.fit: interrupted while preparing the data; the label "
+                                                "build keeps the shards it finished. Rerun the command to go on from "
+                                                "them."], said
 
 
 def test_a_run_without_validation_split_monitors_the_train_loss(tmp_path, capsys):
