@@ -47,11 +47,14 @@ from datamodules.labels.coordination import (
     barrier,
     build_locked,
     check_recorded,
+    claim,
     damaged_shards,
     data_dir_problem,
     dist_info,
     in_process_group,
+    keep_if_claimed,
     make_data_dir,
+    remove_locks,
     sha_or_none,
     wait_for_shards,
 )
@@ -113,12 +116,12 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     servers = _server_samplers(config, rank, tokenizers)
     make_data_dir(data_dir, f"{len(damaged)} missing or altered shards" if finished else "the whole build")
     if rank == 0 and not pinned:
-        S.atomic_write_json(data_dir / "build.json", {"build": sig, "config": config_record(config)})
+        claim(data_dir, sig, {"build": sig, "config": config_record(config)})
 
     timer: dict[str, float] = {}
     t0 = time.perf_counter()
     plan = _plan(config, records, data_dir, rank, timer, tokenizers, servers, synced)
-    run = _ShardRun(config, data_dir, plan, timer, expected, (rank, world), synced)
+    run = _ShardRun(config, sig, data_dir, plan, timer, expected, (rank, world), synced)
     run.build_mine(max_shards, log)
     stopped = max_shards is not None and any(run.needs(k) for k in range(run.n_shards))
     stats = run.stats(t0)
@@ -139,9 +142,9 @@ def _recorded_checksums(data_dir: Path, existing: dict, damaged: list[int], log)
 class _ShardRun:
     """This process's share of a build's shards: which still need building, building them, and the totals."""
 
-    def __init__(self, config: BuildConfig, data_dir: Path, plan: dict, timer: dict[str, float],
+    def __init__(self, config: BuildConfig, sig: dict, data_dir: Path, plan: dict, timer: dict[str, float],
                  expected: dict[int, tuple[str, str]], rank_world: tuple[int, int], synced: bool) -> None:
-        self.config, self.data_dir, self.plan, self.timer = config, data_dir, plan, timer
+        self.config, self.sig, self.data_dir, self.plan, self.timer = config, sig, data_dir, plan, timer
         self.synced = synced  # in a process group whose ranks build together (barriers)
         self.expected = expected  # shard -> checksums a finished build recorded (rebuild what differs)
         self.rank, self.world = rank_world
@@ -154,9 +157,10 @@ class _ShardRun:
         self.built: list[int] = []
 
     def needs(self, k: int) -> bool:
-        """Shard ``k`` is not on disk, or differs from what the finished build recorded."""
+        """Shard ``k`` is not on disk, is no whole safetensors file (cut or damaged in an unfinished build, which has
+        no checksums yet), or differs from what the finished build recorded."""
         path = self.data_dir / S.shard_name(k)
-        if not path.is_file():
+        if not path.is_file() or not S.readable(path):
             return True
         if k in self.expected:
             if (sha256_file(path), sha_or_none(self.data_dir / S.steps_name(k))) != self.expected[k]:
@@ -167,6 +171,10 @@ class _ShardRun:
     def build_mine(self, max_shards: int | None, log) -> None:
         """Build this rank's shards that need it, each under its lock, with a bar and progress lines."""
         self.on_disk = {k for k in range(self.n_shards) if not self.needs(k)}
+        cut = [S.shard_name(k) for k in range(self.n_shards) if (self.data_dir / S.shard_name(k)).is_file()
+               and k not in self.on_disk and k not in self.expected]
+        if cut and self.rank == 0:
+            log(f"{self.data_dir}: {', '.join(cut)} cannot be read as safetensors (cut or damaged); rebuilding them")
         mine = [k for k in range(self.n_shards) if k % self.world == self.rank and k not in self.on_disk]
         self.bar = tqdm(total=len(mine), desc=f"build shards (rank {self.rank})", unit="shard", disable=None)
         self.progress = Progress(len(mine), self.rank, log)
@@ -182,6 +190,7 @@ class _ShardRun:
             self._load_models()
         tensors, recs, counts = build_shard(k, self.plan["shards"][k], self.models, self.config, self.timer)
         S.write_shard_files(self.data_dir, k, tensors, recs)
+        keep_if_claimed(self.data_dir, self.sig, k)
         for key, v in counts.items():
             self.totals[key] += v
         self.bar.set_postfix(prefixes=self.totals["prefixes"], groups=self.totals["groups"],
@@ -237,6 +246,7 @@ def _merge(run: _ShardRun, sig: dict, existing: dict | None, n_problems: int, st
                                 n_prefixes=run.plan["n_prefixes"], sampler=sampler,
                                 reader=_reader_record(run, existing),
                                 stats=stats)
+    remove_locks(run.data_dir, run.n_shards)
     barrier(synced)
     _summary(manifest, log)
     return manifest

@@ -322,7 +322,8 @@ class BuildConfig:
         errors += choices(self, {"prefix_source": ("reference", "target"), "pooling": ("mean", "last"),
                                   "labelling": LABELLINGS})
         said = {e.split("=", 1)[0] for e in errors}  # one reason per value: the task's own n_problems rule wins
-        errors += [e for e in at_least(self, n_problems=0, task_seed=0, shard_size=1, max_rows=1) if e.split("=", 1)[0] not in said]
+        errors += [e for e in at_least(self, n_problems=0, task_seed=0, shard_size=1, max_rows=1)
+                   if e.split("=", 1)[0] not in said]
         if isinstance(self.judge, JudgeConfig) and isinstance(self.clustering, ClusteringConfig) \
                 and self.judge.kind == "none" and self.clustering.method != "hdbscan":
             if self.clustering.method == "judge":

@@ -3,7 +3,9 @@
 Two builds into one folder share the work: each shard is built under an OS file lock (filelock),
 shards another build holds are skipped and waited for, and the lock of a killed build is released
 by the OS with its process, so another build takes the shard over. A finished build's shards are
-checked against the manifest's checksums, so exactly the missing or altered ones are rebuilt.
+checked against the manifest's checksums, so exactly the missing or altered ones are rebuilt. Builds of two configs
+never share a folder: ``build.json`` records the config that writes it, claimed under the folder's lock, and a build
+keeps each shard it writes only while the folder is still its own.
 """
 
 from __future__ import annotations
@@ -69,6 +71,48 @@ def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
         for name in (S.MANIFEST, "target-traces.jsonl"):
             (data_dir / name).unlink(missing_ok=True)
     return None, False
+
+
+def claim(data_dir: Path, sig: dict, record: dict) -> None:
+    """Record in ``build.json`` that this build writes ``data_dir`` (``record``: its signature ``sig`` and config),
+    under the folder's lock, unless shards of another config appeared there since :func:`check_recorded` looked (a
+    build of another config started beside this one): refused then, as :func:`check_recorded` refuses them."""
+    with FileLock(data_dir / ".build.lock", mode=file_mode()):
+        diff = _other_config(data_dir, sig)
+        if diff and (shards := sorted(data_dir.glob("shard-*.safetensors"))):
+            raise ValueError(f"{data_dir} holds {len(shards)} shards built for another config: " + "; ".join(diff)
+                             + ". Use another data_dir or delete this one to rebuild.")
+        S.atomic_write_json(data_dir / "build.json", record)
+
+
+def keep_if_claimed(data_dir: Path, sig: dict, k: int) -> None:
+    """After shard ``k`` was written: keep it if ``build.json`` still records this build's config, else remove it
+    and refuse to go on (a build of another config claimed the folder after this one started; mixing their shards
+    would make one dataset of two configs)."""
+    with FileLock(data_dir / ".build.lock", mode=file_mode()):
+        if not (diff := _other_config(data_dir, sig)):
+            return
+        for name in (S.shard_name(k), S.steps_name(k)):
+            (data_dir / name).unlink(missing_ok=True)
+    raise ValueError(f"a build of another config took {data_dir} over while this one ran ({'; '.join(diff)}); this "
+                     "build stopped and removed the shard it had just written. Give each config its own data_dir")
+
+
+def remove_locks(data_dir: Path, n_shards: int) -> None:
+    """Remove the lock files of a finished build: the folder's and those of shards on disk (a killed build's stay
+    behind until then)."""
+    (data_dir / ".build.lock").unlink(missing_ok=True)
+    for k in range(n_shards):
+        if (data_dir / S.shard_name(k)).is_file():
+            _lock_path(data_dir, k).unlink(missing_ok=True)
+
+
+def _other_config(data_dir: Path, sig: dict) -> list[str]:
+    """How the config ``build.json`` records differs from ``sig`` ([] when the same, or when none is recorded)."""
+    started = data_dir / "build.json"
+    if not started.is_file():
+        return []
+    return signature_mismatches(S.upgrade_build_record(json.loads(started.read_text())["build"]), sig)
 
 
 def data_dir_problem(data_dir: str | os.PathLike) -> str | None:

@@ -104,6 +104,17 @@ def read_shard(path: str | os.PathLike, keys: list[str] | None = None) -> dict[s
         return {k: f.get_tensor(k) for k in (keys if keys is not None else f.keys())}
 
 
+def readable(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a whole safetensors file: its header reads and covers the file (a cut copy's does not)."""
+    from safetensors import SafetensorError
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            return True
+    except (SafetensorError, OSError):
+        return False
+
+
 def shard_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
     """Shapes of a shard's tensors, read from its header without loading data."""
     with safe_open(str(path), framework="pt") as f:

@@ -125,6 +125,21 @@ def test_build_writes_labelled_shards_and_manifest(reference):
 
 
 @pytest.mark.integration
+def test_a_cut_shard_of_an_unfinished_build_is_rebuilt_not_a_traceback_at_the_manifest(world, reference, tmp_path):
+    """A shard cut short (a copy, a full disk) before the manifest recorded its checksum passed as built, and the
+    manifest's header read ended the build with safetensors' "incomplete metadata" traceback, at every rerun."""
+    ref_dir, ref = reference
+    build(_config(world), tmp_path, max_shards=1)
+    shard = tmp_path / S.shard_name(0)
+    shard.write_bytes(shard.read_bytes()[:200])
+    lines = []
+    done = build(_config(world), tmp_path, log=lines.append)
+    assert _dataset_bytes(tmp_path) == _dataset_bytes(ref_dir) and done["complete"]
+    assert f"{tmp_path}: {S.shard_name(0)} cannot be read as safetensors (cut or damaged); rebuilding them" in lines
+    assert not list(tmp_path.glob(".*.lock"))  # the folder's lock too, once the build is finished
+
+
+@pytest.mark.integration
 def test_killed_build_resumes_to_the_same_bytes(world, reference, tmp_path, monkeypatch):
     ref_dir, ref = reference
     part = build(_config(world), tmp_path, max_shards=1)
@@ -415,6 +430,34 @@ def test_second_build_skips_and_waits_for_a_shard_another_build_holds(world, ref
     assert m["stats"]["built_shards"] == n - 1 and m["stats"]["this_run"]["prefixes"] == ref["n_prefixes"] - 4
     assert any(line.startswith(f"built {n - 1} shards, reused 0, 1 built by other processes") for line in lines), lines
     assert not list(tmp_path.glob(".*.lock"))
+
+
+def test_a_build_of_another_config_started_beside_this_one_stops_it_before_their_shards_mix(world, tmp_path,
+                                                                                          monkeypatch):
+    """Two builds of different configs started together into one folder both finished, with a manifest of the
+    second's config over shards of both (the second replaced build.json while the first loaded its models). Now a
+    build checks, under the folder's lock, that build.json still records its config after each shard it writes."""
+    import datamodules.labels.build as B
+
+    other = signature(_config(world, sampling={"seed": 8}))
+    written, write = [], S.write_shard_files
+
+    def then_claimed(data_dir, k, *a):  # the other build claims the folder once this one wrote its first shard
+        path = write(data_dir, k, *a)
+        written.append(k)
+        S.atomic_write_json(Path(data_dir) / "build.json", {"build": other, "config": {}})
+        return path
+
+    monkeypatch.setattr(B.S, "write_shard_files", then_claimed)
+    with pytest.raises(ValueError, match=r"a build of another config took .* over while this one ran \(.*seed.*\); "
+                                         r"this build stopped and removed the shard it had just written"):
+        build(_config(world), tmp_path)
+    assert written == [0] and not list(tmp_path.glob("shard-*")) and not list(tmp_path.glob("steps-*"))
+    monkeypatch.setattr(B.S, "write_shard_files", write)  # and a build that finds its shards claims nothing
+    (tmp_path / "shard-00000.safetensors").write_bytes(b"")
+    S.atomic_write_json(tmp_path / "build.json", {"build": other, "config": {}})
+    with pytest.raises(ValueError, match="holds 1 shards built for another config"):
+        B.claim(tmp_path, signature(_config(world)), {})
 
 
 @pytest.mark.integration

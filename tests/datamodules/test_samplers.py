@@ -318,7 +318,7 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
 
     widths = {"target": 5120, "draft": 1536}
 
-    def fingerprint(path):  # no 32B folder here: what config.json would say
+    def fingerprint(path, option):  # no 32B folder here: what config.json would say
         role = "target" if "32B" in path else "draft"
         return {"name_or_path": path, "architecture": "Qwen2ForCausalLM", "hidden_size": widths[role],
                 "num_layers": 64 if role == "target" else 28, "vocab_size": 152064, "tokenizer_hash": "q"}
