@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -214,13 +215,25 @@ class Records:
     """
 
     def __init__(self, path: Path, header: dict) -> None:
+        from filelock import FileLock, Timeout
+
         self.path, self.header = Path(path), header
         self.lines: dict[tuple, dict] = {}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file():
-            self._read()
-        else:
-            self._append({"header": header})
+        self.lock = FileLock(self.path.with_name(f".{self.path.name}.lock"))  # released by close(), or the OS
+        try:
+            self.lock.acquire(timeout=0)
+        except Timeout:
+            raise ValueError(f"another evaluation is writing {self.path} (it holds {self.lock.lock_file}); let it "
+                             "finish, or give this one another --out_dir") from None
+        try:
+            if self.path.is_file():
+                self._read()
+            else:
+                self._append({"header": header})
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> None:
         raw = self.path.read_bytes()
@@ -270,6 +283,10 @@ class Records:
         """Append ``row`` (``problem``, ``method``, ``threshold`` and its result or failure) and keep it."""
         self._append(row)
         self.lines[key_of(row)] = row
+
+    def close(self) -> None:
+        """Let another evaluation write this file."""
+        self.lock.release()
 
 
 def key_of(row: dict) -> tuple:
@@ -788,7 +805,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         return _evaluate(given)
     except KeyboardInterrupt:  # while the models load, or while the report is written
-        print(f"{PROG}: interrupted; resume with: {PROG} {' '.join(given)}", file=sys.stderr)
+        print(f"{PROG}: interrupted; resume with: {PROG} {shlex.join(given)}", file=sys.stderr)
         raise SystemExit(130) from None
 
 
@@ -833,8 +850,10 @@ def _evaluate(given: list[str]) -> dict:
         report = evaluation.run()
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; {len(evaluation.records.lines)} decodes kept in {evaluation.records.path}. "
-              f"Resume with: {PROG} {' '.join(given)}", file=sys.stderr)
+              f"Resume with: {PROG} {shlex.join(given)}", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        evaluation.records.close()
     from semanticspec.policies import THRESHOLD_FILE
 
     report["probes"] = str(probes)
@@ -842,7 +861,7 @@ def _evaluate(given: list[str]) -> dict:
     report["threshold_file"] = str(probes / THRESHOLD_FILE) if picked else None
     save(report, out_dir)  # the report first: an interrupted write leaves the old threshold beside a stale report
     if picked:
-        write_threshold(probes, report, " ".join([PROG, *given]))
+        write_threshold(probes, report, f"{PROG} {shlex.join(given)}")
     if not report["n_evaluated"]:
         first = report["failed"][0] if report["failed"] else {"problem": 0, "method": "?", "reason": "not decoded"}
         print(f"{PROG}: no problem was evaluated: every one has a failed decode (first: problem {first['problem']}, "

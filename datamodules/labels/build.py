@@ -450,7 +450,11 @@ def main(args: list[str] | None = None) -> dict:
 
         dist.init_process_group("gloo", timeout=timedelta(hours=12))
     try:
-        return build(config, cfg.data_dir, max_shards=cfg.max_shards)
+        done = build(config, cfg.data_dir, max_shards=cfg.max_shards)
+        if "shards_on_disk" in done:  # stopped at --max_shards, without a manifest
+            print(f"stopped at --max_shards {cfg.max_shards}: {done['shards_on_disk']} of {done['n_shards']} shards "
+                  f"on disk, no manifest yet; rerun without --max_shards (or with it again) to go on", flush=True)
+        return done
     except (ValueError, OSError, ImportError) as e:  # refused input: config values, task file, data_dir, models,
         fail(PROG, str(e))  # servers; a backend whose package is not installed (vLLM)
     except RuntimeError as e:

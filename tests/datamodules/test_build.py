@@ -517,6 +517,8 @@ def test_cli_with_a_config_file(world, reference, tmp_path, capsys):
     cfg.write_text(f"data_dir: {out}\nbuild:\n  target: {world / 'target'}\n  draft: {world / 'draft'}\n"
                    f"  judge:\n    model: {world / 'judge'}\n  n_problems: 3\n  shard_size: 4\n"
                    "  sampling:\n    n_samples: 3\n    seed: 7\n  steps:\n    max_step_tokens: 6\n")
+    main(["--config", str(cfg), "--threads", "1", "--max_shards", "1"])  # it stopped without a word
+    assert "stopped at --max_shards 1: 1 of 4 shards on disk, no manifest yet; rerun" in capsys.readouterr().out
     main(["--config", str(cfg), "--threads", "1"])
     assert _dataset_bytes(out) == _dataset_bytes(reference[0])
     # a fit YAML's data: section, nested parts included, with an option on top

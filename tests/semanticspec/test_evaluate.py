@@ -159,6 +159,17 @@ def test_records_with_a_damaged_header_or_line_are_refused_not_erased(tmp_path):
         E.Records(path, {"seed": 1})
 
 
+def test_a_second_evaluation_into_the_same_records_is_refused_while_the_first_runs(tmp_path):
+    """Two evaluations in one --out_dir each decoded everything and appended every decode twice."""
+    path = tmp_path / "records.jsonl"
+    first = E.Records(path, {"seed": 1})
+    with pytest.raises(ValueError, match=rf"another evaluation is writing {path} \(it holds .*\.records\.jsonl\.lock"
+                                         r"\); let it finish, or give this one another --out_dir"):
+        E.Records(path, {"seed": 1})
+    first.close()
+    E.Records(path, {"seed": 1}).close()  # once it ended
+
+
 def test_an_evaluation_that_evaluated_nothing_fails_and_writes_strict_json(capsys, monkeypatch, tmp_path):
     # every decode failing (a device that cannot run, prompts past the context) ended with exit 0 and a NaN pick
     def fails(*a, **k):
@@ -182,9 +193,10 @@ def test_ctrl_c_before_decoding_exits_130_naming_the_resume_command(capsys, monk
 
     monkeypatch.setattr(E, "make_setup", interrupted)  # while the models load: it was a traceback
     with pytest.raises(SystemExit) as e:
-        E.main(["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "2"])
-    assert e.value.code == 130
-    assert capsys.readouterr().err.strip().startswith(f"{E.PROG}: interrupted; resume with: {E.PROG} --config")
+        E.main(["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "2", "--thresholds", "[0.4, 0.6]"])
+    assert e.value.code == 130  # the command as a shell reads it back (it was joined with spaces: not pasteable)
+    assert capsys.readouterr().err.strip() == (f"{E.PROG}: interrupted; resume with: {E.PROG} --config {CONFIG} "
+                                               f"--probes {SHIPPED} --n_problems 2 --thresholds '[0.4, 0.6]'")
 
 
 # --------------------------------------------------------------------------- an evaluation of the shipped world
