@@ -85,7 +85,7 @@ class ProbeCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if self.config.get("ckpt_path"):
             check_checkpoint(self.config.ckpt_path)
-            check_resumed_optimizer(self.config.ckpt_path, self.parser.dump(self.config, skip_check=True))
+            check_resumed_options(self.config.ckpt_path, self.parser.dump(self.config, skip_check=True))
         try:  # one thread count per process, set before any model work
             apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
         except ValueError as e:
@@ -203,27 +203,50 @@ def check_checkpoint(path: str) -> None:
              "the run again without --ckpt_path")
 
 
-def check_resumed_optimizer(path: str, config_yaml: str) -> None:
-    """Refuse, through :func:`fail`, resuming with another optimizer than the run's own (``config.yaml`` beside its
-    ``checkpoints/``; nothing to compare without one): Lightning restores the optimizer's state from the checkpoint,
-    learning rate included, so a changed option would be recorded in the new run's config and not used."""
+RESUMED = ("model", "data", "seed_everything")
+"""The options a resumed run keeps from its run: the checkpoint's weights, optimizer state and data position were
+made with them (the trainer's, such as ``max_epochs`` or the devices, may change)."""
+
+
+def check_resumed_options(path: str, config_yaml: str) -> None:
+    """Refuse, through :func:`fail`, resuming with other :data:`RESUMED` options than the run's own (``config.yaml``
+    beside its ``checkpoints/``; nothing to compare without one), naming them: a changed loss, batch size or dropout
+    trained otherwise than the run without a word, and a changed optimizer was recorded and not used (Lightning
+    restores the optimizer's state from the checkpoint, learning rate included)."""
     import yaml
 
     run_config = Path(path).resolve().parent.parent / "config.yaml"
     try:
-        old = (yaml.safe_load(run_config.read_text()) or {}).get("model", {}).get("optimizer")
-    except (OSError, yaml.YAMLError, AttributeError):
+        old = yaml.safe_load(run_config.read_text()) or {}
+    except (OSError, yaml.YAMLError):
         return
-    new = (yaml.safe_load(config_yaml) or {}).get("model", {}).get("optimizer")
-    was, now = (dict(o.get("init_args") or {}, class_path=o.get("class_path")) if isinstance(o, dict) else {"": o}
-                for o in (old, new))  # a null argument is its default, whether or not a dump wrote it
-    keys = ["class_path"] if was.get("class_path") != now.get("class_path") else sorted(set(was) | set(now), key=str)
-    differ = ", ".join(f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in keys if was.get(k) != now.get(k))
-    if old is None or not differ:
+    new = yaml.safe_load(config_yaml) or {}
+    if not isinstance(old, dict):
         return
-    fail(f"--ckpt_path {path} resumes its run's optimizer state (learning rate included), but model.optimizer "
-         f"differs from that run's ({run_config}): {differ}; resume with the run's own optimizer (--config "
-         f"{run_config}), or train a new run without --ckpt_path")
+    was, now = (_flat({k: c.get(k) for k in RESUMED}) for c in (old, new))  # a null argument is its default
+    differ = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+    optimizer = [k for k in differ if k.startswith("model.optimizer.")]
+    if "model.optimizer.class_path" in optimizer:
+        optimizer = ["model.optimizer.class_path"]
+    named = ", ".join(f"{k.removeprefix('model.optimizer.').removeprefix('init_args.')}: {was.get(k)!r} -> "
+                      f"{now.get(k)!r}" for k in optimizer)
+    if optimizer and old.get("model", {}).get("optimizer") is not None:
+        fail(f"--ckpt_path {path} resumes its run's optimizer state (learning rate included), but model.optimizer "
+             f"differs from that run's ({run_config}): {named}; resume with the run's own optimizer (--config "
+             f"{run_config}), or train a new run without --ckpt_path")
+    if differ := [k for k in differ if not k.startswith("model.optimizer.")]:
+        fail(f"--ckpt_path {path} continues a run, but options it trained with differ from that run's ({run_config}): "
+             + ", ".join(f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in differ) + f"; resume with the run's own "
+             f"(--config {run_config}; trainer options such as --trainer.max_epochs may change), or train a new run "
+             "without --ckpt_path")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """``tree``'s leaves by dotted key (a list is one leaf)."""
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 CHECKPOINT_ERRORS = ("Error(s) in loading state_dict",)

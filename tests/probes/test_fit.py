@@ -736,6 +736,11 @@ def test_a_resume_with_another_optimizer_or_a_damaged_checkpoint_and_a_bad_seed_
     line = _one_line_error(capsys, ["--config", saved, "--ckpt_path", str(last), "--model.optimizer.init_args.lr",
                                     "0.5"])
     assert "model.optimizer differs from that run's" in line and "lr: 0.0001 -> 0.5" in line
+    for option, value, said in (("--model.loss", "bce", "model.loss: 'mse' -> 'bce'"),
+                                ("--data.batch_size", "3", "data.batch_size: 128 -> 3"),
+                                ("--model.probe.dropout", "0.1", "model.probe.dropout: 0.3 -> 0.1")):
+        line = _one_line_error(capsys, ["--config", saved, "--ckpt_path", str(last), option, value])
+        assert f"options it trained with differ from that run's ({saved}): {said}; resume with" in line, line
     damaged = tmp_path / "damaged.ckpt"
     with zipfile.ZipFile(last) as z:
         weights = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
