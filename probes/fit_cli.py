@@ -234,7 +234,9 @@ def check_resumed_options(path: str, config_yaml: str) -> None:
         fail(f"--ckpt_path {path} resumes its run's optimizer state (learning rate included), but model.optimizer "
              f"differs from that run's ({run_config}): {named}; resume with the run's own optimizer (--config "
              f"{run_config}), or train a new run without --ckpt_path")
-    if differ := [k for k in differ if not k.startswith("model.optimizer.")]:
+    # data.build: the data is built before a checkpoint exists (its servers may have moved since); the data module
+    # refuses finished data that differs from the build config itself
+    if differ := [k for k in differ if not k.startswith(("model.optimizer.", "data.build."))]:
         fail(f"--ckpt_path {path} continues a run, but options it trained with differ from that run's ({run_config}): "
              + ", ".join(f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in differ) + f"; resume with the run's own "
              f"(--config {run_config}; trainer options such as --trainer.max_epochs may change), or train a new run "
