@@ -97,9 +97,8 @@ def test_a_port_another_program_holds_is_refused_naming_the_option(capsys, monke
 
     monkeypatch.setattr(serve, "server_available", lambda: True)
     pytest.importorskip("gguf")
-    with socket.socket() as held:
+    with socket.socket() as held:  # bound, not listening: nothing answers /v1/models there, at once
         held.bind(("127.0.0.1", 0))
-        held.listen()
         port = held.getsockname()[1]
         line = _refused(capsys, ["--log_dir", str(tmp_path), "--target_port", str(port)])  # no server starts
     assert f"the target server (--target_port {port}): port {port} on 127.0.0.1 is taken" in line
