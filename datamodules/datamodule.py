@@ -36,7 +36,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             never builds and only reads what ``data_dir`` holds.
         roles: which probes' data to stream: ``target`` (label q) and/or ``draft`` (label p).
         batch_size: rows per batch, all roles together.
-        num_workers: dataloader worker processes (shards are dealt among them).
+        num_workers: dataloader worker processes (shards are dealt among them, so the batches, and the metrics, differ
+            from those of another count; each count repeats its own run).
         shuffle_buffer: rows held to shuffle the training stream (memory: about
             ``shuffle_buffer * 2 * L * D`` bytes).
         val_fraction: share of problems in the validation split.
