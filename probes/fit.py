@@ -94,7 +94,9 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     live = _spec_summary(trainer)  # before test() replaces the callback metrics
     test_metrics: dict[str, float] = {}
     if cli.config.get("test", True) and getattr(data, "test_fraction", 1) > 0:  # 0: no test split to run on
-        results = trainer.test(module, datamodule=data, ckpt_path="best" if best else None, verbose=False)
+        # the path, not "best": with the configs' second ModelCheckpoint (the latest epoch) Lightning warns that it
+        # picks the first one's best
+        results = trainer.test(module, datamodule=data, ckpt_path=best, verbose=False)
         test_metrics = {k: float(v) for r in results for k, v in r.items()}
     elif best:  # the test loads the best weights; without one, they are loaded here, so the best ones are exported
         import torch
