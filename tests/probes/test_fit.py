@@ -622,6 +622,7 @@ def test_a_normal_run_shows_no_noise(tmp_path, capsys, caplog, recwarn):
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 10 s on 2 cores (fresh processes): in CI's slow set, out of the README's 5-minute command
 def test_mistyped_options_are_refused_in_one_line_before_torch_loads(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SEMANTICSPEC_CACHE", str(tmp_path / "cache"))
     status, err, heavy = refuse_in_a_fresh_process("probes.fit", ["--trainer.max_epochz", "3"])
