@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import shlex
 import signal
 import sys
-import re
 import warnings
 import zipfile
 from pathlib import Path

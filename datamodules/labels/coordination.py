@@ -55,16 +55,12 @@ def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
     before its first shard): its stale manifest and target traces are removed, build.json rewritten.
     """
     existing = S.read_manifest(data_dir) if data_dir.is_dir() else None
-    started = data_dir / "build.json"
-    recorded = [existing.get("build")] if existing else []
-    recorded += [S.upgrade_build_record(json.loads(started.read_text())["build"])] if started.is_file() else []
+    started = _started(data_dir)
+    recorded = [existing.get("build") if existing else None, started]
     diff = next((d for d in (signature_mismatches(r, sig) for r in recorded if r is not None) if d), [])
     if not diff:
-        return existing, started.is_file()
-    shards = sorted(data_dir.glob("shard-*.safetensors"))
-    if shards:
-        raise ValueError(f"{data_dir} holds {len(shards)} shards built for another config: " + "; ".join(diff)
-                         + ". Use another data_dir or delete this one to rebuild.")
+        return existing, started is not None
+    _refuse_shards(data_dir, diff)
     rank, _ = dist_info()
     if rank == 0:
         log(f"{data_dir} holds no shard yet; its records of another config are replaced ({'; '.join(diff)})")
@@ -78,10 +74,8 @@ def claim(data_dir: Path, sig: dict, record: dict) -> None:
     under the folder's lock, unless shards of another config appeared there since :func:`check_recorded` looked (a
     build of another config started beside this one): refused then, as :func:`check_recorded` refuses them."""
     with FileLock(data_dir / ".build.lock", mode=file_mode()):
-        diff = _other_config(data_dir, sig)
-        if diff and (shards := sorted(data_dir.glob("shard-*.safetensors"))):
-            raise ValueError(f"{data_dir} holds {len(shards)} shards built for another config: " + "; ".join(diff)
-                             + ". Use another data_dir or delete this one to rebuild.")
+        if diff := _other_config(data_dir, sig):
+            _refuse_shards(data_dir, diff)
         S.atomic_write_json(data_dir / "build.json", record)
 
 
@@ -109,10 +103,21 @@ def remove_locks(data_dir: Path, n_shards: int) -> None:
 
 def _other_config(data_dir: Path, sig: dict) -> list[str]:
     """How the config ``build.json`` records differs from ``sig`` ([] when the same, or when none is recorded)."""
-    started = data_dir / "build.json"
-    if not started.is_file():
-        return []
-    return signature_mismatches(S.upgrade_build_record(json.loads(started.read_text())["build"]), sig)
+    started = _started(data_dir)
+    return signature_mismatches(started, sig) if started is not None else []
+
+
+def _started(data_dir: Path) -> dict | None:
+    """The build signature ``build.json`` records (the build that started writing ``data_dir``), or None."""
+    path = data_dir / "build.json"
+    return S.upgrade_build_record(json.loads(path.read_text())["build"]) if path.is_file() else None
+
+
+def _refuse_shards(data_dir: Path, diff: list[str]) -> None:
+    """Refuse ``data_dir`` if it holds shards, built for another config (``diff``: how it differs)."""
+    if shards := sorted(data_dir.glob("shard-*.safetensors")):
+        raise ValueError(f"{data_dir} holds {len(shards)} shards built for another config: " + "; ".join(diff)
+                         + ". Use another data_dir or delete this one to rebuild.")
 
 
 def data_dir_problem(data_dir: str | os.PathLike) -> str | None:
