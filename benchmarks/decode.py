@@ -364,7 +364,7 @@ def probes_or_untrained(args: argparse.Namespace, world: models.WorldModels) -> 
         return None
     from generation.fingerprints import model_fingerprint
     from probes.config import ProbeConfig
-    from probes.export import export_probe
+    from probes.model import export_probe
     from probes.model import SemanticProbe
 
     tmp = tempfile.TemporaryDirectory()

@@ -82,10 +82,10 @@ from probes.model import run_probe
 from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.policies import OraclePolicy, ProbePolicy
 from semanticspec.results import Decision, summarize
-from semanticspec.engine_parts import features
+from semanticspec.served import features
 from semanticspec.evaluate import Arm, interleaved
 from semanticspec.served import ServedDecoder
-from probes.export import load_probe
+from probes.model import load_probe
 
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
 LOOKAHEADS = (2, 4)

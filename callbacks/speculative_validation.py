@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from generation.loading import device_problem
-from probes.export import check_probe_matches
+from probes.model import check_probe_matches
 from semanticspec.timing import load_per_core, rotation, timing_noise, unreliable_because
 from semanticspec.results import accuracy, speedup
 

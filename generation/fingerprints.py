@@ -1,7 +1,7 @@
 """Fingerprints of a model and its tokenizer, and of files: what a probe or a data directory records about what it
 was made from.
 
-Imported downward by the exports (``probes.export``), the label build's manifest and shards
+Imported downward by the exports (``probes.model``), the label build's manifest and shards
 (``datamodules.labels.config``, ``datamodules.labels.shards``) and the tasks (a problem file's hash), so all describe
 a model or a file the same way.
 """

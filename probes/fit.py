@@ -55,7 +55,7 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
                   test_metrics: dict[str, float]) -> dict[str, Path]:
     """Export each role's probe of ``module`` with its test metrics into ``export_dir/<role>`` (the paths it records
     made portable, :func:`~probes.model.portable_config`)."""
-    from probes.export import export_probe
+    from probes.model import export_probe
 
     paths = {}
     for role, probe in module.probes.items():

@@ -1,12 +1,17 @@
-"""`SemanticProbe`: the paper's MLP over a step's feature groups, plain torch, built from its config, and read
-from its exported files with every check of them (:func:`probe_config`: the config's fields and role;
-:func:`read_folder`: the weights' names, shapes and values; each refusal naming the file)."""
+"""`SemanticProbe`: the paper's MLP over a step's feature groups, plain torch, built from its config; and its exported
+folder (``model.safetensors`` + ``config.json`` + a model card): written atomically (:func:`export_probe`), read with
+every check of its files (:func:`probe_config`: the config's fields and role; :func:`read_folder`: the weights' names,
+shapes and values; each refusal naming the file), and loaded checked against the model it reads and the role it is
+used in (:func:`load_probe`, the one loader: its fingerprint, layers and source). Nothing unpickles: weights are
+safetensors, the config is JSON."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -16,7 +21,10 @@ from huggingface_hub import PyTorchModelHubMixin
 from safetensors.torch import load_file
 from torch import nn
 
-from probes.config import ROLES, NewerFormatError, ProbeConfig
+from generation.fingerprints import model_fingerprint
+from generation.paths import atomic_path
+from generation.specs import layer_problems
+from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, OtherModelError, ProbeConfig
 
 
 def portable_config(config: ProbeConfig) -> ProbeConfig:
@@ -95,7 +103,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         """huggingface_hub's ``save_pretrained`` (and so ``push_to_hub``), writing this probe's config as it is now in
         today's layout, its paths made portable (:func:`portable_config`), beside a card written from it
         (``config``, if given, replaces the ``config.json`` only; a ``README.md`` already in ``save_directory`` is
-        kept, as huggingface_hub keeps it, while :func:`~probes.export.export_probe` always writes a fresh one). The
+        kept, as huggingface_hub keeps it, while :func:`~probes.model.export_probe` always writes a fresh one). The
         mixin wrote the config the probe was built from: a probe loaded from an older format, or whose config was
         changed since, got a ``config.json`` its card contradicted."""
         if not isinstance(save_directory, (str, os.PathLike)) or not str(save_directory):
@@ -105,7 +113,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *, role: str | None = None, map_location: str = "cpu",
                         **kwargs):
-        """huggingface_hub's ``from_pretrained`` with :func:`~probes.export.load_probe`'s checks of the files: a local
+        """huggingface_hub's ``from_pretrained`` with :func:`~probes.load_probe`'s checks of the files: a local
         folder (``~`` expanded) is read by :func:`probe_config` and :func:`read_folder`, every refusal naming the
         file (the mixin parsed its ``config.json`` first, a bare JSON error); a Hub repository through the mixin,
         its snapshot checked alike. ``role``: the role the probe is used in (:func:`check_role`); the weights are
@@ -129,7 +137,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
                          **model_kwargs):
         """A Hub repository's snapshot (``config.json``, ``model.safetensors``) read as :meth:`from_pretrained` reads a
         folder (the mixin calls this for what is not a local folder). The model it will read is not known here:
-        :func:`~probes.export.load_probe` checks that too."""
+        :func:`~probes.load_probe` checks that too."""
         from huggingface_hub import snapshot_download
 
         folder = snapshot_download(repo_id=model_id, revision=revision, cache_dir=cache_dir,
@@ -303,7 +311,7 @@ def _hub_id(name: str) -> bool:
 
 def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeConfig:
     """The config of the exported probe at ``path``, read without its weights (what
-    :func:`~probes.export.load_probe` checks first).
+    :func:`~probes.load_probe` checks first).
 
     Raises:
         FileNotFoundError: ``path`` does not exist, lacks ``config.json`` or ``model.safetensors``, or is one of
@@ -325,7 +333,7 @@ def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeCo
     return config
 
 
-_REDO = "re-export the probe (probes.export.export_probe) or restore the file"
+_REDO = "re-export the probe (probes.model.export_probe) or restore the file"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 """The safetensors dtypes a probe's tensors may have (an integer tensor would truncate its standardisation)."""
 
@@ -398,3 +406,138 @@ def read_folder(path: Path, config: ProbeConfig) -> SemanticProbe:
     probe = SemanticProbe(config)
     probe.load_state_dict(_read_weights(weights), strict=False)  # names and shapes checked in the header
     return probe
+
+
+def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str = "probe") -> None:
+    """Raise if a probe with ``config`` cannot read ``model``'s hidden states: it was exported for another model
+    (:class:`~probes.config.OtherModelError`, naming each differing field), it reads layers the model does not have,
+    or it reads hidden states of another source than a transformers model after its final norm, a server's say
+    (ValueError, naming the ids and the range, or both sources).
+
+    Used by :func:`load_probe` (the decoders' loader) and by the live-validation callback and the evaluation, which
+    check a probe against models they load themselves.
+    """
+    actual, reads = model_fingerprint(model, tokenizer), config.reads
+    problems = [f"{k}: probe has {reads[k]!r}, model has {actual[k]!r}" for k in FINGERPRINT_FIELDS
+                if k in reads and k in actual and reads[k] != actual[k]]  # the checked fields both sides know
+    if config.hidden_size != actual["hidden_size"] and not any(p.startswith("hidden_size") for p in problems):
+        problems.append(f"hidden_size: probe has {config.hidden_size!r}, model has {actual['hidden_size']!r}")
+    if problems:
+        raise OtherModelError(
+            f"{where} was exported for another model ({config.reads.get('name_or_path') or 'unknown'}); "
+            + "; ".join(problems)
+            + ". Export a probe for this model or load the matching one."
+        )
+    layers = layer_problems(list(config.features.layer_ids), actual["num_layers"])
+    if layers:
+        raise ValueError(f"{where} reads layers the model does not have (features.layer_ids): " + "; ".join(layers))
+    config.features.check_source("transformers", "final_norm", where=where)
+
+
+def export_probe(probe, path: str | os.PathLike) -> Path:
+    """Write ``probe`` to ``path`` (``model.safetensors``, ``config.json``, model card) atomically.
+
+    The files are written into a temporary sibling directory that then replaces ``path``, so an
+    interrupted export leaves either the old probe or the new one, never half of one. Files of an existing ``path``
+    that the export does not write (a user's notes, say) are carried over, as ``save_pretrained`` into a folder
+    leaves them. The paths the config records are made portable (:func:`~probes.model.portable_config`).
+
+    Raises:
+        ValueError: ``path`` is a file.
+    """
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file; export a probe into a folder (made if missing)")
+    with atomic_path(path, folder=True) as tmp:
+        probe.save_pretrained(tmp)
+        for old in path.iterdir() if path.is_dir() else ():
+            if not (tmp / old.name).exists():
+                (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+    return path
+
+
+def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, role: Optional[str] = None,
+               dtype: Optional[str] = None):
+    """An exported probe (or a probe already in memory), checked against the model it reads and the role it is used
+    in: the one way the decoders, the endpoint and the evaluation take a probe.
+
+    From a folder, nothing is allocated before the config is valid and the weights file's header holds exactly the
+    tensor shapes the config implies.
+
+    Args:
+        probe: the folder holding ``config.json`` and ``model.safetensors``, or a
+            :class:`~probes.model.SemanticProbe`, checked the same way: returned as it is when it already is in
+            eval mode, on ``device`` and in ``dtype``, else as a converted copy (a module being trained is never
+            changed).
+        model: the transformers model the probe will read: its fingerprint must match, ``layer_ids`` must index its
+            hidden states, and a probe reading hidden states must have been trained on a transformers model's
+            (:func:`check_probe_matches`). None checks none of this (a served model: its server's capabilities are
+            checked before its first request).
+        tokenizer: that model's tokenizer; its vocabulary hash must match when given.
+        device: where to put the probe; default the model's device, else CPU for a folder (a module stays where it
+            is).
+        role: the role the caller uses the probe in (``"target"`` or ``"draft"``); a probe exported with the other
+            role is refused. None accepts either.
+        dtype: the MLP's dtype, ``"auto"``, ``"float32"`` or ``"float16"``
+            (:func:`~probes.model.resolve_probe_dtype`); None keeps the probe's own (an export's is float32).
+
+    Returns:
+        The :class:`~probes.model.SemanticProbe`, in eval mode.
+
+    Raises:
+        FileNotFoundError: ``probe`` does not exist, lacks ``config.json`` or ``model.safetensors``, or is one of
+            them (the message says to pass the folder).
+        ValueError: the role or fingerprint differs (the message names every differing field), or a
+            file is unreadable or invalid: ``config.json`` not JSON, not a probe config, a field out of
+            range (e.g. ``layer_ids``, ``sampling.temperature``) or a newer ``format_version`` than
+            this code reads; ``model.safetensors`` truncated, not safetensors (e.g. a pickle), not the
+            shapes the config describes, or holding NaN/inf. Each message names the file and field.
+        TypeError: ``probe`` is neither a folder nor a probe module.
+    """
+    from generation.loading import checked_device
+
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected the transformers model the probe reads, got {type(model).__name__}")
+    if tokenizer is not None and not hasattr(tokenizer, "get_vocab"):
+        raise TypeError(f"tokenizer: expected the model's tokenizer, got {type(tokenizer).__name__}")
+    if device is not None:
+        device = checked_device(device, "device")
+    elif model is not None:
+        device = next(model.parameters()).device
+    if isinstance(probe, (str, os.PathLike)):
+        probe, mine = _from_folder(Path(probe).expanduser(), model, tokenizer, role), True
+        device = device or torch.device("cpu")
+    elif isinstance(probe, torch.nn.Module) and hasattr(probe, "config"):
+        where = f"the {role or probe.config.role} probe"
+        check_role(probe.config, role, where=where)
+        if model is not None:
+            check_probe_matches(probe.config, model, tokenizer, where=where)
+        mine = False
+    else:
+        raise TypeError(f"{role or 'the'} probe must be a path or a SemanticProbe, got {type(probe).__name__}")
+    here = next(probe.buffers(), next(probe.parameters(), torch.empty(0))).device
+    device = here if device is None else device
+    want = None if dtype is None else resolve_probe_dtype(dtype, device)  # inputs stay float32 (SemanticProbe.predict)
+    want = None if getattr(probe, "mlp_dtype", want) == want else want
+    if not mine and (probe.training or device != here or want is not None):
+        probe = copy.deepcopy(probe)  # the caller's module (one being trained, say) is left as it was
+    probe = probe.to(device).eval()
+    if want is not None:
+        probe.mlp.to(want)
+    return probe
+
+
+def _from_folder(path: Path, model, tokenizer, role: Optional[str]):
+    """The probe exported at ``path`` (CPU), its config, header and weights checked before and as it loads."""
+    config = probe_config(path, role)
+    if model is not None:
+        if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
+            warnings.warn(
+                f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against "
+                f"the model it is given (only hidden_size={config.hidden_size} is); re-export it to record "
+                f"the model it reads",
+                UserWarning,
+                stacklevel=3,
+            )
+        check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
+    return read_folder(path, config)

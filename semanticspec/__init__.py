@@ -6,10 +6,10 @@ servers::
 
     from semanticspec import DecodeConfig, ProbePolicy, SemanticSpecDecoder, ServedDecoder, summarize
 
-The wing's modules: the decoders (``decoder``: in-process models; ``served``: two servers) over ``base`` (the public
-``generate``/``stream``, the probes loaded through ``probes.export.load_probe`` and their specs resolved); ``parts``
-is the loop's contract with its two parts, a proposer that writes steps and a verifier that reads them into typed
-``Scores`` (``scores``), implemented in-process (``cache_parts``) and over two servers (``engine_parts``); a pure
+The wing's modules: the decoders, each with its two parts (``decoder``: in-process models; ``served``: two servers),
+over ``base`` (the public ``generate``/``stream``, the probes loaded through ``probes.load_probe`` and their
+specs resolved); ``parts`` is the loop's contract with those parts, a proposer that writes steps and a verifier that
+reads them into typed ``Scores`` (``scores``); a pure
 acceptance policy (``policies``) decides, and the step loop (``loop``, with ``rows`` and its observer ``meter``)
 commits or rolls back; ``methods`` maps method names to round functions, ``config`` holds a call's settings, ``hf``
 runs transformers' own loop as a baseline, ``speculative`` is token-level speculative sampling, ``prompts`` checks

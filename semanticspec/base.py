@@ -416,9 +416,9 @@ def answer_marker(given: str | None, task) -> str | None:
 
 def load_probes(probes, models, tokenizers, probe_dtype: str) -> tuple:
     """A decoder's target and draft probes (each a folder, a ``SemanticProbe`` or None), each loaded and checked by
-    :func:`probes.export.load_probe` against its model (None: a served model) and its role, with its MLP in
+    :func:`probes.load_probe` against its model (None: a served model) and its role, with its MLP in
     ``probe_dtype`` (a bad value is refused without a probe too)."""
-    from probes.export import load_probe
+    from probes.model import load_probe
     from probes.model import resolve_probe_dtype
 
     resolve_probe_dtype(probe_dtype, torch.device("cpu"))

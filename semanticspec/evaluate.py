@@ -747,13 +747,13 @@ def check_before_loading(probe_dir: str, model_dir: str, tokenizer, role: str) -
     load (the decoder checks the loaded model again).
 
     Raises:
-        ValueError: naming each differing fingerprint field (:func:`probes.export.check_probe_matches`).
+        ValueError: naming each differing fingerprint field (:func:`probes.model.check_probe_matches`).
     """
     from types import SimpleNamespace
 
     from transformers import AutoConfig
 
-    from probes.export import check_probe_matches
+    from probes.model import check_probe_matches
     from probes.model import probe_config
 
     config = probe_config(probe_dir, role)

@@ -1,13 +1,13 @@
 """The step loop over one batch of prompts: propose → verify → decide → commit or roll back (EAGLE's loop).
 
-:class:`StepLoop` holds the batch's rows and its two parts: a proposer (the draft side) and a
-verifier (the target side). The parts own the models' state: in-process the batched caches
-(:class:`~semanticspec.cache_parts.DraftProposer`, :class:`~semanticspec.cache_parts.TargetVerifier`,
-built by :meth:`semanticspec.decoder.SemanticSpecDecoder.step_loop`), served the requests to two servers
-(:mod:`semanticspec.engine_parts`). The loop holds no cache and sends no request: it keeps the
-rows' bookkeeping, asks the policy, and tells the parts what was kept. Nor does it read a clock: it tells its
-observer (:class:`LoopObserver`; the decoders attach a :class:`~semanticspec.meter.Meter`) which round and phase it
-is in and when rows come and end, and the observer measures.
+:class:`StepLoop` holds the batch's rows and its two parts: a proposer (the draft side) and a verifier (the target
+side). The parts own the models' state: in-process the batched caches (:class:`~semanticspec.decoder.DraftProposer`,
+:class:`~semanticspec.decoder.TargetVerifier`, built by :meth:`semanticspec.decoder.SemanticSpecDecoder.step_loop`),
+served the requests to two servers (:class:`~semanticspec.served.EngineProposer`,
+:class:`~semanticspec.served.EngineVerifier`). The loop holds no cache and sends no request: it keeps the rows'
+bookkeeping, asks the policy, and tells the parts what was kept. Nor does it read a clock: it tells its observer
+(:class:`LoopObserver`; the decoders attach a :class:`~semanticspec.meter.Meter`) which round and phase it is in and
+when rows come and end, and the observer measures.
 
 A method (:mod:`semanticspec.methods`) names which of the loop's round functions runs each round for the active
 rows: the target writes a step (:meth:`StepLoop.target_round`), the draft writes one (:meth:`StepLoop.draft_round`),

@@ -1,8 +1,8 @@
 """The step loop's contract with its two parts: what a :class:`Proposer` and a :class:`Verifier` do, and the typed
 objects they take and return (vLLM's proposer/scorer, transformers' candidate generators).
 
-Two families implement both protocols: the in-process parts over the models' batched caches
-(:mod:`semanticspec.cache_parts`) and the served parts over two servers (:mod:`semanticspec.engine_parts`).
+Two families implement both protocols, each in its decoder's module: the in-process parts over the models' batched
+caches (:mod:`semanticspec.decoder`) and the served parts over two servers (:mod:`semanticspec.served`).
 :class:`~semanticspec.loop.StepLoop` holds no cache and sends no request; it reads only the members listed here.
 """
 

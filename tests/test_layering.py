@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INFERENCE = ["semanticspec", "probes/export.py", "probes/model.py", "probes/config.py"]
+INFERENCE = ["semanticspec", "probes/model.py", "probes/config.py"]
 COMMANDS = ["semanticspec/serve/cli.py", "semanticspec/evaluate.py"]
 """The endpoint's command finds the default world through the registry of worlds (``datamodules.tasks.worlds``), as
 the fit command does, and the evaluation reads the fit's label build (its task, models and problems); the decoder and

@@ -36,9 +36,9 @@ def test_an_unknown_name_is_refused_listing_the_public_ones():
         semanticspec.Decoder  # noqa: B018
     with pytest.raises(AttributeError, match=r"no attribute 'SemanticSpecDecoder'.*'load_probe'"):
         probes.SemanticSpecDecoder  # noqa: B018
-    from probes import export  # a submodule still imports as one
+    from probes import model  # a submodule still imports as one
 
-    assert export.__name__ == "probes.export"
+    assert model.__name__ == "probes.model"
 
 
 def test_importing_the_packages_or_the_probe_config_imports_no_torch():

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from semanticspec.config import DecodeConfig
-from semanticspec.engine_parts import ServedPrompt
+from semanticspec.served import ServedPrompt
 from semanticspec.results import Decision, DecodeResult, DecodeStats, StepTrace
 
 log = logging.getLogger(__name__)

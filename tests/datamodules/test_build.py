@@ -665,7 +665,7 @@ def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, worl
     from probes.config import ProbeConfig
     from semanticspec.decoder import SemanticSpecDecoder
     from semanticspec.policies import ProbePolicy
-    from probes.export import export_probe
+    from probes.model import export_probe
     from probes.module import SemanticProbeModule
     from tests.conftest import PROMPTS, char_tokenizer
 

@@ -64,7 +64,7 @@ def test_real_pair_builds_labels_with_openai_sampling_and_probes_train(servers, 
     from datamodules.labels.clustering import ClusteringConfig
     from datamodules.labels.build import build
     from datamodules.datamodule import SemanticProbeDataModule
-    from probes.export import export_probe, load_probe
+    from probes.model import export_probe, load_probe
     from probes.module import SemanticProbeModule
     from probes.config import ProbeConfig
 

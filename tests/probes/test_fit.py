@@ -13,7 +13,7 @@ import yaml
 from generation.specs import FeatureSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import FORMAT_VERSION
-from probes.export import load_probe
+from probes.model import load_probe
 from probes.fit import DEFAULT_CONFIG, main
 from tests.conftest import refuse_in_a_fresh_process
 

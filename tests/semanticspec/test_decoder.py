@@ -14,8 +14,8 @@ from semanticspec.config import DecodeConfig
 from semanticspec.decoder import DecodeResult, SemanticSpecDecoder, summarize
 from probes.model import resolve_probe_dtype
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy, fast_path_keeps_rows
-from semanticspec.cache_parts import DraftProposer, TargetVerifier
-from probes.export import export_probe
+from semanticspec.decoder import DraftProposer, TargetVerifier
+from probes.model import export_probe
 from generation.fingerprints import model_fingerprint
 from probes.model import SemanticProbe
 from tests.conftest import PROMPTS, char_tokenizer, tiny_llama
@@ -464,7 +464,7 @@ def test_a_probe_of_a_servers_hidden_states_is_refused_in_process(tiny_pair, gro
     """The in-process decoder reads transformers' states after the final norm; statistics come from any source. The
     live-validation callback and the evaluation, which decode in-process too, check a probe with the same
     ``check_probe_matches``."""
-    from probes.export import check_probe_matches
+    from probes.model import check_probe_matches
 
     target, draft, tok = tiny_pair
     probe = ConstProbe(target.config.hidden_size, 1.0, groups=groups,

@@ -204,7 +204,7 @@ def test_a_request_whose_planning_fails_is_answered_and_the_endpoint_goes_on(wor
 def test_a_prompt_token_count_that_raises_ends_that_request_not_the_decode_thread():
     """The served path's prompt token count runs in the decode thread: a count that raises (the tokenizer refusing a
     string) ends that request with an error; the thread and the next request go on (it once killed the thread)."""
-    from semanticspec.engine_parts import ServedPrompt
+    from semanticspec.served import ServedPrompt
     from semanticspec.serve.scheduler import Job, Scheduler
 
     class Plan:  # a served plan's prompts: texts no server counted (a server that states no context)

@@ -18,8 +18,8 @@ from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
-from semanticspec.cache_parts import DraftProposer, TargetVerifier
-from probes.export import load_probe
+from semanticspec.decoder import DraftProposer, TargetVerifier
+from probes.model import load_probe
 from tests.conftest import PROMPTS
 from tests.semanticspec.conftest import make_decoder, stub_decoder, texts
 

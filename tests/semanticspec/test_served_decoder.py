@@ -17,7 +17,7 @@ from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.results import summarize
-from semanticspec.engine_parts import answer_cut
+from semanticspec.served import answer_cut
 from semanticspec.served import ServedDecoder
 from semanticspec.prompts import read_prompt_texts
 
@@ -55,7 +55,7 @@ def engines(world):
 
 def hidden_probe(world):
     """The shipped hidden-state target probe, its label sampling forgotten so it decides greedy decodes too."""
-    from probes.export import load_probe
+    from probes.model import load_probe
 
     probe = load_probe("checkpoints/arithmetic/probes-ablation/hidden/target", world["target"], world["tok"],
                        role="target")
@@ -211,7 +211,7 @@ def test_engine_parts_over_local_engines_decide_as_in_process_parts_on_32_proble
 def _topk_probe():
     """The shipped topk_stats-only target probe (the features an engine serves), its recorded sampling dropped so
     that both decoders may run greedy (decisions are then comparable token for token)."""
-    from probes.export import load_probe
+    from probes.model import load_probe
 
     probe = load_probe(REPO / "checkpoints" / "arithmetic" / "probes-topk" / "target", role="target")
     probe.config = dataclasses.replace(probe.config, sampling=None)
@@ -402,7 +402,7 @@ def test_in_process_engines_given_the_wrong_way_round_are_refused(engines):
 
 
 def test_a_full_vocabulary_statistics_probe_is_refused(world, engines):
-    from probes.export import load_probe
+    from probes.model import load_probe
 
     probe = load_probe("checkpoints/arithmetic/probes-ablation/token_stats/target", world["target"], world["tok"])
     probe.config = dataclasses.replace(probe.config, sampling=None)
