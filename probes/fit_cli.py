@@ -84,7 +84,7 @@ class ProbeCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         if self.config.get("ckpt_path"):
-            check_checkpoint(self.config.ckpt_path)
+            check_checkpoint(self.config.ckpt_path, self.config.get("trainer.default_root_dir"))
             check_resumed_options(self.config.ckpt_path, self.parser.dump(self.config, skip_check=True))
         try:  # one thread count per process, set before any model work
             apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
@@ -183,11 +183,20 @@ def _logger_follows_root(config, args: list[str]) -> None:
         logger.init_args.save_dir = config.get("trainer.default_root_dir")
 
 
-def check_checkpoint(path: str) -> None:
+def check_checkpoint(path: str, root: str | None = None) -> None:
     """Refuse, through :func:`fail`, a ``--ckpt_path`` that is not a Lightning checkpoint, before the data is
     prepared (Lightning reads it after). A Lightning checkpoint is a ``torch.save`` zip archive whose pickled dict
-    (``<name>/data.pkl``) has a ``pytorch-lightning_version`` key, looked for here without unpickling."""
+    (``<name>/data.pkl``) has a ``pytorch-lightning_version`` key, looked for here without unpickling.
+
+    Lightning's own words for a checkpoint (``last``, ``best``, ``hpc``) are refused too, naming the newest
+    ``last.ckpt`` under ``root`` (``--trainer.default_root_dir``): Lightning looks for them in the run it is starting,
+    and a resumed fit starts in a new version folder, so ``last`` would find nothing and train from scratch."""
     expected = "give the last.ckpt of an interrupted run (<run folder>/checkpoints/last.ckpt)"
+    if path in ("last", "best", "hpc") and not Path(path).exists():
+        runs = sorted(Path(root or ".").rglob("checkpoints/last.ckpt"), key=lambda f: f.stat().st_mtime)
+        newest = f"the newest under {root or '.'} is {runs[-1]}" if runs else f"there is none under {root or '.'}"
+        fail(f"--ckpt_path {path}: Lightning looks for '{path}' in the run it starts, a new version folder; "
+             f"{expected}: {newest}")
     try:
         with zipfile.ZipFile(path) as z:
             pickled = b"".join(z.read(n) for n in z.namelist() if n.endswith("data.pkl"))

@@ -672,6 +672,20 @@ def test_a_bad_checkpoint_is_refused_before_data_preparation_and_leaves_no_run_f
     assert not (tmp_path / "runs").exists()  # no version_N/ holding only config.yaml
 
 
+def test_lightnings_word_last_is_refused_naming_the_newest_last_ckpt(tmp_path, capsys):
+    """``--ckpt_path last`` was refused as a missing file: Lightning would look in the new version folder."""
+    args = ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)]
+    assert "there is none under" in _one_line_error(capsys, ["--ckpt_path", "last", *args])
+    for n in (0, 1):
+        last = tmp_path / "fit" / f"version_{n}" / "checkpoints" / "last.ckpt"
+        last.parent.mkdir(parents=True)
+        last.write_bytes(b"")
+        os.utime(last, (n, n))
+    line = _one_line_error(capsys, ["--ckpt_path", "last", *args])
+    assert "--ckpt_path last: Lightning looks for 'last' in the run it starts" in line
+    assert line.endswith(f"the newest under {tmp_path} is {last} (see `python -m probes.fit --help`)")
+
+
 def test_a_value_refused_once_the_trainer_exists_leaves_no_empty_logger_folder(tmp_path, capsys):
     cfg = _tiny_config(tmp_path)
     assert "Invalid learning rate" in _one_line_error(capsys, ["--config", str(cfg), "--model.optimizer.init_args.lr",
