@@ -8,6 +8,8 @@ users run) and logs what users care about, so ModelCheckpoint and EarlyStopping 
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -20,9 +22,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from generation.loading import device_problem
+from generation.paths import folder_problem
+from generation.specs import is_count, is_real
 from probes.model import check_probe_matches
-from semanticspec.timing import load_per_core, rotation, timing_noise, unreliable_because
+from semanticspec.base import resolve_sampling, sampling_spec
+from semanticspec.config import DecodeConfig
+from semanticspec.policies import ProbePolicy
 from semanticspec.results import accuracy, speedup
+from semanticspec.timing import load_per_core, rotation, timing_noise, unreliable_because
 
 METHODS = ("target_only", "semanticspec")
 """The methods every run decodes, the speedup's reference first."""
@@ -56,21 +63,35 @@ class SpeculativeValidation(Callback):
         draft: the draft to decode with instead of the world's (its own tokenizer is used).
         target_device: device of the target (e.g. ``cuda:0``).
         draft_device: device of the draft (e.g. ``cuda:1``; target and draft may differ).
-        max_problems: at most this many problems per run (the task's first ones, or generated with ``seed``).
+        max_problems: at most this many problems per run (the task's first ones, or generated with ``seed``; a
+            task file holding fewer gives fewer). Every one must have an answer, and none may be among the problems
+            the fit's label build labels (refused when the fit starts, naming one).
         batch_size: problems decoded together (by each method in turn; 1 = the per-problem speedup of the
             benchmarks' methods table).
         max_seconds: stop starting new batches after this many seconds of decoding per run.
-        every_n_epochs: run every n validation epochs, and at the last epoch ``max_epochs`` allows (a run that early
-            stopping ends between two runs keeps the figures of the one before).
+        every_n_epochs: decode at the validations of every n-th epoch (``trainer.current_epoch + 1`` a multiple of
+            n; each validation of such an epoch, so with ``val_check_interval`` below one epoch several), and at the
+            last epoch ``max_epochs`` allows (a run that early stopping ends between two runs keeps the figures of
+            the one before). Nothing is decoded under ``fast_dev_run``, whose run is a check of the code.
         seed: the seed of generated problems; problem ``i`` is decoded with seed ``seed + i`` (one seed per
             prompt, so it decodes the same whatever ``batch_size``, as ``benchmarks.decode`` decodes it).
         max_new_tokens: decode budget per problem.
         temperature: sampling temperature for both models (0 = greedy); None (default) = the
-            temperature the probes' labels were sampled at (the decoder refuses another one).
+            temperature the probes' labels were sampled at. Another one is refused when the fit starts, unless
+            ``allow_sampling_mismatch``.
         top_p: nucleus mass for both models; None = the probes'.
+        allow_sampling_mismatch: decode with a ``temperature`` or ``top_p`` other than the probes' (a warning, not
+            a refusal; :class:`~semanticspec.config.DecodeConfig`'s field of that name).
         rule: acceptance rule of the decoder (``threshold``, its default, or ``ratio``).
         tau: threshold of the ``threshold`` rule.
-        plots_dir: where the PNG plots go (default ``<trainer.log_dir or default_root_dir>/spec``).
+        plots_dir: where the PNG plots go (default ``<trainer.log_dir or default_root_dir>/spec``). A folder that
+            cannot be written when the fit ends is warned about, and the fit goes on to its test and export.
+
+    Every argument is checked here, naming it (ValueError), so a bad one fails before any training: the decode
+    settings as :class:`~semanticspec.config.DecodeConfig` and the policy as
+    :class:`~semanticspec.policies.ProbePolicy` check them.
+
+    The figures of every run are kept in :attr:`history`, which a resumed fit restores from its checkpoint.
     """
 
     def __init__(
@@ -92,22 +113,27 @@ class SpeculativeValidation(Callback):
         rule: str = "threshold",
         tau: float = 0.5,
         plots_dir: Optional[str] = None,
+        allow_sampling_mismatch: bool = False,
     ) -> None:
-        errors = []
-        if max_problems < 1:
-            errors.append(f"max_problems={max_problems}: expected >= 1")
-        if batch_size < 1:
-            errors.append(f"batch_size={batch_size}: expected >= 1")
+        errors = [f"{name}={value!r}: expected an integer >= 1" for name, value in (
+            ("max_problems", max_problems), ("batch_size", batch_size), ("every_n_epochs", every_n_epochs))
+            if not is_count(value)]
         if task is not None and not isinstance(task, Task):
             errors.append(f"task={task!r}: expected a datamodules.tasks.base.Task")
-        if max_seconds <= 0:
-            errors.append(f"max_seconds={max_seconds}: expected > 0")
-        if every_n_epochs < 1:
-            errors.append(f"every_n_epochs={every_n_epochs}: expected >= 1")
+        if not (is_real(max_seconds) and max_seconds > 0 and math.isfinite(max_seconds)):
+            errors.append(f"max_seconds={max_seconds!r}: expected a number of seconds > 0")
+        if plots_dir is not None and not isinstance(plots_dir, (str, os.PathLike)):
+            errors.append(f"plots_dir={plots_dir!r}: expected a folder path")
+        elif plots_dir is not None and (problem := folder_problem(plots_dir, "plots_dir")):
+            errors.append(problem.replace("plots_dir ", "plots_dir=", 1))
+        try:  # the decode settings and the policy, checked as the decoder checks them
+            self.config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                       allow_sampling_mismatch=allow_sampling_mismatch)
+            self.policy = ProbePolicy(rule=rule, tau=tau)  # the probes alone (no fast path): it judges them
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
         if (target is None) != (draft is None):
             errors.append(f"target={target!r}, draft={draft!r}: give both or neither (neither = the embedded world's)")
-        if rule not in ("ratio", "threshold"):
-            errors.append(f"rule={rule!r}: expected 'ratio' or 'threshold'")
         errors += [f"{name}={problem}" for name, device in (("target_device", target_device),
                                                              ("draft_device", draft_device))
                    if (problem := device_problem(device))]
@@ -116,13 +142,15 @@ class SpeculativeValidation(Callback):
         # Read the problem set now, so a bad file fails before any training (names file and line).
         self.task = task or default_world().validation_task()
         self.problems = [(r["problem"], r["answer"]) for r in self.task.problems(max_problems, seed)]
+        if no_answer := [k for k, (_, answer) in enumerate(self.problems) if answer is None or not str(answer).strip()]:
+            raise ValueError(f"invalid SpeculativeValidation arguments: task {self.task.spec()['class_path']}: "
+                             f"problem {no_answer[0]} ({self.problems[no_answer[0]][0][:60]!r}) has no answer to "
+                             f"check; {len(no_answer)} of {len(self.problems)} lack one (accuracy would be 0)")
         self.batch_size = batch_size
         self.world_root = world_root
         self.model_specs = (target, draft)
         self.devices = (target_device, draft_device)
         self.max_seconds, self.every_n_epochs, self.seed = max_seconds, every_n_epochs, seed
-        self.gen_kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        self.rule, self.tau = rule, tau
         self.plots_dir = plots_dir
         self.history: list[dict[str, float]] = []
         self._target = self._draft = self._tokenizer = self._draft_tokenizer = None
@@ -137,6 +165,10 @@ class SpeculativeValidation(Callback):
                 f"SpeculativeValidation needs a module with probes for 'target' and 'draft'; "
                 f"{type(pl_module).__name__} lacks {missing}. Train with --data.roles [target, draft]."
             )
+        cfg = self.config  # what every decode would refuse, refused before training
+        resolve_sampling(sampling_spec((probes["target"], probes["draft"])), cfg.temperature, cfg.top_p, True,
+                         cfg.allow_sampling_mismatch, stacklevel=2)
+        self._check_held_out(getattr(trainer, "datamodule", None))
         if trainer.is_global_zero and self._target is None:
             if self.model_specs[0] is None:
                 world = default_world()
@@ -153,6 +185,27 @@ class SpeculativeValidation(Callback):
             check_probe_matches(probes["draft"].config, self._draft, self._draft_tokenizer,
                                 where="draft probe in training")
 
+    def _check_held_out(self, data) -> None:
+        """Refuse problems that the label build of ``data`` (a DataModule with a ``build`` config) labels: the figures
+        would be measured on the probes' training problems."""
+        build = getattr(data, "build", None)
+        if build is None or not hasattr(build, "resolved_task"):
+            return
+        seen = {p["problem"] for p in build.resolved_task().problems(build.n_problems, build.task_seed)}
+        if overlap := [k for k, (problem, _) in enumerate(self.problems) if problem in seen]:
+            first = self.problems[overlap[0]][0][:60]
+            raise ValueError(f"SpeculativeValidation: {len(overlap)} of its {len(self.problems)} problems are among "
+                             f"the label build's ({build.n_problems} from task_seed {build.task_seed}), e.g. problem "
+                             f"{overlap[0]} ({first!r}); give it held-out problems (another task file, or another "
+                             "seed for a generated task)")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The figures of every run so far (a resumed fit goes on with them, and its history plot shows them)."""
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))
+
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._calibration = {"target": [], "draft": []}
 
@@ -168,7 +221,8 @@ class SpeculativeValidation(Callback):
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         last = (trainer.max_epochs or -1) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs  # -1: no limit
-        if trainer.sanity_checking or ((trainer.current_epoch + 1) % self.every_n_epochs and not last):
+        if trainer.sanity_checking or trainer.fast_dev_run or ((trainer.current_epoch + 1) % self.every_n_epochs
+                                                               and not last):
             return
         figures = trainer.strategy.broadcast(self.decode(pl_module) if trainer.is_global_zero else {}, src=0)
         if trainer.is_global_zero:
@@ -180,7 +234,10 @@ class SpeculativeValidation(Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         log_dir = trainer.log_dir  # a broadcast under DDP: every rank asks, rank 0 writes (asked by one, it hung)
         if trainer.is_global_zero and self.history:
-            self.write_plots(trainer, log_dir)
+            try:
+                self.write_plots(trainer, log_dir)
+            except OSError as e:  # the fit's test and export still come
+                rank_zero_warn(f"SpeculativeValidation wrote no plots: {e}")
 
     @torch.no_grad()
     def decode(self, pl_module: L.LightningModule) -> dict[str, float]:
@@ -200,13 +257,12 @@ class SpeculativeValidation(Callback):
 
     def _decoder(self, probes):
         from semanticspec.decoder import SemanticSpecDecoder
-        from semanticspec.policies import ProbePolicy
 
         return SemanticSpecDecoder(
             self._target, self._draft, self._tokenizer,
             draft_tokenizer=None if self._draft_tokenizer is self._tokenizer else self._draft_tokenizer,
             target_probe=probes["target"].cpu(), draft_probe=probes["draft"].cpu(),
-            policy=ProbePolicy(rule=self.rule, tau=self.tau),  # the probes alone (no fast path): it judges them
+            policy=self.policy,
             task=self.task,
         )
 
@@ -219,7 +275,7 @@ class SpeculativeValidation(Callback):
         """
         prompts = decoder.prompts([problem for problem, _ in self.problems])
         for method in METHODS:  # untimed: first calls pay one-off costs (kernels, allocations)
-            decoder.generate(prompts[:1], method=method, **{**self.gen_kwargs, "max_new_tokens": 16})
+            decoder.generate(prompts[:1], self.config, method=method, max_new_tokens=16)
         load = load_per_core()
         runs: dict[str, list[list]] = {m: [] for m in METHODS}
         answers, start = [], time.perf_counter()
@@ -228,8 +284,8 @@ class SpeculativeValidation(Callback):
                 break
             batch = range(i, min(i + self.batch_size, len(self.problems)))
             for method in rotation(METHODS, c):  # timed in this run: the speedup's reference is never cached
-                runs[method].append(decoder.generate([prompts[k] for k in batch], method=method,
-                                                     seed=[self.seed + k for k in batch], **self.gen_kwargs))
+                runs[method].append(decoder.generate([prompts[k] for k in batch], self.config, method=method,
+                                                     seed=[self.seed + k for k in batch]))
             answers += [self.problems[k][1] for k in batch]
         return runs, answers, max(load, load_per_core())
 

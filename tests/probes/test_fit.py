@@ -369,6 +369,86 @@ def test_callback_bad_problem_file_fails_before_training(tmp_path):
         SpeculativeValidation(draft_device="cuda:bad")
 
 
+def _narrow_module(sampling=None):
+    """A module whose probes read 7-wide states (no world model has them): ``setup`` checks everything before that."""
+    from probes.config import ProbeConfig
+    from probes.module import SemanticProbeModule
+
+    spec = {r: {"hidden_size": 7, "features": FeatureSpec(), "reads": {"hidden_size": 7}, "sampling": sampling}
+            for r in ("target", "draft")}
+    return SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    # each was taken here and refused after the first epoch's training, some with a traceback naming nothing
+    ({"tau": 2.0}, "tau=2.0: expected a number with 0 <= tau <= 1"),
+    ({"rule": "foo"}, "rule='foo'"),
+    ({"max_new_tokens": 0}, "max_new_tokens=0"),
+    ({"temperature": -1.0}, "temperature=-1.0"),
+    ({"top_p": 2.0}, "top_p=2.0"),
+    ({"batch_size": 1.5}, "batch_size=1.5: expected an integer >= 1"),
+    ({"max_problems": "4"}, "max_problems='4': expected an integer >= 1"),
+    ({"every_n_epochs": 1.5}, "every_n_epochs=1.5: expected an integer >= 1"),
+    ({"max_seconds": float("nan")}, "max_seconds=nan"),
+    ({"plots_dir": 123}, "plots_dir=123: expected a folder path"),
+    ({"plots_dir": __file__}, f"plots_dir={__file__}: is a file"),
+])
+def test_callback_refuses_a_bad_argument_when_built(kwargs, named):
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    with pytest.raises(ValueError, match="invalid SpeculativeValidation arguments") as e:
+        SpeculativeValidation(**kwargs)
+    assert named in str(e.value)
+
+
+def test_callback_refuses_unanswered_problems_and_the_build_s_own_before_training(tmp_path):
+    from types import SimpleNamespace
+
+    from arithmetic_world.task import ArithmeticTask
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    records = [{"problem": f"Start with {k}. Add 2. What is the result?", "answer": k + 2} for k in range(4)]
+    file = tmp_path / "problems.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in records[:3] + [{**records[3], "answer": ""}]))
+    with pytest.raises(ValueError, match=r"problem 3 \('Start with 3.*has no answer to check; 1 of 4 lack one"):
+        SpeculativeValidation(task=ArithmeticTask(str(file)))  # its accuracy was 0, silently
+    callback = SpeculativeValidation(task=ArithmeticTask(str(file)), max_problems=2)
+    build = SimpleNamespace(resolved_task=lambda: ArithmeticTask(str(file)), n_problems=3, task_seed=1)
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(build=build), is_global_zero=True)
+    with pytest.raises(ValueError, match=r"2 of its 2 problems are among the label build's \(3 from task_seed 1\)"):
+        callback.setup(trainer, _narrow_module(), "fit")
+
+
+def test_callback_refuses_another_sampling_than_the_probes_before_training():
+    """The docstring's "0 = greedy" was refused by the decoder after the first epoch, with no way to allow it."""
+    from callbacks.speculative_validation import SpeculativeValidation
+    from generation.specs import SamplingSpec
+
+    module = _narrow_module(SamplingSpec(0.6, 0.95))
+    with pytest.raises(ValueError, match="temperature=0.0.*allow_sampling_mismatch=True"):
+        SpeculativeValidation(temperature=0.0, max_problems=1).setup(L.Trainer(logger=False), module, "fit")
+    with pytest.warns(UserWarning, match="allow_sampling_mismatch=True: temperature"), \
+            pytest.raises(ValueError, match="hidden_size: probe has 7"):  # past the sampling, to the models
+        SpeculativeValidation(temperature=0.0, max_problems=1, allow_sampling_mismatch=True).setup(
+            L.Trainer(logger=False), module, "fit")
+
+
+def test_callback_plots_that_cannot_be_written_leave_the_fit_to_go_on_and_its_history_is_kept(tmp_path):
+    from types import SimpleNamespace
+
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    callback = SpeculativeValidation(max_problems=1, plots_dir=str(tmp_path / "plots"))
+    callback.history = [{"epoch": 0, "speedup": 1.5, "accuracy": 1.0, "accuracy_delta": 0.0}]
+    (tmp_path / "plots").write_text("made a file since\n")
+    trainer = SimpleNamespace(log_dir=None, is_global_zero=True, default_root_dir=str(tmp_path), loggers=[])
+    with pytest.warns(UserWarning, match="SpeculativeValidation wrote no plots: .*File exists"):
+        callback.on_fit_end(trainer, None)  # raised FileExistsError: no test, no export
+    resumed = SpeculativeValidation(max_problems=1)
+    resumed.load_state_dict(callback.state_dict())  # a checkpoint's copy: the history plot of a resumed fit
+    assert resumed.history == callback.history
+
+
 def _world_module():
     from generation.specs import TOKEN_STATS
     from arithmetic_world.models import load_model, load_tokenizer
@@ -847,8 +927,10 @@ def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
     module = SimpleNamespace(log=lambda name, value, **kw: logged.append((name, value)))
     for epoch, max_epochs, runs in ((0, 3, False), (1, 3, True), (2, 3, True), (0, 1, True), (0, None, False),
                                     (0, -1, False), (1, -1, True)):  # -1: no limit, so no last epoch
-        trainer = SimpleNamespace(sanity_checking=False, current_epoch=epoch, max_epochs=max_epochs,
-                                  is_global_zero=True, strategy=SimpleNamespace(broadcast=lambda x, src: x))
-        logged.clear()
-        cb.on_validation_epoch_end(trainer, module)
-        assert (logged == [("spec/speedup", 2.0)]) == runs, (epoch, max_epochs)
+        for fast_dev_run in (0, 1):  # a check of the code decodes nothing
+            trainer = SimpleNamespace(sanity_checking=False, current_epoch=epoch, max_epochs=max_epochs,
+                                      fast_dev_run=fast_dev_run, is_global_zero=True,
+                                      strategy=SimpleNamespace(broadcast=lambda x, src: x))
+            logged.clear()
+            cb.on_validation_epoch_end(trainer, module)
+            assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run), (epoch, max_epochs)
