@@ -52,9 +52,10 @@ def other_problems(doc: str, name: str, n: int, quick_n: int, seed: int,
     ``args.n_problems`` is set to the number decoded.
     """
     ap = harness.parser(doc, quick=f"{quick_n} problems, writes {name}-quick.json", threads=1, name=name)
-    ap.add_argument("--n-problems", type=int, default=None, help=f"problems (default {n}, quick {quick_n})")
-    ap.add_argument("--seed", type=int, default=seed, help=f"problem seed (decode.py uses {PROBLEM_SEED:,})")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--n-problems", type=harness.count, default=None, help=f"problems (default {n}, quick {quick_n})")
+    ap.add_argument("--seed", type=harness.non_negative, default=seed,
+                    help=f"problem seed (decode.py uses {PROBLEM_SEED:,})")
+    ap.add_argument("--max-new-tokens", type=harness.count, default=96)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.n_problems = args.n_problems or (quick_n if args.quick else n)

@@ -279,9 +279,9 @@ def arguments() -> argparse.ArgumentParser:
     """The benchmark's command line (the harness's ``--quick`` and ``--threads``, then its own options)."""
     ap = harness.parser(__doc__, quick="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*", threads=1,
                         name="decode", formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n-problems", type=int, default=None, help="problems (default 400, quick 40)")
-    ap.add_argument("--seed", type=int, default=PROBLEM_SEED)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--n-problems", type=harness.count, default=None, help="problems (default 400, quick 40)")
+    ap.add_argument("--seed", type=harness.non_negative, default=PROBLEM_SEED)
+    ap.add_argument("--max-new-tokens", type=harness.count, default=96)
     ap.add_argument("--temperature", type=float, default=None,
                     help="sampling temperature (default: the probes' label sampling, else 0.6)")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus mass (default: the probes', else 0.95)")
@@ -289,7 +289,7 @@ def arguments() -> argparse.ArgumentParser:
                     help="SemanticSpec's rule (the decoder's default)")
     ap.add_argument("--tau", type=float, default=0.5, help="threshold of the threshold rule")
     ap.add_argument("--ratio-scale", type=float, default=1.0, help="ratio rule: accept with probability min(1, s*q/p)")
-    ap.add_argument("--top-k", type=int, default=None,
+    ap.add_argument("--top-k", type=harness.non_negative, default=None,
                     help="fast path top-k (default: the decoder's, 1 = the gated top-1 fast path; 0 = off)")
     ap.add_argument("--probe-dtype", choices=PROBE_DTYPES, default="auto",
                     help="dtype of the probes' MLPs (default: the decoder's, auto = float16 where it is fast)")
@@ -319,11 +319,11 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--no-batch-scaling", action="store_true")
     ap.add_argument("--only-batch-scaling", action="store_true",
                     help="run the batch-scaling section alone (writes decode-scaling[-quick].json and .md)")
-    ap.add_argument("--scaling-problems", type=int, default=None,
+    ap.add_argument("--scaling-problems", type=harness.count, default=None,
                     help="problems decoded at every batch size (default 64, quick 16)")
-    ap.add_argument("--batch-sizes", type=int, nargs="*", default=None,
+    ap.add_argument("--batch-sizes", type=harness.count, nargs="*", default=None,
                     help="batch sizes of the scaling section (default 1 2 4 8 16)")
-    ap.add_argument("--scaling-repeats", type=int, default=1,
+    ap.add_argument("--scaling-repeats", type=harness.count, default=1,
                     help="passes of the scaling section over its problems (the same texts each time); figures are "
                          "over every pass and speedup_repeats holds each pass's speedup, the run's timing noise")
     ap.add_argument(
@@ -340,6 +340,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if problem := device_problem(args.device):
         ap.error(f"--device {problem}")
+    if args.only_batch_scaling and args.no_batch_scaling:
+        ap.error("--only-batch-scaling with --no-batch-scaling: nothing would be measured; give one of them")
+    if problem := value_problem(args, ap):
+        ap.error(problem)
     if args.sweep is None:
         args.sweep = (
             ([0.5, 4.0] if args.quick else [0.25, 0.5, 2.0, 4.0, 16.0])
@@ -351,6 +355,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.oracle_sweep is None:
         args.oracle_sweep = [0.5] if args.quick else [0.25, 0.5, 0.75]
     return args
+
+
+def value_problem(args: argparse.Namespace, ap: argparse.ArgumentParser) -> str | None:
+    """What is wrong with the values the run would refuse only after loading the world (or not at all): the policy,
+    the sampling and each swept value as the decoder checks them, a ``--world`` that is not a folder, and probe folders
+    given that hold no exported probe (the defaults, when missing, run untrained probes with a warning)."""
+    from generation.specs import SamplingSpec
+
+    if args.world is not None and not Path(args.world).is_dir():
+        return f"--world {args.world}: no such folder (a world's target/, draft/ and tokenizer)"
+    for option in ("target_probe", "draft_probe"):
+        value = getattr(args, option)
+        if value != ap.get_default(option) and not Path(value, "config.json").is_file():
+            return f"--{option.replace('_', '-')} {value}: no exported probe there (config.json + model.safetensors)"
+    knob = "ratio_scale" if args.rule == "ratio" else "tau"
+    try:
+        policy = ProbePolicy(rule=args.rule, tau=args.tau, ratio_scale=args.ratio_scale, top_k=args.top_k or 0,
+                             fast_path_min_logprob=args.fast_path_min_logprob)
+    except ValueError as e:
+        return str(e)
+    for option, values, make in (("--sweep", args.sweep, lambda v: replace(policy, **{knob: v})),
+                                 ("--random-sweep", args.random_sweep, RandomPolicy)):
+        for value in values or ():
+            try:
+                make(value)
+            except ValueError as e:
+                return f"{option} {value}: {e}"
+    problems = SamplingSpec.errors(SamplingSpec.temperature if args.temperature is None else args.temperature,
+                                   SamplingSpec.top_p if args.top_p is None else args.top_p)
+    problems += [f"--oracle-sweep {v}: expected a share in [0, 1]" for v in args.oracle_sweep or () if not 0 <= v <= 1]
+    return "; ".join(problems) or None
 
 
 def probes_or_untrained(args: argparse.Namespace, world: models.WorldModels) -> tempfile.TemporaryDirectory | None:
@@ -690,19 +725,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     n = args.n_problems or (40 if args.quick else 400)
     world = models.load_world(args.world, device=args.device)
     tmp = probes_or_untrained(args, world)
-    plan = build_plan(args, world)
-    problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
-    warm_up(plan.dec, args)
-    if args.only_batch_scaling:
-        report = scaling_only(plan, args, untrained=tmp is not None)
-    else:
+    try:
+        plan = build_plan(args, world)
+        problems = task.generate_problems(n, args.seed, task.TaskConfig(min_ops=4, max_ops=4))
+        warm_up(plan.dec, args)
+        if args.only_batch_scaling:
+            return scaling_only(plan, args, untrained=tmp is not None)
         t0 = time.perf_counter()
         runs, forwards = run_methods(plan.dec, plan.variants, problems, args)
         report = build_report(args, plan, runs, forwards, problems, untrained=tmp is not None, t0=t0)
         save(report, args)
-    if tmp is not None:
-        tmp.cleanup()
-    return report
+        return report
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
 
 
 if __name__ == "__main__":

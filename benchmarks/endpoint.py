@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
+from generation.paths import folder_problem
 
 METHODS = ("semanticspec", "target_only")
 
@@ -310,17 +311,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, quick="16 prompts at concurrency 1 and 8, in-process only; writes "
                         "endpoint-quick.json", threads=2, threads_help="torch CPU threads of the endpoint and the "
                         "Python API", name="endpoint")
-    ap.add_argument("--requests", type=int, default=None, help="prompts per wave (default 64; --quick 16)")
+    ap.add_argument("--requests", type=harness.count, default=None, help="prompts per wave (default 64; --quick 16)")
     ap.add_argument("--served", action="store_true", help="also in front of the world's llama.cpp servers")
-    ap.add_argument("--max_tokens", type=int, default=96, help="max_tokens per request (default %(default)s)")
-    ap.add_argument("--overhead_reps", type=int, default=None,
+    ap.add_argument("--max_tokens", type=harness.count, default=96, help="max_tokens per request (default %(default)s)")
+    ap.add_argument("--overhead_reps", type=harness.count, default=None,
                     help="interleaved API/endpoint passes at concurrency 1 (default 3; --quick 1)")
     ap.add_argument("--log_dir", default="runs/benchmarks/endpoint", help="server logs")
-    ap.add_argument("--chaos_clients", type=int, default=None, help="streaming clients of the chaos run (default 32; "
-                    "--quick 8; 0 skips it)")
+    ap.add_argument("--chaos_clients", type=harness.non_negative, default=None,
+                    help="streaming clients of the chaos run (default 32; --quick 8; 0 skips it)")
     ap.add_argument("--chaos_seconds", type=float, default=None, help="seconds of the chaos run (default 60; "
                     "--quick 15)")
     args = ap.parse_args(argv)
+    if problem := folder_problem(args.log_dir, "--log_dir"):
+        ap.error(problem)
     from generation.threads import set_wait_policy
 
     set_wait_policy()  # as the endpoint's command does: the Python API runs under the same thread settings

@@ -25,7 +25,7 @@ from generation.paths import portable_paths
 def main(argv: list[str] | None = None) -> dict:
     """Run the evaluation and write ``evaluate[-quick].json`` with its table and plot."""
     ap = harness.parser(__doc__, quick="8 problems, writes evaluate-quick.*", threads=1, name="evaluate")
-    ap.add_argument("--n-problems", type=int, default=None, help="held-out problems (default 40, quick 8)")
+    ap.add_argument("--n-problems", type=harness.count, default=None, help="held-out problems (default 40, quick 8)")
     args = ap.parse_args(argv)
     from semanticspec import evaluate
     from semanticspec.evaluation_report import markdown, plot

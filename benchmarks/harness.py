@@ -59,11 +59,53 @@ def parser(doc: str, quick: str, threads: int | None = None, threads_help: str =
     ap = OneLineParser(description=doc.split("\n\n")[0], **kwargs)
     ap.add_argument("--quick", action="store_true", help=quick)
     if threads is not None:
-        ap.add_argument("--threads", type=int, default=threads, help=threads_help)
+        ap.add_argument("--threads", type=count, default=threads, help=threads_help)
     if name is not None:
-        ap.add_argument("--out", type=Path, default=None,
+        ap.add_argument("--out", type=json_path, default=None,
                         help=f"JSON path (default benchmarks/results/{name}[-quick].json)")
     return ap
+
+
+def count(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (problems, tokens, passes, threads). A count of 0 is refused rather than
+    read as "the default", and a negative one rather than run to empty figures."""
+    return _integer(text, 1)
+
+
+def non_negative(text: str) -> int:
+    """An argparse ``type``: an integer >= 0 (a seed: ``random.Random(-1)`` is ``random.Random(1)``; a top-k)."""
+    return _integer(text, 0)
+
+
+def port(text: str) -> int:
+    """An argparse ``type``: a TCP port, 1 to 65535."""
+    value = _integer(text, 1)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value}: expected a port from 1 to 65535")
+    return value
+
+
+def _integer(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {least}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= {least}")
+    return value
+
+
+def json_path(text: str) -> Path:
+    """An argparse ``type``: where a script writes its JSON (and its ``.md``, ``.png`` beside it), checked before the
+    run: not a folder, in a folder that exists or can be made."""
+    from generation.paths import folder_problem
+
+    path = Path(text).expanduser()
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: is a folder; expected a JSON file's path")
+    if problem := folder_problem(path.parent, "its folder"):
+        raise argparse.ArgumentTypeError(problem)
+    return path
 
 
 class OneLineParser(OneLineErrors, argparse.ArgumentParser):

@@ -42,10 +42,14 @@ def main(argv=None) -> dict:
     ap = harness.parser(__doc__, quick="4 problems, writes real-quick.json", threads=2, name="real")
     ap.add_argument("--probes", required=True, help="export folder holding target/ and draft/ probes of this pair")
     ap.add_argument("--data-dir", required=True, help="the label build the probes were trained on (its manifest)")
-    ap.add_argument("--n-problems", type=int, default=None, help="problems (default 16, quick 4)")
-    ap.add_argument("--seed", type=int, default=60_000, help="problem seed (held out: the build uses task_seed 1)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--n-problems", type=harness.count, default=None, help="problems (default 16, quick 4)")
+    ap.add_argument("--seed", type=harness.non_negative, default=60_000,
+                    help="problem seed (held out: the build uses task_seed 1)")
+    ap.add_argument("--max-new-tokens", type=harness.count, default=64)
     args = ap.parse_args(argv)
+    if missing := [r for r in ("target", "draft") if not Path(args.probes, r, "config.json").is_file()]:
+        ap.error(f"--probes {args.probes}: no exported probe in {' or '.join(r + '/' for r in missing)} (config.json "
+                 "+ model.safetensors)")
     torch.set_num_threads(args.threads)
     manifest = S.read_manifest(args.data_dir)
     if manifest is None or not manifest.get("complete"):

@@ -12,7 +12,6 @@ up to date, and ``tests/benchmarks/test_report.py`` fails while they are not.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -339,7 +338,7 @@ def stale(page: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
+    ap = harness.OneLineParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="only say which pages are out of date (exit status 1)")
     args = ap.parse_args(argv)
     out_of_date = {p.relative_to(ROOT): names for p in PAGES if (names := stale(p))}

@@ -731,11 +731,12 @@ def markdown(report: dict) -> str:
 def arguments():
     ap = harness.parser(__doc__, quick="8 problems and an 8-problem build, writes served-quick.json",
                         name="served")
-    ap.add_argument("--n-problems", type=int, default=None, help="held-out problems (default 64, --quick 8)")
-    ap.add_argument("--build-problems", type=int, default=48, help="problems of the engine-read build (--quick: 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--seed", type=int, default=PROBLEM_SEED)
-    ap.add_argument("--ports", type=int, nargs=2, default=None,
+    ap.add_argument("--n-problems", type=harness.count, default=None, help="held-out problems (default 64, --quick 8)")
+    ap.add_argument("--build-problems", type=harness.count, default=48,
+                    help="problems of the engine-read build (--quick: 8)")
+    ap.add_argument("--max-new-tokens", type=harness.count, default=96)
+    ap.add_argument("--seed", type=harness.non_negative, default=PROBLEM_SEED)
+    ap.add_argument("--ports", type=harness.port, nargs=2, default=None,
                     help="target and draft server ports (default: two free ones, so runs at once do not share "
                          "servers)")
     ap.add_argument("--engine-probes", default=None,
@@ -745,7 +746,10 @@ def arguments():
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark (see the module docstring) and write its figures; returns the report."""
-    args = arguments().parse_args(argv)
+    ap = arguments()
+    args = ap.parse_args(argv)
+    if args.ports is not None and args.ports[0] == args.ports[1]:
+        ap.error(f"--ports {args.ports[0]} {args.ports[1]}: the target's and the draft's servers need two ports")
     torch.set_num_threads(1)
     n = args.n_problems or (8 if args.quick else 64)
     t0 = time.perf_counter()

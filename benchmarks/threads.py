@@ -222,7 +222,8 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, quick="4-problem build, 1-epoch fit on 4 live problems, one pass; "
                         "writes threads-quick.json", name="threads")
-    ap.add_argument("--passes", type=int, default=None, help="passes over every configuration (default 2, quick 1)")
+    ap.add_argument("--passes", type=harness.count, default=None,
+                    help="passes over every configuration (default 2, quick 1)")
     args = ap.parse_args(argv)
     passes = args.passes or (1 if args.quick else 2)
     load_before = [round(x, 2) for x in os.getloadavg()]

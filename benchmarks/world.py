@@ -385,7 +385,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument(
         "--root", type=Path, default=None, help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)"
     )
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--seed", type=harness.non_negative, default=0, help="sampling seed")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = run(args.quick, args.root, args.seed)

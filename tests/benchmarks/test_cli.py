@@ -34,6 +34,35 @@ def test_every_benchmark_refuses_in_one_line(name, capsys):
     assert err.startswith(f"{prog}: error: ") and err.endswith(f" (see `{prog} --help`)\n"), err
 
 
+@pytest.mark.parametrize("name, args, said", [
+    # each ran: a negative count wrote NaN figures over the committed results with status 0, a count of 0 ran the
+    # whole default benchmark, a folder --out failed after the run, the rest ended in tracebacks
+    ("first_step", ["--n-problems", "-5"], "argument --n-problems: -5: expected an integer >= 1"),
+    ("decode", ["--n-problems", "0"], "argument --n-problems: 0: expected an integer >= 1"),
+    ("decode", ["--threads", "0"], "argument --threads: 0: expected an integer >= 1"),
+    ("rewrites", ["--out", "/"], "argument --out: '/': is a folder; expected a JSON file's path"),
+    ("decode", ["--out", f"{__file__}/x.json"], f"argument --out: its folder {__file__}: is a file"),
+    ("decode", ["--only-batch-scaling", "--no-batch-scaling"], "--only-batch-scaling with --no-batch-scaling"),
+    ("decode", ["--target-probe", "/no/such/probe"], "--target-probe /no/such/probe: no exported probe there"),
+    ("decode", ["--world", "/no/such/world"], "--world /no/such/world: no such folder"),
+    ("decode", ["--tau", "2"], "tau=2.0: expected a number with 0 <= tau <= 1"),
+    ("decode", ["--random-sweep", "0.5", "1.5"], "--random-sweep 1.5: RandomPolicy(rate=1.5)"),
+    ("decode", ["--temperature", "-1"], "temperature=-1.0: expected a finite number >= 0"),
+    ("served", ["--ports", "70000", "70001"], "argument --ports: 70000: expected a port from 1 to 65535"),
+    ("served", ["--ports", "18861", "18861"], "--ports 18861 18861: the target's and the draft's servers need two"),
+    ("endpoint", ["--log_dir", __file__], f"--log_dir {__file__}: is a file"),
+    ("real", ["--probes", "/no/such", "--data-dir", "/no/such"], "--probes /no/such: no exported probe in target/"),
+    ("report", ["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_values_are_refused_before_the_run_in_one_line(name, args, said, capsys):
+    module = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as e:
+        module.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"python -m benchmarks.{name}: error: ") and said in err, err
+
+
 def test_the_served_benchmark_starts_its_servers_on_free_ports_by_default():
     """Two runs at once must not share servers: on fixed ports the second run's client talked to the first run's
     servers (its own could not bind), and the first's server log counted both runs' requests."""
