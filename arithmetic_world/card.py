@@ -176,9 +176,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     prog = "python -m arithmetic_world.card"
     path = args.results or RESULTS
     if args.results is not None and not path.is_file():
-        fail(prog, f"--results {path}: no such file; measure with `python -m benchmarks.world`")
+        fail(prog, f"--results {path}: {'is a folder' if path.is_dir() else 'no such file'}; give the JSON of "
+             "`python -m benchmarks.world`")
     try:
         results = json.loads(path.read_text()) if path.is_file() else None
+        if results is not None and not (isinstance(results, dict) and {"n_problems", "goals"} <= results.keys()):
+            fail(prog, f"--results {path}: not the output of `python -m benchmarks.world` (a JSON object with "
+                 "n_problems and goals)")
         for role in args.roles:
             if args.publish is not None:
                 print(f"published {publish(role, args.publish, args.root)}")

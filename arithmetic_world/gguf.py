@@ -44,7 +44,7 @@ from typing import Optional
 
 from arithmetic_world import models
 from generation.cli import fail, one_line_parser
-from generation.paths import atomic_path
+from generation.paths import atomic_path, folder_problem
 
 CACHE_FOLDER = "gguf"
 """Default cache: ``<world root>/gguf/`` (``checkpoints/arithmetic/gguf/`` for the shipped world, gitignored)."""
@@ -229,6 +229,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)")
     ap.add_argument("--cache_dir", type=Path, default=None, help="where the GGUF files go (default <world root>/gguf)")
     args = ap.parse_args(argv)
+    if args.cache_dir is not None and (problem := folder_problem(args.cache_dir, "--cache_dir")):
+        fail("python -m arithmetic_world.gguf", problem)
     try:
         for role in args.roles:
             print(world_gguf(role, args.cache_dir, args.root))

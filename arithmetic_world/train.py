@@ -31,6 +31,7 @@ from generation.cli import fail, one_line_parser
 from generation.specs import SamplingSpec
 from generation.writer import generate
 from generation.padding import left_pad
+from generation.paths import folder_problem
 
 TARGET_STYLE = (0.6, 0.3, 0.05, 0.05)
 """Template weights of the target's corpus (per operation): it prefers templates 0 and 1."""
@@ -297,7 +298,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="start from this saved model (e.g. the judge from the target)")
     ap.add_argument("--steps", type=int, default=None, help="override the number of optimizer steps")
     ap.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
-    ap.add_argument("--layers", type=int, default=None, help="override the number of transformer layers")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="override the number of transformer layers (a judge then starts afresh, not from OUT/target)")
     args = ap.parse_args(argv)
     if problems := _option_problems(args):
         fail("python -m arithmetic_world.train", "; ".join(problems))
@@ -306,8 +308,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             if getattr(args, key) is not None:
                 setattr(SPECS[w], key, getattr(args, key))
         init = args.init_from
-        if w == "judge" and init is None and (args.out / "target" / "model.safetensors").is_file():
-            init = args.out / "target"  # a judge that already reads every template learns in minutes
+        if w == "judge" and init is None and args.layers is None and (args.out / "target" / "model.safetensors"
+                                                                      ).is_file():
+            init = args.out / "target"  # a judge that already reads every template learns in minutes (not resized)
         train(w, args.out, seed=args.seed, threads=args.threads, init_from=init)
 
 
@@ -319,8 +322,11 @@ def _option_problems(args) -> list[str]:
             if getattr(args, k) is not None and not 0 < getattr(args, k) < math.inf]
     if args.init_from is not None and not (args.init_from / "config.json").is_file():
         out.append(f"--init-from {args.init_from}: expected a saved model's folder (with config.json)")
-    if args.out.exists() and not args.out.is_dir():
-        out.append(f"--out {args.out}: is a file; expected a folder")
+    elif args.init_from is not None and args.layers is not None:
+        out.append(f"--layers {args.layers} with --init-from {args.init_from}: the model keeps the layers it was saved "
+                   "with; leave one of them out")
+    if problem := folder_problem(args.out, "--out"):  # checked now: a model is first saved after minutes of training
+        out.append(problem)
     return out
 
 

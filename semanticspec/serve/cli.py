@@ -301,3 +301,7 @@ def _serve(app, opts: ServeOptions, sock) -> None:
     print(f"SemanticSpec endpoint on http://{opts.host}:{opts.port}/v1 (model {opts.model_name!r})", flush=True)
     Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=opts.shutdown_timeout)).run(
         sockets=[sock])
+
+
+if __name__ == "__main__":  # `python -m semanticspec.serve` is the documented command; this runs the same
+    main()

@@ -4,6 +4,7 @@ import json
 import math
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -393,6 +394,11 @@ def test_model_card_reports_training_facts_and_measured_numbers(tmp_path, world_
     (["--which", "draft"], "the following arguments are required: out"),  # it trained over checkpoints/arithmetic
     (["--steps", "0"], "--steps 0: expected an integer >= 1"), (["--threads", "0"], "--threads 0: expected an integer"),
     (["--lr", "-1"], "--lr -1.0: expected a number > 0"), (["--init-from", "/nonexistent"], "--init-from /nonexistent"),
+    # failed at the first save, after minutes of training, in a traceback
+    (["--which", "draft", "--out", f"{__file__}/w"], f"--out {__file__}/w: no folder can be made in {__file__}"),
+    # the judge trained with the saved model's layers, without a word
+    (["--layers", "3", "--init-from", str(Path(__file__).parents[2] / "checkpoints" / "arithmetic" / "target")],
+     "--layers 3 with --init-from"),
 ])
 def test_train_refuses_bad_options_in_one_line_before_writing(capsys, tmp_path, args, says):
     from arithmetic_world.train import main
@@ -406,11 +412,15 @@ def test_train_refuses_bad_options_in_one_line_before_writing(capsys, tmp_path, 
 def test_card_and_gguf_refuse_a_missing_world_or_results_in_one_line(capsys, tmp_path):
     from arithmetic_world import gguf
 
-    bad = tmp_path / "bad.json"
+    bad, empty = tmp_path / "bad.json", tmp_path / "empty.json"
     bad.write_text("{bad")
+    empty.write_text("{}")  # valid JSON, not the benchmark's: it said "error: 'n_problems'"
     for main, args, says in ((card.main, ["--root", str(tmp_path / "none")], "world model folder"),
                              (card.main, ["--results", str(bad)], "not valid JSON"),
                              (card.main, ["--results", str(tmp_path / "missing.json")], "no such file"),
+                             (card.main, ["--results", str(tmp_path)], "is a folder"),
+                             (card.main, ["--results", str(empty)], "not the output of `python -m benchmarks.world`"),
+                             (gguf.main, ["--cache_dir", str(bad)], f"--cache_dir {bad}: is a file"),
                              (gguf.main, ["--root", str(tmp_path / "none"), "--cache_dir", str(tmp_path / "g")],
                               "world model folder")):
         with pytest.raises(SystemExit) as e:

@@ -751,3 +751,11 @@ def test_a_loop_admits_rows_per_loop_rows_then_a_fresh_loop_takes_the_next_reque
     alone = [dec.generate([p], seed=k, **cfg)[0].text for k, p in enumerate(prompts)]
     assert [got[k].result.text for k in range(len(prompts))] == alone
     assert sched.loops >= 4 and all(len(loop.rows) <= 3 for loop in loops) and sched.joined > 0
+
+
+@pytest.mark.parametrize("module", ["semanticspec.serve", "semanticspec.serve.cli"])
+def test_the_command_and_its_module_print_the_same_help(module):
+    """``python -m semanticspec.serve.cli --help`` printed nothing and exited 0: the module ran no ``main``."""
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[2], timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m semanticspec.serve "), out.stderr
