@@ -275,7 +275,7 @@ class SpeculativeValidation(Callback):
         """
         prompts = decoder.prompts([problem for problem, _ in self.problems])
         for method in METHODS:  # untimed: first calls pay one-off costs (kernels, allocations)
-            decoder.generate(prompts[:1], self.config, method=method, max_new_tokens=16)
+            decoder.generate(prompts[:1], config=self.config, method=method, max_new_tokens=16)
         load = load_per_core()
         runs: dict[str, list[list]] = {m: [] for m in METHODS}
         answers, start = [], time.perf_counter()
@@ -284,7 +284,7 @@ class SpeculativeValidation(Callback):
                 break
             batch = range(i, min(i + self.batch_size, len(self.problems)))
             for method in rotation(METHODS, c):  # timed in this run: the speedup's reference is never cached
-                runs[method].append(decoder.generate([prompts[k] for k in batch], self.config, method=method,
+                runs[method].append(decoder.generate([prompts[k] for k in batch], config=self.config, method=method,
                                                      seed=[self.seed + k for k in batch]))
             answers += [self.problems[k][1] for k in batch]
         return runs, answers, max(load, load_per_core())

@@ -128,6 +128,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         Probes standardise their inputs with them (``SemanticProbe.set_standardization``). Summed in
         float64 by the scan ``setup`` makes of every shard anyway; cached.
         """
+        if role not in self.roles:
+            raise ValueError(f"feature_moments({role!r}): expected one of this data module's roles {self.roles}")
         if role not in self._moments:
             if not self.shards:
                 self.setup()
@@ -141,6 +143,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         return self._moments[role]
 
     def _missing_message(self) -> str:
+        if self.build is not None:  # setup() before prepare_data(), which a Trainer calls first
+            return (f"data_dir {self.data_dir} holds no finished build yet: call prepare_data() first (it builds the "
+                    "labels with this build config; a Trainer calls it before setup)")
         if (self.data_dir / "build.json").is_file():  # started with options of its own: the default would be refused
             return (f"data_dir {self.data_dir} holds an unfinished build (no complete manifest.json) and build=None; "
                     "finish it by running the build that started it again (its options are the `config` in "

@@ -155,6 +155,8 @@ def check_groups(groups: Sequence[str], stats: Sequence[str] | None, topk: Seque
             (the statistics are chosen elsewhere, e.g. by the data).
         topk: the ``topk_stats`` names (checked when ``topk_stats`` is read); None = not checked.
     """
+    if isinstance(groups, str):  # iterated letter by letter, each an unknown group
+        return [f"feature groups {groups!r}: expected a list of group names, e.g. [{groups!r}]"]
     problems = []
     unknown = [g for g in groups if g not in FEATURE_GROUPS]
     if not groups or unknown or len(set(groups)) != len(groups):

@@ -135,6 +135,15 @@ def read_manifest(data_dir: str | os.PathLike) -> dict | None:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e.msg}); delete it and rebuild") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards", []), list):
+        raise ValueError(f"{path} is not a label build's manifest (a JSON object with a list of shards); delete it "
+                         "and rebuild")
+    if manifest.get("complete") and "shards" not in manifest:
+        raise ValueError(f"{path} records a finished build but no shards; delete it and rebuild")
+    version = manifest.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {version!r}; this semanticspec-probes reads up to "
+                         f"{FORMAT_VERSION}: upgrade semanticspec-probes, or rebuild the labels with this one")
     if isinstance(manifest.get("build"), dict):
         manifest["build"] = upgrade_build_record(manifest["build"])
     _check_entry_paths(path, manifest)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -101,7 +102,8 @@ class Task:
     def spec(self) -> dict[str, Any]:
         """``{"class_path", "init_args"}``: how YAML names this task (arguments left at their default are omitted)."""
         cls = type(self)
-        args = {name: getattr(self, name) for name, p in inspect.signature(cls.__init__).parameters.items()
+        args = {name: os.fspath(v) if isinstance(v := getattr(self, name), os.PathLike) else v  # JSON, YAML: text
+                for name, p in inspect.signature(cls.__init__).parameters.items()
                 if name != "self" and hasattr(self, name) and getattr(self, name) != p.default}
         return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": args}
 
@@ -163,8 +165,9 @@ def read_records(path: str | Path, with_line: bool = False) -> Iterator[dict]:
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is read past
             except UnicodeDecodeError as e:
+                source = "utf-16" if lineno == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin1"
                 raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                 "JSONL is UTF-8: convert the file, e.g. with iconv -f latin1 -t utf-8") from None
+                                 f"JSONL is UTF-8: convert the file, e.g. with iconv -f {source} -t utf-8") from None
             if not line.strip():
                 continue
             try:

@@ -23,7 +23,7 @@ class MultipleChoiceTask(Task):
 
     def __init__(self, path: str | None = None, letters: str = "ABCD") -> None:
         super().__init__(path)
-        if not letters or not letters.isalpha() or not letters.isupper():
+        if not isinstance(letters, str) or not letters or not letters.isalpha() or not letters.isupper():
             raise ValueError(f"letters={letters!r}: expected upper-case letters, e.g. 'ABCD'")
         self.letters = letters
         # one run of separators after "answer" (or "answer is"): side-by-side optional runs of spaces backtracked

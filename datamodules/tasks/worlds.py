@@ -69,4 +69,4 @@ def registered_world(name: str) -> RegisteredWorld:
 
 def default_world() -> RegisteredWorld:
     """The world used when a config leaves the task or the models unset (``$SEMANTICSPEC_DEFAULT_WORLD``)."""
-    return registered_world(os.environ.get(DEFAULT_WORLD_ENV, "arithmetic"))
+    return registered_world(os.environ.get(DEFAULT_WORLD_ENV) or "arithmetic")  # set but empty: the default

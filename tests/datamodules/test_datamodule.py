@@ -1,6 +1,7 @@
 """`SemanticProbeDataModule` on synthetic shards: batches, splits, shuffling, workers, ranks, faults."""
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -331,6 +332,32 @@ def test_manifest_paths_stay_inside_data_dir(tmp_path, entry):
     (d / S.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=rf"shards\[1\].file='{entry}' is not a file name inside {d}"):
         SemanticProbeDataModule(str(d), build=None).setup()
+
+
+@pytest.mark.parametrize("edit, says", [
+    # a newer format was read as this one; the others ended in AttributeError and KeyError
+    (lambda m: {**m, "format_version": 99}, "has format_version 99; this semanticspec-probes reads up to"),
+    (lambda m: [m], "is not a label build's manifest"),
+    (lambda m: {k: v for k, v in m.items() if k != "shards"}, "records a finished build but no shards"),
+])
+def test_a_manifest_of_a_newer_format_or_another_shape_is_refused_naming_it(tmp_path, edit, says):
+    import json
+
+    d = make_dataset(tmp_path / "d")
+    (d / S.MANIFEST).write_text(json.dumps(edit(json.loads((d / S.MANIFEST).read_text()))))
+    with pytest.raises(ValueError, match=rf"{d / S.MANIFEST} .*{re.escape(says)}"):
+        SemanticProbeDataModule(str(d), build=None).setup()
+
+
+def test_setup_before_prepare_data_says_so_and_misread_arguments_are_named(data, tmp_path):
+    from datamodules.labels.config import BuildConfig
+
+    with pytest.raises(FileNotFoundError, match="holds no finished build yet: call prepare_data\\(\\) first"):
+        SemanticProbeDataModule(str(tmp_path / "new"), build=BuildConfig()).setup()  # it said "build=None"
+    with pytest.raises(ValueError, match=r"feature groups 'hidden': expected a list of group names, e.g. \['hidden'\]"):
+        SemanticProbeDataModule(str(data), build=None, feature_groups="hidden")  # listed its letters
+    with pytest.raises(ValueError, match=r"feature_moments\('verifier'\): expected one of .*\['target', 'draft'\]"):
+        _dm(data).feature_moments("verifier")  # a bare KeyError
 
 
 def test_reusing_is_said_once_per_datamodule(data, capsys):

@@ -418,3 +418,20 @@ def test_callback_refuses_bad_task_arguments(tmp_path):
         SpeculativeValidation(batch_size=0)
     with pytest.raises(ValueError, match="makes no problems in code"):
         SpeculativeValidation(task=BoxedMathTask())
+
+
+def test_a_task_file_given_as_a_path_records_as_text_and_a_utf16_file_is_named_so(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from datamodules.tasks.worlds import default_world
+
+    file = tmp_path / "problems.jsonl"
+    file.write_text('{"problem": "Start with 1. Add 2. What is the result?", "answer": 3}\n')
+    json.dumps(ArithmeticTask(Path(file)).provenance(1, 0))  # "PosixPath is not JSON serializable"
+    file.write_bytes(file.read_text().encode("utf-16"))
+    with pytest.raises(ValueError, match="not UTF-8 .*iconv -f utf-16 -t utf-8"):  # said latin1
+        ArithmeticTask(str(file)).problems(1, 0)
+    with pytest.raises(ValueError, match="letters=5: expected upper-case letters"):
+        MultipleChoiceTask(letters=5)  # an AttributeError
+    monkeypatch.setenv("SEMANTICSPEC_DEFAULT_WORLD", "")  # set but empty: "no world ''"
+    assert default_world().name == "arithmetic"
