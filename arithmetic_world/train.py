@@ -29,7 +29,7 @@ from arithmetic_world import task
 from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
 from generation.cli import fail, one_line_parser
 from generation.specs import SamplingSpec
-from generation.writer import generate
+from generation.sampling import generate
 from generation.padding import left_pad
 from generation.paths import folder_problem
 

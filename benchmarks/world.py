@@ -6,7 +6,7 @@
 What it measures ("The embedded world" in docs/design.md):
 
 - **accuracy** of the target and the draft on held-out 4-operation problems, each sampling its own
-  trace at temperature 0.6, top-p 0.95 with the one sampler (:func:`generation.writer.generate`);
+  trace at temperature 0.6, top-p 0.95 with the one sampler (:func:`generation.sampling.generate`);
 - **ms_per_token**: per-token decode cost at batch 1 with the same generation code, the models
   interleaved; steady-state decode, ``(t(T tokens) - t(1 token)) / (T - 1)``, so the prompt's prefill
   is not counted (it is reported apart), and ``cost_ratio = draft / target`` (goal: at most 1/5);
@@ -38,7 +38,7 @@ from arithmetic_world.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_p
 from arithmetic_world.task import ArithmeticTask
 from generation.paths import portable_paths
 from generation.specs import SamplingSpec
-from generation.writer import generate
+from generation.sampling import generate
 from semanticspec.results import accuracy
 from semanticspec.evaluate import wilson
 

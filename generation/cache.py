@@ -1,6 +1,6 @@
 """The one batched KV cache: prefill, fork, feed and rollback by length, for every model the package runs.
 
-Label sampling (:func:`generation.writer.generate`), the label build's step reading
+Label sampling (:func:`generation.sampling.generate`), the label build's step reading
 (:mod:`datamodules.labels.reading`), the world benchmark's timing and the decoder all run their models
 through :class:`BatchedCache`, so the cost a benchmark measures is the cost the decoder pays.
 

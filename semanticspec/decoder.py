@@ -64,9 +64,8 @@ import torch
 from generation.cache import BatchedCache, context_length
 from generation.features import probe_features
 from generation.handover import Handover, decode_text, pad_id
-from generation.sampling import Sampler, StreamKey, key_stream
+from generation.sampling import Sampler, StepDraft, StepWriter, StreamKey, key_stream
 from generation.specs import StepSpec
-from generation.writer import StepDraft, StepWriter
 from probes.model import run_probe
 from semanticspec.base import Plan, StepDecoder, load_probes, sampling_spec
 from semanticspec.config import DecodeConfig

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
 import torch
 
-from generation.writer import generate
+from generation.sampling import generate
 from generation.specs import SamplingSpec
 
 POLL_S = 0.02

@@ -6,7 +6,7 @@ model's own tokenization, so every backend feeds the same reading pass (:mod:`da
 
 Backends (``build.sampling.backend``):
 
-- ``hf`` (default): the package's own KV-cache sampler (:func:`generation.writer.generate`), no server.
+- ``hf`` (default): the package's own KV-cache sampler (:func:`generation.sampling.generate`), no server.
 - ``openai``: a model's servers (vLLM, SGLang, llama-cpp-python) through the package's engine clients; see
   :mod:`datamodules.labels.openai_sampler`.
 - ``vllm``: vLLM's offline ``LLM`` engine in this process (``pip install "semanticspec-probes[vllm]"``, GPUs).
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from generation.specs import SamplingSpec, StepSpec
-from generation.writer import generate
+from generation.sampling import generate
 
 def request_seed(seed: int, context: int, sample: int) -> int:
     """Seed of one sample's request: distinct per (context, sample), fits in 31 bits (llama.cpp takes uint32)."""
@@ -77,7 +77,7 @@ class StepSampler:
 
 
 class HFSampler(StepSampler):
-    """The package's own sampler: one batched KV cache per shard (:func:`generation.writer.generate`)."""
+    """The package's own sampler: one batched KV cache per shard (:func:`generation.sampling.generate`)."""
 
     backend = "hf"
 

@@ -11,7 +11,7 @@ be compared with in-process ones on the same weights:
   entry (after the final norm: ``"final_norm"``), and the next token is drawn as
   :meth:`~generation.sampling.Sampler.draw` draws (greedy at temperature 0), from a
   ``torch.Generator`` seeded with ``seed``;
-- :meth:`LocalEngine.write`: the core's writer (:meth:`~generation.writer.StepWriter.write`) on a one-row
+- :meth:`LocalEngine.write`: the core's writer (:meth:`~generation.sampling.StepWriter.write`) on a one-row
   :class:`~generation.cache.BatchedCache`, stopping at EOS, the step's delimiters (``StepSpec.stopper``),
   ``max_tokens`` or the model's context.
 
@@ -23,14 +23,14 @@ from __future__ import annotations
 import time
 
 import torch
+
 from generation.cache import BatchedCache, context_length
 from generation.engines.base import Capabilities, Reading, TokenLogprobs, Usage, Written
 from generation.features import topk_of_logits
 from generation.handover import decode_text, pad_id
-from generation.sampling import Sampler
+from generation.sampling import Sampler, StepWriter
 from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
-from generation.writer import StepWriter
 
 
 class LocalEngine:

@@ -65,7 +65,7 @@ def _world_texts(tok) -> list[str]:
 def _sampled_texts(tok, role: str, n_prompts: int = 40) -> list[str]:
     """Contexts + continuations the world's model samples at temperature 1 (about 2,800 tokens), decoded."""
     from arithmetic_world.models import load_model
-    from generation.writer import generate
+    from generation.sampling import generate
 
     prompts = [tok(p.problem + task.STEP_DELIMITER).input_ids for p in task.generate_problems(n_prompts, 21)]
     outs = generate(load_model(role), prompts, max_new_tokens=120, sampling=SamplingSpec(1.0, 1.0), num_samples=2,
@@ -243,7 +243,7 @@ def _text(tok, token: int) -> str:
 
 
 def _greedy(model, tok, prompt: str) -> str:
-    from generation.writer import generate
+    from generation.sampling import generate
 
     out = generate(model, [tok(prompt).input_ids], max_new_tokens=200, sampling=SamplingSpec(0, 1.0),
                    eos_token_id=tok.eos_token_id)

@@ -80,7 +80,7 @@ def test_the_served_benchmark_starts_its_servers_on_free_ports_by_default():
 
 
 def test_the_world_benchmark_samples_through_the_package_generate(tiny_pair):
-    """``benchmarks.world`` samples traces with :func:`generation.writer.generate` at its own temperature and top-p:
+    """``benchmarks.world`` samples traces with :func:`generation.sampling.generate` at its own temperature and top-p:
     seeded, the same twice, and exactly ``new_tokens`` long without EOS (its decode-cost timing relies on it). The
     call once passed ``temperature=``/``top_p=`` that ``generate`` no longer takes, and the benchmark failed."""
     from benchmarks import world

@@ -9,7 +9,7 @@ from arithmetic_world import task
 from datamodules.labels.prefixes import make_prefixes
 from arithmetic_world.task import ArithmeticTask
 from datamodules.tasks.base import Task
-from generation.writer import generate
+from generation.sampling import generate
 from generation.steps import split_steps
 from generation.specs import SamplingSpec
 from tests.conftest import tiny_llama

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from generation.cache import BatchedCache, record_forwards
-from generation.sampling import Sampler
+from generation.sampling import Sampler, StepWriter, generate
 from generation.specs import SamplingSpec
 from generation.steps import StepStopper
-from generation.writer import StepWriter, generate
 from tests.conftest import stopper_agrees, tiny_llama
 
 

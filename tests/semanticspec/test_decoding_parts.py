@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-
 import re
 
 import pytest
@@ -10,9 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from generation.handover import Handover
-from generation.sampling import Sampler, sampling_probs
+from generation.sampling import Sampler, StepDraft, sampling_probs
 from generation.specs import SamplingSpec
-from generation.writer import StepDraft
 from semanticspec.loop import StepLoop
 from semanticspec.methods import METHODS, method_for
 from semanticspec.policies import (
@@ -24,8 +22,8 @@ from semanticspec.policies import (
     ratio_keeps,
     threshold_keeps,
 )
-from semanticspec.speculative import speculate_tokens, speculative_step
 from semanticspec.scores import Scores
+from semanticspec.speculative import speculate_tokens, speculative_step
 
 # target, 2 positions + after
 PT = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
