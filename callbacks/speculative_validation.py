@@ -31,6 +31,13 @@ from semanticspec.policies import ProbePolicy
 from semanticspec.results import accuracy, speedup
 from semanticspec.timing import load_per_core, rotation, timing_noise, unreliable_because
 
+def _missing_path(spec: str) -> bool:
+    """Whether a model spec is a local path (absolute, or from ``.`` or ``~``) that does not exist; a hub name
+    (``org/name``) or ``pypi:PACKAGE`` is left to the loader."""
+    text = str(spec)
+    return (Path(text).is_absolute() or text.startswith((".", "~"))) and not Path(text).expanduser().exists()
+
+
 METHODS = ("target_only", "semanticspec")
 """The methods every run decodes, the speedup's reference first."""
 
@@ -132,6 +139,10 @@ class SpeculativeValidation(Callback):
             self.policy = ProbePolicy(rule=rule, tau=tau)  # the probes alone (no fast path): it judges them
         except (TypeError, ValueError) as e:
             errors.append(str(e))
+        if world_root is not None and not Path(world_root).expanduser().is_dir():
+            errors.append(f"world_root={world_root!r}: no such folder (the world's target/, draft/ and tokenizer)")
+        errors += [f"{name}={spec!r}: no such file or folder" for name, spec in (("target", target), ("draft", draft))
+                   if spec is not None and _missing_path(spec)]
         if (target is None) != (draft is None):
             errors.append(f"target={target!r}, draft={draft!r}: give both or neither (neither = the embedded world's)")
         errors += [f"{name}={problem}" for name, device in (("target_device", target_device),
@@ -165,6 +176,8 @@ class SpeculativeValidation(Callback):
                 f"SpeculativeValidation needs a module with probes for 'target' and 'draft'; "
                 f"{type(pl_module).__name__} lacks {missing}. Train with --data.roles [target, draft]."
             )
+        if stage not in ("fit", "validate"):  # it decodes at validation only
+            return
         cfg = self.config  # what every decode would refuse, refused before training
         resolve_sampling(sampling_spec((probes["target"], probes["draft"])), cfg.temperature, cfg.top_p, True,
                          cfg.allow_sampling_mismatch, stacklevel=2)

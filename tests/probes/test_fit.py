@@ -392,6 +392,9 @@ def _narrow_module(sampling=None):
     ({"max_seconds": float("nan")}, "max_seconds=nan"),
     ({"plots_dir": 123}, "plots_dir=123: expected a folder path"),
     ({"plots_dir": __file__}, f"plots_dir={__file__}: is a file"),
+    # transformers' "Repo id must be in the form ..." at setup, and a message naming SEMANTICSPEC_WORLD alone
+    ({"target": "/no/such/target", "draft": "org/draft"}, "target='/no/such/target': no such file or folder"),
+    ({"world_root": "/no/such/world"}, "world_root='/no/such/world': no such folder"),
 ])
 def test_callback_refuses_a_bad_argument_when_built(kwargs, named):
     from callbacks.speculative_validation import SpeculativeValidation
@@ -417,6 +420,8 @@ def test_callback_refuses_unanswered_problems_and_the_build_s_own_before_trainin
     trainer = SimpleNamespace(datamodule=SimpleNamespace(build=build), is_global_zero=True)
     with pytest.raises(ValueError, match=r"2 of its 2 problems are among the label build's \(3 from task_seed 1\)"):
         callback.setup(trainer, _narrow_module(), "fit")
+    callback.setup(trainer, _narrow_module(), "test")  # no validation there: nothing checked, no model loaded
+    assert callback._target is None
 
 
 def test_callback_refuses_another_sampling_than_the_probes_before_training():
