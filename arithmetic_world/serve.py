@@ -99,16 +99,22 @@ class LlamaServer:
             cmd += ["--type_k", str(GGML_TYPE_F32), "--type_v", str(GGML_TYPE_F32)]
         return cmd
 
-    def start(self) -> "LlamaServer":
+    def port_problem(self) -> str | None:
+        """Why the server cannot listen on its port (a server answers there, or another program holds it), or None."""
         if self._models() is not None:
-            raise RuntimeError(f"port {self.port} already answers /v1/models; stop that server or pick another port")
+            return f"port {self.port} already answers /v1/models; stop that server or pick another port"
         with socket.socket() as probe:  # the server would exit with code 3 and say why only in its log
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", self.port))
             except OSError as e:
-                raise RuntimeError(f"port {self.port} on 127.0.0.1 is taken ({e.strerror or e}); stop what holds it "
-                                   "or pick another port") from None
+                return (f"port {self.port} on 127.0.0.1 is taken ({e.strerror or e}); stop what holds it or pick "
+                        "another port")
+        return None
+
+    def start(self) -> "LlamaServer":
+        if problem := self.port_problem():
+            raise RuntimeError(problem)
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.ready_timeout
@@ -211,6 +217,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         _refuse(f"--log_dir {args.log_dir}: cannot hold the servers' logs ({e.strerror or e})")
+    for role, server in zip(ports, servers):  # both, before either starts (a model loads for seconds)
+        if problem := server.port_problem():
+            _refuse(f"the {role} server (--{role}_port {server.port}): {problem}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
     # Ctrl-C stops both even where the command was started with SIGINT ignored (as `cmd &` in a script starts it):
     # Python installs no KeyboardInterrupt handler then

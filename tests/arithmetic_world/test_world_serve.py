@@ -102,3 +102,18 @@ def test_a_port_another_program_holds_is_refused_naming_the_option(capsys, monke
         port = held.getsockname()[1]
         line = _refused(capsys, ["--log_dir", str(tmp_path), "--target_port", str(port)])  # no server starts
     assert f"the target server (--target_port {port}): port {port} on 127.0.0.1 is taken" in line
+
+
+def test_a_held_draft_port_is_refused_before_the_target_server_starts(capsys, monkeypatch, tmp_path):
+    """The target's server started and loaded its model (seconds) before the draft's port was found taken."""
+    import socket
+
+    monkeypatch.setattr(serve, "server_available", lambda: True)
+    pytest.importorskip("gguf")
+    started = []
+    monkeypatch.setattr(serve.LlamaServer, "start", lambda self: started.append(self.alias))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        line = _refused(capsys, ["--log_dir", str(tmp_path), "--draft_port", str(port)])
+    assert f"the draft server (--draft_port {port}): port {port} on 127.0.0.1 is taken" in line and started == []
