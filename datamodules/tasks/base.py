@@ -34,9 +34,10 @@ from generation.steps import DEFAULT_DELIMITERS
 
 
 class Task:
-    """Problems read from a JSONL file, answers after :attr:`answer_marker` compared as strings.
+    """A task: its problems (a JSONL file, or made in code), their prompt and the checker of an answer.
 
-    Subclasses override :meth:`generate` (problems made in code), :meth:`extract` and :meth:`equal`
+    As it is, problems are read from a JSONL file and the text after :attr:`answer_marker` is compared with the answer
+    as a string. Subclasses override :meth:`generate` (problems made in code), :meth:`extract` and :meth:`equal`
     (the checker), or the class attributes below. Keep every ``__init__`` argument as an attribute of
     the same name: the manifest records them (:meth:`spec`).
 
