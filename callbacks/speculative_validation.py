@@ -31,6 +31,31 @@ from semanticspec.policies import ProbePolicy
 from semanticspec.results import accuracy, speedup
 from semanticspec.timing import load_per_core, rotation, timing_noise, unreliable_because
 
+def _argument_errors(task, world_root, target, draft, target_device, draft_device, max_problems, batch_size,
+                     every_n_epochs, max_seconds, plots_dir) -> list[str]:
+    """What is wrong with :class:`SpeculativeValidation`'s arguments but its decode settings, each naming the value."""
+    errors = [f"{name}={value!r}: expected an integer >= 1" for name, value in (
+        ("max_problems", max_problems), ("batch_size", batch_size), ("every_n_epochs", every_n_epochs))
+        if not is_count(value)]
+    if task is not None and not isinstance(task, Task):
+        errors.append(f"task={task!r}: expected a datamodules.tasks.base.Task")
+    if not (is_real(max_seconds) and max_seconds > 0 and math.isfinite(max_seconds)):
+        errors.append(f"max_seconds={max_seconds!r}: expected a number of seconds > 0")
+    if plots_dir is not None and not isinstance(plots_dir, (str, os.PathLike)):
+        errors.append(f"plots_dir={plots_dir!r}: expected a folder path")
+    elif plots_dir is not None and (problem := folder_problem(plots_dir, "plots_dir")):
+        errors.append(problem.replace("plots_dir ", "plots_dir=", 1))
+    if world_root is not None and not Path(world_root).expanduser().is_dir():
+        errors.append(f"world_root={world_root!r}: no such folder (the world's target/, draft/ and tokenizer)")
+    errors += [f"{name}={spec!r}: no such file or folder" for name, spec in (("target", target), ("draft", draft))
+               if spec is not None and _missing_path(spec)]
+    if (target is None) != (draft is None):
+        errors.append(f"target={target!r}, draft={draft!r}: give both or neither (neither = the embedded world's)")
+    return errors + [f"{name}={problem}" for name, device in (("target_device", target_device),
+                                                             ("draft_device", draft_device))
+                     if (problem := device_problem(device))]
+
+
 def _missing_path(spec: str) -> bool:
     """Whether a model spec is a local path (absolute, or from ``.`` or ``~``) that does not exist; a hub name
     (``org/name``) or ``pypi:PACKAGE`` is left to the loader."""
@@ -122,32 +147,16 @@ class SpeculativeValidation(Callback):
         plots_dir: Optional[str] = None,
         allow_sampling_mismatch: bool = False,
     ) -> None:
-        errors = [f"{name}={value!r}: expected an integer >= 1" for name, value in (
-            ("max_problems", max_problems), ("batch_size", batch_size), ("every_n_epochs", every_n_epochs))
-            if not is_count(value)]
-        if task is not None and not isinstance(task, Task):
-            errors.append(f"task={task!r}: expected a datamodules.tasks.base.Task")
-        if not (is_real(max_seconds) and max_seconds > 0 and math.isfinite(max_seconds)):
-            errors.append(f"max_seconds={max_seconds!r}: expected a number of seconds > 0")
-        if plots_dir is not None and not isinstance(plots_dir, (str, os.PathLike)):
-            errors.append(f"plots_dir={plots_dir!r}: expected a folder path")
-        elif plots_dir is not None and (problem := folder_problem(plots_dir, "plots_dir")):
-            errors.append(problem.replace("plots_dir ", "plots_dir=", 1))
+        errors = _argument_errors(task=task, world_root=world_root, target=target, draft=draft,
+                                  target_device=target_device, draft_device=draft_device, max_problems=max_problems,
+                                  batch_size=batch_size, every_n_epochs=every_n_epochs, max_seconds=max_seconds,
+                                  plots_dir=plots_dir)
         try:  # the decode settings and the policy, checked as the decoder checks them
             self.config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                        allow_sampling_mismatch=allow_sampling_mismatch)
             self.policy = ProbePolicy(rule=rule, tau=tau)  # the probes alone (no fast path): it judges them
         except (TypeError, ValueError) as e:
             errors.append(str(e))
-        if world_root is not None and not Path(world_root).expanduser().is_dir():
-            errors.append(f"world_root={world_root!r}: no such folder (the world's target/, draft/ and tokenizer)")
-        errors += [f"{name}={spec!r}: no such file or folder" for name, spec in (("target", target), ("draft", draft))
-                   if spec is not None and _missing_path(spec)]
-        if (target is None) != (draft is None):
-            errors.append(f"target={target!r}, draft={draft!r}: give both or neither (neither = the embedded world's)")
-        errors += [f"{name}={problem}" for name, device in (("target_device", target_device),
-                                                             ("draft_device", draft_device))
-                   if (problem := device_problem(device))]
         if errors:
             raise ValueError("invalid SpeculativeValidation arguments: " + "; ".join(errors))
         # Read the problem set now, so a bad file fails before any training (names file and line).
