@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from datamodules.tasks.base import Task
-from datamodules.tasks.math import last_boxed
+from datamodules.tasks.math import last_box_start, last_boxed
 
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
 
@@ -26,9 +26,9 @@ class MultipleChoiceTask(Task):
         if not isinstance(letters, str) or not letters or not letters.isalpha() or not letters.isupper():
             raise ValueError(f"letters={letters!r}: expected upper-case letters, e.g. 'ABCD'")
         self.letters = letters
-        # one run of separators after "answer" (or "answer is"): side-by-side optional runs of spaces backtracked
-        # in cubic time on a long run of whitespace
-        self._rx = re.compile(r"(?i:answers?)(?:\s+(?i:is))?(?:\s+(?i:option|choice))?[\s:=(*\[-]*([" + letters
+        # one run of separators after "answer" (or "answer is"; LaTeX's $B$ and \(B\) too): side-by-side optional runs
+        # of spaces backtracked in cubic time on a long run of whitespace
+        self._rx = re.compile(r"(?i:answers?)(?:\s+(?i:is))?(?:\s+(?i:option|choice))?[\s:=(*\[$\\-]*([" + letters
                               + r"])(?![A-Za-z])")
 
     def extract(self, text: str) -> str | None:
@@ -36,7 +36,7 @@ class MultipleChoiceTask(Task):
         text = text or ""
         found = list(self._rx.finditer(text))
         boxed = _TEXT.sub(r"\1", last_boxed(text) or "").strip("() .")  # \boxed{\text{(D)}} and \boxed{D.} say D
-        box_at = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+        box_at = last_box_start(text)
         if len(boxed) == 1 and boxed in self.letters and (not found or box_at > found[-1].start()):
             return boxed
         return found[-1].group(1) if found else None

@@ -29,10 +29,21 @@ class BoxedMathTask(Task):
         return math_equal(got, last_boxed(str(answer)) or str(answer))
 
 
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+"""Where a box opens: ``\\boxed{``, ``\\fbox{``, and LaTeX's ``\\boxed {`` with spaces."""
+
+
+def last_box_start(text: str) -> int:
+    """Index of the last box's opening in ``text`` (:data:`_BOX`), -1 for none."""
+    starts = [m.start() for m in _BOX.finditer(text or "")]
+    return starts[-1] if starts else -1
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, spaces before the brace allowed) with balanced braces,
+    else None."""
     text = text or ""
-    k = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    k = last_box_start(text)
     if k < 0:
         return None
     start = text.index("{", k) + 1

@@ -435,3 +435,10 @@ def test_a_task_file_given_as_a_path_records_as_text_and_a_utf16_file_is_named_s
         MultipleChoiceTask(letters=5)  # an AttributeError
     monkeypatch.setenv("SEMANTICSPEC_DEFAULT_WORLD", "")  # set but empty: "no world ''"
     assert default_world().name == "arithmetic"
+
+
+def test_letters_in_latex_math_and_a_box_with_a_space_are_read():
+    """``Answer: $B$``, ``Answer: \\(B\\)`` and ``\\boxed {2}`` (LaTeX allows the space) read as no answer."""
+    task = MultipleChoiceTask()
+    assert [task.extract(t) for t in ("Answer: $B$", r"Answer: \(C\)", r"so \boxed {D}")] == ["B", "C", "D"]
+    assert last_boxed(r"x = \boxed {2}") == "2" and BoxedMathTask().check(r"so \boxed {2}.", "2")
