@@ -103,7 +103,8 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
 
         module.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
     paths: dict[str, Path] = {}
-    unexported = _not_exported(trainer) if cli.config.get("export", True) else None
+    diverged = _diverged(module, trainer)
+    unexported = (diverged or _not_exported(trainer)) if cli.config.get("export", True) else None
     export_dir = cli.config.get("export_dir") or default_export_dir(trainer)  # every rank: a broadcast under DDP
     if cli.config.get("export", True) and trainer.is_global_zero and unexported is None:
         paths = export_probes(module, export_dir, test_metrics)
@@ -119,7 +120,22 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
                                          "accuracy_delta", "step_acceptance"]))
         else:
             print("no test metrics: the run had no test split (data.test_fraction=0) or --test false")
+    if diverged:
+        raise SystemExit(1)  # a failed run, whatever it printed: no caller should take it for a trained probe
     return {"export": paths, "test": test_metrics, "best_ckpt": best}
+
+
+def _diverged(module: SemanticProbeModule, trainer) -> str | None:
+    """Why the trained weights are no probe (NaN or infinite values, which the loader refuses), or None."""
+    import torch
+
+    bad = [f"{role}: {name}" for role, probe in module.probes.items() for name, value in probe.state_dict().items()
+           if value.is_floating_point() and not bool(torch.isfinite(value).all())]
+    if not bad:
+        return None
+    why = "; in 16-true Adam's updates overflow float16: use 16-mixed" if str(trainer.precision) == "16-true" else ""
+    return (f"the weights hold NaN or infinite values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): the "
+            f"training diverged (--trainer.precision {trainer.precision}{why}), and a decoder would refuse them")
 
 
 def _not_exported(trainer) -> str | None:

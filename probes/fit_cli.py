@@ -130,10 +130,15 @@ def trainer_problems(trainer) -> list[str]:
         value = trainer.get(name)
         if value is not None and not (isinstance(value, int) and value >= low):
             out.append(f"--trainer.{name} {value}: expected an integer >= {low}")
-    interval = trainer.get("val_check_interval")
-    if interval is not None and not interval > 0:
+    interval = trainer.get("val_check_interval")  # also a time ("00:00:00:02", a timedelta, a dict): Lightning's
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and not interval > 0:
         out.append(f"--trainer.val_check_interval {interval}: expected a share of an epoch > 0 or a number of "
                    "batches >= 1")
+    elif interval is not None and not isinstance(interval, (int, float)) and any(
+            str(getattr(c, "class_path", c)).endswith("EarlyStopping") for c in trainer.get("callbacks") or []):
+        out.append(f"--trainer.val_check_interval {interval}: a time between validations breaks Lightning's "
+                   "EarlyStopping (it reads trainer.val_check_interval, which a time leaves unset: an "
+                   "AttributeError); give a share of an epoch or a number of batches, or drop EarlyStopping")
     if trainer.get("limit_val_batches") in (0, 0.0):
         out.append("--trainer.limit_val_batches 0: the monitors watch validation metrics; to train without "
                    "validation give --data.val_fraction 0 (they then watch the train loss)")
@@ -268,12 +273,18 @@ CLI_KWARGS = {"run": False, "auto_configure_optimizers": False, "parser_class": 
 
 
 class _SetupDone(Callback):
-    """Marks the start of training: errors raised before it are about the input (data, config, optimizer)."""
+    """Marks the start of the fit (``done``: the data is prepared) and of training (``training``: the first batch).
+    Errors raised before the first batch are about the input: the data, the config, the optimizer, and the checks
+    Lightning makes of its options once the data is there (a ``val_check_interval`` longer than an epoch, a
+    ``GradientAccumulationScheduler`` beside ``accumulate_grad_batches``)."""
 
-    done = False
+    done = training = False
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.done = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.training = True
 
 
 def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
@@ -299,7 +310,13 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
         from generation.engines.base import EngineError  # a server of the data build failed or refused
 
         refused = isinstance(e, EngineError) or str(e).startswith(CHECKPOINT_ERRORS)
-        if setup_done.done or (isinstance(e, RuntimeError) and not refused):
+        if isinstance(e, RuntimeError) and str(e).startswith("Early stopping conditioned on metric"):
+            monitor = str(e).split(" which is not available", 1)[0].removeprefix("Early stopping conditioned on ")
+            fail(f"EarlyStopping's {monitor} had no value: the run ended before a validation logged it (a "
+                 "--trainer.max_steps or limit_train_batches shorter than an epoch, or a metric logged only every "
+                 "few epochs); validate within the run (--trainer.val_check_interval) or monitor a metric every "
+                 "validation logs")
+        if setup_done.training or (isinstance(e, RuntimeError) and not refused):
             raise  # raised while training, or a fault of ours: not an input error, keep the traceback
         _drop_empty_run_dir(new_run_dir)
         fail(str(e))  # the data build (its servers), the data checks or the optimizer refused the input
@@ -370,11 +387,16 @@ def _new_run_dir(trainer) -> Path | None:
     return Path(log_dir) if log_dir and not Path(log_dir).exists() else None
 
 
+_RUN_DIR_AT_START = {"config.yaml", "hparams.yaml"}
+"""What a run folder holds before the first batch: LightningCLI's config, the logger's hyperparameters."""
+
+
 def _drop_empty_run_dir(run_dir: Path | None) -> None:
-    """Remove the folder a refused fit created if it holds nothing but its ``config.yaml``, and the logger's folder
-    above it (``fit/``) when that is left empty."""
-    if run_dir is not None and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml"}:
-        (run_dir / "config.yaml").unlink(missing_ok=True)
+    """Remove the folder a refused fit created if it holds nothing but what a run writes before training
+    (:data:`_RUN_DIR_AT_START`), and the logger's folder above it (``fit/``) when that is left empty."""
+    if run_dir is not None and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= _RUN_DIR_AT_START:
+        for name in _RUN_DIR_AT_START:
+            (run_dir / name).unlink(missing_ok=True)
         run_dir.rmdir()
         if not any(run_dir.parent.iterdir()):
             run_dir.parent.rmdir()

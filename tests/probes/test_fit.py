@@ -555,6 +555,47 @@ def _tiny_config(root: Path, **data) -> Path:
     return path
 
 
+def test_lightnings_checks_once_the_data_is_there_and_a_run_too_short_to_validate_are_one_line(tmp_path, capsys):
+    """Each was a traceback with status 1: Lightning checks these after the fit starts, and a run shorter than an
+    epoch ended in EarlyStopping's RuntimeError, its training lost; a time interval crashed our own check."""
+    cfg = str(_tiny_config(tmp_path))  # 2 batches an epoch
+    line = _one_line_error(capsys, ["--config", cfg, "--trainer.val_check_interval", "5"])
+    assert "`val_check_interval` (5) must be less than or equal to the number of the training batches (2)" in line
+    assert not (tmp_path / "runs" / "fit").exists()  # its config.yaml and hparams.yaml went with it
+    line = _one_line_error(capsys, ["--config", cfg, "--trainer.val_check_interval", "00:00:00:02",
+                                    "--trainer.check_val_every_n_epoch", "null"])
+    assert "--trainer.val_check_interval 00:00:00:02: a time between validations breaks Lightning" in line
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", cfg, "--trainer.max_steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "error: EarlyStopping's metric `val/target/draft_written/mse` had no value: the run ended before" in err
+
+
+def test_weights_that_diverged_are_not_exported_and_the_run_fails(tmp_path, capsys, monkeypatch):
+    """A 16-true fit's Adam turned every weight NaN; the run exported them (which load_probe refuses) with status 0."""
+    from types import SimpleNamespace
+
+    import probes.fit as fit_module
+    from probes.config import ProbeConfig
+    from probes.module import SemanticProbeModule
+
+    spec = {r: {"hidden_size": 7, "features": FeatureSpec(), "reads": {"hidden_size": 7}} for r in ("target", "draft")}
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
+    trainer = SimpleNamespace(precision="16-true")
+    assert fit_module._diverged(module, trainer) is None
+    with torch.no_grad():
+        module.probes["draft"].mlp[0].bias.fill_(float("nan"))
+    assert fit_module._diverged(module, trainer).startswith(
+        "the weights hold NaN or infinite values (draft: mlp.0.bias): the training diverged (--trainer.precision "
+        "16-true; in 16-true Adam's updates overflow float16: use 16-mixed)")
+    monkeypatch.setattr(fit_module, "_diverged", lambda module, trainer: "diverged, say")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(_tiny_config(tmp_path)), "--export_dir", str(tmp_path / "export")])
+    assert exit_.value.code == 1 and "not exported: diverged, say" in capsys.readouterr().out
+    assert not (tmp_path / "export").exists()
+
+
 def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_run(tmp_path, capsys):
     """Ctrl-C keeps the latest epoch (Lightning's save_last kept only the last improving one, so a resume redid
     epochs), and the resumed run continues the run: the same losses, and the same best checkpoint tested and exported
