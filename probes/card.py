@@ -57,7 +57,8 @@ def _reads_rows(config: ProbeConfig) -> list[tuple[str, str]]:
     dims = " → ".join(str(d) for d in [config.input_size, *config.hidden_dims, 1])
     return rows + [("read by", f"`{f.source}`{norm}"),
                    ("input", f"{config.input_size} columns{standardised}"),
-                   ("network", f"MLP {dims}, ReLU, dropout {config.dropout}, sigmoid"),
+                   ("network", f"MLP {dims}, ReLU, dropout {config.dropout}, sigmoid" if config.hidden_dims
+                    else f"linear {dims}, sigmoid"),  # no hidden layer: nothing for a ReLU or dropout to act on
                    ("step", f"text up to a delimiter in `{list(config.step.delimiters)!r}`, at most "
                             f"{config.step.max_step_tokens} tokens")]
 

@@ -17,6 +17,7 @@ folder), in a new run folder; Ctrl-C prints that command. Option names are looke
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -62,7 +63,8 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
         prefix = f"test/{role}/"
         probe.config.test_metrics = {k[len(prefix) :]: float(v) for k, v in test_metrics.items()
                                      if k.startswith(prefix)}
-        paths[role] = export_probe(probe.cpu().eval(), Path(export_dir) / role)
+        # float32, as load_probe says an export is, whatever --trainer.precision trained it in (bf16-true, 64-true)
+        paths[role] = export_probe(copy.deepcopy(probe).cpu().float().eval(), Path(export_dir) / role)
     return paths
 
 
@@ -119,7 +121,12 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
             print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy",
                                          "accuracy_delta", "step_acceptance"]))
         else:
-            print("no test metrics: the run had no test split (data.test_fraction=0) or --test false")
+            print("no test metrics: " + ("--trainer.barebones turns off logging" if trainer.barebones else
+                                         "the run had no test split (data.test_fraction=0) or --test false"))
+        if untested := [r for r in module.roles if test_metrics and not any(k.startswith(f"test/{r}/")
+                                                                              for k in test_metrics)]:
+            print(f"not tested: the {' and '.join(untested)} probe, which had no rows in the test batches run (the "
+                  "test stream gives the rows in the shards' order: a --trainer.limit_test_batches may stop first)")
     if diverged:
         raise SystemExit(1)  # a failed run, whatever it printed: no caller should take it for a trained probe
     return {"export": paths, "test": test_metrics, "best_ckpt": best}

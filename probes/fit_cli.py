@@ -180,8 +180,10 @@ def remember_options(parser) -> None:
 def _logger_follows_root(config, args: list[str]) -> None:
     """``--trainer.default_root_dir DIR`` given alone moves the whole run there: the logger's ``save_dir`` (where the
     run folder, its plots and the default export go; the configs set it to the same root) follows it, unless the
-    command line sets the logger too."""
-    if "--trainer.default_root_dir" not in args or any(a.startswith("--trainer.logger") for a in args):
+    command line sets the logger's ``save_dir`` or another logger (its name or version alone leave it following)."""
+    own = [a.split("=", 1)[0] for a in args if a.startswith("--trainer.logger")]
+    if "--trainer.default_root_dir" not in args or any(
+            a in ("--trainer.logger", "--trainer.logger.class_path") or a.endswith("save_dir") for a in own):
         return
     logger = config.get("trainer.logger")
     if logger is not None and not isinstance(logger, (bool, list)) and "save_dir" in (logger.get("init_args") or {}):

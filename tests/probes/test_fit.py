@@ -596,6 +596,23 @@ def test_weights_that_diverged_are_not_exported_and_the_run_fails(tmp_path, caps
     assert not (tmp_path / "export").exists()
 
 
+def test_a_bf16_linear_probe_exports_in_float32_with_a_card_that_says_linear_and_a_named_logger_stays_in_root(
+        tmp_path, capsys):
+    """A bf16-true fit exported BF16 weights (an export is float32, load_probe says), a linear probe's card said
+    "MLP ..., ReLU, dropout 0.3", and --trainer.logger.name sent the run to ./runs instead of the root given."""
+    from safetensors import safe_open
+
+    root = tmp_path / "root"
+    main(["--config", str(_tiny_config(tmp_path)), "--trainer.max_epochs", "1", "--trainer.precision", "bf16-true",
+          "--model.probe.hidden_dims", "[]", "--trainer.default_root_dir", str(root), "--trainer.logger.name", "exp1",
+          "--export_dir", str(tmp_path / "export")])
+    assert (root / "exp1" / "version_0" / "checkpoints").is_dir()
+    with safe_open(str(tmp_path / "export" / "target" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    card = (tmp_path / "export" / "target" / "README.md").read_text()
+    assert "| network | linear " in card and "ReLU" not in card
+
+
 def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_run(tmp_path, capsys):
     """Ctrl-C keeps the latest epoch (Lightning's save_last kept only the last improving one, so a resume redid
     epochs), and the resumed run continues the run: the same losses, and the same best checkpoint tested and exported
