@@ -27,7 +27,7 @@ def model_card(config: ProbeConfig) -> ModelCard:
 
     Returns:
         A card with Hub front matter (library, license, tags) and the sections "What it reads",
-        "The model it reads", "Labels", "Test metrics" and "How to load it". A section whose facts the
+        "The model it reads", "Labels", "Training", "Test metrics" and "How to load it". A section whose facts the
         config does not record says so.
     """
     data = ModelCardData(library_name="semanticspec-probes", license="apache-2.0",
@@ -36,7 +36,8 @@ def model_card(config: ProbeConfig) -> ModelCard:
     return ModelCard.from_template(
         data, template_path=TEMPLATE, c=config, table=_table, reads=_reads_rows(config),
         labels=_label_rows(config), fingerprint=[(k, f"`{v}`") for k, v in config.reads.items()],
-        test_metrics=test_metrics)
+        test_metrics=test_metrics, training=[(k, f"`{v}`" if isinstance(v, str) else v)
+                                             for k, v in config.training.items()])
 
 
 def _reads_rows(config: ProbeConfig) -> list[tuple[str, str]]:

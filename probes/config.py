@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count, is_real, layer_problems, spec_from_dict
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 """Version of the exported ``config.json`` layout; older versions keep loading.
 
 1: pooled hidden states only. 2: named feature groups (``feature_groups``, ``token_stats``) and
@@ -23,7 +23,8 @@ moves to ``labels``). 5: the ``topk_stats`` group (``top_k``, ``topk_stats``) an
 ``source="transformers"`` and ``hidden_norm="final_norm"`` (what every earlier probe read). 6: what the probe
 reads in one ``features`` entry (a :class:`~generation.specs.FeatureSpec`: ``groups``, ``layer_ids``, ``pooling``,
 ``token_stats``, ``top_k``, ``topk_stats``, ``source``, ``hidden_norm``), which formats 0-5 kept as flat keys
-(``feature_groups`` for ``groups``)."""
+(``feature_groups`` for ``groups``). 7: how the probe was trained (``training``: the loss, the optimizer and its
+learning rate, the epochs), empty in older exports."""
 FINGERPRINT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size", "tokenizer_hash")
 """Fields of a reading model's fingerprint that must match at load time (name_or_path is informative)."""
 ROLES = ("target", "draft")
@@ -75,7 +76,10 @@ class ProbeConfig:
     labels: dict[str, Any] = field(default_factory=dict)
     """Label provenance: labelling, clustering, judge, samples per model (``n_samples``), seed."""
     test_metrics: dict[str, float] = field(default_factory=dict)
-    """Metrics on the held-out test split at export time."""
+    """Metrics on the held-out test split at export time (``loss`` is the training loss's, ``training.loss``)."""
+    training: dict[str, Any] = field(default_factory=dict)
+    """How the fit trained it, recorded at export: ``loss`` (``mse`` or ``bce``), ``optimizer`` (its class),
+    ``lr``, ``epochs`` (run), ``precision``."""
     format_version: int = FORMAT_VERSION
     """Layout version of this config."""
 
@@ -122,10 +126,11 @@ class ProbeConfig:
         return out
 
     def _records(self) -> list[str]:
-        """Problems of the provenance fields: ``reads``, ``labels`` and ``test_metrics`` are objects, the metrics
-        numbers."""
+        """Problems of the provenance fields: ``reads``, ``labels``, ``test_metrics`` and ``training`` are objects, the
+        metrics numbers."""
         errors = [f"{name}={getattr(self, name)!r}: expected an object (a dict)"
-                  for name in ("reads", "labels", "test_metrics") if not isinstance(getattr(self, name), dict)]
+                  for name in ("reads", "labels", "test_metrics", "training")
+                  if not isinstance(getattr(self, name), dict)]
         if isinstance(self.test_metrics, dict) and not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in self.test_metrics.values()):
             errors.append(f"test_metrics={self.test_metrics!r}: expected numbers")

@@ -53,9 +53,10 @@ Common options (every option, with its docs: {PROG} --help_all, or --help full):
 
 
 def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
-                  test_metrics: dict[str, float]) -> dict[str, Path]:
-    """Export each role's probe of ``module`` with its test metrics into ``export_dir/<role>`` (the paths it records
-    made portable, :func:`~probes.model.portable_config`)."""
+                  test_metrics: dict[str, float], training: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Export each role's probe of ``module`` with its test metrics and how it was trained (``training``,
+    :func:`training_record`) into ``export_dir/<role>`` (the paths it records made portable,
+    :func:`~probes.model.portable_config`)."""
     from probes.model import export_probe
 
     paths = {}
@@ -63,9 +64,21 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
         prefix = f"test/{role}/"
         probe.config.test_metrics = {k[len(prefix) :]: float(v) for k, v in test_metrics.items()
                                      if k.startswith(prefix)}
+        probe.config.training = dict(training or {})
         # float32, as load_probe says an export is, whatever --trainer.precision trained it in (bf16-true, 64-true)
         paths[role] = export_probe(copy.deepcopy(probe).cpu().float().eval(), Path(export_dir) / role)
     return paths
+
+
+def training_record(trainer, module: SemanticProbeModule) -> dict[str, Any]:
+    """How ``trainer`` trained ``module``'s probes: the loss, the optimizer's class and learning rate, the epochs run
+    and the precision (the exported ``config.json``'s ``training``, shown on the card)."""
+    out: dict[str, Any] = {"loss": module.loss_name}
+    if trainer.optimizers:
+        optimizer = trainer.optimizers[0]
+        out.update(optimizer=f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                   lr=float(optimizer.defaults.get("lr", float("nan"))))
+    return {**out, "epochs": int(trainer.current_epoch), "precision": str(trainer.precision)}
 
 
 def default_export_dir(trainer) -> Path:
@@ -109,7 +122,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     unexported = (diverged or _not_exported(trainer)) if cli.config.get("export", True) else None
     export_dir = cli.config.get("export_dir") or default_export_dir(trainer)  # every rank: a broadcast under DDP
     if cli.config.get("export", True) and trainer.is_global_zero and unexported is None:
-        paths = export_probes(module, export_dir, test_metrics)
+        paths = export_probes(module, export_dir, test_metrics, training_record(trainer, module))
     if trainer.is_global_zero:
         summary = metric_rows(test_metrics, module.roles) | live
         print("\nbest checkpoint:", best or "(none)")

@@ -53,6 +53,7 @@ FROM_THE_DATA = {
     "sampling": "data.build.sampling",
     "labels": "the label build (data.build)",
     "role": "model.roles",
+    "training": "model.loss, model.optimizer and the trainer (recorded at export)",
 }
 """The probe config's fields the fit fills per role from the data (``input_spec``), and where each is set."""
 

@@ -611,6 +611,11 @@ def test_a_bf16_linear_probe_exports_in_float32_with_a_card_that_says_linear_and
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     card = (tmp_path / "export" / "target" / "README.md").read_text()
     assert "| network | linear " in card and "ReLU" not in card
+    # how it was trained: nothing said a `loss` test metric was BCE's or MSE's
+    config = json.loads((tmp_path / "export" / "target" / "config.json").read_text())
+    assert config["training"] == {"loss": "mse", "optimizer": "torch.optim.adam.Adam", "lr": pytest.approx(1e-4),
+                                  "epochs": 1, "precision": "bf16-true"}
+    assert "## Training" in card and "| precision | `bf16-true` |" in card
 
 
 def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_run(tmp_path, capsys):

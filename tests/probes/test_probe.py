@@ -178,7 +178,7 @@ def test_a_topk_probe_config_counts_its_statistics_and_carries_its_source():
     c = ProbeConfig(hidden_size=8, features=FeatureSpec(["hidden", "topk_stats"], top_k=10,
                                                         topk_stats=["min_logprob", "not_topk_share"],
                                                         source="llama.cpp", hidden_norm="pre_norm"))
-    assert c.input_size == 8 + 2 and c.format_version == 6
+    assert c.input_size == 8 + 2 and c.format_version == FORMAT_VERSION
     spec = c.features
     assert (spec.top_k, spec.topk_stats, spec.source, spec.hidden_norm) == (10, ("min_logprob", "not_topk_share"),
                                                                             "llama.cpp", "pre_norm")
@@ -676,7 +676,7 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
                  "| num_layers | `2` |", "| hidden_size | `32` |", f"| tokenizer_hash | `{tok_hash}` |",
                  "| samples per prefix and model (N) | 5 |", "temperature 0.7, top_p 0.9", "`hdbscan+judge`",
                  "`llm` (`judges/tiny`)", "| seed | 7 |", "| mse | 0.0123 |", "| draft_written/auroc | 0.9870 |",
-                 'role="draft"', "draft_probe=", "format version 6",
+                 'role="draft"', "draft_probe=", f"format version {FORMAT_VERSION}",
                  "| read by | `transformers`, hidden states `final_norm` |"):
         assert fact in card, fact
     no_judge = ProbeConfig(hidden_size=8, hidden_dims=[4], labels={"clustering": "hdbscan", "judge": {"kind": "none"}})
@@ -684,7 +684,7 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
     bare = export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "bare")
     card = (bare / "README.md").read_text()  # an old-style config: what is missing is said, not invented
     assert "Not recorded (an old export)" in card and "None recorded at export" in card
-    assert "No label provenance recorded" in card
+    assert "No label provenance recorded" in card and "Not recorded (an export before format 7)" in card
 
 
 def test_metrics_undefined_on_the_rows_are_nan_not_zero():
