@@ -364,6 +364,9 @@ def interrupted_line(trainer, training: bool = True) -> str:
     if not last and not training:
         return (f"{PROG}: interrupted while preparing the data; the label build keeps the shards it finished. Rerun "
                 "the command to go on from them.")
+    if not last and not trainer.checkpoint_callbacks:
+        return (f"{PROG}: interrupted in epoch {trainer.current_epoch + 1}; this run saves no checkpoints "
+                "(--trainer.enable_checkpointing false), so nothing is kept to resume from.")
     if not last:
         return (f"{PROG}: interrupted in epoch {trainer.current_epoch + 1} before a checkpoint was saved; nothing "
                 "kept to resume from. Rerun the command to start again.")

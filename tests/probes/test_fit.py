@@ -677,6 +677,22 @@ def test_ctrl_c_while_the_data_is_prepared_says_the_build_keeps_its_shards(tmp_p
                                                 "them."], said
 
 
+def test_ctrl_c_in_a_run_that_saves_no_checkpoints_says_so(tmp_path, capsys):
+    """It said "interrupted in epoch 2 before a checkpoint was saved", as if one would have been."""
+    handler = signal.getsignal(signal.SIGINT)
+    interrupt = '[{"class_path": "tests.probes.test_fit.InterruptAt", "init_args": {"epoch": 1}}]'
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--config", str(_tiny_config(tmp_path)), "--trainer.enable_checkpointing", "false",
+                  "--trainer.callbacks", interrupt])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    said = [line for line in capsys.readouterr().err.splitlines() if "interrupted" in line]
+    assert exit_.value.code == 130 and said == ["python -m probes.fit: interrupted in epoch 2; this run saves no "
+                                                "checkpoints (--trainer.enable_checkpointing false), so nothing is "
+                                                "kept to resume from."], said
+
+
 def test_a_run_without_validation_split_monitors_the_train_loss(tmp_path, capsys, recwarn):
     cfg = _tiny_config(tmp_path, val_fraction=0.0)
     result = main(["--config", str(cfg), "--trainer.max_epochs", "2", "--export", "false"])
