@@ -665,32 +665,31 @@ def test_ctrl_c_while_the_data_is_prepared_says_the_build_keeps_its_shards(tmp_p
         raise KeyboardInterrupt
 
     monkeypatch.setattr(SemanticProbeDataModule, "prepare_data", interrupted)
-    handler = signal.getsignal(signal.SIGINT)
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            main(["--config", str(_tiny_config(tmp_path))])
-    finally:
-        signal.signal(signal.SIGINT, handler)
-    said = [line for line in capsys.readouterr().err.splitlines() if "interrupted" in line]
-    assert exit_.value.code == 130 and said == ["python -m probes.fit: interrupted while preparing the data; the label "
-                                                "build keeps the shards it finished. Rerun the command to go on from "
-                                                "them."], said
+    assert _interrupted_line(capsys, ["--config", str(_tiny_config(tmp_path))]) == (
+        "python -m probes.fit: interrupted while preparing the data; the label build keeps the shards it finished. "
+        "Rerun the command to go on from them.")
 
 
 def test_ctrl_c_in_a_run_that_saves_no_checkpoints_says_so(tmp_path, capsys):
     """It said "interrupted in epoch 2 before a checkpoint was saved", as if one would have been."""
-    handler = signal.getsignal(signal.SIGINT)
     interrupt = '[{"class_path": "tests.probes.test_fit.InterruptAt", "init_args": {"epoch": 1}}]'
+    assert _interrupted_line(capsys, ["--config", str(_tiny_config(tmp_path)), "--trainer.enable_checkpointing",
+                                      "false", "--trainer.callbacks", interrupt]) == (
+        "python -m probes.fit: interrupted in epoch 2; this run saves no checkpoints (--trainer.enable_checkpointing "
+        "false), so nothing is kept to resume from.")
+
+
+def _interrupted_line(capsys, args) -> str:
+    """Run main(args), which is interrupted (Ctrl-C), expect exit 130 and return the one line that says so."""
+    handler = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(SystemExit) as exit_:
-            main(["--config", str(_tiny_config(tmp_path)), "--trainer.enable_checkpointing", "false",
-                  "--trainer.callbacks", interrupt])
+            main(args)
     finally:
         signal.signal(signal.SIGINT, handler)
     said = [line for line in capsys.readouterr().err.splitlines() if "interrupted" in line]
-    assert exit_.value.code == 130 and said == ["python -m probes.fit: interrupted in epoch 2; this run saves no "
-                                                "checkpoints (--trainer.enable_checkpointing false), so nothing is "
-                                                "kept to resume from."], said
+    assert exit_.value.code == 130 and len(said) == 1, said
+    return said[0]
 
 
 def test_a_run_without_validation_split_monitors_the_train_loss(tmp_path, capsys, recwarn):
