@@ -399,8 +399,7 @@ def probes_or_untrained(args: argparse.Namespace, world: models.WorldModels) -> 
         return None
     from generation.fingerprints import model_fingerprint
     from probes.config import ProbeConfig
-    from probes.model import export_probe
-    from probes.model import SemanticProbe
+    from probes.model import SemanticProbe, export_probe
 
     tmp = tempfile.TemporaryDirectory()
     torch.manual_seed(0)

@@ -78,14 +78,12 @@ from datamodules.labels.shards import read_manifest
 from generation.engines import make_engine
 from generation.engines.local import LocalEngine
 from generation.specs import SamplingSpec
-from probes.model import run_probe
+from probes.model import load_probe, run_probe
 from semanticspec.parts import SHIPPED_WINDOW
 from semanticspec.policies import OraclePolicy, ProbePolicy
 from semanticspec.results import Decision, summarize
-from semanticspec.served import features
+from semanticspec.served import ServedDecoder, features
 from semanticspec.evaluate import Arm, interleaved
-from semanticspec.served import ServedDecoder
-from probes.model import load_probe
 
 SHIPPED = REPO / "checkpoints" / "arithmetic" / "probes-topk"
 LOOKAHEADS = (2, 4)

@@ -418,8 +418,7 @@ def load_probes(probes, models, tokenizers, probe_dtype: str) -> tuple:
     """A decoder's target and draft probes (each a folder, a ``SemanticProbe`` or None), each loaded and checked by
     :func:`probes.load_probe` against its model (None: a served model) and its role, with its MLP in
     ``probe_dtype`` (a bad value is refused without a probe too)."""
-    from probes.model import load_probe
-    from probes.model import resolve_probe_dtype
+    from probes.model import load_probe, resolve_probe_dtype
 
     resolve_probe_dtype(probe_dtype, torch.device("cpu"))
     return tuple(None if p is None else load_probe(p, m, t, role=role, dtype=probe_dtype)

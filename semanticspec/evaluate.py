@@ -753,8 +753,7 @@ def check_before_loading(probe_dir: str, model_dir: str, tokenizer, role: str) -
 
     from transformers import AutoConfig
 
-    from probes.model import check_probe_matches
-    from probes.model import probe_config
+    from probes.model import check_probe_matches, probe_config
 
     config = probe_config(probe_dir, role)
     model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))

@@ -23,9 +23,8 @@ from generation.loading import (
 from generation.paths import atomic_path
 from probes.config import ProbeConfig
 from generation.specs import StepSpec
-from probes.model import export_probe, load_probe
+from probes.model import SemanticProbe, export_probe, load_probe
 from generation.fingerprints import model_fingerprint
-from probes.model import SemanticProbe
 from tests.conftest import DRAFT, TARGET, gguf_or_skip, need_modules
 
 PROMPT = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nLet's think step by step.\n\n"

@@ -11,8 +11,7 @@ import torch
 from generation.specs import TOKEN_STATS, FeatureSpec, require_features
 from generation.features import probe_input, rows_features
 from probes.config import ProbeConfig
-from probes.model import export_probe, load_probe
-from probes.model import SemanticProbe
+from probes.model import SemanticProbe, export_probe, load_probe
 
 
 def _token_stats(logits, tokens, names=TOKEN_STATS):

@@ -16,9 +16,8 @@ from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from torch.utils.data import DataLoader
 
 from probes.config import FORMAT_VERSION, ProbeConfig
-from probes.model import export_probe, load_probe
+from probes.model import SemanticProbe, export_probe, load_probe, run_probe
 from generation.fingerprints import model_fingerprint
-from probes.model import SemanticProbe, run_probe
 from probes.module import SemanticProbeModule
 from tests.conftest import tiny_llama
 

@@ -11,13 +11,10 @@ from generation.specs import TOKEN_STATS, SamplingSpec, StepSpec
 from generation.steps import DEFAULT_DELIMITERS
 from probes.config import ProbeConfig
 from semanticspec.config import DecodeConfig
-from semanticspec.decoder import DecodeResult, SemanticSpecDecoder, summarize
-from probes.model import resolve_probe_dtype
+from semanticspec.decoder import DecodeResult, DraftProposer, SemanticSpecDecoder, TargetVerifier, summarize
+from probes.model import SemanticProbe, export_probe, resolve_probe_dtype
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy, SpecReasonPolicy, fast_path_keeps_rows
-from semanticspec.decoder import DraftProposer, TargetVerifier
-from probes.model import export_probe
 from generation.fingerprints import model_fingerprint
-from probes.model import SemanticProbe
 from tests.conftest import PROMPTS, char_tokenizer, tiny_llama
 from tests.semanticspec.conftest import (GREEDY, SIX, ConstProbe, check_stream, make_decoder, stub_decoder,
                                          texts)

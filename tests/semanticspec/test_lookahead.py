@@ -11,14 +11,13 @@ import torch
 from datamodules.labels.reading import read_steps
 from generation.engines.local import LocalEngine
 from generation.features import probe_input
-from semanticspec.decoder import SemanticSpecDecoder
+from semanticspec.decoder import DraftProposer, SemanticSpecDecoder, TargetVerifier
 from semanticspec.config import DecodeConfig
 from semanticspec.loop import StepLoop
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.parts import SHIPPED_WINDOW, Window
 from semanticspec.results import summarize
 from semanticspec.served import ServedDecoder
-from semanticspec.decoder import DraftProposer, TargetVerifier
 from probes.model import load_probe
 from tests.conftest import PROMPTS
 from tests.semanticspec.conftest import make_decoder, stub_decoder, texts

@@ -17,8 +17,7 @@ from semanticspec.decoder import SemanticSpecDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.policies import OraclePolicy, ProbePolicy, RandomPolicy
 from semanticspec.results import summarize
-from semanticspec.served import answer_cut
-from semanticspec.served import ServedDecoder
+from semanticspec.served import ServedDecoder, answer_cut
 from semanticspec.prompts import read_prompt_texts
 
 REPO = Path(__file__).resolve().parents[2]
