@@ -128,6 +128,8 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         print("\nbest checkpoint:", best or "(none)")
         if unexported is not None:
             print(f"not exported: {unexported}")
+        elif diverged:  # --export false: the run still failed, and says why
+            print(f"failed: {diverged}")
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")
         if summary:
@@ -147,10 +149,9 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
 
 def _diverged(module: SemanticProbeModule, trainer) -> str | None:
     """Why the trained weights are no probe (NaN or infinite values, which the loader refuses), or None."""
-    import torch
+    from probes.model import nonfinite
 
-    bad = [f"{role}: {name}" for role, probe in module.probes.items() for name, value in probe.state_dict().items()
-           if value.is_floating_point() and not bool(torch.isfinite(value).all())]
+    bad = [f"{role}: {name}" for role, probe in module.probes.items() for name in nonfinite(probe.state_dict())]
     if not bad:
         return None
     why = "; in 16-true Adam's updates overflow float16: use 16-mixed" if str(trainer.precision) == "16-true" else ""

@@ -379,6 +379,12 @@ def _check_header(file: Path, config: ProbeConfig) -> None:
             f"hidden_dims={config.hidden_dims}); {_REDO}")
 
 
+def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
+    """The names of ``state``'s floating-point tensors that hold NaN or infinite values (a diverged training's): what
+    the loader refuses and the fit does not export."""
+    return [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+
+
 def _read_weights(file: Path) -> dict:
     """The tensors of ``file`` (CPU), refusing NaN or infinite values by tensor name."""
     from safetensors import SafetensorError
@@ -387,8 +393,7 @@ def _read_weights(file: Path) -> dict:
         state = load_file(str(file), device="cpu")
     except SafetensorError as e:
         raise ValueError(f"{file} is not a readable safetensors file ({e}); {_REDO}") from None
-    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
-    if bad:
+    if bad := nonfinite(state):
         raise ValueError(f"{file} holds NaN or infinite values in {bad}; the probe would refuse or accept every "
                          f"step blindly. {_REDO.capitalize()} (a diverged training exports such weights)")
     if "input_std" in state and not bool((state["input_std"] > 0).all()):

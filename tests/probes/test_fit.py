@@ -594,6 +594,9 @@ def test_weights_that_diverged_are_not_exported_and_the_run_fails(tmp_path, caps
         main(["--config", str(_tiny_config(tmp_path)), "--export_dir", str(tmp_path / "export")])
     assert exit_.value.code == 1 and "not exported: diverged, say" in capsys.readouterr().out
     assert not (tmp_path / "export").exists()
+    with pytest.raises(SystemExit) as exit_:  # not asked to export: it failed with status 1 and said nothing
+        main(["--config", str(_tiny_config(tmp_path)), "--export", "false"])
+    assert exit_.value.code == 1 and "failed: diverged, say" in capsys.readouterr().out
 
 
 def test_a_bf16_linear_probe_exports_in_float32_with_a_card_that_says_linear_and_a_named_logger_stays_in_root(
