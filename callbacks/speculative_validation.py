@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
-from generation.loading import device_problem
+from generation.loading import device_problem, missing_path
 from generation.paths import folder_problem
 from generation.specs import is_count, is_real
 from probes.model import check_probe_matches
@@ -48,19 +48,12 @@ def _argument_errors(task, world_root, target, draft, target_device, draft_devic
     if world_root is not None and not Path(world_root).expanduser().is_dir():
         errors.append(f"world_root={world_root!r}: no such folder (the world's target/, draft/ and tokenizer)")
     errors += [f"{name}={spec!r}: no such file or folder" for name, spec in (("target", target), ("draft", draft))
-               if spec is not None and _missing_path(spec)]
+               if spec is not None and missing_path(spec)]
     if (target is None) != (draft is None):
         errors.append(f"target={target!r}, draft={draft!r}: give both or neither (neither = the embedded world's)")
     return errors + [f"{name}={problem}" for name, device in (("target_device", target_device),
                                                              ("draft_device", draft_device))
                      if (problem := device_problem(device))]
-
-
-def _missing_path(spec: str) -> bool:
-    """Whether a model spec is a local path (absolute, or from ``.`` or ``~``) that does not exist; a hub name
-    (``org/name``) or ``pypi:PACKAGE`` is left to the loader."""
-    text = str(spec)
-    return (Path(text).is_absolute() or text.startswith((".", "~"))) and not Path(text).expanduser().exists()
 
 
 METHODS = ("target_only", "semanticspec")

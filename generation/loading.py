@@ -218,6 +218,26 @@ def local_model_dir(name_or_path: str | os.PathLike, gguf_file: Optional[str | o
     return str(name_or_path) if gguf is None else str(ensure_converted(gguf, cache_dir))
 
 
+def hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hub repository id (``name`` or ``namespace/name``), not a local path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name[:1] in ("/", ".", "~", "") or name.count("/") > 1 or os.sep != "/" and os.sep in name:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def missing_path(spec: str | os.PathLike) -> bool:
+    """Whether a model spec (:func:`load_causal_lm`'s ``name_or_path``) is a local path that does not exist: neither a
+    Hub id (:func:`hub_id`), which the loader resolves, nor ``pypi:PACKAGE``."""
+    text = str(spec)
+    return not text.startswith(PYPI_PREFIX) and not hub_id(text) and not Path(text).expanduser().exists()
+
+
 def device_problem(device: str) -> str | None:
     """Why ``device`` is no torch device this process can put a model on (None: it can), naming the value."""
     try:

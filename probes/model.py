@@ -122,12 +122,12 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         Raises:
             FileNotFoundError, ValueError: as :func:`probe_config` and :func:`read_folder`.
         """
-        from generation.loading import checked_device
+        from generation.loading import checked_device, hub_id
 
         name = str(pretrained_model_name_or_path)
         folder = Path(name).expanduser()
         device = checked_device(map_location, "map_location")
-        if folder.exists() or not _hub_id(name):  # a path: a missing one is named as missing, never sent to the Hub
+        if folder.exists() or not hub_id(name):  # a path: a missing one is named as missing, never sent to the Hub
             return read_folder(folder, probe_config(folder, role)).to(device).eval()
         return super().from_pretrained(pretrained_model_name_or_path, role=role, map_location=map_location, **kwargs)
 
@@ -294,19 +294,6 @@ def check_role(config: ProbeConfig, role: Optional[str], where: str = "probe") -
             f"{where} was exported with role {config.role!r} (it estimates the {config.role} model's semantic "
             f"probability) but is used as the {role} probe; pass a probe exported with role {role!r} here, "
             f"or this one as the {config.role} probe")
-
-
-def _hub_id(name: str) -> bool:
-    """Whether ``name`` reads as a Hub repository id (``name`` or ``namespace/name``), not a local path."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if name[:1] in ("/", ".", "~", "") or name.count("/") > 1 or os.sep != "/" and os.sep in name:
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def probe_config(path: str | os.PathLike, role: Optional[str] = None) -> ProbeConfig:
