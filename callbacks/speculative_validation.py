@@ -204,9 +204,9 @@ class SpeculativeValidation(Callback):
         """Refuse problems that the label build of ``data`` (a DataModule with a ``build`` config) labels: the figures
         would be measured on the probes' training problems."""
         build = getattr(data, "build", None)
-        if build is None or not hasattr(build, "resolved_task"):
+        if build is None or not hasattr(build, "labelled_problems"):
             return
-        seen = {p["problem"] for p in build.resolved_task().problems(build.n_problems, build.task_seed)}
+        seen = build.labelled_problems()
         if overlap := [k for k, (problem, _) in enumerate(self.problems) if problem in seen]:
             first = self.problems[overlap[0]][0][:60]
             raise ValueError(f"SpeculativeValidation: {len(overlap)} of its {len(self.problems)} problems are among "

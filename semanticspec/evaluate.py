@@ -660,7 +660,7 @@ def held_out(opts: EvaluateOptions, fit: FitRun) -> tuple[Any, list[dict], int]:
         first = problems[no_answer[0]]["problem"][:60]
         raise ValueError(f"task {task.spec()['class_path']}: problem {no_answer[0]} ({first!r}) has no answer to "
                          f"check; {len(no_answer)} of {len(problems)} lack one")
-    seen = {p["problem"] for p in build_task.problems(build_n, build_seed)}
+    seen = fit.build.labelled_problems(build_n, build_seed)
     overlap = [k for k, p in enumerate(problems) if p["problem"] in seen]
     if overlap:
         raise ValueError(f"--seed={opts.seed} --skip={skip}: {len(overlap)} of the {len(problems)} problems are among "

@@ -356,6 +356,13 @@ class BuildConfig:
         """The task: ``task``, or the embedded world's when it is None (kept None so the config prints as YAML)."""
         return default_world().task() if self.task is None else self.task
 
+    def labelled_problems(self, n_problems: int | None = None, task_seed: int | None = None) -> set[str]:
+        """The texts of the problems this build labels (``n_problems`` and ``task_seed``: the build's own unless
+        given, e.g. as its manifest recorded them), which held-out problems must not be among."""
+        n = self.n_problems if n_problems is None else n_problems
+        seed = self.task_seed if task_seed is None else task_seed
+        return {p["problem"] for p in self.resolved_task().problems(n, seed)}
+
     def model_path(self, role: str) -> str:
         """Folder of ``target``, ``draft`` or the ``judge`` (world defaults resolved now)."""
         given = {"target": self.target, "draft": self.draft, "judge": self.judge.model}[role]

@@ -409,6 +409,7 @@ def test_callback_refuses_unanswered_problems_and_the_build_s_own_before_trainin
 
     from arithmetic_world.task import ArithmeticTask
     from callbacks.speculative_validation import SpeculativeValidation
+    from datamodules.labels.config import BuildConfig
 
     records = [{"problem": f"Start with {k}. Add 2. What is the result?", "answer": k + 2} for k in range(4)]
     file = tmp_path / "problems.jsonl"
@@ -416,7 +417,7 @@ def test_callback_refuses_unanswered_problems_and_the_build_s_own_before_trainin
     with pytest.raises(ValueError, match=r"problem 3 \('Start with 3.*has no answer to check; 1 of 4 lack one"):
         SpeculativeValidation(task=ArithmeticTask(str(file)))  # its accuracy was 0, silently
     callback = SpeculativeValidation(task=ArithmeticTask(str(file)), max_problems=2)
-    build = SimpleNamespace(resolved_task=lambda: ArithmeticTask(str(file)), n_problems=3, task_seed=1)
+    build = BuildConfig(task=ArithmeticTask(str(file)), n_problems=3, task_seed=1)
     trainer = SimpleNamespace(datamodule=SimpleNamespace(build=build), is_global_zero=True)
     with pytest.raises(ValueError, match=r"2 of its 2 problems are among the label build's \(3 from task_seed 1\)"):
         callback.setup(trainer, _narrow_module(), "fit")
