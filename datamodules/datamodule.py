@@ -21,10 +21,18 @@ from torch.utils.data import DataLoader
 
 from datamodules.labels import shards as S
 from datamodules.labels.build import build
-from datamodules.labels.config import ROLES, BuildConfig, signature, signature_mismatches
+from datamodules.labels.clustering import ClusteringConfig
+from datamodules.labels.config import (ROLES, BuildConfig, EndpointConfig, JudgeConfig, OpenAIConfig, ReadingConfig,
+                                       SamplingConfig, VLLMConfig, signature, signature_mismatches)
 from datamodules.labels.coordination import data_dir_problem
 from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec, check_groups, is_int, is_real, require_features
+
+# The arguments travel in checkpoints (``save_hyperparameters``); a ``BuildConfig`` built in Python is pickled, and
+# torch's weights_only unpickler (``load_from_checkpoint``) needs each of its classes allowed. A task object is the
+# user's class: its checkpoint loads with ``weights_only=False`` (torch's refusal names it).
+torch.serialization.add_safe_globals([BuildConfig, JudgeConfig, ClusteringConfig, SamplingConfig, OpenAIConfig,
+                                      EndpointConfig, VLLMConfig, ReadingConfig, StepSpec])
 
 
 class SemanticProbeDataModule(pl.LightningDataModule):
@@ -72,6 +80,10 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                                   test_fraction, seed, skip_corrupt, nonfinite, feature_groups)
         if errors:
             raise ValueError("invalid SemanticProbeDataModule arguments: " + "; ".join(errors))
+        # kept in checkpoints, so load_from_checkpoint rebuilds this data; not logged (the module's hparams are, and
+        # the fit CLI's config.yaml records these): a Python fit whose module trains fewer roles than this streams
+        # would otherwise fail Lightning's merge of the two
+        self.save_hyperparameters(logger=False)
         self.data_dir, self.build, self.roles = Path(data_dir), build, list(roles)
         self.batch_size, self.num_workers, self.shuffle_buffer = batch_size, num_workers, shuffle_buffer
         self.val_fraction, self.test_fraction, self.seed = val_fraction, test_fraction, seed

@@ -365,3 +365,28 @@ def test_reusing_is_said_once_per_datamodule(data, capsys):
     dm.prepare_data()  # Lightning prepares the data for fit, then again for test
     dm.prepare_data()
     assert capsys.readouterr().out.count("reusing 4 shards") == 1
+
+
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__`")
+def test_load_from_checkpoint_rebuilds_the_data_with_its_own_arguments(data, tmp_path):
+    """``SemanticProbeDataModule.load_from_checkpoint`` gave a datamodule of the defaults (``data/arithmetic``, batch
+    128): its arguments were not kept. A ``BuildConfig`` built in Python loads with torch's weights_only unpickler."""
+    import lightning.pytorch as pl
+
+    from datamodules.labels.config import BuildConfig, JudgeConfig
+    from probes.config import ProbeConfig
+    from probes.module import SemanticProbeModule
+
+    dm = SemanticProbeDataModule(str(data), build=None, batch_size=10, val_fraction=0.25, test_fraction=0.25, seed=3)
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], dm.input_spec)
+    trainer = pl.Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu")  # with its default logger
+    trainer.fit(module, datamodule=dm)
+    path = trainer.checkpoint_callback.best_model_path
+    again = SemanticProbeDataModule.load_from_checkpoint(path)
+    assert (again.data_dir, again.build, again.batch_size, again.seed, again.val_fraction) == (data, None, 10, 3, 0.25)
+    build = BuildConfig(n_problems=7, judge=JudgeConfig(threshold=0.6))
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["datamodule_hyper_parameters"] = dict(SemanticProbeDataModule(str(data), build=build).hparams)
+    torch.save(checkpoint, tmp_path / "built.ckpt")
+    assert SemanticProbeDataModule.load_from_checkpoint(tmp_path / "built.ckpt").build == build
