@@ -97,7 +97,9 @@ class SpeculativeValidation(Callback):
         every_n_epochs: decode at the validations of every n-th epoch (``trainer.current_epoch + 1`` a multiple of
             n; each validation of such an epoch, so with ``val_check_interval`` below one epoch several), and at the
             last epoch ``max_epochs`` allows (a run that early stopping ends between two runs keeps the figures of
-            the one before). Nothing is decoded under ``fast_dev_run``, whose run is a check of the code.
+            the one before). A fit that validates nothing (``--data.val_fraction 0``, ``limit_val_batches=0``) is
+            decoded at the end of those training epochs instead. Nothing is decoded under ``fast_dev_run``, whose
+            run is a check of the code.
         seed: the seed of generated problems; problem ``i`` is decoded with seed ``seed + i`` (one seed per
             prompt, so it decodes the same whatever ``batch_size``, as ``benchmarks.decode`` decodes it).
         max_new_tokens: decode budget per problem.
@@ -235,6 +237,14 @@ class SpeculativeValidation(Callback):
                     self._calibration[role].append(torch.stack([pred, part["label"].float().cpu()], 1))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._run(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.enable_validation:  # no validation loop to decode after: it decoded nothing, without a word
+            self._run(trainer, pl_module)
+
+    def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Decode and log the ``spec/`` figures if this epoch is one of ``every_n_epochs`` or the last."""
         last = (trainer.max_epochs or -1) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs  # -1: no limit
         if trainer.sanity_checking or trainer.fast_dev_run or ((trainer.current_epoch + 1) % self.every_n_epochs
                                                                and not last):
@@ -371,7 +381,10 @@ class SpeculativeValidation(Callback):
             ax.plot(xs, ys, "o-", label=f"{role} probe")
         ax.plot([0, 1], [0, 1], "k:", lw=1)
         ax.set(xlabel="predicted semantic probability", ylabel="mean label", title="reliability (last validation)")
-        ax.legend()
+        if any(self._calibration.values()):
+            ax.legend()
+        else:  # a fit that validates nothing
+            ax.text(0.5, 0.5, "no validation batches", ha="center", va="center", transform=ax.transAxes)
         paths["reliability"] = self._save(fig, out / "reliability.png", trainer)
 
         steps = [s for r in self._last for s in r.steps if s.q is not None and s.p is not None]
