@@ -226,19 +226,19 @@ made with them (the trainer's, such as ``max_epochs`` or the devices, may change
 
 def check_resumed_options(path: str, config_yaml: str) -> None:
     """Refuse, through :func:`fail`, resuming with other :data:`RESUMED` options than the run's own (``config.yaml``
-    beside its ``checkpoints/``; nothing to compare without one), naming them: a changed loss, batch size or dropout
-    trained otherwise than the run without a word, and a changed optimizer was recorded and not used (Lightning
-    restores the optimizer's state from the checkpoint, learning rate included)."""
+    beside its ``checkpoints/``; without one, the model and data options the checkpoint records), naming them: a
+    changed loss, batch size or dropout trained otherwise than the run without a word, and a changed optimizer was
+    recorded and not used (Lightning restores the optimizer's state from the checkpoint, learning rate included)."""
     import yaml
 
     run_config = Path(path).resolve().parent.parent / "config.yaml"
     try:
         old = yaml.safe_load(run_config.read_text()) or {}
     except (OSError, yaml.YAMLError):
-        return
+        old = None
     new = yaml.safe_load(config_yaml) or {}
-    if not isinstance(old, dict):
-        return
+    if not isinstance(old, dict):  # a checkpoint copied out of its run folder
+        return _check_recorded_options(path, new)
     was, now = (_flat({k: c.get(k) for k in RESUMED}) for c in (old, new))  # a null argument is its default
     differ = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
     optimizer = [k for k in differ if k.startswith("model.optimizer.")]
@@ -257,6 +257,26 @@ def check_resumed_options(path: str, config_yaml: str) -> None:
              + ", ".join(f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in differ) + f"; resume with the run's own "
              f"(--config {run_config}; trainer options such as --trainer.max_epochs may change), or train a new run "
              "without --ckpt_path")
+
+
+def _check_recorded_options(path: str, new: dict) -> None:
+    """:func:`check_resumed_options` for a checkpoint without its run's ``config.yaml``: the model's and the data's
+    options as the checkpoint's hyperparameters record them (this CLI's checkpoints: their config sections; not the
+    optimizer, which the module does not record, nor the seed); nothing to compare in one made otherwise."""
+    import torch
+
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    recorded = {}
+    for section, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
+        if isinstance(hp := checkpoint.get(key), dict) and "_instantiator" in hp:
+            recorded[section] = {k: v for k, v in hp.items() if not k.startswith("_")}
+    was, now = _flat(recorded), _flat({k: new.get(k) for k in recorded})
+    # a key the config does not hold is a link's target (model.roles, model.input_spec), set from the data
+    if differ := [k for k in sorted(was) if k in now and was[k] != now[k] and not k.startswith("data.build.")]:
+        fail(f"--ckpt_path {path} continues a run, but options it trained with differ from those the checkpoint "
+             "records (its run's config.yaml is not beside it): " + ", ".join(
+                 f"{k}: {was[k]!r} -> {now[k]!r}" for k in differ) + "; resume with the run's own options, or train "
+             "a new run without --ckpt_path")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -874,9 +874,14 @@ def test_a_checkpoint_of_another_model_is_one_line_and_leaves_no_run_folder(tmp_
     other = tmp_path / "elsewhere.ckpt"  # outside its run folder: the config given is used, with other widths
     (tmp_path / "runs" / "fit" / "version_0" / "checkpoints" / "last.ckpt").rename(other)
     capsys.readouterr()
-    line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.hidden_dims", "[4]", "--ckpt_path",
-                                    str(other)])
-    assert "Error(s) in loading state_dict" in line
+    args = ["--config", str(cfg), "--model.probe.hidden_dims", "[4]", "--ckpt_path", str(other)]
+    line = _one_line_error(capsys, args)  # its hyperparameters record the options it trained with
+    assert "differ from those the checkpoint records (its run's config.yaml is not beside it): " \
+           "model.probe.hidden_dims: [8] -> [4]; resume with" in line, line
+    checkpoint = torch.load(other, weights_only=False)  # one made otherwise (in Python) records none
+    checkpoint["hyper_parameters"].pop("_instantiator")
+    torch.save(checkpoint, other)
+    assert "Error(s) in loading state_dict" in _one_line_error(capsys, args)
     assert sorted(p.name for p in (tmp_path / "runs" / "fit").iterdir()) == ["version_0"]
 
 
@@ -925,8 +930,15 @@ def test_a_resume_with_another_optimizer_or_a_damaged_checkpoint_and_a_bad_seed_
                                 ("--model.probe.dropout", "0.1", "model.probe.dropout: 0.3 -> 0.1")):
         line = _one_line_error(capsys, ["--config", saved, "--ckpt_path", str(last), option, value])
         assert f"options it trained with differ from that run's ({saved}): {said}; resume with" in line, line
-    main(["--config", saved, "--ckpt_path", str(last), "--trainer.max_epochs", "2", "--test", "false", "--export",
-          "false"])  # the trainer's may change: one more epoch
+    copied = tmp_path / "copied.ckpt"  # out of its run folder: nothing was compared
+    copied.write_bytes(last.read_bytes())
+    line = _one_line_error(capsys, ["--config", saved, "--ckpt_path", str(copied), "--data.batch_size", "3"])
+    assert ("differ from those the checkpoint records (its run's config.yaml is not beside it): data.batch_size: "
+            "128 -> 3; resume with" in line), line
+    line = _one_line_error(capsys, ["--config", saved, "--ckpt_path", str(copied), "--model.probe.dropout", "0.1"])
+    assert "model.probe.dropout: 0.3 -> 0.1; resume with" in line, line
+    main(["--config", saved, "--ckpt_path", str(copied), "--trainer.max_epochs", "2", "--test", "false", "--export",
+          "false"])  # the trainer's may change: one more epoch (and the options the copy records are the run's)
     damaged = tmp_path / "damaged.ckpt"
     with zipfile.ZipFile(last) as z:
         weights = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
@@ -1002,6 +1014,22 @@ def test_a_run_without_a_test_split_runs_no_test_and_says_so(tmp_path, capsys):
     assert any(f"probes.target.{k}" in best for k in exported)
 
 
+def test_live_validation_plots_a_fit_that_validated_nothing_without_a_warning(tmp_path):
+    """A fit without validation batches decodes at its training epochs' ends; its reliability plot, with nothing to
+    show, warned from matplotlib about an empty legend."""
+    import warnings
+    from types import SimpleNamespace
+
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    cb = SpeculativeValidation(plots_dir=str(tmp_path))
+    cb.history = [{"epoch": 0, "speedup": 2.0, "accuracy": 0.9, "accuracy_delta": 0.1}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = cb.write_plots(SimpleNamespace(loggers=[], global_step=0), str(tmp_path))
+    assert all(path.is_file() for path in paths.values()) and len(paths) == 3
+
+
 def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
     """``every_n_epochs=2`` with one epoch decoded never: its docstring promised the end of the fit too."""
     from types import SimpleNamespace
@@ -1021,3 +1049,7 @@ def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
             logged.clear()
             cb.on_validation_epoch_end(trainer, module)
             assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run), (epoch, max_epochs)
+            for validates in (True, False):  # a fit that validates nothing decoded nothing, without a word
+                logged.clear()
+                cb.on_train_epoch_end(SimpleNamespace(**vars(trainer), enable_validation=validates), module)
+                assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run and not validates)
