@@ -65,7 +65,8 @@ class ProbeConfig:
     role: str = "target"
     """Which model's semantic probability the probe estimates: ``target`` (q) or ``draft`` (p)."""
     features_dtype: str = "float16"
-    """dtype the pooled features are stored in; the probe computes in float32."""
+    """dtype the label build stored the pooled hidden states in (float16: a record, which the fit refuses to change);
+    the probe computes in float32."""
     reads: dict[str, Any] = field(default_factory=dict)
     """Fingerprint of the model whose hidden states the probe reads (see ``model_fingerprint``)."""
     step: StepSpec = field(default_factory=StepSpec)

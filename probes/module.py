@@ -54,6 +54,7 @@ FROM_THE_DATA = {
     "labels": "the label build (data.build)",
     "role": "model.roles",
     "training": "model.loss, model.optimizer and the trainer (recorded at export)",
+    "features_dtype": "by the label build, which stores pooled hidden states in float16 (a record, not a setting)",
 }
 """The probe config's fields the fit fills per role from the data (``input_spec``), and where each is set."""
 

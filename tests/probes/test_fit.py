@@ -991,6 +991,9 @@ def test_a_probe_field_the_data_fills_is_refused_not_ignored(tmp_path, capsys):
     assert "model.probe.features=" in line and "set data.feature_groups and data.build.layer_ids" in line
     line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.role", "draft"])
     assert "model.probe.role='draft': filled per role from the data; set model.roles" in line
+    line = _one_line_error(capsys, ["--config", str(cfg), "--model.probe.features_dtype", "bfloat16"])  # no effect
+    assert "model.probe.features_dtype='bfloat16': filled per role from the data; set by the label build, which " \
+           "stores pooled hidden states in float16" in line
     assert not (tmp_path / "runs").exists()
 
 
