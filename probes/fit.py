@@ -71,13 +71,17 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
 
 
 def training_record(trainer, module: SemanticProbeModule) -> dict[str, Any]:
-    """How ``trainer`` trained ``module``'s probes: the loss, the optimizer's class and learning rate, the epochs run
-    and the precision (the exported ``config.json``'s ``training``, shown on the card)."""
+    """How ``trainer`` trained ``module``'s probes: the loss, the optimizer's class and learning rate, the
+    scheduler's class (if any), the epochs run and the precision (the exported ``config.json``'s ``training``, shown
+    on the card)."""
     out: dict[str, Any] = {"loss": module.loss_name}
     if trainer.optimizers:
         optimizer = trainer.optimizers[0]
         out.update(optimizer=f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
                    lr=float(optimizer.defaults.get("lr", float("nan"))))
+    if trainer.lr_scheduler_configs:
+        scheduler = type(trainer.lr_scheduler_configs[0].scheduler)
+        out["lr_scheduler"] = f"{scheduler.__module__}.{scheduler.__qualname__}"
     return {**out, "epochs": int(trainer.current_epoch), "precision": str(trainer.precision)}
 
 

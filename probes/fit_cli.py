@@ -309,14 +309,25 @@ class _SetupDone(Callback):
         self.training = True
 
 
-def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
-    """``trainer.fit``; bad input before training ends in one line, Ctrl-C in what was kept and how to resume."""
+def check_optimizer(module) -> None:
+    """Refuse, through :func:`fail`, what the optimizer and the scheduler refuse (a learning rate below 0, a start
+    factor above 1), built on one parameter before the data is prepared for minutes."""
     import torch
 
-    try:  # the optimizer's own checks (a learning rate below 0, say), before the data is built for minutes
-        module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    try:
+        optimizer = module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
     except (ValueError, TypeError) as e:
         fail(f"--model.optimizer: {e}")
+    try:
+        if module.scheduler_factory is not None:
+            module.scheduler_factory(optimizer)
+    except (ValueError, TypeError) as e:
+        fail(f"--model.lr_scheduler: {e}")
+
+
+def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
+    """``trainer.fit``; bad input before training ends in one line, Ctrl-C in what was kept and how to resume."""
+    check_optimizer(module)
     setup_done = _SetupDone()
     trainer.callbacks.append(setup_done)
     if trainer.fast_dev_run:  # "no checkpoints", Lightning says; its ModelCheckpoint still wrote last.ckpt at the end

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
@@ -119,6 +119,10 @@ class SemanticProbeModule(L.LightningModule):
         optimizer: optimizer factory (paper: Adam, lr 1e-3). A callable is not saved as a hyperparameter:
             ``load_from_checkpoint`` builds the default (Adam) unless given ``optimizer=...`` again (a resumed fit
             restores the optimizer's state, learning rate included, from the checkpoint).
+        lr_scheduler: learning-rate scheduler factory taking the optimizer, stepped once an epoch (e.g.
+            ``torch.optim.lr_scheduler.CosineAnnealingLR`` with ``T_max``), or Lightning's
+            ``lightning.pytorch.cli.ReduceLROnPlateau`` with the ``monitor`` it watches (``val/loss``); None
+            (default, the paper's) keeps the learning rate constant. Not saved as a hyperparameter, as ``optimizer``.
         draft_low_label_weight: loss weight of the target probe's draft-written rows whose label is
             below 0.5 (the draft's wrong steps: a small share of the rows, and the steps a decoder must
             refuse). 1.0 = the paper's unweighted loss.
@@ -131,6 +135,7 @@ class SemanticProbeModule(L.LightningModule):
         input_spec: Optional[dict[str, dict[str, Any]]] = None,
         loss: str = "mse",
         optimizer: OptimizerCallable = torch.optim.Adam,
+        lr_scheduler: Optional[LRSchedulerCallable] = None,
         draft_low_label_weight: float = 1.0,
     ) -> None:
         super().__init__()
@@ -144,6 +149,9 @@ class SemanticProbeModule(L.LightningModule):
         if not callable(optimizer):
             errors.append(f"optimizer={optimizer!r}: expected a callable that takes the parameters (e.g. "
                           "torch.optim.Adam, or functools.partial(torch.optim.AdamW, lr=1e-3))")
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            errors.append(f"lr_scheduler={lr_scheduler!r}: expected a callable that takes the optimizer (e.g. "
+                          "functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=12)), or None")
         if loss not in LOSSES:
             errors.append(f"loss={loss!r}: expected one of {list(LOSSES)}")
         missing = [r for r in roles if input_spec is not None and r not in input_spec]
@@ -155,10 +163,11 @@ class SemanticProbeModule(L.LightningModule):
             errors += _filled_from_the_data(probe)
         if errors:
             raise ValueError("invalid SemanticProbeModule arguments: " + "; ".join(errors))
-        self.save_hyperparameters(ignore=["optimizer"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.roles = list(roles)
         self.loss_name = loss
         self.optimizer_factory = optimizer
+        self.scheduler_factory = lr_scheduler
         self.draft_low_label_weight = float(draft_low_label_weight)
         self.probe_configs = {r: self._role_config(probe, r, (input_spec or {}).get(r)) for r in self.roles}
         self.probes = nn.ModuleDict({r: SemanticProbe(c) for r, c in self.probe_configs.items()})
@@ -313,7 +322,14 @@ class SemanticProbeModule(L.LightningModule):
         return bool(total > 0)
 
     def configure_optimizers(self):
-        return self.optimizer_factory(self.parameters())
+        optimizer = self.optimizer_factory(self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        config = {"scheduler": scheduler}
+        if monitor := getattr(scheduler, "monitor", None):  # Lightning's ReduceLROnPlateau names its metric
+            config["monitor"] = monitor
+        return {"optimizer": optimizer, "lr_scheduler": config}
 
 
 def _check_streamed(role: str, cfg: ProbeConfig, given: dict[str, Any], data_dir) -> None:

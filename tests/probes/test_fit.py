@@ -1056,3 +1056,33 @@ def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
                 logged.clear()
                 cb.on_train_epoch_end(SimpleNamespace(**vars(trainer), enable_validation=validates), module)
                 assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run and not validates)
+
+
+def test_a_learning_rate_scheduler_is_stepped_recorded_on_the_card_and_checked_before_the_data(tmp_path, capsys):
+    """The module took no scheduler: a fit's learning rate was constant, whatever the user's Lightning habits."""
+    from functools import partial
+
+    from lightning.pytorch.cli import ReduceLROnPlateau
+
+    from probes.config import ProbeConfig
+    from probes.module import SemanticProbeModule
+
+    cfg = str(_tiny_config(tmp_path))
+    main(["--config", cfg, "--test", "false", "--export_dir", str(tmp_path / "e"), "--model.lr_scheduler",
+          "torch.optim.lr_scheduler.StepLR", "--model.lr_scheduler.step_size", "1", "--model.lr_scheduler.gamma",
+          "0.5"])
+    training = json.loads((tmp_path / "e" / "target" / "config.json").read_text())["training"]
+    assert training["lr_scheduler"] == "torch.optim.lr_scheduler.StepLR" and training["epochs"] == 3
+    card = (tmp_path / "e" / "target" / "README.md").read_text()
+    assert "| lr_scheduler | `torch.optim.lr_scheduler.StepLR` |" in card
+    checkpoint = torch.load(next((tmp_path / "runs").rglob("last.ckpt")), weights_only=False)
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-4 * 0.5 ** 3)
+    line = _one_line_error(capsys, ["--config", cfg, "--model.lr_scheduler", "torch.optim.lr_scheduler.LinearLR",
+                                    "--model.lr_scheduler.start_factor", "5"])
+    assert line.startswith("python -m probes.fit: error: --model.lr_scheduler: Starting multiplicative factor")
+    spec = {r: {"hidden_size": 7, "features": FeatureSpec(), "reads": {"hidden_size": 7}} for r in ("target", "draft")}
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec,
+                                 lr_scheduler=partial(ReduceLROnPlateau, monitor="val/loss"))
+    assert module.configure_optimizers()["lr_scheduler"]["monitor"] == "val/loss"  # Lightning's plateau names it
+    with pytest.raises(ValueError, match="lr_scheduler=3: expected a callable that takes the optimizer"):
+        SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec, lr_scheduler=3)
