@@ -104,6 +104,7 @@ class ProbeCLI(LightningCLI):
                 fail(problem)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
+        check_optimizer(self.model)  # before the Trainer's own lines (GPU available: ...) on the terminal
         return super()._instantiate_trainer(config, list(callbacks) + [NoValidationFallback()])
 
     def instantiate_classes(self) -> None:
@@ -327,7 +328,6 @@ def check_optimizer(module) -> None:
 
 def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
     """``trainer.fit``; bad input before training ends in one line, Ctrl-C in what was kept and how to resume."""
-    check_optimizer(module)
     setup_done = _SetupDone()
     trainer.callbacks.append(setup_done)
     if trainer.fast_dev_run:  # "no checkpoints", Lightning says; its ModelCheckpoint still wrote last.ckpt at the end

@@ -1058,8 +1058,10 @@ def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
                 assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run and not validates)
 
 
-def test_a_learning_rate_scheduler_is_stepped_recorded_on_the_card_and_checked_before_the_data(tmp_path, capsys):
-    """The module took no scheduler: a fit's learning rate was constant, whatever the user's Lightning habits."""
+def test_a_learning_rate_scheduler_is_stepped_recorded_on_the_card_and_checked_before_the_data(tmp_path, capsys,
+                                                                                                 caplog):
+    """The module took no scheduler: a fit's learning rate was constant, whatever the user's Lightning habits. A
+    refused optimizer or scheduler is the only line (the Trainer's "GPU available" lines came before it)."""
     from functools import partial
 
     from lightning.pytorch.cli import ReduceLROnPlateau
@@ -1077,8 +1079,10 @@ def test_a_learning_rate_scheduler_is_stepped_recorded_on_the_card_and_checked_b
     assert "| lr_scheduler | `torch.optim.lr_scheduler.StepLR` |" in card
     checkpoint = torch.load(next((tmp_path / "runs").rglob("last.ckpt")), weights_only=False)
     assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-4 * 0.5 ** 3)
+    caplog.clear()
     line = _one_line_error(capsys, ["--config", cfg, "--model.lr_scheduler", "torch.optim.lr_scheduler.LinearLR",
                                     "--model.lr_scheduler.start_factor", "5"])
+    assert not [r for r in caplog.records if "GPU available" in r.getMessage()]  # logged before the refusal
     assert line.startswith("python -m probes.fit: error: --model.lr_scheduler: Starting multiplicative factor")
     spec = {r: {"hidden_size": 7, "features": FeatureSpec(), "reads": {"hidden_size": 7}} for r in ("target", "draft")}
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec,
