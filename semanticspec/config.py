@@ -80,9 +80,9 @@ class DecodeConfig:
         step: what a step is (:class:`~generation.specs.StepSpec`: delimiters and cap). None (default) = the step the
             probes' labels were cut at (``config.step``), else ``StepSpec()``. A probe is used on the steps it was
             trained on: a step that differs from a probe's is refused, naming both.
-        answer_marker: stop once a newline follows the output's last occurrence of this marker, wherever it stands in
-            its line (e.g. ``"Answer:"``, ``"\\boxed{"``); None = the decoder's task's marker, else none. A marker
-            that differs from the task's is refused.
+        answer_marker: stop once a newline follows an occurrence of this marker (before the next one), wherever it
+            stands in its line (e.g. ``"Answer:"``, ``"\\boxed{"``): at the end of the step that completes the line;
+            None = the decoder's task's marker, else none. A marker that differs from the task's is refused.
         token_sd: the target writes its steps (first and refused) with token-level speculative sampling from the
             same draft; lossless for those steps. None (default) = on when the models share a tokenizer
             (``benchmarks/first_step.py``); True with two is refused, as is True served (a target server writes

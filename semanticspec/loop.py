@@ -389,10 +389,10 @@ class StepLoop:
             self._sync(i, Commit(then=bonus.ids))
             r.out.extend(bonus.ids)
             r.stats.output_tokens += 1
-            if bonus.eos:
+            r.forced = bonus
+            if bonus.eos:  # traced as a one-token step, as every other output token is
                 r.finish("eos")
-            else:
-                r.forced = bonus
+                r.last_forced_step()
 
     def rewrite(self, first: list[int], rejected: list[int]) -> None:
         """The target writes the first step of ``first`` and the refused step of ``rejected`` (one batch)."""

@@ -14,12 +14,11 @@ from semanticspec.results import DecodeStats, Decision, StepTrace
 
 
 def answer_complete(text: str, marker: str | None) -> bool:
-    """The output ``text`` ends a decode: a newline follows the last occurrence of ``marker``, wherever it stands in
-    its line (``\\boxed{`` mid-sentence too)."""
-    if not marker:
-        return False
-    k = text.rfind(marker)
-    return k >= 0 and "\n" in text[k:]
+    """The output ``text`` ends a decode: a newline follows an occurrence of ``marker`` before the next one, wherever
+    it stands in its line (``\\boxed{`` mid-sentence too). Read token by token, as transformers' loop reads it, that
+    is a newline after the last occurrence so far; a step that completes the marker's line and writes it again (a
+    step cut at ``=`` with the marker ``=``) ends the decode too."""
+    return bool(marker) and any("\n" in after for after in text.split(marker)[1:])
 
 
 @dataclass
@@ -108,6 +107,11 @@ class Row:
         """Finish at the budget or the context end; a bonus token still waiting for its step becomes a last
         one-token step."""
         self.finish("budget" if self.stats.output_tokens >= self.budget else "context")
+        self.last_forced_step()
+
+    def last_forced_step(self) -> None:
+        """A bonus token still waiting for its step (counted in ``output_tokens`` when drawn) becomes a last one-token
+        step of the trace, as the finished row has no next step to open."""
         if self.forced:
             ids = list(self.forced.ids)
             text = self.decode(ids) if ids and self.decode is not None else self.forced.text

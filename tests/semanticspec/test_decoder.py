@@ -409,6 +409,40 @@ def test_transformers_baselines_end_at_the_answer_and_leave_torchs_generator_alo
         assert not answer_complete(w.tokenizer.decode(w.tokenizer(r.text).input_ids[1:-1]), "+")  # ends at the line
 
 
+def test_a_step_that_completes_the_answer_line_and_writes_the_marker_again_ends_the_decode():
+    """With steps cut at the marker (``=``), every step completed one line and wrote the marker again: the step loop
+    looked at the last occurrence only and wrote past three answers to EOS, where transformers' loop, reading token
+    by token, ended at the first line."""
+    from arithmetic_world.models import load_world
+    from semanticspec.rows import answer_complete
+
+    assert answer_complete("19 + 5 = 24.\n\n24 + 8 =", "=") and not answer_complete("19 + 5 =", "=")
+    assert not answer_complete("no marker\n", "=") and not answer_complete("a = 1\n", None)
+    w = load_world()
+    dec = SemanticSpecDecoder(w.target, w.draft, w.tokenizer)  # no task: the marker is the call's
+    prompt = "<bos>Take 19. Add 5, then add 8, then subtract 8. What number do you get?\n\n"
+    kw = dict(temperature=0.0, max_new_tokens=60, answer_marker="=", step=StepSpec(("=",), 32))
+    ours, hf = (dec.generate([prompt], method=m, **kw)[0] for m in ("target_only", "hf_target_only"))
+    assert (ours.stop_reason, hf.stop_reason) == ("answer", "answer")
+    assert ours.text.startswith(hf.text) and ours.text.count("\n\n") == 1  # the step that completed the line
+
+
+def test_an_eos_drawn_as_the_bonus_token_is_a_traced_step():
+    """A target bonus token that was EOS counted in ``output_tokens`` and ended the row, but no step held it: the
+    trace and the stream's steps held one token fewer than the stats."""
+    from arithmetic_world.models import load_world
+
+    w = load_world()
+    dec = SemanticSpecDecoder(w.target, w.draft, w.tokenizer)
+    prompt = "<bos>Take 6. Add 3, then add 3. What number do you get?\n\n"
+    kw = dict(temperature=0.0, max_new_tokens=60, step=StepSpec((" ",), 20))
+    (r,) = dec.generate([prompt], method="always_accept", **kw)
+    assert r.stop_reason == "eos" and r.steps[-1].writer == "target" and r.steps[-1].n_tokens == 1
+    assert r.stats.output_tokens == sum(s.n_tokens for s in r.steps if s.decision != "reject")
+    assert r.stats.steps == len([s for s in r.steps if s.decision != "reject"])
+    check_stream(list(dec.stream([prompt], method="always_accept", **kw)), [r], 1)
+
+
 # --------------------------------------------------------------------------- cross-tokenizer
 
 
