@@ -117,10 +117,15 @@ class StepDecoder:
     def _checked_default(self) -> StepSpec:
         """What a step is with the decoder's own config, checked before any call for what every call with it would be
         refused (ValueError naming the field, as a call's refusal does: a method this decoder cannot run, a setting
-        it has no use for); a call's overrides are still checked per call."""
-        step = self._setup(self.config)[1]
-        if problems := self._refusals(self.config, method_for(self.config.method, self.policy)):
+        it has no use for, a window that cannot fit, a sampling other than the probes'); a call's overrides are
+        still checked per call."""
+        cfg = self.config
+        step = self._setup(cfg)[1]
+        method, problems = self._method(cfg, step, probes=False)  # a decoder without probes, built with the default
+        if problems := problems + self._refusals(cfg, method):  # config, is called with methods that need none
             raise ValueError(f"config: {'; '.join(problems)}")
+        resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p, method.probes_decide,
+                         cfg.allow_sampling_mismatch, stacklevel=3)  # the warning names the line building the decoder
         return step
 
     def _setup(self, cfg: DecodeConfig) -> tuple[LoopSetup, StepSpec]:
@@ -271,16 +276,16 @@ class StepDecoder:
         """Prompts per loop: ``cfg.batch_size``, else all ``n``."""
         return cfg.batch_size or max(n, 1)
 
-    def _method(self, cfg: DecodeConfig, step: StepSpec | None = None) -> tuple[Method | TransformersLoop | None,
-                                                                                 list[str]]:
+    def _method(self, cfg: DecodeConfig, step: StepSpec | None = None, probes: bool = True
+                ) -> tuple[Method | TransformersLoop | None, list[str]]:
         """The call's method (with the config's window, its steps ``step``: default the decoder's) and what is wrong
-        with the call for it."""
+        with the call for it; ``probes``: whether the probes the method needs are checked."""
         name = cfg.method
         try:
             method = method_for(name, self.policy)
         except ValueError as e:
             return None, [str(e)]
-        needs, problems = method.policy.needs if method.policy is not None else None, []
+        needs, problems = method.policy.needs if method.policy is not None and probes else None, []
         if needs is not None and needs.q and self.target_probe is None:
             problems.append(f"method={name!r} needs target_probe (an exported probe directory)")
         if needs is not None and needs.p and self.draft_probe is None:

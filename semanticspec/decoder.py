@@ -147,11 +147,11 @@ class SemanticSpecDecoder(StepDecoder):
         self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
         self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (target, draft),
                                                           (tokenizer, self.draft_tokenizer), probe_dtype)
-        self.step = self._checked_default()
         self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
         self._judges: dict[str, JudgeTurn] = {}  # per judge_suffix
         self._recorded_sampling = sampling_spec((self.target_probe, self.draft_probe))
         self._stoppers: dict = {}
+        self.step = self._checked_default()
 
     def _prompt(self, problem: str):
         """Text where the one tokenizer has no chat template (``generate`` adds BOS as the tokenizer does), else each
@@ -193,7 +193,7 @@ class SemanticSpecDecoder(StepDecoder):
     def transformers_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
         return transformers_events(plan.method, self.target, self.draft, self.tokenizer,
                                    None if self.shared else self.draft_tokenizer, batch, plan.cfg.max_new_tokens,
-                                   plan.sampling, keys, plan.loop.answer_marker)
+                                   plan.sampling, keys, plan.loop.answer_marker, plan.spare)
 
     def step_loop(self, plan: Plan, batch: tuple, keys: Sequence[StreamKey]) -> StepLoop:
         """The loop of one batch of ``plan`` over the in-process models: one :class:`~generation.cache.BatchedCache`

@@ -114,8 +114,8 @@ class ServedDecoder(StepDecoder):
         self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (None, None), (None, None),
                                                           probe_dtype)
         probes = (self.target_probe, self.draft_probe)
-        self.step = self._checked_default()
         self._recorded_sampling = sampling_spec(probes)
+        self.step = self._checked_default()
         if (why := swapped(target, draft, self.target_probe, self.draft_probe)) is not None:
             raise ValueError(why)
 

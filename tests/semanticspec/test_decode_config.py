@@ -111,3 +111,27 @@ def test_a_decoders_own_config_is_refused_when_every_call_with_it_would_be(tiny_
         ServedDecoder(*engines, config=DecodeConfig(method="hf_target_only"))
     lenient = SemanticSpecDecoder(target, draft, tok, config=DecodeConfig(method="target_only", max_new_tokens=3))
     assert len(lenient.generate(PROMPTS[:1], temperature=0.0)) == 1
+    # built, then refused by every call: a window for a method that drafts nothing, one the context cannot hold
+    with pytest.raises(ValueError, match="config: lookahead=2: method='target_only' drafts no steps"):
+        SemanticSpecDecoder(target, draft, tok, config=DecodeConfig(method="target_only", lookahead=2))
+    with pytest.raises(ValueError, match="config: lookahead=500: a window of 500 steps"):
+        SemanticSpecDecoder(target, draft, tok, config=DecodeConfig(lookahead=500))
+
+
+def test_a_decoders_own_sampling_other_than_the_probes_is_refused_when_built():
+    """``config=DecodeConfig(temperature=0)`` with probes trained at 0.6 was built, and every call refused it."""
+    from arithmetic_world.models import load_world
+    from semanticspec import SemanticSpecDecoder
+
+    w, probes = load_world(), "checkpoints/arithmetic/probes"
+    kw = dict(target_probe=f"{probes}/target", draft_probe=f"{probes}/draft")
+    for bad, named in (({"temperature": 0.0}, "temperature=0.0 but the target probe was trained on steps sampled"),
+                       ({"top_p": 0.5}, "top_p=0.5 but the target probe")):
+        with pytest.raises(ValueError, match=named):
+            SemanticSpecDecoder(w.target, w.draft, w.tokenizer, **kw, config=DecodeConfig(**bad))
+    with pytest.warns(UserWarning, match="allow_sampling_mismatch=True: temperature=0.0") as seen:
+        SemanticSpecDecoder(w.target, w.draft, w.tokenizer, **kw,
+                            config=DecodeConfig(temperature=0.0, allow_sampling_mismatch=True))
+    assert seen[0].filename == __file__  # the line that built the decoder
+    SemanticSpecDecoder(w.target, w.draft, w.tokenizer, **kw, config=DecodeConfig(method="target_only",
+                                                                                    temperature=0.0))

@@ -427,6 +427,23 @@ def test_a_step_that_completes_the_answer_line_and_writes_the_marker_again_ends_
     assert ours.text.startswith(hf.text) and ours.text.count("\n\n") == 1  # the step that completed the line
 
 
+def test_transformers_methods_keep_the_step_loops_room_at_the_context_end():
+    """The step loop's methods keep room for a bonus token and the judge turn at the context's end; transformers'
+    loop did not, so greedy ``hf_target_only`` wrote past where ``target_only`` stopped."""
+    from arithmetic_world.models import load_world
+
+    w = load_world()
+    dec = SemanticSpecDecoder(w.target, w.draft, w.tokenizer)
+    one = w.tokenizer("<bos>Take 6. Add 3, then add 3. What number do you get?\n\n").input_ids
+    context = w.target.config.max_position_embeddings
+    for length in (context - 6, context - 12):  # inside the kept room, and just past it
+        ids = (one * (context // len(one) + 1))[-length:]
+        out = [dec.generate([ids], method=m, temperature=0.0, max_new_tokens=20)[0]
+               for m in ("target_only", "hf_target_only", "token_sd")]
+        assert len({(r.text, r.stop_reason, r.stats.output_tokens) for r in out}) == 1, (length, out)
+        assert out[0].stop_reason == "context"
+
+
 def test_an_eos_drawn_as_the_bonus_token_is_a_traced_step():
     """A target bonus token that was EOS counted in ``output_tokens`` and ended the row, but no step held it: the
     trace and the stream's steps held one token fewer than the stats."""
