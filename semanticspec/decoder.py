@@ -106,10 +106,11 @@ class SemanticSpecDecoder(StepDecoder):
             window and the loop's settings: who writes the first step, the step spec, token-level speculation, the
             bonus token); a ``generate`` call without a config starts from it. None = ``DecodeConfig()``.
         task: the :class:`~datamodules.tasks.base.Task` whose problems are decoded (or any object with an
-            ``answer_marker``): a decode ends once a newline follows its ``answer_marker``'s last occurrence. None
-            (default): the config's ``answer_marker``, else none (a decode ends at EOS, the token budget or the
-            context end). Its problems come from ``task.problems(n, seed)``
-            and their prompts from ``decoder.prompts(problems)``; ``task.check`` scores the text.
+            ``answer_marker``): a decode ends once a newline follows an occurrence of its ``answer_marker``
+            (:func:`~semanticspec.rows.answer_complete`). None (default): the config's ``answer_marker``, else none
+            (a decode ends at EOS, the token budget or the context end). Its problems come from
+            ``task.problems(n, seed)`` and their prompts from ``decoder.prompts(problems)``; ``task.check`` scores
+            the text.
         probe_dtype: the dtype the probes' MLPs run in: ``"auto"`` (default: float16 where float16 matrix-vector
             products are fast, CUDA and x86 CPUs with AVX2/AVX-512; float32 elsewhere;
             :func:`~probes.model.resolve_probe_dtype`), ``"float32"`` (the exported weights as they are) or

@@ -65,9 +65,9 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assis
     ``draft_tokenizer`` is None for a shared tokenizer, else transformers' universal assisted
     generation hands text between the two. ``room``: new tokens the context holds (None: no limit);
     the result stops there with ``stop_reason="context"``. ``marker``: the output ends once a newline follows the
-    answer marker's last occurrence (``stop_reason="answer"``), as the step loop's does. transformers samples from
-    torch's global generator, seeded with ``seed`` here and restored afterwards (the caller's draws go on as if
-    this call had not run).
+    answer marker (``stop_reason="answer"``, :func:`~semanticspec.rows.answer_complete` read token by token), as
+    the step loop's does. transformers samples from torch's global generator, seeded with ``seed`` here and
+    restored afterwards (the caller's draws go on as if this call had not run).
     """
     dev = next(target.parameters()).device
     cap = max_new_tokens if room is None else min(max_new_tokens, room)

@@ -40,7 +40,8 @@ class LoopSetup:
 
     Attributes:
         target_first_step: the target writes each row's first step.
-        answer_marker: a row is done once a newline follows its last occurrence (None: no marker).
+        answer_marker: a row is done once a newline follows an occurrence of it
+            (:func:`~semanticspec.rows.answer_complete`; None: no marker).
         bonus_token: the target's next token after a kept step opens the next step.
         token_sd: the draft helps the target write its steps (token-level speculation; in-process parts).
         token_sd_tokens: draft tokens proposed per target pass with ``token_sd``.

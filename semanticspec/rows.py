@@ -49,7 +49,7 @@ class Row:
 
     Args:
         budget: output tokens it may write.
-        answer_marker: the prompt is done once a newline follows its last occurrence (:func:`answer_complete`).
+        answer_marker: the prompt is done once a newline follows an occurrence of it (:func:`answer_complete`).
         decode: the models share one tokenizer in-process: the output is kept as ids too, and its text is these ids
             decoded whole (``decode(ids)``); None: the output's text is its steps' texts, joined.
     """

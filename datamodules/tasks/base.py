@@ -46,7 +46,7 @@ class Task:
     """
 
     answer_marker: str = "Answer:"
-    """Where the final answer starts; the decoder stops once a newline follows its last occurrence."""
+    """Where the final answer starts; the decoder stops once a newline follows an occurrence of it."""
     delimiters: tuple[str, ...] = tuple(DEFAULT_DELIMITERS)
     """Step delimiters of the task's traces (a build's ``steps.delimiters`` default to them)."""
     prompt_suffix: str = "\n\n"
