@@ -372,6 +372,7 @@ def test_load_from_checkpoint_rebuilds_the_data_with_its_own_arguments(data, tmp
     """``SemanticProbeDataModule.load_from_checkpoint`` gave a datamodule of the defaults (``data/arithmetic``, batch
     128): its arguments were not kept. A ``BuildConfig`` built in Python loads with torch's weights_only unpickler."""
     import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
 
     from datamodules.labels.config import BuildConfig, JudgeConfig
     from probes.config import ProbeConfig
@@ -379,8 +380,8 @@ def test_load_from_checkpoint_rebuilds_the_data_with_its_own_arguments(data, tmp
 
     dm = SemanticProbeDataModule(str(data), build=None, batch_size=10, val_fraction=0.25, test_fraction=0.25, seed=3)
     module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], dm.input_spec)
-    trainer = pl.Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu")  # with its default logger
+    trainer = pl.Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False, log_every_n_steps=1,
+                         enable_model_summary=False, accelerator="cpu", logger=CSVLogger(tmp_path))  # hparams logged
     trainer.fit(module, datamodule=dm)
     path = trainer.checkpoint_callback.best_model_path
     again = SemanticProbeDataModule.load_from_checkpoint(path)
