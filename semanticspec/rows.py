@@ -112,10 +112,10 @@ class Row:
     def last_forced_step(self) -> None:
         """A bonus token still waiting for its step (counted in ``output_tokens`` when drawn) becomes a last one-token
         step of the trace, as the finished row has no next step to open."""
-        if self.forced:
+        if self.forced or self.forced.eos:  # a server's EOS has no text, so no length: one token all the same
             ids = list(self.forced.ids)
             text = self.decode(ids) if ids and self.decode is not None else self.forced.text
-            self.trace.append(StepTrace("target", text, len(self.forced), decision=Decision.TARGET))
+            self.trace.append(StepTrace("target", text, max(len(self.forced), 1), decision=Decision.TARGET))
             self.pieces.append(text)
             self.stats.steps += 1
             self.forced = NOTHING_FORCED

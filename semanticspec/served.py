@@ -46,7 +46,7 @@ from generation.engines.base import TokenLogprobs, spell
 from generation.engines.checks import model_names, serving_problems, swapped_roles
 from generation.engines.connection import redact
 from generation.features import FeatureSpec, probe_features
-from generation.sampling import StreamKey, key_stream, stream_seed
+from generation.sampling import StreamKey, key_stream, stream_keys, stream_seed
 from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
 from probes.model import run_probe
@@ -137,6 +137,7 @@ class ServedDecoder(StepDecoder):
         tokenizer where it states its context; the servers checked for ``method`` (ValueError: what they cannot give
         it, or a prompt that fills a server's context)."""
         texts = read_prompt_texts(prompts)
+        stream_keys(cfg.seed, len(texts))  # a seed list of another length, refused before the requests below
         self._check_servers(method.policy, cfg.method)
         return self._counted(texts, self.target, "target"), self._counted(texts, self.draft, "draft")
 
@@ -199,7 +200,9 @@ class ServedDecoder(StepDecoder):
         its first request; the endpoint calls this at start-up, so its default requests are not refused one by one
         as the caller's error."""
         cfg = self.config if config is None else config
-        method = self._method(cfg)[0]
+        method, problems = self._method(cfg)
+        if problems:  # a probe the method needs (read below), an unknown method: as a call refuses them
+            raise ValueError("; ".join(problems))
         self._check_servers(getattr(method, "policy", None), cfg.method)
 
     def _check_servers(self, policy, method) -> None:
@@ -366,7 +369,7 @@ class EnginePart:
         calls, steps, after = {}, {}, after or {}
         for i, f in forced.items():
             cap = min(self.step_spec.max_step_tokens, limits[i]) - len(f)
-            if cap < 1:
+            if cap < 1 or ends_step(f.text, self.step_spec.delimiters):  # the server's stop would not see it
                 steps[i] = Proposal((), len(f), f.text, n_new=0, forced_texts=f.texts)
             else:
                 context = self.context(i) + after.get(i, "") + f.text
@@ -434,6 +437,16 @@ class EngineProposer(EnginePart):
         self.ahead: dict[int, list[Proposal]] = {}  # per row: the window's next steps, written with its first one
         self.prefetch: dict[int, tuple[str, Future]] = {}  # per row: the next window drafted ahead, and its context
         self._pool: ThreadPoolExecutor | None = None
+
+    def retire(self, rows: Sequence[int]) -> None:
+        """:meth:`EnginePart.retire`; a window drafted ahead for a finished row is cancelled if it has not started,
+        else waited for and counted in the row's stats (its request was sent)."""
+        for i in rows:
+            if (pending := self.prefetch.pop(i, None)) is not None and not pending[1].cancel():
+                if (got := pending[1].result()).error is None:
+                    self._count(i, *got.value)
+                    self.rows[i].stats.ahead_windows += 1
+        super().retire(rows)
 
     def propose(self, rows: Mapping[int, RowState], *, for_p: bool, window: Window = ONE_STEP,
                 room_after: RoomAfter | None = None) -> dict[int, list[Proposal]]:
@@ -516,6 +529,8 @@ class EngineProposer(EnginePart):
         for i, w in windows.items():
             r, text = self.rows[i], "".join(d.text for d in w)
             room = r.budget - r.stats.output_tokens - sum(d.n_new for d in w) - 1  # the bonus token opens it
+            if (context_room := self.room(i)) is not None:  # the server's context (its last answer held the window)
+                room = min(room, context_room - 1)
             if r.done or w[-1].eos or room < 1 or answer_complete(r.text + text, r.answer_marker):
                 continue
             context = self.context(i) + text
@@ -645,10 +660,10 @@ def cut_steps(w, forced: Forced, step: StepSpec, room: int) -> list[Proposal]:
     if pieces is None:
         return []
     out, a, lp = [], 0, w.tokens.logprobs.tolist()
-    for b in step_ends(pieces, step, len(forced), room):
+    for b in step_ends(pieces, step, forced, room):
         f = forced if not out else NOTHING_FORCED
-        out.append(Proposal((), len(f), f.text + "".join(pieces[a:b]), n_new=b - a, confidence=min(lp[a:b]),
-                            forced_texts=f.texts))
+        out.append(Proposal((), len(f), f.text + "".join(pieces[a:b]), n_new=b - a,
+                            confidence=min(lp[a:b], default=None), forced_texts=f.texts))
         a = b
         if b >= room:
             return out
@@ -663,14 +678,19 @@ def cut_steps(w, forced: Forced, step: StepSpec, room: int) -> list[Proposal]:
     return out
 
 
-def step_ends(pieces: Sequence[str], step: StepSpec, n_forced: int = 0, room: int | None = None) -> Iterator[int]:
+def step_ends(pieces: Sequence[str], step: StepSpec, forced: Forced = NOTHING_FORCED, room: int | None = None
+              ) -> Iterator[int]:
     """Where the steps of a run of written tokens (their texts) end, as a one-step write would stop each: at a
-    delimiter or at the step cap (``n_forced`` forced tokens count toward the first step's), and at ``room`` tokens in
-    all (its last end). Yields each step's end index; an unfinished last step yields none."""
-    cur, n, first = "", 0, True
+    delimiter or at the step cap (the ``forced`` tokens opening the first step count toward its cap, and their text
+    toward its delimiter), and at ``room`` tokens in all (its last end). Yields each step's end index (0: the forced
+    tokens end the first step alone); an unfinished last step yields none."""
+    cur, n, first = forced.text, 0, True
+    if forced and (len(forced) >= step.max_step_tokens or ends_step(forced.text, step.delimiters)):
+        yield 0  # as a one-step write returns the forced tokens alone
+        cur, first = "", False
     for k, piece in enumerate(pieces, 1):
         cur, n = cur + piece, n + 1
-        if ends_step(cur, step.delimiters) or n >= step.max_step_tokens - (n_forced if first else 0) or \
+        if ends_step(cur, step.delimiters) or n >= step.max_step_tokens - (len(forced) if first else 0) or \
                 (room is not None and k >= room):
             yield k
             if room is not None and k >= room:

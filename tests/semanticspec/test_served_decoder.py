@@ -364,6 +364,10 @@ def test_bad_input_is_refused_before_any_request(world, engines):
     for c in (0, 1.5, True):
         with pytest.raises(ValueError, match="concurrency"):
             ServedDecoder(target, draft, concurrency=c)
+    with pytest.raises(ValueError, match="seed holds 1 seeds for 2 prompts"):  # was refused after counting them
+        dec.generate(world["prompts"][:2], seed=[1], **GREEDY)
+    with pytest.raises(ValueError, match="method='semanticspec' needs target_probe"):  # was an AttributeError
+        ServedDecoder(target, draft, task=MARKER).check_servers()
     assert target.calls == [] and draft.calls == []
     assert dec.generate([], **GREEDY) == []  # as in-process: no prompts, no results (the servers' checks still run)
     assert set(target.calls + draft.calls) == {"capabilities"}
@@ -565,3 +569,46 @@ def test_a_server_that_states_a_context_but_counts_nothing_leaves_the_room_unkno
     dec = ServedDecoder(Uncounted(engines[0], 4096), Uncounted(engines[1], 4096), task=MARKER)
     plan = dec.plan(world["prompts"][:1], DecodeConfig(method="target_only"))
     assert plan.inputs[0][0].tokens is None and dec.prompt_room(plan) is None
+
+
+def test_a_bonus_token_that_ends_a_step_or_fills_its_cap_is_a_step_of_its_own_as_in_process(world, engines):
+    """Served, the target's bonus token was sent as context, so a bonus that completed a delimiter (or filled the step
+    cap) did not end its step: steps crossed delimiters and the decode wrote past its answer. An EOS drawn as the
+    bonus token was counted in ``output_tokens`` but traced in no step."""
+    target, draft, tok = world["target"], world["draft"], world["tok"]
+    greedy = dict(method="always_accept", temperature=0.0, max_new_tokens=64)
+    cases = [(0, dict(step=StepSpec(DEFAULT_DELIMITERS, 2), lookahead=1)),  # ends with an EOS bonus
+             (2, dict(step=StepSpec(DEFAULT_DELIMITERS, 6), lookahead=1, answer_marker="equals")),
+             (2, dict(step=StepSpec(DEFAULT_DELIMITERS, 6), lookahead=3, answer_marker="equals")),
+             (0, dict(step=StepSpec(DEFAULT_DELIMITERS, 1), lookahead=2, max_new_tokens=12))]
+    for k, kw in cases:
+        cfg = DecodeConfig(**{**greedy, **kw})
+        (served,) = ServedDecoder(*engines).generate([world["prompts"][k]], cfg)
+        (ours,) = SemanticSpecDecoder(target, draft, tok).generate([world["prompts"][k]], cfg)
+        assert [s.text for s in served.steps] == [s.text for s in ours.steps], kw
+        assert (served.stop_reason, served.stats.output_tokens, served.stats.steps) == \
+               (ours.stop_reason, ours.stats.output_tokens, ours.stats.steps), kw
+        assert served.stats.output_tokens == sum(s.n_tokens for s in served.steps), kw
+        assert max(s.n_tokens for s in served.steps) <= cfg.step.max_step_tokens, kw
+
+
+def test_windows_drafted_ahead_stay_inside_the_servers_context_and_are_counted(world, engines):
+    """Overlap's draft-ahead requests asked for more than the draft server's context holds (vLLM answers 400), and
+    one still in flight when its row finished was sent but never counted."""
+    draft = Wrapped(engines[1])
+    draft.context_length, asked = 62, []
+    inner_write = draft.write
+
+    def write(context, **kw):
+        asked.append(len(engines[1]._ids(context)) + kw["max_tokens"])
+        return inner_write(context, **kw)
+
+    draft.write = write
+    ServedDecoder(engines[0], draft, task=world["task"]).generate(
+        [world["prompts"][0]], method="always_accept", lookahead=1, overlap=True, temperature=0.0, max_new_tokens=64)
+    assert asked and max(asked) <= 62
+    target, draft = Wrapped(engines[0]), Wrapped(engines[1])
+    (r,) = ServedDecoder(target, draft, config=DecodeConfig(answer_marker="=")).generate(
+        [world["prompts"][0]], method="always_reject", overlap=True, temperature=0.0, max_new_tokens=64)
+    sent = sum(c in ("read", "write") for c in target.calls + draft.calls)
+    assert r.stats.requests == sent and r.stats.ahead_windows == draft.calls.count("write") - 1
