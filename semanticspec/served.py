@@ -282,13 +282,22 @@ class EnginePart:
         self.sampling, self.step_spec, self.concurrency = sampling, step, concurrency
         n = len(rows)
         self.passes, self.served_s, self.forward_s = [0] * n, [0.0] * n, 0.0
-        self.used = [p.tokens or 0 for p in prompts]  # the row's tokens in the server's context: its prompt's, then its
-        # last request's (usage)
+        self.counted = [[_Counted(p.text, p.tokens or 0)] for p in prompts]  # per row: texts the server counted
         self.probe_s = 0.0  # seconds in the probe so far
 
     def room(self, row: int) -> int | None:
         ctx = getattr(self.engine, "context_length", None)
-        return None if ctx is None else ctx - self.used[row] - SPARE
+        return None if ctx is None else ctx - self.used(row) - SPARE
+
+    def used(self, row: int) -> int:
+        """Tokens of the row's committed text in the server's context: the longest part of it a request's answer
+        counted (its prompt, or a prompt and the tokens read or written after it), and one token a byte for the rest
+        (a bound: no tokenizer makes more). Text the row did not keep (a refused step, the rest of a window) counts
+        nothing; the counts it cannot extend are dropped (the committed text only grows)."""
+        committed = self.context(row)
+        self.counted[row] = [c for c in self.counted[row] if committed.startswith(c.text)]
+        at, tokens = max((c.covers(committed) for c in self.counted[row]), default=(0, 0))
+        return tokens + len(committed[at:].encode())
 
     def retire(self, rows: Sequence[int]) -> None:
         """Finished rows send no more requests: their prompts are dropped (a server keeps no row; the endpoint's
@@ -302,7 +311,7 @@ class EnginePart:
         self.keys.append(key)
         self.passes.append(0)
         self.served_s.append(0.0)
-        self.used.append(prompt.tokens or 0)
+        self.counted.append([_Counted(prompt.text, prompt.tokens or 0)])
 
     def context(self, row: int) -> str:
         """The row's committed text, its prompt first."""
@@ -332,7 +341,7 @@ class EnginePart:
     def _one(self, i: int, kind: str, args: tuple, kw: dict):
         """One request for row ``i``, counted in its stats; a failure names the server."""
         answer, dt = self._send(kind, args, kw, self.seed(i, kind))
-        self._count(i, answer, dt)
+        self._count(i, answer, dt, args)
         return answer
 
     def seed(self, i: int, tag: str) -> int:
@@ -350,14 +359,15 @@ class EnginePart:
                                f"{type(e).__name__}: {e}") from e
         return answer, time.perf_counter() - t0
 
-    def _count(self, i: int, answer, dt: float) -> None:
-        """Count a request's answer and seconds in row ``i``'s stats."""
+    def _count(self, i: int, answer, dt: float, args: tuple) -> None:
+        """Count a request's answer and seconds in row ``i``'s stats, and the tokens it counted of the texts it was
+        sent (``args``: a write's context, a read's context and step) and wrote."""
         u, s = answer.usage, self.rows[i].stats
         s.requests += 1
         s.http_s += dt
         s.prefill_tokens += u.prefill_tokens if u.prefill_tokens is not None else u.prompt_tokens - (u.cached_tokens
                                                                                                      or 0)
-        self.used[i] = max(self.used[i], u.prompt_tokens + u.completion_tokens)
+        self.counted[i] += _counted(args, answer)
         self.passes[i] += 1
         self.served_s[i] += dt
 
@@ -444,7 +454,7 @@ class EngineProposer(EnginePart):
         for i in rows:
             if (pending := self.prefetch.pop(i, None)) is not None and not pending[1].cancel():
                 if (got := pending[1].result()).error is None:
-                    self._count(i, *got.value)
+                    self._count(i, *got.value, (pending[0],))
                     self.rows[i].stats.ahead_windows += 1
         super().retire(rows)
 
@@ -529,8 +539,9 @@ class EngineProposer(EnginePart):
         for i, w in windows.items():
             r, text = self.rows[i], "".join(d.text for d in w)
             room = r.budget - r.stats.output_tokens - sum(d.n_new for d in w) - 1  # the bonus token opens it
-            if (context_room := self.room(i)) is not None:  # the server's context (its last answer held the window)
-                room = min(room, context_room - 1)
+            if (context_room := self.room(i)) is not None:  # the server's context, after the window it follows
+                held = sum(d.n_new + sum(len(t.encode()) for t in d.forced_texts) for d in w)  # bonus: a byte a token
+                room = min(room, context_room - held - 1)
             if r.done or w[-1].eos or room < 1 or answer_complete(r.text + text, r.answer_marker):
                 continue
             context = self.context(i) + text
@@ -549,7 +560,7 @@ class EngineProposer(EnginePart):
             if got.error is not None:
                 continue  # the row's own write below says what is wrong, if anything
             w, dt = got.value
-            self._count(i, w, dt)
+            self._count(i, w, dt, (context,))
             self.rows[i].stats.ahead_windows += 1
             fit = _after_forced(w, rows[i].forced.text) if i in rows and self.context(i) == context else None
             if fit is not None:
@@ -632,6 +643,43 @@ class EngineVerifier(EnginePart):
                                       for i in rows if i not in got}))
         return {i: Forced(eos=True) if r.next_eos else Forced(texts=(r.next_text,) if r.next_text else ())
                 for i, r in got.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counted:
+    """Texts a server counted: ``text`` is ``tokens`` tokens, and each of ``pieces`` (token texts) one more."""
+
+    text: str
+    tokens: int
+    pieces: tuple[str, ...] = ()
+
+    def covers(self, committed: str) -> tuple[int, int]:
+        """How much of ``committed`` (which starts with ``text``) this count covers: characters and tokens."""
+        at, n = len(self.text), self.tokens
+        for piece in self.pieces:
+            if not piece or not committed.startswith(piece, at):
+                break
+            at, n = at + len(piece), n + 1
+        return at, n
+
+
+def _counted(args: tuple, answer) -> list[_Counted]:
+    """What a request's answer counted (its usage and token texts): a write's context and what it wrote after it, a
+    read's context and step. Token texts that do not spell the text (a server that decodes each id alone, a token
+    straddling the step's start) give the whole text's count alone."""
+    u = answer.usage
+    if len(args) == 2:  # a read: context + step, then the drawn token (not in the text)
+        context, step = args
+        pieces = spell(list(answer.step.tokens), step) if answer.step is not None else None
+        if pieces is None:
+            return [_Counted(context + step, u.prompt_tokens)]
+        return [_Counted(context, u.prompt_tokens - len(pieces), tuple(pieces))]
+    (context,), text = args, answer.text
+    tokens = list(answer.tokens.tokens) if answer.tokens is not None else []
+    pieces = spell(tokens, text) or spell(tokens[:-1], text)  # the last one may be EOS's
+    if pieces is None:
+        return [_Counted(context, u.prompt_tokens), _Counted(context + text, u.prompt_tokens + u.completion_tokens)]
+    return [_Counted(context, u.prompt_tokens, tuple(pieces))]
 
 
 def _after_forced(w, forced: str):

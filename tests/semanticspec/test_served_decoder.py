@@ -612,3 +612,29 @@ def test_windows_drafted_ahead_stay_inside_the_servers_context_and_are_counted(w
         [world["prompts"][0]], method="always_reject", overlap=True, temperature=0.0, max_new_tokens=64)
     sent = sum(c in ("read", "write") for c in target.calls + draft.calls)
     assert r.stats.requests == sent and r.stats.ahead_windows == draft.calls.count("write") - 1
+
+
+def test_text_a_row_did_not_keep_takes_no_room_and_every_request_fits_the_context(world, engines):
+    """A row's room counted every request's tokens, refused steps and whole windows included: greedy always-reject
+    with two-step windows stopped at the context after 0 tokens where one-step windows wrote 42. Text a server never
+    counted (steps the other model wrote) counted nothing, so a request could pass the context's end."""
+    task = world["task"]
+    prompt = " ".join(p["problem"] for p in task.problems(9, 1)) + "\n\n"  # 212 tokens of a 256-token context
+    sizes = []
+
+    class Sized(Wrapped):
+        def read(self, context, step, **kw):
+            sizes.append(len(self.inner._ids(context + step)) + 1)
+            return super().read(context, step, **kw)
+
+        def write(self, context, **kw):
+            sizes.append(len(self.inner._ids(context)) + kw["max_tokens"])
+            return super().write(context, **kw)
+
+    out = {}
+    for method, lookahead in (("always_reject", 1), ("always_reject", 2), ("always_accept", 3)):
+        dec = ServedDecoder(Sized(engines[0]), Sized(engines[1]), task=task)
+        (r,) = dec.generate([prompt], method=method, lookahead=lookahead, temperature=0.0, max_new_tokens=200)
+        out[method, lookahead] = (r.stop_reason, r.stats.output_tokens)
+    assert out["always_reject", 1] == out["always_reject", 2] and out["always_reject", 2][1] > 30, out
+    assert max(sizes) <= world["target"].config.max_position_embeddings
