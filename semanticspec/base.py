@@ -119,14 +119,28 @@ class StepDecoder:
         refused (ValueError naming the field, as a call's refusal does: a method this decoder cannot run, a setting
         it has no use for, a window that cannot fit, a sampling other than the probes'); a call's overrides are
         still checked per call."""
-        cfg = self.config
-        step = self._setup(cfg)[1]
-        method, problems = self._method(cfg, step, probes=False)  # a decoder without probes, built with the default
-        if problems := problems + self._refusals(cfg, method):  # config, is called with methods that need none
+        # a decoder without probes, built with the default config, is called with methods that need none
+        _, step, method, problems = self._checked(self.config, probes=False)
+        if problems:
             raise ValueError(f"config: {'; '.join(problems)}")
-        resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p, method.probes_decide,
-                         cfg.allow_sampling_mismatch, stacklevel=3)  # the warning names the line building the decoder
+        self._sampling(self.config, method, stacklevel=3)  # the warning names the line building the decoder
         return step
+
+    def _checked(self, cfg: DecodeConfig, probes: bool = True
+                 ) -> tuple[LoopSetup, StepSpec, Method | TransformersLoop | None, list[str]]:
+        """The loop setup, step spec and method of ``cfg`` on this decoder, and what is wrong with it (:meth:`_method`,
+        whose ``probes`` says whether the probes the method needs are checked, and :meth:`_refusals`)."""
+        loop, step = self._setup(cfg)
+        method, problems = self._method(cfg, step, probes)
+        return loop, step, method, problems + self._refusals(cfg, method)
+
+    def _sampling(self, cfg: DecodeConfig, method, stacklevel: int) -> SamplingSpec:
+        """The sampling of ``cfg``: the probes' unless given; a value that differs from theirs is refused for a method
+        they decide, naming both (a warning with ``allow_sampling_mismatch``, naming the frame ``stacklevel`` above
+        the caller, 1 being the caller's)."""
+        return resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
+                                method is not None and method.probes_decide, cfg.allow_sampling_mismatch,
+                                stacklevel=stacklevel + 1)
 
     def _setup(self, cfg: DecodeConfig) -> tuple[LoopSetup, StepSpec]:
         """How the loop runs for ``cfg`` on this decoder, and what a step is (the probes' unless ``cfg.step`` says).
@@ -201,12 +215,8 @@ class StepDecoder:
         the call (:meth:`_refusals`), the sampling (the probes' unless given; a value that differs from theirs is
         refused for a method they decide, naming both), then the prompts as the parts read them (:meth:`_inputs`).
         """
-        loop, step = self._setup(cfg)
-        method, problems = self._method(cfg, step)
-        problems += self._refusals(cfg, method)
-        sampling = resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
-                                    method is not None and method.probes_decide, cfg.allow_sampling_mismatch,
-                                    stacklevel=3)  # the warning names the line calling generate() or stream()
+        loop, step, method, problems = self._checked(cfg)
+        sampling = self._sampling(cfg, method, stacklevel=3)  # a warning names the line calling generate() or stream()
         if problems:
             raise ValueError("; ".join(problems))
         inputs = self._inputs(prompts, cfg, method)
