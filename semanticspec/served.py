@@ -378,11 +378,11 @@ class EnginePart:
         a row's step follows beyond its committed text (the steps of its window before it)."""
         calls, steps, after = {}, {}, after or {}
         for i, f in forced.items():
-            cap = min(self.step_spec.max_step_tokens, limits[i]) - len(f)
-            if cap < 1 or ends_step(f.text, self.step_spec.delimiters):  # the server's stop would not see it
+            if forced_ends_step(f, self.step_spec, limits[i]):  # sent as context, the server's stop would not see it
                 steps[i] = Proposal((), len(f), f.text, n_new=0, forced_texts=f.texts)
             else:
                 context = self.context(i) + after.get(i, "") + f.text
+                cap = min(self.step_spec.max_step_tokens, limits[i]) - len(f)
                 calls[i] = ((context,), dict(step=self.step_spec, max_tokens=cap, top_k=top_k))
         answers = self.each("write", calls)
         for i, w in answers.items():
@@ -726,6 +726,13 @@ def cut_steps(w, forced: Forced, step: StepSpec, room: int) -> list[Proposal]:
     return out
 
 
+def forced_ends_step(forced: Forced, step: StepSpec, limit: int | None = None) -> bool:
+    """Whether the forced tokens opening a step end it alone, as a one-step write stops: they fill the step's cap (or
+    ``limit`` tokens), or their text completes a delimiter."""
+    cap = step.max_step_tokens if limit is None else min(step.max_step_tokens, limit)
+    return len(forced) >= cap or ends_step(forced.text, step.delimiters)
+
+
 def step_ends(pieces: Sequence[str], step: StepSpec, forced: Forced = NOTHING_FORCED, room: int | None = None
               ) -> Iterator[int]:
     """Where the steps of a run of written tokens (their texts) end, as a one-step write would stop each: at a
@@ -733,7 +740,7 @@ def step_ends(pieces: Sequence[str], step: StepSpec, forced: Forced = NOTHING_FO
     toward its delimiter), and at ``room`` tokens in all (its last end). Yields each step's end index (0: the forced
     tokens end the first step alone); an unfinished last step yields none."""
     cur, n, first = forced.text, 0, True
-    if forced and (len(forced) >= step.max_step_tokens or ends_step(forced.text, step.delimiters)):
+    if forced and forced_ends_step(forced, step):
         yield 0  # as a one-step write returns the forced tokens alone
         cur, first = "", False
     for k, piece in enumerate(pieces, 1):
