@@ -251,13 +251,8 @@ def check_resumed_options(path: str, config_yaml: str) -> None:
         fail(f"--ckpt_path {path} resumes its run's optimizer state (learning rate included), but model.optimizer "
              f"differs from that run's ({run_config}): {named}; resume with the run's own optimizer (--config "
              f"{run_config}), or train a new run without --ckpt_path")
-    # data.build: the data is built before a checkpoint exists (its servers may have moved since); the data module
-    # refuses finished data that differs from the build config itself
-    if differ := [k for k in differ if not k.startswith(("model.optimizer.", "data.build."))]:
-        fail(f"--ckpt_path {path} continues a run, but options it trained with differ from that run's ({run_config}): "
-             + ", ".join(f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in differ) + f"; resume with the run's own "
-             f"(--config {run_config}; trainer options such as --trainer.max_epochs may change), or train a new run "
-             "without --ckpt_path")
+    _refuse_changed(path, differ, was, now, f"that run's ({run_config})", f"resume with the run's own (--config "
+                    f"{run_config}; trainer options such as --trainer.max_epochs may change)")
 
 
 def _check_recorded_options(path: str, new: dict) -> None:
@@ -273,11 +268,19 @@ def _check_recorded_options(path: str, new: dict) -> None:
             recorded[section] = {k: v for k, v in hp.items() if not k.startswith("_")}
     was, now = _flat(recorded), _flat({k: new.get(k) for k in recorded})
     # a key the config does not hold is a link's target (model.roles, model.input_spec), set from the data
-    if differ := [k for k in sorted(was) if k in now and was[k] != now[k] and not k.startswith("data.build.")]:
-        fail(f"--ckpt_path {path} continues a run, but options it trained with differ from those the checkpoint "
-             "records (its run's config.yaml is not beside it): " + ", ".join(
-                 f"{k}: {was[k]!r} -> {now[k]!r}" for k in differ) + "; resume with the run's own options, or train "
-             "a new run without --ckpt_path")
+    differ = [k for k in sorted(was) if k in now and was[k] != now[k]]
+    _refuse_changed(path, differ, was, now, "those the checkpoint records (its run's config.yaml is not beside it)",
+                    "resume with the run's own options")
+
+
+def _refuse_changed(path: str, differ: list[str], was: dict, now: dict, whose: str, fix: str) -> None:
+    """Refuse, through :func:`fail`, a resume whose options ``differ`` from ``whose`` (``was`` -> ``now``), but the
+    optimizer's (refused on their own) and the build's: the data is built before a checkpoint exists (its servers may
+    have moved since), and the data module refuses finished data that differs from the build config itself."""
+    if differ := [k for k in differ if not k.startswith(("model.optimizer.", "data.build."))]:
+        fail(f"--ckpt_path {path} continues a run, but options it trained with differ from {whose}: "
+             + ", ".join(f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in differ) + f"; {fix}, or train a new run "
+             "without --ckpt_path")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
