@@ -319,7 +319,11 @@ class StepLoop:
         r = self.rows[i]
         if self.rides:  # the target redraws the step from the forward that just read it
             r.rewriting = TargetStep(list(d.forced.ids), d.n_forced, limit)
-            self._rewrite_tokens(i, d, drawn=False, offset=kept)
+            self._rewritten(i)  # forced tokens may finish the step already (a delimiter, the cap)
+            if r.rewriting is None:
+                self._sync(i, Commit(kept))
+            else:
+                self._rewrite_tokens(i, d, drawn=False, offset=kept)
             return False
         self._sync(i, Commit(kept))  # both models forget the step and the ones after it
         r.forced = d.forced

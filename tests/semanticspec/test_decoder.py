@@ -460,6 +460,27 @@ def test_an_eos_drawn_as_the_bonus_token_is_a_traced_step():
     check_stream(list(dec.stream([prompt], method="always_accept", **kw)), [r], 1)
 
 
+def test_a_refused_step_its_forced_token_finishes_is_rewritten_as_that_token_alone():
+    """A refused step rewritten in the rounds started from its forced token (the bonus token) without asking whether
+    that token already finished the step (a delimiter ``\\n\\n``, or the cap): the target's rewrite crossed the
+    delimiter or held two tokens of a one-token cap. The rewrite phase and the served decoder cut there. Greedy, the
+    two ways of rewriting write and decide the same."""
+    from arithmetic_world.models import load_world
+    from arithmetic_world.task import ArithmeticTask
+
+    w, task = load_world(), ArithmeticTask()
+    prompts = [task.prompt_text(w.tokenizer, p["problem"]) for p in task.problems(4, 1)]
+    dec = SemanticSpecDecoder(w.target, w.draft, w.tokenizer)
+    for cap in (1, 6):
+        kw = dict(method=RandomPolicy(0.5), temperature=0.0, max_new_tokens=40, step=StepSpec(DEFAULT_DELIMITERS, cap))
+        rides, phase = (dec.generate(prompts, rewrite_in_rounds=r, **kw) for r in (True, False))
+        assert [[(s.text, s.decision) for s in r.steps] for r in rides] == \
+               [[(s.text, s.decision) for s in r.steps] for r in phase], cap
+        kept = [s for r in rides for s in r.steps if s.decision != "reject"]
+        assert max(s.n_tokens for s in kept) <= cap and any(s.text == "\n\n" for s in kept), cap
+        assert not any(d in s.text[: -len(d)] for s in kept for d in DEFAULT_DELIMITERS), cap
+
+
 # --------------------------------------------------------------------------- cross-tokenizer
 
 
