@@ -67,9 +67,16 @@ class StepSpec:
         return StepStopper(tokenizer, self.delimiters, self.max_step_tokens)
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """How the one sampler draws: temperature (0 = greedy) and nucleus mass (the paper's T = 0.6, top-p 0.95).
+
+    A temperature below :data:`GREEDY_BELOW` is stored as 0, greedy, as vLLM's sampler treats it
+    (``vllm/v1/sample/sampler.py``, ``_SAMPLING_EPS``): dividing logits by it overflows the softmax.
 
     Raises:
         ValueError: a temperature that is not a finite number >= 0, or a top-p outside (0, 1].
@@ -80,7 +87,7 @@ class SamplingSpec:
 
     def __post_init__(self) -> None:
         _refuse("SamplingSpec", self.errors(self.temperature, self.top_p))
-        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "temperature", float(self.temperature) if self.temperature >= GREEDY_BELOW else 0.0)
         object.__setattr__(self, "top_p", float(self.top_p))
 
     @staticmethod

@@ -265,6 +265,21 @@ def test_stop_strings_cut_the_text_and_the_extra_body_sets_semanticspecs_options
                                                                                "threshold": 0.5})
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy_as_vllm_reads_it(endpoint, world_decoder):
+    """``temperature: 1e-40`` overflowed the tempered softmax: a 500 (``probability tensor contains inf``) for the
+    speculative methods, and for the others a 200 with an empty text and 8 tokens counted. vLLM's sampler reads a
+    temperature below 1e-5 as greedy (``_SAMPLING_EPS``), so it answers as temperature 0."""
+    dec = world_decoder[0]
+    prompt = TASK.prompt_text(dec.tokenizer, _problem(1))
+    c = endpoint.client()
+    for method in ("semanticspec", "target_only", "always_reject"):
+        tiny, zero = (c.completions.create(model="semanticspec", prompt=prompt, max_tokens=24, seed=3, temperature=t,
+                                           extra_body={"method": method, "allow_sampling_mismatch": True})
+                      for t in (1e-40, 0.0))
+        assert tiny.choices[0].text == zero.choices[0].text != "", method
+        assert tiny.usage.completion_tokens == zero.usage.completion_tokens, method
+
+
 def test_a_wrong_api_key_gets_a_401_and_the_key_is_never_logged(world_decoder, capfd):
     from semanticspec.serve.app import Settings, build_app
 
