@@ -120,6 +120,10 @@ class _SchedulerTotals:
                                   "cancel (those their loop's round had already written)", value=s.after_cancel)
 
 
+COUNTED = "semanticspec.counted"
+"""A request's scope key: its answer is counted already (a scrape of /metrics counts itself)."""
+
+
 def route_label(scope) -> str:
     """The route a request's ``scope`` matches, as its template (``/v1/models/{model:path}``), or ``other``: a metric's
     label is never the raw path a client sent, which would make one series per path anyone cares to request."""
@@ -172,12 +176,12 @@ def build_app(decoder, settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="SemanticSpec endpoint", lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.settings = sched, metrics, s
     app.add_middleware(Guard, settings=s, metrics=metrics)  # inside Starlette's ServerErrorMiddleware
-    _errors(app, metrics)
+    _errors(app)
     _routes(app, decoder, sched, metrics, s)
     return app
 
 
-def _errors(app: FastAPI, metrics: Metrics) -> None:
+def _errors(app: FastAPI) -> None:
     """Every refusal in OpenAI's error JSON: bad bodies (pydantic), unknown routes and methods (Starlette), the
     endpoint's own checks (:class:`BadRequest`); the key check and the last-resort 500 are :class:`Guard`'s."""
 
@@ -187,12 +191,10 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
         ctype = request.headers.get("content-type", "")
         if param is None and "json" not in ctype and not message.startswith("malformed JSON"):  # curl -d's form type
             message += f" (it came as {ctype or 'no Content-Type'}; send it with Content-Type: application/json)"
-        metrics.count(request.scope, 400)
         return JSONResponse(error_body(message, param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http(request: Request, exc: HTTPException):
-        metrics.count(request.scope, exc.status_code)
         if exc.status_code == 404:
             message = f"Invalid URL ({request.method} {request.url.path}); see GET /v1/models and the POST routes " \
                       "/v1/completions and /v1/chat/completions"
@@ -205,7 +207,6 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(BadRequest)
     async def bad(request: Request, exc: BadRequest):
-        metrics.count(request.scope, exc.status)
         return JSONResponse(error_body(str(exc), exc.param, exc.kind), status_code=exc.status,
                             headers=exc.headers)
 
@@ -225,12 +226,16 @@ def validation_message(errors: list) -> tuple[str, str | None]:
     if kind == "json_invalid":
         return f"malformed JSON: {first.get('ctx', {}).get('error') or first.get('msg', '')}", None
     if kind == "extra_forbidden":
-        return f"{param}: unknown field (not OpenAI's, nor one of SemanticSpec's options)", param
+        return f"{param}: unknown field (not an OpenAI field this endpoint knows, nor a SemanticSpec option)", param
+    if kind == "string_unicode" and param is None:  # a field's name: its values are checked in check_body
+        return ("body: a field's name holds a lone UTF-16 surrogate, which is not Unicode text; send the character "
+                "itself or a whole surrogate pair"), None
     if kind == "missing" and param is None:
         return "the request has no body: send a JSON object with the route's fields", None
     if kind in ("model_type", "model_attributes_type", "dict_type") and param is None:
         return "the body must be a JSON object with the route's fields", None
-    return f"{param}: {first.get('msg', 'invalid value')}", param
+    msg = first.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
 
 
 class Guard:
@@ -248,28 +253,28 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        key, path = self.settings.api_key, scope["path"]
-        if key and path.startswith("/v1") and not key_matches(dict(scope["headers"]).get(b"authorization", b""), key):
-            self.metrics.count(scope, 401)
-            return await JSONResponse(error_body("invalid API key", None, "authentication_error"),
-                                      status_code=401)(scope, receive, send)
-        started = False
+        key, path, started = self.settings.api_key, scope["path"], False
 
-        async def sending(message) -> None:
+        async def sending(message) -> None:  # every answer is counted as it starts, once
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                if not scope.get(COUNTED):
+                    self.metrics.count(scope, message["status"])
             await send(message)
 
+        if key and path.startswith("/v1") and not key_matches(dict(scope["headers"]).get(b"authorization", b""), key):
+            return await JSONResponse(error_body("invalid API key", None, "authentication_error"),
+                                      status_code=401)(scope, receive, sending)
         try:
             await self.app(scope, receive, sending)
         except ClientDisconnect:  # the client went before its body was read: no one to answer
             self.metrics.count(scope, 499)
         except Exception as e:  # noqa: BLE001 - the answer a client can read, instead of a dropped connection
             log.exception("%s %s failed", scope.get("method"), path)
-            self.metrics.count(scope, 500)
             if not started:
                 body = error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error")
-                await JSONResponse(body, status_code=500)(scope, receive, send)
+                await JSONResponse(body, status_code=500)(scope, receive, sending)
 
 
 def key_matches(header: bytes, key: str) -> bool:
@@ -285,7 +290,6 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
 
     @app.get("/v1/models")
     async def models(request: Request):
-        metrics.count(request.scope, 200)
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model:path}")
@@ -293,12 +297,10 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
         if model != s.model_name:
             raise BadRequest(f"model={model!r}: this server serves {s.model_name!r}", "model", 404,
                              "not_found_error")
-        metrics.count(request.scope, 200)
         return card
 
     @app.get("/version")
     async def version(request: Request):  # vLLM's route: clients and probes of a vLLM fleet ask it
-        metrics.count(request.scope, 200)
         return {"version": _package_version()}
 
     @app.get("/health")
@@ -308,14 +310,13 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
         down += [u for u in marked if u not in down]
         if sched.failure or down:
             why = sched.failure or "backend down: " + ", ".join(marked.get(u, u) for u in down)
-            metrics.count(request.scope, 503)
             return JSONResponse({"status": "down", "reason": why, "backends_down": down}, status_code=503)
-        metrics.count(request.scope, 200)
         return {"status": "ok", "running": sched.running, "queued": sched.queued}
 
     @app.get("/metrics")
     async def prometheus(request: Request):
-        metrics.count(request.scope, 200)  # this scrape is in its own answer
+        metrics.count(request.scope, 200)  # this scrape is in its own answer, counted here, not as it starts
+        request.scope[COUNTED] = True
         metrics.queue.set(sched.queued)
         metrics.running.set(sched.running)
         metrics.max_after_cancel.set(sched.max_after_cancel)
@@ -361,7 +362,8 @@ def _routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) 
         if not body.messages:
             raise BadRequest("messages: empty; give at least one message", "messages")
         messages, template = [m.as_template_turn() for m in body.messages], s.chat_template
-        _check_length(sum(len(m["content"]) for m in messages), limit, "messages")
+        # every turn, an empty one too, writes at least a character of the template
+        _check_length(sum(len(m["content"]) + 1 for m in messages), limit, "messages")
         tok = getattr(dec, "tokenizer", None) or s.tokenizer
         if tok is None:
             raise BadRequest("messages: this endpoint has no tokenizer to format a chat with; use /v1/completions, "
@@ -490,7 +492,6 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
         if first.planned and not body.stream:
             end = await _next(updates, request, job)  # a non-streaming job is told nothing before its end
     except _Gone:
-        metrics.count(request.scope, 499)
         return Response(status_code=499)  # nginx's "client closed request": no one reads it
     if not first.planned:  # refused (invalid) or failed while planning: the request's only update
         e = _refusal(first, "messages" if reply.chat else "prompt")
@@ -500,13 +501,11 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
     metrics.tokens.labels("prompt").inc(first.prompt_tokens)
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        metrics.count(request.scope, 200)
         return StreamingResponse(_sse(updates, request, job, reply, first.prompt_tokens, include, metrics),
                                  media_type="text/event-stream")
     metrics.end(job, end)
     if end.finish == "error":
         raise _refusal(end, "messages" if reply.chat else "prompt")
-    metrics.count(request.scope, 200)
     return reply.full(end.result.text, end.finish, usage(first.prompt_tokens, end.result))
 
 

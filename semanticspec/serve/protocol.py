@@ -7,7 +7,8 @@ supported" otherwise (:data:`NEUTRAL`). A field that is not OpenAI's and not Sem
 vLLM's ``OpenAIBaseModel`` (``extra="allow"``) ignores such a field with a logged warning, which lets a misspelt
 ``temprature`` decode at the default silently. SemanticSpec's own options ride in the body beside OpenAI's fields (the
 ``extra_body`` of the ``openai`` client), as vLLM's extra sampling parameters do: ``method``, ``threshold``,
-``lookahead``, ``window_min_logprob`` and ``allow_sampling_mismatch``.
+``lookahead``, ``window_min_logprob`` and ``allow_sampling_mismatch``. The fields are OpenAI's as the ``openai``
+package 3.63 sends them (``types/completion_create_params.py``, ``types/chat/completion_create_params.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      model_validator)
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 Number = StrictFloat | StrictInt
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -33,7 +35,7 @@ NEUTRAL: dict[str, tuple] = {
     "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none", "auto"), "store": (False,),
     "metadata": ({},), "service_tier": ("auto", "default"), "modalities": (["text"],), "top_k": (0, -1),
     "min_p": (0,), "ignore_eos": (False,), "prediction": (), "audio": (), "reasoning_effort": (),
-    "web_search_options": (),
+    "web_search_options": (), "verbosity": ("medium",), "moderation": (),
 }
 """OpenAI's (and vLLM's common extra) request fields the endpoint cannot honour, each with the values that ask for
 nothing (``null`` always does): accepted and ignored, any other value refused as not supported, naming the field.
@@ -102,6 +104,8 @@ class _Part(BaseModel):
 class StreamOptions(_Part):
     include_usage: StrictBool = False
     continuous_usage_stats: Literal[False] = False
+    include_obfuscation: StrictBool | None = None
+    """OpenAI pads chunks with random ``obfuscation`` text unless false; this endpoint pads none either way."""
 
 
 class _Request(_Part):
@@ -152,6 +156,15 @@ class CompletionRequest(_Request):
     suffix: JsonValue = None
     default_tokens: ClassVar[int | None] = COMPLETIONS_DEFAULT_TOKENS
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_only(cls, prompt: Any) -> Any:
+        """Token ids (OpenAI's other prompt form) are refused as such, not as "not a valid string"."""
+        if isinstance(prompt, list) and prompt and all(isinstance(x, (int, list)) for x in prompt):
+            raise PydanticCustomError("unsupported", "token ids are not supported by this endpoint; send the "
+                                                     "prompt's text")
+        return prompt
+
 
 class TextPart(_Part):
     """A text part of a message's content (OpenAI's content-part list); other part types are not supported."""
@@ -172,6 +185,17 @@ class ChatMessage(_Part):
     audio: JsonValue = None
     annotations: JsonValue = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part of another type (``image_url``, ``input_audio``, ``file``) is refused naming its type."""
+        other = next((p.get("type") for p in content if isinstance(p, dict) and p.get("type") != "text"), None) \
+            if isinstance(content, list) else None
+        if other is not None:
+            raise PydanticCustomError("unsupported", "a content part of type '{kind}' is not supported by this "
+                                                     "endpoint; it reads text parts", {"kind": str(other)})
+        return content
+
     def as_template_turn(self) -> dict:
         """The turn a chat template reads: text parts joined by newlines (vLLM's ``"string"`` content format,
         ``entrypoints/chat_utils.py``), and ``developer`` read as ``system`` (OpenAI's newer name for it; templates
@@ -185,6 +209,11 @@ class ChatRequest(_Request):
     """``POST /v1/chat/completions``: messages, formatted with the target tokenizer's chat template."""
 
     messages: list[ChatMessage]
+    # hints about the caller and OpenAI's prompt cache: read by nothing here, as ``user``
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: JsonValue = None
     top_logprobs: JsonValue = None
     tools: JsonValue = None
     tool_choice: JsonValue = None
@@ -196,6 +225,8 @@ class ChatRequest(_Request):
     audio: JsonValue = None
     reasoning_effort: JsonValue = None
     web_search_options: JsonValue = None
+    verbosity: JsonValue = None
+    moderation: JsonValue = None
     default_tokens: ClassVar[int | None] = None  # the room the prompt leaves
 
 

@@ -154,6 +154,28 @@ def test_null_means_not_given_and_a_message_passed_back_whole_is_read(endpoint):
     assert err["param"] == "messages.0.tool_calls" and "not supported by this endpoint" in err["message"], err
 
 
+
+def test_openais_current_chat_fields_are_read_and_other_content_parts_refused_by_type(endpoint):
+    """Fields the ``openai`` package (3.63) sends on chat requests were refused as "not OpenAI's": the caller and cache
+    hints (``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``) are ignored as ``user`` is,
+    ``verbosity`` and ``include_obfuscation`` read at their neutral values; an image part was refused as "not a valid
+    string"."""
+    c, turn = endpoint.client(), [{"role": "user", "content": "Start with 2."}]
+    plain = c.chat.completions.create(model="semanticspec", messages=turn, max_tokens=3, seed=0)
+    hints = dict(safety_identifier="u1", prompt_cache_key="k", prompt_cache_retention="in_memory", verbosity="medium")
+    hinted = c.chat.completions.create(model="semanticspec", messages=turn, max_tokens=3, seed=0, **hints)
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+    chunks = list(c.chat.completions.create(model="semanticspec", messages=turn, max_tokens=3, seed=0, stream=True,
+                                            stream_options={"include_obfuscation": False}))
+    assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == plain.choices[0].message.content
+    for kw, param, says in ((dict(verbosity="high"), "verbosity", "not supported by this endpoint"),
+                            (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
+                                "url": "data:,"}}]}]), "messages.0.content", "type 'image_url' is not supported")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**{"model": "semanticspec", "messages": turn, "max_tokens": 3, **kw})
+        assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
+
+
 BAD = [
     ('{"prompt": "1 + 1"', None, "malformed JSON"),
     ({"prompt": "x", "colour": 1}, "colour", "unknown field"),
@@ -176,6 +198,8 @@ BAD = [
     ({"prompt": "x", "lookahead": 0}, "lookahead", "lookahead=0"),
     ({"prompt": "x", "lookahead": 1000}, "lookahead", "cannot fit"),
     ({"prompt": "x", "seed": 2**64}, "seed", "less than or equal to 9223372036854775807"),
+    ({"prompt": [1, 2, 3]}, "prompt", "prompt: token ids are not supported by this endpoint"),
+    ('{"prompt": "x", "\\ud800": 1}', None, "a field's name holds a lone UTF-16 surrogate"),
 ]
 
 
@@ -190,6 +214,15 @@ def test_a_chat_too_long_gets_a_400_naming_messages(endpoint, content, says):
                                                   messages=[{"role": "user", "content": content}])
     err = e.value.body
     assert err["param"] == "messages" and re.match("messages: the chat in its template " + says, err["message"])
+
+
+def test_a_chat_of_many_empty_turns_is_refused_before_its_template_runs(endpoint):
+    """Empty messages counted no characters, so 300,000 of them passed the length check and held the decode thread
+    (and every request in it) for seconds in the chat template; every turn counts now."""
+    with pytest.raises(openai.BadRequestError) as e:
+        endpoint.client().chat.completions.create(model="semanticspec", max_tokens=1,
+                                                  messages=[{"role": "user", "content": ""}] * 20000)
+    assert e.value.body["param"] == "messages" and "20000 characters" in e.value.body["message"]
 
 
 @pytest.mark.parametrize("body,param,says", BAD, ids=[b[2] for b in BAD])
@@ -300,7 +333,8 @@ def test_a_wrong_api_key_gets_a_401_and_the_key_is_never_logged(world_decoder, c
 
 def test_metrics_count_requests_by_route_never_by_the_path_a_client_sent(world_decoder):
     """A path anyone may request (a 404, a 401 before routing) is counted as ``other``: one series per invented path
-    would grow /metrics without bound."""
+    would grow /metrics without bound. Every answer is counted, FastAPI's own (its OpenAPI schema, a trailing slash's
+    redirect) too: those had been counted by no handler."""
     import re
 
     import httpx2
@@ -319,17 +353,20 @@ def test_metrics_count_requests_by_route_never_by_the_path_a_client_sent(world_d
             assert httpx2.get(f"{run.url}/models", headers=auth).status_code == 200
         assert httpx2.get(f"{run.url}/models/semanticspec", headers=auth).status_code == 200
         assert httpx2.get(f"{run.url[:-3]}/health").status_code == 200
+        assert httpx2.get(f"{run.url[:-3]}/openapi.json").status_code == 200
+        assert httpx2.get(f"{run.url[:-3]}/health/", follow_redirects=False).status_code == 307
         text = httpx2.get(f"{run.url[:-3]}/metrics").text
     finally:
         run.stop()
         run.app.state.scheduler.stop(0)
     routes = set(re.findall(r'semanticspec_requests_total\{route="([^"]*)"', text))
     assert routes == {"other", "/v1/models", "/v1/models/{model:path}", "/v1/completions", "/health",
-                      "/metrics"}, routes
+                      "/metrics", "/openapi.json"}, routes
     for series, n in (('route="other",status="404"', 6), ('route="other",status="401"', 3),
                       ('route="/v1/models/{model:path}",status="404"', 3), ('route="/v1/completions",status="405"', 1),
                       ('route="/v1/models",status="200"', 2), ('route="/v1/models/{model:path}",status="200"', 1),
-                      ('route="/health",status="200"', 1), ('route="/metrics",status="200"', 1)):
+                      ('route="/health",status="200"', 1), ('route="/metrics",status="200"', 1),
+                      ('route="/openapi.json",status="200"', 1), ('route="other",status="307"', 1)):
         assert f"semanticspec_requests_total{{{series}}} {n:.1f}" in text, series
 
 
