@@ -5,6 +5,7 @@ No torch import here: the config is read by tools that never build the probe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -128,13 +129,13 @@ class ProbeConfig:
 
     def _records(self) -> list[str]:
         """Problems of the provenance fields: ``reads``, ``labels``, ``test_metrics`` and ``training`` are objects, the
-        metrics numbers."""
+        metrics finite numbers (JSON has no NaN: an undefined metric is left out)."""
         errors = [f"{name}={getattr(self, name)!r}: expected an object (a dict)"
                   for name in ("reads", "labels", "test_metrics", "training")
                   if not isinstance(getattr(self, name), dict)]
         if isinstance(self.test_metrics, dict) and not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in self.test_metrics.values()):
-            errors.append(f"test_metrics={self.test_metrics!r}: expected numbers")
+                is_real(v) and math.isfinite(v) for v in self.test_metrics.values()):
+            errors.append(f"test_metrics={self.test_metrics!r}: expected finite numbers")
         return errors
 
     def _typed_specs(self) -> list[str]:

@@ -18,6 +18,7 @@ folder), in a new run folder; Ctrl-C prints that command. Option names are looke
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
     for role, probe in module.probes.items():
         prefix = f"test/{role}/"
         probe.config.test_metrics = {k[len(prefix) :]: float(v) for k, v in test_metrics.items()
-                                     if k.startswith(prefix)}
+                                     if k.startswith(prefix) and math.isfinite(v)}  # undefined (NaN): left out
         probe.config.training = dict(training or {})
         # float32, as load_probe says an export is, whatever --trainer.precision trained it in (bf16-true, 64-true)
         paths[role] = export_probe(copy.deepcopy(probe).cpu().float().eval(), Path(export_dir) / role)
@@ -77,8 +78,9 @@ def training_record(trainer, module: SemanticProbeModule) -> dict[str, Any]:
     out: dict[str, Any] = {"loss": module.loss_name}
     if trainer.optimizers:
         optimizer = trainer.optimizers[0]
-        out.update(optimizer=f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-                   lr=float(optimizer.defaults.get("lr", float("nan"))))
+        out["optimizer"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        if isinstance(lr := optimizer.defaults.get("lr"), (int, float)):
+            out["lr"] = float(lr)
     if trainer.lr_scheduler_configs:
         scheduler = type(trainer.lr_scheduler_configs[0].scheduler)
         out["lr_scheduler"] = f"{scheduler.__module__}.{scheduler.__qualname__}"

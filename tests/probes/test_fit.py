@@ -211,6 +211,24 @@ def test_exports_carry_no_absolute_path(tmp_path):
     assert not _absolute_paths(configs)
 
 
+def test_an_undefined_test_metric_is_left_out_of_the_export_which_stays_json(tmp_path):
+    """A metric undefined on the test rows (NaN: a Pearson of a constant prediction) was written as ``NaN``, which is
+    not JSON: a strict parser, or any client outside Python, refused the exported ``config.json``."""
+    from probes.config import ProbeConfig
+    from probes.fit import export_probes
+    from probes.module import SemanticProbeModule
+
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target"],
+                                 {"target": {"hidden_size": 8, "features": FeatureSpec()}})
+    paths = export_probes(module, tmp_path, {"test/target/mse": 0.1, "test/target/pearson": float("nan")})
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    config = json.loads((paths["target"] / "config.json").read_text(), parse_constant=refuse)
+    assert config["test_metrics"] == {"mse": 0.1}
+
+
 def test_shipped_probe_configs_carry_no_absolute_path():
     from generation.paths import REPO_ROOT
 

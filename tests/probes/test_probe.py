@@ -546,7 +546,8 @@ def _edit_config(path, **changes):
     ({"features": ["hidden"]}, r"features=\['hidden'\]: expected a generation.specs.FeatureSpec"),
     ({"labels": None}, r"labels=None: expected an object"),
     ({"reads": "target"}, r"reads='target': expected an object"),
-    ({"test_metrics": {"mse": "low"}}, r"test_metrics=\{'mse': 'low'\}: expected numbers"),
+    ({"test_metrics": {"mse": "low"}}, r"test_metrics=\{'mse': 'low'\}: expected finite numbers"),
+    ({"test_metrics": {"pearson": float("nan")}}, r"test_metrics=\{'pearson': nan\}: expected finite numbers"),
 ])
 def test_invalid_config_is_refused_at_load_naming_the_file_and_field(tmp_path, world_tokenizer, changes, says):
     model = tiny_llama(len(world_tokenizer), 32)
