@@ -6,6 +6,7 @@ arguments, since importing it loads torch and Lightning.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -27,7 +28,7 @@ from generation.cli import OneLineErrors, parser_options
 from generation.paths import atomic_path, folder_problem
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
 from probes.fit_args import DESCRIPTION, PROG, fail, options_cache
-from probes.fit_callbacks import NoValidationFallback
+from probes.fit_callbacks import FALLBACK_MONITOR, NoValidationFallback
 from probes.module import SemanticProbeModule
 
 # Field docstrings of ProbeConfig / BuildConfig become their --help text (as in litgpt).
@@ -376,7 +377,10 @@ def keep_checkpoints_together(trainer, ckpt_path: str) -> None:
 
     states = torch.load(ckpt_path, map_location="cpu", weights_only=False).get("callbacks") or {}
     for callback in trainer.checkpoint_callbacks:
-        recorded = (states.get(callback.state_key) or {}).get("dirpath")
+        fallback = copy.copy(callback)  # the key it saved under if a run without validation rows switched it
+        fallback.monitor = FALLBACK_MONITOR
+        saved = states.get(callback.state_key) or states.get(fallback.state_key) or {}
+        recorded = saved.get("dirpath")
         if callback.dirpath is None and recorded and Path(recorded).is_dir():
             callback.dirpath = recorded
             warnings.filterwarnings("ignore", message=rf"Checkpoint directory {re.escape(recorded)} exists and is not")

@@ -640,11 +640,14 @@ def test_a_bf16_linear_probe_exports_in_float32_with_a_card_that_says_linear_and
     assert "## Training" in card and "| precision | `bf16-true` |" in card
 
 
-def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_run(tmp_path, capsys):
+@pytest.mark.parametrize("split", [{}, {"val_fraction": 0.0}], ids=["validated", "no_validation_rows"])
+def test_ctrl_c_prints_what_was_kept_and_the_resume_command_that_continues_the_run(tmp_path, capsys, split):
     """Ctrl-C keeps the latest epoch (Lightning's save_last kept only the last improving one, so a resume redid
     epochs), and the resumed run continues the run: the same losses, and the same best checkpoint tested and exported
-    (Lightning dropped the best score when a resumed run saved into its new folder, so its first epoch was "best")."""
-    cfg = _tiny_config(tmp_path)
+    (Lightning dropped the best score when a resumed run saved into its new folder, so its first epoch was "best").
+    Without validation rows the checkpoints watch the training loss, under which their state was saved: the resume
+    looked it up under the ``val/`` key and lost the run's folder again."""
+    cfg = _tiny_config(tmp_path, **split)
     handler = signal.getsignal(signal.SIGINT)
     interrupt = '[{"class_path": "tests.probes.test_fit.InterruptAt", "init_args": {"epoch": 3}}]'
     with pytest.raises(SystemExit) as exit_:
