@@ -87,10 +87,6 @@ class ProbeCLI(LightningCLI):
         if self.config.get("ckpt_path"):
             check_checkpoint(self.config.ckpt_path, self.config.get("trainer.default_root_dir"))
             check_resumed_options(self.config.ckpt_path, self.parser.dump(self.config, skip_check=True))
-        try:  # one thread count per process, set before any model work
-            apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
-        except ValueError as e:
-            fail(str(e))
         epochs = self.config.get("trainer.max_epochs")
         if epochs is not None and epochs < 1 and epochs != -1:
             fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1, or -1 for no limit (early "
@@ -99,10 +95,14 @@ class ProbeCLI(LightningCLI):
             fail("--ckpt_path '': expected a last.ckpt to resume from (leave it out to start afresh)")
         folders = (("--export_dir", self.config.get("export_dir")),
                    ("--trainer.default_root_dir", self.config.get("trainer.default_root_dir")))
-        for problem in trainer_problems(self.config.get("trainer")) + [
+        for problem in trainer_problems(self.config.get("trainer")) + [roles_problem(self.config)] + [
                 folder_problem(value, option) for option, value in folders if value is not None]:
             if problem:
                 fail(problem)
+        try:  # one thread count per process, set before any model work
+            apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
+        except ValueError as e:
+            fail(str(e))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
         check_optimizer(self.model)  # before the Trainer's own lines (GPU available: ...) on the terminal
@@ -145,6 +145,19 @@ def trainer_problems(trainer) -> list[str]:
         out.append("--trainer.limit_val_batches 0: the monitors watch validation metrics; to train without "
                    "validation give --data.val_fraction 0 (they then watch the train loss)")
     return out
+
+
+def roles_problem(config) -> str | None:
+    """Live validation (``SpeculativeValidation``) decodes with both probes: a run that trains one is refused here,
+    before the data is prepared, rather than by the callback's setup after it."""
+    roles = config.get("data.roles") or []
+    live = any(str(getattr(c, "class_path", c)).endswith("SpeculativeValidation")
+               for c in config.get("trainer.callbacks") or [])
+    if not live or {"target", "draft"} <= set(roles):
+        return None
+    return (f"--data.roles {list(roles)}: SpeculativeValidation (live validation, in the config's trainer.callbacks) "
+            "decodes with both probes; train both (--data.roles [target, draft]), or train one with a config whose "
+            "trainer.callbacks leave SpeculativeValidation out")
 
 
 def make_cli(args: list[str], default_config: Path) -> ProbeCLI:

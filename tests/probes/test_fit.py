@@ -80,6 +80,8 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--trainer.check_val_every_n_epoch", "0"], "--trainer.check_val_every_n_epoch 0: expected", "Traceback"),
     (["--trainer.val_check_interval", "0"], "--trainer.val_check_interval 0: expected a share", "Traceback"),
     (["--trainer.limit_val_batches", "0"], "give --data.val_fraction 0", "Traceback"),
+    # refused by live validation's setup, after the data was prepared (a minute's label build) and Lightning's lines
+    (["--data.roles", "[draft]"], "--data.roles ['draft']: SpeculativeValidation (live validation", "Traceback"),
     # outside Lightning's documented ranges, taken without a word
     (["--trainer.min_epochs", "-3"], "--trainer.min_epochs -3: expected an integer >= 0", "Traceback"),
     (["--trainer.log_every_n_steps", "0"], "--trainer.log_every_n_steps 0: expected an integer >= 1", "Traceback"),
