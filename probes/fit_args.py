@@ -67,10 +67,12 @@ def is_known(option: str, known: set[str]) -> bool:
 
 
 def options_cache() -> Path:
-    """Where the fit parser's option names are kept: one file per state of Lightning, jsonargparse and this
-    package's files (any edit or upgrade makes a new key)."""
+    """Where the fit parser's option names are kept: ``fit-options-<checkout>-<state>.json``, one file per state of
+    Lightning, jsonargparse and this package's files (any edit or upgrade makes a new key), named by the checkout it
+    belongs to (another checkout or environment keeps its own)."""
     root = Path(__file__).resolve().parents[1]
     stamps = [(str(p), p.stat().st_mtime_ns, p.stat().st_size) for name in PACKAGES
               for p in sorted((root / name).rglob("*.py"))]
     key = json.dumps([sys.version, version("lightning"), version("jsonargparse"), stamps])
-    return default_cache_dir() / f"fit-options-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    place = hashlib.sha256(f"{sys.prefix}\0{root}".encode()).hexdigest()[:8]
+    return default_cache_dir() / f"fit-options-{place}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

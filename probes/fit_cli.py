@@ -184,7 +184,7 @@ def remember_options(parser) -> None:
     build = {"--data." + o[2:] for o in parser_options(build_parser()) if o.startswith("--build.")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for old in path.parent.glob("fit-options-*.json"):  # of other versions or edits
+        for old in path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.json"):  # this checkout's other versions
             old.unlink(missing_ok=True)
         with atomic_path(path) as tmp:  # a temporary of this process: several of one run may write it at once
             tmp.write_text(json.dumps(sorted(set(parser_options(parser)) | build)))

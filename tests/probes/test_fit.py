@@ -849,6 +849,21 @@ def test_the_first_pass_knows_every_option_the_real_parser_knows(tmp_path, monke
     assert not options_cache().is_file()
 
 
+def test_a_checkout_keeps_its_option_names_beside_another_checkouts(tmp_path, monkeypatch):
+    """Each checkout's first full parse deleted every other ``fit-options-*.json``, another live checkout's (or
+    environment's) too, which then lost its sub-second refusal of a mistyped option until its next full parse."""
+    from probes.fit_args import options_cache
+
+    monkeypatch.setenv("SEMANTICSPEC_CACHE", str(tmp_path))
+    other = tmp_path / f"fit-options-00000000-{'0' * 16}.json"  # another checkout's
+    mine_before = options_cache().with_name(options_cache().name.rsplit("-", 1)[0] + f"-{'1' * 16}.json")
+    for path in (other, mine_before):
+        path.write_text("[]")
+    with pytest.raises(SystemExit):
+        main(["--print_config"])
+    assert options_cache().is_file() and other.is_file() and not mine_before.is_file()
+
+
 def test_a_bad_checkpoint_is_refused_before_data_preparation_and_leaves_no_run_folder(tmp_path, capsys):
     cfg = _tiny_config(tmp_path)
     bad = tmp_path / "notes.txt"
