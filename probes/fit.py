@@ -71,10 +71,11 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
     return paths
 
 
-def training_record(trainer, module: SemanticProbeModule) -> dict[str, Any]:
+def training_record(trainer, module: SemanticProbeModule, best: str | None = None) -> dict[str, Any]:
     """How ``trainer`` trained ``module``'s probes: the loss, the optimizer's class and learning rate, the
-    scheduler's class (if any), the epochs run and the precision (the exported ``config.json``'s ``training``, shown
-    on the card)."""
+    scheduler's class (if any), the epochs run, the epoch whose weights are exported (``best_epoch``: that of the
+    ``best`` checkpoint, where one was kept) and the precision (the exported ``config.json``'s ``training``, shown on
+    the card)."""
     out: dict[str, Any] = {"loss": module.loss_name}
     if trainer.optimizers:
         optimizer = trainer.optimizers[0]
@@ -84,7 +85,12 @@ def training_record(trainer, module: SemanticProbeModule) -> dict[str, Any]:
     if trainer.lr_scheduler_configs:
         scheduler = type(trainer.lr_scheduler_configs[0].scheduler)
         out["lr_scheduler"] = f"{scheduler.__module__}.{scheduler.__qualname__}"
-    return {**out, "epochs": int(trainer.current_epoch), "precision": str(trainer.precision)}
+    out["epochs"] = int(trainer.current_epoch)
+    if best:
+        import torch
+
+        out["best_epoch"] = int(torch.load(best, map_location="cpu", weights_only=False)["epoch"]) + 1
+    return {**out, "precision": str(trainer.precision)}
 
 
 def default_export_dir(trainer) -> Path:
@@ -128,7 +134,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     unexported = (diverged or _not_exported(trainer)) if cli.config.get("export", True) else None
     export_dir = cli.config.get("export_dir") or default_export_dir(trainer)  # every rank: a broadcast under DDP
     if cli.config.get("export", True) and trainer.is_global_zero and unexported is None:
-        paths = export_probes(module, export_dir, test_metrics, training_record(trainer, module))
+        paths = export_probes(module, export_dir, test_metrics, training_record(trainer, module, best))
     if trainer.is_global_zero:
         summary = metric_rows(test_metrics, module.roles) | live
         print("\nbest checkpoint:", best or "(none)")

@@ -638,7 +638,7 @@ def test_a_bf16_linear_probe_exports_in_float32_with_a_card_that_says_linear_and
     # how it was trained: nothing said a `loss` test metric was BCE's or MSE's
     config = json.loads((tmp_path / "export" / "target" / "config.json").read_text())
     assert config["training"] == {"loss": "mse", "optimizer": "torch.optim.adam.Adam", "lr": pytest.approx(1e-4),
-                                  "epochs": 1, "precision": "bf16-true"}
+                                  "epochs": 1, "best_epoch": 1, "precision": "bf16-true"}
     assert "## Training" in card and "| precision | `bf16-true` |" in card
 
 
@@ -1108,11 +1108,13 @@ def test_a_learning_rate_scheduler_is_stepped_recorded_on_the_card_and_checked_b
     from probes.module import SemanticProbeModule
 
     cfg = str(_tiny_config(tmp_path))
-    main(["--config", cfg, "--test", "false", "--export_dir", str(tmp_path / "e"), "--model.lr_scheduler",
-          "torch.optim.lr_scheduler.StepLR", "--model.lr_scheduler.step_size", "1", "--model.lr_scheduler.gamma",
-          "0.5"])
+    result = main(["--config", cfg, "--test", "false", "--export_dir", str(tmp_path / "e"), "--model.lr_scheduler",
+                   "torch.optim.lr_scheduler.StepLR", "--model.lr_scheduler.step_size", "1",
+                   "--model.lr_scheduler.gamma", "0.5"])
     training = json.loads((tmp_path / "e" / "target" / "config.json").read_text())["training"]
     assert training["lr_scheduler"] == "torch.optim.lr_scheduler.StepLR" and training["epochs"] == 3
+    # the exported weights are the best checkpoint's, whose epoch the card states beside the epochs run
+    assert training["best_epoch"] == torch.load(result["best_ckpt"], weights_only=False)["epoch"] + 1
     card = (tmp_path / "e" / "target" / "README.md").read_text()
     assert "| lr_scheduler | `torch.optim.lr_scheduler.StepLR` |" in card
     checkpoint = torch.load(next((tmp_path / "runs").rglob("last.ckpt")), weights_only=False)
