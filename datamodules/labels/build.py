@@ -433,6 +433,7 @@ def main(args: list[str] | None = None) -> dict:
     given = normalise_args(list(sys.argv[1:] if args is None else args))
     try:
         check_yaml_files(given, ("--config", "-c", "--fit_config"))
+        _refuse_fit_yaml_as_config(given)
         cfg = parser.parse_args(_with_fit_config(given))
         config = parser.instantiate(cfg).build  # the config checks its values before torch loads
         if data_dir_problem(cfg.data_dir):
@@ -494,6 +495,17 @@ def build_parser():
     parser.add_argument("--threads", type=int | None, default=None, help=THREADS_HELP)
     parser.add_class_arguments(BuildConfig, "build")
     return parser
+
+
+def _refuse_fit_yaml_as_config(args: list[str]) -> None:
+    """A ``python -m probes.fit`` YAML given to ``--config`` is refused pointing to ``--fit_config`` (ValueError);
+    jsonargparse named its first trainer key as not accepted."""
+    for i, a in enumerate(args[:-1]):
+        if a in ("--config", "-c") and Path(args[i + 1]).is_file():
+            loaded = yaml.safe_load(Path(args[i + 1]).read_text())  # a mapping: check_yaml_files said so first
+            if "data" in loaded and ({"trainer", "model"} & set(loaded)):
+                raise ValueError(f"{a} {args[i + 1]}: a `python -m probes.fit` config (trainer, model and data "
+                                 f"sections); give it as --fit_config {args[i + 1]} to build from its data: section")
 
 
 def _with_fit_config(args: list[str]) -> list[str]:

@@ -380,6 +380,8 @@ def test_data_dir_that_cannot_be_created_is_named(world, capsys):
     (["--build.sampling.n_sample", "3"], "unrecognized arguments: --build.sampling.n_sample 3"),
     (["--build.n_samples", "3"], "unrecognized arguments: --build.n_samples 3"),  # the flat key of before is refused
     (["--fit_config", "nowhere.yaml"], "--fit_config nowhere.yaml"),
+    # a fit YAML as --config: "Option 'trainer.logger.init_args.save_dir' is not accepted"
+    (["--config", "configs/arithmetic.yaml"], "give it as --fit_config configs/arithmetic.yaml"),
     # each below: an IndexError traceback, a build of nothing with no word, or labels written into the working folder
     (["--build.judge.no_answer", ""], "judge.no_answer='': expected the answer's text"),
     (["--max_shards", "0"], "--max_shards 0: expected a number of new shards >= 1"),
