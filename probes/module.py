@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
-from torchmetrics import MetricCollection
+from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
 from torchmetrics.wrappers import BinaryTargetTransformer
 from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef, R2Score
@@ -182,6 +182,10 @@ class SemanticProbeModule(L.LightningModule):
         )
         self.val_mse = MeanSquaredError()
         self.test_mse = MeanSquaredError()
+        # each probe's loss on the val/test rows, gathered over the ranks when computed (a per-rank mean logged
+        # unsynced was rank 0's alone under DDP)
+        self.eval_losses = nn.ModuleDict({f"{stage}_{r}": MeanMetric() for stage in ("val", "test")
+                                          for r in self.roles})
 
     @staticmethod
     def _role_config(probe: ProbeConfig, role: str, spec: Optional[dict[str, Any]]) -> ProbeConfig:
@@ -231,9 +235,10 @@ class SemanticProbeModule(L.LightningModule):
             logits = self.probes[role].logits(part["features"])
             loss = self._loss(logits, part["label"], self._weights(role, part) if stage == "train" else None)
             bs = part["label"].numel()
-            # not synced: under DDP a batch may lack a role on one rank only, and a sync there would wait forever
-            self.log(f"{stage}/{role}/loss", loss, batch_size=bs, on_step=stage == "train", on_epoch=True)
-            if stage != "train":
+            if stage == "train":  # not synced: under DDP a batch may lack a role on one rank only (a sync would hang)
+                self.log(f"{stage}/{role}/loss", loss, batch_size=bs, on_step=True, on_epoch=True)
+            else:  # gathered at the epoch's end, where every rank computes it
+                self.eval_losses[f"{stage}_{role}"].update(loss.detach(), bs)
                 prob = torch.sigmoid(logits).detach()
                 self.metrics[f"{stage}_{role}"].update(prob, part["label"])
                 if role == "target" and "writer" in part:
@@ -311,7 +316,11 @@ class SemanticProbeModule(L.LightningModule):
             collection = self.metrics[f"{stage}_{key}"]
             if self._any_rows(collection["mse"]):
                 self.log_dict({f"{stage}/{name}/{k}": v for k, v in collection.compute().items()}, sync_dist=True)
+                if key in self.roles:
+                    self.log(f"{stage}/{name}/loss", self.eval_losses[f"{stage}_{key}"].compute(), sync_dist=True)
             collection.reset()
+            if key in self.roles:
+                self.eval_losses[f"{stage}_{key}"].reset()
 
     def _any_rows(self, metric) -> bool:
         """Whether any rank updated ``metric`` (a MeanSquaredError): its ``compute()`` gathers across ranks, so every

@@ -141,6 +141,10 @@ def test_the_fit_command_under_ddp_builds_its_labels_trains_plots_exports_and_re
     run_dir = tmp_path / "runs" / "fit" / "version_0"
     assert {"config.json", "model.safetensors"} <= {p.name for p in (run_dir / "export" / "target").iterdir()}
     assert (run_dir / "spec" / "history.png").is_file() and run.stdout.count("| probe | mse |") == 1
+    # the exported test loss is the MSE loss over both ranks' rows, as the mse metric is (it was rank 0's alone)
+    for role in ("target", "draft"):
+        tested = json.loads((run_dir / "export" / role / "config.json").read_text())["test_metrics"]
+        assert tested["loss"] == pytest.approx(tested["mse"], rel=1e-5), (role, tested)
     longer = [sys.executable, "-m", "probes.fit", "--config", _tiny_fit_config(tmp_path, "long", long=True), *ddp,
               "--export", "false"]
     proc = subprocess.Popen(longer, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
