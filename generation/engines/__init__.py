@@ -37,7 +37,8 @@ def make_engine(kind: str, url: str, model: str | None = None, *, api_key_env: s
         api_key_env: environment variable holding the API key ("" or unset: no key).
         timeout: seconds per request attempt.
         retries: attempts per request (connection errors, timeouts, 429 and 5xx are retried).
-        options: engine-specific arguments (vLLM: ``max_logprobs``).
+        options: engine-specific arguments (vLLM: ``max_logprobs``; llama.cpp: ``n_ctx``, the context its server was
+            started with, which it states nowhere).
 
     Returns:
         An :class:`~generation.engines.base.Engine`.

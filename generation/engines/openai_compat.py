@@ -25,7 +25,7 @@ from typing import Any
 from generation.engines import NEUTRAL_SAMPLING
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
 from generation.engines.connection import at_least, connect
-from generation.specs import SamplingSpec, StepSpec
+from generation.specs import SamplingSpec, StepSpec, is_count
 
 VLLM_MAX_LOGPROBS = 20
 """vLLM's default ``--max-logprobs``."""
@@ -299,9 +299,13 @@ class LlamaCppEngine(_Completions):
     Args:
         url: its base URL (``http://127.0.0.1:8811/v1``).
         model: the model alias it serves; None = the one it lists.
+        n_ctx: the context the server was started with (its ``--n_ctx``), which llama-cpp-python states nowhere;
+            None: unknown, so a row near the context's end ends with the server's refusal (``error``) instead of
+            stopping at the context (``context``).
         api_key_env, timeout, retries: as :class:`~generation.engines.connection.Connection`.
 
     Raises:
+        ValueError: an ``n_ctx`` that is not an integer >= 1.
         EngineError: the server does not answer ``/v1/models`` or does not serve ``model``.
     """
 
@@ -313,8 +317,11 @@ class LlamaCppEngine(_Completions):
     turn all three off, so greedy text equals the in-process greedy text (its top-p still cuts the untempered
     distribution, before the temperature, where the package's sampler cuts the tempered one)."""
 
-    def __init__(self, url: str, model: str | None = None, **conn):
+    def __init__(self, url: str, model: str | None = None, *, n_ctx: int | None = None, **conn):
+        if n_ctx is not None and not is_count(n_ctx):
+            raise ValueError(f"n_ctx={n_ctx!r}: expected the server's context in tokens (an integer >= 1), or None")
         super().__init__(url, model, **conn)
+        self.context_length = n_ctx
         if self.version is None:  # llama-cpp-python has no /version; its FastAPI app states it in /openapi.json
             info = (self.conn.get("/openapi.json") or {}).get("info") or {}
             self.version = f"llama-cpp-python {info['version']}" if isinstance(info.get("version"), str) else None
@@ -334,9 +341,20 @@ class LlamaCppEngine(_Completions):
             return Capabilities(False, None, False, None, (why,))
         return Capabilities(True, None, False, None)
 
-    def prompt_tokens(self, texts: list[str]) -> None:
-        """None: llama-cpp-python states no context, so nothing needs a prompt's count."""
-        return None
+    def prompt_tokens(self, texts: list[str]) -> list[int] | None:
+        """One ``POST /extras/tokenize/count`` per text (llama-cpp-python tokenizes it as a completion's prompt: BOS
+        where the model adds one, special tokens read), where the context is known (``n_ctx``); else None."""
+        if self.context_length is None:
+            return None
+        out = []
+        for text in texts:
+            got, _ = self.conn.post("/extras/tokenize/count", {"model": self.model, "input": text},
+                                    "/extras/tokenize/count")
+            if not isinstance(count := got.get("count") if isinstance(got, dict) else None, int):
+                raise MalformedAnswer(f"server {self.url} answered /extras/tokenize/count without an integer count",
+                                      self.url)
+            out.append(count)
+        return out
 
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
              seed: int) -> Reading:

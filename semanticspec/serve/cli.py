@@ -65,6 +65,10 @@ class ServeOptions:
     attempts (then it is not asked again for 30 s, or this timeout if shorter)."""
     backend_retries: int = 3
     """Served: attempts per request to a server (connection errors, timeouts, 429 and 5xx are tried again)."""
+    backend_n_ctx: int | None = None
+    """Served by llama.cpp: the context both servers were started with (their --n_ctx), which llama-cpp-python
+    states nowhere; without it a request near the context's end fails with the server's 400 instead of stopping
+    with finish_reason "length". vLLM and SGLang state theirs."""
     target_probe: str | None = None
     """Exported target probe directory (None: the embedded world's shipped probe for the mode)."""
     draft_probe: str | None = None
@@ -131,6 +135,8 @@ def build(opts: ServeOptions):
         from semanticspec import ServedDecoder
 
         kw = {"api_key_env": opts.backend_key_env, "timeout": opts.backend_timeout, "retries": opts.backend_retries}
+        if opts.backend_n_ctx is not None:
+            kw["n_ctx"] = opts.backend_n_ctx
         target = make_engine(opts.engine, opts.target_url, opts.target_model, **kw)
         draft = make_engine(opts.engine, opts.draft_url, opts.draft_model, **kw)
         dec = ServedDecoder(target, draft, probes[0], probes[1], default_policy(fast_path=False, tau=tau), task=task,
@@ -211,8 +217,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(PROG, str(e))
     ns = _parser().parse_args(argv)
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
-    for name in ("port", "max_rows", "max_queue", "concurrency", "backend_retries"):
-        if getattr(opts, name) < 1:
+    if opts.backend_n_ctx is not None and opts.engine != "llama.cpp":
+        fail(PROG, f"--backend_n_ctx={opts.backend_n_ctx}: for llama.cpp servers, which state no context ("
+                   f"--engine {opts.engine} states its own)")
+    for name in ("port", "max_rows", "max_queue", "concurrency", "backend_retries", "backend_n_ctx"):
+        if getattr(opts, name) is not None and getattr(opts, name) < 1:
             fail(PROG, f"--{name}={getattr(opts, name)}: expected an integer >= 1")
     if opts.port > 65535:
         fail(PROG, f"--port={opts.port}: expected a port from 1 to 65535")
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 SERVED_ONLY = ("engine", "target_model", "draft_model", "backend_key_env", "concurrency", "backend_timeout",
-               "backend_retries", "tokenizer")
+               "backend_retries", "backend_n_ctx", "tokenizer")
 """The options that only a served endpoint reads."""
 
 

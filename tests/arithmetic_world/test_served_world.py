@@ -76,6 +76,26 @@ def test_served_greedy_always_reject_equals_served_target_only(world):
     print(f"[timing] always_reject == target_only, 8 problems: {time.perf_counter() - t0:.1f} s")
 
 
+def test_given_the_servers_context_a_row_near_its_end_stops_there_instead_of_failing(world):
+    """llama-cpp-python states no context: a row near its end asked for a step past it, and the server's 400 ended
+    the row with ``error`` (the whole-output baseline's truncated answer read as ``context``). Given ``n_ctx``, the
+    client counts prompts with the server's own tokenizer and the decoder stops every method at the room."""
+    from generation.engines import make_engine
+
+    n_ctx = world["servers"]["target"].n_ctx
+    engines = [make_engine("llama.cpp", world["servers"][r].url, r, api_key_env="", n_ctx=n_ctx)
+               for r in ("target", "draft")]
+    prompt = "Take 6. Add 3, then add 3. " * 22 + "Add 1, then add 1. What number do you get?\n\n"
+    assert engines[0].prompt_tokens([prompt]) == [len(world["tok"](prompt).input_ids)]  # BOS included, as served
+    kw = dict(temperature=0.0, max_new_tokens=200)
+    (unknown,) = ServedDecoder(world["engines"]["target"], world["engines"]["draft"]).generate(
+        [prompt], method="always_reject", **kw)
+    assert unknown.stop_reason == "error" and "maximum context length" in unknown.error  # the context not given
+    for method in ("always_reject", "always_accept", "target_only"):
+        (known,) = ServedDecoder(*engines).generate([prompt], method=method, **kw)
+        assert known.ok and known.stop_reason in ("context", "eos"), (method, known.error)
+
+
 # --------------------------------------------------------------------------- 2. served vs in-process features
 
 

@@ -511,6 +511,12 @@ def test_unknown_kind_is_refused():
         make_engine("tgi", "http://127.0.0.1:1")
 
 
+@pytest.mark.parametrize("n_ctx", [0, 2.5, "256"])
+def test_a_llama_cpp_context_that_is_no_count_is_refused_before_any_request(n_ctx):
+    with pytest.raises(ValueError, match=rf"n_ctx={n_ctx!r}: expected the server's context in tokens"):
+        make_engine("llama.cpp", "http://127.0.0.1:1", n_ctx=n_ctx)
+
+
 # ---------------------------------------------------------------------------------------------
 # Dead servers and keys
 
