@@ -87,6 +87,10 @@ class ProbeCLI(LightningCLI):
         if self.config.get("ckpt_path"):
             check_checkpoint(self.config.ckpt_path, self.config.get("trainer.default_root_dir"))
             check_resumed_options(self.config.ckpt_path, self.parser.dump(self.config, skip_check=True))
+        try:  # one thread count per process, set before any model work
+            apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
+        except ValueError as e:
+            fail(str(e))
         epochs = self.config.get("trainer.max_epochs")
         if epochs is not None and epochs < 1 and epochs != -1:
             fail(f"--trainer.max_epochs {epochs}: expected a number of epochs >= 1, or -1 for no limit (early "
@@ -99,10 +103,6 @@ class ProbeCLI(LightningCLI):
                 folder_problem(value, option) for option, value in folders if value is not None]:
             if problem:
                 fail(problem)
-        try:  # one thread count per process, set before any model work
-            apply_threads(self.config.get("threads"), launched=launched_processes(self.config.get("trainer.devices")))
-        except ValueError as e:
-            fail(str(e))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]):
         check_optimizer(self.model)  # before the Trainer's own lines (GPU available: ...) on the terminal
