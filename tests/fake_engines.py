@@ -373,6 +373,9 @@ class FakeVLLM(_Server):
             return 400, {"error": {"message": f"Requested prompt logprobs of {k}, which is greater than max allowed: "
                                               f"{self.max_logprobs}", "type": "BadRequestError"}}
         params = self._params(body)
+        if params["temperature"] < 1e-5 and (body.get("n") or 1) > 1:  # sampling_params.py _verify_greedy_sampling
+            return 400, {"error": {"message": f"n must be 1 when using greedy sampling, got {body['n']}.",
+                                   "type": "BadRequestError"}}
         self.effective.append(params)
         prompt = body["prompt"]
         ids, texts = ids_of(prompt), [BOS_TEXT] + [w.rstrip(" ") if self.lone_texts else w for w in words(prompt)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from generation.engines import NEUTRAL_SAMPLING
@@ -252,6 +252,9 @@ class _Completions:
         if n is not None and not self.takes_n:  # one request per sample, seeded as vLLM seeds a request's children
             return [self.write(context, step=step, max_tokens=max_tokens, sampling=sampling, seed=seed + j,
                                top_k=top_k) for j in range(n)]
+        if n is not None and sampling.greedy:  # greedy samples are one: vLLM refuses n > 1 at a temperature below
+            w = self.write(context, step=step, max_tokens=max_tokens, sampling=sampling, seed=seed, top_k=top_k)
+            return [w] + [replace(w, usage=Usage(0, 0))] * (n - 1)  # 1e-5 (_verify_greedy_sampling)
         stops = list(step.delimiters) if step is not None else None
         asked = self._write_logprobs(top_k, stops)
         resp, secs = self._create(context, max_tokens=max_tokens, sampling=sampling, seed=seed, logprobs=asked,

@@ -373,6 +373,17 @@ def test_vllm_write_keeps_the_stop_string(fakes):
     assert w.tokens.top.shape == (2, 3)
 
 
+def test_greedy_samples_of_one_context_are_one_request_which_vllm_would_refuse_with_n(fakes):
+    """Label sampling asks for n samples of a context in one request; at temperature 0 vLLM refuses n > 1 ("n must be
+    1 when using greedy sampling", ``sampling_params.py`` ``_verify_greedy_sampling``), so a greedy build failed."""
+    fake = fakes(FakeVLLM)
+    ws = _engine("vllm", fake).write(CONTEXT, step=StepSpec(("\n\n",), 8), max_tokens=8, sampling=GREEDY, seed=2,
+                                     n=3)
+    (body,) = fake.posts("/v1/completions")
+    assert body.get("n") in (None, 1) and [w.text for w in ws] == ["a b\n\n"] * 3
+    assert [w.usage.prompt_tokens > 0 for w in ws] == [True, False, False]  # one request's usage, on the first
+
+
 def test_vllm_written_top_k_asks_one_more_and_flags_tokens_that_read_alike(fakes):
     """Written tokens' top_logprobs are keyed by text: two tokens that read alike share a key and one log-prob is lost.
     Asked for k + 1 entries, the client tells such a position from a full answer and counts it (it used to take k
