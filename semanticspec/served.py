@@ -443,6 +443,7 @@ class EngineProposer(EnginePart):
         super().__init__(engine, "draft", **kw)
         self.probe, self.spec = probe, probe.config.features if probe is not None else None
         self.written: dict = {}  # per row: the server's answer for the first step of its window
+        self.opened: dict[int, tuple[str, Forced]] = {}  # per row: that step's context and its forced tokens
         self.window: dict[int, str] = {}  # per row: the text of its window's steps so far
         self.ahead: dict[int, list[Proposal]] = {}  # per row: the window's next steps, written with its first one
         self.prefetch: dict[int, tuple[str, Future]] = {}  # per row: the next window drafted ahead, and its context
@@ -491,6 +492,7 @@ class EngineProposer(EnginePart):
                                           after=self.window if more else None)
         if not more:
             self.written, self.window, self.ahead = written, {}, {}
+            self.opened = {i: (self.context(i), s.forced) for i, s in rows.items() if s.forced}
         return steps
 
     def _write_window(self, rows: Mapping[int, RowState], window: int) -> dict[int, Proposal]:
@@ -518,7 +520,11 @@ class EngineProposer(EnginePart):
         return out
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
-        """The draft probe's ``p`` of each row's last step, from the top-k its server returned with it."""
+        """The draft probe's ``p`` of each row's last step, from the top-k its server returned with it; a step opened
+        by forced tokens (the target's bonus token, which the write took as context) reads their top-k first, in one
+        more request, so that ``p`` reads the whole step as in-process and in the label build."""
+        forced = self.each("read", {i: ((c, f.text), dict(top_k=self.spec.top_k, hidden=False))
+                                    for i, (c, f) in self.opened.items() if i in rows and not self.rows[i].done})
         t0, out = time.perf_counter(), {}
         for i in rows:
             w = self.written.get(i)
@@ -526,7 +532,10 @@ class EngineProposer(EnginePart):
                 self.rows[i].fail(f"the draft server {self.engine.url} returned no log-probs for a written step "
                                   "though top_k was asked (the draft probe's p reads them)")
                 continue
-            out[i] = run_probe(self.probe, features(self.spec, w.tokens, None))[0]
+            if self.rows[i].done:  # its forced tokens' read failed
+                continue
+            tokens = w.tokens if i not in forced else forced[i].step.join(w.tokens)
+            out[i] = run_probe(self.probe, features(self.spec, tokens, None))[0]
         self.probe_s += time.perf_counter() - t0
         return out
 

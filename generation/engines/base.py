@@ -63,6 +63,12 @@ class TokenLogprobs:
         ids = self.ids[a:b] if self.ids is not None else None
         return TokenLogprobs(self.tokens[a:b], ids, self.logprobs[a:b], self.top[a:b])
 
+    def join(self, after: TokenLogprobs) -> TokenLogprobs:
+        """These tokens, then ``after``'s (the same k; ids where both have them)."""
+        ids = self.ids + after.ids if self.ids is not None and after.ids is not None else None
+        return TokenLogprobs(self.tokens + after.tokens, ids, torch.cat([self.logprobs, after.logprobs]),
+                             torch.cat([self.top, after.top]))
+
 
 @dataclass(frozen=True)
 class Reading:

@@ -592,6 +592,22 @@ def test_a_bonus_token_that_ends_a_step_or_fills_its_cap_is_a_step_of_its_own_as
         assert max(s.n_tokens for s in served.steps) <= cfg.step.max_step_tokens, kw
 
 
+def test_the_served_draft_probe_reads_a_step_with_the_bonus_token_that_opened_it_as_in_process(world, engines):
+    """The draft's write takes the target's bonus token as context, so its answer held the drafted tokens alone and
+    the served ``p`` (the ratio rule) read a step one token short of what in-process decoding and the label build
+    read: up to 0.17 off. The forced tokens' top-k is read first, in one more request."""
+    probes = [f"checkpoints/arithmetic/probes-topk/{r}" for r in ("target", "draft")]
+    policy, prompts = ProbePolicy(rule="ratio", top_k=0), world["prompts"][:3]
+    kw = dict(temperature=0.0, max_new_tokens=64, lookahead=1, allow_sampling_mismatch=True)
+    served = ServedDecoder(*engines, *probes, policy, task=world["task"]).generate(prompts, **kw)
+    ours = SemanticSpecDecoder(world["target"], world["draft"], world["tok"], target_probe=probes[0],
+                               draft_probe=probes[1], policy=policy, task=world["task"]).generate(prompts, **kw)
+    for a, b in zip(served, ours):
+        assert [(s.text, s.decision) for s in a.steps] == [(s.text, s.decision) for s in b.steps]
+        assert [s.p for s in a.steps] == pytest.approx([s.p for s in b.steps], abs=1e-3)
+    assert any(s.p is not None and s.writer == "draft" for r in served for s in r.steps)
+
+
 def test_windows_drafted_ahead_stay_inside_the_servers_context_and_are_counted(world, engines):
     """Overlap's draft-ahead requests asked for more than the draft server's context holds (vLLM answers 400), and
     one still in flight when its row finished was sent but never counted."""
