@@ -40,6 +40,11 @@ from tests.fake_openai import JsonHandler, LoopbackServer
 BOS, BOS_TEXT, EOS, END_OF_TURN = 1, "<s>", 2, 3
 CONTINUATION = "a b\n\nc d"
 NEXT = "next"
+AFTER_NEXT = " then"
+END_OF_TURN_TEXT = "<end_of_turn>"
+EOS_TEXT = "</s>"
+"""A special token's own text (per-token texts are decoded with special tokens; ``text`` skips them)."""
+"""The token a read draws after :data:`NEXT` (SGLang's reads ask for two tokens)."""
 RUNNER_UP = " z"
 """The toy model's second choice at every written position (:func:`toy_continue`)."""
 NEUTRAL = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -180,6 +185,8 @@ class FakeSGLang(_Server):
             v0.5.4 and main of 2026-08).
         special_next: the token after a read step is a special token that is not EOS (a base model's end-of-turn):
             its text decodes to "" (``skip_special_tokens``), the request ending at ``length``.
+        eos_next: the token after a read step is EOS: ``schedule_batch.py`` ``Req.check_finished`` tests the length
+            limit first, so a one-token read ends at ``length`` and a longer one at ``stop`` (matched: the EOS id).
         nan: end every ``/generate`` as SGLang ends a request whose sampled id falls outside the vocabulary (NaN
             logits): ``finish_reason`` ``{"type": "stop", "matched": "NaN happened"}`` (``schedule_batch.py``
             ``_check_vocab_boundary_finish``, SGLang v0.5.4 to v0.5.17 and main of 2026-08), shaped as a matched stop
@@ -189,9 +196,9 @@ class FakeSGLang(_Server):
     def __init__(self, name="toy", *, version="0.5.23", hidden=True, info=None,
                  info_routes=("/server_info", "/get_server_info"), original_logprob=False, preferred=None,
                  short_top=None, drop_rows=0, abort=False, busy=0, tail_after_stop="", context_len=4096,
-                 deterministic=True, nan=False, special_next=False):
+                 deterministic=True, nan=False, special_next=False, eos_next=False):
         self.name, self.version, self.hidden, self.nan = name, version, hidden, nan
-        self.special_next = special_next
+        self.special_next, self.eos_next, self.context_len = special_next, eos_next, context_len
         self.short_top, self.drop_rows, self.abort = short_top, drop_rows, abort
         self.original_logprob = original_logprob
         self.preferred, self.tail_after_stop = dict(preferred or {}), tail_after_stop
@@ -261,6 +268,9 @@ class FakeSGLang(_Server):
             return 400, {"error": {"message": f"top_k must be -1 (disable), or at least 1, got {sp['top_k']}."}}
         self.effective.append(params)
         ids = body.get("input_ids") or ids_of(body["text"])
+        if len(ids) + sp.get("max_new_tokens", 128) >= self.context_len:  # tokenizer_manager.py _validate_one_request
+            return 400, {"error": {"message": "Requested token count exceeds the model's maximum context length of "
+                                              f"{self.context_len} tokens."}}
         k, want = int(body.get("top_logprobs_num") or 0), bool(body.get("return_logprob"))
         start = body.get("logprob_start_len", -1)
         start = len(ids) - 1 if start == -1 or not want else start
@@ -269,10 +279,12 @@ class FakeSGLang(_Server):
         seed = sp.get("sampling_seed") if self.info["enable_deterministic_inference"] else None
         out_words, text, finish, hit = toy_continue(ids, sp.get("max_new_tokens", 128), sp.get("stop") or [],
                                                     sp.get("no_stop_trim", False), params, seed)
-        if sp.get("max_new_tokens") == 1 and body.get("logprob_start_len", -1) >= 0:
-            out_words, text, finish, hit = [NEXT], NEXT, "length", None  # a read: the token after the step
-            if self.special_next:
-                text = ""
+        if sp.get("max_new_tokens") in (1, 2) and body.get("logprob_start_len", -1) >= 0:  # a read: the tokens after
+            out_words = [END_OF_TURN_TEXT if self.special_next else NEXT, AFTER_NEXT][: sp["max_new_tokens"]]  # step
+            text, finish, hit = "".join(out_words[1:] if self.special_next else out_words), "length", None
+            if self.eos_next:
+                out_words, text = [EOS_TEXT], ""
+                finish, hit = ("stop", EOS) if sp["max_new_tokens"] > 1 else ("length", None)
         if hit and sp.get("no_stop_trim"):
             text += self.tail_after_stop
         out_ids = [tid(w) for w in out_words]
@@ -365,17 +377,22 @@ class FakeVLLM(_Server):
                for f, v in base.items()}
         return {**got, "top_k": 0 if got["top_k"] == -1 else got["top_k"]}
 
+    def _refused(self, body: dict, params: dict) -> str | None:
+        """Why vLLM answers the request with a 400: more log-probs than ``--max-logprobs``, or ``n`` > 1 at a
+        greedy temperature (``sampling_params.py`` ``_verify_greedy_sampling``: below ``_SAMPLING_EPS``, 1e-5)."""
+        k = body.get("logprobs")
+        if k is not None and k > self.max_logprobs or (body.get("prompt_logprobs") or 0) > self.max_logprobs:
+            return f"Requested prompt logprobs of {k}, which is greater than max allowed: {self.max_logprobs}"
+        if params["temperature"] < 1e-5 and (body.get("n") or 1) > 1:
+            return f"n must be 1 when using greedy sampling, got {body['n']}."
+        return None
+
     def _complete(self, body, headers):
         if self.status:
             return self.status, {"error": {"message": "refused: " + headers.get("authorization", "")}}
-        k = body.get("logprobs")
-        if k is not None and k > self.max_logprobs or (body.get("prompt_logprobs") or 0) > self.max_logprobs:
-            return 400, {"error": {"message": f"Requested prompt logprobs of {k}, which is greater than max allowed: "
-                                              f"{self.max_logprobs}", "type": "BadRequestError"}}
-        params = self._params(body)
-        if params["temperature"] < 1e-5 and (body.get("n") or 1) > 1:  # sampling_params.py _verify_greedy_sampling
-            return 400, {"error": {"message": f"n must be 1 when using greedy sampling, got {body['n']}.",
-                                   "type": "BadRequestError"}}
+        params, k = self._params(body), body.get("logprobs")
+        if (refused := self._refused(body, params)) is not None:
+            return 400, {"error": {"message": refused, "type": "BadRequestError"}}
         self.effective.append(params)
         prompt = body["prompt"]
         ids, texts = ids_of(prompt), [BOS_TEXT] + [w.rstrip(" ") if self.lone_texts else w for w in words(prompt)]
@@ -482,11 +499,14 @@ class ScriptSGLang(_Server):
         ids = list(body.get("input_ids") or self.tok.encode(body["text"]).ids)
         k, start = int(body.get("top_logprobs_num") or 0), body.get("logprob_start_len", -1)
         out, stop, finish = [], sp.get("stop") or [], {"type": "length", "length": 0}
-        while len(out) < sp.get("max_new_tokens", 128):
+        while True:  # schedule_batch.py Req.check_finished: the length limit first, then EOS, then stop strings
             nxt = self._next(ids + out)
             out.append(nxt)
             written = self.tok.decode(ids + out)[len(self.tok.decode(ids)):]
             hit = next((s for s in stop if s in written), None)
+            if len(out) >= sp.get("max_new_tokens", 128):
+                finish = {"type": "length", "length": len(out)}
+                break
             if nxt == self.eos or hit:
                 finish = {"type": "stop", "matched": hit or self.eos}
                 break

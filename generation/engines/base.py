@@ -220,8 +220,9 @@ class Engine(Protocol):
     url: str
     version: str | None
     context_length: int | None
-    """The model's context in tokens, where the server states it (vLLM's and SGLang's ``/v1/models``
-    ``max_model_len``), else None: the decoders cap a row's steps at the room it leaves."""
+    """The tokens a request may fill, where the server states its context (vLLM's and SGLang's ``/v1/models``
+    ``max_model_len``; SGLang's less what its reads ask for past a request's input) or is told it (llama.cpp's
+    ``n_ctx``), else None: the decoders cap a row's steps at the room it leaves."""
 
     def capabilities(self) -> Capabilities:
         """What this server can give (asked once, before any decoding or sampling)."""

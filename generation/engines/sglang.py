@@ -1,7 +1,8 @@
 """Engine client of SGLang's native ``POST /generate`` (``python -m sglang.launch_server``).
 
 A read sends context + step as the server's own token ids with ``logprob_start_len`` = the step's
-first token - 1, ``max_new_tokens: 1``, ``top_logprobs_num: k`` and, when asked, ``return_hidden_states``.
+first token - 1, ``max_new_tokens: 2`` (:data:`READ_TOKENS`), ``top_logprobs_num: k`` and, when asked,
+``return_hidden_states``.
 SGLang answers the first position asked for with ``[null, id, text]`` and a null top-k entry
 (``python/sglang/srt/managers/scheduler_output_processor_mixin.py`` ``_process_input_token_logprobs``:
 ``[None] + input_token_logprobs[:-1]``, 0.4.6 to 0.5.23), so that entry is dropped, as SGLang's own frontend
@@ -83,6 +84,9 @@ STATED_FIELDS = frozenset(("max_new_tokens", "temperature", "top_p", "top_k", "m
 fill others."""
 PRE_NORM_MODELS = ("deepseek-v4", "deepseekv4")
 """Model names (lower case, in ``model_path``) whose SGLang hidden rows come before the final norm."""
+READ_TOKENS = 2
+"""New tokens a read asks for: the bonus token, and one more so that an EOS bonus token ends at ``stop`` (SGLang tests
+the length limit first, so a one-token request that drew EOS ends at ``length``); the second is dropped."""
 LONG_CONTEXT = 128
 """Contexts of more tokens than this, read for the first time with ``hidden``, are prefilled first
 (:meth:`SGLangEngine._prefill`): one request more per prompt instead of a hidden row per context token."""
@@ -165,6 +169,8 @@ class SGLangEngine:
 
     def __init__(self, url: str, model: str | None = None, **conn):
         connect(self, url, model, version_route=None, **conn)
+        if self.context_length is not None:  # what a request may fill: SGLang refuses input + max_new_tokens >=
+            self.context_length -= 1 + READ_TOKENS - 1  # its context_len, and a read asks for READ_TOKENS
         self._known: OrderedDict[str, list[int]] = OrderedDict()
         self.info = self._server_info()
         self.version = str(self.info.get("version")) if self.info.get("version") is not None else None
@@ -309,13 +315,29 @@ class SGLangEngine:
                 self._prefill(ids[:start])
             got = self._read_ids(ids, start, top_k, hidden, sampling, seed)
         tokens, meta, got_text, secs = got
-        eos = (meta.get("finish_reason") or {}).get("type") == "stop"
         self._remember(context + step, (self._known.get(context) or []) + list(tokens.ids or []))
-        nxt = meta.get("output_token_logprobs") or []
-        if not eos and got_text and len(nxt) == 1 and nxt[0] and len(nxt[0]) > 1:  # "": a special token, skipped
-            self._remember(context + step + got_text, self._known[context + step] + [int(nxt[0][1])])
-        return Reading(tokens, self._hidden(meta, len(tokens.tokens)) if hidden else None, "" if eos else got_text,
-                       eos, self._usage(meta, secs))
+        eos, next_text, next_id = self._next_token(meta, got_text)
+        if not eos and next_text and next_id is not None:  # "": a special token, skipped
+            self._remember(context + step + next_text, self._known[context + step] + [next_id])
+        return Reading(tokens, self._hidden(meta, len(tokens.tokens)) if hidden else None, next_text, eos,
+                       self._usage(meta, secs))
+
+    def _next_token(self, meta: dict, text: str) -> tuple[bool, str, int | None]:
+        """The token after a read step: whether it is EOS, its text and its id. A read asks for two tokens because
+        SGLang tests the length limit before EOS (``schedule_batch.py`` ``Req.check_finished``): one token that is
+        EOS ends at ``length``, told from any other special token by nothing. Two: EOS first ends at ``stop`` after
+        one; else ``text`` holds both, and the first token's text is its part of it (:func:`spell`)."""
+        rows = [r for r in meta.get("output_token_logprobs") or [] if r and len(r) > 2]
+        if (meta.get("finish_reason") or {}).get("type") == "stop" and int(meta.get("completion_tokens", 0)) <= 1:
+            return True, "", None
+        if len(rows) < 2:  # one token written (a server that stops at the first): its text is the answer's
+            return False, text, int(rows[0][1]) if rows else None
+        texts = _texts(rows[:2])
+        pieces = spell(texts, text) or (["", text] if spell(texts[1:], text) else None)  # a special first: skipped
+        if pieces is None:
+            raise MalformedAnswer(f"server {self.url} answered a read with token texts that do not spell its text",
+                                  self.url)
+        return False, pieces[0], int(rows[0][1])
 
     def _prefill(self, ids: list[int]) -> None:
         """Have the server cache a long context first (one token written, nothing returned): SGLang returns a hidden
@@ -324,7 +346,8 @@ class SGLangEngine:
         self._generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
 
     def _read_body(self, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int) -> dict:
-        return {"sampling_params": self._sampling(sampling, seed, 1), "return_logprob": True, "top_logprobs_num": top_k,
+        return {"sampling_params": self._sampling(sampling, seed, READ_TOKENS), "return_logprob": True,
+                "top_logprobs_num": top_k,
                 "return_hidden_states": bool(hidden), "return_text_in_logprobs": True}
 
     def _read_ids(self, ids: list[int], start: int, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int):

@@ -78,7 +78,7 @@ def test_sglang_read_asks_from_one_position_earlier_and_drops_the_empty_first_en
     assert r.hidden.shape == (n, 3) and r.hidden[:, 0].tolist() == list(range(start, len(ids)))
     assert r.next_text == NEXT and r.next_eos is False
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens, r.usage.prefill_tokens) == \
-        (len(ids), 1, start - 1, n + 1)
+        (len(ids), 2, start - 1, n + 1)  # two tokens drawn: SGLang tests the length limit before EOS
     assert engine.version == "0.5.23" and engine.model == "toy"  # from /server_info (SGLang has no /version)
 
 
@@ -296,6 +296,29 @@ def test_sglang_a_special_next_token_is_not_remembered_as_the_steps_continuation
     assert sent.get("input_ids", ids_of(CONTEXT + STEP)) == ids_of(CONTEXT + STEP), sent
 
 
+def test_sglang_an_eos_after_the_step_is_read_as_eos_though_it_tests_the_length_limit_first(fakes):
+    """A read asked for one token, and SGLang ends a request at its length limit before it looks for EOS
+    (``Req.check_finished``): an EOS drawn after the step came back as ``length`` with no text, read as a special token
+    that is not EOS, so a row served by SGLang never ended at its target's EOS. A read asks for two tokens now."""
+    engine = _engine("sglang", fakes(FakeSGLang, eos_next=True))
+    r = engine.read(CONTEXT, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)
+    assert (r.next_text, r.next_eos) == ("", True)
+    assert r.hidden.shape == (len(words(STEP)), 3)  # the step's rows, whatever the tokens drawn after it
+    plain = _engine("sglang", fakes(FakeSGLang)).read(CONTEXT, STEP, top_k=2, hidden=True, sampling=GREEDY, seed=0)
+    assert (plain.next_text, plain.next_eos) == (NEXT, False)  # the first of the two tokens drawn
+
+
+def test_sglang_requests_stay_below_its_context_which_refuses_a_request_that_reaches_it(fakes):
+    """SGLang refuses input + max_new_tokens >= its context (``_validate_one_request``), one token short of vLLM's
+    rule: a read after a step that filled the room the decoder left asked for exactly the context, a 400."""
+    fake = fakes(FakeSGLang, context_len=64)
+    engine = _engine("sglang", fake)
+    assert engine.context_length == 64 - 2
+    prompt = "x " * (engine.context_length - 3)  # with BOS: the most a prompt may hold to read one step of 1 token
+    r = engine.read(prompt, "y ", top_k=2, hidden=False, sampling=GREEDY, seed=0)
+    assert r.next_text == NEXT
+
+
 def test_sglang_hidden_states_are_after_the_final_norm(fakes):
     caps = _engine("sglang", fakes(FakeSGLang)).capabilities()
     assert (caps.hidden, caps.hidden_norm) == (True, "final_norm")
@@ -502,13 +525,15 @@ def test_engines_count_a_prompts_tokens_with_the_servers_tokenizer(fakes):
 
 def test_engines_take_the_context_their_models_endpoint_states(fakes):
     """vLLM's and SGLang's ``/v1/models`` cards state ``max_model_len``, which becomes the engine's
-    ``context_length``; llama-cpp-python's cards do not (``llama_cpp/server/app.py`` ``get_models``), so it is None.
+    ``context_length`` (SGLang's less the two tokens its reads ask for past a request's input, which it refuses from
+    the context on); llama-cpp-python's cards do not (``llama_cpp/server/app.py`` ``get_models``), so it is None
+    unless its ``n_ctx`` is given.
     A served decoder over engines that state it refuses a window that cannot fit, naming the value."""
     from semanticspec.served import ServedDecoder
 
     vllm = _engine("vllm", fakes(FakeVLLM, max_model_len=80))
     assert vllm.context_length == 80
-    assert _engine("sglang", fakes(FakeSGLang, context_len=96)).context_length == 96
+    assert _engine("sglang", fakes(FakeSGLang, context_len=96)).context_length == 96 - 2
     assert _engine("llama.cpp", fakes(FakeLlamaCpp)).context_length is None
     dec = ServedDecoder(vllm, _engine("vllm", fakes(FakeVLLM, max_model_len=64)))
     cap = dec.step.max_step_tokens
