@@ -44,8 +44,9 @@ def top_k_of(entries: list[float], k: int, url: str, where: str) -> list[float]:
 TOP_K_SLACK = 1
 """A text-keyed top-k answer is asked for this many entries more than the probe reads (:func:`text_keyed_top`)."""
 SHARED_TEXTS = ("", "\ufffd")
-"""Texts several tokens can read as (llama.cpp reads control tokens as "", byte tokens of a split character as U+FFFD):
-only entries keyed by one of them can have lost a log-prob."""
+"""Texts several tokens can read as (llama-cpp-python reads control tokens and the byte tokens of a split character as
+"", decoding each alone with ``errors="ignore"``; vLLM and SGLang read such byte tokens as U+FFFD): only entries keyed
+by one of them can have lost a log-prob."""
 
 
 def text_keyed_top(top: dict[str, float], own_text: str, own: float, k: int, url: str, where: str,
@@ -373,7 +374,13 @@ class LlamaCppEngine(_Completions):
         return top_k + self.top_k_slack if top_k else (0 if stops else None)
 
     def _cut_delimiter(self, choice, text: str, stops: list[str]) -> str | None:
-        rest = "".join(self._logprobs(choice)["tokens"])[len(text):]  # the cut stop string's tokens stay here
+        """The stop string the server cut off ``text``, from the tokens it keeps in the log-probs past the text, found
+        by their offsets: a token holding bytes of a character split over several reads "" (llama-cpp-python decodes
+        each alone with ``errors="ignore"``), so the joined token texts fall short of the text before the cut."""
+        lp = self._logprobs(choice)
+        first = lp["text_offset"][0] if lp["text_offset"] else 0  # llama.cpp counts from the prompt's start
+        rest = "".join(t[max(0, len(text) - (o - first)):] for t, o in zip(lp["tokens"], lp["text_offset"])
+                       if o - first + len(t) > len(text))
         return max((d for d in stops if rest.startswith(d)), key=len, default=None)
 
 

@@ -547,6 +547,27 @@ def test_unknown_kind_is_refused():
         make_engine("tgi", "http://127.0.0.1:1")
 
 
+def test_llama_cpp_tells_a_cut_delimiter_after_a_character_split_over_tokens(fakes):
+    """llama-cpp-python decodes each token alone with ``errors="ignore"`` (``llama.py`` ``_create_completion``, 0.3):
+    the byte tokens of a split character read "", so the joined token texts fell short of the text and the cut
+    ``\n\n`` was looked for one character too far on: a step that ended at the delimiter was taken for EOS. Its
+    offsets (decoded over the whole prefix) place the cut tokens."""
+    from types import SimpleNamespace
+
+    engine = _engine("llama.cpp", fakes(FakeLlamaCpp))
+    tokens, offsets = ["h", "", "", "llo", "\n\n"], [0, 1, 1, 2, 5]  # "é" in two byte tokens
+    choice = SimpleNamespace(text="héllo", finish_reason="stop", logprobs={
+        "tokens": tokens, "text_offset": [100 + o for o in offsets], "token_logprobs": [-0.1] * 5,
+        "top_logprobs": [{}] * 5})
+    assert engine._ending(choice, ["\n\n"]) == ("héllo\n\n", "delimiter")
+    straddling = SimpleNamespace(text="a.", finish_reason="stop", logprobs={
+        "tokens": ["a", ".\n\n"], "text_offset": [7, 8], "token_logprobs": [-0.1] * 2, "top_logprobs": [{}] * 2})
+    assert engine._ending(straddling, ["\n\n"]) == ("a.\n\n", "delimiter")  # the stop string inside a token
+    ended = SimpleNamespace(text="héllo", finish_reason="stop", logprobs={**choice.logprobs, "tokens": tokens[:4],
+                                                                            "text_offset": offsets[:4]})
+    assert engine._ending(ended, ["\n\n"]) == ("héllo", "eos")
+
+
 @pytest.mark.parametrize("n_ctx", [0, 2.5, "256"])
 def test_a_llama_cpp_context_that_is_no_count_is_refused_before_any_request(n_ctx):
     with pytest.raises(ValueError, match=rf"n_ctx={n_ctx!r}: expected the server's context in tokens"):
