@@ -249,6 +249,15 @@ class FakeSGLang(_Server):
                 for i in range(start, len(ids))]
         return lps[self.drop_rows:], tops[self.drop_rows:]
 
+    def _after_read(self, max_new: int) -> tuple[list[str], str, str, object]:
+        """The tokens a read draws after its step (words, text, finish, matched): :data:`NEXT` then
+        :data:`AFTER_NEXT`; a special first token skipped in the text; an EOS first ends at ``stop`` when a second
+        token was allowed, else at ``length`` (``Req.check_finished`` tests the length limit first)."""
+        if self.eos_next:
+            return [EOS_TEXT], "", *(("stop", EOS) if max_new > 1 else ("length", None))
+        words_ = [END_OF_TURN_TEXT if self.special_next else NEXT, AFTER_NEXT][:max_new]
+        return words_, "".join(words_[1:] if self.special_next else words_), "length", None
+
     def _generate(self, body, headers):
         prompts = body.get("input_ids") or body.get("text")
         if isinstance(prompts, list) and prompts and isinstance(prompts[0], (list, str)):  # a batch: one answer each
@@ -277,14 +286,11 @@ class FakeSGLang(_Server):
         cap = max(min(len(ids) - 1, start), 0)  # Req._compute_max_prefix_len
         cached = min(max((_lcp(ids, s) for s in self.cache), default=0), cap)
         seed = sp.get("sampling_seed") if self.info["enable_deterministic_inference"] else None
-        out_words, text, finish, hit = toy_continue(ids, sp.get("max_new_tokens", 128), sp.get("stop") or [],
-                                                    sp.get("no_stop_trim", False), params, seed)
-        if sp.get("max_new_tokens") in (1, 2) and body.get("logprob_start_len", -1) >= 0:  # a read: the tokens after
-            out_words = [END_OF_TURN_TEXT if self.special_next else NEXT, AFTER_NEXT][: sp["max_new_tokens"]]  # step
-            text, finish, hit = "".join(out_words[1:] if self.special_next else out_words), "length", None
-            if self.eos_next:
-                out_words, text = [EOS_TEXT], ""
-                finish, hit = ("stop", EOS) if sp["max_new_tokens"] > 1 else ("length", None)
+        if sp.get("max_new_tokens") in (1, 2) and body.get("logprob_start_len", -1) >= 0:  # a read
+            out_words, text, finish, hit = self._after_read(sp["max_new_tokens"])
+        else:
+            out_words, text, finish, hit = toy_continue(ids, sp.get("max_new_tokens", 128), sp.get("stop") or [],
+                                                        sp.get("no_stop_trim", False), params, seed)
         if hit and sp.get("no_stop_trim"):
             text += self.tail_after_stop
         out_ids = [tid(w) for w in out_words]
