@@ -102,10 +102,21 @@ def step_positions(offsets: list[int], texts: list[str], n_prompt: int, context:
                               "context's end with the step's start; end steps at a delimiter the tokenizer splits at",
                               url)
     spelled = "".join(texts[i] for i in idx)
-    if spelled != step:
+    if spelled != step and not _split_characters(starts, texts, idx, context + step):
         raise MalformedAnswer(f"server {url}: the {len(idx)} echoed step token(s) spell {spelled!r}, not the step "
                               f"{step!r}", url)
     return idx
+
+
+def _split_characters(starts: list[int], texts: list[str], idx: list[int], prompt: str) -> bool:
+    """The step's tokens fall short of spelling it only where bytes of a character split over several read "" or
+    U+FFFD (each token decoded alone, as llama-cpp-python does with ``errors="ignore"``), their offsets (the prefix
+    decoded whole) in order: each token's text is the step's stretch from its start to the next token's, or lost
+    bytes alone."""
+    bounds = [starts[i] for i in idx] + [len(prompt)]
+    if any(a > b for a, b in zip(bounds, bounds[1:])):
+        return False
+    return all(texts[i] in ("", prompt[a:b]) or set(texts[i]) == {"\ufffd"} for i, a, b in zip(idx, bounds, bounds[1:]))
 
 
 def _usage(usage, seconds: float) -> Usage:

@@ -568,6 +568,20 @@ def test_llama_cpp_tells_a_cut_delimiter_after_a_character_split_over_tokens(fak
     assert engine._ending(ended, ["\n\n"]) == ("héllo", "eos")
 
 
+def test_an_echoed_step_with_a_split_character_is_found_by_its_offsets():
+    """llama-cpp-python reads the byte tokens of a split character as "" (each decoded alone), so the step's token
+    texts did not spell it and the read was refused as malformed; the offsets (the prefix decoded whole) place every
+    token. Texts that spell something else are still refused."""
+    from generation.engines.base import MalformedAnswer
+    from generation.engines.openai_compat import step_positions
+
+    context, step = "Q: ", "h\u00e9llo\n\n"
+    texts, offsets = ["<s>", "Q", ":", " ", "h", "", "", "llo", "\n\n"], [0, 3, 4, 5, 6, 7, 7, 8, 11]
+    assert step_positions(offsets, texts, len(texts), context, step, "u") == [4, 5, 6, 7, 8]
+    with pytest.raises(MalformedAnswer, match="spell 'hlXo"):
+        step_positions(offsets, texts[:7] + ["lXo", "\n\n"], len(texts), context, step, "u")
+
+
 @pytest.mark.parametrize("n_ctx", [0, 2.5, "256"])
 def test_a_llama_cpp_context_that_is_no_count_is_refused_before_any_request(n_ctx):
     with pytest.raises(ValueError, match=rf"n_ctx={n_ctx!r}: expected the server's context in tokens"):
