@@ -136,8 +136,7 @@ def trainer_problems(trainer) -> list[str]:
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and not interval > 0:
         out.append(f"--trainer.val_check_interval {interval}: expected a share of an epoch > 0 or a number of "
                    "batches >= 1")
-    elif interval is not None and not isinstance(interval, (int, float)) and any(
-            str(getattr(c, "class_path", c)).endswith("EarlyStopping") for c in trainer.get("callbacks") or []):
+    elif interval is not None and not isinstance(interval, (int, float)) and configured(trainer, "EarlyStopping"):
         out.append(f"--trainer.val_check_interval {interval}: a time between validations breaks Lightning's "
                    "EarlyStopping (it reads trainer.val_check_interval, which a time leaves unset: an "
                    "AttributeError); give a share of an epoch or a number of batches, or drop EarlyStopping")
@@ -147,13 +146,16 @@ def trainer_problems(trainer) -> list[str]:
     return out
 
 
+def configured(trainer, name: str) -> bool:
+    """Whether the trainer options list a callback of class ``name`` (a config's ``class_path``, or an instance)."""
+    return any(str(getattr(c, "class_path", c)).endswith(name) for c in (trainer or {}).get("callbacks") or [])
+
+
 def roles_problem(config) -> str | None:
     """Live validation (``SpeculativeValidation``) decodes with both probes: a run that trains one is refused here,
     before the data is prepared, rather than by the callback's setup after it."""
     roles = config.get("data.roles") or []
-    live = any(str(getattr(c, "class_path", c)).endswith("SpeculativeValidation")
-               for c in config.get("trainer.callbacks") or [])
-    if not live or {"target", "draft"} <= set(roles):
+    if not configured(config.get("trainer"), "SpeculativeValidation") or {"target", "draft"} <= set(roles):
         return None
     return (f"--data.roles {list(roles)}: SpeculativeValidation (live validation, in the config's trainer.callbacks) "
             "decodes with both probes; train both (--data.roles [target, draft]), or train one with a config whose "

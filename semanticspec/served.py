@@ -499,7 +499,7 @@ class EngineProposer(EnginePart):
         """Up to ``window`` steps per row in one request (``step=None``, its tokens cut at the step's delimiters and
         cap as the server's stop would cut them), or the window drafted ahead for the row when it still holds; the
         first step of each row is returned."""
-        self.written, self.window, self.ahead, calls, out = {}, {}, {}, {}, {}
+        self.written, self.opened, self.window, self.ahead, calls, out = {}, {}, {}, {}, {}, {}
         cap = self.step_spec.max_step_tokens
         answers = self._drafted_ahead(rows)
         for i, s in rows.items():

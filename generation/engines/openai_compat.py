@@ -257,6 +257,17 @@ class _Completions:
         """The step's indices found by token ids when the echoed texts do not add up; None: the engine cannot."""
         return None
 
+    def _counts(self, route: str, field: str, texts: list[str]) -> list[int]:
+        """One ``POST route`` per text (sent as ``field``), and the ``count`` of tokens each answer states."""
+        out = []
+        for text in texts:
+            got, _ = self.conn.post(route, {"model": self.model, field: text}, route)
+            count = got.get("count") if isinstance(got, dict) else None
+            if not isinstance(count, int):
+                raise MalformedAnswer(f"server {self.url} answered {route} without an integer count", self.url)
+            out.append(count)
+        return out
+
     # -- writing --------------------------------------------------------------------------------
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
@@ -359,17 +370,7 @@ class LlamaCppEngine(_Completions):
     def prompt_tokens(self, texts: list[str]) -> list[int] | None:
         """One ``POST /extras/tokenize/count`` per text (llama-cpp-python tokenizes it as a completion's prompt: BOS
         where the model adds one, special tokens read), where the context is known (``n_ctx``); else None."""
-        if self.context_length is None:
-            return None
-        out = []
-        for text in texts:
-            got, _ = self.conn.post("/extras/tokenize/count", {"model": self.model, "input": text},
-                                    "/extras/tokenize/count")
-            if not isinstance(count := got.get("count") if isinstance(got, dict) else None, int):
-                raise MalformedAnswer(f"server {self.url} answered /extras/tokenize/count without an integer count",
-                                      self.url)
-            out.append(count)
-        return out
+        return None if self.context_length is None else self._counts("/extras/tokenize/count", "input", texts)
 
     def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
              seed: int) -> Reading:
@@ -449,14 +450,7 @@ class VLLMEngine(_Completions):
     def prompt_tokens(self, texts: list[str]) -> list[int]:
         """One ``POST /tokenize`` per text (``TokenizeCompletionRequest``: the prompt as a completion reads it, special
         tokens added); its ``count``."""
-        out = []
-        for text in texts:
-            got, _ = self.conn.post("/tokenize", {"model": self.model, "prompt": text}, "/tokenize")
-            count = got.get("count") if isinstance(got, dict) else None
-            if not isinstance(count, int):
-                raise MalformedAnswer(f"server {self.url} answered /tokenize without an integer count", self.url)
-            out.append(count)
-        return out
+        return self._counts("/tokenize", "prompt", texts)
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """vLLM 0.11 decodes each echoed id alone, so SentencePiece spaces and the bytes of a split UTF-8 character do

@@ -169,8 +169,8 @@ class SGLangEngine:
 
     def __init__(self, url: str, model: str | None = None, **conn):
         connect(self, url, model, version_route=None, **conn)
-        if self.context_length is not None:  # what a request may fill: SGLang refuses input + max_new_tokens >=
-            self.context_length -= 1 + READ_TOKENS - 1  # its context_len, and a read asks for READ_TOKENS
+        if self.context_length is not None:  # what a request may fill: SGLang refuses input + max_new_tokens >= its
+            self.context_length -= READ_TOKENS  # context_len, and a read asks for READ_TOKENS past a step that fills it
         self._known: OrderedDict[str, list[int]] = OrderedDict()
         self.info = self._server_info()
         self.version = str(self.info.get("version")) if self.info.get("version") is not None else None
