@@ -25,6 +25,47 @@ def decode_text(tok, tokens) -> str:
     return tok.decode(tokens, skip_special_tokens=True)
 
 
+PARTIAL = "\ufffd"
+"""What a tokenizer decodes the bytes of an unfinished character to (U+FFFD, the replacement character)."""
+
+
+def text_delta(decode, ids: list[int], shown: tuple[int, int], flush: bool = False) -> tuple[str, tuple[int, int]]:
+    """The text ``ids`` add past what was shown, up to their last whole character, and the new ``shown`` offsets:
+    vLLM's incremental detokenization. A character whose bytes are split over two tokens (an emoji in a byte-level
+    vocabulary) comes whole with the call that completes it instead of as U+FFFD twice.
+
+    Args:
+        decode: token ids to text.
+        ids: all ids so far.
+        shown: ``(prefix, read)``: text is shown up to ``ids[:read]``; ``ids[prefix:read]`` is decoded beside the
+            new ids so that a tokenizer spaces them as it would in one text. ``(0, 0)`` at the start.
+        flush: show every id (the output ends): an unfinished character is shown as the tokenizer decodes it.
+    """
+    prefix, read = shown
+    before = decode(ids[prefix:read])
+    for end in range(len(ids), max(read, len(ids) - 3) - 1, -1):  # a UTF-8 character is 4 bytes at most
+        text = decode(ids[prefix:end])
+        if flush or not text.endswith(PARTIAL) or end == read:
+            break
+    else:  # no end within a character's bytes is whole (the text holds U+FFFD itself): show it as it is
+        text, end = decode(ids[prefix:]), len(ids)
+    if end == read or len(text) <= len(before):
+        return "", shown
+    return text[len(before):], (read, end)
+
+
+def whole_prefix(tok, ids) -> int:
+    """How many of a step's ``ids`` end at its last whole character: fewer when the step's cap cut inside a character
+    (its last ids an emoji's first bytes in a byte-level vocabulary); all of them when it ends whole, holds EOS or
+    holds no whole character. Two tokenizers hand a step over as the text of these ids (the decoder and the label
+    build), so the other model never reads U+FFFD for a character its writer had not finished."""
+    ids = list(ids)
+    if tok.eos_token_id in ids:
+        return len(ids)
+    _, (_, end) = text_delta(lambda x: decode_text(tok, x), ids, (0, 0))
+    return end or len(ids)
+
+
 def adds_bos(tok) -> bool:
     """Whether ``tok(text)`` starts with its BOS token (Gemma, Llama: yes; SmolLM2, whose BOS is its chat
     template's ``<|im_start|>``: no)."""

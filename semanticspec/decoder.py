@@ -53,6 +53,7 @@ ends a decode, and the checker):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -63,7 +64,7 @@ import torch
 
 from generation.cache import BatchedCache, context_length
 from generation.features import probe_features
-from generation.handover import Handover, decode_text, pad_id
+from generation.handover import Handover, decode_text, pad_id, whole_prefix
 from generation.sampling import Sampler, StepDraft, StepWriter, StreamKey, key_stream
 from generation.specs import StepSpec
 from probes.model import run_probe
@@ -264,13 +265,29 @@ class CachePart:
         what follows them (:class:`~semanticspec.parts.Commit`)."""
         if commit.kept is not None:
             self._keep(row, commit.kept)
-        self.cache.extend(row, [*commit.then, *self._taken(commit.step)])
+        self.cache.extend(row, [*commit.then, *self._taken(row, commit.step)])
 
     def _keep(self, row: int, n: int) -> None:
         """The row keeps the first ``n`` new tokens of its last read and forgets the rest."""
         raise NotImplementedError
 
-    def _taken(self, step: Proposal | None) -> list[int]:
+    def _whole(self, d: StepDraft) -> tuple[Proposal, tuple[int, torch.Tensor] | None]:
+        """Step ``d`` as the row takes it, and the ids it leaves at the end with the logits predicting the first
+        (None: none). With two tokenizers the other model reads a step as its text, so a step the cap cut inside a
+        character (an emoji's bytes in a byte-level vocabulary) ends at its last whole character; the ids after it
+        leave this model's context before its next step, which draws them again from the same context (what is
+        sampled is unchanged). A step with no whole character, or with EOS, is kept as it is."""
+        tok, tokens = self.tokenizer, list(d.tokens)
+        step = Proposal(tokens, d.n_forced, decode_text(tok, tokens), d.logits, eos=tok.eos_token_id in tokens,
+                        confidence=least_logprob(d))
+        end = len(tokens) if self.handover.shared else whole_prefix(tok, tokens)
+        if not d.n_forced < end < len(tokens):
+            return step, None
+        cut = (len(tokens) - end, d.logits[end - d.n_forced])
+        return dataclasses.replace(step, tokens=tokens[:end], text=decode_text(tok, tokens[:end]),
+                                   logits=d.logits[: end - d.n_forced], n_new=None), cut
+
+    def _taken(self, row: int, step: Proposal | None) -> list[int]:
         """The tokens of the target's ``step`` this part feeds (none: the target wrote it in its own context)."""
         return []
 
@@ -297,10 +314,21 @@ class DraftProposer(CachePart):
         self.spec = probe.config.features if probe is not None else None
         self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order (p reads the first)
         self.probe_s = 0.0  # seconds in the probe so far
+        self._cuts: dict[int, tuple[int, torch.Tensor]] = {}  # per row: ids its last proposal left, their logits
 
-    def _proposal(self, d: StepDraft) -> Proposal:
-        return Proposal(d.tokens, d.n_forced, decode_text(self.tokenizer, d.tokens), d.logits,
-                        eos=self.tokenizer.eos_token_id in d.tokens, confidence=least_logprob(d))
+    def _proposal(self, row: int, d: StepDraft) -> Proposal:
+        """Row ``row``'s step ``d`` as it is proposed; ids it leaves at the end (:meth:`~CachePart._whole`) leave
+        the context before the row's next step, when it is kept (:meth:`_uncut`)."""
+        step, cut = self._whole(d)
+        if cut is not None:
+            self._cuts[row] = cut
+        return step
+
+    def _uncut(self, rows) -> None:
+        """The ids each row's last kept step left at its end (:meth:`_proposal`) leave the draft's context."""
+        for i in rows:
+            if (cut := self._cuts.pop(i, None)) is not None:
+                self.cache.rollback(i, cut[0], last_logits=cut[1])
 
     def propose(self, rows: Mapping[int, RowState], *, for_p: bool, window: Window = ONE_STEP,
                 room_after: RoomAfter | None = None) -> dict[int, list[Proposal]]:
@@ -312,6 +340,7 @@ class DraftProposer(CachePart):
     def _write(self, rows: Mapping[int, RowState], for_p: bool, more: bool) -> dict[int, Proposal]:
         """One step per row; ``more``: the step continues the row's window (after its last step, as if kept)."""
         for_p = for_p and self.spec is not None
+        self._uncut(rows)
         steps = self.writer.write(
             list(rows), {i: s.limit for i, s in rows.items()}, forced=_ids({i: s.forced for i, s in rows.items()}),
             collect_hidden=for_p and self.spec.needs_hidden, record_logits=True,
@@ -323,14 +352,17 @@ class DraftProposer(CachePart):
                 self.window[i].append(d)
         else:
             self.window = {i: [d] for i, d in steps.items()}
-        return {i: self._proposal(d) for i, d in steps.items()}
+        return {i: self._proposal(i, d) for i, d in steps.items()}
 
     def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
         """The draft writes one step per row, kept as it is (``alone`` changes nothing: the loop's rounds write the
         output step by step)."""
-        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced))
-        return {i: self._proposal(d) for i, d in steps.items()}
+        self._uncut(rows)
+        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced), record_logits=not self.handover.shared)
+        out = {i: self._proposal(i, d) for i, d in steps.items()}
+        self._uncut(rows)  # every step is kept
+        return out
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         drafts = [self.window[i][0] for i in rows]
@@ -349,10 +381,14 @@ class DraftProposer(CachePart):
         self.probe_s += time.perf_counter() - t0
         return dict(zip(rows, p))
 
-    def _taken(self, step: Proposal | None) -> list[int]:
-        return [] if step is None else self.handover.to_draft(list(step.tokens[step.n_forced :]), step.text)
+    def _taken(self, row: int, step: Proposal | None) -> list[int]:
+        if step is None:
+            return []
+        self._uncut([row])
+        return self.handover.to_draft(list(step.tokens[step.n_forced :]), step.text)
 
     def _keep(self, row: int, n: int) -> None:
+        self._cuts.pop(row, None)  # the step that left them is forgotten whole
         logits = [lg for d in self.window[row] for lg in d.logits]  # per new token of the window, in order
         drop = len(logits) - n
         self.cache.rollback(row, drop, last_logits=logits[n] if drop > 0 else None)
@@ -452,8 +488,13 @@ class TargetVerifier(CachePart):
               alone: bool = False) -> dict[int, Proposal]:
         """The target writes one step per row (after its forced tokens). ``alone`` (the target-only baseline)
         changes nothing here: the loop's rounds write the output step by step."""
-        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced))
-        return {i: self.step(st.tokens, st.n_forced) for i, st in steps.items()}
+        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced), record_logits=not self.handover.shared)
+        out = {}
+        for i, d in steps.items():
+            out[i], cut = self._whole(d)
+            if cut is not None:  # a target step is always kept: its last ids leave at once
+                self.cache.rollback(i, cut[0], last_logits=cut[1])
+        return out
 
     def bonus(self, rows: list[int]) -> dict[int, Forced]:
         """The target's next token after each row's kept step, drawn from the forward that read it (it enters the

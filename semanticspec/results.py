@@ -135,8 +135,10 @@ class StepEvent:
     Attributes:
         prompt: the prompt's index in the call.
         step: the step, or None on the end event.
-        text: the prompt's output so far, after the step (its steps' texts joined; the end event's ``result.text``
-            is decoded from the output tokens in one go, which a tokenizer may space differently at step joins).
+        text: the prompt's output so far, after the step: its kept steps' texts joined. In-process with one
+            tokenizer each step's text is what its tokens add to the output decoded whole, so a character whose bytes
+            two steps hold comes with the second, and the end event's ``result.text`` (decoded in one go) is the
+            same text.
         result: on the end event, the prompt's :class:`DecodeResult` (what ``generate`` returns for it).
     """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from generation.handover import text_delta
 from semanticspec.parts import NOTHING_FORCED, Proposal
 from semanticspec.results import DecodeStats, Decision, StepTrace
 
@@ -50,14 +51,17 @@ class Row:
     Args:
         budget: output tokens it may write.
         answer_marker: the prompt is done once a newline follows an occurrence of it (:func:`answer_complete`).
-        decode: the models share one tokenizer in-process: the output is kept as ids too, and its text is these ids
-            decoded whole (``decode(ids)``); None: the output's text is its steps' texts, joined.
+        decode: the models share one tokenizer in-process: the output is kept as ids too, its text is these ids
+            decoded whole (``decode(ids)``), and each kept step's text is what its ids add to that text, up to the last
+            whole character (:func:`~generation.handover.text_delta`: a character whose bytes two steps hold comes
+            with the second); None: the output's text is its steps' texts, joined.
     """
 
     def __init__(self, budget: int, answer_marker: str | None, decode: Callable[[list[int]], str] | None = None
                  ) -> None:
         self.budget, self.answer_marker, self.decode = budget, answer_marker, decode
         self.out: list[int] = []  # output token ids (one tokenizer, in-process)
+        self.shown = (0, 0)  # text_delta's offsets into out: the steps' texts hold out[:shown[1]]
         self.pieces: list[str] = []  # output text per committed step
         self.trace: list[StepTrace] = []
         self.stats = DecodeStats()
@@ -83,6 +87,7 @@ class Row:
             self.stats.draft_tokens += step.n_new
         if self.decode is not None:
             self.out.extend(step.tokens[step.n_forced :])
+            trace.text = self._shown_text()
         self.pieces.append(trace.text)
         self.forced = NOTHING_FORCED
         if step.eos:
@@ -91,6 +96,20 @@ class Row:
             self.finish("answer")
         elif step.end is not None:
             self.finish(step.end)
+        if self.done:
+            self._flush()
+
+    def _shown_text(self, flush: bool = False) -> str:
+        """The text the output's ids add since the last step's (one tokenizer)."""
+        text, self.shown = text_delta(self.decode, self.out, self.shown, flush)
+        return text
+
+    def _flush(self) -> None:
+        """The row ended: the text a last unfinished character held back joins the last kept step's."""
+        if self.decode is not None and self.shown[1] < len(self.out):
+            last = next(t for t in reversed(self.trace) if t.decision != Decision.REJECT)
+            last.text += (text := self._shown_text(flush=True))
+            self.pieces[-1] += text
 
     def finish(self, reason: str) -> None:
         """The prompt is done, for ``reason`` (eos, answer, budget or context)."""
@@ -108,13 +127,14 @@ class Row:
         one-token step."""
         self.finish("budget" if self.stats.output_tokens >= self.budget else "context")
         self.last_forced_step()
+        self._flush()
 
     def last_forced_step(self) -> None:
         """A bonus token still waiting for its step (counted in ``output_tokens`` when drawn) becomes a last one-token
         step of the trace, as the finished row has no next step to open."""
         if self.forced or self.forced.eos:  # a server's EOS has no text, so no length: one token all the same
             ids = list(self.forced.ids)
-            text = self.decode(ids) if ids and self.decode is not None else self.forced.text
+            text = self._shown_text(flush=True) if ids and self.decode is not None else self.forced.text
             self.trace.append(StepTrace("target", text, max(len(self.forced), 1), decision=Decision.TARGET))
             self.pieces.append(text)
             self.stats.steps += 1

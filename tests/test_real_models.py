@@ -281,6 +281,33 @@ def test_cross_tokenizer_semanticspec_decode(real_pair, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pair", ["one tokenizer", "two tokenizers"])
+def test_a_character_split_over_steps_reaches_the_output_whole(real_pair, pair):
+    """SmolLM2's byte-level vocabulary writes an emoji as byte tokens; a 3-token step cap cuts inside it. With one
+    tokenizer each step carries what it adds to the output decoded whole, so the stream (which the endpoint sends)
+    spells the result's text. With two, a step ends at its last whole character and the rest is drawn again, so
+    Gemma reads no U+FFFD and greedy decoding writes what it writes with a cap that cuts no character."""
+    from semanticspec.decoder import SemanticSpecDecoder
+
+    target, target_tok, draft, draft_tok = real_pair
+    dec = SemanticSpecDecoder(draft, draft, draft_tok) if pair == "one tokenizer" else \
+        SemanticSpecDecoder(target, draft, target_tok, draft_tokenizer=draft_tok)
+    prompt = "🏳️\u200d🌈👨\u200d👩\u200d👧"
+    for method in ("draft_only", "always_accept", "always_reject"):
+        kw = dict(method=method, temperature=0.0, max_new_tokens=12, allow_sampling_mismatch=True)
+        (res,) = dec.generate([prompt], step=StepSpec(max_step_tokens=3), **kw)
+        end = list(dec.stream([prompt], step=StepSpec(max_step_tokens=3), **kw))[-1]
+        kept = [s for s in res.steps if s.decision != "reject"]
+        shown = res.steps if pair == "two tokenizers" else kept  # a refused step's text (not output) as drafted
+        assert "\ufffd" not in "".join(s.text for s in shown) and len(res.text) > 2, (method, res.steps)
+        assert end.text == "".join(s.text for s in kept) == res.text, (method, res.steps)
+        assert sum(s.n_tokens for s in kept) == res.stats.output_tokens <= 12, (method, res.steps)
+        if method != "always_reject":  # the draft alone: the same bytes, drawn again where a step left them
+            whole = dec.generate([prompt], step=StepSpec(max_step_tokens=32), **kw)[0].text
+            assert res.text == whole, (method, res.text, whole)
+
+
+@pytest.mark.slow
 def test_probe_of_the_wrong_width_is_refused(real_pair, tmp_path):
     from semanticspec.decoder import SemanticSpecDecoder
 

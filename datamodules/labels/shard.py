@@ -25,7 +25,7 @@ from datamodules.labels.reading import read_steps
 from datamodules.labels.openai_sampler import OpenAISampler
 from datamodules.labels.samplers import HFSampler, StepSampler, VLLMSampler
 from generation.loading import quiet_loading
-from generation.handover import Handover
+from generation.handover import Handover, whole_prefix
 
 # ---------------------------------------------------------------------------------------------
 # Models and judge.
@@ -218,8 +218,11 @@ def _build_shard(index: int, prefixes: list[Prefix], models: Models, config: Bui
     t1 = time.perf_counter()
     joint = config.labelling == "joint"
     # per prefix: the target's samples then the draft's (sample j of prefix i has id i * 2N + j)
+    # with two tokenizers a draft step is handed over up to its last whole character, as the decoder hands it
+    cut = (lambda s: s) if handover.shared else (lambda s: s[: whole_prefix(dtok, s)])
     texts = [[tok.decode(s, skip_special_tokens=True) for s in written["target"][i]]
-             + [dtok.decode(s, skip_special_tokens=True) for s in written["draft"][i]] for i in range(len(prefixes))]
+             + [dtok.decode(cut(s), skip_special_tokens=True) for s in written["draft"][i]]
+             for i in range(len(prefixes))]
     drafted = written["draft"] if handover.shared else [  # the draft's steps as the target reads them
         [handover.text_to_target(t) or [tok.eos_token_id] for t in texts[i][n:]] for i in range(len(prefixes))]
     t_reads = [written["target"][i] + drafted[i] if joint else written["target"][i] for i in range(len(prefixes))]

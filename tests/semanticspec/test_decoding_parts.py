@@ -8,11 +8,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from generation.handover import Handover
+from generation.handover import PARTIAL, Handover, text_delta, whole_prefix
 from generation.sampling import Sampler, StepDraft, sampling_probs
 from generation.specs import SamplingSpec
 from semanticspec.loop import StepLoop
 from semanticspec.methods import METHODS, method_for
+from semanticspec.parts import Proposal
 from semanticspec.policies import (
     OraclePolicy,
     ProbePolicy,
@@ -22,6 +23,8 @@ from semanticspec.policies import (
     ratio_keeps,
     threshold_keeps,
 )
+from semanticspec.results import Decision, StepTrace
+from semanticspec.rows import Row
 from semanticspec.scores import Scores
 from semanticspec.speculative import speculate_tokens, speculative_step
 
@@ -201,3 +204,57 @@ def test_handover_shared_passes_tokens_and_two_tokenizers_pass_text(world_tokeni
     ids = world_tokenizer("Add 2.\n\n", add_special_tokens=False).input_ids
     assert not text.shared and text.forced_in_target(step) == 0
     assert text.to_target(step, "Add 2.\n\n") == ids and text.to_draft([1, 2], "Add 2.\n\n") == ids
+
+
+def _utf8(ids) -> str:
+    """A byte-level vocabulary's decode: each id is one byte, an unfinished character is U+FFFD."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("text", ["\u200d👨\u200d👩\u200d👧", "日本語の文", "a€b😀c"])
+def test_text_delta_shows_a_character_split_over_steps_once_whole(text):
+    data = list(text.encode())
+    for cut in range(1, 4):  # steps of cut bytes: every split of every character
+        shown, deltas = (0, 0), []
+        for end in range(cut, len(data) + cut, cut):
+            delta, shown = text_delta(_utf8, data[:end], shown)
+            deltas.append(delta)
+        assert PARTIAL not in "".join(deltas) and "".join(deltas) == text[: len("".join(deltas))], cut
+        assert "".join(deltas) + text_delta(_utf8, data, shown, flush=True)[0] == text, cut
+    # the output ends inside a character: flushing shows it as the tokenizer decodes it
+    shown_first, shown = text_delta(_utf8, data[:-1], (0, 0))
+    assert shown_first + text_delta(_utf8, data[:-1], shown, flush=True)[0] == _utf8(data[:-1])
+
+
+class _Bytes:
+    """A byte-level tokenizer's decode (each id one byte) and an EOS id outside the bytes."""
+
+    eos_token_id = 256
+
+    def decode(self, ids, skip_special_tokens=True):
+        return _utf8([i for i in ids if i < 256])
+
+
+def test_a_step_is_handed_over_up_to_its_last_whole_character():
+    ab, emoji = list(b"ab"), list("👨".encode())
+    assert whole_prefix(_Bytes(), ab + emoji[:2]) == 2  # the emoji's first bytes wait for the next step
+    assert whole_prefix(_Bytes(), ab + emoji) == 6  # whole
+    assert whole_prefix(_Bytes(), emoji[:3]) == 3  # no whole character: kept as it is (the cap is below its bytes)
+    assert whole_prefix(_Bytes(), ab + emoji[:2] + [256]) == 5  # EOS ends the output: nothing is drawn again
+
+
+def test_a_row_gives_a_split_character_to_the_step_that_completes_it():
+    """One tokenizer: each kept step's text is what it adds to the output decoded whole, so the steps' texts join to
+    the output and a streamed reader never sees U+FFFD; a row ending inside a character shows it as decoded."""
+    data = list("a👨b".encode())  # 'a', four bytes of the emoji, 'b'
+    row = Row(100, None, _utf8)
+    texts = []
+    for tokens in (data[:2], data[2:4], data[4:]):
+        trace = StepTrace("draft", _utf8(tokens), len(tokens), decision=Decision.ACCEPT)
+        row.commit(trace, Proposal(tokens, 0, trace.text))
+        texts.append(trace.text)
+    assert texts == ["a", "", "👨b"] and row.pieces == texts and row.text == row.output() == "a👨b"
+    cut = Row(100, None, _utf8)
+    cut.commit(StepTrace("draft", "", 3), Proposal(data[:3], 0, ""))
+    cut.close()  # at the budget, inside the emoji
+    assert cut.text == cut.output() == "a\ufffd" and [t.text for t in cut.trace] == ["a\ufffd"]
