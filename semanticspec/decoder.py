@@ -275,8 +275,9 @@ class CachePart:
         """Step ``d`` as the row takes it, and the ids it leaves at the end with the logits predicting the first
         (None: none). With two tokenizers the other model reads a step as its text, so a step the cap cut inside a
         character (an emoji's bytes in a byte-level vocabulary) ends at its last whole character; the ids after it
-        leave this model's context before its next step, which draws them again from the same context (what is
-        sampled is unchanged). A step with no whole character, or with EOS, is kept as it is."""
+        leave this model's context before its next step, which draws them again from the same context (each token is
+        still drawn from this model's distribution). A step with no whole character (a cap below the character's byte
+        tokens), or with EOS, is kept as it is."""
         tok, tokens = self.tokenizer, list(d.tokens)
         step = Proposal(tokens, d.n_forced, decode_text(tok, tokens), d.logits, eos=tok.eos_token_id in tokens,
                         confidence=least_logprob(d))
