@@ -313,6 +313,32 @@ def test_a_character_split_over_steps_reaches_the_output_whole(real_pair, pair):
 
 
 @pytest.mark.slow
+def test_the_endpoint_answers_a_character_split_over_steps_as_generate_writes_it(real_pair):
+    """The endpoint sends the steps' texts: at a 5-token cap SmolLM2's katakana bytes fall in two steps, and the
+    answer, streamed or not, is the text generate returns (it was U+FFFD per step before)."""
+    from semanticspec.config import DecodeConfig
+    from semanticspec.decoder import SemanticSpecDecoder
+    from semanticspec.serve.app import Settings, build_app
+    from tests.conftest import Running
+
+    _, _, draft, draft_tok = real_pair
+    dec = SemanticSpecDecoder(draft, draft, draft_tok, config=DecodeConfig(
+        step=StepSpec(max_step_tokens=5), temperature=0.0, allow_sampling_mismatch=True))
+    prompt, kw = "日本の首都は", dict(max_tokens=20, temperature=0, extra_body={"method": "always_accept"})
+    want = dec.generate([prompt], method="always_accept", max_new_tokens=20)[0].text
+    run = Running(build_app(dec, Settings()))
+    try:
+        c = run.client()
+        one = c.completions.create(model="semanticspec", prompt=prompt, **kw).choices[0].text
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(model="semanticspec", prompt=prompt,
+                                                                             stream=True, **kw) if ch.choices)
+    finally:
+        run.stop()
+        run.app.state.scheduler.stop(0)
+    assert "\ufffd" not in want[:-1] and one == streamed == want, (want, one, streamed)
+
+
+@pytest.mark.slow
 def test_probe_of_the_wrong_width_is_refused(real_pair, tmp_path):
     from semanticspec.decoder import SemanticSpecDecoder
 
