@@ -53,7 +53,6 @@ ends a decode, and the checker):
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -278,15 +277,13 @@ class CachePart:
         leave this model's context before its next step, which draws them again from the same context (each token is
         still drawn from this model's distribution). A step with no whole character (a cap below the character's byte
         tokens), or with EOS, is kept as it is."""
-        tok, tokens = self.tokenizer, list(d.tokens)
-        step = Proposal(tokens, d.n_forced, decode_text(tok, tokens), d.logits, eos=tok.eos_token_id in tokens,
-                        confidence=least_logprob(d))
+        tok, tokens, logits, cut = self.tokenizer, list(d.tokens), d.logits, None
         end = len(tokens) if self.handover.shared else whole_prefix(tok, tokens)
-        if not d.n_forced < end < len(tokens):
-            return step, None
-        cut = (len(tokens) - end, d.logits[end - d.n_forced])
-        return dataclasses.replace(step, tokens=tokens[:end], text=decode_text(tok, tokens[:end]),
-                                   logits=d.logits[: end - d.n_forced], n_new=None), cut
+        if d.n_forced < end < len(tokens):
+            cut = (len(tokens) - end, logits[end - d.n_forced])
+            tokens, logits = tokens[:end], logits[: end - d.n_forced]
+        return Proposal(tokens, d.n_forced, decode_text(tok, tokens), logits, eos=tok.eos_token_id in tokens,
+                        confidence=least_logprob(d)), cut
 
     def _taken(self, row: int, step: Proposal | None) -> list[int]:
         """The tokens of the target's ``step`` this part feeds (none: the target wrote it in its own context)."""
