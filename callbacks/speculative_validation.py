@@ -24,8 +24,8 @@ from datamodules.tasks.worlds import default_world
 from generation.loading import device_problem, missing_path
 from generation.paths import folder_problem
 from generation.specs import is_count, is_real
-from probes.model import check_probe_matches
-from semanticspec.base import resolve_sampling, sampling_spec
+from probes.model import check_probe_matches, labelled_with
+from semanticspec.base import resolve_sampling
 from semanticspec.config import DecodeConfig
 from semanticspec.policies import ProbePolicy
 from semanticspec.results import accuracy, speedup
@@ -183,7 +183,7 @@ class SpeculativeValidation(Callback):
         if stage not in ("fit", "validate"):  # it decodes at validation only
             return
         cfg = self.config  # what every decode would refuse, refused before training
-        resolve_sampling(sampling_spec((probes["target"], probes["draft"])), cfg.temperature, cfg.top_p, True,
+        resolve_sampling(labelled_with((probes["target"], probes["draft"])), cfg.temperature, cfg.top_p, True,
                          cfg.allow_sampling_mismatch, stacklevel=2)
         self._check_held_out(getattr(trainer, "datamodule", None))
         if trainer.is_global_zero and self._target is None:

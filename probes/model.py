@@ -14,7 +14,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from huggingface_hub import PyTorchModelHubMixin
@@ -533,3 +533,60 @@ def _from_folder(path: Path, model, tokenizer, role: Optional[str]):
             )
         check_probe_matches(config, model, tokenizer, where=f"probe at {path}")
     return read_folder(path, config)
+
+
+# --------------------------------------------------------------------------- a decoder's two probes
+
+
+LABEL_FIELDS = {"step": lambda c: c.step,
+                "temperature": lambda c: c.sampling.temperature if c.sampling else None,
+                "top_p": lambda c: c.sampling.top_p if c.sampling else None}
+"""What a probe's config records about the labels it was trained on: the step they were cut at
+(:class:`~generation.specs.StepSpec`) and how they were sampled."""
+
+
+def labelled_with(probes) -> dict[str, tuple[object, str]]:
+    """What the labels of ``probes`` (probes or None) were made with, per :data:`LABEL_FIELDS` field the probes
+    record: ``{field: (value, "target probe")}``.
+
+    Raises:
+        ValueError: two probes disagree (naming both values): a pair is used on the steps it was trained on.
+    """
+    seen: dict[str, tuple[object, str]] = {}
+    problems = []
+    for probe in (p for p in probes if p is not None):
+        for key, get in LABEL_FIELDS.items():
+            value = get(probe.config)
+            if value is None:
+                continue
+            if key in seen and seen[key][0] != value:
+                problems.append(f"the {seen[key][1]} has {key}={seen[key][0]!r}, the "
+                                f"{probe.config.role} probe {value!r}")
+            seen.setdefault(key, (value, f"{probe.config.role} probe"))
+    if problems:
+        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
+    return seen
+
+
+class Probes(NamedTuple):
+    """A decoder's target and draft probes (each None where none is given) and what their labels were made with
+    (:func:`labelled_with`)."""
+
+    target: Optional[SemanticProbe]
+    draft: Optional[SemanticProbe]
+    labelled_with: dict
+
+
+def load_probes(probes, models, tokenizers, dtype: str = "auto") -> Probes:
+    """A decoder's target and draft probes (each a folder, a probe in memory or None), each through
+    :func:`load_probe` against its model and tokenizer (None: a served model, checked against its server instead) in
+    its role, with its MLP in ``dtype`` (a bad value is refused without a probe too).
+
+    Raises:
+        ValueError: what :func:`load_probe` refuses, a bad ``dtype``, or two probes whose labels were made with
+            different steps or sampling (:func:`labelled_with`).
+    """
+    resolve_probe_dtype(dtype, torch.device("cpu"))
+    target, draft = (None if p is None else load_probe(p, m, t, role=role, dtype=dtype)
+                     for p, m, t, role in zip(probes, models, tokenizers, ("target", "draft")))
+    return Probes(target, draft, labelled_with((target, draft)))

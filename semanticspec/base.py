@@ -56,8 +56,9 @@ class StepDecoder:
     """The task whose answer marker ends a decode (None: the config's marker, if any)."""
     step: StepSpec
     """What a step is with the default config: the probes' :class:`StepSpec`, unless the config says."""
-    _recorded_sampling: dict
-    """How the probes' labels were sampled, per field, with whose it is (:func:`sampling_spec`)."""
+    _labelled_with: dict
+    """What the probes' labels were made with (their step and sampling), per field, with whose it is
+    (:func:`probes.model.labelled_with`)."""
     last_wall_s: float = 0.0
     """Wall time of the last :meth:`generate` or :meth:`stream` call (all prompts; a stream's until its reader closes
     it)."""
@@ -138,7 +139,7 @@ class StepDecoder:
         """The sampling of ``cfg``: the probes' unless given; a value that differs from theirs is refused for a method
         they decide, naming both (a warning with ``allow_sampling_mismatch``, naming the frame ``stacklevel`` above
         the caller, 1 being the caller's)."""
-        return resolve_sampling(self._recorded_sampling, cfg.temperature, cfg.top_p,
+        return resolve_sampling(self._labelled_with, cfg.temperature, cfg.top_p,
                                 method is not None and method.probes_decide, cfg.allow_sampling_mismatch,
                                 stacklevel=stacklevel + 1)
 
@@ -149,7 +150,7 @@ class StepDecoder:
             ValueError: a step that differs from the probes', an answer marker that differs from the task's, or loop
                 settings this decoder cannot run (naming them).
         """
-        step = step_spec((self.target_probe, self.draft_probe), cfg.step)
+        step = step_spec(self._labelled_with, cfg.step)
         marker = answer_marker(cfg.answer_marker, self.task)
         token_sd, bonus = self._token_sd(cfg)
         return LoopSetup(cfg.target_first_step, marker, bonus, token_sd, cfg.token_sd_tokens,
@@ -174,7 +175,7 @@ class StepDecoder:
         given = {"temperature": temperature, "top_p": top_p}  # a call's config was checked where it was built
         if bad := SamplingSpec.errors(*(getattr(SamplingSpec, k) if v is None else v for k, v in given.items())):
             raise ValueError("invalid sampling: " + "; ".join(bad))
-        return resolve_sampling(self._recorded_sampling, temperature, top_p, enforce, allow_mismatch, stacklevel=2)
+        return resolve_sampling(self._labelled_with, temperature, top_p, enforce, allow_mismatch, stacklevel=2)
 
     def _token_sd(self, cfg: DecodeConfig) -> tuple[bool, bool]:
         """Whether the target writes its steps with token-level speculation, and whether a bonus token opens the step
@@ -361,30 +362,6 @@ def lookahead_problem(method, name) -> str | None:
 # ------------------------------------------------------------------ a call's settings against the probes and task
 
 
-def recorded(probes, fields: dict[str, callable]) -> dict[str, tuple[object, str]]:
-    """What the probes' labels were built with, per field: ``{field: (value, "target probe")}``.
-
-    Raises:
-        ValueError: two probes disagree (naming both values).
-    """
-    seen: dict[str, tuple[object, str]] = {}
-    problems = []
-    for probe in probes:
-        if probe is None:
-            continue
-        for key, get in fields.items():
-            value = get(probe.config)
-            if value is None:
-                continue
-            if key in seen and seen[key][0] != value:
-                problems.append(f"the {seen[key][1]} has {key}={seen[key][0]!r}, the "
-                                f"{probe.config.role} probe {value!r}")
-            seen.setdefault(key, (value, f"{probe.config.role} probe"))
-    if problems:
-        raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems))
-    return seen
-
-
 def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str]], what: str,
                      warn: bool = False, stacklevel: int = 1) -> None:
     """Refuse an explicit value that differs from the probes', naming both (``warn``: warn instead, naming the line
@@ -402,9 +379,9 @@ def refuse_conflicts(given: dict[str, object], seen: dict[str, tuple[object, str
         raise ValueError("a probe is used on the steps it was trained on: " + "; ".join(problems) + f" ({fix})")
 
 
-def step_spec(probes, given: StepSpec | None) -> StepSpec:
-    """The step definition: the one the probes' labels were cut at, unless given; a differing one is refused."""
-    seen = recorded(probes, {"step": lambda c: c.step})
+def step_spec(seen: dict[str, tuple[object, str]], given: StepSpec | None) -> StepSpec:
+    """The step definition: the one the probes' labels were cut at (``seen``: :func:`probes.model.labelled_with`),
+    unless given; a differing one is refused."""
     refuse_conflicts({"step": given}, seen, "steps")
     return given or (seen["step"][0] if "step" in seen else StepSpec())
 
@@ -429,29 +406,12 @@ def answer_marker(given: str | None, task) -> str | None:
     return marker
 
 
-def load_probes(probes, models, tokenizers, probe_dtype: str) -> tuple:
-    """A decoder's target and draft probes (each a folder, a ``SemanticProbe`` or None), each loaded and checked by
-    :func:`probes.load_probe` against its model (None: a served model) and its role, with its MLP in
-    ``probe_dtype`` (a bad value is refused without a probe too)."""
-    from probes.model import load_probe, resolve_probe_dtype
-
-    resolve_probe_dtype(probe_dtype, torch.device("cpu"))
-    return tuple(None if p is None else load_probe(p, m, t, role=role, dtype=probe_dtype)
-                 for p, m, t, role in zip(probes, models, tokenizers, ("target", "draft")))
-
-
-def sampling_spec(probes) -> dict[str, tuple[object, str]]:
-    """How the probes' labelled steps were sampled (``config.sampling``), per field, with whose it is."""
-    return recorded(probes, {k: (lambda c, k=k: getattr(c.sampling, k) if c.sampling else None)
-                             for k in ("temperature", "top_p")})
-
-
 def resolve_sampling(seen: dict[str, tuple[object, str]], temperature, top_p, enforce: bool,
                      allow_mismatch: bool = False, stacklevel: int = 1) -> SamplingSpec:
     """The sampling of a decode: the call's values, else the probes' label sampling, else the defaults.
 
     Args:
-        seen: :func:`sampling_spec` of the decoder's probes.
+        seen: what the decoder's probes' labels were made with (:func:`probes.model.labelled_with`).
         enforce: the method decides with the probes, so an explicit value that differs from how
             their labels were sampled is refused (naming both).
         allow_mismatch: warn about such a value instead of refusing it (the caller's explicit opt-in).

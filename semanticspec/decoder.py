@@ -66,8 +66,8 @@ from generation.features import probe_features
 from generation.handover import Handover, decode_text, pad_id, whole_prefix
 from generation.sampling import Sampler, StepDraft, StepWriter, StreamKey, key_stream
 from generation.specs import StepSpec
-from probes.model import run_probe
-from semanticspec.base import Plan, StepDecoder, load_probes, sampling_spec
+from probes.model import load_probes, run_probe
+from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.hf import transformers_events
 from semanticspec.loop import StepLoop
@@ -146,11 +146,10 @@ class SemanticSpecDecoder(StepDecoder):
                              "this pair has two (use top_k=0)")
         self.target, self.draft = target.eval(), draft.eval()
         self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
-        self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (target, draft),
-                                                          (tokenizer, self.draft_tokenizer), probe_dtype)
+        self.target_probe, self.draft_probe, self._labelled_with = load_probes(
+            (target_probe, draft_probe), (target, draft), (tokenizer, self.draft_tokenizer), probe_dtype)
         self._digits = [self.tokenizer(f" {d}", add_special_tokens=False).input_ids[-1] for d in range(10)]
         self._judges: dict[str, JudgeTurn] = {}  # per judge_suffix
-        self._recorded_sampling = sampling_spec((self.target_probe, self.draft_probe))
         self._stoppers: dict = {}
         self.step = self._checked_default()
 

@@ -49,8 +49,8 @@ from generation.features import FeatureSpec, probe_features
 from generation.sampling import StreamKey, key_stream, stream_keys, stream_seed
 from generation.specs import SamplingSpec, StepSpec, is_count
 from generation.steps import ends_step
-from probes.model import run_probe
-from semanticspec.base import Plan, StepDecoder, load_probes, sampling_spec
+from probes.model import load_probes, run_probe
+from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
 from semanticspec.hf import TransformersLoop
 from semanticspec.loop import StepLoop
@@ -111,10 +111,8 @@ class ServedDecoder(StepDecoder):
         self.policy = policy or default_policy(tau=stored_tau(target_probe))  # the evaluation's pick, if any
         self.config, self.task = DecodeConfig.of(config), task
         self.tokenizer = tokenizer
-        self.target_probe, self.draft_probe = load_probes((target_probe, draft_probe), (None, None), (None, None),
-                                                          probe_dtype)
-        probes = (self.target_probe, self.draft_probe)
-        self._recorded_sampling = sampling_spec(probes)
+        self.target_probe, self.draft_probe, self._labelled_with = load_probes((target_probe, draft_probe),
+                                                                               (None, None), (None, None), probe_dtype)
         self.step = self._checked_default()
         if (why := swapped(target, draft, self.target_probe, self.draft_probe)) is not None:
             raise ValueError(why)
