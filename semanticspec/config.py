@@ -34,7 +34,9 @@ class DecodeConfig:
     """What one ``generate`` call decodes with.
 
     Attributes:
-        max_new_tokens: output token budget per prompt (an integer >= 1).
+        max_new_tokens: output token budget per prompt (an integer >= 1), counted in the tokens of the model that
+            wrote each kept step: with two tokenizers a kept draft step counts in the draft's (see
+            :attr:`~semanticspec.results.DecodeStats.output_tokens`).
         temperature: sampling temperature of both models, 0 greedy; None = the temperature the probes' labels were
             sampled at (their ``config.sampling``), else 0.6. For methods the probes decide, a value that differs
             from the probes' is refused, naming both, unless ``allow_sampling_mismatch``.

@@ -84,6 +84,9 @@ class DecodeStats:
 
     wall_s: float = 0.0
     output_tokens: int = 0
+    """Tokens of the kept steps, each counted by the model that wrote it (what ``max_new_tokens`` bounds): with one
+    tokenizer the target's; with two, a kept draft step counts in the draft's tokens, which its text need not take in
+    the target's (each step is still handed to the target as text)."""
     draft_tokens: int = 0
     steps: int = 0
     draft_steps_proposed: int = 0
