@@ -16,7 +16,7 @@ from generation.specs import FeatureSpec, SamplingSpec, StepSpec
 from torch.utils.data import DataLoader
 
 from probes.config import FORMAT_VERSION, ProbeConfig
-from probes.model import SemanticProbe, export_probe, load_probe, run_probe
+from probes.model import SemanticProbe, export_probe, load_probe, load_probes, run_probe
 from generation.fingerprints import model_fingerprint
 from probes.module import SemanticProbeModule
 from tests.conftest import tiny_llama
@@ -214,6 +214,26 @@ def test_export_round_trip_strict(tmp_path, world_tokenizer):
     x = torch.randn(4, 32)
     torch.testing.assert_close(loaded(x), probe(x))
     assert loaded.config.test_metrics == {"mse": 0.01}
+
+
+def test_a_pair_loads_with_what_its_labels_were_made_with_and_two_that_disagree_are_refused(world_tokenizer):
+    """``load_probes``: each probe checked in its role, the step and sampling their labels were made with recorded
+    with whose they are, a bad dtype refused without a probe too, and two probes trained on other steps refused."""
+    step, sampling = StepSpec((".\n\n",), 7), SamplingSpec(0.6, 0.9)
+    target = SemanticProbe(ProbeConfig(hidden_size=32, hidden_dims=[8], step=step, sampling=sampling))
+    draft = SemanticProbe(ProbeConfig(hidden_size=24, hidden_dims=[8], role="draft", step=step))
+    pair = load_probes((target, draft), (None, None), (None, None), "float32")
+    assert pair.target.config.role == "target" and pair.draft.config.role == "draft"
+    assert pair.labelled_with == {"step": (step, "target probe"), "temperature": (0.6, "target probe"),
+                                  "top_p": (0.9, "target probe")}
+    assert load_probes((None, None), (None, None), (None, None)).labelled_with == {}
+    with pytest.raises(ValueError, match="probe_dtype='half'"):
+        load_probes((None, None), (None, None), (None, None), "half")
+    with pytest.raises(ValueError, match="role 'target'"):
+        load_probes((None, target), (None, None), (None, None))
+    draft.config.step = StepSpec((".\n\n",), 9)
+    with pytest.raises(ValueError, match=r"the target probe has step=.*=7\), the draft probe .*=9\)"):
+        load_probes((target, draft), (None, None), (None, None))
 
 
 def test_load_refuses_other_model_naming_fields(tmp_path, world_tokenizer):
