@@ -105,8 +105,17 @@ def record_forwards() -> Iterator[list[ForwardRecord]]:
 def context_length(config) -> int | None:
     """Positions a model of ``config`` (its transformers config) knows: ``max_position_embeddings`` of its text
     config, or None."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(cfg, "max_position_embeddings", None)
+    return getattr(_text(config), "max_position_embeddings", None)
+
+
+def vocab_size(config) -> int | None:
+    """The ``vocab_size`` of ``config``'s text config (what transformers compares to tell whether two models share a
+    tokenizer), or None."""
+    return getattr(_text(config), "vocab_size", None)
+
+
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 class BatchedCache:

@@ -61,7 +61,7 @@ from operator import attrgetter
 
 import torch
 
-from generation.cache import BatchedCache, context_length
+from generation.cache import BatchedCache, context_length, vocab_size
 from generation.features import probe_features
 from generation.handover import Handover, decode_text, pad_id, whole_prefix
 from generation.sampling import Sampler, StepDraft, StepWriter, StreamKey, key_stream
@@ -69,7 +69,7 @@ from generation.specs import StepSpec
 from probes.model import load_probes, run_probe
 from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
-from semanticspec.hf import transformers_events
+from semanticspec.hf import TransformersLoop, transformers_events
 from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
 from semanticspec.parts import ONE_STEP, Commit, Forced, Proposal, RoomAfter, RowState, Window, grow_windows
@@ -181,6 +181,12 @@ class SemanticSpecDecoder(StepDecoder):
             problems.append("overlap=True: drafting the next window while the target verifies is served decoding's "
                             "(ServedDecoder: the two servers are separate processes); in-process the two models share "
                             "this process's cores")
+        vocab = vocab_size(self.target.config)
+        if isinstance(method, TransformersLoop) and method.assisted and not self.shared and \
+                vocab == vocab_size(self.draft.config):
+            problems.append(f"method={cfg.method!r}: transformers' assisted generation reads two models of one "
+                            f"vocabulary size ({vocab}) as sharing a tokenizer, and this pair has two; it cannot run "
+                            "on them (the step loop's methods can)")
         if (cfg.lookahead or 1) > 1 and not self.shared:
             problems.append(f"lookahead={cfg.lookahead}: the target reads a window of the draft's steps in its own "
                             "tokens, which needs one tokenizer; this pair has two (use lookahead=1)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator, Sequence
 
-from generation.cache import context_length
+from generation.cache import context_length, vocab_size
 from generation.handover import Handover
 
 TEXT, IDS, PAIR = "text", "token ids", "a (target_ids, draft_ids) pair"
@@ -81,8 +81,7 @@ def _ids(i: int, seq) -> list[int]:
 
 
 def _check_rows(name: str, model, rows: list[list[int]]) -> None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    vocab, ctx = getattr(cfg, "vocab_size", None), context_length(model.config)
+    vocab, ctx = vocab_size(model.config), context_length(model.config)
     for i, row in enumerate(rows):
         if not row:
             raise ValueError(f"prompt {i} is empty in the {name}'s tokenization: give text that has tokens")

@@ -652,6 +652,20 @@ def test_defaults_follow_the_first_step_benchmark(tiny_pair):
     assert res[0].steps[0].writer == "draft"  # the first step was proposed by the draft
 
 
+def test_transformers_assisted_generation_is_refused_for_two_tokenizers_of_one_vocabulary_size(world_tokenizer):
+    """transformers reads two models of one ``vocab_size`` as sharing a tokenizer and refuses the draft's tokenizer
+    with an error about omitting it: two tokenizers of equal size are refused for ``token_sd`` in one line, as the
+    decoder refuses what it cannot run, and the step loop's methods decode them."""
+    ctok = char_tokenizer()
+    size = max(len(world_tokenizer), len(ctok))
+    target, draft = tiny_llama(size, 32, 1), tiny_llama(size, 24, 1, seed=1)
+    dec = make_decoder(target, draft, world_tokenizer, draft_tokenizer=ctok)
+    with pytest.raises(ValueError, match=r"method='token_sd': transformers' assisted generation reads two models of "
+                                         rf"one vocabulary size \({size}\) as sharing a tokenizer"):
+        dec.generate(PROMPTS[:1], method="token_sd", max_new_tokens=4, temperature=0.0)
+    assert dec.generate(PROMPTS[:1], method="target_only", max_new_tokens=4, temperature=0.0)[0].stop_reason
+
+
 def test_the_step_definition_travels_with_the_probes(tiny_pair):
     """The step spec comes from the probes' labels; an explicit one that differs is refused naming both."""
     target, draft, tok = tiny_pair
