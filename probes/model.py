@@ -21,7 +21,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from safetensors.torch import load_file
 from torch import nn
 
-from generation.fingerprints import model_fingerprint
+from generation.fingerprints import model_fingerprint, tokenizer_hash
 from generation.paths import atomic_path
 from generation.specs import layer_problems
 from probes.config import FINGERPRINT_FIELDS, ROLES, NewerFormatError, OtherModelError, ProbeConfig
@@ -404,15 +404,18 @@ def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str =
     """Raise if a probe with ``config`` cannot read ``model``'s hidden states: it was exported for another model
     (:class:`~probes.config.OtherModelError`, naming each differing field), it reads layers the model does not have,
     or it reads hidden states of another source than a transformers model after its final norm, a server's say
-    (ValueError, naming the ids and the range, or both sources).
+    (ValueError, naming the ids and the range, or both sources). With ``model`` None only ``tokenizer``'s vocabulary
+    hash is checked (a served model's).
 
     Used by :func:`load_probe` (the decoders' loader) and by the live-validation callback and the evaluation, which
     check a probe against models they load themselves.
     """
-    actual, reads = model_fingerprint(model, tokenizer), config.reads
+    reads = config.reads
+    actual = model_fingerprint(model, tokenizer) if model is not None else {"tokenizer_hash": tokenizer_hash(tokenizer)}
     problems = [f"{k}: probe has {reads[k]!r}, model has {actual[k]!r}" for k in FINGERPRINT_FIELDS
                 if k in reads and k in actual and reads[k] != actual[k]]  # the checked fields both sides know
-    if config.hidden_size != actual["hidden_size"] and not any(p.startswith("hidden_size") for p in problems):
+    if model is not None and config.hidden_size != actual["hidden_size"] and \
+            not any(p.startswith("hidden_size") for p in problems):
         problems.append(f"hidden_size: probe has {config.hidden_size!r}, model has {actual['hidden_size']!r}")
     if problems:
         raise OtherModelError(
@@ -420,6 +423,8 @@ def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str =
             + "; ".join(problems)
             + ". Export a probe for this model or load the matching one."
         )
+    if model is None:  # a served model's tokenizer: its server's capabilities are checked before its first request
+        return
     layers = layer_problems(list(config.features.layer_ids), actual["num_layers"])
     if layers:
         raise ValueError(f"{where} reads layers the model does not have (features.layer_ids): " + "; ".join(layers))
@@ -502,7 +507,7 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
     elif isinstance(probe, torch.nn.Module) and hasattr(probe, "config"):
         where = f"the {role or probe.config.role} probe"
         check_role(probe.config, role, where=where)
-        if model is not None:
+        if model is not None or tokenizer is not None:
             check_probe_matches(probe.config, model, tokenizer, where=where)
         mine = False
     else:
@@ -522,12 +527,12 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
 def _from_folder(path: Path, model, tokenizer, role: Optional[str]):
     """The probe exported at ``path`` (CPU), its config, header and weights checked before and as it loads."""
     config = probe_config(path, role)
-    if model is not None:
+    if model is not None or tokenizer is not None:
         if not any(k in config.reads for k in FINGERPRINT_FIELDS):  # an old export: only the width can be checked
             warnings.warn(
                 f"{path / 'config.json'} records no `reads` fingerprint, so this probe cannot be checked against "
-                f"the model it is given (only hidden_size={config.hidden_size} is); re-export it to record "
-                f"the model it reads",
+                f"the model it is given" + (f" (only hidden_size={config.hidden_size} is)" if model is not None else "")
+                + "; re-export it to record the model it reads",
                 UserWarning,
                 stacklevel=3,
             )

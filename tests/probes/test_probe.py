@@ -257,6 +257,11 @@ def test_load_refuses_other_tokenizer(tmp_path, world_tokenizer):
     other_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w1")))
     with pytest.raises(ValueError, match="tokenizer_hash"):
         load_probe(path, model=model, tokenizer=other_tok)
+    # without the model (a served one) the tokenizer is still checked, as the docstring says, from a folder or memory
+    for probe in (path, load_probe(path)):
+        with pytest.raises(ValueError, match="exported for another model.*tokenizer_hash: probe has"):
+            load_probe(probe, tokenizer=other_tok)
+        assert load_probe(probe, tokenizer=world_tokenizer).config.reads["tokenizer_hash"]
 
 
 @pytest.mark.parametrize("damage, says", [
