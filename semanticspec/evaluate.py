@@ -157,13 +157,15 @@ def wilson(right: int, n: int, z: float = Z95) -> list[float]:
 
 
 def paired_delta(right: Sequence[bool], ref: Sequence[bool]) -> dict:
-    """Accuracy minus the reference's on the same problems, and its 95% interval (normal, paired by problem)."""
+    """Accuracy minus the reference's on the same problems, and its 95% interval (normal, paired by problem), kept
+    within [-1, 1], where a difference of two accuracies lies (a few problems can stretch the normal one past it)."""
     d = [float(a) - float(b) for a, b in zip(right, ref)]
     n = len(d)
     mean = sum(d) / n if n else math.nan
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
     half = Z95 * sd / math.sqrt(n) if n > 1 else math.nan
-    return {"accuracy_delta": mean, "accuracy_delta_ci95": [mean - half, mean + half]}
+    ci = [mean - half, mean + half] if math.isnan(half) else [max(-1.0, mean - half), min(1.0, mean + half)]
+    return {"accuracy_delta": mean, "accuracy_delta_ci95": ci}
 
 
 def same_decisions(result, tau: float, other: float) -> bool:

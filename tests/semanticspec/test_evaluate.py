@@ -345,6 +345,17 @@ def test_wilson_interval_and_pick_rule():
     assert E.pick(curve, {"accuracy": 1.0, "accuracy_ci95": [0.9, 1]}, 0.0)["tau"] is None
 
 
+
+def test_the_paired_accuracy_difference_and_its_interval_stay_within_minus_one_and_one():
+    """Three wrong of four against a reference right on all: the normal interval reached -1.071."""
+    got = E.paired_delta([False, False, False, True], [True] * 4)
+    assert got["accuracy_delta"] == -0.75 and got["accuracy_delta_ci95"][0] == -1.0
+    assert -0.75 < got["accuracy_delta_ci95"][1] < 0
+    lo, hi = E.paired_delta([True, False, True, True, False], [False, True, True, False, False])["accuracy_delta_ci95"]
+    assert -1 < lo < 0.2 < hi < 1  # an interval inside the range is unchanged: mean 0.2, symmetric
+    assert math.isclose(hi - 0.2, 0.2 - lo)
+    assert all(math.isnan(x) for x in E.paired_delta([True], [False])["accuracy_delta_ci95"])
+
 # --------------------------------------------------------------------------- threshold.json as the default tau
 
 
