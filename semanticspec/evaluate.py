@@ -598,7 +598,9 @@ def read_fit(config: str) -> FitRun:
         raise ValueError(f"--config {path}: expected a `python -m probes.fit` config (a mapping with a data: section, "
                          "or trainer: or model:), or a run folder holding its config.yaml")
     data = fit.get("data") or {}
-    section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
+    section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build", {})}
+    if section["build"] is None:  # the fit read labels built on their own (--data.build null): the build they record
+        section["build"] = recorded_build(Path(section["data_dir"]), path)
     parser = build_parser()
     parser.exit_on_error = False  # its errors are this command's, naming the config
     try:
@@ -606,6 +608,23 @@ def read_fit(config: str) -> FitRun:
     except (ArgumentError, ValueError, TypeError) as e:
         raise ValueError(f"--config {path}: its data.build section is refused: {e}") from None
     return FitRun(build, Path(section["data_dir"]), [run / "export"] if run is not None else run_exports(fit))
+
+
+def recorded_build(data_dir: Path, config: Path) -> dict:
+    """The build config the labels in ``data_dir`` record (their ``manifest.json``'s ``config``): what a fit with
+    ``data.build: null`` trained on.
+
+    Raises:
+        ValueError: ``data_dir`` holds no manifest recording one (naming the fit config).
+    """
+    from datamodules.labels.shards import read_manifest
+
+    manifest = read_manifest(data_dir) if data_dir.is_dir() else None
+    if not isinstance((manifest or {}).get("config"), dict):
+        raise ValueError(f"--config {config}: its data.build is null (labels built on their own) but {data_dir} holds "
+                         "no manifest.json recording their build; run from the folder the fit ran in, or give a "
+                         "fit config with a data.build section")
+    return manifest["config"]
 
 
 def run_exports(fit: dict) -> list[Path]:

@@ -132,6 +132,30 @@ def test_without_config_the_packages_config_is_read_from_any_folder_and_a_missin
     assert f"--config {tmp_path / 'run'}: holds no config.yaml" in refused(capsys, ["--config", str(tmp_path / "run")])
 
 
+def test_a_fit_on_labels_built_on_their_own_is_evaluated_on_the_build_they_record(tmp_path):
+    """A fit with ``data.build: null`` (labels built first with ``python -m datamodules.labels.build``, as the README
+    shows) was evaluated on the default build: the arithmetic world's models and generated problems, not the file and
+    models the labels came from. Its manifest's build is read now, and a missing manifest is named."""
+    from datamodules.labels.config import BuildConfig, config_record
+    from datamodules.tasks.base import Task
+
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps({"problem": f"{k} + 1?", "answer": k + 1}) + "\n" for k in range(6)))
+    data = tmp_path / "data"
+    data.mkdir()
+    recorded = config_record(BuildConfig(task=Task(str(problems)), n_problems=3, target=str(ROOT / "checkpoints" /
+                                                                                          "arithmetic" / "draft")))
+    (data / "manifest.json").write_text(json.dumps({"format_version": 3, "shards": [], "config": recorded}))
+    fit = tmp_path / "fit.yaml"
+    fit.write_text(f"data:\n  data_dir: {data}\n  build: null\n")
+    build = E.read_fit(str(fit)).build
+    assert Path(build.resolved_task().path) == problems and build.n_problems == 3 and build.target.endswith("draft")
+    (data / "manifest.json").unlink()
+    with pytest.raises(ValueError, match=rf"--config {fit}: its data.build is null .* but {data} holds no "
+                                         r"manifest.json recording their build"):
+        E.read_fit(str(fit))
+
+
 def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_refused(capsys, monkeypatch, tmp_path):
     no_decoding(monkeypatch)
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task",
