@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from datamodules.tasks.base import Task
 from generation.cli import check_yaml_files, fail, one_line_parser
 
 PROG = "python -m semanticspec.serve"
@@ -90,6 +91,10 @@ class ServeOptions:
     tokenizer: str | None = None
     """Served: a local directory with the target's tokenizer, for chat templates and prompt token counts (None: the
     world's when the target probe reads the world's target, else none: chat routes answer 400)."""
+    task: Task | None = None
+    """Served: the task whose answer marker ends a decode once its line is complete (a class path with its
+    init_args, as the label build's --build.task; None: the embedded world's when the target probe reads the world's
+    target, else none: a decode ends at EOS, a stop string or max_tokens)."""
     shutdown_timeout: float = 30.0
     """Seconds SIGTERM waits for requests in flight; those left then end with an error (503) in their last second."""
     threads: int | None = None
@@ -111,7 +116,7 @@ def build(opts: ServeOptions):
     root = world.model_root()
     probes = [p or str(root / WORLD_PROBES[mode] / role) for p, role in ((opts.target_probe, "target"),
                                                                           (opts.draft_probe, "draft"))]
-    task = world.task()
+    task = world.task() if mode == "in-process" else _served_task(opts.task, probes[0], world, root)
     template = _template(opts.chat_template)
     tau = opts.threshold if opts.threshold is not None else stored_tau(probes[0])  # None: the default, 0.5
     if mode == "in-process":
@@ -158,10 +163,21 @@ def build(opts: ServeOptions):
 
 
 def _reads_with(probe, tokenizer) -> bool:
-    """The probe reads a model with ``tokenizer`` (its ``config.json``'s ``reads.tokenizer_hash``)."""
+    """The probe (loaded, or an export's folder) reads a model with ``tokenizer`` (its ``config.json``'s
+    ``reads.tokenizer_hash``)."""
     from generation.fingerprints import tokenizer_hash
+    from probes.model import probe_config
 
-    return (probe.config.reads or {}).get("tokenizer_hash") == tokenizer_hash(tokenizer)
+    config = probe.config if hasattr(probe, "config") else probe_config(probe)
+    return (config.reads or {}).get("tokenizer_hash") == tokenizer_hash(tokenizer)
+
+
+def _served_task(task: Task | None, target_probe: str, world, root):
+    """A served endpoint's task: ``--task``, else the world's where the target probe reads the world's target (its
+    servers serve the world), else None: another model's output is not cut at the world's answer marker."""
+    if task is not None:
+        return task
+    return world.task() if _reads_with(target_probe, world.load_tokenizer(root)) else None
 
 
 def _template(value: str | None) -> str | None:
@@ -215,7 +231,12 @@ def main(argv: list[str] | None = None) -> None:
         check_yaml_files(sys.argv[1:] if argv is None else argv)
     except ValueError as e:
         fail(PROG, str(e))
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    try:
+        ns = parser.instantiate(ns)  # --task: its class with its init_args
+    except (ValueError, TypeError, OSError) as e:
+        fail(PROG, f"--task: {e}")
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
     if opts.backend_n_ctx is not None and opts.engine != "llama.cpp":
         fail(PROG, f"--backend_n_ctx={opts.backend_n_ctx}: for llama.cpp servers, which state no context ("
@@ -246,14 +267,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 SERVED_ONLY = ("engine", "target_model", "draft_model", "backend_key_env", "concurrency", "backend_timeout",
-               "backend_retries", "backend_n_ctx", "tokenizer")
+               "backend_retries", "backend_n_ctx", "tokenizer", "task")
 """The options that only a served endpoint reads."""
 
 
 def _served_only(opts: ServeOptions) -> list[str]:
     """The served-only options ``opts`` gives other values than their defaults, as ``--name=value``."""
     default = ServeOptions()
-    return [f"--{k}={getattr(opts, k)}" for k in SERVED_ONLY if getattr(opts, k) != getattr(default, k)]
+    given = {k: getattr(opts, k) for k in SERVED_ONLY if getattr(opts, k) != getattr(default, k)}
+    return [f"--{k}={type(v).__module__}.{type(v).__qualname__}" if isinstance(v, Task) else f"--{k}={v}"
+            for k, v in given.items()]
 
 
 def _bind(host: str, port: int):

@@ -710,6 +710,30 @@ def test_in_process_probes_of_other_models_are_refused_pointing_to_the_servers(t
     assert "serve probes of other models in front of their two servers (--target_url, --draft_url)" in out.stderr
 
 
+def test_a_served_endpoint_ends_at_the_worlds_answer_marker_only_for_the_worlds_probes_or_a_task_given(tmp_path):
+    """In front of two servers the world's task ended every decode at its "Answer:" line, whatever models the probes
+    read; now only for probes of the world's target, else none unless --task names one (served only)."""
+    from datamodules.tasks.base import Task
+    from datamodules.tasks.worlds import default_world
+    from semanticspec.serve.cli import ServeOptions, _parser, _served_only, _served_task
+
+    world = default_world()
+    root = world.model_root()
+    topk = root / "probes-topk" / "target"
+    assert type(_served_task(None, str(topk), world, root)) is ArithmeticTask
+    other = tmp_path / "target"
+    shutil.copytree(topk, other)
+    config = json.loads((other / "config.json").read_text())
+    config["reads"]["tokenizer_hash"] = "0" * 16  # a probe of another model's
+    (other / "config.json").write_text(json.dumps(config))
+    assert _served_task(None, str(other), world, root) is None
+    parser = _parser()
+    given = parser.instantiate(parser.parse_args(["--task", "datamodules.tasks.base.Task", "--task.init_args.path",
+                                                  str(tmp_path / "problems.jsonl")])).task
+    assert type(given) is Task and _served_task(given, str(other), world, root) is given
+    assert _served_only(ServeOptions(task=given)) == ["--task=datamodules.tasks.base.Task"]
+
+
 def test_the_serve_config_parses_to_the_commands_defaults(capsys):
     """configs/serve/default.yaml holds every option of the command, each at its default (a fit config's test reads
     configs/*.yaml; this one is the serve command's)."""

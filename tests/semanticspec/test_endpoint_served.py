@@ -50,6 +50,7 @@ def _prompt(k: int) -> str:
 
 def test_real_clients_get_what_the_served_decoder_decodes_alone(served):
     dec, run = served["dec"], served["run"]
+    assert type(dec.task) is ArithmeticTask  # the world's probes: its servers serve the world, its answer marker ends
     prompts = [_prompt(k) for k in range(4)]
     want = [dec.generate([p], max_new_tokens=96, seed=50 + k)[0] for k, p in enumerate(prompts)]
     want = [w.text for w in want]
