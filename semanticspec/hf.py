@@ -88,6 +88,7 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assis
         hooks.append(draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1)))
         kwargs["assistant_model"] = draft
         if draft_tokenizer is not None:
+            draft_tokenizer = IdOrderedVocab(draft_tokenizer)
             kwargs.update(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
     # transformers' universal assisted generation (two tokenizers, sampling) replaces the assistant's embeddings and
     # LM head with pruned, re-indexing wrappers and leaves them there, which breaks every later forward of the draft
@@ -122,6 +123,29 @@ def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assis
     reason = "eos" if eos in new else "answer" if answered is not None else \
         "budget" if len(new) >= max_new_tokens else "context"
     return DecodeResult(decode_text(tokenizer, new), [], stats, reason)
+
+
+class IdOrderedVocab:
+    """A draft tokenizer whose ``get_vocab()`` lists its tokens by id, as given to transformers' universal assisted
+    generation. With sampling it prunes the draft's LM head to the tokens both vocabularies share, in the order
+    ``get_vocab()`` lists them (``AssistantToTargetTranslator``), and a fast tokenizer lists them in a new order on
+    every call (a Rust hash map's): the same seed drew other tokens from the reordered logits, call after call.
+    Everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(sorted(self._tokenizer.get_vocab().items(), key=lambda item: item[1]))
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
 
 
 class _AnswerDone(StoppingCriteria):

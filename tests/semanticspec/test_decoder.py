@@ -409,6 +409,23 @@ def test_transformers_baselines_end_at_the_answer_and_leave_torchs_generator_alo
         assert not answer_complete(w.tokenizer.decode(w.tokenizer(r.text).input_ids[1:-1]), "+")  # ends at the line
 
 
+def test_sampled_token_sd_with_two_tokenizers_repeats_with_its_seed(world_tokenizer):
+    """transformers' universal assisted generation prunes the draft's LM head in the order the draft tokenizer's
+    ``get_vocab()`` lists its tokens, which a fast tokenizer changes from call to call: the same seed drew other
+    tokens every call. The draft's vocabulary is handed over in id order (``IdOrderedVocab``)."""
+    ctok = char_tokenizer()
+    target, draft = tiny_llama(len(world_tokenizer), 32, 1), tiny_llama(len(ctok), 24, 1, seed=1)
+    dec = make_decoder(target, draft, world_tokenizer, draft_tokenizer=ctok)
+    runs = [texts(dec.generate(PROMPTS[:2], method="token_sd", max_new_tokens=16, seed=[4, 5], temperature=1.0,
+                               top_p=1.0)) for _ in range(4)]
+    assert all(r == runs[0] for r in runs) and any(runs[0])
+    from semanticspec.hf import IdOrderedVocab
+
+    ordered = IdOrderedVocab(ctok)
+    assert list(ordered.get_vocab().values()) == sorted(ctok.get_vocab().values()) and len(ordered) == len(ctok)
+    assert ordered("ab", add_special_tokens=False).input_ids == ctok("ab", add_special_tokens=False).input_ids
+
+
 def test_a_step_that_completes_the_answer_line_and_writes_the_marker_again_ends_the_decode():
     """With steps cut at the marker (``=``), every step completed one line and wrote the marker again: the step loop
     looked at the last occurrence only and wrote past three answers to EOS, where transformers' loop, reading token
