@@ -9,6 +9,9 @@ length), never by re-tokenizing on the client. Both write a step with the delimi
   token ``i`` with logit row ``i`` (``llama_cpp/llama.py`` ``_create_completion``, 0.3.x), which is
   right only when the model adds BOS (the row after BOS predicts the first echoed token); a model
   without BOS gets every prompt log-prob one position off, so such a server is refused for reading.
+  A write can hold up to 3 tokens more than ``max_tokens``: it finishes a character split over byte tokens first
+  (``_create_completion`` skips its length check while ``multibyte_fix`` waits for the last bytes); its
+  ``completion_tokens`` counts them, and so does the row.
   The C++ ``llama-server`` has no echo at all (it answers ``/props``) and is refused for reading too.
 - vLLM: ``echo: true, logprobs: k`` plus ``prompt_logprobs: k`` in the body: ``choices[].prompt_logprobs``
   gives per position ``{token_id: {logprob, rank, decoded_token}}`` (None at position 0), the top-k by
