@@ -423,7 +423,7 @@ class Evaluation:
             "settings": self.s.header,
             "methods": methods,
             "sweep": curve,
-            "pick": pick(curve, methods["target_only"], self.max_accuracy_drop),
+            "pick": pick(curve, methods["target_only"], self.max_accuracy_drop, evaluated=len(ok)),
             "failed": [{"problem": k, "method": r["method"], "threshold": r.get("threshold"), "reason": r["failed"]}
                        for k in failed for r in self._rows_of(k) if "failed" in r],
             "missing": [k for k in failed if any(r is None for r in self._expected(k))],
@@ -443,13 +443,16 @@ class Evaluation:
         return [r for r in self._expected(k) if r is not None]
 
 
-def pick(curve: list[dict], target_only: dict, max_drop: float) -> dict:
+def pick(curve: list[dict], target_only: dict, max_drop: float, evaluated: int | None = None) -> dict:
     """The rule's threshold (:data:`RULE`) on the sweep ``curve``, with its figures and intervals; ``tau`` None when
-    no threshold is within ``max_drop`` of target-only's accuracy."""
+    no threshold is within ``max_drop`` of target-only's accuracy, or when no problem was evaluated (``evaluated``:
+    problems every decode of which succeeded; None: not counted)."""
     floor = target_only["accuracy"] - max_drop
     within = [r for r in curve if r["accuracy"] >= floor - 1e-12]
     out = {"rule": RULE, "max_accuracy_drop": max_drop, "target_only_accuracy": target_only["accuracy"],
            "target_only_accuracy_ci95": target_only["accuracy_ci95"]}
+    if evaluated == 0:
+        return {**out, "tau": None, "why": "no problem was evaluated (every one has a failed decode)"}
     if not within:
         return {**out, "tau": None, "why": f"no threshold reached accuracy >= {floor:.4f}"}
     # equal speedups come from one decode reused at several thresholds: the one nearest the default (0.5) is kept

@@ -204,10 +204,12 @@ def test_an_evaluation_that_evaluated_nothing_fails_and_writes_strict_json(capsy
     with pytest.raises(SystemExit) as e:
         E.main([*ARGS, "--probes", str(probes), "--out_dir", str(tmp_path / "out")])
     assert e.value.code == 1
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "no problem was evaluated" in err and "RuntimeError: the model cannot run here" in err
     text = (tmp_path / "out" / "evaluation.json").read_text()
-    json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in evaluation.json"))
+    report = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in evaluation.json"))
+    assert report["pick"]["tau"] is None and "no problem was evaluated" in report["pick"]["why"]  # not a NaN pick
+    assert "(pick)" not in out and "Pick: tau" not in out, out
     assert not (probes / "threshold.json").exists()
 
 
