@@ -452,7 +452,8 @@ def decode_config(body, policy=None, base: DecodeConfig | None = None) -> Decode
         return dataclasses.replace(base, max_new_tokens=given or base.max_new_tokens, temperature=body.temperature,
                                    top_p=body.top_p, seed=seed, method=method, lookahead=body.lookahead,
                                    window_min_logprob=body.window_min_logprob,
-                                   allow_sampling_mismatch=body.allow_sampling_mismatch)
+                                   target_first_step=base.target_first_step if body.target_first_step is None else
+                                   body.target_first_step, allow_sampling_mismatch=body.allow_sampling_mismatch)
     except ValueError as e:  # DecodeConfig's own checks (temperature, top_p, lookahead...), naming the field
         raise BadRequest(str(e), _param_of(str(e))) from e
 

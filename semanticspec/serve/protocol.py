@@ -7,8 +7,9 @@ supported" otherwise (:data:`NEUTRAL`). A field that is not OpenAI's and not Sem
 vLLM's ``OpenAIBaseModel`` (``extra="allow"``) ignores such a field with a logged warning, which lets a misspelt
 ``temprature`` decode at the default silently. SemanticSpec's own options ride in the body beside OpenAI's fields (the
 ``extra_body`` of the ``openai`` client), as vLLM's extra sampling parameters do: ``method``, ``threshold``,
-``lookahead``, ``window_min_logprob`` and ``allow_sampling_mismatch``. The fields are OpenAI's as the ``openai``
-package 3.63 sends them (``types/completion_create_params.py``, ``types/chat/completion_create_params.py``).
+``lookahead``, ``window_min_logprob``, ``target_first_step`` and ``allow_sampling_mismatch``. The fields are OpenAI's
+as the ``openai`` package 3.63 sends them (``types/completion_create_params.py``,
+``types/chat/completion_create_params.py``).
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class _Request(_Part):
     threshold: Number | None = Field(None, description="the probe policy's tau (threshold rule)")
     lookahead: StrictInt | None = None
     window_min_logprob: Number | None = None
+    target_first_step: StrictBool | None = Field(None, description="the target writes each row's first step (None: "
+                                                 "the decoder's config)")
     allow_sampling_mismatch: StrictBool = False
     # OpenAI's fields the endpoint cannot honour: accepted at their neutral values (NEUTRAL)
     presence_penalty: JsonValue = None

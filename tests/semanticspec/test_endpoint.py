@@ -304,6 +304,22 @@ def test_stop_strings_cut_the_text_and_the_extra_body_sets_semanticspecs_options
                                                                                "threshold": 0.5})
 
 
+def test_target_first_step_rides_in_the_extra_body_as_the_python_api_reads_it(endpoint, world_decoder):
+    """The README recommends ``target_first_step=True`` for a draft far from its target; the endpoint refused the field
+    as unknown. It decodes as the Python API does with it, and a value that is not a boolean is a 400 naming it."""
+    dec = world_decoder[0]
+    prompt = TASK.prompt_text(dec.tokenizer, _problem(2))
+    *_, want = dec.stream([prompt], DecodeConfig(max_new_tokens=64, seed=9, target_first_step=True))
+    assert want.result.steps[0].writer == "target"
+    c = endpoint.client()
+    got = c.completions.create(model="semanticspec", prompt=prompt, max_tokens=64, seed=9,
+                               extra_body={"target_first_step": True})
+    assert got.choices[0].text == want.text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="semanticspec", prompt=prompt, max_tokens=4, extra_body={"target_first_step": "yes"})
+    assert e.value.body["param"] == "target_first_step"
+
+
 def test_a_temperature_too_small_to_divide_by_is_greedy_as_vllm_reads_it(endpoint, world_decoder):
     """``temperature: 1e-40`` overflowed the tempered softmax: a 500 (``probability tensor contains inf``) for the
     speculative methods, and for the others a 200 with an empty text and 8 tokens counted. vLLM's sampler reads a
