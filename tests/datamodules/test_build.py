@@ -217,7 +217,7 @@ def test_datamodule_reuses_a_finished_build(world, reference, capsys):
     assert set(batch) <= {"target", "draft"} and batch[next(iter(batch))]["features"].dtype == torch.float32
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # a build through an unreachable judge's retries: 4.1 s
 def test_unreachable_judge_fails_with_url_and_keeps_finished_shards(world, tmp_path, monkeypatch):
     monkeypatch.setenv("JUDGE_KEY", "sk-do-not-print")
     server = FakeJudgeServer()

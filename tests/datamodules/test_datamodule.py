@@ -104,6 +104,7 @@ def test_workers_and_ranks_split_the_stream(data):
     assert len(union) == len(set(union)) and len(alone["target"]) + len(alone["draft"]) - len(union) < 3
 
 
+@pytest.mark.slow  # worker processes per rank: 4.6 s
 def test_ranks_with_several_workers_each_yield_the_same_number_of_batches(tmp_path):
     """Each worker ends with a short batch of its own shards, and a rank's rows of a worker's shards can differ from
     another rank's by one: their batch counts differed (for batch sizes such as 5, 6, 9), and DDP's collectives then

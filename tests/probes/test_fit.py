@@ -948,6 +948,7 @@ def test_default_root_dir_alone_moves_the_whole_run(tmp_path):
     assert all(Path(p).is_relative_to(tmp_path / "elsewhere") for p in result["export"].values())
 
 
+@pytest.mark.slow  # two fits and eleven refusals: 6.5 s
 def test_a_resume_with_another_optimizer_or_a_damaged_checkpoint_and_a_bad_seed_are_one_line(tmp_path, capsys):
     """Lightning restores the optimizer's state from the checkpoint, learning rate included, so a resume with another
     optimizer would record options it does not use: refused, naming them. A checkpoint whose weights fail their

@@ -688,8 +688,9 @@ def _alone_with(dec, prompt, seed: int, method: str) -> str:
                                        (["--prot", "1"], "--prot 1; did you mean --port?"),
                                        (["--target_url", "http://127.0.0.1:9"], "--draft_url"),
                                        (["--shutdown_timeout", "-1"], "--shutdown_timeout=-1.0"),
-                                       (["--target_url", "http://127.0.0.1:9", "--draft_url", "http://127.0.0.1:9",
-                                         "--port", "{free}"], "http://127.0.0.1:9"),  # no backend: 5 s of retries
+                                       pytest.param(["--target_url", "http://127.0.0.1:9", "--draft_url",
+                                                     "http://127.0.0.1:9", "--port", "{free}"], "http://127.0.0.1:9",
+                                                    marks=pytest.mark.slow),  # no backend: 5 s of retries
                                        (["--port", "{busy}"], "--port={busy}"),
                                        (["--port", "99999"], "--port=99999: expected a port from 1 to 65535"),
                                        (["--host", "999.1.1.1"], "--host=999.1.1.1: not an address of this machine"),
@@ -713,6 +714,7 @@ def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
     assert "SemanticSpec endpoint on" not in out.stdout  # refused before the banner
 
 
+@pytest.mark.slow  # a subprocess that loads the world: 6.7 s
 def test_in_process_probes_of_other_models_are_refused_pointing_to_the_servers(tmp_path):
     # the endpoint serves the world's models in-process; the refusal did not say how to serve other models
     probe = tmp_path / "target"

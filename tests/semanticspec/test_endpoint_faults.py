@@ -380,6 +380,7 @@ def _well_formed(r: httpx2.Response) -> bool:
     return 400 <= r.status_code < 500 and set(body.get("error", {})) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.slow  # hundreds of requests: 4.4 s
 def test_fuzzed_bodies_get_an_openai_error_or_a_completion_and_the_endpoint_stays_healthy(world):
     """Every field of both routes given odd Unicode, huge and negative numbers, NaN and infinities, nested junk and
     wrong types (and broken bodies): each answer comes within a bound, is a JSON error in OpenAI's shape (4xx) or a
