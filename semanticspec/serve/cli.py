@@ -116,13 +116,15 @@ def build(opts: ServeOptions):
     root = world.model_root()
     probes = [p or str(root / WORLD_PROBES[mode] / role) for p, role in ((opts.target_probe, "target"),
                                                                           (opts.draft_probe, "draft"))]
-    task = world.task() if mode == "in-process" else _served_task(opts.task, probes[0], world, root)
+    world_tok = world.load_tokenizer(root)  # in-process the models'; served, the servers' when the probes read it
+    reads_world = mode == "served" and _reads_with(probes[0], world_tok)
+    task = world.task() if mode == "in-process" else _served_task(opts.task, reads_world, world)
     template = _template(opts.chat_template)
     tau = opts.threshold if opts.threshold is not None else stored_tau(probes[0])  # None: the default, 0.5
     if mode == "in-process":
         from semanticspec import SemanticSpecDecoder
 
-        world_tok, template = world.load_tokenizer(root), template or world_chat(task.prompt_suffix)
+        template = template or world_chat(task.prompt_suffix)
         check_template(world_tok, template)  # before the models load
         target, draft = (world.load_model(role, root) for role in ("target", "draft"))
         policy = default_policy(fast_path=True, tau=tau)
@@ -152,7 +154,7 @@ def build(opts: ServeOptions):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(opts.tokenizer, local_files_only=True)
-        elif _reads_with(dec.target_probe, world_tok := world.load_tokenizer(root)):  # the world's, shipped or own
+        elif reads_world:  # the world's probes, shipped or own: its tokenizer and chat format
             tok = world_tok
             template = template or world_chat(task.prompt_suffix, bos=False)
         if template is not None:
@@ -162,22 +164,22 @@ def build(opts: ServeOptions):
                                    api_key=key, chat_template=template, backends=backends, tokenizer=tok))
 
 
-def _reads_with(probe, tokenizer) -> bool:
-    """The probe (loaded, or an export's folder) reads a model with ``tokenizer`` (its ``config.json``'s
+def _reads_with(probe: str, tokenizer) -> bool:
+    """The probe exported at ``probe`` reads a model with ``tokenizer`` (its ``config.json``'s
     ``reads.tokenizer_hash``)."""
     from generation.fingerprints import tokenizer_hash
     from probes.model import probe_config
 
-    config = probe.config if hasattr(probe, "config") else probe_config(probe)
-    return (config.reads or {}).get("tokenizer_hash") == tokenizer_hash(tokenizer)
+    return (probe_config(probe).reads or {}).get("tokenizer_hash") == tokenizer_hash(tokenizer)
 
 
-def _served_task(task: Task | None, target_probe: str, world, root):
-    """A served endpoint's task: ``--task``, else the world's where the target probe reads the world's target (its
-    servers serve the world), else None: another model's output is not cut at the world's answer marker."""
+def _served_task(task: Task | None, reads_world: bool, world):
+    """A served endpoint's task: ``--task``, else the world's where the target probe reads the world's target
+    (``reads_world``: its servers serve the world), else None: another model's output is not cut at the world's
+    answer marker."""
     if task is not None:
         return task
-    return world.task() if _reads_with(target_probe, world.load_tokenizer(root)) else None
+    return world.task() if reads_world else None
 
 
 def _template(value: str | None) -> str | None:

@@ -733,22 +733,22 @@ def test_a_served_endpoint_ends_at_the_worlds_answer_marker_only_for_the_worlds_
     read; now only for probes of the world's target, else none unless --task names one (served only)."""
     from datamodules.tasks.base import Task
     from datamodules.tasks.worlds import default_world
-    from semanticspec.serve.cli import ServeOptions, _parser, _served_only, _served_task
+    from semanticspec.serve.cli import ServeOptions, _parser, _reads_with, _served_only, _served_task
 
     world = default_world()
     root = world.model_root()
-    topk = root / "probes-topk" / "target"
-    assert type(_served_task(None, str(topk), world, root)) is ArithmeticTask
+    topk, tok = root / "probes-topk" / "target", world.load_tokenizer(root)
+    assert type(_served_task(None, _reads_with(str(topk), tok), world)) is ArithmeticTask
     other = tmp_path / "target"
     shutil.copytree(topk, other)
     config = json.loads((other / "config.json").read_text())
     config["reads"]["tokenizer_hash"] = "0" * 16  # a probe of another model's
     (other / "config.json").write_text(json.dumps(config))
-    assert _served_task(None, str(other), world, root) is None
+    assert _served_task(None, _reads_with(str(other), tok), world) is None
     parser = _parser()
     given = parser.instantiate(parser.parse_args(["--task", "datamodules.tasks.base.Task", "--task.init_args.path",
                                                   str(tmp_path / "problems.jsonl")])).task
-    assert type(given) is Task and _served_task(given, str(other), world, root) is given
+    assert type(given) is Task and _served_task(given, _reads_with(str(other), tok), world) is given
     assert _served_only(ServeOptions(task=given)) == ["--task=datamodules.tasks.base.Task"]
 
 
