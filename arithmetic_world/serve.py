@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
 from generation.cli import fail, one_line_parser
 
@@ -178,10 +178,6 @@ INSTALL = ("llama-cpp-python[server] is not installed: pip install -e \".[server
 """What to do when the server is missing (one line on stderr, exit status 2)."""
 
 
-def _refuse(message: str) -> NoReturn:
-    fail(PROG, message)
-
-
 def _arguments(argv: Optional[list[str]]):
     ap = one_line_parser(PROG, description="Serve the embedded world's target and draft with llama.cpp until Ctrl-C.")
     ap.add_argument("--target_port", type=int, default=PORTS["target"], help="the target server's port")
@@ -194,11 +190,11 @@ def _arguments(argv: Optional[list[str]]):
     args = ap.parse_args(argv)
     for name in ("target_port", "draft_port"):
         if not 1 <= getattr(args, name) <= 65535:
-            _refuse(f"--{name} {getattr(args, name)}: expected a port from 1 to 65535")
+            fail(PROG, f"--{name} {getattr(args, name)}: expected a port from 1 to 65535")
     if args.target_port == args.draft_port:
-        _refuse(f"--target_port and --draft_port are both {args.target_port}: give each server its own port")
+        fail(PROG, f"--target_port and --draft_port are both {args.target_port}: give each server its own port")
     if args.threads < 1:
-        _refuse(f"--threads {args.threads}: expected an integer >= 1")
+        fail(PROG, f"--threads {args.threads}: expected an integer >= 1")
     return args
 
 
@@ -206,20 +202,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Start the world's two servers, print their URLs, and stop both on Ctrl-C, SIGTERM or when one exits."""
     args = _arguments(argv)
     if not server_available() or importlib.util.find_spec("gguf") is None:
-        _refuse(INSTALL)
+        fail(PROG, INSTALL)
     ports = {"target": args.target_port, "draft": args.draft_port}
     try:  # writes the world's GGUF files on first use
         servers = [world_server(role, port, log=args.log_dir / f"{role}.log", n_threads=args.threads,
                                 root=args.root) for role, port in ports.items()]
     except (OSError, ValueError) as e:
-        _refuse(f"cannot serve the world's models: {e}")
+        fail(PROG, f"cannot serve the world's models: {e}")
     try:  # once the models are there: a refused start leaves no folder
         args.log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        _refuse(f"--log_dir {args.log_dir}: cannot hold the servers' logs ({e.strerror or e})")
+        fail(PROG, f"--log_dir {args.log_dir}: cannot hold the servers' logs ({e.strerror or e})")
     for role, server in zip(ports, servers):  # both, before either starts (a model loads for seconds)
         if problem := server.port_problem():
-            _refuse(f"the {role} server (--{role}_port {server.port}): {problem}")
+            fail(PROG, f"the {role} server (--{role}_port {server.port}): {problem}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
     # Ctrl-C stops both even where the command was started with SIGINT ignored (as `cmd &` in a script starts it):
     # Python installs no KeyboardInterrupt handler then
@@ -229,13 +225,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             try:
                 server.start()
             except RuntimeError as e:
-                _refuse(f"the {role} server (--{role}_port {server.port}): {e}")
+                fail(PROG, f"the {role} server (--{role}_port {server.port}): {e}")
             print(f"{server.alias}: {server.url} (model {server.alias!r}, log {server.log})", flush=True)
         print("both servers ready; Ctrl-C stops them", flush=True)
         while all(s.proc is not None and s.proc.poll() is None for s in servers):
             time.sleep(0.5)
         dead = [s for s in servers if s.proc is None or s.proc.poll() is not None]
-        _refuse(f"the {dead[0].alias} server exited (see {dead[0].log}); stopping the other")
+        fail(PROG, f"the {dead[0].alias} server exited (see {dead[0].log}); stopping the other")
     except KeyboardInterrupt:
         print("stopping both servers", flush=True)
     finally:
