@@ -26,7 +26,7 @@ from arithmetic_world import models, task
 from arithmetic_world.tokenizer import JUDGE_TEMPLATE, build_tokenizer
 from arithmetic_world.train import SPECS
 from generation.cli import fail, one_line_parser
-from generation.paths import REPO_ROOT
+from generation.paths import REPO_ROOT, atomic_path
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "world.json"
 COPIED_FILES = ("config.json", "generation_config.json", "model.safetensors", "training.json")
@@ -68,18 +68,13 @@ def publish(role: str, src_root: str | Path, dst_root: Optional[str | Path] = No
                 f"{src / 'tokenizer.json'} has another vocabulary than build_tokenizer(); "
                 "the model was trained on other ids"
             )
-    tmp = dst.with_name(dst.name + ".publishing")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in COPIED_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, tmp / name)  # not copy2: training writes weights owner-only (0600)
-    tok.save_pretrained(tmp)
-    if (dst / "README.md").is_file():
-        shutil.copyfile(dst / "README.md", tmp / "README.md")
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp.rename(dst)
+    with atomic_path(dst, folder=True) as tmp:  # the old folder is replaced only once the new one is whole
+        for name in COPIED_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)  # not copy2: training writes weights owner-only (0600)
+        tok.save_pretrained(tmp)
+        if (dst / "README.md").is_file():
+            shutil.copyfile(dst / "README.md", tmp / "README.md")
     return dst
 
 
