@@ -158,12 +158,11 @@ def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0
     path = config.model_path("judge")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     name = f"{Path(path).name}@{weights_stamp(path)}"  # a retrained judge must not reuse old cached answers
-    if j.kind == "nli":
-        with quiet_loading():
-            model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype)
-        return J.NLIJudge(model.to(device).eval(), tok, name=name, **common)
+    auto = AutoModelForSequenceClassification if j.kind == "nli" else AutoModelForCausalLM
     with quiet_loading():
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+        model = auto.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    if j.kind == "nli":
+        return J.NLIJudge(model, tok, name=name, **common)
     template = j.template or default_template(j)
     return J.LLMJudge(model, tok, template, yes=j.yes_answer, no=j.no_answer, name=name, **common)
 
