@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from datamodules.labels import shards as S
+from datamodules.labels.coordination import dist_info
 
 SPLITS = ("train", "val", "test")
 Batch = dict[str, dict[str, torch.Tensor]]
@@ -35,13 +36,6 @@ def split_of(problem_ids: torch.Tensor, seed: int, val_fraction: float, test_fra
     code[u < val_fraction + test_fraction] = 2
     code[u < val_fraction] = 1
     return code[inverse] if len(problem_ids) else torch.zeros(0, dtype=torch.int8)
-
-
-def dist_rank_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of torch.distributed when initialised, else ``(0, 1)``."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def read_rows(path: str | Path, roles: list[str], groups: tuple[str, ...], columns: tuple[str, ...]) -> dict:
@@ -91,7 +85,7 @@ class ShardStream(IterableDataset):
         self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, shuffle_buffer
         self.seed, self.fractions, self.nonfinite = seed, fractions, nonfinite
         self.epoch = -1
-        self.rank, self.world = dist_rank_world()
+        self.rank, self.world = dist_info(env=False)
 
     def __len__(self) -> int:
         """Batches per rank, exactly, with at most one dataloader worker.

@@ -23,13 +23,14 @@ from datamodules.labels.config import signature_mismatches
 from generation.fingerprints import sha256_file
 from generation.paths import file_mode
 
-def dist_info() -> tuple[int, int]:
-    """``(rank, world_size)`` from torch.distributed when initialised, else from RANK / WORLD_SIZE."""
+def dist_info(env: bool = True) -> tuple[int, int]:
+    """``(rank, world_size)`` from torch.distributed when initialised, else from RANK / WORLD_SIZE (``env=False``:
+    ``(0, 1)``, a process outside a process group)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))) if env else (0, 1)
 
 
 def in_process_group() -> bool:
