@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -145,15 +146,11 @@ def judge_example(tok, s1: str, s2: str, same: Optional[bool] = None) -> tuple[l
 
 
 def collate(rows: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r, _ in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i, (r, start) in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-        labels[i, start : len(r)] = ids[i, start : len(r)]
-    return ids, mask, labels
+    ids = pad_sequence([torch.tensor(r, dtype=torch.long) for r, _ in rows], batch_first=True, padding_value=pad_id)
+    at = torch.arange(ids.shape[1])
+    mask = (at < torch.tensor([len(r) for r, _ in rows])[:, None]).long()
+    before = at < torch.tensor([start for _, start in rows])[:, None]  # the prompt: no loss
+    return ids, mask, ids.masked_fill(before | (mask == 0), -100)
 
 
 def eval_solver(model, tok, problems: list[task.Problem], temperature: float = 0.6, top_p: float = 0.95,
