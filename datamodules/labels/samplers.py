@@ -137,12 +137,15 @@ class VLLMSampler(StepSampler):
         self.engine = vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
                                gpu_memory_utilization=gpu_memory_utilization, seed=seed, dtype=dtype)
 
+    def _generate(self, contexts, seed: int, **params) -> list:
+        """One request per context at the build's temperature and top-p, context ``i`` seeded from ``seed``."""
+        params = [self._vllm.SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                            seed=request_seed(seed, i, 0), **params) for i in range(len(contexts))]
+        return self.engine.generate([{"prompt_token_ids": list(c)} for c in contexts], params, use_tqdm=False)
+
     def sample(self, contexts, n, seed):
-        params = [self._vllm.SamplingParams(n=n, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                            max_tokens=self.max_step_tokens, stop=self.delimiters,
-                                            include_stop_str_in_output=True, seed=request_seed(seed, i, 0))
-                  for i in range(len(contexts))]
-        outs = self.engine.generate([{"prompt_token_ids": list(c)} for c in contexts], params, use_tqdm=False)
+        outs = self._generate(contexts, seed, n=n, max_tokens=self.max_step_tokens, stop=self.delimiters,
+                              include_stop_str_in_output=True)
         result = []
         for out in outs:
             # stop_reason: the matched stop string (kept in the text), else None at EOS or an end-of-turn id (int)
@@ -155,11 +158,7 @@ class VLLMSampler(StepSampler):
         return result
 
     def complete(self, contexts, max_new_tokens, seed):
-        params = [self._vllm.SamplingParams(n=1, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                            max_tokens=max_new_tokens, seed=request_seed(seed, i, 0))
-                  for i in range(len(contexts))]
-        outs = self.engine.generate([{"prompt_token_ids": list(c)} for c in contexts], params, use_tqdm=False)
-        return [o.outputs[0].text for o in outs]
+        return [o.outputs[0].text for o in self._generate(contexts, seed, n=1, max_tokens=max_new_tokens)]
 
     def provenance(self):
         return {"backend": "vllm", "model": self.path, "server_version": getattr(self._vllm, "__version__", None)}
