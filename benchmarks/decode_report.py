@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks import batching, harness
+from benchmarks import report as tables
 
 
 def markdown(report: dict) -> str:
@@ -52,16 +53,8 @@ def _phases_table(report: dict) -> list[str]:
 
 
 def _window_cost_table(report: dict) -> list[str]:
-    """The windows' cost model: the fitted per-forward costs and each row's forward seconds and speedup, measured
-    against predicted (none when the run had no windowed rows)."""
-    wc = report.get("window_cost")
-    if not wc or "machine" not in wc:
-        return []
-    machine = ", ".join(f"{k} {v:.3f}" for k, v in wc["machine"].items())
-    rows = [[name, f"{r['forward_s']:.1f}", f"{r['predicted_forward_s']:.1f}", f"{r['speedup']:.2f}",
-             f"{r['predicted_speedup']:.2f}"] for name, r in wc["rows"].items()]
-    return ["", f"Cost per forward a + b·positions, fitted on {' and '.join(wc['fitted_on'])}: {machine}", "",
-            harness.table(["window cost model", "forward s", "predicted", "speedup", "predicted"], rows)]
+    """The windows' cost model as docs/benchmarks.md shows it (none when the run had no windowed rows)."""
+    return ["", tables.window_costs(report)] if "machine" in (report.get("window_cost") or {}) else []
 
 
 def _probes_table(report: dict) -> list[str]:

@@ -165,11 +165,11 @@ def lookahead() -> str:
                   "steps / window", "thrown-away draft tokens / window", "AUROC of the draft's confidence"], rows)
 
 
-def window_costs() -> str:
-    """The windows' cost model in the decode run with windows (``decode-lookahead.json``): the per-forward costs
-    fitted on the one-step loop and windows of 2, and each row's forward seconds and speedup, measured and
-    predicted."""
-    wc = load("decode-lookahead")["window_cost"]
+def window_costs(run: dict | None = None) -> str:
+    """The windows' cost model in the decode run with windows (``decode-lookahead.json``, or ``run``: a decode report,
+    whose printed tables show it too): the per-forward costs fitted on the one-step loop and windows of 2, and each
+    row's forward seconds and speedup, measured and predicted."""
+    wc = (run or load("decode-lookahead"))["window_cost"]
     m = wc["machine"]
     head = (f"Fitted per forward (a + b·positions): target a = {m['target_a_ms']:.2f} ms, b = {m['target_b_ms']:.3f} "
             f"ms; draft a = {m['draft_a_ms']:.3f} ms, b = {m['draft_b_ms']:.4f} ms; a target-only token "
@@ -237,8 +237,10 @@ SERVED_LABELS = {
 }
 
 
-def served_labels() -> str:
-    a = load("served")["build"]["label_agreement"]
+def served_labels(run: dict | None = None) -> str:
+    """The served build's labels against in-process builds (``served.json``, or ``run``, the report the benchmark
+    prints)."""
+    a = (run or load("served"))["build"]["label_agreement"]
     rows = [[name, str(a[k]["prefixes"]), str(a[k]["shared_texts"]), num(a[k]["ari"]), num(a[k]["mean_abs_dq"]),
              f"{a[k]['coverage']['a']:.2f} / {a[k]['coverage']['b']:.2f}"]
             for k, name in SERVED_LABELS.items() if k in a]
@@ -255,8 +257,9 @@ THREAD_SETTINGS = {
 }
 
 
-def threads() -> str:
-    t = load("threads")
+def threads(t: dict | None = None) -> str:
+    """``threads.json`` (or ``t``, the report the benchmark prints) per job and thread setting."""
+    t = t or load("threads")
     rows = [[job, name, f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
              num(r["alone_over_torch_default"], 2)]
             for job in ("build", "fit") for s, name in ordered(t[job], THREAD_SETTINGS) for r in [t[job][s]]]
@@ -264,8 +267,9 @@ def threads() -> str:
                   "alone / torch's default (2 threads)"], rows)
 
 
-def train() -> str:
-    t = load("train")["samples_per_s"]
+def train(r: dict | None = None) -> str:
+    """``train.json`` (or ``r``, the report the benchmark prints) per feature width."""
+    t = (r or load("train"))["samples_per_s"]
     rows = [[w, f"{t[w]['loader']:,.0f}", f"{t[w]['step']:,.0f}", f"{t[w]['end_to_end']:,.0f}",
              "yes" if t[w]["loader"] < t[w]["step"] else "no"] for w in sorted(t, key=int)]
     return table(["features", "loader alone", "step alone", "end to end", "loader bound"], rows)

@@ -70,6 +70,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import harness
+from benchmarks import report as tables
 from benchmarks.common import PROBLEM_SEED, REPO, TASK, figures, oracle_for
 from arithmetic_world.serve import world_server
 from arithmetic_world import models, task
@@ -698,11 +699,6 @@ def markdown(report: dict) -> str:
                  ("build.model_weights_loaded engine-read / in-process-read",
                   f"{b['model_weights_loaded']} / {b['in_process_read']['model_weights_loaded']}"),
                  ("build.seconds_per_stage", ", ".join(f"{k} {v:.1f}" for k, v in b["seconds_per_stage"].items()))]
-        for name, la in b["label_agreement"].items():
-            if isinstance(la, dict) and la["ari"] is not None:
-                rows.append((f"labels {name}: ARI / mean abs dq / shared texts / coverage a, b",
-                             f"{la['ari']:.3f} / {la['mean_abs_dq']:.3f} / {la['shared_texts']} / "
-                             f"{la['coverage']['a']:.2f}, {la['coverage']['b']:.2f}"))
     proj = report["projected_speedup_32b"]
     rows.append(("projected_speedup_32b (ceiling: free reads, no request overhead)",
                  f"{proj['value']:.2f}x ({proj['ceiling']:.2f}x): {proj['formula']}"))
@@ -722,8 +718,9 @@ def markdown(report: dict) -> str:
         if isinstance(row, dict):
             rows.append((f"concurrency {n} tokens/s target_only / semanticspec",
                          f"{row['target_only']['tokens_per_s']:.0f} / {row['semanticspec']['tokens_per_s']:.0f}"))
+    labels = ["", tables.served_labels(report)] if "label_agreement" in b else []
     return "\n".join([harness.table(["method", "accuracy", "speedup", "step acceptance", "wall s", "requests",
-                                      "errors"], methods), "", harness.table(["figure", "value"], rows)])
+                                      "errors"], methods), "", harness.table(["figure", "value"], rows), *labels])
 
 
 def arguments():

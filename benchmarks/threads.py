@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
+from benchmarks import report as tables
 from generation.threads import available_cores, resolve_threads
 
 # Times a CLI's main() in its own process (imports aside) and prints the seconds as the last line. The folder it
@@ -211,14 +212,6 @@ def figures(times: dict[tuple[str, str, bool], list[float]], torch_default: int)
     return out
 
 
-def table(report: dict) -> str:
-    rows = [[job, f"default (should match {report['default_setting']})" if s == "default" else s,
-             f"{r['alone_s']:.1f}", f"{r['beside_s']:.1f}", f"{r['slowdown']:.2f}x",
-             "-" if r["alone_over_torch_default"] is None else f"{r['alone_over_torch_default']:.2f}"]
-            for job in ("build", "fit") for s, r in report[job].items()]
-    return harness.table(["job", "threads", "alone s", "beside s", "slowdown", "alone / torch default"], rows)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, quick="4-problem build, 1-epoch fit on 4 live problems, one pass; "
                         "writes threads-quick.json", name="threads")
@@ -245,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
               "uptime_load_after": [round(x, 2) for x in os.getloadavg()], "passes": passes,
               "seconds": round(time.perf_counter() - t0, 1), "quick": args.quick,
               **figures(times, torch_default)}
-    harness.write(report, harness.results_path("threads", args.quick, args.out), table(report))
+    harness.write(report, harness.results_path("threads", args.quick, args.out),
+                  f"{tables.threads(report)}\n\nthe default should match {report['default_setting']}")
     return report
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
+from benchmarks import report as tables
 from benchmarks.labels import write_synthetic
 
 _WORKER = r"""
@@ -74,13 +75,6 @@ def measure(width: int, rows: int, batch_size: int = 128, threads: int = 1) -> d
     return res
 
 
-def table(res: dict) -> str:
-    rows = [[width, str(r["rows"]), f"{r['loader']:,.0f}", f"{r['step']:,.0f}", f"{r['end_to_end']:,.0f}",
-             "yes" if r["loader_bound"] else "no", f"{r['peak_rss_mb']:.0f}"] for width, r in res["by_width"].items()]
-    return harness.table(["features", "rows", "loader rows/s", "step rows/s (no loader)", "end-to-end rows/s",
-                          "loader bound", "peak RSS MB"], rows)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, quick="fewer rows (under 3 minutes on 2 cores)", threads=1,
                         threads_help="torch CPU threads (more than the idle cores makes OpenMP spin: 2 threads on a "
@@ -100,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
         "date": time.strftime("%Y-%m-%d"),
     }
     bound = (f"loader bound: {res['loader_bound']}  (the loader is the bottleneck when it streams fewer rows/s than "
-             "the step alone trains)")
-    harness.write(res, harness.results_path("train", args.quick, args.out), table(res) + "\n\n" + bound)
+             f"the step alone trains); peak RSS {res['peak_rss_mb']:.0f} MB")
+    harness.write(res, harness.results_path("train", args.quick, args.out), tables.train(res) + "\n\n" + bound)
     return res
 
 
