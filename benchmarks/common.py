@@ -9,6 +9,7 @@ every table.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 
 import torch
@@ -75,31 +76,44 @@ def versus_runs(decs: dict[str, SemanticSpecDecoder], problems: Sequence, args: 
     return evaluate.interleaved(arms, problems, prompts, args.seed, batch=batch, desc=desc)
 
 
-def versus_target_only(runs: dict[str, list], problems: Sequence) -> tuple[dict, dict]:
-    """Each method's figures against ``target_only`` on the same problems (``first_step``, ``rewrites``).
+def versus(doc: str, name: str, variants: dict[str, dict], n: int, quick_n: int, seed: int, argv=None,
+           batch: int | None = None, speedup_label: str = "speedup") -> tuple[argparse.Namespace, dict, dict]:
+    """A script that decodes ``variants`` of the shipped decoder against ``target_only`` on other problems than
+    decode.py's (``first_step``, ``rewrites``): its arguments (:func:`other_problems`), its report and each method's
+    right answers, after printing one line per method (accuracy with its paired interval, speedup, acceptance).
 
     Args:
-        runs: per method, its results in problem order (one method is ``target_only``).
-        problems: the problems decoded (the world's answer checker reads them).
+        variants: ``{method: keywords of :func:`shipped_decoder`}``, one of them ``target_only``.
+        batch: problems decoded at once (:func:`versus_runs`; None: one), reported as ``batch_size`` when given.
 
     Returns:
-        ``({method: {the figures of :func:`semanticspec.evaluate.figures`, accuracy_delta, accuracy_delta_ci95}},
-        {method: [right per problem]})``; the deltas are paired by problem against target-only.
+        ``(args, report, right)``: the report holds ``n_problems``, ``seed``, ``batch_size`` (given a batch),
+        ``seconds`` and ``methods`` (``{method: {the figures of :func:`semanticspec.evaluate.figures`,
+        accuracy_delta, accuracy_delta_ci95}}``, the deltas paired by problem against target-only); ``right`` is
+        ``{method: [right per problem]}``.
     """
+    args, problems = other_problems(doc, name, n, quick_n, seed, argv)
+    world = models.load_world(None)
+    decs = {k: shipped_decoder(world, **kw) for k, kw in variants.items()}
+    t0 = time.perf_counter()
+    runs = versus_runs(decs, problems, args, name.replace("-", "_"), batch=batch or 1)
     right = {k: [task.check_answer(r.text, p.answer) for r, p in zip(v, problems)] for k, v in runs.items()}
     ref = summarize(runs["target_only"])["wall_s"]
     methods = {name: {**evaluate.figures(res, right[name], ref),
                       **evaluate.paired_delta(right[name], right["target_only"])} for name, res in runs.items()}
-    return methods, right
-
-
-def print_versus(methods: dict, speedup_label: str = "speedup") -> None:
-    """One line per method of :func:`versus_target_only`: accuracy with its paired interval, speedup, acceptance."""
+    report = {"n_problems": args.n_problems, "seed": args.seed, **({"batch_size": batch} if batch else {}),
+              "seconds": time.perf_counter() - t0, "methods": methods}
     width = max(map(len, methods))
-    for name, m in methods.items():
-        lo, hi = m["accuracy_delta_ci95"]
-        print(f"{name:{width}s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, 95% "
-              f"[{lo:+.3f}, {hi:+.3f}])  {speedup_label} {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
+    for method, m in methods.items():
+        print(f"{method:{width}s} accuracy {m['accuracy']:.3f} (vs target-only {m['accuracy_delta']:+.3f}, "
+              f"{interval(m)})  {speedup_label} {m['speedup']:.2f}x  acceptance {m['step_acceptance']:.3f}")
+    return args, report, right
+
+
+def interval(delta: dict) -> str:
+    """``95% [lo, hi]`` of a paired difference (:func:`semanticspec.evaluate.paired_delta`)."""
+    lo, hi = delta["accuracy_delta_ci95"]
+    return f"95% [{lo:+.3f}, {hi:+.3f}]"
 
 
 def shipped_decoder(world: models.WorldModels, policy: ProbePolicy | None = None, probe_dtype: str = "auto",

@@ -14,12 +14,9 @@ the decoder's speed. The decoder's ``target_first_step`` and ``token_sd`` defaul
 
 from __future__ import annotations
 
-import time
-
 from benchmarks import harness
-from benchmarks.common import other_problems, print_versus, shipped_decoder, versus_runs, versus_target_only
+from benchmarks.common import interval, versus
 from semanticspec.evaluate import paired_delta
-from arithmetic_world import models
 
 VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, "token_sd": False},
             "draft_first_step": {"target_first_step": False, "token_sd": False},
@@ -27,24 +24,18 @@ VARIANTS = {"target_only": {}, "target_first_step": {"target_first_step": True, 
             "draft_first_step+token_sd": {"target_first_step": False, "token_sd": True}}
 
 
+DIFFERENCES = {  # report key: (setting, setting it is compared with, what the printed line says)
+    "draft_minus_target_first_step": ("draft_first_step", "target_first_step", "draft - target first step"),
+    **{f"{who}+token_sd_minus_{who}": (f"{who}+token_sd", who, f"{who} with token-level SD - without")
+       for who in ("target_first_step", "draft_first_step")}}
+
+
 def main(argv=None) -> dict:
-    args, problems = other_problems(__doc__, "first-step", 1000, 100, 40_000, argv)
-    n = args.n_problems
-    world = models.load_world(None)
-    decs = {k: shipped_decoder(world, **kw) for k, kw in VARIANTS.items()}
-    t0 = time.perf_counter()
-    runs = versus_runs(decs, problems, args, "first_step")
-    methods, right = versus_target_only(runs, problems)
-    report = {"n_problems": n, "seed": args.seed, "seconds": time.perf_counter() - t0, "methods": methods}
-    differences = {  # report key: (setting, setting it is compared with, what the printed line says)
-        "draft_minus_target_first_step": ("draft_first_step", "target_first_step", "draft - target first step"),
-        **{f"{who}+token_sd_minus_{who}": (f"{who}+token_sd", who, f"{who} with token-level SD - without")
-           for who in ("target_first_step", "draft_first_step")}}
-    print_versus(methods)
-    for key, (a, b, said) in differences.items():
+    args, report, right = versus(__doc__, "first-step", VARIANTS, 1000, 100, 40_000, argv)
+    methods = report["methods"]
+    for key, (a, b, said) in DIFFERENCES.items():
         report[key] = paired_delta(right[a], right[b])
-        lo, hi = report[key]["accuracy_delta_ci95"]
-        print(f"{said}: {methods[a]['accuracy'] - methods[b]['accuracy']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]), "
+        print(f"{said}: {methods[a]['accuracy'] - methods[b]['accuracy']:+.3f} ({interval(report[key])}), "
               f"speedup {methods[a]['speedup']:.2f}x vs {methods[b]['speedup']:.2f}x")
     harness.write(report, harness.results_path("first-step", args.quick, args.out))
     return report

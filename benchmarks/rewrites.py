@@ -16,35 +16,22 @@ those of any batch size.
 
 from __future__ import annotations
 
-import time
-
 from benchmarks import harness
-from benchmarks.common import other_problems, print_versus, shipped_decoder, versus_runs, versus_target_only
+from benchmarks.common import interval, versus
 from semanticspec.evaluate import paired_delta
-from arithmetic_world import models
 
 VARIANTS = {"target_only": {}, "in_rounds": {"rewrite_in_rounds": True}, "rewrite_phase": {"rewrite_in_rounds": False}}
 BATCH = 8
 
 
 def main(argv=None) -> dict:
-    args, problems = other_problems(__doc__, "rewrites", 1000, 200, 40_000, argv)
-    n = args.n_problems
-    world = models.load_world(None)
-    decs = {k: shipped_decoder(world, **kw) for k, kw in VARIANTS.items()}
-    t0 = time.perf_counter()
-    runs = versus_runs(decs, problems, args, "rewrites", batch=BATCH)  # a chunk of BATCH decoded at once
-    methods, right = versus_target_only(runs, problems)
-    report = {"n_problems": n, "seed": args.seed, "batch_size": BATCH, "seconds": time.perf_counter() - t0,
-              "methods": methods}
+    args, report, right = versus(__doc__, "rewrites", VARIANTS, 1000, 200, 40_000, argv, batch=BATCH,
+                                 speedup_label=f"speedup at {BATCH} prompts")  # a chunk of BATCH decoded at once
     a, b = right["in_rounds"], right["rewrite_phase"]
-    report["in_rounds_minus_rewrite_phase"] = {
+    d = report["in_rounds_minus_rewrite_phase"] = {
         **paired_delta(a, b), "only_in_rounds_right": sum(x and not y for x, y in zip(a, b)),
         "only_rewrite_phase_right": sum(y and not x for x, y in zip(a, b))}
-    print_versus(methods, f"speedup at {BATCH} prompts")
-    d = report["in_rounds_minus_rewrite_phase"]
-    lo, hi = d["accuracy_delta_ci95"]
-    print(f"in rounds - rewrite phase: {d['accuracy_delta']:+.3f} (95% [{lo:+.3f}, {hi:+.3f}]); right only in rounds "
+    print(f"in rounds - rewrite phase: {d['accuracy_delta']:+.3f} ({interval(d)}); right only in rounds "
           f"{d['only_in_rounds_right']}, only with the phase {d['only_rewrite_phase_right']}")
     harness.write(report, harness.results_path("rewrites", args.quick, args.out))
     return report
