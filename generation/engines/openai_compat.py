@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from generation.engines import NEUTRAL_SAMPLING
 from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
@@ -138,20 +137,6 @@ def _after(choice, prompt: str, eos: bool) -> str:
     return "" if eos else text[len(prompt):] if text.startswith(prompt) else text
 
 
-@dataclass(frozen=True)
-class _Echo:
-    """An echo request's answer, as every engine's ``read`` uses it."""
-
-    usage: Usage
-    """The request's usage (its wall seconds included)."""
-    choice: Any
-    """Its one choice (``finish_reason``, the engine's extra fields)."""
-    logprobs: dict
-    """The choice's log-probs (``tokens``, ``text_offset``, ``token_logprobs``, ``top_logprobs``)."""
-    positions: list[int]
-    """Indices of the step's tokens among the echoed ones."""
-
-
 class _Completions:
     """What llama.cpp and vLLM clients share: setup, the request, the echo's step, the written step."""
 
@@ -239,11 +224,13 @@ class _Completions:
         return TokenLogprobs([lp["tokens"][i] for i in idx], ids, torch.tensor(own, dtype=torch.float32),
                              torch.tensor(top, dtype=torch.float32).reshape(len(idx), k))
 
-    def _read_echo(self, context: str, step: str, top_k: int, sampling: SamplingSpec, seed: int,
-                   extra: dict | None = None) -> _Echo:
-        """The echo request and what every engine reads from it: the choice, its logprobs, the step's indices."""
+    def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
+             seed: int) -> Reading:
+        """The echo request (the module docstring): the step's tokens found among the echoed ones, their top-k
+        (:meth:`_echo_top`) and the drawn token after them."""
+        self._check_read(top_k, hidden)
         resp, secs = self._create(context + step, max_tokens=1, sampling=sampling, seed=seed,
-                                  logprobs=top_k + self.top_k_slack, echo=True, extra=extra)
+                                  logprobs=top_k + self.top_k_slack, echo=True, extra=self._read_extra(top_k))
         choice = self._choice(resp)
         lp = self._logprobs(choice)
         generated = int(getattr(resp.usage, "completion_tokens", 0) or 0)
@@ -254,7 +241,18 @@ class _Completions:
             idx = self._positions_by_ids(context, choice, n_prompt)
             if idx is None:
                 raise
-        return _Echo(_usage(resp.usage, secs), choice, lp, idx)
+        tops, ids, eos = self._echo_top(choice, idx)
+        return Reading(self._echo_step(lp, idx, top_k, tops, ids), None, _after(choice, context + step, eos), eos,
+                       _usage(resp.usage, secs))
+
+    def _read_extra(self, top_k: int) -> dict | None:
+        """Request fields a read adds for this engine (none by default)."""
+        return None
+
+    def _echo_top(self, choice, idx: list[int]) -> tuple[list[list[float]] | None, list[int] | None, bool]:
+        """The step's top-k by id (None: read from the text-keyed ``top_logprobs``), its ids (None: unknown), and
+        whether the drawn token is EOS."""
+        return None, None, choice.finish_reason == "stop"
 
     def _positions_by_ids(self, context: str, choice, n_prompt: int) -> list[int] | None:
         """The step's indices found by token ids when the echoed texts do not add up; None: the engine cannot."""
@@ -375,14 +373,6 @@ class LlamaCppEngine(_Completions):
         where the model adds one, special tokens read), where the context is known (``n_ctx``); else None."""
         return None if self.context_length is None else self._counts("/extras/tokenize/count", "input", texts)
 
-    def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
-             seed: int) -> Reading:
-        self._check_read(top_k, hidden)
-        echo = self._read_echo(context, step, top_k, sampling, seed)
-        eos = echo.choice.finish_reason == "stop"
-        return Reading(self._echo_step(echo.logprobs, echo.positions, top_k, None, None), None,
-                       _after(echo.choice, context + step, eos), eos, echo.usage)
-
     def _write_logprobs(self, top_k: int | None, stops: list[str] | None) -> int | None:
         # The server cuts the stop string off the text but keeps its tokens in the logprobs: asking for them
         # (k = 0 when none are wanted) tells a delimiter from EOS.
@@ -431,12 +421,11 @@ class VLLMEngine(_Completions):
                f"--max-logprobs (here {self.max_logprobs}), and prompt log-probs skip its prefix cache")
         return Capabilities(True, self.max_logprobs, False, None, (why,))
 
-    def read(self, context: str, step: str, *, top_k: int, hidden: bool, sampling: SamplingSpec,
-             seed: int) -> Reading:
-        self._check_read(top_k, hidden)
-        extra = {"prompt_logprobs": top_k, "return_token_ids": True}
-        echo = self._read_echo(context, step, top_k, sampling, seed, extra)
-        extra_fields, idx = echo.choice.model_extra or {}, echo.positions
+    def _read_extra(self, top_k: int) -> dict | None:
+        return {"prompt_logprobs": top_k, "return_token_ids": True}
+
+    def _echo_top(self, choice, idx: list[int]) -> tuple[list[list[float]] | None, list[int] | None, bool]:
+        extra_fields = choice.model_extra or {}
         prompt = extra_fields.get("prompt_logprobs")
         if not isinstance(prompt, list) or len(prompt) <= idx[-1]:
             raise MalformedAnswer(f"server {self.url} returned {len(prompt) if isinstance(prompt, list) else 0} "
@@ -446,9 +435,8 @@ class VLLMEngine(_Completions):
         ids = [int(ids[i]) for i in idx] if isinstance(ids, list) and len(ids) > idx[-1] else None
         # stop_reason: None at EOS, the token id of an end-of-turn id the generation config lists (an int), the
         # matched string of a stop string (none is sent here)
-        eos = echo.choice.finish_reason == "stop" and not isinstance(extra_fields.get("stop_reason"), str)
-        return Reading(self._echo_step(echo.logprobs, idx, top_k, tops, ids), None,
-                       _after(echo.choice, context + step, eos), eos, echo.usage)
+        eos = choice.finish_reason == "stop" and not isinstance(extra_fields.get("stop_reason"), str)
+        return tops, ids, eos
 
     def prompt_tokens(self, texts: list[str]) -> list[int]:
         """One ``POST /tokenize`` per text (``TokenizeCompletionRequest``: the prompt as a completion reads it, special
