@@ -283,13 +283,19 @@ class SGLangEngine:
                              [int(r[1]) for r in rows], torch.tensor([float(r[0]) for r in rows]),
                              torch.tensor(top, dtype=torch.float32).reshape(n, k))
 
-    def _input_rows(self, meta: dict) -> tuple[list, list]:
-        """The prompt rows after the first one asked for, which SGLang always answers ``[null, id, text]``."""
+    def _read_rows(self, prompt: dict, start: int, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int):
+        """``POST /generate`` reading ``prompt`` (its ``input_ids`` or its ``text``) from its token ``start``: the
+        answer, its ``meta_info``, the seconds, and the prompt rows from ``start`` on with their top-k (the first one
+        asked for, ``start - 1``, SGLang always answers ``[null, id, text]``: it is dropped)."""
+        got, meta, secs = self._generate({**prompt, "logprob_start_len": start - 1,
+                                          "sampling_params": self._sampling(sampling, seed, READ_TOKENS),
+                                          "return_logprob": True, "top_logprobs_num": top_k,
+                                          "return_hidden_states": bool(hidden), "return_text_in_logprobs": True})
         rows, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
         if not isinstance(rows, list) or not rows:
             raise MalformedAnswer(f"server {self.url} answered /generate without the field input_token_logprobs",
                                   self.url)
-        return rows[1:], (tops or [None])[1:]
+        return got, meta, secs, rows[1:], (tops or [None])[1:]
 
     def _hidden(self, meta: dict, n: int) -> torch.Tensor:
         """The step's last-layer rows: the last ``n`` rows the prefill returned."""
@@ -307,16 +313,19 @@ class SGLangEngine:
             raise Unsupported(" ".join(self.capabilities().remarks), self.url)
         if top_k < 1:
             raise ValueError(f"top_k={top_k}: expected >= 1")
-        known = self._known.get(context)
-        got = self._read_known(context, step, known, top_k, hidden, sampling, seed) if known else None
-        if got is None:  # the context's ids are not known, or the server split context + step elsewhere
+        known, tokens, kw = self._known.get(context), None, (top_k, hidden, sampling, seed)
+        if known:  # no /v1/tokenize call: the server tokenizes context + step, read from the context's last token
+            got, meta, secs, rows, tops = self._read_rows({"text": context + step}, len(known), *kw)
+            if rows and spell(_texts(rows), step) is not None:  # else its tokenizer merged across the boundary
+                tokens = self._logprobs(rows, tops, len(rows), top_k, "step", "input")
+        if tokens is None:  # the context's ids are not known, or the server split context + step elsewhere
             ids, start = self._ids(context, step)
             if hidden and start > LONG_CONTEXT:
                 self._prefill(ids[:start])
-            got = self._read_ids(ids, start, top_k, hidden, sampling, seed)
-        tokens, meta, got_text, secs = got
+            got, meta, secs, rows, tops = self._read_rows({"input_ids": ids}, start, *kw)  # exact
+            tokens = self._logprobs(rows, tops, len(ids) - start, top_k, "step", "input")
         self._remember(context + step, (self._known.get(context) or []) + list(tokens.ids or []))
-        eos, next_text, next_id = self._next_token(meta, got_text)
+        eos, next_text, next_id = self._next_token(meta, str(got.get("text", "")))
         if not eos and next_text and next_id is not None:  # "": a special token, skipped
             self._remember(context + step + next_text, self._known[context + step] + [next_id])
         return Reading(tokens, self._hidden(meta, len(tokens.tokens)) if hidden else None, next_text, eos,
@@ -344,32 +353,6 @@ class SGLangEngine:
         row for every position it computes (no "last n rows" option), so a first read of a long context would carry
         them all as JSON floats; after this request the read computes, and returns, the step's rows and one more."""
         self._generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
-
-    def _read_body(self, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int) -> dict:
-        return {"sampling_params": self._sampling(sampling, seed, READ_TOKENS), "return_logprob": True,
-                "top_logprobs_num": top_k,
-                "return_hidden_states": bool(hidden), "return_text_in_logprobs": True}
-
-    def _read_ids(self, ids: list[int], start: int, top_k: int, hidden: bool, sampling: SamplingSpec, seed: int):
-        """Read with the step's token ids known: exact (asked from ``start - 1``, the empty first entry dropped)."""
-        got, meta, secs = self._generate({"input_ids": ids, "logprob_start_len": start - 1,
-                                          **self._read_body(top_k, hidden, sampling, seed)})
-        rows, tops = self._input_rows(meta)
-        tokens = self._logprobs(rows, tops, len(ids) - start, top_k, "step", "input")
-        return tokens, meta, str(got.get("text", "")), secs
-
-    def _read_known(self, context: str, step: str, known: list[int], top_k: int, hidden: bool,
-                    sampling: SamplingSpec, seed: int):
-        """Read without a ``/v1/tokenize`` call when the context's ids are known from an earlier answer: the server
-        tokenizes context + step and returns the rows from the context's last token; None when the rows after it do
-        not spell the step (the server's tokenizer merged across the boundary), and the caller asks for the ids."""
-        got, meta, secs = self._generate({"text": context + step, "logprob_start_len": len(known) - 1,
-                                          **self._read_body(top_k, hidden, sampling, seed)})
-        rows, tops = self._input_rows(meta)
-        if not rows or spell(_texts(rows), step) is None:
-            return None
-        tokens = self._logprobs(rows, tops, len(rows), top_k, "step", "input")
-        return tokens, meta, str(got.get("text", "")), secs
 
     def write(self, context: str, *, step: StepSpec | None, max_tokens: int, sampling: SamplingSpec, seed: int,
               top_k: int | None = None, n: int | None = None) -> Written | list[Written]:
@@ -424,9 +407,8 @@ class SGLangEngine:
         written = [int(r[1]) for r in rows if isinstance(r, list) and len(r) > 1]
         if not written:
             return self._logprobs([], [], 0, top_k, "written", "output"), Usage(0, 0)
-        got, meta, secs = self._generate({"input_ids": ctx + written, "logprob_start_len": len(ctx) - 1,
-                                          **self._read_body(top_k, False, SamplingSpec(0.0, 1.0), seed)})
-        back_rows, tops = self._input_rows(meta)
+        _, meta, secs, back_rows, tops = self._read_rows({"input_ids": ctx + written}, len(ctx), top_k, False,
+                                                         SamplingSpec(0.0, 1.0), seed)
         return self._logprobs(back_rows, tops, len(written), top_k, "written", "input"), self._usage(meta, secs)
 
 
