@@ -227,11 +227,12 @@ class Scheduler:
             self._fail_all(e)
 
     def _fail_all(self, e: Exception) -> None:
-        self.failure = f"the decode thread failed: {type(e).__name__}: {e}"
-        for g in self.groups.values():
-            for j in g.jobs.values():
-                self._end(j, Update(finish="error", error=self.failure))
-        for j, _ in self.waiting:
+        """End every open request with the thread's fault: those decoding, those waiting for room and those still in
+        the inbox (set under the lock, so nothing is submitted after them)."""
+        with self._lock:
+            self.failure = f"the decode thread failed: {type(e).__name__}: {e}"
+        jobs = [j for g in self.groups.values() for j in g.jobs.values()]
+        for j in jobs + [j for j, _ in self.waiting] + list(self.inbox.queue):
             self._end(j, Update(finish="error", error=self.failure))
 
     def _take(self, block: bool) -> None:

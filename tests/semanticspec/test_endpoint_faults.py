@@ -434,3 +434,46 @@ def test_stop_answers_the_requests_left_at_once_while_their_round_still_runs(tin
     assert all(u.status == 503 and "shut down" in u.error for (_, u), in ends.values())
     assert max(t for (t, _), in ends.values()) - t0 < 0.2 + 0.6  # not after the round (1.5 s, 1.2 s of it left)
     assert sched.pending == 0
+
+
+def test_a_decode_thread_that_dies_ends_the_requests_still_in_its_inbox():
+    """A fault of the scheduler itself ends every open request with its reason, those it has not taken from its inbox
+    yet too: they once waited for an answer that never came, and a request submitted after it is refused."""
+    from semanticspec.served import ServedPrompt
+    from semanticspec.serve.scheduler import Job, Scheduler
+
+    class Plan:
+        def __init__(self, prompt, config):
+            self.inputs, self.cfg = ([ServedPrompt(prompt)], [ServedPrompt(prompt)]), config
+
+    class Served:
+        def plan(self, prompts, config):
+            return Plan(prompts[0], config)
+
+        def prompt_room(self, plan):
+            return None
+
+    placing, fail = threading.Event(), threading.Event()
+
+    class Failing(Scheduler):
+        def _place(self):
+            placing.set()
+            assert fail.wait(10)
+            raise RuntimeError("scheduler fault")
+
+    sched = Failing(Served())
+    ends = {k: threading.Event() for k in ("first", "queued")}
+    got = {}
+
+    def notify(name):
+        return lambda u: u.finish and (got.setdefault(name, u), ends[name].set())
+
+    sched.submit(Job("first", DecodeConfig(), notify("first")))
+    assert placing.wait(10)  # the first request is taken and planned; the thread is about to fail
+    sched.submit(Job("queued", DecodeConfig(), notify("queued")))  # still in the inbox when it fails
+    fail.set()
+    assert ends["first"].wait(10) and ends["queued"].wait(10)
+    assert {u.finish for u in got.values()} == {"error"} and all("scheduler fault" in u.error for u in got.values())
+    assert sched.pending == 0
+    with pytest.raises(RuntimeError, match="scheduler fault"):
+        sched.submit(Job("late", DecodeConfig(), lambda u: None))
