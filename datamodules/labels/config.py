@@ -23,6 +23,7 @@ from datamodules.labels.clustering import ClusteringConfig, at_least, choices
 from datamodules.labels.shares import LABELLINGS
 from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
+from generation.fingerprints import weights_stamp
 from generation.specs import (FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, FeatureSpec, SamplingSpec, StepSpec,
                               check_groups, layer_problems)
 
@@ -489,6 +490,7 @@ def signature(config: BuildConfig) -> dict[str, Any]:
     return {
         "format_version": S.FORMAT_VERSION,
         "reads": {r: folder_fingerprint(config.model_path(r), f"build.{r}") for r in ROLES},
+        "weights": {r: weights_stamp(config.model_path(r)) for r in ROLES},  # a model retrained in place differs
         "layer_ids": list(spec.layer_ids),
         "pooling": config.pooling,
         "feature_groups": list(spec.groups),
@@ -509,10 +511,11 @@ def signature(config: BuildConfig) -> dict[str, Any]:
 
 
 def signature_mismatches(recorded: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:
-    """``"field: data has X, config asks Y"`` for every differing field (``name_or_path`` is informative only)."""
+    """``"field: data has X, config asks Y"`` for every differing field (``name_or_path`` is informative only; a build
+    recorded before the models' ``weights`` stamps were has none to compare)."""
     out = []
     for key in sorted(set(recorded) | set(wanted)):
-        if key == "name_or_path":
+        if key == "name_or_path" or (key == "weights" and not prefix and key not in recorded):
             continue
         a, b = recorded.get(key), wanted.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -7,7 +7,6 @@ comes out the same whichever rank builds it and whether the build was interrupte
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from datamodules.labels.prefixes import Prefix
 from datamodules.labels.reading import read_steps
 from datamodules.labels.openai_sampler import OpenAISampler
 from datamodules.labels.samplers import HFSampler, StepSampler, VLLMSampler
+from generation.fingerprints import weights_stamp
 from generation.loading import quiet_loading
 from generation.handover import Handover, whole_prefix
 
@@ -165,19 +165,6 @@ def make_judge(config: BuildConfig, cache_dir: Path | None = None, rank: int = 0
         return J.NLIJudge(model, tok, name=name, **common)
     template = j.template or default_template(j)
     return J.LLMJudge(model, tok, template, yes=j.yes_answer, no=j.no_answer, name=name, **common)
-
-
-def weights_stamp(folder: str | os.PathLike, probe: int = 1 << 20) -> str:
-    """Cheap content stamp of a model folder's weights: sha256 of each file's size, head and tail."""
-    h = hashlib.sha256()
-    for f in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(probe))
-            fh.seek(max(0, size - probe))
-            h.update(fh.read(probe))
-    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------

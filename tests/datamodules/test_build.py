@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import yaml
+from transformers import AutoTokenizer
 
 from datamodules.labels import shards as S
 from generation.fingerprints import sha256_file
@@ -184,6 +185,31 @@ def test_data_for_other_layers_or_models_is_refused(world, reference):
     dm = SemanticProbeDataModule(str(d), build=_config(world, pooling="last"))
     with pytest.raises(ValueError, match=r"pooling: data has 'mean', config asks 'last'"):
         dm.setup()
+
+
+def test_data_built_before_a_model_was_retrained_in_place_is_refused_naming_its_weights(world, reference, tmp_path):
+    """A model retrained in its own folder keeps its config and tokenizer, so only its weights tell it apart: its old
+    labels were reused as this model's. A build recorded before the stamps were recorded is still reused."""
+    ref_dir, m = reference
+    retrained = tmp_path / "world"
+    shutil.copytree(world, retrained)
+    tiny_llama(len(AutoTokenizer.from_pretrained(world / "target")), 32, 2, seed=5).save_pretrained(
+        retrained / "target")  # the same shapes and config, other weights
+    d = tmp_path / "data"
+    shutil.copytree(ref_dir, d)
+    with pytest.raises(ValueError, match=r"weights\.target: data has '[0-9a-f]{16}', config asks '[0-9a-f]{16}'"):
+        build(_config(retrained), d)
+    with pytest.raises(ValueError, match=r"weights\.target: data has"):
+        SemanticProbeDataModule(str(d), build=_config(retrained), **NO_SPLITS).setup()
+    assert signature(_config(retrained))["weights"]["draft"] == m["build"]["weights"]["draft"]  # a copy: the same
+    del m["build"]["weights"]  # as builds before the stamps were recorded, in the manifest and build.json
+    S.atomic_write_json(d / S.MANIFEST, m)
+    started = json.loads((d / "build.json").read_text())
+    del started["build"]["weights"]
+    S.atomic_write_json(d / "build.json", started)
+    lines = []
+    build(_config(retrained), d, log=lines.append)
+    assert lines == [f"reusing {len(m['shards'])} shards in {d}"]
 
 
 def test_data_recorded_before_the_sampling_entry_still_matches(world, reference, tmp_path):

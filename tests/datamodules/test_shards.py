@@ -1,6 +1,7 @@
 """Shards: atomic writes, checksums, corruption reported by name with both checksums."""
 
 import hashlib
+import shutil
 
 import pytest
 import torch
@@ -105,3 +106,24 @@ def test_shard_files_carry_their_step_texts(tmp_path):
     assert entry["steps_file"] == S.steps_name(0) and entry["steps_sha256"] == sha256_file(tmp_path / S.steps_name(0))
     assert (tmp_path / S.steps_name(0)).read_text() == '{"prefix_id": 0, "samples": [{"text": "3 + 4 = 7.\\n\\n"}]}\n'
     assert list(m["roles"]) == ["target"]  # the roles the build record reads, not a fixed pair
+
+
+def test_the_weights_stamp_sees_a_change_anywhere_in_a_large_file_and_only_the_content(tmp_path):
+    """A retrained layer in the middle of a large weights file changes the stamp (the first and last MiB, all it once
+    read, can stay the same); a copy of the folder elsewhere keeps it."""
+    from generation.fingerprints import weights_stamp
+
+    g = torch.Generator().manual_seed(0)
+    blob = bytearray(torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=g).numpy().tobytes())
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "model.safetensors").write_bytes(blob)
+    stamp = weights_stamp(a)
+    blob[5 << 20 : 7 << 20] = bytes(2 << 20)  # two middle MiB, as a retrained layer
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "model.safetensors").write_bytes(blob)
+    assert weights_stamp(b) != stamp
+    c = tmp_path / "c"
+    shutil.copytree(b, c)
+    assert weights_stamp(c) == weights_stamp(b) and weights_stamp(tmp_path / "empty") == weights_stamp(tmp_path / "x")
