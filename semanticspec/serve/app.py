@@ -16,6 +16,7 @@ import json
 import logging
 import random
 import time
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -95,7 +96,7 @@ class Metrics:
         self.latency.observe(time.monotonic() - job.arrived)
         if job.first_text_at is not None:
             self.first_text.observe(job.first_text_at - job.arrived)
-        if u.finish != "error":
+        if u.result is not None and u.finish not in ("error", "invalid"):
             self.tokens.labels("completion").inc(u.result.stats.output_tokens)
             self.tokens.labels("draft").inc(u.result.stats.draft_tokens)
 
@@ -165,7 +166,8 @@ def build_app(decoder, settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()
     tok = getattr(decoder, "tokenizer", None)
     count = None if tok is not None or s.tokenizer is None else (lambda text: len(s.tokenizer(text).input_ids))
-    sched = Scheduler(decoder, s.max_rows, s.max_queue, on_step=metrics.on_step, count_tokens=count)
+    sched = Scheduler(decoder, s.max_rows, s.max_queue, on_step=metrics.on_step, count_tokens=count,
+                      rows_per_loop=max(256, s.max_rows))
     metrics.watch(sched)
 
     @contextlib.asynccontextmanager
@@ -277,6 +279,13 @@ class Guard:
                 await JSONResponse(body, status_code=500)(scope, receive, sending)
 
 
+def _public(url: str) -> str:
+    """``url`` without the user and password it may carry (``http://user:pass@host/``): what an unauthenticated
+    ``/health`` may say."""
+    p = urlsplit(url)
+    return p._replace(netloc=p.netloc.rpartition("@")[2]).geturl()
+
+
 def key_matches(header: bytes, key: str) -> bool:
     """``Authorization: Bearer <key>``, the scheme in any case (RFC 7235), the key compared in constant time."""
     scheme, _, given = header.decode("latin-1").strip().partition(" ")
@@ -305,7 +314,7 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
 
     @app.get("/health")
     async def health(request: Request):
-        down = [u for u in s.backends if not await _answers(u)]
+        down = [_public(u) for u in s.backends if not await _answers(u)]
         marked = marked_down(dec)
         down += [u for u in marked if u not in down]
         if sched.failure or down:
@@ -505,7 +514,7 @@ async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Sched
         return StreamingResponse(_sse(updates, request, job, reply, first.prompt_tokens, include, metrics),
                                  media_type="text/event-stream")
     metrics.end(job, end)
-    if end.finish == "error":
+    if end.finish in ("error", "invalid"):
         raise _refusal(end, "messages" if reply.chat else "prompt")
     return reply.full(end.result.text, end.finish, usage(first.prompt_tokens, end.result))
 
@@ -564,7 +573,7 @@ async def _sse(updates, request, job: Job, reply: Reply, n_prompt: int, include_
             u = await _next(updates, request, job)
             if u.finish is not None:
                 metrics.end(job, u)
-            if u.finish == "error":
+            if u.finish in ("error", "invalid"):
                 e = _refusal(u, "messages" if reply.chat else "prompt")
                 yield _event(error_body(str(e), e.param, e.kind))
                 break

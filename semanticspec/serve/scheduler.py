@@ -104,7 +104,7 @@ class _Group:
 
     @property
     def rows(self) -> int:
-        return sum(not self.loop.rows[i].done for i in self.jobs)
+        return sum(not self.loop.rows[i].done for i in list(self.jobs))
 
 
 class Scheduler:
@@ -179,7 +179,7 @@ class Scheduler:
             if self.pending >= self.max_queue:
                 raise QueueFull(f"{self.pending} requests are queued or decoding (max_queue={self.max_queue})")
             self.pending += 1
-        self.inbox.put(job)
+            self.inbox.put(job)
 
     @property
     def queued(self) -> int:
@@ -219,6 +219,8 @@ class Scheduler:
             with torch.inference_mode():  # as generate(): the mode is per thread
                 while not (self.stopping and not self.groups and not self.waiting and self.inbox.empty()):
                     self._take(block=not self.groups and not self.waiting)
+                    if self.abort_reason is not None:  # those planned while abort() ran: it could not see them
+                        self.abort(self.abort_reason)
                     self._place()
                     for key in list(self.groups):
                         self._advance(key)
@@ -246,7 +248,7 @@ class Scheduler:
                 prompt = job.prompt() if callable(job.prompt) else job.prompt
                 plan = self.plan(prompt, job.config, job.budget)
                 tokens = self._prompt_tokens(plan.inputs[0][0])
-                job.notify(Update(planned=True, prompt_tokens=tokens))
+                self._tell(job, Update(planned=True, prompt_tokens=tokens))
                 self.waiting.append((job, plan))
             try:
                 job = self.inbox.get_nowait()
@@ -352,7 +354,7 @@ class Scheduler:
                 job.first_text_at = time.monotonic()
             delta, job.text = text[len(job.text):], text
             if job.stream:
-                job.notify(Update(delta=delta))
+                self._tell(job, Update(delta=delta))
 
     def _cancelled(self) -> Update:
         return Update(finish="error", error=self.abort_reason or "cancelled", status=503)
@@ -369,8 +371,10 @@ class Scheduler:
         if result.stop_reason == "error":
             self._end(job, Update(finish="error", error=result.error, result=result, status=502, cause=row.cause))
             return
-        self._send(job, cut_at_stop(e.text, job.stop)[0])
-        self._end(job, Update(finish=FINISH[result.stop_reason], result=dataclasses.replace(result, text=job.text)))
+        text, hit = cut_at_stop(e.text, job.stop)
+        self._send(job, text)
+        self._end(job, Update(finish="stop" if hit else FINISH[result.stop_reason],
+                              result=dataclasses.replace(result, text=job.text)))
 
     def _end(self, job: Job, update: Update) -> None:
         """A job's last update (once)."""
@@ -379,7 +383,15 @@ class Scheduler:
                 return
             job.ended = True
             self.pending -= 1
-        job.notify(update)
+        self._tell(job, update)
+
+    def _tell(self, job: Job, update: Update) -> None:
+        """Call a job's callback; one that raises (its listener is gone) cancels that job only."""
+        try:
+            job.notify(update)
+        except Exception:  # noqa: BLE001
+            log.exception("a request's callback failed")
+            job.cancelled = True
 
 
 def _context(plan) -> str:
