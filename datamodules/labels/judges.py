@@ -257,10 +257,10 @@ class HTTPJudge(Judge):
             raise ValueError(f"api={api!r}; expected 'chat' or 'completions'")
         if yes.strip().lower() == no.strip().lower():
             raise ValueError(f"answers {yes!r} and {no!r} are the same word; give distinct answers")
-        from generation.engines.connection import Connection
+        from generation.engines.connection import Connection, public_url
 
         self.conn = Connection(url, api_key_env=api_key_env, timeout=timeout, retries=retries)
-        self.url = url.rstrip("/") + ("/chat/completions" if api == "chat" else "/completions")
+        self.url = public_url(url.rstrip("/")) + ("/chat/completions" if api == "chat" else "/completions")
         self.model, self.template, self.api = model, template, api
         self.concurrency, self.yes, self.no = concurrency, yes.strip().lower(), no.strip().lower()
         self.id = f"http:{self.url}:{model}:{template}"

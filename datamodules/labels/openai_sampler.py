@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from generation.engines import make_engine
 from generation.engines.base import Unsupported
-from generation.engines.connection import Connection, identify
+from generation.engines.connection import Connection, identify, public_url
 from generation.handover import prompt_text
 from generation.specs import SamplingSpec, StepSpec
 from datamodules.labels.samplers import StepSampler, request_seed
@@ -60,7 +60,7 @@ class OpenAISampler(StepSampler):
             first.check_model(model)  # an unreachable server or another model: refused before asking who it is
             engine = identify(first)[0]
             if engine is None:
-                raise Unsupported(f"sampling server {self.urls[0]} is not vLLM, SGLang or llama-cpp-python (none of "
+                raise Unsupported(f"sampling server {first.url} is not vLLM, SGLang or llama-cpp-python (none of "
                                   "their routes answers); sample with one of them, or name the engine", first.root)
         self.engine = engine
         self.engines = [make_engine(engine, u, model, **conn) for u in self.urls]
@@ -102,8 +102,8 @@ class OpenAISampler(StepSampler):
         return [w.text for w in self._each(contexts, step=None, max_tokens=max_new_tokens, seed=seed)]
 
     def provenance(self):
-        return {"backend": "openai", "model": self.model, "urls": self.urls, "engine": self.engine,
-                "server_version": self.engines[0].version, "delimiters": self.delimiters}
+        return {"backend": "openai", "model": self.model, "urls": [public_url(u) for u in self.urls],  # as logged
+                "engine": self.engine, "server_version": self.engines[0].version, "delimiters": self.delimiters}
 
     def stats(self):
         return {**super().stats(), "generated_tokens": self.generated_tokens}

@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 from generation.engines.base import EngineError, Refused, Unreachable, Unsupported
 
@@ -30,6 +31,13 @@ def redact(message: str, *keys: str) -> str:
     for value in sorted(set(values), key=len, reverse=True):
         message = message.replace(value, "***")
     return message
+
+
+def public_url(url: str) -> str:
+    """``url`` without the user and password it may carry (``http://user:pass@host/``, which the HTTP client sends as
+    basic auth): how a message, a log line or ``/health`` names a server."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 def at_least(client, version: str | None, floor: str, engine: str) -> None:
@@ -76,14 +84,15 @@ class Connection:
         if retries < 1 or timeout <= 0:
             raise ValueError(f"retries={retries} (expected >= 1), timeout={timeout} (expected > 0)")
         self.openai = openai
-        self.root = url.rstrip("/").removesuffix("/v1")
+        root = url.rstrip("/").removesuffix("/v1")  # a user and password in it are sent, never shown
+        self.root = public_url(root)
         self.url = self.root + "/v1"
         self.retries = retries
         self.key_env = api_key_env
         self._key = os.environ.get(api_key_env, "") if api_key_env else ""
-        self.client = openai.OpenAI(base_url=self.url, api_key=self._key or "none", timeout=timeout,
+        self.client = openai.OpenAI(base_url=root + "/v1", api_key=self._key or "none", timeout=timeout,
                                     max_retries=retries - 1)
-        self.root_client = self.client.with_options(base_url=self.root)
+        self.root_client = self.client.with_options(base_url=root)
         self.contexts: dict[str, int] = {}
         """Per model name, the context ``/v1/models`` states (``max_model_len``), filled by :meth:`models`."""
         self.down_s = min(timeout, DOWN_S)

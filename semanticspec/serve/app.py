@@ -16,7 +16,6 @@ import json
 import logging
 import random
 import time
-from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from generation.engines.base import Refused
+from generation.engines.connection import public_url
 from semanticspec.config import DecodeConfig
 from semanticspec.methods import METHODS
 from semanticspec.serve.protocol import (ChatRequest, CompletionRequest, Reply, error_body, lone_surrogate, unsupported,
@@ -279,13 +279,6 @@ class Guard:
                 await JSONResponse(body, status_code=500)(scope, receive, sending)
 
 
-def _public(url: str) -> str:
-    """``url`` without the user and password it may carry (``http://user:pass@host/``): what an unauthenticated
-    ``/health`` may say."""
-    p = urlsplit(url)
-    return p._replace(netloc=p.netloc.rpartition("@")[2]).geturl()
-
-
 def key_matches(header: bytes, key: str) -> bool:
     """``Authorization: Bearer <key>``, the scheme in any case (RFC 7235), the key compared in constant time."""
     scheme, _, given = header.decode("latin-1").strip().partition(" ")
@@ -314,7 +307,7 @@ def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Setti
 
     @app.get("/health")
     async def health(request: Request):
-        down = [_public(u) for u in s.backends if not await _answers(u)]
+        down = [public_url(u) for u in s.backends if not await _answers(u)]
         marked = marked_down(dec)
         down += [u for u in marked if u not in down]
         if sched.failure or down:

@@ -2,6 +2,7 @@
 :class:`~generation.engines.base.Refused` with the server's own message after one request, not retried; a server
 that is down still raises :class:`~generation.engines.base.Unreachable` after the retries."""
 
+import base64
 import threading
 import time
 
@@ -124,3 +125,33 @@ def test_a_hung_server_fails_the_requests_behind_it_at_once_and_is_asked_again_l
         assert conn.completions(model="m", prompt="x", max_tokens=1)[0].choices[0].text == "ok"
     finally:
         server.close()
+
+
+def test_a_servers_user_and_password_reach_it_and_no_message():
+    """A URL may carry a user and password (``http://user:pass@host/v1``), which the HTTP client sends: every message
+    (and ``/health``, and a log) names the server without them. Messages once carried the URL whole."""
+    from generation.engines.base import Unreachable
+    from generation.engines.connection import Connection
+
+    seen = []
+
+    class Recording(LoopbackServer):
+        def __init__(self):
+            class Handler(JsonHandler):
+                def do_POST(self):
+                    self.rfile.read(int(self.headers["Content-Length"]))
+                    seen.append(self.headers.get("Authorization"))
+                    self._send(503, {"error": {"message": "busy"}})
+
+            self.url = self._serve(Handler) + "/v1"
+
+    s = Recording()
+    try:
+        with_login = s.url.replace("http://", "http://svc:hunter2pw@")
+        conn = Connection(with_login, api_key_env="", timeout=10, retries=1)
+        with pytest.raises(Unreachable) as e:
+            conn.completions(model="m", prompt="x", max_tokens=1)
+    finally:
+        s.close()
+    assert seen == ["Basic " + base64.b64encode(b"svc:hunter2pw").decode()]  # sent, as httpx sends a URL's login
+    assert conn.url == s.url and "hunter2pw" not in str(e.value) and s.url.removesuffix("/v1") in str(e.value)
