@@ -244,12 +244,13 @@ class Scheduler:
         except queue.Empty:
             return
         while True:
-            with self._guard(job, "planning"):
-                prompt = job.prompt() if callable(job.prompt) else job.prompt
-                plan = self.plan(prompt, job.config, job.budget)
-                tokens = self._prompt_tokens(plan.inputs[0][0])
-                self._tell(job, Update(planned=True, prompt_tokens=tokens))
-                self.waiting.append((job, plan))
+            if not job.ended:  # abort() answers the jobs in the inbox where they are
+                with self._guard(job, "planning"):
+                    prompt = job.prompt() if callable(job.prompt) else job.prompt
+                    plan = self.plan(prompt, job.config, job.budget)
+                    tokens = self._prompt_tokens(plan.inputs[0][0])
+                    self._tell(job, Update(planned=True, prompt_tokens=tokens))
+                    self.waiting.append((job, plan))
             try:
                 job = self.inbox.get_nowait()
             except queue.Empty:
@@ -282,7 +283,7 @@ class Scheduler:
         while self.waiting:
             job, plan = self.waiting.popleft()
             if job.cancelled:
-                self.dropped += 1
+                self.dropped += self.abort_reason is None  # a shutdown's are not clients gone
                 self._end(job, self._cancelled())
                 continue
             key = (plan.method, plan.sampling, plan.loop, plan.step, plan.spare, plan.cfg.judge_suffix)
@@ -308,8 +309,8 @@ class Scheduler:
         g = self.groups[key]
         for i, j in g.jobs.items():
             if j.cancelled and not g.loop.rows[i].done:
-                g.loop.cancel(i, "cancelled: the client went away")
-                self.cancelled += 1
+                g.loop.cancel(i, self.abort_reason or "cancelled: the client went away")
+                self.cancelled += self.abort_reason is None  # a shutdown's are not clients gone
         try:
             e = next(g.events)
         except StopIteration:

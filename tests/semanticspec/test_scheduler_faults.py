@@ -323,3 +323,40 @@ def test_max_rows_above_256_is_served():
 
     app = build_app(FakeDecoder(), Settings(max_rows=300, max_queue=1000))
     app.state.scheduler.stop(1)
+
+
+def test_a_shutdown_ends_every_request_once_and_counts_none_as_a_client_gone():
+    """stop()'s abort ends a row decoding, one waiting for room and one still in the inbox, each with one end and
+    nothing after it, and none of them counts as a client that went away (cancelled, dropped): the one in the inbox
+    was once planned after its end and told so, and the others were counted as clients gone."""
+    from semanticspec.serve.scheduler import Scheduler
+
+    gate, held = threading.Event(), threading.Event()
+    gate.set()
+
+    def round_gate():  # rounds run (10 ms each) while the gate is open; a round waits at a closed one
+        if not gate.is_set():
+            held.set()
+        assert gate.wait(10)
+        time.sleep(0.01)
+
+    s = Scheduler(FakeDecoder(round_gate=round_gate), max_rows=1)
+    got = {k: [] for k in ("decoding", "waiting", "inbox")}
+    told = {k: threading.Event() for k in got}
+
+    def notify(name):
+        return lambda u: (got[name].append(u), told[name].set())
+
+    s.submit(_job("a", notify("decoding"), n=1000))
+    s.submit(_job("b", notify("waiting"), n=1000))  # planned, no room: it waits
+    assert told["decoding"].wait(10) and told["waiting"].wait(10)
+    gate.clear()
+    assert held.wait(10)  # the thread waits in a round: what is submitted now stays in the inbox
+    s.submit(_job("c", notify("inbox"), n=1000))
+    s.abort("the server shut down before this request finished")
+    gate.set()
+    s.stop(5)
+    for name, updates in got.items():
+        ends = [k for k, u in enumerate(updates) if u.finish]
+        assert ends == [len(updates) - 1] and updates[-1].status == 503, (name, updates[-3:])
+    assert len(got["inbox"]) == 1 and (s.cancelled, s.dropped, s.pending) == (0, 0, 0)
