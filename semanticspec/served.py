@@ -510,9 +510,15 @@ class EngineProposer(EnginePart):
         answers.update(self.each("write", calls))
         for i, w in answers.items():
             steps = cut_steps(w, rows[i].forced, self.step_spec, rows[i].limit - len(rows[i].forced))
-            if not steps:
+            if steps is None:
                 self.rows[i].fail(f"the draft server {self.engine.url} returned token texts that do not spell its "
                                   "text; a window of steps is cut at their boundaries")
+                continue
+            if not steps:
+                self.rows[i].fail(f"the draft server {self.engine.url} stopped after {len(w.tokens.tokens)} token(s) "
+                                  "without finishing a step: its context is full. A server that states no context "
+                                  "(llama-cpp-python) needs it given (n_ctx; the endpoint's --backend_n_ctx), so "
+                                  "that rows end at the context's end")
                 continue
             out[i], self.ahead[i] = steps[0], steps[1:window]
         return out
@@ -701,19 +707,20 @@ def _after_forced(w, forced: str):
     return dataclasses.replace(w, text=w.text[len(forced) :], tokens=t.span(1), usage=usage)
 
 
-def cut_steps(w, forced: Forced, step: StepSpec, room: int) -> list[Proposal]:
+def cut_steps(w, forced: Forced, step: StepSpec, room: int) -> list[Proposal] | None:
     """The steps of a continuation written in one request, cut where a one-step write would stop: at a delimiter, at
     the step cap (the forced tokens count toward the first step's), or at ``room`` new tokens in all; an unfinished
-    last step is dropped (the request stopped at its ``max_tokens``) unless EOS ended it. Empty when the server's
-    token texts cannot be mended to spell its text (:func:`~generation.engines.base.spell`)."""
+    last step is dropped (the request stopped at its ``max_tokens``) unless EOS ended it. Empty when the server
+    stopped before a step was finished (its context full: a write of all it was asked for finishes one); None when
+    its token texts cannot be mended to spell its text (:func:`~generation.engines.base.spell`)."""
     if w.tokens is None:
-        return []
+        return None
     pieces = list(w.tokens.tokens)
     without_eos = spell(pieces[:-1], w.text) if w.stop == "eos" and pieces else None
     eos_piece = without_eos is not None  # the last piece is the EOS token's own text
     pieces = without_eos if eos_piece else spell(pieces, w.text)
     if pieces is None:
-        return []
+        return None
     out, a, lp = [], 0, w.tokens.logprobs.tolist()
     for b in step_ends(pieces, step, forced, room):
         f = forced if not out else NOTHING_FORCED

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from generation.engines.base import EngineError
 from semanticspec.config import DecodeConfig
 from semanticspec.served import ServedPrompt
 from semanticspec.results import Decision, DecodeResult, DecodeStats, StepTrace
@@ -258,12 +259,17 @@ class Scheduler:
 
     @contextlib.contextmanager
     def _guard(self, job: Job, what: str):
-        """Run a block of one job's work: a refusal (ValueError) ends it as ``invalid``, any other fault as
-        ``error`` (logged with its traceback); the thread and the other jobs go on."""
+        """Run a block of one job's work: a refusal (ValueError) ends it as ``invalid``, a server that failed it (an
+        :class:`~generation.engines.base.EngineError`: a prompt counted on a server that is gone) as a 502 ``error``
+        with the engine's error as its cause, any other fault as a 500 ``error`` (logged with its traceback); the
+        thread and the other jobs go on."""
         try:
             yield
         except ValueError as e:
             self._end(job, Update(finish="invalid", error=str(e)))
+        except EngineError as e:
+            log.warning("a request failed while %s: %s", what, e)
+            self._end(job, Update(finish="error", error=str(e), status=502, cause=e))
         except Exception as e:  # noqa: BLE001 - a fault of this request ends it, not the thread
             log.exception("a request failed while %s", what)
             self._end(job, Update(finish="error", error=f"{type(e).__name__}: {e}"))

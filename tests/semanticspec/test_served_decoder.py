@@ -324,6 +324,40 @@ def test_a_server_failing_for_one_prompt_fails_only_that_prompt(world, engines, 
     assert not solved[2] and task.check(ref[2].text, world["problems"][2]["answer"])  # it would have been solved
 
 
+def test_a_window_the_draft_server_cuts_at_its_full_context_says_so(world, engines):
+    """A server that states no context (llama-cpp-python without n_ctx) stops a window's write short where its
+    context is full: the row fails saying so and naming the fix, where it once blamed the server's token texts."""
+    target, draft = (Wrapped(e) for e in engines)
+    target.context_length = draft.context_length = None
+    dec = ServedDecoder(target, draft, "checkpoints/arithmetic/probes-topk/target",
+                        "checkpoints/arithmetic/probes-topk/draft", task=world["task"])
+    near = "Start with 7. Add 5. " * 36 + "Start"  # 254 of the world's 256 positions
+    r = dec.generate([near], max_new_tokens=16, seed=1)[0]
+    assert r.stop_reason == "error" and "context is full" in r.error and "n_ctx" in r.error, r.error
+
+
+def test_a_server_gone_when_the_endpoint_counts_a_prompt_is_a_502_naming_it(world, engines):
+    """Planning counts a prompt on each server that states its context: one gone there is a 502 naming it, as a server
+    gone mid-decode is; it was once a 500, logged as a fault of the endpoint."""
+    from fastapi.testclient import TestClient
+    from generation.engines.base import Unreachable
+    from semanticspec.serve.app import Settings, build_app
+
+    class Gone(Wrapped):
+        def prompt_tokens(self, texts):
+            raise Unreachable(f"server {self.url} failed /extras/tokenize/count after 1 attempt(s): "
+                              "APIConnectionError: Connection error.", self.url)
+
+    draft = Gone(engines[1])
+    assert draft.context_length is not None  # a LocalEngine states its model's
+    dec = ServedDecoder(engines[0], draft, task=world["task"], tokenizer=world["tok"])
+    app = build_app(dec, Settings(tokenizer=world["tok"]))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": world["prompts"][0], "max_tokens": 8, "method": "target_only"})
+    app.state.scheduler.stop(1)
+    assert r.status_code == 502 and draft.url in r.json()["error"]["message"], r.text
+
+
 def test_answer_cut_is_the_step_loops_stop():
     from generation.engines.base import TokenLogprobs
 
