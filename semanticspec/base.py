@@ -93,6 +93,9 @@ class StepDecoder:
                 the number of prompts, or a bad prompt (a mixed batch, an empty prompt, an id outside the
                 vocabulary, a prompt longer than a model's context), naming the prompt's index; all before any
                 model call or request.
+            EngineError: served, a server that is gone or refuses while the prompts are counted on it (one that
+                states its context), before any decode; a server that fails later fails its rows instead
+                (``stop_reason="error"``).
         """
         plan = self.plan(prompts, self._config(config, overrides))
         return collect(self._events(plan), len(plan.keys))
