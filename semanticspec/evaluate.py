@@ -219,7 +219,7 @@ class Records:
     def __init__(self, path: Path, header: dict) -> None:
         from filelock import FileLock, Timeout
 
-        self.path, self.header = Path(path), header
+        self.path, self.header = Path(path), json.loads(json.dumps(header))  # as a rerun reads it back (tuples: lists)
         self.lines: dict[tuple, dict] = {}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.lock = FileLock(self.path.with_name(f".{self.path.name}.lock"))  # released by close(), or the OS
@@ -610,7 +610,11 @@ def read_fit(config: str) -> FitRun:
         build = parser.instantiate(parser.parse_args(["--config", yaml.safe_dump(section)])).build
     except (ArgumentError, ValueError, TypeError) as e:
         raise ValueError(f"--config {path}: its data.build section is refused: {e}") from None
-    return FitRun(build, Path(section["data_dir"]), [run / "export"] if run is not None else run_exports(fit))
+    if fit.get("export_dir"):  # the fit exported there (--export_dir), not into its run folder
+        exports = [Path(fit["export_dir"])]
+    else:
+        exports = [run / "export"] if run is not None else run_exports(fit)
+    return FitRun(build, Path(section["data_dir"]), exports)
 
 
 def recorded_build(data_dir: Path, config: Path) -> dict:
@@ -648,9 +652,12 @@ def probe_dir(opts: EvaluateOptions, fit: FitRun) -> Path:
     if opts.probes is None:
         found = [p for p in fit.exports if (p / "target" / "config.json").is_file()]
         if not found:
-            raise ValueError(f"--probes: the run of --config {opts.config} has exported no probes yet (looked for "
-                             "<log dir>/version_N/export); train with `python -m probes.fit --config "
-                             f"{opts.config}`, or give --probes DIR (e.g. checkpoints/arithmetic/probes)")
+            given = Path(opts.config)
+            fit_config = given / "config.yaml" if given.is_dir() else given
+            looked = ", ".join(map(str, fit.exports[:1])) or "<log dir>/version_N/export"
+            raise ValueError(f"--probes: the run of --config {opts.config} has exported no probes yet (looked in "
+                             f"{looked}); train with `python -m probes.fit --config {fit_config}`, or give --probes "
+                             "DIR (e.g. checkpoints/arithmetic/probes)")
         return found[0]
     from probes.model import probe_config
 
@@ -863,6 +870,9 @@ def _evaluate(given: list[str]) -> dict:
         out_dir = Path(opts.out_dir).expanduser() if opts.out_dir is not None else probes / "evaluation"
         if problem := folder_problem(out_dir if opts.out_dir is None else opts.out_dir, "--out_dir"):
             raise ValueError(problem)  # before the models load
+        if opts.write_threshold and (problem := folder_problem(probes, "--probes")):
+            raise ValueError(f"{problem}: the pick is written there (threshold.json); give --write_threshold false "
+                             "to evaluate without writing it")
         task, problems, skip = held_out(opts, fit)
         apply_threads(opts.threads, log=None)
         setup = make_setup(opts, fit, probes, task, problems, skip, recorded_tau(out_dir))
@@ -877,6 +887,12 @@ def _evaluate(given: list[str]) -> dict:
         raise SystemExit(130) from None
     finally:
         evaluation.records.close()
+    return _written(report, opts, probes, out_dir, evaluation.records.path, f"{PROG} {shlex.join(given)}")
+
+
+def _written(report: dict, opts: EvaluateOptions, probes: Path, out_dir: Path, records: Path, command: str) -> dict:
+    """Save the report in ``out_dir``, then write the pick beside ``probes`` (as ``opts`` says); exit 1, naming the
+    first failure, when no problem was evaluated."""
     from semanticspec.policies import THRESHOLD_FILE
 
     report["probes"] = str(probes)
@@ -884,11 +900,14 @@ def _evaluate(given: list[str]) -> dict:
     report["threshold_file"] = str(probes / THRESHOLD_FILE) if picked else None
     save(report, out_dir)  # the report first: an interrupted write leaves the old threshold beside a stale report
     if picked:
-        write_threshold(probes, report, f"{PROG} {shlex.join(given)}")
+        try:
+            write_threshold(probes, report, command)
+        except OSError as e:  # the folder changed while the problems decoded: the report is saved
+            fail(PROG, f"--probes {probes}: the pick could not be written ({e}); the report is in {out_dir}")
     if not report["n_evaluated"]:
         first = report["failed"][0] if report["failed"] else {"problem": 0, "method": "?", "reason": "not decoded"}
         print(f"{PROG}: no problem was evaluated: every one has a failed decode (first: problem {first['problem']}, "
-              f"{first['method']}: {first['reason']}); see {evaluation.records.path}", file=sys.stderr)
+              f"{first['method']}: {first['reason']}); see {records}", file=sys.stderr)
         raise SystemExit(1)
     return report
 

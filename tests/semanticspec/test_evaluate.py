@@ -172,6 +172,58 @@ def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_ref
         assert says in refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--out_dir", out])
 
 
+def _fit_with_export_dir(tmp_path: Path) -> dict:
+    """The package's fit config, its runs under ``tmp_path/runs``, exporting to ``tmp_path/exported``."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(CONFIG).read_text())
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
+    cfg["export_dir"] = str(tmp_path / "exported")
+    shutil.copytree(SHIPPED, tmp_path / "exported")
+    return cfg
+
+
+def test_a_fit_that_exported_to_its_export_dir_is_evaluated_from_there(tmp_path):
+    """A fit with --export_dir writes its probes there, not into its run folder: the evaluation once refused its run
+    folder (no export yet) and, given its YAML, evaluated an older run's export and wrote the pick beside it."""
+    import yaml
+
+    cfg = _fit_with_export_dir(tmp_path)
+    run = tmp_path / "runs" / "fit" / "version_1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    shutil.copytree(SHIPPED, tmp_path / "runs" / "fit" / "version_0" / "export")  # an older run's
+    fit_yaml = tmp_path / "fit.yaml"
+    fit_yaml.write_text(yaml.safe_dump(cfg))
+    for config in (run, fit_yaml):
+        assert E.probe_dir(E.EvaluateOptions(config=str(config)), E.read_fit(str(config))) == tmp_path / "exported"
+
+
+def test_probes_whose_folder_cannot_take_the_pick_are_refused_before_decoding(capsys, monkeypatch, tmp_path):
+    """The pick is written beside the probes: a folder that cannot take it was found after every decode (a
+    PermissionError traceback, exit 1)."""
+    import subprocess
+
+    no_decoding(monkeypatch)
+    probes = tmp_path / "probes"
+    shutil.copytree(SHIPPED, probes)
+    if subprocess.run(["chattr", "+i", str(probes)], capture_output=True).returncode:
+        pytest.skip("chattr +i (an immutable folder, which root cannot write either) is not available here")
+    try:
+        err = refused(capsys, ["--probes", str(probes), "--out_dir", str(tmp_path / "out")])
+    finally:
+        subprocess.run(["chattr", "-i", str(probes)])
+    assert f"--probes {probes}: no folder can be made" in err and "--write_threshold false" in err
+
+
+def test_records_whose_header_holds_a_tuple_resume(tmp_path):
+    """A task's arguments may hold a tuple, which JSON reads back as a list: every resume was refused as another
+    run's records."""
+    header = {"task": {"class_path": "my.Task", "init_args": {"delimiters": ("\n\n", ". ")}}, "tau": 0.5}
+    E.Records(tmp_path / "records.jsonl", header).close()
+    E.Records(tmp_path / "records.jsonl", header).close()
+
+
 def test_records_with_a_damaged_header_or_line_are_refused_not_erased(tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text(json.dumps({"note": "header lost"}) + "\n" + json.dumps({"problem": 0}) + "\n")
