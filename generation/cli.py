@@ -71,20 +71,20 @@ def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config", "-c"
 
 
 def did_you_mean(message: str, options: list[str], args: list[str] | None = None) -> str:
-    """``message`` (an "unrecognized arguments" error, or jsonargparse's "Group 'g' does not accept option 'k'")
-    with the closest known options of each unknown one; a key no option of ``args`` (the command line, when given)
-    set is named as a key of its config files."""
+    """``message`` (an "unrecognized arguments" error, or jsonargparse's "Group 'g' does not accept option 'k'" or
+    "Option 'k' is not accepted") with the closest known options of each unknown one; a key no option of ``args``
+    (the command line, when given) set is named as a key of its config files."""
     m = re.search(r"nrecognized arguments: (.*)", message)
     group = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
-    if group and args is not None:
-        key = f"--{group[1]}.{group[2]}"
+    top = re.search(r"Option '([\w.]+)' is not accepted", message)
+    key = f"--{group[1]}.{group[2]}" if group else f"--{top[1]}" if top else None
+    if key and args is not None:
         files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "--fit_config")]
         if files and not any(a == key or a.startswith(key + "=") for a in args):
             message = message.rstrip() + f" (a key of {', '.join(files)})"
-    if not m and not group:
+    if not m and not key:
         return message
-    unknown = [w.split("=")[0] for w in m.group(1).split() if w.startswith("--")] if m else \
-        [f"--{group[1]}.{group[2]}"]
+    unknown = [w.split("=")[0] for w in m.group(1).split() if w.startswith("--")] if m else [key]
     hints = [f"did you mean {close[0]}?" for word in unknown
              if (close := difflib.get_close_matches(word, options, n=1, cutoff=0.75))]
     return message.rstrip() + ("; " + "; ".join(hints) if hints else "")

@@ -112,7 +112,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     args = normalise_args(list(sys.argv[1:] if args is None else args))
     args = _help_args(args)
     first_pass(args)  # no torch yet: a bad option costs a second, not the imports below
-    from probes.fit_cli import fit, make_cli
+    from probes.fit_cli import fit, make_cli, run_test
 
     cli = make_cli(args, DEFAULT_CONFIG)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
@@ -123,7 +123,7 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
     if cli.config.get("test", True) and getattr(data, "test_fraction", 1) > 0:  # 0: no test split to run on
         # the path, not "best": with the configs' second ModelCheckpoint (the latest epoch) Lightning warns that it
         # picks the first one's best
-        results = trainer.test(module, datamodule=data, ckpt_path=best, verbose=False)
+        results = run_test(trainer, module, data, best)
         test_metrics = {k: float(v) for r in results for k, v in r.items()}
     elif best:  # the test loads the best weights; without one, they are loaded here, so the best ones are exported
         import torch

@@ -17,9 +17,10 @@ import sys
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from jsonargparse import set_parsing_settings
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
@@ -109,8 +110,6 @@ class ProbeCLI(LightningCLI):
         return super()._instantiate_trainer(config, list(callbacks) + [NoValidationFallback()])
 
     def instantiate_classes(self) -> None:
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
-
         try:
             super().instantiate_classes()
         except (ValueError, OSError) as e:  # the classes check their arguments when built (docs/contributing.md)
@@ -358,7 +357,7 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
     handler = signal.getsignal(signal.SIGINT)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    except (ValueError, OSError, RuntimeError, ImportError) as e:
+    except (ValueError, OSError, RuntimeError, ImportError, MisconfigurationException) as e:
         from generation.engines.base import EngineError  # a server of the data build failed or refused
 
         refused = isinstance(e, EngineError) or str(e).startswith(CHECKPOINT_ERRORS)
@@ -371,16 +370,33 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
         if setup_done.training or (isinstance(e, RuntimeError) and not refused):
             raise  # raised while training, or a fault of ours: not an input error, keep the traceback
         _drop_empty_run_dir(new_run_dir)
-        fail(str(e))  # the data build (its servers), the data checks or the optimizer refused the input
+        # the data build (its servers), the data checks, the optimizer or Lightning (a checkpoint past
+        # --trainer.max_epochs) refused the input
+        fail(str(e))
     except SystemExit:
-        if not trainer.interrupted:
-            raise
-        # Lightning caught KeyboardInterrupt, shut down and called sys.exit(1): say what was kept
-        if handler is not None:
-            signal.signal(signal.SIGINT, handler)  # Lightning left SIGINT ignored
-        if trainer.is_global_zero:
-            print(interrupted_line(trainer, setup_done.done), file=sys.stderr)
-        raise SystemExit(130) from None
+        _interrupted(trainer, handler, setup_done.done)
+
+
+def run_test(trainer, module, data, ckpt_path: str | None) -> list[dict]:
+    """``trainer.test`` of the checkpoint ``ckpt_path``; Ctrl-C ends in what was kept and how to resume, as in
+    :func:`fit`."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        return trainer.test(module, datamodule=data, ckpt_path=ckpt_path, verbose=False)
+    except SystemExit:
+        _interrupted(trainer, handler)
+
+
+def _interrupted(trainer, handler, training: bool = True) -> NoReturn:
+    """Re-raise a ``SystemExit`` that is no Ctrl-C; else Lightning caught KeyboardInterrupt, shut down and called
+    ``sys.exit(1)``: restore SIGINT's ``handler``, say what was kept and exit 130."""
+    if not trainer.interrupted:
+        raise
+    if handler is not None:
+        signal.signal(signal.SIGINT, handler)  # Lightning left SIGINT ignored
+    if trainer.is_global_zero:
+        print(interrupted_line(trainer, training), file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 def keep_checkpoints_together(trainer, ckpt_path: str) -> None:

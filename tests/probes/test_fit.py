@@ -1133,3 +1133,47 @@ def test_a_learning_rate_scheduler_is_stepped_recorded_on_the_card_and_checked_b
     assert module.configure_optimizers()["lr_scheduler"]["monitor"] == "val/loss"  # Lightning's plateau names it
     with pytest.raises(ValueError, match="lr_scheduler=3: expected a callable that takes the optimizer"):
         SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec, lr_scheduler=3)
+
+
+def test_a_resume_with_fewer_epochs_than_its_checkpoint_is_one_line_and_leaves_no_run(tmp_path, capsys):
+    """Lightning refuses a checkpoint past --trainer.max_epochs (MisconfigurationException): that was a traceback, exit
+    1, and an empty version_1 folder, where a --ckpt_path that cannot resume ends in one line."""
+    cfg = _tiny_config(tmp_path)  # 3 epochs
+    main(["--config", str(cfg), "--test", "false", "--export", "false"])
+    run = tmp_path / "runs" / "fit" / "version_0"
+    capsys.readouterr()
+    line = _one_line_error(capsys, ["--config", str(run / "config.yaml"), "--ckpt_path",
+                                    str(run / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", "1"])
+    assert "max_epochs=1" in line and not (tmp_path / "runs" / "fit" / "version_1").exists()
+
+
+class InterruptTest(L.Callback):
+    """Ctrl-C while the best checkpoint is tested, after training."""
+
+    def on_test_start(self, trainer, pl_module):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_the_best_checkpoint_is_tested_says_what_was_kept(tmp_path, capsys):
+    """The test phase ran outside the fit's Ctrl-C handling: exit 1 with Lightning's line alone, where training's
+    Ctrl-C exits 130 naming last.ckpt and the command that resumes."""
+    handler = signal.getsignal(signal.SIGINT)
+    interrupt = '[{"class_path": "tests.probes.test_fit.InterruptTest"}]'
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["--config", str(_tiny_config(tmp_path)), "--trainer.max_epochs", "1", "--trainer.callbacks+",
+                  interrupt])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert e.value.code == 130 and "python -m probes.fit: interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, suggestion", [("export_dri", "--export_dir"), ("seed_everythin", "--seed_everything")])
+def test_a_mistyped_top_level_key_of_a_config_file_is_named_with_the_closest_option(tmp_path, capsys, key,
+                                                                                    suggestion):
+    """A nested key gets its file named and the closest option; a top-level one got only jsonargparse's "Option
+    'export_dri' is not accepted"."""
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(f"{key}: 1\n")
+    line = _one_line_error(capsys, ["--config", str(_tiny_config(tmp_path)), "--config", str(typo)])
+    assert f"did you mean {suggestion}?" in line and str(typo) in line, line
