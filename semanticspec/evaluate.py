@@ -628,9 +628,10 @@ def recorded_build(data_dir: Path, config: Path) -> dict:
 
     manifest = read_manifest(data_dir) if data_dir.is_dir() else None
     if not isinstance((manifest or {}).get("config"), dict):
+        what = "no manifest.json" if manifest is None else "a manifest.json that records no build config"
         raise ValueError(f"--config {config}: its data.build is null (labels built on their own) but {data_dir} holds "
-                         "no manifest.json recording their build; run from the folder the fit ran in, or give a "
-                         "fit config with a data.build section")
+                         f"{what}; run from the folder the fit ran in, or give a fit config with a data.build "
+                         "section")
     return manifest["config"]
 
 

@@ -150,9 +150,12 @@ def test_a_fit_on_labels_built_on_their_own_is_evaluated_on_the_build_they_recor
     fit.write_text(f"data:\n  data_dir: {data}\n  build: null\n")
     build = E.read_fit(str(fit)).build
     assert Path(build.resolved_task().path) == problems and build.n_problems == 3 and build.target.endswith("draft")
+    (data / "manifest.json").write_text(json.dumps({"format_version": 3, "shards": []}))  # another build's
+    with pytest.raises(ValueError, match=rf"{data} holds a manifest.json that records no build config; run from"):
+        E.read_fit(str(fit))
     (data / "manifest.json").unlink()
     with pytest.raises(ValueError, match=rf"--config {fit}: its data.build is null .* but {data} holds no "
-                                         r"manifest.json recording their build"):
+                                         r"manifest.json; run from"):
         E.read_fit(str(fit))
 
 
