@@ -155,17 +155,20 @@ class _ShardRun:
         self.hits0 = 0  # the judge cache's hits when the models were loaded
         self.on_disk: set[int] = set()
         self.built: list[int] = []
+        self.started = time.time()  # a shard written since was rebuilt by this build (any of its ranks)
 
     def needs(self, k: int) -> bool:
         """Shard ``k`` is not on disk, is no whole safetensors file (cut or damaged in an unfinished build, which has
-        no checksums yet), or differs from what the finished build recorded."""
+        no checksums yet), or differs from what the finished build recorded and was not rebuilt since this build
+        started (a rebuilt shard may differ in its bytes: another thread count or library version)."""
         path = self.data_dir / S.shard_name(k)
         if not path.is_file() or not S.readable(path):
             return True
         if k in self.expected:
-            if (sha256_file(path), sha_or_none(self.data_dir / S.steps_name(k))) != self.expected[k]:
+            rebuilt = path.stat().st_mtime >= self.started
+            if not rebuilt and (sha256_file(path), sha_or_none(self.data_dir / S.steps_name(k))) != self.expected[k]:
                 return True
-            del self.expected[k]  # rebuilt (by us or another build): stop hashing it
+            del self.expected[k]  # as recorded, or rebuilt (by us or another rank): stop hashing it
         return False
 
     def build_mine(self, max_shards: int | None, log) -> None:
@@ -190,6 +193,7 @@ class _ShardRun:
             self._load_models()
         tensors, recs, counts = build_shard(k, self.plan["shards"][k], self.models, self.config, self.timer)
         S.write_shard_files(self.data_dir, k, tensors, recs)
+        self.expected.pop(k, None)  # rebuilt: it need not have the old bytes
         keep_if_claimed(self.data_dir, self.sig, k)
         for key, v in counts.items():
             self.totals[key] += v

@@ -1011,3 +1011,29 @@ def test_the_build_refuses_the_worlds_servers_swapped(tmp_path, capsys):
                   "--build.sampling.openai.draft.model", "null"])
     assert e.value.code == 2 and "servers swapped" in capsys.readouterr().err
     assert not list(tmp_path.rglob("*.safetensors"))  # nothing sampled, nothing written
+
+
+def test_a_repaired_shard_whose_bytes_differ_from_the_recorded_ones_finishes_the_build(world, tmp_path, monkeypatch):
+    """A shard rebuilt in a repair may differ in its bytes from the one the manifest recorded (another --threads, or
+    library version): the build waited for a shard with the old bytes, 12 hours, and every rerun again."""
+    from datamodules.labels import coordination as C
+    from datamodules.labels import shard as B
+
+    d = tmp_path / "d"
+    build(_config(world), d)
+    (d / S.shard_name(0)).unlink()
+    real = B.build_shard
+
+    def other_bits(k, *a, **kw):  # what another thread count gives: features a rounding apart
+        tensors, recs, counts = real(k, *a, **kw)
+        tensors["target.features"] = tensors["target.features"] + torch.finfo(torch.float16).eps
+        return tensors, recs, counts
+
+    monkeypatch.setattr(B, "build_shard", other_bits)
+    monkeypatch.setattr(C, "LOCK_POLL_S", 0.05)
+    done = {}
+    worker = threading.Thread(target=lambda: done.update(m=build(_config(world), d)), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the build still waits for the shard it rebuilt"
+    assert done["m"]["complete"] and done["m"]["shards"][0]["sha256"] == sha256_file(d / S.shard_name(0))
