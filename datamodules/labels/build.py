@@ -521,6 +521,10 @@ def _with_fit_config(args: list[str]) -> list[str]:
         raise ValueError(f"--fit_config {' '.join(args[i + 1 : i + 2])}: expected the path of a `python -m "
                          f"probes.fit` YAML")
     data = (yaml.safe_load(Path(args[i + 1]).read_text()) or {}).get("data") or {}
+    if "build" in data and data["build"] is None:  # the fit trains on labels built on their own: none to build here
+        raise ValueError(f"--fit_config {args[i + 1]}: its data.build is null (the fit builds nothing and reads "
+                         "finished labels); give the build's options yourself, or a fit config with a data.build "
+                         "section")
     section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
     return ["--config", yaml.safe_dump(section)] + args[:i] + args[i + 2 :]
 

@@ -438,6 +438,7 @@ def judge_provenance(config: BuildConfig) -> dict[str, Any]:
     if j.kind in ("llm", "nli"):
         path = config.model_path("judge")
         out["model"] = folder_fingerprint(path, "build.judge.model")  # refused here, before anything is written
+        out["weights"] = weights_stamp(path)  # a judge retrained in place groups steps otherwise
     else:
         out.update(model=j.model, url=j.url, api=j.api)
     if j.kind in ("llm", "http"):
@@ -515,7 +516,7 @@ def signature_mismatches(recorded: dict[str, Any], wanted: dict[str, Any], prefi
     recorded before the models' ``weights`` stamps were has none to compare)."""
     out = []
     for key in sorted(set(recorded) | set(wanted)):
-        if key == "name_or_path" or (key == "weights" and not prefix and key not in recorded):
+        if key == "name_or_path" or (key == "weights" and key not in recorded):  # builds before the stamps
             continue
         a, b = recorded.get(key), wanted.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -171,8 +171,12 @@ def read_step_records(data_dir: str | os.PathLike) -> list[dict]:
 
 
 def _check_entry_paths(path: Path, manifest: dict) -> None:
-    """Refuse shard entries whose files are not plain names inside the manifest's folder (``../x``, ``/x``)."""
+    """Refuse shard entries whose files are not plain names inside the manifest's folder (``../x``, ``/x``), and, in a
+    finished build, entries without the checksum each shard is checked against."""
     for k, entry in enumerate(manifest.get("shards") or []):
+        if manifest.get("complete") and not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)):
+            raise ValueError(f"{path}: shards[{k}] has no sha256, which a finished build records for each shard; "
+                             "delete it and rebuild")
         for key in ("file", "steps_file"):
             name = entry.get(key) if isinstance(entry, dict) else None
             if name is None and key == "steps_file":

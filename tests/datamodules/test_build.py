@@ -1037,3 +1037,36 @@ def test_a_repaired_shard_whose_bytes_differ_from_the_recorded_ones_finishes_the
     worker.join(30)
     assert not worker.is_alive(), "the build still waits for the shard it rebuilt"
     assert done["m"]["complete"] and done["m"]["shards"][0]["sha256"] == sha256_file(d / S.shard_name(0))
+
+
+def test_data_labelled_by_a_judge_retrained_in_place_is_refused_naming_its_weights(world, tmp_path, world_tokenizer):
+    """The judge decides the meaning groups, so q and p: retrained in its own folder (the same config and tokenizer),
+    its old labels were reused as the new judge's."""
+    retrained = tmp_path / "world"
+    shutil.copytree(world, retrained)
+    d = tmp_path / "data"
+    build(_config(retrained), d)
+    tiny_llama(len(world_tokenizer), 32, 1, seed=9).save_pretrained(retrained / "judge")  # other weights
+    with pytest.raises(ValueError, match=r"labels\.judge\.weights: data has"):
+        build(_config(retrained), d)
+
+
+def test_a_finished_manifest_entry_without_its_checksum_is_one_line(world, tmp_path, capsys):
+    """A hand-edited or damaged manifest: a shard entry without sha256 was a KeyError traceback (exit 1)."""
+    d = tmp_path / "d"
+    main(_world_args(world, d))
+    m = json.loads((d / S.MANIFEST).read_text())
+    del m["shards"][0]["sha256"]
+    (d / S.MANIFEST).write_text(json.dumps(m))
+    capsys.readouterr()
+    assert "shards[0] has no sha256" in _one_line(capsys, _world_args(world, d))
+
+
+def test_a_fit_config_that_builds_nothing_is_refused_not_built_as_the_default(tmp_path, monkeypatch, capsys):
+    """A fit YAML with data.build null reads finished labels: --fit_config took it as the default build (the world's
+    200 problems) into the fit's data folder."""
+    monkeypatch.setattr("datamodules.labels.build.build", lambda *a, **k: pytest.fail("built"))
+    fit = tmp_path / "fit.yaml"
+    fit.write_text(yaml.safe_dump({"trainer": {"max_epochs": 1}, "model": {},
+                                   "data": {"data_dir": str(tmp_path / "mine"), "build": None}}))
+    assert "its data.build is null" in _one_line(capsys, ["--fit_config", str(fit)])

@@ -17,7 +17,7 @@ def _dataset(folder, prefixes):
     (folder / "steps-00000.jsonl").write_text("\n".join(lines) + "\n")
     (folder / "manifest.json").write_text(json.dumps({
         "format_version": 3, "complete": True,
-        "shards": [{"file": "shard-00000.safetensors", "steps_file": "steps-00000.jsonl"}]}))
+        "shards": [{"file": "shard-00000.safetensors", "sha256": "0" * 64, "steps_file": "steps-00000.jsonl"}]}))
     return folder
 
 
