@@ -108,7 +108,10 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         changed since, got a ``config.json`` its card contradicted."""
         if not isinstance(save_directory, (str, os.PathLike)) or not str(save_directory):
             raise ValueError(f"save_directory={save_directory!r}: expected a folder path")
-        return super().save_pretrained(save_directory, config=portable_config(config or self.config), **kwargs)
+        config = portable_config(self.config if config is None else ProbeConfig.of(config))
+        # an export's weights are float32, whatever the MLP runs in (a probe loaded in float16 lost no precision)
+        probe = self if self.mlp_dtype == torch.float32 else copy.deepcopy(self).float()
+        return super(SemanticProbe, probe).save_pretrained(save_directory, config=config, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *, role: str | None = None, map_location: str = "cpu",
@@ -373,20 +376,27 @@ def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
 
 
 def _read_weights(file: Path) -> dict:
-    """The tensors of ``file`` (CPU), refusing NaN or infinite values by tensor name."""
+    """The tensors of ``file`` (CPU), their values checked (:func:`check_values`)."""
     from safetensors import SafetensorError
 
     try:
         state = load_file(str(file), device="cpu")
     except SafetensorError as e:
         raise ValueError(f"{file} is not a readable safetensors file ({e}); {_REDO}") from None
-    if bad := nonfinite(state):
-        raise ValueError(f"{file} holds NaN or infinite values in {bad}; the probe would refuse or accept every "
+    check_values(state, str(file))
+    return state
+
+
+def check_values(state: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a probe's tensors (``where``: the file they were read from) holding NaN or infinite values as the
+    float32 probe holds them (a float64 file's 1e300 is infinite there), or an ``input_std`` not positive
+    everywhere, naming the tensors."""
+    if bad := nonfinite({k: v.float() if v.is_floating_point() else v for k, v in state.items()}):
+        raise ValueError(f"{where} holds NaN or infinite values in {bad}; the probe would refuse or accept every "
                          f"step blindly. {_REDO.capitalize()} (a diverged training exports such weights)")
     if "input_std" in state and not bool((state["input_std"] > 0).all()):
-        raise ValueError(f"{file} holds an input_std that is not positive everywhere (training sets each at least "
+        raise ValueError(f"{where} holds an input_std that is not positive everywhere (training sets each at least "
                          f"1e-6); the probe would divide by it and score every step NaN. {_REDO.capitalize()}")
-    return state
 
 
 def read_folder(path: Path, config: ProbeConfig) -> SemanticProbe:
@@ -504,7 +514,7 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
     if isinstance(probe, (str, os.PathLike)):
         probe, mine = _from_folder(Path(probe).expanduser(), model, tokenizer, role), True
         device = device or torch.device("cpu")
-    elif isinstance(probe, torch.nn.Module) and hasattr(probe, "config"):
+    elif isinstance(probe, torch.nn.Module) and isinstance(getattr(probe, "config", None), ProbeConfig):
         where = f"the {role or probe.config.role} probe"
         check_role(probe.config, role, where=where)
         if model is not None or tokenizer is not None:

@@ -939,3 +939,43 @@ def test_a_config_dict_without_a_format_reads_as_todays_layout():
     assert probe.config.standardize and probe.config.features.groups == ("token_stats",)
     assert ProbeConfig.from_dict({"hidden_size": 8, "features": {"groups": ["token_stats"]}}).features.groups == (
         "token_stats",)
+
+
+def test_save_pretrained_takes_a_config_dict_as_huggingface_hubs_mixin_does(tmp_path):
+    """The mixin's save_pretrained takes a dict as its config: it was an AttributeError ('dict' has no 'reads')."""
+    probe = SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4]))
+    probe.save_pretrained(tmp_path / "p", config={"hidden_size": 8, "hidden_dims": [4], "role": "target"})
+    assert load_probe(tmp_path / "p").config.hidden_size == 8
+
+
+def test_a_transformers_model_given_as_the_probe_is_a_type_error():
+    """A model has a config too: it was an AttributeError ('LlamaConfig' has no 'role')."""
+    from tests.conftest import tiny_llama
+
+    with pytest.raises(TypeError, match="must be a path or a SemanticProbe"):
+        load_probe(tiny_llama(100, 8), role="target")
+
+
+def test_a_float64_weights_file_whose_values_overflow_float32_is_refused(tmp_path):
+    """1e300 is finite in a float64 file, which the header allows, and infinite in the float32 probe: it loaded."""
+    from safetensors.torch import load_file, save_file
+
+    export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "p")
+    weights = {k: v.double() for k, v in load_file(str(tmp_path / "p" / "model.safetensors")).items()}
+    weights["mlp.0.weight"][0, 0] = 1e300
+    save_file(weights, str(tmp_path / "p" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"NaN or infinite values in \['mlp.0.weight'\]"):
+        load_probe(tmp_path / "p")
+
+
+def test_a_probe_loaded_in_float16_exports_float32_weights(tmp_path):
+    """An export's weights are float32: one of a probe loaded with dtype float16 (or auto on AVX2) wrote its MLP in
+    float16, its precision lost for good."""
+    from safetensors import safe_open
+
+    export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "a")
+    half = load_probe(tmp_path / "a", dtype="float16")
+    export_probe(half, tmp_path / "b")
+    with safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    assert half.mlp_dtype == torch.float16  # the probe itself is left as it was
