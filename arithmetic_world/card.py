@@ -112,7 +112,7 @@ def card_text(role: str, folder: Path, results: Optional[dict]) -> str:
         The card's text: Hub front matter, then the sections "Model", "Training", "Measured", "Use"
         and "Limitations".
     """
-    facts = json.loads((folder / "training.json").read_text())
+    facts = _read_json(folder / "training.json")
     spec = facts["spec"]
     if spec.get("stop_accuracy") is not None:
         stop = f"stop at held-out accuracy >= {spec['stop_accuracy']}"
@@ -125,7 +125,7 @@ def card_text(role: str, folder: Path, results: Optional[dict]) -> str:
                          **_eval_results(role, results))
     card = ModelCard.from_template(
         data, template_path=TEMPLATE, role=role, role_text=ROLE_TEXT[role], answer_marker=task.ANSWER_MARKER,
-        facts=facts, spec=spec, cfg=json.loads((folder / "config.json").read_text()), r=results, stop=stop,
+        facts=facts, spec=spec, cfg=_read_json(folder / "config.json"), r=results, stop=stop,
         weights_mb=(folder / "model.safetensors").stat().st_size / 1e6, command=train_command(role, facts),
         init_from=spec.get("extra", {}).get("init_from"), shares=lambda xs: " / ".join(f"{x:.2f}" for x in xs),
         missed=[g for g, ok in results["goals"].items() if not ok] if results else [])
@@ -175,17 +175,27 @@ def main(argv: Optional[list[str]] = None) -> None:
              "`python -m benchmarks.world`")
     try:
         results = json.loads(path.read_text()) if path.is_file() else None
-        if results is not None and not (isinstance(results, dict) and {"n_problems", "goals"} <= results.keys()):
-            fail(prog, f"--results {path}: not the output of `python -m benchmarks.world` (a JSON object with "
-                 "n_problems and goals)")
+    except json.JSONDecodeError as e:
+        fail(prog, f"--results {path}: not valid JSON ({e})")
+    if results is not None and not (isinstance(results, dict) and {"n_problems", "goals", "target", "draft"} <=
+                                    results.keys()):  # every card shows both models' figures
+        fail(prog, f"--results {path}: not the output of `python -m benchmarks.world` (a JSON object with "
+             "n_problems, goals, target and draft)")
+    try:
         for role in args.roles:
             if args.publish is not None:
                 print(f"published {publish(role, args.publish, args.root)}")
             print(f"wrote {write_card(role, args.root, results)}")
-    except json.JSONDecodeError as e:
-        fail(prog, f"--results {path}: not valid JSON ({e})")
     except (OSError, ValueError, KeyError) as e:  # a missing model folder or training.json, an unfinished training
         fail(prog, str(e))
+
+
+def _read_json(path: Path):
+    """The JSON in ``path`` (ValueError naming the file when it is not JSON)."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); train the model again, or restore the file") from None
 
 
 if __name__ == "__main__":

@@ -37,10 +37,13 @@ samples), and that log-probs through llama.cpp equal transformers' when the KV c
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
 from typing import Optional
+
+from safetensors import SafetensorError
 
 from arithmetic_world import models
 from generation.cli import fail, one_line_parser
@@ -229,13 +232,18 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="world folder (default $SEMANTICSPEC_WORLD or checkpoints/arithmetic)")
     ap.add_argument("--cache_dir", type=Path, default=None, help="where the GGUF files go (default <world root>/gguf)")
     args = ap.parse_args(argv)
+    prog = "python -m arithmetic_world.gguf"
+    if importlib.util.find_spec("gguf") is None:  # the [server] extra's; this module imports it where it writes
+        fail(prog, "the gguf package is not installed: pip install -e \".[server]\" (or pip install gguf)")
     if args.cache_dir is not None and (problem := folder_problem(args.cache_dir, "--cache_dir")):
-        fail("python -m arithmetic_world.gguf", problem)
+        fail(prog, problem)
     try:
         for role in args.roles:
             print(world_gguf(role, args.cache_dir, args.root))
     except (OSError, ValueError) as e:  # a missing or incomplete world folder, an unwritable cache
-        fail("python -m arithmetic_world.gguf", str(e))
+        fail(prog, str(e))
+    except SafetensorError as e:  # a cut or damaged model.safetensors
+        fail(prog, f"the {role} model's model.safetensors cannot be read ({e}); train or copy the world again")
 
 
 if __name__ == "__main__":

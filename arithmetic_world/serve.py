@@ -209,13 +209,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                                 root=args.root) for role, port in ports.items()]
     except (OSError, ValueError) as e:
         fail(PROG, f"cannot serve the world's models: {e}")
-    try:  # once the models are there: a refused start leaves no folder
-        args.log_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        fail(PROG, f"--log_dir {args.log_dir}: cannot hold the servers' logs ({e.strerror or e})")
     for role, server in zip(ports, servers):  # both, before either starts (a model loads for seconds)
         if problem := server.port_problem():
             fail(PROG, f"the {role} server (--{role}_port {server.port}): {problem}")
+    try:  # once the models and ports are there: a refused start leaves no folder
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(PROG, f"--log_dir {args.log_dir}: cannot hold the servers' logs ({e.strerror or e})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
     # Ctrl-C stops both even where the command was started with SIGINT ignored (as `cmd &` in a script starts it):
     # Python installs no KeyboardInterrupt handler then

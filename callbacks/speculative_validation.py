@@ -45,10 +45,14 @@ def _argument_errors(task, world_root, target, draft, target_device, draft_devic
         errors.append(f"plots_dir={plots_dir!r}: expected a folder path")
     elif plots_dir is not None and (problem := folder_problem(plots_dir, "plots_dir")):
         errors.append(problem.replace("plots_dir ", "plots_dir=", 1))
-    if world_root is not None and not Path(world_root).expanduser().is_dir():
+    paths = {"world_root": world_root, "target": target, "draft": draft}
+    errors += [f"{name}={v!r}: expected " + ("a folder path" if name == "world_root" else "a model folder, "
+                                                 "pypi:PACKAGE or a Hub id")
+               for name, v in paths.items() if v is not None and not isinstance(v, (str, os.PathLike))]
+    if isinstance(world_root, (str, os.PathLike)) and not Path(world_root).expanduser().is_dir():
         errors.append(f"world_root={world_root!r}: no such folder (the world's target/, draft/ and tokenizer)")
     errors += [f"{name}={spec!r}: no such file or folder" for name, spec in (("target", target), ("draft", draft))
-               if spec is not None and missing_path(spec)]
+               if isinstance(spec, (str, os.PathLike)) and missing_path(spec)]
     if (target is None) != (draft is None):
         errors.append(f"target={target!r}, draft={draft!r}: give both or neither (neither = the embedded world's)")
     return errors + [f"{name}={problem}" for name, device in (("target_device", target_device),

@@ -454,3 +454,47 @@ def test_a_damaged_world_model_is_named_not_a_safetensors_traceback(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"draft/model.safetensors is damaged \(.*header.*\); restore it"):
         load_model("draft", tmp_path)
+
+
+def _world_copy(tmp_path: Path, roles=("draft",)) -> Path:
+    """The shipped world's ``roles``, copied into ``tmp_path/world``."""
+    import shutil
+
+    for role in roles:
+        shutil.copytree(Path(models.DEFAULT_ROOT) / role, tmp_path / "world" / role)
+    return tmp_path / "world"
+
+
+def test_the_card_names_a_models_damaged_json_and_what_results_lack(tmp_path, capsys):
+    """A model's training.json that is not JSON was blamed on --results; results without a model's figures were
+    "error: 'draft'"."""
+    world = _world_copy(tmp_path)
+    (world / "draft" / "training.json").write_text("{")
+    with pytest.raises(SystemExit) as e:
+        card.main(["--root", str(world), "--roles", "draft"])
+    assert e.value.code == 2 and f"{world / 'draft' / 'training.json'}: not valid JSON" in capsys.readouterr().err
+    results = json.loads(card.RESULTS.read_text())
+    del results["draft"]
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    with pytest.raises(SystemExit):
+        card.main(["--root", str(world), "--roles", "draft", "--results", str(tmp_path / "r.json")])
+    assert f"--results {tmp_path / 'r.json'}: not the output of" in capsys.readouterr().err
+
+
+def test_gguf_of_a_cut_weights_file_or_without_the_gguf_package_is_one_line(tmp_path, capsys, monkeypatch):
+    """A cut model.safetensors was a SafetensorError traceback, a missing gguf package a ModuleNotFoundError one."""
+    import sys
+
+    from arithmetic_world.gguf import main
+
+    world = _world_copy(tmp_path)
+    weights = world / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    args = ["--roles", "draft", "--root", str(world), "--cache_dir", str(tmp_path / "gguf")]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and "model.safetensors cannot be read" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "gguf", None)  # an install without the [server] extra
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and "pip install" in capsys.readouterr().err

@@ -117,3 +117,18 @@ def test_a_held_draft_port_is_refused_before_the_target_server_starts(capsys, mo
         port = held.getsockname()[1]
         line = _refused(capsys, ["--log_dir", str(tmp_path), "--draft_port", str(port)])
     assert f"the draft server (--draft_port {port}): port {port} on 127.0.0.1 is taken" in line and started == []
+
+
+def test_a_start_refused_for_a_taken_port_leaves_no_log_folder(capsys, tmp_path):
+    """The log folder was made before the ports were checked."""
+    import socket
+
+    if not serve.server_available():
+        pytest.skip("llama-cpp-python[server] is not installed")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = _refused(capsys, ["--log_dir", str(tmp_path / "logs"), "--target_port", str(port),
+                                 "--draft_port", str(port + 1 if port < 65535 else port - 1)])
+    assert "is taken" in line and not (tmp_path / "logs").exists()

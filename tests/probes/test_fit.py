@@ -417,6 +417,9 @@ def _narrow_module(sampling=None):
     # transformers' "Repo id must be in the form ..." at setup, and a message naming SEMANTICSPEC_WORLD alone
     ({"target": "/no/such/target", "draft": "org/draft"}, "target='/no/such/target': no such file or folder"),
     ({"world_root": "/no/such/world"}, "world_root='/no/such/world': no such folder"),
+    # a bare TypeError from pathlib, and ints taken for Hub ids until setup
+    ({"world_root": 5}, "world_root=5: expected a folder path"),
+    ({"target": 5, "draft": 6}, "target=5: expected a model folder, pypi:PACKAGE or a Hub id"),
 ])
 def test_callback_refuses_a_bad_argument_when_built(kwargs, named):
     from callbacks.speculative_validation import SpeculativeValidation
