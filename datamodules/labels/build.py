@@ -56,6 +56,7 @@ from datamodules.labels.coordination import (
     make_data_dir,
     remove_locks,
     sha_or_none,
+    wait_for_file,
     wait_for_shards,
 )
 
@@ -415,6 +416,8 @@ def _target_traces(config: BuildConfig, records: list[dict], tok, data_dir: Path
                             task=config.resolved_task())
         S.atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in out).encode())
     barrier(synced)
+    if not synced:  # ranks launched without a process group (RANK, WORLD_SIZE): no barrier waits for rank 0
+        wait_for_file(path)
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

@@ -254,6 +254,15 @@ class Progress:
             self.logged_at, self.logged_done = now, self.done
 
 
+def wait_for_file(path: Path, timeout_s: float = 12 * 3600) -> None:
+    """A rank other than 0 without a process group: wait until rank 0 has written ``path`` (the target's traces)."""
+    t0 = time.time()
+    while not path.is_file():
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for rank 0 to write {path}; start rank 0 too, or rerun")
+        time.sleep(LOCK_POLL_S)
+
+
 def wait_for_shards(data_dir: Path, n_shards: int, needs, timeout_s: float = 12 * 3600) -> None:
     """Rank 0 without a process group: wait until the other ranks' shards are all on disk (and as recorded: no shard
     ``needs`` building)."""

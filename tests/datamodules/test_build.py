@@ -1070,3 +1070,24 @@ def test_a_fit_config_that_builds_nothing_is_refused_not_built_as_the_default(tm
     fit.write_text(yaml.safe_dump({"trainer": {"max_epochs": 1}, "model": {},
                                    "data": {"data_dir": str(tmp_path / "mine"), "build": None}}))
     assert "its data.build is null" in _one_line(capsys, ["--fit_config", str(fit)])
+
+
+def test_ranks_without_a_process_group_wait_for_rank_0s_target_traces(world, tmp_path, monkeypatch):
+    """With RANK and WORLD_SIZE set and no process group, rank 1 read the target's traces before rank 0 wrote them
+    (no barrier waits then): FileNotFoundError. It waits for them, and the two ranks finish one build."""
+    import datamodules.labels.build as B
+
+    monkeypatch.setattr("datamodules.labels.coordination.LOCK_POLL_S", 0.05)
+    waiting, real = threading.Event(), B.wait_for_file
+    monkeypatch.setattr(B, "wait_for_file", lambda path, **kw: (waiting.set(), real(path, **kw)))
+    config = _config(world, prefix_source="target", n_problems=2, steps={"max_step_tokens": 4}, shard_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    done = {}
+    rank1 = threading.Thread(target=lambda: done.update(r1=build(config, tmp_path)), daemon=True)
+    rank1.start()
+    assert waiting.wait(30)  # rank 1 read its rank and waits for the traces
+    monkeypatch.setenv("RANK", "0")
+    merged = build(config, tmp_path)
+    rank1.join(30)
+    assert merged["complete"] and done["r1"]["complete"] is False and (tmp_path / "target-traces.jsonl").is_file()
