@@ -244,14 +244,22 @@ class SpeculativeValidation(Callback):
         self._run(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.enable_validation:  # no validation loop to decode after: it decoded nothing, without a word
+        # no validation loop to decode after (it decoded nothing, without a word), or none at the last epoch: a
+        # check_val_every_n_epoch that does not divide max_epochs skips it
+        every = trainer.check_val_every_n_epoch
+        unvalidated_last = self._last_epoch(trainer) and every is not None and (trainer.current_epoch + 1) % every
+        if not trainer.enable_validation or unvalidated_last:
             self._run(trainer, pl_module)
+
+    @staticmethod
+    def _last_epoch(trainer: L.Trainer) -> bool:
+        """This epoch is the last ``max_epochs`` allows (-1 or None: no limit)."""
+        return (trainer.max_epochs or -1) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
 
     def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Decode and log the ``spec/`` figures if this epoch is one of ``every_n_epochs`` or the last."""
-        last = (trainer.max_epochs or -1) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs  # -1: no limit
         if trainer.sanity_checking or trainer.fast_dev_run or ((trainer.current_epoch + 1) % self.every_n_epochs
-                                                               and not last):
+                                                               and not self._last_epoch(trainer)):
             return
         figures = trainer.strategy.broadcast(self.decode(pl_module) if trainer.is_global_zero else {}, src=0)
         if trainer.is_global_zero:

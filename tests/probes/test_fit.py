@@ -1098,7 +1098,8 @@ def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
             assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run), (epoch, max_epochs)
             for validates in (True, False):  # a fit that validates nothing decoded nothing, without a word
                 logged.clear()
-                cb.on_train_epoch_end(SimpleNamespace(**vars(trainer), enable_validation=validates), module)
+                cb.on_train_epoch_end(SimpleNamespace(**vars(trainer), enable_validation=validates,
+                                                      check_val_every_n_epoch=1), module)
                 assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run and not validates)
 
 
@@ -1180,3 +1181,44 @@ def test_a_mistyped_top_level_key_of_a_config_file_is_named_with_the_closest_opt
     typo.write_text(f"{key}: 1\n")
     line = _one_line_error(capsys, ["--config", str(_tiny_config(tmp_path)), "--config", str(typo)])
     assert f"did you mean {suggestion}?" in line and str(typo) in line, line
+
+
+class _TinyModule(L.LightningModule):
+    """A module that trains and validates in no time, for when the callback decodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, i):
+        return self.layer(batch[0]).mean()
+
+    def validation_step(self, batch, i):
+        self.log("val/x", self.layer(batch[0]).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), 0.1)
+
+    def _loader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        return DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+
+    train_dataloader = val_dataloader = _loader
+
+
+@pytest.mark.parametrize("max_epochs, every", [(2, 3), (3, 2)])
+def test_live_validation_decodes_at_the_last_epoch_whatever_check_val_every_n_epoch(tmp_path, max_epochs, every):
+    """A check_val_every_n_epoch that does not divide max_epochs skips the last epoch's validation: the callback
+    decoded nothing at it (with (2, 3), nothing at all, without a word), where it promises the last epoch."""
+    from callbacks.speculative_validation import SpeculativeValidation
+
+    cb = SpeculativeValidation(max_problems=1)
+    cb.setup = lambda *a, **k: None  # no models: only when it decodes is under test
+    cb.decode = lambda module: {"speedup": 1.0, "accuracy": 1.0, "accuracy_delta": 0.0}
+    trainer = L.Trainer(max_epochs=max_epochs, check_val_every_n_epoch=every, logger=False, callbacks=[cb],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(_TinyModule())
+    assert [h["epoch"] for h in cb.history] == sorted({e for e in range(max_epochs) if (e + 1) % every == 0} |
+                                                      {max_epochs - 1})
