@@ -322,9 +322,32 @@ def _option_problems(args) -> list[str]:
     elif args.init_from is not None and args.layers is not None:
         out.append(f"--layers {args.layers} with --init-from {args.init_from}: the model keeps the layers it was saved "
                    "with; leave one of them out")
+    elif args.init_from is not None and (problem := _init_problem(args.init_from)):
+        out.append(f"--init-from {args.init_from}: {problem}")
     if problem := folder_problem(args.out, "--out"):  # checked now: a model is first saved after minutes of training
         out.append(problem)
     return out
+
+
+def _init_problem(folder: Path) -> str | None:
+    """Why ``folder`` holds no world model to start from (a Llama of the world's vocabulary whose weights file reads),
+    or None: transformers fills in a default Llama for any other config.json and trains it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"its config.json cannot be read ({e})"
+    if not isinstance(cfg, dict) or cfg.get("architectures") != ["LlamaForCausalLM"]:
+        return "not a saved world model (its config.json names no LlamaForCausalLM)"
+    if cfg.get("vocab_size") != len(build_tokenizer()):
+        return f"a model of vocab_size {cfg.get('vocab_size')!r}, not the world tokenizer's {len(build_tokenizer())}"
+    try:
+        with safe_open(str(folder / "model.safetensors"), "pt"):
+            pass
+    except (OSError, SafetensorError) as e:
+        return f"its model.safetensors cannot be read ({e})"
+    return None
 
 
 if __name__ == "__main__":

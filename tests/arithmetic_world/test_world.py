@@ -498,3 +498,21 @@ def test_gguf_of_a_cut_weights_file_or_without_the_gguf_package_is_one_line(tmp_
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and "pip install" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("init", ["probe", "cut"])
+def test_training_refuses_an_init_from_that_is_no_world_model_before_training(tmp_path, capsys, monkeypatch, init):
+    """A probe's export has a config.json too: transformers filled in a default 32-layer Llama and trained it; a cut
+    weights file was a SafetensorError traceback."""
+    import arithmetic_world.train as train
+
+    if init == "probe":
+        folder = Path(models.DEFAULT_ROOT).parent / "arithmetic" / "probes" / "target"
+    else:
+        folder = _world_copy(tmp_path) / "draft"
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--which", "draft", "--out", str(tmp_path / "out"), "--init-from", str(folder)])
+    assert e.value.code == 2 and f"--init-from {folder}: " in capsys.readouterr().err
