@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -181,6 +182,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                                     results.keys()):  # every card shows both models' figures
         fail(prog, f"--results {path}: not the output of `python -m benchmarks.world` (a JSON object with "
              "n_problems, goals, target and draft)")
+    if results is not None and (why := _measured_elsewhere(results, args.root, args.publish)):
+        print(f"{prog}: {path} measured {why}: the cards say the models are not measured yet", file=sys.stderr)
+        results = None
     try:
         for role in args.roles:
             if args.publish is not None:
@@ -188,6 +192,17 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"wrote {write_card(role, args.root, results)}")
     except (OSError, ValueError, KeyError) as e:  # a missing model folder or training.json, an unfinished training
         fail(prog, str(e))
+
+
+def _measured_elsewhere(results: dict, root: Optional[Path], publish: Optional[Path]) -> str | None:
+    """Where ``results`` were measured when that is neither the world folder the cards are written in nor the one
+    being published into it (compared as ``benchmarks.world`` records it: relative to the repository, or the
+    folder's name), or None."""
+    from generation.paths import portable_paths
+
+    here = {portable_paths(str(Path(p).resolve())) for p in (models.world_root(root), publish) if p is not None}
+    measured = results.get("root")
+    return None if measured is None or measured in here else f"the models in {measured}"
 
 
 def _read_json(path: Path):

@@ -516,3 +516,14 @@ def test_training_refuses_an_init_from_that_is_no_world_model_before_training(tm
     with pytest.raises(SystemExit) as e:
         train.main(["--which", "draft", "--out", str(tmp_path / "out"), "--init-from", str(folder)])
     assert e.value.code == 2 and f"--init-from {folder}: " in capsys.readouterr().err
+
+
+def test_a_card_of_models_elsewhere_does_not_state_the_shipped_worlds_figures(tmp_path, capsys):
+    """The default results measure checkpoints/arithmetic: another world's cards stated them as their own."""
+    world = _world_copy(tmp_path)
+    results = json.loads(card.RESULTS.read_text())
+    assert results["root"] == "checkpoints/arithmetic"
+    card.main(["--root", str(world), "--roles", "draft"])
+    text = (world / "draft" / "README.md").read_text()
+    assert "Not measured yet" in text and f"{results['draft']['accuracy']:.3f}" not in text
+    assert "measured the models in checkpoints/arithmetic" in capsys.readouterr().err
