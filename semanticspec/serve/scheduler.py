@@ -220,8 +220,6 @@ class Scheduler:
             with torch.inference_mode():  # as generate(): the mode is per thread
                 while not (self.stopping and not self.groups and not self.waiting and self.inbox.empty()):
                     self._take(block=not self.groups and not self.waiting)
-                    if self.abort_reason is not None:  # those planned while abort() ran: it could not see them
-                        self.abort(self.abort_reason)
                     self._place()
                     for key in list(self.groups):
                         self._advance(key)
@@ -288,7 +286,7 @@ class Scheduler:
         left = deque()
         while self.waiting:
             job, plan = self.waiting.popleft()
-            if job.cancelled:
+            if job.cancelled or self.abort_reason is not None:  # after abort(): those it saw, and any planned as it ran
                 self.dropped += self.abort_reason is None  # a shutdown's are not clients gone
                 self._end(job, self._cancelled())
                 continue
