@@ -655,7 +655,7 @@ def probe_dir(opts: EvaluateOptions, fit: FitRun) -> Path:
         if not found:
             given = Path(opts.config)
             fit_config = given / "config.yaml" if given.is_dir() else given
-            looked = ", ".join(map(str, fit.exports[:1])) or "<log dir>/version_N/export"
+            looked = fit.exports[0] if fit.exports else "<log dir>/version_N/export"  # the newest, or none yet
             raise ValueError(f"--probes: the run of --config {opts.config} has exported no probes yet (looked in "
                              f"{looked}); train with `python -m probes.fit --config {fit_config}`, or give --probes "
                              "DIR (e.g. checkpoints/arithmetic/probes)")

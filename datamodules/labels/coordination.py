@@ -254,25 +254,24 @@ class Progress:
             self.logged_at, self.logged_done = now, self.done
 
 
+def _still_missing(missing, timeout_s: float) -> list:
+    """Poll ``missing()`` (what is not there yet) until it is empty or ``timeout_s`` passed; what is still missing."""
+    t0 = time.time()
+    while (left := missing()) and time.time() - t0 <= timeout_s:
+        time.sleep(LOCK_POLL_S)
+    return left
+
+
 def wait_for_file(path: Path, timeout_s: float = 12 * 3600) -> None:
     """A rank other than 0 without a process group: wait until rank 0 has written ``path`` (the target's traces)."""
-    t0 = time.time()
-    while not path.is_file():
-        if time.time() - t0 > timeout_s:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for rank 0 to write {path}; start rank 0 too, or rerun")
-        time.sleep(LOCK_POLL_S)
+    if _still_missing(lambda: [] if path.is_file() else [path], timeout_s):
+        raise TimeoutError(f"waited {timeout_s:.0f} s for rank 0 to write {path}; start rank 0 too, or rerun")
 
 
 def wait_for_shards(data_dir: Path, n_shards: int, needs, timeout_s: float = 12 * 3600) -> None:
     """Rank 0 without a process group: wait until the other ranks' shards are all on disk (and as recorded: no shard
     ``needs`` building)."""
-    t0 = time.time()
-    while True:
-        missing = [S.shard_name(k) for k in range(n_shards) if needs(k)]
-        if not missing:
-            return
-        if time.time() - t0 > timeout_s:
-            raise TimeoutError(f"rank 0 waited {timeout_s:.0f} s for {len(missing)} shards of the other "
-                               f"ranks in {data_dir} "
-                               f"(first: {missing[0]}); rerun the build to finish them")
-        time.sleep(LOCK_POLL_S)
+    if missing := _still_missing(lambda: [S.shard_name(k) for k in range(n_shards) if needs(k)], timeout_s):
+        raise TimeoutError(f"rank 0 waited {timeout_s:.0f} s for {len(missing)} shards of the other "
+                           f"ranks in {data_dir} "
+                           f"(first: {missing[0]}); rerun the build to finish them")
