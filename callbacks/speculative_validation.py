@@ -24,7 +24,7 @@ from datamodules.tasks.worlds import default_world
 from generation.loading import device_problem, missing_path
 from generation.paths import folder_problem
 from generation.specs import is_count, is_real
-from probes.model import check_probe_matches, labelled_with
+from probes.model import check_probe_matches, labelled_with, nonfinite_probes
 from semanticspec.base import resolve_sampling
 from semanticspec.config import DecodeConfig
 from semanticspec.policies import ProbePolicy
@@ -260,6 +260,10 @@ class SpeculativeValidation(Callback):
         """Decode and log the ``spec/`` figures if this epoch is one of ``every_n_epochs`` or the last."""
         if trainer.sanity_checking or trainer.fast_dev_run or ((trainer.current_epoch + 1) % self.every_n_epochs
                                                                and not self._last_epoch(trainer)):
+            return
+        if bad := nonfinite_probes(pl_module.probes):  # the same on every rank: none waits at the broadcast
+            rank_zero_warn(f"SpeculativeValidation decoded nothing at epoch {trainer.current_epoch}: the probes hold "
+                           f"NaN or infinite values ({bad}), which no decoder takes: the training diverged")
             return
         figures = trainer.strategy.broadcast(self.decode(pl_module) if trainer.is_global_zero else {}, src=0)
         if trainer.is_global_zero:

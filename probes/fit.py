@@ -161,14 +161,13 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
 
 def _diverged(module: SemanticProbeModule, trainer) -> str | None:
     """Why the trained weights are no probe (NaN or infinite values, which the loader refuses), or None."""
-    from probes.model import nonfinite
+    from probes.model import nonfinite_probes
 
-    bad = [f"{role}: {name}" for role, probe in module.probes.items() for name in nonfinite(probe.state_dict())]
-    if not bad:
+    if not (bad := nonfinite_probes(module.probes)):
         return None
     why = "; in 16-true Adam's updates overflow float16: use 16-mixed" if str(trainer.precision) == "16-true" else ""
-    return (f"the weights hold NaN or infinite values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): the "
-            f"training diverged (--trainer.precision {trainer.precision}{why}), and a decoder would refuse them")
+    return (f"the weights hold NaN or infinite values ({bad}): the training diverged (--trainer.precision "
+            f"{trainer.precision}{why}), and a decoder would refuse them")
 
 
 def _not_exported(trainer) -> str | None:

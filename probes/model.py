@@ -375,6 +375,13 @@ def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
 
 
+def nonfinite_probes(probes) -> str:
+    """The tensors of ``probes`` (``{role: probe}``) holding NaN or infinite values, as ``"target: mlp.0.weight, ..."``
+    (the first three), or ``""``: a diverged training's probes, which the loader refuses."""
+    bad = [f"{role}: {name}" for role, probe in probes.items() for name in nonfinite(probe.state_dict())]
+    return ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
+
+
 def _read_weights(file: Path) -> dict:
     """The tensors of ``file`` (CPU), their values checked (:func:`check_values`)."""
     from safetensors import SafetensorError
@@ -498,7 +505,8 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
             file is unreadable or invalid: ``config.json`` not JSON, not a probe config, a field out of
             range (e.g. ``layer_ids``, ``sampling.temperature``) or a newer ``format_version`` than
             this code reads; ``model.safetensors`` truncated, not safetensors (e.g. a pickle), not the
-            shapes the config describes, or holding NaN/inf. Each message names the file and field.
+            shapes the config describes, or holding NaN/inf. Each message names the file and field. A probe in memory
+            holding NaN/inf is refused too.
         TypeError: ``probe`` is neither a folder nor a probe module.
     """
     from generation.loading import checked_device
@@ -519,6 +527,9 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
         check_role(probe.config, role, where=where)
         if model is not None or tokenizer is not None:
             check_probe_matches(probe.config, model, tokenizer, where=where)
+        if bad := nonfinite(probe.state_dict()):
+            raise ValueError(f"{where} holds NaN or infinite values in {bad} (a diverged training's); it would refuse "
+                             "or accept every step blindly")
         mine = False
     else:
         raise TypeError(f"{role or 'the'} probe must be a path or a SemanticProbe, got {type(probe).__name__}")

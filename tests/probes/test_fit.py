@@ -377,6 +377,26 @@ def test_callback_with_wrong_width_probes_is_refused():
         callback.setup(L.Trainer(logger=False), module, "fit")
 
 
+def test_callback_skips_an_epoch_whose_probes_diverged_with_a_warning():
+    # the decoder refuses NaN probes: the fit went on to its own verdict (not exported, exit 1) instead of stopping
+    from types import SimpleNamespace
+
+    from callbacks.speculative_validation import SpeculativeValidation
+    from probes.config import ProbeConfig
+    from probes.module import SemanticProbeModule
+
+    spec = {r: {"hidden_size": 7, "features": FeatureSpec(), "reads": {"hidden_size": 7}} for r in ("target", "draft")}
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[4]), ["target", "draft"], spec)
+    with torch.no_grad():
+        module.probes["draft"].mlp[0].bias.fill_(float("inf"))
+    callback = SpeculativeValidation(max_problems=1)
+    trainer = SimpleNamespace(sanity_checking=False, fast_dev_run=False, current_epoch=0, max_epochs=1)
+    with pytest.warns(UserWarning, match=r"decoded nothing at epoch 0: the probes hold NaN or infinite values "
+                                         r"\(draft: mlp.0.bias\)"):
+        callback._run(trainer, module)
+    assert callback.history == []
+
+
 def test_callback_bad_problem_file_fails_before_training(tmp_path):
     from callbacks.speculative_validation import SpeculativeValidation
     from arithmetic_world.task import ArithmeticTask
@@ -1086,7 +1106,7 @@ def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
     cb = SpeculativeValidation(every_n_epochs=2)
     cb.decode = lambda module: {"speedup": 2.0}
     logged = []
-    module = SimpleNamespace(log=lambda name, value, **kw: logged.append((name, value)))
+    module = SimpleNamespace(probes={}, log=lambda name, value, **kw: logged.append((name, value)))
     for epoch, max_epochs, runs in ((0, 3, False), (1, 3, True), (2, 3, True), (0, 1, True), (0, None, False),
                                     (0, -1, False), (1, -1, True)):  # -1: no limit, so no last epoch
         for fast_dev_run in (0, 1):  # a check of the code decodes nothing
@@ -1188,7 +1208,7 @@ class _TinyModule(L.LightningModule):
 
     def __init__(self):
         super().__init__()
-        self.layer = torch.nn.Linear(2, 1)
+        self.layer, self.probes = torch.nn.Linear(2, 1), {}  # none to check for divergence
 
     def training_step(self, batch, i):
         return self.layer(batch[0]).mean()

@@ -643,6 +643,16 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, world_tokeni
         load_probe(path, model=model, tokenizer=world_tokenizer)
 
 
+def test_a_probe_in_memory_holding_nan_is_refused_as_a_file_is(tmp_path, world_tokenizer):
+    # it was taken as it was, and every step scored NaN with a warning that blamed the model's hidden states
+    model = tiny_llama(len(world_tokenizer), 32)
+    probe, _ = _export(tmp_path, model, world_tokenizer)
+    with torch.no_grad():
+        probe.mlp[3].bias[0] = float("nan")
+    with pytest.raises(ValueError, match=r"the target probe holds NaN or infinite values in \['mlp.3.bias'\]"):
+        load_probe(probe, model=model, tokenizer=world_tokenizer, role="target")
+
+
 def test_weights_that_would_score_every_step_nan_are_refused(tmp_path, world_tokenizer):
     """A zero standardisation, or integer tensors (which truncate it to zero), load without a NaN in the file but
     make every score NaN: refused, naming the tensor."""
