@@ -201,10 +201,9 @@ class SpeculativeValidation(Callback):
 
                 self._target, self._tokenizer = load_causal_lm(self.model_specs[0], device=self.devices[0])
                 self._draft, self._draft_tokenizer = load_causal_lm(self.model_specs[1], device=self.devices[1])
-            check_probe_matches(probes["target"].config, self._target, self._tokenizer,
-                                where="target probe in training")
-            check_probe_matches(probes["draft"].config, self._draft, self._draft_tokenizer,
-                                where="draft probe in training")
+            for role, model, tokenizer in (("target", self._target, self._tokenizer),
+                                           ("draft", self._draft, self._draft_tokenizer)):
+                check_probe_matches(probes[role].config, model, tokenizer, where=f"{role} probe in training")
 
     def _check_held_out(self, data) -> None:
         """Refuse problems that the label build of ``data`` (a DataModule with a ``build`` config) labels: the figures

@@ -34,7 +34,8 @@ def model_card(config: ProbeConfig) -> ModelCard:
                          tags=["semanticspec", "speculative-decoding", f"{config.role}-probe"])
     test_metrics = [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in sorted(config.test_metrics.items())]
     return ModelCard.from_template(
-        data, template_path=TEMPLATE, c=config, table=_table, reads=_reads_rows(config),
+        data, template_path=TEMPLATE, c=config, reads=_reads_rows(config),
+        table=lambda key, value, rows: markdown_table([key, value], rows) + "\n",
         labels=_label_rows(config), fingerprint=[(k, f"`{v}`") for k, v in config.reads.items()],
         test_metrics=test_metrics, training=[(k, f"`{v}`" if isinstance(v, str) else v)
                                              for k, v in config.training.items()])
@@ -87,7 +88,7 @@ def _maybe(value: Any, fmt: str) -> str:
     return "" if value is None else fmt.format(value)
 
 
-def _table(key: str, value: str, rows: list[tuple[str, Any]]) -> str:
-    """A two-column markdown table; a ``|`` inside a value is escaped so that it stays in its cell."""
-    lines = [f"| {key} | {value} |", "|---|---|"]
-    return "\n".join(lines + [f"| {k} | {str(v).replace('|', '&#124;')} |" for k, v in rows]) + "\n"
+def markdown_table(header: list[str], rows) -> str:
+    """A markdown table; a ``|`` inside a cell is escaped so that it stays in its cell."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+                     + ["| " + " | ".join(str(v).replace("|", "&#124;") for v in row) + " |" for row in rows])

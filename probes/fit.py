@@ -98,20 +98,13 @@ def default_export_dir(trainer) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir) / "export"
 
 
-def format_table(rows: dict[str, dict[str, float]], columns: list[str]) -> str:
-    """A small markdown table: one row per key of ``rows``."""
-    lines = ["| probe | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for name, values in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{values[c]:.4f}" if c in values else "-" for c in columns) + " |")
-    return "\n".join(lines)
-
-
 def main(args: list[str] | None = None) -> dict[str, Any]:
     """Run the fit job; returns ``{"export": {role: path}, "test": metrics, "best_ckpt": path}``."""
     set_wait_policy()  # before torch loads: idle threads sleep rather than spin
     args = normalise_args(list(sys.argv[1:] if args is None else args))
     args = _help_args(args)
     first_pass(args)  # no torch yet: a bad option costs a second, not the imports below
+    from probes.card import markdown_table
     from probes.fit_cli import fit, make_cli, run_test
 
     cli = make_cli(args, DEFAULT_CONFIG)
@@ -145,8 +138,10 @@ def main(args: list[str] | None = None) -> dict[str, Any]:
         for role, p in paths.items():
             print(f"exported {role} probe: {p}")
         if summary:
-            print(format_table(summary, ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy",
-                                         "accuracy_delta", "step_acceptance"]))
+            columns = ["mse", "mae", "r2", "pearson", "auroc", "ece", "speedup", "accuracy", "accuracy_delta",
+                       "step_acceptance"]
+            print(markdown_table(["probe", *columns], [[name, *(f"{v[c]:.4f}" if c in v else "-" for c in columns)]
+                                                      for name, v in summary.items()]))
         else:
             print("no test metrics: " + ("--trainer.barebones turns off logging" if trainer.barebones else
                                          "the run had no test split (data.test_fraction=0) or --test false"))

@@ -485,14 +485,11 @@ def quiet_lightning() -> None:
     deprecation of ``LeafSpec``, which Lightning's own code still builds (nothing a user can
     change)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages())
+        logging.getLogger(name).addFilter(_drop_noise)  # once: addFilter skips a filter it holds
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
 
 
-class _DropMessages(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(word in str(record.getMessage()) for word in _LIGHTNING_NOISE)
+def _drop_noise(record: logging.LogRecord) -> bool:
+    return not any(word in str(record.getMessage()) for word in _LIGHTNING_NOISE)

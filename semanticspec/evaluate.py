@@ -31,7 +31,7 @@ import os
 import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -196,13 +196,8 @@ def figures(results: Sequence, right: Sequence[bool], reference_wall: float) -> 
 # --------------------------------------------------------------------------- records: one JSON line per decode
 
 
-def result_json(result) -> dict:
-    """A :class:`~semanticspec.results.DecodeResult` as JSON (every field; :func:`result_of` reads it back)."""
-    return dataclasses.asdict(result)
-
-
 def result_of(data: dict):
-    """The :class:`~semanticspec.results.DecodeResult` :func:`result_json` wrote."""
+    """The :class:`~semanticspec.results.DecodeResult` a record holds as JSON (``dataclasses.asdict``)."""
     from semanticspec.results import Decision, DecodeResult, DecodeStats, StepTrace
 
     steps = [StepTrace(**{**s, "decision": Decision(s["decision"])}) for s in data["steps"]]
@@ -361,14 +356,12 @@ class Evaluation:
         row = {"problem": k, "method": name, "threshold": tau, "seed": seed}
         try:
             r = decode_one(arm, k, p, prompt, seed)
-        except (KeyboardInterrupt, SystemExit):
-            raise
         except Exception as e:  # a problem that fails is recorded with its reason; the run goes on
             self.records.add({**row, "failed": f"{type(e).__name__}: {e}"})
             return
         if not r.ok:
             row["failed"] = r.error or f"stop_reason={r.stop_reason}"
-        self.records.add({**row, "right": bool(self.s.task.check(r.text, p["answer"])), "result": result_json(r)})
+        self.records.add({**row, "right": bool(self.s.task.check(r.text, p["answer"])), "result": asdict(r)})
 
     def _sweep(self, k: int, tau: float, p, prompt, seed: int) -> None:
         """SemanticSpec at ``tau`` on problem ``k``: a recorded decode at another threshold that decides every step
@@ -406,8 +399,8 @@ class Evaluation:
         main = {m: [self.records.get(k, m, self.s.tau if m == "semanticspec" else None) for k in range(n)]
                 for m in names}
         sweep = {t: [self.records.get(k, "semanticspec", t) for k in range(n)] for t in self.thresholds}
-        failed = sorted({k for rows in [*main.values(), *sweep.values()] for k, r in enumerate(rows)
-                         if r is None or "failed" in r})
+        columns = [*main.values(), *sweep.values()]  # every decode a problem needs: the methods', the sweep's
+        failed = sorted({k for rows in columns for k, r in enumerate(rows) if r is None or "failed" in r})
         ok = [k for k in range(n) if k not in failed]
         methods = {m: self._figures(main[m], main[self.s.arms[m].reference], main["target_only"], ok) for m in names}
         judge = getattr(self.s.task, "step_judge", None)
@@ -425,8 +418,8 @@ class Evaluation:
             "sweep": curve,
             "pick": pick(curve, methods["target_only"], self.max_accuracy_drop, evaluated=len(ok)),
             "failed": [{"problem": k, "method": r["method"], "threshold": r.get("threshold"), "reason": r["failed"]}
-                       for k in failed for r in self._rows_of(k) if "failed" in r],
-            "missing": [k for k in failed if any(r is None for r in self._expected(k))],
+                       for k in failed for rows in columns if (r := rows[k]) is not None and "failed" in r],
+            "missing": [k for k in failed if any(rows[k] is None for rows in columns)],
         }
 
     def _figures(self, rows: list, ref_rows: list, target_rows: list, ok: list[int]) -> dict:
@@ -434,13 +427,6 @@ class Evaluation:
         right = [rows[k]["right"] for k in ok]
         ref_wall = sum(ref_rows[k]["result"]["stats"]["wall_s"] for k in ok)
         return {**figures(results, right, ref_wall), **paired_delta(right, [target_rows[k]["right"] for k in ok])}
-
-    def _expected(self, k: int) -> list:
-        return [*(self.records.get(k, m, self.s.tau if m == "semanticspec" else None) for m in self.s.arms),
-                *(self.records.get(k, "semanticspec", t) for t in self.thresholds)]
-
-    def _rows_of(self, k: int) -> list[dict]:
-        return [r for r in self._expected(k) if r is not None]
 
 
 def pick(curve: list[dict], target_only: dict, max_drop: float, evaluated: int | None = None) -> dict:
