@@ -5,14 +5,18 @@ They read their arguments once through :func:`normalise_args` (``--key=value`` i
 ``-c`` is ``--config``), check every YAML they are given before jsonargparse reads it (a syntax
 error then names the file, not ``"<unicode string>"``), answer a mistyped option with the
 closest ones the parser knows (:func:`did_you_mean`), and report bad input as one line and exit 2
-(:func:`fail`, which every parser's errors go through: :class:`OneLineErrors`).
+(:func:`fail`, which every parser's errors go through: :class:`OneLineErrors`). The long jobs that resume (the
+label build, the evaluation) stop on SIGTERM as on Ctrl-C (:func:`sigterm_interrupts`).
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -114,6 +118,22 @@ def fail(prog: str, message: str) -> NoReturn:
         text = text.split("Does not validate")[0] + own[0]
     print(f"{prog}: error: {text} (see `{prog} --help`)", file=sys.stderr)
     raise SystemExit(2)
+
+
+@contextmanager
+def sigterm_interrupts():
+    """Within the block, SIGTERM (a scheduler's stop: SLURM, Kubernetes, ``kill``) stops the command as Ctrl-C does:
+    it raises KeyboardInterrupt, so partial files are removed and the command says how to resume, where the default
+    would end the process at once, without a word. The handler before is restored after; off the main thread (where
+    Python takes no handler) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 class OneLineErrors:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from generation.cli import fail, one_line_parser
+from generation.cli import fail, one_line_parser, sigterm_interrupts
 from generation.paths import folder_problem
 from semanticspec.timing import rotation
 
@@ -814,13 +814,14 @@ def parser():
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse the options, refuse bad input before any decoding (one line, exit 2), evaluate, write the JSON, the
-    markdown table, the plot and the pick; returns the report. Ctrl-C stops it with exit status 130, naming what was
-    kept and the command that resumes."""
+    markdown table, the plot and the pick; returns the report. Ctrl-C (or SIGTERM) stops it with exit status 130,
+    naming what was kept and the command that resumes."""
     from generation.cli import normalise_args
 
     given = normalise_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        return _evaluate(given)
+        with sigterm_interrupts():
+            return _evaluate(given)
     except KeyboardInterrupt:  # while the models load, or while the report is written
         print(f"{PROG}: interrupted; resume with: {PROG} {shlex.join(given)}", file=sys.stderr)
         raise SystemExit(130) from None

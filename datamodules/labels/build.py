@@ -38,7 +38,7 @@ from datamodules.labels.config import (
     config_record,
     signature,
 )
-from generation.cli import check_yaml_files, fail, normalise_args, one_line_parser
+from generation.cli import check_yaml_files, fail, normalise_args, one_line_parser, sigterm_interrupts
 from generation.specs import layer_problems
 from datamodules.labels.prefixes import make_prefixes, prefix_ids, target_traces
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, set_wait_policy
@@ -458,7 +458,8 @@ def main(args: list[str] | None = None) -> dict:
 
         dist.init_process_group("gloo", timeout=timedelta(hours=12))
     try:
-        done = build(config, cfg.data_dir, max_shards=cfg.max_shards)
+        with sigterm_interrupts():
+            done = build(config, cfg.data_dir, max_shards=cfg.max_shards)
         if "shards_on_disk" in done:  # stopped at --max_shards, without a manifest
             print(f"stopped at --max_shards {cfg.max_shards}: {done['shards_on_disk']} of {done['n_shards']} shards "
                   f"on disk, no manifest yet; rerun without --max_shards (or with it again) to go on", flush=True)

@@ -858,20 +858,36 @@ def test_a_refusing_or_unreachable_sampling_server_is_one_line_and_writes_nothin
     assert not (d / "build.json").exists()
 
 
-def test_ctrl_c_keeps_whole_shards_and_prints_the_resume_command(world, reference, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ctrl_c_keeps_whole_shards_and_prints_the_resume_command(world, reference, tmp_path, capsys, monkeypatch,
+                                                                 stop):
+    # SIGTERM (a scheduler's stop) ended the build at once, without a word and with no partial file removed; it
+    # stops as Ctrl-C does, and the handler found before is put back after
+    import signal
+
     from datamodules.labels import shard as B  # build.py imports one shard's work when it builds one
 
     real = B.build_shard
 
     def build_shard(k, *a, **kw):
-        if k == 1:
+        if k == 1 and stop == "ctrl-c":
             raise KeyboardInterrupt
+        if k == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
         return real(k, *a, **kw)
+
+    def found(*_):
+        raise AssertionError("the build left SIGTERM to the handler it found")
 
     monkeypatch.setattr(B, "build_shard", build_shard)
     d = tmp_path / "d"
     args = _world_args(world, d) + ["--build.sampling.seed", "7", "--threads", "1"]  # the reference's thread count
-    line = _one_line(capsys, args, code=130)
+    before = signal.signal(signal.SIGTERM, found)
+    try:
+        line = _one_line(capsys, args, code=130)
+        assert signal.getsignal(signal.SIGTERM) is found
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert line == (f"python -m datamodules.labels.build: interrupted; 1 whole shard kept in {d}. Resume with: "
                     f"python -m datamodules.labels.build {' '.join(args)}")
     monkeypatch.setattr(B, "build_shard", real)

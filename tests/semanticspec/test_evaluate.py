@@ -4,6 +4,7 @@ and the endpoint's default."""
 
 import json
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -268,13 +269,26 @@ def test_an_evaluation_that_evaluated_nothing_fails_and_writes_strict_json(capsy
     assert not (probes / "threshold.json").exists()
 
 
-def test_ctrl_c_before_decoding_exits_130_naming_the_resume_command(capsys, monkeypatch):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ctrl_c_before_decoding_exits_130_naming_the_resume_command(capsys, monkeypatch, stop):
+    import signal
+
     def interrupted(*a, **k):
+        if stop == "sigterm":  # a scheduler's stop: it ended the process without a word
+            os.kill(os.getpid(), signal.SIGTERM)
         raise KeyboardInterrupt
 
+    def found(*_):
+        raise AssertionError("the evaluation left SIGTERM to the handler it found")
+
     monkeypatch.setattr(E, "make_setup", interrupted)  # while the models load: it was a traceback
-    with pytest.raises(SystemExit) as e:
-        E.main(["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "2", "--thresholds", "[0.4, 0.6]"])
+    before = signal.signal(signal.SIGTERM, found)
+    try:
+        with pytest.raises(SystemExit) as e:
+            E.main(["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "2", "--thresholds", "[0.4, 0.6]"])
+        assert signal.getsignal(signal.SIGTERM) is found
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert e.value.code == 130  # the command as a shell reads it back (it was joined with spaces: not pasteable)
     assert capsys.readouterr().err.strip() == (f"{E.PROG}: interrupted; resume with: {E.PROG} --config {CONFIG} "
                                                f"--probes {SHIPPED} --n_problems 2 --thresholds '[0.4, 0.6]'")
