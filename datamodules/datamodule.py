@@ -26,6 +26,7 @@ from datamodules.labels.config import (ROLES, BuildConfig, EndpointConfig, Judge
                                        SamplingConfig, VLLMConfig, signature, signature_mismatches)
 from datamodules.labels.coordination import data_dir_problem
 from datamodules.stream import SPLITS, EpochLoader, ShardStream, read_rows, split_of
+from generation.cli import sigterm_interrupts
 from generation.specs import FeatureSpec, SamplingSpec, StepSpec, check_groups, is_int, is_real, require_features
 
 # The arguments travel in checkpoints (``save_hyperparameters``); a ``BuildConfig`` built in Python is pickled, and
@@ -176,7 +177,8 @@ class SemanticProbeDataModule(pl.LightningDataModule):
                 raise FileNotFoundError(self._missing_message())
             self._say(f"reusing {len(S.read_manifest(self.data_dir)['shards'])} shards in {self.data_dir}")
             return
-        build(self.build, self.data_dir, log=self._say, alone=True)  # the other processes wait in Lightning's barrier
+        with sigterm_interrupts():  # a scheduler's stop ends the build as Ctrl-C does (Lightning's handler comes later)
+            build(self.build, self.data_dir, log=self._say, alone=True)  # the others wait in Lightning's barrier
         self._spec = None
 
     def _say(self, line: str) -> None:

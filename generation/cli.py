@@ -6,7 +6,7 @@ They read their arguments once through :func:`normalise_args` (``--key=value`` i
 error then names the file, not ``"<unicode string>"``), answer a mistyped option with the
 closest ones the parser knows (:func:`did_you_mean`), and report bad input as one line and exit 2
 (:func:`fail`, which every parser's errors go through: :class:`OneLineErrors`). The long jobs that resume (the
-label build, the evaluation) stop on SIGTERM as on Ctrl-C (:func:`sigterm_interrupts`).
+label build, also within the fit, and the evaluation) stop on SIGTERM as on Ctrl-C (:func:`sigterm_interrupts`).
 """
 
 from __future__ import annotations

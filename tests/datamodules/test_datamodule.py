@@ -368,6 +368,29 @@ def test_reusing_is_said_once_per_datamodule(data, capsys):
     assert capsys.readouterr().out.count("reusing 4 shards") == 1
 
 
+def test_sigterm_while_the_data_builds_stops_it_as_ctrl_c_does(tmp_path, monkeypatch):
+    # the fit's label build runs before Lightning puts its SIGTERM handler in: a scheduler's stop ended it at once,
+    # without a word; as a KeyboardInterrupt, Lightning shuts down and the fit prints how to resume
+    import os
+    import signal
+
+    from datamodules import datamodule as D
+    from datamodules.labels.config import BuildConfig
+
+    monkeypatch.setattr(D, "build", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+
+    def found(*_):
+        raise AssertionError("the build left SIGTERM to the handler it found")
+
+    before = signal.signal(signal.SIGTERM, found)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            SemanticProbeDataModule(str(tmp_path / "d"), build=BuildConfig()).prepare_data()
+        assert signal.getsignal(signal.SIGTERM) is found  # Lightning finds it, as before the build
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__`")
 def test_load_from_checkpoint_rebuilds_the_data_with_its_own_arguments(data, tmp_path):
     """``SemanticProbeDataModule.load_from_checkpoint`` gave a datamodule of the defaults (``data/arithmetic``, batch
