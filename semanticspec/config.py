@@ -133,49 +133,36 @@ class DecodeConfig:
 
     def _problems(self) -> list[str]:
         """Every bad field, as ``name=value: what is expected``."""
-        out = []  # (field, what is expected)
-        if not is_count(self.max_new_tokens):
-            out.append(("max_new_tokens", "expected an integer >= 1"))
-        if self.lookahead is not None and not is_count(self.lookahead):
-            out.append(("lookahead", "expected an integer >= 1, or None for the shipped window"))
-        if not isinstance(self.method, (str, AcceptancePolicy)):
-            out.append(("method", "expected a method name or an AcceptancePolicy"))
-        elif isinstance(self.method, str):
-            from semanticspec.methods import unknown_method  # the table imports the loop; configs are built after it
+        from semanticspec.methods import unknown_method  # the table imports the loop; configs are built after it
 
-            if (why := unknown_method(self.method)) is not None:
-                out.append(("method", why))
-        w = self.window_min_logprob
-        if w is not None and not (is_real(w) and w <= 0):
-            out.append(("window_min_logprob", "expected a log-probability (a number <= 0) or None"))
-        elif w is not None and (self.lookahead is None or self.lookahead == 1):
-            out.append(("window_min_logprob", "an adaptive window needs lookahead > 1"))
-        if self.batch_size is not None and not is_count(self.batch_size):
-            out.append(("batch_size", "expected an integer >= 1, or None for all prompts at once"))
-        for flag in ("allow_sampling_mismatch", "progress", "overlap", "target_first_step", "rewrite_in_rounds",
-                     "bonus_token"):
-            if not isinstance(getattr(self, flag), bool):
-                out.append((flag, "expected True or False"))
-        out += self._loop_problems()
-        problems = [f"{name}={getattr(self, name)!r}: {why}" for name, why in out]
+        m, w, ahead, marker, step = self.method, self.window_min_logprob, self.lookahead, self.answer_marker, self.step
+        unknown = unknown_method(m) if isinstance(m, str) else None
+        log_w = w is None or (is_real(w) and w <= 0)
+        flags = ("allow_sampling_mismatch", "progress", "overlap", "target_first_step", "rewrite_in_rounds",
+                 "bonus_token")
+        checks = [  # (field, its value is good, what is expected), in the order a refusal names them
+            ("max_new_tokens", is_count(self.max_new_tokens), "expected an integer >= 1"),
+            ("lookahead", ahead is None or is_count(ahead), "expected an integer >= 1, or None for the shipped window"),
+            ("method", isinstance(m, (str, AcceptancePolicy)), "expected a method name or an AcceptancePolicy"),
+            ("method", unknown is None, unknown),
+            ("window_min_logprob", log_w, "expected a log-probability (a number <= 0) or None"),
+            ("window_min_logprob", not log_w or w is None or not (ahead is None or ahead == 1),
+             "an adaptive window needs lookahead > 1"),
+            ("batch_size", self.batch_size is None or is_count(self.batch_size),
+             "expected an integer >= 1, or None for all prompts at once"),
+            *((flag, isinstance(getattr(self, flag), bool), "expected True or False") for flag in flags),
+            ("token_sd", self.token_sd is None or isinstance(self.token_sd, bool),
+             "expected True, False or None (on where the models share a tokenizer)"),
+            ("token_sd_tokens", is_count(self.token_sd_tokens), "expected an integer >= 1"),
+            ("step", step is None or isinstance(step, StepSpec), "expected a generation.specs.StepSpec or None"),
+            ("answer_marker", marker is None or (isinstance(marker, str) and marker),
+             "expected a non-empty string or None"),
+            ("judge_suffix", isinstance(self.judge_suffix, str) and self.judge_suffix, "expected a non-empty string"),
+        ]
+        problems = [f"{name}={getattr(self, name)!r}: {why}" for name, good, why in checks if not good]
         problems += SamplingSpec.errors(SamplingSpec.temperature if self.temperature is None else self.temperature,
                                         SamplingSpec.top_p if self.top_p is None else self.top_p)  # the one check
         return problems + seed_errors(self.seed)
-
-    def _loop_problems(self) -> list[tuple[str, str]]:
-        """The loop settings' bad fields, as ``(name, what is expected)``."""
-        out = []
-        if not (self.token_sd is None or isinstance(self.token_sd, bool)):
-            out.append(("token_sd", "expected True, False or None (on where the models share a tokenizer)"))
-        if not is_count(self.token_sd_tokens):
-            out.append(("token_sd_tokens", "expected an integer >= 1"))
-        if self.step is not None and not isinstance(self.step, StepSpec):
-            out.append(("step", "expected a generation.specs.StepSpec or None"))
-        if self.answer_marker is not None and not (isinstance(self.answer_marker, str) and self.answer_marker):
-            out.append(("answer_marker", "expected a non-empty string or None"))
-        if not isinstance(self.judge_suffix, str) or not self.judge_suffix:
-            out.append(("judge_suffix", "expected a non-empty string"))
-        return out
 
     @classmethod
     def of(cls, config: DecodeConfig | None = None, overrides: Mapping[str, Any] | None = None) -> DecodeConfig:

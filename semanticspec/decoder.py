@@ -64,12 +64,12 @@ import torch
 from generation.cache import BatchedCache, context_length, vocab_size
 from generation.features import probe_features
 from generation.handover import Handover, decode_text, pad_id, whole_prefix
-from generation.sampling import Sampler, StepDraft, StepWriter, StreamKey, key_stream
+from generation.sampling import Sampler, StepDraft, StepWriter, StreamKey, key_stream, stream_seed
 from generation.specs import StepSpec
 from probes.model import load_probes, run_probe
 from semanticspec.base import Plan, StepDecoder
 from semanticspec.config import DecodeConfig
-from semanticspec.hf import TransformersLoop, transformers_events
+from semanticspec.hf import TransformersLoop, hf_generate
 from semanticspec.loop import StepLoop
 from semanticspec.meter import Meter
 from semanticspec.parts import ONE_STEP, Commit, Forced, Proposal, RoomAfter, RowState, Window, grow_windows
@@ -197,9 +197,18 @@ class SemanticSpecDecoder(StepDecoder):
         return read_prompts(prompts, self.handover, self.target, self.draft)
 
     def transformers_events(self, plan: Plan, batch: tuple, keys) -> Iterator[StepEvent]:
-        return transformers_events(plan.method, self.target, self.draft, self.tokenizer,
-                                   None if self.shared else self.draft_tokenizer, batch, plan.cfg.max_new_tokens,
-                                   plan.sampling, keys, plan.loop.answer_marker, plan.spare)
+        """Prompt by prompt through :func:`~semanticspec.hf.hf_generate`, each seeded from its own sampling stream;
+        each prompt's one event is its end. Each stops at the models' context end less ``plan.spare`` (the room the
+        step loop's methods keep free, so that every method stops at the same place): with two tokenizers
+        transformers hands text over and only the target's context counts."""
+        cap = plan.cfg.max_new_tokens
+        for k, (key, *ids) in enumerate(zip(keys, *batch)):
+            room = min([c - len(x) - plan.spare for c, x in zip(self.contexts()[: 1 + self.shared], ids)
+                        if c is not None], default=cap)
+            r = hf_generate(self.target, self.draft, self.tokenizer, None if self.shared else self.draft_tokenizer,
+                            ids[0], plan.method.assisted, cap, plan.sampling, stream_seed(*key, "sampling"), room,
+                            plan.loop.answer_marker)
+            yield StepEvent(k, None, r.text, r)
 
     def step_loop(self, plan: Plan, batch: tuple, keys: Sequence[StreamKey]) -> StepLoop:
         """The loop of one batch of ``plan`` over the in-process models: one :class:`~generation.cache.BatchedCache`
@@ -221,10 +230,10 @@ class SemanticSpecDecoder(StepDecoder):
             tgt.extend(i, ids_t[i])
             drf.extend(i, ids_d[i])
         target_stop, draft_stop = self._stopper(plan.step)
-        proposer = DraftProposer(StepWriter(drf, draft_stop, sampler), self.draft_tokenizer, self.draft_probe,
-                                 self.handover, plan.spare)
+        proposer = DraftProposer(StepWriter(drf, draft_stop, sampler), self.draft_tokenizer, self.handover,
+                                 self.draft_probe, plan.spare)
         verifier = TargetVerifier(StepWriter(tgt, target_stop, sampler), self.tokenizer, self.handover,
-                                  self.target_probe, self.judge(plan.cfg.judge_suffix), streams["coins"], plan.spare)
+                                  self.target_probe, plan.spare, self.judge(plan.cfg.judge_suffix), streams["coins"])
         decode = (lambda ids: decode_text(self.tokenizer, ids)) if self.shared else None  # the output, whole
         rows = [Row(plan.cfg.max_new_tokens, plan.loop.answer_marker, decode) for _ in range(n)]
         return StepLoop(proposer, verifier, rows, plan.loop, Meter(rows, verifier, proposer))
@@ -248,14 +257,25 @@ def _layers(probe) -> list[int]:
 
 
 class CachePart:
-    """A part over an in-process model's :class:`~generation.cache.BatchedCache` (its counters are the cache's)."""
+    """A part over an in-process model's :class:`~generation.cache.BatchedCache` (its counters are the cache's).
+
+    Args:
+        writer: the model writing steps (its cache, rows holding their prompts; its stopper and the decode's sampler).
+        tokenizer: the model's tokenizer.
+        handover: hands steps between the two models' tokenizations.
+        probe: the model's probe, or None.
+        spare: context room each row keeps (a bonus token, a judge turn).
+    """
 
     passes = property(attrgetter("cache.passes"))
     served_s = property(attrgetter("cache.served_s"))
     forward_s = property(attrgetter("cache.forward_s"))
 
-    def __init__(self, cache, spare: int) -> None:
-        self.cache, self.spare = cache, spare
+    def __init__(self, writer: StepWriter, tokenizer, handover: Handover, probe, spare: int) -> None:
+        self.writer, self.cache, self.spare = writer, writer.cache, spare
+        self.tokenizer, self.handover = tokenizer, handover
+        self.probe, self.spec = probe, probe.config.features if probe is not None else None
+        self.probe_s = 0.0  # seconds in the probe so far
 
     def room(self, row: int) -> int | None:
         c = self.cache
@@ -290,6 +310,18 @@ class CachePart:
         return Proposal(tokens, d.n_forced, decode_text(tok, tokens), logits, eos=tok.eos_token_id in tokens,
                         confidence=least_logprob(d)), cut
 
+    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
+              alone: bool = False) -> dict[int, Proposal]:
+        """One step per row (after its forced tokens), kept as it is: the ids it leaves at its end (:meth:`_whole`)
+        leave at once. ``alone`` (a baseline) changes nothing here: the loop's rounds write the output step by step."""
+        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced), record_logits=not self.handover.shared)
+        out = {}
+        for i, d in steps.items():
+            out[i], cut = self._whole(d)
+            if cut is not None:
+                self.cache.rollback(i, cut[0], last_logits=cut[1])
+        return out
+
     def _taken(self, row: int, step: Proposal | None) -> list[int]:
         """The tokens of the target's ``step`` this part feeds (none: the target wrote it in its own context)."""
         return []
@@ -303,20 +335,12 @@ class CachePart:
 class DraftProposer(CachePart):
     """The in-process draft model writing on its :class:`~generation.cache.BatchedCache`.
 
-    Args:
-        writer: the draft writing steps (its cache, rows holding their prompts; its stopper and sampler).
-        tokenizer: the draft's tokenizer.
-        probe: the draft probe (reads the draft's states), or None.
-        handover: hands the target's steps to the draft's tokenization.
-        spare: context room each row keeps (a bonus token, a judge turn).
+    Args: those of :class:`CachePart` (its probe the draft probe, reading the draft's states).
     """
 
-    def __init__(self, writer: StepWriter, tokenizer, probe, handover, spare: int) -> None:
-        super().__init__(writer.cache, spare)
-        self.writer, self.tokenizer, self.probe, self.handover = writer, tokenizer, probe, handover
-        self.spec = probe.config.features if probe is not None else None
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         self.window: dict[int, list[StepDraft]] = {}  # per row: the steps of its window, in order (p reads the first)
-        self.probe_s = 0.0  # seconds in the probe so far
         self._cuts: dict[int, tuple[int, torch.Tensor]] = {}  # per row: ids its last proposal left, their logits
 
     def _proposal(self, row: int, d: StepDraft) -> Proposal:
@@ -359,13 +383,8 @@ class DraftProposer(CachePart):
 
     def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
               alone: bool = False) -> dict[int, Proposal]:
-        """The draft writes one step per row, kept as it is (``alone`` changes nothing: the loop's rounds write the
-        output step by step)."""
-        self._uncut(rows)
-        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced), record_logits=not self.handover.shared)
-        out = {i: self._proposal(i, d) for i, d in steps.items()}
-        self._uncut(rows)  # every step is kept
-        return out
+        self._uncut(rows)  # the ids the row's last kept proposal left leave first
+        return super().write(rows, limits, forced, alone)
 
     def score(self, rows: Sequence[int]) -> dict[int, float]:
         drafts = [self.window[i][0] for i in rows]
@@ -378,9 +397,7 @@ class DraftProposer(CachePart):
         t0 = time.perf_counter()  # a draft forward is not probe time
         hidden = [d.pooled_input() for d in drafts] if self.spec.needs_hidden else None
         logits = [torch.stack(d.token_logits()) for d in drafts] if self.spec.needs_logits else None
-        with torch.inference_mode():  # features and MLP without autograd bookkeeping per op
-            x = probe_features(self.spec, [d.tokens for d in drafts], hidden, logits)
-            p = run_probe(self.probe, x)
+        p = run_probe(self.probe, probe_features(self.spec, [d.tokens for d in drafts], hidden, logits))
         self.probe_s += time.perf_counter() - t0
         return dict(zip(rows, p))
 
@@ -436,24 +453,15 @@ class StepRead:
 class TargetVerifier(CachePart):
     """The in-process target on its :class:`~generation.cache.BatchedCache`, with the target probe and the judge turn.
 
-    Args:
-        writer: the target writing steps (its cache, rows holding their prompts; its stopper and the decode's
-            sampler).
-        tokenizer: the target's tokenizer.
-        handover: turns the draft's steps into target tokens.
-        probe: the target probe, or None.
+    Args: those of :class:`CachePart` (its probe the target probe), then
         judge: the judge turn.
         coins: per cache row, the generator of its acceptance coins.
-        spare: context room each row keeps (a bonus token, a judge turn).
     """
 
-    def __init__(self, writer: StepWriter, tokenizer, handover: Handover, probe, judge: JudgeTurn, coins,
-                 spare: int) -> None:
-        super().__init__(writer.cache, spare)
-        self.writer, self.sampler, self.tokenizer = writer, writer.sampler, tokenizer
-        self.handover, self.probe, self.judge, self.coins = handover, probe, judge, coins
-        self.spec = probe.config.features if probe is not None else None
-        self.probe_s = 0.0  # seconds in the probe so far
+    def __init__(self, writer: StepWriter, tokenizer, handover: Handover, probe, spare: int, judge: JudgeTurn,
+                 coins) -> None:
+        super().__init__(writer, tokenizer, handover, probe, spare)
+        self.sampler, self.judge, self.coins = writer.sampler, judge, coins
         self._new: dict[int, int] = {}  # per row read by the last verify(): new tokens
         self.token_logits: dict[int, torch.Tensor] = {}  # per row read: logits predicting its new tokens, then after
 
@@ -464,17 +472,15 @@ class TargetVerifier(CachePart):
         self.coins.append(key_stream(key, "coins"))
         self.sampler.add_stream(key_stream(key, "sampling"))
 
-    def step(self, tokens: Sequence[int], n_forced: int) -> Proposal:
-        """A target step (forced tokens first) as the loop commits it."""
-        tok = self.tokenizer
-        return Proposal(tokens, n_forced, decode_text(tok, tokens), eos=tok.eos_token_id in tokens)
-
     def ends_step(self, tokens: Sequence[int], limit: int) -> bool:
         """A target step of ``tokens`` is finished: its stopper says so, or it holds ``limit`` tokens."""
         return bool(tokens) and (self.writer.stop(tokens) or len(tokens) >= limit)
 
     def finished(self, tokens: Sequence[int], n_forced: int, limit: int) -> Proposal | None:
-        return self.step(list(tokens), n_forced) if self.ends_step(tokens, limit) else None
+        if not self.ends_step(tokens, limit):
+            return None
+        tokens, tok = list(tokens), self.tokenizer
+        return Proposal(tokens, n_forced, decode_text(tok, tokens), eos=tok.eos_token_id in tokens)
 
     def rewrite(self, row: int, tokens: Sequence[int], limit: int, proposal: Proposal, drawn: bool,
                 offset: int = 0) -> tuple[int, int | None] | None:
@@ -486,18 +492,6 @@ class TargetVerifier(CachePart):
         base, new = list(tokens), list(proposal.tokens[proposal.n_forced :])
         return speculate_tokens(self.sampler, row, new, logits[offset:], proposal.logits, drawn=drawn,
                                 ends_after=lambda j: self.ends_step(base + new[:j], limit))
-
-    def write(self, rows: Sequence[int], limits: Mapping[int, int], forced: Mapping[int, Forced] | None = None,
-              alone: bool = False) -> dict[int, Proposal]:
-        """The target writes one step per row (after its forced tokens). ``alone`` (the target-only baseline)
-        changes nothing here: the loop's rounds write the output step by step."""
-        steps = self.writer.write(list(rows), dict(limits), forced=_ids(forced), record_logits=not self.handover.shared)
-        out = {}
-        for i, d in steps.items():
-            out[i], cut = self._whole(d)
-            if cut is not None:  # a target step is always kept: its last ids leave at once
-                self.cache.rollback(i, cut[0], last_logits=cut[1])
-        return out
 
     def bonus(self, rows: list[int]) -> dict[int, Forced]:
         """The target's next token after each row's kept step, drawn from the forward that read it (it enters the
@@ -576,11 +570,10 @@ class TargetVerifier(CachePart):
         q, x = {}, {}
         if needs.q and slow:
             t0 = time.perf_counter()
-            with torch.inference_mode():  # features and MLP without autograd bookkeeping per op
-                feats = probe_features(self.spec, [read[k].tokens for k in slow],
-                                       [read[k].hidden for k in slow] if self.spec.needs_hidden else None,
-                                       [read[k].step_logits for k in slow])
-                x, q = dict(zip(slow, feats)), dict(zip(slow, run_probe(self.probe, feats)))
+            feats = probe_features(self.spec, [read[k].tokens for k in slow],
+                                   [read[k].hidden for k in slow] if self.spec.needs_hidden else None,
+                                   [read[k].step_logits for k in slow])
+            x, q = dict(zip(slow, feats)), dict(zip(slow, run_probe(self.probe, feats)))
             self.probe_s += time.perf_counter() - t0
         coin = {k: float(torch.rand((), generator=self.coins[k[0]])) for k in slow} if needs.coin else {}
         return {k: Scores(text=steps[k].text, output=outputs[k], features=x.get(k), fast=fast.get(k, False),

@@ -9,52 +9,25 @@ same loop (docs/design.md "Decoding"). :class:`TransformersLoop` is the method t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from generation.cache import context_length
 from generation.handover import decode_text, pad_id
-from generation.sampling import stream_seed
 from generation.specs import SamplingSpec
-from semanticspec.results import DecodeResult, DecodeStats, StepEvent
+from semanticspec.results import DecodeResult, DecodeStats
 from semanticspec.rows import answer_complete
 
 
 @dataclass(frozen=True)
 class TransformersLoop:
     """The method that runs transformers' own loop, ``target.generate``, assisted by the draft when ``assisted``
-    (the in-process decoder runs it with :func:`transformers_events`; it is not a round of the step loop)."""
+    (the in-process decoder runs it with :func:`hf_generate`, prompt by prompt; it is not a round of the step loop)."""
 
     assisted: bool
     policy = None
     probes_decide = False
-
-
-def transformers_events(method: TransformersLoop, target, draft, tokenizer, draft_tokenizer, batch: tuple,
-                        max_new_tokens: int, sampling: SamplingSpec, keys, marker: str | None = None, spare: int = 0
-                        ) -> Iterator[StepEvent]:
-    """Decode prompt by prompt (``batch``: the target's and the draft's prompt ids), each seeding transformers from
-    its own stream (``keys``: each prompt's :data:`~generation.sampling.StreamKey`); a prompt's output is one step,
-    yielded with its end event. ``draft_tokenizer``: None when the models share ``tokenizer``. ``marker``: the
-    answer marker that ends a decode as it ends the step loop's (its line complete), None for none.
-
-    Each stops at the models' context end, less ``spare`` positions (the room the step loop's methods keep free, so
-    that every method stops at the same place): with one tokenizer the draft reads the same ids; with two,
-    transformers hands text over and only the target's context is known here.
-    """
-    shared, (ids_t, ids_d) = draft_tokenizer is None, batch
-    for k, (key, it, idd) in enumerate(zip(keys, ids_t, ids_d)):
-        rooms = [(context_length(target.config), len(it))]
-        rooms += [(context_length(draft.config), len(idd))] if shared else []
-        room = min([c - n - spare for c, n in rooms if c is not None], default=max_new_tokens)
-        r = hf_generate(target, draft, tokenizer, draft_tokenizer, it, method.assisted, max_new_tokens, sampling,
-                        stream_seed(*key, "sampling"), room, marker)
-        for step in r.steps:
-            yield StepEvent(k, step, r.text)
-        yield StepEvent(k, None, r.text, r)
 
 
 def hf_generate(target, draft, tokenizer, draft_tokenizer, ids: list[int], assisted: bool, max_new_tokens: int,

@@ -13,7 +13,7 @@ A method (:mod:`semanticspec.methods`) names which of the loop's round functions
 rows: the target writes a step (:meth:`StepLoop.target_round`), the draft writes one (:meth:`StepLoop.draft_round`),
 or the draft proposes and an acceptance policy decides (:meth:`StepLoop.speculative_round`, through
 :meth:`StepLoop.speculate`). A refused step is rolled back in both parts and the target writes the
-step instead (:meth:`StepLoop.rewrite`), with token-level speculation from the draft when ``token_sd`` (a verifier
+step instead (:meth:`StepLoop.target_steps`), with token-level speculation from the draft when ``token_sd`` (a verifier
 that can: :class:`~semanticspec.parts.TokenVerifier`). After each decision both parts follow what the row committed
 (:meth:`~semanticspec.parts.Part.sync`).
 """
@@ -156,8 +156,15 @@ class StepLoop:
         self.target_steps(rows, use_draft=False)
 
     def draft_round(self, rows: list[int], method) -> None:
-        """A round in which the draft writes every step, all kept."""
-        self.draft_steps(rows)
+        """A round in which the draft writes every step, all kept (the draft-only baseline; an engine proposer writes
+        the row's whole output in one request)."""
+        steps = self.proposer.write(rows, {i: self.limit(i, self.proposer) for i in rows}, alone=True)
+        for i in self.live(rows):
+            st, r = steps[i], self.rows[i]
+            r.stats.draft_steps_proposed += 1
+            r.stats.draft_steps_accepted += 1
+            r.stats.drafted_tokens += st.n_new
+            r.commit(StepTrace("draft", st.text, st.size, decision=Decision.ACCEPT), st)
 
     def speculative_round(self, rows: list[int], method) -> None:
         """A round in which the draft proposes each row's step (or window of steps) and ``method.policy`` decides;
@@ -165,8 +172,9 @@ class StepLoop:
         first = [i for i in rows if self.setup.target_first_step and self.rows[i].steps_written == 0]
         spec = [i for i in rows if i not in first]
         rejected = self.speculate(spec, method.policy, method.window) if spec else []
-        if first or rejected:
-            self.rewrite(first, rejected)
+        if first or rejected:  # the target writes them, in one batch
+            with self.meter.phase({**dict.fromkeys(first, "first_step"), **dict.fromkeys(rejected, "rewrite")}):
+                self.target_steps(first + rejected, use_draft=True)
 
     def _round(self, method) -> bool:
         """One round over the rows that can go on (the others are closed at their limit); False when none could."""
@@ -399,11 +407,6 @@ class StepLoop:
                 r.finish("eos")
                 r.last_forced_step()
 
-    def rewrite(self, first: list[int], rejected: list[int]) -> None:
-        """The target writes the first step of ``first`` and the refused step of ``rejected`` (one batch)."""
-        with self.meter.phase({**dict.fromkeys(first, "first_step"), **dict.fromkeys(rejected, "rewrite")}):
-            self.target_steps(first + rejected, use_draft=True)  # one batch
-
     def target_steps(self, rows_i: list[int], use_draft: bool) -> None:
         """The target writes one step for each row; the draft is handed the step (``use_draft``), or helps write it
         (``token_sd``: :meth:`_token_rounds`). Without the draft (the target-only baseline) an engine verifier
@@ -420,14 +423,3 @@ class StepLoop:
             if use_draft:  # the draft reads the target's step on its next forward
                 self._sync(i, Commit(step=st))
             rows[i].commit(StepTrace("target", st.text, st.size, decision=Decision.TARGET), st)
-
-    def draft_steps(self, rows_i: list[int]) -> None:
-        """The draft writes one step for each row, kept as it is (the draft-only baseline; an engine proposer
-        writes the row's whole output in one request)."""
-        steps = self.proposer.write(rows_i, {i: self.limit(i, self.proposer) for i in rows_i}, alone=True)
-        for i in self.live(rows_i):
-            st, r = steps[i], self.rows[i]
-            r.stats.draft_steps_proposed += 1
-            r.stats.draft_steps_accepted += 1
-            r.stats.drafted_tokens += st.n_new
-            r.commit(StepTrace("draft", st.text, st.size, decision=Decision.ACCEPT), st)
