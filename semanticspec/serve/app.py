@@ -286,9 +286,9 @@ def key_matches(header: bytes, key: str) -> bool:
 
 
 def _info_routes(app: FastAPI, dec, sched: Scheduler, metrics: Metrics, s: Settings) -> None:
-    known = [c for c in dec.contexts() if c is not None]
+    known = [c - dec.spare(dec.config) for c in dec.contexts() if c is not None]  # what prompt + max_tokens may
     card = {"id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "semanticspec-probes",
-            **({"max_model_len": min(known)} if known else {})}  # as vLLM's and SGLang's cards state it
+            **({"max_model_len": min(known)} if known else {})}  # fill, as vLLM's and SGLang's cards state it
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -115,7 +115,10 @@ def test_what_common_clients_send_is_taken(world):
         {"role": "user", "content": [{"type": "text", "text": "Start with 2."}]}])
     assert chat.choices[0].message.role == "assistant"
     card = c.models.retrieve("semanticspec")
-    assert card.id == "semanticspec" and card.model_extra["max_model_len"] == 256
+    assert card.id == "semanticspec" and card.model_extra["max_model_len"] == 256 - 7  # the decoder keeps 7 free
+    fill = c.completions.create(model="semanticspec", prompt="Start with 2.", max_tokens=1, seed=0)
+    room = card.model_extra["max_model_len"] - fill.usage.prompt_tokens  # as a client sizes it: it was refused
+    assert c.completions.create(model="semanticspec", prompt="Start with 2.", max_tokens=room, seed=0).choices
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("gpt-4")
     for field, value in (("presence_penalty", 0.5), ("logit_bias", {"7": 10}), ("best_of", 2), ("echo", True),
