@@ -233,7 +233,8 @@ def stored_tau(target_probe) -> float | None:
     """
     if not isinstance(target_probe, (str, os.PathLike)):
         return None
-    path = Path(target_probe).parent / THRESHOLD_FILE
+    target_probe = Path(target_probe).expanduser().absolute()  # as load_probe reads it; "." has a folder above
+    path = target_probe.parent / THRESHOLD_FILE
     if not path.is_file():
         return None
     try:
@@ -247,7 +248,7 @@ def stored_tau(target_probe) -> float | None:
         why = f"tau={tau!r} is no threshold in [0, 1]"
     elif isinstance(version, bool) or not isinstance(version, int) or version > THRESHOLD_FORMAT:
         why = f"format_version={version!r}: this version reads {THRESHOLD_FORMAT} and older"
-    elif data.get("target_probe_sha256") != sha256_file(Path(target_probe) / "model.safetensors"):
+    elif data.get("target_probe_sha256") != sha256_file(target_probe / "model.safetensors"):
         why = "it was written for other probe weights"
     if why is not None:
         warnings.warn(f"{path}: {why}; deciding at the default tau", stacklevel=3)

@@ -498,6 +498,17 @@ def test_a_threshold_file_for_other_weights_is_ignored(picked):
             assert stored_tau(picked / "target") is None
 
 
+def test_the_picked_threshold_is_found_however_the_probes_path_is_spelled(picked, monkeypatch):
+    # "~/..." loaded the probe (load_probe expands it) but looked for the pick in a folder named "~"; "." (from
+    # inside the probe's folder) looked inside it: both decided at 0.5 without a word
+    from semanticspec.policies import stored_tau
+
+    monkeypatch.setenv("HOME", str(picked.parent))
+    assert stored_tau(f"~/{picked.name}/target") == 0.37
+    monkeypatch.chdir(picked / "target")
+    assert stored_tau(".") == 0.37 and stored_tau("./") == 0.37
+
+
 def test_the_endpoint_uses_the_picked_threshold_unless_given_one(picked):
     pytest.importorskip("fastapi")
     from semanticspec.serve.cli import ServeOptions, build
