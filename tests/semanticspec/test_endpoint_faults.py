@@ -180,10 +180,13 @@ def test_a_request_whose_planning_fails_is_answered_and_the_endpoint_goes_on(wor
     from semanticspec.serve.app import build_app
 
     class Decoder:
-        tokenizer, policy = world_tokenizer, None
+        tokenizer, policy, config = world_tokenizer, None, None
 
         def contexts(self):
             return 256, 256
+
+        def spare(self, config):
+            return 1
 
         def plan(self, prompts, config):
             if "boom" in prompts[0]:
