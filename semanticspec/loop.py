@@ -196,7 +196,8 @@ class StepLoop:
         """Row ``i``'s end event, with its result."""
         r = self.rows[i]
         r.stats.target_passes, r.stats.draft_passes = self.verifier.passes[i], self.proposer.passes[i]
-        return StepEvent(i, None, r.text, DecodeResult(r.output(), r.trace, r.stats, r.stop_reason, r.error))
+        return StepEvent(i, None, "" if r.error else r.text,  # a failed row's output counts for nothing
+                         DecodeResult(r.output(), r.trace, r.stats, r.stop_reason, r.error))
 
     def _sync(self, i: int, commit: Commit) -> None:
         """Both parts follow what row ``i`` committed."""

@@ -141,7 +141,7 @@ class StepEvent:
         text: the prompt's output so far, after the step: its kept steps' texts joined. In-process with one
             tokenizer each step's text is what its tokens add to the output decoded whole, so a character whose bytes
             two steps hold comes with the second, and the end event's ``result.text`` (decoded in one go) is the
-            same text.
+            same text. A failed prompt's end event has ``""``, as its result (its steps are in the result).
         result: on the end event, the prompt's :class:`DecodeResult` (what ``generate`` returns for it).
     """
 

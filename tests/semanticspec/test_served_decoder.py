@@ -324,6 +324,17 @@ def test_a_server_failing_for_one_prompt_fails_only_that_prompt(world, engines, 
     assert not solved[2] and task.check(ref[2].text, world["problems"][2]["answer"])  # it would have been solved
 
 
+def test_a_prompt_failing_midway_ends_its_stream_with_no_text(world, engines):
+    # the end event carried the output committed before the failure, which result.text leaves out so that no answer
+    # checker counts a failed decode as solved
+    prompt = world["prompts"][2]
+    target = Wrapped(engines[0], fail=lambda kind, ctx: ctx.startswith(prompt) and len(ctx) > len(prompt) + 20)
+    dec = ServedDecoder(target, engines[1], hidden_probe(world), task=MARKER)
+    end = next(e for e in dec.stream([prompt], **GREEDY) if e.step is None)
+    assert end.result.stop_reason == "error" and end.result.steps  # it failed after a step was committed
+    assert end.text == end.result.text == ""
+
+
 def test_a_window_the_draft_server_cuts_at_its_full_context_says_so(world, engines):
     """A server that states no context (llama-cpp-python without n_ctx) stops a window's write short where its
     context is full: the row fails saying so and naming the fix, where it once blamed the server's token texts."""
