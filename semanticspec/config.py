@@ -98,7 +98,7 @@ class DecodeConfig:
         bonus_token: on accept, the token the target predicts after the step opens the next step (in-process, one
             tokenizer only).
         judge_suffix: the judge turn of the SpecReason baseline; in-process, every method keeps room for it (and a
-            bonus token) at the context's end.
+            bonus token) at the context's end, and a call where it leaves no room is refused.
 
     Raises:
         ValueError: a field with a bad value, naming every bad field and its value at once.

@@ -190,6 +190,10 @@ class SemanticSpecDecoder(StepDecoder):
         if (cfg.lookahead or 1) > 1 and not self.shared:
             problems.append(f"lookahead={cfg.lookahead}: the target reads a window of the draft's steps in its own "
                             "tokens, which needs one tokenizer; this pair has two (use lookahead=1)")
+        if (room := self.context_room(self.spare(cfg))) is not None and room < 1:  # every decode would be empty
+            problems.append(f"judge_suffix: its {len(self.judge(cfg.judge_suffix).suffix)} tokens, which every method "
+                            f"keeps free at the context's end, leave no room in the models' context "
+                            f"({min(c for c in self.contexts() if c is not None)} tokens); shorten it")
         return problems
 
     def _inputs(self, prompts, cfg: DecodeConfig, method) -> tuple[list, list]:

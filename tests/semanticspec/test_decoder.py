@@ -874,6 +874,18 @@ def test_with_one_seed_per_prompt_any_prompt_decodes_alone_as_in_its_batch(pair,
     assert together != texts(dec.generate(SIX_PROMPTS, seed=[s + 1 for s in seeds], **gen))  # the seeds still matter
 
 
+def test_a_judge_suffix_that_fills_the_context_is_refused_naming_it(tiny_pair):
+    # every method keeps room for SpecReason's judge turn: one longer than the context emptied every decode
+    # (stop_reason "context", text "") without a word
+    target, draft, tok = tiny_pair
+    dec = make_decoder(target, draft, tok)
+    with pytest.raises(ValueError, match=r"judge_suffix: its \d+ tokens, .* leave no room in the models' context "
+                                         r"\(256 tokens\); shorten it"):
+        dec.generate(PROMPTS[:1], method="target_only", max_new_tokens=4, judge_suffix=" Score" * 300)
+    assert dec.generate(PROMPTS[:1], method="target_only", max_new_tokens=4, temperature=0.0,
+                        allow_sampling_mismatch=True)[0].text
+
+
 def test_a_bad_seed_is_refused_naming_it(tiny_pair):
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok)
