@@ -8,6 +8,7 @@ a model or a file the same way.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,12 +29,20 @@ def weights_stamp(folder: str | os.PathLike, pieces: int = 64, piece: int = 1 <<
     """Cheap content stamp of a model folder's weights (``*.safetensors``, ``*.bin``): sha256 (first 16 hex digits) of
     each file's name and size and of ``pieces`` pieces of ``piece`` bytes spread evenly from its start to its end (the
     whole file when it is no larger), so a model retrained in place, even in a few of its layers, gets another stamp
-    without its gigabytes being read. A folder without weights files has one fixed stamp."""
+    without its gigabytes being read. A folder without weights files has one fixed stamp. Files unchanged since this
+    process last stamped them (path, size, inode, mtime) are not read again: a fit asks for its models' stamps more
+    than once."""
+    files = sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin"))
+    stats = [(str(f.absolute()), (st := f.stat()).st_size, st.st_ino, st.st_mtime_ns) for f in files]
+    return _stamp(tuple(stats), pieces, piece)
+
+
+@functools.lru_cache(maxsize=64)
+def _stamp(files: tuple, pieces: int, piece: int) -> str:
     h = hashlib.sha256()
-    for f in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
+    for path, size, _, _ in files:
+        h.update(f"{Path(path).name}:{size}".encode())
+        with open(path, "rb") as fh:
             if size <= pieces * piece:
                 h.update(fh.read())
                 continue

@@ -1,6 +1,7 @@
 """Shards: atomic writes, checksums, corruption reported by name with both checksums."""
 
 import hashlib
+import os
 import shutil
 
 import pytest
@@ -127,3 +128,8 @@ def test_the_weights_stamp_sees_a_change_anywhere_in_a_large_file_and_only_the_c
     c = tmp_path / "c"
     shutil.copytree(b, c)
     assert weights_stamp(c) == weights_stamp(b) and weights_stamp(tmp_path / "empty") == weights_stamp(tmp_path / "x")
+    weights = a / "model.safetensors"  # retrained in place in this process: stamped again, not taken from memory
+    before = weights.stat().st_mtime_ns
+    weights.write_bytes(blob)
+    os.utime(weights, ns=(before + 10**9, before + 10**9))  # a retraining's write comes later than the clock's tick
+    assert weights_stamp(a) == weights_stamp(b) != stamp
