@@ -186,7 +186,8 @@ class FakeSGLang(_Server):
         special_next: the token after a read step is a special token that is not EOS (a base model's end-of-turn):
             its text decodes to "" (``skip_special_tokens``), the request ending at ``length``.
         eos_next: the token after a read step is EOS: ``schedule_batch.py`` ``Req.check_finished`` tests the length
-            limit first, so a one-token read ends at ``length`` and a longer one at ``stop`` (matched: the EOS id).
+            limit first before 0.5.18, so a one-token read ends at ``length`` there; a longer one (or any from 0.5.18,
+            ``Req.update_finish_state``) at ``stop`` (matched: the EOS id).
         nan: end every ``/generate`` as SGLang ends a request whose sampled id falls outside the vocabulary (NaN
             logits): ``finish_reason`` ``{"type": "stop", "matched": "NaN happened"}`` (``schedule_batch.py``
             ``_check_vocab_boundary_finish``, SGLang v0.5.4 to v0.5.17 and main of 2026-08), shaped as a matched stop
@@ -252,9 +253,10 @@ class FakeSGLang(_Server):
     def _after_read(self, max_new: int) -> tuple[list[str], str, str, object]:
         """The tokens a read draws after its step (words, text, finish, matched): :data:`NEXT` then
         :data:`AFTER_NEXT`; a special first token skipped in the text; an EOS first ends at ``stop`` when a second
-        token was allowed, else at ``length`` (``Req.check_finished`` tests the length limit first)."""
+        token was allowed or from 0.5.18, else at ``length`` (``Req.check_finished`` tests the length limit first)."""
         if self.eos_next:
-            return [EOS_TEXT], "", *(("stop", EOS) if max_new > 1 else ("length", None))
+            return [EOS_TEXT], "", *(("stop", EOS) if max_new > 1 or not _older(self.version, "0.5.18")
+                                     else ("length", None))
         words_ = [END_OF_TURN_TEXT if self.special_next else NEXT, AFTER_NEXT][:max_new]
         return words_, "".join(words_[1:] if self.special_next else words_), "length", None
 
@@ -473,7 +475,8 @@ class ScriptSGLang(_Server):
 
     The model's next token after a prompt whose ids begin the script's is the script's next one (log-prob -0.1, the
     runner-up -2.0), after the script EOS. Per-token texts are each id decoded alone, as SGLang returns them in every
-    version (``tokenizer_manager.py`` ``detokenize_logprob_tokens``: ``batch_decode`` of one-id lists), while ``text``
+    version (``tokenizer_manager.py`` ``detokenize_logprob_tokens``: ``batch_decode`` of one-id lists, special tokens
+    kept), while ``text``
     is the output decoded after its prompt (``detokenizer_manager.py``: incremental, so it adds up). ``/v1/tokenize``
     as the tokenizer encodes; hidden rows are not served.
     """
@@ -498,23 +501,23 @@ class ScriptSGLang(_Server):
         return self.script[n] if ids == self.script[:n] and n < len(self.script) else self.eos
 
     def _row(self, lp, i: int) -> list:
-        return [lp, i, self.tok.decode([i])]
+        return [lp, i, self.tok.decode([i], skip_special_tokens=False)]  # batch_decode's default: "</s>" reads whole
 
     def _generate(self, body, headers):
         sp = body.get("sampling_params") or {}
         ids = list(body.get("input_ids") or self.tok.encode(body["text"]).ids)
         k, start = int(body.get("top_logprobs_num") or 0), body.get("logprob_start_len", -1)
         out, stop, finish = [], sp.get("stop") or [], {"type": "length", "length": 0}
-        while True:  # schedule_batch.py Req.check_finished: the length limit first, then EOS, then stop strings
+        while True:  # schedule_batch.py Req.update_finish_state (0.5.18 on): stop strings and EOS, then the length
             nxt = self._next(ids + out)
             out.append(nxt)
             written = self.tok.decode(ids + out)[len(self.tok.decode(ids)):]
             hit = next((s for s in stop if s in written), None)
-            if len(out) >= sp.get("max_new_tokens", 128):
-                finish = {"type": "length", "length": len(out)}
-                break
             if nxt == self.eos or hit:
                 finish = {"type": "stop", "matched": hit or self.eos}
+                break
+            if len(out) >= sp.get("max_new_tokens", 128):
+                finish = {"type": "length", "length": len(out)}
                 break
         text = self.tok.decode(ids + [i for i in out if i != self.eos])[len(self.tok.decode(ids)):]
         if finish.get("matched") and isinstance(finish["matched"], str) and not sp.get("no_stop_trim"):

@@ -85,8 +85,13 @@ fill others."""
 PRE_NORM_MODELS = ("deepseek-v4", "deepseekv4")
 """Model names (lower case, in ``model_path``) whose SGLang hidden rows come before the final norm."""
 READ_TOKENS = 2
-"""New tokens a read asks for: the bonus token, and one more so that an EOS bonus token ends at ``stop`` (SGLang tests
-the length limit first, so a one-token request that drew EOS ends at ``length``); the second is dropped."""
+"""New tokens a read asks for: the bonus token, and one more so that an EOS bonus token ends at ``stop`` (SGLang before
+:data:`EOS_FIRST_VERSION` tests the length limit first, so a one-token request that drew EOS ends at ``length``); the
+second is dropped."""
+EOS_FIRST_VERSION = "0.5.18"
+"""From this SGLang on, EOS and stop strings are tested before the length limit (``schedule_batch.py``
+``Req.update_finish_state``); before it, a write whose last allowed token is EOS ends at ``length``, its EOS row in
+``output_token_logprobs`` (:meth:`SGLangEngine._written`)."""
 LONG_CONTEXT = 128
 """Contexts of more tokens than this, read for the first time with ``hidden``, are prefilled first
 (:meth:`SGLangEngine._prefill`): one request more per prompt instead of a hidden row per context token."""
@@ -333,16 +338,19 @@ class SGLangEngine:
 
     def _next_token(self, meta: dict, text: str) -> tuple[bool, str, int | None]:
         """The token after a read step: whether it is EOS, its text and its id. A read asks for two tokens because
-        SGLang tests the length limit before EOS (``schedule_batch.py`` ``Req.check_finished``): one token that is
-        EOS ends at ``length``, told from any other special token by nothing. Two: EOS first ends at ``stop`` after
-        one; else ``text`` holds both, and the first token's text is its part of it (:func:`spell`)."""
+        SGLang before :data:`EOS_FIRST_VERSION` tests the length limit before EOS (``schedule_batch.py``
+        ``Req.check_finished``): one token that is EOS ends at ``length``, told from any other special token by
+        nothing. Two: EOS first ends at ``stop`` after one; else ``text`` holds both but a special second token (an
+        EOS: its row reads ``"</s>"``, the text skips it), and the first token's text is its part of it
+        (:func:`spell`)."""
         rows = [r for r in meta.get("output_token_logprobs") or [] if r and len(r) > 2]
         if (meta.get("finish_reason") or {}).get("type") == "stop" and int(meta.get("completion_tokens", 0)) <= 1:
             return True, "", None
         if len(rows) < 2:  # one token written (a server that stops at the first): its text is the answer's
             return False, text, int(rows[0][1]) if rows else None
-        texts = _texts(rows[:2])
-        pieces = spell(texts, text) or (["", text] if spell(texts[1:], text) else None)  # a special first: skipped
+        texts = _texts(rows[:2])  # each id decoded alone with its special tokens (batch_decode's default)
+        pieces = spell(texts, text) or (["", text] if spell(texts[1:], text) else None) or \
+            ([text, ""] if spell(texts[:1], text) else None)  # a special token (an EOS after the first) the text skips
         if pieces is None:
             raise MalformedAnswer(f"server {self.url} answered a read with token texts that do not spell its text",
                                   self.url)
@@ -380,7 +388,7 @@ class SGLangEngine:
         text, finish = str(got.get("text", "")), meta.get("finish_reason") or {}
         matched = finish.get("matched")
         if finish.get("type") == "length":
-            how = "length"
+            how = "eos" if self._eos_at_cap(meta, text) else "length"
         elif isinstance(matched, str) and step is not None:  # no_stop_trim keeps the stop string; before 0.5.14
             how, cut = "delimiter", text.find(matched)         # (PR #25980) it could keep text after it as well
             text = text[:cut + len(matched)] if cut >= 0 else text + matched
@@ -398,6 +406,15 @@ class SGLangEngine:
         if known and how != "eos" and spell(_texts(rows), text) is not None:
             self._remember(context + text, known + [int(r[1]) for r in rows])
         return Written(text, how, tokens, self._usage(meta, secs))
+
+    def _eos_at_cap(self, meta: dict, text: str) -> bool:
+        """A write that SGLang before :data:`EOS_FIRST_VERSION` ended at ``length`` drew EOS as its last allowed token:
+        its last row reads as a special token (``"</s>"``) that the text skips, the rows before it spell the text."""
+        from packaging.version import Version
+
+        texts = _texts(meta.get("output_token_logprobs") or [])
+        return (Version(str(self.version).split()[-1]) < Version(EOS_FIRST_VERSION) and bool(texts)
+                and spell(texts, text) is None and spell(texts[:-1], text) is not None)
 
     def _read_back(self, context: str, known: list[int] | None, rows: list, top_k: int, seed: int):
         """The written tokens' raw log-probs: SGLang tempers written tokens' log-probs (not prompt tokens'), so the

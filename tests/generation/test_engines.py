@@ -814,6 +814,32 @@ def test_sglang_server_info_is_asked_again_when_the_server_is_busy(fakes):
     assert make_engine("sglang", fake.root, api_key_env="", retries=2, timeout=10.0).version == "0.5.23"
 
 
+@pytest.mark.parametrize("finish", [{"type": "length", "length": 2}, {"type": "stop", "matched": 2}])
+def test_sglang_a_read_whose_drawn_token_comes_before_eos_is_read(fakes, finish):
+    """SGLang decodes each logprob row's id with its special tokens (``tokenizer_manager.py``
+    ``detokenize_logprob_tokens``: ``batch_decode``, ``skip_special_tokens`` False, 0.5.4 to 0.5.23) and the text
+    without them: a read that drew its token, then EOS, ended at ``length`` (before 0.5.18) or ``stop`` (after) with
+    rows ``" B"``, ``"</s>"`` and text ``" B"``, which was refused as token texts that do not spell the text."""
+    engine = _engine("sglang", fakes(FakeSGLang))
+    meta = {"finish_reason": finish, "completion_tokens": 2,
+            "output_token_logprobs": [[-0.1, 104, " B"], [-0.2, 2, "</s>"]]}
+    assert engine._next_token(meta, " B") == (False, " B", 104)
+
+
+@pytest.mark.parametrize("version, stop", [("0.5.17", "eos"), ("0.5.23", "length")])
+def test_sglang_a_write_whose_last_allowed_token_is_eos_ends_at_eos(fakes, version, stop):
+    """Before 0.5.18 SGLang tests the length limit before EOS (``schedule_batch.py`` ``Req.check_finished``): a write
+    whose last allowed token is EOS ends at ``length``, its EOS row read ``"</s>"``; it was a cut step holding an EOS
+    row the text lacks. From 0.5.18 such a write ends at ``stop``, so a last row the text skips is some other special
+    token, and the step stays cut at its length."""
+    engine = _engine("sglang", fakes(FakeSGLang, version=version, hidden=False))
+    got = {"text": " a b"}
+    meta = {"finish_reason": {"type": "length", "length": 3}, "completion_tokens": 3, "prompt_tokens": 4,
+            "output_token_logprobs": [[-0.1, 5, " a"], [-0.1, 6, " b"], [-0.1, 2, "</s>"]]}
+    w = engine._written(got, meta, 0.0, CONTEXT, None, StepSpec(("\n\n",), 3), None, False, 0)
+    assert (w.text, w.stop) == (" a b", stop)
+
+
 def test_sglang_abort_is_asked_again_before_it_is_an_error(fakes):
     """SGLang answers an aborted request with HTTP 200 and finish_reason abort: a transient abort is asked again."""
     fake = fakes(FakeSGLang, abort=1)
