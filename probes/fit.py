@@ -74,8 +74,8 @@ def export_probes(module: SemanticProbeModule, export_dir: str | os.PathLike,
 def training_record(trainer, module: SemanticProbeModule, best: str | None = None) -> dict[str, Any]:
     """How ``trainer`` trained ``module``'s probes: the loss, the optimizer's class and learning rate, the
     scheduler's class (if any), the epochs run, the epoch whose weights are exported (``best_epoch``: that of the
-    ``best`` checkpoint, where one was kept) and the precision (the exported ``config.json``'s ``training``, shown on
-    the card)."""
+    ``best`` checkpoint, where one was kept, counted from 1 as the epochs are) and the precision (the exported
+    ``config.json``'s ``training``, shown on the card)."""
     out: dict[str, Any] = {"loss": module.loss_name}
     if trainer.optimizers:
         optimizer = trainer.optimizers[0]
