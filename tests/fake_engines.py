@@ -336,7 +336,8 @@ class FakeVLLM(_Server):
         end_of_turn: the token after every read prompt is :data:`END_OF_TURN`, an id the model's
             ``generation_config.json`` lists in ``eos_token_id`` beside the tokenizer's EOS:
             ``SamplingParams.update_from_generation_config`` puts it in ``stop_token_ids``, and ``check_stop``
-            (``v1/core/sched/utils.py``, 0.11 and 0.34) ends the request with ``finish_reason`` ``"stop"`` and
+            (``v1/core/sched/utils.py``, 0.11.1 and 0.34; 0.11.0, which the client refuses, tested the length
+            first) ends the request with ``finish_reason`` ``"stop"`` and
             ``stop_reason`` = that id, an int (text "": a special token).
         abort: answer the first ``abort`` completions requests as vLLM answers a request its engine aborted (a
             shutdown, ``/pause``): HTTP 200, the partial text, ``finish_reason`` ``"abort"`` (``v1/engine/__init__.py``
@@ -344,7 +345,7 @@ class FakeVLLM(_Server):
             main of 2026-07).
     """
 
-    def __init__(self, name="toy", *, version="0.11.0", max_logprobs=20, prompt_tokens_details=False,
+    def __init__(self, name="toy", *, version="0.11.1", max_logprobs=20, prompt_tokens_details=False,
                  generation_config=None, short_top=None, status=None, lone_texts=False, twin_texts=False,
                  max_model_len=4096, end_of_turn=False, abort=0):
         self.lone_texts, self.twin_texts, self.end_of_turn = lone_texts, twin_texts, end_of_turn

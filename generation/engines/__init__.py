@@ -47,7 +47,7 @@ def make_engine(kind: str, url: str, model: str | None = None, *, api_key_env: s
         ValueError: an unknown ``kind``.
         Unreachable: the server does not answer (after the retries) or refuses the key.
         Unsupported: it does not serve ``model``, or its version is below the client's floor (SGLang 0.5.4,
-            vLLM 0.11.0), naming the URL, the version and the floor.
+            vLLM 0.11.1), naming the URL, the version and the floor.
     """
     if kind not in KINDS:
         raise ValueError(f"engine kind={kind!r}: expected one of {list(KINDS)}")

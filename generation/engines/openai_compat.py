@@ -31,9 +31,11 @@ from generation.specs import SamplingSpec, StepSpec, is_count
 
 VLLM_MAX_LOGPROBS = 20
 """vLLM's default ``--max-logprobs``."""
-VLLM_MIN_VERSION = "0.11.0"
+VLLM_MIN_VERSION = "0.11.1"
 """The oldest vLLM this client reads and writes with (``return_token_ids``, ``prompt_logprobs`` in the completions
-body; the fixtures ``tests/fixtures/engines/vllm-*.json`` cover 0.11 and 0.34)."""
+body; the fixtures ``tests/fixtures/engines/vllm-*.json`` cover 0.11 and 0.34). 0.11.0 tests the length limit before
+EOS (``v1/core/sched/utils.py`` ``check_stop``; 0.11.1 tests EOS first): a read (one new token) that draws EOS ends at
+``length`` with no text, told from no token by nothing, so the row would decode past the target's end."""
 
 
 def top_k_of(entries: list[float], k: int, url: str, where: str) -> list[float]:

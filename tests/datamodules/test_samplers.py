@@ -79,7 +79,7 @@ def test_llama_cpp_gets_one_request_per_sample_with_distinct_seeds(serve, world_
 
 
 def test_vllm_gets_one_request_per_prefix(serve, world_tokenizer):
-    server = serve(version="0.11.0")
+    server = serve(version="0.11.1")
     s = _sampler(server, world_tokenizer)
     out = s.sample(_contexts(world_tokenizer), 4, seed=0)
     assert len(server.requests) == 3 and [len(o) for o in out] == [4, 4, 4]
@@ -89,7 +89,7 @@ def test_vllm_gets_one_request_per_prefix(serve, world_tokenizer):
     assert set(s.step_ends) <= {"delimiter", "eos", "length"}
 
 
-@pytest.mark.parametrize("version", [None, "0.11.0"], ids=["llama.cpp", "vllm"])
+@pytest.mark.parametrize("version", [None, "0.11.1"], ids=["llama.cpp", "vllm"])
 def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tokenizer, version):
     """Whichever way the server marks a step's end, the step is the one the package's own sampler writes."""
     from datamodules.labels.samplers import HFSampler
@@ -107,7 +107,7 @@ def test_greedy_server_steps_equal_the_hf_sampler(serve, world_models, world_tok
 
 def test_requests_stay_bounded_and_spread_over_endpoints(serve, world_tokenizer):
     both = InFlight()  # one gauge over both servers: the bound is on the sampler's requests in flight, wherever sent
-    a, b = (serve(version="0.11.0", delay=0.05, in_flight=both) for _ in range(2))
+    a, b = (serve(version="0.11.1", delay=0.05, in_flight=both) for _ in range(2))
     s = OpenAISampler([a.url, b.url], "world-draft", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 4),
                       SamplingSpec(0.8, 0.95), api_key_env="", concurrency=2, rank=1)
     s.sample(_contexts(world_tokenizer, 8), 2, seed=0)
@@ -122,7 +122,7 @@ def test_requests_stay_bounded_and_spread_over_endpoints(serve, world_tokenizer)
 
 def test_api_key_is_sent_but_never_shown(serve, world_tokenizer, monkeypatch):
     monkeypatch.setenv("SAMPLER_KEY", "sk-secret-123")
-    server = serve(version="0.11.0")
+    server = serve(version="0.11.1")
     s = _sampler(server, world_tokenizer, api_key_env="SAMPLER_KEY")
     s.sample(_contexts(world_tokenizer, 1), 1, seed=0)
     assert server.requests[0][0]["authorization"] == "Bearer sk-secret-123"
@@ -135,10 +135,10 @@ def test_api_key_is_sent_but_never_shown(serve, world_tokenizer, monkeypatch):
 
 
 def test_failures_are_retried_a_bounded_number_of_times(serve, world_tokenizer):
-    server = serve(version="0.11.0", fail_first=2)
+    server = serve(version="0.11.1", fail_first=2)
     out = _sampler(server, world_tokenizer, retries=3).sample(_contexts(world_tokenizer, 1), 2, seed=0)
     assert len(server.requests) == 3 and len(out[0]) == 2
-    server = serve(version="0.11.0", fail_first=5)
+    server = serve(version="0.11.1", fail_first=5)
     with pytest.raises(Unreachable, match=r"failed /v1/completions after 2 attempt\(s\).*503"):
         _sampler(server, world_tokenizer, retries=2).sample(_contexts(world_tokenizer, 1), 2, seed=0)
     assert len(server.requests) == 2
@@ -153,16 +153,16 @@ def test_a_slow_server_times_out(serve, world_tokenizer):
 
 
 def test_model_and_server_are_checked_before_any_sampling(serve, world_tokenizer):
-    server = serve(version="0.11.0")
+    server = serve(version="0.11.1")
     s = _sampler(server, world_tokenizer)
     assert s.model == "world-draft"
     assert s.provenance() == {"backend": "openai", "model": "world-draft", "urls": [server.url], "engine": "vllm",
-                              "server_version": "0.11.0", "delimiters": list(DEFAULT_DELIMITERS)}
+                              "server_version": "0.11.1", "delimiters": list(DEFAULT_DELIMITERS)}
     with pytest.raises(Unsupported, match=r"does not serve model 'other'; it serves \['world-draft'\]"):
         _sampler(server, world_tokenizer, model="other")
     with pytest.raises(Unreachable, match="127.0.0.1:9/v1 did not answer /v1/models"):
         _sampler("http://127.0.0.1:9/v1", world_tokenizer)
-    with pytest.raises(Unsupported, match=r"reports version 0.10.0; this client needs vLLM >= 0.11.0"):
+    with pytest.raises(Unsupported, match=r"reports version 0.10.0; this client needs vLLM >= 0.11.1"):
         _sampler(serve(version="0.10.0"), world_tokenizer)
     assert not [b for x in server.requests for b in x]  # nothing was sampled
 
@@ -235,7 +235,7 @@ def test_a_bos_the_tokenizer_does_not_add_stays_in_a_text_prompt(serve, world_to
         def __call__(self, text, **kw):
             return self._tok(text, **{**kw, "add_special_tokens": False})
 
-    server = serve(version="0.11.0")
+    server = serve(version="0.11.1")
     ctx = _contexts(world_tokenizer, 1)
     _sampler(server, NoBos(world_tokenizer)).sample(ctx, 1, seed=0)
     assert server.requests[0][1]["prompt"] == world_tokenizer.decode(ctx[0])
@@ -337,7 +337,7 @@ def test_paper_configs_sample_on_servers(name, serve, world_tokenizer, monkeypat
     for role in ("target", "draft"):
         e = getattr(b.sampling.openai, role)
         assert e.urls[0].startswith("http://127.0.0.1:800") and e.model
-        server = serve(role, name=e.model, version="0.11.0")
+        server = serve(role, name=e.model, version="0.11.1")
         e.urls = [server.url]
         s = make_sampler(b, role, None, world_tokenizer)
         out = s.sample(_contexts(world_tokenizer, 1), 2, seed=0)
@@ -417,7 +417,7 @@ def test_vllm_sampler_on_a_gpu(world_tokenizer, tmp_path):
 @pytest.mark.slow  # over 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_target_traces_come_from_the_server_with_an_openai_backend(serve, tmp_path):
     """prefix_source: target with a server: the target's traces are written by its server, not by a local copy."""
-    servers = {r: serve(r, version="0.11.0") for r in ("target", "draft")}
+    servers = {r: serve(r, version="0.11.1") for r in ("target", "draft")}
     config = _world_config({r: s.url for r, s in servers.items()}, temperature=0.6)
     config.prefix_source, config.n_problems = "target", 2
     m = build(config, tmp_path, log=lambda *a: None)

@@ -152,7 +152,7 @@ def test_the_fakes_answer_with_the_recorded_shapes(path):
 
 
 @pytest.mark.parametrize("name,field", [("sglang-0.5.23", "input_token_logprobs"), ("vllm-0.34.0", "prompt_logprobs"),
-                                        ("vllm-0.11.0", "logprobs")])
+                                        ("vllm-0.34.0", "logprobs")])
 def test_a_malformed_answer_names_the_url_and_the_field_never_the_key(name, field, monkeypatch):
     monkeypatch.setenv("CONTRACT_KEY", "sk-contract-secret-9")
     fixture = _load(FIXTURES[0].parent / f"{name}.json")

@@ -171,7 +171,7 @@ def test_sglang_reads_its_version_from_server_info_or_the_older_route(fakes):
 
 def test_vllm_below_the_version_floor_is_refused(fakes):
     fake = fakes(FakeVLLM, version="0.10.1")
-    with pytest.raises(Unsupported, match=r"reports version 0.10.1; this client needs vLLM >= 0.11.0") as e:
+    with pytest.raises(Unsupported, match=r"reports version 0.10.1; this client needs vLLM >= 0.11.1") as e:
         _engine("vllm", fake)
     assert fake.root in str(e.value) and not fake.posts("/v1/completions")
 
@@ -356,7 +356,7 @@ def test_vllm_requests_ask_for_token_texts_whatever_the_servers_flag(fakes):
 def test_vllm_read_echoes_with_prompt_logprobs_and_maps_by_text_offsets(fakes):
     fake = fakes(FakeVLLM)
     engine = _engine("vllm", fake)
-    assert engine.version == "0.11.0"
+    assert engine.version == "0.11.1"
     r = engine.read(CONTEXT, STEP, top_k=4, hidden=False, sampling=SamplingSpec(0.6, 0.95), seed=7)
     (body,) = fake.posts("/v1/completions")
     assert body["prompt"] == CONTEXT + STEP and body["echo"] is True and body["max_tokens"] == 1
@@ -454,7 +454,7 @@ SGLang's /generate: --preferred-sampling-params)."""
 
 
 @pytest.mark.parametrize("kind,fake_cls,server", [("vllm", FakeVLLM, {"version": "0.34.0", "generation_config": LEAKY}),
-                                                  ("vllm", FakeVLLM, {"version": "0.11.0", "generation_config": LEAKY}),
+                                                  ("vllm", FakeVLLM, {"version": "0.11.1", "generation_config": LEAKY}),
                                                   ("sglang", FakeSGLang, {"preferred": LEAKY})])
 def test_writes_state_the_whole_distribution_so_server_defaults_do_not_leak(kind, fake_cls, server, fakes):
     """vLLM (--generation-config auto; both penalties from 0.31) and SGLang (--preferred-sampling-params) fill unset
@@ -768,7 +768,7 @@ def test_vllm_leaves_presence_penalty_to_the_generation_config_from_0_31():
     from tests.fake_engines import FakeVLLM as F
 
     assert F(version="0.34.0", generation_config=LEAKY)._params({})["presence_penalty"] == 1.5
-    assert F(version="0.11.0", generation_config=LEAKY)._params({})["presence_penalty"] == 0.0
+    assert F(version="0.11.1", generation_config=LEAKY)._params({})["presence_penalty"] == 0.0
 
 
 def test_vllm_read_ending_at_an_end_of_turn_id_is_the_end(fakes):
