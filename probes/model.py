@@ -394,16 +394,16 @@ def _read_weights(file: Path) -> dict:
     return state
 
 
-def check_values(state: dict[str, torch.Tensor], where: str) -> None:
-    """Refuse a probe's tensors (``where``: the file they were read from) holding NaN or infinite values as the
-    float32 probe holds them (a float64 file's 1e300 is infinite there), or an ``input_std`` not positive
-    everywhere, naming the tensors."""
+def check_values(state: dict[str, torch.Tensor], where: str, fix: str = _REDO.capitalize()) -> None:
+    """Refuse a probe's tensors (``where``: the file they were read from, or the probe in memory) holding NaN or
+    infinite values as the float32 probe holds them (a float64 file's 1e300 is infinite there), or an ``input_std``
+    not positive everywhere, naming the tensors and ``fix``."""
     if bad := nonfinite({k: v.float() if v.is_floating_point() else v for k, v in state.items()}):
         raise ValueError(f"{where} holds NaN or infinite values in {bad}; the probe would refuse or accept every "
-                         f"step blindly. {_REDO.capitalize()} (a diverged training exports such weights)")
+                         f"step blindly. {fix} (a diverged training gives such weights)")
     if "input_std" in state and not bool((state["input_std"] > 0).all()):
         raise ValueError(f"{where} holds an input_std that is not positive everywhere (training sets each at least "
-                         f"1e-6); the probe would divide by it and score every step NaN. {_REDO.capitalize()}")
+                         f"1e-6); the probe would divide by it and score every step NaN. {fix}")
 
 
 def read_folder(path: Path, config: ProbeConfig) -> SemanticProbe:
@@ -527,9 +527,7 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
         check_role(probe.config, role, where=where)
         if model is not None or tokenizer is not None:
             check_probe_matches(probe.config, model, tokenizer, where=where)
-        if bad := nonfinite(probe.state_dict()):
-            raise ValueError(f"{where} holds NaN or infinite values in {bad} (a diverged training's); it would refuse "
-                             "or accept every step blindly")
+        check_values(probe.state_dict(), where, fix="Train it again, or load an export")
         mine = False
     else:
         raise TypeError(f"{role or 'the'} probe must be a path or a SemanticProbe, got {type(probe).__name__}")
