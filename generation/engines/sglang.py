@@ -56,6 +56,7 @@ import warnings
 from collections import OrderedDict
 
 import torch
+from packaging.version import Version
 
 from generation.engines import HIDDEN_NORM, NEUTRAL_SAMPLING
 from generation.engines.base import (Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Unsupported,
@@ -110,8 +111,6 @@ class UnseededServer(UserWarning):
 def hidden_refusals(url: str, info: dict) -> tuple[str, ...]:
     """Why the server's hidden rows are not the last layer's, or not this request's (each: the version or the flag,
     and the fix); empty when they are."""
-    from packaging.version import Version
-
     out = []
     if Version(str(info["version"]).split()[-1]) < Version(HIDDEN_MIN_VERSION):  # at_least parsed it
         out.append(f"SGLang server {url} runs {info['version']}, which before {HIDDEN_MIN_VERSION} gives a request "
@@ -180,6 +179,7 @@ class SGLangEngine:
         self.info = self._server_info()
         self.version = str(self.info.get("version")) if self.info.get("version") is not None else None
         at_least(self, self.version, MIN_VERSION, "SGLang")
+        self.length_first = Version(self.version.split()[-1]) < Version(EOS_FIRST_VERSION)  # at_least parsed it
         if (why := preferred_refusal(self.url, self.info)) is not None:
             raise Unsupported(why, self.url)
         self._caps = self._capabilities()
@@ -410,11 +410,8 @@ class SGLangEngine:
     def _eos_at_cap(self, meta: dict, text: str) -> bool:
         """A write that SGLang before :data:`EOS_FIRST_VERSION` ended at ``length`` drew EOS as its last allowed token:
         its last row reads as a special token (``"</s>"``) that the text skips, the rows before it spell the text."""
-        from packaging.version import Version
-
-        texts = _texts(meta.get("output_token_logprobs") or [])
-        return (Version(str(self.version).split()[-1]) < Version(EOS_FIRST_VERSION) and bool(texts)
-                and spell(texts, text) is None and spell(texts[:-1], text) is not None)
+        texts = _texts(meta.get("output_token_logprobs") or []) if self.length_first else []
+        return bool(texts) and spell(texts, text) is None and spell(texts[:-1], text) is not None
 
     def _read_back(self, context: str, known: list[int] | None, rows: list, top_k: int, seed: int):
         """The written tokens' raw log-probs: SGLang tempers written tokens' log-probs (not prompt tokens'), so the
