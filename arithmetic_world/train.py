@@ -340,8 +340,8 @@ def _init_problem(folder: Path) -> str | None:
         return f"its config.json cannot be read ({e})"
     if not isinstance(cfg, dict) or cfg.get("architectures") != ["LlamaForCausalLM"]:
         return "not a saved world model (its config.json names no LlamaForCausalLM)"
-    if cfg.get("vocab_size") != len(build_tokenizer()):
-        return f"a model of vocab_size {cfg.get('vocab_size')!r}, not the world tokenizer's {len(build_tokenizer())}"
+    if cfg.get("vocab_size") != (vocab := len(build_tokenizer())):
+        return f"a model of vocab_size {cfg.get('vocab_size')!r}, not the world tokenizer's {vocab}"
     try:
         with safe_open(str(folder / "model.safetensors"), "pt"):
             pass
