@@ -110,6 +110,20 @@ class HFSampler(StepSampler):
         return {"backend": "hf", "model": getattr(self.model.config, "_name_or_path", None)}
 
 
+def end_token_ids(path: str, tokenizer) -> frozenset[int]:
+    """The ids vLLM ends a request at: the tokenizer's EOS and the ``eos_token_id`` of the model folder's
+    ``generation_config.json`` (vLLM adds those to every request's stop ids:
+    ``SamplingParams.update_from_generation_config``)."""
+    from transformers import GenerationConfig
+
+    try:
+        extra = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json (or a hub name not in the local cache)
+        extra = None
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return frozenset(i for i in [tokenizer.eos_token_id, *extra] if i is not None)
+
+
 class VLLMSampler(StepSampler):
     """vLLM's offline engine: ``SamplingParams(n, stop, include_stop_str_in_output=True, seed)`` per context.
 
@@ -136,6 +150,7 @@ class VLLMSampler(StepSampler):
         self._vllm, self.path = vllm, path
         self.engine = vllm.LLM(model=path, tensor_parallel_size=tensor_parallel_size,
                                gpu_memory_utilization=gpu_memory_utilization, seed=seed, dtype=dtype)
+        self.end_ids = end_token_ids(path, tokenizer)
 
     def _generate(self, contexts, seed: int, **params) -> list:
         """One request per context at the build's temperature and top-p, context ``i`` seeded from ``seed``."""
@@ -148,14 +163,21 @@ class VLLMSampler(StepSampler):
                               include_stop_str_in_output=True)
         result = []
         for out in outs:
-            # stop_reason: the matched stop string (kept in the text), else None at EOS or an end-of-turn id (int)
-            steps = [self._step(c.text, "length" if c.finish_reason == "length" else
-                                "delimiter" if isinstance(c.stop_reason, str) else "eos") for c in out.outputs]
+            steps = [self._step(c.text, self._how(c)) for c in out.outputs]
             if len(steps) != n:
                 raise RuntimeError(f"vLLM returned {len(steps)} samples for one prompt; asked for n={n}")
             result.append(steps)
         self.samples += n * len(contexts)
         return result
+
+    def _how(self, c) -> str:
+        """How one ``CompletionOutput`` ended. ``stop_reason`` is the matched stop string (kept in the text), else
+        None at EOS or the end-of-turn id (an int). vLLM's V1 engine before 0.11.1 tests the length limit before EOS
+        (``v1/core/sched/utils.py`` ``check_stop``), so a step whose last allowed token is an end id ends at
+        ``length`` holding that id in ``token_ids``: it ended at EOS all the same."""
+        if c.finish_reason == "length" and not (c.token_ids and c.token_ids[-1] in self.end_ids):
+            return "length"
+        return "delimiter" if isinstance(c.stop_reason, str) else "eos"
 
     def complete(self, contexts, max_new_tokens, seed):
         return [o.outputs[0].text for o in self._generate(contexts, seed, n=1, max_tokens=max_new_tokens)]

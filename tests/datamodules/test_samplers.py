@@ -367,7 +367,7 @@ def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monke
         def generate(self, prompts, params, use_tqdm=False):
             calls["generate"] = (prompts, params)
             def out(text, finish, reason):
-                return types.SimpleNamespace(text=text, finish_reason=finish, stop_reason=reason)
+                return types.SimpleNamespace(text=text, token_ids=[], finish_reason=finish, stop_reason=reason)
             return [types.SimpleNamespace(outputs=[out("1 + 2 = 3.\n\n", "stop", "\n\n"),
                                                    out("Answer: 3", "stop", 7)])  # an end-of-turn id
                     for _ in prompts]
@@ -394,6 +394,38 @@ def test_vllm_sampler_maps_the_build_onto_sampling_params(world_tokenizer, monke
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"pip install 'semanticspec-probes\[vllm\]'"):
         VLLMSampler("/models/x", world_tokenizer, StepSpec(DEFAULT_DELIMITERS, 16), SamplingSpec(0.6, 0.95))
+
+
+def test_vllm_sampler_reads_an_end_id_at_the_cap_as_eos(world_tokenizer, monkeypatch, tmp_path):
+    """vLLM's V1 engine before 0.11.1 tests the length limit before EOS (``v1/core/sched/utils.py`` ``check_stop``,
+    0.11.0), so a step whose last allowed token is an end id ends at ``length`` with that id last in
+    ``CompletionOutput.token_ids`` (``vllm/outputs.py``) and out of the text: the step ended at EOS all the same.
+    The end ids are the tokenizer's EOS and ``generation_config.json``'s
+    (``SamplingParams.update_from_generation_config``)."""
+    import sys
+    import types
+
+    from datamodules.labels.samplers import VLLMSampler
+
+    tok, eot = world_tokenizer, 5
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, eot]}))
+    ids = tok("1 + 2", add_special_tokens=False).input_ids
+
+    class LLM:
+        def __init__(self, **kw):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=False):
+            def out(last):
+                return types.SimpleNamespace(text="1 + 2", token_ids=ids + last, finish_reason="length",
+                                             stop_reason=None)
+            return [types.SimpleNamespace(outputs=[out([tok.eos_token_id]), out([eot]), out([])])]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
+    s = VLLMSampler(str(tmp_path), tok, StepSpec(DEFAULT_DELIMITERS, 16), SamplingSpec(0.6, 0.95))
+    assert s.end_ids == {tok.eos_token_id, eot}
+    assert s.sample(_contexts(tok, 1), 3, seed=0) == [[ids + [tok.eos_token_id]] * 2 + [ids]]
+    assert s.step_ends == {"eos": 2, "length": 1}
 
 
 @pytest.mark.gpu
