@@ -692,6 +692,8 @@ def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems:
     """The decoders (in-process or served) and the arms of the evaluation; servers and models are checked here.
     SemanticSpec's main threshold is ``--tau``, else the one of the run it resumes (``resumed``: a rerun does not move
     to the pick its first run wrote), else the probes' ``threshold.json``, else 0.5."""
+    import torch
+
     from generation.fingerprints import sha256_file
     from semanticspec.policies import stored_tau
 
@@ -717,7 +719,7 @@ def make_setup(opts: EvaluateOptions, fit: FitRun, probes: Path, task, problems:
     header = {"format_version": FORMAT_VERSION, "where": where, "task": task.spec(), "seed": opts.seed,
               "max_new_tokens": opts.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p, "tau": tau,
               "probes": {r: sha256_file(probes / r / "model.safetensors") for r in ("target", "draft")},
-              "skip": skip}
+              "skip": skip, "threads": torch.get_num_threads() if opts.target_url is None else None}  # timings' pace
     return Setup(arms, problems, dec.prompts([p["problem"] for p in problems]), task, tau, semanticspec_at,
                  opts.seed, header)
 

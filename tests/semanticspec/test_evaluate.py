@@ -356,6 +356,18 @@ def test_a_killed_evaluation_resumes_to_the_same_report(run, tmp_path):
     assert str(ROOT) not in json.dumps(resumed["settings"]) and resumed["settings"]["where"]["target"]["num_layers"]
 
 
+def test_records_timed_at_another_thread_count_are_refused(run, capsys):
+    """The speedups come from the records' timings, which the thread count sets: a rerun at another ``--threads``
+    is refused before it mixes them, naming both counts."""
+    had, n = run.report["settings"]["threads"], torch.get_num_threads()
+    try:
+        err = refused(capsys, [*ARGS, "--probes", str(run.probes), "--out_dir", str(run.out), "--threads",
+                               str(had + 1), "--write_threshold", "false"])
+    finally:
+        torch.set_num_threads(n)
+    assert f"records decodes with threads={had}, this run has {had + 1}" in err
+
+
 def test_a_reused_decode_is_the_decode_at_its_threshold(run):
     """The sweep reuses a decode where no probe-judged step's q lies between the two thresholds; decoding again at
     that threshold gives the same text and decisions."""
