@@ -447,6 +447,23 @@ def pick(curve: list[dict], target_only: dict, max_drop: float, evaluated: int |
     return {**out, "tau": best["threshold"], **{k: best[k] for k in keys}}
 
 
+def better_pick(probes: Path, n: int) -> str | None:
+    """Why the ``threshold.json`` beside ``probes`` stays, or None: it was picked for these target probe weights on
+    more problems than ``n`` (a quick check must not replace a careful pick)."""
+    from generation.fingerprints import sha256_file
+    from semanticspec.policies import THRESHOLD_FILE
+
+    path = probes / THRESHOLD_FILE
+    try:
+        old = json.loads(path.read_text())
+        more = old["n_problems"] > n and old["target_probe_sha256"] == sha256_file(probes / "target" /
+                                                                                    "model.safetensors")
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not one this version wrote: replaced
+        return None
+    return (f"kept {path}: its pick (tau {old['tau']}) was made on {old['n_problems']} problems, this run evaluated "
+            f"{n}; delete it to write this run's pick") if more else None
+
+
 def write_threshold(probes: Path, report: dict, command: str) -> Path | None:
     """Write the pick as ``threshold.json`` beside the probes (:data:`semanticspec.policies.THRESHOLD_FILE`); None when
     the rule picked nothing."""
@@ -500,7 +517,8 @@ class EvaluateOptions:
     max_accuracy_drop: float = 0.01
     """The rule: the fastest threshold whose accuracy is at most this below target-only's (0.01 = one point)."""
     write_threshold: bool = True
-    """Write the rule's pick beside the probes (threshold.json), the decoders' and the endpoint's default tau."""
+    """Write the rule's pick beside the probes (threshold.json), the decoders' and the endpoint's default tau; a pick
+    there for the same target probe made on more problems is kept."""
     token_sd: bool = True
     """In-process with one tokenizer: also token-level speculative decoding (transformers' assisted generation,
     timed against transformers' own target-only loop)."""
@@ -887,6 +905,9 @@ def _written(report: dict, opts: EvaluateOptions, probes: Path, out_dir: Path, r
 
     report["probes"] = str(probes)
     picked = opts.write_threshold and report["n_evaluated"] and report["pick"]["tau"] is not None
+    if picked and (kept := better_pick(probes, report["n_evaluated"])):
+        print(f"{PROG}: {kept}", file=sys.stderr)
+        picked = False
     report["threshold_file"] = str(probes / THRESHOLD_FILE) if picked else None
     save(report, out_dir)  # the report first: an interrupted write leaves the old threshold beside a stale report
     if picked:

@@ -368,6 +368,26 @@ def test_records_timed_at_another_thread_count_are_refused(run, capsys):
     assert f"records decodes with threads={had}, this run has {had + 1}" in err
 
 
+def test_a_pick_made_on_more_problems_is_kept(run, tmp_path, capsys):
+    """A quick evaluation does not replace the threshold a longer one picked for the same target probe; a pick for
+    other weights is replaced."""
+    probes, out = tmp_path / "probes", tmp_path / "out"
+    shutil.copytree(run.probes, probes)
+    shutil.copytree(run.out, out)
+    stored = json.loads((probes / "threshold.json").read_text())
+    careful = {**stored, "tau": 0.7, "n_problems": 40}
+    (probes / "threshold.json").write_text(json.dumps(careful))
+    argv = [*ARGS, "--probes", str(probes), "--out_dir", str(out)]
+    report = E.main(argv)  # every decode is recorded: nothing is decoded again
+    assert json.loads((probes / "threshold.json").read_text()) == careful and report["threshold_file"] is None
+    assert f"kept {probes / 'threshold.json'}: its pick (tau 0.7) was made on 40 problems, this run evaluated 2" \
+        in capsys.readouterr().err
+    (probes / "threshold.json").write_text(json.dumps({**careful, "target_probe_sha256": "0" * 64}))
+    with pytest.warns(UserWarning, match="written for other probe weights"):
+        assert E.main(argv)["threshold_file"] == str(probes / "threshold.json")
+    assert json.loads((probes / "threshold.json").read_text())["n_problems"] == 2
+
+
 def test_a_reused_decode_is_the_decode_at_its_threshold(run):
     """The sweep reuses a decode where no probe-judged step's q lies between the two thresholds; decoding again at
     that threshold gives the same text and decisions."""
