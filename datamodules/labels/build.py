@@ -47,6 +47,7 @@ from datamodules.labels.coordination import (
     barrier,
     build_locked,
     check_recorded,
+    forget_records,
     claim,
     damaged_shards,
     data_dir_problem,
@@ -98,7 +99,7 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     # Check every input before writing anything: a refused build leaves no build.json behind.
     records = config.resolved_task().problems(config.n_problems, config.task_seed)
     _check_models(config, sig)
-    existing, pinned = check_recorded(data_dir, sig, log)
+    existing, pinned, stale = check_recorded(data_dir, sig)
     finished = bool(existing and existing.get("complete"))
     damaged = damaged_shards(data_dir, existing) if finished else []
     if finished and not damaged:  # read as it is: a finished build needs no write access
@@ -117,6 +118,8 @@ def build(config: BuildConfig, data_dir: str | os.PathLike, *, max_shards: int |
     servers = _server_samplers(config, rank, tokenizers)
     make_data_dir(data_dir, f"{len(damaged)} missing or altered shards" if finished else "the whole build")
     if rank == 0 and not pinned:
+        if stale:
+            forget_records(data_dir, stale, log)
         claim(data_dir, sig, {"build": sig, "config": config_record(config)})
 
     timer: dict[str, float] = {}

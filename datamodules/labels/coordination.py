@@ -49,25 +49,29 @@ def barrier(synced: bool = True) -> None:
         dist.barrier()
 
 
-def check_recorded(data_dir: Path, sig: dict, log) -> tuple[dict | None, bool]:
-    """Refuse a folder holding shards of another config; returns ``(manifest or None, build.json matches)``.
+def check_recorded(data_dir: Path, sig: dict) -> tuple[dict | None, bool, list[str]]:
+    """Refuse a folder holding shards of another config; returns ``(manifest or None, build.json matches, stale)``.
 
-    A folder without a single shard is not pinned by what it records (a build refused or killed
-    before its first shard): its stale manifest and target traces are removed, build.json rewritten.
+    A folder without a single shard is not pinned by what it records (a build refused or killed before its first
+    shard): ``stale`` names how its records differ from ``sig``, and :func:`forget_records` removes them once every
+    other input is checked. Nothing is written here.
     """
     existing = S.read_manifest(data_dir) if data_dir.is_dir() else None
     started = _started(data_dir)
     recorded = [existing.get("build") if existing else None, started]
     diff = next((d for d in (signature_mismatches(r, sig) for r in recorded if r is not None) if d), [])
     if not diff:
-        return existing, started is not None
+        return existing, started is not None, []
     _refuse_shards(data_dir, diff)
-    rank, _ = dist_info()
-    if rank == 0:
-        log(f"{data_dir} holds no shard yet; its records of another config are replaced ({'; '.join(diff)})")
-        for name in (S.MANIFEST, "target-traces.jsonl"):
-            (data_dir / name).unlink(missing_ok=True)
-    return None, False
+    return None, False, diff
+
+
+def forget_records(data_dir: Path, stale: list[str], log) -> None:
+    """Remove the manifest and target traces of another config from a folder that holds no shard yet (``stale``: how
+    they differ, from :func:`check_recorded`); build.json is rewritten by :func:`claim`."""
+    log(f"{data_dir} holds no shard yet; its records of another config are replaced ({'; '.join(stale)})")
+    for name in (S.MANIFEST, "target-traces.jsonl"):
+        (data_dir / name).unlink(missing_ok=True)
 
 
 def claim(data_dir: Path, sig: dict, record: dict) -> None:

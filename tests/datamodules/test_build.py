@@ -381,7 +381,18 @@ def test_folder_without_a_shard_is_not_pinned_by_another_config(world, tmp_path)
     with pytest.raises(FileNotFoundError, match=r"holds an unfinished build .* finish it by running the build that "
                                                 r"started it again \(its options are the `config` in .*build\.json\)"):
         SemanticProbeDataModule(str(tmp_path), build=None).prepare_data()
-    assert build(_config(world), tmp_path)["complete"]  # not "holds data built for another config"
+    # a manifest the build's earlier run left (one killed as it began its first shard)
+    S.atomic_write_json(tmp_path / S.MANIFEST, {"build": json.loads((tmp_path / "build.json").read_text())["build"],
+                                                "complete": False, "shards": []})
+    recorded = (tmp_path / S.MANIFEST).read_bytes()
+    path = tmp_path.parent / f"{tmp_path.name}-repeats.jsonl"  # a build refused on its input removes nothing
+    path.write_text(2 * (json.dumps({"problem": "Start with 2.", "answer": "3"}) + "\n"))
+    with pytest.raises(ValueError, match="repeats the problem"):
+        build(_config(world, task=BoxedMathTask(str(path))), tmp_path)
+    assert (tmp_path / S.MANIFEST).read_bytes() == recorded
+    said = []
+    assert build(_config(world), tmp_path, log=said.append)["complete"]  # not "holds data built for another config"
+    assert any("holds no shard yet; its records of another config are replaced" in line for line in said)
     with pytest.raises(ValueError, match="holds .* shards built for another config"):
         build(_config(world, sampling={"seed": 1}), tmp_path)  # once it holds shards, it is
 
