@@ -47,14 +47,14 @@ def normalise_args(args: list[str]) -> list[str]:
     return out
 
 
-def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config", "-c")) -> None:
+def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config", "-c")) -> list[tuple[str, dict]]:
     """Parse each YAML file given to ``flags`` in ``args`` (``--config F`` or ``--config=F``); a syntax error is raised
-    naming the file and line.
+    naming the file and line. Returns each file's name and mapping.
 
     Raises:
         ValueError: ``FILE: invalid YAML: ... line L, column C``, or a file that is not UTF-8 text.
     """
-    given = [(a, args[i + 1]) for i, a in enumerate(args[:-1]) if a in flags]
+    given, read = [(a, args[i + 1]) for i, a in enumerate(args[:-1]) if a in flags], []
     for a, value in given + [tuple(a.split("=", 1)) for a in args if a.split("=", 1)[0] in flags and "=" in a]:
         path = Path(value)
         if not path.is_file():
@@ -72,6 +72,8 @@ def check_yaml_files(args: list[str], flags: tuple[str, ...] = ("--config", "-c"
         if not isinstance(loaded, dict):  # jsonargparse says "Unexpected config:" and names nothing
             found = "nothing (an empty file)" if loaded is None else f"a {type(loaded).__name__}"
             raise ValueError(f"{a} {path}: expected a YAML mapping of options (key: value lines), found {found}")
+        read.append((value, loaded))
+    return read
 
 
 def did_you_mean(message: str, options: list[str], args: list[str] | None = None) -> str:
@@ -80,8 +82,8 @@ def did_you_mean(message: str, options: list[str], args: list[str] | None = None
     (the command line, when given) set is named as a key of its config files."""
     m = re.search(r"nrecognized arguments: (.*)", message)
     group = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
-    top = re.search(r"Option '([\w.]+)' is not accepted", message)
-    key = f"--{group[1]}.{group[2]}" if group else f"--{top[1]}" if top else None
+    top = re.search(r"Option '([\w.]+)' is not accepted|unknown key '([\w.]+)'", message)
+    key = f"--{group[1]}.{group[2]}" if group else f"--{top[1] or top[2]}" if top else None
     if key and args is not None:
         files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "--fit_config")]
         if files and not any(a == key or a.startswith(key + "=") for a in args):

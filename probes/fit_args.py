@@ -1,12 +1,12 @@
 """The fit command line before torch loads: its name, one-line refusals and a first pass over the option names.
 
 Importing torch and Lightning takes seconds, so `python -m probes.fit` looks at what it was given before it
-imports them: the YAML syntax of each ``--config`` file, and every option name on the command line against the
-names the real parser knew the last time it was built. The LightningCLI keeps those names in the user's cache
-(:func:`options_cache`), under a key of the installed Lightning and jsonargparse and of this package's files: after
-an upgrade or an edit the first run has no names to look at and leaves every check to the real parser (seconds,
-still one line), and writes them for the next. Values and the keys of ``--config`` files are checked by the real
-parser and the classes, after the imports.
+imports them: the YAML syntax of each ``--config`` file, and every option name on the command line and every key of
+those files against the names the real parser knew the last time it was built. The LightningCLI keeps those names in
+the user's cache (:func:`options_cache`), under a key of the installed Lightning and jsonargparse and of this
+package's files: after an upgrade or an edit the first run has no names to look at and leaves every check to the real
+parser (seconds, still one line), and writes them for the next. Values, and the keys a class chosen in a file takes
+(``class_path``, ``init_args``), are checked by the real parser and the classes, after the imports.
 """
 
 from __future__ import annotations
@@ -40,19 +40,33 @@ def first_pass(args: list[str]) -> None:
     """Refuse, through :func:`fail`, a ``--config`` file that is not YAML and an option name the fit parser does
     not know (when its names are cached), without importing torch. ``args`` are normalised (``--key value``)."""
     try:
-        check_yaml_files(args)
+        files = check_yaml_files(args)
     except ValueError as e:
         fail(str(e))
     try:
         known = set(json.loads(options_cache().read_text()))
     except (OSError, ValueError):
         return  # not cached yet: the real parser checks the names
+    for path, loaded in files:
+        if key := next((k for k in config_keys(loaded) if not is_known(f"--{k}", known)), None):
+            fail(did_you_mean(f"--config {path}: unknown key '{key}'", sorted(known)))
     for i, a in enumerate(args):
         if a == "--":
             break
         if a.startswith("--") and not is_known(a.rstrip("+").split("=", 1)[0], known):  # --print_config=skip_null
             value = args[i + 1 : i + 2] if i + 1 < len(args) and not args[i + 1].startswith("--") else []
             fail(did_you_mean(f"unrecognized arguments: {' '.join([a] + value)}", sorted(known)))
+
+
+def config_keys(mapping: dict, prefix: str = ""):
+    """The dotted keys of a ``--config`` file's mapping, down to its values; a class's arguments (a mapping with
+    ``class_path`` or ``init_args``) and lists are values, left to the real parser."""
+    for k, v in mapping.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and not {"class_path", "init_args", "dict_kwargs"} & set(v):
+            yield from config_keys(v, key + ".")
+        else:
+            yield key
 
 
 def is_known(option: str, known: set[str]) -> bool:

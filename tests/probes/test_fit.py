@@ -840,6 +840,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow  # 10 s on 2 cores (fresh processes): in CI's slow set, out of the README's 5-minute command
 def test_mistyped_options_are_refused_in_one_line_before_torch_loads(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SEMANTICSPEC_CACHE", str(tmp_path / "cache"))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("data:\n  build:\n    n_problem: 3\n")
     status, err, heavy = refuse_in_a_fresh_process("probes.fit", ["--trainer.max_epochz", "3"])
     assert status == 2 and len(err) == 1 and "--trainer.max_epochz" in err[0]  # no names kept yet: the real parser
     with pytest.raises(SystemExit):
@@ -852,6 +854,7 @@ def test_mistyped_options_are_refused_in_one_line_before_torch_loads(tmp_path, m
         (["--data.build.sampling.n_sampels", "3"], "did you mean --data.build.sampling.n_samples?"),
         (["--trainer.logger.init_args.save_dir", "x", "--model.probe.hidden_dimz", "[4]"],
          "did you mean --model.probe.hidden_dims?"),  # under a class chosen at parse time, anything goes
+        (["--config", str(typo)], "unknown key 'data.build.n_problem'; did you mean --data.build.n_problems?"),
     ]
     for args, said in cases:  # one line, exit 2, and torch never imported
         status, err, heavy = refuse_in_a_fresh_process("probes.fit", args)
@@ -861,7 +864,7 @@ def test_mistyped_options_are_refused_in_one_line_before_torch_loads(tmp_path, m
 
 
 def test_the_first_pass_knows_every_option_the_real_parser_knows(tmp_path, monkeypatch, capsys):
-    from probes.fit_args import is_known, options_cache
+    from probes.fit_args import first_pass, is_known, options_cache
 
     monkeypatch.setenv("SEMANTICSPEC_CACHE", str(tmp_path))
     with pytest.raises(SystemExit):
@@ -870,6 +873,15 @@ def test_the_first_pass_knows_every_option_the_real_parser_knows(tmp_path, monke
     assert {"--trainer.max_epochs", "--data.build.sampling.n_samples", "--ckpt_path", "--model.probe.hidden_dims",
             "--trainer.callbacks"} <= known
     assert is_known("--trainer.logger.init_args.name", known) and not is_known("--trainer.max_epochz", known)
+    for config in sorted((ROOT / "configs").glob("*.yaml")):  # every key of the shipped configs is known
+        first_pass(["--config", str(config)])
+    capsys.readouterr()
+    typo = tmp_path / "typo.yaml"  # a nested key was refused only by the real parser, after torch loaded
+    typo.write_text("data:\n  build:\n    n_problem: 3\n    task:\n      class_path: x.Y\n      init_args: {a: 1}\n")
+    with pytest.raises(SystemExit) as e:
+        first_pass(["--config", str(typo)])
+    assert e.value.code == 2 and (f"--config {typo}: unknown key 'data.build.n_problem'; did you mean "
+                                  "--data.build.n_problems?") in capsys.readouterr().err
     monkeypatch.setattr("probes.fit_args.version", lambda name: "0.0.0")  # another Lightning: other names
     assert not options_cache().is_file()
 
