@@ -79,7 +79,7 @@ def skipped_line(reasons: list[str]) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Issue 33: the run ends with one line saying what it skipped and why, instead of bare ``s`` characters."""
+    """The run ends with one line saying what it skipped and why, instead of bare ``s`` characters."""
     reasons = []
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = getattr(report, "longrepr", None)

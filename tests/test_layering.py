@@ -74,14 +74,14 @@ def module_name(path: Path) -> str:
 @pytest.mark.parametrize("path", [p for p in files(*PACKAGE) if WORLD not in str(p)],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_generic_module_imports_the_world(path):
-    """Issue 19: the embedded world registers itself (entry point ``semanticspec.worlds``); nothing generic imports
+    """The embedded world registers itself (entry point ``semanticspec.worlds``); nothing generic imports
     it."""
     bad = [(n, m) for n, m in imported_modules(path) if m.startswith("arithmetic_world")]
     assert not bad, f"{path.relative_to(ROOT)} imports the world: {bad}"
 
 
 def test_no_import_circle():
-    """Issue 19: two package modules never import each other, directly or through others (lazy imports included)."""
+    """Two package modules never import each other, directly or through others (lazy imports included)."""
     paths = files(*PACKAGE)
     names = {module_name(p) for p in paths}
     graph = {}
@@ -132,7 +132,7 @@ def test_benchmarks_import_no_private_module(path):
 
 
 def test_only_the_cache_writes_its_sequences():
-    """Issue 30 item 3: tokens join a row of a BatchedCache through ``cache.extend`` (its one writer), never by
+    """Tokens join a row of a BatchedCache through ``cache.extend`` (its one writer), never by
     editing ``cache.seq`` in place: no ``.seq[i].append/extend``, ``.seq[i] = ...`` or ``.seq[i] += ...`` outside
     generation/cache.py."""
     found = []

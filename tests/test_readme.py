@@ -27,7 +27,7 @@ def test_readme_opens_with_setup_and_test_commands_that_ci_runs():
 
 @pytest.mark.integration
 def test_readme_test_command_leaves_out_slow_tests():
-    """The README's command stays fast: `slow` (and `gpu`) tests run only when asked for (issue 12); it runs the
+    """The README's command stays fast: `slow` (and `gpu`) tests run only when asked for; it runs the
     `integration` tier, which the unit-tier command leaves out."""
     import subprocess
     import sys
@@ -58,7 +58,7 @@ def test_readme_decoder_example_runs(capsys):
     assert "Answer:" in out and "step_acceptance" in out
 
 
-# --------------------------------------------------------------------------- issue 33: a README a user can follow
+# --------------------------------------------------------------------------- a README a user can follow
 
 
 def _section(title: str) -> str:
@@ -80,7 +80,7 @@ def test_readme_stays_short_with_one_headline_table_linking_the_figures():
 
 @pytest.mark.slow
 def test_readme_serving_section_runs(tmp_path):
-    """Issue 33.4: the "Serving" section's commands as written: install check, start the world's two servers with
+    """The "Serving" section's commands as written: install check, start the world's two servers with
     the one command, decode through ServedDecoder with the shipped servable pair, stop the servers."""
     import os
     import shlex

@@ -412,7 +412,7 @@ def test_real_pair_builds_labels_trains_probes_and_decodes(tmp_path):
 
 @pytest.mark.slow
 def test_callback_decodes_the_real_pair_on_boxed_math(real_pair, tmp_path):
-    """The live callback with the real pair (two tokenizers, chat templates) and the boxed-math task (issue 11)."""
+    """The live callback with the real pair (two tokenizers, chat templates) and the boxed-math task."""
     from callbacks.speculative_validation import SpeculativeValidation
     from datamodules.tasks.math import BoxedMathTask
 
@@ -457,7 +457,7 @@ def test_sampled_cross_tokenizer_token_sd_leaves_the_draft_usable(real_pair):
 
 @pytest.mark.integration
 def test_converted_tokenizers_decode_without_a_cleanup_warning(real_pair):
-    """Issue 11: decoding the converted tokenizers warns nothing about `clean_up_tokenization_spaces` (BPE)."""
+    """Decoding the converted tokenizers warns nothing about `clean_up_tokenization_spaces` (BPE)."""
     import logging
 
     records: list[logging.LogRecord] = []

@@ -34,7 +34,7 @@ def test_quick_benchmark_results_are_ignored_and_untracked():
 
 
 def _repository_files() -> list[Path]:
-    """The files git would commit: tracked ones and untracked ones that ``.gitignore`` does not hide (issue 33.1).
+    """The files git would commit: tracked ones and untracked ones that ``.gitignore`` does not hide.
 
     Never a walk of the whole folder: a clone holds a ``.venv/``, ``data/`` and ``runs/`` that are not the
     repository's (a dependency's Big5-encoded source in ``.venv/`` broke ``read_text``). A virtual environment is
@@ -106,7 +106,7 @@ def test_docstring_references_to_the_design_name_its_sections():
 
 
 def test_a_virtual_environment_inside_the_clone_is_ignored_and_never_read(tmp_path):
-    """Issue 33.1: `python -m venv .venv` inside the clone leaves `git status` clean and the repository walks skip
+    """`python -m venv .venv` inside the clone leaves `git status` clean and the repository walks skip
     it, even a venv `.gitignore` does not name (a dependency's file in another encoding broke `read_text`)."""
     names = [".venv/lib/site-packages/x.py", "venv/lib/site-packages/x.py"]
     assert set(_git("check-ignore", "--no-index", *names).split()) == set(names)
@@ -114,13 +114,13 @@ def test_a_virtual_environment_inside_the_clone_is_ignored_and_never_read(tmp_pa
     assert not walked & {".venv", "venv", ".git", "data", "runs"}, walked
 
 
-def test_library_code_names_no_internal_issue_numbers():
-    """A reader of the package cannot follow "issue 33 item 16": comments say why in words (upstream references such
-    as vLLM's "RFC #24288" stay, a reader can follow those)."""
+def test_code_names_no_internal_issue_numbers():
+    """A reader of the package or its tests cannot follow the numbers of the project's own tracker: comments say why
+    in words (upstream references such as vLLM's "RFC #24288" stay, a reader can follow those)."""
     found = [f"README.md:{k}" for k, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1)
              if re.search(r"\b[Ii]ssues? \d+\b", line)]
     for part in ("generation", "probes", "datamodules", "callbacks", "semanticspec", "arithmetic_world", "benchmarks",
-                 "configs", "docs"):
+                 "configs", "docs", "tests"):
         for p in sorted(q for q in (ROOT / part).rglob("*") if q.suffix in (".py", ".yaml", ".md")):
             found += [f"{p.relative_to(ROOT)}:{k}" for k, line in enumerate(p.read_text().splitlines(), 1)
                       if re.search(r"\b[Ii]ssues? \d+\b", line)]

@@ -1,4 +1,4 @@
-"""The README's test run ends with one line naming what it skipped and why (issue 33)."""
+"""The README's test run ends with one line naming what it skipped and why."""
 
 import subprocess
 import sys

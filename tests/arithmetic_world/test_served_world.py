@@ -1,4 +1,4 @@
-"""Served SemanticSpec against real llama-cpp-python servers (issue 20, item 5); slow, run by ``.ci/run``.
+"""Served SemanticSpec against real llama-cpp-python servers; slow, run by ``.ci/run``.
 
 The embedded world's target and draft are served from their f32 GGUFs with an f32 KV cache
 (:func:`arithmetic_world.serve.world_server`, ports 8851/8852: ``configs/served.yaml``'s), and the real
@@ -296,7 +296,7 @@ def test_the_real_pair_decodes_through_two_servers(real_pair):
 
 
 def test_the_evaluation_runs_through_the_worlds_servers(world, tmp_path):
-    """``python -m semanticspec.evaluate --target_url --draft_url`` (issue 53): the same evaluation through the two
+    """``python -m semanticspec.evaluate --target_url --draft_url``: the same evaluation through the two
     servers, with the served probe pair; every problem decoded by both methods, nothing failed."""
     from semanticspec.evaluate import main
 

@@ -1,4 +1,4 @@
-"""Tests of the embedded arithmetic world: generator, oracle, tokenizer, and the shipped models (issue 6)."""
+"""Tests of the embedded arithmetic world: generator, oracle, tokenizer, and the shipped models."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""The world's models as GGUF (issue 20, item 4): llama.cpp tokenizes, scores and writes as the world does.
+"""The world's models as GGUF: llama.cpp tokenizes, scores and writes as the world does.
 
 Fast tier: no server. ``llama_cpp.Llama(vocab_only=True)`` reads the GGUF tokenizer; a full ``Llama``
 scores texts in-process. Slow tier: a real ``python -m llama_cpp.server`` from :func:`world_server`.

@@ -1,4 +1,4 @@
-"""`python -m arithmetic_world.serve`: the one command that starts the world's two servers (issue 33.4).
+"""`python -m arithmetic_world.serve`: the one command that starts the world's two servers.
 
 The servers themselves run in the slow README test (tests/test_readme.py::test_readme_serving_section_runs) and in
 tests/arithmetic_world/test_served_world.py; these check the command's refusals, which need no llama.cpp, and

@@ -1,4 +1,4 @@
-"""The benchmarks' command lines refuse bad input as the package's other CLIs do (issue 33 item 14)."""
+"""The benchmarks' command lines refuse bad input as the package's other CLIs do."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""docs/benchmarks.md and the README's headline table are written from benchmarks/results/*.json (issue 33.17)."""
+"""docs/benchmarks.md and the README's headline table are written from benchmarks/results/*.json."""
 
 import json
 import re

@@ -31,7 +31,7 @@ from tests.fake_openai import FakeJudgeServer
 
 NO_SPLITS = {"val_fraction": 0.0, "test_fraction": 0.0}
 """For a datamodule on a few problems whose splits a test does not look at: 0.1 each would hold out none of them,
-and the datamodule warns about that (issue 33 item 15: expected warnings are asserted, not leaked)."""
+and the datamodule warns about that (expected warnings are asserted, not leaked)."""
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_a_finished_build_is_reused_without_reading_its_problems_again(world, re
 def test_build_writes_labelled_shards_and_manifest(reference):
     d, m = reference
     n = 3
-    b = m["build"]  # the one record of what the data is; no top-level copies to drift apart (issue 12)
+    b = m["build"]  # the one record of what the data is; no top-level copies to drift apart
     assert not {"reads", "layer_ids", "pooling", "judge", "labels", "delimiters"} & set(m)
     assert m["complete"] and b["layer_ids"] == [-1] and b["pooling"] == "mean"
     # the step and sampling spec the probes carry to the decoder
@@ -155,7 +155,7 @@ def test_killed_build_resumes_to_the_same_bytes(world, reference, tmp_path, monk
     assert done["stats"]["this_run"]["prefixes"] == ref["n_prefixes"] - 4  # shard 0 was not rebuilt
     n = len(ref["shards"])
     assert any(line.startswith(f"built {n - 1} shards, reused 1 in ") for line in lines), lines  # not "built {n}"
-    # progress for logs (issue 12: a first build printed nothing for 27 minutes when not on a terminal)
+    # progress for logs (a first build printed nothing for 27 minutes when not on a terminal)
     progress = [line for line in lines if line.startswith("build (rank 0): ")]
     assert progress and progress[-1].startswith(f"build (rank 0): "
                                                 f"{n - 1}/{n - 1} shards, ") and "s elapsed" in progress[-1]
@@ -273,7 +273,7 @@ def test_missing_or_altered_shards_are_rebuilt_exactly(world, reference, tmp_pat
     flipped[-3] ^= 0xFF
     (d / S.shard_name(1)).write_bytes(bytes(flipped))
     (d / S.shard_name(n - 1)).unlink()
-    # what the datamodule says, and its advice, must be true (issue 12)
+    # what the datamodule says, and its advice, must be true
     with pytest.raises(S.CorruptShardError) as err:
         SemanticProbeDataModule(str(d), build=None).setup()
     assert f"python -m datamodules.labels.build --data_dir {d}" in str(err.value)
@@ -698,7 +698,7 @@ def test_two_build_processes_into_one_folder_share_the_shards(world, tmp_path):
 @pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__`")  # as probes.fit does: the length holds
 def test_cross_tokenizer_build_trains_probes_that_load_for_that_pair(world, world_tokenizer, tmp_path):
     """A draft with its own tokenizer: each model samples in its vocabulary, the target reads the draft's steps as
-    text, the manifest records both tokenizers, and probes trained on the data decode with that pair (issue 11)."""
+    text, the manifest records both tokenizers, and probes trained on the data decode with that pair."""
     import lightning as L
 
     from probes.config import ProbeConfig
@@ -757,7 +757,7 @@ def test_read_steps_reads_each_distinct_step_of_a_prefix_once(world):
     assert max(rows) == 3  # three distinct steps were read, never five rows
 
 
-# -- issue 21: the CLI's spellings, server refusals, Ctrl-C, read-only data, quiet loading -------------------------
+# -- the CLI's spellings, server refusals, Ctrl-C, read-only data, quiet loading -------------------------
 
 
 def _world_args(world, d):
@@ -947,7 +947,7 @@ def test_model_loads_draw_no_progress_bars(world, capfd):
     (SamplingSpec, {"top_p": 0}, "top_p=0"),
 ])
 def test_a_bad_spec_field_is_refused_where_the_spec_is_built_naming_field_and_value(spec, kwargs, named):
-    """Issue 19: each spec is validated once, where it is built, with one message naming the field and the value."""
+    """Each spec is validated once, where it is built, with one message naming the field and the value."""
     with pytest.raises(ValueError, match=f"invalid {spec.__name__}: ") as err:
         spec(**kwargs)
     assert named in str(err.value)
@@ -965,7 +965,7 @@ def test_a_bad_spec_field_on_the_build_cli_is_one_line_with_exit_status_2(capsys
         assert exit_.value.code == 2 and len(err.splitlines()) == 1 and named in err, (args, err)
 
 
-# -- issue 33: refusals before torch loads, one reason per value, data_dir a file, old class paths ---------------
+# -- refusals before torch loads, one reason per value, data_dir a file, old class paths ---------------
 
 
 def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
@@ -977,7 +977,7 @@ def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
              (["--build.n_problems", "-3"], "n_problems=-3: the embedded world needs >= 1 problem (see"),
              (["--build.sampling.temperature", "x"], "build.sampling.temperature"),
              (["--data_dir", str(a_file)], f"data_dir {a_file} is a file, not a folder")]
-    for args, said in cases:  # issue 33 items 10, 12 and 16
+    for args, said in cases:
         status, err, heavy = refuse_in_a_fresh_process("datamodules.labels.build", args)
         assert status == 2 and len(err) == 1 and said in err[0] and heavy == [], (args, err, heavy)
     assert "expected >= 0" not in refuse_in_a_fresh_process("datamodules.labels.build", cases[1][0])[1][0]

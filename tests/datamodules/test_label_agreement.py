@@ -1,4 +1,4 @@
-"""Agreement of two label builds (issue 32 item 3): shared step texts, their groups and their q labels."""
+"""Agreement of two label builds: shared step texts, their groups and their q labels."""
 
 import json
 

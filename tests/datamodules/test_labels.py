@@ -103,7 +103,7 @@ def test_cluster_config_names_bad_values():
 
 
 def test_steps_whose_numbers_differ_never_share_a_group():
-    """A judge that calls everything "the same" (as the world judge does for 1 in 3 wrong results, issue 9)."""
+    """A judge that calls everything "the same" (as the world judge does for 1 in 3 wrong results)."""
     from datamodules.labels.clustering import numbers
     from datamodules.labels.judges import Judge
 

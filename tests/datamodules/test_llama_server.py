@@ -1,4 +1,4 @@
-"""The ``openai`` sampling backend against a real local llama.cpp server (issue 13); slow, run by ``.ci/run``.
+"""The ``openai`` sampling backend against a real local llama.cpp server; slow, run by ``.ci/run``.
 
 ``.ci/run`` installs ``llama-cpp-python[server]``; the fixture serves the installed SmolLM2 and Gemma
 GGUFs on fixed loopback ports, waits for ``/v1/models`` and kills the servers by pid at the end.

@@ -350,7 +350,7 @@ def test_callback_decodes_a_custom_task_in_batches_and_retimes_target_only(monke
         probes = torch.nn.ModuleDict({r: torch.nn.Linear(2, 1) for r in ("target", "draft")})
 
     first = cb.decode(Module())
-    # an untimed warm-up on one problem, then every batch by both methods, their order rotating (issue 33 item 5)
+    # an untimed warm-up on one problem, then every batch by both methods, their order rotating
     assert [(m, len(p)) for m, p in _StubDecoder.calls] == [
         ("target_only", 1), ("semanticspec", 1), ("target_only", 2), ("semanticspec", 2), ("semanticspec", 2),
         ("target_only", 2), ("target_only", 1), ("semanticspec", 1)]
@@ -364,7 +364,7 @@ def test_callback_decodes_a_custom_task_in_batches_and_retimes_target_only(monke
 
 
 def test_the_callback_says_when_its_speedup_is_unreliable(monkeypatch):
-    """Issue 33 item 5: a speedup timed under load, or while the machine's speed changed, is flagged and warned."""
+    """A speedup timed under load, or while the machine's speed changed, is flagged and warned."""
     import math
 
     import torch

@@ -753,7 +753,7 @@ def test_a_real_llama_cpp_python_server_is_identified_and_accepts_the_neutral_fi
 
 @pytest.mark.parametrize("kind, cls", [("sglang", FakeSGLang), ("vllm", FakeVLLM), ("llama.cpp", FakeLlamaCpp)])
 def test_an_engine_whose_server_serves_another_model_is_refused_before_any_request(fakes, kind, cls):
-    """Issue 30's bad input: an engine given a URL that answers with another model is refused when it is made (before
+    """Bad input: an engine given a URL that answers with another model is refused when it is made (before
     the first prompt), naming the URL and both model names; only the model list was asked for."""
     fake = fakes(cls)
     with pytest.raises(Unsupported) as e:

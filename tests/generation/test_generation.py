@@ -71,7 +71,7 @@ def test_the_caches_own_4d_mask_gives_what_transformers_mask_gives_bit_for_bit(w
 
 
 def test_forwards_are_counted_with_their_rows_tokens_and_padded_positions(world_tokenizer):
-    """Issue 22 cost model: every forward computes all rows at the widest feed, fed or not."""
+    """The cost model: every forward computes all rows at the widest feed, fed or not."""
     model = tiny_llama(len(world_tokenizer), 32, 2)
     run, other = BatchedCache(model, 3), BatchedCache(model, 2)
     run.seq = [[2, 5, 6, 7], [2, 9], [2, 4, 4, 4, 4, 4]]
@@ -127,7 +127,7 @@ def test_masked_columns_do_not_pile_up_and_compaction_is_exact(world_tokenizer):
 
 
 def test_retired_rows_leave_the_forwards_and_the_others_stay_exact(world_tokenizer):
-    """Issue 22: a finished row is dropped from the cache's tensors; later forwards compute only the live rows,
+    """A finished row is dropped from the cache's tensors; later forwards compute only the live rows,
     with the same logits, and a retired row is never fed or rolled back again."""
     model = tiny_llama(len(world_tokenizer), 32, 2)
     rng = random.Random(1)
@@ -164,7 +164,7 @@ def test_retired_rows_leave_the_forwards_and_the_others_stay_exact(world_tokeniz
 
 
 def test_rows_added_to_a_running_cache_read_as_if_alone_and_leave_the_others_exact(world_tokenizer):
-    """Issue 34: a request joins a running batch between rounds (:meth:`BatchedCache.add_row`): its prompt is read in
+    """A request joins a running batch between rounds (:meth:`BatchedCache.add_row`): its prompt is read in
     the next forward beside the others' tokens, every row's logits stay those of its sequence read alone, through
     rollbacks, retirements (all rows gone, then a new one) and compaction."""
     model = tiny_llama(len(world_tokenizer), 32, 2)

@@ -1,4 +1,4 @@
-"""The thread policy (generation/threads.py) and its ``--threads`` option on the fit and the build (issue 36)."""
+"""The thread policy (generation/threads.py) and its ``--threads`` option on the fit and the build."""
 
 import os
 import sys

@@ -36,7 +36,7 @@ def _one_line_error(capsys, args) -> str:
         main(args)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]  # no "Seed set to 0" before it (issue 21)
+    lines = [line for line in err.splitlines() if line.strip()]  # no "Seed set to 0" before it
     assert len(lines) == 1 and lines[0].startswith("python -m probes.fit: error: "), err
     assert "Traceback" not in err and "usage:" not in err
     return lines[0]
@@ -60,7 +60,7 @@ def test_a_config_file_that_is_empty_or_holds_a_mistyped_key_is_named(tmp_path, 
 
 
 def test_prefix_of_a_key_is_not_expanded(capsys):
-    # argparse would read --trainer.max_epoch as --trainer.max_epochs and run with it (issue 12)
+    # argparse would read --trainer.max_epoch as --trainer.max_epochs and run with it
     assert "--trainer.max_epoch 1" in _one_line_error(capsys, ["--trainer.max_epoch", "1", "--print_config"])
 
 
@@ -287,7 +287,7 @@ def test_end_to_end_default_reduced(fitted, capsys):
         # build: nan) is left out of the export, which stays JSON; every other one is exported as tested
         tested = {k[len(prefix) :]: v for k, v in result["test"].items() if k.startswith(prefix)}
         assert m == pytest.approx({k: v for k, v in tested.items() if math.isfinite(v)})
-        if role == "target":  # the rows where the decoder decides are reported on their own (issue 9)
+        if role == "target":  # the rows where the decoder decides are reported on their own
             assert 0.5 <= m["draft_written/auroc"] <= 1 and 0 <= m["draft_written/mse"] < 0.25
         # values, not only names: each within its valid range (labels are probabilities)
         assert 0 <= m["mse"] <= m["mae"] <= 1 and 0 <= m["auroc"] <= 1 and 0 <= m["ece"] <= 1
@@ -580,7 +580,7 @@ def test_default_job_on_a_fresh_clone_leaves_git_status_empty(tmp_path):
     assert status == "", status
 
 
-# -- issue 21: resume, Ctrl-C, no validation split, one-line errors, -c, --key=value, short --help ---------------
+# -- resume, Ctrl-C, no validation split, one-line errors, -c, --key=value, short --help ---------------
 
 
 def _tiny_config(root: Path, **data) -> Path:
@@ -832,7 +832,7 @@ def test_a_normal_run_shows_no_noise(tmp_path, capsys, caplog, recwarn):
     assert out.count("reusing 4 shards") == 1 and "| target (draft-written) |" in out  # the closing table stays
 
 
-# -- issue 33: refusals before torch loads, --ckpt_path, data_dir a file, YAML typos ---------------------------
+# -- refusals before torch loads, --ckpt_path, data_dir a file, YAML typos ---------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -315,7 +315,7 @@ def test_load_given_a_file_of_the_probe_says_to_pass_the_folder(tmp_path):
     path = export_probe(SemanticProbe(ProbeConfig(hidden_size=32, hidden_dims=[4])).eval(), tmp_path / "target")
     for name in ("config.json", "model.safetensors"):
         with pytest.raises(FileNotFoundError, match=rf"{path / name} is a file; pass the folder .* e\.g\. {path}$"):
-            load_probe(path / name)  # issue 33 item 13: it said the folder misses config.json
+            load_probe(path / name)  # it said the folder misses config.json
 
 
 def test_an_export_over_a_folder_replaces_the_probe_and_keeps_the_users_files(tmp_path, world_tokenizer):
@@ -689,7 +689,7 @@ def test_the_shipped_probes_still_load_with_every_check(world_tokenizer):
 
 
 def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
-    """README.md says what the probe reads, which model, its labels and metrics, and how to load it (issue 21.16)."""
+    """README.md says what the probe reads, which model, its labels and metrics, and how to load it."""
     model = tiny_llama(len(world_tokenizer), 32)
     labels = {"labelling": "joint", "clustering": "hdbscan+judge", "seed": 7, "n_samples": 5,
               "judge": {"kind": "llm", "model": {"name_or_path": "judges/tiny"}}}

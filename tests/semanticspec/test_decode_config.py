@@ -1,4 +1,4 @@
-"""`DecodeConfig` (issue 30 item 4): one typed, frozen config of a ``generate`` call, checked where it is built,
+"""`DecodeConfig`: one typed, frozen config of a ``generate`` call, checked where it is built,
 read alike by both decoders; keyword arguments change a copy of it."""
 
 import dataclasses

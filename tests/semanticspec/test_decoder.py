@@ -90,7 +90,7 @@ def test_batched_rows_decide_independently_and_match_one_by_one(pair):
 @pytest.mark.parametrize("groups", [["hidden"], ["token_stats"], ["hidden", "token_stats"], ["topk_stats"],
                                     ["hidden", "token_stats", "topk_stats"]])
 def test_decode_time_features_equal_build_time_features(tiny_pair, monkeypatch, groups):
-    """q and p read exactly what the label build stores for the same prefix and step (issue 9).
+    """q and p read exactly what the label build stores for the same prefix and step.
 
     Every draft step is kept, so from the second proposal on each step opens with the target's bonus
     token: the features cover it on both sides. The build reads with ``datamodules.labels.reading.read_steps``.
@@ -287,7 +287,7 @@ def test_scripted_fast_path_bonus_and_answer_marker(world_tokenizer):
 
 
 def test_the_decoder_takes_the_answer_marker_from_the_task(world_tokenizer):
-    """Issue 33 item 7: ``task=`` gives the decoder the task's answer marker; no config needed."""
+    """``task=`` gives the decoder the task's answer marker; no config needed."""
     from datamodules.tasks.base import Task
 
     tok, prompt = world_tokenizer, PROMPTS[1]
@@ -717,7 +717,7 @@ def test_sampling_spec_comes_from_the_probes_and_a_conflict_is_refused(tiny_pair
     with pytest.raises(ValueError, match=r"leave temperature unset to use the probe's, or pass "
                                          r"allow_sampling_mismatch=True"):
         dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=8)
-    # issue 33 item 6: greedy decoding with probes trained at 0.6, as an explicit opt-in that warns
+    # greedy decoding with probes trained at 0.6, as an explicit opt-in that warns
     with pytest.warns(UserWarning, match=r"allow_sampling_mismatch=True: temperature=0\.0 but the target probe was "
                                          r"trained on steps sampled with temperature=0\.6"):
         greedy = dec.generate(PROMPTS[:1], temperature=0.0, max_new_tokens=16, allow_sampling_mismatch=True)
@@ -758,7 +758,7 @@ def test_prompts_given_as_token_ids_decode_like_their_text(world_tokenizer):
 
 
 def test_bad_prompts_are_refused_before_any_model_call_naming_the_index(tiny_pair):
-    """Issue 21 item 10 and issue 22's bad input: one ValueError naming the prompt's index and what is wrong."""
+    """Bad input: one ValueError naming the prompt's index and what is wrong."""
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok)
     calls = []
@@ -817,7 +817,7 @@ def test_token_ids_as_a_tuple_are_ids_with_one_tokenizer_and_ambiguous_with_two(
 
 
 def test_every_result_carries_a_stop_reason_and_no_method_passes_the_context(tiny_pair):
-    """Issue 21 item 11: prompts near the context end (256 positions) stop at it, with the reason, in every method."""
+    """Prompts near the context end (256 positions) stop at it, with the reason, in every method."""
     from semanticspec.methods import METHODS
 
     target, draft, tok = tiny_pair
@@ -837,7 +837,7 @@ def test_every_result_carries_a_stop_reason_and_no_method_passes_the_context(tin
 
 @pytest.mark.parametrize("pair", [PAIRS[0], *(pytest.param(p, marks=SLOW) for p in PAIRS[1:])], indirect=True)
 def test_a_call_decodes_the_same_whatever_its_batch_size(pair):
-    """Issue 21 item 12: with one integer seed, prompt k samples from its own streams (seed, k), so batching a call
+    """With one integer seed, prompt k samples from its own streams (seed, k), so batching a call
     changes nothing (a prompt alone is prompt 0: see the per-prompt seeds below)."""
     target, draft, kw = pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
@@ -859,7 +859,7 @@ SIX_PROMPTS = PROMPTS + ["Start with 2.\n\n", "Take 9. Multiply it by 2.\n\n", "
 @SLOW  # the README's command checks a call's batching alone (the test before)
 @pytest.mark.parametrize("method", ["semanticspec", "target_only", RandomPolicy(0.5)])
 def test_with_one_seed_per_prompt_any_prompt_decodes_alone_as_in_its_batch(pair, method):
-    """Issue 33 item 2: a per-prompt seed (the OpenAI API's ``seed`` is per request) makes a prompt's streams depend on
+    """A per-prompt seed (the OpenAI API's ``seed`` is per request) makes a prompt's streams depend on
     its seed alone, so any prompt of a sampled batch decodes alone, at any position, with the same result."""
     target, draft, kw = pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
@@ -916,7 +916,7 @@ def row_view(r):
                                      {"token_sd": False}], ids=["in_rounds", "rewrite_phase", "no_token_sd"])
 @pytest.mark.parametrize("first", [False, True], ids=["draft_first", "target_first"])
 def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, rewrite, first):
-    """Issue 22: the lockstep batch of eight prompts of 6-105 tokens decides and samples each row as it would
+    """The lockstep batch of eight prompts of 6-105 tokens decides and samples each row as it would
     alone (text, stop reason, every step's writer/text/decision/q/p, counters), greedy and sampled."""
     target, draft, tok = tiny_pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
@@ -945,7 +945,7 @@ def test_eight_ragged_prompts_decode_in_one_batch_as_one_by_one(tiny_pair, rewri
         # idle rows (timing only): alone a row is fed by every forward; in the batch rows wait for each other
         assert all(r.stats.idle_row_s == 0 for r in single) and sum(r.stats.idle_row_s for r in batched) > 0, gen
         assert max(r.stats.done_idle_row_s for r in batched) > 0 and min(r.stats.done_idle_row_s for r in batched) >= 0
-        # issue 33 item 8: wall seconds (phases within the wall) and row-seconds (*_row_s) are named apart
+        # wall seconds (phases within the wall) and row-seconds (*_row_s) are named apart
         s = summarize(batched)
         phases = [k for k in s if k.endswith("_s") and not k.endswith(("_row_s", "_per_s")) and k != "wall_s"]
         assert sum(s[k] for k in phases) <= s["wall_s"] * (1 + 1e-6), {k: s[k] for k in phases}
@@ -1005,7 +1005,7 @@ def test_sampled_decoding_on_a_gpu_is_reproducible_and_batch_independent(tiny_pa
 
 @pytest.mark.parametrize("method", ["semanticspec", "target_only"])
 def test_stream_yields_each_step_then_the_result_generate_returns(tiny_pair, method):
-    """Issue 30 item 2: the loop yields one event per step it tries and one end event per prompt; generate is
+    """The loop yields one event per step it tries and one end event per prompt; generate is
     those end events' results, whatever the batch size (prompt indices are the call's)."""
     target, draft, tok = tiny_pair
     sometimes = lambda x: (x.flatten(1)[:, 9] > 0).float()  # noqa: E731
@@ -1027,7 +1027,7 @@ def test_stream_yields_each_step_then_the_result_generate_returns(tiny_pair, met
 
 
 def test_in_process_always_reject_writes_what_target_only_writes(tiny_pair):
-    """Issue 30 item 1: one method table; always_reject (a random policy at rate 0) is the served decoder's check and
+    """One method table; always_reject (a random policy at rate 0) is the served decoder's check and
     runs in-process too: greedy, every draft step refused and rewritten by the target gives target-only's text."""
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok)

@@ -79,7 +79,7 @@ def _redraw(n: int, drawn: bool, seed: int = 0):
 
 @pytest.mark.slow  # 8 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_a_refused_step_redrawn_as_a_point_mass_is_an_exact_draw_from_the_target():
-    """Issue 22 (rewrites in the rounds): the verification forward's logits redraw a refused step. Treated as a
+    """Rewrites in the rounds: the verification forward's logits redraw a refused step. Treated as a
     given sequence (a point mass) the redraw follows the target whatever refused the step; treated as a draw from
     the draft it would not, because the refusal selected it (the test can fail: that case is rejected)."""
     assert _chi2(_redraw(6000, drawn=False), PT[0]) > 1e-3

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint (issue 34): real clients (the ``openai`` package, sync and async, and curl), its
+"""The OpenAI-compatible endpoint: real clients (the ``openai`` package, sync and async, and curl), its
 bad-input answers, its faults (a client that leaves, a full queue, a wrong key, SIGTERM), and requests that join a
 running loop decoding as they would alone. The embedded world in-process; the served world in test_endpoint_served."""
 
@@ -642,7 +642,7 @@ def test_a_second_ctrl_c_ends_the_requests_left_at_once_and_exits_0_without_trac
 
 @pytest.mark.slow
 def test_64_requests_arriving_at_random_times_each_decode_as_alone(endpoint, world_decoder):
-    """Issue 34's load goal: 64 seeded requests (a quarter target-only, so two loops take turns) arrive over about
+    """The load goal: 64 seeded requests (a quarter target-only, so two loops take turns) arrive over about
     three seconds and join the running loops between rounds; every stream's chunks, and every non-streaming answer
     of a second wave, equal the prompt decoded alone through the Python API with the same seed."""
     import random

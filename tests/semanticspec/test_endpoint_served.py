@@ -1,4 +1,4 @@
-"""The endpoint in front of the embedded world's two llama.cpp servers (issue 34); slow, run by ``.ci/run``.
+"""The endpoint in front of the embedded world's two llama.cpp servers; slow, run by ``.ci/run``.
 
 Real clients (the ``openai`` package, sync, async, streaming) get what the served decoder decodes alone with the same
 seed; a backend killed mid-stream ends that stream with an error naming the server's URL (never a key), ``/health``

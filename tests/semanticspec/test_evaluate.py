@@ -1,4 +1,4 @@
-"""``python -m semanticspec.evaluate`` (issue 53): refusals before any decoding, a small evaluation of the shipped world
+"""``python -m semanticspec.evaluate``: refusals before any decoding, a small evaluation of the shipped world
 (resume, the sweep's reuse, the same texts as the decode benchmark's loop), and the picked threshold as the decoders'
 and the endpoint's default."""
 

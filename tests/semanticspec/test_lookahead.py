@@ -52,7 +52,7 @@ def decisions(results):
 
 @pytest.mark.slow  # 32 problems, then every judged step read again on its own: in CI's slow set
 def test_a_window_reads_and_judges_each_step_as_the_step_by_step_loop(world, monkeypatch):
-    """Issue 31: the features a window's one forward gives each step equal those the label build reads for the same
+    """The features a window's one forward gives each step equal those the label build reads for the same
     prefix and step, read on their own (as the sequential loop reads it once the steps before it are kept), within
     float tolerance, and so do the probe's decisions; greedy, 32 problems, windows of 3. Windows drafted after a
     rewrite's continuation, read in its forward, are among them, and some are settled; one step per pass drafts
@@ -172,7 +172,7 @@ def test_bad_lookahead_is_refused_naming_it(tiny_pair):
 
 
 def test_a_window_that_cannot_fit_the_context_is_refused_naming_it(tiny_pair):
-    """Issue 31's bad input: a window whose steps, each at the step spec's most tokens, could not fit the models'
+    """Bad input: a window whose steps, each at the step spec's most tokens, could not fit the models'
     context after a one-token prompt is refused before any model call, naming the value and the most that fits; the
     largest window that fits decodes. Served decoders check it with the engines that tell their context."""
     target, draft, tok = tiny_pair
@@ -193,7 +193,7 @@ def test_a_window_that_cannot_fit_the_context_is_refused_naming_it(tiny_pair):
 
 
 def test_a_window_near_the_context_or_budget_end_is_cut_there(tiny_pair):
-    """Issue 31's bad input: a window that would pass the context or the output budget stops at the limit, never
+    """Bad input: a window that would pass the context or the output budget stops at the limit, never
     past it, and the row's stop_reason names the limit (fixed windows up to the most that fits)."""
     target, draft, tok = tiny_pair
     dec = stub_decoder(target, draft, tok, q=0.5)
@@ -318,7 +318,7 @@ def test_the_window_cost_model_recovers_its_costs_and_predicts_from_them():
 
 
 def test_the_shipped_window_goal_is_read_off_its_row():
-    """Issue 31's goal in the decode benchmark's goals: the shipped window at 2.9x target-only or more, within 1 point
+    """A goal of the decode benchmark: the shipped window at 2.9x target-only or more, within 1 point
     of its accuracy; absent when the run had no shipped-window row."""
     from benchmarks.decode import ADAPTIVE_ROW, window_goals
 

@@ -1,4 +1,4 @@
-"""The step loop computes and its meter measures (issue 30 item 2): the loop reads no clock, the meter shares a
+"""The step loop computes and its meter measures: the loop reads no clock, the meter shares a
 round's and a phase's seconds among the rows that took part, and a decode's step and phase seconds add up to no more
 than its wall time."""
 

@@ -1,4 +1,4 @@
-"""Issue 22, end to end on the world's shipped pair: refused steps rewritten in the loop's rounds sample as the target.
+"""End to end on the world's shipped pair: refused steps rewritten in the loop's rounds sample as the target.
 
 Every draft step is refused (``random_accept`` at rate 0), so every step of the output is the target's, written by
 the rewrites in the rounds: the point-mass redraw from the verification forward, then token-level speculation

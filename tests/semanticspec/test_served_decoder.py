@@ -188,7 +188,7 @@ def test_decisions_equal_in_process_with_a_hidden_state_probe(world, engines, po
 
 @pytest.mark.slow  # 32 problems twice: in CI's slow set, out of the README's 5-minute command
 def test_engine_parts_over_local_engines_decide_as_in_process_parts_on_32_problems(world, engines):
-    """Issue 30: one loop, two sets of parts. The same StepLoop with in-process parts and with engine parts over
+    """One loop, two sets of parts. The same StepLoop with in-process parts and with engine parts over
     LocalEngines (the same weights) takes the same decisions and writes the same texts, greedy, on 32 problems;
     each served step of the one-step loop costs the requests the engine parts say (2 kept, 3 refused). (Windows,
     SemanticSpec's default: tests/semanticspec/test_lookahead.py.)"""
@@ -251,7 +251,7 @@ def test_concurrency_changes_nothing_and_requests_per_step(world, engines):
 
 
 def test_both_decoders_read_one_decode_config(world, engines):
-    """Issue 30 item 4: a DecodeConfig passed whole equals its fields passed as keywords, in-process and served, and
+    """A DecodeConfig passed whole equals its fields passed as keywords, in-process and served, and
     both give the same greedy target-only texts; a bad override is refused before any forward or request, and the
     served decoder refuses a batch size (its prompts run concurrently)."""
     from semanticspec import DecodeConfig
@@ -273,7 +273,7 @@ def test_both_decoders_read_one_decode_config(world, engines):
 
 @pytest.mark.slow  # 9 s on 2 cores: in CI's slow set, out of the README's 5-minute command
 def test_served_stream_yields_each_step_then_the_result_generate_returns(world, engines):
-    """Issue 30 item 2, served: each prompt's events come in its order (steps tried, then one end event with its
+    """Served: each prompt's events come in its order (steps tried, then one end event with its
     result) while concurrent prompts interleave; generate is those results."""
     from tests.semanticspec.conftest import check_stream
 
@@ -462,7 +462,7 @@ def test_a_full_vocabulary_statistics_probe_is_refused(world, engines):
 
 @pytest.mark.parametrize("side", ["in_process", pytest.param("served", marks=pytest.mark.slow)])
 def test_rows_admitted_into_a_running_loop_decode_as_they_would_alone(world, engines, side):
-    """Issue 34: a request joins a running loop between rounds (``StepLoop.admit``; the endpoint's admission) and
+    """A request joins a running loop between rounds (``StepLoop.admit``; the endpoint's admission) and
     decodes what it decodes alone with its seed, sampled, coins flipped; so do the rows that were running."""
     from semanticspec.config import DecodeConfig
 
