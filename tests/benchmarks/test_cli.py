@@ -34,6 +34,18 @@ def test_every_benchmark_refuses_in_one_line(name, capsys):
     assert err.startswith(f"{prog}: error: ") and err.endswith(f" (see `{prog} --help`)\n"), err
 
 
+def test_a_damaged_manifest_is_refused_before_the_real_pair_loads(tmp_path, capsys):
+    """It ended in a traceback (as did probes for another pair, after the models loaded)."""
+    from benchmarks import real
+
+    (tmp_path / "manifest.json").write_text("{bad")
+    with pytest.raises(SystemExit) as e:
+        real.main(["--probes", str(REPO_ROOT / "checkpoints" / "arithmetic" / "probes"), "--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and f"--data-dir {tmp_path}: " in err
+    assert "manifest.json is not valid JSON" in err
+
+
 @pytest.mark.parametrize("name, args, said", [
     # each ran: a negative count wrote NaN figures over the committed results with status 0, a count of 0 ran the
     # whole default benchmark, a folder --out failed after the run, the rest ended in tracebacks
@@ -41,6 +53,10 @@ def test_every_benchmark_refuses_in_one_line(name, capsys):
     ("decode", ["--n-problems", "0"], "argument --n-problems: 0: expected an integer >= 1"),
     ("decode", ["--threads", "0"], "argument --threads: 0: expected an integer >= 1"),
     ("rewrites", ["--out", "/"], "argument --out: '/': is a folder; expected a JSON file's path"),
+    # the JSON was written over the table, or the plot over the JSON, and the run ended with status 0
+    ("evaluate", ["--out", "e.md"], "argument --out: 'e.md': expected a path ending in .json (the .md and .png go"),
+    ("decode", ["--temperature", "0.7"], "--temperature 0.7: the target probe's labels were sampled at "
+                                         "temperature=0.6; leave --temperature unset"),  # a traceback after loading
     ("decode", ["--out", f"{__file__}/x.json"], f"argument --out: its folder {__file__}: is a file"),
     ("decode", ["--only-batch-scaling", "--no-batch-scaling"], "--only-batch-scaling with --no-batch-scaling"),
     ("decode", ["--target-probe", "/no/such/probe"], "--target-probe /no/such/probe: no exported probe there"),
@@ -52,6 +68,8 @@ def test_every_benchmark_refuses_in_one_line(name, capsys):
     ("served", ["--ports", "18861", "18861"], "--ports 18861 18861: the target's and the draft's servers need two"),
     ("endpoint", ["--log_dir", __file__], f"--log_dir {__file__}: is a file"),
     ("real", ["--probes", "/no/such", "--data-dir", "/no/such"], "--probes /no/such: no exported probe in target/"),
+    ("served", ["--engine-probes", "/no/such"], "--engine-probes /no/such: no exported probe in target/ or draft/"),
+    ("world", ["--root", "/no/such"], "--root /no/such: no such folder"),  # each a traceback
     ("report", ["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_values_are_refused_before_the_run_in_one_line(name, args, said, capsys):
