@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks import harness
 from benchmarks.common import PROBE_ROOT
 from generation.paths import portable_paths
+
+PROG = "python -m benchmarks.evaluate"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -38,7 +41,12 @@ def main(argv: list[str] | None = None) -> dict:
         command = ["--config", str(harness.REPO / "configs" / "arithmetic.yaml"), "--probes", str(probes),
                    "--n_problems", str(n), "--out_dir", str(Path(tmp) / "out"), "--threads", str(args.threads),
                    "--progress", "false"]
-        report = evaluate.main(command)
+        try:
+            report = evaluate.main(command, echo=False)
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted; nothing is kept (the records were in a temporary folder): run it again to "
+                  "start over", file=sys.stderr)
+            raise SystemExit(130) from None
         report["threshold_written"] = json.loads((probes / "threshold.json").read_text()) if report[
             "threshold_file"] else None
     report["command"] = f"python -m semanticspec.evaluate --config configs/arithmetic.yaml --probes <copy of " \

@@ -30,6 +30,7 @@ from typing import Any
 from tabulate import tabulate
 
 from generation.cli import OneLineErrors
+from generation.paths import strict_json
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root."""
@@ -196,7 +197,7 @@ def write(report: dict, path: Path, table: str | None = None, *, save_table: boo
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.write_text(strict_json(report))
     written = [path]
     if table is not None and save_table:
         written.append(path.with_suffix(".md"))

@@ -1,4 +1,4 @@
-"""Paths: portable ones for what is shared, and the one atomic way to write a file or a folder.
+"""Paths: portable ones for what is shared, strict JSON, and the one atomic way to write a file or a folder.
 
 Exported probe configs (``probes.fit``) and benchmark results (``benchmarks/``) both record where a
 model or a probe came from; :func:`portable_paths` makes those paths relative to the repository, or
@@ -9,6 +9,8 @@ without the fit CLI.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -55,6 +57,20 @@ def portable_paths(value: Any) -> Any:
         except ValueError:
             return path.name
     return value
+
+
+def strict_json(value: Any) -> str:
+    """``value`` as indented JSON text ending in a newline, every NaN or infinite float (a figure no problem measured)
+    written as null: Python's ``json`` writes ``NaN``, which strict readers (JavaScript, jq) refuse."""
+
+    def finite(v: Any) -> Any:
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        return [finite(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    return json.dumps(finite(value), indent=2, allow_nan=False) + "\n"
 
 
 def folder_problem(folder: str | os.PathLike, option: str) -> str | None:

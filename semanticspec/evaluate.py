@@ -242,25 +242,29 @@ class Records:
         if not rows:
             self._append({"header": self.header})
             return
-        if not isinstance(rows[0], dict) or "header" not in rows[0]:
-            raise ValueError(f"{self.path}:1 is not the records' header (the settings its decodes were made with); "
+        n, first = rows[0]
+        if not isinstance(first, dict) or not isinstance(first.get("header"), dict):
+            raise ValueError(f"{self.path}:{n} is not the records' header (the settings its decodes were made with); "
                              "give another --out_dir, or delete the file to start over")
-        had = rows[0]["header"]
+        had = first["header"]
         for key in sorted(set(had) | set(self.header)):
             if had.get(key) != self.header.get(key):
                 raise ValueError(f"{self.path} records decodes with {key}={had.get(key)!r}, this run has "
                                  f"{self.header.get(key)!r}; give another --out_dir, or delete the file to start over")
-        for row in rows[1:]:
+        for n, row in rows[1:]:
+            if not (isinstance(row, dict) and {"problem", "method"} <= set(row) and ({"result", "failed"} & set(row))):
+                raise ValueError(f"{self.path}:{n}: not a decode's record (problem, method, and its result or "
+                                 "failure); give another --out_dir, or delete the file to start over")
             self.lines[key_of(row)] = row
 
-    def _rows(self, whole: bytes) -> list:
-        """The file's lines as JSON, a bad one named by file and line."""
+    def _rows(self, whole: bytes) -> list[tuple[int, Any]]:
+        """The file's lines as JSON with their line numbers, a bad one named by file and line."""
         rows = []
         for n, line in enumerate(whole.split(b"\n"), 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line.decode()))
+                rows.append((n, json.loads(line.decode())))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"{self.path}:{n}: not a JSON record ({e}); give another --out_dir, or delete the "
                                  "file to start over") from None
@@ -468,7 +472,7 @@ def write_threshold(probes: Path, report: dict, command: str) -> Path | None:
     """Write the pick as ``threshold.json`` beside the probes (:data:`semanticspec.policies.THRESHOLD_FILE`); None when
     the rule picked nothing."""
     from generation.fingerprints import sha256_file
-    from generation.paths import atomic_path
+    from generation.paths import atomic_path, strict_json
     from semanticspec.policies import THRESHOLD_FILE, THRESHOLD_FORMAT
 
     p = report["pick"]
@@ -481,7 +485,7 @@ def write_threshold(probes: Path, report: dict, command: str) -> Path | None:
             "n_problems": report["n_evaluated"], "seed": report["seed"], "command": command}
     path = probes / THRESHOLD_FILE
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.write_text(strict_json(data))  # a pick on one problem has no paired interval: null, not NaN
     return path
 
 
@@ -832,22 +836,27 @@ def parser():
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, echo: bool = True) -> dict:
     """Parse the options, refuse bad input before any decoding (one line, exit 2), evaluate, write the JSON, the
     markdown table, the plot and the pick; returns the report. Ctrl-C (or SIGTERM) stops it with exit status 130,
-    naming what was kept and the command that resumes."""
+    naming what was kept and the command that resumes.
+
+    ``echo=False`` is for a command that runs this one inside its own (a benchmark): the table and the paths written
+    are not printed, and Ctrl-C is raised as ``KeyboardInterrupt`` for that command to report."""
     from generation.cli import normalise_args
 
     given = normalise_args(list(sys.argv[1:] if argv is None else argv))
     try:
         with sigterm_interrupts():
-            return _evaluate(given)
+            return _evaluate(given, echo)
     except KeyboardInterrupt:  # while the models load, or while the report is written
+        if not echo:
+            raise
         print(f"{PROG}: interrupted; resume with: {PROG} {shlex.join(given)}", file=sys.stderr)
         raise SystemExit(130) from None
 
 
-def _evaluate(given: list[str]) -> dict:
+def _evaluate(given: list[str], echo: bool = True) -> dict:
     from generation.engines.base import EngineError
     from generation.threads import apply_threads, set_wait_policy
 
@@ -890,15 +899,18 @@ def _evaluate(given: list[str]) -> dict:
     try:
         report = evaluation.run()
     except KeyboardInterrupt:
+        if not echo:
+            raise
         print(f"{PROG}: interrupted; {len(evaluation.records.lines)} decodes kept in {evaluation.records.path}. "
               f"Resume with: {PROG} {shlex.join(given)}", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         evaluation.records.close()
-    return _written(report, opts, probes, out_dir, evaluation.records.path, f"{PROG} {shlex.join(given)}")
+    return _written(report, opts, probes, out_dir, evaluation.records.path, f"{PROG} {shlex.join(given)}", echo)
 
 
-def _written(report: dict, opts: EvaluateOptions, probes: Path, out_dir: Path, records: Path, command: str) -> dict:
+def _written(report: dict, opts: EvaluateOptions, probes: Path, out_dir: Path, records: Path, command: str,
+             echo: bool = True) -> dict:
     """Save the report in ``out_dir``, then write the pick beside ``probes`` (as ``opts`` says); exit 1, naming the
     first failure, when no problem was evaluated."""
     from semanticspec.policies import THRESHOLD_FILE
@@ -909,7 +921,7 @@ def _written(report: dict, opts: EvaluateOptions, probes: Path, out_dir: Path, r
         print(f"{PROG}: {kept}", file=sys.stderr)
         picked = False
     report["threshold_file"] = str(probes / THRESHOLD_FILE) if picked else None
-    save(report, out_dir)  # the report first: an interrupted write leaves the old threshold beside a stale report
+    save(report, out_dir, echo)  # the report first: an interrupted write leaves the old threshold beside a stale report
     if picked:
         try:
             write_threshold(probes, report, command)
@@ -923,30 +935,23 @@ def _written(report: dict, opts: EvaluateOptions, probes: Path, out_dir: Path, r
     return report
 
 
-def save(report: dict, out_dir: Path) -> None:
+def save(report: dict, out_dir: Path, echo: bool = True) -> None:
     """``evaluation.png``, ``evaluation.md`` and, last, ``evaluation.json`` in ``out_dir`` (a figure no problem
-    measured is null there, not NaN, so strict JSON readers read it); the table is printed."""
+    measured is null there, not NaN, so strict JSON readers read it); the table is printed (``echo``)."""
+    from generation.paths import strict_json
+
     from semanticspec.evaluation_report import markdown, plot
 
     table = markdown(report)
     plot(report, out_dir / "evaluation.png")
     (out_dir / "evaluation.md").write_text(table + "\n")
-    (out_dir / "evaluation.json").write_text(json.dumps(_finite(report), indent=2, allow_nan=False) + "\n")
+    (out_dir / "evaluation.json").write_text(strict_json(report))
+    if not echo:
+        return
     print(table)
     where = report.get("threshold_file")
     print(f"wrote {out_dir / 'evaluation.json'}, .md, .png"
           + (f"; threshold {report['pick']['tau']} in {where}" if where else ""))
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every NaN or infinite float (a figure of no problems) as None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def recorded_tau(out_dir: Path) -> float | None:

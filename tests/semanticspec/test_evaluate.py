@@ -237,6 +237,13 @@ def test_records_with_a_damaged_header_or_line_are_refused_not_erased(tmp_path):
     path.write_text(json.dumps({"header": {"seed": 1}}) + "\n{bad\n" + json.dumps({"problem": 0}) + "\n")
     with pytest.raises(ValueError, match=r"records\.jsonl:2: not a JSON record"):
         E.Records(path, {"seed": 1})
+    # JSON that is no record: each was a traceback (KeyError, TypeError)
+    path.write_text(json.dumps({"header": {"seed": 1}}) + "\n\n{}\n")
+    with pytest.raises(ValueError, match=r"records\.jsonl:3: not a decode's record"):
+        E.Records(path, {"seed": 1})
+    path.write_text(json.dumps({"header": None}) + "\n")
+    with pytest.raises(ValueError, match=r"records\.jsonl:1 is not the records' header"):
+        E.Records(path, {"seed": 1})
 
 
 def test_a_second_evaluation_into_the_same_records_is_refused_while_the_first_runs(tmp_path):
@@ -292,6 +299,35 @@ def test_ctrl_c_before_decoding_exits_130_naming_the_resume_command(capsys, monk
     assert e.value.code == 130  # the command as a shell reads it back (it was joined with spaces: not pasteable)
     assert capsys.readouterr().err.strip() == (f"{E.PROG}: interrupted; resume with: {E.PROG} --config {CONFIG} "
                                                f"--probes {SHIPPED} --n_problems 2 --thresholds '[0.4, 0.6]'")
+
+
+def test_inside_another_command_it_prints_nothing_and_leaves_ctrl_c_to_it(capsys, monkeypatch):
+    """``benchmarks.evaluate`` printed the table twice, the first time naming files in a folder it then deleted, and
+    on Ctrl-C a resume command for that folder."""
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(E, "make_setup", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        E.main(["--config", CONFIG, "--probes", str(SHIPPED), "--n_problems", "2"], echo=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_threshold_file_is_strict_json(tmp_path):
+    """A pick on one problem has no paired interval; threshold.json held a bare NaN, which strict readers refuse."""
+    from generation.paths import strict_json
+
+    probes = copy_probes(tmp_path)
+    pick = {"tau": 0.5, "max_accuracy_drop": 0.01, "accuracy": 1.0, "accuracy_delta_ci95": [math.nan, math.nan],
+            "speedup": math.inf}
+    path = E.write_threshold(probes, {"pick": pick, "n_evaluated": 1, "seed": 0}, "cmd")
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    figures = json.loads(path.read_text(), parse_constant=refuse)["figures"]
+    assert figures["accuracy_delta_ci95"] == [None, None] and figures["speedup"] is None
+    assert strict_json({"a": (1.5, -math.inf)}) == '{\n  "a": [\n    1.5,\n    null\n  ]\n}\n'
 
 
 # --------------------------------------------------------------------------- an evaluation of the shipped world
@@ -378,10 +414,12 @@ def test_a_pick_made_on_more_problems_is_kept(run, tmp_path, capsys):
     careful = {**stored, "tau": 0.7, "n_problems": 40}
     (probes / "threshold.json").write_text(json.dumps(careful))
     argv = [*ARGS, "--probes", str(probes), "--out_dir", str(out)]
-    report = E.main(argv)  # every decode is recorded: nothing is decoded again
+    report = E.main(argv, echo=False)  # every decode is recorded: nothing is decoded again
     assert json.loads((probes / "threshold.json").read_text()) == careful and report["threshold_file"] is None
+    said = capsys.readouterr()
+    assert said.out == ""  # echo=False: no table, no "wrote" line
     assert f"kept {probes / 'threshold.json'}: its pick (tau 0.7) was made on 40 problems, this run evaluated 2" \
-        in capsys.readouterr().err
+        in said.err
     (probes / "threshold.json").write_text(json.dumps({**careful, "target_probe_sha256": "0" * 64}))
     with pytest.warns(UserWarning, match="written for other probe weights"):
         assert E.main(argv)["threshold_file"] == str(probes / "threshold.json")
