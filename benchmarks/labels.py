@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -320,12 +319,13 @@ def backends_table(b: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = harness.parser(__doc__, quick="a reduced run (at most 3 minutes on 2 CPU cores)", name="labels")
+    ap = harness.parser(__doc__, quick="a reduced run (at most 3 minutes on 2 CPU cores)", name="labels",
+                        threads=1)
     ap.add_argument("--only", choices=["backends", "world"], default=None,
                     help="measure only this part and update it in the existing JSON (backends: hf vs a llama.cpp "
                     "server; world: everything else, on the embedded world, keeping the stored backends figures)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(args.threads)
     path = harness.results_path("labels", args.quick, args.out)
     stored = json.loads(path.read_text()) if args.only and path.is_file() else {"quick": args.quick}
     if args.only == "backends":

@@ -52,6 +52,7 @@ def test_a_damaged_manifest_is_refused_before_the_real_pair_loads(tmp_path, caps
     ("first_step", ["--n-problems", "-5"], "argument --n-problems: -5: expected an integer >= 1"),
     ("decode", ["--n-problems", "0"], "argument --n-problems: 0: expected an integer >= 1"),
     ("decode", ["--threads", "0"], "argument --threads: 0: expected an integer >= 1"),
+    ("labels", ["--threads", "x"], "argument --threads: 'x': expected an integer >= 1"),  # read OMP_NUM_THREADS: int()
     ("rewrites", ["--out", "/"], "argument --out: '/': is a folder; expected a JSON file's path"),
     # the JSON was written over the table, or the plot over the JSON, and the run ended with status 0
     ("evaluate", ["--out", "e.md"], "argument --out: 'e.md': expected a path ending in .json (the .md and .png go"),
