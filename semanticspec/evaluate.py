@@ -575,6 +575,8 @@ class FitRun:
     data_dir: Path
     exports: list[Path]
     """Export folders of the run, newest first."""
+    looked: str = ""
+    """Where they are looked for (named when there are none)."""
 
 
 FIT_SECTIONS = {"data", "model", "trainer"}
@@ -621,8 +623,10 @@ def read_fit(config: str) -> FitRun:
     if fit.get("export_dir"):  # the fit exported there (--export_dir), not into its run folder
         exports = [Path(fit["export_dir"])]
     else:
-        exports = [run / "export"] if run is not None else run_exports(fit)
-    return FitRun(build, Path(section["data_dir"]), exports)
+        exports = [run / "export"] if run is not None else sorted(runs_root(fit).glob("version_*/export"),
+                                                                   key=_version, reverse=True)  # newest first
+    looked = str(exports[0]) if exports else str(runs_root(fit) / "version_*" / "export")
+    return FitRun(build, Path(section["data_dir"]), exports, looked)
 
 
 def recorded_build(data_dir: Path, config: Path) -> dict:
@@ -643,17 +647,19 @@ def recorded_build(data_dir: Path, config: Path) -> dict:
     return manifest["config"]
 
 
-def run_exports(fit: dict) -> list[Path]:
-    """The export folders of a fit config's runs (``<save_dir>/<name>/version_N/export``), newest first."""
+def runs_root(fit: dict) -> Path:
+    """Where a fit config's runs go, ``<save_dir>/<name>``; each exports into its ``version_N/export``."""
     trainer = fit.get("trainer") or {}
     logger = trainer.get("logger") or {}
     args = logger.get("init_args", {}) if isinstance(logger, dict) else {}
-    root = Path(args.get("save_dir") or trainer.get("default_root_dir") or ".") / (args.get("name") or
+    return Path(args.get("save_dir") or trainer.get("default_root_dir") or ".") / (args.get("name") or
                                                                                    "lightning_logs")
-    def version(p: Path) -> int:
-        tail = p.parent.name.rsplit("_", 1)[-1]
-        return int(tail) if tail.isdigit() else -1
-    return sorted(root.glob("version_*/export"), key=version, reverse=True)
+
+
+def _version(export: Path) -> int:
+    """N of a run's ``version_N/export`` (-1 when its folder is named otherwise)."""
+    tail = export.parent.name.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
 
 
 def probe_dir(opts: EvaluateOptions, fit: FitRun) -> Path:
@@ -663,10 +669,9 @@ def probe_dir(opts: EvaluateOptions, fit: FitRun) -> Path:
         if not found:
             given = Path(opts.config)
             fit_config = given / "config.yaml" if given.is_dir() else given
-            looked = fit.exports[0] if fit.exports else "<log dir>/version_N/export"  # the newest, or none yet
             raise ValueError(f"--probes: the run of --config {opts.config} has exported no probes yet (looked in "
-                             f"{looked}); train with `python -m probes.fit --config {fit_config}`, or give --probes "
-                             "DIR (e.g. checkpoints/arithmetic/probes)")
+                             f"{fit.looked}); train with `python -m probes.fit --config {fit_config}`, or give "
+                             "--probes DIR (e.g. checkpoints/arithmetic/probes)")
         return found[0]
     from probes.model import probe_config
 
@@ -861,11 +866,11 @@ def _evaluate(given: list[str], echo: bool = True) -> dict:
     from generation.threads import apply_threads, set_wait_policy
 
     set_wait_policy()
-    p = parser()
-    ns = p.parse_args(given)
-    if ns.task is not None and "--task" not in given:  # jsonargparse made the base Task of --task.<arg> alone
+    if "--task" not in given and any(a.startswith("--task.") for a in given):  # before jsonargparse's union message
         fail(PROG, "--task.* given without --task: name the task's class too, e.g. --task "
                    "datamodules.tasks.math.BoxedMathTask --task.path FILE")
+    p = parser()
+    ns = p.parse_args(given)
     try:
         task = p.instantiate(ns).task if ns.task is not None else None
     except (ValueError, TypeError) as e:

@@ -160,6 +160,15 @@ def test_a_fit_on_labels_built_on_their_own_is_evaluated_on_the_build_they_recor
         E.read_fit(str(fit))
 
 
+def test_a_run_that_exported_nothing_names_where_its_exports_were_looked_for(capsys, monkeypatch, tmp_path):
+    no_decoding(monkeypatch)  # it named "<log dir>/version_N/export"
+    fit = tmp_path / "fit.yaml"
+    fit.write_text(json.dumps({"trainer": {"logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                                      "init_args": {"save_dir": str(tmp_path), "name": "fit"}}}}))
+    err = refused(capsys, ["--config", str(fit)])
+    assert f"has exported no probes yet (looked in {tmp_path / 'fit' / 'version_*' / 'export'})" in err
+
+
 def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_refused(capsys, monkeypatch, tmp_path):
     no_decoding(monkeypatch)
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task",
@@ -167,6 +176,8 @@ def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_ref
     assert "--task: letters='abc': expected upper-case letters" in err  # it was a 48-line double traceback
     # --task.path alone: jsonargparse made the base Task of it, which scored every answer wrong without a word
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task.path", str(tmp_path / "t.jsonl")])
+    assert "--task.* given without --task: name the task's class too" in err
+    err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task.min_ops=3"])  # a union's message
     assert "--task.* given without --task: name the task's class too" in err
     (tmp_path / "afile").write_text("")
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--out_dir", str(tmp_path / "afile")])
