@@ -247,7 +247,8 @@ class SpeculativeValidation(Callback):
         # check_val_every_n_epoch that does not divide max_epochs skips it
         every = trainer.check_val_every_n_epoch
         unvalidated_last = self._last_epoch(trainer) and every is not None and (trainer.current_epoch + 1) % every
-        if not trainer.enable_validation or unvalidated_last:
+        nums = trainer.num_val_batches  # [0] when the validation split is empty: Lightning then skips the loop
+        if not trainer.enable_validation or (nums and not any(nums)) or unvalidated_last:
             self._run(trainer, pl_module)
 
     @staticmethod

@@ -227,7 +227,7 @@ class SemanticProbeModule(L.LightningModule):
         low = (part["writer"] == WRITERS["draft_written"]) & (part["label"] < POSITIVE_AT)
         return torch.where(low, self.draft_low_label_weight, 1.0).to(part["label"].dtype)
 
-    def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
+    def _shared_step(self, batch: dict, stage: str) -> torch.Tensor | None:
         total, n = 0.0, 0
         for role, part in batch.items():
             if role not in self.probes:
@@ -248,8 +248,11 @@ class SemanticProbeModule(L.LightningModule):
                             self.metrics[f"{stage}_target_{name}"].update(prob[rows], part["label"][rows])
                 getattr(self, f"{stage}_mse").update(prob, part["label"])
             total, n = total + loss * bs, n + bs
-        if n == 0:
-            raise ValueError(f"{stage} batch has no rows for roles {self.roles}; it has {sorted(batch)}")
+        if n == 0:  # the data streams roles this module does not train, and the batch holds only those
+            if self._trainer is not None and self.trainer.world_size > 1:  # a rank that skipped would hang the others
+                raise ValueError(f"{stage} batch has no rows for roles {self.roles}; it has {sorted(batch)}: under "
+                                 f"DDP, stream only the roles the module trains (data.roles={self.roles})")
+            return None  # skipped: no step, nothing logged
         loss = total / n
         self.log(f"{stage}/loss", loss, batch_size=n, prog_bar=True, on_step=stage == "train", on_epoch=True,
                  sync_dist=True)
@@ -264,7 +267,7 @@ class SemanticProbeModule(L.LightningModule):
         idle = [p for r, probe in self.probes.items() if r not in batch for p in probe.parameters()]
         return sum((0.0 * p.sum() for p in idle), like.new_zeros(()))
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         return self._shared_step(batch, "train")
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

@@ -1128,11 +1128,13 @@ def test_live_validation_runs_at_the_last_epoch_whatever_its_period():
             logged.clear()
             cb.on_validation_epoch_end(trainer, module)
             assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run), (epoch, max_epochs)
-            for validates in (True, False):  # a fit that validates nothing decoded nothing, without a word
+            # a fit that validates nothing decoded nothing, without a word; nor did one whose validation split is
+            # empty (Lightning skips its loop, with enable_validation still True)
+            for validates, batches in ((True, [4]), (True, [0]), (False, [])):
                 logged.clear()
                 cb.on_train_epoch_end(SimpleNamespace(**vars(trainer), enable_validation=validates,
-                                                      check_val_every_n_epoch=1), module)
-                assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run and not validates)
+                                                      num_val_batches=batches, check_val_every_n_epoch=1), module)
+                assert (logged == [("spec/speedup", 2.0)]) == (runs and not fast_dev_run and not any(batches))
 
 
 def test_a_learning_rate_scheduler_is_stepped_recorded_on_the_card_and_checked_before_the_data(tmp_path, capsys,

@@ -386,6 +386,23 @@ def test_module_learns_both_roles(tmp_path, loss):
     assert module.probes["draft"].config.role == "draft" and module.probes["draft"].config.hidden_size == 8
 
 
+def test_a_module_training_fewer_roles_than_the_data_streams_skips_batches_of_the_others_alone(tmp_path):
+    """The validation split is cut in file order, so a batch can hold only the role the module does not train: the
+    fit ended with "val batch has no rows for roles ['target']". Such a batch is skipped; the figures are the
+    module's role's over the batches that hold it."""
+    both = list(_batches(6, {"target": 8, "draft": 4}))
+    mixed = DataLoader([{"draft": b["draft"]} if k % 2 else b for k, b in enumerate(both)], batch_size=None)
+    module = SemanticProbeModule(ProbeConfig(hidden_dims=[8]), ["target"], _spec({"target": 8, "draft": 4}))
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="`training_step` returned `None`"):  # Lightning's word for a skipped step
+        trainer.fit(module, mixed, mixed)
+    kept, _ = [b["target"] for b in mixed if "target" in b], module.eval()
+    with torch.no_grad():
+        mse = torch.cat([(module(target=b["features"])["target"] - b["label"]) ** 2 for b in kept]).mean()
+    torch.testing.assert_close(trainer.callback_metrics["val/target/mse"], mse)
+
+
 def _written_batches(n, width=8, seed=0):
     """Target rows whose writer is in ``writer``; draft-written rows are rare and carry the low labels."""
     g = torch.Generator().manual_seed(seed)
