@@ -47,8 +47,9 @@ class SemanticProbeDataModule(pl.LightningDataModule):
         batch_size: rows per batch, all roles together.
         num_workers: dataloader worker processes (shards are dealt among them, so the batches, and the metrics, differ
             from those of another count; each count repeats its own run).
-        shuffle_buffer: rows held to shuffle the training stream (memory: about
-            ``shuffle_buffer * 2 * L * D`` bytes).
+        shuffle_buffer: rows held to shuffle the training stream (memory: about ``shuffle_buffer * 2 * L * D`` bytes
+            when the probes read the hidden states alone, kept in float16; ``shuffle_buffer * 4 * (L * D + S)`` with
+            the token statistics, S of them, when every row is float32).
         val_fraction: share of problems in the validation split.
         test_fraction: share of problems in the test split.
         seed: seed of the split hash and of shuffling.
@@ -197,7 +198,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             if diff:
                 raise ValueError(f"{self.data_dir} was built for another config than this datamodule's build asks: "
                                  + "; ".join(diff) + ". Use another data_dir or delete this one to rebuild.")
-        self._spec = None
+        self._spec, self._moments = None, {}  # the data may have changed since (a shard rebuilt, or skipped)
         spec = self.input_spec
         self.shards, self.skipped_shards, self.dropped_rows = [], [], 0
         for entry in manifest["shards"]:
@@ -207,7 +208,7 @@ class SemanticProbeDataModule(pl.LightningDataModule):
             except S.CorruptShardError as e:
                 if not self.skip_corrupt:
                     raise
-                warnings.warn(f"skipping corrupt shard: {e}", stacklevel=2)
+                warnings.warn(f"skipping corrupt shard: {str(e).replace(S.SKIP_ADVICE, '')}", stacklevel=2)
                 self.skipped_shards.append(str(path))
                 continue
             key = (str(path), self._verified[str(path)], tuple(self.roles),

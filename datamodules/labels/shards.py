@@ -71,6 +71,10 @@ def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     return Path(path)
 
 
+SKIP_ADVICE = " Or train without it: --data.skip_corrupt true"
+"""The end of :func:`rebuild_advice`: left out where the shard is being skipped already."""
+
+
 def rebuild_advice(data_dir: str | os.PathLike) -> str:
     """What to do about a missing or altered shard: the build checks every shard against the manifest."""
     return (
@@ -79,7 +83,7 @@ def rebuild_advice(data_dir: str | os.PathLike) -> str:
         "built with (the manifest's `config`), or `python -m probes.fit` with the same data section, "
         "whose prepare_data "
         "runs that build unless data.build is null; the build checks every shard against manifest.json and rebuilds "
-        "exactly the missing or altered ones. Or train without it: --data.skip_corrupt true"
+        "exactly the missing or altered ones." + SKIP_ADVICE
     )
 
 

@@ -165,9 +165,11 @@ def test_corrupt_shard_is_named_with_checksums_or_skipped(data, damage):
     with pytest.raises(S.CorruptShardError) as err:
         _dm(data)
     assert str(path) in str(err.value) and expected in str(err.value) and sha256_file(path) in str(err.value)
-    with pytest.warns(UserWarning, match="skipping corrupt shard"):
+    assert "--data.skip_corrupt true" in str(err.value)
+    with pytest.warns(UserWarning, match="skipping corrupt shard") as said:
         dm = _dm(data, skip_corrupt=True)
     assert dm.skipped_shards == [str(path)] and len(dm.shards) == 3
+    assert "skip_corrupt" not in str(said[0].message)  # it advised the option that was skipping the shard
 
 
 def test_nonfinite_features_error_or_drop(tmp_path):
@@ -312,6 +314,10 @@ def test_feature_moments_are_the_training_rows_mean_and_std(data):
     x = torch.cat(rows).double()
     torch.testing.assert_close(mean, x.mean(0).float(), atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(std, x.std(0, unbiased=False).float(), atol=1e-3, rtol=1e-4)
+    # moments of data that has changed since (a shard skipped as corrupt, then rebuilt) were kept across setup()
+    dm._moments["target"] = (mean + 1, std)
+    dm.setup()
+    torch.testing.assert_close(dm.feature_moments("target")[0], mean)
 
 
 def test_an_empty_validation_split_is_named(tmp_path):
