@@ -85,8 +85,13 @@ def did_you_mean(message: str, options: list[str], args: list[str] | None = None
     top = re.search(r"Option '([\w.]+)' is not accepted|unknown key '([\w.]+)'", message)
     key = f"--{group[1]}.{group[2]}" if group else f"--{top[1] or top[2]}" if top else None
     if key and args is not None:
+        # "Option 'lr' is not accepted" names no parent: an option given as --model.optimizer.init_args.lr is that
+        given = next((a.split("=")[0] for a in args if a.split("=")[0] == key or top and top[1] and
+                      a.startswith("--") and a.split("=")[0].endswith("." + top[1])), None)
         files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "--fit_config")]
-        if files and not any(a == key or a.startswith(key + "=") for a in args):
+        if given:
+            key = given
+        elif files:
             message = message.rstrip() + f" (a key of {', '.join(files)})"
     if not m and not key:
         return message

@@ -354,3 +354,28 @@ def spec_from_dict(cls, d: Mapping[str, Any] | None, where: str):
     if unknown:
         raise ValueError(f"{where}: unknown {cls.__name__} keys {unknown}; known: {sorted(known)}")
     return cls(**d)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every dataclass as the dict of its fields and every tuple as a list, at any depth: the form
+    JSON and safe YAML loaders read back (``config.json`` holds a spec so)."""
+    if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def dump_yaml_as_mapping(cls: type) -> type:
+    """Make PyYAML write ``cls`` (a dataclass) as the plain mapping of its fields (:func:`plain`), not as a
+    ``!!python/object`` that safe loaders refuse: Lightning writes a module's hyperparameters, which hold specs, to
+    ``hparams.yaml`` with ``yaml.dump``, and reads them back with ``yaml.safe_load``. Returns ``cls``."""
+    import yaml
+
+    for dumper in (yaml.Dumper, yaml.SafeDumper):
+        dumper.add_representer(cls, lambda d, value: d.represent_dict(plain(value)))
+    return cls
+
+
+for _spec in (StepSpec, SamplingSpec, FeatureSpec):
+    dump_yaml_as_mapping(_spec)

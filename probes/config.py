@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_count, is_real, layer_problems, spec_from_dict
+from generation.specs import (FeatureSpec, SamplingSpec, StepSpec, dump_yaml_as_mapping, is_count, is_real,
+                             layer_problems, spec_from_dict)
 
 FORMAT_VERSION = 7
 """Version of the exported ``config.json`` layout; older versions keep loading.
@@ -44,6 +45,7 @@ FEATURE_DTYPES = ("float16", "bfloat16", "float32")
 """The dtypes pooled features may be stored in."""
 
 
+@dump_yaml_as_mapping  # Lightning's hparams.yaml holds it: a mapping that yaml.safe_load reads
 @dataclass
 class ProbeConfig:
     """Architecture, input spec, role and provenance of one semantic probe."""

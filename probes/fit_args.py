@@ -46,7 +46,16 @@ def first_pass(args: list[str]) -> None:
     try:
         known = set(json.loads(options_cache().read_text()))
     except (OSError, ValueError):
-        return  # not cached yet: the real parser checks the names
+        return  # not cached yet: the real parser checks the names (check_names, with the names it knows)
+    check_names(args, known, files)
+
+
+def check_names(args: list[str], known: set[str], files: list[tuple[str, dict]] | None = None) -> None:
+    """Refuse, through :func:`fail`, a key of the ``--config`` files (``files``: their names and mappings; None: read
+    from ``args``) or an option of ``args`` that is not among ``known`` names, with the closest one. The real parser
+    runs it too: jsonargparse matches a prefix of a nested option (``--data.build.sampling.top``) without a word."""
+    if files is None:
+        files = check_yaml_files(args)
     for path, loaded in files:
         if key := next((k for k in config_keys(loaded) if not is_known(f"--{k}", known)), None):
             fail(did_you_mean(f"--config {path}: unknown key '{key}'", sorted(known)))

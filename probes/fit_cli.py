@@ -28,7 +28,7 @@ from datamodules.datamodule import SemanticProbeDataModule
 from generation.cli import OneLineErrors, parser_options
 from generation.paths import atomic_path, folder_problem
 from generation.threads import OPTION_HELP as THREADS_HELP, apply_threads, launched_processes
-from probes.fit_args import DESCRIPTION, PROG, fail, options_cache
+from probes.fit_args import DESCRIPTION, PROG, check_names, fail, options_cache
 from probes.fit_callbacks import FALLBACK_MONITOR, NoValidationFallback
 from probes.module import SemanticProbeModule
 
@@ -65,7 +65,7 @@ class ProbeCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         # main() always hands over the arguments (sys.argv's, after the default --config), so Lightning's
         # warning about `args` and sys.argv both being given would open every run; parse them directly.
-        remember_options(parser)
+        check_names(list(args or ()), remember_options(parser))  # what the cache checked, when it was there
         parser.given_args = list(args or ())  # its errors name the config file of a key no option set
         self.config = parser.parse_args(args)
         _logger_follows_root(self.config, list(args or ()))
@@ -154,6 +154,8 @@ def roles_problem(config) -> str | None:
     """Live validation (``SpeculativeValidation``) decodes with both probes: a run that trains one is refused here,
     before the data is prepared, rather than by the callback's setup after it."""
     roles = config.get("data.roles") or []
+    if not roles or not set(roles) <= {"target", "draft"}:
+        return None  # no roles, or not roles: the data module names what is wrong with the value
     if not configured(config.get("trainer"), "SpeculativeValidation") or {"target", "draft"} <= set(roles):
         return None
     return (f"--data.roles {list(roles)}: SpeculativeValidation (live validation, in the config's trainer.callbacks) "
@@ -174,23 +176,27 @@ def make_cli(args: list[str], default_config: Path) -> ProbeCLI:
                     **CLI_KWARGS)
 
 
-def remember_options(parser) -> None:
-    """Keep ``parser``'s option names, with the build config's under ``--data.build`` (the parser reads those only
-    when it builds the data's ``BuildConfig``), where :func:`probes.fit_args.first_pass` looks for them."""
+def remember_options(parser) -> set[str]:
+    """``parser``'s option names, with the build config's under ``--data.build`` (the parser reads those only when it
+    builds the data's ``BuildConfig``), kept where :func:`probes.fit_args.first_pass` looks for them."""
     path = options_cache()
-    if path.is_file():
-        return
+    try:
+        return set(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        pass
     from datamodules.labels.build import build_parser
 
     build = {"--data." + o[2:] for o in parser_options(build_parser()) if o.startswith("--build.")}
+    known = set(parser_options(parser)) | build
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         for old in path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.json"):  # this checkout's other versions
             old.unlink(missing_ok=True)
         with atomic_path(path) as tmp:  # a temporary of this process: several of one run may write it at once
-            tmp.write_text(json.dumps(sorted(set(parser_options(parser)) | build)))
+            tmp.write_text(json.dumps(sorted(known)))
     except OSError:
-        pass  # an unwritable cache: the real parser checks the names of every run
+        pass  # an unwritable cache: the real parser's names check every run here
+    return known
 
 
 def _logger_follows_root(config, args: list[str]) -> None:
@@ -353,6 +359,7 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
             callback.save_last = False
     new_run_dir = _new_run_dir(trainer)
     if ckpt_path:
+        _refuse_a_finished_resume(trainer, ckpt_path)
         keep_checkpoints_together(trainer, ckpt_path)
     handler = signal.getsignal(signal.SIGINT)
     try:
@@ -363,6 +370,7 @@ def fit(trainer, module, data, ckpt_path: Optional[str]) -> None:
         refused = isinstance(e, EngineError) or str(e).startswith(CHECKPOINT_ERRORS)
         if isinstance(e, RuntimeError) and str(e).startswith("Early stopping conditioned on metric"):
             monitor = str(e).split(" which is not available", 1)[0].removeprefix("Early stopping conditioned on ")
+            _drop_empty_run_dir(new_run_dir)  # nothing was kept: the next run is not version_N+1 beside an empty one
             fail(f"EarlyStopping's {monitor} had no value: the run ended before a validation logged it (a "
                  "--trainer.max_steps or limit_train_batches shorter than an epoch, or a metric logged only every "
                  "few epochs); validate within the run (--trainer.val_check_interval) or monitor a metric every "
@@ -445,6 +453,19 @@ def interrupted_line(trainer, training: bool = True) -> str:
     config = _run_folder(trainer) / "config.yaml"
     return (f"{PROG}: interrupted; kept {last} (after epoch {epoch}). Resume with: {PROG} --config "
             f"{shlex.quote(str(config))} --ckpt_path {shlex.quote(last)}")
+
+
+def _refuse_a_finished_resume(trainer, ckpt_path: str) -> None:
+    """Refuse, through :func:`fail`, resuming a checkpoint that has trained ``--trainer.max_epochs`` epochs already:
+    Lightning refuses one past it but takes one at it, trains nothing, and the run tested and exported again."""
+    import torch
+
+    limit = trainer.max_epochs
+    progress = torch.load(ckpt_path, map_location="cpu", weights_only=False).get("loops", {}).get("fit_loop", {})
+    trained = progress.get("epoch_progress", {}).get("current", {}).get("processed")
+    if limit not in (None, -1) and isinstance(trained, int) and trained >= limit:
+        fail(f"--ckpt_path {ckpt_path}: its run trained {trained} epochs, and --trainer.max_epochs {limit} allows no "
+             "more, so nothing would be trained; give a larger --trainer.max_epochs to train on")
 
 
 def _run_folder(trainer) -> Path:

@@ -520,7 +520,8 @@ def _refuse_fit_yaml_as_config(args: list[str]) -> None:
 
 
 def _with_fit_config(args: list[str]) -> list[str]:
-    """``args`` with ``--fit_config PATH`` replaced by the data: section of that fit YAML (options after it win)."""
+    """``args`` with each ``--fit_config PATH`` replaced, where it stands, by the data: section of that fit YAML as a
+    ``--config`` (what comes after it wins, as after any ``--config``)."""
     if "--fit_config" not in args:
         return args
     i = args.index("--fit_config")
@@ -528,12 +529,15 @@ def _with_fit_config(args: list[str]) -> list[str]:
         raise ValueError(f"--fit_config {' '.join(args[i + 1 : i + 2])}: expected the path of a `python -m "
                          f"probes.fit` YAML")
     data = (yaml.safe_load(Path(args[i + 1]).read_text()) or {}).get("data") or {}
+    if not isinstance(data, dict) or not isinstance(data.get("build") or {}, dict):
+        raise ValueError(f"--fit_config {args[i + 1]}: its data: section (and data.build) must be mappings of "
+                         "options, as `python -m probes.fit` reads them")
     if "build" in data and data["build"] is None:  # the fit trains on labels built on their own: none to build here
         raise ValueError(f"--fit_config {args[i + 1]}: its data.build is null (the fit builds nothing and reads "
                          "finished labels); give the build's options yourself, or a fit config with a data.build "
                          "section")
     section = {"data_dir": data.get("data_dir", "data/arithmetic"), "build": data.get("build") or {}}
-    return ["--config", yaml.safe_dump(section)] + args[:i] + args[i + 2 :]
+    return args[:i] + ["--config", yaml.safe_dump(section)] + _with_fit_config(args[i + 2 :])
 
 
 PROG = "python -m datamodules.labels.build"

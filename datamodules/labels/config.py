@@ -25,7 +25,7 @@ from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from generation.fingerprints import weights_stamp
 from generation.specs import (FEATURE_GROUPS, TOKEN_STATS, TOPK_STATS, FeatureSpec, SamplingSpec, StepSpec,
-                              check_groups, layer_problems)
+                              check_groups, layer_problems, plain)
 
 
 JUDGES = ("llm", "http", "nli", "none")
@@ -477,12 +477,8 @@ def problems_provenance(config: BuildConfig) -> dict[str, Any]:
 
 def config_record(config: BuildConfig) -> dict[str, Any]:
     """The config as JSON (build.json, the manifest's ``config``); the task as its ``class_path``/``init_args``."""
-    return {f.name: config.resolved_task().spec() if f.name == "task" else _plain(getattr(config, f.name))
+    return {f.name: config.resolved_task().spec() if f.name == "task" else plain(getattr(config, f.name))
             for f in dataclasses.fields(config)}
-
-
-def _plain(value: Any) -> Any:
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def signature(config: BuildConfig) -> dict[str, Any]:

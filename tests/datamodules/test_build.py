@@ -777,6 +777,30 @@ def _one_line(capsys, args, code=2) -> str:
     return lines[0]
 
 
+def test_fit_configs_take_effect_where_they_stand_and_a_data_section_that_is_no_mapping_is_refused(tmp_path, capsys,
+                                                                                                   monkeypatch):
+    """A second --fit_config was ignored and a --config after one lost to it; ``data: foo`` was a traceback."""
+    calls = []
+    monkeypatch.setattr("datamodules.labels.build.build", lambda config, data_dir,
+                        **kw: calls.append((data_dir, config.n_problems)) or {"complete": True})
+    fits = []
+    for k, n in enumerate((5, 6)):
+        fits.append(tmp_path / f"fit{k}.yaml")
+        fits[-1].write_text(yaml.safe_dump({"data": {"data_dir": f"fit{k}", "build": {"n_problems": n}}}))
+    plain = tmp_path / "build.yaml"
+    plain.write_text(yaml.safe_dump({"data_dir": "plain", "build": {"n_problems": 7}}))
+    f0, f1, c = ["--fit_config", str(fits[0])], ["--fit_config", str(fits[1])], ["--config", str(plain)]
+    for args, want in ((f0 + f1, ("fit1", 6)), (c + f0, ("fit0", 5)), (f0 + c, ("plain", 7)),
+                       (f0 + ["--build.n_problems", "9"], ("fit0", 9))):
+        calls.clear()
+        main(args)
+        assert calls == [want], args
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: foo\ntrainer: {}\n")
+    assert f"--fit_config {bad}: its data: section (and data.build) must be mappings" in \
+        _one_line(capsys, ["--fit_config", str(bad)])
+
+
 @pytest.mark.parametrize("form", ["space", "equals"])
 @pytest.mark.parametrize("option", ["--fit_config", "--config", "-c", "--data_dir", "--build.sampling.seed"])
 def test_every_spelling_of_an_option_means_the_same(option, form, tmp_path, monkeypatch):

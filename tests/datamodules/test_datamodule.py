@@ -2,6 +2,7 @@
 
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -416,6 +417,13 @@ def test_load_from_checkpoint_rebuilds_the_data_with_its_own_arguments(data, tmp
     path = trainer.checkpoint_callback.best_model_path
     again = SemanticProbeDataModule.load_from_checkpoint(path)
     assert (again.data_dir, again.build, again.batch_size, again.seed, again.val_fraction) == (data, None, 10, 3, 0.25)
+    # the module's hparams.yaml is plain YAML: it held !!python/object specs, which Lightning's own loader refused
+    hparams = Path(trainer.logger.log_dir) / "hparams.yaml"
+    assert "!!" not in hparams.read_text()
+    from lightning.pytorch.core.saving import load_hparams_from_yaml
+
+    reloaded = SemanticProbeModule.load_from_checkpoint(path, hparams_file=str(hparams))
+    assert reloaded.probe_configs == module.probe_configs and load_hparams_from_yaml(hparams)["roles"] == module.roles
     build = BuildConfig(n_problems=7, judge=JudgeConfig(threshold=0.6))
     checkpoint = torch.load(path, weights_only=False)
     checkpoint["datamodule_hyper_parameters"] = dict(SemanticProbeDataModule(str(data), build=build).hparams)

@@ -46,6 +46,13 @@ def test_unknown_key_is_named(capsys):
     assert "max_epochz" in _one_line_error(capsys, ["--trainer.max_epochz", "3", "--print_config"])
 
 
+def test_a_mistyped_argument_of_a_chosen_class_is_not_blamed_on_the_default_config(capsys):
+    """jsonargparse's "Option 'lrr' is not accepted" names no parent: it was read as a key of configs/arithmetic.yaml,
+    the default config the command line was given after."""
+    line = _one_line_error(capsys, ["--model.optimizer.init_args.lrr", "3"])
+    assert "Option 'lrr' is not accepted" in line and "a key of" not in line, line
+
+
 def test_a_config_file_that_is_empty_or_holds_a_mistyped_key_is_named(tmp_path, capsys):
     """jsonargparse said "Unexpected config:" of an empty file and named no file for a key it does not know."""
     empty, listed, typo = tmp_path / "empty.yaml", tmp_path / "list.yaml", tmp_path / "typo.yaml"
@@ -56,7 +63,7 @@ def test_a_config_file_that_is_empty_or_holds_a_mistyped_key_is_named(tmp_path, 
         _one_line_error(capsys, ["--config", str(empty)])
     assert "found a list" in _one_line_error(capsys, ["--config", str(listed)])
     line = _one_line_error(capsys, ["--config", str(typo)])
-    assert f"does not accept option 'max_epoch' (a key of {typo}); did you mean --trainer.max_epochs?" in line
+    assert f"--config {typo}: unknown key 'trainer.max_epoch'; did you mean --trainer.max_epochs?" in line
 
 
 def test_prefix_of_a_key_is_not_expanded(capsys):
@@ -83,6 +90,7 @@ def test_prefix_of_a_key_is_not_expanded(capsys):
     (["--trainer.limit_val_batches", "0"], "give --data.val_fraction 0", "Traceback"),
     # refused by live validation's setup, after the data was prepared (a minute's label build) and Lightning's lines
     (["--data.roles", "[draft]"], "--data.roles ['draft']: SpeculativeValidation (live validation", "Traceback"),
+    (["--data.roles", "[foo]"], "roles=['foo']: expected a non-empty subset of", "SpeculativeValidation"),
     # outside Lightning's documented ranges, taken without a word
     (["--trainer.min_epochs", "-3"], "--trainer.min_epochs -3: expected an integer >= 0", "Traceback"),
     (["--trainer.log_every_n_steps", "0"], "--trainer.log_every_n_steps 0: expected an integer >= 1", "Traceback"),
@@ -611,11 +619,12 @@ def test_lightnings_checks_once_the_data_is_there_and_a_run_too_short_to_validat
     line = _one_line_error(capsys, ["--config", cfg, "--trainer.val_check_interval", "00:00:00:02",
                                     "--trainer.check_val_every_n_epoch", "null"])
     assert "--trainer.val_check_interval 00:00:00:02: a time between validations breaks Lightning" in line
-    with pytest.raises(SystemExit) as exit_:
-        main(["--config", cfg, "--trainer.max_steps", "1"])
+    with pytest.raises(SystemExit) as exit_, pytest.warns(UserWarning, match="smaller than the logging interval"):
+        main(["--config", cfg, "--trainer.max_steps", "1", "--trainer.log_every_n_steps", "5"])  # no metrics.csv
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "Traceback" not in err
     assert "error: EarlyStopping's metric `val/target/draft_written/mse` had no value: the run ended before" in err
+    assert not (tmp_path / "runs" / "fit").exists()  # a version_0 holding nothing was left: the next was version_1
 
 
 def test_weights_that_diverged_are_not_exported_and_the_run_fails(tmp_path, capsys, monkeypatch):
@@ -1180,9 +1189,11 @@ def test_a_resume_with_fewer_epochs_than_its_checkpoint_is_one_line_and_leaves_n
     main(["--config", str(cfg), "--test", "false", "--export", "false"])
     run = tmp_path / "runs" / "fit" / "version_0"
     capsys.readouterr()
-    line = _one_line_error(capsys, ["--config", str(run / "config.yaml"), "--ckpt_path",
-                                    str(run / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", "1"])
-    assert "max_epochs=1" in line and not (tmp_path / "runs" / "fit" / "version_1").exists()
+    for epochs in ("1", "3"):  # at its max_epochs Lightning trained nothing, then the run tested and exported again
+        line = _one_line_error(capsys, ["--config", str(run / "config.yaml"), "--ckpt_path",
+                                        str(run / "checkpoints" / "last.ckpt"), "--trainer.max_epochs", epochs])
+        assert f"its run trained 3 epochs, and --trainer.max_epochs {epochs} allows no more" in line
+        assert not (tmp_path / "runs" / "fit" / "version_1").exists()
 
 
 class InterruptTest(L.Callback):
