@@ -97,9 +97,11 @@ def plot(report: dict, path: Path) -> Path:
            [max(0.0, r["accuracy_ci95"][1] - r["accuracy"]) for r in sweep]]
     ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label="SemanticSpec (tau sweep)")
     middle = (min(xs + [1.0]) + max(xs + [1.0])) / 2  # a label right of the middle is written to its point's left
-    for (x, y), taus in _labels(sweep, near=0.02 * max(xs, default=1.0)).items():
-        ax.annotate(", ".join(taus), (x, y), textcoords="offset points", xytext=(-6 if x > middle else 4, 4),
-                    ha="right" if x > middle else "left", fontsize=8)
+    # labels of points at one accuracy alternate above and below it (two written to the left overlapped)
+    for k, ((x, y), taus) in enumerate(sorted(_labels(sweep, near=0.02 * max(xs, default=1.0)).items(),
+                                              key=lambda item: (item[0][1], item[0][0]))):
+        ax.annotate(", ".join(taus), (x, y), textcoords="offset points", ha="right" if x > middle else "left",
+                    xytext=(-6 if x > middle else 4, 4 if k % 2 == 0 else -12), fontsize=8)
     for name, m in report["methods"].items():
         if name in ("target_only", "token_sd"):
             ax.errorbar([m["speedup"]], [m["accuracy"]], yerr=[[max(0.0, m["accuracy"] - m["accuracy_ci95"][0])],
