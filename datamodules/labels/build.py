@@ -444,6 +444,7 @@ def main(args: list[str] | None = None) -> dict:
     try:
         check_yaml_files(given, ("--config", "-c", "--fit_config"))
         _refuse_fit_yaml_as_config(given)
+        parser.given_args = given  # its errors name the config file of a key no option set
         cfg = parser.parse_args(_with_fit_config(given))
         config = parser.instantiate(cfg).build  # the config checks its values before torch loads
         if data_dir_problem(cfg.data_dir):

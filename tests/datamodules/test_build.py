@@ -434,6 +434,15 @@ def test_cli_refusals_are_one_line_and_exit_2(args, named, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and named in err and "Traceback" not in err, err
 
 
+def test_a_mistyped_key_of_a_config_file_is_named_as_one(tmp_path, capsys):
+    """The fit's errors named the file; the build's gave the key alone."""
+    typo = tmp_path / "build.yaml"
+    typo.write_text("build:\n  n_problem: 3\n")
+    with pytest.raises(SystemExit):
+        main(["--config", str(typo)])
+    assert f"'n_problem' (a key of {typo}); did you mean --build.n_problems?" in capsys.readouterr().err
+
+
 def _lock(d, k):
     """Shard ``k``'s lock in ``d``, held here as another build would hold it (a second flock on one file)."""
     from filelock import FileLock
