@@ -1,7 +1,7 @@
 """Decoding benchmark on the embedded world: SemanticSpec against every baseline, in one run.
 
     python -m benchmarks.decode            # 400 problems (benchmarks/results/decode.json, .md, .png)
-    python -m benchmarks.decode --quick    # 40 problems, same code path (decode-quick.*), < 3 min
+    python -m benchmarks.decode --quick    # 40 problems, same code path (decode-quick.*), about 4.5 min
     python -m benchmarks.decode --target-probe DIR --draft-probe DIR
     python -m benchmarks.decode --only-batch-scaling --device cuda   # batch scaling with the models on a GPU
 
@@ -277,7 +277,7 @@ def batch_goals(scaling: dict) -> dict:
 
 def arguments() -> argparse.ArgumentParser:
     """The benchmark's command line (the harness's ``--quick`` and ``--threads``, then its own options)."""
-    ap = harness.parser(__doc__, quick="reduced run (< 3 min on 2 CPU cores), writes decode-quick.*", threads=1,
+    ap = harness.parser(__doc__, quick="reduced run (about 4.5 min on 2 CPU cores), writes decode-quick.*", threads=1,
                         name="decode", formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-problems", type=harness.count, default=None, help="problems (default 400, quick 40)")
     ap.add_argument("--seed", type=harness.non_negative, default=PROBLEM_SEED)
