@@ -61,6 +61,20 @@ DOWN_S = 30.0
 """Seconds a server that is gone (no connection, or no answer in time after the retries) is not asked again."""
 
 
+def url_problem(url: str) -> str | None:
+    """What keeps ``url`` from naming a server (no http(s) scheme, no host, a port outside 1-65535), or None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError outside 0-65535
+    except ValueError as e:
+        return str(e)
+    if parts.scheme not in ("http", "https"):
+        return f"no http:// or https:// scheme (it has {parts.scheme + '://' if parts.scheme else 'none'})"
+    if not parts.hostname:
+        return "no host"
+    return "port 0" if port == 0 else None
+
+
 class Connection:
     """A client of one server.
 
@@ -83,6 +97,8 @@ class Connection:
                               f"'semanticspec-probes[openai]' ({e})") from None
         if retries < 1 or timeout <= 0:
             raise ValueError(f"retries={retries} (expected >= 1), timeout={timeout} (expected > 0)")
+        if problem := url_problem(url):  # each was asked three times and called a server that is down
+            raise ValueError(f"server URL {public_url(url)!r}: {problem}; expected http(s)://HOST[:PORT][/v1]")
         self.openai = openai
         root = url.rstrip("/").removesuffix("/v1")  # a user and password in it are sent, never shown
         self.root = public_url(root)
@@ -141,6 +157,10 @@ class Connection:
                                        f"/v1/models ({self.say(e)}); set ${self.key_env or '(no variable)'} to a key "
                                        "it accepts"), self.root) from None
         except self.openai.OpenAIError as e:
+            if isinstance(e, self.openai.APIStatusError) and e.status_code < 500:  # it answered, once: no such route
+                raise Unreachable(self.say(f"server {self.root} answered /v1/models with {e.status_code} "
+                                           f"({self.say(e)}); fix the URL (the server's root, or its /v1)"),
+                                  self.root) from None
             raise Unreachable(self.say(f"server {self.url} did not answer /v1/models after {self.retries} attempt(s) "
                                        f"({self.say(e)}); start it or fix the URL"), self.root) from None
         self.contexts = {m.id: n for m in listed if type(n := getattr(m, "max_model_len", None)) is int and n > 0}

@@ -223,6 +223,32 @@ def _parser():
     return parser
 
 
+def option_problem(opts: ServeOptions) -> str | None:
+    """What is wrong with the options alone, before anything loads (the first problem), or None."""
+    if opts.backend_n_ctx is not None and opts.engine != "llama.cpp":
+        return (f"--backend_n_ctx={opts.backend_n_ctx}: for llama.cpp servers, which state no context (--engine "
+                f"{opts.engine} states its own)")
+    for name in ("port", "max_rows", "max_queue", "concurrency", "backend_retries", "backend_n_ctx"):
+        if getattr(opts, name) is not None and getattr(opts, name) < 1:
+            return f"--{name}={getattr(opts, name)}: expected an integer >= 1"
+    if opts.port > 65535:
+        return f"--port={opts.port}: expected a port from 1 to 65535"
+    if not opts.shutdown_timeout >= 0:
+        return f"--shutdown_timeout={opts.shutdown_timeout}: expected seconds >= 0"
+    if not opts.backend_timeout > 0:
+        return f"--backend_timeout={opts.backend_timeout}: expected seconds > 0"
+    if opts.threshold is not None and not 0 <= opts.threshold <= 1:  # NaN too; refused before the models load
+        return f"--threshold={opts.threshold}: expected a number in [0, 1]"
+    if (opts.target_url is None) != (opts.draft_url is None):  # before the imports of build()
+        return PAIRED
+    if opts.target_url is None and (given := _served_only(opts)):
+        return (f"{', '.join(given)}: options of a served endpoint (with --target_url and --draft_url); in-process "
+                "the embedded world's models are served")
+    if opts.tokenizer is not None and not Path(opts.tokenizer).expanduser().is_dir():
+        return f"--tokenizer={opts.tokenizer}: no such directory (a local folder holding the target's tokenizer)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the options, build the app and serve it until SIGINT or SIGTERM (then exit 0). Every refusal before
     serving (a bad option, a backend that does not answer, a port in use) is one line with exit status 2."""
@@ -240,31 +266,21 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, TypeError, OSError) as e:
         fail(PROG, f"--task: {e}")
     opts = ServeOptions(**{k: v for k, v in vars(ns).items() if k in ServeOptions.__dataclass_fields__})
-    if opts.backend_n_ctx is not None and opts.engine != "llama.cpp":
-        fail(PROG, f"--backend_n_ctx={opts.backend_n_ctx}: for llama.cpp servers, which state no context ("
-                   f"--engine {opts.engine} states its own)")
-    for name in ("port", "max_rows", "max_queue", "concurrency", "backend_retries", "backend_n_ctx"):
-        if getattr(opts, name) is not None and getattr(opts, name) < 1:
-            fail(PROG, f"--{name}={getattr(opts, name)}: expected an integer >= 1")
-    if opts.port > 65535:
-        fail(PROG, f"--port={opts.port}: expected a port from 1 to 65535")
-    if not opts.shutdown_timeout >= 0:
-        fail(PROG, f"--shutdown_timeout={opts.shutdown_timeout}: expected seconds >= 0")
-    if not opts.backend_timeout > 0:
-        fail(PROG, f"--backend_timeout={opts.backend_timeout}: expected seconds > 0")
-    if (opts.target_url is None) != (opts.draft_url is None):  # before the imports of build()
-        fail(PROG, PAIRED)
-    if opts.target_url is None and (given := _served_only(opts)):
-        fail(PROG, f"{', '.join(given)}: options of a served endpoint (with --target_url and --draft_url); "
-                   "in-process the embedded world's models are served")
+    if problem := option_problem(opts):
+        fail(PROG, problem)
     sock = _bind(opts.host, opts.port)  # before the models load: a port in use is refused at once
+    from generation.cli import sigterm_interrupts
     from generation.engines.base import EngineError
 
     try:
-        apply_threads(opts.threads, log=None)
-        app = build(opts)
+        with sigterm_interrupts():  # while the models load or the servers are asked: a stop is Ctrl-C
+            apply_threads(opts.threads, log=None)
+            app = build(opts)
     except (ValueError, OSError, EngineError) as e:
         fail(PROG, str(e))
+    except KeyboardInterrupt:
+        print(f"{PROG}: stopped while starting; nothing was served", file=sys.stderr)
+        raise SystemExit(130) from None
     _serve(app, opts, sock)
 
 
@@ -291,6 +307,7 @@ def _bind(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # two bound sockets may share a port until one listens: the second endpoint is refused here
     except OSError as e:
         sock.close()
         if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # no such name, or not this machine's
@@ -332,7 +349,8 @@ def _serve(app, opts: ServeOptions, sock) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, done)
-    print(f"SemanticSpec endpoint on http://{opts.host}:{opts.port}/v1 (model {opts.model_name!r})", flush=True)
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host  # an IPv6 address, as a URL writes it
+    print(f"SemanticSpec endpoint on http://{host}:{opts.port}/v1 (model {opts.model_name!r})", flush=True)
     Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=opts.shutdown_timeout)).run(
         sockets=[sock])
 

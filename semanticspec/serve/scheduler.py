@@ -146,6 +146,7 @@ class Scheduler:
         self.stopping = False
         self.failure: str | None = None  # why the thread died, if it did
         self.abort_reason: str | None = None  # set when stop() ends the requests left: why
+        self.planning: Job | None = None  # the job the decode thread is planning (out of the inbox, in no line yet)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="semanticspec-decode", daemon=True)
         self._thread.start()
@@ -200,14 +201,15 @@ class Scheduler:
         self._thread.join(timeout)
         if self._thread.is_alive():
             self.abort(reason)
-            self._thread.join(5.0)
+            self._thread.join(1.0)  # its rows leave at the next round; one waiting on a server ends with the process
 
     def abort(self, reason: str) -> None:
         """End every request left with an error saying ``reason`` (status 503), now: answered here, as a served round
         may take longer than the time left; their rows leave their loops at the next round."""
         self.abort_reason = reason
         jobs = [j for g in list(self.groups.values()) for j in list(g.jobs.values())]
-        for j in jobs + [j for j, _ in list(self.waiting)] + list(self.inbox.queue):
+        planning = [j for j in (self.planning,) if j is not None]  # its plan may wait on a server past the grace
+        for j in jobs + planning + [j for j, _ in list(self.waiting)] + list(self.inbox.queue):
             j.cancelled = True
             self._end(j, self._cancelled())
 
@@ -243,13 +245,17 @@ class Scheduler:
         except queue.Empty:
             return
         while True:
-            if not job.ended:  # abort() answers the jobs in the inbox where they are
-                with self._guard(job, "planning"):
-                    prompt = job.prompt() if callable(job.prompt) else job.prompt
-                    plan = self.plan(prompt, job.config, job.budget)
-                    tokens = self._prompt_tokens(plan.inputs[0][0])
-                    self._tell(job, Update(planned=True, prompt_tokens=tokens))
-                    self.waiting.append((job, plan))
+            if not job.ended:  # abort() answers the jobs in the inbox where they are, and the one planned here
+                self.planning = job
+                try:
+                    with self._guard(job, "planning"):
+                        prompt = job.prompt() if callable(job.prompt) else job.prompt
+                        plan = self.plan(prompt, job.config, job.budget)
+                        tokens = self._prompt_tokens(plan.inputs[0][0])
+                        self._tell(job, Update(planned=True, prompt_tokens=tokens))
+                        self.waiting.append((job, plan))
+                finally:
+                    self.planning = None
             try:
                 job = self.inbox.get_nowait()
             except queue.Empty:

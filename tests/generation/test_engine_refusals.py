@@ -3,6 +3,7 @@
 that is down still raises :class:`~generation.engines.base.Unreachable` after the retries."""
 
 import base64
+import re
 import threading
 import time
 
@@ -155,3 +156,38 @@ def test_a_servers_user_and_password_reach_it_and_no_message():
         s.close()
     assert seen == ["Basic " + base64.b64encode(b"svc:hunter2pw").decode()]  # sent, as httpx sends a URL's login
     assert conn.url == s.url and "hunter2pw" not in str(e.value) and s.url.removesuffix("/v1") in str(e.value)
+
+
+@pytest.mark.parametrize("url, said", [("127.0.0.1:8000/v1", "no http:// or https:// scheme"),
+                                       ("ftp://127.0.0.1:8000/v1", "no http:// or https:// scheme (it has ftp://)"),
+                                       ("", "no http:// or https:// scheme"), ("http:///v1", "no host"),
+                                       ("http://127.0.0.1:99999/v1", "Port out of range")])
+def test_a_url_that_names_no_server_is_refused_as_such(url, said):
+    """Each was asked three times and reported as a server that is down ("start it or fix the URL")."""
+    from generation.engines.connection import Connection
+
+    with pytest.raises(ValueError, match=f"server URL .*: {re.escape(said)}"):
+        Connection(url, api_key_env="", timeout=10, retries=3)
+
+
+def test_a_server_that_answers_models_with_404_is_not_called_down():
+    """A 404 is answered once (the openai client does not retry it): it was reported as "did not answer /v1/models
+    after 3 attempt(s)"."""
+    from generation.engines.base import Unreachable
+    from generation.engines.connection import Connection
+
+    class NoRoutes(LoopbackServer):
+        def __init__(self):
+            class Handler(JsonHandler):
+                def do_GET(self):
+                    self._send(404, {"detail": "Not Found"})
+
+            self.url = self._serve(Handler) + "/v2"
+
+    s = NoRoutes()
+    try:
+        with pytest.raises(Unreachable, match=r"answered /v1/models with 404 .*; fix the URL") as e:
+            Connection(s.url, api_key_env="", timeout=10, retries=3).models()
+    finally:
+        s.close()
+    assert "attempt" not in str(e.value)

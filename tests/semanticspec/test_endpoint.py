@@ -696,6 +696,10 @@ def _alone_with(dec, prompt, seed: int, method: str) -> str:
                                        (["--host", "999.1.1.1"], "--host=999.1.1.1: not an address of this machine"),
                                        (["--tokenizer", "/no/tok", "--concurrency", "2"],  # served the world, silently
                                         "--concurrency=2, --tokenizer=/no/tok: options of a served endpoint"),
+                                       # each refused after the models loaded or the servers were asked
+                                       (["--threshold", "1.5"], "--threshold=1.5: expected a number in [0, 1]"),
+                                       (["--target_url", "http://127.0.0.1:9", "--draft_url", "http://127.0.0.1:9",
+                                         "--tokenizer", "/no/tok"], "--tokenizer=/no/tok: no such directory"),
                                        (["--chat_template", "/no/such/chat.jinja", "--port", "{free}"],
                                         "--chat_template='/no/such/chat.jinja': no readable file"),
                                        (["--chat_template", "{{% if messages %}}{{{{ messages[0].content ",
@@ -712,6 +716,45 @@ def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and says.format(**ports) in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "SemanticSpec endpoint on" not in out.stdout  # refused before the banner
+
+
+def test_the_port_is_listened_on_before_the_models_load():
+    """The socket was bound, not listened on, until uvicorn ran: a second endpoint on the port passed the check,
+    loaded its models, printed its banner and crashed with a traceback."""
+    import socket
+
+    from semanticspec.serve.cli import _bind
+
+    sock = _bind("127.0.0.1", free_port())
+    try:
+        socket.create_connection(sock.getsockname(), timeout=2).close()  # refused by a socket that does not listen
+    finally:
+        sock.close()
+
+
+def test_a_stop_while_starting_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C while the models loaded or the servers were asked was a traceback; SIGTERM ended it without a word."""
+    import os
+    import signal
+
+    from semanticspec.serve import cli
+
+    def stopped(opts):
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler stops a job
+
+    def found(*_):
+        raise AssertionError("SIGTERM was left to the handler it found")
+
+    monkeypatch.setattr(cli, "build", stopped)
+    before = signal.signal(signal.SIGTERM, found)  # the test's own: without it, SIGTERM would end pytest
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--port", str(free_port())])
+        assert signal.getsignal(signal.SIGTERM) is found
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip() == f"{cli.PROG}: stopped while starting; nothing was served"
 
 
 @pytest.mark.slow  # a subprocess that loads the world: 6.7 s

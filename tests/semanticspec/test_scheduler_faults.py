@@ -248,6 +248,9 @@ def test_abort_ends_a_request_the_thread_is_planning():
     with s._lock:  # what stop() does: no more requests, then, its grace over, abort()
         s.stopping = True
     s.abort("the server shut down before this request finished")
+    # answered now, not once its plan returns: a served plan waits on a server, up to its timeout, and uvicorn
+    # cancelled the handler at the end of its grace (a plain-text 500 and a traceback)
+    assert [u.status for u in got if u.finish] == [503]
     release.set()
     try:
         decoded = first_delta.wait(2)
