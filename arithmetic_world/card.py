@@ -45,6 +45,19 @@ ROLE_TEXT = {
 }
 
 
+def check_publishable(role: str, src_root: str | Path) -> None:
+    """Refuse a model folder that has not finished training: a missing file (FileNotFoundError), or a
+    ``training.json`` that is no record of a training (ValueError), each naming the folder or file."""
+    src = Path(src_root) / role
+    missing = [f for f in ("config.json", "model.safetensors", "training.json") if not (src / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{src} is missing {', '.join(missing)}; has `train --which {role}` finished?")
+    facts = _read_json(src / "training.json")
+    if not (isinstance(facts, dict) and isinstance(facts.get("spec"), dict)):
+        raise ValueError(f"{src / 'training.json'}: no record of a training (a JSON object with its spec); train "
+                         f"the model again with `train --which {role}`")
+
+
 def publish(role: str, src_root: str | Path, dst_root: Optional[str | Path] = None) -> Path:
     """Copy a finished model from ``src_root/role`` to ``dst_root/role``, with the current tokenizer.
 
@@ -58,9 +71,7 @@ def publish(role: str, src_root: str | Path, dst_root: Optional[str | Path] = No
         ValueError: when the folder's tokenizer has other vocabulary ids than :func:`build_tokenizer`.
     """
     src, dst = Path(src_root) / role, models.world_root(dst_root) / role
-    missing = [f for f in ("config.json", "model.safetensors", "training.json") if not (src / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{src} is missing {', '.join(missing)}; has `train --which {role}` finished?")
+    check_publishable(role, src_root)
     tok = build_tokenizer()
     if (src / "tokenizer.json").is_file():
         old_vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
@@ -186,6 +197,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"{prog}: {path} measured {why}: the cards say the models are not measured yet", file=sys.stderr)
         results = None
     try:
+        for role in args.roles if args.publish is not None else ():  # every one before any is copied
+            check_publishable(role, args.publish)
         for role in args.roles:
             if args.publish is not None:
                 print(f"published {publish(role, args.publish, args.root)}")
@@ -195,12 +208,13 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def _measured_elsewhere(results: dict, root: Optional[Path], publish: Optional[Path]) -> str | None:
-    """Where ``results`` were measured when that is neither the world folder the cards are written in nor the one
-    being published into it (compared as ``benchmarks.world`` records it: relative to the repository, or the
-    folder's name), or None."""
+    """Where ``results`` were measured when that is not the folder whose models the cards describe: the one being
+    published, else the world folder the cards are written in (compared as ``benchmarks.world`` records it: relative
+    to the repository, or the folder's name), or None."""
     from generation.paths import portable_paths
 
-    here = {portable_paths(str(Path(p).resolve())) for p in (models.world_root(root), publish) if p is not None}
+    # publishing replaces the world's models: only figures measured on the published ones describe them now
+    here = {portable_paths(str(Path(publish if publish is not None else models.world_root(root)).resolve()))}
     measured = results.get("root")
     return None if measured is None or measured in here else f"the models in {measured}"
 

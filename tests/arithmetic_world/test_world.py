@@ -527,3 +527,31 @@ def test_a_card_of_models_elsewhere_does_not_state_the_shipped_worlds_figures(tm
     text = (world / "draft" / "README.md").read_text()
     assert "Not measured yet" in text and f"{results['draft']['accuracy']:.3f}" not in text
     assert "measured the models in checkpoints/arithmetic" in capsys.readouterr().err
+
+
+def test_publishing_checks_every_model_first_and_does_not_state_the_replaced_models_figures(tmp_path, capsys,
+                                                                                           world_tokenizer):
+    """A publish of target and draft where the draft had not finished replaced the target, then failed; a bad
+    training.json was "error: 'spec'" after the copy; and the figures measured on the models a publish replaced
+    were stated as the new models'."""
+    from generation.paths import portable_paths
+
+    world = _world_copy(tmp_path, roles=("target", "draft"))
+    before = (world / "target" / "model.safetensors").read_bytes()
+    _trained_folder(tmp_path / "train", "target", world_tokenizer)
+    with pytest.raises(SystemExit) as e:
+        card.main(["--root", str(world), "--publish", str(tmp_path / "train"), "--roles", "target", "draft"])
+    assert e.value.code == 2 and "train/draft is missing" in capsys.readouterr().err
+    assert (world / "target" / "model.safetensors").read_bytes() == before  # nothing published
+    _trained_folder(tmp_path / "train", "draft", world_tokenizer)
+    (tmp_path / "train" / "draft" / "training.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        card.main(["--root", str(world), "--publish", str(tmp_path / "train"), "--roles", "target", "draft"])
+    assert "training.json: no record of a training" in capsys.readouterr().err
+    assert (world / "target" / "model.safetensors").read_bytes() == before
+    results = {**json.loads(card.RESULTS.read_text()), "root": portable_paths(str(world.resolve()))}
+    (tmp_path / "r.json").write_text(json.dumps(results))  # measured on the models about to be replaced
+    card.main(["--root", str(world), "--publish", str(tmp_path / "train"), "--roles", "target",
+               "--results", str(tmp_path / "r.json")])
+    assert "Not measured yet" in (world / "target" / "README.md").read_text()
+    assert f"measured the models in {results['root']}" in capsys.readouterr().err
