@@ -216,7 +216,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         fail(PROG, f"--log_dir {args.log_dir}: cannot hold the servers' logs ({e.strerror or e})")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop, or the terminal closed: the servers run in
+        signal.signal(sig, lambda *_: sys.exit(0))  # their own sessions and were left holding the ports; unwinds below
     # Ctrl-C stops both even where the command was started with SIGINT ignored (as `cmd &` in a script starts it):
     # Python installs no KeyboardInterrupt handler then
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -55,9 +55,11 @@ def test_a_world_folder_without_models_is_refused_naming_it(capsys, monkeypatch,
 
 
 @pytest.mark.slow
-def test_sigint_stops_both_servers_even_when_started_with_sigint_ignored(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGHUP"])
+def test_sigint_stops_both_servers_even_when_started_with_sigint_ignored(tmp_path, stop):
     """A script's `cmd &` starts the command with SIGINT ignored, and Python then installs no KeyboardInterrupt
-    handler: the command restores it, so SIGINT (Ctrl-C) still stops both servers and the command exits."""
+    handler: the command restores it, so SIGINT (Ctrl-C) still stops both servers and the command exits. SIGHUP (the
+    terminal closed) ended the command and left both servers, in their own sessions, holding the ports."""
     import signal
 
     if not serve.server_available():
@@ -68,9 +70,9 @@ def test_sigint_stops_both_servers_even_when_started_with_sigint_ignored(tmp_pat
                           str(ports["draft"])], ports.values(),
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and "stopping both servers" in out, out
+        assert proc.returncode == 0 and (stop == "SIGHUP" or "stopping both servers" in out), out
         assert not any(answers(p) for p in ports.values())
     finally:
         if proc.poll() is None:  # SIGTERM stops both servers too
