@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -204,6 +205,9 @@ def train(which: str, out: Path, seed: int = 0, threads: int = 1, log: Callable[
     eval_problems = task.generate_problems(200, EVAL_SEED, replace(cfg, min_ops=4, max_ops=4))
     evaluate = (lambda: eval_judge(model, tok)) if which == "judge" else (lambda: eval_solver(model, tok,
                                                                                               eval_problems))
+    # the last run's record goes first: a run stopped after its first save leaves new weights and no record (which
+    # the card's --publish refuses), not new weights beside the old run's record
+    (out / which / "training.json").unlink(missing_ok=True)
     history, saved, t0 = [], None, time.time()
     bar = tqdm(range(spec.steps), desc=f"train {which}", mininterval=10)
     for step in bar:
@@ -308,7 +312,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         if w == "judge" and init is None and args.layers is None and (args.out / "target" / "model.safetensors"
                                                                       ).is_file():
             init = args.out / "target"  # a judge that already reads every template learns in minutes (not resized)
-        train(w, args.out, seed=args.seed, threads=args.threads, init_from=init)
+        try:
+            train(w, args.out, seed=args.seed, threads=args.threads, init_from=init)
+        except KeyboardInterrupt:
+            print(f"python -m arithmetic_world.train: interrupted while training the {w}; {args.out / w} holds its "
+                  "last saved checkpoint, if any, and no training.json: train it again to finish", file=sys.stderr)
+            raise SystemExit(130) from None
 
 
 def _option_problems(args) -> list[str]:

@@ -555,3 +555,26 @@ def test_publishing_checks_every_model_first_and_does_not_state_the_replaced_mod
                "--results", str(tmp_path / "r.json")])
     assert "Not measured yet" in (world / "target" / "README.md").read_text()
     assert f"measured the models in {results['root']}" in capsys.readouterr().err
+
+
+def test_a_retrain_stopped_by_ctrl_c_leaves_no_record_of_the_run_before(tmp_path, capsys, monkeypatch):
+    """New weights were left beside the previous run's training.json (which --publish then put on the card), and the
+    stop was a KeyboardInterrupt traceback."""
+    import arithmetic_world.train as train
+
+    stale = tmp_path / "draft" / "training.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"spec": {"steps": 2}}))
+    saved = train.save
+
+    def save_then_stop(*args):
+        saved(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "save", save_then_stop)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--which", "draft", "--out", str(tmp_path), "--steps", "1", "--layers", "1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert e.value.code == 130 and last.startswith("python -m arithmetic_world.train: interrupted while training the "
+                                                   "draft") and "Traceback" not in last
+    assert (tmp_path / "draft" / "model.safetensors").is_file() and not stale.exists()
