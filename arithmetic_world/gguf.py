@@ -244,6 +244,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         fail(prog, str(e))
     except SafetensorError as e:  # a cut or damaged model.safetensors
         fail(prog, f"the {role} model's model.safetensors cannot be read ({e}); train or copy the world again")
+    except KeyError as e:  # a config.json or tokenizer.json without a field the export writes (transformers may not
+        # need it: it fills a default), each a traceback
+        fail(prog, f"the {role} model's config.json or tokenizer.json has no {e}: not a world model as "
+                   "`python -m arithmetic_world.train` writes it; train or copy the world again")
 
 
 if __name__ == "__main__":

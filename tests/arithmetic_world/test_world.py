@@ -494,6 +494,13 @@ def test_gguf_of_a_cut_weights_file_or_without_the_gguf_package_is_one_line(tmp_
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and "model.safetensors cannot be read" in capsys.readouterr().err
+    weights.write_bytes((Path(models.DEFAULT_ROOT) / "draft" / "model.safetensors").read_bytes())
+    config = json.loads((world / "draft" / "config.json").read_text())
+    del config["rms_norm_eps"]  # transformers fills in a default; the export read it: a KeyError traceback
+    (world / "draft" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and "config.json or tokenizer.json has no 'rms_norm_eps'" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "gguf", None)  # an install without the [server] extra
     with pytest.raises(SystemExit) as e:
         main(args)
