@@ -59,6 +59,10 @@ def at_least(client, version: str | None, floor: str, engine: str) -> None:
 
 DOWN_S = 30.0
 """Seconds a server that is gone (no connection, or no answer in time after the retries) is not asked again."""
+MODELS_S = 10.0
+"""Seconds each attempt of ``/v1/models`` (the first request, and a cheap one) waits at most, whatever the
+connection's timeout: a server that takes connections and never answers held a start-up silent for the timeout times
+the retries (6 minutes at the defaults)."""
 
 
 def url_problem(url: str) -> str | None:
@@ -151,7 +155,7 @@ class Connection:
             EngineError: the server refused the key or did not answer.
         """
         try:
-            listed = list(self.client.models.list())
+            listed = list(self.client.with_options(timeout=min(self.client.timeout, MODELS_S)).models.list())
         except (self.openai.AuthenticationError, self.openai.PermissionDeniedError) as e:
             raise Unreachable(self.say(f"server {self.url} refused the API key from ${self.key_env or '(none)'} at "
                                        f"/v1/models ({self.say(e)}); set ${self.key_env or '(no variable)'} to a key "

@@ -191,3 +191,27 @@ def test_a_server_that_answers_models_with_404_is_not_called_down():
     finally:
         s.close()
     assert "attempt" not in str(e.value)
+
+
+def test_models_waits_its_own_short_time_not_the_connections_timeout(monkeypatch):
+    """A server that takes connections and never answers held a start-up silent for the request timeout times the
+    retries (6 minutes at the endpoint's defaults): ``/v1/models`` now waits at most ``MODELS_S`` each attempt."""
+    from generation.engines import connection
+    from generation.engines.base import Unreachable
+
+    class Slow(LoopbackServer):
+        def __init__(self):
+            class Handler(JsonHandler):
+                def do_GET(self):
+                    time.sleep(2)
+                    self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+            self.url = self._serve(Handler) + "/v1"
+
+    monkeypatch.setattr(connection, "MODELS_S", 0.5)
+    s = Slow()
+    try:
+        with pytest.raises(Unreachable, match="did not answer /v1/models after 1 attempt"):
+            connection.Connection(s.url, api_key_env="", timeout=30, retries=1).models()  # answered in 2 s before
+    finally:
+        s.close()
