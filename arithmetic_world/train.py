@@ -326,7 +326,12 @@ def _option_problems(args) -> list[str]:
            if getattr(args, k) is not None and getattr(args, k) < 1]
     out += [f"--{k.replace('_', '-')} {getattr(args, k)}: expected a number > 0" for k in ("lr", "max_minutes")
             if getattr(args, k) is not None and not 0 < getattr(args, k) < math.inf]
-    if args.init_from is not None and not (args.init_from / "config.json").is_file():
+    if not 0 <= args.seed < 2**63:  # torch's seed is a signed 64-bit integer: a traceback past it
+        out.append(f"--seed {args.seed}: expected an integer from 0 to 2**63 - 1")
+    if args.init_from is not None and len(args.which) > 1:  # every model named would start from the one folder
+        out.append(f"--init-from {args.init_from} with --which {' '.join(args.which)}: it starts one model; train "
+                   "the others in their own command")
+    elif args.init_from is not None and not (args.init_from / "config.json").is_file():
         out.append(f"--init-from {args.init_from}: expected a saved model's folder (with config.json)")
     elif args.init_from is not None and args.layers is not None:
         out.append(f"--layers {args.layers} with --init-from {args.init_from}: the model keeps the layers it was saved "

@@ -399,6 +399,11 @@ def test_model_card_reports_training_facts_and_measured_numbers(tmp_path, world_
     # the judge trained with the saved model's layers, without a word
     (["--layers", "3", "--init-from", str(Path(__file__).parents[2] / "checkpoints" / "arithmetic" / "target")],
      "--layers 3 with --init-from"),
+    (["--seed", str(10**20)], f"--seed {10**20}: expected an integer from 0 to 2**63 - 1"),  # an OverflowError
+    # the draft became a copy of the target, without a word
+    (["--which", "draft", "judge", "--out", "/tmp/never-written", "--init-from",
+      str(Path(__file__).parents[2] / "checkpoints" / "arithmetic" / "target")], "with --which draft judge: it starts "
+                                                                                 "one model"),
 ])
 def test_train_refuses_bad_options_in_one_line_before_writing(capsys, tmp_path, args, says):
     from arithmetic_world.train import main
