@@ -736,7 +736,8 @@ def test_export_writes_a_model_card_from_the_config(tmp_path, world_tokenizer):
     bare = export_probe(SemanticProbe(ProbeConfig(hidden_size=8, hidden_dims=[4])), tmp_path / "bare")
     card = (bare / "README.md").read_text()  # an old-style config: what is missing is said, not invented
     assert "Not recorded (an old export)" in card and "None recorded at export" in card
-    assert "No label provenance recorded" in card and "Not recorded: the probe was trained before exports recorded" in card
+    assert "No label provenance recorded" in card
+    assert "Not recorded: the probe was trained before exports recorded" in card
 
 
 def test_metrics_undefined_on_the_rows_are_nan_not_zero():
