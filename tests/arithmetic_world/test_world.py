@@ -569,6 +569,7 @@ def test_publishing_checks_every_model_first_and_does_not_state_the_replaced_mod
     assert f"measured the models in {results['root']}" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 3 s on 2 cores (a model trained): in CI's slow set, out of the README's 5-minute command
 def test_a_retrain_stopped_by_ctrl_c_leaves_no_record_of_the_run_before(tmp_path, capsys, monkeypatch):
     """New weights were left beside the previous run's training.json (which --publish then put on the card), and the
     stop was a KeyboardInterrupt traceback."""

@@ -12,6 +12,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 5.5 s on 2 cores (fresh processes): in CI's slow set, out of the README's 5-minute command
 def test_a_bad_value_is_one_line_naming_the_module():
     out = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--problems", "abc"], capture_output=True,
                          text=True, cwd=REPO_ROOT, timeout=300)

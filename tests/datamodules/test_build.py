@@ -1001,6 +1001,7 @@ def test_a_bad_spec_field_on_the_build_cli_is_one_line_with_exit_status_2(capsys
 # -- refusals before torch loads, one reason per value, data_dir a file, old class paths ---------------
 
 
+@pytest.mark.slow  # 3 s on 2 cores (fresh processes): in CI's slow set, out of the README's 5-minute command
 def test_bad_options_are_refused_in_one_line_before_torch_loads(tmp_path):
     from tests.conftest import refuse_in_a_fresh_process
 

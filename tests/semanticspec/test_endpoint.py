@@ -700,11 +700,13 @@ def _alone_with(dec, prompt, seed: int, method: str) -> str:
                                        (["--threshold", "1.5"], "--threshold=1.5: expected a number in [0, 1]"),
                                        (["--target_url", "http://127.0.0.1:9", "--draft_url", "http://127.0.0.1:9",
                                          "--tokenizer", "/no/tok"], "--tokenizer=/no/tok: no such directory"),
-                                       (["--chat_template", "/no/such/chat.jinja", "--port", "{free}"],
-                                        "--chat_template='/no/such/chat.jinja': no readable file"),
-                                       (["--chat_template", "{{% if messages %}}{{{{ messages[0].content ",
-                                         "--port", "{free}"], "--chat_template: the target tokenizer cannot format a "
-                                                              "chat with it (TemplateSyntaxError")])
+                                       pytest.param(["--chat_template", "/no/such/chat.jinja", "--port", "{free}"],
+                                                    "--chat_template='/no/such/chat.jinja': no readable file",
+                                                    marks=pytest.mark.slow),  # the world loads: 3.5 s
+                                       pytest.param(["--chat_template", "{{% if messages %}}{{{{ messages[0].content ",
+                                                     "--port", "{free}"], "--chat_template: the target tokenizer "
+                                                    "cannot format a chat with it (TemplateSyntaxError",
+                                                    marks=pytest.mark.slow)])  # the world loads: 3.3 s
 def test_the_command_refuses_bad_options_in_one_line_with_status_2(args, says):
     import socket
 
