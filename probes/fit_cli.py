@@ -461,9 +461,11 @@ def _refuse_a_finished_resume(trainer, ckpt_path: str) -> None:
     import torch
 
     limit = trainer.max_epochs
+    if limit in (None, -1):  # no limit: nothing to read
+        return
     progress = torch.load(ckpt_path, map_location="cpu", weights_only=False).get("loops", {}).get("fit_loop", {})
     trained = progress.get("epoch_progress", {}).get("current", {}).get("processed")
-    if limit not in (None, -1) and isinstance(trained, int) and trained >= limit:
+    if isinstance(trained, int) and trained >= limit:
         fail(f"--ckpt_path {ckpt_path}: its run trained {trained} epochs, and --trainer.max_epochs {limit} allows no "
              "more, so nothing would be trained; give a larger --trainer.max_epochs to train on")
 

@@ -620,12 +620,13 @@ def read_fit(config: str) -> FitRun:
         build = parser.instantiate(parser.parse_args(["--config", yaml.safe_dump(section)])).build
     except (ArgumentError, ValueError, TypeError) as e:
         raise ValueError(f"--config {path}: its data.build section is refused: {e}") from None
+    runs = runs_root(fit)
     if fit.get("export_dir"):  # the fit exported there (--export_dir), not into its run folder
         exports = [Path(fit["export_dir"])]
-    else:
-        exports = [run / "export"] if run is not None else sorted(runs_root(fit).glob("version_*/export"),
-                                                                   key=_version, reverse=True)  # newest first
-    looked = str(exports[0]) if exports else str(runs_root(fit) / "version_*" / "export")
+    else:  # newest first
+        exports = [run / "export"] if run is not None else sorted(runs.glob("version_*/export"), key=_version,
+                                                                   reverse=True)
+    looked = str(exports[0]) if exports else str(runs / "version_*" / "export")
     return FitRun(build, Path(section["data_dir"]), exports, looked)
 
 
