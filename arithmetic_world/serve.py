@@ -198,13 +198,9 @@ def _arguments(argv: Optional[list[str]]):
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    """Start the world's two servers, print their URLs, and stop both on Ctrl-C, SIGTERM or when one exits."""
-    args = _arguments(argv)
-    if not server_available() or importlib.util.find_spec("gguf") is None:
-        fail(PROG, INSTALL)
-    ports = {"target": args.target_port, "draft": args.draft_port}
-    try:  # writes the world's GGUF files on first use
+def _servers(args, ports: dict[str, int]) -> list[LlamaServer]:
+    """The two servers, not started: the world's GGUF files written on first use (seconds) and both ports checked."""
+    try:
         servers = [world_server(role, port, log=args.log_dir / f"{role}.log", n_threads=args.threads,
                                 root=args.root) for role, port in ports.items()]
     except (OSError, ValueError) as e:
@@ -212,6 +208,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     for role, server in zip(ports, servers):  # both, before either starts (a model loads for seconds)
         if problem := server.port_problem():
             fail(PROG, f"the {role} server (--{role}_port {server.port}): {problem}")
+    return servers
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Start the world's two servers, print their URLs, and stop both on Ctrl-C, SIGTERM or when one exits."""
+    args = _arguments(argv)
+    if not server_available() or importlib.util.find_spec("gguf") is None:
+        fail(PROG, INSTALL)
+    ports = {"target": args.target_port, "draft": args.draft_port}
+    try:
+        servers = _servers(args, ports)
+    except KeyboardInterrupt:  # the GGUF files are written under temporary names: nothing half-written stays
+        print(f"{PROG}: stopped before the servers started; nothing was served", file=sys.stderr)
+        raise SystemExit(130) from None
     try:  # once the models and ports are there: a refused start leaves no folder
         args.log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -134,3 +134,19 @@ def test_a_start_refused_for_a_taken_port_leaves_no_log_folder(capsys, tmp_path)
         line = _refused(capsys, ["--log_dir", str(tmp_path / "logs"), "--target_port", str(port),
                                  "--draft_port", str(port + 1 if port < 65535 else port - 1)])
     assert "is taken" in line and not (tmp_path / "logs").exists()
+
+
+def test_ctrl_c_while_the_gguf_files_are_written_is_one_line(capsys, monkeypatch, tmp_path):
+    """Ctrl-C in the first seconds (the world's GGUF files written on first use) was a traceback."""
+    monkeypatch.setattr(serve, "server_available", lambda: True)
+    pytest.importorskip("gguf")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve, "world_server", interrupted)
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--log_dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 130 and err == [f"{serve.PROG}: stopped before the servers started; nothing was served"]
+    assert not (tmp_path / "logs").exists()
