@@ -526,11 +526,26 @@ def test_the_paired_accuracy_difference_and_its_interval_stay_within_minus_one_a
     """Three wrong of four against a reference right on all: the normal interval reached -1.071."""
     got = E.paired_delta([False, False, False, True], [True] * 4)
     assert got["accuracy_delta"] == -0.75 and got["accuracy_delta_ci95"][0] == -1.0
-    assert -0.75 < got["accuracy_delta_ci95"][1] < 0
-    lo, hi = E.paired_delta([True, False, True, True, False], [False, True, True, False, False])["accuracy_delta_ci95"]
-    assert -1 < lo < 0.2 < hi < 1  # an interval inside the range is unchanged: mean 0.2, symmetric
-    assert math.isclose(hi - 0.2, 0.2 - lo)
-    assert all(math.isnan(x) for x in E.paired_delta([True], [False])["accuracy_delta_ci95"])
+    assert -0.75 < got["accuracy_delta_ci95"][1] < 0.1
+    assert all(math.isnan(x) for x in E.paired_delta([], [])["accuracy_delta_ci95"])
+
+
+def test_the_paired_interval_is_agresti_and_mins_and_keeps_a_width_when_every_difference_is_the_same():
+    """The normal interval of the per-problem differences was +0.000 [+0.000, +0.000] for two methods right (or
+    wrong) on the same problems, on 8 problems as on 8,000. Agresti and Min's adjusted Wald interval adds half a
+    problem to each cell: 2 right here only and 1 in the reference only of 40 is centred at 1/42 with a half-width of
+    1.96 * sqrt(2 + 1 + 1 - 1/42) / 42 (their R function ``diffpropci``)."""
+    same = E.paired_delta([True, False] * 4, [True, False] * 4)
+    assert same["accuracy_delta"] == 0 and math.isclose(same["accuracy_delta_ci95"][1], E.Z95 / 10)
+    assert math.isclose(same["accuracy_delta_ci95"][0], -E.Z95 / 10)
+    right, ref = [True, True, False] + [True] * 37, [False, False, True] + [True] * 37
+    got = E.paired_delta(right, ref)
+    half = E.Z95 * math.sqrt(4 - 1 / 42) / 42
+    assert got["accuracy_delta"] == 1 / 40 and math.isclose(got["accuracy_delta_ci95"][0], 1 / 42 - half)
+    assert math.isclose(got["accuracy_delta_ci95"][1], 1 / 42 + half)
+    flipped = E.paired_delta(ref, right)["accuracy_delta_ci95"]
+    assert math.isclose(flipped[0], -got["accuracy_delta_ci95"][1])
+
 
 # --------------------------------------------------------------------------- threshold.json as the default tau
 
