@@ -8,7 +8,6 @@ users run) and logs what users care about, so ModelCheckpoint and EarlyStopping 
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from datamodules.tasks.base import Task
 from datamodules.tasks.worlds import default_world
 from generation.loading import device_problem, missing_path
 from generation.paths import folder_problem
-from generation.specs import is_count, is_real
+from generation.specs import is_count, is_finite
 from probes.model import check_probe_matches, labelled_with, nonfinite_probes
 from semanticspec.base import resolve_sampling
 from semanticspec.config import DecodeConfig
@@ -39,7 +38,7 @@ def _argument_errors(task, world_root, target, draft, target_device, draft_devic
         if not is_count(value)]
     if task is not None and not isinstance(task, Task):
         errors.append(f"task={task!r}: expected a datamodules.tasks.base.Task")
-    if not (is_real(max_seconds) and max_seconds > 0 and math.isfinite(max_seconds)):
+    if not (is_finite(max_seconds) and max_seconds > 0):
         errors.append(f"max_seconds={max_seconds!r}: expected a number of seconds > 0")
     if plots_dir is not None and not isinstance(plots_dir, (str, os.PathLike)):
         errors.append(f"plots_dir={plots_dir!r}: expected a folder path")

@@ -94,7 +94,7 @@ class SamplingSpec:
     def errors(temperature: Any, top_p: Any) -> list[str]:
         """What is wrong with these values (the one check; configs that hold the fields call it too)."""
         out = []
-        if not is_real(temperature) or not (math.isfinite(temperature) and temperature >= 0):
+        if not (is_finite(temperature) and temperature >= 0):
             out.append(f"temperature={temperature!r}: expected a finite number >= 0 (0 = greedy)")
         if not is_real(top_p) or not 0 < top_p <= 1:
             out.append(f"top_p={top_p!r}: expected a number in (0, 1]")
@@ -121,6 +121,15 @@ def is_count(x: Any) -> bool:
 def is_real(x: Any) -> bool:
     """A real number (a NumPy one too), not a bool: a threshold, a rate, a log-probability."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def is_finite(x: Any) -> bool:
+    """A real number a float holds: not a bool, NaN, an infinity, or an integer past a float's range (Python's and
+    JSON's integers have no bound, and ``math.isfinite(10**400)`` raises ``OverflowError``)."""
+    try:
+        return is_real(x) and math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 FEATURE_GROUPS: tuple[str, ...] = ("hidden", "token_stats", "topk_stats")

@@ -5,11 +5,10 @@ No torch import here: the config is read by tools that never build the probe.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from generation.specs import (FeatureSpec, SamplingSpec, StepSpec, dump_yaml_as_mapping, is_count, is_real,
+from generation.specs import (FeatureSpec, SamplingSpec, StepSpec, dump_yaml_as_mapping, is_count, is_finite, is_real,
                              layer_problems, spec_from_dict)
 
 FORMAT_VERSION = 7
@@ -136,7 +135,7 @@ class ProbeConfig:
                   for name in ("reads", "labels", "test_metrics", "training")
                   if not isinstance(getattr(self, name), dict)]
         if isinstance(self.test_metrics, dict) and not all(
-                is_real(v) and math.isfinite(v) for v in self.test_metrics.values()):
+                is_finite(v) for v in self.test_metrics.values()):
             errors.append(f"test_metrics={self.test_metrics!r}: expected finite numbers")
         return errors
 

@@ -13,7 +13,6 @@ draft-written rows with a low label (the draft's wrong steps) can be weighted up
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -28,7 +27,7 @@ from torchmetrics.wrappers import BinaryTargetTransformer
 from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef, R2Score
 from torchmetrics.utilities import dim_zero_cat
 
-from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_real
+from generation.specs import FeatureSpec, SamplingSpec, StepSpec, is_finite
 from probes.config import ProbeConfig, nest_features
 from probes.model import SemanticProbe
 
@@ -157,7 +156,7 @@ class SemanticProbeModule(L.LightningModule):
         missing = [r for r in roles if input_spec is not None and r not in input_spec]
         if missing:
             errors.append(f"input_spec lacks roles {missing}; it has {sorted(input_spec or {})}")
-        if not is_real(draft_low_label_weight) or not 0 < draft_low_label_weight < math.inf:
+        if not (is_finite(draft_low_label_weight) and draft_low_label_weight > 0):
             errors.append(f"draft_low_label_weight={draft_low_label_weight!r}: expected a finite number > 0")
         if input_spec is not None and isinstance(probe, (ProbeConfig, dict)):
             errors += _filled_from_the_data(probe)

@@ -32,7 +32,7 @@ import torch
 
 from generation.features import token_scores
 from generation.fingerprints import sha256_file
-from generation.specs import is_int, is_real
+from generation.specs import is_finite, is_int, is_real
 from semanticspec.results import Decision
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ class ProbePolicy(AcceptancePolicy):
         if not (is_real(self.tau) and 0 <= self.tau <= 1):
             errors.append(f"tau={self.tau!r}: expected a number with 0 <= tau <= 1")
         scale = self.ratio_scale
-        if not (is_real(scale) and math.isfinite(scale) and scale > 0):
+        if not (is_finite(scale) and scale > 0):
             errors.append(f"ratio_scale={self.ratio_scale!r}: expected a finite number > 0")
         if not (is_int(self.top_k) and self.top_k >= 0):
             errors.append(f"top_k={self.top_k!r}: expected an integer >= 0 (0 disables the fast path)")

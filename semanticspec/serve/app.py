@@ -472,7 +472,7 @@ def budget_rule(cap: int | None):
 
 async def _serve(request: Request, body, prompt, reply: Reply, dec, sched: Scheduler, metrics: Metrics,
                  s: Settings):
-    if body.model is not None and body.model != s.model_name:
+    if body.model and body.model != s.model_name:  # "" names no model, as null: vLLM's _is_model_supported
         raise BadRequest(f"model={body.model!r}: this server serves {s.model_name!r}", "model", 404,
                          "not_found_error")
     check_body(body)

@@ -16,13 +16,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictFloat, StrictInt,
+                      StrictStr, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-Number = StrictFloat | StrictInt
+
+def _a_float(value: float | int) -> float | int:
+    """A number field's value, refused where it is an integer no float holds: JSON's integers have no bound, and one
+    past a float's range (``1`` and 400 zeros) overflowed the decoder's checks (``math.isfinite``, ``float()``) into a
+    500, where ``1e400`` is refused as not finite."""
+    try:
+        float(value)
+    except OverflowError:
+        raise PydanticCustomError("finite_number", "Input should be a finite number") from None
+    return value
+
+
+Number = Annotated[StrictFloat | StrictInt, AfterValidator(_a_float)]
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 COMPLETIONS_DEFAULT_TOKENS = 16

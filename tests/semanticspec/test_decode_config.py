@@ -16,6 +16,7 @@ from tests.conftest import PROMPTS
     ("max_new_tokens", True, "max_new_tokens=True: expected an integer >= 1"),
     ("temperature", -0.1, "temperature=-0.1: expected a finite number >= 0"),
     ("temperature", float("nan"), "temperature=nan: expected a finite number >= 0"),
+    ("temperature", 10**400, "temperature=1000000"),  # an int past a float's range: it was an OverflowError
     ("top_p", 0.0, "top_p=0.0: expected a number in (0, 1]"),
     ("top_p", "0.9", "top_p='0.9': expected a number in (0, 1]"),
     ("seed", "7", "seed='7': expected an integer, or a list of one integer per prompt"),
@@ -33,6 +34,12 @@ from tests.conftest import PROMPTS
 def test_a_bad_field_is_refused_where_the_config_is_built_naming_field_and_value(field, value, said):
     with pytest.raises(ValueError, match="invalid DecodeConfig: " + _escaped(said)):
         DecodeConfig(**{field: value})
+
+
+def test_an_integer_past_a_floats_range_is_a_bad_value_not_an_overflow():
+    """``math.isfinite(10**400)`` raises ``OverflowError``: such a ``ratio_scale`` was one, not the ValueError."""
+    with pytest.raises(ValueError, match="ratio_scale=1000.*: expected a finite number > 0"):
+        ProbePolicy(ratio_scale=10**400)
 
 
 def test_every_bad_field_is_named_at_once():

@@ -84,6 +84,34 @@ def test_a_threshold_outside_0_1_or_not_finite_gets_a_400_and_the_connection_sta
         _ok_after(c, world)
 
 
+def test_an_integer_past_a_floats_range_gets_a_400_naming_the_field_not_a_500(world):
+    """JSON's integers have no bound: ``1`` and 400 zeros as ``temperature`` or ``threshold`` overflowed the decoder's
+    float checks into a 500 (``1e400`` was refused as not finite)."""
+    huge = "1" + "0" * 400
+    with httpx2.Client() as c:
+        for route, body in (("/completions", '"prompt": "Start with 2."'),
+                            ("/chat/completions", '"messages": [{"role": "user", "content": "Start with 2."}]')):
+            for field in ("temperature", "top_p", "threshold", "window_min_logprob"):
+                for value in (huge, "-" + huge):
+                    r = _post(c, world.url + route, "{%s, \"%s\": %s}" % (body, field, value))
+                    assert r.status_code == 400, (route, field, r.text)
+                    assert r.json()["error"] == {"message": f"{field}: Input should be a finite number",
+                                                 "type": "invalid_request_error", "param": field, "code": None}
+        _ok_after(c, world)
+
+
+def test_an_empty_model_name_is_served_as_null_is(world):
+    """``model: ""`` names no model, as ``null``: vLLM serves it (``_is_model_supported``); it got a 404 here, while
+    a missing model was served. Another name is still a 404."""
+    c = world.client()
+    done = c.completions.create(model="", prompt="Start with 2.", max_tokens=1, seed=0)
+    assert done.model == "semanticspec" and done.choices[0].finish_reason in ("stop", "length")
+    chat = c.chat.completions.create(model="", messages=[{"role": "user", "content": "Start with 2."}], max_tokens=1)
+    assert chat.model == "semanticspec"
+    with pytest.raises(openai.NotFoundError, match="this server serves 'semanticspec'"):
+        c.completions.create(model="semanticspec2", prompt="Start with 2.", max_tokens=1)
+
+
 def test_plain_openai_calls_without_max_tokens_succeed(world):
     """``create(model, messages)`` and ``create(model, prompt)`` with nothing else: chat writes up to the room the
     prompt leaves (here the answer's end), completions at most 16 tokens (OpenAI's and vLLM's defaults)."""
