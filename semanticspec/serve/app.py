@@ -415,12 +415,13 @@ def chat_prompt(dec, tok, messages: list[dict], template: str | None):
 
 def check_body(body) -> None:
     """The checks pydantic cannot make (BadRequest naming the field): text that is not Unicode, OpenAI's fields at
-    values this endpoint cannot honour, ``stream_options`` without a stream and an empty stop string (vLLM refuses
-    both, ``protocol.py`` and ``sampling_params.py``)."""
+    values this endpoint cannot honour, ``stream_options`` that set a field without a stream and an empty stop string
+    (vLLM refuses both, ``protocol.py``'s ``validate_stream_options``, which takes an empty ``{}``, and
+    ``sampling_params.py``)."""
     for hit in (lone_surrogate(body.model_dump(exclude_none=True)), unsupported(body)):
         if hit is not None:
             raise BadRequest(hit[1], hit[0])
-    if body.stream_options is not None and not body.stream:
+    if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
         raise BadRequest("stream_options: allowed only with stream=true (a non-streamed answer carries its usage)",
                          "stream_options")
     if "" in body.stops():

@@ -134,6 +134,9 @@ def test_null_means_not_given_and_a_message_passed_back_whole_is_read(endpoint):
     plain = c.completions.create(model="semanticspec", prompt="Start with 2.", max_tokens=3, seed=0)
     assert c.completions.create(model="semanticspec", prompt="Start with 2.", **nulls).choices[0].text \
         == plain.choices[0].text
+    empty = {**nulls, "stream_options": {}}  # sets nothing: vLLM takes it without a stream (validate_stream_options)
+    assert c.completions.create(model="semanticspec", prompt="Start with 2.", **empty).choices[0].text \
+        == plain.choices[0].text
     extra = {"method": None, "allow_sampling_mismatch": None}
     assert c.completions.create(model="semanticspec", prompt="Start with 2.", max_tokens=3, seed=0,
                                 extra_body=extra).choices[0].text == plain.choices[0].text
@@ -188,6 +191,7 @@ BAD = [
      "max_completion_tokens=250: too large; at most 247 new tokens fit after the prompt's 2 tokens in the models' "
      "context, of which the decoder keeps 7 positions free"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only with stream=true"),
+    ({"prompt": "x", "stream_options": {"include_usage": False}}, "stream_options", "only with stream=true"),
     ({"prompt": "x", "stop": ["\n", ""]}, "stop", "stop: holds an empty string"),
     ({"prompt": "3 " * 250}, "prompt", "prompt: the prompt has 252 tokens, which leave no room"),
     ({"prompt": "x", "n": 2}, "n", "n=2"),
