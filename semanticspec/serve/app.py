@@ -219,8 +219,10 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "json-or-py
 
 def validation_message(errors: list) -> tuple[str, str | None]:
     """A pydantic refusal as one message and the field it names (``param`` without pydantic's union tags such as
-    ``prompt.str`` or ``temperature.float``, which vLLM strips too)."""
-    first = errors[0] if errors else {}
+    ``prompt.str`` or ``temperature.float``, which vLLM strips too). Of a union's refusals, one per form, the one that
+    reached deepest is told: ``[{"type": "text", "text": 1}]`` as content is refused at ``messages.0.content.0.text``,
+    not as a content that should have been a string."""
+    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
     loc = [x for x in first.get("loc", ()) if isinstance(x, int) or (x != "body" and x.split("[")[0] not in _TYPE_TAGS
                                                                      and "[" not in x)]
     param = ".".join(str(x) for x in loc) or None

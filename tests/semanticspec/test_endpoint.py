@@ -203,6 +203,7 @@ BAD = [
     ({"prompt": "x", "lookahead": 1000}, "lookahead", "cannot fit"),
     ({"prompt": "x", "seed": 2**64}, "seed", "less than or equal to 9223372036854775807"),
     ({"prompt": [1, 2, 3]}, "prompt", "prompt: token ids are not supported by this endpoint"),
+    ({"prompt": "x", "stop": ["\n", 1]}, "stop.1", "stop.1: Input should be a valid string"),  # not "stop: ..."
     ('{"prompt": "x", "\\ud800": 1}', None, "a field's name holds a lone UTF-16 surrogate"),
 ]
 
