@@ -141,9 +141,7 @@ class SemanticSpecDecoder(StepDecoder):
         self.policy = policy or default_policy(fast_path=self.shared, tau=stored_tau(target_probe))
         self.config, self.task = DecodeConfig.of(config), task
         if self.policy.top_k and not self.shared:
-            raise ValueError(f"invalid SemanticSpecDecoder arguments: top_k={self.policy.top_k}: the fast path "
-                             "compares the draft's tokens with the target's top-k, so it needs a shared tokenizer; "
-                             "this pair has two (use top_k=0)")
+            raise ValueError(f"invalid SemanticSpecDecoder arguments: {_two_tokenizers_fast_path(self.policy.top_k)}")
         self.target, self.draft = target.eval(), draft.eval()
         self.tokenizer, self.draft_tokenizer = tokenizer, self.handover.draft_tokenizer
         self.target_probe, self.draft_probe, self._labelled_with = load_probes(
@@ -187,6 +185,8 @@ class SemanticSpecDecoder(StepDecoder):
             problems.append(f"method={cfg.method!r}: transformers' assisted generation reads two models of one "
                             f"vocabulary size ({vocab}) as sharing a tokenizer, and this pair has two; it cannot run "
                             "on them (the step loop's methods can)")
+        if (top_k := getattr(getattr(method, "policy", None), "top_k", 0)) and not self.shared:  # a call's policy
+            problems.append(f"method={cfg.method!r}: {_two_tokenizers_fast_path(top_k)}")
         if (cfg.lookahead or 1) > 1 and not self.shared:
             problems.append(f"lookahead={cfg.lookahead}: the target reads a window of the draft's steps in its own "
                             "tokens, which needs one tokenizer; this pair has two (use lookahead=1)")
@@ -594,3 +594,9 @@ class TargetVerifier(CachePart):
 def _ids(forced: Mapping[int, Forced] | None) -> dict[int, list[int]] | None:
     """Each row's forced token ids, as a writer takes them."""
     return None if forced is None else {i: list(f.ids) for i, f in forced.items()}
+
+
+def _two_tokenizers_fast_path(top_k: int) -> str:
+    """Why a fast path cannot run on a pair with two tokenizers."""
+    return (f"top_k={top_k}: the fast path compares the draft's tokens with the target's top-k, so it needs a shared "
+            "tokenizer; this pair has two (use top_k=0)")

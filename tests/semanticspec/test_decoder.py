@@ -960,6 +960,19 @@ def test_the_default_policy_takes_the_fast_path_only_with_one_tokenizer(tiny_pai
     assert two.policy == ProbePolicy() and two.policy.top_k == 0
 
 
+def test_a_calls_fast_path_is_refused_with_two_tokenizers_as_the_decoders_is(tiny_pair):
+    """``policy=ProbePolicy(top_k=1)`` is refused with two tokenizers, but ``method=ProbePolicy(top_k=1)`` decoded."""
+    target, _, tok = tiny_pair
+    ctok = char_tokenizer()
+    two = SemanticSpecDecoder(target, tiny_llama(len(ctok), 24, 1, seed=1), tok, ctok,
+                              target_probe=ConstProbe(target.config.hidden_size))
+    with pytest.raises(ValueError, match=r"top_k=1: the fast path .* needs a shared tokenizer"):
+        two.generate(PROMPTS[:1], method=ProbePolicy(top_k=1), max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_k=2"):
+        two.stream(PROMPTS[:1], method=ProbePolicy(top_k=2, rule="ratio"))
+    assert two.generate(PROMPTS[:1], method=ProbePolicy(), max_new_tokens=2)[0].stats.output_tokens == 2
+
+
 def test_probe_dtype_runs_a_copy_of_the_mlp_in_float16_and_refuses_bad_values(tiny_pair, monkeypatch):
     target, draft, tok = tiny_pair
     cfg = ProbeConfig(hidden_size=32, hidden_dims=[16], reads=model_fingerprint(target, tok), role="target")
