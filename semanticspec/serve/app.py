@@ -405,7 +405,8 @@ def chat_prompt(dec, tok, messages: list[dict], template: str | None):
 
     try:
         text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
-    except TemplateError as e:  # the template's own raise_exception (roles it cannot format), as vLLM answers: a 400
+    except (TemplateError, TypeError) as e:  # its own raise_exception (roles it cannot format), or an operation its
+        # values refuse (a content it adds to a number): vLLM's serving_chat answers both with a 400, not a 500
         raise ValueError(f"messages: the chat template cannot format them: {e}") from None
     if not hasattr(dec, "draft_tokenizer"):
         return text

@@ -207,7 +207,7 @@ def check_template(tok, template: str) -> None:
     try:
         tok.apply_chat_template([{"role": "user", "content": "1 + 1"}], chat_template=template,
                                 add_generation_prompt=True, tokenize=False)
-    except TemplateError as e:  # a syntax error, or the template's own raise_exception
+    except (TemplateError, TypeError) as e:  # a syntax error, its own raise_exception, or an operation it cannot do
         raise ValueError(f"--chat_template: the target tokenizer cannot format a chat with it "
                          f"({type(e).__name__}: {e})") from None
 

@@ -104,6 +104,20 @@ def test_chat_formats_with_the_template_and_a_model_without_one_gets_a_400(endpo
         bare.app.state.scheduler.stop(0)
 
 
+def test_a_template_that_fails_on_the_messages_values_is_a_bad_request_not_a_500(world_decoder):
+    """A ``TypeError`` inside a chat template (here adding a number to the content) was a 500; vLLM's serving_chat
+    answers it, as a template's own ``raise_exception``, with a 400."""
+    from semanticspec.serve.app import chat_prompt
+    from semanticspec.serve.cli import check_template
+
+    dec, template = world_decoder[0], "{{ messages[0]['content'] + 1 }}"
+    with pytest.raises(ValueError, match=r"^messages: the chat template cannot format them: can only concatenate"):
+        chat_prompt(dec, dec.tokenizer, [{"role": "user", "content": "1"}], template)
+    with pytest.raises(ValueError, match=r"^--chat_template: the target tokenizer cannot format a chat with it "
+                                         r"\(TypeError: can only concatenate"):  # at start-up: it was a traceback
+        check_template(dec.tokenizer, template)
+
+
 def test_a_chats_turns_are_lines_and_an_assistant_turn_the_world_cannot_continue_gets_a_400(endpoint):
     """The world's chat format reads every turn, one per line: two user turns read as one message holding both, and
     a system (or developer) turn is read before the problem, not dropped; an assistant turn is refused, naming it,
