@@ -193,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                     results.keys()):  # every card shows both models' figures
         fail(prog, f"--results {path}: not the output of `python -m benchmarks.world` (a JSON object with "
              "n_problems, goals, target and draft)")
-    if results is not None and (why := _measured_elsewhere(results, args.root, args.publish)):
+    if results is not None and (why := _measured_elsewhere(results, args.root, args.publish, args.roles)):
         print(f"{prog}: {path} measured {why}: the cards say the models are not measured yet", file=sys.stderr)
         results = None
     try:
@@ -207,14 +207,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         fail(prog, str(e))
 
 
-def _measured_elsewhere(results: dict, root: Optional[Path], publish: Optional[Path]) -> str | None:
-    """Where ``results`` were measured when that is not the folder whose models the cards describe: the one being
-    published, else the world folder the cards are written in (compared as ``benchmarks.world`` records it: relative
-    to the repository, or the folder's name), or None."""
+def _measured_elsewhere(results: dict, root: Optional[Path], publish: Optional[Path], roles) -> str | None:
+    """Which models ``results`` measured when they are not the ones the cards describe, or None. Those are the world
+    folder's, ``roles`` replaced by the ones being published. Results that record the weights they measured
+    (``weights``: each model's :func:`~generation.fingerprints.weights_stamp`) are compared by them, so a copy of the
+    world states its figures and a model retrained in place does not; older ones by the folder they were measured in
+    (as ``benchmarks.world`` records it: relative to the repository, or the folder's name)."""
+    from generation.fingerprints import weights_stamp
     from generation.paths import portable_paths
 
+    world = models.world_root(root)
+    described = {r: Path(publish if publish is not None and r in roles else world) / r for r in models.ROLES}
+    if isinstance(stamps := results.get("weights"), dict):
+        other = [r for r, stamp in stamps.items() if r in described and described[r].is_dir()
+                 and weights_stamp(described[r]) != stamp]
+        return f"other weights of the {' and the '.join(other)}" if other else None
     # publishing replaces the world's models: only figures measured on the published ones describe them now
-    here = {portable_paths(str(Path(publish if publish is not None else models.world_root(root)).resolve()))}
+    here = {portable_paths(str(Path(publish if publish is not None else world).resolve()))}
     measured = results.get("root")
     return None if measured is None or measured in here else f"the models in {measured}"
 

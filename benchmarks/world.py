@@ -36,6 +36,7 @@ from benchmarks import harness
 from arithmetic_world import models, task
 from arithmetic_world.train import DRAFT_STYLE, EVAL_SEED, TARGET_STYLE, judge_pair, judge_yes_prob, lm_example
 from arithmetic_world.task import ArithmeticTask
+from generation.fingerprints import weights_stamp
 from generation.paths import portable_paths
 from generation.specs import SamplingSpec
 from generation.sampling import generate
@@ -284,6 +285,7 @@ def run(quick: bool = False, root: Optional[Path] = None, seed: int = 0) -> dict
         "temperature": TEMPERATURE,
         "top_p": TOP_P,
         "root": portable_paths(str(root)),
+        "weights": {role: weights_stamp(models.model_dir(role, root)) for role in (*SOLVERS, "judge")},
         "quick": quick,
         "torch_threads": torch.get_num_threads(),
         "template_distribution": {},

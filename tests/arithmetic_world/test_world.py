@@ -530,14 +530,23 @@ def test_training_refuses_an_init_from_that_is_no_world_model_before_training(tm
     assert e.value.code == 2 and f"--init-from {folder}: " in capsys.readouterr().err
 
 
-def test_a_card_of_models_elsewhere_does_not_state_the_shipped_worlds_figures(tmp_path, capsys):
-    """The default results measure checkpoints/arithmetic: another world's cards stated them as their own."""
-    world = _world_copy(tmp_path)
+def test_a_card_states_figures_measured_on_its_weights_wherever_they_lie_and_not_another_models(tmp_path, capsys):
+    """The figures of ``benchmarks/results/world.json`` are stated on a card whose models have the weights they were
+    measured on (a copy of the shipped world too), not on a model retrained in place; results that record no weights
+    are matched by the folder they were measured in, so another world's cards did not state the shipped figures."""
+    world = _world_copy(tmp_path, roles=("target", "draft"))
     results = json.loads(card.RESULTS.read_text())
-    assert results["root"] == "checkpoints/arithmetic"
+    card.main(["--root", str(world), "--roles", "draft"])
+    assert f"{results['draft']['accuracy']:.3f}" in (world / "draft" / "README.md").read_text()
+    weights = world / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")  # retrained in place: other weights, same folder
     card.main(["--root", str(world), "--roles", "draft"])
     text = (world / "draft" / "README.md").read_text()
     assert "Not measured yet" in text and f"{results['draft']['accuracy']:.3f}" not in text
+    assert "measured other weights of the draft" in capsys.readouterr().err
+    del results["weights"]  # recorded before the weights were: by the folder
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    card.main(["--root", str(world), "--roles", "draft", "--results", str(tmp_path / "r.json")])
     assert "measured the models in checkpoints/arithmetic" in capsys.readouterr().err
 
 
@@ -566,6 +575,11 @@ def test_publishing_checks_every_model_first_and_does_not_state_the_replaced_mod
     card.main(["--root", str(world), "--publish", str(tmp_path / "train"), "--roles", "target",
                "--results", str(tmp_path / "r.json")])
     assert "Not measured yet" in (world / "target" / "README.md").read_text()
+    assert "measured other weights of the target" in capsys.readouterr().err
+    del results["weights"]  # results that record no weights: by the folder they were measured in
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    card.main(["--root", str(world), "--publish", str(tmp_path / "train"), "--roles", "target",
+               "--results", str(tmp_path / "r.json")])
     assert f"measured the models in {results['root']}" in capsys.readouterr().err
 
 
