@@ -39,6 +39,10 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 class ProbeArgumentParser(OneLineErrors, LightningArgumentParser):
     """Parse errors as one line (see :func:`generation.cli.fail`) instead of the whole usage and a tip."""
 
+    def __init__(self, *args, prog: str | None = None, **kwargs):
+        # jsonargparse makes the parser of a nested help (--data.build.help) with no prog: it was "usage: fit.py"
+        super().__init__(*args, prog=prog or PROG, **kwargs)
+
 
 class ProbeCLI(LightningCLI):
     """LightningCLI that links what only the data knows into the module and adds ``--export_dir``."""

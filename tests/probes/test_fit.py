@@ -159,6 +159,7 @@ def test_help_documents_options(capsys):
     with pytest.raises(SystemExit):
         main(["--data.build.help", "BuildConfig"])
     out = capsys.readouterr().out
+    assert out.startswith("usage: python -m probes.fit ")  # jsonargparse's nested parser had no prog: "fit.py"
     assert "--data.build.sampling.n_samples" in out and "Steps sampled per prefix" in out
     assert "--data.build.judge.kind" in out and "--data.build.steps.max_step_tokens" in out
 
