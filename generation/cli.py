@@ -156,7 +156,13 @@ class OneLineErrors:
 
 
 def one_line_parser(prog: str, **kwargs):
-    """A jsonargparse ``ArgumentParser`` (``kwargs`` its arguments) with :class:`OneLineErrors`."""
+    """A jsonargparse ``ArgumentParser`` (``kwargs`` its arguments) with :class:`OneLineErrors`, whose class makes
+    parsers named ``prog`` too: jsonargparse makes a nested help's (``--task.help CLASS``) without one, which then said
+    ``usage: __main__.py``."""
     from jsonargparse import ArgumentParser
 
-    return type("OneLineParser", (OneLineErrors, ArgumentParser), {})(prog=prog, **kwargs)
+    class OneLineParser(OneLineErrors, ArgumentParser):
+        def __init__(self, *args, prog: str = prog, **kw):
+            super().__init__(*args, prog=prog, **kw)
+
+    return OneLineParser(**kwargs)

@@ -872,7 +872,8 @@ def _evaluate(given: list[str], echo: bool = True) -> dict:
     from generation.threads import apply_threads, set_wait_policy
 
     set_wait_policy()
-    if "--task" not in given and any(a.startswith("--task.") for a in given):  # before jsonargparse's union message
+    if "--task" not in given and any(a.startswith("--task.") and a.split("=")[0] != "--task.help" for a in given):
+        # before jsonargparse's union message; --task.help CLASS names its class
         fail(PROG, "--task.* given without --task: name the task's class too, e.g. --task "
                    "datamodules.tasks.math.BoxedMathTask --task.path FILE")
     p = parser()

@@ -871,6 +871,14 @@ def test_key_equals_value_is_key_space_value_for_every_option_of_both_clis():
                                                                             "--", "--a=b"]
 
 
+def test_a_nested_help_names_the_command_not_its_file(capsys):
+    """jsonargparse makes the parser of ``--build.task.help CLASS`` without a prog: it said ``usage: build.py``."""
+    with pytest.raises(SystemExit) as e:
+        main(["--build.task.help", "arithmetic_world.task.ArithmeticTask"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python -m datamodules.labels.build ") and "min_ops" in out
+
+
 def test_yaml_errors_name_the_file_and_typos_get_a_suggestion(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("build:\n  n_problems: 3\n   seed: [\n")

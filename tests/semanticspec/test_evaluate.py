@@ -179,6 +179,10 @@ def test_a_task_that_refuses_its_arguments_and_an_out_dir_that_is_a_file_are_ref
     assert "--task.* given without --task: name the task's class too" in err
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--task.min_ops=3"])  # a union's message
     assert "--task.* given without --task: name the task's class too" in err
+    with pytest.raises(SystemExit) as e:  # --task.help names its class: it was refused as a --task.* option
+        E.main(["--task.help", "arithmetic_world.task.ArithmeticTask"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python -m semanticspec.evaluate ") and "--task.min_ops" in out
     (tmp_path / "afile").write_text("")
     err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--out_dir", str(tmp_path / "afile")])
     assert f"--out_dir {tmp_path / 'afile'}: is a file" in err
