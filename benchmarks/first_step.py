@@ -1,7 +1,7 @@
 """Who writes the first step, and how the target writes its steps, on enough problems to tell them apart.
 
     python -m benchmarks.first_step            # 1000 problems (benchmarks/results/first-step.json)
-    python -m benchmarks.first_step --quick    # 100 problems (first-step-quick.json), < 1 min
+    python -m benchmarks.first_step --quick    # 100 problems (first-step-quick.json), about 2 min
 
 On the decode benchmark's 400 problems the two settings differ by less than its sampling noise. This benchmark
 decodes target-only, SemanticSpec with the target's first step and SemanticSpec with the draft's, interleaved, on

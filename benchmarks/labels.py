@@ -319,8 +319,8 @@ def backends_table(b: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = harness.parser(__doc__, quick="a reduced run (at most 3 minutes on 2 CPU cores)", name="labels",
-                        threads=1)
+    ap = harness.parser(__doc__, quick="a reduced run (about 6 minutes on 2 CPU cores, 2 of them the real pair's "
+                        "build through llama.cpp)", name="labels", threads=1)
     ap.add_argument("--only", choices=["backends", "world"], default=None,
                     help="measure only this part and update it in the existing JSON (backends: hf vs a llama.cpp "
                     "server; world: everything else, on the embedded world, keeping the stored backends figures)")
