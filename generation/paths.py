@@ -140,7 +140,8 @@ def _place_folder(tmp: Path, path: Path, keep_existing: bool) -> None:
     """Rename the finished folder ``tmp`` onto ``path`` (see :func:`atomic_path`)."""
     os.chmod(tmp, file_mode(folder=True))
     for f in tmp.iterdir():
-        os.chmod(f, file_mode())
+        if not f.is_symlink():
+            os.chmod(f, file_mode(folder=f.is_dir()))  # a folder in it stays one that can be entered
     if keep_existing or not path.exists():
         try:
             os.rename(tmp, path)  # atomic; fails if path exists and is not empty

@@ -299,6 +299,7 @@ class FeatureSpec:
             problems += layer_problems(list(self.layer_ids))
         problems += self.origin_errors(self.top_k, self.source, self.hidden_norm)
         _refuse("feature spec", problems)
+        object.__setattr__(self, "top_k", int(self.top_k))  # a NumPy integer too: config.json is written by json
 
     @staticmethod
     def origin_errors(top_k: Any, source: Any, hidden_norm: Any) -> list[str]:

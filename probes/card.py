@@ -89,6 +89,7 @@ def _maybe(value: Any, fmt: str) -> str:
 
 
 def markdown_table(header: list[str], rows) -> str:
-    """A markdown table; a ``|`` inside a cell is escaped so that it stays in its cell."""
+    """A markdown table; a ``|`` inside a cell is escaped so that it stays in its cell (as ``\\|``, which GFM reads
+    as ``|`` inside a code span too, where an entity such as ``&#124;`` is shown as written)."""
     return "\n".join(["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-                     + ["| " + " | ".join(str(v).replace("|", "&#124;") for v in row) + " |" for row in rows])
+                     + ["| " + " | ".join(str(v).replace("|", "\\|") for v in row) + " |" for row in rows])

@@ -5,11 +5,12 @@ No torch import here: the config is read by tools that never build the probe.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from generation.specs import (FeatureSpec, SamplingSpec, StepSpec, dump_yaml_as_mapping, is_count, is_finite, is_real,
-                             layer_problems, spec_from_dict)
+from generation.specs import (FeatureSpec, SamplingSpec, StepSpec, dump_yaml_as_mapping, is_count, is_finite, is_int,
+                              is_real, layer_problems, spec_from_dict)
 
 FORMAT_VERSION = 7
 """Version of the exported ``config.json`` layout; older versions keep loading.
@@ -104,15 +105,25 @@ class ProbeConfig:
             errors.append(f"role={self.role!r}: expected 'target' or 'draft'")
         if self.features_dtype not in FEATURE_DTYPES:
             errors.append(f"features_dtype={self.features_dtype!r}: expected one of {list(FEATURE_DTYPES)}")
-        if not isinstance(self.step, StepSpec):
+        named = {re.split(r"[.:=]", e, maxsplit=1)[0] for e in errors}  # a spec dict whose problems are named
+        if not isinstance(self.step, StepSpec) and "step" not in named:
             errors.append(f"step={self.step!r}: expected a generation.specs.StepSpec")
-        if self.sampling is not None and not isinstance(self.sampling, SamplingSpec):
+        if self.sampling is not None and not isinstance(self.sampling, SamplingSpec) and "sampling" not in named:
             errors.append(f"sampling={self.sampling!r}: expected a generation.specs.SamplingSpec or None")
         if self.format_version != FORMAT_VERSION:  # from_dict upgrades an older layout to today's
             errors.append(f"format_version={self.format_version!r}: a ProbeConfig holds today's layout "
                           f"({FORMAT_VERSION}); read an older config.json with ProbeConfig.from_dict")
         if errors:
             raise ValueError("invalid ProbeConfig: " + "; ".join(errors))
+        self._python_numbers()
+
+    def _python_numbers(self) -> None:
+        """Python's ``int`` and ``float`` for the NumPy numbers the checks accept: ``config.json`` is written with
+        ``json.dumps``, which refuses a NumPy one (a bare TypeError at export, after the training)."""
+        self.hidden_size, self.dropout = int(self.hidden_size), float(self.dropout)
+        self.hidden_dims = [int(d) for d in self.hidden_dims]
+        for name in ("reads", "labels", "test_metrics", "training"):
+            setattr(self, name, _plain_numbers(getattr(self, name)))
 
     def _feature_errors(self, errors: list[str]) -> list[str]:
         """Problems of ``features`` (unless ``errors`` already names them): a FeatureSpec whose layers index the
@@ -122,8 +133,9 @@ class ProbeConfig:
                 f"features={self.features!r}: expected a generation.specs.FeatureSpec (an object of groups, "
                 "layer_ids, pooling, ...)"]
         depth = self.reads.get("num_layers") if isinstance(self.reads, dict) else None
-        layers = list(self.features.layer_ids)
-        out = [f"features.{p}" for p in layer_problems(layers, depth if is_count(depth) else None)]
+        layers = list(self.features.layer_ids)  # indices of the hidden states: none read without `hidden`
+        out = [f"features.{p}" for p in layer_problems(layers, depth if is_count(depth) else None)
+               if self.features.needs_hidden]
         if depth is not None and not is_count(depth):
             out.append(f"reads.num_layers={depth!r}: expected an integer >= 1")
         return out
@@ -176,8 +188,8 @@ class ProbeConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProbeConfig":
         """Build from a ``config.json`` dict, upgrading older layouts (the config says :data:`FORMAT_VERSION` then) and
-        naming unknown keys. A dict without ``format_version`` is format 6 when it nests ``features``, else format 0
-        (an old ``config.json``); ``SemanticProbe(dict)`` assumes today's.
+        naming unknown keys. A dict without ``format_version`` is today's format when it nests ``features`` (format 6
+        on), else format 0 (an old ``config.json``); ``SemanticProbe(dict)`` assumes today's.
 
         Raises:
             NewerFormatError: ``format_version`` is newer than this code writes.
@@ -230,6 +242,10 @@ def _upgrade_specs(d: dict[str, Any]) -> dict[str, Any]:
     The step was ``delimiters`` plus ``labels.max_step_tokens`` (absent: the default cap); the sampling spec was
     ``sampling`` (format 3) or part of ``labels`` (format 2) with ``n_samples``, which moves to ``labels``.
     """
+    bad = [f"{k}={d[k]!r}: expected an object (a dict)" for k in ("labels", "sampling")
+           if d.get(k) is not None and not isinstance(d[k], dict)]
+    if bad:  # else read as unknown (a sampling) or by dict() (a list of pairs), or a bare TypeError
+        raise ValueError("invalid ProbeConfig: " + "; ".join(bad))
     d, labels = dict(d), dict(d.get("labels") or {})
     old = d.pop("sampling", None)
     old = old if isinstance(old, dict) else {k: labels[k] for k in ("n_samples", "temperature", "top_p") if k in labels}
@@ -244,3 +260,14 @@ def _upgrade_specs(d: dict[str, Any]) -> dict[str, Any]:
         step["max_step_tokens"] = labels.pop("max_step_tokens")
     d["step"], d["labels"] = step, labels
     return d
+
+
+def _plain_numbers(value: Any) -> Any:
+    """``value`` with every NumPy integer or real number, at any depth of its dicts and lists, as Python's."""
+    if isinstance(value, dict):
+        return {k: _plain_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_numbers(v) for v in value)
+    if is_int(value) and type(value) is not int:
+        return int(value)
+    return float(value) if is_real(value) and not isinstance(value, (int, float)) else value

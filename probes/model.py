@@ -52,6 +52,26 @@ def expected_shapes(config: ProbeConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _config_of(config) -> ProbeConfig:
+    """``config`` (a :class:`ProbeConfig` or a dict of its fields) as a config, or a TypeError saying what to pass."""
+    if not isinstance(config, (ProbeConfig, dict)):
+        raise TypeError(f"config: expected a ProbeConfig or a dict of its fields, got {type(config).__name__}; an "
+                        "exported probe's folder loads with probes.load_probe or SemanticProbe.from_pretrained")
+    return ProbeConfig.of(config)
+
+
+def _check_exportable(state: dict[str, torch.Tensor], config: ProbeConfig) -> None:
+    """Refuse to write a probe whose export :func:`load_probe` would refuse: tensors other than those ``config``
+    implies (a config edited after the probe was built), or NaN/inf weights."""
+    expected, found = expected_shapes(config), {k: tuple(v.shape) for k, v in state.items()}
+    if found != expected:
+        wrong = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
+        raise ValueError(f"the probe's tensors are not those its config describes ({', '.join(wrong)}: "
+                         f"{[found.get(k) for k in wrong]} held, {[expected.get(k) for k in wrong]} described); an "
+                         "export of it would not load. Build the probe from the config it is exported with")
+    check_values(state, "the probe", fix="Train it again, or export the weights of an earlier epoch")
+
+
 class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-probes", tags=["semanticspec"]):
     """Maps a step's features to the probability that the reading model writes its meaning.
 
@@ -69,7 +89,7 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
 
     def __init__(self, config: ProbeConfig):
         super().__init__()
-        config = ProbeConfig.of(config)  # a config.json is read by probe_config
+        config = _config_of(config)  # a config.json is read by probe_config
         self.config = config
         self.register_buffer("input_mean", torch.zeros(config.input_size))
         self.register_buffer("input_std", torch.ones(config.input_size))
@@ -108,7 +128,8 @@ class SemanticProbe(nn.Module, PyTorchModelHubMixin, library_name="semanticspec-
         changed since, got a ``config.json`` its card contradicted."""
         if not isinstance(save_directory, (str, os.PathLike)) or not str(save_directory):
             raise ValueError(f"save_directory={save_directory!r}: expected a folder path")
-        config = portable_config(self.config if config is None else ProbeConfig.of(config))
+        config = portable_config(self.config if config is None else _config_of(config))
+        _check_exportable(self.state_dict(), config)
         # an export's weights are float32, whatever the MLP runs in (a probe loaded in float16 lost no precision)
         probe = self if self.mlp_dtype == torch.float32 else copy.deepcopy(self).float()
         return super(SemanticProbe, probe).save_pretrained(save_directory, config=config, **kwargs)
@@ -442,7 +463,8 @@ def check_probe_matches(config: ProbeConfig, model, tokenizer=None, where: str =
         )
     if model is None:  # a served model's tokenizer: its server's capabilities are checked before its first request
         return
-    layers = layer_problems(list(config.features.layer_ids), actual["num_layers"])
+    layers = layer_problems(list(config.features.layer_ids), actual["num_layers"]) if config.features.needs_hidden \
+        else []  # a probe of statistics alone reads no layer
     if layers:
         raise ValueError(f"{where} reads layers the model does not have (features.layer_ids): " + "; ".join(layers))
     config.features.check_source("transformers", "final_norm", where=where)
@@ -462,11 +484,15 @@ def export_probe(probe, path: str | os.PathLike) -> Path:
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file; export a probe into a folder (made if missing)")
+    kept = {}
     with atomic_path(path, folder=True) as tmp:
         probe.save_pretrained(tmp)
         for old in path.iterdir() if path.is_dir() else ():
             if not (tmp / old.name).exists():
                 (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+                kept[old.name] = (tmp / old.name).stat().st_mode
+    for name, mode in kept.items():  # a user's file keeps its mode (atomic_path gives the export's files the umask's)
+        os.chmod(path / name, mode)
     return path
 
 
