@@ -537,6 +537,8 @@ def load_probe(probe, model=None, tokenizer=None, device: Optional[str] = None, 
     """
     from generation.loading import checked_device
 
+    if dtype is not None and dtype not in PROBE_DTYPES:  # before the folder is read, named as this function's
+        raise ValueError(f"dtype={dtype!r}: expected None or one of {list(PROBE_DTYPES)}")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected the transformers model the probe reads, got {type(model).__name__}")
     if tokenizer is not None and not hasattr(tokenizer, "get_vocab"):

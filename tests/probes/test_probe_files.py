@@ -103,3 +103,8 @@ def test_a_pipe_in_a_card_cell_stays_a_pipe_inside_a_code_span():
     html = markdown_it.MarkdownIt("commonmark").enable("table").render(table)
     assert "<code>['|\\n']</code>" in html
 
+
+def test_a_bad_dtype_is_named_as_load_probes_own_argument_before_the_folder_is_read(tmp_path):
+    """``load_probe(dtype="bf16")`` was refused as ``probe_dtype=`` (the decoders' argument), after the folder."""
+    with pytest.raises(ValueError, match=r"^dtype='bf16': expected None or one of \['auto', 'float32', 'float16'\]"):
+        load_probe(tmp_path / "no-such-probe", dtype="bf16")
