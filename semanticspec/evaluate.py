@@ -824,6 +824,7 @@ def served_decoder(opts: EvaluateOptions, tp: str, dp: str, task, tau: float):
                for url in (opts.target_url, opts.draft_url)]
 
     dec = ServedDecoder(*engines, tp, dp, default_policy(tau=tau), task=task, concurrency=1)
+    dec.check_servers()  # probes the servers cannot serve (hidden rows from llama.cpp): refused before target_only runs
 
     def make(policy):  # the same decoder at another policy, on the probes loaded once
         return ServedDecoder(*engines, dec.target_probe, dec.draft_probe, policy, task=task, concurrency=1)

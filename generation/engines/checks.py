@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from generation.engines.base import Capabilities, Unsupported
 
 FULL_VOCAB = ("token_stats: full-vocabulary statistics (exact entropy and rank); no engine returns the whole "
@@ -88,9 +90,15 @@ def serving_problems(engine, spec, role: str) -> list[str]:
 
 def model_names(path: str | None) -> set[str]:
     """The names a server may serve a model by: its path or hub id, and that path's last part (as a server's alias
-    often is)."""
+    often is); for a GGUF file (llama-cpp-python without ``--model_alias`` serves its path), that part without
+    ``.gguf`` too, and without the weights key the world's files carry (``target-<16 hex>.gguf``)."""
     path = str(path or "")
-    return {path, path.rstrip("/").rsplit("/", 1)[-1]} - {""}
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    names = {path, last}
+    if last.lower().endswith(".gguf"):
+        stem = last[: -len(".gguf")]
+        names |= {stem, re.sub(r"-[0-9a-f]{16}$", "", stem)}
+    return names - {""}
 
 
 def swapped_roles(served: dict[str, tuple[str, str | None]], own: dict[str, set[str]],

@@ -140,10 +140,16 @@ class Connection:
                                     + (f"; {fix}" if fix else "")), self.root, status,
                            param if isinstance(param, str) else None)
         if not fix and isinstance(e, (self.openai.AuthenticationError, self.openai.PermissionDeniedError)):
-            fix = f"set ${self.key_env or '(no variable)'} to a key it accepts"
+            fix = self.key_fix()
         fix = fix or "check that the server is running and reachable"
         return Unreachable(self.say(f"server {self.root} failed {what} after {self.retries} attempt(s): "
                                     f"{self.say(e)}; {fix}"), self.root)
+
+    def key_fix(self) -> str:
+        """What to do about a refused key: set the variable read, or name one (none was)."""
+        if self.key_env:
+            return f"set ${self.key_env} to a key it accepts"
+        return "name an environment variable holding a key it accepts (api_key_env=...; the commands' --api_key_env)"
 
     # -- routes ---------------------------------------------------------------------------------
 
@@ -157,9 +163,9 @@ class Connection:
         try:
             listed = list(self.client.with_options(timeout=min(self.client.timeout, MODELS_S)).models.list())
         except (self.openai.AuthenticationError, self.openai.PermissionDeniedError) as e:
-            raise Unreachable(self.say(f"server {self.url} refused the API key from ${self.key_env or '(none)'} at "
-                                       f"/v1/models ({self.say(e)}); set ${self.key_env or '(no variable)'} to a key "
-                                       "it accepts"), self.root) from None
+            given = f"the API key from ${self.key_env}" if self.key_env else "a request without an API key"
+            raise Unreachable(self.say(f"server {self.url} refused {given} at /v1/models ({self.say(e)}); "
+                                       f"{self.key_fix()}"), self.root) from None
         except self.openai.OpenAIError as e:
             if isinstance(e, self.openai.APIStatusError) and e.status_code < 500:  # it answered, once: no such route
                 raise Unreachable(self.say(f"server {self.root} answered /v1/models with {e.status_code} "
@@ -295,3 +301,16 @@ def identify(conn: Connection) -> tuple[str | None, str | None]:
         return "llama.cpp", str(title.get("version")) if title.get("version") is not None else None
     version = conn.version()
     return ("vllm", version) if version is not None else (None, None)
+
+
+def other_engine(conn: Connection, expected: str) -> str | None:
+    """Why the server at ``conn`` cannot be the ``expected`` engine's (:func:`identify` says it is another's, with the
+    kind to connect with), or None (it is that engine's, or unknown): asked only where the expected engine's own
+    routes failed, so a client given the wrong ``kind`` says so instead of asking for an upgrade or a restart."""
+    found, version = identify(conn)
+    if found is None or found == expected:
+        return None
+    names = {"sglang": "SGLang", "vllm": "vLLM", "llama.cpp": "llama-cpp-python"}
+    return (f"server {conn.root} answers as {names[found]} (version {version or 'unknown'}), not as "
+            f"{names.get(expected, expected)}; connect to it as {found!r} (make_engine({found!r}, ...), the "
+            f"commands' --engine {found})")

@@ -25,8 +25,9 @@ import torch
 from dataclasses import replace
 
 from generation.engines import NEUTRAL_SAMPLING
-from generation.engines.base import Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Usage, Written
-from generation.engines.connection import at_least, connect
+from generation.engines.base import (Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Unsupported,
+                                     Usage, Written)
+from generation.engines.connection import at_least, connect, other_engine
 from generation.specs import SamplingSpec, StepSpec, is_count
 
 VLLM_MAX_LOGPROBS = 20
@@ -360,7 +361,12 @@ class LlamaCppEngine(_Completions):
             why = (f"{self.url} is llama.cpp's C++ llama-server, which returns log-probs of generated tokens only "
                    "(no echo); serve the GGUF with llama-cpp-python (python -m llama_cpp.server) to read steps")
             return Capabilities(False, None, False, None, (why,))
-        got, _ = self.conn.post("/extras/tokenize", {"input": "", "model": self.model}, "/extras/tokenize")
+        try:
+            got, _ = self.conn.post("/extras/tokenize", {"input": "", "model": self.model}, "/extras/tokenize")
+        except EngineError:  # no such route: another engine's server, given as llama.cpp
+            if (why := other_engine(self.conn, "llama.cpp")) is not None:
+                raise Unsupported(why, self.url) from None
+            raise
         if not isinstance(got, dict) or not isinstance(got.get("tokens"), list):
             raise MalformedAnswer(f"server {self.url} answered /extras/tokenize without a token list", self.url)
         if not got["tokens"]:
@@ -415,6 +421,8 @@ class VLLMEngine(_Completions):
 
     def __init__(self, url: str, model: str | None = None, *, max_logprobs: int | None = VLLM_MAX_LOGPROBS, **conn):
         super().__init__(url, model, **conn)
+        if self.version is None and (why := other_engine(self.conn, "vllm")) is not None:  # no /version: not vLLM?
+            raise Unsupported(why, self.url)
         at_least(self, self.version, VLLM_MIN_VERSION, "vLLM")
         self.max_logprobs = max_logprobs
 

@@ -61,7 +61,7 @@ from packaging.version import Version
 from generation.engines import HIDDEN_NORM, NEUTRAL_SAMPLING
 from generation.engines.base import (Capabilities, EngineError, MalformedAnswer, Reading, TokenLogprobs, Unsupported,
                                      Usage, Written, spell)
-from generation.engines.connection import at_least, connect
+from generation.engines.connection import at_least, connect, other_engine
 from generation.engines.openai_compat import top_k_of
 from generation.specs import SamplingSpec, StepSpec
 
@@ -193,6 +193,8 @@ class SGLangEngine:
     def _server_info(self) -> dict:
         info = self.conn.get("/server_info", patient=True) or self.conn.get("/get_server_info", patient=True)
         if not isinstance(info, dict):
+            if (why := other_engine(self.conn, "sglang")) is not None:
+                raise Unsupported(why, self.url)
             raise Unsupported(f"server {self.url} answers neither /server_info nor /get_server_info; is it an SGLang "
                               "server? Give the URL of python -m sglang.launch_server", self.url)
         return info

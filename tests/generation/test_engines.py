@@ -502,6 +502,32 @@ def test_cpp_llama_server_is_refused_for_reading(fakes):
     assert fake.root in str(e.value)
 
 
+@pytest.mark.parametrize("kind, cls, named", [
+    ("vllm", FakeLlamaCpp, "llama.cpp"), ("sglang", FakeLlamaCpp, "llama.cpp"), ("llama.cpp", FakeVLLM, "vllm"),
+    ("llama.cpp", FakeSGLang, "sglang"), ("vllm", FakeSGLang, "sglang"), ("sglang", FakeVLLM, "vllm")])
+def test_a_server_of_another_engine_is_named_not_told_to_upgrade(fakes, kind, cls, named):
+    # a llama.cpp server given as vLLM was told "reports version unknown ... upgrade the server", and a vLLM one given
+    # as llama.cpp "failed /extras/tokenize ...; check that the server is running"
+    fake = fakes(cls)
+    with pytest.raises(Unsupported, match=rf"{fake.root} answers as .* connect to it as '{re.escape(named)}'"):
+        _engine(kind, fake).capabilities()
+
+
+def test_a_key_refused_where_no_variable_was_named_says_to_name_one():
+    # it said "refused the API key from $(none) ...; set $(no variable) to a key it accepts"
+    from generation.engines.connection import Connection
+    from tests.fake_openai import FakeServer
+
+    server = FakeServer(None, None, status=401)  # answers every route 401, as a server started with --api_key
+    try:
+        with pytest.raises(EngineError) as e:
+            Connection(server.url, api_key_env="", retries=1).models()
+    finally:
+        server.close()
+    assert "refused a request without an API key" in str(e.value) and "(no variable)" not in str(e.value)
+    assert "name an environment variable holding a key it accepts" in str(e.value)
+
+
 def test_llama_cpp_python_without_bos_is_refused_for_reading(fakes):
     engine = _engine("llama.cpp", fakes(FakeLlamaCpp, bos=False))
     assert engine.capabilities().prompt_logprobs is False

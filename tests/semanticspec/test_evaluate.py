@@ -106,6 +106,21 @@ def test_an_unreachable_server_is_refused(capsys, monkeypatch):
     assert "127.0.0.1:9" in err
 
 
+def test_probes_the_servers_cannot_serve_are_refused_before_decoding(capsys, monkeypatch, tmp_path):
+    # hidden-state probes through llama.cpp servers: refused in one line, not target_only decoded first
+    from tests.fake_engines import FakeLlamaCpp
+
+    no_decoding(monkeypatch)
+    target, draft = FakeLlamaCpp("target"), FakeLlamaCpp("draft")
+    try:
+        err = refused(capsys, ["--config", CONFIG, "--probes", str(SHIPPED), "--target_url", target.root,
+                               "--draft_url", draft.root, "--n_problems", "2", "--write_threshold", "false",
+                               "--out_dir", str(tmp_path / "evaluation")])
+    finally:
+        target.close(), draft.close()
+    assert "cannot give hidden" in err and target.root in err
+
+
 @pytest.mark.parametrize("text, says", [
     ("a: [", "not a readable YAML file"), ("- 1\n", "expected a `python -m probes.fit` config"),
     ("foo: 1\n", "expected a `python -m probes.fit` config"), ("data: 5\n", "expected a `python -m probes.fit` config"),

@@ -449,6 +449,23 @@ def test_in_process_engines_given_the_wrong_way_round_are_refused(engines):
         ServedDecoder(engines[1], engines[0], *topk, task=MARKER)
 
 
+def test_servers_of_the_worlds_gguf_files_swapped_are_found_by_their_file_names():
+    # llama-cpp-python started without --model_alias serves the GGUF's path: swapped servers decoded without a word
+    from types import SimpleNamespace
+
+    from semanticspec.served import swapped
+
+    def probe(role):
+        return SimpleNamespace(config=SimpleNamespace(reads={"name_or_path": f"checkpoints/arithmetic/{role}"}))
+
+    def server(port, role, key):
+        return SimpleNamespace(url=f"http://127.0.0.1:{port}", model=f"/w/arithmetic/gguf/{role}-{key}.gguf")
+
+    target, draft = server(8001, "target", "5290a94b5d4e0bbb"), server(8002, "draft", "4b5368c1bac6385f")
+    assert swapped(target, draft, probe("target"), probe("draft")) is None
+    assert "servers swapped" in swapped(draft, target, probe("target"), probe("draft"))
+
+
 def test_a_full_vocabulary_statistics_probe_is_refused(world, engines):
     from probes.model import load_probe
 
