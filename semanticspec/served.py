@@ -150,7 +150,7 @@ class ServedDecoder(StepDecoder):
         for i, n in enumerate(counts):
             if n >= ctx:
                 raise ValueError(f"prompt {i} has {n} tokens in the {role} server's tokenizer but its context "
-                                 f"(max_model_len) is {ctx}; shorten the prompt")
+                                 f"holds {ctx} (as the server states it, or as n_ctx gives it); shorten the prompt")
         return [ServedPrompt(t, n) for t, n in zip(texts, counts)]
 
     def prompt_room(self, plan: Plan) -> int | None:
@@ -516,9 +516,7 @@ class EngineProposer(EnginePart):
                 continue
             if not steps:
                 self.rows[i].fail(f"the draft server {self.engine.url} stopped after {len(w.tokens.tokens)} token(s) "
-                                  "without finishing a step: its context is full. A server that states no context "
-                                  "(llama-cpp-python) needs it given (n_ctx; the endpoint's --backend_n_ctx), so "
-                                  "that rows end at the context's end")
+                                  f"without finishing a step: its context is full. {_context_fix(self.engine)}")
                 continue
             out[i], self.ahead[i] = steps[0], steps[1:window]
         return out
@@ -826,3 +824,14 @@ def features(spec: FeatureSpec, step: TokenLogprobs, hidden: torch.Tensor | None
     if spec.needs_topk:
         kw["topk"] = [(step.logprobs, step.top)]
     return probe_features(spec, tokens, **kw)
+
+
+def _context_fix(engine) -> str:
+    """What to do when a server's context filled before the rows' ends: give it (a server that states none), or give
+    the server's own (a larger ``n_ctx`` was given)."""
+    given = getattr(engine, "context_length", None)
+    if given is None:
+        return ("A server that states no context (llama-cpp-python) needs it given (n_ctx; the endpoint's "
+                "--backend_n_ctx), so that rows end at the context's end")
+    return (f"The context given or stated, {given} tokens, is larger than the server's own: give the server's (n_ctx; "
+            "the endpoint's --backend_n_ctx)")

@@ -345,6 +345,10 @@ def test_a_window_the_draft_server_cuts_at_its_full_context_says_so(world, engin
     near = "Start with 7. Add 5. " * 36 + "Start"  # 254 of the world's 256 positions
     r = dec.generate([near], max_new_tokens=16, seed=1)[0]
     assert r.stop_reason == "error" and "context is full" in r.error and "n_ctx" in r.error, r.error
+    assert "states no context" in r.error
+    target.context_length = draft.context_length = 4096  # an n_ctx given larger than the server's: it said "give it"
+    r = dec.generate([near], max_new_tokens=16, seed=1)[0]
+    assert r.stop_reason == "error" and "4096 tokens, is larger than the server's own" in r.error, r.error
 
 
 def test_a_server_gone_when_the_endpoint_counts_a_prompt_is_a_502_naming_it(world, engines):
@@ -587,7 +591,7 @@ def test_a_prompt_that_fills_a_servers_context_is_refused_before_any_decoding_re
     n = len(tok(prompts[1]).input_ids)
     target, draft = Sized(engines[0], 4096), Sized(engines[1], n)  # the draft's server holds no new token
     with pytest.raises(ValueError, match=rf"prompt 1 has {n} tokens in the draft server's tokenizer but its context "
-                                         rf"\(max_model_len\) is {n}; shorten the prompt"):
+                                         rf"holds {n} \(as the server states it, or as n_ctx gives it\); shorten"):
         ServedDecoder(target, draft, task=MARKER).generate(prompts[:2], method="target_only", **GREEDY)
     assert not {"read", "write"} & set(target.calls + draft.calls)
 
