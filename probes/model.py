@@ -476,12 +476,16 @@ def export_probe(probe, path: str | os.PathLike) -> Path:
     The files are written into a temporary sibling directory that then replaces ``path``, so an
     interrupted export leaves either the old probe or the new one, never half of one. Files of an existing ``path``
     that the export does not write (a user's notes, say) are carried over, as ``save_pretrained`` into a folder
-    leaves them. The paths the config records are made portable (:func:`~probes.model.portable_config`).
+    leaves them. The paths the config records are made portable (:func:`~probes.model.portable_config`). A ``path``
+    that is a symbolic link to a folder is exported into that folder and stays a link (``save_pretrained`` writes
+    through it too).
 
     Raises:
         ValueError: ``path`` is a file.
     """
     path = Path(path).expanduser()
+    if path.is_symlink() and path.is_dir():  # else the link itself was replaced, its folder left with the old probe
+        path = path.resolve()
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file; export a probe into a folder (made if missing)")
     kept = {}

@@ -108,3 +108,12 @@ def test_a_bad_dtype_is_named_as_load_probes_own_argument_before_the_folder_is_r
     """``load_probe(dtype="bf16")`` was refused as ``probe_dtype=`` (the decoders' argument), after the folder."""
     with pytest.raises(ValueError, match=r"^dtype='bf16': expected None or one of \['auto', 'float32', 'float16'\]"):
         load_probe(tmp_path / "no-such-probe", dtype="bf16")
+
+
+def test_an_export_to_a_link_to_a_folder_writes_into_that_folder_and_keeps_the_link(tmp_path):
+    """The link was replaced by a folder holding the new probe, and the folder it named kept the old one."""
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "latest").symlink_to(tmp_path / "v1", target_is_directory=True)
+    export_probe(_probe(), tmp_path / "latest")
+    assert (tmp_path / "latest").is_symlink() and (tmp_path / "v1" / "model.safetensors").is_file()
+    assert load_probe(tmp_path / "latest").config.hidden_size == 8
