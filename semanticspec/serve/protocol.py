@@ -22,15 +22,15 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue, S
                       StrictStr, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from generation.specs import is_finite
+
 
 def _a_float(value: float | int) -> float | int:
-    """A number field's value, refused where it is an integer no float holds: JSON's integers have no bound, and one
-    past a float's range (``1`` and 400 zeros) overflowed the decoder's checks (``math.isfinite``, ``float()``) into a
+    """A number field's value, refused where it is an integer no float holds (:func:`generation.specs.is_finite`):
+    JSON's integers have no bound, and one past a float's range (``1`` and 400 zeros) overflowed ``float()`` into a
     500, where ``1e400`` is refused as not finite."""
-    try:
-        float(value)
-    except OverflowError:
-        raise PydanticCustomError("finite_number", "Input should be a finite number") from None
+    if not is_finite(value):
+        raise PydanticCustomError("finite_number", "Input should be a finite number")
     return value
 
 
