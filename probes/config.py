@@ -105,7 +105,7 @@ class ProbeConfig:
             errors.append(f"role={self.role!r}: expected 'target' or 'draft'")
         if self.features_dtype not in FEATURE_DTYPES:
             errors.append(f"features_dtype={self.features_dtype!r}: expected one of {list(FEATURE_DTYPES)}")
-        named = {re.split(r"[.:=]", e, maxsplit=1)[0] for e in errors}  # a spec dict whose problems are named
+        named = _fields_named(errors)  # a spec dict whose problems are named already
         if not isinstance(self.step, StepSpec) and "step" not in named:
             errors.append(f"step={self.step!r}: expected a generation.specs.StepSpec")
         if self.sampling is not None and not isinstance(self.sampling, SamplingSpec) and "sampling" not in named:
@@ -129,7 +129,7 @@ class ProbeConfig:
         """Problems of ``features`` (unless ``errors`` already names them): a FeatureSpec whose layers index the
         hidden states of the model ``reads`` records."""
         if not isinstance(self.features, FeatureSpec):
-            return [] if any(e.startswith("features") for e in errors) else [
+            return [] if "features" in _fields_named(errors) else [
                 f"features={self.features!r}: expected a generation.specs.FeatureSpec (an object of groups, "
                 "layer_ids, pooling, ...)"]
         depth = self.reads.get("num_layers") if isinstance(self.reads, dict) else None
@@ -260,6 +260,11 @@ def _upgrade_specs(d: dict[str, Any]) -> dict[str, Any]:
         step["max_step_tokens"] = labels.pop("max_step_tokens")
     d["step"], d["labels"] = step, labels
     return d
+
+
+def _fields_named(errors: list[str]) -> set[str]:
+    """The fields ``errors`` are about (``"step.delimiters=..."`` and ``"step: ..."`` are about ``step``)."""
+    return {re.split(r"[.:=]", e, maxsplit=1)[0] for e in errors}
 
 
 def _plain_numbers(value: Any) -> Any:
